@@ -1,0 +1,441 @@
+"""Typed run configuration: YAML file + dotted command-line overrides + validation.
+
+Every section of design.md §5 is a dataclass. ``load_config`` reads a YAML file, applies
+``key.sub=value`` overrides (values parsed as YAML), checks keys and types, and returns a
+:class:`Config`. ``validate`` checks the combinations that need the world size or the file
+system; it runs before any process group or file is created, and every failure is a
+:class:`ConfigError` naming the key and the value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key and the value."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 12
+    hidden_size: int = 768
+    num_attention_heads: int = 12
+    num_query_groups: Optional[int] = None  # None -> = num_attention_heads (MHA)
+    ffn_hidden_size: Optional[int] = None  # None -> 4 * hidden_size
+    activation: str = "gelu"  # gelu | swiglu
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    position_embedding: str = "alibi"  # alibi | rope | learned
+    seq_length: int = 2048
+    tie_embeddings: bool = True
+    norm_eps: float = 1.0e-5
+    rope_theta: float = 10000.0
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bias: bool = False  # biases in linear layers
+    # Vocabulary size when no tokenizer is given (tests, benchmarks); otherwise the tokenizer's.
+    vocab_size: Optional[int] = None
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    sequence_parallel: bool = False
+    virtual_pipeline: int = 1  # >1: interleaved 1F1B with this many model chunks per stage
+
+
+@dataclass
+class OuterOptimizerConfig:
+    name: str = "fedavg"  # fedavg | nesterov | adam
+    lr: float = 1.0
+    momentum: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+
+
+@dataclass
+class DeptConfig:
+    variant: str = "spec_opt"  # std | glob | trim | spec | spec_opt
+    local_steps: int = 500
+    sampling: str = "uniform"  # uniform | proportional | temperature
+    temperature: float = 1.0
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    reset_inner_optimizer: bool = False
+    outer_comm_dtype: str = "fp32"  # fp32 | bf16
+    trim_table_device: str = "cpu"  # cpu | sharded: where TRIM's global table lives
+
+
+@dataclass
+class SourceConfig:
+    name: str = ""
+    prefix: str = ""
+    tokenizer: Optional[str] = None
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None
+    sources: list[SourceConfig] = field(default_factory=list)
+    split: str = "98,2"
+    cache_dir: Optional[str] = None  # None -> beside each source's .idx
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6.0e-4
+    min_lr: float = 6.0e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    max_consecutive_nonfinite: int = 10  # a run stops after this many skipped steps in a row
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 7000
+    micro_batch_size: int = 4
+    global_batch_size: int = 256
+    seed: int = 1234
+    run_dir: str = "runs/example"
+    log_interval: int = 10
+    eval_interval: int = 500
+    eval_iters: int = 20
+    save_interval: int = 500
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    fp8: Optional[str] = None  # None | hybrid | e4m3
+    backend: str = "auto"  # auto | local | transformer_engine
+    dept: DeptConfig = field(default_factory=DeptConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def num_groups(self, world_size: int) -> int:
+        """G = world / (D·P·T): the number of source groups training concurrently."""
+        p = self.parallel
+        return world_size // (p.tensor * p.pipeline * p.data)
+
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.activation": ("gelu", "swiglu"),
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.position_embedding": ("alibi", "rope", "learned"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "fp8": (None, "hybrid", "e4m3"),
+    "backend": ("auto", "local", "transformer_engine"),
+    "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
+    "dept.sampling": ("uniform", "proportional", "temperature"),
+    "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
+    "dept.outer_comm_dtype": ("fp32", "bf16"),
+    "dept.trim_table_device": ("cpu", "sharded"),
+}
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads "6e-4" (no dot) as a string; accept numeric strings explicitly.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"config key '{key}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}': expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in values.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"unknown config key '{key}'")
+        kwargs[k] = _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``dotted = 'a.b.c'``; list items by index."""
+    parts = dotted.split(".")
+    node: Any = tree
+    cls: Any = Config
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"config key '{here}': no list item {part!r}")
+            idx = int(part)
+            if i == len(parts) - 1:
+                node[idx] = value
+                return
+            node = node[idx]
+            continue
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if part not in hints:
+            raise ConfigError(f"unknown config key '{here}'")
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        tp = hints[part]
+        if typing.get_origin(tp) is list:
+            node.setdefault(part, [])
+            cls = typing.get_args(tp)[0]
+        else:
+            node.setdefault(part, {})
+            if node[part] is None:
+                node[part] = {}
+            cls = tp
+        node = node[part]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'parallel.tensor=2'`` -> ``('parallel.tensor', 2)``; the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.startswith("--"):
+        key = key[2:]
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{key}': value {raw!r} is not valid YAML ({exc})") from exc
+    return key, value
+
+
+def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    tree = dict(values or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree)
+    _check_choices(cfg)
+    _check_values(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f) or {}
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+    return config_from_dict(values, overrides)
+
+
+def get_key(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in allowed:
+            shown = " | ".join("null" if a is None else str(a) for a in allowed)
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {shown}")
+
+
+def _positive(cfg: Config, keys: list[str], allow_zero: bool = False) -> None:
+    for key in keys:
+        value = get_key(cfg, key)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"config key '{key}': must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _check_values(cfg: Config) -> None:
+    """Checks that need neither the world size nor the file system."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _positive(cfg, ["model.num_layers", "model.hidden_size", "model.num_attention_heads",
+                    "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
+                    "model.vocab_size", "parallel.tensor", "parallel.pipeline", "parallel.data",
+                    "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
+                    "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
+                    "optim.max_consecutive_nonfinite"])
+    _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
+                    "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
+                    "train.eval_iters", "train.save_interval", "model.hidden_dropout",
+                    "model.attention_dropout"], allow_zero=True)
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"config key 'model.hidden_size': {m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % m.query_groups:
+        raise ConfigError(f"config key 'model.num_query_groups': model.num_attention_heads="
+                          f"{m.num_attention_heads} is not divisible by {m.query_groups}")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"config key 'model.position_embedding': rope needs an even head size, got {m.head_dim}")
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(f"config key 'parallel.tensor': model.num_attention_heads="
+                          f"{m.num_attention_heads} is not divisible by {p.tensor}")
+    if m.query_groups % p.tensor:
+        raise ConfigError(f"config key 'parallel.tensor': model.num_query_groups={m.query_groups} "
+                          f"is not divisible by {p.tensor}")
+    if m.ffn_size % p.tensor:
+        raise ConfigError(f"config key 'parallel.tensor': model.ffn_hidden_size={m.ffn_size} "
+                          f"is not divisible by {p.tensor}")
+    if p.sequence_parallel and m.seq_length % p.tensor:
+        raise ConfigError(f"config key 'parallel.sequence_parallel': model.seq_length={m.seq_length} "
+                          f"is not divisible by parallel.tensor={p.tensor}")
+    if m.num_layers % (p.pipeline * p.virtual_pipeline):
+        raise ConfigError(f"config key 'parallel.pipeline': model.num_layers={m.num_layers} is not "
+                          f"divisible by pipeline × virtual_pipeline = {p.pipeline * p.virtual_pipeline}")
+    if p.virtual_pipeline > 1 and p.pipeline == 1:
+        raise ConfigError("config key 'parallel.virtual_pipeline': interleaving needs parallel.pipeline > 1")
+    if t.global_batch_size % (t.micro_batch_size * p.data):
+        raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible "
+                          f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"config key 'optim.min_lr': {cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"config key 'optim.betas': expected two numbers, got {cfg.optim.betas!r}")
+    if len(cfg.dept.outer_optimizer.betas) != 2:
+        raise ConfigError(f"config key 'dept.outer_optimizer.betas': expected two numbers, "
+                          f"got {cfg.dept.outer_optimizer.betas!r}")
+    try:
+        parts = [float(x) for x in cfg.data.split.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (2, 3) or any(x < 0 for x in parts) or sum(parts) <= 0 or parts[0] <= 0:
+        raise ConfigError(f"config key 'data.split': {cfg.data.split!r} is not 'train,valid' weights like '98,2'")
+    names = [s.name for s in cfg.data.sources]
+    for i, s in enumerate(cfg.data.sources):
+        if not s.name:
+            raise ConfigError(f"config key 'data.sources[{i}].name': a source needs a name")
+        if s.weight <= 0:
+            raise ConfigError(f"config key 'data.sources[{i}].weight': must be > 0, got {s.weight}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
+    if cfg.fp8 is not None and cfg.precision != "bf16":
+        raise ConfigError(f"config key 'fp8': {cfg.fp8!r} needs precision: bf16, got {cfg.precision!r}")
+    if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
+        raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
+                          f"{cfg.dept.local_steps}")
+
+
+def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
+    """Checks that need the world size and the data files. Raises :class:`ConfigError`."""
+    p = cfg.parallel
+    per_group = p.tensor * p.pipeline * p.data
+    if world_size % per_group:
+        raise ConfigError(f"config key 'parallel': world size {world_size} is not divisible by "
+                          f"tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} = {per_group}")
+    groups = world_size // per_group
+    variant = cfg.dept.variant
+    k = len(cfg.data.sources)
+    if variant == "std" and groups != 1:
+        raise ConfigError(f"config key 'dept.variant': std trains one group, but world size {world_size} "
+                          f"with tensor×pipeline×data={per_group} gives {groups} groups")
+    if variant in ("spec", "spec_opt") and k < groups:
+        raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
+                          f"got {k} sources for {groups} groups")
+    if variant != "std" and k and k < groups:
+        raise ConfigError(f"config key 'data.sources': {k} sources cannot fill {groups} groups")
+    if variant == "spec_opt":
+        for i, s in enumerate(cfg.data.sources):
+            if not s.tokenizer:
+                raise ConfigError(f"config key 'data.sources[{i}].tokenizer': spec_opt needs a tokenizer "
+                                  f"for source '{s.name}'")
+    elif cfg.data.sources and not cfg.data.tokenizer and cfg.model.vocab_size is None:
+        raise ConfigError(f"config key 'data.tokenizer': variant {variant} needs a global tokenizer")
+    if not check_files:
+        return
+    if cfg.data.tokenizer and variant != "spec_opt" and not os.path.exists(cfg.data.tokenizer):
+        raise ConfigError(f"config key 'data.tokenizer': file {cfg.data.tokenizer!r} does not exist")
+    for i, s in enumerate(cfg.data.sources):
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(s.prefix + ext):
+                raise ConfigError(f"config key 'data.sources[{i}].prefix': file {s.prefix + ext!r} "
+                                  f"does not exist (source '{s.name}')")
+        if variant == "spec_opt" and s.tokenizer and not os.path.exists(s.tokenizer):
+            raise ConfigError(f"config key 'data.sources[{i}].tokenizer': file {s.tokenizer!r} does not exist")
+
+
+def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
+    """Write the resolved config as YAML (atomically), e.g. to ``RUN/config.yaml``."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)

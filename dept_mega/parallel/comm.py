@@ -1,0 +1,127 @@
+"""Collectives that count their bytes by category.
+
+Every collective in dept_mega goes through a :class:`Comm`, which adds the payload this rank
+puts on the wire to a per-category counter (design.md §3: ``tp``, ``pp``, ``dp``,
+``outer_body``, ``outer_embedding``, ``source_move``).
+
+Counting convention (documented in docs/communication.md): a rank counts the bytes of the
+tensor it contributes — ``all_reduce``/``reduce_scatter``: its input; ``all_gather``: its
+shard; ``broadcast``: the source rank only; ``send``: the tensor; ``recv``: nothing. Summed
+over the ranks of a job this is the payload of the algorithm, independent of how the backend
+routes it (ring, tree), which is what the paper's Table 1 counts.
+
+A group of size 1 (or ``None`` on a single process) makes every call a no-op that counts
+nothing, so the same code runs without ``torch.distributed``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+CATEGORIES = ("tp", "pp", "dp", "outer_body", "outer_embedding", "source_move")
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+class Comm:
+    """Byte-counting wrappers around ``torch.distributed`` collectives."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    # -- accounting ----------------------------------------------------------------------
+    def count(self, category: str, nbytes: int) -> None:
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown communication category {category!r}; expected one of {CATEGORIES}")
+        self.bytes[category] += int(nbytes)
+        self.calls[category] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        return {c: int(self.bytes.get(c, 0)) for c in CATEGORIES}
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, group, category: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if group_size(group) == 1:
+            return t
+        self.count(category, self._nbytes(t))
+        dist.all_reduce(t, op=op, group=group)
+        return t
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, group, category: str) -> torch.Tensor:
+        """``out`` = the shards of every rank concatenated along dim 0."""
+        if group_size(group) == 1:
+            out.copy_(shard)
+            return out
+        self.count(category, self._nbytes(shard))
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        return out
+
+    def all_gather_list(self, shards: list[torch.Tensor], shard: torch.Tensor, group, category: str) -> list[torch.Tensor]:
+        """Gather tensors that may differ in size along dim 0 (``shards`` preallocated)."""
+        if group_size(group) == 1:
+            shards[0].copy_(shard)
+            return shards
+        self.count(category, self._nbytes(shard))
+        dist.all_gather(shards, shard.contiguous(), group=group)
+        return shards
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, group, category: str,
+                            op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``out`` = this rank's dim-0 chunk of the sum of every rank's ``full``."""
+        if group_size(group) == 1:
+            out.copy_(full)
+            return out
+        self.count(category, self._nbytes(full))
+        dist.reduce_scatter_tensor(out, full.contiguous(), op=op, group=group)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int, group, category: str) -> torch.Tensor:
+        """``src`` is a global rank."""
+        if group_size(group) == 1:
+            return t
+        if dist.get_rank() == src:
+            self.count(category, self._nbytes(t))
+        dist.broadcast(t, src=src, group=group)
+        return t
+
+    def send(self, t: torch.Tensor, dst: int, category: str, group=None) -> None:
+        self.count(category, self._nbytes(t))
+        dist.send(t.contiguous(), dst=dst, group=group)
+
+    def recv(self, t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+        dist.recv(t, src=src, group=group)
+        return t
+
+    def isend(self, t: torch.Tensor, dst: int, category: str, group=None):
+        self.count(category, self._nbytes(t))
+        return dist.isend(t.contiguous(), dst=dst, group=group)
+
+    def irecv(self, t: torch.Tensor, src: int, group=None):
+        return dist.irecv(t, src=src, group=group)
+
+
+def total_over_ranks(counts: dict[str, int], group=None) -> dict[str, int]:
+    """Sum per-category counters over the ranks of ``group`` (all ranks when None).
+
+    The reduction itself is bookkeeping and is not counted.
+    """
+    values = torch.tensor([counts.get(c, 0) for c in CATEGORIES], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+    return {c: int(v) for c, v in zip(CATEGORIES, values.tolist())}

@@ -1,0 +1,188 @@
+"""The process-group object: every group of design.md §2, built once and passed explicitly.
+
+world = G × D × P × T with rank order, fastest-varying first, tp, dp, pp, group:
+
+    rank = tp + T * (dp + D * (pp + P * g))
+
+so a source group g is the contiguous block of D·P·T ranks starting at g·D·P·T.
+
+Groups held (``None`` when the job is a single process without ``torch.distributed``):
+``tp``, ``dp``, ``pp`` (inside a source group), ``model_parallel`` (tp×pp inside a group:
+gradient-norm reduction), ``source_group`` (all ranks of one group), ``embedding`` (first and
+last pipeline stage of one tp/dp position, for tied embeddings), ``outer`` (same tp, dp, pp
+position in every group) and ``world``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    dp: int
+    pp: int
+    group: int
+
+
+@dataclass
+class ParallelGroups:
+    tp_size: int
+    dp_size: int
+    pp_size: int
+    num_groups: int
+    rank: int
+    coords: Coords
+    tp: Optional[dist.ProcessGroup] = None
+    dp: Optional[dist.ProcessGroup] = None
+    pp: Optional[dist.ProcessGroup] = None
+    model_parallel: Optional[dist.ProcessGroup] = None
+    source_group: Optional[dist.ProcessGroup] = None
+    embedding: Optional[dist.ProcessGroup] = None
+    outer: Optional[dist.ProcessGroup] = None
+    world: Optional[dist.ProcessGroup] = None
+    comm: Comm = field(default_factory=Comm)
+    # global ranks, ordered by position inside the group
+    pp_ranks: tuple[int, ...] = ()
+    tp_ranks: tuple[int, ...] = ()
+    dp_ranks: tuple[int, ...] = ()
+    outer_ranks: tuple[int, ...] = ()
+    embedding_ranks: tuple[int, ...] = ()
+
+    # -- layout --------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size * self.pp_size * self.num_groups
+
+    @property
+    def group_size(self) -> int:
+        return self.tp_size * self.dp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def group_index(self) -> int:
+        return self.coords.group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.pp_size - 1
+
+    def rank_of(self, tp: int, dp: int, pp: int, group: int) -> int:
+        return rank_of(tp, dp, pp, group, self.tp_size, self.dp_size, self.pp_size)
+
+    def describe(self) -> str:
+        c = self.coords
+        return (f"rank {self.rank}/{self.world_size}: group {c.group}/{self.num_groups} "
+                f"tp {c.tp}/{self.tp_size} dp {c.dp}/{self.dp_size} pp {c.pp}/{self.pp_size}")
+
+
+def rank_of(tp: int, dp: int, pp: int, group: int, T: int, D: int, P: int) -> int:
+    return tp + T * (dp + D * (pp + P * group))
+
+
+def coords_of(rank: int, T: int, D: int, P: int) -> Coords:
+    tp = rank % T
+    dp = (rank // T) % D
+    pp = (rank // (T * D)) % P
+    g = rank // (T * D * P)
+    return Coords(tp=tp, dp=dp, pp=pp, group=g)
+
+
+def layout_ranks(world_size: int, T: int, D: int, P: int) -> dict[str, list[list[int]]]:
+    """Every group's member ranks, by kind; each list in the order of the position it varies."""
+    G = world_size // (T * D * P)
+    kinds: dict[str, list[list[int]]] = {k: [] for k in
+                                          ("tp", "dp", "pp", "model_parallel", "source_group", "embedding", "outer")}
+    for g in range(G):
+        for pp in range(P):
+            for dp in range(D):
+                kinds["tp"].append([rank_of(t, dp, pp, g, T, D, P) for t in range(T)])
+        for pp in range(P):
+            for tp in range(T):
+                kinds["dp"].append([rank_of(tp, d, pp, g, T, D, P) for d in range(D)])
+        for dp in range(D):
+            for tp in range(T):
+                kinds["pp"].append([rank_of(tp, dp, p, g, T, D, P) for p in range(P)])
+                stages = sorted({0, P - 1})
+                kinds["embedding"].append([rank_of(tp, dp, p, g, T, D, P) for p in stages])
+            kinds["model_parallel"].append(sorted(rank_of(t, dp, p, g, T, D, P)
+                                                  for p in range(P) for t in range(T)))
+        kinds["source_group"].append(list(range(g * T * D * P, (g + 1) * T * D * P)))
+    for pp in range(P):
+        for dp in range(D):
+            for tp in range(T):
+                kinds["outer"].append([rank_of(tp, dp, pp, g, T, D, P) for g in range(G)])
+    return kinds
+
+
+def build_groups(tensor: int = 1, data: int = 1, pipeline: int = 1, *,
+                 world_size: Optional[int] = None, rank: Optional[int] = None) -> ParallelGroups:
+    """Create every process group. With ``torch.distributed`` initialised every rank must call
+    this (``new_group`` is collective); without it, only a single-process layout is allowed."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    T, D, P = tensor, data, pipeline
+    if world_size % (T * D * P):
+        raise ValueError(f"world size {world_size} is not divisible by tensor×data×pipeline = {T * D * P}")
+    G = world_size // (T * D * P)
+    coords = coords_of(rank, T, D, P)
+    pg = ParallelGroups(tp_size=T, dp_size=D, pp_size=P, num_groups=G, rank=rank, coords=coords)
+    kinds = layout_ranks(world_size, T, D, P)
+    for kind in ("tp", "dp", "pp", "outer", "embedding"):
+        mine = next(r for r in kinds[kind] if rank in r)
+        setattr(pg, f"{kind}_ranks", tuple(mine))
+    if not initialised:
+        if world_size != 1:
+            raise RuntimeError("torch.distributed is not initialised but the layout has more than one rank")
+        return pg
+    pg.world = dist.group.WORLD
+    for kind, lists in kinds.items():
+        for members in lists:
+            # new_group is collective over the world: every rank creates every group, in order.
+            handle = dist.new_group(members) if len(members) > 1 else None
+            if rank in members:
+                setattr(pg, kind, handle)
+    return pg
+
+
+def init_distributed(backend: Optional[str] = None) -> tuple[int, int, torch.device]:
+    """Initialise ``torch.distributed`` from torchrun's environment (or a single process).
+
+    Returns (rank, world_size, device). gloo on CPU, nccl when CUDA is available.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and os.environ.get("DEPT_MEGA_DEVICE", "") != "cpu"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return rank, world_size, device
