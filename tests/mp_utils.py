@@ -1,0 +1,75 @@
+"""Run a function on N gloo ranks (CPU) inside a test and collect each rank's return value.
+
+    results = run_distributed(fn, world_size=4, args=(x,))   # fn(rank, world_size, *args)
+
+``fn`` must be a module-level function (it is pickled to spawned processes). Every rank gets
+``torch.distributed`` initialised with gloo, one CPU thread, and the environment variables
+torchrun would set. An exception on any rank fails the call with that rank's traceback; a
+hang fails after ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+                       "DEPT_MEGA_DEVICE": "cpu"})
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        payload = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout: float = 300.0) -> list[Any]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        import time
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f} s")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} produced no result")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

@@ -1,0 +1,71 @@
+import pytest
+
+from dept_mega.config import ConfigError, load_config, save_config, validate
+
+
+def _err(overrides, world=None, path=None):
+    with pytest.raises(ConfigError) as exc:
+        cfg = load_config(path, overrides)
+        if world is not None:
+            validate(cfg, world, check_files=False)
+    return str(exc.value)
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4}\n"
+                 "dept: {variant: glob, local_steps: 10}\ntrain: {steps: 20}\n")
+    cfg = load_config(p, ["parallel.tensor=2", "dept.outer_optimizer.lr=0.7", "optim.lr=3e-4",
+                          "data.sources=[{name: a, prefix: x}, {name: b, prefix: y, weight: 2}]"])
+    assert cfg.parallel.tensor == 2 and cfg.dept.outer_optimizer.lr == 0.7 and cfg.optim.lr == 3e-4
+    assert [s.name for s in cfg.data.sources] == ["a", "b"] and cfg.data.sources[1].weight == 2.0
+    assert cfg.model.query_groups == 4 and cfg.model.ffn_size == 256
+    out = tmp_path / "resolved.yaml"
+    save_config(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["foo=1"], "unknown config key 'foo'"),
+    (["model.nope=1"], "unknown config key 'model.nope'"),
+    (["model.num_layers=two"], "'model.num_layers'"),
+    (["model.tie_embeddings=3"], "'model.tie_embeddings'"),
+    (["dept.variant=bogus"], "'dept.variant'"),
+    (["precision=fp64"], "'precision'"),
+    (["model.num_attention_heads=5"], "num_attention_heads=5"),
+    (["model.num_query_groups=5"], "'model.num_query_groups'"),
+    (["parallel.tensor=5"], "'parallel.tensor'"),
+    (["parallel.tensor"], "key.sub=value"),
+    (["train.global_batch_size=10", "train.micro_batch_size=4"], "'train.global_batch_size'"),
+    (["dept.local_steps=3", "train.steps=10"], "'dept.local_steps'"),
+    (["fp8=e4m3", "precision=fp32"], "'fp8'"),
+    (["data.sources=[{name: a, prefix: x}, {name: a, prefix: y}]"], "duplicate"),
+])
+def test_bad_values_name_the_key(overrides, needle):
+    assert needle in _err(overrides)
+
+
+def test_world_size_checks():
+    base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100"]
+    assert "world size 6" in _err(base + ["parallel.tensor=4"], world=6)
+    assert "std trains one group" in _err(base + ["dept.variant=std"], world=2)
+    two = "data.sources=[{name: a, prefix: x, tokenizer: t}, {name: b, prefix: y, tokenizer: u}]"
+    assert "at least one source per group" in _err(base + ["dept.variant=spec", two], world=4)
+    assert "needs a tokenizer" in _err(base + ["dept.variant=spec_opt",
+                                               "data.sources=[{name: a, prefix: x}]"], world=1)
+
+
+def test_missing_files_named(tmp_path):
+    cfg = load_config(None, ["dept.variant=glob", "dept.local_steps=10", "train.steps=20",
+                             f"data.tokenizer={tmp_path}/tok.model",
+                             f"data.sources=[{{name: a, prefix: {tmp_path}/a}}]"])
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        validate(cfg, 1)
+    (tmp_path / "tok.model").write_text("x")
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].prefix"):
+        validate(cfg, 1)
+
+
+def test_missing_config_file():
+    assert "does not exist" in _err([], path="/nonexistent/cfg.yaml")

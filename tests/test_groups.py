@@ -1,0 +1,57 @@
+import pytest
+
+from dept_mega.parallel.groups import build_groups, coords_of, layout_ranks, rank_of
+from tests.mp_utils import run_distributed
+
+
+def test_rank_order_tp_fastest_then_dp_pp_group():
+    T, D, P = 2, 2, 2
+    seen = set()
+    for r in range(16):
+        c = coords_of(r, T, D, P)
+        assert rank_of(c.tp, c.dp, c.pp, c.group, T, D, P) == r
+        seen.add((c.tp, c.dp, c.pp, c.group))
+    assert len(seen) == 16
+    assert coords_of(1, T, D, P).tp == 1 and coords_of(2, T, D, P).dp == 1
+    assert coords_of(4, T, D, P).pp == 1 and coords_of(8, T, D, P).group == 1
+
+
+def test_layout_groups_partition_and_outer():
+    kinds = layout_ranks(16, 2, 2, 2)
+    for kind in ("tp", "dp", "pp", "outer", "source_group"):
+        flat = sorted(r for members in kinds[kind] for r in members)
+        assert flat == list(range(16)), kind
+    assert [0, 1, 2, 3, 4, 5, 6, 7] in kinds["source_group"]
+    assert [0, 8] in kinds["outer"]
+    assert [0, 4] in kinds["pp"] and [0, 4] in kinds["embedding"]
+
+
+def test_single_process_layout_needs_no_dist():
+    pg = build_groups()
+    assert pg.world_size == 1 and pg.tp is None and pg.is_first_stage and pg.is_last_stage
+
+
+def _check_groups(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    pg = build_groups(tensor=2, data=1, pipeline=2)
+    # all-reduce of the rank over each group gives the sum of its members
+    out = {}
+    for kind in ("tp", "pp", "outer"):
+        t = torch.tensor([float(rank)])
+        pg.comm.all_reduce(t, getattr(pg, kind), category="tp" if kind == "tp" else "pp")
+        out[kind] = t.item()
+    out["bytes"] = pg.comm.snapshot()
+    out["ranks"] = (pg.tp_ranks, pg.pp_ranks, pg.outer_ranks)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_groups_collectives_gloo_world8():
+    res = run_distributed(_check_groups, 8)
+    for rank, r in enumerate(res):
+        tp_ranks, pp_ranks, outer_ranks = r["ranks"]
+        assert r["tp"] == sum(tp_ranks) and r["pp"] == sum(pp_ranks) and r["outer"] == sum(outer_ranks)
+        assert rank in tp_ranks and rank in pp_ranks and rank in outer_ranks
+        assert r["bytes"]["tp"] == 4 and r["bytes"]["pp"] == 8
