@@ -1,0 +1,109 @@
+"""Custom ops for TRIM / SPEC: row gather, deterministic row scatter, scatter-mean, id remap.
+
+API (every op validates its arguments and raises the same errors on every backend):
+
+- ``gather_rows(table, ids, out_dtype=None) -> rows``: ``rows[i] = table[ids[i]]``.
+  ``table`` [V, d] float32 / bfloat16 / float16; ``ids`` [n] int32 / int64; ``rows`` [n, d]
+  of ``out_dtype`` (default: the table's; cast rounds to nearest even like ``.to``).
+  Differentiable in ``table``: the backward is ``scatter_add_rows`` into zeros of the table's
+  shape and dtype (deterministic).
+- ``scatter_add_rows(out, ids, rows) -> out``: in place, ``out[ids[i]] += rows[i]``;
+  duplicate ids accumulate. ``out`` [V, d] contiguous; ``rows`` [n, d], any of the three
+  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in
+  ascending position order starting from its old value and rounded once, so the result is
+  bit-identical from run to run, whatever the thread count, and equal across backends.
+- ``scatter_mean_rows(table, ids, rows, accumulate=False) -> table``: the fused TRIM
+  round-end update. ``ids``/``rows`` are the concatenated contributions of several sources
+  (ids in the table's row space, e.g. global ids for the global table; a row id may appear
+  once per contributing source). In one pass per destination row r touched by c_r > 0
+  contributions: ``table[r] = sum / c_r`` (accumulate=False: the mean of the contributed
+  rows, e.g. the sources' updated rows) or ``table[r] += sum / c_r`` (accumulate=True: apply
+  the mean of contributed deltas). Sums and the division are in fp32; rows touched by nobody
+  keep their values. Deterministic as ``scatter_add_rows``.
+- ``remap_ids(ids, lookup) -> local_ids``: ``local_ids = lookup[ids]`` for ids of any shape
+  (a [b, s] token batch), returned with the ids' dtype and shape. ``lookup`` [V_global]
+  int32 / int64 maps a global id to its local row, < 0 for "not in this source's
+  vocabulary": such an id raises ``ValueError`` naming the first offending global id (in
+  row-major order) and its position.
+- ``backend(device=None) -> "cuda" | "cpp" | "torch"``: what runs the ops for tensors on
+  ``device`` (default: cuda if available, else cpu). ``extension_status()`` says why.
+
+Errors: ``IndexError`` for an id outside [0, V) (message names the position and the id),
+``ValueError`` for a negative lookup entry, bad shapes or mixed devices, ``TypeError`` for
+unsupported dtypes. In-place ops check every id before writing: on error the table is
+unchanged. Empty inputs work (no-op / empty result).
+
+Backends: the compiled extension ``dept_mega.ops._C`` (csrc/: C++ CPU kernels, CUDA kernels
+when built with a CUDA torch) registered as ``torch.ops.dept_mega.*`` with fake kernels, so
+the ops trace under torch.compile; otherwise the pure PyTorch fallback
+(``dept_mega.ops.fallback``), which gives bit-identical results on CPU. Set
+``DEPT_MEGA_OPS=torch`` to force the fallback.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from dept_mega.ops import fallback
+from dept_mega.ops.loader import ExtensionStatus, status
+
+__all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend",
+           "extension_status", "ExtensionStatus"]
+
+
+def extension_status() -> ExtensionStatus:
+    """Whether the compiled kernels are in use, and why not."""
+    return status()
+
+
+def _use_extension(device: torch.device) -> bool:
+    st = status()
+    if not st.loaded:
+        return False
+    if device.type in ("cpu", "meta"):
+        return True
+    return device.type == "cuda" and st.cuda
+
+
+def backend(device: Union[str, torch.device, None] = None) -> str:
+    """"cuda", "cpp" or "torch": the implementation used for tensors on ``device``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if not _use_extension(dev):
+        return "torch"
+    return "cuda" if dev.type == "cuda" else "cpp"
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """rows[i] = table[ids[i]] (see the module docstring)."""
+    if _use_extension(table.device):
+        return torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
+    return fallback.gather_rows(table, ids, out_dtype)
+
+
+def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
+    if _use_extension(out.device):
+        torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
+        return out
+    return fallback.scatter_add_rows(out, ids, rows)
+
+
+def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                      accumulate: bool = False) -> torch.Tensor:
+    """In place, per touched row: the mean of its contributions (or += that mean); returns
+    ``table``."""
+    if _use_extension(table.device):
+        torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate)
+        return table
+    return fallback.scatter_mean_rows(table, ids, rows, accumulate)
+
+
+def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+    """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
+    if _use_extension(ids.device):
+        return torch.ops.dept_mega.remap_ids(ids, lookup)
+    return fallback.remap_ids(ids, lookup)

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Preprocessing throughput: tools/preprocess_data.py's engine with 1 and 2 workers against
+a bare single-process loop of ``SentencePieceProcessor.encode`` over the same texts.
+
+    python benchmarks/preprocess_bench.py [--repeat 3] [--tokenizer examples/data/build/tok/global.model]
+
+Input: the sample corpus (examples/data/*.jsonl) concatenated ``--repeat`` times. The bare
+loop times only tokenization of texts already in memory (no JSON, no I/O, no writing); the
+preprocess runs are end to end (read, parse, check, tokenize, write .bin/.idx/.bytes.npy).
+Each figure is the best of ``--trials`` runs. Needs tools/prepare_sample.py's tokenizer, or
+any SentencePiece model given with --tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import sentencepiece as spm  # noqa: E402
+
+from dept_mega.data.preprocess import preprocess  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", default=os.path.join(ROOT, "examples/data/build/tok/global.model"))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--trials", type=int, default=2)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--out", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    if not os.path.exists(args.tokenizer):
+        print(f"error: {args.tokenizer} missing; run tools/prepare_sample.py first", file=sys.stderr)
+        return 1
+    files = sorted(glob.glob(os.path.join(ROOT, "examples/data/*.jsonl")))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "input.jsonl")
+        with open(src, "wb") as out:
+            for _ in range(args.repeat):
+                for f in files:
+                    out.write(open(f, "rb").read())
+        texts = [json.loads(line)["text"] for line in open(src, encoding="utf-8")]
+        size_mb = os.path.getsize(src) / 1e6
+        sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
+        best, tokens = float("inf"), 0
+        for _ in range(args.trials):
+            t0 = time.perf_counter()
+            tokens = 0
+            for t in texts:
+                tokens += len(sp.encode(t))
+            best = min(best, time.perf_counter() - t0)
+        rows = [{"method": "bare sp.encode loop (1 process)", "seconds": best, "tokens": tokens,
+                 "tokens_per_s": tokens / best, "docs_per_s": len(texts) / best}]
+        for w in args.workers:
+            bw = float("inf")
+            for _ in range(args.trials):
+                st = preprocess([src], ["text"], args.tokenizer, os.path.join(tmp, f"w{w}"), workers=w,
+                                append_eod=True, log=None)
+                bw = min(bw, st.seconds)
+            # --append-eod adds one token a document: count the same tokens as the bare loop
+            rows.append({"method": f"preprocess_data --workers {w}", "seconds": bw, "tokens": st.tokens - st.documents,
+                         "tokens_per_s": (st.tokens - st.documents) / bw, "docs_per_s": st.documents / bw})
+    info = {"input_mb": round(size_mb, 2), "documents": len(texts), "cpus": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "sentencepiece": spm.__version__, "tokenizer": os.path.relpath(args.tokenizer, ROOT), "rows": rows}
+    print(f"input: {size_mb:.1f} MB, {len(texts)} documents, {os.cpu_count()} CPUs")
+    print(f"{'method':<36} {'seconds':>8} {'tokens/s':>12} {'docs/s':>9}")
+    for r in rows:
+        print(f"{r['method']:<36} {r['seconds']:>8.2f} {r['tokens_per_s']:>12,.0f} {r['docs_per_s']:>9,.0f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

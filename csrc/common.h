@@ -1,0 +1,102 @@
+// Argument checks and error messages shared by the CPU and CUDA operators of dept_mega.
+//
+// The pure PyTorch fallback (dept_mega/ops/fallback.py) raises the same exception types with
+// the same messages, so callers see one behaviour whatever the backend:
+//   IndexError  an id outside [0, rows) of the table / lookup
+//   ValueError  a lookup entry < 0 (id not in this source's vocabulary), bad shapes, devices
+//   TypeError   an unsupported dtype
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace dept_mega {
+
+inline bool is_row_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline bool is_id_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+inline void check_rows_dtype(const char* op, const char* what, at::ScalarType t) {
+  TORCH_CHECK_TYPE(is_row_dtype(t), op, ": ", what,
+                   " must be float32, bfloat16 or float16, got ", c10::toString(t));
+}
+
+inline void check_ids_dtype(const char* op, const char* what, at::ScalarType t) {
+  TORCH_CHECK_TYPE(is_id_dtype(t), op, ": ", what, " must be int32 or int64, got ",
+                   c10::toString(t));
+}
+
+inline void check_same_device(const char* op, const at::Tensor& a, const char* an,
+                              const at::Tensor& b, const char* bn) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", an, " is on ", a.device(), " but ",
+                    bn, " is on ", b.device());
+}
+
+// gather_rows(table [V, d], ids [n], out_dtype)
+inline void check_gather_args(const at::Tensor& table, const at::Tensor& ids,
+                              std::optional<at::ScalarType> out_dtype) {
+  const char* op = "gather_rows";
+  TORCH_CHECK_VALUE(table.dim() == 2, op, ": table must be 2-D [rows, dim], got shape ",
+                    table.sizes());
+  TORCH_CHECK_VALUE(ids.dim() == 1, op, ": ids must be 1-D, got shape ", ids.sizes());
+  check_rows_dtype(op, "table", table.scalar_type());
+  check_ids_dtype(op, "ids", ids.scalar_type());
+  if (out_dtype.has_value()) check_rows_dtype(op, "out_dtype", *out_dtype);
+  check_same_device(op, table, "table", ids, "ids");
+}
+
+// scatter_add_rows_(out [V, d], ids [n], rows [n, d]) and scatter_mean_rows_ (same shapes)
+inline void check_scatter_args(const char* op, const at::Tensor& out, const at::Tensor& ids,
+                               const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(out.dim() == 2, op, ": table must be 2-D [rows, dim], got shape ",
+                    out.sizes());
+  TORCH_CHECK_VALUE(ids.dim() == 1, op, ": ids must be 1-D, got shape ", ids.sizes());
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(0) == ids.size(0) &&
+                        rows.size(1) == out.size(1),
+                    op, ": rows must have shape [", ids.size(0), ", ", out.size(1),
+                    "] (len(ids), table dim), got ", rows.sizes());
+  check_rows_dtype(op, "table", out.scalar_type());
+  check_rows_dtype(op, "rows", rows.scalar_type());
+  check_ids_dtype(op, "ids", ids.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous(), op,
+                    ": the destination table is updated in place and must be contiguous");
+  check_same_device(op, out, "table", ids, "ids");
+  check_same_device(op, out, "table", rows, "rows");
+}
+
+inline void check_remap_args(const at::Tensor& ids, const at::Tensor& lookup) {
+  const char* op = "remap_ids";
+  TORCH_CHECK_VALUE(lookup.dim() == 1, op, ": lookup must be 1-D, got shape ",
+                    lookup.sizes());
+  check_ids_dtype(op, "ids", ids.scalar_type());
+  check_ids_dtype(op, "lookup", lookup.scalar_type());
+  check_same_device(op, ids, "ids", lookup, "lookup");
+}
+
+// Raised (as IndexError) for the first id i (in order) outside [0, num_rows).
+[[noreturn]] inline void fail_id_out_of_range(const char* op, int64_t pos, int64_t id,
+                                              int64_t num_rows) {
+  TORCH_CHECK_INDEX(false, op, ": ids[", pos, "] = ", id,
+                    " is out of range for a table of ", num_rows, " rows");
+  __builtin_unreachable();
+}
+
+[[noreturn]] inline void fail_remap_out_of_range(int64_t pos, int64_t id, int64_t size) {
+  TORCH_CHECK_INDEX(false, "remap_ids: global id ", id, " at flat position ", pos,
+                    " is out of range for a lookup of ", size, " entries");
+  __builtin_unreachable();
+}
+
+[[noreturn]] inline void fail_remap_missing(int64_t pos, int64_t id, int64_t value) {
+  TORCH_CHECK_VALUE(false, "remap_ids: global id ", id, " (first at flat position ", pos,
+                    ") is not in this source's vocabulary (lookup[", id, "] = ", value, ")");
+  __builtin_unreachable();
+}
+
+}  // namespace dept_mega

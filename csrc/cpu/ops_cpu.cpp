@@ -1,0 +1,237 @@
+// CPU kernels of the dept_mega ops, parallel over rows with at::parallel_for.
+//
+// Determinism of the scatters: the ids are grouped by destination row (counting sort, or a
+// stable sort when the table is much larger than the id list), and each destination row is
+// produced by exactly one task, which adds its contributions in ascending position order
+// in fp32. The result therefore does not depend on the number of threads, and equals the
+// pure PyTorch fallback bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "../common.h"
+
+namespace dept_mega {
+namespace {
+
+// Calls f(T{}) for the row dtypes (float32, bfloat16, float16).
+template <typename F>
+void dispatch_rows(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK_TYPE(false, "dept_mega: unsupported row dtype ", c10::toString(t));
+  }
+}
+
+template <typename F>
+void dispatch_ids(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kInt: f(int32_t{}); break;
+    case at::kLong: f(int64_t{}); break;
+    default: TORCH_CHECK_TYPE(false, "dept_mega: unsupported id dtype ", c10::toString(t));
+  }
+}
+
+// Rows per parallel task so that a task moves ~32k elements.
+inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
+
+// Raises for the first id outside [0, num_rows). Sequential: O(n), small next to the rows.
+template <typename idx_t>
+void check_ids_in_range(const char* op, const idx_t* ids, int64_t n, int64_t num_rows) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    if (id < 0 || id >= num_rows) fail_id_out_of_range(op, i, id, num_rows);
+  }
+}
+
+at::Tensor gather_rows_cpu(const at::Tensor& table_in, const at::Tensor& ids_in,
+                           std::optional<at::ScalarType> out_dtype) {
+  check_gather_args(table_in, ids_in, out_dtype);
+  const at::Tensor table = table_in.contiguous();
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t n = ids.size(0), num_rows = table.size(0), dim = table.size(1);
+  const at::ScalarType odt = out_dtype.value_or(table.scalar_type());
+  at::Tensor out = at::empty({n, dim}, table.options().dtype(odt));
+  if (n == 0) return out;
+  dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
+    check_ids_in_range("gather_rows", id_ptr, n, num_rows);
+    dispatch_rows(table.scalar_type(), [&](auto in_tag) {
+      using in_t = decltype(in_tag);
+      dispatch_rows(odt, [&](auto out_tag) {
+        using out_t = decltype(out_tag);
+        const in_t* src = table.const_data_ptr<in_t>();
+        out_t* dst = out.data_ptr<out_t>();
+        at::parallel_for(0, n, row_grain(dim), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const in_t* s = src + static_cast<int64_t>(id_ptr[i]) * dim;
+            out_t* d = dst + i * dim;
+            if constexpr (std::is_same_v<in_t, out_t>) {
+              std::memcpy(d, s, sizeof(in_t) * dim);
+            } else {
+              // Through float: exact for the narrow types, one round-to-nearest-even on
+              // the way out, as torch's .to(dtype).
+              for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(static_cast<float>(s[j]));
+            }
+          }
+        });
+      });
+    });
+  });
+  return out;
+}
+
+// Positions 0..n-1 grouped by destination row; within a row, ascending position.
+// seg[k]..seg[k+1] is the k-th group in `order`.
+template <typename idx_t>
+void group_by_row(const idx_t* ids, int64_t n, int64_t num_rows, std::vector<int64_t>& order,
+                  std::vector<int64_t>& seg) {
+  order.resize(n);
+  seg.clear();
+  if (num_rows <= 4 * n + 4096) {
+    // Counting sort: stable by construction.
+    std::vector<int64_t> start(num_rows + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++start[static_cast<int64_t>(ids[i]) + 1];
+    for (int64_t r = 0; r < num_rows; ++r) start[r + 1] += start[r];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[fill[static_cast<int64_t>(ids[i])]++] = i;
+    for (int64_t r = 0; r < num_rows; ++r)
+      if (start[r + 1] > start[r]) seg.push_back(start[r]);
+  } else {
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+    for (int64_t k = 0; k < n; ++k)
+      if (k == 0 || ids[order[k]] != ids[order[k - 1]]) seg.push_back(k);
+  }
+  seg.push_back(n);
+}
+
+enum class ScatterMode { kAdd, kMeanReplace, kMeanAccumulate };
+
+// Shared by scatter_add_rows_ and scatter_mean_rows_. Validates every id before writing.
+void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
+                      const at::Tensor& rows_in, ScatterMode mode) {
+  check_scatter_args(op, out, ids_in, rows_in);
+  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t n = ids.size(0), num_rows = out.size(0), dim = out.size(1);
+  if (n == 0) return;
+  std::vector<int64_t> order, seg;
+  int64_t grain = 1;
+  dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
+    check_ids_in_range(op, id_ptr, n, num_rows);
+    group_by_row(id_ptr, n, num_rows, order, seg);
+    const int64_t nseg = static_cast<int64_t>(seg.size()) - 1;
+    // A task covers ~32k accumulated elements.
+    grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(dim * std::max<int64_t>(n / std::max<int64_t>(nseg, 1), 1), 1));
+    dispatch_rows(out.scalar_type(), [&](auto out_tag) {
+      using out_t = decltype(out_tag);
+      dispatch_rows(rows.scalar_type(), [&](auto row_tag) {
+        using row_t = decltype(row_tag);
+        out_t* dst = out.data_ptr<out_t>();
+        const row_t* src = rows.const_data_ptr<row_t>();
+        at::parallel_for(0, nseg, grain, [&](int64_t begin, int64_t end) {
+          std::vector<float> acc(dim);
+          for (int64_t k = begin; k < end; ++k) {
+            const int64_t first = seg[k], last = seg[k + 1];
+            const int64_t r = static_cast<int64_t>(id_ptr[order[first]]);
+            out_t* d = dst + r * dim;
+            if (mode == ScatterMode::kAdd) {
+              for (int64_t j = 0; j < dim; ++j) acc[j] = static_cast<float>(d[j]);
+            } else {
+              std::fill(acc.begin(), acc.end(), 0.0f);
+            }
+            for (int64_t p = first; p < last; ++p) {
+              const row_t* s = src + order[p] * dim;
+              for (int64_t j = 0; j < dim; ++j) acc[j] += static_cast<float>(s[j]);
+            }
+            if (mode == ScatterMode::kAdd) {
+              for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(acc[j]);
+            } else {
+              const float count = static_cast<float>(last - first);
+              if (mode == ScatterMode::kMeanReplace) {
+                for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(acc[j] / count);
+              } else {
+                for (int64_t j = 0; j < dim; ++j)
+                  d[j] = static_cast<out_t>(static_cast<float>(d[j]) + acc[j] / count);
+              }
+            }
+          }
+        });
+      });
+    });
+  });
+}
+
+void scatter_add_rows_cpu(at::Tensor out, const at::Tensor& ids, const at::Tensor& rows) {
+  scatter_rows_cpu("scatter_add_rows", out, ids, rows, ScatterMode::kAdd);
+}
+
+void scatter_mean_rows_cpu(at::Tensor table, const at::Tensor& ids, const at::Tensor& rows,
+                           bool accumulate) {
+  scatter_rows_cpu("scatter_mean_rows", table, ids, rows,
+                   accumulate ? ScatterMode::kMeanAccumulate : ScatterMode::kMeanReplace);
+}
+
+at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) {
+  check_remap_args(ids_in, lookup_in);
+  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor lookup = lookup_in.contiguous();
+  at::Tensor out = at::empty_like(ids, at::MemoryFormat::Contiguous);
+  const int64_t n = ids.numel(), size = lookup.numel();
+  if (n == 0) return out;
+  dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    dispatch_ids(lookup.scalar_type(), [&](auto lut_tag) {
+      using lut_t = decltype(lut_tag);
+      const idx_t* src = ids.const_data_ptr<idx_t>();
+      const lut_t* lut = lookup.const_data_ptr<lut_t>();
+      idx_t* dst = out.data_ptr<idx_t>();
+      std::atomic<int64_t> first_bad{n};
+      at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t id = static_cast<int64_t>(src[i]);
+          const int64_t v = (id >= 0 && id < size) ? static_cast<int64_t>(lut[id]) : -1;
+          if (v < 0) {
+            int64_t cur = first_bad.load();
+            while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+            }
+            return;  // later positions of this chunk cannot be first
+          }
+          dst[i] = static_cast<idx_t>(v);
+        }
+      });
+      const int64_t pos = first_bad.load();
+      if (pos < n) {
+        const int64_t id = static_cast<int64_t>(src[pos]);
+        if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
+        fail_remap_missing(pos, id, static_cast<int64_t>(lut[id]));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
+  m.impl("gather_rows", &gather_rows_cpu);
+  m.impl("scatter_add_rows_", &scatter_add_rows_cpu);
+  m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
+  m.impl("remap_ids", &remap_ids_cpu);
+}
+
+}  // namespace dept_mega

@@ -1,0 +1,55 @@
+// Thin C interface to the CUDA kernels of dept_mega (csrc/cuda/kernels.cu).
+//
+// Plain CUDA C++: no torch headers, so the kernels compile with nvcc alone (CI checks them
+// with `nvcc -arch=sm_90 -c`, tools/check_cuda_compile.sh). The torch-facing operators in
+// csrc/cuda/ops_cuda.cpp allocate memory, pick the stream and turn the reported first bad
+// position into the same errors as the CPU operators.
+//
+// Conventions: every pointer is a device pointer to a contiguous row-major array; `rows` is
+// the number of rows of a table, `dim` its row length; dtype codes below. `bad` points to one
+// device uint64 that the caller sets to n before the call; a kernel that meets an invalid id
+// lowers it (atomicMin) to the first invalid position, so the caller can name it.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { DM_FLOAT32 = 0, DM_BFLOAT16 = 1, DM_FLOAT16 = 2 };  // row dtypes
+enum { DM_INT32 = 0, DM_INT64 = 1 };                         // id dtypes
+enum { DM_SCATTER_ADD = 0, DM_SCATTER_MEAN = 1, DM_SCATTER_MEAN_ACCUMULATE = 2 };
+
+// out[i, :] = (out_dtype) table[ids[i], :] for i < n. Rows with an invalid id are not
+// written (the caller raises).
+cudaError_t dm_gather_rows(const void* table, int table_dtype, int64_t rows, int64_t dim,
+                           const void* ids, int ids_dtype, int64_t n, void* out, int out_dtype,
+                           unsigned long long* bad, cudaStream_t stream);
+
+// out[i] = lookup[ids[i]] (out has ids' dtype) for i < n; an id outside [0, lookup_size) or
+// with lookup[id] < 0 is invalid.
+cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n, const void* lookup,
+                         int lookup_dtype, int64_t lookup_size, void* out,
+                         unsigned long long* bad, cudaStream_t stream);
+
+// Deterministic scatter in two calls, so that nothing is written when an id is invalid:
+// 1. dm_scatter_prepare validates the ids and sorts positions by destination row (stable
+//    radix sort, in `workspace` of dm_scatter_workspace_bytes(n, rows) bytes);
+// 2. after the caller has checked `bad`, dm_scatter_apply lets one warp own each destination
+//    row and add its contributions in ascending position order in fp32, then write
+//    out[r] + sum (ADD), sum / count (MEAN) or out[r] + sum / count (MEAN_ACCUMULATE).
+// Limits: n < 2^31, rows < 2^32.
+size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows);
+cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_t n, int64_t rows,
+                               void* workspace, size_t workspace_bytes,
+                               unsigned long long* bad, cudaStream_t stream);
+cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim,
+                             const void* src, int src_dtype, int64_t n, int mode,
+                             const void* workspace, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,32 @@
+// Operator schemas of the dept_mega custom ops, and the Python module stub that lets
+// `import dept_mega.ops._C` load this library (the ops register themselves on load).
+//
+// Kernels: csrc/cpu/ops_cpu.cpp (CPU), csrc/cuda/ops_cuda.cpp (CUDA, built only when torch
+// has CUDA and nvcc is found). Fake (meta) kernels and autograd live in Python:
+// dept_mega/ops/registration.py.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(dept_mega, m) {
+  // rows[i] = table[ids[i]], optionally cast to out_dtype.
+  m.def("gather_rows(Tensor table, Tensor ids, ScalarType? out_dtype=None) -> Tensor");
+  // out[ids[i]] += rows[i], in place; deterministic (rows summed per destination in order).
+  m.def("scatter_add_rows_(Tensor(a!) out, Tensor ids, Tensor rows) -> ()");
+  // Per touched row r: table[r] = mean_i rows[i] (accumulate=False) or
+  // table[r] += mean_i rows[i] (accumulate=True); untouched rows unchanged.
+  m.def(
+      "scatter_mean_rows_(Tensor(a!) table, Tensor ids, Tensor rows, bool accumulate=False) "
+      "-> ()");
+  // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
+  m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
+}
+
+extern "C" {
+// The module holds nothing: loading the shared object runs the registrations above.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "dept_mega custom operators (see torch.ops.dept_mega)", -1,
+      nullptr};
+  return PyModule_Create(&module_def);
+}
+}

@@ -1,0 +1,241 @@
+"""GPT-style samples over one indexed source.
+
+Rules:
+
+* **Split by documents.** ``split = "98,2"`` (or ``"a,b,c"`` for train,valid,test) cuts the
+  document list into contiguous ranges in file order: each part with a positive weight gets
+  ``floor(w / sum(w) * N)`` documents but at least one; train takes the rest (it comes first).
+  Documents with no tokens are left out.
+* **Epochs.** Epoch ``e`` visits every document of the part once, in an order shuffled by a
+  generator seeded with ``(seed, e)`` (unshuffled with ``shuffle=False``). The epoch's tokens
+  are one stream; sample ``j`` of the epoch is stream positions ``[j*L, j*L + L + 1)``, with
+  ``L = seq_length``, so samples cross document boundaries and consecutive samples share one
+  token (Megatron's layout). An epoch has ``(T - 1) // L`` samples for ``T`` tokens (the tail
+  that cannot fill a sample is dropped). Within an epoch the sample order is shuffled too.
+  Global sample ``i`` is sample ``i % S`` of epoch ``i // S``: the dataset never ends unless
+  ``num_samples`` sizes it.
+* **Index arrays** (document order, each sample's first document and offset, sample order) are
+  built with numpy (``cumsum``/``searchsorted``, no loop over tokens) per epoch, and cached in
+  ``cache_dir`` (default: beside the ``.idx``) as ``<name>_<part>_<hash>.npz``. The hash covers
+  every input that determines them: the documents' token lengths, split, part, seed, seq_length,
+  shuffle and epoch. Files are written to a temporary name and renamed (atomic; concurrent
+  ranks writing the same file is harmless).
+* **Bytes** (``sample_bytes``): the UTF-8 bytes of the text behind a sample's *target* tokens
+  (positions 1..L). Cumulative bytes are a piecewise-linear function of cumulative tokens: a
+  document's bytes are spread evenly over its tokens (its EOD token included). A sample's bytes
+  are the difference of that function at its ends, so they are exact when a sample covers whole
+  documents, proportional for partial ones, and the samples of an epoch add up to the bytes of
+  the text they cover.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from dept_mega.data.indexed import IndexedDataset
+
+PARTS = ("train", "valid", "test")
+CACHE_VERSION = 1
+
+
+def parse_split(split: str) -> list[float]:
+    try:
+        w = [float(x) for x in split.split(",")]
+    except ValueError:
+        raise ValueError(f"data.split {split!r} is not comma-separated weights like '98,2'") from None
+    if not 1 <= len(w) <= 3 or any(x < 0 for x in w) or w[0] <= 0:
+        raise ValueError(f"data.split {split!r}: need 1 to 3 non-negative weights, train > 0")
+    return w
+
+
+def split_bounds(num_docs: int, split: str) -> list[tuple[int, int]]:
+    """Document ranges ``[lo, hi)`` of train, valid, test for ``num_docs`` documents."""
+    w = parse_split(split) + [0.0] * (3 - len(parse_split(split)))
+    total = sum(w)
+    sizes = [0, 0, 0]
+    for k in (1, 2):
+        if w[k] > 0:
+            sizes[k] = max(1, int(np.floor(w[k] / total * num_docs)))
+    sizes[0] = num_docs - sizes[1] - sizes[2]
+    if sizes[0] < 1:
+        raise ValueError(f"data.split {split!r}: {num_docs} documents are too few to give every part one")
+    bounds, lo = [], 0
+    for s in sizes:
+        bounds.append((lo, lo + s))
+        lo += s
+    return bounds
+
+
+@dataclass
+class EpochIndex:
+    doc_order: np.ndarray  # int64 positions into the part's document list, shuffled
+    sample_doc: np.ndarray  # int64 [S]: position in doc_order of each sample's first token
+    sample_off: np.ndarray  # int64 [S]: offset of that token inside the document
+    sample_order: np.ndarray  # int64 [S]: permutation of samples
+    cum_tokens: np.ndarray  # int64 [n+1]: stream position where each document starts
+    cum_bytes: Optional[np.ndarray]  # float64 [n+1]: bytes before each document
+
+
+class GPTDataset:
+    """Samples of ``seq_length + 1`` int64 tokens from one source (see the module doc)."""
+
+    def __init__(self, prefix: str, seq_length: int, split: str = "98,2", which: str = "train",
+                 seed: int = 1234, cache_dir: Optional[str] = None, num_samples: Optional[int] = None,
+                 shuffle: bool = True):
+        if which not in PARTS:
+            raise ValueError(f"which={which!r}: expected one of {PARTS}")
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.prefix = prefix
+        self.seq_length = seq_length
+        self.split = split
+        self.which = which
+        self.seed = seed
+        self.shuffle = shuffle
+        self.indexed = IndexedDataset(prefix)
+        starts, lengths = self.indexed.document_token_ranges()
+        lo, hi = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
+        docs = np.arange(lo, hi, dtype=np.int64)
+        docs = docs[lengths[lo:hi] > 0]
+        self.doc_ids = docs
+        self.doc_starts = starts[docs]
+        self.doc_lengths = lengths[docs]
+        self.num_tokens = int(self.doc_lengths.sum())
+        if self.num_tokens < seq_length + 1:
+            raise ValueError(f"{prefix}: part '{which}' of split {split!r} has {self.num_tokens} tokens in "
+                             f"{len(docs)} documents; one sample needs seq_length + 1 = {seq_length + 1}")
+        self.samples_per_epoch = (self.num_tokens - 1) // seq_length
+        self.num_samples = num_samples
+        nb = self.indexed.document_bytes()
+        self.doc_bytes = None if nb is None else np.asarray(nb[docs], dtype=np.float64)
+        self.cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self._epochs: dict[int, EpochIndex] = {}
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+        self._data_hash = h.hexdigest()
+
+    # ------------------------------------------------------------------ index building
+    def cache_key(self, epoch: int) -> str:
+        key = json.dumps({"v": CACHE_VERSION, "data": self._data_hash, "split": self.split,
+                          "which": self.which, "seed": self.seed, "seq_length": self.seq_length,
+                          "shuffle": self.shuffle, "epoch": epoch}, sort_keys=True)
+        return hashlib.sha256(key.encode()).hexdigest()[:20]
+
+    def cache_path(self, epoch: int) -> str:
+        name = os.path.basename(self.prefix)
+        return os.path.join(self.cache_dir, f"{name}_{self.which}_{self.cache_key(epoch)}.npz")
+
+    def _build(self, epoch: int) -> dict[str, np.ndarray]:
+        n, L, S = len(self.doc_ids), self.seq_length, self.samples_per_epoch
+        if self.shuffle:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 0])))
+            doc_order = rng.permutation(n).astype(np.int64)
+        else:
+            doc_order = np.arange(n, dtype=np.int64)
+        cum = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.doc_lengths[doc_order], out=cum[1:])
+        first = np.arange(S, dtype=np.int64) * L
+        sample_doc = np.searchsorted(cum, first, side="right").astype(np.int64) - 1
+        sample_off = first - cum[sample_doc]
+        if self.shuffle:
+            rng2 = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 1])))
+            sample_order = rng2.permutation(S).astype(np.int64)
+        else:
+            sample_order = np.arange(S, dtype=np.int64)
+        return {"doc_order": doc_order, "sample_doc": sample_doc, "sample_off": sample_off,
+                "sample_order": sample_order}
+
+    def _load_or_build(self, epoch: int) -> dict[str, np.ndarray]:
+        path = self.cache_path(epoch)
+        if os.path.exists(path):
+            try:
+                with np.load(path) as z:
+                    arrays = {k: z[k] for k in ("doc_order", "sample_doc", "sample_off", "sample_order")}
+                self.cache_hits += 1
+                return arrays
+            except (OSError, ValueError, KeyError):
+                pass  # unreadable cache file: rebuild it below
+        self.cache_misses += 1
+        arrays = self._build(epoch)
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=self.cache_dir)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except OSError as exc:
+            # e.g. a read-only data directory: the arrays are rebuilt next time (same values)
+            warnings.warn(f"could not cache dataset index at {path}: {exc}; set data.cache_dir")
+        return arrays
+
+    def epoch_index(self, epoch: int) -> EpochIndex:
+        idx = self._epochs.get(epoch)
+        if idx is None:
+            a = self._load_or_build(epoch)
+            cum = np.zeros(len(self.doc_ids) + 1, dtype=np.int64)
+            np.cumsum(self.doc_lengths[a["doc_order"]], out=cum[1:])
+            cum_bytes = None
+            if self.doc_bytes is not None:
+                cum_bytes = np.zeros(len(self.doc_ids) + 1, dtype=np.float64)
+                np.cumsum(self.doc_bytes[a["doc_order"]], out=cum_bytes[1:])
+            idx = EpochIndex(a["doc_order"], a["sample_doc"], a["sample_off"], a["sample_order"], cum, cum_bytes)
+            if len(self._epochs) >= 2:
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[epoch] = idx
+        return idx
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return self.num_samples if self.num_samples is not None else self.samples_per_epoch
+
+    def _locate(self, i: int) -> tuple[EpochIndex, int]:
+        if i < 0 or (self.num_samples is not None and i >= self.num_samples):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        epoch, j = divmod(int(i), self.samples_per_epoch)
+        idx = self.epoch_index(epoch)
+        return idx, int(idx.sample_order[j])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        idx, k = self._locate(i)
+        need = self.seq_length + 1
+        out = np.empty(need, dtype=np.int64)
+        pos, off, filled = int(idx.sample_doc[k]), int(idx.sample_off[k]), 0
+        tokens = self.indexed.tokens
+        while filled < need:
+            d = int(idx.doc_order[pos])
+            start, length = int(self.doc_starts[d]), int(self.doc_lengths[d])
+            take = min(need - filled, length - off)
+            out[filled:filled + take] = tokens[start + off:start + off + take]
+            filled += take
+            pos += 1
+            off = 0
+        return out
+
+    def sample_documents(self, i: int) -> np.ndarray:
+        """Indices (in the ``.idx``) of the documents sample ``i`` draws tokens from, in order."""
+        idx, k = self._locate(i)
+        first = k * self.seq_length
+        last = first + self.seq_length  # inclusive position of the final token
+        p0 = int(idx.sample_doc[k])
+        p1 = int(np.searchsorted(idx.cum_tokens, last, side="right")) - 1
+        return self.doc_ids[idx.doc_order[p0:p1 + 1]]
+
+    def sample_bytes(self, i: int) -> float:
+        """UTF-8 bytes of the text behind sample ``i``'s target tokens (see the module doc)."""
+        if self.doc_bytes is None:
+            raise FileNotFoundError(f"{self.prefix}.bytes.npy is missing: byte counts are written by "
+                                    "tools/preprocess_data.py; re-run it to get bits per byte")
+        idx, k = self._locate(i)
+        a = k * self.seq_length + 1
+        b = a + self.seq_length
+        ends = np.interp([a, b], idx.cum_tokens, idx.cum_bytes)
+        return float(ends[1] - ends[0])

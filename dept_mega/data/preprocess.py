@@ -1,0 +1,287 @@
+"""jsonl -> Megatron indexed dataset: the engine behind ``tools/preprocess_data.py``.
+
+The main process streams raw lines from the input in batches; worker processes parse,
+check and tokenize a batch each; the main process writes results strictly in input order.
+At most ``4 * workers`` batches are in flight, so memory stays bounded whatever the input
+size (the per-document index, 12 bytes a document, is the only thing that grows).
+With ``partitions > 1`` the input is cut into that many contiguous byte ranges, each
+written as its own dataset and then merged in order (the parts are removed).
+
+Outputs per key: ``OUT_{key}_document.bin/.idx`` (Megatron format, uint16 tokens when the
+vocabulary has < 65500 ids, else int32) and ``OUT_{key}_document.bytes.npy`` (int64 UTF-8
+byte count of each kept document's text, for bits per byte). What is kept or skipped for
+each kind of bad input is listed in :mod:`dept_mega.data.jsonl`.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
+                                    optimal_dtype)
+from dept_mega.data.jsonl import BadInputReport, parse_line
+from dept_mega.data.tokenizer import Tokenizer, TokenizerError
+
+BATCH_LINES = 512
+BATCH_BYTES = 4 << 20
+
+
+class PreprocessError(RuntimeError):
+    """Preprocessing stopped (bad arguments, unreadable input, or bad input under strict)."""
+
+
+@dataclass
+class PreprocessStats:
+    lines: int = 0
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    seconds: float = 0.0
+    report: BadInputReport = field(default_factory=BadInputReport)
+    outputs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _BatchResult:
+    lines: int
+    # per key: concatenated tokens, per-document lengths, per-document byte counts
+    tokens: list[np.ndarray]
+    lengths: list[np.ndarray]
+    nbytes: list[np.ndarray]
+    report: BadInputReport
+    input_bytes: int
+
+
+# Worker-process state, set once per process by the pool initializer (the tokenizer is too
+# costly to ship with every batch).
+_WORKER: dict = {}
+
+
+def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype) -> None:
+    _WORKER.update(tok=Tokenizer(model), keys=tuple(keys), append_eod=append_eod, dtype=dtype)
+
+
+def _encode_batch(batch: list[tuple[str, bytes]]) -> _BatchResult:
+    tok: Tokenizer = _WORKER["tok"]
+    keys, append_eod, dtype = _WORKER["keys"], _WORKER["append_eod"], _WORKER["dtype"]
+    report = BadInputReport()
+    kept: list[list[str]] = []
+    input_bytes = 0
+    for where, raw in batch:
+        input_bytes += len(raw)
+        texts = parse_line(raw, keys, where, report)
+        if texts is not None:
+            kept.append(texts)
+    tokens, lengths, nbytes = [], [], []
+    eod = [tok.eos_id] if append_eod else []
+    for k in range(len(keys)):
+        texts = [t[k] for t in kept]
+        ids = tok.encode_batch(texts) if texts else []
+        if append_eod:
+            ids = [x + eod for x in ids]
+        lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lens.sum()))
+        tokens.append(flat)
+        lengths.append(lens)
+        nbytes.append(np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts)))
+    return _BatchResult(len(batch), tokens, lengths, nbytes, report, input_bytes)
+
+
+def _count_newlines(path: str, end: int) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        left = end
+        while left > 0:
+            chunk = f.read(min(left, 16 << 20))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            left -= len(chunk)
+    return n
+
+
+def _line_start_at_or_after(path: str, offset: int) -> int:
+    """The offset of the first line starting at or after ``offset``."""
+    if offset == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        if f.read(1) == b"\n":
+            return offset
+        f.readline()
+        return f.tell()
+
+
+Range = tuple[str, int, int]  # (path, start byte, end byte)
+
+
+def partition_ranges(inputs: Sequence[str], partitions: int) -> list[list[Range]]:
+    """Cut the concatenated inputs into ``partitions`` contiguous pieces at line starts."""
+    sizes = [os.path.getsize(p) for p in inputs]
+    total = sum(sizes)
+    # global cut points, aligned to line starts inside their file
+    cuts: list[tuple[int, int]] = []  # (file index, offset)
+    for k in range(1, partitions):
+        target = total * k // partitions
+        acc = 0
+        for i, size in enumerate(sizes):
+            if target < acc + size:
+                cuts.append((i, _line_start_at_or_after(inputs[i], target - acc)))
+                break
+            acc += size
+        else:
+            cuts.append((len(sizes) - 1, sizes[-1]))
+    points = [(0, 0)] + cuts + [(len(sizes) - 1, sizes[-1])]
+    parts: list[list[Range]] = []
+    for (fa, oa), (fb, ob) in zip(points[:-1], points[1:]):
+        ranges: list[Range] = []
+        for i in range(fa, fb + 1):
+            start = oa if i == fa else 0
+            end = ob if i == fb else sizes[i]
+            if end > start:
+                ranges.append((inputs[i], start, end))
+        parts.append(ranges)
+    return parts
+
+
+def _iter_batches(ranges: Sequence[Range]) -> Iterator[list[tuple[str, bytes]]]:
+    batch: list[tuple[str, bytes]] = []
+    size = 0
+    for path, start, end in ranges:
+        lineno = _count_newlines(path, start) if start else 0
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            while pos < end:
+                raw = f.readline()
+                if not raw:
+                    break
+                pos += len(raw)
+                lineno += 1
+                batch.append((f"{path}:{lineno}", raw))
+                size += len(raw)
+                if len(batch) >= BATCH_LINES or size >= BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
+               workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
+               log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0) -> PreprocessStats:
+    """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`."""
+    log = log or (lambda msg: None)
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"input file {path!r} does not exist")
+    if not keys:
+        raise PreprocessError("no --json-keys given")
+    if workers < 1 or partitions < 1:
+        raise PreprocessError(f"--workers ({workers}) and --partitions ({partitions}) must be >= 1")
+    try:
+        tok = Tokenizer(tokenizer_model)
+    except TokenizerError as exc:
+        raise PreprocessError(str(exc)) from None
+    dtype = optimal_dtype(tok.vocab_size)
+    stats = PreprocessStats()
+    finals = [output_prefix_for(output_prefix, k) for k in keys]
+    t0 = time.time()
+
+    pool = None
+    if workers > 1:
+        pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype))
+    else:
+        _init_worker(tokenizer_model, keys, append_eod, dtype)
+    parts = partition_ranges(inputs, partitions) if partitions > 1 else \
+        [[(p, 0, os.path.getsize(p)) for p in inputs]]
+    part_prefixes: list[list[str]] = []
+    try:
+        for pi, ranges in enumerate(parts):
+            prefixes = finals if len(parts) == 1 else [
+                output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
+            _run_part(ranges, prefixes, pool, dtype, strict, stats, log, progress_interval, t0)
+            part_prefixes.append(prefixes)
+        if len(parts) > 1:
+            for k, final in enumerate(finals):
+                builder = IndexedDatasetBuilder(final, dtype)
+                for prefixes in part_prefixes:
+                    builder.add_index(prefixes[k])
+                builder.finalize()
+            log(f"[preprocess] merged {len(parts)} partitions")
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if len(parts) > 1:
+            for prefixes in part_prefixes:
+                for p in prefixes:
+                    for f in (bin_path(p), idx_path(p), bytes_path(p)):
+                        if os.path.exists(f):
+                            os.remove(f)
+    stats.seconds = time.time() - t0
+    stats.outputs = finals
+    return stats
+
+
+def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0) -> None:
+    builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes]
+    pending: collections.deque = collections.deque()
+    max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
+    last = time.time()
+    in_bytes = 0
+
+    def consume(result: _BatchResult) -> None:
+        nonlocal last, in_bytes
+        if strict and result.report.total:
+            stats.report.merge(result.report)
+            raise PreprocessError("bad input and --strict given:\n" + "\n".join(result.report.lines()))
+        stats.report.merge(result.report)
+        stats.lines += result.lines
+        in_bytes += result.input_bytes
+        for k, b in enumerate(builders):
+            b.add_documents(result.tokens[k], result.lengths[k], result.nbytes[k])
+        stats.documents += len(result.lengths[0])
+        stats.tokens += int(result.lengths[0].sum())
+        stats.text_bytes += int(result.nbytes[0].sum())
+        now = time.time()
+        if now - last >= interval:
+            last = now
+            el = now - t0
+            log(f"[preprocess] {stats.documents} docs, {stats.tokens} tokens | "
+                f"{stats.documents / el:.0f} docs/s, {stats.tokens / el:.0f} tokens/s, "
+                f"{in_bytes / el / 1e6:.1f} MB/s")
+
+    try:
+        for batch in _iter_batches(ranges):
+            if pool is None:
+                consume(_encode_batch(batch))
+                continue
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            while len(pending) >= max_inflight:
+                consume(pending.popleft().get())
+        while pending:
+            consume(pending.popleft().get())
+    except BaseException:
+        for b in builders:
+            b.abort()
+        raise
+    for b in builders:
+        b.finalize()

@@ -1,0 +1,254 @@
+"""Batches for training and evaluation: one source per data-parallel rank (DEPT), a blend of
+sources (STD), source weights, TRIM's vocabulary sets, and the validation iterator.
+
+Sample order: step ``t`` of a source uses the dataset's samples
+``[c, c + global_batch_size)`` where ``c`` is the number consumed before it; data-parallel
+rank ``r`` of ``D`` takes the ``r``-th contiguous slice of ``global_batch_size / D`` and cuts
+it into micro-batches. So the D ranks together cover the global batch, none overlap, and the
+result does not depend on D (only on global_batch_size).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dept_mega.data.gpt_dataset import GPTDataset
+from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path
+
+SAMPLINGS = ("uniform", "proportional", "temperature")
+
+
+def source_weights(sizes: Sequence[float], sampling: str, temperature: float = 1.0) -> np.ndarray:
+    """Probabilities of picking each source: ``uniform``; ``proportional`` to size;
+    ``temperature``: ∝ size^τ (τ = 0 is uniform, τ = 1 proportional). Sizes are usually
+    the sources' token counts. Used for STD batches and for DEPT's K > G source sampler."""
+    s = np.asarray(sizes, dtype=np.float64)
+    if s.ndim != 1 or len(s) == 0:
+        raise ValueError(f"source_weights: need a non-empty list of sizes, got {sizes!r}")
+    if np.any(~np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"source_weights: every source size must be > 0, got {list(s)}")
+    if sampling == "uniform":
+        w = np.ones_like(s)
+    elif sampling == "proportional":
+        w = s.copy()
+    elif sampling == "temperature":
+        if temperature < 0:
+            raise ValueError(f"dept.temperature must be >= 0, got {temperature}")
+        # normalise first so large sizes with τ > 1 do not overflow
+        w = (s / s.max()) ** float(temperature)
+    else:
+        raise ValueError(f"dept.sampling {sampling!r} is not one of {' | '.join(SAMPLINGS)}")
+    return w / w.sum()
+
+
+def _check_batch(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> int:
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(f"global_batch_size {global_batch_size} is not divisible by micro_batch_size × "
+                         f"dp_size = {micro_batch_size} × {dp_size}")
+    return global_batch_size // dp_size
+
+
+def _stack(dataset: GPTDataset, indices: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.stack([dataset[int(i)] for i in indices]))
+
+
+class SourceBatches:
+    """One source's micro-batches for one data-parallel rank, step after step.
+    ``next_step()`` returns ``global_batch_size / (dp_size · micro_batch_size)`` LongTensors
+    of shape ``[micro_batch_size, seq_length + 1]``."""
+
+    def __init__(self, dataset: GPTDataset, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = _check_batch(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.consumed_samples = 0
+        self.steps = 0
+
+    def step_indices(self) -> np.ndarray:
+        """Dataset indices this rank reads at the next step."""
+        base = self.consumed_samples + self.dp_rank * self.per_rank
+        return np.arange(base, base + self.per_rank, dtype=np.int64)
+
+    def next_step(self) -> list[torch.Tensor]:
+        idx = self.step_indices()
+        if self.dataset.num_samples is not None and idx[-1] >= self.dataset.num_samples:
+            raise IndexError(f"source {self.dataset.prefix} has no samples left "
+                                f"({self.dataset.num_samples} requested)")
+        tokens = _stack(self.dataset, idx)
+        self.consumed_samples += self.global_batch_size
+        self.steps += 1
+        return list(tokens.split(self.micro_batch_size))
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        self.steps = int(state["steps"])
+
+
+class BlendedStep(NamedTuple):
+    micro_batches: list[torch.Tensor]  # [micro_batch_size, seq_length + 1] int64
+    source_ids: list[torch.Tensor]  # [micro_batch_size] int64: index of each sequence's source
+
+
+class BlendedBatches:
+    """STD: each sequence of a global batch comes from a source drawn with ``weights`` by a
+    generator seeded with ``(seed, step)``, the same on every rank (no communication). Each
+    source is read in its own order (its samples consumed so far), so a source's sequence
+    stream does not depend on the others."""
+
+    def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float], global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 1234):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        w = np.asarray(weights, dtype=np.float64)
+        if np.any(w < 0) or w.sum() <= 0:
+            raise ValueError(f"weights must be >= 0 with a positive sum, got {list(w)}")
+        self.datasets = list(datasets)
+        self.weights = w / w.sum()
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.per_rank = _check_batch(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.seed = seed
+        self.consumed = np.zeros(len(datasets), dtype=np.int64)
+        self.steps = 0
+
+    def step_plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, sample index in that source) of every sequence of the next global batch."""
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.steps, 7])))
+        choice = rng.choice(len(self.datasets), size=self.global_batch_size, p=self.weights)
+        sample = np.empty(self.global_batch_size, dtype=np.int64)
+        for k in range(len(self.datasets)):
+            where = np.flatnonzero(choice == k)
+            sample[where] = self.consumed[k] + np.arange(len(where))
+        return choice.astype(np.int64), sample
+
+    def next_step(self) -> BlendedStep:
+        choice, sample = self.step_plan()
+        lo = self.dp_rank * self.per_rank
+        mine_src, mine_idx = choice[lo:lo + self.per_rank], sample[lo:lo + self.per_rank]
+        tokens = torch.from_numpy(np.stack([self.datasets[int(s)][int(i)] for s, i in zip(mine_src, mine_idx)]))
+        src = torch.from_numpy(mine_src.copy())
+        self.consumed += np.bincount(choice, minlength=len(self.datasets))
+        self.steps += 1
+        mb = self.micro_batch_size
+        return BlendedStep(list(tokens.split(mb)), list(src.split(mb)))
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed.tolist(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        consumed = np.asarray(state["consumed"], dtype=np.int64)
+        if consumed.shape != self.consumed.shape:
+            raise ValueError(f"state has {len(consumed)} sources, this blend has {len(self.consumed)}")
+        self.consumed = consumed
+        self.steps = int(state["steps"])
+
+
+class EvalBatch(NamedTuple):
+    tokens: torch.Tensor  # [micro_batch_size, seq_length + 1] int64
+    bytes: torch.Tensor  # [micro_batch_size] float64: UTF-8 bytes behind each row's targets
+
+
+class ValidationBatches:
+    """Fixed-order evaluation batches over one source's validation part: batch ``k`` is
+    samples ``[k·mbs·D, (k+1)·mbs·D)`` of the dataset, rank ``r`` taking the ``r``-th block
+    of ``mbs``. At most ``eval_iters`` batches, and never more than one pass over the part
+    (no sample is counted twice); every rank gets the same number of batches. Use a
+    dataset built with ``which="valid", shuffle=False``."""
+
+    def __init__(self, dataset: GPTDataset, micro_batch_size: int, eval_iters: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        _check_batch(micro_batch_size * dp_size, micro_batch_size, dp_rank, dp_size)
+        self.dataset = dataset
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        per_batch = micro_batch_size * dp_size
+        self.num_batches = min(eval_iters, dataset.samples_per_epoch // per_batch)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[EvalBatch]:
+        mbs, per_batch = self.micro_batch_size, self.micro_batch_size * self.dp_size
+        for k in range(self.num_batches):
+            lo = k * per_batch + self.dp_rank * mbs
+            idx = np.arange(lo, lo + mbs)
+            tokens = _stack(self.dataset, idx)
+            nbytes = torch.tensor([self.dataset.sample_bytes(int(i)) for i in idx], dtype=torch.float64)
+            yield EvalBatch(tokens, nbytes)
+
+
+# ---------------------------------------------------------------------------- vocabulary sets
+
+
+def _data_key(prefix: str) -> str:
+    parts = []
+    for path in (idx_path(prefix), bin_path(prefix)):
+        st = os.stat(path)
+        parts.append([st.st_size, st.st_mtime_ns])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24) -> np.ndarray:
+    """How often each token id occurs in ``PREFIX.bin`` (bincount in chunks, so memory stays
+    bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir``),
+    keyed by the ``.bin``/``.idx`` sizes and modification times."""
+    ds = IndexedDataset(prefix)
+    cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
+    path = os.path.join(cache_dir, os.path.basename(prefix) + ".token_counts.npz")
+    key = _data_key(prefix)
+    if os.path.exists(path):
+        try:
+            with np.load(path) as z:
+                if str(z["key"]) == key:
+                    return z["counts"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: recompute
+    counts = np.zeros(0, dtype=np.int64)
+    tokens = ds.tokens
+    for lo in range(0, len(tokens), chunk_tokens):
+        chunk = np.asarray(tokens[lo:lo + chunk_tokens])
+        if chunk.size and chunk.min() < 0:
+            raise ValueError(f"{bin_path(prefix)}: negative token id {int(chunk.min())}")
+        c = np.bincount(chunk.astype(np.int64, copy=False))
+        if len(c) > len(counts):
+            c[:len(counts)] += counts
+            counts = c
+        else:
+            counts[:len(c)] += c
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=cache_dir)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, counts=counts, key=np.array(key))
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not cache token counts at {path}: {exc}")
+    return counts
+
+
+def vocab_set(prefix: str, cache_dir: Optional[str] = None) -> np.ndarray:
+    """TRIM's V_k: the sorted token ids (int64) that occur in ``PREFIX.bin`` (cached)."""
+    return np.flatnonzero(token_counts(prefix, cache_dir)).astype(np.int64)
+
+
+def source_datasets(cfg, which: str = "train", shuffle: Optional[bool] = None) -> list[GPTDataset]:
+    """One :class:`GPTDataset` per ``cfg.data.sources`` entry (train shuffled, valid/test not,
+    unless ``shuffle`` says otherwise)."""
+    shuffle = (which == "train") if shuffle is None else shuffle
+    return [GPTDataset(s.prefix, cfg.model.seq_length, cfg.data.split, which, cfg.train.seed,
+                       cfg.data.cache_dir, shuffle=shuffle) for s in cfg.data.sources]

@@ -1,0 +1,435 @@
+"""Analytic parameter, memory and communication costs of every DEPT variant (paper Table 1).
+
+Everything here is arithmetic on the ``model`` section of a :class:`~dept_mega.config.Config`;
+nothing is built or communicated. ``tools/dept_costs.py`` prints it; the DEPT tests compare
+the bytes a real run measures with :func:`predict_outer_round_bytes`.
+
+Parameter counting (must equal ``sum(p.numel())`` of the real model, see tests/test_costs*.py):
+
+* per block: input norm, QKV projection ``h × (q + 2·kv)`` (q = heads·head_dim,
+  kv = query_groups·head_dim), output projection ``q × h``, pre-MLP norm, MLP
+  ``h × ffn`` and ``ffn × h`` (swiglu: the first is ``h × 2·ffn``); biases on every linear
+  layer when ``model.bias``; a layernorm has weight + bias, an rmsnorm a weight only;
+* body = blocks + final norm;
+* embeddings = token table ``V × h`` + learned positions ``L × h`` (only with
+  ``position_embedding: learned``) + output head ``V × h`` (only when untied; no bias).
+
+Vocabulary: the paper (and every ``*_params`` figure below) counts the *true* vocabulary.
+The real model pads its table to a multiple of 128 (Megatron's make-vocab-size-divisible-by,
+so any TP size divides it and losses do not depend on T); the padded rows are real
+parameters of the model but carry no token. ``padded_*`` fields report that count, which is
+what ``sum(p.numel())`` returns and what GLOB actually synchronises.
+
+"Per-step communication" follows the paper's Table 1: what crosses source groups per inner
+step, in parameters. STD all-reduces its gradients every step (M); GLOB synchronises the
+whole model once per round (M / N_local); TRIM the body, positions and the trimmed rows
+(M − (|V| − |V̄_k|)·h, twice the rows when untied) / N_local; SPEC and SPEC-OPT the body only
+(M − (|V| + L)·h for a tied model) / N_local.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+from ..config import Config, ConfigError, ModelConfig
+
+VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
+VOCAB_PAD_MULTIPLE = 128
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def padded_vocab(vocab: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """The table size the model allocates for ``vocab`` tokens."""
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _norm_params(m: ModelConfig) -> int:
+    return 2 * m.hidden_size if m.normalization == "layernorm" else m.hidden_size
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """A block's parameters split by how tensor parallelism stores them.
+
+    ``sharded``: split over the T tensor ranks (QKV, fc1 and their biases, projection and
+    fc2 weights); ``replicated``: held whole by every tensor rank (norms, biases of the
+    row-parallel layers). Summed over the T ranks a block holds sharded + T·replicated.
+    """
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def layer_split(m: ModelConfig) -> LayerSplit:
+    h, ffn = m.hidden_size, m.ffn_size
+    q = m.num_attention_heads * m.head_dim
+    kv = m.query_groups * m.head_dim
+    fc1_out = 2 * ffn if m.activation == "swiglu" else ffn
+    sharded = h * (q + 2 * kv) + q * h + h * fc1_out + ffn * h
+    replicated = 2 * _norm_params(m)
+    if m.bias:
+        sharded += (q + 2 * kv) + fc1_out  # column-parallel biases are split with their rows
+        replicated += h + h  # row-parallel biases (attention output, fc2) are replicated
+    return LayerSplit(sharded, replicated)
+
+
+def layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer block."""
+    return layer_split(m).total
+
+
+def body_split(m: ModelConfig) -> LayerSplit:
+    """The whole body (blocks + final norm) split as :class:`LayerSplit`."""
+    one = layer_split(m)
+    return LayerSplit(m.num_layers * one.sharded, m.num_layers * one.replicated + _norm_params(m))
+
+
+def body_params(m: ModelConfig) -> int:
+    """The shared transformer body θ: every block plus the final norm."""
+    return body_split(m).total
+
+
+def position_params(m: ModelConfig) -> int:
+    return m.seq_length * m.hidden_size if m.position_embedding == "learned" else 0
+
+
+def embedding_params(m: ModelConfig, vocab: int) -> int:
+    """Vocabulary-owned parameters (everything the model keeps under ``embeddings.``):
+    token table, learned positions, untied head."""
+    tables = 1 if m.tie_embeddings else 2
+    return tables * vocab * m.hidden_size + position_params(m)
+
+
+def model_params(m: ModelConfig, vocab: int, padded: bool = False) -> int:
+    """Body + embeddings for one vocabulary (``padded``: the allocated table size)."""
+    v = padded_vocab(vocab) if padded else vocab
+    return body_params(m) + embedding_params(m, v)
+
+
+# ----------------------------------------------------------------------------- vocabularies
+
+
+@dataclass
+class Vocabs:
+    """The vocabulary sizes the cost model needs, and where each came from.
+
+    ``global_vocab``: the global tokenizer (std, glob, trim, spec). ``source_vocabs``: each
+    source's own tokenizer (spec_opt), by source name. ``trim_vocabs``: |V_k| per source,
+    the global-tokenizer ids occurring in source k's data (trim). ``None`` = unknown.
+    """
+
+    global_vocab: Optional[int] = None
+    source_vocabs: dict[str, int] = field(default_factory=dict)
+    trim_vocabs: dict[str, int] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mean_source_vocab(self) -> Optional[float]:
+        return _mean(self.source_vocabs.values())
+
+    @property
+    def mean_trim_vocab(self) -> Optional[float]:
+        return _mean(self.trim_vocabs.values())
+
+
+def _mean(values) -> Optional[float]:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def tokenizer_vocab_size(path: str, key: str) -> int:
+    """The vocabulary size of a SentencePiece model; a missing file is a ConfigError."""
+    import os
+
+    if not os.path.exists(path):
+        raise ConfigError(f"config key '{key}': tokenizer file {path!r} does not exist "
+                          f"(pass the vocabulary size on the command line instead)")
+    try:
+        from ..data.tokenizer import load_tokenizer  # the data package's loader when present
+    except ImportError:
+        load_tokenizer = None
+    if load_tokenizer is not None:
+        return int(load_tokenizer(path).vocab_size)
+    import sentencepiece as spm
+
+    return int(spm.SentencePieceProcessor(model_file=path).get_piece_size())
+
+
+def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab: Optional[int] = None,
+                   trim_vocab: Optional[int] = None, read_trim_from_data: bool = True) -> Vocabs:
+    """Find the vocabulary sizes: explicit arguments first, then the config's tokenizers
+    (``data.tokenizer``, ``data.sources[i].tokenizer``), then ``model.vocab_size``.
+
+    ``trim_vocab`` (the mean |V_k|) may also come from the sources' data files through the
+    data package's ``vocab_set`` when they exist and the global vocabulary is the config's
+    own (not ``global_vocab``: the files' ids belong to the config's tokenizer); otherwise it
+    stays unknown and :func:`predict_costs` reports TRIM untrimmed (and says so).
+    """
+    v = Vocabs()
+    if global_vocab is not None:
+        v.global_vocab, v.origin["global"] = int(global_vocab), "--global-vocab"
+    elif cfg.data.tokenizer:
+        v.global_vocab = tokenizer_vocab_size(cfg.data.tokenizer, "data.tokenizer")
+        v.origin["global"] = f"data.tokenizer ({cfg.data.tokenizer})"
+    elif cfg.model.vocab_size is not None:
+        v.global_vocab, v.origin["global"] = cfg.model.vocab_size, "model.vocab_size"
+
+    names = [s.name for s in cfg.data.sources] or ["source"]
+    if source_vocab is not None:
+        v.source_vocabs = {n: int(source_vocab) for n in names}
+        v.origin["source"] = "--source-vocab"
+    elif cfg.data.sources and all(s.tokenizer for s in cfg.data.sources):
+        v.source_vocabs = {s.name: tokenizer_vocab_size(s.tokenizer, f"data.sources[{i}].tokenizer")
+                           for i, s in enumerate(cfg.data.sources)}
+        v.origin["source"] = "data.sources[*].tokenizer"
+
+    if trim_vocab is not None:
+        v.trim_vocabs = {n: int(trim_vocab) for n in names}
+        v.origin["trim"] = "--trim-vocab"
+    elif read_trim_from_data and cfg.data.sources and global_vocab is None and v.global_vocab is not None:
+        # only when the global vocabulary is the config's own: the data's ids belong to it
+        found = _trim_vocabs_from_data(cfg)
+        if found:
+            v.trim_vocabs, v.origin["trim"] = found, "vocab_set(data.sources[*].prefix)"
+    for name, size in [("global", v.global_vocab), *[(f"source {k}", s) for k, s in v.source_vocabs.items()],
+                       *[(f"trim {k}", s) for k, s in v.trim_vocabs.items()]]:
+        if size is not None and size <= 0:
+            raise ConfigError(f"{name} vocabulary size must be > 0, got {size}")
+    return v
+
+
+def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
+    """|V_k| of every source from its indexed data, when the files and the data package exist."""
+    import os
+
+    try:
+        from ..data.sources import vocab_set
+    except ImportError:
+        return {}
+    if not all(os.path.exists(s.prefix + ".idx") for s in cfg.data.sources):
+        return {}
+    return {s.name: int(len(vocab_set(s.prefix, cfg.data.cache_dir))) for s in cfg.data.sources}
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+@dataclass
+class VariantCosts:
+    """One variant's figures for one source group's working model (true vocabulary).
+
+    ``vocab``: rows of the token table a group trains with (the mean over sources where it
+    differs per source). ``per_step_comm_params``: what crosses groups per inner step, in
+    parameters (paper Table 1); ``per_round_comm_params`` the same per round.
+    """
+
+    vocab: float
+    body_params: int
+    embedding_params: float
+    total_params: float
+    per_step_comm_params: float
+    per_round_comm_params: float
+    padded_vocab: float
+    padded_total_params: float
+    note: str = ""
+
+
+def predict_costs(cfg: Config, global_vocab: Optional[int], source_vocabs: Optional[Sequence[int] | dict] = None,
+                  trim_vocabs: Optional[Sequence[int] | dict] = None) -> dict[str, dict]:
+    """Table 1 for ``cfg.model`` and ``cfg.dept.local_steps``: ``{variant: VariantCosts dict}``.
+
+    ``global_vocab`` is required. ``source_vocabs`` (SPEC-OPT's per-source tokenizers) and
+    ``trim_vocabs`` (TRIM's |V_k|) may be lists or ``{source: size}``; their mean is used.
+    Without ``source_vocabs`` SPEC-OPT raises; without ``trim_vocabs`` TRIM is reported
+    untrimmed (|V_k| = |V|, an upper bound) with a note saying so.
+    """
+    if global_vocab is None:
+        raise ConfigError("no global vocabulary size: set data.tokenizer (or model.vocab_size) "
+                          "or pass --global-vocab N")
+    m, n_local = cfg.model, cfg.dept.local_steps
+    h = m.hidden_size
+    tables = 1 if m.tie_embeddings else 2
+    body = body_params(m)
+    pos = position_params(m)
+    full = model_params(m, global_vocab)  # M of Table 1
+
+    def mean(x) -> Optional[float]:
+        if x is None:
+            return None
+        return _mean(x.values() if isinstance(x, dict) else x)
+
+    def sizes(x) -> list[int]:
+        return list(x.values() if isinstance(x, dict) else x) if x else []
+
+    src_mean, trim_mean = mean(source_vocabs), mean(trim_vocabs)
+    if src_mean is None:
+        raise ConfigError("no per-source vocabulary size for spec_opt: set data.sources[i].tokenizer "
+                          "or pass --source-vocab N")
+    trim_note = ""
+    if trim_mean is None:
+        trim_mean = float(global_vocab)
+        trim_note = "mean |V_k| unknown: reported untrimmed (|V_k| = |V|, an upper bound); pass --trim-vocab N"
+    if trim_mean > global_vocab:
+        raise ConfigError(f"mean TRIM vocabulary {trim_mean} exceeds the global vocabulary {global_vocab}")
+
+    def entry(vocab: float, per_step: float, per_round: float, padded_sizes: list[int], note: str = "") -> dict:
+        emb = tables * vocab * h + pos
+        padded = _mean([padded_vocab(v) for v in padded_sizes])
+        padded_total = body + tables * padded * h + pos
+        return asdict(VariantCosts(vocab=_num(vocab), body_params=body, embedding_params=_num(emb),
+                                   total_params=_num(body + emb), per_step_comm_params=_num(per_step),
+                                   per_round_comm_params=_num(per_round), padded_vocab=_num(padded),
+                                   padded_total_params=_num(padded_total), note=note))
+
+    trimmed = body + tables * trim_mean * h + pos  # what TRIM synchronises per round
+    gv = [global_vocab]
+    return {
+        "std": entry(global_vocab, full, full * n_local, gv,
+                     "per-step data-parallel gradient all-reduce of the whole model"),
+        "glob": entry(global_vocab, full / n_local, full, gv),
+        "trim": entry(trim_mean, trimmed / n_local, trimmed, sizes(trim_vocabs) or gv, trim_note),
+        "spec": entry(global_vocab, body / n_local, body, gv,
+                      "one full global-vocabulary table per source (never averaged)"),
+        "spec_opt": entry(src_mean, body / n_local, body, sizes(source_vocabs)),
+    }
+
+
+def _num(x: float) -> float | int:
+    """Integers stay integers in the JSON; fractions are kept exact as floats."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def trim_row_counts(n_real: int, tensor: int, data: int) -> list[list[int]]:
+    """Rows of a compact TRIM table of ``n_real`` real rows that rank (tp t, dp d) sends:
+    ``counts[t][d]``. The table is padded to 128 and split over TP in equal slices (the
+    padded rows carry no id and are never sent); the D replicas split a slice's real rows
+    into near-equal chunks (dept/outer.py ``chunk_bounds``)."""
+    padded = padded_vocab(n_real) if n_real else 0
+    per = padded // tensor
+    counts = []
+    for t in range(tensor):
+        real = max(0, min((t + 1) * per, n_real) - min(t * per, n_real))
+        base, extra = divmod(real, data)
+        counts.append([base + (1 if d < extra else 0) for d in range(data)])
+    return counts
+
+
+def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, data: int,
+                        wire_bytes: int) -> dict[str, int]:
+    """Bytes of one TRIM table's row exchange (dept/trim.py ``exchange_rows``), summed over ranks.
+
+    Each gather is an all-gather of equal-size parts (gloo and NCCL need them): first one
+    int64 count per rank, then every rank's (ids int64, rows) padded to the largest part in
+    its group — the padding is sent and counted. Over the outer group (G = len(trim_vocabs)
+    ranks at one (tp, dp) position) the rows travel in ``wire_bytes`` per value; the
+    re-gathers inside a group, over dp then tp, are fp32 and carry what was received.
+    """
+    G = len(trim_vocabs)
+    fp32 = DTYPE_BYTES["fp32"]
+    counts = [trim_row_counts(v, tensor, data) for v in trim_vocabs]  # [k][t][d]
+    out = {"outer_embedding": 0, "dp": 0, "tp": 0}
+    for t in range(tensor):
+        # over the outer group at (t, d): G parts of the largest count
+        if G > 1:
+            for d in range(data):
+                largest = max(counts[k][t][d] for k in range(G))
+                out["outer_embedding"] += G * (8 + largest * (8 + hidden * wire_bytes))
+        # over dp at tp t (same content in every group): each replica sends what it received
+        if data > 1:
+            received = [sum(counts[k][t][d] for k in range(G)) for d in range(data)]
+            out["dp"] += G * data * (8 + max(received) * (8 + hidden * fp32))
+    if tensor > 1:
+        # over tp: each rank sends the whole slice of every group's rows
+        slice_rows = [sum(sum(counts[k][t]) for k in range(G)) for t in range(tensor)]
+        out["tp"] += G * data * tensor * (8 + max(slice_rows) * (8 + hidden * fp32))
+    return out
+
+
+def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = None,
+                              global_vocab: Optional[int] = None,
+                              trim_vocabs: Optional[Sequence[int]] = None) -> dict[str, int]:
+    """Bytes one outer synchronisation puts on the wire, by category, summed over all ranks.
+
+    Counting convention (dept_mega/parallel/comm.py): every rank counts the payload it
+    contributes — all_reduce / reduce_scatter its input, all_gather its shard (its own part,
+    not what it receives), broadcast the source only, send the tensor — and the job's figure
+    is the sum over ranks (``comm.total_over_ranks``); a size-1 group counts nothing.
+    ``groups`` = G. ``dtype`` (what crosses groups) defaults to ``cfg.dept.outer_comm_dtype``.
+
+    The algorithm counted is the one of dept_mega/dept/outer.py and trim.py, with T, D from
+    ``cfg.parallel`` (P only moves parameters between stages, it adds none):
+
+    * body (``FlatSync``): each rank takes its 1/D chunk of its own TP/PP shard's Δ (chunks
+      of near-equal size that add up to the shard exactly) and all-reduces it over the outer
+      group (``outer_body``, in ``dtype``; only when G > 1). Summed over a group's ranks that
+      is the body with its TP-replicated parameters (norms, row-parallel biases) counted T
+      times. With D > 1 the replicas then all-gather the updated chunks over dp in fp32
+      (``dp``, also when G = 1).
+    * "Tables" below are the embedding tables on this job's ranks: the token table on the
+      first stage plus, on the last stage, the untied head or — tied with P > 1 — the last
+      stage's copy of the token table (each is synchronised by the ranks holding it), so 1
+      table for tied with P = 1, else 2.
+    * GLOB: the tables (vocab-parallel, padded to 128: counted once over TP) and learned
+      positions (replicated: T times) go through the same FlatSync as ``outer_embedding``
+      (+ ``dp`` re-gather).
+    * TRIM: learned positions as in GLOB; per table every rank holding a TP slice of the
+      compact table sends its 1/D share of the group's real rows as (ids int64, rows
+      ``dtype``) over the outer group, after one int64 count, padded to the largest share
+      in the outer group (:func:`trim_exchange_bytes`): about Σ_k |V_k|·(8 + h·b) when the
+      |V_k| are close (only when G > 1). Every rank then re-gathers what it received inside
+      its group in fp32, also when G = 1: over dp when D > 1 and over tp when T > 1; the
+      ``dp``/``tp`` figures include these.
+    * SPEC / SPEC-OPT: nothing but the body. STD: no outer round, all zero.
+
+    Returns ``{"outer_body", "outer_embedding", "dp", "tp"}`` in bytes (``tp`` is only
+    TRIM's re-gather; the other variants' sync sends nothing over tp).
+    """
+    m, p = cfg.model, cfg.parallel
+    variant = cfg.dept.variant
+    dtype = dtype or cfg.dept.outer_comm_dtype
+    if dtype not in DTYPE_BYTES or dtype == "fp16":
+        raise ConfigError(f"config key 'dept.outer_comm_dtype': {dtype!r} is not one of fp32 | bf16")
+    if groups < 1:
+        raise ConfigError(f"predict_outer_round_bytes: groups must be >= 1, got {groups}")
+    b, fp32 = DTYPE_BYTES[dtype], DTYPE_BYTES["fp32"]
+    out = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
+    if variant == "std":
+        return out
+    T, D = p.tensor, p.data
+    bs = body_split(m)
+    body_elems = bs.sharded + T * bs.replicated  # summed over a group's ranks (D replicas split it)
+    # table copies that are synchronised: the token table on the first stage, and on the last
+    # stage the untied head or (tied, P > 1) the last stage's copy of the token table
+    tables = 1 if (m.tie_embeddings and p.pipeline == 1) else 2
+    # learned positions (replicated over TP) are synchronised by GLOB and TRIM; SPEC's are per source
+    dense_emb = T * position_params(m) if variant in ("glob", "trim") else 0
+    rows_bytes = 0
+    if variant == "glob":
+        if global_vocab is None:
+            raise ConfigError("predict_outer_round_bytes: glob needs global_vocab")
+        dense_emb += tables * padded_vocab(global_vocab) * m.hidden_size
+    elif variant == "trim":
+        if trim_vocabs is None or len(trim_vocabs) != groups:
+            raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
+                              f"got {trim_vocabs!r}")
+        trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, b)
+        rows_bytes = tables * trim["outer_embedding"]
+        out["dp"] += tables * trim["dp"]
+        out["tp"] += tables * trim["tp"]
+    if groups > 1:
+        out["outer_body"] = groups * body_elems * b
+        out["outer_embedding"] = groups * dense_emb * b + rows_bytes
+    if D > 1:
+        out["dp"] += groups * (body_elems + dense_emb) * fp32
+    return out

@@ -1,0 +1,134 @@
+"""Who trains what: the source of each group in each round (design.md §2).
+
+K = G: a fixed assignment, group g trains source g every round.
+K > G: a seeded sampler draws G distinct sources per round (weighted, without replacement).
+The draw depends only on (seed, round), so every rank computes the same plan without any
+communication, and a resumed run replays the same history.
+
+A source that is drawn again keeps the group it last trained in when that group is free, so
+sources move between groups only when they have to; a *move* is recorded when a source last
+trained in group a now trains in group b (its own state then travels a -> b, see store.py).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Move:
+    """Source ``source`` last trained in group ``src_group`` and trains in ``dst_group`` now."""
+    source: int
+    src_group: int
+    dst_group: int
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    sources: tuple[int, ...]  # sources[g] = index of the source group g trains this round
+    moves: tuple[Move, ...]
+    # last_group[k] = the group source k trained in most recently *before* this round (None: never)
+    last_group: tuple[Optional[int], ...]
+
+    def group_of(self, source: int) -> Optional[int]:
+        return self.sources.index(source) if source in self.sources else None
+
+
+def sampling_weights(sizes: Sequence[float], sampling: str, temperature: float) -> list[float]:
+    """Unnormalised source weights: uniform 1, proportional size, temperature size**τ.
+
+    The same rule as the data package's ``source_weights`` (STD's blend); kept here as a
+    pure function of the sizes so round plans need nothing but the config and the sizes.
+    """
+    if sampling == "uniform":
+        return [1.0] * len(sizes)
+    if any(s <= 0 for s in sizes):
+        raise ValueError(f"dept.sampling={sampling!r} needs positive source sizes, got {list(sizes)}")
+    if sampling == "proportional":
+        return [float(s) for s in sizes]
+    if sampling == "temperature":
+        return [float(s) ** float(temperature) for s in sizes]
+    raise ValueError(f"dept.sampling: unknown rule {sampling!r} (uniform | proportional | temperature)")
+
+
+def _round_rng(seed: int, round_index: int) -> random.Random:
+    # Mersenne Twister seeded by an int: identical on every rank and Python version.
+    return random.Random((int(seed) * 1_000_003 + 7919) * 1_000_033 + int(round_index))
+
+
+def draw_without_replacement(weights: Sequence[float], count: int, rng: random.Random) -> list[int]:
+    """``count`` distinct indices, each draw ∝ the remaining weights (sequential sampling)."""
+    remaining = list(range(len(weights)))
+    chosen: list[int] = []
+    for _ in range(count):
+        total = sum(weights[i] for i in remaining)
+        x = rng.random() * total
+        acc = 0.0
+        pick = remaining[-1]
+        for i in remaining:
+            acc += weights[i]
+            if x < acc:
+                pick = i
+                break
+        chosen.append(pick)
+        remaining.remove(pick)
+    return chosen
+
+
+class RoundScheduler:
+    """Round plans for ``num_sources`` sources over ``num_groups`` groups."""
+
+    def __init__(self, num_sources: int, num_groups: int, *, seed: int, sampling: str = "uniform",
+                 temperature: float = 1.0, sizes: Optional[Sequence[float]] = None) -> None:
+        if num_groups < 1:
+            raise ValueError(f"need at least one group, got {num_groups}")
+        if num_sources < num_groups:
+            raise ValueError(f"{num_sources} sources cannot fill {num_groups} groups")
+        self.num_sources = num_sources
+        self.num_groups = num_groups
+        self.seed = seed
+        sizes = list(sizes) if sizes is not None else [1.0] * num_sources
+        if len(sizes) != num_sources:
+            raise ValueError(f"got {len(sizes)} source sizes for {num_sources} sources")
+        self.weights = sampling_weights(sizes, sampling, temperature)
+        self._plans: list[RoundPlan] = []
+
+    @property
+    def fixed(self) -> bool:
+        return self.num_sources == self.num_groups
+
+    def _draw(self, round_index: int, last_group: list[Optional[int]]) -> tuple[int, ...]:
+        G = self.num_groups
+        if self.fixed:
+            return tuple(range(G))
+        drawn = draw_without_replacement(self.weights, G, _round_rng(self.seed, round_index))
+        slots: list[Optional[int]] = [None] * G
+        rest = []
+        for k in drawn:  # a source drawn again stays where it was when it can
+            g = last_group[k]
+            if g is not None and slots[g] is None:
+                slots[g] = k
+            else:
+                rest.append(k)
+        free = [g for g in range(G) if slots[g] is None]
+        for g, k in zip(free, rest):
+            slots[g] = k
+        return tuple(int(k) for k in slots)  # type: ignore[arg-type]
+
+    def plan(self, round_index: int) -> RoundPlan:
+        """The plan of round ``round_index`` (rounds before it are replayed once and cached)."""
+        if round_index < 0:
+            raise ValueError(f"round index must be >= 0, got {round_index}")
+        while len(self._plans) <= round_index:
+            r = len(self._plans)
+            last = list(self._plans[-1].last_group) if self._plans else [None] * self.num_sources
+            if self._plans:
+                for g, k in enumerate(self._plans[-1].sources):
+                    last[k] = g
+            sources = self._draw(r, last)
+            moves = tuple(Move(k, last[k], g) for g, k in enumerate(sources)
+                          if last[k] is not None and last[k] != g)
+            self._plans.append(RoundPlan(r, sources, moves, tuple(last)))
+        return self._plans[round_index]

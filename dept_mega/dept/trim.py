@@ -1,0 +1,157 @@
+"""TRIM: the global embedding table φ outside the groups' models, and its sparse row means.
+
+φ (fp32, [|V|, d]) is held on CPU by every rank that holds a part of the token embedding or
+of the untied head (``dept.trim_table_device: cpu``). At a round's start a group copies the
+rows V_k of its source into its compact embedding (``gather``); at the round's end each rank
+computes the pseudo-gradient of the compact rows it owns, Δ_r = φ_r − local_r, and only
+those rows and their global ids cross groups (:func:`exchange_rows`). Every rank then applies
+the same update (:func:`row_mean_update`): each row held by at least one group moves by the
+mean Δ over the groups that hold it; rows held by no group stay as they were.
+
+:func:`row_mean_update_dense` is the dense |V|×d reference used by the tests only.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..parallel.comm import group_size
+from .outer import COMM_DTYPES, chunk_bounds
+
+
+def _gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    try:
+        from ..ops import gather_rows
+    except ImportError:  # the ops package is not built yet: same semantics in plain PyTorch
+        return table.index_select(0, ids)
+    return gather_rows(table, ids)
+
+
+def _scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    try:
+        from ..ops import scatter_add_rows
+    except ImportError:
+        return out.index_add_(0, ids, rows)
+    return scatter_add_rows(out, ids, rows)
+
+
+class TrimTable:
+    """φ: the global fp32 table (token embedding, or the untied head)."""
+
+    def __init__(self, weight: torch.Tensor, device: str | torch.device = "cpu") -> None:
+        self.weight = weight.detach().to(device=device, dtype=torch.float32).clone()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        return _gather_rows(self.weight, ids.to(self.weight.device))
+
+    @torch.no_grad()
+    def apply(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        row_mean_update(self.weight, ids, deltas)
+
+
+@torch.no_grad()
+def row_mean_update(table: torch.Tensor, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+    """table[r] -= mean of the rows of ``deltas`` whose id is r (ids may repeat across groups).
+
+    Sparse: work and memory are O(len(ids)·d), never O(|V|·d)."""
+    if ids.numel() == 0:
+        return
+    ids = ids.to(table.device, torch.int64)
+    deltas = deltas.to(table.device, torch.float32)
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32, device=table.device)
+    _scatter_add_rows(sums, inverse, deltas)
+    counts = torch.bincount(inverse, minlength=uniq.numel()).to(torch.float32)
+    table.index_copy_(0, uniq, table.index_select(0, uniq) - sums / counts[:, None])
+
+
+@torch.no_grad()
+def row_mean_update_dense(table: torch.Tensor, contributions: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Dense reference of :func:`row_mean_update` (tests): |V|×d sums and |V| counts."""
+    sums = torch.zeros_like(table, dtype=torch.float32)
+    counts = torch.zeros(table.shape[0], dtype=torch.float32, device=table.device)
+    for ids, delta in contributions:
+        sums.index_add_(0, ids, delta.to(torch.float32))
+        counts.index_add_(0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=table.device))
+    held = counts > 0
+    table[held] = table[held] - sums[held] / counts[held][:, None]
+
+
+def _all_gather_var(pg, group, ids: torch.Tensor, rows: torch.Tensor, category: str,
+                    comm_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather variable-length (ids [n], rows [n, d]) over ``group``: concatenated in group-rank order.
+
+    gloo and NCCL all-gather equal sizes only, so every rank pads its part to the largest
+    count of the group (one int64 count per rank is gathered first); the padding is real
+    traffic and is counted. Ids and rows travel in one buffer per rank when the wire dtype is
+    fp32 (ids as two int32 halves would be lossy in bf16, so bf16 sends ids separately)."""
+    n = group_size(group)
+    if n == 1:
+        return ids, rows
+    d = rows.shape[1]
+    dev = rows.device
+    count = torch.tensor([ids.numel()], dtype=torch.int64, device=dev)
+    all_counts = torch.zeros(n, dtype=torch.int64, device=dev)
+    pg.comm.all_gather_into(all_counts, count, group, category=category)
+    sizes = [int(c) for c in all_counts.tolist()]
+    m = max(sizes)
+    id_buf = torch.zeros(m, dtype=torch.int64, device=dev)
+    id_buf[:ids.numel()] = ids.to(dev, torch.int64)
+    id_out = torch.empty(n * m, dtype=torch.int64, device=dev)
+    pg.comm.all_gather_into(id_out, id_buf, group, category=category)
+    row_buf = torch.zeros(m * d, dtype=comm_dtype, device=dev)
+    row_buf[:rows.numel()] = rows.reshape(-1).to(comm_dtype)
+    row_out = torch.empty(n * m * d, dtype=comm_dtype, device=dev)
+    pg.comm.all_gather_into(row_out, row_buf, group, category=category)
+    id_out = id_out.view(n, m)
+    row_out = row_out.view(n, m, d)
+    out_ids = torch.cat([id_out[i, :sizes[i]] for i in range(n)])
+    out_rows = torch.cat([row_out[i, :sizes[i]] for i in range(n)]).to(torch.float32)
+    return out_ids, out_rows
+
+
+def exchange_rows(pg, ids: torch.Tensor, deltas: torch.Tensor, *, comm_dtype: str = "fp32",
+                  tp_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every group's (global ids, Δ rows), on every rank, in a deterministic order.
+
+    ``ids``/``deltas``: the rows this rank's TP slice of the compact table owns (``tp_split``)
+    or the whole compact table (``tp_split=False``, e.g. a replicated table). The D replicas
+    of a group split the rows: replica d sends its 1/D chunk across groups over ``pg.outer``
+    (category ``outer_embedding``: only trimmed rows and their ids cross groups); the result
+    is then re-gathered inside the group over ``pg.dp`` (``dp``) and, for TP slices, ``pg.tp``
+    (``tp``) so that every rank can update its copy of φ.
+    """
+    dtype = COMM_DTYPES[comm_dtype]
+    s, e = chunk_bounds(ids.numel(), pg.dp_size, pg.dp_rank)
+    my_ids, my_rows = ids[s:e], deltas[s:e].to(torch.float32)
+    g_ids, g_rows = _all_gather_var(pg, pg.outer, my_ids, my_rows, "outer_embedding", dtype)
+    # inside the group: fp32 (already rounded to the wire dtype where that applies)
+    g_ids, g_rows = _all_gather_var(pg, pg.dp, g_ids, g_rows, "dp", torch.float32)
+    if tp_split:
+        g_ids, g_rows = _all_gather_var(pg, pg.tp, g_ids, g_rows, "tp", torch.float32)
+    return g_ids, g_rows
+
+
+def remap_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Global→local id table: lookup[v] = position of v in ``vocab_ids`` (sorted), −1 elsewhere."""
+    lookup = torch.full((vocab_size,), -1, dtype=torch.int64)
+    lookup[vocab_ids.to(torch.int64)] = torch.arange(vocab_ids.numel(), dtype=torch.int64)
+    return lookup
+
+
+def remap_tokens(tokens: torch.Tensor, lookup: torch.Tensor, source: Optional[str] = None) -> torch.Tensor:
+    """Map global token ids to compact ids; an id outside V_k is an error (the V_k is wrong)."""
+    try:
+        from ..ops import remap_ids
+        out = remap_ids(tokens, lookup)
+    except ImportError:
+        out = lookup[tokens]
+    if (out < 0).any():
+        bad = tokens[out < 0].unique()[:8].tolist()
+        raise ValueError(f"TRIM: token ids {bad} of source {source!r} are not in its vocabulary set V_k")
+    return out

@@ -1,0 +1,72 @@
+"""Evaluate a run's saved weights per source (design.md §7).
+
+    torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json
+
+Reads ``RUN/config.yaml``, rebuilds the model in the run's layout (same tensor and pipeline
+sizes; launch with as many ranks as the run used, or any data-parallel size), loads
+``RUN/checkpoints/step_S`` (default: ``latest``) and writes ``RESULT.json``: one ``eval``
+record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
+computed exactly as the run's periodic evaluation (``train.eval_iters`` batches of the
+validation split, unless ``--eval-iters`` says otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from .checkpoint import latest_step, load_weights
+from .config import ConfigError, load_config
+from .metrics import make_record
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dept_mega.evaluate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--out", required=True, help="where to write the JSON result")
+    ap.add_argument("--eval-iters", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg_path = os.path.join(args.run_dir, "config.yaml")
+    overrides = [f"train.run_dir={args.run_dir}"]
+    if args.eval_iters is not None:
+        overrides.append(f"train.eval_iters={args.eval_iters}")
+    try:
+        cfg = load_config(cfg_path, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    step = args.step if args.step is not None else latest_step(args.run_dir)
+    if step is None:
+        print(f"error: {args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)",
+              file=sys.stderr)
+        return 2
+    from .train import build_session
+    try:
+        session = build_session(cfg, metrics=False)
+        load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    session.trainer.step = step
+    by_source = session.loop.evaluate()
+    if session.rank == 0:
+        rec = make_record("eval", step, session.loop.round_of(max(step - 1, 0)), by_source=by_source)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(tmp, args.out)
+        print(json.dumps(rec))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The step loop: rounds, hooks for DEPT, logging, periodic evaluation, checkpoints.
+
+Round r covers inner steps ``[r·L, (r+1)·L)``, ``L = dept.local_steps``. Before a round's first
+step the loop calls ``hooks.round_start`` (which source each group trains, embedding swaps),
+after its last step ``hooks.round_end`` (outer sync; its record is written as ``kind:
+"outer"``). STD uses :class:`StdHooks` (one group, the ``"blend"`` iterator, no outer sync).
+The interface is documented in docs/architecture.md ("dept_mega.loop").
+
+Scalars for logging (the loss of every group, token counts, eval sums) are reduced with
+``torch.distributed`` directly: bookkeeping, not counted by ``Comm``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .metrics import MetricsWriter, human_line
+from .parallel.groups import ParallelGroups
+from .trainer import StepResult, Trainer
+
+BLEND = "blend"
+
+
+@runtime_checkable
+class BatchIterator(Protocol):
+    def next_step(self) -> list[Any]: ...
+
+
+class RoundHooks(Protocol):
+    def round_start(self, loop: "TrainLoop", round_index: int) -> dict[int, str]: ...
+
+    def round_end(self, loop: "TrainLoop", round_index: int) -> Optional[dict[str, Any]]: ...
+
+    def make_iterator(self, source: str) -> Optional[BatchIterator]: ...
+
+    def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager: ...
+
+
+class StdHooks:
+    """STD: one group trains the blend of all sources; no outer synchronisation."""
+
+    def round_start(self, loop: "TrainLoop", round_index: int) -> dict[int, str]:
+        return {0: BLEND}
+
+    def round_end(self, loop: "TrainLoop", round_index: int) -> Optional[dict[str, Any]]:
+        return None
+
+    def make_iterator(self, source: str) -> Optional[BatchIterator]:
+        return None
+
+    def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager:
+        return nullcontext()
+
+
+@dataclass
+class EvalStep:
+    """One evaluation step of one data-parallel rank: its micro-batches and the UTF-8 bytes
+    behind their target tokens."""
+    micro_batches: list[Any]
+    nbytes: float
+
+
+# make_eval_batches(source) -> the eval steps of this dp rank for that source (validation split)
+EvalFactory = Callable[[str], Iterable[EvalStep]]
+
+
+def eval_metrics(loss_sum: float, tokens: int, nbytes: float) -> dict[str, float]:
+    """design.md §7: mean token loss, perplexity, bits per UTF-8 byte (nats / ln 2 / bytes)."""
+    loss = loss_sum / tokens if tokens else float("nan")
+    return {"loss": loss, "ppl": math.exp(loss) if tokens and loss < 700 else float("nan"),
+            "bpb": loss_sum / math.log(2) / nbytes if nbytes else float("nan"),
+            "tokens": int(tokens), "bytes": int(round(nbytes))}
+
+
+class TrainLoop:
+    def __init__(self, cfg: Config, pg: ParallelGroups, trainer: Trainer, hooks: RoundHooks,
+                 writer: MetricsWriter, make_iterator: Callable[[str], BatchIterator],
+                 eval_sources: Sequence[str] = (), make_eval_batches: Optional[EvalFactory] = None,
+                 source_names: Sequence[str] = (), checkpointer: Optional[Any] = None) -> None:
+        self.cfg = cfg
+        self.pg = pg
+        self.trainer = trainer
+        self.hooks = hooks
+        self.writer = writer
+        self._make_iterator = make_iterator
+        self.iterators: dict[str, BatchIterator] = {}
+        self.eval_sources = list(eval_sources)
+        self.make_eval_batches = make_eval_batches
+        self.source_names = list(source_names) or [s.name for s in cfg.data.sources]
+        self.checkpointer = checkpointer
+        self.assignment: Optional[dict[int, str]] = None
+        self.last_result: Optional[StepResult] = None
+        self.eval_history: list[dict[str, Any]] = []
+
+    # -- data ----------------------------------------------------------------------------
+    def iterator(self, name: str) -> BatchIterator:
+        """The batch iterator of a source, created once and kept by name."""
+        if name not in self.iterators:
+            it = self.hooks.make_iterator(name) if hasattr(self.hooks, "make_iterator") else None
+            self.iterators[name] = it if it is not None else self._make_iterator(name)
+        return self.iterators[name]
+
+    @property
+    def local_steps(self) -> int:
+        return self.cfg.dept.local_steps
+
+    def round_of(self, step: int) -> int:
+        return step // self.local_steps
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg, tr = self.cfg, self.trainer
+        total = cfg.train.steps
+        L = self.local_steps
+        log_every = cfg.train.log_interval
+        t_start = time.time()
+        t_last, tokens_since = t_start, 0
+        step_start = tr.step
+        evaluated_at = -1
+        while tr.step < total:
+            r = self.round_of(tr.step)
+            if self.assignment is None or tr.step % L == 0:
+                self.assignment = self.hooks.round_start(self, r)
+                if self.pg.group_index not in self.assignment:
+                    raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
+                                       f"{self.pg.group_index}: {self.assignment}")
+            source = self.assignment[self.pg.group_index]
+            res = tr.train_step(self.iterator(source).next_step())
+            self.last_result = res
+            tokens_since += res.tokens * self.pg.num_groups
+            step = tr.step
+            if step % log_every == 0 or step == total:
+                rec = self._train_record(res, source)
+                now = time.time()
+                self.writer.write("train", step, self.round_of(step - 1), **rec)
+                tps = tokens_since / max(now - t_last, 1e-9)
+                elapsed = now - t_start
+                eta_rate = elapsed / max(step - step_start, 1)
+                self.writer.log(human_line(step, total, rec["loss"], rec["lr"], tps, elapsed,
+                                           eta_rate * (total - step), tr.nonfinite_total))
+                t_last, tokens_since = now, 0
+            if step % L == 0 or step == total:
+                t0 = time.time()
+                outer = self.hooks.round_end(self, self.round_of(step - 1))
+                if outer is not None:
+                    outer.setdefault("seconds", time.time() - t0)
+                    self.writer.write("outer", step, self.round_of(step - 1), **outer)
+            if cfg.train.eval_interval and step % cfg.train.eval_interval == 0 and step < total:
+                self.evaluate()
+                evaluated_at = step
+            if self.checkpointer is not None and cfg.train.save_interval and step % cfg.train.save_interval == 0 \
+                    and step < total:
+                self.checkpointer.save(self)
+        if self.eval_sources and evaluated_at != tr.step:
+            self.evaluate()
+        if self.checkpointer is not None:
+            self.checkpointer.save(self)
+
+    # -- records -------------------------------------------------------------------------
+    def _train_record(self, res: StepResult, source: str) -> dict[str, Any]:
+        G = self.pg.num_groups
+        if G == 1:
+            losses = [res.loss]
+            tokens = [res.tokens]
+            norms = [res.grad_norm]
+        else:
+            # One slot per group, filled by the group's first rank (bookkeeping reduction).
+            v = torch.zeros(3 * G, dtype=torch.float64)
+            if self.pg.rank == self.pg.rank_of(0, 0, 0, self.pg.group_index):
+                g = self.pg.group_index
+                v[3 * g:3 * g + 3] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm],
+                                                  dtype=torch.float64)
+            dist.all_reduce(v)
+            vals = v.tolist()
+            tokens = [int(vals[3 * g + 1]) for g in range(G)]
+            losses = [vals[3 * g] / max(tokens[g], 1) for g in range(G)]
+            norms = [vals[3 * g + 2] for g in range(G)]
+        total_tokens = sum(tokens)
+        loss = sum(l * t for l, t in zip(losses, tokens)) / max(total_tokens, 1)
+        assignment = self.assignment or {0: source}
+        if set(assignment.values()) == {BLEND}:
+            names = self.source_names
+            by_source = {names[k] if k < len(names) else str(k): res.loss_sum_by_source[k] / t
+                         for k, t in res.tokens_by_source.items() if t > 0}
+        else:
+            sums: dict[str, list[float]] = {}
+            for g in range(G):
+                name = assignment[g]
+                acc = sums.setdefault(name, [0.0, 0.0])
+                acc[0] += losses[g] * tokens[g]
+                acc[1] += tokens[g]
+            by_source = {n: s / t for n, (s, t) in sums.items() if t > 0}
+        return {"loss": loss, "lr": res.lr, "grad_norm": sum(norms) / len(norms), "tokens": total_tokens,
+                "sources": {str(g): s for g, s in sorted(assignment.items())}, "loss_by_source": by_source,
+                "skipped": int(self.trainer.nonfinite_total)}
+
+    # -- evaluation ----------------------------------------------------------------------
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Evaluate every source on its validation split; writes a ``kind: "eval"`` record."""
+        if self.make_eval_batches is None or not self.eval_sources:
+            return {}
+        by_source: dict[str, dict[str, float]] = {}
+        for name in self.eval_sources:
+            ctx = self.hooks.eval_context(self, name) if hasattr(self.hooks, "eval_context") else nullcontext()
+            with ctx:
+                loss_sum, tokens, nbytes = 0.0, 0, 0.0
+                for batch in self.make_eval_batches(name):
+                    s, t = self.trainer.eval_batches(batch.micro_batches)
+                    loss_sum += s
+                    tokens += t
+                    nbytes += float(batch.nbytes)
+            nbytes = self._sum_over_dp(nbytes)
+            by_source[name] = eval_metrics(loss_sum, tokens, nbytes)
+        step = self.trainer.step
+        self.writer.write("eval", step, self.round_of(max(step - 1, 0)), by_source=by_source)
+        parts = " | ".join(f"{n}: loss {v['loss']:.4f} bpb {v['bpb']:.4f}" for n, v in by_source.items())
+        self.writer.log(f"eval step {step} | {parts}")
+        self.eval_history.append({"step": step, "by_source": by_source})
+        return by_source
+
+    def _sum_over_dp(self, x: float) -> float:
+        if self.pg.dp is None:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.pg.dp)  # bookkeeping, not counted
+        return float(t.item())

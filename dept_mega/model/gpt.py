@@ -1,0 +1,227 @@
+"""The GPT model as pipeline chunks: a shared body plus swappable per-vocabulary embeddings.
+
+Parameter naming (the contract DEPT relies on): in a :class:`GPTStage`, everything under
+``body.`` is the shared transformer body and everything under ``embeddings.`` belongs to one
+vocabulary. Layers are keyed by their GLOBAL layer id (``body.layers.5.attention.qkv.weight``)
+so names, and the deterministic init seeded by them, do not depend on the pipeline split.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import Config, ModelConfig
+from ..parallel.mappings import tp_world
+from ..parallel.random import RNGTracker, dropout
+from .backends import Backends, resolve_backends
+from .embeddings import SourceEmbeddings
+from .layers import MLP, Norm, PositionState, SelfAttention
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``."""
+
+    def __init__(self, cfg: ModelConfig, pg, layer_id: int, *, seed: int, sequence_parallel: bool,
+                 positions: PositionState, backends: Backends, rng: Optional[RNGTracker], device, dtype) -> None:
+        super().__init__()
+        prefix = f"body.layers.{layer_id}"
+        self.layer_id = layer_id
+        self.hidden_dropout = cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        self.rng = rng
+        use_apex = backends.norm == "apex"
+        self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.input_norm",
+                               seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
+                               device=device, dtype=dtype)
+        self.attention = SelfAttention(cfg, pg, prefix=f"{prefix}.attention", seed=seed, num_layers=cfg.num_layers,
+                                       sequence_parallel=sequence_parallel, positions=positions, backends=backends,
+                                       rng=rng, device=device, dtype=dtype)
+        self.mlp_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.mlp_norm",
+                             seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
+                             device=device, dtype=dtype)
+        self.mlp = MLP(cfg, pg, prefix=f"{prefix}.mlp", seed=seed, num_layers=cfg.num_layers,
+                       sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # Replicated activations use the stream shared by the tensor ranks; sequence shards
+        # (sequence parallelism) are different data on each rank and use the per-rank stream.
+        return dropout(x, self.hidden_dropout, self.training, self.rng, tensor_parallel=self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attention(self.input_norm(x)))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
+
+
+class TransformerBody(nn.Module):
+    """The blocks of one pipeline chunk (``layer_ids``, global ids) and, on the last chunk,
+    the final norm. A pure function of the hidden states ``[s(/T), b, h]``.
+
+    ``seed`` seeds the init (with each parameter's name); ``rng`` provides dropout streams
+    (required only when a dropout is > 0 in training mode).
+    """
+
+    def __init__(self, cfg: ModelConfig, pg, layer_ids: Sequence[int], final_norm: bool, *, seed: int = 0,
+                 sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
+                 backends: Optional[Backends] = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.layer_ids = [int(i) for i in layer_ids]
+        for i in self.layer_ids:
+            if not 0 <= i < cfg.num_layers:
+                raise ValueError(f"layer id {i} is outside model.num_layers={cfg.num_layers}")
+        backends = backends or resolve_backends("auto", None, device)
+        sp = sequence_parallel and tp_world(pg) > 1
+        self.sequence_parallel = sp
+        self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg))
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(cfg, pg, i, seed=seed, sequence_parallel=sp, positions=self.positions,
+                                     backends=backends, rng=rng, device=device, dtype=dtype)
+            for i in self.layer_ids})
+        if final_norm:
+            self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name="body.final_norm",
+                                   seed=seed, sequence_parallel=sp, use_apex=backends.norm == "apex",
+                                   device=device, dtype=dtype)
+        else:
+            self.final_norm = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden = layer(hidden)
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        return hidden
+
+
+class GPTStage(nn.Module):
+    """One pipeline chunk for one vocabulary: ``body`` + ``embeddings`` (None in the middle).
+
+    ``forward(x, labels=None)``: the first chunk takes tokens ``[b, s]``, the others hidden
+    ``[s(/T), b, h]``. The last chunk returns per-token fp32 losses ``[b, s]`` when labels are
+    given, otherwise this rank's vocabulary-shard logits ``[b, s, V_pad/T]`` (padded columns
+    ``-inf``); the other chunks return hidden states.
+    """
+
+    def __init__(self, body: TransformerBody, embeddings: Optional[SourceEmbeddings], is_first: bool,
+                 is_last: bool, rng: Optional[RNGTracker] = None) -> None:
+        super().__init__()
+        self.body = body
+        self.is_first = is_first
+        self.is_last = is_last
+        self.rng = rng
+        self.embeddings: Optional[SourceEmbeddings] = None
+        self.set_embeddings(embeddings)
+
+    def set_embeddings(self, emb: Optional[SourceEmbeddings]) -> Optional[SourceEmbeddings]:
+        """Swap the vocabulary (DEPT SPEC/TRIM) without touching the body; returns the old one."""
+        needs = self.is_first or self.is_last
+        if needs and emb is None:
+            raise ValueError("the first and last pipeline chunks need embeddings")
+        if emb is not None:
+            if self.is_first and not emb.has_input:
+                raise ValueError("the first pipeline chunk needs embeddings with has_input=True")
+            if self.is_last and not emb.has_output:
+                raise ValueError("the last pipeline chunk needs embeddings with has_output=True")
+            if emb.rng is None:
+                emb.rng = self.rng
+        old = self.embeddings
+        self.embeddings = emb
+        return old
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return self.embeddings.vocab_size if self.embeddings is not None else None
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embeddings.embed(x) if self.is_first else x
+        hidden = self.body(hidden)
+        if not self.is_last:
+            return hidden
+        if labels is None:
+            return self.embeddings.logits(hidden)
+        return self.embeddings.loss(hidden, labels)
+
+    def shared_embedding_params(self) -> list[nn.Parameter]:
+        """Tied word-embedding copies whose grads are all-reduced over ``pg.embedding``."""
+        return self.embeddings.shared_embedding_params() if self.embeddings is not None else []
+
+    def body_parameters(self) -> list[nn.Parameter]:
+        return list(self.body.parameters())
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        return list(self.embeddings.parameters()) if self.embeddings is not None else []
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def chunk_layout(num_layers: int, pp_size: int, vp_size: int, pp_rank: int) -> list[list[int]]:
+    """Global layer ids of each chunk this stage holds: chunk c holds block c·P + p of the
+    P·V equal blocks (Megatron's interleaved order)."""
+    blocks = pp_size * vp_size
+    if num_layers % blocks:
+        raise ValueError(f"model.num_layers={num_layers} is not divisible by pipeline × virtual_pipeline = {blocks}")
+    per = num_layers // blocks
+    return [list(range((c * pp_size + pp_rank) * per, (c * pp_size + pp_rank + 1) * per)) for c in range(vp_size)]
+
+
+def _chunk_roles(cfg: Config, pg) -> list[tuple[bool, bool]]:
+    V = cfg.parallel.virtual_pipeline
+    P = pg.pp_size
+    return [(pg.pp_rank == 0 and c == 0, pg.pp_rank == P - 1 and c == V - 1) for c in range(V)]
+
+
+def _check_layout(cfg: Config, pg) -> None:
+    p = cfg.parallel
+    if (p.tensor, p.pipeline) != (pg.tp_size, pg.pp_size):
+        raise ValueError(f"config parallel.tensor={p.tensor}, parallel.pipeline={p.pipeline} do not match the "
+                         f"process groups (tensor {pg.tp_size}, pipeline {pg.pp_size})")
+
+
+def build_source_embeddings(cfg: Config, pg, vocab_size: int, seed: int, device: torch.device | str = "cpu",
+                            rng: Optional[RNGTracker] = None,
+                            dtype: torch.dtype = torch.float32) -> list[Optional[SourceEmbeddings]]:
+    """One entry per chunk of this rank: a vocabulary's embeddings where the chunk has the
+    input or the head, None elsewhere. Same init rule as ``build_model``."""
+    _check_layout(cfg, pg)
+    out: list[Optional[SourceEmbeddings]] = []
+    for first, last in _chunk_roles(cfg, pg):
+        if first or last:
+            out.append(SourceEmbeddings(cfg.model, pg, vocab_size, seed, first, last,
+                                        sequence_parallel=cfg.parallel.sequence_parallel, rng=rng,
+                                        device=device, dtype=dtype))
+        else:
+            out.append(None)
+    return out
+
+
+def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> list[GPTStage]:
+    """This rank's model chunks (``parallel.virtual_pipeline`` of them), parameters in fp32
+    (master weights; the trainer autocasts) unless ``dtype`` says otherwise."""
+    _check_layout(cfg, pg)
+    backends = resolve_backends(cfg.backend, cfg.fp8, device)
+    rng = RNGTracker.for_groups(seed, pg, device)
+    layouts = chunk_layout(cfg.model.num_layers, pg.pp_size, cfg.parallel.virtual_pipeline, pg.pp_rank)
+    embs = build_source_embeddings(cfg, pg, vocab_size, seed, device, rng=rng, dtype=dtype)
+    stages = []
+    for (first, last), layer_ids, emb in zip(_chunk_roles(cfg, pg), layouts, embs):
+        body = TransformerBody(cfg.model, pg, layer_ids, final_norm=last, seed=seed,
+                               sequence_parallel=cfg.parallel.sequence_parallel, rng=rng, backends=backends,
+                               device=device, dtype=dtype)
+        stages.append(GPTStage(body, emb, first, last, rng=rng))
+    return stages
+
+
+def activation_shape(cfg: Config, pg, micro_batch_size: int, seq_length: Optional[int] = None) -> tuple[int, int, int]:
+    """Shape of the hidden states passed between pipeline chunks: ``[s(/T), b, h]``."""
+    s = seq_length or cfg.model.seq_length
+    if cfg.parallel.sequence_parallel and pg.tp_size > 1:
+        s //= pg.tp_size
+    return (s, micro_batch_size, cfg.model.hidden_size)
+
+
+def describe_backends(cfg: Config, device: torch.device | str = "cpu") -> str:
+    """The one-line backend description for the run log."""
+    return resolve_backends(cfg.backend, cfg.fp8, device).describe()

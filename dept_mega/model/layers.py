@@ -1,0 +1,198 @@
+"""The pieces of a transformer block: norm, self-attention, MLP (tensor-parallel)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
+from ..parallel.mappings import tp_world
+from ..parallel.random import RNGTracker, init_full_then_shard
+from .backends import Backends
+from .positions import RotaryEmbedding, causal_alibi_bias, local_alibi_slopes
+
+try:  # optional fused kernels; only used on CUDA (see backends.py)
+    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
+except Exception:  # noqa: BLE001 - any import failure means "not usable"
+    _flash_attn_func = None
+try:
+    from apex.normalization.fused_layer_norm import (fused_layer_norm_affine as _apex_ln,  # type: ignore
+                                                     fused_rms_norm_affine as _apex_rms)
+except Exception:  # noqa: BLE001
+    _apex_ln = _apex_rms = None
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight + bias) or RMSNorm (weight), parameters replicated over TP.
+
+    Under sequence parallelism each tensor rank normalises its own sequence shard, so the
+    weight's gradient is partial: ``sequence_parallel`` marks it for an all-reduce over TP.
+    """
+
+    def __init__(self, kind: str, hidden: int, eps: float, *, name: str, seed: int,
+                 sequence_parallel: bool = False, use_apex: bool = False,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if kind not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"config key 'model.normalization': unknown norm {kind!r}")
+        self.kind = kind
+        self.hidden = hidden
+        self.eps = eps
+        self.use_apex = use_apex and _apex_ln is not None
+        self.weight = mark(nn.Parameter(init_full_then_shard(f"{name}.weight", (hidden,), seed, const=1.0,
+                                                             device=device, dtype=dtype)),
+                           tensor_parallel=False, sequence_parallel=sequence_parallel)
+        if kind == "layernorm":
+            self.bias = mark(nn.Parameter(init_full_then_shard(f"{name}.bias", (hidden,), seed, const=0.0,
+                                                               device=device, dtype=dtype)),
+                             tensor_parallel=False, sequence_parallel=sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_apex and x.is_cuda:
+            if self.kind == "layernorm":
+                return _apex_ln(x, self.weight, self.bias, (self.hidden,), self.eps)
+            return _apex_rms(x, self.weight, (self.hidden,), self.eps)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden,), self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.hidden}, eps={self.eps}"
+
+
+class PositionState:
+    """Position helpers shared by the layers of one body (caches ALiBi biases, RoPE tables)."""
+
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
+        self.kind = cfg.position_embedding
+        self.heads_local = cfg.num_attention_heads // tp_size
+        self.slopes = (local_alibi_slopes(cfg.num_attention_heads, tp_rank, tp_size)
+                       if self.kind == "alibi" else None)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta) if self.kind == "rope" else None
+        self._bias: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+
+    def alibi_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (seq_len, str(device), dtype)
+        if key not in self._bias:
+            if len(self._bias) > 8:
+                self._bias.clear()
+            self._bias[key] = causal_alibi_bias(self.slopes, seq_len, dtype, device)
+        return self._bias[key]
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention, heads split over the tensor group; MHA or GQA.
+
+    The fused QKV weight's full layout is grouped by query group — for each group g:
+    [its q heads; its k head; its v head] — so a contiguous split of the output rows gives
+    each tensor rank whole query groups (and the matching query heads).
+    """
+
+    def __init__(self, cfg: ModelConfig, pg, *, prefix: str, seed: int, num_layers: int,
+                 sequence_parallel: bool, positions: PositionState, backends: Backends,
+                 rng: Optional[RNGTracker], device, dtype) -> None:
+        super().__init__()
+        T = tp_world(pg)
+        self.heads = cfg.num_attention_heads
+        self.groups = cfg.query_groups
+        self.head_dim = cfg.head_dim
+        self.heads_local = self.heads // T
+        self.groups_local = self.groups // T
+        self.q_per_group = self.heads // self.groups
+        self.positions = positions
+        self.dropout_p = cfg.attention_dropout
+        self.rng = rng
+        self.use_flash = backends.attention == "flash-attn" and _flash_attn_func is not None
+        std = cfg.init_method_std
+        qkv_out = (self.heads + 2 * self.groups) * self.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, pg, name=f"{prefix}.qkv", seed=seed,
+                                        init_std=std, bias=cfg.bias, sequence_parallel=sequence_parallel,
+                                        device=device, dtype=dtype)
+        self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, pg, name=f"{prefix}.proj",
+                                      seed=seed, init_std=std / math.sqrt(2.0 * num_layers), bias=cfg.bias,
+                                      input_is_parallel=True, sequence_parallel=sequence_parallel,
+                                      device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
+        k = qkv[:, :, :, self.q_per_group]
+        v = qkv[:, :, :, self.q_per_group + 1]
+        if self.positions.rope is not None:
+            q = self.positions.rope.apply(q)
+            k = self.positions.rope.apply(k)
+        p = self.dropout_p if self.training else 0.0
+        if self.use_flash and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            out = self._flash(q, k, v, p)
+        else:
+            out = self._sdpa(q, k, v, p)
+        return self.proj(out.reshape(s, b, self.heads_local * self.head_dim))
+
+    def _sdpa(self, q, k, v, p: float) -> torch.Tensor:
+        s = q.shape[0]
+        # [s, b, H, d] -> [b, H, s, d]
+        q = q.permute(1, 2, 0, 3)
+        k = k.permute(1, 2, 0, 3)
+        v = v.permute(1, 2, 0, 3)
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        mask = None
+        if self.positions.slopes is not None:
+            mask = self.positions.alibi_bias(s, q.dtype, q.device)
+        if p > 0.0:
+            if self.rng is None:
+                raise ValueError("attention dropout > 0 needs an RNGTracker")
+            with self.rng.fork_device_rng(tensor_parallel=True):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return out.permute(2, 0, 1, 3)  # [s, b, H, d]
+
+    def _flash(self, q, k, v, p: float) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn only
+        # flash-attn layout [b, s, H, d]; GQA and ALiBi slopes are native.
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        slopes = self.positions.slopes.to(q.device) if self.positions.slopes is not None else None
+        if p > 0.0:
+            with self.rng.fork_device_rng(tensor_parallel=True):
+                out = _flash_attn_func(q, k, v, dropout_p=p, causal=True, alibi_slopes=slopes)
+        else:
+            out = _flash_attn_func(q, k, v, dropout_p=0.0, causal=True, alibi_slopes=slopes)
+        return out.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel; SwiGLU: [gate; up] as two row blocks) → activation → fc2 (row)."""
+
+    def __init__(self, cfg: ModelConfig, pg, *, prefix: str, seed: int, num_layers: int,
+                 sequence_parallel: bool, device, dtype) -> None:
+        super().__init__()
+        if cfg.activation not in ("gelu", "swiglu"):
+            raise ValueError(f"config key 'model.activation': unknown activation {cfg.activation!r}")
+        self.swiglu = cfg.activation == "swiglu"
+        std = cfg.init_method_std
+        ffn = cfg.ffn_size
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn * (2 if self.swiglu else 1), pg, name=f"{prefix}.fc1",
+                                        seed=seed, init_std=std, bias=cfg.bias, sequence_parallel=sequence_parallel,
+                                        stride=2 if self.swiglu else 1, device=device, dtype=dtype)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, pg, name=f"{prefix}.fc2", seed=seed,
+                                     init_std=std / math.sqrt(2.0 * num_layers), bias=cfg.bias,
+                                     input_is_parallel=True, sequence_parallel=sequence_parallel,
+                                     device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.fc2(h)

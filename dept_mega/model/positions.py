@@ -1,0 +1,74 @@
+"""Position information: ALiBi biases and rotary embeddings (learned positions live in
+``embeddings.py`` because they are owned by a source's embeddings).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's head slopes: a geometric sequence starting at 2^(-8/n) for n a power
+    of two; otherwise the slopes of the nearest lower power of two, then every other slope of
+    the next power of two. Returned for ALL heads (fp32); a tensor rank takes its slice."""
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + alibi_slopes(2 * closest).tolist()[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def local_alibi_slopes(num_heads: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The global slopes of the heads this tensor rank owns (heads are split contiguously)."""
+    per_rank = num_heads // tp_size
+    return alibi_slopes(num_heads)[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+
+
+def causal_alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """Additive attention bias ``[1, heads, s, s]``: ``-slope·(i − j)`` for keys j ≤ i and
+    ``-inf`` above the diagonal (the causal mask is folded in)."""
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    distance = pos.view(-1, 1) - pos.view(1, -1)  # i - j
+    bias = -slopes.to(device).view(-1, 1, 1) * distance.unsqueeze(0)
+    bias = bias.masked_fill(distance.unsqueeze(0) < 0, float("-inf"))
+    return bias.unsqueeze(0).to(dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (rotate-half convention, as GPT-NeoX / Megatron's default).
+
+    Not a module: it has no parameters; the cos/sin tables are cached per (length, device).
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head size, got {head_dim}")
+        self.head_dim = head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device))
+        if key not in self._cache:
+            t = torch.arange(seq_len, dtype=torch.float64)
+            freqs = torch.outer(t, self.inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)  # [s, hd]
+            cos = emb.cos().float().to(device).view(seq_len, 1, 1, self.head_dim)
+            sin = emb.sin().float().to(device).view(seq_len, 1, 1, self.head_dim)
+            self._cache[key] = (cos, sin)
+        return self._cache[key]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[s, b, heads, hd]``; positions are 0..s-1 along dim 0."""
+        cos, sin = self.tables(x.shape[0], x.device)
+        xf = x.float()
+        half = self.head_dim // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,190 @@
+"""Pure PyTorch implementations of the dept_mega ops.
+
+Used when the compiled extension is absent (or for a device it has no kernels for), and as
+the reference the extension is tested against. The results equal the C++ kernels bit for bit
+on CPU: every scatter reduces each destination row in fp32, adding its contributions in
+ascending position order (`index_add_` on CPU is sequential over the index; on CUDA the sorted
+`index_put_(accumulate=True)` path is used, which is deterministic), then rounds once.
+Errors (types and messages) are those of csrc/common.h.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half",
+            torch.int32: "Int", torch.int64: "Long"}.get(dt, str(dt).replace("torch.", ""))
+
+
+def _check_rows_dtype(op: str, what: str, dt: torch.dtype) -> None:
+    if dt not in ROW_DTYPES:
+        raise TypeError(f"{op}: {what} must be float32, bfloat16 or float16, got {_dtype_name(dt)}")
+
+
+def _check_ids_dtype(op: str, what: str, dt: torch.dtype) -> None:
+    if dt not in ID_DTYPES:
+        raise TypeError(f"{op}: {what} must be int32 or int64, got {_dtype_name(dt)}")
+
+
+def _check_same_device(op: str, a: torch.Tensor, an: str, b: torch.Tensor, bn: str) -> None:
+    if a.device != b.device:
+        raise ValueError(f"{op}: {an} is on {a.device} but {bn} is on {b.device}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_gather_args(table: torch.Tensor, ids: torch.Tensor,
+                      out_dtype: Optional[torch.dtype]) -> None:
+    op = "gather_rows"
+    if table.dim() != 2:
+        raise ValueError(f"{op}: table must be 2-D [rows, dim], got shape {_shape(table)}")
+    if ids.dim() != 1:
+        raise ValueError(f"{op}: ids must be 1-D, got shape {_shape(ids)}")
+    _check_rows_dtype(op, "table", table.dtype)
+    _check_ids_dtype(op, "ids", ids.dtype)
+    if out_dtype is not None:
+        _check_rows_dtype(op, "out_dtype", out_dtype)
+    _check_same_device(op, table, "table", ids, "ids")
+
+
+def check_scatter_args(op: str, out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    if out.dim() != 2:
+        raise ValueError(f"{op}: table must be 2-D [rows, dim], got shape {_shape(out)}")
+    if ids.dim() != 1:
+        raise ValueError(f"{op}: ids must be 1-D, got shape {_shape(ids)}")
+    if rows.dim() != 2 or rows.shape[0] != ids.shape[0] or rows.shape[1] != out.shape[1]:
+        raise ValueError(f"{op}: rows must have shape [{ids.shape[0]}, {out.shape[1]}] "
+                         f"(len(ids), table dim), got {_shape(rows)}")
+    _check_rows_dtype(op, "table", out.dtype)
+    _check_rows_dtype(op, "rows", rows.dtype)
+    _check_ids_dtype(op, "ids", ids.dtype)
+    if not out.is_contiguous():
+        raise ValueError(f"{op}: the destination table is updated in place and must be contiguous")
+    _check_same_device(op, out, "table", ids, "ids")
+    _check_same_device(op, out, "table", rows, "rows")
+
+
+def check_remap_args(ids: torch.Tensor, lookup: torch.Tensor) -> None:
+    op = "remap_ids"
+    if lookup.dim() != 1:
+        raise ValueError(f"{op}: lookup must be 1-D, got shape {_shape(lookup)}")
+    _check_ids_dtype(op, "ids", ids.dtype)
+    _check_ids_dtype(op, "lookup", lookup.dtype)
+    _check_same_device(op, ids, "ids", lookup, "lookup")
+
+
+def check_ids_in_range(op: str, ids: torch.Tensor, num_rows: int) -> None:
+    """IndexError naming the first id outside [0, num_rows)."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= num_rows)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        raise IndexError(f"{op}: ids[{pos}] = {int(ids[pos])} is out of range for a table of "
+                         f"{num_rows} rows")
+
+
+def _gather(table: torch.Tensor, ids: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    check_gather_args(table, ids, out_dtype)
+    check_ids_in_range("gather_rows", ids, table.shape[0])
+    rows = table.index_select(0, ids)
+    if out_dtype is not None and out_dtype != table.dtype:
+        rows = rows.to(out_dtype)
+    return rows.contiguous()
+
+
+class _GatherRows(torch.autograd.Function):
+    """Gather whose backward is the deterministic scatter-add (not index_select's backward,
+    which uses atomics on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, out_dtype):
+        ctx.save_for_backward(ids)
+        ctx.table_shape = table.shape
+        ctx.table_dtype = table.dtype
+        return _gather(table, ids, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        grad_table = grad.new_zeros(ctx.table_shape, dtype=ctx.table_dtype)
+        scatter_add_rows(grad_table, ids, grad.contiguous())
+        return grad_table, None, None
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return _GatherRows.apply(table, ids, out_dtype)
+
+
+def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """acc[index[i]] += src[i], each destination in ascending i (deterministic)."""
+    if acc.device.type == "cpu":
+        acc.index_add_(0, index, src)
+    else:
+        acc.index_put_((index,), src, accumulate=True)
+
+
+def _group(op: str, out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):
+    check_scatter_args(op, out, ids, rows)
+    if ids.numel() == 0:
+        return None
+    check_ids_in_range(op, ids, out.shape[0])
+    return torch.unique(ids.long(), sorted=True, return_inverse=True, return_counts=True)
+
+
+def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    groups = _group("scatter_add_rows", out, ids, rows)
+    if groups is None:
+        return out
+    uniq, inv, _ = groups
+    acc = out.index_select(0, uniq).float()
+    _ordered_add_(acc, inv, rows.float())
+    out.index_copy_(0, uniq, acc.to(out.dtype))
+    return out
+
+
+def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                      accumulate: bool = False) -> torch.Tensor:
+    groups = _group("scatter_mean_rows", table, ids, rows)
+    if groups is None:
+        return table
+    uniq, inv, counts = groups
+    acc = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32, device=table.device)
+    _ordered_add_(acc, inv, rows.float())
+    mean = acc / counts.to(torch.float32).unsqueeze(1)
+    if accumulate:
+        mean = table.index_select(0, uniq).float() + mean
+    table.index_copy_(0, uniq, mean.to(table.dtype))
+    return table
+
+
+def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+    check_remap_args(ids, lookup)
+    if ids.numel() == 0:
+        return torch.empty_like(ids, memory_format=torch.contiguous_format)
+    flat = ids.reshape(-1).long()
+    size = lookup.numel()
+    in_range = (flat >= 0) & (flat < size)
+    if size > 0:
+        vals = lookup.long()[flat.clamp(0, size - 1)]
+    else:
+        vals = torch.full_like(flat, -1)
+    bad = ~in_range | (vals < 0)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0, 0])
+        gid = int(flat[pos])
+        if not bool(in_range[pos]):
+            raise IndexError(f"remap_ids: global id {gid} at flat position {pos} is out of range "
+                             f"for a lookup of {size} entries")
+        raise ValueError(f"remap_ids: global id {gid} (first at flat position {pos}) is not in "
+                         f"this source's vocabulary (lookup[{gid}] = {int(vals[pos])})")
+    return vals.to(ids.dtype).reshape(ids.shape).contiguous()

@@ -1,0 +1,66 @@
+"""Loading of the compiled extension `dept_mega.ops._C` (csrc/), once per process.
+
+The extension is optional: when it is not built, fails to load (e.g. built against another
+torch) or is switched off with DEPT_MEGA_OPS=torch, the ops use the PyTorch fallback and the
+reason is logged once and kept in `ExtensionStatus.reason`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "DEPT_MEGA_OPS"  # "auto" (default): use the extension if it loads; "torch": never
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionStatus:
+    loaded: bool  # the CPU kernels are registered under torch.ops.dept_mega
+    cuda: bool  # the CUDA kernels are registered too
+    reason: str  # why not loaded / what was loaded
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> ExtensionStatus:
+    mode = os.environ.get(ENV_SWITCH, "auto").strip().lower()
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"{ENV_SWITCH}={mode!r}: expected 'auto' or 'torch'")
+    if mode == "torch":
+        st = ExtensionStatus(False, False, f"{ENV_SWITCH}=torch forces the PyTorch fallback")
+    else:
+        st = _load()
+    if not st.loaded:
+        logger.warning("dept_mega.ops: using the PyTorch fallback: %s", st.reason)
+    return st
+
+
+def _load() -> ExtensionStatus:
+    try:
+        importlib.import_module("dept_mega.ops._C")
+    except ModuleNotFoundError as e:
+        if e.name != "dept_mega.ops._C":
+            return ExtensionStatus(False, False, f"the extension failed to load: {e}")
+        return ExtensionStatus(
+            False, False,
+            "the extension dept_mega.ops._C is not built (install with `pip install "
+            "--no-build-isolation -e .` and a C++ compiler; see build/dept_mega_ops_build.log)")
+    except (ImportError, OSError) as e:
+        return ExtensionStatus(False, False, f"the extension failed to load: {e}")
+    if not _has_kernel("dept_mega::gather_rows", "CPU"):
+        return ExtensionStatus(False, False, "the extension loaded but registered no CPU kernels")
+    from dept_mega.ops import registration
+
+    registration.register()
+    cuda = _has_kernel("dept_mega::gather_rows", "CUDA")
+    return ExtensionStatus(True, cuda, "loaded dept_mega.ops._C (CPU" + (" + CUDA" if cuda else "")
+                           + " kernels)")

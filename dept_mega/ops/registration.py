@@ -1,0 +1,55 @@
+"""Fake (meta) kernels and autograd for the operators that csrc/registration.cpp defines.
+
+Fake kernels give output shapes without data, so the ops trace under torch.compile; the
+gather's backward is the deterministic scatter-add into zeros of the table's shape. The
+scatters are in-place updates of tables that hold no autograd history (TRIM's global table),
+so they have no backward; remap_ids has integer outputs.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _fake_gather_rows(table, ids, out_dtype=None):
+    torch._check(table.dim() == 2, lambda: "gather_rows: table must be 2-D")
+    torch._check(ids.dim() == 1, lambda: "gather_rows: ids must be 1-D")
+    return table.new_empty((ids.shape[0], table.shape[1]), dtype=out_dtype or table.dtype)
+
+
+def _fake_scatter_add_rows_(out, ids, rows):
+    return None
+
+
+def _fake_scatter_mean_rows_(table, ids, rows, accumulate=False):
+    return None
+
+
+def _fake_remap_ids(ids, lookup):
+    return torch.empty_like(ids, memory_format=torch.contiguous_format)
+
+
+def _gather_setup_context(ctx, inputs, output):
+    table, ids, _ = inputs
+    ctx.save_for_backward(ids)
+    ctx.table_shape = table.shape
+    ctx.table_dtype = table.dtype
+
+
+def _gather_backward(ctx, grad):
+    (ids,) = ctx.saved_tensors
+    grad_table = grad.new_zeros(ctx.table_shape, dtype=ctx.table_dtype)
+    torch.ops.dept_mega.scatter_add_rows_(grad_table, ids, grad.contiguous())
+    return grad_table, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Registers once per process; the extension must be loaded."""
+    torch.library.register_fake("dept_mega::gather_rows")(_fake_gather_rows)
+    torch.library.register_fake("dept_mega::scatter_add_rows_")(_fake_scatter_add_rows_)
+    torch.library.register_fake("dept_mega::scatter_mean_rows_")(_fake_scatter_mean_rows_)
+    torch.library.register_fake("dept_mega::remap_ids")(_fake_remap_ids)
+    torch.library.register_autograd("dept_mega::gather_rows", _gather_backward,
+                                    setup_context=_gather_setup_context)

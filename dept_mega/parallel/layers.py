@@ -1,0 +1,217 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+
+Weights are initialised on their full shape from (seed, ``name``) and sliced to this rank
+(see ``random.init_full_then_shard``), so the full matrices do not depend on the layout.
+
+Parameter attributes read by the trainer / gradient-norm code:
+
+* ``tensor_parallel`` — True: the parameter is a shard (count it on every tensor rank);
+  False: replicated on every tensor rank (count it once).
+* ``sequence_parallel`` — True: under sequence parallelism each tensor rank only sees part of
+  the sequence, so its gradient is partial and must be all-reduced over ``pg.tp``.
+* ``partition_dim`` / ``partition_stride`` — how the full tensor is sharded (for resharding).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
+                       reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tp_region, tp_world)
+from .random import init_full_then_shard
+
+
+class GroupsRef:
+    """Holds the ``ParallelGroups`` for a module. ``copy.deepcopy`` of a module shares it (a
+    copy must keep counting bytes in the same ``pg.comm`` and process groups cannot be
+    copied)."""
+
+    __slots__ = ("pg",)
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def __deepcopy__(self, memo) -> "GroupsRef":
+        return self
+
+
+class UsesGroups:
+    """Mixin: ``self.pg`` stored through a :class:`GroupsRef`."""
+
+    @property
+    def pg(self):
+        return self._groups.pg
+
+    @pg.setter
+    def pg(self, value) -> None:
+        object.__setattr__(self, "_groups", GroupsRef(value))
+
+
+def mark(p: nn.Parameter, *, tensor_parallel: bool, sequence_parallel: bool = False,
+         partition_dim: Optional[int] = None, partition_stride: int = 1) -> nn.Parameter:
+    p.tensor_parallel = tensor_parallel
+    p.sequence_parallel = sequence_parallel
+    p.partition_dim = partition_dim
+    p.partition_stride = partition_stride
+    return p
+
+
+PARALLEL_ATTRIBUTES = ("tensor_parallel", "sequence_parallel", "partition_dim", "partition_stride")
+
+
+def copy_parallel_attributes(src: nn.Module, dst: nn.Module) -> None:
+    """Copy the attributes above from ``src``'s parameters to ``dst``'s, matched by name.
+
+    ``copy.deepcopy`` of an ``nn.Parameter`` drops Python attributes (pickling keeps them), so
+    a deep-copied module needs this before its gradients are reduced or its norm counted.
+    """
+    dst_params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        if name in dst_params:
+            for attr in PARALLEL_ATTRIBUTES:
+                if hasattr(p, attr):
+                    setattr(dst_params[name], attr, getattr(p, attr))
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(UsesGroups, nn.Module):
+    """``y = x Aᵀ + b`` with A split by output rows over the tensor group.
+
+    Input: replicated ``[..., in]`` — or, with ``sequence_parallel``, this rank's sequence
+    shard ``[s/T, ..., in]`` which is all-gathered first (backward: reduce-scatter).
+    Output: this rank's ``[..., out/T]`` columns, or the full ``[..., out]`` with
+    ``gather_output``. ``stride``: the output dimension is made of that many equal blocks
+    (SwiGLU's [gate; up]) and each rank holds its chunk of every block.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg, *, name: str, seed: int, init_std: float,
+                 bias: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
+                 stride: int = 1, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        T = tp_world(pg)
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output with a sequence-parallel input is not supported")
+        self.pg = pg
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_per_rank = _divide(out_features, T * stride, f"{name} output size / stride {stride}") * stride
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and T > 1
+        kw = dict(rank=pg.tp_rank, world=T, device=device, dtype=dtype)
+        self.weight = mark(nn.Parameter(init_full_then_shard(
+            f"{name}.weight", (out_features, in_features), seed, std=init_std, partition_dim=0,
+            stride=stride, **kw)), tensor_parallel=T > 1, partition_dim=0, partition_stride=stride)
+        if bias:
+            self.bias = mark(nn.Parameter(init_full_then_shard(
+                f"{name}.bias", (out_features,), seed, const=0.0, partition_dim=0, stride=stride, **kw)),
+                tensor_parallel=T > 1, partition_dim=0, partition_stride=stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.pg, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tp_region(x, self.pg)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.pg)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), "
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(UsesGroups, nn.Module):
+    """``y = x Aᵀ + b`` with A split by input columns over the tensor group.
+
+    Input: this rank's ``[..., in/T]`` (``input_is_parallel``) or the full input, which is
+    split first. The partial products are all-reduced — or, with ``sequence_parallel``,
+    reduce-scattered along dim 0 so each rank gets its sequence shard. The bias (replicated)
+    is added after the reduction; under sequence parallelism its gradient is partial.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg, *, name: str, seed: int, init_std: float,
+                 bias: bool = False, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        T = tp_world(pg)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.pg = pg
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_per_rank = _divide(in_features, T, f"{name} input size")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and T > 1
+        kw = dict(rank=pg.tp_rank, world=T, device=device, dtype=dtype)
+        self.weight = mark(nn.Parameter(init_full_then_shard(
+            f"{name}.weight", (out_features, in_features), seed, std=init_std, partition_dim=1, **kw)),
+            tensor_parallel=T > 1, partition_dim=1)
+        if bias:
+            self.bias = mark(nn.Parameter(init_full_then_shard(
+                f"{name}.bias", (out_features,), seed, const=0.0, device=device, dtype=dtype)),
+                tensor_parallel=False, sequence_parallel=self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.pg)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.pg)
+        else:
+            y = reduce_from_tp_region(y, self.pg)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.in_per_rank}), out={self.out_features}, "
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(UsesGroups, nn.Module):
+    """An embedding table split by vocabulary rows over the tensor group.
+
+    ``forward`` returns this rank's *partial* lookup (rows it does not own are zero); the
+    caller sums over the tensor group (all-reduce, or reduce-scatter under sequence
+    parallelism) — see ``partial=False`` for the all-reduced result.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, pg, *, name: str, seed: int, init_std: float,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        T = tp_world(pg)
+        self.pg = pg
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.rows_per_rank = _divide(num_embeddings, T, f"{name} vocabulary size")
+        self.vocab_start = pg.tp_rank * self.rows_per_rank if T > 1 else 0
+        self.vocab_end = self.vocab_start + self.rows_per_rank
+        self.weight = mark(nn.Parameter(init_full_then_shard(
+            f"{name}.weight", (num_embeddings, embedding_dim), seed, std=init_std, partition_dim=0,
+            rank=pg.tp_rank, world=T, device=device, dtype=dtype)), tensor_parallel=T > 1, partition_dim=0)
+
+    def forward(self, ids: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        if tp_world(self.pg) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return out if partial else reduce_from_tp_region(out, self.pg)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.vocab_start}:{self.vocab_end})"

@@ -1,0 +1,177 @@
+"""Training entry point.
+
+    torchrun --standalone --nproc-per-node N -m dept_mega.train --config CFG.yaml [key.sub=value ...]
+
+Writes ``RUN/config.yaml`` (resolved config), ``RUN/metrics.jsonl`` (design.md §6), a log line
+every ``train.log_interval`` steps, evaluation per source every ``train.eval_interval`` steps
+and at the end, and checkpoints (``RUN/checkpoints/step_N`` + ``latest``) every
+``train.save_interval`` steps and at the end. A run whose ``run_dir`` holds a checkpoint
+resumes from ``latest``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, ConfigError, load_config, save_config, validate
+from .loop import BLEND, EvalStep, StdHooks, TrainLoop
+from .metrics import MetricsWriter
+from .parallel.groups import ParallelGroups, build_groups, init_distributed
+from .trainer import Trainer
+
+
+def parse_args(argv: Optional[Sequence[str]], prog: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="YAML config (design.md §5)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
+    return ap.parse_args(argv)
+
+
+def vocab_size_of(cfg: Config) -> int:
+    """The vocabulary of the model built at start: the global tokenizer's, else
+    ``model.vocab_size``, else (spec_opt) the first source's tokenizer's."""
+    from .data.tokenizer import load_tokenizer
+    if cfg.data.tokenizer and cfg.dept.variant != "spec_opt":
+        return load_tokenizer(cfg.data.tokenizer).vocab_size
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    if cfg.data.sources and cfg.data.sources[0].tokenizer:
+        return load_tokenizer(cfg.data.sources[0].tokenizer).vocab_size
+    raise ConfigError("config key 'data.tokenizer': no tokenizer and no model.vocab_size")
+
+
+@dataclass
+class RunData:
+    """The datasets of a run and the factories the loop uses."""
+    cfg: Config
+    pg: ParallelGroups
+    train: dict[str, Any]
+    valid: dict[str, Any]
+
+    def make_iterator(self, name: str):
+        from .data.sources import BlendedBatches, SourceBatches, source_weights
+        t = self.cfg.train
+        if name == BLEND:
+            datasets = list(self.train.values())
+            weights = source_weights([d.num_tokens for d in datasets], self.cfg.dept.sampling,
+                                     self.cfg.dept.temperature)
+            return BlendedBatches(datasets, weights, t.global_batch_size, t.micro_batch_size,
+                                  self.pg.dp_rank, self.pg.dp_size, seed=t.seed)
+        if name not in self.train:
+            raise KeyError(f"no source named {name!r} (sources: {sorted(self.train)})")
+        return SourceBatches(self.train[name], t.global_batch_size, t.micro_batch_size,
+                             self.pg.dp_rank, self.pg.dp_size)
+
+    def make_eval_batches(self, name: str):
+        from .data.sources import ValidationBatches
+        t = self.cfg.train
+        vb = ValidationBatches(self.valid[name], t.micro_batch_size, t.eval_iters, self.pg.dp_rank,
+                               self.pg.dp_size)
+        for batch in vb:
+            yield EvalStep(micro_batches=[batch.tokens], nbytes=float(batch.bytes.sum()))
+
+
+def load_run_data(cfg: Config, pg: ParallelGroups) -> RunData:
+    from .data.sources import source_datasets
+    names = [s.name for s in cfg.data.sources]
+    train = dict(zip(names, source_datasets(cfg, "train")))
+    valid = dict(zip(names, source_datasets(cfg, "valid")))
+    return RunData(cfg, pg, train, valid)
+
+
+def build_hooks(cfg: Config, pg: ParallelGroups, trainer: Trainer, device: torch.device):
+    if cfg.dept.variant == "std":
+        return StdHooks()
+    try:
+        from .dept import build_round_hooks
+    except ImportError as exc:
+        raise ConfigError(f"config key 'dept.variant': {cfg.dept.variant!r} needs dept_mega.dept."
+                          f"build_round_hooks, which is not available ({exc})") from exc
+    return build_round_hooks(cfg, pg, trainer, device)
+
+
+@dataclass
+class Session:
+    """Everything a run (or an evaluation) needs, built the same way by train and evaluate."""
+    cfg: Config
+    pg: ParallelGroups
+    device: torch.device
+    trainer: Trainer
+    loop: TrainLoop
+    writer: MetricsWriter
+    rank: int
+
+
+def build_session(cfg: Config, metrics: bool = True) -> Session:
+    rank, world, device = init_distributed()
+    validate(cfg, world)
+    p = cfg.parallel
+    pg = build_groups(p.tensor, p.data, p.pipeline)
+    torch.manual_seed(cfg.train.seed)
+    vocab = vocab_size_of(cfg)
+    trainer = Trainer(cfg, pg, device, vocab_size=vocab)
+    data = load_run_data(cfg, pg)
+    hooks = build_hooks(cfg, pg, trainer, device)
+    writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics)
+    from .checkpoint import Checkpointer
+    loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
+                     eval_sources=list(data.valid), make_eval_batches=data.make_eval_batches,
+                     checkpointer=Checkpointer(cfg.train.run_dir))
+    return Session(cfg, pg, device, trainer, loop, writer, rank)
+
+
+def describe(session: Session) -> str:
+    from .model.gpt import describe_backends
+    cfg, pg = session.cfg, session.pg
+    n_body = sum(p.numel() for p in session.trainer.body_parameters())
+    n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
+    return (f"dept_mega: {cfg.dept.variant} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
+            f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
+            f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
+            f"backends: {describe_backends(cfg, session.device)} | precision: "
+            f"{session.trainer.precision.describe()} | device {session.device}\n"
+            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv, "python -m dept_mega.train")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        session = build_session(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = cfg.train.run_dir
+    if session.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    loop = session.loop
+    resumed = loop.checkpointer.load(loop)
+    session.writer.log(describe(session))
+    if resumed is not None:
+        session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}")
+    try:
+        if session.trainer.step >= cfg.train.steps:
+            session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
+        else:
+            loop.run()
+    finally:
+        session.writer.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

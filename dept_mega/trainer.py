@@ -1,0 +1,318 @@
+"""Inner training steps inside one source group (Megatron-style TP × PP × DP).
+
+One step: the pipeline schedule runs the forwards/backwards of the step's micro-batches
+(fp32 gradient accumulation in ``param.grad``), then
+1. gradients are summed over ``pg.dp`` in a few flat buckets (the loss of every micro-batch is
+   already divided by the number of target tokens of the *global* batch, so the sum over the
+   data-parallel ranks is the mean loss's gradient, whatever the layout);
+2. tied-embedding gradients are all-reduced over ``pg.embedding`` (PP > 1), sequence-parallel
+   replicated-parameter gradients (norms, row-parallel biases) over ``pg.tp``;
+3. fp16 gradients are unscaled, the global norm is computed (each parameter once) and clipped;
+4. a non-finite loss or norm skips the update; otherwise the body and embedding optimizers step.
+
+The body and the current embeddings have separate AdamW instances so that DEPT can swap a
+source's embeddings together with their optimizer state (:meth:`Trainer.set_embeddings`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .optim import build_adamw, clip_grads, global_grad_norm, lr_at, set_lr
+from .parallel.groups import ParallelGroups
+from .parallel.pipeline import PipeChannels, ScheduleSpec, check_microbatches, run_forward_backward, \
+    run_forward_only
+from .precision import Precision
+
+BUCKET_ELEMENTS = 25_000_000  # elements per data-parallel all-reduce bucket
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+@dataclass
+class MicroBatch:
+    """``tokens`` [b, s+1] int64: inputs ``tokens[:, :-1]``, labels ``tokens[:, 1:]``.
+    ``source_ids`` [b]: index of each sequence's source in ``cfg.data.sources`` (or None)."""
+    tokens: torch.Tensor
+    source_ids: Optional[torch.Tensor] = None
+
+    @property
+    def num_targets(self) -> int:
+        return self.tokens.shape[0] * (self.tokens.shape[1] - 1)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-token loss of the group's global batch
+    tokens: int  # target tokens of the group's global batch
+    grad_norm: float  # before clipping (nan when skipped for a non-finite loss)
+    skipped: bool
+    lr: float
+    loss_sum_by_source: dict[int, float] = field(default_factory=dict)
+    tokens_by_source: dict[int, int] = field(default_factory=dict)
+
+
+def as_micro_batch(x: Any) -> MicroBatch:
+    """Accept MicroBatch, a tensor [b, s+1], or a mapping/object with ``tokens`` (and optionally
+    ``source_ids``) — the shapes the data package hands out."""
+    if isinstance(x, MicroBatch):
+        return x
+    if isinstance(x, torch.Tensor):
+        return MicroBatch(tokens=x)
+    if isinstance(x, dict):
+        return MicroBatch(tokens=torch.as_tensor(x["tokens"]), source_ids=_opt_tensor(x.get("source_ids")))
+    if hasattr(x, "tokens"):
+        return MicroBatch(tokens=torch.as_tensor(x.tokens), source_ids=_opt_tensor(getattr(x, "source_ids", None)))
+    raise TypeError(f"cannot use {type(x).__name__} as a micro-batch (need tokens [b, s+1])")
+
+
+def step_micro_batches(step: Any) -> list[MicroBatch]:
+    """One step's micro-batches from what a batch iterator returns: a list of micro-batches,
+    or a blended step with ``micro_batches`` and per-micro-batch ``source_ids``."""
+    if hasattr(step, "micro_batches") and hasattr(step, "source_ids"):
+        return [MicroBatch(tokens=torch.as_tensor(t), source_ids=_opt_tensor(s))
+                for t, s in zip(step.micro_batches, step.source_ids)]
+    return [as_micro_batch(x) for x in step]
+
+
+def _opt_tensor(x: Any) -> Optional[torch.Tensor]:
+    return None if x is None else torch.as_tensor(x)
+
+
+def _unique(params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: Config, pg: ParallelGroups, device: torch.device, vocab_size: Optional[int] = None,
+                 stages: Optional[list[torch.nn.Module]] = None, num_sources: Optional[int] = None) -> None:
+        self.cfg = cfg
+        self.pg = pg
+        self.device = device
+        if stages is None:
+            from .model import build_model
+            if vocab_size is None:
+                raise ValueError("Trainer needs vocab_size to build the model")
+            stages = build_model(cfg, pg, vocab_size, cfg.train.seed, device)
+        self.stages = list(stages)
+        if len(self.stages) != cfg.parallel.virtual_pipeline:
+            raise ValueError(f"{len(self.stages)} model chunks on this rank, expected "
+                             f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}")
+        self.num_sources = num_sources or max(1, len(cfg.data.sources))
+        self.precision = Precision(cfg.precision, device)
+        self.channels = PipeChannels(pg)
+        m, p = cfg.model, cfg.parallel
+        s = m.seq_length // p.tensor if (p.sequence_parallel and p.tensor > 1) else m.seq_length
+        self.spec = ScheduleSpec(activation_shape=(s, cfg.train.micro_batch_size, m.hidden_size),
+                                 comm_dtype=self.precision.comm_dtype, device=device)
+        self.body_optimizer = build_adamw(self.body_parameters(), cfg.optim, device)
+        self.embedding_optimizer = build_adamw(self.embedding_parameters(), cfg.optim, device)
+        self.step = 0  # inner steps done
+        self.nonfinite_total = 0
+        self.nonfinite_in_a_row = 0
+        self._autocast = self.precision.autocast()
+
+    # -- parameters ----------------------------------------------------------------------
+    def body_parameters(self) -> list[torch.nn.Parameter]:
+        return _unique([p for st in self.stages for n, p in st.named_parameters() if n.startswith("body.")])
+
+    def embedding_parameters(self) -> list[torch.nn.Parameter]:
+        return _unique([p for st in self.stages for n, p in st.named_parameters() if n.startswith("embeddings.")])
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return _unique([p for st in self.stages for p in st.parameters()])
+
+    def embeddings(self) -> list[Any]:
+        return [getattr(st, "embeddings", None) for st in self.stages]
+
+    def make_embedding_optimizer(self, embs: Sequence[Any]) -> torch.optim.Optimizer:
+        params = _unique([p for e in embs if e is not None for p in e.parameters()])
+        return build_adamw(params, self.cfg.optim, self.device)
+
+    def set_embeddings(self, embs: Sequence[Any], optimizer: Optional[torch.optim.Optimizer] = None):
+        """Install one vocabulary's embeddings (one object per chunk, aligned with ``stages``)
+        and their optimizer; returns the previous ``(embeddings, optimizer)``."""
+        if len(embs) != len(self.stages):
+            raise ValueError(f"set_embeddings: got {len(embs)} embeddings for {len(self.stages)} chunks")
+        old = (self.embeddings(), self.embedding_optimizer)
+        for st, e in zip(self.stages, embs):
+            st.set_embeddings(e)
+        self.embedding_optimizer = optimizer if optimizer is not None else self.make_embedding_optimizer(embs)
+        return old
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.body_optimizer, self.embedding_optimizer]
+
+    def lr(self, step: Optional[int] = None) -> float:
+        return lr_at(self.step if step is None else step, self.cfg.optim, self.cfg.train.steps)
+
+    def set_lr(self, step: Optional[int] = None) -> float:
+        lr = self.lr(step)
+        set_lr(self.optimizers, lr)
+        return lr
+
+    # -- one step -------------------------------------------------------------------------
+    def _stage_input(self, mb: MicroBatch) -> torch.Tensor:
+        return mb.tokens[:, :-1].to(self.device, non_blocking=True)
+
+    def _stage_labels(self, mb: MicroBatch) -> torch.Tensor:
+        return mb.tokens[:, 1:].to(self.device, non_blocking=True)
+
+    def _contributes(self) -> bool:
+        """Loss bookkeeping comes from tensor rank 0 of the last pipeline stage."""
+        return self.pg.is_last_stage and self.pg.tp_rank == 0
+
+    def train_step(self, micro_batches: Any) -> StepResult:
+        mbs = step_micro_batches(micro_batches)
+        P, V = self.pg.pp_size, len(self.stages)
+        check_microbatches(len(mbs), P, V)
+        for st in self.stages:
+            st.train()
+        global_tokens = sum(mb.num_targets for mb in mbs) * self.pg.dp_size
+        scale = self.precision.loss_scale / global_tokens
+        K = self.num_sources
+        stats = torch.zeros(2 + 2 * K, dtype=torch.float64, device=self.device)
+
+        def loss_fn(per_token: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+            per_token = per_token.float()
+            with torch.no_grad():
+                seq = per_token.detach().sum(dim=1).double()
+                stats[0] += seq.sum()
+                stats[1] += per_token.numel()
+                if mb.source_ids is not None:
+                    ids = mb.source_ids.to(self.device)
+                    stats[2:2 + K].index_add_(0, ids, seq)
+                    stats[2 + K:].index_add_(0, ids, torch.full_like(seq, per_token.shape[1]))
+            return per_token.sum() * scale
+
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        run_forward_backward(self.stages, mbs, self.pg, self.channels, self.spec,
+                             stage_input=self._stage_input, stage_labels=self._stage_labels,
+                             loss_fn=loss_fn, autocast=self._autocast)
+        if not self._contributes():
+            stats.zero_()
+        if self.pg.source_group is not None:
+            dist.all_reduce(stats, group=self.pg.source_group)  # bookkeeping, not counted
+        stats = stats.cpu().tolist()
+        loss_sum, tokens = stats[0], int(stats[1])
+        loss = loss_sum / max(tokens, 1)
+        by_src = {k: stats[2 + k] for k in range(K) if stats[2 + K + k] > 0}
+        tok_src = {k: int(stats[2 + K + k]) for k in range(K) if stats[2 + K + k] > 0}
+
+        self.reduce_gradients()
+        params = self.parameters()
+        self.precision.unscale(params)
+        grad_norm = (global_grad_norm(params, self.pg, self._tied_duplicates())
+                     if math.isfinite(loss) else float("nan"))
+        lr = self.set_lr()
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            self.nonfinite_total += 1
+            self.nonfinite_in_a_row += 1
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+        else:
+            self.nonfinite_in_a_row = 0
+            clip_grads(params, grad_norm, self.cfg.optim.clip_grad)
+            for opt in self.optimizers:
+                opt.step()
+        self.precision.update(skipped)
+        self.step += 1
+        if self.nonfinite_in_a_row >= self.cfg.optim.max_consecutive_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient norm "
+                f"(optim.max_consecutive_nonfinite={self.cfg.optim.max_consecutive_nonfinite}); "
+                f"last at step {self.step}, loss {loss}")
+        return StepResult(loss=loss, tokens=tokens, grad_norm=grad_norm, skipped=skipped, lr=lr,
+                          loss_sum_by_source=by_src, tokens_by_source=tok_src)
+
+    def _tied_duplicates(self) -> frozenset[int]:
+        """The last stage's copy of a tied word embedding (PP > 1) is counted on the first stage."""
+        return frozenset(id(p) for st in self.stages if not st.is_first for p in st.shared_embedding_params())
+
+    # -- gradient reductions --------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self.pg.dp is not None:
+            _bucketed_all_reduce([p.grad for p in params], self.pg, self.pg.dp, "dp")
+        if self.pg.embedding is not None and self.pg.pp_size > 1:
+            shared = {id(p) for st in self.stages for p in st.shared_embedding_params()}
+            tied = [p.grad for p in params if id(p) in shared]
+            if tied:
+                _bucketed_all_reduce(tied, self.pg, self.pg.embedding, "pp")
+        if self.pg.tp is not None and self.cfg.parallel.sequence_parallel:
+            sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+            if sp:
+                _bucketed_all_reduce(sp, self.pg, self.pg.tp, "tp")
+
+    # -- evaluation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_batches(self, micro_batches: Any) -> tuple[float, int]:
+        """Forward only; returns the group's (sum of token losses, number of target tokens)
+        over these micro-batches on every data-parallel rank together."""
+        mbs = step_micro_batches(micro_batches)
+        for st in self.stages:
+            st.eval()
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+        def loss_fn(per_token: torch.Tensor, mb: MicroBatch) -> None:
+            acc[0] += per_token.float().sum().double()
+            acc[1] += per_token.numel()
+
+        if mbs:
+            run_forward_only(self.stages, mbs, self.pg, self.channels, self.spec,
+                             stage_input=self._stage_input, stage_labels=self._stage_labels,
+                             loss_fn=loss_fn, autocast=self._autocast)
+        if not self._contributes():
+            acc.zero_()
+        if self.pg.source_group is not None:
+            dist.all_reduce(acc, group=self.pg.source_group)  # bookkeeping, not counted
+        loss_sum, tokens = acc.cpu().tolist()
+        return loss_sum, int(tokens)
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "nonfinite_total": self.nonfinite_total,
+                "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        if self.precision.scaler is not None and state.get("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
+
+
+def _bucketed_all_reduce(grads: list[torch.Tensor], pg: ParallelGroups, group, category: str,
+                         bucket_elements: int = BUCKET_ELEMENTS) -> None:
+    """Sum ``grads`` over ``group`` through ``pg.comm``, flattened into a few buckets."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        if not buckets or size + g.numel() > bucket_elements or buckets[-1][0].dtype != g.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel()
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        pg.comm.all_reduce(flat, group, category)
+        offset = 0
+        for g in bucket:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n

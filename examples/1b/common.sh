@@ -1,0 +1,85 @@
+# Shared part of the 1B sbatch scripts (examples/1b/{std,glob,trim,spec,spec_opt}.sh).
+# The calling script sets VARIANT, CONFIG and its #SBATCH headers, then sources this file; any
+# arguments given to sbatch after the script name are passed on to dept_mega.train as
+# dotted overrides, e.g.   sbatch examples/1b/spec_opt.sh parallel.tensor=2 parallel.data=4
+#
+# Environment knobs (all optional):
+#   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
+#                   RUN_DIR resumes from RUN_DIR/checkpoints/latest)
+#   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else 8)
+#   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
+#   PYTHON          interpreter for the pre-flight check (default: python, after activating
+#                   the checkout's .venv when there is one)
+#   DEPT_SKIP_PREFLIGHT=1  skip the config/layout check before launching
+set -euo pipefail
+: "${VARIANT:?set VARIANT before sourcing examples/1b/common.sh}"
+
+# sbatch runs a copy of the script from its spool directory, so find the checkout from the
+# directory sbatch was called in (submit from the repository root).
+ROOT=${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}
+cd "$ROOT"
+CONFIG=${CONFIG:-examples/1b/${VARIANT}.yaml}
+if [ ! -f "$CONFIG" ]; then
+  echo "examples/1b/common.sh: $ROOT/$CONFIG not found; submit from the dept_mega checkout" >&2
+  exit 1
+fi
+if [ -f .venv/bin/activate ]; then
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+PYTHON=${PYTHON:-python}
+RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
+NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+WORLD=$((NNODES * GPUS_PER_NODE))
+
+# Rendezvous on the first node of the allocation.
+# (sed reads the whole list: `head` could end scontrol with SIGPIPE, fatal under pipefail)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
+export MASTER_ADDR MASTER_PORT
+
+# Threads per process: the task's CPUs shared by the node's ranks.
+THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
+
+# NCCL. Defaults suit InfiniBand/RoCE clusters; adapt the commented lines to your fabric.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}              # INFO prints the chosen transports/rings
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a failed collective aborts the job instead of hanging it
+export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}       # tolerate transient IB congestion at the outer sync
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # keeps TP communication ordered with compute (Megatron's setting)
+# export NCCL_SOCKET_IFNAME=ib0,eth0   # bootstrap interface when the default route is wrong
+# export NCCL_IB_HCA=mlx5               # restrict to the HCAs of the GPU fabric
+# export NCCL_NET_GDR_LEVEL=PHB         # GPUDirect RDMA distance, if your nodes need it
+
+# Pre-flight: the config, its overrides and the layout must agree before 64 GPUs start.
+if [ "${DEPT_SKIP_PREFLIGHT:-0}" != 1 ]; then
+  "$PYTHON" - "$CONFIG" "$WORLD" "$@" <<'PY'
+import sys
+from dept_mega.config import ConfigError, load_config, validate
+path, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    cfg = load_config(path, overrides)
+    validate(cfg, world)
+except ConfigError as exc:
+    sys.exit(f"pre-flight: {path} with world size {world}: {exc}")
+p = cfg.parallel
+print(f"pre-flight: {cfg.dept.variant}, world {world} = {cfg.num_groups(world)} group(s) x "
+      f"tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}")
+PY
+fi
+
+echo "launch: $VARIANT on $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
+mkdir -p "$RUN_DIR"
+
+# One torchrun per node (ntasks-per-node=1); torchrun starts the node's GPU processes and
+# assigns global ranks node by node, so consecutive ranks (a source group: tp fastest, then
+# dp, pp, group) sit on the same node (docs/launching.md).
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
+  torchrun \
+    --nnodes "$NNODES" \
+    --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-id "${SLURM_JOB_ID:-dept}" \
+    --rdzv-backend c10d \
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+    -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@"

@@ -1,0 +1,15 @@
+#!/bin/bash
+#SBATCH --job-name=dept-1b-trim
+#SBATCH --nodes=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=12:00:00
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --exclusive
+# DEPT TRIM, 1B model: 8 source groups, one per node (tensor 1 x data 8), body + trimmed rows averaged per round.
+# Submit from the repository root:   sbatch examples/1b/trim.sh [key.sub=value ...]
+# Shared environment, pre-flight check and launch: examples/1b/common.sh.
+VARIANT=trim
+CONFIG=examples/1b/trim.yaml
+source "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}/examples/1b/common.sh"

@@ -1,0 +1,67 @@
+"""Helpers for the dept_mega.ops tests: random inputs and float64 references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dept_mega.ops as ops
+from dept_mega.ops import fallback
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")),
+]
+ROW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ID_DTYPES = [torch.int32, torch.int64]
+
+# Implementations under test: the public API (the compiled kernels when the extension
+# handles the device, else the fallback) and the fallback itself.
+IMPLS = {
+    "api": (ops.gather_rows, ops.scatter_add_rows, ops.scatter_mean_rows, ops.remap_ids),
+    "fallback": (fallback.gather_rows, fallback.scatter_add_rows, fallback.scatter_mean_rows,
+                 fallback.remap_ids),
+}
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def rand_rows(shape, dtype, device, g) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).to(device)
+
+
+def rand_ids(n, num_rows, dtype, device, g, dup_pool=None) -> torch.Tensor:
+    """Unsorted ids in [0, num_rows); drawn from a small pool when dup_pool is given, so ids
+    repeat."""
+    hi = num_rows if dup_pool is None else min(num_rows, dup_pool)
+    if hi == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    pool = torch.randperm(num_rows, generator=g)[:hi]
+    pick = torch.randint(0, hi, (n,), generator=g)
+    return pool[pick].to(dtype).to(device)
+
+
+def ref_scatter_add(out, ids, rows) -> torch.Tensor:
+    return out.double().index_add(0, ids.long().cpu().to(out.device), rows.double())
+
+
+def ref_scatter_mean(table, ids, rows, accumulate) -> torch.Tensor:
+    idx = ids.long()
+    sums = torch.zeros(table.shape, dtype=torch.float64, device=table.device).index_add(
+        0, idx, rows.double())
+    counts = torch.zeros(table.shape[0], dtype=torch.float64, device=table.device).index_add(
+        0, idx, torch.ones(idx.numel(), dtype=torch.float64, device=table.device))
+    mean = sums / counts.clamp(min=1).unsqueeze(1)
+    base = table.double()
+    new = base + mean if accumulate else mean
+    return torch.where((counts > 0).unsqueeze(1), new, base)
+
+
+def tol(dtype):
+    """(rtol, atol) for one final rounding to dtype of an fp32 sum of a few N(0,1) terms."""
+    return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2),
+            torch.float16: (2e-3, 2e-3)}[dtype]

@@ -1,0 +1,178 @@
+"""tools/preprocess_data.py: output contents, workers/partitions equivalence, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from dept_mega.data.indexed import IndexedDataset
+from dept_mega.data.jsonl import KINDS, SKIPPED_KINDS
+from dept_mega.data.preprocess import PreprocessError, partition_ranges, preprocess
+from dept_mega.data.tokenizer import load_tokenizer
+from tests.data_utils import run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets import indexed_dataset as mcore
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    return train_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab=200)
+
+
+def _read_all(prefix):
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds.document_bytes().tolist()
+
+
+def test_cli_contract_and_contents(tmp_path, tok_model):
+    texts = synthetic_texts(60, seed=5) + ["Ünïcödé and 日本語 text"]
+    src = write_jsonl(str(tmp_path / "a.jsonl"), texts)
+    out = str(tmp_path / "out")
+    r = run_tool("preprocess_data.py", ["--input", src, "--json-keys", "text", "--tokenizer-type",
+                                        "SentencePieceTokenizer", "--tokenizer-model", tok_model,
+                                        "--output-prefix", out, "--workers", "2", "--append-eod"])
+    assert r.returncode == 0, r.stderr
+    assert "61 documents" in r.stderr and "tokens/s" in r.stderr
+    for ext in (".bin", ".idx", ".bytes.npy"):
+        assert os.path.exists(out + "_text_document" + ext)
+    tok = load_tokenizer(tok_model)
+    docs, nbytes = _read_all(out + "_text_document")
+    assert docs == [tok.encode(t) + [tok.eos_id] for t in texts]
+    assert nbytes == [len(t.encode("utf-8")) for t in texts]
+    m = mcore.IndexedDataset(out + "_text_document")  # megatron reads our output
+    assert [m[i].tolist() for i in range(len(m))] == docs and m.index.dtype == np.uint16
+
+
+def test_workers_and_partitions_give_identical_files(tmp_path, tok_model, monkeypatch):
+    import dept_mega.data.preprocess as pp
+
+    monkeypatch.setattr(pp, "BATCH_LINES", 7)  # many small batches: exercises ordering
+    texts = synthetic_texts(300, seed=6)
+    src = write_jsonl(str(tmp_path / "a.jsonl"), texts)
+    with open(src, "a") as f:
+        f.write("not json\n")
+    outs = {}
+    for name, kw in {"w1": dict(workers=1), "w2": dict(workers=2), "p3": dict(workers=1, partitions=3),
+                     "w2p4": dict(workers=2, partitions=4)}.items():
+        st = preprocess([src], ["text"], tok_model, str(tmp_path / name), append_eod=True, log=None, **kw)
+        assert st.documents == 300 and st.report.counts == {"invalid_json": 1}
+        assert st.report.examples["invalid_json"] == [f"{src}:301"]
+        outs[name] = {ext: open(str(tmp_path / name) + "_text_document" + ext, "rb").read()
+                      for ext in (".bin", ".idx", ".bytes.npy")}
+    for name in ("w2", "p3", "w2p4"):
+        assert outs[name] == outs["w1"], name
+    assert not [f for f in os.listdir(tmp_path) if "_part" in f]  # partitions removed after the merge
+
+
+def test_partition_ranges_cover_input_at_line_starts(tmp_path):
+    a = tmp_path / "a.jsonl"
+    b = tmp_path / "b.jsonl"
+    a.write_bytes(b"".join(b'{"text": "%d"}\n' % i for i in range(37)))
+    b.write_bytes(b"".join(b'{"text": "b%d"}\n' % i for i in range(11)))
+    parts = partition_ranges([str(a), str(b)], 5)
+    assert len(parts) == 5
+    lines = []
+    for ranges in parts:
+        for path, lo, hi in ranges:
+            data = open(path, "rb").read()
+            assert lo == 0 or data[lo - 1:lo] == b"\n"
+            lines += data[lo:hi].splitlines()
+    assert lines == a.read_bytes().splitlines() + b.read_bytes().splitlines()
+
+
+def _bad_file(path):
+    lines = [
+        b'{"text": "good one"}\n',                      # 1 kept
+        b"\xef\xbb\xbf" + b'{"text": "with bom"}\n',    # 2 bom: kept
+        b'{"text": "crlf line"}\r\n',                   # 3 crlf: kept
+        b'{"text": "inner\\r\\nbreak"}\n',              # 4 crlf inside text: kept, normalised
+        b'{"text": "broken\n',                           # 5 invalid json
+        b"[1, 2]\n",                                     # 6 not an object
+        b'{"body": "no text key"}\n',                   # 7 missing key
+        b'{"text": 42}\n',                              # 8 non-string
+        b'{"text": null}\n',                            # 9 non-string
+        b'{"text": ""}\n',                              # 10 empty
+        b'{"text": "   \\n "}\n',                       # 11 empty (whitespace)
+        b'{"text": "bad \xff\xfe bytes"}\n',            # 12 invalid utf-8
+        b'{"text": "lone \\ud800 surrogate"}\n',        # 13 invalid utf-8 (surrogate)
+        b"\n",                                           # 14 blank
+        b'{"text": "last good"}',                       # 15 kept, no final newline
+    ]
+    with open(path, "wb") as f:
+        f.write(b"".join(lines))
+
+
+def test_each_bad_input_kind_is_counted_with_line_numbers(tmp_path, tok_model):
+    src = str(tmp_path / "bad.jsonl")
+    _bad_file(src)
+    st = preprocess([src], ["text"], tok_model, str(tmp_path / "o"), append_eod=False, log=None)
+    c = st.report.counts
+    assert c == {"bom": 1, "crlf": 2, "invalid_json": 2, "missing_key": 1, "non_string": 2, "empty_text": 2,
+                 "invalid_utf8": 2, "blank_line": 1}
+    assert set(c) == set(KINDS)
+    ex = st.report.examples
+    assert ex["bom"] == [f"{src}:2"] and ex["crlf"] == [f"{src}:3", f"{src}:4"]
+    assert [e.split(" ")[0] for e in ex["invalid_json"]] == [f"{src}:5", f"{src}:6"]
+    assert ex["missing_key"][0].startswith(f"{src}:7") and "'text'" in ex["missing_key"][0]
+    assert [e.split(" ")[0] for e in ex["non_string"]] == [f"{src}:8", f"{src}:9"]
+    assert [e.split(" ")[0] for e in ex["empty_text"]] == [f"{src}:10", f"{src}:11"]
+    assert [e.split(" ")[0] for e in ex["invalid_utf8"]] == [f"{src}:12", f"{src}:13"]
+    assert ex["blank_line"] == [f"{src}:14"]
+    # kept documents: every line minus the skipped ones, nothing else
+    assert st.lines == 15 and st.documents == 15 - sum(c[k] for k in SKIPPED_KINDS) == 5
+    tok = load_tokenizer(tok_model)
+    docs, nbytes = _read_all(str(tmp_path / "o_text_document"))
+    kept = ["good one", "with bom", "crlf line", "inner\nbreak", "last good"]
+    assert docs == [tok.encode(t) for t in kept]
+    assert nbytes == [len(t.encode()) for t in kept]
+
+
+def test_report_printed_by_cli_and_strict_fails_without_output(tmp_path, tok_model):
+    src = str(tmp_path / "bad.jsonl")
+    _bad_file(src)
+    args = ["--input", src, "--json-keys", "text", "--tokenizer-model", tok_model,
+            "--output-prefix", str(tmp_path / "o")]
+    r = run_tool("preprocess_data.py", args)
+    assert r.returncode == 0
+    assert "input problems (10 lines skipped)" in r.stderr
+    assert "invalid_utf8" in r.stderr and f"{src}:12" in r.stderr and "Traceback" not in r.stderr
+    os.remove(str(tmp_path / "o_text_document.bin"))
+    r = run_tool("preprocess_data.py", args + ["--strict", "--workers", "2"])
+    assert r.returncode == 1 and "--strict" in r.stderr and "Traceback" not in r.stderr
+    assert not [f for f in os.listdir(tmp_path) if f.endswith((".bin", ".tmp"))]
+
+
+@pytest.mark.parametrize("kind,line", [("bom", b"\xef\xbb\xbf{\"text\": \"x\"}\n"),
+                                       ("crlf", b'{"text": "x"}\r\n'),
+                                       ("empty_text", b'{"text": ""}\n')])
+def test_strict_rejects_even_kept_kinds(tmp_path, tok_model, kind, line):
+    src = tmp_path / "a.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n' + line)
+    with pytest.raises(PreprocessError, match=kind):
+        preprocess([str(src)], ["text"], tok_model, str(tmp_path / "o"), strict=True, log=None)
+
+
+def test_multiple_keys_stay_aligned(tmp_path, tok_model):
+    src = tmp_path / "a.jsonl"
+    rows = [{"text": "alpha beta", "title": "one"}, {"text": "gamma"}, {"text": "delta", "title": "two"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    st = preprocess([str(src)], ["text", "title"], tok_model, str(tmp_path / "o"), log=None)
+    assert st.documents == 2 and st.report.counts == {"missing_key": 1}
+    tok = load_tokenizer(tok_model)
+    assert _read_all(str(tmp_path / "o_text_document"))[0] == [tok.encode("alpha beta"), tok.encode("delta")]
+    assert _read_all(str(tmp_path / "o_title_document"))[0] == [tok.encode("one"), tok.encode("two")]
+
+
+def test_clear_errors_for_missing_files(tmp_path, tok_model):
+    r = run_tool("preprocess_data.py", ["--input", str(tmp_path / "none.jsonl"), "--tokenizer-model", tok_model,
+                                        "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 1 and "none.jsonl" in r.stderr and "does not exist" in r.stderr
+    src = write_jsonl(str(tmp_path / "a.jsonl"), ["x"])
+    r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", str(tmp_path / "no.model"),
+                                        "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 1 and "no.model" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,157 @@
+"""Source weights, per-rank batches, blended batches, vocabulary sets, validation batches."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dept_mega.config import config_from_dict
+from dept_mega.data.gpt_dataset import GPTDataset
+from dept_mega.data.sources import (BlendedBatches, SourceBatches, ValidationBatches, source_datasets,
+                                    source_weights, token_counts, vocab_set)
+from tests.data_utils import numbered_docs, write_docs
+
+
+def _source(tmp_path, name, n_docs, offset, seed=0):
+    """A source whose token ids all lie in [offset, offset + 10000): ids reveal the source."""
+    docs = [[offset + (t % 10000) for t in d] for d in numbered_docs(n_docs, seed=seed)]
+    return write_docs(str(tmp_path / name), docs, nbytes=[2 * len(d) for d in docs])
+
+
+def test_source_weights():
+    sizes = [100, 300, 600]
+    assert np.allclose(source_weights(sizes, "uniform"), [1 / 3] * 3)
+    assert np.allclose(source_weights(sizes, "proportional"), [0.1, 0.3, 0.6])
+    assert np.allclose(source_weights(sizes, "temperature", 1.0), [0.1, 0.3, 0.6])
+    assert np.allclose(source_weights(sizes, "temperature", 0.0), [1 / 3] * 3)
+    w = source_weights(sizes, "temperature", 0.5)
+    assert np.allclose(w, np.sqrt(sizes) / np.sqrt(sizes).sum()) and w.sum() == pytest.approx(1)
+    assert np.all(np.isfinite(source_weights([1e300, 1e-300], "temperature", 3.0)))
+    with pytest.raises(ValueError, match="not one of"):
+        source_weights(sizes, "zipf")
+    with pytest.raises(ValueError, match="> 0"):
+        source_weights([1, 0], "proportional")
+    with pytest.raises(ValueError, match="temperature"):
+        source_weights(sizes, "temperature", -1)
+
+
+def test_source_batches_ranks_cover_the_global_batch(tmp_path):
+    ds = GPTDataset(_source(tmp_path, "a", 60, 0), 8, "98,2", "train", seed=1)
+    single = SourceBatches(ds, global_batch_size=8, micro_batch_size=2)
+    ranks = [SourceBatches(ds, 8, 2, dp_rank=r, dp_size=4) for r in range(4)]
+    for _ in range(3):
+        full = torch.cat(single.next_step())
+        parts = [r.next_step() for r in ranks]
+        assert all(len(p) == 1 and p[0].shape == (2, 9) and p[0].dtype == torch.int64 for p in parts)
+        assert torch.equal(torch.cat([p[0] for p in parts]), full)
+    expect = np.stack([ds[i] for i in range(24, 32)])  # the 4th step
+    assert torch.equal(torch.cat(single.next_step()), torch.from_numpy(expect))
+    with pytest.raises(ValueError, match="divisible"):
+        SourceBatches(ds, 10, 2, 0, 4)
+
+
+def test_source_batches_resume(tmp_path):
+    ds = GPTDataset(_source(tmp_path, "a", 60, 0), 8, "98,2", "train", seed=1)
+    a = SourceBatches(ds, 4, 2)
+    for _ in range(5):
+        a.next_step()
+    state = a.state_dict()
+    expect = a.next_step()
+    b = SourceBatches(ds, 4, 2)
+    b.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(b.next_step(), expect))
+    sized = GPTDataset(ds.prefix, 8, "98,2", "train", seed=1, num_samples=6)
+    s = SourceBatches(sized, 4, 2)
+    s.next_step()
+    with pytest.raises(IndexError, match="no samples left"):
+        s.next_step()
+
+
+def test_blended_batches(tmp_path):
+    srcs = [_source(tmp_path, f"s{k}", 80, k * 10000, seed=k) for k in range(3)]
+    dss = [GPTDataset(p, 8, "98,2", "train", seed=2) for p in srcs]
+    w = np.array([0.6, 0.3, 0.1])
+    full = BlendedBatches(dss, w, global_batch_size=16, micro_batch_size=4, seed=5)
+    ranks = [BlendedBatches(dss, w, 16, 4, dp_rank=r, dp_size=2, seed=5) for r in range(2)]
+    counts = np.zeros(3)
+    for step in range(30):
+        st = full.next_step()
+        tokens, src = torch.cat(st.micro_batches), torch.cat(st.source_ids)
+        assert tokens.shape == (16, 9) and src.shape == (16,)
+        # the source ids say where each row came from
+        assert torch.equal(tokens[:, 0] // 10000, src)
+        parts = [r.next_step() for r in ranks]
+        assert torch.equal(torch.cat([torch.cat(p.micro_batches) for p in parts]), tokens)
+        assert torch.equal(torch.cat([torch.cat(p.source_ids) for p in parts]), src)
+        counts += np.bincount(src.numpy(), minlength=3)
+    assert np.allclose(counts / counts.sum(), w, atol=0.06)
+    # each source is read in its own order, without gaps
+    assert full.consumed.tolist() == counts.astype(int).tolist()
+    # resume gives the same next step
+    again = BlendedBatches(dss, w, 16, 4, seed=5)
+    again.load_state_dict(full.state_dict())
+    a, b = again.next_step(), full.next_step()
+    assert all(torch.equal(x, y) for x, y in zip(a.micro_batches, b.micro_batches))
+    other_seed = BlendedBatches(dss, w, 16, 4, seed=6)
+    first = BlendedBatches(dss, w, 16, 4, seed=5)
+    assert not torch.equal(torch.cat(other_seed.next_step().source_ids), torch.cat(first.next_step().source_ids))
+
+
+def test_vocab_set_and_cache(tmp_path):
+    docs = [[5, 9, 9, 300], [7, 5], [65000]]
+    prefix = write_docs(str(tmp_path / "v"), docs, nbytes=[1, 1, 1])
+    v = vocab_set(prefix)
+    assert v.dtype == np.int64 and v.tolist() == [5, 7, 9, 300, 65000]
+    counts = token_counts(prefix)
+    assert counts[9] == 2 and counts[5] == 2 and counts.sum() == 7
+    cache = tmp_path / "v.token_counts.npz"
+    assert cache.exists()
+    # chunked counting gives the same answer
+    assert np.array_equal(token_counts(prefix, cache_dir=str(tmp_path / "other"), chunk_tokens=2), counts)
+    # the cache is used, and refreshed when the data change
+    mtime = cache.stat().st_mtime_ns
+    vocab_set(prefix)
+    assert cache.stat().st_mtime_ns == mtime
+    write_docs(prefix, [[1, 2, 3]], nbytes=[1])
+    os.utime(prefix + ".bin", ns=(mtime + 10**9, mtime + 10**9))
+    assert vocab_set(prefix).tolist() == [1, 2, 3]
+    # agrees with a direct computation on a bigger source
+    big = _source(tmp_path, "big", 200, 0)
+    from dept_mega.data.indexed import IndexedDataset
+
+    assert np.array_equal(vocab_set(big), np.unique(np.asarray(IndexedDataset(big).tokens)).astype(np.int64))
+
+
+def test_validation_batches(tmp_path):
+    prefix = _source(tmp_path, "val", 100, 0)
+    ds = GPTDataset(prefix, 8, "80,20", "valid", shuffle=False)
+    n = ds.samples_per_epoch
+    vb = ValidationBatches(ds, micro_batch_size=2, eval_iters=3)
+    batches = list(vb)
+    assert len(batches) == len(vb) == 3
+    assert torch.equal(batches[1].tokens, torch.from_numpy(np.stack([ds[2], ds[3]])))
+    assert batches[1].bytes.tolist() == [ds.sample_bytes(2), ds.sample_bytes(3)]
+    assert [torch.equal(a.tokens, b.tokens) for a, b in zip(batches, list(vb))] == [True] * 3  # fixed order
+    # data-parallel ranks split each batch; never more than one pass over the part
+    r0 = list(ValidationBatches(ds, 2, 10_000, dp_rank=0, dp_size=2))
+    r1 = list(ValidationBatches(ds, 2, 10_000, dp_rank=1, dp_size=2))
+    assert len(r0) == len(r1) == n // 4
+    assert torch.equal(r1[0].tokens, torch.from_numpy(np.stack([ds[2], ds[3]])))
+    seen = torch.cat([torch.cat([a.tokens, b.tokens]) for a, b in zip(r0, r1)])
+    assert seen.shape[0] == 4 * (n // 4) <= n
+
+
+def test_source_datasets_from_config(tmp_path):
+    a = _source(tmp_path, "a", 40, 0)
+    b = _source(tmp_path, "b", 40, 10000)
+    cfg = config_from_dict({"model": {"seq_length": 8}, "train": {"seed": 3},
+                            "data": {"sources": [{"name": "a", "prefix": a}, {"name": "b", "prefix": b}],
+                                     "split": "90,10", "cache_dir": str(tmp_path / "cache")}})
+    tr = source_datasets(cfg, "train")
+    va = source_datasets(cfg, "valid")
+    assert [d.prefix for d in tr] == [a, b] and all(d.shuffle for d in tr) and not any(d.shuffle for d in va)
+    assert tr[1][0][0] >= 10000 and tr[0].seed == 3 and tr[0].seq_length == 8
+    tr[0][0]
+    assert os.listdir(tmp_path / "cache")

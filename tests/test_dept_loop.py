@@ -1,0 +1,68 @@
+"""DEPT hooks inside the real TrainLoop: metrics records, evaluation with each source's own
+embeddings on every group, TRIM evaluation with the synchronised rows."""
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_config
+from tests.mp_utils import run_distributed
+
+
+def _loop_worker(rank, world, over, run_dir):
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import EvalStep, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    cfg = tiny_config(over)
+    pg = build_groups(cfg.parallel.tensor, cfg.parallel.data, cfg.parallel.pipeline)
+    v = cfg.dept.variant
+    infos = source_infos(3, trim=v == "trim", vocabs=(60, 200, 130) if v == "spec_opt" else None)
+    by_name = {s.name: s for s in infos}
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+
+    def make_iterator(name):
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]), pg.dp_rank,
+                               pg.dp_size)
+
+    def make_eval_batches(name):
+        src = SyntheticSource(cfg, 99 + infos.index(by_name[name]), allowed_ids(by_name[name]), pg.dp_rank,
+                              pg.dp_size)
+        for _ in range(2):
+            yield EvalStep(micro_batches=src.next_step(), nbytes=100.0)
+
+    writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
+    loop = TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, eval_sources=[s.name for s in infos],
+                     make_eval_batches=make_eval_batches)
+    loop.run()
+    return {"eval": loop.eval_history}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["spec_opt", "trim"])
+def test_loop_records_and_eval_on_every_group(tmp_path, variant):
+    over = {"dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 6, "eval_interval": 4,
+                                                                       "log_interval": 1}}
+    res = run_distributed(_loop_worker, 2, args=(over, str(tmp_path)))
+    recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    train = [r for r in recs if r["kind"] == "train"]
+    outer = [r for r in recs if r["kind"] == "outer"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert len(train) == 6 and len(outer) == 3 and len(evals) == 2
+    for r in train:
+        assert set(r["sources"]) == {"0", "1"} and len(set(r["sources"].values())) == 2
+        assert set(r["loss_by_source"]) == set(r["sources"].values())
+    for r in outer:
+        assert r["bytes"]["outer_body"] > 0 and r["seconds"] >= 0
+        assert (r["bytes"]["outer_embedding"] > 0) == (variant == "trim")
+    # every group evaluated every source with the same (moved or copied) embeddings
+    for e0, e1 in zip(res[0]["eval"], res[1]["eval"]):
+        assert e0["by_source"].keys() == {"s0", "s1", "s2"}
+        for name in e0["by_source"]:
+            assert e0["by_source"][name]["loss"] == pytest.approx(e1["by_source"][name]["loss"], rel=1e-6)

@@ -1,0 +1,183 @@
+"""examples/1b: the paper's 1B configs load and validate, and the sbatch scripts are
+consistent with them (syntax, headers, layout) and launch the expected torchrun command."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from dept_mega.config import load_config, validate
+from dept_mega.dept.costs import predict_costs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EX = os.path.join(ROOT, "examples", "1b")
+VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
+
+
+def sbatch_headers(path: str) -> dict[str, str]:
+    heads = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = re.match(r"#SBATCH\s+--([\w-]+)(?:[= ](\S+))?", line)
+            if m:
+                heads[m.group(1)] = m.group(2) or ""
+    return heads
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_is_the_paper_1b_model(variant):
+    cfg = load_config(os.path.join(EX, f"{variant}.yaml"))
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_size) == (24, 2048, 16, 8192)
+    assert (m.position_embedding, m.tie_embeddings, m.seq_length) == ("alibi", True, 2048)
+    assert cfg.dept.variant == variant and cfg.precision == "bf16"
+    assert cfg.train.global_batch_size == 512 and cfg.train.steps == 7000
+    assert cfg.optim.lr == 2.0e-4 and cfg.dept.local_steps == 500
+    assert all(s.prefix.startswith("data/") for s in cfg.data.sources)
+    if variant == "spec_opt":
+        assert all(s.tokenizer for s in cfg.data.sources)
+    else:
+        assert cfg.data.tokenizer and cfg.data.tokenizer.startswith("data/")
+    assert cfg.train.run_dir == f"runs/1b/{variant}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_script_matches_config(variant):
+    script = os.path.join(EX, f"{variant}.sh")
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    text = open(script, encoding="utf-8").read()
+    assert f"examples/1b/{variant}.yaml" in text and "examples/1b/common.sh" in text
+    h = sbatch_headers(script)
+    for key in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output"):
+        assert key in h, f"{variant}.sh lacks #SBATCH --{key}"
+    assert h["ntasks-per-node"] == "1"  # one torchrun per node
+    world = int(h["nodes"]) * int(h["gpus-per-node"])
+    cfg = load_config(os.path.join(EX, f"{variant}.yaml"))
+    validate(cfg, world, check_files=False)
+    p = cfg.parallel
+    assert world % (p.tensor * p.pipeline * p.data) == 0
+    groups = cfg.num_groups(world)
+    if variant == "std":
+        assert groups == 1
+    else:
+        assert groups == len(cfg.data.sources)  # K = G: one group per source
+        # a group fills whole nodes, so only the outer sync leaves a node
+        assert (p.tensor * p.pipeline * p.data) % int(h["gpus-per-node"]) == 0
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * p.data) == 0
+
+
+def test_common_sh_syntax_and_nccl():
+    common = os.path.join(EX, "common.sh")
+    assert subprocess.run(["bash", "-n", common], timeout=30).returncode == 0
+    text = open(common, encoding="utf-8").read()
+    for needle in ("scontrol show hostnames", "--rdzv-backend c10d", "--nnodes", "NCCL", '"$@"',
+                   "-m dept_mega.train"):
+        assert needle in text
+
+
+def test_costs_of_the_1b_configs():
+    """The shipped configs give the paper's Table 2 figures through the cost model."""
+    cfg = load_config(os.path.join(EX, "spec_opt.yaml"))
+    c = predict_costs(cfg, 250_112, [50_257] * 8, [216_135] * 8)
+    assert abs(c["std"]["per_step_comm_params"] - 1.71e9) < 0.02 * 1.71e9
+    assert abs(c["spec_opt"]["per_step_comm_params"] - 2.4e6) < 0.02 * 2.4e6
+
+
+# ----------------------------------------------------------------------------- launch (fake Slurm)
+
+
+def _fake_bin(tmp_path) -> str:
+    """``scontrol`` prints 8 host names; ``srun`` records its argument vector."""
+    bindir = tmp_path / "bin"
+    if bindir.exists():
+        return str(bindir)
+    bindir.mkdir()
+    (bindir / "scontrol").write_text("#!/bin/bash\nfor i in 1 2 3 4 5 6 7 8; do echo node0$i; done\n")
+    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_SRUN_LOG"\n')
+    for f in bindir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    return str(bindir)
+
+
+def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple[subprocess.CompletedProcess, list[str]]:
+    log = tmp_path / "srun.args"
+    env = dict(os.environ, PATH=_fake_bin(tmp_path) + os.pathsep + os.environ["PATH"],
+               SLURM_NNODES="8", SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242",
+               SLURM_CPUS_PER_TASK="64", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root,
+               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable, **env_extra)
+    env.pop("DEPT_MEGA_ROOT", None)
+    env.pop("RUN_DIR", None)
+    r = subprocess.run(["bash", os.path.join(root, "examples", "1b", f"{variant}.sh"), *args],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    argv = log.read_text().splitlines() if log.exists() else []
+    return r, argv
+
+
+def _root_with_placeholder_files(tmp_path) -> str:
+    """A copy of examples/1b beside empty stand-ins for every data file the configs name."""
+    root = tmp_path / "repo"
+    shutil.copytree(EX, root / "examples" / "1b")
+    for variant in VARIANTS:
+        cfg = load_config(os.path.join(EX, f"{variant}.yaml"))
+        paths = [s.prefix + ext for s in cfg.data.sources for ext in (".bin", ".idx")]
+        paths += [s.tokenizer for s in cfg.data.sources if s.tokenizer] + [cfg.data.tokenizer or ""]
+        for p in filter(None, paths):
+            (root / p).parent.mkdir(parents=True, exist_ok=True)
+            (root / p).touch()
+    return str(root)
+
+
+def test_launch_command(tmp_path):
+    root = _root_with_placeholder_files(tmp_path)
+    r, argv = _launch(tmp_path, root, "spec_opt", "dept.outer_optimizer.lr=0.7")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pre-flight: spec_opt, world 64 = 8 group(s) x tensor 1 x pipeline 1 x data 8" in r.stdout
+    i = argv.index("torchrun")
+    assert argv[:i] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    cmd = argv[i:]
+    assert cmd[cmd.index("--nnodes") + 1] == "8"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
+    assert re.fullmatch(r"node01:\d+", cmd[cmd.index("--rdzv-endpoint") + 1])
+    assert cmd[-6:] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml",
+                        "train.run_dir=runs/1b/spec_opt", "dept.outer_optimizer.lr=0.7"]
+    assert os.path.isdir(os.path.join(root, "runs", "1b", "spec_opt"))
+
+
+def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
+    root = _root_with_placeholder_files(tmp_path)
+    # std with data 8 on 64 ranks would make 8 groups: refused before srun
+    r, argv = _launch(tmp_path, root, "std", "parallel.data=8")
+    assert r.returncode != 0 and not argv
+    assert "world size 64" in r.stderr and "dept.variant" in r.stderr
+    # the real checkout has no data: the pre-flight names the missing file
+    r, argv = _launch(tmp_path, ROOT, "trim")
+    assert r.returncode != 0 and not argv
+    assert "does not exist" in r.stderr
+    # outside Slurm the script refuses clearly
+    env = dict(os.environ)
+    for k in [k for k in env if k.startswith("SLURM_")]:
+        env.pop(k)
+    r = subprocess.run(["bash", os.path.join(EX, "std.sh")], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=ROOT)
+    assert r.returncode != 0 and "SLURM_NNODES" in r.stderr
+
+
+def test_readme_cost_table_is_the_tool_output():
+    """examples/1b/README.md shows the table tools/dept_costs.py prints for these configs."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "dept_costs.py"), "--config",
+                        "examples/1b/spec_opt.yaml", "--global-vocab", "250112", "--source-vocab", "50257",
+                        "--trim-vocab", "216135", "--groups", "8"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    readme = open(os.path.join(EX, "README.md"), encoding="utf-8").read()
+    rows = [line for line in r.stdout.splitlines() if line.split(" ")[0] in VARIANTS]
+    assert len(rows) == 5
+    for line in rows:
+        assert line in readme, line

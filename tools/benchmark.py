@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Throughput of the inner training step (design.md §4, §8).
+
+    [torchrun --standalone --nproc-per-node N] python tools/benchmark.py --config CFG.yaml \
+        [key=value ...] --steps N --out BENCH.json
+
+Builds the run's model and trainer in the configured layout and times ``--steps`` training
+steps (after ``--warmup`` untimed ones) on synthetic token batches of the configured shape
+(uniform ids from the model's vocabulary), so data loading is not measured. Writes one
+``kind: "bench"`` record (design.md §6) to BENCH.json: ``tokens_per_s`` (all groups),
+``tokens_per_s_per_device``, ``tflops_per_device`` and ``mfu`` (§8 FLOPs; null on CPU, as §8
+asks for tokens/s only there), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated;
+CPU: the process's peak resident set). Extra keys describe the setup.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
+from dept_mega.metrics import make_record, train_flops_per_token  # noqa: E402
+from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
+from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100 SXM / H200 dense bf16 (design.md §8)
+
+
+def synthetic_step(cfg, vocab: int, pg, step: int) -> list[MicroBatch]:
+    t = cfg.train
+    per_rank = t.global_batch_size // pg.dp_size
+    g = torch.Generator().manual_seed(cfg.train.seed * 7919 + step * 131 + pg.dp_rank)
+    tokens = torch.randint(0, vocab, (per_rank, cfg.model.seq_length + 1), generator=g)
+    return [MicroBatch(x) for x in tokens.split(t.micro_batch_size)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    rank, world, device = init_distributed()
+    try:
+        validate(cfg, world, check_files=False)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from dept_mega.train import vocab_size_of
+    vocab = vocab_size_of(cfg)
+    p = cfg.parallel
+    pg = build_groups(p.tensor, p.data, p.pipeline)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, device, vocab_size=vocab)
+    cfg.train.steps = max(cfg.train.steps, args.warmup + args.steps)
+    for s in range(args.warmup):
+        trainer.train_step(synthetic_step(cfg, vocab, pg, s))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for s in range(args.steps):
+        trainer.train_step(synthetic_step(cfg, vocab, pg, args.warmup + s))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    seconds = time.perf_counter() - t0
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length * pg.num_groups
+    tps = tokens_per_step * args.steps / seconds
+    flops_tok = train_flops_per_token(cfg.model, vocab)
+    if device.type == "cuda":
+        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9], device=device)
+        tflops = flops_tok * tps / world / 1e12
+        mfu = tflops * 1e12 / PEAK_BF16_FLOPS
+    else:
+        mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
+        tflops = mfu = None
+    if dist.is_initialized():
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    rec = make_record("bench", args.warmup + args.steps, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
+                      tflops_per_device=tflops, mfu=mfu, step_ms=seconds / args.steps * 1e3,
+                      peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
+                      layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
+                              "virtual_pipeline": p.virtual_pipeline, "sequence_parallel": p.sequence_parallel},
+                      precision=cfg.precision, tokens_per_step=tokens_per_step, timed_steps=args.steps,
+                      flops_per_token=flops_tok, vocab_size=vocab)
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(rec, f, indent=1)
+        print(json.dumps(rec))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

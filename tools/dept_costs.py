@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Parameters, memory and per-step communication of every DEPT variant (paper Table 1).
+
+    python tools/dept_costs.py --config CFG.yaml [key=value ...] \
+        [--global-vocab N] [--source-vocab N] [--trim-vocab N] \
+        [--groups G --comm-dtype fp32|bf16] [--json]
+
+Vocabulary sizes come from the command line when given, else from the config's tokenizers
+(``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
+``--trim-vocab`` is TRIM's mean |V_k|; without it (and without the sources' data files) TRIM
+is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one outer round
+per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts.
+All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dept_mega.config import ConfigError, load_config  # noqa: E402
+from dept_mega.dept.costs import VARIANTS, predict_costs, predict_outer_round_bytes, resolve_vocabs  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="YAML config (its model and dept sections are used)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.num_layers=12")
+    ap.add_argument("--global-vocab", type=int, default=None, help="global tokenizer's vocabulary size")
+    ap.add_argument("--source-vocab", type=int, default=None, help="SPEC-OPT per-source vocabulary size")
+    ap.add_argument("--trim-vocab", type=int, default=None, help="TRIM mean per-source |V_k|")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="G source groups: also predict the bytes of one outer round")
+    ap.add_argument("--comm-dtype", choices=("fp32", "bf16"), default=None,
+                    help="outer communication dtype (default: the config's dept.outer_comm_dtype)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap.parse_args(argv)
+
+
+def compute(args: argparse.Namespace) -> dict:
+    cfg = load_config(args.config, args.overrides)
+    vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
+    variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
+    if args.groups is not None:
+        if args.groups < 1:
+            raise ConfigError(f"--groups must be >= 1, got {args.groups}")
+        # TRIM's rows per group: the sources' own |V_k| when there is one per group (K = G),
+        # else the mean for every group; unknown -> untrimmed, as in the table.
+        sizes = list(vocabs.trim_vocabs.values())
+        if len(sizes) == args.groups:
+            trim = sizes
+        elif sizes:
+            trim = [round(sum(sizes) / len(sizes))] * args.groups
+        else:
+            trim = [vocabs.global_vocab] * args.groups
+        for name in VARIANTS:
+            one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
+            variants[name]["outer_round_bytes"] = predict_outer_round_bytes(
+                one, 1 if name == "std" else args.groups, args.comm_dtype, vocabs.global_vocab, trim)
+    m = cfg.model
+    return {
+        "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                  "num_attention_heads": m.num_attention_heads, "num_query_groups": m.query_groups,
+                  "ffn_hidden_size": m.ffn_size, "activation": m.activation,
+                  "normalization": m.normalization, "position_embedding": m.position_embedding,
+                  "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings, "bias": m.bias},
+        "local_steps": cfg.dept.local_steps,
+        "vocab": {"global": vocabs.global_vocab, "source_mean": vocabs.mean_source_vocab,
+                  "trim_mean": vocabs.mean_trim_vocab, "origin": vocabs.origin},
+        "variants": variants,
+    }
+
+
+def _fmt(x: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f}{unit}"
+    return f"{x:.1f}" if not float(x).is_integer() else str(int(x))
+
+
+def _fmt_bytes(x: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f} {unit}"
+    return f"{int(x)} B"
+
+
+def table(result: dict) -> str:
+    v = result["vocab"]
+    lines = [f"global vocab {v['global']}, SPEC-OPT vocab {v['source_mean']}, TRIM mean |V_k| "
+             f"{v['trim_mean'] if v['trim_mean'] is not None else 'unknown'}; "
+             f"N_local {result['local_steps']}",
+             f"{'variant':9} {'vocab':>9} {'embedding':>11} {'total':>11} {'per step':>11} {'per round':>11}",
+             "-" * 68]
+    notes = []
+    for name, c in result["variants"].items():
+        lines.append(f"{name:9} {_fmt(c['vocab']):>9} {_fmt(c['embedding_params']):>11} "
+                     f"{_fmt(c['total_params']):>11} {_fmt(c['per_step_comm_params']):>11} "
+                     f"{_fmt(c['per_round_comm_params']):>11}")
+        if c.get("note"):
+            notes.append(f"  {name}: {c['note']}")
+    lines.append("params with the true vocabulary; per step/round = parameters crossing groups (Table 1)")
+    if any("outer_round_bytes" in c for c in result["variants"].values()):
+        lines.append("predicted bytes of one outer round, summed over ranks:")
+        for name, c in result["variants"].items():
+            b = c["outer_round_bytes"]
+            lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items()))
+    return "\n".join(lines + (["notes:"] + notes if notes else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = compute(args)
+    except ConfigError as exc:
+        print(f"dept_costs: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Tokenize jsonl into Megatron indexed datasets.
+
+    python tools/preprocess_data.py --input A.jsonl --json-keys text \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model PREFIX.model \\
+        --output-prefix OUT --workers N --append-eod        # OUT_text_document.{bin,idx}
+
+Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte).
+Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
+byte-order mark, CRLF) are counted by kind and reported at the end with their first line
+numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
+makes any of them an error (exit 1, no output written).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dept_mega.data.preprocess import PreprocessError, preprocess  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="jsonl file(s), read in order")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=["SentencePieceTokenizer"])
+    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="cut the input into this many contiguous parts, write each, then merge")
+    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
+    p.add_argument("--strict", action="store_true", help="any bad input line is an error")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress or summary lines")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
+                        workers=args.workers, append_eod=args.append_eod, strict=args.strict,
+                        partitions=args.partitions, log=log, progress_interval=args.log_interval)
+    except PreprocessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; no output written", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        el = max(st.seconds, 1e-9)
+        print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "
+              f"{st.text_bytes} text bytes in {st.seconds:.2f}s ({st.documents / el:.0f} docs/s, "
+              f"{st.tokens / el:.0f} tokens/s)", file=sys.stderr)
+        for out in st.outputs:
+            print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy", file=sys.stderr)
+        if st.report.total:
+            print(f"[preprocess] input problems ({st.report.skipped} lines skipped):", file=sys.stderr)
+            for line in st.report.lines():
+                print(line, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

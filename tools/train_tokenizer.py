@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Train a SentencePiece tokenizer (unigram or BPE) from jsonl files.
+
+    python tools/train_tokenizer.py --input A.jsonl [B.jsonl ...] --json-key text \\
+        --vocab-size N --model-type unigram|bpe --output-prefix PREFIX   # PREFIX.model, PREFIX.vocab
+
+Each document's non-empty lines are the training "sentences". With more sentences than
+``--max-sentences`` a seeded reservoir sample of that many is used (memory stays bounded
+for very large inputs). Special ids: unk=0, bos=1, eos=2 (the end-of-document token
+appended by ``preprocess_data.py --append-eod``), pad=3. Bad input lines are counted and
+reported like in preprocess_data.py; ``--strict`` makes any of them an error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dept_mega.data.jsonl import BadInputReport, iter_texts  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="jsonl file(s), one JSON object per line")
+    p.add_argument("--json-key", default="text", help="key holding the text (default: text)")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--byte-fallback", action="store_true",
+                   help="unknown characters become UTF-8 byte pieces instead of <unk> (adds 256 ids)")
+    p.add_argument("--character-coverage", type=float, default=0.9995,
+                   help="share of characters the vocabulary must cover (default 0.9995)")
+    p.add_argument("--max-sentences", type=int, default=2_000_000,
+                   help="train on at most this many sentences (seeded reservoir sample)")
+    p.add_argument("--max-sentence-length", type=int, default=8192,
+                   help="longer lines (in bytes) are ignored by SentencePiece")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the sentence sample")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--strict", action="store_true", help="any bad input line is an error")
+    p.add_argument("--verbose", action="store_true", help="show SentencePiece's own training log")
+    return p.parse_args(argv)
+
+
+def collect_sentences(args, report: BadInputReport) -> tuple[list[str], int, int]:
+    """Seeded reservoir sample of at most ``max_sentences`` lines; returns
+    (sample, documents read, sentences seen)."""
+    rng = random.Random(args.seed)
+    cap = args.max_sentences
+    sample: list[str] = []
+    seen = docs = 0
+    t0 = last = time.time()
+    for text in iter_texts(args.input, args.json_key, report):
+        docs += 1
+        for line in text.split("\n"):
+            line = line.strip()
+            if not line:
+                continue
+            seen += 1
+            if len(sample) < cap:
+                sample.append(line)
+            else:
+                j = rng.randrange(seen)
+                if j < cap:
+                    sample[j] = line
+        now = time.time()
+        if now - last >= 5:
+            last = now
+            print(f"[train_tokenizer] read {docs} documents, {seen} sentences "
+                  f"({docs / (now - t0):.0f} docs/s)", file=sys.stderr, flush=True)
+    return sample, docs, seen
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import sentencepiece as spm
+
+    for path in args.input:
+        if not os.path.isfile(path):
+            print(f"error: input file {path!r} does not exist", file=sys.stderr)
+            return 2
+    if args.vocab_size < 8:
+        print(f"error: --vocab-size {args.vocab_size} is too small (special ids alone take 4)", file=sys.stderr)
+        return 2
+    if args.max_sentences < 1:
+        print("error: --max-sentences must be >= 1", file=sys.stderr)
+        return 2
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+
+    t0 = time.time()
+    report = BadInputReport()
+    sample, docs, seen = collect_sentences(args, report)
+    if report.total:
+        print(f"[train_tokenizer] input problems ({report.skipped} lines skipped):", file=sys.stderr)
+        for line in report.lines():
+            print(line, file=sys.stderr)
+        if args.strict:
+            print("error: bad input lines and --strict given", file=sys.stderr)
+            return 1
+    if not sample:
+        print(f"error: no text found under key {args.json_key!r} in {', '.join(args.input)}", file=sys.stderr)
+        return 1
+    capped = f" (sampled {len(sample)} of {seen})" if seen > len(sample) else ""
+    print(f"[train_tokenizer] {docs} documents, {seen} sentences{capped} read in {time.time() - t0:.1f}s; "
+          f"training {args.model_type} with vocab {args.vocab_size}", file=sys.stderr, flush=True)
+
+    t1 = time.time()
+    model_file = args.output_prefix + ".model"
+    tmp_prefix = args.output_prefix + ".tmp"
+    try:
+        spm.SentencePieceTrainer.Train(
+            sentence_iterator=iter(sample),
+            model_prefix=tmp_prefix,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+            character_coverage=args.character_coverage,
+            byte_fallback=args.byte_fallback,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+            input_sentence_size=0,  # we sampled already
+            shuffle_input_sentence=False,
+            max_sentence_length=args.max_sentence_length,
+            num_threads=max(1, args.threads),
+            minloglevel=0 if args.verbose else 2,
+        )
+    except RuntimeError as exc:
+        msg = str(exc)
+        m = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", msg)
+        if m:
+            print(f"error: --vocab-size {m.group(1)} is too large for this corpus: SentencePiece can make "
+                  f"at most {m.group(2)} pieces from these {len(sample)} sentences. Use --vocab-size "
+                  f"<= {m.group(2)}, or give it more text.", file=sys.stderr)
+        else:
+            print(f"error: SentencePiece training failed: {msg}", file=sys.stderr)
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp_prefix + ext):
+                os.remove(tmp_prefix + ext)
+        return 1
+    os.replace(tmp_prefix + ".vocab", args.output_prefix + ".vocab")
+    os.replace(tmp_prefix + ".model", model_file)
+
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    print(f"[train_tokenizer] wrote {model_file} and {args.output_prefix}.vocab: {sp.get_piece_size()} pieces, "
+          f"unk={sp.unk_id()} bos={sp.bos_id()} eos={sp.eos_id()} pad={sp.pad_id()}, "
+          f"trained in {time.time() - t1:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
