@@ -16,6 +16,23 @@
 
 namespace dept_mega {
 
+// The dtype as Python spells it (torch.float64 -> "float64"), for messages.
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 inline bool is_row_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
@@ -24,12 +41,12 @@ inline bool is_id_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLo
 
 inline void check_rows_dtype(const char* op, const char* what, at::ScalarType t) {
   TORCH_CHECK_TYPE(is_row_dtype(t), op, ": ", what,
-                   " must be float32, bfloat16 or float16, got ", c10::toString(t));
+                   " must be float32, bfloat16 or float16, got ", dtype_name(t));
 }
 
 inline void check_ids_dtype(const char* op, const char* what, at::ScalarType t) {
   TORCH_CHECK_TYPE(is_id_dtype(t), op, ": ", what, " must be int32 or int64, got ",
-                   c10::toString(t));
+                   dtype_name(t));
 }
 
 inline void check_same_device(const char* op, const at::Tensor& a, const char* an,

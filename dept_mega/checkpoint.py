@@ -1,14 +1,17 @@
 """Checkpoints: ``RUN/checkpoints/step_N/`` with torch.distributed.checkpoint, atomically.
 
 Every rank saves its own shards under keys that name their position
-(``model/tp{t}/pp{p}/c{chunk}/{param name}``; optimizer moments beside them), so data-parallel
-replicas share keys and DCP writes them once. The step directory is first written as
+(``model/g{group}/tp{t}/pp{p}/c{chunk}/{param name}``; optimizer moments beside them), so
+data-parallel replicas share keys and DCP writes them once (groups differ under DEPT: the
+group is part of the key). The step directory is first written as
 ``step_N.tmp``, then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest``
 (text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
-Scalars (trainer counters, data positions, loss scale) go to ``step_N/state.json``.
-Loading needs the same tensor and pipeline sizes (keys carry the position); data-parallel
-size may differ. DEPT state (per-source embeddings, outer optimizer) is included when the
-hooks provide ``checkpoint_state() -> dict[str, Tensor]`` / ``load_checkpoint_state(dict)``.
+Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
+source group (data positions differ between groups under DEPT).
+Loading needs the same tensor and pipeline sizes and number of groups (keys carry the
+position); the data-parallel size may differ. Round hooks with ``state_dict()`` / ``load_state_dict(sd)`` (DEPT: per-source
+embeddings, outer optimizer state — different on every rank) are saved per rank as
+``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
     names: dict[int, str] = {}
     for c, st in enumerate(trainer.stages):
         for name, p in st.named_parameters():
-            key = f"model/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"
+            key = f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"
             out[key] = p.data
             names.setdefault(id(p), key)
     for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
@@ -92,18 +95,22 @@ class Checkpointer:
             os.makedirs(tmp, exist_ok=True)
         _barrier()
         state = _model_state(trainer)
-        hooks_state = getattr(loop.hooks, "checkpoint_state", None)
-        if hooks_state is not None:
-            state.update({f"dept/{k}": v for k, v in hooks_state().items()})
+        if hasattr(loop.hooks, "state_dict"):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            torch.save(loop.hooks.state_dict(), os.path.join(tmp, f"hooks_rank{rank}.pt"))
         with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=tmp)
-        if rank0:
+        pg = trainer.pg
+        if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
+            # positions are the same on every rank of a group, different across groups (DEPT)
             meta = {"step": step, "trainer": trainer.state_dict(),
                     "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
                                   if hasattr(it, "state_dict")}}
-            with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
+            with open(os.path.join(tmp, f"group{pg.group_index}.json"), "w", encoding="utf-8") as f:
                 json.dump(meta, f)
+        _barrier()
+        if rank0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             latest = os.path.join(self.run_dir, CKPT_DIR, "latest")
@@ -120,7 +127,8 @@ class Checkpointer:
         if step is None:
             return None
         load_weights(loop.trainer, self.run_dir, step, hooks=loop.hooks)
-        with open(os.path.join(step_dir(self.run_dir, step), "state.json"), encoding="utf-8") as f:
+        group = loop.trainer.pg.group_index
+        with open(os.path.join(step_dir(self.run_dir, step), f"group{group}.json"), encoding="utf-8") as f:
             meta = json.load(f)
         loop.trainer.load_state_dict(meta["trainer"])
         for name, st in meta.get("iterators", {}).items():
@@ -140,13 +148,12 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     state = _model_state(trainer)
     if not optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
-    hooks_state = getattr(hooks, "checkpoint_state", None) if hooks is not None else None
-    extra = {}
-    if hooks_state is not None:
-        extra = {f"dept/{k}": v for k, v in hooks_state().items()}
-        state.update(extra)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
-    if extra and hasattr(hooks, "load_checkpoint_state"):
-        hooks.load_checkpoint_state({k[len("dept/"):]: v for k, v in extra.items()})
+    if hooks is not None and hasattr(hooks, "load_state_dict"):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
+        if not os.path.exists(hooks_path):
+            raise FileNotFoundError(f"checkpoint {path} has no round-hook state for rank {rank} ({hooks_path})")
+        hooks.load_state_dict(torch.load(hooks_path, map_location=trainer.device, weights_only=False))

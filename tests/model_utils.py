@@ -66,7 +66,8 @@ def reduce_sequence_parallel_grads(module: torch.nn.Module, pg) -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
 # ----------------------------------------------------------------------------- reference model

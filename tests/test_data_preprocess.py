@@ -176,3 +176,12 @@ def test_clear_errors_for_missing_files(tmp_path, tok_model):
     r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", str(tmp_path / "no.model"),
                                         "--output-prefix", str(tmp_path / "o")])
     assert r.returncode == 1 and "no.model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_progress_lines(tmp_path, tok_model):
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(20, seed=8))
+    r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", tok_model, "--output-prefix",
+                                        str(tmp_path / "o"), "--log-interval", "0"])
+    assert r.returncode == 0
+    progress = [line for line in r.stderr.splitlines() if "docs/s" in line and "tokens/s" in line and "MB/s" in line]
+    assert progress, r.stderr

@@ -98,3 +98,10 @@ def test_load_tokenizer_errors(tmp_path):
                                    vocab_size=60, eos_id=-1, minloglevel=2)
     with pytest.raises(TokenizerError, match="no EOS"):
         load_tokenizer(str(tmp_path / "noeos.model"))
+
+
+def test_training_is_deterministic(tmp_path):
+    a = load_tokenizer(train_tiny_tokenizer(str(tmp_path / "a"), vocab=150))
+    b = load_tokenizer(train_tiny_tokenizer(str(tmp_path / "b"), vocab=150))
+    pa = [(a.id_to_piece(i), a.processor.GetScore(i)) for i in range(a.vocab_size)]
+    assert pa == [(b.id_to_piece(i), b.processor.GetScore(i)) for i in range(b.vocab_size)]

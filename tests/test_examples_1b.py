@@ -181,3 +181,61 @@ def test_readme_cost_table_is_the_tool_output():
     assert len(rows) == 5
     for line in rows:
         assert line in readme, line
+
+
+def _tiny_sources(tmp_path) -> str:
+    """Two small random-token sources (no tokenizer: model.vocab_size) as a YAML flow list."""
+    import numpy as np
+
+    from dept_mega.data.indexed import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    items = []
+    for name in ("a", "b"):
+        prefix = str(tmp_path / "data" / f"{name}_text_document")
+        b = IndexedDatasetBuilder(prefix)
+        for _ in range(60):
+            n = int(rng.integers(40, 120))
+            b.add_document(rng.integers(3, 300, n), nbytes=3 * n)
+        b.finalize()
+        items.append(f"{{name: {name}, prefix: {prefix}}}")
+    return "[" + ", ".join(items) + "]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sbatch_std_script_trains_on_cpu(tmp_path):
+    """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
+    runs its command), real torchrun c10d rendezvous, real dept_mega.train, the 1B config
+    shrunk by overrides passed through the script."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    for f in bindir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+               SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(20000 + os.getpid() % 9000),
+               SLURM_SUBMIT_DIR=ROOT, GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", DEPT_MEGA_DEVICE="cpu",
+               RUN_DIR=str(run_dir), PYTHON=sys.executable)
+    from .mp_utils import free_port
+
+    env["MASTER_PORT"] = str(free_port())
+    overrides = ["parallel.data=2", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+                 "model.num_query_groups=4", "model.ffn_hidden_size=64", "model.seq_length=32",
+                 "model.vocab_size=300", "data.tokenizer=null", "precision=fp32", "backend=local",
+                 "train.steps=2", "train.micro_batch_size=1", "train.global_batch_size=2",
+                 "train.eval_interval=2", "train.eval_iters=1", "train.save_interval=2", "train.log_interval=1",
+                 f"data.sources={_tiny_sources(tmp_path)}"]
+    r = subprocess.run(["bash", os.path.join(EX, "std.sh"), *overrides], capture_output=True, text=True,
+                       timeout=280, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "world 2 = 1 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [rec for rec in records if rec["kind"] == "train"]
+    assert [rec["step"] for rec in train] == [1, 2]
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.model.num_layers == 2 and cfg.train.run_dir == str(run_dir) and cfg.parallel.data == 2

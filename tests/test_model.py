@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dept_mega.config import config_from_dict
-from dept_mega.model import (BackendError, GPTStage, SourceEmbeddings, TransformerBody, build_model,
+from dept_mega.model import (BackendError, SourceEmbeddings, TransformerBody, build_model,
                              build_source_embeddings, chunk_layout, describe_backends, padded_vocab_size,
                              resolve_backends)
 from dept_mega.model.positions import RotaryEmbedding, alibi_slopes, local_alibi_slopes

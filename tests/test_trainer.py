@@ -189,3 +189,36 @@ def test_metrics_records(tmp_path):
         make_record("nope", 1, 0)
     MetricsWriter(str(tmp_path / "other"), enabled=False).write("outer", 1, 0, bytes={}, seconds=0.0)
     assert not (tmp_path / "other").exists()
+
+
+def test_flops_per_token_formula():
+    from dept_mega.metrics import train_flops_per_token
+    m = tiny_config({"model": {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_query_groups": 1,
+                               "ffn_hidden_size": 16, "seq_length": 4, "activation": "swiglu"}}).model
+    q, kv = 8, 4  # heads·head_dim, groups·head_dim
+    per_layer = 6 * 8 * (q + 2 * kv + q) + 6 * 8 * 16 * 3 + 6 * q * 4
+    assert train_flops_per_token(m, 10) == 2 * per_layer + 6 * 8 * 10
+
+
+def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+
+    import yaml
+    from tests.trainer_utils import ROOT
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(merge(TINY, {"train": {"steps": 10}})))
+    spec = importlib.util.spec_from_file_location("bench_tool", os.path.join(ROOT, "tools", "benchmark.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    assert mod.main(["--config", str(cfg_path), "--steps", "2", "--warmup", "1", "--out", str(out),
+                     "parallel.sequence_parallel=false"]) == 0
+    import json
+    rec = json.loads(out.read_text())
+    check_record(rec)
+    assert rec["kind"] == "bench" and rec["tokens_per_s"] > 0 and rec["step_ms"] > 0
+    assert rec["tokens_per_s_per_device"] == rec["tokens_per_s"]  # one device
+    assert rec["tflops_per_device"] is None and rec["mfu"] is None  # CPU: tokens/s only (§8)
+    assert rec["tokens_per_step"] == 8 * 16 and rec["peak_mem_gb"] > 0
+    assert mod.main(["--config", str(cfg_path), "--steps", "1", "--out", str(out), "nope.key=1"]) == 2

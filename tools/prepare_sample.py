@@ -14,6 +14,7 @@ A stamp (BUILD/stamp.json: hashes of the inputs and the settings) makes a second
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -64,6 +65,10 @@ def main(argv=None) -> int:
     build = os.path.abspath(args.build_dir)
     tok_dir = os.path.join(build, "tok")
     os.makedirs(tok_dir, exist_ok=True)
+    # one builder at a time (tests and the main job may start this concurrently); the lock
+    # is released when the process exits
+    lock = open(os.path.join(build, ".lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     inputs = {s: os.path.join(args.data_dir, f"{s}.jsonl") for s in SOURCES}
     for s, path in inputs.items():
         if not os.path.isfile(path):

@@ -3,8 +3,9 @@
 Rules:
 
 * **Split by documents.** ``split = "98,2"`` (or ``"a,b,c"`` for train,valid,test) cuts the
-  document list into contiguous ranges in file order: each part with a positive weight gets
-  ``floor(w / sum(w) * N)`` documents but at least one; train takes the rest (it comes first).
+  document list into contiguous ranges in file order (train first): valid and test each get
+  ``floor(w / sum(w) * N)`` documents, at least one when their weight is positive; train takes
+  the rest.
   Documents with no tokens are left out.
 * **Epochs.** Epoch ``e`` visits every document of the part once, in an order shuffled by a
   generator seeded with ``(seed, e)`` (unshuffled with ``shuffle=False``). The epoch's tokens

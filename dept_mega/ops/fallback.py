@@ -18,8 +18,7 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.bfloat16: "BFloat16", torch.float16: "Half",
-            torch.int32: "Int", torch.int64: "Long"}.get(dt, str(dt).replace("torch.", ""))
+    return str(dt).replace("torch.", "")
 
 
 def _check_rows_dtype(op: str, what: str, dt: torch.dtype) -> None:

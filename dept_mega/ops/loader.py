@@ -7,7 +7,6 @@ reason is logged once and kept in `ExtensionStatus.reason`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import os
@@ -30,8 +29,19 @@ def _has_kernel(op: str, key: str) -> bool:
     return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
 
 
-@functools.lru_cache(maxsize=None)
+# The one status of this process, computed on first use. A plain list rather than
+# functools.lru_cache so that torch.compile traces `status()` as a constant lookup.
+_STATUS: list = []
+
+
 def status() -> ExtensionStatus:
+    """Loads the extension on first call; the same answer afterwards."""
+    if not _STATUS:
+        _STATUS.append(_compute_status())
+    return _STATUS[0]
+
+
+def _compute_status() -> ExtensionStatus:
     mode = os.environ.get(ENV_SWITCH, "auto").strip().lower()
     if mode not in ("auto", "torch"):
         raise ValueError(f"{ENV_SWITCH}={mode!r}: expected 'auto' or 'torch'")

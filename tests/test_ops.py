@@ -1,0 +1,383 @@
+"""dept_mega.ops: gather / scatter-add / scatter-mean / remap against float64 references,
+the compiled kernels against the PyTorch fallback (bit for bit), errors, determinism,
+autograd and tracing. CUDA variants run when a GPU is present."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dept_mega.ops as ops
+from dept_mega.ops import fallback
+from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, rand_ids, rand_rows,
+                             ref_scatter_add, ref_scatter_mean, tol)
+
+SHAPES = [(1, 1), (7, 3), (50, 17), (33, 769), (300, 64)]  # (rows, dim), odd dims included
+NS = [0, 1, 40]  # ids per call; 40 > rows for the small tables, so ids repeat
+
+
+def _ext_handles(device: str) -> bool:
+    return ops.backend(device) != "torch"
+
+
+# --------------------------------------------------------------------------- gather
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+def test_gather_matches_reference(device, impl, shape, table_dtype):
+    gather = IMPLS[impl][0]
+    g = gen(hash((shape, str(table_dtype))) % 2**31)
+    table = rand_rows(shape, table_dtype, device, g)
+    for n in NS:
+        for id_dtype in ID_DTYPES:
+            ids = rand_ids(n, shape[0], id_dtype, device, g)
+            for out_dtype in [None] + ROW_DTYPES:
+                rows = gather(table, ids, out_dtype)
+                want = table.double()[ids.long()].to(out_dtype or table_dtype)
+                assert rows.shape == (n, shape[1]) and rows.dtype == want.dtype
+                assert rows.is_contiguous()
+                # A gather is a copy (plus one rounding): exact.
+                assert torch.equal(rows, want), (n, id_dtype, out_dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_noncontiguous_table(device):
+    g = gen(1)
+    big = rand_rows((20, 34), torch.float32, device, g)
+    table = big[:, ::2]
+    ids = rand_ids(30, 20, torch.int64, device, g)
+    for impl in IMPLS.values():
+        assert torch.equal(impl[0](table, ids), table[ids])
+
+
+# --------------------------------------------------------------------------- scatter-add
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("out_dtype", ROW_DTYPES)
+def test_scatter_add_matches_reference(device, impl, shape, out_dtype):
+    scatter = IMPLS[impl][1]
+    g = gen(hash(("sa", shape, str(out_dtype))) % 2**31)
+    for n in NS:
+        for id_dtype in ID_DTYPES:
+            for rows_dtype in (out_dtype, torch.float32):
+                out = rand_rows(shape, out_dtype, device, g)
+                ids = rand_ids(n, shape[0], id_dtype, device, g, dup_pool=5)
+                rows = rand_rows((n, shape[1]), rows_dtype, device, g)
+                want = ref_scatter_add(out, ids, rows)
+                res = scatter(out, ids, rows)
+                assert res is out and out.dtype == out_dtype
+                rtol, atol = tol(out_dtype)
+                torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("out_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("rows_dtype", ROW_DTYPES)
+def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, rows_dtype):
+    if not _ext_handles(device):
+        pytest.skip(f"no compiled kernels for {device}: {ops.extension_status().reason}")
+    g = gen(hash(("eq", shape, str(out_dtype), str(rows_dtype))) % 2**31)
+    n = 3 * shape[0] + 5
+    for id_dtype in ID_DTYPES:
+        ids = rand_ids(n, shape[0], id_dtype, device, g, dup_pool=max(1, shape[0] // 2))
+        rows = rand_rows((n, shape[1]), rows_dtype, device, g)
+        base = rand_rows(shape, out_dtype, device, g)
+        a, b = base.clone(), base.clone()
+        ops.scatter_add_rows(a, ids, rows)
+        fallback.scatter_add_rows(b, ids, rows)
+        assert torch.equal(a, b), "scatter_add_rows"
+        for accumulate in (False, True):
+            a, b = base.clone(), base.clone()
+            ops.scatter_mean_rows(a, ids, rows, accumulate=accumulate)
+            fallback.scatter_mean_rows(b, ids, rows, accumulate=accumulate)
+            assert torch.equal(a, b), f"scatter_mean_rows accumulate={accumulate}"
+
+
+def test_scatter_sort_path_for_huge_tables():
+    # rows >> len(ids): the CPU kernel groups by a stable sort instead of a counting sort.
+    g = gen(3)
+    out = torch.zeros(1_000_003, 2)
+    ids = torch.tensor([999_999, 5, 999_999, 0, 5, 1_000_002], dtype=torch.int64)
+    rows = rand_rows((6, 2), torch.float32, "cpu", g)
+    want = ref_scatter_add(out, ids, rows)
+    for impl in IMPLS.values():
+        o = out.clone()
+        impl[1](o, ids, rows)
+        torch.testing.assert_close(o.double(), want, rtol=1e-6, atol=1e-6)
+    a, b = out.clone(), out.clone()
+    ops.scatter_add_rows(a, ids, rows)
+    fallback.scatter_add_rows(b, ids, rows)
+    assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- scatter-mean
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_scatter_mean_matches_reference(device, impl, shape, dtype, accumulate):
+    scatter_mean = IMPLS[impl][2]
+    g = gen(hash(("sm", shape, str(dtype), accumulate)) % 2**31)
+    for n in NS:
+        table = rand_rows(shape, dtype, device, g)
+        # Three "sources" contribute overlapping subsets of rows, concatenated.
+        parts = [rand_ids(n // 3 + 1, shape[0], torch.int64, device, g).unique() for _ in range(3)]
+        ids = torch.cat(parts)[:n] if n else torch.empty(0, dtype=torch.int64, device=device)
+        rows = rand_rows((ids.numel(), shape[1]), torch.float32, device, g)
+        before = table.clone()
+        want = ref_scatter_mean(table, ids, rows, accumulate)
+        assert scatter_mean(table, ids, rows, accumulate=accumulate) is table
+        rtol, atol = tol(dtype)
+        torch.testing.assert_close(table.double(), want, rtol=rtol, atol=atol)
+        untouched = torch.ones(shape[0], dtype=torch.bool, device=device)
+        untouched[ids.long()] = False
+        assert torch.equal(table[untouched], before[untouched])
+
+
+def test_scatter_mean_trim_round_end():
+    # TRIM's use: two sources hold overlapping vocabularies; each row of the global table
+    # becomes the mean over the sources that hold it, other rows stay.
+    table = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    ids = torch.tensor([0, 2, 3, 2, 3, 5])  # source A: {0,2,3}, source B: {2,3,5}
+    rows = torch.tensor([[10., 10], [20, 20], [30, 30], [40, 40], [50, 50], [60, 60]])
+    for impl in IMPLS.values():
+        t = table.clone()
+        impl[2](t, ids, rows)
+        want = table.clone()
+        want[0], want[2], want[3], want[5] = 10, 30, 40, 60
+        assert torch.equal(t, want)
+        d = table.clone()
+        impl[2](d, ids, rows, accumulate=True)
+        want = table.clone()
+        want[0] += 10
+        want[2] += 30
+        want[3] += 40
+        want[5] += 60
+        assert torch.equal(d, want)
+
+
+# --------------------------------------------------------------------------- remap
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("id_dtype", ID_DTYPES)
+@pytest.mark.parametrize("lookup_dtype", ID_DTYPES)
+def test_remap_matches_reference(device, impl, id_dtype, lookup_dtype):
+    remap = IMPLS[impl][3]
+    g = gen(7)
+    vocab = 1000
+    local = torch.randperm(vocab, generator=g)[:300]  # this source's global ids
+    lookup = torch.full((vocab,), -1, dtype=lookup_dtype)
+    lookup[local] = torch.arange(300, dtype=lookup_dtype)
+    lookup = lookup.to(device)
+    for shape in [(0,), (5,), (3, 7), (2, 3, 4), (4, 0)]:
+        n = 1
+        for s in shape:
+            n *= s
+        pick = torch.randint(0, 300, (n,), generator=g)
+        ids = local[pick].reshape(shape).to(id_dtype).to(device)
+        out = remap(ids, lookup)
+        assert out.shape == ids.shape and out.dtype == id_dtype and out.is_contiguous()
+        assert torch.equal(out.long().cpu(), pick.reshape(shape))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_remap_errors_name_first_offending_id(device, impl):
+    remap = IMPLS[impl][3]
+    lookup = torch.tensor([0, -1, 1, -1, 2], device=device)
+    ids = torch.tensor([[0, 2, 4], [3, 1, 0]], device=device)  # 3 is the first missing
+    with pytest.raises(ValueError, match=r"global id 3 \(first at flat position 3\) is not in "
+                                         r"this source's vocabulary \(lookup\[3\] = -1\)"):
+        remap(ids, lookup)
+    with pytest.raises(IndexError, match=r"global id 7 at flat position 1 is out of range for "
+                                         r"a lookup of 5 entries"):
+        remap(torch.tensor([0, 7, 1], device=device), lookup)
+    with pytest.raises(IndexError, match=r"global id -2 at flat position 0"):
+        remap(torch.tensor([-2], device=device), lookup)
+    with pytest.raises(IndexError, match=r"lookup of 0 entries"):
+        remap(torch.tensor([0], device=device), lookup[:0])
+    assert remap(torch.empty(0, dtype=torch.long, device=device), lookup[:0]).numel() == 0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error(fn, *args, **kwargs):
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return info.type, str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_identical_across_backends(device):
+    t = torch.zeros(4, 3, device=device)
+    i = torch.tensor([0, 4, 1], device=device)
+    r = torch.ones(3, 3, device=device)
+    cases = [
+        ("gather", lambda f: f[0](t, i)),
+        ("gather neg", lambda f: f[0](t, torch.tensor([-1], device=device))),
+        ("gather 3d", lambda f: f[0](t[None], i)),
+        ("gather ids 2d", lambda f: f[0](t, i[None])),
+        ("gather f64", lambda f: f[0](t.double(), i)),
+        ("gather float ids", lambda f: f[0](t, i.float())),
+        ("gather out_dtype", lambda f: f[0](t, i, torch.float64)),
+        ("scatter", lambda f: f[1](t.clone(), i, r)),
+        ("scatter shape", lambda f: f[1](t.clone(), i, r[:, :2])),
+        ("scatter noncontig", lambda f: f[1](torch.zeros(3, 4, device=device).t(), i, r)),
+        ("mean", lambda f: f[2](t.clone(), i, r)),
+        ("remap lookup 2d", lambda f: f[3](i, i[None])),
+        ("remap float", lambda f: f[3](i.float(), i)),
+    ]
+    for name, call in cases:
+        got = {impl: _error(call, IMPLS[impl]) for impl in IMPLS}
+        assert got["api"] == got["fallback"], name
+    typ, msg = _error(cases[0][1], IMPLS["api"])
+    assert typ is IndexError and msg == "gather_rows: ids[1] = 4 is out of range for a table of 4 rows"
+    typ, msg = _error(cases[7][1], IMPLS["api"])
+    assert typ is IndexError and msg.startswith("scatter_add_rows: ids[1] = 4")
+    assert _error(cases[4][1], IMPLS["api"])[0] is TypeError
+    assert _error(cases[2][1], IMPLS["api"])[0] is ValueError
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_scatter_error_leaves_table_unchanged(device, impl):
+    t = torch.arange(8, dtype=torch.float32, device=device).reshape(4, 2)
+    before = t.clone()
+    ids = torch.tensor([0, 1, 9], device=device)
+    with pytest.raises(IndexError):
+        IMPLS[impl][1](t, ids, torch.ones(3, 2, device=device))
+    with pytest.raises(IndexError):
+        IMPLS[impl][2](t, ids, torch.ones(3, 2, device=device))
+    assert torch.equal(t, before)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_deterministic_across_runs_and_threads(device):
+    g = gen(11)
+    n, rows_, dim = 4000, 37, 65
+    ids = rand_ids(n, rows_, torch.int64, device, g, dup_pool=37)  # ~100 per row
+    rows = rand_rows((n, dim), torch.float32, device, g) * 1e3
+    base = rand_rows((rows_, dim), torch.bfloat16, device, g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for nt in (1, 2, 1, 2):
+            torch.set_num_threads(nt)
+            a = ops.scatter_add_rows(base.clone(), ids, rows)
+            m = ops.scatter_mean_rows(base.clone(), ids, rows)
+            results.append((a, m))
+    finally:
+        torch.set_num_threads(threads)
+    for a, m in results[1:]:
+        assert torch.equal(a, results[0][0]) and torch.equal(m, results[0][1])
+    # Order matters in fp32 at this scale: the fixed order is ascending position.
+    acc = base.float().clone()
+    for k in range(n):
+        acc[ids[k]] += rows[k]
+    assert torch.equal(results[0][0], acc.to(torch.bfloat16))
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_gather_backward_is_scatter_add(device, impl, out_dtype):
+    g = gen(5)
+    table = rand_rows((30, 17), torch.float32, device, g).requires_grad_()
+    ids = rand_ids(50, 30, torch.int32, device, g, dup_pool=8)
+    rows = IMPLS[impl][0](table, ids, out_dtype)
+    upstream = rand_rows((50, 17), rows.dtype, device, g)
+    (rows * upstream).sum().backward()
+    want = torch.zeros(30, 17, dtype=torch.float64, device=device).index_add(
+        0, ids.long(), upstream.double())
+    assert table.grad.dtype == torch.float32
+    torch.testing.assert_close(table.grad.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _require_extension():
+    if ops.backend("cpu") != "cpp":
+        pytest.skip(f"extension not loaded: {ops.extension_status().reason}")
+
+
+def test_extension_built_when_compiler_present():
+    """CI has g++: the CPU extension must have been built and loaded (no silent fallback)."""
+    if os.environ.get("DEPT_MEGA_OPS", "auto") == "torch":
+        pytest.skip("DEPT_MEGA_OPS=torch forces the fallback")
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler: the extension is not expected")
+    st = ops.extension_status()
+    assert st.loaded, st.reason
+    assert ops.backend("cpu") == "cpp"
+    assert ops.backend("cuda") == ("cuda" if st.cuda else "torch")
+
+
+def test_env_switch_forces_fallback():
+    code = ("import torch, dept_mega.ops as o; t = torch.ones(3, 2); "
+            "print(o.backend('cpu'), o.gather_rows(t, torch.tensor([2])).tolist())")
+    env = dict(os.environ, DEPT_MEGA_OPS="torch")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[0] == "torch"
+    assert "DEPT_MEGA_OPS=torch forces the PyTorch fallback" in res.stderr
+
+
+def test_opcheck():
+    _require_extension()
+    g = gen(9)
+    table = rand_rows((10, 6), torch.float32, "cpu", g)
+    ids = torch.tensor([3, 1, 3, 9], dtype=torch.int64)
+    rows = rand_rows((4, 6), torch.float32, "cpu", g)
+    lookup = torch.arange(10)
+    torch.library.opcheck(torch.ops.dept_mega.gather_rows.default, (table, ids, None))
+    torch.library.opcheck(torch.ops.dept_mega.gather_rows.default,
+                          (table.requires_grad_(), ids, torch.bfloat16))
+    torch.library.opcheck(torch.ops.dept_mega.scatter_add_rows_.default,
+                          (table.detach().clone(), ids, rows))
+    torch.library.opcheck(torch.ops.dept_mega.scatter_mean_rows_.default,
+                          (table.detach().clone(), ids, rows, True))
+    torch.library.opcheck(torch.ops.dept_mega.remap_ids.default, (ids.view(2, 2), lookup))
+
+
+def test_torch_compile_traces_ops():
+    _require_extension()
+    g = gen(13)
+    table = rand_rows((12, 5), torch.float32, "cpu", g)
+    lookup = torch.full((40,), -1, dtype=torch.int64)
+    lookup[torch.arange(0, 36, 3)] = torch.arange(12)
+    tokens = torch.arange(0, 36, 3).reshape(3, 4)
+
+    def step(table, tokens):
+        local = ops.remap_ids(tokens, lookup)
+        rows = ops.gather_rows(table, local.reshape(-1), torch.bfloat16)
+        out = torch.zeros_like(table)
+        ops.scatter_add_rows(out, local.reshape(-1), rows.float() * 2)
+        return out
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(table, tokens), step(table, tokens))
