@@ -12,7 +12,8 @@ textbook ``forward / backward / clip_grad_norm_ / step`` with one ``.item()`` pe
 loss; ours is ``Trainer.train_step`` (pipeline schedule with one stage, bookkeeping of loss by
 source, NaN checks, two optimizers). Trials alternate between the two to share the machine's
 noise (step by step, alternating which goes first); the result is the median step time of
-each and ``overhead = ours / minimal - 1``. The
+each and ``overhead = ours / minimal - 1`` (wall clock), ``overhead_cpu`` the same on the
+process's CPU time (steadier on a shared machine; with one thread it is the step's compute). The
 losses of the two loops are checked to agree (same math), otherwise the script fails.
 """
 from __future__ import annotations
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     runners = {"minimal": Minimal(cfg, vocab), "ours": Ours(cfg, vocab)}
     losses = {k: [] for k in runners}
     times = {k: [] for k in runners}
+    cpu = {k: [] for k in runners}
     for s in range(args.warmup):
         for k, r in runners.items():
             losses[k].append(r.step(data[s]))
@@ -112,16 +114,20 @@ def main(argv=None) -> int:
         s = args.warmup + i
         order = list(runners) if i % 2 == 0 else list(reversed(runners))
         for k in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses[k].append(runners[k].step(data[s]))
             times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
     for a, b in zip(losses["ours"], losses["minimal"]):
         if abs(a - b) > 1e-4 * abs(b):
             print(f"error: the two loops disagree (loss {a} vs {b}): not the same math", file=sys.stderr)
             return 1
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     result = {"overhead": med["ours"] / med["minimal"] - 1.0,
+              "overhead_cpu": med_cpu["ours"] / med_cpu["minimal"] - 1.0,
+              "cpu_step_ms": {k: v * 1e3 for k, v in med_cpu.items()},
               "step_ms": {k: v * 1e3 for k, v in med.items()},
               "tokens_per_s": {k: tokens / v for k, v in med.items()},
               "mean_step_ms": {k: statistics.mean(v) * 1e3 for k, v in times.items()},
