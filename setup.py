@@ -44,7 +44,7 @@ def _extensions():
         return [], {}
 
     cpu_sources = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
-    cxx_flags = ["-O3"]  # BuildExtension adds the -std= its torch needs
+    cxx_flags = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
     cpu_ext = cx.CppExtension(EXT_NAME, cpu_sources, extra_compile_args={"cxx": cxx_flags})
     want_cuda = (torch.version.cuda is not None and cx.CUDA_HOME is not None
                  and os.environ.get("DEPT_MEGA_NO_CUDA") != "1")
@@ -56,7 +56,7 @@ def _extensions():
             EXT_NAME,
             cpu_sources + ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu"],
             define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--fmad=false"]},
         )
 
     class OptionalBuildExt(cx.BuildExtension):

@@ -12,11 +12,11 @@ TORCH_LIBRARY(dept_mega, m) {
   m.def("gather_rows(Tensor table, Tensor ids, ScalarType? out_dtype=None) -> Tensor");
   // out[ids[i]] += rows[i], in place; deterministic (rows summed per destination in order).
   m.def("scatter_add_rows_(Tensor(a!) out, Tensor ids, Tensor rows) -> ()");
-  // Per touched row r: table[r] = mean_i rows[i] (accumulate=False) or
-  // table[r] += mean_i rows[i] (accumulate=True); untouched rows unchanged.
+  // Per touched row r: table[r] = alpha * mean_i rows[i] (accumulate=False) or
+  // table[r] += alpha * mean_i rows[i] (accumulate=True); untouched rows unchanged.
   m.def(
-      "scatter_mean_rows_(Tensor(a!) table, Tensor ids, Tensor rows, bool accumulate=False) "
-      "-> ()");
+      "scatter_mean_rows_(Tensor(a!) table, Tensor ids, Tensor rows, bool accumulate=False, "
+      "float alpha=1.0) -> ()");
   // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
   m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
 }

@@ -89,7 +89,10 @@ def build_hooks(cfg: Config, pg: ParallelGroups, trainer: Trainer, device: torch
     if cfg.dept.variant == "std":
         return StdHooks()
     try:
-        from .dept import build_round_hooks
+        try:
+            from .dept import build_round_hooks
+        except ImportError:
+            from .dept.driver import build_round_hooks
     except ImportError as exc:
         raise ConfigError(f"config key 'dept.variant': {cfg.dept.variant!r} needs dept_mega.dept."
                           f"build_round_hooks, which is not available ({exc})") from exc

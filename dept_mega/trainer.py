@@ -114,10 +114,6 @@ class Trainer:
         self.num_sources = num_sources or max(1, len(cfg.data.sources))
         self.precision = Precision(cfg.precision, device)
         self.channels = PipeChannels(pg)
-        m, p = cfg.model, cfg.parallel
-        s = m.seq_length // p.tensor if (p.sequence_parallel and p.tensor > 1) else m.seq_length
-        self.spec = ScheduleSpec(activation_shape=(s, cfg.train.micro_batch_size, m.hidden_size),
-                                 comm_dtype=self.precision.comm_dtype, device=device)
         self.body_optimizer = build_adamw(self.body_parameters(), cfg.optim, device)
         self.embedding_optimizer = build_adamw(self.embedding_parameters(), cfg.optim, device)
         self.step = 0  # inner steps done
@@ -166,6 +162,24 @@ class Trainer:
         return lr
 
     # -- one step -------------------------------------------------------------------------
+    def _spec(self, mbs: Sequence[MicroBatch]) -> ScheduleSpec:
+        """Shapes between pipeline stages, from the micro-batches (identical on every rank of
+        a pipeline group, so nothing is exchanged): ``[s, b, h]``, ``[s/T, b, h]`` under SP."""
+        b, s1 = mbs[0].tokens.shape
+        for mb in mbs:
+            if tuple(mb.tokens.shape) != (b, s1):
+                raise ValueError(f"micro-batches of one step must have one shape, got {tuple(mb.tokens.shape)} "
+                                 f"and {(b, s1)}")
+        s = s1 - 1
+        T = self.pg.tp_size
+        if self.cfg.parallel.sequence_parallel and T > 1:
+            if s % T:
+                raise ValueError(f"sequence length {s} is not divisible by parallel.tensor={T} "
+                                 f"(sequence parallelism)")
+            s //= T
+        return ScheduleSpec(activation_shape=(s, b, self.cfg.model.hidden_size),
+                            comm_dtype=self.precision.comm_dtype, device=self.device)
+
     def _stage_input(self, mb: MicroBatch) -> torch.Tensor:
         return mb.tokens[:, :-1].to(self.device, non_blocking=True)
 
@@ -201,7 +215,7 @@ class Trainer:
 
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        run_forward_backward(self.stages, mbs, self.pg, self.channels, self.spec,
+        run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                              stage_input=self._stage_input, stage_labels=self._stage_labels,
                              loss_fn=loss_fn, autocast=self._autocast)
         if not self._contributes():
@@ -275,7 +289,7 @@ class Trainer:
             acc[1] += per_token.numel()
 
         if mbs:
-            run_forward_only(self.stages, mbs, self.pg, self.channels, self.spec,
+            run_forward_only(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                              stage_input=self._stage_input, stage_labels=self._stage_labels,
                              loss_fn=loss_fn, autocast=self._autocast)
         if not self._contributes():

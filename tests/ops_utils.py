@@ -1,6 +1,8 @@
 """Helpers for the dept_mega.ops tests: random inputs and float64 references."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -22,6 +24,11 @@ IMPLS = {
     "fallback": (fallback.gather_rows, fallback.scatter_add_rows, fallback.scatter_mean_rows,
                  fallback.remap_ids),
 }
+
+
+def seed_of(*key) -> int:
+    """A seed from test parameters that is the same in every process (unlike hash())."""
+    return zlib.crc32(repr(key).encode())
 
 
 def gen(seed: int) -> torch.Generator:
@@ -49,13 +56,13 @@ def ref_scatter_add(out, ids, rows) -> torch.Tensor:
     return out.double().index_add(0, ids.long().cpu().to(out.device), rows.double())
 
 
-def ref_scatter_mean(table, ids, rows, accumulate) -> torch.Tensor:
+def ref_scatter_mean(table, ids, rows, accumulate, alpha=1.0) -> torch.Tensor:
     idx = ids.long()
     sums = torch.zeros(table.shape, dtype=torch.float64, device=table.device).index_add(
         0, idx, rows.double())
     counts = torch.zeros(table.shape[0], dtype=torch.float64, device=table.device).index_add(
         0, idx, torch.ones(idx.numel(), dtype=torch.float64, device=table.device))
-    mean = sums / counts.clamp(min=1).unsqueeze(1)
+    mean = alpha * sums / counts.clamp(min=1).unsqueeze(1)
     base = table.double()
     new = base + mean if accumulate else mean
     return torch.where((counts > 0).unsqueeze(1), new, base)

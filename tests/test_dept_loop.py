@@ -49,7 +49,7 @@ def _loop_worker(rank, world, over, run_dir):
 def test_loop_records_and_eval_on_every_group(tmp_path, variant):
     over = {"dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 6, "eval_interval": 4,
                                                                        "log_interval": 1}}
-    res = run_distributed(_loop_worker, 2, args=(over, str(tmp_path)))
+    res = run_distributed(_loop_worker, 2, args=(over, str(tmp_path)), timeout=150)
     recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
     train = [r for r in recs if r["kind"] == "train"]
     outer = [r for r in recs if r["kind"] == "outer"]

@@ -204,10 +204,12 @@ def _tiny_sources(tmp_path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sbatch_std_script_trains_on_cpu(tmp_path):
-    """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
-    runs its command), real torchrun c10d rendezvous, real dept_mega.train, the 1B config
-    shrunk by overrides passed through the script."""
+@pytest.mark.parametrize("variant,data", [("std", 2), ("spec", 1)])
+def test_sbatch_script_trains_on_cpu(tmp_path, variant, data):
+    """std.sh / spec.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun``
+    (which runs its command), real torchrun c10d rendezvous, real dept_mega.train, the 1B
+    config shrunk by overrides passed through the script. SPEC runs 2 groups of 1 rank, and
+    its measured outer bytes are what tools/dept_costs.py predicts."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
@@ -222,20 +224,32 @@ def test_sbatch_std_script_trains_on_cpu(tmp_path):
     from .mp_utils import free_port
 
     env["MASTER_PORT"] = str(free_port())
-    overrides = ["parallel.data=2", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+    overrides = [f"parallel.data={data}", "dept.local_steps=1", "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
                  "model.num_query_groups=4", "model.ffn_hidden_size=64", "model.seq_length=32",
                  "model.vocab_size=300", "data.tokenizer=null", "precision=fp32", "backend=local",
                  "train.steps=2", "train.micro_batch_size=1", "train.global_batch_size=2",
                  "train.eval_interval=2", "train.eval_iters=1", "train.save_interval=2", "train.log_interval=1",
                  f"data.sources={_tiny_sources(tmp_path)}"]
-    r = subprocess.run(["bash", os.path.join(EX, "std.sh"), *overrides], capture_output=True, text=True,
+    r = subprocess.run(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], capture_output=True, text=True,
                        timeout=280, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "world 2 = 1 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
+    groups = 2 // data
+    assert f"world 2 = {groups} group(s) x tensor 1 x pipeline 1 x data {data}" in r.stdout
     import json
+
+    from dept_mega.dept.costs import predict_outer_round_bytes
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [rec for rec in records if rec["kind"] == "train"]
     assert [rec["step"] for rec in train] == [1, 2]
     cfg = load_config(run_dir / "config.yaml")
-    assert cfg.model.num_layers == 2 and cfg.train.run_dir == str(run_dir) and cfg.parallel.data == 2
+    assert cfg.model.num_layers == 2 and cfg.train.run_dir == str(run_dir) and cfg.parallel.data == data
+    outer = [rec for rec in records if rec["kind"] == "outer"]
+    if variant == "std":
+        assert not outer
+    else:
+        assert len(outer) == 2  # 2 steps, 1 local step per round
+        predicted = predict_outer_round_bytes(cfg, groups)
+        for rec in outer:
+            assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
+            assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"] == 0

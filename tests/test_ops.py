@@ -14,7 +14,7 @@ import torch
 import dept_mega.ops as ops
 from dept_mega.ops import fallback
 from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, rand_ids, rand_rows,
-                             ref_scatter_add, ref_scatter_mean, tol)
+                             ref_scatter_add, ref_scatter_mean, seed_of, tol)
 
 SHAPES = [(1, 1), (7, 3), (50, 17), (33, 769), (300, 64)]  # (rows, dim), odd dims included
 NS = [0, 1, 40]  # ids per call; 40 > rows for the small tables, so ids repeat
@@ -33,7 +33,7 @@ def _ext_handles(device: str) -> bool:
 @pytest.mark.parametrize("table_dtype", ROW_DTYPES)
 def test_gather_matches_reference(device, impl, shape, table_dtype):
     gather = IMPLS[impl][0]
-    g = gen(hash((shape, str(table_dtype))) % 2**31)
+    g = gen(seed_of((shape, str(table_dtype))))
     table = rand_rows(shape, table_dtype, device, g)
     for n in NS:
         for id_dtype in ID_DTYPES:
@@ -66,7 +66,7 @@ def test_gather_noncontiguous_table(device):
 @pytest.mark.parametrize("out_dtype", ROW_DTYPES)
 def test_scatter_add_matches_reference(device, impl, shape, out_dtype):
     scatter = IMPLS[impl][1]
-    g = gen(hash(("sa", shape, str(out_dtype))) % 2**31)
+    g = gen(seed_of(("sa", shape, str(out_dtype))))
     for n in NS:
         for id_dtype in ID_DTYPES:
             for rows_dtype in (out_dtype, torch.float32):
@@ -87,7 +87,7 @@ def test_scatter_add_matches_reference(device, impl, shape, out_dtype):
 def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, rows_dtype):
     if not _ext_handles(device):
         pytest.skip(f"no compiled kernels for {device}: {ops.extension_status().reason}")
-    g = gen(hash(("eq", shape, str(out_dtype), str(rows_dtype))) % 2**31)
+    g = gen(seed_of(("eq", shape, str(out_dtype), str(rows_dtype))))
     n = 3 * shape[0] + 5
     for id_dtype in ID_DTYPES:
         ids = rand_ids(n, shape[0], id_dtype, device, g, dup_pool=max(1, shape[0] // 2))
@@ -98,10 +98,34 @@ def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, row
         fallback.scatter_add_rows(b, ids, rows)
         assert torch.equal(a, b), "scatter_add_rows"
         for accumulate in (False, True):
-            a, b = base.clone(), base.clone()
-            ops.scatter_mean_rows(a, ids, rows, accumulate=accumulate)
-            fallback.scatter_mean_rows(b, ids, rows, accumulate=accumulate)
-            assert torch.equal(a, b), f"scatter_mean_rows accumulate={accumulate}"
+            for alpha in (1.0, -1.0, 0.7):
+                a, b = base.clone(), base.clone()
+                ops.scatter_mean_rows(a, ids, rows, accumulate=accumulate, alpha=alpha)
+                fallback.scatter_mean_rows(b, ids, rows, accumulate=accumulate, alpha=alpha)
+                assert torch.equal(a, b), f"scatter_mean_rows accumulate={accumulate} {alpha}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fallback_rank_passes_equal_sequential_order(device):
+    # The fallback's non-CPU method (one exact add per element per pass) must add in the same
+    # order as the sequential one; checked on CPU too, where both methods run.
+    g = gen(17)
+    index = rand_ids(500, 23, torch.int64, device, g, dup_pool=23)
+    src = rand_rows((500, 9), torch.float32, device, g) * 100
+    base = rand_rows((23, 9), torch.float32, device, g)
+    a, b = base.clone(), base.clone()
+    fallback._ordered_add_(a, index, src, by_rank=True)
+    if device == "cpu":
+        fallback._ordered_add_(b, index, src, by_rank=False)
+    else:
+        b = b.cpu()
+        for k in range(index.numel()):
+            b[index[k]] += src[k].cpu()
+        b = b.to(device)
+    assert torch.equal(a, b)
+    empty = base.clone()
+    fallback._ordered_add_(empty, index[:0], src[:0], by_rank=True)
+    assert torch.equal(empty, base)
 
 
 def test_scatter_sort_path_for_huge_tables():
@@ -131,7 +155,7 @@ def test_scatter_sort_path_for_huge_tables():
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_scatter_mean_matches_reference(device, impl, shape, dtype, accumulate):
     scatter_mean = IMPLS[impl][2]
-    g = gen(hash(("sm", shape, str(dtype), accumulate)) % 2**31)
+    g = gen(seed_of(("sm", shape, str(dtype), accumulate)))
     for n in NS:
         table = rand_rows(shape, dtype, device, g)
         # Three "sources" contribute overlapping subsets of rows, concatenated.
@@ -139,8 +163,9 @@ def test_scatter_mean_matches_reference(device, impl, shape, dtype, accumulate):
         ids = torch.cat(parts)[:n] if n else torch.empty(0, dtype=torch.int64, device=device)
         rows = rand_rows((ids.numel(), shape[1]), torch.float32, device, g)
         before = table.clone()
-        want = ref_scatter_mean(table, ids, rows, accumulate)
-        assert scatter_mean(table, ids, rows, accumulate=accumulate) is table
+        alpha = -0.5 if n % 2 else 1.0
+        want = ref_scatter_mean(table, ids, rows, accumulate, alpha)
+        assert scatter_mean(table, ids, rows, accumulate=accumulate, alpha=alpha) is table
         rtol, atol = tol(dtype)
         torch.testing.assert_close(table.double(), want, rtol=rtol, atol=atol)
         untouched = torch.ones(shape[0], dtype=torch.bool, device=device)
@@ -161,12 +186,12 @@ def test_scatter_mean_trim_round_end():
         want[0], want[2], want[3], want[5] = 10, 30, 40, 60
         assert torch.equal(t, want)
         d = table.clone()
-        impl[2](d, ids, rows, accumulate=True)
+        impl[2](d, ids, rows, accumulate=True, alpha=-1.0)  # table[r] -= mean delta
         want = table.clone()
-        want[0] += 10
-        want[2] += 30
-        want[3] += 40
-        want[5] += 60
+        want[0] -= 10
+        want[2] -= 30
+        want[3] -= 40
+        want[5] -= 60
         assert torch.equal(d, want)
 
 
@@ -360,7 +385,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dept_mega.scatter_add_rows_.default,
                           (table.detach().clone(), ids, rows))
     torch.library.opcheck(torch.ops.dept_mega.scatter_mean_rows_.default,
-                          (table.detach().clone(), ids, rows, True))
+                          (table.detach().clone(), ids, rows, True, -0.5))
     torch.library.opcheck(torch.ops.dept_mega.remap_ids.default, (ids.view(2, 2), lookup))
 
 

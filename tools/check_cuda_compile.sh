@@ -27,8 +27,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 echo "check_cuda_compile: $("$NVCC" --version | tail -1)"
+# With the restrictive defines torch's CUDAExtension passes to nvcc (no implicit half /
+# bf16 conversions), so the kernels compile in both settings.
+TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+                  -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
+                  --expt-relaxed-constexpr)
 echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/kernels.cu"
-"$NVCC" -arch="$ARCH" -O3 -std=c++17 -Xcompiler -Wall -c csrc/cuda/kernels.cu -o "$tmp/kernels.o"
+"$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
+  -c csrc/cuda/kernels.cu -o "$tmp/kernels.o"
 syms=$(nm -g --defined-only "$tmp/kernels.o")
 for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply; do
   if ! grep -qw "$sym" <<<"$syms"; then

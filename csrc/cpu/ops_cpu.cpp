@@ -121,22 +121,22 @@ enum class ScatterMode { kAdd, kMeanReplace, kMeanAccumulate };
 
 // Shared by scatter_add_rows_ and scatter_mean_rows_. Validates every id before writing.
 void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
-                      const at::Tensor& rows_in, ScatterMode mode) {
+                      const at::Tensor& rows_in, ScatterMode mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const at::Tensor ids = ids_in.contiguous();
   const at::Tensor rows = rows_in.contiguous();
   const int64_t n = ids.size(0), num_rows = out.size(0), dim = out.size(1);
   if (n == 0) return;
   std::vector<int64_t> order, seg;
-  int64_t grain = 1;
   dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
     using idx_t = decltype(idx_tag);
     const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
     check_ids_in_range(op, id_ptr, n, num_rows);
     group_by_row(id_ptr, n, num_rows, order, seg);
     const int64_t nseg = static_cast<int64_t>(seg.size()) - 1;
-    // A task covers ~32k accumulated elements.
-    grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(dim * std::max<int64_t>(n / std::max<int64_t>(nseg, 1), 1), 1));
+    // Destination rows per task: ~32k accumulated elements (rows per segment x dim).
+    const int64_t per_segment = std::max<int64_t>(1, n / std::max<int64_t>(nseg, 1));
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_segment * dim));
     dispatch_rows(out.scalar_type(), [&](auto out_tag) {
       using out_t = decltype(out_tag);
       dispatch_rows(rows.scalar_type(), [&](auto row_tag) {
@@ -149,6 +149,16 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
             const int64_t first = seg[k], last = seg[k + 1];
             const int64_t r = static_cast<int64_t>(id_ptr[order[first]]);
             out_t* d = dst + r * dim;
+            if constexpr (std::is_same_v<out_t, float>) {
+              if (mode == ScatterMode::kAdd) {
+                // fp32 table: accumulate in place, the same operations in the same order.
+                for (int64_t p = first; p < last; ++p) {
+                  const row_t* s = src + order[p] * dim;
+                  for (int64_t j = 0; j < dim; ++j) d[j] += static_cast<float>(s[j]);
+                }
+                continue;
+              }
+            }
             if (mode == ScatterMode::kAdd) {
               for (int64_t j = 0; j < dim; ++j) acc[j] = static_cast<float>(d[j]);
             } else {
@@ -161,12 +171,15 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
             if (mode == ScatterMode::kAdd) {
               for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(acc[j]);
             } else {
+              // alpha * (sum / count) [+ old], each step rounded in fp32 (no FMA: built
+              // with -ffp-contract=off), as the fallback and the CUDA kernel do.
               const float count = static_cast<float>(last - first);
               if (mode == ScatterMode::kMeanReplace) {
-                for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(acc[j] / count);
+                for (int64_t j = 0; j < dim; ++j)
+                  d[j] = static_cast<out_t>(alpha * (acc[j] / count));
               } else {
                 for (int64_t j = 0; j < dim; ++j)
-                  d[j] = static_cast<out_t>(static_cast<float>(d[j]) + acc[j] / count);
+                  d[j] = static_cast<out_t>(static_cast<float>(d[j]) + alpha * (acc[j] / count));
               }
             }
           }
@@ -177,13 +190,14 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
 }
 
 void scatter_add_rows_cpu(at::Tensor out, const at::Tensor& ids, const at::Tensor& rows) {
-  scatter_rows_cpu("scatter_add_rows", out, ids, rows, ScatterMode::kAdd);
+  scatter_rows_cpu("scatter_add_rows", out, ids, rows, ScatterMode::kAdd, 1.0f);
 }
 
 void scatter_mean_rows_cpu(at::Tensor table, const at::Tensor& ids, const at::Tensor& rows,
-                           bool accumulate) {
+                           bool accumulate, double alpha) {
   scatter_rows_cpu("scatter_mean_rows", table, ids, rows,
-                   accumulate ? ScatterMode::kMeanAccumulate : ScatterMode::kMeanReplace);
+                   accumulate ? ScatterMode::kMeanAccumulate : ScatterMode::kMeanReplace,
+                   static_cast<float>(alpha));
 }
 
 at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) {

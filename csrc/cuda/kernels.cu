@@ -124,7 +124,7 @@ __global__ void prepare_kernel(const Idx* __restrict__ ids, int64_t n, int64_t r
 template <typename Tout, typename Tsrc, int VEC>
 __global__ void apply_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __restrict__ src,
                              int64_t n, const uint32_t* __restrict__ keys,
-                             const int32_t* __restrict__ pos, int mode) {
+                             const int32_t* __restrict__ pos, int mode, float alpha) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
@@ -150,14 +150,17 @@ __global__ void apply_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += f[k];
       }
+      // __fmul_rn / __fadd_rn: no contraction into an FMA, so the result rounds like the
+      // CPU kernel's and the fallback's separate multiply and add.
       if (mode == DM_SCATTER_MEAN) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = acc[k] / count;
+        for (int k = 0; k < VEC; ++k) acc[k] = __fmul_rn(alpha, __fdiv_rn(acc[k], count));
       } else if (mode == DM_SCATTER_MEAN_ACCUMULATE) {
         float old[VEC];
         load_float<Tout, VEC>(d + v * VEC, old);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = old[k] + acc[k] / count;
+        for (int k = 0; k < VEC; ++k)
+          acc[k] = __fadd_rn(old[k], __fmul_rn(alpha, __fdiv_rn(acc[k], count)));
       }
       store_float<Tout, VEC>(d + v * VEC, acc);
     }
@@ -326,7 +329,8 @@ extern "C" cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_
 
 extern "C" cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim,
                                         const void* src, int src_dtype, int64_t n, int mode,
-                                        const void* workspace, cudaStream_t stream) {
+                                        float alpha, const void* workspace,
+                                        cudaStream_t stream) {
   (void)rows;
   if (n == 0 || dim == 0) return cudaSuccess;
   if (mode != DM_SCATTER_ADD && mode != DM_SCATTER_MEAN && mode != DM_SCATTER_MEAN_ACCUMULATE)
@@ -345,11 +349,11 @@ extern "C" cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, 
       if (vec) {
         apply_kernel<Tout, Tsrc, V><<<blocks, kBlock, 0, stream>>>(
             static_cast<Tout*>(out), dim, static_cast<const Tsrc*>(src), n, w.keys_out,
-            w.pos_out, mode);
+            w.pos_out, mode, alpha);
       } else {
         apply_kernel<Tout, Tsrc, 1><<<blocks, kBlock, 0, stream>>>(
             static_cast<Tout*>(out), dim, static_cast<const Tsrc*>(src), n, w.keys_out,
-            w.pos_out, mode);
+            w.pos_out, mode, alpha);
       }
     }))
       ok = false;

@@ -40,14 +40,15 @@ cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n, const void* 
 //    radix sort, in `workspace` of dm_scatter_workspace_bytes(n, rows) bytes);
 // 2. after the caller has checked `bad`, dm_scatter_apply lets one warp own each destination
 //    row and add its contributions in ascending position order in fp32, then write
-//    out[r] + sum (ADD), sum / count (MEAN) or out[r] + sum / count (MEAN_ACCUMULATE).
+//    out[r] + sum (ADD), alpha * (sum / count) (MEAN) or out[r] + alpha * (sum / count)
+//    (MEAN_ACCUMULATE); every step rounded in fp32 (no FMA), as on CPU.
 // Limits: n < 2^31, rows < 2^32.
 size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows);
 cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_t n, int64_t rows,
                                void* workspace, size_t workspace_bytes,
                                unsigned long long* bad, cudaStream_t stream);
 cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim,
-                             const void* src, int src_dtype, int64_t n, int mode,
+                             const void* src, int src_dtype, int64_t n, int mode, float alpha,
                              const void* workspace, cudaStream_t stream);
 
 #ifdef __cplusplus

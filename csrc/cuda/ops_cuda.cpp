@@ -91,7 +91,7 @@ at::Tensor gather_rows_cuda(const at::Tensor& table_in, const at::Tensor& ids_in
 }
 
 void scatter_rows_cuda(const char* op, at::Tensor& out, const at::Tensor& ids_in,
-                       const at::Tensor& rows_in, int mode) {
+                       const at::Tensor& rows_in, int mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor ids = ids_in.contiguous();
@@ -111,18 +111,19 @@ void scatter_rows_cuda(const char* op, at::Tensor& out, const at::Tensor& ids_in
   if (pos < n) fail_id_out_of_range(op, pos, id_at(ids, pos), rows);
   check_cuda(dm_scatter_apply(out.data_ptr(), row_code(out.scalar_type()), rows, dim,
                               src.const_data_ptr(), row_code(src.scalar_type()), n, mode,
-                              ws.const_data_ptr(), stream),
+                              alpha, ws.const_data_ptr(), stream),
              op);
 }
 
 void scatter_add_rows_cuda(at::Tensor out, const at::Tensor& ids, const at::Tensor& rows) {
-  scatter_rows_cuda("scatter_add_rows", out, ids, rows, DM_SCATTER_ADD);
+  scatter_rows_cuda("scatter_add_rows", out, ids, rows, DM_SCATTER_ADD, 1.0f);
 }
 
 void scatter_mean_rows_cuda(at::Tensor table, const at::Tensor& ids, const at::Tensor& rows,
-                            bool accumulate) {
+                            bool accumulate, double alpha) {
   scatter_rows_cuda("scatter_mean_rows", table, ids, rows,
-                    accumulate ? DM_SCATTER_MEAN_ACCUMULATE : DM_SCATTER_MEAN);
+                    accumulate ? DM_SCATTER_MEAN_ACCUMULATE : DM_SCATTER_MEAN,
+                    static_cast<float>(alpha));
 }
 
 at::Tensor remap_ids_cuda(const at::Tensor& ids_in, const at::Tensor& lookup_in) {

@@ -272,17 +272,16 @@ class DeptHooks:
     @contextlib.contextmanager
     def eval_context(self, loop, source: str):
         """Evaluate ``source`` with its own embeddings (SPEC), its compact rows of φ (TRIM) or
-        the global ones (GLOB). Traffic inside is left out of the round's byte counts."""
+        the global ones (GLOB). Every group runs the same sequence of evaluations, so a SPEC
+        source's holder can send a copy of its weights to the other groups (same (tp, dp, pp)
+        position). Traffic inside is left out of the round's byte counts."""
         before = self.pg.comm.snapshot()
         restore = None
         try:
-            if self.spec.trimmed and source == self.installed:
-                # the installed compact rows are this group's local ones until the next round
-                # start refills them: evaluate with the synchronised φ rows instead
-                self._trim_fill(source, self.trainer.embeddings())
-            elif self.spec.has_source_state and source != self.installed:
-                state = self._eval_state(source)
-                restore = self.trainer.set_embeddings(state.embeddings, state.optimizer)
+            if self.spec.has_source_state:
+                embs = self._eval_embeddings(source)
+                if embs is not None:
+                    restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
             yield
         finally:
             if restore is not None:
@@ -291,29 +290,32 @@ class DeptHooks:
             for c in CATEGORIES:
                 self._excluded[c] += after[c] - before[c]
 
-    def _eval_state(self, source: str) -> SourceState:
+    def _eval_embeddings(self, source: str) -> Optional[list]:
+        """The embeddings to evaluate ``source`` with, or None when they are installed already."""
+        installed = source == self.installed
         if self.spec.trimmed:
-            state = self.store.get(source) if source in self.store else self._fresh_state(source)
-            self._trim_fill(source, state.embeddings)
-            return state
-        # SPEC: the group that trained the source last holds it; the others get a copy of its
-        # weights for the evaluation (every group runs the same evaluation sequence).
-        k = self.index[source]
-        holder = self._holder(k)
-        if holder is None:  # never trained: its seeded initial embeddings, same everywhere
-            return self._fresh_state(source)
+            # compact rows from the synchronised φ (the installed rows are this group's local
+            # ones until the next round start refills them)
+            embs = self.trainer.embeddings() if installed else (
+                self.store.get(source).embeddings if source in self.store else self._build_embeddings(source))
+            self._trim_fill(source, embs)
+            return None if installed else embs
+        holder = self._holder(self.index[source])
+        if holder is None:  # never trained: its seeded initial embeddings, the same everywhere
+            return self._build_embeddings(source)
         c = self.pg.coords
         if c.group == holder:
-            state = self.store.get(source)
-            transfers = [Transfer(self.pg.rank_of(c.tp, c.dp, c.pp, g), True, state_payload(state, False))
+            embs = self.trainer.embeddings() if installed else self.store.get(source).embeddings
+            payload = state_payload(SourceState(list(embs)), with_optimizer=False)
+            transfers = [Transfer(self.pg.rank_of(c.tp, c.dp, c.pp, g), True, payload)
                          for g in range(self.pg.num_groups) if g != holder]
             exchange(self.pg, transfers, self.device)
-            return state
+            return None if installed else list(embs)
         t = Transfer(self.pg.rank_of(c.tp, c.dp, c.pp, holder), False)
         exchange(self.pg, [t], self.device)
-        state = self._fresh_state(source)
-        load_payload(state, t.received)
-        return state
+        embs = self._build_embeddings(source)
+        load_payload(SourceState(embs), t.received)
+        return embs
 
     def _holder(self, k: int) -> Optional[int]:
         """The group that trained source k most recently (up to the current round)."""
@@ -324,37 +326,41 @@ class DeptHooks:
         return self.plan.last_group[k]
 
     # ------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        sd: dict[str, Any] = {"installed": self.installed, "body_sync": self.body_sync.state_dict()}
-        if self.embedding_sync is not None:
-            sd["embedding_sync"] = self.embedding_sync.state_dict()
-        if self.phi is not None:
-            sd["phi"] = self.phi.weight.clone()
-        if self.phi_head is not None:
-            sd["phi_head"] = self.phi_head.weight.clone()
-        if self.position_sync is not None:
-            sd["positions"] = self.positions.detach().clone()
-            sd["position_sync"] = self.position_sync.state_dict()
-        sd["store"] = {n: state_payload(self.store.get(n), True) for n in self.store.names()}
-        return sd
+    def _prefixes(self) -> tuple[str, str]:
+        c = self.pg.coords
+        return f"tp{c.tp}/pp{c.pp}", f"tp{c.tp}/pp{c.pp}/dp{c.dp}"
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.body_sync.load_state_dict(sd["body_sync"])
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What dept_mega.checkpoint saves beside the model (keys are the same on ranks that
+        hold the same values: θ_{t-1} is shared by the groups and replicas of a (tp, pp)
+        position, φ by every rank holding it; outer optimizer chunks are per dp rank).
+
+        Per-source state (SPEC / SPEC-OPT embeddings of sources not installed, TRIM's compact
+        optimizer states) is not checkpointed yet: resuming those variants is refused in
+        :meth:`load_checkpoint_state` rather than continued with lost state."""
+        shared, own = self._prefixes()
+        out = self.body_sync.checkpoint_tensors(f"body/{shared}", f"body/{own}")
         if self.embedding_sync is not None:
-            self.embedding_sync.load_state_dict(sd["embedding_sync"])
+            out.update(self.embedding_sync.checkpoint_tensors(f"emb/{shared}", f"emb/{own}"))
         if self.phi is not None:
-            self.phi.weight.copy_(sd["phi"])
+            out["trim/phi"] = self.phi.weight
         if self.phi_head is not None:
-            self.phi_head.weight.copy_(sd["phi_head"])
+            out["trim/phi_head"] = self.phi_head.weight
         if self.position_sync is not None:
-            self.positions.data.copy_(sd["positions"])
-            self.position_sync.load_state_dict(sd["position_sync"])
-        self.store = SourceStore()
-        for n, payload in sd["store"].items():
-            state = self._fresh_state(n)
-            load_payload(state, payload)
-            self.store.put(n, state)
-        self.installed = None  # the trainer's own checkpoint holds the installed embeddings
+            out[f"trim/positions/{shared}"] = self.positions.data
+            out.update(self.position_sync.checkpoint_tensors(f"pos/{shared}", f"pos/{own}"))
+        return out
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.spec.has_source_state:
+            raise NotImplementedError(
+                f"resuming a dept.variant={self.cfg.dept.variant} run is not supported yet: the per-source "
+                "state (embeddings / inner optimizer state of sources not being trained) is not in the "
+                "checkpoint; start a new run_dir")
+        shared, own = self._prefixes()
+        self.body_sync.load_checkpoint_tensors(tensors, f"body/{shared}", f"body/{own}")
+        if self.embedding_sync is not None:
+            self.embedding_sync.load_checkpoint_tensors(tensors, f"emb/{shared}", f"emb/{own}")
 
 
 def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:

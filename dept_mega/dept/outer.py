@@ -47,25 +47,31 @@ class OuterOptimizer:
     def from_config(cls, oc) -> "OuterOptimizer":
         return cls(oc.name, oc.lr, oc.momentum, oc.betas, oc.eps)
 
+    def ensure_state(self, like: torch.Tensor) -> None:
+        """Allocate the state now (zeros; what the first step would start from), so that a
+        checkpoint can load into it in place."""
+        names = {"fedavg": (), "nesterov": ("momentum",), "adam": ("exp_avg", "exp_avg_sq")}[self.name]
+        for n in names:
+            if n not in self.state:
+                self.state[n] = torch.zeros_like(like, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, theta: torch.Tensor, delta: torch.Tensor) -> None:
         """θ ← update(θ, Δ̄); both fp32 and of the same shape."""
         if theta.dtype != torch.float32 or delta.dtype != torch.float32:
             raise TypeError("outer optimizer works on fp32 buffers")
+        self.ensure_state(theta)
         self.steps += 1
         if self.name == "fedavg":
             theta.add_(delta, alpha=-self.lr)
         elif self.name == "nesterov":
-            buf = self.state.get("momentum")
-            if buf is None:
-                buf = self.state["momentum"] = delta.clone()
-            else:
-                buf.mul_(self.momentum).add_(delta)
+            buf = self.state["momentum"]  # zeros before the first step: b = Δ̄ then
+            buf.mul_(self.momentum).add_(delta)
             theta.add_(delta + self.momentum * buf, alpha=-self.lr)
         else:
             b1, b2 = self.betas
-            m = self.state.setdefault("exp_avg", torch.zeros_like(theta))
-            v = self.state.setdefault("exp_avg_sq", torch.zeros_like(theta))
+            m = self.state["exp_avg"]
+            v = self.state["exp_avg_sq"]
             m.mul_(b1).add_(delta, alpha=1 - b1)
             v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
             m_hat = m / (1 - b1 ** self.steps)
@@ -110,6 +116,7 @@ class FlatSync:
         self.bounds = [chunk_bounds(self.numel, D, d) for d in range(D)]
         self.start, self.end = self.bounds[pg.dp_rank]
         self.theta_prev = flatten_fp32(self.params)  # θ_{t-1}, full (fp32)
+        self.optimizer.ensure_state(self.theta_prev[self.start:self.end])
 
     def reset_reference(self) -> None:
         """Take the current parameters as θ_{t-1} (e.g. after loading a checkpoint)."""
@@ -144,6 +151,21 @@ class FlatSync:
 
     def state_dict(self) -> dict:
         return {"theta_prev": self.theta_prev.clone(), "optimizer": self.optimizer.state_dict()}
+
+    def checkpoint_tensors(self, shared: str, own: str) -> dict[str, torch.Tensor]:
+        """Flat tensors for torch.distributed.checkpoint: θ_{t-1} under ``shared`` (identical
+        on the D replicas of a position), this rank's optimizer chunk under ``own``."""
+        out = {f"{shared}/theta_prev": self.theta_prev,
+               f"{own}/steps": torch.tensor([self.optimizer.steps], dtype=torch.int64)}
+        for k, v in self.optimizer.state.items():
+            out[f"{own}/{k}"] = v
+        return out
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], shared: str, own: str) -> None:
+        self.theta_prev = tensors[f"{shared}/theta_prev"].to(torch.float32).clone()
+        self.optimizer.steps = int(tensors[f"{own}/steps"].item())
+        for k in list(self.optimizer.state):
+            self.optimizer.state[k] = tensors[f"{own}/{k}"].to(torch.float32).clone()
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["theta_prev"].numel() != self.numel:

@@ -58,11 +58,20 @@ class TrimTable:
 def row_mean_update(table: torch.Tensor, ids: torch.Tensor, deltas: torch.Tensor) -> None:
     """table[r] -= mean of the rows of ``deltas`` whose id is r (ids may repeat across groups).
 
-    Sparse: work and memory are O(len(ids)·d), never O(|V|·d)."""
+    Sparse: work and memory are O(len(ids)·d), never O(|V|·d). Uses the fused
+    ``dept_mega.ops.scatter_mean_rows`` (accumulate, alpha −1); the plain PyTorch path below
+    gives the same values (sum in order, divide, subtract, each rounded in fp32)."""
     if ids.numel() == 0:
         return
     ids = ids.to(table.device, torch.int64)
     deltas = deltas.to(table.device, torch.float32)
+    try:
+        from ..ops import scatter_mean_rows
+    except ImportError:
+        scatter_mean_rows = None
+    if scatter_mean_rows is not None:
+        scatter_mean_rows(table, ids, deltas, accumulate=True, alpha=-1.0)
+        return
     uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     sums = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32, device=table.device)
     _scatter_add_rows(sums, inverse, deltas)
@@ -148,10 +157,15 @@ def remap_tokens(tokens: torch.Tensor, lookup: torch.Tensor, source: Optional[st
     """Map global token ids to compact ids; an id outside V_k is an error (the V_k is wrong)."""
     try:
         from ..ops import remap_ids
-        out = remap_ids(tokens, lookup)
     except ImportError:
-        out = lookup[tokens]
+        remap_ids = None
+    if remap_ids is not None:
+        try:
+            return remap_ids(tokens, lookup)
+        except ValueError as exc:
+            raise ValueError(f"TRIM: source {source!r}: a token id is not in its vocabulary set V_k ({exc})") from exc
+    out = lookup[tokens]
     if (out < 0).any():
         bad = tokens[out < 0].unique()[:8].tolist()
-        raise ValueError(f"TRIM: token ids {bad} of source {source!r} are not in its vocabulary set V_k")
+        raise ValueError(f"TRIM: source {source!r}: token ids {bad} are not in its vocabulary set V_k")
     return out

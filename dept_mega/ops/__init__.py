@@ -12,14 +12,16 @@ API (every op validates its arguments and raises the same errors on every backen
   float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in
   ascending position order starting from its old value and rounded once, so the result is
   bit-identical from run to run, whatever the thread count, and equal across backends.
-- ``scatter_mean_rows(table, ids, rows, accumulate=False) -> table``: the fused TRIM
-  round-end update. ``ids``/``rows`` are the concatenated contributions of several sources
-  (ids in the table's row space, e.g. global ids for the global table; a row id may appear
-  once per contributing source). In one pass per destination row r touched by c_r > 0
-  contributions: ``table[r] = sum / c_r`` (accumulate=False: the mean of the contributed
-  rows, e.g. the sources' updated rows) or ``table[r] += sum / c_r`` (accumulate=True: apply
-  the mean of contributed deltas). Sums and the division are in fp32; rows touched by nobody
-  keep their values. Deterministic as ``scatter_add_rows``.
+- ``scatter_mean_rows(table, ids, rows, accumulate=False, alpha=1.0) -> table``: the fused
+  TRIM round-end update. ``ids``/``rows`` are the concatenated contributions of several
+  sources (ids in the table's row space, e.g. global ids for the global table; a row id may
+  appear once per contributing source). In one pass per destination row r touched by
+  c_r > 0 contributions, with m_r = sum / c_r: ``table[r] = alpha * m_r`` (accumulate=False:
+  e.g. the mean of the sources' updated rows) or ``table[r] += alpha * m_r``
+  (accumulate=True: e.g. ``alpha=-1`` applies the mean pseudo-gradient
+  ``table[r] -= mean(delta)``, or ``alpha=-lr``). Sum, division, scaling and addition are each
+  rounded in fp32 (rows may be bf16 / fp16 / fp32); rows touched by nobody keep their values.
+  Deterministic as ``scatter_add_rows``.
 - ``remap_ids(ids, lookup) -> local_ids``: ``local_ids = lookup[ids]`` for ids of any shape
   (a [b, s] token batch), returned with the ids' dtype and shape. ``lookup`` [V_global]
   int32 / int64 maps a global id to its local row, < 0 for "not in this source's
@@ -93,13 +95,13 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
 
 
 def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
-                      accumulate: bool = False) -> torch.Tensor:
-    """In place, per touched row: the mean of its contributions (or += that mean); returns
-    ``table``."""
+                      accumulate: bool = False, alpha: float = 1.0) -> torch.Tensor:
+    """In place, per touched row r: table[r] = alpha * mean_r (or += with accumulate=True);
+    returns ``table``."""
     if _use_extension(table.device):
-        torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate)
+        torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
         return table
-    return fallback.scatter_mean_rows(table, ids, rows, accumulate)
+    return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
 
 def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:

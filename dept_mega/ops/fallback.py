@@ -3,8 +3,7 @@
 Used when the compiled extension is absent (or for a device it has no kernels for), and as
 the reference the extension is tested against. The results equal the C++ kernels bit for bit
 on CPU: every scatter reduces each destination row in fp32, adding its contributions in
-ascending position order (`index_add_` on CPU is sequential over the index; on CUDA the sorted
-`index_put_(accumulate=True)` path is used, which is deterministic), then rounds once.
+ascending position order (see `_ordered_add_`), then rounds once.
 Errors (types and messages) are those of csrc/common.h.
 """
 from __future__ import annotations
@@ -124,12 +123,30 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
     return _GatherRows.apply(table, ids, out_dtype)
 
 
-def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """acc[index[i]] += src[i], each destination in ascending i (deterministic)."""
-    if acc.device.type == "cpu":
+def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                  by_rank: Optional[bool] = None) -> None:
+    """acc[index[i]] += src[i], each destination adding its rows in ascending i.
+
+    On CPU ``index_add_`` does exactly that (one sequential loop over i). Elsewhere (CUDA)
+    index_add_ uses atomics and index_put_ reduces duplicates in a tree, so the rows are
+    added by rank instead: pass r adds, for every destination, its r-th row (ascending i);
+    inside a pass the destinations are distinct, so each element gets one exact add. That
+    takes max-multiplicity passes: slow for heavily repeated ids, which is what the compiled
+    CUDA kernel is for. ``by_rank`` forces a method (tests)."""
+    if by_rank is None:
+        by_rank = acc.device.type != "cpu"
+    if not by_rank:
         acc.index_add_(0, index, src)
-    else:
-        acc.index_put_((index,), src, accumulate=True)
+        return
+    if index.numel() == 0:
+        return
+    sorted_idx, order = torch.sort(index, stable=True)
+    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    for r in range(int(counts.max())):
+        sel = rank == r
+        acc.index_add_(0, sorted_idx[sel], src.index_select(0, order[sel]))
 
 
 def _group(op: str, out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):
@@ -152,7 +169,7 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
 
 
 def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
-                      accumulate: bool = False) -> torch.Tensor:
+                      accumulate: bool = False, alpha: float = 1.0) -> torch.Tensor:
     groups = _group("scatter_mean_rows", table, ids, rows)
     if groups is None:
         return table
@@ -160,6 +177,9 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     acc = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32, device=table.device)
     _ordered_add_(acc, inv, rows.float())
     mean = acc / counts.to(torch.float32).unsqueeze(1)
+    if alpha != 1.0:
+        # Round alpha to fp32 first, as the compiled kernels receive it.
+        mean = mean * torch.tensor(float(alpha), dtype=torch.float32).item()
     if accumulate:
         mean = table.index_select(0, uniq).float() + mean
     table.index_copy_(0, uniq, mean.to(table.dtype))

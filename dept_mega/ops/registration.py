@@ -22,7 +22,7 @@ def _fake_scatter_add_rows_(out, ids, rows):
     return None
 
 
-def _fake_scatter_mean_rows_(table, ids, rows, accumulate=False):
+def _fake_scatter_mean_rows_(table, ids, rows, accumulate=False, alpha=1.0):
     return None
 
 
