@@ -49,8 +49,10 @@ class SyntheticSource:
     """Deterministic batches of one source: step i of the global batch depends only on (seed, i);
     tokens are drawn from ``allowed`` (global ids) so a TRIM vocabulary set can be exact."""
 
-    def __init__(self, cfg: Config, seed: int, allowed: torch.Tensor, dp_rank: int = 0, dp_size: int = 1) -> None:
+    def __init__(self, cfg: Config, seed: int, allowed: torch.Tensor, dp_rank: int = 0, dp_size: int = 1,
+                 repeat: bool = False) -> None:
         self.cfg, self.seed, self.allowed = cfg, seed, allowed
+        self.repeat = repeat  # the same global batch every step
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.step = 0
 
@@ -61,7 +63,7 @@ class SyntheticSource:
         return self.allowed[idx]
 
     def next_step(self) -> list[MicroBatch]:
-        tokens = self.global_batch(self.step)
+        tokens = self.global_batch(0 if self.repeat else self.step)
         self.step += 1
         per = tokens.shape[0] // self.dp_size
         mine = tokens[self.dp_rank * per:(self.dp_rank + 1) * per]

@@ -25,7 +25,9 @@ def _make(cfg, run_dir, rank):
     by_name = {s.name: s for s in infos}
 
     def make_iterator(name):
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+        # the same batch every step: this test is about the DEPT state, not data positions
+        # (dept_mega.checkpoint keeps the iterator positions of global rank 0 only)
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]), repeat=True)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
     ck = Checkpointer(run_dir)
