@@ -11,6 +11,7 @@ DEPT_MEGA_NO_CUDA=1 builds the CPU kernels only.
 """
 import os
 import sys
+import time
 import traceback
 
 from setuptools import find_packages, setup
@@ -25,7 +26,7 @@ def _log(msg):
     try:
         os.makedirs(os.path.dirname(LOG), exist_ok=True)
         with open(LOG, "a") as f:
-            f.write(msg + "\n")
+            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
     except OSError:
         pass
 

@@ -26,7 +26,7 @@ extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT, "_C", "dept_mega custom operators (see torch.ops.dept_mega)", -1,
-      nullptr};
+      nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }

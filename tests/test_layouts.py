@@ -1,5 +1,6 @@
 """Every parallel layout trains exactly like the single process (fp32, dropout off, same
-global batch): losses and gradient norms equal within 1e-5 relative over several steps."""
+global batch): losses and gradient norms equal within 1e-5 relative over several steps, and so
+does the forward-only (evaluation) loss afterwards."""
 from __future__ import annotations
 
 import pytest
@@ -50,6 +51,7 @@ def _check(results: list[list[dict]], runs: list[tuple[str, dict, tuple]], refs:
             ref = refs[_key(over)]
             assert_close(got["loss"], ref["loss"], REL, f"{name} rank {rank} loss")
             assert_close(got["grad_norm"], ref["grad_norm"], REL, f"{name} rank {rank} grad norm")
+            assert_close(got["eval"], ref["eval"], REL, f"{name} rank {rank} eval loss")
 
 
 def _key(over: dict) -> str:

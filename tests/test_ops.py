@@ -406,3 +406,20 @@ def test_torch_compile_traces_ops():
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(table, tokens), step(table, tokens))
+
+
+def test_mixed_devices_are_a_value_error():
+    t = torch.zeros(4, 3)
+    meta_ids = torch.zeros(2, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="gather_rows: table is on cpu but ids is on meta"):
+        ops.gather_rows(t, meta_ids)
+    with pytest.raises(ValueError, match="remap_ids: ids is on meta but lookup is on cpu"):
+        ops.remap_ids(meta_ids, torch.arange(4))
+
+
+def test_meta_tensors_give_shapes():
+    _require_extension()
+    table = torch.empty(10, 7, device="meta")
+    ids = torch.empty(5, dtype=torch.int32, device="meta")
+    assert ops.gather_rows(table, ids, torch.bfloat16).shape == (5, 7)
+    assert ops.remap_ids(ids.view(1, 5), torch.empty(10, dtype=torch.long, device="meta")).shape == (1, 5)

@@ -152,3 +152,15 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path):
     for name in ("dp2", "pp2"):
         for a, b in zip(losses[name], losses["single"]):
             assert a == pytest.approx(b, rel=1e-5), name
+    # evaluate on 2 ranks (pipeline 2) reproduces the run's final evaluation
+    run = str(tmp_path / "pp2")
+    out = str(tmp_path / "pp2_eval.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "dept_mega.evaluate", "--run-dir", run, "--out", out]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    final = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == "eval"][-1]
+    got = json.load(open(out))
+    assert got["step"] == 4 and set(got["by_source"]) == set(final["by_source"])
+    for name, v in final["by_source"].items():
+        assert got["by_source"][name]["loss"] == pytest.approx(v["loss"], rel=1e-9)

@@ -66,7 +66,10 @@ def train_losses(cfg: Config, steps: int, data_seed: int = 0) -> dict[str, list[
         res = trainer.train_step(mbs)
         losses.append(res.loss)
         norms.append(res.grad_norm)
-    return {"loss": losses, "grad_norm": norms}
+    # forward-only (evaluation) schedule on a held-out batch: the mean token loss
+    held_out = dp_micro_batches(cfg, global_batch(cfg, 10_000, data_seed), pg.dp_rank, pg.dp_size)
+    loss_sum, tokens = trainer.eval_batches(held_out)
+    return {"loss": losses, "grad_norm": norms, "eval": [loss_sum / tokens]}
 
 
 def layouts_worker(rank: int, world_size: int, runs: list[tuple[dict, tuple[str, ...]]], steps: int) -> list[dict]:

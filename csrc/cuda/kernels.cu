@@ -74,6 +74,7 @@ __global__ void gather_kernel(const Tin* __restrict__ table, int64_t rows, int64
     }
     const Tin* s = table + id * dim;
     Tout* d = out + i * dim;
+#pragma unroll 4
     for (int64_t v = lane; v < nvec; v += tpr) {
       if constexpr (std::is_same<Tin, Tout>::value) {
         *reinterpret_cast<Pack<Tout, VEC>*>(d + v * VEC) =

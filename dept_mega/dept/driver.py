@@ -96,6 +96,7 @@ class DeptHooks:
         self.store = SourceStore()
         self.installed: Optional[str] = None
         self.plan = None
+        self._resumed_round: Optional[int] = None
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
         self.body_sync = FlatSync(trainer.body_parameters(), pg, OuterOptimizer.from_config(d.outer_optimizer),
@@ -111,6 +112,26 @@ class DeptHooks:
         self.position_sync: Optional[FlatSync] = None
         if self.spec.trimmed:
             self._init_trim()
+        self._prepare_resume()
+
+    def _prepare_resume(self) -> None:
+        """When ``train.run_dir`` has a checkpoint, install the embeddings of the source this
+        group trained at that step, so that the model keys of the checkpoint (saved with the
+        installed source's vocabulary — SPEC-OPT, TRIM's compact tables) load in place; their
+        values and optimizer state then come from :meth:`load_state_dict`."""
+        if not self.spec.has_source_state:
+            return
+        from ..checkpoint import latest_step
+        try:
+            step = latest_step(self.cfg.train.run_dir)
+        except (OSError, ValueError):
+            return
+        if not step:
+            return
+        plan = self.scheduler.plan((step - 1) // self.cfg.dept.local_steps)
+        name = self.names[plan.sources[self.pg.group_index]]
+        state = self._fresh_state(name)
+        self.trainer.set_embeddings(state.embeddings, state.optimizer)
 
     # ------------------------------------------------------------------------- helpers
     @property
@@ -226,6 +247,10 @@ class DeptHooks:
     def round_start(self, loop, round_index: int) -> dict[int, str]:
         self.plan = self.scheduler.plan(round_index)
         mine = self.names[self.plan.sources[self.pg.group_index]]
+        resumed, self._resumed_round = self._resumed_round, None
+        if resumed == round_index and (mine == self.installed or not self.spec.has_source_state):
+            # resumed from a checkpoint taken inside this round: everything is in place
+            return {g: self.names[k] for g, k in enumerate(self.plan.sources)}
         if self.cfg.dept.reset_inner_optimizer:
             self._reset_group_optimizers()
         if self.spec.has_source_state:
@@ -326,41 +351,54 @@ class DeptHooks:
         return self.plan.last_group[k]
 
     # ------------------------------------------------------------------------- state
-    def _prefixes(self) -> tuple[str, str]:
-        c = self.pg.coords
-        return f"tp{c.tp}/pp{c.pp}", f"tp{c.tp}/pp{c.pp}/dp{c.dp}"
-
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """What dept_mega.checkpoint saves beside the model (keys are the same on ranks that
-        hold the same values: θ_{t-1} is shared by the groups and replicas of a (tp, pp)
-        position, φ by every rank holding it; outer optimizer chunks are per dp rank).
-
-        Per-source state (SPEC / SPEC-OPT embeddings of sources not installed, TRIM's compact
-        optimizer states) is not checkpointed yet: resuming those variants is refused in
-        :meth:`load_checkpoint_state` rather than continued with lost state."""
-        shared, own = self._prefixes()
-        out = self.body_sync.checkpoint_tensors(f"body/{shared}", f"body/{own}")
+    def state_dict(self) -> dict:
+        """This rank's DEPT state for ``dept_mega.checkpoint`` (saved per rank): θ_{t-1} and
+        outer optimizer state, φ and TRIM's positions, and every per-source state this rank
+        holds — the installed source's included, so that a resumed run reinstalls it whatever
+        vocabulary the trainer started with."""
+        sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
+                              "installed": self.installed, "body_sync": self.body_sync.state_dict(),
+                              "mark": dict(self._mark)}
         if self.embedding_sync is not None:
-            out.update(self.embedding_sync.checkpoint_tensors(f"emb/{shared}", f"emb/{own}"))
+            sd["embedding_sync"] = self.embedding_sync.state_dict()
         if self.phi is not None:
-            out["trim/phi"] = self.phi.weight
+            sd["phi"] = self.phi.weight.clone()
         if self.phi_head is not None:
-            out["trim/phi_head"] = self.phi_head.weight
+            sd["phi_head"] = self.phi_head.weight.clone()
         if self.position_sync is not None:
-            out[f"trim/positions/{shared}"] = self.positions.data
-            out.update(self.position_sync.checkpoint_tensors(f"pos/{shared}", f"pos/{own}"))
-        return out
+            sd["positions"] = self.positions.detach().clone()
+            sd["position_sync"] = self.position_sync.state_dict()
+        with_opt = not self.cfg.dept.reset_inner_optimizer
+        sd["store"] = {n: state_payload(self.store.get(n), with_opt) for n in self.store.names()}
+        if self.spec.has_source_state and self.installed is not None:
+            sd["installed_state"] = state_payload(
+                SourceState(list(self.trainer.embeddings()), self.trainer.embedding_optimizer), with_opt)
+        return sd
 
-    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.spec.has_source_state:
-            raise NotImplementedError(
-                f"resuming a dept.variant={self.cfg.dept.variant} run is not supported yet: the per-source "
-                "state (embeddings / inner optimizer state of sources not being trained) is not in the "
-                "checkpoint; start a new run_dir")
-        shared, own = self._prefixes()
-        self.body_sync.load_checkpoint_tensors(tensors, f"body/{shared}", f"body/{own}")
+    def load_state_dict(self, sd: dict) -> None:
+        self.body_sync.load_state_dict(sd["body_sync"])
         if self.embedding_sync is not None:
-            self.embedding_sync.load_checkpoint_tensors(tensors, f"emb/{shared}", f"emb/{own}")
+            self.embedding_sync.load_state_dict(sd["embedding_sync"])
+        if self.phi is not None:
+            self.phi.weight.copy_(sd["phi"])
+        if self.phi_head is not None:
+            self.phi_head.weight.copy_(sd["phi_head"])
+        if self.position_sync is not None:
+            self.positions.data.copy_(sd["positions"])
+            self.position_sync.load_state_dict(sd["position_sync"])
+        self.store = SourceStore()
+        for n, payload in sd["store"].items():
+            state = self._fresh_state(n)
+            load_payload(state, payload)
+            self.store.put(n, state)
+        self.installed = sd["installed"]
+        if self.spec.has_source_state and self.installed is not None:
+            state = self._fresh_state(self.installed)
+            load_payload(state, sd["installed_state"])
+            self.trainer.set_embeddings(state.embeddings, state.optimizer)
+        # a run resumed inside a round must not redo that round's moves and installs
+        self._resumed_round = sd["round"]
+        self._mark = self.pg.comm.snapshot()
 
 
 def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:

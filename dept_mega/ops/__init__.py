@@ -59,6 +59,15 @@ def extension_status() -> ExtensionStatus:
     return status()
 
 
+def _route(*tensors: torch.Tensor) -> bool:
+    """True: call the compiled op. Mixed devices go to the fallback, which raises the same
+    ValueError as the compiled checks (the dispatcher would otherwise pick a device first)."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors[1:]):
+        return False
+    return _use_extension(device)
+
+
 def _use_extension(device: torch.device) -> bool:
     st = status()
     if not st.loaded:
@@ -81,14 +90,14 @@ def backend(device: Union[str, torch.device, None] = None) -> str:
 def gather_rows(table: torch.Tensor, ids: torch.Tensor,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """rows[i] = table[ids[i]] (see the module docstring)."""
-    if _use_extension(table.device):
+    if _route(table, ids):
         return torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
     return fallback.gather_rows(table, ids, out_dtype)
 
 
 def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
-    if _use_extension(out.device):
+    if _route(out, ids, rows):
         torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
         return out
     return fallback.scatter_add_rows(out, ids, rows)
@@ -98,7 +107,7 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
                       accumulate: bool = False, alpha: float = 1.0) -> torch.Tensor:
     """In place, per touched row r: table[r] = alpha * mean_r (or += with accumulate=True);
     returns ``table``."""
-    if _use_extension(table.device):
+    if _route(table, ids, rows):
         torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
@@ -106,6 +115,6 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 
 def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
-    if _use_extension(ids.device):
+    if _route(ids, lookup):
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
