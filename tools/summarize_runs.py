@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Compare finished runs side by side: per-source validation BPB, outer bytes per round,
+parameters per rank.
+
+    python tools/summarize_runs.py runs/main_std runs/main_spec_opt [--json OUT.json]
+
+Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record and every
+``outer`` record) and ``params.json`` (parameters held by each rank, written by
+``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
+perplexity do not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import yaml
+
+
+class RunError(RuntimeError):
+    pass
+
+
+def read_run(run_dir: str) -> dict[str, Any]:
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    for path in (cfg_path, metrics_path):
+        if not os.path.exists(path):
+            raise RunError(f"{path} does not exist: is {run_dir!r} a finished run?")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    evals, outers, trains = [], [], []
+    with open(metrics_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RunError(f"{metrics_path}:{lineno}: not JSON ({exc})") from exc
+            {"eval": evals, "outer": outers, "train": trains}.get(rec.get("kind"), []).append(rec)
+    if not evals:
+        raise RunError(f"{metrics_path}: no eval record")
+    params = None
+    params_path = os.path.join(run_dir, "params.json")
+    if os.path.exists(params_path):
+        with open(params_path, encoding="utf-8") as f:
+            params = json.load(f)
+    rounds = len(outers)
+    outer_bytes: dict[str, float] = {}
+    for rec in outers:
+        for cat, n in rec["bytes"].items():
+            outer_bytes[cat] = outer_bytes.get(cat, 0) + n / rounds
+    tokens = sum(r.get("tokens", 0) for r in trains)
+    comm = predicted_comm_per_step(cfg_path, cfg["dept"]["variant"])
+    return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
+            "rounds": rounds, "outer_bytes_per_round": outer_bytes, "params": params,
+            "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
+
+
+def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
+    """Paper Table 1's per-step communication (parameters crossing groups per inner step)
+    for this run's config, from dept_mega.dept.costs (the same arithmetic as tools/dept_costs.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from dept_mega.config import load_config
+    from dept_mega.dept.costs import predict_costs, resolve_vocabs
+
+    cfg = load_config(cfg_path)
+    v = resolve_vocabs(cfg)
+    sources = v.source_vocabs or None
+    global_vocab = v.global_vocab or (max(sources.values()) if sources else None)
+    if global_vocab is None:
+        return None
+    costs = predict_costs(cfg, global_vocab, sources or [global_vocab], v.trim_vocabs or None)
+    return costs[variant]["per_step_comm_params"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def render(runs: list[dict[str, Any]]) -> str:
+    names = [r["variant"].upper() for r in runs]
+    sources: list[str] = []
+    for r in runs:
+        for s in r["eval"]["by_source"]:
+            if s not in sources:
+                sources.append(s)
+    width = max(12, *(len(n) + 2 for n in names))
+    out = []
+    head = f"{'validation BPB':<22}" + "".join(f"{n:>{width}}" for n in names)
+    out += [head, "-" * len(head)]
+    for s in sources:
+        row = f"{s:<22}"
+        for r in runs:
+            v = r["eval"]["by_source"].get(s, {}).get("bpb")
+            row += f"{v:>{width}.4f}" if v is not None else f"{'-':>{width}}"
+        out.append(row)
+    row = f"{'mean':<22}"
+    for r in runs:
+        vals = [v["bpb"] for v in r["eval"]["by_source"].values()]
+        row += f"{sum(vals) / len(vals):>{width}.4f}"
+    out.append(row)
+    out.append("")
+    out.append(f"{'per run':<22}" + "".join(f"{n:>{width}}" for n in names))
+    out.append("-" * len(head))
+
+    def line(label: str, values: list[str]) -> None:
+        out.append(f"{label:<22}" + "".join(f"{v:>{width}}" for v in values))
+
+    line("sync params/step", [f"{r['comm_params_per_step']:,.0f}" if r["comm_params_per_step"] else "-"
+                              for r in runs])
+    line("eval step", [str(r["eval"]["step"]) for r in runs])
+    line("train tokens", [f"{r['train_tokens']:,}" for r in runs])
+    line("outer rounds", [str(r["rounds"]) for r in runs])
+    cats = ["outer_body", "outer_embedding", "source_move", "dp"]
+    for cat in cats:
+        line(f"{cat}/round", [_fmt_bytes(r["outer_bytes_per_round"].get(cat, 0)) if r["rounds"] else "-"
+                               for r in runs])
+    for key, label in (("body", "body params/rank"), ("embeddings", "emb params/rank")):
+        vals = []
+        for r in runs:
+            ranks = (r["params"] or {}).get("ranks")
+            if not ranks:
+                vals.append("-")
+                continue
+            nums = sorted({rk[key] for rk in ranks})
+            vals.append(f"{nums[0]:,}" if len(nums) == 1 else f"{nums[0]:,}-{nums[-1]:,}")
+        line(label, vals)
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dirs", nargs="+")
+    ap.add_argument("--json", help="also write the summary as JSON to this file")
+    args = ap.parse_args(argv)
+    try:
+        runs = [read_run(d) for d in args.run_dirs]
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(runs))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(runs, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
