@@ -172,13 +172,13 @@ class TrainLoop:
             norms = [res.grad_norm]
         else:
             # One slot per group, filled by the group's first rank (bookkeeping reduction).
-            v = torch.zeros(3 * G, dtype=torch.float64)
+            v = torch.zeros(3 * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
             if self.pg.rank == self.pg.rank_of(0, 0, 0, self.pg.group_index):
                 g = self.pg.group_index
                 v[3 * g:3 * g + 3] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm],
                                                   dtype=torch.float64)
             dist.all_reduce(v)
-            vals = v.tolist()
+            vals = v.cpu().tolist()
             tokens = [int(vals[3 * g + 1]) for g in range(G)]
             losses = [vals[3 * g] / max(tokens[g], 1) for g in range(G)]
             norms = [vals[3 * g + 2] for g in range(G)]
@@ -228,6 +228,6 @@ class TrainLoop:
     def _sum_over_dp(self, x: float) -> float:
         if self.pg.dp is None:
             return x
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.trainer.device)
         dist.all_reduce(t, group=self.pg.dp)  # bookkeeping, not counted
         return float(t.item())

@@ -101,3 +101,24 @@ def test_source_state_survives_moves_bit_for_bit(variant, vocabs):
     for rr, ms in enumerate(moves):
         moved_bytes = sum(r["bytes"][rr]["source_move"] for r in res)
         assert (moved_bytes > 0) == (len(ms) > 0), (rr, ms, moved_bytes)
+
+
+@pytest.mark.parametrize("variant", ["spec", "glob", "trim"])
+def test_reset_inner_optimizer_starts_rounds_empty(variant):
+    """dept.reset_inner_optimizer: true — at every round start the body's and the installed
+    embeddings' AdamW state is empty (single process: G = 1, K = 2)."""
+    over = {"dept": {"variant": variant, "local_steps": 1, "reset_inner_optimizer": True}, "train": {"steps": 3}}
+    seen = []
+
+    def on_install(r, hooks, trainer):
+        seen.append((len(trainer.body_optimizer.state), len(trainer.embedding_optimizer.state)))
+
+    out = run_dept(tiny_config(over), source_infos(2, trim=variant == "trim"), 3, pg=solo_groups(),
+                   on_install=on_install)
+    assert seen == [(0, 0)] * 3
+    assert len(out["trainer"].body_optimizer.state) > 0  # it did train with state inside a round
+    # and without the reset, the state is carried into the next round
+    seen.clear()
+    over["dept"]["reset_inner_optimizer"] = False
+    run_dept(tiny_config(over), source_infos(2, trim=variant == "trim"), 3, pg=solo_groups(), on_install=on_install)
+    assert seen[0] == (0, 0) and all(b > 0 for b, _ in seen[1:])

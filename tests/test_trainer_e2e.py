@@ -164,3 +164,14 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path):
     assert got["step"] == 4 and set(got["by_source"]) == set(final["by_source"])
     for name, v in final["by_source"].items():
         assert got["by_source"][name]["loss"] == pytest.approx(v["loss"], rel=1e-9)
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert train_cli.main(["--config", TINY_STD, "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
+    assert evaluate_cli.main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "x.json")]) == 2
+    assert "config.yaml" in capsys.readouterr().err
+    shutil.copy(TINY_STD, tmp_path / "config.yaml")
+    assert evaluate_cli.main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "x.json")]) == 2
+    assert "checkpoints/latest" in capsys.readouterr().err

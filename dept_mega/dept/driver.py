@@ -167,7 +167,8 @@ class DeptHooks:
     # ------------------------------------------------------------------------- TRIM
     def _init_trim(self) -> None:
         if self.cfg.dept.trim_table_device != "cpu":
-            raise NotImplementedError("dept.trim_table_device: 'sharded' is not implemented; use 'cpu'")
+            from ..config import ConfigError
+            raise ConfigError("config key 'dept.trim_table_device': 'sharded' is not implemented yet; use 'cpu'")
         for s in self.sources:
             if s.vocab_ids is None:
                 raise ValueError(f"trim: source {s.name!r} has no vocabulary set V_k")
@@ -396,8 +397,11 @@ class DeptHooks:
             state = self._fresh_state(self.installed)
             load_payload(state, sd["installed_state"])
             self.trainer.set_embeddings(state.embeddings, state.optimizer)
-        # a run resumed inside a round must not redo that round's moves and installs
+        # a run resumed inside a round must not redo that round's moves and installs; the plan
+        # also tells evaluation (evaluate.py) which group holds each source
         self._resumed_round = sd["round"]
+        if sd["round"] is not None:
+            self.plan = self.scheduler.plan(int(sd["round"]))
         self._mark = self.pg.comm.snapshot()
 
 

@@ -20,7 +20,7 @@ parameters it owns (this rank's TP/PP shard), and at a round's end:
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 

@@ -161,8 +161,10 @@ def exchange(pg, transfers: Sequence[Transfer], device: torch.device, category: 
     # phase 3: tensors, each in its own dtype
     works, inbox = [], {}
     for t in sends:
+        # on the communication device (NCCL needs CUDA tensors; AdamW's step counters live
+        # on the CPU); the receiver's optimizer.load_state_dict puts state where it belongs
         for x in packed[id(t)][1]:
-            works.append(comm.isend(x.contiguous(), t.peer, category=category))
+            works.append(comm.isend(x.to(device).contiguous(), t.peer, category=category))
     for t in recvs:
         meta = pickle.loads(metas[id(t)].cpu().numpy().tobytes())
         bufs = []
