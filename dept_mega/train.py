@@ -59,8 +59,10 @@ class RunData:
         t = self.cfg.train
         if name == BLEND:
             datasets = list(self.train.values())
-            weights = source_weights([d.num_tokens for d in datasets], self.cfg.dept.sampling,
-                                     self.cfg.dept.temperature)
+            # size = tokens × data.sources[i].weight, as DEPT's round sampler counts it
+            scale = {s.name: s.weight for s in self.cfg.data.sources}
+            sizes = [d.num_tokens * scale.get(n, 1.0) for n, d in self.train.items()]
+            weights = source_weights(sizes, self.cfg.dept.sampling, self.cfg.dept.temperature)
             return BlendedBatches(datasets, weights, t.global_batch_size, t.micro_batch_size,
                                   self.pg.dp_rank, self.pg.dp_size, seed=t.seed)
         if name not in self.train:
@@ -142,6 +144,27 @@ def describe(session: Session) -> str:
             f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}")
 
 
+def write_params(session: Session) -> None:
+    """``RUN/params.json``: the parameters each rank holds at the end of the run (body and the
+    installed source's embeddings), gathered with a bookkeeping collective (not counted)."""
+    import json
+    pg, tr = session.pg, session.trainer
+    loop = session.loop
+    mine = {"rank": pg.rank, "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
+            "source": (loop.assignment or {}).get(pg.group_index),
+            "body": sum(p.numel() for p in tr.body_parameters()),
+            "embeddings": sum(p.numel() for p in tr.embedding_parameters())}
+    ranks = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    if session.rank == 0:
+        path = os.path.join(session.cfg.train.run_dir, "params.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"ranks": ranks}, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv, "python -m dept_mega.train")
     try:
@@ -168,6 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
         else:
             loop.run()
+        write_params(session)
     finally:
         session.writer.close()
     if dist.is_initialized():

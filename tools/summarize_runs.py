@@ -94,7 +94,7 @@ def render(runs: list[dict[str, Any]]) -> str:
         for s in r["eval"]["by_source"]:
             if s not in sources:
                 sources.append(s)
-    width = max(12, *(len(n) + 2 for n in names))
+    width = max(16, *(len(n) + 2 for n in names))
     out = []
     head = f"{'validation BPB':<22}" + "".join(f"{n:>{width}}" for n in names)
     out += [head, "-" * len(head)]
