@@ -1,0 +1,45 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dept_mega.config import load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int]) -> None:
+    d.mkdir()
+    cfg = load_config(None, [f"dept.variant={variant}", "model.vocab_size=300", "model.num_layers=2",
+                             "model.hidden_size=32", "model.num_attention_heads=4",
+                             "dept.local_steps=5", "train.steps=10"])
+    save_config(cfg, d / "config.yaml")
+    recs = [{"kind": "train", "step": 10, "round": 1, "time": 0, "loss": 3.0, "tokens": 64}]
+    recs += [{"kind": "outer", "step": 5 * (i + 1), "round": i, "time": 0,
+              "bytes": {"outer_body": b, "outer_embedding": 0}, "seconds": 0.1} for i, b in enumerate(outer_bytes)]
+    recs.append({"kind": "eval", "step": 10, "round": 1, "time": 0,
+                 "by_source": {k: {"loss": 1, "ppl": 2.7, "bpb": v, "tokens": 1, "bytes": 1} for k, v in bpb.items()}})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "params.json").write_text(json.dumps({"ranks": [{"body": 100, "embeddings": 7}, {"body": 100, "embeddings": 9}]}))
+
+
+def test_summary_table_and_json(tmp_path):
+    _fake_run(tmp_path / "a", "std", {"en": 2.0, "fr": 3.0}, [])
+    _fake_run(tmp_path / "b", "glob", {"en": 1.0, "fr": 2.0}, [1000, 3000])
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "a"),
+                          str(tmp_path / "b"), "--json", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, check=True).stdout
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
+    assert lines["mean"] == ["2.5000", "1.5000"]
+    assert lines["outer_body/round"] == ["-", "2.00", "KB"]
+    assert lines["emb"][-1] == "7-9"
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary[1]["rounds"] == 2 and summary[1]["outer_bytes_per_round"]["outer_body"] == 2000
+
+
+def test_missing_run_is_a_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "config.yaml does not exist" in res.stderr
