@@ -21,7 +21,11 @@ def _random_sets(V, G, kind, gen):
 
 @pytest.mark.parametrize("kind", ["overlapping", "disjoint"])
 @pytest.mark.parametrize("G", [2, 3])
-def test_sparse_row_mean_equals_dense_reference(kind, G):
+@pytest.mark.parametrize("ops_backend", ["default", "torch"])
+def test_sparse_row_mean_equals_dense_reference(kind, G, ops_backend, monkeypatch):
+    if ops_backend == "torch":  # the ops package's pure PyTorch path must give the same values
+        import dept_mega.ops as ops
+        monkeypatch.setattr(ops, "_use_extension", lambda device: False)
     gen = torch.Generator().manual_seed(G)
     V, d = 50, 6
     table = torch.randn(V, d, generator=gen)

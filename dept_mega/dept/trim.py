@@ -16,24 +16,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..ops import gather_rows, remap_ids, scatter_mean_rows
 from ..parallel.comm import group_size
 from .outer import COMM_DTYPES, chunk_bounds
-
-
-def _gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    try:
-        from ..ops import gather_rows
-    except ImportError:  # the ops package is not built yet: same semantics in plain PyTorch
-        return table.index_select(0, ids)
-    return gather_rows(table, ids)
-
-
-def _scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    try:
-        from ..ops import scatter_add_rows
-    except ImportError:
-        return out.index_add_(0, ids, rows)
-    return scatter_add_rows(out, ids, rows)
 
 
 class TrimTable:
@@ -47,7 +32,7 @@ class TrimTable:
         return self.weight.shape[0]
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        return _gather_rows(self.weight, ids.to(self.weight.device))
+        return gather_rows(self.weight, ids.to(self.weight.device))
 
     @torch.no_grad()
     def apply(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
@@ -58,25 +43,13 @@ class TrimTable:
 def row_mean_update(table: torch.Tensor, ids: torch.Tensor, deltas: torch.Tensor) -> None:
     """table[r] -= mean of the rows of ``deltas`` whose id is r (ids may repeat across groups).
 
-    Sparse: work and memory are O(len(ids)·d), never O(|V|·d). Uses the fused
-    ``dept_mega.ops.scatter_mean_rows`` (accumulate, alpha −1); the plain PyTorch path below
-    gives the same values (sum in order, divide, subtract, each rounded in fp32)."""
+    Sparse: work and memory are O(len(ids)·d), never O(|V|·d): the fused
+    ``dept_mega.ops.scatter_mean_rows`` (accumulate, alpha −1; its PyTorch fallback gives the
+    same values)."""
     if ids.numel() == 0:
         return
-    ids = ids.to(table.device, torch.int64)
-    deltas = deltas.to(table.device, torch.float32)
-    try:
-        from ..ops import scatter_mean_rows
-    except ImportError:
-        scatter_mean_rows = None
-    if scatter_mean_rows is not None:
-        scatter_mean_rows(table, ids, deltas, accumulate=True, alpha=-1.0)
-        return
-    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), table.shape[1], dtype=torch.float32, device=table.device)
-    _scatter_add_rows(sums, inverse, deltas)
-    counts = torch.bincount(inverse, minlength=uniq.numel()).to(torch.float32)
-    table.index_copy_(0, uniq, table.index_select(0, uniq) - sums / counts[:, None])
+    scatter_mean_rows(table, ids.to(table.device, torch.int64), deltas.to(table.device, torch.float32),
+                      accumulate=True, alpha=-1.0)
 
 
 @torch.no_grad()
@@ -154,18 +127,9 @@ def remap_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def remap_tokens(tokens: torch.Tensor, lookup: torch.Tensor, source: Optional[str] = None) -> torch.Tensor:
-    """Map global token ids to compact ids; an id outside V_k is an error (the V_k is wrong)."""
+    """Map global token ids to compact ids (``dept_mega.ops.remap_ids``); an id outside V_k is
+    an error naming the source (its V_k does not match its data)."""
     try:
-        from ..ops import remap_ids
-    except ImportError:
-        remap_ids = None
-    if remap_ids is not None:
-        try:
-            return remap_ids(tokens, lookup)
-        except ValueError as exc:
-            raise ValueError(f"TRIM: source {source!r}: a token id is not in its vocabulary set V_k ({exc})") from exc
-    out = lookup[tokens]
-    if (out < 0).any():
-        bad = tokens[out < 0].unique()[:8].tolist()
-        raise ValueError(f"TRIM: source {source!r}: token ids {bad} are not in its vocabulary set V_k")
-    return out
+        return remap_ids(tokens, lookup)
+    except ValueError as exc:
+        raise ValueError(f"TRIM: source {source!r}: a token id is not in its vocabulary set V_k ({exc})") from exc
