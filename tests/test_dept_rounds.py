@@ -48,9 +48,9 @@ def test_moves_follow_last_group_and_sources_stay_when_they_can():
 
 
 def test_weights_and_sampling_frequencies():
-    assert sampling_weights([1, 4], "uniform", 1.0) == [1.0, 1.0]
-    assert sampling_weights([1, 4], "proportional", 1.0) == [1.0, 4.0]
-    assert sampling_weights([1, 4], "temperature", 0.5) == [1.0, 2.0]
+    assert sampling_weights([1, 4], "uniform", 1.0) == [0.5, 0.5]
+    assert sampling_weights([1, 4], "proportional", 1.0) == pytest.approx([0.2, 0.8], rel=1e-12)
+    assert sampling_weights([1, 4], "temperature", 0.5) == pytest.approx([1 / 3, 2 / 3], rel=1e-12)
     with pytest.raises(ValueError, match="sampling"):
         sampling_weights([1, 4], "zipf", 1.0)
     import random

@@ -37,20 +37,11 @@ class RoundPlan:
 
 
 def sampling_weights(sizes: Sequence[float], sampling: str, temperature: float) -> list[float]:
-    """Unnormalised source weights: uniform 1, proportional size, temperature size**τ.
+    """Source probabilities for the K > G draw: the data package's ``source_weights`` (the
+    same rule as STD's blend: uniform, proportional to size, or ∝ size^τ)."""
+    from ..data.sources import source_weights
 
-    The same rule as the data package's ``source_weights`` (STD's blend); kept here as a
-    pure function of the sizes so round plans need nothing but the config and the sizes.
-    """
-    if sampling == "uniform":
-        return [1.0] * len(sizes)
-    if any(s <= 0 for s in sizes):
-        raise ValueError(f"dept.sampling={sampling!r} needs positive source sizes, got {list(sizes)}")
-    if sampling == "proportional":
-        return [float(s) for s in sizes]
-    if sampling == "temperature":
-        return [float(s) ** float(temperature) for s in sizes]
-    raise ValueError(f"dept.sampling: unknown rule {sampling!r} (uniform | proportional | temperature)")
+    return [float(w) for w in source_weights(sizes, sampling, temperature)]
 
 
 def _round_rng(seed: int, round_index: int) -> random.Random:
