@@ -83,7 +83,7 @@ class DeptConfig:
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     reset_inner_optimizer: bool = False
     outer_comm_dtype: str = "fp32"  # fp32 | bf16
-    trim_table_device: str = "cpu"  # cpu | sharded: where TRIM's global table lives
+    trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
 
 
 @dataclass
@@ -159,7 +159,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "dept.sampling": ("uniform", "proportional", "temperature"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
     "dept.outer_comm_dtype": ("fp32", "bf16"),
-    "dept.trim_table_device": ("cpu", "sharded"),
+    "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
 }
 
 

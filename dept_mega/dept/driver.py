@@ -166,9 +166,6 @@ class DeptHooks:
 
     # ------------------------------------------------------------------------- TRIM
     def _init_trim(self) -> None:
-        if self.cfg.dept.trim_table_device != "cpu":
-            from ..config import ConfigError
-            raise ConfigError("config key 'dept.trim_table_device': 'sharded' is not implemented yet; use 'cpu'")
         for s in self.sources:
             if s.vocab_ids is None:
                 raise ValueError(f"trim: source {s.name!r} has no vocabulary set V_k")
