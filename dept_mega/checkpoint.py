@@ -143,6 +143,17 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     path = step_dir(run_dir, step)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    saved_groups = len([f for f in os.listdir(path) if f.startswith("group") and f.endswith(".json")])
+    pg = trainer.pg
+    if saved_groups and saved_groups != pg.num_groups:
+        # keys carry the group: another number of groups would silently load part of the state
+        from .config import ConfigError
+        per_group = pg.tp_size * pg.pp_size * pg.dp_size
+        raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved_groups} source group(s), but "
+                          f"world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} rank(s) per group; "
+                          f"launch {saved_groups * per_group} processes")
+    if hooks is not None and hasattr(hooks, "prepare_load"):
+        hooks.prepare_load(step)  # DEPT: the embeddings (vocabulary) installed at that step
     if optimizer:
         _ensure_optimizer_state(trainer)
     state = _model_state(trainer)

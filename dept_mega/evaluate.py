@@ -45,11 +45,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)",
               file=sys.stderr)
         return 2
-    from .train import build_session
+    from .train import build_session, input_errors
     try:
         session = build_session(cfg, metrics=False)
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (*input_errors(), FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     session.trainer.step = step

@@ -165,6 +165,14 @@ def write_params(session: Session) -> None:
         os.replace(path + ".tmp", path)
 
 
+def input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (config, data or tokenizer files): reported as one
+    ``error: ...`` line and exit status 2 on every rank, not a traceback."""
+    from .data.indexed import IndexedFormatError
+    from .data.tokenizer import TokenizerError
+    return (ConfigError, IndexedFormatError, TokenizerError)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv, "python -m dept_mega.train")
     try:
@@ -174,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         session = build_session(cfg)
-    except ConfigError as exc:
+    except input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     run_dir = cfg.train.run_dir
@@ -182,7 +190,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(run_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     loop = session.loop
-    resumed = loop.checkpointer.load(loop)
+    try:
+        resumed = loop.checkpointer.load(loop)
+    except input_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     session.writer.log(describe(session))
     if resumed is not None:
         session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}")

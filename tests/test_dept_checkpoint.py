@@ -65,3 +65,69 @@ def test_source_state_variants_resume(tmp_path, variant):
     res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
     for r in res:
         assert torch.equal(r["full"], r["resumed"])
+
+
+def test_load_weights_of_an_earlier_step_installs_that_steps_source(tmp_path):
+    """``evaluate --step S`` / ``Checkpointer.load(step=S)`` with S older than ``latest``: the
+    group trained another source at S (SPEC-OPT: another vocabulary size), whose embeddings
+    must be installed before the weights load in place. Single process, K=2 sources, G=1."""
+    from dept_mega.checkpoint import load_weights
+    from tests.dept_utils import emb_state
+    cfg = tiny_config({"dept": {"variant": "spec_opt", "local_steps": 1},
+                       "train": {"steps": 4, "save_interval": 1, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop, _ = _make_opt(cfg, str(tmp_path))
+    saved = {}
+    orig_round_end = loop.hooks.round_end
+
+    def round_end(lp, r):
+        saved[loop.trainer.step] = (loop.hooks.installed, emb_state(loop.trainer))
+        return orig_round_end(lp, r)
+
+    loop.hooks.round_end = round_end
+    loop.run()
+    # rounds 0-2 train s0 (vocabulary 60), round 3 trains s1 (200): latest = step 4
+    assert saved[2][0] == "s0" and saved[4][0] == "s1"
+    loop2, _ = _make_opt(cfg, str(tmp_path))  # pre-installs latest's source (s1)
+    load_weights(loop2.trainer, str(tmp_path), 2, hooks=loop2.hooks, optimizer=False)
+    assert loop2.hooks.installed == "s0"
+    got = emb_state(loop2.trainer)
+    assert got.keys() == saved[2][1].keys()
+    for k in got:
+        assert torch.equal(got[k], saved[2][1][k]), k
+
+
+def _make_opt(cfg, run_dir):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    pg = build_groups(1, 1, 1)
+    infos = source_infos(2, vocabs=(60, 200))
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+    by_name = {s.name: s for s in infos}
+
+    def make_iterator(name):
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+
+    writer = MetricsWriter(run_dir, enabled=True, stream=io.StringIO())
+    return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None
+
+
+def test_load_weights_refuses_another_number_of_groups(tmp_path):
+    """A checkpoint written by 2 source groups loaded by a 1-group launch (``evaluate`` on
+    fewer processes) would load group 0's keys only and evaluate the other group's sources
+    with fresh embeddings: a ConfigError naming 'parallel' instead of a silent wrong result."""
+    from dept_mega.checkpoint import load_weights
+    from dept_mega.config import ConfigError
+    cfg = tiny_config({"train": {"run_dir": str(tmp_path)}})
+    loop, _ = _make_opt(cfg, str(tmp_path))
+    step = tmp_path / "checkpoints" / "step_4"
+    step.mkdir(parents=True)
+    for g in range(2):
+        (step / f"group{g}.json").write_text("{}")
+    with pytest.raises(ConfigError, match="'parallel'.*2 source group"):
+        load_weights(loop.trainer, str(tmp_path), 4, hooks=loop.hooks, optimizer=False)

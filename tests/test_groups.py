@@ -33,6 +33,7 @@ def test_single_process_layout_needs_no_dist():
 
 def _check_groups(rank, world_size):
     import torch
+    import torch
     import torch.distributed as dist
     pg = build_groups(tensor=2, data=1, pipeline=2)
     # all-reduce of the rank over each group gives the sum of its members
@@ -55,3 +56,42 @@ def test_groups_collectives_gloo_world8():
         assert r["tp"] == sum(tp_ranks) and r["pp"] == sum(pp_ranks) and r["outer"] == sum(outer_ranks)
         assert rank in tp_ranks and rank in pp_ranks and rank in outer_ranks
         assert r["bytes"]["tp"] == 4 and r["bytes"]["pp"] == 8
+
+
+def test_bookkeeping_reductions_live_on_the_backend_device(monkeypatch):
+    """total_over_ranks (every DEPT round end) reduces a tensor on the device the backend can
+    reduce: CPU under gloo, the current CUDA device under NCCL (NCCL rejects CPU tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    from dept_mega.parallel import comm
+    assert comm.bookkeeping_device().type == "cpu"  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert comm.bookkeeping_device().type == "cpu"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert comm.bookkeeping_device() == torch.device("cuda", 0)
+
+
+def _gather_scatter_no_warning(rank, world):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from dept_mega.parallel.comm import Comm
+    comm = Comm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates the *_tensor names
+        out = torch.empty(2 * world)
+        comm.all_gather_into(out, torch.full((2,), float(rank)), dist.group.WORLD, category="dp")
+        part = torch.empty(2)
+        comm.reduce_scatter_into(part, torch.ones(2 * world), dist.group.WORLD, category="dp")
+    return out.tolist(), part.tolist()
+
+
+def test_flat_collectives_do_not_warn():
+    res = run_distributed(_gather_scatter_no_warning, 2, timeout=120)
+    for out, part in res:
+        assert out == [0.0, 0.0, 1.0, 1.0] and part == [2.0, 2.0]

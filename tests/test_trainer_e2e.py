@@ -175,3 +175,16 @@ def test_cli_errors_name_the_problem(tmp_path, capsys, monkeypatch):
     shutil.copy(TINY_STD, tmp_path / "config.yaml")
     assert evaluate_cli.main(["--run-dir", str(tmp_path), "--out", str(tmp_path / "x.json")]) == 2
     assert "checkpoints/latest" in capsys.readouterr().err
+
+
+def test_cli_corrupt_data_file_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """A data file that exists but is not a Megatron index is bad input: one ``error:`` line
+    naming the file and exit status 2, not a traceback."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "x.bin").write_bytes(b"")
+    (tmp_path / "x.idx").write_bytes(b"garbage\n")
+    prefix = str(tmp_path / "x")
+    assert train_cli.main(["--config", TINY_STD, f"data.sources.0.prefix={prefix}",
+                           f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "x.idx" in err and "Traceback" not in err

@@ -126,7 +126,13 @@ class DeptHooks:
             step = latest_step(self.cfg.train.run_dir)
         except (OSError, ValueError):
             return
-        if not step:
+        self.prepare_load(step)
+
+    def prepare_load(self, step: Optional[int]) -> None:
+        """Install fresh embeddings of the source this group trained at inner step ``step``, so
+        that a checkpoint of that step (not necessarily ``latest``: ``evaluate --step``) loads
+        in place; ``dept_mega.checkpoint.load_weights`` calls it before loading."""
+        if not self.spec.has_source_state or not step:
             return
         plan = self.scheduler.plan((step - 1) // self.cfg.dept.local_steps)
         name = self.names[plan.sources[self.pg.group_index]]
@@ -317,12 +323,12 @@ class DeptHooks:
         """The embeddings to evaluate ``source`` with, or None when they are installed already."""
         installed = source == self.installed
         if self.spec.trimmed:
-            # compact rows from the synchronised φ (the installed rows are this group's local
-            # ones until the next round start refills them)
-            embs = self.trainer.embeddings() if installed else (
-                self.store.get(source).embeddings if source in self.store else self._build_embeddings(source))
+            # compact rows from the synchronised φ. The installed tables hold this group's local
+            # rows, which a mid-round evaluation must not overwrite: evaluate with a copy.
+            embs = self.store.get(source).embeddings if (source in self.store and not installed) \
+                else self._build_embeddings(source)
             self._trim_fill(source, embs)
-            return None if installed else embs
+            return embs
         holder = self._holder(self.index[source])
         if holder is None:  # never trained: its seeded initial embeddings, the same everywhere
             return self._build_embeddings(source)
@@ -414,14 +420,16 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
             vocab = load_tokenizer(s.tokenizer).vocab_size
         else:
             if global_vocab is None:
-                raise ValueError("config key 'data.tokenizer': a global vocabulary size is needed")
+                from ..config import ConfigError
+                raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
             vocab = int(global_vocab)
         ids = None
         if cfg.dept.variant == "trim":
             from ..data.sources import vocab_set
             ids = torch.as_tensor(vocab_set(s.prefix, cfg.data.cache_dir), dtype=torch.int64)
             if ids.numel() and int(ids.max()) >= vocab:
-                raise ValueError(f"config key 'data.sources[{i}].prefix': token id {int(ids.max())} of source "
+                from ..config import ConfigError
+                raise ConfigError(f"config key 'data.sources[{i}].prefix': token id {int(ids.max())} of source "
                                  f"{s.name!r} is outside the global vocabulary of {vocab}")
         out.append(SourceInfo(s.name, vocab, size, ids))
     return out

@@ -21,6 +21,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 names them *_single (the *_tensor names warn once per call site and rank)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 CATEGORIES = ("tp", "pp", "dp", "outer_body", "outer_embedding", "source_move")
 
 
@@ -69,7 +73,7 @@ class Comm:
             out.copy_(shard)
             return out
         self.count(category, self._nbytes(shard))
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        _all_gather_single(out, shard.contiguous(), group=group)
         return out
 
     def all_gather_list(self, shards: list[torch.Tensor], shard: torch.Tensor, group, category: str) -> list[torch.Tensor]:
@@ -88,7 +92,7 @@ class Comm:
             out.copy_(full)
             return out
         self.count(category, self._nbytes(full))
-        dist.reduce_scatter_tensor(out, full.contiguous(), op=op, group=group)
+        _reduce_scatter_single(out, full.contiguous(), op=op, group=group)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int, group, category: str) -> torch.Tensor:
@@ -116,12 +120,21 @@ class Comm:
         return dist.irecv(t, src=src, group=group)
 
 
+def bookkeeping_device(group=None) -> torch.device:
+    """Where a bookkeeping tensor must live to be reduced over ``group``: NCCL reduces CUDA
+    tensors only (the current device, set by ``init_distributed``), gloo CPU tensors."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def total_over_ranks(counts: dict[str, int], group=None) -> dict[str, int]:
     """Sum per-category counters over the ranks of ``group`` (all ranks when None).
 
     The reduction itself is bookkeeping and is not counted.
     """
-    values = torch.tensor([counts.get(c, 0) for c in CATEGORIES], dtype=torch.float64)
+    values = torch.tensor([counts.get(c, 0) for c in CATEGORIES], dtype=torch.float64,
+                          device=bookkeeping_device(group))
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(values, group=group)
     return {c: int(v) for c, v in zip(CATEGORIES, values.tolist())}
