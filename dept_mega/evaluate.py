@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .checkpoint import latest_step, load_weights
 from .config import ConfigError, load_config
-from .metrics import make_record
+from .metrics import make_record, write_json_atomic
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -56,11 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     by_source = session.loop.evaluate()
     if session.rank == 0:
         rec = make_record("eval", step, session.loop.round_of(max(step - 1, 0)), by_source=by_source)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(rec, f, indent=1)
-        os.replace(tmp, args.out)
+        write_json_atomic(args.out, rec)
         print(json.dumps(rec))
     if dist.is_initialized():
         dist.barrier()

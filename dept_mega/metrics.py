@@ -152,3 +152,13 @@ def train_flops_per_token(model, vocab_size: int) -> float:
     mlp = 6 * h * model.ffn_size * (3 if model.activation == "swiglu" else 2)
     per_layer = 6 * h * (q + 2 * kv + q) + mlp + 6 * q * model.seq_length
     return float(model.num_layers * per_layer + 6 * h * vocab_size)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename, so a reader
+    never sees a half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, write_json_atomic
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .trainer import Trainer
 
@@ -147,7 +147,6 @@ def describe(session: Session) -> str:
 def write_params(session: Session) -> None:
     """``RUN/params.json``: the parameters each rank holds at the end of the run (body and the
     installed source's embeddings), gathered with a bookkeeping collective (not counted)."""
-    import json
     pg, tr = session.pg, session.trainer
     loop = session.loop
     mine = {"rank": pg.rank, "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
@@ -159,10 +158,7 @@ def write_params(session: Session) -> None:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     if session.rank == 0:
-        path = os.path.join(session.cfg.train.run_dir, "params.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"ranks": ranks}, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(os.path.join(session.cfg.train.run_dir, "params.json"), {"ranks": ranks})
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
