@@ -33,7 +33,6 @@ def test_single_process_layout_needs_no_dist():
 
 def _check_groups(rank, world_size):
     import torch
-    import torch
     import torch.distributed as dist
     pg = build_groups(tensor=2, data=1, pipeline=2)
     # all-reduce of the rank over each group gives the sum of its members

@@ -3,8 +3,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dept_mega.config import load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[1]
