@@ -8,10 +8,14 @@ group is part of the key). The step directory is first written as
 (text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
 Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
 source group (data positions differ between groups under DEPT).
-Loading needs the same tensor and pipeline sizes and number of groups (keys carry the
-position); the data-parallel size may differ. Round hooks with ``state_dict()`` / ``load_state_dict(sd)`` (DEPT: per-source
+Loading needs the same tensor, pipeline and virtual-pipeline sizes and number of groups (keys
+carry the position); the data-parallel size may differ only when no per-rank hook state was
+saved (STD). ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming
+the ``parallel`` key instead of a missing-key traceback from DCP. Round hooks with ``state_dict()`` / ``load_state_dict(sd)`` (DEPT: per-source
 embeddings, outer optimizer state — different on every rank) are saved per rank as
-``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights.
+``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights. The dropout
+streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
+the masks the uninterrupted run would have drawn.
 """
 from __future__ import annotations
 
@@ -25,6 +29,42 @@ import torch
 import torch.distributed as dist
 
 CKPT_DIR = "checkpoints"
+LAYOUT_FILE = "layout.json"
+
+
+def _layout(trainer, per_rank_hooks: bool) -> dict[str, Any]:
+    pg, par = trainer.pg, trainer.cfg.parallel
+    return {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": par.virtual_pipeline,
+            "data": pg.dp_size, "groups": pg.num_groups, "per_rank_hooks": per_rank_hooks}
+
+
+def _rng_tracker(trainer):
+    """The rank's dropout streams (one tracker shared by all its model chunks), if any."""
+    return getattr(trainer.stages[0], "rng", None) if trainer.stages else None
+
+
+def _rng_file(pg) -> str:
+    # the streams are seeded by (seed, tensor rank, pipeline rank) and advance identically on
+    # every data-parallel replica and source group, so one file per (tp, pp) position
+    return f"rng_tp{pg.tp_rank}_pp{pg.pp_rank}.pt"
+
+
+def check_layout(trainer, path: str) -> None:
+    """Refuse a checkpoint written under another parallel layout with one ConfigError that
+    names the key to change (checkpoints are not resharded)."""
+    from .config import ConfigError
+    layout_path = os.path.join(path, LAYOUT_FILE)
+    if not os.path.exists(layout_path):
+        return
+    with open(layout_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    now = _layout(trainer, per_rank_hooks=False)
+    keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if saved.get("per_rank_hooks") else [])
+    wrong = [k for k in keys if saved.get(k) != now[k]]
+    if wrong:
+        said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
+        raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
+                          f"resume or evaluate it with the same layout (checkpoints are not resharded)")
 
 
 def _barrier() -> None:
@@ -93,6 +133,8 @@ class Checkpointer:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
+            with open(os.path.join(tmp, LAYOUT_FILE), "w", encoding="utf-8") as f:
+                json.dump(_layout(trainer, per_rank_hooks=hasattr(loop.hooks, "state_dict")), f)
         _barrier()
         state = _model_state(trainer)
         if hasattr(loop.hooks, "state_dict"):
@@ -102,6 +144,9 @@ class Checkpointer:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=tmp)
         pg = trainer.pg
+        tracker = _rng_tracker(trainer)
+        if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0:
+            torch.save(tracker.state_dict(), os.path.join(tmp, _rng_file(pg)))
         if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
             # positions are the same on every rank of a group, different across groups (DEPT)
             meta = {"step": step, "trainer": trainer.state_dict(),
@@ -152,6 +197,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved_groups} source group(s), but "
                           f"world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} rank(s) per group; "
                           f"launch {saved_groups * per_group} processes")
+    check_layout(trainer, path)
     if hooks is not None and hasattr(hooks, "prepare_load"):
         hooks.prepare_load(step)  # DEPT: the embeddings (vocabulary) installed at that step
     if optimizer:
@@ -162,6 +208,10 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
+    tracker = _rng_tracker(trainer)
+    rng_path = os.path.join(path, _rng_file(pg))
+    if tracker is not None and os.path.exists(rng_path):  # older checkpoints have none
+        tracker.load_state_dict(torch.load(rng_path, map_location="cpu", weights_only=True))
     if hooks is not None and hasattr(hooks, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")

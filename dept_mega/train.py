@@ -182,15 +182,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     run_dir = cfg.train.run_dir
-    if session.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     loop = session.loop
     try:
         resumed = loop.checkpointer.load(loop)
     except input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if session.rank == 0:  # after a successful resume: a refused launch leaves the run's config as it was
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     session.writer.log(describe(session))
     if resumed is not None:
         session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}")

@@ -48,8 +48,10 @@ def _resume_worker(rank, world, over, run_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_glob_resume_restores_outer_state(tmp_path):
+    # with dropout: group 1 resumes from the dropout streams group 0 saved (one file per tp/pp)
     over = {"dept": {"variant": "glob", "local_steps": 2,
                      "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+            "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
             "train": {"steps": 6, "save_interval": 2, "eval_interval": 0}}
     res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
     for r in res:
@@ -131,3 +133,24 @@ def test_load_weights_refuses_another_number_of_groups(tmp_path):
         (step / f"group{g}.json").write_text("{}")
     with pytest.raises(ConfigError, match="'parallel'.*2 source group"):
         load_weights(loop.trainer, str(tmp_path), 4, hooks=loop.hooks, optimizer=False)
+
+
+def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
+    """DEPT hook state (outer optimizer shards, per-source state) is saved per rank, so a
+    DEPT checkpoint needs the same data-parallel size; the layout file makes that one
+    ConfigError naming 'parallel.data' rather than a wrong rank's state loaded silently."""
+    import json
+    from dept_mega.checkpoint import load_weights
+    from dept_mega.config import ConfigError
+    cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 1},
+                       "train": {"steps": 1, "save_interval": 1, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop, _ = _make_opt(cfg, str(tmp_path))
+    loop.run()
+    layout_path = tmp_path / "checkpoints" / "step_1" / "layout.json"
+    layout = json.loads(layout_path.read_text())
+    assert layout == {"tensor": 1, "pipeline": 1, "virtual_pipeline": 1, "data": 1, "groups": 1,
+                      "per_rank_hooks": True}
+    load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
+    layout_path.write_text(json.dumps(dict(layout, data=2)))
+    with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
+        load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)

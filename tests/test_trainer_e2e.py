@@ -38,7 +38,7 @@ def _train(run_dir, *overrides):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypatch):
+def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     run = str(tmp_path / "run")
@@ -86,6 +86,21 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     assert [r["step"] for r in train2] == list(range(31, 61))
     for a, b in zip(train2, train[30:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), a["step"]
+
+    # a checkpoint of another layout is refused with one error naming the key, and the
+    # refused launch leaves the run's config.yaml as it was
+    layout_path = os.path.join(run2, "checkpoints", "step_30", "layout.json")
+    layout = json.load(open(layout_path))
+    assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
+    json.dump(dict(layout, tensor=2), open(layout_path, "w"))
+    with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
+        f.write("30\n")
+    before = open(os.path.join(run2, "config.yaml")).read()
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config key 'parallel.tensor'") and "parallel.tensor=2" in err, err
+    assert open(os.path.join(run2, "config.yaml")).read() == before
 
 
 def test_eval_bpb_uses_real_bytes(corpus, monkeypatch):
@@ -188,3 +203,24 @@ def test_cli_corrupt_data_file_is_one_error_line(tmp_path, capsys, monkeypatch):
                            f"train.run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "x.idx" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_dropout_continues_exactly(corpus, tmp_path, monkeypatch):
+    """The dropout streams (RNGTracker) are saved with the checkpoint, so a resumed run with
+    dropout draws the same masks as the uninterrupted one."""
+    monkeypatch.chdir(ROOT)
+    torch.set_num_threads(1)
+    drop = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.steps=6",
+            "train.save_interval=3", "train.eval_interval=0"]
+    run = str(tmp_path / "run")
+    train = [r for r in _train(run, *drop) if r["kind"] == "train"]
+    run2 = str(tmp_path / "run2")
+    os.makedirs(os.path.join(run2, "checkpoints"))
+    shutil.copytree(os.path.join(run, "checkpoints", "step_3"), os.path.join(run2, "checkpoints", "step_3"))
+    with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
+        f.write("3\n")
+    train2 = [r for r in _train(run2, *drop) if r["kind"] == "train"]
+    assert [r["step"] for r in train2] == [4, 5, 6]
+    for a, b in zip(train2, train[3:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), a["step"]
