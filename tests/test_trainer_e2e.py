@@ -36,6 +36,15 @@ def _train(run_dir, *overrides):
     return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
+def _resume_from_copy(run, run2, step):
+    """Make ``run2`` a fresh run dir whose ``latest`` is a copy of ``run``'s step ``step``."""
+    os.makedirs(os.path.join(run2, "checkpoints"))
+    shutil.copytree(os.path.join(run, "checkpoints", f"step_{step}"),
+                    os.path.join(run2, "checkpoints", f"step_{step}"))
+    with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
+        f.write(f"{step}\n")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypatch, capsys):
@@ -77,10 +86,7 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
 
     # resume: a copy of the step-30 checkpoint continues exactly like the original run
     run2 = str(tmp_path / "run2")
-    os.makedirs(os.path.join(run2, "checkpoints"))
-    shutil.copytree(os.path.join(run, "checkpoints", "step_30"), os.path.join(run2, "checkpoints", "step_30"))
-    with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
-        f.write("30\n")
+    _resume_from_copy(run, run2, 30)
     recs2 = _train(run2, "train.steps=60", "train.eval_interval=30", "train.save_interval=30")
     train2 = [r for r in recs2 if r["kind"] == "train"]
     assert [r["step"] for r in train2] == list(range(31, 61))
@@ -90,11 +96,13 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     # a checkpoint of another layout is refused with one error naming the key, and the
     # refused launch leaves the run's config.yaml as it was
     layout_path = os.path.join(run2, "checkpoints", "step_30", "layout.json")
-    layout = json.load(open(layout_path))
+    with open(layout_path) as f:
+        layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
-    json.dump(dict(layout, tensor=2), open(layout_path, "w"))
+    with open(layout_path, "w") as f:
+        json.dump(dict(layout, tensor=2), f)
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
-        f.write("30\n")
+        f.write("30\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()
     rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
     assert rc == 2
@@ -216,10 +224,7 @@ def test_resume_with_dropout_continues_exactly(corpus, tmp_path, monkeypatch):
     run = str(tmp_path / "run")
     train = [r for r in _train(run, *drop) if r["kind"] == "train"]
     run2 = str(tmp_path / "run2")
-    os.makedirs(os.path.join(run2, "checkpoints"))
-    shutil.copytree(os.path.join(run, "checkpoints", "step_3"), os.path.join(run2, "checkpoints", "step_3"))
-    with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
-        f.write("3\n")
+    _resume_from_copy(run, run2, 3)
     train2 = [r for r in _train(run2, *drop) if r["kind"] == "train"]
     assert [r["step"] for r in train2] == [4, 5, 6]
     for a, b in zip(train2, train[3:]):
