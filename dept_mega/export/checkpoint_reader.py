@@ -1,0 +1,314 @@
+"""One source's full model weights out of a checkpoint, read in a single process.
+
+This module is the only part of the export that knows how a checkpoint lies on disk; the rest
+(architecture mapping, tokenizer, writing) sees a dict of FULL fp32 tensors named as in one
+single-stage model (``dept_mega.model.gpt.GPTStage`` with every layer):
+
+    body.layers.{i}.input_norm.weight|bias, body.layers.{i}.attention.qkv.weight|bias,
+    body.layers.{i}.attention.proj.weight|bias, body.layers.{i}.mlp_norm.weight|bias,
+    body.layers.{i}.mlp.fc1.weight|bias, body.layers.{i}.mlp.fc2.weight|bias,
+    body.final_norm.weight|bias, embeddings.word_embeddings.weight,
+    embeddings.output_layer.weight (untied head), embeddings.position_embeddings.weight (learned)
+
+The token table (and untied head) has at least the vocabulary's rows: the model's tables are
+padded to a multiple of 128 (the rows past the vocabulary are padding); TRIM's φ has exactly
+the global vocabulary's rows.
+
+The checkpoint format read here (``dept_mega/checkpoint.py`` and ``DeptHooks.state_dict`` in
+``dept_mega/dept/driver.py``):
+
+* ``step_N/`` — torch.distributed.checkpoint files; model keys
+  ``model/g{group}/tp{t}/pp{p}/c{chunk}/{stage parameter name}`` (data-parallel replicas share
+  keys), tensor-parallel shards split as the parameters' ``partition_dim`` /
+  ``partition_stride`` say (read from the model code itself: the model is built on the meta
+  device, which costs no memory);
+* ``step_N/layout.json`` — tensor, pipeline, virtual_pipeline, data, groups;
+* ``step_N/hooks_rank{r}.pt`` — a rank's DEPT state: ``installed`` (the source its group
+  trains), ``store`` (``{source: {"embeddings": [module state dict per chunk], ...}}`` of the
+  sources the group trained last), TRIM's global tables ``phi`` / ``phi_head`` and learned
+  ``positions``. Loaded with ``weights_only=True`` (containers and tensors only).
+
+Which source's embeddings and which body:
+
+* std / glob — the embeddings in the model (the global vocabulary, shared by all sources);
+* spec / spec_opt — the source's own embeddings: from the model of the group that has it
+  installed, else from the store of the group that trained it last;
+* trim — the global table φ (and the untied head's φ, learned positions), i.e. the global
+  vocabulary: after a round's end the rows of V_k are in φ (the compact tables in the model
+  are the group's working copies). The converter records V_k separately (see convert.py);
+* the body — at a round boundary (a step that is a multiple of ``dept.local_steps``, where
+  checkpoints are written by default) every group holds the same synchronised body. A step
+  inside a round holds one local body per group: the body of the group that trains the
+  source then (spec / spec_opt / trim with the source installed), otherwise a clear error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import latest_step, step_dir
+from ..config import Config, load_config
+
+_MODEL_KEY = re.compile(r"^model/g(\d+)/tp(\d+)/pp(\d+)/c(\d+)/(.+)$")
+
+
+class CheckpointReadError(ValueError):
+    """The checkpoint cannot give the requested weights (the message says why, in one line)."""
+
+
+class FullWeights(dict):
+    """``{full parameter name: full fp32 tensor}`` plus where they came from (``origin``)."""
+
+    origin: str = ""
+    step: int = 0
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _layout(path: str) -> dict[str, int]:
+    layout_path = os.path.join(path, "layout.json")
+    if os.path.exists(layout_path):
+        with open(layout_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        try:
+            return {k: int(saved[k]) for k in ("tensor", "pipeline", "virtual_pipeline", "data", "groups")}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointReadError(f"{layout_path}: no valid layout ({exc!r})") from None
+    raise CheckpointReadError(f"{layout_path} is missing: cannot tell the checkpoint's parallel layout")
+
+
+def _rank(layout: dict[str, int], tp: int, dp: int, pp: int, group: int) -> int:
+    """Global rank of a position (design.md §2: tp fastest, then dp, pp, group)."""
+    T, D, P = layout["tensor"], layout["data"], layout["pipeline"]
+    return tp + T * (dp + D * (pp + P * group))
+
+
+def _load_hooks(path: str, rank: int) -> dict[str, Any]:
+    f = os.path.join(path, f"hooks_rank{rank}.pt")
+    if not os.path.exists(f):
+        raise CheckpointReadError(f"{f} is missing (the DEPT state of rank {rank})")
+    try:
+        # mmap: only the tensors that are used are read (the file also holds optimizer state)
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: one line naming it
+        raise CheckpointReadError(f"{f}: cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+# ----------------------------------------------------------------------------- model structure
+
+
+def _structure(cfg: Config) -> dict[str, tuple[tuple[Optional[int], int], Optional[torch.Size]]]:
+    """``{stage parameter name: ((partition_dim or None, partition_stride), full shape)}`` from
+    the model code itself, built on the meta device (the shape only for the body: the
+    vocabulary-owned tables depend on the source)."""
+    from ..model.embeddings import VOCAB_MULTIPLE, SourceEmbeddings
+    from ..model.gpt import TransformerBody
+    from ..parallel.groups import Coords, ParallelGroups
+    solo = ParallelGroups(tp_size=1, dp_size=1, pp_size=1, num_groups=1, rank=0, coords=Coords(0, 0, 0, 0))
+    # the body's parameters do not depend on the position embedding; "learned" keeps the ALiBi
+    # slope tables (computed with .tolist(), impossible on meta) out of the meta build
+    body_cfg = dataclasses.replace(cfg.model, position_embedding="learned")
+    with torch.device("meta"):
+        body = TransformerBody(body_cfg, solo, range(cfg.model.num_layers), final_norm=True, seed=0,
+                               device="meta")
+        emb = SourceEmbeddings(cfg.model, solo, VOCAB_MULTIPLE, 0, True, True, device="meta")
+    out: dict[str, tuple[tuple[Optional[int], int], Optional[torch.Size]]] = {}
+    for prefix, module, shapes in (("body.", body, True), ("embeddings.", emb, False)):
+        for name, p in module.named_parameters():
+            part = (getattr(p, "partition_dim", None), int(getattr(p, "partition_stride", 1) or 1))
+            out[prefix + name] = (part, p.shape if shapes else None)
+    return out
+
+
+def _unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int, name: str) -> torch.Tensor:
+    """Inverse of ``dept_mega.parallel.random.shard_rows``: ``shards[t]`` is tensor rank t's."""
+    if len(shards) == 1 or dim is None:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    if any(len(p) != stride for p in pieces):
+        raise CheckpointReadError(f"{name}: a shard cannot be split into {stride} blocks")
+    return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+
+def _dcp_keys(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointReadError(f"{path}: not a readable torch.distributed.checkpoint "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+
+def _dcp_read(path: str, meta: dict[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    state = {}
+    for k in keys:
+        m = meta[k]
+        state[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    with warnings.catch_warnings():  # single process: DCP warns that it loads without dist
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+# ----------------------------------------------------------------------------- the reader
+
+
+def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional[str] = None,
+                      cfg: Optional[Config] = None) -> FullWeights:
+    """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
+
+    ``cfg``: the run's config (default: ``RUN/config.yaml``). ``source`` may be None only
+    for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
+    if cfg is None:
+        cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    if step is None:
+        step = latest_step(run_dir)
+        if step is None:
+            raise CheckpointReadError(f"{os.path.join(run_dir, 'checkpoints', 'latest')} does not exist "
+                                      f"(no checkpoint in {run_dir})")
+    path = step_dir(run_dir, step)
+    if not os.path.isdir(path):
+        raise CheckpointReadError(f"checkpoint {path} does not exist")
+    variant = cfg.dept.variant
+    names = [s.name for s in cfg.data.sources]
+    if source is None and variant != "std":
+        raise CheckpointReadError(f"a {variant} run has one model per source: name one of {names}")
+    if source is not None and names and source not in names:
+        raise CheckpointReadError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
+
+    meta = _dcp_keys(path)
+    model_keys: dict[tuple[int, int, int, int], dict[str, str]] = {}
+    for key in meta:
+        m = _MODEL_KEY.match(key)
+        if m:
+            g, t, p, c = (int(x) for x in m.groups()[:4])
+            model_keys.setdefault((g, t, p, c), {})[m.group(5)] = key
+    if not model_keys:
+        raise CheckpointReadError(f"{path}: no model/g*/tp*/pp*/c*/ keys (an unknown checkpoint format)")
+    layout = _layout(path)
+    T, P, V = layout["tensor"], layout["pipeline"], layout["virtual_pipeline"]
+
+    group, where, hooks0 = _locate(cfg, path, layout, step, source)
+    structure = _structure(cfg)
+    out = FullWeights()
+    out.step = step
+
+    # ---- body: every chunk of every pipeline stage of the group, tensor shards joined
+    wanted: list[str] = []
+    for (g, t, p, c), keys in model_keys.items():
+        if g == group:
+            wanted += [k for n, k in keys.items()
+                       if n.startswith("body.") or (where == "model" and n.startswith("embeddings."))]
+    loaded = _dcp_read(path, meta, wanted)
+    by_name: dict[str, dict[int, list[tuple[int, int, torch.Tensor]]]] = {}
+    for (g, t, p, c), keys in model_keys.items():
+        if g != group:
+            continue
+        for n, k in keys.items():
+            if k in loaded:
+                by_name.setdefault(n, {}).setdefault(t, []).append((p, c, loaded[k]))
+    for name, (part, shape) in structure.items():
+        if not name.startswith("body."):
+            continue
+        if name not in by_name:
+            raise CheckpointReadError(f"{path}: no shards of {name} for group {group} "
+                                      f"(does config.yaml match the run?)")
+        shards = [by_name[name][t][0][2] for t in range(T) if t in by_name[name]]
+        if len(shards) != T:
+            raise CheckpointReadError(f"{path}: {name} has {len(shards)} tensor shards, layout says {T}")
+        full = _unshard(shards, part[0], part[1], name).float()
+        if shape is not None and tuple(full.shape) != tuple(shape):
+            raise CheckpointReadError(f"{path}: {name} has shape {tuple(full.shape)}, the config's model "
+                                      f"needs {tuple(shape)} (does config.yaml match the run?)")
+        out[name] = full
+    extra = sorted(n for n in by_name if n.startswith("body.") and n not in structure)
+    if extra:
+        raise CheckpointReadError(f"{path}: body parameter {extra[0]} is not in the config's model "
+                                  f"(does config.yaml match the run?)")
+
+    # ---- the source's vocabulary-owned tensors
+    first, last = (0, 0), (P - 1, V - 1)  # (pipeline rank, chunk) of the input side and the head
+    emb_names = [n for n in structure if n.startswith("embeddings.")]
+    if where == "model":
+        for name in emb_names:
+            side = last if name == "embeddings.output_layer.weight" else first
+            per_tp = by_name.get(name, {})
+            shards = [s[2] for t in range(T) for s in per_tp.get(t, []) if (s[0], s[1]) == side]
+            if len(shards) != T:
+                raise CheckpointReadError(f"{path}: {name} has {len(shards)} tensor shards at pipeline stage "
+                                          f"{side[0]} chunk {side[1]}, layout says {T}")
+            out[name] = _unshard(shards, *structure[name][0], name).float()
+    elif where == "store":
+        for name in emb_names:
+            pp, chunk = last if name == "embeddings.output_layer.weight" else first
+            local = name[len("embeddings."):]
+            shards = []
+            for t in range(T):
+                r = _rank(layout, t, 0, pp, group)
+                sd = hooks0 if r == _rank(layout, 0, 0, 0, group) else _load_hooks(path, r)
+                try:
+                    shards.append(sd["store"][source]["embeddings"][chunk][local])
+                except (KeyError, IndexError, TypeError):
+                    raise CheckpointReadError(f"{path}/hooks_rank{r}.pt holds no {local} of source {source!r} "
+                                              f"(chunk {chunk})") from None
+            out[name] = _unshard(shards, *structure[name][0], name).float()
+    else:  # trim: the global tables
+        table_rank = _rank(layout, 0, 0, 0, group)
+        for name, key, pp in (("embeddings.word_embeddings.weight", "phi", 0),
+                              ("embeddings.output_layer.weight", "phi_head", P - 1),
+                              ("embeddings.position_embeddings.weight", "positions", 0)):
+            if name not in structure:
+                continue
+            r = _rank(layout, 0, 0, pp, group)
+            sd = hooks0 if r == table_rank else _load_hooks(path, r)
+            if key not in sd:
+                raise CheckpointReadError(f"{path}/hooks_rank{r}.pt has no {key!r} (TRIM's global table)")
+            out[name] = sd[key].detach().float().clone()
+    out.origin = (f"step {step}, group {group}" +
+                  {"model": "", "store": f" (source {source!r} from its group's store)",
+                   "trim": " (TRIM: the global table φ)"}[where])
+    return out
+
+
+def _locate(cfg: Config, path: str, layout: dict[str, int], step: int,
+            source: Optional[str]) -> tuple[int, str, dict[str, Any]]:
+    """(group whose body to take, where the embeddings are: model | store | trim, the hook
+    state of that group's first rank or {})."""
+    variant = cfg.dept.variant
+    G = layout["groups"]
+    mid_round = G > 1 and variant != "std" and step % cfg.dept.local_steps != 0
+    if variant in ("std", "glob"):
+        if mid_round:
+            raise CheckpointReadError(f"step {step} is inside a round (dept.local_steps={cfg.dept.local_steps}): "
+                                      f"the {G} groups hold different local models; export a step that is a "
+                                      f"multiple of {cfg.dept.local_steps} (--step)")
+        return 0, "model", {}
+    hooks = {g: _load_hooks(path, _rank(layout, 0, 0, 0, g)) for g in range(G)}
+    installed = [g for g in range(G) if hooks[g].get("installed") == source]
+    stored = [g for g in range(G) if source in (hooks[g].get("store") or {})]
+    if variant == "trim":
+        if mid_round and not installed:
+            raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
+                                      f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")
+        g = installed[0] if installed else 0
+        return g, "trim", hooks[g]
+    if installed:
+        return installed[0], "model", hooks[installed[0]]
+    if stored:
+        if mid_round:
+            raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
+                                      f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")
+        return stored[0], "store", hooks[stored[0]]
+    raise CheckpointReadError(f"source {source!r} has no trained embeddings at step {step} "
+                              f"(no group has trained it yet)")

@@ -1,0 +1,162 @@
+"""Export a run's source models as Hugging Face ``transformers`` model directories.
+
+    python tools/convert_to_hf.py --run-dir RUN [--step S] (--source NAME | --all-sources) --output DIR
+
+One directory per source (``--all-sources``: ``DIR/<source>``) with ``config.json``,
+``model.safetensors`` (fp32), ``generation_config.json``, the source's tokenizer
+(``tokenizer.json`` + ``tokenizer_config.json``; the SentencePiece model it came from as
+``sentencepiece.model``) and ``dept_export.json`` (what was exported from where). Load it with
+``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``.
+
+What a source's model is, per variant: std / glob — the one model of the run (global
+tokenizer); spec — the source's own embeddings + the body (global tokenizer); spec_opt — the
+source's own embeddings + the body (the source's tokenizer); trim — the global table φ + the
+body with the global tokenizer, and ``generation_config.suppress_tokens`` = the ids outside the
+source's vocabulary V_k (computed from its data, ``data.sources[i].prefix``), so that sampling
+uses V_k as training and evaluation did (the logits of the ids in V_k are the model's). The
+body is the synchronised body of a round boundary (see ``checkpoint_reader``).
+
+Errors (bad run directory, a configuration no architecture expresses — naming the config key —,
+a missing tokenizer) are one ``error: ...`` line and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Callable, Optional, Sequence
+
+from ..config import Config, ConfigError, load_config
+from .checkpoint_reader import CheckpointReadError, read_full_weights
+from .hf_mapping import ExportError, architecture_for, build_model, to_hf
+from .hf_tokenizer import TokenizerExportError, save_hf_tokenizer
+
+MARKER = "dept_export.json"
+
+
+def tokenizer_path(cfg: Config, source: str) -> str:
+    """The SentencePiece model of ``source``'s vocabulary (spec_opt: its own, else the global one)."""
+    for i, s in enumerate(cfg.data.sources):
+        if s.name == source and cfg.dept.variant == "spec_opt":
+            if not s.tokenizer:
+                raise ExportError(f"config key 'data.sources[{i}].tokenizer': source {source!r} has no tokenizer")
+            path, key = s.tokenizer, f"data.sources[{i}].tokenizer"
+            break
+    else:
+        if not cfg.data.tokenizer:
+            raise ExportError("config key 'data.tokenizer': the run has no tokenizer to export with the model")
+        path, key = cfg.data.tokenizer, "data.tokenizer"
+    if not os.path.exists(path):
+        raise ExportError(f"config key '{key}': tokenizer {path!r} does not exist (run the export from the "
+                          f"directory the run was started in)")
+    return path
+
+
+def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
+    """TRIM's V_k of ``source`` (the token ids that occur in its data), as training used it."""
+    from ..data.sources import vocab_set
+    for i, s in enumerate(cfg.data.sources):
+        if s.name == source:
+            if not os.path.exists(s.prefix + ".bin"):
+                raise ExportError(f"config key 'data.sources[{i}].prefix': {s.prefix}.bin does not exist (TRIM's "
+                                  f"vocabulary set V_k of {source!r} is computed from the source's data)")
+            return [int(x) for x in vocab_set(s.prefix, cfg.data.cache_dir)]
+    raise ExportError(f"no source named {source!r} in data.sources")
+
+
+def _replace_dir(tmp: str, output: str) -> None:
+    if os.path.exists(output):
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+
+
+def _check_output(output: str) -> None:
+    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
+        raise ExportError(f"--output {output} exists and is not an earlier export (no {MARKER}); "
+                          f"choose a new directory")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ExportError(f"--output {output} exists and is not a directory")
+
+
+def export_source(run_dir: str, source: str, output: str, step: Optional[int] = None,
+                  cfg: Optional[Config] = None, log: Callable[[str], None] = print) -> dict:
+    """Export ``source``'s model of ``run_dir`` at ``step`` (default latest) to ``output``;
+    returns the contents of ``dept_export.json``."""
+    if cfg is None:
+        cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    names = [s.name for s in cfg.data.sources]
+    if source not in names:
+        raise ExportError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
+    arch = architecture_for(cfg.model)  # refuse before reading anything
+    _check_output(output)
+    tok_path = tokenizer_path(cfg, source)
+    weights = read_full_weights(run_dir, step, source, cfg)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    tmp = f"{output.rstrip(os.sep)}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        special = save_hf_tokenizer(tok_path, tmp)
+        from ..data.tokenizer import load_tokenizer
+        vocab = load_tokenizer(tok_path).vocab_size
+        ids = {"bos_token_id": special["bos_token_id"], "eos_token_id": special["eos_token_id"],
+               "pad_token_id": special["pad_token_id"] if special["pad_token_id"] is not None
+               else special["eos_token_id"]}
+        exp = to_hf(cfg, weights, vocab, ids)
+        model = build_model(exp)
+        info = {"run_dir": os.path.abspath(run_dir), "step": weights.step, "source": source,
+                "variant": cfg.dept.variant, "architecture": arch, "from": weights.origin,
+                "tokenizer": os.path.abspath(tok_path), "vocab_size": vocab,
+                "parameters": int(sum(p.numel() for p in model.parameters()))}
+        if cfg.dept.variant == "trim":
+            keep = set(trim_vocab_ids(cfg, source))
+            if keep and max(keep) >= vocab:
+                raise ExportError(f"TRIM vocabulary of {source!r} holds id {max(keep)}, outside the "
+                                  f"tokenizer's {vocab} pieces")
+            model.generation_config.suppress_tokens = [i for i in range(vocab) if i not in keep]
+            info["trim_vocab_size"] = len(keep)
+        model.save_pretrained(tmp)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+        _replace_dir(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"exported {source!r} ({info['from']}) as {arch} ({info['parameters']:,} parameters, vocabulary "
+        f"{vocab}) to {output}")
+    return info
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/convert_to_hf.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--source", help="the source whose model to export")
+    which.add_argument("--all-sources", action="store_true", help="every source, to OUTPUT/<source>")
+    ap.add_argument("--output", required=True, help="the model directory to write")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
+        if args.all_sources:
+            names = [s.name for s in cfg.data.sources]
+            if not names:
+                raise ExportError("the run's data.sources is empty: no source to export")
+            for k, name in enumerate(names):
+                try:
+                    export_source(args.run_dir, name, os.path.join(args.output, name), args.step, cfg)
+                except Exception:
+                    print(f"exported {k} of {len(names)} sources before {name!r} failed", file=sys.stderr)
+                    raise
+        else:
+            export_source(args.run_dir, args.source, args.output, args.step, cfg)
+    except (ExportError, CheckpointReadError, TokenizerExportError, ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"error: exporting needs transformers, tokenizers and protobuf "
+              f"(pip install -e '.[hf]'): {exc}", file=sys.stderr)
+        return 2
+    return 0

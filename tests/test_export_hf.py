@@ -1,0 +1,280 @@
+"""tools/convert_to_hf.py: a source's model as a Hugging Face ``transformers`` directory.
+
+Runs are trained on the sample corpus with the real training session (tiny models, a few
+steps); "our logits" are computed by the training processes themselves (the source's
+embeddings installed as evaluation installs them, tensor shards gathered, pipeline stages
+chained), the exported model is loaded with ``AutoModelForCausalLM`` and must give the same
+logits (fp32, within 1e-4) on the same tokens; ``generate`` must run; the exported tokenizer
+must encode and decode as ours."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.export_utils import (config_overrides, hf_logits, max_abs_diff, source_text,
+                                train_and_reference)
+from tests.mp_utils import run_distributed
+from tests.trainer_utils import ROOT, ensure_sample_corpus
+
+TOL = 1e-4
+MPT_MODEL = {"position_embedding": "alibi", "normalization": "layernorm", "activation": "gelu",
+             "num_attention_heads": 6, "num_query_groups": 6, "hidden_size": 48, "ffn_hidden_size": 192}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    ensure_sample_corpus()
+
+
+def _sources(*names: str, own: bool = False) -> str:
+    kind = "own" if own else "global"
+    items = []
+    for n in names:
+        item = {"name": n, "prefix": f"examples/data/build/{n}_{kind}_text_document"}
+        if own:
+            item["tokenizer"] = f"examples/data/build/tok/{n}.model"
+        items.append(item)
+    return json.dumps(items)
+
+
+def _one(results):
+    refs = [r for r in results if r is not None]
+    assert len(refs) == 1
+    return refs[0]
+
+
+def _check_model(out_dir: str, tokens: torch.Tensor, ours: torch.Tensor, vocab_ids=None) -> float:
+    """Exported logits vs ours (``vocab_ids``: TRIM's V_k, whose compact logits ours are)."""
+    hf = hf_logits(out_dir, tokens)
+    if vocab_ids is None:
+        V = hf.shape[-1]
+        assert ours.shape[-1] >= V and torch.isinf(ours[..., V:]).all()  # the rest is padding
+        diff = max_abs_diff(hf, ours[..., :V])
+    else:
+        diff = max_abs_diff(hf[..., vocab_ids], ours[..., :len(vocab_ids)])
+    assert diff <= TOL, f"{out_dir}: exported logits differ from ours by {diff}"
+    return diff
+
+
+def _generate(out_dir: str, text: str, n: int = 4) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    enc = tok(text, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    assert out.shape == (1, enc["input_ids"].shape[1] + n)
+    assert isinstance(tok.decode(out[0], skip_special_tokens=True), str)
+    return out[0, enc["input_ids"].shape[1]:]
+
+
+def _zero_norm_biases(session):
+    """Stand-in for a model without LayerNorm biases (what MPT expresses): biases at zero and
+    kept there (zero gradients: AdamW then leaves a zero parameter at zero)."""
+    for st in session.trainer.stages:
+        for name, p in st.named_parameters():
+            if name.endswith("norm.bias"):
+                with torch.no_grad():
+                    p.zero_()
+                p.register_hook(torch.zeros_like)
+
+
+# ----------------------------------------------------------------------------- mappings
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_llama_tp2_pp2_checkpoint_exports_with_our_logits(corpus, tmp_path, monkeypatch):
+    """rope + rmsnorm + swiglu + GQA with biases, tied head, trained with tensor 2 × pipeline 2:
+    the command line (a subprocess) writes a Llama directory with our logits."""
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = config_overrides(run, {"bias": True}, **{"parallel.tensor": 2, "parallel.pipeline": 2})
+    refs = _one(run_distributed(train_and_reference, 4, args=("examples/tiny/std.yaml", over), timeout=240))
+    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--run-dir", run, "--source", "en",
+                           "--output", out], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    info = json.load(open(os.path.join(out, "dept_export.json")))
+    assert info["architecture"] == "llama" and info["step"] == 4
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert (cfg["model_type"], cfg["num_key_value_heads"], cfg["attention_bias"], cfg["mlp_bias"],
+            cfg["tie_word_embeddings"]) == ("llama", 2, True, True, True)
+    tokens, ours = refs["en"]
+    _check_model(out, tokens, ours)
+    _generate(out, source_text("en")[:80])
+
+
+def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_path, monkeypatch, capsys):
+    """alibi + layernorm + gelu → MPT, with 6 heads (ALiBi slopes of a head count that is not a
+    power of two), tied head. Trained LayerNorm biases (which MPT lacks) are refused, naming
+    the key; with the biases held at zero the export is exact."""
+    from dept_mega.export.convert import main
+    monkeypatch.chdir(ROOT)
+    run_a, run_b = str(tmp_path / "a"), str(tmp_path / "b")
+    train_and_reference(0, 1, "examples/tiny/std.yaml", config_overrides(run_a, MPT_MODEL))
+    capsys.readouterr()
+    assert main(["--run-dir", run_a, "--source", "fr", "--output", str(tmp_path / "hf_a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: config key 'model.normalization'"), err
+    assert not os.path.exists(tmp_path / "hf_a")
+    refs = train_and_reference(0, 1, "examples/tiny/std.yaml", config_overrides(run_b, MPT_MODEL),
+                               prepare=_zero_norm_biases)
+    out = str(tmp_path / "hf_b")
+    assert main(["--run-dir", run_b, "--source", "fr", "--output", out]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "mpt"
+    tokens, ours = refs["fr"]
+    _check_model(out, tokens, ours)
+    _generate(out, source_text("fr")[:80])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_spec_opt_all_sources_export_own_embeddings_and_tokenizers(corpus, tmp_path, monkeypatch):
+    """SPEC-OPT, 3 sources on 2 groups (a source not trained in the last round comes from its
+    group's store): --all-sources writes one directory per source with that source's
+    embeddings and its own tokenizer; each gives our logits for that source."""
+    from transformers import AutoTokenizer
+
+    from dept_mega.data.tokenizer import load_tokenizer
+    from dept_mega.export.convert import main
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = config_overrides(run, None, **{"train.steps": 6}) + [f"data.sources={_sources('en', 'fr', 'ru', own=True)}"]
+    refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/spec_opt.yaml", over), timeout=240))
+    assert main(["--run-dir", run, "--all-sources", "--output", out]) == 0
+    origins = []
+    for name in ("en", "fr", "ru"):
+        d = os.path.join(out, name)
+        info = json.load(open(os.path.join(d, "dept_export.json")))
+        own = load_tokenizer(f"examples/data/build/tok/{name}.model")
+        assert info["source"] == name and info["vocab_size"] == own.vocab_size
+        origins.append(info["from"])
+        tokens, ours = refs[name]
+        _check_model(d, tokens, ours)
+        text = source_text(name, 1)
+        hf_tok = AutoTokenizer.from_pretrained(d)
+        assert hf_tok.encode(text, add_special_tokens=False) == own.encode(text)
+    assert any("store" in o for o in origins), origins  # the per-rank store path was exercised
+    _generate(os.path.join(out, "ru"), source_text("ru")[:80])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trim_export_uses_global_table_and_restricts_generation_to_v_k(corpus, tmp_path, monkeypatch):
+    """TRIM, 2 sources on 2 groups, untied head: the export is the body + the global tables φ
+    (global tokenizer); the logits of the source's V_k equal ours (its compact table), and
+    generation_config suppresses every id outside V_k."""
+    from dept_mega.data.sources import vocab_set
+    from dept_mega.export.convert import main
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = config_overrides(run, {"tie_embeddings": False}) + [f"data.sources={_sources('en', 'ja')}"]
+    refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/trim.yaml", over), timeout=240))
+    assert main(["--run-dir", run, "--all-sources", "--output", out]) == 0
+    for name in ("en", "ja"):
+        d = os.path.join(out, name)
+        ids = vocab_set(f"examples/data/build/{name}_global_text_document").tolist()
+        gen = json.load(open(os.path.join(d, "generation_config.json")))
+        assert sorted(gen["suppress_tokens"]) == sorted(set(range(8000)) - set(ids))
+        tokens, ours = refs[name]
+        _check_model(d, tokens, ours, vocab_ids=ids)
+    new = _generate(os.path.join(out, "ja"), source_text("ja")[:80], n=6)
+    assert set(new.tolist()) <= set(vocab_set("examples/data/build/ja_global_text_document").tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_glob_exports_round_boundaries_and_refuses_a_step_inside_a_round(corpus, tmp_path, monkeypatch, capsys):
+    """GLOB on 2 groups, checkpoints every step: a step inside a round holds two different local
+    models (refused, naming --step); the last step (a round boundary) exports our model."""
+    from dept_mega.export.convert import main
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = config_overrides(run, {"tie_embeddings": False}, **{"train.save_interval": 1}) + \
+        [f"data.sources={_sources('fr', 'code')}"]
+    refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/glob.yaml", over), timeout=240))
+    capsys.readouterr()
+    assert main(["--run-dir", run, "--step", "3", "--source", "fr", "--output", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "inside a round" in err and "--step" in err, err
+    assert main(["--run-dir", run, "--step", "2", "--source", "code", "--output", out]) == 0
+    assert main(["--run-dir", run, "--source", "code", "--output", out]) == 0  # replaces the earlier export
+    assert json.load(open(os.path.join(out, "dept_export.json")))["step"] == 4
+    tokens, ours = refs["code"]
+    _check_model(out, tokens, ours)
+
+
+# ----------------------------------------------------------------------------- refusals, errors
+
+
+@pytest.mark.parametrize("model,key", [
+    ({"position_embedding": "learned"}, "model.position_embedding"),
+    ({"normalization": "layernorm"}, "model.normalization"),
+    ({"activation": "gelu"}, "model.activation"),
+    (dict(MPT_MODEL, normalization="rmsnorm"), "model.normalization"),
+    (dict(MPT_MODEL, activation="swiglu"), "model.activation"),
+    (dict(MPT_MODEL, bias=True), "model.bias"),
+    (dict(MPT_MODEL, num_query_groups=3), "model.num_query_groups"),
+    (dict(MPT_MODEL, ffn_hidden_size=96), "model.ffn_hidden_size"),
+])
+def test_configurations_no_architecture_expresses_are_refused_naming_the_key(tmp_path, capsys, model, key):
+    from dept_mega.config import load_config, save_config
+    from dept_mega.export.convert import main
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    save_config(load_config(os.path.join(ROOT, "examples/tiny/std.yaml"), config_overrides(run, model)),
+                os.path.join(run, "config.yaml"))
+    assert main(["--run-dir", run, "--source", "en", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: config key '{key}'"), err
+
+
+def test_bad_run_directory_and_source_are_one_line_errors(tmp_path, capsys):
+    from dept_mega.config import load_config, save_config
+    from dept_mega.export.convert import main
+    run = str(tmp_path / "run")
+    assert main(["--run-dir", run, "--source", "en", "--output", str(tmp_path / "o")]) == 2
+    assert "config.yaml" in capsys.readouterr().err
+    os.makedirs(run)
+    save_config(load_config(os.path.join(ROOT, "examples/tiny/std.yaml"), config_overrides(run)),
+                os.path.join(run, "config.yaml"))
+    assert main(["--run-dir", run, "--source", "en", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "latest" in err, err
+    assert main(["--run-dir", run, "--source", "xx", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'xx'" in err, err
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("model", ["global", "en", "fr", "ja", "ru", "code"])
+def test_tokenizer_encodes_and_decodes_like_ours(corpus, tmp_path, model):
+    """On the sample corpus's documents (every language) the exported tokenizer decodes as
+    ours and encodes to the same ids, except where two segmentations have exactly the same
+    pieces in another order (a tie, e.g. inside a run of '-'): SentencePiece and tokenizers
+    break such ties differently; both segmentations have the same probability."""
+    from transformers import AutoTokenizer
+
+    from dept_mega.data.tokenizer import load_tokenizer
+    from dept_mega.export.hf_tokenizer import save_hf_tokenizer
+    path = os.path.join(ROOT, "examples", "data", "build", "tok", f"{model}.model")
+    save_hf_tokenizer(path, str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(path)
+    texts = [source_text(s, i) for s in ("en", "fr", "ja", "ru", "code") for i in range(12)]
+    texts += ["", "  hello \t  world \n", "ﬁ Ｆｕｌｌ　ｗｉｄｔｈ 🙂 𝔘𝔫𝔦", "a\u00a0b\u200bc"]
+    ties = 0
+    for text in texts:
+        a, b = ours.encode(text), hf.encode(text, add_special_tokens=False)
+        if a != b:
+            assert sorted(a) == sorted(b), f"{model}: {text[:60]!r} encodes differently"
+            ties += 1
+        assert hf.decode(a) == ours.decode(a)
+    assert ties <= len(texts) // 10, ties
+    assert hf.convert_tokens_to_ids(hf.eos_token) == ours.eos_id
