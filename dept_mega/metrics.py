@@ -222,7 +222,7 @@ class ThroughputMeter:
         self.start()
 
     def start(self) -> None:
-        self.t0 = self.clock()
+        self.t0 = self._now()
         self.tokens = 0
         self.flops = 0.0
         self.excluded = 0.0
@@ -237,20 +237,27 @@ class ThroughputMeter:
         if vocab_size:
             self.flops += tokens * self.flops_per_token(vocab_size)
 
+    def _now(self) -> float:
+        """The clock once the device has finished the work queued so far (CUDA is asynchronous)."""
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
     @contextmanager
     def paused(self) -> Iterator[None]:
-        t = self.clock()
+        t = self._now()
         try:
             yield
         finally:
-            self.excluded += self.clock() - t
+            self.excluded += self._now() - t
 
     def window(self) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
         from .parallel.comm import bookkeeping_device
-        seconds = max(self.clock() - self.t0 - self.excluded, 1e-9)
+        seconds = max(self._now() - self.t0 - self.excluded, 1e-9)
         pg = self.pg
         tokens, flops = float(self.tokens), self.flops
         distributed = dist.is_available() and dist.is_initialized() and pg.world_size > 1
