@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(rec, f, indent=1)
-        print(json.dumps(rec))
+        print(json.dumps({k: v for k, v in rec.items() if k != "config"}))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
