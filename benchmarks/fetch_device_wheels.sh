@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Download the wheels the GPU machine lacks into .whl/ (ignored by git through
-# .git/info/exclude), for the device tool to carry: run() with carry=[".whl"].
+# Download the wheels the GPU machine lacks into .whl/ (ignored by git: .gitignore), for the
+# device tool to carry: run() with carry=[".whl"].
 # The machine runs Python 3.12 on x86-64 with torch 2.11 and no network (see docs/performance.md).
 #
 #   bash benchmarks/fetch_device_wheels.sh [NAME==VERSION ...]     # default: megatron-core==0.16.1
@@ -14,8 +14,6 @@ PY=${PYTHON:-python3}
 pkgs=("$@")
 [ ${#pkgs[@]} -eq 0 ] && pkgs=("megatron-core==0.16.1")
 mkdir -p .whl
-exclude="$(git rev-parse --git-common-dir)/info/exclude"
-grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 for p in "${pkgs[@]}"; do
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
