@@ -115,6 +115,16 @@ class OptimConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``train.profile``: a torch.profiler trace of the inner steps after ``start`` and up to
+    ``stop`` (inner steps done, as in metrics records) on the global ``ranks``, written to
+    ``RUN/profile/``."""
+    start: int = 0
+    stop: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
 class TrainConfig:
     steps: int = 7000
     micro_batch_size: int = 4
@@ -125,6 +135,7 @@ class TrainConfig:
     eval_interval: int = 500
     eval_iters: int = 20
     save_interval: int = 500
+    profile: Optional[ProfileConfig] = None
 
 
 @dataclass
@@ -225,6 +236,15 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _unwrap_optional(tp: Any) -> Any:
+    """``Optional[X]`` -> ``X`` (so dotted overrides reach into optional sections)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1:
+            return inner[0]
+    return tp
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """Set ``tree[a][b][c] = value`` for ``dotted = 'a.b.c'``; list items by index."""
     parts = dotted.split(".")
@@ -247,7 +267,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if i == len(parts) - 1:
             node[part] = value
             return
-        tp = hints[part]
+        tp = _unwrap_optional(hints[part])
         if typing.get_origin(tp) is list:
             node.setdefault(part, [])
             cls = typing.get_args(tp)[0]
@@ -390,6 +410,14 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
     if cfg.fp8 is not None and cfg.precision != "bf16":
         raise ConfigError(f"config key 'fp8': {cfg.fp8!r} needs precision: bf16, got {cfg.precision!r}")
+    if t.profile is not None:
+        prof = t.profile
+        if prof.start < 0 or prof.stop <= prof.start:
+            raise ConfigError(f"config key 'train.profile': needs 0 <= start < stop, got start={prof.start} "
+                              f"stop={prof.stop}")
+        if not prof.ranks or any(r < 0 for r in prof.ranks) or len(set(prof.ranks)) != len(prof.ranks):
+            raise ConfigError(f"config key 'train.profile.ranks': a non-empty list of distinct ranks >= 0, "
+                              f"got {prof.ranks!r}")
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")
@@ -403,6 +431,10 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         raise ConfigError(f"config key 'parallel': world size {world_size} is not divisible by "
                           f"tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} = {per_group}")
     groups = world_size // per_group
+    prof = cfg.train.profile
+    if prof is not None and max(prof.ranks) >= world_size:
+        raise ConfigError(f"config key 'train.profile.ranks': rank {max(prof.ranks)} does not exist in a world "
+                          f"of {world_size}")
     variant = cfg.dept.variant
     k = len(cfg.data.sources)
     if variant == "std" and groups != 1:

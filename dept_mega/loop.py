@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .metrics import MetricsWriter, human_line
+from .metrics import MetricsWriter, ThroughputMeter, human_line
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
 
@@ -115,13 +115,32 @@ class TrainLoop:
         return step // self.local_steps
 
     # -- the loop ------------------------------------------------------------------------
+    def vocab_in_use(self) -> Optional[int]:
+        """The vocabulary of this rank's installed embeddings when it embeds (first pipeline
+        stage), for the FLOPs of the throughput record; None elsewhere."""
+        stages = getattr(self.trainer, "stages", None)
+        if not stages:
+            return None
+        st = stages[0]
+        emb = getattr(st, "embeddings", None)
+        return emb.vocab_size if getattr(st, "is_first", False) and emb is not None else None
+
     def run(self) -> None:
+        from .profiling import StepProfiler
+        profiler = StepProfiler(self.cfg.train.profile, self.cfg.train.run_dir, self.pg.rank, self.trainer.device,
+                                log=lambda m: print(m, flush=True))
+        try:
+            self._run(profiler)
+        finally:
+            profiler.close(self.trainer.step)
+
+    def _run(self, profiler) -> None:
         cfg, tr = self.cfg, self.trainer
         total = cfg.train.steps
         L = self.local_steps
         log_every = cfg.train.log_interval
         t_start = time.time()
-        t_last, tokens_since = t_start, 0
+        meter = ThroughputMeter(cfg.model, self.pg, tr.device)
         step_start = tr.step
         evaluated_at = -1
         while tr.step < total:
@@ -132,20 +151,22 @@ class TrainLoop:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
                                        f"{self.pg.group_index}: {self.assignment}")
             source = self.assignment[self.pg.group_index]
+            profiler.before_step(tr.step)
             res = tr.train_step(self.iterator(source).next_step())
+            profiler.after_step(tr.step)
             self.last_result = res
-            tokens_since += res.tokens * self.pg.num_groups
+            meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
             if step % log_every == 0 or step == total:
                 rec = self._train_record(res, source)
+                rec.update(meter.window())
                 now = time.time()
                 self.writer.write("train", step, self.round_of(step - 1), **rec)
-                tps = tokens_since / max(now - t_last, 1e-9)
                 elapsed = now - t_start
                 eta_rate = elapsed / max(step - step_start, 1)
-                self.writer.log(human_line(step, total, rec["loss"], rec["lr"], tps, elapsed,
-                                           eta_rate * (total - step), tr.nonfinite_total))
-                t_last, tokens_since = now, 0
+                self.writer.log(human_line(step, total, rec["loss"], rec["lr"], rec["tokens_per_s"], elapsed,
+                                           eta_rate * (total - step), tr.nonfinite_total,
+                                           rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb")))
             if step % L == 0 or step == total:
                 t0 = time.time()
                 outer = self.hooks.round_end(self, self.round_of(step - 1))
@@ -153,11 +174,13 @@ class TrainLoop:
                     outer.setdefault("seconds", time.time() - t0)
                     self.writer.write("outer", step, self.round_of(step - 1), **outer)
             if cfg.train.eval_interval and step % cfg.train.eval_interval == 0 and step < total:
-                self.evaluate()
+                with meter.paused():  # evaluation and checkpoints are not training throughput
+                    self.evaluate()
                 evaluated_at = step
             if self.checkpointer is not None and cfg.train.save_interval and step % cfg.train.save_interval == 0 \
                     and step < total:
-                self.checkpointer.save(self)
+                with meter.paused():
+                    self.checkpointer.save(self)
         if self.eval_sources and evaluated_at != tr.step:
             self.evaluate()
         if self.checkpointer is not None:

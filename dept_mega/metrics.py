@@ -4,6 +4,13 @@ TensorBoard events when ``tensorboard`` is installed.
 Only global rank 0 writes (``enabled``); other ranks get a writer whose calls do nothing.
 Every record has ``kind``, ``step`` (inner steps done), ``round`` and ``time`` (unix
 seconds), then the kind's fields; one JSON object per line, flushed per line.
+
+Throughput (design.md §8, like Megatron's log line): :class:`ThroughputMeter` gives every
+``train`` record ``tokens_per_s`` (all groups, over the logging window), ``tflops_per_device``
+(§8 FLOPs × tokens/s ÷ world size; null on CPU, where §8 asks for tokens/s only), ``mfu``
+(over the device's dense bf16 peak, :func:`peak_bf16_flops`; null on CPU and on GPUs whose
+peak we do not know) and, on CUDA, ``mem_allocated_gb`` / ``mem_peak_gb`` (the maximum over
+all ranks of ``torch.cuda.memory_allocated`` / ``max_memory_allocated``, 1 GB = 1e9 bytes).
 """
 from __future__ import annotations
 
@@ -12,11 +19,13 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 KINDS = ("train", "eval", "outer", "bench")
 REQUIRED = {
-    "train": ("loss", "lr", "grad_norm", "tokens", "sources", "loss_by_source"),
+    "train": ("loss", "lr", "grad_norm", "tokens", "sources", "loss_by_source", "tokens_per_s",
+              "tflops_per_device", "mfu"),
     "eval": ("by_source",),
     "outer": ("bytes", "seconds"),
     "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_ms",
@@ -101,7 +110,7 @@ class MetricsWriter:
     def _tensorboard(self, rec: dict[str, Any]) -> None:
         kind, step = rec["kind"], rec["step"]
         if kind == "train":
-            for key in ("loss", "lr", "grad_norm"):
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
                 if rec.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", rec[key], step)
             for src, loss in rec["loss_by_source"].items():
@@ -135,10 +144,20 @@ def format_seconds(s: float) -> str:
 
 
 def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed: float,
-               eta: float, skipped: int = 0) -> str:
-    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | 12,345 tok/s | elapsed 0:01:02 | eta 0:04:08``"""
+               eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
+               mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None) -> str:
+    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | 12,345 tok/s | 402.1 TFLOP/s/device |
+    MFU 40.7% | mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the TFLOP/s, MFU and
+    memory parts only where known)."""
     extra = f" | skipped {skipped}" if skipped else ""
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s | "
+    perf = ""
+    if tflops_per_device is not None:
+        perf += f" | {tflops_per_device:.1f} TFLOP/s/device"
+    if mfu is not None:
+        perf += f" | MFU {100 * mfu:.1f}%"
+    if mem_peak_gb is not None:
+        perf += f" | mem peak {mem_peak_gb:.1f} GB"
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
 
 
@@ -152,6 +171,120 @@ def train_flops_per_token(model, vocab_size: int) -> float:
     mlp = 6 * h * model.ffn_size * (3 if model.activation == "swiglu" else 2)
     per_layer = 6 * h * (q + 2 * kv + q) + mlp + 6 * q * model.seq_length
     return float(model.num_layers * per_layer + 6 * h * vocab_size)
+
+
+# Dense bf16 peak FLOP/s by device name (design.md §8). The H100 SXM part is named
+# "NVIDIA H100 80GB HBM3"; the PCIe and NVL parts have other peaks and are not listed.
+PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200": 989e12}
+
+
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak of a CUDA device from its name, or None when we do not know it."""
+    name = device_name.upper()
+    if "H200" in name:
+        return PEAK_BF16_FLOPS["H200"]
+    if "H100" in name and "PCIE" not in name and "NVL" not in name:
+        return PEAK_BF16_FLOPS["H100 SXM"]
+    return None
+
+
+def device_peak_flops(device) -> Optional[float]:
+    """:func:`peak_bf16_flops` of a torch device (None on CPU)."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+class ThroughputMeter:
+    """Tokens, FLOPs and time of one logging window (see the module docstring).
+
+    Every rank calls :meth:`add_step` after each step with its group's tokens and the
+    vocabulary its embeddings use (None where the rank has none); :meth:`window` — on every
+    rank at the same step, it reduces over the groups and ranks — returns the record fields and
+    starts the next window. Time spent inside :meth:`paused` (evaluation, checkpoints) is not
+    counted. FLOPs per token follow §8 with the vocabulary of each group's embeddings (SPEC-OPT
+    groups have different ones; TRIM's softmax runs over V_k).
+    """
+
+    def __init__(self, model_cfg, pg, device, *, report_flops: Optional[bool] = None,
+                 peak_flops: Optional[float] = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        import torch
+        self.model = model_cfg
+        self.pg = pg
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.report_flops = cuda if report_flops is None else report_flops
+        self.peak = peak_flops if peak_flops is not None else device_peak_flops(self.device)
+        self.clock = clock
+        self._per_token: dict[int, float] = {}
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = self._now()
+        self.tokens = 0
+        self.flops = 0.0
+        self.excluded = 0.0
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        if vocab_size not in self._per_token:
+            self._per_token[vocab_size] = train_flops_per_token(self.model, vocab_size)
+        return self._per_token[vocab_size]
+
+    def add_step(self, tokens: int, vocab_size: Optional[int]) -> None:
+        self.tokens += int(tokens)
+        if vocab_size:
+            self.flops += tokens * self.flops_per_token(vocab_size)
+
+    def _now(self) -> float:
+        """The clock once the device has finished the work queued so far (CUDA is asynchronous)."""
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        t = self._now()
+        try:
+            yield
+        finally:
+            self.excluded += self._now() - t
+
+    def window(self) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        from .parallel.comm import bookkeeping_device
+        seconds = max(self._now() - self.t0 - self.excluded, 1e-9)
+        pg = self.pg
+        tokens, flops = float(self.tokens), self.flops
+        distributed = dist.is_available() and dist.is_initialized() and pg.world_size > 1
+        if pg.num_groups > 1 and distributed:
+            # one slot pair per group, filled by the group's first rank (bookkeeping, not counted)
+            v = torch.zeros(2 * pg.num_groups, dtype=torch.float64, device=bookkeeping_device())
+            g = pg.group_index
+            if pg.rank == pg.rank_of(0, 0, 0, g):
+                v[2 * g] = tokens
+                v[2 * g + 1] = flops
+            dist.all_reduce(v)
+            tokens, flops = float(v[0::2].sum()), float(v[1::2].sum())
+        out: dict[str, Any] = {"tokens_per_s": tokens / seconds, "tflops_per_device": None, "mfu": None}
+        if self.report_flops and flops > 0:
+            tflops = flops / seconds / pg.world_size / 1e12
+            out["tflops_per_device"] = tflops
+            if self.peak:
+                out["mfu"] = tflops * 1e12 / self.peak
+        if self.device.type == "cuda":
+            mem = torch.tensor([torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)],
+                               dtype=torch.float64, device=self.device)
+            if distributed:
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            out["mem_allocated_gb"] = float(mem[0]) / 1e9
+            out["mem_peak_gb"] = float(mem[1]) / 1e9
+        self.start()
+        return out
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

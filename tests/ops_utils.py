@@ -11,8 +11,8 @@ from dept_mega.ops import fallback
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs a CUDA device")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ]
 ROW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ID_DTYPES = [torch.int32, torch.int64]

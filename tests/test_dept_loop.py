@@ -12,9 +12,14 @@ from tests.mp_utils import run_distributed
 
 
 def _loop_worker(rank, world, over, run_dir):
+    import functools
+
+    import dept_mega.loop as loop_module
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import EvalStep, TrainLoop
-    from dept_mega.metrics import MetricsWriter
+    from dept_mega.metrics import MetricsWriter, ThroughputMeter
+    # FLOPs are reported on CUDA only; force them (and a peak) to check the reduction over groups
+    loop_module.ThroughputMeter = functools.partial(ThroughputMeter, report_flops=True, peak_flops=1e12)
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
     cfg = tiny_config(over)
@@ -43,21 +48,39 @@ def _loop_worker(rank, world, over, run_dir):
     return {"eval": loop.eval_history}
 
 
+def world_size_of(rec) -> int:
+    return len(rec["sources"])  # one rank per group in this test
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["spec_opt", "trim"])
 def test_loop_records_and_eval_on_every_group(tmp_path, variant):
-    over = {"dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 6, "eval_interval": 4,
-                                                                       "log_interval": 1}}
+    over = {"dept": {"variant": variant, "local_steps": 2},
+            "train": {"steps": 6, "eval_interval": 4, "log_interval": 1, "run_dir": str(tmp_path),
+                      "profile": {"start": 1, "stop": 3, "ranks": [1]}}}
     res = run_distributed(_loop_worker, 2, args=(over, str(tmp_path)), timeout=150)
     recs = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
     train = [r for r in recs if r["kind"] == "train"]
     outer = [r for r in recs if r["kind"] == "outer"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert len(train) == 6 and len(outer) == 3 and len(evals) == 2
+    from dept_mega.metrics import check_record, train_flops_per_token
+    cfg = tiny_config(over)
+    vocab = dict(zip(["s0", "s1", "s2"], (60, 200, 130)))
     for r in train:
+        check_record(r)
         assert set(r["sources"]) == {"0", "1"} and len(set(r["sources"].values())) == 2
         assert set(r["loss_by_source"]) == set(r["sources"].values())
+        assert r["tokens_per_s"] > 0 and "mem_peak_gb" not in r  # CPU: no memory fields
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"])  # peak 1e12 in this test
+        if variant == "spec_opt":  # FLOPs per token of each group's own vocabulary, two equal groups
+            fpt = sum(train_flops_per_token(cfg.model, vocab[s]) for s in r["sources"].values()) / 2
+            assert r["tflops_per_device"] * 1e12 * world_size_of(r) / r["tokens_per_s"] == pytest.approx(fpt)
+    # train.profile: a trace of steps 2-3 on rank 1 only
+    assert os.listdir(tmp_path / "profile") == ["rank1_steps1-3.json"]
+    trace = json.load(open(tmp_path / "profile" / "rank1_steps1-3.json"))
+    assert sum(1 for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")) == 2
     for r in outer:
         assert r["bytes"]["outer_body"] > 0 and r["seconds"] >= 0
         assert (r["bytes"]["outer_embedding"] > 0) == (variant == "trim")

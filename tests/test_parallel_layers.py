@@ -280,3 +280,33 @@ def test_init_full_weights_identical_for_tp_1_2_4():
         assert set(full) == set(ref)
         for k in ref:
             assert torch.equal(full[k], ref[k]), f"{k} differs between TP=1 and TP={world}"
+
+
+def test_cross_entropy_backward_works_in_place_on_its_softmax():
+    """The backward turns the saved fp32 softmax into the gradient in place (no second
+    vocabulary-sized buffer): the gradient reaching the logits is the saved tensor's storage;
+    values equal torch's cross entropy; a second backward is refused, not wrong."""
+    pg = build_groups()
+    logits = (_data(6, 4, 40, seed=11) * 3).requires_grad_(True)
+    labels = torch.randint(0, 40, (6, 4), generator=torch.Generator().manual_seed(12))
+    weights = _data(6, 4, seed=13)
+    saved: list[int] = []
+
+    def pack(t):
+        if t.dim() == 3:
+            saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = vocab_parallel_cross_entropy(logits, labels, pg)
+    seen: list[int] = []
+    logits.register_hook(lambda g: seen.append(g.data_ptr()))
+    (loss * weights).sum().backward(retain_graph=True)
+    assert len(saved) == 1 and seen == saved  # the gradient is the saved softmax's buffer
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits.view(-1, 40), labels.view(-1), reduction="none").view(6, 4)
+    (ref * weights).sum().backward()
+    assert rel_err(loss.detach(), ref.detach()) < TOL
+    assert rel_err(logits.grad, ref_logits.grad) < TOL
+    with pytest.raises(RuntimeError, match="second backward"):
+        (loss * weights).sum().backward()

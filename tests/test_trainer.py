@@ -171,7 +171,7 @@ def test_grad_norm_counts_replicated_and_duplicate_params_once():
 def test_metrics_records(tmp_path):
     w = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
     w.write("train", 3, 0, loss=float("nan"), lr=1e-3, grad_norm=1.0, tokens=10, sources={"0": "blend"},
-            loss_by_source={"en": 2.0})
+            loss_by_source={"en": 2.0}, tokens_per_s=5.0, tflops_per_device=None, mfu=None)
     w.write("eval", 3, 0, by_source={"en": {"loss": 1.0, "ppl": math.e, "bpb": 0.5, "tokens": 4, "bytes": 12}})
     w.write("outer", 4, 1, bytes={"dp": 3}, seconds=0.1)
     w.write("bench", 5, 0, tokens_per_s=1.0, tokens_per_s_per_device=1.0, tflops_per_device=None, mfu=None,
@@ -185,6 +185,8 @@ def test_metrics_records(tmp_path):
     assert recs[0]["loss"] is None  # NaN is not JSON: written as null
     with pytest.raises(ValueError, match="misses"):
         make_record("train", 1, 0, loss=1.0)
+    with pytest.raises(ValueError, match="tokens_per_s"):  # throughput fields are part of the contract
+        make_record("train", 1, 0, loss=1.0, lr=1.0, grad_norm=1.0, tokens=1, sources={}, loss_by_source={})
     with pytest.raises(ValueError, match="unknown"):
         make_record("nope", 1, 0)
     MetricsWriter(str(tmp_path / "other"), enabled=False).write("outer", 1, 0, bytes={}, seconds=0.0)
@@ -213,10 +215,15 @@ def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
     out = tmp_path / "bench.json"
     assert mod.main(["--config", str(cfg_path), "--steps", "2", "--warmup", "1", "--out", str(out),
-                     "parallel.sequence_parallel=false"]) == 0
+                     "parallel.sequence_parallel=false", f"train.run_dir={tmp_path / 'run'}",
+                     "train.profile.start=0", "train.profile.stop=1"]) == 0
     import json
     rec = json.loads(out.read_text())
     check_record(rec)
+    # every key is accepted and recorded; train.profile traced the warm-up step
+    assert rec["config"]["train"]["profile"] == {"start": 0, "stop": 1, "ranks": [0]}
+    assert rec["device_name"] == "cpu" and rec["torch_version"] == torch.__version__
+    assert os.listdir(tmp_path / "run" / "profile") == ["rank0_steps0-1.json"]
     assert rec["kind"] == "bench" and rec["tokens_per_s"] > 0 and rec["step_ms"] > 0
     assert rec["tokens_per_s_per_device"] == rec["tokens_per_s"]  # one device
     assert rec["tflops_per_device"] is None and rec["mfu"] is None  # CPU: tokens/s only (§8)

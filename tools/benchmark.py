@@ -6,15 +6,24 @@
 
 Builds the run's model and trainer in the configured layout and times ``--steps`` training
 steps (after ``--warmup`` untimed ones) on synthetic token batches of the configured shape
-(uniform ids from the model's vocabulary), so data loading is not measured. Writes one
-``kind: "bench"`` record (design.md §6) to BENCH.json: ``tokens_per_s`` (all groups),
-``tokens_per_s_per_device``, ``tflops_per_device`` and ``mfu`` (§8 FLOPs; null on CPU, as §8
-asks for tokens/s only there), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated;
-CPU: the process's peak resident set). Extra keys describe the setup.
+(uniform ids from the model's vocabulary), so data loading is not measured. Every config key
+and dotted override is accepted as for training (precision, fp8, backend, model.*, parallel.*,
+optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kind: "bench"``
+record (design.md §6) to BENCH.json: ``tokens_per_s`` (all groups),
+``tokens_per_s_per_device``, ``tflops_per_device`` (§8 FLOPs; null on CPU, as §8 asks for
+tokens/s only there), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM and H200;
+null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
+steps, max over ranks; CPU: the process's peak resident set). Extra keys describe the setup:
+the device name, torch / CUDA versions, the date and the resolved ``config``.
+
+``train.profile: {start, stop, ranks}`` writes a torch.profiler trace of those steps (warm-up
+steps count: step numbers run from 1 over warm-up then timed steps) to ``train.run_dir``/profile;
+profile warm-up steps (``--warmup`` > stop) to keep the timed steps free of profiler overhead.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import resource
@@ -28,11 +37,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
-from dept_mega.metrics import make_record, train_flops_per_token  # noqa: E402
+from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
+from dept_mega.profiling import StepProfiler  # noqa: E402
 from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
-
-PEAK_BF16_FLOPS = 989e12  # H100 SXM / H200 dense bf16 (design.md §8)
 
 
 def synthetic_step(cfg, vocab: int, pg, step: int) -> list[MicroBatch]:
@@ -72,8 +80,15 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, device, vocab_size=vocab)
     cfg.train.steps = max(cfg.train.steps, args.warmup + args.steps)
-    for s in range(args.warmup):
+    profiler = StepProfiler(cfg.train.profile, cfg.train.run_dir, rank, device)
+
+    def step(s: int) -> None:
+        profiler.before_step(s)
         trainer.train_step(synthetic_step(cfg, vocab, pg, s))
+        profiler.after_step(s + 1)
+
+    for s in range(args.warmup):
+        step(s)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -81,19 +96,21 @@ def main(argv=None) -> int:
         dist.barrier()
     t0 = time.perf_counter()
     for s in range(args.steps):
-        trainer.train_step(synthetic_step(cfg, vocab, pg, args.warmup + s))
+        step(args.warmup + s)
     if device.type == "cuda":
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
     seconds = time.perf_counter() - t0
+    profiler.close(args.warmup + args.steps)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length * pg.num_groups
     tps = tokens_per_step * args.steps / seconds
     flops_tok = train_flops_per_token(cfg.model, vocab)
     if device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9], device=device)
         tflops = flops_tok * tps / world / 1e12
-        mfu = tflops * 1e12 / PEAK_BF16_FLOPS
+        peak = device_peak_flops(device)
+        mfu = tflops * 1e12 / peak if peak else None
     else:
         mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
         tflops = mfu = None
@@ -105,12 +122,15 @@ def main(argv=None) -> int:
                       layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
                               "virtual_pipeline": p.virtual_pipeline, "sequence_parallel": p.sequence_parallel},
                       precision=cfg.precision, tokens_per_step=tokens_per_step, timed_steps=args.steps,
-                      flops_per_token=flops_tok, vocab_size=vocab)
+                      flops_per_token=flops_tok, vocab_size=vocab,
+                      device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      torch_version=torch.__version__, cuda_version=torch.version.cuda,
+                      date=datetime.date.today().isoformat(), config=cfg.to_dict())
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(rec, f, indent=1)
-        print(json.dumps(rec))
+        print(json.dumps({k: v for k, v in rec.items() if k != "config"}))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

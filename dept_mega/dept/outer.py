@@ -124,6 +124,11 @@ class FlatSync:
 
     @torch.no_grad()
     def sync(self) -> None:
+        if self.numel == 0:
+            # e.g. GLOB embeddings on a middle pipeline stage: every member of this rank's outer
+            # and dp groups has the same (empty) share, so nobody communicates. (A collective on
+            # the empty CPU buffer would fail under NCCL, which takes CUDA tensors only.)
+            return
         pg = self.pg
         G = group_size(pg.outer)
         s, e = self.start, self.end

@@ -11,10 +11,12 @@ The body's inner optimizer state is *not* per source: it belongs to the group. M
 a source would send the body's two Adam moments (2× the body) on every move, which is more
 than the outer synchronisation itself; a group keeps adapting one body optimizer.
 
-Wire format of a move (three non-blocking phases, so that a rank may send and receive in the
-same round without a deadlock): a one-element int64 header with the length of the metadata,
-the pickled metadata as uint8 (structure, shapes, dtypes, optimizer hyper-parameters), then
-every tensor in its own dtype.
+Wire format of a move (three phases): a one-element int64 header with the length of the
+metadata, the pickled metadata as uint8 (structure, shapes, dtypes, optimizer
+hyper-parameters), then every tensor in its own dtype. Each phase posts all of this rank's
+sends and receives as ONE batch (``pg.comm.batch_isend_irecv``): two groups that swap sources
+send to and receive from each other, and NCCL completes a large send only once the peer has
+posted its receive — sends and receives issued one by one would deadlock there.
 """
 from __future__ import annotations
 
@@ -141,39 +143,38 @@ def exchange(pg, transfers: Sequence[Transfer], device: torch.device, category: 
         raw = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(device)
         packed[id(t)] = (raw, tensors)
     # phase 1: metadata lengths
-    works, headers = [], {}
+    ops, headers = [], {}
     for t in sends:
         raw = packed[id(t)][0]
-        works.append(comm.isend(torch.tensor([raw.numel()], dtype=torch.int64, device=device), t.peer,
-                                category=category))
+        ops.append((True, torch.tensor([raw.numel()], dtype=torch.int64, device=device), t.peer))
     for t in recvs:
         headers[id(t)] = torch.zeros(1, dtype=torch.int64, device=device)
-        works.append(comm.irecv(headers[id(t)], t.peer))
-    _wait(works)
+        ops.append((False, headers[id(t)], t.peer))
+    _wait(comm.batch_isend_irecv(ops, None, category))
     # phase 2: metadata
-    works, metas = [], {}
+    ops, metas = [], {}
     for t in sends:
-        works.append(comm.isend(packed[id(t)][0], t.peer, category=category))
+        ops.append((True, packed[id(t)][0], t.peer))
     for t in recvs:
         metas[id(t)] = torch.empty(int(headers[id(t)].item()), dtype=torch.uint8, device=device)
-        works.append(comm.irecv(metas[id(t)], t.peer))
-    _wait(works)
+        ops.append((False, metas[id(t)], t.peer))
+    _wait(comm.batch_isend_irecv(ops, None, category))
     # phase 3: tensors, each in its own dtype
-    works, inbox = [], {}
+    ops, inbox = [], {}
     for t in sends:
         # on the communication device (NCCL needs CUDA tensors; AdamW's step counters live
         # on the CPU); the receiver's optimizer.load_state_dict puts state where it belongs
         for x in packed[id(t)][1]:
-            works.append(comm.isend(x.to(device).contiguous(), t.peer, category=category))
+            ops.append((True, x.to(device).contiguous(), t.peer))
     for t in recvs:
         meta = pickle.loads(metas[id(t)].cpu().numpy().tobytes())
         bufs = []
         for _, _, shape, dtype in placeholders(meta):
             bufs.append(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
         for b in bufs:
-            works.append(comm.irecv(b, t.peer))
+            ops.append((False, b, t.peer))
         inbox[id(t)] = (meta, bufs)
-    _wait(works)
+    _wait(comm.batch_isend_irecv(ops, None, category))
     for t in recvs:
         meta, bufs = inbox[id(t)]
         t.received = unpack(meta, bufs)

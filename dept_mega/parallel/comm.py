@@ -16,7 +16,7 @@ nothing, so the same code runs without ``torch.distributed``.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,22 @@ class Comm:
 
     def irecv(self, t: torch.Tensor, src: int, group=None):
         return dist.irecv(t, src=src, group=group)
+
+    def batch_isend_irecv(self, ops: Sequence[tuple[bool, torch.Tensor, int]], group, category: str) -> list:
+        """Post ``ops`` = ``[(is_send, tensor, global peer rank), ...]`` as one batch
+        (``torch.distributed.batch_isend_irecv``: one NCCL group call, so a send and a receive
+        of the batch never wait for each other) and return the works to wait on. Sends count
+        their tensor's bytes; receives count nothing. Tensors must be contiguous and stay alive
+        until the works are waited on. Between two ranks, messages in one direction are
+        matched first-in first-out, in list order within a batch."""
+        p2p = []
+        for is_send, t, peer in ops:
+            if not t.is_contiguous():
+                raise ValueError("batch_isend_irecv: tensors must be contiguous")
+            if is_send:
+                self.count(category, self._nbytes(t))
+            p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, t, peer, group))
+        return dist.batch_isend_irecv(p2p) if p2p else []
 
 
 def bookkeeping_device(group=None) -> torch.device:

@@ -3,7 +3,10 @@
 Each tensor rank holds the logits of vocabulary rows ``[rank·V/T, (rank+1)·V/T)``. The loss
 ``logsumexp(z) − z[label]`` needs three reductions over the tensor group: the max (for
 stability), the target logit (owned by exactly one rank) and the sum of exponentials. The
-backward is ``softmax(z) − onehot(label)`` on the local shard, scaled by the incoming grad.
+backward is ``softmax(z) − onehot(label)`` on the local shard, scaled by the incoming grad,
+computed in place in the saved softmax (Megatron does the same): the backward allocates no
+second vocabulary-sized buffer (for fp32 logits the returned gradient IS that buffer). The
+saved softmax is consumed, so a second backward through the same graph is an error.
 All arithmetic is fp32. Logits set to ``-inf`` (padded vocabulary rows) get zero probability
 and zero gradient.
 """
@@ -47,8 +50,12 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("vocab_parallel_cross_entropy: a second backward through the same graph; the "
+                               "first one turned the saved softmax into the gradient in place")
+        ctx.consumed = True
         softmax, local, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # in place: the softmax is not needed after this backward
         onehot = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local.unsqueeze(-1), -onehot.unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))

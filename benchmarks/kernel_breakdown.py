@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Where the GPU time of a profiled step goes: sums the CUDA kernels of a torch.profiler Chrome
+trace (``train.profile`` writes them to RUN/profile/) by kernel and by kind.
+
+    python benchmarks/kernel_breakdown.py RUN/profile/rank0_steps2-3.json [--top 25] [--json OUT]
+
+Kinds (by kernel name, a heuristic): gemm (cuBLAS / CUTLASS / nvjet matrix kernels), attention
+(flash / fused attention), nccl, optimizer (fused AdamW, foreach), copy (memcpy / memset), other
+(elementwise, norms, reductions, ...). ``busy`` = summed kernel time; ``span`` = the wall time
+of the ProfilerStep ranges; busy / span below 1 means the GPU sat idle (launch gaps, host syncs,
+waiting for the CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+KINDS = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "cublas", "ampere_", "hopper")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy", ("memcpy", "memset", "copy_kernel")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def breakdown(trace: dict) -> dict:
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    by_kind: dict[str, float] = defaultdict(float)
+    steps = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "kernel":
+            d = float(e.get("dur", 0.0))
+            by_name[e["name"]][0] += d
+            by_name[e["name"]][1] += 1
+            by_kind[kind_of(e["name"])] += d
+        elif str(e.get("name", "")).startswith("ProfilerStep#"):
+            steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+    busy = sum(v[0] for v in by_name.values())
+    span = sum(b - a for a, b in steps)
+    return {"busy_us": busy, "span_us": span, "steps": len(steps),
+            "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "kernels": sorted(([n, v[0], v[1]] for n, v in by_name.items()), key=lambda r: -r[1])}
+
+
+def render(res: dict, top: int) -> str:
+    busy, span = res["busy_us"], res["span_us"]
+    lines = [f"steps {res['steps']}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms profiled"
+             + (f" ({100 * busy / span:.1f}%)" if span else "")]
+    lines.append("| kind | ms | share of busy |")
+    lines.append("| --- | ---: | ---: |")
+    for k, v in res["by_kind_us"].items():
+        lines.append(f"| {k} | {v / 1e3:.2f} | {100 * v / max(busy, 1e-9):.1f}% |")
+    lines.append("")
+    lines.append("| kernel | calls | ms | share |")
+    lines.append("| --- | ---: | ---: | ---: |")
+    for name, us, calls in res["kernels"][:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", default=None, help="also write the breakdown as JSON here")
+    args = ap.parse_args(argv)
+    with open(args.trace, encoding="utf-8") as f:
+        res = breakdown(json.load(f))
+    if not res["kernels"]:
+        print(f"error: {args.trace} has no CUDA kernel events (profiled on a CPU?)", file=sys.stderr)
+        return 1
+    print(render(res, args.top))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

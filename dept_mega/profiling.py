@@ -1,0 +1,78 @@
+"""``train.profile: {start: S, stop: E, ranks: [...]}``: a torch.profiler trace of inner steps
+S+1 … E on the selected global ranks.
+
+Each selected rank writes ``RUN/profile/rank{r}_steps{S}-{E}.json``, a Chrome trace (open it in
+chrome://tracing or https://ui.perfetto.dev), with CPU activities and, when CUDA is available,
+CUDA kernels; a ``ProfilerStep#N`` range marks each step N. Step numbers are inner steps done, as in the
+metrics records: the trace starts when S steps are done (or at once when a run resumes between
+S and E) and stops when E are done or the run ends, whichever comes first (the file name then
+says where it stopped). Other ranks do nothing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, cfg, run_dir: str, rank: int, device: torch.device | str,
+                 log: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = rank
+        self.device = torch.device(device)
+        self.log = log
+        self.enabled = cfg is not None and rank in cfg.ranks
+        self._prof: Optional[torch.profiler.profile] = None
+        self._step_range = None
+        self._first: Optional[int] = None
+        self.paths: list[str] = []
+
+    def _activities(self) -> list:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        return acts
+
+    def before_step(self, steps_done: int) -> None:
+        """Call before each training step with the number of inner steps done."""
+        if not self.enabled:
+            return
+        if self._prof is None and self._first is None and self.cfg.start <= steps_done < self.cfg.stop:
+            self._prof = torch.profiler.profile(activities=self._activities())
+            self._prof.start()
+            self._first = steps_done
+        if self._prof is not None:
+            self._step_range = torch.profiler.record_function(f"ProfilerStep#{steps_done + 1}")
+            self._step_range.__enter__()
+
+    def after_step(self, steps_done: int) -> None:
+        """Call after each training step with the number of inner steps done."""
+        if self._prof is None:
+            return
+        self._end_step()
+        if steps_done >= self.cfg.stop:
+            self._finish(steps_done)
+
+    def close(self, steps_done: int) -> None:
+        """End of the run (or an exception): write what was recorded."""
+        if self._prof is not None:
+            self._finish(steps_done)
+
+    def _end_step(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+
+    def _finish(self, steps_done: int) -> None:
+        self._end_step()
+        prof, self._prof = self._prof, None
+        prof.stop()
+        out = os.path.join(self.run_dir, "profile")
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"rank{self.rank}_steps{self._first}-{steps_done}.json")
+        prof.export_chrome_trace(path)
+        self.paths.append(path)
+        self.log(f"profile: rank {self.rank} wrote {path} (steps {self._first + 1}-{steps_done})")

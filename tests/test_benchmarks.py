@@ -1,0 +1,91 @@
+"""The CPU-runnable parts of the GPU benchmark scripts: vs_megatron's shape translation and our
+side, the kernel breakdown of a profiler trace, the memory comparison, the suite summary and
+the suite driver's syntax."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer_utils import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_vs_megatron_same_parameters_and_our_side_on_cpu(tmp_path):
+    """megatron-core's GPTModel (built on the CPU) has exactly our parameter count for a model
+    with SwiGLU, RMSNorm, GQA and an untied head; our side runs; Megatron's side refuses the CPU."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "vs.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vs_megatron.py"), "--config",
+           os.path.join(ROOT, "examples", "tiny", "std.yaml"), "--vocab", "300", "--steps", "1", "--warmup", "1",
+           "--only", "ours", "--check-shapes", "--out", str(out), "model.activation=swiglu",
+           "model.normalization=rmsnorm", "model.num_query_groups=2", "model.tie_embeddings=false"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["shape_check"]["equal"] and rec["shape_check"]["ours_params"] == rec["ours"]["params"]
+    assert rec["ours"]["tokens_per_s"] > 0 and rec["padded_vocab_size"] == 384
+    assert rec["ours_position"] == "rope" and rec["megatron_position"] == "rope" and rec["same_model"]
+    assert "megatron" not in rec and "ratio" not in rec
+    megatron_too = [a for a in cmd if a not in ("--only", "ours", "--check-shapes")]
+    res = subprocess.run(megatron_too, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2 and "needs CUDA" in res.stderr
+
+
+def test_kernel_breakdown_sums_kernels_by_kind():
+    from kernel_breakdown import breakdown, render
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16", "ts": 0, "dur": 600},
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 600, "dur": 200},
+        {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise_kernel", "ts": 800, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16", "ts": 900, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 2000}]}
+    res = breakdown(trace)
+    assert res["busy_us"] == 1000 and res["span_us"] == 2000 and res["steps"] == 1
+    assert res["by_kind_us"] == {"gemm": 700, "attention": 200, "other": 100}
+    assert res["kernels"][0] == ["sm90_xmma_gemm_bf16bf16", 700, 2]
+    text = render(res, 2)
+    assert "GPU busy 1.0 ms of 2.0 ms profiled (50.0%)" in text and "| gemm | 0.70 | 70.0% |" in text
+
+
+def test_memory_vs_model_compares_the_trainer_share():
+    from memory_vs_model import compare
+    costs = {"variants": {"spec_opt": {"memory": {"weights": 4e9, "grads": 4e9, "optimizer": 8e9, "outer": 4e9,
+                                                  "trim_table": 0, "activations_per_microbatch": 2e9,
+                                                  "total": 22e9}}}}
+    res = compare({"peak_mem_gb": 19.0}, costs, "spec_opt")
+    c = res["comparison"]["trainer"]
+    assert c["predicted_gb"] == pytest.approx(18.0) and c["error_pct"] == pytest.approx(100 * (18 - 19) / 19)
+    with pytest.raises(ValueError, match="variants.glob.memory"):
+        compare({"peak_mem_gb": 1.0}, costs, "glob")
+
+
+def test_suite_summary_reads_what_the_suite_wrote(tmp_path):
+    from suite_summary import summary
+    (tmp_path / "env.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0",
+                                                   "cuda": "13.0", "date": "2026-12-01", "ops_backend": "cuda"}))
+    rows = [{"name": "bf16", "tokens_per_s": 50000.0, "tflops_per_device": 420.0, "mfu": 0.4247, "peak_mem_gb": 41.0,
+             "step_ms": 1300.0},
+            {"name": "fp8", "tokens_per_s": 70000.0, "tflops_per_device": 588.0, "mfu": 0.59, "peak_mem_gb": 38.0,
+             "step_ms": 930.0},
+            {"name": "bf16_compile", "error": "rc=2: error: unknown config key 'train.compile'"}]
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "suite.log").write_text("### stage bench finished: rc=1 in 99 s\n"
+                                        "==== 3 passed, 1 skipped in 12.0s ====\n")
+    text = summary(str(tmp_path))
+    assert "NVIDIA H100 80GB HBM3" in text and "pytest -m gpu: 3 passed, 1 skipped in 12.0s" in text
+    assert "| bf16 | 50,000 | 420.0 | 42.5% | 41.0 | 1300 |" in text
+    assert "bf16 MFU >= 50%: 42.5% (NOT met)" in text and "1.40x (met)" in text
+    assert "failed: rc=2" in text and "stage bench failed" in text
+
+
+def test_suite_driver_parses():
+    res = subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "h100_suite.sh")], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr

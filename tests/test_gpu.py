@@ -1,0 +1,141 @@
+"""Tests that need a CUDA device (``pytest -m gpu`` on the GPU machine; skipped elsewhere).
+
+The CUDA variants of the custom ops are in tests/test_ops.py (also marked ``gpu``). Here: a
+training step on CUDA against the same step on the CPU (fp32 and bf16), the throughput and
+memory fields of the train records with a profiler trace of CUDA kernels, the in-place cross
+entropy on CUDA, fused AdamW, and tools/benchmark.py's record on a GPU.
+
+``DEPT_MEGA_GPU_TESTS_ON_CPU=1`` runs this file on the CPU (a dry run of the test logic; the
+CUDA-only assertions are skipped then, and nothing here is measured on a GPU).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer_utils import ROOT, TINY, dp_micro_batches, global_batch, merge, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+ON_CPU = os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1" and not torch.cuda.is_available()
+DEV = torch.device("cpu" if ON_CPU else "cuda")
+CUDA = DEV.type == "cuda"
+
+
+def _train(cfg, device, steps=3):
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, build_groups(), device, vocab_size=cfg.model.vocab_size)
+    out = []
+    for step in range(steps):
+        res = trainer.train_step(dp_micro_batches(cfg, global_batch(cfg, step), 0, 1))
+        out.append((res.loss, res.grad_norm))
+    return out, trainer
+
+
+@pytest.mark.parametrize("precision,rel_loss,rel_norm", [("fp32", 1e-4, 1e-3), ("bf16", 2e-2, 1e-1)])
+def test_training_step_on_cuda_matches_cpu(precision, rel_loss, rel_norm):
+    """Same init (CPU generator), same batches: three steps on the device equal the CPU's within
+    the precision's tolerance (bf16: autocast kernels differ between devices)."""
+    cfg = tiny_config({"precision": precision})
+    ref, _ = _train(cfg, torch.device("cpu"))
+    got, trainer = _train(cfg, DEV)
+    for (l_ref, n_ref), (l, n) in zip(ref, got):
+        assert abs(l - l_ref) <= rel_loss * abs(l_ref), (precision, got, ref)
+        assert abs(n - n_ref) <= rel_norm * abs(n_ref), (precision, got, ref)
+    assert all(p.dtype == torch.float32 and p.device.type == DEV.type for p in trainer.parameters())
+    if CUDA:
+        assert trainer.body_optimizer.defaults.get("fused") is True  # fused AdamW on CUDA
+        for st in trainer.body_optimizer.state.values():
+            assert st["exp_avg"].device.type == "cuda"
+
+
+def test_train_records_carry_throughput_memory_and_a_cuda_trace(tmp_path):
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter, check_record, peak_bf16_flops
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    cfg = tiny_config({"precision": "bf16", "train": {"steps": 4, "log_interval": 2, "run_dir": str(tmp_path),
+                                                      "eval_interval": 0, "profile": {"start": 1, "stop": 2}}})
+    pg = build_groups()
+    trainer = Trainer(cfg, pg, DEV, vocab_size=cfg.model.vocab_size)
+
+    class Synthetic:
+        step = 0
+
+        def next_step(self):
+            self.step += 1
+            return dp_micro_batches(cfg, global_batch(cfg, self.step), 0, 1)
+
+    writer = MetricsWriter(str(tmp_path), stream=io.StringIO(), tensorboard=False)
+    TrainLoop(cfg, pg, trainer, StdHooks(), writer, lambda name: Synthetic()).run()
+    writer.close()
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r in recs:
+        check_record(r)
+        assert r["tokens_per_s"] > 0
+        if CUDA:
+            assert r["tflops_per_device"] > 0
+            peak = peak_bf16_flops(torch.cuda.get_device_name(DEV))
+            assert (r["mfu"] is None) == (peak is None)
+            assert 0 < r["mem_allocated_gb"] <= r["mem_peak_gb"]
+    trace = json.load(open(tmp_path / "profile" / "rank0_steps1-2.json"))
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    assert "ProfilerStep#2" in names
+    if CUDA:
+        assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA activities recorded
+
+
+def test_cross_entropy_backward_in_place_on_cuda():
+    from dept_mega.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from dept_mega.parallel.groups import build_groups
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 4, 50304, generator=g) * 3).to(DEV).requires_grad_(True)
+    labels = torch.randint(0, 50257, (8, 4), generator=g).to(DEV)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(logits, labels, build_groups())
+    seen = []
+    logits.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    loss.sum().backward()
+    assert seen[0] in saved  # the gradient is the saved softmax's buffer
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits.view(-1, 50304), labels.view(-1), reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(loss.double().view(-1), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_benchmark_tool_on_cuda(tmp_path):
+    import importlib.util
+
+    import yaml
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(merge(TINY, {"precision": "bf16", "train": {"steps": 10}})))
+    spec = importlib.util.spec_from_file_location("bench_tool", os.path.join(ROOT, "tools", "benchmark.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    env = {"DEPT_MEGA_DEVICE": "cpu"} if ON_CPU else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert mod.main(["--config", str(cfg_path), "--steps", "3", "--warmup", "1", "--out", str(out)]) == 0
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rec = json.loads(out.read_text())
+    assert rec["tokens_per_s"] > 0 and rec["peak_mem_gb"] > 0
+    if CUDA:
+        assert rec["device"].startswith("cuda") and rec["tflops_per_device"] > 0
+        assert rec["device_name"] == torch.cuda.get_device_name()

@@ -1,0 +1,89 @@
+"""Throughput fields of the train records (design.md §8): tokens/s over the logging window,
+TFLOP/s per device, MFU from the device's peak, paused time, the log line."""
+from __future__ import annotations
+
+import pytest
+
+from dept_mega.metrics import ThroughputMeter, human_line, peak_bf16_flops, train_flops_per_token
+from dept_mega.parallel.groups import build_groups
+from tests.trainer_utils import tiny_config
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_peak_flops_by_device_name():
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") is None  # another peak: not guessed
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_meter_window_tokens_flops_mfu_and_pauses():
+    cfg = tiny_config()
+    clock = FakeClock()
+    m = ThroughputMeter(cfg.model, build_groups(), "cpu", report_flops=True, peak_flops=1e9, clock=clock)
+    fpt = train_flops_per_token(cfg.model, 100)
+    m.add_step(1000, 100)
+    clock.t += 2.0
+    with m.paused():  # e.g. an evaluation: not counted
+        clock.t += 5.0
+    m.add_step(1000, 100)
+    clock.t += 2.0
+    w = m.window()
+    assert w["tokens_per_s"] == pytest.approx(2000 / 4.0)
+    assert w["tflops_per_device"] == pytest.approx(2000 * fpt / 4.0 / 1e12)
+    assert w["mfu"] == pytest.approx(2000 * fpt / 4.0 / 1e9)
+    assert "mem_peak_gb" not in w  # CUDA only
+    clock.t += 1.0
+    m.add_step(10, None)  # a rank without embeddings: tokens, no FLOPs
+    w2 = m.window()
+    assert w2["tokens_per_s"] == pytest.approx(10.0) and w2["tflops_per_device"] is None and w2["mfu"] is None
+
+
+def test_meter_on_cpu_reports_tokens_only():
+    m = ThroughputMeter(tiny_config().model, build_groups(), "cpu")
+    m.add_step(64, 100)
+    w = m.window()
+    assert w["tokens_per_s"] > 0 and w["tflops_per_device"] is None and w["mfu"] is None
+
+
+def test_human_line_shows_what_is_known():
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0)
+    assert "12,345 tok/s" in line and "TFLOP" not in line and "MFU" not in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, tflops_per_device=402.12, mfu=0.4066,
+                      mem_peak_gb=61.23)
+    assert "402.1 TFLOP/s/device" in line and "MFU 40.7%" in line and "mem peak 61.2 GB" in line
+
+
+def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):
+    import os
+
+    import torch
+
+    from dept_mega.config import ProfileConfig
+    from dept_mega.profiling import StepProfiler
+    prof_cfg = ProfileConfig(start=2, stop=4, ranks=[1])
+    lines: list[str] = []
+
+    def steps(p, first, last):
+        for s in range(first, last):
+            p.before_step(s)
+            torch.ones(8, 8) @ torch.ones(8, 8)
+            p.after_step(s + 1)
+        p.close(last)
+
+    steps(StepProfiler(prof_cfg, str(tmp_path), 0, "cpu", log=lines.append), 0, 6)  # not selected
+    assert not (tmp_path / "profile").exists()
+    steps(StepProfiler(prof_cfg, str(tmp_path), 1, "cpu", log=lines.append), 0, 6)
+    steps(StepProfiler(prof_cfg, str(tmp_path / "resumed"), 1, "cpu", log=lines.append), 3, 6)
+    steps(StepProfiler(prof_cfg, str(tmp_path / "short"), 1, "cpu", log=lines.append), 0, 3)
+    assert os.listdir(tmp_path / "profile") == ["rank1_steps2-4.json"]
+    assert os.listdir(tmp_path / "resumed" / "profile") == ["rank1_steps3-4.json"]
+    assert os.listdir(tmp_path / "short" / "profile") == ["rank1_steps2-3.json"]  # the run ended first
+    assert len(lines) == 3 and "steps 3-4" in lines[0]
