@@ -100,7 +100,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "megatron-core"],
+        "test": ["pytest", "pytest-timeout", "megatron-core", "matplotlib"],
         "progress": ["tqdm"],
         "tensorboard": ["tensorboard"],
         "te": ["transformer-engine"],
