@@ -100,8 +100,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf"],
-        "hf": ["transformers>=5", "protobuf"],  # tools/convert_to_hf.py
+        "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
         "progress": ["tqdm"],
         "tensorboard": ["tensorboard"],
         "te": ["transformer-engine"],

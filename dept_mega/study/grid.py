@@ -1,0 +1,231 @@
+"""A study grid: which runs to make, each one a ``dept_mega.train`` command at equal compute.
+
+Grid file (YAML)::
+
+    prepare: ["python tools/prepare_sample.py"]   # optional: run first (must be idempotent)
+    groups: 5                # source groups of every DEPT run
+    group_batch: 16          # sequences per inner step of one group
+    configs:                 # the base config of each variant
+      std: examples/tiny/std.yaml
+      glob: examples/tiny/glob.yaml
+    set: {train.steps: 200}  # dotted overrides for every run
+    runs:
+      - variant: std
+        name: std_t{dept.temperature}          # optional; {key} is replaced by that key's value
+        set: {dept.sampling: temperature}
+        grid: {dept.temperature: [0.0, 1.0]}   # one run per value (product over keys)
+      - variant: [glob, spec_opt]              # one entry per variant
+        grid: {dept.outer_optimizer: [{name: fedavg, lr: 1.0}, {name: nesterov, lr: 0.7, momentum: 0.9}]}
+
+Equal compute (the paper's comparison): every run makes the same number of inner steps of
+the same sequence length, a DEPT run with ``groups`` groups of ``group_batch`` sequences each,
+an STD run with one group of ``groups × group_batch`` sequences, so every run sees the same
+number of tokens. The tool sets ``train.global_batch_size`` itself; a grid that sets it is an
+error, and so is a run whose steps or sequence length differ from the others'.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from ..config import Config, ConfigError, load_config
+
+VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
+TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity"}
+RUN_KEYS = {"variant", "name", "set", "grid"}
+
+
+class GridError(ValueError):
+    """A bad study grid: the message names the file and the key."""
+
+
+@dataclass
+class RunSpec:
+    """One run of the study."""
+    name: str
+    variant: str
+    config: str  # base config file
+    overrides: list[str]  # dotted key=value, in order (the tool's own last)
+    nproc: int  # processes (torchrun --nproc-per-node)
+    settings: dict[str, Any] = field(default_factory=dict)  # the grid values of this run
+
+    def command(self, python: str = "python") -> list[str]:
+        return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
+                "-m", "dept_mega.train", "--config", self.config, *self.overrides]
+
+
+@dataclass
+class Study:
+    path: str
+    groups: int
+    group_batch: int
+    runs: list[RunSpec]
+    description: str = ""
+    prepare: list[list[str]] = field(default_factory=list)  # commands run before the runs (idempotent)
+    plasticity: Optional[dict] = None  # adapt settings (see tools/study.py), None = no column
+
+
+def _yaml_value(value: Any) -> str:
+    """A value as the YAML text of a dotted override (``key=<this>``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+    if text.endswith("\n..."):
+        text = text[: -len("\n...")]
+    return text.removesuffix("...").strip()
+
+
+def _short(value: Any) -> str:
+    """A value as it appears in a run name."""
+    if isinstance(value, dict):
+        if "name" in value:
+            return str(value["name"])
+        return "-".join(_short(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return "-".join(_short(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _name(template: Optional[str], variant: str, settings: dict[str, Any], varying: list[str]) -> str:
+    if template:
+        def sub(m: re.Match) -> str:
+            key = m.group(1)
+            if key == "variant":
+                return variant
+            if key not in settings:
+                raise KeyError(key)
+            return _short(settings[key])
+        try:
+            name = re.sub(r"\{([^{}]+)\}", sub, template)
+        except KeyError as exc:
+            raise GridError(f"run name {template!r}: {{{exc.args[0]}}} is not a grid key of this run") from None
+    else:
+        parts = [variant] + [f"{k.rsplit('.', 1)[-1]}={_short(settings[k])}" for k in varying]
+        name = "_".join(parts)
+    name = re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
+    return name
+
+
+def _as_mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise GridError(f"{where}: expected a mapping of dotted keys, got {value!r}")
+    return dict(value)
+
+
+def load_study(path: str, base_dir: Optional[str] = None) -> Study:
+    """Read and expand a grid file. Relative config paths are taken from ``base_dir`` (default:
+    the current directory, where ``dept_mega.train`` will run)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise GridError(f"grid file {path!r} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise GridError(f"grid file {path!r} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise GridError(f"{path}: top level must be a mapping")
+    unknown = sorted(set(doc) - TOP_KEYS)
+    if unknown:
+        raise GridError(f"{path}: unknown key(s) {unknown} (allowed: {sorted(TOP_KEYS)})")
+    for key in ("groups", "group_batch"):
+        if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool) or doc[key] < 1:
+            raise GridError(f"{path}: '{key}' must be a positive integer, got {doc.get(key)!r}")
+    configs = _as_mapping(doc.get("configs"), f"{path}: 'configs'")
+    common = _as_mapping(doc.get("set"), f"{path}: 'set'")
+    runs_doc = doc.get("runs")
+    if not isinstance(runs_doc, list) or not runs_doc:
+        raise GridError(f"{path}: 'runs' must be a non-empty list")
+    base_dir = base_dir or os.getcwd()
+    groups, group_batch = doc["groups"], doc["group_batch"]
+    runs: list[RunSpec] = []
+    for i, entry in enumerate(runs_doc):
+        where = f"{path}: runs[{i}]"
+        if not isinstance(entry, dict):
+            raise GridError(f"{where}: expected a mapping")
+        bad = sorted(set(entry) - RUN_KEYS)
+        if bad:
+            raise GridError(f"{where}: unknown key(s) {bad} (allowed: {sorted(RUN_KEYS)})")
+        variants = entry.get("variant")
+        variants = variants if isinstance(variants, list) else [variants]
+        fixed = _as_mapping(entry.get("set"), f"{where}.set")
+        grid = _as_mapping(entry.get("grid"), f"{where}.grid")
+        for k, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise GridError(f"{where}.grid.{k}: expected a non-empty list of values")
+        varying = [k for k, v in grid.items() if len(v) > 1]
+        for variant in variants:
+            if variant not in VARIANTS:
+                raise GridError(f"{where}.variant: {variant!r} is not one of {' | '.join(VARIANTS)}")
+            if variant not in configs:
+                raise GridError(f"{where}: no config for variant {variant!r} under 'configs'")
+            cfg_path = configs[variant]
+            if not os.path.isabs(cfg_path):
+                cfg_path = os.path.relpath(os.path.join(base_dir, cfg_path), base_dir)
+            for combo in itertools.product(*grid.values()) if grid else [()]:
+                settings = dict(zip(grid.keys(), combo))
+                name = _name(entry.get("name"), variant, settings, varying)
+                values = {**common, **fixed, **settings}
+                for key in values:
+                    if key in ("train.global_batch_size", "train.run_dir", "dept.variant"):
+                        raise GridError(f"{where}: '{key}' is set by the study tool (equal compute, run "
+                                        f"directories, variants); remove it")
+                overrides = [f"{k}={_yaml_value(v)}" for k, v in values.items()]
+                overrides.append(f"dept.variant={variant}")
+                batch = group_batch if variant != "std" else groups * group_batch
+                overrides.append(f"train.global_batch_size={batch}")
+                runs.append(RunSpec(name, variant, cfg_path, overrides, nproc=0, settings=settings))
+    names = [r.name for r in runs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise GridError(f"{path}: runs share the name(s) {dupes}; give them a 'name' template")
+    prepare = doc.get("prepare") or []
+    if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
+        raise GridError(f"{path}: 'prepare' must be a list of command lines")
+    study = Study(path, groups, group_batch, runs, str(doc.get("description", "")),
+                  [shlex.split(c) for c in prepare], doc.get("plasticity"))
+    _resolve(study, base_dir)
+    return study
+
+
+def _resolve(study: Study, base_dir: str) -> None:
+    """Load every run's config (the way dept_mega.train will) to fill in the process count and
+    check equal compute."""
+    shape: Optional[tuple[int, int]] = None
+    first = None
+    for run in study.runs:
+        try:
+            cfg = load_config(os.path.join(base_dir, run.config), run.overrides)
+        except ConfigError as exc:
+            raise GridError(f"{study.path}: run {run.name!r}: {exc}") from None
+        per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
+        run.nproc = per_group * (1 if run.variant == "std" else study.groups)
+        here = (cfg.train.steps, cfg.model.seq_length)
+        if shape is None:
+            shape, first = here, run.name
+        elif here != shape:
+            raise GridError(f"{study.path}: run {run.name!r} makes {here[0]} steps of {here[1]} tokens, run "
+                            f"{first!r} {shape[0]} of {shape[1]}: equal compute needs the same train.steps "
+                            f"and model.seq_length")
+
+
+def run_config(study_base: str, run: RunSpec, run_dir: str) -> Config:
+    """The resolved config of ``run`` with its run directory (what dept_mega.train will use)."""
+    return load_config(os.path.join(study_base, run.config), [*run.overrides, f"train.run_dir={run_dir}"])
+
+
+def describe(study: Study) -> str:
+    lines = [f"study {study.path}: {len(study.runs)} runs, {study.groups} groups × {study.group_batch} "
+             f"sequences per inner step (STD: one group of {study.groups * study.group_batch})"]
+    for r in study.runs:
+        extra = f"  {json.dumps(r.settings, default=str)}" if r.settings else ""
+        lines.append(f"  {r.name:<28} {r.variant:<9} {r.nproc} process(es){extra}")
+    return "\n".join(lines)

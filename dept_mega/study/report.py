@@ -1,0 +1,236 @@
+"""The study's report: ``results.md`` (the paper's Table 3 shape), ``results.json`` and three
+figures (``bpb.png``, ``curves.png``, ``bytes.png``, matplotlib)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+from typing import Any, Optional
+
+from .grid import Study
+from .results import CROSS_GROUP, RunResult, std_equivalent_bytes_per_round
+
+
+def _fmt(x: Optional[float], digits: int = 4) -> str:
+    if x is None or not math.isfinite(x):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def sources_of(results: dict[str, RunResult]) -> list[str]:
+    out: list[str] = []
+    for r in results.values():
+        for s in r.by_source:
+            if s not in out:
+                out.append(s)
+    return out
+
+
+def best_std(results: dict[str, RunResult]) -> Optional[str]:
+    stds = {n: r for n, r in results.items() if r.variant == "std" and math.isfinite(r.mean_bpb)}
+    return min(stds, key=lambda n: stds[n].mean_bpb) if stds else None
+
+
+def gain_pct(run: RunResult, reference: Optional[RunResult]) -> Optional[float]:
+    """Improvement of mean validation BPB over ``reference`` in % (positive: better)."""
+    if reference is None or not math.isfinite(run.mean_bpb) or not math.isfinite(reference.mean_bpb):
+        return None
+    return (reference.mean_bpb - run.mean_bpb) / reference.mean_bpb * 100.0
+
+
+def summary(study: Study, results: dict[str, RunResult], command: str,
+            plasticity: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
+    ref_name = best_std(results)
+    ref = results.get(ref_name) if ref_name else None
+    runs = []
+    for spec in study.runs:
+        r = results.get(spec.name)
+        if r is None:
+            runs.append({"name": spec.name, "variant": spec.variant, "finished": False})
+            continue
+        runs.append({
+            "name": spec.name, "variant": spec.variant, "finished": True, "settings": spec.settings,
+            "nproc": spec.nproc, "command": r.command, "seconds": r.seconds,
+            "by_source": r.by_source, "mean_bpb": r.mean_bpb, "mean_ppl": r.mean_ppl,
+            "gain_vs_best_std_pct": gain_pct(r, ref) if r.variant != "std" else None,
+            "params_per_rank": r.params_per_rank, "rounds": r.rounds, "bytes_per_round": r.bytes_per_round,
+            "std_equivalent_bytes_per_round": (std_equivalent_bytes_per_round(r, study.groups)
+                                               if r.variant == "std" else None),
+            "train_tokens": r.train_tokens, "eval_step": r.eval_step,
+            "eval_curve": r.eval_curve, "train_curve": r.train_curve,
+            "plasticity": (plasticity or {}).get(spec.name),
+        })
+    return {"grid": study.path, "description": study.description, "command": command,
+            "groups": study.groups, "group_batch": study.group_batch, "best_std": ref_name,
+            "sources": sources_of(results), "runs": runs}
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_clean(data), f, indent=1)
+    os.replace(tmp, path)
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    sources = data["sources"]
+    runs = [r for r in data["runs"] if r["finished"]]
+    missing = [r["name"] for r in data["runs"] if not r["finished"]]
+    G, B = data["groups"], data["group_batch"]
+    lines = [f"# Study: {data['description'] or data['grid']}", ""]
+    lines.append(f"Made by `{data['command']}` from `{data['grid']}`. Equal compute: every DEPT run has {G} "
+                 f"source groups of {B} sequences per inner step, every STD run one group of {G * B}; all runs make "
+                 f"the same number of inner steps.")
+    if runs:
+        lines.append(f"Training tokens per run: {runs[0]['train_tokens']:,}.")
+    if missing:
+        lines.append(f"**Not finished:** {', '.join(missing)}.")
+    lines += ["", "## Validation bits per UTF-8 byte (lower is better)", ""]
+    ref = data["best_std"]
+    head = ["run", *sources, "mean", f"gain vs {ref}" if ref else "gain vs best STD"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in runs:
+        g = r["gain_vs_best_std_pct"]
+        cells = [r["name"], *[_fmt(r["by_source"].get(s, {}).get("bpb")) for s in sources], _fmt(r["mean_bpb"]),
+                 "(best STD)" if r["name"] == ref else ("–" if g is None else f"{g:+.1f} %")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Gain = (mean BPB of the best STD run − mean BPB of the run) / mean BPB of the best STD run.", "",
+              "## Validation perplexity (per token of each run's own tokenizer: comparable only between runs "
+              "that share a tokenizer; SPEC-OPT's are not comparable with the others)", ""]
+    head = ["run", *sources, "mean"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in runs:
+        cells = [r["name"], *[_fmt(r["by_source"].get(s, {}).get("ppl"), 2) for s in sources],
+                 _fmt(r["mean_ppl"], 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if any(r.get("plasticity") for r in runs):
+        lines += ["", "## Plasticity (a fresh embedding for a held-out source, trained on the run's body)", "",
+                  "| run | held-out source | steps | body | BPB | random-body BPB | gain |",
+                  "|---|---|---:|---|---:|---:|---:|"]
+        for r in runs:
+            p = r.get("plasticity")
+            if not p:
+                continue
+            gain = ((p["random_bpb"] - p["bpb"]) / p["random_bpb"] * 100.0
+                    if p.get("random_bpb") and p.get("bpb") is not None else None)
+            lines.append(f"| {r['name']} | {p['source']} | {p['steps']} | {p['body']} | {_fmt(p['bpb'])} | "
+                         f"{_fmt(p.get('random_bpb'))} | {'–' if gain is None else f'{gain:+.1f} %'} |")
+    lines += ["", "## Cost", "",
+              "Parameters held by the largest rank; bytes per round summed over all ranks (measured, "
+              "`outer` records). STD runs in one group, so nothing crosses groups; its column shows what "
+              f"it would send per round if its batch were split over {G} data-parallel workers (fp32 gradients "
+              "all-reduced every step).", "",
+              "| run | params/rank body | params/rank embeddings | outer_body/round | outer_embedding/round | "
+              "source_move/round | STD data-parallel equivalent/round | wall time |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        b = r["bytes_per_round"]
+        p = r["params_per_rank"]
+        eq = r["std_equivalent_bytes_per_round"]
+        cells = [r["name"], f"{p.get('body', 0):,}", f"{p.get('embeddings', 0):,}",
+                 *[(_fmt_bytes(b.get(c, 0.0)) if r["rounds"] else "–") for c in CROSS_GROUP],
+                 _fmt_bytes(eq) if eq is not None else "–",
+                 f"{r['seconds']:.0f} s" if r.get("seconds") else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Figures: `bpb.png` (validation BPB per source), `curves.png` (validation BPB and training "
+              "loss against tokens), `bytes.png` (cross-group bytes per round, log scale).", "",
+              "## Commands", "", "```bash"]
+    for r in runs:
+        if r.get("command"):
+            lines.append(shlex.join(r["command"]))
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], out_dir: str) -> list[str]:
+    """Write bpb.png, curves.png and bytes.png; returns their paths."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("the study's figures need matplotlib (installed by tools/setup_env.sh with the "
+                           "test extras; pip install matplotlib)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data["runs"] if r["finished"]]
+    sources = data["sources"]
+    names = [r["name"] for r in runs]
+    paths = []
+
+    # grouped bars: validation BPB per source (and the mean), one bar per run
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * (len(sources) + 1) + 0.3 * len(runs)), 4.2))
+    cats = sources + ["mean"]
+    width = 0.8 / max(1, len(runs))
+    for i, r in enumerate(runs):
+        vals = [r["by_source"].get(s, {}).get("bpb") or float("nan") for s in sources] + [r["mean_bpb"]]
+        ax.bar([c + (i - (len(runs) - 1) / 2) * width for c in range(len(cats))], vals, width, label=r["name"])
+    ax.set_xticks(range(len(cats)), cats)
+    ax.set_ylabel("validation bits per byte")
+    ax.set_title("Validation BPB per source (lower is better)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "bpb.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # curves against tokens
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in runs:
+        tps = r["train_tokens"] / max(1, r["eval_step"])
+        xs = [s * tps for s, _ in r["eval_curve"]]
+        a1.plot(xs, [v for _, v in r["eval_curve"]], marker="o", label=r["name"])
+        a2.plot([s * tps for s, _ in r["train_curve"]], [v for _, v in r["train_curve"]], label=r["name"])
+    a1.set_xlabel("training tokens")
+    a1.set_ylabel("mean validation BPB")
+    a1.set_title("Validation BPB")
+    a2.set_xlabel("training tokens")
+    a2.set_ylabel("training loss (nats per token of the run's tokenizer)")
+    a2.set_title("Training loss")
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "curves.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # cross-group bytes per round, log scale
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(runs) + 2), 4.2))
+    cats = list(CROSS_GROUP) + ["std (data-parallel equivalent)"]
+    width = 0.8 / len(cats)
+    for j, c in enumerate(cats):
+        vals = []
+        for r in runs:
+            if c in CROSS_GROUP:
+                v = r["bytes_per_round"].get(c, 0.0) if r["rounds"] else 0.0
+            else:
+                v = r["std_equivalent_bytes_per_round"] or 0.0
+            vals.append(v if v > 0 else float("nan"))
+        ax.bar([i + (j - (len(cats) - 1) / 2) * width for i in range(len(runs))], vals, width, label=c,
+               hatch="//" if c not in CROSS_GROUP else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(runs)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("bytes per round (all ranks)")
+    ax.set_title("Cross-group bytes per round by category")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "bytes.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

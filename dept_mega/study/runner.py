@@ -1,0 +1,128 @@
+"""Running a study's runs: one ``torchrun ... -m dept_mega.train`` per run, sequentially or
+several at once within a budget of processes, resumable.
+
+A run is *finished* when ``OUT/runs/NAME/study_run.json`` exists (written here after the run
+exited 0) and its ``metrics.jsonl`` holds an evaluation at the last step. A run directory
+without that marker (a run that was stopped) is started again with the same command: the
+trainer resumes from the run's own checkpoint. Each run's output goes to
+``OUT/logs/NAME.log``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, TextIO
+
+from .grid import RunSpec, Study
+
+MARKER = "study_run.json"
+
+
+def run_dir_of(out: str, run: RunSpec) -> str:
+    return os.path.join(out, "runs", run.name)
+
+
+def full_command(out: str, run: RunSpec, python: str = sys.executable) -> list[str]:
+    return run.command(python) + [f"train.run_dir={run_dir_of(out, run)}"]
+
+
+def last_eval_step(metrics_path: str) -> Optional[int]:
+    """The step of the last ``eval`` record of a metrics file (None: none or no file)."""
+    if not os.path.exists(metrics_path):
+        return None
+    step = None
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash; the trainer's resume rewrites the file
+            if rec.get("kind") == "eval":
+                step = int(rec["step"])
+    return step
+
+
+def is_finished(out: str, run: RunSpec, steps: int) -> bool:
+    d = run_dir_of(out, run)
+    return os.path.exists(os.path.join(d, MARKER)) and last_eval_step(os.path.join(d, "metrics.jsonl")) == steps
+
+
+@dataclass
+class Outcome:
+    run: RunSpec
+    returncode: int
+    seconds: float
+    skipped: bool = False
+
+
+def run_all(study: Study, out: str, steps: int, *, parallel: int = 0, cwd: Optional[str] = None,
+            log: TextIO = sys.stdout, python: str = sys.executable,
+            launch: Optional[Callable[[list[str], str, dict, TextIO], subprocess.Popen]] = None) -> list[Outcome]:
+    """Run every unfinished run of ``study``. ``parallel``: budget of processes running at once
+    (0 or 1: one run at a time; a run larger than the budget runs alone). ``launch(cmd, cwd,
+    env, log_file)`` starts one run (default: ``subprocess.Popen``; tests pass a fake)."""
+    cwd = cwd or os.getcwd()
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    todo: list[RunSpec] = []
+    outcomes: list[Outcome] = []
+    for r in study.runs:
+        if is_finished(out, r, steps):
+            print(f"[study] {r.name}: finished earlier, skipped", file=log, flush=True)
+            outcomes.append(Outcome(r, 0, 0.0, skipped=True))
+        else:
+            todo.append(r)
+    budget = max(1, parallel)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    launch = launch or _popen
+    running: list[tuple[RunSpec, subprocess.Popen, float, TextIO]] = []
+    total, done = len(todo), 0
+    t_start = time.time()
+    while todo or running:
+        while todo and (not running or sum(r.nproc for r, *_ in running) + todo[0].nproc <= budget):
+            run = todo.pop(0)
+            cmd = full_command(out, run, python)
+            log_path = os.path.join(out, "logs", f"{run.name}.log")
+            fh = open(log_path, "a", encoding="utf-8")
+            fh.write(f"$ {' '.join(cmd)}\n")
+            fh.flush()
+            proc = launch(cmd, cwd, env, fh)
+            running.append((run, proc, time.time(), fh))
+            print(f"[study] {run.name}: started ({run.nproc} process(es)); log {log_path}", file=log, flush=True)
+        time.sleep(0.2)
+        for item in list(running):
+            run, proc, t0, fh = item
+            rc = proc.poll()
+            if rc is None:
+                continue
+            running.remove(item)
+            fh.close()
+            seconds = time.time() - t0
+            done += 1
+            if rc == 0 and last_eval_step(os.path.join(run_dir_of(out, run), "metrics.jsonl")) == steps:
+                with open(os.path.join(run_dir_of(out, run), MARKER), "w", encoding="utf-8") as f:
+                    json.dump({"command": full_command(out, run, "python"), "seconds": seconds,
+                               "nproc": run.nproc}, f, indent=1)
+                status = "finished"
+            else:
+                status = f"FAILED (exit {rc}; see {os.path.join(out, 'logs', run.name + '.log')})"
+                rc = rc or 1
+            elapsed = time.time() - t_start
+            eta = elapsed / done * (total - done)
+            print(f"[study] {run.name}: {status} in {seconds:.0f} s ({done}/{total}; elapsed {elapsed:.0f} s, "
+                  f"about {eta:.0f} s left)", file=log, flush=True)
+            outcomes.append(Outcome(run, rc, seconds))
+    order = {r.name: i for i, r in enumerate(study.runs)}
+    return sorted(outcomes, key=lambda o: order[o.run.name])
+
+
+def _popen(cmd: list[str], cwd: str, env: dict, fh: TextIO) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)

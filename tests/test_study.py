@@ -1,0 +1,216 @@
+"""tools/study.py: grid expansion at equal compute, resumable scheduling, the report."""
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dept_mega.study.grid import GridError, load_study
+from dept_mega.study.report import render_markdown, summary
+from dept_mega.study.results import read_records, read_run
+from dept_mega.study.runner import MARKER, is_finished, run_all, run_dir_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _grid(tmp_path, **over):
+    doc = {"groups": 3, "group_batch": 4,
+           "configs": {v: str(ROOT / "examples" / "tiny" / f"{v}.yaml")
+                       for v in ("std", "glob", "trim", "spec", "spec_opt")},
+           "set": {"train.steps": 100, "train.micro_batch_size": 4},
+           "runs": [{"variant": "std", "name": "std_t{dept.temperature}",
+                     "set": {"dept.sampling": "temperature"}, "grid": {"dept.temperature": [0.0, 1.0]}},
+                    {"variant": ["glob", "spec_opt"],
+                     "grid": {"dept.outer_optimizer": [{"name": "fedavg", "lr": 1.0},
+                                                       {"name": "nesterov", "lr": 0.7, "momentum": 0.9}]},
+                     "set": {"dept.local_steps": 50}}]}
+    doc.update(over)
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_grid_expands_at_equal_compute(tmp_path):
+    study = load_study(_grid(tmp_path))
+    names = [r.name for r in study.runs]
+    assert names == ["std_t0", "std_t1", "glob_outer_optimizer=fedavg", "glob_outer_optimizer=nesterov",
+                     "spec_opt_outer_optimizer=fedavg", "spec_opt_outer_optimizer=nesterov"]
+    by = {r.name: r for r in study.runs}
+    # STD: one group with groups × group_batch sequences; DEPT: `groups` processes of group_batch
+    assert "train.global_batch_size=12" in by["std_t0"].overrides and by["std_t0"].nproc == 1
+    assert "train.global_batch_size=4" in by["glob_outer_optimizer=fedavg"].overrides
+    assert by["glob_outer_optimizer=nesterov"].nproc == 3
+    assert "dept.outer_optimizer={lr: 0.7, momentum: 0.9, name: nesterov}" in by[
+        "spec_opt_outer_optimizer=nesterov"].overrides
+    assert by["std_t1"].overrides.index("dept.temperature=1.0") < by["std_t1"].overrides.index(
+        "train.global_batch_size=12")
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"set": {"train.global_batch_size": 8}}, "set by the study tool"),
+    ({"bogus": 1}, r"unknown key\(s\) \['bogus'\]"),
+    ({"groups": 0}, "'groups' must be a positive integer"),
+    ({"runs": [{"variant": "std", "grid": {"train.steps": [100, 200]}}]}, "equal compute needs the same"),
+    ({"runs": [{"variant": "std"}, {"variant": "std"}]}, "share the name"),
+    ({"runs": [{"variant": "glob", "set": {"dept.local_steps": 30}}]}, "dept.local_steps': train.steps=100 is not a multiple of 30"),
+    ({"runs": [{"variant": "std", "set": {"model.nope": 1}}]}, "unknown config key 'model.nope'"),
+])
+def test_grid_errors_name_the_problem(tmp_path, over, match):
+    with pytest.raises(GridError, match=match):
+        load_study(_grid(tmp_path, **over))
+
+
+def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    cfg = {"dept": {"variant": variant, "local_steps": 50}}
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    recs = []
+    for s in range(10, steps + 1, 10):
+        recs.append({"kind": "train", "step": s, "round": 0, "time": 0, "loss": 5.0 - s / 100, "tokens": 64})
+    for s in (50, 100):
+        recs.append({"kind": "eval", "step": s, "round": 0, "time": 0,
+                     "by_source": {k: {"loss": 1.0, "ppl": 2.7, "bpb": bpb + 0.1 * i + (100 - s) / 100,
+                                       "tokens": 10, "bytes": 30} for i, k in enumerate(("en", "fr"))}})
+    if variant != "std":
+        recs += [{"kind": "outer", "step": s, "round": s // 50 - 1, "time": 0,
+                  "bytes": {"outer_body": 1000 * groups, "outer_embedding": 0, "source_move": 0, "dp": 0},
+                  "seconds": 0.1} for s in (50, 100)]
+    # a run resumed from a checkpoint writes some steps again (the stale record comes first):
+    # the last record of each (kind, step) counts
+    recs.insert(0, {"kind": "train", "step": 10, "round": 0, "time": 0, "loss": 99.0, "tokens": 64})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    with open(os.path.join(run_dir, "params.json"), "w") as f:
+        json.dump({"ranks": [{"body": 1000, "embeddings": 500}]}, f)
+
+
+class _FakeProc:
+    def __init__(self, rc, done):
+        self.rc, self.done = rc, done
+
+    def poll(self):
+        return self.rc if self.done.is_set() else None
+
+
+def test_runner_budget_resume_and_failures(tmp_path):
+    study = load_study(_grid(tmp_path))
+    out = str(tmp_path / "out")
+    running, peak, started = [0], [0], []
+    lock = threading.Lock()
+
+    def launch(cmd, cwd, env, fh):
+        run_dir = next(c.split("=", 1)[1] for c in cmd if c.startswith("train.run_dir="))
+        name = os.path.basename(run_dir)
+        spec = next(r for r in study.runs if r.name == name)
+        started.append(name)
+        done = threading.Event()
+        with lock:
+            running[0] += spec.nproc
+            peak[0] = max(peak[0], running[0])
+
+        def work():
+            if "spec_opt" in name and "nesterov" in name:
+                rc = 1  # this run fails
+            else:
+                _fake_metrics(run_dir, spec.variant, 100, 1.0 if spec.variant == "std" else 0.9, 3)
+                rc = 0
+            with lock:
+                running[0] -= spec.nproc
+            proc.rc = rc
+            done.set()
+
+        proc = _FakeProc(None, done)
+        threading.Timer(0.05, work).start()
+        return proc
+
+    log = open(tmp_path / "log.txt", "w")
+    outcomes = run_all(study, out, 100, parallel=4, launch=launch, log=log)
+    assert peak[0] <= 4  # never more processes than the budget (a 3-process run plus a 1-process one)
+    failed = [o.run.name for o in outcomes if o.returncode]
+    assert failed == ["spec_opt_outer_optimizer=nesterov"]
+    for o in outcomes:
+        assert is_finished(out, o.run, 100) == (o.returncode == 0)
+    # a second call skips the finished runs and retries only the failed one
+    started.clear()
+    run_all(study, out, 100, parallel=4, launch=launch, log=log)
+    assert started == ["spec_opt_outer_optimizer=nesterov"]
+    marker = json.loads(Path(run_dir_of(out, study.runs[0]), MARKER).read_text())
+    assert marker["command"][:3] == ["python", "-m", "torch.distributed.run"]
+
+
+def test_report_tables_gain_and_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dept_mega.study.report import plot
+    study = load_study(_grid(tmp_path))
+    out = tmp_path / "out"
+    results = {}
+    for i, r in enumerate(study.runs):
+        d = run_dir_of(str(out), r)
+        bpb = {"std": 1.0 + 0.5 * i}.get(r.variant, 0.9)
+        _fake_metrics(d, r.variant, 100, bpb, 3)
+        results[r.name] = read_run(d)
+    rr = results["std_t0"]
+    assert [s for s, _ in rr.train_curve][:2] == [10, 20] and rr.train_curve[0][1] == pytest.approx(4.9)
+    assert rr.eval_curve[-1][1] == pytest.approx(1.05) and rr.train_tokens == 6400
+    data = summary(study, results, "python tools/study.py --grid g --out o")
+    assert data["best_std"] == "std_t0"
+    glob = next(r for r in data["runs"] if r["name"] == "glob_outer_optimizer=fedavg")
+    assert glob["gain_vs_best_std_pct"] == pytest.approx((1.05 - 0.95) / 1.05 * 100)
+    std = next(r for r in data["runs"] if r["name"] == "std_t0")
+    assert std["std_equivalent_bytes_per_round"] == 3 * 1500 * 4 * 50
+    md = render_markdown(data)
+    assert "| glob_outer_optimizer=fedavg | 0.9000 | 1.0000 | 0.9500 | +9.5 % |" in md
+    assert "| std_t0 | 1.0000 | 1.1000 | 1.0500 | (best STD) |" in md
+    assert "1.00 kB" not in md and "3.00 kB" in md  # outer_body per round, summed over ranks
+    for p in plot(data, str(tmp_path)):
+        assert os.path.getsize(p) > 5000
+
+
+def test_read_records_rejects_a_broken_line(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"kind": "train", "step": 1}\n{not json\n')
+    with pytest.raises(Exception, match=r"m.jsonl:2: not JSON"):
+        read_records(str(p))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_study_end_to_end_on_the_sample_corpus(tmp_path):
+    """Two real runs (STD and GLOB with 2 groups) of a few steps on two sample sources: the
+    tool runs them, writes the report, and a second call finds them finished."""
+    from tests.trainer_utils import ensure_sample_corpus
+    ensure_sample_corpus()
+    configs = {}
+    for v in ("std", "glob"):
+        cfg = yaml.safe_load((ROOT / "examples" / "tiny" / f"{v}.yaml").read_text())
+        cfg["data"]["sources"] = cfg["data"]["sources"][:2]
+        cfg["model"].update({"hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 32})
+        cfg["train"].update({"micro_batch_size": 2, "eval_iters": 2})
+        path = tmp_path / f"{v}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        configs[v] = str(path)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"groups": 2, "group_batch": 2, "configs": configs,
+                                    "set": {"train.steps": 4, "train.eval_interval": 2, "train.save_interval": 4,
+                                            "train.log_interval": 1, "dept.local_steps": 2},
+                                    "runs": [{"variant": ["std", "glob"]}]}))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), "--grid", str(grid), "--out", str(out),
+           "--parallel", "2"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in data["runs"]] == ["std", "glob"] and all(r["finished"] for r in data["runs"])
+    glob = data["runs"][1]
+    assert glob["rounds"] == 2 and glob["bytes_per_round"]["outer_body"] > 0
+    assert set(glob["by_source"]) == {"en", "fr"} and glob["train_tokens"] == data["runs"][0]["train_tokens"]
+    for f in ("results.md", "bpb.png", "curves.png", "bytes.png"):
+        assert (out / f).stat().st_size > 0
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2
