@@ -101,6 +101,7 @@ setup(
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
+        "hf": ["transformers>=5", "protobuf"],  # tools/convert_to_hf.py
         "progress": ["tqdm"],
         "tensorboard": ["tensorboard"],
         "te": ["transformer-engine"],
