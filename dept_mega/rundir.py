@@ -149,6 +149,14 @@ def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable]
     if problem:
         lock.release()
         raise ConfigError(problem)
+    problem = None
     if rank != 0:
-        lock.join(run_dir)
+        try:
+            lock.join(run_dir)
+        except ConfigError as exc:
+            problem = str(exc)
+    problem = first_problem(problem, device)  # every rank goes on, or none does
+    if problem:
+        lock.release()
+        raise ConfigError(problem)
     return lock

@@ -311,3 +311,23 @@ def test_missing_group_file_is_named(tmp_path):
         assert "group1.json" in str(exc.value) and "launch 1" not in str(exc.value), exc.value
         if reseal:
             assert "format 1 with 2 group(s) expects it" in str(exc.value)
+
+
+def _select_worker(rank, world, run):
+    from dept_mega.manifest import local_problem
+    from dept_mega.resume import select_checkpoint
+    sel = select_checkpoint(run)
+    return {"step": sel.step, "notes": sel.notes, "own": local_problem(_step(run, 6), rank, world)}
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_takes_the_same_checkpoint(base_run, tmp_path):
+    """Two ranks share the checksum work; the corrupted .distcp file is in rank 1's share
+    only, yet both ranks pass over step 6 with the same line and take step 4."""
+    from tests.mp_utils import run_distributed
+    run = _copy(base_run, tmp_path)
+    _flip_4k(_distcp(run, 6))
+    res = run_distributed(_select_worker, 2, args=(run,), timeout=100)
+    assert res[0]["own"] is None and ".distcp" in res[1]["own"]  # only rank 1 read the file
+    assert res[0]["step"] == res[1]["step"] == 4
+    assert res[0]["notes"] == res[1]["notes"] and ".distcp" in res[0]["notes"][0]

@@ -177,7 +177,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
 
     Returns (rank, world_size, device). gloo on CPU, nccl when CUDA is available.
     ``timeout_s`` bounds the rendezvous and process-group creation (``train.init_timeout_s``);
-    torch applies the same limit to every later collective of the process group.
+    torch applies the same limit to later collectives on the world group (the groups made by
+    ``build_groups`` keep torch's default).
 
     Under torchrun (``TORCHELASTIC_RESTART_COUNT`` set) the store keys get a prefix per restart:
     torchrun's agent keeps one TCPStore for the whole job (shared with the workers since
