@@ -137,7 +137,7 @@ class TrainConfig:
     save_interval: int = 500
     profile: Optional[ProfileConfig] = None
     # seconds to wait for every rank at start-up (rendezvous, process-group creation); torch
-    # applies the same limit to later collectives on the world group (docs/launching.md §6)
+    # applies the same limit to later collectives on the world group (docs/launching.md §7)
     init_timeout_s: float = 600.0
 
 
