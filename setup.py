@@ -98,7 +98,8 @@ setup(
     description="Megatron-style trainer for DEPT (Decoupled Embeddings for Pre-Training)",
     packages=find_packages(include=["dept_mega", "dept_mega.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml"],
+    # xxhash: fast checksums of checkpoint files (without it: sha256, slower)
+    install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml", "xxhash"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
         "hf": ["transformers>=5", "protobuf"],  # tools/convert_to_hf.py

@@ -16,6 +16,15 @@ embeddings, outer optimizer state — different on every rank) are saved per ran
 ``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights. The dropout
 streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
 the masks the uninterrupted run would have drawn.
+
+Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
+(the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
+directories and ``latest`` are fsynced after their renames. ``step_N/depends.json`` records
+the config values and tokenizers the checkpoint depends on. Loading verifies the manifest
+(a damaged newest checkpoint makes :meth:`Checkpointer.load` fall back to the newest verified
+one before it), then the layout and ``depends.json`` (a ConfigError naming the key), and reads
+the per-rank files with ``torch.load(weights_only=True)``. DCP's own ``.metadata`` is a
+pickle: a checkpoint from an untrusted source is never safe to load.
 """
 from __future__ import annotations
 
@@ -28,14 +37,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-CKPT_DIR = "checkpoints"
-LAYOUT_FILE = "layout.json"
+from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm,
+                       digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
+                       write_json_durable, write_manifest)
+from .parallel.agree import all_gather_text
+from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
 
 def _layout(trainer, per_rank_hooks: bool) -> dict[str, Any]:
     pg, par = trainer.pg, trainer.cfg.parallel
     return {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": par.virtual_pipeline,
-            "data": pg.dp_size, "groups": pg.num_groups, "per_rank_hooks": per_rank_hooks}
+            "data": pg.dp_size, "groups": pg.num_groups, "per_rank_hooks": per_rank_hooks,
+            "dropout_rng": _rng_tracker(trainer) is not None}
 
 
 def _rng_tracker(trainer):
@@ -51,14 +64,23 @@ def _rng_file(pg) -> str:
 
 def check_layout(trainer, path: str) -> None:
     """Refuse a checkpoint written under another parallel layout with one ConfigError that
-    names the key to change (checkpoints are not resharded)."""
+    names the key to change (checkpoints are not resharded). ``layout.json`` records the
+    number of source groups: another number is refused here, with the process count to use."""
     from .config import ConfigError
-    layout_path = os.path.join(path, LAYOUT_FILE)
-    if not os.path.exists(layout_path):
-        return
-    with open(layout_path, encoding="utf-8") as f:
-        saved = json.load(f)
+    saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
+    pg = trainer.pg
+    if saved.get("groups") != pg.num_groups:
+        # keys carry the group: another number of groups would silently load part of the state
+        per_group = pg.tp_size * pg.pp_size * pg.dp_size
+        saved_world = None
+        try:
+            saved_world = int(saved["groups"]) * int(saved["tensor"]) * int(saved["pipeline"]) * int(saved["data"])
+        except (KeyError, TypeError, ValueError):
+            pass
+        raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved.get('groups')} source group(s) "
+                          f"(layout.json), but world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} "
+                          f"rank(s) per group; launch {saved_world} processes with its layout")
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if saved.get("per_rank_hooks") else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
     if wrong:
@@ -73,18 +95,16 @@ def _barrier() -> None:
 
 
 def latest_step(run_dir: str) -> Optional[int]:
+    """The step ``checkpoints/latest`` names (unverified; :func:`select_checkpoint` verifies)."""
     path = os.path.join(run_dir, CKPT_DIR, "latest")
     if not os.path.exists(path):
         return None
-    text = open(path, encoding="utf-8").read().strip()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
     try:
         return int(text)
     except ValueError:
         raise ValueError(f"{path}: expected a step number, got {text!r}") from None
-
-
-def step_dir(run_dir: str, step: int) -> str:
-    return os.path.join(run_dir, CKPT_DIR, f"step_{step}")
 
 
 def _model_state(trainer) -> dict[str, torch.Tensor]:
@@ -122,6 +142,8 @@ def _ensure_optimizer_state(trainer) -> None:
 class Checkpointer:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
+        self.notes: list[str] = []  # the last load: one line per checkpoint passed over
+        self._tokenizer_digests: dict = {}
 
     def save(self, loop) -> str:
         import torch.distributed.checkpoint as dcp
@@ -130,74 +152,120 @@ class Checkpointer:
         final = step_dir(self.run_dir, step)
         tmp = final + ".tmp"
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        per_rank_hooks = hasattr(loop.hooks, "state_dict")
+        layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
-            with open(os.path.join(tmp, LAYOUT_FILE), "w", encoding="utf-8") as f:
-                json.dump(_layout(trainer, per_rank_hooks=hasattr(loop.hooks, "state_dict")), f)
+            write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
+            write_json_durable(os.path.join(tmp, DEPENDS_FILE), fingerprint(trainer.cfg, self._tokenizer_digests))
         _barrier()
         state = _model_state(trainer)
-        if hasattr(loop.hooks, "state_dict"):
+        if per_rank_hooks:
             rank = dist.get_rank() if dist.is_initialized() else 0
             torch.save(loop.hooks.state_dict(), os.path.join(tmp, f"hooks_rank{rank}.pt"))
+            fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
         with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, checkpoint_id=tmp)
+            metadata = dcp.save(state, checkpoint_id=tmp)
         pg = trainer.pg
         tracker = _rng_tracker(trainer)
         if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0:
             torch.save(tracker.state_dict(), os.path.join(tmp, _rng_file(pg)))
+            fsync_file(os.path.join(tmp, _rng_file(pg)))
         if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
             # positions are the same on every rank of a group, different across groups (DEPT)
             meta = {"step": step, "trainer": trainer.state_dict(),
                     "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
                                   if hasattr(it, "state_dict")}}
-            with open(os.path.join(tmp, f"group{pg.group_index}.json"), "w", encoding="utf-8") as f:
-                json.dump(meta, f)
+            write_json_durable(os.path.join(tmp, f"group{pg.group_index}.json"), meta)
         _barrier()
+        self._seal(tmp, step, layout, metadata, trainer.device)
         if rank0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            latest = os.path.join(self.run_dir, CKPT_DIR, "latest")
-            with open(latest + ".tmp", "w", encoding="utf-8") as f:
-                f.write(f"{step}\n")
-            os.replace(latest + ".tmp", latest)
+            fsync_dir(os.path.dirname(final))
+            replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
         _barrier()
         return final
 
+    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device) -> None:
+        """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write
+        the manifest from rank 0, last."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        algorithm = default_algorithm()
+        data_files = sorted({getattr(info, "relative_path", None) for info in
+                             (getattr(metadata, "storage_data", None) or {}).values()} - {None})
+        mine = [f for i, f in enumerate(data_files) if i % world == rank]
+        if layout["per_rank_hooks"]:
+            mine.append(f"hooks_rank{rank}.pt")
+        if rank == 0:
+            # small files, and anything else in the directory (or every data file, should DCP's
+            # metadata not name them)
+            hooks = {f"hooks_rank{r}.pt" for r in range(world)} if layout["per_rank_hooks"] else set()
+            mine += [n for n in os.listdir(tmp) if n not in data_files and n not in hooks and n != MANIFEST]
+        entries = digest_files(tmp, mine, algorithm, fsync=True)
+        merged: dict[str, Any] = {}
+        for text in all_gather_text(json.dumps(entries), device):
+            merged.update(json.loads(text))
+        missing = [n for n in expected_files(FORMAT, layout) if n not in merged]
+        if missing:  # the same on every rank: all of them fail the save, latest stays as it was
+            raise RuntimeError(f"checkpoint save {tmp}: {missing} were not written")
+        if rank == 0:
+            write_manifest(tmp, step, algorithm, merged)
+
     def load(self, loop, step: Optional[int] = None) -> Optional[int]:
-        """Load ``step`` (default: ``latest``) into the loop's trainer and iterators; returns
-        the step loaded or None when there is no checkpoint."""
-        step = latest_step(self.run_dir) if step is None else step
-        if step is None:
+        """Load ``step`` (default: the newest complete, verified checkpoint, normally ``latest``;
+        the ones passed over are in ``self.notes``) into the loop's trainer and iterators;
+        returns the step loaded or None when there is no checkpoint."""
+        sel = select_checkpoint(self.run_dir, loop.trainer.device, step)
+        self.notes = sel.notes
+        if sel.step is None:
             return None
-        load_weights(loop.trainer, self.run_dir, step, hooks=loop.hooks)
+        step = sel.step
+        load_weights(loop.trainer, self.run_dir, step, hooks=loop.hooks, verified=True,
+                     tokenizer_digests=self._tokenizer_digests)
         group = loop.trainer.pg.group_index
-        with open(os.path.join(step_dir(self.run_dir, step), f"group{group}.json"), encoding="utf-8") as f:
-            meta = json.load(f)
-        loop.trainer.load_state_dict(meta["trainer"])
-        for name, st in meta.get("iterators", {}).items():
-            it = loop.iterator(name)
-            if hasattr(it, "load_state_dict"):
-                it.load_state_dict(st)
+        meta = read_json(step_dir(self.run_dir, step), f"group{group}.json")
+        try:
+            loop.trainer.load_state_dict(meta["trainer"])
+            for name, st in meta.get("iterators", {}).items():
+                it = loop.iterator(name)
+                if hasattr(it, "load_state_dict"):
+                    it.load_state_dict(st)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{step_dir(self.run_dir, step)}/group{group}.json: unexpected content "
+                                  f"({type(exc).__name__}: {exc})") from None
         return step
 
 
-def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer: bool = True) -> None:
+def _safe_load(path: str, map_location) -> Any:
+    """``torch.load`` that only accepts tensors and plain containers (never runs code from the
+    file); anything else is a :class:`CheckpointError` naming the file."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError from a damaged zip, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: refused to load it with weights_only=True (not only tensors and plain "
+                              f"containers, or damaged): {first}") from None
+
+
+def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer: bool = True,
+                 verified: bool = False, tokenizer_digests: Optional[dict] = None) -> None:
+    """Load checkpoint ``step`` into ``trainer`` (and the round hooks). Unless ``verified``, the
+    checkpoint's manifest is checked first (:class:`CheckpointError` when damaged)."""
     import torch.distributed.checkpoint as dcp
     path = step_dir(run_dir, step)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    saved_groups = len([f for f in os.listdir(path) if f.startswith("group") and f.endswith(".json")])
-    pg = trainer.pg
-    if saved_groups and saved_groups != pg.num_groups:
-        # keys carry the group: another number of groups would silently load part of the state
-        from .config import ConfigError
-        per_group = pg.tp_size * pg.pp_size * pg.dp_size
-        raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved_groups} source group(s), but "
-                          f"world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} rank(s) per group; "
-                          f"launch {saved_groups * per_group} processes")
+    if not verified:
+        problem = verify_checkpoint(path, trainer.device)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     check_layout(trainer, path)
+    check_depends(trainer.cfg, path, tokenizer_digests)
+    pg = trainer.pg
+    layout = read_json(path, LAYOUT_FILE)
     if hooks is not None and hasattr(hooks, "prepare_load"):
         hooks.prepare_load(step)  # DEPT: the embeddings (vocabulary) installed at that step
     if optimizer:
@@ -209,12 +277,16 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
     tracker = _rng_tracker(trainer)
-    rng_path = os.path.join(path, _rng_file(pg))
-    if tracker is not None and os.path.exists(rng_path):  # older checkpoints have none
-        tracker.load_state_dict(torch.load(rng_path, map_location="cpu", weights_only=True))
+    if tracker is not None:
+        if layout.get("dropout_rng"):
+            tracker.load_state_dict(_safe_load(os.path.join(path, _rng_file(pg)), "cpu"))
+        elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
+            raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
+                                  f"dropout needs to continue exactly")
     if hooks is not None and hasattr(hooks, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
-        if not os.path.exists(hooks_path):
-            raise FileNotFoundError(f"checkpoint {path} has no round-hook state for rank {rank} ({hooks_path})")
-        hooks.load_state_dict(torch.load(hooks_path, map_location=trainer.device, weights_only=False))
+        if not layout.get("per_rank_hooks"):
+            raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
+                                  f"a run without DEPT round hooks")
+        hooks.load_state_dict(_safe_load(hooks_path, trainer.device))

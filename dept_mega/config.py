@@ -136,6 +136,9 @@ class TrainConfig:
     eval_iters: int = 20
     save_interval: int = 500
     profile: Optional[ProfileConfig] = None
+    # seconds to wait for every rank at start-up (rendezvous, process-group creation); torch
+    # applies the same limit to later collectives on the world group (docs/launching.md §7)
+    init_timeout_s: float = 600.0
 
 
 @dataclass
@@ -353,7 +356,7 @@ def _check_values(cfg: Config) -> None:
                     "model.vocab_size", "parallel.tensor", "parallel.pipeline", "parallel.data",
                     "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
                     "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
-                    "optim.max_consecutive_nonfinite"])
+                    "optim.max_consecutive_nonfinite", "train.init_timeout_s"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
                     "train.eval_iters", "train.save_interval", "model.hidden_dropout",

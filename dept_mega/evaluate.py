@@ -4,7 +4,8 @@
 
 Reads ``RUN/config.yaml``, rebuilds the model in the run's layout (same tensor and pipeline
 sizes; launch with as many ranks as the run used, or any data-parallel size), loads
-``RUN/checkpoints/step_S`` (default: ``latest``) and writes ``RESULT.json``: one ``eval``
+``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
+when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
 computed exactly as the run's periodic evaluation (``train.eval_iters`` batches of the
 validation split, unless ``--eval-iters`` says otherwise).
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .checkpoint import latest_step, load_weights
+from .checkpoint import load_weights
 from .config import ConfigError, load_config
 from .metrics import make_record, write_json_atomic
 
@@ -40,15 +41,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    step = args.step if args.step is not None else latest_step(args.run_dir)
-    if step is None:
+    from .resume import read_latest, select_checkpoint, step_dirs
+    if args.step is None and read_latest(args.run_dir) == (None, None) and not step_dirs(args.run_dir):
         print(f"error: {args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)",
               file=sys.stderr)
         return 2
     from .train import build_session, input_errors
     try:
         session = build_session(cfg, metrics=False)
-        load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False)
+        sel = select_checkpoint(args.run_dir, session.device, args.step)
+        if sel.step is None:
+            print(f"error: no checkpoint to evaluate in {args.run_dir}/checkpoints", file=sys.stderr)
+            return 2
+        if session.rank == 0:
+            for note in sel.notes:
+                print(f"warning: {note}", file=sys.stderr)
+        step = sel.step
+        load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
+                     verified=True)
     except (*input_errors(), FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

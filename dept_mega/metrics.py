@@ -93,6 +93,41 @@ class MetricsWriter:
             except Exception:  # noqa: BLE001 - tensorboard is optional (design.md §6)
                 self._tb = None
 
+    def resume_at(self, step: int) -> int:
+        """Make ``metrics.jsonl`` continue from inner step ``step`` (the checkpoint a run resumed
+        from; 0 for a run that starts over): keep the records with ``step <= step``, drop the
+        later ones (the steps between that checkpoint and a crash, which the resumed run writes
+        again) and any unreadable line (a record cut by the crash). The file is rewritten
+        atomically; readers never see a step twice. Returns the number of lines dropped."""
+        if not self.enabled:
+            return 0
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        kept: list[bytes] = []
+        dropped = 0
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    keep = isinstance(rec, dict) and int(rec["step"]) <= step
+                except (ValueError, KeyError, TypeError):
+                    keep = False
+                if keep:
+                    kept.append(line if line.endswith(b"\n") else line + b"\n")
+                else:
+                    dropped += 1
+        if dropped:
+            self._file.close()
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._file = open(path, "a", encoding="utf-8")
+        return dropped
+
     @property
     def has_tensorboard(self) -> bool:
         return self._tb is not None

@@ -6,7 +6,9 @@ Writes ``RUN/config.yaml`` (resolved config), ``RUN/metrics.jsonl`` (design.md Â
 every ``train.log_interval`` steps, evaluation per source every ``train.eval_interval`` steps
 and at the end, and checkpoints (``RUN/checkpoints/step_N`` + ``latest``) every
 ``train.save_interval`` steps and at the end. A run whose ``run_dir`` holds a checkpoint
-resumes from ``latest``.
+resumes from ``latest`` (or, when that one is damaged, the newest verified checkpoint before
+it; docs/launching.md "After a crash"). One job at a time holds a run directory
+(``dept_mega.rundir``).
 """
 from __future__ import annotations
 
@@ -113,15 +115,33 @@ class Session:
     rank: int
 
 
+def checked_on_rank0(check, rank: int, device: torch.device) -> None:
+    """Run ``check`` on global rank 0 only (e.g. a pass over the data that is cached after) and
+    raise its input error as the same ConfigError on every rank."""
+    from .parallel.agree import first_problem
+    problem = None
+    if rank == 0:
+        try:
+            check()
+        except input_errors() as exc:
+            problem = str(exc)
+    problem = first_problem(problem, device)
+    if problem:
+        raise ConfigError(problem)
+
+
 def build_session(cfg: Config, metrics: bool = True) -> Session:
-    rank, world, device = init_distributed()
+    from .data.checks import check_sources
+    rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
     validate(cfg, world)
+    # the data first (empty sources, token ids outside the vocabulary): before any heavy work
+    checked_on_rank0(lambda: check_sources(cfg), rank, device)
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
+    data = load_run_data(cfg, pg)
     torch.manual_seed(cfg.train.seed)
     vocab = vocab_size_of(cfg)
     trainer = Trainer(cfg, pg, device, vocab_size=vocab)
-    data = load_run_data(cfg, pg)
     hooks = build_hooks(cfg, pg, trainer, device)
     writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics)
     from .checkpoint import Checkpointer
@@ -164,9 +184,11 @@ def write_params(session: Session) -> None:
 def input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (config, data or tokenizer files): reported as one
     ``error: ...`` line and exit status 2 on every rank, not a traceback."""
+    from .data.gpt_dataset import DatasetError
     from .data.indexed import IndexedFormatError
     from .data.tokenizer import TokenizerError
-    return (ConfigError, IndexedFormatError, TokenizerError)
+    from .manifest import CheckpointError
+    return (ConfigError, IndexedFormatError, TokenizerError, DatasetError, CheckpointError)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -176,24 +198,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        session = build_session(cfg)
-    except input_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    from .rundir import take_run_dir
     run_dir = cfg.train.run_dir
-    loop = session.loop
+    lock = None
     try:
-        resumed = loop.checkpointer.load(loop)
-    except input_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        try:
+            rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
+            # before any heavy work: the run directory is usable and no other job holds it
+            lock = take_run_dir(run_dir, rank, device, check=lambda: validate(cfg, world))
+            session = build_session(cfg)
+            loop = session.loop
+            resumed = loop.checkpointer.load(loop)
+        except input_errors() as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return _train(session, resumed)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(session: Session, resumed: Optional[int]) -> int:
+    cfg, loop = session.cfg, session.loop
+    run_dir = cfg.train.run_dir
+    if session.rank == 0:
+        for note in loop.checkpointer.notes:
+            print(f"warning: {note}", file=sys.stderr)
+    # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
+    dropped = session.writer.resume_at(resumed or 0)
     if session.rank == 0:  # after a successful resume: a refused launch leaves the run's config as it was
         os.makedirs(run_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     session.writer.log(describe(session))
     if resumed is not None:
         session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}")
+    if dropped:
+        session.writer.log(f"metrics.jsonl: dropped {dropped} record(s) after step {resumed or 0}, written by the "
+                           f"interrupted run after its last checkpoint")
     try:
         if session.trainer.step >= cfg.train.steps:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")

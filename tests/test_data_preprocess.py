@@ -143,7 +143,7 @@ def test_report_printed_by_cli_and_strict_fails_without_output(tmp_path, tok_mod
     assert "invalid_utf8" in r.stderr and f"{src}:12" in r.stderr and "Traceback" not in r.stderr
     os.remove(str(tmp_path / "o_text_document.bin"))
     r = run_tool("preprocess_data.py", args + ["--strict", "--workers", "2"])
-    assert r.returncode == 1 and "--strict" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--strict" in r.stderr and "Traceback" not in r.stderr
     assert not [f for f in os.listdir(tmp_path) if f.endswith((".bin", ".tmp"))]
 
 
@@ -171,11 +171,11 @@ def test_multiple_keys_stay_aligned(tmp_path, tok_model):
 def test_clear_errors_for_missing_files(tmp_path, tok_model):
     r = run_tool("preprocess_data.py", ["--input", str(tmp_path / "none.jsonl"), "--tokenizer-model", tok_model,
                                         "--output-prefix", str(tmp_path / "o")])
-    assert r.returncode == 1 and "none.jsonl" in r.stderr and "does not exist" in r.stderr
+    assert r.returncode == 2 and "none.jsonl" in r.stderr and "does not exist" in r.stderr
     src = write_jsonl(str(tmp_path / "a.jsonl"), ["x"])
     r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", str(tmp_path / "no.model"),
                                         "--output-prefix", str(tmp_path / "o")])
-    assert r.returncode == 1 and "no.model" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no.model" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_progress_lines(tmp_path, tok_model):

@@ -119,20 +119,37 @@ def _make_opt(cfg, run_dir):
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None
 
 
+def _as_if_written_by(step_path, **layout_changes):
+    """Edit a checkpoint's layout.json as if another layout had written it: the per-rank files
+    that layout has (copies), and a new manifest."""
+    import json
+    import shutil
+    from dept_mega.manifest import seal
+    layout_path = step_path / "layout.json"
+    layout = dict(json.loads(layout_path.read_text()), **layout_changes)
+    layout_path.write_text(json.dumps(layout))
+    world = layout["tensor"] * layout["pipeline"] * layout["data"] * layout["groups"]
+    for r in range(1, world):
+        shutil.copy(step_path / "hooks_rank0.pt", step_path / f"hooks_rank{r}.pt")
+    for g in range(1, layout["groups"]):
+        shutil.copy(step_path / "group0.json", step_path / f"group{g}.json")
+    seal(str(step_path), int(step_path.name.split("_")[1]))
+
+
 def test_load_weights_refuses_another_number_of_groups(tmp_path):
     """A checkpoint written by 2 source groups loaded by a 1-group launch (``evaluate`` on
     fewer processes) would load group 0's keys only and evaluate the other group's sources
-    with fresh embeddings: a ConfigError naming 'parallel' instead of a silent wrong result."""
+    with fresh embeddings: a ConfigError naming 'parallel' (the count from layout.json, with
+    the number of processes to launch) instead of a silent wrong result."""
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
-    cfg = tiny_config({"train": {"run_dir": str(tmp_path)}})
+    cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 1},
+                       "train": {"steps": 1, "save_interval": 1, "eval_interval": 0, "run_dir": str(tmp_path)}})
     loop, _ = _make_opt(cfg, str(tmp_path))
-    step = tmp_path / "checkpoints" / "step_4"
-    step.mkdir(parents=True)
-    for g in range(2):
-        (step / f"group{g}.json").write_text("{}")
-    with pytest.raises(ConfigError, match="'parallel'.*2 source group"):
-        load_weights(loop.trainer, str(tmp_path), 4, hooks=loop.hooks, optimizer=False)
+    loop.run()
+    _as_if_written_by(tmp_path / "checkpoints" / "step_1", groups=2)
+    with pytest.raises(ConfigError, match="'parallel'.*2 source group.*launch 2 processes"):
+        load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks, optimizer=False)
 
 
 def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
@@ -149,8 +166,8 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     layout_path = tmp_path / "checkpoints" / "step_1" / "layout.json"
     layout = json.loads(layout_path.read_text())
     assert layout == {"tensor": 1, "pipeline": 1, "virtual_pipeline": 1, "data": 1, "groups": 1,
-                      "per_rank_hooks": True}
+                      "per_rank_hooks": True, "dropout_rng": True}
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
-    layout_path.write_text(json.dumps(dict(layout, data=2)))
+    _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2)
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)

@@ -18,6 +18,7 @@ import torch
 from dept_mega import evaluate as evaluate_cli
 from dept_mega import train as train_cli
 from dept_mega.config import load_config
+from dept_mega.manifest import seal
 from dept_mega.metrics import check_record
 from tests.mp_utils import free_port
 from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
@@ -101,6 +102,10 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
     with open(layout_path, "w") as f:
         json.dump(dict(layout, tensor=2), f)
+    # what a real tensor-parallel checkpoint would hold, with its manifest
+    step30 = os.path.join(run2, "checkpoints", "step_30")
+    shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp1_pp0.pt"))
+    seal(step30, 30)
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
         f.write("30\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()

@@ -9,7 +9,9 @@ Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per 
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
 byte-order mark, CRLF) are counted by kind and reported at the end with their first line
 numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
-makes any of them an error (exit 1, no output written).
+makes any of them an error. An input that leaves no document (empty, or all bad lines) is an
+error too unless ``--allow-empty``. Errors are one ``error:`` line and exit status 2, with no
+output written; an output path that cannot be written is refused before tokenizing.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cut the input into this many contiguous parts, write each, then merge")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write an empty dataset when no document is left (default: an error)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--quiet", action="store_true", help="no progress or summary lines")
     return p.parse_args(argv)
@@ -45,10 +49,11 @@ def main(argv=None) -> int:
     try:
         st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                         workers=args.workers, append_eod=args.append_eod, strict=args.strict,
-                        partitions=args.partitions, log=log, progress_interval=args.log_interval)
+                        partitions=args.partitions, log=log, progress_interval=args.log_interval,
+                        allow_empty=args.allow_empty)
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
         return 130

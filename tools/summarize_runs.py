@@ -5,7 +5,7 @@ parameters per rank.
     python tools/summarize_runs.py runs/main_std runs/main_spec_opt [--json OUT.json]
 
 Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record and every
-``outer`` record) and ``params.json`` (parameters held by each rank, written by
+``outer`` record; one record per kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
 ``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
 perplexity do not.
 """
@@ -33,7 +33,8 @@ def read_run(run_dir: str) -> dict[str, Any]:
             raise RunError(f"{path} does not exist: is {run_dir!r} a finished run?")
     with open(cfg_path, encoding="utf-8") as f:
         cfg = yaml.safe_load(f)
-    evals, outers, trains = [], [], []
+    by_key: dict[tuple, dict] = {}
+    records = 0
     with open(metrics_path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -42,7 +43,17 @@ def read_run(run_dir: str) -> dict[str, Any]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RunError(f"{metrics_path}:{lineno}: not JSON ({exc})") from exc
-            {"eval": evals, "outer": outers, "train": trains}.get(rec.get("kind"), []).append(rec)
+            by_key[(rec.get("kind"), rec.get("step"))] = rec
+            records += 1
+    # dept_mega rewrites metrics.jsonl on resume so that no step repeats; a file from before
+    # that (or edited by hand) may repeat steps: the last record of a (kind, step) counts
+    repeated = records - len(by_key)
+    if repeated:
+        print(f"warning: {metrics_path}: {repeated} repeated record(s) of the same kind and step (a resumed run "
+              f"before dept_mega kept metrics.jsonl clean); the last of each counts", file=sys.stderr)
+    evals, outers, trains = [], [], []
+    for rec in sorted(by_key.values(), key=lambda r: (r.get("step") or 0)):
+        {"eval": evals, "outer": outers, "train": trains}.get(rec.get("kind"), []).append(rec)
     if not evals:
         raise RunError(f"{metrics_path}: no eval record")
     params = None

@@ -46,6 +46,11 @@ PARTS = ("train", "valid", "test")
 CACHE_VERSION = 1
 
 
+class DatasetError(ValueError):
+    """A dataset too small for the config (no documents for a part, fewer tokens than one
+    sample): bad input, reported in one line naming the data prefix."""
+
+
 def parse_split(split: str) -> list[float]:
     try:
         w = [float(x) for x in split.split(",")]
@@ -66,7 +71,7 @@ def split_bounds(num_docs: int, split: str) -> list[tuple[int, int]]:
             sizes[k] = max(1, int(np.floor(w[k] / total * num_docs)))
     sizes[0] = num_docs - sizes[1] - sizes[2]
     if sizes[0] < 1:
-        raise ValueError(f"data.split {split!r}: {num_docs} documents are too few to give every part one")
+        raise DatasetError(f"data.split {split!r}: {num_docs} documents are too few to give every part one")
     bounds, lo = [], 0
     for s in sizes:
         bounds.append((lo, lo + s))
@@ -102,7 +107,10 @@ class GPTDataset:
         self.shuffle = shuffle
         self.indexed = IndexedDataset(prefix)
         starts, lengths = self.indexed.document_token_ranges()
-        lo, hi = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
+        try:
+            lo, hi = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
+        except DatasetError as exc:
+            raise DatasetError(f"{prefix}: {exc}") from None
         docs = np.arange(lo, hi, dtype=np.int64)
         docs = docs[lengths[lo:hi] > 0]
         self.doc_ids = docs
@@ -110,7 +118,7 @@ class GPTDataset:
         self.doc_lengths = lengths[docs]
         self.num_tokens = int(self.doc_lengths.sum())
         if self.num_tokens < seq_length + 1:
-            raise ValueError(f"{prefix}: part '{which}' of split {split!r} has {self.num_tokens} tokens in "
+            raise DatasetError(f"{prefix}: part '{which}' of split {split!r} has {self.num_tokens} tokens in "
                              f"{len(docs)} documents; one sample needs seq_length + 1 = {seq_length + 1}")
         self.samples_per_epoch = (self.num_tokens - 1) // seq_length
         self.num_samples = num_samples

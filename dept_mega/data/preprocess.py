@@ -19,6 +19,7 @@ import itertools
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
@@ -183,10 +184,38 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _check_output(output_prefix: str, finals: Sequence[str]) -> None:
+    """The output directory exists (created if missing) and takes a new file, and no output
+    path is a directory: checked before any tokenizing."""
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=out_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise PreprocessError(f"--output-prefix {output_prefix!r}: cannot write to {exc.filename or out_dir} "
+                              f"({exc.strerror})") from None
+    for final in finals:
+        for path in (bin_path(final), idx_path(final), bytes_path(final)):
+            if os.path.isdir(path):
+                raise PreprocessError(f"--output-prefix {output_prefix!r}: output {path} is a directory")
+
+
+def _remove_outputs(prefixes: Sequence[str]) -> None:
+    for p in prefixes:
+        for f in (bin_path(p), idx_path(p), bytes_path(p)):
+            if os.path.exists(f):
+                os.remove(f)
+
+
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
                workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
-               log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0) -> PreprocessStats:
-    """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`."""
+               log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0,
+               allow_empty: bool = False) -> PreprocessStats:
+    """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`
+    (also when no document is left, e.g. an empty or all-bad input: nothing is written then,
+    unless ``allow_empty``)."""
     log = log or (lambda msg: None)
     for path in inputs:
         if not os.path.isfile(path):
@@ -202,6 +231,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     dtype = optimal_dtype(tok.vocab_size)
     stats = PreprocessStats()
     finals = [output_prefix_for(output_prefix, k) for k in keys]
+    _check_output(output_prefix, finals)
     t0 = time.time()
 
     pool = None
@@ -232,11 +262,14 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
             pool.join()
         if len(parts) > 1:
             for prefixes in part_prefixes:
-                for p in prefixes:
-                    for f in (bin_path(p), idx_path(p), bytes_path(p)):
-                        if os.path.exists(f):
-                            os.remove(f)
+                _remove_outputs(prefixes)
     stats.seconds = time.time() - t0
+    if stats.documents == 0 and not allow_empty:
+        _remove_outputs(finals)
+        what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input" if stats.lines
+                else "the input is empty")
+        raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
+                              f"empty dataset)")
     stats.outputs = finals
     return stats
 

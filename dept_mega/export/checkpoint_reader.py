@@ -180,6 +180,10 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
     path = step_dir(run_dir, step)
     if not os.path.isdir(path):
         raise CheckpointReadError(f"checkpoint {path} does not exist")
+    from ..manifest import local_problem
+    problem = local_problem(path)  # the manifest: every file present, of its size and checksum
+    if problem:
+        raise CheckpointReadError(f"checkpoint {path} is not usable: {problem}")
     variant = cfg.dept.variant
     names = [s.name for s in cfg.data.sources]
     if source is None and variant != "std":

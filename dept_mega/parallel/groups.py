@@ -15,6 +15,7 @@ position in every group) and ``world``.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -170,10 +171,20 @@ def build_groups(tensor: int = 1, data: int = 1, pipeline: int = 1, *,
     return pg
 
 
-def init_distributed(backend: Optional[str] = None) -> tuple[int, int, torch.device]:
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None
+                     ) -> tuple[int, int, torch.device]:
     """Initialise ``torch.distributed`` from torchrun's environment (or a single process).
 
     Returns (rank, world_size, device). gloo on CPU, nccl when CUDA is available.
+    ``timeout_s`` bounds the rendezvous and process-group creation (``train.init_timeout_s``);
+    torch applies the same limit to later collectives on the world group (the groups made by
+    ``build_groups`` keep torch's default).
+
+    Under torchrun (``TORCHELASTIC_RESTART_COUNT`` set) the store keys get a prefix per restart:
+    torchrun's agent keeps one TCPStore for the whole job (shared with the workers since
+    torch 2.4), so after ``--max-restarts`` restarted the workers, the new ones would read the
+    dead workers' keys (gloo peer addresses, barrier counters) and fail with "connectFullMesh
+    ... Connection refused" or wait forever.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -184,5 +195,17 @@ def init_distributed(backend: Optional[str] = None) -> tuple[int, int, torch.dev
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            from torch.distributed.rendezvous import rendezvous
+            kw = {"timeout": timeout} if timeout is not None else {}
+            store, rank, world_size = next(rendezvous("env://", rank, world_size, **kw))
+            if timeout is not None:
+                store.set_timeout(timeout)
+            store = dist.PrefixStore(f"dept_mega/restart{int(restart)}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
     return rank, world_size, device

@@ -1,0 +1,46 @@
+"""Small bookkeeping collectives that make every rank take the same decision: gather a short
+text from every rank (a checkpoint problem, a start-up error) without pickling anything.
+
+Like the loop's scalar reductions these use ``torch.distributed`` directly and are not counted
+by :class:`~dept_mega.parallel.comm.Comm`: a few bytes at start-up or per checkpoint, no part of
+the algorithm's traffic. Without ``torch.distributed`` (one process) they are local.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_gather_text(text: str, device: Optional[torch.device] = None) -> list[str]:
+    """Every rank's ``text``, in rank order, on every rank (UTF-8 bytes in uint8 tensors; the
+    tensors live on ``device``, which must be the rank's CUDA device under NCCL)."""
+    if not _distributed():
+        return [text]
+    device = device or torch.device("cpu")
+    world = dist.get_world_size()
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(lengths, n)
+    sizes = [int(x.item()) for x in lengths]
+    width = max(max(sizes), 1)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    mine[:data.numel()] = data.to(device)
+    out = [torch.zeros(width, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [bytes(t[:k].cpu().tolist()).decode("utf-8") for t, k in zip(out, sizes)]
+
+
+def first_problem(problem: Optional[str], device: Optional[torch.device] = None) -> Optional[str]:
+    """The first non-empty ``problem`` in rank order, the same on every rank (None: no rank
+    had one)."""
+    for text in all_gather_text(problem or "", device):
+        if text:
+            return text
+    return None

@@ -1,0 +1,203 @@
+"""What a resume checks, and which checkpoint it takes.
+
+* :func:`select_checkpoint`: the newest complete, verified checkpoint of a run. ``latest``
+  names the newest step; when it is garbage, names a step that does not exist, or that step
+  fails verification (``dept_mega.manifest``: missing, truncated or corrupted file, bad
+  manifest), the reason is reported in one line naming the file and the next older step
+  directory is tried. When no checkpoint is usable: :class:`CheckpointError` (one line).
+  Every rank takes the same decision: rank 0's view of the directory is shared, each rank
+  checks a share of the files, and the first problem in rank order counts everywhere.
+* ``step_N/depends.json`` (:func:`fingerprint`, :func:`check_depends`): the config values the
+  checkpoint's tensors and data positions depend on (model shape, DEPT variant and rounds,
+  sources) and the checksums of the tokenizers in use. A resume whose config differs in one of
+  them is one :class:`ConfigError` naming the key, before DCP loads anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, ConfigError
+from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
+from .parallel.agree import all_gather_text, first_problem
+
+CKPT_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# config values a checkpoint depends on (resolved: None defaults filled in)
+DEPENDS_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
+                "model.ffn_hidden_size", "model.activation", "model.normalization", "model.position_embedding",
+                "model.seq_length", "model.tie_embeddings", "model.bias", "model.vocab_size",
+                "dept.variant", "dept.local_steps", "dept.sampling", "dept.temperature",
+                "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "data.sources")
+
+
+def step_dir(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, CKPT_DIR, f"step_{step}")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def read_latest(run_dir: str) -> tuple[Optional[int], Optional[str]]:
+    """(step named by ``checkpoints/latest`` or None, problem with the file or None)."""
+    path = os.path.join(run_dir, CKPT_DIR, "latest")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path} is unreadable ({exc.strerror})"
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text.isdigit():
+        return None, f"{path} does not hold a step number (it holds {text[:40]!r})"
+    return int(text), None
+
+
+def step_dirs(run_dir: str) -> list[int]:
+    """Steps with a ``step_N`` directory (complete saves; ``step_N.tmp`` are not), newest first."""
+    try:
+        names = os.listdir(os.path.join(run_dir, CKPT_DIR))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = [int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))
+             and os.path.isdir(os.path.join(run_dir, CKPT_DIR, n))]
+    return sorted(steps, reverse=True)
+
+
+def verify_checkpoint(path: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """Why ``path`` must not be loaded (the same answer on every rank), or None."""
+    rank, world = _rank_world()
+    return first_problem(local_problem(path, rank, world), device)
+
+
+@dataclass
+class Selection:
+    step: Optional[int]
+    notes: list[str] = field(default_factory=list)  # one line per checkpoint passed over
+
+
+def _plan(run_dir: str) -> dict[str, Any]:
+    latest, problem = read_latest(run_dir)
+    steps = step_dirs(run_dir)
+    ckdir = os.path.join(run_dir, CKPT_DIR)
+    notes = [problem] if problem else []
+    if latest is not None:
+        if latest not in steps:
+            notes.append(f"{ckdir}/latest names step {latest}, but {step_dir(run_dir, latest)} does not exist")
+        candidates = [s for s in steps if s <= latest]
+    else:
+        candidates = steps
+        if steps and problem is None:
+            notes.append(f"{ckdir}/latest is missing; trying the step directories")
+    return {"candidates": candidates, "notes": notes, "any": latest is not None or problem is not None
+            or bool(steps)}
+
+
+def select_checkpoint(run_dir: str, device: Optional[torch.device] = None,
+                      step: Optional[int] = None) -> Selection:
+    """The checkpoint to resume from (see the module doc). ``step`` given: that one or a
+    :class:`CheckpointError`. Nothing saved yet: ``Selection(None)``."""
+    if step is not None:
+        path = step_dir(run_dir, step)
+        problem = verify_checkpoint(path, device)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        return Selection(step)
+    # rank 0's view of the directory decides for everyone (a network file system may show
+    # another node a directory listing a moment late)
+    plan = json.loads(all_gather_text(json.dumps(_plan(run_dir)), device)[0])
+    notes = list(plan["notes"])
+    for s in plan["candidates"]:
+        path = step_dir(run_dir, s)
+        problem = verify_checkpoint(path, device)
+        if problem is None:
+            return Selection(s, notes)
+        notes.append(f"checkpoint {path} is not usable: {problem}")
+    if not plan["any"]:
+        return Selection(None)
+    ckdir = os.path.join(run_dir, CKPT_DIR)
+    raise CheckpointError(f"no complete, verified checkpoint in {ckdir} to resume from: " + "; ".join(notes)
+                          + f" (move {ckdir} away to start the run from scratch)")
+
+
+# ------------------------------------------------------------------------- depends.json
+
+
+def _file_sha256(path: str, cache: Optional[dict] = None) -> Optional[str]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if cache is not None and key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    if cache is not None:
+        cache[key] = digest
+    return digest
+
+
+def _config_values(cfg: Config) -> dict[str, Any]:
+    m, d = cfg.model, cfg.dept
+    return {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+            "model.num_attention_heads": m.num_attention_heads, "model.num_query_groups": m.query_groups,
+            "model.ffn_hidden_size": m.ffn_size, "model.activation": m.activation,
+            "model.normalization": m.normalization, "model.position_embedding": m.position_embedding,
+            "model.seq_length": m.seq_length, "model.tie_embeddings": m.tie_embeddings, "model.bias": m.bias,
+            "model.vocab_size": m.vocab_size, "dept.variant": d.variant, "dept.local_steps": d.local_steps,
+            "dept.sampling": d.sampling, "dept.temperature": d.temperature,
+            "dept.outer_optimizer.name": d.outer_optimizer.name,
+            "dept.reset_inner_optimizer": d.reset_inner_optimizer,
+            "data.sources": [s.name for s in cfg.data.sources]}
+
+
+def _tokenizers(cfg: Config) -> dict[str, str]:
+    """{config key: tokenizer path} of the tokenizers whose vocabularies the model embeds."""
+    if cfg.dept.variant == "spec_opt":
+        return {f"data.sources[{i}].tokenizer": s.tokenizer for i, s in enumerate(cfg.data.sources) if s.tokenizer}
+    return {"data.tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}
+
+
+def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
+    """The content of ``step_N/depends.json``."""
+    return {"config": _config_values(cfg),
+            "tokenizers": {k: {"path": p, "sha256": _file_sha256(p, cache)} for k, p in _tokenizers(cfg).items()}}
+
+
+def check_depends(cfg: Config, path: str, cache: Optional[dict] = None) -> None:
+    """ConfigError naming the first key whose value differs from the checkpoint's."""
+    saved = read_json(path, DEPENDS_FILE)
+    now = fingerprint(cfg, cache)
+    old_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
+    hint = "resume with the checkpoint's value, or start a new train.run_dir"
+    for key in DEPENDS_KEYS:
+        if key in old_cfg and old_cfg[key] != now["config"][key]:
+            raise ConfigError(f"config key '{key}': checkpoint {path} was written with {old_cfg[key]!r}, this "
+                              f"launch has {now['config'][key]!r}; {hint}")
+    old_tok = saved.get("tokenizers", {}) if isinstance(saved, dict) else {}
+    for key in sorted(set(old_tok) | set(now["tokenizers"])):
+        a, b = old_tok.get(key), now["tokenizers"].get(key)
+        if a is None or b is None:
+            raise ConfigError(f"config key '{key}': checkpoint {path} was written "
+                              f"{'without it' if a is None else 'with ' + repr(a.get('path'))}, this launch "
+                              f"{'has none' if b is None else 'gives ' + repr(b['path'])}; {hint}")
+        if a.get("sha256") != b["sha256"]:
+            raise ConfigError(f"config key '{key}': checkpoint {path} was trained with tokenizer "
+                              f"{a.get('path')!r} (sha256 {str(a.get('sha256'))[:12]}), this launch gives "
+                              f"{b['path']!r} (sha256 {str(b['sha256'])[:12]}): another vocabulary; {hint}")

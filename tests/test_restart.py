@@ -1,0 +1,148 @@
+"""Real processes under torchrun (issue 15): a rank killed with SIGKILL after a checkpoint,
+`--max-restarts 1` restarts the job in place and it ends with the uninterrupted run's losses;
+workers orphaned by a killed torchrun hold a second job off their run directory."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.mp_utils import free_port
+from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu")
+ARGS = ["train.log_interval=1", "train.eval_interval=0", "train.eval_iters=1", "parallel.data=2",
+        "train.init_timeout_s=120"]
+
+
+def _torchrun(run, steps, *extra, restarts=0):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train",
+           "--config", TINY_STD, f"train.run_dir={run}", f"train.steps={steps}", *ARGS, *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _local_rank(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        return int(env.get(b"LOCAL_RANK", b"-1"))
+    except OSError:
+        return -1
+
+
+def _train_steps(run):
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    try:
+        return [r["step"] for r in read_jsonl(path) if r["kind"] == "train"]
+    except ValueError:  # a line being written
+        return []
+
+
+def _wait(cond, timeout, proc):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _stop(p, workers=()):
+    """End a torchrun that is still running and its workers (they live in their own sessions
+    and would outlive it)."""
+    if p.poll() is None:
+        workers = list(workers) + _children(p.pid)
+        p.kill()
+        p.wait()
+    for w in workers:
+        try:
+            os.kill(w, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_killed_rank_restarts_in_place_with_the_same_losses(tmp_path):
+    """SIGKILL to rank 1 after the step-4 checkpoint: torchrun restarts both workers (they
+    used to fail in gloo's connectFullMesh with "Connection refused", or hang, on the stale
+    keys of torchrun's shared store), they resume from the checkpoint, metrics.jsonl holds each
+    step once and the losses equal an uninterrupted run's."""
+    ensure_sample_corpus()
+    steps = 24
+    ref = str(tmp_path / "ref")
+    p = _torchrun(ref, steps, "train.save_interval=0")
+    try:
+        out, _ = p.communicate(timeout=240)
+    finally:
+        _stop(p)
+    assert p.returncode == 0, out[-3000:]
+    want = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(ref, "metrics.jsonl")) if r["kind"] == "train"}
+
+    run = str(tmp_path / "run")
+    p = _torchrun(run, steps, "train.save_interval=4", restarts=1)
+    try:
+        assert _wait(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest"))
+                     and max(_train_steps(run), default=0) >= 6, 240, p), "the run ended before the kill"
+        victim = [c for c in _children(p.pid) if _local_rank(c) == 1]
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL)
+        killed_after = max(_train_steps(run))
+        out, _ = p.communicate(timeout=300)
+    finally:
+        _stop(p)
+    assert p.returncode == 0, out[-4000:]
+    assert "resumed from" in out and killed_after < steps, out[-4000:]
+    got = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for r in got:
+        assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-9), r["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_orphaned_workers_hold_off_a_second_job(tmp_path):
+    """torchrun killed with SIGKILL leaves its workers running (they live in their own
+    sessions): a second job on the run directory is refused in one line naming the old rank 0."""
+    ensure_sample_corpus()
+    run = str(tmp_path / "run")
+    p = _torchrun(run, 100000, "train.save_interval=0")
+    workers = []
+    try:
+        assert _wait(lambda: len(_train_steps(run)) >= 2, 240, p), "the job did not start"
+        workers = _children(p.pid)
+        rank0 = [w for w in workers if _local_rank(w) == 0]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        time.sleep(0.5)
+        assert all(os.path.exists(f"/proc/{w}") for w in workers), "the workers did not outlive torchrun"
+        q = subprocess.run([sys.executable, "-m", "dept_mega.train", "--config", TINY_STD, f"train.run_dir={run}",
+                            "train.steps=1", *ARGS[:-2]], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=120)
+        err = [ln for ln in q.stderr.splitlines() if ln.strip()]
+        assert q.returncode == 2 and len(err) == 1, q.stderr
+        assert "in use by another job" in err[0] and f"pid {rank0[0]}" in err[0], err[0]
+    finally:
+        _stop(p, workers)
