@@ -180,6 +180,8 @@ class Checkpointer:
             it = loop.iterator(name)
             if hasattr(it, "load_state_dict"):
                 it.load_state_dict(st)
+        if hasattr(loop, "check_data_positions"):  # DEPT: positions must agree with the round plan
+            loop.check_data_positions(f"checkpoint {step_dir(self.run_dir, step)}")
         return step
 
 
