@@ -162,11 +162,14 @@ class TrimStrategy(VariantStrategy):
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
+        """``phi`` / ``phi_head``: the tables (fp32 tensors, as ``dept_mega.export`` reads them);
+        ``phi_optimizer`` / ``phi_head_optimizer``: their per-row outer optimizer state."""
         sd: dict = {}
-        if self.phi is not None:
-            sd["phi"] = self.phi.state_dict()
-        if self.phi_head is not None:
-            sd["phi_head"] = self.phi_head.state_dict()
+        for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
+            if table is not None:
+                tsd = table.state_dict()
+                sd[key] = tsd["weight"]
+                sd[f"{key}_optimizer"] = tsd["optimizer"]
         if self.position_sync is not None:
             sd["positions"] = self.positions.detach().clone()
             sd["position_sync"] = self.position_sync.state_dict()
@@ -176,13 +179,13 @@ class TrimStrategy(VariantStrategy):
         for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
             if table is None:
                 continue
-            saved = sd[key]
-            if isinstance(saved, torch.Tensor):  # written before φ's rows had outer optimizer state
+            opt = sd.get(f"{key}_optimizer")
+            if opt is None:  # written before φ's rows had outer optimizer state
                 if table.optimizer.name != "fedavg":
                     raise ValueError(f"dept.outer_optimizer.name: the checkpoint's TRIM table has no row state "
                                      f"for {table.optimizer.name!r} (it was written when rows took the plain mean)")
-                saved = {"weight": saved, "optimizer": {"name": "fedavg", "state": {}}}
-            table.load_state_dict(saved)
+                opt = {"name": "fedavg", "state": {}}
+            table.load_state_dict({"weight": sd[key], "optimizer": opt})
         if self.position_sync is not None:
             self.positions.data.copy_(sd["positions"])
             self.position_sync.load_state_dict(sd["position_sync"])
