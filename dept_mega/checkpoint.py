@@ -236,6 +236,8 @@ class Checkpointer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{step_dir(self.run_dir, step)}/group{group}.json: unexpected content "
                                   f"({type(exc).__name__}: {exc})") from None
+        if hasattr(loop, "check_data_positions"):  # DEPT: positions must agree with the round plan
+            loop.check_data_positions(f"checkpoint {step_dir(self.run_dir, step)}")
         return step
 
 

@@ -82,6 +82,9 @@ class DeptConfig:
     temperature: float = 1.0
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     reset_inner_optimizer: bool = False
+    # group: the body's inner AdamW state belongs to the group (DiLoCo); source: it belongs to
+    # the source and moves with it (source_move)
+    body_optimizer_state: str = "group"
     outer_comm_dtype: str = "fp32"  # fp32 | bf16
     trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
 
@@ -173,6 +176,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "dept.sampling": ("uniform", "proportional", "temperature"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
     "dept.outer_comm_dtype": ("fp32", "bf16"),
+    "dept.body_optimizer_state": ("group", "source"),
     "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
 }
 
@@ -421,6 +425,12 @@ def _check_values(cfg: Config) -> None:
         if not prof.ranks or any(r < 0 for r in prof.ranks) or len(set(prof.ranks)) != len(prof.ranks):
             raise ConfigError(f"config key 'train.profile.ranks': a non-empty list of distinct ranks >= 0, "
                               f"got {prof.ranks!r}")
+    if cfg.dept.body_optimizer_state == "source" and cfg.dept.variant == "std":
+        raise ConfigError("config key 'dept.body_optimizer_state': source needs a DEPT variant "
+                          "(std trains one group on the blend of all sources)")
+    if cfg.dept.body_optimizer_state == "source" and cfg.dept.reset_inner_optimizer:
+        raise ConfigError("config key 'dept.body_optimizer_state': source keeps the body's inner optimizer "
+                          "state per source, but dept.reset_inner_optimizer: true clears it every round")
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")

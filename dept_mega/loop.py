@@ -42,6 +42,11 @@ class RoundHooks(Protocol):
 
     def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager: ...
 
+    # optional: ``source_steps(source, step) -> int``, the inner steps of [0, step) in which
+    # ``source`` was trained (DEPT: from the round plan). When present, the loop moves the
+    # source's iterator there (``seek``) at every round start, so data positions travel with
+    # sources; without it (STD) an iterator keeps its own position.
+
 
 class StdHooks:
     """STD: one group trains the blend of all sources; no outer synchronisation."""
@@ -107,6 +112,39 @@ class TrainLoop:
             self.iterators[name] = it if it is not None else self._make_iterator(name)
         return self.iterators[name]
 
+    def _position_iterator(self, source: str) -> None:
+        """DEPT: put ``source``'s iterator at the source's data position from the round plan
+        (the steps any group trained it so far), whichever group read them. Only the iterator
+        of the source this group trains is kept — the others' positions come from the plan
+        when they are trained next — so a checkpoint saves positions that agree with the plan."""
+        steps_of = getattr(self.hooks, "source_steps", None)
+        if steps_of is None:
+            return
+        for name in [n for n in self.iterators if n != source]:
+            del self.iterators[name]
+        it = self.iterator(source)
+        if not hasattr(it, "seek"):
+            raise TypeError(f"the batch iterator of source {source!r} ({type(it).__name__}) has no seek(steps); "
+                            "DEPT positions every source's data from the round plan")
+        it.seek(int(steps_of(source, self.trainer.step)))
+
+    def check_data_positions(self, where: str) -> None:
+        """After a resume (``dept_mega.checkpoint``): every data position the checkpoint gave
+        an iterator must be the one the round plan gives at this step; otherwise the plan's
+        inputs changed since the checkpoint was written, and the run would silently read
+        other samples than the interrupted one. A ConfigError naming the keys."""
+        steps_of = getattr(self.hooks, "source_steps", None)
+        if steps_of is None:
+            return
+        from .config import ConfigError
+        for name, it in self.iterators.items():
+            had = getattr(it, "steps", None)
+            plan = int(steps_of(name, self.trainer.step))
+            if had is not None and int(had) != plan:
+                raise ConfigError(f"{where}: source {name!r} has read {had} steps, the round plan of this launch "
+                                  f"gives {plan} at step {self.trainer.step} (train.seed, dept.sampling, "
+                                  "dept.temperature or data.sources differ from the run that wrote it)")
+
     @property
     def local_steps(self) -> int:
         return self.cfg.dept.local_steps
@@ -150,6 +188,7 @@ class TrainLoop:
                 if self.pg.group_index not in self.assignment:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
                                        f"{self.pg.group_index}: {self.assignment}")
+                self._position_iterator(self.assignment[self.pg.group_index])
             source = self.assignment[self.pg.group_index]
             profiler.before_step(tr.step)
             res = tr.train_step(self.iterator(source).next_step())

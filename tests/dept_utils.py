@@ -1,8 +1,9 @@
 """Helpers for the DEPT tests: tiny configs, synthetic per-source data, a minimal round loop.
 
 The loop here is the real ``Trainer`` driven by the real ``DeptHooks`` exactly as
-``dept_mega.loop.TrainLoop`` drives them (round_start → local_steps train steps →
-round_end), without metrics or evaluation, so that tests can look inside after any round.
+``dept_mega.loop.TrainLoop`` drives them (round_start → the source's data position from
+``hooks.source_steps`` → local_steps train steps → round_end), without metrics or
+evaluation, so that tests can look inside after any round.
 """
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ class SyntheticSource:
         b = self.cfg.train.micro_batch_size
         return [MicroBatch(tokens=mine[i:i + b]) for i in range(0, per, b)]
 
+    @property
+    def steps(self) -> int:
+        return self.step
+
+    def seek(self, steps: int) -> None:
+        """Continue at the source's data position (DEPT: from the round plan)."""
+        self.step = int(steps)
+
     def state_dict(self) -> dict:
         return {"step": self.step}
 
@@ -108,7 +117,6 @@ def run_dept(cfg: Config, sources: Sequence[SourceInfo], rounds: int, *, pg: Opt
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=sources[0].vocab_size)
     hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), sources)
-    iters: dict[str, SyntheticSource] = {}
     by_name = {s.name: s for s in sources}
     losses, outer, assignments = [], [], []
     for r in range(rounds):
@@ -117,11 +125,13 @@ def run_dept(cfg: Config, sources: Sequence[SourceInfo], rounds: int, *, pg: Opt
         if on_install is not None:
             on_install(r, hooks, trainer)
         name = assignment[pg.group_index]
-        if name not in iters:
-            seed = (data_seed or {}).get(name, sources.index(by_name[name]) + 1)
-            iters[name] = SyntheticSource(cfg, seed, allowed_ids(by_name[name]), pg.dp_rank, pg.dp_size)
+        seed = (data_seed or {}).get(name, sources.index(by_name[name]) + 1)
+        it = SyntheticSource(cfg, seed, allowed_ids(by_name[name]), pg.dp_rank, pg.dp_size)
+        # the source's data position comes from the plan, as TrainLoop does it: a source
+        # continues its data whichever group trained it before
+        it.seek(hooks.source_steps(name, trainer.step))
         for _ in range(cfg.dept.local_steps):
-            res = trainer.train_step(iters[name].next_step())
+            res = trainer.train_step(it.next_step())
             losses.append(res.loss)
         if after_round is not None:
             after_round(r, hooks, trainer)

@@ -41,6 +41,10 @@ def test_defaults_and_overrides(tmp_path):
     (["dept.local_steps=3", "train.steps=10"], "'dept.local_steps'"),
     (["fp8=e4m3", "precision=fp32"], "'fp8'"),
     (["data.sources=[{name: a, prefix: x}, {name: a, prefix: y}]"], "duplicate"),
+    (["dept.body_optimizer_state=shared"], "config key 'dept.body_optimizer_state': 'shared' is not one of group"),
+    (["dept.body_optimizer_state=source", "dept.variant=std"], "'dept.body_optimizer_state': source needs a DEPT"),
+    (["dept.body_optimizer_state=source", "dept.reset_inner_optimizer=true", "dept.local_steps=1"],
+     "'dept.body_optimizer_state': source keeps"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)

@@ -25,9 +25,8 @@ def _make(cfg, run_dir, rank):
     by_name = {s.name: s for s in infos}
 
     def make_iterator(name):
-        # the same batch every step: this test is about the DEPT state, not data positions
-        # (dept_mega.checkpoint keeps the iterator positions of global rank 0 only)
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]), repeat=True)
+        # a new batch every step: the resumed run must also continue each source's data
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
     ck = Checkpointer(run_dir)
@@ -171,3 +170,56 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2)
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
+
+
+def _plain(x, path="sd"):
+    """Only what torch.load(weights_only=True) restores as itself."""
+    if isinstance(x, torch.Tensor) or x is None or type(x) in (str, int, float, bool):
+        return
+    assert type(x) in (dict, list, tuple), f"{path}: {type(x).__name__}"
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    for k, v in items:
+        if isinstance(x, dict):
+            assert type(k) in (str, int), f"{path}: key {k!r}"
+        _plain(v, f"{path}.{k}")
+
+
+def _same(a, b, path="sd"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("variant,body", [("glob", "group"), ("glob", "source"), ("trim", "source"),
+                                          ("spec", "group"), ("spec_opt", "source")])
+def test_hook_state_is_plain_and_loads_with_weights_only(variant, body):
+    """Everything DeptHooks.state_dict() returns is plain containers, numbers, strings and
+    tensors, so checkpoints load with torch.load(weights_only=True); loading it into fresh
+    hooks gives back the same state (one process, G = 1, K = 2 sources)."""
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import run_dept, solo_groups
+    cfg = tiny_config({"dept": {"variant": variant, "local_steps": 1, "body_optimizer_state": body,
+                                "outer_optimizer": {"name": "adam", "lr": 0.1}}, "train": {"steps": 3}})
+    infos = source_infos(2, trim=variant == "trim", vocabs=(60, 200) if variant == "spec_opt" else None)
+    out = run_dept(cfg, infos, 3, pg=solo_groups())
+    sd = out["hooks"].state_dict()
+    _plain(sd)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    _same(sd, loaded)
+    trainer = Trainer(cfg, solo_groups(), torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, solo_groups(), trainer, torch.device("cpu"), infos)
+    hooks.load_state_dict(loaded)
+    _same(sd, hooks.state_dict())

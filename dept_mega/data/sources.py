@@ -5,7 +5,9 @@ Sample order: step ``t`` of a source uses the dataset's samples
 ``[c, c + global_batch_size)`` where ``c`` is the number consumed before it; data-parallel
 rank ``r`` of ``D`` takes the ``r``-th contiguous slice of ``global_batch_size / D`` and cuts
 it into micro-batches. So the D ranks together cover the global batch, none overlap, and the
-result does not depend on D (only on global_batch_size).
+result does not depend on D (only on global_batch_size). Under DEPT the loop moves a source's
+iterator to the source's position from the round plan at every round start
+(:meth:`SourceBatches.seek`), so a source continues its data whichever group trains it.
 """
 from __future__ import annotations
 
@@ -90,6 +92,14 @@ class SourceBatches:
         self.consumed_samples += self.global_batch_size
         self.steps += 1
         return list(tokens.split(self.micro_batch_size))
+
+    def seek(self, steps: int) -> None:
+        """Continue as if ``steps`` steps had been read (DEPT: a source's position comes from
+        the round plan, so that it continues wherever it trains next)."""
+        if steps < 0:
+            raise ValueError(f"seek: steps must be >= 0, got {steps}")
+        self.consumed_samples = int(steps) * self.global_batch_size
+        self.steps = int(steps)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "steps": self.steps}

@@ -118,10 +118,6 @@ class FlatSync:
         self.theta_prev = flatten_fp32(self.params)  # θ_{t-1}, full (fp32)
         self.optimizer.ensure_state(self.theta_prev[self.start:self.end])
 
-    def reset_reference(self) -> None:
-        """Take the current parameters as θ_{t-1} (e.g. after loading a checkpoint)."""
-        self.theta_prev = flatten_fp32(self.params)
-
     @torch.no_grad()
     def sync(self) -> None:
         if self.numel == 0:
@@ -156,21 +152,6 @@ class FlatSync:
 
     def state_dict(self) -> dict:
         return {"theta_prev": self.theta_prev.clone(), "optimizer": self.optimizer.state_dict()}
-
-    def checkpoint_tensors(self, shared: str, own: str) -> dict[str, torch.Tensor]:
-        """Flat tensors for torch.distributed.checkpoint: θ_{t-1} under ``shared`` (identical
-        on the D replicas of a position), this rank's optimizer chunk under ``own``."""
-        out = {f"{shared}/theta_prev": self.theta_prev,
-               f"{own}/steps": torch.tensor([self.optimizer.steps], dtype=torch.int64)}
-        for k, v in self.optimizer.state.items():
-            out[f"{own}/{k}"] = v
-        return out
-
-    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], shared: str, own: str) -> None:
-        self.theta_prev = tensors[f"{shared}/theta_prev"].to(torch.float32).clone()
-        self.optimizer.steps = int(tensors[f"{own}/steps"].item())
-        for k in list(self.optimizer.state):
-            self.optimizer.state[k] = tensors[f"{own}/{k}"].to(torch.float32).clone()
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["theta_prev"].numel() != self.numel:

@@ -5,6 +5,12 @@ K > G: a seeded sampler draws G distinct sources per round (weighted, without re
 The draw depends only on (seed, round), so every rank computes the same plan without any
 communication, and a resumed run replays the same history.
 
+The plan history also gives every source's data position: the inner steps it has been trained
+so far, by any group (:meth:`RoundScheduler.steps_trained`). The loop positions a source's
+batch iterator there at every round start, so a source continues its data wherever it trains
+next, and a resumed run (also one resumed inside a round) reads what the uninterrupted run
+would have read.
+
 A source that is drawn again keeps the group it last trained in when that group is free, so
 sources move between groups only when they have to; a *move* is recorded when a source last
 trained in group a now trains in group b (its own state then travels a -> b, see store.py).
@@ -31,6 +37,9 @@ class RoundPlan:
     moves: tuple[Move, ...]
     # last_group[k] = the group source k trained in most recently *before* this round (None: never)
     last_group: tuple[Optional[int], ...]
+    # rounds_before[k] = how many rounds before this one trained source k (its data position
+    # at this round's start is rounds_before[k] · local_steps steps, whichever group trains it)
+    rounds_before: tuple[int, ...] = ()
 
     def group_of(self, source: int) -> Optional[int]:
         return self.sources.index(source) if source in self.sources else None
@@ -115,11 +124,20 @@ class RoundScheduler:
         while len(self._plans) <= round_index:
             r = len(self._plans)
             last = list(self._plans[-1].last_group) if self._plans else [None] * self.num_sources
+            before = list(self._plans[-1].rounds_before) if self._plans else [0] * self.num_sources
             if self._plans:
                 for g, k in enumerate(self._plans[-1].sources):
                     last[k] = g
+                    before[k] += 1
             sources = self._draw(r, last)
             moves = tuple(Move(k, last[k], g) for g, k in enumerate(sources)
                           if last[k] is not None and last[k] != g)
-            self._plans.append(RoundPlan(r, sources, moves, tuple(last)))
+            self._plans.append(RoundPlan(r, sources, moves, tuple(last), tuple(before)))
         return self._plans[round_index]
+
+    def steps_trained(self, source: int, step: int, local_steps: int) -> int:
+        """Inner steps of ``[0, step)`` in which some group trained ``source``: its data
+        position (in steps) at inner step ``step``, identical on every rank."""
+        r, into = divmod(int(step), int(local_steps))
+        plan = self.plan(r)
+        return plan.rounds_before[source] * local_steps + (into if source in plan.sources else 0)

@@ -1,12 +1,20 @@
-"""TRIM: the global embedding table φ outside the groups' models, and its sparse row means.
+"""TRIM: the global embedding table φ outside the groups' models, and its sparse row updates.
 
 φ (fp32, [|V|, d]) is held on CPU by every rank that holds a part of the token embedding or
 of the untied head (``dept.trim_table_device: cpu``). At a round's start a group copies the
 rows V_k of its source into its compact embedding (``gather``); at the round's end each rank
 computes the pseudo-gradient of the compact rows it owns, Δ_r = φ_r − local_r, and only
 those rows and their global ids cross groups (:func:`exchange_rows`). Every rank then applies
-the same update (:func:`row_mean_update`): each row held by at least one group moves by the
-mean Δ over the groups that hold it; rows held by no group stay as they were.
+the same update (:meth:`TrimTable.apply`): each row held by at least one group takes the mean
+Δ over the groups that hold it as its pseudo-gradient, and the configured outer optimizer
+(``dept.outer_optimizer``, as for the body) moves the row; rows held by no group stay as
+they were, and so does their optimizer state.
+
+The outer optimizer's state lives here, next to φ, per row (:class:`RowOuterOptimizer`):
+``momentum`` (nesterov) or ``exp_avg``/``exp_avg_sq`` (adam) of φ's shape, and for adam a
+step count per row (a row's bias correction counts the rounds in which some group held it).
+Updates touch the held rows only (sparse). ``fedavg`` keeps no state: φ_r ← φ_r − lr·mean Δ_r
+in one fused op (lr 1 = the plain row mean).
 
 :func:`row_mean_update_dense` is the dense |V|×d reference used by the tests only.
 """
@@ -20,12 +28,103 @@ from ..ops import gather_rows, remap_ids, scatter_mean_rows
 from ..parallel.comm import group_size
 from .outer import COMM_DTYPES, chunk_bounds
 
+OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
+
+
+class RowOuterOptimizer:
+    """The outer optimizer over the rows of one table, with state per row (sparse updates).
+
+    Same rules as :class:`dept_mega.dept.outer.OuterOptimizer`, applied to each held row r
+    with its mean pseudo-gradient Δ̄_r:
+    ``fedavg``: φ_r ← φ_r − lr·Δ̄_r; ``nesterov``: b_r ← μ·b_r + Δ̄_r, φ_r ← φ_r − lr·(Δ̄_r + μ·b_r);
+    ``adam``: t_r ← t_r + 1, m_r, v_r as Adam, φ_r ← φ_r − lr·m̂_r/(sqrt(v̂_r) + eps) with the
+    bias corrections of t_r. All fp32 (step counts int64)."""
+
+    def __init__(self, name: str = "fedavg", lr: float = 1.0, momentum: float = 0.0,
+                 betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if name not in OUTER_OPTIMIZERS:
+            raise ValueError(f"dept.outer_optimizer.name: unknown outer optimizer {name!r} "
+                             f"({' | '.join(OUTER_OPTIMIZERS)})")
+        self.name, self.lr, self.momentum = name, float(lr), float(momentum)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.state: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, oc) -> "RowOuterOptimizer":
+        return cls(oc.name, oc.lr, oc.momentum, oc.betas, oc.eps)
+
+    def ensure_state(self, table: torch.Tensor) -> None:
+        """Allocate the per-row state (zeros: what the first update of a row starts from)."""
+        shapes = {"fedavg": {}, "nesterov": {"momentum": torch.float32},
+                  "adam": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32, "steps": torch.int64}}[self.name]
+        for n, dtype in shapes.items():
+            if n not in self.state:
+                shape = table.shape[:1] if n == "steps" else table.shape
+                self.state[n] = torch.zeros(shape, dtype=dtype, device=table.device)
+
+    @torch.no_grad()
+    def apply(self, table: torch.Tensor, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        """Update ``table`` in place from the contributions (ids may repeat, once per group)."""
+        if ids.numel() == 0:
+            return
+        ids = ids.to(table.device, torch.int64)
+        deltas = deltas.to(table.device, torch.float32)
+        if self.name == "fedavg":
+            # fused: table[r] += (−lr)·mean Δ_r (lr 1: exactly the plain row mean)
+            scatter_mean_rows(table, ids, deltas, accumulate=True, alpha=-self.lr)
+            return
+        self.ensure_state(table)
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        mean = torch.zeros(rows.numel(), table.shape[1], dtype=torch.float32, device=table.device)
+        scatter_mean_rows(mean, inverse, deltas)
+        theta = table.index_select(0, rows)
+        if self.name == "nesterov":
+            buf = self.state["momentum"].index_select(0, rows)
+            buf.mul_(self.momentum).add_(mean)
+            theta.add_(mean + self.momentum * buf, alpha=-self.lr)
+            self.state["momentum"].index_copy_(0, rows, buf)
+        else:
+            b1, b2 = self.betas
+            steps = self.state["steps"].index_select(0, rows) + 1
+            m = self.state["exp_avg"].index_select(0, rows)
+            v = self.state["exp_avg_sq"].index_select(0, rows)
+            m.mul_(b1).add_(mean, alpha=1 - b1)
+            v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
+            t = steps.to(torch.float64).unsqueeze(1)
+            bc1 = (1 - torch.pow(b1, t)).to(torch.float32)
+            bc2 = (1 - torch.pow(b2, t)).to(torch.float32)
+            theta.add_((m / bc1) / ((v / bc2).sqrt() + self.eps), alpha=-self.lr)
+            self.state["steps"].index_copy_(0, rows, steps)
+            self.state["exp_avg"].index_copy_(0, rows, m)
+            self.state["exp_avg_sq"].index_copy_(0, rows, v)
+        table.index_copy_(0, rows, theta)
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "state": {k: v.clone() for k, v in self.state.items()}}
+
+    def load_state_dict(self, sd: dict, table: torch.Tensor) -> None:
+        if sd.get("name") != self.name:
+            raise ValueError(f"dept.outer_optimizer.name: the checkpoint's TRIM row state is for "
+                             f"{sd.get('name')!r}, this run uses {self.name!r}")
+        self.state = {}
+        self.ensure_state(table)
+        for k, v in self.state.items():
+            if k not in sd["state"] or tuple(sd["state"][k].shape) != tuple(v.shape):
+                raise ValueError(f"TRIM row state {k!r}: expected shape {tuple(v.shape)} in the checkpoint")
+            v.copy_(sd["state"][k])
+
 
 class TrimTable:
-    """φ: the global fp32 table (token embedding, or the untied head)."""
+    """φ: the global fp32 table (token embedding, or the untied head) and the outer optimizer
+    state of its rows. A later change may shard both over ranks: callers use only
+    :meth:`gather`, :meth:`apply`, :meth:`state_dict` and :meth:`load_state_dict`."""
 
-    def __init__(self, weight: torch.Tensor, device: str | torch.device = "cpu") -> None:
+    def __init__(self, weight: torch.Tensor, device: str | torch.device = "cpu",
+                 optimizer: Optional[RowOuterOptimizer] = None) -> None:
         self.weight = weight.detach().to(device=device, dtype=torch.float32).clone()
+        self.optimizer = optimizer if optimizer is not None else RowOuterOptimizer()
+        self.optimizer.ensure_state(self.weight)
 
     @property
     def vocab_size(self) -> int:
@@ -36,7 +135,18 @@ class TrimTable:
 
     @torch.no_grad()
     def apply(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
-        row_mean_update(self.weight, ids, deltas)
+        """One round's update from every group's (global ids, Δ rows)."""
+        self.optimizer.apply(self.weight, ids, deltas)
+
+    def state_dict(self) -> dict:
+        return {"weight": self.weight.clone(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if tuple(sd["weight"].shape) != tuple(self.weight.shape):
+            raise ValueError(f"TRIM table: checkpoint shape {tuple(sd['weight'].shape)}, "
+                             f"expected {tuple(self.weight.shape)}")
+        self.weight.copy_(sd["weight"])
+        self.optimizer.load_state_dict(sd["optimizer"], self.weight)
 
 
 @torch.no_grad()
@@ -45,7 +155,7 @@ def row_mean_update(table: torch.Tensor, ids: torch.Tensor, deltas: torch.Tensor
 
     Sparse: work and memory are O(len(ids)·d), never O(|V|·d): the fused
     ``dept_mega.ops.scatter_mean_rows`` (accumulate, alpha −1; its PyTorch fallback gives the
-    same values)."""
+    same values). The ``fedavg``, lr 1 case of :class:`RowOuterOptimizer`."""
     if ids.numel() == 0:
         return
     scatter_mean_rows(table, ids.to(table.device, torch.int64), deltas.to(table.device, torch.float32),

@@ -1,0 +1,34 @@
+"""GLOB: the embeddings (token table, learned positions, untied head) belong to the group and
+are synchronised like the body at every round end (``outer_embedding``); sources own nothing."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .outer import FlatSync, OuterOptimizer
+from .strategy import RoundView, StrategyContext, VariantStrategy
+
+
+class GlobStrategy(VariantStrategy):
+    name = "glob"
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        d = ctx.cfg.dept
+        self.embedding_sync = FlatSync(ctx.trainer.embedding_parameters(), ctx.pg,
+                                       OuterOptimizer.from_config(d.outer_optimizer),
+                                       category="outer_embedding", comm_dtype=d.outer_comm_dtype)
+
+    def reset_group_optimizer(self) -> None:
+        self.ctx.trainer.embedding_optimizer.state.clear()
+
+    def sync(self, installed: Optional[str]) -> None:
+        self.embedding_sync.sync()
+
+    def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
+        return None  # the group's own (global) embeddings, as they are now
+
+    def state_dict(self) -> dict:
+        return {"embedding_sync": self.embedding_sync.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.embedding_sync.load_state_dict(sd["embedding_sync"])

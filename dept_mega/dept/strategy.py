@@ -1,0 +1,128 @@
+"""One strategy object per DEPT variant: what the variant does at each point of a round.
+
+The round driver (``driver.DeptHooks``) owns what every variant shares — the round plan, the
+body's outer synchronisation, the per-source store and its moves, the body optimizer state
+per source, data positions, byte accounting — and sequences the variant's strategy:
+
+================  ==========================================================================
+``build``         fresh embeddings of a source on this rank (variants whose sources own
+                  embeddings: SPEC, SPEC-OPT, TRIM's compact tables)
+``install``       prepare a source's embeddings just before they are installed (TRIM: rows of φ)
+``reset_group_optimizer``  ``dept.reset_inner_optimizer``: clear group-owned embedding state (GLOB)
+``sync``          the round end, after the body: GLOB's tables, TRIM's rows and positions
+``eval_embeddings``  the embeddings a source is evaluated with (None: the installed ones)
+``state_dict`` / ``load_state_dict``  the variant's own checkpoint state (plain values and tensors)
+================  ==========================================================================
+
+Class attributes: ``source_embeddings`` (a source owns embeddings that are installed per round
+and move with it) and ``move_weights`` (a move sends those weights; TRIM refills them from φ).
+The concrete strategies live in ``glob_strategy.py``, ``spec_strategy.py`` and
+``trim_strategy.py``; ``variants.make_strategy`` picks one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from .rounds import RoundPlan
+from .store import SourceState, SourceStore, Transfer, exchange, load_payload, state_payload
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .driver import SourceInfo
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy may use: the run's config, groups, trainer, device and sources."""
+    cfg: Any
+    pg: Any
+    trainer: Any
+    device: torch.device
+    sources: Sequence["SourceInfo"]
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.index = {s.name: i for i, s in enumerate(self.sources)}
+
+    @property
+    def stages(self):
+        return self.trainer.stages
+
+    def rng(self, i: int):
+        return getattr(self.stages[i], "rng", None)
+
+
+@dataclass
+class RoundView:
+    """What the driver knows of the current round, for evaluation."""
+    plan: Optional[RoundPlan]
+    installed: Optional[str]  # the source this group's embeddings / body state belong to
+    store: SourceStore
+    in_round: bool  # between round_start and round_end: groups hold locally trained parameters
+
+    def holder(self, k: int) -> Optional[int]:
+        """The group that trains source k in this round, else the one that trained it last."""
+        if self.plan is None:
+            return None
+        if k in self.plan.sources:
+            return self.plan.sources.index(k)
+        return self.plan.last_group[k]
+
+    def training(self, k: int) -> Optional[int]:
+        """The group training source k in this round (None: no group)."""
+        if self.plan is None or k not in self.plan.sources:
+            return None
+        return self.plan.sources.index(k)
+
+
+class VariantStrategy:
+    """Base: a variant whose sources own nothing and that synchronises nothing but the body."""
+    name = ""
+    source_embeddings = False
+    move_weights = True
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+
+    def build(self, name: str) -> list:
+        raise NotImplementedError(f"{self.name}: sources own no embeddings")
+
+    def install(self, name: str, embs: list) -> None:
+        pass
+
+    def reset_group_optimizer(self) -> None:
+        pass
+
+    def sync(self, installed: Optional[str]) -> None:
+        pass
+
+    def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
+        return None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def embeddings_from_holder(ctx: StrategyContext, holder: int, mine: Optional[list],
+                           build: Callable[[], list]) -> list:
+    """Every group evaluates the same source at the same time: the ranks of group ``holder``
+    send ``mine`` (their embeddings of that source) to the rank at the same (tp, dp, pp)
+    position of every other group, which loads them into ``build()``. Returns the embeddings
+    this rank evaluates with (``mine`` on the holder)."""
+    pg, c = ctx.pg, ctx.pg.coords
+    if c.group == holder:
+        payload = state_payload(SourceState(list(mine)), with_optimizer=False)
+        transfers = [Transfer(pg.rank_of(c.tp, c.dp, c.pp, g), True, payload)
+                     for g in range(pg.num_groups) if g != holder]
+        exchange(pg, transfers, ctx.device)
+        return list(mine)
+    t = Transfer(pg.rank_of(c.tp, c.dp, c.pp, holder), False)
+    exchange(pg, [t], ctx.device)
+    embs = build()
+    load_payload(SourceState(embs), t.received)
+    return embs

@@ -1,0 +1,191 @@
+"""TRIM: the global table φ (and φ_head when untied) lives outside the groups' models; a group
+trains a compact table over its source's vocabulary V_k, filled from φ at install; at the
+round end only the trimmed rows' pseudo-gradients cross groups and the configured outer
+optimizer updates the held rows of φ (trim.py). Learned positions are synchronised like the
+body. A source owns its compact tables' inner optimizer state (weights are refilled from φ,
+so a move sends the optimizer state only).
+
+Evaluation: a source that some group trains in the current round is evaluated, in the middle
+of the round, with that group's compact table as it is now (copied to the other groups, like
+SPEC); otherwise — and after the round's synchronisation — with its rows of φ.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..model.embeddings import SourceEmbeddings
+from ..parallel.groups import Coords, ParallelGroups
+from .outer import FlatSync, OuterOptimizer
+from .spec_strategy import build_embeddings
+from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
+from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
+
+
+class TrimmedEmbeddings(SourceEmbeddings):
+    """A compact ``SourceEmbeddings`` over V_k that takes *global* ids: tokens and labels are
+    remapped global→local on the way in, so the softmax runs over V_k only (the padded rows
+    of the compact table are −inf like any padding)."""
+
+    def __init__(self, cfg, pg, vocab_ids: torch.Tensor, global_vocab: int, source: str, seed: int,
+                 has_input: bool, has_output: bool, *, sequence_parallel: bool = False, rng=None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(cfg, pg, int(vocab_ids.numel()), seed, has_input, has_output,
+                         sequence_parallel=sequence_parallel, rng=rng, device=device)
+        self.source = source
+        self.register_buffer("lookup", remap_lookup(vocab_ids.cpu(), global_vocab).to(device), persistent=False)
+
+    def embed(self, tokens):
+        return super().embed(remap_tokens(tokens, self.lookup, self.source))
+
+    def loss(self, hidden, labels):
+        return super().loss(hidden, remap_tokens(labels, self.lookup, self.source))
+
+
+class TrimStrategy(VariantStrategy):
+    name = "trim"
+    source_embeddings = True
+    move_weights = False  # refilled from φ at install
+
+    def __init__(self, ctx: StrategyContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        for s in ctx.sources:
+            if s.vocab_ids is None:
+                raise ValueError(f"trim: source {s.name!r} has no vocabulary set V_k")
+        self.global_vocab = V = ctx.sources[0].vocab_size
+        # φ (and the untied head) from the model's init rule on the full table: a single-rank
+        # layout gives the full weights (parameters are initialised full, then sliced).
+        solo = ParallelGroups(tp_size=1, dp_size=1, pp_size=1, num_groups=1, rank=0, coords=Coords(0, 0, 0, 0))
+        full = SourceEmbeddings(cfg.model, solo, V, cfg.train.seed, True, True)
+        tied = cfg.model.tie_embeddings
+        holds_table = any(st.is_first or (st.is_last and tied) for st in ctx.stages)
+        holds_head = any(st.is_last for st in ctx.stages) and not tied
+        oc = cfg.dept.outer_optimizer
+        self.phi: Optional[TrimTable] = None
+        self.phi_head: Optional[TrimTable] = None
+        if holds_table:
+            self.phi = TrimTable(full.word_embeddings.weight[:V], optimizer=RowOuterOptimizer.from_config(oc))
+        if holds_head:
+            self.phi_head = TrimTable(full.output_layer.weight[:V], optimizer=RowOuterOptimizer.from_config(oc))
+        self.positions: Optional[torch.nn.Parameter] = None
+        self.position_sync: Optional[FlatSync] = None
+        if full.position_embeddings is not None and any(st.is_first for st in ctx.stages):
+            self.positions = torch.nn.Parameter(full.position_embeddings.weight.detach().to(ctx.device).clone())
+            self.position_sync = FlatSync([self.positions], ctx.pg, OuterOptimizer.from_config(oc),
+                                          category="outer_embedding", comm_dtype=cfg.dept.outer_comm_dtype)
+        del full
+
+    # ------------------------------------------------------------------------- building
+    def build(self, name: str) -> list:
+        ctx = self.ctx
+        ids = ctx.sources[ctx.index[name]].vocab_ids
+        return build_embeddings(ctx, name, lambda st, i, seed: TrimmedEmbeddings(
+            ctx.cfg.model, ctx.pg, ids, self.global_vocab, name, seed, st.is_first, st.is_last,
+            sequence_parallel=ctx.cfg.parallel.sequence_parallel, rng=ctx.rng(i), device=ctx.device))
+
+    def _tables(self, emb):
+        """(weight owner module, φ) pairs of one compact embedding on this rank."""
+        out = []
+        if emb.word_embeddings is not None and self.phi is not None:
+            out.append((emb.word_embeddings, self.phi))
+        if emb.output_layer is not None and self.phi_head is not None:
+            out.append((emb.output_layer, self.phi_head))
+        return out
+
+    def _rows_of(self, owner, n_real: int) -> tuple[int, int]:
+        pg = self.ctx.pg
+        rows = owner.weight.shape[0]
+        start = pg.tp_rank * rows if pg.tp_size > 1 else 0
+        return min(start, n_real), min(start + rows, n_real)
+
+    @torch.no_grad()
+    def install(self, name: str, embs: list) -> None:
+        """Fill the compact tables with φ's rows V_k (and the synchronised positions)."""
+        ids = self.ctx.sources[self.ctx.index[name]].vocab_ids
+        for emb in embs:
+            if emb is None:
+                continue
+            for owner, phi in self._tables(emb):
+                a, b = self._rows_of(owner, ids.numel())
+                owner.weight[: b - a].copy_(phi.gather(ids[a:b]).to(owner.weight.device, owner.weight.dtype))
+            if emb.position_embeddings is not None and self.positions is not None:
+                emb.position_embeddings.weight.copy_(self.positions)
+
+    # ------------------------------------------------------------------------- round end
+    @torch.no_grad()
+    def sync(self, installed: Optional[str]) -> None:
+        if installed is None:
+            return
+        ctx = self.ctx
+        ids = ctx.sources[ctx.index[installed]].vocab_ids
+        # one exchange per table kind on this rank (a tied table on two stages of one rank
+        # with virtual pipelining is the same parameter: take it once)
+        seen = set()
+        for emb in ctx.trainer.embeddings():
+            if emb is None:
+                continue
+            for owner, phi in self._tables(emb):
+                if id(owner.weight) in seen:
+                    continue
+                seen.add(id(owner.weight))
+                a, b = self._rows_of(owner, ids.numel())
+                mine = ids[a:b]
+                local = owner.weight[: b - a].detach().to(phi.weight.device, torch.float32)
+                delta = phi.gather(mine) - local
+                all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
+                                                  comm_dtype=ctx.cfg.dept.outer_comm_dtype)
+                phi.apply(all_ids, all_rows)
+            if emb.position_embeddings is not None and self.position_sync is not None:
+                self.positions.data.copy_(emb.position_embeddings.weight.detach())
+        if self.position_sync is not None:
+            self.position_sync.sync()
+
+    # ------------------------------------------------------------------------- evaluation
+    def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
+        ctx = self.ctx
+        k = ctx.index[source]
+        group = ctx.pg.coords.group
+        holder = view.training(k)
+        if view.in_round and holder is not None:
+            # what the training group holds now: its compact table, copied to the other groups
+            mine = ctx.trainer.embeddings() if group == holder else None
+            embs = embeddings_from_holder(ctx, holder, mine, lambda: self.build(source))
+            return None if group == holder else embs
+        # rows of φ; the installed tables may hold this group's pre-sync local rows, which an
+        # evaluation must not overwrite: evaluate with a copy
+        installed = source == view.installed
+        embs = view.store.get(source).embeddings if (source in view.store and not installed) else self.build(source)
+        self.install(source, embs)
+        return embs
+
+    # ------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """``phi`` / ``phi_head``: the tables (fp32 tensors, as ``dept_mega.export`` reads them);
+        ``phi_optimizer`` / ``phi_head_optimizer``: their per-row outer optimizer state."""
+        sd: dict = {}
+        for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
+            if table is not None:
+                tsd = table.state_dict()
+                sd[key] = tsd["weight"]
+                sd[f"{key}_optimizer"] = tsd["optimizer"]
+        if self.position_sync is not None:
+            sd["positions"] = self.positions.detach().clone()
+            sd["position_sync"] = self.position_sync.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
+            if table is None:
+                continue
+            opt = sd.get(f"{key}_optimizer")
+            if opt is None:  # written before φ's rows had outer optimizer state
+                if table.optimizer.name != "fedavg":
+                    raise ValueError(f"dept.outer_optimizer.name: the checkpoint's TRIM table has no row state "
+                                     f"for {table.optimizer.name!r} (it was written when rows took the plain mean)")
+                opt = {"name": "fedavg", "state": {}}
+            table.load_state_dict({"weight": sd[key], "optimizer": opt})
+        if self.position_sync is not None:
+            self.positions.data.copy_(sd["positions"])
+            self.position_sync.load_state_dict(sd["position_sync"])

@@ -1,0 +1,72 @@
+"""``dept.body_optimizer_state``: ``group`` (default) keeps the body's inner AdamW state with the
+group; ``source`` keeps it per source, and a source that moves to another group finds its own
+moments there (sent as ``source_move``)."""
+import pytest
+import torch
+
+from tests.dept_utils import run_dept, source_infos, tiny_config
+from tests.mp_utils import run_distributed
+
+ROUNDS = 6
+
+
+def _body_moments(trainer):
+    sd = trainer.body_optimizer.state_dict()["state"]
+    return {f"{i}.{k}": v.clone() for i, st in sd.items() for k, v in st.items()}
+
+
+def _worker(rank, world, runs):
+    out = []
+    for variant, mode, seed in runs:
+        cfg = tiny_config({"dept": {"variant": variant, "local_steps": 1, "body_optimizer_state": mode},
+                           "train": {"steps": ROUNDS, "seed": seed}})
+        events = []
+        res = run_dept(cfg, source_infos(3, trim=variant == "trim"), ROUNDS,
+                       on_install=lambda r, h, tr: events.append((r, 0, _body_moments(tr))),
+                       after_round=lambda r, h, tr: events.append((r, 1, _body_moments(tr))))
+        plans = [res["hooks"].scheduler.plan(r) for r in range(ROUNDS)]
+        out.append({"events": events, "sources": [p.sources for p in plans], "moves": [p.moves for p in plans],
+                    "bytes": [o["bytes"]["source_move"] for o in res["outer"]],
+                    "body": sum(p.numel() for p in res["trainer"].body_parameters())})
+    return out
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_body_moments_travel_with_their_source():
+    from dept_mega.dept.rounds import RoundScheduler
+    seed = next(sd for sd in range(100)
+                if sum(len(RoundScheduler(3, 2, seed=sd).plan(r).moves) for r in range(ROUNDS)) >= 2)
+    runs = [("spec", "source", seed), ("glob", "source", seed), ("glob", "group", seed)]
+    res = run_distributed(_worker, 2, args=(runs,), timeout=250)
+    for i, (variant, mode, _) in enumerate(runs):
+        sources, moves = res[0][i]["sources"], res[0][i]["moves"]
+        # source -> moments after its most recent round; group -> moments after its last round
+        by_source, by_group, checked_moved = {}, {}, 0
+        moved = {(r, m.source) for r, ms in enumerate(moves) for m in ms}
+        for r in range(ROUNDS):
+            for g in range(2):
+                ev = {kind: m for rr, kind, m in res[g][i]["events"] if rr == r}
+                k = sources[r][g]
+                if mode == "source":
+                    if k in by_source:
+                        assert _equal(ev[0], by_source[k]), (variant, r, g, k)
+                        checked_moved += (r, k) in moved
+                    else:
+                        assert ev[0] == {}, (variant, r, g, "a never-trained source starts with empty moments")
+                elif r > 0:
+                    assert _equal(ev[0], by_group[g]), (r, g)  # the group's own, whatever the source
+                by_source[k], by_group[g] = ev[1], ev[1]
+        move_bytes = [sum(res[g][i]["bytes"][r] for g in range(2)) for r in range(ROUNDS)]
+        body = res[0][i]["body"]
+        for r in range(ROUNDS):
+            if mode == "source":
+                assert checked_moved >= 1, (variant, "no moved source was checked")
+                # each move carries at least the two fp32 moments of the body
+                assert move_bytes[r] >= len(moves[r]) * 2 * body * 4, (variant, r, move_bytes[r])
+            else:
+                assert move_bytes[r] == 0  # GLOB with the body state per group: nothing moves
