@@ -166,6 +166,8 @@ def test_resume_refuses_a_data_position_the_plan_does_not_give(tmp_path):
     loop.run()  # agrees: resumes
     meta["iterators"][name] = {"consumed_samples": 0, "steps": 0}
     meta_path.write_text(json.dumps(meta))
+    from dept_mega.manifest import seal
+    seal(str(meta_path.parent), 3)  # a consistent checkpoint whose position disagrees with the plan
     loop = _make_loop(cfg, prefixes, 0, [])
     with pytest.raises(ConfigError, match=f"step_3: source '{name}' has read 0 steps, the round plan of this "
                                           f"launch gives {pos['steps']} at step 3 .*dept.sampling"):
