@@ -99,13 +99,14 @@ class DeptHooks:
         self._resumed_round: Optional[int] = None
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
+        masters = dict(main_params=trainer.main_params, refresh=trainer.refresh_model_params)  # fp32 values
         self.body_sync = FlatSync(trainer.body_parameters(), pg, OuterOptimizer.from_config(d.outer_optimizer),
-                                  category="outer_body", comm_dtype=d.outer_comm_dtype)
+                                  category="outer_body", comm_dtype=d.outer_comm_dtype, **masters)
         self.embedding_sync: Optional[FlatSync] = None
         if self.spec.sync_embeddings_dense:
             self.embedding_sync = FlatSync(trainer.embedding_parameters(), pg,
                                            OuterOptimizer.from_config(d.outer_optimizer),
-                                           category="outer_embedding", comm_dtype=d.outer_comm_dtype)
+                                           category="outer_embedding", comm_dtype=d.outer_comm_dtype, **masters)
         self.phi: Optional[TrimTable] = None
         self.phi_head: Optional[TrimTable] = None
         self.positions: Optional[torch.nn.Parameter] = None
@@ -217,9 +218,12 @@ class DeptHooks:
                 continue
             for owner, phi in self._trim_tables(emb):
                 a, b = self._rows_of(owner, ids.numel())
-                owner.weight[: b - a].copy_(phi.gather(ids[a:b]).to(owner.weight.device, owner.weight.dtype))
+                w = self.trainer.main_params([owner.weight])[0]  # fp32 master of half weights
+                w[: b - a].copy_(phi.gather(ids[a:b]).to(w.device, w.dtype))
+                self.trainer.refresh_model_params([owner.weight])
             if emb.position_embeddings is not None and self.positions is not None:
-                emb.position_embeddings.weight.copy_(self.positions)
+                self.trainer.main_params([emb.position_embeddings.weight])[0].copy_(self.positions)
+                self.trainer.refresh_model_params([emb.position_embeddings.weight])
 
     @torch.no_grad()
     def _trim_sync(self, name: str) -> None:
@@ -237,13 +241,13 @@ class DeptHooks:
                 seen.add(id(owner.weight))
                 a, b = self._rows_of(owner, ids.numel())
                 mine = ids[a:b]
-                local = owner.weight[: b - a].detach().to(phi.weight.device, torch.float32)
+                local = self.trainer.main_params([owner.weight])[0][: b - a].to(phi.weight.device, torch.float32)
                 delta = phi.gather(mine) - local
                 all_ids, all_rows = exchange_rows(self.pg, mine.to(self.device), delta.to(self.device),
                                                   comm_dtype=self.cfg.dept.outer_comm_dtype)
                 phi.apply(all_ids, all_rows)
             if emb.position_embeddings is not None and self.position_sync is not None:
-                self.positions.data.copy_(emb.position_embeddings.weight.detach())
+                self.positions.data.copy_(self.trainer.main_params([emb.position_embeddings.weight])[0])
         if self.position_sync is not None:
             self.position_sync.sync()
 
