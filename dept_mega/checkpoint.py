@@ -46,9 +46,12 @@ from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, ste
 
 def _layout(trainer, per_rank_hooks: bool) -> dict[str, Any]:
     pg, par = trainer.pg, trainer.cfg.parallel
-    return {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": par.virtual_pipeline,
-            "data": pg.dp_size, "groups": pg.num_groups, "per_rank_hooks": per_rank_hooks,
-            "dropout_rng": _rng_tracker(trainer) is not None}
+    out = {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": par.virtual_pipeline,
+           "data": pg.dp_size, "groups": pg.num_groups, "per_rank_hooks": per_rank_hooks,
+           "dropout_rng": _rng_tracker(trainer) is not None}
+    if trainer.cfg.optim.distributed:  # per-rank optimizer shards: their layout must match
+        out.update(optim_distributed=True, grad_bucket_size=int(trainer.cfg.optim.grad_bucket_size))
+    return out
 
 
 def _rng_tracker(trainer):
@@ -62,10 +65,12 @@ def _rng_file(pg) -> str:
     return f"rng_tp{pg.tp_rank}_pp{pg.pp_rank}.pt"
 
 
-def check_layout(trainer, path: str) -> None:
+def check_layout(trainer, path: str, optimizer: bool = True) -> None:
     """Refuse a checkpoint written under another parallel layout with one ConfigError that
     names the key to change (checkpoints are not resharded). ``layout.json`` records the
-    number of source groups: another number is refused here, with the process count to use."""
+    number of source groups: another number is refused here, with the process count to use.
+    ``optimizer``: the optimizer state will be loaded too (the distributed optimizer's shards
+    need the same data-parallel size)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -81,12 +86,22 @@ def check_layout(trainer, path: str) -> None:
         raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved.get('groups')} source group(s) "
                           f"(layout.json), but world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} "
                           f"rank(s) per group; launch {saved_world} processes with its layout")
-    keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if saved.get("per_rank_hooks") else [])
+    now.setdefault("optim_distributed", False)
+    sharded = bool(saved.get("optim_distributed"))  # per-rank optimizer shards (optim.distributed)
+    same_dp = saved.get("per_rank_hooks") or (sharded and optimizer)
+    keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
                           f"resume or evaluate it with the same layout (checkpoints are not resharded)")
+    if optimizer and (sharded != now["optim_distributed"]
+                      or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size"))):
+        key = "optim.distributed" if sharded != now["optim_distributed"] else "optim.grad_bucket_size"
+        raise ConfigError(f"config key '{key}': checkpoint {path} was written with optim.distributed={sharded}, "
+                          f"optim.grad_bucket_size={saved.get('grad_bucket_size')} (this launch: "
+                          f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
+                          f"with the same settings (not resharded)")
 
 
 def _barrier() -> None:
@@ -116,27 +131,20 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
             key = f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"
             out[key] = p.data
             names.setdefault(id(p), key)
+    # optimizer state beside the weights: ``optim/{body|emb}/{moment}/{param key}`` (fp32
+    # masters of half-precision weights under ``main_param``; the distributed optimizer's
+    # per-rank shards carry ``/dp{d}of{D}:{start}-{end}``), see dept_mega.optimizer
     for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = opt.state.get(p)
-                if not state or id(p) not in names:
-                    continue
-                for k, v in state.items():
-                    if torch.is_tensor(v):
-                        out[f"optim/{opt_name}/{k}/{names[id(p)]}"] = v
+        for k, v in opt.checkpoint_tensors(lambda p: names.get(id(p))).items():
+            out[f"optim/{opt_name}/{k}"] = v
     return out
 
 
 def _ensure_optimizer_state(trainer) -> None:
-    """Create AdamW state tensors (zeros) so DCP can load into them in place."""
+    """Create AdamW state tensors (zeros, ``step`` on the device where the AdamW kernel keeps
+    it: the parameter's for fused AdamW) so DCP can load into them in place."""
     for opt in trainer.optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p not in opt.state or not opt.state[p]:
-                    opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        opt.ensure_state()
 
 
 class Checkpointer:
@@ -264,7 +272,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    check_layout(trainer, path)
+    check_layout(trainer, path, optimizer=optimizer)
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
@@ -278,6 +286,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path)
+    for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
+        opt.after_checkpoint_load(with_optimizer=optimizer)
     tracker = _rng_tracker(trainer)
     if tracker is not None:
         if layout.get("dropout_rng"):

@@ -115,6 +115,13 @@ class OptimConfig:
     eps: float = 1.0e-8
     clip_grad: float = 1.0
     max_consecutive_nonfinite: int = 10  # a run stops after this many skipped steps in a row
+    # Megatron's --use-distributed-optimizer (ZeRO-1): fp32 master weights and AdamW moments
+    # sharded over the group's data-parallel ranks; gradients reduce-scattered, weights all-gathered.
+    distributed: bool = False
+    grad_dtype: str = "fp32"  # fp32 | bf16: the gradient accumulation / reduction buffer (bf16 only with precision bf16)
+    overlap_grad_reduce: bool = True  # start each bucket's dp reduction during backward
+    grad_bucket_size: int = 25_000_000  # elements per gradient bucket (one dp collective each)
+    fused: Optional[bool] = None  # AdamW kernel: null = fused on CUDA, foreach elsewhere; true/false force it
 
 
 @dataclass
@@ -178,6 +185,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "dept.outer_comm_dtype": ("fp32", "bf16"),
     "dept.body_optimizer_state": ("group", "source"),
     "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
+    "optim.grad_dtype": ("fp32", "bf16"),
 }
 
 
@@ -360,7 +368,7 @@ def _check_values(cfg: Config) -> None:
                     "model.vocab_size", "parallel.tensor", "parallel.pipeline", "parallel.data",
                     "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
                     "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
-                    "optim.max_consecutive_nonfinite", "train.init_timeout_s"])
+                    "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
                     "train.eval_iters", "train.save_interval", "model.hidden_dropout",
@@ -431,6 +439,16 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.body_optimizer_state == "source" and cfg.dept.reset_inner_optimizer:
         raise ConfigError("config key 'dept.body_optimizer_state': source keeps the body's inner optimizer "
                           "state per source, but dept.reset_inner_optimizer: true clears it every round")
+    if cfg.optim.grad_dtype == "bf16" and cfg.precision != "bf16":
+        raise ConfigError(f"config key 'optim.grad_dtype': bf16 gradients need precision: bf16, "
+                          f"got {cfg.precision!r}")
+    if cfg.optim.distributed and cfg.dept.variant != "std" and cfg.precision != "fp32":
+        # DEPT's outer sync reads and writes full fp32 master weights; with half-precision
+        # weights the distributed optimizer holds only a 1/D shard of them (lean DEPT state
+        # would sync that shard directly: not built yet)
+        raise ConfigError(f"config key 'optim.distributed': the distributed optimizer with precision "
+                          f"{cfg.precision} is not supported with dept.variant {cfg.dept.variant} "
+                          f"(use precision fp32, optim.distributed=false, or dept.variant std)")
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")

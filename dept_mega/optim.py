@@ -1,4 +1,4 @@
-"""Inner optimizer pieces: AdamW builder, cosine LR schedule with warmup, global-norm clipping.
+"""Inner optimizer pieces: AdamW builder, cosine LR schedule with warmup, the gradient norm.
 
 The gradient norm is global over the model of one source group: every parameter is counted
 exactly once although some are stored on several ranks —
@@ -8,8 +8,10 @@ exactly once although some are stored on several ranks —
   weight by the embedding-group all-reduce; the trainer passes it in ``duplicates``): not
   counted;
 * data-parallel replicas: identical after the dp all-reduce, so the norm is reduced over
-  ``pg.model_parallel`` (tp × pp) only.
-The squared-norm reduction is bookkeeping (one float) and is not counted by ``Comm``.
+  ``pg.model_parallel`` (tp × pp) only — with the distributed optimizer each dp rank holds a
+  different shard, and the sum runs over the whole source group.
+The squared-norm reduction is bookkeeping (one float) and is not counted by ``Comm``. The
+AdamW instances themselves live in :mod:`dept_mega.optimizer`.
 """
 from __future__ import annotations
 
@@ -53,17 +55,10 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
 
 def build_adamw(params: Iterable[torch.nn.Parameter], optim: OptimConfig, device: torch.device,
                 ) -> torch.optim.AdamW:
-    """AdamW: fused kernel on CUDA, the foreach (multi-tensor) path otherwise."""
-    groups = param_groups(params, optim.weight_decay)
-    if not groups:
-        # An empty optimizer keeps the swap logic uniform (e.g. a chunk without embeddings).
-        groups = [{"params": [], "weight_decay": 0.0}]
-    kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
-    if device.type == "cuda":
-        kwargs["fused"] = True
-    else:
-        kwargs["foreach"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+    """A plain AdamW over ``params`` with the run's kernel choice (``optim.fused``): for
+    reference loops (benchmarks); the trainer uses :mod:`dept_mega.optimizer`."""
+    from .optimizer import new_adamw
+    return new_adamw(param_groups(params, optim.weight_decay), optim, device)
 
 
 def set_lr(optimizers: Sequence[torch.optim.Optimizer], lr: float) -> None:
@@ -81,33 +76,17 @@ def counted_once(p: torch.nn.Parameter, pg: ParallelGroups, duplicates: frozense
     return True
 
 
-def global_grad_norm(params: Sequence[torch.nn.Parameter], pg: ParallelGroups,
-                     duplicates: frozenset[int] = frozenset()) -> float:
-    """L2 norm of all gradients of the source group's model (each parameter once);
-    ``duplicates``: ids of parameters stored elsewhere too (not counted here)."""
-    grads = [p.grad for p in params if p.grad is not None and counted_once(p, pg, duplicates)]
+def norm_of(grads: Sequence[torch.Tensor], group, device: torch.device) -> float:
+    """sqrt of the sum over ``group`` of this rank's squared L2 norms of ``grads`` (fp64 sum)."""
     if grads:
         norms = torch._foreach_norm([g.float() for g in grads])
         sq = torch.stack([n.double() ** 2 for n in norms]).sum()
     else:
-        dev = params[0].device if params else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float64, device=dev)
+        sq = torch.zeros((), dtype=torch.float64, device=device)
     sq = sq.reshape(1)
-    if pg.model_parallel is not None:
-        dist.all_reduce(sq, group=pg.model_parallel)
+    if group is not None:
+        dist.all_reduce(sq, group=group)
     return float(sq.sqrt().item())
 
 
-def clip_grads(params: Sequence[torch.nn.Parameter], total_norm: float, max_norm: float) -> None:
-    """Scale gradients so that their global norm is at most ``max_norm`` (0 disables)."""
-    if max_norm <= 0 or not math.isfinite(total_norm):
-        return
-    coef = max_norm / (total_norm + 1e-6)
-    if coef < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
-
-
-__all__ = ["lr_at", "param_groups", "build_adamw", "set_lr", "counted_once", "global_grad_norm",
-           "clip_grads"]
+__all__ = ["lr_at", "param_groups", "build_adamw", "set_lr", "counted_once", "norm_of"]

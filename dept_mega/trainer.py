@@ -1,17 +1,24 @@
 """Inner training steps inside one source group (Megatron-style TP × PP × DP).
 
-One step: the pipeline schedule runs the forwards/backwards of the step's micro-batches
-(fp32 gradient accumulation in ``param.grad``), then
-1. gradients are summed over ``pg.dp`` in a few flat buckets (the loss of every micro-batch is
-   already divided by the number of target tokens of the *global* batch, so the sum over the
-   data-parallel ranks is the mean loss's gradient, whatever the layout);
+One step: the pipeline schedule runs the forwards/backwards of the step's micro-batches. Each
+micro-batch's gradient is added into the optimizers' contiguous gradient buffers
+(``param.main_grad``, fp32 unless ``optim.grad_dtype: bf16``; :mod:`dept_mega.grad_buffer`),
+and with ``optim.overlap_grad_reduce`` each bucket's sum over ``pg.dp`` starts as soon as its
+gradients are final, during backward (reduce-scatter with ``optim.distributed``). The loss of
+every micro-batch is already divided by the number of target tokens of the *global* batch, so
+the sum over the data-parallel ranks is the mean loss's gradient, whatever the layout. Then
+1. the data-parallel reductions are waited for;
 2. tied-embedding gradients are all-reduced over ``pg.embedding`` (PP > 1), sequence-parallel
    replicated-parameter gradients (norms, row-parallel biases) over ``pg.tp``;
 3. fp16 gradients are unscaled, the global norm is computed (each parameter once) and clipped;
-4. a non-finite loss or norm skips the update; otherwise the body and embedding optimizers step.
+4. a non-finite loss or norm skips the update; otherwise the body and embedding optimizers step
+   (fp32 main parameters; half-precision weights copied from them, :mod:`dept_mega.optimizer`).
 
-The body and the current embeddings have separate AdamW instances so that DEPT can swap a
-source's embeddings together with their optimizer state (:meth:`Trainer.set_embeddings`).
+The body and the current embeddings have separate optimizers so that DEPT can swap a source's
+embeddings together with their optimizer state (:meth:`Trainer.set_embeddings`). Under
+``precision: bf16 | fp16`` the model's weights are half precision and the fp32 masters live in
+the optimizers; DEPT reads and writes weights through :meth:`Trainer.main_params` and
+:meth:`Trainer.refresh_model_params`.
 """
 from __future__ import annotations
 
@@ -23,13 +30,17 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .optim import build_adamw, clip_grads, global_grad_norm, lr_at, set_lr
+from .grad_buffer import GradSync, grad_owner
+from .optim import counted_once, lr_at, norm_of, set_lr
+from .optimizer import (InnerOptimizer, build_optimizer, keep_masters_on_load, main_param, refresh_model_params,
+                        to_model_dtype)
+from .optimizer import unique_params as _unique
 from .parallel.groups import ParallelGroups
 from .parallel.pipeline import PipeChannels, ScheduleSpec, check_microbatches, run_forward_backward, \
     run_forward_only
 from .precision import Precision
 
-BUCKET_ELEMENTS = 25_000_000  # elements per data-parallel all-reduce bucket
+BUCKET_ELEMENTS = 25_000_000  # elements per all-reduce bucket of the tied / sequence-parallel gradients
 
 
 class NonFiniteLossError(RuntimeError):
@@ -86,16 +97,6 @@ def _opt_tensor(x: Any) -> Optional[torch.Tensor]:
     return None if x is None else torch.as_tensor(x)
 
 
-def _unique(params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
 class Trainer:
     def __init__(self, cfg: Config, pg: ParallelGroups, device: torch.device, vocab_size: Optional[int] = None,
                  stages: Optional[list[torch.nn.Module]] = None, num_sources: Optional[int] = None) -> None:
@@ -106,20 +107,25 @@ class Trainer:
             from .model import build_model
             if vocab_size is None:
                 raise ValueError("Trainer needs vocab_size to build the model")
+            # built in fp32: the initial values are the fp32 masters, the optimizers cast the weights
             stages = build_model(cfg, pg, vocab_size, cfg.train.seed, device)
         self.stages = list(stages)
         if len(self.stages) != cfg.parallel.virtual_pipeline:
             raise ValueError(f"{len(self.stages)} model chunks on this rank, expected "
                              f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}")
         self.num_sources = num_sources or max(1, len(cfg.data.sources))
-        self.precision = Precision(cfg.precision, device)
+        self.precision = Precision(cfg.precision, device, cfg.optim.grad_dtype)
         self.channels = PipeChannels(pg)
-        self.body_optimizer = build_adamw(self.body_parameters(), cfg.optim, device)
-        self.embedding_optimizer = build_adamw(self.embedding_parameters(), cfg.optim, device)
+        self.body_optimizer = build_optimizer(self.body_parameters(), cfg.optim, pg, device, self.precision,
+                                              names=self._names())
+        self.embedding_optimizer = self.make_embedding_optimizer(self.embeddings())
+        for st in self.stages:
+            keep_masters_on_load(st)
+        self._cast_unowned(self.parameters())
+        self.grad_sync = GradSync(pg, overlap=cfg.optim.overlap_grad_reduce)
         self.step = 0  # inner steps done
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
-        self._autocast = self.precision.autocast()
 
     # -- parameters ----------------------------------------------------------------------
     def body_parameters(self) -> list[torch.nn.Parameter]:
@@ -131,34 +137,73 @@ class Trainer:
     def parameters(self) -> list[torch.nn.Parameter]:
         return _unique([p for st in self.stages for p in st.parameters()])
 
+    def _names(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for c, st in enumerate(self.stages):
+            for n, p in st.named_parameters():
+                out.setdefault(id(p), f"chunk {c} {n}")
+        return out
+
     def embeddings(self) -> list[Any]:
         return [getattr(st, "embeddings", None) for st in self.stages]
 
-    def make_embedding_optimizer(self, embs: Sequence[Any]) -> torch.optim.Optimizer:
-        params = _unique([p for e in embs if e is not None for p in e.parameters()])
-        return build_adamw(params, self.cfg.optim, self.device)
+    def make_embedding_optimizer(self, embs: Sequence[Any]) -> InnerOptimizer:
+        """The inner optimizer of one vocabulary's embeddings (casts them to the model dtype,
+        keeping fp32 masters)."""
+        present = [e for e in embs if e is not None]
+        params = _unique([p for e in present for p in e.parameters()])
+        shared = _unique([p for e in present for p in e.shared_embedding_params()])
+        names = {id(p): f"embeddings.{n}" for e in present for n, p in e.named_parameters()}
+        for e in present:
+            keep_masters_on_load(e)
+        return build_optimizer(params, self.cfg.optim, self.pg, self.device, self.precision, shared=shared,
+                               names=names)
 
-    def set_embeddings(self, embs: Sequence[Any], optimizer: Optional[torch.optim.Optimizer] = None):
+    def set_embeddings(self, embs: Sequence[Any], optimizer: Optional[InnerOptimizer] = None):
         """Install one vocabulary's embeddings (one object per chunk, aligned with ``stages``)
-        and their optimizer; returns the previous ``(embeddings, optimizer)``."""
+        and their optimizer; returns the previous ``(embeddings, optimizer)``. Embeddings that
+        the given optimizer does not own (evaluation copies) are cast to the model dtype."""
         if len(embs) != len(self.stages):
             raise ValueError(f"set_embeddings: got {len(embs)} embeddings for {len(self.stages)} chunks")
         old = (self.embeddings(), self.embedding_optimizer)
         for st, e in zip(self.stages, embs):
             st.set_embeddings(e)
-        self.embedding_optimizer = optimizer if optimizer is not None else self.make_embedding_optimizer(embs)
+        new = optimizer if optimizer is not None else self.make_embedding_optimizer(embs)
+        if new is not old[1]:
+            old[1].release_grads()
+        new.adopt()
+        self.embedding_optimizer = new
+        self._cast_unowned([p for e in embs if e is not None for p in e.parameters()])
         return old
 
+    def _cast_unowned(self, params: Sequence[torch.nn.Parameter]) -> None:
+        dtype = self.precision.param_dtype
+        loose = [p for p in params if p.dtype != dtype and grad_owner(p) is None]
+        to_model_dtype(loose, dtype, keep_master=False)
+
     @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
+    def optimizers(self) -> list[InnerOptimizer]:
         return [self.body_optimizer, self.embedding_optimizer]
+
+    # -- fp32 main parameters (DEPT's outer sync, TRIM's rows) ------------------------------------
+    def main_params(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The fp32 tensors that hold ``params``' values: the parameters themselves under
+        precision fp32, their fp32 master copies under bf16/fp16. Code outside the optimizer
+        that reads weights reads these; code that writes them writes these and then calls
+        :meth:`refresh_model_params`. Raises with the distributed optimizer and half-precision
+        weights (no rank holds full masters)."""
+        return [main_param(p) for p in params]
+
+    def refresh_model_params(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """After writing :meth:`main_params`: copy them into the (half-precision) weights."""
+        refresh_model_params(params)
 
     def lr(self, step: Optional[int] = None) -> float:
         return lr_at(self.step if step is None else step, self.cfg.optim, self.cfg.train.steps)
 
     def set_lr(self, step: Optional[int] = None) -> float:
         lr = self.lr(step)
-        set_lr(self.optimizers, lr)
+        set_lr([o.inner for o in self.optimizers], lr)
         return lr
 
     # -- one step -------------------------------------------------------------------------
@@ -213,11 +258,9 @@ class Trainer:
                     stats[2 + K:].index_add_(0, ids, torch.full_like(seq, per_token.shape[1]))
             return per_token.sum() * scale
 
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        self._begin_grads(len(mbs))
         run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
-                             stage_input=self._stage_input, stage_labels=self._stage_labels,
-                             loss_fn=loss_fn, autocast=self._autocast)
+                             stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
             stats.zero_()
         if self.pg.source_group is not None:
@@ -229,20 +272,23 @@ class Trainer:
         tok_src = {k: int(stats[2 + K + k]) for k in range(K) if stats[2 + K + k] > 0}
 
         self.reduce_gradients()
-        params = self.parameters()
-        self.precision.unscale(params)
-        grad_norm = (global_grad_norm(params, self.pg, self._tied_duplicates())
-                     if math.isfinite(loss) else float("nan"))
+        if self.precision.scaler is not None:
+            for opt in self.optimizers:
+                opt.scale_grads(1.0 / self.precision.scaler.scale)
+        grad_norm = self.grad_norm() if math.isfinite(loss) else float("nan")
         lr = self.set_lr()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
             self.nonfinite_total += 1
             self.nonfinite_in_a_row += 1
-            for opt in self.optimizers:
-                opt.zero_grad(set_to_none=True)
         else:
             self.nonfinite_in_a_row = 0
-            clip_grads(params, grad_norm, self.cfg.optim.clip_grad)
+            clip = self.cfg.optim.clip_grad
+            if clip > 0:
+                coef = clip / (grad_norm + 1e-6)
+                if coef < 1.0:
+                    for opt in self.optimizers:
+                        opt.scale_grads(coef)
             for opt in self.optimizers:
                 opt.step()
         self.precision.update(skipped)
@@ -259,20 +305,62 @@ class Trainer:
         """The last stage's copy of a tied word embedding (PP > 1) is counted on the first stage."""
         return frozenset(id(p) for st in self.stages if not st.is_first for p in st.shared_embedding_params())
 
-    # -- gradient reductions --------------------------------------------------------------
+    # -- gradients ------------------------------------------------------------------------
+    def _begin_grads(self, num_micro_batches: int) -> None:
+        """Set up the step's gradient buffers: each parameter expects one accumulation per
+        micro-batch for every chunk of this rank that holds it; a bucket's data-parallel
+        reduction starts when all of its accumulations have arrived."""
+        expected: dict[int, int] = {}
+        for st in self.stages:
+            for p in st.parameters():
+                expected[id(p)] = expected.get(id(p), 0) + num_micro_batches
+        buffers = [opt.buffer for opt in self.optimizers]
+        for p in self.parameters():
+            if p.requires_grad and not any(b.owns(p) for b in buffers):
+                raise RuntimeError(f"parameter {self._names().get(id(p), tuple(p.shape))} is not owned by the "
+                                   f"installed optimizers: set_embeddings(embs, optimizer) needs the optimizer "
+                                   f"of those embeddings")
+            p.grad = None
+        self.grad_sync.begin(buffers, expected)
+
+    def _owner(self, p: torch.nn.Parameter) -> InnerOptimizer:
+        return grad_owner(p).optimizer
+
+    def _reduced(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The reduced gradient (or this rank's shard of it) of each parameter that got one."""
+        out = []
+        for p in params:
+            opt = self._owner(p)
+            if opt.received(p):
+                g = opt.grad_view(p)
+                if g is not None:
+                    out.append(g)
+        return out
+
     def reduce_gradients(self) -> None:
-        params = [p for p in self.parameters() if p.grad is not None]
-        if self.pg.dp is not None:
-            _bucketed_all_reduce([p.grad for p in params], self.pg, self.pg.dp, "dp")
+        """Wait for the data-parallel reduction (started during backward with
+        ``optim.overlap_grad_reduce``), then all-reduce tied-embedding gradients over
+        ``pg.embedding`` and sequence-parallel ones over ``pg.tp``."""
+        self.grad_sync.finish()
+        params = self.parameters()
         if self.pg.embedding is not None and self.pg.pp_size > 1:
             shared = {id(p) for st in self.stages for p in st.shared_embedding_params()}
-            tied = [p.grad for p in params if id(p) in shared]
+            tied = self._reduced([p for p in params if id(p) in shared])
             if tied:
                 _bucketed_all_reduce(tied, self.pg, self.pg.embedding, "pp")
         if self.pg.tp is not None and self.cfg.parallel.sequence_parallel:
-            sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+            sp = self._reduced([p for p in params if getattr(p, "sequence_parallel", False)])
             if sp:
                 _bucketed_all_reduce(sp, self.pg, self.pg.tp, "tp")
+
+    def grad_norm(self) -> float:
+        """L2 norm of the group's gradient, each parameter counted once (``optim.counted_once``);
+        with the distributed optimizer each rank sums its shards and the sum runs over the
+        whole source group."""
+        dups = self._tied_duplicates()
+        grads = self._reduced([p for p in self.parameters() if counted_once(p, self.pg, dups)])
+        group = self.pg.source_group if self.cfg.optim.distributed else self.pg.model_parallel
+        return norm_of(grads, group, self.device)
 
     # -- evaluation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -290,8 +378,7 @@ class Trainer:
 
         if mbs:
             run_forward_only(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
-                             stage_input=self._stage_input, stage_labels=self._stage_labels,
-                             loss_fn=loss_fn, autocast=self._autocast)
+                             stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
             acc.zero_()
         if self.pg.source_group is not None:

@@ -130,14 +130,24 @@ def test_set_embeddings_swaps_weights_and_optimizer_state():
     assert not torch.equal(emb_a[0].word_embeddings.weight, a_weight)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_keeps_fp32_master_weights(precision):
+@pytest.mark.parametrize("precision,grad_dtype", [("bf16", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")])
+def test_half_precision_weights_with_fp32_masters(precision, grad_dtype):
+    """bf16/fp16: the model's weights are half precision, the optimizer's fp32 masters start
+    from the exact fp32 init, gradients accumulate in the ``optim.grad_dtype`` buffer, and the
+    weights are the rounded masters after every step."""
     cfg32 = tiny_config()
-    cfg = tiny_config({"precision": precision})
+    cfg = tiny_config({"precision": precision, "optim": {"grad_dtype": grad_dtype}})
     ref = train_losses(cfg32, 2)
+    init32 = [p.detach().clone() for p in _trainer(cfg32).parameters()]
     tr = _trainer(cfg)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert all(p.dtype == half for p in tr.parameters())
+    assert all(torch.equal(p.main_param, q) for p, q in zip(tr.parameters(), init32))
     losses = [tr.train_step(dp_micro_batches(cfg, global_batch(cfg, s), 0, 1)).loss for s in range(2)]
-    assert all(p.dtype == torch.float32 for p in tr.parameters())
+    for p in tr.parameters():
+        assert p.main_param.dtype == torch.float32 and torch.equal(p.data, p.main_param.to(half))
+        assert p.main_grad.dtype == (torch.bfloat16 if grad_dtype == "bf16" else torch.float32)
+    assert all(m.dtype == torch.float32 for o in tr.optimizers for g in o.param_groups for m in g["params"])
     for a, b in zip(losses, ref["loss"]):
         assert a == pytest.approx(b, rel=2e-2)
     if precision == "fp16":

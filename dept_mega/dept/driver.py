@@ -75,8 +75,9 @@ class DeptHooks:
         self._resumed_round: Optional[int] = None
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
+        masters = dict(main_params=trainer.main_params, refresh=trainer.refresh_model_params)  # fp32 values
         self.body_sync = FlatSync(trainer.body_parameters(), pg, OuterOptimizer.from_config(d.outer_optimizer),
-                                  category="outer_body", comm_dtype=d.outer_comm_dtype)
+                                  category="outer_body", comm_dtype=d.outer_comm_dtype, **masters)
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source

@@ -16,7 +16,9 @@ class GlobStrategy(VariantStrategy):
         d = ctx.cfg.dept
         self.embedding_sync = FlatSync(ctx.trainer.embedding_parameters(), ctx.pg,
                                        OuterOptimizer.from_config(d.outer_optimizer),
-                                       category="outer_embedding", comm_dtype=d.outer_comm_dtype)
+                                       category="outer_embedding", comm_dtype=d.outer_comm_dtype,
+                                       main_params=ctx.trainer.main_params,  # fp32 values of half weights
+                                       refresh=ctx.trainer.refresh_model_params)
 
     def reset_group_optimizer(self) -> None:
         self.ctx.trainer.embedding_optimizer.state.clear()

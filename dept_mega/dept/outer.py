@@ -17,10 +17,15 @@ parameters it owns (this rank's TP/PP shard), and at a round's end:
 3. the outer optimizer updates the chunk of θ (state exists for the chunk only);
 4. all-gather of the updated chunks over ``pg.dp`` (fp32, category ``dp``) and copy into
    the parameters.
+
+With half-precision weights the fp32 values to read and write are the optimizer's master
+copies: a FlatSync built with ``main_params`` / ``refresh`` (``Trainer.main_params`` and
+``Trainer.refresh_model_params``) reads θ_local from and writes θ_t into those, then refreshes
+the model's weights; without them it works on the parameters themselves (fp32 weights).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -103,8 +108,12 @@ class FlatSync:
     """Outer synchronisation of a list of parameters held by this rank (see module doc)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], pg, optimizer: OuterOptimizer,
-                 category: str = "outer_body", comm_dtype: str = "fp32") -> None:
+                 category: str = "outer_body", comm_dtype: str = "fp32",
+                 main_params: Optional[Callable[[Sequence[torch.nn.Parameter]], list[torch.Tensor]]] = None,
+                 refresh: Optional[Callable[[Sequence[torch.nn.Parameter]], None]] = None) -> None:
         self.params = list(params)
+        self._main_params = main_params
+        self._refresh = refresh
         self.pg = pg
         self.category = category
         if comm_dtype not in COMM_DTYPES:
@@ -115,8 +124,12 @@ class FlatSync:
         D = pg.dp_size
         self.bounds = [chunk_bounds(self.numel, D, d) for d in range(D)]
         self.start, self.end = self.bounds[pg.dp_rank]
-        self.theta_prev = flatten_fp32(self.params)  # θ_{t-1}, full (fp32)
+        self.theta_prev = flatten_fp32(self.values())  # θ_{t-1}, full (fp32)
         self.optimizer.ensure_state(self.theta_prev[self.start:self.end])
+
+    def values(self) -> list[torch.Tensor]:
+        """The fp32 tensors holding the parameters' values (the masters of half weights)."""
+        return self._main_params(self.params) if self._main_params is not None else self.params
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -128,7 +141,8 @@ class FlatSync:
         pg = self.pg
         G = group_size(pg.outer)
         s, e = self.start, self.end
-        local = flatten_fp32(self.params)
+        values = self.values()
+        local = flatten_fp32(values)
         delta = self.theta_prev[s:e] - local[s:e]
         if G > 1:
             wire = delta.to(self.comm_dtype) if self.comm_dtype != torch.float32 else delta
@@ -145,10 +159,12 @@ class FlatSync:
             full = theta
         self.theta_prev = full.clone()
         offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.data.copy_(full[offset:offset + n].view_as(p).to(p.dtype))
+        for v in values:
+            n = v.numel()
+            v.data.copy_(full[offset:offset + n].view_as(v).to(v.dtype))
             offset += n
+        if self._refresh is not None:
+            self._refresh(self.params)
 
     def state_dict(self) -> dict:
         return {"theta_prev": self.theta_prev.clone(), "optimizer": self.optimizer.state_dict()}

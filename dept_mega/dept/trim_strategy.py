@@ -109,9 +109,20 @@ class TrimStrategy(VariantStrategy):
                 continue
             for owner, phi in self._tables(emb):
                 a, b = self._rows_of(owner, ids.numel())
-                owner.weight[: b - a].copy_(phi.gather(ids[a:b]).to(owner.weight.device, owner.weight.dtype))
+                w = self._main(owner.weight)  # the fp32 master of half weights
+                w[: b - a].copy_(phi.gather(ids[a:b]).to(w.device, w.dtype))
+                self._refresh(owner.weight)
             if emb.position_embeddings is not None and self.positions is not None:
-                emb.position_embeddings.weight.copy_(self.positions)
+                self._main(emb.position_embeddings.weight).copy_(self.positions)
+                self._refresh(emb.position_embeddings.weight)
+
+    def _main(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of ``p``: its master when the trainer owns it (half-precision
+        weights), ``p`` itself otherwise (fp32, or an evaluation copy no optimizer owns)."""
+        return self.ctx.trainer.main_params([p])[0]
+
+    def _refresh(self, p: torch.Tensor) -> None:
+        self.ctx.trainer.refresh_model_params([p])
 
     # ------------------------------------------------------------------------- round end
     @torch.no_grad()
@@ -132,13 +143,13 @@ class TrimStrategy(VariantStrategy):
                 seen.add(id(owner.weight))
                 a, b = self._rows_of(owner, ids.numel())
                 mine = ids[a:b]
-                local = owner.weight[: b - a].detach().to(phi.weight.device, torch.float32)
+                local = self._main(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
                 delta = phi.gather(mine) - local
                 all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
                                                   comm_dtype=ctx.cfg.dept.outer_comm_dtype)
                 phi.apply(all_ids, all_rows)
             if emb.position_embeddings is not None and self.position_sync is not None:
-                self.positions.data.copy_(emb.position_embeddings.weight.detach())
+                self.positions.data.copy_(self._main(emb.position_embeddings.weight))
         if self.position_sync is not None:
             self.position_sync.sync()
 

@@ -12,6 +12,10 @@ routes it (ring, tree), which is what the paper's Table 1 counts.
 
 A group of size 1 (or ``None`` on a single process) makes every call a no-op that counts
 nothing, so the same code runs without ``torch.distributed``.
+
+``all_reduce``, ``reduce_scatter_into`` and ``all_gather_into`` take ``async_op=True`` (the
+overlapped gradient reduction): they then return a handle with ``wait()`` (a finished one for
+size-1 groups). Bytes are counted when the collective is launched, exactly as when blocking.
 """
 from __future__ import annotations
 
@@ -32,6 +36,16 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
+
+
+class Done:
+    """The handle of a collective that had nothing to do (size-1 group)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Comm:
@@ -60,21 +74,24 @@ class Comm:
         return t.numel() * t.element_size()
 
     # -- collectives ---------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, group, category: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, group, category: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """In place; returns ``t`` (with ``async_op``: a handle to ``wait()`` on)."""
         if group_size(group) == 1:
-            return t
+            return Done() if async_op else t
         self.count(category, self._nbytes(t))
-        dist.all_reduce(t, op=op, group=group)
-        return t
+        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        return work if async_op else t
 
-    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, group, category: str) -> torch.Tensor:
-        """``out`` = the shards of every rank concatenated along dim 0."""
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, group, category: str,
+                        async_op: bool = False):
+        """``out`` = the shards of every rank concatenated along dim 0 (with ``async_op``: a
+        handle to ``wait()`` on; ``shard`` must not be modified before)."""
         if group_size(group) == 1:
             out.copy_(shard)
-            return out
+            return Done() if async_op else out
         self.count(category, self._nbytes(shard))
-        _all_gather_single(out, shard.contiguous(), group=group)
-        return out
+        work = _all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
+        return work if async_op else out
 
     def all_gather_list(self, shards: list[torch.Tensor], shard: torch.Tensor, group, category: str) -> list[torch.Tensor]:
         """Gather tensors that may differ in size along dim 0 (``shards`` preallocated)."""
@@ -86,14 +103,15 @@ class Comm:
         return shards
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, group, category: str,
-                            op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """``out`` = this rank's dim-0 chunk of the sum of every rank's ``full``."""
+                            op=dist.ReduceOp.SUM, async_op: bool = False):
+        """``out`` = this rank's dim-0 chunk of the sum of every rank's ``full`` (with
+        ``async_op``: a handle to ``wait()`` on)."""
         if group_size(group) == 1:
             out.copy_(full)
-            return out
+            return Done() if async_op else out
         self.count(category, self._nbytes(full))
-        _reduce_scatter_single(out, full.contiguous(), op=op, group=group)
-        return out
+        work = _reduce_scatter_single(out, full.contiguous(), op=op, group=group, async_op=async_op)
+        return work if async_op else out
 
     def broadcast(self, t: torch.Tensor, src: int, group, category: str) -> torch.Tensor:
         """``src`` is a global rank."""

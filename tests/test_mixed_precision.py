@@ -1,0 +1,186 @@
+"""Megatron-style mixed precision on gloo (world 2): bf16 weights and activations on every
+pipeline layout, fp32 masters, DEPT's outer sync on the masters, and resuming from
+checkpoints (distributed optimizer, half-precision masters, fused AdamW on CPU)."""
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+from tests.mp_utils import run_distributed
+from tests.trainer_utils import layouts_worker, tiny_config, train_losses
+
+
+def _layouts_and_bytes(rank, world):
+    from tests.optim_utils import train_record
+    runs = [({"precision": "bf16"}, ("parallel.pipeline=2",)),
+            ({"precision": "bf16"}, ("parallel.pipeline=2", "parallel.virtual_pipeline=2")),
+            ({"precision": "bf16"}, ("parallel.tensor=2", "parallel.sequence_parallel=true"))]
+    out = layouts_worker(rank, world, runs, 3)
+    tp = {prec: train_record({"precision": prec}, ("parallel.tensor=2", "parallel.sequence_parallel=true"), 1)
+          for prec in ("fp32", "bf16")}
+    return {"layouts": out, "tp_bytes": {k: v["bytes"]["tp"] for k, v in tp.items()}}
+
+
+@pytest.mark.timeout(200)
+def test_bf16_same_numerics_on_every_pipeline_layout():
+    """The first stage no longer runs an fp32 residual stream while later stages run bf16: a
+    PP 2 (and interleaved) run computes PP 1's first loss bit for bit (the same bf16 ops on the
+    same bf16 tensors), and later losses within bf16 noise (the tied embedding's two gradient
+    halves are summed in fp32 across stages, in bf16 inside one stage). Tensor-parallel
+    collectives move half the bytes of fp32 (the cross entropy's fp32 statistics and the fp32
+    sequence-parallel gradient sums aside)."""
+    ref = train_losses(tiny_config({"precision": "bf16"}), 3)
+    res = run_distributed(_layouts_and_bytes, 2, timeout=180)
+    for r in res:
+        pp2, pp2_vp2, tp2 = r["layouts"]
+        for got in (pp2, pp2_vp2):
+            assert got["loss"][0] == ref["loss"][0]
+            for a, b in zip(got["loss"], ref["loss"]):
+                assert a == pytest.approx(b, rel=1e-4)
+        for a, b in zip(tp2["loss"], ref["loss"]):
+            assert a == pytest.approx(b, rel=1e-3)
+        ratio = r["tp_bytes"]["bf16"] / r["tp_bytes"]["fp32"]
+        assert 0.5 <= ratio < 0.52, r["tp_bytes"]
+
+
+def _dept_bf16_worker(rank, world, variant):
+    from tests.dept_utils import run_dept, source_infos
+    from tests.dept_utils import tiny_config as dept_config
+    cfg = dept_config({"precision": "bf16", "dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 2}})
+    seen = {}
+
+    def flat(tr, params):
+        return torch.cat([m.detach().reshape(-1).clone() for m in tr.main_params(params)])
+
+    def after_round(r, hooks, tr):  # before the outer sync
+        seen["body"] = flat(tr, tr.body_parameters())
+        seen["emb"] = flat(tr, tr.embedding_parameters())
+
+    def on_install(r, hooks, tr):
+        if variant != "trim":
+            return
+        emb = tr.embeddings()[0]
+        ids = hooks.sources[hooks.index[hooks.installed]].vocab_ids
+        w = emb.word_embeddings.weight
+        seen["trim_fill"] = (torch.equal(tr.main_params([w])[0][:ids.numel()], hooks.phi.gather(ids))
+                             and torch.equal(w.data, w.main_param.to(torch.bfloat16)))
+
+    out = run_dept(cfg, source_infos(2, trim=variant == "trim"), 1, after_round=after_round, on_install=on_install)
+    tr = out["trainer"]
+    body = tr.body_parameters()
+    return {"pre": seen, "body": flat(tr, body), "emb": flat(tr, tr.embedding_parameters()),
+            "weights_are_masters": all(torch.equal(p.data, p.main_param.to(p.dtype)) for p in tr.parameters()),
+            "half": all(p.dtype == torch.bfloat16 for p in tr.parameters()), "losses": out["losses"]}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("variant", ["glob", "spec", "trim"])
+def test_dept_outer_sync_averages_the_fp32_masters(variant):
+    """precision bf16, 2 groups, FedAvg (lr 1): after a round the body's fp32 masters are the
+    average of the groups' fp32 masters (not of their bf16 weights) and the bf16 weights are
+    the rounded masters; GLOB's embeddings too; TRIM fills its compact rows into the masters."""
+    res = run_distributed(_dept_bf16_worker, 2, args=(variant,), timeout=180)
+    mean_body = (res[0]["pre"]["body"] + res[1]["pre"]["body"]) / 2
+    assert not torch.equal(res[0]["pre"]["body"], res[1]["pre"]["body"])  # the groups trained differently
+    for r in res:
+        assert r["half"] and r["weights_are_masters"]
+        torch.testing.assert_close(r["body"], mean_body, rtol=1e-6, atol=1e-7)
+        if variant == "glob":
+            torch.testing.assert_close(r["emb"], (res[0]["pre"]["emb"] + res[1]["pre"]["emb"]) / 2,
+                                       rtol=1e-6, atol=1e-7)
+        if variant == "trim":
+            assert r["pre"]["trim_fill"]
+    # the average of the bf16 weights is farther away than the test's tolerance
+    bf16_mean = (res[0]["pre"]["body"].bfloat16().float() + res[1]["pre"]["body"].bfloat16().float()) / 2
+    assert not torch.allclose(bf16_mean, mean_body, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- resume
+
+RESUME_RUNS = {
+    "dist_bf16_fused": ("optim.distributed=true", "precision=bf16", "optim.fused=true", "optim.grad_bucket_size=3000"),
+    "bf16_fused": ("precision=bf16", "optim.fused=true"),
+    "dist_fp32": ("optim.distributed=true", "optim.grad_bucket_size=3000"),
+    "fp32_fused": ("optim.fused=true",),
+}
+
+
+def _loop(cfg, pg, run_dir, rank):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    allowed = torch.arange(cfg.model.vocab_size)
+
+    def make_iterator(name):
+        return SyntheticSource(cfg, 3, allowed, pg.dp_rank, pg.dp_size)
+
+    writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
+    ck = Checkpointer(run_dir)
+    return TrainLoop(cfg, pg, trainer, StdHooks(), writer, make_iterator, checkpointer=ck), ck
+
+
+def _state(trainer):
+    out = [p.detach().clone() for p in trainer.parameters()]
+    for o in trainer.optimizers:
+        for m, st in o.state.items():
+            out += [m.detach().clone()] + [v.clone() for v in st.values()]
+    return out
+
+
+def _resume_worker(rank, world, root):
+    from dept_mega.parallel.groups import build_groups
+    pg = build_groups(1, 2, 1)
+    out = {}
+    for name, extra in RESUME_RUNS.items():
+        run_dir = os.path.join(root, name)
+        cfg = tiny_config({"train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "log_interval": 100,
+                                     "run_dir": run_dir}}, ("parallel.data=2",) + extra)
+        loop, _ = _loop(cfg, pg, run_dir, rank)
+        loop.run()
+        full = _state(loop.trainer)
+        loop2, ck = _loop(cfg, pg, run_dir, rank)
+        ck.load(loop2, step=2)
+        fused = [g["fused"] for o in loop2.trainer.optimizers for g in o.param_groups]
+        loop2.run()
+        resumed = _state(loop2.trainer)
+        out[name] = {"same": len(full) == len(resumed) and all(torch.equal(a, b) for a, b in zip(full, resumed)),
+                     "fused": fused}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_path):
+    """Save at step 2 of 4, resume in fresh processes' trainers: weights, fp32 masters and
+    AdamW moments at step 4 equal the uninterrupted run's bit for bit — the distributed
+    optimizer's per-rank shards, half-precision runs' masters, and fused AdamW (optim.fused:
+    true, on CPU here) whose ``step`` must live where the fused kernel keeps it. A 1-rank
+    launch refuses the 2-rank distributed-optimizer checkpoint naming parallel.data."""
+    res = run_distributed(_resume_worker, 2, args=(str(tmp_path),), timeout=280)
+    for r in res:
+        for name, got in r.items():
+            assert got["same"], name
+            assert all(got["fused"]) == ("fused" in name), (name, got["fused"])
+    from dept_mega.checkpoint import load_weights
+    from dept_mega.config import ConfigError
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    run_dir = str(tmp_path / "dist_fp32")
+    cfg = tiny_config({"train": {"run_dir": run_dir}}, RESUME_RUNS["dist_fp32"])
+    trainer = Trainer(cfg, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
+        load_weights(trainer, run_dir, 2)
+    load_weights(trainer, run_dir, 2, optimizer=False)  # the weights alone load into any dp size
+    cfg_plain = tiny_config({"train": {"run_dir": run_dir}}, ("optim.grad_bucket_size=3000",))
+    trainer = Trainer(cfg_plain, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    layout = tmp_path / "dist_fp32" / "checkpoints" / "step_2" / "layout.json"
+    import json
+    layout.write_text(json.dumps(dict(json.loads(layout.read_text()), data=1)))
+    with pytest.raises(ConfigError, match="'optim.distributed'"):
+        load_weights(trainer, run_dir, 2)
