@@ -182,5 +182,7 @@ def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_
     layout = tmp_path / "dist_fp32" / "checkpoints" / "step_2" / "layout.json"
     import json
     layout.write_text(json.dumps(dict(json.loads(layout.read_text()), data=1)))
+    from dept_mega.manifest import seal
+    seal(str(layout.parent), 2)  # a consistent checkpoint that only the layout check refuses
     with pytest.raises(ConfigError, match="'optim.distributed'"):
         load_weights(trainer, run_dir, 2)
