@@ -133,13 +133,13 @@ def test_moved_source_keeps_its_fp32_masters():
     """SPEC moves a source's embeddings with their optimizer state; with bf16 weights that
     state carries the fp32 masters, so the receiving group continues from the exact masters
     (not from the rounded weights), through the same pack/unpack as the wire."""
-    from dept_mega.dept.store import SourceState, load_payload, pack, state_payload, unpack
+    from dept_mega.dept.store import SourceState, encode, load_payload, parse_header, state_payload, unpack
     from dept_mega.model import build_source_embeddings
     cfg = tiny_config({"precision": "bf16"})
     tr = _trainer(cfg)
     tr.train_step(dp_micro_batches(cfg, global_batch(cfg, 0), 0, 1))
-    meta, tensors = pack(state_payload(SourceState(tr.embeddings(), tr.embedding_optimizer), with_optimizer=True))
-    received = unpack(meta, [t.clone() for t in tensors])
+    raw, tensors = encode(state_payload(SourceState(tr.embeddings(), tr.embedding_optimizer), with_optimizer=True))
+    received = unpack(parse_header(raw, peer=0).tree, [t.clone() for t in tensors])
     embs = build_source_embeddings(cfg, build_groups(), cfg.model.vocab_size, seed=11)
     state = SourceState(embs, tr.make_embedding_optimizer(embs))
     load_payload(state, received)
@@ -152,7 +152,7 @@ def test_moved_source_keeps_its_fp32_masters():
     assert all(torch.equal(st_src[k], st_dst[k]) for k in st_src)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_adamw_resumes_on_cuda(tmp_path, precision):
