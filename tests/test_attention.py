@@ -113,3 +113,24 @@ def test_compiled_flex_matches_bias():
     ref, _ = _run("bias", "alibi", 4, 2)
     out, _ = _run("flex", "alibi", 4, 2, compile_flex=True)
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["flex", "flash"])
+def test_fused_paths_on_cuda_match_bias_with_gradients(kind):
+    """On a GPU: compiled flex (and flash-attn when installed) against the bias path, outputs and
+    gradients, ALiBi + GQA, bf16 inputs (tolerance: bf16 rounding of the outputs, ~1e-2)."""
+    if kind == "flash":
+        pytest.importorskip("flash_attn")
+    cfg = tiny_config(num_attention_heads=4, num_query_groups=2, hidden_size=64).model
+    positions = PositionState(cfg, 0, 1, compile_flex=True)
+    results = {}
+    for k in ("bias", kind):
+        core = CoreAttention(k, positions, q_per_group=2, dropout_p=0.0, rng=None)
+        q, k_, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(4, 2, s=128, d=16))
+        out = core(q, k_, v)
+        out.float().square().sum().backward()
+        results[k] = [out.detach().float()] + [t.grad.float() for t in (q, k_, v)]
+    for a, b in zip(results[kind], results["bias"]):
+        assert rel_err(a, b) < 2e-2

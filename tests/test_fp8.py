@@ -164,3 +164,21 @@ def test_fp8_training_final_loss_within_two_percent_of_bf16():
     assert bf16[-1] < 0.75 * bf16[0], (bf16[0], bf16[-1])  # it learned the pattern
     assert fp8 != bf16  # the FP8 path really ran
     assert abs(fp8[-1] - bf16[-1]) <= 0.02 * bf16[-1], (fp8[-1], bf16[-1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_fp8_linear_on_cuda_matches_cpu():
+    """cuBLASLt's FP8 GEMM against PyTorch's CPU kernel on the same FP8 operands: the same
+    products, accumulated in fp32 in another order (bf16 outputs agree to ~1 bf16 ulp)."""
+    recipe = Fp8Recipe("hybrid", "current")
+    x, w, gy = _operands(0)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xa, wa = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        y = fp8_linear(xa, wa, recipe)
+        (y.float() * gy.to(dev)).sum().backward()
+        outs.append([t.detach().float().cpu() for t in (y, xa.grad, wa.grad)])
+    for a, b in zip(*outs):
+        assert rel_err(a, b) < 1e-2
