@@ -128,7 +128,7 @@ class Backends:
         if self.compile:
             parts.append("compile=per-block torch.compile")
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
-        return ", ".join(parts) + note
+        return " | ".join(parts) + note
 
 
 def _ranges(ids) -> str:
