@@ -452,6 +452,10 @@ def _check_values(cfg: Config) -> None:
         if m.recompute_layers > per_chunk:
             raise ConfigError(f"config key 'model.recompute_layers': {m.recompute_layers} is more than the "
                               f"{per_chunk} layers of a pipeline chunk")
+    if t.compile and m.recompute == "full":
+        raise ConfigError("config key 'train.compile': per-block torch.compile with model.recompute: full is not "
+                          "supported (recomputing a compiled block does not reproduce its saved tensors in "
+                          "torch 2.13); use model.recompute: selective or none, or train.compile: false")
     if m.attention_backend == "sdpa" and m.position_embedding == "alibi":
         raise ConfigError("config key 'model.attention_backend': sdpa has no ALiBi without a materialised "
                           "bias; use auto, flash, flex or bias")

@@ -13,8 +13,14 @@ from tests.trainer_utils import assert_close, tiny_config, train_losses
 
 
 @pytest.mark.slow
-def test_compiled_blocks_give_the_eager_losses():
-    over = {"model": {"num_layers": 2, "hidden_dropout": 0.1}, "train": {"steps": 3}}
+@pytest.mark.parametrize("model", [
+    {"hidden_dropout": 0.1},  # the whole block compiled
+    # attention dropout: the attention module runs eagerly inside the compiled block (its dropout
+    # is seeded from our stream); with selective recomputation of the attention core
+    {"hidden_dropout": 0.1, "attention_dropout": 0.1, "recompute": "selective"},
+], ids=["compiled-block", "attention-dropout-selective"])
+def test_compiled_blocks_give_the_eager_losses(model):
+    over = {"model": {"num_layers": 2, **model}, "train": {"steps": 3}}
     eager = train_losses(tiny_config(over), 3)
     compiled_cfg = tiny_config({**over, "train": {"steps": 3, "compile": True}})
     (stage,) = build_model(compiled_cfg, build_groups(), 100, 7)
@@ -27,6 +33,12 @@ def test_compiled_blocks_give_the_eager_losses():
     assert_close(compiled["loss"], eager["loss"], rel=1e-5, what="loss")
     assert_close(compiled["grad_norm"], eager["grad_norm"], rel=1e-4, what="grad norm")
     assert_close(compiled["eval"], eager["eval"], rel=1e-5, what="eval loss")
+
+
+def test_compile_with_full_recompute_is_refused():
+    from dept_mega.config import ConfigError
+    with pytest.raises(ConfigError, match="train.compile.*model.recompute: full is not supported"):
+        tiny_config({"model": {"recompute": "full"}, "train": {"compile": True}})
 
 
 def test_a_platform_that_cannot_compile_is_one_clear_error(monkeypatch):

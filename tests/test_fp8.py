@@ -9,7 +9,7 @@ from dept_mega.config import ConfigError
 from dept_mega.model import build_model, resolve_backends
 from dept_mega.parallel.fp8 import E4M3, Fp8Recipe, fp8_linear, new_amax_history, quantize
 from dept_mega.parallel.groups import build_groups
-from tests.model_utils import full_tensors, rel_err
+from tests.model_utils import full_tensors, reduce_sequence_parallel_grads, rel_err
 from tests.mp_utils import run_distributed
 from tests.trainer_utils import assert_close, tiny_config, train_losses
 
@@ -110,11 +110,14 @@ def _stage_losses_grads(cfg, pg):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses = stage(tokens, labels)
     losses.mean().backward()
+    reduce_sequence_parallel_grads(stage, pg)  # what the trainer does under sequence parallelism
     return losses.detach(), full_tensors(stage, pg, grads=True)
 
 
-def _tp_worker(rank, world, over):
-    return _stage_losses_grads(_fp8_cfg(parallel={"tensor": 2}, **over), build_groups(tensor=2))
+def _tp_worker(rank, world, cases):
+    pg = build_groups(tensor=2)
+    return [_stage_losses_grads(_fp8_cfg(parallel={"tensor": 2, "sequence_parallel": sp}, **over), pg)
+            for sp, over in cases]
 
 
 @pytest.mark.slow
@@ -122,14 +125,17 @@ def test_tp2_fp8_matches_tp1_fp8():
     """TP2 quantises each weight shard with its own amax (per-tensor scaling of the local
     tensor), TP1 the full weight, so the two differ by FP8 rounding only: per-token losses
     within 2 % (the loss of a 4-layer tiny model moves far less than its GEMM outputs) and
-    every gradient within 2 × the backward bound (each is within one bound of the exact value)."""
-    for over in ({}, {"fp8_recipe": "delayed"}):
+    every gradient within 2 × the backward bound (each is within one bound of the exact value).
+    With sequence parallelism the column-parallel GEMMs see the all-gathered sequence."""
+    cases = [(False, {}), (False, {"fp8_recipe": "delayed"}), (True, {})]
+    r0, r1 = run_distributed(_tp_worker, 2, (cases,), timeout=180)
+    for i, (sp, over) in enumerate(cases):
         ref_losses, ref_grads = _stage_losses_grads(_fp8_cfg(**over), build_groups())
-        r0, r1 = run_distributed(_tp_worker, 2, (over,), timeout=180)
-        assert torch.equal(r0[0], r1[0])
-        assert rel_err(r0[0], ref_losses) < 0.02
+        losses, grads = r0[i]
+        assert torch.equal(losses, r1[i][0])
+        assert rel_err(losses, ref_losses) < 0.02
         for k, ref in ref_grads.items():
-            assert rel_err(r0[1][k], ref) < 2 * BWD_BOUND["hybrid"], (over, k, rel_err(r0[1][k], ref))
+            assert rel_err(grads[k], ref) < 2 * BWD_BOUND["hybrid"], (sp, over, k, rel_err(grads[k], ref))
 
 
 def _noisy_pattern_batch(cfg, step):

@@ -18,7 +18,8 @@ Four implementations, chosen by ``model.attention_backend`` (``backends.py`` res
   the path of earlier versions, the last fallback (no fused kernel takes an arbitrary bias).
   Dropout: yes (as sdpa).
 
-All four compute the same function; dropout masks differ between kernels (each draws its own
+Under ``train.compile`` the self-attention module runs eagerly in training when attention
+dropout is on (``layers.SelfAttention``), so its masks stay those of the eager run. All four compute the same function; dropout masks differ between kernels (each draws its own
 way), so with ``attention_dropout > 0`` runs on different paths are not bit-comparable. Each
 path is deterministic given our RNG streams, which is what recomputation needs.
 

@@ -125,6 +125,19 @@ class SelfAttention(nn.Module):
                                       gemm=gemms.get("proj"), device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.core.dropout_p > 0 and torch.compiler.is_compiling():
+            return self._forward_eager(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention dropout inside a compiled block (``train.compile``) runs eagerly: the kernel's
+        dropout draws from the device generator seeded from our stream (``fork_device_rng``),
+        which Dynamo cannot trace; a graph break inside the core made torch 2.13's AOT autograd
+        fail replaying the QKV views, so the whole module is left out of the graph."""
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
