@@ -4,7 +4,6 @@ platform that cannot compile is one clear ``BackendError`` line."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dept_mega.model import BackendError, build_model
 from dept_mega.model import gpt as gpt_module

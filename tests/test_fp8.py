@@ -11,7 +11,7 @@ from dept_mega.parallel.fp8 import E4M3, Fp8Recipe, fp8_linear, new_amax_history
 from dept_mega.parallel.groups import build_groups
 from tests.model_utils import full_tensors, reduce_sequence_parallel_grads, rel_err
 from tests.mp_utils import run_distributed
-from tests.trainer_utils import assert_close, tiny_config, train_losses
+from tests.trainer_utils import tiny_config
 
 # Error bounds (norm-wise relative error of an FP8 GEMM against the exact fp32 product).
 # Round-to-nearest into a format with m mantissa bits has unit roundoff u = 2^-(m+1): e4m3

@@ -35,7 +35,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.random import RNGTracker
-from .positions import causal_alibi_bias
 
 try:  # optional fused kernel; only used on CUDA (see backends.py)
     from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore

@@ -230,11 +230,12 @@ def _resolve_linear(cfg: Config, device: torch.device) -> tuple[str, list[str]]:
 
 def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.device | str = "cpu") -> Backends:
     """The backends of a run with config ``cfg`` on ``device`` (a bare ``ModelConfig``: the
-    defaults of the other sections). Raises :class:`BackendError` for what cannot run here."""
+    defaults of the other sections with backend local). Raises :class:`BackendError` for what cannot
+    run here."""
     if cfg is None:
         cfg = Config()
     elif isinstance(cfg, ModelConfig):
-        cfg = Config(model=cfg)
+        cfg = Config(model=cfg, backend="local")
     device = torch.device(device)
     m = cfg.model
     linear, notes = _resolve_linear(cfg, device)
