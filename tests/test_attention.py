@@ -115,7 +115,7 @@ def test_compiled_flex_matches_bias():
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["flex", "flash"])
 def test_fused_paths_on_cuda_match_bias_with_gradients(kind):

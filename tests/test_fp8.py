@@ -172,7 +172,7 @@ def test_fp8_training_final_loss_within_two_percent_of_bf16():
     assert abs(fp8[-1] - bf16[-1]) <= 0.02 * bf16[-1], (fp8[-1], bf16[-1])
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
 def test_fp8_linear_on_cuda_matches_cpu():

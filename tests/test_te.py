@@ -8,7 +8,7 @@ import pytest
 import torch
 
 te = pytest.importorskip("transformer_engine.pytorch")
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="Transformer Engine needs a CUDA device")]
 
 from dept_mega.model import build_model, describe_backends  # noqa: E402
