@@ -42,6 +42,12 @@ class ModelConfig:
     bias: bool = False  # biases in linear layers
     # Vocabulary size when no tokenizer is given (tests, benchmarks); otherwise the tokenizer's.
     vocab_size: Optional[int] = None
+    # auto | flash | flex | sdpa | bias: the attention kernel (model/backends.py says what auto picks)
+    attention_backend: str = "auto"
+    # Activation recomputation: none | selective (the attention core) | full (whole blocks)
+    recompute: str = "none"
+    # full: recompute the first N blocks of each pipeline chunk (None: all of them)
+    recompute_layers: Optional[int] = None
 
     @property
     def query_groups(self) -> int:
@@ -149,6 +155,7 @@ class TrainConfig:
     # seconds to wait for every rank at start-up (rendezvous, process-group creation); torch
     # applies the same limit to later collectives on the world group (docs/launching.md §7)
     init_timeout_s: float = 600.0
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass
@@ -157,6 +164,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: str = "bf16"  # fp32 | bf16 | fp16
     fp8: Optional[str] = None  # None | hybrid | e4m3
+    fp8_recipe: str = "delayed"  # delayed | current (per-tensor scaling factors)
+    fp8_amax_history: int = 1024  # delayed scaling: amax history length
+    fp8_first_last_layers_bf16: bool = False  # first and last transformer layer stay bf16
     backend: str = "auto"  # auto | local | transformer_engine
     dept: DeptConfig = field(default_factory=DeptConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -176,8 +186,11 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.activation": ("gelu", "swiglu"),
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.position_embedding": ("alibi", "rope", "learned"),
+    "model.attention_backend": ("auto", "flash", "flex", "sdpa", "bias"),
+    "model.recompute": ("none", "selective", "full"),
     "precision": ("fp32", "bf16", "fp16"),
     "fp8": (None, "hybrid", "e4m3"),
+    "fp8_recipe": ("delayed", "current"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature"),
@@ -365,8 +378,8 @@ def _check_values(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _positive(cfg, ["model.num_layers", "model.hidden_size", "model.num_attention_heads",
                     "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
-                    "model.vocab_size", "parallel.tensor", "parallel.pipeline", "parallel.data",
-                    "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
+                    "model.vocab_size", "model.recompute_layers", "fp8_amax_history", "parallel.tensor",
+                    "parallel.pipeline", "parallel.data", "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
                     "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
                     "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
@@ -449,6 +462,24 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.distributed': the distributed optimizer with precision "
                           f"{cfg.precision} is not supported with dept.variant {cfg.dept.variant} "
                           f"(use precision fp32, optim.distributed=false, or dept.variant std)")
+    if m.recompute_layers is not None:
+        if m.recompute != "full":
+            raise ConfigError(f"config key 'model.recompute_layers': {m.recompute_layers} only applies to "
+                              f"model.recompute: full, got {m.recompute!r}")
+        per_chunk = m.num_layers // (p.pipeline * p.virtual_pipeline)
+        if m.recompute_layers > per_chunk:
+            raise ConfigError(f"config key 'model.recompute_layers': {m.recompute_layers} is more than the "
+                              f"{per_chunk} layers of a pipeline chunk")
+    if t.compile and m.recompute == "full":
+        raise ConfigError("config key 'train.compile': per-block torch.compile with model.recompute: full is not "
+                          "supported (recomputing a compiled block does not reproduce its saved tensors in "
+                          "torch 2.13); use model.recompute: selective or none, or train.compile: false")
+    if m.attention_backend == "sdpa" and m.position_embedding == "alibi":
+        raise ConfigError("config key 'model.attention_backend': sdpa has no ALiBi without a materialised "
+                          "bias; use auto, flash, flex or bias")
+    if m.attention_backend == "flex" and m.attention_dropout > 0:
+        raise ConfigError(f"config key 'model.attention_backend': flex_attention cannot apply attention "
+                          f"dropout (model.attention_dropout={m.attention_dropout}); use auto, sdpa, flash or bias")
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")

@@ -24,6 +24,8 @@ def test_layout_groups_partition_and_outer():
     assert [0, 1, 2, 3, 4, 5, 6, 7] in kinds["source_group"]
     assert [0, 8] in kinds["outer"]
     assert [0, 4] in kinds["pp"] and [0, 4] in kinds["embedding"]
+    # tensor × data ranks of one stage of one group (never across groups)
+    assert kinds["tp_dp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
 def test_single_process_layout_needs_no_dist():
@@ -43,6 +45,12 @@ def _check_groups(rank, world_size):
         out[kind] = t.item()
     out["bytes"] = pg.comm.snapshot()
     out["ranks"] = (pg.tp_ranks, pg.pp_ranks, pg.outer_ranks)
+    out["tp_dp_is_tp"] = pg.tp_dp is pg.tp  # data=1: the tensor group itself, no extra group
+    # tensor × data of one stage (FP8 amax reductions): T=2, D=2, P=2 in one group of 8
+    pg2 = build_groups(tensor=2, data=2, pipeline=2)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=pg2.tp_dp)
+    out["tp_dp"] = t.item()
     dist.barrier()
     return out
 
@@ -55,6 +63,7 @@ def test_groups_collectives_gloo_world8():
         assert r["tp"] == sum(tp_ranks) and r["pp"] == sum(pp_ranks) and r["outer"] == sum(outer_ranks)
         assert rank in tp_ranks and rank in pp_ranks and rank in outer_ranks
         assert r["bytes"]["tp"] == 4 and r["bytes"]["pp"] == 8
+        assert r["tp_dp_is_tp"] and r["tp_dp"] == sum(range(4 * (rank // 4), 4 * (rank // 4) + 4))
 
 
 def test_bookkeeping_reductions_live_on_the_backend_device(monkeypatch):

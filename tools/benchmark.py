@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
 from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
+from dept_mega.model import describe_backends  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
 from dept_mega.profiling import StepProfiler  # noqa: E402
 from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
                       peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
                       layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
                               "virtual_pipeline": p.virtual_pipeline, "sequence_parallel": p.sequence_parallel},
-                      precision=cfg.precision, tokens_per_step=tokens_per_step, timed_steps=args.steps,
+                      precision=cfg.precision, backends=describe_backends(cfg, device),
+                      tokens_per_step=tokens_per_step, timed_steps=args.steps,
                       flops_per_token=flops_tok, vocab_size=vocab,
                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       torch_version=torch.__version__, cuda_version=torch.version.cuda,

@@ -1,24 +1,54 @@
 """Which implementation each part of the model uses, and the one-line description for the log.
 
-* attention: flash-attn (``flash_attn_func``, native ALiBi slopes and GQA) when it is
-  installed, the device is CUDA and the inputs are fp16/bf16; otherwise PyTorch's
-  ``scaled_dot_product_attention`` (ALiBi as an additive float bias).
-* norms: apex's fused LayerNorm / RMSNorm when apex is installed and the device is CUDA;
-  otherwise ``torch.nn.functional.layer_norm`` / ``rms_norm``.
-* linear layers: our tensor-parallel layers over ``torch.nn.functional.linear``.
+Linear layers (the GEMMs of our column/row-parallel layers; the collectives are always ours):
 
-``backend: transformer_engine`` and ``fp8`` need Transformer Engine; without it they are a
-clear error, never a silent fallback. (The Transformer Engine code path itself is not
-implemented in this version: requesting it with TE installed is also a clear error.)
+* ``backend: transformer_engine`` — Transformer Engine's ``Linear`` (``parallel/te.py``); needs
+  TE to import and a CUDA device, else ``BackendError``. ``backend: auto`` takes this path
+  when TE imports and the device is CUDA. With ``fp8`` the TE GEMMs run under TE's FP8
+  autocast (``fp8_recipe``: delayed | current, ``fp8_amax_history``), amaxes reduced over
+  ``pg.tp_dp``.
+* ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
+  (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
+  ``auto`` + ``fp8`` without TE is this path (said in the log), not an error.
+* otherwise ``F.linear`` under the trainer's autocast.
+
+Which GEMMs run FP8: the four of every transformer block (qkv, proj, fc1, fc2) except in the
+first and last block when ``fp8_first_last_layers_bf16`` (Megatron's
+``--first-last-layers-bf16``), and except a GEMM whose per-rank weight is not a multiple of
+16 in both sizes (cuBLASLt's FP8 rule; then it stays bf16 in every layer, logged). The output
+head and the embeddings always stay bf16.
+
+Attention (``model.attention_backend``; ``attention.py`` has the implementations):
+
+* ``flash`` / ``flex`` / ``sdpa`` / ``bias``: that path, or a ``BackendError`` when it cannot
+  run here (flash-attn missing, not CUDA, precision not bf16/fp16; ``sdpa`` with ALiBi and
+  ``flex`` with attention dropout are rejected by the config).
+* ``auto``: flash-attn when installed, on CUDA, with bf16/fp16 precision (for fp32 inputs the
+  choice below is used); else for ALiBi ``flex`` (compiled) on CUDA and the materialised
+  ``bias`` on CPU — flex_attention has no backward pass on CPU (torch 2.11 – 2.13), so
+  ``flex`` is CUDA-only for training and a ``BackendError`` elsewhere — and the ``bias`` path
+  whenever attention dropout is on and flash-attn is not available (flex has no dropout); for
+  RoPE and learned positions ``sdpa`` (causal, no bias).
+
+Norms: apex's fused LayerNorm / RMSNorm when apex is installed and the device is CUDA;
+otherwise ``torch.nn.functional``.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from ..config import ConfigError
+from ..config import Config, ConfigError, ModelConfig
+from ..parallel.fp8 import Fp8Recipe, fp8_gemm_shape_ok
+from ..parallel.layers import TORCH_GEMM, LinearGemm
+from ..parallel.te import te_importable, te_installed
+from .attention import flash_attn_available
+
+GEMMS = ("qkv", "proj", "fc1", "fc2")
 
 
 class BackendError(ConfigError):
@@ -33,47 +63,229 @@ def _installed(module: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Backends:
-    requested: str
-    attention: str  # "flash-attn" | "torch-sdpa"
-    norm: str  # "apex" | "torch"
-    linear: str  # "torch"
-    notes: tuple[str, ...] = ()
+class AttentionPlan:
+    kind: str  # flash | flex | sdpa | bias
+    fallback: Optional[str] = None  # auto chose flash: the kind for inputs flash cannot take
+    note: str = ""
 
     def describe(self) -> str:
+        names = {"flash": "flash-attn", "flex": "flex_attention", "sdpa": "torch-sdpa",
+                 "bias": "torch-sdpa+materialised-bias"}
+        extra = f", {names[self.fallback]} for fp32 inputs" if self.fallback else ""
+        note = f": {self.note}" if self.note else ""
+        return f"{names[self.kind]}{extra}{note}"
+
+
+@dataclass(frozen=True)
+class Backends:
+    requested: str
+    attention: AttentionPlan
+    norm: str  # "apex" | "torch"
+    linear: str  # "torch" | "fp8-native" | "transformer_engine"
+    fp8: Optional[Fp8Recipe] = None
+    fp8_layers: tuple[int, ...] = ()  # global layer ids whose block GEMMs run FP8
+    fp8_gemms: tuple[str, ...] = ()  # which of GEMMS (per-rank shape rule)
+    num_layers: int = 0
+    recompute: str = "none"
+    recompute_layers: Optional[int] = None
+    compile: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    def layer_fp8(self, layer_id: int) -> bool:
+        return self.fp8 is not None and layer_id in self.fp8_layers
+
+    def gemms(self, layer_id: int) -> dict[str, LinearGemm]:
+        """The GEMM of each linear layer of block ``layer_id``."""
+        if self.linear == "transformer_engine":
+            return {g: LinearGemm("te") for g in GEMMS}
+        if self.linear == "fp8-native" and self.layer_fp8(layer_id):
+            return {g: (LinearGemm("fp8", self.fp8) if g in self.fp8_gemms else TORCH_GEMM) for g in GEMMS}
+        return {g: TORCH_GEMM for g in GEMMS}
+
+    def describe_linear(self) -> str:
+        if self.fp8 is None:
+            return "transformer_engine (bf16)" if self.linear == "transformer_engine" else "torch"
+        how = ("transformer_engine fp8" if self.linear == "transformer_engine"
+               else "native fp8 (torch._scaled_mm)")
+        bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
+        gemms = ", ".join(self.fp8_gemms) if self.fp8_gemms else "none"
+        out = f"{how} {self.fp8.describe()}: fp8 GEMMs [{gemms}] in layers {_ranges(self.fp8_layers)}"
+        stay = [g for g in GEMMS if g not in self.fp8_gemms]
+        if stay:
+            out += f"; bf16 GEMMs [{', '.join(stay)}] (per-rank size not a multiple of 16)"
+        if bf16_layers:
+            out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
+        return out + "; bf16 output head and embeddings"
+
+    def describe(self) -> str:
+        parts = [f"backend={self.requested}: linear={self.describe_linear()}",
+                 f"attention={self.attention.describe()}", f"norm={self.norm}"]
+        if self.recompute == "full":
+            n = "all" if self.recompute_layers is None else f"first {self.recompute_layers}"
+            parts.append(f"recompute=full ({n} blocks of each chunk)")
+        elif self.recompute == "selective":
+            parts.append("recompute=selective (attention core)")
+        if self.compile:
+            parts.append("compile=per-block torch.compile")
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
-        return (f"backend={self.requested}: attention={self.attention}, norm={self.norm}, "
-                f"linear={self.linear}{note}")
+        return " | ".join(parts) + note
 
 
-def resolve_backends(backend: str = "auto", fp8: str | None = None,
-                     device: torch.device | str = "cpu") -> Backends:
-    device = torch.device(device)
-    te = _installed("transformer_engine")
+def _ranges(ids) -> str:
+    ids = sorted(ids)
+    if not ids:
+        return "none"
+    out, start, prev = [], ids[0], ids[0]
+    for i in ids[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+def _resolve_attention(m: ModelConfig, precision: str, device: torch.device) -> AttentionPlan:
+    want = m.attention_backend
+    cuda = device.type == "cuda"
+    half = precision in ("bf16", "fp16")
+    alibi = m.position_embedding == "alibi"
+    dropout = m.attention_dropout > 0
+    if want == "flash":
+        if not flash_attn_available():
+            raise BackendError("config key 'model.attention_backend': flash needs the flash_attn package, "
+                               "which is not installed")
+        if not cuda or not half:
+            raise BackendError(f"config key 'model.attention_backend': flash needs a CUDA device and precision "
+                               f"bf16 or fp16 (device {device.type}, precision {precision})")
+        return AttentionPlan("flash")
+    if want == "flex":
+        if dropout:
+            raise BackendError("config key 'model.attention_backend': flex_attention cannot apply attention dropout")
+        if not cuda:
+            raise BackendError(f"config key 'model.attention_backend': flex_attention has no backward pass on "
+                               f"{device.type} (torch {torch.__version__}); use auto or bias there")
+        return AttentionPlan("flex", note="compiled" + (", ALiBi score_mod" if alibi else ", causal block mask"))
+    if want == "sdpa":
+        if alibi:
+            raise BackendError("config key 'model.attention_backend': sdpa cannot apply ALiBi without a bias")
+        return AttentionPlan("sdpa", note="causal, no bias")
+    if want == "bias":
+        return AttentionPlan("bias", note="requested")
+    # auto
+    if alibi:
+        if dropout:
+            second = AttentionPlan("bias", note="ALiBi with attention dropout: flex_attention has no dropout")
+        elif cuda:
+            second = AttentionPlan("flex", note="compiled, ALiBi score_mod")
+        else:
+            second = AttentionPlan("bias", note=f"ALiBi on {device.type}: flex_attention has no backward pass there")
+    else:
+        second = AttentionPlan("sdpa", note="causal, no bias")
+    if flash_attn_available() and cuda and half:
+        return AttentionPlan("flash", fallback=second.kind)
+    notes = second.note
+    if not cuda and flash_attn_available():
+        notes += "; flash-attn not used on CPU"
+    return AttentionPlan(second.kind, note=notes)
+
+
+def _resolve_linear(cfg: Config, device: torch.device) -> tuple[str, list[str]]:
+    backend, fp8 = cfg.backend, cfg.fp8
+    notes: list[str] = []
     if backend not in ("auto", "local", "transformer_engine"):
         raise BackendError(f"config key 'backend': {backend!r} is not one of auto | local | transformer_engine")
-    if backend == "transformer_engine" and not te:
-        raise BackendError("config key 'backend': transformer_engine was requested but the "
-                           "transformer_engine package is not installed")
-    if fp8 is not None and not te:
-        raise BackendError(f"config key 'fp8': {fp8!r} needs Transformer Engine, which is not installed "
-                           f"(set fp8: null)")
-    if backend == "transformer_engine" or fp8 is not None:
-        raise BackendError("config key 'backend'/'fp8': the Transformer Engine code path is not "
-                           "implemented in this version of dept_mega; use backend: auto|local and fp8: null")
-    notes = []
-    cuda = device.type == "cuda"
-    if _installed("flash_attn") and cuda:
-        attention = "flash-attn"
-        notes.append("flash-attn for fp16/bf16 inputs, sdpa otherwise")
+    if backend == "transformer_engine":
+        ok, info = te_importable()
+        if not ok:
+            raise BackendError(f"config key 'backend': transformer_engine was requested but {info}")
+        if device.type != "cuda":
+            raise BackendError(f"config key 'backend': transformer_engine needs a CUDA device, got {device.type}")
+        linear = "transformer_engine"
+        notes.append(f"transformer_engine {info}")
+    elif backend == "auto" and te_installed() and device.type == "cuda":
+        ok, info = te_importable()
+        if ok:
+            linear = "transformer_engine"
+            notes.append(f"transformer_engine {info}")
+        else:
+            linear = "fp8-native" if fp8 else "torch"
+            notes.append(f"{info}: " + ("native fp8" if fp8 else "torch GEMMs"))
     else:
-        attention = "torch-sdpa"
-        notes.append("flash-attn " + ("not used on CPU" if _installed("flash_attn") else "not installed"))
+        linear = "fp8-native" if fp8 else "torch"
+        if backend == "auto" and fp8:
+            why = "not used on CPU" if te_installed() else "not installed"
+            notes.append(f"transformer_engine {why}: native fp8 GEMMs")
+    if linear == "fp8-native" and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise BackendError(f"config key 'fp8': FP8 GEMMs need compute capability 8.9 or newer, this GPU "
+                               f"has {cap[0]}.{cap[1]}")
+    if linear == "transformer_engine" and fp8 and cfg.model.recompute == "full":
+        raise BackendError("config key 'model.recompute': full recomputation with Transformer Engine FP8 is not "
+                           "supported here (TE's amax bookkeeping needs its own checkpoint); use selective or none")
+    return linear, notes
+
+
+def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.device | str = "cpu") -> Backends:
+    """The backends of a run with config ``cfg`` on ``device`` (a bare ``ModelConfig``: the
+    defaults of the other sections with backend local). Raises :class:`BackendError` for what cannot
+    run here."""
+    if cfg is None:
+        cfg = Config()
+    elif isinstance(cfg, ModelConfig):
+        cfg = Config(model=cfg, backend="local")
+    device = torch.device(device)
+    m = cfg.model
+    linear, notes = _resolve_linear(cfg, device)
+    attention = _resolve_attention(m, cfg.precision, device)
+    cuda = device.type == "cuda"
     if _installed("apex") and cuda:
         norm = "apex"
     else:
         norm = "torch"
         notes.append("apex " + ("not used on CPU" if _installed("apex") else "not installed"))
-    if te:
-        notes.append("transformer_engine installed but not used")
-    return Backends(requested=backend, attention=attention, norm=norm, linear="torch", notes=tuple(notes))
+    if not flash_attn_available() and attention.kind != "flash" and cuda:
+        notes.append("flash-attn not installed")
+    recipe = None
+    fp8_layers: tuple[int, ...] = ()
+    fp8_gemms: tuple[str, ...] = ()
+    if cfg.fp8 is not None:
+        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
+        skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
+        fp8_layers = tuple(i for i in range(m.num_layers) if i not in skip)
+        if linear == "fp8-native":
+            fp8_gemms = tuple(g for g, (i, o) in _gemm_shapes(m, cfg.parallel.tensor).items()
+                              if fp8_gemm_shape_ok(i, o))
+        else:
+            fp8_gemms = GEMMS  # TE checks shapes itself
+    return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
+                    fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, num_layers=m.num_layers, recompute=m.recompute,
+                    recompute_layers=m.recompute_layers, compile=cfg.train.compile, notes=tuple(notes))
+
+
+def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """Per-rank (in, out) of each block GEMM."""
+    h, d = m.hidden_size, m.head_dim
+    ffn_out = m.ffn_size * (2 if m.activation == "swiglu" else 1)
+    return {"qkv": (h, (m.num_attention_heads + 2 * m.query_groups) * d // tp),
+            "proj": (m.num_attention_heads * d // tp, h),
+            "fc1": (h, ffn_out // tp),
+            "fc2": (m.ffn_size // tp, h)}
+
+
+@functools.lru_cache(maxsize=None)
+def compile_problem(device: str) -> Optional[str]:
+    """None when ``torch.compile`` works on ``device``; else a one-line reason. Compiles and runs
+    a tiny function once per process and device (a missing C++ compiler on CPU or Triton on
+    CUDA shows up only when compiled code first runs)."""
+    try:
+        fn = torch.compile(lambda x: torch.sin(x) * 2.0 + 1.0, dynamic=False)
+        x = torch.linspace(0.0, 1.0, 8, device=device)
+        if not torch.allclose(fn(x), torch.sin(x) * 2.0 + 1.0):
+            return "compiled code gave a wrong result"
+    except Exception as exc:  # noqa: BLE001 - reported in one line, the run stops
+        msg = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
+    return None

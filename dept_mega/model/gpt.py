@@ -7,6 +7,7 @@ so names, and the deterministic init seeded by them, do not depend on the pipeli
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -15,9 +16,11 @@ import torch.nn as nn
 from ..config import Config, ModelConfig
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, dropout
-from .backends import Backends, resolve_backends
+from ..parallel.te import TEContext, make_recipe
+from .backends import BackendError, Backends, compile_problem, resolve_backends
 from .embeddings import SourceEmbeddings
 from .layers import MLP, Norm, PositionState, SelfAttention
+from .recompute import BufferReplay, recompute
 
 
 class TransformerBlock(nn.Module):
@@ -32,17 +35,19 @@ class TransformerBlock(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.rng = rng
         use_apex = backends.norm == "apex"
+        self.fp8 = backends.layer_fp8(layer_id)
+        gemms = backends.gemms(layer_id)
         self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.input_norm",
                                seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
                                device=device, dtype=dtype)
         self.attention = SelfAttention(cfg, pg, prefix=f"{prefix}.attention", seed=seed, num_layers=cfg.num_layers,
                                        sequence_parallel=sequence_parallel, positions=positions, backends=backends,
-                                       rng=rng, device=device, dtype=dtype)
+                                       rng=rng, device=device, dtype=dtype, gemms=gemms)
         self.mlp_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.mlp_norm",
                              seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
                              device=device, dtype=dtype)
         self.mlp = MLP(cfg, pg, prefix=f"{prefix}.mlp", seed=seed, num_layers=cfg.num_layers,
-                       sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                       sequence_parallel=sequence_parallel, device=device, dtype=dtype, gemms=gemms)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         # Replicated activations use the stream shared by the tensor ranks; sequence shards
@@ -53,28 +58,46 @@ class TransformerBlock(nn.Module):
         x = x + self._drop(self.attention(self.input_norm(x)))
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
+    def replay_states(self) -> list:
+        """What a recomputation of this block must replay: the dropout streams and the FP8
+        delayed-scaling amax histories of its linear layers."""
+        out: list = [self.rng] if self.rng is not None else []
+        hist = [b for n, b in self.named_buffers() if n.endswith("fp8_amax_history")]
+        if hist:
+            out.append(BufferReplay(hist))
+        return out
+
 
 class TransformerBody(nn.Module):
     """The blocks of one pipeline chunk (``layer_ids``, global ids) and, on the last chunk,
     the final norm. A pure function of the hidden states ``[s(/T), b, h]``.
 
     ``seed`` seeds the init (with each parameter's name); ``rng`` provides dropout streams
-    (required only when a dropout is > 0 in training mode).
+    (required only when a dropout is > 0 in training mode). ``backends``: the kernels (default:
+    ``resolve_backends(cfg)``); ``te``: the Transformer Engine context when the linear layers
+    run through TE. ``model.recompute: full`` recomputes the first ``model.recompute_layers``
+    blocks of this chunk in backward (see ``recompute.py``).
     """
 
     def __init__(self, cfg: ModelConfig, pg, layer_ids: Sequence[int], final_norm: bool, *, seed: int = 0,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  backends: Optional[Backends] = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, te: Optional[TEContext] = None,
+                 compile_flex: bool = True) -> None:
         super().__init__()
         self.layer_ids = [int(i) for i in layer_ids]
         for i in self.layer_ids:
             if not 0 <= i < cfg.num_layers:
                 raise ValueError(f"layer id {i} is outside model.num_layers={cfg.num_layers}")
-        backends = backends or resolve_backends("auto", None, device)
+        backends = backends or resolve_backends(cfg, device)
+        if backends.linear == "transformer_engine" and te is None:
+            raise ValueError("TransformerBody: the transformer_engine backend needs a TEContext (build_model makes it)")
+        self.te = te
         sp = sequence_parallel and tp_world(pg) > 1
         self.sequence_parallel = sp
-        self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg))
+        n = cfg.recompute_layers if cfg.recompute_layers is not None else len(self.layer_ids)
+        self.recompute_blocks = min(n, len(self.layer_ids)) if cfg.recompute == "full" else 0
+        self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg), compile_flex=compile_flex)
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, pg, i, seed=seed, sequence_parallel=sp, positions=self.positions,
                                      backends=backends, rng=rng, device=device, dtype=dtype)
@@ -87,8 +110,13 @@ class TransformerBody(nn.Module):
             self.final_norm = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
-            hidden = layer(hidden)
+        with self.te.body() if self.te is not None else contextlib.nullcontext():
+            for i, layer in enumerate(self.layers.values()):
+                with self.te.block(layer.fp8) if self.te is not None else contextlib.nullcontext():
+                    if i < self.recompute_blocks and self.training:
+                        hidden = recompute(layer, hidden, replay=layer.replay_states())
+                    else:
+                        hidden = layer(hidden)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden
@@ -199,9 +227,20 @@ def build_source_embeddings(cfg: Config, pg, vocab_size: int, seed: int, device:
 def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[GPTStage]:
     """This rank's model chunks (``parallel.virtual_pipeline`` of them), parameters in fp32
-    (master weights; the trainer autocasts) unless ``dtype`` says otherwise."""
+    (master weights; the trainer autocasts) unless ``dtype`` says otherwise. With
+    ``train.compile`` every transformer block is compiled with ``torch.compile`` (in place:
+    parameter names do not change); a platform that cannot compile is a ``BackendError``."""
     _check_layout(cfg, pg)
-    backends = resolve_backends(cfg.backend, cfg.fp8, device)
+    backends = resolve_backends(cfg, device)
+    if cfg.train.compile:
+        problem = compile_problem(str(torch.device(device)))
+        if problem is not None:
+            raise BackendError(f"config key 'train.compile': torch.compile cannot run on this platform "
+                               f"({problem}); set train.compile: false")
+    te = None
+    if backends.linear == "transformer_engine":
+        recipe = make_recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history) if cfg.fp8 else None
+        te = TEContext(recipe, pg.tp_dp)
     rng = RNGTracker.for_groups(seed, pg, device)
     layouts = chunk_layout(cfg.model.num_layers, pg.pp_size, cfg.parallel.virtual_pipeline, pg.pp_rank)
     embs = build_source_embeddings(cfg, pg, vocab_size, seed, device, rng=rng, dtype=dtype)
@@ -209,7 +248,10 @@ def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.devic
     for (first, last), layer_ids, emb in zip(_chunk_roles(cfg, pg), layouts, embs):
         body = TransformerBody(cfg.model, pg, layer_ids, final_norm=last, seed=seed,
                                sequence_parallel=cfg.parallel.sequence_parallel, rng=rng, backends=backends,
-                               device=device, dtype=dtype)
+                               device=device, dtype=dtype, te=te)
+        if cfg.train.compile:
+            for block in body.layers.values():
+                block.compile()  # torchtitan's per-block compile; names and state dict unchanged
         stages.append(GPTStage(body, emb, first, last, rng=rng))
     return stages
 
@@ -223,5 +265,6 @@ def activation_shape(cfg: Config, pg, micro_batch_size: int, seq_length: Optiona
 
 
 def describe_backends(cfg: Config, device: torch.device | str = "cpu") -> str:
-    """The one-line backend description for the run log."""
-    return resolve_backends(cfg.backend, cfg.fp8, device).describe()
+    """The one-line backend description for the run log (kernels, which GEMMs run FP8,
+    recomputation, compile)."""
+    return resolve_backends(cfg, device).describe()

@@ -9,17 +9,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, mark
+from ..parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear, mark
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, init_full_then_shard
+from .attention import CoreAttention, FlexState
 from .backends import Backends
-from .positions import RotaryEmbedding, causal_alibi_bias, local_alibi_slopes
+from .positions import RotaryEmbedding, causal_alibi_bias, causal_mask_bias, local_alibi_slopes
+from .recompute import recompute
 
 try:  # optional fused kernels; only used on CUDA (see backends.py)
-    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
-except Exception:  # noqa: BLE001 - any import failure means "not usable"
-    _flash_attn_func = None
-try:
     from apex.normalization.fused_layer_norm import (fused_layer_norm_affine as _apex_ln,  # type: ignore
                                                      fused_rms_norm_affine as _apex_rms)
 except Exception:  # noqa: BLE001
@@ -67,22 +65,26 @@ class Norm(nn.Module):
 
 
 class PositionState:
-    """Position helpers shared by the layers of one body (caches ALiBi biases, RoPE tables)."""
+    """Position helpers shared by the layers of one body (caches attention biases, RoPE tables,
+    flex_attention's block masks and compiled kernel)."""
 
-    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, compile_flex: bool = True) -> None:
         self.kind = cfg.position_embedding
         self.heads_local = cfg.num_attention_heads // tp_size
         self.slopes = (local_alibi_slopes(cfg.num_attention_heads, tp_rank, tp_size)
                        if self.kind == "alibi" else None)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta) if self.kind == "rope" else None
+        self.flex = FlexState(self.slopes, compile=compile_flex)
         self._bias: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
-    def alibi_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def attention_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The materialised additive bias: ALiBi + causal ``[1, H, s, s]``, else causal ``[1, 1, s, s]``."""
         key = (seq_len, str(device), dtype)
         if key not in self._bias:
             if len(self._bias) > 8:
                 self._bias.clear()
-            self._bias[key] = causal_alibi_bias(self.slopes, seq_len, dtype, device)
+            self._bias[key] = (causal_alibi_bias(self.slopes, seq_len, dtype, device) if self.slopes is not None
+                               else causal_mask_bias(seq_len, dtype, device))
         return self._bias[key]
 
 
@@ -96,8 +98,9 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, pg, *, prefix: str, seed: int, num_layers: int,
                  sequence_parallel: bool, positions: PositionState, backends: Backends,
-                 rng: Optional[RNGTracker], device, dtype) -> None:
+                 rng: Optional[RNGTracker], device, dtype, gemms: Optional[dict[str, LinearGemm]] = None) -> None:
         super().__init__()
+        gemms = gemms or {}
         T = tp_world(pg)
         self.heads = cfg.num_attention_heads
         self.groups = cfg.query_groups
@@ -106,20 +109,35 @@ class SelfAttention(nn.Module):
         self.groups_local = self.groups // T
         self.q_per_group = self.heads // self.groups
         self.positions = positions
-        self.dropout_p = cfg.attention_dropout
         self.rng = rng
-        self.use_flash = backends.attention == "flash-attn" and _flash_attn_func is not None
+        self.recompute_core = cfg.recompute == "selective"
+        plan = backends.attention
+        self.core = CoreAttention(plan.kind, positions, q_per_group=self.q_per_group,
+                                  dropout_p=cfg.attention_dropout, rng=rng, fallback=plan.fallback)
         std = cfg.init_method_std
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, pg, name=f"{prefix}.qkv", seed=seed,
                                         init_std=std, bias=cfg.bias, sequence_parallel=sequence_parallel,
-                                        device=device, dtype=dtype)
+                                        gemm=gemms.get("qkv"), device=device, dtype=dtype)
         self.proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, pg, name=f"{prefix}.proj",
                                       seed=seed, init_std=std / math.sqrt(2.0 * num_layers), bias=cfg.bias,
                                       input_is_parallel=True, sequence_parallel=sequence_parallel,
-                                      device=device, dtype=dtype)
+                                      gemm=gemms.get("proj"), device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.core.dropout_p > 0 and torch.compiler.is_compiling():
+            return self._forward_eager(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention dropout inside a compiled block (``train.compile``) runs eagerly: the kernel's
+        dropout draws from the device generator seeded from our stream (``fork_device_rng``),
+        which Dynamo cannot trace; a graph break inside the core made torch 2.13's AOT autograd
+        fail replaying the QKV views, so the whole module is left out of the graph."""
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
@@ -129,52 +147,21 @@ class SelfAttention(nn.Module):
         if self.positions.rope is not None:
             q = self.positions.rope.apply(q)
             k = self.positions.rope.apply(k)
-        p = self.dropout_p if self.training else 0.0
-        if self.use_flash and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            out = self._flash(q, k, v, p)
+        if self.recompute_core and self.training:
+            # selective recomputation: keep q, k, v; rebuild the core (and its dropout) in backward
+            out = recompute(self.core, q, k, v, replay=[self.rng] if self.rng is not None else [])
         else:
-            out = self._sdpa(q, k, v, p)
+            out = self.core(q, k, v)
         return self.proj(out.reshape(s, b, self.heads_local * self.head_dim))
-
-    def _sdpa(self, q, k, v, p: float) -> torch.Tensor:
-        s = q.shape[0]
-        # [s, b, H, d] -> [b, H, s, d]
-        q = q.permute(1, 2, 0, 3)
-        k = k.permute(1, 2, 0, 3)
-        v = v.permute(1, 2, 0, 3)
-        if self.q_per_group > 1:
-            k = k.repeat_interleave(self.q_per_group, dim=1)
-            v = v.repeat_interleave(self.q_per_group, dim=1)
-        mask = None
-        if self.positions.slopes is not None:
-            mask = self.positions.alibi_bias(s, q.dtype, q.device)
-        if p > 0.0:
-            if self.rng is None:
-                raise ValueError("attention dropout > 0 needs an RNGTracker")
-            with self.rng.fork_device_rng(tensor_parallel=True):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return out.permute(2, 0, 1, 3)  # [s, b, H, d]
-
-    def _flash(self, q, k, v, p: float) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn only
-        # flash-attn layout [b, s, H, d]; GQA and ALiBi slopes are native.
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        slopes = self.positions.slopes.to(q.device) if self.positions.slopes is not None else None
-        if p > 0.0:
-            with self.rng.fork_device_rng(tensor_parallel=True):
-                out = _flash_attn_func(q, k, v, dropout_p=p, causal=True, alibi_slopes=slopes)
-        else:
-            out = _flash_attn_func(q, k, v, dropout_p=0.0, causal=True, alibi_slopes=slopes)
-        return out.transpose(0, 1)
 
 
 class MLP(nn.Module):
     """fc1 (column-parallel; SwiGLU: [gate; up] as two row blocks) → activation → fc2 (row)."""
 
     def __init__(self, cfg: ModelConfig, pg, *, prefix: str, seed: int, num_layers: int,
-                 sequence_parallel: bool, device, dtype) -> None:
+                 sequence_parallel: bool, device, dtype, gemms: Optional[dict[str, LinearGemm]] = None) -> None:
         super().__init__()
+        gemms = gemms or {}
         if cfg.activation not in ("gelu", "swiglu"):
             raise ValueError(f"config key 'model.activation': unknown activation {cfg.activation!r}")
         self.swiglu = cfg.activation == "swiglu"
@@ -182,11 +169,12 @@ class MLP(nn.Module):
         ffn = cfg.ffn_size
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, ffn * (2 if self.swiglu else 1), pg, name=f"{prefix}.fc1",
                                         seed=seed, init_std=std, bias=cfg.bias, sequence_parallel=sequence_parallel,
-                                        stride=2 if self.swiglu else 1, device=device, dtype=dtype)
+                                        stride=2 if self.swiglu else 1, gemm=gemms.get("fc1"), device=device,
+                                        dtype=dtype)
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, pg, name=f"{prefix}.fc2", seed=seed,
                                      init_std=std / math.sqrt(2.0 * num_layers), bias=cfg.bias,
                                      input_is_parallel=True, sequence_parallel=sequence_parallel,
-                                     device=device, dtype=dtype)
+                                     gemm=gemms.get("fc2"), device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -41,6 +41,15 @@ def causal_alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype,
     return bias.unsqueeze(0).to(dtype)
 
 
+def causal_mask_bias(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, s, s]``: 0 for keys j ≤ i, ``-inf`` above the diagonal
+    (the materialised-bias attention path for RoPE / learned positions)."""
+    pos = torch.arange(seq_len, device=device)
+    bias = torch.zeros(seq_len, seq_len, device=device, dtype=torch.float32)
+    bias = bias.masked_fill(pos.view(1, -1) > pos.view(-1, 1), float("-inf"))
+    return bias.view(1, 1, seq_len, seq_len).to(dtype)
+
+
 class RotaryEmbedding:
     """Rotary position embedding (rotate-half convention, as GPT-NeoX / Megatron's default).
 

@@ -10,7 +10,9 @@ Groups held (``None`` when the job is a single process without ``torch.distribut
 ``tp``, ``dp``, ``pp`` (inside a source group), ``model_parallel`` (tp×pp inside a group:
 gradient-norm reduction), ``source_group`` (all ranks of one group), ``embedding`` (first and
 last pipeline stage of one tp/dp position, for tied embeddings), ``outer`` (same tp, dp, pp
-position in every group) and ``world``.
+position in every group), ``tp_dp`` (the tensor × data-parallel ranks of one pipeline stage
+of one group: Transformer Engine's FP8 amax reduction group; the ``tp`` or ``dp`` handle itself
+when the other size is 1) and ``world``.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class ParallelGroups:
     embedding: Optional[dist.ProcessGroup] = None
     outer: Optional[dist.ProcessGroup] = None
     world: Optional[dist.ProcessGroup] = None
+    tp_dp: Optional[dist.ProcessGroup] = None
     comm: Comm = field(default_factory=Comm)
     # global ranks, ordered by position inside the group
     pp_ranks: tuple[int, ...] = ()
@@ -114,10 +117,11 @@ def coords_of(rank: int, T: int, D: int, P: int) -> Coords:
 def layout_ranks(world_size: int, T: int, D: int, P: int) -> dict[str, list[list[int]]]:
     """Every group's member ranks, by kind; each list in the order of the position it varies."""
     G = world_size // (T * D * P)
-    kinds: dict[str, list[list[int]]] = {k: [] for k in
-                                          ("tp", "dp", "pp", "model_parallel", "source_group", "embedding", "outer")}
+    kinds: dict[str, list[list[int]]] = {k: [] for k in ("tp", "dp", "pp", "model_parallel", "source_group",
+                                                          "embedding", "outer", "tp_dp")}
     for g in range(G):
         for pp in range(P):
+            kinds["tp_dp"].append([rank_of(t, d, pp, g, T, D, P) for d in range(D) for t in range(T)])
             for dp in range(D):
                 kinds["tp"].append([rank_of(t, dp, pp, g, T, D, P) for t in range(T)])
         for pp in range(P):
@@ -163,11 +167,15 @@ def build_groups(tensor: int = 1, data: int = 1, pipeline: int = 1, *,
         return pg
     pg.world = dist.group.WORLD
     for kind, lists in kinds.items():
+        if kind == "tp_dp" and (T == 1 or D == 1):
+            continue  # the same ranks as tp or dp: reuse that handle below (no extra group)
         for members in lists:
             # new_group is collective over the world: every rank creates every group, in order.
             handle = dist.new_group(members) if len(members) > 1 else None
             if rank in members:
                 setattr(pg, kind, handle)
+    if T == 1 or D == 1:
+        pg.tp_dp = pg.dp if T == 1 else pg.tp
     return pg
 
 

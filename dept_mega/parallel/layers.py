@@ -10,9 +10,15 @@ Parameter attributes read by the trainer / gradient-norm code:
 * ``sequence_parallel`` — True: under sequence parallelism each tensor rank only sees part of
   the sequence, so its gradient is partial and must be all-reduced over ``pg.tp``.
 * ``partition_dim`` / ``partition_stride`` — how the full tensor is sharded (for resharding).
+
+The GEMM of a column/row-parallel layer is chosen by its :class:`LinearGemm`: ``torch``
+(``F.linear``), ``fp8`` (our FP8 GEMMs, ``fp8.py``) or ``te`` (Transformer Engine's ``Linear``,
+``te.py``). Whatever the GEMM, the tensor/sequence-parallel collectives around it are ours and
+go through ``pg.comm``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,7 +28,9 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
+from .fp8 import Fp8Recipe, fp8_gemm_shape_ok, fp8_linear, new_amax_history
 from .random import init_full_then_shard
+from .te import TELinearHolder
 
 
 class GroupsRef:
@@ -77,25 +85,73 @@ def copy_parallel_attributes(src: nn.Module, dst: nn.Module) -> None:
                     setattr(dst_params[name], attr, getattr(p, attr))
 
 
+@dataclass(frozen=True)
+class LinearGemm:
+    """How a parallel linear layer multiplies: ``torch`` (F.linear, under the trainer's autocast),
+    ``fp8`` (native FP8 GEMMs with ``recipe``), ``te`` (Transformer Engine ``Linear``; FP8 when
+    the caller is inside TE's FP8 autocast, see ``te.py``)."""
+    kind: str = "torch"
+    recipe: Optional[Fp8Recipe] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("torch", "fp8", "te"):
+            raise ValueError(f"unknown GEMM kind {self.kind!r}")
+        if self.kind == "fp8" and self.recipe is None:
+            raise ValueError("an fp8 GEMM needs a recipe")
+
+
+TORCH_GEMM = LinearGemm()
+
+
+class _GemmMixin:
+    """The GEMM ``x Wᵀ`` (no bias) of a parallel linear layer, by ``self.gemm.kind``."""
+
+    def _setup_gemm(self, gemm: Optional[LinearGemm], in_local: int, out_local: int, name: str, device) -> None:
+        self.gemm = gemm or TORCH_GEMM
+        if self.gemm.kind == "fp8":
+            if not fp8_gemm_shape_ok(in_local, out_local):
+                raise ValueError(f"{name}: FP8 GEMMs need the per-rank weight sizes ({out_local} × {in_local}) "
+                                 f"to be multiples of 16")
+            self.register_buffer("fp8_amax_history", new_amax_history(self.gemm.recipe, device), persistent=False)
+        else:
+            self.fp8_amax_history = None
+        self._te = TELinearHolder() if self.gemm.kind == "te" else None
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm.kind == "fp8":
+            return fp8_linear(x, self.weight, self.gemm.recipe, self.fp8_amax_history)
+        if self.gemm.kind == "te":
+            return self._te(self.weight, x)
+        return F.linear(x, self.weight)
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.gemm.kind == "torch":
+            return F.linear(x, self.weight, bias)
+        y = self._matmul(x)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
     return n // d
 
 
-class ColumnParallelLinear(UsesGroups, nn.Module):
+class ColumnParallelLinear(_GemmMixin, UsesGroups, nn.Module):
     """``y = x Aᵀ + b`` with A split by output rows over the tensor group.
 
     Input: replicated ``[..., in]`` — or, with ``sequence_parallel``, this rank's sequence
     shard ``[s/T, ..., in]`` which is all-gathered first (backward: reduce-scatter).
     Output: this rank's ``[..., out/T]`` columns, or the full ``[..., out]`` with
     ``gather_output``. ``stride``: the output dimension is made of that many equal blocks
-    (SwiGLU's [gate; up]) and each rank holds its chunk of every block.
+    (SwiGLU's [gate; up]) and each rank holds its chunk of every block. ``gemm``: see
+    :class:`LinearGemm` (default: ``F.linear``).
     """
 
     def __init__(self, in_features: int, out_features: int, pg, *, name: str, seed: int, init_std: float,
                  bias: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
-                 stride: int = 1, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 stride: int = 1, gemm: Optional[LinearGemm] = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         T = tp_world(pg)
         if sequence_parallel and gather_output:
@@ -116,33 +172,36 @@ class ColumnParallelLinear(UsesGroups, nn.Module):
                 tensor_parallel=T > 1, partition_dim=0, partition_stride=stride)
         else:
             self.register_parameter("bias", None)
+        self._setup_gemm(gemm, in_features, self.out_per_rank, name, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.pg, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tp_region(x, self.pg)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.pg)
         return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_rank}), "
-                f"bias={self.bias is not None}, sp={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}, gemm={self.gemm.kind}")
 
 
-class RowParallelLinear(UsesGroups, nn.Module):
+class RowParallelLinear(_GemmMixin, UsesGroups, nn.Module):
     """``y = x Aᵀ + b`` with A split by input columns over the tensor group.
 
     Input: this rank's ``[..., in/T]`` (``input_is_parallel``) or the full input, which is
     split first. The partial products are all-reduced — or, with ``sequence_parallel``,
     reduce-scattered along dim 0 so each rank gets its sequence shard. The bias (replicated)
-    is added after the reduction; under sequence parallelism its gradient is partial.
+    is added after the reduction; under sequence parallelism its gradient is partial. ``gemm``:
+    see :class:`LinearGemm`.
     """
 
     def __init__(self, in_features: int, out_features: int, pg, *, name: str, seed: int, init_std: float,
                  bias: bool = False, input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 gemm: Optional[LinearGemm] = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         T = tp_world(pg)
@@ -164,11 +223,12 @@ class RowParallelLinear(UsesGroups, nn.Module):
                 tensor_parallel=False, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self._setup_gemm(gemm, self.in_per_rank, out_features, name, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.pg)
-        y = F.linear(x, self.weight)
+        y = self._matmul(x)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.pg)
         else:
@@ -179,7 +239,7 @@ class RowParallelLinear(UsesGroups, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_per_rank}), out={self.out_features}, "
-                f"bias={self.bias is not None}, sp={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sp={self.sequence_parallel}, gemm={self.gemm.kind}")
 
 
 class VocabParallelEmbedding(UsesGroups, nn.Module):

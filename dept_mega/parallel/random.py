@@ -17,6 +17,13 @@ instead of a global state:
   sequence parallelism), so the shards get independent masks.
 
 Both streams are offset by pipeline stage so different stages' layers draw different masks.
+
+Activation recomputation (``model/recompute.py``) replays a region's forward during backward:
+``get_states()`` / ``set_states()`` capture and restore both generators so the replay draws
+exactly the masks of the original forward (``torch.utils.checkpoint``'s ``preserve_rng_state``
+only covers the global CPU/CUDA generators, not ours). Kernels whose dropout uses the
+device's global generator (SDPA, flash-attn) are seeded from our stream by
+``fork_device_rng``, so restoring our stream replays them too.
 """
 from __future__ import annotations
 
@@ -113,6 +120,14 @@ class RNGTracker:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for k, g in self.generators.items():
             g.set_state(state[k])
+
+    # Names of Megatron's / Transformer Engine's RNG tracker interface, used by recomputation.
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of both generators' states (for replaying a recomputed region)."""
+        return self.state_dict()
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(states)
 
     @contextlib.contextmanager
     def fork_device_rng(self, tensor_parallel: bool) -> Iterator[None]:

@@ -1,0 +1,171 @@
+"""The attention core: ``softmax(QKᵀ/√d + position bias, causal)·V`` for this rank's heads.
+
+Four implementations, chosen by ``model.attention_backend`` (``backends.py`` resolves ``auto``):
+
+* ``flash`` — flash-attn's ``flash_attn_func`` (CUDA, fp16/bf16 inputs): causal, GQA native,
+  ALiBi through ``alibi_slopes``. Dropout: yes (the kernel's Philox stream, seeded from our
+  tensor-parallel stream by ``RNGTracker.fork_device_rng``).
+* ``flex`` — ``torch.nn.attention.flex_attention``: the causal mask as a block mask (fully
+  masked tiles are skipped), ALiBi as a ``score_mod`` (``score − slope_h·(i − j)``, fp32), GQA
+  through ``enable_gqa``; compiled with ``torch.compile`` (uncompiled flex materialises the
+  scores and warns; tests use it for the numerics only). Dropout: flex_attention has none —
+  ``attention_dropout > 0`` with ``flex`` is a configuration error.
+* ``sdpa`` — ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=...)`` with no bias, so
+  PyTorch may pick its flash / memory-efficient kernels: RoPE and learned positions only.
+  Dropout: yes (seeded from our stream as for flash).
+* ``bias`` — SDPA with a materialised additive bias ``[1, H, s, s]`` (ALiBi − and −inf above
+  the diagonal; for RoPE / learned, the causal mask only) and K/V repeated per query group:
+  the path of earlier versions, the last fallback (no fused kernel takes an arbitrary bias).
+  Dropout: yes (as sdpa).
+
+Under ``train.compile`` the self-attention module runs eagerly in training when attention
+dropout is on (``layers.SelfAttention``), so its masks stay those of the eager run. All four compute the same function; dropout masks differ between kernels (each draws its own
+way), so with ``attention_dropout > 0`` runs on different paths are not bit-comparable. Each
+path is deterministic given our RNG streams, which is what recomputation needs.
+
+Layout: inputs ``q [s, b, H, d]``, ``k, v [s, b, G, d]`` (G query groups, H = G·q_per_group);
+output ``[s, b, H, d]``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.random import RNGTracker
+
+try:  # optional fused kernel; only used on CUDA (see backends.py)
+    from flash_attn import flash_attn_func as _flash_attn_func  # type: ignore
+except Exception:  # noqa: BLE001 - any import failure means "not usable"
+    _flash_attn_func = None
+
+KINDS = ("flash", "flex", "sdpa", "bias")
+
+
+def flash_attn_available() -> bool:
+    return _flash_attn_func is not None
+
+
+class FlexState:
+    """What flex_attention needs, shared by the layers of one body: the causal block mask per
+    (length, device), the ALiBi ``score_mod`` per device, and the (compiled) kernel."""
+
+    def __init__(self, slopes: Optional[torch.Tensor], compile: bool = True) -> None:
+        self.slopes = slopes
+        self.compile = compile
+        self._masks: dict[tuple[int, str], object] = {}
+        self._score_mods: dict[str, Callable] = {}
+        self._fn: Optional[Callable] = None
+
+    def __deepcopy__(self, memo) -> "FlexState":
+        return self  # caches only
+
+    def kernel(self) -> Callable:
+        if self._fn is None:
+            from torch.nn.attention.flex_attention import flex_attention
+            self._fn = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
+        return self._fn
+
+    def block_mask(self, seq_len: int, device: torch.device):
+        key = (seq_len, str(device))
+        if key not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def causal(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+
+            if len(self._masks) > 8:
+                self._masks.clear()
+            self._masks[key] = create_block_mask(causal, None, None, seq_len, seq_len, device=device)
+        return self._masks[key]
+
+    def score_mod(self, device: torch.device) -> Optional[Callable]:
+        if self.slopes is None:
+            return None
+        key = str(device)
+        if key not in self._score_mods:
+            slopes = self.slopes.to(device=device, dtype=torch.float32)
+
+            def alibi(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx - kv_idx)
+
+            self._score_mods[key] = alibi
+        return self._score_mods[key]
+
+
+class CoreAttention(nn.Module):
+    """One of the implementations above (``kind``); ``fallback``: the kind used when ``flash``
+    was chosen by ``auto`` but the inputs are not fp16/bf16 CUDA tensors. ``positions`` is the
+    body's ``PositionState`` (ALiBi slopes, bias cache, ``flex`` state)."""
+
+    def __init__(self, kind: str, positions, *, q_per_group: int, dropout_p: float,
+                 rng: Optional[RNGTracker], fallback: Optional[str] = None) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown attention kind {kind!r}")
+        if kind == "flash" and _flash_attn_func is None:
+            raise ValueError("attention kind flash needs the flash_attn package")
+        if kind == "flex" and dropout_p > 0:
+            raise ValueError("flex_attention cannot apply attention dropout")
+        if kind == "sdpa" and positions.slopes is not None:
+            raise ValueError("the sdpa attention kind takes no ALiBi bias; use flash, flex or bias")
+        self.kind = kind
+        self.fallback = fallback
+        self.positions = positions
+        self.q_per_group = q_per_group
+        self.dropout_p = dropout_p
+        self.rng = rng
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}" + (f" (fallback {self.fallback})" if self.fallback else "")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout_p if self.training else 0.0
+        if p > 0.0 and self.rng is None:
+            raise ValueError("attention dropout > 0 needs an RNGTracker")
+        kind = self.kind
+        if kind == "flash" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+            if self.fallback is None:
+                raise RuntimeError(f"model.attention_backend: flash needs fp16/bf16 CUDA inputs, got {q.dtype} "
+                                   f"on {q.device}")
+            kind = self.fallback
+        if kind == "flash":
+            return self._flash(q, k, v, p)
+        # [s, b, H, d] -> [b, H, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if kind == "flex":
+            out = self._flex(q, k, v)
+        elif kind == "sdpa":
+            out = self._dropout_wrap(p, lambda: F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1))
+        else:
+            out = self._bias(q, k, v, p)
+        return out.permute(2, 0, 1, 3)  # [s, b, H, d]
+
+    def _dropout_wrap(self, p: float, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if p > 0.0:
+            with self.rng.fork_device_rng(tensor_parallel=True):
+                return fn()
+        return fn()
+
+    def _bias(self, q, k, v, p: float) -> torch.Tensor:
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        bias = self.positions.attention_bias(q.shape[2], q.dtype, q.device)
+        return self._dropout_wrap(p, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p))
+
+    def _flex(self, q, k, v) -> torch.Tensor:
+        flex = self.positions.flex
+        s = q.shape[2]
+        return flex.kernel()(q, k, v, score_mod=flex.score_mod(q.device), block_mask=flex.block_mask(s, q.device),
+                             enable_gqa=self.q_per_group > 1)
+
+    def _flash(self, q, k, v, p: float) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn only
+        # flash-attn layout [b, s, H, d]; GQA and ALiBi slopes are native.
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        slopes = self.positions.slopes.to(q.device) if self.positions.slopes is not None else None
+        out = self._dropout_wrap(p, lambda: _flash_attn_func(q, k, v, dropout_p=p, causal=True, alibi_slopes=slopes))
+        return out.transpose(0, 1)

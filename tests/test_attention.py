@@ -1,0 +1,136 @@
+"""Attention paths (``model.attention_backend``): every path that runs on CPU gives the outputs
+(and, where CPU has a backward, the gradients) of the materialised-bias path (today's), what
+``auto`` picks per device, and the configuration errors. fp32, dropout 0 unless said.
+
+flex_attention has no backward pass on CPU (torch 2.13 raises NotImplementedError), so its
+outputs are checked here and its gradients only on a GPU (docs/performance.md)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dept_mega.config import ConfigError
+from dept_mega.model import BackendError, build_model, resolve_backends
+from dept_mega.model.attention import CoreAttention
+from dept_mega.model.backends import _resolve_attention
+from dept_mega.model.layers import PositionState
+from dept_mega.parallel.groups import build_groups
+from dept_mega.parallel.random import RNGTracker
+from tests.model_utils import rel_err, tiny_config
+
+TOL = 1e-5
+
+
+def _qkv(heads, groups, seed=0, s=24, b=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, heads, d, generator=g)
+    k = torch.randn(s, b, groups, d, generator=g)
+    v = torch.randn(s, b, groups, d, generator=g)
+    return q, k, v
+
+
+def _run(kind, position, heads, groups, dropout=0.0, rng=None, train=True, compile_flex=False):
+    cfg = tiny_config(position_embedding=position, num_attention_heads=heads, num_query_groups=groups,
+                      hidden_size=8 * heads).model
+    positions = PositionState(cfg, 0, 1, compile_flex=compile_flex)  # eager flex: same numerics
+    core = CoreAttention(kind, positions, q_per_group=heads // groups, dropout_p=dropout, rng=rng)
+    core.train(train)
+    grad = kind != "flex"
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(heads, groups))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        out = core(q, k, v)
+    if not grad:
+        return out.detach(), None
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * w).sum().backward()
+    return out.detach(), [t.grad for t in (q, k, v)]
+
+
+CASES = [("flex", "alibi", 4, 4), ("flex", "alibi", 4, 2), ("flex", "alibi", 6, 1), ("flex", "rope", 4, 2),
+         ("flex", "learned", 4, 4), ("sdpa", "rope", 4, 4), ("sdpa", "rope", 4, 2), ("sdpa", "learned", 6, 1)]
+
+
+@pytest.mark.parametrize("kind,position,heads,groups", CASES)
+def test_fused_paths_match_the_materialised_bias_path(kind, position, heads, groups):
+    ref_out, ref_grads = _run("bias", position, heads, groups)
+    out, grads = _run(kind, position, heads, groups)
+    assert out.shape == ref_out.shape
+    assert rel_err(out, ref_out) < TOL
+    for g, rg in zip(grads or [], ref_grads):  # flex: no backward on CPU
+        assert rel_err(g, rg) < TOL
+
+
+def test_dropout_paths_are_seeded_by_our_stream():
+    """sdpa and bias draw their dropout from the device generator seeded from our tensor-parallel
+    stream: the same tracker state gives the same output, another state another one."""
+    for kind, position in (("sdpa", "rope"), ("bias", "alibi")):
+        a, _ = _run(kind, position, 4, 2, dropout=0.3, rng=RNGTracker(3))
+        b, _ = _run(kind, position, 4, 2, dropout=0.3, rng=RNGTracker(3))
+        c, _ = _run(kind, position, 4, 2, dropout=0.3, rng=RNGTracker(4))
+        nodrop, _ = _run(kind, position, 4, 2)
+        assert torch.equal(a, b) and not torch.equal(a, c) and not torch.allclose(a, nodrop)
+        evald, _ = _run(kind, position, 4, 2, dropout=0.3, rng=RNGTracker(3), train=False)
+        assert torch.allclose(evald, nodrop, rtol=1e-6, atol=1e-7)  # no dropout in eval mode
+
+
+def test_auto_choices_and_errors():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # resolution only; nothing runs on CUDA
+    m = tiny_config().model
+    assert _resolve_attention(m, "bf16", cpu).kind == "bias"  # ALiBi on CPU: the bias (logged)
+    have_flash = resolve_backends(tiny_config()).attention.kind == "flash"
+    assert not have_flash  # never on CPU
+    plan = _resolve_attention(m, "bf16", cuda)
+    assert plan.kind == ("flash" if plan.fallback else "flex")
+    assert (plan.fallback or plan.kind) == "flex"  # flex for what flash-attn cannot take
+    dropout = tiny_config(attention_dropout=0.1).model
+    assert (_resolve_attention(dropout, "bf16", cuda).fallback or _resolve_attention(dropout, "bf16", cuda).kind) \
+        == "bias"  # flex has no dropout
+    rope = tiny_config(position_embedding="rope").model
+    assert _resolve_attention(rope, "bf16", cpu).kind == "sdpa"
+    assert "ALiBi on cpu" in resolve_backends(tiny_config()).describe()
+    with pytest.raises(BackendError, match="flex_attention has no backward pass on cpu"):
+        build_model(tiny_config(attention_backend="flex"), build_groups(), 200, 1)
+    with pytest.raises(ConfigError, match="model.attention_backend.*sdpa"):
+        tiny_config(attention_backend="sdpa")  # ALiBi needs a bias
+    with pytest.raises(ConfigError, match="model.attention_backend.*dropout"):
+        tiny_config(attention_backend="flex", attention_dropout=0.1)
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendError, match="model.attention_backend.*flash_attn"):
+            build_model(tiny_config(attention_backend="flash"), build_groups(), 200, 1)
+    with pytest.raises(BackendError, match="model.attention_backend': flash needs"):  # the package, or CUDA
+        _resolve_attention(tiny_config(attention_backend="flash").model, "bf16", cpu)
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_bias():
+    """The configured flex path (torch.compile'd flex_attention, ALiBi score_mod, GQA, causal
+    block mask): the outputs of the bias path (forward only: no flex backward on CPU)."""
+    ref, _ = _run("bias", "alibi", 4, 2)
+    out, _ = _run("flex", "alibi", 4, 2, compile_flex=True)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["flex", "flash"])
+def test_fused_paths_on_cuda_match_bias_with_gradients(kind):
+    """On a GPU: compiled flex (and flash-attn when installed) against the bias path, outputs and
+    gradients, ALiBi + GQA, bf16 inputs (tolerance: bf16 rounding of the outputs, ~1e-2)."""
+    if kind == "flash":
+        pytest.importorskip("flash_attn")
+    cfg = tiny_config(num_attention_heads=4, num_query_groups=2, hidden_size=64).model
+    positions = PositionState(cfg, 0, 1, compile_flex=True)
+    results = {}
+    for k in ("bias", kind):
+        core = CoreAttention(k, positions, q_per_group=2, dropout_p=0.0, rng=None)
+        q, k_, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(4, 2, s=128, d=16))
+        out = core(q, k_, v)
+        out.float().square().sum().backward()
+        results[k] = [out.detach().float()] + [t.grad.float() for t in (q, k_, v)]
+    for a, b in zip(results[kind], results["bias"]):
+        assert rel_err(a, b) < 2e-2

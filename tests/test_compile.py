@@ -1,0 +1,47 @@
+"""``train.compile: true``: every transformer block is compiled with ``torch.compile`` (in place,
+so parameter names and checkpoints do not change) and training gives the eager losses; a
+platform that cannot compile is one clear ``BackendError`` line."""
+from __future__ import annotations
+
+import pytest
+
+from dept_mega.model import BackendError, build_model
+from dept_mega.model import gpt as gpt_module
+from dept_mega.parallel.groups import build_groups
+from tests.trainer_utils import assert_close, tiny_config, train_losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [
+    {"hidden_dropout": 0.1},  # the whole block compiled
+    # attention dropout: the attention module runs eagerly inside the compiled block (its dropout
+    # is seeded from our stream); with selective recomputation of the attention core
+    {"hidden_dropout": 0.1, "attention_dropout": 0.1, "recompute": "selective"},
+], ids=["compiled-block", "attention-dropout-selective"])
+def test_compiled_blocks_give_the_eager_losses(model):
+    over = {"model": {"num_layers": 2, **model}, "train": {"steps": 3}}
+    eager = train_losses(tiny_config(over), 3)
+    compiled_cfg = tiny_config({**over, "train": {"steps": 3, "compile": True}})
+    (stage,) = build_model(compiled_cfg, build_groups(), 100, 7)
+    (plain,) = build_model(tiny_config(over), build_groups(), 100, 7)
+    assert [n for n, _ in stage.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+               for b in stage.body.layers.values())
+    compiled = train_losses(compiled_cfg, 3)
+    # inductor may fuse and reorder fp32 arithmetic: equal within 1e-5, not bit for bit
+    assert_close(compiled["loss"], eager["loss"], rel=1e-5, what="loss")
+    assert_close(compiled["grad_norm"], eager["grad_norm"], rel=1e-4, what="grad norm")
+    assert_close(compiled["eval"], eager["eval"], rel=1e-5, what="eval loss")
+
+
+def test_compile_with_full_recompute_is_refused():
+    from dept_mega.config import ConfigError
+    with pytest.raises(ConfigError, match="train.compile.*model.recompute: full is not supported"):
+        tiny_config({"model": {"recompute": "full"}, "train": {"compile": True}})
+
+
+def test_a_platform_that_cannot_compile_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(gpt_module, "compile_problem", lambda device: "InvalidCxxCompiler: No working C++ compiler")
+    with pytest.raises(BackendError, match=r"config key 'train.compile': torch.compile cannot run on this platform "
+                                           r"\(InvalidCxxCompiler: No working C\+\+ compiler\); set train.compile: false"):
+        build_model(tiny_config({"train": {"compile": True}}), build_groups(), 100, 7)

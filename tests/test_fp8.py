@@ -1,0 +1,190 @@
+"""Native FP8 GEMMs (``backend: local`` + ``fp8``): numerics against fp32, delayed scaling, which
+layers run FP8, TP2 against TP1, and a 200-step training run against bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dept_mega.config import ConfigError
+from dept_mega.model import build_model, resolve_backends
+from dept_mega.parallel.fp8 import E4M3, Fp8Recipe, fp8_linear, new_amax_history, quantize
+from dept_mega.parallel.groups import build_groups
+from tests.model_utils import full_tensors, reduce_sequence_parallel_grads, rel_err
+from tests.mp_utils import run_distributed
+from tests.trainer_utils import tiny_config
+
+# Error bounds (norm-wise relative error of an FP8 GEMM against the exact fp32 product).
+# Round-to-nearest into a format with m mantissa bits has unit roundoff u = 2^-(m+1): e4m3
+# (m=3) u = 1/16, e5m2 (m=2) u = 1/8. The rounding error of one element is spread roughly
+# uniformly over ±u·|v|, so its RMS relative size is u/√3 (e4m3 0.036, e5m2 0.072); per-tensor
+# scaling keeps Gaussian-like data in the normal range, where this holds. A GEMM of two
+# independently rounded operands adds the two errors in quadrature:
+#   forward  e4m3·e4m3: √2·0.036 = 0.051          -> bound 0.06
+#   backward e5m2·e4m3 (hybrid): √(0.072²+0.036²) = 0.081 -> bound 0.10
+#   backward e4m3·e4m3 (e4m3): 0.051              -> bound 0.06
+# The bf16 output adds u = 2^-9, negligible. A lower bound of 0.01 (bf16 alone gives
+# ~0.003) shows the operands really went through FP8.
+FWD_BOUND = 0.06
+BWD_BOUND = {"hybrid": 0.10, "e4m3": 0.06}
+QUANTISED = 0.01
+
+
+def _operands(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 64, generator=g)  # 40 rows: exercises the padding to 48 rows
+    w = torch.randn(96, 64, generator=g) * 0.02
+    gy = torch.randn(40, 96, generator=g)
+    return x, w, gy
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_linear_within_fp8_error_bounds(fmt, scaling):
+    recipe = Fp8Recipe(fmt, scaling, amax_history=4)
+    history = new_amax_history(recipe, "cpu")
+    for step in range(3):
+        x, w, gy = _operands(step)
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xa, wa, recipe, history)
+        (y.float() * gy).sum().backward()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        yr = xr @ wr.t()
+        (yr * gy).sum().backward()
+        assert y.dtype == torch.bfloat16 and xa.grad.dtype == torch.float32 and wa.grad.dtype == torch.float32
+        assert torch.equal(wa.detach(), w)  # the master weight is not touched
+        for got, ref, bound in ((y, yr, FWD_BOUND), (xa.grad, xr.grad, BWD_BOUND[fmt]),
+                                (wa.grad, wr.grad, BWD_BOUND[fmt])):
+            err = rel_err(got.float(), ref)
+            assert QUANTISED < err < bound, (step, err)
+    if scaling == "delayed":
+        assert (history[:, :3] > 0).all() and (history[:, 3] == 0).all()  # three casts of each operand recorded
+
+
+def test_quantize_saturates_and_delayed_scaling_uses_the_history():
+    q, inv = quantize(torch.tensor([1.0, -2.0, 4.0]), torch.tensor(2.0), E4M3)
+    assert q.float().tolist() == [224.0, -448.0, 448.0] and float(inv) == pytest.approx(2.0 / 448.0)  # 4.0 saturates
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history=2)
+    history = new_amax_history(recipe, "cpu")
+    w = torch.eye(16)
+    fp8_linear(torch.full((16, 16), 100.0), w, recipe, history)
+    # the next input is small, but its scale still comes from the past amax (100): 1e-4·448/100
+    # is below half of e4m3's smallest subnormal (2^-10) and flushes to zero
+    y = fp8_linear(torch.full((16, 16), 1e-4), w, recipe, history)
+    assert float(y.abs().max()) == 0.0
+    y = fp8_linear(torch.full((16, 16), 1e-4), w, Fp8Recipe("hybrid", "current"))  # current scaling
+    assert torch.allclose(y.float(), torch.full((16, 16), 1e-4), rtol=0.07)
+    assert torch.allclose(history[0], torch.tensor([1e-4, 100.0]))  # newest first
+
+
+def _fp8_cfg(**over):
+    over = {"precision": "bf16", "fp8": "hybrid", "fp8_recipe": "current", **over}
+    return tiny_config(over)
+
+
+def test_which_layers_run_fp8_and_the_log_line():
+    cfg = _fp8_cfg(fp8_first_last_layers_bf16=True)
+    (stage,) = build_model(cfg, build_groups(), 100, 1)
+    kinds = {i: {n: stage.body.layers[str(i)].get_submodule(n).gemm.kind
+                 for n in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")} for i in range(4)}
+    assert set(kinds[0].values()) == {"torch"} and set(kinds[3].values()) == {"torch"}
+    assert set(kinds[1].values()) == {"fp8"} and set(kinds[2].values()) == {"fp8"}
+    assert stage.embeddings.output_layer is None  # tied head: F.linear on the embedding, bf16
+    line = resolve_backends(cfg).describe()
+    assert ("fp8 GEMMs [qkv, proj, fc1, fc2] in layers 1-2; bf16 layers 0, 3 (fp8_first_last_layers_bf16); "
+            "bf16 output head and embeddings") in line, line
+    # a GEMM whose per-rank size is not a multiple of 16 stays bf16 (cuBLASLt's FP8 rule), logged
+    cfg = _fp8_cfg(model={"ffn_hidden_size": 72})
+    b = resolve_backends(cfg)
+    assert b.fp8_gemms == ("qkv", "proj") and "bf16 GEMMs [fc1, fc2] (per-rank size not a multiple of 16)" in b.describe()
+    (stage,) = build_model(cfg, build_groups(), 100, 1)
+    assert stage.body.layers["0"].mlp.fc1.gemm.kind == "torch" and stage.body.layers["0"].attention.qkv.gemm.kind == "fp8"
+    with pytest.raises(ConfigError, match="fp8.*needs precision: bf16"):
+        _fp8_cfg(precision="fp32")
+
+
+def _stage_losses_grads(cfg, pg):
+    (stage,) = build_model(cfg, pg, 100, 5)
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 100, (2, 16), generator=g)
+    labels = torch.randint(0, 100, (2, 16), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = stage(tokens, labels)
+    losses.mean().backward()
+    reduce_sequence_parallel_grads(stage, pg)  # what the trainer does under sequence parallelism
+    return losses.detach(), full_tensors(stage, pg, grads=True)
+
+
+def _tp_worker(rank, world, cases):
+    pg = build_groups(tensor=2)
+    return [_stage_losses_grads(_fp8_cfg(parallel={"tensor": 2, "sequence_parallel": sp}, **over), pg)
+            for sp, over in cases]
+
+
+@pytest.mark.slow
+def test_tp2_fp8_matches_tp1_fp8():
+    """TP2 quantises each weight shard with its own amax (per-tensor scaling of the local
+    tensor), TP1 the full weight, so the two differ by FP8 rounding only: per-token losses
+    within 2 % (the loss of a 4-layer tiny model moves far less than its GEMM outputs) and
+    every gradient within 2 × the backward bound (each is within one bound of the exact value).
+    With sequence parallelism the column-parallel GEMMs see the all-gathered sequence."""
+    cases = [(False, {}), (False, {"fp8_recipe": "delayed"}), (True, {})]
+    r0, r1 = run_distributed(_tp_worker, 2, (cases,), timeout=180)
+    for i, (sp, over) in enumerate(cases):
+        ref_losses, ref_grads = _stage_losses_grads(_fp8_cfg(**over), build_groups())
+        losses, grads = r0[i]
+        assert torch.equal(losses, r1[i][0])
+        assert rel_err(losses, ref_losses) < 0.02
+        for k, ref in ref_grads.items():
+            assert rel_err(grads[k], ref) < 2 * BWD_BOUND["hybrid"], (sp, over, k, rel_err(grads[k], ref))
+
+
+def _noisy_pattern_batch(cfg, step):
+    """[global_batch, s+1] tokens where each next token is (7·prev + 3) mod V with probability
+    1/2 and uniform otherwise: learnable, with an entropy floor (~2.6 nats for V=100), so the
+    final losses are far from 0 and a 2 % comparison is meaningful."""
+    V, s = cfg.model.vocab_size, cfg.model.seq_length
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = [torch.randint(0, V, (cfg.train.global_batch_size,), generator=g)]
+    for _ in range(s):
+        follow = (rows[-1] * 7 + 3) % V
+        noise = torch.randint(0, V, follow.shape, generator=g)
+        keep = torch.rand(follow.shape, generator=g) < 0.5
+        rows.append(torch.where(keep, follow, noise))
+    return torch.stack(rows, dim=1)
+
+
+def _train(cfg, steps):
+    from dept_mega.trainer import Trainer
+    from tests.trainer_utils import dp_micro_batches
+    trainer = Trainer(cfg, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    return [trainer.train_step(dp_micro_batches(cfg, _noisy_pattern_batch(cfg, i), 0, 1)).loss
+            for i in range(steps)]
+
+
+@pytest.mark.slow
+def test_fp8_training_final_loss_within_two_percent_of_bf16():
+    over = {"train": {"steps": 200, "global_batch_size": 8, "micro_batch_size": 8},
+            "optim": {"lr": 1.0e-2, "min_lr": 1.0e-3, "warmup_steps": 10}}
+    bf16 = _train(tiny_config({"precision": "bf16", **over}), 200)
+    fp8 = _train(_fp8_cfg(**over), 200)
+    assert bf16[-1] < 0.75 * bf16[0], (bf16[0], bf16[-1])  # it learned the pattern
+    assert fp8 != bf16  # the FP8 path really ran
+    assert abs(fp8[-1] - bf16[-1]) <= 0.02 * bf16[-1], (fp8[-1], bf16[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_fp8_linear_on_cuda_matches_cpu():
+    """cuBLASLt's FP8 GEMM against PyTorch's CPU kernel on the same FP8 operands: the same
+    products, accumulated in fp32 in another order (bf16 outputs agree to ~1 bf16 ulp)."""
+    recipe = Fp8Recipe("hybrid", "current")
+    x, w, gy = _operands(0)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xa, wa = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        y = fp8_linear(xa, wa, recipe)
+        (y.float() * gy.to(dev)).sum().backward()
+        outs.append([t.detach().float().cpu() for t in (y, xa.grad, wa.grad)])
+    for a, b in zip(*outs):
+        assert rel_err(a, b) < 1e-2
