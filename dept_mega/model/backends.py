@@ -10,7 +10,7 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
 * ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
   (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
   ``auto`` + ``fp8`` without TE is this path (said in the log), not an error.
-* otherwise ``F.linear`` under the trainer's autocast.
+* otherwise ``F.linear`` in the weights' dtype (bf16/fp16 weights under half precision).
 
 Which GEMMs run FP8: the four of every transformer block (qkv, proj, fc1, fc2) except in the
 first and last block when ``fp8_first_last_layers_bf16`` (Megatron's

@@ -226,8 +226,9 @@ def build_source_embeddings(cfg: Config, pg, vocab_size: int, seed: int, device:
 
 def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> list[GPTStage]:
-    """This rank's model chunks (``parallel.virtual_pipeline`` of them), parameters in fp32
-    (master weights; the trainer autocasts) unless ``dtype`` says otherwise. With
+    """This rank's model chunks (``parallel.virtual_pipeline`` of them), parameters in ``dtype``
+    (fp32 by default; the trainer passes bf16/fp16 under half precision and keeps fp32
+    masters in its optimizer). With
     ``train.compile`` every transformer block is compiled with ``torch.compile`` (in place:
     parameter names do not change); a platform that cannot compile is a ``BackendError``."""
     _check_layout(cfg, pg)

@@ -87,7 +87,7 @@ def copy_parallel_attributes(src: nn.Module, dst: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class LinearGemm:
-    """How a parallel linear layer multiplies: ``torch`` (F.linear, under the trainer's autocast),
+    """How a parallel linear layer multiplies: ``torch`` (F.linear in the weights' dtype),
     ``fp8`` (native FP8 GEMMs with ``recipe``), ``te`` (Transformer Engine ``Linear``; FP8 when
     the caller is inside TE's FP8 autocast, see ``te.py``)."""
     kind: str = "torch"
