@@ -126,28 +126,37 @@ def _mean(values: list[float]) -> float:
 
 def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]], frozen: bool,
             body_lr: Optional[float], save: bool) -> dict[str, Any]:
-    """Train one arm (body loaded from ``(run_dir, step, group)`` or random) and return its final
-    evaluation {source: {loss, ppl, bpb, tokens, bytes}}."""
+    """Train one arm (the body loaded from ``(run_dir, step, group)``, or the model's random
+    init when None) and return its final evaluation {source: {loss, ppl, bpb, tokens, bytes}}."""
     from .checkpoint import load_body
     from .train import build_session, describe
-    session = build_session(cfg)
+    said = []
+
+    def prepare(stages, pg, device):
+        if body_from is not None:
+            run_dir, step, group = body_from
+            group = load_body(stages, cfg, pg, run_dir, step, group, device)
+            said.append(f"adapt: body of {run_dir} step {step} (group {group})")
+        else:
+            said.append("adapt: randomly initialised body (the reference)")
+        if frozen:
+            for st in stages:
+                for p in st.body.parameters():
+                    p.requires_grad_(False)  # no gradient, no optimizer state, no update
+        said.append(f"adapt: body {'frozen' if frozen else 'trainable'}"
+                    + (f", body LR {body_lr:g}" if body_lr is not None and not frozen else ""))
+
+    session = build_session(cfg, prepare_stages=prepare)
     tr, loop = session.trainer, session.loop
-    if body_from is not None:
-        run_dir, step, group = body_from
-        group = load_body(tr, run_dir, step, group)
-        tr.refresh_from_model_params(tr.body_parameters())
-        session.writer.log(f"adapt: body of {run_dir} step {step} (group {group})")
-    else:
-        session.writer.log("adapt: randomly initialised body (reference)")
-    if frozen:
-        tr.freeze_body()
-    elif body_lr is not None:
+    if body_lr is not None and not frozen:
         tr.body_lr_scale = body_lr / cfg.optim.lr
     if not save:
         loop.checkpointer = None
     if session.rank == 0:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.run_dir, "config.yaml"))
+    for line in said:
+        session.writer.log(line)
     session.writer.log(describe(session))
     try:
         loop.run()
