@@ -302,3 +302,58 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
         hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
+
+
+# config values the body's tensors depend on (the vocabulary and the data may differ)
+BODY_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
+             "model.ffn_hidden_size", "model.activation", "model.normalization", "model.position_embedding",
+             "model.bias")
+
+
+def load_body(stages, cfg, pg, run_dir: str, step: int, group: Optional[int] = None,
+              device: Optional[torch.device] = None) -> int:
+    """Load only the transformer body (``body.*``) of checkpoint ``step`` into model chunks
+    ``stages`` (this rank's, built for ``cfg`` / ``pg``), whatever vocabulary, sources or number
+    of source groups they are for (plasticity, continued pre-training: ``dept_mega.adapt``).
+    Call it before a :class:`~dept_mega.trainer.Trainer` takes the chunks (its fp32 masters
+    are then the loaded values). The tensor, pipeline and virtual-pipeline sizes must be the
+    checkpoint's. Inside a round the groups' bodies differ: ``group`` says whose (default: at a
+    round boundary, where every group holds the same body, group 0; else an error). Returns
+    the group read."""
+    import torch.distributed.checkpoint as dcp
+    from .config import ConfigError
+    path = step_dir(run_dir, step)
+    problem = verify_checkpoint(path, device)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    saved = read_json(path, LAYOUT_FILE)
+    now = {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": cfg.parallel.virtual_pipeline}
+    wrong = [k for k in now if saved.get(k) != now[k]]
+    if wrong:
+        raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with "
+                          + ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
+                          + "; load its body with the same tensor and pipeline layout")
+    old = read_json(path, DEPENDS_FILE).get("config", {})
+    here = fingerprint(cfg)["config"]
+    for key in BODY_KEYS:
+        if key in old and old[key] != here[key]:
+            raise ConfigError(f"config key '{key}': the body in {path} has {old[key]!r}, this launch {here[key]!r}")
+    groups = int(saved.get("groups", 1))
+    local_steps = int(old.get("dept.local_steps") or 0)
+    if group is None:
+        if groups > 1 and local_steps and step % local_steps:
+            raise ConfigError(f"checkpoint {path}: step {step} is inside a round, where the {groups} source groups "
+                              f"hold different bodies; choose one (--group G) or a step at a round boundary "
+                              f"(a multiple of dept.local_steps={local_steps})")
+        group = 0
+    if not 0 <= group < groups:
+        raise ConfigError(f"checkpoint {path} holds {groups} source group(s); there is no group {group}")
+    state = {}
+    for c, st in enumerate(stages):
+        for name, p in st.named_parameters():
+            if name.startswith("body."):
+                state[f"model/g{group}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"] = p.data
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path)
+    return group

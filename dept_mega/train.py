@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,7 +130,11 @@ def checked_on_rank0(check, rank: int, device: torch.device) -> None:
         raise ConfigError(problem)
 
 
-def build_session(cfg: Config, metrics: bool = True) -> Session:
+def build_session(cfg: Config, metrics: bool = True,
+                  prepare_stages: Optional[Callable[[list, ParallelGroups, torch.device], None]] = None) -> Session:
+    """Everything a run needs. ``prepare_stages(stages, pg, device)``, when given, sees the
+    freshly built fp32 model chunks before the trainer takes them (``dept_mega.adapt``: load a
+    trained body, freeze it)."""
     from .data.checks import check_sources
     rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
     validate(cfg, world)
@@ -141,7 +145,12 @@ def build_session(cfg: Config, metrics: bool = True) -> Session:
     data = load_run_data(cfg, pg)
     torch.manual_seed(cfg.train.seed)
     vocab = vocab_size_of(cfg)
-    trainer = Trainer(cfg, pg, device, vocab_size=vocab)
+    stages = None
+    if prepare_stages is not None:
+        from .model import build_model
+        stages = build_model(cfg, pg, vocab, cfg.train.seed, device)
+        prepare_stages(stages, pg, device)
+    trainer = Trainer(cfg, pg, device, vocab_size=vocab, stages=stages)
     hooks = build_hooks(cfg, pg, trainer, device)
     writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics)
     from .checkpoint import Checkpointer

@@ -124,6 +124,7 @@ class Trainer:
         self._cast_unowned(self.parameters())
         self.grad_sync = GradSync(pg, overlap=cfg.optim.overlap_grad_reduce)
         self.step = 0  # inner steps done
+        self.body_lr_scale = 1.0  # the body's LR relative to the schedule (see set_lr)
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
 
@@ -202,8 +203,12 @@ class Trainer:
         return lr_at(self.step if step is None else step, self.cfg.optim, self.cfg.train.steps)
 
     def set_lr(self, step: Optional[int] = None) -> float:
+        """Apply the schedule's LR at ``step`` (default: now); the body's optimizer takes it times
+        ``body_lr_scale`` (1 in training; ``dept_mega.adapt`` gives a trainable body its own LR).
+        Returns the schedule's LR."""
         lr = self.lr(step)
-        set_lr([o.inner for o in self.optimizers], lr)
+        set_lr([self.embedding_optimizer.inner], lr)
+        set_lr([self.body_optimizer.inner], lr * self.body_lr_scale)
         return lr
 
     # -- one step -------------------------------------------------------------------------
@@ -327,9 +332,12 @@ class Trainer:
         return grad_owner(p).optimizer
 
     def _reduced(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """The reduced gradient (or this rank's shard of it) of each parameter that got one."""
+        """The reduced gradient (or this rank's shard of it) of each parameter that got one
+        (frozen parameters, ``requires_grad`` False, get none: ``dept_mega.adapt``)."""
         out = []
         for p in params:
+            if not p.requires_grad:
+                continue
             opt = self._owner(p)
             if opt.received(p):
                 g = opt.grad_view(p)

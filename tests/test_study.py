@@ -58,6 +58,10 @@ def test_grid_expands_at_equal_compute(tmp_path):
     ({"runs": [{"variant": "std"}, {"variant": "std"}]}, "share the name"),
     ({"runs": [{"variant": "glob", "set": {"dept.local_steps": 30}}]}, "dept.local_steps': train.steps=100 is not a multiple of 30"),
     ({"runs": [{"variant": "std", "set": {"model.nope": 1}}]}, "unknown config key 'model.nope'"),
+    ({"plasticity": {"steps": 3}}, "plasticity'.source_config: the held-out source"),
+    ({"plasticity": {"source_config": "x.yaml", "steps": 0}}, "plasticity'.steps: a positive integer"),
+    ({"plasticity": {"source_config": "x.yaml", "steps": 2, "body_lr": 0.1}}, "body_lr: a number, with body"),
+    ({"plasticity": {"source_config": "x.yaml", "steps": 2, "runs": ["nope"]}}, r"unknown run\(s\) \['nope'\]"),
 ])
 def test_grid_errors_name_the_problem(tmp_path, over, match):
     with pytest.raises(GridError, match=match):
@@ -194,11 +198,17 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
         path = tmp_path / f"{v}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         configs[v] = str(path)
+    heldout = tmp_path / "heldout.yaml"
+    build = ROOT / "examples" / "data" / "build"
+    heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": str(build / "ja_own_text_document"),
+                                                            "tokenizer": str(build / "tok" / "ja.model")}]},
+                                       "train": {"global_batch_size": 2, "micro_batch_size": 2, "eval_iters": 1}}))
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"groups": 2, "group_batch": 2, "configs": configs,
                                     "set": {"train.steps": 4, "train.eval_interval": 2, "train.save_interval": 4,
                                             "train.log_interval": 1, "dept.local_steps": 2},
-                                    "runs": [{"variant": ["std", "glob"]}]}))
+                                    "runs": [{"variant": ["std", "glob"]}],
+                                    "plasticity": {"source_config": str(heldout), "steps": 2}}))
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "tools" / "study.py"), "--grid", str(grid), "--out", str(out),
            "--parallel", "2"]
@@ -212,5 +222,13 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
     assert set(glob["by_source"]) == {"en", "fr"} and glob["train_tokens"] == data["runs"][0]["train_tokens"]
     for f in ("results.md", "bpb.png", "curves.png", "bytes.png"):
         assert (out / f).stat().st_size > 0
+    # plasticity: each body adapted to the held-out source; the random reference made once
+    plast = {r["name"]: r["plasticity"] for r in data["runs"]}
+    assert set(plast) == {"std", "glob"} and all(p["source"] == "ja" and p["bpb"] > 0 for p in plast.values())
+    assert plast["std"]["random_bpb"] == plast["glob"]["random_bpb"] > 0
+    assert "random" in json.loads((out / "plasticity" / "std" / "adapt.json").read_text())
+    assert json.loads((out / "plasticity" / "glob" / "adapt.json").read_text())["random"] is None
+    assert "## Plasticity" in (out / "results.md").read_text()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2
+    assert "[study] plasticity" not in res.stdout  # nothing adapted again

@@ -13,7 +13,9 @@ several runs at once within a budget of N processes (default: one run at a time)
 Writes ``DIR/results.md`` (per-source validation BPB and perplexity for every run, the mean,
 each DEPT variant's gain over the best STD run, parameters per rank, cross-group bytes per
 round, the command lines), ``DIR/results.json`` (the same numbers and the curves) and the
-figures ``DIR/bpb.png``, ``DIR/curves.png``, ``DIR/bytes.png``.
+figures ``DIR/bpb.png``, ``DIR/curves.png``, ``DIR/bytes.png``. With ``plasticity:`` in the
+grid, every run's body is then adapted to a held-out source (``python -m dept_mega.adapt``,
+results in ``DIR/plasticity/NAME/``) and results.md gains a plasticity table.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ sys.path.insert(0, ROOT)
 from dept_mega.study.grid import GridError, describe, load_study  # noqa: E402
 from dept_mega.study.report import plot, render_markdown, summary, write_json  # noqa: E402
 from dept_mega.study.results import RunReadError, read_run  # noqa: E402
-from dept_mega.study.runner import is_finished, run_all, run_dir_of  # noqa: E402
+from dept_mega.study.runner import is_finished, run_all, run_dir_of, run_plasticity  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,7 +89,13 @@ def main(argv=None) -> int:
     if not results:
         print("error: no finished run to report on", file=sys.stderr)
         return 1
-    data = summary(study, results, command)
+    plasticity = (run_plasticity(study, args.out, steps, execute=not args.report_only)
+                  if study.plasticity is not None else None)
+    if study.plasticity is not None:
+        wanted = [r.name for r in study.runs if r.name in results
+                  and (study.plasticity.runs is None or r.name in study.plasticity.runs)]
+        failed += [n for n in wanted if n not in plasticity]
+    data = summary(study, results, command, plasticity)
     write_json(os.path.join(args.out, "results.json"), data)
     with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(data))

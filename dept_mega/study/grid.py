@@ -69,12 +69,12 @@ class Study:
     runs: list[RunSpec]
     description: str = ""
     prepare: list[list[str]] = field(default_factory=list)  # commands run before the runs (idempotent)
-    plasticity: Optional[dict] = None  # adapt settings (see tools/study.py), None = no column
+    plasticity: Optional["Plasticity"] = None  # adapt every run's body to a held-out source
 
 
 def _yaml_value(value: Any) -> str:
     """A value as the YAML text of a dotted override (``key=<this>``)."""
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1 << 30).strip()
     if text.endswith("\n..."):
         text = text[: -len("\n...")]
     return text.removesuffix("...").strip()
@@ -187,13 +187,63 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise GridError(f"{path}: runs share the name(s) {dupes}; give them a 'name' template")
+    plasticity = _plasticity(doc.get("plasticity"), path)
     prepare = doc.get("prepare") or []
     if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
         raise GridError(f"{path}: 'prepare' must be a list of command lines")
+    if plasticity is not None and plasticity.runs is not None:
+        unknown = sorted(set(plasticity.runs) - {r.name for r in runs})
+        if unknown:
+            raise GridError(f"{path}: 'plasticity.runs' names unknown run(s) {unknown}")
     study = Study(path, groups, group_batch, runs, str(doc.get("description", "")),
-                  [shlex.split(c) for c in prepare], doc.get("plasticity"))
+                  [shlex.split(c) for c in prepare], plasticity)
     _resolve(study, base_dir)
     return study
+
+
+@dataclass
+class Plasticity:
+    """``plasticity:`` in a grid: after training, ``dept_mega.adapt`` gives every run's body
+    (``runs``: those named, default all) fresh embeddings for a held-out source and trains them
+    ``steps`` steps; the same from a random body is the reference (made once: it does not
+    depend on the run)."""
+    source_config: str
+    steps: int
+    body: str = "frozen"
+    body_lr: Optional[float] = None
+    runs: Optional[list[str]] = None
+
+    def args(self) -> list[str]:
+        out = ["--source-config", self.source_config, "--steps", str(self.steps), "--body", self.body]
+        if self.body_lr is not None:
+            out += ["--body-lr", repr(self.body_lr)]
+        return out
+
+
+def _plasticity(doc: Any, path: str) -> Optional[Plasticity]:
+    if doc is None:
+        return None
+    where = f"{path}: 'plasticity'"
+    if not isinstance(doc, dict):
+        raise GridError(f"{where}: expected a mapping")
+    bad = sorted(set(doc) - {"source_config", "steps", "body", "body_lr", "runs"})
+    if bad:
+        raise GridError(f"{where}: unknown key(s) {bad}")
+    if not isinstance(doc.get("source_config"), str):
+        raise GridError(f"{where}.source_config: the held-out source's partial config (a path) is required")
+    steps = doc.get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise GridError(f"{where}.steps: a positive integer, got {steps!r}")
+    body = doc.get("body", "frozen")
+    if body not in ("frozen", "trainable"):
+        raise GridError(f"{where}.body: frozen | trainable, got {body!r}")
+    lr = doc.get("body_lr")
+    if lr is not None and (body != "trainable" or not isinstance(lr, (int, float))):
+        raise GridError(f"{where}.body_lr: a number, with body: trainable")
+    runs = doc.get("runs")
+    if runs is not None and (not isinstance(runs, list) or not all(isinstance(r, str) for r in runs)):
+        raise GridError(f"{where}.runs: a list of run names")
+    return Plasticity(doc["source_config"], steps, body, None if lr is None else float(lr), runs)
 
 
 def _resolve(study: Study, base_dir: str) -> None:

@@ -133,6 +133,10 @@ def render_markdown(data: dict[str, Any]) -> str:
                     if p.get("random_bpb") and p.get("bpb") is not None else None)
             lines.append(f"| {r['name']} | {p['source']} | {p['steps']} | {p['body']} | {_fmt(p['bpb'])} | "
                          f"{_fmt(p.get('random_bpb'))} | {'–' if gain is None else f'{gain:+.1f} %'} |")
+        lines += ["", "Adaptation: a fresh embedding for the held-out source trained on each run's body "
+                  "(`dept_mega.adapt`); the gain is against the same procedure from a randomly initialised body.",
+                  "", "```bash"] + [shlex.join(r["plasticity"]["command"]) for r in runs
+                                    if r.get("plasticity") and r["plasticity"].get("command")] + ["```"]
     lines += ["", "## Cost", "",
               "Parameters held by the largest rank; bytes per round summed over all ranks (measured, "
               "`outer` records). STD runs in one group, so nothing crosses groups; its column shows what "

@@ -126,3 +126,56 @@ def run_all(study: Study, out: str, steps: int, *, parallel: int = 0, cwd: Optio
 
 def _popen(cmd: list[str], cwd: str, env: dict, fh: TextIO) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def plasticity_dir(out: str, run: RunSpec) -> str:
+    return os.path.join(out, "plasticity", run.name)
+
+
+def plasticity_command(out: str, run: RunSpec, study: Study, reference: bool,
+                       python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "dept_mega.adapt",
+           "--run-dir", run_dir_of(out, run), *study.plasticity.args(), "--out", plasticity_dir(out, run)]
+    return cmd if reference else cmd + ["--no-random-baseline"]
+
+
+def run_plasticity(study: Study, out: str, steps: int, *, cwd: Optional[str] = None, log: TextIO = sys.stdout,
+                   python: str = sys.executable, execute: bool = True) -> dict[str, dict]:
+    """Adapt the body of every finished (selected) run to the held-out source, one after the
+    other; the first also runs the random-body reference. Returns {run name: summary} for the
+    runs whose adaptation finished (``adapt.json`` present: a second call skips them;
+    ``execute=False`` only reads those)."""
+    p = study.plasticity
+    if p is None:
+        return {}
+    chosen = [r for r in study.runs if (p.runs is None or r.name in p.runs) and is_finished(out, r, steps)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    reports: dict[str, dict] = {}
+    random_bpb = None
+    for i, run in enumerate(chosen):
+        path = os.path.join(plasticity_dir(out, run), "adapt.json")
+        if not os.path.exists(path) and execute:
+            if os.path.isdir(plasticity_dir(out, run)):  # an interrupted adaptation: start it again
+                import shutil
+                shutil.rmtree(plasticity_dir(out, run))
+            cmd = plasticity_command(out, run, study, reference=(i == 0), python=python)
+            log_path = os.path.join(out, "logs", f"{run.name}.adapt.log")
+            t0 = time.time()
+            with open(log_path, "a", encoding="utf-8") as fh:
+                fh.write(f"$ {' '.join(cmd)}\n")
+                fh.flush()
+                rc = subprocess.run(cmd, cwd=cwd or os.getcwd(), env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+            status = "finished" if rc == 0 and os.path.exists(path) else f"FAILED (exit {rc}; see {log_path})"
+            print(f"[study] plasticity {run.name}: {status} in {time.time() - t0:.0f} s", file=log, flush=True)
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            rep = json.load(f)
+        random_bpb = rep.get("random_bpb", random_bpb)
+        reports[run.name] = {"source": ",".join(rep["sources"]), "steps": rep["steps"], "body": rep["body"],
+                             "bpb": rep["bpb"], "random_bpb": None, "command": plasticity_command(
+                                 out, run, study, reference=(i == 0), python="python")}
+    for rep in reports.values():
+        rep["random_bpb"] = random_bpb
+    return reports

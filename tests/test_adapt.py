@@ -1,0 +1,145 @@
+"""dept_mega.adapt: a trained body with fresh embeddings for a new source (plasticity)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "examples" / "data" / "build"
+
+
+def _tiny_run_config(tmp_path, variant: str) -> str:
+    """A tiny run on two sample sources (en, fr) with the global tokenizer."""
+    cfg = yaml.safe_load((ROOT / "examples" / "tiny" / f"{variant}.yaml").read_text())
+    cfg["data"]["sources"] = cfg["data"]["sources"][:2]
+    cfg["model"].update({"hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 32})
+    cfg["train"].update({"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_iters": 2,
+                         "eval_interval": 0, "save_interval": 2, "log_interval": 1,
+                         "run_dir": str(tmp_path / "run")})
+    cfg["dept"]["local_steps"] = 2
+    path = tmp_path / f"{variant}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _held_out(tmp_path, **train) -> str:
+    """The held-out source: Japanese with its own tokenizer (a vocabulary the run never had)."""
+    new = {"data": {"sources": [{"name": "ja", "prefix": str(BUILD / "ja_own_text_document"),
+                                 "tokenizer": str(BUILD / "tok" / "ja.model")}]},
+           "optim": {"lr": 3.0e-3, "warmup_steps": 1},
+           "train": {"eval_iters": 2, "global_batch_size": 4, "micro_batch_size": 2, **train}}
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(new))
+    return str(path)
+
+
+def _bodies(run_dir: str, step: int, source=None) -> dict[str, torch.Tensor]:
+    from dept_mega.export.checkpoint_reader import read_full_weights
+    return {k: v for k, v in read_full_weights(run_dir, step, source).items() if k.startswith("body.")}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from tests.trainer_utils import ensure_sample_corpus
+    ensure_sample_corpus()
+    tmp = tmp_path_factory.mktemp("adapt")
+    cfg = _tiny_run_config(tmp, "glob")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dept_mega.train", "--config", cfg], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.slow
+def test_frozen_body_fresh_embeddings_and_random_reference(trained, tmp_path, capsys):
+    from dept_mega.adapt import main
+    run_dir = str(trained / "run")
+    out = tmp_path / "out"
+    assert main(["--run-dir", run_dir, "--source-config", _held_out(tmp_path), "--steps", "3",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "adapt.json").read_text())
+    assert report["step"] == 4 and report["body"] == "frozen" and report["sources"] == ["ja"]
+    for arm in ("trained", "random"):
+        assert set(report[arm]) == {"ja"} and report[arm]["ja"]["bpb"] > 0
+        metrics = [json.loads(line) for line in (out / arm / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2, 3]
+    assert report["gain_pct"] == pytest.approx((report["random_bpb"] - report["bpb"]) / report["random_bpb"] * 100)
+    # the frozen body is the run's, bit for bit; the embeddings are the new tokenizer's
+    adapted = _bodies(str(out / "trained"), 3)
+    original = _bodies(run_dir, 4, "en")
+    assert adapted.keys() == original.keys() and all(torch.equal(adapted[k], original[k]) for k in adapted)
+    from dept_mega.data.tokenizer import load_tokenizer
+    from dept_mega.export.checkpoint_reader import read_full_weights
+    table = read_full_weights(str(out / "trained"), 3)["embeddings.word_embeddings.weight"]
+    assert table.shape[0] >= load_tokenizer(str(BUILD / "tok" / "ja.model")).vocab_size
+    assert "frozen" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_trainable_body_with_its_own_lr(trained, tmp_path):
+    from dept_mega.adapt import main
+    run_dir = str(trained / "run")
+    out = tmp_path / "out"
+    assert main(["--run-dir", run_dir, "--source-config", _held_out(tmp_path), "--steps", "2", "--out", str(out),
+                 "--body", "trainable", "--body-lr", "1e-4", "--no-random-baseline"]) == 0
+    report = json.loads((out / "adapt.json").read_text())
+    assert report["random"] is None and report["body_lr"] == 1e-4
+    moved = _bodies(str(out / "trained"), 2)
+    original = _bodies(run_dir, 4, "en")
+    assert any(not torch.equal(moved[k], original[k]) for k in moved)
+    # a small body LR moves the body little: every tensor stays close to the trained one
+    assert all((moved[k] - original[k]).abs().max() < 5e-3 for k in moved)
+
+
+def test_errors_name_the_problem(tmp_path, capsys):
+    from dept_mega.adapt import main
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"dept": {"variant": "glob"}}))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": {"hidden_size": 8}, "data": {"sources": [{"name": "x"}]}}))
+    args = ["--run-dir", str(run), "--steps", "2", "--out", str(tmp_path / "o")]
+    assert main([*args, "--source-config", str(bad)]) == 2
+    assert "config key 'model'" in capsys.readouterr().err
+    bad.write_text(yaml.safe_dump({"train": {"steps": 9}, "data": {"sources": [{"name": "x"}]}}))
+    assert main([*args, "--source-config", str(bad)]) == 2
+    assert "config key 'train.steps'" in capsys.readouterr().err
+    assert main([*args, "--source-config", str(bad), "--body-lr", "0.1"]) == 2
+    assert "--body-lr needs --body trainable" in capsys.readouterr().err
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("")
+    bad.write_text(yaml.safe_dump({"data": {"sources": [{"name": "x"}]}}))
+    assert main([*args, "--source-config", str(bad)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_step_inside_a_round_needs_a_group(trained, tmp_path):
+    """Inside a round the groups hold different bodies: a mid-round step needs --group."""
+    import shutil
+    from dept_mega.checkpoint import load_body
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.manifest import seal
+    from dept_mega.model import build_model
+    from dept_mega.parallel.groups import build_groups
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    cfg = load_config(str(run / "config.yaml"), ["dept.variant=std"])
+    pg = build_groups()
+    stages = build_model(cfg, pg, 8000, 1)
+    step = run / "checkpoints" / "step_4"
+    dep = json.loads((step / "depends.json").read_text())
+    dep["config"]["dept.local_steps"] = 3  # as if the run's rounds were 3 steps long: step 4 is mid-round
+    (step / "depends.json").write_text(json.dumps(dep))
+    seal(str(step), 4)
+    with pytest.raises(ConfigError, match="inside a round.*--group"):
+        load_body(stages, cfg, pg, str(run), 4)
+    assert load_body(stages, cfg, pg, str(run), 4, group=1) == 1
+    with pytest.raises(ConfigError, match="no group 2"):
+        load_body(stages, cfg, pg, str(run), 4, group=2)
