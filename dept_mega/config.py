@@ -93,6 +93,9 @@ class DeptConfig:
     body_optimizer_state: str = "group"
     outer_comm_dtype: str = "fp32"  # fp32 | bf16
     trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
+    # GLOB: which embedding rows a group's inner steps update: all (plain) | present (only the
+    # ids occurring in the round's source data; the others stay at their round-start values)
+    embedding_rows: str = "all"
 
 
 @dataclass
@@ -194,6 +197,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature"),
+    "dept.embedding_rows": ("all", "present"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
     "dept.outer_comm_dtype": ("fp32", "bf16"),
     "dept.body_optimizer_state": ("group", "source"),
@@ -446,6 +450,12 @@ def _check_values(cfg: Config) -> None:
         if not prof.ranks or any(r < 0 for r in prof.ranks) or len(set(prof.ranks)) != len(prof.ranks):
             raise ConfigError(f"config key 'train.profile.ranks': a non-empty list of distinct ranks >= 0, "
                               f"got {prof.ranks!r}")
+    if cfg.dept.embedding_rows == "present" and cfg.dept.variant != "glob":
+        raise ConfigError(f"config key 'dept.embedding_rows': present applies to glob (TRIM's compact tables hold "
+                          f"only V_k, SPEC's tables are never averaged), got dept.variant={cfg.dept.variant!r}")
+    if cfg.dept.embedding_rows == "present" and cfg.optim.distributed:
+        raise ConfigError("config key 'dept.embedding_rows': present needs optim.distributed false (the "
+                          "distributed optimizer's gradients and masters are flat shards, not rows)")
     if cfg.dept.body_optimizer_state == "source" and cfg.dept.variant == "std":
         raise ConfigError("config key 'dept.body_optimizer_state': source needs a DEPT variant "
                           "(std trains one group on the blend of all sources)")

@@ -125,6 +125,9 @@ class Trainer:
         self.grad_sync = GradSync(pg, overlap=cfg.optim.overlap_grad_reduce)
         self.step = 0  # inner steps done
         self.body_lr_scale = 1.0  # the body's LR relative to the schedule (see set_lr)
+        # objects with after_reduce(trainer) (gradients reduced over dp, before the norm) and
+        # after_step(trainer) (after the optimizers stepped); e.g. dept.row_mask.PresentRowsOnly
+        self.step_hooks: list[Any] = []
         self.nonfinite_total = 0
         self.nonfinite_in_a_row = 0
 
@@ -277,6 +280,8 @@ class Trainer:
         tok_src = {k: int(stats[2 + K + k]) for k in range(K) if stats[2 + K + k] > 0}
 
         self.reduce_gradients()
+        for hook in self.step_hooks:
+            hook.after_reduce(self)
         if self.precision.scaler is not None:
             for opt in self.optimizers:
                 opt.scale_grads(1.0 / self.precision.scaler.scale)
@@ -296,6 +301,8 @@ class Trainer:
                         opt.scale_grads(coef)
             for opt in self.optimizers:
                 opt.step()
+            for hook in self.step_hooks:
+                hook.after_step(self)
         self.precision.update(skipped)
         self.step += 1
         if self.nonfinite_in_a_row >= self.cfg.optim.max_consecutive_nonfinite:
@@ -330,6 +337,14 @@ class Trainer:
 
     def _owner(self, p: torch.nn.Parameter) -> InnerOptimizer:
         return grad_owner(p).optimizer
+
+    def reduced_grad(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """After the step's reduction: the gradient of ``p`` this rank holds (all of it; a flat
+        shard with the distributed optimizer), or None when ``p`` got none."""
+        if not p.requires_grad:
+            return None
+        opt = self._owner(p)
+        return opt.grad_view(p) if opt.received(p) else None
 
     def _reduced(self, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
         """The reduced gradient (or this rank's shard of it) of each parameter that got one

@@ -159,11 +159,13 @@ class DeptHooks:
         self.in_round = True
         if resumed == round_index and (mine == self.installed or not self.per_source):
             # resumed from a checkpoint taken inside this round: everything is in place
+            self.strategy.begin_round(mine)
             return assignment
         if self.cfg.dept.reset_inner_optimizer:
             self._reset_group_optimizers()
         if self.per_source:
             self._swap_in(mine)
+        self.strategy.begin_round(mine)
         return assignment
 
     def _reset_group_optimizers(self) -> None:
@@ -274,7 +276,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
                 raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
             vocab = int(global_vocab)
         ids = None
-        if cfg.dept.variant == "trim":
+        if cfg.dept.variant == "trim" or cfg.dept.embedding_rows == "present":
             from ..data.sources import vocab_set
             ids = torch.as_tensor(vocab_set(s.prefix, cfg.data.cache_dir), dtype=torch.int64)
             if ids.numel() and int(ids.max()) >= vocab:

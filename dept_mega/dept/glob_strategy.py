@@ -1,10 +1,13 @@
 """GLOB: the embeddings (token table, learned positions, untied head) belong to the group and
-are synchronised like the body at every round end (``outer_embedding``); sources own nothing."""
+are synchronised like the body at every round end (``outer_embedding``); sources own nothing.
+With ``dept.embedding_rows: present`` a group's inner steps update only the table rows of its
+round's source vocabulary (row_mask.py; docs/study/glob.md says why)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from .outer import FlatSync, OuterOptimizer
+from .row_mask import PresentRowsOnly, present_ids
 from .strategy import RoundView, StrategyContext, VariantStrategy
 
 
@@ -19,11 +22,25 @@ class GlobStrategy(VariantStrategy):
                                        category="outer_embedding", comm_dtype=d.outer_comm_dtype,
                                        main_params=ctx.trainer.main_params,  # fp32 values of half weights
                                        refresh=ctx.trainer.refresh_model_params)
+        self.mask: Optional[PresentRowsOnly] = None
 
     def reset_group_optimizer(self) -> None:
         self.ctx.trainer.embedding_optimizer.state.clear()
 
+    def begin_round(self, source: str) -> None:
+        """``dept.embedding_rows: present``: this round's inner steps update only the rows of
+        ``source``'s vocabulary set V_k (row_mask.py); ``all``: every row (plain GLOB)."""
+        if self.ctx.cfg.dept.embedding_rows == "present":
+            self._end_mask()
+            self.mask = PresentRowsOnly(self.ctx.trainer, present_ids(self.ctx.sources, source))
+
+    def _end_mask(self) -> None:
+        if self.mask is not None:
+            self.mask.remove()
+            self.mask = None
+
     def sync(self, installed: Optional[str]) -> None:
+        self._end_mask()
         self.embedding_sync.sync()
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:

@@ -9,6 +9,7 @@ per source, data positions, byte accounting — and sequences the variant's stra
                   embeddings: SPEC, SPEC-OPT, TRIM's compact tables)
 ``install``       prepare a source's embeddings just before they are installed (TRIM: rows of φ)
 ``reset_group_optimizer``  ``dept.reset_inner_optimizer``: clear group-owned embedding state (GLOB)
+``begin_round``   the group trains this source until ``sync`` (GLOB: ``dept.embedding_rows``)
 ``sync``          the round end, after the body: GLOB's tables, TRIM's rows and positions
 ``eval_embeddings``  the embeddings a source is evaluated with (None: the installed ones)
 ``state_dict`` / ``load_state_dict``  the variant's own checkpoint state (plain values and tensors)
@@ -94,6 +95,10 @@ class VariantStrategy:
 
     def reset_group_optimizer(self) -> None:
         pass
+
+    def begin_round(self, source: str) -> None:
+        """The group trains ``source`` from now until :meth:`sync` (also called when a run
+        resumes inside a round)."""
 
     def sync(self, installed: Optional[str]) -> None:
         pass
