@@ -100,7 +100,9 @@ def adapt_config(run_cfg: dict, new: dict, new_path: str, steps: int, run_dir: s
                           f"{sorted(str(t) for t in own)}; adapt one vocabulary at a time")
     if merged["data"].get("tokenizer"):
         merged["model"]["vocab_size"] = None
-    merged["dept"]["variant"] = "std"
+    # one source group, no rounds: the run's DEPT keys (embedding_rows, body_optimizer_state,
+    # the outer sync's) describe training that does not happen here, and some refuse std
+    merged["dept"] = {"variant": "std"}
     p = merged["parallel"]
     per_replica = int(p.get("tensor", 1)) * int(p.get("pipeline", 1))
     if world % per_replica:

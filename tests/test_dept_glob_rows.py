@@ -101,3 +101,29 @@ def test_config_refuses_present_rows_outside_glob():
         tiny_config({"dept": {"variant": "spec", "embedding_rows": "present"}})
     with pytest.raises(ConfigError, match="'dept.embedding_rows': present needs optim.distributed false"):
         tiny_config({"dept": {"variant": "glob", "embedding_rows": "present"}, "optim": {"distributed": True}})
+
+
+def test_glob_rows_tool_measures_updates_outside_the_source_vocabulary(tmp_path):
+    """tools/glob_rows.py (docs/study/glob.md) on the sample corpus, 2 groups × 3 steps: plain
+    GLOB moves rows outside V_k, ``present`` moves none, and the averaged table then holds no
+    update from a group whose source lacks the row."""
+    import json
+    import os
+
+    from tests.trainer_utils import ROOT, ensure_sample_corpus
+    from tools.glob_rows import main
+    ensure_sample_corpus()
+    out = tmp_path / "rows.json"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        main(["--config", "examples/tiny/glob.yaml", "--sources", "ru,code", "--rounds", "1",
+              "--local-steps", "3", "--group-batch", "8", "--eval-iters", "1", "--out", str(out),
+              "--set", "optim.warmup_steps=1"])
+    finally:
+        os.chdir(cwd)
+    res = json.loads(out.read_text())["modes"]
+    plain, present = res["all"]["records"][0], res["present"]["records"][0]
+    assert 0.0 < plain["outside_share"] < 1.0 and 0.0 < plain["drift_share"] < 1.0
+    assert present["outside_share"] == 0.0 and present["drift_share"] == 0.0
+    assert set(plain["bpb_by_source"]) == {"ru", "code"}

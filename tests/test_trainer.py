@@ -239,3 +239,12 @@ def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     assert rec["tflops_per_device"] is None and rec["mfu"] is None  # CPU: tokens/s only (§8)
     assert rec["tokens_per_step"] == 8 * 16 and rec["peak_mem_gb"] > 0
     assert mod.main(["--config", str(cfg_path), "--steps", "1", "--out", str(out), "nope.key=1"]) == 2
+    # the speed keys (FP8 native path, recompute, attention backend, overlapped reduction) too
+    speed = ["precision=bf16", "fp8=hybrid", "backend=local", "model.recompute=selective",
+             "model.attention_backend=bias", "optim.overlap_grad_reduce=true", "fp8_recipe=delayed",
+             "fp8_amax_history=4", "fp8_first_last_layers_bf16=true", "optim.grad_dtype=fp32",
+             "parallel.sequence_parallel=false", f"train.run_dir={tmp_path / 'run2'}"]
+    assert mod.main(["--config", str(cfg_path), "--steps", "1", "--warmup", "1", "--out", str(out)] + speed) == 0
+    rec = json.loads(out.read_text())
+    assert rec["tokens_per_s"] > 0 and rec["config"]["fp8"] == "hybrid"
+    assert rec["config"]["model"]["recompute"] == "selective" and rec["config"]["precision"] == "bf16"

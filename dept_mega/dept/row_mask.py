@@ -1,16 +1,16 @@
 """Inner steps that update only the embedding rows present in the round's data
 (``dept.embedding_rows: present``, GLOB).
 
-Why (docs/study/glob.md): a group training source k on a dense global table moves every row
-of it — through the tied softmax every logit gets a gradient, however small, and AdamW turns
-small gradients into full-size steps; weight decay shrinks every row — although only the rows
-of V_k (the ids occurring in k's data) carry what k teaches. The outer average then mixes, for
-each row, one group's useful update with G−1 groups' drift. With this option a group's inner
-steps leave the other rows exactly at their round-start values: their gradients are zeroed
-after the data-parallel reduction (so they count neither in the gradient norm nor in AdamW's
-moments) and their values are restored after every optimizer step (undoing weight decay and any
-momentum-driven step). The outer synchronisation is unchanged: a row nobody trained then has a
-zero pseudo-gradient in every group.
+Why it exists: the suspect for GLOB's loss at equal compute was that a group training source
+k on a dense global table moves every row — through the tied softmax every logit gets a
+gradient, AdamW turns small gradients into full-size steps, weight decay shrinks every row —
+although only the rows of V_k (the ids occurring in k's data) carry what k teaches. With this
+option a group's inner steps leave the other rows exactly at their round-start values: their
+gradients are zeroed after the data-parallel reduction (so they count neither in the gradient
+norm nor in AdamW's moments) and their values are restored after every optimizer step (undoing
+weight decay and any momentum-driven step). The outer synchronisation is unchanged: a row
+nobody trained then has a zero pseudo-gradient in every group. Measured on the sample corpus it
+makes GLOB worse, not better (docs/study/glob.md): it stays as an ablation.
 
 Memory: an fp32 copy of this rank's frozen rows, taken when the round starts.
 """

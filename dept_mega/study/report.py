@@ -202,6 +202,9 @@ def plot(data: dict[str, Any], out_dir: str) -> list[str]:
         xs = [s * tps for s, _ in r["eval_curve"]]
         a1.plot(xs, [v for _, v in r["eval_curve"]], marker="o", label=r["name"])
         a2.plot([s * tps for s, _ in r["train_curve"]], [v for _, v in r["train_curve"]], label=r["name"])
+    from matplotlib.ticker import EngFormatter
+    for a in (a1, a2):  # 200k, 400k, ... instead of digits that run into each other
+        a.xaxis.set_major_formatter(EngFormatter(sep=""))
     a1.set_xlabel("training tokens")
     a1.set_ylabel("mean validation BPB")
     a1.set_title("Validation BPB")
