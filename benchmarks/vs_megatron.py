@@ -77,7 +77,9 @@ def bench_config(args) -> Config:
              "parallel.sequence_parallel=false", "dept.variant=std", "data.sources=[]", "data.tokenizer=null",
              f"model.vocab_size={args.vocab}", f"train.micro_batch_size={micro}",
              f"train.global_batch_size={micro * args.accum}", f"train.steps={args.warmup + args.steps + 1}",
-             "optim.warmup_steps=1", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
+             "optim.warmup_steps=1", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+             # megatron-core's LayerNorm always has a bias: the same parameters on both sides
+             "model.norm_bias=true"]
     if args.position == "rope":
         fixed.append("model.position_embedding=rope")
     return load_config(args.config, list(args.overrides) + fixed)

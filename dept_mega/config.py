@@ -40,6 +40,9 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bias: bool = False  # biases in linear layers
+    # LayerNorm with a bias (false: bias-free LayerNorm, as MPT's, so ALiBi models export to MPT);
+    # RMSNorm has none either way
+    norm_bias: bool = True
     # Vocabulary size when no tokenizer is given (tests, benchmarks); otherwise the tokenizer's.
     vocab_size: Optional[int] = None
     # auto | flash | flex | sdpa | bias: the attention kernel (model/backends.py says what auto picks)

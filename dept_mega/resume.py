@@ -34,7 +34,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # config values a checkpoint depends on (resolved: None defaults filled in)
 DEPENDS_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
                 "model.ffn_hidden_size", "model.activation", "model.normalization", "model.position_embedding",
-                "model.seq_length", "model.tie_embeddings", "model.bias", "model.vocab_size",
+                "model.seq_length", "model.tie_embeddings", "model.bias", "model.norm_bias", "model.vocab_size",
                 "dept.variant", "dept.local_steps", "dept.sampling", "dept.temperature",
                 "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "data.sources")
 
@@ -160,6 +160,7 @@ def _config_values(cfg: Config) -> dict[str, Any]:
             "model.ffn_hidden_size": m.ffn_size, "model.activation": m.activation,
             "model.normalization": m.normalization, "model.position_embedding": m.position_embedding,
             "model.seq_length": m.seq_length, "model.tie_embeddings": m.tie_embeddings, "model.bias": m.bias,
+            "model.norm_bias": m.norm_bias,
             "model.vocab_size": m.vocab_size, "dept.variant": d.variant, "dept.local_steps": d.local_steps,
             "dept.sampling": d.sampling, "dept.temperature": d.temperature,
             "dept.outer_optimizer.name": d.outer_optimizer.name,

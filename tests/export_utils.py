@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,19 +71,15 @@ def reference_tokens(cfg, source: str, length: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.int64)
 
 
-def train_and_reference(rank: int, world: int, config: str, overrides: list[str],
-                        prepare: Optional[Callable] = None) -> Optional[dict[str, Any]]:
+def train_and_reference(rank: int, world: int, config: str, overrides: list[str]) -> Optional[dict[str, Any]]:
     """Train a run with ``dept_mega.train``'s session (the run's config.yaml written as train
     does), then compute our logits for every source; the last stage's rank 0 of group 0
-    returns ``{source: (tokens, logits)}``, the others None. ``prepare(session)`` runs
-    before training."""
+    returns ``{source: (tokens, logits)}``, the others None."""
     from dept_mega.config import load_config, save_config
     from dept_mega.train import build_session
     torch.manual_seed(0)
     cfg = load_config(os.path.join(ROOT, config), overrides)
     session = build_session(cfg)
-    if prepare is not None:
-        prepare(session)
     if session.rank == 0:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.run_dir, "config.yaml"))

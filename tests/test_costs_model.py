@@ -27,6 +27,8 @@ OPTIONS = [
     {"num_query_groups": 2},
     {"tie_embeddings": False},
     {"bias": True},
+    {"norm_bias": False},
+    {"norm_bias": False, "normalization": "rmsnorm"},
     {"bias": True, "activation": "swiglu", "normalization": "rmsnorm", "tie_embeddings": False,
      "position_embedding": "learned", "num_query_groups": 1, "ffn_hidden_size": 48},
 ]

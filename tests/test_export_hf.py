@@ -72,17 +72,6 @@ def _generate(out_dir: str, text: str, n: int = 4) -> torch.Tensor:
     return out[0, enc["input_ids"].shape[1]:]
 
 
-def _zero_norm_biases(session):
-    """Stand-in for a model without LayerNorm biases (what MPT expresses): biases at zero and
-    kept there (zero gradients: AdamW then leaves a zero parameter at zero)."""
-    for st in session.trainer.stages:
-        for name, p in st.named_parameters():
-            if name.endswith("norm.bias"):
-                with torch.no_grad():
-                    p.zero_()
-                p.register_hook(torch.zeros_like)
-
-
 # ----------------------------------------------------------------------------- mappings
 
 
@@ -111,7 +100,7 @@ def test_llama_tp2_pp2_checkpoint_exports_with_our_logits(corpus, tmp_path, monk
 def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_path, monkeypatch, capsys):
     """alibi + layernorm + gelu → MPT, with 6 heads (ALiBi slopes of a head count that is not a
     power of two), tied head. Trained LayerNorm biases (which MPT lacks) are refused, naming
-    the key; with the biases held at zero the export is exact."""
+    the key; a model trained with ``model.norm_bias: false`` exports exactly."""
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run_a, run_b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -119,10 +108,10 @@ def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_
     capsys.readouterr()
     assert main(["--run-dir", run_a, "--source", "fr", "--output", str(tmp_path / "hf_a")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: config key 'model.normalization'"), err
+    assert err.count("\n") == 0 and err.startswith("error: config key 'model.norm_bias'"), err
     assert not os.path.exists(tmp_path / "hf_a")
-    refs = train_and_reference(0, 1, "examples/tiny/std.yaml", config_overrides(run_b, MPT_MODEL),
-                               prepare=_zero_norm_biases)
+    refs = train_and_reference(0, 1, "examples/tiny/std.yaml",
+                               config_overrides(run_b, dict(MPT_MODEL, norm_bias=False)))
     out = str(tmp_path / "hf_b")
     assert main(["--run-dir", run_b, "--source", "fr", "--output", out]) == 0
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "mpt"

@@ -317,3 +317,16 @@ def test_activation_shape():
     pg2 = ParallelGroups(tp_size=2, dp_size=1, pp_size=1, num_groups=1, rank=0, coords=Coords(0, 0, 0, 0))
     assert activation_shape(cfg, pg2, 3) == (8, 3, 32)
     assert activation_shape(tiny_config(), build_groups(), 3) == (16, 3, 32)
+
+
+def test_layernorm_without_bias_is_torch_layernorm_without_bias():
+    """model.norm_bias: false — LayerNorm has a weight only (MPT's), and no 'bias' parameter."""
+    from dept_mega.model.layers import Norm
+    n = Norm("layernorm", 16, 1e-5, name="x", seed=0, bias=False)
+    assert n.bias is None and [name for name, _ in n.named_parameters()] == ["weight"]
+    with torch.no_grad():
+        n.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 16)
+    ref = torch.nn.functional.layer_norm(x, (16,), n.weight, None, 1e-5)
+    assert torch.equal(n(x), ref)
+    assert Norm("layernorm", 16, 1e-5, name="x", seed=0).bias is not None

@@ -9,7 +9,8 @@ Parameter counting (must equal ``sum(p.numel())`` of the real model, see tests/t
 * per block: input norm, QKV projection ``h × (q + 2·kv)`` (q = heads·head_dim,
   kv = query_groups·head_dim), output projection ``q × h``, pre-MLP norm, MLP
   ``h × ffn`` and ``ffn × h`` (swiglu: the first is ``h × 2·ffn``); biases on every linear
-  layer when ``model.bias``; a layernorm has weight + bias, an rmsnorm a weight only;
+  layer when ``model.bias``; a layernorm has weight + bias (weight only with
+  ``model.norm_bias: false``), an rmsnorm a weight only;
 * body = blocks + final norm;
 * embeddings = token table ``V × h`` + learned positions ``L × h`` (only with
   ``position_embedding: learned``) + output head ``V × h`` (only when untied; no bias).
@@ -48,7 +49,7 @@ def padded_vocab(vocab: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
 
 
 def _norm_params(m: ModelConfig) -> int:
-    return 2 * m.hidden_size if m.normalization == "layernorm" else m.hidden_size
+    return 2 * m.hidden_size if m.normalization == "layernorm" and m.norm_bias else m.hidden_size
 
 
 @dataclass(frozen=True)

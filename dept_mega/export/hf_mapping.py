@@ -3,7 +3,8 @@ in its layout.
 
 Our model (dept_mega/model): pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))``, a
 final norm, no norm after the embedding, softmax scale 1/sqrt(head_dim), the same ``model.bias``
-flag for every linear layer, LayerNorm always with a (trained) bias, RMSNorm without one.
+flag for every linear layer, LayerNorm with a (trained) bias unless ``model.norm_bias: false``,
+RMSNorm without one.
 
 * ``rope`` + ``rmsnorm`` + ``swiglu`` (MHA or GQA, tied or untied head, ``model.bias`` on or
   off) → **Llama** (``LlamaForCausalLM``): RoPE in the rotate-half convention on the natural
@@ -21,9 +22,10 @@ flag for every linear layer, LayerNorm always with a (trained) bias, RMSNorm wit
   - Falcon (``alibi: true``): the ALiBi bias is scaled by 1/sqrt(head_dim) with the scores
     (and its slopes are rounded to bf16): never our model.
   So an ALiBi model exports to MPT only with ``model.bias: false``, ``num_query_groups`` =
-  ``num_attention_heads``, ``ffn_hidden_size`` = 4·``hidden_size`` AND LayerNorm biases that
-  are all zero; our LayerNorm trains its bias, so a trained ALiBi checkpoint is refused
-  (naming ``model.normalization``) unless those biases stayed exactly zero.
+  ``num_attention_heads``, ``ffn_hidden_size`` = 4·``hidden_size`` AND LayerNorm without
+  bias: train with ``model.norm_bias: false`` (as examples/1b does). A checkpoint whose
+  LayerNorm biases were trained is refused, naming ``model.norm_bias``, unless those biases
+  stayed exactly zero.
 * ``learned`` positions and every other combination → refused, naming the config key.
 """
 from __future__ import annotations
@@ -140,9 +142,10 @@ def _mpt(cfg: Config, w: dict[str, torch.Tensor], vocab: int, special: dict[str,
             if v > worst:
                 worst_name, worst = name, v
     if worst > 0.0:
-        raise ExportError(f"config key 'model.normalization': layernorm biases are trained (|{worst_name}| "
+        raise ExportError(f"config key 'model.norm_bias': layernorm biases are trained (|{worst_name}| "
                           f"up to {worst:.3g}), but MPT, the only architecture with our ALiBi, has LayerNorm "
-                          f"without bias (BLOOM and Falcon differ more); no exact export exists")
+                          f"without bias (BLOOM and Falcon differ more); no exact export exists. Train with "
+                          f"model.norm_bias: false to export ALiBi models")
     conf = MptConfig(d_model=m.hidden_size, n_heads=m.num_attention_heads, n_layers=m.num_layers,
                      expansion_ratio=4, max_seq_len=m.seq_length, vocab_size=vocab, layer_norm_epsilon=m.norm_eps,
                      no_bias=True, learned_pos_emb=False,

@@ -39,13 +39,13 @@ class TransformerBlock(nn.Module):
         gemms = backends.gemms(layer_id)
         self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.input_norm",
                                seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
-                               device=device, dtype=dtype)
+                               bias=cfg.norm_bias, device=device, dtype=dtype)
         self.attention = SelfAttention(cfg, pg, prefix=f"{prefix}.attention", seed=seed, num_layers=cfg.num_layers,
                                        sequence_parallel=sequence_parallel, positions=positions, backends=backends,
                                        rng=rng, device=device, dtype=dtype, gemms=gemms)
         self.mlp_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.mlp_norm",
                              seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
-                             device=device, dtype=dtype)
+                             bias=cfg.norm_bias, device=device, dtype=dtype)
         self.mlp = MLP(cfg, pg, prefix=f"{prefix}.mlp", seed=seed, num_layers=cfg.num_layers,
                        sequence_parallel=sequence_parallel, device=device, dtype=dtype, gemms=gemms)
 
@@ -105,7 +105,7 @@ class TransformerBody(nn.Module):
         if final_norm:
             self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name="body.final_norm",
                                    seed=seed, sequence_parallel=sp, use_apex=backends.norm == "apex",
-                                   device=device, dtype=dtype)
+                                   bias=cfg.norm_bias, device=device, dtype=dtype)
         else:
             self.final_norm = None
 

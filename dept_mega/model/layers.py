@@ -25,14 +25,15 @@ except Exception:  # noqa: BLE001
 
 
 class Norm(nn.Module):
-    """LayerNorm (weight + bias) or RMSNorm (weight), parameters replicated over TP.
+    """LayerNorm (weight + bias, or weight only with ``bias=False``: ``model.norm_bias``) or
+    RMSNorm (weight), parameters replicated over TP.
 
     Under sequence parallelism each tensor rank normalises its own sequence shard, so the
     weight's gradient is partial: ``sequence_parallel`` marks it for an all-reduce over TP.
     """
 
     def __init__(self, kind: str, hidden: int, eps: float, *, name: str, seed: int,
-                 sequence_parallel: bool = False, use_apex: bool = False,
+                 sequence_parallel: bool = False, use_apex: bool = False, bias: bool = True,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if kind not in ("layernorm", "rmsnorm"):
@@ -40,11 +41,12 @@ class Norm(nn.Module):
         self.kind = kind
         self.hidden = hidden
         self.eps = eps
-        self.use_apex = use_apex and _apex_ln is not None
+        # apex's affine LayerNorm needs a bias; without one torch's kernel runs
+        self.use_apex = use_apex and _apex_ln is not None and (kind == "rmsnorm" or bias)
         self.weight = mark(nn.Parameter(init_full_then_shard(f"{name}.weight", (hidden,), seed, const=1.0,
                                                              device=device, dtype=dtype)),
                            tensor_parallel=False, sequence_parallel=sequence_parallel)
-        if kind == "layernorm":
+        if kind == "layernorm" and bias:
             self.bias = mark(nn.Parameter(init_full_then_shard(f"{name}.bias", (hidden,), seed, const=0.0,
                                                                device=device, dtype=dtype)),
                              tensor_parallel=False, sequence_parallel=sequence_parallel)
