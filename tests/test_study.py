@@ -232,3 +232,8 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2
     assert "[study] plasticity" not in res.stdout  # nothing adapted again
+    # a report remade from the finished runs names the command that runs the study
+    res = subprocess.run(cmd + ["--report-only"], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    assert res.returncode == 0, res.stderr[-2000:]
+    made_by = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Made by"))
+    assert "--report-only" not in made_by and "--parallel 2" in made_by

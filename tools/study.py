@@ -47,8 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # the command that runs (or resumes) the study: a report made with --report-only names it too
     command = "python tools/study.py " + shlex.join(
-        [a for a in (argv if argv is not None else sys.argv[1:])])
+        [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--report-only", "--dry-run")])
     try:
         study = load_study(args.grid)
     except GridError as exc:
