@@ -147,9 +147,47 @@ def _ensure_optimizer_state(trainer) -> None:
         opt.ensure_state()
 
 
+def dir_bytes(path: str) -> int:
+    """Bytes of the files in a checkpoint directory (what the log reports per checkpoint)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def apply_retention(run_dir: str, keep: int, newest: int) -> list[int]:
+    """``train.keep_checkpoints``: once checkpoint ``newest`` is complete and ``latest`` names
+    it, remove the oldest complete ``step_N`` directories (N < ``newest``) so that ``keep`` are
+    left, ``newest`` among them; 0 keeps all. Steps above ``newest`` (left by a run that fell
+    back to an older checkpoint) are not counted and not touched, nor are ``.tmp`` directories.
+    Returns the steps removed (called by global rank 0 only)."""
+    from .resume import read_latest, step_dirs
+    if keep <= 0:
+        return []
+    latest, _ = read_latest(run_dir)
+    older = [s for s in step_dirs(run_dir) if s < newest and s != latest]  # newest first
+    removed = older[max(keep - 1, 0):]
+    for s in removed:
+        path = step_dir(run_dir, s)
+        # rename first, so that a crash halfway through never leaves a damaged step_N behind
+        # that a later resume would have to pass over
+        doomed = path + ".removing"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    if removed:
+        fsync_dir(os.path.join(run_dir, CKPT_DIR))
+    return removed
+
+
 class Checkpointer:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
+        self.last_size: Optional[int] = None  # bytes of the last checkpoint saved (rank 0)
+        self.last_removed: list[int] = []  # steps removed by retention after the last save (rank 0)
         self.notes: list[str] = []  # the last load: one line per checkpoint passed over
         self._tokenizer_digests: dict = {}
 
@@ -194,6 +232,8 @@ class Checkpointer:
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final))
             replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
+            self.last_size = dir_bytes(final)
+            self.last_removed = apply_retention(self.run_dir, int(trainer.cfg.train.keep_checkpoints), step)
         _barrier()
         return final
 

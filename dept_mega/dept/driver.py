@@ -195,6 +195,11 @@ class DeptHooks:
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
         return {"bytes": total_over_ranks(mine), "seconds": seconds}
 
+    def can_save_now(self) -> bool:
+        """A checkpoint may be written now (the same answer on every rank): always, while the
+        outer sync completes inside ``round_end``; an overlapped sync returns False while in flight."""
+        return True
+
     def make_iterator(self, source: str):
         return None  # TRIM remaps ids inside its compact embeddings (TrimmedEmbeddings)
 
