@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm,
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_json_durable, write_manifest)
+from .checkpoint_state import has_outer_state, outer_state_tensors, outer_state_targets
 from .parallel.agree import all_gather_text
 from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
@@ -102,6 +103,12 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
                           f"optim.grad_bucket_size={saved.get('grad_bucket_size')} (this launch: "
                           f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
                           f"with the same settings (not resharded)")
+
+
+def _uncounted(hooks):
+    """Checkpoint traffic is not part of a DEPT round's byte counts."""
+    from contextlib import nullcontext
+    return hooks.uncounted() if hasattr(hooks, "uncounted") else nullcontext()
 
 
 def _barrier() -> None:
@@ -200,6 +207,8 @@ class Checkpointer:
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         per_rank_hooks = hasattr(loop.hooks, "state_dict")
         layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
+        if has_outer_state(loop.hooks):
+            layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
@@ -207,6 +216,9 @@ class Checkpointer:
             write_json_durable(os.path.join(tmp, DEPENDS_FILE), fingerprint(trainer.cfg, self._tokenizer_digests))
         _barrier()
         state = _model_state(trainer)
+        if layout.get("outer_keys"):
+            with _uncounted(loop.hooks):
+                state.update(outer_state_tensors(loop.hooks, trainer))
         if per_rank_hooks:
             rank = dist.get_rank() if dist.is_initialized() else 0
             torch.save(loop.hooks.state_dict(), os.path.join(tmp, f"hooks_rank{rank}.pt"))
@@ -342,6 +354,18 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
         hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
+    if hooks is not None and has_outer_state(hooks):
+        if not layout.get("outer_keys"):
+            sd_has = layout.get("per_rank_hooks")  # older format: the state was in hooks_rank{r}.pt
+            if not sd_has:
+                raise CheckpointError(f"checkpoint {path} has no DEPT outer state (dept/... keys)")
+        else:
+            with _uncounted(hooks):
+                entries, install = outer_state_targets(hooks, trainer)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(entries, checkpoint_id=path)
+            install()
 
 
 # config values the body's tensors depend on (the vocabulary and the data may differ)

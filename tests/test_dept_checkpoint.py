@@ -165,7 +165,7 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     layout_path = tmp_path / "checkpoints" / "step_1" / "layout.json"
     layout = json.loads(layout_path.read_text())
     assert layout == {"tensor": 1, "pipeline": 1, "virtual_pipeline": 1, "data": 1, "groups": 1,
-                      "per_rank_hooks": True, "dropout_rng": True}
+                      "per_rank_hooks": True, "dropout_rng": True, "outer_keys": True}
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2)
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
@@ -251,3 +251,57 @@ def test_mid_round_checkpoint_resumes_bit_exactly(tmp_path, variant):
         assert full["emb"].keys() == resumed["emb"].keys()
         for k in full["emb"]:
             assert torch.equal(full["emb"][k], resumed["emb"][k]), k
+
+
+def _lean_worker(rank, world, run_dir, data):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    cfg = tiny_config({"dept": {"variant": "glob", "local_steps": 1,
+                                "outer_optimizer": {"name": "adam", "lr": 0.5}},
+                       "model": {"hidden_size": 64, "ffn_hidden_size": 128},
+                       "parallel": {"data": data},
+                       "train": {"steps": 2, "save_interval": 0, "eval_interval": 0, "run_dir": run_dir}})
+    pg = build_groups(1, data, 1)
+    infos = source_infos(2)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+    by_name = {s.name: s for s in infos}
+    writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
+    loop = TrainLoop(cfg, pg, trainer, hooks, writer,
+                     lambda n: SyntheticSource(cfg, infos.index(by_name[n]) + 1, allowed_ids(by_name[n]),
+                                               pg.dp_rank, pg.dp_size),
+                     checkpointer=Checkpointer(run_dir))
+    loop.run()
+    return loop.checkpointer.last_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_glob_checkpoint_size_does_not_grow_with_data_parallel_size(tmp_path):
+    """GLOB with 2 groups and an Adam outer optimizer: the outer state (θ_{t-1}, moments of the
+    body and the embeddings) is saved once per checkpoint under dept/... keys without group or
+    replica, so doubling parallel.data adds only the per-rank bookkeeping files (< 2 %), where
+    the per-rank files used to hold G·D copies of it."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    sizes, data_bytes = {}, {}
+    for data in (1, 2):
+        run = str(tmp_path / f"d{data}")
+        res = run_distributed(_lean_worker, 2 * data, args=(run, data), timeout=200)
+        sizes[data] = res[0]
+        step = os.path.join(run, "checkpoints", "step_2")
+        data_bytes[data] = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step) if f.endswith(".distcp"))
+        keys = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+        outer = [k for k in keys if k.startswith("dept/")]
+        assert "dept/outer_body/steps" in keys and "dept/outer_embedding/steps" in keys
+        assert any(k.endswith("/exp_avg_sq") for k in outer) and not any("/g0/" in k or "/g1/" in k for k in outer)
+        hooks = torch.load(os.path.join(step, "hooks_rank0.pt"), weights_only=True)
+        assert "body_sync" not in hooks and "embedding_sync" not in hooks
+    assert abs(data_bytes[2] - data_bytes[1]) <= 0.005 * data_bytes[1], data_bytes
+    assert abs(sizes[2] - sizes[1]) <= 0.02 * sizes[1], sizes
