@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
 from typing import Any, Optional
 
@@ -111,9 +113,20 @@ def _uncounted(hooks):
     return hooks.uncounted() if hasattr(hooks, "uncounted") else nullcontext()
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def _to_host(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are host copies (containers rebuilt, values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
 
 
 def latest_step(run_dir: str) -> Optional[int]:
@@ -195,61 +208,126 @@ class Checkpointer:
         self.run_dir = run_dir
         self.last_size: Optional[int] = None  # bytes of the last checkpoint saved (rank 0)
         self.last_removed: list[int] = []  # steps removed by retention after the last save (rank 0)
+        self.last_seconds: Optional[float] = None
+        # on_saved(step, bytes, removed steps, seconds): called on global rank 0 once a save is
+        # complete (from the writer thread under train.async_save)
+        self.on_saved = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._group = None  # train.async_save: the writer thread's process group
         self.notes: list[str] = []  # the last load: one line per checkpoint passed over
         self._tokenizer_digests: dict = {}
 
     def save(self, loop) -> str:
-        import torch.distributed.checkpoint as dcp
+        """Write checkpoint ``step_N`` of the loop's current step. With ``train.async_save`` the
+        state is copied to host memory here and written by a background thread (at most one
+        save in flight: this first waits for the previous one); otherwise written here."""
+        self.wait()
+        trainer = loop.trainer
+        asynchronous = bool(getattr(trainer.cfg.train, "async_save", False))
+        staged = self._stage(loop, copy=asynchronous)
+        if not asynchronous:
+            self._write(staged, group=None)
+            return staged["final"]
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # the writer thread's collectives (DCP's plan exchange, the manifest, barriers) run
+            # on a group of their own: never interleaved with the training thread's collectives
+            self._group = dist.new_group(backend="gloo")
+        self._thread = threading.Thread(target=self._write_in_thread, args=(staged,), name="dept-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        return staged["final"]
+
+    def wait(self) -> None:
+        """Wait for a save in flight; its error (if any) is raised here."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save failed: {error}") from error
+
+    def _write_in_thread(self, staged: dict) -> None:
+        try:
+            self._write(staged, group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def _stage(self, loop, copy: bool) -> dict:
+        """Everything a save writes, gathered on the training thread (collectives included:
+        the DEPT outer state's gather over dp). ``copy``: tensors are copied to host memory, so
+        training may change the originals while a thread writes them."""
         trainer = loop.trainer
         step = trainer.step
         final = step_dir(self.run_dir, step)
-        tmp = final + ".tmp"
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
         per_rank_hooks = hasattr(loop.hooks, "state_dict")
         layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
         if has_outer_state(loop.hooks):
             layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp, exist_ok=True)
-            write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
-            write_json_durable(os.path.join(tmp, DEPENDS_FILE), fingerprint(trainer.cfg, self._tokenizer_digests))
-        _barrier()
         state = _model_state(trainer)
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
                 state.update(outer_state_tensors(loop.hooks, trainer))
-        if per_rank_hooks:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            torch.save(loop.hooks.state_dict(), os.path.join(tmp, f"hooks_rank{rank}.pt"))
+        pg = trainer.pg
+        tracker = _rng_tracker(trainer)
+        out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
+               "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
+               "keep": int(trainer.cfg.train.keep_checkpoints),
+               "hooks": loop.hooks.state_dict() if per_rank_hooks else None,
+               "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
+               else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None}
+        if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
+            # positions are the same on every rank of a group, different across groups (DEPT)
+            out["meta"] = {"step": step, "trainer": trainer.state_dict(),
+                           "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
+                                         if hasattr(it, "state_dict")}}
+        if copy:
+            out["state"], out["hooks"], out["rng"] = _to_host((out["state"], out["hooks"], out["rng"]))
+            out["meta"] = json.loads(json.dumps(out["meta"]))
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize(trainer.device)
+        return out
+
+    def _write(self, staged: dict, group) -> None:
+        """Write a staged checkpoint: ``step_N.tmp``, manifest, rename, ``latest``, retention.
+        Collective over ``group`` (None: the world)."""
+        import torch.distributed.checkpoint as dcp
+        t0 = time.time()
+        step, final, layout = staged["step"], staged["final"], staged["layout"]
+        tmp = final + ".tmp"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp, exist_ok=True)
+            write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
+            write_json_durable(os.path.join(tmp, DEPENDS_FILE), staged["depends"])
+        _barrier(group)
+        if staged["hooks"] is not None:
+            torch.save(staged["hooks"], os.path.join(tmp, f"hooks_rank{rank}.pt"))
             fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
         with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            metadata = dcp.save(state, checkpoint_id=tmp)
-        pg = trainer.pg
-        tracker = _rng_tracker(trainer)
-        if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0:
-            torch.save(tracker.state_dict(), os.path.join(tmp, _rng_file(pg)))
-            fsync_file(os.path.join(tmp, _rng_file(pg)))
-        if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
-            # positions are the same on every rank of a group, different across groups (DEPT)
-            meta = {"step": step, "trainer": trainer.state_dict(),
-                    "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
-                                  if hasattr(it, "state_dict")}}
-            write_json_durable(os.path.join(tmp, f"group{pg.group_index}.json"), meta)
-        _barrier()
-        self._seal(tmp, step, layout, metadata, trainer.device)
-        if rank0:
+            metadata = dcp.save(staged["state"], checkpoint_id=tmp, process_group=group)
+        if staged["rng"] is not None:
+            torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
+            fsync_file(os.path.join(tmp, staged["rng_file"]))
+        if staged["meta"] is not None:
+            write_json_durable(os.path.join(tmp, f"group{staged['group']}.json"), staged["meta"])
+        _barrier(group)
+        self._seal(tmp, step, layout, metadata, None if group is not None else staged["device"], group)
+        if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final))
             replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
             self.last_size = dir_bytes(final)
-            self.last_removed = apply_retention(self.run_dir, int(trainer.cfg.train.keep_checkpoints), step)
-        _barrier()
-        return final
+            self.last_removed = apply_retention(self.run_dir, staged["keep"], step)
+            self.last_seconds = time.time() - t0
+            if self.on_saved is not None:
+                self.on_saved(step, self.last_size, self.last_removed, self.last_seconds)
+        _barrier(group)
 
-    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device) -> None:
+    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device, group=None) -> None:
         """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write
         the manifest from rank 0, last."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -266,7 +344,12 @@ class Checkpointer:
             mine += [n for n in os.listdir(tmp) if n not in data_files and n not in hooks and n != MANIFEST]
         entries = digest_files(tmp, mine, algorithm, fsync=True)
         merged: dict[str, Any] = {}
-        for text in all_gather_text(json.dumps(entries), device):
+        if group is None:
+            texts = all_gather_text(json.dumps(entries), device)
+        else:  # the writer thread's own gloo group: objects on the CPU
+            texts = [None] * dist.get_world_size()
+            dist.all_gather_object(texts, json.dumps(entries), group=group)
+        for text in texts:
             merged.update(json.loads(text))
         missing = [n for n in expected_files(FORMAT, layout) if n not in merged]
         if missing:  # the same on every rank: all of them fail the save, latest stays as it was
@@ -278,6 +361,7 @@ class Checkpointer:
         """Load ``step`` (default: the newest complete, verified checkpoint, normally ``latest``;
         the ones passed over are in ``self.notes``) into the loop's trainer and iterators;
         returns the step loaded or None when there is no checkpoint."""
+        self.wait()
         sel = select_checkpoint(self.run_dir, loop.trainer.device, step)
         self.notes = sel.notes
         if sel.step is None:

@@ -161,6 +161,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block
     # retention: keep the newest N complete checkpoints (0: keep all); docs/launching.md
     keep_checkpoints: int = 0
+    # write checkpoints from a background thread after a host copy (at most one in flight)
+    async_save: bool = False
 
 
 @dataclass

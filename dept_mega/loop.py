@@ -182,6 +182,8 @@ class TrainLoop:
                                 log=lambda m: print(m, flush=True))
         try:
             self._run(profiler)
+            if hasattr(self.checkpointer, "wait"):
+                self.checkpointer.wait()  # train.async_save: the last save is complete on return
         finally:
             profiler.close(self.trainer.step)
 
@@ -264,20 +266,21 @@ class TrainLoop:
         return False
 
     def save(self) -> str:
-        """Write a checkpoint of this step now and log its size (and what retention removed)."""
-        t0 = time.time()
+        """Write a checkpoint of this step (``train.async_save``: start writing it) and log its
+        size once complete (and what retention removed)."""
+        if hasattr(self.checkpointer, "on_saved"):
+            self.checkpointer.on_saved = self._log_saved
         path = self.checkpointer.save(self)
         self._save_pending = False
-        size = getattr(self.checkpointer, "last_size", None)
-        if size is not None:
-            line = (f"checkpoint step {self.trainer.step}: {size:,} bytes ({size / 2**30:.3f} GiB) in "
-                    f"{time.time() - t0:.1f} s")
-            removed = getattr(self.checkpointer, "last_removed", None)
-            if removed:
-                line += (f"; removed step(s) {', '.join(map(str, sorted(removed)))} "
-                         f"(train.keep_checkpoints={self.cfg.train.keep_checkpoints})")
-            self.writer.log(line)
         return path
+
+    def _log_saved(self, step: int, size: int, removed: Sequence[int], seconds: float) -> None:
+        how = " (written in the background)" if self.cfg.train.async_save else ""
+        line = f"checkpoint step {step}: {size:,} bytes ({size / 2**30:.3f} GiB) in {seconds:.1f} s{how}"
+        if removed:
+            line += (f"; removed step(s) {', '.join(map(str, sorted(removed)))} "
+                     f"(train.keep_checkpoints={self.cfg.train.keep_checkpoints})")
+        self.writer.log(line)
 
     # -- records -------------------------------------------------------------------------
     def _train_record(self, res: StepResult, source: str) -> dict[str, Any]:
