@@ -91,7 +91,9 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
                           f"rank(s) per group; launch {saved_world} processes with its layout")
     now.setdefault("optim_distributed", False)
     sharded = bool(saved.get("optim_distributed"))  # per-rank optimizer shards (optim.distributed)
-    same_dp = saved.get("per_rank_hooks") or (sharded and optimizer)
+    # per-rank hook state needs the same data-parallel size unless it was saved once per
+    # (tp, pp, group) because the replicas hold the same (hooks_dp0)
+    same_dp = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0")) or (sharded and optimizer)
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
     if wrong:
@@ -264,6 +266,9 @@ class Checkpointer:
         layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
         if has_outer_state(loop.hooks):
             layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
+        replicated = per_rank_hooks and bool(getattr(loop.hooks, "state_replicated_over_dp", lambda: False)())
+        if replicated:
+            layout["hooks_dp0"] = True  # one hooks file per (tp, pp, group): data-parallel rank 0's
         state = _model_state(trainer)
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
@@ -273,7 +278,8 @@ class Checkpointer:
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
                "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
                "keep": int(trainer.cfg.train.keep_checkpoints),
-               "hooks": loop.hooks.state_dict() if per_rank_hooks else None,
+               "hooks": loop.hooks.state_dict() if per_rank_hooks and (not replicated or pg.dp_rank == 0)
+               else None,
                "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
                else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None}
         if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
@@ -335,12 +341,12 @@ class Checkpointer:
         data_files = sorted({getattr(info, "relative_path", None) for info in
                              (getattr(metadata, "storage_data", None) or {}).values()} - {None})
         mine = [f for i, f in enumerate(data_files) if i % world == rank]
-        if layout["per_rank_hooks"]:
+        hooks = {n for n in expected_files(FORMAT, layout) if n.startswith("hooks_rank")}
+        if f"hooks_rank{rank}.pt" in hooks:
             mine.append(f"hooks_rank{rank}.pt")
         if rank == 0:
             # small files, and anything else in the directory (or every data file, should DCP's
             # metadata not name them)
-            hooks = {f"hooks_rank{r}.pt" for r in range(world)} if layout["per_rank_hooks"] else set()
             mine += [n for n in os.listdir(tmp) if n not in data_files and n not in hooks and n != MANIFEST]
         entries = digest_files(tmp, mine, algorithm, fsync=True)
         merged: dict[str, Any] = {}
@@ -433,6 +439,10 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                                   f"dropout needs to continue exactly")
     if hooks is not None and hasattr(hooks, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
+            from .parallel.groups import rank_of
+            rank = rank_of(pg.tp_rank, 0, pg.pp_rank, pg.group_index, int(layout["tensor"]), int(layout["data"]),
+                           int(layout["pipeline"]))
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "

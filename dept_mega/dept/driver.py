@@ -195,6 +195,13 @@ class DeptHooks:
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
         return {"bytes": total_over_ranks(mine), "seconds": seconds}
 
+    def state_replicated_over_dp(self) -> bool:
+        """True when :meth:`state_dict` is the same on the D data-parallel replicas of a group
+        (per-source embeddings and their AdamW state are replicated; the distributed
+        optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
+        per (tp, pp, group) and it loads under another ``parallel.data``."""
+        return self.strategy.name != "trim" and not self.cfg.optim.distributed
+
     def outer_syncs(self) -> dict[str, FlatSync]:
         """The outer syncs whose state the checkpoint saves per parameter (checkpoint_state)."""
         own = getattr(self.strategy, "outer_syncs", None)  # GLOB: the embeddings' (outer_embedding)
