@@ -8,12 +8,18 @@ group is part of the key). The step directory is first written as
 (text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
 Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
 source group (data positions differ between groups under DEPT).
-Loading needs the same tensor, pipeline and virtual-pipeline sizes and number of groups (keys
-carry the position); the data-parallel size may differ only when no per-rank hook state was
-saved (STD). ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming
-the ``parallel`` key instead of a missing-key traceback from DCP. Round hooks with ``state_dict()`` / ``load_state_dict(sd)`` (DEPT: per-source
-embeddings, outer optimizer state — different on every rank) are saved per rank as
-``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights. The dropout
+Loading needs the same number of groups and, except for STD checkpoints without dropout or
+distributed optimizer (``dept_mega.reshard`` joins and cuts the tensor shards), the same
+tensor, pipeline and virtual-pipeline sizes (keys carry the position); the data-parallel size
+may differ unless per-rank hook state (TRIM) or distributed-optimizer shards were saved.
+``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
+``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
+the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
+``dept/...`` DCP keys (``dept_mega.checkpoint_state``). Round hooks with ``state_dict()`` /
+``load_state_dict(sd)`` (DEPT: per-source embeddings, TRIM's table) are saved as
+``step_N/hooks_rank{r}.pt`` (torch.save) — per rank, or by data-parallel rank 0 of each
+(tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
+and loaded after the model weights. The dropout
 streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
 the masks the uninterrupted run would have drawn.
 
@@ -68,12 +74,15 @@ def _rng_file(pg) -> str:
     return f"rng_tp{pg.tp_rank}_pp{pg.pp_rank}.pt"
 
 
-def check_layout(trainer, path: str, optimizer: bool = True) -> None:
-    """Refuse a checkpoint written under another parallel layout with one ConfigError that
-    names the key to change (checkpoints are not resharded). ``layout.json`` records the
-    number of source groups: another number is refused here, with the process count to use.
+def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
+    """Refuse a checkpoint written under another parallel layout that cannot be loaded here
+    with one ConfigError that names the key to change. ``layout.json`` records the number of
+    source groups: another number is refused here, with the process count to use.
     ``optimizer``: the optimizer state will be loaded too (the distributed optimizer's shards
-    need the same data-parallel size)."""
+    need the same data-parallel size). Returns True when the checkpoint is loaded resharded
+    (``dept_mega.reshard``): another tensor / pipeline / virtual-pipeline size where nothing
+    else depends on the layout (no per-rank hook state or DEPT outer state, no distributed
+    optimizer, no dropout)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -96,6 +105,11 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
     same_dp = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0")) or (sharded and optimizer)
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
+    m = trainer.cfg.model
+    reshardable = (not saved.get("per_rank_hooks") and not saved.get("outer_keys") and not sharded
+                   and not now["optim_distributed"] and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
+        return True
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
@@ -107,6 +121,7 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
                           f"optim.grad_bucket_size={saved.get('grad_bucket_size')} (this launch: "
                           f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
                           f"with the same settings (not resharded)")
+    return False
 
 
 def _uncounted(hooks):
@@ -160,6 +175,13 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
         for k, v in opt.checkpoint_tensors(lambda p: names.get(id(p))).items():
             out[f"optim/{opt_name}/{k}"] = v
     return out
+
+
+def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
+    """Model key (as in :func:`_model_state`) → parameter."""
+    pg = trainer.pg
+    return {f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
+            for c, st in enumerate(trainer.stages) for name, p in st.named_parameters()}
 
 
 def _ensure_optimizer_state(trainer) -> None:
@@ -414,7 +436,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    check_layout(trainer, path, optimizer=optimizer)
+    reshard = check_layout(trainer, path, optimizer=optimizer)
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
@@ -425,13 +447,17 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     state = _model_state(trainer)
     if not optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path)
+    if reshard:  # another tensor / pipeline layout (dept_mega.reshard)
+        from .reshard import load_resharded
+        load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path)
     for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
         opt.after_checkpoint_load(with_optimizer=optimizer)
     tracker = _rng_tracker(trainer)
-    if tracker is not None:
+    if tracker is not None and not reshard:  # resharded: no dropout in use (check_layout)
         if layout.get("dropout_rng"):
             tracker.load_state_dict(_safe_load(os.path.join(path, _rng_file(pg)), "cpu"))
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:

@@ -6,7 +6,8 @@ per (tp, pp, group) (``hooks_dp0``) and whose outer state is saved per parameter
 (``dept_mega.checkpoint_state``). Train to step 2 with D = 1, resume with D = 2 and continue:
 the losses equal an uninterrupted D = 2 run from the same initial weights within 1e-6 (they
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
-checkpoint holds the same tensors. Another T, P, G, TRIM's state and the distributed
+checkpoint holds the same tensors. Another tensor and pipeline size for STD (dept_mega.reshard).
+Another T or P with DEPT state, another G, TRIM's state under another D and the distributed
 optimizer's shards are refused with a ConfigError naming the key."""
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_co
 from tests.mp_utils import run_distributed
 
 
-def _loop(over, run_dir, rank, data):
+def _loop(over, run_dir, rank, data, tensor=1, pipeline=1):
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    cfg = tiny_config({**over, "parallel": {"data": data},
+    cfg = tiny_config({**over, "parallel": {"data": data, "tensor": tensor, "pipeline": pipeline},
                        "train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
                                  "run_dir": run_dir}})
-    pg = build_groups(1, data, 1)
+    pg = build_groups(tensor, data, pipeline)
     infos = source_infos(2, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -91,6 +92,37 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     meta = lambda d: {k: tuple(v.size) for k, v in dcp.FileSystemReader(os.path.join(d, "checkpoints", "step_2"))
                       .read_metadata().state_dict_metadata.items() if hasattr(v, "size")}
     assert meta(a) == meta(ref)
+
+
+def _train_a_layout(rank, world, run_dir, tensor, pipeline):
+    loop = _loop(CASES["std"], run_dir, rank, 1, tensor, pipeline)
+    loop.cfg.train.steps = 2
+    loop.run()
+
+
+def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline):
+    ref = _loop(CASES["std"], ref_dir, rank, 1, tensor, pipeline)
+    ref.run()
+    loop = _loop(CASES["std"], run_dir, rank, 1, tensor, pipeline)
+    assert loop.checkpointer.load(loop) == 2
+    loop.writer.resume_at(2)
+    loop.run()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("a,b", [((1, 1), (2, 2)), ((2, 1), (1, 2))])
+def test_std_resume_under_another_tensor_and_pipeline_size(tmp_path, a, b):
+    """STD (model and AdamW state; no dropout): written with (tensor, pipeline) = a, resumed
+    with b (tensor shards joined and cut again, layers found on their new stages): the losses
+    equal an uninterrupted b run from the same initial weights within 1e-6."""
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    run_distributed(_train_a_layout, a[0] * a[1], args=(run, *a), timeout=200)
+    run_distributed(_resume_b_layout, b[0] * b[1], args=(run, ref, *b), timeout=300)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for s in (3, 4):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 
 def test_refusals_name_the_key(tmp_path):
