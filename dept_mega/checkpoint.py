@@ -8,12 +8,18 @@ group is part of the key). The step directory is first written as
 (text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
 Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
 source group (data positions differ between groups under DEPT).
-Loading needs the same tensor, pipeline and virtual-pipeline sizes and number of groups (keys
-carry the position); the data-parallel size may differ only when no per-rank hook state was
-saved (STD). ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming
-the ``parallel`` key instead of a missing-key traceback from DCP. Round hooks with ``state_dict()`` / ``load_state_dict(sd)`` (DEPT: per-source
-embeddings, outer optimizer state — different on every rank) are saved per rank as
-``step_N/hooks_rank{r}.pt`` (torch.save) and loaded after the model weights. The dropout
+Loading needs the same number of groups and, except for STD checkpoints without dropout or
+distributed optimizer (``dept_mega.reshard`` joins and cuts the tensor shards), the same
+tensor, pipeline and virtual-pipeline sizes (keys carry the position); the data-parallel size
+may differ unless per-rank hook state (TRIM) or distributed-optimizer shards were saved.
+``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
+``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
+the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
+``dept/...`` DCP keys (``dept_mega.checkpoint_state``). Round hooks with ``state_dict()`` /
+``load_state_dict(sd)`` (DEPT: per-source embeddings, TRIM's table) are saved as
+``step_N/hooks_rank{r}.pt`` (torch.save) — per rank, or by data-parallel rank 0 of each
+(tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
+and loaded after the model weights. The dropout
 streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
 the masks the uninterrupted run would have drawn.
 
@@ -31,6 +37,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
 from typing import Any, Optional
 
@@ -40,6 +48,7 @@ import torch.distributed as dist
 from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm,
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_json_durable, write_manifest)
+from .checkpoint_state import has_outer_state, outer_state_tensors, outer_state_targets
 from .parallel.agree import all_gather_text
 from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
@@ -65,12 +74,15 @@ def _rng_file(pg) -> str:
     return f"rng_tp{pg.tp_rank}_pp{pg.pp_rank}.pt"
 
 
-def check_layout(trainer, path: str, optimizer: bool = True) -> None:
-    """Refuse a checkpoint written under another parallel layout with one ConfigError that
-    names the key to change (checkpoints are not resharded). ``layout.json`` records the
-    number of source groups: another number is refused here, with the process count to use.
+def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
+    """Refuse a checkpoint written under another parallel layout that cannot be loaded here
+    with one ConfigError that names the key to change. ``layout.json`` records the number of
+    source groups: another number is refused here, with the process count to use.
     ``optimizer``: the optimizer state will be loaded too (the distributed optimizer's shards
-    need the same data-parallel size)."""
+    need the same data-parallel size). Returns True when the checkpoint is loaded resharded
+    (``dept_mega.reshard``): another tensor / pipeline / virtual-pipeline size where nothing
+    else depends on the layout (no per-rank hook state or DEPT outer state, no distributed
+    optimizer, no dropout)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -88,9 +100,16 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
                           f"rank(s) per group; launch {saved_world} processes with its layout")
     now.setdefault("optim_distributed", False)
     sharded = bool(saved.get("optim_distributed"))  # per-rank optimizer shards (optim.distributed)
-    same_dp = saved.get("per_rank_hooks") or (sharded and optimizer)
+    # per-rank hook state needs the same data-parallel size unless it was saved once per
+    # (tp, pp, group) because the replicas hold the same (hooks_dp0)
+    same_dp = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0")) or (sharded and optimizer)
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
+    m = trainer.cfg.model
+    reshardable = (not saved.get("per_rank_hooks") and not saved.get("outer_keys") and not sharded
+                   and not now["optim_distributed"] and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
+        return True
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
@@ -102,11 +121,29 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> None:
                           f"optim.grad_bucket_size={saved.get('grad_bucket_size')} (this launch: "
                           f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
                           f"with the same settings (not resharded)")
+    return False
 
 
-def _barrier() -> None:
+def _uncounted(hooks):
+    """Checkpoint traffic is not part of a DEPT round's byte counts."""
+    from contextlib import nullcontext
+    return hooks.uncounted() if hasattr(hooks, "uncounted") else nullcontext()
+
+
+def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def _to_host(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors are host copies (containers rebuilt, values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
 
 
 def latest_step(run_dir: str) -> Optional[int]:
@@ -140,6 +177,13 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
+    """Model key (as in :func:`_model_state`) → parameter."""
+    pg = trainer.pg
+    return {f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
+            for c, st in enumerate(trainer.stages) for name, p in st.named_parameters()}
+
+
 def _ensure_optimizer_state(trainer) -> None:
     """Create AdamW state tensors (zeros, ``step`` on the device where the AdamW kernel keeps
     it: the parameter's for fused AdamW) so DCP can load into them in place."""
@@ -147,57 +191,171 @@ def _ensure_optimizer_state(trainer) -> None:
         opt.ensure_state()
 
 
+def dir_bytes(path: str) -> int:
+    """Bytes of the files in a checkpoint directory (what the log reports per checkpoint)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def apply_retention(run_dir: str, keep: int, newest: int) -> list[int]:
+    """``train.keep_checkpoints``: once checkpoint ``newest`` is complete and ``latest`` names
+    it, remove the oldest complete ``step_N`` directories (N < ``newest``) so that ``keep`` are
+    left, ``newest`` among them; 0 keeps all. Steps above ``newest`` (left by a run that fell
+    back to an older checkpoint) are not counted and not touched, nor are ``.tmp`` directories.
+    Returns the steps removed (called by global rank 0 only)."""
+    from .resume import read_latest, step_dirs
+    if keep <= 0:
+        return []
+    latest, _ = read_latest(run_dir)
+    older = [s for s in step_dirs(run_dir) if s < newest and s != latest]  # newest first
+    removed = older[max(keep - 1, 0):]
+    for s in removed:
+        path = step_dir(run_dir, s)
+        # rename first, so that a crash halfway through never leaves a damaged step_N behind
+        # that a later resume would have to pass over
+        doomed = path + ".removing"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    if removed:
+        fsync_dir(os.path.join(run_dir, CKPT_DIR))
+    return removed
+
+
 class Checkpointer:
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
+        self.last_size: Optional[int] = None  # bytes of the last checkpoint saved (rank 0)
+        self.last_removed: list[int] = []  # steps removed by retention after the last save (rank 0)
+        self.last_seconds: Optional[float] = None
+        # on_saved(step, bytes, removed steps, seconds): called on global rank 0 once a save is
+        # complete (from the writer thread under train.async_save)
+        self.on_saved = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._group = None  # train.async_save: the writer thread's process group
         self.notes: list[str] = []  # the last load: one line per checkpoint passed over
         self._tokenizer_digests: dict = {}
 
     def save(self, loop) -> str:
-        import torch.distributed.checkpoint as dcp
+        """Write checkpoint ``step_N`` of the loop's current step. With ``train.async_save`` the
+        state is copied to host memory here and written by a background thread (at most one
+        save in flight: this first waits for the previous one); otherwise written here."""
+        self.wait()
+        trainer = loop.trainer
+        asynchronous = bool(getattr(trainer.cfg.train, "async_save", False))
+        staged = self._stage(loop, copy=asynchronous)
+        if not asynchronous:
+            self._write(staged, group=None)
+            return staged["final"]
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # the writer thread's collectives (DCP's plan exchange, the manifest, barriers) run
+            # on a group of their own: never interleaved with the training thread's collectives
+            self._group = dist.new_group(backend="gloo")
+        self._thread = threading.Thread(target=self._write_in_thread, args=(staged,), name="dept-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+        return staged["final"]
+
+    def wait(self) -> None:
+        """Wait for a save in flight; its error (if any) is raised here."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save failed: {error}") from error
+
+    def _write_in_thread(self, staged: dict) -> None:
+        try:
+            self._write(staged, group=self._group)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def _stage(self, loop, copy: bool) -> dict:
+        """Everything a save writes, gathered on the training thread (collectives included:
+        the DEPT outer state's gather over dp). ``copy``: tensors are copied to host memory, so
+        training may change the originals while a thread writes them."""
         trainer = loop.trainer
         step = trainer.step
         final = step_dir(self.run_dir, step)
-        tmp = final + ".tmp"
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
         per_rank_hooks = hasattr(loop.hooks, "state_dict")
         layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
-        if rank0:
+        if has_outer_state(loop.hooks):
+            layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
+        replicated = per_rank_hooks and bool(getattr(loop.hooks, "state_replicated_over_dp", lambda: False)())
+        if replicated:
+            layout["hooks_dp0"] = True  # one hooks file per (tp, pp, group): data-parallel rank 0's
+        state = _model_state(trainer)
+        if layout.get("outer_keys"):
+            with _uncounted(loop.hooks):
+                state.update(outer_state_tensors(loop.hooks, trainer))
+        pg = trainer.pg
+        tracker = _rng_tracker(trainer)
+        out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
+               "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
+               "keep": int(trainer.cfg.train.keep_checkpoints),
+               "hooks": loop.hooks.state_dict() if per_rank_hooks and (not replicated or pg.dp_rank == 0)
+               else None,
+               "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
+               else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None}
+        if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
+            # positions are the same on every rank of a group, different across groups (DEPT)
+            out["meta"] = {"step": step, "trainer": trainer.state_dict(),
+                           "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
+                                         if hasattr(it, "state_dict")}}
+        if copy:
+            out["state"], out["hooks"], out["rng"] = _to_host((out["state"], out["hooks"], out["rng"]))
+            out["meta"] = json.loads(json.dumps(out["meta"]))
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize(trainer.device)
+        return out
+
+    def _write(self, staged: dict, group) -> None:
+        """Write a staged checkpoint: ``step_N.tmp``, manifest, rename, ``latest``, retention.
+        Collective over ``group`` (None: the world)."""
+        import torch.distributed.checkpoint as dcp
+        t0 = time.time()
+        step, final, layout = staged["step"], staged["final"], staged["layout"]
+        tmp = final + ".tmp"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
             write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
-            write_json_durable(os.path.join(tmp, DEPENDS_FILE), fingerprint(trainer.cfg, self._tokenizer_digests))
-        _barrier()
-        state = _model_state(trainer)
-        if per_rank_hooks:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            torch.save(loop.hooks.state_dict(), os.path.join(tmp, f"hooks_rank{rank}.pt"))
+            write_json_durable(os.path.join(tmp, DEPENDS_FILE), staged["depends"])
+        _barrier(group)
+        if staged["hooks"] is not None:
+            torch.save(staged["hooks"], os.path.join(tmp, f"hooks_rank{rank}.pt"))
             fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
         with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            metadata = dcp.save(state, checkpoint_id=tmp)
-        pg = trainer.pg
-        tracker = _rng_tracker(trainer)
-        if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0:
-            torch.save(tracker.state_dict(), os.path.join(tmp, _rng_file(pg)))
-            fsync_file(os.path.join(tmp, _rng_file(pg)))
-        if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
-            # positions are the same on every rank of a group, different across groups (DEPT)
-            meta = {"step": step, "trainer": trainer.state_dict(),
-                    "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
-                                  if hasattr(it, "state_dict")}}
-            write_json_durable(os.path.join(tmp, f"group{pg.group_index}.json"), meta)
-        _barrier()
-        self._seal(tmp, step, layout, metadata, trainer.device)
-        if rank0:
+            metadata = dcp.save(staged["state"], checkpoint_id=tmp, process_group=group)
+        if staged["rng"] is not None:
+            torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
+            fsync_file(os.path.join(tmp, staged["rng_file"]))
+        if staged["meta"] is not None:
+            write_json_durable(os.path.join(tmp, f"group{staged['group']}.json"), staged["meta"])
+        _barrier(group)
+        self._seal(tmp, step, layout, metadata, None if group is not None else staged["device"], group)
+        if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final))
             replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
-        _barrier()
-        return final
+            self.last_size = dir_bytes(final)
+            self.last_removed = apply_retention(self.run_dir, staged["keep"], step)
+            self.last_seconds = time.time() - t0
+            if self.on_saved is not None:
+                self.on_saved(step, self.last_size, self.last_removed, self.last_seconds)
+        _barrier(group)
 
-    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device) -> None:
+    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device, group=None) -> None:
         """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write
         the manifest from rank 0, last."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -205,16 +363,21 @@ class Checkpointer:
         data_files = sorted({getattr(info, "relative_path", None) for info in
                              (getattr(metadata, "storage_data", None) or {}).values()} - {None})
         mine = [f for i, f in enumerate(data_files) if i % world == rank]
-        if layout["per_rank_hooks"]:
+        hooks = {n for n in expected_files(FORMAT, layout) if n.startswith("hooks_rank")}
+        if f"hooks_rank{rank}.pt" in hooks:
             mine.append(f"hooks_rank{rank}.pt")
         if rank == 0:
             # small files, and anything else in the directory (or every data file, should DCP's
             # metadata not name them)
-            hooks = {f"hooks_rank{r}.pt" for r in range(world)} if layout["per_rank_hooks"] else set()
             mine += [n for n in os.listdir(tmp) if n not in data_files and n not in hooks and n != MANIFEST]
         entries = digest_files(tmp, mine, algorithm, fsync=True)
         merged: dict[str, Any] = {}
-        for text in all_gather_text(json.dumps(entries), device):
+        if group is None:
+            texts = all_gather_text(json.dumps(entries), device)
+        else:  # the writer thread's own gloo group: objects on the CPU
+            texts = [None] * dist.get_world_size()
+            dist.all_gather_object(texts, json.dumps(entries), group=group)
+        for text in texts:
             merged.update(json.loads(text))
         missing = [n for n in expected_files(FORMAT, layout) if n not in merged]
         if missing:  # the same on every rank: all of them fail the save, latest stays as it was
@@ -226,6 +389,7 @@ class Checkpointer:
         """Load ``step`` (default: the newest complete, verified checkpoint, normally ``latest``;
         the ones passed over are in ``self.notes``) into the loop's trainer and iterators;
         returns the step loaded or None when there is no checkpoint."""
+        self.wait()
         sel = select_checkpoint(self.run_dir, loop.trainer.device, step)
         self.notes = sel.notes
         if sel.step is None:
@@ -272,7 +436,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    check_layout(trainer, path, optimizer=optimizer)
+    reshard = check_layout(trainer, path, optimizer=optimizer)
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
@@ -283,13 +447,17 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     state = _model_state(trainer)
     if not optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path)
+    if reshard:  # another tensor / pipeline layout (dept_mega.reshard)
+        from .reshard import load_resharded
+        load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path)
     for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
         opt.after_checkpoint_load(with_optimizer=optimizer)
     tracker = _rng_tracker(trainer)
-    if tracker is not None:
+    if tracker is not None and not reshard:  # resharded: no dropout in use (check_layout)
         if layout.get("dropout_rng"):
             tracker.load_state_dict(_safe_load(os.path.join(path, _rng_file(pg)), "cpu"))
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
@@ -297,11 +465,27 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                                   f"dropout needs to continue exactly")
     if hooks is not None and hasattr(hooks, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
+            from .parallel.groups import rank_of
+            rank = rank_of(pg.tp_rank, 0, pg.pp_rank, pg.group_index, int(layout["tensor"]), int(layout["data"]),
+                           int(layout["pipeline"]))
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
         hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
+    if hooks is not None and has_outer_state(hooks):
+        if not layout.get("outer_keys"):
+            sd_has = layout.get("per_rank_hooks")  # older format: the state was in hooks_rank{r}.pt
+            if not sd_has:
+                raise CheckpointError(f"checkpoint {path} has no DEPT outer state (dept/... keys)")
+        else:
+            with _uncounted(hooks):
+                entries, install = outer_state_targets(hooks, trainer)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(entries, checkpoint_id=path)
+            install()
 
 
 # config values the body's tensors depend on (the vocabulary and the data may differ)

@@ -162,6 +162,10 @@ class TrainConfig:
     # applies the same limit to later collectives on the world group (docs/launching.md §7)
     init_timeout_s: float = 600.0
     compile: bool = False  # torch.compile each transformer block
+    # retention: keep the newest N complete checkpoints (0: keep all); docs/launching.md
+    keep_checkpoints: int = 0
+    # write checkpoints from a background thread after a host copy (at most one in flight)
+    async_save: bool = False
 
 
 @dataclass
@@ -391,7 +395,7 @@ def _check_values(cfg: Config) -> None:
                     "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
-                    "train.eval_iters", "train.save_interval", "model.hidden_dropout",
+                    "train.eval_iters", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
                     "model.attention_dropout"], allow_zero=True)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"config key 'model.hidden_size': {m.hidden_size} is not divisible by "

@@ -42,6 +42,10 @@ class RoundHooks(Protocol):
 
     def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager: ...
 
+    # optional: ``can_save_now() -> bool`` (the same answer on every rank): False while state a
+    # checkpoint needs is in flight (an overlapped outer sync); the loop then defers a due
+    # save (periodic or preemption) to the first step where it is True. Absent: True.
+
     # optional: ``source_steps(source, step) -> int``, the inner steps of [0, step) in which
     # ``source`` was trained (DEPT: from the round plan). When present, the loop moves the
     # source's iterator there (``seek``) at every round start, so data positions travel with
@@ -62,6 +66,10 @@ class StdHooks:
 
     def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager:
         return nullcontext()
+
+    def can_save_now(self) -> bool:
+        """A checkpoint may be written after the current step (no outer sync in flight)."""
+        return True
 
 
 @dataclass
@@ -100,6 +108,11 @@ class TrainLoop:
         self.make_eval_batches = make_eval_batches
         self.source_names = list(source_names) or [s.name for s in cfg.data.sources]
         self.checkpointer = checkpointer
+        # dept_mega.preemption.Preemption (set by dept_mega.train): asked after every step
+        self.preemption: Optional[Any] = None
+        self.preempted_at: Optional[int] = None  # the step saved before a preemption exit
+        self._save_pending = False
+        self._deferred_since: Optional[int] = None
         self.assignment: Optional[dict[int, str]] = None
         self.last_result: Optional[StepResult] = None
         self.eval_history: list[dict[str, Any]] = []
@@ -169,6 +182,8 @@ class TrainLoop:
                                 log=lambda m: print(m, flush=True))
         try:
             self._run(profiler)
+            if hasattr(self.checkpointer, "wait"):
+                self.checkpointer.wait()  # train.async_save: the last save is complete on return
         finally:
             profiler.close(self.trainer.step)
 
@@ -218,12 +233,54 @@ class TrainLoop:
                 evaluated_at = step
             if self.checkpointer is not None and cfg.train.save_interval and step % cfg.train.save_interval == 0 \
                     and step < total:
+                self._save_pending = True
+            stopping = self.preemption is not None and self.preemption.agreed(tr.device)
+            if stopping and step < total:
+                self._save_pending = True
+                if self.checkpointer is None:
+                    self.preempted_at = step
+                    return
+            if self._save_pending and step < total and self._can_save(step):
                 with meter.paused():
-                    self.checkpointer.save(self)
+                    self.save()
+                if stopping:
+                    self.preempted_at = step
+                    return
         if self.eval_sources and evaluated_at != tr.step:
             self.evaluate()
         if self.checkpointer is not None:
-            self.checkpointer.save(self)
+            self.save()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _can_save(self, step: int) -> bool:
+        can = getattr(self.hooks, "can_save_now", None)
+        if can is None or can():
+            if self._deferred_since is not None:
+                self.writer.log(f"checkpoint: deferred since step {self._deferred_since} (outer sync in flight), "
+                                f"saving at step {step}")
+                self._deferred_since = None
+            return True
+        if self._deferred_since is None:
+            self._deferred_since = step
+            self.writer.log(f"checkpoint: due at step {step}, deferred while an outer sync is in flight")
+        return False
+
+    def save(self) -> str:
+        """Write a checkpoint of this step (``train.async_save``: start writing it) and log its
+        size once complete (and what retention removed)."""
+        if hasattr(self.checkpointer, "on_saved"):
+            self.checkpointer.on_saved = self._log_saved
+        path = self.checkpointer.save(self)
+        self._save_pending = False
+        return path
+
+    def _log_saved(self, step: int, size: int, removed: Sequence[int], seconds: float) -> None:
+        how = " (written in the background)" if self.cfg.train.async_save else ""
+        line = f"checkpoint step {step}: {size:,} bytes ({size / 2**30:.3f} GiB) in {seconds:.1f} s{how}"
+        if removed:
+            line += (f"; removed step(s) {', '.join(map(str, sorted(removed)))} "
+                     f"(train.keep_checkpoints={self.cfg.train.keep_checkpoints})")
+        self.writer.log(line)
 
     # -- records -------------------------------------------------------------------------
     def _train_record(self, res: StepResult, source: str) -> dict[str, Any]:

@@ -12,7 +12,8 @@ missing, of another size or checksum, or missing a file its format expects, is n
 (:func:`local_problem` says why, naming the file). The format version decides what is
 expected (:func:`expected_files`): format 1 wants ``layout.json``, ``depends.json``, DCP's
 ``.metadata``, ``group{g}.json`` for every source group, ``hooks_rank{r}.pt`` for every rank
-when the round hooks have state, and ``rng_tp{t}_pp{p}.pt`` for every tensor/pipeline position
+when the round hooks have state (with ``hooks_dp0``: for the data-parallel rank 0 of every
+(tp, pp, group) position only), and ``rng_tp{t}_pp{p}.pt`` for every tensor/pipeline position
 when the model has dropout streams.
 
 Hashing is spread over the ranks (each checks a share of the files, in threads) by the callers
@@ -141,7 +142,9 @@ def expected_files(fmt: int, layout: dict[str, Any]) -> list[str]:
         raise CheckpointError(f"checkpoint format {fmt} is not known to this dept_mega (it reads format {FORMAT})")
     T, P, D, G = (int(layout[k]) for k in ("tensor", "pipeline", "data", "groups"))
     names = [LAYOUT_FILE, DEPENDS_FILE, DCP_METADATA] + [f"group{g}.json" for g in range(G)]
-    if layout.get("per_rank_hooks"):
+    if layout.get("per_rank_hooks") and layout.get("hooks_dp0"):  # once per (tp, pp, group): dp rank 0's
+        names += [f"hooks_rank{t + T * D * (p + P * g)}.pt" for g in range(G) for p in range(P) for t in range(T)]
+    elif layout.get("per_rank_hooks"):
         names += [f"hooks_rank{r}.pt" for r in range(T * P * D * G)]
     if layout.get("dropout_rng"):
         names += [f"rng_tp{t}_pp{p}.pt" for t in range(T) for p in range(P)]

@@ -8,7 +8,8 @@ and at the end, and checkpoints (``RUN/checkpoints/step_N`` + ``latest``) every
 ``train.save_interval`` steps and at the end. A run whose ``run_dir`` holds a checkpoint
 resumes from ``latest`` (or, when that one is damaged, the newest verified checkpoint before
 it; docs/launching.md "After a crash"). One job at a time holds a run directory
-(``dept_mega.rundir``).
+(``dept_mega.rundir``). SIGTERM / SIGUSR1 make every rank finish its step, save a checkpoint,
+write ``RUN/preempted.json`` and exit with status 75 (``dept_mega.preemption``).
 """
 from __future__ import annotations
 
@@ -207,9 +208,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from .preemption import Preemption
     from .rundir import take_run_dir
     run_dir = cfg.train.run_dir
     lock = None
+    # from the start: a signal during start-up stops the run after its first step, saved
+    preemption = Preemption().install()
     try:
         try:
             rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
@@ -221,13 +225,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except input_errors() as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return _train(session, resumed)
+        return _train(session, resumed, preemption)
     finally:
+        preemption.uninstall()
         if lock is not None:
             lock.release()
 
 
-def _train(session: Session, resumed: Optional[int]) -> int:
+def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
     cfg, loop = session.cfg, session.loop
     run_dir = cfg.train.run_dir
     if session.rank == 0:
@@ -244,18 +249,31 @@ def _train(session: Session, resumed: Optional[int]) -> int:
     if dropped:
         session.writer.log(f"metrics.jsonl: dropped {dropped} record(s) after step {resumed or 0}, written by the "
                            f"interrupted run after its last checkpoint")
+    from .preemption import EXIT_PREEMPTED, Preemption, clear_marker, write_marker
+    if session.rank == 0:
+        clear_marker(run_dir)
+    if preemption is None:
+        preemption = Preemption().install()
+    loop.preemption = preemption
     try:
         if session.trainer.step >= cfg.train.steps:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
         else:
             loop.run()
-        write_params(session)
+        if loop.preempted_at is not None:
+            session.writer.log(f"preempted ({preemption.signal_name}): checkpoint of step {loop.preempted_at} "
+                               f"written; exiting with status {EXIT_PREEMPTED} (requeue to continue)")
+            if session.rank == 0:
+                write_marker(run_dir, loop.preempted_at, preemption.signal_name)
+        else:
+            write_params(session)
     finally:
+        preemption.uninstall()
         session.writer.close()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return EXIT_PREEMPTED if loop.preempted_at is not None else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from tests.dept_utils import SyntheticSource, allowed_ids, body_vector, source_infos, tiny_config
+from tests.dept_utils import SyntheticSource, allowed_ids, body_vector, emb_state, source_infos, tiny_config
 from tests.mp_utils import run_distributed
 
 
@@ -165,9 +165,10 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     layout_path = tmp_path / "checkpoints" / "step_1" / "layout.json"
     layout = json.loads(layout_path.read_text())
     assert layout == {"tensor": 1, "pipeline": 1, "virtual_pipeline": 1, "data": 1, "groups": 1,
-                      "per_rank_hooks": True, "dropout_rng": True}
+                      "per_rank_hooks": True, "dropout_rng": True, "outer_keys": True, "hooks_dp0": True}
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
-    _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2)
+    # as if the hook state had been per rank (TRIM, the distributed optimizer)
+    _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2, hooks_dp0=False)
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
 
@@ -223,3 +224,87 @@ def test_hook_state_is_plain_and_loads_with_weights_only(variant, body):
     hooks = DeptHooks(cfg, solo_groups(), trainer, torch.device("cpu"), infos)
     hooks.load_state_dict(loaded)
     _same(sd, hooks.state_dict())
+
+
+def _mid_round_worker(rank, world, over, run_dir):
+    cfg = tiny_config(over)
+    loop, _ = _make(cfg, run_dir, rank)
+    loop.run()
+    full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
+    loop2, ck = _make(cfg, run_dir, rank)
+    assert ck.load(loop2, step=3) == 3
+    loop2.run()
+    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant,async_save", [("glob", False), ("trim", False), ("spec", False),
+                                                ("spec_opt", False), ("trim", True)])
+def test_mid_round_checkpoint_resumes_bit_exactly(tmp_path, variant, async_save):
+    """A checkpoint at step 3 of rounds of 2 steps (inside round 1, as a preemption writes
+    it): the resumed run ends bit-identical to the uninterrupted one (body, the installed
+    embeddings), with an Adam outer optimizer whose state must come back. Also written by
+    train.async_save's thread (host copies of the DEPT state, taken at the step)."""
+    over = {"dept": {"variant": variant, "local_steps": 2,
+                     "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
+            "train": {"steps": 6, "save_interval": 3, "eval_interval": 0, "async_save": async_save}}
+    res = run_distributed(_mid_round_worker, 2, args=(over, str(tmp_path)), timeout=200)
+    for full, resumed in res:
+        assert torch.equal(full["body"], resumed["body"])
+        assert full["emb"].keys() == resumed["emb"].keys()
+        for k in full["emb"]:
+            assert torch.equal(full["emb"][k], resumed["emb"][k]), k
+
+
+def _lean_worker(rank, world, run_dir, data):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    cfg = tiny_config({"dept": {"variant": "glob", "local_steps": 1,
+                                "outer_optimizer": {"name": "adam", "lr": 0.5}},
+                       "model": {"hidden_size": 64, "ffn_hidden_size": 128},
+                       "parallel": {"data": data},
+                       "train": {"steps": 2, "save_interval": 0, "eval_interval": 0, "run_dir": run_dir}})
+    pg = build_groups(1, data, 1)
+    infos = source_infos(2)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+    by_name = {s.name: s for s in infos}
+    writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
+    loop = TrainLoop(cfg, pg, trainer, hooks, writer,
+                     lambda n: SyntheticSource(cfg, infos.index(by_name[n]) + 1, allowed_ids(by_name[n]),
+                                               pg.dp_rank, pg.dp_size),
+                     checkpointer=Checkpointer(run_dir))
+    loop.run()
+    return loop.checkpointer.last_size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_glob_checkpoint_size_does_not_grow_with_data_parallel_size(tmp_path):
+    """GLOB with 2 groups and an Adam outer optimizer: the outer state (θ_{t-1}, moments of the
+    body and the embeddings) is saved once per checkpoint under dept/... keys without group or
+    replica, so doubling parallel.data adds only the per-rank bookkeeping files (< 2 %), where
+    the per-rank files used to hold G·D copies of it."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    sizes, data_bytes = {}, {}
+    for data in (1, 2):
+        run = str(tmp_path / f"d{data}")
+        res = run_distributed(_lean_worker, 2 * data, args=(run, data), timeout=200)
+        sizes[data] = res[0]
+        step = os.path.join(run, "checkpoints", "step_2")
+        data_bytes[data] = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step) if f.endswith(".distcp"))
+        keys = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+        outer = [k for k in keys if k.startswith("dept/")]
+        assert "dept/outer_body/steps" in keys and "dept/outer_embedding/steps" in keys
+        assert any(k.endswith("/exp_avg_sq") for k in outer) and not any("/g0/" in k or "/g1/" in k for k in outer)
+        hooks = torch.load(os.path.join(step, "hooks_rank0.pt"), weights_only=True)
+        assert "body_sync" not in hooks and "embedding_sync" not in hooks
+    assert abs(data_bytes[2] - data_bytes[1]) <= 0.005 * data_bytes[1], data_bytes
+    assert abs(sizes[2] - sizes[1]) <= 0.02 * sizes[1], sizes

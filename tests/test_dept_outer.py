@@ -128,3 +128,37 @@ def test_flat_sync_over_groups_matches_reference(name, D, comm_dtype):
     assert total_outer == 2 * G * n * elem
     total_dp = sum(r["bytes"]["dp"] for r in res)
     assert total_dp == (2 * G * n * 4 if D > 1 else 0)
+
+
+def _param_state_worker(rank, world):
+    """FlatSync.param_state (the checkpoint's view) is full over dp, per parameter; loading
+    it back keeps each replica's chunk of the optimizer state."""
+    from dept_mega.parallel.groups import build_groups
+    pg = build_groups(tensor=1, data=2, pipeline=1)  # one group of 2 replicas (world 2)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    sync = FlatSync(params, pg, OuterOptimizer("adam", lr=0.7, betas=(0.9, 0.99)))
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    sync.sync()
+    st = sync.param_state()
+    # a fresh FlatSync on the same ranks: loads, keeps its chunk, saves the same view back
+    other = FlatSync(params, pg, OuterOptimizer("adam", lr=0.7, betas=(0.9, 0.99)))
+    other.load_param_state(st)
+    again = other.param_state()
+    return st, again, {k: v.clone() for k, v in other.optimizer.state.items()}, other.bounds[pg.dp_rank]
+
+
+@pytest.mark.timeout(120)
+def test_param_state_is_full_over_dp_and_round_trips():
+    res = run_distributed(_param_state_worker, 2)
+    (st0, again0, chunk0, (a0, b0)), (st1, again1, chunk1, (a1, b1)) = res
+    assert st0["steps"] == 1 and sorted(st0) == ["exp_avg", "exp_avg_sq", "reference", "steps"]
+    assert [tuple(t.shape) for t in st0["reference"]] == [(5, 3), (7,)]
+    for k in ("reference", "exp_avg", "exp_avg_sq"):
+        for x, y, z in zip(st0[k], st1[k], again0[k]):
+            assert torch.equal(x, y) and torch.equal(x, z), k  # both replicas: the full state
+    full = torch.cat([t.reshape(-1) for t in st0["exp_avg"]])
+    assert torch.count_nonzero(full) == full.numel()  # both chunks gathered, not zeros
+    assert torch.equal(chunk0["exp_avg"], full[a0:b0]) and torch.equal(chunk1["exp_avg"], full[a1:b1])

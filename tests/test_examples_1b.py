@@ -253,3 +253,49 @@ def test_sbatch_script_trains_on_cpu(tmp_path, variant, data):
         for rec in outer:
             assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
             assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"] == 0
+
+
+@pytest.mark.parametrize("preempted", [True, False])
+def test_preempted_job_requeues_itself(tmp_path, preempted):
+    """The scripts ask for SIGUSR1 before the time limit and may be requeued; when the ranks
+    leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
+    $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
+    A stale marker from an earlier job is removed before the launch."""
+    for variant in VARIANTS:
+        h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
+        assert h.get("signal") == "USR1@120" and "requeue" in h, variant
+    root = _root_with_placeholder_files(tmp_path)
+    bindir = tmp_path / "qbin"
+    bindir.mkdir()
+    log = tmp_path / "scontrol.log"
+    (bindir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "$@" >> {log}; exit 0; fi\n'
+                                     'for i in 1 2 3 4 5 6 7 8; do echo node0$i; done\n')
+    write = "1" if preempted else "0"
+    (bindir / "srun").write_text(
+        '#!/bin/bash\necho "$PET_SIGNALS_TO_HANDLE" > "$FAKE_SRUN_LOG"\n'
+        'for a in "$@"; do case "$a" in train.run_dir=*) d="${a#train.run_dir=}";; esac; done\n'
+        'test ! -e "$d/preempted.json" || exit 9\n'  # the stale marker was removed
+        f'if [ {write} = 1 ]; then echo \'{{"step": 7, "signal": "SIGUSR1", "exit_code": 75}}\' > "$d/preempted.json"; fi\n'
+        'exit 1\n')
+    for f in bindir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    run_dir = os.path.join(root, "runs", "1b", "std")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "preempted.json"), "w") as f:
+        f.write("{}")  # stale
+    env = dict(os.environ, PATH=str(bindir) + os.pathsep + os.environ["PATH"], SLURM_NNODES="8",
+               SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="64",
+               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root, FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
+               PYTHON=sys.executable)
+    for k in ("DEPT_MEGA_ROOT", "RUN_DIR", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        env.pop(k, None)
+    r = subprocess.run(["bash", os.path.join(root, "examples", "1b", "std.sh")], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=str(tmp_path))
+    assert "SIGUSR1" in (tmp_path / "srun.log").read_text()  # torchrun passes SIGUSR1 on to the ranks
+    if preempted:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert log.read_text().split() == ["requeue", "4242"]
+        assert "preempted:" in r.stdout and "requeueing job 4242" in r.stdout
+    else:
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert not log.exists()

@@ -101,7 +101,9 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
         layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
     with open(layout_path, "w") as f:
-        json.dump(dict(layout, tensor=2), f)
+        # (an STD checkpoint loads under another tensor size, dept_mega.reshard, unless it
+        # holds the distributed optimizer's per-rank shards)
+        json.dump(dict(layout, tensor=2, optim_distributed=True, grad_bucket_size=1000), f)
     # what a real tensor-parallel checkpoint would hold, with its manifest
     step30 = os.path.join(run2, "checkpoints", "step_30")
     shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp1_pp0.pt"))

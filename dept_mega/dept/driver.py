@@ -195,6 +195,34 @@ class DeptHooks:
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
         return {"bytes": total_over_ranks(mine), "seconds": seconds}
 
+    def state_replicated_over_dp(self) -> bool:
+        """True when :meth:`state_dict` is the same on the D data-parallel replicas of a group
+        (per-source embeddings and their AdamW state are replicated; the distributed
+        optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
+        per (tp, pp, group) and it loads under another ``parallel.data``."""
+        return self.strategy.name != "trim" and not self.cfg.optim.distributed
+
+    def outer_syncs(self) -> dict[str, FlatSync]:
+        """The outer syncs whose state the checkpoint saves per parameter (checkpoint_state)."""
+        own = getattr(self.strategy, "outer_syncs", None)  # GLOB: the embeddings' (outer_embedding)
+        return {"outer_body": self.body_sync, **(own() if own is not None else {})}
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Traffic inside (evaluation, checkpoint gathers) is left out of the round's byte counts."""
+        before = self.pg.comm.snapshot()
+        try:
+            yield
+        finally:
+            after = self.pg.comm.snapshot()
+            for c in CATEGORIES:
+                self._excluded[c] += after[c] - before[c]
+
+    def can_save_now(self) -> bool:
+        """A checkpoint may be written now (the same answer on every rank): always, while the
+        outer sync completes inside ``round_end``; an overlapped sync returns False while in flight."""
+        return True
+
     def make_iterator(self, source: str):
         return None  # TRIM remaps ids inside its compact embeddings (TrimmedEmbeddings)
 
@@ -204,20 +232,17 @@ class DeptHooks:
         "Evaluation"). Every group runs the same sequence of evaluations, so the group holding
         a source's weights can send a copy to the other groups (same (tp, dp, pp) position).
         Traffic inside is left out of the round's byte counts."""
-        before = self.pg.comm.snapshot()
         restore = None
-        try:
-            view = RoundView(self.plan, self.installed, self.store, self.in_round)
-            embs = self.strategy.eval_embeddings(source, view)
-            if embs is not None:
-                restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
-            yield
-        finally:
-            if restore is not None:
-                self.trainer.set_embeddings(*restore)
-            after = self.pg.comm.snapshot()
-            for c in CATEGORIES:
-                self._excluded[c] += after[c] - before[c]
+        with self.uncounted():
+            try:
+                view = RoundView(self.plan, self.installed, self.store, self.in_round)
+                embs = self.strategy.eval_embeddings(source, view)
+                if embs is not None:
+                    restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
+                yield
+            finally:
+                if restore is not None:
+                    self.trainer.set_embeddings(*restore)
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -228,9 +253,11 @@ class DeptHooks:
         the trainer started with (its body optimizer state, if per source, is the trainer's
         and saved with the model). Plain dicts, lists, numbers, strings and tensors only:
         loadable with ``torch.load(..., weights_only=True)``."""
+        # the body's outer state (θ_{t-1}, outer optimizer) is not here: dept_mega.checkpoint
+        # saves it once, per parameter, from outer_syncs() (dept_mega.checkpoint_state)
         sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
                               "installed": self.installed, "in_round": self.in_round,
-                              "body_sync": self.body_sync.state_dict(), "mark": dict(self._mark)}
+                              "mark": dict(self._mark)}
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
         sd["store"] = {n: state_payload(self.store.get(n), with_opt) for n in self.store.names()}
@@ -239,7 +266,8 @@ class DeptHooks:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        self.body_sync.load_state_dict(sd["body_sync"])
+        if "body_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
+            self.body_sync.load_state_dict(sd["body_sync"])
         self.strategy.load_state_dict(sd)
         self.store = SourceStore()
         for n, payload in sd["store"].items():

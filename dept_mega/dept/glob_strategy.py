@@ -46,8 +46,13 @@ class GlobStrategy(VariantStrategy):
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         return None  # the group's own (global) embeddings, as they are now
 
+    def outer_syncs(self) -> dict:
+        """Saved per parameter by the checkpoint (dept_mega.checkpoint_state), not in state_dict."""
+        return {"outer_embedding": self.embedding_sync}
+
     def state_dict(self) -> dict:
-        return {"embedding_sync": self.embedding_sync.state_dict()}
+        return {}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.embedding_sync.load_state_dict(sd["embedding_sync"])
+        if "embedding_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
+            self.embedding_sync.load_state_dict(sd["embedding_sync"])

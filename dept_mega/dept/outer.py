@@ -166,6 +166,37 @@ class FlatSync:
         if self._refresh is not None:
             self._refresh(self.params)
 
+    def param_state(self) -> dict:
+        """Checkpoint view, independent of how the state is held: {"steps": n, "reference": [θ_{t-1}
+        of each parameter in ``self.params`` order, fp32, shaped like it], and one such list per
+        outer-optimizer state ("momentum" | "exp_avg", "exp_avg_sq")}, full over ``pg.dp`` (the
+        optimizer chunks are gathered: a collective over ``pg.dp``, category ``dp``)."""
+        def split(flat):
+            out, off = [], 0
+            for p in self.params:
+                out.append(flat[off:off + p.numel()].view(p.shape).clone())
+                off += p.numel()
+            return out
+        out = {"steps": self.optimizer.steps, "reference": split(self.theta_prev)}
+        for name, chunk in sorted(self.optimizer.state.items()):
+            full = chunk
+            if group_size(self.pg.dp) > 1 and self.numel:
+                shards = [torch.empty(b - a, dtype=torch.float32, device=chunk.device) for a, b in self.bounds]
+                self.pg.comm.all_gather_list(shards, chunk.contiguous(), self.pg.dp, category="dp")
+                full = torch.cat(shards)
+            out[name] = split(full)
+        return out
+
+    def load_param_state(self, state: dict) -> None:
+        """Inverse of :meth:`param_state` (full over ``pg.dp``); keeps this rank's chunk of the
+        optimizer state."""
+        self.theta_prev = flatten_fp32(state["reference"]).to(self.theta_prev.device)
+        if self.theta_prev.numel() != self.numel:
+            raise ValueError(f"outer state holds {self.theta_prev.numel()} values, expected {self.numel}")
+        self.optimizer.steps = int(state["steps"])
+        self.optimizer.state = {n: flatten_fp32(v)[self.start:self.end].to(self.theta_prev.device).clone()
+                                for n, v in state.items() if n not in ("steps", "reference")}
+
     def state_dict(self) -> dict:
         return {"theta_prev": self.theta_prev.clone(), "optimizer": self.optimizer.state_dict()}
 

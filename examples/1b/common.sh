@@ -72,9 +72,24 @@ fi
 echo "launch: $VARIANT on $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
 mkdir -p "$RUN_DIR"
 
+# Preemption (docs/launching.md, "Preemption and requeue"): `#SBATCH --signal=USR1@120` makes
+# Slurm send SIGUSR1 to the job step 120 s before the time limit (SIGTERM on scancel or
+# preemption). torchrun passes SIGUSR1 on to its workers only when told to handle it (without
+# this it would die of it); every rank then finishes its step, the job saves a checkpoint,
+# writes $RUN_DIR/preempted.json and the ranks exit with status 75. torchrun gives its workers
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to do that (torch versions that read it; else 30 s)
+# before it kills them; the checkpoint is atomic, so a killed save only loses that save.
+# (torchrun's --signals-to-handle reads PET_SIGNALS_TO_HANDLE; torch versions without that
+# flag read TORCHELASTIC_SIGNALS_TO_HANDLE)
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIGNALS_TO_HANDLE}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
+rm -f "$RUN_DIR/preempted.json"  # a stale marker must not requeue a job that failed otherwise
+
 # One torchrun per node (ntasks-per-node=1); torchrun starts the node's GPU processes and
 # assigns global ranks node by node, so consecutive ranks (a source group: tp fastest, then
 # dp, pp, group) sit on the same node (docs/launching.md).
+rc=0
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
   torchrun \
     --nnodes "$NNODES" \
@@ -82,4 +97,13 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     --rdzv-id "${SLURM_JOB_ID:-dept}" \
     --rdzv-backend c10d \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-    -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@"
+    -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@" || rc=$?
+
+# Preempted (status 75 from the ranks; torchrun reports its own status, so the marker decides):
+# put the job back in the queue (#SBATCH --requeue); it resumes from the checkpoint just written.
+if [ -f "$RUN_DIR/preempted.json" ] || [ "$rc" -eq 75 ]; then
+  echo "preempted: $(cat "$RUN_DIR/preempted.json" 2>/dev/null); requeueing job ${SLURM_JOB_ID:-?}"
+  scontrol requeue "${SLURM_JOB_ID:?}"
+  exit 0
+fi
+exit "$rc"

@@ -7,6 +7,8 @@
 #SBATCH --time=12:00:00
 #SBATCH --output=slurm-%x-%j.out
 #SBATCH --exclusive
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
 # DEPT GLOB, 1B model: 8 source groups, one per node (tensor 1 x data 8), body + embeddings averaged per round.
 # Submit from the repository root:   sbatch examples/1b/glob.sh [key.sub=value ...]
 # Shared environment, pre-flight check and launch: examples/1b/common.sh.

@@ -1,0 +1,95 @@
+"""Preemption: SIGTERM / SIGUSR1 make the job save a checkpoint and exit with a known code.
+
+SLURM sends ``SIGUSR1`` shortly before the time limit when the job asks for it
+(``#SBATCH --signal=USR1@120``) and ``SIGTERM`` on ``scancel`` or preemption. The handler only
+records the signal; the training loop asks :meth:`Preemption.agreed` at the end of every step,
+a one-element all-reduce (MAX) over the world, so that every rank stops after the same step
+even when the signal reached only some of them (or reached them during different steps). The
+loop then writes a checkpoint (deferred while an outer synchronisation is in flight:
+``hooks.can_save_now()``), ``dept_mega.train`` writes ``RUN/preempted.json`` and every rank
+exits with :data:`EXIT_PREEMPTED`. The sbatch scripts (``examples/1b/common.sh``) requeue the
+job when they find that file; the requeued job resumes from the checkpoint
+(docs/launching.md, "Preemption and requeue").
+
+The collective is bookkeeping (not counted by ``Comm``), like the loop's logging reductions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry"
+EXIT_PREEMPTED = 75
+PREEMPTED_FILE = "preempted.json"
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    """Records SIGTERM / SIGUSR1 (once installed) and agrees across ranks on stopping."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None  # the first signal this process received
+        self.stop_signal: Optional[int] = None  # set once every rank agreed (the largest number seen)
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "Preemption":
+        """Take over SIGTERM and SIGUSR1 in this (main-thread) process."""
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        if self.signal is None:
+            self.signal = int(signum)
+
+    def request(self, signum: int = int(signal.SIGUSR1)) -> None:
+        """What the handler does (tests, and callers that learn of a preemption otherwise)."""
+        self._handler(signum, None)
+
+    def agreed(self, device: torch.device) -> bool:
+        """True once any rank has received a signal; the same answer on every rank (collective:
+        call it on every rank at the same point of every step). Stays True once True."""
+        if self.stop_signal is not None:
+            return True
+        flag = int(self.signal or 0)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([flag], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        if flag:
+            self.stop_signal = flag
+        return self.stop_signal is not None
+
+    @property
+    def signal_name(self) -> str:
+        s = self.stop_signal or self.signal
+        try:
+            return signal.Signals(s).name if s else "none"
+        except ValueError:
+            return str(s)
+
+
+def write_marker(run_dir: str, step: int, signal_name: str) -> None:
+    """``RUN/preempted.json`` (global rank 0): the job stopped for a preemption after saving
+    checkpoint ``step``; the sbatch scripts requeue the job when it is there."""
+    from .manifest import replace_durable
+    replace_durable(os.path.join(run_dir, PREEMPTED_FILE),
+                    json.dumps({"step": int(step), "signal": signal_name, "exit_code": EXIT_PREEMPTED}).encode())
+
+
+def clear_marker(run_dir: str) -> None:
+    """A new launch of the run: the previous preemption is handled."""
+    try:
+        os.remove(os.path.join(run_dir, PREEMPTED_FILE))
+    except FileNotFoundError:
+        pass

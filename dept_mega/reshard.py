@@ -1,0 +1,92 @@
+"""Load a checkpoint written under another tensor / pipeline / virtual-pipeline layout.
+
+The checkpoint's keys name positions (``model/g{g}/tp{t}/pp{p}/c{chunk}/{name}``, optimizer
+state ``optim/{body|emb}/{moment}/`` + that key); the parameter names inside a stage carry the
+GLOBAL layer index (``body.layers.{i}``), so a parameter is found whatever pipeline stage or
+chunk held it. For every tensor this rank loads, the saved tensor-parallel shards of the same
+(group, name) are read (in this process: DCP without collectives), joined along the
+parameter's ``partition_dim`` (with its ``partition_stride``, as the export does) and cut
+into this rank's shard. A parameter held on two stages (a tied embedding's copy on the last
+stage) is read from the first copy: both receive the same updates.
+
+Used by :func:`dept_mega.checkpoint.load_weights` only where nothing else depends on the
+layout: no per-rank hook state (STD), no distributed-optimizer shards, no dropout streams in
+use (they are seeded per tensor/pipeline rank). Each rank reads the full tensors it needs:
+host memory for one full copy of the tensors of its own stage.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Optional
+
+import torch
+
+from .manifest import CheckpointError
+
+_KEY = re.compile(r"^(?P<prefix>(?:optim/[^/]+/[^/]+/)?)model/g(?P<g>\d+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/"
+                  r"(?P<name>.+)$")
+
+
+def join_shards(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
+    """Full tensor from tensor rank t's ``shards[t]`` (blocks of ``stride`` interleaved)."""
+    if len(shards) == 1 or dim is None:
+        return shards[0]
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
+
+
+def cut_shard(full: torch.Tensor, dim: Optional[int], stride: int, parts: int, index: int) -> torch.Tensor:
+    """Tensor rank ``index``'s shard of ``full`` (inverse of :func:`join_shards`)."""
+    if parts == 1 or dim is None:
+        return full
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(parts, dim=dim)[index] for b in blocks], dim=dim)
+
+
+def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], path: str,
+                   saved_tensor: int, tp_size: int, tp_rank: int) -> None:
+    """Fill ``state`` (this rank's checkpoint keys → tensors, loaded in place) from checkpoint
+    ``path`` written with ``saved_tensor`` tensor ranks; ``params``: model key → parameter
+    (for its partitioning)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    index: dict[tuple[str, int, str], dict[tuple[int, int], dict[int, str]]] = {}
+    for key in meta:
+        m = _KEY.match(key)
+        if m:
+            where = (m["prefix"], int(m["g"]), m["name"])
+            index.setdefault(where, {}).setdefault((int(m["p"]), int(m["c"])), {})[int(m["t"])] = key
+    plan = []
+    wanted: dict[str, torch.Tensor] = {}
+    for key, target in state.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise CheckpointError(f"{path}: cannot place {key!r} in another layout")
+        model_key = key[len(m["prefix"]):]
+        positions = index.get((m["prefix"], int(m["g"]), m["name"]), {})
+        complete = sorted(pc for pc, shards in positions.items() if sorted(shards) == list(range(saved_tensor)))
+        if not complete:
+            raise CheckpointError(f"{path}: no complete set of {saved_tensor} tensor shards of "
+                                  f"{m['prefix']}{m['name']} (group {m['g']})")
+        keys = [positions[complete[0]][t] for t in range(saved_tensor)]
+        for k in keys:
+            md = meta[k]
+            wanted.setdefault(k, torch.empty(tuple(md.size), dtype=md.properties.dtype))
+        plan.append((key, target, keys, params[model_key]))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    for key, target, keys, param in plan:
+        if target.dim() == 0:
+            target.copy_(wanted[keys[0]])
+            continue
+        dim = getattr(param, "partition_dim", None)
+        stride = int(getattr(param, "partition_stride", 1) or 1)
+        full = join_shards([wanted[k] for k in keys], dim, stride)
+        local = cut_shard(full, dim, stride, tp_size, tp_rank)
+        if tuple(local.shape) != tuple(target.shape):
+            raise CheckpointError(f"{path}: {key} resharded to shape {tuple(local.shape)}, this launch holds "
+                                  f"{tuple(target.shape)}")
+        target.copy_(local)

@@ -1,0 +1,274 @@
+"""Preemption (issue 13): SIGUSR1 / SIGTERM make every rank finish its step, the job save a
+checkpoint, write ``RUN/preempted.json`` and exit with status 75; the relaunched job resumes
+and ends with the uninterrupted run's losses. Saves wait for ``hooks.can_save_now()``.
+Retention (``train.keep_checkpoints``) and the checkpoint size in the log."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dept_utils import tiny_config
+from tests.mp_utils import free_port, run_distributed
+from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
+
+
+def _loop(cfg, run_dir, hooks=None):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+    pg = build_groups(1, 1, 1)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    allowed = torch.arange(cfg.model.vocab_size)
+    stream = io.StringIO()
+    writer = MetricsWriter(run_dir, enabled=True, stream=stream)
+    loop = TrainLoop(cfg, pg, trainer, hooks or StdHooks(), writer,
+                     lambda name: SyntheticSource(cfg, 3, allowed), checkpointer=Checkpointer(run_dir))
+    return loop, stream
+
+
+def _cfg(run_dir, **train):
+    t = {"steps": 6, "save_interval": 0, "eval_interval": 0, "log_interval": 1, "run_dir": run_dir}
+    t.update(train)
+    return tiny_config({"dept": {"variant": "std"}, "train": t})
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["kind"] == "train"}
+
+
+class _Deferring:
+    """StdHooks whose can_save_now() is False for the steps in ``busy`` (an outer sync in flight)."""
+
+    def __init__(self, busy):
+        from dept_mega.loop import StdHooks
+        self._std, self.busy, self.loop = StdHooks(), set(busy), None
+
+    def __getattr__(self, name):
+        return getattr(self._std, name)
+
+    def can_save_now(self):
+        return self.loop.trainer.step not in self.busy
+
+
+def test_retention_keeps_the_newest_and_logs_sizes(tmp_path):
+    from dept_mega.resume import read_latest, step_dirs, verify_checkpoint
+    run = str(tmp_path / "run")
+    loop, log = _loop(_cfg(run, save_interval=1, keep_checkpoints=2), run)
+    loop.run()
+    assert step_dirs(run) == [6, 5]
+    assert read_latest(run) == (6, None)
+    assert verify_checkpoint(os.path.join(run, "checkpoints", "step_5")) is None
+    lines = [ln for ln in log.getvalue().splitlines() if ln.startswith("checkpoint step")]
+    assert len(lines) == 6
+    size = sum(os.path.getsize(os.path.join(run, "checkpoints", "step_6", f))
+               for f in os.listdir(os.path.join(run, "checkpoints", "step_6")))
+    assert f"checkpoint step 6: {size:,} bytes" in lines[-1]
+    assert "removed step(s) 4 (train.keep_checkpoints=2)" in lines[-1]
+    # keep all (default)
+    run2 = str(tmp_path / "all")
+    loop, _ = _loop(_cfg(run2, save_interval=2), run2)
+    loop.run()
+    assert step_dirs(run2) == [6, 4, 2]
+
+
+def test_retention_never_removes_latest_or_newer_steps(tmp_path):
+    """A run that fell back to an older checkpoint (latest = 2) and saves step 3 keeps the
+    damaged step 5 of the abandoned timeline out of its count and does not touch it."""
+    from dept_mega.checkpoint import apply_retention
+    from dept_mega.manifest import replace_durable
+    ck = tmp_path / "checkpoints"
+    for s in (1, 2, 3, 5):
+        (ck / f"step_{s}").mkdir(parents=True)
+    replace_durable(str(ck / "latest"), b"3\n")
+    assert apply_retention(str(tmp_path), 1, 3) == [2, 1]
+    assert sorted(os.listdir(ck)) == ["latest", "step_3", "step_5"]
+    assert apply_retention(str(tmp_path), 0, 3) == []
+
+
+def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
+    """A signal recorded during step 3 stops the loop after step 3 with a checkpoint of step 3
+    (no final evaluation or save); the resumed loop ends with the uninterrupted losses. A save
+    due while ``can_save_now()`` is False waits for the first step where it is True."""
+    from dept_mega.preemption import Preemption
+    ref = str(tmp_path / "ref")
+    loop, _ = _loop(_cfg(ref), ref)
+    loop.run()
+    want = _losses(ref)
+
+    run = str(tmp_path / "run")
+    hooks = _Deferring(busy={3, 4})
+    loop, log = _loop(_cfg(run, save_interval=2), run, hooks)
+    hooks.loop = loop
+    pre = Preemption()
+    loop.preemption = pre
+    orig = loop.trainer.train_step
+
+    def step(batches):
+        if loop.trainer.step == 2:  # during step 3
+            pre.request(int(signal.SIGTERM))
+        return orig(batches)
+
+    loop.trainer.train_step = step
+    loop.run()
+    # the save due at step 4 (interval 2) and the preemption after step 3 wait for step 5
+    assert loop.preempted_at == 5 and pre.signal_name == "SIGTERM"
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_2", "step_5"]
+    text = log.getvalue()
+    assert "checkpoint: due at step 3, deferred while an outer sync is in flight" in text
+    assert "deferred since step 3 (outer sync in flight), saving at step 5" in text
+
+    loop2, _ = _loop(_cfg(run), run)
+    assert loop2.checkpointer.load(loop2) == 5
+    loop2.writer.resume_at(5)
+    loop2.run()
+    got = _losses(run)
+    assert sorted(got) == list(range(1, 7))
+    assert got == want
+
+
+def _agree_worker(rank, world):
+    from dept_mega.preemption import Preemption
+    p = Preemption()
+    seen = [p.agreed(torch.device("cpu"))]
+    if rank == 1:
+        p.request(int(signal.SIGUSR1))
+    seen += [p.agreed(torch.device("cpu")), p.agreed(torch.device("cpu"))]
+    return seen, p.signal_name
+
+
+def test_ranks_agree_on_a_signal_only_one_received():
+    res = run_distributed(_agree_worker, 2, timeout=60)
+    assert res == [([False, True, True], "SIGUSR1")] * 2
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu",
+           PET_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+           TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+ARGS = ["train.log_interval=1", "train.eval_interval=0", "train.eval_iters=1", "parallel.data=2",
+        "train.init_timeout_s=120", "train.save_interval=0"]
+
+
+def _torchrun(run, steps):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train", "--config", TINY_STD,
+           f"train.run_dir={run}", f"train.steps={steps}", *ARGS]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigusr1_to_torchrun_saves_exits_75_and_the_relaunch_continues(tmp_path):
+    """What Slurm's ``--signal=USR1@120`` does: SIGUSR1 to torchrun (which passes it on to its
+    workers when told to: --signals-to-handle, PET_SIGNALS_TO_HANDLE, as examples/1b/common.sh sets it); the
+    workers save the step they finished and exit 75; the relaunch ends with the uninterrupted
+    run's losses and removes the marker."""
+    from tests.test_restart import _stop, _train_steps, _wait
+    ensure_sample_corpus()
+    steps = 40
+    ref = str(tmp_path / "ref")
+    p = _torchrun(ref, steps)
+    try:
+        out, _ = p.communicate(timeout=240)
+    finally:
+        _stop(p)
+    assert p.returncode == 0, out[-3000:]
+    want = _losses(ref)
+
+    run = str(tmp_path / "run")
+    p = _torchrun(run, steps)
+    try:
+        assert _wait(lambda: max(_train_steps(run), default=0) >= 3, 240, p), "the run ended before the signal"
+        p.send_signal(signal.SIGUSR1)
+        out, _ = p.communicate(timeout=200)
+    finally:
+        _stop(p)
+    assert p.returncode != 0, out[-3000:]
+    # torchrun itself ends with its SignalException; the ranks' status is in their log line
+    assert "written; exiting with status 75" in out, out[-3000:]
+    marker = json.load(open(os.path.join(run, "preempted.json")))
+    assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75
+    stopped = marker["step"]
+    assert 3 <= stopped < steps
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == str(stopped)
+    assert max(_train_steps(run)) == stopped
+
+    p = _torchrun(run, steps)
+    try:
+        out, _ = p.communicate(timeout=240)
+    finally:
+        _stop(p)
+    assert p.returncode == 0, out[-3000:]
+    assert f"resumed from {run}/checkpoints/step_{stopped}" in out
+    assert not os.path.exists(os.path.join(run, "preempted.json"))
+    got = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for r in got:
+        assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-9), r["step"]
+
+
+def _async_worker(rank, world, root):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.resume import verify_checkpoint
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+    pg = build_groups(1, 2, 1)
+    out = {}
+
+    def make(run, async_save):
+        cfg = tiny_config({"dept": {"variant": "std"}, "parallel": {"data": 2},
+                           "train": {"steps": 6, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
+                                     "run_dir": run, "async_save": async_save, "keep_checkpoints": 2}})
+        torch.manual_seed(cfg.train.seed)
+        trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+        allowed = torch.arange(cfg.model.vocab_size)
+        writer = MetricsWriter(run, enabled=rank == 0, stream=io.StringIO())
+        return TrainLoop(cfg, pg, trainer, StdHooks(), writer,
+                         lambda n: SyntheticSource(cfg, 3, allowed, pg.dp_rank, pg.dp_size),
+                         checkpointer=Checkpointer(run))
+
+    for mode in (False, True):
+        run = os.path.join(root, f"async{int(mode)}")
+        loop = make(run, mode)
+        loop.run()
+        params = [p.detach().clone() for p in loop.trainer.parameters()]
+        problems = {s: verify_checkpoint(os.path.join(run, "checkpoints", f"step_{s}")) for s in (4, 6)}
+        loop2 = make(run, mode)
+        loop2.checkpointer.load(loop2, step=4)
+        loop2.run()
+        resumed = [p.detach().clone() for p in loop2.trainer.parameters()]
+        out[mode] = {"params": params, "resumed": resumed, "problems": problems,
+                     "dirs": sorted(os.listdir(os.path.join(run, "checkpoints"))),
+                     "log": loop.writer.stream.getvalue(), "thread_group": loop.checkpointer._group is not None}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_async_save_gives_the_sync_results_and_verified_checkpoints(tmp_path):
+    """train.async_save: true (2 data-parallel ranks, a save every 2 steps written by a thread
+    on its own gloo group while training goes on): the same weights as synchronous saves, every
+    checkpoint verifies against its manifest, retention applies, and a resume from one ends
+    bit-identical."""
+    res = run_distributed(_async_worker, 2, args=(str(tmp_path),), timeout=280)
+    for r in res:
+        for mode in (False, True):
+            got = r[mode]
+            assert got["problems"] == {4: None, 6: None}
+            assert got["dirs"] == ["latest", "step_4", "step_6"]
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], got["resumed"]))
+        assert all(torch.equal(a, b) for a, b in zip(r[False]["params"], r[True]["params"]))
+        assert r[True]["thread_group"] and not r[False]["thread_group"]
+    assert "checkpoint step 6:" in res[0][True]["log"] and "(written in the background)" in res[0][True]["log"]
