@@ -105,3 +105,55 @@ def test_activation_formula_by_recompute_mode():
     sp = act(parallel={"tensor": 2, "sequence_parallel": True})
     assert sp < tp < none
     assert act(model={"attention_backend": "bias"}) > none
+
+
+@pytest.mark.gpu
+def test_activation_memory_script_on_gpu(tmp_path):
+    """benchmarks/activation_memory.py runs on a CUDA device and measures every recompute mode;
+    the prediction is within a factor of two of the measured peak (the comparison itself goes
+    into docs/performance.md)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import json
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 4, hidden_size: 1024, num_attention_heads: 8, num_query_groups: 8, "
+                   "ffn_hidden_size: 4096, seq_length: 1024, vocab_size: 32000}\n"
+                   "precision: bf16\ntrain: {micro_batch_size: 4, global_batch_size: 8}\n")
+    out = tmp_path / "act.json"
+    subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--config", str(cfg), "--out", str(out)],
+                   check=True)
+    res = json.loads(out.read_text())["modes"]
+    assert set(res) == {"none", "selective", "full"}
+    for r in res.values():
+        assert 0.5 < r["predicted_bytes"] / r["measured_peak_bytes"] < 2.0
+    assert res["full"]["measured_peak_bytes"] < res["none"]["measured_peak_bytes"]
+
+
+def test_dept_costs_memory_json(tmp_path):
+    """tools/dept_costs.py --memory --json: every variant has exactly the memory keys, in int
+    bytes; lean outer state and the distributed optimizer shrink what they should."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256, "
+                   "seq_length: 32, vocab_size: 500}\nparallel: {data: 4}\nprecision: fp32\n"
+                   "dept: {variant: glob}\ntrain: {micro_batch_size: 2, global_batch_size: 16}\n")
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "tools/dept_costs.py", "--config", str(cfg), "--source-vocab", "300",
+                              "--trim-vocab", "200", "--memory", "--json", *extra],
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out)["variants"]
+
+    full, lean = run("--outer-state", "full"), run("--outer-state", "lean", "--set", "optim.distributed=true")
+    for name, v in full.items():
+        assert list(v["memory"]) == list(MEMORY_KEYS) and all(isinstance(x, int) for x in v["memory"].values())
+        assert lean[name]["memory"]["optimizer"] < v["memory"]["optimizer"]
+    assert full["std"]["memory"]["outer"] == 0 and full["glob"]["memory"]["outer"] > full["spec"]["memory"]["outer"]
+    assert lean["glob"]["memory"]["outer"] < full["glob"]["memory"]["outer"]
+    assert full["trim"]["memory"]["trim_table"] > 0 == full["spec"]["memory"]["trim_table"]

@@ -446,3 +446,15 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
     if D > 1:
         out["dp"] += groups * (body_elems + dense_emb) * fp32
     return out
+
+
+# the per-rank memory model lives in memory.py (which imports this module's constants); its
+# names are served from here too, resolved on first use to keep the imports acyclic
+_MEMORY_NAMES = ("MEMORY_KEYS", "held_bytes", "predict_memory", "predict_memory_variants", "activation_bytes")
+
+
+def __getattr__(name: str):
+    if name in _MEMORY_NAMES:
+        from . import memory
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

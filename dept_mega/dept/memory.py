@@ -68,6 +68,11 @@ from ..config import Config, ConfigError
 from .costs import VOCAB_PAD_MULTIPLE, VARIANTS
 from .outer import chunk_bounds
 
+# The layout of FlatSync's θ_prev that dept/outer.py implements on this branch: False = full on
+# every data-parallel rank. Set True when FlatSync keeps θ_prev for its 1/D chunk only (lean
+# DEPT state, issue 10); tests/test_memory.py then checks the lean formula against the run.
+FLATSYNC_THETA_CHUNK_ONLY = False
+
 MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch", "total")
 OUTER_STATE = {"fedavg": 0, "nesterov": 1, "adam": 2}  # fp32 values per element of outer optimizer state
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -325,9 +330,12 @@ def variant_vocab(variant: str, global_vocab: int, source_vocabs: Sequence[int],
 
 
 def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] = (),
-                   trim_vocabs: Sequence[int] = (), lean_outer: bool = False) -> dict[str, int]:
+                   trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, int]:
     """Bytes per rank (the largest rank) of ``cfg.dept.variant`` (see the module doc); the keys
-    of :data:`MEMORY_KEYS` plus ``in_flight_microbatches``."""
+    of :data:`MEMORY_KEYS` plus ``in_flight_microbatches``. ``lean_outer``: θ_prev for the
+    rank's 1/D chunk only (None: what this code base does, :data:`FLATSYNC_THETA_CHUNK_ONLY`)."""
+    if lean_outer is None:
+        lean_outer = FLATSYNC_THETA_CHUNK_ONLY
     m, p, d = cfg.model, cfg.parallel, cfg.dept
     variant = d.variant
     vocab = variant_vocab(variant, global_vocab, source_vocabs, trim_vocabs)
@@ -367,7 +375,7 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
 
 
 def predict_memory_variants(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] = (),
-                            trim_vocabs: Sequence[int] = (), lean_outer: bool = False) -> dict[str, dict]:
+                            trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, dict]:
     """:func:`predict_memory` for every variant (``cfg.dept.variant`` replaced)."""
     out = {}
     for name in VARIANTS:
