@@ -3,7 +3,8 @@
 
 The whole round (driver + trainer) is checked against the same prediction by the DEPT tests;
 this one pins the counting rules per layout: T 2 (replicated parameters), D 2 (split and
-re-gather), P 2 (the tied table's last-stage copy), fp32 and bf16 on the wire.
+re-gather), P 2 (the tied table's last-stage copy), fp32 and bf16 on the wire, and TRIM's
+reads of V_k's rows from φ's row shards (T·D > 1).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from dept_mega.config import config_from_dict
 from dept_mega.dept.costs import padded_vocab, predict_outer_round_bytes
 from dept_mega.dept.outer import FlatSync, OuterOptimizer, chunk_bounds
-from dept_mega.dept.trim import exchange_rows
+from dept_mega.dept.trim import TrimTable, exchange_rows
 from dept_mega.model.gpt import build_model
 from dept_mega.parallel.comm import total_over_ranks
 from dept_mega.parallel.groups import build_groups
@@ -71,6 +72,13 @@ def _measure(rank, world_size, layouts):
                 continue
             kinds = [m for m in (emb_mod.word_embeddings, emb_mod.output_layer) if m is not None]
             for _ in kinds:
+                # φ row-sharded over the stage's tp × dp ranks: read V_k's rows at the round's
+                # start (fill) and end (Δ), as TrimStrategy does
+                phi = TrimTable(torch.randn(2 * n_real + 2, 16), pg=pg, group=pg.tp_dp,
+                                index=pg.dp_rank * pg.tp_size + pg.tp_rank, parts=pg.tp_size * pg.dp_size)
+                v_k = torch.arange(n_real, dtype=torch.int64) * 2 + g
+                phi.gather(v_k)
+                phi.gather(v_k)
                 a, b = min(pg.tp_rank * rows, n_real), min((pg.tp_rank + 1) * rows, n_real)
                 ids = torch.arange(a, b, dtype=torch.int64) * 2 + g
                 exchange_rows(pg, ids, torch.randn(b - a, 16), comm_dtype=dtype)

@@ -3,7 +3,7 @@
 
     python tools/dept_costs.py --config CFG.yaml [key=value ...] \
         [--global-vocab N] [--source-vocab N] [--trim-vocab N] \
-        [--groups G --comm-dtype fp32|bf16] [--json]
+        [--groups G --comm-dtype fp32|bf16] [--memory [--outer-state full|lean] [--set KEY=VALUE ...]] [--json]
 
 Vocabulary sizes come from the command line when given, else from the config's tokenizers
 (``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
@@ -11,6 +11,11 @@ Vocabulary sizes come from the command line when given, else from the config's t
 is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one outer round
 per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts.
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
+``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
+``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, total}.
+``--outer-state`` picks FlatSync's θ_prev layout (default: what dept/outer.py does);
+``--set KEY=VALUE`` changes the config after validation, to predict a layout the trainer
+refuses today (e.g. ``optim.distributed=true`` with bf16 weights and a DEPT variant).
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.config import ConfigError, load_config  # noqa: E402
-from dept_mega.dept.costs import VARIANTS, predict_costs, predict_outer_round_bytes, resolve_vocabs  # noqa: E402
+from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
+                                  predict_outer_round_bytes, resolve_vocabs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,12 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="G source groups: also predict the bytes of one outer round")
     ap.add_argument("--comm-dtype", choices=("fp32", "bf16"), default=None,
                     help="outer communication dtype (default: the config's dept.outer_comm_dtype)")
+    ap.add_argument("--memory", action="store_true", help="also predict the bytes per rank of every variant")
+    ap.add_argument("--outer-state", choices=("full", "lean"), default=None,
+                    help="FlatSync's theta_prev: full on every dp rank, or the rank's 1/D chunk (default: the code's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a config key after validation (memory predictions of unsupported layouts)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap.parse_args(argv)
 
 
 def compute(args: argparse.Namespace) -> dict:
-    cfg = load_config(args.config, args.overrides)
+    cfg = unchecked(load_config(args.config, args.overrides), args.set)
     vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
     if args.groups is not None:
@@ -61,6 +72,14 @@ def compute(args: argparse.Namespace) -> dict:
             one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
             variants[name]["outer_round_bytes"] = predict_outer_round_bytes(
                 one, 1 if name == "std" else args.groups, args.comm_dtype, vocabs.global_vocab, trim)
+    if args.memory:
+        lean = None if args.outer_state is None else args.outer_state == "lean"
+        for name in VARIANTS:
+            one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
+            mem = predict_memory(one, vocabs.global_vocab, list(vocabs.source_vocabs.values()),
+                                 list(vocabs.trim_vocabs.values()), lean)
+            variants[name]["memory"] = {k: int(mem[k]) for k in MEMORY_KEYS}
+            variants[name]["in_flight_microbatches"] = mem["in_flight_microbatches"]
     m = cfg.model
     return {
         "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -73,6 +92,28 @@ def compute(args: argparse.Namespace) -> dict:
                   "trim_mean": vocabs.mean_trim_vocab, "origin": vocabs.origin},
         "variants": variants,
     }
+
+
+def unchecked(cfg, assignments: list[str]):
+    """``cfg`` with dotted ``KEY=VALUE`` (YAML values) set without validation; an unknown key
+    is a ConfigError naming it."""
+    import yaml
+
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        parts = key.split(".")
+
+        def put(obj, path):
+            if not dataclasses.is_dataclass(obj) or not hasattr(obj, path[0]):
+                raise ConfigError(f"--set: unknown config key {key!r}")
+            if len(path) == 1:
+                return dataclasses.replace(obj, **{path[0]: yaml.safe_load(raw)})
+            return dataclasses.replace(obj, **{path[0]: put(getattr(obj, path[0]), path[1:])})
+
+        cfg = put(cfg, parts)
+    return cfg
 
 
 def _fmt(x: float) -> str:
@@ -109,6 +150,12 @@ def table(result: dict) -> str:
         for name, c in result["variants"].items():
             b = c["outer_round_bytes"]
             lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items()))
+    if any("memory" in c for c in result["variants"].values()):
+        lines.append("predicted bytes per rank (the largest rank):")
+        lines.append(f"  {'variant':9} " + " ".join(f"{k[:11]:>11}" for k in MEMORY_KEYS))
+        for name, c in result["variants"].items():
+            mem = c["memory"]
+            lines.append(f"  {name:9} " + " ".join(f"{_fmt_bytes(mem[k]):>11}" for k in MEMORY_KEYS))
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 
 

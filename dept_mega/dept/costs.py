@@ -357,6 +357,17 @@ def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, da
     return out
 
 
+def trim_shard_gather_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, data: int) -> int:
+    """Bytes of reading φ's rows V_k from its row shards (dept/trim.py ``TrimTable.gather``),
+    summed over ranks, per table and round: twice per round (the round start's fill of the
+    compact table, the round end's pseudo-gradient) every one of a stage's S = T·D ranks
+    all-reduces |V_k|·d fp32 values (int32 bit patterns) in ``dp``; nothing when S = 1."""
+    S = tensor * data
+    if S == 1:
+        return 0
+    return sum(2 * S * v * hidden * DTYPE_BYTES["fp32"] for v in trim_vocabs)
+
+
 def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = None,
                               global_vocab: Optional[int] = None,
                               trim_vocabs: Optional[Sequence[int]] = None) -> dict[str, int]:
@@ -390,7 +401,9 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
       in the outer group (:func:`trim_exchange_bytes`): about Σ_k |V_k|·(8 + h·b) when the
       |V_k| are close (only when G > 1). Every rank then re-gathers what it received inside
       its group in fp32, also when G = 1: over dp when D > 1 and over tp when T > 1; the
-      ``dp``/``tp`` figures include these.
+      ``dp``/``tp`` figures include these. φ is row-sharded over a stage's T·D ranks, so the
+      round start's fill and the round end's Δ read V_k's rows from the shards
+      (:func:`trim_shard_gather_bytes`, in ``dp``).
     * SPEC / SPEC-OPT: nothing but the body. STD: no outer round, all zero.
 
     Returns ``{"outer_body", "outer_embedding", "dp", "tp"}`` in bytes (``tp`` is only
@@ -426,7 +439,7 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
                               f"got {trim_vocabs!r}")
         trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, b)
         rows_bytes = tables * trim["outer_embedding"]
-        out["dp"] += tables * trim["dp"]
+        out["dp"] += tables * (trim["dp"] + trim_shard_gather_bytes(trim_vocabs, m.hidden_size, T, D))
         out["tp"] += tables * trim["tp"]
     if groups > 1:
         out["outer_body"] = groups * body_elems * b
@@ -434,3 +447,15 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
     if D > 1:
         out["dp"] += groups * (body_elems + dense_emb) * fp32
     return out
+
+
+# the per-rank memory model lives in memory.py (which imports this module's constants); its
+# names are served from here too, resolved on first use to keep the imports acyclic
+_MEMORY_NAMES = ("MEMORY_KEYS", "held_bytes", "predict_memory", "predict_memory_variants", "activation_bytes")
+
+
+def __getattr__(name: str):
+    if name in _MEMORY_NAMES:
+        from . import memory
+        return getattr(memory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

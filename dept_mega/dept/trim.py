@@ -1,7 +1,8 @@
 """TRIM: the global embedding table φ outside the groups' models, and its sparse row updates.
 
-φ (fp32, [|V|, d]) is held on CPU by every rank that holds a part of the token embedding or
-of the untied head (``dept.trim_table_device: cpu``). At a round's start a group copies the
+φ (fp32, [|V|, d]) is held on CPU (``dept.trim_table_device: cpu``) by the ranks that hold a
+part of the token embedding or of the untied head, its rows sharded over the stage's tensor ×
+data-parallel ranks (:class:`TrimTable`). At a round's start a group copies the
 rows V_k of its source into its compact embedding (``gather``); at the round's end each rank
 computes the pseudo-gradient of the compact rows it owns, Δ_r = φ_r − local_r, and only
 those rows and their global ids cross groups (:func:`exchange_rows`). Every rank then applies
@@ -117,36 +118,110 @@ class RowOuterOptimizer:
 
 class TrimTable:
     """φ: the global fp32 table (token embedding, or the untied head) and the outer optimizer
-    state of its rows. A later change may shard both over ranks: callers use only
-    :meth:`gather`, :meth:`apply`, :meth:`state_dict` and :meth:`load_state_dict`."""
+    state of its rows, row-sharded over ``parts`` ranks (issue 10's lean DEPT state).
+
+    Rank ``index`` of ``group`` (TrimStrategy: the stage's tensor × data-parallel ranks,
+    ``pg.tp_dp``) holds rows ``chunk_bounds(|V|, parts, index)`` of φ (``weight``, with
+    ``row_start``/``row_end``) and their per-row optimizer state; no rank holds the whole
+    table when ``parts`` > 1. The calls below are collective over ``group`` when ``parts`` > 1
+    (every rank of the group calls them with the same ``ids``):
+
+    * :meth:`gather` — the rows ``ids`` of φ on every rank: each rank fills the rows it owns
+      into a zero buffer and the buffers are summed over the group as int32 bit patterns
+      (exact: one non-zero pattern per row, -0.0 and NaN included; ``pg.comm`` category ``dp``,
+      |ids|·d·4 bytes per rank);
+    * :meth:`full_table` — the whole φ (all-gather of the shards, category ``dp``).
+
+    :meth:`apply` is local: every rank receives all groups' (ids, Δ) (``exchange_rows``) and
+    updates the rows it owns, in the same order as an unsharded table would (bit-identical).
+    ``parts`` = 1 (the default) is the unsharded table of one rank."""
 
     def __init__(self, weight: torch.Tensor, device: str | torch.device = "cpu",
-                 optimizer: Optional[RowOuterOptimizer] = None) -> None:
-        self.weight = weight.detach().to(device=device, dtype=torch.float32).clone()
+                 optimizer: Optional[RowOuterOptimizer] = None, pg=None, group=None,
+                 index: int = 0, parts: int = 1) -> None:
+        self.rows_total = int(weight.shape[0])
+        self.pg, self.group = pg, group
+        self.index, self.parts = int(index), int(parts)
+        if self.parts > 1 and (pg is None or group_size(group) != self.parts):
+            raise ValueError(f"TRIM table sharded {self.parts} ways needs a group of {self.parts} ranks")
+        self.row_start, self.row_end = chunk_bounds(self.rows_total, self.parts, self.index)
+        self.weight = weight.detach()[self.row_start:self.row_end].to(device=device, dtype=torch.float32).clone()
         self.optimizer = optimizer if optimizer is not None else RowOuterOptimizer()
         self.optimizer.ensure_state(self.weight)
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        return self.rows_total
+
+    @property
+    def sharded(self) -> bool:
+        return self.parts > 1
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        return gather_rows(self.weight, ids.to(self.weight.device))
+        """Rows ``ids`` of φ (collective when sharded, see the class doc)."""
+        ids = ids.to(self.weight.device, torch.int64)
+        if not self.sharded:
+            return gather_rows(self.weight, ids)
+        mine = (ids >= self.row_start) & (ids < self.row_end)
+        out = torch.zeros(ids.numel(), self.weight.shape[1], dtype=torch.float32, device=self.weight.device)
+        out[mine] = gather_rows(self.weight, ids[mine] - self.row_start)
+        bits = out.view(torch.int32)
+        self.pg.comm.all_reduce(bits, self.group, category="dp")
+        return bits.view(torch.float32)
+
+    def full_table(self) -> torch.Tensor:
+        """The whole φ [|V|, d] on every rank of the group (collective when sharded)."""
+        if not self.sharded:
+            return self.weight.clone()
+        bounds = [chunk_bounds(self.rows_total, self.parts, i) for i in range(self.parts)]
+        largest = max(e - s for s, e in bounds)
+        d = self.weight.shape[1]
+        mine = torch.zeros(largest, d, dtype=torch.float32, device=self.weight.device)
+        mine[:self.weight.shape[0]] = self.weight
+        parts = [torch.empty(largest, d, dtype=torch.float32, device=self.weight.device) for _ in bounds]
+        self.pg.comm.all_gather_list(parts, mine, self.group, category="dp")
+        return torch.cat([t[:e - s] for t, (s, e) in zip(parts, bounds)])
 
     @torch.no_grad()
     def apply(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
-        """One round's update from every group's (global ids, Δ rows)."""
+        """One round's update from every group's (global ids, Δ rows): the rows this rank owns."""
+        if self.sharded:
+            ids = ids.to(torch.int64)
+            mine = (ids >= self.row_start) & (ids < self.row_end)
+            ids, deltas = ids[mine] - self.row_start, deltas[mine.to(deltas.device)]
         self.optimizer.apply(self.weight, ids, deltas)
 
     def state_dict(self) -> dict:
-        return {"weight": self.weight.clone(), "optimizer": self.optimizer.state_dict()}
+        """This rank's rows: ``weight`` [row_end − row_start, d], ``optimizer`` (per-row state of
+        those rows) and ``rows`` = [row_start, row_end, |V|]."""
+        return {"weight": self.weight.clone(), "optimizer": self.optimizer.state_dict(),
+                "rows": [self.row_start, self.row_end, self.rows_total]}
+
+    def _mine(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t`` as this rank's rows: taken as is when it has them, sliced from a whole table."""
+        n = self.row_end - self.row_start
+        if t.shape[0] == n:
+            return t
+        if t.shape[0] == self.rows_total:
+            return t[self.row_start:self.row_end]
+        raise ValueError(f"TRIM table: checkpoint {what} has {t.shape[0]} rows, expected {n} (this rank's "
+                         f"rows {self.row_start}-{self.row_end}) or the whole table's {self.rows_total}")
 
     def load_state_dict(self, sd: dict) -> None:
-        if tuple(sd["weight"].shape) != tuple(self.weight.shape):
+        """Loads a state of this rank's rows or of the whole table (an unsharded run's)."""
+        rows = sd.get("rows")
+        if rows is not None and sd["weight"].shape[0] != self.rows_total \
+                and list(rows) != [self.row_start, self.row_end, self.rows_total]:
+            raise ValueError(f"TRIM table: checkpoint holds rows {rows[0]}-{rows[1]} of {rows[2]}, this rank "
+                             f"owns {self.row_start}-{self.row_end} of {self.rows_total} (same layout needed)")
+        weight = self._mine(sd["weight"], "weight")
+        if tuple(weight.shape[1:]) != tuple(self.weight.shape[1:]):
             raise ValueError(f"TRIM table: checkpoint shape {tuple(sd['weight'].shape)}, "
-                             f"expected {tuple(self.weight.shape)}")
-        self.weight.copy_(sd["weight"])
-        self.optimizer.load_state_dict(sd["optimizer"], self.weight)
+                             f"expected rows of {tuple(self.weight.shape[1:])}")
+        self.weight.copy_(weight)
+        opt = dict(sd["optimizer"])
+        opt["state"] = {k: self._mine(v, f"row state {k!r}") for k, v in opt.get("state", {}).items()}
+        self.optimizer.load_state_dict(opt, self.weight)
 
 
 @torch.no_grad()

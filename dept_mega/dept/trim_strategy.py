@@ -1,4 +1,5 @@
-"""TRIM: the global table φ (and φ_head when untied) lives outside the groups' models; a group
+"""TRIM: the global table φ (and φ_head when untied, each row-sharded over a stage's tp × dp
+ranks) lives outside the groups' models; a group
 trains a compact table over its source's vocabulary V_k, filled from φ at install; at the
 round end only the trimmed rows' pseudo-gradients cross groups and the configured outer
 optimizer updates the held rows of φ (trim.py). Learned positions are synchronised like the
@@ -47,6 +48,7 @@ class TrimStrategy(VariantStrategy):
     name = "trim"
     source_embeddings = True
     move_weights = False  # refilled from φ at install
+    shard_table = True  # φ row-sharded over the stage's tp × dp ranks (False: whole on every rank; tests)
 
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
@@ -65,10 +67,16 @@ class TrimStrategy(VariantStrategy):
         oc = cfg.dept.outer_optimizer
         self.phi: Optional[TrimTable] = None
         self.phi_head: Optional[TrimTable] = None
+        # φ's rows are sharded over this stage's tensor × data-parallel ranks (TrimTable)
+        pg = ctx.pg
+        shard = dict(pg=pg, group=pg.tp_dp, index=pg.dp_rank * pg.tp_size + pg.tp_rank,
+                     parts=pg.tp_size * pg.dp_size) if self.shard_table else {}
         if holds_table:
-            self.phi = TrimTable(full.word_embeddings.weight[:V], optimizer=RowOuterOptimizer.from_config(oc))
+            self.phi = TrimTable(full.word_embeddings.weight[:V], optimizer=RowOuterOptimizer.from_config(oc),
+                                 **shard)
         if holds_head:
-            self.phi_head = TrimTable(full.output_layer.weight[:V], optimizer=RowOuterOptimizer.from_config(oc))
+            self.phi_head = TrimTable(full.output_layer.weight[:V], optimizer=RowOuterOptimizer.from_config(oc),
+                                      **shard)
         self.positions: Optional[torch.nn.Parameter] = None
         self.position_sync: Optional[FlatSync] = None
         if full.position_embeddings is not None and any(st.is_first for st in ctx.stages):
@@ -110,7 +118,8 @@ class TrimStrategy(VariantStrategy):
             for owner, phi in self._tables(emb):
                 a, b = self._rows_of(owner, ids.numel())
                 w = self._main(owner.weight)  # the fp32 master of half weights
-                w[: b - a].copy_(phi.gather(ids[a:b]).to(w.device, w.dtype))
+                # every rank of the stage asks for all of V_k (a collective on a sharded φ)
+                w[: b - a].copy_(phi.gather(ids)[a:b].to(w.device, w.dtype))
                 self._refresh(owner.weight)
             if emb.position_embeddings is not None and self.positions is not None:
                 self._main(emb.position_embeddings.weight).copy_(self.positions)
@@ -144,7 +153,7 @@ class TrimStrategy(VariantStrategy):
                 a, b = self._rows_of(owner, ids.numel())
                 mine = ids[a:b]
                 local = self._main(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
-                delta = phi.gather(mine) - local
+                delta = phi.gather(ids)[a:b] - local  # all of V_k: collective on a sharded φ
                 all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
                                                   comm_dtype=ctx.cfg.dept.outer_comm_dtype)
                 phi.apply(all_ids, all_rows)
@@ -172,14 +181,24 @@ class TrimStrategy(VariantStrategy):
         return embs
 
     # ------------------------------------------------------------------------- state
+    def full_table(self, key: str = "phi") -> Optional[torch.Tensor]:
+        """The whole φ (``key`` ``phi``) or φ_head (``phi_head``) gathered from its row shards;
+        collective over the stage's tensor × data-parallel ranks. None where this rank holds
+        no such table."""
+        table = {"phi": self.phi, "phi_head": self.phi_head}[key]
+        return None if table is None else table.full_table()
+
     def state_dict(self) -> dict:
-        """``phi`` / ``phi_head``: the tables (fp32 tensors, as ``dept_mega.export`` reads them);
+        """``phi`` / ``phi_head``: this rank's rows of the tables (fp32), ``phi_rows`` /
+        ``phi_head_rows`` = [first row, end row, |V|] (dept_mega.export joins the shards of a
+        stage's tp × dp ranks; :meth:`full_table` gathers them in a live run);
         ``phi_optimizer`` / ``phi_head_optimizer``: their per-row outer optimizer state."""
         sd: dict = {}
         for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
             if table is not None:
                 tsd = table.state_dict()
                 sd[key] = tsd["weight"]
+                sd[f"{key}_rows"] = tsd["rows"]
                 sd[f"{key}_optimizer"] = tsd["optimizer"]
         if self.position_sync is not None:
             sd["positions"] = self.positions.detach().clone()
@@ -196,7 +215,7 @@ class TrimStrategy(VariantStrategy):
                     raise ValueError(f"dept.outer_optimizer.name: the checkpoint's TRIM table has no row state "
                                      f"for {table.optimizer.name!r} (it was written when rows took the plain mean)")
                 opt = {"name": "fedavg", "state": {}}
-            table.load_state_dict({"weight": sd[key], "optimizer": opt})
+            table.load_state_dict({"weight": sd[key], "optimizer": opt, "rows": sd.get(f"{key}_rows")})
         if self.position_sync is not None:
             self.positions.data.copy_(sd["positions"])
             self.position_sync.load_state_dict(sd["position_sync"])

@@ -278,11 +278,33 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
             sd = hooks0 if r == table_rank else _load_hooks(path, r)
             if key not in sd:
                 raise CheckpointReadError(f"{path}/hooks_rank{r}.pt has no {key!r} (TRIM's global table)")
-            out[name] = sd[key].detach().float().clone()
+            out[name] = _trim_rows(path, layout, pp, group, key, sd)
     out.origin = (f"step {step}, group {group}" +
                   {"model": "", "store": f" (source {source!r} from its group's store)",
                    "trim": " (TRIM: the global table φ)"}[where])
     return out
+
+
+def _trim_rows(path: str, layout: dict[str, int], pp: int, group: int, key: str, sd: dict) -> torch.Tensor:
+    """TRIM's whole table ``key`` of stage ``pp``: the rows of every tp × dp rank of the stage
+    joined in row order (dept/trim.py TrimTable; a table without ``{key}_rows`` is whole)."""
+    rows = sd.get(f"{key}_rows")
+    if rows is None or (rows[0] == 0 and rows[1] == rows[2]):
+        return sd[key].detach().float().clone()
+    parts, end = [], 0
+    for d in range(layout["data"]):
+        for t in range(layout["tensor"]):
+            r = _rank(layout, t, d, pp, group)
+            other = sd if (t, d) == (0, 0) else _load_hooks(path, r)
+            got = other.get(f"{key}_rows")
+            if key not in other or got is None or got[0] != end:
+                raise CheckpointReadError(f"{path}/hooks_rank{r}.pt: TRIM table {key!r} rows {got!r} do not "
+                                          f"continue at row {end}")
+            parts.append(other[key].detach().float())
+            end = got[1]
+    if end != rows[2]:
+        raise CheckpointReadError(f"{path}: TRIM table {key!r} shards cover {end} of {rows[2]} rows")
+    return torch.cat(parts)
 
 
 def _locate(cfg: Config, path: str, layout: dict[str, int], step: int,

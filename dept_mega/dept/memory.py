@@ -1,0 +1,448 @@
+"""Per-rank memory of every DEPT variant, predicted from the config alone (issue 10).
+
+:func:`predict_memory` returns, for the largest rank of a layout, the bytes of
+
+* ``weights``: the model's parameters on the rank (its TP shard of its pipeline chunks; the
+  installed embeddings), in the weight dtype (fp32, or bf16/fp16 under ``precision``). With
+  ``optim.distributed`` the weights live in one flat buffer per optimizer with the gradient
+  buffer's layout, padding included;
+* ``grads``: the contiguous gradient buffers (``optim.grad_dtype``; buckets of
+  ``optim.grad_bucket_size`` elements, each padded to a multiple of D with ``optim.distributed``,
+  the tied word embedding under PP in a bucket of its own) of the body and embedding optimizers;
+* ``optimizer``: AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32) and a 4-byte ``step`` per main
+  tensor, plus the fp32 master weights under bf16/fp16. With ``optim.distributed`` these cover
+  this rank's pieces only (the intersections of its shard of every bucket with the parameters);
+  under fp32 the pieces' masters are views of the weight buffer (no bytes of their own);
+* ``outer``: DEPT's outer-sync state — the body's θ_prev (and GLOB's embeddings', TRIM's learned
+  positions') and the outer optimizer's state (fedavg none, nesterov 1, adam 2 fp32 values per
+  element of this rank's 1/D chunk), plus TRIM's fp32 copy of the learned positions. ``lean``
+  selects the layout: ``False`` = θ_prev full on every data-parallel rank (dept/outer.py today),
+  ``True`` = θ_prev for the rank's 1/D chunk only (issue 10's lean DEPT state);
+* ``trim_table``: TRIM's φ (and φ_head when untied): the rank's row shard (rows split over the
+  stage's T·D tensor × data-parallel ranks, ``chunk_bounds``) in fp32, plus its per-row outer
+  optimizer state (nesterov: one value per element; adam: two and an int64 step per row);
+* ``activations_per_microbatch``: what one micro-batch leaves saved for backward on the rank
+  (:func:`activation_bytes`);
+* ``total``: the sum of the above with the activations of the micro-batches in flight at the
+  pipeline schedule's peak (``in_flight_microbatches``).
+
+Everything but the activations is exact: tests/test_memory.py counts the tensors a real run
+holds (parameters, gradient buffers, optimizer state and masters, outer state, φ) and compares.
+Not included: SPEC/SPEC-OPT/TRIM sources stored on a rank besides the installed one (K > G, or
+``dept.body_optimizer_state: source``: each adds its embeddings, their optimizer state and, for
+the latter, the body's moments), transient buffers of collectives and of the outer sync, the
+CUDA caching allocator's fragmentation, and the framework's own workspace.
+
+Activations (per micro-batch of b sequences of s tokens, h hidden, q = heads·head_dim,
+kv = query_groups·head_dim, f = ffn, f1 = f (2f with swiglu), a = bytes of the activation
+dtype, T tensor ranks; Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", counted for this model's layers). Per transformer layer:
+
+* *replicated* tensors (split over T only with sequence parallelism): the inputs of the two
+  norms and of the QKV / fc1 GEMMs (``4·sbh·a``; with SP the GEMM inputs are the all-gathered
+  ``sbh`` — Megatron keeps them sharded and re-gathers, we count them sharded like Megatron),
+  dropout masks after the projection and fc2 (``2·sbh`` bytes, when ``hidden_dropout > 0``);
+* *TP-sharded* tensors (always /T): Q, K, V (``sb(q + 2kv)·a``), the attention output and the
+  projection's input (``2·sbq·a``), fc1's output and the activation's output
+  (``sb·f1·a + sb·f·a``), and the core's softmax statistics (``4·b·heads·s`` bytes, fp32);
+  the ``bias`` attention backend materialises the scores instead: softmax ``b·heads·s²·a`` and,
+  with ``attention_dropout > 0``, its mask ``b·heads·s²`` bytes.
+
+``recompute: selective`` drops the core's saved tensors (softmax statistics / scores, the
+attention output) and keeps the rest; ``full`` keeps only each recomputed layer's input
+(``sbh·a``, /T with SP) for ``recompute_layers`` layers of each chunk (all when unset). The
+stage with the output layer adds the logits' fp32 softmax of its vocabulary shard
+(``sb·V_pad/T·4``) and the final norm's input; the first stage the embedding output
+(``sbh·a``). Pipeline schedule: stage p of 1F1B holds ``min(P − p, m)`` micro-batches in flight,
+the interleaved schedule ``min(2(P − p − 1) + (V − 1)P + 1, m·V)`` chunk-micro-batches of 1/V of
+its layers each (m micro-batches per step and rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..config import Config, ConfigError
+from .costs import VOCAB_PAD_MULTIPLE, VARIANTS
+from .outer import chunk_bounds
+
+# The layout of FlatSync's θ_prev that dept/outer.py implements on this branch: False = full on
+# every data-parallel rank. Set True when FlatSync keeps θ_prev for its 1/D chunk only (lean
+# DEPT state, issue 10); tests/test_memory.py then checks the lean formula against the run.
+FLATSYNC_THETA_CHUNK_ONLY = False
+
+MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch", "total")
+OUTER_STATE = {"fedavg": 0, "nesterov": 1, "adam": 2}  # fp32 values per element of outer optimizer state
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _padded(vocab: int, tensor: int) -> int:
+    padded = -(-vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    if padded % tensor:
+        raise ConfigError(f"padded vocabulary size {padded} (vocabulary {vocab}) is not divisible by "
+                          f"parallel.tensor={tensor}")
+    return padded
+
+
+# ----------------------------------------------------------------------------- parameters of one rank
+
+
+@dataclass
+class RankParams:
+    """The numels of one rank's parameters in the optimizers' order (``Trainer.body_parameters``,
+    ``make_embedding_optimizer``), and which embedding parameter is the tied table shared over
+    pipeline stages (isolated in its own gradient bucket by the distributed optimizer)."""
+    body: list[int]
+    emb: list[int]
+    emb_isolate: set[int]  # indices into ``emb``
+    first: bool  # holds the input embeddings (token table, positions)
+    last: bool  # holds the head
+
+
+def _layer_numels(cfg: Config) -> list[int]:
+    """One block's parameters on one tensor rank, in registration order (gpt.TransformerBlock)."""
+    m, T = cfg.model, cfg.parallel.tensor
+    h, f = m.hidden_size, m.ffn_size
+    q, kv = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
+    f1 = 2 * f if m.activation == "swiglu" else f
+    norm = [h, h] if m.normalization == "layernorm" else [h]
+
+    def linear(n_in: int, n_out: int, column: bool) -> list[int]:
+        w = n_in * n_out // T
+        if not m.bias:
+            return [w]
+        return [w, n_out // T if column else n_out]
+
+    return (norm + linear(h, q + 2 * kv, True) + linear(q, h, False) + norm
+            + linear(h, f1, True) + linear(f, h, False))
+
+
+def rank_params(cfg: Config, vocab: int, pp_rank: int) -> RankParams:
+    """The parameters of a rank of pipeline stage ``pp_rank`` (every TP/DP rank of a stage holds
+    the same numels) with ``vocab`` tokens in its embeddings."""
+    from ..model.gpt import chunk_layout
+
+    m, p = cfg.model, cfg.parallel
+    P, V, T = p.pipeline, p.virtual_pipeline, p.tensor
+    h = m.hidden_size
+    layer = _layer_numels(cfg)
+    body: list[int] = []
+    chunks = chunk_layout(m.num_layers, P, V, pp_rank)
+    roles = [(pp_rank == 0 and c == 0, pp_rank == P - 1 and c == V - 1) for c in range(V)]
+    for (first, last), ids in zip(roles, chunks):
+        for _ in ids:
+            body += layer
+        if last:  # the final norm
+            body += [h, h] if m.normalization == "layernorm" else [h]
+    emb: list[int] = []
+    isolate: set[int] = set()
+    table = _padded(vocab, T) // T * h
+    tied = m.tie_embeddings
+    word_seen = False
+    for first, last in roles:
+        if not (first or last):
+            continue
+        if first or (last and tied):
+            if not word_seen or P > 1:
+                # P = 1: one chunk holds both ends and the tied table is one parameter
+                if tied and P > 1:
+                    isolate.add(len(emb))
+                emb.append(table)
+                word_seen = True
+        if first and m.position_embedding == "learned":
+            emb.append(m.seq_length * h)
+        if last and not tied:
+            emb.append(table)
+    return RankParams(body, emb, isolate, any(r[0] for r in roles), any(r[1] for r in roles))
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def bucket_layout(numels: Sequence[int], bucket_size: int, shards: int,
+                  isolate: set[int] = frozenset()) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The gradient buffer's buckets (grad_buffer.GradBuffer): parameters in reverse order,
+    a new bucket when the next parameter would overflow ``bucket_size`` (or is isolated),
+    each bucket padded to a multiple of ``shards``. Returns ``[(padded numel, [(param index,
+    numel), ...])]``."""
+    buckets: list[tuple[int, list[tuple[int, int]]]] = []
+    current: list[tuple[int, int]] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if current:
+            buckets.append((size + (-size) % shards, current))
+        current, size = [], 0
+
+    for i in reversed(range(len(numels))):
+        n = numels[i]
+        alone = i in isolate
+        if current and (alone or size + n > bucket_size):
+            close()
+        current.append((i, n))
+        size += n
+        if alone:
+            close()
+    close()
+    return buckets
+
+
+def shard_pieces(buckets, shards: int, rank: int) -> list[int]:
+    """Numels of the pieces data-parallel rank ``rank`` owns (distributed_optimizer.Piece)."""
+    out = []
+    for padded, params in buckets:
+        n = padded // shards
+        ss, se = rank * n, (rank + 1) * n
+        offset = 0
+        for _, numel in params:
+            a, e = max(offset, ss), min(offset + numel, se)
+            if a < e:
+                out.append(e - a)
+            offset += numel
+    return out
+
+
+def _optimizer_bytes(cfg: Config, numels: Sequence[int], isolate: set[int]) -> dict[str, int]:
+    """weights, grads and optimizer bytes of one InnerOptimizer over ``numels`` on dp rank 0."""
+    o, D = cfg.optim, cfg.parallel.data
+    wb = PARAM_BYTES[cfg.precision]
+    gb = 2 if o.grad_dtype == "bf16" else 4
+    half = cfg.precision != "fp32"
+    if not numels:
+        return {"weights": 0, "grads": 0, "optimizer": 0}
+    shards = D if o.distributed else 1
+    buckets = bucket_layout(numels, o.grad_bucket_size, shards, isolate if o.distributed else set())
+    buf = sum(b[0] for b in buckets)
+    if o.distributed:
+        mains = shard_pieces(buckets, D, 0)
+        weights = buf * wb
+    else:
+        mains = list(numels)
+        weights = sum(numels) * wb
+    # exp_avg + exp_avg_sq fp32, a 4-byte step per main tensor, fp32 masters under half weights
+    opt = sum(8 * n + 4 for n in mains) + (4 * sum(mains) if half else 0)
+    return {"weights": weights, "grads": buf * gb, "optimizer": opt}
+
+
+def _flat_sync_bytes(numel: int, D: int, name: str, lean: bool) -> int:
+    """FlatSync (dept/outer.py) on dp rank 0: θ_prev (full, or the chunk when ``lean``) and the
+    outer optimizer's state for the chunk, fp32."""
+    if numel == 0:
+        return 0
+    s, e = chunk_bounds(numel, D, 0)
+    theta = (e - s) if lean else numel
+    return 4 * (theta + OUTER_STATE[name] * (e - s))
+
+
+def trim_shards(cfg: Config) -> int:
+    """The ranks φ's rows are split over: the stage's tensor × data-parallel ranks."""
+    return cfg.parallel.tensor * cfg.parallel.data
+
+
+def _trim_table_bytes(cfg: Config, vocab: int) -> int:
+    """One φ table's shard on the largest rank (row shard 0) and its per-row outer state."""
+    S = trim_shards(cfg)
+    a, b = chunk_bounds(vocab, S, 0)
+    rows = b - a
+    h = cfg.model.hidden_size
+    name = cfg.dept.outer_optimizer.name
+    return 4 * rows * h * (1 + OUTER_STATE[name]) + (8 * rows if name == "adam" else 0)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def activation_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
+    """Bytes one micro-batch leaves saved for backward on a rank of stage ``pp_rank`` (formula
+    in the module doc)."""
+    from ..model.gpt import chunk_layout
+
+    m, p = cfg.model, cfg.parallel
+    T, P, V = p.tensor, p.pipeline, p.virtual_pipeline
+    sp = p.sequence_parallel and T > 1
+    a = PARAM_BYTES[cfg.precision] if cfg.precision != "fp32" else 4
+    b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
+    f = m.ffn_size
+    f1 = 2 * f if m.activation == "swiglu" else f
+    q, kv = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
+    heads = m.num_attention_heads
+    sbh = s * b * h
+    rep = sbh // T if sp else sbh  # a replicated [s, b, h] tensor on one rank
+    drop = m.hidden_dropout > 0
+    per_layer_rep = 4 * rep * a + (2 * rep if drop else 0)
+    qkv = s * b * (q + 2 * kv) // T * a
+    proj_in = s * b * q // T * a
+    mlp = (s * b * f1 // T + s * b * f // T) * a
+    if m.attention_backend == "bias":
+        core = b * heads // T * s * s * a + (b * heads // T * s * s if m.attention_dropout > 0 else 0)
+    else:
+        core = 4 * b * heads // T * s
+    core_out = s * b * q // T * a  # the core's output (saved by its backward)
+    full_layer = per_layer_rep + qkv + proj_in + mlp + core + core_out
+    if m.recompute == "selective":
+        full_layer -= core + core_out
+    total = 0
+    chunks = chunk_layout(m.num_layers, P, V, pp_rank)
+    for c, ids in enumerate(chunks):
+        n = len(ids)
+        if m.recompute == "full":
+            k = min(m.recompute_layers if m.recompute_layers is not None else n, n)
+            total += k * rep * a + (n - k) * full_layer
+        else:
+            total += n * full_layer
+        first = pp_rank == 0 and c == 0
+        last = pp_rank == P - 1 and c == V - 1
+        if first:
+            total += rep * a
+        if last:
+            total += rep * a + s * b * (_padded(vocab, T) // T) * 4
+    return total
+
+
+def in_flight_microbatches(cfg: Config, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations a rank of stage ``pp_rank`` holds at the schedule's peak
+    (fractional with virtual pipelining: a chunk-micro-batch is 1/V of the rank's layers)."""
+    p, t = cfg.parallel, cfg.train
+    P, V = p.pipeline, p.virtual_pipeline
+    m = max(1, t.global_batch_size // (t.micro_batch_size * p.data))
+    if V == 1:
+        return float(min(P - pp_rank, m))
+    return min(2 * (P - pp_rank - 1) + (V - 1) * P + 1, m * V) / V
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def variant_vocab(variant: str, global_vocab: int, source_vocabs: Sequence[int],
+                  trim_vocabs: Sequence[int]) -> int:
+    """The token table a group trains with; the largest where it differs per source."""
+    if variant == "spec_opt":
+        if not source_vocabs:
+            raise ConfigError("no per-source vocabulary size for spec_opt: set data.sources[i].tokenizer "
+                              "or pass --source-vocab N")
+        return max(source_vocabs)
+    if variant == "trim":
+        return max(trim_vocabs) if trim_vocabs else global_vocab
+    return global_vocab
+
+
+def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] = (),
+                   trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, int]:
+    """Bytes per rank (the largest rank) of ``cfg.dept.variant`` (see the module doc); the keys
+    of :data:`MEMORY_KEYS` plus ``in_flight_microbatches``. ``lean_outer``: θ_prev for the
+    rank's 1/D chunk only (None: what this code base does, :data:`FLATSYNC_THETA_CHUNK_ONLY`)."""
+    if lean_outer is None:
+        lean_outer = FLATSYNC_THETA_CHUNK_ONLY
+    m, p, d = cfg.model, cfg.parallel, cfg.dept
+    variant = d.variant
+    vocab = variant_vocab(variant, global_vocab, source_vocabs, trim_vocabs)
+    best: Optional[dict] = None
+    for pp in range(p.pipeline):
+        rp = rank_params(cfg, vocab, pp)
+        body = _optimizer_bytes(cfg, rp.body, set())
+        emb = _optimizer_bytes(cfg, rp.emb, rp.emb_isolate)
+        out = {k: body[k] + emb[k] for k in ("weights", "grads", "optimizer")}
+        name, D = d.outer_optimizer.name, p.data
+        outer = trim = 0
+        if variant != "std":
+            outer += _flat_sync_bytes(sum(rp.body), D, name, lean_outer)
+        if variant == "glob":
+            outer += _flat_sync_bytes(sum(rp.emb), D, name, lean_outer)
+        if variant == "trim":
+            if rp.first and m.position_embedding == "learned":
+                pos = m.seq_length * m.hidden_size
+                outer += 4 * pos + _flat_sync_bytes(pos, D, name, lean_outer)  # positions copy + its sync
+            tables = 0
+            if rp.first or (rp.last and m.tie_embeddings):
+                tables += 1
+            if rp.last and not m.tie_embeddings:
+                tables += 1
+            trim = tables * _trim_table_bytes(cfg, global_vocab)
+        out["outer"] = outer
+        out["trim_table"] = trim
+        act = activation_bytes(cfg, vocab, pp)
+        flight = in_flight_microbatches(cfg, pp)
+        out["activations_per_microbatch"] = act
+        out["total"] = sum(out[k] for k in ("weights", "grads", "optimizer", "outer", "trim_table")) \
+            + int(math.ceil(flight * act))
+        out["in_flight_microbatches"] = flight
+        if best is None or out["total"] > best["total"]:
+            best = out
+    return best
+
+
+def predict_memory_variants(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] = (),
+                            trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, dict]:
+    """:func:`predict_memory` for every variant (``cfg.dept.variant`` replaced)."""
+    out = {}
+    for name in VARIANTS:
+        one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
+        if name == "spec_opt" and not source_vocabs:
+            continue
+        out[name] = predict_memory(one, global_vocab, source_vocabs, trim_vocabs, lean_outer)
+    return out
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def held_bytes(trainer, hooks=None) -> dict[str, int]:
+    """The bytes of the tensors a live trainer (and DEPT round hooks) hold, by the categories
+    of :func:`predict_memory` (no activations): counted from the objects, each storage once
+    (the first category that reaches it wins: weights, grads, optimizer, outer, trim_table)."""
+    import torch
+
+    seen: set[int] = set()
+    out = {k: 0 for k in ("weights", "grads", "optimizer", "outer", "trim_table")}
+
+    def add(cat: str, t) -> None:
+        if not torch.is_tensor(t):
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in seen or st.nbytes() == 0:
+            return
+        seen.add(key)
+        out[cat] += st.nbytes()
+
+    for p in trainer.parameters():
+        add("weights", p)
+    for opt in trainer.optimizers:
+        if opt.buffer.data is not None:
+            add("grads", opt.buffer.data)
+    for p in trainer.parameters():
+        add("grads", p.grad)
+    for opt in trainer.optimizers:
+        for state in opt.inner.state.values():
+            for v in state.values():
+                add("optimizer", v)
+        if opt.distributed:
+            for pc in opt.pieces:
+                add("optimizer", pc.main)
+        else:
+            for p in opt.params:
+                add("optimizer", getattr(p, "main_param", None))
+    if hooks is None:
+        return out
+    strategy = hooks.strategy
+
+    def add_sync(sync) -> None:
+        if sync is None:
+            return
+        add("outer", sync.theta_prev)
+        for v in sync.optimizer.state.values():
+            add("outer", v)
+
+    add_sync(hooks.body_sync)
+    add_sync(getattr(strategy, "embedding_sync", None))
+    add_sync(getattr(strategy, "position_sync", None))
+    add("outer", getattr(strategy, "positions", None))
+    for table in (getattr(strategy, "phi", None), getattr(strategy, "phi_head", None)):
+        if table is not None:
+            add("trim_table", table.weight)
+            for v in table.optimizer.state.values():
+                add("trim_table", v)
+    return out

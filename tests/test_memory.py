@@ -1,0 +1,159 @@
+"""The memory model (dept_mega/dept/memory.py) against the tensors a real run holds.
+
+After one round of a tiny model on 2 gloo ranks, the bytes of the parameters, gradient
+buffers, optimizer state and masters, outer-sync state and TRIM's φ (counted from the objects,
+each storage once: ``memory.held_bytes``) equal ``predict_memory`` exactly, for DP 2, TP 2 with
+sequence parallelism and PP 2; fp32 and bf16 weights; the distributed optimizer on and off
+(small buckets, so that several buckets and their padding count); every variant.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dept_mega.dept.memory import MEMORY_KEYS, activation_bytes, held_bytes, predict_memory
+from tests.dept_utils import SyntheticSource, allowed_ids, run_dept, source_infos, tiny_config
+from tests.mp_utils import run_distributed
+
+LAYOUTS = ({"data": 2}, {"tensor": 2, "sequence_parallel": True}, {"pipeline": 2})
+# (precision, optim.distributed, outer optimizer, tie_embeddings)
+SETTINGS = (("fp32", False, "adam", True), ("bf16", False, "nesterov", False), ("fp32", True, "fedavg", False))
+COUNTED = ("weights", "grads", "optimizer", "outer", "trim_table")
+
+
+def _over(variant, parallel, precision, distributed, outer, tied):
+    return {"dept": {"variant": variant, "local_steps": 1, "outer_optimizer": {"name": outer}},
+            "train": {"steps": 1}, "parallel": parallel, "precision": precision,
+            "model": {"position_embedding": "learned", "tie_embeddings": tied},
+            "optim": {"distributed": distributed, "grad_bucket_size": 700}}
+
+
+def _runs():
+    runs = []
+    for parallel in LAYOUTS:
+        for variant in ("std", "glob", "trim", "spec", "spec_opt"):
+            for precision, distributed, outer, tied in SETTINGS:
+                runs.append(_over(variant, parallel, precision, distributed, outer, tied))
+            if variant == "std":
+                runs.append(_over(variant, parallel, "bf16", True, "fedavg", True))
+    return runs
+
+
+def _worker(rank, world, runs):
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+
+    out = []
+    pgs = {}
+    for over in runs:
+        cfg = tiny_config(over)
+        p = cfg.parallel
+        key = (p.tensor, p.data, p.pipeline)
+        if key not in pgs:
+            pgs[key] = build_groups(*key)
+        pg = pgs[key]
+        variant = cfg.dept.variant
+        infos = source_infos(1, trim=variant == "trim", vocabs=(60,) if variant == "spec_opt" else None)
+        if variant == "std":
+            torch.manual_seed(cfg.train.seed)
+            trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+            it = SyntheticSource(cfg, 1, allowed_ids(infos[0]), pg.dp_rank, pg.dp_size)
+            trainer.train_step(it.next_step())
+            held = held_bytes(trainer)
+        else:
+            res = run_dept(cfg, infos, 1, pg=pg)
+            held = held_bytes(res["trainer"], res["hooks"])
+        trim = [int(infos[0].vocab_ids.numel())] if variant == "trim" else []
+        pred = predict_memory(cfg, 96, source_vocabs=[60], trim_vocabs=trim)
+        out.append({"held": held, "pred": pred, "pp": pg.pp_rank})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_held_bytes_equal_the_prediction():
+    runs = _runs()
+    res = run_distributed(_worker, 2, args=(runs,))
+    for i, over in enumerate(runs):
+        held = [r[i]["held"] for r in res]
+        pred = res[0][i]["pred"]
+        # the largest rank: the prediction is the maximum over the pipeline stages
+        top = max(held, key=lambda h: sum(h.values()))
+        for k in COUNTED:
+            assert top[k] == pred[k], (over, k, held, pred)
+        assert set(MEMORY_KEYS) <= set(pred)
+
+
+def test_activation_formula_by_recompute_mode():
+    """Selective drops the attention core's saved tensors, full keeps one input per layer, SP
+    divides the replicated part by T; the bias backend adds the s² scores."""
+    base = {"model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 4,
+                      "ffn_hidden_size": 256, "seq_length": 32, "vocab_size": 96},
+            "train": {"micro_batch_size": 2, "global_batch_size": 4}, "precision": "bf16"}
+    from tests.dept_utils import merge
+    from dept_mega.config import config_from_dict
+
+    def act(**over):
+        return activation_bytes(config_from_dict(merge(base, over)), 96, 0)
+
+    none, sel, full = act(), act(model={"recompute": "selective"}), act(model={"recompute": "full"})
+    assert full < sel < none
+    s, b, h, L, a = 32, 2, 64, 4, 2
+    # full: each layer's input + embedding output + final norm input + fp32 logits' softmax
+    assert full == L * s * b * h * a + 2 * s * b * h * a + s * b * 128 * 4
+    assert act(model={"recompute": "full", "recompute_layers": 2}) == full + 2 * (none - full) // L
+    tp = act(parallel={"tensor": 2})
+    sp = act(parallel={"tensor": 2, "sequence_parallel": True})
+    assert sp < tp < none
+    assert act(model={"attention_backend": "bias"}) > none
+
+
+@pytest.mark.gpu
+def test_activation_memory_script_on_gpu(tmp_path):
+    """benchmarks/activation_memory.py runs on a CUDA device and measures every recompute mode;
+    the prediction is within a factor of two of the measured peak (the comparison itself goes
+    into docs/performance.md)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import json
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 4, hidden_size: 1024, num_attention_heads: 8, num_query_groups: 8, "
+                   "ffn_hidden_size: 4096, seq_length: 1024, vocab_size: 32000}\n"
+                   "precision: bf16\ntrain: {micro_batch_size: 4, global_batch_size: 8}\n")
+    out = tmp_path / "act.json"
+    subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--config", str(cfg), "--out", str(out)],
+                   check=True)
+    res = json.loads(out.read_text())["modes"]
+    assert set(res) == {"none", "selective", "full"}
+    for r in res.values():
+        assert 0.5 < r["predicted_bytes"] / r["measured_peak_bytes"] < 2.0
+    assert res["full"]["measured_peak_bytes"] < res["none"]["measured_peak_bytes"]
+
+
+def test_dept_costs_memory_json(tmp_path):
+    """tools/dept_costs.py --memory --json: every variant has exactly the memory keys, in int
+    bytes; lean outer state and the distributed optimizer shrink what they should."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256, "
+                   "seq_length: 32, vocab_size: 500}\nparallel: {data: 4}\nprecision: fp32\n"
+                   "dept: {variant: glob}\ntrain: {micro_batch_size: 2, global_batch_size: 16}\n")
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "tools/dept_costs.py", "--config", str(cfg), "--source-vocab", "300",
+                              "--trim-vocab", "200", "--memory", "--json", *extra],
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out)["variants"]
+
+    full, lean = run("--outer-state", "full"), run("--outer-state", "lean", "--set", "optim.distributed=true")
+    for name, v in full.items():
+        assert list(v["memory"]) == list(MEMORY_KEYS) and all(isinstance(x, int) for x in v["memory"].values())
+        assert lean[name]["memory"]["optimizer"] < v["memory"]["optimizer"]
+    assert full["std"]["memory"]["outer"] == 0 and full["glob"]["memory"]["outer"] > full["spec"]["memory"]["outer"]
+    assert lean["glob"]["memory"]["outer"] < full["glob"]["memory"]["outer"]
+    assert full["trim"]["memory"]["trim_table"] > 0 == full["spec"]["memory"]["trim_table"]
