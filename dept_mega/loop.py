@@ -181,6 +181,11 @@ class TrainLoop:
         meter = ThroughputMeter(cfg.model, self.pg, tr.device)
         step_start = tr.step
         evaluated_at = -1
+        # optional hooks (DEPT's streamed / overlapped outer sync, dept/streaming.py)
+        before_step = getattr(self.hooks, "before_step", None)
+        after_step = getattr(self.hooks, "after_step", None)
+        can_save_now = getattr(self.hooks, "can_save_now", lambda: True)
+        save_due = False
         while tr.step < total:
             r = self.round_of(tr.step)
             if self.assignment is None or tr.step % L == 0:
@@ -190,9 +195,13 @@ class TrainLoop:
                                        f"{self.pg.group_index}: {self.assignment}")
                 self._position_iterator(self.assignment[self.pg.group_index])
             source = self.assignment[self.pg.group_index]
+            if before_step is not None:
+                before_step(self)
             profiler.before_step(tr.step)
             res = tr.train_step(self.iterator(source).next_step())
             profiler.after_step(tr.step)
+            if after_step is not None:
+                after_step(self)
             self.last_result = res
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
@@ -218,6 +227,10 @@ class TrainLoop:
                 evaluated_at = step
             if self.checkpointer is not None and cfg.train.save_interval and step % cfg.train.save_interval == 0 \
                     and step < total:
+                save_due = True
+            if save_due and step < total and can_save_now():
+                # a save due while an outer sync is in flight waits for the first step without one
+                save_due = False
                 with meter.paused():
                     self.checkpointer.save(self)
         if self.eval_sources and evaluated_at != tr.step:

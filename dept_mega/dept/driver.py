@@ -12,11 +12,16 @@ Round start (every rank, no communication except source moves):
      the first time a source is sampled; the strategy prepares it first (TRIM: rows of φ);
   3. the loop puts the source's batch iterator at the source's data position
      (:meth:`DeptHooks.source_steps`, from the plan history), whichever group read it before.
+Inner steps (``before_step`` / ``after_step``): with ``dept.outer_fragments`` > 1 the body's
+fragments are synchronised at their points of the round, and with ``dept.outer_overlap`` the
+launched syncs are applied τ steps later (streaming.py).
 Round end:
-  4. body outer sync (``outer_body``), then the strategy's (GLOB's embeddings, TRIM's rows and
-     positions: ``outer_embedding``);
+  4. body outer sync (``outer_body``; with fragments: the last one), the strategy's synced
+     embedding state (GLOB's tables and positions: ``outer_embedding``) — launched only, with
+     overlap — then the strategy's own sync (TRIM's rows and positions, blocking);
   5. the ``outer`` record: bytes per category sent by the whole job in this round (summed over
-     ranks; evaluation traffic excluded) and the sync's seconds.
+     ranks; evaluation traffic excluded), the sync's seconds, and ``overlap_seconds`` /
+     ``exposed_seconds`` (streaming.py).
 See docs/dept.md.
 """
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
-from .outer import FlatSync, OuterOptimizer
+from .outer import FlatSync, OuterOptimizer, sync_options
+from .streaming import OuterSchedule, SyncUnit, body_fragments, fragment_offsets
 from .rounds import RoundScheduler
 from .store import SourceState, SourceStore, load_payload, state_payload
 from .strategy import RoundView, StrategyContext
@@ -76,12 +82,26 @@ class DeptHooks:
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
         masters = dict(main_params=trainer.main_params, refresh=trainer.refresh_model_params)  # fp32 values
-        self.body_sync = FlatSync(trainer.body_parameters(), pg, OuterOptimizer.from_config(d.outer_optimizer),
-                                  category="outer_body", comm_dtype=d.outer_comm_dtype, **masters)
+        F = d.outer_fragments
+        parts = [trainer.body_parameters()] if F == 1 else body_fragments(trainer.stages, F, cfg.model.num_layers)
+        self.body_syncs = [FlatSync(ps, pg, OuterOptimizer.from_config(d.outer_optimizer), category="outer_body",
+                                    **sync_options(d), **masters) for ps in parts]
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
+        offsets = fragment_offsets(d.local_steps, F)
+        units = [SyncUnit(s, o, f"body{f}") for f, (s, o) in enumerate(zip(self.body_syncs, offsets))]
+        units += [SyncUnit(s, d.local_steps, f"embedding{i}") for i, s in enumerate(self.strategy.outer_syncs())]
+        self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
+                                      cfg.train.steps)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
+
+    @property
+    def body_sync(self) -> FlatSync:
+        """The body's FlatSync (``dept.outer_fragments: 1``; else see ``body_syncs``)."""
+        if len(self.body_syncs) != 1:
+            raise AttributeError("body_sync: the body is synchronised in fragments (body_syncs)")
+        return self.body_syncs[0]
 
     @property
     def phi(self):
@@ -184,16 +204,32 @@ class DeptHooks:
         state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine)
         self._install(mine, state)
 
+    def before_step(self, loop) -> None:
+        """Before an inner step: fragments due now are launched (streaming.py)."""
+        self.schedule.before_step(self.trainer.step)
+
+    def after_step(self, loop) -> None:
+        """After an inner step: overlapped syncs due now are applied."""
+        self.schedule.after_step(self.trainer.step)
+
+    def can_save_now(self) -> bool:
+        """True when no outer sync is in flight: checkpoints are taken only then."""
+        return self.schedule.idle
+
     def round_end(self, loop, round_index: int) -> dict[str, Any]:
         t0 = time.time()
-        self.body_sync.sync()
+        self.schedule.round_end(self.trainer.step)
+        t1 = time.perf_counter()
         self.strategy.sync(self.installed)
+        strategy_seconds = time.perf_counter() - t1
         self.in_round = False
         seconds = time.time() - t0
+        overlap, exposed = self.schedule.take_times()
         now = self.pg.comm.snapshot()
         mine = {c: now[c] - self._mark[c] - self._excluded[c] for c in CATEGORIES}
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
-        return {"bytes": total_over_ranks(mine), "seconds": seconds}
+        return {"bytes": total_over_ranks(mine), "seconds": seconds, "overlap_seconds": overlap,
+                "exposed_seconds": exposed + strategy_seconds}
 
     def make_iterator(self, source: str):
         return None  # TRIM remaps ids inside its compact embeddings (TrimmedEmbeddings)
@@ -228,9 +264,14 @@ class DeptHooks:
         the trainer started with (its body optimizer state, if per source, is the trainer's
         and saved with the model). Plain dicts, lists, numbers, strings and tensors only:
         loadable with ``torch.load(..., weights_only=True)``."""
+        if not self.schedule.idle:
+            raise RuntimeError("DeptHooks.state_dict: an outer sync is in flight; checkpoints are taken only where "
+                               "can_save_now() is true")
+        body = (self.body_syncs[0].state_dict() if len(self.body_syncs) == 1
+                else {"fragments": [s.state_dict() for s in self.body_syncs]})
         sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
                               "installed": self.installed, "in_round": self.in_round,
-                              "body_sync": self.body_sync.state_dict(), "mark": dict(self._mark)}
+                              "body_sync": body, "mark": dict(self._mark)}
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
         sd["store"] = {n: state_payload(self.store.get(n), with_opt) for n in self.store.names()}
@@ -239,7 +280,13 @@ class DeptHooks:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        self.body_sync.load_state_dict(sd["body_sync"])
+        body = sd["body_sync"]
+        parts = body["fragments"] if "fragments" in body else [body]
+        if len(parts) != len(self.body_syncs):
+            raise ValueError(f"dept.outer_fragments: the checkpoint's body state has {len(parts)} fragments, "
+                             f"this run {len(self.body_syncs)}")
+        for s, part in zip(self.body_syncs, parts):
+            s.load_state_dict(part)
         self.strategy.load_state_dict(sd)
         self.store = SourceStore()
         for n, payload in sd["store"].items():

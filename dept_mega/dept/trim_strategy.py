@@ -17,7 +17,7 @@ import torch
 
 from ..model.embeddings import SourceEmbeddings
 from ..parallel.groups import Coords, ParallelGroups
-from .outer import FlatSync, OuterOptimizer
+from .outer import FlatSync, OuterOptimizer, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
 from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
@@ -74,7 +74,7 @@ class TrimStrategy(VariantStrategy):
         if full.position_embeddings is not None and any(st.is_first for st in ctx.stages):
             self.positions = torch.nn.Parameter(full.position_embeddings.weight.detach().to(ctx.device).clone())
             self.position_sync = FlatSync([self.positions], ctx.pg, OuterOptimizer.from_config(oc),
-                                          category="outer_embedding", comm_dtype=cfg.dept.outer_comm_dtype)
+                                          category="outer_embedding", **sync_options(cfg.dept))
         del full
 
     # ------------------------------------------------------------------------- building
