@@ -26,8 +26,9 @@ available). At a round's end (:meth:`FlatSync.sync` = :meth:`launch` + :meth:`fi
    quantising and keeps the new residual (chunk-sized, fp32);
 3. the outer optimizer updates the chunk of θ in place (θ_{t-1} becomes θ_t), slice by slice
    so that its temporaries stay small;
-4. all-gather of the updated chunks over ``pg.dp`` (fp32, category ``dp``) into one buffer of
-   the shard, copied into the parameters (the only full-shard temporary of the sync).
+4. all-gather of the updated chunks over ``pg.dp`` (fp32, category ``dp``; equal parts, so a
+   chunk one value shorter than the longest is padded) into one buffer of the shard, copied
+   into the parameters (the only full-shard temporary of the sync).
 
 Overlapped sync (Streaming DiLoCo, Douillard et al. 2025, arXiv:2501.18512, §2.3): step 2 is
 launched asynchronously and the group keeps training; when the result is applied τ inner
@@ -308,21 +309,13 @@ class FlatSync:
                 raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
             theta = torch.sub(theta, pending.launch, out=pending.launch)  # θ_t − θ_local_at_launch
         pending.launch = None
-        if group_size(pg.dp) > 1:
-            full = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-            shards = [full[a:b] for a, b in self.bounds]
-            pg.comm.all_gather_list(shards, theta.contiguous(), pg.dp, category="dp")
-        else:
-            full = theta
-        offset = 0
-        for v in self.values():
-            n = v.numel()
-            part = full[offset:offset + n].view_as(v)
+        pieces = self._gather_pieces(theta)
+        for v, (a, b, src) in self._segments(self.values(), pieces):
+            flat = v.data.view(-1)
             if correct:
-                v.data.add_(part.to(v.dtype))
+                flat[a:b].add_(src.to(v.dtype))
             else:
-                v.data.copy_(part.to(v.dtype))
-            offset += n
+                flat[a:b].copy_(src.to(v.dtype))
         if self._refresh is not None:
             self._refresh(self.params)
         return waited
@@ -358,14 +351,39 @@ class FlatSync:
             self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
                 else torch.zeros_like(self.theta_prev)
 
+    def _gather_pieces(self, chunk: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """Every replica's chunk, gathered over ``pg.dp`` (fp32, category ``dp``): ``[(start, end,
+        values)]`` covering the shard. One all-gather of equal parts (gloo and NCCL need them):
+        chunks shorter than the longest are padded by one value, and the padding is counted.
+        The receive buffer is the only full-shard temporary of the sync."""
+        if group_size(self.pg.dp) == 1:
+            return [(self.start, self.end, chunk)]
+        m = max(b - a for a, b in self.bounds)
+        send = chunk.to(self.device).contiguous()
+        if send.numel() < m:
+            send = torch.cat([send, send.new_zeros(m - send.numel())])
+        buf = torch.empty(len(self.bounds) * m, dtype=torch.float32, device=self.device)
+        self.pg.comm.all_gather_into(buf, send, self.pg.dp, category="dp")
+        return [(a, b, buf[d * m:d * m + (b - a)]) for d, (a, b) in enumerate(self.bounds)]
+
+    @staticmethod
+    def _segments(values, pieces):
+        """(tensor, [a, b) of its flat view, source values) for every overlap of a tensor of
+        ``values`` (laid out one after another) with a piece."""
+        offset = 0
+        for v in values:
+            n = v.numel()
+            for a, b, src in pieces:
+                lo, hi = max(a, offset), min(b, offset + n)
+                if lo < hi:
+                    yield v, (lo - offset, hi - offset, src[lo - a:hi - a])
+            offset += n
+
     def _gather_full(self, chunk: torch.Tensor) -> torch.Tensor:
         """The shard's full fp32 vector from every replica's chunk (over ``pg.dp``, counted as dp)."""
         full = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        if group_size(self.pg.dp) > 1:
-            shards = [full[a:b] for a, b in self.bounds]
-            self.pg.comm.all_gather_list(shards, chunk.to(self.device).contiguous(), self.pg.dp, category="dp")
-        else:
-            full.copy_(chunk)
+        for a, b, src in self._gather_pieces(chunk):
+            full[a:b].copy_(src)
         return full.cpu()
 
     def _per_param(self, full: torch.Tensor) -> list[torch.Tensor]:
