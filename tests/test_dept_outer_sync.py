@@ -251,6 +251,26 @@ def test_dept_variants_with_streaming_options():
                 assert o["exposed_seconds"] >= 0 and o["overlap_seconds"] >= 0
         # every rank of a job sees the same outer records' bytes
         assert all(r["outer"][k]["bytes"] == ranks[0]["outer"][k]["bytes"] for r in ranks for k in range(2))
+    # the measured records equal dept_mega.dept.costs' prediction: what crosses groups in every
+    # round (launches stay inside their round; the records' dp also holds the inner gradient
+    # reductions, so the outer sync's dp bytes are checked in tests/test_costs_bytes.py)
+    from dept_mega.dept.costs import predict_outer_sync
+    from tests.dept_utils import VOCAB, tiny_config
+    for i, over in enumerate(_runs()):
+        cfg = tiny_config(over)
+        rounds = res[0][i]["outer"]
+        if cfg.dept.variant == "trim":  # rows depend on the round's sources: body only here
+            pred = predict_outer_sync(cfg, 2, trim_vocabs=[10, 10])
+            assert all(o["bytes"]["outer_body"] == pred["round"]["outer_body"] for o in rounds), i
+            continue
+        pred = predict_outer_sync(cfg, 2, global_vocab=VOCAB)
+        for o in rounds:
+            for c in ("outer_body", "outer_embedding"):
+                assert o["bytes"][c] == pred["round"][c], (i, c, o["bytes"], pred)
+        assert sum(pred["outer_per_step"]) == pred["round"]["outer_body"] + pred["round"]["outer_embedding"]
+        if cfg.dept.outer_fragments == 2:  # half of the body on each of two steps of the round
+            assert sum(1 for b in pred["outer_per_step"] if b) == 2
+            assert pred["peak_step_bytes"] < pred["round"]["outer_body"] + pred["round"]["outer_embedding"]
     # quantised GLOB sends about a quarter of fp32's outer bytes (payload + scales)
     fp32 = res[0][0]["outer"][1]["bytes"]["outer_body"]
     int8 = res[0][1]["outer"][1]["bytes"]["outer_body"]
