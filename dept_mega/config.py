@@ -526,9 +526,6 @@ def _check_outer_sync(cfg: Config) -> None:
     if d.outer_overlap and d.embedding_rows == "present":
         raise ConfigError("config key 'dept.outer_overlap': not supported with dept.embedding_rows: present "
                           "(the row mask would undo the delayed update of the frozen rows)")
-    if d.variant == "trim" and d.outer_comm_dtype in ("fp8", "int8", "int4"):
-        raise ConfigError(f"config key 'dept.outer_comm_dtype': {d.outer_comm_dtype} is not built for TRIM's "
-                          f"row exchange (use fp32 | bf16 with dept.variant trim)")
 
 
 def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:

@@ -63,10 +63,6 @@ def compute(args: argparse.Namespace) -> dict:
         for name in VARIANTS:
             one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
             dtype = args.comm_dtype or cfg.dept.outer_comm_dtype
-            if name == "trim" and dtype not in ("fp32", "bf16"):
-                dtype = "fp32"  # TRIM's rows are fp32 | bf16 only (the config refuses the others)
-                variants[name]["note"] = (variants[name].get("note", "") + " outer bytes with fp32 (TRIM's rows "
-                                          "are not quantised)").strip()
             pred = predict_outer_sync(one, 1 if name == "std" else args.groups, dtype, vocabs.global_vocab, trim)
             variants[name]["outer_round_bytes"] = pred["round"]
             variants[name]["outer_step_bytes"] = pred["outer_per_step"]

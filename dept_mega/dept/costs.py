@@ -326,7 +326,7 @@ def trim_row_counts(n_real: int, tensor: int, data: int) -> list[list[int]]:
 
 
 def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, data: int,
-                        wire_bytes: int) -> dict[str, int]:
+                        wire_bytes: int | str, quant_block: int = 256) -> dict[str, int]:
     """Bytes of one TRIM table's row exchange (dept/trim.py ``exchange_rows``), summed over ranks.
 
     Each gather is an all-gather of equal-size parts (gloo and NCCL need them): first one
@@ -334,7 +334,14 @@ def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, da
     its group — the padding is sent and counted. Over the outer group (G = len(trim_vocabs)
     ranks at one (tp, dp) position) the rows travel in ``wire_bytes`` per value; the
     re-gathers inside a group, over dp then tp, are fp32 and carry what was received.
+    ``wire_bytes`` may name a block-quantised format (fp8 | int8 | int4): a part's rows then
+    travel as one packed buffer (payload + a scale per ``quant_block`` values).
     """
+    def rows_bytes(rows: int) -> int:
+        if isinstance(wire_bytes, str):
+            return _wire_bytes(rows * hidden, wire_bytes, quant_block)
+        return rows * hidden * wire_bytes
+
     G = len(trim_vocabs)
     fp32 = DTYPE_BYTES["fp32"]
     counts = [trim_row_counts(v, tensor, data) for v in trim_vocabs]  # [k][t][d]
@@ -344,7 +351,7 @@ def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, da
         if G > 1:
             for d in range(data):
                 largest = max(counts[k][t][d] for k in range(G))
-                out["outer_embedding"] += G * (8 + largest * (8 + hidden * wire_bytes))
+                out["outer_embedding"] += G * (8 + largest * 8 + rows_bytes(largest))
         # over dp at tp t (same content in every group): each replica sends what it received
         if data > 1:
             received = [sum(counts[k][t][d] for k in range(G)) for d in range(data)]
@@ -492,10 +499,8 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
                               f"got {trim_vocabs!r}")
-        if dtype not in DTYPE_BYTES:
-            raise ConfigError(f"config key 'dept.outer_comm_dtype': {dtype} is not built for TRIM's rows")
         tables = 1 if (m.tie_embeddings and p.pipeline == 1) else 2
-        trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, DTYPE_BYTES[dtype])
+        trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, DTYPE_BYTES.get(dtype, dtype), block)
         out["outer_embedding"] += tables * trim["outer_embedding"]
         per_step[L - 1] += tables * trim["outer_embedding"]
         out["dp"] += tables * trim["dp"]

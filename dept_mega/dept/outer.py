@@ -301,7 +301,8 @@ class FlatSync:
                 delta.copy_(pending.wire)
             delta.div_(G)
         pending.wire = None
-        self.optimizer.step(self.theta_prev, delta.to(self.state_device, non_blocking=True))
+        # (a device → CPU copy must be blocking: the CPU step reads it at once)
+        self.optimizer.step(self.theta_prev, delta.to(self.state_device))
         pending.delta = delta = None
         theta = self.theta_prev.to(self.device, non_blocking=True)  # θ_t of the chunk
         if correct:

@@ -146,7 +146,8 @@ class TrimStrategy(VariantStrategy):
                 local = self._main(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
                 delta = phi.gather(mine) - local
                 all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
-                                                  comm_dtype=ctx.cfg.dept.outer_comm_dtype)
+                                                  comm_dtype=ctx.cfg.dept.outer_comm_dtype,
+                                                  quant_block=ctx.cfg.dept.outer_quant_block)
                 phi.apply(all_ids, all_rows)
             if emb.position_embeddings is not None and self.position_sync is not None:
                 self.positions.data.copy_(self._main(emb.position_embeddings.weight))
