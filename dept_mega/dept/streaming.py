@@ -13,8 +13,9 @@ blocking, after the body (the installed compact table belongs to the round's sou
 inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_at_launch)
 (``FlatSync.finish(correct=True)``); meanwhile its exchange runs behind the training
 steps. τ = 0 is the blocking sync (F = 1, τ = 0: exactly the sync without this module's
-options). The run's last step applies every pending sync (and syncs blocking) so that the
-final weights are synchronised.
+options). The run's last step applies every pending sync, syncs the last fragment blocking
+and then every other fragment once more (blocking), so that the final weights are the same in
+every group (the last round's record therefore carries F − 1 extra fragment syncs).
 
 Where things happen, with ``s`` = inner steps done:
 
@@ -146,6 +147,11 @@ class OuterSchedule:
                 self._launch(u, step, blocking=self.delay == 0 or last)
         if last:
             self.flush()
+            # the final weights are the same in every group: the other fragments, which have
+            # trained locally since their last sync, are synchronised once more (blocking)
+            for u in self.units:
+                if u.offset != self.L:
+                    self._launch(u, step, blocking=True)
 
     def flush(self) -> None:
         """Apply every pending sync now (in launch order)."""
