@@ -94,7 +94,15 @@ class DeptConfig:
     # group: the body's inner AdamW state belongs to the group (DiLoCo); source: it belongs to
     # the source and moves with it (source_move)
     body_optimizer_state: str = "group"
-    outer_comm_dtype: str = "fp32"  # fp32 | bf16
+    # what crosses groups: fp32 | bf16 (all-reduce) | fp8 | int8 | int4 (block-wise scaled,
+    # all-gathered and reduced in fp32; docs/dept.md "Outer synchronisation")
+    outer_comm_dtype: str = "fp32"
+    outer_quant_block: int = 256  # values per scale of fp8 | int8 | int4
+    outer_error_feedback: bool = False  # carry each rank's quantisation residual to the next sync
+    outer_state_device: str = "device"  # device | cpu: where θ_{t-1} and the outer optimizer state live
+    outer_overlap: bool = False  # launch the sync and keep training (Streaming DiLoCo)
+    outer_delay: int = 0  # τ: inner steps between launching a sync and applying it (0: blocking)
+    outer_fragments: int = 1  # F: the body in F fragments of consecutive layers, synced staggered
     trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
     # GLOB: which embedding rows a group's inner steps update: all (plain) | present (only the
     # ids occurring in the round's source data; the others stay at their round-start values)
@@ -206,7 +214,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "dept.sampling": ("uniform", "proportional", "temperature"),
     "dept.embedding_rows": ("all", "present"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
-    "dept.outer_comm_dtype": ("fp32", "bf16"),
+    "dept.outer_comm_dtype": ("fp32", "bf16", "fp8", "int8", "int4"),
+    "dept.outer_state_device": ("device", "cpu"),
     "dept.body_optimizer_state": ("group", "source"),
     "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
     "optim.grad_dtype": ("fp32", "bf16"),
@@ -392,11 +401,12 @@ def _check_values(cfg: Config) -> None:
                     "model.vocab_size", "model.recompute_layers", "fp8_amax_history", "parallel.tensor",
                     "parallel.pipeline", "parallel.data", "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
                     "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
-                    "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size"])
+                    "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size",
+                    "dept.outer_quant_block", "dept.outer_fragments"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
                     "train.eval_iters", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
-                    "model.attention_dropout"], allow_zero=True)
+                    "model.attention_dropout", "dept.outer_delay"], allow_zero=True)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"config key 'model.hidden_size': {m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")
@@ -460,9 +470,14 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.embedding_rows == "present" and cfg.dept.variant != "glob":
         raise ConfigError(f"config key 'dept.embedding_rows': present applies to glob (TRIM's compact tables hold "
                           f"only V_k, SPEC's tables are never averaged), got dept.variant={cfg.dept.variant!r}")
+    if cfg.dept.embedding_rows == "present" and cfg.dept.outer_overlap:
+        raise ConfigError("config key 'dept.embedding_rows': present needs dept.outer_overlap false (an overlapped "
+                          "sync lands inside the next round, whose inner steps hold the other rows at their "
+                          "round-start values and would undo it)")
     if cfg.dept.embedding_rows == "present" and cfg.optim.distributed:
         raise ConfigError("config key 'dept.embedding_rows': present needs optim.distributed false (the "
                           "distributed optimizer's gradients and masters are flat shards, not rows)")
+    _check_outer_sync(cfg)
     if cfg.dept.body_optimizer_state == "source" and cfg.dept.variant == "std":
         raise ConfigError("config key 'dept.body_optimizer_state': source needs a DEPT variant "
                           "(std trains one group on the blend of all sources)")
@@ -500,6 +515,28 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")
+
+
+def _check_outer_sync(cfg: Config) -> None:
+    """The outer synchronisation's keys (docs/dept.md "Outer synchronisation")."""
+    d = cfg.dept
+    if d.outer_error_feedback and d.outer_comm_dtype not in ("fp8", "int8", "int4"):
+        raise ConfigError(f"config key 'dept.outer_error_feedback': needs a quantised dept.outer_comm_dtype "
+                          f"(fp8 | int8 | int4), got {d.outer_comm_dtype!r}")
+    if d.outer_delay and not d.outer_overlap:
+        raise ConfigError(f"config key 'dept.outer_delay': {d.outer_delay} needs dept.outer_overlap: true")
+    if d.outer_delay >= d.local_steps:
+        raise ConfigError(f"config key 'dept.outer_delay': {d.outer_delay} must be < dept.local_steps="
+                          f"{d.local_steps} (a sync is applied before the next one of its fragment starts)")
+    if d.outer_fragments > cfg.model.num_layers:
+        raise ConfigError(f"config key 'dept.outer_fragments': {d.outer_fragments} fragments of consecutive "
+                          f"layers need at least as many layers, model.num_layers={cfg.model.num_layers}")
+    if d.outer_fragments > d.local_steps:
+        raise ConfigError(f"config key 'dept.outer_fragments': {d.outer_fragments} staggered fragments need "
+                          f"dept.local_steps >= {d.outer_fragments}, got {d.local_steps}")
+    if d.outer_overlap and d.embedding_rows == "present":
+        raise ConfigError("config key 'dept.outer_overlap': not supported with dept.embedding_rows: present "
+                          "(the row mask would undo the delayed update of the frozen rows)")
 
 
 def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:

@@ -196,6 +196,9 @@ class TrainLoop:
         meter = ThroughputMeter(cfg.model, self.pg, tr.device)
         step_start = tr.step
         evaluated_at = -1
+        # optional hooks (DEPT's streamed / overlapped outer sync, dept/streaming.py)
+        before_step = getattr(self.hooks, "before_step", None)
+        after_step = getattr(self.hooks, "after_step", None)
         while tr.step < total:
             r = self.round_of(tr.step)
             if self.assignment is None or tr.step % L == 0:
@@ -205,9 +208,13 @@ class TrainLoop:
                                        f"{self.pg.group_index}: {self.assignment}")
                 self._position_iterator(self.assignment[self.pg.group_index])
             source = self.assignment[self.pg.group_index]
+            if before_step is not None:
+                before_step(self)
             profiler.before_step(tr.step)
             res = tr.train_step(self.iterator(source).next_step())
             profiler.after_step(tr.step)
+            if after_step is not None:
+                after_step(self)
             self.last_result = res
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step

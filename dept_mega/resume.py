@@ -36,7 +36,7 @@ DEPENDS_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_he
                 "model.ffn_hidden_size", "model.activation", "model.normalization", "model.position_embedding",
                 "model.seq_length", "model.tie_embeddings", "model.bias", "model.norm_bias", "model.vocab_size",
                 "dept.variant", "dept.local_steps", "dept.sampling", "dept.temperature",
-                "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "data.sources")
+                "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "dept.outer_fragments", "data.sources")
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -164,7 +164,7 @@ def _config_values(cfg: Config) -> dict[str, Any]:
             "model.vocab_size": m.vocab_size, "dept.variant": d.variant, "dept.local_steps": d.local_steps,
             "dept.sampling": d.sampling, "dept.temperature": d.temperature,
             "dept.outer_optimizer.name": d.outer_optimizer.name,
-            "dept.reset_inner_optimizer": d.reset_inner_optimizer,
+            "dept.reset_inner_optimizer": d.reset_inner_optimizer, "dept.outer_fragments": d.outer_fragments,
             "data.sources": [s.name for s in cfg.data.sources]}
 
 

@@ -131,7 +131,9 @@ def run_dept(cfg: Config, sources: Sequence[SourceInfo], rounds: int, *, pg: Opt
         # continues its data whichever group trained it before
         it.seek(hooks.source_steps(name, trainer.step))
         for _ in range(cfg.dept.local_steps):
+            hooks.before_step(None)
             res = trainer.train_step(it.next_step())
+            hooks.after_step(None)
             losses.append(res.loss)
         if after_round is not None:
             after_round(r, hooks, trainer)

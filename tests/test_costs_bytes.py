@@ -92,6 +92,8 @@ LAYOUTS = [  # (tensor, data, pipeline, dtype, tied): G = 4 / (T·D·P) = 2 in e
     (1, 2, 1, "bf16", True),
     (1, 1, 2, "fp32", True),
     (1, 1, 2, "bf16", False),
+    (1, 2, 1, "int8", False),  # quantised: packed chunks (payload + scales), TRIM's rows too
+    (2, 1, 1, "int4", True),
 ]
 
 

@@ -3,13 +3,17 @@
 
     python tools/dept_costs.py --config CFG.yaml [key=value ...] \
         [--global-vocab N] [--source-vocab N] [--trim-vocab N] \
-        [--groups G --comm-dtype fp32|bf16] [--memory [--outer-state full|lean] [--set KEY=VALUE ...]] [--json]
+        [--groups G --comm-dtype fp32|bf16|fp8|int8|int4] [--memory [--outer-state full|lean] [--set KEY=VALUE ...]]
+        [--json]
 
 Vocabulary sizes come from the command line when given, else from the config's tokenizers
 (``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
 ``--trim-vocab`` is TRIM's mean |V_k|; without it (and without the sources' data files) TRIM
 is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one outer round
-per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts.
+per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts, and
+the bytes that cross groups after each inner step of a round (``outer_step_bytes``; with
+``dept.outer_fragments`` they are spread over the round) with their peak (``peak_step_bytes``);
+every ``dept.outer_*`` key of the config (or given as an override) counts.
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
 ``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, total}.
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dept_mega.config import ConfigError, load_config  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
-                                  predict_outer_round_bytes, resolve_vocabs)
+                                  predict_outer_sync, resolve_vocabs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trim-vocab", type=int, default=None, help="TRIM mean per-source |V_k|")
     ap.add_argument("--groups", type=int, default=None,
                     help="G source groups: also predict the bytes of one outer round")
-    ap.add_argument("--comm-dtype", choices=("fp32", "bf16"), default=None,
+    ap.add_argument("--comm-dtype", choices=("fp32", "bf16", "fp8", "int8", "int4"), default=None,
                     help="outer communication dtype (default: the config's dept.outer_comm_dtype)")
     ap.add_argument("--memory", action="store_true", help="also predict the bytes per rank of every variant")
     ap.add_argument("--outer-state", choices=("full", "lean"), default=None,
@@ -70,8 +74,11 @@ def compute(args: argparse.Namespace) -> dict:
             trim = [vocabs.global_vocab] * args.groups
         for name in VARIANTS:
             one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
-            variants[name]["outer_round_bytes"] = predict_outer_round_bytes(
-                one, 1 if name == "std" else args.groups, args.comm_dtype, vocabs.global_vocab, trim)
+            dtype = args.comm_dtype or cfg.dept.outer_comm_dtype
+            pred = predict_outer_sync(one, 1 if name == "std" else args.groups, dtype, vocabs.global_vocab, trim)
+            variants[name]["outer_round_bytes"] = pred["round"]
+            variants[name]["outer_step_bytes"] = pred["outer_per_step"]
+            variants[name]["peak_step_bytes"] = pred["peak_step_bytes"]
     if args.memory:
         lean = None if args.outer_state is None else args.outer_state == "lean"
         for name in VARIANTS:
@@ -149,7 +156,8 @@ def table(result: dict) -> str:
         lines.append("predicted bytes of one outer round, summed over ranks:")
         for name, c in result["variants"].items():
             b = c["outer_round_bytes"]
-            lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items()))
+            lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items())
+                         + f"; peak per inner step {_fmt_bytes(c['peak_step_bytes'])}")
     if any("memory" in c for c in result["variants"].values()):
         lines.append("predicted bytes per rank (the largest rank):")
         lines.append(f"  {'variant':9} " + " ".join(f"{k[:11]:>11}" for k in MEMORY_KEYS))

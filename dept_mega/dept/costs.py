@@ -327,7 +327,7 @@ def trim_row_counts(n_real: int, tensor: int, data: int) -> list[list[int]]:
 
 
 def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, data: int,
-                        wire_bytes: int) -> dict[str, int]:
+                        wire_bytes: int | str, quant_block: int = 256) -> dict[str, int]:
     """Bytes of one TRIM table's row exchange (dept/trim.py ``exchange_rows``), summed over ranks.
 
     Each gather is an all-gather of equal-size parts (gloo and NCCL need them): first one
@@ -335,7 +335,14 @@ def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, da
     its group — the padding is sent and counted. Over the outer group (G = len(trim_vocabs)
     ranks at one (tp, dp) position) the rows travel in ``wire_bytes`` per value; the
     re-gathers inside a group, over dp then tp, are fp32 and carry what was received.
+    ``wire_bytes`` may name a block-quantised format (fp8 | int8 | int4): a part's rows then
+    travel as one packed buffer (payload + a scale per ``quant_block`` values).
     """
+    def rows_bytes(rows: int) -> int:
+        if isinstance(wire_bytes, str):
+            return _wire_bytes(rows * hidden, wire_bytes, quant_block)
+        return rows * hidden * wire_bytes
+
     G = len(trim_vocabs)
     fp32 = DTYPE_BYTES["fp32"]
     counts = [trim_row_counts(v, tensor, data) for v in trim_vocabs]  # [k][t][d]
@@ -345,7 +352,7 @@ def trim_exchange_bytes(trim_vocabs: Sequence[int], hidden: int, tensor: int, da
         if G > 1:
             for d in range(data):
                 largest = max(counts[k][t][d] for k in range(G))
-                out["outer_embedding"] += G * (8 + largest * (8 + hidden * wire_bytes))
+                out["outer_embedding"] += G * (8 + largest * 8 + rows_bytes(largest))
         # over dp at tp t (same content in every group): each replica sends what it received
         if data > 1:
             received = [sum(counts[k][t][d] for k in range(G)) for d in range(data)]
@@ -382,12 +389,14 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
     The algorithm counted is the one of dept_mega/dept/outer.py and trim.py, with T, D from
     ``cfg.parallel`` (P only moves parameters between stages, it adds none):
 
-    * body (``FlatSync``): each rank takes its 1/D chunk of its own TP/PP shard's Δ (chunks
-      of near-equal size that add up to the shard exactly) and all-reduces it over the outer
-      group (``outer_body``, in ``dtype``; only when G > 1). Summed over a group's ranks that
-      is the body with its TP-replicated parameters (norms, row-parallel biases) counted T
-      times. With D > 1 the replicas then all-gather the updated chunks over dp in fp32
-      (``dp``, also when G = 1).
+    * body (``FlatSync``, per fragment with ``dept.outer_fragments``): each rank takes its 1/D
+      chunk of its own TP/PP shard's Δ (chunks of near-equal size that add up to the shard
+      exactly) and all-reduces it over the outer group (``outer_body``, in ``dtype``; only
+      when G > 1) — or, for fp8 | int8 | int4, all-gathers it packed (payload + one fp32 scale
+      per block of the chunk). Summed over a group's ranks that is the body with its
+      TP-replicated parameters (norms, row-parallel biases) counted T times. With D > 1 the
+      replicas then all-gather the updated chunks over dp in fp32 as D equal parts of the
+      longest chunk (``dp``, also when G = 1).
     * "Tables" below are the embedding tables on this job's ranks: the token table on the
       first stage plus, on the last stage, the untied head or — tied with P > 1 — the last
       stage's copy of the token table (each is synchronised by the ranks holding it), so 1
@@ -409,44 +418,116 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
     Returns ``{"outer_body", "outer_embedding", "dp", "tp"}`` in bytes (``tp`` is only
     TRIM's re-gather; the other variants' sync sends nothing over tp).
     """
+    return predict_outer_sync(cfg, groups, dtype, global_vocab, trim_vocabs)["round"]
+
+
+OUTER_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
+
+
+def _wire_bytes(n: int, dtype: str, block: int) -> int:
+    """Bytes one rank sends for a chunk of n values (dept/outer.py, dept/quant.py)."""
+    if dtype in ("fp32", "bf16"):
+        return n * DTYPE_BYTES[dtype]
+    blocks = -(-n // block) if n else 0
+    return 4 * blocks + ((n + 1) // 2 if dtype == "int4" else n)
+
+
+def _rank_layers(num_layers: int, P: int, V: int, p: int) -> list[int]:
+    """Global layer ids on pipeline rank p (model/gpt.py ``chunk_layout``: chunk c holds block
+    c·P + p of P·V equal blocks)."""
+    per = num_layers // (P * V)
+    return [i for c in range(V) for i in range((c * P + p) * per, (c * P + p + 1) * per)]
+
+
+def sync_units(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[int, int, int, str]]:
+    """The FlatSyncs of one group's ranks, as ``(pp rank, offset in the round, values on one
+    tensor rank, category)``: the body's fragments (dept/streaming.py: layer i in fragment
+    ⌊i·F/N⌋, the final norm in F − 1, fragment f launched after inner step (f+1)·⌊L/F⌋, the
+    last at L) and the dense embedding state (GLOB's tables and positions, TRIM's positions),
+    launched with the last fragment. Every tensor rank holds the same number of values."""
+    m, p, d = cfg.model, cfg.parallel, cfg.dept
+    T, P, V, F, L = p.tensor, p.pipeline, p.virtual_pipeline, d.outer_fragments, d.local_steps
+    one = layer_split(m)
+    per_layer = one.sharded // T + one.replicated
+    offsets = [(f + 1) * (L // F) if f < F - 1 else L for f in range(F)]
+    units = []
+    for pp in range(P):
+        counts = [0] * F
+        for i in _rank_layers(m.num_layers, P, V, pp):
+            counts[i * F // m.num_layers] += per_layer
+        if pp == P - 1:
+            counts[F - 1] += _norm_params(m)
+        units += [(pp, offsets[f], n, "outer_body") for f, n in enumerate(counts)]
+        emb = 0
+        if d.variant == "glob":
+            if global_vocab is None:
+                raise ConfigError("predict_outer_round_bytes: glob needs global_vocab")
+            table = padded_vocab(global_vocab) // T * m.hidden_size
+            if pp == 0:
+                emb += table + position_params(m)
+            if pp == P - 1 and (not m.tie_embeddings or P > 1):
+                emb += table  # the untied head, or the last stage's copy of the tied table
+        elif d.variant == "trim" and pp == 0:
+            emb += position_params(m)
+        if emb:
+            units.append((pp, L, emb, "outer_embedding"))
+    return units
+
+
+def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
+                       global_vocab: Optional[int] = None,
+                       trim_vocabs: Optional[Sequence[int]] = None) -> dict:
+    """The bytes of one round of outer synchronisation (see :func:`predict_outer_round_bytes`)
+    and when they go on the wire: ``{"round": {category: bytes}, "outer_per_step": [bytes
+    across groups launched after inner step 1 … L of a round], "peak_step_bytes": max of
+    those}``, summed over all ranks of the job. Every ``dept.outer_*`` key counts:
+    ``outer_comm_dtype`` (fp32 | bf16 all-reduced; fp8 | int8 | int4 all-gathered as packed
+    chunks: payload plus one fp32 scale per ``outer_quant_block`` values of each rank's
+    chunk), ``outer_fragments`` (each fragment's chunks are split and quantised separately;
+    fragment f's bytes land on its step), ``outer_overlap`` / ``outer_delay`` (they move when
+    a sync is applied, not what it sends). TRIM's rows go at the round's end."""
     m, p = cfg.model, cfg.parallel
     variant = cfg.dept.variant
     dtype = dtype or cfg.dept.outer_comm_dtype
-    if dtype not in DTYPE_BYTES or dtype == "fp16":
-        raise ConfigError(f"config key 'dept.outer_comm_dtype': {dtype!r} is not one of fp32 | bf16")
+    block = cfg.dept.outer_quant_block
+    if dtype not in OUTER_FORMATS:
+        raise ConfigError(f"config key 'dept.outer_comm_dtype': {dtype!r} is not one of {' | '.join(OUTER_FORMATS)}")
     if groups < 1:
         raise ConfigError(f"predict_outer_round_bytes: groups must be >= 1, got {groups}")
-    b, fp32 = DTYPE_BYTES[dtype], DTYPE_BYTES["fp32"]
+    L = cfg.dept.local_steps
     out = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
+    per_step = [0] * L
     if variant == "std":
-        return out
+        return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0}
     T, D = p.tensor, p.data
-    bs = body_split(m)
-    body_elems = bs.sharded + T * bs.replicated  # summed over a group's ranks (D replicas split it)
-    # table copies that are synchronised: the token table on the first stage, and on the last
-    # stage the untied head or (tied, P > 1) the last stage's copy of the token table
-    tables = 1 if (m.tie_embeddings and p.pipeline == 1) else 2
-    # learned positions (replicated over TP) are synchronised by GLOB and TRIM; SPEC's are per source
-    dense_emb = T * position_params(m) if variant in ("glob", "trim") else 0
-    rows_bytes = 0
-    if variant == "glob":
-        if global_vocab is None:
-            raise ConfigError("predict_outer_round_bytes: glob needs global_vocab")
-        dense_emb += tables * padded_vocab(global_vocab) * m.hidden_size
-    elif variant == "trim":
+    fp32 = DTYPE_BYTES["fp32"]
+    for _, offset, n, category in sync_units(cfg, global_vocab):
+        chunks = [chunk_bounds_len(n, D, i) for i in range(D)]
+        if groups > 1 and n:
+            sent = groups * T * sum(_wire_bytes(c, dtype, block) for c in chunks)
+            out[category] += sent
+            per_step[offset - 1] += sent
+        if D > 1 and n:  # equal parts of the longest chunk, fp32 (dept/outer.py)
+            out["dp"] += groups * T * D * max(chunks) * fp32
+    if variant == "trim":
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
                               f"got {trim_vocabs!r}")
-        trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, b)
-        rows_bytes = tables * trim["outer_embedding"]
+        tables = 1 if (m.tie_embeddings and p.pipeline == 1) else 2
+        trim = trim_exchange_bytes(trim_vocabs, m.hidden_size, T, D, DTYPE_BYTES.get(dtype, dtype), block)
+        out["outer_embedding"] += tables * trim["outer_embedding"]
+        per_step[L - 1] += tables * trim["outer_embedding"]
+        # φ is row-sharded over the group's tp×dp ranks: two reads of V_k's rows per round (dept/trim.py)
         out["dp"] += tables * (trim["dp"] + trim_shard_gather_bytes(trim_vocabs, m.hidden_size, T, D))
         out["tp"] += tables * trim["tp"]
-    if groups > 1:
-        out["outer_body"] = groups * body_elems * b
-        out["outer_embedding"] = groups * dense_emb * b + rows_bytes
-    if D > 1:
-        out["dp"] += groups * (body_elems + dense_emb) * fp32
-    return out
+    return {"round": out, "outer_per_step": per_step, "peak_step_bytes": max(per_step) if per_step else 0}
+
+
+def chunk_bounds_len(n: int, parts: int, index: int) -> int:
+    """Length of chunk ``index`` of n values split into ``parts`` near-equal chunks
+    (dept/outer.py ``chunk_bounds``)."""
+    base, extra = divmod(n, parts)
+    return base + (1 if index < extra else 0)
 
 
 # the per-rank memory model lives in memory.py (which imports this module's constants); its

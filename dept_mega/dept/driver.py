@@ -12,11 +12,16 @@ Round start (every rank, no communication except source moves):
      the first time a source is sampled; the strategy prepares it first (TRIM: rows of φ);
   3. the loop puts the source's batch iterator at the source's data position
      (:meth:`DeptHooks.source_steps`, from the plan history), whichever group read it before.
+Inner steps (``before_step`` / ``after_step``): with ``dept.outer_fragments`` > 1 the body's
+fragments are synchronised at their points of the round, and with ``dept.outer_overlap`` the
+launched syncs are applied τ steps later (streaming.py).
 Round end:
-  4. body outer sync (``outer_body``), then the strategy's (GLOB's embeddings, TRIM's rows and
-     positions: ``outer_embedding``);
+  4. body outer sync (``outer_body``; with fragments: the last one), the strategy's synced
+     embedding state (GLOB's tables and positions: ``outer_embedding``) — launched only, with
+     overlap — then the strategy's own sync (TRIM's rows and positions, blocking);
   5. the ``outer`` record: bytes per category sent by the whole job in this round (summed over
-     ranks; evaluation traffic excluded) and the sync's seconds.
+     ranks; evaluation traffic excluded), the sync's seconds, and ``overlap_seconds`` /
+     ``exposed_seconds`` (streaming.py).
 See docs/dept.md.
 """
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
-from .outer import FlatSync, OuterOptimizer
+from .outer import FlatSync, OuterOptimizer, sync_options
+from .streaming import OuterSchedule, SyncUnit, body_fragments, fragment_offsets
 from .rounds import RoundScheduler
 from .store import SourceState, SourceStore, load_payload, state_payload
 from .strategy import RoundView, StrategyContext
@@ -76,12 +82,26 @@ class DeptHooks:
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
         masters = dict(main_params=trainer.main_params, refresh=trainer.refresh_model_params)  # fp32 values
-        self.body_sync = FlatSync(trainer.body_parameters(), pg, OuterOptimizer.from_config(d.outer_optimizer),
-                                  category="outer_body", comm_dtype=d.outer_comm_dtype, **masters)
+        F = d.outer_fragments
+        parts = [trainer.body_parameters()] if F == 1 else body_fragments(trainer.stages, F, cfg.model.num_layers)
+        self.body_syncs = [FlatSync(ps, pg, OuterOptimizer.from_config(d.outer_optimizer), category="outer_body",
+                                    **sync_options(d), **masters) for ps in parts]
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
+        offsets = fragment_offsets(d.local_steps, F)
+        units = [SyncUnit(s, o, f"body{f}") for f, (s, o) in enumerate(zip(self.body_syncs, offsets))]
+        units += [SyncUnit(s, d.local_steps, f"embedding{i}") for i, s in enumerate(self.strategy.outer_syncs())]
+        self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
+                                      cfg.train.steps)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
+
+    @property
+    def body_sync(self) -> FlatSync:
+        """The body's FlatSync (``dept.outer_fragments: 1``; else see ``body_syncs``)."""
+        if len(self.body_syncs) != 1:
+            raise AttributeError("body_sync: the body is synchronised in fragments (body_syncs)")
+        return self.body_syncs[0]
 
     @property
     def phi(self):
@@ -184,28 +204,52 @@ class DeptHooks:
         state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine)
         self._install(mine, state)
 
+    def before_step(self, loop) -> None:
+        """Before an inner step: fragments due now are launched (streaming.py)."""
+        self.schedule.before_step(self.trainer.step)
+
+    def after_step(self, loop) -> None:
+        """After an inner step: overlapped syncs due now are applied."""
+        self.schedule.after_step(self.trainer.step)
+
+    def can_save_now(self) -> bool:
+        """True when no outer sync is in flight: checkpoints are taken only then."""
+        return self.schedule.idle
+
     def round_end(self, loop, round_index: int) -> dict[str, Any]:
         t0 = time.time()
-        self.body_sync.sync()
+        self.schedule.round_end(self.trainer.step)
+        t1 = time.perf_counter()
         self.strategy.sync(self.installed)
+        strategy_seconds = time.perf_counter() - t1
         self.in_round = False
         seconds = time.time() - t0
+        overlap, exposed = self.schedule.take_times()
         now = self.pg.comm.snapshot()
         mine = {c: now[c] - self._mark[c] - self._excluded[c] for c in CATEGORIES}
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
-        return {"bytes": total_over_ranks(mine), "seconds": seconds}
+        return {"bytes": total_over_ranks(mine), "seconds": seconds, "overlap_seconds": overlap,
+                "exposed_seconds": exposed + strategy_seconds}
 
     def state_replicated_over_dp(self) -> bool:
         """True when :meth:`state_dict` is the same on the D data-parallel replicas of a group
         (per-source embeddings and their AdamW state are replicated; the distributed
         optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
         per (tp, pp, group) and it loads under another ``parallel.data``."""
-        return self.strategy.name != "trim" and not self.cfg.optim.distributed
+        # (error-feedback residuals belong to a rank's chunk of the outer state)
+        return (self.strategy.name != "trim" and not self.cfg.optim.distributed
+                and not self.cfg.dept.outer_error_feedback)
 
     def outer_syncs(self) -> dict[str, FlatSync]:
-        """The outer syncs whose state the checkpoint saves per parameter (checkpoint_state)."""
-        own = getattr(self.strategy, "outer_syncs", None)  # GLOB: the embeddings' (outer_embedding)
-        return {"outer_body": self.body_sync, **(own() if own is not None else {})}
+        """Every FlatSync the schedule drives, by the name its state has in checkpoints
+        (dept_mega.checkpoint_state): ``outer_body`` (``outer_body_f{i}`` per fragment with
+        ``dept.outer_fragments`` > 1) and the strategy's (GLOB's tables: ``outer_embedding``)."""
+        body = self.body_syncs
+        out = {"outer_body": body[0]} if len(body) == 1 else {f"outer_body_f{i}": s for i, s in enumerate(body)}
+        own = self.strategy.outer_syncs()
+        out.update({"outer_embedding": own[0]} if len(own) == 1
+                   else {f"outer_embedding_{i}": s for i, s in enumerate(own)})
+        return out
 
     @contextlib.contextmanager
     def uncounted(self):
@@ -217,11 +261,6 @@ class DeptHooks:
             after = self.pg.comm.snapshot()
             for c in CATEGORIES:
                 self._excluded[c] += after[c] - before[c]
-
-    def can_save_now(self) -> bool:
-        """A checkpoint may be written now (the same answer on every rank): always, while the
-        outer sync completes inside ``round_end``; an overlapped sync returns False while in flight."""
-        return True
 
     def make_iterator(self, source: str):
         return None  # TRIM remaps ids inside its compact embeddings (TrimmedEmbeddings)
@@ -253,11 +292,19 @@ class DeptHooks:
         the trainer started with (its body optimizer state, if per source, is the trainer's
         and saved with the model). Plain dicts, lists, numbers, strings and tensors only:
         loadable with ``torch.load(..., weights_only=True)``."""
-        # the body's outer state (θ_{t-1}, outer optimizer) is not here: dept_mega.checkpoint
-        # saves it once, per parameter, from outer_syncs() (dept_mega.checkpoint_state)
+        if not self.schedule.idle:
+            raise RuntimeError("DeptHooks.state_dict: an outer sync is in flight; checkpoints are taken only where "
+                               "can_save_now() is true")
+        # the outer state (θ_{t-1}, outer optimizer) of every FlatSync is not here: dept_mega.checkpoint
+        # saves it once, per parameter, from outer_syncs() (dept_mega.checkpoint_state); only the
+        # per-rank error-feedback residuals (dept.outer_error_feedback) are
         sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
                               "installed": self.installed, "in_round": self.in_round,
                               "mark": dict(self._mark)}
+        residuals = {k: s.residual.detach().cpu().clone() for k, s in self.outer_syncs().items()
+                     if s.residual is not None}
+        if residuals:
+            sd["outer_residuals"] = residuals
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
         sd["store"] = {n: state_payload(self.store.get(n), with_opt) for n in self.store.names()}
@@ -267,7 +314,19 @@ class DeptHooks:
 
     def load_state_dict(self, sd: dict) -> None:
         if "body_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
-            self.body_sync.load_state_dict(sd["body_sync"])
+            body = sd["body_sync"]
+            parts = body["fragments"] if "fragments" in body else [body]
+            if len(parts) != len(self.body_syncs):
+                raise ValueError(f"dept.outer_fragments: the checkpoint's body state has {len(parts)} fragments, "
+                                 f"this run {len(self.body_syncs)}")
+            for s, part in zip(self.body_syncs, parts):
+                s.load_state_dict(part)
+        syncs = self.outer_syncs()
+        for k, r in (sd.get("outer_residuals") or {}).items():
+            if k not in syncs or syncs[k].residual is None:
+                raise ValueError(f"dept.outer_error_feedback: the checkpoint holds a residual for {k!r}, this run "
+                                 f"has none there")
+            syncs[k].residual.copy_(r.to(syncs[k].residual.device, torch.float32))
         self.strategy.load_state_dict(sd)
         self.store = SourceStore()
         for n, payload in sd["store"].items():

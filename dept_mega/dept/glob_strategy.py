@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .outer import FlatSync, OuterOptimizer
+from .outer import FlatSync, OuterOptimizer, sync_options
 from .row_mask import PresentRowsOnly, present_ids
 from .strategy import RoundView, StrategyContext, VariantStrategy
 
@@ -19,7 +19,7 @@ class GlobStrategy(VariantStrategy):
         d = ctx.cfg.dept
         self.embedding_sync = FlatSync(ctx.trainer.embedding_parameters(), ctx.pg,
                                        OuterOptimizer.from_config(d.outer_optimizer),
-                                       category="outer_embedding", comm_dtype=d.outer_comm_dtype,
+                                       category="outer_embedding", **sync_options(d),
                                        main_params=ctx.trainer.main_params,  # fp32 values of half weights
                                        refresh=ctx.trainer.refresh_model_params)
         self.mask: Optional[PresentRowsOnly] = None
@@ -39,16 +39,16 @@ class GlobStrategy(VariantStrategy):
             self.mask.remove()
             self.mask = None
 
+    def outer_syncs(self) -> list:
+        # synchronised by the driver with the body's last fragment; saved per parameter by the
+        # checkpoint (dept_mega.checkpoint_state), not in state_dict
+        return [self.embedding_sync]
+
     def sync(self, installed: Optional[str]) -> None:
         self._end_mask()
-        self.embedding_sync.sync()
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         return None  # the group's own (global) embeddings, as they are now
-
-    def outer_syncs(self) -> dict:
-        """Saved per parameter by the checkpoint (dept_mega.checkpoint_state), not in state_dict."""
-        return {"outer_embedding": self.embedding_sync}
 
     def state_dict(self) -> dict:
         return {}

@@ -68,10 +68,10 @@ from ..config import Config, ConfigError
 from .costs import VOCAB_PAD_MULTIPLE, VARIANTS
 from .outer import chunk_bounds
 
-# The layout of FlatSync's θ_prev that dept/outer.py implements on this branch: False = full on
-# every data-parallel rank. Set True when FlatSync keeps θ_prev for its 1/D chunk only (lean
-# DEPT state, issue 10); tests/test_memory.py then checks the lean formula against the run.
-FLATSYNC_THETA_CHUNK_ONLY = False
+# The layout of FlatSync's θ_prev that dept/outer.py implements: True = the rank's 1/D chunk
+# only (lean DEPT state, issue 10; tests/test_memory.py checks it against a run); False = full
+# on every data-parallel rank, the layout before it (``--outer-state full`` predicts that).
+FLATSYNC_THETA_CHUNK_ONLY = True
 
 MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch", "total")
 OUTER_STATE = {"fedavg": 0, "nesterov": 1, "adam": 2}  # fp32 values per element of outer optimizer state
@@ -436,8 +436,8 @@ def held_bytes(trainer, hooks=None) -> dict[str, int]:
         for v in sync.optimizer.state.values():
             add("outer", v)
 
-    add_sync(hooks.body_sync)
-    add_sync(getattr(strategy, "embedding_sync", None))
+    for sync in hooks.outer_syncs().values():  # the body's (per fragment) and GLOB's tables
+        add_sync(sync)
     add_sync(getattr(strategy, "position_sync", None))
     add("outer", getattr(strategy, "positions", None))
     for table in (getattr(strategy, "phi", None), getattr(strategy, "phi_head", None)):

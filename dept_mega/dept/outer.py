@@ -8,15 +8,34 @@ the G groups, then the outer optimizer treats the mean Δ as a gradient:
 - ``adam``:     m = β1·m + (1−β1)·Δ̄;  v = β2·v + (1−β2)·Δ̄²;
                 θ_t = θ_{t-1} − lr·(m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + eps)
 
-All state and the update are fp32. :class:`FlatSync` keeps θ_{t-1} as an fp32 copy of the
-parameters it owns (this rank's TP/PP shard), and at a round's end:
+All state and the update are fp32. The parameters a :class:`FlatSync` owns (this rank's TP/PP
+shard, in order, flattened) are split into D near-equal chunks, one per data-parallel replica
+of the group (the D replicas hold identical parameters). **Lean state**: a rank keeps θ_{t-1}
+and the outer optimizer's state for *its chunk only* (1/D of the shard), on the parameters'
+device or, with ``dept.outer_state_device: cpu``, in CPU memory (pinned when CUDA is
+available). At a round's end (:meth:`FlatSync.sync` = :meth:`launch` + :meth:`finish`):
 
-1. Δ = θ_{t-1} − θ_local (fp32), of which this rank takes its 1/D chunk: the D data-parallel
-   replicas of a group hold identical parameters, so each handles one chunk;
-2. all-reduce of the chunk over ``pg.outer`` (in ``dept.outer_comm_dtype``), divided by G;
-3. the outer optimizer updates the chunk of θ (state exists for the chunk only);
-4. all-gather of the updated chunks over ``pg.dp`` (fp32, category ``dp``) and copy into
-   the parameters.
+1. Δ = θ_{t-1} − θ_local of this rank's chunk (fp32; θ_local read chunk-wise from the
+   parameters);
+2. across groups, over ``pg.outer`` (category ``outer_body`` / ``outer_embedding``):
+   fp32 / bf16: all-reduce of the chunk in that dtype, divided by G; fp8 / int8 / int4
+   (quant.py): every rank quantises its chunk block-wise, the G packed chunks (payload +
+   scales) are **all-gathered**, and every rank dequantises and sums them in fp32 in group
+   order, divided by G — partial sums are never re-quantised; with
+   ``dept.outer_error_feedback`` each rank adds its last quantisation residual to Δ before
+   quantising and keeps the new residual (chunk-sized, fp32);
+3. the outer optimizer updates the chunk of θ in place (θ_{t-1} becomes θ_t), slice by slice
+   so that its temporaries stay small;
+4. all-gather of the updated chunks over ``pg.dp`` (fp32, category ``dp``; equal parts, so a
+   chunk one value shorter than the longest is padded) into one buffer of the shard, copied
+   into the parameters (the only full-shard temporary of the sync).
+
+Overlapped sync (Streaming DiLoCo, Douillard et al. 2025, arXiv:2501.18512, §2.3): step 2 is
+launched asynchronously and the group keeps training; when the result is applied τ inner
+steps later, the parameters become θ_t + (θ_local_now − θ_local_at_launch), computed as
+θ_local_now + (θ_t − θ_local_at_launch) (``finish(correct=True)``); θ_t stays the reference
+θ_{t-1} of the next round. A sync with ``correct=False`` writes θ_t exactly (the blocking
+sync, bit-identical to applying it at once).
 
 With half-precision weights the fp32 values to read and write are the optimizer's master
 copies: a FlatSync built with ``main_params`` / ``refresh`` (``Trainer.main_params`` and
@@ -25,13 +44,22 @@ the model's weights; without them it works on the parameters themselves (fp32 we
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 from ..parallel.comm import group_size
+from .quant import QUANT_FORMATS, decode, encode, packed_nbytes
 
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OUTER_COMM_DTYPES = ("fp32", "bf16") + QUANT_FORMATS
+STATE_DEVICES = ("device", "cpu")
+STATE_NAMES = {"fedavg": (), "nesterov": ("momentum",), "adam": ("exp_avg", "exp_avg_sq")}
+# elements per slice of the element-wise outer step (a multiple of every SIMD width, so that
+# slicing does not change a value): bounds the step's temporaries to a few MB
+STEP_SLICE = 1 << 20
 
 
 class OuterOptimizer:
@@ -39,7 +67,7 @@ class OuterOptimizer:
 
     def __init__(self, name: str, lr: float = 1.0, momentum: float = 0.0,
                  betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        if name not in ("fedavg", "nesterov", "adam"):
+        if name not in STATE_NAMES:
             raise ValueError(f"dept.outer_optimizer.name: unknown outer optimizer {name!r} "
                              "(fedavg | nesterov | adam)")
         self.name, self.lr, self.momentum = name, float(lr), float(momentum)
@@ -52,11 +80,14 @@ class OuterOptimizer:
     def from_config(cls, oc) -> "OuterOptimizer":
         return cls(oc.name, oc.lr, oc.momentum, oc.betas, oc.eps)
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return STATE_NAMES[self.name]
+
     def ensure_state(self, like: torch.Tensor) -> None:
         """Allocate the state now (zeros; what the first step would start from), so that a
-        checkpoint can load into it in place."""
-        names = {"fedavg": (), "nesterov": ("momentum",), "adam": ("exp_avg", "exp_avg_sq")}[self.name]
-        for n in names:
+        checkpoint can load into it in place. It lives where ``like`` lives."""
+        for n in self.state_names:
             if n not in self.state:
                 self.state[n] = torch.zeros_like(like, dtype=torch.float32)
 
@@ -67,16 +98,22 @@ class OuterOptimizer:
             raise TypeError("outer optimizer works on fp32 buffers")
         self.ensure_state(theta)
         self.steps += 1
+        n = theta.numel()
+        for a in range(0, max(n, 1), STEP_SLICE):
+            b = min(a + STEP_SLICE, n)
+            self._step_slice(theta[a:b], delta[a:b], {k: v[a:b] for k, v in self.state.items()})
+
+    def _step_slice(self, theta: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         if self.name == "fedavg":
             theta.add_(delta, alpha=-self.lr)
         elif self.name == "nesterov":
-            buf = self.state["momentum"]  # zeros before the first step: b = Δ̄ then
+            buf = state["momentum"]  # zeros before the first step: b = Δ̄ then
             buf.mul_(self.momentum).add_(delta)
             theta.add_(delta + self.momentum * buf, alpha=-self.lr)
         else:
             b1, b2 = self.betas
-            m = self.state["exp_avg"]
-            v = self.state["exp_avg_sq"]
+            m = state["exp_avg"]
+            v = state["exp_avg_sq"]
             m.mul_(b1).add_(delta, alpha=1 - b1)
             v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
             m_hat = m / (1 - b1 ** self.steps)
@@ -88,7 +125,11 @@ class OuterOptimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps = int(sd["steps"])
-        self.state = {k: v.clone() for k, v in sd["state"].items()}
+        loaded = {}
+        for k, v in sd["state"].items():
+            old = self.state.get(k)
+            loaded[k] = v.to(old.device if old is not None else v.device, torch.float32).clone()
+        self.state = loaded
 
 
 def flatten_fp32(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -104,104 +145,277 @@ def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+def sync_options(dept_cfg) -> dict:
+    """FlatSync keyword arguments from the ``dept`` config section."""
+    return dict(comm_dtype=dept_cfg.outer_comm_dtype, state_device=dept_cfg.outer_state_device,
+                quant_block=dept_cfg.outer_quant_block, error_feedback=dept_cfg.outer_error_feedback)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and torch.cuda.is_available():
+        return t.pin_memory()
+    return t
+
+
+@dataclass
+class PendingSync:
+    """One launched synchronisation of a :class:`FlatSync` (see :meth:`FlatSync.launch`)."""
+    work: Any  # the collective's handle (``wait()``)
+    wire: Optional[torch.Tensor]  # fp32/bf16: the all-reduced chunk; quantised: the G packed chunks
+    delta: torch.Tensor  # fp32 Δ of this rank's chunk (fp32 wire: the same tensor)
+    launch: Optional[torch.Tensor]  # θ_local of the chunk at launch (for the correction)
+    launched_at: float = field(default_factory=time.perf_counter)
+
+
 class FlatSync:
     """Outer synchronisation of a list of parameters held by this rank (see module doc)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], pg, optimizer: OuterOptimizer,
                  category: str = "outer_body", comm_dtype: str = "fp32",
                  main_params: Optional[Callable[[Sequence[torch.nn.Parameter]], list[torch.Tensor]]] = None,
-                 refresh: Optional[Callable[[Sequence[torch.nn.Parameter]], None]] = None) -> None:
+                 refresh: Optional[Callable[[Sequence[torch.nn.Parameter]], None]] = None, *,
+                 state_device: str = "device", quant_block: int = 256, error_feedback: bool = False) -> None:
         self.params = list(params)
         self._main_params = main_params
         self._refresh = refresh
         self.pg = pg
         self.category = category
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"dept.outer_comm_dtype: {comm_dtype!r} is not fp32 | bf16")
-        self.comm_dtype = COMM_DTYPES[comm_dtype]
+        if comm_dtype not in OUTER_COMM_DTYPES:
+            raise ValueError(f"dept.outer_comm_dtype: {comm_dtype!r} is not one of {' | '.join(OUTER_COMM_DTYPES)}")
+        if state_device not in STATE_DEVICES:
+            raise ValueError(f"dept.outer_state_device: {state_device!r} is not one of {' | '.join(STATE_DEVICES)}")
+        if quant_block < 1:
+            raise ValueError(f"dept.outer_quant_block: must be > 0, got {quant_block}")
+        if error_feedback and comm_dtype not in QUANT_FORMATS:
+            raise ValueError(f"dept.outer_error_feedback: needs a quantised dept.outer_comm_dtype "
+                             f"({' | '.join(QUANT_FORMATS)}), got {comm_dtype!r}")
+        self.comm_format = comm_dtype
+        self.comm_dtype = COMM_DTYPES.get(comm_dtype)  # None: block-quantised
+        self.quant_block = int(quant_block)
+        self.error_feedback = bool(error_feedback)
         self.optimizer = optimizer
         self.numel = sum(p.numel() for p in self.params)
         D = pg.dp_size
         self.bounds = [chunk_bounds(self.numel, D, d) for d in range(D)]
         self.start, self.end = self.bounds[pg.dp_rank]
-        self.theta_prev = flatten_fp32(self.values())  # θ_{t-1}, full (fp32)
-        self.optimizer.ensure_state(self.theta_prev[self.start:self.end])
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.state_device = torch.device("cpu") if state_device == "cpu" else self.device
+        # θ_{t-1} of this rank's chunk only (fp32)
+        self.theta_prev = _pin(self._read_chunk().to(self.state_device))
+        self.optimizer.ensure_state(self.theta_prev)
+        if self.state_device.type == "cpu":
+            self.optimizer.state = {k: _pin(v) for k, v in self.optimizer.state.items()}
+        # error feedback: this rank's last quantisation residual (chunk, fp32)
+        self.residual = torch.zeros_like(self.theta_prev) if self.error_feedback else None
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.end - self.start
 
     def values(self) -> list[torch.Tensor]:
         """The fp32 tensors holding the parameters' values (the masters of half weights)."""
         return self._main_params(self.params) if self._main_params is not None else self.params
 
-    @torch.no_grad()
-    def sync(self) -> None:
-        if self.numel == 0:
-            # e.g. GLOB embeddings on a middle pipeline stage: every member of this rank's outer
-            # and dp groups has the same (empty) share, so nobody communicates. (A collective on
-            # the empty CPU buffer would fail under NCCL, which takes CUDA tensors only.)
-            return
-        pg = self.pg
-        G = group_size(pg.outer)
+    def _read_chunk(self, values: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+        """θ_local[start:end] (fp32, on the parameters' device), read parameter by parameter."""
+        values = self.values() if values is None else values
         s, e = self.start, self.end
-        values = self.values()
-        local = flatten_fp32(values)
-        delta = self.theta_prev[s:e] - local[s:e]
-        if G > 1:
-            wire = delta.to(self.comm_dtype) if self.comm_dtype != torch.float32 else delta
-            pg.comm.all_reduce(wire, pg.outer, category=self.category)
-            delta = wire.to(torch.float32).div_(G)
-        theta = self.theta_prev[s:e].clone()
-        self.optimizer.step(theta, delta)
-        full = self.theta_prev  # overwritten with θ_t
-        if group_size(pg.dp) > 1:
-            shards = [torch.empty(b - a, dtype=torch.float32, device=theta.device) for a, b in self.bounds]
-            pg.comm.all_gather_list(shards, theta, pg.dp, category="dp")
-            full = torch.cat(shards)
-        else:
-            full = theta
-        self.theta_prev = full.clone()
+        out = torch.empty(e - s, dtype=torch.float32, device=self.device)
         offset = 0
         for v in values:
             n = v.numel()
-            v.data.copy_(full[offset:offset + n].view_as(v).to(v.dtype))
+            a, b = max(s, offset), min(e, offset + n)
+            if a < b:
+                out[a - s:b - s].copy_(v.detach().reshape(-1)[a - offset:b - offset])
             offset += n
+        return out
+
+    def wire_nbytes(self) -> int:
+        """Bytes this rank puts on the outer group per sync (0 when G = 1 or nothing to sync)."""
+        if self.numel == 0 or group_size(self.pg.outer) == 1:
+            return 0
+        n = self.chunk_numel
+        if self.comm_dtype is None:
+            return packed_nbytes(n, self.comm_format, self.quant_block)
+        return n * torch.tensor([], dtype=self.comm_dtype).element_size()
+
+    # ------------------------------------------------------------------------- the sync
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The blocking sync: θ_t written into the parameters."""
+        pending = self.launch()
+        if pending is not None:
+            self.finish(pending, correct=False)
+
+    @torch.no_grad()
+    def launch(self, keep_launch: bool = False) -> Optional[PendingSync]:
+        """Steps 1–2: Δ of this rank's chunk, and its exchange across groups started
+        asynchronously. ``keep_launch``: keep θ_local of the chunk for :meth:`finish`'s
+        correction (overlapped sync). None when there is nothing to synchronise (e.g. GLOB
+        embeddings on a middle pipeline stage: every member of this rank's outer and dp groups
+        has the same empty share, so nobody communicates)."""
+        if self.numel == 0:
+            return None
+        pg = self.pg
+        local = self._read_chunk()
+        launch = local.clone() if keep_launch else None
+        delta = torch.sub(self.theta_prev.to(self.device, non_blocking=True), local, out=local)
+        G = group_size(pg.outer)
+        wire, work = None, None
+        if G > 1:
+            if self.comm_dtype is not None:
+                wire = delta if self.comm_dtype == torch.float32 else delta.to(self.comm_dtype)
+                work = pg.comm.all_reduce(wire, pg.outer, category=self.category, async_op=True)
+            else:
+                if self.residual is not None:
+                    delta.add_(self.residual.to(self.device, non_blocking=True))
+                packed = encode(delta, self.comm_format, self.quant_block)
+                if self.residual is not None:
+                    sent = decode(packed, delta.numel(), self.comm_format, self.quant_block)
+                    self.residual.copy_(torch.sub(delta, sent, out=sent))
+                    del sent
+                wire = torch.empty(G * packed.numel(), dtype=torch.uint8, device=self.device)
+                work = pg.comm.all_gather_into(wire, packed, pg.outer, category=self.category, async_op=True)
+        return PendingSync(work, wire, delta, launch)
+
+    @torch.no_grad()
+    def finish(self, pending: PendingSync, correct: bool = False) -> float:
+        """Steps 2–4 once the exchange is done: the mean Δ, the outer step, the dp re-gather
+        and the write into the parameters — θ_t (``correct=False``) or θ_local_now +
+        (θ_t − θ_local_at_launch) (``correct=True``, needs ``launch(keep_launch=True)``).
+        Returns the seconds spent waiting for the exchange."""
+        pg = self.pg
+        G = group_size(pg.outer)
+        t0 = time.perf_counter()
+        if pending.work is not None:
+            pending.work.wait()
+        waited = time.perf_counter() - t0
+        delta = pending.delta
+        if G > 1:
+            if self.comm_dtype is None:
+                n, size = delta.numel(), pending.wire.numel() // G
+                delta.zero_()
+                for g in range(G):  # fp32 accumulation in group order: identical on every rank
+                    delta.add_(decode(pending.wire[g * size:(g + 1) * size], n, self.comm_format, self.quant_block))
+            elif self.comm_dtype != torch.float32:
+                delta.copy_(pending.wire)
+            delta.div_(G)
+        pending.wire = None
+        # (a device → CPU copy must be blocking: the CPU step reads it at once)
+        self.optimizer.step(self.theta_prev, delta.to(self.state_device))
+        pending.delta = delta = None
+        theta = self.theta_prev.to(self.device, non_blocking=True)  # θ_t of the chunk
+        if correct:
+            if pending.launch is None:
+                raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
+            theta = torch.sub(theta, pending.launch, out=pending.launch)  # θ_t − θ_local_at_launch
+        pending.launch = None
+        pieces = self._gather_pieces(theta)
+        for v, (a, b, src) in self._segments(self.values(), pieces):
+            flat = v.data.view(-1)
+            if correct:
+                flat[a:b].add_(src.to(v.dtype))
+            else:
+                flat[a:b].copy_(src.to(v.dtype))
         if self._refresh is not None:
             self._refresh(self.params)
+        return waited
+
+    # ------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """This rank's chunk of θ_{t-1} and of the outer optimizer state (``chunk``: its
+        [start, end) and the shard's size); the residual with error feedback."""
+        sd = {"theta_prev": self.theta_prev.detach().cpu().clone(), "chunk": [self.start, self.end, self.numel],
+              "optimizer": self.optimizer.state_dict()}
+        if self.residual is not None:
+            sd["residual"] = self.residual.detach().cpu().clone()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Loads :meth:`state_dict`'s chunk, or a full θ_{t-1} of the shard (the format before
+        the lean state: this rank keeps its chunk)."""
+        t = sd["theta_prev"]
+        if "chunk" in sd:
+            if list(sd["chunk"]) != [self.start, self.end, self.numel]:
+                raise ValueError(f"outer state holds chunk {list(sd['chunk'])}, this rank syncs "
+                                 f"{[self.start, self.end, self.numel]} (another data-parallel layout)")
+        else:
+            if t.numel() != self.numel:
+                raise ValueError(f"outer state holds {t.numel()} values, expected {self.numel}")
+            t = t.reshape(-1)[self.start:self.end]
+        self.theta_prev = _pin(t.to(self.state_device, torch.float32).clone())
+        self.optimizer.load_state_dict(sd["optimizer"])
+        for k, v in list(self.optimizer.state.items()):  # always the chunk's (also before the lean state)
+            self.optimizer.state[k] = _pin(v.to(self.state_device, torch.float32).clone())
+        if self.residual is not None:
+            r = sd.get("residual")
+            self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
+                else torch.zeros_like(self.theta_prev)
+
+    def _gather_pieces(self, chunk: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """Every replica's chunk, gathered over ``pg.dp`` (fp32, category ``dp``): ``[(start, end,
+        values)]`` covering the shard. One all-gather of equal parts (gloo and NCCL need them):
+        chunks shorter than the longest are padded by one value, and the padding is counted.
+        The receive buffer is the only full-shard temporary of the sync."""
+        if group_size(self.pg.dp) == 1:
+            return [(self.start, self.end, chunk)]
+        m = max(b - a for a, b in self.bounds)
+        send = chunk.to(self.device).contiguous()
+        if send.numel() < m:
+            send = torch.cat([send, send.new_zeros(m - send.numel())])
+        buf = torch.empty(len(self.bounds) * m, dtype=torch.float32, device=self.device)
+        self.pg.comm.all_gather_into(buf, send, self.pg.dp, category="dp")
+        return [(a, b, buf[d * m:d * m + (b - a)]) for d, (a, b) in enumerate(self.bounds)]
+
+    @staticmethod
+    def _segments(values, pieces):
+        """(tensor, [a, b) of its flat view, source values) for every overlap of a tensor of
+        ``values`` (laid out one after another) with a piece."""
+        offset = 0
+        for v in values:
+            n = v.numel()
+            for a, b, src in pieces:
+                lo, hi = max(a, offset), min(b, offset + n)
+                if lo < hi:
+                    yield v, (lo - offset, hi - offset, src[lo - a:hi - a])
+            offset += n
+
+    def _gather_full(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The shard's full fp32 vector from every replica's chunk (over ``pg.dp``, counted as dp)."""
+        full = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        for a, b, src in self._gather_pieces(chunk):
+            full[a:b].copy_(src)
+        return full.cpu()
+
+    def _per_param(self, full: torch.Tensor) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in self.params:
+            out.append(full[offset:offset + p.numel()].view(p.shape).clone())
+            offset += p.numel()
+        return out
 
     def param_state(self) -> dict:
-        """Checkpoint view, independent of how the state is held: {"steps": n, "reference": [θ_{t-1}
-        of each parameter in ``self.params`` order, fp32, shaped like it], and one such list per
-        outer-optimizer state ("momentum" | "exp_avg", "exp_avg_sq")}, full over ``pg.dp`` (the
-        optimizer chunks are gathered: a collective over ``pg.dp``, category ``dp``)."""
-        def split(flat):
-            out, off = [], 0
-            for p in self.params:
-                out.append(flat[off:off + p.numel()].view(p.shape).clone())
-                off += p.numel()
-            return out
-        out = {"steps": self.optimizer.steps, "reference": split(self.theta_prev)}
-        for name, chunk in sorted(self.optimizer.state.items()):
-            full = chunk
-            if group_size(self.pg.dp) > 1 and self.numel:
-                shards = [torch.empty(b - a, dtype=torch.float32, device=chunk.device) for a, b in self.bounds]
-                self.pg.comm.all_gather_list(shards, chunk.contiguous(), self.pg.dp, category="dp")
-                full = torch.cat(shards)
-            out[name] = split(full)
+        """Layout-free state: ``{"steps", "reference": [fp32 tensor per parameter, shaped like
+        it, full over DP], and one such list per outer-optimizer state name}`` (collective over
+        ``pg.dp``: every replica must call it)."""
+        self.optimizer.ensure_state(self.theta_prev)
+        out: dict[str, Any] = {"steps": int(self.optimizer.steps),
+                               "reference": self._per_param(self._gather_full(self.theta_prev))}
+        for name in self.optimizer.state_names:
+            out[name] = self._per_param(self._gather_full(self.optimizer.state[name]))
         return out
 
     def load_param_state(self, state: dict) -> None:
-        """Inverse of :meth:`param_state` (full over ``pg.dp``); keeps this rank's chunk of the
-        optimizer state."""
-        self.theta_prev = flatten_fp32(state["reference"]).to(self.theta_prev.device)
-        if self.theta_prev.numel() != self.numel:
-            raise ValueError(f"outer state holds {self.theta_prev.numel()} values, expected {self.numel}")
+        """:meth:`param_state`'s structure; this rank keeps its chunk."""
+        def chunk(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+            if len(tensors) != len(self.params):
+                raise ValueError(f"outer state {what!r}: {len(tensors)} tensors for {len(self.params)} parameters")
+            for t, p in zip(tensors, self.params):
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"outer state {what!r}: a tensor of shape {tuple(t.shape)} for a parameter "
+                                     f"of shape {tuple(p.shape)}")
+            return _pin(flatten_fp32(list(tensors))[self.start:self.end].to(self.state_device).clone())
+
+        self.theta_prev = chunk(state["reference"], "reference")
         self.optimizer.steps = int(state["steps"])
-        self.optimizer.state = {n: flatten_fp32(v)[self.start:self.end].to(self.theta_prev.device).clone()
-                                for n, v in state.items() if n not in ("steps", "reference")}
-
-    def state_dict(self) -> dict:
-        return {"theta_prev": self.theta_prev.clone(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd["theta_prev"].numel() != self.numel:
-            raise ValueError(f"outer state holds {sd['theta_prev'].numel()} values, expected {self.numel}")
-        self.theta_prev = sd["theta_prev"].clone().to(torch.float32)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self.optimizer.state = {name: chunk(state[name], name) for name in self.optimizer.state_names}

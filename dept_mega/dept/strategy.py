@@ -10,7 +10,9 @@ per source, data positions, byte accounting — and sequences the variant's stra
 ``install``       prepare a source's embeddings just before they are installed (TRIM: rows of φ)
 ``reset_group_optimizer``  ``dept.reset_inner_optimizer``: clear group-owned embedding state (GLOB)
 ``begin_round``   the group trains this source until ``sync`` (GLOB: ``dept.embedding_rows``)
-``sync``          the round end, after the body: GLOB's tables, TRIM's rows and positions
+``outer_syncs``   FlatSyncs synchronised like the body's last fragment (GLOB's tables and
+                  positions; overlapped with ``dept.outer_overlap``)
+``sync``          the round end, after the body: TRIM's rows and positions (blocking)
 ``eval_embeddings``  the embeddings a source is evaluated with (None: the installed ones)
 ``state_dict`` / ``load_state_dict``  the variant's own checkpoint state (plain values and tensors)
 ================  ==========================================================================
@@ -99,6 +101,10 @@ class VariantStrategy:
     def begin_round(self, source: str) -> None:
         """The group trains ``source`` from now until :meth:`sync` (also called when a run
         resumes inside a round)."""
+
+    def outer_syncs(self) -> list:
+        """FlatSyncs the driver schedules with the body's last fragment (streaming.py)."""
+        return []
 
     def sync(self, installed: Optional[str]) -> None:
         pass

@@ -250,7 +250,7 @@ def row_mean_update_dense(table: torch.Tensor, contributions: Sequence[tuple[tor
 
 
 def _all_gather_var(pg, group, ids: torch.Tensor, rows: torch.Tensor, category: str,
-                    comm_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                    comm_dtype, quant_block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather variable-length (ids [n], rows [n, d]) over ``group``: concatenated in group-rank order.
 
     gloo and NCCL all-gather equal sizes only, so every rank pads its part to the largest
@@ -271,10 +271,21 @@ def _all_gather_var(pg, group, ids: torch.Tensor, rows: torch.Tensor, category: 
     id_buf[:ids.numel()] = ids.to(dev, torch.int64)
     id_out = torch.empty(n * m, dtype=torch.int64, device=dev)
     pg.comm.all_gather_into(id_out, id_buf, group, category=category)
-    row_buf = torch.zeros(m * d, dtype=comm_dtype, device=dev)
-    row_buf[:rows.numel()] = rows.reshape(-1).to(comm_dtype)
-    row_out = torch.empty(n * m * d, dtype=comm_dtype, device=dev)
-    pg.comm.all_gather_into(row_out, row_buf, group, category=category)
+    if isinstance(comm_dtype, str):  # fp8 | int8 | int4: block-quantised (quant.py), fp32 decode
+        from .quant import decode, encode
+        flat = torch.zeros(m * d, dtype=torch.float32, device=dev)
+        flat[:rows.numel()] = rows.reshape(-1).to(torch.float32)
+        packed = encode(flat, comm_dtype, quant_block)
+        packed_out = torch.empty(n * packed.numel(), dtype=torch.uint8, device=dev)
+        pg.comm.all_gather_into(packed_out, packed, group, category=category)
+        size = packed.numel()
+        row_out = torch.stack([decode(packed_out[i * size:(i + 1) * size], m * d, comm_dtype, quant_block)
+                               for i in range(n)])
+    else:
+        row_buf = torch.zeros(m * d, dtype=comm_dtype, device=dev)
+        row_buf[:rows.numel()] = rows.reshape(-1).to(comm_dtype)
+        row_out = torch.empty(n * m * d, dtype=comm_dtype, device=dev)
+        pg.comm.all_gather_into(row_out, row_buf, group, category=category)
     id_out = id_out.view(n, m)
     row_out = row_out.view(n, m, d)
     out_ids = torch.cat([id_out[i, :sizes[i]] for i in range(n)])
@@ -283,7 +294,7 @@ def _all_gather_var(pg, group, ids: torch.Tensor, rows: torch.Tensor, category: 
 
 
 def exchange_rows(pg, ids: torch.Tensor, deltas: torch.Tensor, *, comm_dtype: str = "fp32",
-                  tp_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  tp_split: bool = True, quant_block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Every group's (global ids, Δ rows), on every rank, in a deterministic order.
 
     ``ids``/``deltas``: the rows this rank's TP slice of the compact table owns (``tp_split``)
@@ -293,10 +304,13 @@ def exchange_rows(pg, ids: torch.Tensor, deltas: torch.Tensor, *, comm_dtype: st
     is then re-gathered inside the group over ``pg.dp`` (``dp``) and, for TP slices, ``pg.tp``
     (``tp``) so that every rank can update its copy of φ.
     """
-    dtype = COMM_DTYPES[comm_dtype]
+    from .quant import QUANT_FORMATS
+    if comm_dtype not in COMM_DTYPES and comm_dtype not in QUANT_FORMATS:
+        raise ValueError(f"dept.outer_comm_dtype: {comm_dtype!r} is not fp32 | bf16 | fp8 | int8 | int4")
+    dtype = COMM_DTYPES.get(comm_dtype, comm_dtype)
     s, e = chunk_bounds(ids.numel(), pg.dp_size, pg.dp_rank)
     my_ids, my_rows = ids[s:e], deltas[s:e].to(torch.float32)
-    g_ids, g_rows = _all_gather_var(pg, pg.outer, my_ids, my_rows, "outer_embedding", dtype)
+    g_ids, g_rows = _all_gather_var(pg, pg.outer, my_ids, my_rows, "outer_embedding", dtype, quant_block)
     # inside the group: fp32 (already rounded to the wire dtype where that applies)
     g_ids, g_rows = _all_gather_var(pg, pg.dp, g_ids, g_rows, "dp", torch.float32)
     if tp_split:

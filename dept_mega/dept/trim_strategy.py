@@ -18,7 +18,7 @@ import torch
 
 from ..model.embeddings import SourceEmbeddings
 from ..parallel.groups import Coords, ParallelGroups
-from .outer import FlatSync, OuterOptimizer
+from .outer import FlatSync, OuterOptimizer, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
 from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
@@ -82,7 +82,7 @@ class TrimStrategy(VariantStrategy):
         if full.position_embeddings is not None and any(st.is_first for st in ctx.stages):
             self.positions = torch.nn.Parameter(full.position_embeddings.weight.detach().to(ctx.device).clone())
             self.position_sync = FlatSync([self.positions], ctx.pg, OuterOptimizer.from_config(oc),
-                                          category="outer_embedding", comm_dtype=cfg.dept.outer_comm_dtype)
+                                          category="outer_embedding", **sync_options(cfg.dept))
         del full
 
     # ------------------------------------------------------------------------- building
@@ -155,7 +155,8 @@ class TrimStrategy(VariantStrategy):
                 local = self._main(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
                 delta = phi.gather(ids)[a:b] - local  # all of V_k: collective on a sharded φ
                 all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
-                                                  comm_dtype=ctx.cfg.dept.outer_comm_dtype)
+                                                  comm_dtype=ctx.cfg.dept.outer_comm_dtype,
+                                                  quant_block=ctx.cfg.dept.outer_quant_block)
                 phi.apply(all_ids, all_rows)
             if emb.position_embeddings is not None and self.position_sync is not None:
                 self.positions.data.copy_(self._main(emb.position_embeddings.weight))

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Optional, Sequence
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -48,12 +50,47 @@ class Done:
         return True
 
 
+class SlowWork:
+    """The handle of a collective on a simulated slow link: done ``delay`` seconds after launch."""
+
+    def __init__(self, work, ready_at: float) -> None:
+        self.work, self.ready_at = work, ready_at
+
+    def wait(self) -> bool:
+        self.work.wait()
+        left = self.ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return True
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.ready_at and self.work.is_completed()
+
+
 class Comm:
     """Byte-counting wrappers around ``torch.distributed`` collectives."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self._slow: Optional[tuple] = None  # (group, latency_s, bytes_per_s): test-only
+
+    # -- a simulated slow link (tests) ---------------------------------------------------
+    def simulate_slow_link(self, group, latency_s: float = 0.0, bytes_per_s: Optional[float] = None) -> None:
+        """Test-only: collectives over ``group`` finish ``latency_s + bytes / bytes_per_s`` seconds
+        after launch (blocking calls sleep, async handles are not done before). ``group=None``
+        switches it off."""
+        self._slow = None if group is None else (group, float(latency_s), bytes_per_s)
+
+    def _slowed(self, group, nbytes: int, work, async_op: bool):
+        if self._slow is None or group is not self._slow[0]:
+            return work
+        _, latency, bw = self._slow
+        ready = time.perf_counter() + latency + (nbytes / bw if bw else 0.0)
+        slow = SlowWork(work if async_op else Done(), ready)
+        if not async_op:
+            slow.wait()
+        return slow
 
     # -- accounting ----------------------------------------------------------------------
     def count(self, category: str, nbytes: int) -> None:
@@ -80,6 +117,7 @@ class Comm:
             return Done() if async_op else t
         self.count(category, self._nbytes(t))
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        work = self._slowed(group, self._nbytes(t), work, async_op)
         return work if async_op else t
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, group, category: str,
@@ -91,6 +129,7 @@ class Comm:
             return Done() if async_op else out
         self.count(category, self._nbytes(shard))
         work = _all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
+        work = self._slowed(group, self._nbytes(out), work, async_op)
         return work if async_op else out
 
     def all_gather_list(self, shards: list[torch.Tensor], shard: torch.Tensor, group, category: str) -> list[torch.Tensor]:

@@ -1,0 +1,160 @@
+"""When each part of the model is synchronised across groups: fragments, overlap, delay.
+
+``dept.outer_fragments: F`` splits the body into F fragments of consecutive layers (layer i
+belongs to fragment ⌊i·F/N⌋, the final norm to fragment F−1), each a :class:`FlatSync` with
+its own θ_{t-1} and outer optimizer state. Fragment f is launched after inner step
+``(f+1)·⌊L/F⌋`` of each round (``L = dept.local_steps``; the last at the round's end), so at
+most one fragment's pseudo-gradient is launched at a time (Streaming DiLoCo, Douillard et al.
+2025, arXiv:2501.18512). Synchronised embedding state (GLOB's tables and learned positions)
+follows the last fragment; TRIM's rows and positions are synchronised at the round's end,
+blocking, after the body (the installed compact table belongs to the round's source).
+
+``dept.outer_overlap`` with ``dept.outer_delay: τ > 0``: a launched fragment is applied τ
+inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_at_launch)
+(``FlatSync.finish(correct=True)``); meanwhile its exchange runs behind the training
+steps. τ = 0 is the blocking sync (F = 1, τ = 0: exactly the sync without this module's
+options). The run's last step applies every pending sync, syncs the last fragment blocking
+and then every other fragment once more (blocking), so that the final weights are the same in
+every group (the last round's record therefore carries F − 1 extra fragment syncs).
+
+Where things happen, with ``s`` = inner steps done:
+
+* ``before_step(s)``: fragments with offset ``s mod L`` (≠ 0) are launched (blocking: synced);
+* ``after_step(s)``: pending syncs due at ``s`` are applied;
+* ``round_end(s)``: the last fragment and the embedding syncs are launched (blocking when
+  τ = 0 or on the last step, which also applies everything pending).
+
+Launching in ``before_step`` (not after the previous step) leaves, after every
+``after_step``, a point where the fragment due then has been applied and the next one is not
+launched yet — :meth:`OuterSchedule.idle` — where checkpoints are taken.
+
+Timing (the ``outer`` record): ``exposed_seconds`` = time the training loop spent inside
+the sync (launching, waiting, the outer step, the re-gather and the writes); ``overlap_seconds``
+= for each applied overlapped sync, the time from its launch until its exchange was seen
+complete (``is_completed()``, polled after every inner step) or until the wait began,
+whichever came first: the part of the exchange hidden behind compute.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .outer import FlatSync, PendingSync
+
+
+@dataclass
+class SyncUnit:
+    sync: FlatSync
+    offset: int  # launched after inner step ``offset`` of a round (1..L; L = at the round end)
+    name: str
+
+
+@dataclass
+class _Pending:
+    unit: SyncUnit
+    pending: PendingSync
+    due: int  # inner step after which it is applied
+    done_at: Optional[float] = None
+
+
+def fragment_of(name: str, fragments: int, num_layers: int) -> int:
+    """The fragment of a body parameter by its name (``body.layers.<i>.…``, ``body.final_norm.…``)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2]) * fragments // num_layers
+    return fragments - 1
+
+
+def body_fragments(stages: Sequence[torch.nn.Module], fragments: int, num_layers: int) -> list[list]:
+    """This rank's body parameters split by fragment, each list in ``Trainer.body_parameters``
+    order (F = 1: that list itself)."""
+    out: list[list] = [[] for _ in range(fragments)]
+    seen: set[int] = set()
+    for st in stages:
+        for n, p in st.named_parameters():
+            if not n.startswith("body.") or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[fragment_of(n, fragments, num_layers)].append(p)
+    return out
+
+
+def fragment_offsets(local_steps: int, fragments: int) -> list[int]:
+    return [(f + 1) * (local_steps // fragments) if f < fragments - 1 else local_steps for f in range(fragments)]
+
+
+class OuterSchedule:
+    def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int) -> None:
+        self.units = list(units)
+        self.L, self.delay, self.total = int(local_steps), int(delay), int(total_steps)
+        self.pending: list[_Pending] = []
+        self.exposed = 0.0
+        self.overlap = 0.0
+
+    @property
+    def idle(self) -> bool:
+        """No sync is in flight (a checkpoint may be taken)."""
+        return not self.pending
+
+    def take_times(self) -> tuple[float, float]:
+        """(overlap_seconds, exposed_seconds) since the last call."""
+        out = (self.overlap, self.exposed)
+        self.overlap = self.exposed = 0.0
+        return out
+
+    def _launch(self, unit: SyncUnit, step: int, blocking: bool) -> None:
+        t0 = time.perf_counter()
+        if blocking:
+            unit.sync.sync()
+        else:
+            p = unit.sync.launch(keep_launch=True)
+            if p is not None:
+                self.pending.append(_Pending(unit, p, step + self.delay))
+        self.exposed += time.perf_counter() - t0
+
+    def _apply(self, item: _Pending) -> None:
+        t0 = time.perf_counter()
+        hidden_until = item.done_at if item.done_at is not None else t0
+        self.overlap += max(0.0, min(hidden_until, t0) - item.pending.launched_at)
+        item.unit.sync.finish(item.pending, correct=True)
+        self.exposed += time.perf_counter() - t0
+
+    def before_step(self, step: int) -> None:
+        into = step % self.L
+        if step <= 0 or into == 0:
+            return
+        for u in self.units:
+            if u.offset == into:
+                self._launch(u, step, blocking=self.delay == 0)
+
+    def after_step(self, step: int) -> None:
+        now = time.perf_counter()
+        for item in self.pending:
+            if item.done_at is None and item.pending.work is not None and item.pending.work.is_completed():
+                item.done_at = now
+        due = [item for item in self.pending if item.due <= step]
+        self.pending = [item for item in self.pending if item.due > step]
+        for item in due:
+            self._apply(item)
+
+    def round_end(self, step: int) -> None:
+        last = step >= self.total
+        for u in self.units:
+            if u.offset == self.L:
+                self._launch(u, step, blocking=self.delay == 0 or last)
+        if last:
+            self.flush()
+            # the final weights are the same in every group: the other fragments, which have
+            # trained locally since their last sync, are synchronised once more (blocking)
+            for u in self.units:
+                if u.offset != self.L:
+                    self._launch(u, step, blocking=True)
+
+    def flush(self) -> None:
+        """Apply every pending sync now (in launch order)."""
+        items, self.pending = self.pending, []
+        for item in items:
+            self._apply(item)
