@@ -65,9 +65,7 @@ class DeptHooks:
         if self.body_per_source and d.reset_inner_optimizer:
             raise ValueError("dept.body_optimizer_state: source keeps the body's inner optimizer state per source, "
                              "but dept.reset_inner_optimizer: true clears it every round")
-        self.scheduler = RoundScheduler(len(self.sources), pg.num_groups, seed=cfg.train.seed,
-                                        sampling=d.sampling, temperature=d.temperature,
-                                        sizes=[s.size for s in self.sources])
+        self.scheduler = self._make_scheduler(pg.num_groups)
         self.store = SourceStore()
         self.installed: Optional[str] = None  # the source whose state is installed in the trainer
         self.plan = None
@@ -83,6 +81,44 @@ class DeptHooks:
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
 
+    def _make_scheduler(self, groups: int, origin: Optional[dict] = None) -> RoundScheduler:
+        """The round plans of a run with ``groups`` groups (``origin``: rebased there, see
+        :meth:`RoundScheduler.rebase`)."""
+        d = self.cfg.dept
+        sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
+                               temperature=d.temperature, sizes=[s.size for s in self.sources])
+        if origin:
+            sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
+        return sched
+
+    def schedule_state(self) -> Optional[dict]:
+        """Where this run's schedule was rebased (after a resume with another number of
+        groups), for the checkpoint's ``layout.json`` (``dept_schedule``); None: from round 0."""
+        return self.scheduler.origin()
+
+    def _use_schedule(self, layout: Optional[dict]) -> None:
+        """Take the schedule a checkpoint of this number of groups recorded (a rebased one)."""
+        if layout is None or int(layout.get("groups", self.pg.num_groups)) != self.pg.num_groups:
+            return
+        origin = layout.get("dept_schedule")
+        if origin != self.scheduler.origin():
+            self.scheduler = self._make_scheduler(self.pg.num_groups, origin)
+
+    def _plan_of(self, round_index: int):
+        """The plan of ``round_index``; the round just before a rebased schedule's first one is
+        represented by its history only (no sources trained, ``last_group`` = who holds what)."""
+        origin = self.scheduler.origin()
+        if origin is not None and round_index == origin["round"] - 1:
+            from .rounds import RoundPlan
+            return RoundPlan(round_index, (), (), tuple(origin["last_group"]), tuple(origin["rounds_before"]))
+        return self.scheduler.plan(round_index)
+
+    def _first_held(self, last_group) -> Optional[str]:
+        """The source a group installs after a change of the number of groups: the first (by
+        index) whose state it holds, None when it holds none."""
+        mine = [k for k, g in enumerate(last_group) if g == self.pg.group_index]
+        return self.names[mine[0]] if mine else None
+
     @property
     def phi(self):
         """TRIM's global table φ on this rank (None for other variants or ranks without one)."""
@@ -96,20 +132,35 @@ class DeptHooks:
         if not self.strategy.source_embeddings:
             return
         from ..checkpoint import latest_step
+        from ..manifest import LAYOUT_FILE, read_json
+        from ..resume import step_dir
         try:
             step = latest_step(self.cfg.train.run_dir)
-        except (OSError, ValueError):
+            layout = read_json(step_dir(self.cfg.train.run_dir, step), LAYOUT_FILE) if step else None
+        except (OSError, ValueError, KeyError, TypeError):
             return
-        self.prepare_load(step)
+        except Exception:  # noqa: BLE001 - a damaged checkpoint: the resume's verification reports it
+            return
+        self.prepare_load(step, layout)
 
-    def prepare_load(self, step: Optional[int]) -> None:
+    def prepare_load(self, step: Optional[int], layout: Optional[dict] = None) -> None:
         """Install fresh embeddings of the source this group trained at inner step ``step``, so
         that a checkpoint of that step (not necessarily ``latest``: ``evaluate --step``) loads
-        in place; ``dept_mega.checkpoint.load_weights`` calls it before loading."""
+        in place; ``dept_mega.checkpoint.load_weights`` calls it before loading. ``layout``: the
+        checkpoint's ``layout.json`` (its schedule, when rebased; another number of groups:
+        nothing to install, :meth:`load_regrouped` installs the sources)."""
+        if layout is not None and int(layout.get("groups", self.pg.num_groups)) != self.pg.num_groups:
+            return
+        self._use_schedule(layout)
         if not self.strategy.source_embeddings or not step:
             return
-        plan = self.scheduler.plan((step - 1) // self.cfg.dept.local_steps)
-        name = self.names[plan.sources[self.pg.group_index]]
+        plan = self._plan_of((step - 1) // self.cfg.dept.local_steps)
+        if plan.sources:
+            name = self.names[plan.sources[self.pg.group_index]]
+        else:  # saved just after a change of the number of groups (see load_regrouped)
+            name = self._first_held(plan.last_group)
+            if name is None:
+                return
         state = self._fresh_state(name)
         self.trainer.set_embeddings(state.embeddings, state.optimizer)
 
@@ -284,7 +335,90 @@ class DeptHooks:
         self._resumed_round = sd["round"]
         self.in_round = bool(sd.get("in_round", False))
         if sd["round"] is not None:
-            self.plan = self.scheduler.plan(int(sd["round"]))
+            self.plan = self._plan_of(int(sd["round"]))
+        self._mark = self.pg.comm.snapshot()
+
+    # ------------------------------------------------------------------------- another number of groups
+    def regroup_refusal(self, step: int, saved_groups: int) -> Optional[tuple[str, str]]:
+        """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
+        loaded by this launch's number of groups: (config key, reason), or None when it can
+        (:meth:`load_regrouped`). It can when everything a group owns is the same in every
+        group or is keyed by source: at a round boundary (the body and GLOB's embeddings are
+        synchronised, the outer state is the same everywhere), with no group-owned inner
+        optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
+        for GLOB, SPEC and SPEC-OPT (TRIM's row state is per rank)."""
+        d = self.cfg.dept
+        L = int(d.local_steps)
+        if self.strategy.name == "trim":
+            return ("dept.variant", "TRIM's table and row state are held per rank; a TRIM checkpoint loads only "
+                                    "with its own number of groups")
+        if self.cfg.optim.distributed:
+            return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+        if step % L:
+            return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
+                                f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
+                                f"loads with another number of groups")
+        if not d.reset_inner_optimizer:
+            return ("dept.reset_inner_optimizer", "the inner optimizer state of the body"
+                    + (" and of GLOB's embeddings" if self.strategy.name == "glob" else "")
+                    + " belongs to the group that trained it (dept.reset_inner_optimizer: false, "
+                      f"dept.body_optimizer_state: {d.body_optimizer_state}); the {saved_groups} groups of the "
+                      f"checkpoint do not map onto {self.pg.num_groups}")
+        return None
+
+    def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
+                       saved_origin: Optional[dict]) -> None:
+        """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
+        groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
+        position) into this launch's groups. The schedule continues from the checkpoint's
+        history: every source keeps its data position (rounds trained so far) and its own
+        state, which the new group ``old group mod G`` holds (``last_group``); the plans from
+        round ``step / local_steps`` on are this launch's (``RoundScheduler.rebase``), recorded
+        in later checkpoints' ``layout.json``. Each group then installs the first source it
+        holds (or none)."""
+        refusal = self.regroup_refusal(step, saved_groups)
+        if refusal is not None:
+            raise ValueError(f"{refusal[0]}: {refusal[1]}")
+        L = int(self.cfg.dept.local_steps)
+        r0 = step // L
+        old = self._make_scheduler(saved_groups, saved_origin)
+        before = old.plan(r0)  # its last_group / rounds_before: the history at round r0's start
+        G = self.pg.num_groups
+        last = [None if g is None else int(g) % G for g in before.last_group]
+        self.scheduler = self._make_scheduler(G)
+        self.scheduler.rebase(r0, last, before.rounds_before)
+        self.strategy.load_state_dict(saved[0])  # GLOB: nothing (its outer state is under dept/... keys)
+        payloads: dict[str, tuple[int, dict]] = {}
+        for g, sd in sorted(saved.items()):
+            held = dict(sd["store"])
+            if sd.get("installed") is not None and "installed_state" in sd:
+                held[sd["installed"]] = sd["installed_state"]
+            for name, payload in held.items():
+                if name in payloads:
+                    raise ValueError(f"source {name!r}: the checkpoint holds its state in groups {payloads[name][0]} "
+                                     f"and {g}")
+                payloads[name] = (g, payload)
+        self.store = SourceStore()
+        self.installed = None
+        for name, (g, payload) in sorted(payloads.items()):
+            if last[self.index[name]] != self.pg.group_index:
+                continue
+            if before.last_group[self.index[name]] != g:
+                raise ValueError(f"source {name!r}: the checkpoint holds its state in group {g}, its round plan "
+                                 f"says group {before.last_group[self.index[name]]}")
+            state = self._fresh_state(name)
+            load_payload(state, payload)
+            self.store.put(name, state)
+        missing = [self.names[k] for k, g in enumerate(last) if g == self.pg.group_index and self.per_source
+                   and self.names[k] not in self.store]
+        if missing:
+            raise ValueError(f"sources {missing}: trained before step {step} but their state is not in the checkpoint")
+        first = self._first_held(last) if self.per_source else None
+        if first is not None:
+            self._install(first, self.store.pop(first))
+        self.plan = self._plan_of(r0 - 1) if r0 > 0 else None
+        self.in_round = False
+        self._resumed_round = None
         self._mark = self.pg.comm.snapshot()
 
 
