@@ -514,7 +514,9 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                  for g in range(saved_groups)}
         try:
             hooks.load_regrouped(step, {g: _safe_load(f, trainer.device) for g, f in files.items()}, saved_groups,
-                                 layout.get("dept_schedule"))
+                                 layout.get("dept_schedule"),
+                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
+                                 else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: its hook state does not load with {pg.num_groups} groups "
                                   f"({type(exc).__name__}: {exc})") from None
@@ -562,6 +564,22 @@ def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings:
             continue
         out[key.replace(mine, zero, 1)] = t
     return out
+
+
+def _read_body_optimizer(trainer, path: str, group: int) -> dict:
+    """A copy of the body optimizer's state dict as group ``group`` of checkpoint ``path``
+    saved it (read by this process alone; the trainer's body optimizer state is overwritten)."""
+    import copy
+    import torch.distributed.checkpoint as dcp
+    opt = trainer.body_optimizer
+    opt.ensure_state()
+    mine = f"model/g{trainer.pg.group_index}/"
+    entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
+               if k.startswith("optim/body/")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(entries, checkpoint_id=path, no_dist=True)
+    return copy.deepcopy(opt.state_dict())
 
 
 _KEY_NAME = re.compile(r"^(?:optim/[^/]+/[^/]+/)?model/g\d+/tp\d+/pp\d+/c\d+/(?P<name>.+)$")

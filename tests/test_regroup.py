@@ -29,6 +29,7 @@ def test_rebased_schedule_continues_the_same_plans():
 
 
 def _make(cfg, run_dir, K):
+    vocabs = (60, 200, 96, 120) if cfg.dept.variant == "spec_opt" else None
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import TrainLoop
@@ -36,7 +37,7 @@ def _make(cfg, run_dir, K):
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
     pg = build_groups(1, 1, 1)  # G = world size
-    infos = source_infos(K)
+    infos = source_infos(K, vocabs=vocabs)
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
     hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
@@ -59,16 +60,29 @@ def _make(cfg, run_dir, K):
     return loop, losses
 
 
-def _held(loop) -> dict[str, dict[str, torch.Tensor]]:
-    """The per-source embeddings this rank holds (installed and stored), by source."""
-    h = loop.hooks
+def _held(loop) -> dict[str, dict]:
+    """The per-source state this rank holds (installed and stored), by source: embeddings,
+    their AdamW moments, the body's AdamW moments when kept per source."""
+    import copy
+    h, tr = loop.hooks, loop.trainer
+
+    def entry(embs, opt, body):
+        out = {f"{c}.{k}": v.clone() for c, e in enumerate(embs) if e is not None for k, v in e.state_dict().items()}
+        if opt is not None:
+            out["optimizer"] = copy.deepcopy(opt.state_dict()["state"])
+        if body is not None:
+            out["body_optimizer"] = copy.deepcopy(body["state"])
+        return out
+
     out = {}
     if h.installed is not None and h.strategy.source_embeddings:
-        out[h.installed] = {f"{c}.{k}": v.clone() for c, e in enumerate(loop.trainer.embeddings()) if e is not None
-                            for k, v in e.state_dict().items()}
+        reset = loop.cfg.dept.reset_inner_optimizer
+        out[h.installed] = entry(tr.embeddings(), None if reset else tr.embedding_optimizer,
+                                 tr.body_optimizer.state_dict() if h.body_per_source else None)
     for name in h.store.names():
-        out[name] = {f"{c}.{k}": v.clone() for c, e in enumerate(h.store.get(name).embeddings) if e is not None
-                     for k, v in e.state_dict().items()}
+        st = h.store.get(name)
+        out[name] = entry(st.embeddings, st.optimizer if not loop.cfg.dept.reset_inner_optimizer else None,
+                          st.body_optimizer)
     return out
 
 
@@ -124,10 +138,12 @@ def _same(a, b, what):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2)])
+@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
-    """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer,
-    reset_inner_optimizer), save at the round boundary, resume under G=g_new for 2 rounds.
+    """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
+    with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
+    AdamW state kept per source instead), save at the round boundary, resume under G=g_new
+    for 2 rounds.
 
     What "equal" means: (1) the state the G=g_new run holds after loading is the G=g_old
     run's, tensor for tensor — the body, GLOB's embeddings, the outer reference and momentum
@@ -136,9 +152,13 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     like a G=g_new run started from that state without any change of layout: the same state
     saved by the resumed run in its own layout (its schedule's history included) and resumed
     from there by a fresh launch; the losses of every step agree within 1e-6 (fp32, CPU)."""
-    over = {"dept": {"variant": variant, "local_steps": 2, "reset_inner_optimizer": True,
-                     "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+    over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
+                                                                               "momentum": 0.9}},
             "train": {"save_interval": 0, "eval_interval": 0}}
+    if variant == "spec_opt":
+        over["dept"]["body_optimizer_state"] = "source"
+    else:
+        over["dept"]["reset_inner_optimizer"] = True
     K = 4
     run_dir, native = str(tmp_path / "run"), str(tmp_path / "native")
     first = run_distributed(_first_phase, g_old, args=(over, run_dir, K, 4), timeout=200)
@@ -164,7 +184,7 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
             (r["losses"], r["reference"])
         _same(r["body_end"], r["body_end_ref"], "body at the end")
     _same(held_after, held_before, "per-source embeddings")
-    if variant == "spec":  # exactly the sources trained so far own state
+    if variant != "glob":  # exactly the sources trained so far own state
         trained = {n for n, steps in first[0]["positions"].items() if steps}
         assert set(held_before) == trained and len(trained) >= 3
     # the groups' bodies agree at the end (a round boundary)

@@ -358,16 +358,19 @@ class DeptHooks:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
                                 f"loads with another number of groups")
-        if not d.reset_inner_optimizer:
-            return ("dept.reset_inner_optimizer", "the inner optimizer state of the body"
-                    + (" and of GLOB's embeddings" if self.strategy.name == "glob" else "")
+        group_owned = [] if d.reset_inner_optimizer else \
+            (["GLOB's embeddings"] if not self.strategy.source_embeddings else []) + \
+            (["the body"] if not self.body_per_source else [])
+        if group_owned:
+            return ("dept.reset_inner_optimizer", "the inner optimizer state of " + " and of ".join(group_owned)
                     + " belongs to the group that trained it (dept.reset_inner_optimizer: false, "
                       f"dept.body_optimizer_state: {d.body_optimizer_state}); the {saved_groups} groups of the "
-                      f"checkpoint do not map onto {self.pg.num_groups}")
+                      f"checkpoint do not map onto {self.pg.num_groups} (SPEC/SPEC-OPT with "
+                      "dept.body_optimizer_state: source, or dept.reset_inner_optimizer: true, do)")
         return None
 
     def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
-                       saved_origin: Optional[dict]) -> None:
+                       saved_origin: Optional[dict], read_body_optimizer=None) -> None:
         """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
         groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
         position) into this launch's groups. The schedule continues from the checkpoint's
@@ -375,7 +378,9 @@ class DeptHooks:
         state, which the new group ``old group mod G`` holds (``last_group``); the plans from
         round ``step / local_steps`` on are this launch's (``RoundScheduler.rebase``), recorded
         in later checkpoints' ``layout.json``. Each group then installs the first source it
-        holds (or none)."""
+        holds (or none). ``read_body_optimizer(g)``: the body optimizer's state dict that old
+        group g saved with its model (``dept.body_optimizer_state: source``: the state of the
+        source installed there, which its hooks file leaves out)."""
         refusal = self.regroup_refusal(step, saved_groups)
         if refusal is not None:
             raise ValueError(f"{refusal[0]}: {refusal[1]}")
@@ -388,24 +393,26 @@ class DeptHooks:
         self.scheduler = self._make_scheduler(G)
         self.scheduler.rebase(r0, last, before.rounds_before)
         self.strategy.load_state_dict(saved[0])  # GLOB: nothing (its outer state is under dept/... keys)
-        payloads: dict[str, tuple[int, dict]] = {}
+        payloads: dict[str, tuple[int, dict, bool]] = {}
         for g, sd in sorted(saved.items()):
-            held = dict(sd["store"])
+            held = {n: (p, False) for n, p in sd["store"].items()}
             if sd.get("installed") is not None and "installed_state" in sd:
-                held[sd["installed"]] = sd["installed_state"]
-            for name, payload in held.items():
+                held[sd["installed"]] = (sd["installed_state"], True)
+            for name, (payload, installed) in held.items():
                 if name in payloads:
                     raise ValueError(f"source {name!r}: the checkpoint holds its state in groups {payloads[name][0]} "
                                      f"and {g}")
-                payloads[name] = (g, payload)
+                payloads[name] = (g, payload, installed)
         self.store = SourceStore()
         self.installed = None
-        for name, (g, payload) in sorted(payloads.items()):
+        for name, (g, payload, installed) in sorted(payloads.items()):
             if last[self.index[name]] != self.pg.group_index:
                 continue
             if before.last_group[self.index[name]] != g:
                 raise ValueError(f"source {name!r}: the checkpoint holds its state in group {g}, its round plan "
                                  f"says group {before.last_group[self.index[name]]}")
+            if installed and self.body_per_source and read_body_optimizer is not None:
+                payload = dict(payload, body_optimizer=read_body_optimizer(g))
             state = self._fresh_state(name)
             load_payload(state, payload)
             self.store.put(name, state)
