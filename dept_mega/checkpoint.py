@@ -136,14 +136,23 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
     m = trainer.cfg.model
-    reshardable = (not saved.get("per_rank_hooks") and not saved.get("outer_keys") and not sharded
-                   and not now["optim_distributed"] and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
+    # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
+    hooks_ok = not saved.get("per_rank_hooks") or (
+        saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)()))
+    reshardable = (hooks_ok and not sharded and not now["optim_distributed"]
+                   and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
     if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
         return "reshard"
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
+        why = ("its per-source state (SPEC/SPEC-OPT embeddings, TRIM's table) is held per tensor and pipeline rank"
+               if saved.get("per_rank_hooks") and not hooks_ok else
+               "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
+               "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
+               or m.attention_dropout > 0 else "the data-parallel size is fixed by its per-rank state")
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
-                          f"resume or evaluate it with the same layout (checkpoints are not resharded)")
+                          f"resume or evaluate it with the same layout (not resharded: {why})")
     if optimizer and (sharded != now["optim_distributed"]
                       or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size"))):
         key = "optim.distributed" if sharded != now["optim_distributed"] else "optim.grad_bucket_size"
@@ -208,9 +217,9 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
-    """Model key (as in :func:`_model_state`) → parameter."""
+    """``tp{t}/pp{p}/c{chunk}/{name}`` of this rank → parameter (``dept_mega.reshard``)."""
     pg = trainer.pg
-    return {f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
+    return {f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
             for c, st in enumerate(trainer.stages) for name, p in st.named_parameters()}
 
 
@@ -526,7 +535,9 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
             from .parallel.groups import rank_of
-            rank = rank_of(pg.tp_rank, 0, pg.pp_rank, pg.group_index, int(layout["tensor"]), int(layout["data"]),
+            # resharded: the state is the same at every (tp, pp) position (check_layout), take (0, 0)'s
+            tp, pp = (0, 0) if reshard else (pg.tp_rank, pg.pp_rank)
+            rank = rank_of(tp, 0, pp, pg.group_index, int(layout["tensor"]), int(layout["data"]),
                            int(layout["pipeline"]))
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
         if not layout.get("per_rank_hooks"):
@@ -541,9 +552,13 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         else:
             with _uncounted(hooks):
                 entries, install = outer_state_targets(hooks, trainer)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(entries, checkpoint_id=path)
+            if reshard:  # joined and cut like the parameters they shadow (dept_mega.reshard)
+                from .reshard import load_resharded
+                load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+            else:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(entries, checkpoint_id=path)
             install()
 
 

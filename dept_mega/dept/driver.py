@@ -253,6 +253,13 @@ class DeptHooks:
         per (tp, pp, group) and it loads under another ``parallel.data``."""
         return self.strategy.name != "trim" and not self.cfg.optim.distributed
 
+    def hook_state_reshardable(self) -> bool:
+        """True when :meth:`state_dict` is the same at every (tp, pp) position, so that a
+        checkpoint loads under another tensor / pipeline size (``dept_mega.reshard``): no
+        per-source state (GLOB with the body's optimizer state per group; the outer state is
+        under ``dept/...`` keys) and replicated over data parallelism."""
+        return not self.per_source and self.strategy.name != "trim" and self.state_replicated_over_dp()
+
     def outer_syncs(self) -> dict[str, FlatSync]:
         """The outer syncs whose state the checkpoint saves per parameter (checkpoint_state)."""
         own = getattr(self.strategy, "outer_syncs", None)  # GLOB: the embeddings' (outer_embedding)
