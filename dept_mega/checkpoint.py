@@ -138,8 +138,11 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     m = trainer.cfg.model
     # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
     # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
-    hooks_ok = not saved.get("per_rank_hooks") or (
-        saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)()))
+    changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
+    hooks_ok = not saved.get("per_rank_hooks") or (saved.get("hooks_dp0") and (
+        bool(getattr(hooks, "hook_state_reshardable", lambda: False)())
+        # SPEC / SPEC-OPT: per-source state joined and cut over tensor ranks (same pipeline layout)
+        or (changed == ["tensor"] and bool(getattr(hooks, "hook_state_tensor_reshardable", lambda: False)()))))
     reshardable = (hooks_ok and not sharded and not now["optim_distributed"]
                    and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
     if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
@@ -535,7 +538,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
             from .parallel.groups import rank_of
-            # resharded: the state is the same at every (tp, pp) position (check_layout), take (0, 0)'s
+            # resharded: GLOB's state is the same at every (tp, pp) position (check_layout), take (0, 0)'s
             tp, pp = (0, 0) if reshard else (pg.tp_rank, pg.pp_rank)
             rank = rank_of(tp, 0, pp, pg.group_index, int(layout["tensor"]), int(layout["data"]),
                            int(layout["pipeline"]))
@@ -543,7 +546,18 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
-        hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
+        if reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT, another tensor size (check_layout)
+            from .parallel.groups import rank_of
+            T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+            files = [os.path.join(path, f"hooks_rank{rank_of(t, 0, pg.pp_rank, pg.group_index, T, D, P)}.pt")
+                     for t in range(T)]
+            try:
+                hooks.load_state_dict_resharded([_safe_load(f, trainer.device) for f in files])
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: its per-source state does not load with "
+                                      f"parallel.tensor={pg.tp_size} ({type(exc).__name__}: {exc})") from None
+        else:
+            hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
     if hooks is not None and has_outer_state(hooks):
         if not layout.get("outer_keys"):
             sd_has = layout.get("per_rank_hooks")  # older format: the state was in hooks_rank{r}.pt

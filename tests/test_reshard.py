@@ -6,8 +6,9 @@ per (tp, pp, group) (``hooks_dp0``) and whose outer state is saved per parameter
 (``dept_mega.checkpoint_state``). Train to step 2 with D = 1, resume with D = 2 and continue:
 the losses equal an uninterrupted D = 2 run from the same initial weights within 1e-6 (they
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
-checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB
-(dept_mega.reshard). Another T or P with per-source state (SPEC, SPEC-OPT, TRIM), TRIM's state
+checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
+another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
+SPEC-OPT), another T or P for TRIM, TRIM's state
 under another D and the distributed optimizer's shards are refused with a ConfigError naming
 the key. (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
@@ -146,6 +147,22 @@ def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path):
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     for s in (3, 4, 5, 6):  # 5, 6: after an outer step that used the resharded outer state
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_spec_resume_under_another_tensor_size(tmp_path):
+    """DEPT SPEC (2 groups), written with parallel.tensor = 1, resumed with 2 for 2 rounds:
+    besides the model, AdamW and outer state, each source's own embeddings and their AdamW
+    moments (the hook files, one per tensor rank) are joined and cut; the losses equal an
+    uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    run_distributed(_train_a_layout, 2, args=(run, 1, 1, "spec"), timeout=200)
+    run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, "spec", 6), timeout=300)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for s in (3, 4, 5, 6):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 

@@ -260,6 +260,65 @@ class DeptHooks:
         under ``dept/...`` keys) and replicated over data parallelism."""
         return not self.per_source and self.strategy.name != "trim" and self.state_replicated_over_dp()
 
+    def hook_state_tensor_reshardable(self) -> bool:
+        """True when :meth:`load_state_dict_resharded` can load hook state saved under another
+        tensor-parallel size (same pipeline layout): SPEC / SPEC-OPT, whose per-source
+        embeddings and AdamW states have the same structure at every tensor size."""
+        return self.strategy.name in ("spec", "spec_opt") and self.state_replicated_over_dp()
+
+    def load_state_dict_resharded(self, sds: list[dict]) -> None:
+        """:meth:`load_state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
+        rank's (pipeline rank, group) under another tensor size T': every per-source tensor
+        (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
+        is joined along its parameter's partition dimension and cut into this rank's shard
+        (``dept_mega.reshard``)."""
+        from ..reshard import cut_shard, join_shards
+        pg = self.pg
+
+        def reshard(parts: list, param) -> torch.Tensor:
+            if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
+                return parts[0]
+            dim = getattr(param, "partition_dim", None)
+            stride = int(getattr(param, "partition_stride", 1) or 1)
+            out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, pg.tp_size, pg.tp_rank)
+            if tuple(out.shape) != tuple(param.shape):
+                raise ValueError(f"resharded to {tuple(out.shape)}, this launch holds {tuple(param.shape)}")
+            return out.clone()
+
+        def optimizer_sd(parts: list[Optional[dict]], opt) -> Optional[dict]:
+            if parts[0] is None:
+                return None
+            mains = {id(opt._main_of(p)): p for p in opt.params}
+            order = [mains[id(m)] for g in opt.inner.param_groups for m in g["params"]]
+            out = dict(parts[0], state={})
+            for i, st in parts[0]["state"].items():
+                out["state"][i] = {k: reshard([sd["state"][i][k] for sd in parts], order[int(i)]) for k in st}
+            if "main_params" in parts[0]:
+                out["main_params"] = [reshard([sd["main_params"][j] for sd in parts], p)
+                                      for j, p in enumerate(opt.params)]
+            return out
+
+        def payload(name: str, parts: list[dict]) -> dict:
+            fresh = self._fresh_state(name)
+            embs = []
+            for c, e in enumerate(fresh.embeddings):
+                if parts[0]["embeddings"][c] is None or e is None:
+                    embs.append(None)
+                    continue
+                held = e.state_dict(keep_vars=True)
+                embs.append({k: reshard([p["embeddings"][c][k] for p in parts], held[k]) for k in parts[0]["embeddings"][c]})
+            return {"embeddings": embs,
+                    "optimizer": optimizer_sd([p["optimizer"] for p in parts], fresh.optimizer)
+                    if fresh.optimizer is not None else None,
+                    "body_optimizer": optimizer_sd([p.get("body_optimizer") for p in parts], self.trainer.body_optimizer),
+                    "extra": dict(parts[0].get("extra", {}))}
+
+        sd = dict(sds[0])
+        sd["store"] = {n: payload(n, [x["store"][n] for x in sds]) for n in sds[0]["store"]}
+        if sds[0].get("installed_state") is not None:
+            sd["installed_state"] = payload(sds[0]["installed"], [x["installed_state"] for x in sds])
+        self.load_state_dict(sd)
+
     def outer_syncs(self) -> dict[str, FlatSync]:
         """The outer syncs whose state the checkpoint saves per parameter (checkpoint_state)."""
         own = getattr(self.strategy, "outer_syncs", None)  # GLOB: the embeddings' (outer_embedding)
