@@ -35,7 +35,7 @@ def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4):
                        "train": {"steps": steps, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
                                  "run_dir": run_dir}})
     pg = build_groups(tensor, data, pipeline)
-    infos = source_infos(2, trim=cfg.dept.variant == "trim")
+    infos = source_infos(LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2), trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
     std = cfg.dept.variant == "std"
@@ -80,6 +80,13 @@ CASES = {"std": {"dept": {"variant": "std"}},
 # order's 1e-7 differences into 1e-6 ones)
 LAYOUT_CASES = dict(CASES, glob_nesterov={"dept": {"variant": "glob", "local_steps": 2, "outer_optimizer": {
     "name": "nesterov", "lr": 0.7, "momentum": 0.9}}})
+# SPEC-OPT with 3 sources over 2 groups (sources wait in the store between rounds) and the
+# body's AdamW state kept per source; a constant LR (min_lr = lr): the first run stops at step 4
+# by lowering train.steps, which would otherwise change its LR schedule
+LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps": 2, "body_optimizer_state": "source",
+                                            "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                                   "optim": {"min_lr": 1.0e-2}}
+LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES["spec_opt_source"], sort_keys=True): 3}  # else 2 sources
 
 
 @pytest.mark.slow
@@ -102,18 +109,20 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     assert meta(a) == meta(ref)
 
 
-def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std"):
+def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2):
     loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline)
-    loop.cfg.train.steps = 2
+    loop.cfg.train.steps = steps
     loop.run()
+    return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
 def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4):
     ref = _loop(LAYOUT_CASES[case], ref_dir, rank, 1, tensor, pipeline, steps)
     ref.run()
     loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, steps)
-    assert loop.checkpointer.load(loop) == 2
-    loop.writer.resume_at(2)
+    at = loop.checkpointer.load(loop)
+    assert at == (4 if case == "spec_opt_source" else 2)
+    loop.writer.resume_at(at)
     loop.run()
 
 
@@ -152,17 +161,22 @@ def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_spec_resume_under_another_tensor_size(tmp_path):
-    """DEPT SPEC (2 groups), written with parallel.tensor = 1, resumed with 2 for 2 rounds:
-    besides the model, AdamW and outer state, each source's own embeddings and their AdamW
-    moments (the hook files, one per tensor rank) are joined and cut; the losses equal an
-    uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
+@pytest.mark.parametrize("case", ["spec", "spec_opt_source"])
+def test_spec_resume_under_another_tensor_size(tmp_path, case):
+    """DEPT SPEC (2 groups, 2 sources) and SPEC-OPT (2 groups, 3 sources, the body's AdamW
+    state per source), written with parallel.tensor = 1, resumed with 2 for 2 rounds: besides
+    the model, AdamW and outer state, each source's own embeddings, their AdamW moments and its
+    body AdamW moments (the hook files, one per tensor rank) are joined and cut; the losses
+    equal an uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
-    run_distributed(_train_a_layout, 2, args=(run, 1, 1, "spec"), timeout=200)
-    run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, "spec", 6), timeout=300)
+    saved = 4 if case == "spec_opt_source" else 2  # 2 rounds: a source waits in a store
+    stored = run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, saved), timeout=200)
+    if case == "spec_opt_source":
+        assert any(stored), stored
+    run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, case, saved + 4), timeout=300)
     got, want = _losses(run), _losses(ref)
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
-    for s in (3, 4, 5, 6):
+    assert sorted(got) == sorted(want) == list(range(1, saved + 5))
+    for s in range(saved + 1, saved + 5):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 
