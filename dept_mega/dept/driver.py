@@ -132,15 +132,13 @@ class DeptHooks:
         if not self.strategy.source_embeddings:
             return
         from ..checkpoint import latest_step
-        from ..manifest import LAYOUT_FILE, read_json
+        from ..manifest import LAYOUT_FILE, CheckpointError, read_json
         from ..resume import step_dir
         try:
             step = latest_step(self.cfg.train.run_dir)
             layout = read_json(step_dir(self.cfg.train.run_dir, step), LAYOUT_FILE) if step else None
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        except Exception:  # noqa: BLE001 - a damaged checkpoint: the resume's verification reports it
-            return
+        except (OSError, ValueError, CheckpointError):
+            return  # no or a damaged checkpoint: the resume's verification reports it (and load_weights installs)
         self.prepare_load(step, layout)
 
     def prepare_load(self, step: Optional[int], layout: Optional[dict] = None) -> None:
