@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -74,20 +75,49 @@ def _rng_file(pg) -> str:
     return f"rng_tp{pg.tp_rank}_pp{pg.pp_rank}.pt"
 
 
-def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
+def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Optional[tuple[str, str]]:
+    """(config key, reason) when checkpoint ``path`` (``saved``: its layout) cannot be loaded
+    by this launch's other number of source groups; None when it can (DEPT hooks that
+    implement ``load_regrouped``, same tensor / pipeline sizes, one hooks file per (tp, pp,
+    group))."""
+    if hooks is None or not hasattr(hooks, "load_regrouped"):
+        return ("parallel", "only DEPT round hooks (GLOB, SPEC, SPEC-OPT) load another number of groups")
+    wrong = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
+    if wrong:
+        return (f"parallel.{wrong[0]}", "another number of groups loads only with the same "
+                                        "parallel.tensor, parallel.pipeline and parallel.virtual_pipeline")
+    if saved.get("per_rank_hooks") and not saved.get("hooks_dp0"):
+        return ("parallel", "the round-hook state was saved per rank (TRIM, the distributed optimizer)")
+    if saved.get("optim_distributed"):
+        return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+    return hooks.regroup_refusal(step, int(saved["groups"]))
+
+
+def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) -> str:
     """Refuse a checkpoint written under another parallel layout that cannot be loaded here
-    with one ConfigError that names the key to change. ``layout.json`` records the number of
-    source groups: another number is refused here, with the process count to use.
-    ``optimizer``: the optimizer state will be loaded too (the distributed optimizer's shards
-    need the same data-parallel size). Returns True when the checkpoint is loaded resharded
-    (``dept_mega.reshard``): another tensor / pipeline / virtual-pipeline size where nothing
-    else depends on the layout (no per-rank hook state or DEPT outer state, no distributed
-    optimizer, no dropout)."""
+    with one ConfigError that names the key to change. ``optimizer``: the optimizer state
+    will be loaded too (the distributed optimizer's shards need the same data-parallel size).
+    Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
+    another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
+    no per-rank hook state or DEPT outer state, no distributed optimizer, no dropout) or
+    ``"regroup"`` (another number of source groups, DEPT at a round boundary:
+    ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
     pg = trainer.pg
     if saved.get("groups") != pg.num_groups:
+        try:
+            step = int(os.path.basename(os.path.normpath(path)).split("_")[-1])
+            refusal = _regroup_refusal(hooks, path, saved, now, step)
+        except (KeyError, TypeError, ValueError) as exc:
+            refusal = ("parallel", f"its layout.json cannot be read ({exc})")
+        if refusal is None:
+            if optimizer and now.get("optim_distributed"):
+                raise ConfigError(f"config key 'optim.distributed': checkpoint {path} holds {saved.get('groups')} "
+                                  f"source group(s), this launch {pg.num_groups}; with optim.distributed: true "
+                                  f"a checkpoint loads only with its own number of groups")
+            return "regroup"
         # keys carry the group: another number of groups would silently load part of the state
         per_group = pg.tp_size * pg.pp_size * pg.dp_size
         saved_world = None
@@ -95,9 +125,9 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
             saved_world = int(saved["groups"]) * int(saved["tensor"]) * int(saved["pipeline"]) * int(saved["data"])
         except (KeyError, TypeError, ValueError):
             pass
-        raise ConfigError(f"config key 'parallel': checkpoint {path} holds {saved.get('groups')} source group(s) "
+        raise ConfigError(f"config key '{refusal[0]}': checkpoint {path} holds {saved.get('groups')} source group(s) "
                           f"(layout.json), but world size {pg.world_size} = {pg.num_groups} group(s) × {per_group} "
-                          f"rank(s) per group; launch {saved_world} processes with its layout")
+                          f"rank(s) per group, and {refusal[1]}; launch {saved_world} processes with its layout")
     now.setdefault("optim_distributed", False)
     sharded = bool(saved.get("optim_distributed"))  # per-rank optimizer shards (optim.distributed)
     # per-rank hook state needs the same data-parallel size unless it was saved once per
@@ -106,14 +136,26 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
     m = trainer.cfg.model
-    reshardable = (not saved.get("per_rank_hooks") and not saved.get("outer_keys") and not sharded
-                   and not now["optim_distributed"] and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
+    # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
+    changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
+    hooks_ok = not saved.get("per_rank_hooks") or (saved.get("hooks_dp0") and (
+        bool(getattr(hooks, "hook_state_reshardable", lambda: False)())
+        # SPEC / SPEC-OPT: per-source state joined and cut over tensor ranks (same pipeline layout)
+        or (changed == ["tensor"] and bool(getattr(hooks, "hook_state_tensor_reshardable", lambda: False)()))))
+    reshardable = (hooks_ok and not sharded and not now["optim_distributed"]
+                   and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
     if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
-        return True
+        return "reshard"
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
+        why = ("its per-source state (SPEC/SPEC-OPT embeddings, TRIM's table) is held per tensor and pipeline rank"
+               if saved.get("per_rank_hooks") and not hooks_ok else
+               "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
+               "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
+               or m.attention_dropout > 0 else "the data-parallel size is fixed by its per-rank state")
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
-                          f"resume or evaluate it with the same layout (checkpoints are not resharded)")
+                          f"resume or evaluate it with the same layout (not resharded: {why})")
     if optimizer and (sharded != now["optim_distributed"]
                       or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size"))):
         key = "optim.distributed" if sharded != now["optim_distributed"] else "optim.grad_bucket_size"
@@ -121,7 +163,7 @@ def check_layout(trainer, path: str, optimizer: bool = True) -> bool:
                           f"optim.grad_bucket_size={saved.get('grad_bucket_size')} (this launch: "
                           f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
                           f"with the same settings (not resharded)")
-    return False
+    return "same"
 
 
 def _uncounted(hooks):
@@ -178,9 +220,9 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
-    """Model key (as in :func:`_model_state`) → parameter."""
+    """``tp{t}/pp{p}/c{chunk}/{name}`` of this rank → parameter (``dept_mega.reshard``)."""
     pg = trainer.pg
-    return {f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
+    return {f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
             for c, st in enumerate(trainer.stages) for name, p in st.named_parameters()}
 
 
@@ -288,6 +330,9 @@ class Checkpointer:
         layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
         if has_outer_state(loop.hooks):
             layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
+        schedule = getattr(loop.hooks, "schedule_state", lambda: None)()
+        if schedule is not None:  # DEPT after a change of the number of groups: where the plans restart
+            layout["dept_schedule"] = schedule
         replicated = per_rank_hooks and bool(getattr(loop.hooks, "state_replicated_over_dp", lambda: False)())
         if replicated:
             layout["hooks_dp0"] = True  # one hooks file per (tp, pp, group): data-parallel rank 0's
@@ -398,10 +443,13 @@ class Checkpointer:
         load_weights(loop.trainer, self.run_dir, step, hooks=loop.hooks, verified=True,
                      tokenizer_digests=self._tokenizer_digests)
         group = loop.trainer.pg.group_index
+        regrouped = read_json(step_dir(self.run_dir, step), LAYOUT_FILE).get("groups") != loop.trainer.pg.num_groups
+        if regrouped:  # another number of groups (round boundary): the trainer's counters are every group's;
+            group = 0  # the data positions come from the round plan (DeptHooks.load_regrouped)
         meta = read_json(step_dir(self.run_dir, step), f"group{group}.json")
         try:
             loop.trainer.load_state_dict(meta["trainer"])
-            for name, st in meta.get("iterators", {}).items():
+            for name, st in ({} if regrouped else meta.get("iterators", {})).items():
                 it = loop.iterator(name)
                 if hasattr(it, "load_state_dict"):
                     it.load_state_dict(st)
@@ -436,18 +484,25 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    reshard = check_layout(trainer, path, optimizer=optimizer)
+    mode = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
+    reshard = mode == "reshard"
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
     if hooks is not None and hasattr(hooks, "prepare_load"):
-        hooks.prepare_load(step)  # DEPT: the embeddings (vocabulary) installed at that step
+        hooks.prepare_load(step, layout)  # DEPT: the embeddings (vocabulary) installed at that step
     if optimizer:
         _ensure_optimizer_state(trainer)
     state = _model_state(trainer)
     if not optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
-    if reshard:  # another tensor / pipeline layout (dept_mega.reshard)
+    if mode == "regroup":  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
+        own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
+        state = _regroup_keys(state, pg.group_index, own)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path)
+    elif reshard:  # another tensor / pipeline layout (dept_mega.reshard)
         from .reshard import load_resharded
         load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
     else:
@@ -463,17 +518,46 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
-    if hooks is not None and hasattr(hooks, "load_state_dict"):
+    if mode == "regroup":
+        from .parallel.groups import rank_of
+        saved_groups = int(layout["groups"])
+        T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+        files = {g: os.path.join(path, f"hooks_rank{rank_of(pg.tp_rank, 0, pg.pp_rank, g, T, D, P)}.pt")
+                 for g in range(saved_groups)}
+        try:
+            hooks.load_regrouped(step, {g: _safe_load(f, trainer.device) for g, f in files.items()}, saved_groups,
+                                 layout.get("dept_schedule"),
+                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
+                                 else None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its hook state does not load with {pg.num_groups} groups "
+                                  f"({type(exc).__name__}: {exc})") from None
+        if optimizer:  # the installed source's new optimizer: zeros (= AdamW's first step), as saved
+            _ensure_optimizer_state(trainer)
+    elif hooks is not None and hasattr(hooks, "load_state_dict"):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
             from .parallel.groups import rank_of
-            rank = rank_of(pg.tp_rank, 0, pg.pp_rank, pg.group_index, int(layout["tensor"]), int(layout["data"]),
+            # resharded: GLOB's state is the same at every (tp, pp) position (check_layout), take (0, 0)'s
+            tp, pp = (0, 0) if reshard else (pg.tp_rank, pg.pp_rank)
+            rank = rank_of(tp, 0, pp, pg.group_index, int(layout["tensor"]), int(layout["data"]),
                            int(layout["pipeline"]))
         hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
-        hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
+        if reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT, another tensor size (check_layout)
+            from .parallel.groups import rank_of
+            T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+            files = [os.path.join(path, f"hooks_rank{rank_of(t, 0, pg.pp_rank, pg.group_index, T, D, P)}.pt")
+                     for t in range(T)]
+            try:
+                hooks.load_state_dict_resharded([_safe_load(f, trainer.device) for f in files])
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: its per-source state does not load with "
+                                      f"parallel.tensor={pg.tp_size} ({type(exc).__name__}: {exc})") from None
+        else:
+            hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
     if hooks is not None and has_outer_state(hooks):
         if not layout.get("outer_keys"):
             sd_has = layout.get("per_rank_hooks")  # older format: the state was in hooks_rank{r}.pt
@@ -482,10 +566,52 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         else:
             with _uncounted(hooks):
                 entries, install = outer_state_targets(hooks, trainer)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(entries, checkpoint_id=path)
+            if reshard:  # joined and cut like the parameters they shadow (dept_mega.reshard)
+                from .reshard import load_resharded
+                load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+            else:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(entries, checkpoint_id=path)
             install()
+
+
+def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint entries renamed to group 0's keys (at a round boundary every
+    group holds the same body, GLOB's embeddings and their outer state). Without per-source
+    state the embeddings come from there too; with it (SPEC, SPEC-OPT) the installed
+    embeddings and their optimizer state are left out: the sources' state comes from the hooks
+    files, keyed by source. (The inner optimizer state read here is cleared at the next round
+    start: ``dept.reset_inner_optimizer: true`` is required for a change of groups.)"""
+    mine, zero = f"model/g{group}/", "model/g0/"
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        m = _KEY_NAME.match(key)
+        if m is None or mine not in key:
+            raise CheckpointError(f"cannot place checkpoint entry {key!r} in another number of groups")
+        if source_embeddings and m["name"].startswith("embeddings."):
+            continue
+        out[key.replace(mine, zero, 1)] = t
+    return out
+
+
+def _read_body_optimizer(trainer, path: str, group: int) -> dict:
+    """A copy of the body optimizer's state dict as group ``group`` of checkpoint ``path``
+    saved it (read by this process alone; the trainer's body optimizer state is overwritten)."""
+    import copy
+    import torch.distributed.checkpoint as dcp
+    opt = trainer.body_optimizer
+    opt.ensure_state()
+    mine = f"model/g{trainer.pg.group_index}/"
+    entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
+               if k.startswith("optim/body/")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(entries, checkpoint_id=path, no_dist=True)
+    return copy.deepcopy(opt.state_dict())
+
+
+_KEY_NAME = re.compile(r"^(?:optim/[^/]+/[^/]+/)?model/g\d+/tp\d+/pp\d+/c\d+/(?P<name>.+)$")
 
 
 # config values the body's tensors depend on (the vocabulary and the data may differ)

@@ -9,9 +9,12 @@ parameter's ``partition_dim`` (with its ``partition_stride``, as the export does
 into this rank's shard. A parameter held on two stages (a tied embedding's copy on the last
 stage) is read from the first copy: both receive the same updates.
 
-Used by :func:`dept_mega.checkpoint.load_weights` only where nothing else depends on the
-layout: no per-rank hook state (STD), no distributed-optimizer shards, no dropout streams in
-use (they are seeded per tensor/pipeline rank). Each rank reads the full tensors it needs:
+DEPT's outer state (``dept/{category}/tp{t}/pp{p}/c{chunk}/{name}/{kind}``, shaped like the
+parameter's shard) is joined and cut the same way. Used by
+:func:`dept_mega.checkpoint.load_weights` only where nothing else depends on the layout: no
+per-rank hook state (STD; DEPT GLOB, whose hook state is the same at every position), no
+distributed-optimizer shards, no dropout streams in use (they are seeded per tensor/pipeline
+rank). Each rank reads the full tensors it needs:
 host memory for one full copy of the tensors of its own stage.
 """
 from __future__ import annotations
@@ -26,6 +29,20 @@ from .manifest import CheckpointError
 
 _KEY = re.compile(r"^(?P<prefix>(?:optim/[^/]+/[^/]+/)?)model/g(?P<g>\d+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/"
                   r"(?P<name>.+)$")
+# DEPT outer state (dept_mega.checkpoint_state): no group, the state kind last
+_OUTER = re.compile(r"^dept/(?P<cat>[^/]+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/(?P<name>[^/]+)/(?P<kind>[^/]+)$")
+
+
+def _parse(key: str):
+    """(identity of the full tensor, (pipeline rank, chunk), tensor rank, parameter name) of a
+    checkpoint key, or None for a key that is not a parameter's shard (loaded as it is)."""
+    m = _KEY.match(key)
+    if m:
+        return ("model", m["prefix"], int(m["g"]), m["name"]), (int(m["p"]), int(m["c"])), int(m["t"]), m["name"]
+    m = _OUTER.match(key)
+    if m:
+        return ("dept", m["cat"], m["name"], m["kind"]), (int(m["p"]), int(m["c"])), int(m["t"]), m["name"]
+    return None
 
 
 def join_shards(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
@@ -47,34 +64,40 @@ def cut_shard(full: torch.Tensor, dim: Optional[int], stride: int, parts: int, i
 def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], path: str,
                    saved_tensor: int, tp_size: int, tp_rank: int) -> None:
     """Fill ``state`` (this rank's checkpoint keys → tensors, loaded in place) from checkpoint
-    ``path`` written with ``saved_tensor`` tensor ranks; ``params``: model key → parameter
-    (for its partitioning)."""
+    ``path`` written with ``saved_tensor`` tensor ranks; ``params``: ``tp{t}/pp{p}/c{c}/{name}``
+    of this rank → parameter (for its partitioning). Model and optimizer keys
+    (``model/g{g}/...``) are matched by (group, name); DEPT outer-state keys
+    (``dept/{category}/.../{name}/{kind}``) by (category, name, kind); other keys (the outer
+    optimizer's step count) load as saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    index: dict[tuple[str, int, str], dict[tuple[int, int], dict[int, str]]] = {}
+    index: dict[tuple, dict[tuple[int, int], dict[int, str]]] = {}
     for key in meta:
-        m = _KEY.match(key)
-        if m:
-            where = (m["prefix"], int(m["g"]), m["name"])
-            index.setdefault(where, {}).setdefault((int(m["p"]), int(m["c"])), {})[int(m["t"])] = key
+        parsed = _parse(key)
+        if parsed:
+            ident, pc, t, _ = parsed
+            index.setdefault(ident, {}).setdefault(pc, {})[t] = key
     plan = []
     wanted: dict[str, torch.Tensor] = {}
     for key, target in state.items():
-        m = _KEY.match(key)
-        if m is None:
-            raise CheckpointError(f"{path}: cannot place {key!r} in another layout")
-        model_key = key[len(m["prefix"]):]
-        positions = index.get((m["prefix"], int(m["g"]), m["name"]), {})
+        parsed = _parse(key)
+        if parsed is None:
+            if key not in meta:
+                raise CheckpointError(f"{path}: cannot place {key!r} in another layout (not in the checkpoint)")
+            wanted[key] = target  # loaded in place, as saved
+            continue
+        ident, (p, c), t, name = parsed
+        positions = index.get(ident, {})
         complete = sorted(pc for pc, shards in positions.items() if sorted(shards) == list(range(saved_tensor)))
         if not complete:
             raise CheckpointError(f"{path}: no complete set of {saved_tensor} tensor shards of "
-                                  f"{m['prefix']}{m['name']} (group {m['g']})")
-        keys = [positions[complete[0]][t] for t in range(saved_tensor)]
+                                  f"{'/'.join(str(x) for x in ident[1:])}")
+        keys = [positions[complete[0]][s] for s in range(saved_tensor)]
         for k in keys:
             md = meta[k]
             wanted.setdefault(k, torch.empty(tuple(md.size), dtype=md.properties.dtype))
-        plan.append((key, target, keys, params[model_key]))
+        plan.append((key, target, keys, params[f"tp{t}/pp{p}/c{c}/{name}"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, checkpoint_id=path, no_dist=True)

@@ -136,10 +136,11 @@ def _as_if_written_by(step_path, **layout_changes):
 
 
 def test_load_weights_refuses_another_number_of_groups(tmp_path):
-    """A checkpoint written by 2 source groups loaded by a 1-group launch (``evaluate`` on
-    fewer processes) would load group 0's keys only and evaluate the other group's sources
-    with fresh embeddings: a ConfigError naming 'parallel' (the count from layout.json, with
-    the number of processes to launch) instead of a silent wrong result."""
+    """A checkpoint written by 2 source groups loaded by a 1-group launch, where the groups'
+    state does not map onto another number of groups (tests/test_regroup.py: where it does):
+    the body's inner optimizer state belongs to its group (no dept.reset_inner_optimizer) —
+    a ConfigError naming that key (the count from layout.json, with the number of processes
+    to launch) instead of group 0's keys loaded silently."""
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
     cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 1},
@@ -147,8 +148,54 @@ def test_load_weights_refuses_another_number_of_groups(tmp_path):
     loop, _ = _make_opt(cfg, str(tmp_path))
     loop.run()
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", groups=2)
-    with pytest.raises(ConfigError, match="'parallel'.*2 source group.*launch 2 processes"):
+    with pytest.raises(ConfigError, match="'dept.reset_inner_optimizer'.*2 source group.*belongs to the group.*"
+                                          "launch 2 processes"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks, optimizer=False)
+
+
+def test_another_number_of_groups_is_refused_inside_a_round(tmp_path):
+    """Inside a round the groups hold different bodies: a checkpoint there loads only with its
+    own number of groups (ConfigError naming 'parallel', the step and dept.local_steps); so
+    does a TRIM checkpoint (per-rank row state: 'dept.variant')."""
+    from dept_mega.checkpoint import load_weights
+    from dept_mega.config import ConfigError
+    cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 2, "reset_inner_optimizer": True},
+                       "train": {"steps": 2, "save_interval": 1, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop, _ = _make_opt(cfg, str(tmp_path))
+    loop.run()
+    _as_if_written_by(tmp_path / "checkpoints" / "step_1", groups=2)
+    with pytest.raises(ConfigError, match=r"'parallel'.*step 1 is inside a round \(dept.local_steps=2\).*"
+                                          "launch 2 processes"):
+        load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks, optimizer=False)
+    trim = tmp_path / "trim"
+    cfg = tiny_config({"dept": {"variant": "trim", "local_steps": 1, "reset_inner_optimizer": True},
+                       "train": {"steps": 2, "save_interval": 1, "eval_interval": 0, "run_dir": str(trim)}})
+    loop, _ = _make_trim(cfg, str(trim))
+    loop.run()
+    _as_if_written_by(trim / "checkpoints" / "step_1", groups=2)
+    with pytest.raises(ConfigError, match=r"'(dept.variant|parallel)'.*2 source group"):
+        load_weights(loop.trainer, str(trim), 1, hooks=loop.hooks, optimizer=False)
+
+
+def _make_trim(cfg, run_dir):
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    pg = build_groups(1, 1, 1)
+    infos = source_infos(2, trim=True)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+    by_name = {s.name: s for s in infos}
+
+    def make_iterator(name):
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+
+    writer = MetricsWriter(run_dir, enabled=True, stream=io.StringIO())
+    return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None
 
 
 def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):

@@ -6,9 +6,11 @@ per (tp, pp, group) (``hooks_dp0``) and whose outer state is saved per parameter
 (``dept_mega.checkpoint_state``). Train to step 2 with D = 1, resume with D = 2 and continue:
 the losses equal an uninterrupted D = 2 run from the same initial weights within 1e-6 (they
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
-checkpoint holds the same tensors. Another tensor and pipeline size for STD (dept_mega.reshard).
-Another T or P with DEPT state, another G, TRIM's state under another D and the distributed
-optimizer's shards are refused with a ConfigError naming the key."""
+checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
+another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
+SPEC-OPT), another T or P for TRIM, TRIM's state
+under another D and the distributed optimizer's shards are refused with a ConfigError naming
+the key. (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
 import io
@@ -22,7 +24,7 @@ from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_co
 from tests.mp_utils import run_distributed
 
 
-def _loop(over, run_dir, rank, data, tensor=1, pipeline=1):
+def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4):
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
@@ -30,10 +32,10 @@ def _loop(over, run_dir, rank, data, tensor=1, pipeline=1):
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
     cfg = tiny_config({**over, "parallel": {"data": data, "tensor": tensor, "pipeline": pipeline},
-                       "train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
+                       "train": {"steps": steps, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
                                  "run_dir": run_dir}})
     pg = build_groups(tensor, data, pipeline)
-    infos = source_infos(2, trim=cfg.dept.variant == "trim")
+    infos = source_infos(LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2), trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
     std = cfg.dept.variant == "std"
@@ -73,6 +75,19 @@ CASES = {"std": {"dept": {"variant": "std"}},
          "spec": {"dept": {"variant": "spec", "local_steps": 2,
                            "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
 
+# resharding cases beside the data-parallel ones: GLOB with a Nesterov outer optimizer (the Adam
+# one at lr 0.5 moves every weight by about ±0.5 per round, which turns the tensor-parallel sum
+# order's 1e-7 differences into 1e-6 ones)
+LAYOUT_CASES = dict(CASES, glob_nesterov={"dept": {"variant": "glob", "local_steps": 2, "outer_optimizer": {
+    "name": "nesterov", "lr": 0.7, "momentum": 0.9}}})
+# SPEC-OPT with 3 sources over 2 groups (sources wait in the store between rounds) and the
+# body's AdamW state kept per source; a constant LR (min_lr = lr): the first run stops at step 4
+# by lowering train.steps, which would otherwise change its LR schedule
+LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps": 2, "body_optimizer_state": "source",
+                                            "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                                   "optim": {"min_lr": 1.0e-2}}
+LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES["spec_opt_source"], sort_keys=True): 3}  # else 2 sources
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -94,18 +109,20 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     assert meta(a) == meta(ref)
 
 
-def _train_a_layout(rank, world, run_dir, tensor, pipeline):
-    loop = _loop(CASES["std"], run_dir, rank, 1, tensor, pipeline)
-    loop.cfg.train.steps = 2
+def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2):
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline)
+    loop.cfg.train.steps = steps
     loop.run()
+    return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline):
-    ref = _loop(CASES["std"], ref_dir, rank, 1, tensor, pipeline)
+def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4):
+    ref = _loop(LAYOUT_CASES[case], ref_dir, rank, 1, tensor, pipeline, steps)
     ref.run()
-    loop = _loop(CASES["std"], run_dir, rank, 1, tensor, pipeline)
-    assert loop.checkpointer.load(loop) == 2
-    loop.writer.resume_at(2)
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, steps)
+    at = loop.checkpointer.load(loop)
+    assert at == (4 if case == "spec_opt_source" else 2)
+    loop.writer.resume_at(at)
     loop.run()
 
 
@@ -122,6 +139,44 @@ def test_std_resume_under_another_tensor_and_pipeline_size(tmp_path, a, b):
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for s in (3, 4):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path):
+    """DEPT GLOB (2 groups, Nesterov outer optimizer), written with (tensor, pipeline) = (2, 1) at a
+    round boundary, resumed with (1, 2) for 2 rounds: the model, the AdamW state and the outer state
+    (θ_{t-1}, momentum: dept/... keys, joined and cut like their parameters) reshard; the
+    losses equal an uninterrupted (1, 2) run from the same initial weights within 1e-6 (the
+    layouts differ only in the order of the tensor-parallel sums over the first 2 steps)."""
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    run_distributed(_train_a_layout, 4, args=(run, 2, 1, "glob_nesterov"), timeout=200)
+    run_distributed(_resume_b_layout, 4, args=(run, ref, 1, 2, "glob_nesterov", 6), timeout=300)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for s in (3, 4, 5, 6):  # 5, 6: after an outer step that used the resharded outer state
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", ["spec", "spec_opt_source"])
+def test_spec_resume_under_another_tensor_size(tmp_path, case):
+    """DEPT SPEC (2 groups, 2 sources) and SPEC-OPT (2 groups, 3 sources, the body's AdamW
+    state per source), written with parallel.tensor = 1, resumed with 2 for 2 rounds: besides
+    the model, AdamW and outer state, each source's own embeddings, their AdamW moments and its
+    body AdamW moments (the hook files, one per tensor rank) are joined and cut; the losses
+    equal an uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    saved = 4 if case == "spec_opt_source" else 2  # 2 rounds: a source waits in a store
+    stored = run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, saved), timeout=200)
+    if case == "spec_opt_source":
+        assert any(stored), stored
+    run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, case, saved + 4), timeout=300)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, saved + 5))
+    for s in range(saved + 1, saved + 5):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 

@@ -71,9 +71,7 @@ class DeptHooks:
         if self.body_per_source and d.reset_inner_optimizer:
             raise ValueError("dept.body_optimizer_state: source keeps the body's inner optimizer state per source, "
                              "but dept.reset_inner_optimizer: true clears it every round")
-        self.scheduler = RoundScheduler(len(self.sources), pg.num_groups, seed=cfg.train.seed,
-                                        sampling=d.sampling, temperature=d.temperature,
-                                        sizes=[s.size for s in self.sources])
+        self.scheduler = self._make_scheduler(pg.num_groups)
         self.store = SourceStore()
         self.installed: Optional[str] = None  # the source whose state is installed in the trainer
         self.plan = None
@@ -96,6 +94,44 @@ class DeptHooks:
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
 
+    def _make_scheduler(self, groups: int, origin: Optional[dict] = None) -> RoundScheduler:
+        """The round plans of a run with ``groups`` groups (``origin``: rebased there, see
+        :meth:`RoundScheduler.rebase`)."""
+        d = self.cfg.dept
+        sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
+                               temperature=d.temperature, sizes=[s.size for s in self.sources])
+        if origin:
+            sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
+        return sched
+
+    def schedule_state(self) -> Optional[dict]:
+        """Where this run's schedule was rebased (after a resume with another number of
+        groups), for the checkpoint's ``layout.json`` (``dept_schedule``); None: from round 0."""
+        return self.scheduler.origin()
+
+    def _use_schedule(self, layout: Optional[dict]) -> None:
+        """Take the schedule a checkpoint of this number of groups recorded (a rebased one)."""
+        if layout is None or int(layout.get("groups", self.pg.num_groups)) != self.pg.num_groups:
+            return
+        origin = layout.get("dept_schedule")
+        if origin != self.scheduler.origin():
+            self.scheduler = self._make_scheduler(self.pg.num_groups, origin)
+
+    def _plan_of(self, round_index: int):
+        """The plan of ``round_index``; the round just before a rebased schedule's first one is
+        represented by its history only (no sources trained, ``last_group`` = who holds what)."""
+        origin = self.scheduler.origin()
+        if origin is not None and round_index == origin["round"] - 1:
+            from .rounds import RoundPlan
+            return RoundPlan(round_index, (), (), tuple(origin["last_group"]), tuple(origin["rounds_before"]))
+        return self.scheduler.plan(round_index)
+
+    def _first_held(self, last_group) -> Optional[str]:
+        """The source a group installs after a change of the number of groups: the first (by
+        index) whose state it holds, None when it holds none."""
+        mine = [k for k, g in enumerate(last_group) if g == self.pg.group_index]
+        return self.names[mine[0]] if mine else None
+
     @property
     def body_sync(self) -> FlatSync:
         """The body's FlatSync (``dept.outer_fragments: 1``; else see ``body_syncs``)."""
@@ -116,20 +152,33 @@ class DeptHooks:
         if not self.strategy.source_embeddings:
             return
         from ..checkpoint import latest_step
+        from ..manifest import LAYOUT_FILE, CheckpointError, read_json
+        from ..resume import step_dir
         try:
             step = latest_step(self.cfg.train.run_dir)
-        except (OSError, ValueError):
-            return
-        self.prepare_load(step)
+            layout = read_json(step_dir(self.cfg.train.run_dir, step), LAYOUT_FILE) if step else None
+        except (OSError, ValueError, CheckpointError):
+            return  # no or a damaged checkpoint: the resume's verification reports it (and load_weights installs)
+        self.prepare_load(step, layout)
 
-    def prepare_load(self, step: Optional[int]) -> None:
+    def prepare_load(self, step: Optional[int], layout: Optional[dict] = None) -> None:
         """Install fresh embeddings of the source this group trained at inner step ``step``, so
         that a checkpoint of that step (not necessarily ``latest``: ``evaluate --step``) loads
-        in place; ``dept_mega.checkpoint.load_weights`` calls it before loading."""
+        in place; ``dept_mega.checkpoint.load_weights`` calls it before loading. ``layout``: the
+        checkpoint's ``layout.json`` (its schedule, when rebased; another number of groups:
+        nothing to install, :meth:`load_regrouped` installs the sources)."""
+        if layout is not None and int(layout.get("groups", self.pg.num_groups)) != self.pg.num_groups:
+            return
+        self._use_schedule(layout)
         if not self.strategy.source_embeddings or not step:
             return
-        plan = self.scheduler.plan((step - 1) // self.cfg.dept.local_steps)
-        name = self.names[plan.sources[self.pg.group_index]]
+        plan = self._plan_of((step - 1) // self.cfg.dept.local_steps)
+        if plan.sources:
+            name = self.names[plan.sources[self.pg.group_index]]
+        else:  # saved just after a change of the number of groups (see load_regrouped)
+            name = self._first_held(plan.last_group)
+            if name is None:
+                return
         state = self._fresh_state(name)
         self.trainer.set_embeddings(state.embeddings, state.optimizer)
 
@@ -240,6 +289,72 @@ class DeptHooks:
         return (self.strategy.name != "trim" and not self.cfg.optim.distributed
                 and not self.cfg.dept.outer_error_feedback)
 
+    def hook_state_reshardable(self) -> bool:
+        """True when :meth:`state_dict` is the same at every (tp, pp) position, so that a
+        checkpoint loads under another tensor / pipeline size (``dept_mega.reshard``): no
+        per-source state (GLOB with the body's optimizer state per group; the outer state is
+        under ``dept/...`` keys) and replicated over data parallelism."""
+        return not self.per_source and self.strategy.name != "trim" and self.state_replicated_over_dp()
+
+    def hook_state_tensor_reshardable(self) -> bool:
+        """True when :meth:`load_state_dict_resharded` can load hook state saved under another
+        tensor-parallel size (same pipeline layout): SPEC / SPEC-OPT, whose per-source
+        embeddings and AdamW states have the same structure at every tensor size."""
+        return self.strategy.name in ("spec", "spec_opt") and self.state_replicated_over_dp()
+
+    def load_state_dict_resharded(self, sds: list[dict]) -> None:
+        """:meth:`load_state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
+        rank's (pipeline rank, group) under another tensor size T': every per-source tensor
+        (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
+        is joined along its parameter's partition dimension and cut into this rank's shard
+        (``dept_mega.reshard``)."""
+        from ..reshard import cut_shard, join_shards
+        pg = self.pg
+
+        def reshard(parts: list, param) -> torch.Tensor:
+            if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
+                return parts[0]
+            dim = getattr(param, "partition_dim", None)
+            stride = int(getattr(param, "partition_stride", 1) or 1)
+            out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, pg.tp_size, pg.tp_rank)
+            if tuple(out.shape) != tuple(param.shape):
+                raise ValueError(f"resharded to {tuple(out.shape)}, this launch holds {tuple(param.shape)}")
+            return out.clone()
+
+        def optimizer_sd(parts: list[Optional[dict]], opt) -> Optional[dict]:
+            if parts[0] is None:
+                return None
+            mains = {id(opt._main_of(p)): p for p in opt.params}
+            order = [mains[id(m)] for g in opt.inner.param_groups for m in g["params"]]
+            out = dict(parts[0], state={})
+            for i, st in parts[0]["state"].items():
+                out["state"][i] = {k: reshard([sd["state"][i][k] for sd in parts], order[int(i)]) for k in st}
+            if "main_params" in parts[0]:
+                out["main_params"] = [reshard([sd["main_params"][j] for sd in parts], p)
+                                      for j, p in enumerate(opt.params)]
+            return out
+
+        def payload(name: str, parts: list[dict]) -> dict:
+            fresh = self._fresh_state(name)
+            embs = []
+            for c, e in enumerate(fresh.embeddings):
+                if parts[0]["embeddings"][c] is None or e is None:
+                    embs.append(None)
+                    continue
+                held = e.state_dict(keep_vars=True)
+                embs.append({k: reshard([p["embeddings"][c][k] for p in parts], held[k]) for k in parts[0]["embeddings"][c]})
+            return {"embeddings": embs,
+                    "optimizer": optimizer_sd([p["optimizer"] for p in parts], fresh.optimizer)
+                    if fresh.optimizer is not None else None,
+                    "body_optimizer": optimizer_sd([p.get("body_optimizer") for p in parts], self.trainer.body_optimizer),
+                    "extra": dict(parts[0].get("extra", {}))}
+
+        sd = dict(sds[0])
+        sd["store"] = {n: payload(n, [x["store"][n] for x in sds]) for n in sds[0]["store"]}
+        if sds[0].get("installed_state") is not None:
+            sd["installed_state"] = payload(sds[0]["installed"], [x["installed_state"] for x in sds])
+        self.load_state_dict(sd)
+
     def outer_syncs(self) -> dict[str, FlatSync]:
         """Every FlatSync the schedule drives, by the name its state has in checkpoints
         (dept_mega.checkpoint_state): ``outer_body`` (``outer_body_f{i}`` per fragment with
@@ -343,7 +458,97 @@ class DeptHooks:
         self._resumed_round = sd["round"]
         self.in_round = bool(sd.get("in_round", False))
         if sd["round"] is not None:
-            self.plan = self.scheduler.plan(int(sd["round"]))
+            self.plan = self._plan_of(int(sd["round"]))
+        self._mark = self.pg.comm.snapshot()
+
+    # ------------------------------------------------------------------------- another number of groups
+    def regroup_refusal(self, step: int, saved_groups: int) -> Optional[tuple[str, str]]:
+        """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
+        loaded by this launch's number of groups: (config key, reason), or None when it can
+        (:meth:`load_regrouped`). It can when everything a group owns is the same in every
+        group or is keyed by source: at a round boundary (the body and GLOB's embeddings are
+        synchronised, the outer state is the same everywhere), with no group-owned inner
+        optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
+        for GLOB, SPEC and SPEC-OPT (TRIM's row state is per rank)."""
+        d = self.cfg.dept
+        L = int(d.local_steps)
+        if self.strategy.name == "trim":
+            return ("dept.variant", "TRIM's table and row state are held per rank; a TRIM checkpoint loads only "
+                                    "with its own number of groups")
+        if self.cfg.optim.distributed:
+            return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+        if step % L:
+            return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
+                                f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
+                                f"loads with another number of groups")
+        group_owned = [] if d.reset_inner_optimizer else \
+            (["GLOB's embeddings"] if not self.strategy.source_embeddings else []) + \
+            (["the body"] if not self.body_per_source else [])
+        if group_owned:
+            return ("dept.reset_inner_optimizer", "the inner optimizer state of " + " and of ".join(group_owned)
+                    + " belongs to the group that trained it (dept.reset_inner_optimizer: false, "
+                      f"dept.body_optimizer_state: {d.body_optimizer_state}); the {saved_groups} groups of the "
+                      f"checkpoint do not map onto {self.pg.num_groups} (SPEC/SPEC-OPT with "
+                      "dept.body_optimizer_state: source, or dept.reset_inner_optimizer: true, do)")
+        return None
+
+    def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
+                       saved_origin: Optional[dict], read_body_optimizer=None) -> None:
+        """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
+        groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
+        position) into this launch's groups. The schedule continues from the checkpoint's
+        history: every source keeps its data position (rounds trained so far) and its own
+        state, which the new group ``old group mod G`` holds (``last_group``); the plans from
+        round ``step / local_steps`` on are this launch's (``RoundScheduler.rebase``), recorded
+        in later checkpoints' ``layout.json``. Each group then installs the first source it
+        holds (or none). ``read_body_optimizer(g)``: the body optimizer's state dict that old
+        group g saved with its model (``dept.body_optimizer_state: source``: the state of the
+        source installed there, which its hooks file leaves out)."""
+        refusal = self.regroup_refusal(step, saved_groups)
+        if refusal is not None:
+            raise ValueError(f"{refusal[0]}: {refusal[1]}")
+        L = int(self.cfg.dept.local_steps)
+        r0 = step // L
+        old = self._make_scheduler(saved_groups, saved_origin)
+        before = old.plan(r0)  # its last_group / rounds_before: the history at round r0's start
+        G = self.pg.num_groups
+        last = [None if g is None else int(g) % G for g in before.last_group]
+        self.scheduler = self._make_scheduler(G)
+        self.scheduler.rebase(r0, last, before.rounds_before)
+        self.strategy.load_state_dict(saved[0])  # GLOB: nothing (its outer state is under dept/... keys)
+        payloads: dict[str, tuple[int, dict, bool]] = {}
+        for g, sd in sorted(saved.items()):
+            held = {n: (p, False) for n, p in sd["store"].items()}
+            if sd.get("installed") is not None and "installed_state" in sd:
+                held[sd["installed"]] = (sd["installed_state"], True)
+            for name, (payload, installed) in held.items():
+                if name in payloads:
+                    raise ValueError(f"source {name!r}: the checkpoint holds its state in groups {payloads[name][0]} "
+                                     f"and {g}")
+                payloads[name] = (g, payload, installed)
+        self.store = SourceStore()
+        self.installed = None
+        for name, (g, payload, installed) in sorted(payloads.items()):
+            if last[self.index[name]] != self.pg.group_index:
+                continue
+            if before.last_group[self.index[name]] != g:
+                raise ValueError(f"source {name!r}: the checkpoint holds its state in group {g}, its round plan "
+                                 f"says group {before.last_group[self.index[name]]}")
+            if installed and self.body_per_source and read_body_optimizer is not None:
+                payload = dict(payload, body_optimizer=read_body_optimizer(g))
+            state = self._fresh_state(name)
+            load_payload(state, payload)
+            self.store.put(name, state)
+        missing = [self.names[k] for k, g in enumerate(last) if g == self.pg.group_index and self.per_source
+                   and self.names[k] not in self.store]
+        if missing:
+            raise ValueError(f"sources {missing}: trained before step {step} but their state is not in the checkpoint")
+        first = self._first_held(last) if self.per_source else None
+        if first is not None:
+            self._install(first, self.store.pop(first))
+        self.plan = self._plan_of(r0 - 1) if r0 > 0 else None
+        self.in_round = False
+        self._resumed_round = None
         self._mark = self.pg.comm.snapshot()
 
 

@@ -94,6 +94,30 @@ class RoundScheduler:
             raise ValueError(f"got {len(sizes)} source sizes for {num_sources} sources")
         self.weights = sampling_weights(sizes, sampling, temperature)
         self._plans: list[RoundPlan] = []
+        self._base = 0  # round of self._plans[0]
+        self._origin: Optional[dict] = None
+
+    def rebase(self, round_index: int, last_group: Sequence[Optional[int]], rounds_before: Sequence[int]) -> None:
+        """Continue the schedule from round ``round_index`` with the given history instead of
+        replaying it from round 0: ``last_group[k]`` (the group of this scheduler that holds
+        source k's state at that round's start, None: never trained) and ``rounds_before[k]``
+        (rounds that trained source k before it). Used when a run resumes with another number
+        of groups (the old history is another scheduler's); plans before ``round_index`` are
+        then unknown. :meth:`origin` gives what a checkpoint records to rebuild it."""
+        K = self.num_sources
+        if len(last_group) != K or len(rounds_before) != K:
+            raise ValueError(f"rebase: {len(last_group)} / {len(rounds_before)} entries for {K} sources")
+        if any(g is not None and not 0 <= int(g) < self.num_groups for g in last_group):
+            raise ValueError(f"rebase: a group in {list(last_group)} is not one of the {self.num_groups} groups")
+        self._origin = {"round": int(round_index), "last_group": [None if g is None else int(g) for g in last_group],
+                        "rounds_before": [int(n) for n in rounds_before]}
+        self._base = int(round_index)
+        self._plans = []
+
+    def origin(self) -> Optional[dict]:
+        """The :meth:`rebase` arguments in effect (plain values), or None (history from round 0)."""
+        return None if self._origin is None else {k: (list(v) if isinstance(v, list) else v)
+                                                  for k, v in self._origin.items()}
 
     @property
     def fixed(self) -> bool:
@@ -119,12 +143,18 @@ class RoundScheduler:
 
     def plan(self, round_index: int) -> RoundPlan:
         """The plan of round ``round_index`` (rounds before it are replayed once and cached)."""
-        if round_index < 0:
-            raise ValueError(f"round index must be >= 0, got {round_index}")
-        while len(self._plans) <= round_index:
-            r = len(self._plans)
-            last = list(self._plans[-1].last_group) if self._plans else [None] * self.num_sources
-            before = list(self._plans[-1].rounds_before) if self._plans else [0] * self.num_sources
+        if round_index < self._base:
+            raise ValueError(f"round index must be >= {self._base}, got {round_index}"
+                             + (" (the schedule was rebased there: the run changed its number of groups)"
+                                if self._base else ""))
+        while len(self._plans) + self._base <= round_index:
+            r = len(self._plans) + self._base
+            if self._plans:
+                last, before = list(self._plans[-1].last_group), list(self._plans[-1].rounds_before)
+            elif self._origin is not None:
+                last, before = list(self._origin["last_group"]), list(self._origin["rounds_before"])
+            else:
+                last, before = [None] * self.num_sources, [0] * self.num_sources
             if self._plans:
                 for g, k in enumerate(self._plans[-1].sources):
                     last[k] = g
@@ -133,7 +163,7 @@ class RoundScheduler:
             moves = tuple(Move(k, last[k], g) for g, k in enumerate(sources)
                           if last[k] is not None and last[k] != g)
             self._plans.append(RoundPlan(r, sources, moves, tuple(last), tuple(before)))
-        return self._plans[round_index]
+        return self._plans[round_index - self._base]
 
     def steps_trained(self, source: int, step: int, local_steps: int) -> int:
         """Inner steps of ``[0, step)`` in which some group trained ``source``: its data

@@ -1,0 +1,192 @@
+"""A DEPT checkpoint taken at a round boundary loads with another number of source groups G
+(another process count): the body, GLOB's embeddings and the outer state are the same in
+every group there, the sources' own state (SPEC: embeddings) is keyed by source, and the
+schedule continues from the checkpoint's history (``RoundScheduler.rebase``)."""
+import io
+
+import pytest
+import torch
+
+from tests.dept_utils import SyntheticSource, allowed_ids, body_vector, source_infos, tiny_config
+from tests.mp_utils import run_distributed
+
+
+def test_rebased_schedule_continues_the_same_plans():
+    """Rebasing a scheduler at round r with its own history gives the plans it would have
+    given anyway (so a run resumed with its own number of groups is unchanged by this)."""
+    from dept_mega.dept.rounds import RoundScheduler
+    full = RoundScheduler(5, 2, seed=3, sampling="proportional", sizes=[1, 2, 3, 4, 5])
+    rebased = RoundScheduler(5, 2, seed=3, sampling="proportional", sizes=[1, 2, 3, 4, 5])
+    p = full.plan(4)
+    rebased.rebase(4, p.last_group, p.rounds_before)
+    for r in range(4, 12):
+        assert rebased.plan(r) == full.plan(r)
+        for k in range(5):
+            assert rebased.steps_trained(k, r * 3 + 1, 3) == full.steps_trained(k, r * 3 + 1, 3)
+    with pytest.raises(ValueError, match="rebased"):
+        rebased.plan(3)
+    assert rebased.origin() == {"round": 4, "last_group": list(p.last_group), "rounds_before": list(p.rounds_before)}
+
+
+def _make(cfg, run_dir, K):
+    vocabs = (60, 200, 96, 120) if cfg.dept.variant == "spec_opt" else None
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.loop import TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import Trainer
+    pg = build_groups(1, 1, 1)  # G = world size
+    infos = source_infos(K, vocabs=vocabs)
+    torch.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
+    hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
+    by_name = {s.name: s for s in infos}
+
+    def make_iterator(name):
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+
+    writer = MetricsWriter(run_dir, enabled=False, stream=io.StringIO())
+    loop = TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir))
+    losses = []
+    step = trainer.train_step
+
+    def recording(batch):
+        res = step(batch)
+        losses.append(float(res.loss))
+        return res
+
+    trainer.train_step = recording
+    return loop, losses
+
+
+def _held(loop) -> dict[str, dict]:
+    """The per-source state this rank holds (installed and stored), by source: embeddings,
+    their AdamW moments, the body's AdamW moments when kept per source."""
+    import copy
+    h, tr = loop.hooks, loop.trainer
+
+    def entry(embs, opt, body):
+        out = {f"{c}.{k}": v.clone() for c, e in enumerate(embs) if e is not None for k, v in e.state_dict().items()}
+        if opt is not None:
+            out["optimizer"] = copy.deepcopy(opt.state_dict()["state"])
+        if body is not None:
+            out["body_optimizer"] = copy.deepcopy(body["state"])
+        return out
+
+    out = {}
+    if h.installed is not None and h.strategy.source_embeddings:
+        reset = loop.cfg.dept.reset_inner_optimizer
+        out[h.installed] = entry(tr.embeddings(), None if reset else tr.embedding_optimizer,
+                                 tr.body_optimizer.state_dict() if h.body_per_source else None)
+    for name in h.store.names():
+        st = h.store.get(name)
+        out[name] = entry(st.embeddings, st.optimizer if not loop.cfg.dept.reset_inner_optimizer else None,
+                          st.body_optimizer)
+    return out
+
+
+def _outer(loop) -> dict:
+    return {cat: s.param_state() for cat, s in sorted(loop.hooks.outer_syncs().items())}
+
+
+def _first_phase(rank, world, over, run_dir, K, step):
+    cfg = tiny_config(dict(over, train=dict(over["train"], steps=step, run_dir=run_dir)))
+    loop, _ = _make(cfg, run_dir, K)
+    loop.run()
+    loop.checkpointer.save(loop)  # a round boundary
+    return {"body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
+            "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
+                    if n.startswith("embeddings.")},
+            "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
+
+
+def _second_phase(rank, world, over, run_dir, native_dir, K, steps):
+    cfg = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=run_dir)))
+    loop, losses = _make(cfg, run_dir, K)
+    step = loop.checkpointer.load(loop)
+    state = {"step": step, "body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
+             "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
+                     if n.startswith("embeddings.")},
+             "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
+    from dept_mega.checkpoint import Checkpointer
+    Checkpointer(native_dir).save(loop)  # the same state, written in this launch's own layout
+    loop.run()
+    # reference: a run of this layout started from that native checkpoint (no change of groups)
+    cfg2 = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=native_dir)))
+    loop2, losses2 = _make(cfg2, native_dir, K)
+    assert loop2.checkpointer.load(loop2) == step
+    loop2.run()
+    return dict(state, losses=losses, reference=losses2, body_end=body_vector(loop.trainer),
+                body_end_ref=body_vector(loop2.trainer))
+
+
+def _same(a, b, what):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _same(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, what
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2)])
+def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
+    """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
+    with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
+    AdamW state kept per source instead), save at the round boundary, resume under G=g_new
+    for 2 rounds.
+
+    What "equal" means: (1) the state the G=g_new run holds after loading is the G=g_old
+    run's, tensor for tensor — the body, GLOB's embeddings, the outer reference and momentum
+    on every rank; every source's own embeddings (SPEC) held by exactly one new group; every
+    source's data position (steps trained so far); (2) the G=g_new run then continues exactly
+    like a G=g_new run started from that state without any change of layout: the same state
+    saved by the resumed run in its own layout (its schedule's history included) and resumed
+    from there by a fresh launch; the losses of every step agree within 1e-6 (fp32, CPU)."""
+    over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
+                                                                               "momentum": 0.9}},
+            "train": {"save_interval": 0, "eval_interval": 0}}
+    if variant == "spec_opt":
+        over["dept"]["body_optimizer_state"] = "source"
+    else:
+        over["dept"]["reset_inner_optimizer"] = True
+    K = 4
+    run_dir, native = str(tmp_path / "run"), str(tmp_path / "native")
+    first = run_distributed(_first_phase, g_old, args=(over, run_dir, K, 4), timeout=200)
+    second = run_distributed(_second_phase, g_new, args=(over, run_dir, native, K, 8), timeout=300)
+    held_before = {}
+    for r in first:
+        for name, sd in r["held"].items():
+            assert name not in held_before
+            held_before[name] = sd
+    held_after = {}
+    for r in second:
+        assert r["step"] == 4
+        _same(r["body"], first[0]["body"], "body")
+        _same(r["outer"], first[0]["outer"], "outer state")
+        _same(r["positions"], first[0]["positions"], "data positions")
+        if variant == "glob":
+            _same(r["emb"], first[0]["emb"], "GLOB embeddings")
+        for name, sd in r["held"].items():
+            assert name not in held_after, f"{name} held by two groups"
+            held_after[name] = sd
+        assert len(r["losses"]) == 4
+        assert torch.allclose(torch.tensor(r["losses"]), torch.tensor(r["reference"]), rtol=0, atol=1e-6), \
+            (r["losses"], r["reference"])
+        _same(r["body_end"], r["body_end_ref"], "body at the end")
+    _same(held_after, held_before, "per-source embeddings")
+    if variant != "glob":  # exactly the sources trained so far own state
+        trained = {n for n, steps in first[0]["positions"].items() if steps}
+        assert set(held_before) == trained and len(trained) >= 3
+    # the groups' bodies agree at the end (a round boundary)
+    for r in second[1:]:
+        _same(r["body_end"], second[0]["body_end"], "bodies of the groups")
