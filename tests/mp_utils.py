@@ -44,6 +44,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
         pickle.dump(payload, f)
     if dist.is_initialized():
         try:
+            if payload[0] == "ok":  # as train.py does: nobody tears down while another rank still talks
+                dist.barrier()
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
