@@ -173,7 +173,7 @@ class DistributedOptimizer(InnerOptimizer):
         return sd
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, with_masters: bool = True) -> None:
         sd = dict(sd)
         shard = sd.pop("shard", None)
         mains = sd.pop("main_params", None)
@@ -186,7 +186,7 @@ class DistributedOptimizer(InnerOptimizer):
                              f"the same data-parallel rank, size and bucket layout (rank {mine['dp_rank']} of "
                              f"{mine['dp_size']} here; resharding is not supported)")
         self.inner.load_state_dict(sd)
-        if self.half and mains is not None:
+        if self.half and mains is not None and with_masters:
             for pc, m in zip(self.pieces, mains):
                 pc.main.copy_(m)
             self.refresh_model_params()

@@ -280,8 +280,17 @@ class InnerOptimizer:
             sd["main_params"] = [p.main_param for p in self.params]
         return sd
 
+    def moments_state_dict(self) -> dict:
+        """:meth:`state_dict` without the main parameters: AdamW's moments and steps only (what
+        ``dept.body_optimizer_state: source`` keeps per source — the weights stay the group's)."""
+        sd = self.state_dict()
+        sd.pop("main_params", None)
+        return sd
+
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, with_masters: bool = True) -> None:
+        """``with_masters=False``: load AdamW's state only and leave the weights and their
+        fp32 masters as they are (main parameters in ``sd`` are ignored)."""
         sd = dict(sd)
         mains = sd.pop("main_params", None)
         if sd.pop("shard", None) is not None:
@@ -291,6 +300,8 @@ class InnerOptimizer:
             raise ValueError(f"optimizer state holds {len(mains)} main parameters, this optimizer has "
                              f"{len(self.params)}")
         self.inner.load_state_dict(sd)
+        if not with_masters:
+            return
         if mains is None:
             self.copy_model_to_main()  # state of an fp32 run: the weights are all there is
             return

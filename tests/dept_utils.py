@@ -109,8 +109,10 @@ def allowed_ids(info: SourceInfo) -> torch.Tensor:
 def run_dept(cfg: Config, sources: Sequence[SourceInfo], rounds: int, *, pg: Optional[ParallelGroups] = None,
              data_seed: Optional[dict[str, int]] = None,
              after_round: Optional[Callable[[int, DeptHooks, Trainer], None]] = None,
-             on_install: Optional[Callable[[int, DeptHooks, Trainer], None]] = None) -> dict[str, Any]:
-    """Train ``rounds`` rounds on this rank; returns per-round group losses and outer records."""
+             on_install: Optional[Callable[[int, DeptHooks, Trainer], None]] = None,
+             after_sync: Optional[Callable[[int, DeptHooks, Trainer], None]] = None) -> dict[str, Any]:
+    """Train ``rounds`` rounds on this rank; returns per-round group losses and outer records.
+    ``after_round``: before the round's end (its outer sync); ``after_sync``: after it."""
     if pg is None:
         p = cfg.parallel
         pg = build_groups(p.tensor, p.data, p.pipeline)
@@ -138,6 +140,8 @@ def run_dept(cfg: Config, sources: Sequence[SourceInfo], rounds: int, *, pg: Opt
         if after_round is not None:
             after_round(r, hooks, trainer)
         outer.append(hooks.round_end(None, r))
+        if after_sync is not None:
+            after_sync(r, hooks, trainer)
     return {"losses": losses, "outer": outer, "assignments": assignments, "hooks": hooks, "trainer": trainer,
             "pg": pg}
 

@@ -70,3 +70,36 @@ def test_body_moments_travel_with_their_source():
                 assert move_bytes[r] >= len(moves[r]) * 2 * body * 4, (variant, r, move_bytes[r])
             else:
                 assert move_bytes[r] == 0  # GLOB with the body state per group: nothing moves
+
+
+def _body_masters(trainer):
+    return {i: trainer.main_params([p])[0].detach().clone() for i, p in enumerate(trainer.body_parameters())}
+
+
+def _install_worker(rank, world, seed):
+    # bf16 weights (fp32 masters), the body synchronised in 2 fragments: at a round's start the
+    # groups' bodies differ (fragment 0 trained on since its sync), so a source's body state
+    # that carried masters would overwrite the receiving group's weights
+    cfg = tiny_config({"precision": "bf16",
+                       "dept": {"variant": "glob", "local_steps": 2, "body_optimizer_state": "source",
+                                "outer_fragments": 2},
+                       "train": {"steps": 2 * ROUNDS, "seed": seed}})
+    ends, starts = {}, {}
+    res = run_dept(cfg, source_infos(3), ROUNDS,
+                   after_sync=lambda r, h, tr: ends.__setitem__(r, _body_masters(tr)),
+                   on_install=lambda r, h, tr: starts.__setitem__(r, _body_masters(tr)))
+    moves = [res["hooks"].scheduler.plan(r).moves for r in range(ROUNDS)]
+    changed = [r for r in range(1, ROUNDS) if not _equal(ends[r - 1], starts[r])]
+    return {"changed": changed, "moves": sum(len(m) for m in moves[1:])}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_installing_a_sources_body_state_leaves_the_body_weights_alone():
+    from dept_mega.dept.rounds import RoundScheduler
+    seed = next(sd for sd in range(100)
+                if sum(len(RoundScheduler(3, 2, seed=sd).plan(r).moves) for r in range(1, ROUNDS)) >= 2)
+    res = run_distributed(_install_worker, 2, args=(seed,), timeout=180)
+    assert res[0]["moves"] >= 2
+    for g in range(2):
+        assert res[g]["changed"] == [], f"group {g}: the body's fp32 masters changed at the start of rounds {res[g]['changed']}"

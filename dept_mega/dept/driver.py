@@ -203,7 +203,8 @@ class DeptHooks:
         else:
             state = SourceState([None] * len(tr.stages))
         if with_body and self.body_per_source:
-            state.body_optimizer = tr.body_optimizer.state_dict()
+            # the moments only: the body's weights (and their fp32 masters) are the group's
+            state.body_optimizer = tr.body_optimizer.moments_state_dict()
         return state
 
     def _install(self, name: str, state: SourceState) -> None:
@@ -216,7 +217,7 @@ class DeptHooks:
             if state.body_optimizer is None:  # never trained: a fresh AdamW state
                 opt.state.clear()
             else:
-                opt.load_state_dict(state.body_optimizer)
+                opt.load_state_dict(state.body_optimizer, with_masters=False)
         self.installed = name
 
     # ------------------------------------------------------------------------- hooks
