@@ -88,6 +88,23 @@ class DistributedOptimizer(InnerOptimizer):
         return [{"params": decay, "weight_decay": self.cfg.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
+    # -- ownership ---------------------------------------------------------------------------
+    def owned_range(self, p: torch.nn.Parameter, rank: int) -> Optional[tuple[int, int]]:
+        """[start, end) of flattened ``p`` whose fp32 main parameter data-parallel rank ``rank``
+        holds (None: none of it). Every rank of the group can compute it for every rank: the
+        buffer layout is the same on all of them."""
+        b = self.buffer.bucket_of[id(p)]
+        ss, se = b.shard_range(rank, self.buffer.shards)
+        ps, pe = self.buffer.ranges[id(p)]
+        a, e = max(ps, ss), min(pe, se)
+        return (a - ps, e - ps) if a < e else None
+
+    def owned_main(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """This rank's fp32 main parameter of ``p``'s piece (1-D; :meth:`owned_range` of this
+        rank), or None."""
+        pc = self._piece_of.get(id(p))
+        return None if pc is None else pc.main
+
     # -- gradients -----------------------------------------------------------------------------
     def grad_view(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
         """This rank's reduced shard of ``p``'s gradient (None when it owns no piece of ``p``)."""

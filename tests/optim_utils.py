@@ -43,8 +43,9 @@ def dept_record(over: dict, steps_per_round: int, rounds: int) -> dict:
     cfg = dept_config(over)
     out = run_dept(cfg, source_infos(2, trim=cfg.dept.variant == "trim"), rounds)
     tr = out["trainer"]
+    sharded = cfg.optim.distributed and cfg.precision != "fp32"  # no rank holds the full masters
     return {"loss": out["losses"], "body": body_vector(tr),
-            "main": torch.cat([m.reshape(-1) for m in tr.main_params(tr.body_parameters())])}
+            "main": None if sharded else torch.cat([m.reshape(-1) for m in tr.main_params(tr.body_parameters())])}
 
 
 def mixed_worker(rank: int, world_size: int, runs: list[tuple], steps: int) -> list[dict]:

@@ -4,7 +4,9 @@ After one round of a tiny model on 2 gloo ranks, the bytes of the parameters, gr
 buffers, optimizer state and masters, outer-sync state and TRIM's φ (counted from the objects,
 each storage once: ``memory.held_bytes``) equal ``predict_memory`` exactly, for DP 2, TP 2 with
 sequence parallelism and PP 2; fp32 and bf16 weights; the distributed optimizer on and off
-(small buckets, so that several buckets and their padding count); every variant.
+(small buckets, so that several buckets and their padding count), with the outer state on the
+distributed optimizer's master shards under bf16; every variant; the body in fragments with
+error feedback.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.mp_utils import run_distributed
 LAYOUTS = ({"data": 2}, {"tensor": 2, "sequence_parallel": True}, {"pipeline": 2})
 # (precision, optim.distributed, outer optimizer, tie_embeddings)
 SETTINGS = (("fp32", False, "adam", True), ("bf16", False, "nesterov", False), ("fp32", True, "fedavg", False))
+ODD_WIDTH = {"hidden_size": 15, "num_attention_heads": 3, "num_query_groups": 3, "ffn_hidden_size": 30}
 COUNTED = ("weights", "grads", "optimizer", "outer", "trim_table")
 
 
@@ -34,8 +37,21 @@ def _runs():
         for variant in ("std", "glob", "trim", "spec", "spec_opt"):
             for precision, distributed, outer, tied in SETTINGS:
                 runs.append(_over(variant, parallel, precision, distributed, outer, tied))
-            if variant == "std":
-                runs.append(_over(variant, parallel, "bf16", True, "fedavg", True))
+            if variant != "trim":  # (TRIM refuses the distributed optimizer with half weights)
+                # the outer state on the distributed optimizer's master shards; under DP an odd
+                # width, so that buckets are padded and the shards are not near-equal chunks
+                over = _over(variant, parallel, "bf16", True, "fedavg" if variant == "std" else "adam",
+                             variant != "glob")
+                if parallel.get("data", 1) > 1:
+                    over["model"].update(ODD_WIDTH)
+                runs.append(over)
+        # the body in 2 fragments (one FlatSync each), error feedback's residual; GLOB's
+        # tables too; on master shards and on 1/D chunks
+        for distributed in (False, True):
+            over = _over("glob", parallel, "bf16", distributed, "nesterov", False)
+            over["dept"].update(outer_fragments=2, outer_comm_dtype="int8", outer_error_feedback=True, local_steps=2)
+            over["train"]["steps"] = 2
+            runs.append(over)
     return runs
 
 

@@ -396,7 +396,9 @@ def predict_outer_round_bytes(cfg: Config, groups: int, dtype: Optional[str] = N
       per block of the chunk). Summed over a group's ranks that is the body with its
       TP-replicated parameters (norms, row-parallel biases) counted T times. With D > 1 the
       replicas then all-gather the updated chunks over dp in fp32 as D equal parts of the
-      longest chunk (``dp``, also when G = 1).
+      longest chunk (``dp``, also when G = 1). With ``optim.distributed`` and bf16/fp16
+      weights a rank's chunk is the fp32 masters it owns (:func:`unit_chunks`) and the
+      re-gather carries the weights' dtype.
     * "Tables" below are the embedding tables on this job's ranks: the token table on the
       first stage plus, on the last stage, the untied head or — tied with P > 1 — the last
       stage's copy of the token table (each is synchronised by the ranks holding it), so 1
@@ -474,6 +476,36 @@ def sync_units(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[in
     return units
 
 
+def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[int, int, str, list[int]]]:
+    """:func:`sync_units` with each unit's chunk lengths on data-parallel ranks 0..D−1: ``(pp
+    rank, offset, category, chunks)``. D near-equal chunks (dept/outer.py ``chunk_bounds``), or
+    with ``optim.distributed`` and half-precision weights the fp32 masters each rank owns
+    (dept/master_shards.py: the distributed optimizer's bucket shards)."""
+    from .memory import flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters
+
+    D = cfg.parallel.data
+    units = sync_units(cfg, global_vocab)
+    if not sharded_masters(cfg):
+        return [(pp, off, cat, [chunk_bounds_len(n, D, i) for i in range(D)]) for pp, off, n, cat in units]
+    if cfg.dept.variant == "trim":
+        raise ConfigError("config key 'optim.distributed': not supported with dept.variant trim and "
+                          "half-precision weights")
+    out = []
+    for pp in range(cfg.parallel.pipeline):
+        rp = rank_params(cfg, global_vocab if cfg.dept.variant == "glob" else 1, pp)
+        body = flat_sync_chunks(cfg, rp.body, rank_body_fragments(cfg, pp))
+        mine = [u for u in units if u[0] == pp]
+        for f, (_, off, n, cat) in enumerate(u for u in mine if u[3] == "outer_body"):
+            chunks = body.get(f, [0] * D)
+            assert sum(chunks) == n, (f, chunks, n)
+            out.append((pp, off, cat, chunks))
+        for _, off, n, cat in (u for u in mine if u[3] == "outer_embedding"):
+            chunks = flat_sync_chunks(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate)[0]
+            assert sum(chunks) == n, (chunks, n)
+            out.append((pp, off, cat, chunks))
+    return out
+
+
 def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
                        global_vocab: Optional[int] = None,
                        trim_vocabs: Optional[Sequence[int]] = None) -> dict:
@@ -500,15 +532,17 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     if variant == "std":
         return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0}
     T, D = p.tensor, p.data
-    fp32 = DTYPE_BYTES["fp32"]
-    for _, offset, n, category in sync_units(cfg, global_vocab):
-        chunks = [chunk_bounds_len(n, D, i) for i in range(D)]
+    from .memory import PARAM_BYTES, sharded_masters
+    # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
+    regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
+    for _, offset, category, chunks in unit_chunks(cfg, global_vocab):
+        n = sum(chunks)
         if groups > 1 and n:
             sent = groups * T * sum(_wire_bytes(c, dtype, block) for c in chunks)
             out[category] += sent
             per_step[offset - 1] += sent
-        if D > 1 and n:  # equal parts of the longest chunk, fp32 (dept/outer.py)
-            out["dp"] += groups * T * D * max(chunks) * fp32
+        if D > 1 and n:  # equal parts of the longest chunk (dept/outer.py)
+            out["dp"] += groups * T * D * max(chunks) * regather
     if variant == "trim":
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "

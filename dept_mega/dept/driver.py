@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
+from .master_shards import value_access
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .streaming import OuterSchedule, SyncUnit, body_fragments, fragment_offsets
 from .rounds import RoundScheduler
@@ -79,11 +80,11 @@ class DeptHooks:
         self._resumed_round: Optional[int] = None
         self._mark = pg.comm.snapshot()  # counters at the last round end
         self._excluded = {c: 0 for c in CATEGORIES}  # evaluation traffic since then
-        masters = dict(main_params=trainer.main_params, refresh=trainer.refresh_model_params)  # fp32 values
         F = d.outer_fragments
         parts = [trainer.body_parameters()] if F == 1 else body_fragments(trainer.stages, F, cfg.model.num_layers)
+        # the fp32 values: full masters, or the distributed optimizer's shards (master_shards.py)
         self.body_syncs = [FlatSync(ps, pg, OuterOptimizer.from_config(d.outer_optimizer), category="outer_body",
-                                    **sync_options(d), **masters) for ps in parts]
+                                    **sync_options(d), **value_access(trainer, ps, pg)) for ps in parts]
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
         offsets = fragment_offsets(d.local_steps, F)
         units = [SyncUnit(s, o, f"body{f}") for f, (s, o) in enumerate(zip(self.body_syncs, offsets))]

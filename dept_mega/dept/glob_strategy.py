@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .master_shards import value_access
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .row_mask import PresentRowsOnly, present_ids
 from .strategy import RoundView, StrategyContext, VariantStrategy
@@ -17,11 +18,10 @@ class GlobStrategy(VariantStrategy):
     def __init__(self, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         d = ctx.cfg.dept
-        self.embedding_sync = FlatSync(ctx.trainer.embedding_parameters(), ctx.pg,
-                                       OuterOptimizer.from_config(d.outer_optimizer),
+        params = ctx.trainer.embedding_parameters()
+        self.embedding_sync = FlatSync(params, ctx.pg, OuterOptimizer.from_config(d.outer_optimizer),
                                        category="outer_embedding", **sync_options(d),
-                                       main_params=ctx.trainer.main_params,  # fp32 values of half weights
-                                       refresh=ctx.trainer.refresh_model_params)
+                                       **value_access(ctx.trainer, params, ctx.pg))  # fp32 values
         self.mask: Optional[PresentRowsOnly] = None
 
     def reset_group_optimizer(self) -> None:

@@ -13,11 +13,15 @@
   tensor, plus the fp32 master weights under bf16/fp16. With ``optim.distributed`` these cover
   this rank's pieces only (the intersections of its shard of every bucket with the parameters);
   under fp32 the pieces' masters are views of the weight buffer (no bytes of their own);
-* ``outer``: DEPT's outer-sync state — the body's θ_prev (and GLOB's embeddings', TRIM's learned
-  positions') and the outer optimizer's state (fedavg none, nesterov 1, adam 2 fp32 values per
-  element of this rank's 1/D chunk), plus TRIM's fp32 copy of the learned positions. ``lean``
-  selects the layout: ``False`` = θ_prev full on every data-parallel rank (dept/outer.py today),
-  ``True`` = θ_prev for the rank's 1/D chunk only (issue 10's lean DEPT state);
+* ``outer``: DEPT's outer-sync state — the body's θ_prev (one FlatSync per fragment with
+  ``dept.outer_fragments``; and GLOB's embeddings', TRIM's learned positions') and the outer
+  optimizer's state (fedavg none, nesterov 1, adam 2 fp32 values per element of this rank's
+  chunk; with ``dept.outer_error_feedback`` one more, the residual), plus TRIM's fp32 copy of the
+  learned positions. A rank's chunk is 1/D of each FlatSync (``chunk_bounds``) or, with
+  ``optim.distributed`` and half-precision weights, the fp32 masters it owns
+  (dept/master_shards.py, :func:`flat_sync_chunks`). ``lean`` selects the layout: ``False`` =
+  θ_prev full on every data-parallel rank (the layout before issue 10), ``True`` = θ_prev for the
+  rank's chunk only (what dept/outer.py does);
 * ``trim_table``: TRIM's φ (and φ_head when untied): the rank's row shard (rows split over the
   stage's T·D tensor × data-parallel ranks, ``chunk_bounds``) in fp32, plus its per-row outer
   optimizer state (nesterov: one value per element; adam: two and an int64 step per row);
@@ -107,7 +111,7 @@ def _layer_numels(cfg: Config) -> list[int]:
     h, f = m.hidden_size, m.ffn_size
     q, kv = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
     f1 = 2 * f if m.activation == "swiglu" else f
-    norm = [h, h] if m.normalization == "layernorm" else [h]
+    norm = [h, h] if m.normalization == "layernorm" and m.norm_bias else [h]
 
     def linear(n_in: int, n_out: int, column: bool) -> list[int]:
         w = n_in * n_out // T
@@ -135,7 +139,7 @@ def rank_params(cfg: Config, vocab: int, pp_rank: int) -> RankParams:
         for _ in ids:
             body += layer
         if last:  # the final norm
-            body += [h, h] if m.normalization == "layernorm" else [h]
+            body += [h, h] if m.normalization == "layernorm" and m.norm_bias else [h]
     emb: list[int] = []
     isolate: set[int] = set()
     table = _padded(vocab, T) // T * h
@@ -156,6 +160,58 @@ def rank_params(cfg: Config, vocab: int, pp_rank: int) -> RankParams:
         if last and not tied:
             emb.append(table)
     return RankParams(body, emb, isolate, any(r[0] for r in roles), any(r[1] for r in roles))
+
+
+def rank_body_fragments(cfg: Config, pp_rank: int) -> list[int]:
+    """The outer-sync fragment (dept/streaming.py ``fragment_of``: layer i in ⌊i·F/N⌋, the
+    final norm in F − 1) of every body parameter of :func:`rank_params`, in the same order."""
+    from ..model.gpt import chunk_layout
+
+    m, p = cfg.model, cfg.parallel
+    F, N = cfg.dept.outer_fragments, m.num_layers
+    per_layer = len(_layer_numels(cfg))
+    out: list[int] = []
+    chunks = chunk_layout(N, p.pipeline, p.virtual_pipeline, pp_rank)
+    for c, ids in enumerate(chunks):
+        for i in ids:
+            out += [i * F // N] * per_layer
+        if pp_rank == p.pipeline - 1 and c == p.virtual_pipeline - 1:
+            out += [F - 1] * (2 if m.normalization == "layernorm" and m.norm_bias else 1)
+    return out
+
+
+def sharded_masters(cfg: Config) -> bool:
+    """True when the outer sync works on the distributed optimizer's master shards
+    (dept/master_shards.py): ``optim.distributed`` with half-precision weights."""
+    return cfg.optim.distributed and cfg.precision != "fp32"
+
+
+def flat_sync_chunks(cfg: Config, numels: Sequence[int], labels: Sequence[int],
+                     isolate: set[int] = frozenset()) -> dict[int, list[int]]:
+    """The chunk lengths of data-parallel ranks 0..D−1 of the FlatSync of each label (the
+    parameters ``numels`` of one optimizer, in its order, labelled by the FlatSync that syncs
+    them): D near-equal chunks of the FlatSync's values (``chunk_bounds``), or with sharded
+    masters the pieces of the distributed optimizer's shards (:func:`bucket_layout`)."""
+    D = cfg.parallel.data
+    if not sharded_masters(cfg):
+        totals: dict[int, int] = {}
+        for n, lab in zip(numels, labels):
+            totals[lab] = totals.get(lab, 0) + n
+        return {lab: [(lambda se: se[1] - se[0])(chunk_bounds(t, D, d)) for d in range(D)]
+                for lab, t in totals.items()}
+    buckets = bucket_layout(numels, cfg.optim.grad_bucket_size, D, isolate)
+    out = {lab: [0] * D for lab in labels}
+    for d in range(D):
+        for padded, params in buckets:
+            n = padded // D
+            ss, se = d * n, (d + 1) * n
+            offset = 0
+            for i, numel in params:
+                a, e = max(offset, ss), min(offset + numel, se)
+                if a < e:
+                    out[labels[i]][d] += e - a
+                offset += numel
+    return out
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -227,14 +283,30 @@ def _optimizer_bytes(cfg: Config, numels: Sequence[int], isolate: set[int]) -> d
     return {"weights": weights, "grads": buf * gb, "optimizer": opt}
 
 
-def _flat_sync_bytes(numel: int, D: int, name: str, lean: bool) -> int:
-    """FlatSync (dept/outer.py) on dp rank 0: θ_prev (full, or the chunk when ``lean``) and the
-    outer optimizer's state for the chunk, fp32."""
+def _flat_sync_bytes(numel: int, D: int, name: str, lean: bool, chunk: Optional[int] = None,
+                     residual: bool = False) -> int:
+    """FlatSync (dept/outer.py) on dp rank 0: θ_prev (full, or the chunk when ``lean``), the
+    outer optimizer's state for the chunk and, with error feedback, the residual, fp32.
+    ``chunk``: rank 0's chunk (default: the first of D near-equal chunks)."""
     if numel == 0:
         return 0
-    s, e = chunk_bounds(numel, D, 0)
-    theta = (e - s) if lean else numel
-    return 4 * (theta + OUTER_STATE[name] * (e - s))
+    if chunk is None:
+        s, e = chunk_bounds(numel, D, 0)
+        chunk = e - s
+    theta = chunk if lean else numel
+    return 4 * (theta + (OUTER_STATE[name] + (1 if residual else 0)) * chunk)
+
+
+def _outer_bytes(cfg: Config, numels: Sequence[int], labels: Sequence[int], isolate: set[int], lean: bool) -> int:
+    """The outer state of the FlatSyncs over one optimizer's parameters (one per label)."""
+    d = cfg.dept
+    totals: dict[int, int] = {}
+    for n, lab in zip(numels, labels):
+        totals[lab] = totals.get(lab, 0) + n
+    chunks = flat_sync_chunks(cfg, numels, labels, isolate)
+    ef = d.outer_error_feedback
+    return sum(_flat_sync_bytes(totals[lab], cfg.parallel.data, d.outer_optimizer.name, lean, chunks[lab][0], ef)
+               for lab in totals)
 
 
 def trim_shards(cfg: Config) -> int:
@@ -347,14 +419,15 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
         out = {k: body[k] + emb[k] for k in ("weights", "grads", "optimizer")}
         name, D = d.outer_optimizer.name, p.data
         outer = trim = 0
-        if variant != "std":
-            outer += _flat_sync_bytes(sum(rp.body), D, name, lean_outer)
+        if variant != "std":  # one FlatSync per fragment of the body
+            outer += _outer_bytes(cfg, rp.body, rank_body_fragments(cfg, pp), set(), lean_outer)
         if variant == "glob":
-            outer += _flat_sync_bytes(sum(rp.emb), D, name, lean_outer)
+            outer += _outer_bytes(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate, lean_outer)
         if variant == "trim":
             if rp.first and m.position_embedding == "learned":
                 pos = m.seq_length * m.hidden_size
-                outer += 4 * pos + _flat_sync_bytes(pos, D, name, lean_outer)  # positions copy + its sync
+                outer += 4 * pos + _flat_sync_bytes(pos, D, name, lean_outer,  # positions copy + its sync
+                                                     residual=d.outer_error_feedback)
             tables = 0
             if rp.first or (rp.last and m.tie_embeddings):
                 tables += 1
@@ -435,6 +508,7 @@ def held_bytes(trainer, hooks=None) -> dict[str, int]:
         add("outer", sync.theta_prev)
         for v in sync.optimizer.state.values():
             add("outer", v)
+        add("outer", sync.residual)  # error feedback (None without)
 
     for sync in hooks.outer_syncs().values():  # the body's (per fragment) and GLOB's tables
         add_sync(sync)

@@ -174,10 +174,13 @@ class FlatSync:
                  category: str = "outer_body", comm_dtype: str = "fp32",
                  main_params: Optional[Callable[[Sequence[torch.nn.Parameter]], list[torch.Tensor]]] = None,
                  refresh: Optional[Callable[[Sequence[torch.nn.Parameter]], None]] = None, *,
-                 state_device: str = "device", quant_block: int = 256, error_feedback: bool = False) -> None:
+                 state_device: str = "device", quant_block: int = 256, error_feedback: bool = False,
+                 shards=None) -> None:
         self.params = list(params)
         self._main_params = main_params
         self._refresh = refresh
+        # master_shards.ShardedMasters: the fp32 masters are the distributed optimizer's shards
+        self.shards = shards
         self.pg = pg
         self.category = category
         if comm_dtype not in OUTER_COMM_DTYPES:
@@ -196,7 +199,15 @@ class FlatSync:
         self.optimizer = optimizer
         self.numel = sum(p.numel() for p in self.params)
         D = pg.dp_size
-        self.bounds = [chunk_bounds(self.numel, D, d) for d in range(D)]
+        if shards is not None:
+            if [id(p) for p in shards.params] != [id(p) for p in self.params]:
+                raise ValueError("FlatSync: the sharded masters describe other parameters")
+            # each rank's chunk: the pieces of the fp32 masters it holds (master_shards.py)
+            self.rank_ranges = [list(r) for r in shards.rank_ranges]
+        else:
+            self.rank_ranges = [[chunk_bounds(self.numel, D, d)] for d in range(D)]
+        self.ranges = self.rank_ranges[pg.dp_rank]
+        self.bounds = [(r[0][0], r[-1][1]) if r else (0, 0) for r in self.rank_ranges]  # the span of each chunk
         self.start, self.end = self.bounds[pg.dp_rank]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.state_device = torch.device("cpu") if state_device == "cpu" else self.device
@@ -210,24 +221,29 @@ class FlatSync:
 
     @property
     def chunk_numel(self) -> int:
-        return self.end - self.start
+        return sum(b - a for a, b in self.ranges)
 
     def values(self) -> list[torch.Tensor]:
         """The fp32 tensors holding the parameters' values (the masters of half weights)."""
         return self._main_params(self.params) if self._main_params is not None else self.params
 
     def _read_chunk(self, values: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-        """θ_local[start:end] (fp32, on the parameters' device), read parameter by parameter."""
+        """θ_local of this rank's chunk (fp32, on the parameters' device), read parameter by
+        parameter (sharded masters: the rank's own pieces)."""
+        if self.shards is not None:
+            return self.shards.read(self.device)
         values = self.values() if values is None else values
-        s, e = self.start, self.end
-        out = torch.empty(e - s, dtype=torch.float32, device=self.device)
-        offset = 0
-        for v in values:
-            n = v.numel()
-            a, b = max(s, offset), min(e, offset + n)
-            if a < b:
-                out[a - s:b - s].copy_(v.detach().reshape(-1)[a - offset:b - offset])
-            offset += n
+        out = torch.empty(self.chunk_numel, dtype=torch.float32, device=self.device)
+        for v, (lo, hi, dst) in self._segments(values, self._own_pieces(out)):
+            dst.copy_(v.detach().reshape(-1)[lo:hi])
+        return out
+
+    def _own_pieces(self, chunk: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """``[(start, end, view of chunk)]`` for this rank's ranges."""
+        out, o = [], 0
+        for a, b in self.ranges:
+            out.append((a, b, chunk[o:o + b - a]))
+            o += b - a
         return out
 
     def wire_nbytes(self) -> int:
@@ -310,6 +326,13 @@ class FlatSync:
                 raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
             theta = torch.sub(theta, pending.launch, out=pending.launch)  # θ_t − θ_local_at_launch
         pending.launch = None
+        if self.shards is not None:
+            # the rank's own masters, then every rank's pieces into the weights (master_shards.py)
+            self.shards.write(theta, add=correct)
+            del theta
+            self.shards.write_weights(self._gather_pieces(self.shards.send_buffer().to(self.device),
+                                                          dtype=self.shards.weight_dtype))
+            return waited
         pieces = self._gather_pieces(theta)
         for v, (a, b, src) in self._segments(self.values(), pieces):
             flat = v.data.view(-1)
@@ -325,7 +348,7 @@ class FlatSync:
     def state_dict(self) -> dict:
         """This rank's chunk of θ_{t-1} and of the outer optimizer state (``chunk``: its
         [start, end) and the shard's size); the residual with error feedback."""
-        sd = {"theta_prev": self.theta_prev.detach().cpu().clone(), "chunk": [self.start, self.end, self.numel],
+        sd = {"theta_prev": self.theta_prev.detach().cpu().clone(), "chunk": self._chunk_signature(),
               "optimizer": self.optimizer.state_dict()}
         if self.residual is not None:
             sd["residual"] = self.residual.detach().cpu().clone()
@@ -336,13 +359,13 @@ class FlatSync:
         the lean state: this rank keeps its chunk)."""
         t = sd["theta_prev"]
         if "chunk" in sd:
-            if list(sd["chunk"]) != [self.start, self.end, self.numel]:
+            if list(sd["chunk"]) != self._chunk_signature():
                 raise ValueError(f"outer state holds chunk {list(sd['chunk'])}, this rank syncs "
-                                 f"{[self.start, self.end, self.numel]} (another data-parallel layout)")
+                                 f"{self._chunk_signature()} (another data-parallel layout)")
         else:
             if t.numel() != self.numel:
                 raise ValueError(f"outer state holds {t.numel()} values, expected {self.numel}")
-            t = t.reshape(-1)[self.start:self.end]
+            t = torch.cat([t.reshape(-1)[a:b] for a, b in self.ranges]) if self.ranges else t.reshape(-1)[:0]
         self.theta_prev = _pin(t.to(self.state_device, torch.float32).clone())
         self.optimizer.load_state_dict(sd["optimizer"])
         for k, v in list(self.optimizer.state.items()):  # always the chunk's (also before the lean state)
@@ -352,20 +375,34 @@ class FlatSync:
             self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
                 else torch.zeros_like(self.theta_prev)
 
-    def _gather_pieces(self, chunk: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-        """Every replica's chunk, gathered over ``pg.dp`` (fp32, category ``dp``): ``[(start, end,
-        values)]`` covering the shard. One all-gather of equal parts (gloo and NCCL need them):
-        chunks shorter than the longest are padded by one value, and the padding is counted.
-        The receive buffer is the only full-shard temporary of the sync."""
+    def _chunk_signature(self) -> list:
+        """[start, end, numel] of this rank's chunk; with sharded masters [[start, end], ..., numel]."""
+        if self.shards is None:
+            return [self.start, self.end, self.numel]
+        return [[a, b] for a, b in self.ranges] + [self.numel]
+
+    def _gather_pieces(self, chunk: torch.Tensor, dtype: torch.dtype = torch.float32
+                       ) -> list[tuple[int, int, torch.Tensor]]:
+        """Every replica's chunk, gathered over ``pg.dp`` (``dtype``, fp32 unless said; category
+        ``dp``): ``[(start, end, values)]`` covering the shard. One all-gather of equal parts
+        (gloo and NCCL need them): chunks shorter than the longest are padded, and the padding
+        is counted. The receive buffer is the only full-shard temporary of the sync."""
         if group_size(self.pg.dp) == 1:
-            return [(self.start, self.end, chunk)]
-        m = max(b - a for a, b in self.bounds)
-        send = chunk.to(self.device).contiguous()
+            return self._own_pieces(chunk.to(dtype))
+        lengths = [sum(b - a for a, b in r) for r in self.rank_ranges]
+        m = max(lengths)
+        send = chunk.to(self.device, dtype).contiguous()
         if send.numel() < m:
             send = torch.cat([send, send.new_zeros(m - send.numel())])
-        buf = torch.empty(len(self.bounds) * m, dtype=torch.float32, device=self.device)
+        buf = torch.empty(len(self.rank_ranges) * m, dtype=dtype, device=self.device)
         self.pg.comm.all_gather_into(buf, send, self.pg.dp, category="dp")
-        return [(a, b, buf[d * m:d * m + (b - a)]) for d, (a, b) in enumerate(self.bounds)]
+        out = []
+        for d, ranges in enumerate(self.rank_ranges):
+            o = d * m
+            for a, b in ranges:
+                out.append((a, b, buf[o:o + b - a]))
+                o += b - a
+        return out
 
     @staticmethod
     def _segments(values, pieces):
@@ -414,7 +451,9 @@ class FlatSync:
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"outer state {what!r}: a tensor of shape {tuple(t.shape)} for a parameter "
                                      f"of shape {tuple(p.shape)}")
-            return _pin(flatten_fp32(list(tensors))[self.start:self.end].to(self.state_device).clone())
+            flat = flatten_fp32(list(tensors))
+            mine = torch.cat([flat[a:b] for a, b in self.ranges]) if self.ranges else flat[:0]
+            return _pin(mine.to(self.state_device).clone())
 
         self.theta_prev = chunk(state["reference"], "reference")
         self.optimizer.steps = int(state["steps"])
