@@ -280,6 +280,17 @@ class InnerOptimizer:
             sd["main_params"] = [p.main_param for p in self.params]
         return sd
 
+    def masters_state_dict(self) -> Optional[dict]:
+        """:meth:`state_dict` with AdamW's state emptied: the fp32 main parameters only (None
+        under fp32 weights, where the weights are the masters). Loading it resets the moments
+        and restores the exact masters — what a source carries when
+        ``dept.reset_inner_optimizer`` drops its optimizer state but not its precision."""
+        if not self.half:
+            return None
+        sd = self.state_dict()
+        sd["state"] = {}
+        return sd
+
     def moments_state_dict(self) -> dict:
         """:meth:`state_dict` without the main parameters: AdamW's moments and steps only (what
         ``dept.body_optimizer_state: source`` keeps per source — the weights stay the group's)."""

@@ -103,3 +103,58 @@ def test_installing_a_sources_body_state_leaves_the_body_weights_alone():
     assert res[0]["moves"] >= 2
     for g in range(2):
         assert res[g]["changed"] == [], f"group {g}: the body's fp32 masters changed at the start of rounds {res[g]['changed']}"
+
+
+def _embedding_masters(trainer):
+    opt = trainer.embedding_optimizer
+    return {i: m.detach().clone() for i, m in enumerate(opt.state_dict().get("main_params") or [])}
+
+
+def _reset_worker(rank, world, dist, seed):
+    # bf16 weights, per-source embeddings, the inner optimizer reset every round: the AdamW
+    # moments go, the fp32 masters of the source's embeddings must stay (also for a source that
+    # moved here); rounding them to the bf16 weights would lose the sub-bf16 part of every update
+    cfg = tiny_config({"precision": "bf16", "parallel": {"data": 2 if dist else 1},
+                       "optim": {"distributed": dist, "grad_bucket_size": 500},
+                       "dept": {"variant": "spec", "local_steps": 2, "reset_inner_optimizer": True},
+                       "train": {"steps": 2 * ROUNDS, "seed": seed}})
+    ends, starts = {}, {}
+
+    def end(r, h, tr):
+        ends[r] = (h.installed, _embedding_masters(tr))
+
+    def start(r, h, tr):
+        starts[r] = (h.installed, _embedding_masters(tr), len(tr.embedding_optimizer.state))
+
+    res = run_dept(cfg, source_infos(3), ROUNDS, after_sync=end, on_install=start)
+    return {"ends": ends, "starts": starts, "group": res["pg"].group_index, "names": [s.name for s in source_infos(3)],
+            "moves": [res["hooks"].scheduler.plan(r).moves for r in range(ROUNDS)]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("dist", [False, True])
+def test_reset_inner_optimizer_keeps_the_embedding_masters(dist):
+    from dept_mega.dept.rounds import RoundScheduler
+    seed = next(sd for sd in range(100)
+                if sum(len(RoundScheduler(3, 2, seed=sd).plan(r).moves) for r in range(1, ROUNDS)) >= 2)
+    res = run_distributed(_reset_worker, 4 if dist else 2, args=(dist, seed), timeout=180)
+    last = {}  # source -> its masters when its last round ended (on the rank of the same dp position)
+    checked = checked_moved = 0
+    moved = {(rnd, res[0]["names"][m.source]) for rnd, ms in enumerate(res[0]["moves"]) for m in ms}
+    by_group = {}
+    for r in res:
+        by_group.setdefault(r["group"], r)  # one rank per group (dp rank 0 comes first)
+    for rnd in range(ROUNDS):
+        for g, r in sorted(by_group.items()):
+            name, masters, moments = r["starts"][rnd]
+            assert moments == 0, "the inner optimizer is reset at every round start"
+            if name in last:
+                assert masters.keys() == last[name].keys()
+                assert all(torch.equal(masters[k], last[name][k]) for k in masters), (rnd, g, name)
+                checked += 1
+                checked_moved += (rnd, name) in moved
+        for g, r in sorted(by_group.items()):
+            name, masters = r["ends"][rnd]
+            last[name] = masters
+    assert checked >= 3 and checked_moved >= 1, (checked, checked_moved)

@@ -17,7 +17,7 @@ def _make(cfg, run_dir, rank):
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    pg = build_groups(1, 1, 1)
+    pg = build_groups(cfg.parallel.tensor, cfg.parallel.data, cfg.parallel.pipeline)
     infos = source_infos(2, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -26,7 +26,8 @@ def _make(cfg, run_dir, rank):
 
     def make_iterator(name):
         # a new batch every step: the resumed run must also continue each source's data
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]),
+                               pg.dp_rank, pg.dp_size)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
     ck = Checkpointer(run_dir)
@@ -104,7 +105,7 @@ def _make_opt(cfg, run_dir):
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    pg = build_groups(1, 1, 1)
+    pg = build_groups(cfg.parallel.tensor, cfg.parallel.data, cfg.parallel.pipeline)
     infos = source_infos(2, vocabs=(60, 200))
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -112,7 +113,8 @@ def _make_opt(cfg, run_dir):
     by_name = {s.name: s for s in infos}
 
     def make_iterator(name):
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]),
+                               pg.dp_rank, pg.dp_size)
 
     writer = MetricsWriter(run_dir, enabled=True, stream=io.StringIO())
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None
@@ -184,7 +186,7 @@ def _make_trim(cfg, run_dir):
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    pg = build_groups(1, 1, 1)
+    pg = build_groups(cfg.parallel.tensor, cfg.parallel.data, cfg.parallel.pipeline)
     infos = source_infos(2, trim=True)
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -192,7 +194,8 @@ def _make_trim(cfg, run_dir):
     by_name = {s.name: s for s in infos}
 
     def make_iterator(name):
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]),
+                               pg.dp_rank, pg.dp_size)
 
     writer = MetricsWriter(run_dir, enabled=True, stream=io.StringIO())
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None

@@ -380,16 +380,25 @@ def tiny_config_of(over):
     return tiny_config(over)
 
 
+# (world size, extra config): 2 groups; 2 groups × D 2 with bf16 weights and the distributed
+# optimizer (the outer state on its master shards, dept/master_shards.py)
+RESUME_LAYOUTS = {"plain": (2, {}),
+                  "dist_bf16_dp2": (4, {"parallel": {"data": 2}, "precision": "bf16",
+                                        "optim": {"distributed": True, "grad_bucket_size": 500}})}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_streamed_run_saves_only_between_syncs_and_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("layout", sorted(RESUME_LAYOUTS))
+def test_streamed_run_saves_only_between_syncs_and_resumes_bit_exactly(tmp_path, layout):
     # saves fall due at the round ends 4 and 8, where the last fragment has just been launched:
     # they are taken at 5 and 9, after it is applied (τ = 1), and a resume from 5 is exact
+    world, extra = RESUME_LAYOUTS[layout]
     over = {"dept": {"variant": "glob", "local_steps": 4, "outer_fragments": 2, "outer_overlap": True,
                      "outer_delay": 1, "outer_comm_dtype": "int8", "outer_error_feedback": True,
                      "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
-            "train": {"steps": 12, "save_interval": 4, "eval_interval": 0}}
-    res = run_distributed(_resume_streamed_worker, 2, args=(over, str(tmp_path)), timeout=250)
+            "train": {"steps": 12, "save_interval": 4, "eval_interval": 0}, **extra}
+    res = run_distributed(_resume_streamed_worker, world, args=(over, str(tmp_path)), timeout=250)
     for r in res:
         assert 5 in r["saved"] and 9 in r["saved"] and 4 not in r["saved"], r["saved"]
         assert torch.equal(r["full"], r["resumed"])

@@ -212,7 +212,11 @@ class DeptHooks:
         reset = self.cfg.dept.reset_inner_optimizer
         if self.strategy.source_embeddings:
             self.strategy.install(name, state.embeddings)
-            self.trainer.set_embeddings(state.embeddings, None if reset else state.optimizer)
+            if reset and state.optimizer is not None:
+                # AdamW's state goes; the optimizer (with the fp32 masters of the source's
+                # embeddings under bf16/fp16) stays: a new one would start from the rounded weights
+                state.optimizer.state.clear()
+            self.trainer.set_embeddings(state.embeddings, state.optimizer)
         if self.body_per_source:
             opt = self.trainer.body_optimizer
             if state.body_optimizer is None:  # never trained: a fresh AdamW state

@@ -158,10 +158,20 @@ def state_payload(state: SourceState, with_optimizer: bool, with_weights: bool =
     """What travels with a source (and what a checkpoint keeps of it): module state dicts (None
     for chunks without embeddings, or all None when ``with_weights`` is False — TRIM refills
     weights from φ), the embedding optimizer's state dict, the body optimizer's state dict
-    (``body_optimizer_state: source``) and ``extra``. Plain dicts, lists and tensors only."""
+    (``body_optimizer_state: source``) and ``extra``. Plain dicts, lists and tensors only.
+    Without ``with_optimizer`` the embedding optimizer's fp32 masters still travel under
+    half-precision weights (its state dict with AdamW's state emptied): they are the exact
+    values of the source's weights, and the bf16 weights alone would round them."""
+    opt = state.optimizer
+    if opt is None:
+        opt_sd = None
+    elif with_optimizer:
+        opt_sd = opt.state_dict()
+    else:
+        opt_sd = opt.masters_state_dict() if (with_weights and hasattr(opt, "masters_state_dict")) else None
     return {"embeddings": [dict(e.state_dict()) if (e is not None and with_weights) else None
                            for e in state.embeddings],
-            "optimizer": state.optimizer.state_dict() if (with_optimizer and state.optimizer is not None) else None,
+            "optimizer": opt_sd,
             "body_optimizer": state.body_optimizer if with_optimizer else None,
             "extra": dict(state.extra)}
 
