@@ -487,13 +487,6 @@ def _check_values(cfg: Config) -> None:
     if cfg.optim.grad_dtype == "bf16" and cfg.precision != "bf16":
         raise ConfigError(f"config key 'optim.grad_dtype': bf16 gradients need precision: bf16, "
                           f"got {cfg.precision!r}")
-    if cfg.optim.distributed and cfg.dept.variant == "trim" and cfg.precision != "fp32":
-        # the body's and GLOB's outer syncs work on the distributed optimizer's fp32 master
-        # shards (dept/master_shards.py); TRIM's row exchange reads and writes whole rows of the
-        # compact table's fp32 masters, which no rank holds with half-precision weights
-        raise ConfigError(f"config key 'optim.distributed': the distributed optimizer with precision "
-                          f"{cfg.precision} is not supported with dept.variant trim (its row exchange needs "
-                          f"whole fp32 rows; use precision fp32, optim.distributed=false, or another variant)")
     if m.recompute_layers is not None:
         if m.recompute != "full":
             raise ConfigError(f"config key 'model.recompute_layers': {m.recompute_layers} only applies to "

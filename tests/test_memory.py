@@ -37,14 +37,13 @@ def _runs():
         for variant in ("std", "glob", "trim", "spec", "spec_opt"):
             for precision, distributed, outer, tied in SETTINGS:
                 runs.append(_over(variant, parallel, precision, distributed, outer, tied))
-            if variant != "trim":  # (TRIM refuses the distributed optimizer with half weights)
-                # the outer state on the distributed optimizer's master shards; under DP an odd
-                # width, so that buckets are padded and the shards are not near-equal chunks
-                over = _over(variant, parallel, "bf16", True, "fedavg" if variant == "std" else "adam",
-                             variant != "glob")
-                if parallel.get("data", 1) > 1:
-                    over["model"].update(ODD_WIDTH)
-                runs.append(over)
+            # the outer state on the distributed optimizer's master shards; under DP an odd
+            # width, so that buckets are padded and the shards are not near-equal chunks
+            over = _over(variant, parallel, "bf16", True, "fedavg" if variant == "std" else "adam",
+                         variant != "glob")
+            if parallel.get("data", 1) > 1:
+                over["model"].update(ODD_WIDTH)
+            runs.append(over)
         # the body in 2 fragments (one FlatSync each), error feedback's residual; GLOB's
         # tables too; on master shards and on 1/D chunks
         for distributed in (False, True):

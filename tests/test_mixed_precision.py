@@ -98,7 +98,7 @@ def test_dept_outer_sync_averages_the_fp32_masters(variant):
     assert not torch.allclose(bf16_mean, mean_body, rtol=1e-6, atol=1e-7)
 
 
-def _sharded_masters_worker(rank, world):
+def _sharded_masters_worker(rank, world, variant):
     from tests.dept_utils import run_dept, source_infos
     from tests.dept_utils import tiny_config as dept_config
     # an odd width: buckets are padded, so the shards are not D near-equal chunks
@@ -106,7 +106,7 @@ def _sharded_masters_worker(rank, world):
                        "model": {"hidden_size": 15, "num_attention_heads": 3, "num_query_groups": 3,
                                  "ffn_hidden_size": 30},
                        "optim": {"distributed": True, "grad_bucket_size": 500},
-                       "dept": {"variant": "glob", "local_steps": 2}, "train": {"steps": 2}})
+                       "dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 2}})
     seen = {}
 
     def own(hooks):  # this rank's chunk of every FlatSync: the fp32 masters it owns
@@ -121,7 +121,8 @@ def _sharded_masters_worker(rank, world):
         now = h.pg.comm.snapshot()
         seen["sync_bytes"] = total_over_ranks({k: now[k] - seen["counters"][k] for k in now})
 
-    out = run_dept(cfg, source_infos(2), 1, after_round=before, after_sync=after)
+    infos = source_infos(2, trim=variant == "trim")
+    out = run_dept(cfg, infos, 1, after_round=before, after_sync=after)
     tr, pg, hooks = out["trainer"], out["pg"], out["hooks"]
     consistent = True
     for sync in hooks.outer_syncs().values():
@@ -131,19 +132,25 @@ def _sharded_masters_worker(rank, world):
     from dept_mega.dept.costs import predict_outer_sync
     from tests.dept_utils import VOCAB
     return {"pre": seen["pre"], "post": seen["post"], "group": pg.group_index, "dp": pg.dp_rank,
-            "sync_bytes": seen["sync_bytes"], "predicted": predict_outer_sync(cfg, 2, global_vocab=VOCAB)["round"],
+            "sync_bytes": seen["sync_bytes"],
+            "trim_vocabs": [int(infos[k].vocab_ids.numel()) for k in hooks.scheduler.plan(0).sources]
+            if variant == "trim" else None,
+            "predicted": predict_outer_sync(cfg, 2, global_vocab=VOCAB, trim_vocabs=[
+                int(infos[k].vocab_ids.numel()) for k in hooks.scheduler.plan(0).sources] if variant == "trim" else None
+            )["round"],
             "chunks": {n: s.chunk_numel for n, s in hooks.outer_syncs().items()},
             "numel": {n: s.numel for n, s in hooks.outer_syncs().items()}, "consistent": consistent,
             "weights": torch.cat([p.detach().reshape(-1).float() for p in tr.parameters()])}
 
 
 @pytest.mark.timeout(200)
-def test_dept_outer_sync_on_the_distributed_optimizers_master_shards():
+@pytest.mark.parametrize("variant", ["glob", "trim"])
+def test_dept_outer_sync_on_the_distributed_optimizers_master_shards(variant):
     """optim.distributed with bf16 weights (2 groups × D 2, GLOB, FedAvg lr 1): each rank's chunk
     of the outer sync is the fp32 masters it owns; after the sync they are the mean of the two
     groups' masters of the same pieces, the bf16 weights are those masters rounded, and every
     replica of every group holds the same weights; the bytes are dept_mega.dept.costs'."""
-    res = run_distributed(_sharded_masters_worker, 4, timeout=180)
+    res = run_distributed(_sharded_masters_worker, 4, args=(variant,), timeout=180)
     by = {(r["group"], r["dp"]): r for r in res}
     assert set(by) == {(g, d) for g in range(2) for d in range(2)}
     for name in res[0]["pre"]:
@@ -157,10 +164,14 @@ def test_dept_outer_sync_on_the_distributed_optimizers_master_shards():
                 torch.testing.assert_close(r["post"][name], mean, rtol=1e-6, atol=1e-7)
     for r in res:
         assert r["consistent"]
-        assert torch.equal(r["weights"], res[0]["weights"])
+        if variant == "glob":  # (TRIM's compact tables are the group's source's)
+            assert torch.equal(r["weights"], res[0]["weights"])
     # the sync's bytes (Δ of the owned masters across groups, the bf16 pieces over dp) are the
     # prediction of dept_mega.dept.costs from the bucket layout
     got, pred = res[0]["sync_bytes"], res[0]["predicted"]
+    if variant == "trim":  # (measured from the round's end: the round start's read of φ's rows is not in it)
+        from dept_mega.dept.costs import trim_shard_gather_bytes
+        pred = dict(pred, dp=pred["dp"] - trim_shard_gather_bytes(res[0]["trim_vocabs"], 15, 1, 2) // 2)
     for k in ("outer_body", "outer_embedding", "dp"):
         assert got[k] == pred[k], (k, got, pred)
 

@@ -75,10 +75,9 @@ def test_optimizer_config_keys_are_checked():
         tiny_config(overrides=("optim.grad_dtype=bf16",))  # needs precision bf16
     with pytest.raises(ConfigError, match="'optim.grad_dtype'"):
         tiny_config(overrides=("optim.grad_dtype=fp16", "precision=bf16"))
-    with pytest.raises(ConfigError, match="'optim.distributed'"):
-        tiny_config({"precision": "bf16", "dept": {"variant": "trim", "local_steps": 1}, "optim": {"distributed": True}})
-    # the other variants sync the distributed optimizer's master shards (dept/master_shards.py)
-    tiny_config({"precision": "bf16", "dept": {"variant": "spec", "local_steps": 1}, "optim": {"distributed": True}})
+    # DEPT syncs the distributed optimizer's master shards (dept/master_shards.py)
+    for variant in ("glob", "trim", "spec", "spec_opt"):
+        tiny_config({"precision": "bf16", "dept": {"variant": variant, "local_steps": 1}, "optim": {"distributed": True}})
     with pytest.raises(ConfigError, match="'optim.grad_bucket_size'"):
         tiny_config(overrides=("optim.grad_bucket_size=0",))
     with pytest.raises(ConfigError, match="'optim.fused'"):

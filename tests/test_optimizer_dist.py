@@ -6,7 +6,7 @@
 * ``optim.distributed`` (ZeRO-1) gives the plain optimizer's losses within 1e-6 relative in
   fp32 (DP 2 and DP 4, with TP + SP and with PP) and within bf16 tolerance in bf16; its ``dp``
   bytes are the reduce-scattered gradients plus the all-gathered weight shards; DEPT (SPEC,
-  GLOB) with the distributed optimizer matches the plain optimizer: with fp32 weights within
+  GLOB, TRIM with bf16) with the distributed optimizer matches the plain optimizer: with fp32 weights within
   1e-6, with bf16 weights (the outer sync on the optimizer's master shards; GLOB also streamed
   in fragments with int8 + error feedback) within bf16 tolerance.
 """
@@ -50,7 +50,7 @@ def _runs():
     # (dept/master_shards.py); GLOB also streamed in 2 fragments, overlapped, int8 + error feedback
     streamed = {"outer_fragments": 2, "outer_overlap": True, "outer_delay": 1, "outer_comm_dtype": "int8",
                 "outer_error_feedback": True, "outer_quant_block": 64}
-    for name, dept in (("spec", {"variant": "spec"}), ("glob", {"variant": "glob"}),
+    for name, dept in (("spec", {"variant": "spec"}), ("glob", {"variant": "glob"}), ("trim", {"variant": "trim"}),
                        ("glob streamed", dict(streamed, variant="glob"))):
         for dist_opt in (False, True):
             over = dict(DEPT_OVER, precision="bf16", dept=dict(dept, local_steps=2),
@@ -97,7 +97,7 @@ def test_overlap_and_distributed_optimizer_match_the_plain_path():
             plain, d = got[f"dept {variant} False"], got[f"dept {variant} True"]
             assert_close(d["loss"], plain["loss"], 1e-6, f"dept {variant} distributed loss rank {rank}")
             assert (d["body"] - plain["body"]).abs().max() <= 1e-6 * plain["body"].abs().max()
-        for name in ("spec", "glob", "glob streamed"):
+        for name in ("spec", "glob", "trim", "glob streamed"):
             plain, d = got[f"bf16 dept {name} False"], got[f"bf16 dept {name} True"]
             assert_close(d["loss"], plain["loss"], 2e-3, f"bf16 dept {name} distributed loss rank {rank}")
             # the bf16 weights agree within one rounding step of bf16

@@ -487,9 +487,6 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
     units = sync_units(cfg, global_vocab)
     if not sharded_masters(cfg):
         return [(pp, off, cat, [chunk_bounds_len(n, D, i) for i in range(D)]) for pp, off, n, cat in units]
-    if cfg.dept.variant == "trim":
-        raise ConfigError("config key 'optim.distributed': not supported with dept.variant trim and "
-                          "half-precision weights")
     out = []
     for pp in range(cfg.parallel.pipeline):
         rp = rank_params(cfg, global_vocab if cfg.dept.variant == "glob" else 1, pp)
@@ -500,10 +497,33 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
             assert sum(chunks) == n, (f, chunks, n)
             out.append((pp, off, cat, chunks))
         for _, off, n, cat in (u for u in mine if u[3] == "outer_embedding"):
-            chunks = flat_sync_chunks(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate)[0]
+            if cfg.dept.variant == "trim":  # its positions' FlatSync holds an fp32 copy: D chunks
+                chunks = [chunk_bounds_len(n, D, i) for i in range(D)]
+            else:
+                chunks = flat_sync_chunks(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate)[0]
             assert sum(chunks) == n, (chunks, n)
             out.append((pp, off, cat, chunks))
     return out
+
+
+def trim_master_gather_bytes(cfg: Config, trim_vocabs: Sequence[int]) -> int:
+    """With sharded masters (``optim.distributed`` and bf16/fp16 weights) TRIM reads the fp32
+    values of each compact embedding parameter at the round's end (its Δ rows; the learned
+    positions) by all-gathering the group's master pieces over dp in fp32
+    (dept/trim_strategy.py ``_values``): D equal parts of the longest piece per parameter,
+    summed over all ranks of the job (group k's compact vocabulary |V_k|). 0 otherwise."""
+    from .memory import flat_sync_chunks, rank_params, sharded_masters
+
+    p = cfg.parallel
+    if not sharded_masters(cfg) or p.data == 1:
+        return 0
+    total = 0
+    for vocab in trim_vocabs:
+        for pp in range(p.pipeline):
+            rp = rank_params(cfg, vocab, pp)
+            pieces = flat_sync_chunks(cfg, rp.emb, list(range(len(rp.emb))), rp.emb_isolate)
+            total += p.tensor * sum(p.data * max(c) * DTYPE_BYTES["fp32"] for c in pieces.values())
+    return total
 
 
 def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
@@ -553,6 +573,7 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         per_step[L - 1] += tables * trim["outer_embedding"]
         # φ is row-sharded over the group's tp×dp ranks: two reads of V_k's rows per round (dept/trim.py)
         out["dp"] += tables * (trim["dp"] + trim_shard_gather_bytes(trim_vocabs, m.hidden_size, T, D))
+        out["dp"] += trim_master_gather_bytes(cfg, trim_vocabs)
         out["tp"] += tables * trim["tp"]
     return {"round": out, "outer_per_step": per_step, "peak_step_bytes": max(per_step) if per_step else 0}
 

@@ -54,6 +54,7 @@ class ShardedMasters:
             offset += p.numel()
         if len(self.mains) != len(self.rank_ranges[pg.dp_rank]):
             raise RuntimeError("ShardedMasters: the optimizer's pieces do not match its bucket layout")
+        self._own = self.rank_ranges[pg.dp_rank]
         self.weight_dtype = self.params[0].dtype if self.params else torch.float32
 
     @torch.no_grad()
@@ -80,6 +81,37 @@ class ShardedMasters:
         return torch.cat([m.reshape(-1) for m in self.mains]).to(self.weight_dtype)
 
     @torch.no_grad()
+    def write_prefix(self, values: torch.Tensor) -> None:
+        """The first ``values.numel()`` values of the flattened parameters (one parameter in
+        practice: TRIM's rows) ← ``values``: this rank's masters where it owns them and the
+        weights everywhere (every replica writes the same values, so no exchange is needed)."""
+        values = values.reshape(-1)
+        n = values.numel()
+        for (a, b), m in zip(self.ranges, self.mains):
+            lo, hi = a, min(b, n)
+            if lo < hi:
+                m[:hi - lo].copy_(values[lo:hi].to(m.device, m.dtype))
+        offset = 0
+        for p in self.params:
+            k = min(p.numel(), max(0, n - offset))
+            if k:
+                p.data.view(-1)[:k].copy_(values[offset:offset + k].to(p.device, p.dtype))
+            offset += p.numel()
+
+    @torch.no_grad()
+    def gather_full(self, pg, device: torch.device) -> torch.Tensor:
+        """The full fp32 values of the parameters (flattened), gathered from every replica's
+        masters over ``pg.dp`` (category ``dp``; a transient copy, e.g. of TRIM's compact table)."""
+        full = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
+        for a, b, src in gather_ranges(pg, self.rank_ranges, self.read(device), device, torch.float32):
+            full[a:b].copy_(src)
+        return full
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return self._own
+
+    @torch.no_grad()
     def write_weights(self, pieces) -> None:
         """The model weights from every rank's gathered pieces ``[(start, end, values)]``."""
         offset = 0
@@ -91,6 +123,45 @@ class ShardedMasters:
                 if lo < hi:
                     flat[lo - offset:hi - offset].copy_(src[lo - a:hi - a])
             offset += n
+
+
+def gather_ranges(pg, rank_ranges: Sequence[Sequence[tuple[int, int]]], chunk: torch.Tensor,
+                  device: torch.device, dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor]]:
+    """Every data-parallel replica's chunk — replica d holds the values of ``rank_ranges[d]``
+    (flat [start, end) ranges, one after another in its chunk) — gathered over ``pg.dp`` in
+    ``dtype`` (category ``dp``): ``[(start, end, values)]`` for all of them. One all-gather of
+    equal parts (gloo and NCCL need them): chunks shorter than the longest are padded, and the
+    padding is sent and counted."""
+    from ..parallel.comm import group_size
+    if group_size(pg.dp) == 1:
+        out, o = [], 0
+        mine = chunk.to(device, dtype)
+        for a, b in rank_ranges[pg.dp_rank]:
+            out.append((a, b, mine[o:o + b - a]))
+            o += b - a
+        return out
+    lengths = [sum(b - a for a, b in r) for r in rank_ranges]
+    m = max(lengths)
+    send = chunk.to(device, dtype).contiguous()
+    if send.numel() < m:
+        send = torch.cat([send, send.new_zeros(m - send.numel())])
+    buf = torch.empty(len(rank_ranges) * m, dtype=dtype, device=device)
+    pg.comm.all_gather_into(buf, send, pg.dp, category="dp")
+    out = []
+    for d, ranges in enumerate(rank_ranges):
+        o = d * m
+        for a, b in ranges:
+            out.append((a, b, buf[o:o + b - a]))
+            o += b - a
+    return out
+
+
+def sharded_owner(p: torch.nn.Parameter) -> bool:
+    """True when ``p``'s fp32 master is sharded: owned by a distributed optimizer with
+    half-precision weights (not, e.g., an evaluation copy that no optimizer owns)."""
+    buf = grad_owner(p)
+    opt = buf.optimizer if buf is not None else None
+    return opt is not None and getattr(opt, "distributed", False) and opt.half
 
 
 def value_access(trainer, params: Sequence[torch.nn.Parameter], pg) -> dict:

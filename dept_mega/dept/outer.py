@@ -387,22 +387,8 @@ class FlatSync:
         ``dp``): ``[(start, end, values)]`` covering the shard. One all-gather of equal parts
         (gloo and NCCL need them): chunks shorter than the longest are padded, and the padding
         is counted. The receive buffer is the only full-shard temporary of the sync."""
-        if group_size(self.pg.dp) == 1:
-            return self._own_pieces(chunk.to(dtype))
-        lengths = [sum(b - a for a, b in r) for r in self.rank_ranges]
-        m = max(lengths)
-        send = chunk.to(self.device, dtype).contiguous()
-        if send.numel() < m:
-            send = torch.cat([send, send.new_zeros(m - send.numel())])
-        buf = torch.empty(len(self.rank_ranges) * m, dtype=dtype, device=self.device)
-        self.pg.comm.all_gather_into(buf, send, self.pg.dp, category="dp")
-        out = []
-        for d, ranges in enumerate(self.rank_ranges):
-            o = d * m
-            for a, b in ranges:
-                out.append((a, b, buf[o:o + b - a]))
-                o += b - a
-        return out
+        from .master_shards import gather_ranges
+        return gather_ranges(self.pg, self.rank_ranges, chunk, self.device, dtype)
 
     @staticmethod
     def _segments(values, pieces):

@@ -18,6 +18,7 @@ import torch
 
 from ..model.embeddings import SourceEmbeddings
 from ..parallel.groups import Coords, ParallelGroups
+from .master_shards import ShardedMasters, sharded_owner
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
@@ -117,21 +118,29 @@ class TrimStrategy(VariantStrategy):
                 continue
             for owner, phi in self._tables(emb):
                 a, b = self._rows_of(owner, ids.numel())
-                w = self._main(owner.weight)  # the fp32 master of half weights
                 # every rank of the stage asks for all of V_k (a collective on a sharded φ)
-                w[: b - a].copy_(phi.gather(ids)[a:b].to(w.device, w.dtype))
-                self._refresh(owner.weight)
+                self._write_rows(owner.weight, phi.gather(ids)[a:b])
             if emb.position_embeddings is not None and self.positions is not None:
-                self._main(emb.position_embeddings.weight).copy_(self.positions)
-                self._refresh(emb.position_embeddings.weight)
+                self._write_rows(emb.position_embeddings.weight, self.positions.detach())
 
-    def _main(self, p: torch.Tensor) -> torch.Tensor:
-        """The fp32 values of ``p``: its master when the trainer owns it (half-precision
-        weights), ``p`` itself otherwise (fp32, or an evaluation copy no optimizer owns)."""
-        return self.ctx.trainer.main_params([p])[0]
-
-    def _refresh(self, p: torch.Tensor) -> None:
+    def _write_rows(self, p: torch.Tensor, rows: torch.Tensor) -> None:
+        """The first ``rows.shape[0]`` rows of ``p``'s fp32 values ← ``rows``, then its weights.
+        The values are its master when the trainer owns it (half-precision weights), ``p``
+        itself otherwise (fp32, or an evaluation copy no optimizer owns); with the distributed
+        optimizer and half weights this rank's pieces of the master (master_shards.py)."""
+        if sharded_owner(p):
+            ShardedMasters([p], self.ctx.pg).write_prefix(rows)
+            return
+        w = self.ctx.trainer.main_params([p])[0]
+        w[: rows.shape[0]].copy_(rows.to(w.device, w.dtype))
         self.ctx.trainer.refresh_model_params([p])
+
+    def _values(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s fp32 values (see :meth:`_write_rows`); with sharded masters gathered from the
+        group's data-parallel replicas (a transient full copy, ``dp`` bytes)."""
+        if sharded_owner(p):
+            return ShardedMasters([p], self.ctx.pg).gather_full(self.ctx.pg, p.device).view(p.shape)
+        return self.ctx.trainer.main_params([p])[0]
 
     # ------------------------------------------------------------------------- round end
     @torch.no_grad()
@@ -152,14 +161,14 @@ class TrimStrategy(VariantStrategy):
                 seen.add(id(owner.weight))
                 a, b = self._rows_of(owner, ids.numel())
                 mine = ids[a:b]
-                local = self._main(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
+                local = self._values(owner.weight)[: b - a].to(phi.weight.device, torch.float32)
                 delta = phi.gather(ids)[a:b] - local  # all of V_k: collective on a sharded φ
                 all_ids, all_rows = exchange_rows(ctx.pg, mine.to(ctx.device), delta.to(ctx.device),
                                                   comm_dtype=ctx.cfg.dept.outer_comm_dtype,
                                                   quant_block=ctx.cfg.dept.outer_quant_block)
                 phi.apply(all_ids, all_rows)
             if emb.position_embeddings is not None and self.position_sync is not None:
-                self.positions.data.copy_(self._main(emb.position_embeddings.weight))
+                self.positions.data.copy_(self._values(emb.position_embeddings.weight))
         if self.position_sync is not None:
             self.position_sync.sync()
 
