@@ -101,7 +101,10 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
     no per-rank hook state or DEPT outer state, no distributed optimizer, no dropout) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
-    ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks)."""
+    ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
+    ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
+    another data-parallel or bucket size, or the distributed optimizer switched on or off;
+    same tensor / pipeline layout, hook state saved once per (tp, pp, group) or none)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -145,6 +148,14 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         or (changed == ["tensor"] and bool(getattr(hooks, "hook_state_tensor_reshardable", lambda: False)()))))
     reshardable = (hooks_ok and not sharded and not now["optim_distributed"]
                    and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    # the distributed optimizer's pieces under another data-parallel size or bucket size, or
+    # it switched on or off (dept_mega.optim_reshard), same tensor / pipeline layout; hook
+    # state saved once per (tp, pp, group) or none
+    optimizer_moved = optimizer and (sharded or now["optim_distributed"]) and (
+        sharded != now["optim_distributed"] or saved.get("data") != now["data"]
+        or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size")))
+    if optimizer_moved and not changed and (not saved.get("per_rank_hooks") or saved.get("hooks_dp0")):
+        return "redistribute"
     if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
         return "reshard"
     if wrong:
@@ -502,6 +513,9 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path)
+    elif mode == "redistribute":  # the distributed optimizer's pieces in another layout
+        from .optim_reshard import load_redistributed
+        load_redistributed(state, path)
     elif reshard:  # another tensor / pipeline layout (dept_mega.reshard)
         from .reshard import load_resharded
         load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)

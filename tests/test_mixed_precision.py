@@ -239,7 +239,9 @@ def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_
     AdamW moments at step 4 equal the uninterrupted run's bit for bit — the distributed
     optimizer's per-rank shards, half-precision runs' masters, and fused AdamW (optim.fused:
     true, on CPU here) whose ``step`` must live where the fused kernel keeps it. A 1-rank
-    launch refuses the 2-rank distributed-optimizer checkpoint naming parallel.data."""
+    launch loads the 2-rank distributed-optimizer checkpoint (its pieces joined and cut,
+    dept_mega.optim_reshard; tests/test_reshard.py checks the values), with the distributed
+    optimizer or without; another tensor size is refused naming parallel.tensor."""
     res = run_distributed(_resume_worker, 2, args=(str(tmp_path),), timeout=280)
     for r in res:
         for name, got in r.items():
@@ -252,15 +254,20 @@ def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_
     run_dir = str(tmp_path / "dist_fp32")
     cfg = tiny_config({"train": {"run_dir": run_dir}}, RESUME_RUNS["dist_fp32"])
     trainer = Trainer(cfg, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
-    with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
-        load_weights(trainer, run_dir, 2)
-    load_weights(trainer, run_dir, 2, optimizer=False)  # the weights alone load into any dp size
+    load_weights(trainer, run_dir, 2)  # D 2 -> 1, distributed
+    moments = [v.clone() for st in trainer.body_optimizer.state.values() for k, v in st.items() if k == "exp_avg"]
     cfg_plain = tiny_config({"train": {"run_dir": run_dir}}, ("optim.grad_bucket_size=3000",))
     trainer = Trainer(cfg_plain, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    load_weights(trainer, run_dir, 2)  # D 2 -> 1, the plain optimizer
+    plain = torch.cat([trainer.body_optimizer.state[p]["exp_avg"].reshape(-1) for p in trainer.body_optimizer.params])
+    assert plain.abs().sum() > 0 and torch.equal(plain.sort().values, torch.cat(moments).sort().values)
     layout = tmp_path / "dist_fp32" / "checkpoints" / "step_2" / "layout.json"
     import json
-    layout.write_text(json.dumps(dict(json.loads(layout.read_text()), data=1)))
+    layout.write_text(json.dumps(dict(json.loads(layout.read_text()), tensor=2)))
+    import shutil
+    for f in layout.parent.glob("rng_tp0_pp0.pt"):
+        shutil.copy(f, layout.parent / "rng_tp1_pp0.pt")
     from dept_mega.manifest import seal
     seal(str(layout.parent), 2)  # a consistent checkpoint that only the layout check refuses
-    with pytest.raises(ConfigError, match="'optim.distributed'"):
+    with pytest.raises(ConfigError, match="'parallel.tensor'.*distributed optimizer"):
         load_weights(trainer, run_dir, 2)

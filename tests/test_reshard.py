@@ -8,9 +8,9 @@ the losses equal an uninterrupted D = 2 run from the same initial weights within
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
 another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
-SPEC-OPT), another T or P for TRIM, TRIM's state
-under another D and the distributed optimizer's shards are refused with a ConfigError naming
-the key. (Another number of groups: tests/test_regroup.py.)"""
+SPEC-OPT), another T or P for TRIM, TRIM's state under another D are refused with a
+ConfigError naming the key. The distributed optimizer switched on or off, under another D and
+bucket size (dept_mega.optim_reshard). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
 import io
@@ -205,3 +205,93 @@ def test_refusals_name_the_key(tmp_path):
     seal(str(step), 1)
     with pytest.raises(ConfigError, match=r"'parallel.tensor'.*not resharded"):
         load_weights(loop.trainer, run, 1, hooks=loop.hooks)
+
+
+# ----------------------------------------------------------------------------- distributed optimizer
+# (name, case, precision, (data, optim.distributed, grad_bucket_size) of run A, the same of run B)
+OPTIM_LAYOUTS = {
+    "std_fp32_plain_to_dist_dp2": ("std", "fp32", (1, False, 3000), (2, True, 500)),
+    "std_bf16_dist_dp2_to_plain_dp1": ("std", "bf16", (2, True, 500), (1, False, 3000)),
+    "glob_bf16_dist_dp1_to_dist_dp2": ("glob", "bf16", (1, True, 700), (2, True, 500)),
+}
+
+
+def _optim_loop(over, run_dir, rank, precision, layout, steps=4):
+    data, dist, bucket = layout
+    loop = _loop(dict(over, precision=precision, optim={"distributed": dist, "grad_bucket_size": bucket}),
+                 run_dir, rank, data=data, steps=steps)
+    return loop
+
+
+def _optim_train_a(rank, world, over, precision, layout, run_dir):
+    loop = _optim_loop(over, run_dir, rank, precision, layout)
+    loop.cfg.train.steps = 2
+    loop.run()
+
+
+def _optim_resume_b(rank, world, over, precision, layout, run_dir, ref_dir, again_dir):
+    from dept_mega.checkpoint import Checkpointer
+    ref = _optim_loop(over, ref_dir, rank, precision, layout)
+    ref.run()
+    loop = _optim_loop(over, run_dir, rank, precision, layout)
+    assert loop.checkpointer.load(loop) == 2
+    Checkpointer(again_dir).save(loop)  # what was loaded, written in this layout
+    loop.writer.resume_at(2)
+    loop.run()
+
+
+def _full_optimizer_state(step_dir):
+    """Every optimizer key of a checkpoint as the whole flattened shard of its parameter,
+    joined from distributed-optimizer pieces (``.../dp{d}of{D}:{start}-{end}``) where it was
+    saved in pieces (written here independently of dept_mega.optim_reshard)."""
+    import re
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    raw = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in meta.items()
+           if k.startswith("optim/")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(raw, checkpoint_id=step_dir, no_dist=True)
+    parts = {}
+    for k, v in raw.items():
+        m = re.match(r"^(.*)/dp\d+of\d+:(\d+)-(\d+)$", k)
+        base, start = (m.group(1), int(m.group(2))) if m else (k, 0)
+        parts.setdefault(base, []).append((start, v))
+    out = {}
+    for base, ps in parts.items():
+        if ps[0][1].dim() == 0:  # step: one value per piece, all equal
+            assert all(torch.equal(v, ps[0][1]) for _, v in ps), base
+            out[base] = ps[0][1]
+        else:
+            out[base] = torch.cat([v.reshape(-1) for _, v in sorted(ps, key=lambda x: x[0])])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(OPTIM_LAYOUTS))
+def test_resume_with_another_distributed_optimizer_layout(tmp_path, name):
+    """The distributed optimizer switched on or off, under another data-parallel size and
+    bucket size (dept_mega.optim_reshard): what run B loads and writes back in its own layout
+    is the state run A saved, tensor for tensor (the moments and fp32 masters joined from
+    their pieces); B then trains on, in fp32 with the losses of an uninterrupted B run
+    (within 1e-6; they differ only in the gradient sum order of the first 2 steps)."""
+    case, precision, la, lb = OPTIM_LAYOUTS[name]
+    over = CASES[case]
+    groups = 1 if case == "std" else 2
+    a, ref, again = (str(tmp_path / n) for n in ("a", "ref", "again"))
+    run_distributed(_optim_train_a, groups * la[0], args=(over, precision, la, a), timeout=200)
+    run_distributed(_optim_resume_b, groups * lb[0], args=(over, precision, lb, a, ref, again), timeout=300)
+    saved = _full_optimizer_state(os.path.join(a, "checkpoints", "step_2"))
+    loaded = _full_optimizer_state(os.path.join(again, "checkpoints", "step_2"))
+    assert saved.keys() == loaded.keys() and len(saved) > 0
+    assert any(k.split("/")[2] == "main_param" for k in saved) == (precision == "bf16")
+    for k in saved:
+        assert torch.equal(saved[k], loaded[k]), k
+    got, want = _losses(a), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for s in (3, 4):
+        tol = 1e-6 if precision == "fp32" else 2e-2
+        assert got[s] == pytest.approx(want[s], rel=tol, abs=0), (s, got[s], want[s])

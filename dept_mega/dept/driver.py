@@ -291,8 +291,10 @@ class DeptHooks:
         (per-source embeddings and their AdamW state are replicated; the distributed
         optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
         per (tp, pp, group) and it loads under another ``parallel.data``."""
-        # (error-feedback residuals belong to a rank's chunk of the outer state)
-        return (self.strategy.name != "trim" and not self.cfg.optim.distributed
+        # (error-feedback residuals belong to a rank's chunk of the outer state; with the
+        # distributed optimizer the optimizer states kept per source are its per-rank shards)
+        sharded_sources = self.cfg.optim.distributed and (self.strategy.source_embeddings or self.body_per_source)
+        return (self.strategy.name != "trim" and not sharded_sources
                 and not self.cfg.dept.outer_error_feedback)
 
     def hook_state_reshardable(self) -> bool:
