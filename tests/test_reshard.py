@@ -8,8 +8,8 @@ the losses equal an uninterrupted D = 2 run from the same initial weights within
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
 another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
-SPEC-OPT), another T or P for TRIM, TRIM's state under another D are refused with a
-ConfigError naming the key. The distributed optimizer switched on or off, under another D and
+SPEC-OPT), another T or P for TRIM are refused with a ConfigError naming the key; TRIM under
+another D joins φ's row shards. The distributed optimizer switched on or off, under another D and
 bucket size (dept_mega.optim_reshard). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ def _losses(run_dir):
 
 
 CASES = {"std": {"dept": {"variant": "std"}},
+         # TRIM: φ's row shards of the old replicas joined and cut (DeptHooks.load_state_dict_dp_joined)
+         "trim": {"dept": {"variant": "trim", "local_steps": 2,
+                           "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                  "model": {"position_embedding": "learned"}},
          "glob": {"dept": {"variant": "glob", "local_steps": 2, "outer_optimizer": {"name": "adam", "lr": 0.5}}},
          "spec": {"dept": {"variant": "spec", "local_steps": 2,
                            "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
@@ -181,8 +185,9 @@ def test_spec_resume_under_another_tensor_size(tmp_path, case):
 
 
 def test_refusals_name_the_key(tmp_path):
-    """What is not resharded: another tensor size, TRIM's per-rank state under another data
-    size (written per rank, without hooks_dp0)."""
+    """What is not resharded: TRIM's per-rank state (written per rank, without hooks_dp0)
+    under another tensor size; under another data size its φ shards are joined, and shards
+    that do not cover the table (here: two copies of one rank's file) are refused."""
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
     from dept_mega.manifest import seal
@@ -197,7 +202,8 @@ def test_refusals_name_the_key(tmp_path):
     import shutil
     shutil.copy(step / "hooks_rank0.pt", step / "hooks_rank1.pt")
     seal(str(step), 1)
-    with pytest.raises(ConfigError, match=r"'parallel.data'"):
+    from dept_mega.manifest import CheckpointError
+    with pytest.raises(CheckpointError, match=r"parallel.data=1.*do not cover"):
         load_weights(loop.trainer, run, 1, hooks=loop.hooks)
     (step / "layout.json").write_text(json.dumps(dict(layout, tensor=2)))
     if (step / "rng_tp0_pp0.pt").exists():

@@ -297,6 +297,22 @@ class DeptHooks:
         return (self.strategy.name != "trim" and not sharded_sources
                 and not self.cfg.dept.outer_error_feedback)
 
+    def hook_state_dp_joinable(self) -> bool:
+        """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
+        pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
+        row-sharded over the stage's tensor × data-parallel ranks; not with the distributed
+        optimizer (per-rank shards in the per-source state) or error-feedback residuals."""
+        return (self.strategy.name == "trim" and not self.cfg.optim.distributed
+                and not self.cfg.dept.outer_error_feedback)
+
+    def load_state_dict_dp_joined(self, sds: dict) -> None:
+        """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
+        this rank's (pipeline stage, group) under another data-parallel size: the replicated
+        part from the old rank at this tensor position and data rank 0, TRIM's row-sharded φ
+        and chunked outer state joined (``TrimStrategy.join_rank_states``) and cut here."""
+        mine = sds[(self.pg.tp_rank, 0)]
+        self.load_state_dict(self.strategy.join_rank_states(mine, sds))
+
     def hook_state_reshardable(self) -> bool:
         """True when :meth:`state_dict` is the same at every (tp, pp) position, so that a
         checkpoint loads under another tensor / pipeline size (``dept_mega.reshard``): no

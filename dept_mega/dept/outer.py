@@ -145,6 +145,26 @@ def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+def join_flat_sync_chunks(sds: Sequence[dict]) -> dict:
+    """One :meth:`FlatSync.state_dict` of the whole shard from those of the D replicas of a
+    group (their near-equal chunks in data-parallel order): the full form that
+    :meth:`FlatSync.load_state_dict` cuts into the chunk of a rank under another D."""
+    at = 0
+    for sd in sds:
+        start, end, numel = sd["chunk"]
+        if isinstance(start, list) or start != at:
+            raise ValueError("outer state: the saved chunks are not consecutive near-equal chunks")
+        at = end
+    if at != sds[0]["chunk"][2]:
+        raise ValueError(f"outer state: the saved chunks end at {at} of {sds[0]['chunk'][2]}")
+    opt = dict(sds[0]["optimizer"])
+    opt["state"] = {k: torch.cat([sd["optimizer"]["state"][k] for sd in sds]) for k in opt.get("state", {})}
+    out = {"theta_prev": torch.cat([sd["theta_prev"] for sd in sds]), "optimizer": opt}
+    if "residual" in sds[0]:
+        out["residual"] = torch.cat([sd["residual"] for sd in sds])
+    return out
+
+
 def sync_options(dept_cfg) -> dict:
     """FlatSync keyword arguments from the ``dept`` config section."""
     return dict(comm_dtype=dept_cfg.outer_comm_dtype, state_device=dept_cfg.outer_state_device,
@@ -368,12 +388,22 @@ class FlatSync:
             t = torch.cat([t.reshape(-1)[a:b] for a, b in self.ranges]) if self.ranges else t.reshape(-1)[:0]
         self.theta_prev = _pin(t.to(self.state_device, torch.float32).clone())
         self.optimizer.load_state_dict(sd["optimizer"])
-        for k, v in list(self.optimizer.state.items()):  # always the chunk's (also before the lean state)
+        for k, v in list(self.optimizer.state.items()):  # the chunk's, or the whole shard's (join_flat_sync_chunks)
+            v = self._cut(v) if "chunk" not in sd else v
             self.optimizer.state[k] = _pin(v.to(self.state_device, torch.float32).clone())
         if self.residual is not None:
             r = sd.get("residual")
+            r = self._cut(r) if (r is not None and "chunk" not in sd) else r
             self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
                 else torch.zeros_like(self.theta_prev)
+
+    def _cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a tensor of the whole shard's values (one already the chunk's
+        size is returned as it is: the state before the lean state kept it so)."""
+        flat = full.reshape(-1)
+        if flat.numel() == self.chunk_numel or flat.numel() != self.numel:
+            return full
+        return torch.cat([flat[a:b] for a, b in self.ranges]) if self.ranges else flat[:0]
 
     def _chunk_signature(self) -> list:
         """[start, end, numel] of this rank's chunk; with sharded masters [[start, end], ..., numel]."""

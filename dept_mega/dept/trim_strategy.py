@@ -19,7 +19,7 @@ import torch
 from ..model.embeddings import SourceEmbeddings
 from ..parallel.groups import Coords, ParallelGroups
 from .master_shards import ShardedMasters, sharded_owner
-from .outer import FlatSync, OuterOptimizer, sync_options
+from .outer import FlatSync, OuterOptimizer, join_flat_sync_chunks, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
 from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
@@ -214,6 +214,40 @@ class TrimStrategy(VariantStrategy):
             sd["positions"] = self.positions.detach().clone()
             sd["position_sync"] = self.position_sync.state_dict()
         return sd
+
+    @staticmethod
+    def join_rank_states(mine: dict, sds: dict) -> dict:
+        """:meth:`state_dict` of this rank in a layout with another data-parallel size, from
+        ``sds[(tp, dp)]`` = the states saved by every rank of this (pipeline stage, group) in
+        the old layout (``mine``: the old rank at this tensor position and data rank 0): φ and
+        φ_head (and their per-row state) joined from their row shards into whole tables, which
+        :meth:`load_state_dict` cuts into this rank's rows; the learned positions' outer state
+        joined from the old replicas' chunks at this tensor position (the full form that
+        ``FlatSync.load_state_dict`` cuts)."""
+        out = dict(mine)
+        for key in ("phi", "phi_head"):
+            if key not in mine:
+                continue
+            parts = [(int(sd[f"{key}_rows"][0]), sd) for sd in
+                     sorted(sds.values(), key=lambda sd: int(sd[f"{key}_rows"][0]))]
+            at, total = 0, int(mine[f"{key}_rows"][2])
+            for start, sd in parts:
+                if start != at:
+                    raise ValueError(f"TRIM table {key}: the saved row shards do not cover rows {at}-{start}")
+                at = int(sd[f"{key}_rows"][1])
+            if at != total:
+                raise ValueError(f"TRIM table {key}: the saved row shards end at row {at} of {total}")
+            out[key] = torch.cat([sd[key] for _, sd in parts])
+            out[f"{key}_rows"] = [0, total, total]
+            opt = dict(mine[f"{key}_optimizer"])
+            opt["state"] = {k: torch.cat([sd[f"{key}_optimizer"]["state"][k] for _, sd in parts])
+                            for k in opt.get("state", {})}
+            out[f"{key}_optimizer"] = opt
+        if "position_sync" in mine:
+            tp = next(t for (t, d), sd in sds.items() if sd is mine)
+            chunks = [sds[(tp, d)]["position_sync"] for d in sorted(d for t, d in sds if t == tp)]
+            out["position_sync"] = join_flat_sync_chunks(chunks)
+        return out
 
     def load_state_dict(self, sd: dict) -> None:
         for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
