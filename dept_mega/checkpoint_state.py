@@ -7,6 +7,7 @@ replicas — under keys
 
     dept/{category}/tp{t}/pp{p}/c{chunk}/{parameter name}/{reference|momentum|exp_avg|exp_avg_sq}
     dept/{category}/steps
+    dept/{category}/part_steps        (int64, one per part: GLOB's tables synchronised in parts)
 
 The reference θ_{t-1} and the outer optimizer state are the same in every source group and
 every data-parallel replica (they change only at the outer sync, from the averaged
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 STEPS = "steps"
+PART_STEPS = "part_steps"
 REFERENCE = "reference"
 
 
@@ -45,6 +47,8 @@ def has_outer_state(hooks) -> bool:
 
 def _flatten(category: str, sync, state: dict, keys: dict[int, str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {f"dept/{category}/{STEPS}": torch.tensor(int(state[STEPS]), dtype=torch.int64)}
+    if PART_STEPS in state:
+        out[f"dept/{category}/{PART_STEPS}"] = torch.tensor([int(c) for c in state[PART_STEPS]], dtype=torch.int64)
     names = []
     for p in sync.params:
         if id(p) not in keys:
@@ -52,7 +56,7 @@ def _flatten(category: str, sync, state: dict, keys: dict[int, str]) -> dict[str
                            f"the model's parameters")
         names.append(keys[id(p)])
     for kind, tensors in state.items():
-        if kind == STEPS:
+        if kind in (STEPS, PART_STEPS):
             continue
         for name, t in zip(names, tensors):
             out[f"dept/{category}/{name}/{kind}"] = t
@@ -83,8 +87,10 @@ def outer_state_targets(hooks, trainer) -> tuple[dict[str, torch.Tensor], Callab
     def install() -> None:
         for category, sync, state, flat in pending:
             rebuilt: dict[str, Any] = {STEPS: int(flat[f"dept/{category}/{STEPS}"].item())}
+            if PART_STEPS in state:
+                rebuilt[PART_STEPS] = flat[f"dept/{category}/{PART_STEPS}"].tolist()
             for kind in state:
-                if kind != STEPS:
+                if kind not in (STEPS, PART_STEPS):
                     rebuilt[kind] = [flat[f"dept/{category}/{keys[id(p)]}/{kind}"] for p in sync.params]
             sync.load_param_state(rebuilt)
 

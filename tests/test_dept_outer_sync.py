@@ -44,97 +44,109 @@ def _inc(g, s, i, shape):
 
 
 SHAPES = [[(5, 3), (7,)], [(4, 4), (9,)]]  # two fragments of two parameters
+TABLE = (6, 5)  # an embedding table (GLOB's): synchronised in F parts, part f with fragment f
 LR, MU = 0.7, 0.9
 
 
-def _nesterov(theta, buf, d):
-    buf = d.clone() if buf is None else MU * buf + d
-    return theta - LR * (d + MU * buf), buf
-
-
 def _reference(G, D, L, T, tau, F, fmt, block, ef):
-    """Plain tensors: every group's parameters, per-fragment θ_prev and momentum, the
-    schedule of streaming.py and quantisation of each replica's chunk."""
+    """Plain tensors: every group's parameters, per-vector θ_prev, momentum and residual
+    (element-wise), the schedule of streaming.py and quantisation of each replica's piece.
+    Vectors: the body's F fragments and the table; a *unit* is what one launch sends: a
+    vector and, per replica, the flat range it carries (a fragment: the replica's 1/D chunk;
+    table part f: the f-th 1/F slice of the replica's chunk)."""
     from dept_mega.dept.outer import chunk_bounds
     torch.manual_seed(0)
-    shapes = [sh for f in range(F) for sh in (SHAPES[f] if F == 2 else SHAPES[0] + SHAPES[1])]
-    frag_of = [0, 0, 1, 1] if F == 2 else [0, 0, 0, 0]
-    init = [torch.randn(sh) for sh in shapes]
+    shapes = SHAPES[0] + SHAPES[1]
+    vec_of = ([0, 0, 1, 1] if F == 2 else [0, 0, 0, 0]) + [F]  # parameter -> vector
+    init = [torch.randn(sh) for sh in shapes] + [torch.randn(TABLE)]
     theta = {g: [t.clone() for t in init] for g in range(G)}
-    flat = lambda ts, f: torch.cat([t.reshape(-1) for t, q in zip(ts, frag_of) if q == f])
-    prev = [flat(init, f) for f in range(F)]
-    buf = [None] * F
-    resid = {(g, f): torch.zeros_like(prev[f]) for g in range(G) for f in range(F)}
+    flat = lambda ts, k: torch.cat([t.reshape(-1) for t, q in zip(ts, vec_of) if q == k])
+    prev = [flat(init, k) for k in range(F + 1)]
+    buf = [torch.zeros_like(v) for v in prev]
+    resid = {(g, k): torch.zeros_like(prev[k]) for g in range(G) for k in range(F + 1)}
     offsets = fragment_offsets(L, F)
+
+    def chunks(n):
+        return [chunk_bounds(n, D, r) for r in range(D)]
+
+    units = [(f, offsets[f], chunks(prev[f].numel())) for f in range(F)]
+    for f in range(F):
+        ranges = []
+        for a, b in chunks(prev[F].numel()):
+            c0, c1 = chunk_bounds(b - a, F, f)
+            ranges.append((a + c0, a + c1))
+        units.append((F, offsets[f], ranges))
     pending = []
 
-    def write(g, f, vec, add):
+    def write(g, k, idx, vals, add):
+        cur = flat(theta[g], k)
+        cur[idx] = cur[idx] + vals if add else vals
         o = 0
-        for i, q in enumerate(frag_of):
-            if q == f:
+        for i, q in enumerate(vec_of):
+            if q == k:
                 n = theta[g][i].numel()
-                part = vec[o:o + n].view_as(theta[g][i])
-                theta[g][i] = theta[g][i] + part if add else part.clone()
+                theta[g][i] = cur[o:o + n].view_as(theta[g][i]).clone()
                 o += n
 
-    def mean_delta(f):
+    def launch(u, s, blocking):
+        k, _, ranges = u
+        idx = torch.cat([torch.arange(a, b) for a, b in ranges])
         deltas = []
         for g in range(G):
-            d = prev[f] - flat(theta[g], f)
-            if fmt is None:
-                deltas.append(d)
-                continue
-            out = torch.empty_like(d)
-            for r in range(D):
-                a, b = chunk_bounds(d.numel(), D, r)
-                x = d[a:b] + resid[(g, f)][a:b]
-                q = decode(encode(x, fmt, block), b - a, fmt, block)
-                if ef:
-                    resid[(g, f)][a:b] = x - q
-                out[a:b] = q
-            deltas.append(out)
-        return sum(deltas) / G
-
-    def launch(f, s, blocking):
-        m = mean_delta(f)
-        snaps = {g: flat(theta[g], f) for g in range(G)}
+            d = prev[k] - flat(theta[g], k)
+            if fmt is not None:
+                for a, b in ranges:
+                    x = d[a:b] + resid[(g, k)][a:b]
+                    q = decode(encode(x, fmt, block), b - a, fmt, block)
+                    if ef:
+                        resid[(g, k)][a:b] = x - q
+                    d[a:b] = q
+            deltas.append(d[idx])
+        m = sum(deltas) / G
+        snaps = {g: flat(theta[g], k)[idx] for g in range(G)}
         if blocking:
-            apply(f, m, None)
+            apply(k, idx, m, None)
         else:
-            pending.append((s + tau, f, m, snaps))
+            pending.append((s + tau, k, idx, m, snaps))
 
-    def apply(f, m, snaps):
-        prev[f], buf[f] = _nesterov(prev[f], buf[f], m)
+    def apply(k, idx, m, snaps):
+        b = MU * buf[k][idx] + m
+        buf[k][idx] = b
+        prev[k][idx] = prev[k][idx] - LR * (m + MU * b)
         for g in range(G):
             if snaps is None:
-                write(g, f, prev[f], add=False)
+                write(g, k, idx, prev[k][idx], add=False)
             else:
-                write(g, f, prev[f] - snaps[g], add=True)
+                write(g, k, idx, prev[k][idx] - snaps[g], add=True)
 
     for s in range(T):
         if s % L and s > 0:
-            for f in range(F):
-                if offsets[f] == s % L:
-                    launch(f, s, tau == 0)
+            for u in units:
+                if u[1] == s % L:
+                    launch(u, s, tau == 0)
         for g in range(G):
             theta[g] = [t + _inc(g, s, i, t.shape) for i, t in enumerate(theta[g])]
         s1 = s + 1
         due = [p for p in pending if p[0] <= s1]
         pending = [p for p in pending if p[0] > s1]
-        for _, f, m, snaps in due:
-            apply(f, m, snaps)
+        for _, k, idx, m, snaps in due:
+            apply(k, idx, m, snaps)
         if s1 % L == 0:
-            launch(F - 1, s1, tau == 0 or s1 == T)
+            for u in units:
+                if u[1] == L:
+                    launch(u, s1, tau == 0 or s1 == T)
             if s1 == T:
-                for _, f, m, snaps in pending:
-                    apply(f, m, snaps)
+                for _, k, idx, m, snaps in pending:
+                    apply(k, idx, m, snaps)
                 pending = []
-                for f in range(F - 1):  # the final extra sync of the other fragments
-                    launch(f, s1, True)
+                for u in units:  # the final extra sync of the units launched before the round end
+                    if u[1] != L:
+                        launch(u, s1, True)
     return theta
 
 
 def _stream_worker(rank, world, cases):
+    from dept_mega.dept.streaming import sync_units
     from dept_mega.parallel.groups import build_groups
     pg = build_groups(tensor=1, data=2, pipeline=1)
     g = pg.group_index
@@ -142,11 +154,16 @@ def _stream_worker(rank, world, cases):
     for L, T, tau, F, fmt, block, ef, state_device in cases:
         torch.manual_seed(0)
         shapes = SHAPES[0] + SHAPES[1]
-        params = [torch.nn.Parameter(torch.randn(sh)) for sh in shapes]
-        parts = [params[:2], params[2:]] if F == 2 else [params]
-        syncs = [FlatSync(ps, pg, OuterOptimizer("nesterov", lr=LR, momentum=MU), comm_dtype=fmt or "fp32",
-                          quant_block=block, error_feedback=ef, state_device=state_device) for ps in parts]
-        units = [SyncUnit(s, o, f"f{f}") for f, (s, o) in enumerate(zip(syncs, fragment_offsets(L, F)))]
+        params = [torch.nn.Parameter(torch.randn(sh)) for sh in shapes] + [torch.nn.Parameter(torch.randn(TABLE))]
+        parts = [params[:2], params[2:4]] if F == 2 else [params[:4]]
+
+        def flat_sync(ps):
+            return FlatSync(ps, pg, OuterOptimizer("nesterov", lr=LR, momentum=MU), comm_dtype=fmt or "fp32",
+                            quant_block=block, error_feedback=ef, state_device=state_device)
+        syncs = [flat_sync(ps) for ps in parts]
+        table = flat_sync(params[4:])
+        units = sync_units(syncs, [table], L)
+        assert len(units) == 2 * F and [u.part for u in units[F:]] == ([None] if F == 1 else list(range(F)))
         sched = OuterSchedule(units, L, tau, T)
         idle = []
         for s in range(T):
@@ -159,21 +176,26 @@ def _stream_worker(rank, world, cases):
                 sched.round_end(s + 1)
             idle.append(sched.idle)
         # lean: θ_prev and the momentum hold this rank's chunk only
-        for sy in syncs:
+        for sy in syncs + [table]:
             assert sy.theta_prev.numel() == sy.end - sy.start < sy.numel
             assert sy.optimizer.state["momentum"].numel() == sy.end - sy.start
+        # every part took one outer step per round and one more at the end (all but the last)
+        rounds = T // L
+        assert table.optimizer.part_steps == ([] if F == 1 else [rounds + 1] * (F - 1) + [rounds])
         # the layout-free state round-trips (gathered over dp, rank keeps its chunk)
-        states = [sy.param_state() for sy in syncs]
-        for sy, st in zip(syncs, states):
+        states = [sy.param_state() for sy in syncs + [table]]
+        for sy, st in zip(syncs + [table], states):
             assert [tuple(t.shape) for t in st["reference"]] == [tuple(p.shape) for p in sy.params]
-            before = (sy.theta_prev.clone(), sy.optimizer.state["momentum"].clone())
+            before = (sy.theta_prev.clone(), sy.optimizer.state["momentum"].clone(), list(sy.optimizer.part_steps))
             sy.theta_prev.zero_()
+            sy.optimizer.part_steps = [0] * len(sy.optimizer.part_steps)
             sy.load_param_state(st)
             assert torch.equal(sy.theta_prev, before[0])
             assert torch.equal(sy.optimizer.state["momentum"], before[1])
+            assert sy.optimizer.part_steps == before[2]
             sd = sy.state_dict()
             sy.load_state_dict(sd)
-            assert torch.equal(sy.theta_prev, before[0])
+            assert torch.equal(sy.theta_prev, before[0]) and sy.optimizer.part_steps == before[2]
         out.append({"final": [p.detach().clone() for p in params], "group": g, "idle": idle,
                     "bytes": pg.comm.snapshot(), "reference": states[0]["reference"]})
     return out
@@ -206,6 +228,57 @@ def test_fragments_overlap_quantised_match_plain_reference():
     # two ranks' replicas of one group agree, and the reference is the same on every rank
     for i in range(len(CASES)):
         assert all(torch.equal(a, b) for a, b in zip(res[0][i]["reference"], res[3][i]["reference"]))
+
+
+def _parts_worker(rank, world, F):
+    from dept_mega.parallel.groups import build_groups
+    pg = build_groups(tensor=1, data=2, pipeline=1)
+    g = pg.group_index
+    out = {}
+    for name in ("adam", "nesterov"):
+        torch.manual_seed(0)
+        init = [torch.randn(7, 3), torch.randn(11)]  # 32 values: chunks of 16, parts of 6/5/5
+        copies = {}
+        for mode in ("whole", "parts"):
+            params = [torch.nn.Parameter(t.clone()) for t in init]
+            opt = OuterOptimizer(name, lr=0.7, momentum=0.9)
+            sync = FlatSync(params, pg, opt)
+            if mode == "parts":
+                sync.use_parts(F)
+            before = pg.comm.snapshot()["outer_body"]
+            for r in range(2):  # two rounds: the state carries over
+                with torch.no_grad():
+                    for i, p in enumerate(params):
+                        p.add_(_inc(g, r, i, p.shape))
+                if mode == "whole":
+                    sync.sync()
+                else:
+                    for f in range(F):
+                        sync.sync(part=f)
+            copies[mode] = {"params": [p.detach().clone() for p in params], "prev": sync.theta_prev.clone(),
+                            "state": {k: v.clone() for k, v in opt.state.items()}, "steps": opt.steps,
+                            "part_steps": list(opt.part_steps),
+                            "bytes": pg.comm.snapshot()["outer_body"] - before,
+                            "wire": [sync.wire_nbytes(f) for f in range(F)] if mode == "parts" else sync.wire_nbytes()}
+        out[name] = copies
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_flat_sync_in_parts_equals_the_whole_sync():
+    """GLOB's tables go in F parts (FlatSync.use_parts): syncing every part once is the whole
+    sync, bit for bit, for element-wise outer optimizers — Adam's bias correction included,
+    since each part counts its own steps — and sends the same bytes (fp32)."""
+    F = 3
+    for r in run_distributed(_parts_worker, 4, args=(F,), timeout=100):
+        for name, c in r.items():
+            whole, parts = c["whole"], c["parts"]
+            assert all(torch.equal(a, b) for a, b in zip(whole["params"], parts["params"])), name
+            assert torch.equal(whole["prev"], parts["prev"]), name
+            assert all(torch.equal(whole["state"][k], parts["state"][k]) for k in whole["state"]), name
+            assert whole["steps"] == parts["steps"] == 2 and parts["part_steps"] == [2] * F
+            assert parts["bytes"] == whole["bytes"] > 0
+            assert sum(parts["wire"]) == whole["wire"] and parts["wire"] == [6 * 4, 5 * 4, 5 * 4]
 
 
 # ----------------------------------------------------------------------------- DEPT runs
@@ -270,16 +343,22 @@ def test_dept_variants_with_streaming_options():
             predict_outer_sync(cfg, 2, global_vocab=VOCAB)
         # the last step syncs the fragments other than the last once more (streaming.py)
         L = cfg.dept.local_steps
-        extra = sum(pred["outer_per_step"][:L - 1])
+        extra = pred["final_extra"]
+        assert extra["outer_body"] + extra["outer_embedding"] == sum(pred["outer_per_step"][:L - 1])
         for k, o in enumerate(rounds):
-            assert o["bytes"]["outer_body"] == pred["round"]["outer_body"] + (extra if k == len(rounds) - 1 else 0), \
+            last = k == len(rounds) - 1
+            assert o["bytes"]["outer_body"] == pred["round"]["outer_body"] + (extra["outer_body"] if last else 0), \
                 (i, o["bytes"], pred)
             if not trim:
-                assert o["bytes"]["outer_embedding"] == pred["round"]["outer_embedding"], (i, o["bytes"], pred)
+                assert o["bytes"]["outer_embedding"] == \
+                    pred["round"]["outer_embedding"] + (extra["outer_embedding"] if last else 0), (i, o["bytes"], pred)
         assert sum(pred["outer_per_step"]) == pred["round"]["outer_body"] + pred["round"]["outer_embedding"]
-        if cfg.dept.outer_fragments == 2:  # half of the body on each of two steps of the round
+        if cfg.dept.outer_fragments == 2:  # half of the body (and of GLOB's tables) on each of two steps
             assert sum(1 for b in pred["outer_per_step"] if b) == 2
             assert pred["peak_step_bytes"] < pred["round"]["outer_body"] + pred["round"]["outer_embedding"]
+            if cfg.dept.variant == "glob":
+                assert extra["outer_embedding"] > 0 and pred["peak_step_bytes"] < \
+                    0.6 * (pred["round"]["outer_body"] + pred["round"]["outer_embedding"])
     # quantised GLOB sends about a quarter of fp32's outer bytes (payload + scales)
     fp32 = res[0][0]["outer"][0]["bytes"]["outer_body"]
     int8 = res[0][1]["outer"][0]["bytes"]["outer_body"]

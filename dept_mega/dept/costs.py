@@ -486,7 +486,8 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
     D = cfg.parallel.data
     units = sync_units(cfg, global_vocab)
     if not sharded_masters(cfg):
-        return [(pp, off, cat, [chunk_bounds_len(n, D, i) for i in range(D)]) for pp, off, n, cat in units]
+        return _in_parts(cfg, [(pp, off, cat, [chunk_bounds_len(n, D, i) for i in range(D)])
+                               for pp, off, n, cat in units])
     out = []
     for pp in range(cfg.parallel.pipeline):
         rp = rank_params(cfg, global_vocab if cfg.dept.variant == "glob" else 1, pp)
@@ -503,6 +504,24 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
                 chunks = flat_sync_chunks(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate)[0]
             assert sum(chunks) == n, (chunks, n)
             out.append((pp, off, cat, chunks))
+    return _in_parts(cfg, out)
+
+
+def _in_parts(cfg: Config, units: list) -> list:
+    """GLOB's embedding units with ``dept.outer_fragments: F`` > 1 go in F parts (dept/outer.py
+    ``use_parts``): part f = the f-th of F near-equal slices of every replica's chunk,
+    launched with body fragment f."""
+    d = cfg.dept
+    F = d.outer_fragments
+    if d.variant != "glob" or F == 1:
+        return units
+    offsets = [(f + 1) * (d.local_steps // F) if f < F - 1 else d.local_steps for f in range(F)]
+    out = []
+    for pp, off, cat, chunks in units:
+        if cat != "outer_embedding":
+            out.append((pp, off, cat, chunks))
+            continue
+        out += [(pp, offsets[f], cat, [chunk_bounds_len(c, F, f) for c in chunks]) for f in range(F)]
     return out
 
 
@@ -536,8 +555,12 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     ``outer_comm_dtype`` (fp32 | bf16 all-reduced; fp8 | int8 | int4 all-gathered as packed
     chunks: payload plus one fp32 scale per ``outer_quant_block`` values of each rank's
     chunk), ``outer_fragments`` (each fragment's chunks are split and quantised separately;
-    fragment f's bytes land on its step), ``outer_overlap`` / ``outer_delay`` (they move when
-    a sync is applied, not what it sends). TRIM's rows go at the round's end."""
+    fragment f's bytes land on its step; GLOB's tables go in F parts, part f with fragment f),
+    ``outer_overlap`` / ``outer_delay`` (they move when a sync is applied, not what it sends).
+    TRIM's rows go at the round's end. ``final_extra``: {category: bytes} the run's last step
+    sends on top of a round's — every unit launched before the round's end is synchronised
+    once more there (dept/streaming.py), so the last round's record carries
+    ``round + final_extra``."""
     m, p = cfg.model, cfg.parallel
     variant = cfg.dept.variant
     dtype = dtype or cfg.dept.outer_comm_dtype
@@ -548,21 +571,27 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         raise ConfigError(f"predict_outer_round_bytes: groups must be >= 1, got {groups}")
     L = cfg.dept.local_steps
     out = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
+    extra = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
     per_step = [0] * L
     if variant == "std":
-        return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0}
+        return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra}
     T, D = p.tensor, p.data
     from .memory import PARAM_BYTES, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
     for _, offset, category, chunks in unit_chunks(cfg, global_vocab):
         n = sum(chunks)
+        again = extra if offset != L else {}  # synchronised once more at the last step
         if groups > 1 and n:
             sent = groups * T * sum(_wire_bytes(c, dtype, block) for c in chunks)
             out[category] += sent
             per_step[offset - 1] += sent
+            if again:
+                again[category] += sent
         if D > 1 and n:  # equal parts of the longest chunk (dept/outer.py)
             out["dp"] += groups * T * D * max(chunks) * regather
+            if again:
+                again["dp"] += groups * T * D * max(chunks) * regather
     if variant == "trim":
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
@@ -575,7 +604,8 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         out["dp"] += tables * (trim["dp"] + trim_shard_gather_bytes(trim_vocabs, m.hidden_size, T, D))
         out["dp"] += trim_master_gather_bytes(cfg, trim_vocabs)
         out["tp"] += tables * trim["tp"]
-    return {"round": out, "outer_per_step": per_step, "peak_step_bytes": max(per_step) if per_step else 0}
+    return {"round": out, "outer_per_step": per_step, "peak_step_bytes": max(per_step) if per_step else 0,
+            "final_extra": extra}
 
 
 def chunk_bounds_len(n: int, parts: int, index: int) -> int:

@@ -17,8 +17,9 @@ fragments are synchronised at their points of the round, and with ``dept.outer_o
 launched syncs are applied τ steps later (streaming.py).
 Round end:
   4. body outer sync (``outer_body``; with fragments: the last one), the strategy's synced
-     embedding state (GLOB's tables and positions: ``outer_embedding``) — launched only, with
-     overlap — then the strategy's own sync (TRIM's rows and positions, blocking);
+     embedding state (GLOB's tables and positions: ``outer_embedding``; with fragments: its
+     last part, the others went with their fragments) — launched only, with overlap — then
+     the strategy's own sync (TRIM's rows and positions, blocking);
   5. the ``outer`` record: bytes per category sent by the whole job in this round (summed over
      ranks; evaluation traffic excluded), the sync's seconds, and ``overlap_seconds`` /
      ``exposed_seconds`` (streaming.py).
@@ -36,7 +37,7 @@ import torch
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from .master_shards import value_access
 from .outer import FlatSync, OuterOptimizer, sync_options
-from .streaming import OuterSchedule, SyncUnit, body_fragments, fragment_offsets
+from .streaming import OuterSchedule, body_fragments, sync_units
 from .rounds import RoundScheduler
 from .store import SourceState, SourceStore, load_payload, state_payload
 from .strategy import RoundView, StrategyContext
@@ -86,9 +87,7 @@ class DeptHooks:
         self.body_syncs = [FlatSync(ps, pg, OuterOptimizer.from_config(d.outer_optimizer), category="outer_body",
                                     **sync_options(d), **value_access(trainer, ps, pg)) for ps in parts]
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
-        offsets = fragment_offsets(d.local_steps, F)
-        units = [SyncUnit(s, o, f"body{f}") for f, (s, o) in enumerate(zip(self.body_syncs, offsets))]
-        units += [SyncUnit(s, d.local_steps, f"embedding{i}") for i, s in enumerate(self.strategy.outer_syncs())]
+        units = sync_units(self.body_syncs, self.strategy.outer_syncs(), d.local_steps)
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
                                       cfg.train.steps)
         # sources carry state of their own between rounds (moved with the source)

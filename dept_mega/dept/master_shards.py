@@ -65,13 +65,17 @@ class ShardedMasters:
         return torch.cat([m.reshape(-1) for m in self.mains]).to(device, torch.float32)
 
     @torch.no_grad()
-    def write(self, chunk: torch.Tensor, add: bool) -> None:
-        """Masters ← ``chunk`` (``add``: masters += ``chunk``), piece by piece."""
-        o = 0
+    def write(self, chunk: torch.Tensor, add: bool, at: int = 0) -> None:
+        """Masters ← ``chunk`` (``add``: masters += ``chunk``), piece by piece; ``chunk`` holds
+        the values from element ``at`` of this rank's chunk on (a part, FlatSync.use_parts)."""
+        o, end = 0, at + chunk.numel()
         for m in self.mains:
             n = m.numel()
-            src = chunk[o:o + n].to(m.device, m.dtype)
-            m.add_(src) if add else m.copy_(src)
+            lo, hi = max(o, at), min(o + n, end)
+            if lo < hi:
+                dst = m.view(-1)[lo - o:hi - o]
+                src = chunk[lo - at:hi - at].to(m.device, m.dtype)
+                dst.add_(src) if add else dst.copy_(src)
             o += n
 
     def send_buffer(self) -> torch.Tensor:

@@ -74,6 +74,9 @@ class OuterOptimizer:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.steps = 0
+        # with parts (FlatSync.use_parts): the steps each part of the buffer has taken; Adam's
+        # bias correction of a part uses its own count, ``steps`` is the least of them
+        self.part_steps: list[int] = []
         self.state: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -92,18 +95,26 @@ class OuterOptimizer:
                 self.state[n] = torch.zeros_like(like, dtype=torch.float32)
 
     @torch.no_grad()
-    def step(self, theta: torch.Tensor, delta: torch.Tensor) -> None:
-        """θ ← update(θ, Δ̄); both fp32 and of the same shape."""
+    def step(self, theta: torch.Tensor, delta: torch.Tensor, at: int = 0, part: Optional[int] = None) -> None:
+        """θ ← update(θ, Δ̄); both fp32 and of the same shape. ``part`` (see
+        :meth:`FlatSync.use_parts`): θ is part ``part`` of the buffer, starting at element
+        ``at`` of the state, and only that part's step count advances."""
         if theta.dtype != torch.float32 or delta.dtype != torch.float32:
             raise TypeError("outer optimizer works on fp32 buffers")
-        self.ensure_state(theta)
-        self.steps += 1
+        if part is None:
+            self.ensure_state(theta)
+            self.steps += 1
+            t = self.steps
+        else:
+            self.part_steps[part] += 1
+            t = self.part_steps[part]
+            self.steps = min(self.part_steps)
         n = theta.numel()
         for a in range(0, max(n, 1), STEP_SLICE):
             b = min(a + STEP_SLICE, n)
-            self._step_slice(theta[a:b], delta[a:b], {k: v[a:b] for k, v in self.state.items()})
+            self._step_slice(theta[a:b], delta[a:b], {k: v[at + a:at + b] for k, v in self.state.items()}, t)
 
-    def _step_slice(self, theta: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    def _step_slice(self, theta: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor], t: int) -> None:
         if self.name == "fedavg":
             theta.add_(delta, alpha=-self.lr)
         elif self.name == "nesterov":
@@ -116,20 +127,39 @@ class OuterOptimizer:
             v = state["exp_avg_sq"]
             m.mul_(b1).add_(delta, alpha=1 - b1)
             v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
-            m_hat = m / (1 - b1 ** self.steps)
-            v_hat = v / (1 - b2 ** self.steps)
+            m_hat = m / (1 - b1 ** t)
+            v_hat = v / (1 - b2 ** t)
             theta.add_(m_hat / (v_hat.sqrt() + self.eps), alpha=-self.lr)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "state": {k: v.clone() for k, v in self.state.items()}}
+        sd = {"steps": self.steps, "state": {k: v.clone() for k, v in self.state.items()}}
+        if self.part_steps:
+            sd["part_steps"] = list(self.part_steps)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.steps = int(sd["steps"])
+        self.load_part_steps(sd.get("part_steps"))
         loaded = {}
         for k, v in sd["state"].items():
             old = self.state.get(k)
             loaded[k] = v.to(old.device if old is not None else v.device, torch.float32).clone()
         self.state = loaded
+
+
+    def load_part_steps(self, counts: Optional[Sequence[int]]) -> None:
+        """The per-part step counts of a checkpoint (None: it was saved without parts, every
+        part has taken ``steps`` steps)."""
+        if not self.part_steps:
+            if counts:
+                raise ValueError(f"outer state: the checkpoint's sync went in {len(counts)} parts, this run's "
+                                 "in one (another dept.outer_fragments)")
+            return
+        counts = [self.steps] * len(self.part_steps) if counts is None else [int(c) for c in counts]
+        if len(counts) != len(self.part_steps):
+            raise ValueError(f"outer state: the checkpoint's sync went in {len(counts)} parts, this run's in "
+                             f"{len(self.part_steps)} (another dept.outer_fragments)")
+        self.part_steps = counts
 
 
 def flatten_fp32(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -184,6 +214,7 @@ class PendingSync:
     wire: Optional[torch.Tensor]  # fp32/bf16: the all-reduced chunk; quantised: the G packed chunks
     delta: torch.Tensor  # fp32 Δ of this rank's chunk (fp32 wire: the same tensor)
     launch: Optional[torch.Tensor]  # θ_local of the chunk at launch (for the correction)
+    part: Optional[int] = None  # the part of the chunk (FlatSync.use_parts), None: all of it
     launched_at: float = field(default_factory=time.perf_counter)
 
 
@@ -229,6 +260,7 @@ class FlatSync:
         self.ranges = self.rank_ranges[pg.dp_rank]
         self.bounds = [(r[0][0], r[-1][1]) if r else (0, 0) for r in self.rank_ranges]  # the span of each chunk
         self.start, self.end = self.bounds[pg.dp_rank]
+        self.parts = 1  # see use_parts
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.state_device = torch.device("cpu") if state_device == "cpu" else self.device
         # θ_{t-1} of this rank's chunk only (fp32)
@@ -242,6 +274,41 @@ class FlatSync:
     @property
     def chunk_numel(self) -> int:
         return sum(b - a for a, b in self.ranges)
+
+    # ------------------------------------------------------------------------- parts
+    def use_parts(self, parts: int) -> None:
+        """Synchronise in ``parts`` parts, one at a time (``launch(part=f)``; GLOB's tables
+        spread over the body's fragments, streaming.py): every rank's chunk is cut into
+        ``parts`` near-equal consecutive slices, and part f is the f-th slice of every chunk, so
+        each replica carries 1/parts of its share at every launch. Each part keeps its own
+        outer step count (Adam's bias correction); the state stays one buffer per chunk."""
+        if parts < 1:
+            raise ValueError(f"FlatSync.use_parts: parts must be >= 1, got {parts}")
+        self.parts = int(parts)
+        self.optimizer.part_steps = [self.optimizer.steps] * parts if parts > 1 else []
+
+    def part_slice(self, part: Optional[int], dp_rank: Optional[int] = None) -> tuple[int, int]:
+        """[start, end) of ``part`` in the chunk of replica ``dp_rank`` (this rank's by
+        default), in chunk coordinates; None: the whole chunk."""
+        ranges = self.ranges if dp_rank is None else self.rank_ranges[dp_rank]
+        n = sum(b - a for a, b in ranges)
+        return (0, n) if part is None else chunk_bounds(n, self.parts, part)
+
+    def _part_rank_ranges(self, part: Optional[int]) -> list[list[tuple[int, int]]]:
+        """Every replica's flat [start, end) ranges of ``part`` (all of them for None)."""
+        if part is None:
+            return self.rank_ranges
+        out = []
+        for d, ranges in enumerate(self.rank_ranges):
+            c0, c1 = self.part_slice(part, d)
+            mine, o = [], 0
+            for a, b in ranges:
+                lo, hi = max(c0, o), min(c1, o + b - a)
+                if lo < hi:
+                    mine.append((a + lo - o, a + hi - o))
+                o += b - a
+            out.append(mine)
+        return out
 
     def values(self) -> list[torch.Tensor]:
         """The fp32 tensors holding the parameters' values (the masters of half weights)."""
@@ -266,36 +333,44 @@ class FlatSync:
             o += b - a
         return out
 
-    def wire_nbytes(self) -> int:
-        """Bytes this rank puts on the outer group per sync (0 when G = 1 or nothing to sync)."""
+    def wire_nbytes(self, part: Optional[int] = None) -> int:
+        """Bytes this rank puts on the outer group per sync (of ``part``; 0 when G = 1 or
+        nothing to sync)."""
         if self.numel == 0 or group_size(self.pg.outer) == 1:
             return 0
-        n = self.chunk_numel
+        c0, c1 = self.part_slice(part)
+        n = c1 - c0
         if self.comm_dtype is None:
             return packed_nbytes(n, self.comm_format, self.quant_block)
         return n * torch.tensor([], dtype=self.comm_dtype).element_size()
 
     # ------------------------------------------------------------------------- the sync
     @torch.no_grad()
-    def sync(self) -> None:
-        """The blocking sync: θ_t written into the parameters."""
-        pending = self.launch()
+    def sync(self, part: Optional[int] = None) -> None:
+        """The blocking sync (of ``part``, see :meth:`use_parts`): θ_t written into the parameters."""
+        pending = self.launch(part=part)
         if pending is not None:
             self.finish(pending, correct=False)
 
     @torch.no_grad()
-    def launch(self, keep_launch: bool = False) -> Optional[PendingSync]:
-        """Steps 1–2: Δ of this rank's chunk, and its exchange across groups started
-        asynchronously. ``keep_launch``: keep θ_local of the chunk for :meth:`finish`'s
-        correction (overlapped sync). None when there is nothing to synchronise (e.g. GLOB
-        embeddings on a middle pipeline stage: every member of this rank's outer and dp groups
-        has the same empty share, so nobody communicates)."""
+    def launch(self, keep_launch: bool = False, part: Optional[int] = None) -> Optional[PendingSync]:
+        """Steps 1–2: Δ of this rank's chunk (of its slice ``part``, see :meth:`use_parts`),
+        and its exchange across groups started asynchronously. ``keep_launch``: keep θ_local
+        for :meth:`finish`'s correction (overlapped sync). None when there is nothing to
+        synchronise (e.g. GLOB embeddings on a middle pipeline stage: every member of this
+        rank's outer and dp groups has the same empty share, so nobody communicates)."""
         if self.numel == 0:
             return None
+        if part is not None and not 0 <= part < self.parts:
+            raise ValueError(f"FlatSync.launch: part {part} of {self.parts}")
         pg = self.pg
+        c0, c1 = self.part_slice(part)
         local = self._read_chunk()
+        if part is not None:
+            local = local[c0:c1].clone()
         launch = local.clone() if keep_launch else None
-        delta = torch.sub(self.theta_prev.to(self.device, non_blocking=True), local, out=local)
+        delta = torch.sub(self.theta_prev[c0:c1].to(self.device, non_blocking=True), local, out=local)
+        residual = self.residual[c0:c1] if self.residual is not None else None
         G = group_size(pg.outer)
         wire, work = None, None
         if G > 1:
@@ -303,16 +378,16 @@ class FlatSync:
                 wire = delta if self.comm_dtype == torch.float32 else delta.to(self.comm_dtype)
                 work = pg.comm.all_reduce(wire, pg.outer, category=self.category, async_op=True)
             else:
-                if self.residual is not None:
-                    delta.add_(self.residual.to(self.device, non_blocking=True))
+                if residual is not None:
+                    delta.add_(residual.to(self.device, non_blocking=True))
                 packed = encode(delta, self.comm_format, self.quant_block)
-                if self.residual is not None:
+                if residual is not None:
                     sent = decode(packed, delta.numel(), self.comm_format, self.quant_block)
-                    self.residual.copy_(torch.sub(delta, sent, out=sent))
+                    residual.copy_(torch.sub(delta, sent, out=sent))
                     del sent
                 wire = torch.empty(G * packed.numel(), dtype=torch.uint8, device=self.device)
                 work = pg.comm.all_gather_into(wire, packed, pg.outer, category=self.category, async_op=True)
-        return PendingSync(work, wire, delta, launch)
+        return PendingSync(work, wire, delta, launch, part)
 
     @torch.no_grad()
     def finish(self, pending: PendingSync, correct: bool = False) -> float:
@@ -337,10 +412,15 @@ class FlatSync:
                 delta.copy_(pending.wire)
             delta.div_(G)
         pending.wire = None
+        part = pending.part
+        c0, c1 = self.part_slice(part)
         # (a device → CPU copy must be blocking: the CPU step reads it at once)
-        self.optimizer.step(self.theta_prev, delta.to(self.state_device))
+        if part is None:
+            self.optimizer.step(self.theta_prev, delta.to(self.state_device))
+        else:
+            self.optimizer.step(self.theta_prev[c0:c1], delta.to(self.state_device), at=c0, part=part)
         pending.delta = delta = None
-        theta = self.theta_prev.to(self.device, non_blocking=True)  # θ_t of the chunk
+        theta = self.theta_prev[c0:c1].to(self.device, non_blocking=True)  # θ_t of the chunk (part)
         if correct:
             if pending.launch is None:
                 raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
@@ -348,12 +428,13 @@ class FlatSync:
         pending.launch = None
         if self.shards is not None:
             # the rank's own masters, then every rank's pieces into the weights (master_shards.py)
-            self.shards.write(theta, add=correct)
+            self.shards.write(theta, add=correct, at=c0)
             del theta
-            self.shards.write_weights(self._gather_pieces(self.shards.send_buffer().to(self.device),
-                                                          dtype=self.shards.weight_dtype))
+            send = self.shards.send_buffer()[c0:c1]
+            self.shards.write_weights(self._gather_pieces(send.to(self.device), dtype=self.shards.weight_dtype,
+                                                          part=part))
             return waited
-        pieces = self._gather_pieces(theta)
+        pieces = self._gather_pieces(theta, part=part)
         for v, (a, b, src) in self._segments(self.values(), pieces):
             flat = v.data.view(-1)
             if correct:
@@ -411,14 +492,15 @@ class FlatSync:
             return [self.start, self.end, self.numel]
         return [[a, b] for a, b in self.ranges] + [self.numel]
 
-    def _gather_pieces(self, chunk: torch.Tensor, dtype: torch.dtype = torch.float32
-                       ) -> list[tuple[int, int, torch.Tensor]]:
-        """Every replica's chunk, gathered over ``pg.dp`` (``dtype``, fp32 unless said; category
-        ``dp``): ``[(start, end, values)]`` covering the shard. One all-gather of equal parts
-        (gloo and NCCL need them): chunks shorter than the longest are padded, and the padding
-        is counted. The receive buffer is the only full-shard temporary of the sync."""
+    def _gather_pieces(self, chunk: torch.Tensor, dtype: torch.dtype = torch.float32,
+                       part: Optional[int] = None) -> list[tuple[int, int, torch.Tensor]]:
+        """Every replica's chunk (or its slice ``part``), gathered over ``pg.dp`` (``dtype``,
+        fp32 unless said; category ``dp``): ``[(start, end, values)]`` covering the shard (the
+        part). One all-gather of equal parts (gloo and NCCL need them): chunks shorter than the
+        longest are padded, and the padding is counted. The receive buffer is the only
+        full-shard temporary of the sync."""
         from .master_shards import gather_ranges
-        return gather_ranges(self.pg, self.rank_ranges, chunk, self.device, dtype)
+        return gather_ranges(self.pg, self._part_rank_ranges(part), chunk, self.device, dtype)
 
     @staticmethod
     def _segments(values, pieces):
@@ -449,13 +531,16 @@ class FlatSync:
 
     def param_state(self) -> dict:
         """Layout-free state: ``{"steps", "reference": [fp32 tensor per parameter, shaped like
-        it, full over DP], and one such list per outer-optimizer state name}`` (collective over
+        it, full over DP], and one such list per outer-optimizer state name}``, plus
+        ``"part_steps"`` (one count per part) when synchronised in parts (collective over
         ``pg.dp``: every replica must call it)."""
         self.optimizer.ensure_state(self.theta_prev)
         out: dict[str, Any] = {"steps": int(self.optimizer.steps),
                                "reference": self._per_param(self._gather_full(self.theta_prev))}
         for name in self.optimizer.state_names:
             out[name] = self._per_param(self._gather_full(self.optimizer.state[name]))
+        if self.optimizer.part_steps:
+            out["part_steps"] = list(self.optimizer.part_steps)
         return out
 
     def load_param_state(self, state: dict) -> None:
@@ -473,4 +558,5 @@ class FlatSync:
 
         self.theta_prev = chunk(state["reference"], "reference")
         self.optimizer.steps = int(state["steps"])
+        self.optimizer.load_part_steps(state.get("part_steps"))
         self.optimizer.state = {name: chunk(state[name], name) for name in self.optimizer.state_names}

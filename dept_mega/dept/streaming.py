@@ -6,8 +6,14 @@ its own θ_{t-1} and outer optimizer state. Fragment f is launched after inner s
 ``(f+1)·⌊L/F⌋`` of each round (``L = dept.local_steps``; the last at the round's end), so at
 most one fragment's pseudo-gradient is launched at a time (Streaming DiLoCo, Douillard et al.
 2025, arXiv:2501.18512). Synchronised embedding state (GLOB's tables and learned positions)
-follows the last fragment; TRIM's rows and positions are synchronised at the round's end,
-blocking, after the body (the installed compact table belongs to the round's source).
+is spread over the fragments the same way: its FlatSync goes in F parts
+(``FlatSync.use_parts``; part f = the f-th 1/F slice of every replica's chunk), part f
+launched with fragment f, so each point of the round carries 1/F of the body and 1/F of the
+tables. (Sending the tables with one fragment instead — they are 4× the body in the sample
+study — both piles most of the bytes on one step and leaves the tables unsynchronised with τ
+steps of drift kept as a correction; docs/study/outer_sync.md measures it.) TRIM's rows and
+positions are synchronised at the round's end, blocking, after the body (the installed
+compact table belongs to the round's source).
 
 ``dept.outer_overlap`` with ``dept.outer_delay: τ > 0``: a launched fragment is applied τ
 inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_at_launch)
@@ -50,6 +56,7 @@ class SyncUnit:
     sync: FlatSync
     offset: int  # launched after inner step ``offset`` of a round (1..L; L = at the round end)
     name: str
+    part: Optional[int] = None  # the part of ``sync`` (FlatSync.use_parts), None: all of it
 
 
 @dataclass
@@ -86,6 +93,21 @@ def fragment_offsets(local_steps: int, fragments: int) -> list[int]:
     return [(f + 1) * (local_steps // fragments) if f < fragments - 1 else local_steps for f in range(fragments)]
 
 
+def sync_units(body_syncs: Sequence[FlatSync], embedding_syncs: Sequence[FlatSync], local_steps: int) -> list[SyncUnit]:
+    """The schedule's units: body fragment f at its offset, and every embedding FlatSync in
+    F parts, part f with fragment f (F = 1: whole, at the round's end)."""
+    F = len(body_syncs)
+    offsets = fragment_offsets(local_steps, F)
+    units = [SyncUnit(s, o, f"body{f}") for f, (s, o) in enumerate(zip(body_syncs, offsets))]
+    for i, s in enumerate(embedding_syncs):
+        if F == 1:
+            units.append(SyncUnit(s, local_steps, f"embedding{i}"))
+            continue
+        s.use_parts(F)
+        units += [SyncUnit(s, o, f"embedding{i}.{f}", part=f) for f, o in enumerate(offsets)]
+    return units
+
+
 class OuterSchedule:
     def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int) -> None:
         self.units = list(units)
@@ -108,9 +130,9 @@ class OuterSchedule:
     def _launch(self, unit: SyncUnit, step: int, blocking: bool) -> None:
         t0 = time.perf_counter()
         if blocking:
-            unit.sync.sync()
+            unit.sync.sync(part=unit.part)
         else:
-            p = unit.sync.launch(keep_launch=True)
+            p = unit.sync.launch(keep_launch=True, part=unit.part)
             if p is not None:
                 self.pending.append(_Pending(unit, p, step + self.delay))
         self.exposed += time.perf_counter() - t0
