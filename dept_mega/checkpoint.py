@@ -8,10 +8,13 @@ group is part of the key). The step directory is first written as
 (text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
 Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
 source group (data positions differ between groups under DEPT).
-Loading needs the same number of groups and, except for STD checkpoints without dropout or
-distributed optimizer (``dept_mega.reshard`` joins and cuts the tensor shards), the same
-tensor, pipeline and virtual-pipeline sizes (keys carry the position); the data-parallel size
-may differ unless per-rank hook state (TRIM) or distributed-optimizer shards were saved.
+Keys carry the position, and :func:`check_layout` says how a checkpoint of another layout
+loads (docs/launching.md §8 has the table): another tensor / pipeline / virtual-pipeline size
+by joining and cutting the shards (``dept_mega.reshard``; also the distributed optimizer's
+pieces), another data-parallel size or distributed-optimizer layout
+(``dept_mega.optim_reshard``), another number of groups at a round boundary
+(``DeptHooks.load_regrouped``), TRIM's row shards under another data-parallel size; what
+none of them covers is refused.
 ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
 ``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
 the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
@@ -99,7 +102,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     will be loaded too (the distributed optimizer's shards need the same data-parallel size).
     Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
-    no per-rank hook state or DEPT outer state, no distributed optimizer, no dropout) or
+    no per-rank hook state, no dropout; the distributed optimizer's pieces on either side are
+    joined and cut too, so D, the bucket size and the optimizer may change with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
@@ -148,8 +152,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         bool(getattr(hooks, "hook_state_reshardable", lambda: False)())
         # SPEC / SPEC-OPT: per-source state joined and cut over tensor ranks (same pipeline layout)
         or (changed == ["tensor"] and bool(getattr(hooks, "hook_state_tensor_reshardable", lambda: False)()))))
-    reshardable = (hooks_ok and not sharded and not now["optim_distributed"]
-                   and not (m.hidden_dropout > 0 or m.attention_dropout > 0))
+    # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
+    reshardable = hooks_ok and not (m.hidden_dropout > 0 or m.attention_dropout > 0)
     # the distributed optimizer's pieces under another data-parallel size or bucket size, or
     # it switched on or off (dept_mega.optim_reshard), same tensor / pipeline layout; hook
     # state saved once per (tp, pp, group) or none
@@ -162,7 +166,9 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     if (wrong == ["data"] and saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not sharded
             and not now["optim_distributed"] and bool(getattr(hooks, "hook_state_dp_joinable", lambda: False)())):
         return "join_dp"
-    if wrong and reshardable and set(wrong) <= {"tensor", "pipeline", "virtual_pipeline"}:
+    # another tensor / pipeline layout; with the distributed optimizer on either side also another
+    # data-parallel size, bucket size or the optimizer switched (hooks_ok: no per-rank hook state)
+    if changed and reshardable:
         return "reshard"
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)

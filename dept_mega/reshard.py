@@ -10,15 +10,24 @@ into this rank's shard. A parameter held on two stages (a tied embedding's copy 
 stage) is read from the first copy: both receive the same updates.
 
 DEPT's outer state (``dept/{category}/tp{t}/pp{p}/c{chunk}/{name}/{kind}``, shaped like the
-parameter's shard) is joined and cut the same way. Used by
-:func:`dept_mega.checkpoint.load_weights` only where nothing else depends on the layout: no
-per-rank hook state (STD; DEPT GLOB, whose hook state is the same at every position), no
-distributed-optimizer shards, no dropout streams in use (they are seeded per tensor/pipeline
-rank). Each rank reads the full tensors it needs:
-host memory for one full copy of the tensors of its own stage.
+parameter's shard) is joined and cut the same way.
+
+The distributed optimizer (``optim.distributed``) saves its state in pieces of the flattened
+shard (``{key}/dp{d}of{D}:{start}-{end}``, dept_mega/optim_reshard.py): on either side. A
+saved shard held in pieces is first joined from them (they must cover it), and a rank that
+holds a piece takes its [start, end) of the flattened shard it cut — so the tensor and
+pipeline sizes, the data-parallel size, the bucket size and the distributed optimizer on or
+off may all change in one resume.
+
+Used by :func:`dept_mega.checkpoint.load_weights` only where nothing else depends on the
+layout: no per-rank hook state (STD; DEPT GLOB, whose hook state is the same at every
+position), no dropout streams in use (they are seeded per tensor/pipeline rank). Each rank
+reads the full tensors it needs: host memory for one full copy of the tensors of its own
+stage.
 """
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Optional
@@ -31,6 +40,13 @@ _KEY = re.compile(r"^(?P<prefix>(?:optim/[^/]+/[^/]+/)?)model/g(?P<g>\d+)/tp(?P<
                   r"(?P<name>.+)$")
 # DEPT outer state (dept_mega.checkpoint_state): no group, the state kind last
 _OUTER = re.compile(r"^dept/(?P<cat>[^/]+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/(?P<name>[^/]+)/(?P<kind>[^/]+)$")
+# a distributed-optimizer piece of a key: [start, end) of the flattened shard
+_PIECE = re.compile(r"^(?P<base>.+)/dp(?P<d>\d+)of(?P<D>\d+):(?P<s>\d+)-(?P<e>\d+)$")
+
+
+def _split_piece(key: str) -> tuple[str, Optional[tuple[int, int]]]:
+    m = _PIECE.match(key)
+    return (m["base"], (int(m["s"]), int(m["e"]))) if m else (key, None)
 
 
 def _parse(key: str):
@@ -61,6 +77,23 @@ def cut_shard(full: torch.Tensor, dim: Optional[int], stride: int, parts: int, i
     return torch.cat([b.chunk(parts, dim=dim)[index] for b in blocks], dim=dim)
 
 
+def _saved_shard(sources: list[tuple[Optional[int], Optional[int], str]], wanted: dict[str, torch.Tensor],
+                 shape: tuple[int, ...], path: str, what: str) -> torch.Tensor:
+    """One saved tensor-parallel shard: its whole key, or its pieces joined (shaped ``shape``)."""
+    if sources[0][0] is None:
+        return wanted[sources[0][2]]
+    at = 0
+    for a, b, _ in sources:
+        if a != at:
+            raise CheckpointError(f"{path}: the saved pieces of {what} do not cover it ([{at}, {a}) missing)")
+        at = b
+    flat = torch.cat([wanted[k].reshape(-1) for _, _, k in sources])
+    if flat.numel() != math.prod(shape):
+        raise CheckpointError(f"{path}: the saved pieces of {what} hold {flat.numel()} values, its shard "
+                              f"{math.prod(shape)} (another model?)")
+    return flat.view(shape)
+
+
 def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], path: str,
                    saved_tensor: int, tp_size: int, tp_rank: int) -> None:
     """Fill ``state`` (this rank's checkpoint keys → tensors, loaded in place) from checkpoint
@@ -68,20 +101,25 @@ def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Pa
     of this rank → parameter (for its partitioning). Model and optimizer keys
     (``model/g{g}/...``) are matched by (group, name); DEPT outer-state keys
     (``dept/{category}/.../{name}/{kind}``) by (category, name, kind); other keys (the outer
-    optimizer's step count) load as saved."""
+    optimizer's step count) load as saved. Distributed-optimizer pieces on either side: see
+    the module doc."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    index: dict[tuple, dict[tuple[int, int], dict[int, str]]] = {}
+    # identity -> (pipeline rank, chunk) -> tensor rank -> [(start, end, key)] (whole: None, None)
+    index: dict[tuple, dict[tuple[int, int], dict[int, list]]] = {}
     for key in meta:
-        parsed = _parse(key)
+        base, piece = _split_piece(key)
+        parsed = _parse(base)
         if parsed:
             ident, pc, t, _ = parsed
-            index.setdefault(ident, {}).setdefault(pc, {})[t] = key
+            index.setdefault(ident, {}).setdefault(pc, {}).setdefault(t, []).append(
+                (piece[0], piece[1], key) if piece else (None, None, key))
     plan = []
     wanted: dict[str, torch.Tensor] = {}
     for key, target in state.items():
-        parsed = _parse(key)
+        base, piece = _split_piece(key)
+        parsed = _parse(base)
         if parsed is None:
             if key not in meta:
                 raise CheckpointError(f"{path}: cannot place {key!r} in another layout (not in the checkpoint)")
@@ -93,23 +131,30 @@ def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Pa
         if not complete:
             raise CheckpointError(f"{path}: no complete set of {saved_tensor} tensor shards of "
                                   f"{'/'.join(str(x) for x in ident[1:])}")
-        keys = [positions[complete[0]][s] for s in range(saved_tensor)]
-        for k in keys:
-            md = meta[k]
-            wanted.setdefault(k, torch.empty(tuple(md.size), dtype=md.properties.dtype))
-        plan.append((key, target, keys, params[f"tp{t}/pp{p}/c{c}/{name}"]))
+        shards = [sorted(positions[complete[0]][s], key=lambda x: -1 if x[0] is None else x[0])
+                  for s in range(saved_tensor)]
+        for sources in shards:
+            for _, _, k in sources[:1] if target.dim() == 0 else sources:
+                md = meta[k]
+                wanted.setdefault(k, torch.empty(tuple(md.size), dtype=md.properties.dtype))
+        plan.append((key, target, shards, piece, params[f"tp{t}/pp{p}/c{c}/{name}"]))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, checkpoint_id=path, no_dist=True)
-    for key, target, keys, param in plan:
-        if target.dim() == 0:
-            target.copy_(wanted[keys[0]])
+    for key, target, shards, piece, param in plan:
+        if target.dim() == 0:  # a step count: the same in every shard and piece
+            target.copy_(wanted[shards[0][0][2]])
             continue
         dim = getattr(param, "partition_dim", None)
         stride = int(getattr(param, "partition_stride", 1) or 1)
-        full = join_shards([wanted[k] for k in keys], dim, stride)
+        shape = list(param.shape)
+        if dim is not None and saved_tensor != tp_size:
+            shape[dim] = shape[dim] * tp_size // saved_tensor
+        full = join_shards([_saved_shard(src, wanted, tuple(shape), path, key) for src in shards], dim, stride)
         local = cut_shard(full, dim, stride, tp_size, tp_rank)
-        if tuple(local.shape) != tuple(target.shape):
+        if piece is not None:
+            local = local.reshape(-1)[piece[0]:piece[1]]
+        if local.numel() != target.numel() or (piece is None and tuple(local.shape) != tuple(target.shape)):
             raise CheckpointError(f"{path}: {key} resharded to shape {tuple(local.shape)}, this launch holds "
                                   f"{tuple(target.shape)}")
-        target.copy_(local)
+        target.copy_(local.reshape(target.shape))

@@ -223,9 +223,9 @@ OPTIM_LAYOUTS = {
 
 
 def _optim_loop(over, run_dir, rank, precision, layout, steps=4):
-    data, dist, bucket = layout
+    data, dist, bucket, tensor, pipeline = tuple(layout) + (1, 1)[len(layout) - 3:]
     loop = _loop(dict(over, precision=precision, optim={"distributed": dist, "grad_bucket_size": bucket}),
-                 run_dir, rank, data=data, steps=steps)
+                 run_dir, rank, data=data, tensor=tensor, pipeline=pipeline, steps=steps)
     return loop
 
 
@@ -301,3 +301,46 @@ def test_resume_with_another_distributed_optimizer_layout(tmp_path, name):
     for s in (3, 4):
         tol = 1e-6 if precision == "fp32" else 2e-2
         assert got[s] == pytest.approx(want[s], rel=tol, abs=0), (s, got[s], want[s])
+
+
+# (case, (data, optim.distributed, grad_bucket_size, tensor, pipeline) of run A, the same of run B)
+TP_OPTIM_LAYOUTS = {
+    "std_dist_dp2_to_dist_pp2_dp2": ("std", (2, True, 500, 1, 1), (2, True, 700, 1, 2)),
+    "glob_dist_dp2_to_plain_tp2": ("glob_nesterov", (2, True, 500, 1, 1), (1, False, 3000, 2, 1)),
+    "glob_plain_tp2_to_dist_pp2_dp1": ("glob_nesterov", (1, False, 3000, 2, 1), (1, True, 300, 1, 2)),
+}
+
+
+def _tp_optim_train_a(rank, world, case, layout, run_dir):
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout)
+    loop.cfg.train.steps = 2
+    loop.run()
+
+
+def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir):
+    ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout)
+    ref.run()
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout)
+    assert loop.checkpointer.load(loop) == 2
+    loop.writer.resume_at(2)
+    loop.run()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(TP_OPTIM_LAYOUTS))
+def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, name):
+    """The distributed optimizer's pieces with another tensor / pipeline size at the same time
+    (dept_mega.reshard joins the saved pieces into shards, the shards into the full tensor,
+    cuts the new shard and the piece this rank holds), also with D, the bucket size or the
+    optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout."""
+    case, la, lb = TP_OPTIM_LAYOUTS[name]
+    groups = 1 if case == "std" else 2
+    a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    size = lambda l: groups * l[0] * l[3] * l[4]
+    run_distributed(_tp_optim_train_a, size(la), args=(case, la, a), timeout=200)
+    run_distributed(_tp_optim_resume_b, size(lb), args=(case, lb, a, ref), timeout=300)
+    got, want = _losses(a), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for s in (3, 4):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
