@@ -9,7 +9,7 @@ most one fragment's pseudo-gradient is launched at a time (Streaming DiLoCo, Dou
 is spread over the fragments the same way: its FlatSync goes in F parts
 (``FlatSync.use_parts``; part f = the f-th 1/F slice of every replica's chunk), part f
 launched with fragment f, so each point of the round carries 1/F of the body and 1/F of the
-tables. (Sending the tables with one fragment instead — they are 4× the body in the sample
+tables. (Sending the tables with one fragment instead — they are 2.6× the body in the sample
 study — both piles most of the bytes on one step and leaves the tables unsynchronised with τ
 steps of drift kept as a correction; docs/study/outer_sync.md measures it.) TRIM's rows and
 positions are synchronised at the round's end, blocking, after the body (the installed
