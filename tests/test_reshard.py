@@ -9,7 +9,8 @@ differ only in the order of the data-parallel gradient sum over the first 2 step
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
 another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
 SPEC-OPT), another T or P for TRIM are refused with a ConfigError naming the key; TRIM under
-another D joins φ's row shards. The distributed optimizer switched on or off, under another D and
+another D joins φ's row shards; GLOB's error-feedback residuals (per rank) are joined from
+the old replicas' chunks. The distributed optimizer switched on or off, under another D and
 bucket size (dept_mega.optim_reshard). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ def _resume_b(rank, world, over, run_dir, ref_dir):
     assert loop.checkpointer.load(loop) == 2
     loop.writer.resume_at(2)
     loop.run()
+    # the error-feedback residuals after the step-4 sync (which used the resumed ones): the
+    # largest difference from the uninterrupted run's and the largest residual
+    if not hasattr(loop.hooks, "outer_syncs"):
+        return None
+    got, want = loop.hooks.outer_syncs(), ref.hooks.outer_syncs()
+    pairs = [(got[k].residual, want[k].residual) for k in want if want[k].residual is not None]
+    if not pairs:
+        return None
+    return (max(float((g - w).abs().max()) for g, w in pairs), max(float(w.abs().max()) for _, w in pairs))
 
 
 def _losses(run_dir):
@@ -77,7 +87,15 @@ CASES = {"std": {"dept": {"variant": "std"}},
                   "model": {"position_embedding": "learned"}},
          "glob": {"dept": {"variant": "glob", "local_steps": 2, "outer_optimizer": {"name": "adam", "lr": 0.5}}},
          "spec": {"dept": {"variant": "spec", "local_steps": 2,
-                           "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
+                           "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}},
+         # error-feedback residuals (a chunk per replica, in the per-rank hook files) joined
+         # from the old replicas' chunks and cut (DeptHooks.load_state_dict_dp_joined); blocks
+         # of 2 values: the tiny model's shard sizes are even, so the D = 2 chunk boundary falls
+         # on a block boundary and D = 1 and D = 2 quantise the same blocks (with near-equal
+         # chunks of any size the blocks, hence the quantisation noise, depend on D)
+         "glob_int8_ef": {"dept": {"variant": "glob", "local_steps": 2, "outer_comm_dtype": "int8",
+                                   "outer_error_feedback": True, "outer_quant_block": 2,
+                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
 
 # resharding cases beside the data-parallel ones: GLOB with a Nesterov outer optimizer (the Adam
 # one at lr 0.5 moves every weight by about ±0.5 per round, which turns the tensor-parallel sum
@@ -101,7 +119,10 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     groups = 1 if case == "std" else 2
     a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     run_distributed(_train_a, groups, args=(over, a), timeout=200)
-    run_distributed(_resume_b, 2 * groups, args=(over, a, ref), timeout=300)
+    residuals = run_distributed(_resume_b, 2 * groups, args=(over, a, ref), timeout=300)
+    if over["dept"].get("outer_error_feedback"):  # the resumed residuals fed the step-4 sync
+        for diff, largest in residuals:
+            assert largest > 0 and diff <= 1e-6 * largest, (diff, largest)
     got, want = _losses(a), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for s in (3, 4):

@@ -299,18 +299,44 @@ class DeptHooks:
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks; not with the distributed
-        optimizer (per-rank shards in the per-source state) or error-feedback residuals."""
-        return (self.strategy.name == "trim" and not self.cfg.optim.distributed
-                and not self.cfg.dept.outer_error_feedback)
+        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback),
+        and the other variants, whose hook state is per rank only for the error-feedback
+        residuals (``dept.outer_error_feedback``: a chunk of each FlatSync per replica); not
+        with the distributed optimizer (per-rank shards in the per-source state)."""
+        if self.cfg.optim.distributed:
+            return False
+        if self.strategy.name == "trim":
+            return not self.cfg.dept.outer_error_feedback
+        return True
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
         this rank's (pipeline stage, group) under another data-parallel size: the replicated
         part from the old rank at this tensor position and data rank 0, TRIM's row-sharded φ
-        and chunked outer state joined (``TrimStrategy.join_rank_states``) and cut here."""
-        mine = sds[(self.pg.tp_rank, 0)]
-        self.load_state_dict(self.strategy.join_rank_states(mine, sds))
+        and chunked outer state joined (``TrimStrategy.join_rank_states``) and cut here, the
+        error-feedback residuals joined from the old replicas' chunks (near-equal, in
+        data-parallel order) and cut into this rank's chunk."""
+        tp = self.pg.tp_rank
+        mine = sds[(tp, 0)]
+        if self.strategy.name == "trim":
+            self.load_state_dict(self.strategy.join_rank_states(mine, sds))
+            return
+        sd = dict(mine)
+        if mine.get("outer_residuals"):
+            old = sorted(d for t, d in sds if t == tp)
+            syncs = self.outer_syncs()
+            joined = {}
+            for k in mine["outer_residuals"]:
+                if k not in syncs or syncs[k].residual is None:
+                    raise ValueError(f"dept.outer_error_feedback: the checkpoint holds a residual for {k!r}, this "
+                                     f"run has none there")
+                full = torch.cat([sds[(tp, d)]["outer_residuals"][k].reshape(-1) for d in old])
+                if full.numel() != syncs[k].numel:
+                    raise ValueError(f"outer residual {k!r}: the old replicas' chunks hold {full.numel()} values, "
+                                     f"the shard {syncs[k].numel}")
+                joined[k] = syncs[k].cut_chunk(full)
+            sd["outer_residuals"] = joined
+        self.load_state_dict(sd)
 
     def hook_state_reshardable(self) -> bool:
         """True when :meth:`state_dict` is the same at every (tp, pp) position, so that a

@@ -478,6 +478,13 @@ class FlatSync:
             self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
                 else torch.zeros_like(self.theta_prev)
 
+    def cut_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a flat tensor of the whole shard's values."""
+        flat = full.reshape(-1)
+        if flat.numel() != self.numel:
+            raise ValueError(f"FlatSync.cut_chunk: {flat.numel()} values for a shard of {self.numel}")
+        return torch.cat([flat[a:b] for a, b in self.ranges]) if self.ranges else flat[:0]
+
     def _cut(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of the whole shard's values (one already the chunk's
         size is returned as it is: the state before the lean state kept it so)."""
