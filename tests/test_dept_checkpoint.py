@@ -202,9 +202,10 @@ def _make_trim(cfg, run_dir):
 
 
 def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
-    """DEPT hook state (outer optimizer shards, per-source state) is saved per rank, so a
-    DEPT checkpoint needs the same data-parallel size; the layout file makes that one
-    ConfigError naming 'parallel.data' rather than a wrong rank's state loaded silently."""
+    """DEPT hook state saved per rank that the hooks cannot join under another data-parallel
+    size (TRIM with error feedback; the distributed optimizer's shards) needs the same size;
+    the layout file makes that one ConfigError naming 'parallel.data' rather than a wrong
+    rank's state loaded silently. (Joined under another D: tests/test_reshard.py.)"""
     import json
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
@@ -219,6 +220,8 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
     # as if the hook state had been per rank (TRIM, the distributed optimizer)
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2, hooks_dp0=False)
+    load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # SPEC's per-rank state: joined
+    loop.hooks.hook_state_dp_joinable = lambda: False  # hooks whose per-rank state does not join
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
 

@@ -101,9 +101,10 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
         layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
     with open(layout_path, "w") as f:
-        # (an STD checkpoint loads under another tensor size, dept_mega.reshard, unless it
-        # holds the distributed optimizer's per-rank shards)
-        json.dump(dict(layout, tensor=2, optim_distributed=True, grad_bucket_size=1000), f)
+        # (an STD checkpoint loads under another tensor size, dept_mega.reshard, with or without
+        # the distributed optimizer, but not into a launch with dropout, whose streams are
+        # seeded per tensor rank)
+        json.dump(dict(layout, tensor=2), f)
     # what a real tensor-parallel checkpoint would hold, with its manifest
     step30 = os.path.join(run2, "checkpoints", "step_30")
     shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp1_pp0.pt"))
@@ -111,10 +112,12 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
         f.write("30\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()
-    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70",
+                         "model.hidden_dropout=0.1"])
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("error: config key 'parallel.tensor'") and "parallel.tensor=2" in err, err
+    assert "dropout" in err, err
     assert open(os.path.join(run2, "config.yaml")).read() == before
 
 
