@@ -277,4 +277,5 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dept_mega.process_exit import exit_after
+    exit_after(main)
