@@ -14,7 +14,8 @@ by joining and cutting the shards (``dept_mega.reshard``; also the distributed o
 pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
 under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there), another data-parallel size or distributed-optimizer layout
+``hooks_param_names``; checkpoints without them are refused there), another data-parallel
+size or distributed-optimizer layout
 (``dept_mega.optim_reshard``), another number of groups at a round boundary
 (``DeptHooks.load_regrouped``), TRIM's row shards under another data-parallel size; what
 none of them covers is refused.
