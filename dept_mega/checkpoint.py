@@ -11,7 +11,11 @@ source group (data positions differ between groups under DEPT).
 Keys carry the position, and :func:`check_layout` says how a checkpoint of another layout
 loads (docs/launching.md §8 has the table): another tensor / pipeline / virtual-pipeline size
 by joining and cutting the shards (``dept_mega.reshard``; also the distributed optimizer's
-pieces), another data-parallel size or distributed-optimizer layout
+pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
+under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
+stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
+``hooks_param_names``; checkpoints without them are refused there), another data-parallel
+size or distributed-optimizer layout
 (``dept_mega.optim_reshard``), another number of groups at a round boundary
 (``DeptHooks.load_regrouped``), TRIM's row shards under another data-parallel size; what
 none of them covers is refused.
@@ -102,8 +106,11 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     will be loaded too (the distributed optimizer's shards need the same data-parallel size).
     Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
-    no per-rank hook state, no dropout; the distributed optimizer's pieces on either side are
-    joined and cut too, so D, the bucket size and the optimizer may change with it) or
+    no per-rank hook state but SPEC / SPEC-OPT's per-source state saved once per (tp, pp,
+    group) — under another pipeline / virtual-pipeline size only with the parameter names
+    saved with it (``hooks_param_names``) —, no dropout; the distributed optimizer's pieces on
+    either side are joined and cut too, so D, the bucket size and the optimizer may change
+    with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
@@ -148,10 +155,14 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
     # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
     changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
+    staged = [k for k in changed if k != "tensor"]  # another pipeline layout
+    # SPEC / SPEC-OPT: per-source state joined over tensor ranks and cut; under another pipeline
+    # layout also joined over stages by the parameter names saved with it (hooks_param_names)
+    per_source = bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
+                                                               lambda: False)())
+    unnamed = per_source and bool(staged) and not saved.get("hooks_param_names")
     hooks_ok = not saved.get("per_rank_hooks") or (saved.get("hooks_dp0") and (
-        bool(getattr(hooks, "hook_state_reshardable", lambda: False)())
-        # SPEC / SPEC-OPT: per-source state joined and cut over tensor ranks (same pipeline layout)
-        or (changed == ["tensor"] and bool(getattr(hooks, "hook_state_tensor_reshardable", lambda: False)()))))
+        bool(getattr(hooks, "hook_state_reshardable", lambda: False)()) or (per_source and not unnamed)))
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
     reshardable = hooks_ok and not (m.hidden_dropout > 0 or m.attention_dropout > 0)
     # the distributed optimizer's pieces under another data-parallel size or bucket size, or
@@ -172,7 +183,15 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         return "reshard"
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
-        why = ("its per-source state (SPEC/SPEC-OPT embeddings, TRIM's table) is held per tensor and pipeline rank"
+        if saved.get("per_rank_hooks") and unnamed:
+            raise ConfigError(f"config key 'parallel.{staged[0]}': checkpoint {path} was written with {said}; "
+                              f"resume or evaluate it with its parallel.pipeline and parallel.virtual_pipeline "
+                              f"(not resharded: its per-source state (SPEC/SPEC-OPT embeddings and their AdamW "
+                              f"state, the body's with dept.body_optimizer_state: source) is held per pipeline "
+                              f"stage, and this checkpoint saved no parameter names with it (layout.json has no "
+                              f"hooks_param_names: written before they were saved) to join the stages by)")
+        why = ("its DEPT hook state is saved per rank (TRIM's table; the distributed optimizer's shards or "
+               "error-feedback residuals in SPEC/SPEC-OPT's per-source state)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -359,6 +378,10 @@ class Checkpointer:
         replicated = per_rank_hooks and bool(getattr(loop.hooks, "state_replicated_over_dp", lambda: False)())
         if replicated:
             layout["hooks_dp0"] = True  # one hooks file per (tp, pp, group): data-parallel rank 0's
+        if per_rank_hooks and bool(getattr(loop.hooks, "hook_state_param_names", lambda: False)()):
+            # the per-source optimizer states carry their parameters' global names: they join by
+            # name under another pipeline layout (DeptHooks.load_state_dict_repartitioned)
+            layout["hooks_param_names"] = True
         state = _model_state(trainer)
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
@@ -582,16 +605,24 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path}: its per-rank DEPT state does not load with "
                                       f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
-        elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT, another tensor size (check_layout)
+        elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT (check_layout)
             from .parallel.groups import rank_of
             T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-            files = [os.path.join(path, f"hooks_rank{rank_of(t, 0, pg.pp_rank, pg.group_index, T, D, P)}.pt")
-                     for t in range(T)]
+            staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
             try:
-                hooks.load_state_dict_resharded([_safe_load(f, trainer.device) for f in files])
+                if staged:  # another pipeline layout: every old stage of this group, joined by parameter name
+                    files = {(t, p): os.path.join(path, f"hooks_rank{rank_of(t, 0, p, pg.group_index, T, D, P)}.pt")
+                             for t in range(T) for p in range(P)}
+                    hooks.load_state_dict_repartitioned({k: _safe_load(f, "cpu") for k, f in files.items()})
+                else:  # another tensor size: the old tensor ranks of this stage
+                    files = [os.path.join(path, f"hooks_rank{rank_of(t, 0, pg.pp_rank, pg.group_index, T, D, P)}.pt")
+                             for t in range(T)]
+                    hooks.load_state_dict_resharded([_safe_load(f, trainer.device) for f in files])
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path}: its per-source state does not load with "
-                                      f"parallel.tensor={pg.tp_size} ({type(exc).__name__}: {exc})") from None
+                                      f"parallel.tensor={pg.tp_size}, parallel.pipeline={pg.pp_size}, "
+                                      f"parallel.virtual_pipeline={trainer.cfg.parallel.virtual_pipeline} "
+                                      f"({type(exc).__name__}: {exc})") from None
         else:
             hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
     if hooks is not None and has_outer_state(hooks):

@@ -252,6 +252,25 @@ class InnerOptimizer:
                 if not self.inner.state.get(m):
                     self.inner.state[m] = empty_adamw_state(self.inner, group, m)
 
+    def indexed_params(self, names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` in the order of the indices of AdamW's state dict (``state``
+        keys, ``param_groups`` ``params``): the parameter groups' main parameters in turn.
+        ``names``: parameter id → name (default: the names this optimizer was built with). A
+        checkpoint saves these names beside a state dict so that it can be joined by name
+        under another pipeline layout, where a stage holds other parameters in another order
+        (``DeptHooks.load_state_dict_repartitioned``)."""
+        names = self.names if names is None else names
+        model_of = {id(self._main_of(p)): p for p in self.params}
+        out = []
+        for group in self.inner.param_groups:
+            for m in group["params"]:
+                p = model_of.get(id(m))
+                if p is None or id(p) not in names:
+                    raise ValueError(f"indexed_params: a main parameter of shape {tuple(m.shape)} has no named "
+                                     f"model parameter (a distributed optimizer's piece?)")
+                out.append((names[id(p)], p))
+        return out
+
     def checkpoint_tensors(self, key_of: Callable[[torch.nn.Parameter], Optional[str]]) -> dict[str, torch.Tensor]:
         """Tensors for torch.distributed.checkpoint, keyed ``{moment}/{param key}`` (and
         ``main_param/{param key}`` for half-precision weights); DCP loads into them in place."""

@@ -216,7 +216,8 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     layout_path = tmp_path / "checkpoints" / "step_1" / "layout.json"
     layout = json.loads(layout_path.read_text())
     assert layout == {"tensor": 1, "pipeline": 1, "virtual_pipeline": 1, "data": 1, "groups": 1,
-                      "per_rank_hooks": True, "dropout_rng": True, "outer_keys": True, "hooks_dp0": True}
+                      "per_rank_hooks": True, "dropout_rng": True, "outer_keys": True, "hooks_dp0": True,
+                      "hooks_param_names": True}
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # same layout loads
     # as if the hook state had been per rank (TRIM, the distributed optimizer)
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2, hooks_dp0=False)

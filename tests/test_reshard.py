@@ -7,10 +7,12 @@ per (tp, pp, group) (``hooks_dp0``) and whose outer state is saved per parameter
 the losses equal an uninterrupted D = 2 run from the same initial weights within 1e-6 (they
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
-another tensor size for SPEC (dept_mega.reshard). Another P with per-source state (SPEC,
-SPEC-OPT), another T or P for TRIM are refused with a ConfigError naming the key; TRIM under
-another D joins φ's row shards; GLOB's error-feedback residuals (per rank) are joined from
-the old replicas' chunks. The distributed optimizer switched on or off, under another D and
+another tensor, pipeline and virtual-pipeline size for SPEC / SPEC-OPT (dept_mega.reshard; their
+per-source hook state joined over the old stages by the parameter names saved with it). A SPEC
+checkpoint without those names (layout.json without hooks_param_names) under another P or VP,
+another T or P for TRIM are refused with a ConfigError naming the key; TRIM under another D
+joins φ's row shards; GLOB's error-feedback residuals (per rank) are joined from the old
+replicas' chunks. The distributed optimizer switched on or off, under another D and
 bucket size (dept_mega.optim_reshard). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
@@ -25,14 +27,15 @@ from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_co
 from tests.mp_utils import run_distributed
 
 
-def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4):
+def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1):
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    cfg = tiny_config({**over, "parallel": {"data": data, "tensor": tensor, "pipeline": pipeline},
+    cfg = tiny_config({**over, "parallel": {"data": data, "tensor": tensor, "pipeline": pipeline,
+                                            "virtual_pipeline": virtual},
                        "train": {"steps": steps, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
                                  "run_dir": run_dir}})
     pg = build_groups(tensor, data, pipeline)
@@ -108,7 +111,10 @@ LAYOUT_CASES = dict(CASES, glob_nesterov={"dept": {"variant": "glob", "local_ste
 LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps": 2, "body_optimizer_state": "source",
                                             "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
                                    "optim": {"min_lr": 1.0e-2}}
-LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES["spec_opt_source"], sort_keys=True): 3}  # else 2 sources
+# the same with 4 layers (pipeline 2 x virtual pipeline 2 chunks of one layer each)
+LAYOUT_CASES["spec_opt_source_4l"] = dict(LAYOUT_CASES["spec_opt_source"], model={"num_layers": 4})
+LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES[c], sort_keys=True): 3
+                  for c in ("spec_opt_source", "spec_opt_source_4l")}  # else 2 sources
 
 
 @pytest.mark.slow
@@ -134,19 +140,19 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     assert meta(a) == meta(ref)
 
 
-def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2):
-    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline)
+def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2, virtual=1):
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, virtual=virtual)
     loop.cfg.train.steps = steps
     loop.run()
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4):
-    ref = _loop(LAYOUT_CASES[case], ref_dir, rank, 1, tensor, pipeline, steps)
+def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1):
+    ref = _loop(LAYOUT_CASES[case], ref_dir, rank, 1, tensor, pipeline, steps, virtual)
     ref.run()
-    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, steps)
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, steps, virtual)
     at = loop.checkpointer.load(loop)
-    assert at == (4 if case == "spec_opt_source" else 2)
+    assert at == (4 if case.startswith("spec_opt_source") else 2)
     loop.writer.resume_at(at)
     loop.run()
 
@@ -203,6 +209,83 @@ def test_spec_resume_under_another_tensor_size(tmp_path, case):
     assert sorted(got) == sorted(want) == list(range(1, saved + 5))
     for s in range(saved + 1, saved + 5):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+# (case, (tensor, pipeline, virtual pipeline) of run A, the same of run B)
+PIPELINE_LAYOUTS = {
+    "spec_p1_to_p2": ("spec", (1, 1, 1), (1, 2, 1)),
+    "spec_opt_source_t1p2_to_t2p1": ("spec_opt_source", (1, 2, 1), (2, 1, 1)),
+    "spec_opt_source_vp1_to_vp2": ("spec_opt_source_4l", (1, 2, 1), (1, 2, 2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name", sorted(PIPELINE_LAYOUTS))
+def test_spec_resume_under_another_pipeline_size(tmp_path, name):
+    """DEPT SPEC (2 groups, 2 sources) and SPEC-OPT (2 groups, 3 sources, the body's AdamW
+    state per source), written under one (tensor, pipeline, virtual pipeline) layout and resumed
+    under another for 2 rounds: each source's embeddings (the input table on the first chunk,
+    the head or the tied table's copy on the last), their AdamW state and its body AdamW state
+    are taken from the old stages' hook files by the parameter names saved with them, joined
+    over the old tensor ranks and cut for the new stage / chunk; the losses equal an
+    uninterrupted run of the new layout from the same initial weights within 1e-6."""
+    case, la, lb = PIPELINE_LAYOUTS[name]
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    saved = 4 if case.startswith("spec_opt_source") else 2  # 2 rounds: a source waits in a store
+    stored = run_distributed(_train_a_layout, 2 * la[0] * la[1], args=(run, la[0], la[1], case, saved, la[2]),
+                             timeout=250)
+    if saved == 4:
+        assert any(stored), stored
+    layout = json.loads(open(os.path.join(run, "checkpoints", f"step_{saved}", "layout.json")).read())
+    assert layout["hooks_param_names"] is True and layout["hooks_dp0"] is True
+    run_distributed(_resume_b_layout, 2 * lb[0] * lb[1], args=(run, ref, lb[0], lb[1], case, saved + 4, lb[2]),
+                    timeout=400)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, saved + 5))
+    for s in range(saved + 1, saved + 5):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+def test_spec_checkpoint_without_parameter_names(tmp_path):
+    """A SPEC checkpoint whose layout.json lacks ``hooks_param_names`` (written before the
+    per-source optimizer states carried their parameter names) is refused under another
+    pipeline or virtual-pipeline size with a ConfigError naming the key and saying why; with the
+    marker the same layout change is resharded, and another tensor size alone still is."""
+    import shutil
+    from dept_mega.checkpoint import check_layout, load_weights
+    from dept_mega.config import ConfigError
+    from dept_mega.manifest import seal
+    run = str(tmp_path / "run")
+    loop = _loop(CASES["spec"], run, 0, data=1)
+    loop.cfg.train.steps = 2
+    loop.run()
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    layout = json.loads((step / "layout.json").read_text())
+    assert layout["hooks_param_names"] is True and layout["hooks_dp0"] is True
+    sd = torch.load(step / "hooks_rank0.pt", weights_only=True)
+    assert sd["store"] or sd["installed_state"]
+    names = sd["installed_state"]["param_names"]["optimizer"]
+    assert names["state"] and all(n.startswith("embeddings.") for n in names["state"])
+    # as if written with tensor and / or pipeline 2 (this rank's files copied), with and without the marker
+    for r in (1, 2, 3):
+        shutil.copy(step / "hooks_rank0.pt", step / f"hooks_rank{r}.pt")
+    for rng in step.glob("rng_tp0_pp0.pt"):
+        for t, p in ((0, 1), (1, 0), (1, 1)):
+            shutil.copy(rng, step / f"rng_tp{t}_pp{p}.pt")
+    (step / "layout.json").write_text(json.dumps(dict(layout, pipeline=2)))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
+    (step / "layout.json").write_text(json.dumps(dict(layout, tensor=2)))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
+    old = {k: v for k, v in layout.items() if k != "hooks_param_names"}
+    (step / "layout.json").write_text(json.dumps(dict(old, tensor=2)))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"  # T alone: by position
+    for change in ({"pipeline": 2}, {"pipeline": 2, "tensor": 2}, {"virtual_pipeline": 2}):
+        (step / "layout.json").write_text(json.dumps(dict(old, **change)))
+        seal(str(step), 2)
+        key = "virtual_pipeline" if "virtual_pipeline" in change else "pipeline"
+        with pytest.raises(ConfigError, match=rf"'parallel.{key}'.*no parameter names.*hooks_param_names"):
+            load_weights(loop.trainer, run, 2, hooks=loop.hooks)
 
 
 def test_refusals_name_the_key(tmp_path):

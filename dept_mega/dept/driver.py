@@ -346,10 +346,159 @@ class DeptHooks:
         return not self.per_source and self.strategy.name != "trim" and self.state_replicated_over_dp()
 
     def hook_state_tensor_reshardable(self) -> bool:
-        """True when :meth:`load_state_dict_resharded` can load hook state saved under another
-        tensor-parallel size (same pipeline layout): SPEC / SPEC-OPT, whose per-source
-        embeddings and AdamW states have the same structure at every tensor size."""
+        """True when the per-source hook state loads under another tensor-parallel size
+        (:meth:`load_state_dict_resharded`, same pipeline layout) and, from a checkpoint that
+        saved the parameter names of its optimizer states (``layout.json``:
+        ``hooks_param_names``), under another pipeline / virtual-pipeline size too
+        (:meth:`load_state_dict_repartitioned`): SPEC / SPEC-OPT, whose per-source embeddings
+        and AdamW states are found by name whatever stage held them."""
         return self.strategy.name in ("spec", "spec_opt") and self.state_replicated_over_dp()
+
+    def hook_state_param_names(self) -> bool:
+        """True when :meth:`state_dict` saves, with every per-source optimizer state, the
+        global parameter names of its entries (``param_names``; ``layout.json``:
+        ``hooks_param_names``)."""
+        return self.per_source
+
+    def _global_names(self) -> dict[int, str]:
+        """Parameter id → its name in the model chunk (global: ``body.layers.{i}`` carries the
+        global layer index), the first chunk's where a parameter is in two."""
+        out: dict[int, str] = {}
+        for st in self.trainer.stages:
+            for n, p in st.named_parameters():
+                out.setdefault(id(p), n)
+        return out
+
+    def _with_param_names(self, payload: dict, state: SourceState) -> dict:
+        """``payload`` with the global names of its optimizer states' entries: per optimizer
+        ``{"state": [name of state index i], "params": [name of main_params[j]]}``."""
+        def named(opt, names: Optional[dict[int, str]]) -> dict:
+            names = opt.names if names is None else names
+            return {"state": [n for n, _ in opt.indexed_params(names)], "params": [names[id(p)] for p in opt.params]}
+
+        out = {}
+        if payload.get("optimizer") is not None and state.optimizer is not None:
+            out["optimizer"] = named(state.optimizer, None)  # "embeddings.{name}" (Trainer.make_embedding_optimizer)
+        if payload.get("body_optimizer") is not None:
+            out["body_optimizer"] = named(self.trainer.body_optimizer, self._global_names())
+        return dict(payload, param_names=out)
+
+    def load_state_dict_repartitioned(self, sds: dict) -> None:
+        """:meth:`load_state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
+        (tensor rank, pipeline rank) of this rank's group under another tensor, pipeline and / or
+        virtual-pipeline layout (each with the ``param_names`` of :meth:`state_dict`). Per
+        source: every embedding tensor this rank's chunks hold is taken from the first old
+        (stage, chunk) that held one of that name (a tied head's copy on the last stage
+        receives the updates of the first stage's table), its AdamW state and the body's
+        (``dept.body_optimizer_state: source``) by the parameter names saved with them; each
+        joined over the old tensor ranks along its parameter's partition dimension and cut
+        into this rank's shard (``dept_mega.reshard``)."""
+        from ..reshard import cut_shard, join_shards
+        pg = self.pg
+        T = 1 + max(t for t, _ in sds)
+        P = 1 + max(p for _, p in sds)
+        if sorted(sds) != [(t, p) for t in range(T) for p in range(P)]:
+            raise ValueError(f"expected the hook state of every (tensor, pipeline) rank of {T} x {P}, got {sorted(sds)}")
+        first = sds[(0, 0)]
+
+        def reshard(parts: list, param, what: str) -> torch.Tensor:
+            if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
+                return parts[0]
+            dim = getattr(param, "partition_dim", None)
+            stride = int(getattr(param, "partition_stride", 1) or 1)
+            out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, pg.tp_size, pg.tp_rank)
+            if tuple(out.shape) != tuple(param.shape):
+                raise ValueError(f"{what}: resharded to {tuple(out.shape)}, this launch holds {tuple(param.shape)}")
+            return out.clone()
+
+        def holders(parts: dict, kind: str, field: str) -> dict[str, tuple[int, dict]]:
+            """name -> (old pipeline rank that held it first, {tensor rank: index there})."""
+            out: dict[str, tuple[int, dict]] = {}
+            for p in range(P):
+                for t in range(T):
+                    names = (parts[(t, p)].get("param_names") or {}).get(kind)
+                    if names is None:
+                        raise ValueError(f"the saved {kind} state at tensor rank {t}, pipeline rank {p} has no "
+                                         f"parameter names")
+                    for i, n in enumerate(names[field]):
+                        if n not in out or out[n][0] == p:
+                            out.setdefault(n, (p, {}))[1].setdefault(t, i)
+            return out
+
+        def optimizer_sd(parts: dict, kind: str, opt, names: Optional[dict[int, str]], source: str) -> Optional[dict]:
+            saved = {k: v.get(kind) for k, v in parts.items()}
+            if all(v is None for v in saved.values()):
+                return None
+            if any(v is None for v in saved.values()):
+                raise ValueError(f"source {source!r}: its {kind} state was saved at some stages only")
+            by_state, by_param = holders(parts, kind, "state"), holders(parts, kind, "params")
+            state = {}
+            for j, (n, param) in enumerate(opt.indexed_params(names)):
+                if n not in by_state:
+                    raise ValueError(f"source {source!r}: no saved stage holds the {kind} state of {n}")
+                p, index = by_state[n]
+                entries = [saved[(t, p)]["state"].get(index[t]) for t in range(T)]
+                if entries[0] is None:
+                    continue  # saved without state (never stepped)
+                state[j] = {k: reshard([e[k] for e in entries], param, f"source {source!r}: {kind} {k} of {n}")
+                            for k in entries[0]}
+            # the hyperparameters (lr, betas, ...) of the saved group with the same weight decay
+            groups = []
+            saved_groups = [g for p in range(P) for g in saved[(0, p)]["param_groups"]]
+            for g in opt.inner.state_dict()["param_groups"]:
+                like = [s for s in saved_groups if s.get("weight_decay") == g.get("weight_decay")]
+                groups.append(dict(like[0], params=g["params"]) if like else g)
+            out = {k: v for k, v in saved[(0, 0)].items() if k not in ("state", "param_groups", "main_params")}
+            out.update(state=state, param_groups=groups)
+            if "main_params" in saved[(0, 0)]:
+                names_of = opt.names if names is None else names
+                mains = []
+                for param in opt.params:
+                    n = names_of[id(param)]
+                    if n not in by_param:
+                        raise ValueError(f"source {source!r}: no saved stage holds the {kind} master of {n}")
+                    p, index = by_param[n]
+                    mains.append(reshard([saved[(t, p)]["main_params"][index[t]] for t in range(T)], param,
+                                         f"source {source!r}: {kind} master of {n}"))
+                out["main_params"] = mains
+            return out
+
+        def payload(name: str, parts: dict) -> dict:
+            fresh = self._fresh_state(name)
+            embs = []
+            for c, e in enumerate(fresh.embeddings):
+                if e is None:
+                    embs.append(None)
+                    continue
+                held = e.state_dict(keep_vars=True)
+                sd = {}
+                for k, v in held.items():
+                    at = [(p, c0) for p in range(P) for c0, x in enumerate(parts[(0, p)]["embeddings"])
+                          if x is not None and k in x]
+                    if not at:
+                        raise ValueError(f"source {name!r}: no saved stage holds its embeddings' {k}")
+                    p, c0 = at[0]
+                    sd[k] = reshard([parts[(t, p)]["embeddings"][c0][k] for t in range(T)], v,
+                                    f"source {name!r}: embeddings' {k}")
+                embs.append(sd)
+            return {"embeddings": embs,
+                    "optimizer": optimizer_sd(parts, "optimizer", fresh.optimizer, None, name)
+                    if fresh.optimizer is not None else None,
+                    "body_optimizer": optimizer_sd(parts, "body_optimizer", self.trainer.body_optimizer,
+                                                   self._global_names(), name),
+                    "extra": dict(parts[(0, 0)].get("extra", {}))}
+
+        names = sorted(first["store"])
+        for k, x in sds.items():
+            if sorted(x["store"]) != names or x.get("installed") != first.get("installed"):
+                raise ValueError(f"the hook state at (tensor, pipeline) rank {k} holds other sources "
+                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than at (0, 0) "
+                                 f"({names}, installed {first.get('installed')!r})")
+        sd = dict(first)
+        sd["store"] = {n: payload(n, {k: x["store"][n] for k, x in sds.items()}) for n in names}
+        if first.get("installed_state") is not None:
+            sd["installed_state"] = payload(first["installed"], {k: x["installed_state"] for k, x in sds.items()})
+        self.load_state_dict(sd)
 
     def load_state_dict_resharded(self, sds: list[dict]) -> None:
         """:meth:`load_state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
@@ -471,9 +620,12 @@ class DeptHooks:
             sd["outer_residuals"] = residuals
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
-        sd["store"] = {n: state_payload(self.store.get(n), with_opt) for n in self.store.names()}
+        # with the global parameter names of their optimizer states (load_state_dict_repartitioned)
+        sd["store"] = {n: self._with_param_names(state_payload(self.store.get(n), with_opt), self.store.get(n))
+                       for n in self.store.names()}
         if self.strategy.source_embeddings and self.installed is not None:
-            sd["installed_state"] = state_payload(self._current_state(with_body=False), with_opt)
+            current = self._current_state(with_body=False)
+            sd["installed_state"] = self._with_param_names(state_payload(current, with_opt), current)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
