@@ -383,6 +383,21 @@ class DeptHooks:
             out["body_optimizer"] = named(self.trainer.body_optimizer, self._global_names())
         return dict(payload, param_names=out)
 
+    def _reshard_to(self, parts: list, param, what: str = "") -> torch.Tensor:
+        """The saved tensor shards ``parts`` (old tensor ranks 0..T'-1) of a per-source tensor
+        joined along ``param``'s partition dimension and cut into this rank's shard
+        (``dept_mega.reshard``); scalars, non-tensors and tensors without a parameter as saved."""
+        from ..reshard import cut_shard, join_shards
+        if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
+            return parts[0]
+        dim = getattr(param, "partition_dim", None)
+        stride = int(getattr(param, "partition_stride", 1) or 1)
+        out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, self.pg.tp_size, self.pg.tp_rank)
+        if tuple(out.shape) != tuple(param.shape):
+            raise ValueError(f"{what + ': ' if what else ''}resharded to {tuple(out.shape)}, this launch holds "
+                             f"{tuple(param.shape)}")
+        return out.clone()
+
     def load_state_dict_repartitioned(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
         (tensor rank, pipeline rank) of this rank's group under another tensor, pipeline and / or
@@ -393,23 +408,11 @@ class DeptHooks:
         (``dept.body_optimizer_state: source``) by the parameter names saved with them; each
         joined over the old tensor ranks along its parameter's partition dimension and cut
         into this rank's shard (``dept_mega.reshard``)."""
-        from ..reshard import cut_shard, join_shards
-        pg = self.pg
         T = 1 + max(t for t, _ in sds)
         P = 1 + max(p for _, p in sds)
         if sorted(sds) != [(t, p) for t in range(T) for p in range(P)]:
             raise ValueError(f"expected the hook state of every (tensor, pipeline) rank of {T} x {P}, got {sorted(sds)}")
         first = sds[(0, 0)]
-
-        def reshard(parts: list, param, what: str) -> torch.Tensor:
-            if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
-                return parts[0]
-            dim = getattr(param, "partition_dim", None)
-            stride = int(getattr(param, "partition_stride", 1) or 1)
-            out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, pg.tp_size, pg.tp_rank)
-            if tuple(out.shape) != tuple(param.shape):
-                raise ValueError(f"{what}: resharded to {tuple(out.shape)}, this launch holds {tuple(param.shape)}")
-            return out.clone()
 
         def holders(parts: dict, kind: str, field: str) -> dict[str, tuple[int, dict]]:
             """name -> (old pipeline rank that held it first, {tensor rank: index there})."""
@@ -440,7 +443,7 @@ class DeptHooks:
                 entries = [saved[(t, p)]["state"].get(index[t]) for t in range(T)]
                 if entries[0] is None:
                     continue  # saved without state (never stepped)
-                state[j] = {k: reshard([e[k] for e in entries], param, f"source {source!r}: {kind} {k} of {n}")
+                state[j] = {k: self._reshard_to([e[k] for e in entries], param, f"source {source!r}: {kind} {k} of {n}")
                             for k in entries[0]}
             # the hyperparameters (lr, betas, ...) of the saved group with the same weight decay
             groups = []
@@ -458,7 +461,7 @@ class DeptHooks:
                     if n not in by_param:
                         raise ValueError(f"source {source!r}: no saved stage holds the {kind} master of {n}")
                     p, index = by_param[n]
-                    mains.append(reshard([saved[(t, p)]["main_params"][index[t]] for t in range(T)], param,
+                    mains.append(self._reshard_to([saved[(t, p)]["main_params"][index[t]] for t in range(T)], param,
                                          f"source {source!r}: {kind} master of {n}"))
                 out["main_params"] = mains
             return out
@@ -478,7 +481,7 @@ class DeptHooks:
                     if not at:
                         raise ValueError(f"source {name!r}: no saved stage holds its embeddings' {k}")
                     p, c0 = at[0]
-                    sd[k] = reshard([parts[(t, p)]["embeddings"][c0][k] for t in range(T)], v,
+                    sd[k] = self._reshard_to([parts[(t, p)]["embeddings"][c0][k] for t in range(T)], v,
                                     f"source {name!r}: embeddings' {k}")
                 embs.append(sd)
             return {"embeddings": embs,
@@ -506,18 +509,6 @@ class DeptHooks:
         (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
         is joined along its parameter's partition dimension and cut into this rank's shard
         (``dept_mega.reshard``)."""
-        from ..reshard import cut_shard, join_shards
-        pg = self.pg
-
-        def reshard(parts: list, param) -> torch.Tensor:
-            if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
-                return parts[0]
-            dim = getattr(param, "partition_dim", None)
-            stride = int(getattr(param, "partition_stride", 1) or 1)
-            out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, pg.tp_size, pg.tp_rank)
-            if tuple(out.shape) != tuple(param.shape):
-                raise ValueError(f"resharded to {tuple(out.shape)}, this launch holds {tuple(param.shape)}")
-            return out.clone()
 
         def optimizer_sd(parts: list[Optional[dict]], opt) -> Optional[dict]:
             if parts[0] is None:
@@ -526,9 +517,9 @@ class DeptHooks:
             order = [mains[id(m)] for g in opt.inner.param_groups for m in g["params"]]
             out = dict(parts[0], state={})
             for i, st in parts[0]["state"].items():
-                out["state"][i] = {k: reshard([sd["state"][i][k] for sd in parts], order[int(i)]) for k in st}
+                out["state"][i] = {k: self._reshard_to([sd["state"][i][k] for sd in parts], order[int(i)]) for k in st}
             if "main_params" in parts[0]:
-                out["main_params"] = [reshard([sd["main_params"][j] for sd in parts], p)
+                out["main_params"] = [self._reshard_to([sd["main_params"][j] for sd in parts], p)
                                       for j, p in enumerate(opt.params)]
             return out
 
@@ -540,7 +531,8 @@ class DeptHooks:
                     embs.append(None)
                     continue
                 held = e.state_dict(keep_vars=True)
-                embs.append({k: reshard([p["embeddings"][c][k] for p in parts], held[k]) for k in parts[0]["embeddings"][c]})
+                embs.append({k: self._reshard_to([p["embeddings"][c][k] for p in parts], held[k])
+                             for k in parts[0]["embeddings"][c]})
             return {"embeddings": embs,
                     "optimizer": optimizer_sd([p["optimizer"] for p in parts], fresh.optimizer)
                     if fresh.optimizer is not None else None,

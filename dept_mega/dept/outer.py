@@ -466,7 +466,7 @@ class FlatSync:
         else:
             if t.numel() != self.numel:
                 raise ValueError(f"outer state holds {t.numel()} values, expected {self.numel}")
-            t = torch.cat([t.reshape(-1)[a:b] for a, b in self.ranges]) if self.ranges else t.reshape(-1)[:0]
+            t = self.cut_chunk(t)
         self.theta_prev = _pin(t.to(self.state_device, torch.float32).clone())
         self.optimizer.load_state_dict(sd["optimizer"])
         for k, v in list(self.optimizer.state.items()):  # the chunk's, or the whole shard's (join_flat_sync_chunks)
@@ -491,7 +491,7 @@ class FlatSync:
         flat = full.reshape(-1)
         if flat.numel() == self.chunk_numel or flat.numel() != self.numel:
             return full
-        return torch.cat([flat[a:b] for a, b in self.ranges]) if self.ranges else flat[:0]
+        return self.cut_chunk(flat)
 
     def _chunk_signature(self) -> list:
         """[start, end, numel] of this rank's chunk; with sharded masters [[start, end], ..., numel]."""
@@ -560,7 +560,7 @@ class FlatSync:
                     raise ValueError(f"outer state {what!r}: a tensor of shape {tuple(t.shape)} for a parameter "
                                      f"of shape {tuple(p.shape)}")
             flat = flatten_fp32(list(tensors))
-            mine = torch.cat([flat[a:b] for a, b in self.ranges]) if self.ranges else flat[:0]
+            mine = self.cut_chunk(flat)
             return _pin(mine.to(self.state_device).clone())
 
         self.theta_prev = chunk(state["reference"], "reference")
