@@ -117,7 +117,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     another data-parallel or bucket size, or the distributed optimizer switched on or off;
     same tensor / pipeline layout, hook state saved once per (tp, pp, group) or none) or
     ``"join_dp"`` (per-rank hook state under another data-parallel size that the hooks join:
-    ``DeptHooks.load_state_dict_dp_joined``, TRIM)."""
+    ``DeptHooks.load_state_dict_dp_joined``: TRIM, error-feedback residuals)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -173,7 +173,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size")))
     if optimizer_moved and not changed and (not saved.get("per_rank_hooks") or saved.get("hooks_dp0")):
         return "redistribute"
-    # per-rank hook state under another data-parallel size that the hooks join (TRIM's φ rows)
+    # per-rank hook state under another data-parallel size that the hooks join (TRIM's φ rows,
+    # error-feedback residuals)
     if (wrong == ["data"] and saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not sharded
             and not now["optim_distributed"] and bool(getattr(hooks, "hook_state_dp_joinable", lambda: False)())):
         return "join_dp"
@@ -595,7 +596,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
-        if mode == "join_dp":  # every old rank of this (pp, group) position (TRIM's φ rows)
+        if mode == "join_dp":  # every old rank of this (pp, group) position (TRIM's φ rows, error-feedback residuals)
             from .parallel.groups import rank_of
             T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
             files = {(t, d): os.path.join(path, f"hooks_rank{rank_of(t, d, pg.pp_rank, pg.group_index, T, D, P)}.pt")
