@@ -102,6 +102,9 @@ class DeptConfig:
     outer_state_device: str = "device"  # device | cpu: where θ_{t-1} and the outer optimizer state live
     outer_overlap: bool = False  # launch the sync and keep training (Streaming DiLoCo)
     outer_delay: int = 0  # τ: inner steps between launching a sync and applying it (0: blocking)
+    # what the τ overlapped steps start from: correction (θ_local, Streaming DiLoCo) | eager
+    # (an estimate of θ_t from this group's fresh and the others' previous pseudo-gradient)
+    outer_overlap_rule: str = "correction"
     outer_fragments: int = 1  # F: the body in F fragments of consecutive layers, synced staggered
     trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
     # GLOB: which embedding rows a group's inner steps update: all (plain) | present (only the
@@ -510,6 +513,9 @@ def _check_values(cfg: Config) -> None:
                           f"{cfg.dept.local_steps}")
 
 
+OVERLAP_RULES = ("correction", "eager")
+
+
 def _check_outer_sync(cfg: Config) -> None:
     """The outer synchronisation's keys (docs/dept.md "Outer synchronisation")."""
     d = cfg.dept
@@ -518,6 +524,12 @@ def _check_outer_sync(cfg: Config) -> None:
                           f"(fp8 | int8 | int4), got {d.outer_comm_dtype!r}")
     if d.outer_delay and not d.outer_overlap:
         raise ConfigError(f"config key 'dept.outer_delay': {d.outer_delay} needs dept.outer_overlap: true")
+    if d.outer_overlap_rule not in OVERLAP_RULES:
+        raise ConfigError(f"config key 'dept.outer_overlap_rule': {d.outer_overlap_rule!r} is not one of "
+                          f"{' | '.join(OVERLAP_RULES)}")
+    if d.outer_overlap_rule != "correction" and not (d.outer_overlap and d.outer_delay > 0):
+        raise ConfigError(f"config key 'dept.outer_overlap_rule': {d.outer_overlap_rule} needs dept.outer_overlap: "
+                          f"true and dept.outer_delay > 0 (it says what the overlapped steps start from)")
     if d.outer_delay >= d.local_steps:
         raise ConfigError(f"config key 'dept.outer_delay': {d.outer_delay} must be < dept.local_steps="
                           f"{d.local_steps} (a sync is applied before the next one of its fragment starts)")

@@ -43,14 +43,22 @@ def _inc(g, s, i, shape):
     return 0.1 * torch.randn(shape, generator=gen)
 
 
+def _inner_step(g, s, i, t):
+    """A stand-in for an inner step that depends on where it starts (a pull towards 0 plus
+    noise), so that what the overlapped steps start from shows in the result."""
+    return _inc(g, s, i, t.shape) - 0.1 * t.detach()
+
+
 SHAPES = [[(5, 3), (7,)], [(4, 4), (9,)]]  # two fragments of two parameters
 TABLE = (6, 5)  # an embedding table (GLOB's): synchronised in F parts, part f with fragment f
 LR, MU = 0.7, 0.9
 
 
-def _reference(G, D, L, T, tau, F, fmt, block, ef):
+def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
     """Plain tensors: every group's parameters, per-vector θ_prev, momentum and residual
-    (element-wise), the schedule of streaming.py and quantisation of each replica's piece.
+    (element-wise), the schedule of streaming.py and quantisation of each replica's piece;
+    ``eager``: overlapped steps start from θ_eager, the Nesterov step of θ_prev with
+    Δ̂ = Δ_g / G + (Δ̄_prev − Δ_g,prev / G) (Δ_g before a unit's first sync).
     Vectors: the body's F fragments and the table; a *unit* is what one launch sends: a
     vector and, per replica, the flat range it carries (a fragment: the replica's 1/D chunk;
     table part f: the f-th 1/F slice of the replica's chunk)."""
@@ -64,6 +72,8 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef):
     prev = [flat(init, k) for k in range(F + 1)]
     buf = [torch.zeros_like(v) for v in prev]
     resid = {(g, k): torch.zeros_like(prev[k]) for g in range(G) for k in range(F + 1)}
+    estimate_base = {(g, k): torch.zeros_like(prev[k]) for g in range(G) for k in range(F + 1)}
+    known = set()  # units whose previous mean is known (eager)
     offsets = fragment_offsets(L, F)
 
     def chunks(n):
@@ -91,9 +101,10 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef):
     def launch(u, s, blocking):
         k, _, ranges = u
         idx = torch.cat([torch.arange(a, b) for a, b in ranges])
-        deltas = []
+        deltas, own = [], {}
         for g in range(G):
             d = prev[k] - flat(theta[g], k)
+            own[g] = d[idx].clone()
             if fmt is not None:
                 for a, b in ranges:
                     x = d[a:b] + resid[(g, k)][a:b]
@@ -106,10 +117,21 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef):
         snaps = {g: flat(theta[g], k)[idx] for g in range(G)}
         if blocking:
             apply(k, idx, m, None)
-        else:
-            pending.append((s + tau, k, idx, m, snaps))
+            return
+        if eager:
+            for g in range(G):
+                est = estimate_base[(g, k)][idx] + own[g] / G if id(u) in known else own[g]
+                b = MU * buf[k][idx] + est
+                snaps[g] = prev[k][idx] - LR * (est + MU * b)
+                write(g, k, idx, snaps[g], add=False)
+        pending.append((s + tau, k, idx, m, snaps, (u, own)))
 
-    def apply(k, idx, m, snaps):
+    def apply(k, idx, m, snaps, eager_of=None):
+        if eager_of is not None and eager:
+            u, own = eager_of
+            for g in range(G):
+                estimate_base[(g, k)][idx] = m - own[g] / G
+            known.add(id(u))
         b = MU * buf[k][idx] + m
         buf[k][idx] = b
         prev[k][idx] = prev[k][idx] - LR * (m + MU * b)
@@ -125,19 +147,19 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef):
                 if u[1] == s % L:
                     launch(u, s, tau == 0)
         for g in range(G):
-            theta[g] = [t + _inc(g, s, i, t.shape) for i, t in enumerate(theta[g])]
+            theta[g] = [t + _inner_step(g, s, i, t) for i, t in enumerate(theta[g])]
         s1 = s + 1
         due = [p for p in pending if p[0] <= s1]
         pending = [p for p in pending if p[0] > s1]
-        for _, k, idx, m, snaps in due:
-            apply(k, idx, m, snaps)
+        for _, k, idx, m, snaps, of in due:
+            apply(k, idx, m, snaps, of)
         if s1 % L == 0:
             for u in units:
                 if u[1] == L:
                     launch(u, s1, tau == 0 or s1 == T)
             if s1 == T:
-                for _, k, idx, m, snaps in pending:
-                    apply(k, idx, m, snaps)
+                for _, k, idx, m, snaps, of in pending:
+                    apply(k, idx, m, snaps, of)
                 pending = []
                 for u in units:  # the final extra sync of the units launched before the round end
                     if u[1] != L:
@@ -151,7 +173,7 @@ def _stream_worker(rank, world, cases):
     pg = build_groups(tensor=1, data=2, pipeline=1)
     g = pg.group_index
     out = []
-    for L, T, tau, F, fmt, block, ef, state_device in cases:
+    for L, T, tau, F, fmt, block, ef, state_device, eager in cases:
         torch.manual_seed(0)
         shapes = SHAPES[0] + SHAPES[1]
         params = [torch.nn.Parameter(torch.randn(sh)) for sh in shapes] + [torch.nn.Parameter(torch.randn(TABLE))]
@@ -164,13 +186,13 @@ def _stream_worker(rank, world, cases):
         table = flat_sync(params[4:])
         units = sync_units(syncs, [table], L)
         assert len(units) == 2 * F and [u.part for u in units[F:]] == ([None] if F == 1 else list(range(F)))
-        sched = OuterSchedule(units, L, tau, T)
+        sched = OuterSchedule(units, L, tau, T, eager=eager)
         idle = []
         for s in range(T):
             sched.before_step(s)
             with torch.no_grad():
                 for i, p in enumerate(params):
-                    p.add_(_inc(g, s, i, p.shape))
+                    p.add_(_inner_step(g, s, i, p))
             sched.after_step(s + 1)
             if (s + 1) % L == 0:
                 sched.round_end(s + 1)
@@ -196,26 +218,41 @@ def _stream_worker(rank, world, cases):
             sd = sy.state_dict()
             sy.load_state_dict(sd)
             assert torch.equal(sy.theta_prev, before[0]) and sy.optimizer.part_steps == before[2]
+        if eager:  # E and which parts know a previous mean: saved, and joined over the replicas
+            import torch.distributed as dist
+            from dept_mega.dept.outer import join_flat_sync_chunks
+            for sy in syncs + [table]:
+                sd = sy.state_dict()
+                assert sy.eager_base.abs().max() > 0 and all(sd["eager_known"]), sd.get("eager_known")
+                sds = [None] * pg.dp_size
+                dist.all_gather_object(sds, sd, group=pg.dp)
+                before, known = sy.eager_base.clone(), list(sy.eager_known)
+                sy.eager_base.zero_()
+                sy.eager_known = [False] * sy.parts
+                sy.load_state_dict(join_flat_sync_chunks(sds))  # the whole shard's: this rank cuts its chunk
+                assert torch.equal(sy.eager_base, before) and sy.eager_known == known
         out.append({"final": [p.detach().clone() for p in params], "group": g, "idle": idle,
                     "bytes": pg.comm.snapshot(), "reference": states[0]["reference"]})
     return out
 
 
-CASES = [  # L, T, tau, F, fmt, block, error feedback, state device
-    (4, 8, 0, 1, None, 256, False, "device"),
-    (4, 8, 1, 2, None, 256, False, "cpu"),
-    (4, 8, 3, 2, None, 256, False, "device"),
-    (4, 8, 0, 2, "int8", 8, True, "device"),
-    (4, 8, 1, 1, "int4", 8, True, "cpu"),
-    (4, 8, 2, 2, "fp8", 16, False, "device"),
+CASES = [  # L, T, tau, F, fmt, block, error feedback, state device, eager start
+    (4, 8, 0, 1, None, 256, False, "device", False),
+    (4, 8, 1, 2, None, 256, False, "cpu", False),
+    (4, 8, 3, 2, None, 256, False, "device", False),
+    (4, 8, 0, 2, "int8", 8, True, "device", False),
+    (4, 8, 1, 1, "int4", 8, True, "cpu", False),
+    (4, 8, 2, 2, "fp8", 16, False, "device", False),
+    (4, 12, 2, 1, None, 256, False, "device", True),
+    (4, 8, 1, 2, "int8", 8, True, "cpu", True),
 ]
 
 
 @pytest.mark.timeout(200)
 def test_fragments_overlap_quantised_match_plain_reference():
     res = run_distributed(_stream_worker, 4, args=(CASES,), timeout=180)
-    for i, (L, T, tau, F, fmt, block, ef, _) in enumerate(CASES):
-        ref = _reference(2, 2, L, T, tau, F, fmt, block, ef)
+    for i, (L, T, tau, F, fmt, block, ef, _, eager) in enumerate(CASES):
+        ref = _reference(2, 2, L, T, tau, F, fmt, block, ef, eager)
         for r in res:
             got = r[i]
             for a, b in zip(got["final"], ref[got["group"]]):
@@ -310,6 +347,10 @@ def _runs():
          "model": {"position_embedding": "learned"}, "parallel": {"tensor": 2}},
         {**base, "dept": {"variant": "spec", "local_steps": 4, "outer_fragments": 2, "outer_comm_dtype": "fp8"},
          "parallel": {"data": 2}},
+        # run 1 with the eager start (its extra dp re-gathers are checked against run 1's)
+        {**base, "dept": {"variant": "glob", **stream, "outer_comm_dtype": "int8", "outer_error_feedback": True,
+                          "outer_overlap_rule": "eager"},
+         "model": {"position_embedding": "learned"}, "parallel": {"data": 2}},
     ]
 
 
@@ -359,6 +400,19 @@ def test_dept_variants_with_streaming_options():
             if cfg.dept.variant == "glob":
                 assert extra["outer_embedding"] > 0 and pred["peak_step_bytes"] < \
                     0.6 * (pred["round"]["outer_body"] + pred["round"]["outer_embedding"])
+    # the eager start sends what the correction rule sends across groups, plus one dp re-gather
+    # of θ_eager per overlapped launch (not at the last step's blocking syncs): the records'
+    # dp difference (the inner gradient reductions are the same) equals the prediction's
+    plain, eager = tiny_config(_runs()[1]), tiny_config(_runs()[5])
+    pp, pe = (predict_outer_sync(c, 2, global_vocab=VOCAB) for c in (plain, eager))
+    gathers = pe["round"]["dp"] - pp["round"]["dp"]
+    assert gathers > 0
+    for k, (a, b) in enumerate(zip(res[0][1]["outer"], res[0][5]["outer"])):
+        last = k == len(res[0][1]["outer"]) - 1
+        assert b["bytes"]["dp"] - a["bytes"]["dp"] == \
+            gathers + (pe["final_extra"]["dp"] - pp["final_extra"]["dp"] if last else 0), (k, a["bytes"], b["bytes"])
+        assert {c: b["bytes"][c] for c in ("outer_body", "outer_embedding")} == \
+            {c: a["bytes"][c] for c in ("outer_body", "outer_embedding")}
     # quantised GLOB sends about a quarter of fp32's outer bytes (payload + scales)
     fp32 = res[0][0]["outer"][0]["bytes"]["outer_body"]
     int8 = res[0][1]["outer"][0]["bytes"]["outer_body"]
@@ -427,6 +481,8 @@ def test_slow_link_blocking_exposed_grows_overlapped_stays_hidden():
     ({"outer_comm_dtype": "int2"}, {}, "dept.outer_comm_dtype"),
     ({"outer_state_device": "disk"}, {}, "dept.outer_state_device"),
     ({"outer_quant_block": 0}, {}, "dept.outer_quant_block"),
+    ({"outer_overlap_rule": "eager"}, {}, "dept.outer_overlap_rule"),
+    ({"outer_overlap": True, "outer_delay": 1, "outer_overlap_rule": "early"}, {}, "dept.outer_overlap_rule"),
     ({"variant": "glob", "embedding_rows": "present", "outer_overlap": True, "outer_delay": 1}, {},
      "dept.outer_overlap"),
 ])
@@ -462,8 +518,10 @@ def tiny_config_of(over):
 # (world size, extra config): 2 groups; 2 groups × D 2 with bf16 weights and the distributed
 # optimizer (the outer state on its master shards, dept/master_shards.py)
 RESUME_LAYOUTS = {"plain": (2, {}),
-                  "dist_bf16_dp2": (4, {"parallel": {"data": 2}, "precision": "bf16",
-                                        "optim": {"distributed": True, "grad_bucket_size": 500}})}
+                  # with the eager start, whose estimate buffer is per rank (sharded masters here)
+                  "dist_bf16_dp2_eager": (4, {"parallel": {"data": 2}, "precision": "bf16",
+                                              "optim": {"distributed": True, "grad_bucket_size": 500},
+                                              "dept": {"outer_overlap_rule": "eager"}})}
 
 
 @pytest.mark.slow
@@ -473,9 +531,11 @@ def test_streamed_run_saves_only_between_syncs_and_resumes_bit_exactly(tmp_path,
     # saves fall due at the round ends 4 and 8, where the last fragment has just been launched:
     # they are taken at 5 and 9, after it is applied (τ = 1), and a resume from 5 is exact
     world, extra = RESUME_LAYOUTS[layout]
+    extra = dict(extra)
     over = {"dept": {"variant": "glob", "local_steps": 4, "outer_fragments": 2, "outer_overlap": True,
                      "outer_delay": 1, "outer_comm_dtype": "int8", "outer_error_feedback": True,
-                     "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                     "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
+                     **extra.pop("dept", {})},
             "train": {"steps": 12, "save_interval": 4, "eval_interval": 0}, **extra}
     res = run_distributed(_resume_streamed_worker, world, args=(over, str(tmp_path)), timeout=250)
     for r in res:

@@ -6,7 +6,7 @@ each storage once: ``memory.held_bytes``) equal ``predict_memory`` exactly, for 
 sequence parallelism and PP 2; fp32 and bf16 weights; the distributed optimizer on and off
 (small buckets, so that several buckets and their padding count), with the outer state on the
 distributed optimizer's master shards under bf16; every variant; the body in fragments with
-error feedback.
+error feedback and the eager start's estimate.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def _runs():
         for distributed in (False, True):
             over = _over("glob", parallel, "bf16", distributed, "nesterov", False)
             over["dept"].update(outer_fragments=2, outer_comm_dtype="int8", outer_error_feedback=True, local_steps=2)
+            if distributed:  # with the eager start's estimate E
+                over["dept"].update(outer_overlap=True, outer_delay=1, outer_overlap_rule="eager")
             over["train"]["steps"] = 2
             runs.append(over)
     return runs

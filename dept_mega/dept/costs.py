@@ -556,7 +556,9 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     chunks: payload plus one fp32 scale per ``outer_quant_block`` values of each rank's
     chunk), ``outer_fragments`` (each fragment's chunks are split and quantised separately;
     fragment f's bytes land on its step; GLOB's tables go in F parts, part f with fragment f),
-    ``outer_overlap`` / ``outer_delay`` (they move when a sync is applied, not what it sends).
+    ``outer_overlap`` / ``outer_delay`` (they move when a sync is applied, not what it sends;
+    with ``outer_overlap_rule: eager`` every overlapped launch also writes θ_eager, one more
+    ``dp`` re-gather, which the last step's blocking syncs do not do).
     TRIM's rows go at the round's end. ``final_extra``: {category: bytes} the run's last step
     sends on top of a round's — every unit launched before the round's end is synchronised
     once more there (dept/streaming.py), so the last round's record carries
@@ -579,6 +581,8 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     from .memory import PARAM_BYTES, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
+    from .memory import eager_start
+    eager = eager_start(cfg)
     for _, offset, category, chunks in unit_chunks(cfg, global_vocab):
         n = sum(chunks)
         again = extra if offset != L else {}  # synchronised once more at the last step
@@ -589,9 +593,12 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
             if again:
                 again[category] += sent
         if D > 1 and n:  # equal parts of the longest chunk (dept/outer.py)
-            out["dp"] += groups * T * D * max(chunks) * regather
+            gather = groups * T * D * max(chunks) * regather
+            out["dp"] += gather * (2 if eager else 1)
             if again:
-                again["dp"] += groups * T * D * max(chunks) * regather
+                again["dp"] += gather
+            elif eager:  # launched blocking at the last step: no θ_eager
+                extra["dp"] -= gather
     if variant == "trim":
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "

@@ -44,6 +44,10 @@ from .strategy import RoundView, StrategyContext
 from .variants import make_strategy
 
 BODY_OPTIMIZER_STATES = ("group", "source")
+# per-rank chunk buffers of the FlatSyncs kept in the hook state (hook-state entry -> attribute),
+# and the config key that makes each
+CHUNK_BUFFERS = {"outer_residuals": "residual", "outer_eager": "eager_base"}
+CHUNK_BUFFER_KEYS = {"outer_residuals": "dept.outer_error_feedback", "outer_eager": "dept.outer_overlap_rule"}
 
 
 @dataclass
@@ -89,7 +93,7 @@ class DeptHooks:
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
         units = sync_units(self.body_syncs, self.strategy.outer_syncs(), d.local_steps)
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
-                                      cfg.train.steps)
+                                      cfg.train.steps, eager=d.outer_overlap_rule == "eager")
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
@@ -290,23 +294,24 @@ class DeptHooks:
         (per-source embeddings and their AdamW state are replicated; the distributed
         optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
         per (tp, pp, group) and it loads under another ``parallel.data``."""
-        # (error-feedback residuals belong to a rank's chunk of the outer state; with the
-        # distributed optimizer the optimizer states kept per source are its per-rank shards)
+        # (error-feedback residuals and the eager start's estimates belong to a rank's chunk of
+        # the outer state, the estimates to its group too; with the distributed optimizer the optimizer states kept per source are its per-rank shards)
         sharded_sources = self.cfg.optim.distributed and (self.strategy.source_embeddings or self.body_per_source)
         return (self.strategy.name != "trim" and not sharded_sources
-                and not self.cfg.dept.outer_error_feedback)
+                and not self.cfg.dept.outer_error_feedback and not self.schedule.eager)
 
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback),
-        and the other variants, whose hook state is per rank only for the error-feedback
-        residuals (``dept.outer_error_feedback``: a chunk of each FlatSync per replica); not
+        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback or
+        the eager start), and the other variants, whose hook state is per rank only for the
+        error-feedback residuals (``dept.outer_error_feedback``) and the eager start's
+        estimates (``dept.outer_overlap_rule: eager``): a chunk of each FlatSync per replica; not
         with the distributed optimizer (per-rank shards in the per-source state)."""
         if self.cfg.optim.distributed:
             return False
         if self.strategy.name == "trim":
-            return not self.cfg.dept.outer_error_feedback
+            return not self.cfg.dept.outer_error_feedback and not self.schedule.eager
         return True
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
@@ -314,28 +319,29 @@ class DeptHooks:
         this rank's (pipeline stage, group) under another data-parallel size: the replicated
         part from the old rank at this tensor position and data rank 0, TRIM's row-sharded φ
         and chunked outer state joined (``TrimStrategy.join_rank_states``) and cut here, the
-        error-feedback residuals joined from the old replicas' chunks (near-equal, in
-        data-parallel order) and cut into this rank's chunk."""
+        error-feedback residuals and eager estimates (CHUNK_BUFFERS) joined from the old
+        replicas' chunks (near-equal, in data-parallel order) and cut into this rank's chunk."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
         if self.strategy.name == "trim":
             self.load_state_dict(self.strategy.join_rank_states(mine, sds))
             return
         sd = dict(mine)
-        if mine.get("outer_residuals"):
-            old = sorted(d for t, d in sds if t == tp)
-            syncs = self.outer_syncs()
+        old = sorted(d for t, d in sds if t == tp)
+        syncs = self.outer_syncs()
+        for entry, attr in CHUNK_BUFFERS.items():
             joined = {}
-            for k in mine["outer_residuals"]:
-                if k not in syncs or syncs[k].residual is None:
-                    raise ValueError(f"dept.outer_error_feedback: the checkpoint holds a residual for {k!r}, this "
-                                     f"run has none there")
-                full = torch.cat([sds[(tp, d)]["outer_residuals"][k].reshape(-1) for d in old])
+            for k in mine.get(entry) or {}:
+                if k not in syncs or getattr(syncs[k], attr) is None:
+                    raise ValueError(f"{CHUNK_BUFFER_KEYS[entry]}: the checkpoint holds an outer {attr} for {k!r}, "
+                                     f"this run has none there")
+                full = torch.cat([sds[(tp, d)][entry][k].reshape(-1) for d in old])
                 if full.numel() != syncs[k].numel:
-                    raise ValueError(f"outer residual {k!r}: the old replicas' chunks hold {full.numel()} values, "
+                    raise ValueError(f"outer {attr} {k!r}: the old replicas' chunks hold {full.numel()} values, "
                                      f"the shard {syncs[k].numel}")
                 joined[k] = syncs[k].cut_chunk(full)
-            sd["outer_residuals"] = joined
+            if joined:
+                sd[entry] = joined
         self.load_state_dict(sd)
 
     def hook_state_reshardable(self) -> bool:
@@ -602,14 +608,18 @@ class DeptHooks:
                                "can_save_now() is true")
         # the outer state (θ_{t-1}, outer optimizer) of every FlatSync is not here: dept_mega.checkpoint
         # saves it once, per parameter, from outer_syncs() (dept_mega.checkpoint_state); only the
-        # per-rank error-feedback residuals (dept.outer_error_feedback) are
+        # per-rank chunk buffers (CHUNK_BUFFERS: error-feedback residuals, eager estimates) are
         sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
                               "installed": self.installed, "in_round": self.in_round,
                               "mark": dict(self._mark)}
-        residuals = {k: s.residual.detach().cpu().clone() for k, s in self.outer_syncs().items()
-                     if s.residual is not None}
-        if residuals:
-            sd["outer_residuals"] = residuals
+        for entry, attr in CHUNK_BUFFERS.items():
+            held = {k: getattr(s, attr).detach().cpu().clone() for k, s in self.outer_syncs().items()
+                    if getattr(s, attr) is not None}
+            if held:
+                sd[entry] = held
+        known = {k: list(s.eager_known) for k, s in self.outer_syncs().items() if s.eager_base is not None}
+        if known:
+            sd["outer_eager_known"] = known
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
         # with the global parameter names of their optimizer states (load_state_dict_repartitioned)
@@ -630,11 +640,17 @@ class DeptHooks:
             for s, part in zip(self.body_syncs, parts):
                 s.load_state_dict(part)
         syncs = self.outer_syncs()
-        for k, r in (sd.get("outer_residuals") or {}).items():
-            if k not in syncs or syncs[k].residual is None:
-                raise ValueError(f"dept.outer_error_feedback: the checkpoint holds a residual for {k!r}, this run "
-                                 f"has none there")
-            syncs[k].residual.copy_(r.to(syncs[k].residual.device, torch.float32))
+        for entry, attr in CHUNK_BUFFERS.items():
+            for k, r in (sd.get(entry) or {}).items():
+                if k not in syncs or getattr(syncs[k], attr) is None:
+                    raise ValueError(f"{CHUNK_BUFFER_KEYS[entry]}: the checkpoint holds an outer {attr} for {k!r}, "
+                                     f"this run has none there")
+                getattr(syncs[k], attr).copy_(r.to(getattr(syncs[k], attr).device, torch.float32))
+        for k, s in syncs.items():  # the eager start's estimate: none in the checkpoint, none known
+            if s.eager_base is not None:
+                if k not in (sd.get("outer_eager") or {}):
+                    s.eager_base.zero_()
+                s.load_eager_known((sd.get("outer_eager_known") or {}).get(k))
         self.strategy.load_state_dict(sd)
         self.store = SourceStore()
         for n, payload in sd["store"].items():
@@ -670,6 +686,9 @@ class DeptHooks:
                                     "with its own number of groups")
         if self.cfg.optim.distributed:
             return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+        if self.schedule.eager:
+            return ("dept.outer_overlap_rule", "the eager start's estimate (the other groups' share of the last "
+                                               "pseudo-gradient) belongs to the group and to the number of groups")
         if step % L:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "

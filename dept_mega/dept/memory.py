@@ -284,9 +284,10 @@ def _optimizer_bytes(cfg: Config, numels: Sequence[int], isolate: set[int]) -> d
 
 
 def _flat_sync_bytes(numel: int, D: int, name: str, lean: bool, chunk: Optional[int] = None,
-                     residual: bool = False) -> int:
+                     residual: bool = False, eager: bool = False) -> int:
     """FlatSync (dept/outer.py) on dp rank 0: θ_prev (full, or the chunk when ``lean``), the
-    outer optimizer's state for the chunk and, with error feedback, the residual, fp32.
+    outer optimizer's state for the chunk and, with error feedback, the residual, with the
+    eager start the estimate E, fp32.
     ``chunk``: rank 0's chunk (default: the first of D near-equal chunks)."""
     if numel == 0:
         return 0
@@ -294,7 +295,7 @@ def _flat_sync_bytes(numel: int, D: int, name: str, lean: bool, chunk: Optional[
         s, e = chunk_bounds(numel, D, 0)
         chunk = e - s
     theta = chunk if lean else numel
-    return 4 * (theta + (OUTER_STATE[name] + (1 if residual else 0)) * chunk)
+    return 4 * (theta + (OUTER_STATE[name] + int(residual) + int(eager)) * chunk)
 
 
 def _outer_bytes(cfg: Config, numels: Sequence[int], labels: Sequence[int], isolate: set[int], lean: bool) -> int:
@@ -305,8 +306,15 @@ def _outer_bytes(cfg: Config, numels: Sequence[int], labels: Sequence[int], isol
         totals[lab] = totals.get(lab, 0) + n
     chunks = flat_sync_chunks(cfg, numels, labels, isolate)
     ef = d.outer_error_feedback
-    return sum(_flat_sync_bytes(totals[lab], cfg.parallel.data, d.outer_optimizer.name, lean, chunks[lab][0], ef)
-               for lab in totals)
+    return sum(_flat_sync_bytes(totals[lab], cfg.parallel.data, d.outer_optimizer.name, lean, chunks[lab][0], ef,
+                                eager_start(cfg)) for lab in totals)
+
+
+def eager_start(cfg: Config) -> bool:
+    """The overlapped syncs start from an estimate of θ_t (dept.outer_overlap_rule: eager;
+    dept/outer.py "Eager start"): the body's and GLOB's tables' FlatSyncs keep E."""
+    d = cfg.dept
+    return d.outer_overlap_rule == "eager" and d.outer_overlap and d.outer_delay > 0
 
 
 def trim_shards(cfg: Config) -> int:
@@ -509,6 +517,7 @@ def held_bytes(trainer, hooks=None) -> dict[str, int]:
         for v in sync.optimizer.state.values():
             add("outer", v)
         add("outer", sync.residual)  # error feedback (None without)
+        add("outer", sync.eager_base)  # the eager start (None without)
 
     for sync in hooks.outer_syncs().values():  # the body's (per fragment) and GLOB's tables
         add_sync(sync)

@@ -37,6 +37,20 @@ steps later, the parameters become θ_t + (θ_local_now − θ_local_at_launch),
 θ_{t-1} of the next round. A sync with ``correct=False`` writes θ_t exactly (the blocking
 sync, bit-identical to applying it at once).
 
+Eager start (``dept.outer_overlap_rule: eager``, :meth:`FlatSync.enable_eager`; after the
+eager updates of Kale et al. 2025, arXiv:2502.12996): the τ overlapped inner steps start not
+from θ_local but from an estimate of θ_t made at launch without waiting. The mean Δ̄_t is
+estimated by this group's fresh share plus the other groups' shares of the previous sync,
+Δ̂_t = Δ_g,t / G + E with E = Δ̄_{t-1} − Δ_g,t-1 / G (kept per chunk, fp32; a sync with
+no previous mean known — the first of its part, or the first after loading a checkpoint
+without E — takes Δ̂ = Δ_g: the other groups assumed to have moved like this one), and
+θ_eager = the outer step of θ_{t-1} with Δ̂ (:meth:`OuterOptimizer.peek`: the optimizer
+state does not change). θ_eager is written into the parameters at launch (a dp
+re-gather, counted as ``dp``) and takes θ_local_at_launch's place in the correction:
+θ ← θ_local_now + (θ_t − θ_eager). The reference θ_t and the outer state still come from
+the true mean Δ̄_t only, so they stay the same in every group; Kale et al. instead step the
+outer optimizer with the estimate itself.
+
 With half-precision weights the fp32 values to read and write are the optimizer's master
 copies: a FlatSync built with ``main_params`` / ``refresh`` (``Trainer.main_params`` and
 ``Trainer.refresh_model_params``) reads θ_local from and writes θ_t into those, then refreshes
@@ -114,6 +128,22 @@ class OuterOptimizer:
             b = min(a + STEP_SLICE, n)
             self._step_slice(theta[a:b], delta[a:b], {k: v[at + a:at + b] for k, v in self.state.items()}, t)
 
+    @torch.no_grad()
+    def peek(self, theta: torch.Tensor, delta: torch.Tensor, at: int = 0, part: Optional[int] = None) -> torch.Tensor:
+        """What :meth:`step` would make of θ with Δ̄ = ``delta``, as a new tensor; neither θ nor
+        the optimizer state nor the step counts change (the eager overlap rule's estimate)."""
+        if theta.dtype != torch.float32 or delta.dtype != torch.float32:
+            raise TypeError("outer optimizer works on fp32 buffers")
+        if part is None:
+            self.ensure_state(theta)
+        t = (self.steps if part is None else self.part_steps[part]) + 1
+        out = theta.clone()
+        n = out.numel()
+        for a in range(0, max(n, 1), STEP_SLICE):
+            b = min(a + STEP_SLICE, n)
+            self._step_slice(out[a:b], delta[a:b], {k: v[at + a:at + b].clone() for k, v in self.state.items()}, t)
+        return out
+
     def _step_slice(self, theta: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor], t: int) -> None:
         if self.name == "fedavg":
             theta.add_(delta, alpha=-self.lr)
@@ -190,8 +220,11 @@ def join_flat_sync_chunks(sds: Sequence[dict]) -> dict:
     opt = dict(sds[0]["optimizer"])
     opt["state"] = {k: torch.cat([sd["optimizer"]["state"][k] for sd in sds]) for k in opt.get("state", {})}
     out = {"theta_prev": torch.cat([sd["theta_prev"] for sd in sds]), "optimizer": opt}
-    if "residual" in sds[0]:
-        out["residual"] = torch.cat([sd["residual"] for sd in sds])
+    for key in ("residual", "eager_base"):
+        if key in sds[0]:
+            out[key] = torch.cat([sd[key] for sd in sds])
+    if "eager_known" in sds[0]:
+        out["eager_known"] = list(sds[0]["eager_known"])
     return out
 
 
@@ -213,8 +246,9 @@ class PendingSync:
     work: Any  # the collective's handle (``wait()``)
     wire: Optional[torch.Tensor]  # fp32/bf16: the all-reduced chunk; quantised: the G packed chunks
     delta: torch.Tensor  # fp32 Δ of this rank's chunk (fp32 wire: the same tensor)
-    launch: Optional[torch.Tensor]  # θ_local of the chunk at launch (for the correction)
+    launch: Optional[torch.Tensor]  # θ at launch (θ_local, or θ_eager; for the correction)
     part: Optional[int] = None  # the part of the chunk (FlatSync.use_parts), None: all of it
+    own: Optional[torch.Tensor] = None  # eager start: this group's own Δ (fp32, before quantising)
     launched_at: float = field(default_factory=time.perf_counter)
 
 
@@ -270,6 +304,17 @@ class FlatSync:
             self.optimizer.state = {k: _pin(v) for k, v in self.optimizer.state.items()}
         # error feedback: this rank's last quantisation residual (chunk, fp32)
         self.residual = torch.zeros_like(self.theta_prev) if self.error_feedback else None
+        # eager start (enable_eager): E = Δ̄_{t-1} − Δ_g,t-1 / G of the chunk (fp32), and per
+        # part whether it holds a previous mean yet
+        self.eager_base: Optional[torch.Tensor] = None
+        self.eager_known: list[bool] = []
+
+    def enable_eager(self) -> None:
+        """Start overlapped syncs from an estimate of θ_t (module doc, "Eager start"):
+        ``launch(eager=True)`` then needs E, allocated here (zeros until the first sync)."""
+        if self.eager_base is None:
+            self.eager_base = _pin(torch.zeros_like(self.theta_prev))
+            self.eager_known = [False] * self.parts
 
     @property
     def chunk_numel(self) -> int:
@@ -284,6 +329,8 @@ class FlatSync:
         outer step count (Adam's bias correction); the state stays one buffer per chunk."""
         if parts < 1:
             raise ValueError(f"FlatSync.use_parts: parts must be >= 1, got {parts}")
+        if self.eager_base is not None:
+            raise RuntimeError("FlatSync.use_parts: call it before enable_eager()")
         self.parts = int(parts)
         self.optimizer.part_steps = [self.optimizer.steps] * parts if parts > 1 else []
 
@@ -353,10 +400,13 @@ class FlatSync:
             self.finish(pending, correct=False)
 
     @torch.no_grad()
-    def launch(self, keep_launch: bool = False, part: Optional[int] = None) -> Optional[PendingSync]:
+    def launch(self, keep_launch: bool = False, part: Optional[int] = None,
+               eager: bool = False) -> Optional[PendingSync]:
         """Steps 1–2: Δ of this rank's chunk (of its slice ``part``, see :meth:`use_parts`),
         and its exchange across groups started asynchronously. ``keep_launch``: keep θ_local
-        for :meth:`finish`'s correction (overlapped sync). None when there is nothing to
+        for :meth:`finish`'s correction (overlapped sync); ``eager`` (needs ``keep_launch`` and
+        :meth:`enable_eager`): write θ_eager into the parameters now and keep it instead
+        (module doc, "Eager start"). None when there is nothing to
         synchronise (e.g. GLOB embeddings on a middle pipeline stage: every member of this
         rank's outer and dp groups has the same empty share, so nobody communicates)."""
         if self.numel == 0:
@@ -368,8 +418,11 @@ class FlatSync:
         local = self._read_chunk()
         if part is not None:
             local = local[c0:c1].clone()
-        launch = local.clone() if keep_launch else None
+        if eager and (not keep_launch or self.eager_base is None):
+            raise RuntimeError("FlatSync.launch(eager=True) needs keep_launch=True and enable_eager()")
+        launch = local.clone() if keep_launch and not eager else None
         delta = torch.sub(self.theta_prev[c0:c1].to(self.device, non_blocking=True), local, out=local)
+        own = delta.clone() if eager else None  # before error feedback, quantisation and the all-reduce
         residual = self.residual[c0:c1] if self.residual is not None else None
         G = group_size(pg.outer)
         wire, work = None, None
@@ -387,7 +440,19 @@ class FlatSync:
                     del sent
                 wire = torch.empty(G * packed.numel(), dtype=torch.uint8, device=self.device)
                 work = pg.comm.all_gather_into(wire, packed, pg.outer, category=self.category, async_op=True)
-        return PendingSync(work, wire, delta, launch, part)
+        if eager:  # while the exchange runs
+            launch = self._eager_theta(own, part, G)
+            self._write(launch, part, add=False)
+        return PendingSync(work, wire, delta, launch, part, own)
+
+    def _eager_theta(self, own: torch.Tensor, part: Optional[int], G: int) -> torch.Tensor:
+        """θ_eager of the chunk (part): the outer step of θ_{t-1} with Δ̂ = Δ_g / G + E, or with
+        Δ_g before the first sync (no previous mean yet)."""
+        c0, c1 = self.part_slice(part)
+        estimate = own.clone() if not self.eager_known[part or 0] else \
+            torch.add(self.eager_base[c0:c1].to(self.device, non_blocking=True), own, alpha=1.0 / G)
+        theta = self.optimizer.peek(self.theta_prev[c0:c1], estimate.to(self.state_device), at=c0, part=part)
+        return theta.to(self.device)
 
     @torch.no_grad()
     def finish(self, pending: PendingSync, correct: bool = False) -> float:
@@ -414,6 +479,10 @@ class FlatSync:
         pending.wire = None
         part = pending.part
         c0, c1 = self.part_slice(part)
+        if pending.own is not None:  # eager start: E = Δ̄_t − Δ_g,t / G for the next sync
+            self.eager_base[c0:c1].copy_(torch.sub(delta, pending.own, alpha=1.0 / G).to(self.state_device))
+            self.eager_known[part or 0] = True
+            pending.own = None
         # (a device → CPU copy must be blocking: the CPU step reads it at once)
         if part is None:
             self.optimizer.step(self.theta_prev, delta.to(self.state_device))
@@ -426,24 +495,30 @@ class FlatSync:
                 raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
             theta = torch.sub(theta, pending.launch, out=pending.launch)  # θ_t − θ_local_at_launch
         pending.launch = None
+        self._write(theta, part, add=correct)
+        return waited
+
+    def _write(self, theta: torch.Tensor, part: Optional[int], add: bool) -> None:
+        """This rank's chunk (``part``) of fp32 values written (``add``: added) into every
+        replica's parameters: re-gathered over ``pg.dp`` (counted as ``dp``)."""
+        c0, c1 = self.part_slice(part)
         if self.shards is not None:
             # the rank's own masters, then every rank's pieces into the weights (master_shards.py)
-            self.shards.write(theta, add=correct, at=c0)
+            self.shards.write(theta, add=add, at=c0)
             del theta
             send = self.shards.send_buffer()[c0:c1]
             self.shards.write_weights(self._gather_pieces(send.to(self.device), dtype=self.shards.weight_dtype,
                                                           part=part))
-            return waited
+            return
         pieces = self._gather_pieces(theta, part=part)
         for v, (a, b, src) in self._segments(self.values(), pieces):
             flat = v.data.view(-1)
-            if correct:
+            if add:
                 flat[a:b].add_(src.to(v.dtype))
             else:
                 flat[a:b].copy_(src.to(v.dtype))
         if self._refresh is not None:
             self._refresh(self.params)
-        return waited
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -453,6 +528,9 @@ class FlatSync:
               "optimizer": self.optimizer.state_dict()}
         if self.residual is not None:
             sd["residual"] = self.residual.detach().cpu().clone()
+        if self.eager_base is not None:
+            sd["eager_base"] = self.eager_base.detach().cpu().clone()
+            sd["eager_known"] = list(self.eager_known)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -473,10 +551,27 @@ class FlatSync:
             v = self._cut(v) if "chunk" not in sd else v
             self.optimizer.state[k] = _pin(v.to(self.state_device, torch.float32).clone())
         if self.residual is not None:
-            r = sd.get("residual")
-            r = self._cut(r) if (r is not None and "chunk" not in sd) else r
-            self.residual = _pin(r.to(self.state_device, torch.float32).clone()) if r is not None \
-                else torch.zeros_like(self.theta_prev)
+            self.residual = self._loaded_chunk(sd, "residual")
+        if self.eager_base is not None:
+            self.eager_base = self._loaded_chunk(sd, "eager_base")
+            self.load_eager_known(sd.get("eager_known") if "eager_base" in sd else None)
+
+    def load_eager_known(self, known: Optional[Sequence[bool]]) -> None:
+        """Which parts' E hold a previous mean (None: none does)."""
+        known = [False] * self.parts if known is None else [bool(k) for k in known]
+        if len(known) != self.parts:
+            raise ValueError(f"outer state: the checkpoint's eager estimate has {len(known)} parts, this run's "
+                             f"sync {self.parts} (another dept.outer_fragments)")
+        self.eager_known = known
+
+    def _loaded_chunk(self, sd: dict, key: str) -> torch.Tensor:
+        """A per-chunk buffer of :meth:`state_dict` (the chunk's, or the whole shard's: cut);
+        zeros when the checkpoint has none."""
+        r = sd.get(key)
+        if r is None:
+            return _pin(torch.zeros_like(self.theta_prev))
+        r = self._cut(r) if "chunk" not in sd else r
+        return _pin(r.to(self.state_device, torch.float32).clone())
 
     def cut_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a flat tensor of the whole shard's values."""

@@ -19,7 +19,9 @@ compact table belongs to the round's source).
 inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_at_launch)
 (``FlatSync.finish(correct=True)``); meanwhile its exchange runs behind the training
 steps. τ = 0 is the blocking sync (F = 1, τ = 0: exactly the sync without this module's
-options). The run's last step applies every pending sync, syncs the last fragment blocking
+options). ``dept.outer_overlap_rule: eager`` (``OuterSchedule(eager=True)``) starts those τ
+steps from an estimate of θ_t instead of θ_local (outer.py, "Eager start") and corrects
+with θ ← θ_local_now + (θ_t − θ_eager); the default ``correction`` is the rule above. The run's last step applies every pending sync, syncs the last fragment blocking
 and then every other fragment once more (blocking), so that the final weights are the same in
 every group (the last round's record therefore carries F − 1 extra fragment syncs).
 
@@ -109,9 +111,15 @@ def sync_units(body_syncs: Sequence[FlatSync], embedding_syncs: Sequence[FlatSyn
 
 
 class OuterSchedule:
-    def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int) -> None:
+    def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int,
+                 eager: bool = False) -> None:
         self.units = list(units)
         self.L, self.delay, self.total = int(local_steps), int(delay), int(total_steps)
+        # the eager start (outer.py): every unit's FlatSync keeps its estimate buffer
+        self.eager = bool(eager) and self.delay > 0
+        if self.eager:
+            for u in self.units:
+                u.sync.enable_eager()
         self.pending: list[_Pending] = []
         self.exposed = 0.0
         self.overlap = 0.0
@@ -132,7 +140,7 @@ class OuterSchedule:
         if blocking:
             unit.sync.sync(part=unit.part)
         else:
-            p = unit.sync.launch(keep_launch=True, part=unit.part)
+            p = unit.sync.launch(keep_launch=True, part=unit.part, eager=self.eager)
             if p is not None:
                 self.pending.append(_Pending(unit, p, step + self.delay))
         self.exposed += time.perf_counter() - t0
