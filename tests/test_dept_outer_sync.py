@@ -58,7 +58,7 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
     """Plain tensors: every group's parameters, per-vector θ_prev, momentum and residual
     (element-wise), the schedule of streaming.py and quantisation of each replica's piece;
     ``eager``: overlapped steps start from θ_eager, the Nesterov step of θ_prev with
-    Δ̂ = Δ_g / G + (Δ̄_prev − Δ_g,prev / G) (Δ_g before a unit's first sync).
+    Δ̂ = Δ_g / G + (Δ̄_prev − Δ_g,prev / G) (a unit's first sync: from θ_local).
     Vectors: the body's F fragments and the table; a *unit* is what one launch sends: a
     vector and, per replica, the flat range it carries (a fragment: the replica's 1/D chunk;
     table part f: the f-th 1/F slice of the replica's chunk)."""
@@ -118,9 +118,9 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
         if blocking:
             apply(k, idx, m, None)
             return
-        if eager:
+        if eager and id(u) in known:
             for g in range(G):
-                est = estimate_base[(g, k)][idx] + own[g] / G if id(u) in known else own[g]
+                est = estimate_base[(g, k)][idx] + own[g] / G
                 b = MU * buf[k][idx] + est
                 snaps[g] = prev[k][idx] - LR * (est + MU * b)
                 write(g, k, idx, snaps[g], add=False)
@@ -401,18 +401,20 @@ def test_dept_variants_with_streaming_options():
                 assert extra["outer_embedding"] > 0 and pred["peak_step_bytes"] < \
                     0.6 * (pred["round"]["outer_body"] + pred["round"]["outer_embedding"])
     # the eager start sends what the correction rule sends across groups, plus one dp re-gather
-    # of θ_eager per overlapped launch (not at the last step's blocking syncs): the records'
-    # dp difference (the inner gradient reductions are the same) equals the prediction's
+    # of θ_eager per overlapped launch (not at the last step's blocking syncs nor at a unit's
+    # first launch, which has no estimate yet): the records' dp difference (the inner gradient
+    # reductions are the same) equals the prediction's
     plain, eager = tiny_config(_runs()[1]), tiny_config(_runs()[5])
     pp, pe = (predict_outer_sync(c, 2, global_vocab=VOCAB) for c in (plain, eager))
     gathers = pe["round"]["dp"] - pp["round"]["dp"]
     assert gathers > 0
     for k, (a, b) in enumerate(zip(res[0][1]["outer"], res[0][5]["outer"])):
         last = k == len(res[0][1]["outer"]) - 1
-        assert b["bytes"]["dp"] - a["bytes"]["dp"] == \
-            gathers + (pe["final_extra"]["dp"] - pp["final_extra"]["dp"] if last else 0), (k, a["bytes"], b["bytes"])
+        assert b["bytes"]["dp"] - a["bytes"]["dp"] == gathers + (pe["first_extra"]["dp"] if k == 0 else 0) + \
+            (pe["final_extra"]["dp"] - pp["final_extra"]["dp"] if last else 0), (k, a["bytes"], b["bytes"])
         assert {c: b["bytes"][c] for c in ("outer_body", "outer_embedding")} == \
             {c: a["bytes"][c] for c in ("outer_body", "outer_embedding")}
+    assert pe["first_extra"]["dp"] == -gathers and pp["first_extra"]["dp"] == 0
     # quantised GLOB sends about a quarter of fp32's outer bytes (payload + scales)
     fp32 = res[0][0]["outer"][0]["bytes"]["outer_body"]
     int8 = res[0][1]["outer"][0]["bytes"]["outer_body"]

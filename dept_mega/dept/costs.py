@@ -558,11 +558,13 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     fragment f's bytes land on its step; GLOB's tables go in F parts, part f with fragment f),
     ``outer_overlap`` / ``outer_delay`` (they move when a sync is applied, not what it sends;
     with ``outer_overlap_rule: eager`` every overlapped launch also writes θ_eager, one more
-    ``dp`` re-gather, which the last step's blocking syncs do not do).
+    ``dp`` re-gather, which the last step's blocking syncs and each unit's first launch — no
+    estimate yet — do not do).
     TRIM's rows go at the round's end. ``final_extra``: {category: bytes} the run's last step
     sends on top of a round's — every unit launched before the round's end is synchronised
     once more there (dept/streaming.py), so the last round's record carries
-    ``round + final_extra``."""
+    ``round + final_extra``. ``first_extra``: {category: bytes} added to the first round's
+    record (the eager start's re-gathers it does not make: negative ``dp``, else zeros)."""
     m, p = cfg.model, cfg.parallel
     variant = cfg.dept.variant
     dtype = dtype or cfg.dept.outer_comm_dtype
@@ -574,15 +576,18 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     L = cfg.dept.local_steps
     out = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
     extra = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
+    first = dict(extra)
     per_step = [0] * L
     if variant == "std":
-        return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra}
+        return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra,
+                "first_extra": first}
     T, D = p.tensor, p.data
     from .memory import PARAM_BYTES, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
     from .memory import eager_start
     eager = eager_start(cfg)
+    one_round = cfg.train.steps <= L
     for _, offset, category, chunks in unit_chunks(cfg, global_vocab):
         n = sum(chunks)
         again = extra if offset != L else {}  # synchronised once more at the last step
@@ -599,6 +604,8 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
                 again["dp"] += gather
             elif eager:  # launched blocking at the last step: no θ_eager
                 extra["dp"] -= gather
+            if eager and (again or not one_round):  # a unit's first overlapped launch: no estimate yet
+                first["dp"] -= gather
     if variant == "trim":
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
@@ -612,7 +619,7 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         out["dp"] += trim_master_gather_bytes(cfg, trim_vocabs)
         out["tp"] += tables * trim["tp"]
     return {"round": out, "outer_per_step": per_step, "peak_step_bytes": max(per_step) if per_step else 0,
-            "final_extra": extra}
+            "final_extra": extra, "first_extra": first}
 
 
 def chunk_bounds_len(n: int, parts: int, index: int) -> int:

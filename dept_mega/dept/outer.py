@@ -41,11 +41,11 @@ Eager start (``dept.outer_overlap_rule: eager``, :meth:`FlatSync.enable_eager`; 
 eager updates of Kale et al. 2025, arXiv:2502.12996): the τ overlapped inner steps start not
 from θ_local but from an estimate of θ_t made at launch without waiting. The mean Δ̄_t is
 estimated by this group's fresh share plus the other groups' shares of the previous sync,
-Δ̂_t = Δ_g,t / G + E with E = Δ̄_{t-1} − Δ_g,t-1 / G (kept per chunk, fp32; a sync with
-no previous mean known — the first of its part, or the first after loading a checkpoint
-without E — takes Δ̂ = Δ_g: the other groups assumed to have moved like this one), and
-θ_eager = the outer step of θ_{t-1} with Δ̂ (:meth:`OuterOptimizer.peek`: the optimizer
-state does not change). θ_eager is written into the parameters at launch (a dp
+Δ̂_t = Δ_g,t / G + E with E = Δ̄_{t-1} − Δ_g,t-1 / G (kept per chunk, fp32), and θ_eager =
+the outer step of θ_{t-1} with Δ̂ (:meth:`OuterOptimizer.peek`: the optimizer state does not
+change). A sync with no previous mean known — the first of its part, or the first after
+loading a checkpoint without E — has no estimate: it starts from θ_local (the correction
+rule) and only records E. θ_eager is written into the parameters at launch (a dp
 re-gather, counted as ``dp``) and takes θ_local_at_launch's place in the correction:
 θ ← θ_local_now + (θ_t − θ_eager). The reference θ_t and the outer state still come from
 the true mean Δ̄_t only, so they stay the same in every group; Kale et al. instead step the
@@ -420,7 +420,9 @@ class FlatSync:
             local = local[c0:c1].clone()
         if eager and (not keep_launch or self.eager_base is None):
             raise RuntimeError("FlatSync.launch(eager=True) needs keep_launch=True and enable_eager()")
-        launch = local.clone() if keep_launch and not eager else None
+        # with no previous mean known there is no estimate: θ_local, and E recorded at finish
+        start_eager = eager and self.eager_known[part or 0]
+        launch = local.clone() if keep_launch and not start_eager else None
         delta = torch.sub(self.theta_prev[c0:c1].to(self.device, non_blocking=True), local, out=local)
         own = delta.clone() if eager else None  # before error feedback, quantisation and the all-reduce
         residual = self.residual[c0:c1] if self.residual is not None else None
@@ -440,17 +442,15 @@ class FlatSync:
                     del sent
                 wire = torch.empty(G * packed.numel(), dtype=torch.uint8, device=self.device)
                 work = pg.comm.all_gather_into(wire, packed, pg.outer, category=self.category, async_op=True)
-        if eager:  # while the exchange runs
+        if start_eager:  # while the exchange runs
             launch = self._eager_theta(own, part, G)
             self._write(launch, part, add=False)
         return PendingSync(work, wire, delta, launch, part, own)
 
     def _eager_theta(self, own: torch.Tensor, part: Optional[int], G: int) -> torch.Tensor:
-        """θ_eager of the chunk (part): the outer step of θ_{t-1} with Δ̂ = Δ_g / G + E, or with
-        Δ_g before the first sync (no previous mean yet)."""
+        """θ_eager of the chunk (part): the outer step of θ_{t-1} with Δ̂ = Δ_g / G + E."""
         c0, c1 = self.part_slice(part)
-        estimate = own.clone() if not self.eager_known[part or 0] else \
-            torch.add(self.eager_base[c0:c1].to(self.device, non_blocking=True), own, alpha=1.0 / G)
+        estimate = torch.add(self.eager_base[c0:c1].to(self.device, non_blocking=True), own, alpha=1.0 / G)
         theta = self.optimizer.peek(self.theta_prev[c0:c1], estimate.to(self.state_device), at=c0, part=part)
         return theta.to(self.device)
 
