@@ -16,9 +16,10 @@ under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
 ``hooks_param_names``; checkpoints without them are refused there), another data-parallel
 size or distributed-optimizer layout
-(``dept_mega.optim_reshard``), another number of groups at a round boundary
-(``DeptHooks.load_regrouped``), TRIM's row shards under another data-parallel size; what
-none of them covers is refused.
+(``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
+distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
+boundary (``DeptHooks.load_regrouped``, the distributed optimizer's pieces joined the same
+way), TRIM's row shards under another data-parallel size; what none of them covers is refused.
 ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
 ``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
 the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
@@ -86,18 +87,24 @@ def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Opt
     """(config key, reason) when checkpoint ``path`` (``saved``: its layout) cannot be loaded
     by this launch's other number of source groups; None when it can (DEPT hooks that
     implement ``load_regrouped``, same tensor / pipeline sizes, one hooks file per (tp, pp,
-    group))."""
+    group) or per rank only for the distributed optimizer's shards, which the hooks join:
+    ``DeptHooks.dp_joined_state``)."""
     if hooks is None or not hasattr(hooks, "load_regrouped"):
         return ("parallel", "only DEPT round hooks (GLOB, SPEC, SPEC-OPT) load another number of groups")
     wrong = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
     if wrong:
         return (f"parallel.{wrong[0]}", "another number of groups loads only with the same "
                                         "parallel.tensor, parallel.pipeline and parallel.virtual_pipeline")
-    if saved.get("per_rank_hooks") and not saved.get("hooks_dp0"):
-        return ("parallel", "the round-hook state was saved per rank (TRIM, the distributed optimizer)")
-    if saved.get("optim_distributed"):
-        return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+    if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not (
+            saved.get("optim_distributed") and _hooks_redistribute(hooks)):
+        return ("parallel", "the round-hook state was saved per rank (TRIM, error-feedback residuals)")
     return hooks.regroup_refusal(step, int(saved["groups"]))
+
+
+def _hooks_redistribute(hooks) -> bool:
+    """The hooks join per-rank per-source optimizer states over the old data-parallel ranks
+    and cut them for this rank's optimizers (``DeptHooks.hook_state_redistributable``)."""
+    return hasattr(hooks, "dp_joined_state") and bool(getattr(hooks, "hook_state_redistributable", lambda: False)())
 
 
 def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) -> str:
@@ -115,9 +122,18 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
     another data-parallel or bucket size, or the distributed optimizer switched on or off;
-    same tensor / pipeline layout, hook state saved once per (tp, pp, group) or none) or
+    same tensor / pipeline layout; hook state: none, or loaded by
+    ``DeptHooks.load_state_dict_dp_joined``, which cuts SPEC / SPEC-OPT's per-source optimizer
+    states (and the body's with ``dept.body_optimizer_state: source``) for this rank's
+    optimizers — joined from the old replicas' pieces where the distributed optimizer saved
+    them per rank —, also joins error-feedback residuals; TRIM's per-rank state only with the
+    plain optimizer on both sides) or
     ``"join_dp"`` (per-rank hook state under another data-parallel size that the hooks join:
-    ``DeptHooks.load_state_dict_dp_joined``: TRIM, error-feedback residuals)."""
+    ``DeptHooks.load_state_dict_dp_joined``: TRIM, error-feedback residuals, SPEC / SPEC-OPT's
+    per-source state with the distributed optimizer's shards when its own state is not
+    loaded). Another number of groups (``"regroup"``) works with the distributed optimizer on
+    either side, also under another data-parallel or bucket size (its keys through
+    ``dept_mega.optim_reshard``, the per-source states through ``DeptHooks.dp_joined_state``)."""
     from .config import ConfigError
     saved = read_json(path, LAYOUT_FILE)
     now = _layout(trainer, per_rank_hooks=False)
@@ -129,10 +145,10 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         except (KeyError, TypeError, ValueError) as exc:
             refusal = ("parallel", f"its layout.json cannot be read ({exc})")
         if refusal is None:
-            if optimizer and now.get("optim_distributed"):
+            if (saved.get("optim_distributed") or now.get("optim_distributed")) and not _hooks_redistribute(hooks):
                 raise ConfigError(f"config key 'optim.distributed': checkpoint {path} holds {saved.get('groups')} "
-                                  f"source group(s), this launch {pg.num_groups}; with optim.distributed: true "
-                                  f"a checkpoint loads only with its own number of groups")
+                                  f"source group(s), this launch {pg.num_groups}; these round hooks do not "
+                                  f"redistribute the distributed optimizer's per-source state")
             return "regroup"
         # keys carry the group: another number of groups would silently load part of the state
         per_group = pg.tp_size * pg.pp_size * pg.dp_size
@@ -171,12 +187,20 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     optimizer_moved = optimizer and (sharded or now["optim_distributed"]) and (
         sharded != now["optim_distributed"] or saved.get("data") != now["data"]
         or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size")))
-    if optimizer_moved and not changed and (not saved.get("per_rank_hooks") or saved.get("hooks_dp0")):
+    # hook state whose per-source optimizer states follow such a change: none, or hooks that
+    # join the old replicas' pieces and cut this rank's (DeptHooks.dp_joined_state: SPEC,
+    # SPEC-OPT, dept.body_optimizer_state: source; not TRIM)
+    hooks_follow = (not saved.get("per_rank_hooks") or not (sharded or now["optim_distributed"])
+                    or _hooks_redistribute(hooks))
+    # per-rank hook state that the hooks join over the old replicas (TRIM's φ rows,
+    # error-feedback residuals, the distributed optimizer's per-source shards)
+    joinable = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and hooks_follow
+                and bool(getattr(hooks, "hook_state_dp_joinable", lambda: False)()))
+    if optimizer_moved and not changed and hooks_follow and (saved.get("hooks_dp0") or not saved.get("per_rank_hooks")
+                                                            or joinable):
         return "redistribute"
-    # per-rank hook state under another data-parallel size that the hooks join (TRIM's φ rows,
-    # error-feedback residuals)
-    if (wrong == ["data"] and saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not sharded
-            and not now["optim_distributed"] and bool(getattr(hooks, "hook_state_dp_joinable", lambda: False)())):
+    # per-rank hook state under another data-parallel size (the optimizer's keys as saved)
+    if wrong == ["data"] and joinable:
         return "join_dp"
     # another tensor / pipeline layout; with the distributed optimizer on either side also another
     # data-parallel size, bucket size or the optimizer switched (hooks_ok: no per-rank hook state)
@@ -546,9 +570,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     if mode == "regroup":  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
         own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
         state = _regroup_keys(state, pg.group_index, own)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path)
+        from .optim_reshard import load_redistributed  # group 0's keys; distributed-optimizer pieces joined
+        load_redistributed(state, path)
     elif mode == "redistribute":  # the distributed optimizer's pieces in another layout
         from .optim_reshard import load_redistributed
         load_redistributed(state, path)
@@ -569,17 +592,18 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
     if mode == "regroup":
-        from .parallel.groups import rank_of
         saved_groups = int(layout["groups"])
-        T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-        files = {g: os.path.join(path, f"hooks_rank{rank_of(pg.tp_rank, 0, pg.pp_rank, g, T, D, P)}.pt")
-                 for g in range(saved_groups)}
         try:
-            hooks.load_regrouped(step, {g: _safe_load(f, trainer.device) for g, f in files.items()}, saved_groups,
+            saved = {}
+            for g in range(saved_groups):  # per rank (the distributed optimizer): joined over the old replicas
+                files = _hooks_files(path, layout, pg, g, [pg.tp_rank], per_rank=not layout.get("hooks_dp0"))
+                sds = {k: _safe_load(f, trainer.device) for k, f in files.items()}
+                saved[g] = hooks.dp_joined_state(sds) if hasattr(hooks, "dp_joined_state") else sds[(pg.tp_rank, 0)]
+            hooks.load_regrouped(step, saved, saved_groups,
                                  layout.get("dept_schedule"),
                                  read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
                                  else None)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: its hook state does not load with {pg.num_groups} groups "
                                   f"({type(exc).__name__}: {exc})") from None
         if optimizer:  # the installed source's new optimizer: zeros (= AdamW's first step), as saved
@@ -596,16 +620,18 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         if not layout.get("per_rank_hooks"):
             raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
                                   f"a run without DEPT round hooks")
-        if mode == "join_dp":  # every old rank of this (pp, group) position (TRIM's φ rows, error-feedback residuals)
-            from .parallel.groups import rank_of
-            T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-            files = {(t, d): os.path.join(path, f"hooks_rank{rank_of(t, d, pg.pp_rank, pg.group_index, T, D, P)}.pt")
-                     for t in range(T) for d in range(D)}
+        if mode == "join_dp" or (mode == "redistribute" and hasattr(hooks, "load_state_dict_dp_joined")):
+            # every old rank of this (pp, group) position (TRIM's φ rows, error-feedback residuals, the
+            # distributed optimizer's per-source shards), or data rank 0's file of each tensor rank
+            files = _hooks_files(path, layout, pg, pg.group_index, range(int(layout["tensor"])),
+                                 per_rank=not layout.get("hooks_dp0"))
             try:
                 hooks.load_state_dict_dp_joined({k: _safe_load(f, trainer.device) for k, f in files.items()})
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path}: its per-rank DEPT state does not load with "
-                                      f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
+                                      f"parallel.data={pg.dp_size}, optim.distributed={trainer.cfg.optim.distributed}, "
+                                      f"optim.grad_bucket_size={trainer.cfg.optim.grad_bucket_size} "
+                                      f"({type(exc).__name__}: {exc})") from None
         elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT (check_layout)
             from .parallel.groups import rank_of
             T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
@@ -644,6 +670,17 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             install()
 
 
+def _hooks_files(path: str, layout: dict, pg, group: int, tps, per_rank: bool) -> dict[tuple[int, int], str]:
+    """``(tensor rank, data rank) -> hooks_rank{r}.pt`` of checkpoint ``path`` (``layout``: its
+    layout.json) at this rank's pipeline stage in old group ``group``, for the tensor ranks
+    ``tps``: every data rank's file (``per_rank``) or data rank 0's (saved once per (tp, pp,
+    group), ``hooks_dp0``)."""
+    from .parallel.groups import rank_of
+    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+    return {(t, d): os.path.join(path, f"hooks_rank{rank_of(t, d, pg.pp_rank, group, T, D, P)}.pt")
+            for t in tps for d in (range(D) if per_rank else (0,))}
+
+
 def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool) -> dict[str, torch.Tensor]:
     """This rank's checkpoint entries renamed to group 0's keys (at a round boundary every
     group holds the same body, GLOB's embeddings and their outer state). Without per-source
@@ -665,17 +702,17 @@ def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings:
 
 def _read_body_optimizer(trainer, path: str, group: int) -> dict:
     """A copy of the body optimizer's state dict as group ``group`` of checkpoint ``path``
-    saved it (read by this process alone; the trainer's body optimizer state is overwritten)."""
+    saved it, in this rank's optimizer layout (``dept_mega.optim_reshard``: the distributed
+    optimizer's pieces joined and cut; read by this process alone; the trainer's body
+    optimizer state is overwritten)."""
     import copy
-    import torch.distributed.checkpoint as dcp
+    from .optim_reshard import load_redistributed
     opt = trainer.body_optimizer
     opt.ensure_state()
     mine = f"model/g{trainer.pg.group_index}/"
     entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
                if k.startswith("optim/body/")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(entries, checkpoint_id=path, no_dist=True)
+    load_redistributed(entries, path)
     return copy.deepcopy(opt.state_dict())
 
 

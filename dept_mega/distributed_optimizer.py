@@ -24,8 +24,12 @@ fp32 weights before they are cast; full fp32 masters exist on no rank, which is 
 half-precision weights refuses ``optim.distributed`` (config.py).
 
 Checkpoints: per-rank keys ``{moment}/{param key}/dp{d}of{D}:{start}-{end}`` (and
-``main_param/...`` for half-precision weights); loading needs the same data-parallel size and
-bucket layout (``checkpoint.check_layout``).
+``main_param/...`` for half-precision weights); :meth:`state_dict` (DEPT's per-source
+optimizer states) records the rank's pieces (``"shard"``) and loads only into the same rank,
+size and bucket layout. Under another data-parallel size, bucket size or with the plain
+optimizer on the other side the pieces are joined and cut again (``dept_mega.optim_reshard``:
+the checkpoint keys, and ``redistribute_state_dict`` for state dicts; see
+``checkpoint.check_layout``).
 """
 from __future__ import annotations
 
@@ -179,12 +183,20 @@ class DistributedOptimizer(InnerOptimizer):
                 out[f"main_param/{key}"] = pc.main
         return out
 
-    def _shard_signature(self) -> list[tuple[int, int, int]]:
+    def pieces_signature(self) -> list[tuple[int, int, int]]:
         return [(pc.index, pc.start, pc.end) for pc in self.pieces]
+
+    def _model_of_main(self) -> dict[int, torch.nn.Parameter]:
+        return {id(pc.main): pc.param for pc in self.pieces}
+
+    def shard(self) -> dict:
+        """What :meth:`state_dict` records of this rank's shard (``"shard"``): its data-parallel
+        rank and size and its pieces (:meth:`pieces_signature`)."""
+        return {"dp_rank": self.pg.dp_rank, "dp_size": self.pg.dp_size, "pieces": self.pieces_signature()}
 
     def state_dict(self) -> dict:
         sd = self.inner.state_dict()
-        sd["shard"] = {"dp_rank": self.pg.dp_rank, "dp_size": self.pg.dp_size, "pieces": self._shard_signature()}
+        sd["shard"] = self.shard()
         if self.half:
             sd["main_params"] = [pc.main for pc in self.pieces]
         return sd
@@ -194,14 +206,15 @@ class DistributedOptimizer(InnerOptimizer):
         sd = dict(sd)
         shard = sd.pop("shard", None)
         mains = sd.pop("main_params", None)
-        mine = {"dp_rank": self.pg.dp_rank, "dp_size": self.pg.dp_size, "pieces": self._shard_signature()}
+        mine = self.shard()
         if shard is None or (shard["dp_rank"], shard["dp_size"]) != (mine["dp_rank"], mine["dp_size"]) \
                 or [tuple(x) for x in shard["pieces"]] != mine["pieces"]:
             got = "a non-distributed optimizer" if shard is None else \
                 f"data-parallel rank {shard['dp_rank']} of {shard['dp_size']}"
             raise ValueError(f"optim.distributed: this optimizer state was saved by {got}; it loads only into "
                              f"the same data-parallel rank, size and bucket layout (rank {mine['dp_rank']} of "
-                             f"{mine['dp_size']} here; resharding is not supported)")
+                             f"{mine['dp_size']} here; dept_mega.optim_reshard.redistribute_state_dict "
+                             f"cuts it for this rank)")
         self.inner.load_state_dict(sd)
         if self.half and mains is not None and with_masters:
             for pc, m in zip(self.pieces, mains):

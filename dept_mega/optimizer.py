@@ -81,6 +81,15 @@ def empty_adamw_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) 
     return state
 
 
+def state_order(pieces: Sequence[tuple[int, int, int]],
+                params: Sequence[torch.nn.Parameter]) -> list[tuple[int, int, int]]:
+    """The ``pieces`` (``(parameter index, start, end)``, :meth:`InnerOptimizer.pieces_signature`)
+    in the order of the indices of AdamW's state dict: those of matrices, then the others (the
+    weight-decay groups of :meth:`InnerOptimizer._groups`, each in the order given)."""
+    return ([pc for pc in pieces if params[pc[0]].dim() >= 2] +
+            [pc for pc in pieces if params[pc[0]].dim() < 2])
+
+
 # ----------------------------------------------------------------------------- main params
 
 
@@ -260,16 +269,26 @@ class InnerOptimizer:
         under another pipeline layout, where a stage holds other parameters in another order
         (``DeptHooks.load_state_dict_repartitioned``)."""
         names = self.names if names is None else names
-        model_of = {id(self._main_of(p)): p for p in self.params}
+        model_of = self._model_of_main()
         out = []
         for group in self.inner.param_groups:
             for m in group["params"]:
                 p = model_of.get(id(m))
                 if p is None or id(p) not in names:
                     raise ValueError(f"indexed_params: a main parameter of shape {tuple(m.shape)} has no named "
-                                     f"model parameter (a distributed optimizer's piece?)")
+                                     f"model parameter")
                 out.append((names[id(p)], p))
         return out
+
+    def _model_of_main(self) -> dict[int, torch.nn.Parameter]:
+        """id of each main parameter (AdamW's parameters) -> the model parameter it belongs to."""
+        return {id(self._main_of(p)): p for p in self.params}
+
+    def pieces_signature(self) -> list[tuple[int, int, int]]:
+        """``(parameter index, start, end)`` of what this optimizer holds of its parameters
+        (``[start, end)`` of the flattened parameter), in the order of ``main_params`` in
+        :meth:`state_dict`: every parameter whole here; the distributed optimizer's pieces."""
+        return [(i, 0, p.numel()) for i, p in enumerate(self.params)]
 
     def checkpoint_tensors(self, key_of: Callable[[torch.nn.Parameter], Optional[str]]) -> dict[str, torch.Tensor]:
         """Tensors for torch.distributed.checkpoint, keyed ``{moment}/{param key}`` (and

@@ -85,12 +85,8 @@ def _saved_shard(sources: list[tuple[Optional[int], Optional[int], str]], wanted
     """One saved tensor-parallel shard: its whole key, or its pieces joined (shaped ``shape``)."""
     if sources[0][0] is None:
         return wanted[sources[0][2]]
-    at = 0
-    for a, b, _ in sources:
-        if a != at:
-            raise CheckpointError(f"{path}: the saved pieces of {what} do not cover it ([{at}, {a}) missing)")
-        at = b
-    flat = torch.cat([wanted[k].reshape(-1) for _, _, k in sources])
+    from .optim_reshard import join_pieces
+    flat = join_pieces([(a, b, wanted[k]) for a, b, k in sources], what, path)
     if flat.numel() != math.prod(shape):
         raise CheckpointError(f"{path}: the saved pieces of {what} hold {flat.numel()} values, its shard "
                               f"{math.prod(shape)} (another model?)")

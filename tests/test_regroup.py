@@ -138,7 +138,8 @@ def _same(a, b, what):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2)])
+@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2),
+                                                  ("spec_opt_distributed", 2, 4)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
     with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
@@ -151,10 +152,19 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     source's data position (steps trained so far); (2) the G=g_new run then continues exactly
     like a G=g_new run started from that state without any change of layout: the same state
     saved by the resumed run in its own layout (its schedule's history included) and resumed
-    from there by a fresh launch; the losses of every step agree within 1e-6 (fp32, CPU)."""
+    from there by a fresh launch; the losses of every step agree within 1e-6 (fp32, CPU).
+
+    ``spec_opt_distributed``: SPEC-OPT with the distributed optimizer (``optim.distributed``;
+    its state in per-rank pieces, the hook files per rank), G 2 -> 4: the optimizer keys and
+    each source's optimizer states are joined from the old group's pieces and cut for the new
+    one (``DeptHooks.dp_joined_state``)."""
+    distributed = variant.endswith("_distributed")
+    variant = variant.removesuffix("_distributed")
     over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
                                                                                "momentum": 0.9}},
             "train": {"save_interval": 0, "eval_interval": 0}}
+    if distributed:
+        over["optim"] = {"distributed": True, "grad_bucket_size": 500}
     if variant == "spec_opt":
         over["dept"]["body_optimizer_state"] = "source"
     else:

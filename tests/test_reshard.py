@@ -13,7 +13,9 @@ checkpoint without those names (layout.json without hooks_param_names) under ano
 another T or P for TRIM are refused with a ConfigError naming the key; TRIM under another D
 joins φ's row shards; GLOB's error-feedback residuals (per rank) are joined from the old
 replicas' chunks. The distributed optimizer switched on or off, under another D and
-bucket size (dept_mega.optim_reshard). (Another number of groups: tests/test_regroup.py.)"""
+bucket size (dept_mega.optim_reshard), also with SPEC-OPT's per-source optimizer states (per
+rank with the distributed optimizer: joined from the old replicas' pieces and cut,
+DeptHooks.dp_joined_state). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
 import io
@@ -27,7 +29,7 @@ from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_co
 from tests.mp_utils import run_distributed
 
 
-def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1):
+def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1, sources=None):
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
@@ -39,7 +41,9 @@ def _loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1):
                        "train": {"steps": steps, "save_interval": 2, "eval_interval": 0, "log_interval": 1,
                                  "run_dir": run_dir}})
     pg = build_groups(tensor, data, pipeline)
-    infos = source_infos(LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2), trim=cfg.dept.variant == "trim")
+    if sources is None:
+        sources = LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2)
+    infos = source_infos(sources, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
     std = cfg.dept.variant == "std"
@@ -328,8 +332,9 @@ OPTIM_LAYOUTS = {
 
 def _optim_loop(over, run_dir, rank, precision, layout, steps=4):
     data, dist, bucket, tensor, pipeline = tuple(layout) + (1, 1)[len(layout) - 3:]
-    loop = _loop(dict(over, precision=precision, optim={"distributed": dist, "grad_bucket_size": bucket}),
-                 run_dir, rank, data=data, tensor=tensor, pipeline=pipeline, steps=steps)
+    optim = dict(over.get("optim", {}), distributed=dist, grad_bucket_size=bucket)
+    loop = _loop(dict(over, precision=precision, optim=optim), run_dir, rank, data=data, tensor=tensor,
+                 pipeline=pipeline, steps=steps, sources=LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2))
     return loop
 
 
@@ -415,18 +420,19 @@ TP_OPTIM_LAYOUTS = {
 }
 
 
-def _tp_optim_train_a(rank, world, case, layout, run_dir):
+def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2):
     loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout)
-    loop.cfg.train.steps = 2
+    loop.cfg.train.steps = saved
     loop.run()
+    return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir):
-    ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout)
+def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir, saved=2, total=4):
+    ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout, steps=total)
     ref.run()
-    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout)
-    assert loop.checkpointer.load(loop) == 2
-    loop.writer.resume_at(2)
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)
+    assert loop.checkpointer.load(loop) == saved
+    loop.writer.resume_at(saved)
     loop.run()
 
 
@@ -447,4 +453,38 @@ def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, 
     got, want = _losses(a), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     for s in (3, 4):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+# SPEC-OPT (3 sources over 2 groups, the body's AdamW state per source) with the distributed
+# optimizer on one side or both: ((data, optim.distributed, grad_bucket_size) of run A, of run B)
+SOURCE_OPTIM_LAYOUTS = {
+    "dist_dp2_to_dist_dp1": ((2, True, 500), (1, True, 300)),
+    "plain_dp1_to_dist_dp2": ((1, False, 3000), (2, True, 500)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(SOURCE_OPTIM_LAYOUTS))
+def test_spec_opt_per_source_state_under_another_distributed_optimizer_layout(tmp_path, name):
+    """SPEC-OPT's per-source state (each source's embeddings, their AdamW state and its body
+    AdamW moments, in the hook files: per rank with the distributed optimizer, its pieces of
+    each moment) written at a round boundary after 2 rounds (a source waits in a store) and
+    resumed under another data-parallel size and bucket size, the distributed optimizer on or
+    off (DeptHooks.dp_joined_state: each source's optimizer states joined from the old
+    replicas' pieces and cut for this rank's optimizers; the model's keys through
+    dept_mega.optim_reshard): the losses of 2 more rounds equal an uninterrupted run of the new
+    layout from the same initial weights within 1e-6 (fp32)."""
+    la, lb = SOURCE_OPTIM_LAYOUTS[name]
+    a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    stored = run_distributed(_tp_optim_train_a, 2 * la[0], args=("spec_opt_source", la, a, 4), timeout=200)
+    assert any(stored), stored
+    with open(os.path.join(a, "checkpoints", "step_4", "layout.json")) as f:
+        layout = json.load(f)
+    assert bool(layout.get("hooks_dp0")) == (not la[1])  # the distributed optimizer: one hook file per rank
+    run_distributed(_tp_optim_resume_b, 2 * lb[0], args=("spec_opt_source", lb, a, ref, 4, 8), timeout=300)
+    got, want = _losses(a), _losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for s in range(5, 9):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])

@@ -295,7 +295,8 @@ class DeptHooks:
         optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
         per (tp, pp, group) and it loads under another ``parallel.data``."""
         # (error-feedback residuals and the eager start's estimates belong to a rank's chunk of
-        # the outer state, the estimates to its group too; with the distributed optimizer the optimizer states kept per source are its per-rank shards)
+        # the outer state, the estimates to its group too; with the distributed optimizer the
+        # optimizer states kept per source are its per-rank shards)
         sharded_sources = self.cfg.optim.distributed and (self.strategy.source_embeddings or self.body_per_source)
         return (self.strategy.name != "trim" and not sharded_sources
                 and not self.cfg.dept.outer_error_feedback and not self.schedule.eager)
@@ -303,31 +304,59 @@ class DeptHooks:
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback or
-        the eager start), and the other variants, whose hook state is per rank only for the
-        error-feedback residuals (``dept.outer_error_feedback``) and the eager start's
-        estimates (``dept.outer_overlap_rule: eager``): a chunk of each FlatSync per replica; not
-        with the distributed optimizer (per-rank shards in the per-source state)."""
-        if self.cfg.optim.distributed:
-            return False
+        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback, the
+        eager start nor the distributed optimizer), and the other variants, whose hook state is
+        per rank only for the error-feedback residuals (``dept.outer_error_feedback``) and the
+        eager start's estimates (``dept.outer_overlap_rule: eager``) — a chunk of each
+        FlatSync per replica — and the distributed optimizer's shards in the per-source
+        optimizer states (:meth:`hook_state_redistributable`)."""
         if self.strategy.name == "trim":
-            return not self.cfg.dept.outer_error_feedback and not self.schedule.eager
+            return (not self.cfg.dept.outer_error_feedback and not self.schedule.eager
+                    and not self.cfg.optim.distributed)
         return True
+
+    def hook_state_redistributable(self) -> bool:
+        """True when the per-source optimizer states of :meth:`state_dict` (a source's embedding
+        optimizer; the body's with ``dept.body_optimizer_state: source``) load under another
+        distributed-optimizer layout — another data-parallel or bucket size, the distributed
+        optimizer switched on or off — through :meth:`load_state_dict_dp_joined` (and
+        :meth:`dp_joined_state` for :meth:`load_regrouped`): the old data-parallel ranks' pieces
+        are joined and this rank's cut (``optim_reshard.redistribute_state_dict``). Not TRIM."""
+        return self.strategy.name != "trim"
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
-        this rank's (pipeline stage, group) under another data-parallel size: the replicated
-        part from the old rank at this tensor position and data rank 0, TRIM's row-sharded φ
-        and chunked outer state joined (``TrimStrategy.join_rank_states``) and cut here, the
-        error-feedback residuals and eager estimates (CHUNK_BUFFERS) joined from the old
-        replicas' chunks (near-equal, in data-parallel order) and cut into this rank's chunk."""
+        this rank's (pipeline stage, group) under another data-parallel size (or, saved once
+        per (tp, pp, group), data-parallel rank 0's only): TRIM's row-sharded φ and chunked
+        outer state joined (``TrimStrategy.join_rank_states``) and cut here, else
+        :meth:`dp_joined_state`."""
+        if self.strategy.name == "trim":
+            self.load_state_dict(self.strategy.join_rank_states(sds[(self.pg.tp_rank, 0)], sds))
+            return
+        self.load_state_dict(self.dp_joined_state(sds))
+
+    def dp_joined_state(self, sds: dict) -> dict:
+        """This rank's :meth:`state_dict` from ``sds[(tp, dp)]``, the hook states saved by the
+        data-parallel ranks at this rank's tensor position (and pipeline stage) of one group
+        under another data-parallel size or distributed-optimizer layout (not TRIM): the
+        replicated part from data rank 0's, the error-feedback residuals and eager estimates
+        (CHUNK_BUFFERS) joined from the old replicas' chunks (near-equal, in data-parallel
+        order) and cut into this rank's chunk, every per-source optimizer state joined from the
+        old replicas' pieces and cut for this rank's optimizers (:meth:`hook_state_redistributable`)."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
-        if self.strategy.name == "trim":
-            self.load_state_dict(self.strategy.join_rank_states(mine, sds))
-            return
-        sd = dict(mine)
         old = sorted(d for t, d in sds if t == tp)
+        sd = dict(mine)
+        if self.per_source:
+            replicas = [sds[(tp, d)] for d in old]
+            for x in replicas:
+                if sorted(x["store"]) != sorted(mine["store"]) or x.get("installed") != mine.get("installed"):
+                    raise ValueError(f"the data-parallel replicas' hook states hold other sources "
+                                     f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
+                                     f"({sorted(mine['store'])}, installed {mine.get('installed')!r})")
+            sd["store"] = {n: self._redistributed(n, [x["store"][n] for x in replicas]) for n in mine["store"]}
+            if mine.get("installed_state") is not None:
+                sd["installed_state"] = self._redistributed(mine["installed"], [x["installed_state"] for x in replicas])
         syncs = self.outer_syncs()
         for entry, attr in CHUNK_BUFFERS.items():
             joined = {}
@@ -342,7 +371,29 @@ class DeptHooks:
                 joined[k] = syncs[k].cut_chunk(full)
             if joined:
                 sd[entry] = joined
-        self.load_state_dict(sd)
+        return sd
+
+    def _redistributed(self, name: str, payloads: list[dict]) -> dict:
+        """Source ``name``'s state payload (:func:`~dept_mega.dept.store.state_payload`) for this
+        rank from ``payloads``, the old data-parallel replicas' (in data-parallel order): the
+        weights as data rank 0 saved them, the embedding optimizer's and the body optimizer's
+        state joined and cut for this rank's (``optim_reshard.redistribute_state_dict``)."""
+        from ..optim_reshard import redistribute_state_dict
+        first = payloads[0]
+        sharded = any(isinstance(p.get(k), dict) and "shard" in p[k] for p in payloads
+                      for k in ("optimizer", "body_optimizer"))
+        if not sharded and not self.cfg.optim.distributed:
+            return first  # the plain optimizer on both sides: the replicas' states are the same
+        out = {k: v for k, v in first.items() if k != "param_names"}  # the names are the old pieces'
+        if first.get("optimizer") is not None:
+            opt = self._fresh_state(name).optimizer
+            out["optimizer"] = redistribute_state_dict([p["optimizer"] for p in payloads], opt,
+                                                       f"source {name!r}: embedding optimizer")
+        if first.get("body_optimizer") is not None:
+            out["body_optimizer"] = redistribute_state_dict([p["body_optimizer"] for p in payloads],
+                                                            self.trainer.body_optimizer,
+                                                            f"source {name!r}: body optimizer")
+        return out
 
     def hook_state_reshardable(self) -> bool:
         """True when :meth:`state_dict` is the same at every (tp, pp) position, so that a
@@ -380,7 +431,8 @@ class DeptHooks:
         ``{"state": [name of state index i], "params": [name of main_params[j]]}``."""
         def named(opt, names: Optional[dict[int, str]]) -> dict:
             names = opt.names if names is None else names
-            return {"state": [n for n, _ in opt.indexed_params(names)], "params": [names[id(p)] for p in opt.params]}
+            return {"state": [n for n, _ in opt.indexed_params(names)],
+                    "params": [names[id(opt.params[i])] for i, _, _ in opt.pieces_signature()]}
 
         out = {}
         if payload.get("optimizer") is not None and state.optimizer is not None:
@@ -414,6 +466,7 @@ class DeptHooks:
         (``dept.body_optimizer_state: source``) by the parameter names saved with them; each
         joined over the old tensor ranks along its parameter's partition dimension and cut
         into this rank's shard (``dept_mega.reshard``)."""
+        from ..optim_reshard import groups_like
         T = 1 + max(t for t, _ in sds)
         P = 1 + max(p for _, p in sds)
         if sorted(sds) != [(t, p) for t in range(T) for p in range(P)]:
@@ -452,11 +505,7 @@ class DeptHooks:
                 state[j] = {k: self._reshard_to([e[k] for e in entries], param, f"source {source!r}: {kind} {k} of {n}")
                             for k in entries[0]}
             # the hyperparameters (lr, betas, ...) of the saved group with the same weight decay
-            groups = []
-            saved_groups = [g for p in range(P) for g in saved[(0, p)]["param_groups"]]
-            for g in opt.inner.state_dict()["param_groups"]:
-                like = [s for s in saved_groups if s.get("weight_decay") == g.get("weight_decay")]
-                groups.append(dict(like[0], params=g["params"]) if like else g)
+            groups = groups_like([g for p in range(P) for g in saved[(0, p)]["param_groups"]], opt)
             out = {k: v for k, v in saved[(0, 0)].items() if k not in ("state", "param_groups", "main_params")}
             out.update(state=state, param_groups=groups)
             if "main_params" in saved[(0, 0)]:
@@ -678,14 +727,18 @@ class DeptHooks:
         group or is keyed by source: at a round boundary (the body and GLOB's embeddings are
         synchronised, the outer state is the same everywhere), with no group-owned inner
         optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
-        for GLOB, SPEC and SPEC-OPT (TRIM's row state is per rank)."""
+        for GLOB, SPEC and SPEC-OPT (TRIM's row state is per rank), without error feedback
+        (its residuals are per rank and group), with the distributed optimizer too (also under
+        another ``parallel.data`` or bucket size: each source's optimizer state is joined from
+        its old group's data-parallel ranks, :meth:`dp_joined_state`)."""
         d = self.cfg.dept
         L = int(d.local_steps)
         if self.strategy.name == "trim":
             return ("dept.variant", "TRIM's table and row state are held per rank; a TRIM checkpoint loads only "
                                     "with its own number of groups")
-        if self.cfg.optim.distributed:
-            return ("optim.distributed", "the distributed optimizer's state is sharded per rank of a group")
+        if self.cfg.dept.outer_error_feedback:
+            return ("dept.outer_error_feedback", "the error-feedback residuals belong to the rank's chunk of its "
+                                                 "group's outer synchronisation")
         if self.schedule.eager:
             return ("dept.outer_overlap_rule", "the eager start's estimate (the other groups' share of the last "
                                                "pseudo-gradient) belongs to the group and to the number of groups")
@@ -708,14 +761,16 @@ class DeptHooks:
                        saved_origin: Optional[dict], read_body_optimizer=None) -> None:
         """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
         groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
-        position) into this launch's groups. The schedule continues from the checkpoint's
-        history: every source keeps its data position (rounds trained so far) and its own
-        state, which the new group ``old group mod G`` holds (``last_group``); the plans from
-        round ``step / local_steps`` on are this launch's (``RoundScheduler.rebase``), recorded
-        in later checkpoints' ``layout.json``. Each group then installs the first source it
-        holds (or none). ``read_body_optimizer(g)``: the body optimizer's state dict that old
-        group g saved with its model (``dept.body_optimizer_state: source``: the state of the
-        source installed there, which its hooks file leaves out)."""
+        position, with the distributed optimizer joined from group g's data-parallel ranks
+        and cut for this rank: :meth:`dp_joined_state`) into this launch's groups. The
+        schedule continues from the checkpoint's history: every source keeps its data
+        position (rounds trained so far) and its own state, which the new group ``old group
+        mod G`` holds (``last_group``); the plans from round ``step / local_steps`` on are this
+        launch's (``RoundScheduler.rebase``), recorded in later checkpoints' ``layout.json``.
+        Each group then installs the first source it holds (or none).
+        ``read_body_optimizer(g)``: the body optimizer's state dict that old group g saved with
+        its model (``dept.body_optimizer_state: source``: the state of the source installed
+        there, which its hooks file leaves out)."""
         refusal = self.regroup_refusal(step, saved_groups)
         if refusal is not None:
             raise ValueError(f"{refusal[0]}: {refusal[1]}")
