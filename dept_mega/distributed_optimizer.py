@@ -20,8 +20,8 @@ shard of the weights is all-gathered over ``pg.dp`` (category ``dp``).
 Main parameters. Under ``precision: fp32`` a piece's main parameter *is* the view of the
 weight buffer (no copy), so code that writes ``param.data`` (DEPT's outer sync) updates the
 optimizer's parameters too. Under bf16/fp16 the pieces have fp32 copies, initialised from the
-fp32 weights before they are cast; full fp32 masters exist on no rank, which is why DEPT with
-half-precision weights refuses ``optim.distributed`` (config.py).
+fp32 weights before they are cast; full fp32 masters exist on no rank, so DEPT's outer sync
+with half-precision weights reads and writes these shards (``dept/master_shards.py``).
 
 Checkpoints: per-rank keys ``{moment}/{param key}/dp{d}of{D}:{start}-{end}`` (and
 ``main_param/...`` for half-precision weights); :meth:`state_dict` (DEPT's per-source
