@@ -399,7 +399,11 @@ class DeptHooks:
         return out.clone()
 
     def load_state_dict_repartitioned(self, sds: dict) -> None:
-        """:meth:`load_state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
+        """:meth:`load_state_dict` of :meth:`_repartitioned_state`."""
+        self.load_state_dict(self._repartitioned_state(sds))
+
+    def _repartitioned_state(self, sds: dict) -> dict:
+        """This rank's :meth:`state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
         (tensor rank, pipeline rank) of this rank's group under another tensor, pipeline and / or
         virtual-pipeline layout (each with the ``param_names`` of :meth:`state_dict`). Per
         source: every embedding tensor this rank's chunks hold is taken from the first old
@@ -501,10 +505,14 @@ class DeptHooks:
         sd["store"] = {n: payload(n, {k: x["store"][n] for k, x in sds.items()}) for n in names}
         if first.get("installed_state") is not None:
             sd["installed_state"] = payload(first["installed"], {k: x["installed_state"] for k, x in sds.items()})
-        self.load_state_dict(sd)
+        return sd
 
     def load_state_dict_resharded(self, sds: list[dict]) -> None:
-        """:meth:`load_state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
+        """:meth:`load_state_dict` of :meth:`_resharded_state`."""
+        self.load_state_dict(self._resharded_state(sds))
+
+    def _resharded_state(self, sds: list[dict]) -> dict:
+        """This rank's :meth:`state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
         rank's (pipeline rank, group) under another tensor size T': every per-source tensor
         (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
         is joined along its parameter's partition dimension and cut into this rank's shard
@@ -543,6 +551,40 @@ class DeptHooks:
         sd["store"] = {n: payload(n, [x["store"][n] for x in sds]) for n in sds[0]["store"]}
         if sds[0].get("installed_state") is not None:
             sd["installed_state"] = payload(sds[0]["installed"], [x["installed_state"] for x in sds])
+        return sd
+
+    def hook_state_rank_reshardable(self) -> bool:
+        """True when the hook state saved per rank (not once per (tp, pp, group)) loads under
+        another tensor, pipeline or virtual-pipeline size, the data-parallel size changing with
+        them or not (:meth:`load_state_dict_rank_resharded`): TRIM, whose φ is row-sharded
+        over a stage's tp × dp ranks and whose per-source state is replicated over data
+        parallelism; not with error feedback (the residuals are chunks of each rank's flattened
+        body shard) nor with the distributed optimizer (per-rank shards in the per-source state)."""
+        return (self.strategy.name == "trim" and not self.cfg.dept.outer_error_feedback
+                and not self.cfg.optim.distributed)
+
+    def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
+        """:meth:`load_state_dict` (TRIM) from ``sds[(tp, dp, pp)]``, the state dicts saved by the
+        old ranks of this rank's group under another tensor / pipeline / virtual-pipeline (and
+        maybe data-parallel) layout: every old rank of every stage when ``staged`` (another
+        pipeline or virtual-pipeline size), else of this rank's stage (a mapping that may read
+        its files lazily). The per-source state (compact tables, their AdamW state, the body's
+        with ``dept.body_optimizer_state: source``) comes from the old data rank 0 files and is
+        joined and cut like SPEC's (:meth:`_repartitioned_state` by parameter name when
+        ``staged``, else :meth:`_resharded_state`); φ, φ_head, their per-row outer state and the
+        learned positions' outer state are joined whole (``TrimStrategy.joined_state``) and
+        :meth:`load_state_dict` cuts this rank's rows and chunk."""
+        T = 1 + max(t for t, _, _ in sds)
+        stages = sorted({p for _, _, p in sds})
+        if staged:
+            sd = self._repartitioned_state({(t, p): sds[(t, 0, p)] for t in range(T) for p in stages})
+        else:
+            if stages != [self.pg.pp_rank]:
+                raise ValueError(f"expected the hook state of pipeline rank {self.pg.pp_rank}, got stages {stages}")
+            sd = self._resharded_state([sds[(t, 0, self.pg.pp_rank)] for t in range(T)])
+        own = self.strategy.STATE_KEYS
+        sd = {k: v for k, v in sd.items() if k not in own}
+        sd.update(self.strategy.joined_state(sds))
         self.load_state_dict(sd)
 
     def outer_syncs(self) -> dict[str, FlatSync]:
