@@ -13,7 +13,7 @@ another tensor or pipeline size for TRIM (φ's row shards joined from every old 
 per-source state like SPEC's). A SPEC checkpoint without those names (layout.json without
 hooks_param_names) under another P or VP and TRIM with error feedback under another T are
 refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
-error-feedback residuals (per rank) are joined from the old replicas' chunks. The distributed
+and TRIM's error-feedback residuals (per rank) are joined from the old replicas' chunks. The distributed
 optimizer switched on or off, under another D and bucket size (dept_mega.optim_reshard).
 (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
@@ -100,7 +100,13 @@ CASES = {"std": {"dept": {"variant": "std"}},
          # chunks of any size the blocks, hence the quantisation noise, depend on D)
          "glob_int8_ef": {"dept": {"variant": "glob", "local_steps": 2, "outer_comm_dtype": "int8",
                                    "outer_error_feedback": True, "outer_quant_block": 2,
-                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
+                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}},
+         # TRIM the same: φ's row shards joined, and the residuals (the body's; the learned
+         # positions' in their outer state); the trimmed rows (16 values) quantise alike
+         "trim_int8_ef": {"dept": {"variant": "trim", "local_steps": 2, "outer_comm_dtype": "int8",
+                                   "outer_error_feedback": True, "outer_quant_block": 2,
+                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                          "model": {"position_embedding": "learned"}}}
 
 # resharding cases beside the data-parallel ones: GLOB with a Nesterov outer optimizer (the Adam
 # one at lr 0.5 moves every weight by about ±0.5 per round, which turns the tensor-parallel sum

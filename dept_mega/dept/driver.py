@@ -299,15 +299,10 @@ class DeptHooks:
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback),
-        and the other variants, whose hook state is per rank only for the error-feedback
-        residuals (``dept.outer_error_feedback``: a chunk of each FlatSync per replica); not
-        with the distributed optimizer (per-rank shards in the per-source state)."""
-        if self.cfg.optim.distributed:
-            return False
-        if self.strategy.name == "trim":
-            return not self.cfg.dept.outer_error_feedback
-        return True
+        row-sharded over the stage's tensor × data-parallel ranks, and every variant's
+        error-feedback residuals (``dept.outer_error_feedback``: a chunk of each FlatSync per
+        replica); not with the distributed optimizer (per-rank shards in the per-source state)."""
+        return not self.cfg.optim.distributed
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
@@ -318,10 +313,7 @@ class DeptHooks:
         data-parallel order) and cut into this rank's chunk."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
-        if self.strategy.name == "trim":
-            self.load_state_dict(self.strategy.join_rank_states(mine, sds))
-            return
-        sd = dict(mine)
+        sd = self.strategy.join_rank_states(mine, sds) if self.strategy.name == "trim" else dict(mine)
         if mine.get("outer_residuals"):
             old = sorted(d for t, d in sds if t == tp)
             syncs = self.outer_syncs()
