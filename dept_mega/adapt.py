@@ -34,7 +34,6 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 import yaml
 

@@ -14,7 +14,9 @@ by joining and cutting the shards (``dept_mega.reshard``; also the distributed o
 pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
 under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there), another data-parallel
+``hooks_param_names``; checkpoints without them are refused there; TRIM's per-rank hook state:
+``DeptHooks.load_state_dict_rank_resharded``, φ's row shards joined from every old rank of a
+stage and its per-source state as SPEC's, not with error feedback), another data-parallel
 size or distributed-optimizer layout
 (``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
 distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
@@ -49,6 +51,7 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -113,11 +116,16 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     will be loaded too (the distributed optimizer's shards need the same data-parallel size).
     Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
-    no per-rank hook state but SPEC / SPEC-OPT's per-source state saved once per (tp, pp,
-    group) — under another pipeline / virtual-pipeline size only with the parameter names
-    saved with it (``hooks_param_names``) —, no dropout; the distributed optimizer's pieces on
-    either side are joined and cut too, so D, the bucket size and the optimizer may change
-    with it) or
+    hook state the same at every position (STD: none; GLOB), SPEC / SPEC-OPT's per-source
+    state saved once per (tp, pp, group) (``DeptHooks.load_state_dict_resharded``) or TRIM's
+    saved per rank (φ's row shards joined from every old rank of the stage that held them,
+    its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D may
+    change with it; not with ``dept.outer_error_feedback`` or the distributed optimizer,
+    whose per-rank state is not resharded) — under another pipeline / virtual-pipeline size
+    only with the parameter names saved with the per-source state (``hooks_param_names``:
+    ``DeptHooks.load_state_dict_repartitioned``) —, no dropout; the distributed optimizer's
+    pieces on either side are joined and cut too, so D, the bucket size and the optimizer
+    may change with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
@@ -173,12 +181,16 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
     staged = [k for k in changed if k != "tensor"]  # another pipeline layout
     # SPEC / SPEC-OPT: per-source state joined over tensor ranks and cut; under another pipeline
-    # layout also joined over stages by the parameter names saved with it (hooks_param_names)
-    per_source = bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
-                                                               lambda: False)())
+    # layout also joined over stages by the parameter names saved with it (hooks_param_names).
+    # TRIM: the same for its per-source state, in files saved per rank beside φ's row shards,
+    # which are joined whole (DeptHooks.load_state_dict_rank_resharded; D may change with it)
+    per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0") and not sharded
+                and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
+    per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
+                                                                            lambda: False)()))
     unnamed = per_source and bool(staged) and not saved.get("hooks_param_names")
-    hooks_ok = not saved.get("per_rank_hooks") or (saved.get("hooks_dp0") and (
-        bool(getattr(hooks, "hook_state_reshardable", lambda: False)()) or (per_source and not unnamed)))
+    hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
+                or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
     reshardable = hooks_ok and not (m.hidden_dropout > 0 or m.attention_dropout > 0)
     # the distributed optimizer's pieces under another data-parallel size or bucket size, or
@@ -211,12 +223,15 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         if saved.get("per_rank_hooks") and unnamed:
             raise ConfigError(f"config key 'parallel.{staged[0]}': checkpoint {path} was written with {said}; "
                               f"resume or evaluate it with its parallel.pipeline and parallel.virtual_pipeline "
-                              f"(not resharded: its per-source state (SPEC/SPEC-OPT embeddings and their AdamW "
-                              f"state, the body's with dept.body_optimizer_state: source) is held per pipeline "
-                              f"stage, and this checkpoint saved no parameter names with it (layout.json has no "
-                              f"hooks_param_names: written before they were saved) to join the stages by)")
-        why = ("its DEPT hook state is saved per rank (TRIM's table; the distributed optimizer's shards or "
-               "error-feedback residuals in SPEC/SPEC-OPT's per-source state)"
+                              f"(not resharded: its per-source state (SPEC/SPEC-OPT embeddings or TRIM's compact "
+                              f"tables and their AdamW state, the body's with dept.body_optimizer_state: source) "
+                              f"is held per pipeline stage, and this checkpoint saved no parameter names with it "
+                              f"(layout.json has no hooks_param_names: written before they were saved) to join the "
+                              f"stages by)")
+        why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the error-feedback "
+               "residuals or the eager start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: "
+               "eager: a chunk of each rank's flattened body shard) or the distributed optimizer's shards "
+               "(optim.distributed)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -632,24 +647,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                                       f"parallel.data={pg.dp_size}, optim.distributed={trainer.cfg.optim.distributed}, "
                                       f"optim.grad_bucket_size={trainer.cfg.optim.grad_bucket_size} "
                                       f"({type(exc).__name__}: {exc})") from None
-        elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT (check_layout)
-            from .parallel.groups import rank_of
-            T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-            staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
-            try:
-                if staged:  # another pipeline layout: every old stage of this group, joined by parameter name
-                    files = {(t, p): os.path.join(path, f"hooks_rank{rank_of(t, 0, p, pg.group_index, T, D, P)}.pt")
-                             for t in range(T) for p in range(P)}
-                    hooks.load_state_dict_repartitioned({k: _safe_load(f, "cpu") for k, f in files.items()})
-                else:  # another tensor size: the old tensor ranks of this stage
-                    files = [os.path.join(path, f"hooks_rank{rank_of(t, 0, pg.pp_rank, pg.group_index, T, D, P)}.pt")
-                             for t in range(T)]
-                    hooks.load_state_dict_resharded([_safe_load(f, trainer.device) for f in files])
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: its per-source state does not load with "
-                                      f"parallel.tensor={pg.tp_size}, parallel.pipeline={pg.pp_size}, "
-                                      f"parallel.virtual_pipeline={trainer.cfg.parallel.virtual_pipeline} "
-                                      f"({type(exc).__name__}: {exc})") from None
+        elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT/TRIM
+            _load_resharded_hooks(trainer, hooks, path, layout)
         else:
             hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
     if hooks is not None and has_outer_state(hooks):
@@ -679,6 +678,61 @@ def _hooks_files(path: str, layout: dict, pg, group: int, tps, per_rank: bool) -
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     return {(t, d): os.path.join(path, f"hooks_rank{rank_of(t, d, pg.pp_rank, group, T, D, P)}.pt")
             for t in tps for d in (range(D) if per_rank else (0,))}
+
+
+class _HookFiles(Mapping):
+    """Hook files by old (tp, dp, pp) position, each read (``_safe_load``, to host memory) on
+    first access: a rank reads only the old files that its state is joined from."""
+
+    def __init__(self, paths: dict) -> None:
+        self._paths, self._read = paths, {}
+
+    def __getitem__(self, key):
+        if key not in self._read:
+            self._read[key] = _safe_load(self._paths[key], "cpu")
+        return self._read[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._paths
+
+    def __iter__(self):
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
+    """The round hooks' state of checkpoint ``path`` under another tensor / pipeline /
+    virtual-pipeline layout (``check_layout``: ``"reshard"``). Saved once per (tp, pp, group)
+    (SPEC / SPEC-OPT): the old tensor ranks of this stage (``DeptHooks.load_state_dict_resharded``)
+    or, under another pipeline layout, every old stage of this group, joined by parameter name
+    (``load_state_dict_repartitioned``). Saved per rank (TRIM): every old rank of this stage, or
+    of every stage under another pipeline layout (``load_state_dict_rank_resharded``: φ's row
+    shards joined; the old files are read as needed)."""
+    from .parallel.groups import rank_of
+    pg = trainer.pg
+    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+    staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
+    stages = range(P) if staged else [pg.pp_rank]
+
+    def file(t: int, d: int, p: int) -> str:
+        return os.path.join(path, f"hooks_rank{rank_of(t, d, p, pg.group_index, T, D, P)}.pt")
+
+    try:
+        if not layout.get("hooks_dp0"):
+            files = _HookFiles({(t, d, p): file(t, d, p) for p in stages for t in range(T) for d in range(D)})
+            hooks.load_state_dict_rank_resharded(files, staged)
+        elif staged:
+            hooks.load_state_dict_repartitioned({(t, p): _safe_load(file(t, 0, p), "cpu")
+                                                 for t in range(T) for p in stages})
+        else:
+            hooks.load_state_dict_resharded([_safe_load(file(t, 0, pg.pp_rank), trainer.device) for t in range(T)])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its DEPT hook state does not load with "
+                              f"parallel.tensor={pg.tp_size}, parallel.pipeline={pg.pp_size}, "
+                              f"parallel.virtual_pipeline={trainer.cfg.parallel.virtual_pipeline}, "
+                              f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
 
 
 def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool) -> dict[str, torch.Tensor]:

@@ -203,7 +203,7 @@ def _make_trim(cfg, run_dir):
 
 def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     """DEPT hook state saved per rank that the hooks cannot join under another data-parallel
-    size (TRIM with error feedback or the distributed optimizer) needs the same size;
+    size (TRIM with the distributed optimizer's shards) needs the same size;
     the layout file makes that one ConfigError naming 'parallel.data' rather than a wrong
     rank's state loaded silently. (Joined under another D: tests/test_reshard.py.)"""
     import json

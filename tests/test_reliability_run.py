@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from dept_mega import train as train_cli

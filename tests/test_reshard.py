@@ -8,13 +8,15 @@ the losses equal an uninterrupted D = 2 run from the same initial weights within
 differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
 another tensor, pipeline and virtual-pipeline size for SPEC / SPEC-OPT (dept_mega.reshard; their
-per-source hook state joined over the old stages by the parameter names saved with it). A SPEC
-checkpoint without those names (layout.json without hooks_param_names) under another P or VP,
-another T or P for TRIM are refused with a ConfigError naming the key; TRIM under another D
-joins φ's row shards; GLOB's error-feedback residuals (per rank) are joined from the old
-replicas' chunks. The distributed optimizer switched on or off, under another D and
-bucket size (dept_mega.optim_reshard), also with SPEC-OPT's per-source optimizer states (per
-rank with the distributed optimizer: joined from the old replicas' pieces and cut,
+per-source hook state joined over the old stages by the parameter names saved with it), and
+another tensor or pipeline size for TRIM (φ's row shards joined from every old rank, its
+per-source state like SPEC's). A SPEC checkpoint without those names (layout.json without
+hooks_param_names) under another P or VP and TRIM with error feedback under another T are
+refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
+and TRIM's error-feedback residuals (per rank) are joined from the old replicas' chunks. The
+distributed optimizer switched on or off, under another D and bucket size
+(dept_mega.optim_reshard), also with SPEC-OPT's per-source optimizer states (per rank with the
+distributed optimizer: joined from the old replicas' pieces and cut,
 DeptHooks.dp_joined_state). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
 
@@ -102,7 +104,13 @@ CASES = {"std": {"dept": {"variant": "std"}},
          # chunks of any size the blocks, hence the quantisation noise, depend on D)
          "glob_int8_ef": {"dept": {"variant": "glob", "local_steps": 2, "outer_comm_dtype": "int8",
                                    "outer_error_feedback": True, "outer_quant_block": 2,
-                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}}
+                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}},
+         # TRIM the same: φ's row shards joined, and the residuals (the body's; the learned
+         # positions' in their outer state); the trimmed rows (16 values) quantise alike
+         "trim_int8_ef": {"dept": {"variant": "trim", "local_steps": 2, "outer_comm_dtype": "int8",
+                                   "outer_error_feedback": True, "outer_quant_block": 2,
+                                   "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                          "model": {"position_embedding": "learned"}}}
 
 # resharding cases beside the data-parallel ones: GLOB with a Nesterov outer optimizer (the Adam
 # one at lr 0.5 moves every weight by about ±0.5 per round, which turns the tensor-parallel sum
@@ -117,6 +125,8 @@ LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps"
                                    "optim": {"min_lr": 1.0e-2}}
 # the same with 4 layers (pipeline 2 x virtual pipeline 2 chunks of one layer each)
 LAYOUT_CASES["spec_opt_source_4l"] = dict(LAYOUT_CASES["spec_opt_source"], model={"num_layers": 4})
+# TRIM with an untied head (φ_head on the last stage) and learned positions
+LAYOUT_CASES["trim_untied"] = dict(CASES["trim"], model={"position_embedding": "learned", "tie_embeddings": False})
 LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES[c], sort_keys=True): 3
                   for c in ("spec_opt_source", "spec_opt_source_4l")}  # else 2 sources
 
@@ -144,17 +154,17 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
     assert meta(a) == meta(ref)
 
 
-def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2, virtual=1):
-    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, virtual=virtual)
+def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2, virtual=1, data=1):
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, virtual=virtual)
     loop.cfg.train.steps = steps
     loop.run()
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1):
-    ref = _loop(LAYOUT_CASES[case], ref_dir, rank, 1, tensor, pipeline, steps, virtual)
+def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1, data=1):
+    ref = _loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual)
     ref.run()
-    loop = _loop(LAYOUT_CASES[case], run_dir, rank, 1, tensor, pipeline, steps, virtual)
+    loop = _loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual)
     at = loop.checkpointer.load(loop)
     assert at == (4 if case.startswith("spec_opt_source") else 2)
     loop.writer.resume_at(at)
@@ -251,6 +261,38 @@ def test_spec_resume_under_another_pipeline_size(tmp_path, name):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 
+# (case, (tensor, pipeline, data) of run A, the same of run B); T 1 -> 2 with D 2 -> 1: φ's rows
+# split over the old data-parallel ranks are joined and split over the new tensor ranks
+TRIM_LAYOUTS = {"trim_t1d2_to_t2d1": ("trim", (1, 1, 2), (2, 1, 1)),
+                "trim_untied_p1_to_p2": ("trim_untied", (1, 1, 1), (1, 2, 1))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", sorted(TRIM_LAYOUTS))
+def test_trim_resume_under_another_tensor_or_pipeline_size(tmp_path, name):
+    """DEPT TRIM (2 groups, Nesterov outer optimizer with per-row momentum, learned positions),
+    written at a round boundary under one (tensor, pipeline, data) layout and resumed under another
+    for 2 rounds: φ (tied) or φ and φ_head (untied: the head's table on the last stage) are
+    joined from the old ranks' row shards with their momentum and cut into the new ranks' rows,
+    the positions' outer state joined from the old chunks, each source's compact tables and
+    their AdamW state joined over the old tensor ranks (by parameter name over the old stages)
+    and cut (DeptHooks.load_state_dict_rank_resharded); the losses equal an uninterrupted run of
+    the new layout from the same initial weights within 1e-6 (steps 5, 6: after an outer step
+    that used the resharded row momentum)."""
+    case, la, lb = TRIM_LAYOUTS[name]
+    run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
+    size = lambda l: 2 * l[0] * l[1] * l[2]
+    run_distributed(_train_a_layout, size(la), args=(run, la[0], la[1], case, 2, 1, la[2]), timeout=200)
+    layout = json.loads((tmp_path / "a" / "checkpoints" / "step_2" / "layout.json").read_text())
+    assert layout["per_rank_hooks"] and not layout.get("hooks_dp0")  # TRIM: per rank
+    run_distributed(_resume_b_layout, size(lb), args=(run, ref, lb[0], lb[1], case, 6, 1, lb[2]), timeout=300)
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for s in (3, 4, 5, 6):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
 def test_spec_checkpoint_without_parameter_names(tmp_path):
     """A SPEC checkpoint whose layout.json lacks ``hooks_param_names`` (written before the
     per-source optimizer states carried their parameter names) is refused under another
@@ -293,10 +335,12 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
 
 
 def test_refusals_name_the_key(tmp_path):
-    """What is not resharded: TRIM's per-rank state (written per rank, without hooks_dp0)
-    under another tensor size; under another data size its φ shards are joined, and shards
-    that do not cover the table (here: two copies of one rank's file) are refused."""
-    from dept_mega.checkpoint import load_weights
+    """TRIM's hook state is written per rank (without hooks_dp0): under another data size its
+    φ shards are joined, and shards that do not cover the table (here: two copies of one
+    rank's file) are refused; under another tensor size it is resharded, except with
+    error feedback (per-rank residuals of the body's flattened shard): a ConfigError naming
+    'parallel.tensor' and saying why."""
+    from dept_mega.checkpoint import check_layout, load_weights
     from dept_mega.config import ConfigError
     from dept_mega.manifest import seal
     run = str(tmp_path / "run")
@@ -317,7 +361,9 @@ def test_refusals_name_the_key(tmp_path):
     if (step / "rng_tp0_pp0.pt").exists():
         shutil.copy(step / "rng_tp0_pp0.pt", step / "rng_tp1_pp0.pt")
     seal(str(step), 1)
-    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*not resharded"):
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
+    loop.cfg.dept.outer_error_feedback = True  # as if the run had used error feedback
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*not resharded.*error-feedback residuals"):
         load_weights(loop.trainer, run, 1, hooks=loop.hooks)
 
 

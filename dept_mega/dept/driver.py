@@ -304,16 +304,12 @@ class DeptHooks:
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks (not with error feedback, the
-        eager start nor the distributed optimizer), and the other variants, whose hook state is
-        per rank only for the error-feedback residuals (``dept.outer_error_feedback``) and the
-        eager start's estimates (``dept.outer_overlap_rule: eager``) — a chunk of each
-        FlatSync per replica — and the distributed optimizer's shards in the per-source
-        optimizer states (:meth:`hook_state_redistributable`)."""
-        if self.strategy.name == "trim":
-            return (not self.cfg.dept.outer_error_feedback and not self.schedule.eager
-                    and not self.cfg.optim.distributed)
-        return True
+        row-sharded over the stage's tensor × data-parallel ranks, and every variant's
+        error-feedback residuals and the eager start's estimates (``dept.outer_error_feedback``,
+        ``dept.outer_overlap_rule: eager``: a chunk of each FlatSync per replica) and the
+        distributed optimizer's shards in the per-source optimizer states
+        (:meth:`hook_state_redistributable`; not TRIM's)."""
+        return self.strategy.name != "trim" or not self.cfg.optim.distributed
 
     def hook_state_redistributable(self) -> bool:
         """True when the per-source optimizer states of :meth:`state_dict` (a source's embedding
@@ -328,25 +324,23 @@ class DeptHooks:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
         this rank's (pipeline stage, group) under another data-parallel size (or, saved once
         per (tp, pp, group), data-parallel rank 0's only): TRIM's row-sharded φ and chunked
-        outer state joined (``TrimStrategy.join_rank_states``) and cut here, else
-        :meth:`dp_joined_state`."""
-        if self.strategy.name == "trim":
-            self.load_state_dict(self.strategy.join_rank_states(sds[(self.pg.tp_rank, 0)], sds))
-            return
+        outer state joined (``TrimStrategy.join_rank_states``) and cut here, and the rest as
+        :meth:`dp_joined_state` says."""
         self.load_state_dict(self.dp_joined_state(sds))
 
     def dp_joined_state(self, sds: dict) -> dict:
         """This rank's :meth:`state_dict` from ``sds[(tp, dp)]``, the hook states saved by the
         data-parallel ranks at this rank's tensor position (and pipeline stage) of one group
-        under another data-parallel size or distributed-optimizer layout (not TRIM): the
-        replicated part from data rank 0's, the error-feedback residuals and eager estimates
+        under another data-parallel size or distributed-optimizer layout (TRIM: not with the
+        distributed optimizer): the replicated part from data rank 0's (TRIM's φ joined), the error-feedback residuals and eager estimates
         (CHUNK_BUFFERS) joined from the old replicas' chunks (near-equal, in data-parallel
         order) and cut into this rank's chunk, every per-source optimizer state joined from the
         old replicas' pieces and cut for this rank's optimizers (:meth:`hook_state_redistributable`)."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
         old = sorted(d for t, d in sds if t == tp)
-        sd = dict(mine)
+        # TRIM: φ's row shards and its chunked outer state joined (TrimStrategy.join_rank_states)
+        sd = self.strategy.join_rank_states(mine, sds) if self.strategy.name == "trim" else dict(mine)
         if self.per_source:
             replicas = [sds[(tp, d)] for d in old]
             for x in replicas:
@@ -457,7 +451,11 @@ class DeptHooks:
         return out.clone()
 
     def load_state_dict_repartitioned(self, sds: dict) -> None:
-        """:meth:`load_state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
+        """:meth:`load_state_dict` of :meth:`_repartitioned_state`."""
+        self.load_state_dict(self._repartitioned_state(sds))
+
+    def _repartitioned_state(self, sds: dict) -> dict:
+        """This rank's :meth:`state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
         (tensor rank, pipeline rank) of this rank's group under another tensor, pipeline and / or
         virtual-pipeline layout (each with the ``param_names`` of :meth:`state_dict`). Per
         source: every embedding tensor this rank's chunks hold is taken from the first old
@@ -556,10 +554,14 @@ class DeptHooks:
         sd["store"] = {n: payload(n, {k: x["store"][n] for k, x in sds.items()}) for n in names}
         if first.get("installed_state") is not None:
             sd["installed_state"] = payload(first["installed"], {k: x["installed_state"] for k, x in sds.items()})
-        self.load_state_dict(sd)
+        return sd
 
     def load_state_dict_resharded(self, sds: list[dict]) -> None:
-        """:meth:`load_state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
+        """:meth:`load_state_dict` of :meth:`_resharded_state`."""
+        self.load_state_dict(self._resharded_state(sds))
+
+    def _resharded_state(self, sds: list[dict]) -> dict:
+        """This rank's :meth:`state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
         rank's (pipeline rank, group) under another tensor size T': every per-source tensor
         (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
         is joined along its parameter's partition dimension and cut into this rank's shard
@@ -598,6 +600,40 @@ class DeptHooks:
         sd["store"] = {n: payload(n, [x["store"][n] for x in sds]) for n in sds[0]["store"]}
         if sds[0].get("installed_state") is not None:
             sd["installed_state"] = payload(sds[0]["installed"], [x["installed_state"] for x in sds])
+        return sd
+
+    def hook_state_rank_reshardable(self) -> bool:
+        """True when the hook state saved per rank (not once per (tp, pp, group)) loads under
+        another tensor, pipeline or virtual-pipeline size, the data-parallel size changing with
+        them or not (:meth:`load_state_dict_rank_resharded`): TRIM, whose φ is row-sharded
+        over a stage's tp × dp ranks and whose per-source state is replicated over data
+        parallelism; not with error feedback or the eager start (their buffers are chunks of
+        each rank's flattened body shard) nor with the distributed optimizer (per-rank shards in the per-source state)."""
+        return (self.strategy.name == "trim" and not self.cfg.dept.outer_error_feedback
+                and not self.schedule.eager and not self.cfg.optim.distributed)
+
+    def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
+        """:meth:`load_state_dict` (TRIM) from ``sds[(tp, dp, pp)]``, the state dicts saved by the
+        old ranks of this rank's group under another tensor / pipeline / virtual-pipeline (and
+        maybe data-parallel) layout: every old rank of every stage when ``staged`` (another
+        pipeline or virtual-pipeline size), else of this rank's stage (a mapping that may read
+        its files lazily). The per-source state (compact tables, their AdamW state, the body's
+        with ``dept.body_optimizer_state: source``) comes from the old data rank 0 files and is
+        joined and cut like SPEC's (:meth:`_repartitioned_state` by parameter name when
+        ``staged``, else :meth:`_resharded_state`); φ, φ_head, their per-row outer state and the
+        learned positions' outer state are joined whole (``TrimStrategy.joined_state``) and
+        :meth:`load_state_dict` cuts this rank's rows and chunk."""
+        T = 1 + max(t for t, _, _ in sds)
+        stages = sorted({p for _, _, p in sds})
+        if staged:
+            sd = self._repartitioned_state({(t, p): sds[(t, 0, p)] for t in range(T) for p in stages})
+        else:
+            if stages != [self.pg.pp_rank]:
+                raise ValueError(f"expected the hook state of pipeline rank {self.pg.pp_rank}, got stages {stages}")
+            sd = self._resharded_state([sds[(t, 0, self.pg.pp_rank)] for t in range(T)])
+        own = self.strategy.STATE_KEYS
+        sd = {k: v for k, v in sd.items() if k not in own}
+        sd.update(self.strategy.joined_state(sds))
         self.load_state_dict(sd)
 
     def outer_syncs(self) -> dict[str, FlatSync]:
