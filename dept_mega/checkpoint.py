@@ -100,7 +100,8 @@ def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Opt
                                         "parallel.tensor, parallel.pipeline and parallel.virtual_pipeline")
     if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not (
             saved.get("optim_distributed") and _hooks_redistribute(hooks)):
-        return ("parallel", "the round-hook state was saved per rank (TRIM, error-feedback residuals)")
+        return ("parallel", "the round-hook state was saved per rank (TRIM, error-feedback residuals, the eager "
+                            "start's estimates)")
     return hooks.regroup_refusal(step, int(saved["groups"]))
 
 
