@@ -362,3 +362,29 @@ def test_glob_checkpoint_size_does_not_grow_with_data_parallel_size(tmp_path):
         assert "body_sync" not in hooks and "embedding_sync" not in hooks
     assert abs(data_bytes[2] - data_bytes[1]) <= 0.005 * data_bytes[1], data_bytes
     assert abs(sizes[2] - sizes[1]) <= 0.02 * sizes[1], sizes
+
+
+def test_eager_start_estimates_are_per_rank_state(tmp_path):
+    """The eager start's estimates E (dept.outer_overlap_rule: eager) belong to a rank's chunk
+    and to its group: they go in the per-rank hook file (not once per (tp, pp, group)), and a
+    checkpoint with them is refused under another tensor size or number of groups with a
+    ConfigError naming a key, never loaded with a wrong E."""
+    from dept_mega.checkpoint import check_layout
+    from dept_mega.config import ConfigError
+    cfg = tiny_config({"dept": {"variant": "glob", "local_steps": 2, "outer_overlap": True, "outer_delay": 1,
+                                "outer_overlap_rule": "eager"},
+                       "train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop, _ = _make(cfg, str(tmp_path), 0)
+    loop.run()
+    hooks = loop.hooks
+    assert not hooks.state_replicated_over_dp() and not hooks.hook_state_reshardable()
+    assert hooks.regroup_refusal(4, 2)[0] == "dept.outer_overlap_rule"
+    saved = torch.load(next((tmp_path / "checkpoints").glob("step_*")) / "hooks_rank0.pt", weights_only=True)
+    syncs = hooks.outer_syncs()
+    assert set(saved["outer_eager"]) == {k for k, s in syncs.items() if s.eager_base is not None} == set(syncs)
+    assert all(all(v) for v in saved["outer_eager_known"].values())  # every part synced once before the save
+    step = sorted((tmp_path / "checkpoints").glob("step_*"))[0]
+    assert check_layout(loop.trainer, str(step), hooks=hooks) == "same"
+    _as_if_written_by(step, tensor=2)
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*eager start"):
+        check_layout(loop.trainer, str(step), hooks=hooks)
