@@ -670,15 +670,21 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             install()
 
 
+def _hook_file(path: str, layout: dict, tp: int, dp: int, pp: int, group: int) -> str:
+    """``hooks_rank{r}.pt`` of checkpoint ``path`` written by the rank at (tp, dp, pp, group) of
+    its layout (``layout``: its layout.json)."""
+    from .parallel.groups import rank_of
+    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
+    return os.path.join(path, f"hooks_rank{rank_of(tp, dp, pp, group, T, D, P)}.pt")
+
+
 def _hooks_files(path: str, layout: dict, pg, group: int, tps, per_rank: bool) -> dict[tuple[int, int], str]:
     """``(tensor rank, data rank) -> hooks_rank{r}.pt`` of checkpoint ``path`` (``layout``: its
     layout.json) at this rank's pipeline stage in old group ``group``, for the tensor ranks
     ``tps``: every data rank's file (``per_rank``) or data rank 0's (saved once per (tp, pp,
     group), ``hooks_dp0``)."""
-    from .parallel.groups import rank_of
-    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-    return {(t, d): os.path.join(path, f"hooks_rank{rank_of(t, d, pg.pp_rank, group, T, D, P)}.pt")
-            for t in tps for d in (range(D) if per_rank else (0,))}
+    return {(t, d): _hook_file(path, layout, t, d, pg.pp_rank, group)
+            for t in tps for d in (range(int(layout["data"])) if per_rank else (0,))}
 
 
 class _HookFiles(Mapping):
@@ -711,14 +717,13 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     (``load_state_dict_repartitioned``). Saved per rank (TRIM): every old rank of this stage, or
     of every stage under another pipeline layout (``load_state_dict_rank_resharded``: φ's row
     shards joined; the old files are read as needed)."""
-    from .parallel.groups import rank_of
     pg = trainer.pg
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
     stages = range(P) if staged else [pg.pp_rank]
 
     def file(t: int, d: int, p: int) -> str:
-        return os.path.join(path, f"hooks_rank{rank_of(t, d, p, pg.group_index, T, D, P)}.pt")
+        return _hook_file(path, layout, t, d, p, pg.group_index)
 
     try:
         if not layout.get("hooks_dp0"):

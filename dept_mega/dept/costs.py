@@ -582,10 +582,9 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra,
                 "first_extra": first}
     T, D = p.tensor, p.data
-    from .memory import PARAM_BYTES, sharded_masters
+    from .memory import PARAM_BYTES, eager_start, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
-    from .memory import eager_start
     eager = eager_start(cfg)
     one_round = cfg.train.steps <= L
     for _, offset, category, chunks in unit_chunks(cfg, global_vocab):

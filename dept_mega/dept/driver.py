@@ -36,6 +36,7 @@ import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from .master_shards import value_access
+from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .streaming import OuterSchedule, body_fragments, sync_units
 from .rounds import RoundScheduler
@@ -93,7 +94,7 @@ class DeptHooks:
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
         units = sync_units(self.body_syncs, self.strategy.outer_syncs(), d.local_steps)
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
-                                      cfg.train.steps, eager=d.outer_overlap_rule == "eager")
+                                      cfg.train.steps, eager=eager_start(cfg))
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()
@@ -332,10 +333,11 @@ class DeptHooks:
         """This rank's :meth:`state_dict` from ``sds[(tp, dp)]``, the hook states saved by the
         data-parallel ranks at this rank's tensor position (and pipeline stage) of one group
         under another data-parallel size or distributed-optimizer layout (TRIM: not with the
-        distributed optimizer): the replicated part from data rank 0's (TRIM's φ joined), the error-feedback residuals and eager estimates
-        (CHUNK_BUFFERS) joined from the old replicas' chunks (near-equal, in data-parallel
-        order) and cut into this rank's chunk, every per-source optimizer state joined from the
-        old replicas' pieces and cut for this rank's optimizers (:meth:`hook_state_redistributable`)."""
+        distributed optimizer): the replicated part from data rank 0's (TRIM's φ joined), the
+        error-feedback residuals and eager estimates (CHUNK_BUFFERS) joined from the old
+        replicas' chunks (near-equal, in data-parallel order) and cut into this rank's chunk,
+        every per-source optimizer state joined from the old replicas' pieces and cut for this
+        rank's optimizers (:meth:`hook_state_redistributable`)."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
         old = sorted(d for t, d in sds if t == tp)
@@ -608,7 +610,8 @@ class DeptHooks:
         them or not (:meth:`load_state_dict_rank_resharded`): TRIM, whose φ is row-sharded
         over a stage's tp × dp ranks and whose per-source state is replicated over data
         parallelism; not with error feedback or the eager start (their buffers are chunks of
-        each rank's flattened body shard) nor with the distributed optimizer (per-rank shards in the per-source state)."""
+        each rank's flattened body shard) nor with the distributed optimizer (per-rank shards
+        in the per-source state)."""
         return (self.strategy.name == "trim" and not self.cfg.dept.outer_error_feedback
                 and not self.schedule.eager and not self.cfg.optim.distributed)
 

@@ -305,9 +305,9 @@ def _outer_bytes(cfg: Config, numels: Sequence[int], labels: Sequence[int], isol
     for n, lab in zip(numels, labels):
         totals[lab] = totals.get(lab, 0) + n
     chunks = flat_sync_chunks(cfg, numels, labels, isolate)
-    ef = d.outer_error_feedback
+    ef, eager = d.outer_error_feedback, eager_start(cfg)
     return sum(_flat_sync_bytes(totals[lab], cfg.parallel.data, d.outer_optimizer.name, lean, chunks[lab][0], ef,
-                                eager_start(cfg)) for lab in totals)
+                                eager) for lab in totals)
 
 
 def eager_start(cfg: Config) -> bool:

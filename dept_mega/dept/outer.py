@@ -113,8 +113,7 @@ class OuterOptimizer:
         """θ ← update(θ, Δ̄); both fp32 and of the same shape. ``part`` (see
         :meth:`FlatSync.use_parts`): θ is part ``part`` of the buffer, starting at element
         ``at`` of the state, and only that part's step count advances."""
-        if theta.dtype != torch.float32 or delta.dtype != torch.float32:
-            raise TypeError("outer optimizer works on fp32 buffers")
+        _check_fp32(theta, delta)
         if part is None:
             self.ensure_state(theta)
             self.steps += 1
@@ -123,26 +122,30 @@ class OuterOptimizer:
             self.part_steps[part] += 1
             t = self.part_steps[part]
             self.steps = min(self.part_steps)
-        n = theta.numel()
-        for a in range(0, max(n, 1), STEP_SLICE):
-            b = min(a + STEP_SLICE, n)
-            self._step_slice(theta[a:b], delta[a:b], {k: v[at + a:at + b] for k, v in self.state.items()}, t)
+        self._step_slices(theta, delta, at, t, copy_state=False)
 
     @torch.no_grad()
     def peek(self, theta: torch.Tensor, delta: torch.Tensor, at: int = 0, part: Optional[int] = None) -> torch.Tensor:
         """What :meth:`step` would make of θ with Δ̄ = ``delta``, as a new tensor; neither θ nor
         the optimizer state nor the step counts change (the eager overlap rule's estimate)."""
-        if theta.dtype != torch.float32 or delta.dtype != torch.float32:
-            raise TypeError("outer optimizer works on fp32 buffers")
+        _check_fp32(theta, delta)
         if part is None:
             self.ensure_state(theta)
-        t = (self.steps if part is None else self.part_steps[part]) + 1
         out = theta.clone()
-        n = out.numel()
+        self._step_slices(out, delta, at, (self.steps if part is None else self.part_steps[part]) + 1,
+                          copy_state=True)
+        return out
+
+    def _step_slices(self, theta: torch.Tensor, delta: torch.Tensor, at: int, t: int, copy_state: bool) -> None:
+        """The element-wise update of θ in place, slice by slice (temporaries stay small), with
+        the state from element ``at`` on (``copy_state``: on copies, the state unchanged)."""
+        n = theta.numel()
         for a in range(0, max(n, 1), STEP_SLICE):
             b = min(a + STEP_SLICE, n)
-            self._step_slice(out[a:b], delta[a:b], {k: v[at + a:at + b].clone() for k, v in self.state.items()}, t)
-        return out
+            state = {k: v[at + a:at + b] for k, v in self.state.items()}
+            if copy_state:
+                state = {k: v.clone() for k, v in state.items()}
+            self._step_slice(theta[a:b], delta[a:b], state, t)
 
     def _step_slice(self, theta: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor], t: int) -> None:
         if self.name == "fedavg":
@@ -190,6 +193,11 @@ class OuterOptimizer:
             raise ValueError(f"outer state: the checkpoint's sync went in {len(counts)} parts, this run's in "
                              f"{len(self.part_steps)} (another dept.outer_fragments)")
         self.part_steps = counts
+
+
+def _check_fp32(theta: torch.Tensor, delta: torch.Tensor) -> None:
+    if theta.dtype != torch.float32 or delta.dtype != torch.float32:
+        raise TypeError("outer optimizer works on fp32 buffers")
 
 
 def flatten_fp32(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -21,8 +21,9 @@ inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_a
 steps. τ = 0 is the blocking sync (F = 1, τ = 0: exactly the sync without this module's
 options). ``dept.outer_overlap_rule: eager`` (``OuterSchedule(eager=True)``) starts those τ
 steps from an estimate of θ_t instead of θ_local (outer.py, "Eager start") and corrects
-with θ ← θ_local_now + (θ_t − θ_eager); the default ``correction`` is the rule above. The run's last step applies every pending sync, syncs the last fragment blocking
-and then every other fragment once more (blocking), so that the final weights are the same in
+with θ ← θ_local_now + (θ_t − θ_eager); the default ``correction`` is the rule above. The
+run's last step applies every pending sync, syncs the last fragment blocking and then every
+other fragment once more (blocking), so that the final weights are the same in
 every group (the last round's record therefore carries F − 1 extra fragment syncs).
 
 Where things happen, with ``s`` = inner steps done:
