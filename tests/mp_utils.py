@@ -9,6 +9,8 @@ hang fails after ``timeout`` seconds.
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
 import socket
@@ -33,6 +35,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
                        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
                        "DEPT_MEGA_DEVICE": "cpu"})
     torch.set_num_threads(1)
+    # a rank killed by a signal (SIGABRT from C++, SIGSEGV) prints every thread's Python stack
+    # to the test's captured stderr: where it was is otherwise lost
+    faulthandler.enable(all_threads=True)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -49,6 +54,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    # what ``fn`` left in reference cycles (trainer <-> loop <-> hooks) holds the C++ gloo groups:
+    # freed by the interpreter's shutdown, their worker threads abort the process now and then
+    # (SIGABRT, "terminate called without an active exception"); as dept_mega.process_exit does
+    # for the launched entry points, collect them while the interpreter is whole
+    gc.collect()
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout: float = 300.0) -> list[Any]:
