@@ -102,9 +102,12 @@ class DeptConfig:
     outer_state_device: str = "device"  # device | cpu: where θ_{t-1} and the outer optimizer state live
     outer_overlap: bool = False  # launch the sync and keep training (Streaming DiLoCo)
     outer_delay: int = 0  # τ: inner steps between launching a sync and applying it (0: blocking)
-    # what the τ overlapped steps start from: correction (θ_local, Streaming DiLoCo) | eager
-    # (an estimate of θ_t from this group's fresh and the others' previous pseudo-gradient)
+    # how an overlapped sync lands (docs/dept.md "Overlapped sync"): correction (θ_t plus the
+    # τ local steps, θ ← θ_t + θ_local_now − θ_local_at_launch) | eager (the τ steps start from
+    # an estimate of θ_t from this group's fresh and the others' previous pseudo-gradient) |
+    # mix (θ ← α·θ_local_now + (1 − α)·θ_t, Streaming DiLoCo's merge; α = outer_mix_alpha)
     outer_overlap_rule: str = "correction"
+    outer_mix_alpha: float = 0.5  # α of outer_overlap_rule: mix (0: θ_t replaces the τ local steps)
     outer_fragments: int = 1  # F: the body in F fragments of consecutive layers, synced staggered
     trim_table_device: str = "cpu"  # where TRIM's global table lives; only cpu so far
     # GLOB: which embedding rows a group's inner steps update: all (plain) | present (only the
@@ -513,7 +516,7 @@ def _check_values(cfg: Config) -> None:
                           f"{cfg.dept.local_steps}")
 
 
-OVERLAP_RULES = ("correction", "eager")
+OVERLAP_RULES = ("correction", "eager", "mix")
 
 
 def _check_outer_sync(cfg: Config) -> None:
@@ -530,6 +533,9 @@ def _check_outer_sync(cfg: Config) -> None:
     if d.outer_overlap_rule != "correction" and not (d.outer_overlap and d.outer_delay > 0):
         raise ConfigError(f"config key 'dept.outer_overlap_rule': {d.outer_overlap_rule} needs dept.outer_overlap: "
                           f"true and dept.outer_delay > 0 (it says what the overlapped steps start from)")
+    if not 0.0 <= d.outer_mix_alpha <= 1.0:
+        raise ConfigError(f"config key 'dept.outer_mix_alpha': {d.outer_mix_alpha} is not in [0, 1] (the weight of "
+                          f"the local weights in dept.outer_overlap_rule: mix)")
     if d.outer_delay >= d.local_steps:
         raise ConfigError(f"config key 'dept.outer_delay': {d.outer_delay} must be < dept.local_steps="
                           f"{d.local_steps} (a sync is applied before the next one of its fragment starts)")

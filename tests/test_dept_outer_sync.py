@@ -54,11 +54,13 @@ TABLE = (6, 5)  # an embedding table (GLOB's): synchronised in F parts, part f w
 LR, MU = 0.7, 0.9
 
 
-def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
+def _reference(G, D, L, T, tau, F, fmt, block, ef, rule="correction"):
     """Plain tensors: every group's parameters, per-vector θ_prev, momentum and residual
-    (element-wise), the schedule of streaming.py and quantisation of each replica's piece;
-    ``eager``: overlapped steps start from θ_eager, the Nesterov step of θ_prev with
-    Δ̂ = Δ_g / G + (Δ̄_prev − Δ_g,prev / G) (a unit's first sync: from θ_local).
+    (element-wise), the schedule of streaming.py and quantisation of each replica's piece.
+    How an overlapped sync lands (``rule``): "correction": θ_t + θ_now − θ_at_launch;
+    "eager": overlapped steps start from θ_eager, the Nesterov step of θ_prev with
+    Δ̂ = Δ_g / G + (Δ̄_prev − Δ_g,prev / G) (a unit's first sync: from θ_local); a float α
+    (the merge): α·θ_now + (1 − α)·θ_t.
     Vectors: the body's F fragments and the table; a *unit* is what one launch sends: a
     vector and, per replica, the flat range it carries (a fragment: the replica's 1/D chunk;
     table part f: the f-th 1/F slice of the replica's chunk)."""
@@ -73,6 +75,8 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
     buf = [torch.zeros_like(v) for v in prev]
     resid = {(g, k): torch.zeros_like(prev[k]) for g in range(G) for k in range(F + 1)}
     estimate_base = {(g, k): torch.zeros_like(prev[k]) for g in range(G) for k in range(F + 1)}
+    eager = rule == "eager"
+    mix = rule if isinstance(rule, float) else None
     known = set()  # units whose previous mean is known (eager)
     offsets = fragment_offsets(L, F)
 
@@ -138,6 +142,8 @@ def _reference(G, D, L, T, tau, F, fmt, block, ef, eager=False):
         for g in range(G):
             if snaps is None:
                 write(g, k, idx, prev[k][idx], add=False)
+            elif mix is not None:
+                write(g, k, idx, mix * flat(theta[g], k)[idx] + (1 - mix) * prev[k][idx], add=False)
             else:
                 write(g, k, idx, prev[k][idx] - snaps[g], add=True)
 
@@ -173,7 +179,8 @@ def _stream_worker(rank, world, cases):
     pg = build_groups(tensor=1, data=2, pipeline=1)
     g = pg.group_index
     out = []
-    for L, T, tau, F, fmt, block, ef, state_device, eager in cases:
+    for L, T, tau, F, fmt, block, ef, state_device, rule in cases:
+        eager = rule == "eager"
         torch.manual_seed(0)
         shapes = SHAPES[0] + SHAPES[1]
         params = [torch.nn.Parameter(torch.randn(sh)) for sh in shapes] + [torch.nn.Parameter(torch.randn(TABLE))]
@@ -186,7 +193,7 @@ def _stream_worker(rank, world, cases):
         table = flat_sync(params[4:])
         units = sync_units(syncs, [table], L)
         assert len(units) == 2 * F and [u.part for u in units[F:]] == ([None] if F == 1 else list(range(F)))
-        sched = OuterSchedule(units, L, tau, T, eager=eager)
+        sched = OuterSchedule(units, L, tau, T, eager=eager, mix=rule if isinstance(rule, float) else None)
         idle = []
         for s in range(T):
             sched.before_step(s)
@@ -236,23 +243,25 @@ def _stream_worker(rank, world, cases):
     return out
 
 
-CASES = [  # L, T, tau, F, fmt, block, error feedback, state device, eager start
-    (4, 8, 0, 1, None, 256, False, "device", False),
-    (4, 8, 1, 2, None, 256, False, "cpu", False),
-    (4, 8, 3, 2, None, 256, False, "device", False),
-    (4, 8, 0, 2, "int8", 8, True, "device", False),
-    (4, 8, 1, 1, "int4", 8, True, "cpu", False),
-    (4, 8, 2, 2, "fp8", 16, False, "device", False),
-    (4, 12, 2, 1, None, 256, False, "device", True),
-    (4, 8, 1, 2, "int8", 8, True, "cpu", True),
+CASES = [  # L, T, tau, F, fmt, block, error feedback, state device, overlap rule (α: the merge)
+    (4, 8, 0, 1, None, 256, False, "device", "correction"),
+    (4, 8, 1, 2, None, 256, False, "cpu", "correction"),
+    (4, 8, 3, 2, None, 256, False, "device", "correction"),
+    (4, 8, 0, 2, "int8", 8, True, "device", "correction"),
+    (4, 8, 1, 1, "int4", 8, True, "cpu", "correction"),
+    (4, 8, 2, 2, "fp8", 16, False, "device", "correction"),
+    (4, 12, 2, 1, None, 256, False, "device", "eager"),
+    (4, 8, 1, 2, "int8", 8, True, "cpu", "eager"),
+    (4, 8, 2, 2, None, 256, False, "device", 0.3),
+    (4, 8, 1, 2, "int8", 8, True, "cpu", 0.0),
 ]
 
 
 @pytest.mark.timeout(200)
 def test_fragments_overlap_quantised_match_plain_reference():
     res = run_distributed(_stream_worker, 4, args=(CASES,), timeout=180)
-    for i, (L, T, tau, F, fmt, block, ef, _, eager) in enumerate(CASES):
-        ref = _reference(2, 2, L, T, tau, F, fmt, block, ef, eager)
+    for i, (L, T, tau, F, fmt, block, ef, _, rule) in enumerate(CASES):
+        ref = _reference(2, 2, L, T, tau, F, fmt, block, ef, rule)
         for r in res:
             got = r[i]
             for a, b in zip(got["final"], ref[got["group"]]):
@@ -329,7 +338,7 @@ def _dept_worker(rank, world, runs):
         res = run_dept(cfg, infos, cfg.train.steps // cfg.dept.local_steps)
         out.append({"losses": res["losses"], "outer": res["outer"],
                     "body": [p.detach().clone() for p in res["trainer"].body_parameters()],
-                    "idle": res["hooks"].can_save_now()})
+                    "idle": res["hooks"].can_save_now(), "mix": res["hooks"].schedule.mix})
     return out
 
 
@@ -341,7 +350,8 @@ def _runs():
          "parallel": {"data": 2}},
         {**base, "dept": {"variant": "glob", **stream, "outer_comm_dtype": "int8", "outer_error_feedback": True},
          "model": {"position_embedding": "learned"}, "parallel": {"data": 2}},
-        {**base, "dept": {"variant": "spec_opt", **stream, "outer_comm_dtype": "int4", "outer_quant_block": 32},
+        {**base, "dept": {"variant": "spec_opt", **stream, "outer_comm_dtype": "int4", "outer_quant_block": 32,
+                          "outer_overlap_rule": "mix", "outer_mix_alpha": 0.5},  # the merge rule
          "parallel": {"pipeline": 2}},
         {**base, "dept": {"variant": "trim", **stream, "outer_comm_dtype": "int8", "outer_state_device": "cpu"},
          "model": {"position_embedding": "learned"}, "parallel": {"tensor": 2}},
@@ -371,6 +381,7 @@ def test_dept_variants_with_streaming_options():
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["body"], other["body"])), i
         # every rank of a job sees the same outer records' bytes
         assert all(r["outer"][k]["bytes"] == ranks[0]["outer"][k]["bytes"] for r in ranks for k in range(2))
+        assert ranks[0]["mix"] == (0.5 if over["dept"].get("outer_overlap_rule") == "mix" else None), i
     # the measured records equal dept_mega.dept.costs' prediction: what crosses groups in every
     # round (launches stay inside their round; the records' dp also holds the inner gradient
     # reductions, so the outer sync's dp bytes are checked in tests/test_costs_bytes.py)
@@ -485,6 +496,9 @@ def test_slow_link_blocking_exposed_grows_overlapped_stays_hidden():
     ({"outer_quant_block": 0}, {}, "dept.outer_quant_block"),
     ({"outer_overlap_rule": "eager"}, {}, "dept.outer_overlap_rule"),
     ({"outer_overlap": True, "outer_delay": 1, "outer_overlap_rule": "early"}, {}, "dept.outer_overlap_rule"),
+    ({"outer_overlap_rule": "mix"}, {}, "dept.outer_overlap_rule"),
+    ({"outer_overlap": True, "outer_delay": 1, "outer_overlap_rule": "mix", "outer_mix_alpha": 1.5}, {},
+     "dept.outer_mix_alpha"),
     ({"variant": "glob", "embedding_rows": "present", "outer_overlap": True, "outer_delay": 1}, {},
      "dept.outer_overlap"),
 ])

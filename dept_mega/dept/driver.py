@@ -94,7 +94,8 @@ class DeptHooks:
         self.strategy = make_strategy(d.variant, StrategyContext(cfg, pg, trainer, self.device, self.sources))
         units = sync_units(self.body_syncs, self.strategy.outer_syncs(), d.local_steps)
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
-                                      cfg.train.steps, eager=eager_start(cfg))
+                                      cfg.train.steps, eager=eager_start(cfg),
+                                      mix=d.outer_mix_alpha if d.outer_overlap_rule == "mix" else None)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()

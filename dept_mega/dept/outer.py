@@ -51,6 +51,14 @@ re-gather, counted as ``dp``) and takes θ_local_at_launch's place in the correc
 the true mean Δ̄_t only, so they stay the same in every group; Kale et al. instead step the
 outer optimizer with the estimate itself.
 
+Merge (``dept.outer_overlap_rule: mix``, ``finish(mix=α)``, α = ``dept.outer_mix_alpha``): the
+τ overlapped steps start from θ_local like the correction rule, but on arrival the weights
+become α·θ_local_now + (1 − α)·θ_t — Streaming DiLoCo's merge of the local and the globally
+updated fragment (Douillard et al. 2025, arXiv:2501.18512; torchft's ``fragment_update_alpha``,
+where α = 0 lets θ_t replace the τ local steps). Unlike the correction, which keeps all of
+this group's τ steps on top of θ_t, the merge keeps the fraction α of the group's whole
+departure from θ_t. Nothing is kept from the launch (no θ_local_at_launch copy).
+
 With half-precision weights the fp32 values to read and write are the optimizer's master
 copies: a FlatSync built with ``main_params`` / ``refresh`` (``Trainer.main_params`` and
 ``Trainer.refresh_model_params``) reads θ_local from and writes θ_t into those, then refreshes
@@ -463,11 +471,14 @@ class FlatSync:
         return theta.to(self.device)
 
     @torch.no_grad()
-    def finish(self, pending: PendingSync, correct: bool = False) -> float:
+    def finish(self, pending: PendingSync, correct: bool = False, mix: Optional[float] = None) -> float:
         """Steps 2–4 once the exchange is done: the mean Δ, the outer step, the dp re-gather
-        and the write into the parameters — θ_t (``correct=False``) or θ_local_now +
-        (θ_t − θ_local_at_launch) (``correct=True``, needs ``launch(keep_launch=True)``).
+        and the write into the parameters — θ_t (``correct=False``), θ_local_now +
+        (θ_t − θ_local_at_launch) (``correct=True``, needs ``launch(keep_launch=True)``) or
+        α·θ_local_now + (1 − α)·θ_t (``mix=α``, the merge rule, module doc).
         Returns the seconds spent waiting for the exchange."""
+        if correct and mix is not None:
+            raise ValueError("FlatSync.finish: correct=True and mix are two different rules")
         pg = self.pg
         G = group_size(pg.outer)
         t0 = time.perf_counter()
@@ -498,7 +509,10 @@ class FlatSync:
             self.optimizer.step(self.theta_prev[c0:c1], delta.to(self.state_device), at=c0, part=part)
         pending.delta = delta = None
         theta = self.theta_prev[c0:c1].to(self.device, non_blocking=True)  # θ_t of the chunk (part)
-        if correct:
+        if mix is not None:  # α·θ_local_now + (1 − α)·θ_t
+            local = self._read_chunk()[c0:c1]
+            theta = torch.lerp(theta, local, float(mix))
+        elif correct:
             if pending.launch is None:
                 raise RuntimeError("FlatSync.finish(correct=True) needs launch(keep_launch=True)")
             theta = torch.sub(theta, pending.launch, out=pending.launch)  # θ_t − θ_local_at_launch

@@ -21,7 +21,8 @@ inner steps later with the correction θ ← θ_local_now + (θ_t − θ_local_a
 steps. τ = 0 is the blocking sync (F = 1, τ = 0: exactly the sync without this module's
 options). ``dept.outer_overlap_rule: eager`` (``OuterSchedule(eager=True)``) starts those τ
 steps from an estimate of θ_t instead of θ_local (outer.py, "Eager start") and corrects
-with θ ← θ_local_now + (θ_t − θ_eager); the default ``correction`` is the rule above. The
+with θ ← θ_local_now + (θ_t − θ_eager); ``mix`` (``OuterSchedule(mix=α)``) lands a sync as
+α·θ_local_now + (1 − α)·θ_t; the default ``correction`` is the rule above. The
 run's last step applies every pending sync, syncs the last fragment blocking and then every
 other fragment once more (blocking), so that the final weights are the same in
 every group (the last round's record therefore carries F − 1 extra fragment syncs).
@@ -113,9 +114,13 @@ def sync_units(body_syncs: Sequence[FlatSync], embedding_syncs: Sequence[FlatSyn
 
 class OuterSchedule:
     def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int,
-                 eager: bool = False) -> None:
+                 eager: bool = False, mix: Optional[float] = None) -> None:
         self.units = list(units)
         self.L, self.delay, self.total = int(local_steps), int(delay), int(total_steps)
+        if eager and mix is not None:
+            raise ValueError("OuterSchedule: eager and mix are two different overlap rules")
+        # the merge rule (outer.py): an overlapped sync lands as α·θ_local_now + (1 − α)·θ_t
+        self.mix = None if mix is None else float(mix)
         # the eager start (outer.py): every unit's FlatSync keeps its estimate buffer
         self.eager = bool(eager) and self.delay > 0
         if self.eager:
@@ -141,7 +146,7 @@ class OuterSchedule:
         if blocking:
             unit.sync.sync(part=unit.part)
         else:
-            p = unit.sync.launch(keep_launch=True, part=unit.part, eager=self.eager)
+            p = unit.sync.launch(keep_launch=self.mix is None, part=unit.part, eager=self.eager)
             if p is not None:
                 self.pending.append(_Pending(unit, p, step + self.delay))
         self.exposed += time.perf_counter() - t0
@@ -150,7 +155,7 @@ class OuterSchedule:
         t0 = time.perf_counter()
         hidden_until = item.done_at if item.done_at is not None else t0
         self.overlap += max(0.0, min(hidden_until, t0) - item.pending.launched_at)
-        item.unit.sync.finish(item.pending, correct=True)
+        item.unit.sync.finish(item.pending, correct=self.mix is None, mix=self.mix)
         self.exposed += time.perf_counter() - t0
 
     def before_step(self, step: int) -> None:
