@@ -463,6 +463,9 @@ TP_OPTIM_LAYOUTS = {
     "std_dist_dp2_to_dist_pp2_dp2": ("std", (2, True, 500, 1, 1), (2, True, 700, 1, 2)),
     "glob_dist_dp2_to_plain_tp2": ("glob_nesterov", (2, True, 500, 1, 1), (1, False, 3000, 2, 1)),
     "glob_plain_tp2_to_dist_pp2_dp1": ("glob_nesterov", (1, False, 3000, 2, 1), (1, True, 300, 1, 2)),
+    # TRIM: φ's row shards joined over the old tp x dp ranks; each source's compact-table AdamW
+    # pieces joined by parameter name over the old replicas, resharded, cut into the new pieces
+    "trim_dist_dp2_to_dist_tp2_dp1": ("trim", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
 }
 
 
@@ -489,7 +492,9 @@ def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, 
     """The distributed optimizer's pieces with another tensor / pipeline size at the same time
     (dept_mega.reshard joins the saved pieces into shards, the shards into the full tensor,
     cuts the new shard and the piece this rank holds), also with D, the bucket size or the
-    optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout."""
+    optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout.
+    TRIM (per-rank hook files): DeptHooks.load_state_dict_rank_resharded joins φ and each
+    source's optimizer pieces (optim_reshard.join_named_pieces) and cuts them for the new rank."""
     case, la, lb = TP_OPTIM_LAYOUTS[name]
     groups = 1 if case == "std" else 2
     a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
