@@ -345,11 +345,7 @@ class DeptHooks:
         sd = self.strategy.join_rank_states(mine, sds) if self.strategy.name == "trim" else dict(mine)
         if self.per_source:
             replicas = [sds[(tp, d)] for d in old]
-            for x in replicas:
-                if sorted(x["store"]) != sorted(mine["store"]) or x.get("installed") != mine.get("installed"):
-                    raise ValueError(f"the data-parallel replicas' hook states hold other sources "
-                                     f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
-                                     f"({sorted(mine['store'])}, installed {mine.get('installed')!r})")
+            self._same_sources(replicas)
             sd["store"] = {n: self._redistributed(n, [x["store"][n] for x in replicas]) for n in mine["store"]}
             if mine.get("installed_state") is not None:
                 sd["installed_state"] = self._redistributed(mine["installed"], [x["installed_state"] for x in replicas])
@@ -675,6 +671,16 @@ class DeptHooks:
         return any(isinstance(p.get(k), dict) and "shard" in p[k] for p in DeptHooks._payloads_of(sd)
                    for k in ("optimizer", "body_optimizer"))
 
+    @staticmethod
+    def _same_sources(replicas: list[dict]) -> None:
+        """The data-parallel replicas' hook states (data rank 0's first) hold the same sources."""
+        first = replicas[0]
+        for x in replicas:
+            if sorted(x["store"]) != sorted(first["store"]) or x.get("installed") != first.get("installed"):
+                raise ValueError(f"the data-parallel replicas' hook states hold other sources "
+                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
+                                 f"({sorted(first['store'])}, installed {first.get('installed')!r})")
+
     def _plain_payloads(self, replicas: list[dict]) -> dict:
         """The hook state dict of the old data rank 0 of one (tensor, pipeline) position with
         every per-source optimizer state that the distributed optimizer saved in pieces joined
@@ -683,11 +689,7 @@ class DeptHooks:
         (``optim_reshard.join_named_pieces``), for :meth:`_repartitioned_state`."""
         from ..optim_reshard import join_named_pieces
         first = replicas[0]
-        for x in replicas:
-            if sorted(x["store"]) != sorted(first["store"]) or x.get("installed") != first.get("installed"):
-                raise ValueError(f"the data-parallel replicas' hook states hold other sources "
-                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
-                                 f"({sorted(first['store'])}, installed {first.get('installed')!r})")
+        self._same_sources(replicas)
 
         def plain(name: str, payloads: list[dict]) -> dict:
             out = dict(payloads[0])
