@@ -612,10 +612,12 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         try:
             saved = {}
             per_rank = not layout.get("hooks_dp0")
-            for g in range(saved_groups):  # per rank: joined over the old replicas (TRIM's φ: over the stage)
-                tps = range(int(layout["tensor"])) if per_rank else [pg.tp_rank]
+            for g in range(saved_groups):  # per rank: joined over the old replicas
+                # TRIM's φ (the same in every group): joined from old group 0's files at every tensor rank
+                tps = range(int(layout["tensor"])) if per_rank and g == 0 else [pg.tp_rank]
                 sds = _HookFiles(_hooks_files(path, layout, pg, g, tps, per_rank), trainer.device)
-                saved[g] = hooks.dp_joined_state(sds) if hasattr(hooks, "dp_joined_state") else sds[(pg.tp_rank, 0)]
+                saved[g] = hooks.dp_joined_state(sds, strategy_state=g == 0) if hasattr(hooks, "dp_joined_state") \
+                    else sds[(pg.tp_rank, 0)]
             hooks.load_regrouped(step, saved, saved_groups,
                                  layout.get("dept_schedule"),
                                  read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer

@@ -330,19 +330,27 @@ class DeptHooks:
         :meth:`dp_joined_state` says."""
         self.load_state_dict(self.dp_joined_state(sds))
 
-    def dp_joined_state(self, sds: dict) -> dict:
+    def dp_joined_state(self, sds: dict, strategy_state: bool = True) -> dict:
         """This rank's :meth:`state_dict` from ``sds[(tp, dp)]``, the hook states saved by the
         data-parallel ranks at this rank's tensor position (and pipeline stage) of one group
-        under another data-parallel size or distributed-optimizer layout: the replicated part from data rank 0's (TRIM's φ joined), the
+        under another data-parallel size or distributed-optimizer layout: the replicated part
+        from data rank 0's (TRIM's φ joined from every (tp, dp) file of the stage), the
         error-feedback residuals and eager estimates (CHUNK_BUFFERS) joined from the old
         replicas' chunks (near-equal, in data-parallel order) and cut into this rank's chunk,
         every per-source optimizer state joined from the old replicas' pieces and cut for this
-        rank's optimizers (:meth:`hook_state_redistributable`)."""
+        rank's optimizers (:meth:`hook_state_redistributable`). ``strategy_state=False``: the
+        strategy's own state (TRIM's φ, ``STATE_KEYS``) is left out, and ``sds`` needs only
+        this rank's tensor position (:meth:`load_regrouped` takes it from old group 0 alone)."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
         old = sorted(d for t, d in sds if t == tp)
-        # TRIM: φ's row shards and its chunked outer state joined (TrimStrategy.join_rank_states)
-        sd = self.strategy.join_rank_states(mine, sds) if self.strategy.name == "trim" else dict(mine)
+        if not strategy_state:
+            own = getattr(self.strategy, "STATE_KEYS", ())
+            sd = {k: v for k, v in mine.items() if k not in own}
+        elif self.strategy.name == "trim":  # φ's row shards and its chunked outer state joined
+            sd = self.strategy.join_rank_states(mine, sds)
+        else:
+            sd = dict(mine)
         if self.per_source:
             replicas = [sds[(tp, d)] for d in old]
             self._same_sources(replicas)
@@ -890,7 +898,8 @@ class DeptHooks:
         self.scheduler = self._make_scheduler(G)
         self.scheduler.rebase(r0, last, before.rounds_before)
         # GLOB: nothing (its outer state is under dept/... keys); TRIM: φ (the same in every group
-        # at a round boundary) from old group 0, before the first held source is filled from it
+        # at a round boundary) from old group 0 (the other groups' states may leave it out:
+        # dp_joined_state(strategy_state=False)), before the first held source is filled from it
         self.strategy.load_state_dict(saved[0])
         payloads: dict[str, tuple[int, dict, bool]] = {}
         for g, sd in sorted(saved.items()):
