@@ -16,12 +16,14 @@ under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
 ``hooks_param_names``; checkpoints without them are refused there; TRIM's per-rank hook state:
 ``DeptHooks.load_state_dict_rank_resharded``, φ's row shards joined from every old rank of a
-stage and its per-source state as SPEC's, not with error feedback), another data-parallel
+stage and its per-source state as SPEC's — with the distributed optimizer's pieces joined by
+parameter name and cut —, not with error feedback), another data-parallel
 size or distributed-optimizer layout
 (``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
 distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
 boundary (``DeptHooks.load_regrouped``, the distributed optimizer's pieces joined the same
-way), TRIM's row shards under another data-parallel size; what none of them covers is refused.
+way; TRIM's φ from old group 0's row shards), TRIM's row shards under another data-parallel
+size; what none of them covers is refused.
 ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
 ``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
 the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
@@ -90,18 +92,18 @@ def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Opt
     """(config key, reason) when checkpoint ``path`` (``saved``: its layout) cannot be loaded
     by this launch's other number of source groups; None when it can (DEPT hooks that
     implement ``load_regrouped``, same tensor / pipeline sizes, one hooks file per (tp, pp,
-    group) or per rank only for the distributed optimizer's shards, which the hooks join:
-    ``DeptHooks.dp_joined_state``)."""
+    group), or per rank where the hooks join the old ranks' files: the distributed
+    optimizer's shards, TRIM's φ rows: ``DeptHooks.dp_joined_state``; the per-rank state they
+    cannot join is refused by ``DeptHooks.regroup_refusal`` naming its key)."""
     if hooks is None or not hasattr(hooks, "load_regrouped"):
-        return ("parallel", "only DEPT round hooks (GLOB, SPEC, SPEC-OPT) load another number of groups")
+        return ("parallel", "only DEPT round hooks (GLOB, SPEC, SPEC-OPT, TRIM) load another number of groups")
     wrong = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
     if wrong:
         return (f"parallel.{wrong[0]}", "another number of groups loads only with the same "
                                         "parallel.tensor, parallel.pipeline and parallel.virtual_pipeline")
-    if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not (
-            saved.get("optim_distributed") and _hooks_redistribute(hooks)):
-        return ("parallel", "the round-hook state was saved per rank (TRIM, error-feedback residuals, the eager "
-                            "start's estimates)")
+    if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not hasattr(hooks, "dp_joined_state"):
+        return ("parallel", "the round-hook state was saved per rank and these round hooks do not join the "
+                            "old ranks' files")
     return hooks.regroup_refusal(step, int(saved["groups"]))
 
 
@@ -120,9 +122,9 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     hook state the same at every position (STD: none; GLOB), SPEC / SPEC-OPT's per-source
     state saved once per (tp, pp, group) (``DeptHooks.load_state_dict_resharded``) or TRIM's
     saved per rank (φ's row shards joined from every old rank of the stage that held them,
-    its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D may
-    change with it; not with ``dept.outer_error_feedback`` or the distributed optimizer,
-    whose per-rank state is not resharded) — under another pipeline / virtual-pipeline size
+    its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D and the
+    distributed optimizer may change with it; not with ``dept.outer_error_feedback``, whose
+    per-rank residuals are not resharded) — under another pipeline / virtual-pipeline size
     only with the parameter names saved with the per-source state (``hooks_param_names``:
     ``DeptHooks.load_state_dict_repartitioned``) —, no dropout; the distributed optimizer's
     pieces on either side are joined and cut too, so D, the bucket size and the optimizer
@@ -135,8 +137,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     ``DeptHooks.load_state_dict_dp_joined``, which cuts SPEC / SPEC-OPT's per-source optimizer
     states (and the body's with ``dept.body_optimizer_state: source``) for this rank's
     optimizers — joined from the old replicas' pieces where the distributed optimizer saved
-    them per rank —, also joins error-feedback residuals; TRIM's per-rank state only with the
-    plain optimizer on both sides) or
+    them per rank —, also joins error-feedback residuals and TRIM's φ rows) or
     ``"join_dp"`` (per-rank hook state under another data-parallel size that the hooks join:
     ``DeptHooks.load_state_dict_dp_joined``: TRIM, error-feedback residuals, SPEC / SPEC-OPT's
     per-source state with the distributed optimizer's shards when its own state is not
@@ -185,7 +186,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     # layout also joined over stages by the parameter names saved with it (hooks_param_names).
     # TRIM: the same for its per-source state, in files saved per rank beside φ's row shards,
     # which are joined whole (DeptHooks.load_state_dict_rank_resharded; D may change with it)
-    per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0") and not sharded
+    per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0")
                 and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
     per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
                                                                             lambda: False)()))
@@ -201,8 +202,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         sharded != now["optim_distributed"] or saved.get("data") != now["data"]
         or (sharded and saved.get("grad_bucket_size") != now.get("grad_bucket_size")))
     # hook state whose per-source optimizer states follow such a change: none, or hooks that
-    # join the old replicas' pieces and cut this rank's (DeptHooks.dp_joined_state: SPEC,
-    # SPEC-OPT, dept.body_optimizer_state: source; not TRIM)
+    # join the old replicas' pieces and cut this rank's (DeptHooks.dp_joined_state)
     hooks_follow = (not saved.get("per_rank_hooks") or not (sharded or now["optim_distributed"])
                     or _hooks_redistribute(hooks))
     # per-rank hook state that the hooks join over the old replicas (TRIM's φ rows,
@@ -232,7 +232,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
         why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the error-feedback "
                "residuals or the eager start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: "
                "eager: a chunk of each rank's flattened body shard) or the distributed optimizer's shards "
-               "(optim.distributed)"
+               "in SPEC/SPEC-OPT's per-source state (optim.distributed)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -611,10 +611,13 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         saved_groups = int(layout["groups"])
         try:
             saved = {}
-            for g in range(saved_groups):  # per rank (the distributed optimizer): joined over the old replicas
-                files = _hooks_files(path, layout, pg, g, [pg.tp_rank], per_rank=not layout.get("hooks_dp0"))
-                sds = {k: _safe_load(f, trainer.device) for k, f in files.items()}
-                saved[g] = hooks.dp_joined_state(sds) if hasattr(hooks, "dp_joined_state") else sds[(pg.tp_rank, 0)]
+            per_rank = not layout.get("hooks_dp0")
+            for g in range(saved_groups):  # per rank: joined over the old replicas
+                # TRIM's φ (the same in every group): joined from old group 0's files at every tensor rank
+                tps = range(int(layout["tensor"])) if per_rank and g == 0 else [pg.tp_rank]
+                sds = _HookFiles(_hooks_files(path, layout, pg, g, tps, per_rank), trainer.device)
+                saved[g] = hooks.dp_joined_state(sds, strategy_state=g == 0) if hasattr(hooks, "dp_joined_state") \
+                    else sds[(pg.tp_rank, 0)]
             hooks.load_regrouped(step, saved, saved_groups,
                                  layout.get("dept_schedule"),
                                  read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
@@ -691,12 +694,12 @@ class _HookFiles(Mapping):
     """Hook files by old (tp, dp, pp) position, each read (``_safe_load``, to host memory) on
     first access: a rank reads only the old files that its state is joined from."""
 
-    def __init__(self, paths: dict) -> None:
-        self._paths, self._read = paths, {}
+    def __init__(self, paths: dict, map_location="cpu") -> None:
+        self._paths, self._read, self._map = paths, {}, map_location
 
     def __getitem__(self, key):
         if key not in self._read:
-            self._read[key] = _safe_load(self._paths[key], "cpu")
+            self._read[key] = _safe_load(self._paths[key], self._map)
         return self._read[key]
 
     def __contains__(self, key) -> bool:

@@ -181,3 +181,44 @@ def redistribute_state_dict(saved: Sequence[dict], opt, what: str = "optimizer s
     if all(sd.get(_MASTER) is not None for sd in saved):
         out[_MASTER] = [cut(i, s, e, "fp32 master", values[i][_MASTER]) for i, s, e in mine]
     return out
+
+
+def join_named_pieces(saved: Sequence[dict], names: Sequence[dict], what: str = "optimizer state") -> tuple[dict, dict]:
+    """One optimizer's state in the plain optimizer's form, from ``saved``: the state dicts of
+    every data-parallel rank of a distributed optimizer (each with its ``"shard"``), and
+    ``names``: beside each, the global parameter names of its state indices and pieces
+    (``{"state": [...], "params": [...]}``, ``DeptHooks.state_dict``'s ``param_names``). Used
+    where this launch does not hold the saving layout's parameters (another tensor / pipeline
+    size): the pieces are matched by name, not by parameter index. Returns ``(state dict,
+    names)``: state index j and ``main_params[j]`` are parameter ``names["state"][j]``
+    (= ``names["params"][j]``), each moment and master the parameter's whole flattened shard
+    (1-D: its shape is the caller's, ``DeptHooks._reshard_to``), ``step`` the first piece's."""
+    shards = [sd.get("shard") for sd in saved]
+    if any(s is None for s in shards) or sorted(int(s["dp_rank"]) for s in shards) != \
+            list(range(int(shards[0]["dp_size"]))):
+        got = [None if s is None else f"{s['dp_rank']} of {s['dp_size']}" for s in shards]
+        raise ValueError(f"{what}: expected the distributed optimizer's state of every data-parallel rank of "
+                         f"the saving layout, got the states of ranks {got}")
+    values: dict[str, dict[str, list]] = {}
+    order: list[str] = []
+    for sd, nm in zip(saved, names):
+        pieces = [tuple(int(x) for x in pc) for pc in sd["shard"]["pieces"]]
+        if len(nm["params"]) != len(pieces):
+            raise ValueError(f"{what}: {len(nm['params'])} parameter names for {len(pieces)} pieces")
+        at = {n: (s, e) for n, (_, s, e) in zip(nm["params"], pieces)}  # one piece per parameter and rank
+        for j, n in enumerate(nm["state"]):
+            for k, v in (sd["state"].get(j) or {}).items():
+                values.setdefault(n, {}).setdefault(k, []).append((*at[n], v))
+        for n, (_, s, e), m in zip(nm["params"], pieces, sd.get(_MASTER) or []):
+            values.setdefault(n, {}).setdefault(_MASTER, []).append((s, e, m))
+        order += [n for n in nm["params"] if n not in order]
+
+    def joined(n: str, k: str) -> torch.Tensor:
+        parts = values[n][k]
+        return parts[0][2].clone() if parts[0][2].dim() == 0 else join_pieces(parts, f"{what} {k} of {n}")
+
+    state = {j: {k: joined(n, k) for k in values.get(n, {}) if k != _MASTER} for j, n in enumerate(order)}
+    out = {"state": {j: st for j, st in state.items() if st}, "param_groups": saved[0]["param_groups"]}
+    if all(sd.get(_MASTER) is not None for sd in saved):
+        out[_MASTER] = [joined(n, _MASTER) for n in order]
+    return out, {"state": list(order), "params": list(order)}

@@ -158,7 +158,9 @@ def test_load_weights_refuses_another_number_of_groups(tmp_path):
 def test_another_number_of_groups_is_refused_inside_a_round(tmp_path):
     """Inside a round the groups hold different bodies: a checkpoint there loads only with its
     own number of groups (ConfigError naming 'parallel', the step and dept.local_steps); so
-    does a TRIM checkpoint (per-rank row state: 'dept.variant')."""
+    does a TRIM checkpoint inside a round (its per-rank hook state is joined, but the groups'
+    compact tables and bodies differ there). (At a round boundary TRIM loads:
+    tests/test_regroup.py.)"""
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
     cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 2, "reset_inner_optimizer": True},
@@ -170,12 +172,13 @@ def test_another_number_of_groups_is_refused_inside_a_round(tmp_path):
                                           "launch 2 processes"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks, optimizer=False)
     trim = tmp_path / "trim"
-    cfg = tiny_config({"dept": {"variant": "trim", "local_steps": 1, "reset_inner_optimizer": True},
+    cfg = tiny_config({"dept": {"variant": "trim", "local_steps": 2, "reset_inner_optimizer": True},
                        "train": {"steps": 2, "save_interval": 1, "eval_interval": 0, "run_dir": str(trim)}})
     loop, _ = _make_trim(cfg, str(trim))
     loop.run()
     _as_if_written_by(trim / "checkpoints" / "step_1", groups=2)
-    with pytest.raises(ConfigError, match=r"'(dept.variant|parallel)'.*2 source group"):
+    with pytest.raises(ConfigError, match=r"'parallel'.*2 source group.*step 1 is inside a round "
+                                          r"\(dept.local_steps=2\)"):
         load_weights(loop.trainer, str(trim), 1, hooks=loop.hooks, optimizer=False)
 
 
@@ -203,7 +206,7 @@ def _make_trim(cfg, run_dir):
 
 def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     """DEPT hook state saved per rank that the hooks cannot join under another data-parallel
-    size (TRIM with the distributed optimizer's shards) needs the same size;
+    size (none of DeptHooks' today: hook_state_dp_joinable patched off) needs the same size;
     the layout file makes that one ConfigError naming 'parallel.data' rather than a wrong
     rank's state loaded silently. (Joined under another D: tests/test_reshard.py.)"""
     import json
@@ -222,7 +225,7 @@ def test_dept_checkpoint_refuses_another_data_parallel_size(tmp_path):
     # as if the hook state had been per rank (TRIM, the distributed optimizer)
     _as_if_written_by(tmp_path / "checkpoints" / "step_1", data=2, hooks_dp0=False)
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # SPEC's per-rank state: joined
-    loop.hooks.hook_state_dp_joinable = lambda: False  # hooks whose per-rank state does not join
+    loop.hooks.hook_state_dp_joinable = lambda: False  # as if the hooks' per-rank state did not join
     with pytest.raises(ConfigError, match=r"'parallel.data'.*parallel.data=2 \(this launch: 1\)"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
 

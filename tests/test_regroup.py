@@ -37,7 +37,7 @@ def _make(cfg, run_dir, K):
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
     pg = build_groups(1, 1, 1)  # G = world size
-    infos = source_infos(K, vocabs=vocabs)
+    infos = source_infos(K, vocabs=vocabs, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
     hooks = DeptHooks(cfg, pg, trainer, torch.device("cpu"), infos)
@@ -62,12 +62,15 @@ def _make(cfg, run_dir, K):
 
 def _held(loop) -> dict[str, dict]:
     """The per-source state this rank holds (installed and stored), by source: embeddings,
-    their AdamW moments, the body's AdamW moments when kept per source."""
+    their AdamW moments, the body's AdamW moments when kept per source. (TRIM: not the
+    compact tables' weights, which are refilled from φ when a source is installed.)"""
     import copy
     h, tr = loop.hooks, loop.trainer
+    trim = h.strategy.name == "trim"
 
     def entry(embs, opt, body):
-        out = {f"{c}.{k}": v.clone() for c, e in enumerate(embs) if e is not None for k, v in e.state_dict().items()}
+        out = {} if trim else {f"{c}.{k}": v.clone() for c, e in enumerate(embs) if e is not None
+                               for k, v in e.state_dict().items()}
         if opt is not None:
             out["optimizer"] = copy.deepcopy(opt.state_dict()["state"])
         if body is not None:
@@ -87,7 +90,17 @@ def _held(loop) -> dict[str, dict]:
 
 
 def _outer(loop) -> dict:
-    return {cat: s.param_state() for cat, s in sorted(loop.hooks.outer_syncs().items())}
+    """The outer state of every FlatSync; TRIM's φ (whole) with its per-row outer state and the
+    learned positions' outer state too."""
+    out = {cat: s.param_state() for cat, s in sorted(loop.hooks.outer_syncs().items())}
+    st = loop.hooks.strategy
+    if st.name == "trim":
+        out["phi"] = st.full_table("phi")
+        out["phi_optimizer"] = st.phi.optimizer.state_dict()["state"]  # one group, one rank: the whole table
+        if st.position_sync is not None:
+            out["positions"] = st.positions.detach().clone()
+            out["position_sync"] = st.position_sync.param_state()
+    return out
 
 
 def _first_phase(rank, world, over, run_dir, K, step):
@@ -139,7 +152,7 @@ def _same(a, b, what):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2),
-                                                  ("spec_opt_distributed", 2, 4)])
+                                                  ("spec_opt_distributed", 2, 4), ("trim_distributed", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
     with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
@@ -157,7 +170,13 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     ``spec_opt_distributed``: SPEC-OPT with the distributed optimizer (``optim.distributed``;
     its state in per-rank pieces, the hook files per rank), G 2 -> 4: the optimizer keys and
     each source's optimizer states are joined from the old group's pieces and cut for the new
-    one (``DeptHooks.dp_joined_state``)."""
+    one (``DeptHooks.dp_joined_state``).
+
+    ``trim_distributed``: TRIM (learned positions) with the distributed optimizer, G 4 -> 2: φ,
+    its per-row Nesterov momentum and the positions' outer state are the same in every group
+    at a round boundary and come from old group 0's files; each source's compact-table AdamW
+    state (pieces) goes with the source to its new group, whose installed source's tables are
+    filled from φ."""
     distributed = variant.endswith("_distributed")
     variant = variant.removesuffix("_distributed")
     over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
@@ -165,6 +184,8 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
             "train": {"save_interval": 0, "eval_interval": 0}}
     if distributed:
         over["optim"] = {"distributed": True, "grad_bucket_size": 500}
+    if variant == "trim":
+        over["model"] = {"position_embedding": "learned"}
     if variant == "spec_opt":
         over["dept"]["body_optimizer_state"] = "source"
     else:

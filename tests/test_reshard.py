@@ -9,13 +9,14 @@ differ only in the order of the data-parallel gradient sum over the first 2 step
 checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
 another tensor, pipeline and virtual-pipeline size for SPEC / SPEC-OPT (dept_mega.reshard; their
 per-source hook state joined over the old stages by the parameter names saved with it), and
-another tensor or pipeline size for TRIM (φ's row shards joined from every old rank, its
-per-source state like SPEC's). A SPEC checkpoint without those names (layout.json without
+another tensor, pipeline or virtual-pipeline size for TRIM (φ's row shards joined from every
+old rank, its per-source state like SPEC's; with the distributed optimizer too: its pieces
+joined by parameter name, optim_reshard.join_named_pieces). A SPEC checkpoint without those names (layout.json without
 hooks_param_names) under another P or VP and TRIM with error feedback under another T are
 refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
 and TRIM's error-feedback residuals (per rank) are joined from the old replicas' chunks. The
 distributed optimizer switched on or off, under another D and bucket size
-(dept_mega.optim_reshard), also with SPEC-OPT's per-source optimizer states (per rank with the
+(dept_mega.optim_reshard), also with SPEC-OPT's and TRIM's per-source optimizer states (per rank with the
 distributed optimizer: joined from the old replicas' pieces and cut,
 DeptHooks.dp_joined_state). (Another number of groups: tests/test_regroup.py.)"""
 from __future__ import annotations
@@ -127,6 +128,9 @@ LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps"
 LAYOUT_CASES["spec_opt_source_4l"] = dict(LAYOUT_CASES["spec_opt_source"], model={"num_layers": 4})
 # TRIM with an untied head (φ_head on the last stage) and learned positions
 LAYOUT_CASES["trim_untied"] = dict(CASES["trim"], model={"position_embedding": "learned", "tie_embeddings": False})
+# the same with 4 layers (pipeline 2 x virtual pipeline 2 chunks of one layer each)
+LAYOUT_CASES["trim_untied_4l"] = dict(LAYOUT_CASES["trim_untied"], model={**LAYOUT_CASES["trim_untied"]["model"],
+                                                                          "num_layers": 4})
 LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES[c], sort_keys=True): 3
                   for c in ("spec_opt_source", "spec_opt_source_4l")}  # else 2 sources
 
@@ -261,10 +265,11 @@ def test_spec_resume_under_another_pipeline_size(tmp_path, name):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 
-# (case, (tensor, pipeline, data) of run A, the same of run B); T 1 -> 2 with D 2 -> 1: φ's rows
-# split over the old data-parallel ranks are joined and split over the new tensor ranks
-TRIM_LAYOUTS = {"trim_t1d2_to_t2d1": ("trim", (1, 1, 2), (2, 1, 1)),
-                "trim_untied_p1_to_p2": ("trim_untied", (1, 1, 1), (1, 2, 1))}
+# (case, (tensor, pipeline, data, virtual pipeline) of run A, the same of run B); T 1 -> 2 with
+# D 2 -> 1: φ's rows split over the old data-parallel ranks are joined and split over the new
+# tensor ranks; P 1 -> P 2 x VP 2: φ_head from the old last stage onto the new last chunk
+TRIM_LAYOUTS = {"trim_t1d2_to_t2d1": ("trim", (1, 1, 2, 1), (2, 1, 1, 1)),
+                "trim_untied_p1_to_p2vp2": ("trim_untied_4l", (1, 1, 1, 1), (1, 2, 1, 2))}
 
 
 @pytest.mark.slow
@@ -272,8 +277,8 @@ TRIM_LAYOUTS = {"trim_t1d2_to_t2d1": ("trim", (1, 1, 2), (2, 1, 1)),
 @pytest.mark.parametrize("name", sorted(TRIM_LAYOUTS))
 def test_trim_resume_under_another_tensor_or_pipeline_size(tmp_path, name):
     """DEPT TRIM (2 groups, Nesterov outer optimizer with per-row momentum, learned positions),
-    written at a round boundary under one (tensor, pipeline, data) layout and resumed under another
-    for 2 rounds: φ (tied) or φ and φ_head (untied: the head's table on the last stage) are
+    written at a round boundary under one (tensor, pipeline, data, virtual pipeline) layout and
+    resumed under another for 2 rounds: φ (tied) or φ and φ_head (untied: the head's table on the last stage) are
     joined from the old ranks' row shards with their momentum and cut into the new ranks' rows,
     the positions' outer state joined from the old chunks, each source's compact tables and
     their AdamW state joined over the old tensor ranks (by parameter name over the old stages)
@@ -283,10 +288,10 @@ def test_trim_resume_under_another_tensor_or_pipeline_size(tmp_path, name):
     case, la, lb = TRIM_LAYOUTS[name]
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     size = lambda l: 2 * l[0] * l[1] * l[2]
-    run_distributed(_train_a_layout, size(la), args=(run, la[0], la[1], case, 2, 1, la[2]), timeout=200)
+    run_distributed(_train_a_layout, size(la), args=(run, la[0], la[1], case, 2, la[3], la[2]), timeout=200)
     layout = json.loads((tmp_path / "a" / "checkpoints" / "step_2" / "layout.json").read_text())
     assert layout["per_rank_hooks"] and not layout.get("hooks_dp0")  # TRIM: per rank
-    run_distributed(_resume_b_layout, size(lb), args=(run, ref, lb[0], lb[1], case, 6, 1, lb[2]), timeout=300)
+    run_distributed(_resume_b_layout, size(lb), args=(run, ref, lb[0], lb[1], case, 6, lb[3], lb[2]), timeout=300)
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     for s in (3, 4, 5, 6):
@@ -373,6 +378,9 @@ OPTIM_LAYOUTS = {
     "std_fp32_plain_to_dist_dp2": ("std", "fp32", (1, False, 3000), (2, True, 500)),
     "std_bf16_dist_dp2_to_plain_dp1": ("std", "bf16", (2, True, 500), (1, False, 3000)),
     "glob_bf16_dist_dp1_to_dist_dp2": ("glob", "bf16", (1, True, 700), (2, True, 500)),
+    # TRIM (per-rank hook files): φ's row shards joined over the old replicas, each source's
+    # compact-table AdamW state cut into the new pieces (DeptHooks.load_state_dict_dp_joined)
+    "trim_fp32_plain_dp1_to_dist_dp2": ("trim", "fp32", (1, False, 3000), (2, True, 500)),
 }
 
 
@@ -463,6 +471,9 @@ TP_OPTIM_LAYOUTS = {
     "std_dist_dp2_to_dist_pp2_dp2": ("std", (2, True, 500, 1, 1), (2, True, 700, 1, 2)),
     "glob_dist_dp2_to_plain_tp2": ("glob_nesterov", (2, True, 500, 1, 1), (1, False, 3000, 2, 1)),
     "glob_plain_tp2_to_dist_pp2_dp1": ("glob_nesterov", (1, False, 3000, 2, 1), (1, True, 300, 1, 2)),
+    # TRIM: φ's row shards joined over the old tp x dp ranks; each source's compact-table AdamW
+    # pieces joined by parameter name over the old replicas, resharded, cut into the new pieces
+    "trim_dist_dp2_to_dist_tp2_dp1": ("trim", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
 }
 
 
@@ -489,7 +500,9 @@ def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, 
     """The distributed optimizer's pieces with another tensor / pipeline size at the same time
     (dept_mega.reshard joins the saved pieces into shards, the shards into the full tensor,
     cuts the new shard and the piece this rank holds), also with D, the bucket size or the
-    optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout."""
+    optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout.
+    TRIM (per-rank hook files): DeptHooks.load_state_dict_rank_resharded joins φ and each
+    source's optimizer pieces (optim_reshard.join_named_pieces) and cuts them for the new rank."""
     case, la, lb = TP_OPTIM_LAYOUTS[name]
     groups = 1 if case == "std" else 2
     a, ref = str(tmp_path / "a"), str(tmp_path / "ref")

@@ -310,8 +310,8 @@ class DeptHooks:
         error-feedback residuals and the eager start's estimates (``dept.outer_error_feedback``,
         ``dept.outer_overlap_rule: eager``: a chunk of each FlatSync per replica) and the
         distributed optimizer's shards in the per-source optimizer states
-        (:meth:`hook_state_redistributable`; not TRIM's)."""
-        return self.strategy.name != "trim" or not self.cfg.optim.distributed
+        (:meth:`hook_state_redistributable`)."""
+        return True
 
     def hook_state_redistributable(self) -> bool:
         """True when the per-source optimizer states of :meth:`state_dict` (a source's embedding
@@ -319,8 +319,9 @@ class DeptHooks:
         distributed-optimizer layout — another data-parallel or bucket size, the distributed
         optimizer switched on or off — through :meth:`load_state_dict_dp_joined` (and
         :meth:`dp_joined_state` for :meth:`load_regrouped`): the old data-parallel ranks' pieces
-        are joined and this rank's cut (``optim_reshard.redistribute_state_dict``). Not TRIM."""
-        return self.strategy.name != "trim"
+        are joined and this rank's cut (``optim_reshard.redistribute_state_dict``); TRIM's φ
+        rows are joined beside them (``TrimStrategy.join_rank_states``)."""
+        return True
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
@@ -330,27 +331,30 @@ class DeptHooks:
         :meth:`dp_joined_state` says."""
         self.load_state_dict(self.dp_joined_state(sds))
 
-    def dp_joined_state(self, sds: dict) -> dict:
+    def dp_joined_state(self, sds: dict, strategy_state: bool = True) -> dict:
         """This rank's :meth:`state_dict` from ``sds[(tp, dp)]``, the hook states saved by the
         data-parallel ranks at this rank's tensor position (and pipeline stage) of one group
-        under another data-parallel size or distributed-optimizer layout (TRIM: not with the
-        distributed optimizer): the replicated part from data rank 0's (TRIM's φ joined), the
+        under another data-parallel size or distributed-optimizer layout: the replicated part
+        from data rank 0's (TRIM's φ joined from every (tp, dp) file of the stage), the
         error-feedback residuals and eager estimates (CHUNK_BUFFERS) joined from the old
         replicas' chunks (near-equal, in data-parallel order) and cut into this rank's chunk,
         every per-source optimizer state joined from the old replicas' pieces and cut for this
-        rank's optimizers (:meth:`hook_state_redistributable`)."""
+        rank's optimizers (:meth:`hook_state_redistributable`). ``strategy_state=False``: the
+        strategy's own state (TRIM's φ, ``STATE_KEYS``) is left out, and ``sds`` needs only
+        this rank's tensor position (:meth:`load_regrouped` takes it from old group 0 alone)."""
         tp = self.pg.tp_rank
         mine = sds[(tp, 0)]
         old = sorted(d for t, d in sds if t == tp)
-        # TRIM: φ's row shards and its chunked outer state joined (TrimStrategy.join_rank_states)
-        sd = self.strategy.join_rank_states(mine, sds) if self.strategy.name == "trim" else dict(mine)
+        if not strategy_state:
+            own = getattr(self.strategy, "STATE_KEYS", ())
+            sd = {k: v for k, v in mine.items() if k not in own}
+        elif self.strategy.name == "trim":  # φ's row shards and its chunked outer state joined
+            sd = self.strategy.join_rank_states(mine, sds)
+        else:
+            sd = dict(mine)
         if self.per_source:
             replicas = [sds[(tp, d)] for d in old]
-            for x in replicas:
-                if sorted(x["store"]) != sorted(mine["store"]) or x.get("installed") != mine.get("installed"):
-                    raise ValueError(f"the data-parallel replicas' hook states hold other sources "
-                                     f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
-                                     f"({sorted(mine['store'])}, installed {mine.get('installed')!r})")
+            self._same_sources(replicas)
             sd["store"] = {n: self._redistributed(n, [x["store"][n] for x in replicas]) for n in mine["store"]}
             if mine.get("installed_state") is not None:
                 sd["installed_state"] = self._redistributed(mine["installed"], [x["installed_state"] for x in replicas])
@@ -447,6 +451,11 @@ class DeptHooks:
             return parts[0]
         dim = getattr(param, "partition_dim", None)
         stride = int(getattr(param, "partition_stride", 1) or 1)
+        if parts[0].dim() == 1 and param.dim() > 1:  # flattened (joined distributed-optimizer pieces)
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] = -1  # the old shard's extent along the partition dimension
+            parts = [x.reshape(shape) for x in parts]
         out = cut_shard(join_shards(list(parts), dim, stride), dim, stride, self.pg.tp_size, self.pg.tp_rank)
         if tuple(out.shape) != tuple(param.shape):
             raise ValueError(f"{what + ': ' if what else ''}resharded to {tuple(out.shape)}, this launch holds "
@@ -466,18 +475,24 @@ class DeptHooks:
         receives the updates of the first stage's table), its AdamW state and the body's
         (``dept.body_optimizer_state: source``) by the parameter names saved with them; each
         joined over the old tensor ranks along its parameter's partition dimension and cut
-        into this rank's shard (``dept_mega.reshard``)."""
-        from ..optim_reshard import groups_like
+        into this rank's shard (``dept_mega.reshard``). ``sds`` may hold only this rank's
+        stage (the same pipeline layout). The optimizer states come out for this rank's
+        optimizers: the distributed optimizer's pieces are cut from the resharded whole
+        (``optim_reshard.redistribute_state_dict``)."""
+        from ..optim_reshard import groups_like, redistribute_state_dict
+        from ..optimizer import state_order
         T = 1 + max(t for t, _ in sds)
-        P = 1 + max(p for _, p in sds)
-        if sorted(sds) != [(t, p) for t in range(T) for p in range(P)]:
-            raise ValueError(f"expected the hook state of every (tensor, pipeline) rank of {T} x {P}, got {sorted(sds)}")
-        first = sds[(0, 0)]
+        stages = sorted({p for _, p in sds})
+        if sorted(sds) != [(t, p) for t in range(T) for p in stages]:
+            raise ValueError(f"expected the hook state of every tensor rank of {T} at stages {stages}, "
+                             f"got {sorted(sds)}")
+        s0 = stages[0]
+        first = sds[(0, s0)]
 
         def holders(parts: dict, kind: str, field: str) -> dict[str, tuple[int, dict]]:
             """name -> (old pipeline rank that held it first, {tensor rank: index there})."""
             out: dict[str, tuple[int, dict]] = {}
-            for p in range(P):
+            for p in stages:
                 for t in range(T):
                     names = (parts[(t, p)].get("param_names") or {}).get(kind)
                     if names is None:
@@ -495,8 +510,12 @@ class DeptHooks:
             if any(v is None for v in saved.values()):
                 raise ValueError(f"source {source!r}: its {kind} state was saved at some stages only")
             by_state, by_param = holders(parts, kind, "state"), holders(parts, kind, "params")
+            names_of = opt.names if names is None else names
+            # the plain optimizer's order of this rank's parameters (the distributed one: cut below)
+            plain = [(names_of[id(opt.params[i])], opt.params[i])
+                     for i, _, _ in state_order([(i, 0, 0) for i in range(len(opt.params))], opt.params)]
             state = {}
-            for j, (n, param) in enumerate(opt.indexed_params(names)):
+            for j, (n, param) in enumerate(plain):
                 if n not in by_state:
                     raise ValueError(f"source {source!r}: no saved stage holds the {kind} state of {n}")
                 p, index = by_state[n]
@@ -506,11 +525,10 @@ class DeptHooks:
                 state[j] = {k: self._reshard_to([e[k] for e in entries], param, f"source {source!r}: {kind} {k} of {n}")
                             for k in entries[0]}
             # the hyperparameters (lr, betas, ...) of the saved group with the same weight decay
-            groups = groups_like([g for p in range(P) for g in saved[(0, p)]["param_groups"]], opt)
-            out = {k: v for k, v in saved[(0, 0)].items() if k not in ("state", "param_groups", "main_params")}
+            groups = groups_like([g for p in stages for g in saved[(0, p)]["param_groups"]], opt)
+            out = {k: v for k, v in saved[(0, s0)].items() if k not in ("state", "param_groups", "main_params")}
             out.update(state=state, param_groups=groups)
-            if "main_params" in saved[(0, 0)]:
-                names_of = opt.names if names is None else names
+            if "main_params" in saved[(0, s0)]:
                 mains = []
                 for param in opt.params:
                     n = names_of[id(param)]
@@ -520,6 +538,8 @@ class DeptHooks:
                     mains.append(self._reshard_to([saved[(t, p)]["main_params"][index[t]] for t in range(T)], param,
                                          f"source {source!r}: {kind} master of {n}"))
                 out["main_params"] = mains
+            if getattr(opt, "distributed", False):
+                out = redistribute_state_dict([out], opt, f"source {source!r}: {kind}")
             return out
 
         def payload(name: str, parts: dict) -> dict:
@@ -532,7 +552,7 @@ class DeptHooks:
                 held = e.state_dict(keep_vars=True)
                 sd = {}
                 for k, v in held.items():
-                    at = [(p, c0) for p in range(P) for c0, x in enumerate(parts[(0, p)]["embeddings"])
+                    at = [(p, c0) for p in stages for c0, x in enumerate(parts[(0, p)]["embeddings"])
                           if x is not None and k in x]
                     if not at:
                         raise ValueError(f"source {name!r}: no saved stage holds its embeddings' {k}")
@@ -545,13 +565,13 @@ class DeptHooks:
                     if fresh.optimizer is not None else None,
                     "body_optimizer": optimizer_sd(parts, "body_optimizer", self.trainer.body_optimizer,
                                                    self._global_names(), name),
-                    "extra": dict(parts[(0, 0)].get("extra", {}))}
+                    "extra": dict(parts[(0, s0)].get("extra", {}))}
 
         names = sorted(first["store"])
         for k, x in sds.items():
             if sorted(x["store"]) != names or x.get("installed") != first.get("installed"):
                 raise ValueError(f"the hook state at (tensor, pipeline) rank {k} holds other sources "
-                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than at (0, 0) "
+                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than at (0, {s0}) "
                                  f"({names}, installed {first.get('installed')!r})")
         sd = dict(first)
         sd["store"] = {n: payload(n, {k: x["store"][n] for k, x in sds.items()}) for n in names}
@@ -610,11 +630,12 @@ class DeptHooks:
         another tensor, pipeline or virtual-pipeline size, the data-parallel size changing with
         them or not (:meth:`load_state_dict_rank_resharded`): TRIM, whose φ is row-sharded
         over a stage's tp × dp ranks and whose per-source state is replicated over data
-        parallelism; not with error feedback or the eager start (their buffers are chunks of
-        each rank's flattened body shard) nor with the distributed optimizer (per-rank shards
-        in the per-source state)."""
+        parallelism, the distributed optimizer on either side (its per-source pieces joined
+        over the old data-parallel ranks by parameter name and cut for this rank's
+        optimizers); not with error feedback or the eager start (their buffers are chunks of
+        each rank's flattened body shard)."""
         return (self.strategy.name == "trim" and not self.cfg.dept.outer_error_feedback
-                and not self.schedule.eager and not self.cfg.optim.distributed)
+                and not self.schedule.eager)
 
     def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
         """:meth:`load_state_dict` (TRIM) from ``sds[(tp, dp, pp)]``, the state dicts saved by the
@@ -626,10 +647,17 @@ class DeptHooks:
         joined and cut like SPEC's (:meth:`_repartitioned_state` by parameter name when
         ``staged``, else :meth:`_resharded_state`); φ, φ_head, their per-row outer state and the
         learned positions' outer state are joined whole (``TrimStrategy.joined_state``) and
-        :meth:`load_state_dict` cuts this rank's rows and chunk."""
+        :meth:`load_state_dict` cuts this rank's rows and chunk. With the distributed optimizer
+        on either side the per-source optimizer states are joined by parameter name from the
+        pieces of every old data rank (:meth:`_plain_payloads`; all files of the stages read),
+        resharded by name (:meth:`_repartitioned_state`) and cut into this rank's pieces."""
         T = 1 + max(t for t, _, _ in sds)
+        D = 1 + max(d for _, d, _ in sds)
         stages = sorted({p for _, _, p in sds})
-        if staged:
+        if self.cfg.optim.distributed or self._has_pieces(sds[(0, 0, stages[0])]):
+            sd = self._repartitioned_state({(t, p): self._plain_payloads([sds[(t, d, p)] for d in range(D)])
+                                            for t in range(T) for p in stages})
+        elif staged:
             sd = self._repartitioned_state({(t, p): sds[(t, 0, p)] for t in range(T) for p in stages})
         else:
             if stages != [self.pg.pp_rank]:
@@ -639,6 +667,54 @@ class DeptHooks:
         sd = {k: v for k, v in sd.items() if k not in own}
         sd.update(self.strategy.joined_state(sds))
         self.load_state_dict(sd)
+
+    @staticmethod
+    def _payloads_of(sd: dict) -> list[dict]:
+        """The per-source payloads of a hook state dict (the store's and the installed one's)."""
+        return list(sd["store"].values()) + ([sd["installed_state"]] if sd.get("installed_state") else [])
+
+    @staticmethod
+    def _has_pieces(sd: dict) -> bool:
+        """True when a hook state dict's per-source optimizer states are the distributed
+        optimizer's pieces (``"shard"``)."""
+        return any(isinstance(p.get(k), dict) and "shard" in p[k] for p in DeptHooks._payloads_of(sd)
+                   for k in ("optimizer", "body_optimizer"))
+
+    @staticmethod
+    def _same_sources(replicas: list[dict]) -> None:
+        """The data-parallel replicas' hook states (data rank 0's first) hold the same sources."""
+        first = replicas[0]
+        for x in replicas:
+            if sorted(x["store"]) != sorted(first["store"]) or x.get("installed") != first.get("installed"):
+                raise ValueError(f"the data-parallel replicas' hook states hold other sources "
+                                 f"({sorted(x['store'])}, installed {x.get('installed')!r}) than data rank 0's "
+                                 f"({sorted(first['store'])}, installed {first.get('installed')!r})")
+
+    def _plain_payloads(self, replicas: list[dict]) -> dict:
+        """The hook state dict of the old data rank 0 of one (tensor, pipeline) position with
+        every per-source optimizer state that the distributed optimizer saved in pieces joined
+        from ``replicas`` (every old data rank's state dict there, in data-parallel order)
+        into the plain optimizer's form, named by parameter
+        (``optim_reshard.join_named_pieces``), for :meth:`_repartitioned_state`."""
+        from ..optim_reshard import join_named_pieces
+        first = replicas[0]
+        self._same_sources(replicas)
+
+        def plain(name: str, payloads: list[dict]) -> dict:
+            out = dict(payloads[0])
+            for kind in ("optimizer", "body_optimizer"):
+                if isinstance(out.get(kind), dict) and "shard" in out[kind]:
+                    out[kind], names = join_named_pieces([p[kind] for p in payloads],
+                                                         [p["param_names"][kind] for p in payloads],
+                                                         f"source {name!r}: {kind}")
+                    out["param_names"] = dict(out["param_names"], **{kind: names})
+            return out
+
+        sd = dict(first)
+        sd["store"] = {n: plain(n, [x["store"][n] for x in replicas]) for n in first["store"]}
+        if first.get("installed_state") is not None:
+            sd["installed_state"] = plain(first["installed"], [x["installed_state"] for x in replicas])
+        return sd
 
     def outer_syncs(self) -> dict[str, FlatSync]:
         """Every FlatSync the schedule drives, by the name its state has in checkpoints
@@ -767,15 +843,14 @@ class DeptHooks:
         group or is keyed by source: at a round boundary (the body and GLOB's embeddings are
         synchronised, the outer state is the same everywhere), with no group-owned inner
         optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
-        for GLOB, SPEC and SPEC-OPT (TRIM's row state is per rank), without error feedback
-        (its residuals are per rank and group), with the distributed optimizer too (also under
-        another ``parallel.data`` or bucket size: each source's optimizer state is joined from
-        its old group's data-parallel ranks, :meth:`dp_joined_state`)."""
+        for GLOB, SPEC, SPEC-OPT and TRIM (its φ, φ_head, their per-row outer state and the
+        learned positions' are the same in every group after a round's sync: joined from old
+        group 0's row shards and cut), without error feedback (its residuals are per rank and
+        group), with the distributed optimizer too (also under another ``parallel.data`` or
+        bucket size: each source's optimizer state is joined from its old group's
+        data-parallel ranks, :meth:`dp_joined_state`)."""
         d = self.cfg.dept
         L = int(d.local_steps)
-        if self.strategy.name == "trim":
-            return ("dept.variant", "TRIM's table and row state are held per rank; a TRIM checkpoint loads only "
-                                    "with its own number of groups")
         if self.cfg.dept.outer_error_feedback:
             return ("dept.outer_error_feedback", "the error-feedback residuals belong to the rank's chunk of its "
                                                  "group's outer synchronisation")
@@ -802,7 +877,8 @@ class DeptHooks:
         """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
         groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
         position, with the distributed optimizer joined from group g's data-parallel ranks
-        and cut for this rank: :meth:`dp_joined_state`) into this launch's groups. The
+        and cut for this rank, TRIM's φ joined from the stage's row shards:
+        :meth:`dp_joined_state`) into this launch's groups. The
         schedule continues from the checkpoint's history: every source keeps its data
         position (rounds trained so far) and its own state, which the new group ``old group
         mod G`` holds (``last_group``); the plans from round ``step / local_steps`` on are this
@@ -822,7 +898,10 @@ class DeptHooks:
         last = [None if g is None else int(g) % G for g in before.last_group]
         self.scheduler = self._make_scheduler(G)
         self.scheduler.rebase(r0, last, before.rounds_before)
-        self.strategy.load_state_dict(saved[0])  # GLOB: nothing (its outer state is under dept/... keys)
+        # GLOB: nothing (its outer state is under dept/... keys); TRIM: φ (the same in every group
+        # at a round boundary) from old group 0 (the other groups' states may leave it out:
+        # dp_joined_state(strategy_state=False)), before the first held source is filled from it
+        self.strategy.load_state_dict(saved[0])
         payloads: dict[str, tuple[int, dict, bool]] = {}
         for g, sd in sorted(saved.items()):
             held = {n: (p, False) for n, p in sd["store"].items()}
