@@ -17,7 +17,7 @@ stages' per-source optimizer states by the parameter names saved with them — `
 ``hooks_param_names``; checkpoints without them are refused there; TRIM's per-rank hook state:
 ``DeptHooks.load_state_dict_rank_resharded``, φ's row shards joined from every old rank of a
 stage and its per-source state as SPEC's — with the distributed optimizer's pieces joined by
-parameter name and cut —, not with error feedback), another data-parallel
+parameter name and cut —, not with error feedback or the eager start), another data-parallel
 size or distributed-optimizer layout
 (``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
 distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
@@ -27,7 +27,11 @@ size; what none of them covers is refused.
 ``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
 ``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
 the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
-``dept/...`` DCP keys (``dept_mega.checkpoint_state``). Round hooks with ``state_dict()`` /
+``dept/...`` DCP keys (``dept_mega.checkpoint_state``); the error-feedback residuals and the
+eager start's estimates, which differ per group, per parameter under ``dept/{category}/g{g}/...``
+(``layout.json``: ``outer_group_keys``): they load wherever θ_{t-1} does, and under another
+number of groups as ``checkpoint_state.group_state_targets`` says (residuals averaged,
+estimates reset; logged through ``load_weights``' ``notes``). Round hooks with ``state_dict()`` /
 ``load_state_dict(sd)`` (DEPT: per-source embeddings, TRIM's table) are saved as
 ``step_N/hooks_rank{r}.pt`` (torch.save) — per rank, or by data-parallel rank 0 of each
 (tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
@@ -62,7 +66,8 @@ import torch.distributed as dist
 from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm,
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_json_durable, write_manifest)
-from .checkpoint_state import has_outer_state, outer_state_tensors, outer_state_targets
+from .checkpoint_state import (group_state_targets, group_state_tensors, has_group_state, has_outer_state,
+                               outer_state_tensors, outer_state_targets)
 from .parallel.agree import all_gather_text
 from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
@@ -104,7 +109,7 @@ def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Opt
     if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not hasattr(hooks, "dp_joined_state"):
         return ("parallel", "the round-hook state was saved per rank and these round hooks do not join the "
                             "old ranks' files")
-    return hooks.regroup_refusal(step, int(saved["groups"]))
+    return hooks.regroup_refusal(step, int(saved["groups"]), group_keys=bool(saved.get("outer_group_keys")))
 
 
 def _hooks_redistribute(hooks) -> bool:
@@ -123,8 +128,10 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     state saved once per (tp, pp, group) (``DeptHooks.load_state_dict_resharded``) or TRIM's
     saved per rank (φ's row shards joined from every old rank of the stage that held them,
     its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D and the
-    distributed optimizer may change with it; not with ``dept.outer_error_feedback``, whose
-    per-rank residuals are not resharded) — under another pipeline / virtual-pipeline size
+    distributed optimizer may change with it; not with ``dept.outer_error_feedback`` or the
+    eager start, whose per-rank TRIM state is not resharded); error-feedback residuals and
+    eager estimates saved per parameter and group (``outer_group_keys``) reshard like
+    θ_{t-1}, older checkpoints kept them in per-rank hook files and are refused — under another pipeline / virtual-pipeline size
     only with the parameter names saved with the per-source state (``hooks_param_names``:
     ``DeptHooks.load_state_dict_repartitioned``) —, no dropout; the distributed optimizer's
     pieces on either side are joined and cut too, so D, the bucket size and the optimizer
@@ -229,10 +236,12 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                               f"is held per pipeline stage, and this checkpoint saved no parameter names with it "
                               f"(layout.json has no hooks_param_names: written before they were saved) to join the "
                               f"stages by)")
-        why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the error-feedback "
-               "residuals or the eager start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: "
-               "eager: a chunk of each rank's flattened body shard) or the distributed optimizer's shards "
-               "in SPEC/SPEC-OPT's per-source state (optim.distributed)"
+        why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the distributed "
+               "optimizer's shards in SPEC/SPEC-OPT's per-source state (optim.distributed) or, in a checkpoint "
+               "written before they were saved per parameter and group (layout.json without outer_group_keys), "
+               "or with TRIM, the error-feedback residuals or the eager start's estimates "
+               "(dept.outer_error_feedback, dept.outer_overlap_rule: eager: a chunk of each rank's flattened "
+               "body shard)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -364,7 +373,9 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._group = None  # train.async_save: the writer thread's process group
-        self.notes: list[str] = []  # the last load: one line per checkpoint passed over
+        # the last load: one line per checkpoint passed over, and per piece of state it changed
+        # rather than restored (load_weights' notes); the launch logs them
+        self.notes: list[str] = []
         self._tokenizer_digests: dict = {}
 
     def save(self, loop) -> str:
@@ -427,6 +438,11 @@ class Checkpointer:
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
                 state.update(outer_state_tensors(loop.hooks, trainer))
+        if has_group_state(loop.hooks):
+            # error-feedback residuals, eager estimates: per parameter, keyed by group (checkpoint_state)
+            layout["outer_group_keys"] = True
+            with _uncounted(loop.hooks):
+                state.update(group_state_tensors(loop.hooks, trainer))
         pg = trainer.pg
         tracker = _rng_tracker(trainer)
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
@@ -528,7 +544,7 @@ class Checkpointer:
             return None
         step = sel.step
         load_weights(loop.trainer, self.run_dir, step, hooks=loop.hooks, verified=True,
-                     tokenizer_digests=self._tokenizer_digests)
+                     tokenizer_digests=self._tokenizer_digests, notes=self.notes)
         group = loop.trainer.pg.group_index
         regrouped = read_json(step_dir(self.run_dir, step), LAYOUT_FILE).get("groups") != loop.trainer.pg.num_groups
         if regrouped:  # another number of groups (round boundary): the trainer's counters are every group's;
@@ -562,9 +578,13 @@ def _safe_load(path: str, map_location) -> Any:
 
 
 def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer: bool = True,
-                 verified: bool = False, tokenizer_digests: Optional[dict] = None) -> None:
+                 verified: bool = False, tokenizer_digests: Optional[dict] = None,
+                 notes: Optional[list] = None) -> None:
     """Load checkpoint ``step`` into ``trainer`` (and the round hooks). Unless ``verified``, the
-    checkpoint's manifest is checked first (:class:`CheckpointError` when damaged)."""
+    checkpoint's manifest is checked first (:class:`CheckpointError` when damaged). ``notes``:
+    a list that receives one line per piece of state the load changed rather than restored
+    (e.g. under another number of groups: the error-feedback residuals averaged, the eager
+    estimates reset), for the launch to log."""
     import torch.distributed.checkpoint as dcp
     path = step_dir(run_dir, step)
     if not verified:
@@ -619,7 +639,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                 saved[g] = hooks.dp_joined_state(sds, strategy_state=g == 0) if hasattr(hooks, "dp_joined_state") \
                     else sds[(pg.tp_rank, 0)]
             hooks.load_regrouped(step, saved, saved_groups,
-                                 layout.get("dept_schedule"),
+                                 layout.get("dept_schedule"), group_keys=bool(layout.get("outer_group_keys")),
                                  read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
                                  else None)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -671,6 +691,29 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp.load(entries, checkpoint_id=path)
             install()
+    if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
+        _load_group_state(trainer, hooks, path, layout, mode, notes)
+
+
+def _load_group_state(trainer, hooks, path: str, layout: dict, mode: str, notes: Optional[list]) -> None:
+    """The error-feedback residuals and eager estimates saved per parameter under keys that
+    carry the group (``dept_mega.checkpoint_state``): this group's, joined and cut under another
+    tensor / pipeline layout like θ_{t-1}; under another number of groups every old group's,
+    combined as ``group_state_targets`` says. The lines to log go to ``notes``."""
+    import torch.distributed.checkpoint as dcp
+    pg = trainer.pg
+    entries, install = group_state_targets(hooks, trainer, path,
+                                           saved_groups=int(layout["groups"]) if mode == "regroup" else None)
+    if mode == "reshard":
+        from .reshard import load_resharded
+        load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(entries, checkpoint_id=path)
+    lines = install()
+    if notes is not None:
+        notes.extend(line for line in lines if line not in notes)
 
 
 def _hook_file(path: str, layout: dict, tp: int, dp: int, pp: int, group: int) -> str:

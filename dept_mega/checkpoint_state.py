@@ -15,16 +15,45 @@ pseudo-gradient), so these keys carry neither group nor data-parallel rank: DCP 
 tensor once per checkpoint, where a per-rank ``torch.save`` wrote G·D copies of every shard.
 The format depends only on ``param_state`` / ``load_param_state``, not on how a FlatSync holds
 its state internally.
+
+The per-group chunk buffers — error-feedback residuals (``dept.outer_error_feedback``) and the
+eager start's estimates (``dept.outer_overlap_rule: eager``) — are saved the same way from
+:meth:`FlatSync.group_state`, but under keys that carry the group (their values differ between
+groups; a group's replicas hold distinct chunks of them, whose union is one value per
+parameter element):
+
+    dept/{category}/g{group}/tp{t}/pp{p}/c{chunk}/{parameter name}/{residual|eager_base}
+    dept/{category}/g{group}/tp{t}/pp{p}/eager_known   (int64 0/1, one per part)
+
+so another tensor / pipeline / data-parallel layout joins and cuts them like θ_{t-1}
+(``dept_mega.reshard``: the group is part of a tensor's identity), ``layout.json``:
+``outer_group_keys``. ``eager_known`` is saved per (tp, pp) position because a position with
+nothing to synchronise (numel 0) never learns a mean; a load takes, per part, whether any saved
+position of the group knew it. Under another number of groups (:func:`group_state_targets`
+with ``saved_groups``) the residuals are averaged over the old groups and given to every new
+group — what the mean over groups has not yet received is Σ_g r_g / G_old, and
+Σ_g' r' / G_new with r' = Σ_g r_g / G_old is that same mass — and the eager estimates are
+dropped (E = Δ̄_{t-1} − Δ_g,t-1 / G is the other groups' share as group g saw it, which has no
+meaning for a group of another partition): every part starts as after a first launch, from
+the local weights, and records a new E. Both are logged (the ``notes`` returned).
+Checkpoints written before these keys (``outer_group_keys`` absent) keep the buffers in the
+per-rank hook files (``DeptHooks.load_state_dict``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import re
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 
 STEPS = "steps"
 PART_STEPS = "part_steps"
 REFERENCE = "reference"
+GROUP_BUFFERS = ("residual", "eager_base")  # FlatSync.group_state's per-parameter buffers
+EAGER_KNOWN = "eager_known"
+# the config key that makes each buffer (named in the notes of a load that changes one)
+GROUP_BUFFER_KEYS = {"residual": "dept.outer_error_feedback", "eager_base": "dept.outer_overlap_rule"}
 
 
 def _param_keys(trainer) -> dict[int, str]:
@@ -93,5 +122,119 @@ def outer_state_targets(hooks, trainer) -> tuple[dict[str, torch.Tensor], Callab
                 if kind not in (STEPS, PART_STEPS):
                     rebuilt[kind] = [flat[f"dept/{category}/{keys[id(p)]}/{kind}"] for p in sync.params]
             sync.load_param_state(rebuilt)
+
+    return entries, install
+
+
+def _group_buffers(hooks) -> dict[str, Any]:
+    """The FlatSyncs that keep per-group chunk buffers (residuals, eager estimates), by category."""
+    return {c: s for c, s in _syncs(hooks).items() if s.residual is not None or s.eager_base is not None}
+
+
+def has_group_state(hooks) -> bool:
+    return bool(_group_buffers(hooks))
+
+
+def _position(trainer) -> str:
+    return f"tp{trainer.pg.tp_rank}/pp{trainer.pg.pp_rank}"
+
+
+def group_state_tensors(hooks, trainer) -> dict[str, torch.Tensor]:
+    """The DCP entries of this group's chunk buffers (module doc; a collective over ``pg.dp``
+    inside ``group_state``: call on every rank)."""
+    keys, g = _param_keys(trainer), trainer.pg.group_index
+    out: dict[str, torch.Tensor] = {}
+    for category, sync in sorted(_group_buffers(hooks).items()):
+        state = sync.group_state()
+        if EAGER_KNOWN in state:
+            out[f"dept/{category}/g{g}/{_position(trainer)}/{EAGER_KNOWN}"] = torch.tensor(
+                [int(bool(k)) for k in state[EAGER_KNOWN]], dtype=torch.int64)
+        for kind in GROUP_BUFFERS:
+            for p, t in zip(sync.params, state.get(kind, ())):
+                out[f"dept/{category}/g{g}/{keys[id(p)]}/{kind}"] = t
+    return out
+
+
+_GROUP_KEY = re.compile(r"^dept/(?P<cat>[^/]+)/g(?P<g>\d+)/tp\d+/pp\d+/(?:c\d+/[^/]+/(?P<kind>[^/]+)|eager_known)$")
+
+
+def _saved_group_keys(path: str) -> dict[tuple[str, int, str], list[str]]:
+    """(category, group, kind or ``eager_known``) → the checkpoint's keys of it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    out: dict[tuple[str, int, str], list[str]] = {}
+    for key in FileSystemReader(path).read_metadata().state_dict_metadata:
+        m = _GROUP_KEY.match(key)
+        if m:
+            out.setdefault((m["cat"], int(m["g"]), m["kind"] or EAGER_KNOWN), []).append(key)
+    return out
+
+
+def _read_eager_known(path: str, keys: list[str], parts: int) -> list[bool]:
+    """Per part: whether any saved (tp, pp) position of the group knew a previous mean (read
+    by this process alone)."""
+    import torch.distributed.checkpoint as dcp
+    wanted = {k: torch.zeros(parts, dtype=torch.int64) for k in keys}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    return [bool(any(int(t[i]) for t in wanted.values())) for i in range(parts)]
+
+
+def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
+                        ) -> tuple[dict[str, torch.Tensor], Callable[[], list[str]]]:
+    """(DCP entries of checkpoint ``path`` to load into, in place; a function that installs
+    them once loaded and returns the lines to log). ``saved_groups`` None: this rank's group's
+    keys at this rank's position (``dept_mega.reshard`` finds them under another layout); an
+    int: the checkpoint holds that many groups (another number of groups, same tensor and
+    pipeline layout): every old group's residuals, averaged (module doc), eager estimates
+    reset. A buffer this run keeps that the checkpoint lacks starts at zero (residual) or
+    unknown (estimate), and is logged."""
+    keys, pg = _param_keys(trainer), trainer.pg
+    saved = _saved_group_keys(path)
+    groups = [pg.group_index] if saved_groups is None else list(range(saved_groups))
+    entries: dict[str, torch.Tensor] = {}
+    notes: list[str] = []
+    plan = []
+    for category, sync in sorted(_group_buffers(hooks).items()):
+        for kind in GROUP_BUFFERS:
+            if getattr(sync, kind) is None:
+                continue
+            if kind == "eager_base" and saved_groups is not None:
+                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: the eager start's estimates of {category} reset (the "
+                             f"checkpoint's {saved_groups} groups' shares do not carry over to "
+                             f"{pg.num_groups}); each part's next sync starts from the local weights and records "
+                             f"a new estimate")
+                plan.append((category, sync, kind, None))
+                continue
+            if any((category, g, kind) not in saved for g in groups):
+                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
+                             f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
+                plan.append((category, sync, kind, None))
+                continue
+            per_group = []
+            for g in groups:
+                per_group.append([entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
+                                                     torch.empty(p.shape, dtype=torch.float32))
+                                  for p in sync.params])
+            plan.append((category, sync, kind, per_group))
+        if len(groups) > 1 and sync.residual is not None and (category, 0, "residual") in saved:
+            notes.append(f"dept.outer_error_feedback: the error-feedback residuals of {category} are the mean of "
+                         f"the checkpoint's {saved_groups} groups' (Σ_g r_g / {saved_groups}) in each of the "
+                         f"{pg.num_groups} groups: the mean over groups still receives what it had not")
+
+    def install() -> list[str]:
+        for category, sync, kind, per_group in plan:
+            if per_group is None:
+                getattr(sync, kind).zero_()
+                if kind == "eager_base":
+                    sync.load_eager_known(None)
+                continue
+            values = [torch.stack(ts).sum(0) / len(ts) if len(ts) > 1 else ts[0] for ts in zip(*per_group)]
+            state = {kind: values}
+            if kind == "eager_base":
+                state[EAGER_KNOWN] = _read_eager_known(path, saved.get((category, groups[0], EAGER_KNOWN), []),
+                                                       sync.parts)
+            sync.load_group_state(state)
+        return notes
 
     return entries, install

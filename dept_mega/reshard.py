@@ -10,7 +10,9 @@ into this rank's shard. A parameter held on two stages (a tied embedding's copy 
 stage) is read from the first copy: both receive the same updates.
 
 DEPT's outer state (``dept/{category}/tp{t}/pp{p}/c{chunk}/{name}/{kind}``, shaped like the
-parameter's shard) is joined and cut the same way.
+parameter's shard; the per-group buffers — error-feedback residuals, eager estimates — under
+``dept/{category}/g{group}/tp{t}/...``, matched by (category, group, name, kind)) is joined and
+cut the same way.
 
 The distributed optimizer (``optim.distributed``) saves its state in pieces of the flattened
 shard (``{key}/dp{d}of{D}:{start}-{end}``, dept_mega/optim_reshard.py): on either side. A
@@ -41,8 +43,10 @@ from .manifest import CheckpointError
 
 _KEY = re.compile(r"^(?P<prefix>(?:optim/[^/]+/[^/]+/)?)model/g(?P<g>\d+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/"
                   r"(?P<name>.+)$")
-# DEPT outer state (dept_mega.checkpoint_state): no group, the state kind last
-_OUTER = re.compile(r"^dept/(?P<cat>[^/]+)/tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/(?P<name>[^/]+)/(?P<kind>[^/]+)$")
+# DEPT outer state (dept_mega.checkpoint_state): no group (θ_{t-1}, the outer optimizer's) or
+# the group (error-feedback residuals, eager estimates), the state kind last
+_OUTER = re.compile(r"^dept/(?P<cat>[^/]+)/(?:g(?P<g>\d+)/)?tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/(?P<name>[^/]+)/"
+                    r"(?P<kind>[^/]+)$")
 # a distributed-optimizer piece of a key: [start, end) of the flattened shard
 _PIECE = re.compile(r"^(?P<base>.+)/dp(?P<d>\d+)of(?P<D>\d+):(?P<s>\d+)-(?P<e>\d+)$")
 
@@ -60,7 +64,8 @@ def _parse(key: str):
         return ("model", m["prefix"], int(m["g"]), m["name"]), (int(m["p"]), int(m["c"])), int(m["t"]), m["name"]
     m = _OUTER.match(key)
     if m:
-        return ("dept", m["cat"], m["name"], m["kind"]), (int(m["p"]), int(m["c"])), int(m["t"]), m["name"]
+        return (("dept", m["cat"], m["g"], m["name"], m["kind"]), (int(m["p"]), int(m["c"])), int(m["t"]),
+                m["name"])
     return None
 
 
@@ -99,7 +104,7 @@ def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Pa
     ``path`` written with ``saved_tensor`` tensor ranks; ``params``: ``tp{t}/pp{p}/c{c}/{name}``
     of this rank → parameter (for its partitioning). Model and optimizer keys
     (``model/g{g}/...``) are matched by (group, name); DEPT outer-state keys
-    (``dept/{category}/.../{name}/{kind}``) by (category, name, kind); other keys (the outer
+    (``dept/{category}/[g{g}/].../{name}/{kind}``) by (category, group, name, kind); other keys (the outer
     optimizer's step count) load as saved. Distributed-optimizer pieces on either side: see
     the module doc."""
     import torch.distributed.checkpoint as dcp
@@ -129,7 +134,7 @@ def load_resharded(state: dict[str, torch.Tensor], params: dict[str, torch.nn.Pa
         complete = sorted(pc for pc, shards in positions.items() if sorted(shards) == list(range(saved_tensor)))
         if not complete:
             raise CheckpointError(f"{path}: no complete set of {saved_tensor} tensor shards of "
-                                  f"{'/'.join(str(x) for x in ident[1:])}")
+                                  f"{'/'.join(str(x) for x in ident[1:] if x is not None)}")
         shards = [sorted(positions[complete[0]][s], key=lambda x: -1 if x[0] is None else x[0])
                   for s in range(saved_tensor)]
         for sources in shards:

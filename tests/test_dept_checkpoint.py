@@ -2,6 +2,7 @@
 ends bit-identical to the uninterrupted run (GLOB with a Nesterov outer optimizer: θ_{t-1} and
 the momentum must come back; SPEC and TRIM: per-source state and φ too)."""
 import io
+import json
 
 import pytest
 import torch
@@ -367,27 +368,55 @@ def test_glob_checkpoint_size_does_not_grow_with_data_parallel_size(tmp_path):
     assert abs(sizes[2] - sizes[1]) <= 0.02 * sizes[1], sizes
 
 
-def test_eager_start_estimates_are_per_rank_state(tmp_path):
-    """The eager start's estimates E (dept.outer_overlap_rule: eager) belong to a rank's chunk
-    and to its group: they go in the per-rank hook file (not once per (tp, pp, group)), and a
-    checkpoint with them is refused under another tensor size or number of groups with a
-    ConfigError naming a key, never loaded with a wrong E."""
-    from dept_mega.checkpoint import check_layout
+def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
+    """The eager start's estimates E (dept.outer_overlap_rule: eager) are a chunk per rank of
+    its group's flattened body: saved per parameter under DCP keys that carry the group
+    (dept/{category}/g{g}/..., layout.json: outer_group_keys), not in the hook file, so the
+    hook state is the same on a group's replicas and a checkpoint with them reshards under
+    another tensor size and loads under another number of groups (E reset there). A resumed
+    run gets E and which parts know a previous mean back exactly. A checkpoint written before
+    (E in the per-rank hook file) still loads under its own layout and is refused under
+    another tensor size with a ConfigError naming the key."""
+    from dept_mega.checkpoint import check_layout, load_weights
     from dept_mega.config import ConfigError
+    from dept_mega.manifest import seal
+    import torch.distributed.checkpoint as dcp
     cfg = tiny_config({"dept": {"variant": "glob", "local_steps": 2, "outer_overlap": True, "outer_delay": 1,
-                                "outer_overlap_rule": "eager"},
+                                "outer_overlap_rule": "eager", "reset_inner_optimizer": True},
                        "train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "run_dir": str(tmp_path)}})
     loop, _ = _make(cfg, str(tmp_path), 0)
     loop.run()
     hooks = loop.hooks
-    assert not hooks.state_replicated_over_dp() and not hooks.hook_state_reshardable()
-    assert hooks.regroup_refusal(4, 2)[0] == "dept.outer_overlap_rule"
-    saved = torch.load(next((tmp_path / "checkpoints").glob("step_*")) / "hooks_rank0.pt", weights_only=True)
+    assert hooks.state_replicated_over_dp() and hooks.hook_state_reshardable()
+    assert hooks.regroup_refusal(4, 2, group_keys=False)[0] == "dept.outer_overlap_rule"
+    assert hooks.regroup_refusal(4, 2, group_keys=True) is None
+    step = sorted((tmp_path / "checkpoints").glob("step_*"))[0]  # step 3: after the step-2 sync was applied
+    layout = json.loads((step / "layout.json").read_text())
+    assert layout["outer_group_keys"] and layout["hooks_dp0"]
+    assert "outer_eager" not in torch.load(step / "hooks_rank0.pt", weights_only=True)
+    keys = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     syncs = hooks.outer_syncs()
-    assert set(saved["outer_eager"]) == {k for k, s in syncs.items() if s.eager_base is not None} == set(syncs)
-    assert all(all(v) for v in saved["outer_eager_known"].values())  # every part synced once before the save
-    step = sorted((tmp_path / "checkpoints").glob("step_*"))[0]
-    assert check_layout(loop.trainer, str(step), hooks=hooks) == "same"
+    assert {k.split("/")[1] for k in keys if k.endswith("/eager_base") and "/g0/" in k} == set(syncs)
+    assert {k for k in keys if k.endswith("/eager_known")} == {f"dept/{c}/g0/tp0/pp0/eager_known" for c in syncs}
+    # the state at the save, from a fresh launch that loads it
+    loop2, _ = _make(cfg, str(tmp_path), 0)
+    load_weights(loop2.trainer, str(tmp_path), int(step.name.split("_")[1]), hooks=loop2.hooks)
+    got = {k: (s.eager_base.clone(), list(s.eager_known)) for k, s in loop2.hooks.outer_syncs().items()}
+    for k, (base, known) in got.items():  # (one group: E = Δ̄ − Δ_g / 1 = 0)
+        assert all(known), (k, known)  # every part synced once before the save
+    assert check_layout(loop2.trainer, str(step), hooks=loop2.hooks) == "same"
+    # a checkpoint of the earlier format: E in the per-rank hook file, no per-parameter keys
+    sd = torch.load(step / "hooks_rank0.pt", weights_only=True)
+    sd["outer_eager"] = {k: base + 1 for k, (base, _) in got.items()}
+    sd["outer_eager_known"] = {k: known for k, (_, known) in got.items()}
+    torch.save(sd, step / "hooks_rank0.pt")
+    old = {k: v for k, v in layout.items() if k not in ("outer_group_keys", "hooks_dp0")}
+    (step / "layout.json").write_text(json.dumps(old))
+    seal(str(step), int(step.name.split("_")[1]))
+    loop3, _ = _make(cfg, str(tmp_path), 0)
+    load_weights(loop3.trainer, str(tmp_path), int(step.name.split("_")[1]), hooks=loop3.hooks)
+    for k, s in loop3.hooks.outer_syncs().items():
+        assert torch.equal(s.eager_base, got[k][0] + 1) and s.eager_known == got[k][1], k
     _as_if_written_by(step, tensor=2)
-    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*eager start"):
-        check_layout(loop.trainer, str(step), hooks=hooks)
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*outer_group_keys.*eager start"):
+        check_layout(loop3.trainer, str(step), hooks=loop3.hooks)

@@ -103,12 +103,18 @@ def _outer(loop) -> dict:
     return out
 
 
+def _group_buffers(loop) -> dict:
+    """Every FlatSync's error-feedback residuals and eager estimates, per parameter (group_state)."""
+    return {cat: s.group_state() for cat, s in sorted(loop.hooks.outer_syncs().items())}
+
+
 def _first_phase(rank, world, over, run_dir, K, step):
     cfg = tiny_config(dict(over, train=dict(over["train"], steps=step, run_dir=run_dir)))
     loop, _ = _make(cfg, run_dir, K)
     loop.run()
     loop.checkpointer.save(loop)  # a round boundary
     return {"body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
+            "buffers": _group_buffers(loop),
             "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
                     if n.startswith("embeddings.")},
             "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
@@ -119,6 +125,7 @@ def _second_phase(rank, world, over, run_dir, native_dir, K, steps):
     loop, losses = _make(cfg, run_dir, K)
     step = loop.checkpointer.load(loop)
     state = {"step": step, "body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
+             "buffers": _group_buffers(loop), "notes": list(loop.checkpointer.notes),
              "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
                      if n.startswith("embeddings.")},
              "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
@@ -152,7 +159,8 @@ def _same(a, b, what):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("glob", 4, 2), ("spec_opt", 4, 2),
-                                                  ("spec_opt_distributed", 2, 4), ("trim_distributed", 4, 2)])
+                                                  ("spec_opt_distributed", 2, 4), ("trim_distributed", 4, 2),
+                                                  ("glob_ef_eager", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
     with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
@@ -176,12 +184,22 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     its per-row Nesterov momentum and the positions' outer state are the same in every group
     at a round boundary and come from old group 0's files; each source's compact-table AdamW
     state (pieces) goes with the source to its new group, whose installed source's tables are
-    filled from φ."""
+    filled from φ.
+    ``glob_ef_eager``: GLOB with int8 error feedback and the eager start (τ = 1), G 4 -> 2: the
+    residuals and estimates are saved per parameter and group; every new group's residual is
+    the mean of the old groups' (Σ_g r_g / G_old: the mass the mean over groups has not yet
+    received stays in the next mean), the estimates are reset (no part knows a previous mean:
+    the next sync of each starts from the local weights), and the load logs one line for each
+    (``Checkpointer.notes``)."""
     distributed = variant.endswith("_distributed")
-    variant = variant.removesuffix("_distributed")
+    ef_eager = variant.endswith("_ef_eager")
+    variant = variant.removesuffix("_distributed").removesuffix("_ef_eager")
     over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
                                                                                "momentum": 0.9}},
             "train": {"save_interval": 0, "eval_interval": 0}}
+    if ef_eager:
+        over["dept"].update(outer_comm_dtype="int8", outer_error_feedback=True, outer_overlap=True, outer_delay=1,
+                            outer_overlap_rule="eager")
     if distributed:
         over["optim"] = {"distributed": True, "grad_bucket_size": 500}
     if variant == "trim":
@@ -218,6 +236,23 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     if variant != "glob":  # exactly the sources trained so far own state
         trained = {n for n, steps in first[0]["positions"].items() if steps}
         assert set(held_before) == trained and len(trained) >= 3
+    if ef_eager:
+        _check_regrouped_buffers(first, second)
     # the groups' bodies agree at the end (a round boundary)
     for r in second[1:]:
         _same(r["body_end"], second[0]["body_end"], "bodies of the groups")
+
+
+def _check_regrouped_buffers(first, second):
+    """Every new group's residuals: the mean of the old groups'; its estimates reset; one line
+    logged for each."""
+    old = [r["buffers"] for r in first]  # one rank per old group, in group order
+    assert any(float(t.abs().max()) > 0 for b in old for t in b["outer_body"]["residual"])
+    assert all(all(b[c]["eager_known"]) for b in old for c in b)  # the step-2 sync recorded E
+    for r in second:
+        for cat, got in r["buffers"].items():
+            mean = [torch.stack(ts).sum(0) / len(old) for ts in zip(*(b[cat]["residual"] for b in old))]
+            _same(got["residual"], mean, f"{cat} residual")
+            assert not any(got["eager_known"]) and all(float(t.abs().max()) == 0 for t in got["eager_base"]), cat
+        assert any("dept.outer_error_feedback" in n and "mean" in n for n in r["notes"]), r["notes"]
+        assert any("dept.outer_overlap_rule" in n and "reset" in n for n in r["notes"]), r["notes"]

@@ -14,7 +14,8 @@ old rank, its per-source state like SPEC's; with the distributed optimizer too: 
 joined by parameter name, optim_reshard.join_named_pieces). A SPEC checkpoint without those names (layout.json without
 hooks_param_names) under another P or VP and TRIM with error feedback under another T are
 refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
-and TRIM's error-feedback residuals (per rank) are joined from the old replicas' chunks. The
+and TRIM's error-feedback residuals (saved per parameter and group) are cut into the new
+replicas' chunks, and GLOB's residuals and eager estimates reshard under another T and P. The
 distributed optimizer switched on or off, under another D and bucket size
 (dept_mega.optim_reshard), also with SPEC-OPT's and TRIM's per-source optimizer states (per rank with the
 distributed optimizer: joined from the old replicas' pieces and cut,
@@ -124,6 +125,15 @@ LAYOUT_CASES = dict(CASES, glob_nesterov={"dept": {"variant": "glob", "local_ste
 LAYOUT_CASES["spec_opt_source"] = {"dept": {"variant": "spec_opt", "local_steps": 2, "body_optimizer_state": "source",
                                             "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
                                    "optim": {"min_lr": 1.0e-2}}
+# GLOB with int8 error feedback and the eager start (τ = 1): the residuals and estimates, saved
+# per parameter and group (dept_mega.checkpoint_state), joined and cut like θ_{t-1}; blocks of
+# 2 values: every shard of the tiny model splits its tensors at even offsets, so both layouts
+# quantise the same pairs of values (as in CASES["glob_int8_ef"])
+LAYOUT_CASES["glob_int8_ef_eager"] = {"dept": {
+    "variant": "glob", "local_steps": 2, "outer_comm_dtype": "int8", "outer_error_feedback": True,
+    "outer_quant_block": 2, "outer_overlap": True, "outer_delay": 1, "outer_overlap_rule": "eager",
+    "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+    "optim": {"min_lr": 1.0e-2}}  # a constant LR: run A (4 steps) and B (6) share it up to step 3
 # the same with 4 layers (pipeline 2 x virtual pipeline 2 chunks of one layer each)
 LAYOUT_CASES["spec_opt_source_4l"] = dict(LAYOUT_CASES["spec_opt_source"], model={"num_layers": 4})
 # TRIM with an untied head (φ_head on the last stage) and learned positions
@@ -165,14 +175,48 @@ def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2,
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1, data=1):
+def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1, data=1,
+                     load_step=None):
     ref = _loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual)
     ref.run()
     loop = _loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual)
-    at = loop.checkpointer.load(loop)
-    assert at == (4 if case.startswith("spec_opt_source") else 2)
+    at = loop.checkpointer.load(loop, step=load_step)
+    assert at == (load_step or (4 if case.startswith("spec_opt_source") else 2))
+    loaded = _buffer_differences(loop, run_dir, at, 2) if "error_feedback" in json.dumps(LAYOUT_CASES[case]) \
+        else {}
     loop.writer.resume_at(at)
     loop.run()
+    return loaded
+
+
+def _buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dict[str, float]:
+    """Per FlatSync chunk buffer (error-feedback residual, eager estimate) this run loaded: the
+    largest difference, over every parameter, between what it holds right after the load
+    (``group_state``: per parameter, full over dp) and the tensor shards that run A saved
+    (``dept/{category}/g{g}/tp{t}/pp0/c0/{name}/{kind}``, joined along the parameter's
+    partition dimension), read here independently of the loader."""
+    import torch.distributed.checkpoint as dcp
+    from dept_mega.reshard import join_shards
+    if not hasattr(loop.hooks, "outer_syncs"):
+        return {}
+    g, path = loop.trainer.pg.group_index, os.path.join(run_dir, "checkpoints", f"step_{step}")
+    names = {id(p): n for st in loop.trainer.stages for n, p in st.named_parameters()}
+    out: dict[str, float] = {}
+    for cat, sync in sorted(loop.hooks.outer_syncs().items()):
+        held = sync.group_state()
+        for kind in ("residual", "eager_base"):
+            for p, t in zip(sync.params, held.get(kind, ())):
+                shards = {f"dept/{cat}/g{g}/tp{r}/pp0/c0/{names[id(p)]}/{kind}": None for r in range(saved_tensor)}
+                dim = getattr(p, "partition_dim", None)
+                for k in shards:
+                    shape = list(p.shape)
+                    if dim is not None:
+                        shape[dim] //= saved_tensor
+                    shards[k] = torch.empty(shape)
+                dcp.load(shards, checkpoint_id=path, no_dist=True)
+                full = join_shards(list(shards.values()), dim, int(getattr(p, "partition_stride", 1) or 1))
+                out[kind] = max(out.get(kind, 0.0), float((full - t).abs().max()))
+    return out
 
 
 @pytest.mark.slow
@@ -193,19 +237,37 @@ def test_std_resume_under_another_tensor_and_pipeline_size(tmp_path, a, b):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path):
+@pytest.mark.parametrize("case", ["glob_nesterov", "glob_int8_ef_eager"])
+def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path, case):
     """DEPT GLOB (2 groups, Nesterov outer optimizer), written with (tensor, pipeline) = (2, 1) at a
     round boundary, resumed with (1, 2) for 2 rounds: the model, the AdamW state and the outer state
     (θ_{t-1}, momentum: dept/... keys, joined and cut like their parameters) reshard; the
     losses equal an uninterrupted (1, 2) run from the same initial weights within 1e-6 (the
-    layouts differ only in the order of the tensor-parallel sums over the first 2 steps)."""
+    layouts differ only in the order of the tensor-parallel sums over the first 2 steps).
+
+    ``glob_int8_ef_eager``: with int8 error feedback and the eager start (τ = 1), saved at step
+    3 (the step-2 sync applied; its residuals and the estimates E it recorded are the group's,
+    per parameter under dept/{category}/g{g}/... keys), resumed from there: the step-4 sync
+    adds the resharded residuals and starts step 5 from θ_eager made with the resharded E
+    (the step-5 loss depends on it); the residuals and estimates held right after the load are
+    run A's saved shards joined, exactly (the residuals at the end are not compared with the
+    uninterrupted run's: the layouts' tensor-parallel sum orders differ by ~1e-7 over the first
+    2 steps, which moves a few values across an int8 rounding boundary)."""
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
-    run_distributed(_train_a_layout, 4, args=(run, 2, 1, "glob_nesterov"), timeout=200)
-    run_distributed(_resume_b_layout, 4, args=(run, ref, 1, 2, "glob_nesterov", 6), timeout=300)
+    eager = case == "glob_int8_ef_eager"
+    saved = 3 if eager else 2  # the step-2 round end's save waits for its overlapped sync
+    run_distributed(_train_a_layout, 4, args=(run, 2, 1, case, 4 if eager else 2), timeout=200)
+    if eager:
+        layout = json.loads((tmp_path / "a" / "checkpoints" / "step_3" / "layout.json").read_text())
+        assert layout["outer_group_keys"] and layout["hooks_dp0"]
+    buffers = run_distributed(_resume_b_layout, 4, args=(run, ref, 1, 2, case, 6, 1, 1, saved), timeout=300)
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
-    for s in (3, 4, 5, 6):  # 5, 6: after an outer step that used the resharded outer state
+    for s in range(saved + 1, 7):  # after an outer step that used the resharded outer state
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+    if eager:
+        for r in buffers:
+            assert r == {"residual": 0.0, "eager_base": 0.0}, r
 
 
 @pytest.mark.slow

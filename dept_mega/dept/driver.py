@@ -45,8 +45,9 @@ from .strategy import RoundView, StrategyContext
 from .variants import make_strategy
 
 BODY_OPTIMIZER_STATES = ("group", "source")
-# per-rank chunk buffers of the FlatSyncs kept in the hook state (hook-state entry -> attribute),
-# and the config key that makes each
+# per-rank chunk buffers of the FlatSyncs that checkpoints written before they were saved per
+# parameter (dept_mega.checkpoint_state, layout.json: outer_group_keys) kept in the hook state
+# (hook-state entry -> attribute), and the config key that makes each; loaded, no longer saved
 CHUNK_BUFFERS = {"outer_residuals": "residual", "outer_eager": "eager_base"}
 CHUNK_BUFFER_KEYS = {"outer_residuals": "dept.outer_error_feedback", "outer_eager": "dept.outer_overlap_rule"}
 
@@ -296,19 +297,19 @@ class DeptHooks:
         (per-source embeddings and their AdamW state are replicated; the distributed
         optimizer's shards and TRIM's row state are not): the checkpoint then stores it once
         per (tp, pp, group) and it loads under another ``parallel.data``."""
-        # (error-feedback residuals and the eager start's estimates belong to a rank's chunk of
-        # the outer state, the estimates to its group too; with the distributed optimizer the
-        # optimizer states kept per source are its per-rank shards)
+        # (with the distributed optimizer the optimizer states kept per source are its per-rank
+        # shards; the error-feedback residuals and the eager start's estimates, a chunk per rank,
+        # are not in this state: dept_mega.checkpoint_state saves them per parameter and group)
         sharded_sources = self.cfg.optim.distributed and (self.strategy.source_embeddings or self.body_per_source)
-        return (self.strategy.name != "trim" and not sharded_sources
-                and not self.cfg.dept.outer_error_feedback and not self.schedule.eager)
+        return self.strategy.name != "trim" and not sharded_sources
 
     def hook_state_dp_joinable(self) -> bool:
         """True when per-rank hook state saved under another ``parallel.data`` (same tensor and
         pipeline layout) can be joined by :meth:`load_state_dict_dp_joined`: TRIM, whose φ is
-        row-sharded over the stage's tensor × data-parallel ranks, and every variant's
-        error-feedback residuals and the eager start's estimates (``dept.outer_error_feedback``,
-        ``dept.outer_overlap_rule: eager``: a chunk of each FlatSync per replica) and the
+        row-sharded over the stage's tensor × data-parallel ranks, every variant's
+        error-feedback residuals and the eager start's estimates in checkpoints that kept them
+        in the hook files (``dept.outer_error_feedback``, ``dept.outer_overlap_rule: eager``: a
+        chunk of each FlatSync per replica; later ones save them per parameter) and the
         distributed optimizer's shards in the per-source optimizer states
         (:meth:`hook_state_redistributable`)."""
         return True
@@ -771,20 +772,12 @@ class DeptHooks:
         if not self.schedule.idle:
             raise RuntimeError("DeptHooks.state_dict: an outer sync is in flight; checkpoints are taken only where "
                                "can_save_now() is true")
-        # the outer state (θ_{t-1}, outer optimizer) of every FlatSync is not here: dept_mega.checkpoint
-        # saves it once, per parameter, from outer_syncs() (dept_mega.checkpoint_state); only the
-        # per-rank chunk buffers (CHUNK_BUFFERS: error-feedback residuals, eager estimates) are
+        # the outer state of every FlatSync is not here: dept_mega.checkpoint saves it per parameter
+        # from outer_syncs() (dept_mega.checkpoint_state): θ_{t-1} and the outer optimizer's once,
+        # the error-feedback residuals and eager estimates (chunk buffers) once per group
         sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
                               "installed": self.installed, "in_round": self.in_round,
                               "mark": dict(self._mark)}
-        for entry, attr in CHUNK_BUFFERS.items():
-            held = {k: getattr(s, attr).detach().cpu().clone() for k, s in self.outer_syncs().items()
-                    if getattr(s, attr) is not None}
-            if held:
-                sd[entry] = held
-        known = {k: list(s.eager_known) for k, s in self.outer_syncs().items() if s.eager_base is not None}
-        if known:
-            sd["outer_eager_known"] = known
         sd.update(self.strategy.state_dict())
         with_opt = not self.cfg.dept.reset_inner_optimizer
         # with the global parameter names of their optimizer states (load_state_dict_repartitioned)
@@ -805,6 +798,8 @@ class DeptHooks:
             for s, part in zip(self.body_syncs, parts):
                 s.load_state_dict(part)
         syncs = self.outer_syncs()
+        # checkpoints that kept the chunk buffers here (CHUNK_BUFFERS); later ones have none here and
+        # dept_mega.checkpoint loads them from their per-parameter keys after this
         for entry, attr in CHUNK_BUFFERS.items():
             for k, r in (sd.get(entry) or {}).items():
                 if k not in syncs or getattr(syncs[k], attr) is None:
@@ -836,7 +831,7 @@ class DeptHooks:
         self._mark = self.pg.comm.snapshot()
 
     # ------------------------------------------------------------------------- another number of groups
-    def regroup_refusal(self, step: int, saved_groups: int) -> Optional[tuple[str, str]]:
+    def regroup_refusal(self, step: int, saved_groups: int, group_keys: bool = False) -> Optional[tuple[str, str]]:
         """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
         loaded by this launch's number of groups: (config key, reason), or None when it can
         (:meth:`load_regrouped`). It can when everything a group owns is the same in every
@@ -845,18 +840,27 @@ class DeptHooks:
         optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
         for GLOB, SPEC, SPEC-OPT and TRIM (its φ, φ_head, their per-row outer state and the
         learned positions' are the same in every group after a round's sync: joined from old
-        group 0's row shards and cut), without error feedback (its residuals are per rank and
-        group), with the distributed optimizer too (also under another ``parallel.data`` or
-        bucket size: each source's optimizer state is joined from its old group's
-        data-parallel ranks, :meth:`dp_joined_state`)."""
+        group 0's row shards and cut), with the distributed optimizer too (also under another
+        ``parallel.data`` or bucket size: each source's optimizer state is joined from its old
+        group's data-parallel ranks, :meth:`dp_joined_state`). With error feedback or the eager
+        start only when the checkpoint saved their buffers per parameter and group
+        (``group_keys``; layout.json: ``outer_group_keys``), and not for TRIM: the residuals
+        are then averaged over the old groups and the estimates reset
+        (``dept_mega.checkpoint_state``, logged); older checkpoints kept them in per-rank hook
+        files, which are refused."""
         d = self.cfg.dept
         L = int(d.local_steps)
-        if self.cfg.dept.outer_error_feedback:
-            return ("dept.outer_error_feedback", "the error-feedback residuals belong to the rank's chunk of its "
-                                                 "group's outer synchronisation")
-        if self.schedule.eager:
-            return ("dept.outer_overlap_rule", "the eager start's estimate (the other groups' share of the last "
-                                               "pseudo-gradient) belongs to the group and to the number of groups")
+        trim = self.strategy.name == "trim"
+        if self.cfg.dept.outer_error_feedback and (trim or not group_keys):
+            return ("dept.outer_error_feedback",
+                    "TRIM's error-feedback residuals are per rank and group" if trim else
+                    "the checkpoint keeps the error-feedback residuals in per-rank hook files (written before "
+                    "they were saved per parameter and group)")
+        if self.schedule.eager and (trim or not group_keys):
+            return ("dept.outer_overlap_rule",
+                    "TRIM's eager-start estimates are per rank and group" if trim else
+                    "the checkpoint keeps the eager start's estimates in per-rank hook files (written before "
+                    "they were saved per parameter and group)")
         if step % L:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
@@ -873,7 +877,7 @@ class DeptHooks:
         return None
 
     def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
-                       saved_origin: Optional[dict], read_body_optimizer=None) -> None:
+                       saved_origin: Optional[dict], read_body_optimizer=None, group_keys: bool = False) -> None:
         """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
         groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
         position, with the distributed optimizer joined from group g's data-parallel ranks
@@ -886,8 +890,10 @@ class DeptHooks:
         Each group then installs the first source it holds (or none).
         ``read_body_optimizer(g)``: the body optimizer's state dict that old group g saved with
         its model (``dept.body_optimizer_state: source``: the state of the source installed
-        there, which its hooks file leaves out)."""
-        refusal = self.regroup_refusal(step, saved_groups)
+        there, which its hooks file leaves out). ``group_keys``: the checkpoint saved the
+        error-feedback residuals and eager estimates per parameter and group (loaded after
+        this by ``dept_mega.checkpoint``, :func:`~dept_mega.checkpoint_state.group_state_targets`)."""
+        refusal = self.regroup_refusal(step, saved_groups, group_keys)
         if refusal is not None:
             raise ValueError(f"{refusal[0]}: {refusal[1]}")
         L = int(self.cfg.dept.local_steps)

@@ -667,19 +667,47 @@ class FlatSync:
             out["part_steps"] = list(self.optimizer.part_steps)
         return out
 
+    def group_state(self) -> dict:
+        """This group's per-chunk buffers, layout-free (collective over ``pg.dp``: every
+        replica must call it): ``{"residual": [fp32 tensor per parameter, shaped like it, full
+        over DP]}`` with error feedback, ``{"eager_base": [...], "eager_known": [bool per
+        part]}`` with the eager start; {} with neither. Each replica's chunk is a distinct
+        slice of the group's flattened shard, so the union over the replicas is one value per
+        parameter element, like θ_{t-1} in :meth:`param_state`; unlike θ_{t-1} the values
+        differ between groups (the residual of the group's own quantisation; the other groups'
+        share of the last mean as this group sees it), so their checkpoint keys carry the
+        group (``dept_mega.checkpoint_state``)."""
+        out: dict[str, Any] = {}
+        if self.residual is not None:
+            out["residual"] = self._per_param(self._gather_full(self.residual))
+        if self.eager_base is not None:
+            out["eager_base"] = self._per_param(self._gather_full(self.eager_base))
+            out["eager_known"] = list(self.eager_known)
+        return out
+
+    def load_group_state(self, state: dict) -> None:
+        """:meth:`group_state`'s structure (any subset: a buffer this sync keeps but ``state``
+        lacks is left as it is); this rank keeps its chunk."""
+        if self.residual is not None and "residual" in state:
+            self.residual = self._chunk_of(state["residual"], "residual")
+        if self.eager_base is not None and "eager_base" in state:
+            self.eager_base = self._chunk_of(state["eager_base"], "eager_base")
+        if self.eager_base is not None and "eager_known" in state:
+            self.load_eager_known(state["eager_known"])
+
+    def _chunk_of(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        """This rank's chunk (fp32, on the state device) of one full tensor per parameter."""
+        if len(tensors) != len(self.params):
+            raise ValueError(f"outer state {what!r}: {len(tensors)} tensors for {len(self.params)} parameters")
+        for t, p in zip(tensors, self.params):
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"outer state {what!r}: a tensor of shape {tuple(t.shape)} for a parameter "
+                                 f"of shape {tuple(p.shape)}")
+        return _pin(self.cut_chunk(flatten_fp32(list(tensors))).to(self.state_device).clone())
+
     def load_param_state(self, state: dict) -> None:
         """:meth:`param_state`'s structure; this rank keeps its chunk."""
-        def chunk(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-            if len(tensors) != len(self.params):
-                raise ValueError(f"outer state {what!r}: {len(tensors)} tensors for {len(self.params)} parameters")
-            for t, p in zip(tensors, self.params):
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"outer state {what!r}: a tensor of shape {tuple(t.shape)} for a parameter "
-                                     f"of shape {tuple(p.shape)}")
-            flat = flatten_fp32(list(tensors))
-            mine = self.cut_chunk(flat)
-            return _pin(mine.to(self.state_device).clone())
-
+        chunk = self._chunk_of
         self.theta_prev = chunk(state["reference"], "reference")
         self.optimizer.steps = int(state["steps"])
         self.optimizer.load_part_steps(state.get("part_steps"))
