@@ -183,14 +183,17 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
     staged = [k for k in changed if k != "tensor"]  # another pipeline layout
     # SPEC / SPEC-OPT: per-source state joined over tensor ranks and cut; under another pipeline
-    # layout also joined over stages by the parameter names saved with it (hooks_param_names).
-    # TRIM: the same for its per-source state, in files saved per rank beside φ's row shards,
-    # which are joined whole (DeptHooks.load_state_dict_rank_resharded; D may change with it)
+    # layout or with the distributed optimizer on either side joined by the parameter names saved
+    # with it (hooks_param_names). Saved per rank (TRIM beside φ's row shards, which are joined
+    # whole; SPEC / SPEC-OPT with the distributed optimizer, its pieces of each source's AdamW
+    # state): joined over the old data ranks too (DeptHooks.load_state_dict_rank_resharded; D
+    # may change with it)
     per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0")
                 and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
     per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
                                                                             lambda: False)()))
-    unnamed = per_source and bool(staged) and not saved.get("hooks_param_names")
+    by_name = bool(staged) or sharded or now["optim_distributed"]
+    unnamed = per_source and bool(changed) and by_name and not saved.get("hooks_param_names")
     hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
                 or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
@@ -222,17 +225,20 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
         if saved.get("per_rank_hooks") and unnamed:
-            raise ConfigError(f"config key 'parallel.{staged[0]}': checkpoint {path} was written with {said}; "
-                              f"resume or evaluate it with its parallel.pipeline and parallel.virtual_pipeline "
-                              f"(not resharded: its per-source state (SPEC/SPEC-OPT embeddings or TRIM's compact "
-                              f"tables and their AdamW state, the body's with dept.body_optimizer_state: source) "
-                              f"is held per pipeline stage, and this checkpoint saved no parameter names with it "
-                              f"(layout.json has no hooks_param_names: written before they were saved) to join the "
-                              f"stages by)")
-        why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the error-feedback "
-               "residuals or the eager start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: "
-               "eager: a chunk of each rank's flattened body shard) or the distributed optimizer's shards "
-               "in SPEC/SPEC-OPT's per-source state (optim.distributed)"
+            key = f"parallel.{staged[0]}" if staged else "parallel.tensor"
+            held = ("is held per pipeline stage" if staged else
+                    "is held in the distributed optimizer's pieces (optim.distributed) on one side")
+            raise ConfigError(f"config key '{key}': checkpoint {path} was written with {said}; "
+                              f"resume or evaluate it with its parallel.tensor, parallel.pipeline and "
+                              f"parallel.virtual_pipeline (not resharded: its per-source state (SPEC/SPEC-OPT "
+                              f"embeddings or TRIM's compact tables and their AdamW state, the body's with "
+                              f"dept.body_optimizer_state: source) {held}, and this checkpoint saved no parameter "
+                              f"names with it (layout.json has no hooks_param_names: written before they were "
+                              f"saved) to join it by)")
+        why = ("its DEPT hook state holds state that is not resharded: the error-feedback residuals or the eager "
+               "start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: eager: a chunk of each "
+               "rank's flattened body shard) or GLOB's per-source body AdamW state "
+               "(dept.body_optimizer_state: source)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -715,11 +721,14 @@ class _HookFiles(Mapping):
 def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     """The round hooks' state of checkpoint ``path`` under another tensor / pipeline /
     virtual-pipeline layout (``check_layout``: ``"reshard"``). Saved once per (tp, pp, group)
-    (SPEC / SPEC-OPT): the old tensor ranks of this stage (``DeptHooks.load_state_dict_resharded``)
-    or, under another pipeline layout, every old stage of this group, joined by parameter name
-    (``load_state_dict_repartitioned``). Saved per rank (TRIM): every old rank of this stage, or
-    of every stage under another pipeline layout (``load_state_dict_rank_resharded``: φ's row
-    shards joined; the old files are read as needed)."""
+    (SPEC / SPEC-OPT with the plain optimizer): the old tensor ranks of this stage
+    (``DeptHooks.load_state_dict_resharded``) or, under another pipeline layout or into the
+    distributed optimizer, the old stages of this group (only this rank's stage under the same
+    pipeline layout), joined by parameter name (``load_state_dict_repartitioned``). Saved per
+    rank (TRIM; SPEC / SPEC-OPT with the distributed optimizer): every old rank of this stage,
+    or of every stage under another pipeline layout (``load_state_dict_rank_resharded``: the
+    distributed optimizer's pieces and TRIM's φ row shards joined; the old files are read as
+    needed)."""
     pg = trainer.pg
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
@@ -732,7 +741,7 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
         if not layout.get("hooks_dp0"):
             files = _HookFiles({(t, d, p): file(t, d, p) for p in stages for t in range(T) for d in range(D)})
             hooks.load_state_dict_rank_resharded(files, staged)
-        elif staged:
+        elif staged or trainer.cfg.optim.distributed:  # by parameter name (the distributed one: cut here)
             hooks.load_state_dict_repartitioned({(t, p): _safe_load(file(t, 0, p), "cpu")
                                                  for t in range(T) for p in stages})
         else:
