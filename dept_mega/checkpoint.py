@@ -14,9 +14,10 @@ by joining and cutting the shards (``dept_mega.reshard``; also the distributed o
 pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
 under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there; TRIM's per-rank hook state:
-``DeptHooks.load_state_dict_rank_resharded``, φ's row shards joined from every old rank of a
-stage and its per-source state as SPEC's — with the distributed optimizer's pieces joined by
+``hooks_param_names``; checkpoints without them are refused there; per-rank hook state — TRIM's,
+and SPEC / SPEC-OPT's saved with the distributed optimizer —:
+``DeptHooks.load_state_dict_rank_resharded``, TRIM's φ row shards joined from every old rank of
+a stage and the per-source state as SPEC's — with the distributed optimizer's pieces joined by
 parameter name and cut —, not with error feedback), another data-parallel
 size or distributed-optimizer layout
 (``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
@@ -119,16 +120,21 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     will be loaded too (the distributed optimizer's shards need the same data-parallel size).
     Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
-    hook state the same at every position (STD: none; GLOB), SPEC / SPEC-OPT's per-source
-    state saved once per (tp, pp, group) (``DeptHooks.load_state_dict_resharded``) or TRIM's
-    saved per rank (φ's row shards joined from every old rank of the stage that held them,
-    its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D and the
-    distributed optimizer may change with it; not with ``dept.outer_error_feedback``, whose
-    per-rank residuals are not resharded) — under another pipeline / virtual-pipeline size
-    only with the parameter names saved with the per-source state (``hooks_param_names``:
-    ``DeptHooks.load_state_dict_repartitioned``) —, no dropout; the distributed optimizer's
-    pieces on either side are joined and cut too, so D, the bucket size and the optimizer
-    may change with it) or
+    hook state the same at every position (STD: none; GLOB without per-source state),
+    SPEC / SPEC-OPT's per-source state saved once per (tp, pp, group)
+    (``DeptHooks.load_state_dict_resharded``) or saved per rank — TRIM's (φ's row shards
+    joined from every old rank of the stage that held them), SPEC / SPEC-OPT's with the
+    distributed optimizer (its pieces of each source's AdamW states) —, whose per-source
+    state is joined over the old data ranks by parameter name
+    (``DeptHooks.load_state_dict_rank_resharded``; D and the distributed optimizer may
+    change with it; not with ``dept.outer_error_feedback`` or the eager start, whose per-rank
+    chunks are not resharded) — under another pipeline / virtual-pipeline size or with the
+    distributed optimizer on either side only with the parameter names saved with the
+    per-source state (``hooks_param_names``: ``DeptHooks.load_state_dict_repartitioned``;
+    refused naming ``parallel.tensor`` / ``parallel.pipeline`` without them) —, no dropout;
+    the distributed optimizer's pieces on either side are joined and cut too, so D, the
+    bucket size and the optimizer may change with it; GLOB's per-source body state,
+    ``dept.body_optimizer_state: source``, is not resharded) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under

@@ -303,7 +303,8 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
     """A SPEC checkpoint whose layout.json lacks ``hooks_param_names`` (written before the
     per-source optimizer states carried their parameter names) is refused under another
     pipeline or virtual-pipeline size with a ConfigError naming the key and saying why; with the
-    marker the same layout change is resharded, and another tensor size alone still is."""
+    marker the same layout change is resharded, and another tensor size alone still is, except
+    with the distributed optimizer on a side (its per-source pieces are joined by name)."""
     import shutil
     from dept_mega.checkpoint import check_layout, load_weights
     from dept_mega.config import ConfigError
@@ -338,6 +339,13 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
         key = "virtual_pipeline" if "virtual_pipeline" in change else "pipeline"
         with pytest.raises(ConfigError, match=rf"'parallel.{key}'.*no parameter names.*hooks_param_names"):
             load_weights(loop.trainer, run, 2, hooks=loop.hooks)
+    # as if saved with the distributed optimizer (per-rank hook files, DeptHooks.load_state_dict_rank_resharded)
+    dist = dict(layout, tensor=2, optim_distributed=True, hooks_dp0=False)
+    (step / "layout.json").write_text(json.dumps(dist))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
+    (step / "layout.json").write_text(json.dumps({k: v for k, v in dist.items() if k != "hooks_param_names"}))
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*distributed optimizer's pieces.*no parameter names"):
+        check_layout(loop.trainer, str(step), hooks=loop.hooks)
 
 
 def test_refusals_name_the_key(tmp_path):
