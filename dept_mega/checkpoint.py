@@ -14,10 +14,11 @@ by joining and cutting the shards (``dept_mega.reshard``; also the distributed o
 pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
 under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
 stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there; TRIM's per-rank hook state:
-``DeptHooks.load_state_dict_rank_resharded``, φ's row shards joined from every old rank of a
-stage and its per-source state as SPEC's — with the distributed optimizer's pieces joined by
-parameter name and cut —, not with error feedback or the eager start), another data-parallel
+``hooks_param_names``; checkpoints without them are refused there; per-rank hook state — TRIM's,
+and SPEC / SPEC-OPT's saved with the distributed optimizer —:
+``DeptHooks.load_state_dict_rank_resharded``, TRIM's φ row shards joined from every old rank of
+a stage and the per-source state as SPEC's — with the distributed optimizer's pieces joined by
+parameter name and cut —, not with error feedback or the eager start in per-rank files), another data-parallel
 size or distributed-optimizer layout
 (``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
 distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
@@ -124,18 +125,23 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     will be loaded too (the distributed optimizer's shards need the same data-parallel size).
     Returns how to load it: ``"same"`` (keys as saved), ``"reshard"`` (``dept_mega.reshard``:
     another tensor / pipeline / virtual-pipeline size where nothing else depends on the layout:
-    hook state the same at every position (STD: none; GLOB), SPEC / SPEC-OPT's per-source
-    state saved once per (tp, pp, group) (``DeptHooks.load_state_dict_resharded``) or TRIM's
-    saved per rank (φ's row shards joined from every old rank of the stage that held them,
-    its per-source state as SPEC's: ``DeptHooks.load_state_dict_rank_resharded``; D and the
-    distributed optimizer may change with it; not with ``dept.outer_error_feedback`` or the
-    eager start, whose per-rank TRIM state is not resharded); error-feedback residuals and
-    eager estimates saved per parameter and group (``outer_group_keys``) reshard like
-    θ_{t-1}, older checkpoints kept them in per-rank hook files and are refused — under another pipeline / virtual-pipeline size
-    only with the parameter names saved with the per-source state (``hooks_param_names``:
-    ``DeptHooks.load_state_dict_repartitioned``) —, no dropout; the distributed optimizer's
-    pieces on either side are joined and cut too, so D, the bucket size and the optimizer
-    may change with it) or
+    hook state the same at every position (STD: none; GLOB without per-source state),
+    SPEC / SPEC-OPT's per-source state saved once per (tp, pp, group)
+    (``DeptHooks.load_state_dict_resharded``) or saved per rank — TRIM's (φ's row shards
+    joined from every old rank of the stage that held them), SPEC / SPEC-OPT's with the
+    distributed optimizer (its pieces of each source's AdamW states) —, whose per-source
+    state is joined over the old data ranks by parameter name
+    (``DeptHooks.load_state_dict_rank_resharded``; D and the distributed optimizer may
+    change with it; not with ``dept.outer_error_feedback`` or the eager start kept in
+    per-rank files); error-feedback residuals and eager estimates saved per parameter and
+    group (``outer_group_keys``) reshard like θ_{t-1}, older checkpoints kept them in
+    per-rank hook files and are refused — under another pipeline / virtual-pipeline size or
+    with the distributed optimizer on either side only with the parameter names saved with
+    the per-source state (``hooks_param_names``: ``DeptHooks.load_state_dict_repartitioned``;
+    refused naming ``parallel.tensor`` / ``parallel.pipeline`` without them) —, no dropout;
+    the distributed optimizer's pieces on either side are joined and cut too, so D, the
+    bucket size and the optimizer may change with it; GLOB's per-source body state,
+    ``dept.body_optimizer_state: source``, is not resharded) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
@@ -190,14 +196,17 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
     staged = [k for k in changed if k != "tensor"]  # another pipeline layout
     # SPEC / SPEC-OPT: per-source state joined over tensor ranks and cut; under another pipeline
-    # layout also joined over stages by the parameter names saved with it (hooks_param_names).
-    # TRIM: the same for its per-source state, in files saved per rank beside φ's row shards,
-    # which are joined whole (DeptHooks.load_state_dict_rank_resharded; D may change with it)
+    # layout or with the distributed optimizer on either side joined by the parameter names saved
+    # with it (hooks_param_names). Saved per rank (TRIM beside φ's row shards, which are joined
+    # whole; SPEC / SPEC-OPT with the distributed optimizer, its pieces of each source's AdamW
+    # state): joined over the old data ranks too (DeptHooks.load_state_dict_rank_resharded; D
+    # may change with it)
     per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0")
                 and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
     per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
                                                                             lambda: False)()))
-    unnamed = per_source and bool(staged) and not saved.get("hooks_param_names")
+    by_name = bool(staged) or sharded or now["optim_distributed"]
+    unnamed = per_source and bool(changed) and by_name and not saved.get("hooks_param_names")
     hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
                 or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
@@ -229,19 +238,21 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
         if saved.get("per_rank_hooks") and unnamed:
-            raise ConfigError(f"config key 'parallel.{staged[0]}': checkpoint {path} was written with {said}; "
-                              f"resume or evaluate it with its parallel.pipeline and parallel.virtual_pipeline "
-                              f"(not resharded: its per-source state (SPEC/SPEC-OPT embeddings or TRIM's compact "
-                              f"tables and their AdamW state, the body's with dept.body_optimizer_state: source) "
-                              f"is held per pipeline stage, and this checkpoint saved no parameter names with it "
-                              f"(layout.json has no hooks_param_names: written before they were saved) to join the "
-                              f"stages by)")
-        why = ("its DEPT hook state is saved per rank and holds state that is not resharded: the distributed "
-               "optimizer's shards in SPEC/SPEC-OPT's per-source state (optim.distributed) or, in a checkpoint "
-               "written before they were saved per parameter and group (layout.json without outer_group_keys), "
-               "or with TRIM, the error-feedback residuals or the eager start's estimates "
-               "(dept.outer_error_feedback, dept.outer_overlap_rule: eager: a chunk of each rank's flattened "
-               "body shard)"
+            key = f"parallel.{staged[0]}" if staged else "parallel.tensor"
+            held = ("is held per pipeline stage" if staged else
+                    "is held in the distributed optimizer's pieces (optim.distributed) on one side")
+            raise ConfigError(f"config key '{key}': checkpoint {path} was written with {said}; "
+                              f"resume or evaluate it with its parallel.tensor, parallel.pipeline and "
+                              f"parallel.virtual_pipeline (not resharded: its per-source state (SPEC/SPEC-OPT "
+                              f"embeddings or TRIM's compact tables and their AdamW state, the body's with "
+                              f"dept.body_optimizer_state: source) {held}, and this checkpoint saved no parameter "
+                              f"names with it (layout.json has no hooks_param_names: written before they were "
+                              f"saved) to join it by)")
+        why = ("its DEPT hook state holds state that is not resharded: the error-feedback residuals or the eager "
+               "start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: eager: a chunk of each "
+               "rank's flattened body shard; with TRIM, SPEC or SPEC-OPT, or in a checkpoint written before "
+               "they were saved per parameter and group, layout.json without outer_group_keys) or GLOB's "
+               "per-source body AdamW state (dept.body_optimizer_state: source)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -758,11 +769,14 @@ class _HookFiles(Mapping):
 def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     """The round hooks' state of checkpoint ``path`` under another tensor / pipeline /
     virtual-pipeline layout (``check_layout``: ``"reshard"``). Saved once per (tp, pp, group)
-    (SPEC / SPEC-OPT): the old tensor ranks of this stage (``DeptHooks.load_state_dict_resharded``)
-    or, under another pipeline layout, every old stage of this group, joined by parameter name
-    (``load_state_dict_repartitioned``). Saved per rank (TRIM): every old rank of this stage, or
-    of every stage under another pipeline layout (``load_state_dict_rank_resharded``: φ's row
-    shards joined; the old files are read as needed)."""
+    (SPEC / SPEC-OPT with the plain optimizer): the old tensor ranks of this stage
+    (``DeptHooks.load_state_dict_resharded``) or, under another pipeline layout or into the
+    distributed optimizer, the old stages of this group (only this rank's stage under the same
+    pipeline layout), joined by parameter name (``load_state_dict_repartitioned``). Saved per
+    rank (TRIM; SPEC / SPEC-OPT with the distributed optimizer): every old rank of this stage,
+    or of every stage under another pipeline layout (``load_state_dict_rank_resharded``: the
+    distributed optimizer's pieces and TRIM's φ row shards joined; the old files are read as
+    needed)."""
     pg = trainer.pg
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
@@ -775,7 +789,7 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
         if not layout.get("hooks_dp0"):
             files = _HookFiles({(t, d, p): file(t, d, p) for p in stages for t in range(T) for d in range(D)})
             hooks.load_state_dict_rank_resharded(files, staged)
-        elif staged:
+        elif staged or trainer.cfg.optim.distributed:  # by parameter name (the distributed one: cut here)
             hooks.load_state_dict_repartitioned({(t, p): _safe_load(file(t, 0, p), "cpu")
                                                  for t in range(T) for p in stages})
         else:

@@ -11,7 +11,8 @@ another tensor, pipeline and virtual-pipeline size for SPEC / SPEC-OPT (dept_meg
 per-source hook state joined over the old stages by the parameter names saved with it), and
 another tensor, pipeline or virtual-pipeline size for TRIM (φ's row shards joined from every
 old rank, its per-source state like SPEC's; with the distributed optimizer too: its pieces
-joined by parameter name, optim_reshard.join_named_pieces). A SPEC checkpoint without those names (layout.json without
+joined by parameter name, optim_reshard.join_named_pieces; the same for SPEC-OPT's per-source
+state saved per rank with the distributed optimizer, here with another D too). A SPEC checkpoint without those names (layout.json without
 hooks_param_names) under another P or VP and TRIM with error feedback under another T are
 refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
 and TRIM's error-feedback residuals (saved per parameter and group) are cut into the new
@@ -364,7 +365,8 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
     """A SPEC checkpoint whose layout.json lacks ``hooks_param_names`` (written before the
     per-source optimizer states carried their parameter names) is refused under another
     pipeline or virtual-pipeline size with a ConfigError naming the key and saying why; with the
-    marker the same layout change is resharded, and another tensor size alone still is."""
+    marker the same layout change is resharded, and another tensor size alone still is, except
+    with the distributed optimizer on a side (its per-source pieces are joined by name)."""
     import shutil
     from dept_mega.checkpoint import check_layout, load_weights
     from dept_mega.config import ConfigError
@@ -399,6 +401,13 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
         key = "virtual_pipeline" if "virtual_pipeline" in change else "pipeline"
         with pytest.raises(ConfigError, match=rf"'parallel.{key}'.*no parameter names.*hooks_param_names"):
             load_weights(loop.trainer, run, 2, hooks=loop.hooks)
+    # as if saved with the distributed optimizer (per-rank hook files, DeptHooks.load_state_dict_rank_resharded)
+    dist = dict(layout, tensor=2, optim_distributed=True, hooks_dp0=False)
+    (step / "layout.json").write_text(json.dumps(dist))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
+    (step / "layout.json").write_text(json.dumps({k: v for k, v in dist.items() if k != "hooks_param_names"}))
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*distributed optimizer's pieces.*no parameter names"):
+        check_layout(loop.trainer, str(step), hooks=loop.hooks)
 
 
 def test_refusals_name_the_key(tmp_path):
@@ -536,6 +545,10 @@ TP_OPTIM_LAYOUTS = {
     # TRIM: φ's row shards joined over the old tp x dp ranks; each source's compact-table AdamW
     # pieces joined by parameter name over the old replicas, resharded, cut into the new pieces
     "trim_dist_dp2_to_dist_tp2_dp1": ("trim", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
+    # SPEC-OPT (3 sources over 2 groups, the body's AdamW state per source), saved after 2 rounds
+    # (a source waits in a store): each source's embedding and body AdamW pieces joined by
+    # parameter name over the old replicas, resharded over tensor ranks, cut into the new pieces
+    "spec_opt_source_dist_dp2_to_dist_tp2_dp1": ("spec_opt_source", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
 }
 
 
@@ -563,17 +576,21 @@ def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, 
     (dept_mega.reshard joins the saved pieces into shards, the shards into the full tensor,
     cuts the new shard and the piece this rank holds), also with D, the bucket size or the
     optimizer switched: fp32 losses within 1e-6 of an uninterrupted run of the new layout.
-    TRIM (per-rank hook files): DeptHooks.load_state_dict_rank_resharded joins φ and each
-    source's optimizer pieces (optim_reshard.join_named_pieces) and cuts them for the new rank."""
+    TRIM and SPEC-OPT (per-rank hook files): DeptHooks.load_state_dict_rank_resharded joins
+    each source's optimizer pieces (optim_reshard.join_named_pieces; TRIM's φ too) and cuts
+    them for the new rank."""
     case, la, lb = TP_OPTIM_LAYOUTS[name]
     groups = 1 if case == "std" else 2
+    saved, total = (4, 8) if case.startswith("spec_opt_source") else (2, 4)  # 2 rounds: a source waits
     a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     size = lambda l: groups * l[0] * l[3] * l[4]
-    run_distributed(_tp_optim_train_a, size(la), args=(case, la, a), timeout=200)
-    run_distributed(_tp_optim_resume_b, size(lb), args=(case, lb, a, ref), timeout=300)
+    stored = run_distributed(_tp_optim_train_a, size(la), args=(case, la, a, saved), timeout=200)
+    if case.startswith("spec_opt_source"):
+        assert any(stored), stored
+    run_distributed(_tp_optim_resume_b, size(lb), args=(case, lb, a, ref, saved, total), timeout=300)
     got, want = _losses(a), _losses(ref)
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
-    for s in (3, 4):
+    assert sorted(got) == sorted(want) == list(range(1, total + 1))
+    for s in range(saved + 1, total + 1):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 

@@ -347,8 +347,7 @@ class DeptHooks:
         mine = sds[(tp, 0)]
         old = sorted(d for t, d in sds if t == tp)
         if not strategy_state:
-            own = getattr(self.strategy, "STATE_KEYS", ())
-            sd = {k: v for k, v in mine.items() if k not in own}
+            sd = {k: v for k, v in mine.items() if k not in self.strategy.STATE_KEYS}
         elif self.strategy.name == "trim":  # φ's row shards and its chunked outer state joined
             sd = self.strategy.join_rank_states(mine, sds)
         else:
@@ -405,13 +404,17 @@ class DeptHooks:
         return not self.per_source and self.strategy.name != "trim" and self.state_replicated_over_dp()
 
     def hook_state_tensor_reshardable(self) -> bool:
-        """True when the per-source hook state loads under another tensor-parallel size
+        """True when the per-source hook state saved once per (tp, pp, group) (``hooks_dp0``:
+        the plain optimizer) loads under another tensor-parallel size
         (:meth:`load_state_dict_resharded`, same pipeline layout) and, from a checkpoint that
         saved the parameter names of its optimizer states (``layout.json``:
-        ``hooks_param_names``), under another pipeline / virtual-pipeline size too
-        (:meth:`load_state_dict_repartitioned`): SPEC / SPEC-OPT, whose per-source embeddings
-        and AdamW states are found by name whatever stage held them."""
-        return self.strategy.name in ("spec", "spec_opt") and self.state_replicated_over_dp()
+        ``hooks_param_names``), under another pipeline / virtual-pipeline size or into the
+        distributed optimizer (:meth:`load_state_dict_repartitioned`, which cuts this rank's
+        pieces): SPEC / SPEC-OPT, whose per-source embeddings and AdamW states are found by
+        name whatever stage held them; not with error feedback or the eager start, whose
+        per-rank buffers are not resharded."""
+        return (self.strategy.name in ("spec", "spec_opt") and not self.cfg.dept.outer_error_feedback
+                and not self.schedule.eager)
 
     def hook_state_param_names(self) -> bool:
         """True when :meth:`state_dict` saves, with every per-source optimizer state, the
@@ -631,27 +634,31 @@ class DeptHooks:
         another tensor, pipeline or virtual-pipeline size, the data-parallel size changing with
         them or not (:meth:`load_state_dict_rank_resharded`): TRIM, whose φ is row-sharded
         over a stage's tp × dp ranks and whose per-source state is replicated over data
-        parallelism, the distributed optimizer on either side (its per-source pieces joined
-        over the old data-parallel ranks by parameter name and cut for this rank's
-        optimizers); not with error feedback or the eager start (their buffers are chunks of
-        each rank's flattened body shard)."""
-        return (self.strategy.name == "trim" and not self.cfg.dept.outer_error_feedback
+        parallelism, and SPEC / SPEC-OPT saved with the distributed optimizer (each source's
+        embeddings replicated, its AdamW states and the body's with
+        ``dept.body_optimizer_state: source`` in per-rank pieces), the distributed optimizer
+        on either side (the per-source pieces joined over the old data-parallel ranks by
+        parameter name and cut for this rank's optimizers); not with error feedback or the
+        eager start (their buffers are chunks of each rank's flattened body shard)."""
+        return (self.strategy.name in ("trim", "spec", "spec_opt") and not self.cfg.dept.outer_error_feedback
                 and not self.schedule.eager)
 
     def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
-        """:meth:`load_state_dict` (TRIM) from ``sds[(tp, dp, pp)]``, the state dicts saved by the
-        old ranks of this rank's group under another tensor / pipeline / virtual-pipeline (and
-        maybe data-parallel) layout: every old rank of every stage when ``staged`` (another
-        pipeline or virtual-pipeline size), else of this rank's stage (a mapping that may read
-        its files lazily). The per-source state (compact tables, their AdamW state, the body's
-        with ``dept.body_optimizer_state: source``) comes from the old data rank 0 files and is
-        joined and cut like SPEC's (:meth:`_repartitioned_state` by parameter name when
-        ``staged``, else :meth:`_resharded_state`); φ, φ_head, their per-row outer state and the
-        learned positions' outer state are joined whole (``TrimStrategy.joined_state``) and
-        :meth:`load_state_dict` cuts this rank's rows and chunk. With the distributed optimizer
-        on either side the per-source optimizer states are joined by parameter name from the
-        pieces of every old data rank (:meth:`_plain_payloads`; all files of the stages read),
-        resharded by name (:meth:`_repartitioned_state`) and cut into this rank's pieces."""
+        """:meth:`load_state_dict` (TRIM; SPEC / SPEC-OPT saved with the distributed optimizer)
+        from ``sds[(tp, dp, pp)]``, the state dicts saved by the old ranks of this rank's group
+        under another tensor / pipeline / virtual-pipeline (and maybe data-parallel) layout:
+        every old rank of every stage when ``staged`` (another pipeline or virtual-pipeline
+        size), else of this rank's stage (a mapping that may read its files lazily). The
+        per-source state (SPEC's embeddings or TRIM's compact tables, their AdamW state, the
+        body's with ``dept.body_optimizer_state: source``) comes from the old data rank 0 files
+        and is joined and cut by :meth:`_repartitioned_state` by parameter name when
+        ``staged``, else :meth:`_resharded_state`. With the distributed optimizer on either
+        side the per-source optimizer states are joined by parameter name from the pieces of
+        every old data rank (:meth:`_plain_payloads`; all files of the stages read), resharded
+        by name (:meth:`_repartitioned_state`) and cut into this rank's pieces. The strategy's
+        own state (``STATE_KEYS``; TRIM: φ, φ_head, their per-row outer state and the learned
+        positions' outer state) is joined whole (``joined_state``; SPEC / SPEC-OPT: none) and
+        :meth:`load_state_dict` cuts this rank's rows and chunk."""
         T = 1 + max(t for t, _, _ in sds)
         D = 1 + max(d for _, d, _ in sds)
         stages = sorted({p for _, _, p in sds})

@@ -85,6 +85,9 @@ class VariantStrategy:
     name = ""
     source_embeddings = False
     move_weights = True
+    # the keys of :meth:`state_dict` that are the strategy's own state (TRIM's φ), which
+    # :meth:`joined_state` joins from the old ranks' files under another layout
+    STATE_KEYS: tuple = ()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -117,6 +120,14 @@ class VariantStrategy:
 
     def load_state_dict(self, sd: dict) -> None:
         pass
+
+    @staticmethod
+    def joined_state(sds) -> dict:
+        """The strategy's own part of :meth:`state_dict` (``STATE_KEYS``) whole, for a rank of
+        another layout, from ``sds[(tp, dp, pp)]`` (the old ranks' hook states of this group,
+        ``DeptHooks.load_state_dict_rank_resharded``): none here (no state of its own; SPEC /
+        SPEC-OPT keep theirs per source); TRIM joins φ's row shards."""
+        return {}
 
 
 def embeddings_from_holder(ctx: StrategyContext, holder: int, mine: Optional[list],
