@@ -248,11 +248,11 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                               f"dept.body_optimizer_state: source) {held}, and this checkpoint saved no parameter "
                               f"names with it (layout.json has no hooks_param_names: written before they were "
                               f"saved) to join it by)")
-        why = ("its DEPT hook state holds state that is not resharded: the error-feedback residuals or the eager "
-               "start's estimates (dept.outer_error_feedback, dept.outer_overlap_rule: eager: a chunk of each "
-               "rank's flattened body shard; with TRIM, SPEC or SPEC-OPT, or in a checkpoint written before "
-               "they were saved per parameter and group, layout.json without outer_group_keys) or GLOB's "
-               "per-source body AdamW state (dept.body_optimizer_state: source)"
+        why = ("its DEPT hook state holds state that is not resharded: in a checkpoint written before they were "
+               "saved per parameter and group (layout.json without outer_group_keys), or with TRIM, SPEC or "
+               "SPEC-OPT, the error-feedback residuals or the eager start's estimates (dept.outer_error_feedback, "
+               "dept.outer_overlap_rule: eager: a chunk of each rank's flattened body shard), or GLOB's per-source "
+               "body AdamW state (dept.body_optimizer_state: source)"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
