@@ -148,7 +148,8 @@ LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES[c], sort_keys=True): 3
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", sorted(CASES))
+# (TRIM's plain D change is the trim_int8_ef case without its residuals: not run separately)
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"trim"}))
 def test_resume_under_another_data_parallel_size(tmp_path, case):
     over = CASES[case]
     groups = 1 if case == "std" else 2
@@ -238,7 +239,10 @@ def test_std_resume_under_another_tensor_and_pipeline_size(tmp_path, a, b):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", ["glob_nesterov", "glob_int8_ef_eager"])
+# (the plain glob_nesterov case is this one without error feedback and the eager start, and its
+# round-boundary save under another T / P is test_distributed_optimizer_under_another_tensor_and_
+# pipeline_size's GLOB cases: not run separately, for the suite's time)
+@pytest.mark.parametrize("case", ["glob_int8_ef_eager"])
 def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path, case):
     """DEPT GLOB (2 groups, Nesterov outer optimizer), written with (tensor, pipeline) = (2, 1) at a
     round boundary, resumed with (1, 2) for 2 rounds: the model, the AdamW state and the outer state
@@ -273,7 +277,9 @@ def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path, case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("case", ["spec", "spec_opt_source"])
+# (SPEC-OPT with the body's state per source under another T: spec_opt_source_t1p2_to_t2p1 of
+# test_spec_resume_under_another_pipeline_size, which changes T and P at once)
+@pytest.mark.parametrize("case", ["spec"])
 def test_spec_resume_under_another_tensor_size(tmp_path, case):
     """DEPT SPEC (2 groups, 2 sources) and SPEC-OPT (2 groups, 3 sources, the body's AdamW
     state per source), written with parallel.tensor = 1, resumed with 2 for 2 rounds: besides
