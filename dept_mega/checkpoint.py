@@ -132,16 +132,16 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     distributed optimizer (its pieces of each source's AdamW states) —, whose per-source
     state is joined over the old data ranks by parameter name
     (``DeptHooks.load_state_dict_rank_resharded``; D and the distributed optimizer may
-    change with it; not with ``dept.outer_error_feedback`` or the eager start kept in
-    per-rank files); error-feedback residuals and eager estimates saved per parameter and
-    group (``outer_group_keys``) reshard like θ_{t-1}, older checkpoints kept them in
-    per-rank hook files and are refused — under another pipeline / virtual-pipeline size or
+    change with it); GLOB's per-source body state (``dept.body_optimizer_state: source``) like
+    SPEC's; error-feedback residuals and eager estimates saved per parameter and group
+    (``outer_group_keys``) reshard like θ_{t-1} for every variant, older checkpoints kept them
+    in per-rank hook files and are refused (``driver.refuse_chunk_buffers``, a ConfigError
+    naming the layout key) — under another pipeline / virtual-pipeline size or
     with the distributed optimizer on either side only with the parameter names saved with
     the per-source state (``hooks_param_names``: ``DeptHooks.load_state_dict_repartitioned``;
     refused naming ``parallel.tensor`` / ``parallel.pipeline`` without them) —, no dropout;
     the distributed optimizer's pieces on either side are joined and cut too, so D, the
-    bucket size and the optimizer may change with it; GLOB's per-source body state,
-    ``dept.body_optimizer_state: source``, is not resharded) or
+    bucket size and the optimizer may change with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
@@ -234,6 +234,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     # another tensor / pipeline layout; with the distributed optimizer on either side also another
     # data-parallel size, bucket size or the optimizer switched (hooks_ok: no per-rank hook state)
     if changed and reshardable:
+        _refuse_per_rank_chunk_buffers(path, saved, changed, trainer.device)
         return "reshard"
     if wrong:
         said = ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
@@ -248,11 +249,11 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                               f"dept.body_optimizer_state: source) {held}, and this checkpoint saved no parameter "
                               f"names with it (layout.json has no hooks_param_names: written before they were "
                               f"saved) to join it by)")
-        why = ("its DEPT hook state holds state that is not resharded: in a checkpoint written before they were "
-               "saved per parameter and group (layout.json without outer_group_keys), or with TRIM, SPEC or "
-               "SPEC-OPT, the error-feedback residuals or the eager start's estimates (dept.outer_error_feedback, "
-               "dept.outer_overlap_rule: eager: a chunk of each rank's flattened body shard), or GLOB's per-source "
-               "body AdamW state (dept.body_optimizer_state: source)"
+        why = ("its DEPT round-hook state is saved per rank in a form these round hooks do not reshard: a "
+               "checkpoint written before the outer buffers were saved per parameter and group (layout.json "
+               "without outer_group_keys) keeps the error-feedback residuals or the eager start's estimates "
+               "(dept.outer_error_feedback, dept.outer_overlap_rule: eager) as a chunk of each rank's flattened "
+               "body shard there"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
                "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
@@ -267,6 +268,28 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                           f"{now['optim_distributed']}, {trainer.cfg.optim.grad_bucket_size}); its optimizer state loads only "
                           f"with the same settings (not resharded)")
     return "same"
+
+
+def _refuse_per_rank_chunk_buffers(path: str, saved: dict, changed: list, device) -> None:
+    """A checkpoint of the earlier format (``layout.json`` without ``outer_group_keys``) whose
+    hook files keep error-feedback residuals or eager estimates as a chunk of each rank's
+    flattened body shard does not load under another tensor / pipeline layout: one
+    ConfigError naming the key, before anything is loaded (every old rank's file holds its
+    chunk, so rank 0's tells)."""
+    if not saved.get("per_rank_hooks") or saved.get("outer_group_keys"):
+        return
+    from .config import ConfigError
+    from .dept.driver import PerRankChunkBuffers, refuse_chunk_buffers
+    first = os.path.join(path, "hooks_rank0.pt")
+    if not os.path.exists(first):
+        return  # verify_checkpoint has checked the manifest; the load names a missing file
+    try:
+        refuse_chunk_buffers(_safe_load(first, device))
+    except PerRankChunkBuffers as exc:
+        raise ConfigError(f"config key 'parallel.{changed[0]}': checkpoint {path} was written with "
+                          f"parallel.tensor={saved.get('tensor')}, parallel.pipeline={saved.get('pipeline')}, "
+                          f"parallel.virtual_pipeline={saved.get('virtual_pipeline')}; resume it with that layout "
+                          f"(not resharded: {exc})") from None
 
 
 def _uncounted(hooks):
@@ -597,6 +620,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     (e.g. under another number of groups: the error-feedback residuals averaged, the eager
     estimates reset), for the launch to log."""
     import torch.distributed.checkpoint as dcp
+    from .config import ConfigError
     path = step_dir(run_dir, step)
     if not verified:
         problem = verify_checkpoint(path, trainer.device)
@@ -653,6 +677,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                                  layout.get("dept_schedule"), group_keys=bool(layout.get("outer_group_keys")),
                                  read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
                                  else None)
+        except ConfigError:
+            raise
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: its hook state does not load with {pg.num_groups} groups "
                                   f"({type(exc).__name__}: {exc})") from None
@@ -677,6 +703,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                                  per_rank=not layout.get("hooks_dp0"))
             try:
                 hooks.load_state_dict_dp_joined({k: _safe_load(f, trainer.device) for k, f in files.items()})
+            except ConfigError:
+                raise
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path}: its per-rank DEPT state does not load with "
                                       f"parallel.data={pg.dp_size}, optim.distributed={trainer.cfg.optim.distributed}, "
@@ -777,6 +805,8 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     or of every stage under another pipeline layout (``load_state_dict_rank_resharded``: the
     distributed optimizer's pieces and TRIM's φ row shards joined; the old files are read as
     needed)."""
+    from .config import ConfigError
+    from .dept.driver import PerRankChunkBuffers
     pg = trainer.pg
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
@@ -794,6 +824,16 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
                                                  for t in range(T) for p in stages})
         else:
             hooks.load_state_dict_resharded([_safe_load(file(t, 0, pg.pp_rank), trainer.device) for t in range(T)])
+    except PerRankChunkBuffers as exc:
+        changed = [k for k in ("tensor", "pipeline", "virtual_pipeline")
+                   if int(layout[k]) != (trainer.cfg.parallel.virtual_pipeline if k == "virtual_pipeline"
+                                         else {"tensor": pg.tp_size, "pipeline": pg.pp_size}[k])]
+        key = f"parallel.{changed[0]}" if changed else "parallel.tensor"
+        raise ConfigError(f"config key '{key}': checkpoint {path} was written with parallel.tensor={T}, "
+                          f"parallel.pipeline={P}, parallel.virtual_pipeline={layout['virtual_pipeline']}; resume "
+                          f"it with that layout (not resharded: {exc})") from None
+    except ConfigError:
+        raise
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: its DEPT hook state does not load with "
                               f"parallel.tensor={pg.tp_size}, parallel.pipeline={pg.pp_size}, "

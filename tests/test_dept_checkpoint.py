@@ -426,17 +426,21 @@ def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
     ({"outer_comm_dtype": "int8", "outer_error_feedback": True}, "dept.outer_error_feedback"),
     ({"outer_overlap": True, "outer_delay": 1, "outer_overlap_rule": "eager"}, "dept.outer_overlap_rule"),
 ])
-def test_trim_under_another_number_of_groups_refuses_error_feedback_and_eager(tmp_path, dept, key):
-    """TRIM loads under another number of groups at a round boundary, but not with error
-    feedback or the eager start (TRIM keeps them per rank and group), even from a checkpoint
-    that saved the body's buffers per parameter and group; without them it does."""
+def test_trim_under_another_number_of_groups_with_error_feedback_and_eager(tmp_path, dept, key):
+    """TRIM with error feedback or the eager start loads under another number of groups at a
+    round boundary from a checkpoint that saved the body's buffers per parameter and group
+    (outer_group_keys; tests/test_regroup.py runs it), and is refused naming the key from one
+    that did not (written before, or without them); without them it loads either way."""
     base = {"variant": "trim", "local_steps": 2, "reset_inner_optimizer": True,
             "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}
     cfg = tiny_config({"dept": {**base, **dept}, "model": {"position_embedding": "learned"},
                        "train": {"steps": 4, "run_dir": str(tmp_path)}})
     loop, _ = _make(cfg, str(tmp_path), 0)
-    assert loop.hooks.regroup_refusal(4, 2, group_keys=True)[0] == key
+    assert loop.hooks.regroup_refusal(4, 2, group_keys=True) is None
+    refusal = loop.hooks.regroup_refusal(4, 2, group_keys=False)
+    assert refusal[0] == key and "outer_group_keys" in refusal[1], refusal
     plain = tiny_config({"dept": base, "model": {"position_embedding": "learned"},
                          "train": {"steps": 4, "run_dir": str(tmp_path / "plain")}})
     loop, _ = _make(plain, str(tmp_path / "plain"), 0)
+    assert loop.hooks.regroup_refusal(4, 2, group_keys=False) is None
     assert loop.hooks.regroup_refusal(4, 2, group_keys=True) is None

@@ -161,7 +161,7 @@ def _same(a, b, what):
 # (GLOB's plain G 4 -> 2 is glob_ef_eager without error feedback and the eager start: not run
 # separately, for the suite's time)
 @pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("spec_opt", 4, 2),
-                                                  ("spec_opt_distributed", 2, 4), ("trim_distributed", 4, 2),
+                                                  ("spec_opt_distributed", 2, 4), ("trim_distributed_ef_eager", 4, 2),
                                                   ("glob_ef_eager", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
@@ -182,20 +182,22 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     each source's optimizer states are joined from the old group's pieces and cut for the new
     one (``DeptHooks.dp_joined_state``).
 
-    ``trim_distributed``: TRIM (learned positions) with the distributed optimizer, G 4 -> 2: φ,
-    its per-row Nesterov momentum and the positions' outer state are the same in every group
-    at a round boundary and come from old group 0's files; each source's compact-table AdamW
-    state (pieces) goes with the source to its new group, whose installed source's tables are
-    filled from φ.
+    ``trim_distributed_ef_eager``: TRIM (learned positions) with the distributed optimizer,
+    int8 error feedback and the eager start, G 4 -> 2: φ, its per-row Nesterov momentum and the
+    positions' outer state are the same in every group at a round boundary and come from old
+    group 0's files; each source's compact-table AdamW state (pieces) goes with the source to
+    its new group, whose installed source's tables are filled from φ; the body's residuals and
+    estimates as GLOB's below.
     ``glob_ef_eager``: GLOB with int8 error feedback and the eager start (τ = 1), G 4 -> 2: the
     residuals and estimates are saved per parameter and group; every new group's residual is
     the mean of the old groups' (Σ_g r_g / G_old: the mass the mean over groups has not yet
     received stays in the next mean), the estimates are reset (no part knows a previous mean:
     the next sync of each starts from the local weights), and the load logs one line for each
     (``Checkpointer.notes``)."""
-    distributed = variant.endswith("_distributed")
     ef_eager = variant.endswith("_ef_eager")
-    variant = variant.removesuffix("_distributed").removesuffix("_ef_eager")
+    variant = variant.removesuffix("_ef_eager")
+    distributed = variant.endswith("_distributed")
+    variant = variant.removesuffix("_distributed")
     over = {"dept": {"variant": variant, "local_steps": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7,
                                                                                "momentum": 0.9}},
             "train": {"save_interval": 0, "eval_interval": 0}}

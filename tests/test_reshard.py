@@ -142,8 +142,21 @@ LAYOUT_CASES["trim_untied"] = dict(CASES["trim"], model={"position_embedding": "
 # the same with 4 layers (pipeline 2 x virtual pipeline 2 chunks of one layer each)
 LAYOUT_CASES["trim_untied_4l"] = dict(LAYOUT_CASES["trim_untied"], model={**LAYOUT_CASES["trim_untied"]["model"],
                                                                           "num_layers": 4})
+# SPEC with int8 error feedback and the eager start (τ = 1), as glob_int8_ef_eager: the buffers
+# (per parameter and group) reshard whatever holds the per-source state (hooks_dp0 files here)
+LAYOUT_CASES["spec_int8_ef_eager"] = dict(LAYOUT_CASES["glob_int8_ef_eager"],
+                                          dept=dict(LAYOUT_CASES["glob_int8_ef_eager"]["dept"], variant="spec"))
+# SPEC-OPT with the body's AdamW state per source and int8 error feedback (blocks of 2)
+LAYOUT_CASES["spec_opt_source_ef"] = dict(LAYOUT_CASES["spec_opt_source"], dept=dict(
+    LAYOUT_CASES["spec_opt_source"]["dept"], outer_comm_dtype="int8", outer_error_feedback=True, outer_quant_block=2))
+# GLOB with the body's AdamW state kept per source (no per-source embeddings): its per-source
+# moments reshard like SPEC-OPT's; 3 sources over 2 groups, a constant LR (as spec_opt_source)
+LAYOUT_CASES["glob_source"] = {"dept": {"variant": "glob", "local_steps": 2, "body_optimizer_state": "source",
+                                        "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                               "optim": {"min_lr": 1.0e-2}}
 LAYOUT_SOURCES = {json.dumps(LAYOUT_CASES[c], sort_keys=True): 3
-                  for c in ("spec_opt_source", "spec_opt_source_4l")}  # else 2 sources
+                  for c in ("spec_opt_source", "spec_opt_source_4l", "spec_opt_source_ef", "glob_source")}
+# (else 2 sources)
 
 
 @pytest.mark.slow
@@ -178,13 +191,13 @@ def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2,
 
 
 def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1, data=1,
-                     load_step=None):
+                     load_step=None, saved_tensor=2):
     ref = _loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual)
     ref.run()
     loop = _loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual)
     at = loop.checkpointer.load(loop, step=load_step)
     assert at == (load_step or (4 if case.startswith("spec_opt_source") else 2))
-    loaded = _buffer_differences(loop, run_dir, at, 2) if "error_feedback" in json.dumps(LAYOUT_CASES[case]) \
+    loaded = _buffer_differences(loop, run_dir, at, saved_tensor) if "error_feedback" in json.dumps(LAYOUT_CASES[case]) \
         else {}
     loop.writer.resume_at(at)
     loop.run()
@@ -198,10 +211,11 @@ def _buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dic
     (``dept/{category}/g{g}/tp{t}/pp0/c0/{name}/{kind}``, joined along the parameter's
     partition dimension), read here independently of the loader."""
     import torch.distributed.checkpoint as dcp
-    from dept_mega.reshard import join_shards
+    from dept_mega.reshard import cut_shard, join_shards
     if not hasattr(loop.hooks, "outer_syncs"):
         return {}
-    g, path = loop.trainer.pg.group_index, os.path.join(run_dir, "checkpoints", f"step_{step}")
+    pg = loop.trainer.pg
+    g, path = pg.group_index, os.path.join(run_dir, "checkpoints", f"step_{step}")
     names = {id(p): n for st in loop.trainer.stages for n, p in st.named_parameters()}
     out: dict[str, float] = {}
     for cat, sync in sorted(loop.hooks.outer_syncs().items()):
@@ -213,11 +227,13 @@ def _buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dic
                 for k in shards:
                     shape = list(p.shape)
                     if dim is not None:
-                        shape[dim] //= saved_tensor
+                        shape[dim] = shape[dim] * pg.tp_size // saved_tensor
                     shards[k] = torch.empty(shape)
                 dcp.load(shards, checkpoint_id=path, no_dist=True)
-                full = join_shards(list(shards.values()), dim, int(getattr(p, "partition_stride", 1) or 1))
-                out[kind] = max(out.get(kind, 0.0), float((full - t).abs().max()))
+                stride = int(getattr(p, "partition_stride", 1) or 1)
+                full = join_shards(list(shards.values()), dim, stride)
+                mine = cut_shard(full, dim, stride, pg.tp_size, pg.tp_rank)  # this rank's shard of it
+                out[kind] = max(out.get(kind, 0.0), float((mine - t).abs().max()))
     return out
 
 
@@ -279,22 +295,28 @@ def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path, case):
 @pytest.mark.timeout(400)
 # (SPEC-OPT with the body's state per source under another T: spec_opt_source_t1p2_to_t2p1 of
 # test_spec_resume_under_another_pipeline_size, which changes T and P at once)
-@pytest.mark.parametrize("case", ["spec"])
+# (plain SPEC under another T alone is this case without error feedback and the eager start)
+@pytest.mark.parametrize("case", ["spec_int8_ef_eager"])
 def test_spec_resume_under_another_tensor_size(tmp_path, case):
-    """DEPT SPEC (2 groups, 2 sources) and SPEC-OPT (2 groups, 3 sources, the body's AdamW
-    state per source), written with parallel.tensor = 1, resumed with 2 for 2 rounds: besides
-    the model, AdamW and outer state, each source's own embeddings, their AdamW moments and its
-    body AdamW moments (the hook files, one per tensor rank) are joined and cut; the losses
+    """DEPT SPEC (2 groups, 2 sources) with int8 error feedback and the eager start (τ = 1),
+    written with parallel.tensor = 1 at step 3 (the step-2 round end's save waits for its
+    overlapped sync; inside round 2) and resumed with 2: besides the model, AdamW and outer
+    state, each source's own embeddings and their AdamW moments (the hook files, one per tensor
+    rank) are joined and cut, and the residuals and estimates (per parameter and group) are
+    run A's joined, exactly, right after the load; the losses of steps 4-6 (the step-4 sync
+    adds the resharded residuals, step 5 starts from θ_eager made with the resharded estimate)
     equal an uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
-    saved = 4 if case == "spec_opt_source" else 2  # 2 rounds: a source waits in a store
-    stored = run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, saved), timeout=200)
-    if case == "spec_opt_source":
-        assert any(stored), stored
-    run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, case, saved + 4), timeout=300)
+    saved = 3
+    run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, 4), timeout=200)
+    layout = json.loads((tmp_path / "a" / "checkpoints" / "step_3" / "layout.json").read_text())
+    assert layout["outer_group_keys"] and layout["hooks_dp0"]
+    buffers = run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, case, 6, 1, 1, saved, 1), timeout=300)
+    for r in buffers:
+        assert r == {"residual": 0.0, "eager_base": 0.0}, r
     got, want = _losses(run), _losses(ref)
-    assert sorted(got) == sorted(want) == list(range(1, saved + 5))
-    for s in range(saved + 1, saved + 5):
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for s in range(saved + 1, 7):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
 
 
@@ -419,9 +441,10 @@ def test_spec_checkpoint_without_parameter_names(tmp_path):
 def test_refusals_name_the_key(tmp_path):
     """TRIM's hook state is written per rank (without hooks_dp0): under another data size its
     φ shards are joined, and shards that do not cover the table (here: two copies of one
-    rank's file) are refused; under another tensor size it is resharded, except with
-    error feedback (per-rank residuals of the body's flattened shard): a ConfigError naming
-    'parallel.tensor' and saying why."""
+    rank's file) are refused; under another tensor size it is resharded, except from a
+    checkpoint of the earlier format that kept error-feedback residuals in its hook files (a
+    chunk of each rank's flattened body shard): a ConfigError naming 'parallel.tensor' and
+    saying why."""
     from dept_mega.checkpoint import check_layout, load_weights
     from dept_mega.config import ConfigError
     from dept_mega.manifest import seal
@@ -444,8 +467,14 @@ def test_refusals_name_the_key(tmp_path):
         shutil.copy(step / "rng_tp0_pp0.pt", step / "rng_tp1_pp0.pt")
     seal(str(step), 1)
     assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"
-    loop.cfg.dept.outer_error_feedback = True  # as if the run had used error feedback
-    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*not resharded.*error-feedback residuals"):
+    # a checkpoint of the earlier format, which kept the error-feedback residuals as a chunk per
+    # rank in the hook files: check_layout cannot see them (TRIM is per rank anyway), the load does
+    for r in (0, 1):
+        sd = torch.load(step / f"hooks_rank{r}.pt", weights_only=True)
+        sd["outer_residuals"] = {"outer_body": torch.zeros(3)}
+        torch.save(sd, step / f"hooks_rank{r}.pt")
+    seal(str(step), 1)
+    with pytest.raises(ConfigError, match=r"'parallel.tensor'.*not resharded.*error_feedback.*outer_group_keys"):
         load_weights(loop.trainer, run, 1, hooks=loop.hooks)
 
 
@@ -547,31 +576,45 @@ def test_resume_with_another_distributed_optimizer_layout(tmp_path, name):
 TP_OPTIM_LAYOUTS = {
     "std_dist_dp2_to_dist_pp2_dp2": ("std", (2, True, 500, 1, 1), (2, True, 700, 1, 2)),
     "glob_dist_dp2_to_plain_tp2": ("glob_nesterov", (2, True, 500, 1, 1), (1, False, 3000, 2, 1)),
-    "glob_plain_tp2_to_dist_pp2_dp1": ("glob_nesterov", (1, False, 3000, 2, 1), (1, True, 300, 1, 2)),
-    # TRIM: φ's row shards joined over the old tp x dp ranks; each source's compact-table AdamW
-    # pieces joined by parameter name over the old replicas, resharded, cut into the new pieces
-    "trim_dist_dp2_to_dist_tp2_dp1": ("trim", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
-    # SPEC-OPT (3 sources over 2 groups, the body's AdamW state per source), saved after 2 rounds
-    # (a source waits in a store): each source's embedding and body AdamW pieces joined by
-    # parameter name over the old replicas, resharded over tensor ranks, cut into the new pieces
-    "spec_opt_source_dist_dp2_to_dist_tp2_dp1": ("spec_opt_source", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
+    # GLOB with the body's AdamW state per source (3 sources over 2 groups, saved after 2 rounds):
+    # each source's body moments (hook files) joined over the old tensor ranks by parameter name,
+    # cut for the new stage and into the distributed optimizer's pieces
+    "glob_source_plain_tp2_to_dist_pp2_dp1": ("glob_source", (1, False, 3000, 2, 1), (1, True, 300, 1, 2)),
+    # TRIM with int8 error feedback: φ's row shards joined over the old tp x dp ranks; each
+    # source's compact-table AdamW pieces joined by parameter name over the old replicas,
+    # resharded, cut into the new pieces; the body's residuals (per parameter and group) joined
+    # and cut like θ_{t-1} (the step-4 sync uses them: steps 5, 6)
+    "trim_int8_ef_dist_dp2_to_dist_tp2_dp1": ("trim_int8_ef", (2, True, 500, 1, 1), (1, True, 300, 2, 1)),
+    # SPEC-OPT (3 sources over 2 groups, the body's AdamW state per source) with int8 error
+    # feedback, saved after 2 rounds (a source waits in a store): each source's embedding and
+    # body AdamW pieces joined by parameter name over the old replicas, resharded over tensor
+    # ranks, cut into the new pieces; the residuals (per parameter and group) are run A's, joined
+    # and cut, exactly. Run to step 6 only: the step-6 sync quantises a pseudo-gradient
+    # whose ~1e-6 layout differences (the two layouts' int8 syncs at steps 2 and 4 before the
+    # save differ; the uninterrupted T = 1 and T = 2 runs differ by 4e-5 at step 7 with the same
+    # code) move values across int8 rounding steps, so steps 7, 8 differ by more than 1e-6
+    "spec_opt_source_ef_dist_dp2_to_dist_tp2_dp1": ("spec_opt_source_ef", (2, True, 500, 1, 1),
+                                                    (1, True, 300, 2, 1), 6),
 }
 
 
-def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2):
-    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout)
+def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2, total=4):
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)  # B's LR schedule
     loop.cfg.train.steps = saved
     loop.run()
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
 
 
-def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir, saved=2, total=4):
+def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir, saved=2, total=4, saved_tensor=1):
     ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout, steps=total)
     ref.run()
     loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)
     assert loop.checkpointer.load(loop) == saved
+    loaded = _buffer_differences(loop, run_dir, saved, saved_tensor) \
+        if "error_feedback" in json.dumps(LAYOUT_CASES[case]) else {}
     loop.writer.resume_at(saved)
     loop.run()
+    return loaded
 
 
 @pytest.mark.slow
@@ -585,15 +628,20 @@ def test_distributed_optimizer_under_another_tensor_and_pipeline_size(tmp_path, 
     TRIM and SPEC-OPT (per-rank hook files): DeptHooks.load_state_dict_rank_resharded joins
     each source's optimizer pieces (optim_reshard.join_named_pieces; TRIM's φ too) and cuts
     them for the new rank."""
-    case, la, lb = TP_OPTIM_LAYOUTS[name]
+    case, la, lb = TP_OPTIM_LAYOUTS[name][:3]
     groups = 1 if case == "std" else 2
-    saved, total = (4, 8) if case.startswith("spec_opt_source") else (2, 4)  # 2 rounds: a source waits
+    three = json.dumps(LAYOUT_CASES[case], sort_keys=True) in LAYOUT_SOURCES  # 2 rounds: a source waits
+    saved, total = (4, 8) if three else (2, 6) if case == "trim_int8_ef" else (2, 4)
+    total = TP_OPTIM_LAYOUTS[name][3] if len(TP_OPTIM_LAYOUTS[name]) > 3 else total  # (see its entry)
     a, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     size = lambda l: groups * l[0] * l[3] * l[4]
-    stored = run_distributed(_tp_optim_train_a, size(la), args=(case, la, a, saved), timeout=200)
-    if case.startswith("spec_opt_source"):
+    stored = run_distributed(_tp_optim_train_a, size(la), args=(case, la, a, saved, total), timeout=200)
+    if three:
         assert any(stored), stored
-    run_distributed(_tp_optim_resume_b, size(lb), args=(case, lb, a, ref, saved, total), timeout=300)
+    buffers = run_distributed(_tp_optim_resume_b, size(lb), args=(case, lb, a, ref, saved, total, la[3]),
+                              timeout=300)
+    for r in buffers:  # error feedback: the residuals right after the load are run A's, joined
+        assert r == ({"residual": 0.0} if "error_feedback" in json.dumps(LAYOUT_CASES[case]) else {}), r
     got, want = _losses(a), _losses(ref)
     assert sorted(got) == sorted(want) == list(range(1, total + 1))
     for s in range(saved + 1, total + 1):

@@ -52,6 +52,32 @@ CHUNK_BUFFERS = {"outer_residuals": "residual", "outer_eager": "eager_base"}
 CHUNK_BUFFER_KEYS = {"outer_residuals": "dept.outer_error_feedback", "outer_eager": "dept.outer_overlap_rule"}
 
 
+class PerRankChunkBuffers(ValueError):
+    """A checkpoint's hook files hold per-rank chunk buffers (:data:`CHUNK_BUFFERS`, written
+    before they were saved per parameter) where the load cannot cut them: under another
+    tensor / pipeline layout (``dept_mega.checkpoint`` turns it into a ConfigError naming the
+    layout key)."""
+
+
+def _missing_chunk_buffer(entry: str, attr: str, k: str):
+    """The ConfigError for a checkpoint's chunk buffer that this run does not keep."""
+    from ..config import ConfigError
+    return ConfigError(f"config key '{CHUNK_BUFFER_KEYS[entry]}': the checkpoint holds an outer {attr} for {k!r} "
+                       f"in its hook files (written with it), this run keeps none there; resume with the setting "
+                       f"the checkpoint was written with")
+
+
+def refuse_chunk_buffers(sd: dict) -> None:
+    """Raise :class:`PerRankChunkBuffers` when the hook state dict ``sd`` holds per-rank
+    chunk buffers (checked before a load that joins state over tensor / pipeline ranks)."""
+    held = [f"{CHUNK_BUFFER_KEYS[e]} ({CHUNK_BUFFERS[e]})" for e in CHUNK_BUFFERS if sd.get(e)]
+    if held:
+        raise PerRankChunkBuffers(f"its hook files hold {', '.join(held)} as a chunk of each rank's flattened "
+                                  f"body shard (written before they were saved per parameter and group: "
+                                  f"layout.json without outer_group_keys), which another tensor or pipeline "
+                                  f"layout cannot cut")
+
+
 @dataclass
 class SourceInfo:
     """What the hooks need to know of a source."""
@@ -363,8 +389,7 @@ class DeptHooks:
             joined = {}
             for k in mine.get(entry) or {}:
                 if k not in syncs or getattr(syncs[k], attr) is None:
-                    raise ValueError(f"{CHUNK_BUFFER_KEYS[entry]}: the checkpoint holds an outer {attr} for {k!r}, "
-                                     f"this run has none there")
+                    raise _missing_chunk_buffer(entry, attr, k)
                 full = torch.cat([sds[(tp, d)][entry][k].reshape(-1) for d in old])
                 if full.numel() != syncs[k].numel:
                     raise ValueError(f"outer {attr} {k!r}: the old replicas' chunks hold {full.numel()} values, "
@@ -411,10 +436,12 @@ class DeptHooks:
         ``hooks_param_names``), under another pipeline / virtual-pipeline size or into the
         distributed optimizer (:meth:`load_state_dict_repartitioned`, which cuts this rank's
         pieces): SPEC / SPEC-OPT, whose per-source embeddings and AdamW states are found by
-        name whatever stage held them; not with error feedback or the eager start, whose
-        per-rank buffers are not resharded."""
-        return (self.strategy.name in ("spec", "spec_opt") and not self.cfg.dept.outer_error_feedback
-                and not self.schedule.eager)
+        name whatever stage held them, and GLOB with ``dept.body_optimizer_state: source`` (the
+        body's AdamW moments per source, no per-source embeddings). Error-feedback residuals
+        and eager estimates are not in this state: saved per parameter and group
+        (``outer_group_keys``), they reshard like θ_{t-1}; ``check_layout`` refuses older
+        checkpoints that kept them in the hook files."""
+        return self.strategy.name in ("spec", "spec_opt") or (self.strategy.name == "glob" and self.body_per_source)
 
     def hook_state_param_names(self) -> bool:
         """True when :meth:`state_dict` saves, with every per-source optimizer state, the
@@ -468,6 +495,8 @@ class DeptHooks:
 
     def load_state_dict_repartitioned(self, sds: dict) -> None:
         """:meth:`load_state_dict` of :meth:`_repartitioned_state`."""
+        for x in sds.values():
+            refuse_chunk_buffers(x)
         self.load_state_dict(self._repartitioned_state(sds))
 
     def _repartitioned_state(self, sds: dict) -> dict:
@@ -585,6 +614,8 @@ class DeptHooks:
 
     def load_state_dict_resharded(self, sds: list[dict]) -> None:
         """:meth:`load_state_dict` of :meth:`_resharded_state`."""
+        for x in sds:
+            refuse_chunk_buffers(x)
         self.load_state_dict(self._resharded_state(sds))
 
     def _resharded_state(self, sds: list[dict]) -> dict:
@@ -638,10 +669,12 @@ class DeptHooks:
         embeddings replicated, its AdamW states and the body's with
         ``dept.body_optimizer_state: source`` in per-rank pieces), the distributed optimizer
         on either side (the per-source pieces joined over the old data-parallel ranks by
-        parameter name and cut for this rank's optimizers); not with error feedback or the
-        eager start (their buffers are chunks of each rank's flattened body shard)."""
-        return (self.strategy.name in ("trim", "spec", "spec_opt") and not self.cfg.dept.outer_error_feedback
-                and not self.schedule.eager)
+        parameter name and cut for this rank's optimizers); GLOB with
+        ``dept.body_optimizer_state: source`` and the distributed optimizer (the body's
+        per-source pieces) the same. Error-feedback residuals and eager estimates: as
+        :meth:`hook_state_tensor_reshardable` says."""
+        return self.strategy.name in ("trim", "spec", "spec_opt") or (self.strategy.name == "glob"
+                                                                      and self.body_per_source)
 
     def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
         """:meth:`load_state_dict` (TRIM; SPEC / SPEC-OPT saved with the distributed optimizer)
@@ -662,6 +695,7 @@ class DeptHooks:
         T = 1 + max(t for t, _, _ in sds)
         D = 1 + max(d for _, d, _ in sds)
         stages = sorted({p for _, _, p in sds})
+        refuse_chunk_buffers(sds[(0, 0, stages[0])])  # every old rank's file holds its chunk, if any
         if self.cfg.optim.distributed or self._has_pieces(sds[(0, 0, stages[0])]):
             sd = self._repartitioned_state({(t, p): self._plain_payloads([sds[(t, d, p)] for d in range(D)])
                                             for t in range(T) for p in stages})
@@ -810,8 +844,7 @@ class DeptHooks:
         for entry, attr in CHUNK_BUFFERS.items():
             for k, r in (sd.get(entry) or {}).items():
                 if k not in syncs or getattr(syncs[k], attr) is None:
-                    raise ValueError(f"{CHUNK_BUFFER_KEYS[entry]}: the checkpoint holds an outer {attr} for {k!r}, "
-                                     f"this run has none there")
+                    raise _missing_chunk_buffer(entry, attr, k)
                 getattr(syncs[k], attr).copy_(r.to(getattr(syncs[k], attr).device, torch.float32))
         for k, s in syncs.items():  # the eager start's estimate: none in the checkpoint, none known
             if s.eager_base is not None:
@@ -851,23 +884,22 @@ class DeptHooks:
         ``parallel.data`` or bucket size: each source's optimizer state is joined from its old
         group's data-parallel ranks, :meth:`dp_joined_state`). With error feedback or the eager
         start only when the checkpoint saved their buffers per parameter and group
-        (``group_keys``; layout.json: ``outer_group_keys``), and not for TRIM: the residuals
+        (``group_keys``; layout.json: ``outer_group_keys``; TRIM's are its body's): the residuals
         are then averaged over the old groups and the estimates reset
         (``dept_mega.checkpoint_state``, logged); older checkpoints kept them in per-rank hook
         files, which are refused."""
         d = self.cfg.dept
         L = int(d.local_steps)
-        trim = self.strategy.name == "trim"
-        if self.cfg.dept.outer_error_feedback and (trim or not group_keys):
+        if self.cfg.dept.outer_error_feedback and not group_keys:
             return ("dept.outer_error_feedback",
-                    "TRIM's error-feedback residuals are per rank and group" if trim else
-                    "the checkpoint keeps the error-feedback residuals in per-rank hook files (written before "
-                    "they were saved per parameter and group)")
-        if self.schedule.eager and (trim or not group_keys):
+                    "the checkpoint has no error-feedback residuals saved per parameter and group (layout.json "
+                    "without outer_group_keys: written before they were, which kept them in per-rank hook files, "
+                    "or written without error feedback)")
+        if self.schedule.eager and not group_keys:
             return ("dept.outer_overlap_rule",
-                    "TRIM's eager-start estimates are per rank and group" if trim else
-                    "the checkpoint keeps the eager start's estimates in per-rank hook files (written before "
-                    "they were saved per parameter and group)")
+                    "the checkpoint has no eager-start estimates saved per parameter and group (layout.json "
+                    "without outer_group_keys: written before they were, which kept them in per-rank hook files, "
+                    "or written without the eager start)")
         if step % L:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
