@@ -38,7 +38,9 @@ estimates reset; logged through ``load_weights``' ``notes``). Round hooks with `
 (tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
 and loaded after the model weights. The dropout
 streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
-the masks the uninterrupted run would have drawn.
+the masks the uninterrupted run would have drawn; under another tensor / pipeline /
+virtual-pipeline layout they cannot be mapped onto the new ranks' streams and are re-seeded
+from (seed, step, tensor rank, pipeline rank) instead (logged through ``notes``).
 
 Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
 (the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
@@ -139,7 +141,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     naming the layout key) — under another pipeline / virtual-pipeline size or
     with the distributed optimizer on either side only with the parameter names saved with
     the per-source state (``hooks_param_names``: ``DeptHooks.load_state_dict_repartitioned``;
-    refused naming ``parallel.tensor`` / ``parallel.pipeline`` without them) —, no dropout;
+    refused naming ``parallel.tensor`` / ``parallel.pipeline`` without them) —; with dropout
+    the streams are re-seeded, not loaded (``load_weights``);
     the distributed optimizer's pieces on either side are joined and cut too, so D, the
     bucket size and the optimizer may change with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
@@ -190,7 +193,6 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     same_dp = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0")) or (sharded and optimizer)
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
-    m = trainer.cfg.model
     # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
     # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
     changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
@@ -210,7 +212,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
                 or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
-    reshardable = hooks_ok and not (m.hidden_dropout > 0 or m.attention_dropout > 0)
+    # (dropout: its streams are re-seeded for the new ranks by load_weights)
+    reshardable = hooks_ok
     # the distributed optimizer's pieces under another data-parallel size or bucket size, or
     # it switched on or off (dept_mega.optim_reshard), same tensor / pipeline layout; hook
     # state saved once per (tp, pp, group) or none
@@ -256,8 +259,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                "body shard there"
                if saved.get("per_rank_hooks") and not hooks_ok else
                "the distributed optimizer's shards are per rank" if sharded or now["optim_distributed"] else
-               "dropout streams are seeded per tensor and pipeline rank" if m.hidden_dropout > 0
-               or m.attention_dropout > 0 else "the data-parallel size is fixed by its per-rank state")
+               "the data-parallel size is fixed by its per-rank state")
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with {said}; "
                           f"resume or evaluate it with the same layout (not resharded: {why})")
     if optimizer and (sharded != now["optim_distributed"]
@@ -656,7 +658,9 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
         opt.after_checkpoint_load(with_optimizer=optimizer)
     tracker = _rng_tracker(trainer)
-    if tracker is not None and not reshard:  # resharded: no dropout in use (check_layout)
+    if tracker is not None and reshard:
+        _reseed_dropout(trainer, tracker, path, step, layout, notes)
+    elif tracker is not None:
         if layout.get("dropout_rng"):
             tracker.load_state_dict(_safe_load(os.path.join(path, _rng_file(pg)), "cpu"))
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
@@ -732,6 +736,28 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             install()
     if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
         _load_group_state(trainer, hooks, path, layout, mode, notes)
+
+
+def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes: Optional[list]) -> None:
+    """Under another tensor / pipeline / virtual-pipeline layout the saved dropout streams
+    (one pair per old (tp, pp) position, advanced by the old ranks' layers) cannot be mapped
+    onto this rank's, as in Megatron-LM, which skips the saved RNG state when (TP, PP) changes:
+    re-seed them from (seed, ``step``, tensor rank, pipeline rank) (``RNGTracker.reseed``; the
+    step keeps the resumed run from replaying step 0's masks). With dropout on, one line for
+    ``notes``: the masks differ from an uninterrupted run of either layout."""
+    tracker.reseed(step)
+    m = trainer.cfg.model
+    if notes is None or not (m.hidden_dropout > 0 or m.attention_dropout > 0):
+        return
+    par = trainer.cfg.parallel
+    now = {"tensor": trainer.pg.tp_size, "pipeline": trainer.pg.pp_size, "virtual_pipeline": par.virtual_pipeline}
+    said = ", ".join(f"parallel.{k}={layout.get(k)}" for k in now)
+    line = (f"model.hidden_dropout / model.attention_dropout: checkpoint {path} was written with {said} (this "
+            f"launch: {', '.join(f'{v}' for v in now.values())}); its dropout streams (per tensor and pipeline "
+            f"rank) do not carry over and were re-seeded from (train.seed, step {step}, tensor rank, pipeline "
+            f"rank): the masks differ from an uninterrupted run of either layout")
+    if line not in notes:
+        notes.append(line)
 
 
 def _load_group_state(trainer, hooks, path: str, layout: dict, mode: str, notes: Optional[list]) -> None:

@@ -25,8 +25,8 @@ Used by :func:`dept_mega.checkpoint.load_weights` only where nothing else depend
 layout: no per-rank hook state (STD; DEPT GLOB, whose hook state is the same at every
 position) or per-source hook state that the hooks join and cut themselves with
 :func:`join_shards` / :func:`cut_shard` (SPEC / SPEC-OPT: ``DeptHooks.load_state_dict_resharded``,
-``DeptHooks.load_state_dict_repartitioned``), no dropout streams in use (they are seeded per
-tensor/pipeline rank). Each rank
+``DeptHooks.load_state_dict_repartitioned``); the dropout streams are not resharded but
+re-seeded (``RNGTracker.reseed``). Each rank
 reads the full tensors it needs: host memory for one full copy of the tensors of its own
 stage.
 """

@@ -680,3 +680,53 @@ def test_spec_opt_per_source_state_under_another_distributed_optimizer_layout(tm
     assert sorted(got) == sorted(want) == list(range(1, 9))
     for s in range(5, 9):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+def test_dropout_streams_reseeded_under_another_layout(tmp_path):
+    """With dropout, a checkpoint loads under another tensor or pipeline size (as Megatron-LM
+    does): the saved streams belong to the old ranks, so each rank's are re-seeded from (seed,
+    the checkpoint's step, tensor rank, pipeline rank) and a note says so; under the same
+    layout the saved streams are restored exactly, without a note."""
+    import shutil
+    from dept_mega.checkpoint import check_layout, load_weights
+    from dept_mega.manifest import seal
+    from dept_mega.parallel.random import RNGTracker
+    # a fresh run's seeds are unchanged (step 0)
+    assert RNGTracker(7, tp_rank=1, pp_rank=2).seeds == {"default": 207, "tensor_parallel": 207 + 2718 + 1}
+    over = {"dept": {"variant": "std"}, "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1}}
+    run = str(tmp_path / "run")
+    loop = _loop(over, run, 0, data=1)
+    loop.cfg.train.steps = 2
+    loop.run()
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    layout = json.loads((step / "layout.json").read_text())
+    assert layout["dropout_rng"]
+    saved = torch.load(step / "rng_tp0_pp0.pt", weights_only=True)
+    tracker = loop.trainer.stages[0].rng
+    for t, p in ((0, 1), (1, 0), (1, 1)):  # as if written by 2 tensor or pipeline ranks
+        shutil.copy(step / "rng_tp0_pp0.pt", step / f"rng_tp{t}_pp{p}.pt")
+    (step / "layout.json").write_text(json.dumps(dict(layout, tensor=2)))
+    assert check_layout(loop.trainer, str(step), hooks=loop.hooks) == "reshard"  # was refused
+    (step / "layout.json").write_text(json.dumps(dict(layout, pipeline=2)))
+    seal(str(step), 2)
+    notes: list = []
+    load_weights(loop.trainer, run, 2, hooks=loop.hooks, notes=notes)
+    assert len(notes) == 1 and "model.hidden_dropout" in notes[0] and "re-seeded" in notes[0], notes
+    assert "parallel.pipeline=2" in notes[0] and "step 2" in notes[0], notes
+    seed = loop.cfg.train.seed
+    want = RNGTracker(seed, tp_rank=0, pp_rank=0, step=2).state_dict()
+    fresh = RNGTracker(seed, tp_rank=0, pp_rank=0).state_dict()
+    for k, g in tracker.state_dict().items():
+        assert torch.equal(g, want[k]), k
+        assert not torch.equal(g, fresh[k]), k  # the step is folded in: not step 0's masks
+        assert not torch.equal(g, saved[k]), k
+    # the same layout: the saved streams, exactly
+    (step / "layout.json").write_text(json.dumps(layout))
+    for t, p in ((0, 1), (1, 0), (1, 1)):
+        (step / f"rng_tp{t}_pp{p}.pt").unlink()
+    seal(str(step), 2)
+    notes = []
+    load_weights(loop.trainer, run, 2, hooks=loop.hooks, notes=notes)
+    assert notes == []
+    for k, g in tracker.state_dict().items():
+        assert torch.equal(g, saved[k]), k

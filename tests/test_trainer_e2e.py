@@ -100,25 +100,34 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     with open(layout_path) as f:
         layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
-    with open(layout_path, "w") as f:
-        # (an STD checkpoint loads under another tensor size, dept_mega.reshard, with or without
-        # the distributed optimizer, but not into a launch with dropout, whose streams are
-        # seeded per tensor rank)
-        json.dump(dict(layout, tensor=2), f)
-    # what a real tensor-parallel checkpoint would hold, with its manifest
     step30 = os.path.join(run2, "checkpoints", "step_30")
-    shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp1_pp0.pt"))
+    with open(layout_path, "w") as f:
+        # (an STD checkpoint loads under another tensor / pipeline size, dept_mega.reshard, also
+        # with dropout; not under another number of source groups)
+        json.dump(dict(layout, groups=2), f)
+    shutil.copy(os.path.join(step30, "group0.json"), os.path.join(step30, "group1.json"))
     seal(step30, 30)
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
         f.write("30\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()
-    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70",
-                         "model.hidden_dropout=0.1"])
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: config key 'parallel.tensor'") and "parallel.tensor=2" in err, err
-    assert "dropout" in err, err
+    assert err.startswith("error: config key 'parallel'") and "2 source group(s)" in err, err
     assert open(os.path.join(run2, "config.yaml")).read() == before
+
+    # as if written by 2 pipeline stages (each stage's files: this one's), resumed with dropout:
+    # it loads, and the launch says that the dropout streams were re-seeded, not restored
+    os.remove(os.path.join(step30, "group1.json"))
+    with open(layout_path, "w") as f:
+        json.dump(dict(layout, pipeline=2), f)
+    shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp0_pp1.pt"))
+    seal(step30, 30)
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=31",
+                         "model.hidden_dropout=0.1"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "warning: model.hidden_dropout / model.attention_dropout" in err and "re-seeded" in err, err
 
 
 def test_eval_bpb_uses_real_bytes(corpus, monkeypatch):

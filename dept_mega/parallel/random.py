@@ -17,6 +17,8 @@ instead of a global state:
   sequence parallelism), so the shards get independent masks.
 
 Both streams are offset by pipeline stage so different stages' layers draw different masks.
+A checkpoint restores them exactly under the same layout; under another tensor / pipeline
+layout they are re-seeded from the run seed and the checkpoint's step (``RNGTracker.reseed``).
 
 Activation recomputation (``model/recompute.py``) replays a region's forward during backward:
 ``get_states()`` / ``set_states()`` capture and restore both generators so the replay draws
@@ -89,20 +91,31 @@ class RNGTracker:
 
     ``seed`` is the run seed; ``pp_rank``/``tp_rank`` this rank's coordinates. Generators live
     on ``device`` so masks are drawn where the activations are.
+
+    ``step``: the training step the streams start at. 0 (a fresh run) gives the seeds above;
+    another step (``reseed``: a checkpoint resumed under another tensor / pipeline layout,
+    whose saved streams belong to other ranks) replaces the run seed by
+    ``stable_seed(seed, "dropout@step{step}")`` before the same offsets, so the resumed run
+    does not replay the masks of step 0.
     """
 
     def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", step: int = 0) -> None:
         self.device = torch.device(device)
+        self.seed, self.tp_rank, self.pp_rank = int(seed), int(tp_rank), int(pp_rank)
+        self.generators: dict[str, torch.Generator] = {
+            key: torch.Generator(device=self.device) for key in ("default", "tensor_parallel")}
+        self.reseed(step)
+
+    def reseed(self, step: int) -> None:
+        """Seed both streams for training step ``step`` (in place: the modules share this tracker)."""
+        base = self.seed if int(step) == 0 else stable_seed(self.seed, f"dropout@step{int(step)}")
         self.seeds = {
-            "default": int(seed) + _PP_OFFSET * pp_rank,
-            "tensor_parallel": int(seed) + _PP_OFFSET * pp_rank + _TP_OFFSET + tp_rank,
+            "default": base + _PP_OFFSET * self.pp_rank,
+            "tensor_parallel": base + _PP_OFFSET * self.pp_rank + _TP_OFFSET + self.tp_rank,
         }
-        self.generators: dict[str, torch.Generator] = {}
         for key, s in self.seeds.items():
-            g = torch.Generator(device=self.device)
-            g.manual_seed(s)
-            self.generators[key] = g
+            self.generators[key].manual_seed(s)
 
     def __deepcopy__(self, memo) -> "RNGTracker":
         return self  # a copied module keeps drawing from the rank's streams
