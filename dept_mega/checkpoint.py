@@ -642,7 +642,14 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
     if mode == "regroup":  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
         own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
-        state = _regroup_keys(state, pg.group_index, own)
+        saved_groups = int(layout["groups"])
+        state = _regroup_keys(state, pg.group_index, own, saved_groups)
+        owned = getattr(hooks, "group_owned_inner_state", lambda: [])()
+        if owned and notes is not None:
+            notes.append(f"dept.reset_inner_optimizer: false: the inner optimizer state of {' and of '.join(owned)} "
+                         f"belongs to a source group; checkpoint {path} holds {saved_groups} groups, this launch "
+                         f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
+                         f"replica joining a DiLoCo job receives a peer's)")
         from .optim_reshard import load_redistributed  # group 0's keys; distributed-optimizer pieces joined
         load_redistributed(state, path)
     elif mode == "redistribute":  # the distributed optimizer's pieces in another layout
@@ -667,7 +674,6 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
     if mode == "regroup":
-        saved_groups = int(layout["groups"])
         try:
             saved = {}
             per_rank = not layout.get("hooks_dp0")
@@ -867,14 +873,19 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
                               f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
 
 
-def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint entries renamed to group 0's keys (at a round boundary every
-    group holds the same body, GLOB's embeddings and their outer state). Without per-source
-    state the embeddings come from there too; with it (SPEC, SPEC-OPT) the installed
-    embeddings and their optimizer state are left out: the sources' state comes from the hooks
-    files, keyed by source. (The inner optimizer state read here is cleared at the next round
-    start: ``dept.reset_inner_optimizer: true`` is required for a change of groups.)"""
-    mine, zero = f"model/g{group}/", "model/g0/"
+def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool,
+                  saved_groups: int) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint entries renamed to the keys of the old group they load from: the
+    weights to group 0's (at a round boundary every group holds the same body, GLOB's
+    embeddings and their outer state), the inner optimizer state to old group
+    ``group mod saved_groups``'s (what a group owns: the body's AdamW state with
+    ``dept.body_optimizer_state: group``, GLOB's embeddings'; a new group takes an old group's
+    as a replica joining a DiLoCo job receives a peer's; with ``dept.reset_inner_optimizer:
+    true`` it is cleared at the next round start anyway). Without per-source state the
+    embeddings come from there too; with it (SPEC, SPEC-OPT) the installed embeddings and
+    their optimizer state are left out: the sources' state comes from the hooks files, keyed
+    by source."""
+    mine = f"model/g{group}/"
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         m = _KEY_NAME.match(key)
@@ -882,7 +893,8 @@ def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings:
             raise CheckpointError(f"cannot place checkpoint entry {key!r} in another number of groups")
         if source_embeddings and m["name"].startswith("embeddings."):
             continue
-        out[key.replace(mine, zero, 1)] = t
+        src = group % saved_groups if key.startswith("optim/") else 0
+        out[key.replace(mine, f"model/g{src}/", 1)] = t
     return out
 
 

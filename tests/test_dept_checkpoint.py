@@ -141,17 +141,24 @@ def _as_if_written_by(step_path, **layout_changes):
 def test_load_weights_refuses_another_number_of_groups(tmp_path):
     """A checkpoint written by 2 source groups loaded by a 1-group launch, where the groups'
     state does not map onto another number of groups (tests/test_regroup.py: where it does):
-    the body's inner optimizer state belongs to its group (no dept.reset_inner_optimizer) —
-    a ConfigError naming that key (the count from layout.json, with the number of processes
-    to launch) instead of group 0's keys loaded silently."""
+    this launch keeps error-feedback residuals, which the checkpoint did not save per parameter
+    and group (layout.json without outer_group_keys, as written before they were) — a
+    ConfigError naming that key (the count from layout.json, with the number of processes to
+    launch) instead of group 0's keys loaded silently."""
+    import json
     from dept_mega.checkpoint import load_weights
     from dept_mega.config import ConfigError
-    cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 1},
+    cfg = tiny_config({"dept": {"variant": "spec", "local_steps": 1, "outer_comm_dtype": "int8",
+                                "outer_error_feedback": True},
                        "train": {"steps": 1, "save_interval": 1, "eval_interval": 0, "run_dir": str(tmp_path)}})
     loop, _ = _make_opt(cfg, str(tmp_path))
     loop.run()
-    _as_if_written_by(tmp_path / "checkpoints" / "step_1", groups=2)
-    with pytest.raises(ConfigError, match="'dept.reset_inner_optimizer'.*2 source group.*belongs to the group.*"
+    step = tmp_path / "checkpoints" / "step_1"
+    layout = json.loads((step / "layout.json").read_text())
+    assert layout.pop("outer_group_keys")
+    (step / "layout.json").write_text(json.dumps(layout))
+    _as_if_written_by(step, groups=2)
+    with pytest.raises(ConfigError, match="'dept.outer_error_feedback'.*2 source group.*outer_group_keys.*"
                                           "launch 2 processes"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks, optimizer=False)
 

@@ -108,13 +108,23 @@ def _group_buffers(loop) -> dict:
     return {cat: s.group_state() for cat, s in sorted(loop.hooks.outer_syncs().items())}
 
 
+def _inner(loop) -> dict:
+    """The body optimizer's AdamW state (moments, steps) as the trainer holds it."""
+    import copy
+    return copy.deepcopy(loop.trainer.body_optimizer.state_dict()["state"])
+
+
+def _moments(state: dict) -> list:
+    return [v for i in sorted(state) for k, v in sorted(state[i].items()) if torch.is_tensor(v) and v.dim() > 0]
+
+
 def _first_phase(rank, world, over, run_dir, K, step):
     cfg = tiny_config(dict(over, train=dict(over["train"], steps=step, run_dir=run_dir)))
     loop, _ = _make(cfg, run_dir, K)
     loop.run()
     loop.checkpointer.save(loop)  # a round boundary
     return {"body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
-            "buffers": _group_buffers(loop),
+            "buffers": _group_buffers(loop), "inner": _inner(loop),
             "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
                     if n.startswith("embeddings.")},
             "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
@@ -125,7 +135,7 @@ def _second_phase(rank, world, over, run_dir, native_dir, K, steps):
     loop, losses = _make(cfg, run_dir, K)
     step = loop.checkpointer.load(loop)
     state = {"step": step, "body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
-             "buffers": _group_buffers(loop), "notes": list(loop.checkpointer.notes),
+             "buffers": _group_buffers(loop), "notes": list(loop.checkpointer.notes), "inner": _inner(loop),
              "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
                      if n.startswith("embeddings.")},
              "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
@@ -160,14 +170,17 @@ def _same(a, b, what):
 @pytest.mark.timeout(400)
 # (GLOB's plain G 4 -> 2 is glob_ef_eager without error feedback and the eager start: not run
 # separately, for the suite's time)
-@pytest.mark.parametrize("variant,g_old,g_new", [("spec", 2, 4), ("spec_opt", 4, 2),
+@pytest.mark.parametrize("variant,g_old,g_new", [("spec_group_state", 2, 4), ("spec_opt", 4, 2),
                                                   ("spec_opt_distributed", 2, 4), ("trim_distributed_ef_eager", 4, 2),
                                                   ("glob_ef_eager", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
     with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
     AdamW state kept per source instead), save at the round boundary, resume under G=g_new
-    for 2 rounds.
+    for 2 rounds. ``spec_group_state``: SPEC without either (the body's AdamW state belongs to
+    the group, dept.reset_inner_optimizer: false, the default): new group g continues with old
+    group g mod G_old's, as a replica joining a DiLoCo job receives a peer's, and the load logs
+    it.
 
     What "equal" means: (1) the state the G=g_new run holds after loading is the G=g_old
     run's, tensor for tensor — the body, GLOB's embeddings, the outer reference and momentum
@@ -194,6 +207,8 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     received stays in the next mean), the estimates are reset (no part knows a previous mean:
     the next sync of each starts from the local weights), and the load logs one line for each
     (``Checkpointer.notes``)."""
+    group_state = variant.endswith("_group_state")
+    variant = variant.removesuffix("_group_state")
     ef_eager = variant.endswith("_ef_eager")
     variant = variant.removesuffix("_ef_eager")
     distributed = variant.endswith("_distributed")
@@ -210,7 +225,7 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
         over["model"] = {"position_embedding": "learned"}
     if variant == "spec_opt":
         over["dept"]["body_optimizer_state"] = "source"
-    else:
+    elif not group_state:
         over["dept"]["reset_inner_optimizer"] = True
     K = 4
     run_dir, native = str(tmp_path / "run"), str(tmp_path / "native")
@@ -242,6 +257,11 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
         assert set(held_before) == trained and len(trained) >= 3
     if ef_eager:
         _check_regrouped_buffers(first, second)
+    if group_state:  # new group g continues with old group g mod G_old's body AdamW state, logged
+        assert any(not torch.equal(a, b) for a, b in zip(_moments(first[0]["inner"]), _moments(first[1]["inner"])))
+        for g, r in enumerate(second):
+            _same(r["inner"], first[g % g_old]["inner"], f"group {g}'s body optimizer state")
+            assert any("dept.reset_inner_optimizer" in n and "g mod 2" in n for n in r["notes"]), r["notes"]
     # the groups' bodies agree at the end (a round boundary)
     for r in second[1:]:
         _same(r["body_end"], second[0]["body_end"], "bodies of the groups")

@@ -874,13 +874,14 @@ class DeptHooks:
     def regroup_refusal(self, step: int, saved_groups: int, group_keys: bool = False) -> Optional[tuple[str, str]]:
         """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
         loaded by this launch's number of groups: (config key, reason), or None when it can
-        (:meth:`load_regrouped`). It can when everything a group owns is the same in every
-        group or is keyed by source: at a round boundary (the body and GLOB's embeddings are
-        synchronised, the outer state is the same everywhere), with no group-owned inner
-        optimizer state (``dept.reset_inner_optimizer: true``, which clears it every round),
-        for GLOB, SPEC, SPEC-OPT and TRIM (its φ, φ_head, their per-row outer state and the
-        learned positions' are the same in every group after a round's sync: joined from old
-        group 0's row shards and cut), with the distributed optimizer too (also under another
+        (:meth:`load_regrouped`). It can at a round boundary, where everything a group owns
+        is the same in every group (the body and GLOB's embeddings are synchronised, the outer
+        state is the same everywhere), is keyed by source, or is the inner optimizer state a
+        group owns (:meth:`group_owned_inner_state`), which new group g takes from old group
+        g mod G_old, as a replica that joins a DiLoCo job (torchft) receives a live peer's: for
+        GLOB, SPEC, SPEC-OPT and TRIM (its φ, φ_head, their per-row outer state and the learned
+        positions' are the same in every group after a round's sync: joined from old group 0's
+        row shards and cut), with the distributed optimizer too (also under another
         ``parallel.data`` or bucket size: each source's optimizer state is joined from its old
         group's data-parallel ranks, :meth:`dp_joined_state`). With error feedback or the eager
         start only when the checkpoint saved their buffers per parameter and group
@@ -904,16 +905,18 @@ class DeptHooks:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
                                 f"loads with another number of groups")
-        group_owned = [] if d.reset_inner_optimizer else \
-            (["GLOB's embeddings"] if not self.strategy.source_embeddings else []) + \
-            (["the body"] if not self.body_per_source else [])
-        if group_owned:
-            return ("dept.reset_inner_optimizer", "the inner optimizer state of " + " and of ".join(group_owned)
-                    + " belongs to the group that trained it (dept.reset_inner_optimizer: false, "
-                      f"dept.body_optimizer_state: {d.body_optimizer_state}); the {saved_groups} groups of the "
-                      f"checkpoint do not map onto {self.pg.num_groups} (SPEC/SPEC-OPT with "
-                      "dept.body_optimizer_state: source, or dept.reset_inner_optimizer: true, do)")
         return None
+
+    def group_owned_inner_state(self) -> list[str]:
+        """What of the inner optimizer state belongs to a source group, not to a source (kept
+        across rounds by the group that trains with it: ``dept.reset_inner_optimizer: false``):
+        the body's with ``dept.body_optimizer_state: group``, GLOB's shared embeddings'. Under
+        another number of groups new group g takes old group g mod G_old's
+        (``dept_mega.checkpoint``: ``_regroup_keys``)."""
+        if self.cfg.dept.reset_inner_optimizer:
+            return []
+        return ((["GLOB's embeddings"] if not self.strategy.source_embeddings else [])
+                + (["the body"] if not self.body_per_source else []))
 
     def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
                        saved_origin: Optional[dict], read_body_optimizer=None, group_keys: bool = False) -> None:
