@@ -99,20 +99,53 @@ def _rng_file(pg) -> str:
 def _regroup_refusal(hooks, path: str, saved: dict, now: dict, step: int) -> Optional[tuple[str, str]]:
     """(config key, reason) when checkpoint ``path`` (``saved``: its layout) cannot be loaded
     by this launch's other number of source groups; None when it can (DEPT hooks that
-    implement ``load_regrouped``, same tensor / pipeline sizes, one hooks file per (tp, pp,
+    implement ``load_regrouped``, the same tensor / pipeline sizes or hook state that reshards
+    under this launch's (``_hooks_reshardable``), one hooks file per (tp, pp,
     group), or per rank where the hooks join the old ranks' files: the distributed
     optimizer's shards, TRIM's φ rows: ``DeptHooks.dp_joined_state``; the per-rank state they
     cannot join is refused by ``DeptHooks.regroup_refusal`` naming its key)."""
     if hooks is None or not hasattr(hooks, "load_regrouped"):
         return ("parallel", "only DEPT round hooks (GLOB, SPEC, SPEC-OPT, TRIM) load another number of groups")
-    wrong = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
-    if wrong:
-        return (f"parallel.{wrong[0]}", "another number of groups loads only with the same "
-                                        "parallel.tensor, parallel.pipeline and parallel.virtual_pipeline")
+    wrong, _ = _layout_changes(saved, now)
+    if wrong and not _hooks_reshardable(saved, now, hooks)[0]:
+        return (f"parallel.{wrong[0]}", "another number of groups loads under another parallel.tensor, "
+                                        "parallel.pipeline or parallel.virtual_pipeline only where the round-hook "
+                                        "state reshards (see launching.md §8)")
     if saved.get("per_rank_hooks") and not saved.get("hooks_dp0") and not hasattr(hooks, "dp_joined_state"):
         return ("parallel", "the round-hook state was saved per rank and these round hooks do not join the "
                             "old ranks' files")
     return hooks.regroup_refusal(step, int(saved["groups"]), group_keys=bool(saved.get("outer_group_keys")))
+
+
+def _layout_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(the model-parallel keys whose sizes differ, those of them that are a pipeline layout)."""
+    changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
+    return changed, [k for k in changed if k != "tensor"]
+
+
+def _hooks_reshardable(saved: dict, now: dict, hooks) -> tuple[bool, bool]:
+    """(whether the round hooks' state of a checkpoint with layout ``saved`` loads under this
+    launch's tensor / pipeline layout ``now``, whether it is refused only for lack of the
+    parameter names it would be joined by). Hook state: none (STD), or the same at every (tp,
+    pp) position (GLOB without per-source state: round counters; its outer state is under
+    dept/... keys, which dept_mega.reshard joins and cuts), or per-source state: SPEC /
+    SPEC-OPT's (and GLOB's per-source body state) joined over tensor ranks and cut, under
+    another pipeline layout or with the distributed optimizer on either side by the parameter
+    names saved with it (hooks_param_names); saved per rank (TRIM beside φ's row shards, which
+    are joined whole; per-source state with the distributed optimizer, its pieces of each
+    source's AdamW state): joined over the old data ranks too
+    (DeptHooks.load_state_dict_rank_resharded; D may change with it)."""
+    changed, staged = _layout_changes(saved, now)
+    sharded = bool(saved.get("optim_distributed"))
+    per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0")
+                and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
+    per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
+                                                                            lambda: False)()))
+    by_name = bool(staged) or sharded or bool(now.get("optim_distributed"))
+    unnamed = per_source and bool(changed) and by_name and not saved.get("hooks_param_names")
+    hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
+                or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
+    return bool(hooks_ok), bool(unnamed)
 
 
 def _hooks_redistribute(hooks) -> bool:
@@ -147,6 +180,10 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     bucket size and the optimizer may change with it) or
     ``"regroup"`` (another number of source groups, DEPT at a round boundary:
     ``DeptHooks.regroup_refusal`` says when; ``hooks``: the run's round hooks) or
+    ``"regroup_reshard"`` (another number of groups and another tensor / pipeline /
+    virtual-pipeline layout at once, where the hooks reshard as for ``"reshard"``: each old
+    group's hook state resharded for this rank, ``_resharded_hook_state``, then regrouped; the
+    model and the outer state through ``dept_mega.reshard``) or
     ``"redistribute"`` (``dept_mega.optim_reshard``: the distributed optimizer's state under
     another data-parallel or bucket size, or the distributed optimizer switched on or off;
     same tensor / pipeline layout; hook state: none, or loaded by
@@ -175,6 +212,10 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
                 raise ConfigError(f"config key 'optim.distributed': checkpoint {path} holds {saved.get('groups')} "
                                   f"source group(s), this launch {pg.num_groups}; these round hooks do not "
                                   f"redistribute the distributed optimizer's per-source state")
+            changed, _ = _layout_changes(saved, now)
+            if changed:  # and another tensor / pipeline layout at the same time
+                _refuse_per_rank_chunk_buffers(path, saved, changed, trainer.device)
+                return "regroup_reshard"
             return "regroup"
         # keys carry the group: another number of groups would silently load part of the state
         per_group = pg.tp_size * pg.pp_size * pg.dp_size
@@ -193,24 +234,8 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     same_dp = (saved.get("per_rank_hooks") and not saved.get("hooks_dp0")) or (sharded and optimizer)
     keys = ["tensor", "pipeline", "virtual_pipeline"] + (["data"] if same_dp else [])
     wrong = [k for k in keys if saved.get(k) != now[k]]
-    # hook state: none (STD), or the same at every (tp, pp) position (DEPT GLOB: round counters;
-    # its outer state is under dept/... keys, which dept_mega.reshard joins and cuts)
-    changed = [k for k in ("tensor", "pipeline", "virtual_pipeline") if saved.get(k) != now[k]]
-    staged = [k for k in changed if k != "tensor"]  # another pipeline layout
-    # SPEC / SPEC-OPT: per-source state joined over tensor ranks and cut; under another pipeline
-    # layout or with the distributed optimizer on either side joined by the parameter names saved
-    # with it (hooks_param_names). Saved per rank (TRIM beside φ's row shards, which are joined
-    # whole; SPEC / SPEC-OPT with the distributed optimizer, its pieces of each source's AdamW
-    # state): joined over the old data ranks too (DeptHooks.load_state_dict_rank_resharded; D
-    # may change with it)
-    per_rank = (bool(saved.get("per_rank_hooks")) and not saved.get("hooks_dp0")
-                and bool(getattr(hooks, "hook_state_rank_reshardable", lambda: False)()))
-    per_source = per_rank or (bool(saved.get("hooks_dp0")) and bool(getattr(hooks, "hook_state_tensor_reshardable",
-                                                                            lambda: False)()))
-    by_name = bool(staged) or sharded or now["optim_distributed"]
-    unnamed = per_source and bool(changed) and by_name and not saved.get("hooks_param_names")
-    hooks_ok = (not saved.get("per_rank_hooks") or (per_source and not unnamed)
-                or (saved.get("hooks_dp0") and bool(getattr(hooks, "hook_state_reshardable", lambda: False)())))
+    changed, staged = _layout_changes(saved, now)
+    hooks_ok, unnamed = _hooks_reshardable(saved, now, hooks)
     # (the distributed optimizer's pieces are joined and cut too: dept_mega.reshard)
     # (dropout: its streams are re-seeded for the new ranks by load_weights)
     reshardable = hooks_ok
@@ -629,7 +654,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     mode = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
-    reshard = mode == "reshard"
+    regroup = mode in ("regroup", "regroup_reshard")  # another number of groups (round boundary)
+    reshard = mode in ("reshard", "regroup_reshard")  # another tensor / pipeline layout
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
@@ -640,7 +666,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     state = _model_state(trainer)
     if not optimizer:
         state = {k: v for k, v in state.items() if k.startswith("model/")}
-    if mode == "regroup":  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
+    if regroup:  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
         own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
         saved_groups = int(layout["groups"])
         state = _regroup_keys(state, pg.group_index, own, saved_groups)
@@ -650,8 +676,12 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                          f"belongs to a source group; checkpoint {path} holds {saved_groups} groups, this launch "
                          f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
                          f"replica joining a DiLoCo job receives a peer's)")
-        from .optim_reshard import load_redistributed  # group 0's keys; distributed-optimizer pieces joined
-        load_redistributed(state, path)
+        if reshard:  # and another tensor / pipeline layout: the old group's shards joined and cut
+            from .reshard import load_resharded
+            load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+        else:
+            from .optim_reshard import load_redistributed  # distributed-optimizer pieces joined
+            load_redistributed(state, path)
     elif mode == "redistribute":  # the distributed optimizer's pieces in another layout
         from .optim_reshard import load_redistributed
         load_redistributed(state, path)
@@ -673,11 +703,14 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
-    if mode == "regroup":
+    if regroup:
         try:
             saved = {}
             per_rank = not layout.get("hooks_dp0")
             for g in range(saved_groups):  # per rank: joined over the old replicas
+                if reshard:  # each old group's state in this launch's tensor / pipeline layout
+                    saved[g] = _resharded_hook_state(trainer, hooks, path, layout, g, strategy_state=g == 0)
+                    continue
                 # TRIM's φ (the same in every group): joined from old group 0's files at every tensor rank
                 tps = range(int(layout["tensor"])) if per_rank and g == 0 else [pg.tp_rank]
                 sds = _HookFiles(_hooks_files(path, layout, pg, g, tps, per_rank), trainer.device)
@@ -685,8 +718,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                     else sds[(pg.tp_rank, 0)]
             hooks.load_regrouped(step, saved, saved_groups,
                                  layout.get("dept_schedule"), group_keys=bool(layout.get("outer_group_keys")),
-                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g)) if optimizer
-                                 else None)
+                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g, layout, reshard))
+                                 if optimizer else None)
         except ConfigError:
             raise
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -774,8 +807,9 @@ def _load_group_state(trainer, hooks, path: str, layout: dict, mode: str, notes:
     import torch.distributed.checkpoint as dcp
     pg = trainer.pg
     entries, install = group_state_targets(hooks, trainer, path,
-                                           saved_groups=int(layout["groups"]) if mode == "regroup" else None)
-    if mode == "reshard":
+                                           saved_groups=int(layout["groups"]) if mode.startswith("regroup")
+                                           else None)
+    if mode in ("reshard", "regroup_reshard"):
         from .reshard import load_resharded
         load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
     else:
@@ -828,15 +862,24 @@ class _HookFiles(Mapping):
 
 def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     """The round hooks' state of checkpoint ``path`` under another tensor / pipeline /
-    virtual-pipeline layout (``check_layout``: ``"reshard"``). Saved once per (tp, pp, group)
-    (SPEC / SPEC-OPT with the plain optimizer): the old tensor ranks of this stage
-    (``DeptHooks.load_state_dict_resharded``) or, under another pipeline layout or into the
-    distributed optimizer, the old stages of this group (only this rank's stage under the same
-    pipeline layout), joined by parameter name (``load_state_dict_repartitioned``). Saved per
-    rank (TRIM; SPEC / SPEC-OPT with the distributed optimizer): every old rank of this stage,
-    or of every stage under another pipeline layout (``load_state_dict_rank_resharded``: the
-    distributed optimizer's pieces and TRIM's φ row shards joined; the old files are read as
-    needed)."""
+    virtual-pipeline layout (``check_layout``: ``"reshard"``): :func:`_resharded_hook_state`
+    of this rank's group, loaded."""
+    _resharded_hook_state(trainer, hooks, path, layout, trainer.pg.group_index, load=True)
+
+
+def _resharded_hook_state(trainer, hooks, path: str, layout: dict, group: int, strategy_state: bool = True,
+                          load: bool = False) -> Optional[dict]:
+    """Old group ``group``'s round-hook state of checkpoint ``path`` for this rank under another
+    tensor / pipeline / virtual-pipeline layout (``load``: loaded into ``hooks`` instead of
+    returned). The same at every (tp, pp) position (GLOB without per-source state): old
+    position (0, 0)'s file. Saved once per (tp, pp, group) (SPEC / SPEC-OPT with the plain
+    optimizer): the old tensor ranks of this stage (``DeptHooks.resharded_state``) or, under
+    another pipeline layout or into the distributed optimizer, the old stages of the group
+    (only this rank's stage under the same pipeline layout), joined by parameter name
+    (``repartitioned_state``). Saved per rank (TRIM; per-source state with the distributed
+    optimizer): every old rank of this stage, or of every stage under another pipeline layout
+    (``rank_resharded_state``: the distributed optimizer's pieces and TRIM's φ row shards
+    joined, the latter only with ``strategy_state``; the old files are read as needed)."""
     from .config import ConfigError
     from .dept.driver import PerRankChunkBuffers
     pg = trainer.pg
@@ -845,17 +888,22 @@ def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
     stages = range(P) if staged else [pg.pp_rank]
 
     def file(t: int, d: int, p: int) -> str:
-        return _hook_file(path, layout, t, d, p, pg.group_index)
+        return _hook_file(path, layout, t, d, p, group)
 
     try:
-        if not layout.get("hooks_dp0"):
+        if layout.get("hooks_dp0") and getattr(hooks, "hook_state_reshardable", lambda: False)():
+            sd = _safe_load(file(0, 0, 0), trainer.device)
+        elif not layout.get("hooks_dp0"):
             files = _HookFiles({(t, d, p): file(t, d, p) for p in stages for t in range(T) for d in range(D)})
-            hooks.load_state_dict_rank_resharded(files, staged)
+            sd = hooks.rank_resharded_state(files, staged, strategy_state)
         elif staged or trainer.cfg.optim.distributed:  # by parameter name (the distributed one: cut here)
-            hooks.load_state_dict_repartitioned({(t, p): _safe_load(file(t, 0, p), "cpu")
-                                                 for t in range(T) for p in stages})
+            sd = hooks.repartitioned_state({(t, p): _safe_load(file(t, 0, p), "cpu") for t in range(T) for p in stages})
         else:
-            hooks.load_state_dict_resharded([_safe_load(file(t, 0, pg.pp_rank), trainer.device) for t in range(T)])
+            sd = hooks.resharded_state([_safe_load(file(t, 0, pg.pp_rank), trainer.device) for t in range(T)])
+        if not load:
+            return sd
+        hooks.load_state_dict(sd)
+        return None
     except PerRankChunkBuffers as exc:
         changed = [k for k in ("tensor", "pipeline", "virtual_pipeline")
                    if int(layout[k]) != (trainer.cfg.parallel.virtual_pipeline if k == "virtual_pipeline"
@@ -898,19 +946,26 @@ def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings:
     return out
 
 
-def _read_body_optimizer(trainer, path: str, group: int) -> dict:
+def _read_body_optimizer(trainer, path: str, group: int, layout: Optional[dict] = None,
+                         reshard: bool = False) -> dict:
     """A copy of the body optimizer's state dict as group ``group`` of checkpoint ``path``
     saved it, in this rank's optimizer layout (``dept_mega.optim_reshard``: the distributed
-    optimizer's pieces joined and cut; read by this process alone; the trainer's body
-    optimizer state is overwritten)."""
+    optimizer's pieces joined and cut; ``reshard``: under another tensor / pipeline layout,
+    ``dept_mega.reshard``, ``layout`` the checkpoint's; read by this process alone; the
+    trainer's body optimizer state is overwritten)."""
     import copy
-    from .optim_reshard import load_redistributed
     opt = trainer.body_optimizer
     opt.ensure_state()
     mine = f"model/g{trainer.pg.group_index}/"
     entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
                if k.startswith("optim/body/")}
-    load_redistributed(entries, path)
+    if reshard:
+        from .reshard import load_resharded
+        pg = trainer.pg
+        load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+    else:
+        from .optim_reshard import load_redistributed
+        load_redistributed(entries, path)
     return copy.deepcopy(opt.state_dict())
 
 

@@ -28,7 +28,7 @@ def test_rebased_schedule_continues_the_same_plans():
     assert rebased.origin() == {"round": 4, "last_group": list(p.last_group), "rounds_before": list(p.rounds_before)}
 
 
-def _make(cfg, run_dir, K):
+def _make(cfg, run_dir, K, tensor=1):
     vocabs = (60, 200, 96, 120) if cfg.dept.variant == "spec_opt" else None
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
@@ -36,7 +36,7 @@ def _make(cfg, run_dir, K):
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    pg = build_groups(1, 1, 1)  # G = world size
+    pg = build_groups(tensor, 1, 1)  # G = world size / tensor
     infos = source_infos(K, vocabs=vocabs, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -280,3 +280,74 @@ def _check_regrouped_buffers(first, second):
             assert not any(got["eager_known"]) and all(float(t.abs().max()) == 0 for t in got["eager_base"]), cat
         assert any("dept.outer_error_feedback" in n and "mean" in n for n in r["notes"]), r["notes"]
         assert any("dept.outer_overlap_rule" in n and "reset" in n for n in r["notes"]), r["notes"]
+
+
+# TRIM (learned positions, Nesterov with per-row momentum) with int8 error feedback and the body's
+# AdamW state owned by the group (dept.reset_inner_optimizer: false)
+TRIM_EF_GROUP = {"dept": {"variant": "trim", "local_steps": 2, "outer_comm_dtype": "int8", "outer_error_feedback": True,
+                          "outer_quant_block": 2,
+                          "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
+                 "model": {"position_embedding": "learned"}, "train": {"save_interval": 0, "eval_interval": 0}}
+
+
+def _regroup_only(rank, world, over, run_dir, out_dir, K):
+    """Load the G = 2, T = 1 checkpoint with G = 1, T = 1 and write it back at once."""
+    cfg = tiny_config(dict(over, train=dict(over["train"], steps=8, run_dir=out_dir)))
+    loop, _ = _make(cfg, out_dir, K)
+    assert loop.checkpointer.load(loop) is None  # (nothing there yet)
+    from dept_mega.checkpoint import load_weights
+    load_weights(loop.trainer, run_dir, 4, hooks=loop.hooks)
+    loop.trainer.step = 4
+    loop.checkpointer.save(loop)
+
+
+def _state_now(loop) -> dict:
+    return {"body": body_vector(loop.trainer), "inner": _inner(loop), "held": _held(loop),
+            "outer": {c: s.param_state() for c, s in sorted(loop.hooks.outer_syncs().items())},
+            "buffers": _group_buffers(loop), "positions": {n: loop.hooks.source_steps(n, 4) for n in loop.hooks.names},
+            "phi": {k: v for k, v in loop.hooks.strategy.state_dict().items() if k.startswith("phi")}}
+
+
+def _combined_and_two_step(rank, world, over, run_dir, two_step_dir, out_dirs, K):
+    """T = 2, G = 1: (a) straight from the G = 2, T = 1 checkpoint (another G and T at once);
+    (b) from the G = 1, T = 1 checkpoint that _regroup_only wrote (another T alone). Each then
+    trains to step 8."""
+    out = {}
+    for name, src in (("combined", run_dir), ("two_step", two_step_dir)):
+        cfg = tiny_config(dict(over, train=dict(over["train"], steps=8, run_dir=src), parallel={"tensor": 2}))
+        loop, losses = _make(cfg, src, K, tensor=2)
+        assert loop.checkpointer.load(loop) == 4
+        state = _state_now(loop)
+        loop.checkpointer.run_dir = out_dirs[name]  # later saves elsewhere (the source stays as it was)
+        loop.run()
+        out[name] = dict(state, losses=losses, notes=list(loop.checkpointer.notes))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_another_number_of_groups_and_tensor_size_at_once(tmp_path):
+    """A round-boundary checkpoint written by G = 2 groups with T = 1 loads into G = 1 with T = 2
+    in one launch (``check_layout``: ``"regroup_reshard"``: each old group's hook state
+    resharded, then regrouped). TRIM with int8 error feedback and group-owned body AdamW state:
+    the state right after the load — body shards, body AdamW state (old group 0's), each
+    source's compact-table AdamW state, φ with its row momentum, the outer state, the averaged
+    residuals, the data positions — equals, tensor for tensor, the state reached in two steps
+    (the same checkpoint regrouped to G = 1 with T = 1 and written back, then resharded to
+    T = 2; each step is tested on its own in this file and tests/test_reshard.py), and the
+    losses of two more rounds agree within 1e-6."""
+    K = 4
+    run_dir, two = str(tmp_path / "run"), str(tmp_path / "two_step")
+    run_distributed(_first_phase, 2, args=(TRIM_EF_GROUP, run_dir, K, 4), timeout=200)
+    run_distributed(_regroup_only, 1, args=(TRIM_EF_GROUP, run_dir, two, K), timeout=200)
+    outs = {n: str(tmp_path / f"out_{n}") for n in ("combined", "two_step")}
+    res = run_distributed(_combined_and_two_step, 2, args=(TRIM_EF_GROUP, run_dir, two, outs, K), timeout=300)
+    for r in res:
+        got, want = r["combined"], r["two_step"]
+        for key in ("body", "inner", "held", "outer", "buffers", "positions", "phi"):
+            _same(got[key], want[key], key)
+        assert any(float(t.abs().max()) > 0 for t in got["buffers"]["outer_body"]["residual"])
+        assert len(got["losses"]) == 4
+        assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=0), \
+            (got["losses"], want["losses"])
+        assert any("dept.reset_inner_optimizer" in n for n in got["notes"]), got["notes"]

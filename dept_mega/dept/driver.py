@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -65,6 +66,26 @@ def _missing_chunk_buffer(entry: str, attr: str, k: str):
     return ConfigError(f"config key '{CHUNK_BUFFER_KEYS[entry]}': the checkpoint holds an outer {attr} for {k!r} "
                        f"in its hook files (written with it), this run keeps none there; resume with the setting "
                        f"the checkpoint was written with")
+
+
+class _AtStage(Mapping):
+    """``sds[(tp, dp)]`` of one pipeline stage seen as ``[(tp, dp, pp)]`` (the keys of
+    ``VariantStrategy.joined_state``); values read on access."""
+
+    def __init__(self, sds: Mapping, pp: int) -> None:
+        self._sds, self._pp = sds, pp
+
+    def __getitem__(self, key):
+        t, d, p = key
+        if p != self._pp:
+            raise KeyError(key)
+        return self._sds[(t, d)]
+
+    def __iter__(self):
+        return ((t, d, self._pp) for t, d in self._sds)
+
+    def __len__(self) -> int:
+        return len(self._sds)
 
 
 def refuse_chunk_buffers(sd: dict) -> None:
@@ -347,14 +368,14 @@ class DeptHooks:
         optimizer switched on or off — through :meth:`load_state_dict_dp_joined` (and
         :meth:`dp_joined_state` for :meth:`load_regrouped`): the old data-parallel ranks' pieces
         are joined and this rank's cut (``optim_reshard.redistribute_state_dict``); TRIM's φ
-        rows are joined beside them (``TrimStrategy.join_rank_states``)."""
+        rows are joined beside them (``VariantStrategy.joined_state``)."""
         return True
 
     def load_state_dict_dp_joined(self, sds: dict) -> None:
         """:meth:`load_state_dict` from ``sds[(tp, dp)]``, the hook states saved by every rank of
         this rank's (pipeline stage, group) under another data-parallel size (or, saved once
         per (tp, pp, group), data-parallel rank 0's only): TRIM's row-sharded φ and chunked
-        outer state joined (``TrimStrategy.join_rank_states``) and cut here, and the rest as
+        outer state joined (``VariantStrategy.joined_state``) and cut here, and the rest as
         :meth:`dp_joined_state` says."""
         self.load_state_dict(self.dp_joined_state(sds))
 
@@ -374,10 +395,9 @@ class DeptHooks:
         old = sorted(d for t, d in sds if t == tp)
         if not strategy_state:
             sd = {k: v for k, v in mine.items() if k not in self.strategy.STATE_KEYS}
-        elif self.strategy.name == "trim":  # φ's row shards and its chunked outer state joined
-            sd = self.strategy.join_rank_states(mine, sds)
-        else:
+        else:  # the strategy's own state whole (TRIM: φ's row shards, the positions' chunked outer state)
             sd = dict(mine)
+            sd.update(self.strategy.joined_state(_AtStage(sds, self.pg.pp_rank)))
         if self.per_source:
             replicas = [sds[(tp, d)] for d in old]
             self._same_sources(replicas)
@@ -494,12 +514,10 @@ class DeptHooks:
         return out.clone()
 
     def load_state_dict_repartitioned(self, sds: dict) -> None:
-        """:meth:`load_state_dict` of :meth:`_repartitioned_state`."""
-        for x in sds.values():
-            refuse_chunk_buffers(x)
-        self.load_state_dict(self._repartitioned_state(sds))
+        """:meth:`load_state_dict` of :meth:`repartitioned_state`."""
+        self.load_state_dict(self.repartitioned_state(sds))
 
-    def _repartitioned_state(self, sds: dict) -> dict:
+    def repartitioned_state(self, sds: dict) -> dict:
         """This rank's :meth:`state_dict` from ``sds[(tp, pp)]``, the state dicts saved at every
         (tensor rank, pipeline rank) of this rank's group under another tensor, pipeline and / or
         virtual-pipeline layout (each with the ``param_names`` of :meth:`state_dict`). Per
@@ -512,6 +530,8 @@ class DeptHooks:
         stage (the same pipeline layout). The optimizer states come out for this rank's
         optimizers: the distributed optimizer's pieces are cut from the resharded whole
         (``optim_reshard.redistribute_state_dict``)."""
+        for x in sds.values():
+            refuse_chunk_buffers(x)
         from ..optim_reshard import groups_like, redistribute_state_dict
         from ..optimizer import state_order
         T = 1 + max(t for t, _ in sds)
@@ -613,17 +633,18 @@ class DeptHooks:
         return sd
 
     def load_state_dict_resharded(self, sds: list[dict]) -> None:
-        """:meth:`load_state_dict` of :meth:`_resharded_state`."""
-        for x in sds:
-            refuse_chunk_buffers(x)
-        self.load_state_dict(self._resharded_state(sds))
+        """:meth:`load_state_dict` of :meth:`resharded_state`."""
+        self.load_state_dict(self.resharded_state(sds))
 
-    def _resharded_state(self, sds: list[dict]) -> dict:
+    def resharded_state(self, sds: list[dict]) -> dict:
         """This rank's :meth:`state_dict` from the state dicts saved by tensor ranks 0..T'-1 of this
         rank's (pipeline rank, group) under another tensor size T': every per-source tensor
         (embedding weights, their AdamW moments, the body's AdamW moments when kept per source)
         is joined along its parameter's partition dimension and cut into this rank's shard
         (``dept_mega.reshard``)."""
+
+        for x in sds:
+            refuse_chunk_buffers(x)
 
         def optimizer_sd(parts: list[Optional[dict]], opt) -> Optional[dict]:
             if parts[0] is None:
@@ -677,6 +698,10 @@ class DeptHooks:
                                                                       and self.body_per_source)
 
     def load_state_dict_rank_resharded(self, sds, staged: bool) -> None:
+        """:meth:`load_state_dict` of :meth:`rank_resharded_state`."""
+        self.load_state_dict(self.rank_resharded_state(sds, staged))
+
+    def rank_resharded_state(self, sds, staged: bool, strategy_state: bool = True) -> dict:
         """:meth:`load_state_dict` (TRIM; SPEC / SPEC-OPT saved with the distributed optimizer)
         from ``sds[(tp, dp, pp)]``, the state dicts saved by the old ranks of this rank's group
         under another tensor / pipeline / virtual-pipeline (and maybe data-parallel) layout:
@@ -684,11 +709,11 @@ class DeptHooks:
         size), else of this rank's stage (a mapping that may read its files lazily). The
         per-source state (SPEC's embeddings or TRIM's compact tables, their AdamW state, the
         body's with ``dept.body_optimizer_state: source``) comes from the old data rank 0 files
-        and is joined and cut by :meth:`_repartitioned_state` by parameter name when
-        ``staged``, else :meth:`_resharded_state`. With the distributed optimizer on either
+        and is joined and cut by :meth:`repartitioned_state` by parameter name when
+        ``staged``, else :meth:`resharded_state`. With the distributed optimizer on either
         side the per-source optimizer states are joined by parameter name from the pieces of
         every old data rank (:meth:`_plain_payloads`; all files of the stages read), resharded
-        by name (:meth:`_repartitioned_state`) and cut into this rank's pieces. The strategy's
+        by name (:meth:`repartitioned_state`) and cut into this rank's pieces. The strategy's
         own state (``STATE_KEYS``; TRIM: φ, φ_head, their per-row outer state and the learned
         positions' outer state) is joined whole (``joined_state``; SPEC / SPEC-OPT: none) and
         :meth:`load_state_dict` cuts this rank's rows and chunk."""
@@ -697,18 +722,19 @@ class DeptHooks:
         stages = sorted({p for _, _, p in sds})
         refuse_chunk_buffers(sds[(0, 0, stages[0])])  # every old rank's file holds its chunk, if any
         if self.cfg.optim.distributed or self._has_pieces(sds[(0, 0, stages[0])]):
-            sd = self._repartitioned_state({(t, p): self._plain_payloads([sds[(t, d, p)] for d in range(D)])
+            sd = self.repartitioned_state({(t, p): self._plain_payloads([sds[(t, d, p)] for d in range(D)])
                                             for t in range(T) for p in stages})
         elif staged:
-            sd = self._repartitioned_state({(t, p): sds[(t, 0, p)] for t in range(T) for p in stages})
+            sd = self.repartitioned_state({(t, p): sds[(t, 0, p)] for t in range(T) for p in stages})
         else:
             if stages != [self.pg.pp_rank]:
                 raise ValueError(f"expected the hook state of pipeline rank {self.pg.pp_rank}, got stages {stages}")
-            sd = self._resharded_state([sds[(t, 0, self.pg.pp_rank)] for t in range(T)])
+            sd = self.resharded_state([sds[(t, 0, self.pg.pp_rank)] for t in range(T)])
         own = self.strategy.STATE_KEYS
         sd = {k: v for k, v in sd.items() if k not in own}
-        sd.update(self.strategy.joined_state(sds))
-        self.load_state_dict(sd)
+        if strategy_state:  # (load_regrouped takes it from old group 0's only)
+            sd.update(self.strategy.joined_state(sds))
+        return sd
 
     @staticmethod
     def _payloads_of(sd: dict) -> list[dict]:
@@ -737,7 +763,7 @@ class DeptHooks:
         every per-source optimizer state that the distributed optimizer saved in pieces joined
         from ``replicas`` (every old data rank's state dict there, in data-parallel order)
         into the plain optimizer's form, named by parameter
-        (``optim_reshard.join_named_pieces``), for :meth:`_repartitioned_state`."""
+        (``optim_reshard.join_named_pieces``), for :meth:`repartitioned_state`."""
         from ..optim_reshard import join_named_pieces
         first = replicas[0]
         self._same_sources(replicas)

@@ -248,24 +248,6 @@ class TrimStrategy(VariantStrategy):
                 "position_sync": join_flat_sync_chunks([sd["position_sync"] for sd in replicas])}
 
     @staticmethod
-    def join_rank_states(mine: dict, sds: dict) -> dict:
-        """:meth:`state_dict` of this rank in a layout with another data-parallel size, from
-        ``sds[(tp, dp)]`` = the states saved by every rank of this (pipeline stage, group) in
-        the old layout (``mine``: the old rank at this tensor position and data rank 0): φ and
-        φ_head (and their per-row state) joined from their row shards into whole tables, which
-        :meth:`load_state_dict` cuts into this rank's rows; the learned positions' outer state
-        joined from the old replicas' chunks at this tensor position (the full form that
-        ``FlatSync.load_state_dict`` cuts)."""
-        out = dict(mine)
-        for key in ("phi", "phi_head"):
-            if key in mine:
-                out.update(TrimStrategy._join_table(key, list(sds.values())))
-        if "position_sync" in mine:
-            tp = next(t for (t, d), sd in sds.items() if sd is mine)
-            out.update(TrimStrategy._join_positions([sds[(tp, d)] for d in sorted(d for t, d in sds if t == tp)]))
-        return out
-
-    @staticmethod
     def joined_state(sds) -> dict:
         """TRIM's own part of :meth:`state_dict` (``STATE_KEYS``) whole, for a rank of any
         layout, from ``sds[(tp, dp, pp)]`` = the states saved by the old ranks of this group
