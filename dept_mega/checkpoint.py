@@ -70,7 +70,7 @@ from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointEr
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_json_durable, write_manifest)
 from .checkpoint_state import (group_state_targets, group_state_tensors, has_group_state, has_outer_state,
-                               outer_state_tensors, outer_state_targets)
+                               outer_state_tensors, outer_state_targets, unused_group_buffers)
 from .parallel.agree import all_gather_text
 from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
@@ -775,6 +775,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             install()
     if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
         _load_group_state(trainer, hooks, path, layout, mode, notes)
+    if hooks is not None and layout.get("outer_group_keys") and notes is not None:
+        notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
 
 
 def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes: Optional[list]) -> None:

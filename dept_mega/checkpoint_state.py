@@ -238,3 +238,14 @@ def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] =
         return notes
 
     return entries, install
+
+
+def unused_group_buffers(hooks, path: str) -> list[str]:
+    """Lines to log for the per-group buffers that checkpoint ``path`` holds (``outer_group_keys``)
+    and this run does not keep (error feedback or the eager start switched off on resume): they
+    are not loaded, and the run continues without them."""
+    kept = {kind for s in _syncs(hooks).values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
+    held = sorted({(cat, kind) for cat, _, kind in _saved_group_keys(path) if kind in GROUP_BUFFERS})
+    return [f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds the outer {kind} of {cat}, which this run does "
+            f"not keep; not loaded (it continues without {'error feedback' if kind == 'residual' else 'the eager start'})"
+            for cat, kind in held if kind not in kept]

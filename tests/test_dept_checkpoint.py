@@ -412,6 +412,17 @@ def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
     for k, (base, known) in got.items():  # (one group: E = Δ̄ − Δ_g / 1 = 0)
         assert all(known), (k, known)  # every part synced once before the save
     assert check_layout(loop2.trainer, str(step), hooks=loop2.hooks) == "same"
+    # resumed with the eager start switched off: the saved estimates are not loaded, and that is logged
+    plain = tiny_config({"dept": {"variant": "glob", "local_steps": 2, "outer_overlap": True, "outer_delay": 1,
+                                  "outer_overlap_rule": "correction", "reset_inner_optimizer": True},
+                         "train": {"steps": 4, "save_interval": 2, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop4, _ = _make(plain, str(tmp_path), 0)
+    notes: list = []
+    load_weights(loop4.trainer, str(tmp_path), int(step.name.split("_")[1]), hooks=loop4.hooks, notes=notes)
+    assert any(n.startswith("dept.outer_overlap_rule:") and "not loaded" in n for n in notes), notes
+    notes = []
+    load_weights(loop2.trainer, str(tmp_path), int(step.name.split("_")[1]), hooks=loop2.hooks, notes=notes)
+    assert not any("not loaded" in n for n in notes), notes
     # a checkpoint of the earlier format: E in the per-rank hook file, no per-parameter keys
     sd = torch.load(step / "hooks_rank0.pt", weights_only=True)
     sd["outer_eager"] = {k: base + 1 for k, (base, _) in got.items()}
