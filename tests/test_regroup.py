@@ -1,7 +1,9 @@
 """A DEPT checkpoint taken at a round boundary loads with another number of source groups G
 (another process count): the body, GLOB's embeddings and the outer state are the same in
 every group there, the sources' own state (SPEC: embeddings) is keyed by source, and the
-schedule continues from the checkpoint's history (``RoundScheduler.rebase``)."""
+schedule continues from the checkpoint's history (``RoundScheduler.rebase``); inner optimizer
+state owned by a group goes to new group g from old group g mod G_old; another tensor size may
+change in the same launch."""
 import io
 
 import pytest

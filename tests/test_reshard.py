@@ -13,10 +13,12 @@ another tensor, pipeline or virtual-pipeline size for TRIM (φ's row shards join
 old rank, its per-source state like SPEC's; with the distributed optimizer too: its pieces
 joined by parameter name, optim_reshard.join_named_pieces; the same for SPEC-OPT's per-source
 state saved per rank with the distributed optimizer, here with another D too). A SPEC checkpoint without those names (layout.json without
-hooks_param_names) under another P or VP and TRIM with error feedback under another T are
-refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
+hooks_param_names) under another P or VP and a checkpoint of the earlier format whose hook files
+keep error-feedback residuals under another T are refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
 and TRIM's error-feedback residuals (saved per parameter and group) are cut into the new
-replicas' chunks, and GLOB's residuals and eager estimates reshard under another T and P. The
+replicas' chunks, and the residuals and eager estimates reshard under another T and P (GLOB,
+SPEC; TRIM's and SPEC-OPT's residuals with the distributed optimizer); GLOB's per-source body
+state like SPEC-OPT's; with dropout the streams are re-seeded under another T / P. The
 distributed optimizer switched on or off, under another D and bucket size
 (dept_mega.optim_reshard), also with SPEC-OPT's and TRIM's per-source optimizer states (per rank with the
 distributed optimizer: joined from the old replicas' pieces and cut,
