@@ -30,7 +30,7 @@ def test_rebased_schedule_continues_the_same_plans():
     assert rebased.origin() == {"round": 4, "last_group": list(p.last_group), "rounds_before": list(p.rounds_before)}
 
 
-def _make(cfg, run_dir, K, tensor=1):
+def _make(cfg, run_dir, K, tensor=1, data=1):
     vocabs = (60, 200, 96, 120) if cfg.dept.variant == "spec_opt" else None
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
@@ -38,7 +38,7 @@ def _make(cfg, run_dir, K, tensor=1):
     from dept_mega.metrics import MetricsWriter
     from dept_mega.parallel.groups import build_groups
     from dept_mega.trainer import Trainer
-    pg = build_groups(tensor, 1, 1)  # G = world size / tensor
+    pg = build_groups(tensor, data, 1)  # G = world size / (tensor x data)
     infos = source_infos(K, vocabs=vocabs, trim=cfg.dept.variant == "trim")
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=infos[0].vocab_size)
@@ -46,7 +46,7 @@ def _make(cfg, run_dir, K, tensor=1):
     by_name = {s.name: s for s in infos}
 
     def make_iterator(name):
-        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]))
+        return SyntheticSource(cfg, infos.index(by_name[name]) + 1, allowed_ids(by_name[name]), pg.dp_rank, pg.dp_size)
 
     writer = MetricsWriter(run_dir, enabled=False, stream=io.StringIO())
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir))
@@ -132,11 +132,12 @@ def _first_phase(rank, world, over, run_dir, K, step):
             "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
 
 
-def _second_phase(rank, world, over, run_dir, native_dir, K, steps):
+def _second_phase(rank, world, over, run_dir, native_dir, K, steps, data=1):
+    over = dict(over, parallel={"data": data})
     cfg = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=run_dir)))
-    loop, losses = _make(cfg, run_dir, K)
+    loop, losses = _make(cfg, run_dir, K, data=data)
     step = loop.checkpointer.load(loop)
-    state = {"step": step, "body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
+    state = {"step": step, "dp_rank": loop.trainer.pg.dp_rank, "body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
              "buffers": _group_buffers(loop), "notes": list(loop.checkpointer.notes), "inner": _inner(loop),
              "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
                      if n.startswith("embeddings.")},
@@ -146,7 +147,7 @@ def _second_phase(rank, world, over, run_dir, native_dir, K, steps):
     loop.run()
     # reference: a run of this layout started from that native checkpoint (no change of groups)
     cfg2 = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=native_dir)))
-    loop2, losses2 = _make(cfg2, native_dir, K)
+    loop2, losses2 = _make(cfg2, native_dir, K, data=data)
     assert loop2.checkpointer.load(loop2) == step
     loop2.run()
     return dict(state, losses=losses, reference=losses2, body_end=body_vector(loop.trainer),
@@ -172,14 +173,16 @@ def _same(a, b, what):
 @pytest.mark.timeout(400)
 # (GLOB's plain G 4 -> 2 is glob_ef_eager without error feedback and the eager start: not run
 # separately, for the suite's time)
-@pytest.mark.parametrize("variant,g_old,g_new", [("spec_group_state", 2, 4), ("spec_opt", 4, 2),
+@pytest.mark.parametrize("variant,g_old,g_new", [("spec_group_state", 2, 4), ("spec_opt_dp2", 4, 2),
                                                   ("spec_opt_distributed", 2, 4), ("trim_distributed_ef_eager", 4, 2),
                                                   ("glob_ef_eager", 4, 2)])
 def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     """Train 2 rounds under G=g_old (K=4 sources, Nesterov outer optimizer; SPEC and GLOB
     with dept.reset_inner_optimizer, SPEC-OPT — one vocabulary per source — with the body's
     AdamW state kept per source instead), save at the round boundary, resume under G=g_new
-    for 2 rounds. ``spec_group_state``: SPEC without either (the body's AdamW state belongs to
+    for 2 rounds. ``spec_opt_dp2``: the G = 2 launch has 2 data-parallel replicas per group
+    (another G and another D at once; each replica holds its group's sources' state).
+    ``spec_group_state``: SPEC without either (the body's AdamW state belongs to
     the group, dept.reset_inner_optimizer: false, the default): new group g continues with old
     group g mod G_old's, as a replica joining a DiLoCo job receives a peer's, and the load logs
     it.
@@ -209,6 +212,8 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     received stays in the next mean), the estimates are reset (no part knows a previous mean:
     the next sync of each starts from the local weights), and the load logs one line for each
     (``Checkpointer.notes``)."""
+    data = 2 if variant.endswith("_dp2") else 1
+    variant = variant.removesuffix("_dp2")
     group_state = variant.endswith("_group_state")
     variant = variant.removesuffix("_group_state")
     ef_eager = variant.endswith("_ef_eager")
@@ -232,13 +237,14 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
     K = 4
     run_dir, native = str(tmp_path / "run"), str(tmp_path / "native")
     first = run_distributed(_first_phase, g_old, args=(over, run_dir, K, 4), timeout=200)
-    second = run_distributed(_second_phase, g_new, args=(over, run_dir, native, K, 8), timeout=300)
+    second = run_distributed(_second_phase, g_new * data, args=(over, run_dir, native, K, 8, data), timeout=300)
     held_before = {}
     for r in first:
         for name, sd in r["held"].items():
             assert name not in held_before
             held_before[name] = sd
     held_after = {}
+    held_by_group = {n: sd for r in second if not r["dp_rank"] for n, sd in r["held"].items()}
     for r in second:
         assert r["step"] == 4
         _same(r["body"], first[0]["body"], "body")
@@ -247,6 +253,9 @@ def test_resume_with_another_number_of_groups(tmp_path, variant, g_old, g_new):
         if variant == "glob":
             _same(r["emb"], first[0]["emb"], "GLOB embeddings")
         for name, sd in r["held"].items():
+            if r["dp_rank"]:  # a replica: the same as its group's data rank 0
+                _same(sd, held_by_group[name], f"{name} on a data-parallel replica")
+                continue
             assert name not in held_after, f"{name} held by two groups"
             held_after[name] = sd
         assert len(r["losses"]) == 4
