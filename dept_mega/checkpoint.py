@@ -305,7 +305,6 @@ def _refuse_per_rank_chunk_buffers(path: str, saved: dict, changed: list, device
     chunk, so rank 0's tells)."""
     if not saved.get("per_rank_hooks") or saved.get("outer_group_keys"):
         return
-    from .config import ConfigError
     from .dept.driver import PerRankChunkBuffers, refuse_chunk_buffers
     first = os.path.join(path, "hooks_rank0.pt")
     if not os.path.exists(first):
@@ -313,10 +312,17 @@ def _refuse_per_rank_chunk_buffers(path: str, saved: dict, changed: list, device
     try:
         refuse_chunk_buffers(_safe_load(first, device))
     except PerRankChunkBuffers as exc:
-        raise ConfigError(f"config key 'parallel.{changed[0]}': checkpoint {path} was written with "
-                          f"parallel.tensor={saved.get('tensor')}, parallel.pipeline={saved.get('pipeline')}, "
-                          f"parallel.virtual_pipeline={saved.get('virtual_pipeline')}; resume it with that layout "
-                          f"(not resharded: {exc})") from None
+        raise _chunk_buffers_refusal(path, saved, changed, exc) from None
+
+
+def _chunk_buffers_refusal(path: str, saved: dict, changed: list, exc: Exception):
+    """The ConfigError for per-rank chunk buffers (``PerRankChunkBuffers`` ``exc``) of checkpoint
+    ``path`` (``saved``: its layout) under the changed layout keys ``changed``."""
+    from .config import ConfigError
+    return ConfigError(f"config key 'parallel.{changed[0]}': checkpoint {path} was written with "
+                       f"parallel.tensor={saved.get('tensor')}, parallel.pipeline={saved.get('pipeline')}, "
+                       f"parallel.virtual_pipeline={saved.get('virtual_pipeline')}; resume it with that layout "
+                       f"(not resharded: {exc})")
 
 
 def _uncounted(hooks):
@@ -370,6 +376,14 @@ def _model_state(trainer) -> dict[str, torch.Tensor]:
         for k, v in opt.checkpoint_tensors(lambda p: names.get(id(p))).items():
             out[f"optim/{opt_name}/{k}"] = v
     return out
+
+
+def _load_resharded(trainer, entries: dict[str, torch.Tensor], path: str, layout: dict) -> None:
+    """``entries`` (this rank's keys) filled in place from checkpoint ``path``, written under
+    ``layout`` (its layout.json) with another tensor / pipeline layout: ``dept_mega.reshard``."""
+    from .reshard import load_resharded
+    pg = trainer.pg
+    load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
 
 
 def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
@@ -677,8 +691,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                          f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
                          f"replica joining a DiLoCo job receives a peer's)")
         if reshard:  # and another tensor / pipeline layout: the old group's shards joined and cut
-            from .reshard import load_resharded
-            load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+            _load_resharded(trainer, state, path, layout)
         else:
             from .optim_reshard import load_redistributed  # distributed-optimizer pieces joined
             load_redistributed(state, path)
@@ -686,8 +699,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         from .optim_reshard import load_redistributed
         load_redistributed(state, path)
     elif reshard:  # another tensor / pipeline layout (dept_mega.reshard)
-        from .reshard import load_resharded
-        load_resharded(state, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+        _load_resharded(trainer, state, path, layout)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -766,8 +778,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             with _uncounted(hooks):
                 entries, install = outer_state_targets(hooks, trainer)
             if reshard:  # joined and cut like the parameters they shadow (dept_mega.reshard)
-                from .reshard import load_resharded
-                load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+                _load_resharded(trainer, entries, path, layout)
             else:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -790,8 +801,8 @@ def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes:
     m = trainer.cfg.model
     if notes is None or not (m.hidden_dropout > 0 or m.attention_dropout > 0):
         return
-    par = trainer.cfg.parallel
-    now = {"tensor": trainer.pg.tp_size, "pipeline": trainer.pg.pp_size, "virtual_pipeline": par.virtual_pipeline}
+    now = {k: v for k, v in _layout(trainer, per_rank_hooks=False).items() if k in ("tensor", "pipeline",
+                                                                                      "virtual_pipeline")}
     said = ", ".join(f"parallel.{k}={layout.get(k)}" for k in now)
     line = (f"model.hidden_dropout / model.attention_dropout: checkpoint {path} was written with {said} (this "
             f"launch: {', '.join(f'{v}' for v in now.values())}); its dropout streams (per tensor and pipeline "
@@ -807,13 +818,11 @@ def _load_group_state(trainer, hooks, path: str, layout: dict, mode: str, notes:
     tensor / pipeline layout like θ_{t-1}; under another number of groups every old group's,
     combined as ``group_state_targets`` says. The lines to log go to ``notes``."""
     import torch.distributed.checkpoint as dcp
-    pg = trainer.pg
     entries, install = group_state_targets(hooks, trainer, path,
                                            saved_groups=int(layout["groups"]) if mode.startswith("regroup")
                                            else None)
     if mode in ("reshard", "regroup_reshard"):
-        from .reshard import load_resharded
-        load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+        _load_resharded(trainer, entries, path, layout)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -907,13 +916,8 @@ def _resharded_hook_state(trainer, hooks, path: str, layout: dict, group: int, s
         hooks.load_state_dict(sd)
         return None
     except PerRankChunkBuffers as exc:
-        changed = [k for k in ("tensor", "pipeline", "virtual_pipeline")
-                   if int(layout[k]) != (trainer.cfg.parallel.virtual_pipeline if k == "virtual_pipeline"
-                                         else {"tensor": pg.tp_size, "pipeline": pg.pp_size}[k])]
-        key = f"parallel.{changed[0]}" if changed else "parallel.tensor"
-        raise ConfigError(f"config key '{key}': checkpoint {path} was written with parallel.tensor={T}, "
-                          f"parallel.pipeline={P}, parallel.virtual_pipeline={layout['virtual_pipeline']}; resume "
-                          f"it with that layout (not resharded: {exc})") from None
+        changed = _layout_changes(layout, _layout(trainer, per_rank_hooks=False))[0] or ["tensor"]
+        raise _chunk_buffers_refusal(path, layout, changed, exc) from None
     except ConfigError:
         raise
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -962,9 +966,7 @@ def _read_body_optimizer(trainer, path: str, group: int, layout: Optional[dict] 
     entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
                if k.startswith("optim/body/")}
     if reshard:
-        from .reshard import load_resharded
-        pg = trainer.pg
-        load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
+        _load_resharded(trainer, entries, path, layout)
     else:
         from .optim_reshard import load_redistributed
         load_redistributed(entries, path)
