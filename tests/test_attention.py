@@ -6,6 +6,7 @@ flex_attention has no backward pass on CPU (torch 2.13 raises NotImplementedErro
 outputs are checked here and its gradients only on a GPU (docs/performance.md)."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from dept_mega.config import ConfigError
 from dept_mega.model import BackendError, build_model, resolve_backends
 from dept_mega.model.attention import CoreAttention
-from dept_mega.model.backends import _resolve_attention
+from dept_mega.model.backends import _resolve_attention, choose_attention
 from dept_mega.model.layers import PositionState
 from dept_mega.parallel.groups import build_groups
 from dept_mega.parallel.random import RNGTracker
@@ -76,23 +77,83 @@ def test_dropout_paths_are_seeded_by_our_stream():
         assert torch.allclose(evald, nodrop, rtol=1e-6, atol=1e-7)  # no dropout in eval mode
 
 
+# (device, head dim, precision, position, query heads per group, seq length, dropout, flash-attn
+# installed) -> what auto picks: (kind, fallback for fp32 inputs)
+AUTO_CASES = [
+    (("cpu", 8, "fp32", "alibi", 1, 16, False, False), ("bias", None)),  # no flex backward on CPU
+    (("cpu", 128, "bf16", "alibi", 1, 2048, False, True), ("bias", None)),  # nor flash-attn
+    (("cuda", 8, "fp32", "alibi", 1, 16, False, False), ("bias", None)),  # flex's CUDA kernel: head dim >= 16
+    (("cuda", 8, "bf16", "alibi", 1, 16, False, False), ("bias", None)),
+    (("cuda", 16, "fp32", "alibi", 1, 16, False, False), ("flex", None)),
+    (("cuda", 24, "bf16", "alibi", 2, 16, False, False), ("flex", None)),  # no power of two needed
+    (("cuda", 128, "bf16", "alibi", 1, 2048, True, False), ("bias", None)),  # flex has no dropout
+    (("cuda", 64, "bf16", "alibi", 3, 64, False, False), ("bias", None)),  # short: flex's decode kernel
+    (("cuda", 64, "bf16", "alibi", 3, 2048, False, False), ("flex", None)),
+    (("cuda", 8, "bf16", "rope", 1, 16, False, False), ("sdpa", None)),
+    (("cpu", 8, "fp32", "learned", 1, 16, False, False), ("sdpa", None)),
+    (("cuda", 128, "bf16", "alibi", 1, 2048, False, True), ("flash", "flex")),
+    (("cuda", 8, "bf16", "alibi", 1, 16, False, True), ("flash", "bias")),
+    (("cuda", 128, "fp32", "alibi", 1, 2048, False, True), ("flex", None)),  # flash-attn takes no fp32
+    (("cuda", 512, "bf16", "alibi", 1, 2048, False, True), ("flex", None)),  # flash-attn: head dim <= 256
+    (("cuda", 128, "bf16", "rope", 1, 2048, True, True), ("flash", "sdpa")),
+]
+
+
+def _choose(want, device, head_dim, precision, position, q_per_group, seq, dropout, flash):
+    return choose_attention(want, device_type=device, head_dim=head_dim, precision=precision, position=position,
+                            q_per_group=q_per_group, seq_length=seq, dropout=dropout, flash_installed=flash)
+
+
+@pytest.mark.parametrize("args,expected", AUTO_CASES, ids=[",".join(map(str, a)) for a, _ in AUTO_CASES])
+def test_auto_picks_only_what_the_kernel_supports(args, expected):
+    plan = _choose("auto", *args)
+    assert (plan.kind, plan.fallback) == expected, plan.describe()
+    assert _choose(plan.kind, *args).kind == plan.kind  # the same path, asked for explicitly, is accepted
+
+
+EXPLICIT_ERRORS = [
+    ("flex", ("cuda", 8, "bf16", "alibi", 1, 16, False, False), "head dimension of at least 16, got 8"),
+    ("flex", ("cpu", 64, "fp32", "alibi", 1, 16, False, False), "no backward pass on cpu"),
+    ("flex", ("cuda", 64, "bf16", "alibi", 1, 16, True, False), "cannot apply attention dropout"),
+    ("flex", ("cuda", 64, "bf16", "alibi", 3, 64, False, False), "power-of-two number of query heads per group"),
+    ("flash", ("cuda", 64, "bf16", "alibi", 1, 16, False, False), "flash_attn package, which is not installed"),
+    ("flash", ("cuda", 512, "bf16", "alibi", 1, 16, False, True), "multiple of 8 up to 256, got 512"),
+    ("flash", ("cuda", 64, "fp32", "alibi", 1, 16, False, True), "precision bf16 or fp16"),
+    ("flash", ("cpu", 64, "bf16", "alibi", 1, 16, False, True), "needs a CUDA device"),
+    ("sdpa", ("cuda", 64, "bf16", "alibi", 1, 16, False, False), "sdpa cannot apply ALiBi"),
+    ("fast", ("cuda", 64, "bf16", "rope", 1, 16, False, False), "not one of auto"),
+]
+
+
+@pytest.mark.parametrize("want,args,message", EXPLICIT_ERRORS, ids=[f"{w}-{m[:20]}" for w, _, m in EXPLICIT_ERRORS])
+def test_an_explicit_path_that_cannot_run_is_one_error(want, args, message):
+    with pytest.raises(BackendError, match="^config key 'model.attention_backend': .*" + re.escape(message)):
+        _choose(want, *args)
+
+
 def test_auto_choices_and_errors():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # resolution only; nothing runs on CUDA
-    m = tiny_config().model
+    m = tiny_config().model  # head dim 8
     assert _resolve_attention(m, "bf16", cpu).kind == "bias"  # ALiBi on CPU: the bias (logged)
     have_flash = resolve_backends(tiny_config()).attention.kind == "flash"
     assert not have_flash  # never on CPU
-    plan = _resolve_attention(m, "bf16", cuda)
+    plan = _resolve_attention(m, "bf16", cuda)  # head dim 8: flex's CUDA kernel refuses it
+    assert (plan.fallback or plan.kind) == "bias" and "head dimension of at least 16, got 8" in plan.describe()
+    m16 = tiny_config(hidden_size=64).model  # head dim 16: the kernel accepts it
+    plan = _resolve_attention(m16, "bf16", cuda)
     assert plan.kind == ("flash" if plan.fallback else "flex")
     assert (plan.fallback or plan.kind) == "flex"  # flex for what flash-attn cannot take
-    dropout = tiny_config(attention_dropout=0.1).model
+    dropout = tiny_config(hidden_size=64, attention_dropout=0.1).model
     assert (_resolve_attention(dropout, "bf16", cuda).fallback or _resolve_attention(dropout, "bf16", cuda).kind) \
         == "bias"  # flex has no dropout
     rope = tiny_config(position_embedding="rope").model
     assert _resolve_attention(rope, "bf16", cpu).kind == "sdpa"
-    assert "ALiBi on cpu" in resolve_backends(tiny_config()).describe()
+    assert "flex_attention has no backward pass on cpu" in resolve_backends(tiny_config()).describe()
     with pytest.raises(BackendError, match="flex_attention has no backward pass on cpu"):
         build_model(tiny_config(attention_backend="flex"), build_groups(), 200, 1)
+    with pytest.raises(BackendError, match="model.attention_backend': flex_attention's CUDA kernel needs a head "
+                                           "dimension of at least 16, got 8"):
+        resolve_backends(tiny_config(attention_backend="flex"), cuda)
     with pytest.raises(ConfigError, match="model.attention_backend.*sdpa"):
         tiny_config(attention_backend="sdpa")  # ALiBi needs a bias
     with pytest.raises(ConfigError, match="model.attention_backend.*dropout"):
@@ -104,6 +165,18 @@ def test_auto_choices_and_errors():
             build_model(tiny_config(attention_backend="flash"), build_groups(), 200, 1)
     with pytest.raises(BackendError, match="model.attention_backend': flash needs"):  # the package, or CUDA
         _resolve_attention(tiny_config(attention_backend="flash").model, "bf16", cpu)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_gpu_tests_tiny_configs_get_a_path_that_runs_on_cuda(precision):
+    """tests/test_gpu.py and the fused-AdamW resume cases train the trainer tests' tiny model
+    (ALiBi, head dim 8) on CUDA: auto must not pick compiled flex there."""
+    from tests.trainer_utils import tiny_config as trainer_tiny
+    cfg = trainer_tiny({"precision": precision})
+    assert cfg.model.head_dim < 16
+    plan = resolve_backends(cfg, "cuda").attention
+    assert "flex" not in (plan.kind, plan.fallback)
+    assert (plan.fallback or plan.kind) == "bias"
 
 
 @pytest.mark.slow

@@ -20,15 +20,18 @@ head and the embeddings always stay bf16.
 
 Attention (``model.attention_backend``; ``attention.py`` has the implementations):
 
-* ``flash`` / ``flex`` / ``sdpa`` / ``bias``: that path, or a ``BackendError`` when it cannot
-  run here (flash-attn missing, not CUDA, precision not bf16/fp16; ``sdpa`` with ALiBi and
-  ``flex`` with attention dropout are rejected by the config).
-* ``auto``: flash-attn when installed, on CUDA, with bf16/fp16 precision (for fp32 inputs the
-  choice below is used); else for ALiBi ``flex`` (compiled) on CUDA and the materialised
-  ``bias`` on CPU — flex_attention has no backward pass on CPU (torch 2.11 – 2.13), so
-  ``flex`` is CUDA-only for training and a ``BackendError`` elsewhere — and the ``bias`` path
-  whenever attention dropout is on and flash-attn is not available (flex has no dropout); for
-  RoPE and learned positions ``sdpa`` (causal, no bias).
+* ``flash`` / ``flex`` / ``sdpa`` / ``bias``: that path, or one ``BackendError`` naming
+  ``model.attention_backend`` when it cannot run for this config on this device (raised when
+  the model is built): flash needs flash-attn, CUDA, bf16/fp16 and a head dimension that is a
+  multiple of 8 up to 256; flex needs CUDA (no backward pass on CPU), a head dimension of at
+  least 16, no attention dropout and, below 128 tokens, a power-of-two number of query heads
+  per group; sdpa takes no ALiBi.
+* ``auto`` (:func:`choose_attention`, a pure function of device type, precision, position
+  embedding, head dimension, heads per group, sequence length and dropout): flash-attn where
+  it can run (for fp32 inputs the choice below is used); else for ALiBi compiled ``flex``
+  where it can run and the materialised ``bias`` elsewhere (CPU, head dimension below 16,
+  attention dropout, ...); for RoPE and learned positions ``sdpa`` (causal, no bias). The log's
+  ``attention=`` field names the choice and why.
 
 Norms: apex's fused LayerNorm / RMSNorm when apex is installed and the device is CUDA;
 otherwise ``torch.nn.functional``.
@@ -146,49 +149,109 @@ def _ranges(ids) -> str:
     return ", ".join(out)
 
 
-def _resolve_attention(m: ModelConfig, precision: str, device: torch.device) -> AttentionPlan:
-    want = m.attention_backend
-    cuda = device.type == "cuda"
-    half = precision in ("bf16", "fp16")
-    alibi = m.position_embedding == "alibi"
-    dropout = m.attention_dropout > 0
+# What the fused kernels accept (checked before choosing them, so that a run never meets the
+# kernel's own NotImplementedError mid-training):
+# * flex_attention's CUDA (Triton) lowering raises NotImplementedError("NYI: embedding dimension
+#   of the query, key, and value must be at least 16") when E or Ev < 16 ("tl.dot does not
+#   support embedding size less than 16"; torch/_inductor/kernel/flex/flex_attention.py, the
+#   same check in every release from 2.5 to 2.13, so in 2.11). Other head sizes are padded to
+#   the next power of two inside the kernel (set_head_dim_values: QK_HEAD_DIM_ROUNDED), and
+#   fp32, bf16 and fp16 inputs all have kernel configs, so neither dtype nor a power of two
+#   restricts it. Its decoding kernel, which inductor picks for query lengths below 128,
+#   raises ValueError("Number of shared query heads sharing the same KV head must be power of
+#   2") for other GQA ratios; torch 2.13 routes those to the main kernel, but that routing was
+#   reported missing for some shapes (pytorch/pytorch#151359, 2025), so we do not rely on it.
+# * flex_attention has no backward pass on CPU (torch 2.11 - 2.13: _validate_device raises for
+#   inputs that require grad): training on CPU cannot use it.
+# * flash-attn 2: head size at most 256 and a multiple of 8 (flash_api.cpp's TORCH_CHECKs),
+#   fp16/bf16 CUDA inputs only.
+FLEX_MIN_HEAD_DIM = 16
+FLEX_DECODE_MAX_LEN = 128
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def flex_problem(device_type: str, head_dim: int, q_per_group: int, seq_length: int) -> Optional[str]:
+    """None when compiled flex_attention can train this attention on ``device_type``; else why not."""
+    if device_type != "cuda":
+        return f"flex_attention has no backward pass on {device_type} (torch {torch.__version__})"
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        return f"flex_attention's CUDA kernel needs a head dimension of at least {FLEX_MIN_HEAD_DIM}, got {head_dim}"
+    if not _pow2(q_per_group) and seq_length < FLEX_DECODE_MAX_LEN:
+        return (f"flex_attention's kernel for sequences shorter than {FLEX_DECODE_MAX_LEN} needs a power-of-two "
+                f"number of query heads per group, got {q_per_group} (seq_length {seq_length})")
+    return None
+
+
+def flash_problem(device_type: str, head_dim: int, precision: str, installed: bool) -> Optional[str]:
+    """None when flash-attn can run this attention; else why not."""
+    if not installed:
+        return "flash needs the flash_attn package, which is not installed"
+    if device_type != "cuda" or precision not in ("bf16", "fp16"):
+        return (f"flash needs a CUDA device and precision bf16 or fp16 (device {device_type}, "
+                f"precision {precision})")
+    if head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8:
+        return f"flash-attn needs a head dimension that is a multiple of 8 up to {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+def choose_attention(want: str, *, device_type: str, precision: str, position: str, head_dim: int,
+                     q_per_group: int, seq_length: int, dropout: bool, flash_installed: bool) -> AttentionPlan:
+    """The attention path for ``model.attention_backend: want`` — a pure function of the device
+    type, precision, position embedding, head dimension, query heads per group, sequence length,
+    attention dropout and whether flash-attn is installed. An explicit path that cannot run is
+    one :class:`BackendError` naming ``model.attention_backend``; ``auto`` only picks what runs:
+    flash-attn where it can (the second choice below for fp32 inputs); else for ALiBi compiled
+    flex where it can (CUDA, see :func:`flex_problem`, no dropout) and the materialised bias
+    otherwise; for RoPE / learned positions SDPA without a bias."""
+    key = "config key 'model.attention_backend'"
+    alibi = position == "alibi"
+    flex_no = flex_problem(device_type, head_dim, q_per_group, seq_length)
+    flash_no = flash_problem(device_type, head_dim, precision, flash_installed)
     if want == "flash":
-        if not flash_attn_available():
-            raise BackendError("config key 'model.attention_backend': flash needs the flash_attn package, "
-                               "which is not installed")
-        if not cuda or not half:
-            raise BackendError(f"config key 'model.attention_backend': flash needs a CUDA device and precision "
-                               f"bf16 or fp16 (device {device.type}, precision {precision})")
+        if flash_no:
+            raise BackendError(f"{key}: {flash_no}")
         return AttentionPlan("flash")
     if want == "flex":
         if dropout:
-            raise BackendError("config key 'model.attention_backend': flex_attention cannot apply attention dropout")
-        if not cuda:
-            raise BackendError(f"config key 'model.attention_backend': flex_attention has no backward pass on "
-                               f"{device.type} (torch {torch.__version__}); use auto or bias there")
+            raise BackendError(f"{key}: flex_attention cannot apply attention dropout")
+        if flex_no:
+            raise BackendError(f"{key}: {flex_no}; use auto or bias")
         return AttentionPlan("flex", note="compiled" + (", ALiBi score_mod" if alibi else ", causal block mask"))
     if want == "sdpa":
         if alibi:
-            raise BackendError("config key 'model.attention_backend': sdpa cannot apply ALiBi without a bias")
+            raise BackendError(f"{key}: sdpa cannot apply ALiBi without a bias")
         return AttentionPlan("sdpa", note="causal, no bias")
     if want == "bias":
         return AttentionPlan("bias", note="requested")
-    # auto
-    if alibi:
-        if dropout:
-            second = AttentionPlan("bias", note="ALiBi with attention dropout: flex_attention has no dropout")
-        elif cuda:
-            second = AttentionPlan("flex", note="compiled, ALiBi score_mod")
-        else:
-            second = AttentionPlan("bias", note=f"ALiBi on {device.type}: flex_attention has no backward pass there")
-    else:
+    if want != "auto":
+        raise BackendError(f"{key}: {want!r} is not one of auto | flash | flex | sdpa | bias")
+    if not alibi:
         second = AttentionPlan("sdpa", note="causal, no bias")
-    if flash_attn_available() and cuda and half:
-        return AttentionPlan("flash", fallback=second.kind)
-    notes = second.note
-    if not cuda and flash_attn_available():
-        notes += "; flash-attn not used on CPU"
-    return AttentionPlan(second.kind, note=notes)
+    elif dropout:
+        second = AttentionPlan("bias", note="ALiBi with attention dropout: flex_attention has no dropout")
+    elif flex_no:
+        second = AttentionPlan("bias", note=f"ALiBi: {flex_no}")
+    else:
+        second = AttentionPlan("flex", note="compiled, ALiBi score_mod")
+    if flash_no is None:
+        return AttentionPlan("flash", fallback=second.kind, note=second.note)
+    note = second.note
+    if flash_installed and device_type != "cuda":
+        note += f"; flash-attn not used on {device_type}"
+    elif flash_installed and device_type == "cuda" and precision in ("bf16", "fp16"):
+        note += f"; {flash_no}"
+    return AttentionPlan(second.kind, note=note)
+
+
+def _resolve_attention(m: ModelConfig, precision: str, device: torch.device) -> AttentionPlan:
+    return choose_attention(m.attention_backend, device_type=device.type, precision=precision,
+                            position=m.position_embedding, head_dim=m.head_dim,
+                            q_per_group=m.num_attention_heads // m.query_groups, seq_length=m.seq_length,
+                            dropout=m.attention_dropout > 0, flash_installed=flash_attn_available())
 
 
 def _resolve_linear(cfg: Config, device: torch.device) -> tuple[str, list[str]]:
