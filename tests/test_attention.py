@@ -35,7 +35,7 @@ def _qkv(heads, groups, seed=0, s=24, b=2, d=8):
 def _run(kind, position, heads, groups, dropout=0.0, rng=None, train=True, compile_flex=False):
     cfg = tiny_config(position_embedding=position, num_attention_heads=heads, num_query_groups=groups,
                       hidden_size=8 * heads).model
-    positions = PositionState(cfg, 0, 1, compile_flex=compile_flex)  # eager flex: same numerics
+    positions = PositionState(cfg, 0, 1, flex=kind == "flex", compile_flex=compile_flex)  # eager flex: same numerics
     core = CoreAttention(kind, positions, q_per_group=heads // groups, dropout_p=dropout, rng=rng)
     core.train(train)
     grad = kind != "flex"
@@ -197,7 +197,7 @@ def test_fused_paths_on_cuda_match_bias_with_gradients(kind):
     if kind == "flash":
         pytest.importorskip("flash_attn")
     cfg = tiny_config(num_attention_heads=4, num_query_groups=2, hidden_size=64).model
-    positions = PositionState(cfg, 0, 1, compile_flex=True)
+    positions = PositionState(cfg, 0, 1, flex=True, compile_flex=True, device="cuda")
     results = {}
     for k in ("bias", kind):
         core = CoreAttention(k, positions, q_per_group=2, dropout_p=0.0, rng=None)

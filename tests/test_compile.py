@@ -45,3 +45,52 @@ def test_a_platform_that_cannot_compile_is_one_clear_error(monkeypatch):
     with pytest.raises(BackendError, match=r"config key 'train.compile': torch.compile cannot run on this platform "
                                            r"\(InvalidCxxCompiler: No working C\+\+ compiler\); set train.compile: false"):
         build_model(tiny_config({"train": {"compile": True}}), build_groups(), 100, 7)
+
+
+def test_compiled_blocks_trace_flex_attention_without_graph_breaks(monkeypatch):
+    """Per-block compile with the flex path: the kernel, the ALiBi score_mod and the causal
+    block mask exist before a compiled block runs (made with the model, and by the body's
+    forward for a new length), so each block is one graph holding flex_attention — no graph
+    break, no recompile from one block or step to the next — and the losses are the eager
+    bias path's. Forward only (flex_attention has no backward on CPU); Dynamo's capture with a
+    recording backend (inductor's CPU flex kernel takes ~30 s to build here)."""
+    import dataclasses
+
+    import torch
+    import torch._dynamo
+
+    from dept_mega.model.backends import AttentionPlan
+    from tests.trainer_utils import dp_micro_batches, global_batch
+    cfg = tiny_config({"model": {"num_layers": 2, "num_query_groups": 2}})  # ALiBi, GQA
+    (eager,) = build_model(cfg, build_groups(), 100, 7)  # auto on CPU: the materialised bias
+    assert eager.body.layers["0"].attention.core.kind == "bias"
+    real = gpt_module.resolve_backends
+    monkeypatch.setattr(gpt_module, "resolve_backends",
+                        lambda c, d="cpu": dataclasses.replace(real(c, d), attention=AttentionPlan("flex")))
+    (flex,) = build_model(cfg, build_groups(), 100, 7)
+    assert flex.body.layers["0"].attention.core.kind == "flex"
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for block in flex.body.layers.values():
+        block.compile(backend=record)
+    with torch.no_grad():
+        for step in range(2):
+            for mb in dp_micro_batches(cfg, global_batch(cfg, step), 0, 1):
+                x, y = mb.tokens[:, :-1], mb.tokens[:, 1:]
+                assert_close(flex(x, labels=y).flatten().tolist(), eager(x, labels=y).flatten().tolist(),
+                             rel=1e-5, what="per-token loss")
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert len(graphs) == 1  # both blocks, every micro-batch: one graph
+    hops = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.flex_attention]
+    assert len(hops) == 1
+    with torch.no_grad():  # another length: its mask is made by the body, outside the blocks
+        x, y = mb.tokens[:, :8], mb.tokens[:, 1:9]
+        assert_close(flex(x, labels=y).flatten().tolist(), eager(x, labels=y).flatten().tolist(),
+                     rel=1e-5, what="per-token loss, 8 tokens")
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {} and len(graphs) == 2  # a new shape: one more

@@ -49,50 +49,75 @@ def flash_attn_available() -> bool:
 
 
 class FlexState:
-    """What flex_attention needs, shared by the layers of one body: the causal block mask per
-    (length, device), the ALiBi ``score_mod`` per device, and the (compiled) kernel."""
+    """What flex_attention needs, shared by the layers of one body, all built outside any
+    compiled region: the kernel when the state is made (with the model), the ALiBi
+    ``score_mod`` (its slopes on the device, fp32) and the causal block mask per device and
+    length by :meth:`prepare`, which runs for ``model.seq_length`` when the model is built and
+    for the input's length in the body's forward, before its blocks.
 
-    def __init__(self, slopes: Optional[torch.Tensor], compile: bool = True) -> None:
+    Under ``train.compile`` a compiled block therefore only reads tensors and closures made
+    beforehand (no graph break, no recompile for lazily created state) and calls the plain
+    ``flex_attention``, which Dynamo traces into the block's graph; outside a compiled region
+    the kernel is ``torch.compile(flex_attention)`` (``compile=False``: the unfused eager
+    kernel, for tests of the numerics)."""
+
+    MAX_MASKS = 8
+
+    def __init__(self, slopes: Optional[torch.Tensor], *, compile: bool = True) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
         self.slopes = slopes
         self.compile = compile
+        self._plain: Callable = flex_attention
+        self._kernel: Callable = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._masks: dict[tuple[int, str], object] = {}
         self._score_mods: dict[str, Callable] = {}
-        self._fn: Optional[Callable] = None
 
     def __deepcopy__(self, memo) -> "FlexState":
-        return self  # caches only
+        return self  # built once per body, shared by its layers
 
-    def kernel(self) -> Callable:
-        if self._fn is None:
-            from torch.nn.attention.flex_attention import flex_attention
-            self._fn = torch.compile(flex_attention, dynamic=False) if self.compile else flex_attention
-        return self._fn
-
-    def block_mask(self, seq_len: int, device: torch.device):
-        key = (seq_len, str(device))
+    def prepare(self, seq_len: int, device: torch.device | str) -> None:
+        """Make the block mask for ``seq_len`` and the score_mod on ``device`` (call outside
+        compiled code; a no-op when they exist)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+        dev = _device_key(device)
+        if self.slopes is not None and dev not in self._score_mods:
+            self._score_mods[dev] = _alibi_score_mod(self.slopes.to(device=device, dtype=torch.float32))
+        key = (int(seq_len), dev)
         if key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def causal(b, h, q_idx, kv_idx):
-                return q_idx >= kv_idx
-
-            if len(self._masks) > 8:
+            if len(self._masks) >= self.MAX_MASKS:
                 self._masks.clear()
-            self._masks[key] = create_block_mask(causal, None, None, seq_len, seq_len, device=device)
-        return self._masks[key]
+            self._masks[key] = create_block_mask(_causal, None, None, key[0], key[0], device=device)
 
-    def score_mod(self, device: torch.device) -> Optional[Callable]:
-        if self.slopes is None:
-            return None
-        key = str(device)
-        if key not in self._score_mods:
-            slopes = self.slopes.to(device=device, dtype=torch.float32)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+        key = (q.shape[2], _device_key(q.device))
+        if key not in self._masks:
+            if torch.compiler.is_compiling():  # Dynamo would trace the mask's construction into the block
+                raise RuntimeError(f"flex_attention: nothing prepared for length {key[0]} on {key[1]}; "
+                                   "FlexState.prepare must run before a compiled block (the body's forward does)")
+            self.prepare(*key)
+        score_mod = self._score_mods[key[1]] if self.slopes is not None else None
+        # inside a compiled block the plain function (Dynamo traces it), else the compiled kernel
+        fn = self._plain if torch.compiler.is_compiling() else self._kernel
+        return fn(q, k, v, score_mod=score_mod, block_mask=self._masks[key], enable_gqa=enable_gqa)
 
-            def alibi(score, b, h, q_idx, kv_idx):
-                return score - slopes[h] * (q_idx - kv_idx)
 
-            self._score_mods[key] = alibi
-        return self._score_mods[key]
+def _device_key(device: torch.device | str) -> str:
+    """``cuda`` and ``cuda:<current>`` are one device (the model may be built with either)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _alibi_score_mod(slopes: torch.Tensor) -> Callable:
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    return alibi
 
 
 class CoreAttention(nn.Module):
@@ -109,6 +134,9 @@ class CoreAttention(nn.Module):
             raise ValueError("attention kind flash needs the flash_attn package")
         if kind == "flex" and dropout_p > 0:
             raise ValueError("flex_attention cannot apply attention dropout")
+        if kind == "flex" or fallback == "flex":
+            if positions.flex is None:
+                raise ValueError("attention kind flex needs a PositionState made with flex=True")
         if kind == "sdpa" and positions.slopes is not None:
             raise ValueError("the sdpa attention kind takes no ALiBi bias; use flash, flex or bias")
         self.kind = kind
@@ -158,10 +186,7 @@ class CoreAttention(nn.Module):
         return self._dropout_wrap(p, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p))
 
     def _flex(self, q, k, v) -> torch.Tensor:
-        flex = self.positions.flex
-        s = q.shape[2]
-        return flex.kernel()(q, k, v, score_mod=flex.score_mod(q.device), block_mask=flex.block_mask(s, q.device),
-                             enable_gqa=self.q_per_group > 1)
+        return self.positions.flex(q, k, v, enable_gqa=self.q_per_group > 1)
 
     def _flash(self, q, k, v, p: float) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn only
         # flash-attn layout [b, s, H, d]; GQA and ALiBi slopes are native.

@@ -94,10 +94,12 @@ class TransformerBody(nn.Module):
             raise ValueError("TransformerBody: the transformer_engine backend needs a TEContext (build_model makes it)")
         self.te = te
         sp = sequence_parallel and tp_world(pg) > 1
+        self.tp_size = tp_world(pg)
         self.sequence_parallel = sp
         n = cfg.recompute_layers if cfg.recompute_layers is not None else len(self.layer_ids)
         self.recompute_blocks = min(n, len(self.layer_ids)) if cfg.recompute == "full" else 0
-        self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg), compile_flex=compile_flex)
+        self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg), compile_flex=compile_flex, device=device,
+                                       flex="flex" in (backends.attention.kind, backends.attention.fallback))
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, pg, i, seed=seed, sequence_parallel=sp, positions=self.positions,
                                      backends=backends, rng=rng, device=device, dtype=dtype)
@@ -110,6 +112,8 @@ class TransformerBody(nn.Module):
             self.final_norm = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        self.positions.prepare(seq_len, hidden.device)  # outside the (compiled) blocks
         with self.te.body() if self.te is not None else contextlib.nullcontext():
             for i, layer in enumerate(self.layers.values()):
                 with self.te.block(layer.fp8) if self.te is not None else contextlib.nullcontext():

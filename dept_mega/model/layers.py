@@ -67,17 +67,26 @@ class Norm(nn.Module):
 
 
 class PositionState:
-    """Position helpers shared by the layers of one body (caches attention biases, RoPE tables,
-    flex_attention's block masks and compiled kernel)."""
+    """Position helpers shared by the layers of one body (caches attention biases, RoPE tables;
+    with ``flex`` the flex_attention state, prepared for ``model.seq_length`` on ``device``)."""
 
-    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, compile_flex: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, *, flex: bool = False,
+                 compile_flex: bool = True, device: torch.device | str = "cpu") -> None:
         self.kind = cfg.position_embedding
         self.heads_local = cfg.num_attention_heads // tp_size
         self.slopes = (local_alibi_slopes(cfg.num_attention_heads, tp_rank, tp_size)
                        if self.kind == "alibi" else None)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta) if self.kind == "rope" else None
-        self.flex = FlexState(self.slopes, compile=compile_flex)
+        self.flex: Optional[FlexState] = None
+        if flex:
+            self.flex = FlexState(self.slopes, compile=compile_flex)
+            self.flex.prepare(cfg.seq_length, device)
         self._bias: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+
+    def prepare(self, seq_len: int, device: torch.device) -> None:
+        """What the attention of a ``seq_len``-token input needs, made before (compiled) blocks run."""
+        if self.flex is not None:
+            self.flex.prepare(seq_len, device)
 
     def attention_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The materialised additive bias: ALiBi + causal ``[1, H, s, s]``, else causal ``[1, 1, s, s]``."""
