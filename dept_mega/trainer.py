@@ -35,6 +35,7 @@ from .optim import counted_once, lr_at, norm_of, set_lr
 from .optimizer import (InnerOptimizer, build_optimizer, keep_masters_on_load, main_param, refresh_model_params,
                         to_model_dtype)
 from .optimizer import unique_params as _unique
+from .parallel.fp8 import fp8_weight_cache
 from .parallel.groups import ParallelGroups
 from .parallel.pipeline import PipeChannels, ScheduleSpec, check_microbatches, run_forward_backward, \
     run_forward_only
@@ -267,8 +268,9 @@ class Trainer:
             return per_token.sum() * scale
 
         self._begin_grads(len(mbs))
-        run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
-                             stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
+        with fp8_weight_cache(self.stages):  # native FP8: each weight cast once for all micro-batches
+            run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
+                                 stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
             stats.zero_()
         if self.pg.source_group is not None:
@@ -400,8 +402,9 @@ class Trainer:
             acc[1] += per_token.numel()
 
         if mbs:
-            run_forward_only(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
-                             stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
+            with fp8_weight_cache(self.stages):
+                run_forward_only(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
+                                 stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
             acc.zero_()
         if self.pg.source_group is not None:

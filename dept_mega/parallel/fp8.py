@@ -1,41 +1,53 @@
 """Native FP8 GEMMs for the tensor-parallel linear layers (``backend: local`` + ``fp8``).
 
-``fp8_linear(x, weight, recipe, history)`` computes ``x Wᵀ`` with ``torch._scaled_mm`` on FP8
-operands with one scaling factor per tensor (Transformer Engine's per-tensor recipes, written
-here without TE):
+``fp8_linear(x, weight, recipe, history, cache)`` computes ``x Wᵀ`` with ``torch._scaled_mm``
+on FP8 operands with one scaling factor per tensor (Transformer Engine's per-tensor recipes,
+written here without TE):
 
 * forward: the input and the weight are cast to e4m3 (``x·s_x``, ``W·s_w``, saturated to ±448)
   and multiplied with fp32 accumulation; the output is bf16 (``scale_a = 1/s_x``,
   ``scale_b = 1/s_w`` undo the scaling inside the GEMM).
 * backward: the output gradient is cast to e5m2 (``fp8: hybrid``; e4m3 with ``fp8: e4m3``);
-  ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight saved by the forward (so
-  the saved activations are 1 byte per element). Gradients are returned in the dtypes of
-  ``x`` and ``weight``; the master weights are never touched (the optimizer keeps them).
+  ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight of the forward (so the
+  saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
+  and ``weight``; the master weights are never touched (the optimizer keeps them).
+* weights are cast once per training step (:class:`Fp8WeightCache`, opened by the trainer
+  around the step's forwards and backwards): every micro-batch, recomputed forward and
+  input-gradient GEMM of the step reuses that cast, as Transformer Engine does with its
+  first-micro-batch flag. Outside a step every call casts afresh.
 * scaling factors: ``s = FP8_MAX / amax``. ``current`` scaling takes the amax of the tensor
   being cast (exact range, one extra reduction per cast); ``delayed`` scaling takes the
   largest amax of the last ``fp8_amax_history`` casts of that operand in that layer (TE's
   ``DelayedScaling`` with ``amax_compute_algo='max'``, margin 0) and records the current amax
-  afterwards; a layer's first cast (empty history) uses its current amax. The history is a
+  afterwards; a layer's first cast (empty history) uses its current amax. A weight is cast
+  once per step, so its row of the history holds one amax per step. The history is a
   non-persistent buffer of the layer (3 × N: input, weight, grad-output): it is per rank
   (no amax reduction across ranks: every rank scales its own shards consistently), it is
   not checkpointed (a resumed run refills it), and activation recomputation saves and
   restores it so a recomputed forward casts exactly as the original one did.
+* every cast is one function (``_cast_math``: amax, scale, saturate, cast, optional zero
+  padding and transposed copy) that runs compiled (``torch.compile``, fused by inductor) on
+  CUDA and eagerly on CPU, with the same math.
 
-``torch._scaled_mm`` wants its first operand row-major and its second column-major, and on
-CUDA every dimension a multiple of 16. The feature dimensions are checked when the model is
-built (``fp8_gemm_shape_ok``; a GEMM that fails stays bf16 and the run log says so); the
-token dimension is zero-padded to a multiple of 16 when needed (zero rows change neither the
-amax nor the product).
+``torch._scaled_mm`` wants its first operand row-major and its second column-major, and every
+dimension a multiple of 16 (checked on every device, see ``_scaled_mm``). The feature
+dimensions are checked when the model is built (``fp8_gemm_shape_ok``; a GEMM that fails stays
+bf16 and the run log says so); the token dimension is zero-padded to a multiple of 16 inside
+the cast when needed (zero rows change neither the amax nor the product). No operand is
+transposed by a pass of its own (see ``_Fp8Linear``).
 
-torchao's float8 training API was considered and not used: it converts ``nn.Linear`` modules
-(``Float8Linear``), while our column/row-parallel layers own their weights and collectives;
-using its internal autograd functions would tie us to private API, and its releases are
-pinned to torch releases (we run 2.11 on GPUs and 2.13 on CPU).
+torchao's float8 training (``Float8Linear``) was considered: it converts ``nn.Linear``
+modules, while our column/row-parallel layers own their weights and collectives, so only its
+GEMM part could replace ours. Whether it is faster than this path is to be measured on the
+device (docs/performance.md); until then this is the one FP8 path.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -84,43 +96,150 @@ def new_amax_history(recipe: Fp8Recipe, device: torch.device | str) -> Optional[
     return torch.zeros(3, recipe.amax_history, dtype=torch.float32, device=device)
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().abs().amax().float()
+def _cast_math(t: torch.Tensor, past_amax: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
+               rowwise: bool, colwise: bool):
+    """Amax, scale and cast of one 2-D operand: the math of every FP8 cast (compiled on CUDA).
+
+    The scale comes from ``past_amax`` when it is > 0 (delayed scaling), else from the tensor's
+    own amax. ``pad`` zero rows are appended (they change neither the amax nor a product).
+    Returns ``(q, q_t, 1/scale, current amax)``: ``q`` the row-major FP8 copy (when
+    ``rowwise``), ``q_t`` the FP8 copy of the transpose, row-major (when ``colwise``), which is
+    what the GEMMs that contract over the rows need. Compiled, this is a reduction and one
+    pointwise pass (read 2 bytes twice, write 1 byte per layout); eagerly it holds one fp32
+    temporary (the amax comes from ``vector_norm(∞)``, which allocates nothing)."""
+    fmax = FP8_MAX[dtype]
+    current = torch.linalg.vector_norm(t, float("inf")).float()
+    amax = current if past_amax is None else torch.where(past_amax > 0, past_amax, current)
+    scale = fmax / amax.clamp(min=_MIN_AMAX)
+    rows = t.shape[0]
+    scaled = t.new_empty((rows + pad, t.shape[1]), dtype=torch.float32)
+    scaled[:rows].copy_(t)
+    if pad:
+        scaled[rows:].zero_()
+    q = scaled.mul_(scale).clamp_(-fmax, fmax).to(dtype)
+    q_t = q.t().contiguous() if colwise else None
+    return (q if rowwise else None), q_t, scale.reciprocal(), current
 
 
-def _scaling_amax(t: torch.Tensor, history: Optional[torch.Tensor], row: int) -> torch.Tensor:
-    """The amax that sets this cast's scale; records the current amax in delayed scaling."""
-    current = _amax(t)
-    if history is None:
-        return current
-    past = history[row].amax()
-    used = torch.where(past > 0, past, current)
-    history[row] = torch.roll(history[row], 1)
-    history[row, 0] = current
-    return used
+@functools.cache
+def _compiled_cast():
+    """``_cast_math`` compiled once per process (fused by inductor; dynamic shapes, so the
+    layers' different sizes share one graph per (dtype, layouts) combination)."""
+    return torch.compile(_cast_math, fullgraph=True, dynamic=True)
+
+
+def _cast(t, past_amax, dtype, pad=0, rowwise=True, colwise=False):
+    fn = _compiled_cast() if t.device.type == "cuda" else _cast_math
+    return fn(t, past_amax, dtype, pad, rowwise, colwise)
+
+
+def _past_amax(history: Optional[torch.Tensor], row: int) -> Optional[torch.Tensor]:
+    """Delayed scaling: the largest amax in this operand's history (0 when empty)."""
+    return None if history is None else history[row].amax()
+
+
+def _record(history: Optional[torch.Tensor], row: int, current: torch.Tensor) -> None:
+    """Delayed scaling: push this cast's amax into the history (newest first)."""
+    if history is not None:
+        history[row] = torch.roll(history[row], 1)
+        history[row, 0] = current
 
 
 def quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` scaled so that ``amax`` maps to the format's largest value, saturated, cast to
-    ``dtype``; returns ``(fp8 tensor, 1/scale)`` (the factor that dequantises it)."""
-    fmax = FP8_MAX[dtype]
-    scale = fmax / amax.clamp(min=_MIN_AMAX)
-    q = (t.float() * scale).clamp_(-fmax, fmax).to(dtype)
-    return q, scale.reciprocal()
+    """``t`` scaled so that ``amax`` (> 0) maps to the format's largest value, saturated, cast
+    to ``dtype``; returns ``(fp8 tensor, 1/scale)`` (the factor that dequantises it)."""
+    q, _, inv, _ = _cast(t.reshape(-1, t.shape[-1]), amax, dtype)
+    return q.reshape(t.shape), inv
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    rows = t.shape[0]
-    extra = (-rows) % _ALIGN
-    if extra == 0:
-        return t
-    return torch.cat([t, t.new_zeros((extra,) + tuple(t.shape[1:]))], dim=0)
+@dataclass(frozen=True)
+class WeightFp8:
+    """A weight's FP8 copies: ``q`` [out, in] (the forward GEMM's second operand as ``q.t()``),
+    ``q_t`` [in, out] (the input-gradient GEMM's second operand as ``q_t.t()``; None when not
+    needed) and the dequantisation factor ``inv``."""
+    q: torch.Tensor
+    q_t: Optional[torch.Tensor]
+    inv: torch.Tensor
+
+
+def quantize_weight(weight: torch.Tensor, history: Optional[torch.Tensor], transposed: bool) -> WeightFp8:
+    """One cast of a weight to e4m3, in both layouts when ``transposed`` (one fused pass)."""
+    with torch.no_grad():
+        q, q_t, inv, current = _cast(weight.detach(), _past_amax(history, WEIGHT), E4M3, colwise=transposed)
+        _record(history, WEIGHT, current)
+    return WeightFp8(q, q_t, inv)
+
+
+class Fp8WeightCache:
+    """The FP8 copies of one layer's weight, made once per training step and reused by every
+    micro-batch of the step (Transformer Engine's ``is_first_microbatch``): by the forwards,
+    by recomputed forwards and by the input-gradient GEMMs of the backwards.
+
+    The cache holds only while a step is open (:func:`fp8_weight_cache`, opened by the trainer
+    around the step's forwards and backwards, closed before the optimizer steps, and around an
+    evaluation's forwards). So it never outlives a weight update, whichever way the weights are
+    written (optimizer, the distributed optimizer's all-gather into its flat buffer, DEPT's
+    outer sync, a checkpoint load). Outside (a model called directly) every call casts the
+    weight afresh.
+    Inside a step the weights must not change: a weight written in place after its cast is
+    an error (caught through the tensor's version counter; writes through ``.data`` bypass it).
+    """
+
+    def __init__(self) -> None:
+        self.is_open = False
+        self._entry: Optional[WeightFp8] = None
+        self._key: Optional[tuple[int, int]] = None
+
+    def open(self) -> None:
+        if self.is_open:
+            raise RuntimeError("Fp8WeightCache: a step is already open (fp8_weight_cache does not nest)")
+        self.is_open, self._entry, self._key = True, None, None
+
+    def close(self) -> None:
+        self.is_open, self._entry, self._key = False, None, None
+
+    def operands(self, weight: torch.Tensor, history: Optional[torch.Tensor], transposed: bool) -> WeightFp8:
+        key = (weight._version, weight.data_ptr())
+        if self._entry is not None:
+            if key != self._key:
+                raise RuntimeError("a weight with an FP8 copy changed during a training step (the FP8 weight "
+                                   "cache holds from the step's first forward to its last backward)")
+            if transposed and self._entry.q_t is None:  # first needed after a forward-only use
+                self._entry = dataclasses.replace(self._entry, q_t=self._entry.q.t().contiguous())
+            return self._entry
+        ops = quantize_weight(weight, history, transposed)
+        if self.is_open:
+            self._entry, self._key = ops, key
+        return ops
+
+
+@contextlib.contextmanager
+def fp8_weight_cache(modules: Iterable[torch.nn.Module]) -> Iterator[int]:
+    """Open the FP8 weight caches of ``modules`` (and their submodules) for one training step;
+    they are emptied when the block exits. Yields the number of caches opened."""
+    caches = [c for mod in modules for m in mod.modules()
+              if isinstance(c := getattr(m, "fp8_cache", None), Fp8WeightCache)]
+    opened: list[Fp8WeightCache] = []
+    try:
+        for c in caches:
+            c.open()
+            opened.append(c)
+        yield len(caches)
+    finally:
+        for c in opened:
+            c.close()
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """``torch._scaled_mm`` with a bf16 output. On CPU it runs PyTorch's own kernel with oneDNN
-    switched off for the call: oneDNN's FP8 GEMM took ~10 ms per call at our test sizes
-    (~200× the reference kernel; torch 2.13, measured on the project VM)."""
+    """``torch._scaled_mm`` with a bf16 output. The layout rule of cuBLASLt's FP8 GEMM (``a``
+    row-major, ``b`` column-major, every dimension a multiple of 16) is checked on every device
+    (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. On CPU it
+    runs PyTorch's own kernel with oneDNN switched off for the call: oneDNN's FP8 GEMM took
+    ~10 ms per call at our test sizes (~200× the reference kernel; torch 2.13, project VM)."""
+    if a.stride(1) != 1 or b.stride(0) != 1 or any(n % _ALIGN for n in (*a.shape, b.shape[1])):
+        raise ValueError(f"FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} strides "
+                         f"{b.stride()}: need a row-major first and a column-major second operand, sizes "
+                         f"multiples of {_ALIGN}")
     if a.device.type != "cpu":
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     was = torch._C._get_mkldnn_enabled()
@@ -131,47 +250,60 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         torch._C._set_mkldnn_enabled(was)
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (what ``_scaled_mm`` wants as second operand)."""
-    return t.t().contiguous().t()
-
-
 class _Fp8Linear(torch.autograd.Function):
+    """Layouts (all without a separate transpose pass; ``·_t`` copies come out of the casts):
+    forward ``y = xq · wq.t()``; input gradient ``dX = gq · w.q_t.t()``; weight gradient
+    ``dW = gq_t · xq_t.t()``, which contracts over the tokens and so needs both operands
+    token-major: the forward saves the input's transposed FP8 copy (instead of the row-major
+    one, the same bytes) and the gradient's cast writes its transposed copy too."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
-                history: Optional[torch.Tensor]) -> torch.Tensor:
+                history: Optional[torch.Tensor], cache: Optional[Fp8WeightCache], grad: bool) -> torch.Tensor:
         out_features, in_features = weight.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
         rows = x2.shape[0]
+        need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xq, x_inv = quantize(_pad_rows(x2), _scaling_amax(x2, history, INPUT), E4M3)
-            wq, w_inv = quantize(weight, _scaling_amax(weight, history, WEIGHT), E4M3)
-            y = _scaled_mm(xq, wq.t(), x_inv, w_inv)
-        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+            xq, xq_t, x_inv, current = _cast(x2, _past_amax(history, INPUT), E4M3, (-rows) % _ALIGN,
+                                             colwise=need_dw)
+            _record(history, INPUT, current)
+            w = (cache.operands(weight, history, need_dx) if cache is not None
+                 else quantize_weight(weight, history, need_dx))
+            y = _scaled_mm(xq, w.q.t(), x_inv, w.inv)
+        ctx.save_for_backward(xq_t, x_inv, w.q_t, w.inv)
         ctx.meta = (recipe, history, rows, x.dtype, weight.dtype)
         return y[:rows].reshape(*lead, out_features)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
         recipe, history, rows, x_dtype, w_dtype = ctx.meta
-        out_features = wq.shape[0]
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        out_features = grad_out.shape[-1]
         g2 = grad_out.reshape(-1, out_features)
         grad_x = grad_w = None
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            gq, g_inv = quantize(_pad_rows(g2), _scaling_amax(g2, history, GRAD), recipe.grad_dtype)
-            if ctx.needs_input_grad[0]:  # dX [M, in] = dY [M, out] · W [out, in]
-                grad_x = _scaled_mm(gq, _col_major(wq), g_inv, w_inv)[:rows]
-                grad_x = grad_x.reshape(*grad_out.shape[:-1], wq.shape[1]).to(x_dtype)
-            if ctx.needs_input_grad[1]:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-                grad_w = _scaled_mm(gq.t().contiguous(), _col_major(xq), g_inv, x_inv).to(w_dtype)
-        return grad_x, grad_w, None, None
+            gq, gq_t, g_inv, current = _cast(g2, _past_amax(history, GRAD), recipe.grad_dtype, (-rows) % _ALIGN,
+                                             rowwise=need_dx, colwise=need_dw)
+            _record(history, GRAD, current)
+            if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
+                grad_x = _scaled_mm(gq, wq_t.t(), g_inv, w_inv)[:rows]
+                grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
+            if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
+                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
-               history: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``."""
+               history: Optional[torch.Tensor] = None, cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
+    """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
+    ``cache``: the layer's :class:`Fp8WeightCache` (the weight is cast once per step while a
+    step is open). Runs eagerly inside a compiled block (``train.compile``): the autograd
+    function and the cache are Python state; the casts in it are compiled on their own."""
     if recipe.scaling == "delayed" and history is None:
         raise ValueError("delayed FP8 scaling needs the layer's amax history (new_amax_history)")
-    return _Fp8Linear.apply(x, weight, recipe, history)
+    # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
+    return _Fp8Linear.apply(x, weight, recipe, history, cache, torch.is_grad_enabled())

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
-from .fp8 import Fp8Recipe, fp8_gemm_shape_ok, fp8_linear, new_amax_history
+from .fp8 import Fp8Recipe, Fp8WeightCache, fp8_gemm_shape_ok, fp8_linear, new_amax_history
 from .random import init_full_then_shard
 from .te import TELinearHolder
 
@@ -113,13 +113,15 @@ class _GemmMixin:
                 raise ValueError(f"{name}: FP8 GEMMs need the per-rank weight sizes ({out_local} × {in_local}) "
                                  f"to be multiples of 16")
             self.register_buffer("fp8_amax_history", new_amax_history(self.gemm.recipe, device), persistent=False)
+            self.fp8_cache: Optional[Fp8WeightCache] = Fp8WeightCache()  # opened per step by the trainer
         else:
             self.fp8_amax_history = None
+            self.fp8_cache = None
         self._te = TELinearHolder() if self.gemm.kind == "te" else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
-            return fp8_linear(x, self.weight, self.gemm.recipe, self.fp8_amax_history)
+            return fp8_linear(x, self.weight, self.gemm.recipe, self.fp8_amax_history, self.fp8_cache)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)
         return F.linear(x, self.weight)
