@@ -1,27 +1,41 @@
-"""Install dept_mega.
+"""Build the optional custom-ops extension `dept_mega.ops._C` (csrc/); metadata: pyproject.toml.
 
-The custom ops in csrc/ are built as the optional extension `dept_mega.ops._C`:
-- the CPU kernels whenever torch is importable at build time (use
-  `pip install --no-build-isolation -e .`) and a C++ compiler works;
-- plus the CUDA kernels when torch has CUDA and nvcc is found (CUDA_HOME).
-A build that fails only prints a warning (and writes build/dept_mega_ops_build.log): the
-install goes on and dept_mega.ops uses its pure PyTorch fallback (`backend()` says "torch",
-`extension_status()` says why). Environment switches: DEPT_MEGA_NO_EXT=1 builds nothing,
-DEPT_MEGA_NO_CUDA=1 builds the CPU kernels only.
+What is built, decided here before torch's own build step runs:
+- the CPU kernels whenever torch is importable at build time (install with
+  `pip install --no-build-isolation .`, so the build sees the torch you run with) and a C++
+  compiler works;
+- plus the CUDA kernels when torch has CUDA and an nvcc of the same CUDA major version is found
+  (CUDA_HOME, else nvcc on PATH). torch refuses another major version before any kernel is
+  compiled; we check first and build the CPU kernels instead, saying why.
+A build that fails is logged (stderr and build/dept_mega_ops_build.log) and never fatal: a
+CUDA build that fails is retried with the CPU kernels, and without any extension dept_mega.ops
+uses its pure PyTorch fallback. `python -m dept_mega.ops` says which kernels are active.
+Environment: DEPT_MEGA_NO_EXT=1 builds nothing, DEPT_MEGA_NO_CUDA=1 the CPU kernels only,
+TORCH_CUDA_ARCH_LIST (e.g. "9.0") picks the GPU architectures (torch's default: this
+machine's GPUs, or all common ones when none is visible).
 """
+from __future__ import annotations
+
+import copy
 import os
+import re
+import subprocess
 import sys
 import time
 import traceback
+from typing import Callable, Mapping, Optional
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 EXT_NAME = "dept_mega.ops._C"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
+CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
+CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu"]
+CXX_FLAGS = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
 
 
-def _log(msg):
+def _log(msg: str) -> None:
     print(f"dept_mega setup: {msg}", file=sys.stderr)
     try:
         os.makedirs(os.path.dirname(LOG), exist_ok=True)
@@ -31,9 +45,77 @@ def _log(msg):
         pass
 
 
-def _extensions():
-    """Returns (ext_modules, cmdclass); empty when the extension cannot be attempted."""
-    if os.environ.get("DEPT_MEGA_NO_EXT") == "1":
+def nvcc_release(cuda_home: str) -> Optional[str]:
+    """The CUDA release ("13.0") that ``cuda_home/bin/nvcc --version`` reports; None when
+    there is no nvcc there or it says no release."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def cuda_plan(torch_cuda: Optional[str], cuda_home: Optional[str], env: Mapping[str, str],
+              release: Optional[Callable[[str], Optional[str]]] = None) -> tuple[bool, str]:
+    """(build the CUDA kernels too?, why). The same condition torch's build applies (nvcc's
+    CUDA major version = torch's), checked here so that a mismatch builds the CPU kernels
+    instead of nothing."""
+    if env.get("DEPT_MEGA_NO_CUDA") == "1":
+        return False, "DEPT_MEGA_NO_CUDA=1"
+    if torch_cuda is None:
+        return False, "this torch is a CPU build"
+    if cuda_home is None:
+        return False, (f"no CUDA toolkit found for torch's CUDA {torch_cuda} (set CUDA_HOME or put "
+                       "nvcc on PATH)")
+    nvcc = (release or nvcc_release)(cuda_home)
+    if nvcc is None:
+        return False, f"no working nvcc at {os.path.join(cuda_home, 'bin', 'nvcc')}"
+    if nvcc.split(".")[0] != torch_cuda.split(".")[0]:
+        return False, (f"nvcc at {cuda_home} is CUDA {nvcc}, torch was built with CUDA {torch_cuda}: "
+                       "torch builds no CUDA extension across major versions (install the matching "
+                       "toolkit and set CUDA_HOME)")
+    return True, f"nvcc CUDA {nvcc} at {cuda_home}, torch's CUDA {torch_cuda}"
+
+
+# The public build fields of a setuptools Extension (the private ones setuptools adds when it
+# finalizes the command stay those of the extension the distribution was given).
+_EXT_FIELDS = ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
+               "runtime_library_dirs", "extra_objects", "extra_compile_args", "extra_link_args",
+               "export_symbols", "depends", "language")
+
+
+def make_build_ext(cx, cpu_ext, cuda_ext):
+    """A build_ext command that builds the distribution's extension (``cuda_ext`` when given)
+    and, when that fails at any point (torch's version checks included), turns it into
+    ``cpu_ext`` and builds that; never fatal."""
+
+    class OptionalBuildExt(cx.BuildExtension):
+        def run(self):
+            what = "CPU+CUDA" if cuda_ext is not None else "CPU"
+            while True:
+                try:
+                    super().run()
+                    _log(f"built {EXT_NAME} ({what} kernels)")
+                    return
+                except Exception:
+                    _log(f"building {EXT_NAME} ({what} kernels) failed:\n{traceback.format_exc()}")
+                if what == "CPU":
+                    break
+                _log("retrying with the CPU kernels only")
+                what = "CPU"
+                for ext in self.extensions:
+                    for name in _EXT_FIELDS:
+                        setattr(ext, name, copy.deepcopy(getattr(cpu_ext, name)))
+            _log("continuing without the extension: dept_mega.ops uses the PyTorch fallback")
+
+    return OptionalBuildExt.with_options(use_ninja=True)
+
+
+def extensions(env: Mapping[str, str] = os.environ):
+    """(ext_modules, cmdclass); empty when the extension cannot be attempted."""
+    if env.get("DEPT_MEGA_NO_EXT") == "1":
         _log("DEPT_MEGA_NO_EXT=1: not building the custom ops extension")
         return [], {}
     try:
@@ -41,73 +123,21 @@ def _extensions():
         from torch.utils import cpp_extension as cx
     except Exception as e:  # isolated build without torch, broken torch, ...
         _log(f"torch is not importable at build time ({e!r}); not building the custom ops "
-             "extension (install with --no-build-isolation to build it)")
+             "extension (install torch first, then this package with --no-build-isolation)")
         return [], {}
-
-    cpu_sources = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
-    cxx_flags = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
-    cpu_ext = cx.CppExtension(EXT_NAME, cpu_sources, extra_compile_args={"cxx": cxx_flags})
-    want_cuda = (torch.version.cuda is not None and cx.CUDA_HOME is not None
-                 and os.environ.get("DEPT_MEGA_NO_CUDA") != "1")
-    # UNVERIFIED in this repository's CI (CPU torch): the CUDAExtension route. The .cu
-    # kernels themselves are compile-checked by tools/check_cuda_compile.sh.
+    cpu_ext = cx.CppExtension(EXT_NAME, CPU_SOURCES, extra_compile_args={"cxx": CXX_FLAGS})
+    with_cuda, why = cuda_plan(torch.version.cuda, cx.CUDA_HOME, env)
     cuda_ext = None
-    if want_cuda:
+    if with_cuda:
+        _log(f"building the CPU and CUDA kernels ({why})")
         cuda_ext = cx.CUDAExtension(
-            EXT_NAME,
-            cpu_sources + ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu"],
-            define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--fmad=false"]},
-        )
-
-    class OptionalBuildExt(cx.BuildExtension):
-        """Builds the extension if it can; a failure is logged, never fatal."""
-
-        def build_extension(self, ext):
-            try:
-                super().build_extension(ext)
-                _log(f"built {ext.name} ({'CPU+CUDA' if ext is cuda_ext else 'CPU'} kernels)")
-                return
-            except Exception:
-                _log(f"building {ext.name} failed:\n{traceback.format_exc()}")
-            if ext is cuda_ext:
-                _log("retrying with the CPU kernels only")
-                try:
-                    super().build_extension(cpu_ext)
-                    _log(f"built {EXT_NAME} (CPU kernels only)")
-                    return
-                except Exception:
-                    _log(f"building {EXT_NAME} (CPU only) failed:\n{traceback.format_exc()}")
-            _log("continuing without the extension: dept_mega.ops uses the PyTorch fallback")
-
-        def run(self):
-            try:
-                super().run()
-            except Exception:  # e.g. no working compiler found while setting up
-                _log(f"build_ext failed:\n{traceback.format_exc()}\n"
-                     "continuing without the extension: dept_mega.ops uses the PyTorch fallback")
-
-    return [cuda_ext or cpu_ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
+            EXT_NAME, CPU_SOURCES + CUDA_SOURCES, define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false"]})
+    else:
+        _log(f"building the CPU kernels only: {why}")
+    return [cuda_ext or cpu_ext], {"build_ext": make_build_ext(cx, cpu_ext, cuda_ext)}
 
 
-ext_modules, cmdclass = _extensions()
-
-setup(
-    name="dept_mega",
-    version="0.1.0",
-    description="Megatron-style trainer for DEPT (Decoupled Embeddings for Pre-Training)",
-    packages=find_packages(include=["dept_mega", "dept_mega.*"]),
-    python_requires=">=3.10",
-    # xxhash: fast checksums of checkpoint files (without it: sha256, slower)
-    install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml", "xxhash"],
-    extras_require={
-        "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
-        "hf": ["transformers>=5", "protobuf"],  # tools/convert_to_hf.py
-        "progress": ["tqdm"],
-        "tensorboard": ["tensorboard"],
-        "te": ["transformer-engine"],
-        "flash": ["flash-attn"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it
+    ext_modules, cmdclass = extensions()
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

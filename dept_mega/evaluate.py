@@ -1,4 +1,4 @@
-"""Evaluate a run's saved weights per source (design.md §7).
+"""Evaluate a run's saved weights per source (docs/metrics.md, eval records).
 
     torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json
 

@@ -85,7 +85,7 @@ EvalFactory = Callable[[str], Iterable[EvalStep]]
 
 
 def eval_metrics(loss_sum: float, tokens: int, nbytes: float) -> dict[str, float]:
-    """design.md §7: mean token loss, perplexity, bits per UTF-8 byte (nats / ln 2 / bytes)."""
+    """docs/metrics.md (eval records): mean token loss, perplexity, bits per UTF-8 byte (nats / ln 2 / bytes)."""
     loss = loss_sum / tokens if tokens else float("nan")
     return {"loss": loss, "ppl": math.exp(loss) if tokens and loss < 700 else float("nan"),
             "bpb": loss_sum / math.log(2) / nbytes if nbytes else float("nan"),

@@ -1,13 +1,13 @@
-"""What a run writes (design.md §6): ``RUN/metrics.jsonl``, a human-readable log line,
+"""What a run writes (docs/metrics.md): ``RUN/metrics.jsonl``, a human-readable log line,
 TensorBoard events when ``tensorboard`` is installed.
 
 Only global rank 0 writes (``enabled``); other ranks get a writer whose calls do nothing.
 Every record has ``kind``, ``step`` (inner steps done), ``round`` and ``time`` (unix
 seconds), then the kind's fields; one JSON object per line, flushed per line.
 
-Throughput (design.md §8, like Megatron's log line): :class:`ThroughputMeter` gives every
+Throughput (like Megatron's log line): :class:`ThroughputMeter` gives every
 ``train`` record ``tokens_per_s`` (all groups, over the logging window), ``tflops_per_device``
-(§8 FLOPs × tokens/s ÷ world size; null on CPU, where §8 asks for tokens/s only), ``mfu``
+(FLOPs per token × tokens/s ÷ world size; null on CPU), ``mfu``
 (over the device's dense bf16 peak, :func:`peak_bf16_flops`; null on CPU and on GPUs whose
 peak we do not know) and, on CUDA, ``mem_allocated_gb`` / ``mem_peak_gb`` (the maximum over
 all ranks of ``torch.cuda.memory_allocated`` / ``max_memory_allocated``, 1 GB = 1e9 bytes).
@@ -57,7 +57,7 @@ def make_record(kind: str, step: int, round_index: int, **fields: Any) -> dict[s
 
 
 def check_record(rec: dict[str, Any]) -> None:
-    """Raise ValueError when ``rec`` does not follow design.md §6 (used by tests)."""
+    """Raise ValueError when ``rec`` lacks a field docs/metrics.md lists (used by tests)."""
     for key in ("kind", "step", "round", "time"):
         if key not in rec:
             raise ValueError(f"record misses {key!r}: {rec}")
@@ -90,7 +90,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-            except Exception:  # noqa: BLE001 - tensorboard is optional (design.md §6)
+            except Exception:  # noqa: BLE001 - tensorboard is optional
                 self._tb = None
 
     def resume_at(self, step: int) -> int:
@@ -197,7 +197,7 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
 
 
 def train_flops_per_token(model, vocab_size: int) -> float:
-    """Training FLOPs per token, design.md §8 (Megatron's dense formula): per layer
+    """Training FLOPs per token (Megatron's dense formula; docs/metrics.md): per layer
     6·h·(q + 2·kv + q) for the attention projections, 6·h·ffn·(3 if swiglu else 2) for the MLP,
     6·q·s for causal attention; plus 6·h·V once for the output head."""
     h = model.hidden_size
@@ -208,7 +208,7 @@ def train_flops_per_token(model, vocab_size: int) -> float:
     return float(model.num_layers * per_layer + 6 * h * vocab_size)
 
 
-# Dense bf16 peak FLOP/s by device name (design.md §8). The H100 SXM part is named
+# Dense bf16 peak FLOP/s by device name. The H100 SXM part is named
 # "NVIDIA H100 80GB HBM3"; the PCIe and NVL parts have other peaks and are not listed.
 PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200": 989e12}
 

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node N -m dept_mega.train --config CFG.yaml [key.sub=value ...]
 
-Writes ``RUN/config.yaml`` (resolved config), ``RUN/metrics.jsonl`` (design.md §6), a log line
+Writes ``RUN/config.yaml`` (resolved config), ``RUN/metrics.jsonl`` (docs/metrics.md), a log line
 every ``train.log_interval`` steps, evaluation per source every ``train.eval_interval`` steps
 and at the end, and checkpoints (``RUN/checkpoints/step_N`` + ``latest``) every
 ``train.save_interval`` steps and at the end. A run whose ``run_dir`` holds a checkpoint
@@ -31,7 +31,7 @@ from .trainer import Trainer
 
 def parse_args(argv: Optional[Sequence[str]], prog: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="YAML config (design.md §5)")
+    ap.add_argument("--config", required=True, help="YAML config (keys: docs/config.md)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     return ap.parse_args(argv)
 

@@ -5,14 +5,25 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from typing import Sequence
 
 import numpy as np
+import pytest
 
 from dept_mega.data.indexed import IndexedDatasetBuilder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
+
+
+def megatron_indexed():
+    """megatron-core's indexed-dataset module, for the byte-level interop checks; it is the
+    ``benchmark`` extra (tools/setup_env.sh installs it), and without it those tests skip."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                   reason="megatron-core is not installed (pip install '.[benchmark]')")
 
 _BASE = ("the quick brown fox jumps over lazy dog data source token model train eval byte "
          "alpha beta gamma delta epsilon zeta theta lambda sigma omega river stone cloud fire").split()

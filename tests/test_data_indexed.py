@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import struct
-import warnings
 
 import numpy as np
 import pytest
@@ -11,11 +10,8 @@ import torch
 
 from dept_mega.data.indexed import (MAGIC, IndexedDataset, IndexedDatasetBuilder, IndexedFormatError,
                                     optimal_dtype)
-from tests.data_utils import numbered_docs, write_docs
+from tests.data_utils import megatron_indexed, numbered_docs, write_docs
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets import indexed_dataset as mcore
 
 
 def test_round_trip_and_layout(tmp_path):
@@ -50,6 +46,7 @@ def test_optimal_dtype():
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_ours_equals_megatron_bytes_and_reads_both_ways(tmp_path, dtype):
+    mcore = megatron_indexed()
     docs = numbered_docs(30, seed=3)
     if dtype == np.int32:
         docs = [[t + 70000 for t in d] for d in docs]  # ids beyond uint16
@@ -71,6 +68,7 @@ def test_ours_equals_megatron_bytes_and_reads_both_ways(tmp_path, dtype):
 
 
 def test_reads_megatron_multi_sequence_documents(tmp_path):
+    mcore = megatron_indexed()
     """Megatron files may hold several sequences (sentences) per document."""
     theirs = str(tmp_path / "multi")
     b = mcore.IndexedDatasetBuilder(theirs + ".bin", dtype=np.uint16)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -12,11 +11,8 @@ from dept_mega.data.indexed import IndexedDataset
 from dept_mega.data.jsonl import KINDS, SKIPPED_KINDS
 from dept_mega.data.preprocess import PreprocessError, partition_ranges, preprocess
 from dept_mega.data.tokenizer import load_tokenizer
-from tests.data_utils import run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
+from tests.data_utils import megatron_indexed, run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets import indexed_dataset as mcore
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def test_cli_contract_and_contents(tmp_path, tok_model):
     docs, nbytes = _read_all(out + "_text_document")
     assert docs == [tok.encode(t) + [tok.eos_id] for t in texts]
     assert nbytes == [len(t.encode("utf-8")) for t in texts]
-    m = mcore.IndexedDataset(out + "_text_document")  # megatron reads our output
+    m = megatron_indexed().IndexedDataset(out + "_text_document")  # megatron reads our output
     assert [m[i].tolist() for i in range(len(m))] == docs and m.index.dtype == np.uint16
 
 

@@ -1,4 +1,4 @@
-"""Throughput fields of the train records (design.md §8): tokens/s over the logging window,
+"""Throughput fields of the train records (docs/metrics.md): tokens/s over the logging window,
 TFLOP/s per device, MFU from the device's peak, paused time, the log line."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End to end on the sample corpus: training learns, metrics.jsonl follows design.md §6,
+"""End to end on the sample corpus: training learns, metrics.jsonl follows docs/metrics.md,
 evaluation's BPB comes from real byte counts, `-m dept_mega.evaluate` reproduces the final
 evaluation, a run resumes from `latest` exactly, data-parallel ranks read different data, and
 a 2-rank torchrun matches the single process."""

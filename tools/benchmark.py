@@ -1,17 +1,16 @@
 #!/usr/bin/env python3
-"""Throughput of the inner training step (design.md §4, §8).
+"""Throughput of the inner training step (the `bench` record of docs/metrics.md).
 
-    [torchrun --standalone --nproc-per-node N] python tools/benchmark.py --config CFG.yaml \
-        [key=value ...] --steps N --out BENCH.json
+    python tools/benchmark.py --config CFG.yaml [key=value ...] --steps N --out BENCH.json
+    torchrun --standalone --nproc-per-node N tools/benchmark.py --config CFG.yaml ...   # N ranks
 
 Builds the run's model and trainer in the configured layout and times ``--steps`` training
 steps (after ``--warmup`` untimed ones) on synthetic token batches of the configured shape
 (uniform ids from the model's vocabulary), so data loading is not measured. Every config key
 and dotted override is accepted as for training (precision, fp8, backend, model.*, parallel.*,
 optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kind: "bench"``
-record (design.md §6) to BENCH.json: ``tokens_per_s`` (all groups),
-``tokens_per_s_per_device``, ``tflops_per_device`` (§8 FLOPs; null on CPU, as §8 asks for
-tokens/s only there), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM and H200;
+record (docs/metrics.md) to BENCH.json: ``tokens_per_s`` (all groups),
+``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM and H200;
 null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
 steps, max over ranks; CPU: the process's peak resident set). Extra keys describe the setup:
 the device name, torch / CUDA versions, the date and the resolved ``config``.

@@ -18,8 +18,9 @@ All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-p
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
 ``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, total}.
 ``--outer-state`` picks FlatSync's θ_prev layout (default: what dept/outer.py does);
-``--set KEY=VALUE`` changes the config after validation, to predict a layout the trainer
-refuses today (e.g. ``optim.distributed=true`` with bf16 weights and a DEPT variant).
+``--set KEY=VALUE`` changes the config after validation, without checking it (what-if
+predictions of a combination the config checks refuse); an override after the config
+(``KEY=VALUE``) is checked as the trainer checks it.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--outer-state", choices=("full", "lean"), default=None,
                     help="FlatSync's theta_prev: full on every dp rank, or the rank's 1/D chunk (default: the code's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="change a config key after validation (memory predictions of unsupported layouts)")
+                    help="change a config key after validation, unchecked (what-if memory predictions)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap.parse_args(argv)
 

@@ -1,4 +1,4 @@
-"""Who trains what: the source of each group in each round (design.md §2).
+"""Who trains what: the source of each group in each round (docs/dept.md, "A round").
 
 K = G: a fixed assignment, group g trains source g every round.
 K > G: a seeded sampler draws G distinct sources per round (weighted, without replacement).

@@ -1,4 +1,4 @@
-"""What each DEPT variant shares across source groups (design.md §3, paper Table 1), and the
+"""What each DEPT variant shares across source groups (docs/dept.md, paper Table 1), and the
 strategy object that implements it (strategy.py).
 
 | variant  | body        | token table / untied head          | learned positions | per-source state     |

@@ -85,7 +85,7 @@ def _layout(path: str) -> dict[str, int]:
 
 
 def _rank(layout: dict[str, int], tp: int, dp: int, pp: int, group: int) -> int:
-    """Global rank of a position (design.md §2: tp fastest, then dp, pp, group)."""
+    """Global rank of a position (tp fastest, then dp, pp, group: docs/launching.md §2)."""
     T, D, P = layout["tensor"], layout["data"], layout["pipeline"]
     return tp + T * (dp + D * (pp + P * group))
 

@@ -1,10 +1,10 @@
 """Collectives that count their bytes by category.
 
 Every collective in dept_mega goes through a :class:`Comm`, which adds the payload this rank
-puts on the wire to a per-category counter (design.md §3: ``tp``, ``pp``, ``dp``,
+puts on the wire to a per-category counter (``tp``, ``pp``, ``dp``,
 ``outer_body``, ``outer_embedding``, ``source_move``).
 
-Counting convention (documented in docs/communication.md): a rank counts the bytes of the
+Counting convention (docs/metrics.md, `outer` records): a rank counts the bytes of the
 tensor it contributes — ``all_reduce``/``reduce_scatter``: its input; ``all_gather``: its
 shard; ``broadcast``: the source rank only; ``send``: the tensor; ``recv``: nothing. Summed
 over the ranks of a job this is the payload of the algorithm, independent of how the backend

@@ -1,4 +1,4 @@
-"""The process-group object: every group of design.md §2, built once and passed explicitly.
+"""The process-group object: every group of docs/launching.md §2, built once and passed explicitly.
 
 world = G × D × P × T with rank order, fastest-varying first, tp, dp, pp, group:
 

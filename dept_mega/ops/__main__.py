@@ -1,0 +1,71 @@
+"""``python -m dept_mega.ops``: which kernels and backends this installation uses.
+
+Prints torch's build, whether the compiled custom ops (``dept_mega.ops._C``) loaded and with
+which kernels, the optional packages the model can use (Transformer Engine, flash-attn,
+apex), and with ``--config CFG [key=value ...]`` the ``backends:`` line a run of that config
+logs on this machine. ``--require cpp|cuda`` exits with status 1 when the custom ops would not
+run compiled kernels on that device (for a cluster's install check).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+
+def _optional_packages() -> list[tuple[str, str]]:
+    from dept_mega.model import layers
+    from dept_mega.model.attention import flash_attn_available
+    from dept_mega.parallel.te import te_importable, te_installed
+
+    ok, info = te_importable()
+    te = f"yes ({info})" if ok else (info if te_installed() else "not installed")
+    return [("transformer_engine (backend: transformer_engine, fp8)", te),
+            ("flash_attn (model.attention_backend: flash)",
+             "yes" if flash_attn_available() else "not installed"),
+            ("apex (fused LayerNorm / RMSNorm on CUDA)", "yes" if layers._apex_ln is not None else "not installed")]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dept_mega.ops", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", help="also print the backends a run of this config uses here")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides (with --config)")
+    ap.add_argument("--require", choices=("cpp", "cuda"),
+                    help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda")
+    args = ap.parse_args(argv)
+
+    from dept_mega.ops import backend, extension_status
+
+    cuda = torch.cuda.is_available()
+    gpus = f"{torch.cuda.device_count()} visible ({torch.cuda.get_device_name(0)})" if cuda else "none visible"
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}, GPUs: {gpus}")
+    st = extension_status()
+    print(f"custom ops: {st.reason}")
+    print(f"  cpu tensors: {backend('cpu')}" + (f", cuda tensors: {backend('cuda')}" if cuda else ""))
+    print("optional packages:")
+    for name, state in _optional_packages():
+        print(f"  {name}: {state}")
+    if args.config:
+        from dept_mega.config import ConfigError, load_config
+        from dept_mega.model.gpt import describe_backends
+
+        device = "cuda" if cuda else "cpu"
+        try:
+            print(f"backends ({device}): {describe_backends(load_config(args.config, args.overrides), device)}")
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.require:
+        dev = "cpu" if args.require == "cpp" else "cuda"
+        got = backend(dev) if dev == "cpu" or cuda else None
+        if got != args.require:
+            why = "no CUDA device is visible" if got is None else f"they run '{got}' on {dev} tensors"
+            print(f"error: --require {args.require}: {why} ({st.reason})", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

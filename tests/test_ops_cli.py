@@ -1,0 +1,35 @@
+"""``python -m dept_mega.ops``: reports the custom ops' backend and the run's backends line,
+and ``--require`` fails when the compiled kernels are not what runs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from dept_mega.config import load_config
+from dept_mega.model.gpt import describe_backends
+from dept_mega.ops import backend, extension_status
+from dept_mega.ops.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = os.path.join(ROOT, "examples", "tiny", "std.yaml")
+
+
+def test_report_and_require(capsys):
+    rc = main(["--config", CFG, "model.position_embedding=rope", "--require", "cpp"])
+    out = capsys.readouterr().out
+    assert f"custom ops: {extension_status().reason}" in out
+    assert f"cpu tensors: {backend('cpu')}" in out
+    want = describe_backends(load_config(CFG, ["model.position_embedding=rope"]), "cpu")
+    assert f"backends (cpu): {want}" in out
+    assert rc == (0 if backend("cpu") == "cpp" else 1)
+    assert main(["--config", CFG, "model.activation=nope"]) == 2
+    assert "model.activation" in capsys.readouterr().err
+
+
+def test_require_fails_on_the_fallback():
+    env = dict(os.environ, DEPT_MEGA_OPS="torch", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "dept_mega.ops", "--require", "cpp"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "cpu tensors: torch" in res.stdout
+    assert "DEPT_MEGA_OPS=torch" in res.stderr

@@ -1,0 +1,113 @@
+"""setup.py's choice of what to build: the CUDA kernels only when torch's own version check
+would pass, else the CPU kernels with the reason logged, and a CPU retry whenever the CUDA
+build fails (torch's checks raise before any kernel compiles). Nothing is compiled here."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from setuptools import Distribution
+from torch.utils import cpp_extension as cx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def setup_mod(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("dept_mega_setup", os.path.join(ROOT, "setup.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # not __main__: setup() does not run
+    monkeypatch.setattr(mod, "LOG", str(tmp_path / "build.log"))
+    return mod
+
+
+@pytest.mark.parametrize("torch_cuda,home,nvcc,env,want,why", [
+    (None, "/cuda", "13.0", {}, False, "CPU build"),
+    ("13.0", "/cuda", "13.0", {"DEPT_MEGA_NO_CUDA": "1"}, False, "DEPT_MEGA_NO_CUDA=1"),
+    ("13.0", None, None, {}, False, "no CUDA toolkit"),
+    ("13.0", "/cuda", None, {}, False, "no working nvcc at /cuda/bin/nvcc"),
+    ("12.8", "/cuda", "13.0", {}, False, "CUDA 13.0, torch was built with CUDA 12.8"),
+    ("13.0", "/cuda", "13.1", {}, True, "nvcc CUDA 13.1"),
+])
+def test_cuda_plan(setup_mod, torch_cuda, home, nvcc, env, want, why):
+    got, reason = setup_mod.cuda_plan(torch_cuda, home, env, release=lambda h: nvcc)
+    assert got is want and why in reason
+
+
+def test_nvcc_release_reads_the_toolkit(setup_mod, tmp_path):
+    assert setup_mod.nvcc_release(str(tmp_path)) is None  # no bin/nvcc there
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    nvcc.chmod(0o755)
+    assert setup_mod.nvcc_release(str(tmp_path)) == "12.8"
+
+
+def _fake_torch_cuda(monkeypatch, setup_mod, torch_cuda, nvcc):
+    import torch
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(cx, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(setup_mod, "nvcc_release", lambda home: nvcc)
+
+
+def _sources(exts):
+    return [s for e in exts for s in e.sources]
+
+
+def test_mismatched_nvcc_builds_the_cpu_kernels(setup_mod, monkeypatch, tmp_path):
+    _fake_torch_cuda(monkeypatch, setup_mod, "12.8", "13.0")
+    exts, cmdclass = setup_mod.extensions({})
+    assert _sources(exts) == setup_mod.CPU_SOURCES and "build_ext" in cmdclass
+    log = (tmp_path / "build.log").read_text()
+    assert "CPU kernels only" in log and "CUDA 13.0" in log and "12.8" in log
+
+
+def _build_ext(setup_mod, exts, cmdclass, tmp_path):
+    dist = Distribution({"name": "dept_mega", "ext_modules": exts, "cmdclass": cmdclass})
+    cmd = dist.get_command_obj("build_ext")
+    cmd.build_lib, cmd.build_temp = str(tmp_path / "lib"), str(tmp_path / "tmp")
+    cmd.ensure_finalized()
+    return cmd
+
+
+@pytest.mark.parametrize("cpu_fails", [False, True])
+def test_failed_cuda_build_retries_with_the_cpu_kernels(setup_mod, monkeypatch, tmp_path, cpu_fails):
+    """torch's build raises before compiling anything (as its CUDA version check does): the
+    same extension is built again with the CPU sources; if that fails too, no error escapes."""
+    _fake_torch_cuda(monkeypatch, setup_mod, "13.0", "13.0")
+    exts, cmdclass = setup_mod.extensions({})
+    assert "csrc/cuda/kernels.cu" in _sources(exts)
+    cmd = _build_ext(setup_mod, exts, cmdclass, tmp_path)
+    built = []
+
+    def fake_run(self):
+        srcs = _sources(self.extensions)
+        built.append(srcs)
+        if any(s.endswith(".cu") for s in srcs) or cpu_fails:
+            raise RuntimeError("The detected CUDA version mismatches the version that was used to compile PyTorch")
+
+    monkeypatch.setattr(cx.BuildExtension, "run", fake_run)
+    cmd.run()
+    assert len(built) == 2 and built[1] == setup_mod.CPU_SOURCES
+    assert cmd.extensions[0] is exts[0] and exts[0]._full_name == setup_mod.EXT_NAME
+    log = (tmp_path / "build.log").read_text()
+    assert "retrying with the CPU kernels only" in log
+    assert ("continuing without the extension" in log) is cpu_fails
+    assert ("built dept_mega.ops._C (CPU kernels)" in log) is not cpu_fails
+
+
+def test_sdist_holds_every_source_and_header(tmp_path):
+    """A source distribution can build the extension: every file under csrc/ is in it."""
+    import subprocess
+    import sys
+    import tarfile
+    env = dict(os.environ, DEPT_MEGA_NO_EXT="1")
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path), "egg_info",
+                    "--egg-base", str(tmp_path)], cwd=ROOT, env=env, check=True, capture_output=True)
+    (sdist,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    want = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "csrc")) for f in fs}
+    assert want and want <= names, sorted(want - names)
+    assert not any(n.endswith(".so") for n in names)
