@@ -35,6 +35,14 @@ Errors: ``IndexError`` for an id outside [0, V) (message names the position and 
 unsupported dtypes. In-place ops check every id before writing: on error the table is
 unchanged. Empty inputs work (no-op / empty result).
 
+When errors are raised: shapes, dtypes and devices at once everywhere; invalid ids at once
+on CPU (and by the fallback), but by the compiled CUDA kernels only at the next
+``check_errors(device)``, so that no call waits for the GPU: the kernels keep the first
+invalid id in a per-device error record on the GPU, and ``check_errors`` reads it (one small
+copy) and raises the very error the CPU op raises. The trainer checks at every log interval
+and at the end of training. A failed CUDA scatter leaves the table unchanged; a failed CUDA
+gather / remap leaves the rows of the invalid ids unset (garbage until the check raises).
+
 Backends: the compiled extension ``dept_mega.ops._C`` (csrc/: C++ CPU kernels, CUDA kernels
 when built with a CUDA torch) registered as ``torch.ops.dept_mega.*`` with fake kernels, so
 the ops trace under torch.compile; otherwise the pure PyTorch fallback
@@ -51,7 +59,7 @@ from dept_mega.ops import fallback
 from dept_mega.ops.loader import ExtensionStatus, status
 
 __all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend",
-           "extension_status", "ExtensionStatus"]
+           "check_errors", "extension_status", "ExtensionStatus"]
 
 
 def extension_status() -> ExtensionStatus:
@@ -118,3 +126,18 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     if _route(ids, lookup):
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
+
+
+def check_errors(device: Union[str, torch.device, None] = None) -> None:
+    """Raises the first invalid-id error that the compiled CUDA ops met on ``device`` since
+    the last check (and clears it); returns at once, without touching the GPU, for a device
+    whose ops raise immediately (CPU, the fallback). One device-to-host copy on CUDA: call it
+    where the host waits for the GPU anyway (the log interval)."""
+    dev = torch.device("cuda" if device is None else device)
+    if dev.type != "cuda" or backend(dev) != "cuda":
+        return
+    record = torch.ops.dept_mega.error_record(torch.empty(0, device=dev))
+    host = record.cpu()
+    if int(host[0]) != 0:
+        record.zero_()
+        torch.ops.dept_mega.raise_recorded(host)
