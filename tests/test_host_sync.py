@@ -95,3 +95,15 @@ def test_fork_device_rng_replays_and_does_not_read_the_stream(tensor_parallel, m
     c = draw()
     monkeypatch.undo()
     assert not torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_phase_timer_measures_wall_clock_on_cpu():
+    import time
+
+    from dept_mega.profiling import PhaseTimer
+
+    timer = PhaseTimer("cpu")
+    with pytest.raises(RuntimeError, match=r"seconds\(\) before stop\(\)"):
+        timer.seconds()
+    time.sleep(0.05)
+    assert 0.045 <= timer.stop().seconds() < 1.0

@@ -123,3 +123,14 @@ def test_cuda_ops_do_not_synchronise_and_report_invalid_ids_at_the_check():
     ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]], device=dev), lookup)
     with pytest.raises(ValueError, match=r"remap_ids: global id 3 \(first at flat position 3\)"):
         ops.check_errors(dev)
+
+
+def test_phase_timer_measures_gpu_time_not_queuing():
+    """The DEPT round-end timings: GPU work queued inside the phase is counted although the
+    host returns at once."""
+    from dept_mega.profiling import PhaseTimer
+
+    torch.cuda.synchronize()
+    timer = PhaseTimer("cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles on an H100 (1.98 GHz)
+    assert timer.stop().seconds() > 0.05
