@@ -491,3 +491,17 @@ def test_meta_tensors_give_shapes():
     ids = torch.empty(5, dtype=torch.int32, device="meta")
     assert ops.gather_rows(table, ids, torch.bfloat16).shape == (5, 7)
     assert ops.remap_ids(ids.view(1, 5), torch.empty(10, dtype=torch.long, device="meta")).shape == (1, 5)
+
+
+def test_ops_bench_small_runs_on_cpu(tmp_path):
+    """benchmarks/ops_bench.py (inputs drawn on the benchmarked device) end to end, tiny sizes."""
+    out = tmp_path / "ops.json"
+    res = subprocess.run([sys.executable, "benchmarks/ops_bench.py", "--device", "cpu", "--small",
+                          "--iters", "1", "--out", str(out)],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    import json
+    rows = json.loads(out.read_text())["results"]
+    ops_run = {r["op"] for r in rows}
+    assert "scatter_add_rows 2x128 tokens (dups)" in ops_run and all(r["ms"] > 0 for r in rows)
