@@ -10,7 +10,7 @@
 TORCH_LIBRARY(dept_mega, m) {
   // rows[i] = table[ids[i]], optionally cast to out_dtype.
   m.def("gather_rows(Tensor table, Tensor ids, ScalarType? out_dtype=None) -> Tensor");
-  // out[ids[i]] += rows[i], in place; deterministic (rows summed per destination in order).
+  // out[ids[i]] += rows[i], in place; deterministic (fixed chunked order, csrc/cuda/kernels.h).
   m.def("scatter_add_rows_(Tensor(a!) out, Tensor ids, Tensor rows) -> ()");
   // Per touched row r: table[r] = alpha * mean_i rows[i] (accumulate=False) or
   // table[r] += alpha * mean_i rows[i] (accumulate=True); untouched rows unchanged.

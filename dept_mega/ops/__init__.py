@@ -9,9 +9,12 @@ API (every op validates its arguments and raises the same errors on every backen
   shape and dtype (deterministic).
 - ``scatter_add_rows(out, ids, rows) -> out``: in place, ``out[ids[i]] += rows[i]``;
   duplicate ids accumulate. ``out`` [V, d] contiguous; ``rows`` [n, d], any of the three
-  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in
-  ascending position order starting from its old value and rounded once, so the result is
-  bit-identical from run to run, whatever the thread count, and equal across backends.
+  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in a fixed
+  order and rounded once: its contributions in ascending position, cut into chunks of 64;
+  chunk 0 added to the old value one by one, each later chunk summed from zero and its sum
+  added, in chunk order (so long runs of one id reduce in parallel on CUDA; a row with at
+  most 64 contributions is a plain ascending sum). The result is bit-identical from run to
+  run, whatever the thread count, and equal across backends.
 - ``scatter_mean_rows(table, ids, rows, accumulate=False, alpha=1.0) -> table``: the fused
   TRIM round-end update. ``ids``/``rows`` are the concatenated contributions of several
   sources (ids in the table's row space, e.g. global ids for the global table; a row id may

@@ -125,6 +125,16 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
     return _GatherRows.apply(table, ids, out_dtype)
 
 
+def _ranks(index: torch.Tensor):
+    """(sorted index, the positions in that order, rows per destination, each sorted row's
+    rank among its destination's rows); a stable sort, so ranks follow ascending position."""
+    sorted_idx, order = torch.sort(index, stable=True)
+    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    return sorted_idx, order, counts, rank
+
+
 def _sequential_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
                      by_rank: Optional[bool] = None) -> None:
     """acc[index[i]] += src[i], each destination adding its rows in ascending i.
@@ -141,10 +151,7 @@ def _sequential_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
         return
     if index.numel() == 0:
         return
-    sorted_idx, order = torch.sort(index, stable=True)
-    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    sorted_idx, order, counts, rank = _ranks(index)
     for r in range(int(counts.max())):
         sel = rank == r
         acc.index_add_(0, sorted_idx[sel], src.index_select(0, order[sel]))
@@ -159,10 +166,7 @@ def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     ascending i. ``by_rank``: see `_sequential_add_` (at most CHUNK + chunks-per-row passes)."""
     if index.numel() == 0:
         return
-    sorted_idx, order = torch.sort(index, stable=True)
-    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    sorted_idx, order, _, rank = _ranks(index)
     head = rank < CHUNK
     _sequential_add_(acc, sorted_idx[head], src.index_select(0, order[head]), by_rank)
     if bool(head.all()):
