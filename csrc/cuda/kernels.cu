@@ -143,6 +143,19 @@ __device__ __forceinline__ int64_t upper_bound(const uint32_t* keys, int64_t lo,
   return lo;
 }
 
+// End of the run of `key` that starts at p (sorted keys): a galloping search, so a short run
+// (the common case: distinct or rarely repeated ids) costs one or two loads, not log2(n).
+__device__ __forceinline__ int64_t run_end(const uint32_t* keys, int64_t p, int64_t n,
+                                           uint32_t key) {
+  int64_t lo = p + 1, hi = p + 1, step = 1;  // keys[p, lo) == key
+  while (hi < n && keys[hi] == key) {
+    lo = hi + 1;
+    hi = lo + step;
+    step *= 2;
+  }
+  return upper_bound(keys, lo, hi < n ? hi : n, key);
+}
+
 // acc[k] += src row at sorted positions [q0, q1), in ascending order (fp32 adds; the loads
 // are independent of the sum, so the unrolled loop keeps several in flight).
 template <typename Tsrc, int VEC>
@@ -232,7 +245,7 @@ __global__ void final_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __
     const uint32_t r = keys[p];
     if (p > 0 && keys[p - 1] == r) continue;
     if (!t.valid) continue;
-    const int64_t end = upper_bound(keys, p + 1, n, r);
+    const int64_t end = run_end(keys, p, n, r);
     Tout* d = out + static_cast<int64_t>(r) * dim + t.col;
     float acc[VEC];
     if (mode == DM_SCATTER_ADD) {
