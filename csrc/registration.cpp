@@ -10,7 +10,7 @@
 TORCH_LIBRARY(dept_mega, m) {
   // rows[i] = table[ids[i]], optionally cast to out_dtype.
   m.def("gather_rows(Tensor table, Tensor ids, ScalarType? out_dtype=None) -> Tensor");
-  // out[ids[i]] += rows[i], in place; deterministic (rows summed per destination in order).
+  // out[ids[i]] += rows[i], in place; deterministic (fixed chunked order, csrc/cuda/kernels.h).
   m.def("scatter_add_rows_(Tensor(a!) out, Tensor ids, Tensor rows) -> ()");
   // Per touched row r: table[r] = alpha * mean_i rows[i] (accumulate=False) or
   // table[r] += alpha * mean_i rows[i] (accumulate=True); untouched rows unchanged.
@@ -19,6 +19,11 @@ TORCH_LIBRARY(dept_mega, m) {
       "float alpha=1.0) -> ()");
   // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
   m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
+  // Lazy error checks of the CUDA ops (no host synchronisation inside a call): the persistent
+  // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), and the
+  // exception a record describes (CPU kernel, takes a host copy of a record).
+  m.def("error_record(Tensor like) -> Tensor");
+  m.def("raise_recorded(Tensor record) -> ()");
 }
 
 extern "C" {

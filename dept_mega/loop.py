@@ -20,6 +20,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, 
 import torch
 import torch.distributed as dist
 
+from . import ops
 from .config import Config
 from .metrics import MetricsWriter, ThroughputMeter, human_line
 from .parallel.groups import ParallelGroups
@@ -219,6 +220,7 @@ class TrainLoop:
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
             if step % log_every == 0 or step == total:
+                ops.check_errors(tr.device)  # the CUDA ops' invalid ids (no sync inside a step)
                 rec = self._train_record(res, source)
                 rec.update(meter.window())
                 now = time.time()

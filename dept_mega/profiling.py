@@ -11,6 +11,7 @@ says where it stopped). Other ranks do nothing.
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -76,3 +77,38 @@ class StepProfiler:
         prof.export_chrome_trace(path)
         self.paths.append(path)
         self.log(f"profile: rank {self.rank} wrote {path} (steps {self._first + 1}-{steps_done})")
+
+
+class PhaseTimer:
+    """Seconds of one phase of work on ``device`` (a DEPT round end, its outer step).
+
+    On CUDA: two events on the current stream, i.e. the GPU's time from where the phase was
+    queued to where it ended, resolved by ``seconds()`` (which waits for the end event: call
+    it where the record is written, at a point that waits anyway). Host wall-clock timing
+    there would only measure how long the host took to queue the work. Elsewhere: wall clock.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._end = None
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> "PhaseTimer":
+        if self.cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self._end is None:
+            raise RuntimeError("PhaseTimer.seconds() before stop()")
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start

@@ -72,3 +72,23 @@ def tol(dtype):
     """(rtol, atol) for one final rounding to dtype of an fp32 sum of a few N(0,1) terms."""
     return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2),
             torch.float16: (2e-3, 2e-3)}[dtype]
+
+
+def ref_chunked_add(start: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                    chunk: int = 64) -> torch.Tensor:
+    """fp32 ``start[ids[i]] += rows[i]`` in the scatters' documented order, one element add
+    at a time in plain Python loops: per destination, its rows in ascending i cut into chunks
+    of ``chunk``; chunk 0 added to the start value, each later chunk summed from zero and its
+    sum added. Independent of the code under test (slow: small inputs only)."""
+    acc = start.float().cpu().clone()
+    ids_l, src = ids.long().cpu().tolist(), rows.float().cpu()
+    by_dest: dict[int, list[int]] = {}
+    for i, d in enumerate(ids_l):
+        by_dest.setdefault(d, []).append(i)
+    for d, rows_i in by_dest.items():
+        for c in range(0, len(rows_i), chunk):
+            part = acc[d] if c == 0 else torch.zeros_like(acc[d])
+            for i in rows_i[c:c + chunk]:
+                part = part + src[i]
+            acc[d] = part if c == 0 else acc[d] + part
+    return acc

@@ -14,7 +14,7 @@ import torch
 import dept_mega.ops as ops
 from dept_mega.ops import fallback
 from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, rand_ids, rand_rows,
-                             ref_scatter_add, ref_scatter_mean, seed_of, tol)
+                             ref_chunked_add, ref_scatter_add, ref_scatter_mean, seed_of, tol)
 
 SHAPES = [(1, 1), (7, 3), (50, 17), (33, 769), (300, 64)]  # (rows, dim), odd dims included
 NS = [0, 1, 40]  # ids per call; 40 > rows for the small tables, so ids repeat
@@ -230,13 +230,17 @@ def test_remap_errors_name_first_offending_id(device, impl):
     with pytest.raises(ValueError, match=r"global id 3 \(first at flat position 3\) is not in "
                                          r"this source's vocabulary \(lookup\[3\] = -1\)"):
         remap(ids, lookup)
+        ops.check_errors(device)  # the CUDA kernels report invalid ids at the next check
     with pytest.raises(IndexError, match=r"global id 7 at flat position 1 is out of range for "
                                          r"a lookup of 5 entries"):
         remap(torch.tensor([0, 7, 1], device=device), lookup)
+        ops.check_errors(device)
     with pytest.raises(IndexError, match=r"global id -2 at flat position 0"):
         remap(torch.tensor([-2], device=device), lookup)
+        ops.check_errors(device)
     with pytest.raises(IndexError, match=r"lookup of 0 entries"):
         remap(torch.tensor([0], device=device), lookup[:0])
+        ops.check_errors(device)
     assert remap(torch.empty(0, dtype=torch.long, device=device), lookup[:0]).numel() == 0
 
 
@@ -246,6 +250,7 @@ def test_remap_errors_name_first_offending_id(device, impl):
 def _error(fn, *args, **kwargs):
     with pytest.raises(Exception) as info:
         fn(*args, **kwargs)
+        ops.check_errors()  # CUDA: invalid ids are reported at the next check
     return info.type, str(info.value).splitlines()[0]
 
 
@@ -288,9 +293,37 @@ def test_scatter_error_leaves_table_unchanged(device, impl):
     ids = torch.tensor([0, 1, 9], device=device)
     with pytest.raises(IndexError):
         IMPLS[impl][1](t, ids, torch.ones(3, 2, device=device))
+        ops.check_errors(device)
     with pytest.raises(IndexError):
         IMPLS[impl][2](t, ids, torch.ones(3, 2, device=device))
+        ops.check_errors(device)
     assert torch.equal(t, before)
+
+
+def test_error_records_raise_the_immediate_errors():
+    """The CUDA ops report invalid ids through a device error record {code, position, id,
+    bound, lookup value} (csrc/constants.h) that check_errors hands to raise_recorded: each
+    record raises exactly what the CPU op raises at once. (The CUDA kernels that write the
+    records run only on a GPU: tests/test_gpu.py.)"""
+    _require_extension()
+    t, r = torch.zeros(4, 3), torch.ones(3, 3)
+    i = torch.tensor([0, 4, 1])
+    lookup = torch.tensor([0, -1, 1, -1, 2])
+    cases = [  # (record, the CPU call that raises the same error)
+        ([1, 1, 4, 4, 0], lambda: ops.gather_rows(t, i)),
+        ([2, 1, 4, 4, 0], lambda: ops.scatter_add_rows(t.clone(), i, r)),
+        ([3, 1, 4, 4, 0], lambda: ops.scatter_mean_rows(t.clone(), i, r)),
+        ([4, 1, 7, 5, 0], lambda: ops.remap_ids(torch.tensor([0, 7, 1]), lookup)),
+        ([5, 3, 3, 5, -1], lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup)),
+    ]
+    for record, call in cases:
+        want = _error(call)
+        got = _error(torch.ops.dept_mega.raise_recorded, torch.tensor(record))
+        assert got == want, record
+    torch.ops.dept_mega.raise_recorded(torch.zeros(5, dtype=torch.long))  # no error: returns
+    with pytest.raises(ValueError, match="raise_recorded: expected an int64 tensor of 5"):
+        torch.ops.dept_mega.raise_recorded(torch.zeros(4, dtype=torch.long))
+    ops.check_errors("cpu")  # CPU errors are immediate: nothing to check, returns
 
 
 # --------------------------------------------------------------------------- determinism
@@ -315,11 +348,46 @@ def test_scatter_deterministic_across_runs_and_threads(device):
         torch.set_num_threads(threads)
     for a, m in results[1:]:
         assert torch.equal(a, results[0][0]) and torch.equal(m, results[0][1])
-    # Order matters in fp32 at this scale: the fixed order is ascending position.
-    acc = base.float().clone()
-    for k in range(n):
-        acc[ids[k]] += rows[k]
-    assert torch.equal(results[0][0], acc.to(torch.bfloat16))
+    # Order matters in fp32 at this scale (~100 rows per id, more than one chunk): the fixed
+    # order is the documented chunked one.
+    start = base.float()
+    assert torch.equal(ops.scatter_add_rows(start.clone(), ids, rows).cpu(),
+                       ref_chunked_add(start, ids, rows))
+    assert torch.equal(results[0][0].cpu(), ref_chunked_add(start, ids, rows).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [5, 8])
+def test_scatter_long_runs_fixed_chunk_order(device, dim):
+    """Ids repeated more than one chunk (64) of times: every backend sums in the documented
+    chunked order, bit for bit (fp32 table, so no final rounding hides the order)."""
+    g = gen(seed_of(("chunks", dim)))
+    counts = {3: 300, 0: 129, 7: 65, 5: 64, 1: 1}  # runs of 4.7, 2, 1+1, 1 chunks; one single
+    ids = torch.cat([torch.full((c,), i) for i, c in counts.items()])
+    ids = ids[torch.randperm(ids.numel(), generator=g)].to(device)
+    rows = rand_rows((ids.numel(), dim), torch.float32, device, g) * 100
+    start = rand_rows((9, dim), torch.float32, device, g)
+    want = ref_chunked_add(start, ids, rows)
+    sequential = start.float().cpu().index_add(0, ids.cpu(), rows.cpu())  # one add per row
+    assert not torch.equal(want, sequential)  # the data can tell the two orders apart
+    got = {"api": ops.scatter_add_rows(start.clone(), ids, rows),
+           "fallback": fallback.scatter_add_rows(start.clone(), ids, rows)}
+    for by_rank in (False, True):
+        acc = start.clone()
+        fallback._ordered_add_(acc, ids, rows, by_rank=by_rank)
+        got[f"_ordered_add_ by_rank={by_rank}"] = acc
+    for name, res in got.items():
+        assert torch.equal(res.cpu(), want), name
+    # The means divide the same sums (from zero).
+    sums = ref_chunked_add(torch.zeros_like(start), ids, rows)
+    cnt = torch.zeros(9).index_add_(0, ids.cpu(), torch.ones(ids.numel())).clamp(min=1)
+    for impl in IMPLS.values():
+        t = start.clone()
+        impl[2](t, ids, rows, accumulate=True, alpha=-0.5)
+        mean = sums / cnt.unsqueeze(1) * -0.5
+        exp = torch.where(torch.isin(torch.arange(9), ids.cpu()).unsqueeze(1), start.cpu() + mean,
+                          start.cpu())
+        assert torch.equal(t.cpu(), exp)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -423,3 +491,17 @@ def test_meta_tensors_give_shapes():
     ids = torch.empty(5, dtype=torch.int32, device="meta")
     assert ops.gather_rows(table, ids, torch.bfloat16).shape == (5, 7)
     assert ops.remap_ids(ids.view(1, 5), torch.empty(10, dtype=torch.long, device="meta")).shape == (1, 5)
+
+
+def test_ops_bench_small_runs_on_cpu(tmp_path):
+    """benchmarks/ops_bench.py (inputs drawn on the benchmarked device) end to end, tiny sizes."""
+    out = tmp_path / "ops.json"
+    res = subprocess.run([sys.executable, "benchmarks/ops_bench.py", "--device", "cpu", "--small",
+                          "--iters", "1", "--out", str(out)],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    import json
+    rows = json.loads(out.read_text())["results"]
+    ops_run = {r["op"] for r in rows}
+    assert "scatter_add_rows 2x128 tokens (dups)" in ops_run and all(r["ms"] > 0 for r in rows)

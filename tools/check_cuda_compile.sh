@@ -36,7 +36,8 @@ echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/kernels.cu"
 "$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
   -c csrc/cuda/kernels.cu -o "$tmp/kernels.o"
 syms=$(nm -g --defined-only "$tmp/kernels.o")
-for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply; do
+for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply \
+           dm_record_error; do
   if ! grep -qw "$sym" <<<"$syms"; then
     echo "check_cuda_compile: kernels.o does not export $sym" >&2
     exit 1

@@ -2,9 +2,11 @@
 //
 // Determinism of the scatters: the ids are grouped by destination row (counting sort, or a
 // stable sort when the table is much larger than the id list), and each destination row is
-// produced by exactly one task, which adds its contributions in ascending position order
-// in fp32. The result therefore does not depend on the number of threads, and equals the
-// pure PyTorch fallback bit for bit.
+// produced by exactly one task, which adds its contributions in the fixed order of
+// csrc/cuda/kernels.h (ascending position, in chunks of DM_SCATTER_CHUNK: chunk 0 added to
+// the start value element by element, each later chunk summed from 0 and then added) in
+// fp32. The result therefore does not depend on the number of threads, and equals the CUDA
+// kernel and the pure PyTorch fallback bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -144,18 +146,30 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
         out_t* dst = out.data_ptr<out_t>();
         const row_t* src = rows.const_data_ptr<row_t>();
         at::parallel_for(0, nseg, grain, [&](int64_t begin, int64_t end) {
-          std::vector<float> acc(dim);
+          std::vector<float> acc(dim), part(dim);
           for (int64_t k = begin; k < end; ++k) {
             const int64_t first = seg[k], last = seg[k + 1];
             const int64_t r = static_cast<int64_t>(id_ptr[order[first]]);
             out_t* d = dst + r * dim;
+            // Adds the contributions of [first, last) to `into` in the fixed chunked order.
+            auto reduce = [&](float* into) {
+              const int64_t head = std::min(last, first + DM_SCATTER_CHUNK);
+              for (int64_t p = first; p < head; ++p) {
+                const row_t* s = src + order[p] * dim;
+                for (int64_t j = 0; j < dim; ++j) into[j] += static_cast<float>(s[j]);
+              }
+              for (int64_t c = head; c < last; c += DM_SCATTER_CHUNK) {
+                std::fill(part.begin(), part.end(), 0.0f);
+                for (int64_t p = c; p < std::min(last, c + DM_SCATTER_CHUNK); ++p) {
+                  const row_t* s = src + order[p] * dim;
+                  for (int64_t j = 0; j < dim; ++j) part[j] += static_cast<float>(s[j]);
+                }
+                for (int64_t j = 0; j < dim; ++j) into[j] += part[j];
+              }
+            };
             if constexpr (std::is_same_v<out_t, float>) {
               if (mode == ScatterMode::kAdd) {
-                // fp32 table: accumulate in place, the same operations in the same order.
-                for (int64_t p = first; p < last; ++p) {
-                  const row_t* s = src + order[p] * dim;
-                  for (int64_t j = 0; j < dim; ++j) d[j] += static_cast<float>(s[j]);
-                }
+                reduce(d);  // fp32 table: accumulate in place, the same operations
                 continue;
               }
             }
@@ -164,10 +178,7 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
             } else {
               std::fill(acc.begin(), acc.end(), 0.0f);
             }
-            for (int64_t p = first; p < last; ++p) {
-              const row_t* s = src + order[p] * dim;
-              for (int64_t j = 0; j < dim; ++j) acc[j] += static_cast<float>(s[j]);
-            }
+            reduce(acc.data());
             if (mode == ScatterMode::kAdd) {
               for (int64_t j = 0; j < dim; ++j) d[j] = static_cast<out_t>(acc[j]);
             } else {
@@ -239,6 +250,16 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
   return out;
 }
 
+// record: a host int64[DM_ERR_RECORD_LEN] copy of a device's error record (ops_cuda.cpp).
+void raise_recorded_cpu(const at::Tensor& record) {
+  TORCH_CHECK_VALUE(record.dim() == 1 && record.numel() == DM_ERR_RECORD_LEN &&
+                        record.scalar_type() == at::kLong,
+                    "raise_recorded: expected an int64 tensor of ", DM_ERR_RECORD_LEN,
+                    " entries, got ", dtype_name(record.scalar_type()), " of shape ",
+                    record.sizes());
+  raise_recorded(record.contiguous().const_data_ptr<int64_t>());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
@@ -246,6 +267,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cpu);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
   m.impl("remap_ids", &remap_ids_cpu);
+  m.impl("raise_recorded", &raise_recorded_cpu);
 }
 
 }  // namespace dept_mega

@@ -4,9 +4,13 @@
 //   at a time with 16-byte vector loads when the row length and the pointers allow, so a
 //   warp issues full coalesced transactions; grid-stride over rows keeps work in flight.
 // scatter: ids are validated and positions sorted by destination row (CUB stable radix sort
-//   over only the bits the table size needs); then one warp owns each destination row and
-//   adds its contributions in ascending position order in fp32. No atomics on data: the
-//   result is bit-identical from run to run and equals the CPU kernel's.
+//   over only the bits the table size needs). A destination row's contributions (a run of
+//   the sorted positions, ascending position order) are cut into chunks of DM_SCATTER_CHUNK:
+//   partial_kernel sums chunks 1, 2, ... of every run in parallel (one warp per chunk and
+//   column tile), then final_kernel (one warp per row and column tile) adds chunk 0 to the
+//   row's start value and the chunk sums in chunk order. All sums in fp32, no atomics on
+//   data: a long run (a frequent token) is reduced in parallel, and the result is fixed by
+//   the ids alone, bit-identical from run to run and equal to the CPU kernel's.
 // remap: elementwise lookup, grid-stride.
 #include "kernels.h"
 
@@ -120,52 +124,185 @@ __global__ void prepare_kernel(const Idx* __restrict__ ids, int64_t n, int64_t r
   }
 }
 
-// One warp per destination row: the warp whose sorted position starts a run of equal keys
-// sums that run in order. Rows of other warps are never touched, so no atomics.
-template <typename Tout, typename Tsrc, int VEC>
-__global__ void apply_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __restrict__ src,
-                             int64_t n, const uint32_t* __restrict__ keys,
-                             const int32_t* __restrict__ pos, int mode, float alpha) {
+// Sorted keys: the first index q in [lo, hi) with keys[q] >= key (lower) / > key (upper).
+__device__ __forceinline__ int64_t lower_bound(const uint32_t* keys, int64_t lo, int64_t hi,
+                                               uint32_t key) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int64_t upper_bound(const uint32_t* keys, int64_t lo, int64_t hi,
+                                               uint32_t key) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] <= key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// End of the run of `key` that starts at p (sorted keys): a galloping search, so a short run
+// (the common case: distinct or rarely repeated ids) costs one or two loads, not log2(n).
+__device__ __forceinline__ int64_t run_end(const uint32_t* keys, int64_t p, int64_t n,
+                                           uint32_t key) {
+  int64_t lo = p + 1, hi = p + 1, step = 1;  // keys[p, lo) == key
+  while (hi < n && keys[hi] == key) {
+    lo = hi + 1;
+    hi = lo + step;
+    step *= 2;
+  }
+  return upper_bound(keys, lo, hi < n ? hi : n, key);
+}
+
+// acc[k] += src row at sorted positions [q0, q1), in ascending order (fp32 adds; the loads
+// are independent of the sum, so the unrolled loop keeps several in flight).
+template <typename Tsrc, int VEC>
+__device__ __forceinline__ void add_rows(float (&acc)[VEC], const Tsrc* __restrict__ src,
+                                         int64_t dim, int64_t col, const int32_t* __restrict__ pos,
+                                         int64_t q0, int64_t q1) {
+#pragma unroll 8
+  for (int64_t q = q0; q < q1; ++q) {
+    float f[VEC];
+    load_float<Tsrc, VEC>(src + static_cast<int64_t>(pos[q]) * dim + col, f);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] += f[k];
+  }
+}
+
+// Work items are (sorted position or chunk slot, column tile): one warp per item, each lane
+// VEC consecutive columns of a 32 * VEC wide tile.
+struct Tile {
+  int64_t item, col;
+  bool valid;
+};
+
+__device__ __forceinline__ Tile tile_of(int64_t w, int64_t ntiles, int64_t dim, int lane,
+                                        int vec) {
+  Tile t;
+  t.item = w / ntiles;
+  t.col = (w % ntiles) * 32 * vec + static_cast<int64_t>(lane) * vec;
+  t.valid = t.col < dim;
+  return t;
+}
+
+// Chunk partial sums of the long runs. Slot b covers sorted positions [b*C, (b+1)*C). A run
+// (destination row) starting at s is cut into chunks [s + kC, s + (k+1)C); chunk k >= 1
+// starts at s + kC, and distinct such starts fall into distinct slots (two of them are more
+// than C apart), so chunk k >= 1 of a run is stored at partial[(s + kC) / C]. Only the run
+// that contains position b*C can have such a start inside slot b.
+template <typename Tsrc, int VEC>
+__global__ void partial_kernel(float* __restrict__ partial, int64_t dim,
+                               const Tsrc* __restrict__ src, int64_t n,
+                               const uint32_t* __restrict__ keys,
+                               const int32_t* __restrict__ pos,
+                               const unsigned long long* __restrict__ bad) {
+  if (*bad < static_cast<unsigned long long>(n)) return;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
-  const int64_t nvec = dim / VEC;
-  for (int64_t p = warp; p < n; p += nwarps) {
+  const int64_t ntiles = (dim + 32 * VEC - 1) / (32 * VEC);
+  const int64_t nslots = (n + DM_SCATTER_CHUNK - 1) / DM_SCATTER_CHUNK;
+  for (int64_t w = warp; w < nslots * ntiles; w += nwarps) {
+    const Tile t = tile_of(w, ntiles, dim, lane, VEC);
+    const int64_t b0 = t.item * DM_SCATTER_CHUNK;
+    const uint32_t key = keys[b0];
+    const int64_t s = lower_bound(keys, 0, b0, key);
+    if (s == b0) continue;  // the run starts here: its chunk 0 is summed by final_kernel
+    const int64_t q0 = s + (b0 - s + DM_SCATTER_CHUNK - 1) / DM_SCATTER_CHUNK * DM_SCATTER_CHUNK;
+    if (q0 >= n || keys[q0] != key) continue;  // the run ends before its next chunk
+    if (!t.valid) continue;
+    const int64_t end = upper_bound(keys, q0, q0 + DM_SCATTER_CHUNK < n ? q0 + DM_SCATTER_CHUNK : n,
+                                    key);
+    float acc[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+    add_rows<Tsrc, VEC>(acc, src, dim, t.col, pos, q0, end);
+    float* d = partial + t.item * dim + t.col;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) d[k] = acc[k];
+  }
+}
+
+// One warp per (destination row, column tile): the warp whose sorted position starts a run
+// adds chunk 0 of the run to the row's start value (its old value, or 0 for the means), then
+// the partial sums of chunks 1, 2, ... in order, and writes the row. Rows of other warps are
+// never touched, so no atomics: the order is fixed by the ids alone.
+template <typename Tout, typename Tsrc, int VEC>
+__global__ void final_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __restrict__ src,
+                             int64_t n, const uint32_t* __restrict__ keys,
+                             const int32_t* __restrict__ pos, const float* __restrict__ partial,
+                             int mode, float alpha, const unsigned long long* __restrict__ bad) {
+  if (*bad < static_cast<unsigned long long>(n)) return;  // nothing is written on error
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t ntiles = (dim + 32 * VEC - 1) / (32 * VEC);
+  for (int64_t w = warp; w < n * ntiles; w += nwarps) {
+    const Tile t = tile_of(w, ntiles, dim, lane, VEC);
+    const int64_t p = t.item;
     const uint32_t r = keys[p];
     if (p > 0 && keys[p - 1] == r) continue;
-    int64_t end = p + 1;
-    while (end < n && keys[end] == r) ++end;
+    if (!t.valid) continue;
+    const int64_t end = run_end(keys, p, n, r);
+    Tout* d = out + static_cast<int64_t>(r) * dim + t.col;
+    float acc[VEC];
+    if (mode == DM_SCATTER_ADD) {
+      load_float<Tout, VEC>(d, acc);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+    }
+    add_rows<Tsrc, VEC>(acc, src, dim, t.col, pos, p,
+                        end < p + DM_SCATTER_CHUNK ? end : p + DM_SCATTER_CHUNK);
+#pragma unroll 8
+    for (int64_t q = p + DM_SCATTER_CHUNK; q < end; q += DM_SCATTER_CHUNK) {
+      const float* part = partial + (q / DM_SCATTER_CHUNK) * dim + t.col;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] += part[k];
+    }
+    // __fmul_rn / __fadd_rn: no contraction into an FMA, so the result rounds like the
+    // CPU kernel's and the fallback's separate multiply and add.
     const float count = static_cast<float>(end - p);
-    Tout* d = out + static_cast<int64_t>(r) * dim;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      float acc[VEC];
-      if (mode == DM_SCATTER_ADD) {
-        load_float<Tout, VEC>(d + v * VEC, acc);
-      } else {
+    if (mode == DM_SCATTER_MEAN) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
-      }
-      for (int64_t q = p; q < end; ++q) {
-        float f[VEC];
-        load_float<Tsrc, VEC>(src + static_cast<int64_t>(pos[q]) * dim + v * VEC, f);
+      for (int k = 0; k < VEC; ++k) acc[k] = __fmul_rn(alpha, __fdiv_rn(acc[k], count));
+    } else if (mode == DM_SCATTER_MEAN_ACCUMULATE) {
+      float old[VEC];
+      load_float<Tout, VEC>(d, old);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] += f[k];
-      }
-      // __fmul_rn / __fadd_rn: no contraction into an FMA, so the result rounds like the
-      // CPU kernel's and the fallback's separate multiply and add.
-      if (mode == DM_SCATTER_MEAN) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = __fmul_rn(alpha, __fdiv_rn(acc[k], count));
-      } else if (mode == DM_SCATTER_MEAN_ACCUMULATE) {
-        float old[VEC];
-        load_float<Tout, VEC>(d + v * VEC, old);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          acc[k] = __fadd_rn(old[k], __fmul_rn(alpha, __fdiv_rn(acc[k], count)));
-      }
-      store_float<Tout, VEC>(d + v * VEC, acc);
+      for (int k = 0; k < VEC; ++k)
+        acc[k] = __fadd_rn(old[k], __fmul_rn(alpha, __fdiv_rn(acc[k], count)));
+    }
+    store_float<Tout, VEC>(d, acc);
+  }
+}
+
+// One thread: if the call found an invalid id (*bad < n) and the device's record is empty,
+// write what the error message needs, in the layout of kernels.h.
+template <typename Idx, typename Lut>
+__global__ void record_kernel(const unsigned long long* __restrict__ bad, int64_t n, int op,
+                              const Idx* __restrict__ ids, int64_t bound,
+                              const Lut* __restrict__ lookup, int64_t* __restrict__ record) {
+  const unsigned long long b = *bad;
+  if (b >= static_cast<unsigned long long>(n) || record[0] != DM_ERR_NONE) return;
+  const int64_t p = static_cast<int64_t>(b);
+  const int64_t id = static_cast<int64_t>(ids[p]);
+  int code = op;
+  int64_t value = 0;
+  if (op == DM_ERR_REMAP_MISSING) {
+    if (id < 0 || id >= bound) {
+      code = DM_ERR_REMAP_RANGE;
+    } else {
+      value = static_cast<int64_t>(lookup[id]);
     }
   }
+  record[1] = p;
+  record[2] = id;
+  record[3] = bound;
+  record[4] = value;
+  record[0] = code;
 }
 
 inline int64_t blocks_for(int64_t threads) {
@@ -216,20 +353,28 @@ struct Workspace {
   uint32_t* keys_out;
   int32_t* pos_in;
   int32_t* pos_out;
+  float* partial;  // one fp32 row per chunk slot: ceil(n / DM_SCATTER_CHUNK) x dim
   void* temp;
   size_t temp_bytes;
 };
 
-inline Workspace carve(void* base, int64_t n, size_t total) {
+inline size_t partial_bytes(int64_t n, int64_t dim) {
+  const int64_t slots = (n + DM_SCATTER_CHUNK - 1) / DM_SCATTER_CHUNK;
+  return align256(static_cast<size_t>(slots) * static_cast<size_t>(dim) * sizeof(float));
+}
+
+inline Workspace carve(void* base, int64_t n, int64_t dim, size_t total) {
   char* p = static_cast<char*>(base);
   const size_t a = align256(static_cast<size_t>(n) * 4);
+  const size_t pb = partial_bytes(n, dim);
   Workspace w;
   w.keys_in = reinterpret_cast<uint32_t*>(p);
   w.keys_out = reinterpret_cast<uint32_t*>(p + a);
   w.pos_in = reinterpret_cast<int32_t*>(p + 2 * a);
   w.pos_out = reinterpret_cast<int32_t*>(p + 3 * a);
-  w.temp = p + 4 * a;
-  w.temp_bytes = total > 4 * a ? total - 4 * a : 0;
+  w.partial = reinterpret_cast<float*>(p + 4 * a);
+  w.temp = p + 4 * a + pb;
+  w.temp_bytes = total > 4 * a + pb ? total - 4 * a - pb : 0;
   return w;
 }
 
@@ -301,19 +446,20 @@ extern "C" cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n,
   return cudaGetLastError();
 }
 
-extern "C" size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows) {
+extern "C" size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows, int64_t dim) {
   if (n <= 0) return 0;
-  return 4 * align256(static_cast<size_t>(n) * 4) + align256(sort_temp_bytes(n, rows));
+  return 4 * align256(static_cast<size_t>(n) * 4) + partial_bytes(n, dim) +
+         align256(sort_temp_bytes(n, rows));
 }
 
 extern "C" cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_t n,
-                                          int64_t rows, void* workspace,
+                                          int64_t rows, int64_t dim, void* workspace,
                                           size_t workspace_bytes, unsigned long long* bad,
                                           cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (n >= (int64_t{1} << 31) || rows > (int64_t{1} << 32)) return cudaErrorInvalidValue;
-  if (workspace_bytes < dm_scatter_workspace_bytes(n, rows)) return cudaErrorInvalidValue;
-  Workspace w = carve(workspace, n, workspace_bytes);
+  if (workspace_bytes < dm_scatter_workspace_bytes(n, rows, dim)) return cudaErrorInvalidValue;
+  Workspace w = carve(workspace, n, dim, workspace_bytes);
   const bool ok = with_id_type(ids_dtype, [&](auto idx_tag) {
     using Idx = decltype(idx_tag);
     prepare_kernel<Idx><<<blocks_for(n), kBlock, 0, stream>>>(static_cast<const Idx*>(ids), n,
@@ -331,14 +477,13 @@ extern "C" cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_
 extern "C" cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim,
                                         const void* src, int src_dtype, int64_t n, int mode,
                                         float alpha, const void* workspace,
-                                        cudaStream_t stream) {
+                                        const unsigned long long* bad, cudaStream_t stream) {
   (void)rows;
   if (n == 0 || dim == 0) return cudaSuccess;
   if (mode != DM_SCATTER_ADD && mode != DM_SCATTER_MEAN && mode != DM_SCATTER_MEAN_ACCUMULATE)
     return cudaErrorInvalidValue;
-  // The workspace is only read here; carve() needs a mutable base for its pointer types.
-  Workspace w = carve(const_cast<void*>(workspace), n, 0);
-  const int64_t blocks = blocks_for(n * 32);
+  // carve() needs a mutable base for its pointer types; only the partial rows are written.
+  Workspace w = carve(const_cast<void*>(workspace), n, dim, 0);
   bool ok = true;
   if (!with_row_type(out_dtype, [&](auto out_tag) {
     using Tout = decltype(out_tag);
@@ -347,15 +492,45 @@ extern "C" cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, 
       constexpr int V = 4;  // 16-byte fp32 accesses, 8-byte half / bf16 accesses
       const bool vec = dim % V == 0 && aligned(out, V * sizeof(Tout)) &&
                        aligned(src, V * sizeof(Tsrc));
+      const int vw = vec ? V : 1;
+      const int64_t ntiles = (dim + 32 * vw - 1) / (32 * vw);
+      const int64_t slots = (n + DM_SCATTER_CHUNK - 1) / DM_SCATTER_CHUNK;
+      const int64_t pblocks = blocks_for(slots * ntiles * 32);
+      const int64_t fblocks = blocks_for(n * ntiles * 32);
+      const Tsrc* s = static_cast<const Tsrc*>(src);
+      Tout* o = static_cast<Tout*>(out);
       if (vec) {
-        apply_kernel<Tout, Tsrc, V><<<blocks, kBlock, 0, stream>>>(
-            static_cast<Tout*>(out), dim, static_cast<const Tsrc*>(src), n, w.keys_out,
-            w.pos_out, mode, alpha);
+        partial_kernel<Tsrc, V><<<pblocks, kBlock, 0, stream>>>(w.partial, dim, s, n, w.keys_out,
+                                                                w.pos_out, bad);
+        final_kernel<Tout, Tsrc, V><<<fblocks, kBlock, 0, stream>>>(
+            o, dim, s, n, w.keys_out, w.pos_out, w.partial, mode, alpha, bad);
       } else {
-        apply_kernel<Tout, Tsrc, 1><<<blocks, kBlock, 0, stream>>>(
-            static_cast<Tout*>(out), dim, static_cast<const Tsrc*>(src), n, w.keys_out,
-            w.pos_out, mode, alpha);
+        partial_kernel<Tsrc, 1><<<pblocks, kBlock, 0, stream>>>(w.partial, dim, s, n, w.keys_out,
+                                                                w.pos_out, bad);
+        final_kernel<Tout, Tsrc, 1><<<fblocks, kBlock, 0, stream>>>(
+            o, dim, s, n, w.keys_out, w.pos_out, w.partial, mode, alpha, bad);
       }
+    }))
+      ok = false;
+  }))
+    ok = false;
+  if (!ok) return cudaErrorInvalidValue;
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op,
+                                       const void* ids, int ids_dtype, int64_t bound,
+                                       const void* lookup, int lookup_dtype, int64_t* record,
+                                       cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  bool ok = true;
+  if (!with_id_type(ids_dtype, [&](auto idx_tag) {
+    using Idx = decltype(idx_tag);
+    if (!with_id_type(lookup_dtype, [&](auto lut_tag) {
+      using Lut = decltype(lut_tag);
+      record_kernel<Idx, Lut><<<1, 1, 0, stream>>>(bad, n, op, static_cast<const Idx*>(ids),
+                                                   bound, static_cast<const Lut*>(lookup),
+                                                   record);
     }))
       ok = false;
   }))

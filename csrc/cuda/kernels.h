@@ -8,12 +8,16 @@
 // Conventions: every pointer is a device pointer to a contiguous row-major array; `rows` is
 // the number of rows of a table, `dim` its row length; dtype codes below. `bad` points to one
 // device uint64 that the caller sets to n before the call; a kernel that meets an invalid id
-// lowers it (atomicMin) to the first invalid position, so the caller can name it.
+// lowers it (atomicMin) to the first invalid position. Nothing reads it back on the host
+// during the call: dm_record_error copies what the message needs into a per-device error
+// record, which the host reads when it checks (dept_mega.ops.check_errors).
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "../constants.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -22,6 +26,8 @@ extern "C" {
 enum { DM_FLOAT32 = 0, DM_BFLOAT16 = 1, DM_FLOAT16 = 2 };  // row dtypes
 enum { DM_INT32 = 0, DM_INT64 = 1 };                         // id dtypes
 enum { DM_SCATTER_ADD = 0, DM_SCATTER_MEAN = 1, DM_SCATTER_MEAN_ACCUMULATE = 2 };
+
+// DM_SCATTER_CHUNK and the error codes: ../constants.h (shared with the CPU kernels).
 
 // out[i, :] = (out_dtype) table[ids[i], :] for i < n. Rows with an invalid id are not
 // written (the caller raises).
@@ -35,21 +41,35 @@ cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n, const void* 
                          int lookup_dtype, int64_t lookup_size, void* out,
                          unsigned long long* bad, cudaStream_t stream);
 
-// Deterministic scatter in two calls, so that nothing is written when an id is invalid:
-// 1. dm_scatter_prepare validates the ids and sorts positions by destination row (stable
-//    radix sort, in `workspace` of dm_scatter_workspace_bytes(n, rows) bytes);
-// 2. after the caller has checked `bad`, dm_scatter_apply lets one warp own each destination
-//    row and add its contributions in ascending position order in fp32, then write
-//    out[r] + sum (ADD), alpha * (sum / count) (MEAN) or out[r] + alpha * (sum / count)
-//    (MEAN_ACCUMULATE); every step rounded in fp32 (no FMA), as on CPU.
+// Deterministic scatter in two calls:
+// 1. dm_scatter_prepare validates the ids (lowering `bad`) and sorts positions by
+//    destination row (stable radix sort, in `workspace` of
+//    dm_scatter_workspace_bytes(n, rows, dim) bytes);
+// 2. dm_scatter_apply, which writes nothing when *bad < n (so a failed call leaves the table
+//    unchanged without the host looking), reduces each destination row in a fixed order in
+//    fp32: its contributions in ascending position order are cut into chunks of
+//    DM_SCATTER_CHUNK; start = out[r] (ADD) or 0 (MEAN*); start += chunk 0 element by element;
+//    then for k = 1, 2, ...: start += (0 + the rows of chunk k in order). It writes
+//    out[r] = start (ADD), alpha * (start / count) (MEAN) or out[r] + alpha * (start / count)
+//    (MEAN_ACCUMULATE); every step rounded in fp32 (no FMA), as on CPU. Chunks 1, 2, ... of
+//    all rows are summed in parallel, so a heavily repeated id is not a serial loop.
 // Limits: n < 2^31, rows < 2^32.
-size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows);
+size_t dm_scatter_workspace_bytes(int64_t n, int64_t rows, int64_t dim);
 cudaError_t dm_scatter_prepare(const void* ids, int ids_dtype, int64_t n, int64_t rows,
-                               void* workspace, size_t workspace_bytes,
+                               int64_t dim, void* workspace, size_t workspace_bytes,
                                unsigned long long* bad, cudaStream_t stream);
 cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim,
                              const void* src, int src_dtype, int64_t n, int mode, float alpha,
-                             const void* workspace, cudaStream_t stream);
+                             const void* workspace, const unsigned long long* bad,
+                             cudaStream_t stream);
+
+// If *bad < n (the call of op `op` found an invalid id) and record[0] == DM_ERR_NONE, writes
+// the error record: position *bad, ids[*bad], `bound` (the table rows / lookup size) and, for
+// remap_ids (op DM_ERR_REMAP_MISSING, `lookup` given), the kind (range or missing) and
+// lookup[id]. One thread, no host synchronisation. `lookup` may be null for the other ops.
+cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op, const void* ids,
+                            int ids_dtype, int64_t bound, const void* lookup, int lookup_dtype,
+                            int64_t* record, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -7,13 +7,20 @@
 // headers (tools/check_cuda_compile.sh). tests/test_ops.py runs every op on CUDA when a GPU
 // is present.
 //
-// Errors: each op reads the first invalid position back from the device (one small
-// synchronising copy) and raises exactly what the CPU op raises. The scatters check before
-// writing, so a failed call leaves the table unchanged, as on CPU.
+// Errors, without a host synchronisation inside a call: each op's kernels lower a per-call
+// device counter to the first invalid position, and a one-thread kernel copies what the
+// message needs into the device's persistent error record (the first error since the last
+// check is kept). dept_mega.ops.check_errors() reads the record (one small copy, at the log
+// interval) and raises exactly what the CPU op raises. The scatters' writing kernel reads the
+// counter on the device and writes nothing on error, so a failed call leaves the table
+// unchanged, as on CPU; a failed gather / remap leaves the rows of the invalid ids unset.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <mutex>
+#include <vector>
 
 #include "../common.h"
 #include "kernels.h"
@@ -51,11 +58,31 @@ unsigned long long* bad_ptr(at::Tensor& flag) {
   return reinterpret_cast<unsigned long long*>(flag.data_ptr<int64_t>());
 }
 
-// Position of the first invalid id, or n; synchronises with the stream.
-int64_t first_bad(const at::Tensor& flag) { return flag.item<int64_t>(); }
+// The persistent error record of a CUDA device (zeros until an op records an error). Kept for
+// the life of the process: never freed, so no CUDA call runs in a static destructor.
+at::Tensor device_record(const at::Device& device) {
+  static std::mutex mu;
+  static auto* records = new std::vector<at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto idx = static_cast<size_t>(device.index());
+  if (records->size() <= idx) records->resize(idx + 1);
+  at::Tensor& rec = (*records)[idx];
+  if (!rec.defined()) {
+    rec = at::zeros({DM_ERR_RECORD_LEN}, at::TensorOptions().dtype(at::kLong).device(device));
+  }
+  return rec;
+}
 
-int64_t id_at(const at::Tensor& ids, int64_t flat_pos) {
-  return ids.reshape({-1})[flat_pos].item<int64_t>();
+// Queues the record of this call's first invalid id (if any) on the current stream.
+void record_error(at::Tensor& flag, int64_t n, int op, const at::Tensor& ids, int64_t bound,
+                  const at::Tensor* lookup, const char* name) {
+  at::Tensor rec = device_record(ids.device());
+  check_cuda(dm_record_error(bad_ptr(flag), n, op, ids.const_data_ptr(),
+                             id_code(ids.scalar_type()), bound,
+                             lookup ? lookup->const_data_ptr() : nullptr,
+                             lookup ? id_code(lookup->scalar_type()) : DM_INT64,
+                             rec.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+             name);
 }
 
 at::Tensor gather_rows_cuda(const at::Tensor& table_in, const at::Tensor& ids_in,
@@ -67,30 +94,19 @@ at::Tensor gather_rows_cuda(const at::Tensor& table_in, const at::Tensor& ids_in
   const int64_t n = ids.size(0), rows = table.size(0), dim = table.size(1);
   const at::ScalarType odt = out_dtype.value_or(table.scalar_type());
   at::Tensor out = at::empty({n, dim}, table.options().dtype(odt));
-  if (n == 0 || dim == 0) {
-    // Still validate the ids so that errors do not depend on the row length.
-    if (n > 0) {
-      const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-      if (lo < 0 || hi >= rows) {
-        const at::Tensor badmask = ids.lt(0).logical_or(ids.ge(rows));
-        const int64_t pos = badmask.nonzero()[0][0].item<int64_t>();
-        fail_id_out_of_range("gather_rows", pos, id_at(ids, pos), rows);
-      }
-    }
-    return out;
-  }
+  if (n == 0) return out;
+  // dim == 0 runs the kernel too: it still validates the ids.
   at::Tensor flag = new_bad_flag(ids, n);
   check_cuda(dm_gather_rows(table.const_data_ptr(), row_code(table.scalar_type()), rows, dim,
                             ids.const_data_ptr(), id_code(ids.scalar_type()), n,
                             out.data_ptr(), row_code(odt), bad_ptr(flag),
                             c10::cuda::getCurrentCUDAStream()),
              "gather_rows");
-  const int64_t pos = first_bad(flag);
-  if (pos < n) fail_id_out_of_range("gather_rows", pos, id_at(ids, pos), rows);
+  record_error(flag, n, DM_ERR_GATHER, ids, rows, nullptr, "gather_rows");
   return out;
 }
 
-void scatter_rows_cuda(const char* op, at::Tensor& out, const at::Tensor& ids_in,
+void scatter_rows_cuda(const char* op, int err_code, at::Tensor& out, const at::Tensor& ids_in,
                        const at::Tensor& rows_in, int mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const c10::cuda::CUDAGuard guard(out.device());
@@ -101,27 +117,27 @@ void scatter_rows_cuda(const char* op, at::Tensor& out, const at::Tensor& ids_in
   TORCH_CHECK_VALUE(n < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per call on CUDA");
   TORCH_CHECK_VALUE(rows <= (int64_t{1} << 32), op, ": at most 2^32 table rows on CUDA");
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const size_t ws_bytes = dm_scatter_workspace_bytes(n, rows);
+  const size_t ws_bytes = dm_scatter_workspace_bytes(n, rows, dim);
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, out.options().dtype(at::kByte));
   at::Tensor flag = new_bad_flag(ids, n);
-  check_cuda(dm_scatter_prepare(ids.const_data_ptr(), id_code(ids.scalar_type()), n, rows,
+  check_cuda(dm_scatter_prepare(ids.const_data_ptr(), id_code(ids.scalar_type()), n, rows, dim,
                                 ws.data_ptr(), ws_bytes, bad_ptr(flag), stream),
              op);
-  const int64_t pos = first_bad(flag);
-  if (pos < n) fail_id_out_of_range(op, pos, id_at(ids, pos), rows);
+  record_error(flag, n, err_code, ids, rows, nullptr, op);
   check_cuda(dm_scatter_apply(out.data_ptr(), row_code(out.scalar_type()), rows, dim,
                               src.const_data_ptr(), row_code(src.scalar_type()), n, mode,
-                              alpha, ws.const_data_ptr(), stream),
+                              alpha, ws.const_data_ptr(), bad_ptr(flag), stream),
              op);
 }
 
 void scatter_add_rows_cuda(at::Tensor out, const at::Tensor& ids, const at::Tensor& rows) {
-  scatter_rows_cuda("scatter_add_rows", out, ids, rows, DM_SCATTER_ADD, 1.0f);
+  scatter_rows_cuda("scatter_add_rows", DM_ERR_SCATTER_ADD, out, ids, rows, DM_SCATTER_ADD,
+                    1.0f);
 }
 
 void scatter_mean_rows_cuda(at::Tensor table, const at::Tensor& ids, const at::Tensor& rows,
                             bool accumulate, double alpha) {
-  scatter_rows_cuda("scatter_mean_rows", table, ids, rows,
+  scatter_rows_cuda("scatter_mean_rows", DM_ERR_SCATTER_MEAN, table, ids, rows,
                     accumulate ? DM_SCATTER_MEAN_ACCUMULATE : DM_SCATTER_MEAN,
                     static_cast<float>(alpha));
 }
@@ -139,13 +155,14 @@ at::Tensor remap_ids_cuda(const at::Tensor& ids_in, const at::Tensor& lookup_in)
                           lookup.const_data_ptr(), id_code(lookup.scalar_type()), size,
                           out.data_ptr(), bad_ptr(flag), c10::cuda::getCurrentCUDAStream()),
              "remap_ids");
-  const int64_t pos = first_bad(flag);
-  if (pos < n) {
-    const int64_t id = id_at(ids, pos);
-    if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
-    fail_remap_missing(pos, id, lookup[id].item<int64_t>());
-  }
+  record_error(flag, n, DM_ERR_REMAP_MISSING, ids, size, &lookup, "remap_ids");
   return out;
+}
+
+// The device's persistent record (aliased, not copied: the caller reads and clears it).
+at::Tensor error_record_cuda(const at::Tensor& like) {
+  TORCH_CHECK_VALUE(like.is_cuda(), "error_record: expected a CUDA tensor, got ", like.device());
+  return device_record(like.device());
 }
 
 }  // namespace
@@ -155,6 +172,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cuda);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cuda);
   m.impl("remap_ids", &remap_ids_cuda);
+  m.impl("error_record", &error_record_cuda);
 }
 
 }  // namespace dept_mega

@@ -28,7 +28,6 @@ See docs/dept.md.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -36,6 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
+from ..profiling import PhaseTimer
 from .master_shards import value_access
 from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
@@ -325,13 +325,14 @@ class DeptHooks:
         return self.schedule.idle
 
     def round_end(self, loop, round_index: int) -> dict[str, Any]:
-        t0 = time.time()
+        whole = PhaseTimer(self.device)  # GPU time on CUDA (host time would only see queuing)
         self.schedule.round_end(self.trainer.step)
-        t1 = time.perf_counter()
+        strategy = PhaseTimer(self.device)
         self.strategy.sync(self.installed)
-        strategy_seconds = time.perf_counter() - t1
+        strategy.stop()
+        whole.stop()
         self.in_round = False
-        seconds = time.time() - t0
+        seconds, strategy_seconds = whole.seconds(), strategy.seconds()
         overlap, exposed = self.schedule.take_times()
         now = self.pg.comm.snapshot()
         mine = {c: now[c] - self._mark[c] - self._excluded[c] for c in CATEGORIES}

@@ -9,9 +9,12 @@ API (every op validates its arguments and raises the same errors on every backen
   shape and dtype (deterministic).
 - ``scatter_add_rows(out, ids, rows) -> out``: in place, ``out[ids[i]] += rows[i]``;
   duplicate ids accumulate. ``out`` [V, d] contiguous; ``rows`` [n, d], any of the three
-  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in
-  ascending position order starting from its old value and rounded once, so the result is
-  bit-identical from run to run, whatever the thread count, and equal across backends.
+  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in a fixed
+  order and rounded once: its contributions in ascending position, cut into chunks of 64;
+  chunk 0 added to the old value one by one, each later chunk summed from zero and its sum
+  added, in chunk order (so long runs of one id reduce in parallel on CUDA; a row with at
+  most 64 contributions is a plain ascending sum). The result is bit-identical from run to
+  run, whatever the thread count, and equal across backends.
 - ``scatter_mean_rows(table, ids, rows, accumulate=False, alpha=1.0) -> table``: the fused
   TRIM round-end update. ``ids``/``rows`` are the concatenated contributions of several
   sources (ids in the table's row space, e.g. global ids for the global table; a row id may
@@ -35,6 +38,14 @@ Errors: ``IndexError`` for an id outside [0, V) (message names the position and 
 unsupported dtypes. In-place ops check every id before writing: on error the table is
 unchanged. Empty inputs work (no-op / empty result).
 
+When errors are raised: shapes, dtypes and devices at once everywhere; invalid ids at once
+on CPU (and by the fallback), but by the compiled CUDA kernels only at the next
+``check_errors(device)``, so that no call waits for the GPU: the kernels keep the first
+invalid id in a per-device error record on the GPU, and ``check_errors`` reads it (one small
+copy) and raises the very error the CPU op raises. The trainer checks at every log interval
+and at the end of training. A failed CUDA scatter leaves the table unchanged; a failed CUDA
+gather / remap leaves the rows of the invalid ids unset (garbage until the check raises).
+
 Backends: the compiled extension ``dept_mega.ops._C`` (csrc/: C++ CPU kernels, CUDA kernels
 when built with a CUDA torch) registered as ``torch.ops.dept_mega.*`` with fake kernels, so
 the ops trace under torch.compile; otherwise the pure PyTorch fallback
@@ -51,7 +62,7 @@ from dept_mega.ops import fallback
 from dept_mega.ops.loader import ExtensionStatus, status
 
 __all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend",
-           "extension_status", "ExtensionStatus"]
+           "check_errors", "extension_status", "ExtensionStatus"]
 
 
 def extension_status() -> ExtensionStatus:
@@ -118,3 +129,18 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     if _route(ids, lookup):
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
+
+
+def check_errors(device: Union[str, torch.device, None] = None) -> None:
+    """Raises the first invalid-id error that the compiled CUDA ops met on ``device`` since
+    the last check (and clears it); returns at once, without touching the GPU, for a device
+    whose ops raise immediately (CPU, the fallback). One device-to-host copy on CUDA: call it
+    where the host waits for the GPU anyway (the log interval)."""
+    dev = torch.device("cuda" if device is None else device)
+    if dev.type != "cuda" or backend(dev) != "cuda":
+        return
+    record = torch.ops.dept_mega.error_record(torch.empty(0, device=dev))
+    host = record.cpu()
+    if int(host[0]) != 0:
+        record.zero_()
+        torch.ops.dept_mega.raise_recorded(host)

@@ -1,9 +1,9 @@
 """Pure PyTorch implementations of the dept_mega ops.
 
 Used when the compiled extension is absent (or for a device it has no kernels for), and as
-the reference the extension is tested against. The results equal the C++ kernels bit for bit
-on CPU: every scatter reduces each destination row in fp32, adding its contributions in
-ascending position order (see `_ordered_add_`), then rounds once.
+the reference the extension is tested against. The results equal the compiled kernels bit for
+bit: every scatter reduces each destination row in fp32 in the fixed chunked order of
+csrc/cuda/kernels.h (see `_ordered_add_`), then rounds once.
 Errors (types and messages) are those of csrc/common.h.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Contributions per chunk of the scatters' summation order: DM_SCATTER_CHUNK of csrc/constants.h.
+CHUNK = 64
 ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -123,16 +125,25 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
     return _GatherRows.apply(table, ids, out_dtype)
 
 
-def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                  by_rank: Optional[bool] = None) -> None:
+def _ranks(index: torch.Tensor):
+    """(sorted index, the positions in that order, rows per destination, each sorted row's
+    rank among its destination's rows); a stable sort, so ranks follow ascending position."""
+    sorted_idx, order = torch.sort(index, stable=True)
+    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    return sorted_idx, order, counts, rank
+
+
+def _sequential_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                     by_rank: Optional[bool] = None) -> None:
     """acc[index[i]] += src[i], each destination adding its rows in ascending i.
 
     On CPU ``index_add_`` does exactly that (one sequential loop over i). Elsewhere (CUDA)
     index_add_ uses atomics and index_put_ reduces duplicates in a tree, so the rows are
     added by rank instead: pass r adds, for every destination, its r-th row (ascending i);
     inside a pass the destinations are distinct, so each element gets one exact add. That
-    takes max-multiplicity passes: slow for heavily repeated ids, which is what the compiled
-    CUDA kernel is for. ``by_rank`` forces a method (tests)."""
+    takes max-multiplicity passes. ``by_rank`` forces a method (tests)."""
     if by_rank is None:
         by_rank = acc.device.type != "cpu"
     if not by_rank:
@@ -140,13 +151,36 @@ def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
         return
     if index.numel() == 0:
         return
-    sorted_idx, order = torch.sort(index, stable=True)
-    _, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(index.numel(), device=index.device) - torch.repeat_interleave(starts, counts)
+    sorted_idx, order, counts, rank = _ranks(index)
     for r in range(int(counts.max())):
         sel = rank == r
         acc.index_add_(0, sorted_idx[sel], src.index_select(0, order[sel]))
+
+
+def _ordered_add_(acc: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                  by_rank: Optional[bool] = None) -> None:
+    """acc[d] += the rows i with index[i] == d, in the compiled kernels' fixed order: in
+    ascending i, cut into chunks of ``CHUNK`` rows; chunk 0 is added to acc[d] row by row,
+    every later chunk is summed from zero (row by row) and its sum added to acc[d], in chunk
+    order. Rows of a destination with at most CHUNK rows are therefore added one by one in
+    ascending i. ``by_rank``: see `_sequential_add_` (at most CHUNK + chunks-per-row passes)."""
+    if index.numel() == 0:
+        return
+    sorted_idx, order, _, rank = _ranks(index)
+    head = rank < CHUNK
+    _sequential_add_(acc, sorted_idx[head], src.index_select(0, order[head]), by_rank)
+    if bool(head.all()):
+        return
+    tail = ~head
+    dest, chunk = sorted_idx[tail], rank[tail] // CHUNK
+    # One partial sum per (destination, chunk >= 1), numbered in (destination, chunk) order,
+    # which is the sorted order of the tail.
+    key = dest * (int(chunk.max()) + 1) + chunk
+    _, part_of, part_rows = torch.unique_consecutive(key, return_inverse=True, return_counts=True)
+    parts = torch.zeros(part_rows.numel(), acc.shape[1], dtype=acc.dtype, device=acc.device)
+    _sequential_add_(parts, part_of, src.index_select(0, order[tail]), by_rank)
+    part_dest = dest[torch.cumsum(part_rows, 0) - part_rows]
+    _sequential_add_(acc, part_dest, parts, by_rank)
 
 
 def _group(op: str, out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):

@@ -145,9 +145,16 @@ class RNGTracker:
     @contextlib.contextmanager
     def fork_device_rng(self, tensor_parallel: bool) -> Iterator[None]:
         """Run a kernel that draws from the device's global RNG (SDPA / flash-attn dropout)
-        with a seed taken from one of our streams; the global state is restored after."""
-        seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator(tensor_parallel),
-                                 device=self.device).item())
+        with a seed taken from one of our streams; the global state is restored after.
+
+        The seed is a hash of the stream's state (host-side for a CUDA generator: Philox seed
+        and offset), which is then advanced by one draw on the device that nobody reads. So
+        no host synchronisation (reading a drawn number back would be one per attention
+        call), and restoring the stream (recomputation, checkpoints) replays the seed."""
+        stream = self.generator(tensor_parallel)
+        digest = hashlib.sha256(stream.get_state().numpy().tobytes()).digest()
+        seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        torch.randint(0, 2 ** 62, (1,), generator=stream, device=self.device)
         if self.device.type == "cuda":
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             gen = torch.cuda.default_generators[idx]

@@ -1,0 +1,20 @@
+// Constants shared by the CPU kernels (csrc/cpu), the CUDA kernels (csrc/cuda) and, by
+// value, the PyTorch fallback (dept_mega/ops/fallback.py). Plain C: no torch or CUDA headers.
+#pragma once
+
+// Contributions per chunk of the scatters' fixed summation order (see dm_scatter_apply). The
+// CPU kernel (csrc/cpu/ops_cpu.cpp) and the fallback (dept_mega/ops/fallback.py, CHUNK) use
+// the same value so that every backend gives the same bits.
+#define DM_SCATTER_CHUNK 64
+
+// Error record: int64[DM_ERR_RECORD_LEN] = {code, position, id, bound, lookup value}; code 0 = no
+// error. Codes name the op and the kind of error (csrc/common.h has the messages).
+enum {
+  DM_ERR_NONE = 0,
+  DM_ERR_GATHER = 1,         // gather_rows: id outside [0, bound)
+  DM_ERR_SCATTER_ADD = 2,    // scatter_add_rows: id outside [0, bound)
+  DM_ERR_SCATTER_MEAN = 3,   // scatter_mean_rows: id outside [0, bound)
+  DM_ERR_REMAP_RANGE = 4,    // remap_ids: global id outside [0, bound = lookup size)
+  DM_ERR_REMAP_MISSING = 5   // remap_ids: lookup[id] < 0 (value)
+};
+#define DM_ERR_RECORD_LEN 5  // int64 entries of a record
