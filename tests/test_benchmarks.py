@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.trainer_utils import ROOT
 
@@ -34,7 +35,56 @@ def test_vs_megatron_same_parameters_and_our_side_on_cpu(tmp_path):
     assert "megatron" not in rec and "ratio" not in rec
     megatron_too = [a for a in cmd if a not in ("--only", "ours", "--check-shapes")]
     res = subprocess.run(megatron_too, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 2 and "needs CUDA" in res.stderr
+    assert res.returncode == 2 and "RoPE needs CUDA" in res.stderr
+
+
+def _floating_outputs(modules, seen: set) -> list:
+    """Forward hooks recording (module type, dtype) of every floating tensor a module returns."""
+    def hook(mod, inputs, out):
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if torch.is_tensor(t) and t.is_floating_point():
+                seen.add((type(mod).__name__, t.dtype))
+    return [m.register_forward_hook(hook) for m in modules]
+
+
+def test_vs_megatron_both_sides_in_the_same_precision_on_cpu():
+    """Both sides of benchmarks/vs_megatron.py, one training step each on the CPU (learned
+    positions: Megatron's RoPE needs CUDA), in bf16: every parameter of both models is bf16,
+    every floating activation of their transformer layers, norms, linears and attention cores
+    is bf16 (only the models' loss is fp32); both use the same attention kernel and
+    micro-batch."""
+    pytest.importorskip("megatron.core")
+    import vs_megatron as vm
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import MicroBatch, Trainer
+
+    args = vm.parse_args(["--config", os.path.join(ROOT, "examples", "tiny", "std.yaml"), "--vocab", "300",
+                          "--accum", "2", "--position", "config", "--out", "unused", "precision=bf16",
+                          "model.position_embedding=learned", "model.seq_length=16", "train.micro_batch_size=2"])
+    cfg = vm.bench_config(args)
+    assert cfg.model.attention_backend == "sdpa" and cfg.train.global_batch_size == 4
+    setup = vm.describe_setup(cfg)
+    assert setup["precision"] == "bf16" and setup["micro_batch_size"] == 2 and "scaled_dot_product" in setup["attention"]
+    device = torch.device("cpu")
+    theirs = vm.build_megatron(cfg, 300, device)
+    seen_theirs: set = set()
+    _floating_outputs(theirs.decoder.modules(), seen_theirs)
+    losses: list = []
+    vm.megatron_step(cfg, theirs, 300, device, losses)(0)
+    ours = Trainer(cfg, build_groups(), device, vocab_size=300)
+    seen_ours: set = set()
+    _floating_outputs([m for st in ours.stages for m in st.modules() if m is not st], seen_ours)
+    tokens = vm.synthetic(cfg, 300, 0, device)
+    ours.train_step([MicroBatch(x) for x in tokens.split(2)])
+    for name, params, seen in (("megatron", theirs.parameters(), seen_theirs),
+                               ("ours", ours.parameters(), seen_ours)):
+        assert {p.dtype for p in params} == {torch.bfloat16}, name
+        kinds = {k for k, _ in seen}
+        assert any("Attention" in k for k in kinds) and any("Linear" in k for k in kinds), (name, kinds)
+        wrong = {(k, d) for k, d in seen if d != torch.bfloat16 and "Loss" not in k and "GPT" not in k}
+        assert not wrong, (name, wrong)
+    assert "SDPACoreAttention" in {k for k, _ in seen_theirs}
+    assert losses and losses[0] == losses[0]  # a finite step ran
 
 
 def test_kernel_breakdown_sums_kernels_by_kind():
