@@ -116,26 +116,36 @@ def test_memory_vs_model_compares_the_trainer_share():
         compare({"peak_mem_gb": 1.0}, costs, "glob")
 
 
-def test_suite_summary_reads_what_the_suite_wrote(tmp_path):
-    from suite_summary import summary
-    (tmp_path / "env.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0",
-                                                   "cuda": "13.0", "date": "2026-12-01", "ops_backend": "cuda"}))
+@pytest.mark.parametrize("quiet", [False, True])
+def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
+    """The summary of gpu_check.sh's output folder: stages with their status and the pytest
+    result printed inside each, in pytest's plain (``=``-wrapped) and ``-q`` forms alike."""
+    from suite_summary import pytest_results, summary
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "cuda": "13.0",
+                               "date": "2026-12-01", "megatron_core": "0.16.1"}))
     rows = [{"name": "bf16", "tokens_per_s": 50000.0, "tflops_per_device": 420.0, "mfu": 0.4247, "peak_mem_gb": 41.0,
              "step_ms": 1300.0},
             {"name": "fp8", "tokens_per_s": 70000.0, "tflops_per_device": 588.0, "mfu": 0.59, "peak_mem_gb": 38.0,
              "step_ms": 930.0},
             {"name": "bf16_compile", "error": "rc=2: error: unknown config key 'train.compile'"}]
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "suite.log").write_text("### stage bench finished: rc=1 in 99 s\n"
-                                        "==== 3 passed, 1 skipped in 12.0s ====\n")
-    text = summary(str(tmp_path))
-    assert "NVIDIA H100 80GB HBM3" in text and "pytest -m gpu: 3 passed, 1 skipped in 12.0s" in text
+    result = "3 passed, 1 skipped in 12.0s" if quiet else "==== 3 passed, 1 skipped in 12.0s ===="
+    failed = "1 failed, 2 passed, 1 warning in 61.20s (0:01:01)"
+    (tmp_path / "gpu_check.log").write_text(
+        "### stage tests (expected 75s, limit 225s, now)\n...s..\n" + result + "\n"
+        "### stage tests finished: rc=0 in 70 s\n"
+        "### stage ops_tests (expected 30s, limit 90s, now)\n" + ("" if quiet else "= ") + failed
+        + (" =" if not quiet else "") + "\n### stage ops_tests finished: rc=1 in 65 s\n"
+        "### stage bf16 (expected 60s, limit 180s, now)\n"
+        "### stage megatron skipped: expected 100s, 40s left\n")
+    (tmp_path / "kernels.txt").write_text("# kernels: bf16 (rank0_steps2-3.json)\nsteps 2: GPU busy 1.0 ms\n")
+    assert pytest_results(open(tmp_path / "gpu_check.log").read()) == ["3 passed, 1 skipped in 12.0s", failed]
+    text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
+    assert "NVIDIA H100 80GB HBM3" in text and "400 s of the 420 s budget" in text
+    assert "| tests | ok | 70 | 3 passed, 1 skipped in 12.0s |" in text
+    assert f"| ops_tests | failed rc=1 | 65 | {failed} |" in text
+    assert "| bf16 | running (cut off?) |" in text and "| megatron | skipped (expected 100s, 40s left) |" in text
     assert "| bf16 | 50,000 | 420.0 | 42.5% | 41.0 | 1300 |" in text
     assert "bf16 MFU >= 50%: 42.5% (NOT met)" in text and "1.40x (met)" in text
-    assert "failed: rc=2" in text and "stage bench failed" in text
-
-
-def test_suite_driver_parses():
-    res = subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "h100_suite.sh")], capture_output=True,
-                         text=True)
-    assert res.returncode == 0, res.stderr
+    assert "failed: rc=2" in text and "kernels: bf16 (rank0_steps2-3.json)" in text
