@@ -6,7 +6,7 @@
 #   bash benchmarks/fetch_device_wheels.sh [NAME==VERSION ...]     # default: megatron-core==0.16.1
 #
 # megatron-core 0.16.1 needs torch>=2.6, numpy and packaging (all on the machine); its wheel is
-# about 2.6 MB. benchmarks/h100_suite.sh installs whatever lies in .whl/ with --no-deps.
+# about 2.6 MB. benchmarks/gpu_check.sh installs whatever lies in .whl/ with --no-deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -34,7 +34,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def breakdown(trace: dict) -> dict:
+def breakdown(trace: dict, category: str = "kernel") -> dict:
+    """Sums the complete events of ``category`` ("kernel": CUDA kernels; "cpu_op": the host's
+    operators, nested ones counted in each parent too — for a CPU rehearsal only)."""
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
     by_kind: dict[str, float] = defaultdict(float)
@@ -42,7 +44,7 @@ def breakdown(trace: dict) -> dict:
     for e in events:
         if e.get("ph") != "X":
             continue
-        if e.get("cat") == "kernel":
+        if e.get("cat") == category:
             d = float(e.get("dur", 0.0))
             by_name[e["name"]][0] += d
             by_name[e["name"]][1] += 1
@@ -78,11 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="also write the breakdown as JSON here")
+    ap.add_argument("--category", choices=("kernel", "cpu_op"), default="kernel",
+                    help="kernel: CUDA kernels; cpu_op: host operators (a CPU trace; nested ones overlap)")
     args = ap.parse_args(argv)
     with open(args.trace, encoding="utf-8") as f:
-        res = breakdown(json.load(f))
+        res = breakdown(json.load(f), args.category)
     if not res["kernels"]:
-        print(f"error: {args.trace} has no CUDA kernel events (profiled on a CPU?)", file=sys.stderr)
+        print(f"error: {args.trace} has no {args.category} events"
+              + (" (profiled on a CPU? --category cpu_op)" if args.category == "kernel" else ""), file=sys.stderr)
         return 1
     print(render(res, args.top))
     if args.json:

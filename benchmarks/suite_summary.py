@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
-"""Summarise what benchmarks/h100_suite.sh left in its output folder as Markdown (printed and
-written to OUT/summary.md): environment, pytest -m gpu result, the 1B benchmark rows
-(tokens/s, TFLOP/s, MFU, peak memory against the targets of issue 12), the comparison with
-megatron-core and the memory model against the measured peak.
+"""Summarise what benchmarks/gpu_check.sh has left in its output folder so far, as Markdown
+(written to OUT/summary.md; rewritten after every stage): environment, each stage's status and
+time, the pytest results, the custom ops against the copy bandwidth, the 1B benchmark rows
+(tokens/s, TFLOP/s, MFU, peak memory against the targets of issue 24), the memory model against
+the measured peak, the comparison with megatron-core and the head of each kernel breakdown.
 
-    python benchmarks/suite_summary.py OUT
+    python benchmarks/suite_summary.py OUT [--env ENV.json] [--budget S] [--elapsed S] [--dry-run]
+
+A file that is missing or unreadable is left out (a call cut off at its limit still gets a summary
+of what exists).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import sys
+
+# pytest's final line: "==== 3 passed, 1 skipped in 12.0s ====" (plain pytest) or
+# "3 passed, 1 skipped in 12.0s" (pytest -q); "(0:01:02)" follows long runs
+_OUTCOME = r"\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?|rerun)"
+PYTEST_RESULT = re.compile(rf"^(?:=+ )?((?:{_OUTCOME}(?:, )?)+ in [\d.]+s(?: \([\d:]+\))?|no tests ran in [\d.]+s)"
+                           r"(?: =+)?\s*$")
+STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
+STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s")
+STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
 
 
 def _load(path: str):
@@ -26,72 +40,139 @@ def _fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
 
-def summary(out: str) -> str:
-    lines = ["# GPU suite summary", ""]
-    env = _load(os.path.join(out, "env.json"))
+def pytest_results(text: str) -> list[str]:
+    """Every pytest result line of a log, in both forms (see :data:`PYTEST_RESULT`)."""
+    return [m.group(1) for m in (PYTEST_RESULT.match(line) for line in text.splitlines()) if m]
+
+
+def stages(text: str) -> list[dict]:
+    """Each stage of the log in order: name, status (ok / failed rc=N / skipped: why / running —
+    a stage cut off by the call's limit), seconds, and the pytest results printed inside it."""
+    out: list[dict] = []
+    cur = None
+    for line in text.splitlines():
+        m = STAGE_START.match(line)
+        if m:
+            cur = {"name": m.group(1), "status": "running (cut off?)", "seconds": None, "pytest": []}
+            out.append(cur)
+            continue
+        m = STAGE_END.match(line)
+        if m and cur is not None and cur["name"] == m.group(1):
+            cur["status"] = "ok" if m.group(2) == "0" else f"failed rc={m.group(2)}"
+            cur["seconds"] = int(m.group(3))
+            cur = None
+            continue
+        m = STAGE_SKIP.match(line)
+        if m:
+            out.append({"name": m.group(1), "status": f"skipped ({m.group(2)})", "seconds": None, "pytest": []})
+            continue
+        m = PYTEST_RESULT.match(line)
+        if m and cur is not None:
+            cur["pytest"].append(m.group(1))
+    return out
+
+
+def _ops_lines(ops: dict) -> list[str]:
+    lines = [f"## Custom ops ({ops.get('info', {}).get('device')}, backend {ops.get('info', {}).get('backend')})",
+             "", "| op | dtype | ms | GB/s | % of copy |", "| --- | --- | ---: | ---: | ---: |"]
+    for r in ops.get("results", []):
+        pct = r.get("% of copy")
+        lines.append(f"| {r.get('op')} | {r.get('dtype')} | {_fmt(r.get('ms'), '.3f')} | "
+                     f"{_fmt(r.get('GB/s'), '.1f')} | {'' if pct is None else f'{pct:.0f}'} |")
+    lines.append("- targets: gather and remap >= 80% of the copy; the deterministic scatter at least as fast "
+                 "as index_add_")
+    return lines
+
+
+def _bench_lines(rows: list[dict]) -> list[str]:
+    lines = ["## The 1B model on one device", "", "| run | tokens/s | TFLOP/s/device | MFU | peak GB | step ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r.get('name')} | failed: {r['error']} | | | | |")
+            continue
+        mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"| {r.get('name')} | {_fmt(r.get('tokens_per_s'))} | {_fmt(r.get('tflops_per_device'), '.1f')} "
+                     f"| {mfu} | {_fmt(r.get('peak_mem_gb'), '.1f')} | {_fmt(r.get('step_ms'), '.0f')} |")
+    ok = {r["name"]: r for r in rows if "error" not in r and "name" in r}
+    bf = ok.get("bf16")
+    if bf is not None and bf.get("mfu") is not None:
+        lines.append(f"- target bf16 MFU >= 50%: {100 * bf['mfu']:.1f}% ({'met' if bf['mfu'] >= 0.5 else 'NOT met'})")
+    if bf is not None and "fp8" in ok and bf.get("tokens_per_s"):
+        ratio = ok["fp8"]["tokens_per_s"] / bf["tokens_per_s"]
+        lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
+    if bf is not None and "bf16_compile" in ok and bf.get("tokens_per_s"):
+        lines.append(f"- train.compile: {ok['bf16_compile']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s")
+    if bf is not None:
+        lines.append(f"- backends: {bf.get('backends')}")
+    return lines
+
+
+def summary(out: str, env_path: str | None = None, budget: int | None = None, elapsed: int | None = None,
+            dry_run: bool = False) -> str:
+    lines = ["# GPU check summary" + (" (dry run on the CPU: tiny model, no figure means anything)" if dry_run
+                                      else ""), ""]
+    env = _load(env_path) if env_path else None
     if env:
         lines.append(f"- device: {env.get('device_name')} | torch {env.get('torch')} | CUDA {env.get('cuda')} | "
-                     f"date {env.get('date')} | ops backend {env.get('ops_backend')}")
-    log = os.path.join(out, "suite.log")
+                     f"megatron-core {env.get('megatron_core')} | date {env.get('date')}")
+    if budget is not None:
+        lines.append(f"- time: {_fmt(elapsed, 'd')} s of the {budget} s budget")
+    log = os.path.join(out, "gpu_check.log")
     if os.path.exists(log):
         text = open(log, encoding="utf-8", errors="replace").read()
-        results = re.findall(r"^=+ (.*(?:passed|failed|error|skipped).*) =+$", text, flags=re.M)
-        if results:
-            lines.append(f"- pytest -m gpu: {results[-1]}")
-        for stage, rc in re.findall(r"^### stage (\w+) finished: rc=(\d+)", text, flags=re.M):
-            if rc != "0":
-                lines.append(f"- stage {stage} failed (rc={rc}); see suite.log")
+        lines += ["", "| stage | status | s | pytest |", "| --- | --- | ---: | --- |"]
+        for st in stages(text):
+            lines.append(f"| {st['name']} | {st['status']} | {_fmt(st['seconds'], 'd', '')} | "
+                         f"{'; '.join(st['pytest'])} |")
+    ops = _load(os.path.join(out, "ops_bench.json"))
+    if isinstance(ops, dict):
+        lines += [""] + _ops_lines(ops)
     bench = os.path.join(out, "bench.jsonl")
     if os.path.exists(bench):
-        rows = [json.loads(line) for line in open(bench, encoding="utf-8") if line.strip()]
-        lines += ["", "| run | tokens/s | TFLOP/s/device | MFU | peak GB | step ms |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
-        base = None
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['name']} | failed: {r['error']} | | | | |")
+        rows = []
+        for line in open(bench, encoding="utf-8"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
                 continue
-            if r["name"] == "bf16":
-                base = r["tokens_per_s"]
-            mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-            lines.append(f"| {r['name']} | {_fmt(r['tokens_per_s'])} | {_fmt(r.get('tflops_per_device'), '.1f')} | "
-                         f"{mfu} | {_fmt(r.get('peak_mem_gb'), '.1f')} | {_fmt(r.get('step_ms'), '.0f')} |")
-        fp8 = next((r for r in rows if r.get("name") == "fp8" and "error" not in r), None)
-        bf = next((r for r in rows if r.get("name") == "bf16" and "error" not in r), None)
-        if bf is not None and bf.get("mfu") is not None:
-            lines.append(f"- target bf16 MFU >= 50%: {100 * bf['mfu']:.1f}% "
-                         f"({'met' if bf['mfu'] >= 0.5 else 'NOT met'})")
-        if fp8 is not None and base:
-            ratio = fp8["tokens_per_s"] / base
-            lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
+        lines += [""] + _bench_lines(rows)
     mem = _load(os.path.join(out, "memory.json"))
     if mem:
-        lines.append(f"- memory model: {mem.get('note', '')}")
+        lines += ["", f"## Memory model ({mem.get('note', '')})", ""]
         for k, v in mem.get("comparison", {}).items():
-            lines.append(f"  - {k}: predicted {_fmt(v.get('predicted_gb'), '.2f')} GB, measured "
-                         f"{_fmt(v.get('measured_gb'), '.2f')} GB, "
-                         f"error {_fmt(v.get('error_pct'), '+.1f')}% (target within 5%)")
+            lines.append(f"- {k}: predicted {_fmt(v.get('predicted_gb'), '.2f')} GB, measured "
+                         f"{_fmt(v.get('measured_gb'), '.2f')} GB, error {_fmt(v.get('error_pct'), '+.1f')}% "
+                         f"(target within 5%)")
     vs = _load(os.path.join(out, "vs_megatron.json"))
     if vs:
         o, m = vs.get("ours", {}), vs.get("megatron", {})
-        lines.append(f"- vs megatron-core {vs.get('megatron_core_version')}: ours {_fmt(o.get('tokens_per_s'))} "
-                     f"tokens/s, megatron {_fmt(m.get('tokens_per_s'))} tokens/s, ratio "
-                     f"{_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0; positions ours {vs.get('ours_position')}, "
-                     f"megatron {vs.get('megatron_position')})")
+        lines += ["", f"## Megatron-core {vs.get('megatron_core_version')} side by side", "",
+                  f"- both: precision {vs.get('precision')}, micro-batch {vs.get('micro_batch_size')}, attention "
+                  f"{vs.get('attention')}, positions {vs.get('ours_position')}",
+                  f"- ours {_fmt(o.get('tokens_per_s'))} tokens/s ({_fmt(o.get('peak_mem_gb'), '.1f')} GB), "
+                  f"megatron {_fmt(m.get('tokens_per_s'))} tokens/s ({_fmt(m.get('peak_mem_gb'), '.1f')} GB), "
+                  f"ratio {_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0)"]
     kern = os.path.join(out, "kernels.txt")
     if os.path.exists(kern):
-        head = open(kern, encoding="utf-8").read().splitlines()[:12]
-        lines += ["", "Kernel breakdown (first lines of kernels.txt):", ""] + head
+        lines += ["", "## Kernel breakdowns (heads of kernels.txt)", ""]
+        for section in re.split(r"^(?=# kernels: )", open(kern, encoding="utf-8").read(), flags=re.M):
+            if section.startswith("# kernels: "):
+                head = section.splitlines()[:12]
+                lines += [head[0][2:]] + head[1:] + [""]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python benchmarks/suite_summary.py OUT", file=sys.stderr)
-        return 2
-    text = summary(argv[0])
-    with open(os.path.join(argv[0], "summary.md"), "w", encoding="utf-8") as f:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--env", default=None, help="the environment JSON gpu_check.sh wrote")
+    ap.add_argument("--budget", type=int, default=None)
+    ap.add_argument("--elapsed", type=int, default=None)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    text = summary(args.out, args.env, args.budget, args.elapsed, args.dry_run)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(text)
     print(text)
     return 0

@@ -8,23 +8,36 @@ on the same GPU in the same process (issue 12, item 4).
 
 Both sides train the same model shape (layers, hidden, heads, query groups, FFN, activation,
 norm, tied embeddings, no linear biases unless ``model.bias``, vocabulary padded to a multiple
-of 128 as ours pads it) in the config's precision (bf16: autocast over fp32 weights on both
-sides) with the same micro-batch, on synthetic token batches; one step is ``--accum``
-micro-batches of forward and backward, global-norm clipping at ``optim.clip_grad`` and an
-AdamW step (fused on CUDA) — ours through ``Trainer.train_step`` (pipeline schedule with one
-stage, its bookkeeping included), Megatron's through a plain loop around its ``GPTModel``
-(megatron.core.parallel_state initialised for one rank). Reported per side: median step time
-over ``--steps`` timed steps after ``--warmup`` untimed ones, tokens/s, peak allocated memory
-and the parameter count; ``ratio`` = our tokens/s over Megatron's (goal: >= 1.0).
+of 128 as ours pads it) with the same micro-batch, on synthetic token batches, in the same
+precision and with the same attention kernel (both printed and written to the JSON):
+
+* precision: the config's. Under bf16 / fp16 both models hold their weights and compute their
+  activations in that dtype and the optimizer updates fp32 master weights (ours: the trainer's
+  mixed precision; Megatron: ``params_dtype`` / ``bf16`` in its config, the model cast as its
+  ``Float16Module`` casts it, and :class:`MasterAdamW` below, the update of Megatron's
+  ``Float16OptimizerWithFloat16Params`` without its distributed machinery);
+* attention: ``torch.nn.functional.scaled_dot_product_attention``, causal, no bias, on both
+  sides (ours: ``model.attention_backend=sdpa``; Megatron: its local spec with the core
+  attention replaced by :class:`SDPACoreAttention`, since its own local ``DotProductAttention``
+  materialises the s x s scores and the fused kernels it would use instead need Transformer
+  Engine, which the GPU machine lacks).
+
+One step is ``--accum`` micro-batches of forward and backward, global-norm clipping at
+``optim.clip_grad`` and an AdamW step (fused on CUDA) — ours through ``Trainer.train_step``
+(pipeline schedule with one stage, its bookkeeping included), Megatron's through a plain loop
+around its ``GPTModel`` (megatron.core.parallel_state initialised for one rank). Reported per
+side: median step time over ``--steps`` timed steps after ``--warmup`` untimed ones, tokens/s,
+peak allocated memory and the parameter count; ``ratio`` = our tokens/s over Megatron's (goal:
+>= 1.0).
 
 Position embeddings: Megatron-core has no ALiBi. ``--position rope`` (default) runs both sides
-with RoPE (the like-for-like comparison); ``--position config`` keeps ours as configured (e.g.
-ALiBi, the paper's) and gives Megatron RoPE — then the models differ in their attention bias
-and the ratio says so (``same_model: false``).
+with RoPE; ``--position config`` keeps the config's (RoPE or learned; ALiBi is refused).
 
-Megatron's local attention needs CUDA; on CPU only ``--only ours`` runs, and ``--check-shapes``
-builds Megatron's model on the CPU to check that both sides have the same number of parameters
-(the shape translation). Versions, device and date go into the JSON.
+Megatron's RoPE calls CUDA directly: on CPU its side runs with learned positions only (``--position
+config model.position_embedding=learned``; the CPU rehearsal of benchmarks/gpu_check.sh does
+this), else only ``--only ours``. ``--check-shapes`` builds Megatron's model on the CPU to check
+that both sides have the same number of parameters (the shape translation). Versions, device
+and date go into the JSON.
 """
 from __future__ import annotations
 
@@ -55,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--position", choices=("rope", "config"), default="rope")
+    ap.add_argument("--position", choices=("rope", "config"), default="rope",
+                    help="rope: both sides RoPE; config: the config's (rope or learned)")
     ap.add_argument("--only", choices=("ours", "megatron"), default=None)
     ap.add_argument("--check-shapes", action="store_true",
                     help="build Megatron's model (CPU init) and compare parameter counts with ours")
@@ -79,14 +93,33 @@ def bench_config(args) -> Config:
              f"train.global_batch_size={micro * args.accum}", f"train.steps={args.warmup + args.steps + 1}",
              "optim.warmup_steps=1", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
              # megatron-core's LayerNorm always has a bias: the same parameters on both sides
-             "model.norm_bias=true"]
+             "model.norm_bias=true", f"model.attention_backend={OUR_ATTENTION}"]
     if args.position == "rope":
         fixed.append("model.position_embedding=rope")
+    elif load_config(args.config, list(args.overrides)).model.position_embedding == "alibi":
+        raise ConfigError("config key 'model.position_embedding': megatron-core has no ALiBi, so the two models "
+                          "would differ; use --position rope (or a rope / learned config)")
     return load_config(args.config, list(args.overrides) + fixed)
 
 
+# the attention kernel of both sides (module doc)
+OUR_ATTENTION = "sdpa"
+ATTENTION = "torch scaled_dot_product_attention, causal, no bias (both sides)"
+
+
 def megatron_position(cfg: Config) -> str:
-    return {"rope": "rope", "learned": "learned_absolute", "alibi": "rope"}[cfg.model.position_embedding]
+    return {"rope": "rope", "learned": "learned_absolute"}[cfg.model.position_embedding]
+
+
+def model_dtype(cfg: Config) -> torch.dtype:
+    from dept_mega.precision import dtype_of
+    return dtype_of(cfg.precision)
+
+
+def describe_setup(cfg: Config) -> dict:
+    """What both sides share, for the output: precision, micro-batch, attention."""
+    return {"precision": cfg.precision, "micro_batch_size": cfg.train.micro_batch_size, "attention": ATTENTION,
+            "positions": cfg.model.position_embedding}
 
 
 def megatron_config(cfg: Config, device: torch.device):
@@ -99,8 +132,8 @@ def megatron_config(cfg: Config, device: torch.device):
               num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,
               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=m.bias, layernorm_epsilon=m.norm_eps,
               normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
-              init_method_std=m.init_method_std, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-              use_cpu_initialization=device.type != "cuda", bias_activation_fusion=False,
+              init_method_std=m.init_method_std, params_dtype=model_dtype(cfg), pipeline_dtype=model_dtype(cfg),
+              bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_cpu_initialization=device.type != "cuda", bias_activation_fusion=False,
               masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
               gradient_accumulation_fusion=False, apply_rope_fusion=False)
     if m.activation == "swiglu":
@@ -114,7 +147,29 @@ def init_single_process(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def sdpa_core_attention():
+    """Megatron's local core attention with its forward replaced by torch's SDPA (causal, no
+    bias, no dropout): the attention kernel ours uses, so that the comparison is of the rest.
+    Megatron's layout: q [sq, b, heads, d], k / v [sk, b, groups, d] -> [sq, b, heads·d]."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPACoreAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("SDPACoreAttention: no attention bias and no packed sequences")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    return SDPACoreAttention
+
+
 def build_megatron(cfg: Config, vocab: int, device: torch.device):
+    """Megatron-core's GPTModel with our shape, its local spec with :func:`sdpa_core_attention`,
+    in the config's precision: weights cast to it as ``Float16Module`` casts them."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -124,11 +179,45 @@ def build_megatron(cfg: Config, vocab: int, device: torch.device):
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else None)
+    spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
     model = GPTModel(megatron_config(cfg, device), spec, vocab_size=padded_vocab_size(vocab, 1),
                      max_sequence_length=cfg.model.seq_length, position_embedding_type=megatron_position(cfg),
                      share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                      rotary_base=int(cfg.model.rope_theta))
-    return model.to(device)
+    return model.to(device=device, dtype=model_dtype(cfg))
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of half-precision weights (fused on CUDA, foreach on CPU):
+    each step turns the weights' gradients into fp32, clips them by their global norm, updates
+    the masters and copies them back into the weights. For fp32 weights the masters are the
+    weights themselves."""
+
+    def __init__(self, params, cfg: Config, device: torch.device) -> None:
+        from dept_mega.optim import param_groups
+        self.params = [p for p in params if p.requires_grad]
+        self.half = any(p.dtype != torch.float32 for p in self.params)
+        self.masters = ([p.detach().float().requires_grad_() for p in self.params] if self.half else self.params)
+        o = cfg.optim
+        self.clip = o.clip_grad
+        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.opt = torch.optim.AdamW(param_groups(self.masters, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
+                                     eps=o.eps, **kwargs)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        if self.half:
+            for p, m in zip(self.params, self.masters):
+                m.grad = p.grad.float() if p.grad is not None else None
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.clip, foreach=True)
+        self.opt.step()
+        if self.half:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
 
 
 def count(params) -> int:
@@ -183,48 +272,48 @@ def run_ours(cfg: Config, vocab: int, device: torch.device, warmup: int, steps: 
 
     out = timed(step, warmup, steps, device)
     out.update(params=count(trainer.parameters()), backends=describe_backends(cfg, device),
-               precision=trainer.precision.describe(), last_loss=losses[-1])
+               precision=trainer.precision.describe(), last_loss=losses[-1],
+               param_dtypes=sorted({str(p.dtype) for p in trainer.parameters()}))
     del trainer
     return out
 
 
-def run_megatron(cfg: Config, vocab: int, device: torch.device, warmup: int, steps: int) -> dict:
-    from dept_mega.optim import param_groups
-    from dept_mega.precision import Precision
-    torch.manual_seed(cfg.train.seed)
-    model = build_megatron(cfg, vocab, device)
+def megatron_step(cfg: Config, model, vocab: int, device: torch.device, losses: list):
+    """One training step of Megatron's model (``step(s)``): the micro-batches' forward and
+    backward (its per-token loss, summed in fp32 over the step's tokens), then
+    :class:`MasterAdamW`."""
     model.train()
-    o = cfg.optim
-    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(param_groups(model.parameters(), o.weight_decay), lr=o.lr, betas=tuple(o.betas),
-                            eps=o.eps, **kwargs)
-    autocast = Precision(cfg.precision, device).autocast()
+    opt = MasterAdamW(model.parameters(), cfg, device)
     s_len, micro = cfg.model.seq_length, cfg.train.micro_batch_size
     position_ids = torch.arange(s_len, device=device).unsqueeze(0).expand(micro, -1)
-    # Megatron's convention: True = masked out (the causal upper triangle)
+    # Megatron's convention: True = masked out (the causal upper triangle); SDPACoreAttention
+    # applies the causal mask itself, the embedding and the model's checks still take it
     mask = torch.triu(torch.ones(1, 1, s_len, s_len, dtype=torch.bool, device=device), diagonal=1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = []
 
     def step(s: int) -> None:
         tokens = synthetic(cfg, vocab, s, device)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         total = tokens.shape[0] * s_len
         loss_sum = torch.zeros((), device=device)
         for mb in tokens.split(micro):
-            with autocast():
-                per_token = model(mb[:, :-1], position_ids, mask, labels=mb[:, 1:])
+            per_token = model(mb[:, :-1], position_ids, mask, labels=mb[:, 1:])
             loss = per_token.float().sum() / total
             loss.backward()
             loss_sum += loss.detach()
-        if o.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, o.clip_grad, foreach=True)
         opt.step()
         losses.append(float(loss_sum))
 
-    out = timed(step, warmup, steps, device)
-    out.update(params=count(model.parameters()), last_loss=losses[-1])
-    del model, opt
+    return step
+
+
+def run_megatron(cfg: Config, vocab: int, device: torch.device, warmup: int, steps: int) -> dict:
+    torch.manual_seed(cfg.train.seed)
+    model = build_megatron(cfg, vocab, device)
+    losses: list = []
+    out = timed(megatron_step(cfg, model, vocab, device, losses), warmup, steps, device)
+    out.update(params=count(model.parameters()), last_loss=losses[-1],
+               param_dtypes=sorted({str(p.dtype) for p in model.parameters()}))
+    del model
     return out
 
 
@@ -251,9 +340,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if device.type != "cuda" and args.only != "ours":
-        print("error: Megatron-core's local attention needs CUDA; on CPU use --only ours (and --check-shapes)",
-              file=sys.stderr)
+    if device.type != "cuda" and args.only != "ours" and cfg.model.position_embedding == "rope":
+        print("error: megatron-core's RoPE needs CUDA; on CPU use --only ours (and --check-shapes), or "
+              "learned positions (--position config model.position_embedding=learned)", file=sys.stderr)
         return 2
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
     rec: dict = {"kind": "vs_megatron", "config": cfg.to_dict(), "vocab_size": args.vocab,
@@ -261,7 +350,8 @@ def main(argv=None) -> int:
                  "micro_batch_size": cfg.train.micro_batch_size, "accum": args.accum,
                  "timed_steps": args.steps, "warmup_steps": args.warmup,
                  "ours_position": cfg.model.position_embedding, "megatron_position": megatron_position(cfg),
-                 "same_model": cfg.model.position_embedding != "alibi", **environment(device)}
+                 "same_model": True, **describe_setup(cfg), **environment(device)}
+    print("both sides: " + ", ".join(f"{k} {v}" for k, v in describe_setup(cfg).items()), flush=True)
     if args.check_shapes:
         from dept_mega.model import build_model
         from dept_mega.parallel.groups import build_groups
@@ -283,8 +373,7 @@ def main(argv=None) -> int:
               f"peak memory {peak}, {res['params']:,} parameters", flush=True)
     if "ours" in rec and "megatron" in rec:
         rec["ratio"] = rec["ours"]["tokens_per_s"] / rec["megatron"]["tokens_per_s"]
-        print(f"ratio ours / megatron-core: {rec['ratio']:.3f}"
-              f"{'' if rec['same_model'] else ' (ours with ALiBi, Megatron with RoPE: not the same model)'}")
+        print(f"ratio ours / megatron-core: {rec['ratio']:.3f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(rec, f, indent=1)

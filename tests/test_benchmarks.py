@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.trainer_utils import ROOT
 
@@ -34,7 +35,56 @@ def test_vs_megatron_same_parameters_and_our_side_on_cpu(tmp_path):
     assert "megatron" not in rec and "ratio" not in rec
     megatron_too = [a for a in cmd if a not in ("--only", "ours", "--check-shapes")]
     res = subprocess.run(megatron_too, capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 2 and "needs CUDA" in res.stderr
+    assert res.returncode == 2 and "RoPE needs CUDA" in res.stderr
+
+
+def _floating_outputs(modules, seen: set) -> list:
+    """Forward hooks recording (module type, dtype) of every floating tensor a module returns."""
+    def hook(mod, inputs, out):
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if torch.is_tensor(t) and t.is_floating_point():
+                seen.add((type(mod).__name__, t.dtype))
+    return [m.register_forward_hook(hook) for m in modules]
+
+
+def test_vs_megatron_both_sides_in_the_same_precision_on_cpu():
+    """Both sides of benchmarks/vs_megatron.py, one training step each on the CPU (learned
+    positions: Megatron's RoPE needs CUDA), in bf16: every parameter of both models is bf16,
+    every floating activation of their transformer layers, norms, linears and attention cores
+    is bf16 (only the models' loss is fp32); both use the same attention kernel and
+    micro-batch."""
+    pytest.importorskip("megatron.core")
+    import vs_megatron as vm
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import MicroBatch, Trainer
+
+    args = vm.parse_args(["--config", os.path.join(ROOT, "examples", "tiny", "std.yaml"), "--vocab", "300",
+                          "--accum", "2", "--position", "config", "--out", "unused", "precision=bf16",
+                          "model.position_embedding=learned", "model.seq_length=16", "train.micro_batch_size=2"])
+    cfg = vm.bench_config(args)
+    assert cfg.model.attention_backend == "sdpa" and cfg.train.global_batch_size == 4
+    setup = vm.describe_setup(cfg)
+    assert setup["precision"] == "bf16" and setup["micro_batch_size"] == 2 and "scaled_dot_product" in setup["attention"]
+    device = torch.device("cpu")
+    theirs = vm.build_megatron(cfg, 300, device)
+    seen_theirs: set = set()
+    _floating_outputs(theirs.decoder.modules(), seen_theirs)
+    losses: list = []
+    vm.megatron_step(cfg, theirs, 300, device, losses)(0)
+    ours = Trainer(cfg, build_groups(), device, vocab_size=300)
+    seen_ours: set = set()
+    _floating_outputs([m for st in ours.stages for m in st.modules() if m is not st], seen_ours)
+    tokens = vm.synthetic(cfg, 300, 0, device)
+    ours.train_step([MicroBatch(x) for x in tokens.split(2)])
+    for name, params, seen in (("megatron", theirs.parameters(), seen_theirs),
+                               ("ours", ours.parameters(), seen_ours)):
+        assert {p.dtype for p in params} == {torch.bfloat16}, name
+        kinds = {k for k, _ in seen}
+        assert any("Attention" in k for k in kinds) and any("Linear" in k for k in kinds), (name, kinds)
+        wrong = {(k, d) for k, d in seen if d != torch.bfloat16 and "Loss" not in k and "GPT" not in k}
+        assert not wrong, (name, wrong)
+    assert "SDPACoreAttention" in {k for k, _ in seen_theirs}
+    assert losses and losses[0] == losses[0]  # a finite step ran
 
 
 def test_kernel_breakdown_sums_kernels_by_kind():
@@ -66,26 +116,36 @@ def test_memory_vs_model_compares_the_trainer_share():
         compare({"peak_mem_gb": 1.0}, costs, "glob")
 
 
-def test_suite_summary_reads_what_the_suite_wrote(tmp_path):
-    from suite_summary import summary
-    (tmp_path / "env.json").write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0",
-                                                   "cuda": "13.0", "date": "2026-12-01", "ops_backend": "cuda"}))
+@pytest.mark.parametrize("quiet", [False, True])
+def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
+    """The summary of gpu_check.sh's output folder: stages with their status and the pytest
+    result printed inside each, in pytest's plain (``=``-wrapped) and ``-q`` forms alike."""
+    from suite_summary import pytest_results, summary
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "cuda": "13.0",
+                               "date": "2026-12-01", "megatron_core": "0.16.1"}))
     rows = [{"name": "bf16", "tokens_per_s": 50000.0, "tflops_per_device": 420.0, "mfu": 0.4247, "peak_mem_gb": 41.0,
              "step_ms": 1300.0},
             {"name": "fp8", "tokens_per_s": 70000.0, "tflops_per_device": 588.0, "mfu": 0.59, "peak_mem_gb": 38.0,
              "step_ms": 930.0},
             {"name": "bf16_compile", "error": "rc=2: error: unknown config key 'train.compile'"}]
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "suite.log").write_text("### stage bench finished: rc=1 in 99 s\n"
-                                        "==== 3 passed, 1 skipped in 12.0s ====\n")
-    text = summary(str(tmp_path))
-    assert "NVIDIA H100 80GB HBM3" in text and "pytest -m gpu: 3 passed, 1 skipped in 12.0s" in text
+    result = "3 passed, 1 skipped in 12.0s" if quiet else "==== 3 passed, 1 skipped in 12.0s ===="
+    failed = "1 failed, 2 passed, 1 warning in 61.20s (0:01:01)"
+    (tmp_path / "gpu_check.log").write_text(
+        "### stage tests (expected 75s, limit 225s, now)\n...s..\n" + result + "\n"
+        "### stage tests finished: rc=0 in 70 s\n"
+        "### stage ops_tests (expected 30s, limit 90s, now)\n" + ("" if quiet else "= ") + failed
+        + (" =" if not quiet else "") + "\n### stage ops_tests finished: rc=1 in 65 s\n"
+        "### stage bf16 (expected 60s, limit 180s, now)\n"
+        "### stage megatron skipped: expected 100s, 40s left\n")
+    (tmp_path / "kernels.txt").write_text("# kernels: bf16 (rank0_steps2-3.json)\nsteps 2: GPU busy 1.0 ms\n")
+    assert pytest_results(open(tmp_path / "gpu_check.log").read()) == ["3 passed, 1 skipped in 12.0s", failed]
+    text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
+    assert "NVIDIA H100 80GB HBM3" in text and "400 s of the 420 s budget" in text
+    assert "| tests | ok | 70 | 3 passed, 1 skipped in 12.0s |" in text
+    assert f"| ops_tests | failed rc=1 | 65 | {failed} |" in text
+    assert "| bf16 | running (cut off?) |" in text and "| megatron | skipped (expected 100s, 40s left) |" in text
     assert "| bf16 | 50,000 | 420.0 | 42.5% | 41.0 | 1300 |" in text
     assert "bf16 MFU >= 50%: 42.5% (NOT met)" in text and "1.40x (met)" in text
-    assert "failed: rc=2" in text and "stage bench failed" in text
-
-
-def test_suite_driver_parses():
-    res = subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "h100_suite.sh")], capture_output=True,
-                         text=True)
-    assert res.returncode == 0, res.stderr
+    assert "failed: rc=2" in text and "kernels: bf16 (rank0_steps2-3.json)" in text

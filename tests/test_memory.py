@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dept_mega.dept.memory import MEMORY_KEYS, activation_bytes, held_bytes, predict_memory
+from dept_mega.dept.memory import MEMORY_KEYS, activation_bytes, ce_transient_bytes, held_bytes, predict_memory
 from tests.dept_utils import SyntheticSource, allowed_ids, run_dept, source_infos, tiny_config
 from tests.mp_utils import run_distributed
 
@@ -122,6 +122,56 @@ def test_activation_formula_by_recompute_mode():
     sp = act(parallel={"tensor": 2, "sequence_parallel": True})
     assert sp < tp < none
     assert act(model={"attention_backend": "bias"}) > none
+
+
+def _allocated_peak(fn) -> int:
+    """Peak bytes allocated on the CPU while ``fn`` runs, beyond what was allocated before (the
+    profiler's allocator events, summed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cross_entropy_peak_is_the_modelled_transient(precision):
+    """The vocab-parallel cross entropy's forward holds the logits and ONE vocabulary-sized fp32
+    buffer (the saved softmax, counted in the activations) at its peak: measured allocations
+    equal the model's softmax + ``ce_transient`` (a second fp32 copy would add 4 bytes per
+    logit, far over the slack of the small per-token vectors)."""
+    from dept_mega.config import config_from_dict
+    from dept_mega.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from dept_mega.parallel.groups import build_groups
+
+    cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                                      "ffn_hidden_size": 64, "seq_length": 64, "vocab_size": 1000},
+                            "train": {"micro_batch_size": 2, "global_batch_size": 2}, "precision": precision})
+    s, b, v_pad = 64, 2, 1024
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    labels = torch.randint(0, 1000, (b, s))
+    logits = torch.randn(b, s, v_pad, dtype=dtype)
+    logits[..., 1000:] = float("-inf")  # padded vocabulary rows
+    logits.requires_grad_()
+    pg = build_groups()
+    held = {}
+
+    def forward():
+        held["loss"] = vocab_parallel_cross_entropy(logits, labels, pg)
+
+    measured = logits.numel() * logits.element_size() + _allocated_peak(forward)
+    softmax = s * b * v_pad * 4  # the last stage's share of activation_bytes
+    predicted = softmax + ce_transient_bytes(cfg, 1000, 0)
+    assert predicted == s * b * v_pad * (4 + dtype.itemsize)
+    assert 0 <= measured - predicted <= 64 * s * b, (measured, predicted)
+    held["loss"].sum().backward()  # the saved buffer still serves the backward
+    assert logits.grad is not None and torch.isfinite(logits.grad[..., :1000]).all()
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@ the bytes that cross groups after each inner step of a round (``outer_step_bytes
 every ``dept.outer_*`` key of the config (or given as an override) counts.
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
-``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, total}.
+``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, ce_transient,
+total}.
 ``--outer-state`` picks FlatSync's θ_prev layout (default: what dept/outer.py does);
 ``--set KEY=VALUE`` changes the config after validation, without checking it (what-if
 predictions of a combination the config checks refuse); an override after the config

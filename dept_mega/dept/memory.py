@@ -27,6 +27,10 @@
   optimizer state (nesterov: one value per element; adam: two and an int64 step per row);
 * ``activations_per_microbatch``: what one micro-batch leaves saved for backward on the rank
   (:func:`activation_bytes`);
+* ``ce_transient``: on the rank with the output layer, the logits of one micro-batch in the
+  activation dtype (``sb·V_pad/T·a``), alive for a moment beside their fp32 softmax (counted in
+  the activations) while the cross entropy's forward copies them to fp32 (and again while its
+  backward casts the fp32 gradient back); 0 on other ranks (:func:`ce_transient_bytes`);
 * ``total``: the sum of the above with the activations of the micro-batches in flight at the
   pipeline schedule's peak (``in_flight_microbatches``).
 
@@ -77,7 +81,8 @@ from .outer import chunk_bounds
 # on every data-parallel rank, the layout before it (``--outer-state full`` predicts that).
 FLATSYNC_THETA_CHUNK_ONLY = True
 
-MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch", "total")
+MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch",
+               "ce_transient", "total")
 OUTER_STATE = {"fedavg": 0, "nesterov": 1, "adam": 2}  # fp32 values per element of outer optimizer state
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -378,8 +383,24 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
         if first:
             total += rep * a
         if last:
-            total += rep * a + s * b * (_padded(vocab, T) // T) * 4
+            total += rep * a + _logits_elems(cfg, vocab) * 4
     return total
+
+
+def _logits_elems(cfg: Config, vocab: int) -> int:
+    """Elements of one micro-batch's logits on a tensor rank (its vocabulary shard)."""
+    return cfg.train.micro_batch_size * cfg.model.seq_length * (_padded(vocab, cfg.parallel.tensor)
+                                                                // cfg.parallel.tensor)
+
+
+def ce_transient_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
+    """The cross entropy's peak beyond the saved activations on a rank of stage ``pp_rank``: the
+    logits in the activation dtype beside the one fp32 buffer (parallel/cross_entropy.py) that
+    the activations count as the saved softmax; 0 without the output layer."""
+    if pp_rank != cfg.parallel.pipeline - 1:
+        return 0
+    a = PARAM_BYTES[cfg.precision] if cfg.precision != "fp32" else 4
+    return _logits_elems(cfg, vocab) * a
 
 
 def in_flight_microbatches(cfg: Config, pp_rank: int = 0) -> float:
@@ -447,8 +468,9 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
         act = activation_bytes(cfg, vocab, pp)
         flight = in_flight_microbatches(cfg, pp)
         out["activations_per_microbatch"] = act
-        out["total"] = sum(out[k] for k in ("weights", "grads", "optimizer", "outer", "trim_table")) \
-            + int(math.ceil(flight * act))
+        out["ce_transient"] = ce_transient_bytes(cfg, vocab, pp)
+        held = ("weights", "grads", "optimizer", "outer", "trim_table", "ce_transient")
+        out["total"] = sum(out[k] for k in held) + int(math.ceil(flight * act))
         out["in_flight_microbatches"] = flight
         if best is None or out["total"] > best["total"]:
             best = out

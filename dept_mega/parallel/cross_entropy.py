@@ -22,14 +22,21 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, pg) -> torch.Tensor:
         T = tp_world(pg)
-        z = logits.float()
-        vocab_local = z.shape[-1]
+        vocab_local = logits.shape[-1]
         start = pg.tp_rank * vocab_local if T > 1 else 0
 
-        zmax = z.max(dim=-1).values
+        # the max of half-precision values is exact in their own dtype: no fp32 copy for it
+        zmax = logits.max(dim=-1).values.float()
         if T > 1:
             pg.comm.all_reduce(zmax, pg.tp, CATEGORY, op=dist.ReduceOp.MAX)
-        z = z - zmax.unsqueeze(-1)  # a new tensor: the caller's logits are untouched
+        # The one vocabulary-sized fp32 buffer of this function: an fp32 copy of the caller's
+        # logits (always a copy: the caller's logits stay untouched), shifted, exponentiated,
+        # normalised and, in backward, turned into the gradient, all in place. (Not
+        # ``torch.sub(logits, zmax)``: on CPU a mixed-dtype op casts its half input into a
+        # temporary of its own, a second fp32 buffer.) While the copy is written the caller's
+        # logits are alive too: that transient is dept/memory.py's ``ce_transient``.
+        z = logits.to(torch.float32, copy=True)
+        z.sub_(zmax.unsqueeze(-1))
 
         outside = (labels < start) | (labels >= start + vocab_local)
         local = (labels - start).masked_fill(outside, 0)

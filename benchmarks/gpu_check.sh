@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# The one-call device check: everything the first GPU run must measure, in order of value, inside
+# its own time budget (default 420 s of command time on one H100), every figure written to the
+# output folder as soon as it exists and summary.md rewritten after every stage, so that a call
+# cut off at its limit still returns everything measured until then.
+#
+#   bash benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS] [--stages a,b,...]
+#
+#   --out DIR      output folder (default: $OUT, the folder the device tool returns)
+#   --budget S     seconds for the whole script (default 420; --dry-run: 240)
+#   --stages LIST  run only these stages (a second, shorter call for what failed or was skipped)
+#   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
+#                  same files (tests/test_gpu_check.py runs it), so that the device call never
+#                  discovers a bug in this script
+#
+# Prepare once, where the device call is made from (the repository root; .whl/ is ignored):
+#   bash benchmarks/fetch_device_wheels.sh        # megatron-core's wheel into .whl/ (carry it)
+# then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
+#
+# Stages (expected seconds on one H100; a stage starts only when its expected time is left):
+#   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start
+#   env        GPU, driver, torch / CUDA versions                                           5
+#   tests      pytest -m gpu, all but tests/test_ops.py (ops on the PyTorch fallback while the
+#              extension builds; test files in parallel with pytest-xdist when available)   75
+#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops.py 30
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json   45
+#   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
+#              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                  60
+#   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt     60
+#   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        40
+#   memory     tools/dept_costs.py --memory vs the bf16 run's peak -> memory.json                15
+#   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json         100
+#   compile    the bf16 run with train.compile=true -> bench.jsonl                              120
+# Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
+# output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+DRY=0
+OUT_DIR=${OUT:-}
+BUDGET=
+ONLY=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --out) [ $# -ge 2 ] || { echo "error: --out needs a folder" >&2; exit 2; }; OUT_DIR=$2; shift ;;
+    --budget) [ $# -ge 2 ] || { echo "error: --budget needs seconds" >&2; exit 2; }; BUDGET=$2; shift ;;
+    --stages) [ $# -ge 2 ] || { echo "error: --stages needs a list" >&2; exit 2; }; ONLY=$2; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "error: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
+[ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
+STAGES=(build env tests ops_tests ops bf16 fp8 vocab250k memory megatron compile)
+if [ -n "$ONLY" ]; then
+  for s in ${ONLY//,/ }; do
+    [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
+  done
+fi
+mkdir -p "$OUT_DIR" && OUT=$(cd "$OUT_DIR" && pwd) || exit 2
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+LOG=$OUT/gpu_check.log
+T0=$(date +%s)
+RESERVE=8  # seconds kept for the last summary
+export PYTHONUNBUFFERED=1
+rm -f "$OUT"/{summary.md,gpu_check.log,build.log,ops_bench.json,bench.jsonl,kernels.txt,memory.json,vs_megatron.json}
+
+# wheels carried with the call (.whl/, benchmarks/fetch_device_wheels.sh), installed apart
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+    .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$WORK/site"
+fi
+
+# ------------------------------------------------------------------ what differs in the dry run
+CFG=examples/1b/spec_opt.yaml
+VOCAB=50257
+if [ "$DRY" = 1 ]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} CUDA_VISIBLE_DEVICES=
+  VOCAB=1000; BIG_VOCAB=2000
+  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=64
+         model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=256 model.seq_length=64
+         train.micro_batch_size=2 train.global_batch_size=4)
+  STEPS=(--warmup 3 --steps 1)
+  OPS_ARGS=(--device cpu --small --iters 2)
+  # Megatron's RoPE needs CUDA: learned positions on both sides here
+  MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
+  MEGATRON_SET=(model.position_embedding=learned)
+  # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
+  declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [fp8]=12 [vocab250k]=8 [memory]=6
+                     [megatron]=15 [compile]=8)
+  CAP=8
+else
+  BIG_VOCAB=250112
+  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB train.micro_batch_size=4 train.global_batch_size=16)
+  STEPS=(--warmup 4 --steps 6)
+  OPS_ARGS=(--device cuda)
+  MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
+  MEGATRON_SET=()
+  declare -A EXPECT=([env]=5 [tests]=75 [ops_tests]=30 [ops]=45 [bf16]=60 [fp8]=60 [vocab250k]=40 [memory]=15
+                     [megatron]=100 [compile]=120)
+  CAP=3  # a stage is stopped at 3 times its expected seconds (a hang costs no more)
+fi
+
+# ------------------------------------------------------------------ plumbing
+log() { echo "$*" | tee -a "$LOG"; }
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+LIMIT=60
+run() {  # a command under the stage's time limit, its output in the log
+  log "\$ $*"
+  timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && log "(stopped at the stage's limit of ${LIMIT}s)"
+  return $rc
+}
+summary() {
+  local dry=()
+  [ "$DRY" = 1 ] && dry=(--dry-run)
+  "$PY" benchmarks/suite_summary.py "$OUT" --env "$WORK/env.json" --budget "$BUDGET" \
+    --elapsed $(( $(date +%s) - T0 )) "${dry[@]}" >/dev/null 2>>"$LOG" || log "suite_summary.py failed"
+}
+stage() {  # NAME: run stage_NAME if selected and its expected time is left
+  local name=$1 exp=${EXPECT[$1]} rem t rc
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
+  rem=$(left)
+  if (( rem - RESERVE < exp )); then
+    log "### stage $name skipped: expected ${exp}s, $((rem - RESERVE))s left"
+    summary; return 0
+  fi
+  LIMIT=$(( rem - RESERVE < CAP * exp ? rem - RESERVE : CAP * exp ))
+  log "### stage $name (expected ${exp}s, limit ${LIMIT}s, $(date -Is))"
+  t=$(date +%s)
+  "stage_$name"
+  rc=$?
+  log "### stage $name finished: rc=$rc in $(( $(date +%s) - t )) s"
+  summary
+}
+
+# ------------------------------------------------------------------ stages
+BUILD_PID=
+start_build() {
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",build,"* && ",$ONLY," != *",ops_tests,"* && ",$ONLY," != *",ops,"* ]]; then
+    return 0
+  fi
+  if [ "$DRY" = 1 ]; then  # the same command, building nothing (a CPU build takes minutes here)
+    (DEPT_MEGA_NO_EXT=1 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1) &
+  else
+    (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} \
+      "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1) &
+  fi
+  BUILD_PID=$!
+  log "### build started in the background (pid $BUILD_PID, log build.log)"
+}
+
+stage_env() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
+  fi
+  run "$PY" - "$WORK/env.json" <<'EOF'
+import datetime, json, sys, torch
+d = {"device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+     "torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+     "date": datetime.datetime.now().isoformat(timespec="seconds")}
+try:
+    from importlib.metadata import version
+    d["megatron_core"] = version("megatron-core")
+except Exception:
+    d["megatron_core"] = None
+json.dump(d, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(d))
+EOF
+}
+
+pytest_args() {
+  local x=()
+  "$PY" -c "import xdist" 2>/dev/null && x=(-n 3 --dist loadfile)
+  echo "-q -m gpu -p no:cacheprovider -rfEs ${x[*]}"
+}
+
+stage_tests() {  # GPU tests that do not need the extension, while it builds
+  local files=()
+  for f in tests/test_*.py; do
+    [ "$f" = tests/test_ops.py ] && continue
+    grep -q "mark.gpu" "$f" && files+=("$f")
+  done
+  # shellcheck disable=SC2046
+  DEPT_MEGA_OPS=torch run "$PY" -m pytest $(pytest_args) "${files[@]}"
+}
+
+stage_ops_tests() {
+  if [ -n "$BUILD_PID" ]; then
+    log "waiting for the build (pid $BUILD_PID)"
+    local waited=0
+    while kill -0 "$BUILD_PID" 2>/dev/null && (( waited < LIMIT )); do sleep 1; waited=$((waited + 1)); done
+    if kill -0 "$BUILD_PID" 2>/dev/null; then log "the build is still running after ${waited}s"; return 1; fi
+    wait "$BUILD_PID"; log "build finished: rc=$? ($(tail -n 1 "$OUT/build.log" 2>/dev/null))"
+    BUILD_PID=
+  fi
+  tail -n 5 build/dept_mega_ops_build.log >>"$LOG" 2>/dev/null
+  local want=cuda
+  [ "$DRY" = 1 ] && want="cpp torch"
+  run "$PY" -c "import sys, dept_mega.ops as o; b = o.backend(); print('ops backend:', b, o.extension_status()); \
+sys.exit(b not in '$want'.split())" || return 1
+  # shellcheck disable=SC2046
+  run "$PY" -m pytest $(pytest_args) tests/test_ops.py
+}
+
+stage_ops() {
+  run "$PY" benchmarks/ops_bench.py "${OPS_ARGS[@]}" --out "$OUT/ops_bench.json"
+}
+
+bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its record appended to bench.jsonl
+  local name=$1 profile=0 rc; shift
+  [ "${1:-}" = --profile ] && { profile=1; shift; }
+  local rec="$WORK/bench_$name.json" prof=()
+  [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" train.profile.start=2 train.profile.stop=3)
+  run "$PY" tools/benchmark.py --config "$CFG" "${SHAPE[@]}" "$@" "${prof[@]}" "${STEPS[@]}" --out "$rec"
+  rc=$?
+  "$PY" - "$name" "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+name, rec, rc, log, dst = sys.argv[1:]
+if rc == "0" and os.path.exists(rec):
+    r = json.load(open(rec)); r["name"] = name; r.pop("config", None)
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+  if [ $profile = 1 ] && [ $rc = 0 ]; then
+    local trace
+    trace=$(ls "$WORK/run_$name"/profile/rank0_steps*.json 2>/dev/null | head -n 1)
+    if [ -z "$trace" ]; then log "no profiler trace under $WORK/run_$name/profile"; return 1; fi
+    local cat=kernel
+    [ "$DRY" = 1 ] && cat=cpu_op
+    echo "# kernels: $name ($(basename "$trace"))" >>"$OUT/kernels.txt"
+    "$PY" benchmarks/kernel_breakdown.py "$trace" --top 25 --category $cat >>"$OUT/kernels.txt" 2>>"$LOG" || return 1
+    echo >>"$OUT/kernels.txt"
+  fi
+  return $rc
+}
+
+stage_bf16() { bench bf16 --profile; }
+stage_fp8() { bench fp8 --profile fp8=hybrid backend=local; }
+stage_vocab250k() { bench std_vocab250k dept.variant=std model.vocab_size=$BIG_VOCAB; }
+stage_compile() {
+  if [ "$DRY" = 1 ]; then  # inductor's CPU build alone takes ~45 s here: the stage's plumbing only
+    TORCH_COMPILE_DISABLE=1 bench bf16_compile train.compile=true
+  else
+    bench bf16_compile train.compile=true
+  fi
+}
+
+stage_memory() {
+  local rec="$WORK/bench_bf16.json"
+  [ -f "$rec" ] || { log "no bf16 benchmark record: the memory stage needs the bf16 stage"; return 1; }
+  # the config's tokenizer files do not exist here: the vocabulary sizes are given
+  log "\$ tools/dept_costs.py --config $CFG ${SHAPE[*]} --global-vocab $VOCAB --source-vocab $VOCAB --memory --json"
+  timeout -k 5 "$LIMIT" "$PY" tools/dept_costs.py --config "$CFG" "${SHAPE[@]}" --global-vocab "$VOCAB" \
+    --source-vocab "$VOCAB" --memory --json >"$WORK/costs.json" 2>>"$LOG" || { log "dept_costs.py failed"; return 1; }
+  run "$PY" benchmarks/memory_vs_model.py --bench "$rec" --costs "$WORK/costs.json" --variant spec_opt \
+    --out "$OUT/memory.json"
+}
+
+stage_megatron() {
+  "$PY" -c "import megatron.core" 2>/dev/null || {
+    log "megatron-core is not importable: carry its wheel (bash benchmarks/fetch_device_wheels.sh; carry .whl)"
+    return 1; }
+  run "$PY" benchmarks/vs_megatron.py --config "$CFG" "${MEGATRON[@]}" --out "$OUT/vs_megatron.json" \
+    "${SHAPE[@]}" "${MEGATRON_SET[@]}"
+}
+
+# ------------------------------------------------------------------ the sequence
+log "# gpu_check $( [ "$DRY" = 1 ] && echo "(dry run on the CPU) " )budget ${BUDGET}s, output $OUT, $(date -Is)"
+start_build
+for s in "${STAGES[@]}"; do
+  [ "$s" = build ] && continue
+  stage "$s"
+done
+if [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
+  log "the build is still running at the end: stopped"; kill "$BUILD_PID" 2>/dev/null
+fi
+log "# gpu_check done in $(( $(date +%s) - T0 )) s"
+summary
+cat "$OUT/summary.md"
+rm -rf "$WORK"

@@ -1,0 +1,73 @@
+"""benchmarks/gpu_check.sh, the one-call device check, rehearsed on the CPU (``--dry-run``: the
+whole sequence with a tiny model of the same config), so that the device call never discovers a
+bug in the script itself; and its time budget, which skips a stage whose expected time is not
+left."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer_utils import ROOT
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
+         "vs_megatron.json"}
+STAGES = ("env", "tests", "ops_tests", "ops", "bf16", "fp8", "vocab250k", "memory", "megatron", "compile")
+
+
+def _run(out, *args, timeout=420):
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    return subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_dry_run_writes_every_figure(tmp_path):
+    res = _run(tmp_path)
+    log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").exists() else ""
+    assert res.returncode == 0, res.stderr[-2000:] + log[-4000:]
+    assert {p.name for p in tmp_path.iterdir()} == FILES  # at most 8: what the device tool returns
+    summary = (tmp_path / "summary.md").read_text()
+    megatron = importlib.util.find_spec("megatron") is not None
+    for stage in STAGES:
+        want = "ok" if stage != "megatron" or megatron else "failed rc=1"
+        assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "std_vocab250k", "bf16_compile"]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert rows[2]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
+    kernels = (tmp_path / "kernels.txt").read_text()
+    assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
+    # the memory stage: dept_costs.py given the vocabulary sizes (the config's tokenizers do not exist)
+    assert "--global-vocab 1000 --source-vocab 1000 --memory" in log
+    mem = json.loads((tmp_path / "memory.json").read_text())
+    assert mem["variant"] == "spec_opt" and mem["comparison"]["trainer"]["predicted_gb"] > 0
+    assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
+    assert "passed" in summary or "skipped in" in summary  # the pytest results reached the summary
+    if megatron:
+        vs = json.loads((tmp_path / "vs_megatron.json").read_text())
+        assert vs["ratio"] > 0 and vs["precision"] == "bf16" and vs["micro_batch_size"] == 2
+
+
+def test_budget_skips_what_does_not_fit_and_still_summarises(tmp_path):
+    """Under a budget smaller than a stage's expected time the stage is skipped, not started; the
+    summary says so; an unknown stage or a missing output folder is one clear error."""
+    res = _run(tmp_path, "--budget", "9", "--stages", "env,bf16", timeout=120)
+    assert res.returncode == 0, res.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| env | skipped (expected 4s, " in summary and "| bf16 | skipped (expected 12s, " in summary
+    assert "| tests |" not in summary  # not selected
+    assert not (tmp_path / "bench.jsonl").exists()
+    bad = _run(tmp_path, "--stages", "env,nope", timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'nope'" in bad.stderr
+    env = dict(os.environ)
+    env.pop("OUT", None)
+    none = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    assert none.returncode == 2 and "no output folder" in none.stderr
