@@ -180,6 +180,11 @@ class TrainConfig:
     keep_checkpoints: int = 0
     # write checkpoints from a background thread after a host copy (at most one in flight)
     async_save: bool = False
+    # stop cleanly (checkpoint, exit 0; a relaunch resumes the same schedule) after a step that is a
+    # multiple of exit_interval, or once exit_duration_mins of wall time since launch passed; null = off
+    exit_interval: Optional[int] = None
+    exit_duration_mins: Optional[float] = None
+    wandb: Optional[str] = None  # Weights & Biases project to log to (rank 0; WANDB_MODE=offline works); null = off
 
 
 @dataclass
@@ -406,7 +411,8 @@ def _check_values(cfg: Config) -> None:
                     "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
                     "model.vocab_size", "model.recompute_layers", "fp8_amax_history", "parallel.tensor",
                     "parallel.pipeline", "parallel.data", "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
-                    "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
+                    "train.micro_batch_size", "train.global_batch_size", "train.log_interval", "train.exit_interval",
+                    "train.exit_duration_mins",
                     "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size",
                     "dept.outer_quant_block", "dept.outer_fragments"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
@@ -441,6 +447,8 @@ def _check_values(cfg: Config) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.data):
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible "
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
+    if t.wandb is not None and not t.wandb.strip():
+        raise ConfigError("config key 'train.wandb': a Weights & Biases project name, or null for off")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"config key 'optim.min_lr': {cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
     if len(cfg.optim.betas) != 2:
