@@ -10,6 +10,9 @@ resumes from ``latest`` (or, when that one is damaged, the newest verified check
 it; docs/launching.md "After a crash"). One job at a time holds a run directory
 (``dept_mega.rundir``). SIGTERM / SIGUSR1 make every rank finish its step, save a checkpoint,
 write ``RUN/preempted.json`` and exit with status 75 (``dept_mega.preemption``).
+``train.exit_interval`` / ``train.exit_duration_mins`` stop the run cleanly the same way (checkpoint,
+status 0; a relaunch continues the schedule). ``--print-config`` and ``--check --world-size N``
+(``dept_mega.preflight``) look at a config without launching it.
 """
 from __future__ import annotations
 

@@ -25,12 +25,12 @@ def _setup(tmp_path, variant="glob", vocab_hi=100) -> str:
     sources = []
     for name in ("a", "b"):
         docs = [rng.integers(3, vocab_hi, int(rng.integers(20, 60))).tolist() for _ in range(40)]
-        prefix = write_docs(str(tmp_path / f"{name}_text_document"), docs)
+        prefix = write_docs(str(tmp_path / f"{name}_text_document"), docs, nbytes=[3 * len(d) for d in docs])
         sources.append({"name": name, "prefix": prefix})
     cfg = {"model": TINY_MODEL, "precision": "fp32", "backend": "local",
            "dept": {"variant": variant, "local_steps": 2},
            "data": {"tokenizer": tok, "sources": sources},
-           "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "run_dir": str(tmp_path / "run")}}
+           "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_iters": 1, "run_dir": str(tmp_path / "run")}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
