@@ -261,7 +261,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except input_errors() as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return _train(session, resumed, preemption)
+        from .checkpoint_space import EXIT_NO_SPACE, CheckpointSpaceError
+        try:
+            return _train(session, resumed, preemption)
+        except CheckpointSpaceError as exc:  # every rank; one line for the job
+            if session.rank == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_NO_SPACE
     finally:
         preemption.uninstall()
         if lock is not None:
