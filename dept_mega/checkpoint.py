@@ -71,6 +71,7 @@ from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointEr
                        write_json_durable, write_manifest)
 from .checkpoint_state import (group_state_targets, group_state_tensors, has_group_state, has_outer_state,
                                outer_state_tensors, outer_state_targets, unused_group_buffers)
+from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .parallel.agree import all_gather_text
 from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
 
@@ -479,6 +480,8 @@ class Checkpointer:
         if thread is not None:
             thread.join()
         error, self._error = self._error, None
+        if isinstance(error, CheckpointSpaceError):
+            raise error
         if error is not None:
             raise RuntimeError(f"asynchronous checkpoint save failed: {error}") from error
 
@@ -541,42 +544,82 @@ class Checkpointer:
 
     def _write(self, staged: dict, group) -> None:
         """Write a staged checkpoint: ``step_N.tmp``, manifest, rename, ``latest``, retention.
-        Collective over ``group`` (None: the world)."""
+        Collective over ``group`` (None: the world). A file system that runs out of space on
+        any rank fails the save on every rank with :class:`CheckpointSpaceError` (the partial
+        ``step_N.tmp`` removed, ``latest`` untouched)."""
         import torch.distributed.checkpoint as dcp
         t0 = time.time()
         step, final, layout = staged["step"], staged["final"], staged["layout"]
         tmp = final + ".tmp"
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp, exist_ok=True)
-            write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
-            write_json_durable(os.path.join(tmp, DEPENDS_FILE), staged["depends"])
+        device = None if group is not None else staged["device"]
+        failed: Optional[BaseException] = None
+        try:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp, exist_ok=True)
+                write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
+                write_json_durable(os.path.join(tmp, DEPENDS_FILE), staged["depends"])
+        except OSError as exc:
+            failed = exc
         _barrier(group)
-        if staged["hooks"] is not None:
-            torch.save(staged["hooks"], os.path.join(tmp, f"hooks_rank{rank}.pt"))
-            fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
-        with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            metadata = dcp.save(staged["state"], checkpoint_id=tmp, process_group=group)
-        if staged["rng"] is not None:
-            torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
-            fsync_file(os.path.join(tmp, staged["rng_file"]))
-        if staged["meta"] is not None:
-            write_json_durable(os.path.join(tmp, f"group{staged['group']}.json"), staged["meta"])
-        _barrier(group)
-        self._seal(tmp, step, layout, metadata, None if group is not None else staged["device"], group)
+        try:  # every rank reaches DCP's collectives whatever failed before; DCP agrees on its own failures
+            if failed is None and staged["hooks"] is not None:
+                torch.save(staged["hooks"], os.path.join(tmp, f"hooks_rank{rank}.pt"))
+                fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
+        except OSError as exc:
+            failed = exc
+        try:
+            with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                metadata = dcp.save(staged["state"], checkpoint_id=tmp, process_group=group)
+            if failed is None and staged["rng"] is not None:
+                torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
+                fsync_file(os.path.join(tmp, staged["rng_file"]))
+            if failed is None and staged["meta"] is not None:
+                write_json_durable(os.path.join(tmp, f"group{staged['group']}.json"), staged["meta"])
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failed = failed or exc
+        self._agree_on_failure(failed, staged, tmp, group, device)
+        try:
+            self._seal(tmp, step, layout, metadata, device, group)
+            if rank == 0:
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                fsync_dir(os.path.dirname(final))
+                replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
+        except OSError as exc:
+            failed = exc
+        self._agree_on_failure(failed, staged, tmp, group, device)
         if rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(os.path.dirname(final))
-            replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
             self.last_size = dir_bytes(final)
             self.last_removed = apply_retention(self.run_dir, staged["keep"], step)
             self.last_seconds = time.time() - t0
             if self.on_saved is not None:
                 self.on_saved(step, self.last_size, self.last_removed, self.last_seconds)
         _barrier(group)
+
+    def _agree_on_failure(self, failed: Optional[BaseException], staged: dict, tmp: str, group, device) -> None:
+        """Collective: raise on every rank when the save failed on any. Out of space: the
+        partial ``tmp`` is removed and :class:`CheckpointSpaceError` says what is needed and left."""
+        texts = gather_texts("ENOSPC" if no_space(failed) else (repr(failed) if failed else ""), group, device)
+        problems = [(r, t) for r, t in enumerate(texts) if t]
+        if not problems:
+            return
+        if any(t == "ENOSPC" for _, t in problems):
+            sizes: dict[str, int] = {}
+            for text in gather_texts(json.dumps(state_sizes(staged)), group, device):
+                sizes.update(json.loads(text))
+            _barrier(group)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _barrier(group)
+            raise CheckpointSpaceError(self.run_dir, staged["step"], sum(sizes.values()))
+        if failed is not None:
+            raise failed
+        rank, text = problems[0]
+        raise RuntimeError(f"checkpoint save {tmp} failed on rank {rank}: {text}")
 
     def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device, group=None) -> None:
         """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write

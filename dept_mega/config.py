@@ -195,6 +195,14 @@ class TrainConfig:
     compile: bool = False  #: torch.compile each transformer block.
     keep_checkpoints: int = 0  #: Keep the newest N complete checkpoints (0: keep all).
     async_save: bool = False  #: Write checkpoints from a background thread after a host copy.
+    #: Stop cleanly (checkpoint, exit 0; a relaunch resumes the same schedule) after a step that
+    #: is a multiple of N; null = off (Megatron's --exit-interval).
+    exit_interval: Optional[int] = None
+    #: Stop cleanly (checkpoint, exit 0) once this many minutes of wall time since launch have
+    #: passed, agreed by all ranks at a step boundary; null = off (Megatron's --exit-duration-in-mins).
+    exit_duration_mins: Optional[float] = None
+    #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
+    wandb: Optional[str] = None
 
 
 @dataclass
@@ -423,7 +431,8 @@ def _check_values(cfg: Config) -> None:
                     "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
                     "model.vocab_size", "model.recompute_layers", "fp8_amax_history", "parallel.tensor",
                     "parallel.pipeline", "parallel.data", "parallel.virtual_pipeline", "dept.local_steps", "train.steps",
-                    "train.micro_batch_size", "train.global_batch_size", "train.log_interval",
+                    "train.micro_batch_size", "train.global_batch_size", "train.log_interval", "train.exit_interval",
+                    "train.exit_duration_mins",
                     "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size",
                     "dept.outer_quant_block", "dept.outer_fragments"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
@@ -458,6 +467,8 @@ def _check_values(cfg: Config) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.data):
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible "
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
+    if t.wandb is not None and not t.wandb.strip():
+        raise ConfigError("config key 'train.wandb': a Weights & Biases project name, or null for off")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"config key 'optim.min_lr': {cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
     if len(cfg.optim.betas) != 2:

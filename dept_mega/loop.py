@@ -112,6 +112,10 @@ class TrainLoop:
         # dept_mega.preemption.Preemption (set by dept_mega.train): asked after every step
         self.preemption: Optional[Any] = None
         self.preempted_at: Optional[int] = None  # the step saved before a preemption exit
+        # train.exit_interval / exit_duration_mins: why and after which step the loop stopped early
+        self.exit_reason: Optional[str] = None
+        self.exited_at: Optional[int] = None
+        self.launched_at = time.time()  # the launch's start (dept_mega.train sets it): exit_duration_mins
         self._save_pending = False
         self._deferred_since: Optional[int] = None
         self.assignment: Optional[dict[int, str]] = None
@@ -244,21 +248,46 @@ class TrainLoop:
                     and step < total:
                 self._save_pending = True
             stopping = self.preemption is not None and self.preemption.agreed(tr.device)
-            if stopping and step < total:
+            if not stopping and self.exit_reason is None and step < total:
+                self.exit_reason = self._exit_due(step)
+            if (stopping or self.exit_reason) and step < total:
                 self._save_pending = True
                 if self.checkpointer is None:
-                    self.preempted_at = step
+                    self._stopped(step, stopping)
                     return
             if self._save_pending and step < total and self._can_save(step):
                 with meter.paused():
                     self.save()
-                if stopping:
-                    self.preempted_at = step
+                if stopping or self.exit_reason:
+                    self._stopped(step, stopping)
                     return
         if self.eval_sources and evaluated_at != tr.step:
             self.evaluate()
         if self.checkpointer is not None:
             self.save()
+
+    # -- stopping early ------------------------------------------------------------------
+    def _exit_due(self, step: int) -> Optional[str]:
+        """Why the run stops cleanly after ``step`` (None: it goes on); the same on every rank:
+        the interval is arithmetic, the wall time is agreed with one all-reduce (MAX) per step."""
+        t = self.cfg.train
+        if t.exit_interval and step % t.exit_interval == 0:
+            return f"train.exit_interval={t.exit_interval}"
+        if t.exit_duration_mins is None:
+            return None
+        minutes = (time.time() - self.launched_at) / 60.0
+        over = torch.tensor([1 if minutes > t.exit_duration_mins else 0], dtype=torch.int64, device=self.trainer.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)  # bookkeeping, not counted
+        if int(over.item()):
+            return f"train.exit_duration_mins={t.exit_duration_mins:g} ({minutes:.1f} min since launch)"
+        return None
+
+    def _stopped(self, step: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_at = step
+        else:
+            self.exited_at = step
 
     # -- checkpoints ---------------------------------------------------------------------
     def _can_save(self, step: int) -> bool:

@@ -76,12 +76,17 @@ def check_record(rec: dict[str, Any]) -> None:
 
 class MetricsWriter:
     def __init__(self, run_dir: Optional[str], enabled: bool = True, stream: Optional[TextIO] = None,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, wandb: Optional[str] = None,
+                 config: Optional[dict[str, Any]] = None) -> None:
+        """``wandb``: a Weights & Biases project (``train.wandb``) that also receives the scalars
+        TensorBoard gets; ``config`` is the run's resolved config, stored with the W&B run.
+        A missing optional package is one warning line on stderr, and the run goes on."""
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
         self.stream = stream if stream is not None else sys.stdout
         self._file: Optional[TextIO] = None
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -90,8 +95,11 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-            except Exception:  # noqa: BLE001 - tensorboard is optional
-                self._tb = None
+            except Exception as exc:  # noqa: BLE001 - tensorboard is optional
+                print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: {_why(exc, 'tensorboard')}",
+                      file=sys.stderr, flush=True)
+        if wandb:
+            self._wandb = _start_wandb(wandb, run_dir, config)
 
     def resume_at(self, step: int) -> int:
         """Make ``metrics.jsonl`` continue from inner step ``step`` (the checkpoint a run resumed
@@ -138,25 +146,14 @@ class MetricsWriter:
         rec = make_record(kind, step, round_index, **fields)
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
+        scalars = scalars_of(rec) if self._tb is not None or self._wandb is not None else {}
         if self._tb is not None:
-            self._tensorboard(rec)
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, rec["step"])
+            self._tb.flush()
+        if self._wandb is not None and scalars:
+            self._wandb.log(scalars, step=rec["step"])
         return rec
-
-    def _tensorboard(self, rec: dict[str, Any]) -> None:
-        kind, step = rec["kind"], rec["step"]
-        if kind == "train":
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
-                if rec.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", rec[key], step)
-            for src, loss in rec["loss_by_source"].items():
-                if loss is not None:
-                    self._tb.add_scalar(f"train_loss/{src}", loss, step)
-        elif kind == "eval":
-            for src, vals in rec["by_source"].items():
-                for key in ("loss", "ppl", "bpb"):
-                    if vals.get(key) is not None:
-                        self._tb.add_scalar(f"eval_{key}/{src}", vals[key], step)
-        self._tb.flush()
 
     def log(self, line: str) -> None:
         if self.enabled:
@@ -169,6 +166,66 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a record that TensorBoard and W&B show, by tag."""
+    out: dict[str, float] = {}
+    if rec["kind"] == "train":
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
+            if rec.get(key) is not None:
+                out[f"train/{key}"] = rec[key]
+        for src, loss in rec["loss_by_source"].items():
+            if loss is not None:
+                out[f"train_loss/{src}"] = loss
+    elif rec["kind"] == "eval":
+        for src, vals in rec["by_source"].items():
+            for key in ("loss", "ppl", "bpb"):
+                if vals.get(key) is not None:
+                    out[f"eval_{key}/{src}"] = vals[key]
+    return out
+
+
+def _why(exc: BaseException, package: str) -> str:
+    if isinstance(exc, ImportError):
+        return f"the {package} package is not installed (pip install {package})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+WANDB_ID_FILE = "wandb_id.txt"
+
+
+def _start_wandb(project: str, run_dir: str, config: Optional[dict[str, Any]]):
+    """A W&B run for ``RUN`` in ``project``, continued by every relaunch of the run (its id is
+    kept in ``RUN/wandb_id.txt``). ``WANDB_MODE=offline`` (read by wandb) writes it under
+    ``RUN/wandb/`` without a network; ``wandb sync`` uploads it later. None (and one warning
+    line) when the package is missing or the run cannot start."""
+    try:
+        import wandb
+    except ImportError as exc:
+        print(f"warning: train.wandb={project!r}: {_why(exc, 'wandb')}; not logging to Weights & Biases",
+              file=sys.stderr, flush=True)
+        return None
+    id_path = os.path.join(run_dir, WANDB_ID_FILE)
+    if os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+    else:
+        name = "".join(c if c.isalnum() or c in "_-" else "-" for c in os.path.basename(os.path.abspath(run_dir)))
+        run_id = f"{name}-{os.urandom(4).hex()}"
+        with open(id_path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(run_id + "\n")
+        os.replace(id_path + ".tmp", id_path)
+    try:
+        return wandb.init(project=project, name=os.path.basename(os.path.abspath(run_dir)), id=run_id,
+                          resume="allow", dir=run_dir, config=config)
+    except Exception as exc:  # noqa: BLE001 - wandb's errors (login, network) must not stop training
+        print(f"warning: train.wandb={project!r}: wandb.init failed ({type(exc).__name__}: {exc}); not logging to "
+              f"Weights & Biases (WANDB_MODE=offline logs without a network)", file=sys.stderr, flush=True)
+        return None
 
 
 def format_seconds(s: float) -> str:

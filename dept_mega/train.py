@@ -10,6 +10,9 @@ resumes from ``latest`` (or, when that one is damaged, the newest verified check
 it; docs/launching.md "After a crash"). One job at a time holds a run directory
 (``dept_mega.rundir``). SIGTERM / SIGUSR1 make every rank finish its step, save a checkpoint,
 write ``RUN/preempted.json`` and exit with status 75 (``dept_mega.preemption``).
+``train.exit_interval`` / ``train.exit_duration_mins`` stop the run cleanly the same way (checkpoint,
+status 0; a relaunch continues the schedule). ``--print-config`` and ``--check --world-size N``
+(``dept_mega.preflight``) look at a config without launching it.
 """
 from __future__ import annotations
 
@@ -29,11 +32,21 @@ from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .trainer import Trainer
 
 
-def parse_args(argv: Optional[Sequence[str]], prog: str) -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="YAML config (keys: docs/config.md)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
-    return ap.parse_args(argv)
+    if checks:
+        ap.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults included) as YAML and exit")
+        ap.add_argument("--check", action="store_true",
+                        help="run the pre-flight for --world-size ranks (layout, data, tokenizers, memory per "
+                             "rank, disk space) without torchrun and without training; exit 0, or 2 naming the key")
+        ap.add_argument("--world-size", type=int, default=None, help="ranks of the job that --check checks")
+    args = ap.parse_intermixed_args(argv)
+    if checks and args.check and (args.world_size is None or args.world_size < 1):
+        ap.error("--check needs --world-size N (N >= 1): the number of ranks the job will start")
+    return args
 
 
 def vocab_size_of(cfg: Config) -> int:
@@ -153,7 +166,8 @@ def build_session(cfg: Config, metrics: bool = True,
         prepare_stages(stages, pg, device)
     trainer = Trainer(cfg, pg, device, vocab_size=vocab, stages=stages)
     hooks = build_hooks(cfg, pg, trainer, device)
-    writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics)
+    writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics,
+                           wandb=cfg.train.wandb, config=cfg.to_dict())
     from .checkpoint import Checkpointer
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
                      eval_sources=list(data.valid), make_eval_batches=data.make_eval_batches,
@@ -171,7 +185,19 @@ def describe(session: Session) -> str:
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | precision: "
             f"{session.trainer.precision.describe()} | device {session.device}\n"
-            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}")
+            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}")
+
+
+def describe_batch(cfg: Config, groups: int) -> str:
+    """The batch per group and job-wide: ``train.global_batch_size`` counts the sequences of one
+    source group's step (Megatron's global batch is the whole job's)."""
+    t, p = cfg.train, cfg.parallel
+    per_group = t.global_batch_size
+    accumulation = per_group // (t.micro_batch_size * p.data)
+    seq = cfg.model.seq_length
+    return (f"batch: {per_group} sequences per group (train.global_batch_size) × {groups} group(s) = "
+            f"{per_group * groups} sequences = {per_group * groups * seq:,} tokens per step job-wide; "
+            f"micro-batch {t.micro_batch_size} × {accumulation} accumulation step(s) × data {p.data}")
 
 
 def write_params(session: Session) -> None:
@@ -202,12 +228,21 @@ def input_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv, "python -m dept_mega.train")
+    import time
+    launched_at = time.time()  # train.exit_duration_mins counts from here
+    args = parse_args(argv, "python -m dept_mega.train", checks=True)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        import yaml
+        sys.stdout.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    if args.check:
+        from .preflight import run_check
+        return run_check(cfg, args.world_size)
     from .preemption import Preemption
     from .rundir import take_run_dir
     run_dir = cfg.train.run_dir
@@ -221,11 +256,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lock = take_run_dir(run_dir, rank, device, check=lambda: validate(cfg, world))
             session = build_session(cfg)
             loop = session.loop
+            loop.launched_at = launched_at
             resumed = loop.checkpointer.load(loop)
         except input_errors() as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return _train(session, resumed, preemption)
+        from .checkpoint_space import EXIT_NO_SPACE, CheckpointSpaceError
+        try:
+            return _train(session, resumed, preemption)
+        except CheckpointSpaceError as exc:  # every rank; one line for the job
+            if session.rank == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_NO_SPACE
     finally:
         preemption.uninstall()
         if lock is not None:
@@ -265,6 +307,9 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
                                f"written; exiting with status {EXIT_PREEMPTED} (requeue to continue)")
             if session.rank == 0:
                 write_marker(run_dir, loop.preempted_at, preemption.signal_name)
+        elif loop.exited_at is not None:
+            session.writer.log(f"stopped after step {loop.exited_at} of {cfg.train.steps} ({loop.exit_reason}): "
+                               f"checkpoint written; relaunch to continue with the same schedule")
         else:
             write_params(session)
     finally:

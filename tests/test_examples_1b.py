@@ -120,16 +120,23 @@ def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple
 
 
 def _root_with_placeholder_files(tmp_path) -> str:
-    """A copy of examples/1b beside empty stand-ins for every data file the configs name."""
+    """A copy of examples/1b (and the package, which the pre-flight runs) beside small stand-ins
+    for every file the configs name: one tiny SentencePiece model for every tokenizer, a few
+    documents of ids below its vocabulary for every source."""
+    from tests.data_utils import train_tiny_tokenizer, write_docs
     root = tmp_path / "repo"
     shutil.copytree(EX, root / "examples" / "1b")
+    os.symlink(os.path.join(ROOT, "dept_mega"), root / "dept_mega")
+    model = train_tiny_tokenizer(str(tmp_path / "tok"))
     for variant in VARIANTS:
         cfg = load_config(os.path.join(EX, f"{variant}.yaml"))
-        paths = [s.prefix + ext for s in cfg.data.sources for ext in (".bin", ".idx")]
-        paths += [s.tokenizer for s in cfg.data.sources if s.tokenizer] + [cfg.data.tokenizer or ""]
-        for p in filter(None, paths):
-            (root / p).parent.mkdir(parents=True, exist_ok=True)
-            (root / p).touch()
+        for p in [s.tokenizer for s in cfg.data.sources if s.tokenizer] + [cfg.data.tokenizer or ""]:
+            if p:
+                (root / p).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(model, root / p)
+        for s in cfg.data.sources:
+            (root / s.prefix).parent.mkdir(parents=True, exist_ok=True)
+            write_docs(str(root / s.prefix), [[5 + (d + k) % 100 for k in range(50)] for d in range(20)])
     return str(root)
 
 
@@ -138,8 +145,10 @@ def test_launch_command(tmp_path):
     r, argv = _launch(tmp_path, root, "spec_opt", "dept.outer_optimizer.lr=0.7")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pre-flight: spec_opt, world 64 = 8 group(s) x tensor 1 x pipeline 1 x data 8" in r.stdout
+    assert "memory per rank (predicted, largest rank):" in r.stdout  # dept_mega.train --check ran
     i = argv.index("torchrun")
-    assert argv[:i] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    # Slurm >= 22.05: srun does not inherit the allocation's --cpus-per-task
+    assert argv[:i] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=64"]
     cmd = argv[i:]
     assert cmd[cmd.index("--nnodes") + 1] == "8"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"

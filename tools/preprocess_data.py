@@ -5,6 +5,11 @@
         --tokenizer-type SentencePieceTokenizer --tokenizer-model PREFIX.model \\
         --output-prefix OUT --workers N --append-eod        # OUT_text_document.{bin,idx}
 
+``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR_OR_tokenizer.json`` reads a Hugging
+Face ``tokenizers`` file locally and writes what Megatron-LM's preprocess_data.py writes for the
+same tokenizer (its special tokens added, EOS from tokenizer_config.json). Progress lines give
+the percent of the input read and an ETA.
+
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte).
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
 byte-order mark, CRLF) are counted by kind and reported at the end with their first line
@@ -28,8 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="jsonl file(s), read in order")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
-    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=["SentencePieceTokenizer"])
-    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    p.add_argument("--tokenizer-model", required=True,
+                   help="SentencePiece .model file, or (HuggingFaceTokenizer) a tokenizer.json or its directory; "
+                        "read locally, nothing is downloaded")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
     p.add_argument("--partitions", type=int, default=1,
@@ -50,7 +58,7 @@ def main(argv=None) -> int:
         st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                         workers=args.workers, append_eod=args.append_eod, strict=args.strict,
                         partitions=args.partitions, log=log, progress_interval=args.log_interval,
-                        allow_empty=args.allow_empty)
+                        allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type)
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

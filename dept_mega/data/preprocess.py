@@ -29,7 +29,7 @@ import numpy as np
 from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
                                     optimal_dtype)
 from dept_mega.data.jsonl import BadInputReport, parse_line
-from dept_mega.data.tokenizer import Tokenizer, TokenizerError
+from dept_mega.data.tokenizer import TokenizerError, open_tokenizer
 
 BATCH_LINES = 512
 BATCH_BYTES = 4 << 20
@@ -46,6 +46,8 @@ class PreprocessStats:
     tokens: int = 0
     text_bytes: int = 0
     seconds: float = 0.0
+    input_bytes: int = 0  # read so far, of total_bytes (progress: percent and ETA)
+    total_bytes: int = 0
     report: BadInputReport = field(default_factory=BadInputReport)
     outputs: list[str] = field(default_factory=list)
 
@@ -66,12 +68,13 @@ class _BatchResult:
 _WORKER: dict = {}
 
 
-def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype) -> None:
-    _WORKER.update(tok=Tokenizer(model), keys=tuple(keys), append_eod=append_eod, dtype=dtype)
+def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
+                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
+    _WORKER.update(tok=open_tokenizer(tokenizer_type, model), keys=tuple(keys), append_eod=append_eod, dtype=dtype)
 
 
 def _encode_batch(batch: list[tuple[str, bytes]]) -> _BatchResult:
-    tok: Tokenizer = _WORKER["tok"]
+    tok = _WORKER["tok"]
     keys, append_eod, dtype = _WORKER["keys"], _WORKER["append_eod"], _WORKER["dtype"]
     report = BadInputReport()
     kept: list[list[str]] = []
@@ -212,10 +215,11 @@ def _remove_outputs(prefixes: Sequence[str]) -> None:
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
                workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
                log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0,
-               allow_empty: bool = False) -> PreprocessStats:
+               allow_empty: bool = False, tokenizer_type: str = "SentencePieceTokenizer") -> PreprocessStats:
     """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`
     (also when no document is left, e.g. an empty or all-bad input: nothing is written then,
-    unless ``allow_empty``)."""
+    unless ``allow_empty``). ``tokenizer_type``: SentencePieceTokenizer, or HuggingFaceTokenizer
+    (``tokenizer_model``: a ``tokenizer.json`` or its directory; Megatron's encoding)."""
     log = log or (lambda msg: None)
     for path in inputs:
         if not os.path.isfile(path):
@@ -225,11 +229,14 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     if workers < 1 or partitions < 1:
         raise PreprocessError(f"--workers ({workers}) and --partitions ({partitions}) must be >= 1")
     try:
-        tok = Tokenizer(tokenizer_model)
+        tok = open_tokenizer(tokenizer_type, tokenizer_model)
     except TokenizerError as exc:
         raise PreprocessError(str(exc)) from None
+    if append_eod and tok.eos_id is None:
+        raise PreprocessError(f"--append-eod: tokenizer {tokenizer_model!r} names no eos_token (tokenizer_config.json "
+                              f"or special_tokens_map.json beside its tokenizer.json)")
     dtype = optimal_dtype(tok.vocab_size)
-    stats = PreprocessStats()
+    stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs))
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
     t0 = time.time()
@@ -237,9 +244,10 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     pool = None
     if workers > 1:
         pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype))
+            workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype,
+                                                         tokenizer_type))
     else:
-        _init_worker(tokenizer_model, keys, append_eod, dtype)
+        _init_worker(tokenizer_model, keys, append_eod, dtype, tokenizer_type)
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
     part_prefixes: list[list[str]] = []
@@ -274,21 +282,27 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     return stats
 
 
+def _eta(seconds: float) -> str:
+    if seconds != seconds:  # nothing read yet
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0) -> None:
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes]
     pending: collections.deque = collections.deque()
     max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
     last = time.time()
-    in_bytes = 0
 
     def consume(result: _BatchResult) -> None:
-        nonlocal last, in_bytes
+        nonlocal last
         if strict and result.report.total:
             stats.report.merge(result.report)
             raise PreprocessError("bad input and --strict given:\n" + "\n".join(result.report.lines()))
         stats.report.merge(result.report)
         stats.lines += result.lines
-        in_bytes += result.input_bytes
+        stats.input_bytes += result.input_bytes
         for k, b in enumerate(builders):
             b.add_documents(result.tokens[k], result.lengths[k], result.nbytes[k])
         stats.documents += len(result.lengths[0])
@@ -297,10 +311,12 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         now = time.time()
         if now - last >= interval:
             last = now
-            el = now - t0
-            log(f"[preprocess] {stats.documents} docs, {stats.tokens} tokens | "
-                f"{stats.documents / el:.0f} docs/s, {stats.tokens / el:.0f} tokens/s, "
-                f"{in_bytes / el / 1e6:.1f} MB/s")
+            el = max(now - t0, 1e-9)
+            done, total = stats.input_bytes, max(stats.total_bytes, 1)
+            eta = el * (total - done) / done if done else float("nan")
+            log(f"[preprocess] {100.0 * done / total:5.1f}% ({done / 1e6:.1f} of {total / 1e6:.1f} MB) | "
+                f"{stats.documents} docs, {stats.tokens} tokens | {stats.documents / el:.0f} docs/s, "
+                f"{stats.tokens / el:.0f} tokens/s, {done / el / 1e6:.1f} MB/s | ETA {_eta(eta)}")
 
     try:
         for batch in _iter_batches(ranges):

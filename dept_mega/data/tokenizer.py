@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer wrapper: the one interface the rest of dept_mega uses."""
+"""SentencePiece tokenizer wrapper: the one interface the rest of dept_mega uses; and Hugging Face
+tokenizers for ``tools/preprocess_data.py`` (:class:`HuggingFaceTokenizer`)."""
 from __future__ import annotations
 
 import os
@@ -67,3 +68,76 @@ class Tokenizer:
 
 def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer(path)
+
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``, or a directory holding it),
+    read locally, encoding as Megatron's ``HuggingFaceTokenizer`` does (``tokenizer(text).input_ids``
+    of ``transformers``): the post-processor's special tokens are added (``add_special_tokens``),
+    no truncation or padding; ``vocab_size`` counts the added tokens (``len(tokenizer)``); the EOS
+    id (``--append-eod``) is the ``eos_token`` of ``tokenizer_config.json`` (or
+    ``special_tokens_map.json``) beside the file, None when neither names one."""
+
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise TokenizerError(f"tokenizer {path!r}: {file!r} does not exist")
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as exc:
+            raise TokenizerError(f"tokenizer {path!r} needs the tokenizers package (pip install tokenizers): "
+                                 f"{exc}") from None
+        try:
+            self._tok = _HFTokenizer.from_file(file)
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
+            raise TokenizerError(f"{file!r} is not a Hugging Face tokenizer.json: {exc}") from None
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.path = file
+        self.eos_token = _eos_token(os.path.dirname(file))
+        self.eos_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+        if self.eos_token is not None and self.eos_id is None:
+            raise TokenizerError(f"{file!r}: its eos_token {self.eos_token!r} is not in the vocabulary")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=True)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def _eos_token(directory: str):
+    import json
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise TokenizerError(f"{path}: not a JSON object ({exc})") from None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
+def open_tokenizer(tokenizer_type: str, path: str):
+    """The tokenizer ``tools/preprocess_data.py --tokenizer-type`` names."""
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(path)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return Tokenizer(path)
+    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")

@@ -52,21 +52,11 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # keeps TP
 # export NCCL_IB_HCA=mlx5               # restrict to the HCAs of the GPU fabric
 # export NCCL_NET_GDR_LEVEL=PHB         # GPUDirect RDMA distance, if your nodes need it
 
-# Pre-flight: the config, its overrides and the layout must agree before 64 GPUs start.
+# Pre-flight (python -m dept_mega.train --check, docs/launching.md): the config, its overrides,
+# the layout for this world size, the data and tokenizer files and the memory per rank, checked
+# before any GPU starts; a warning when the run directory has less room than two checkpoints.
 if [ "${DEPT_SKIP_PREFLIGHT:-0}" != 1 ]; then
-  "$PYTHON" - "$CONFIG" "$WORLD" "$@" <<'PY'
-import sys
-from dept_mega.config import ConfigError, load_config, validate
-path, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-try:
-    cfg = load_config(path, overrides)
-    validate(cfg, world)
-except ConfigError as exc:
-    sys.exit(f"pre-flight: {path} with world size {world}: {exc}")
-p = cfg.parallel
-print(f"pre-flight: {cfg.dept.variant}, world {world} = {cfg.num_groups(world)} group(s) x "
-      f"tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}")
-PY
+  "$PYTHON" -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@" --check --world-size "$WORLD"
 fi
 
 echo "launch: $VARIANT on $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
@@ -90,7 +80,9 @@ rm -f "$RUN_DIR/preempted.json"  # a stale marker must not requeue a job that fa
 # assigns global ranks node by node, so consecutive ranks (a source group: tp fastest, then
 # dp, pp, group) sit on the same node (docs/launching.md).
 rc=0
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
+# Slurm >= 22.05 no longer passes the allocation's --cpus-per-task on to srun: without it, on
+# clusters that bind tasks to cores, every rank of a node would share one core.
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
   torchrun \
     --nnodes "$NNODES" \
     --nproc-per-node "$GPUS_PER_NODE" \

@@ -1,0 +1,71 @@
+"""The optional writers beside metrics.jsonl: Weights & Biases (``train.wandb``) and TensorBoard.
+A missing package is one warning line, not silence and not a failure."""
+from __future__ import annotations
+
+import io
+import sys
+import types
+
+from dept_mega.metrics import MetricsWriter
+
+TRAIN = dict(loss=2.5, lr=1e-3, grad_norm=0.7, tokens=64, sources={"0": "a"}, loss_by_source={"a": 2.5, "b": None},
+             tokens_per_s=100.0, tflops_per_device=None, mfu=None)
+
+
+class _FakeWandb(types.ModuleType):
+    """Records what the writer asks of the ``wandb`` module."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        calls = self.calls
+
+        class Run:
+            def log(self, data, step):
+                calls.append(("log", dict(data), step))
+
+            def finish(self):
+                calls.append(("finish",))
+        return Run()
+
+
+def test_wandb_receives_the_scalars_and_a_relaunch_continues_its_run(tmp_path, monkeypatch, capsys):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = str(tmp_path / "my.run")
+    w = MetricsWriter(run, stream=io.StringIO(), tensorboard=False, wandb="proj", config={"train": {"steps": 3}})
+    w.write("train", 1, 0, **TRAIN)
+    w.write("eval", 1, 0, by_source={"a": {"loss": 2.0, "ppl": 7.39, "bpb": 1.1, "tokens": 10, "bytes": 30}})
+    w.close()
+    init = fake.calls[0]
+    assert init[0] == "init" and init[1]["project"] == "proj" and init[1]["name"] == "my.run"
+    assert init[1]["dir"] == run and init[1]["resume"] == "allow" and init[1]["config"] == {"train": {"steps": 3}}
+    assert init[1]["id"].startswith("my-run-")
+    assert fake.calls[1] == ("log", {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.7,
+                                     "train/tokens_per_s": 100.0, "train_loss/a": 2.5}, 1)
+    assert fake.calls[2] == ("log", {"eval_loss/a": 2.0, "eval_ppl/a": 7.39, "eval_bpb/a": 1.1}, 1)
+    assert fake.calls[3] == ("finish",)
+    MetricsWriter(run, stream=io.StringIO(), tensorboard=False, wandb="proj").close()
+    assert fake.calls[4][1]["id"] == init[1]["id"]  # the relaunch continues the same W&B run
+    assert capsys.readouterr().err == ""
+    # other ranks, and train.wandb: null, start nothing
+    MetricsWriter(run, enabled=False, wandb="proj").close()
+    MetricsWriter(run, stream=io.StringIO(), tensorboard=False).close()
+    assert len(fake.calls) == 6
+
+
+def test_a_missing_package_is_one_warning_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    w = MetricsWriter(str(tmp_path / "run"), stream=io.StringIO(), wandb="proj")
+    w.write("train", 1, 0, **TRAIN)
+    w.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("warning: no TensorBoard events in ") and "pip install tensorboard" in err[0]
+    assert err[1] == ("warning: train.wandb='proj': the wandb package is not installed (pip install wandb); "
+                      "not logging to Weights & Biases")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1

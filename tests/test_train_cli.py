@@ -1,0 +1,130 @@
+"""``python -m dept_mega.train``'s checks without a launch: ``--print-config`` (the resolved
+YAML, defaults included) and ``--check --world-size N`` (the pre-flight: layout, files,
+vocabulary, memory per rank, disk space; exit 0, or 2 with one line naming the key)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.data_utils import train_tiny_tokenizer, write_docs
+from tests.trainer_utils import ROOT
+
+TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 4,
+              "ffn_hidden_size": 64, "seq_length": 16}
+
+
+def _setup(tmp_path, variant="glob", vocab_hi=100) -> str:
+    """A config with a tiny SentencePiece tokenizer and two sources whose ids are < ``vocab_hi``."""
+    tok = train_tiny_tokenizer(str(tmp_path / "tok"))
+    rng = np.random.default_rng(0)
+    sources = []
+    for name in ("a", "b"):
+        docs = [rng.integers(3, vocab_hi, int(rng.integers(20, 60))).tolist() for _ in range(40)]
+        prefix = write_docs(str(tmp_path / f"{name}_text_document"), docs, nbytes=[3 * len(d) for d in docs])
+        sources.append({"name": name, "prefix": prefix})
+    cfg = {"model": TINY_MODEL, "precision": "fp32", "backend": "local",
+           "dept": {"variant": variant, "local_steps": 2},
+           "data": {"tokenizer": tok, "sources": sources},
+           "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_iters": 1, "run_dir": str(tmp_path / "run")}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_DEVICE="cpu")
+    return subprocess.run([sys.executable, "-m", "dept_mega.train", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+
+
+def test_print_config_is_the_resolved_yaml(tmp_path):
+    from dept_mega.config import load_config
+    cfg = _setup(tmp_path)
+    r = _train("--config", cfg, "train.steps=6", "--print-config", "optim.lr=1e-3")
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed == load_config(cfg, ["train.steps=6", "optim.lr=1e-3"]).to_dict()
+    assert printed["train"]["steps"] == 6 and printed["optim"]["lr"] == 1e-3
+    assert printed["model"]["rope_theta"] == 10000.0  # a default the file does not set
+    assert not os.path.exists(tmp_path / "run")
+    bad = _train("--config", cfg, "train.stepz=6", "--print-config")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: unknown config key 'train.stepz'"
+
+
+@pytest.mark.parametrize("world,overrides,want", [
+    (2, [], None),
+    (3, ["parallel.data=2"], "config key 'parallel': world size 3 is not divisible"),
+    (2, ["data.sources.0.prefix=/nonexistent/x"], "config key 'data.sources[0].prefix': file '/nonexistent/x.bin'"),
+    (2, ["model.vocab_size=50"], None),  # the tokenizer decides the vocabulary, not model.vocab_size
+])
+def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, want):
+    cfg = _setup(tmp_path)
+    r = _train("--config", cfg, *overrides, "--check", "--world-size", str(world))
+    if want is not None:
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and want in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "pre-flight: glob, world 2 = 2 group(s) x tensor 1 x pipeline 1 x data 1" in out
+    assert "batch: 4 sequences per group (train.global_batch_size) × 2 group(s) = 8 sequences" in out
+    assert "vocabulary: 120 ids" in out
+    assert "memory per rank (predicted, largest rank):" in out and "checkpoint: about" in out
+    assert not os.path.exists(tmp_path / "run")  # nothing written
+
+
+def test_check_names_token_ids_outside_the_vocabulary(tmp_path):
+    cfg = _setup(tmp_path, vocab_hi=500)  # ids up to 499, the tokenizer has 120
+    r = _train("--config", cfg, "--check", "--world-size", "2")
+    assert r.returncode == 2 and "config key 'data.sources[0].prefix'" in r.stderr and "120 ids" in r.stderr
+    assert _train("--config", cfg, "--check").returncode == 2  # --world-size is required
+
+
+def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
+    """The warning compares the free space with twice the checkpoint size the memory model
+    predicts; that prediction is close to a real checkpoint of the run (std, fp32)."""
+    import io
+
+    import torch
+
+    from dept_mega.checkpoint import Checkpointer, dir_bytes
+    from dept_mega.config import load_config
+    from dept_mega.dept.memory import predict_memory
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.preflight import checkpoint_bytes, preflight
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+
+    cfg = load_config(_setup(tmp_path, variant="std"), ["model.hidden_size=128", "model.ffn_hidden_size=512"])
+    mem = predict_memory(cfg, 120)
+    want = checkpoint_bytes(cfg, 1, mem)
+    usage = type("Usage", (), {})
+
+    def disk(free):
+        def du(path):
+            u = usage()
+            u.free = free
+            return u
+        return du
+
+    lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want))
+    assert not warnings and f"({want:,} bytes) predicted" in lines[-1]
+    lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want - 1))
+    assert len(warnings) == 1 and f"{2 * want - 1:,} bytes free, below two checkpoints" in warnings[0]
+    assert warnings[0].startswith("config key 'train.run_dir'")
+
+    run = str(tmp_path / "ck")
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=120)
+    loop = TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(run, stream=io.StringIO(), tensorboard=False),
+                     lambda n: SyntheticSource(cfg, 1, torch.arange(120)), checkpointer=Checkpointer(run))
+    trainer.train_step(loop.iterator("blend").next_step())
+    real = dir_bytes(loop.save())
+    assert 0.9 * real <= want <= 1.1 * real, (want, real)
