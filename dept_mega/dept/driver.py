@@ -30,42 +30,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
+from .chunk_buffers import CHUNK_BUFFERS, missing_chunk_buffer, refuse_chunk_buffers
 from .master_shards import value_access
 from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .streaming import OuterSchedule, body_fragments, sync_units
 from .rounds import RoundScheduler
+from .source_info import SourceInfo, sources_from_config  # noqa: F401  (SourceInfo: importable from here too)
 from .store import SourceState, SourceStore, load_payload, state_payload
 from .strategy import RoundView, StrategyContext
 from .variants import make_strategy
 
 BODY_OPTIMIZER_STATES = ("group", "source")
-# per-rank chunk buffers of the FlatSyncs that checkpoints written before they were saved per
-# parameter (dept_mega.checkpoint_state, layout.json: outer_group_keys) kept in the hook state
-# (hook-state entry -> attribute), and the config key that makes each; loaded, no longer saved
-CHUNK_BUFFERS = {"outer_residuals": "residual", "outer_eager": "eager_base"}
-CHUNK_BUFFER_KEYS = {"outer_residuals": "dept.outer_error_feedback", "outer_eager": "dept.outer_overlap_rule"}
-
-
-class PerRankChunkBuffers(ValueError):
-    """A checkpoint's hook files hold per-rank chunk buffers (:data:`CHUNK_BUFFERS`, written
-    before they were saved per parameter) where the load cannot cut them: under another
-    tensor / pipeline layout (``dept_mega.checkpoint`` turns it into a ConfigError naming the
-    layout key)."""
-
-
-def _missing_chunk_buffer(entry: str, attr: str, k: str):
-    """The ConfigError for a checkpoint's chunk buffer that this run does not keep."""
-    from ..config import ConfigError
-    return ConfigError(f"config key '{CHUNK_BUFFER_KEYS[entry]}': the checkpoint holds an outer {attr} for {k!r} "
-                       f"in its hook files (written with it), this run keeps none there; resume with the setting "
-                       f"the checkpoint was written with")
 
 
 class _AtStage(Mapping):
@@ -86,26 +67,6 @@ class _AtStage(Mapping):
 
     def __len__(self) -> int:
         return len(self._sds)
-
-
-def refuse_chunk_buffers(sd: dict) -> None:
-    """Raise :class:`PerRankChunkBuffers` when the hook state dict ``sd`` holds per-rank
-    chunk buffers (checked before a load that joins state over tensor / pipeline ranks)."""
-    held = [f"{CHUNK_BUFFER_KEYS[e]} ({CHUNK_BUFFERS[e]})" for e in CHUNK_BUFFERS if sd.get(e)]
-    if held:
-        raise PerRankChunkBuffers(f"its hook files hold {', '.join(held)} as a chunk of each rank's flattened "
-                                  f"body shard (written before they were saved per parameter and group: "
-                                  f"layout.json without outer_group_keys), which another tensor or pipeline "
-                                  f"layout cannot cut")
-
-
-@dataclass
-class SourceInfo:
-    """What the hooks need to know of a source."""
-    name: str
-    vocab_size: int  # vocabulary of its embeddings: global (glob, trim, spec) or its own (spec_opt)
-    size: float = 1.0  # for proportional / temperature sampling (tokens)
-    vocab_ids: Optional[torch.Tensor] = None  # TRIM: V_k, sorted global ids
 
 
 class DeptHooks:
@@ -205,9 +166,8 @@ class DeptHooks:
         values and optimizer state then come from :meth:`load_state_dict`."""
         if not self.strategy.source_embeddings:
             return
-        from ..checkpoint import latest_step
         from ..manifest import LAYOUT_FILE, CheckpointError, read_json
-        from ..resume import step_dir
+        from ..resume import latest_step, step_dir
         try:
             step = latest_step(self.cfg.train.run_dir)
             layout = read_json(step_dir(self.cfg.train.run_dir, step), LAYOUT_FILE) if step else None
@@ -409,7 +369,7 @@ class DeptHooks:
             joined = {}
             for k in mine.get(entry) or {}:
                 if k not in syncs or getattr(syncs[k], attr) is None:
-                    raise _missing_chunk_buffer(entry, attr, k)
+                    raise missing_chunk_buffer(entry, attr, k)
                 full = torch.cat([sds[(tp, d)][entry][k].reshape(-1) for d in old])
                 if full.numel() != syncs[k].numel:
                     raise ValueError(f"outer {attr} {k!r}: the old replicas' chunks hold {full.numel()} values, "
@@ -870,7 +830,7 @@ class DeptHooks:
         for entry, attr in CHUNK_BUFFERS.items():
             for k, r in (sd.get(entry) or {}).items():
                 if k not in syncs or getattr(syncs[k], attr) is None:
-                    raise _missing_chunk_buffer(entry, attr, k)
+                    raise missing_chunk_buffer(entry, attr, k)
                 getattr(syncs[k], attr).copy_(r.to(getattr(syncs[k], attr).device, torch.float32))
         for k, s in syncs.items():  # the eager start's estimate: none in the checkpoint, none known
             if s.eager_base is not None:
@@ -1010,33 +970,6 @@ class DeptHooks:
         self.in_round = False
         self._resumed_round = None
         self._mark = self.pg.comm.snapshot()
-
-
-def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
-    """SourceInfo for every ``data.sources`` entry: sizes (tokens in the data), vocabularies
-    (SPEC-OPT: each source's tokenizer) and TRIM's V_k (``vocab_set``)."""
-    from ..data.indexed import IndexedDataset
-    out = []
-    for i, s in enumerate(cfg.data.sources):
-        size = float(len(IndexedDataset(s.prefix).tokens)) * float(s.weight)
-        if cfg.dept.variant == "spec_opt":
-            from ..data.tokenizer import load_tokenizer
-            vocab = load_tokenizer(s.tokenizer).vocab_size
-        else:
-            if global_vocab is None:
-                from ..config import ConfigError
-                raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
-            vocab = int(global_vocab)
-        ids = None
-        if cfg.dept.variant == "trim" or cfg.dept.embedding_rows == "present":
-            from ..data.sources import vocab_set
-            ids = torch.as_tensor(vocab_set(s.prefix, cfg.data.cache_dir), dtype=torch.int64)
-            if ids.numel() and int(ids.max()) >= vocab:
-                from ..config import ConfigError
-                raise ConfigError(f"config key 'data.sources[{i}].prefix': token id {int(ids.max())} of source "
-                                 f"{s.name!r} is outside the global vocabulary of {vocab}")
-        out.append(SourceInfo(s.name, vocab, size, ids))
-    return out
 
 
 def build_round_hooks(cfg, pg, trainer, device, sources: Optional[Sequence[SourceInfo]] = None) -> DeptHooks:
