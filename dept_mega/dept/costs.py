@@ -34,9 +34,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError, ModelConfig
+from .cost_common import (PARAM_BYTES, VARIANTS, VOCAB_PAD_MULTIPLE, eager_start,  # noqa: F401 (VARIANTS)
+                          flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters)
+# the per-rank memory model (memory.py), importable from here too
+from .memory import (MEMORY_KEYS, activation_bytes, held_bytes, predict_memory,  # noqa: F401
+                     predict_memory_variants)
 
-VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
-VOCAB_PAD_MULTIPLE = 128
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -481,8 +484,6 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
     rank, offset, category, chunks)``. D near-equal chunks (dept/outer.py ``chunk_bounds``), or
     with ``optim.distributed`` and half-precision weights the fp32 masters each rank owns
     (dept/master_shards.py: the distributed optimizer's bucket shards)."""
-    from .memory import flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters
-
     D = cfg.parallel.data
     units = sync_units(cfg, global_vocab)
     if not sharded_masters(cfg):
@@ -531,8 +532,6 @@ def trim_master_gather_bytes(cfg: Config, trim_vocabs: Sequence[int]) -> int:
     positions) by all-gathering the group's master pieces over dp in fp32
     (dept/trim_strategy.py ``_values``): D equal parts of the longest piece per parameter,
     summed over all ranks of the job (group k's compact vocabulary |V_k|). 0 otherwise."""
-    from .memory import flat_sync_chunks, rank_params, sharded_masters
-
     p = cfg.parallel
     if not sharded_masters(cfg) or p.data == 1:
         return 0
@@ -582,7 +581,6 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra,
                 "first_extra": first}
     T, D = p.tensor, p.data
-    from .memory import PARAM_BYTES, eager_start, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
     eager = eager_start(cfg)
@@ -626,15 +624,3 @@ def chunk_bounds_len(n: int, parts: int, index: int) -> int:
     (dept/outer.py ``chunk_bounds``)."""
     base, extra = divmod(n, parts)
     return base + (1 if index < extra else 0)
-
-
-# the per-rank memory model lives in memory.py (which imports this module's constants); its
-# names are served from here too, resolved on first use to keep the imports acyclic
-_MEMORY_NAMES = ("MEMORY_KEYS", "held_bytes", "predict_memory", "predict_memory_variants", "activation_bytes")
-
-
-def __getattr__(name: str):
-    if name in _MEMORY_NAMES:
-        from . import memory
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
