@@ -73,7 +73,8 @@ from .checkpoint_state import (group_state_targets, group_state_tensors, has_gro
                                outer_state_tensors, outer_state_targets, unused_group_buffers)
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .parallel.agree import all_gather_text
-from .resume import CKPT_DIR, check_depends, fingerprint, select_checkpoint, step_dir, verify_checkpoint
+from .resume import (CKPT_DIR, check_depends, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
+                     verify_checkpoint)
 
 
 def _layout(trainer, per_rank_hooks: bool) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def check_layout(trainer, path: str, optimizer: bool = True, hooks: Any = None) 
     change with it); GLOB's per-source body state (``dept.body_optimizer_state: source``) like
     SPEC's; error-feedback residuals and eager estimates saved per parameter and group
     (``outer_group_keys``) reshard like θ_{t-1} for every variant, older checkpoints kept them
-    in per-rank hook files and are refused (``driver.refuse_chunk_buffers``, a ConfigError
+    in per-rank hook files and are refused (``dept.chunk_buffers.refuse_chunk_buffers``, a ConfigError
     naming the layout key) — under another pipeline / virtual-pipeline size or
     with the distributed optimizer on either side only with the parameter names saved with
     the per-source state (``hooks_param_names``: ``DeptHooks.load_state_dict_repartitioned``;
@@ -306,7 +307,7 @@ def _refuse_per_rank_chunk_buffers(path: str, saved: dict, changed: list, device
     chunk, so rank 0's tells)."""
     if not saved.get("per_rank_hooks") or saved.get("outer_group_keys"):
         return
-    from .dept.driver import PerRankChunkBuffers, refuse_chunk_buffers
+    from .dept.chunk_buffers import PerRankChunkBuffers, refuse_chunk_buffers
     first = os.path.join(path, "hooks_rank0.pt")
     if not os.path.exists(first):
         return  # verify_checkpoint has checked the manifest; the load names a missing file
@@ -346,19 +347,6 @@ def _to_host(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(v) for v in obj)
     return obj
-
-
-def latest_step(run_dir: str) -> Optional[int]:
-    """The step ``checkpoints/latest`` names (unverified; :func:`select_checkpoint` verifies)."""
-    path = os.path.join(run_dir, CKPT_DIR, "latest")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path}: expected a step number, got {text!r}") from None
 
 
 def _model_state(trainer) -> dict[str, torch.Tensor]:
@@ -935,7 +923,7 @@ def _resharded_hook_state(trainer, hooks, path: str, layout: dict, group: int, s
     (``rank_resharded_state``: the distributed optimizer's pieces and TRIM's φ row shards
     joined, the latter only with ``strategy_state``; the old files are read as needed)."""
     from .config import ConfigError
-    from .dept.driver import PerRankChunkBuffers
+    from .dept.chunk_buffers import PerRankChunkBuffers
     pg = trainer.pg
     T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
     staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline

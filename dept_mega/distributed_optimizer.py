@@ -34,11 +34,14 @@ the checkpoint keys, and ``redistribute_state_dict`` for state dicts; see
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .config import OptimConfig
 from .optimizer import InnerOptimizer
+from .parallel.groups import ParallelGroups
+from .precision import Precision
 
 
 @dataclass
@@ -220,3 +223,12 @@ class DistributedOptimizer(InnerOptimizer):
             for pc, m in zip(self.pieces, mains):
                 pc.main.copy_(m)
             self.refresh_model_params()
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, pg: ParallelGroups,
+                    device: torch.device, precision: Precision, shared: Sequence[torch.nn.Parameter] = (),
+                    names: Optional[dict[int, str]] = None) -> InnerOptimizer:
+    """The inner optimizer of ``optim.distributed`` over ``params``."""
+    if optim.distributed:
+        return DistributedOptimizer(params, optim, pg, device, precision, shared=shared, names=names)
+    return InnerOptimizer(params, optim, pg, device, precision, shared=shared, names=names)

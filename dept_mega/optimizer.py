@@ -357,13 +357,3 @@ class InnerOptimizer:
         for p, m in zip(self.params, mains):
             main_param(p).copy_(m)  # the exact fp32 masters (into the fp32 weights of an fp32 run)
         self.refresh_model_params()
-
-
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, pg: ParallelGroups,
-                    device: torch.device, precision: Precision, shared: Sequence[torch.nn.Parameter] = (),
-                    names: Optional[dict[int, str]] = None) -> InnerOptimizer:
-    """The inner optimizer of ``optim.distributed`` over ``params``."""
-    if optim.distributed:
-        from .distributed_optimizer import DistributedOptimizer
-        return DistributedOptimizer(params, optim, pg, device, precision, shared=shared, names=names)
-    return InnerOptimizer(params, optim, pg, device, precision, shared=shared, names=names)

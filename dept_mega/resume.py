@@ -65,6 +65,19 @@ def read_latest(run_dir: str) -> tuple[Optional[int], Optional[str]]:
     return int(text), None
 
 
+def latest_step(run_dir: str) -> Optional[int]:
+    """The step ``checkpoints/latest`` names (unverified; :func:`select_checkpoint` verifies)."""
+    path = os.path.join(run_dir, CKPT_DIR, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected a step number, got {text!r}") from None
+
+
 def step_dirs(run_dir: str) -> list[int]:
     """Steps with a ``step_N`` directory (complete saves; ``step_N.tmp`` are not), newest first."""
     try:

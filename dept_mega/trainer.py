@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from .config import Config
 from .grad_buffer import GradSync, grad_owner
+from .distributed_optimizer import build_optimizer
 from .optim import counted_once, lr_at, norm_of, set_lr
-from .optimizer import (InnerOptimizer, build_optimizer, keep_masters_on_load, main_param, refresh_model_params,
-                        to_model_dtype)
+from .optimizer import InnerOptimizer, keep_masters_on_load, main_param, refresh_model_params, to_model_dtype
 from .optimizer import unique_params as _unique
 from .parallel.fp8 import fp8_weight_cache
 from .parallel.groups import ParallelGroups

@@ -30,13 +30,18 @@ whole model once per round (M / N_local); TRIM the body, positions and the trimm
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError, ModelConfig
+from .cost_common import (PARAM_BYTES, VARIANTS, VOCAB_PAD_MULTIPLE, eager_start,  # noqa: F401 (VARIANTS)
+                          flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters)
+# the vocabulary sizes (cost_vocabs.py), importable from here too
+from .cost_vocabs import Vocabs, _mean, resolve_vocabs, tokenizer_vocab_size  # noqa: F401
+# the per-rank memory model (memory.py), importable from here too
+from .memory import (MEMORY_KEYS, activation_bytes, held_bytes, predict_memory,  # noqa: F401
+                     predict_memory_variants)
 
-VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
-VOCAB_PAD_MULTIPLE = 128
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -113,111 +118,6 @@ def model_params(m: ModelConfig, vocab: int, padded: bool = False) -> int:
     """Body + embeddings for one vocabulary (``padded``: the allocated table size)."""
     v = padded_vocab(vocab) if padded else vocab
     return body_params(m) + embedding_params(m, v)
-
-
-# ----------------------------------------------------------------------------- vocabularies
-
-
-@dataclass
-class Vocabs:
-    """The vocabulary sizes the cost model needs, and where each came from.
-
-    ``global_vocab``: the global tokenizer (std, glob, trim, spec). ``source_vocabs``: each
-    source's own tokenizer (spec_opt), by source name. ``trim_vocabs``: |V_k| per source,
-    the global-tokenizer ids occurring in source k's data (trim). ``None`` = unknown.
-    """
-
-    global_vocab: Optional[int] = None
-    source_vocabs: dict[str, int] = field(default_factory=dict)
-    trim_vocabs: dict[str, int] = field(default_factory=dict)
-    origin: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def mean_source_vocab(self) -> Optional[float]:
-        return _mean(self.source_vocabs.values())
-
-    @property
-    def mean_trim_vocab(self) -> Optional[float]:
-        return _mean(self.trim_vocabs.values())
-
-
-def _mean(values) -> Optional[float]:
-    values = list(values)
-    return sum(values) / len(values) if values else None
-
-
-def tokenizer_vocab_size(path: str, key: str) -> int:
-    """The vocabulary size of a SentencePiece model; a missing file is a ConfigError."""
-    import os
-
-    if not os.path.exists(path):
-        raise ConfigError(f"config key '{key}': tokenizer file {path!r} does not exist "
-                          f"(pass the vocabulary size on the command line instead)")
-    try:
-        from ..data.tokenizer import load_tokenizer  # the data package's loader when present
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        return int(load_tokenizer(path).vocab_size)
-    import sentencepiece as spm
-
-    return int(spm.SentencePieceProcessor(model_file=path).get_piece_size())
-
-
-def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab: Optional[int] = None,
-                   trim_vocab: Optional[int] = None, read_trim_from_data: bool = True) -> Vocabs:
-    """Find the vocabulary sizes: explicit arguments first, then the config's tokenizers
-    (``data.tokenizer``, ``data.sources[i].tokenizer``), then ``model.vocab_size``.
-
-    ``trim_vocab`` (the mean |V_k|) may also come from the sources' data files through the
-    data package's ``vocab_set`` when they exist and the global vocabulary is the config's
-    own (not ``global_vocab``: the files' ids belong to the config's tokenizer); otherwise it
-    stays unknown and :func:`predict_costs` reports TRIM untrimmed (and says so).
-    """
-    v = Vocabs()
-    if global_vocab is not None:
-        v.global_vocab, v.origin["global"] = int(global_vocab), "--global-vocab"
-    elif cfg.data.tokenizer:
-        v.global_vocab = tokenizer_vocab_size(cfg.data.tokenizer, "data.tokenizer")
-        v.origin["global"] = f"data.tokenizer ({cfg.data.tokenizer})"
-    elif cfg.model.vocab_size is not None:
-        v.global_vocab, v.origin["global"] = cfg.model.vocab_size, "model.vocab_size"
-
-    names = [s.name for s in cfg.data.sources] or ["source"]
-    if source_vocab is not None:
-        v.source_vocabs = {n: int(source_vocab) for n in names}
-        v.origin["source"] = "--source-vocab"
-    elif cfg.data.sources and all(s.tokenizer for s in cfg.data.sources):
-        v.source_vocabs = {s.name: tokenizer_vocab_size(s.tokenizer, f"data.sources[{i}].tokenizer")
-                           for i, s in enumerate(cfg.data.sources)}
-        v.origin["source"] = "data.sources[*].tokenizer"
-
-    if trim_vocab is not None:
-        v.trim_vocabs = {n: int(trim_vocab) for n in names}
-        v.origin["trim"] = "--trim-vocab"
-    elif read_trim_from_data and cfg.data.sources and global_vocab is None and v.global_vocab is not None:
-        # only when the global vocabulary is the config's own: the data's ids belong to it
-        found = _trim_vocabs_from_data(cfg)
-        if found:
-            v.trim_vocabs, v.origin["trim"] = found, "vocab_set(data.sources[*].prefix)"
-    for name, size in [("global", v.global_vocab), *[(f"source {k}", s) for k, s in v.source_vocabs.items()],
-                       *[(f"trim {k}", s) for k, s in v.trim_vocabs.items()]]:
-        if size is not None and size <= 0:
-            raise ConfigError(f"{name} vocabulary size must be > 0, got {size}")
-    return v
-
-
-def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
-    """|V_k| of every source from its indexed data, when the files and the data package exist."""
-    import os
-
-    try:
-        from ..data.sources import vocab_set
-    except ImportError:
-        return {}
-    if not all(os.path.exists(s.prefix + ".idx") for s in cfg.data.sources):
-        return {}
-    return {s.name: int(len(vocab_set(s.prefix, cfg.data.cache_dir))) for s in cfg.data.sources}
 
 
 # ----------------------------------------------------------------------------- variants
@@ -481,8 +381,6 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
     rank, offset, category, chunks)``. D near-equal chunks (dept/outer.py ``chunk_bounds``), or
     with ``optim.distributed`` and half-precision weights the fp32 masters each rank owns
     (dept/master_shards.py: the distributed optimizer's bucket shards)."""
-    from .memory import flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters
-
     D = cfg.parallel.data
     units = sync_units(cfg, global_vocab)
     if not sharded_masters(cfg):
@@ -531,8 +429,6 @@ def trim_master_gather_bytes(cfg: Config, trim_vocabs: Sequence[int]) -> int:
     positions) by all-gathering the group's master pieces over dp in fp32
     (dept/trim_strategy.py ``_values``): D equal parts of the longest piece per parameter,
     summed over all ranks of the job (group k's compact vocabulary |V_k|). 0 otherwise."""
-    from .memory import flat_sync_chunks, rank_params, sharded_masters
-
     p = cfg.parallel
     if not sharded_masters(cfg) or p.data == 1:
         return 0
@@ -582,7 +478,6 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
         return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra,
                 "first_extra": first}
     T, D = p.tensor, p.data
-    from .memory import PARAM_BYTES, eager_start, sharded_masters
     # the re-gather: fp32 values, or with sharded masters the updated pieces in the weights' dtype
     regather = PARAM_BYTES[cfg.precision] if sharded_masters(cfg) else DTYPE_BYTES["fp32"]
     eager = eager_start(cfg)
@@ -626,15 +521,3 @@ def chunk_bounds_len(n: int, parts: int, index: int) -> int:
     (dept/outer.py ``chunk_bounds``)."""
     base, extra = divmod(n, parts)
     return base + (1 if index < extra else 0)
-
-
-# the per-rank memory model lives in memory.py (which imports this module's constants); its
-# names are served from here too, resolved on first use to keep the imports acyclic
-_MEMORY_NAMES = ("MEMORY_KEYS", "held_bytes", "predict_memory", "predict_memory_variants", "activation_bytes")
-
-
-def __getattr__(name: str):
-    if name in _MEMORY_NAMES:
-        from . import memory
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

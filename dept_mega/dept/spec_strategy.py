@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..model.embeddings import SourceEmbeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
-from .variants import source_seed
+from .source_info import source_seed
 
 
 def build_embeddings(ctx: StrategyContext, name: str, make) -> list:

@@ -25,15 +25,13 @@ The concrete strategies live in ``glob_strategy.py``, ``spec_strategy.py`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .rounds import RoundPlan
+from .source_info import SourceInfo
 from .store import SourceState, SourceStore, Transfer, exchange, load_payload, state_payload
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .driver import SourceInfo
 
 
 @dataclass
@@ -43,7 +41,7 @@ class StrategyContext:
     pg: Any
     trainer: Any
     device: torch.device
-    sources: Sequence["SourceInfo"]
+    sources: Sequence[SourceInfo]
     index: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

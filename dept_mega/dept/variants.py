@@ -16,6 +16,8 @@ state moving between groups → ``source_move``.
 """
 from __future__ import annotations
 
+from .source_info import source_seed  # noqa: F401  (importable from here too)
+
 DEPT_VARIANTS = ("glob", "trim", "spec", "spec_opt")
 
 
@@ -33,10 +35,3 @@ def make_strategy(name: str, ctx):
         return SpecStrategy(ctx, name)
     raise ValueError(f"dept.variant: {name!r} has no DEPT round hooks (expected one of "
                      f"{' | '.join(DEPT_VARIANTS)}; std uses the loop's StdHooks)")
-
-
-def source_seed(seed: int, source_index: int) -> int:
-    """The init seed of source k's own embeddings (SPEC/SPEC-OPT/TRIM's compact tables):
-    reproducible per source, different between sources, independent of the group that first
-    samples it."""
-    return int(seed) + 1_000_003 * (int(source_index) + 1)

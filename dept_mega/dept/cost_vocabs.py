@@ -1,0 +1,110 @@
+"""The vocabulary sizes the cost model (``costs.py``) needs, and where each comes from: given,
+read from the tokenizers the config names, or counted in the sources' data (TRIM's |V_k|)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import Config, ConfigError
+
+
+@dataclass
+class Vocabs:
+    """The vocabulary sizes the cost model needs, and where each came from.
+
+    ``global_vocab``: the global tokenizer (std, glob, trim, spec). ``source_vocabs``: each
+    source's own tokenizer (spec_opt), by source name. ``trim_vocabs``: |V_k| per source,
+    the global-tokenizer ids occurring in source k's data (trim). ``None`` = unknown.
+    """
+
+    global_vocab: Optional[int] = None
+    source_vocabs: dict[str, int] = field(default_factory=dict)
+    trim_vocabs: dict[str, int] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mean_source_vocab(self) -> Optional[float]:
+        return _mean(self.source_vocabs.values())
+
+    @property
+    def mean_trim_vocab(self) -> Optional[float]:
+        return _mean(self.trim_vocabs.values())
+
+
+def _mean(values) -> Optional[float]:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def tokenizer_vocab_size(path: str, key: str) -> int:
+    """The vocabulary size of a SentencePiece model; a missing file is a ConfigError."""
+    import os
+
+    if not os.path.exists(path):
+        raise ConfigError(f"config key '{key}': tokenizer file {path!r} does not exist "
+                          f"(pass the vocabulary size on the command line instead)")
+    try:
+        from ..data.tokenizer import load_tokenizer  # the data package's loader when present
+    except ImportError:
+        load_tokenizer = None
+    if load_tokenizer is not None:
+        return int(load_tokenizer(path).vocab_size)
+    import sentencepiece as spm
+
+    return int(spm.SentencePieceProcessor(model_file=path).get_piece_size())
+
+
+def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab: Optional[int] = None,
+                   trim_vocab: Optional[int] = None, read_trim_from_data: bool = True) -> Vocabs:
+    """Find the vocabulary sizes: explicit arguments first, then the config's tokenizers
+    (``data.tokenizer``, ``data.sources[i].tokenizer``), then ``model.vocab_size``.
+
+    ``trim_vocab`` (the mean |V_k|) may also come from the sources' data files through the
+    data package's ``vocab_set`` when they exist and the global vocabulary is the config's
+    own (not ``global_vocab``: the files' ids belong to the config's tokenizer); otherwise it
+    stays unknown and :func:`predict_costs` reports TRIM untrimmed (and says so).
+    """
+    v = Vocabs()
+    if global_vocab is not None:
+        v.global_vocab, v.origin["global"] = int(global_vocab), "--global-vocab"
+    elif cfg.data.tokenizer:
+        v.global_vocab = tokenizer_vocab_size(cfg.data.tokenizer, "data.tokenizer")
+        v.origin["global"] = f"data.tokenizer ({cfg.data.tokenizer})"
+    elif cfg.model.vocab_size is not None:
+        v.global_vocab, v.origin["global"] = cfg.model.vocab_size, "model.vocab_size"
+
+    names = [s.name for s in cfg.data.sources] or ["source"]
+    if source_vocab is not None:
+        v.source_vocabs = {n: int(source_vocab) for n in names}
+        v.origin["source"] = "--source-vocab"
+    elif cfg.data.sources and all(s.tokenizer for s in cfg.data.sources):
+        v.source_vocabs = {s.name: tokenizer_vocab_size(s.tokenizer, f"data.sources[{i}].tokenizer")
+                           for i, s in enumerate(cfg.data.sources)}
+        v.origin["source"] = "data.sources[*].tokenizer"
+
+    if trim_vocab is not None:
+        v.trim_vocabs = {n: int(trim_vocab) for n in names}
+        v.origin["trim"] = "--trim-vocab"
+    elif read_trim_from_data and cfg.data.sources and global_vocab is None and v.global_vocab is not None:
+        # only when the global vocabulary is the config's own: the data's ids belong to it
+        found = _trim_vocabs_from_data(cfg)
+        if found:
+            v.trim_vocabs, v.origin["trim"] = found, "vocab_set(data.sources[*].prefix)"
+    for name, size in [("global", v.global_vocab), *[(f"source {k}", s) for k, s in v.source_vocabs.items()],
+                       *[(f"trim {k}", s) for k, s in v.trim_vocabs.items()]]:
+        if size is not None and size <= 0:
+            raise ConfigError(f"{name} vocabulary size must be > 0, got {size}")
+    return v
+
+
+def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
+    """|V_k| of every source from its indexed data, when the files and the data package exist."""
+    import os
+
+    try:
+        from ..data.sources import vocab_set
+    except ImportError:
+        return {}
+    if not all(os.path.exists(s.prefix + ".idx") for s in cfg.data.sources):
+        return {}
+    return {s.name: int(len(vocab_set(s.prefix, cfg.data.cache_dir))) for s in cfg.data.sources}
