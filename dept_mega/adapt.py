@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     from .checkpoint import CheckpointError
     from .resume import select_checkpoint
-    from .train import input_errors
+    from .run_inputs import input_errors
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -46,7 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)",
               file=sys.stderr)
         return 2
-    from .train import build_session, input_errors
+    from .run_inputs import input_errors
+    from .train import build_session
     try:
         session = build_session(cfg, metrics=False)
         sel = select_checkpoint(args.run_dir, session.device, args.step)

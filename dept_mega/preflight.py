@@ -51,7 +51,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     from .data.checks import check_sources
     from .dept.costs import resolve_vocabs
     from .dept.memory import predict_memory
-    from .train import describe_batch, vocab_size_of
+    from .run_inputs import describe_batch, vocab_size_of
     validate(cfg, world_size)
     check_sources(cfg)
     vocab = vocab_size_of(cfg)
@@ -90,7 +90,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
 
 def run_check(cfg: Config, world_size: int) -> int:
     """``--check``: print the report (stdout) and warnings (stderr); 0, or 2 on bad input."""
-    from .train import input_errors
+    from .run_inputs import input_errors
     try:
         lines, warnings = preflight(cfg, world_size)
     except input_errors() as exc:

@@ -29,6 +29,7 @@ from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .metrics import MetricsWriter, write_json_atomic
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
+from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
 from .trainer import Trainer
 
 
@@ -47,19 +48,6 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -
     if checks and args.check and (args.world_size is None or args.world_size < 1):
         ap.error("--check needs --world-size N (N >= 1): the number of ranks the job will start")
     return args
-
-
-def vocab_size_of(cfg: Config) -> int:
-    """The vocabulary of the model built at start: the global tokenizer's, else
-    ``model.vocab_size``, else (spec_opt) the first source's tokenizer's."""
-    from .data.tokenizer import load_tokenizer
-    if cfg.data.tokenizer and cfg.dept.variant != "spec_opt":
-        return load_tokenizer(cfg.data.tokenizer).vocab_size
-    if cfg.model.vocab_size is not None:
-        return cfg.model.vocab_size
-    if cfg.data.sources and cfg.data.sources[0].tokenizer:
-        return load_tokenizer(cfg.data.sources[0].tokenizer).vocab_size
-    raise ConfigError("config key 'data.tokenizer': no tokenizer and no model.vocab_size")
 
 
 @dataclass
@@ -188,18 +176,6 @@ def describe(session: Session) -> str:
             f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}")
 
 
-def describe_batch(cfg: Config, groups: int) -> str:
-    """The batch per group and job-wide: ``train.global_batch_size`` counts the sequences of one
-    source group's step (Megatron's global batch is the whole job's)."""
-    t, p = cfg.train, cfg.parallel
-    per_group = t.global_batch_size
-    accumulation = per_group // (t.micro_batch_size * p.data)
-    seq = cfg.model.seq_length
-    return (f"batch: {per_group} sequences per group (train.global_batch_size) × {groups} group(s) = "
-            f"{per_group * groups} sequences = {per_group * groups * seq:,} tokens per step job-wide; "
-            f"micro-batch {t.micro_batch_size} × {accumulation} accumulation step(s) × data {p.data}")
-
-
 def write_params(session: Session) -> None:
     """``RUN/params.json``: the parameters each rank holds at the end of the run (body and the
     installed source's embeddings), gathered with a bookkeeping collective (not counted)."""
@@ -215,16 +191,6 @@ def write_params(session: Session) -> None:
         dist.all_gather_object(ranks, mine)
     if session.rank == 0:
         write_json_atomic(os.path.join(session.cfg.train.run_dir, "params.json"), {"ranks": ranks})
-
-
-def input_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (config, data or tokenizer files): reported as one
-    ``error: ...`` line and exit status 2 on every rank, not a traceback."""
-    from .data.gpt_dataset import DatasetError
-    from .data.indexed import IndexedFormatError
-    from .data.tokenizer import TokenizerError
-    from .manifest import CheckpointError
-    return (ConfigError, IndexedFormatError, TokenizerError, DatasetError, CheckpointError)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,4 +1,4 @@
-"""docs/config.md is generated from dept_mega/config.py and kept in step with it: every key
+"""docs/config.md is generated from dept_mega/config_schema.py and kept in step with it: every key
 documented with its meaning, no key documented that is gone, the file not stale, and every
 default shown the way an override would set it."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write docs/config.md, the configuration reference, from dept_mega/config.py.
+"""Write docs/config.md, the configuration reference, from dept_mega/config_schema.py.
 
     python tools/gen_config_doc.py           # (re)write docs/config.md
     python tools/gen_config_doc.py --check   # exit 1 when docs/config.md is not up to date
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             current = None
         if current != text:
-            print(f"error: {args.out} is not up to date with dept_mega/config.py; run "
+            print(f"error: {args.out} is not up to date with dept_mega/config_schema.py; run "
                   "python tools/gen_config_doc.py", file=sys.stderr)
             return 1
         return 0

@@ -1,0 +1,251 @@
+"""The configuration's schema: one dataclass per YAML section, each field with its type,
+default and meaning (its ``#:`` comment; docs/config.md is generated from them by
+tools/gen_config_doc.py), and the allowed values of the keys that take a choice.
+Reading, overriding and validating a config: :mod:`dept_mega.config`."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key and the value."""
+
+
+# Every field's meaning is its ``#:`` comment (above the field, or after it on its line):
+# docs/config.md is generated from them (tools/gen_config_doc.py); a section's is its docstring.
+
+
+@dataclass
+class ModelConfig:
+    """The transformer (decoder-only, pre-norm, causal)."""
+    num_layers: int = 12  #: Transformer blocks.
+    hidden_size: int = 768  #: Width of the residual stream.
+    num_attention_heads: int = 12  #: Query heads per layer.
+    num_query_groups: Optional[int] = None  #: Key/value heads (grouped-query attention); null = one per query head.
+    ffn_hidden_size: Optional[int] = None  #: Hidden width of the MLP; null = 4 × hidden_size.
+    activation: str = "gelu"  #: MLP activation (swiglu: gated, two input projections).
+    normalization: str = "layernorm"  #: Norm before attention, before the MLP and after the last block.
+    position_embedding: str = "alibi"  #: How positions enter: ALiBi attention bias, rotary, or a learned table.
+    seq_length: int = 2048  #: Tokens per training sample.
+    tie_embeddings: bool = True  #: The output head reuses the input embedding table.
+    norm_eps: float = 1.0e-5  #: Epsilon of the norms.
+    rope_theta: float = 10000.0  #: Rotary base frequency (position_embedding: rope).
+    init_method_std: float = 0.02  #: Standard deviation of the normal weight initialisation.
+    hidden_dropout: float = 0.0  #: Dropout on the attention and MLP outputs.
+    attention_dropout: float = 0.0  #: Dropout on the attention probabilities.
+    bias: bool = False  #: Biases in the linear layers.
+    #: LayerNorm with a bias; false: weight only, as MPT's (needed to export ALiBi models to
+    #: Hugging Face); RMSNorm has no bias either way.
+    norm_bias: bool = True
+    #: Vocabulary size when no tokenizer is configured (tests, benchmarks); otherwise the
+    #: tokenizer's size is used.
+    vocab_size: Optional[int] = None
+    #: Attention kernel; auto picks flash-attn, flex_attention, SDPA or a materialised bias for
+    #: this device and position embedding (the run log's `backends:` line says which).
+    attention_backend: str = "auto"
+    #: Activation recomputation in backward: selective = the attention core, full = whole blocks.
+    recompute: str = "none"
+    recompute_layers: Optional[int] = None  #: recompute full: only the first N blocks of each pipeline chunk; null = all.
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """The layout of one source group: world size = groups × data × pipeline × tensor."""
+    tensor: int = 1  #: Tensor-parallel size T (keep it within a node).
+    pipeline: int = 1  #: Pipeline stages P (1F1B schedule).
+    data: int = 1  #: Data-parallel replicas D inside each source group.
+    sequence_parallel: bool = False  #: Shard the norms' and dropouts' activations over the tensor ranks.
+    virtual_pipeline: int = 1  #: Model chunks per pipeline stage; > 1 runs the interleaved 1F1B schedule.
+
+
+@dataclass
+class OuterOptimizerConfig:
+    """How the averaged pseudo-gradient of a round updates the shared weights."""
+    #: fedavg: θ ← θ − lr·Δ̄ (lr 1 = plain averaging); nesterov: SGD with Nesterov momentum;
+    #: adam: Adam on the pseudo-gradients.
+    name: str = "fedavg"
+    lr: float = 1.0  #: Outer learning rate.
+    momentum: float = 0.0  #: Momentum μ of nesterov.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  #: β1, β2 of adam.
+    eps: float = 1.0e-8  #: ε of adam.
+
+
+@dataclass
+class DeptConfig:
+    """DEPT: which variant, how often groups synchronise and what crosses between them."""
+    #: std: one group, batches mix all sources; glob, trim, spec, spec_opt: one source per group
+    #: per round with global, trimmed, per-source embeddings, or per-source tokenizer too.
+    variant: str = "spec_opt"
+    local_steps: int = 500  #: Inner steps per round between outer synchronisations (train.steps must be a multiple).
+    #: How sources are weighted: for STD's batch mix, and for drawing G of K > G sources each round.
+    sampling: str = "uniform"
+    temperature: float = 1.0  #: τ of sampling temperature: weights ∝ size^τ (0: uniform, 1: proportional).
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    reset_inner_optimizer: bool = False  #: Clear the inner AdamW state at the start of every round.
+    #: Who owns the body's inner AdamW state: the group (DiLoCo) or the source (it moves with
+    #: the source from group to group).
+    body_optimizer_state: str = "group"
+    #: What the outer sync sends: fp32 or bf16 (all-reduced), or fp8 / int8 / int4 block-wise
+    #: scaled (all-gathered, reduced in fp32).
+    outer_comm_dtype: str = "fp32"
+    outer_quant_block: int = 256  #: Values per scale of the fp8 / int8 / int4 outer sync.
+    outer_error_feedback: bool = False  #: Carry each rank's quantisation residual into the next sync.
+    outer_state_device: str = "device"  #: Where θ_{t-1} and the outer optimizer state live (cpu saves device memory).
+    outer_overlap: bool = False  #: Launch the outer sync and keep training while it runs (Streaming DiLoCo).
+    outer_delay: int = 0  #: τ: inner steps between launching an overlapped sync and applying it (0: blocking).
+    #: How an overlapped sync lands: correction (θ_t plus the τ local steps), eager (the τ steps
+    #: start from an estimate of θ_t), mix (α·local + (1 − α)·θ_t).
+    outer_overlap_rule: str = "correction"
+    outer_mix_alpha: float = 0.5  #: α of outer_overlap_rule mix, in [0, 1].
+    outer_fragments: int = 1  #: Split the body into F fragments of consecutive layers, synchronised staggered.
+    trim_table_device: str = "cpu"  #: Where TRIM's global embedding table lives.
+    #: GLOB: which embedding rows a group's inner steps update: all, or only the ids present in
+    #: the round's source data.
+    embedding_rows: str = "all"
+
+
+@dataclass
+class SourceConfig:
+    """One data source (``data.sources`` list item)."""
+    name: str = ""  #: The source's name, used in logs, metrics and checkpoints.
+    prefix: str = ""  #: Path prefix of its Megatron indexed data (PREFIX.bin and PREFIX.idx).
+    tokenizer: Optional[str] = None  #: Its own tokenizer model (spec_opt only).
+    weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling.
+
+
+@dataclass
+class DataConfig:
+    """Tokenizers and data sources."""
+    tokenizer: Optional[str] = None  #: The global SentencePiece model (every variant but spec_opt).
+    sources: list[SourceConfig] = field(default_factory=list)  #: The data sources, one mapping each (keys below).
+    split: str = "98,2"  #: Train,valid document weights of each source (a third weight: a test part).
+    cache_dir: Optional[str] = None  #: Where sample-index caches go; null = beside each source's .idx.
+
+
+@dataclass
+class OptimConfig:
+    """The inner optimizer: AdamW with linear warmup and cosine decay."""
+    lr: float = 6.0e-4  #: Peak learning rate, reached after warmup_steps.
+    min_lr: float = 6.0e-5  #: Learning rate at train.steps (cosine decay from lr).
+    warmup_steps: int = 100  #: Steps of linear warmup.
+    weight_decay: float = 0.1  #: AdamW decoupled weight decay.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  #: AdamW β1, β2.
+    eps: float = 1.0e-8  #: AdamW ε.
+    clip_grad: float = 1.0  #: Clip the global gradient norm to this (0: no clipping).
+    max_consecutive_nonfinite: int = 10  #: Stop the run after this many skipped (inf/nan) steps in a row.
+    #: Megatron's distributed optimizer (ZeRO-1): fp32 masters and AdamW moments sharded over
+    #: the group's data-parallel ranks.
+    distributed: bool = False
+    grad_dtype: str = "fp32"  #: Dtype of the gradient accumulation and reduction buffer (bf16 needs precision bf16).
+    overlap_grad_reduce: bool = True  #: Start each bucket's data-parallel reduction during backward.
+    grad_bucket_size: int = 25_000_000  #: Elements per gradient bucket (one data-parallel collective each).
+    fused: Optional[bool] = None  #: AdamW kernel: null = fused on CUDA, foreach elsewhere; true / false force it.
+
+
+@dataclass
+class ProfileConfig:
+    """``train.profile``: a torch.profiler trace of the inner steps after ``start`` and up to
+    ``stop`` on the listed global ranks, written to ``RUN/profile/``."""
+    start: int = 0  #: Trace the steps after this many inner steps.
+    stop: int = 1  #: Last inner step traced.
+    ranks: list[int] = field(default_factory=lambda: [0])  #: Global ranks that write a trace.
+
+
+@dataclass
+class TrainConfig:
+    """The run: length, batch, logging, evaluation and checkpoints."""
+    steps: int = 7000  #: Inner steps of the whole run (the learning-rate schedule's length).
+    micro_batch_size: int = 4  #: Sequences per forward/backward pass on one rank.
+    #: Sequences per optimizer step in each source group (not job-wide: the job trains
+    #: groups × this many); must divide by micro_batch_size × parallel.data.
+    global_batch_size: int = 256
+    seed: int = 1234  #: Seed of the initial weights, data order, dropout and the round sampler.
+    run_dir: str = "runs/example"  #: Directory of the run's config, metrics, logs and checkpoints.
+    log_interval: int = 10  #: Steps between log lines and train records.
+    eval_interval: int = 500  #: Steps between evaluations on every source (0: only at the end).
+    eval_iters: int = 20  #: Validation batches per source and evaluation (at most one pass over its part).
+    save_interval: int = 500  #: Steps between checkpoints (0: only at the end).
+    profile: Optional[ProfileConfig] = None  #: A torch.profiler trace of some steps; null = off.
+    #: Seconds to wait for every rank at start-up; torch applies the same limit to later
+    #: collectives on the world group (checkpoint barriers).
+    init_timeout_s: float = 600.0
+    compile: bool = False  #: torch.compile each transformer block.
+    keep_checkpoints: int = 0  #: Keep the newest N complete checkpoints (0: keep all).
+    async_save: bool = False  #: Write checkpoints from a background thread after a host copy.
+    #: Stop cleanly (checkpoint, exit 0; a relaunch resumes the same schedule) after a step that
+    #: is a multiple of N; null = off (Megatron's --exit-interval).
+    exit_interval: Optional[int] = None
+    #: Stop cleanly (checkpoint, exit 0) once this many minutes of wall time since launch have
+    #: passed, agreed by all ranks at a step boundary; null = off (Megatron's --exit-duration-in-mins).
+    exit_duration_mins: Optional[float] = None
+    #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
+    wandb: Optional[str] = None
+
+
+@dataclass
+class Config:
+    """A run's configuration: ``RUN/config.yaml`` holds the resolved one."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: str = "bf16"  #: Dtype of weights and activations; bf16 / fp16 keep fp32 masters in the optimizer.
+    fp8: Optional[str] = None  #: FP8 GEMMs in the transformer blocks (needs precision bf16); null = off.
+    fp8_recipe: str = "delayed"  #: FP8 scaling: from an amax history (delayed) or the current tensor.
+    fp8_amax_history: int = 1024  #: Length of the delayed recipe's amax history.
+    fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
+    backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
+    dept: DeptConfig = field(default_factory=DeptConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def num_groups(self, world_size: int) -> int:
+        """G = world / (D·P·T): the number of source groups training concurrently."""
+        p = self.parallel
+        return world_size // (p.tensor * p.pipeline * p.data)
+
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.activation": ("gelu", "swiglu"),
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.position_embedding": ("alibi", "rope", "learned"),
+    "model.attention_backend": ("auto", "flash", "flex", "sdpa", "bias"),
+    "model.recompute": ("none", "selective", "full"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "fp8": (None, "hybrid", "e4m3"),
+    "fp8_recipe": ("delayed", "current"),
+    "backend": ("auto", "local", "transformer_engine"),
+    "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
+    "dept.sampling": ("uniform", "proportional", "temperature"),
+    "dept.embedding_rows": ("all", "present"),
+    "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
+    "dept.outer_comm_dtype": ("fp32", "bf16", "fp8", "int8", "int4"),
+    "dept.outer_state_device": ("device", "cpu"),
+    "dept.outer_overlap_rule": ("correction", "eager", "mix"),
+    "dept.body_optimizer_state": ("group", "source"),
+    "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
+    "optim.grad_dtype": ("fp32", "bf16"),
+}
+
+
+def get_key(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
