@@ -3,8 +3,10 @@ job (CPU, gloo), joined through torchft (dept_mega/dept/federation.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -132,9 +134,10 @@ def test_bad_input(tmp_path):
         procs = {
             "range": [_group(cfg, str(tmp_path / "range"), dead, 3)],
             "unreachable": [_group(cfg, str(tmp_path / "dead"), dead, 0)],
-            "dup": [_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1) for i in range(2)],
-            "diff": [_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0),
-                     _group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5")],
+            "dup": [_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, timeout_s=3) for i in range(2)],
+            "diff": [_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, timeout_s=3),
+                     _group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5",
+                            timeout_s=3)],
         }
         outs = {k: _finish(ps) for k, ps in procs.items()}
     finally:
@@ -147,3 +150,62 @@ def test_bad_input(tmp_path):
             assert p.returncode == 2, (case, out[-3000:])
             assert want[case] in _bad(out), (case, _bad(out))
             assert "step 1/" not in out, case  # before any training
+
+
+def _steps(run):
+    path = os.path.join(run, "metrics.jsonl")
+    try:
+        return [r["step"] for r in read_jsonl(path) if r["kind"] == "train"] if os.path.exists(path) else []
+    except ValueError:  # a line being written
+        return []
+
+
+def test_group_dies_and_rejoins(tmp_path):
+    """Of three group jobs one is killed with SIGKILL in round 2: the other two go on, their
+    rounds without it averaged over the two, the wait bounded by timeout_s; relaunched, it
+    heals at a round start (body and outer state from a live peer, its source's state from its
+    own checkpoint) and the run ends with all three holding the same body."""
+    from dept_mega.export.checkpoint_reader import read_full_weights
+    L, steps, timeout_s = 10, 100, 20
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L)
+    lh = Lighthouse(min_groups=2)
+    runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
+    extra = (f"train.save_interval={L}",)
+    procs, back = [], None
+    try:
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, min_groups=2, timeout_s=timeout_s) for g in range(SOURCES)]
+        deadline = time.monotonic() + 120
+        while not any(s > 2 * L for s in _steps(runs[2])):  # in round 2
+            assert time.monotonic() < deadline and procs[2].poll() is None, "group 2 did not reach round 2"
+            time.sleep(0.02)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].wait()
+        back = _group(cfg, runs[2], lh.addr, 2, *extra, min_groups=2, timeout_s=timeout_s)
+        outs = _finish(procs[:2] + [back], timeout=180)
+    finally:
+        for p in procs + [back]:
+            if p is not None and p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip(procs[:2] + [back], outs):
+        assert p.returncode == 0, out[-3000:]
+    survivors = [_records(run, "outer") for run in runs[:2]]
+    for a, b in zip(*survivors):
+        assert a["groups"] == b["groups"] and a["step"] == b["step"]
+    two = [rec for rec in survivors[0] if rec["groups"] == [0, 1]]
+    assert two, "no round was completed by the two survivors alone"
+    assert max(rec["seconds"] for rec in survivors[0]) < timeout_s + 10  # the wait is bounded
+    three = [rec["bytes"]["outer_body"] for rec in survivors[0] if rec["groups"] == [0, 1, 2]]
+    assert all(rec["bytes"]["outer_body"] == three[0] for rec in two)  # each job counts its own share
+    healed = [m for m in _records(runs[2], "membership") if m.get("healed")]
+    assert len(healed) == 1 and healed[0]["groups"] == [0, 1, 2]
+    rejoined_at = healed[0]["round"]
+    assert rejoined_at > 2 and rejoined_at * L + 1 in _steps(runs[2])  # trains from that round's start
+    assert _records(runs[2], "outer")[-1]["groups"] == [0, 1, 2]
+    names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
+    bodies = [read_full_weights(run, steps, names[g]) for g, run in enumerate(runs)]
+    for w in bodies[1:]:
+        keys = [k for k in bodies[0] if k.startswith("body.")]
+        assert keys
+        for k in keys:
+            assert (w[k] == bodies[0][k]).all(), k

@@ -211,6 +211,14 @@ class Federation:
         before = list(self.members) if not fresh else []
         self.round = round_index
         self._quorum(allow_heal=True)
+        # a fresh run (every member at its first quorum) waits up to timeout_s for every
+        # expected group: the lighthouse forms a quorum without those not heartbeating yet
+        deadline = time.monotonic() + self.cfg.federation.timeout_s
+        # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
+        while (fresh and self._healed is None and self.manager.current_step() == 0
+               and len(self.members) < self.groups and not self._any(time.monotonic() >= deadline)):
+            time.sleep(0.2)
+            self._quorum(allow_heal=True)
         self._rounds += 1
         healed, self._healed = self._healed, None
         dup = sorted({g for g in self.members if self.members.count(g) > 1})
@@ -244,6 +252,16 @@ class Federation:
             self.log(f"federation: group {self.group} healed from a live peer at round {r} "
                      f"(step {was} -> {tr.step}); groups {self.members}")
         return r
+
+    def _any(self, flag: bool) -> bool:
+        """True when ``flag`` is true in any member of the current quorum (bookkeeping)."""
+        from torch.distributed import ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MAX
+        self.process_group.allreduce([t], opts).wait()
+        return bool(t.item())
 
     def _check_agree(self, round_index: int) -> None:
         """A fresh quorum (every member at its first): the agreed keys, the round and the group
