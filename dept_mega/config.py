@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
-    ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, Config, CHOICES, get_key)
+    ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, get_key)
 
 
 # ----------------------------------------------------------------------------- building

@@ -197,6 +197,22 @@ class TrainConfig:
 
 
 @dataclass
+class FederationConfig:
+    """Source groups as separate jobs joined through a torchft lighthouse (docs/launching.md,
+    "Federated source groups"); ``lighthouse: null`` is the single job."""
+    #: host:port of the lighthouse (``python -m dept_mega.lighthouse``); null: every group in
+    #: this one job, no federation.
+    lighthouse: Optional[str] = None
+    #: This job's group index in [0, groups); null: from the environment variable DEPT_GROUP.
+    group: Optional[int] = None
+    groups: int = 1  #: Number of group jobs expected (one source per group: data.sources has this many).
+    min_groups: int = 1  #: Fewest groups that may complete a round (the others' pseudo-gradients are not waited for).
+    #: Seconds survivors wait for a missing group: collectives and commits across groups, and
+    #: a fresh run's first round waiting for every expected group.
+    timeout_s: float = 60.0
+
+
+@dataclass
 class Config:
     """A run's configuration: ``RUN/config.yaml`` holds the resolved one."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -211,6 +227,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,12 +22,13 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TextIO
 
-KINDS = ("train", "eval", "outer", "bench")
+KINDS = ("train", "eval", "outer", "bench", "membership")
 REQUIRED = {
     "train": ("loss", "lr", "grad_norm", "tokens", "sources", "loss_by_source", "tokens_per_s",
               "tflops_per_device", "mfu"),
     "eval": ("by_source",),
     "outer": ("bytes", "seconds"),
+    "membership": ("groups", "joined", "left"),  # federated source groups (dept/federation.py)
     "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_ms",
               "peak_mem_gb"),
 }

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .metrics import MetricsWriter, write_json_atomic
+from .dept.federation import resolve as resolve_federation
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
 from .trainer import Trainer
@@ -144,6 +145,12 @@ def build_session(cfg: Config, metrics: bool = True,
     checked_on_rank0(lambda: check_sources(cfg), rank, device)
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
+    eval_only = None
+    federated = resolve_federation(cfg)
+    if federated is not None:  # this job is one group of several (dept/federation.py)
+        from .dept.federation import FederatedOuter, Federation
+        pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated))
+        eval_only = cfg.data.sources[cfg.federation.group].name  # the others' embeddings are in other jobs
     data = load_run_data(cfg, pg)
     torch.manual_seed(cfg.train.seed)
     vocab = vocab_size_of(cfg)
@@ -158,7 +165,7 @@ def build_session(cfg: Config, metrics: bool = True,
                            wandb=cfg.train.wandb, config=cfg.to_dict())
     from .checkpoint import Checkpointer
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
-                     eval_sources=list(data.valid), make_eval_batches=data.make_eval_batches,
+                     eval_sources=[n for n in data.valid if eval_only in (None, n)], make_eval_batches=data.make_eval_batches,
                      checkpointer=Checkpointer(cfg.train.run_dir))
     return Session(cfg, pg, device, trainer, loop, writer, rank)
 
@@ -234,6 +241,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if session.rank == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             return EXIT_NO_SPACE
+        except ConfigError as exc:  # federation: a check at the first quorum, before any training
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     finally:
         preemption.uninstall()
         if lock is not None:
@@ -281,6 +291,9 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
     finally:
         preemption.uninstall()
         session.writer.close()
+        fed = getattr(session.pg.outer, "federation", None)
+        if fed is not None:
+            fed.shutdown()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -40,6 +40,6 @@ fi
 stamp=.venv/.dept_mega_installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
    || [ -n "$(find csrc -newer "$stamp" -type f 2>/dev/null | head -1)" ]; then
-  "$VPY" -m pip install -q --no-build-isolation -e ".[test,study,benchmark]"
+  "$VPY" -m pip install -q --no-build-isolation -e ".[test,study,benchmark,federation]"
   touch "$stamp"
 fi

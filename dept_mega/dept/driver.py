@@ -57,6 +57,12 @@ class DeptHooks(HookStateLoads):
         self.cfg, self.pg, self.trainer, self.device = cfg, pg, trainer, torch.device(device)
         self.sources = list(sources)
         self.names = [s.name for s in self.sources]
+        # federated source groups (dept/federation.py): this job is group ``group_index`` of
+        # ``num_groups`` group jobs; pg is the job's own layout with one group
+        self.federation = getattr(pg.outer, "federation", None)
+        fed = self.federation
+        self.group_index = fed.group if fed is not None else pg.group_index
+        self.num_groups = fed.groups if fed is not None else pg.num_groups
         self.index = {s.name: i for i, s in enumerate(self.sources)}
         if len(self.sources) < pg.num_groups:
             raise ValueError(f"data.sources: {len(self.sources)} sources cannot fill {pg.num_groups} groups")
@@ -68,7 +74,7 @@ class DeptHooks(HookStateLoads):
         if self.body_per_source and d.reset_inner_optimizer:
             raise ValueError("dept.body_optimizer_state: source keeps the body's inner optimizer state per source, "
                              "but dept.reset_inner_optimizer: true clears it every round")
-        self.scheduler = self._make_scheduler(pg.num_groups)
+        self.scheduler = self._make_scheduler(self.num_groups)
         self.store = SourceStore()
         self.installed: Optional[str] = None  # the source whose state is installed in the trainer
         self.plan = None
@@ -111,7 +117,7 @@ class DeptHooks(HookStateLoads):
             return
         origin = layout.get("dept_schedule")
         if origin != self.scheduler.origin():
-            self.scheduler = self._make_scheduler(self.pg.num_groups, origin)
+            self.scheduler = self._make_scheduler(self.num_groups, origin)
 
     def _plan_of(self, round_index: int):
         """The plan of ``round_index``; the round just before a rebased schedule's first one is
@@ -125,7 +131,7 @@ class DeptHooks(HookStateLoads):
     def _first_held(self, last_group) -> Optional[str]:
         """The source a group installs after a change of the number of groups: the first (by
         index) whose state it holds, None when it holds none."""
-        mine = [k for k, g in enumerate(last_group) if g == self.pg.group_index]
+        mine = [k for k, g in enumerate(last_group) if g == self.group_index]
         return self.names[mine[0]] if mine else None
 
     @property
@@ -169,7 +175,7 @@ class DeptHooks(HookStateLoads):
             return
         plan = self._plan_of((step - 1) // self.cfg.dept.local_steps)
         if plan.sources:
-            name = self.names[plan.sources[self.pg.group_index]]
+            name = self.names[plan.sources[self.group_index]]
         else:  # saved just after a change of the number of groups (see load_regrouped)
             name = self._first_held(plan.last_group)
             if name is None:
@@ -221,9 +227,13 @@ class DeptHooks(HookStateLoads):
 
     # ------------------------------------------------------------------------- hooks
     def round_start(self, loop, round_index: int) -> dict[int, str]:
+        if self.federation is not None:  # the round's quorum; a healed group continues at its peers' round
+            round_index = self.federation.join_round(self, loop, round_index)
         self.plan = self.scheduler.plan(round_index)
-        mine = self.names[self.plan.sources[self.pg.group_index]]
+        mine = self.names[self.plan.sources[self.group_index]]
         assignment = {g: self.names[k] for g, k in enumerate(self.plan.sources)}
+        if self.federation is not None:
+            assignment = {self.pg.group_index: mine}  # the loop's key: this job's only group
         resumed, self._resumed_round = self._resumed_round, None
         self.in_round = True
         if resumed == round_index and (mine == self.installed or not self.per_source):
@@ -278,8 +288,11 @@ class DeptHooks(HookStateLoads):
         now = self.pg.comm.snapshot()
         mine = {c: now[c] - self._mark[c] - self._excluded[c] for c in CATEGORIES}
         self._mark, self._excluded = now, {c: 0 for c in CATEGORIES}
-        return {"bytes": total_over_ranks(mine), "seconds": seconds, "overlap_seconds": overlap,
-                "exposed_seconds": exposed + strategy_seconds}
+        out = {"bytes": total_over_ranks(mine), "seconds": seconds, "overlap_seconds": overlap,
+               "exposed_seconds": exposed + strategy_seconds}
+        if self.federation is not None:
+            out["groups"] = self.federation.round_groups  # the groups whose pseudo-gradients were averaged
+        return out
 
     def outer_syncs(self) -> dict[str, FlatSync]:
         """Every FlatSync the schedule drives, by the name its state has in checkpoints
@@ -316,7 +329,8 @@ class DeptHooks(HookStateLoads):
         with self.uncounted():
             try:
                 view = RoundView(self.plan, self.installed, self.store, self.in_round)
-                embs = self.strategy.eval_embeddings(source, view)
+                # federated: a group job evaluates only its own source, with what it trains
+                embs = None if self.federation is not None else self.strategy.eval_embeddings(source, view)
                 if embs is not None:
                     restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
                 yield

@@ -387,6 +387,13 @@ class FlatSync:
         self._write(theta, part, add=correct)
         return waited
 
+    @torch.no_grad()
+    def write_reference(self) -> None:
+        """Write θ_{t-1} into the parameters (a federated group that healed from a peer's
+        state: dept/federation.py). Collective over ``pg.dp``."""
+        if self.numel:
+            self._write(self.theta_prev.to(self.device), None, add=False)
+
     def _write(self, theta: torch.Tensor, part: Optional[int], add: bool) -> None:
         """This rank's chunk (``part``) of fp32 values written (``add``: added) into every
         replica's parameters: re-gathered over ``pg.dp`` (counted as ``dp``)."""

@@ -35,9 +35,22 @@ CATEGORIES = ("tp", "pp", "dp", "outer_body", "outer_embedding", "source_move")
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(group, CrossJob):
+        return group.size()
     if group is None or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
+
+
+class CrossJob:
+    """A communicator across jobs (federated source groups, ``dept.federation.FederatedOuter``)
+    that stands where a process group would: ``size()`` and a summing ``all_reduce``."""
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor, comm: "Comm", category: str) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Done:
@@ -114,6 +127,11 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, group, category: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         """In place; returns ``t`` (with ``async_op``: a handle to ``wait()`` on)."""
         if group_size(group) == 1:
+            return Done() if async_op else t
+        if isinstance(group, CrossJob):  # blocking, counts what it commits
+            if op != dist.ReduceOp.SUM:
+                raise ValueError("a cross-job all_reduce sums")
+            group.all_reduce(t, self, category)
             return Done() if async_op else t
         self.count(category, self._nbytes(t))
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)

@@ -1,0 +1,304 @@
+"""Federated source groups: each group its own job, joined through torchft (docs/launching.md,
+"Federated source groups").
+
+A group job is today's layout with one group (its world is D·P·T ranks). Every rank runs a
+torchft ``Manager`` (replica ``dept_group_{g}``, its rank in the job as ``group_rank``) whose
+reconfigurable process group joins the rank at the same (tp, dp, pp) position of every group
+job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes the place of
+``pg.outer`` (the single job's cross-group process group), so the outer sync
+(``outer.FlatSync``) runs unchanged, and :class:`Federation` holds the rest:
+
+- **a round** = a quorum at its start (:meth:`Federation.round_start`, torchft's
+  ``start_quorum``), the pseudo-gradient all-reduces at its end, each summed over the groups
+  that take part and divided by their number (uniform weights, as in the single job: FlatSync
+  divides by ``group_size(pg.outer)``, here the participants), and ``should_commit``. A
+  failed exchange (a group died) is redone with the survivors' quorum
+  (``shrink_only``) from the same pseudo-gradient.
+- **healing**: a group that starts while others are running (a relaunched job, a new group)
+  joins at their next round start and receives from a live peer what is replicated across
+  groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables) and
+  the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
+  and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
+- **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
+  (a collective over every group) and by a healing group against its peer's; a group index
+  claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
+What torchft does not do and this module adds: the checks, the round ↔ step mapping and the
+jump of a healed group, the participants' group indices (from torchft's ``global_ranks``:
+replica ids end with the group index) for the ``membership`` and ``outer`` records.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, is_dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from ..config import ConfigError
+from ..parallel.comm import CrossJob
+
+#: config keys that must be the same in every group job (compared as hashes)
+AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
+              "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
+              "train.seed", "optim", "federation.groups")
+REPLICA_PREFIX = "dept_group_"
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def agree_hashes(cfg) -> list[int]:
+    """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
+    out = []
+    for key in AGREE_KEYS:
+        value = _get(cfg, key)
+        value = asdict(value) if is_dataclass(value) else value
+        digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+        out.append(int.from_bytes(digest[:8], "little") >> 4)
+    return out
+
+
+def resolve(cfg) -> Optional[tuple[int, str, int]]:
+    """Check the ``federation`` section; None for the single job, else (group, host, port).
+    ``federation.group`` null is read from the environment variable DEPT_GROUP."""
+    f = cfg.federation
+    if f.lighthouse is None:
+        return None
+    group = f.group
+    if group is None:
+        env = os.environ.get("DEPT_GROUP")
+        if env is None:
+            raise ConfigError("config key 'federation.group': null and DEPT_GROUP is not set (this job's group index)")
+        try:
+            group = int(env)
+        except ValueError:
+            raise ConfigError(f"config key 'federation.group': DEPT_GROUP={env!r} is not an integer") from None
+        f.group = group
+    if f.groups < 1:
+        raise ConfigError(f"config key 'federation.groups': must be >= 1, got {f.groups}")
+    if not 0 <= group < f.groups:
+        raise ConfigError(f"config key 'federation.group': {group} is not a group index in [0, {f.groups}) "
+                          f"(federation.groups = {f.groups})")
+    if not 1 <= f.min_groups <= f.groups:
+        raise ConfigError(f"config key 'federation.min_groups': {f.min_groups} is not in [1, {f.groups}]")
+    if not f.timeout_s > 0:
+        raise ConfigError(f"config key 'federation.timeout_s': must be > 0, got {f.timeout_s}")
+    host, _, port = str(f.lighthouse).rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
+    d = cfg.dept
+    refusals = [("dept.variant", d.variant in ("std", "trim"), f"{d.variant} (federation supports glob, spec, spec_opt)"),
+                ("dept.outer_comm_dtype", d.outer_comm_dtype not in ("fp32", "bf16"),
+                 f"{d.outer_comm_dtype} (federation all-reduces fp32 or bf16)"),
+                ("dept.outer_fragments", d.outer_fragments != 1, f"{d.outer_fragments} (federation syncs the whole "
+                                                                  "body at the round's end)"),
+                ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking)"),
+                ("data.sources", len(cfg.data.sources) != f.groups,
+                 f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
+                 f"its own source: as many sources as groups)")]
+    for key, bad, what in refusals:
+        if bad:
+            raise ConfigError(f"config key '{key}': {what}")
+    return group, host, int(port)
+
+
+def check_reachable(host: str, port: int, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
+
+
+class FederatedOuter(CrossJob):
+    """Stands for ``pg.outer`` in a group job: the cross-group communicator of the outer sync
+    (``parallel.comm`` dispatches its collectives here). ``size()`` is the number of groups
+    taking part in the current exchange."""
+
+    def __init__(self, federation: "Federation") -> None:
+        self.federation = federation
+
+    def size(self) -> int:
+        return self.federation.participants
+
+    def all_reduce(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
+        """Sum ``t`` in place over the participating groups; redone with the survivors when a
+        group fails during the exchange. Counts ``t``'s bytes once (the committed exchange)."""
+        return self.federation.all_reduce_sum(t, comm, category)
+
+
+class Federation:
+    """This job's torchft Manager and what DEPT needs around it (module docstring)."""
+
+    def __init__(self, cfg, pg, device: torch.device, group: int, host: str, port: int, log=print) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        f = cfg.federation
+        self.cfg, self.pg, self.device, self.log = cfg, pg, device, log
+        self.group, self.groups = group, f.groups
+        self.hashes = agree_hashes(cfg)
+        check_reachable(host, port, f.timeout_s)
+        timeout = timedelta(seconds=f.timeout_s)
+        self.process_group = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+        self._own_store = None
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # a single process without torchrun: a store of its own
+            from torch.distributed import TCPStore
+            self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._own_store.port
+        self.participants = 1
+        self.members: list[int] = [group]  # group indices in the current quorum
+        self.round_groups: list[int] = [group]  # those of the last committed exchange
+        self._healed: Optional[dict] = None
+        self._rounds = 0  # quorums done
+        self.syncs: dict[str, Any] = {}
+        self.round = 0
+        self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
+                               min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
+                               quorum_timeout=timedelta(days=1), connect_timeout=timeout,
+                               rank=pg.rank, world_size=pg.group_size, store_addr=store_addr, store_port=store_port,
+                               lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
+                               init_sync=False)
+        self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+
+    # ------------------------------------------------------------------ healing state
+    def attach(self, syncs: dict) -> None:
+        """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)."""
+        self.syncs = dict(syncs)
+
+    def _replicated_state(self) -> dict:
+        """What a healing group receives from this one (called on torchft's quorum thread
+        while this job's main thread waits for the quorum)."""
+        return {"round": self.round, "agree": self.hashes,
+                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}}
+
+    def _load_healed(self, sd: dict) -> None:
+        mine = self.hashes
+        for key, a, b in zip(AGREE_KEYS, mine, sd["agree"]):
+            if a != b:
+                raise ConfigError(f"config key '{key}': differs from the running groups' (federation: every group "
+                                  "job needs the same value)")
+        if set(sd["syncs"]) != set(self.syncs):
+            raise ConfigError(f"config key 'dept.variant': the running groups synchronise {sorted(sd['syncs'])}, "
+                              f"this job {sorted(self.syncs)}")
+        self._healed = sd
+
+    # ------------------------------------------------------------------ rounds
+    def _quorum(self, **kw) -> None:
+        self.manager.start_quorum(**kw)
+        ranks = self.process_group._global_ranks or [self.pg.rank]
+        W = self.pg.group_size
+        self.members = sorted((r - self.pg.rank) // W for r in ranks)
+        self.participants = self.manager.num_participants()
+        if self.manager.errored() is not None:
+            raise RuntimeError(f"federation: quorum failed: {self.manager.errored()}")
+
+    def round_start(self, round_index: int, writer=None, step: int = 0) -> tuple[int, bool]:
+        """The quorum at the start of round ``round_index``. Returns (the round to train,
+        healed): a healed group continues at its peers' round with their θ_{t-1} written into
+        its parameters."""
+        fresh = self._rounds == 0
+        before = list(self.members) if not fresh else []
+        self.round = round_index
+        self._quorum(allow_heal=True)
+        # a fresh run (every member at its first quorum) waits up to timeout_s for every
+        # expected group: the lighthouse forms a quorum without those not heartbeating yet
+        deadline = time.monotonic() + self.cfg.federation.timeout_s
+        # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
+        while (fresh and self._healed is None and self.manager.current_step() == 0
+               and len(self.members) < self.groups and not self._any(time.monotonic() >= deadline)):
+            time.sleep(0.2)
+            self._quorum(allow_heal=True)
+        self._rounds += 1
+        healed, self._healed = self._healed, None
+        dup = sorted({g for g in self.members if self.members.count(g) > 1})
+        if dup and (healed is not None or self.manager.current_step() == 0):
+            raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs")
+        if healed is not None:
+            for k, s in self.syncs.items():
+                s.load_state_dict(healed["syncs"][k])
+                s.write_reference()
+            round_index = self.round = int(healed["round"])
+        elif fresh and self.manager.current_step() == 0:
+            self._check_agree(round_index)
+        if writer is not None and self.members != before:
+            joined = sorted(set(self.members) - set(before))
+            left = sorted(set(before) - set(self.members))
+            writer.write("membership", step, round_index, groups=self.members, joined=joined, left=left,
+                         healed=healed is not None)
+        return round_index, healed is not None
+
+    def join_round(self, hooks, loop, round_index: int) -> int:
+        """``DeptHooks.round_start``'s call: the quorum of round ``round_index``; after a heal
+        the loop's step moves to the start of the peers' round (the LR schedule and the data
+        position follow the run's step). Returns the round to train."""
+        if not self.syncs:
+            self.attach(hooks.outer_syncs())
+        tr = loop.trainer
+        r, healed = self.round_start(round_index, loop.writer, tr.step)
+        if healed:
+            was = tr.step
+            tr.step = r * self.cfg.dept.local_steps
+            self.log(f"federation: group {self.group} healed from a live peer at round {r} "
+                     f"(step {was} -> {tr.step}); groups {self.members}")
+        return r
+
+    def _any(self, flag: bool) -> bool:
+        """True when ``flag`` is true in any member of the current quorum (bookkeeping)."""
+        from torch.distributed import ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MAX
+        self.process_group.allreduce([t], opts).wait()
+        return bool(t.item())
+
+    def _check_agree(self, round_index: int) -> None:
+        """A fresh quorum (every member at its first): the agreed keys, the round and the group
+        indices compared over every group (bookkeeping collectives, not counted)."""
+        from torch.distributed import ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        vals = torch.tensor(self.hashes + [round_index], dtype=torch.int64)
+        both = torch.cat([vals, -vals]).to(self.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MAX
+        self.process_group.allreduce([both], opts).wait()
+        hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
+        for i, key in enumerate(AGREE_KEYS):
+            if hi[i] != lo[i]:
+                raise ConfigError(f"config key '{key}': differs between the group jobs (federation: every group job "
+                                  "needs the same value)")
+        if hi[-1] != lo[-1]:
+            raise ConfigError(f"config key 'train.run_dir': the group jobs resume at different rounds "
+                              f"({int(lo[-1])}..{int(hi[-1])}); start them from checkpoints of one round, or start "
+                              "the lagging ones after the others run (they then heal)")
+
+    def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
+        from torch.distributed import ReduceOp
+        saved = t.clone()
+        waited = time.monotonic()
+        while True:
+            work = self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
+            work.wait()
+            if self.manager.should_commit():
+                comm.count(category, t.numel() * t.element_size())
+                self.round_groups = list(self.members)
+                return t
+            gone = time.monotonic() - waited
+            self.log(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
+                     f"({self.manager.errored()}); again with the groups still there")
+            t.copy_(saved)
+            self._quorum(allow_heal=False, shrink_only=True)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,54 @@
+"""The lighthouse of federated source groups: ``python -m dept_mega.lighthouse --port PORT --min-groups N``.
+
+A thin wrapper over torchft's ``LighthouseServer`` (its Rust quorum service): every group
+job's torchft Manager heartbeats to it and asks it for a quorum at each round boundary.
+It prints its address (``lighthouse: http://HOST:PORT``) and runs until killed.
+
+``--join-timeout-s``: how long a quorum waits for a live group that has not reached the
+boundary yet before it forms without it; ``--heartbeat-timeout-s``: after how long without a
+heartbeat a group counts as gone (a killed job, a cut network).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dept_mega.lighthouse", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port)")
+    ap.add_argument("--min-groups", type=int, required=True, help="fewest group jobs that form a quorum")
+    ap.add_argument("--bind", default="[::]", help="address to listen on (default: all)")
+    ap.add_argument("--join-timeout-s", type=float, default=60.0,
+                    help="seconds a quorum waits for a live group that has not joined yet (default 60)")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
+                    help="seconds without a heartbeat after which a group counts as gone (default 5)")
+    args = ap.parse_args(argv)
+    if args.min_groups < 1:
+        print("error: --min-groups must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError as exc:
+        print(f"error: the lighthouse needs torchft (pip install 'dept_mega[federation]'): {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = LighthouseServer(bind=f"{args.bind}:{args.port}", min_replicas=args.min_groups,
+                                  join_timeout_ms=int(args.join_timeout_s * 1000),
+                                  heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000))
+    except Exception as exc:  # noqa: BLE001 - the port is taken or the address invalid
+        print(f"error: --port {args.port}: the lighthouse cannot listen: {exc}", file=sys.stderr)
+        return 2
+    print(f"lighthouse: {server.address()}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/bin/bash
+#SBATCH --job-name=dept-1b-fed-group
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=12:00:00
+#SBATCH --output=slurm-%x-%j.out
+#SBATCH --exclusive
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+# One source group of a federated DEPT run as its own job (docs/launching.md, "Federated source
+# groups"): one node (tensor 1 x data 8), joined to the other group jobs only through the
+# outer synchronisation, via the lighthouse (examples/1b/lighthouse.sh). Submit one per group,
+# on any cluster that reaches the lighthouse and the other groups' nodes:
+#   sbatch --export=ALL,DEPT_GROUP=0,LIGHTHOUSE=host:29510 examples/1b/federated_group.sh [key=value ...]
+# CONFIG must list as many data.sources as groups (federation.groups = FEDERATION_GROUPS).
+# A requeued job resumes from its own RUN_DIR and rejoins at the next round boundary.
+VARIANT=spec
+CONFIG=${CONFIG:-examples/1b/spec.yaml}
+: "${DEPT_GROUP:?set DEPT_GROUP (the group index of this job)}"
+: "${LIGHTHOUSE:?set LIGHTHOUSE=host:port of python -m dept_mega.lighthouse}"
+export DEPT_GROUP
+RUN_DIR=${RUN_DIR:-runs/1b/federated/group${DEPT_GROUP}}
+set -- federation.lighthouse="$LIGHTHOUSE" federation.groups="${FEDERATION_GROUPS:-8}" \
+  federation.min_groups="${FEDERATION_MIN_GROUPS:-2}" federation.timeout_s="${FEDERATION_TIMEOUT_S:-600}" "$@"
+source "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}/examples/1b/common.sh"

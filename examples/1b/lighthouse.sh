@@ -1,0 +1,17 @@
+#!/bin/bash
+#SBATCH --job-name=dept-1b-lighthouse
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=7-00:00:00
+#SBATCH --output=slurm-%x-%j.out
+# The lighthouse of a federated DEPT run (docs/launching.md, "Federated source groups"): a
+# small CPU job every group job reaches over TCP. It prints its address; give it to the group
+# jobs as LIGHTHOUSE=host:port (examples/1b/federated_group.sh).
+#   sbatch examples/1b/lighthouse.sh        (PORT, MIN_GROUPS, JOIN_TIMEOUT_S to change them)
+set -euo pipefail
+cd "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+[ -f .venv/bin/activate ] && source .venv/bin/activate
+echo "lighthouse host: $(hostname -f)"
+exec python -m dept_mega.lighthouse --port "${PORT:-29510}" --min-groups "${MIN_GROUPS:-2}" \
+  --join-timeout-s "${JOIN_TIMEOUT_S:-600}" --heartbeat-timeout-s "${HEARTBEAT_TIMEOUT_S:-30}"

@@ -1,0 +1,211 @@
+"""Federated source groups (issue 26): separate processes for the lighthouse and every group
+job (CPU, gloo), joined through torchft (dept_mega/dept/federation.py)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+pytest.importorskip("torchft")
+
+from tests.mp_utils import free_port  # noqa: E402
+from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
+SOURCES = 3
+
+
+def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES) -> str:
+    ensure_sample_corpus()
+    with open(os.path.join(ROOT, "examples", "tiny", "spec.yaml"), encoding="utf-8") as f:
+        c = yaml.safe_load(f)
+    c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
+    c["data"]["sources"] = [dict(s, prefix=os.path.join(ROOT, s["prefix"])) for s in c["data"]["sources"][:sources]]
+    c["dept"]["local_steps"] = local_steps
+    c["model"]["seq_length"] = 32
+    c["train"].update(steps=steps, micro_batch_size=2, global_batch_size=2, log_interval=1, eval_interval=0,
+                      eval_iters=1, save_interval=0)
+    path = os.path.join(tmp_path, "spec.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(c, f)
+    return path
+
+
+class Lighthouse:
+    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0):
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
+                                      "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
+                                      "--heartbeat-timeout-s", str(heartbeat_s)],
+                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("lighthouse: http://"), line
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20):
+    cmd = [sys.executable, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
+           f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
+           f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs, timeout=120):
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+    return outs
+
+
+def _records(run, kind):
+    return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
+
+
+def _single_job(cfg, run, nproc=SOURCES):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}"]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_three_group_jobs_equal_the_single_job(tmp_path):
+    """Nothing fails: three group jobs give the single job's fp32 losses, per source, and the
+    outer bytes of all three equal the cost model's prediction for three groups."""
+    cfg = _config(str(tmp_path))
+    lh = Lighthouse(min_groups=SOURCES)
+    try:
+        runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
+        procs = [_group(cfg, runs[g], lh.addr, g) for g in range(SOURCES)]
+        _single_job(cfg, str(tmp_path / "single"))
+        outs = _finish(procs)
+    finally:
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    names = list(single[1])
+    for g, run in enumerate(runs):
+        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        assert sorted(mine) == sorted(single)
+        for step, by in mine.items():
+            assert list(by) == [names[g]]
+            assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
+        member = _records(run, "membership")
+        assert member[0]["groups"] == [0, 1, 2] and member[0]["joined"] == [0, 1, 2]
+    # bytes: each job's outer_body summed over the groups that took part = the single job's
+    single_outer = _records(str(tmp_path / "single"), "outer")
+    per_job = [_records(run, "outer") for run in runs]
+    for r, rec in enumerate(single_outer):
+        assert all(job[r]["groups"] == [0, 1, 2] for job in per_job)
+        assert sum(job[r]["bytes"]["outer_body"] for job in per_job) == rec["bytes"]["outer_body"] > 0
+
+
+def _bad(out):
+    lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    return lines[0] if lines else out[-2000:]
+
+
+def test_bad_input(tmp_path):
+    """A group index out of range, an unreachable lighthouse, two jobs claiming one group, a
+    config that differs between groups: exit status 2 and one line naming the key, before
+    any training."""
+    cfg = _config(str(tmp_path))
+    dead = f"127.0.0.1:{free_port()}"
+    lh_dup, lh_diff = Lighthouse(min_groups=2), Lighthouse(min_groups=2)
+    try:
+        procs = {
+            "range": [_group(cfg, str(tmp_path / "range"), dead, 3)],
+            "unreachable": [_group(cfg, str(tmp_path / "dead"), dead, 0)],
+            "dup": [_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, timeout_s=3) for i in range(2)],
+            "diff": [_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, timeout_s=3),
+                     _group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5",
+                            timeout_s=3)],
+        }
+        outs = {k: _finish(ps) for k, ps in procs.items()}
+    finally:
+        lh_dup.stop()
+        lh_diff.stop()
+    want = {"range": "'federation.group': 3 is not a group index", "unreachable": "'federation.lighthouse': cannot reach",
+            "dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
+    for case, ps in procs.items():
+        for p, out in zip(ps, outs[case]):
+            assert p.returncode == 2, (case, out[-3000:])
+            assert want[case] in _bad(out), (case, _bad(out))
+            assert "step 1/" not in out, case  # before any training
+
+
+def _steps(run):
+    path = os.path.join(run, "metrics.jsonl")
+    try:
+        return [r["step"] for r in read_jsonl(path) if r["kind"] == "train"] if os.path.exists(path) else []
+    except ValueError:  # a line being written
+        return []
+
+
+def test_group_dies_and_rejoins(tmp_path):
+    """Of three group jobs one is killed with SIGKILL in round 2: the other two go on, their
+    rounds without it averaged over the two, the wait bounded by timeout_s; relaunched, it
+    heals at a round start (body and outer state from a live peer, its source's state from its
+    own checkpoint) and the run ends with all three holding the same body."""
+    from dept_mega.export.checkpoint_reader import read_full_weights
+    L, steps, timeout_s = 10, 100, 20
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L)
+    lh = Lighthouse(min_groups=2)
+    runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
+    extra = (f"train.save_interval={L}",)
+    procs, back = [], None
+    try:
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, min_groups=2, timeout_s=timeout_s) for g in range(SOURCES)]
+        deadline = time.monotonic() + 120
+        while not any(s > 2 * L for s in _steps(runs[2])):  # in round 2
+            assert time.monotonic() < deadline and procs[2].poll() is None, "group 2 did not reach round 2"
+            time.sleep(0.02)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].wait()
+        back = _group(cfg, runs[2], lh.addr, 2, *extra, min_groups=2, timeout_s=timeout_s)
+        outs = _finish(procs[:2] + [back], timeout=180)
+    finally:
+        for p in procs + [back]:
+            if p is not None and p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip(procs[:2] + [back], outs):
+        assert p.returncode == 0, out[-3000:]
+    survivors = [_records(run, "outer") for run in runs[:2]]
+    for a, b in zip(*survivors):
+        assert a["groups"] == b["groups"] and a["step"] == b["step"]
+    two = [rec for rec in survivors[0] if rec["groups"] == [0, 1]]
+    assert two, "no round was completed by the two survivors alone"
+    assert max(rec["seconds"] for rec in survivors[0]) < timeout_s + 10  # the wait is bounded
+    three = [rec["bytes"]["outer_body"] for rec in survivors[0] if rec["groups"] == [0, 1, 2]]
+    assert all(rec["bytes"]["outer_body"] == three[0] for rec in two)  # each job counts its own share
+    healed = [m for m in _records(runs[2], "membership") if m.get("healed")]
+    assert len(healed) == 1 and healed[0]["groups"] == [0, 1, 2]
+    rejoined_at = healed[0]["round"]
+    assert rejoined_at > 2 and rejoined_at * L + 1 in _steps(runs[2])  # trains from that round's start
+    assert _records(runs[2], "outer")[-1]["groups"] == [0, 1, 2]
+    names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
+    bodies = [read_full_weights(run, steps, names[g]) for g, run in enumerate(runs)]
+    for w in bodies[1:]:
+        keys = [k for k in bodies[0] if k.startswith("body.")]
+        assert keys
+        for k in keys:
+            assert (w[k] == bodies[0][k]).all(), k
