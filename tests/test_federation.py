@@ -78,23 +78,37 @@ def _records(run, kind):
     return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
 
 
-def _single_job(cfg, run, nproc=SOURCES):
+def _single_job(cfg, run, nproc=SOURCES, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}"]
+           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}", *extra]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stdout[-3000:]
 
 
-def test_three_group_jobs_equal_the_single_job(tmp_path):
+SAME_MATH = {
+    "spec": (),
+    # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
+    # fragments synchronised at two points of the round, GLOB's tables, an outer optimizer with state
+    "glob-int8-fragments-nesterov": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
+                                     "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
+                                     "dept.outer_optimizer.lr=0.7"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_MATH))
+def test_three_group_jobs_equal_the_single_job(tmp_path, case):
     """Nothing fails: three group jobs give the single job's fp32 losses, per source, and the
-    outer bytes of all three equal the cost model's prediction for three groups."""
+    outer bytes of all three equal the single job's (the cost model's for three groups)."""
+    from dept_mega.config import load_config
+    from dept_mega.dept.costs import predict_outer_round_bytes
+    extra = SAME_MATH[case]
     cfg = _config(str(tmp_path))
     lh = Lighthouse(min_groups=SOURCES)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
-        procs = [_group(cfg, runs[g], lh.addr, g) for g in range(SOURCES)]
-        _single_job(cfg, str(tmp_path / "single"))
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra) for g in range(SOURCES)]
+        _single_job(cfg, str(tmp_path / "single"), SOURCES, *extra)
         outs = _finish(procs)
     finally:
         lh.stop()
@@ -110,12 +124,19 @@ def test_three_group_jobs_equal_the_single_job(tmp_path):
             assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
         member = _records(run, "membership")
         assert member[0]["groups"] == [0, 1, 2] and member[0]["joined"] == [0, 1, 2]
-    # bytes: each job's outer_body summed over the groups that took part = the single job's
+    # bytes: each job's outer bytes summed over the groups that took part = the single job's
     single_outer = _records(str(tmp_path / "single"), "outer")
     per_job = [_records(run, "outer") for run in runs]
+    from dept_mega.run_inputs import vocab_size_of
+    job_cfg = load_config(os.path.join(runs[0], "config.yaml"))
+    predicted = predict_outer_round_bytes(job_cfg, SOURCES, global_vocab=vocab_size_of(job_cfg))
     for r, rec in enumerate(single_outer):
         assert all(job[r]["groups"] == [0, 1, 2] for job in per_job)
-        assert sum(job[r]["bytes"]["outer_body"] for job in per_job) == rec["bytes"]["outer_body"] > 0
+        for cat in ("outer_body", "outer_embedding"):
+            assert sum(job[r]["bytes"][cat] for job in per_job) == rec["bytes"][cat], (r, cat)
+        if r < len(single_outer) - 1:  # (the run's last round re-syncs the fragments once more)
+            assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
+            assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"]
 
 
 def _bad(out):
