@@ -168,6 +168,7 @@ class Federation:
         self.syncs: dict[str, Any] = {}
         self.round = 0
         self._just_healed = False
+        self._loop = None  # the training loop (its writer and step), from the first round start
         self.dump = federation_dump.from_env(group, pg.rank)  # a test hook (federation_dump.py)
         self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
                                min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
@@ -253,7 +254,7 @@ class Federation:
         position follow the run's step). Returns the round to train."""
         if not self.syncs:
             self.attach(hooks.outer_syncs())
-        tr = loop.trainer
+        tr, self._loop = loop.trainer, loop
         r, healed = self.round_start(round_index, loop.writer, tr.step)
         self._just_healed = healed
         if healed:
@@ -359,7 +360,12 @@ class Federation:
             self.log(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
                      f"({self.manager.errored()}); again with the groups still there")
             restore()
+            before = list(self.members)
             self._quorum(allow_heal=False, shrink_only=True)
+            if self._loop is not None and self.members != before:  # a group left mid-round
+                self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
+                                        joined=sorted(set(self.members) - set(before)),
+                                        left=sorted(set(before) - set(self.members)), healed=False)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
