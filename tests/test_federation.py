@@ -179,6 +179,28 @@ def test_bad_input(tmp_path):
             assert "step 1/" not in out, case  # before any training
 
 
+@pytest.mark.parametrize("override,want", [
+    ("dept.variant=trim", "'dept.variant': trim"),
+    ("dept.outer_overlap=true", "'dept.outer_overlap': true"),
+    ("federation.groups=2", "'data.sources': 3 sources for federation.groups = 2"),
+    ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),
+])
+def test_refused_in_federation_mode(tmp_path, override, want):
+    """What federation mode does not support is one config error naming the key (in process:
+    the check runs before the lighthouse is contacted)."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import resolve
+    cfg = load_config(_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                              f"federation.groups={SOURCES}", override])
+    with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
+        resolve(cfg)
+    # the quantised and fragmented outer syncs are accepted (same math: test_three_group_jobs_...)
+    ok = load_config(_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                             f"federation.groups={SOURCES}", "dept.outer_comm_dtype=int4",
+                                             "dept.outer_fragments=2"])
+    assert resolve(ok) == (0, "127.0.0.1", 1)
+
+
 def _steps(run):
     path = os.path.join(run, "metrics.jsonl")
     try:

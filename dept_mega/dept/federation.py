@@ -11,7 +11,9 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
 - **a round** = a quorum at its start (:meth:`Federation.round_start`, torchft's
   ``start_quorum``), the pseudo-gradient all-reduces at its end, each summed over the groups
   that take part and divided by their number (uniform weights, as in the single job: FlatSync
-  divides by ``group_size(pg.outer)``, here the participants), and ``should_commit``. A
+  divides by ``group_size(pg.outer)``, here the participants) — or, for quantised syncs, the
+  all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
+  all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
   failed exchange (a group died) is redone with the survivors' quorum
   (``shrink_only``) from the same pseudo-gradient.
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
