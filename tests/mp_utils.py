@@ -18,6 +18,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import random
 import socket
 import tempfile
 import traceback
@@ -28,10 +29,50 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _port_slice() -> range:
+    """This process's ports: 8000 below the kernel's ephemeral range (from which it hands out
+    the ports of outgoing connections and of ``bind(0)``), one slice per pytest-xdist worker."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = 8000 // max(count, 1)
+    start = low - 8000 + index * width
+    return range(start, start + width)
+
+
+_NEXT_PORT: list[int] = []  # the next candidate in this process's slice
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free now, for a store or rendezvous endpoint bound a moment later.
+
+    ``bind(0)`` would give a free port but one from the ephemeral range, where a connection
+    opened meanwhile (by a gloo group of a test running beside this one, under ``pytest -n``)
+    can take it before the store binds it. Ports below that range are taken only by explicit
+    binds: this one comes from this worker's slice, in turn (a random start, so that two test
+    sessions on one machine rarely meet), skipping ports that are in use."""
+    ports = _port_slice()
+    if ports.start < 1024:  # an unusual ephemeral range: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    if not _NEXT_PORT:
+        _NEXT_PORT.append(random.randrange(len(ports)))
+    for _ in range(len(ports)):
+        port = ports[_NEXT_PORT[0] % len(ports)]
+        _NEXT_PORT[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
