@@ -101,7 +101,7 @@ setup(
     # xxhash: fast checksums of checkpoint files (without it: sha256, slower)
     install_requires=["torch>=2.11", "numpy", "sentencepiece", "pyyaml", "xxhash"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "megatron-core", "transformers>=5", "protobuf", "matplotlib"],
         "hf": ["transformers>=5", "protobuf"],  # tools/convert_to_hf.py
         "progress": ["tqdm"],
         "tensorboard": ["tensorboard"],
