@@ -6,6 +6,11 @@
 ``torch.distributed`` initialised with gloo, one CPU thread, and the environment variables
 torchrun would set. An exception on any rank fails the call with that rank's traceback; a
 hang fails after ``timeout`` seconds.
+
+The ranks are forked from a forkserver that has imported torch and the trainer once (see
+PRELOAD), with the caller's environment: a rank starts in well under a second, where a spawned
+one imports them again (about 3 s of CPU each, most of a small test's time).
+DEPT_MEGA_TEST_START_METHOD=spawn starts fresh interpreters instead.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import random
 import socket
 import tempfile
 import traceback
@@ -23,13 +29,57 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _port_slice() -> range:
+    """This process's ports: 8000 below the kernel's ephemeral range (from which it hands out
+    the ports of outgoing connections and of ``bind(0)``), one slice per pytest-xdist worker."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = 8000 // max(count, 1)
+    start = low - 8000 + index * width
+    return range(start, start + width)
+
+
+_NEXT_PORT: list[int] = []  # the next candidate in this process's slice
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free now, for a store or rendezvous endpoint bound a moment later.
+
+    ``bind(0)`` would give a free port but one from the ephemeral range, where a connection
+    opened meanwhile (by a gloo group of a test running beside this one, under ``pytest -n``)
+    can take it before the store binds it. Ports below that range are taken only by explicit
+    binds: this one comes from this worker's slice, in turn (a random start, so that two test
+    sessions on one machine rarely meet), skipping ports that are in use."""
+    ports = _port_slice()
+    if ports.start < 1024:  # an unusual ephemeral range: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    if not _NEXT_PORT:
+        _NEXT_PORT.append(random.randrange(len(ports)))
+    for _ in range(len(ports)):
+        port = ports[_NEXT_PORT[0] % len(ports)]
+        _NEXT_PORT[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+            env: dict) -> None:
+    # the environment of the caller at this call (a forkserver child starts with the server's)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
@@ -61,11 +111,27 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     gc.collect()
 
 
+# Imported once by the forkserver (one per test process, started at the first call), so that
+# every rank starts from a fork of an interpreter that has them. Imports only: the server holds
+# no process group, no thread but numpy's BLAS pool (which handles forks) and no custom-ops
+# status (dept_mega.ops computes it on first use): each rank is as a freshly started one.
+PRELOAD = ["torch", "torch.distributed", "dept_mega.trainer", "dept_mega.loop", "dept_mega.dept.driver",
+           "dept_mega.checkpoint"]
+
+
+def _start_method() -> str:
+    method = os.environ.get("DEPT_MEGA_TEST_START_METHOD", "forkserver")
+    if method == "forkserver":
+        import multiprocessing
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return method
+
+
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout: float = 300.0) -> list[Any]:
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world_size, port, fn, args, out_dir, dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=_start_method())
         import time
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):

@@ -174,13 +174,15 @@ def test_data_parallel_ranks_read_different_data(corpus, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchrun_two_ranks_match_single_process(corpus, tmp_path):
-    """The CLI under torchrun: data parallel 2 and pipeline 2 give the single process's losses."""
+def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
+    """The CLI under torchrun: data parallel 2 and pipeline 2 give the single process's losses
+    (the single process runs in this one: a torchrun of one rank would add only its start)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu")
     steps = ["train.steps=4", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0"]
-    losses = {}
-    for name, nproc, extra in [("single", 1, []), ("dp2", 2, ["parallel.data=2"]),
-                               ("pp2", 2, ["parallel.pipeline=2"])]:
+    monkeypatch.chdir(ROOT)
+    torch.set_num_threads(1)
+    losses = {"single": [r["loss"] for r in _train(str(tmp_path / "single"), *steps) if r["kind"] == "train"]}
+    for name, nproc, extra in [("dp2", 2, ["parallel.data=2"]), ("pp2", 2, ["parallel.pipeline=2"])]:
         run = str(tmp_path / name)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), "-m", "dept_mega.train", "--config", TINY_STD,
