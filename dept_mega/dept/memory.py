@@ -247,17 +247,19 @@ def variant_vocab(variant: str, global_vocab: int, source_vocabs: Sequence[int],
 
 
 def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] = (),
-                   trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, int]:
-    """Bytes per rank (the largest rank) of ``cfg.dept.variant`` (see the module doc); the keys
-    of :data:`MEMORY_KEYS` plus ``in_flight_microbatches``. ``lean_outer``: θ_prev for the
-    rank's 1/D chunk only (None: what this code base does, :data:`FLATSYNC_THETA_CHUNK_ONLY`)."""
+                   trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None,
+                   stage: Optional[int] = None) -> dict[str, int]:
+    """Bytes per rank (the largest rank, or pipeline stage ``stage``'s) of ``cfg.dept.variant``
+    (see the module doc); the keys of :data:`MEMORY_KEYS` plus ``in_flight_microbatches``.
+    ``lean_outer``: θ_prev for the rank's 1/D chunk only (None: what this code base does,
+    :data:`FLATSYNC_THETA_CHUNK_ONLY`)."""
     if lean_outer is None:
         lean_outer = FLATSYNC_THETA_CHUNK_ONLY
     m, p, d = cfg.model, cfg.parallel, cfg.dept
     variant = d.variant
     vocab = variant_vocab(variant, global_vocab, source_vocabs, trim_vocabs)
     best: Optional[dict] = None
-    for pp in range(p.pipeline):
+    for pp in range(p.pipeline) if stage is None else (stage,):
         rp = rank_params(cfg, vocab, pp)
         body = _optimizer_bytes(cfg, rp.body, set())
         emb = _optimizer_bytes(cfg, rp.emb, rp.emb_isolate)
