@@ -37,6 +37,28 @@ def test_summary_table_and_json(tmp_path):
     assert summary[1]["rounds"] == 2 and summary[1]["outer_bytes_per_round"]["outer_body"] == 2000
 
 
+def test_federated_group_job_shows_membership(tmp_path):
+    """A group job's membership records (leave, join, heal) and the groups per round."""
+    _fake_run(tmp_path / "g0", "spec", {"en": 1.0}, [1000, 1000])
+    recs = [json.loads(ln) for ln in (tmp_path / "g0" / "metrics.jsonl").read_text().splitlines()]
+    for rec, groups in zip([r for r in recs if r["kind"] == "outer"], ([0, 1, 2], [0, 1])):
+        rec["groups"] = groups
+    recs += [{"kind": "membership", "step": 0, "round": 0, "time": 0, "groups": [0, 1, 2], "joined": [0, 1, 2],
+              "left": [], "healed": False},
+             {"kind": "membership", "step": 10, "round": 1, "time": 0, "groups": [0, 1], "joined": [], "left": [2],
+              "healed": False},
+             {"kind": "membership", "step": 10, "round": 2, "time": 0, "groups": [0, 1, 2, 3], "joined": [2, 3],
+              "left": [], "healed": True}]
+    (tmp_path / "g0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"), "--json",
+                          str(tmp_path / "s.json")], capture_output=True, text=True, check=True).stdout
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
+    assert lines["groups/round"] == ["2-3"]
+    assert lines["membership"] == ["r0+0,1,2", "r1-2", "r2+2,3h"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [m["left"] for m in summary[0]["membership"]] == [[], [2], []]
+
+
 def test_missing_run_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "nope")],
                          capture_output=True, text=True)

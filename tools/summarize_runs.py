@@ -4,8 +4,9 @@ parameters per rank.
 
     python tools/summarize_runs.py runs/main_std runs/main_spec_opt [--json OUT.json]
 
-Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record and every
-``outer`` record; one record per kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
+Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record, every
+``outer`` record and, for a federated group job, every ``membership`` record; one record per
+kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
 ``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
 perplexity do not.
 """
@@ -43,7 +44,9 @@ def read_run(run_dir: str) -> dict[str, Any]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RunError(f"{metrics_path}:{lineno}: not JSON ({exc})") from exc
-            by_key[(rec.get("kind"), rec.get("step"))] = rec
+            # (membership: a group leaving and others joining may share a step)
+            extra = (tuple(rec.get("left", ())), tuple(rec.get("joined", ()))) if rec.get("kind") == "membership" else ()
+            by_key[(rec.get("kind"), rec.get("step")) + extra] = rec
             records += 1
     # dept_mega rewrites metrics.jsonl on resume so that no step repeats; a file from before
     # that (or edited by hand) may repeat steps: the last record of a (kind, step) counts
@@ -51,9 +54,9 @@ def read_run(run_dir: str) -> dict[str, Any]:
     if repeated:
         print(f"warning: {metrics_path}: {repeated} repeated record(s) of the same kind and step (a resumed run "
               f"before dept_mega kept metrics.jsonl clean); the last of each counts", file=sys.stderr)
-    evals, outers, trains = [], [], []
+    evals, outers, trains, members = [], [], [], []
     for rec in sorted(by_key.values(), key=lambda r: (r.get("step") or 0)):
-        {"eval": evals, "outer": outers, "train": trains}.get(rec.get("kind"), []).append(rec)
+        {"eval": evals, "outer": outers, "train": trains, "membership": members}.get(rec.get("kind"), []).append(rec)
     if not evals:
         raise RunError(f"{metrics_path}: no eval record")
     params = None
@@ -68,7 +71,11 @@ def read_run(run_dir: str) -> dict[str, Any]:
             outer_bytes[cat] = outer_bytes.get(cat, 0) + n / rounds
     tokens = sum(r.get("tokens", 0) for r in trains)
     comm = predicted_comm_per_step(cfg_path, cfg["dept"]["variant"])
+    # federated source groups: who left and joined when, and how many groups took part per round
+    membership = [{k: m.get(k) for k in ("step", "round", "groups", "joined", "left", "healed")} for m in members]
+    took_part = sorted({len(rec["groups"]) for rec in outers if "groups" in rec})
     return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
+            "membership": membership, "groups_per_round": took_part,
             "rounds": rounds, "outer_bytes_per_round": outer_bytes, "params": params,
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
 
@@ -96,6 +103,17 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return str(n)
+
+
+def _event(m: dict[str, Any]) -> str:
+    """A ``membership`` record in a few characters: ``r3+2,3`` (joined at round 3; ``h``:
+    healed from a live peer), ``r2-2`` (left in round 2)."""
+    out = f"r{m['round']}"
+    if m.get("left"):
+        out += "-" + ",".join(str(g) for g in m["left"])
+    if m.get("joined"):
+        out += "+" + ",".join(str(g) for g in m["joined"]) + ("h" if m.get("healed") else "")
+    return out
 
 
 def render(runs: list[dict[str, Any]]) -> str:
@@ -136,6 +154,10 @@ def render(runs: list[dict[str, Any]]) -> str:
     for cat in cats:
         line(f"{cat}/round", [_fmt_bytes(r["outer_bytes_per_round"].get(cat, 0)) if r["rounds"] else "-"
                                for r in runs])
+    if any(r["groups_per_round"] for r in runs):  # federated group jobs
+        line("groups/round", [("-".join(str(n) for n in sorted({r["groups_per_round"][0], r["groups_per_round"][-1]}))
+                               if r["groups_per_round"] else "-") for r in runs])
+        line("membership", [" ".join(_event(m) for m in r["membership"]) or "-" for r in runs])
     for key, label in (("body", "body params/rank"), ("embeddings", "emb params/rank")):
         vals = []
         for r in runs:

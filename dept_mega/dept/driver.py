@@ -239,12 +239,16 @@ class DeptHooks(HookStateLoads):
         if resumed == round_index and (mine == self.installed or not self.per_source):
             # resumed from a checkpoint taken inside this round: everything is in place
             self.strategy.begin_round(mine)
+            if self.federation is not None:
+                self.federation.round_begun(self)
             return assignment
         if self.cfg.dept.reset_inner_optimizer:
             self._reset_group_optimizers()
         if self.per_source:
             self._swap_in(mine)
         self.strategy.begin_round(mine)
+        if self.federation is not None:
+            self.federation.round_begun(self)
         return assignment
 
     def _reset_group_optimizers(self) -> None:
@@ -291,7 +295,7 @@ class DeptHooks(HookStateLoads):
         out = {"bytes": total_over_ranks(mine), "seconds": seconds, "overlap_seconds": overlap,
                "exposed_seconds": exposed + strategy_seconds}
         if self.federation is not None:
-            out["groups"] = self.federation.round_groups  # the groups whose pseudo-gradients were averaged
+            out["groups"] = self.federation.round_done(self)  # the groups whose pseudo-gradients were averaged
         return out
 
     def outer_syncs(self) -> dict[str, FlatSync]:

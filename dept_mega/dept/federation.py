@@ -11,7 +11,9 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
 - **a round** = a quorum at its start (:meth:`Federation.round_start`, torchft's
   ``start_quorum``), the pseudo-gradient all-reduces at its end, each summed over the groups
   that take part and divided by their number (uniform weights, as in the single job: FlatSync
-  divides by ``group_size(pg.outer)``, here the participants), and ``should_commit``. A
+  divides by ``group_size(pg.outer)``, here the participants) — or, for quantised syncs, the
+  all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
+  all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
   failed exchange (a group died) is redone with the survivors' quorum
   (``shrink_only``) from the same pseudo-gradient.
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
@@ -41,9 +43,11 @@ import torch
 
 from ..config import ConfigError
 from ..parallel.comm import CrossJob
+from . import federation_dump
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
+              "dept.outer_quant_block", "dept.outer_fragments",
               "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
               "train.seed", "optim", "federation.groups")
 REPLICA_PREFIX = "dept_group_"
@@ -97,11 +101,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
         raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
     d = cfg.dept
     refusals = [("dept.variant", d.variant in ("std", "trim"), f"{d.variant} (federation supports glob, spec, spec_opt)"),
-                ("dept.outer_comm_dtype", d.outer_comm_dtype not in ("fp32", "bf16"),
-                 f"{d.outer_comm_dtype} (federation all-reduces fp32 or bf16)"),
-                ("dept.outer_fragments", d.outer_fragments != 1, f"{d.outer_fragments} (federation syncs the whole "
-                                                                  "body at the round's end)"),
-                ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking)"),
+                ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking: a healing group receives "
+                                                        "θ_{t-1} and the outer state, not an exchange in flight)"),
                 ("data.sources", len(cfg.data.sources) != f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
                  f"its own source: as many sources as groups)")]
@@ -135,6 +136,10 @@ class FederatedOuter(CrossJob):
         group fails during the exchange. Counts ``t``'s bytes once (the committed exchange)."""
         return self.federation.all_reduce_sum(t, comm, category)
 
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
+        """The participating groups' shards, in group order (quantised outer syncs)."""
+        return self.federation.all_gather_into(out, shard, comm, category)
+
 
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
@@ -158,11 +163,15 @@ class Federation:
             store_addr, store_port = "127.0.0.1", self._own_store.port
         self.participants = 1
         self.members: list[int] = [group]  # group indices in the current quorum
+        self.order: list[int] = [group]  # ... in the order of the process group's ranks
         self.round_groups: list[int] = [group]  # those of the last committed exchange
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
         self.syncs: dict[str, Any] = {}
         self.round = 0
+        self._just_healed = False
+        self._loop = None  # the training loop (its writer and step), from the first round start
+        self.dump = federation_dump.from_env(group, pg.rank)  # a test hook (federation_dump.py)
         self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
                                min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(days=1), connect_timeout=timeout,
@@ -175,6 +184,8 @@ class Federation:
     def attach(self, syncs: dict) -> None:
         """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)."""
         self.syncs = dict(syncs)
+        if self.dump is not None:
+            self.dump.watch(self.syncs)
 
     def _replicated_state(self) -> dict:
         """What a healing group receives from this one (called on torchft's quorum thread
@@ -198,7 +209,8 @@ class Federation:
         self.manager.start_quorum(**kw)
         ranks = self.process_group._global_ranks or [self.pg.rank]
         W = self.pg.group_size
-        self.members = sorted((r - self.pg.rank) // W for r in ranks)
+        self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
+        self.members = sorted(self.order)
         self.participants = self.manager.num_participants()
         if self.manager.errored() is not None:
             raise RuntimeError(f"federation: quorum failed: {self.manager.errored()}")
@@ -244,14 +256,27 @@ class Federation:
         position follow the run's step). Returns the round to train."""
         if not self.syncs:
             self.attach(hooks.outer_syncs())
-        tr = loop.trainer
+        tr, self._loop = loop.trainer, loop
         r, healed = self.round_start(round_index, loop.writer, tr.step)
+        self._just_healed = healed
         if healed:
             was = tr.step
             tr.step = r * self.cfg.dept.local_steps
             self.log(f"federation: group {self.group} healed from a live peer at round {r} "
                      f"(step {was} -> {tr.step}); groups {self.members}")
         return r
+
+    def round_begun(self, hooks) -> None:
+        """``DeptHooks.round_start``'s last call, this round's source installed."""
+        if self._just_healed and self.dump is not None:
+            self.dump.healed(self.round, hooks.installed, hooks.trainer)
+        self._just_healed = False
+
+    def round_done(self, hooks) -> list[int]:
+        """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
+        if self.dump is not None:
+            self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer)
+        return self.round_groups
 
     def _any(self, flag: bool) -> bool:
         """True when ``flag`` is true in any member of the current quorum (bookkeeping)."""
@@ -286,19 +311,63 @@ class Federation:
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
         saved = t.clone()
+        if self.dump is not None:
+            self.dump.sent(category, saved)
+
+        def run() -> None:
+            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+
+        self._exchange(run, lambda: t.copy_(saved), comm, category, t.numel() * t.element_size())
+        return t
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
+        """``out`` = the participating groups' ``shard`` concatenated along dim 0 **in group
+        order** (as ``pg.outer``'s rank order in the single job). torchft's Manager only wraps
+        all-reduce: this is the reconfigured process group's allgather, its failure reported
+        to the Manager (``report_error``) so that ``should_commit`` fails everywhere. Redone
+        with the survivors on failure; ``out`` (sized for the participants at launch, a
+        tensor of its own) is then resized in place to the survivors' number."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+        shard = shard.contiguous()
+        if self.dump is not None:
+            self.dump.sent(category, shard)
+
+        def run() -> None:
+            n = self.participants
+            if out.shape[0] != n * shard.shape[0]:
+                out.resize_((n * shard.shape[0],) + tuple(shard.shape[1:]))
+            parts = [torch.empty_like(shard) for _ in range(n)]
+            self.process_group.allgather([parts], [shard], AllgatherOptions()).wait()
+            for part, g in zip(parts, self.order):
+                out.narrow(0, self.members.index(g) * shard.shape[0], shard.shape[0]).copy_(part)
+
+        self._exchange(run, lambda: None, comm, category, shard.numel() * shard.element_size())
+        return out
+
+    def _exchange(self, run, restore, comm, category: str, nbytes: int) -> None:
+        """One exchange across the groups, committed when every participant saw it succeed
+        (``should_commit``); else ``restore()`` and again with the survivors' quorum."""
         waited = time.monotonic()
         while True:
-            work = self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
-            work.wait()
+            if self.manager.errored() is None:
+                try:
+                    run()
+                except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
+                    self.manager.report_error(exc)
             if self.manager.should_commit():
-                comm.count(category, t.numel() * t.element_size())
+                comm.count(category, nbytes)
                 self.round_groups = list(self.members)
-                return t
+                return
             gone = time.monotonic() - waited
             self.log(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
                      f"({self.manager.errored()}); again with the groups still there")
-            t.copy_(saved)
+            restore()
+            before = list(self.members)
             self._quorum(allow_heal=False, shrink_only=True)
+            if self._loop is not None and self.members != before:  # a group left mid-round
+                self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
+                                        joined=sorted(set(self.members) - set(before)),
+                                        left=sorted(set(before) - set(self.members)), healed=False)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

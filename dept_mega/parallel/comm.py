@@ -44,12 +44,16 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 class CrossJob:
     """A communicator across jobs (federated source groups, ``dept.federation.FederatedOuter``)
-    that stands where a process group would: ``size()`` and a summing ``all_reduce``."""
+    that stands where a process group would: ``size()``, a summing ``all_reduce`` and an
+    ``all_gather_into`` (both blocking; they count what they commit)."""
 
     def size(self) -> int:
         raise NotImplementedError
 
     def all_reduce(self, t: torch.Tensor, comm: "Comm", category: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm: "Comm", category: str) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -144,6 +148,9 @@ class Comm:
         handle to ``wait()`` on; ``shard`` must not be modified before)."""
         if group_size(group) == 1:
             out.copy_(shard)
+            return Done() if async_op else out
+        if isinstance(group, CrossJob):  # blocking, counts what it commits
+            group.all_gather_into(out, shard, self, category)
             return Done() if async_op else out
         self.count(category, self._nbytes(shard))
         work = _all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)

@@ -1,0 +1,69 @@
+"""A test hook of federated source groups (dept/federation.py): with the environment variable
+``DEPT_FEDERATION_DUMP`` set to a directory, every rank of a group job writes there what a
+test needs to recompute the outer synchronisation from outside the jobs.
+
+- ``g{group}_rank{rank}_round{r}.pt`` at the end of round r: ``groups`` (whose pseudo-gradients
+  were averaged), ``sent`` (what this rank put on the cross-group exchanges, in order:
+  ``(category, tensor)``), ``means`` (the mean pseudo-gradient each outer optimizer step
+  received, in order: ``(sync name, tensor)``), ``theta`` (every outer sync's θ_t after the
+  round) and ``body`` (this rank's body parameters, flattened, after the round);
+- ``g{group}_rank{rank}_heal{r}.pt`` when the group healed into round r, once its source's
+  state is installed: ``source``, ``embeddings`` (its embeddings' tensors by name) and
+  ``optimizer`` (their inner optimizer's state dict).
+
+Nothing is written without the variable; the training path is the same either way.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Optional
+
+import torch
+
+ENV = "DEPT_FEDERATION_DUMP"
+
+
+def from_env(group: int, rank: int) -> Optional["FederationDump"]:
+    root = os.environ.get(ENV)
+    return FederationDump(root, group, rank) if root else None
+
+
+class FederationDump:
+    def __init__(self, root: str, group: int, rank: int) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.prefix = os.path.join(root, f"g{group}_rank{rank}")
+        self._sent: list[tuple[str, torch.Tensor]] = []
+        self._means: list[tuple[str, torch.Tensor]] = []
+
+    def sent(self, category: str, t: torch.Tensor) -> None:
+        self._sent.append((category, t.detach().to("cpu", copy=True)))
+
+    def watch(self, syncs: dict) -> None:
+        """Record the mean pseudo-gradient every outer optimizer step of ``syncs`` receives."""
+        for name, sync in syncs.items():
+            opt = sync.optimizer
+            step = opt.step
+
+            def recorded(theta, delta, *args, _name=name, _step=step, **kw):
+                self._means.append((_name, delta.detach().to("cpu", copy=True)))
+                return _step(theta, delta, *args, **kw)
+
+            opt.step = recorded
+
+    def round_end(self, round_index: int, groups: list[int], syncs: dict, trainer) -> None:
+        body = [p.detach().reshape(-1).to("cpu", torch.float32) for p in trainer.body_parameters()]
+        out: dict[str, Any] = {"round": round_index, "groups": list(groups), "sent": self._sent,
+                               "means": self._means,
+                               "theta": {k: s.theta_prev.detach().to("cpu", copy=True) for k, s in syncs.items()},
+                               "body": torch.cat(body) if body else torch.zeros(0)}
+        torch.save(out, f"{self.prefix}_round{round_index}.pt")
+        self._sent, self._means = [], []
+
+    def healed(self, round_index: int, source: str, trainer) -> None:
+        embs = {f"{i}.{n}": p.detach().to("cpu", copy=True) for i, e in enumerate(trainer.embeddings())
+                if e is not None for n, p in e.named_parameters()}
+        opt = trainer.embedding_optimizer
+        torch.save({"round": round_index, "source": source, "embeddings": embs,
+                    "optimizer": copy.deepcopy(opt.state_dict()) if opt is not None else None},
+                   f"{self.prefix}_heal{round_index}.pt")
