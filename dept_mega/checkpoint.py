@@ -213,7 +213,10 @@ class Checkpointer:
             # the per-source optimizer states carry their parameters' global names: they join by
             # name under another pipeline layout (DeptHooks.load_state_dict_repartitioned)
             layout["hooks_param_names"] = True
-        state = model_entries(trainer)  # checkpoint format 2: global keys and boxes (checkpoint_state)
+        # checkpoint format 2: global keys and boxes (checkpoint_state); what every group holds the
+        # same now (a round boundary) under group-free keys, written once
+        same = frozenset(getattr(loop.hooks, "group_replicated_params", frozenset)())
+        state = model_entries(trainer, replicated=same if trainer.pg.num_groups > 1 else frozenset())
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
                 state += outer_entries(loop.hooks, trainer)

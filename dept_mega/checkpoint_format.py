@@ -18,6 +18,11 @@ Keys (``G``: the number of source groups; the group only where the state is per 
     dept/{category}/g{g}/{kind}/{name}                error-feedback residuals, eager estimates
     dept/{category}/g{g}/eager_known                  per part: whether the group knows a mean
 
+The group is left out where every group holds the same value when the checkpoint is written
+(at a round boundary after a blocking sync: the synchronised parameters and their fp32
+masters), so DCP writes it once; a load asks for ``.../g{g}/...`` and reads the group-free key
+when the checkpoint has that one instead (:func:`resolve_keys`).
+
 Boxes: a tensor-parallel shard (``partition_dim`` d) is a box of the full tensor; a strided
 split (``partition_stride`` s > 1: SwiGLU's fused [gate; up]) takes an axis of size s inserted
 before d (the global tensor is ``full.unflatten(d, (s, n / s))``), so that each rank's shard is
@@ -27,6 +32,7 @@ boxes (:func:`range_boxes`: a partial first row, full rows, a partial last row, 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -72,6 +78,23 @@ def with_group(key: str, old: Optional[int], new: Optional[int]) -> str:
     if src not in key:
         raise CheckpointError(f"cannot place checkpoint entry {key!r} in another number of groups")
     return key.replace(src, dst, 1)
+
+
+_GROUP = re.compile(r"(^|/)model/g\d+/")
+
+
+def resolve_keys(entries: list[Entry], saved) -> list[Entry]:
+    """``entries`` with each per-group model key (``.../model/g{g}/...``) that ``saved`` (the
+    checkpoint's keys) lacks replaced by its group-free key when ``saved`` has that: the value
+    every group held when it was written (module doc)."""
+    out = []
+    for e in entries:
+        if e.key not in saved:
+            shared = _GROUP.sub(r"\1model/", e.key, count=1)
+            if shared in saved:
+                e = Entry(shared, e.tensor, e.shape, e.offset)
+        out.append(e)
+    return out
 
 
 # -------------------------------------------------------------------------------------- boxes
@@ -242,6 +265,7 @@ def load_entries(entries: list[Entry], path: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     md = FileSystemReader(path).read_metadata().state_dict_metadata
+    entries = resolve_keys(entries, md)
     for e in entries:
         saved = md.get(e.key)
         if not isinstance(saved, TensorStorageMetadata):
@@ -269,9 +293,10 @@ def read_full(path: str, keys: Iterable[str], device="cpu") -> dict[str, torch.T
     md = FileSystemReader(path).read_metadata().state_dict_metadata
     out: dict[str, torch.Tensor] = {}
     for k in keys:
-        if k not in md:
+        at = resolve_keys([Entry(k, torch.empty(0), (), ())], md)[0].key
+        if at not in md:
             raise CheckpointError(f"checkpoint {path} has no tensor {k!r}")
-        out[k] = torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype, device=device)
+        out[k] = torch.empty(tuple(md[at].size), dtype=md[at].properties.dtype, device=device)
     load_entries([whole(k, t) for k, t in out.items()], path)
     return out
 

@@ -3,7 +3,8 @@
 Each owner declares its boxes (``dept_mega.checkpoint_format`` owns the keys):
 
 * the model chunks: every parameter under ``model[/g{g}]/{name}`` (the group when the launch
-  has several: inside a round their bodies differ);
+  has several and the groups' values differ: inside a round, or a part synchronised before
+  the round's end; at a round boundary the synchronised parameters are group-free);
 * the inner optimizers (``optim/{body|emb}/...``): AdamW's moments and fp32 masters shaped like
   the parameter's shard, or the distributed optimizer's flat pieces as boxes of it;
 * each outer synchronisation (``hooks.outer_syncs()``, :meth:`FlatSync.param_state`, full
@@ -50,22 +51,26 @@ def _params(trainer) -> dict[int, tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def model_entries(trainer, optimizer: bool = True) -> list[Entry]:
+def model_entries(trainer, optimizer: bool = True, replicated: frozenset = frozenset()) -> list[Entry]:
     """The parameters' boxes (a tied head's copy on another chunk too: the same key and box),
-    and with ``optimizer`` the inner optimizers'."""
+    and with ``optimizer`` the inner optimizers'. ``replicated``: the ids of the parameters
+    that every group holds the same now (``DeptHooks.group_replicated_params``): they and
+    their fp32 masters take group-free keys, written once (a load of another group's key
+    reads them: ``checkpoint_format.resolve_keys``)."""
     pg = trainer.pg
     g = _group(pg)
     out: list[Entry] = []
     for st in trainer.stages:
         for name, p in st.named_parameters():
-            out += entries_of(param_key(name, g), p.data, p, pg.tp_rank, pg.tp_size)
+            out += entries_of(param_key(name, None if id(p) in replicated else g), p.data, p, pg.tp_rank, pg.tp_size)
     if optimizer:
         names = _params(trainer)
         for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
             for moment, p, t, flat in opt.checkpoint_items():
                 if id(p) not in names:
                     continue
-                key = optim_key(opt_name, moment, param_key(names[id(p)][0], g))
+                shared = moment == "main_param" and id(p) in replicated  # AdamW's moments stay per group
+                key = optim_key(opt_name, moment, param_key(names[id(p)][0], None if shared else g))
                 out += [whole(key, t)] if t.dim() == 0 else entries_of(key, t, p, pg.tp_rank, pg.tp_size, flat)
     return out
 
