@@ -411,8 +411,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     fmt = read_manifest(path)["format"]
     if fmt == 1 and mode != "same":
         raise CheckpointError(f"checkpoint {path} is in checkpoint format 1, which loads only with the layout it was "
-                              f"written with (this launch: {mode}): resume it with that layout once; its next "
-                              f"checkpoint (format 2) loads under any layout")
+                              f"written with (this launch: {mode}); convert it first: "
+                              f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
     saved_groups = int(layout["groups"])
     install_outer = install_groups = None
     if fmt == 1:
@@ -701,8 +701,8 @@ def load_body(stages, cfg, pg, run_dir: str, step: int, group: Optional[int] = N
     if wrong and fmt == 1:
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with "
                           + ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
-                          + "; a format-1 checkpoint loads with its own layout only (resume it once: its next "
-                            "checkpoint, format 2, loads under any layout)")
+                          + f"; a format-1 checkpoint loads with its own layout only; convert it first: "
+                            f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
     old = read_json(path, DEPENDS_FILE).get("config", {})
     here = fingerprint(cfg)["config"]
     for key in BODY_KEYS:
