@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -66,11 +65,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm,
+from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm, read_manifest,
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_json_durable, write_manifest)
-from .checkpoint_state import (group_state_targets, group_state_tensors, has_group_state, has_outer_state,
-                               outer_state_tensors, outer_state_targets, unused_group_buffers)
+from .checkpoint_format import Entry, load_entries, save_entries, with_group
+from .checkpoint_state import (group_entries, group_targets, has_group_state, has_outer_state, model_entries,
+                               outer_entries, outer_targets, unused_group_buffers)
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, _regroup_refusal, _layout_changes, _hooks_reshardable, _hooks_redistribute, check_layout, _refuse_per_rank_chunk_buffers, _chunk_buffers_refusal, _uncounted, _safe_load)
@@ -93,39 +93,6 @@ def _to_host(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(v) for v in obj)
     return obj
-
-
-def _model_state(trainer) -> dict[str, torch.Tensor]:
-    pg = trainer.pg
-    out: dict[str, torch.Tensor] = {}
-    names: dict[int, str] = {}
-    for c, st in enumerate(trainer.stages):
-        for name, p in st.named_parameters():
-            key = f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"
-            out[key] = p.data
-            names.setdefault(id(p), key)
-    # optimizer state beside the weights: ``optim/{body|emb}/{moment}/{param key}`` (fp32
-    # masters of half-precision weights under ``main_param``; the distributed optimizer's
-    # per-rank shards carry ``/dp{d}of{D}:{start}-{end}``), see dept_mega.optimizer
-    for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
-        for k, v in opt.checkpoint_tensors(lambda p: names.get(id(p))).items():
-            out[f"optim/{opt_name}/{k}"] = v
-    return out
-
-
-def _load_resharded(trainer, entries: dict[str, torch.Tensor], path: str, layout: dict) -> None:
-    """``entries`` (this rank's keys) filled in place from checkpoint ``path``, written under
-    ``layout`` (its layout.json) with another tensor / pipeline layout: ``dept_mega.reshard``."""
-    from .reshard import load_resharded
-    pg = trainer.pg
-    load_resharded(entries, _model_params(trainer), path, int(layout["tensor"]), pg.tp_size, pg.tp_rank)
-
-
-def _model_params(trainer) -> dict[str, torch.nn.Parameter]:
-    """``tp{t}/pp{p}/c{chunk}/{name}`` of this rank → parameter (``dept_mega.reshard``)."""
-    pg = trainer.pg
-    return {f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p
-            for c, st in enumerate(trainer.stages) for name, p in st.named_parameters()}
 
 
 def _ensure_optimizer_state(trainer) -> None:
@@ -246,15 +213,18 @@ class Checkpointer:
             # the per-source optimizer states carry their parameters' global names: they join by
             # name under another pipeline layout (DeptHooks.load_state_dict_repartitioned)
             layout["hooks_param_names"] = True
-        state = _model_state(trainer)
+        # checkpoint format 2: global keys and boxes (checkpoint_state); what every group holds the
+        # same now (a round boundary) under group-free keys, written once
+        same = frozenset(getattr(loop.hooks, "group_replicated_params", frozenset)())
+        state = model_entries(trainer, replicated=same if trainer.pg.num_groups > 1 else frozenset())
         if layout.get("outer_keys"):
             with _uncounted(loop.hooks):
-                state.update(outer_state_tensors(loop.hooks, trainer))
+                state += outer_entries(loop.hooks, trainer)
         if has_group_state(loop.hooks):
             # error-feedback residuals, eager estimates: per parameter, keyed by group (checkpoint_state)
             layout["outer_group_keys"] = True
             with _uncounted(loop.hooks):
-                state.update(group_state_tensors(loop.hooks, trainer))
+                state += group_entries(loop.hooks, trainer)
         pg = trainer.pg
         tracker = _rng_tracker(trainer)
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
@@ -270,7 +240,8 @@ class Checkpointer:
                            "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
                                          if hasattr(it, "state_dict")}}
         if copy:
-            out["state"], out["hooks"], out["rng"] = _to_host((out["state"], out["hooks"], out["rng"]))
+            out["state"] = [Entry(e.key, _to_host(e.tensor), e.shape, e.offset) for e in out["state"]]
+            out["hooks"], out["rng"] = _to_host((out["hooks"], out["rng"]))
             out["meta"] = json.loads(json.dumps(out["meta"]))
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize(trainer.device)
@@ -281,7 +252,6 @@ class Checkpointer:
         Collective over ``group`` (None: the world). A file system that runs out of space on
         any rank fails the save on every rank with :class:`CheckpointSpaceError` (the partial
         ``step_N.tmp`` removed, ``latest`` untouched)."""
-        import torch.distributed.checkpoint as dcp
         t0 = time.time()
         step, final, layout = staged["step"], staged["final"], staged["layout"]
         tmp = final + ".tmp"
@@ -304,9 +274,7 @@ class Checkpointer:
         except OSError as exc:
             failed = exc
         try:
-            with warnings.catch_warnings():  # single process: DCP warns that it saves without dist
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                metadata = dcp.save(staged["state"], checkpoint_id=tmp, process_group=group)
+            metadata = save_entries(staged["state"], tmp, process_group=group)
             if failed is None and staged["rng"] is not None:
                 torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
                 fsync_file(os.path.join(tmp, staged["rng_file"]))
@@ -424,7 +392,6 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     a list that receives one line per piece of state the load changed rather than restored
     (e.g. under another number of groups: the error-feedback residuals averaged, the eager
     estimates reset), for the launch to log."""
-    import torch.distributed.checkpoint as dcp
     from .config import ConfigError
     path = step_dir(run_dir, step)
     if not verified:
@@ -441,33 +408,28 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         hooks.prepare_load(step, layout)  # DEPT: the embeddings (vocabulary) installed at that step
     if optimizer:
         _ensure_optimizer_state(trainer)
-    state = _model_state(trainer)
-    if not optimizer:
-        state = {k: v for k, v in state.items() if k.startswith("model/")}
-    if regroup:  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
-        own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
-        saved_groups = int(layout["groups"])
-        state = _regroup_keys(state, pg.group_index, own, saved_groups)
-        owned = getattr(hooks, "group_owned_inner_state", lambda: [])()
-        if owned and notes is not None:
-            notes.append(f"dept.reset_inner_optimizer: false: the inner optimizer state of {' and of '.join(owned)} "
-                         f"belongs to a source group; checkpoint {path} holds {saved_groups} groups, this launch "
-                         f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
-                         f"replica joining a DiLoCo job receives a peer's)")
-        if reshard:  # and another tensor / pipeline layout: the old group's shards joined and cut
-            _load_resharded(trainer, state, path, layout)
-        else:
-            from .optim_reshard import load_redistributed  # distributed-optimizer pieces joined
-            load_redistributed(state, path)
-    elif mode == "redistribute":  # the distributed optimizer's pieces in another layout
-        from .optim_reshard import load_redistributed
-        load_redistributed(state, path)
-    elif reshard:  # another tensor / pipeline layout (dept_mega.reshard)
-        _load_resharded(trainer, state, path, layout)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path)
+    fmt = read_manifest(path)["format"]
+    if fmt == 1 and mode != "same":
+        raise CheckpointError(f"checkpoint {path} is in checkpoint format 1, which loads only with the layout it was "
+                              f"written with (this launch: {mode}); convert it first: "
+                              f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
+    saved_groups = int(layout["groups"])
+    install_outer = install_groups = None
+    if fmt == 1:
+        from .checkpoint_v1 import load_model_v1
+        load_model_v1(trainer, path, optimizer)
+    else:  # this launch's entries, DEPT's load plan, one read
+        entries = model_entries(trainer, optimizer)
+        if regroup:  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
+            entries = _regroup_plan(entries, hooks, pg, saved_groups, path, notes)
+        if hooks is not None and has_outer_state(hooks) and layout.get("outer_keys"):
+            with _uncounted(hooks):
+                more, install_outer = outer_targets(hooks, trainer)
+            entries += more
+        if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
+            more, install_groups = group_targets(hooks, trainer, path, saved_groups if regroup else None)
+            entries += more
+        load_entries(entries, path)
     for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
         opt.after_checkpoint_load(with_optimizer=optimizer)
     tracker = _rng_tracker(trainer)
@@ -494,7 +456,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
                     else sds[(pg.tp_rank, 0)]
             hooks.load_regrouped(step, saved, saved_groups,
                                  layout.get("dept_schedule"), group_keys=bool(layout.get("outer_group_keys")),
-                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g, layout, reshard))
+                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g, saved_groups))
                                  if optimizer else None)
         except ConfigError:
             raise
@@ -533,25 +495,49 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             _load_resharded_hooks(trainer, hooks, path, layout)
         else:
             hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
-    if hooks is not None and has_outer_state(hooks):
-        if not layout.get("outer_keys"):
-            sd_has = layout.get("per_rank_hooks")  # older format: the state was in hooks_rank{r}.pt
-            if not sd_has:
-                raise CheckpointError(f"checkpoint {path} has no DEPT outer state (dept/... keys)")
-        else:
-            with _uncounted(hooks):
-                entries, install = outer_state_targets(hooks, trainer)
-            if reshard:  # joined and cut like the parameters they shadow (dept_mega.reshard)
-                _load_resharded(trainer, entries, path, layout)
-            else:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.load(entries, checkpoint_id=path)
-            install()
-    if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
-        _load_group_state(trainer, hooks, path, layout, mode, notes)
+    if hooks is not None and has_outer_state(hooks) and not layout.get("outer_keys") \
+            and not layout.get("per_rank_hooks"):  # older format 1: the state was in hooks_rank{r}.pt
+        raise CheckpointError(f"checkpoint {path} has no DEPT outer state (dept/... keys)")
+    if fmt == 1:
+        from .checkpoint_v1 import load_outer_v1
+        load_outer_v1(trainer, hooks, path, layout, notes)
+        return
+    if install_outer is not None:
+        install_outer()
+    if install_groups is not None:
+        lines = install_groups()
+        if notes is not None:
+            notes.extend(line for line in lines if line not in notes)
     if hooks is not None and layout.get("outer_group_keys") and notes is not None:
         notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
+
+
+def _regroup_plan(entries: list[Entry], hooks, pg, saved_groups: int, path: str, notes: Optional[list]) -> list[Entry]:
+    """DEPT's load plan under another number of groups, at a round boundary: this rank's
+    entries renamed to the keys of the old group they load from. The weights from old group 0
+    (at a round boundary every group holds the same body, GLOB's embeddings and their outer
+    state), the inner optimizer state from old group ``g mod saved_groups`` (what a group
+    owns: the body's AdamW state with ``dept.body_optimizer_state: group``, GLOB's
+    embeddings'; a new group takes an old group's as a replica joining a DiLoCo job receives a
+    peer's; with ``dept.reset_inner_optimizer: true`` it is cleared at the next round start
+    anyway). With per-source state (SPEC, SPEC-OPT) the installed embeddings and their
+    optimizer state are left out: the sources' state comes from the hooks files, by source.
+    The residuals' averaging and the estimates' reset: ``checkpoint_state.group_targets``."""
+    own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
+    owned = getattr(hooks, "group_owned_inner_state", lambda: [])()
+    if owned and notes is not None:
+        notes.append(f"dept.reset_inner_optimizer: false: the inner optimizer state of {' and of '.join(owned)} "
+                     f"belongs to a source group; checkpoint {path} holds {saved_groups} groups, this launch "
+                     f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
+                     f"replica joining a DiLoCo job receives a peer's)")
+    now = pg.group_index if pg.num_groups > 1 else None
+    out = []
+    for e in entries:
+        if own and "/embeddings." in e.key:
+            continue
+        src = pg.group_index % saved_groups if e.key.startswith("optim/") else 0
+        out.append(Entry(with_group(e.key, now, src if saved_groups > 1 else None), e.tensor, e.shape, e.offset))
+    return out
 
 
 def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes: Optional[list]) -> None:
@@ -574,26 +560,6 @@ def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes:
             f"rank): the masks differ from an uninterrupted run of either layout")
     if line not in notes:
         notes.append(line)
-
-
-def _load_group_state(trainer, hooks, path: str, layout: dict, mode: str, notes: Optional[list]) -> None:
-    """The error-feedback residuals and eager estimates saved per parameter under keys that
-    carry the group (``dept_mega.checkpoint_state``): this group's, joined and cut under another
-    tensor / pipeline layout like θ_{t-1}; under another number of groups every old group's,
-    combined as ``group_state_targets`` says. The lines to log go to ``notes``."""
-    import torch.distributed.checkpoint as dcp
-    entries, install = group_state_targets(hooks, trainer, path,
-                                           saved_groups=int(layout["groups"]) if mode.startswith("regroup")
-                                           else None)
-    if mode in ("reshard", "regroup_reshard"):
-        _load_resharded(trainer, entries, path, layout)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(entries, checkpoint_id=path)
-    lines = install()
-    if notes is not None:
-        notes.extend(line for line in lines if line not in notes)
 
 
 def _hook_file(path: str, layout: dict, tp: int, dp: int, pp: int, group: int) -> str:
@@ -691,53 +657,19 @@ def _resharded_hook_state(trainer, hooks, path: str, layout: dict, group: int, s
                               f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
 
 
-def _regroup_keys(state: dict[str, torch.Tensor], group: int, source_embeddings: bool,
-                  saved_groups: int) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint entries renamed to the keys of the old group they load from: the
-    weights to group 0's (at a round boundary every group holds the same body, GLOB's
-    embeddings and their outer state), the inner optimizer state to old group
-    ``group mod saved_groups``'s (what a group owns: the body's AdamW state with
-    ``dept.body_optimizer_state: group``, GLOB's embeddings'; a new group takes an old group's
-    as a replica joining a DiLoCo job receives a peer's; with ``dept.reset_inner_optimizer:
-    true`` it is cleared at the next round start anyway). Without per-source state the
-    embeddings come from there too; with it (SPEC, SPEC-OPT) the installed embeddings and
-    their optimizer state are left out: the sources' state comes from the hooks files, keyed
-    by source."""
-    mine = f"model/g{group}/"
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        m = _KEY_NAME.match(key)
-        if m is None or mine not in key:
-            raise CheckpointError(f"cannot place checkpoint entry {key!r} in another number of groups")
-        if source_embeddings and m["name"].startswith("embeddings."):
-            continue
-        src = group % saved_groups if key.startswith("optim/") else 0
-        out[key.replace(mine, f"model/g{src}/", 1)] = t
-    return out
-
-
-def _read_body_optimizer(trainer, path: str, group: int, layout: Optional[dict] = None,
-                         reshard: bool = False) -> dict:
-    """A copy of the body optimizer's state dict as group ``group`` of checkpoint ``path``
-    saved it, in this rank's optimizer layout (``dept_mega.optim_reshard``: the distributed
-    optimizer's pieces joined and cut; ``reshard``: under another tensor / pipeline layout,
-    ``dept_mega.reshard``, ``layout`` the checkpoint's; read by this process alone; the
-    trainer's body optimizer state is overwritten)."""
+def _read_body_optimizer(trainer, path: str, group: int, saved_groups: int) -> dict:
+    """A copy of the body optimizer's state dict as old group ``group`` of checkpoint ``path``
+    (of ``saved_groups`` groups) saved it, in this rank's layout (read by this process alone;
+    the trainer's body optimizer state is overwritten)."""
     import copy
     opt = trainer.body_optimizer
     opt.ensure_state()
-    mine = f"model/g{trainer.pg.group_index}/"
-    entries = {k.replace(mine, f"model/g{group}/", 1): v for k, v in _model_state(trainer).items()
-               if k.startswith("optim/body/")}
-    if reshard:
-        _load_resharded(trainer, entries, path, layout)
-    else:
-        from .optim_reshard import load_redistributed
-        load_redistributed(entries, path)
+    pg = trainer.pg
+    now = pg.group_index if pg.num_groups > 1 else None
+    entries = [Entry(with_group(e.key, now, group if saved_groups > 1 else None), e.tensor, e.shape, e.offset)
+               for e in model_entries(trainer) if e.key.startswith("optim/body/")]
+    load_entries(entries, path)
     return copy.deepcopy(opt.state_dict())
-
-
-_KEY_NAME = re.compile(r"^(?:optim/[^/]+/[^/]+/)?model/g\d+/tp\d+/pp\d+/c\d+/(?P<name>.+)$")
 
 
 # config values the body's tensors depend on (the vocabulary and the data may differ)
@@ -752,23 +684,25 @@ def load_body(stages, cfg, pg, run_dir: str, step: int, group: Optional[int] = N
     ``stages`` (this rank's, built for ``cfg`` / ``pg``), whatever vocabulary, sources or number
     of source groups they are for (plasticity, continued pre-training: ``dept_mega.adapt``).
     Call it before a :class:`~dept_mega.trainer.Trainer` takes the chunks (its fp32 masters
-    are then the loaded values). The tensor, pipeline and virtual-pipeline sizes must be the
-    checkpoint's. Inside a round the groups' bodies differ: ``group`` says whose (default: at a
+    are then the loaded values). Any tensor / pipeline layout (format 1: the checkpoint's
+    only). Inside a round the groups' bodies differ: ``group`` says whose (default: at a
     round boundary, where every group holds the same body, group 0; else an error). Returns
     the group read."""
-    import torch.distributed.checkpoint as dcp
+    from .checkpoint_format import entries_of, param_key
     from .config import ConfigError
     path = step_dir(run_dir, step)
     problem = verify_checkpoint(path, device)
     if problem:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     saved = read_json(path, LAYOUT_FILE)
+    fmt = read_manifest(path)["format"]
     now = {"tensor": pg.tp_size, "pipeline": pg.pp_size, "virtual_pipeline": cfg.parallel.virtual_pipeline}
     wrong = [k for k in now if saved.get(k) != now[k]]
-    if wrong:
+    if wrong and fmt == 1:
         raise ConfigError(f"config key 'parallel.{wrong[0]}': checkpoint {path} was written with "
                           + ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
-                          + "; load its body with the same tensor and pipeline layout")
+                          + f"; a format-1 checkpoint loads with its own layout only; convert it first: "
+                            f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
     old = read_json(path, DEPENDS_FILE).get("config", {})
     here = fingerprint(cfg)["config"]
     for key in BODY_KEYS:
@@ -784,12 +718,16 @@ def load_body(stages, cfg, pg, run_dir: str, step: int, group: Optional[int] = N
         group = 0
     if not 0 <= group < groups:
         raise ConfigError(f"checkpoint {path} holds {groups} source group(s); there is no group {group}")
-    state = {}
-    for c, st in enumerate(stages):
-        for name, p in st.named_parameters():
-            if name.startswith("body."):
-                state[f"model/g{group}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"] = p.data
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path)
+    body = [(c, name, p) for c, st in enumerate(stages) for name, p in st.named_parameters()
+            if name.startswith("body.")]
+    if fmt == 1:
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({f"model/g{group}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}": p.data for c, name, p in body},
+                     checkpoint_id=path, no_dist=True)
+        return group
+    entries = [e for _, name, p in body
+               for e in entries_of(param_key(name, group if groups > 1 else None), p.data, p, pg.tp_rank, pg.tp_size)]
+    load_entries(entries, path)
     return group

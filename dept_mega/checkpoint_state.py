@@ -1,67 +1,77 @@
-"""DEPT outer-synchronisation state in the checkpoint, keyed by parameter, saved once.
+"""The entries of the trainer's and DEPT's outer state in checkpoint format 2.
 
-Round hooks that expose ``outer_syncs() -> {category: FlatSync}`` (DeptHooks: the body's
-``outer_body``) have that state saved through torch.distributed.checkpoint beside the model
-weights, from :meth:`FlatSync.param_state` — per parameter, full over the data-parallel
-replicas — under keys
+Each owner declares its boxes (``dept_mega.checkpoint_format`` owns the keys):
 
-    dept/{category}/tp{t}/pp{p}/c{chunk}/{parameter name}/{reference|momentum|exp_avg|exp_avg_sq}
-    dept/{category}/steps
-    dept/{category}/part_steps        (int64, one per part: GLOB's tables synchronised in parts)
+* the model chunks: every parameter under ``model[/g{g}]/{name}`` (the group when the launch
+  has several and the groups' values differ: inside a round, or a part synchronised before
+  the round's end; at a round boundary the synchronised parameters are group-free);
+* the inner optimizers (``optim/{body|emb}/...``): AdamW's moments and fp32 masters shaped like
+  the parameter's shard, or the distributed optimizer's flat pieces as boxes of it;
+* each outer synchronisation (``hooks.outer_syncs()``, :meth:`FlatSync.param_state`, full
+  over the data-parallel replicas): θ_{t-1} and the outer moments under
+  ``dept/{category}/{kind}/{name}`` — the same in every group and replica, so written once —
+  and its counters;
+* its per-group chunk buffers (:meth:`FlatSync.group_state`): error-feedback residuals and
+  eager estimates under ``dept/{category}/g{g}/{kind}/{name}``, and ``eager_known`` (per part
+  and per rank of the group: a rank with nothing to synchronise never learns a mean; a load
+  takes, per part, whether any rank of the group knew it).
 
-The reference θ_{t-1} and the outer optimizer state are the same in every source group and
-every data-parallel replica (they change only at the outer sync, from the averaged
-pseudo-gradient), so these keys carry neither group nor data-parallel rank: DCP writes each
-tensor once per checkpoint, where a per-rank ``torch.save`` wrote G·D copies of every shard.
-The format depends only on ``param_state`` / ``load_param_state``, not on how a FlatSync holds
-its state internally.
-
-The per-group chunk buffers — error-feedback residuals (``dept.outer_error_feedback``) and the
-eager start's estimates (``dept.outer_overlap_rule: eager``) — are saved the same way from
-:meth:`FlatSync.group_state`, but under keys that carry the group (their values differ between
-groups; a group's replicas hold distinct chunks of them, whose union is one value per
-parameter element):
-
-    dept/{category}/g{group}/tp{t}/pp{p}/c{chunk}/{parameter name}/{residual|eager_base}
-    dept/{category}/g{group}/tp{t}/pp{p}/eager_known   (int64 0/1, one per part)
-
-so another tensor / pipeline / data-parallel layout joins and cuts them like θ_{t-1}
-(``dept_mega.reshard``: the group is part of a tensor's identity), ``layout.json``:
-``outer_group_keys``. ``eager_known`` is saved per (tp, pp) position because a position with
-nothing to synchronise (numel 0) never learns a mean; a load takes, per part, whether any saved
-position of the group knew it. Under another number of groups (:func:`group_state_targets`
-with ``saved_groups``) the residuals are averaged over the old groups and given to every new
-group — what the mean over groups has not yet received is Σ_g r_g / G_old, and
-Σ_g' r' / G_new with r' = Σ_g r_g / G_old is that same mass — and the eager estimates are
-dropped (E = Δ̄_{t-1} − Δ_g,t-1 / G is the other groups' share as group g saw it, which has no
-meaning for a group of another partition): every part starts as after a first launch, from
-the local weights, and records a new E. Both are logged (the ``notes`` returned).
-Checkpoints written before these keys (``outer_group_keys`` absent) keep the buffers in the
-per-rank hook files (``DeptHooks.load_state_dict``).
+Under another number of groups (:func:`group_targets` with ``saved_groups``) the residuals are
+averaged over the old groups and given to every new group — what the mean over groups has
+not yet received is Σ_g r_g / G_old, and Σ_g' r' / G_new with r' = Σ_g r_g / G_old is that
+same mass — and the eager estimates are reset (E = Δ̄_{t-1} − Δ_g,t-1 / G is the other groups'
+share as group g saw it, meaningless for a group of another partition); both are logged.
 """
 from __future__ import annotations
 
-import re
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
+from .checkpoint_format import Entry, entries_of, optim_key, outer_key, param_key, saved_keys, whole
+
 STEPS = "steps"
 PART_STEPS = "part_steps"
-REFERENCE = "reference"
 GROUP_BUFFERS = ("residual", "eager_base")  # FlatSync.group_state's per-parameter buffers
 EAGER_KNOWN = "eager_known"
 # the config key that makes each buffer (named in the notes of a load that changes one)
 GROUP_BUFFER_KEYS = {"residual": "dept.outer_error_feedback", "eager_base": "dept.outer_overlap_rule"}
 
 
-def _param_keys(trainer) -> dict[int, str]:
-    pg = trainer.pg
-    out: dict[int, str] = {}
-    for c, st in enumerate(trainer.stages):
+def _group(pg) -> Optional[int]:
+    return pg.group_index if pg.num_groups > 1 else None
+
+
+def _params(trainer) -> dict[int, tuple[str, torch.nn.Parameter]]:
+    """id(parameter) → (its global name, the parameter): the first chunk that holds it."""
+    out: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for st in trainer.stages:
         for name, p in st.named_parameters():
-            out.setdefault(id(p), f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}")
+            out.setdefault(id(p), (name, p))
+    return out
+
+
+def model_entries(trainer, optimizer: bool = True, replicated: frozenset = frozenset()) -> list[Entry]:
+    """The parameters' boxes (a tied head's copy on another chunk too: the same key and box),
+    and with ``optimizer`` the inner optimizers'. ``replicated``: the ids of the parameters
+    that every group holds the same now (``DeptHooks.group_replicated_params``): they and
+    their fp32 masters take group-free keys, written once (a load of another group's key
+    reads them: ``checkpoint_format.resolve_keys``)."""
+    pg = trainer.pg
+    g = _group(pg)
+    out: list[Entry] = []
+    for st in trainer.stages:
+        for name, p in st.named_parameters():
+            out += entries_of(param_key(name, None if id(p) in replicated else g), p.data, p, pg.tp_rank, pg.tp_size)
+    if optimizer:
+        names = _params(trainer)
+        for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
+            for moment, p, t, flat in opt.checkpoint_items():
+                if id(p) not in names:
+                    continue
+                shared = moment == "main_param" and id(p) in replicated  # AdamW's moments stay per group
+                key = optim_key(opt_name, moment, param_key(names[id(p)][0], None if shared else g))
+                out += [whole(key, t)] if t.dim() == 0 else entries_of(key, t, p, pg.tp_rank, pg.tp_size, flat)
     return out
 
 
@@ -74,53 +84,57 @@ def has_outer_state(hooks) -> bool:
     return bool(_syncs(hooks))
 
 
-def _flatten(category: str, sync, state: dict, keys: dict[int, str]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {f"dept/{category}/{STEPS}": torch.tensor(int(state[STEPS]), dtype=torch.int64)}
-    if PART_STEPS in state:
-        out[f"dept/{category}/{PART_STEPS}"] = torch.tensor([int(c) for c in state[PART_STEPS]], dtype=torch.int64)
-    names = []
+def _sync_names(category: str, sync, names: dict) -> list[str]:
+    out = []
     for p in sync.params:
-        if id(p) not in keys:
+        if id(p) not in names:
             raise KeyError(f"dept/{category}: a synchronised parameter of shape {tuple(p.shape)} is not one of "
                            f"the model's parameters")
-        names.append(keys[id(p)])
+        out.append(names[id(p)][0])
+    return out
+
+
+def _outer(category: str, sync, state: dict, trainer) -> list[Entry]:
+    pg, names = trainer.pg, _params(trainer)
+    out = [whole(outer_key(category, STEPS), torch.tensor(int(state[STEPS]), dtype=torch.int64))]
+    if PART_STEPS in state:
+        out.append(whole(outer_key(category, PART_STEPS),
+                         torch.tensor([int(c) for c in state[PART_STEPS]], dtype=torch.int64)))
     for kind, tensors in state.items():
         if kind in (STEPS, PART_STEPS):
             continue
-        for name, t in zip(names, tensors):
-            out[f"dept/{category}/{name}/{kind}"] = t
+        for name, p, t in zip(_sync_names(category, sync, names), sync.params, tensors):
+            out += entries_of(outer_key(category, kind, name), t, p, pg.tp_rank, pg.tp_size)
     return out
 
 
-def outer_state_tensors(hooks, trainer) -> dict[str, torch.Tensor]:
-    """The DCP entries to save (a collective over ``pg.dp`` inside ``param_state``: call on
-    every rank)."""
-    keys = _param_keys(trainer)
-    out: dict[str, torch.Tensor] = {}
+def outer_entries(hooks, trainer) -> list[Entry]:
+    """The entries to save (a collective over ``pg.dp`` inside ``param_state``: every rank)."""
+    out: list[Entry] = []
     for category, sync in sorted(_syncs(hooks).items()):
-        out.update(_flatten(category, sync, sync.param_state(), keys))
+        out += _outer(category, sync, sync.param_state(), trainer)
     return out
 
 
-def outer_state_targets(hooks, trainer) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-    """(DCP entries to load into, in place; a function that installs them once loaded)."""
-    keys = _param_keys(trainer)
-    entries: dict[str, torch.Tensor] = {}
+def outer_targets(hooks, trainer) -> tuple[list[Entry], Callable[[], None]]:
+    """(entries to load into; a function that installs them once loaded)."""
+    entries: list[Entry] = []
     pending = []
     for category, sync in sorted(_syncs(hooks).items()):
         state = sync.param_state()  # the shapes and state names this launch expects
-        flat = _flatten(category, sync, state, keys)
-        entries.update(flat)
-        pending.append((category, sync, state, flat))
+        mine = _outer(category, sync, state, trainer)
+        entries += mine
+        pending.append((sync, state, mine))
 
     def install() -> None:
-        for category, sync, state, flat in pending:
-            rebuilt: dict[str, Any] = {STEPS: int(flat[f"dept/{category}/{STEPS}"].item())}
+        for sync, state, mine in pending:
+            steps = mine[0].tensor
+            rebuilt: dict[str, Any] = {STEPS: int(steps.item())}
             if PART_STEPS in state:
-                rebuilt[PART_STEPS] = flat[f"dept/{category}/{PART_STEPS}"].tolist()
+                rebuilt[PART_STEPS] = mine[1].tensor.tolist()
             for kind in state:
                 if kind not in (STEPS, PART_STEPS):
-                    rebuilt[kind] = [flat[f"dept/{category}/{keys[id(p)]}/{kind}"] for p in sync.params]
+                    rebuilt[kind] = state[kind]  # filled in place through the entries' views
             sync.load_param_state(rebuilt)
 
     return entries, install
@@ -135,64 +149,52 @@ def has_group_state(hooks) -> bool:
     return bool(_group_buffers(hooks))
 
 
-def _position(trainer) -> str:
-    return f"tp{trainer.pg.tp_rank}/pp{trainer.pg.pp_rank}"
+def _known_box(trainer, group: int, category: str, known: torch.Tensor) -> Entry:
+    """``eager_known`` of this rank: a column of the group's (parts × ranks of a group) table."""
+    pg = trainer.pg
+    n = pg.tp_size * pg.dp_size * pg.pp_size
+    col = pg.tp_rank + pg.tp_size * (pg.dp_rank + pg.dp_size * pg.pp_rank)
+    return Entry(outer_key(category, EAGER_KNOWN, group=group), known.view(-1, 1), (known.numel(), n), (0, col))
 
 
-def group_state_tensors(hooks, trainer) -> dict[str, torch.Tensor]:
-    """The DCP entries of this group's chunk buffers (module doc; a collective over ``pg.dp``
-    inside ``group_state``: call on every rank)."""
-    keys, g = _param_keys(trainer), trainer.pg.group_index
-    out: dict[str, torch.Tensor] = {}
+def group_entries(hooks, trainer) -> list[Entry]:
+    """The entries of this group's chunk buffers (a collective over ``pg.dp`` inside
+    ``group_state``: every rank)."""
+    pg, names = trainer.pg, _params(trainer)
+    g = pg.group_index
+    out: list[Entry] = []
     for category, sync in sorted(_group_buffers(hooks).items()):
         state = sync.group_state()
         if EAGER_KNOWN in state:
-            out[f"dept/{category}/g{g}/{_position(trainer)}/{EAGER_KNOWN}"] = torch.tensor(
-                [int(bool(k)) for k in state[EAGER_KNOWN]], dtype=torch.int64)
+            out.append(_known_box(trainer, g, category, torch.tensor([int(bool(k)) for k in state[EAGER_KNOWN]],
+                                                                     dtype=torch.int64)))
         for kind in GROUP_BUFFERS:
-            for p, t in zip(sync.params, state.get(kind, ())):
-                out[f"dept/{category}/g{g}/{keys[id(p)]}/{kind}"] = t
+            for name, p, t in zip(_sync_names(category, sync, names), sync.params, state.get(kind, ())):
+                out += entries_of(outer_key(category, kind, name, group=g), t, p, pg.tp_rank, pg.tp_size)
     return out
 
 
-_GROUP_KEY = re.compile(r"^dept/(?P<cat>[^/]+)/g(?P<g>\d+)/tp\d+/pp\d+/(?:c\d+/[^/]+/(?P<kind>[^/]+)|eager_known)$")
-
-
-def _saved_group_keys(path: str) -> dict[tuple[str, int, str], list[str]]:
-    """(category, group, kind or ``eager_known``) → the checkpoint's keys of it."""
-    from torch.distributed.checkpoint import FileSystemReader
-    out: dict[tuple[str, int, str], list[str]] = {}
-    for key in FileSystemReader(path).read_metadata().state_dict_metadata:
-        m = _GROUP_KEY.match(key)
-        if m:
-            out.setdefault((m["cat"], int(m["g"]), m["kind"] or EAGER_KNOWN), []).append(key)
+def _saved_group_kinds(path: str) -> dict[tuple[str, int, str], tuple[int, ...]]:
+    """(category, group, kind) → a shape, of the per-group keys of checkpoint ``path``."""
+    out: dict[tuple[str, int, str], tuple[int, ...]] = {}
+    for key, shape in saved_keys(path).items():
+        parts = key.split("/")
+        if len(parts) >= 4 and parts[0] == "dept" and parts[2][:1] == "g" and parts[2][1:].isdigit():
+            out.setdefault((parts[1], int(parts[2][1:]), parts[3]), shape)
     return out
 
 
-def _read_eager_known(path: str, keys: list[str], parts: int) -> list[bool]:
-    """Per part: whether any saved (tp, pp) position of the group knew a previous mean (read
-    by this process alone)."""
-    import torch.distributed.checkpoint as dcp
-    wanted = {k: torch.zeros(parts, dtype=torch.int64) for k in keys}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(wanted, checkpoint_id=path, no_dist=True)
-    return [bool(any(int(t[i]) for t in wanted.values())) for i in range(parts)]
-
-
-def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
-                        ) -> tuple[dict[str, torch.Tensor], Callable[[], list[str]]]:
-    """(DCP entries of checkpoint ``path`` to load into, in place; a function that installs
-    them once loaded and returns the lines to log). ``saved_groups`` None: this rank's group's
-    keys at this rank's position (``dept_mega.reshard`` finds them under another layout); an
-    int: the checkpoint holds that many groups (another number of groups, same tensor and
-    pipeline layout): every old group's residuals, averaged (module doc), eager estimates
-    reset. A buffer this run keeps that the checkpoint lacks starts at zero (residual) or
-    unknown (estimate), and is logged."""
-    keys, pg = _param_keys(trainer), trainer.pg
-    saved = _saved_group_keys(path)
+def group_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
+                  ) -> tuple[list[Entry], Callable[[], list[str]]]:
+    """(entries of checkpoint ``path`` to load into; a function that installs them once loaded
+    and returns the lines to log). ``saved_groups`` None: this rank's group's; an int: the
+    checkpoint holds that many groups (another number of groups): every old group's residuals,
+    averaged (module doc), eager estimates reset. A buffer this run keeps that the checkpoint
+    lacks starts at zero (residual) or unknown (estimate), and is logged."""
+    pg, names = trainer.pg, _params(trainer)
+    saved = _saved_group_kinds(path)
     groups = [pg.group_index] if saved_groups is None else list(range(saved_groups))
-    entries: dict[str, torch.Tensor] = {}
+    entries: list[Entry] = []
     notes: list[str] = []
     plan = []
     for category, sync in sorted(_group_buffers(hooks).items()):
@@ -204,26 +206,34 @@ def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] =
                              f"checkpoint's {saved_groups} groups' shares do not carry over to "
                              f"{pg.num_groups}); each part's next sync starts from the local weights and records "
                              f"a new estimate")
-                plan.append((category, sync, kind, None))
+                plan.append((sync, kind, None, None))
                 continue
             if any((category, g, kind) not in saved for g in groups):
                 notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
                              f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
-                plan.append((category, sync, kind, None))
+                plan.append((sync, kind, None, None))
                 continue
-            per_group = []
+            per_group = []  # one temporary per old group: the load is a reduction over them
             for g in groups:
-                per_group.append([entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
-                                                     torch.empty(p.shape, dtype=torch.float32))
-                                  for p in sync.params])
-            plan.append((category, sync, kind, per_group))
+                ts = [torch.empty(p.shape, dtype=torch.float32) for p in sync.params]
+                for name, p, t in zip(_sync_names(category, sync, names), sync.params, ts):
+                    entries += entries_of(outer_key(category, kind, name, group=g), t, p, pg.tp_rank, pg.tp_size)
+                per_group.append(ts)
+            known = None
+            if kind == "eager_base":
+                shape = saved.get((category, groups[0], EAGER_KNOWN))
+                if shape is not None:
+                    known = torch.zeros(shape, dtype=torch.int64)
+                    entries.append(Entry(outer_key(category, EAGER_KNOWN, group=groups[0]), known, shape,
+                                         (0,) * len(shape)))
+            plan.append((sync, kind, per_group, known))
         if len(groups) > 1 and sync.residual is not None and (category, 0, "residual") in saved:
             notes.append(f"dept.outer_error_feedback: the error-feedback residuals of {category} are the mean of "
                          f"the checkpoint's {saved_groups} groups' (Σ_g r_g / {saved_groups}) in each of the "
                          f"{pg.num_groups} groups: the mean over groups still receives what it had not")
 
     def install() -> list[str]:
-        for category, sync, kind, per_group in plan:
+        for sync, kind, per_group, known in plan:
             if per_group is None:
                 getattr(sync, kind).zero_()
                 if kind == "eager_base":
@@ -232,8 +242,8 @@ def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] =
             values = [torch.stack(ts).sum(0) / len(ts) if len(ts) > 1 else ts[0] for ts in zip(*per_group)]
             state = {kind: values}
             if kind == "eager_base":
-                state[EAGER_KNOWN] = _read_eager_known(path, saved.get((category, groups[0], EAGER_KNOWN), []),
-                                                       sync.parts)
+                state[EAGER_KNOWN] = ([False] * sync.parts if known is None
+                                      else [bool(k) for k in known.amax(dim=1).tolist()])
             sync.load_group_state(state)
         return notes
 
@@ -241,11 +251,11 @@ def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] =
 
 
 def unused_group_buffers(hooks, path: str) -> list[str]:
-    """Lines to log for the per-group buffers that checkpoint ``path`` holds (``outer_group_keys``)
-    and this run does not keep (error feedback or the eager start switched off on resume): they
-    are not loaded, and the run continues without them."""
+    """Lines to log for the per-group buffers that checkpoint ``path`` holds and this run does
+    not keep (error feedback or the eager start switched off on resume): not loaded, and the
+    run continues without them."""
     kept = {kind for s in _syncs(hooks).values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
-    held = sorted({(cat, kind) for cat, _, kind in _saved_group_keys(path) if kind in GROUP_BUFFERS})
+    held = sorted({(cat, kind) for cat, _, kind in _saved_group_kinds(path) if kind in GROUP_BUFFERS})
     return [f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds the outer {kind} of {cat}, which this run does "
             f"not keep; not loaded (it continues without {'error feedback' if kind == 'residual' else 'the eager start'})"
             for cat, kind in held if kind not in kept]

@@ -172,7 +172,20 @@ class DistributedOptimizer(InnerOptimizer):
     def _piece_key(self, pc: Piece, key: str) -> str:
         return f"{key}/dp{self.pg.dp_rank}of{self.pg.dp_size}:{pc.start}-{pc.end}"
 
+    def checkpoint_items(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, Optional[tuple[int, int]]]]:
+        """As :meth:`InnerOptimizer.checkpoint_items`, each piece's state flat with its range
+        [start, end) of the flattened parameter shard (the step count is per piece: equal)."""
+        out = []
+        for pc in self.pieces:
+            for k, v in (self.inner.state.get(pc.main) or {}).items():
+                if torch.is_tensor(v):
+                    out.append((k, pc.param, v, None if v.dim() == 0 else (pc.start, pc.end)))
+            if self.half:
+                out.append(("main_param", pc.param, pc.main, (pc.start, pc.end)))
+        return out
+
     def checkpoint_tensors(self, key_of: Callable[[torch.nn.Parameter], Optional[str]]) -> dict[str, torch.Tensor]:
+        """Format 1 (``dept_mega.checkpoint_v1``): ``{moment}/{param key}/dp{d}of{D}:{start}-{end}``."""
         out: dict[str, torch.Tensor] = {}
         for pc in self.pieces:
             key = key_of(pc.param)

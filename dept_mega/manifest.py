@@ -27,7 +27,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
-FORMAT = 1
+FORMAT = 2  # 1: keys by position (dept_mega.checkpoint_v1); 2: global keys and boxes (checkpoint_format)
 MANIFEST = "manifest.json"
 LAYOUT_FILE = "layout.json"
 DEPENDS_FILE = "depends.json"
@@ -138,7 +138,7 @@ def replace_durable(path: str, data: bytes) -> None:
 
 def expected_files(fmt: int, layout: dict[str, Any]) -> list[str]:
     """The files checkpoint format ``fmt`` must hold for the layout it records."""
-    if fmt != 1:
+    if fmt not in (1, 2):
         raise CheckpointError(f"checkpoint format {fmt} is not known to this dept_mega (it reads format {FORMAT})")
     T, P, D, G = (int(layout[k]) for k in ("tensor", "pipeline", "data", "groups"))
     names = [LAYOUT_FILE, DEPENDS_FILE, DCP_METADATA] + [f"group{g}.json" for g in range(G)]

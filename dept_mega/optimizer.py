@@ -290,20 +290,22 @@ class InnerOptimizer:
         :meth:`state_dict`: every parameter whole here; the distributed optimizer's pieces."""
         return [(i, 0, p.numel()) for i, p in enumerate(self.params)]
 
-    def checkpoint_tensors(self, key_of: Callable[[torch.nn.Parameter], Optional[str]]) -> dict[str, torch.Tensor]:
-        """Tensors for torch.distributed.checkpoint, keyed ``{moment}/{param key}`` (and
-        ``main_param/{param key}`` for half-precision weights); DCP loads into them in place."""
-        out: dict[str, torch.Tensor] = {}
+    def checkpoint_items(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, Optional[tuple[int, int]]]]:
+        """(state name, parameter, tensor, flat range) of the state a checkpoint saves: AdamW's
+        moments and step, ``main_param`` for half-precision weights; the range is None (shaped
+        like the parameter's shard; ``dept_mega.checkpoint_format``)."""
+        out = []
         for p in self.params:
-            key = key_of(p)
-            if key is None:
-                continue
             for k, v in (self.inner.state.get(self._main_of(p)) or {}).items():
                 if torch.is_tensor(v):
-                    out[f"{k}/{key}"] = v
+                    out.append((k, p, v, None))
             if self.half:
-                out[f"main_param/{key}"] = p.main_param
+                out.append(("main_param", p, p.main_param, None))
         return out
+
+    def checkpoint_tensors(self, key_of: Callable[[torch.nn.Parameter], Optional[str]]) -> dict[str, torch.Tensor]:
+        """Format 1 (``dept_mega.checkpoint_v1``): ``{moment}/{param key}`` → tensor."""
+        return {f"{k}/{key_of(p)}": v for k, p, v, _ in self.checkpoint_items() if key_of(p) is not None}
 
     def after_checkpoint_load(self, with_optimizer: bool) -> None:
         """Make weights and main parameters agree after DCP loaded into them."""

@@ -368,7 +368,8 @@ def test_glob_checkpoint_size_does_not_grow_with_data_parallel_size(tmp_path):
         keys = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
         outer = [k for k in keys if k.startswith("dept/")]
         assert "dept/outer_body/steps" in keys and "dept/outer_embedding/steps" in keys
-        assert any(k.endswith("/exp_avg_sq") for k in outer) and not any("/g0/" in k or "/g1/" in k for k in outer)
+        assert any(k.startswith("dept/outer_body/exp_avg_sq/body.") for k in outer) \
+            and not any("/g0/" in k or "/g1/" in k for k in outer)
         hooks = torch.load(os.path.join(step, "hooks_rank0.pt"), weights_only=True)
         assert "body_sync" not in hooks and "embedding_sync" not in hooks
     assert abs(data_bytes[2] - data_bytes[1]) <= 0.005 * data_bytes[1], data_bytes
@@ -403,8 +404,8 @@ def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
     assert "outer_eager" not in torch.load(step / "hooks_rank0.pt", weights_only=True)
     keys = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     syncs = hooks.outer_syncs()
-    assert {k.split("/")[1] for k in keys if k.endswith("/eager_base") and "/g0/" in k} == set(syncs)
-    assert {k for k in keys if k.endswith("/eager_known")} == {f"dept/{c}/g0/tp0/pp0/eager_known" for c in syncs}
+    assert {k.split("/")[1] for k in keys if k.split("/")[2:4] == ["g0", "eager_base"]} == set(syncs)
+    assert {k for k in keys if k.endswith("/eager_known")} == {f"dept/{c}/g0/eager_known" for c in syncs}
     # the state at the save, from a fresh launch that loads it
     loop2, _ = _make(cfg, str(tmp_path), 0)
     load_weights(loop2.trainer, str(tmp_path), int(step.name.split("_")[1]), hooks=loop2.hooks)
@@ -462,3 +463,51 @@ def test_trim_under_another_number_of_groups_with_error_feedback_and_eager(tmp_p
     loop, _ = _make(plain, str(tmp_path / "plain"), 0)
     assert loop.hooks.regroup_refusal(4, 2, group_keys=False) is None
     assert loop.hooks.regroup_refusal(4, 2, group_keys=True) is None
+
+
+def _boundary_worker(rank, world, over, run_dir):
+    cfg = tiny_config(over)
+    loop, _ = _make(cfg, run_dir, rank)
+    loop.run()
+    full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
+    loop2, ck = _make(cfg, run_dir, rank)
+    assert ck.load(loop2, step=6) == 6
+    loop2.run()
+    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_round_boundary_checkpoint_writes_the_shared_body_once(tmp_path, fragments):
+    """GLOB, 2 groups, rounds of 2 steps, checkpoints at steps 3 (inside round 1) and 6 (a
+    round boundary, not the run's last step). At step 6 every parameter the round's blocking
+    sync made the same in all groups (the body and GLOB's embeddings) has one group-free key,
+    no g0/g1 copies; the inner optimizer's moments stay per group; with 2 fragments, fragment
+    0 and the embeddings (in 2 parts, part 0 with fragment 0: synchronised before step 5,
+    trained locally at step 6) stay per group. At step 3 every
+    parameter is per group. Resuming from step 6 ends bit-identical to the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    over = {"dept": {"variant": "glob", "local_steps": 2, "outer_fragments": fragments,
+                     "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
+            "train": {"steps": 8, "save_interval": 3, "eval_interval": 0}}
+    res = run_distributed(_boundary_worker, 2, args=(over, str(tmp_path)), timeout=200)
+    for full, resumed in res:
+        assert torch.equal(full["body"], resumed["body"])
+        for k in full["emb"]:
+            assert torch.equal(full["emb"][k], resumed["emb"][k]), k
+
+    def model_keys(step):
+        md = dcp.FileSystemReader(str(tmp_path / "checkpoints" / f"step_{step}")).read_metadata()
+        return [k for k in md.state_dict_metadata if k.startswith("model/")], list(md.state_dict_metadata)
+
+    mid, _ = model_keys(3)
+    assert mid and all(k.startswith(("model/g0/", "model/g1/")) for k in mid), mid
+    names = {k.split("/", 2)[2] for k in mid}
+    keys, every = model_keys(6)
+    frag0 = {n for n in names if fragments == 2 and n.startswith(("body.layers.0.", "embeddings."))}
+    assert frag0 or fragments == 1
+    for n in names:
+        copies = [k for k in keys if k in (f"model/{n}", f"model/g0/{n}", f"model/g1/{n}")]
+        assert copies == ([f"model/g0/{n}", f"model/g1/{n}"] if n in frag0 else [f"model/{n}"]), (n, copies)
+    moments = [k for k in every if k.startswith("optim/body/exp_avg/")]
+    assert moments and all("/model/g0/" in k or "/model/g1/" in k for k in moments), moments

@@ -210,11 +210,10 @@ def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std"
 def _buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dict[str, float]:
     """Per FlatSync chunk buffer (error-feedback residual, eager estimate) this run loaded: the
     largest difference, over every parameter, between what it holds right after the load
-    (``group_state``: per parameter, full over dp) and the tensor shards that run A saved
-    (``dept/{category}/g{g}/tp{t}/pp0/c0/{name}/{kind}``, joined along the parameter's
-    partition dimension), read here independently of the loader."""
-    import torch.distributed.checkpoint as dcp
-    from dept_mega.reshard import cut_shard, join_shards
+    (``group_state``: per parameter, full over dp) and the full tensor that run A saved
+    (``dept/{category}/g{g}/{kind}/{name}``, read whole, a strided split's axis merged), cut
+    here into this rank's shard independently of the loader."""
+    from dept_mega.checkpoint_format import cut_shard, read_full
     if not hasattr(loop.hooks, "outer_syncs"):
         return {}
     pg = loop.trainer.pg
@@ -225,16 +224,12 @@ def _buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dic
         held = sync.group_state()
         for kind in ("residual", "eager_base"):
             for p, t in zip(sync.params, held.get(kind, ())):
-                shards = {f"dept/{cat}/g{g}/tp{r}/pp0/c0/{names[id(p)]}/{kind}": None for r in range(saved_tensor)}
+                key = f"dept/{cat}/g{g}/{kind}/{names[id(p)]}"
+                full = read_full(path, [key])[key]
                 dim = getattr(p, "partition_dim", None)
-                for k in shards:
-                    shape = list(p.shape)
-                    if dim is not None:
-                        shape[dim] = shape[dim] * pg.tp_size // saved_tensor
-                    shards[k] = torch.empty(shape)
-                dcp.load(shards, checkpoint_id=path, no_dist=True)
                 stride = int(getattr(p, "partition_stride", 1) or 1)
-                full = join_shards(list(shards.values()), dim, stride)
+                if dim is not None and stride > 1:
+                    full = full.flatten(dim, dim + 1)
                 mine = cut_shard(full, dim, stride, pg.tp_size, pg.tp_rank)  # this rank's shard of it
                 out[kind] = max(out.get(kind, 0.0), float((mine - t).abs().max()))
     return out

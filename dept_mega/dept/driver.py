@@ -279,6 +279,14 @@ class DeptHooks(HookStateLoads):
         """True when no outer sync is in flight: checkpoints are taken only then."""
         return self.schedule.idle
 
+    def group_replicated_params(self) -> frozenset:
+        """The ids of the parameters every group holds the same now: after a round's blocking
+        outer sync (not inside a round) those it synchronised — the checkpoint writes them once
+        (``checkpoint_state.model_entries``)."""
+        if self.in_round or self.pg.num_groups < 2:
+            return frozenset()
+        return frozenset(id(p) for s in self.schedule.synced_now(self.trainer.step) for p in s.params)
+
     def round_end(self, loop, round_index: int) -> dict[str, Any]:
         whole = PhaseTimer(self.device)  # GPU time on CUDA (host time would only see queuing)
         self.schedule.round_end(self.trainer.step)

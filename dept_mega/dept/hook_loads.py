@@ -201,7 +201,7 @@ class HookStateLoads:
         """The saved tensor shards ``parts`` (old tensor ranks 0..T'-1) of a per-source tensor
         joined along ``param``'s partition dimension and cut into this rank's shard
         (``dept_mega.reshard``); scalars, non-tensors and tensors without a parameter as saved."""
-        from ..reshard import cut_shard, join_shards
+        from ..checkpoint_format import cut_shard, join_shards
         if not torch.is_tensor(parts[0]) or parts[0].dim() == 0 or param is None:
             return parts[0]
         dim = getattr(param, "partition_dim", None)

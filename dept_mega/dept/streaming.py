@@ -127,6 +127,7 @@ class OuterSchedule:
             for u in self.units:
                 u.sync.enable_eager()
         self.pending: list[_Pending] = []
+        self.synced_at: dict[int, int] = {}  # unit index -> the step of its last blocking sync
         self.exposed = 0.0
         self.overlap = 0.0
 
@@ -134,6 +135,18 @@ class OuterSchedule:
     def idle(self) -> bool:
         """No sync is in flight (a checkpoint may be taken)."""
         return not self.pending
+
+    def synced_now(self, step: int) -> list[FlatSync]:
+        """The FlatSyncs every part of which was synchronised blocking after inner step
+        ``step`` with nothing applied since: their parameters are the same in every group now
+        (an overlapped sync lands on each group's own local weights, and a fragment synchronised
+        earlier in the round has trained locally since)."""
+        if self.pending:
+            return []
+        fresh: dict[int, bool] = {}
+        for i, u in enumerate(self.units):
+            fresh[id(u.sync)] = fresh.get(id(u.sync), True) and self.synced_at.get(i) == step
+        return [u.sync for u in self.units if fresh.pop(id(u.sync), False)]
 
     def take_times(self) -> tuple[float, float]:
         """(overlap_seconds, exposed_seconds) since the last call."""
@@ -145,6 +158,7 @@ class OuterSchedule:
         t0 = time.perf_counter()
         if blocking:
             unit.sync.sync(part=unit.part)
+            self.synced_at[self.units.index(unit)] = step
         else:
             p = unit.sync.launch(keep_launch=self.mix is None, part=unit.part, eager=self.eager)
             if p is not None:

@@ -191,6 +191,56 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
     if source is not None and names and source not in names:
         raise CheckpointReadError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
 
+    from ..manifest import read_manifest
+    layout = _layout(path)
+    T, P, V = layout["tensor"], layout["pipeline"], layout["virtual_pipeline"]
+    group, where, hooks0 = _locate(cfg, path, layout, step, source)
+    structure = _structure(cfg)
+    out = FullWeights()
+    out.step = step
+    if read_manifest(path)["format"] >= 2:  # global keys: whatever the layout, read whole
+        _read_model_v2(path, layout, group, where, structure, out)
+    else:
+        _read_model_v1(path, layout, group, where, structure, out)
+
+    # ---- the source's vocabulary-owned tensors
+    first, last = (0, 0), (P - 1, V - 1)  # (pipeline rank, chunk) of the input side and the head
+    emb_names = [n for n in structure if n.startswith("embeddings.")]
+    if where == "store":
+        for name in emb_names:
+            pp, chunk = last if name == "embeddings.output_layer.weight" else first
+            local = name[len("embeddings."):]
+            shards = []
+            for t in range(T):
+                r = _rank(layout, t, 0, pp, group)
+                sd = hooks0 if r == _rank(layout, 0, 0, 0, group) else _load_hooks(path, r)
+                try:
+                    shards.append(sd["store"][source]["embeddings"][chunk][local])
+                except (KeyError, IndexError, TypeError):
+                    raise CheckpointReadError(f"{path}/hooks_rank{r}.pt holds no {local} of source {source!r} "
+                                              f"(chunk {chunk})") from None
+            out[name] = _unshard(shards, *structure[name][0], name).float()
+    elif where == "trim":  # the global tables
+        table_rank = _rank(layout, 0, 0, 0, group)
+        for name, key, pp in (("embeddings.word_embeddings.weight", "phi", 0),
+                              ("embeddings.output_layer.weight", "phi_head", P - 1),
+                              ("embeddings.position_embeddings.weight", "positions", 0)):
+            if name not in structure:
+                continue
+            r = _rank(layout, 0, 0, pp, group)
+            sd = hooks0 if r == table_rank else _load_hooks(path, r)
+            if key not in sd:
+                raise CheckpointReadError(f"{path}/hooks_rank{r}.pt has no {key!r} (TRIM's global table)")
+            out[name] = _trim_rows(path, layout, pp, group, key, sd)
+    out.origin = (f"step {step}, group {group}" +
+                  {"model": "", "store": f" (source {source!r} from its group's store)",
+                   "trim": " (TRIM: the global table φ)"}[where])
+    return out
+
+
+def _read_model_v1(path: str, layout: dict, group: int, where: str, structure: dict, out: FullWeights) -> None:
+    """The body (and with ``where == "model"`` the embeddings) of a format-1 checkpoint:
+    keys by position, tensor shards joined."""
     meta = _dcp_keys(path)
     model_keys: dict[tuple[int, int, int, int], dict[str, str]] = {}
     for key in meta:
@@ -200,13 +250,7 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
             model_keys.setdefault((g, t, p, c), {})[m.group(5)] = key
     if not model_keys:
         raise CheckpointReadError(f"{path}: no model/g*/tp*/pp*/c*/ keys (an unknown checkpoint format)")
-    layout = _layout(path)
     T, P, V = layout["tensor"], layout["pipeline"], layout["virtual_pipeline"]
-
-    group, where, hooks0 = _locate(cfg, path, layout, step, source)
-    structure = _structure(cfg)
-    out = FullWeights()
-    out.step = step
 
     # ---- body: every chunk of every pipeline stage of the group, tensor shards joined
     wanted: list[str] = []
@@ -241,9 +285,8 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
         raise CheckpointReadError(f"{path}: body parameter {extra[0]} is not in the config's model "
                                   f"(does config.yaml match the run?)")
 
-    # ---- the source's vocabulary-owned tensors
-    first, last = (0, 0), (P - 1, V - 1)  # (pipeline rank, chunk) of the input side and the head
     emb_names = [n for n in structure if n.startswith("embeddings.")]
+    first, last = (0, 0), (P - 1, V - 1)
     if where == "model":
         for name in emb_names:
             side = last if name == "embeddings.output_layer.weight" else first
@@ -253,36 +296,28 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
                 raise CheckpointReadError(f"{path}: {name} has {len(shards)} tensor shards at pipeline stage "
                                           f"{side[0]} chunk {side[1]}, layout says {T}")
             out[name] = _unshard(shards, *structure[name][0], name).float()
-    elif where == "store":
-        for name in emb_names:
-            pp, chunk = last if name == "embeddings.output_layer.weight" else first
-            local = name[len("embeddings."):]
-            shards = []
-            for t in range(T):
-                r = _rank(layout, t, 0, pp, group)
-                sd = hooks0 if r == _rank(layout, 0, 0, 0, group) else _load_hooks(path, r)
-                try:
-                    shards.append(sd["store"][source]["embeddings"][chunk][local])
-                except (KeyError, IndexError, TypeError):
-                    raise CheckpointReadError(f"{path}/hooks_rank{r}.pt holds no {local} of source {source!r} "
-                                              f"(chunk {chunk})") from None
-            out[name] = _unshard(shards, *structure[name][0], name).float()
-    else:  # trim: the global tables
-        table_rank = _rank(layout, 0, 0, 0, group)
-        for name, key, pp in (("embeddings.word_embeddings.weight", "phi", 0),
-                              ("embeddings.output_layer.weight", "phi_head", P - 1),
-                              ("embeddings.position_embeddings.weight", "positions", 0)):
-            if name not in structure:
-                continue
-            r = _rank(layout, 0, 0, pp, group)
-            sd = hooks0 if r == table_rank else _load_hooks(path, r)
-            if key not in sd:
-                raise CheckpointReadError(f"{path}/hooks_rank{r}.pt has no {key!r} (TRIM's global table)")
-            out[name] = _trim_rows(path, layout, pp, group, key, sd)
-    out.origin = (f"step {step}, group {group}" +
-                  {"model": "", "store": f" (source {source!r} from its group's store)",
-                   "trim": " (TRIM: the global table φ)"}[where])
-    return out
+
+
+def _read_model_v2(path: str, layout: dict, group: int, where: str, structure: dict, out: FullWeights) -> None:
+    """The body (and with ``where == "model"`` the embeddings) of a format-2 checkpoint: each
+    global tensor read whole (``dept_mega.checkpoint_format``; a strided split's axis merged)."""
+    from ..checkpoint_format import param_key, read_full
+    from ..manifest import CheckpointError
+    names = [n for n in structure if n.startswith("body.") or (where == "model" and n.startswith("embeddings."))]
+    keys = {n: param_key(n, group if int(layout["groups"]) > 1 else None) for n in names}
+    try:
+        full = read_full(path, list(keys.values()))
+    except CheckpointError as exc:
+        raise CheckpointReadError(f"{exc} (does config.yaml match the run?)") from None
+    for name in names:
+        (dim, stride), shape = structure[name]
+        t = full[keys[name]]
+        if dim is not None and stride > 1:
+            t = t.flatten(dim, dim + 1)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointReadError(f"{path}: {name} has shape {tuple(t.shape)}, the config's model "
+                                      f"needs {tuple(shape)} (does config.yaml match the run?)")
+        out[name] = t.float()
 
 
 def _trim_rows(path: str, layout: dict[str, int], pp: int, group: int, key: str, sd: dict) -> torch.Tensor:

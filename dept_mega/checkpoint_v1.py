@@ -1,0 +1,309 @@
+"""Checkpoint format 1 (written by releases before format 2), read at its own layout only.
+
+Format 1 keyed every tensor by its position (``model/g{g}/tp{t}/pp{p}/c{chunk}/{name}``,
+optimizer state ``optim/{body|emb}/{moment}/`` + that key, distributed-optimizer pieces with
+``/dp{d}of{D}:{start}-{end}``, the DEPT outer state as below). A launch with the layout it
+was written with loads it with these keys (``dept_mega.checkpoint.load_weights``); under
+another layout it is refused: resumed once with its own layout, its next checkpoint is format 2.
+
+DEPT outer-synchronisation state in format 1, keyed by parameter, saved once.
+
+Round hooks that expose ``outer_syncs() -> {category: FlatSync}`` (DeptHooks: the body's
+``outer_body``) have that state saved through torch.distributed.checkpoint beside the model
+weights, from :meth:`FlatSync.param_state` — per parameter, full over the data-parallel
+replicas — under keys
+
+    dept/{category}/tp{t}/pp{p}/c{chunk}/{parameter name}/{reference|momentum|exp_avg|exp_avg_sq}
+    dept/{category}/steps
+    dept/{category}/part_steps        (int64, one per part: GLOB's tables synchronised in parts)
+
+The reference θ_{t-1} and the outer optimizer state are the same in every source group and
+every data-parallel replica (they change only at the outer sync, from the averaged
+pseudo-gradient), so these keys carry neither group nor data-parallel rank: DCP writes each
+tensor once per checkpoint, where a per-rank ``torch.save`` wrote G·D copies of every shard.
+The format depends only on ``param_state`` / ``load_param_state``, not on how a FlatSync holds
+its state internally.
+
+The per-group chunk buffers — error-feedback residuals (``dept.outer_error_feedback``) and the
+eager start's estimates (``dept.outer_overlap_rule: eager``) — are saved the same way from
+:meth:`FlatSync.group_state`, but under keys that carry the group (their values differ between
+groups; a group's replicas hold distinct chunks of them, whose union is one value per
+parameter element):
+
+    dept/{category}/g{group}/tp{t}/pp{p}/c{chunk}/{parameter name}/{residual|eager_base}
+    dept/{category}/g{group}/tp{t}/pp{p}/eager_known   (int64 0/1, one per part)
+
+so another tensor / pipeline / data-parallel layout joins and cuts them like θ_{t-1}
+(``dept_mega.reshard``: the group is part of a tensor's identity), ``layout.json``:
+``outer_group_keys``. ``eager_known`` is saved per (tp, pp) position because a position with
+nothing to synchronise (numel 0) never learns a mean; a load takes, per part, whether any saved
+position of the group knew it. Under another number of groups (:func:`group_state_targets`
+with ``saved_groups``) the residuals are averaged over the old groups and given to every new
+group — what the mean over groups has not yet received is Σ_g r_g / G_old, and
+Σ_g' r' / G_new with r' = Σ_g r_g / G_old is that same mass — and the eager estimates are
+dropped (E = Δ̄_{t-1} − Δ_g,t-1 / G is the other groups' share as group g saw it, which has no
+meaning for a group of another partition): every part starts as after a first launch, from
+the local weights, and records a new E. Both are logged (the ``notes`` returned).
+Checkpoints written before these keys (``outer_group_keys`` absent) keep the buffers in the
+per-rank hook files (``DeptHooks.load_state_dict``).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+STEPS = "steps"
+PART_STEPS = "part_steps"
+REFERENCE = "reference"
+GROUP_BUFFERS = ("residual", "eager_base")  # FlatSync.group_state's per-parameter buffers
+EAGER_KNOWN = "eager_known"
+# the config key that makes each buffer (named in the notes of a load that changes one)
+GROUP_BUFFER_KEYS = {"residual": "dept.outer_error_feedback", "eager_base": "dept.outer_overlap_rule"}
+
+
+def model_state(trainer) -> dict[str, torch.Tensor]:
+    """This rank's model and inner-optimizer tensors under their format-1 keys."""
+    pg = trainer.pg
+    out: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for c, st in enumerate(trainer.stages):
+        for name, p in st.named_parameters():
+            key = f"model/g{pg.group_index}/tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}"
+            out[key] = p.data
+            names.setdefault(id(p), key)
+    for opt_name, opt in (("body", trainer.body_optimizer), ("emb", trainer.embedding_optimizer)):
+        for k, v in opt.checkpoint_tensors(lambda p: names.get(id(p))).items():
+            out[f"optim/{opt_name}/{k}"] = v
+    return out
+
+
+def _param_keys(trainer) -> dict[int, str]:
+    pg = trainer.pg
+    out: dict[int, str] = {}
+    for c, st in enumerate(trainer.stages):
+        for name, p in st.named_parameters():
+            out.setdefault(id(p), f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}")
+    return out
+
+
+def _syncs(hooks) -> dict[str, Any]:
+    get = getattr(hooks, "outer_syncs", None)
+    return dict(get()) if get is not None else {}
+
+
+def has_outer_state(hooks) -> bool:
+    return bool(_syncs(hooks))
+
+
+def _flatten(category: str, sync, state: dict, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {f"dept/{category}/{STEPS}": torch.tensor(int(state[STEPS]), dtype=torch.int64)}
+    if PART_STEPS in state:
+        out[f"dept/{category}/{PART_STEPS}"] = torch.tensor([int(c) for c in state[PART_STEPS]], dtype=torch.int64)
+    names = []
+    for p in sync.params:
+        if id(p) not in keys:
+            raise KeyError(f"dept/{category}: a synchronised parameter of shape {tuple(p.shape)} is not one of "
+                           f"the model's parameters")
+        names.append(keys[id(p)])
+    for kind, tensors in state.items():
+        if kind in (STEPS, PART_STEPS):
+            continue
+        for name, t in zip(names, tensors):
+            out[f"dept/{category}/{name}/{kind}"] = t
+    return out
+
+
+def outer_state_tensors(hooks, trainer) -> dict[str, torch.Tensor]:
+    """The DCP entries to save (a collective over ``pg.dp`` inside ``param_state``: call on
+    every rank)."""
+    keys = _param_keys(trainer)
+    out: dict[str, torch.Tensor] = {}
+    for category, sync in sorted(_syncs(hooks).items()):
+        out.update(_flatten(category, sync, sync.param_state(), keys))
+    return out
+
+
+def outer_state_targets(hooks, trainer) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    """(DCP entries to load into, in place; a function that installs them once loaded)."""
+    keys = _param_keys(trainer)
+    entries: dict[str, torch.Tensor] = {}
+    pending = []
+    for category, sync in sorted(_syncs(hooks).items()):
+        state = sync.param_state()  # the shapes and state names this launch expects
+        flat = _flatten(category, sync, state, keys)
+        entries.update(flat)
+        pending.append((category, sync, state, flat))
+
+    def install() -> None:
+        for category, sync, state, flat in pending:
+            rebuilt: dict[str, Any] = {STEPS: int(flat[f"dept/{category}/{STEPS}"].item())}
+            if PART_STEPS in state:
+                rebuilt[PART_STEPS] = flat[f"dept/{category}/{PART_STEPS}"].tolist()
+            for kind in state:
+                if kind not in (STEPS, PART_STEPS):
+                    rebuilt[kind] = [flat[f"dept/{category}/{keys[id(p)]}/{kind}"] for p in sync.params]
+            sync.load_param_state(rebuilt)
+
+    return entries, install
+
+
+def _group_buffers(hooks) -> dict[str, Any]:
+    """The FlatSyncs that keep per-group chunk buffers (residuals, eager estimates), by category."""
+    return {c: s for c, s in _syncs(hooks).items() if s.residual is not None or s.eager_base is not None}
+
+
+def has_group_state(hooks) -> bool:
+    return bool(_group_buffers(hooks))
+
+
+def _position(trainer) -> str:
+    return f"tp{trainer.pg.tp_rank}/pp{trainer.pg.pp_rank}"
+
+
+def group_state_tensors(hooks, trainer) -> dict[str, torch.Tensor]:
+    """The DCP entries of this group's chunk buffers (module doc; a collective over ``pg.dp``
+    inside ``group_state``: call on every rank)."""
+    keys, g = _param_keys(trainer), trainer.pg.group_index
+    out: dict[str, torch.Tensor] = {}
+    for category, sync in sorted(_group_buffers(hooks).items()):
+        state = sync.group_state()
+        if EAGER_KNOWN in state:
+            out[f"dept/{category}/g{g}/{_position(trainer)}/{EAGER_KNOWN}"] = torch.tensor(
+                [int(bool(k)) for k in state[EAGER_KNOWN]], dtype=torch.int64)
+        for kind in GROUP_BUFFERS:
+            for p, t in zip(sync.params, state.get(kind, ())):
+                out[f"dept/{category}/g{g}/{keys[id(p)]}/{kind}"] = t
+    return out
+
+
+_GROUP_KEY = re.compile(r"^dept/(?P<cat>[^/]+)/g(?P<g>\d+)/tp\d+/pp\d+/(?:c\d+/[^/]+/(?P<kind>[^/]+)|eager_known)$")
+
+
+def _saved_group_keys(path: str) -> dict[tuple[str, int, str], list[str]]:
+    """(category, group, kind or ``eager_known``) → the checkpoint's keys of it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    out: dict[tuple[str, int, str], list[str]] = {}
+    for key in FileSystemReader(path).read_metadata().state_dict_metadata:
+        m = _GROUP_KEY.match(key)
+        if m:
+            out.setdefault((m["cat"], int(m["g"]), m["kind"] or EAGER_KNOWN), []).append(key)
+    return out
+
+
+def _read_eager_known(path: str, keys: list[str], parts: int) -> list[bool]:
+    """Per part: whether any saved (tp, pp) position of the group knew a previous mean (read
+    by this process alone)."""
+    import torch.distributed.checkpoint as dcp
+    wanted = {k: torch.zeros(parts, dtype=torch.int64) for k in keys}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    return [bool(any(int(t[i]) for t in wanted.values())) for i in range(parts)]
+
+
+def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
+                        ) -> tuple[dict[str, torch.Tensor], Callable[[], list[str]]]:
+    """(DCP entries of checkpoint ``path`` to load into, in place; a function that installs
+    them once loaded and returns the lines to log). ``saved_groups`` None: this rank's group's
+    keys at this rank's position (``dept_mega.reshard`` finds them under another layout); an
+    int: the checkpoint holds that many groups (another number of groups, same tensor and
+    pipeline layout): every old group's residuals, averaged (module doc), eager estimates
+    reset. A buffer this run keeps that the checkpoint lacks starts at zero (residual) or
+    unknown (estimate), and is logged."""
+    keys, pg = _param_keys(trainer), trainer.pg
+    saved = _saved_group_keys(path)
+    groups = [pg.group_index] if saved_groups is None else list(range(saved_groups))
+    entries: dict[str, torch.Tensor] = {}
+    notes: list[str] = []
+    plan = []
+    for category, sync in sorted(_group_buffers(hooks).items()):
+        for kind in GROUP_BUFFERS:
+            if getattr(sync, kind) is None:
+                continue
+            if kind == "eager_base" and saved_groups is not None:
+                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: the eager start's estimates of {category} reset (the "
+                             f"checkpoint's {saved_groups} groups' shares do not carry over to "
+                             f"{pg.num_groups}); each part's next sync starts from the local weights and records "
+                             f"a new estimate")
+                plan.append((category, sync, kind, None))
+                continue
+            if any((category, g, kind) not in saved for g in groups):
+                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
+                             f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
+                plan.append((category, sync, kind, None))
+                continue
+            per_group = []
+            for g in groups:
+                per_group.append([entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
+                                                     torch.empty(p.shape, dtype=torch.float32))
+                                  for p in sync.params])
+            plan.append((category, sync, kind, per_group))
+        if len(groups) > 1 and sync.residual is not None and (category, 0, "residual") in saved:
+            notes.append(f"dept.outer_error_feedback: the error-feedback residuals of {category} are the mean of "
+                         f"the checkpoint's {saved_groups} groups' (Σ_g r_g / {saved_groups}) in each of the "
+                         f"{pg.num_groups} groups: the mean over groups still receives what it had not")
+
+    def install() -> list[str]:
+        for category, sync, kind, per_group in plan:
+            if per_group is None:
+                getattr(sync, kind).zero_()
+                if kind == "eager_base":
+                    sync.load_eager_known(None)
+                continue
+            values = [torch.stack(ts).sum(0) / len(ts) if len(ts) > 1 else ts[0] for ts in zip(*per_group)]
+            state = {kind: values}
+            if kind == "eager_base":
+                state[EAGER_KNOWN] = _read_eager_known(path, saved.get((category, groups[0], EAGER_KNOWN), []),
+                                                       sync.parts)
+            sync.load_group_state(state)
+        return notes
+
+    return entries, install
+
+
+def unused_group_buffers(hooks, path: str) -> list[str]:
+    """Lines to log for the per-group buffers that checkpoint ``path`` holds (``outer_group_keys``)
+    and this run does not keep (error feedback or the eager start switched off on resume): they
+    are not loaded, and the run continues without them."""
+    kept = {kind for s in _syncs(hooks).values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
+    held = sorted({(cat, kind) for cat, _, kind in _saved_group_keys(path) if kind in GROUP_BUFFERS})
+    return [f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds the outer {kind} of {cat}, which this run does "
+            f"not keep; not loaded (it continues without {'error feedback' if kind == 'residual' else 'the eager start'})"
+            for cat, kind in held if kind not in kept]
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
+def load_model_v1(trainer, path: str, optimizer: bool) -> None:
+    """The model (and with ``optimizer`` the inner optimizers) of format-1 checkpoint ``path``,
+    written with this launch's layout."""
+    state = model_state(trainer)
+    if not optimizer:
+        state = {k: v for k, v in state.items() if k.startswith("model/")}
+    _dcp_load(state, path)
+
+
+def load_outer_v1(trainer, hooks, path: str, layout: dict, notes: Optional[list]) -> None:
+    """DEPT's outer state and per-group buffers of format-1 checkpoint ``path`` (this layout)."""
+    if hooks is None:
+        return
+    if has_outer_state(hooks) and layout.get("outer_keys"):
+        entries, install = outer_state_targets(hooks, trainer)
+        _dcp_load(entries, path)
+        install()
+    if has_group_state(hooks) and layout.get("outer_group_keys"):
+        entries, install_groups = group_state_targets(hooks, trainer, path)
+        _dcp_load(entries, path)
+        lines = install_groups()
+        if notes is not None:
+            notes.extend(line for line in lines if line not in notes)
+    if layout.get("outer_group_keys") and notes is not None:
+        notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
