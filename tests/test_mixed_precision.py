@@ -269,6 +269,8 @@ def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_
         shutil.copy(f, layout.parent / "rng_tp1_pp0.pt")
     from dept_mega.manifest import seal
     seal(str(layout.parent), 2)  # a sealed checkpoint whose layout.json claims 2 tensor shards
-    from dept_mega.manifest import CheckpointError
-    with pytest.raises(CheckpointError, match="step_2: no complete set of 2 tensor shards of .*body"):
-        load_weights(trainer, run_dir, 2)
+    # format 2 keys every box by its global tensor and offset: what layout.json claims does not
+    # decide what is read (a missing box is an error naming the key: tests/test_checkpoint_format.py)
+    load_weights(trainer, run_dir, 2)
+    again = torch.cat([trainer.body_optimizer.state[p]["exp_avg"].reshape(-1) for p in trainer.body_optimizer.params])
+    assert torch.equal(again, plain)

@@ -13,7 +13,7 @@ import torch
 
 from dept_mega import evaluate as evaluate_cli
 from dept_mega import train as train_cli
-from dept_mega.manifest import CheckpointError, seal
+from dept_mega.manifest import FORMAT, CheckpointError, seal
 from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
 COMMON = ["train.log_interval=1", "train.eval_iters=1", "train.eval_interval=0", "train.save_interval=2",
@@ -312,7 +312,7 @@ def test_missing_group_file_is_named(tmp_path):
             load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
         assert "group1.json" in str(exc.value) and "launch 1" not in str(exc.value), exc.value
         if reseal:
-            assert "format 1 with 2 group(s) expects it" in str(exc.value)
+            assert f"format {FORMAT} with 2 group(s) expects it" in str(exc.value)
 
 
 def _select_worker(rank, world, run):
