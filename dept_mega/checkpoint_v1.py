@@ -55,13 +55,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-STEPS = "steps"
-PART_STEPS = "part_steps"
+from .checkpoint_state import (EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS,
+                               _group_buffers, _syncs, has_group_state, has_outer_state)
+
 REFERENCE = "reference"
-GROUP_BUFFERS = ("residual", "eager_base")  # FlatSync.group_state's per-parameter buffers
-EAGER_KNOWN = "eager_known"
 # the config key that makes each buffer (named in the notes of a load that changes one)
-GROUP_BUFFER_KEYS = {"residual": "dept.outer_error_feedback", "eager_base": "dept.outer_overlap_rule"}
 
 
 def model_state(trainer) -> dict[str, torch.Tensor]:
@@ -87,15 +85,6 @@ def _param_keys(trainer) -> dict[int, str]:
         for name, p in st.named_parameters():
             out.setdefault(id(p), f"tp{pg.tp_rank}/pp{pg.pp_rank}/c{c}/{name}")
     return out
-
-
-def _syncs(hooks) -> dict[str, Any]:
-    get = getattr(hooks, "outer_syncs", None)
-    return dict(get()) if get is not None else {}
-
-
-def has_outer_state(hooks) -> bool:
-    return bool(_syncs(hooks))
 
 
 def _flatten(category: str, sync, state: dict, keys: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -150,15 +139,6 @@ def outer_state_targets(hooks, trainer) -> tuple[dict[str, torch.Tensor], Callab
     return entries, install
 
 
-def _group_buffers(hooks) -> dict[str, Any]:
-    """The FlatSyncs that keep per-group chunk buffers (residuals, eager estimates), by category."""
-    return {c: s for c, s in _syncs(hooks).items() if s.residual is not None or s.eager_base is not None}
-
-
-def has_group_state(hooks) -> bool:
-    return bool(_group_buffers(hooks))
-
-
 def _position(trainer) -> str:
     return f"tp{trainer.pg.tp_rank}/pp{trainer.pg.pp_rank}"
 
@@ -204,18 +184,14 @@ def _read_eager_known(path: str, keys: list[str], parts: int) -> list[bool]:
     return [bool(any(int(t[i]) for t in wanted.values())) for i in range(parts)]
 
 
-def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
-                        ) -> tuple[dict[str, torch.Tensor], Callable[[], list[str]]]:
-    """(DCP entries of checkpoint ``path`` to load into, in place; a function that installs
-    them once loaded and returns the lines to log). ``saved_groups`` None: this rank's group's
-    keys at this rank's position (``dept_mega.reshard`` finds them under another layout); an
-    int: the checkpoint holds that many groups (another number of groups, same tensor and
-    pipeline layout): every old group's residuals, averaged (module doc), eager estimates
-    reset. A buffer this run keeps that the checkpoint lacks starts at zero (residual) or
-    unknown (estimate), and is logged."""
-    keys, pg = _param_keys(trainer), trainer.pg
+def group_state_targets(hooks, trainer, path: str) -> tuple[dict[str, torch.Tensor], Callable[[], list[str]]]:
+    """(DCP entries of format-1 checkpoint ``path`` to load into, in place; a function that
+    installs them once loaded and returns the lines to log): this rank's group's keys at this
+    rank's position (format 1 loads only with the layout it was written with). A buffer this
+    run keeps that the checkpoint lacks starts at zero (residual) or unknown (estimate), and
+    is logged."""
+    keys, g = _param_keys(trainer), trainer.pg.group_index
     saved = _saved_group_keys(path)
-    groups = [pg.group_index] if saved_groups is None else list(range(saved_groups))
     entries: dict[str, torch.Tensor] = {}
     notes: list[str] = []
     plan = []
@@ -223,41 +199,25 @@ def group_state_targets(hooks, trainer, path: str, saved_groups: Optional[int] =
         for kind in GROUP_BUFFERS:
             if getattr(sync, kind) is None:
                 continue
-            if kind == "eager_base" and saved_groups is not None:
-                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: the eager start's estimates of {category} reset (the "
-                             f"checkpoint's {saved_groups} groups' shares do not carry over to "
-                             f"{pg.num_groups}); each part's next sync starts from the local weights and records "
-                             f"a new estimate")
-                plan.append((category, sync, kind, None))
-                continue
-            if any((category, g, kind) not in saved for g in groups):
+            if (category, g, kind) not in saved:
                 notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
                              f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
                 plan.append((category, sync, kind, None))
                 continue
-            per_group = []
-            for g in groups:
-                per_group.append([entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
-                                                     torch.empty(p.shape, dtype=torch.float32))
-                                  for p in sync.params])
-            plan.append((category, sync, kind, per_group))
-        if len(groups) > 1 and sync.residual is not None and (category, 0, "residual") in saved:
-            notes.append(f"dept.outer_error_feedback: the error-feedback residuals of {category} are the mean of "
-                         f"the checkpoint's {saved_groups} groups' (Σ_g r_g / {saved_groups}) in each of the "
-                         f"{pg.num_groups} groups: the mean over groups still receives what it had not")
+            plan.append((category, sync, kind, [entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
+                                                                   torch.empty(p.shape, dtype=torch.float32))
+                                                for p in sync.params]))
 
     def install() -> list[str]:
-        for category, sync, kind, per_group in plan:
-            if per_group is None:
+        for category, sync, kind, values in plan:
+            if values is None:
                 getattr(sync, kind).zero_()
                 if kind == "eager_base":
                     sync.load_eager_known(None)
                 continue
-            values = [torch.stack(ts).sum(0) / len(ts) if len(ts) > 1 else ts[0] for ts in zip(*per_group)]
             state = {kind: values}
             if kind == "eager_base":
-                state[EAGER_KNOWN] = _read_eager_known(path, saved.get((category, groups[0], EAGER_KNOWN), []),
-                                                       sync.parts)
+                state[EAGER_KNOWN] = _read_eager_known(path, saved.get((category, g, EAGER_KNOWN), []), sync.parts)
             sync.load_group_state(state)
         return notes
 
