@@ -21,7 +21,7 @@ from dept_mega.config import load_config
 from dept_mega.manifest import seal
 from dept_mega.metrics import check_record
 from tests.mp_utils import free_port
-from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
+from tests.trainer_utils import without_tensorboard_warning, ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
 COMMON = ["train.log_interval=1", "train.eval_iters=2"]
 
@@ -112,8 +112,7 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     before = open(os.path.join(run2, "config.yaml")).read()
     rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
     assert rc == 2
-    # without the tensorboard package each launch above said so in one warning line
-    err = "".join(l for l in capsys.readouterr().err.splitlines(True) if not l.startswith("warning: no TensorBoard"))
+    err = without_tensorboard_warning(capsys.readouterr().err)
     assert err.startswith("error: config key 'parallel'") and "2 source group(s)" in err, err
     assert open(os.path.join(run2, "config.yaml")).read() == before
 

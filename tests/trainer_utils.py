@@ -107,3 +107,9 @@ def read_jsonl(path: str) -> list[dict]:
     import json
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def without_tensorboard_warning(err: str) -> str:
+    """``err`` without the line a launch prints when the tensorboard package is missing (one
+    per launch), so that checks of a launch's other stderr lines hold with or without it."""
+    return "".join(ln for ln in err.splitlines(True) if not ln.startswith("warning: no TensorBoard events in "))
