@@ -22,7 +22,7 @@
 #   env        GPU, driver, torch / CUDA versions                                           5
 #   tests      pytest -m gpu, all but tests/test_ops.py (ops on the PyTorch fallback while the
 #              extension builds; test files in parallel with pytest-xdist when available)   75
-#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops.py 30
+#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops.py 45
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json   45
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                  60
@@ -31,6 +31,7 @@
 #   memory     tools/dept_costs.py --memory vs the bf16 run's peak -> memory.json                15
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json         100
 #   compile    the bf16 run with train.compile=true -> bench.jsonl                              120
+#   fp8_compile  the FP8 run with train.compile=true (fuses the casts) -> bench.jsonl           120
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
 set -uo pipefail
@@ -56,7 +57,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests ops bf16 fp8 vocab250k memory megatron compile)
+STAGES=(build env tests ops_tests ops bf16 fp8 vocab250k memory megatron compile fp8_compile)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -94,7 +95,7 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [fp8]=12 [vocab250k]=8 [memory]=6
-                     [megatron]=15 [compile]=8)
+                     [megatron]=15 [compile]=8 [fp8_compile]=8)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -103,9 +104,9 @@ else
   OPS_ARGS=(--device cuda)
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
-  declare -A EXPECT=([env]=5 [tests]=75 [ops_tests]=30 [ops]=45 [bf16]=60 [fp8]=60 [vocab250k]=40 [memory]=15
-                     [megatron]=100 [compile]=120)
-  CAP=3  # a stage is stopped at 3 times its expected seconds (a hang costs no more)
+  declare -A EXPECT=([env]=5 [tests]=75 [ops_tests]=45 [ops]=45 [bf16]=60 [fp8]=60 [vocab250k]=40 [memory]=15
+                     [megatron]=100 [compile]=120 [fp8_compile]=120)
+  CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
 # ------------------------------------------------------------------ plumbing
@@ -253,6 +254,13 @@ stage_compile() {
     TORCH_COMPILE_DISABLE=1 bench bf16_compile train.compile=true
   else
     bench bf16_compile train.compile=true
+  fi
+}
+stage_fp8_compile() {
+  if [ "$DRY" = 1 ]; then
+    TORCH_COMPILE_DISABLE=1 bench fp8_compile fp8=hybrid backend=local train.compile=true
+  else
+    bench fp8_compile fp8=hybrid backend=local train.compile=true
   fi
 }
 

@@ -103,6 +103,9 @@ def _bench_lines(rows: list[dict]) -> list[str]:
         lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
     if bf is not None and "bf16_compile" in ok and bf.get("tokens_per_s"):
         lines.append(f"- train.compile: {ok['bf16_compile']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s")
+    if "fp8_compile" in ok and "bf16_compile" in ok and ok["bf16_compile"].get("tokens_per_s"):
+        lines.append(f"- FP8 with train.compile: {ok['fp8_compile']['tokens_per_s'] / ok['bf16_compile']['tokens_per_s']:.2f}x "
+                     "the compiled bf16 run's tokens/s")
     if bf is not None:
         lines.append(f"- backends: {bf.get('backends')}")
     return lines

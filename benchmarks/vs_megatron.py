@@ -339,6 +339,8 @@ def main(argv=None) -> int:
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if device.index is None:  # set_device needs an index; Megatron's layers use the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if device.type != "cuda" and args.only != "ours" and cfg.model.position_embedding == "rope":
         print("error: megatron-core's RoPE needs CUDA; on CPU use --only ours (and --check-shapes), or "

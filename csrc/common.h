@@ -118,19 +118,4 @@ inline void check_remap_args(const at::Tensor& ids, const at::Tensor& lookup) {
   __builtin_unreachable();
 }
 
-// Raises the error that a lazily checked op left in its device's error record (constants.h:
-// {code, position, id, bound, lookup value}); returns for DM_ERR_NONE. The messages are those
-// the ops raise immediately on CPU.
-inline void raise_recorded(const int64_t* rec) {
-  switch (rec[0]) {
-    case DM_ERR_NONE: return;
-    case DM_ERR_GATHER: fail_id_out_of_range("gather_rows", rec[1], rec[2], rec[3]);
-    case DM_ERR_SCATTER_ADD: fail_id_out_of_range("scatter_add_rows", rec[1], rec[2], rec[3]);
-    case DM_ERR_SCATTER_MEAN: fail_id_out_of_range("scatter_mean_rows", rec[1], rec[2], rec[3]);
-    case DM_ERR_REMAP_RANGE: fail_remap_out_of_range(rec[1], rec[2], rec[3]);
-    case DM_ERR_REMAP_MISSING: fail_remap_missing(rec[1], rec[2], rec[4]);
-    default: TORCH_CHECK(false, "dept_mega: unknown error record code ", rec[0]);
-  }
-}
-
 }  // namespace dept_mega

@@ -20,10 +20,9 @@ TORCH_LIBRARY(dept_mega, m) {
   // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
   m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
   // Lazy error checks of the CUDA ops (no host synchronisation inside a call): the persistent
-  // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), and the
-  // exception a record describes (CPU kernel, takes a host copy of a record).
+  // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), decoded into
+  // the exception the CPU op raises by dept_mega.ops.check_errors.
   m.def("error_record(Tensor like) -> Tensor");
-  m.def("raise_recorded(Tensor record) -> ()");
 }
 
 extern "C" {

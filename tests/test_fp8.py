@@ -355,7 +355,8 @@ def test_fp8_linear_on_cuda_matches_cpu():
     x, w, gy = _operands(0)
     outs = []
     for dev in ("cpu", "cuda"):
-        xa, wa = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        # detached copies: leaves on each device (x itself becomes a leaf that requires grad on the CPU)
+        xa, wa = x.detach().to(dev).requires_grad_(), w.detach().to(dev).requires_grad_()
         y = fp8_linear(xa, wa, recipe)
         (y.float() * gy.to(dev)).sum().backward()
         outs.append([t.detach().float().cpu() for t in (y, xa.grad, wa.grad)])

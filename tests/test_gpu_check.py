@@ -17,7 +17,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "ops", "bf16", "fp8", "vocab250k", "memory", "megatron", "compile")
+STAGES = ("env", "tests", "ops_tests", "ops", "bf16", "fp8", "vocab250k", "memory", "megatron", "compile", "fp8_compile")
 
 
 def _run(out, *args, timeout=420):
@@ -40,7 +40,7 @@ def test_dry_run_writes_every_figure(tmp_path):
         want = "ok" if stage != "megatron" or megatron else "failed rc=1"
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "std_vocab250k", "bf16_compile"]
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "std_vocab250k", "bf16_compile", "fp8_compile"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[2]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
     kernels = (tmp_path / "kernels.txt").read_text()

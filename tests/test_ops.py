@@ -302,10 +302,9 @@ def test_scatter_error_leaves_table_unchanged(device, impl):
 
 def test_error_records_raise_the_immediate_errors():
     """The CUDA ops report invalid ids through a device error record {code, position, id,
-    bound, lookup value} (csrc/constants.h) that check_errors hands to raise_recorded: each
-    record raises exactly what the CPU op raises at once. (The CUDA kernels that write the
-    records run only on a GPU: tests/test_gpu.py.)"""
-    _require_extension()
+    bound, lookup value} (csrc/constants.h) that check_errors decodes: each record raises
+    exactly what the CPU op raises at once. (The CUDA kernels that write the records run only
+    on a GPU: the cuda variants of the tests above.)"""
     t, r = torch.zeros(4, 3), torch.ones(3, 3)
     i = torch.tensor([0, 4, 1])
     lookup = torch.tensor([0, -1, 1, -1, 2])
@@ -316,13 +315,12 @@ def test_error_records_raise_the_immediate_errors():
         ([4, 1, 7, 5, 0], lambda: ops.remap_ids(torch.tensor([0, 7, 1]), lookup)),
         ([5, 3, 3, 5, -1], lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup)),
     ]
+
+    def raise_record(record):
+        raise ops.recorded_error(record)
     for record, call in cases:
-        want = _error(call)
-        got = _error(torch.ops.dept_mega.raise_recorded, torch.tensor(record))
-        assert got == want, record
-    torch.ops.dept_mega.raise_recorded(torch.zeros(5, dtype=torch.long))  # no error: returns
-    with pytest.raises(ValueError, match="raise_recorded: expected an int64 tensor of 5"):
-        torch.ops.dept_mega.raise_recorded(torch.zeros(4, dtype=torch.long))
+        assert _error(raise_record, record) == _error(call), record
+    assert "unknown error record code 9" in str(ops.recorded_error([9, 0, 0, 0, 0]))
     ops.check_errors("cpu")  # CPU errors are immediate: nothing to check, returns
 
 

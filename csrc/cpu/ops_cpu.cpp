@@ -250,16 +250,6 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
   return out;
 }
 
-// record: a host int64[DM_ERR_RECORD_LEN] copy of a device's error record (ops_cuda.cpp).
-void raise_recorded_cpu(const at::Tensor& record) {
-  TORCH_CHECK_VALUE(record.dim() == 1 && record.numel() == DM_ERR_RECORD_LEN &&
-                        record.scalar_type() == at::kLong,
-                    "raise_recorded: expected an int64 tensor of ", DM_ERR_RECORD_LEN,
-                    " entries, got ", dtype_name(record.scalar_type()), " of shape ",
-                    record.sizes());
-  raise_recorded(record.contiguous().const_data_ptr<int64_t>());
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
@@ -267,7 +257,6 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cpu);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
   m.impl("remap_ids", &remap_ids_cpu);
-  m.impl("raise_recorded", &raise_recorded_cpu);
 }
 
 }  // namespace dept_mega

@@ -140,7 +140,22 @@ def check_errors(device: Union[str, torch.device, None] = None) -> None:
     if dev.type != "cuda" or backend(dev) != "cuda":
         return
     record = torch.ops.dept_mega.error_record(torch.empty(0, device=dev))
-    host = record.cpu()
-    if int(host[0]) != 0:
+    host = record.tolist()
+    if host[0] != 0:
         record.zero_()
-        torch.ops.dept_mega.raise_recorded(host)
+        raise recorded_error(host)
+
+
+def recorded_error(record: list[int]) -> Exception:
+    """The exception a CUDA error record {code, position, id, bound, lookup value}
+    (csrc/constants.h) stands for: exactly what the CPU op raises at once. Decoded here, not in
+    C++: on the first GPU run (torch 2.11, H100) raising it from a C++ op crashed the process."""
+    code, pos, gid, bound, value = record
+    ops = {1: "gather_rows", 2: "scatter_add_rows", 3: "scatter_mean_rows"}
+    if code in ops:
+        return fallback.id_out_of_range(ops[code], pos, gid, bound)
+    if code == 4:
+        return fallback.remap_out_of_range(pos, gid, bound)
+    if code == 5:
+        return fallback.remap_missing(pos, gid, value)
+    return RuntimeError(f"dept_mega: unknown error record code {code} in {record}")

@@ -81,6 +81,20 @@ def check_remap_args(ids: torch.Tensor, lookup: torch.Tensor) -> None:
     _check_same_device(op, ids, "ids", lookup, "lookup")
 
 
+def id_out_of_range(op: str, pos: int, gid: int, num_rows: int) -> IndexError:
+    return IndexError(f"{op}: ids[{pos}] = {gid} is out of range for a table of {num_rows} rows")
+
+
+def remap_out_of_range(pos: int, gid: int, size: int) -> IndexError:
+    return IndexError(f"remap_ids: global id {gid} at flat position {pos} is out of range "
+                      f"for a lookup of {size} entries")
+
+
+def remap_missing(pos: int, gid: int, value: int) -> ValueError:
+    return ValueError(f"remap_ids: global id {gid} (first at flat position {pos}) is not in "
+                      f"this source's vocabulary (lookup[{gid}] = {value})")
+
+
 def check_ids_in_range(op: str, ids: torch.Tensor, num_rows: int) -> None:
     """IndexError naming the first id outside [0, num_rows)."""
     if ids.numel() == 0:
@@ -88,8 +102,7 @@ def check_ids_in_range(op: str, ids: torch.Tensor, num_rows: int) -> None:
     bad = (ids < 0) | (ids >= num_rows)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
-        raise IndexError(f"{op}: ids[{pos}] = {int(ids[pos])} is out of range for a table of "
-                         f"{num_rows} rows")
+        raise id_out_of_range(op, pos, int(ids[pos]), num_rows)
 
 
 def _gather(table: torch.Tensor, ids: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -236,8 +249,6 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
         pos = int(bad.nonzero()[0, 0])
         gid = int(flat[pos])
         if not bool(in_range[pos]):
-            raise IndexError(f"remap_ids: global id {gid} at flat position {pos} is out of range "
-                             f"for a lookup of {size} entries")
-        raise ValueError(f"remap_ids: global id {gid} (first at flat position {pos}) is not in "
-                         f"this source's vocabulary (lookup[{gid}] = {int(vals[pos])})")
+            raise remap_out_of_range(pos, gid, size)
+        raise remap_missing(pos, gid, int(vals[pos]))
     return vals.to(ids.dtype).reshape(ids.shape).contiguous()
