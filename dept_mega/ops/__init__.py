@@ -72,7 +72,13 @@ def extension_status() -> ExtensionStatus:
 
 def _route(*tensors: torch.Tensor) -> bool:
     """True: call the compiled op. Mixed devices go to the fallback, which raises the same
-    ValueError as the compiled checks (the dispatcher would otherwise pick a device first)."""
+    ValueError as the compiled checks (the dispatcher would otherwise pick a device first).
+
+    For CUDA tensors the callers check the arguments in Python first (the same messages as the
+    C++ checks): on the first GPU run (H100, torch 2.11, the extension built there by the
+    image's /opt/gcc g++) a C++ exception thrown by a CUDA op's checks crashed the process
+    with a segmentation fault, while the CPU kernels' identical throws were caught. The C++
+    checks stay as the last line."""
     device = tensors[0].device
     if any(t.device != device for t in tensors[1:]):
         return False
@@ -102,6 +108,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """rows[i] = table[ids[i]] (see the module docstring)."""
     if _route(table, ids):
+        if table.is_cuda:
+            fallback.check_gather_args(table, ids, out_dtype)
         return torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
     return fallback.gather_rows(table, ids, out_dtype)
 
@@ -109,6 +117,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
 def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
+        if out.is_cuda:
+            fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
         torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
         return out
     return fallback.scatter_add_rows(out, ids, rows)
@@ -119,6 +129,8 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     """In place, per touched row r: table[r] = alpha * mean_r (or += with accumulate=True);
     returns ``table``."""
     if _route(table, ids, rows):
+        if table.is_cuda:
+            fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
         torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
@@ -127,6 +139,8 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
     if _route(ids, lookup):
+        if ids.is_cuda:
+            fallback.check_remap_args(ids, lookup)
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
 
