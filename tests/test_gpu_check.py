@@ -45,6 +45,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert rows[2]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
+    assert "# kernels: bf16_compile" in kernels
     # the memory stage: dept_costs.py given the vocabulary sizes (the config's tokenizers do not exist)
     assert "--global-vocab 1000 --source-vocab 1000 --memory" in log
     mem = json.loads((tmp_path / "memory.json").read_text())
