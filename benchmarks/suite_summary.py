@@ -152,7 +152,8 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         o, m = vs.get("ours", {}), vs.get("megatron", {})
         lines += ["", f"## Megatron-core {vs.get('megatron_core_version')} side by side", "",
                   f"- both: precision {vs.get('precision')}, micro-batch {vs.get('micro_batch_size')}, attention "
-                  f"{vs.get('attention')}, positions {vs.get('ours_position')}",
+                  f"{vs.get('attention')}, positions {vs.get('ours_position')}, gradient accumulation "
+                  f"{vs.get('grad_accumulation', 'bf16 on the Megatron side (before 2026-11-26)')}",
                   f"- ours {_fmt(o.get('tokens_per_s'))} tokens/s ({_fmt(o.get('peak_mem_gb'), '.1f')} GB), "
                   f"megatron {_fmt(m.get('tokens_per_s'))} tokens/s ({_fmt(m.get('peak_mem_gb'), '.1f')} GB), "
                   f"ratio {_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0)"]

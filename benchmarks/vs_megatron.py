@@ -15,7 +15,9 @@ precision and with the same attention kernel (both printed and written to the JS
   activations in that dtype and the optimizer updates fp32 master weights (ours: the trainer's
   mixed precision; Megatron: ``params_dtype`` / ``bf16`` in its config, the model cast as its
   ``Float16Module`` casts it, and :class:`MasterAdamW` below, the update of Megatron's
-  ``Float16OptimizerWithFloat16Params`` without its distributed machinery);
+  ``Float16OptimizerWithFloat16Params`` without its distributed machinery); both accumulate
+  the micro-batches' gradients in fp32 (ours: the trainer's gradient buffer; Megatron: the
+  ``main_grad`` of its ``DistributedDataParallel``, reproduced by :class:`MasterAdamW`);
 * attention: ``torch.nn.functional.scaled_dot_product_attention``, causal, no bias, on both
   sides (ours: ``model.attention_backend=sdpa``; Megatron: its local spec with the core
   attention replaced by :class:`SDPACoreAttention`, since its own local ``DotProductAttention``
@@ -119,7 +121,8 @@ def model_dtype(cfg: Config) -> torch.dtype:
 def describe_setup(cfg: Config) -> dict:
     """What both sides share, for the output: precision, micro-batch, attention."""
     return {"precision": cfg.precision, "micro_batch_size": cfg.train.micro_batch_size, "attention": ATTENTION,
-            "positions": cfg.model.position_embedding}
+            "positions": cfg.model.position_embedding,
+            "grad_accumulation": "fp32" if cfg.precision in ("bf16", "fp16") else "autograd (fp32 weights)"}
 
 
 def megatron_config(cfg: Config, device: torch.device):
@@ -188,30 +191,44 @@ def build_megatron(cfg: Config, vocab: int, device: torch.device):
 
 
 class MasterAdamW:
-    """AdamW on fp32 master copies of half-precision weights (fused on CUDA, foreach on CPU):
-    each step turns the weights' gradients into fp32, clips them by their global norm, updates
-    the masters and copies them back into the weights. For fp32 weights the masters are the
-    weights themselves."""
+    """AdamW on fp32 master copies of half-precision weights (fused on CUDA, foreach on CPU),
+    with the gradient accumulation of megatron-core's ``DistributedDataParallel`` under bf16
+    (``grad_reduce_in_fp32``, Megatron-LM's default for bf16): after each micro-batch's backward
+    a hook adds the weight's half-precision gradient into an fp32 ``main_grad`` and frees it, as
+    Megatron's DDP hook does (its buffers need CUDA, so the hook is reproduced here). Each step
+    clips the fp32 gradients by their global norm, updates the masters and copies them back into
+    the weights. For fp32 weights the masters are the weights and autograd accumulates."""
 
     def __init__(self, params, cfg: Config, device: torch.device) -> None:
         from dept_mega.optim import param_groups
         self.params = [p for p in params if p.requires_grad]
         self.half = any(p.dtype != torch.float32 for p in self.params)
         self.masters = ([p.detach().float().requires_grad_() for p in self.params] if self.half else self.params)
+        if self.half:
+            for p in self.params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                p.register_post_accumulate_grad_hook(self._accumulate)
         o = cfg.optim
         self.clip = o.clip_grad
         kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.opt = torch.optim.AdamW(param_groups(self.masters, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
                                      eps=o.eps, **kwargs)
 
+    @staticmethod
+    def _accumulate(p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+            if self.half:
+                p.main_grad.zero_()
 
     def step(self) -> None:
         if self.half:
             for p, m in zip(self.params, self.masters):
-                m.grad = p.grad.float() if p.grad is not None else None
+                m.grad = p.main_grad
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.masters, self.clip, foreach=True)
         self.opt.step()

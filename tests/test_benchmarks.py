@@ -71,6 +71,11 @@ def test_vs_megatron_both_sides_in_the_same_precision_on_cpu():
     _floating_outputs(theirs.decoder.modules(), seen_theirs)
     losses: list = []
     vm.megatron_step(cfg, theirs, 300, device, losses)(0)
+    # Megatron's DDP accumulation: fp32 main_grad per weight, the bf16 .grad freed by the hook
+    assert setup["grad_accumulation"] == "fp32"
+    for p in theirs.parameters():
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+    assert sum(float(p.main_grad.norm()) for p in theirs.parameters()) > 0
     ours = Trainer(cfg, build_groups(), device, vocab_size=300)
     seen_ours: set = set()
     _floating_outputs([m for st in ours.stages for m in st.modules() if m is not st], seen_ours)
