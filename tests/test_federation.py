@@ -99,6 +99,9 @@ SAME_MATH = {
     "glob-int8-fragments-nesterov": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
                                      "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
                                      "dept.outer_optimizer.lr=0.7"),
+    # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state
+    "trim-nesterov": ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
+                      "dept.outer_optimizer.lr=0.7"),
 }
 
 
@@ -135,7 +138,12 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
     per_job = [_records(run, "outer") for run in runs]
     from dept_mega.run_inputs import vocab_size_of
     job_cfg = load_config(os.path.join(runs[0], "config.yaml"))
-    predicted = predict_outer_round_bytes(job_cfg, SOURCES, global_vocab=vocab_size_of(job_cfg))
+    trim = None
+    if job_cfg.dept.variant == "trim":  # |V_k| of each group's source, from its data (cost_vocabs)
+        from dept_mega.dept.cost_vocabs import resolve_vocabs
+        trim = list(resolve_vocabs(job_cfg).trim_vocabs.values())
+        assert len(trim) == SOURCES
+    predicted = predict_outer_round_bytes(job_cfg, SOURCES, global_vocab=vocab_size_of(job_cfg), trim_vocabs=trim)
     for r, rec in enumerate(single_outer):
         assert all(job[r]["groups"] == [0, 1, 2] for job in per_job)
         for cat in ("outer_body", "outer_embedding"):
@@ -180,7 +188,7 @@ def test_bad_input(tmp_path):
 
 
 @pytest.mark.parametrize("override,want", [
-    ("dept.variant=trim", "'dept.variant': trim"),
+    ("dept.variant=std", "'dept.variant': std"),
     ("dept.outer_overlap=true", "'dept.outer_overlap': true"),
     ("federation.groups=2", "'data.sources': 3 sources for federation.groups = 2"),
     ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),

@@ -100,7 +100,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
     if not host or not port.isdigit():
         raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
     d = cfg.dept
-    refusals = [("dept.variant", d.variant in ("std", "trim"), f"{d.variant} (federation supports glob, spec, spec_opt)"),
+    refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
+                                                     "spec_opt)"),
                 ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking: a healing group receives "
                                                         "θ_{t-1} and the outer state, not an exchange in flight)"),
                 ("data.sources", len(cfg.data.sources) != f.groups,
@@ -140,6 +141,10 @@ class FederatedOuter(CrossJob):
         """The participating groups' shards, in group order (quantised outer syncs)."""
         return self.federation.all_gather_into(out, shard, comm, category)
 
+    def atomic(self, fn, comm):
+        """``fn()``'s collectives on this communicator as one exchange (TRIM's row exchange)."""
+        return self.federation.atomic(fn, comm)
+
 
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
@@ -168,6 +173,8 @@ class Federation:
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
         self.syncs: dict[str, Any] = {}
+        self.strategy = None  # the variant's strategy (attach)
+        self._nested: Optional[list] = None  # inside atomic(): the (category, bytes) of its collectives
         self.round = 0
         self._just_healed = False
         self._loop = None  # the training loop (its writer and step), from the first round start
@@ -181,17 +188,22 @@ class Federation:
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
 
     # ------------------------------------------------------------------ healing state
-    def attach(self, syncs: dict) -> None:
-        """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)."""
+    def attach(self, syncs: dict, strategy=None) -> None:
+        """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)
+        and the variant's strategy, whose own state (``STATE_KEYS``: TRIM's φ and φ_head with
+        their rows' outer optimizer state, its learned positions and their sync) every group
+        holds the same at a round start."""
         self.syncs = dict(syncs)
+        self.strategy = strategy
         if self.dump is not None:
             self.dump.watch(self.syncs)
 
     def _replicated_state(self) -> dict:
         """What a healing group receives from this one (called on torchft's quorum thread
         while this job's main thread waits for the quorum)."""
+        own = self.strategy.state_dict() if self.strategy is not None and self.strategy.STATE_KEYS else {}
         return {"round": self.round, "agree": self.hashes,
-                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}}
+                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
         mine = self.hashes
@@ -240,6 +252,8 @@ class Federation:
             for k, s in self.syncs.items():
                 s.load_state_dict(healed["syncs"][k])
                 s.write_reference()
+            if healed["strategy"]:  # TRIM's φ: the next install fills the source's compact table from it
+                self.strategy.load_state_dict(healed["strategy"])
             round_index = self.round = int(healed["round"])
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
@@ -255,7 +269,7 @@ class Federation:
         the loop's step moves to the start of the peers' round (the LR schedule and the data
         position follow the run's step). Returns the round to train."""
         if not self.syncs:
-            self.attach(hooks.outer_syncs())
+            self.attach(hooks.outer_syncs(), hooks.strategy)
         tr, self._loop = loop.trainer, loop
         r, healed = self.round_start(round_index, loop.writer, tr.step)
         self._just_healed = healed
@@ -317,7 +331,7 @@ class Federation:
         def run() -> None:
             self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
-        self._exchange(run, lambda: t.copy_(saved), comm, category, t.numel() * t.element_size())
+        self._exchange(run, lambda: t.copy_(saved), comm, [(category, t.numel() * t.element_size())])
         return t
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
@@ -341,12 +355,39 @@ class Federation:
             for part, g in zip(parts, self.order):
                 out.narrow(0, self.members.index(g) * shard.shape[0], shard.shape[0]).copy_(part)
 
-        self._exchange(run, lambda: None, comm, category, shard.numel() * shard.element_size())
+        self._exchange(run, lambda: None, comm, [(category, shard.numel() * shard.element_size())])
         return out
 
-    def _exchange(self, run, restore, comm, category: str, nbytes: int) -> None:
+    def atomic(self, fn, comm):
+        """``fn()``, whose collectives on :class:`FederatedOuter` depend on each other (TRIM's
+        row exchange: counts, then ids, then rows sized by the counts), as **one** exchange:
+        committed once, and on a failure redone whole with the survivors (a group dying
+        between two of them would otherwise leave sizes of one quorum and rows of another).
+        Returns what ``fn`` returned in the committed try."""
+        result: list = []
+
+        def run() -> None:
+            result.clear()
+            self._nested = []
+            try:
+                result.append(fn())
+            finally:
+                counts, self._nested = self._nested, None
+                result.append(counts)
+
+        self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
+        return result[0]
+
+    def _exchange(self, run, restore, comm, counts) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
-        (``should_commit``); else ``restore()`` and again with the survivors' quorum."""
+        (``should_commit``); else ``restore()`` and again with the survivors' quorum.
+        ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
+        counted once, when committed. Inside :meth:`atomic` the collective runs at once and
+        its failure is raised to :meth:`atomic`'s exchange."""
+        if self._nested is not None:
+            run()
+            self._nested.extend(counts)
+            return
         waited = time.monotonic()
         while True:
             if self.manager.errored() is None:
@@ -355,7 +396,8 @@ class Federation:
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
-                comm.count(category, nbytes)
+                for category, nbytes in (counts() if callable(counts) else counts):
+                    comm.count(category, nbytes)
                 self.round_groups = list(self.members)
                 return
             gone = time.monotonic() - waited
