@@ -342,3 +342,35 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     for w in bodies[1:]:
         for k in keys:
             assert (w[k] == bodies[0][k]).all(), k
+
+
+def test_quorum_ranks_from_torchft_configure():
+    """Which group each rank of an exchange is comes from the ``global_ranks`` argument that
+    torchft's Manager passes to the process group's ``configure`` (a public argument):
+    recorded by federation.recording(); a torchft whose configure lost it fails loudly."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from dept_mega.dept.federation import recording
+    for cls in (ProcessGroupGloo, ProcessGroupNCCL):
+        assert "global_ranks" in __import__("inspect").signature(cls.configure).parameters, cls
+        recording(cls)
+    # the Manager passes it by keyword or by position: both recorded
+    seen = []
+
+    class Base:
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            seen.append(global_ranks)
+
+    pg = recording(Base)()
+    pg.configure("a", "r", 0, 2, 1, 0, 1, [3, 1])
+    assert pg.quorum_ranks == [3, 1] and seen == [[3, 1]]
+    pg.configure("a", "r", 0, 2, quorum_id=2, global_ranks=[1])
+    assert pg.quorum_ranks == [1]
+
+    class Old:
+        def configure(self, store_addr, replica_id, rank, world_size):
+            pass
+
+    with pytest.raises(RuntimeError, match="no global_ranks argument"):
+        recording(Old)

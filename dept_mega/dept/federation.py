@@ -25,12 +25,14 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   (a collective over every group) and by a healing group against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
 What torchft does not do and this module adds: the checks, the round ↔ step mapping and the
-jump of a healed group, the participants' group indices (from torchft's ``global_ranks``:
-replica ids end with the group index) for the ``membership`` and ``outer`` records.
+jump of a healed group, the participants' group indices (from the ``global_ranks`` torchft's
+Manager passes to the process group's ``configure``, :func:`recording`: replica ids end with
+the group index) for the ``membership`` and ``outer`` records.
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import socket
@@ -121,6 +123,30 @@ def check_reachable(host: str, port: int, timeout_s: float) -> None:
         raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
 
 
+def recording(cls):
+    """``cls`` (a torchft process group) that records the ``global_ranks`` argument torchft's
+    Manager passes to :meth:`configure` at every reconfiguration: the ranks of the quorum's
+    replica groups (group index × job size + rank in the job), in the process group's rank
+    order — which group each rank of an exchange is. ``global_ranks`` is a documented
+    argument of torchft's ``ProcessGroup.configure``; torchft itself keeps it only in a
+    private attribute. Fails at once if torchft's signature no longer has it (tested)."""
+    if "global_ranks" not in inspect.signature(cls.configure).parameters:
+        raise RuntimeError(f"federation: torchft's {cls.__name__}.configure has no global_ranks argument "
+                           "(torchft changed; dept_mega/dept/federation.py, recording())")
+
+    class Recording(cls):
+        quorum_ranks: Optional[list] = None
+
+        def configure(self, *args, **kwargs) -> None:
+            bound = inspect.signature(cls.configure).bind(self, *args, **kwargs)
+            ranks = bound.arguments.get("global_ranks")
+            self.quorum_ranks = list(ranks) if ranks is not None else None
+            super().configure(*args, **kwargs)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    return Recording
+
+
 class FederatedOuter(CrossJob):
     """Stands for ``pg.outer`` in a group job: the cross-group communicator of the outer sync
     (``parallel.comm`` dispatches its collectives here). ``size()`` is the number of groups
@@ -158,7 +184,7 @@ class Federation:
         self.hashes = agree_hashes(cfg)
         check_reachable(host, port, f.timeout_s)
         timeout = timedelta(seconds=f.timeout_s)
-        self.process_group = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+        self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -219,7 +245,10 @@ class Federation:
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
         self.manager.start_quorum(**kw)
-        ranks = self.process_group._global_ranks or [self.pg.rank]
+        ranks = self.process_group.quorum_ranks
+        if ranks is None:
+            raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
+                               "(torchft changed: dept_mega/dept/federation.py, recording())")
         W = self.pg.group_size
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
