@@ -255,18 +255,27 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     extra = (f"train.save_interval={L}",)
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
-    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s, env=env)
+    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
+    go = str(tmp_path / "go")
+    # test hooks (federation_dump.py), instead of racing the jobs' progress: group 2 stops before
+    # round 2's exchange (killed there); group 0 waits at round 6's start until both late
+    # groups run (group 1 waits with it: min_groups 2), so they join before the run ends
+    hold = {0: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
     procs, late = [], []
     try:
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra, **kw) for g in range(3)]
-        _wait_for(lambda: any(s > 2 * L for s in _steps(runs[2])) or procs[2].poll() is not None,
-                  "group 2 did not reach round 2")
-        assert procs[2].poll() is None, "group 2 ended before round 2"
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
+                        else env, **kw) for g in range(3)]
+        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
+                  "group 2 did not reach round 2's exchange")
+        assert procs[2].poll() is None, "group 2 ended before round 2's exchange"
         os.kill(procs[2].pid, signal.SIGKILL)
         procs[2].wait()
         ckpts = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(runs[2], "checkpoints"))
                        if d.startswith("step_"))
-        late = [_group(cfg, runs[g], lh.addr, g, *extra, **kw) for g in (2, 3)]
+        late = [_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
+        _wait_for(lambda: all(_started(dump, g, p.pid) or p.poll() is not None for g, p in zip((2, 3), late)),
+                  "the late groups did not start")
+        open(go, "w").close()
         outs = _finish(procs[:2] + late, timeout=240)
     finally:
         for p in procs + late:
@@ -280,7 +289,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     for r, rec in outer[0].items():
         assert rec["groups"] == outer[1][r]["groups"]
     two = [r for r, rec in outer[0].items() if rec["groups"] == [0, 1]]
-    assert two and min(two) == 2, "round 2 was not completed by the two survivors alone"
+    assert two and min(two) == 2 and outer[0][1]["groups"] == [0, 1, 2], "round 2 was not completed by the two alone"
     assert max(rec["seconds"] for rec in outer[0].values()) < timeout_s + 5  # the wait is bounded
     # the average of every round is over the groups that took part, from their own pseudo-gradients
     dumps = [_dumps(dump, g) for g in range(G)]
@@ -374,3 +383,64 @@ def test_quorum_ranks_from_torchft_configure():
 
     with pytest.raises(RuntimeError, match="no global_ranks argument"):
         recording(Old)
+
+
+def _started(root, g, pid):
+    return os.path.exists(os.path.join(root, f"g{g}_rank0_started{pid}"))
+
+
+def test_trim_group_leaves_and_rejoins(tmp_path):
+    """TRIM, two groups: group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
+    group 0 trains rounds 2 and 3 alone (its φ moves on) and holds at round 4's start until
+    group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
+    it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
+    older — while its compact table's AdamW state is its checkpoint's; right after its first
+    sync its φ and body equal group 0's, and both finish with the same φ and body."""
+    import torch
+    L, steps, G = 2, 16, 2
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
+    trim = ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
+            "dept.outer_optimizer.lr=0.7", f"train.save_interval={L}")
+    kw = dict(groups=G, min_groups=1, timeout_s=15)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    lh = Lighthouse(min_groups=1)
+    procs = []
+    try:
+        procs = [_group(cfg, runs[0], lh.addr, 0, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
+                                                                 DEPT_FEDERATION_HOLD=f"4:start:{go}"), **kw),
+                 _group(cfg, runs[1], lh.addr, 1, *trim, f"train.exit_interval={2 * L}",
+                        env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)]
+        first = _finish(procs[1:])[0]
+        assert procs[1].returncode == 0, first[-3000:]
+        again = _group(cfg, runs[1], lh.addr, 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
+        procs.append(again)
+        _wait_for(lambda: _started(dump, 1, again.pid) or again.poll() is not None, "group 1 did not start again")
+        open(go, "w").close()
+        outs = _finish([procs[0], again], timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip([procs[0], again], outs):
+        assert p.returncode == 0, out[-3000:]
+    outer = {r["round"]: r["groups"] for r in _records(runs[0], "outer")}
+    assert sorted(outer) == list(range(steps // L))
+    assert outer[0] == outer[1] == [0, 1] and outer[2] == outer[3] == [0]
+    (joined, heal), = _dumps(dump, 1, "heal").items()
+    assert joined >= 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
+    d0, d1 = _dumps(dump, 0), _dumps(dump, 1)
+    # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
+    assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
+    assert not torch.equal(heal["phi"], d1[1]["phi"])
+    # its compact table's inner optimizer state is its checkpoint's (step 2L)
+    hooks = torch.load(os.path.join(runs[1], "checkpoints", f"step_{2 * L}", "hooks_rank0.pt"), weights_only=False)
+    opt = hooks["installed_state"]["optimizer"]["state"]
+    assert opt and sorted(opt) == sorted(heal["optimizer"]["state"])
+    for i, st in opt.items():
+        for k, v in st.items():
+            assert torch.equal(heal["optimizer"]["state"][i][k], v), (i, k)
+    for r in range(joined, steps // L):  # the same φ and body from its first sync on
+        assert torch.equal(d1[r]["phi"], d0[r]["phi"]), r
+        assert torch.equal(d1[r]["body"], d0[r]["body"]), r

@@ -212,6 +212,8 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        if self.dump is not None:
+            self.dump.started()
 
     # ------------------------------------------------------------------ healing state
     def attach(self, syncs: dict, strategy=None) -> None:
@@ -300,6 +302,8 @@ class Federation:
         if not self.syncs:
             self.attach(hooks.outer_syncs(), hooks.strategy)
         tr, self._loop = loop.trainer, loop
+        if self.dump is not None:
+            self.dump.hold(round_index, "start")
         r, healed = self.round_start(round_index, loop.writer, tr.step)
         self._just_healed = healed
         if healed:
@@ -312,13 +316,13 @@ class Federation:
     def round_begun(self, hooks) -> None:
         """``DeptHooks.round_start``'s last call, this round's source installed."""
         if self._just_healed and self.dump is not None:
-            self.dump.healed(self.round, hooks.installed, hooks.trainer)
+            self.dump.healed(self.round, hooks.installed, hooks.trainer, hooks.strategy)
         self._just_healed = False
 
     def round_done(self, hooks) -> list[int]:
         """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
         if self.dump is not None:
-            self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer)
+            self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
     def _any(self, flag: bool) -> bool:
@@ -417,6 +421,8 @@ class Federation:
             run()
             self._nested.extend(counts)
             return
+        if self.dump is not None:
+            self.dump.hold(self.round, "exchange")
         waited = time.monotonic()
         while True:
             if self.manager.errored() is None:
