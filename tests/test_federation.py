@@ -55,8 +55,9 @@ class Lighthouse:
         self.proc.wait()
 
 
-def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV):
-    cmd = [sys.executable, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
+def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
            f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
            f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
     # output to a file: torchft logs every quorum, and a full pipe would stop the job
@@ -151,6 +152,33 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
         if r < len(single_outer) - 1:  # (the run's last round re-syncs the fragments once more)
             assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
             assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"]
+
+
+def test_two_rank_group_jobs_equal_the_single_job(tmp_path):
+    """Group jobs of two ranks each (data parallel 2, the distributed optimizer: masters and
+    AdamW moments sharded over the job's two ranks; TRIM's φ row-sharded over them, its rows'
+    exchange split between the replicas, each replica's own committed exchange): two group
+    jobs give the fp32 losses of the single 4-rank job, per source."""
+    cfg = _config(str(tmp_path), steps=4, sources=2)
+    extra = ("parallel.data=2", "optim.distributed=true", "train.global_batch_size=4", "dept.variant=trim",
+             "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
+    lh = Lighthouse(min_groups=2)
+    try:
+        runs = [str(tmp_path / f"g{g}") for g in range(2)]
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2) for g in range(2)]
+        outs = _finish(procs)
+    finally:
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    _single_job(cfg, str(tmp_path / "single"), 4, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    names = list(single[1])
+    for g, run in enumerate(runs):
+        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        assert sorted(mine) == sorted(single) == [1, 2, 3, 4]
+        for step, by in mine.items():
+            assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
 
 
 def _bad(out):
