@@ -15,11 +15,12 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
   all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
   failed exchange (a group died) is redone with the survivors' quorum
-  (``shrink_only``) from the same pseudo-gradient.
+  (``shrink_only``) from the same pseudo-gradient; exchanges whose sizes depend on each other
+  (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
   joins at their next round start and receives from a live peer what is replicated across
-  groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables) and
-  the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
+  groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
+  the strategy's own state (TRIM's φ, its rows' outer state, positions) and the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
   and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
 - **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
   (a collective over every group) and by a healing group against its peer's; a group index
