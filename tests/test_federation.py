@@ -55,8 +55,9 @@ class Lighthouse:
         self.proc.wait()
 
 
-def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV):
-    cmd = [sys.executable, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
+def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
            f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
            f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
     # output to a file: torchft logs every quorum, and a full pipe would stop the job
@@ -99,6 +100,9 @@ SAME_MATH = {
     "glob-int8-fragments-nesterov": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
                                      "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
                                      "dept.outer_optimizer.lr=0.7"),
+    # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state
+    "trim-nesterov": ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
+                      "dept.outer_optimizer.lr=0.7"),
 }
 
 
@@ -135,7 +139,12 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
     per_job = [_records(run, "outer") for run in runs]
     from dept_mega.run_inputs import vocab_size_of
     job_cfg = load_config(os.path.join(runs[0], "config.yaml"))
-    predicted = predict_outer_round_bytes(job_cfg, SOURCES, global_vocab=vocab_size_of(job_cfg))
+    trim = None
+    if job_cfg.dept.variant == "trim":  # |V_k| of each group's source, from its data (cost_vocabs)
+        from dept_mega.dept.cost_vocabs import resolve_vocabs
+        trim = list(resolve_vocabs(job_cfg).trim_vocabs.values())
+        assert len(trim) == SOURCES
+    predicted = predict_outer_round_bytes(job_cfg, SOURCES, global_vocab=vocab_size_of(job_cfg), trim_vocabs=trim)
     for r, rec in enumerate(single_outer):
         assert all(job[r]["groups"] == [0, 1, 2] for job in per_job)
         for cat in ("outer_body", "outer_embedding"):
@@ -143,6 +152,33 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
         if r < len(single_outer) - 1:  # (the run's last round re-syncs the fragments once more)
             assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
             assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"]
+
+
+def test_two_rank_group_jobs_equal_the_single_job(tmp_path):
+    """Group jobs of two ranks each (data parallel 2, the distributed optimizer: masters and
+    AdamW moments sharded over the job's two ranks; TRIM's φ row-sharded over them, its rows'
+    exchange split between the replicas, each replica's own committed exchange): two group
+    jobs give the fp32 losses of the single 4-rank job, per source."""
+    cfg = _config(str(tmp_path), steps=4, sources=2)
+    extra = ("parallel.data=2", "optim.distributed=true", "train.global_batch_size=4", "dept.variant=trim",
+             "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
+    lh = Lighthouse(min_groups=2)
+    try:
+        runs = [str(tmp_path / f"g{g}") for g in range(2)]
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2) for g in range(2)]
+        outs = _finish(procs)
+    finally:
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    _single_job(cfg, str(tmp_path / "single"), 4, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    names = list(single[1])
+    for g, run in enumerate(runs):
+        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        assert sorted(mine) == sorted(single) == [1, 2, 3, 4]
+        for step, by in mine.items():
+            assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
 
 
 def _bad(out):
@@ -180,7 +216,7 @@ def test_bad_input(tmp_path):
 
 
 @pytest.mark.parametrize("override,want", [
-    ("dept.variant=trim", "'dept.variant': trim"),
+    ("dept.variant=std", "'dept.variant': std"),
     ("dept.outer_overlap=true", "'dept.outer_overlap': true"),
     ("federation.groups=2", "'data.sources': 3 sources for federation.groups = 2"),
     ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),
@@ -247,18 +283,27 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     extra = (f"train.save_interval={L}",)
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
-    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s, env=env)
+    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
+    go = str(tmp_path / "go")
+    # test hooks (federation_dump.py), instead of racing the jobs' progress: group 2 stops before
+    # round 2's exchange (killed there); group 0 waits at round 6's start until both late
+    # groups run (group 1 waits with it: min_groups 2), so they join before the run ends
+    hold = {0: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
     procs, late = [], []
     try:
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra, **kw) for g in range(3)]
-        _wait_for(lambda: any(s > 2 * L for s in _steps(runs[2])) or procs[2].poll() is not None,
-                  "group 2 did not reach round 2")
-        assert procs[2].poll() is None, "group 2 ended before round 2"
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
+                        else env, **kw) for g in range(3)]
+        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
+                  "group 2 did not reach round 2's exchange")
+        assert procs[2].poll() is None, "group 2 ended before round 2's exchange"
         os.kill(procs[2].pid, signal.SIGKILL)
         procs[2].wait()
         ckpts = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(runs[2], "checkpoints"))
                        if d.startswith("step_"))
-        late = [_group(cfg, runs[g], lh.addr, g, *extra, **kw) for g in (2, 3)]
+        late = [_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
+        _wait_for(lambda: all(_started(dump, g, p.pid) or p.poll() is not None for g, p in zip((2, 3), late)),
+                  "the late groups did not start")
+        open(go, "w").close()
         outs = _finish(procs[:2] + late, timeout=240)
     finally:
         for p in procs + late:
@@ -272,7 +317,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     for r, rec in outer[0].items():
         assert rec["groups"] == outer[1][r]["groups"]
     two = [r for r, rec in outer[0].items() if rec["groups"] == [0, 1]]
-    assert two and min(two) == 2, "round 2 was not completed by the two survivors alone"
+    assert two and min(two) == 2 and outer[0][1]["groups"] == [0, 1, 2], "round 2 was not completed by the two alone"
     assert max(rec["seconds"] for rec in outer[0].values()) < timeout_s + 5  # the wait is bounded
     # the average of every round is over the groups that took part, from their own pseudo-gradients
     dumps = [_dumps(dump, g) for g in range(G)]
@@ -334,3 +379,96 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     for w in bodies[1:]:
         for k in keys:
             assert (w[k] == bodies[0][k]).all(), k
+
+
+def test_quorum_ranks_from_torchft_configure():
+    """Which group each rank of an exchange is comes from the ``global_ranks`` argument that
+    torchft's Manager passes to the process group's ``configure`` (a public argument):
+    recorded by federation.recording(); a torchft whose configure lost it fails loudly."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from dept_mega.dept.federation import recording
+    for cls in (ProcessGroupGloo, ProcessGroupNCCL):
+        assert "global_ranks" in __import__("inspect").signature(cls.configure).parameters, cls
+        recording(cls)
+    # the Manager passes it by keyword or by position: both recorded
+    seen = []
+
+    class Base:
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            seen.append(global_ranks)
+
+    pg = recording(Base)()
+    pg.configure("a", "r", 0, 2, 1, 0, 1, [3, 1])
+    assert pg.quorum_ranks == [3, 1] and seen == [[3, 1]]
+    pg.configure("a", "r", 0, 2, quorum_id=2, global_ranks=[1])
+    assert pg.quorum_ranks == [1]
+
+    class Old:
+        def configure(self, store_addr, replica_id, rank, world_size):
+            pass
+
+    with pytest.raises(RuntimeError, match="no global_ranks argument"):
+        recording(Old)
+
+
+def _started(root, g, pid):
+    return os.path.exists(os.path.join(root, f"g{g}_rank0_started{pid}"))
+
+
+def test_trim_group_leaves_and_rejoins(tmp_path):
+    """TRIM, two groups: group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
+    group 0 trains rounds 2 and 3 alone (its φ moves on) and holds at round 4's start until
+    group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
+    it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
+    older — while its compact table's AdamW state is its checkpoint's; right after its first
+    sync its φ and body equal group 0's, and both finish with the same φ and body."""
+    import torch
+    L, steps, G = 2, 16, 2
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
+    trim = ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
+            "dept.outer_optimizer.lr=0.7", f"train.save_interval={L}")
+    kw = dict(groups=G, min_groups=1, timeout_s=15)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    lh = Lighthouse(min_groups=1)
+    procs = []
+    try:
+        procs = [_group(cfg, runs[0], lh.addr, 0, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
+                                                                 DEPT_FEDERATION_HOLD=f"4:start:{go}"), **kw),
+                 _group(cfg, runs[1], lh.addr, 1, *trim, f"train.exit_interval={2 * L}",
+                        env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)]
+        first = _finish(procs[1:])[0]
+        assert procs[1].returncode == 0, first[-3000:]
+        again = _group(cfg, runs[1], lh.addr, 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
+        procs.append(again)
+        _wait_for(lambda: _started(dump, 1, again.pid) or again.poll() is not None, "group 1 did not start again")
+        open(go, "w").close()
+        outs = _finish([procs[0], again], timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip([procs[0], again], outs):
+        assert p.returncode == 0, out[-3000:]
+    outer = {r["round"]: r["groups"] for r in _records(runs[0], "outer")}
+    assert sorted(outer) == list(range(steps // L))
+    assert outer[0] == outer[1] == [0, 1] and outer[2] == outer[3] == [0]
+    (joined, heal), = _dumps(dump, 1, "heal").items()
+    assert joined >= 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
+    d0, d1 = _dumps(dump, 0), _dumps(dump, 1)
+    # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
+    assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
+    assert not torch.equal(heal["phi"], d1[1]["phi"])
+    # its compact table's inner optimizer state is its checkpoint's (step 2L)
+    hooks = torch.load(os.path.join(runs[1], "checkpoints", f"step_{2 * L}", "hooks_rank0.pt"), weights_only=False)
+    opt = hooks["installed_state"]["optimizer"]["state"]
+    assert opt and sorted(opt) == sorted(heal["optimizer"]["state"])
+    for i, st in opt.items():
+        for k, v in st.items():
+            assert torch.equal(heal["optimizer"]["state"][i][k], v), (i, k)
+    for r in range(joined, steps // L):  # the same φ and body from its first sync on
+        assert torch.equal(d1[r]["phi"], d0[r]["phi"]), r
+        assert torch.equal(d1[r]["body"], d0[r]["body"]), r

@@ -15,22 +15,25 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
   all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
   failed exchange (a group died) is redone with the survivors' quorum
-  (``shrink_only``) from the same pseudo-gradient.
+  (``shrink_only``) from the same pseudo-gradient; exchanges whose sizes depend on each other
+  (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
   joins at their next round start and receives from a live peer what is replicated across
-  groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables) and
-  the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
+  groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
+  the strategy's own state (TRIM's φ, its rows' outer state, positions) and the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
   and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
 - **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
   (a collective over every group) and by a healing group against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
 What torchft does not do and this module adds: the checks, the round ↔ step mapping and the
-jump of a healed group, the participants' group indices (from torchft's ``global_ranks``:
-replica ids end with the group index) for the ``membership`` and ``outer`` records.
+jump of a healed group, the participants' group indices (from the ``global_ranks`` torchft's
+Manager passes to the process group's ``configure``, :func:`recording`: replica ids end with
+the group index) for the ``membership`` and ``outer`` records.
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import socket
@@ -100,7 +103,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
     if not host or not port.isdigit():
         raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
     d = cfg.dept
-    refusals = [("dept.variant", d.variant in ("std", "trim"), f"{d.variant} (federation supports glob, spec, spec_opt)"),
+    refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
+                                                     "spec_opt)"),
                 ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking: a healing group receives "
                                                         "θ_{t-1} and the outer state, not an exchange in flight)"),
                 ("data.sources", len(cfg.data.sources) != f.groups,
@@ -118,6 +122,30 @@ def check_reachable(host: str, port: int, timeout_s: float) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
+
+
+def recording(cls):
+    """``cls`` (a torchft process group) that records the ``global_ranks`` argument torchft's
+    Manager passes to :meth:`configure` at every reconfiguration: the ranks of the quorum's
+    replica groups (group index × job size + rank in the job), in the process group's rank
+    order — which group each rank of an exchange is. ``global_ranks`` is a documented
+    argument of torchft's ``ProcessGroup.configure``; torchft itself keeps it only in a
+    private attribute. Fails at once if torchft's signature no longer has it (tested)."""
+    if "global_ranks" not in inspect.signature(cls.configure).parameters:
+        raise RuntimeError(f"federation: torchft's {cls.__name__}.configure has no global_ranks argument "
+                           "(torchft changed; dept_mega/dept/federation.py, recording())")
+
+    class Recording(cls):
+        quorum_ranks: Optional[list] = None
+
+        def configure(self, *args, **kwargs) -> None:
+            bound = inspect.signature(cls.configure).bind(self, *args, **kwargs)
+            ranks = bound.arguments.get("global_ranks")
+            self.quorum_ranks = list(ranks) if ranks is not None else None
+            super().configure(*args, **kwargs)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    return Recording
 
 
 class FederatedOuter(CrossJob):
@@ -140,6 +168,10 @@ class FederatedOuter(CrossJob):
         """The participating groups' shards, in group order (quantised outer syncs)."""
         return self.federation.all_gather_into(out, shard, comm, category)
 
+    def atomic(self, fn, comm):
+        """``fn()``'s collectives on this communicator as one exchange (TRIM's row exchange)."""
+        return self.federation.atomic(fn, comm)
+
 
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
@@ -153,7 +185,7 @@ class Federation:
         self.hashes = agree_hashes(cfg)
         check_reachable(host, port, f.timeout_s)
         timeout = timedelta(seconds=f.timeout_s)
-        self.process_group = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+        self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -168,6 +200,8 @@ class Federation:
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
         self.syncs: dict[str, Any] = {}
+        self.strategy = None  # the variant's strategy (attach)
+        self._nested: Optional[list] = None  # inside atomic(): the (category, bytes) of its collectives
         self.round = 0
         self._just_healed = False
         self._loop = None  # the training loop (its writer and step), from the first round start
@@ -179,19 +213,26 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        if self.dump is not None:
+            self.dump.started()
 
     # ------------------------------------------------------------------ healing state
-    def attach(self, syncs: dict) -> None:
-        """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)."""
+    def attach(self, syncs: dict, strategy=None) -> None:
+        """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)
+        and the variant's strategy, whose own state (``STATE_KEYS``: TRIM's φ and φ_head with
+        their rows' outer optimizer state, its learned positions and their sync) every group
+        holds the same at a round start."""
         self.syncs = dict(syncs)
+        self.strategy = strategy
         if self.dump is not None:
             self.dump.watch(self.syncs)
 
     def _replicated_state(self) -> dict:
         """What a healing group receives from this one (called on torchft's quorum thread
         while this job's main thread waits for the quorum)."""
+        own = self.strategy.state_dict() if self.strategy is not None and self.strategy.STATE_KEYS else {}
         return {"round": self.round, "agree": self.hashes,
-                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}}
+                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
         mine = self.hashes
@@ -207,7 +248,10 @@ class Federation:
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
         self.manager.start_quorum(**kw)
-        ranks = self.process_group._global_ranks or [self.pg.rank]
+        ranks = self.process_group.quorum_ranks
+        if ranks is None:
+            raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
+                               "(torchft changed: dept_mega/dept/federation.py, recording())")
         W = self.pg.group_size
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
@@ -240,6 +284,8 @@ class Federation:
             for k, s in self.syncs.items():
                 s.load_state_dict(healed["syncs"][k])
                 s.write_reference()
+            if healed["strategy"]:  # TRIM's φ: the next install fills the source's compact table from it
+                self.strategy.load_state_dict(healed["strategy"])
             round_index = self.round = int(healed["round"])
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
@@ -255,8 +301,10 @@ class Federation:
         the loop's step moves to the start of the peers' round (the LR schedule and the data
         position follow the run's step). Returns the round to train."""
         if not self.syncs:
-            self.attach(hooks.outer_syncs())
+            self.attach(hooks.outer_syncs(), hooks.strategy)
         tr, self._loop = loop.trainer, loop
+        if self.dump is not None:
+            self.dump.hold(round_index, "start")
         r, healed = self.round_start(round_index, loop.writer, tr.step)
         self._just_healed = healed
         if healed:
@@ -269,13 +317,13 @@ class Federation:
     def round_begun(self, hooks) -> None:
         """``DeptHooks.round_start``'s last call, this round's source installed."""
         if self._just_healed and self.dump is not None:
-            self.dump.healed(self.round, hooks.installed, hooks.trainer)
+            self.dump.healed(self.round, hooks.installed, hooks.trainer, hooks.strategy)
         self._just_healed = False
 
     def round_done(self, hooks) -> list[int]:
         """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
         if self.dump is not None:
-            self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer)
+            self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
     def _any(self, flag: bool) -> bool:
@@ -317,7 +365,7 @@ class Federation:
         def run() -> None:
             self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
 
-        self._exchange(run, lambda: t.copy_(saved), comm, category, t.numel() * t.element_size())
+        self._exchange(run, lambda: t.copy_(saved), comm, [(category, t.numel() * t.element_size())])
         return t
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
@@ -341,12 +389,41 @@ class Federation:
             for part, g in zip(parts, self.order):
                 out.narrow(0, self.members.index(g) * shard.shape[0], shard.shape[0]).copy_(part)
 
-        self._exchange(run, lambda: None, comm, category, shard.numel() * shard.element_size())
+        self._exchange(run, lambda: None, comm, [(category, shard.numel() * shard.element_size())])
         return out
 
-    def _exchange(self, run, restore, comm, category: str, nbytes: int) -> None:
+    def atomic(self, fn, comm):
+        """``fn()``, whose collectives on :class:`FederatedOuter` depend on each other (TRIM's
+        row exchange: counts, then ids, then rows sized by the counts), as **one** exchange:
+        committed once, and on a failure redone whole with the survivors (a group dying
+        between two of them would otherwise leave sizes of one quorum and rows of another).
+        Returns what ``fn`` returned in the committed try."""
+        result: list = []
+
+        def run() -> None:
+            result.clear()
+            self._nested = []
+            try:
+                result.append(fn())
+            finally:
+                counts, self._nested = self._nested, None
+                result.append(counts)
+
+        self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
+        return result[0]
+
+    def _exchange(self, run, restore, comm, counts) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
-        (``should_commit``); else ``restore()`` and again with the survivors' quorum."""
+        (``should_commit``); else ``restore()`` and again with the survivors' quorum.
+        ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
+        counted once, when committed. Inside :meth:`atomic` the collective runs at once and
+        its failure is raised to :meth:`atomic`'s exchange."""
+        if self._nested is not None:
+            run()
+            self._nested.extend(counts)
+            return
+        if self.dump is not None:
+            self.dump.hold(self.round, "exchange")
         waited = time.monotonic()
         while True:
             if self.manager.errored() is None:
@@ -355,7 +432,8 @@ class Federation:
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
-                comm.count(category, nbytes)
+                for category, nbytes in (counts() if callable(counts) else counts):
+                    comm.count(category, nbytes)
                 self.round_groups = list(self.members)
                 return
             gone = time.monotonic() - waited

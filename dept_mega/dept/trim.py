@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..ops import gather_rows, remap_ids, scatter_mean_rows
-from ..parallel.comm import group_size
+from ..parallel.comm import CrossJob, group_size
 from .outer import COMM_DTYPES, chunk_bounds
 
 OUTER_OPTIMIZERS = ("fedavg", "nesterov", "adam")
@@ -310,7 +310,12 @@ def exchange_rows(pg, ids: torch.Tensor, deltas: torch.Tensor, *, comm_dtype: st
     dtype = COMM_DTYPES.get(comm_dtype, comm_dtype)
     s, e = chunk_bounds(ids.numel(), pg.dp_size, pg.dp_rank)
     my_ids, my_rows = ids[s:e], deltas[s:e].to(torch.float32)
-    g_ids, g_rows = _all_gather_var(pg, pg.outer, my_ids, my_rows, "outer_embedding", dtype, quant_block)
+
+    def across() -> tuple[torch.Tensor, torch.Tensor]:
+        return _all_gather_var(pg, pg.outer, my_ids, my_rows, "outer_embedding", dtype, quant_block)
+
+    # federated groups: the counts, ids and rows are one exchange, redone whole if a group fails
+    g_ids, g_rows = pg.outer.atomic(across, pg.comm) if isinstance(pg.outer, CrossJob) else across()
     # inside the group: fp32 (already rounded to the wire dtype where that applies)
     g_ids, g_rows = _all_gather_var(pg, pg.dp, g_ids, g_rows, "dp", torch.float32)
     if tp_split:

@@ -45,7 +45,7 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 class CrossJob:
     """A communicator across jobs (federated source groups, ``dept.federation.FederatedOuter``)
     that stands where a process group would: ``size()``, a summing ``all_reduce`` and an
-    ``all_gather_into`` (both blocking; they count what they commit)."""
+    ``all_gather_into`` (both blocking; they count what they commit), and ``atomic``."""
 
     def size(self) -> int:
         raise NotImplementedError
@@ -54,6 +54,11 @@ class CrossJob:
         raise NotImplementedError
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm: "Comm", category: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def atomic(self, fn, comm: "Comm"):
+        """Run ``fn()``, whose collectives on this communicator depend on each other, as one
+        exchange (committed once, redone whole on a failure); returns its result."""
         raise NotImplementedError
 
 
