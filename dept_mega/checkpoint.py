@@ -1,46 +1,23 @@
 """Checkpoints: ``RUN/checkpoints/step_N/`` with torch.distributed.checkpoint, atomically.
 
-Every rank saves its own shards under keys that name their position
-(``model/g{group}/tp{t}/pp{p}/c{chunk}/{param name}``; optimizer moments beside them), so
-data-parallel replicas share keys and DCP writes them once (groups differ under DEPT: the
-group is part of the key). The step directory is first written as
-``step_N.tmp``, then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest``
-(text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
-Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
-source group (data positions differ between groups under DEPT).
-Keys carry the position, and :func:`check_layout` says how a checkpoint of another layout
-loads (docs/launching.md §8 has the table): another tensor / pipeline / virtual-pipeline size
-by joining and cutting the shards (``dept_mega.reshard``; also the distributed optimizer's
-pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
-under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
-stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there; per-rank hook state — TRIM's,
-and SPEC / SPEC-OPT's saved with the distributed optimizer —:
-``DeptHooks.load_state_dict_rank_resharded``, TRIM's φ row shards joined from every old rank of
-a stage and the per-source state as SPEC's — with the distributed optimizer's pieces joined by
-parameter name and cut —, not with error feedback or the eager start in per-rank files), another data-parallel
-size or distributed-optimizer layout
-(``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
-distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
-boundary (``DeptHooks.load_regrouped``, the distributed optimizer's pieces joined the same
-way; TRIM's φ from old group 0's row shards), TRIM's row shards under another data-parallel
-size; what none of them covers is refused.
-``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
-``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
-the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
-``dept/...`` DCP keys (``dept_mega.checkpoint_state``); the error-feedback residuals and the
-eager start's estimates, which differ per group, per parameter under ``dept/{category}/g{g}/...``
-(``layout.json``: ``outer_group_keys``): they load wherever θ_{t-1} does, and under another
-number of groups as ``checkpoint_state.group_state_targets`` says (residuals averaged,
-estimates reset; logged through ``load_weights``' ``notes``). Round hooks with ``state_dict()`` /
-``load_state_dict(sd)`` (DEPT: per-source embeddings, TRIM's table) are saved as
-``step_N/hooks_rank{r}.pt`` (torch.save) — per rank, or by data-parallel rank 0 of each
-(tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
-and loaded after the model weights. The dropout
-streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
-the masks the uninterrupted run would have drawn; under another tensor / pipeline /
-virtual-pipeline layout they cannot be mapped onto the new ranks' streams and are re-seeded
-from (seed, step, tensor rank, pipeline rank) instead (logged through ``notes``).
+Checkpoint format 2 (``dept_mega.checkpoint_format``; docs/architecture.md): every owner of
+state declares boxes of global tensors under keys of global names — the model and the inner
+optimizers (``dept_mega.checkpoint_state.model_entries``), each outer synchronisation's state
+and per-group buffers (``outer_entries``, ``group_entries``), the DEPT round driver's stored
+sources and TRIM's tables (``DeptHooks.checkpoint_entries``) — and DCP writes each box once,
+whatever the layout. Loading builds this launch's entries, applies DEPT's load plan (the
+identity, or under another number of groups :func:`_regroup_plan` and
+``DeptHooks.checkpoint_targets``) and makes one read, so any tensor, pipeline, data-parallel
+or distributed-optimizer layout loads any other (:func:`check_layout` refuses only another
+number of groups inside a round). The step directory is first written as ``step_N.tmp``,
+then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest`` (text: N) is
+replaced atomically, so ``latest`` always names a complete checkpoint. Scalars (trainer
+counters, data positions, loss scale, DEPT's round position) go to ``step_N/group{g}.json``,
+one per source group. ``step_N/layout.json`` records the layout. The dropout streams
+(``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``; under another tensor / pipeline /
+virtual-pipeline layout they are re-seeded from (seed, step, tensor rank, pipeline rank)
+instead (logged through ``notes``). Format 1 (``dept_mega.checkpoint_v1``) loads with its own
+layout only; ``tools/convert_checkpoint.py`` converts it.
 
 Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
 (the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
@@ -354,7 +331,7 @@ class Checkpointer:
         group = loop.trainer.pg.group_index
         regrouped = read_json(step_dir(self.run_dir, step), LAYOUT_FILE).get("groups") != loop.trainer.pg.num_groups
         if regrouped:  # another number of groups (round boundary): the trainer's counters are every group's;
-            group = 0  # the data positions come from the round plan (DeptHooks.load_regrouped)
+            group = 0  # the data positions come from the round plan (DeptHooks.rebase_groups)
         meta = read_json(step_dir(self.run_dir, step), f"group{group}.json")
         try:
             loop.trainer.load_state_dict(meta["trainer"])
