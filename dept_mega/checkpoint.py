@@ -1,46 +1,23 @@
 """Checkpoints: ``RUN/checkpoints/step_N/`` with torch.distributed.checkpoint, atomically.
 
-Every rank saves its own shards under keys that name their position
-(``model/g{group}/tp{t}/pp{p}/c{chunk}/{param name}``; optimizer moments beside them), so
-data-parallel replicas share keys and DCP writes them once (groups differ under DEPT: the
-group is part of the key). The step directory is first written as
-``step_N.tmp``, then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest``
-(text: N) is replaced atomically, so ``latest`` always names a complete checkpoint.
-Scalars (trainer counters, data positions, loss scale) go to ``step_N/group{g}.json``, one per
-source group (data positions differ between groups under DEPT).
-Keys carry the position, and :func:`check_layout` says how a checkpoint of another layout
-loads (docs/launching.md §8 has the table): another tensor / pipeline / virtual-pipeline size
-by joining and cutting the shards (``dept_mega.reshard``; also the distributed optimizer's
-pieces; SPEC / SPEC-OPT's per-source hook state: ``DeptHooks.load_state_dict_resharded``, and
-under another pipeline layout ``DeptHooks.load_state_dict_repartitioned``, which joins the old
-stages' per-source optimizer states by the parameter names saved with them — ``layout.json``:
-``hooks_param_names``; checkpoints without them are refused there; per-rank hook state — TRIM's,
-and SPEC / SPEC-OPT's saved with the distributed optimizer —:
-``DeptHooks.load_state_dict_rank_resharded``, TRIM's φ row shards joined from every old rank of
-a stage and the per-source state as SPEC's — with the distributed optimizer's pieces joined by
-parameter name and cut —, not with error feedback or the eager start in per-rank files), another data-parallel
-size or distributed-optimizer layout
-(``dept_mega.optim_reshard``; SPEC / SPEC-OPT's per-source optimizer states, per rank with the
-distributed optimizer: ``DeptHooks.dp_joined_state``), another number of groups at a round
-boundary (``DeptHooks.load_regrouped``, the distributed optimizer's pieces joined the same
-way; TRIM's φ from old group 0's row shards), TRIM's row shards under another data-parallel
-size; what none of them covers is refused.
-``step_N/layout.json`` records the layout, so a mismatch is one ConfigError naming the
-``parallel`` key instead of a missing-key traceback from DCP. DEPT's outer state (θ_{t-1} and
-the outer optimizer's, ``hooks.outer_syncs()``) is saved once, per parameter, under
-``dept/...`` DCP keys (``dept_mega.checkpoint_state``); the error-feedback residuals and the
-eager start's estimates, which differ per group, per parameter under ``dept/{category}/g{g}/...``
-(``layout.json``: ``outer_group_keys``): they load wherever θ_{t-1} does, and under another
-number of groups as ``checkpoint_state.group_state_targets`` says (residuals averaged,
-estimates reset; logged through ``load_weights``' ``notes``). Round hooks with ``state_dict()`` /
-``load_state_dict(sd)`` (DEPT: per-source embeddings, TRIM's table) are saved as
-``step_N/hooks_rank{r}.pt`` (torch.save) — per rank, or by data-parallel rank 0 of each
-(tp, pp, group) when ``hooks.state_replicated_over_dp()`` (``layout.json``: ``hooks_dp0``) —
-and loaded after the model weights. The dropout
-streams (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``, so a resumed run with dropout draws
-the masks the uninterrupted run would have drawn; under another tensor / pipeline /
-virtual-pipeline layout they cannot be mapped onto the new ranks' streams and are re-seeded
-from (seed, step, tensor rank, pipeline rank) instead (logged through ``notes``).
+Checkpoint format 2 (``dept_mega.checkpoint_format``; docs/architecture.md): every owner of
+state declares boxes of global tensors under keys of global names — the model and the inner
+optimizers (``dept_mega.checkpoint_state.model_entries``), each outer synchronisation's state
+and per-group buffers (``outer_entries``, ``group_entries``), the DEPT round driver's stored
+sources and TRIM's tables (``DeptHooks.checkpoint_entries``) — and DCP writes each box once,
+whatever the layout. Loading builds this launch's entries, applies DEPT's load plan (the
+identity, or under another number of groups :func:`_regroup_plan` and
+``DeptHooks.checkpoint_targets``) and makes one read, so any tensor, pipeline, data-parallel
+or distributed-optimizer layout loads any other (:func:`check_layout` refuses only another
+number of groups inside a round). The step directory is first written as ``step_N.tmp``,
+then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest`` (text: N) is
+replaced atomically, so ``latest`` always names a complete checkpoint. Scalars (trainer
+counters, data positions, loss scale, DEPT's round position) go to ``step_N/group{g}.json``,
+one per source group. ``step_N/layout.json`` records the layout. The dropout streams
+(``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``; under another tensor / pipeline /
+virtual-pipeline layout they are re-seeded from (seed, step, tensor rank, pipeline rank)
+instead (logged through ``notes``). Format 1 (``dept_mega.checkpoint_v1``) loads with its own
+layout only; ``tools/convert_checkpoint.py`` converts it.
 
 Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
 (the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
@@ -59,7 +36,6 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -73,7 +49,7 @@ from .checkpoint_state import (group_entries, group_targets, has_group_state, ha
                                outer_entries, outer_targets, unused_group_buffers)
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
-    _layout, _rng_tracker, _rng_file, _regroup_refusal, _layout_changes, _hooks_reshardable, _hooks_redistribute, check_layout, _refuse_per_rank_chunk_buffers, _chunk_buffers_refusal, _uncounted, _safe_load)
+    _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
 from .parallel.agree import all_gather_text
 from .resume import (CKPT_DIR, check_depends, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
                      verify_checkpoint)
@@ -199,39 +175,33 @@ class Checkpointer:
         trainer = loop.trainer
         step = trainer.step
         final = step_dir(self.run_dir, step)
-        per_rank_hooks = hasattr(loop.hooks, "state_dict")
-        layout = _layout(trainer, per_rank_hooks=per_rank_hooks)
-        if has_outer_state(loop.hooks):
+        layout = _layout(trainer)
+        hooks = loop.hooks
+        if has_outer_state(hooks):
             layout["outer_keys"] = True  # DEPT outer state under dept/... keys (checkpoint_state)
-        schedule = getattr(loop.hooks, "schedule_state", lambda: None)()
+        schedule = getattr(hooks, "schedule_state", lambda: None)()
         if schedule is not None:  # DEPT after a change of the number of groups: where the plans restart
             layout["dept_schedule"] = schedule
-        replicated = per_rank_hooks and bool(getattr(loop.hooks, "state_replicated_over_dp", lambda: False)())
-        if replicated:
-            layout["hooks_dp0"] = True  # one hooks file per (tp, pp, group): data-parallel rank 0's
-        if per_rank_hooks and bool(getattr(loop.hooks, "hook_state_param_names", lambda: False)()):
-            # the per-source optimizer states carry their parameters' global names: they join by
-            # name under another pipeline layout (DeptHooks.load_state_dict_repartitioned)
-            layout["hooks_param_names"] = True
         # checkpoint format 2: global keys and boxes (checkpoint_state); what every group holds the
         # same now (a round boundary) under group-free keys, written once
-        same = frozenset(getattr(loop.hooks, "group_replicated_params", frozenset)())
+        same = frozenset(getattr(hooks, "group_replicated_params", frozenset)())
         state = model_entries(trainer, replicated=same if trainer.pg.num_groups > 1 else frozenset())
-        if layout.get("outer_keys"):
-            with _uncounted(loop.hooks):
-                state += outer_entries(loop.hooks, trainer)
-        if has_group_state(loop.hooks):
-            # error-feedback residuals, eager estimates: per parameter, keyed by group (checkpoint_state)
-            layout["outer_group_keys"] = True
-            with _uncounted(loop.hooks):
-                state += group_entries(loop.hooks, trainer)
+        with _uncounted(hooks):
+            if layout.get("outer_keys"):
+                state += outer_entries(hooks, trainer)
+            if has_group_state(hooks):
+                # error-feedback residuals, eager estimates: per parameter, keyed by group (checkpoint_state)
+                layout["outer_group_keys"] = True
+                state += group_entries(hooks, trainer)
+        dept = None
+        if hasattr(hooks, "checkpoint_entries"):  # DEPT: the stored sources, TRIM's tables (dept.hook_state)
+            dept = hooks.checkpoint_meta()
+            state += hooks.checkpoint_entries()
         pg = trainer.pg
         tracker = _rng_tracker(trainer)
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
                "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
                "keep": int(trainer.cfg.train.keep_checkpoints),
-               "hooks": loop.hooks.state_dict() if per_rank_hooks and (not replicated or pg.dp_rank == 0)
-               else None,
                "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
                else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None}
         if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
@@ -239,9 +209,11 @@ class Checkpointer:
             out["meta"] = {"step": step, "trainer": trainer.state_dict(),
                            "iterators": {n: it.state_dict() for n, it in loop.iterators.items()
                                          if hasattr(it, "state_dict")}}
+            if dept is not None:
+                out["meta"]["dept"] = dept
         if copy:
             out["state"] = [Entry(e.key, _to_host(e.tensor), e.shape, e.offset) for e in out["state"]]
-            out["hooks"], out["rng"] = _to_host((out["hooks"], out["rng"]))
+            out["rng"] = _to_host(out["rng"])
             out["meta"] = json.loads(json.dumps(out["meta"]))
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize(trainer.device)
@@ -268,12 +240,6 @@ class Checkpointer:
             failed = exc
         _barrier(group)
         try:  # every rank reaches DCP's collectives whatever failed before; DCP agrees on its own failures
-            if failed is None and staged["hooks"] is not None:
-                torch.save(staged["hooks"], os.path.join(tmp, f"hooks_rank{rank}.pt"))
-                fsync_file(os.path.join(tmp, f"hooks_rank{rank}.pt"))
-        except OSError as exc:
-            failed = exc
-        try:
             metadata = save_entries(staged["state"], tmp, process_group=group)
             if failed is None and staged["rng"] is not None:
                 torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
@@ -331,13 +297,10 @@ class Checkpointer:
         data_files = sorted({getattr(info, "relative_path", None) for info in
                              (getattr(metadata, "storage_data", None) or {}).values()} - {None})
         mine = [f for i, f in enumerate(data_files) if i % world == rank]
-        hooks = {n for n in expected_files(FORMAT, layout) if n.startswith("hooks_rank")}
-        if f"hooks_rank{rank}.pt" in hooks:
-            mine.append(f"hooks_rank{rank}.pt")
         if rank == 0:
             # small files, and anything else in the directory (or every data file, should DCP's
             # metadata not name them)
-            mine += [n for n in os.listdir(tmp) if n not in data_files and n not in hooks and n != MANIFEST]
+            mine += [n for n in os.listdir(tmp) if n not in data_files and n != MANIFEST]
         entries = digest_files(tmp, mine, algorithm, fsync=True)
         merged: dict[str, Any] = {}
         if group is None:
@@ -368,7 +331,7 @@ class Checkpointer:
         group = loop.trainer.pg.group_index
         regrouped = read_json(step_dir(self.run_dir, step), LAYOUT_FILE).get("groups") != loop.trainer.pg.num_groups
         if regrouped:  # another number of groups (round boundary): the trainer's counters are every group's;
-            group = 0  # the data positions come from the round plan (DeptHooks.load_regrouped)
+            group = 0  # the data positions come from the round plan (DeptHooks.rebase_groups)
         meta = read_json(step_dir(self.run_dir, step), f"group{group}.json")
         try:
             loop.trainer.load_state_dict(meta["trainer"])
@@ -392,15 +355,12 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     a list that receives one line per piece of state the load changed rather than restored
     (e.g. under another number of groups: the error-feedback residuals averaged, the eager
     estimates reset), for the launch to log."""
-    from .config import ConfigError
     path = step_dir(run_dir, step)
     if not verified:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    mode = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
-    regroup = mode in ("regroup", "regroup_reshard")  # another number of groups (round boundary)
-    reshard = mode in ("reshard", "regroup_reshard")  # another tensor / pipeline layout
+    regroup, reshard = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
     check_depends(trainer.cfg, path, tokenizer_digests)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
@@ -409,18 +369,14 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     if optimizer:
         _ensure_optimizer_state(trainer)
     fmt = read_manifest(path)["format"]
-    if fmt == 1 and mode != "same":
-        raise CheckpointError(f"checkpoint {path} is in checkpoint format 1, which loads only with the layout it was "
-                              f"written with (this launch: {mode}); convert it first: "
-                              f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
     saved_groups = int(layout["groups"])
-    install_outer = install_groups = None
+    install_outer = install_groups = install_hooks = None
     if fmt == 1:
         from .checkpoint_v1 import load_model_v1
         load_model_v1(trainer, path, optimizer)
     else:  # this launch's entries, DEPT's load plan, one read
         entries = model_entries(trainer, optimizer)
-        if regroup:  # another number of groups, at a round boundary (DeptHooks.load_regrouped)
+        if regroup:  # another number of groups, at a round boundary
             entries = _regroup_plan(entries, hooks, pg, saved_groups, path, notes)
         if hooks is not None and has_outer_state(hooks) and layout.get("outer_keys"):
             with _uncounted(hooks):
@@ -428,6 +384,15 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             entries += more
         if hooks is not None and has_group_state(hooks) and layout.get("outer_group_keys"):
             more, install_groups = group_targets(hooks, trainer, path, saved_groups if regroup else None)
+            entries += more
+        if hooks is not None and hasattr(hooks, "checkpoint_targets"):  # DEPT's sources and tables (dept.hook_state)
+            metas = _dept_metas(path, range(saved_groups) if regroup else [pg.group_index])
+            try:
+                more, install_hooks = hooks.checkpoint_targets(metas, saved_groups if regroup else None, step,
+                                                               layout.get("dept_schedule"), optimizer)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: its DEPT state does not load here "
+                                      f"({type(exc).__name__}: {exc})") from None
             entries += more
         load_entries(entries, path)
     for opt in trainer.optimizers:  # weights and fp32 masters agree (masters from the weights without optimizer)
@@ -441,67 +406,15 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
-    if regroup:
-        try:
-            saved = {}
-            per_rank = not layout.get("hooks_dp0")
-            for g in range(saved_groups):  # per rank: joined over the old replicas
-                if reshard:  # each old group's state in this launch's tensor / pipeline layout
-                    saved[g] = _resharded_hook_state(trainer, hooks, path, layout, g, strategy_state=g == 0)
-                    continue
-                # TRIM's φ (the same in every group): joined from old group 0's files at every tensor rank
-                tps = range(int(layout["tensor"])) if per_rank and g == 0 else [pg.tp_rank]
-                sds = _HookFiles(_hooks_files(path, layout, pg, g, tps, per_rank), trainer.device)
-                saved[g] = hooks.dp_joined_state(sds, strategy_state=g == 0) if hasattr(hooks, "dp_joined_state") \
-                    else sds[(pg.tp_rank, 0)]
-            hooks.load_regrouped(step, saved, saved_groups,
-                                 layout.get("dept_schedule"), group_keys=bool(layout.get("outer_group_keys")),
-                                 read_body_optimizer=(lambda g: _read_body_optimizer(trainer, path, g, saved_groups))
-                                 if optimizer else None)
-        except ConfigError:
-            raise
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path}: its hook state does not load with {pg.num_groups} groups "
-                                  f"({type(exc).__name__}: {exc})") from None
-        if optimizer:  # the installed source's new optimizer: zeros (= AdamW's first step), as saved
-            _ensure_optimizer_state(trainer)
-    elif hooks is not None and hasattr(hooks, "load_state_dict"):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if layout.get("hooks_dp0"):  # the file of data-parallel rank 0 at this position, in the saved layout
-            from .parallel.groups import rank_of
-            # resharded: GLOB's state is the same at every (tp, pp) position (check_layout), take (0, 0)'s
-            tp, pp = (0, 0) if reshard else (pg.tp_rank, pg.pp_rank)
-            rank = rank_of(tp, 0, pp, pg.group_index, int(layout["tensor"]), int(layout["data"]),
-                           int(layout["pipeline"]))
-        hooks_path = os.path.join(path, f"hooks_rank{rank}.pt")
-        if not layout.get("per_rank_hooks"):
-            raise CheckpointError(f"checkpoint {path} has no round-hook state ({hooks_path}); it was written by "
-                                  f"a run without DEPT round hooks")
-        if mode == "join_dp" or (mode == "redistribute" and hasattr(hooks, "load_state_dict_dp_joined")):
-            # every old rank of this (pp, group) position (TRIM's φ rows, error-feedback residuals, the
-            # distributed optimizer's per-source shards), or data rank 0's file of each tensor rank
-            files = _hooks_files(path, layout, pg, pg.group_index, range(int(layout["tensor"])),
-                                 per_rank=not layout.get("hooks_dp0"))
-            try:
-                hooks.load_state_dict_dp_joined({k: _safe_load(f, trainer.device) for k, f in files.items()})
-            except ConfigError:
-                raise
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: its per-rank DEPT state does not load with "
-                                      f"parallel.data={pg.dp_size}, optim.distributed={trainer.cfg.optim.distributed}, "
-                                      f"optim.grad_bucket_size={trainer.cfg.optim.grad_bucket_size} "
-                                      f"({type(exc).__name__}: {exc})") from None
-        elif reshard and not getattr(hooks, "hook_state_reshardable", lambda: True)():  # SPEC/SPEC-OPT/TRIM
-            _load_resharded_hooks(trainer, hooks, path, layout)
-        else:
-            hooks.load_state_dict(_safe_load(hooks_path, trainer.device))
-    if hooks is not None and has_outer_state(hooks) and not layout.get("outer_keys") \
-            and not layout.get("per_rank_hooks"):  # older format 1: the state was in hooks_rank{r}.pt
-        raise CheckpointError(f"checkpoint {path} has no DEPT outer state (dept/... keys)")
     if fmt == 1:
-        from .checkpoint_v1 import load_outer_v1
+        from .checkpoint_v1 import load_hooks_v1, load_outer_v1
+        load_hooks_v1(trainer, hooks, path, layout)
         load_outer_v1(trainer, hooks, path, layout, notes)
         return
+    if install_hooks is not None:
+        install_hooks()
+        if regroup and optimizer:  # the installed source's new optimizer: zeros (= AdamW's first step), as saved
+            _ensure_optimizer_state(trainer)
     if install_outer is not None:
         install_outer()
     if install_groups is not None:
@@ -510,6 +423,18 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             notes.extend(line for line in lines if line not in notes)
     if hooks is not None and layout.get("outer_group_keys") and notes is not None:
         notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
+
+
+def _dept_metas(path: str, groups) -> dict[int, dict]:
+    """The DEPT round position each old group saved (``group{g}.json``: ``dept``)."""
+    out = {}
+    for g in groups:
+        meta = read_json(path, f"group{g}.json")
+        if not isinstance(meta.get("dept"), dict):
+            raise CheckpointError(f"checkpoint {path}: group{g}.json has no DEPT round state ('dept'); it was not "
+                                  f"written by a DEPT run of checkpoint format 2")
+        out[g] = meta["dept"]
+    return out
 
 
 def _regroup_plan(entries: list[Entry], hooks, pg, saved_groups: int, path: str, notes: Optional[list]) -> list[Entry]:
@@ -551,7 +476,7 @@ def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes:
     m = trainer.cfg.model
     if notes is None or not (m.hidden_dropout > 0 or m.attention_dropout > 0):
         return
-    now = {k: v for k, v in _layout(trainer, per_rank_hooks=False).items() if k in ("tensor", "pipeline",
+    now = {k: v for k, v in _layout(trainer).items() if k in ("tensor", "pipeline",
                                                                                       "virtual_pipeline")}
     said = ", ".join(f"parallel.{k}={layout.get(k)}" for k in now)
     line = (f"model.hidden_dropout / model.attention_dropout: checkpoint {path} was written with {said} (this "
@@ -560,116 +485,6 @@ def _reseed_dropout(trainer, tracker, path: str, step: int, layout: dict, notes:
             f"rank): the masks differ from an uninterrupted run of either layout")
     if line not in notes:
         notes.append(line)
-
-
-def _hook_file(path: str, layout: dict, tp: int, dp: int, pp: int, group: int) -> str:
-    """``hooks_rank{r}.pt`` of checkpoint ``path`` written by the rank at (tp, dp, pp, group) of
-    its layout (``layout``: its layout.json)."""
-    from .parallel.groups import rank_of
-    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-    return os.path.join(path, f"hooks_rank{rank_of(tp, dp, pp, group, T, D, P)}.pt")
-
-
-def _hooks_files(path: str, layout: dict, pg, group: int, tps, per_rank: bool) -> dict[tuple[int, int], str]:
-    """``(tensor rank, data rank) -> hooks_rank{r}.pt`` of checkpoint ``path`` (``layout``: its
-    layout.json) at this rank's pipeline stage in old group ``group``, for the tensor ranks
-    ``tps``: every data rank's file (``per_rank``) or data rank 0's (saved once per (tp, pp,
-    group), ``hooks_dp0``)."""
-    return {(t, d): _hook_file(path, layout, t, d, pg.pp_rank, group)
-            for t in tps for d in (range(int(layout["data"])) if per_rank else (0,))}
-
-
-class _HookFiles(Mapping):
-    """Hook files by old (tp, dp, pp) position, each read (``_safe_load``, to host memory) on
-    first access: a rank reads only the old files that its state is joined from."""
-
-    def __init__(self, paths: dict, map_location="cpu") -> None:
-        self._paths, self._read, self._map = paths, {}, map_location
-
-    def __getitem__(self, key):
-        if key not in self._read:
-            self._read[key] = _safe_load(self._paths[key], self._map)
-        return self._read[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self._paths
-
-    def __iter__(self):
-        return iter(self._paths)
-
-    def __len__(self) -> int:
-        return len(self._paths)
-
-
-def _load_resharded_hooks(trainer, hooks, path: str, layout: dict) -> None:
-    """The round hooks' state of checkpoint ``path`` under another tensor / pipeline /
-    virtual-pipeline layout (``check_layout``: ``"reshard"``): :func:`_resharded_hook_state`
-    of this rank's group, loaded."""
-    _resharded_hook_state(trainer, hooks, path, layout, trainer.pg.group_index, load=True)
-
-
-def _resharded_hook_state(trainer, hooks, path: str, layout: dict, group: int, strategy_state: bool = True,
-                          load: bool = False) -> Optional[dict]:
-    """Old group ``group``'s round-hook state of checkpoint ``path`` for this rank under another
-    tensor / pipeline / virtual-pipeline layout (``load``: loaded into ``hooks`` instead of
-    returned). The same at every (tp, pp) position (GLOB without per-source state): old
-    position (0, 0)'s file. Saved once per (tp, pp, group) (SPEC / SPEC-OPT with the plain
-    optimizer): the old tensor ranks of this stage (``DeptHooks.resharded_state``) or, under
-    another pipeline layout or into the distributed optimizer, the old stages of the group
-    (only this rank's stage under the same pipeline layout), joined by parameter name
-    (``repartitioned_state``). Saved per rank (TRIM; per-source state with the distributed
-    optimizer): every old rank of this stage, or of every stage under another pipeline layout
-    (``rank_resharded_state``: the distributed optimizer's pieces and TRIM's φ row shards
-    joined, the latter only with ``strategy_state``; the old files are read as needed)."""
-    from .config import ConfigError
-    from .dept.chunk_buffers import PerRankChunkBuffers
-    pg = trainer.pg
-    T, D, P = int(layout["tensor"]), int(layout["data"]), int(layout["pipeline"])
-    staged = P != pg.pp_size or int(layout["virtual_pipeline"]) != trainer.cfg.parallel.virtual_pipeline
-    stages = range(P) if staged else [pg.pp_rank]
-
-    def file(t: int, d: int, p: int) -> str:
-        return _hook_file(path, layout, t, d, p, group)
-
-    try:
-        if layout.get("hooks_dp0") and getattr(hooks, "hook_state_reshardable", lambda: False)():
-            sd = _safe_load(file(0, 0, 0), trainer.device)
-        elif not layout.get("hooks_dp0"):
-            files = _HookFiles({(t, d, p): file(t, d, p) for p in stages for t in range(T) for d in range(D)})
-            sd = hooks.rank_resharded_state(files, staged, strategy_state)
-        elif staged or trainer.cfg.optim.distributed:  # by parameter name (the distributed one: cut here)
-            sd = hooks.repartitioned_state({(t, p): _safe_load(file(t, 0, p), "cpu") for t in range(T) for p in stages})
-        else:
-            sd = hooks.resharded_state([_safe_load(file(t, 0, pg.pp_rank), trainer.device) for t in range(T)])
-        if not load:
-            return sd
-        hooks.load_state_dict(sd)
-        return None
-    except PerRankChunkBuffers as exc:
-        changed = _layout_changes(layout, _layout(trainer, per_rank_hooks=False))[0] or ["tensor"]
-        raise _chunk_buffers_refusal(path, layout, changed, exc) from None
-    except ConfigError:
-        raise
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: its DEPT hook state does not load with "
-                              f"parallel.tensor={pg.tp_size}, parallel.pipeline={pg.pp_size}, "
-                              f"parallel.virtual_pipeline={trainer.cfg.parallel.virtual_pipeline}, "
-                              f"parallel.data={pg.dp_size} ({type(exc).__name__}: {exc})") from None
-
-
-def _read_body_optimizer(trainer, path: str, group: int, saved_groups: int) -> dict:
-    """A copy of the body optimizer's state dict as old group ``group`` of checkpoint ``path``
-    (of ``saved_groups`` groups) saved it, in this rank's layout (read by this process alone;
-    the trainer's body optimizer state is overwritten)."""
-    import copy
-    opt = trainer.body_optimizer
-    opt.ensure_state()
-    pg = trainer.pg
-    now = pg.group_index if pg.num_groups > 1 else None
-    entries = [Entry(with_group(e.key, now, group if saved_groups > 1 else None), e.tensor, e.shape, e.offset)
-               for e in model_entries(trainer) if e.key.startswith("optim/body/")]
-    load_entries(entries, path)
-    return copy.deepcopy(opt.state_dict())
 
 
 # config values the body's tensors depend on (the vocabulary and the data may differ)

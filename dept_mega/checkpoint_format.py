@@ -17,6 +17,9 @@ Keys (``G``: the number of source groups; the group only where the state is per 
     dept/{category}/steps | part_steps                the outer optimizer's counters
     dept/{category}/g{g}/{kind}/{name}                error-feedback residuals, eager estimates
     dept/{category}/g{g}/eager_known                  per part: whether the group knows a mean
+    source/{source}/{model or optim key, group-free}   a stored source's state (dept/hook_state.py)
+    dept/trim/{phi|phi_head}[/{state}]                TRIM's global tables and their rows' outer state
+    dept/trim/positions                               TRIM's learned positions (the global value)
 
 The group is left out where every group holds the same value when the checkpoint is written
 (at a round boundary after a blocking sync: the synchronised parameters and their fp32
@@ -69,6 +72,18 @@ def optim_key(optimizer: str, moment: str, pkey: str) -> str:
 def outer_key(category: str, kind: str, name: Optional[str] = None, group: Optional[int] = None) -> str:
     g = "" if group is None else f"g{group}/"
     return f"dept/{category}/{g}{kind}" + ("" if name is None else f"/{name}")
+
+
+def source_key(source: str, key: str) -> str:
+    """The key of source ``source``'s copy of ``key`` (a group-free model or optimizer key):
+    a source is held by one group at a time, so its state is keyed by its name."""
+    return f"source/{source}/{key}"
+
+
+def trim_key(table: str, state: Optional[str] = None) -> str:
+    """TRIM's global table ``table`` (``phi``, ``phi_head``, ``positions``) or its rows' outer
+    optimizer state ``state``."""
+    return f"dept/trim/{table}" + ("" if state is None else f"/{state}")
 
 
 def with_group(key: str, old: Optional[int], new: Optional[int]) -> str:
@@ -299,20 +314,3 @@ def read_full(path: str, keys: Iterable[str], device="cpu") -> dict[str, torch.T
         out[k] = torch.empty(tuple(md[at].size), dtype=md[at].properties.dtype, device=device)
     load_entries([whole(k, t) for k, t in out.items()], path)
     return out
-
-
-def join_shards(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
-    """Full tensor from tensor rank t's ``shards[t]`` (blocks of ``stride`` interleaved): the
-    per-source state of the round hooks' files (``DeptHooks.resharded_state``)."""
-    if len(shards) == 1 or dim is None:
-        return shards[0]
-    pieces = [s.chunk(stride, dim=dim) for s in shards]
-    return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(stride)], dim=dim)
-
-
-def cut_shard(full: torch.Tensor, dim: Optional[int], stride: int, parts: int, index: int) -> torch.Tensor:
-    """Tensor rank ``index``'s shard of ``full`` (inverse of :func:`join_shards`)."""
-    if parts == 1 or dim is None:
-        return full
-    blocks = full.chunk(stride, dim=dim)
-    return torch.cat([b.chunk(parts, dim=dim)[index] for b in blocks], dim=dim)

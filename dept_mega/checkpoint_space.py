@@ -61,11 +61,9 @@ def gather_texts(text: str, group, device) -> list[str]:
 
 def state_sizes(staged: dict) -> dict[str, int]:
     """Bytes of what this rank writes, by name (data-parallel replicas share DCP keys: once)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
     out = {f"{e.key}{list(e.offset)}": e.tensor.numel() * e.tensor.element_size() for e in staged["state"]}
-    for name, obj in ((f"hooks_rank{rank}.pt", staged["hooks"]), (staged["rng_file"], staged["rng"])):
-        if obj is not None:
-            out[name] = sum(t.numel() * t.element_size() for t in _tensors_in(obj))
+    if staged["rng"] is not None:
+        out[staged["rng_file"]] = sum(t.numel() * t.element_size() for t in _tensors_in(staged["rng"]))
     return out
 
 

@@ -76,8 +76,14 @@ def model_entries(trainer, optimizer: bool = True, replicated: frozenset = froze
 
 
 def _syncs(hooks) -> dict[str, Any]:
-    get = getattr(hooks, "outer_syncs", None)
+    """The FlatSyncs whose state is saved, by category (``DeptHooks.checkpoint_syncs``)."""
+    get = getattr(hooks, "checkpoint_syncs", None) or getattr(hooks, "outer_syncs", None)
     return dict(get()) if get is not None else {}
+
+
+def _names(hooks, trainer) -> dict[int, tuple[str, torch.nn.Parameter]]:
+    """:func:`_params` and the synchronised tensors that are not the model's (TRIM's positions)."""
+    return {**_params(trainer), **getattr(hooks, "checkpoint_params", dict)()}
 
 
 def has_outer_state(hooks) -> bool:
@@ -94,8 +100,8 @@ def _sync_names(category: str, sync, names: dict) -> list[str]:
     return out
 
 
-def _outer(category: str, sync, state: dict, trainer) -> list[Entry]:
-    pg, names = trainer.pg, _params(trainer)
+def _outer(category: str, sync, state: dict, trainer, names: dict) -> list[Entry]:
+    pg = trainer.pg
     out = [whole(outer_key(category, STEPS), torch.tensor(int(state[STEPS]), dtype=torch.int64))]
     if PART_STEPS in state:
         out.append(whole(outer_key(category, PART_STEPS),
@@ -112,7 +118,7 @@ def outer_entries(hooks, trainer) -> list[Entry]:
     """The entries to save (a collective over ``pg.dp`` inside ``param_state``: every rank)."""
     out: list[Entry] = []
     for category, sync in sorted(_syncs(hooks).items()):
-        out += _outer(category, sync, sync.param_state(), trainer)
+        out += _outer(category, sync, sync.param_state(), trainer, _names(hooks, trainer))
     return out
 
 
@@ -122,7 +128,7 @@ def outer_targets(hooks, trainer) -> tuple[list[Entry], Callable[[], None]]:
     pending = []
     for category, sync in sorted(_syncs(hooks).items()):
         state = sync.param_state()  # the shapes and state names this launch expects
-        mine = _outer(category, sync, state, trainer)
+        mine = _outer(category, sync, state, trainer, _names(hooks, trainer))
         entries += mine
         pending.append((sync, state, mine))
 
@@ -160,7 +166,7 @@ def _known_box(trainer, group: int, category: str, known: torch.Tensor) -> Entry
 def group_entries(hooks, trainer) -> list[Entry]:
     """The entries of this group's chunk buffers (a collective over ``pg.dp`` inside
     ``group_state``: every rank)."""
-    pg, names = trainer.pg, _params(trainer)
+    pg, names = trainer.pg, _names(hooks, trainer)
     g = pg.group_index
     out: list[Entry] = []
     for category, sync in sorted(_group_buffers(hooks).items()):
@@ -191,7 +197,7 @@ def group_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
     checkpoint holds that many groups (another number of groups): every old group's residuals,
     averaged (module doc), eager estimates reset. A buffer this run keeps that the checkpoint
     lacks starts at zero (residual) or unknown (estimate), and is logged."""
-    pg, names = trainer.pg, _params(trainer)
+    pg, names = trainer.pg, _names(hooks, trainer)
     saved = _saved_group_kinds(path)
     groups = [pg.group_index] if saved_groups is None else list(range(saved_groups))
     entries: list[Entry] = []

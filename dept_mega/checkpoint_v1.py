@@ -55,8 +55,20 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .checkpoint_state import (EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS,
-                               _group_buffers, _syncs, has_group_state, has_outer_state)
+from .checkpoint_state import EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS
+from .manifest import CheckpointError
+
+# hook-file entries of checkpoints older still, which kept the chunk buffers per rank there
+CHUNK_BUFFERS = {"outer_residuals": "residual", "outer_eager": "eager_base"}
+
+
+def _syncs(hooks) -> dict[str, Any]:
+    """Format 1 saved the driver's outer syncs only (TRIM's positions were in the hook files)."""
+    return dict(hooks.outer_syncs()) if hasattr(hooks, "outer_syncs") else {}
+
+
+def _group_buffers(hooks) -> dict[str, Any]:
+    return {c: s for c, s in _syncs(hooks).items() if s.residual is not None or s.eager_base is not None}
 
 REFERENCE = "reference"
 # the config key that makes each buffer (named in the notes of a load that changes one)
@@ -255,11 +267,11 @@ def load_outer_v1(trainer, hooks, path: str, layout: dict, notes: Optional[list]
     """DEPT's outer state and per-group buffers of format-1 checkpoint ``path`` (this layout)."""
     if hooks is None:
         return
-    if has_outer_state(hooks) and layout.get("outer_keys"):
+    if _syncs(hooks) and layout.get("outer_keys"):
         entries, install = outer_state_targets(hooks, trainer)
         _dcp_load(entries, path)
         install()
-    if has_group_state(hooks) and layout.get("outer_group_keys"):
+    if _group_buffers(hooks) and layout.get("outer_group_keys"):
         entries, install_groups = group_state_targets(hooks, trainer, path)
         _dcp_load(entries, path)
         lines = install_groups()
@@ -267,3 +279,67 @@ def load_outer_v1(trainer, hooks, path: str, layout: dict, notes: Optional[list]
             notes.extend(line for line in lines if line not in notes)
     if layout.get("outer_group_keys") and notes is not None:
         notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
+
+
+def load_hooks_v1(trainer, hooks, path: str, layout: dict) -> None:
+    """The round hooks' state of format-1 checkpoint ``path`` (its own layout): this rank's
+    ``hooks_rank{r}.pt`` (data-parallel rank 0's of this position with ``hooks_dp0``), read
+    with ``weights_only=True``."""
+    import os
+    import torch.distributed as dist
+    from .checkpoint_layout import _safe_load
+    from .parallel.groups import rank_of
+    if hooks is None or not hasattr(hooks, "resume_at"):
+        return
+    pg = trainer.pg
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if layout.get("hooks_dp0"):
+        rank = rank_of(pg.tp_rank, 0, pg.pp_rank, pg.group_index, int(layout["tensor"]), int(layout["data"]),
+                       int(layout["pipeline"]))
+    file = os.path.join(path, f"hooks_rank{rank}.pt")
+    if not layout.get("per_rank_hooks"):
+        raise CheckpointError(f"checkpoint {path} has no round-hook state ({file}); it was written by a run without "
+                              f"DEPT round hooks")
+    sd = _safe_load(file, trainer.device)
+    try:
+        _load_hook_dict(hooks, sd)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{file}: its DEPT state does not load here ({type(exc).__name__}: {exc})") from None
+
+
+def _load_hook_dict(hooks, sd: dict) -> None:
+    """A format-1 hook file's dict: the outer state of checkpoints older than ``outer_keys``,
+    the strategy's (TRIM's tables), the stored and the installed sources' payloads."""
+    from .config import ConfigError
+    from .dept.store import SourceStore, load_payload
+    if "body_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
+        body = sd["body_sync"]
+        parts = body["fragments"] if "fragments" in body else [body]
+        if len(parts) != len(hooks.body_syncs):
+            raise ValueError(f"dept.outer_fragments: the checkpoint's body state has {len(parts)} fragments, "
+                             f"this run {len(hooks.body_syncs)}")
+        for s, part in zip(hooks.body_syncs, parts):
+            s.load_state_dict(part)
+    syncs = hooks.outer_syncs()
+    for entry, attr in CHUNK_BUFFERS.items():
+        for k, r in (sd.get(entry) or {}).items():
+            if k not in syncs or getattr(syncs[k], attr) is None:
+                raise ConfigError(f"the checkpoint holds an outer {attr} for {k!r} in its hook files (written with "
+                                  f"it), this run keeps none; resume with the setting it was written with")
+            getattr(syncs[k], attr).copy_(r.to(getattr(syncs[k], attr).device, torch.float32))
+    for k, s in syncs.items():  # the eager start's estimate: none in the file, none known (outer_group_keys: later)
+        if s.eager_base is not None:
+            if k not in (sd.get("outer_eager") or {}):
+                s.eager_base.zero_()
+            s.load_eager_known((sd.get("outer_eager_known") or {}).get(k))
+    hooks.strategy.load_state_dict(sd)
+    store = SourceStore()
+    for n, payload in sd["store"].items():
+        state = hooks._fresh_state(n)
+        load_payload(state, payload)
+        store.put(n, state)
+    if hooks.strategy.source_embeddings and sd["installed"] is not None:
+        state = hooks._fresh_state(sd["installed"])
+        load_payload(state, sd["installed_state"])
+        hooks.trainer.set_embeddings(state.embeddings, state.optimizer)
+    hooks.resume_at(sd, store)

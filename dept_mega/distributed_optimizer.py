@@ -23,13 +23,10 @@ optimizer's parameters too. Under bf16/fp16 the pieces have fp32 copies, initial
 fp32 weights before they are cast; full fp32 masters exist on no rank, so DEPT's outer sync
 with half-precision weights reads and writes these shards (``dept/master_shards.py``).
 
-Checkpoints: per-rank keys ``{moment}/{param key}/dp{d}of{D}:{start}-{end}`` (and
-``main_param/...`` for half-precision weights); :meth:`state_dict` (DEPT's per-source
-optimizer states) records the rank's pieces (``"shard"``) and loads only into the same rank,
-size and bucket layout. Under another data-parallel size, bucket size or with the plain
-optimizer on the other side the pieces are joined and cut again (``dept_mega.optim_reshard``:
-the checkpoint keys, and ``redistribute_state_dict`` for state dicts; see
-``checkpoint.check_layout``).
+Checkpoints: each piece's state is a box of the parameter's global tensor
+(``checkpoint_items``, ``dept_mega.checkpoint_format``), so any layout reads it;
+:meth:`state_dict` (a source's state moved between groups) records the rank's pieces
+(``"shard"``) and loads only into the same rank, size and bucket layout.
 """
 from __future__ import annotations
 
@@ -229,8 +226,7 @@ class DistributedOptimizer(InnerOptimizer):
                 f"data-parallel rank {shard['dp_rank']} of {shard['dp_size']}"
             raise ValueError(f"optim.distributed: this optimizer state was saved by {got}; it loads only into "
                              f"the same data-parallel rank, size and bucket layout (rank {mine['dp_rank']} of "
-                             f"{mine['dp_size']} here; dept_mega.optim_reshard.redistribute_state_dict "
-                             f"cuts it for this rank)")
+                             f"{mine['dp_size']} here)")
         self.inner.load_state_dict(sd)
         if self.half and mains is not None and with_masters:
             for pc, m in zip(self.pieces, mains):

@@ -71,3 +71,110 @@ def test_format1_checkpoint_converts_and_resumes_under_another_layout(tmp_path):
     assert [s for s in got if s > 2] == [s for s in want if s > 2] == [3, 4]
     for s in (3, 4):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
+
+
+# GLOB, 2 groups, Nesterov, int8 error feedback (blocks of 2: both layouts quantise the same pairs)
+GLOB_EF = {"dept": {"variant": "glob", "local_steps": 2, "outer_comm_dtype": "int8", "outer_error_feedback": True,
+                    "outer_quant_block": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}
+
+
+def _write_format1_dept(rank, world, run_dir):
+    """A format-1 DEPT checkpoint as the previous release wrote it: positional keys (model,
+    optimizer, the outer state and the per-group residuals: dept_mega.checkpoint_v1's writers)
+    and the round driver's state in a hook file per (tp, pp, group) (GLOB: its round position)."""
+    import json
+    import torch
+    import torch.distributed as dist
+    import dept_mega.checkpoint as ck
+    import dept_mega.manifest as manifest
+    from dept_mega.checkpoint_format import whole
+    from dept_mega.checkpoint_v1 import group_state_tensors, model_state, outer_state_tensors
+    from dept_mega.config import save_config
+    ck.FORMAT = manifest.FORMAT = 1
+    ck.model_entries = lambda trainer, optimizer=True, replicated=frozenset(): [
+        whole(k, v) for k, v in model_state(trainer).items()]
+    ck.outer_entries = lambda hooks, trainer: [whole(k, v) for k, v in outer_state_tensors(hooks, trainer).items()]
+    ck.group_entries = lambda hooks, trainer: [whole(k, v) for k, v in group_state_tensors(hooks, trainer).items()]
+    loop = _loop(GLOB_EF, run_dir, rank, data=1)
+    loop.cfg.train.steps = 2
+    if rank == 0:
+        save_config(loop.cfg, os.path.join(run_dir, "config.yaml"))
+    loop.run()
+    step = os.path.join(run_dir, "checkpoints", "step_2")
+    hooks = loop.hooks
+    torch.save({"round": hooks.plan.round, "installed": None, "in_round": False, "mark": {}, "store": {}},
+               os.path.join(step, f"hooks_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        for name in os.listdir(step):
+            f = os.path.join(step, name)
+            if name.startswith("group"):
+                with open(f) as fh:
+                    meta = json.load(fh)
+                meta.pop("dept")
+                with open(f, "w") as fh:
+                    json.dump(meta, fh)
+        with open(os.path.join(step, "layout.json")) as fh:
+            layout = json.load(fh)
+        with open(os.path.join(step, "layout.json"), "w") as fh:
+            json.dump(dict(layout, per_rank_hooks=True, hooks_dp0=True), fh)
+        manifest.seal(step, 2)
+    dist.barrier()
+
+
+def _resume_dept(rank, world, run_dir, tensor):
+    loop = _loop(GLOB_EF, run_dir, rank, data=1, tensor=tensor)
+    assert loop.checkpointer.load(loop) == 2
+    loop.writer.resume_at(2)
+    loop.run()
+
+
+@pytest.mark.timeout(400)
+def test_format1_dept_outer_state_converts(tmp_path):
+    """A format-1 GLOB checkpoint (2 groups) with Nesterov outer state and int8 error-feedback
+    residuals: converted, every outer tensor — θ_{t-1}, the momentum, each group's residuals —
+    is the format-1 tensor under its global key (the positional key's group kept for the
+    residuals, dropped for the state every group shares), the counters carried, the round
+    position in group{g}.json; resumed under tensor 2 it continues with the losses of the
+    original resumed at its own layout (within 1e-6)."""
+    import json
+    import torch
+    from dept_mega.checkpoint_format import read_full, saved_keys
+    from tools.convert_checkpoint import _read_all
+    run, same = str(tmp_path / "run"), str(tmp_path / "same")
+    run_distributed(_write_format1_dept, 2, args=(run,), timeout=200)
+    shutil.copytree(run, same)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--run-dir", run],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    step = os.path.join(run, "checkpoints", "step_2")
+    old = _read_all(step + ".format1")
+    new = saved_keys(step)
+    assert not [f for f in os.listdir(step) if f.startswith("hooks_rank")]
+    for g in (0, 1):
+        with open(os.path.join(step, f"group{g}.json")) as f:
+            assert json.load(f)["dept"] == {"round": 0, "in_round": False, "installed": None, "store": {}}
+    pairs = {}
+    for key in old:
+        parts = key.split("/")
+        if parts[0] != "dept" or parts[-1] == "eager_known" or len(parts) < 4:
+            continue
+        group = parts[2] + "/" if parts[2].startswith("g") else ""
+        name, kind = parts[-2], parts[-1]
+        pairs[key] = f"dept/{parts[1]}/{group}{kind}/{name}"
+    kinds = {k.split("/")[-1] for k in pairs}
+    assert {"reference", "momentum", "residual"} <= kinds, kinds
+    assert sum(k.split("/")[-1] == "residual" and "/g1/" in k for k in pairs) > 0
+    got = read_full(step, sorted(set(pairs.values())))
+    for k1, k2 in pairs.items():
+        assert k2 in new, k2
+        assert torch.equal(got[k2].reshape(old[k1].shape), old[k1]), (k1, k2)
+    for c in ("outer_body", "outer_embedding"):
+        key = f"dept/{c}/steps"
+        assert torch.equal(read_full(step, [key])[key], old[key]), key
+    run_distributed(_resume_dept, 2, args=(same, 1), timeout=300)
+    run_distributed(_resume_dept, 4, args=(run, 2), timeout=300)
+    got_l, want_l = _losses(run), _losses(same)
+    assert [s for s in got_l if s > 2] == [s for s in want_l if s > 2] == [3, 4]
+    for s in (3, 4):
+        assert got_l[s] == pytest.approx(want_l[s], rel=1e-6, abs=0), (s, got_l[s], want_l[s])

@@ -25,10 +25,10 @@ def _worker(rank, world, parallel):
         out[shard] = {"losses": res["losses"], "phi": st.full_table("phi"), "head": st.full_table("phi_head"),
                       "rows": st.phi.weight.shape[0]}
         if shard:
-            sd = st.state_dict()
+            sd = st.phi.state_dict()
             fresh = TrimTable(torch.zeros_like(out[shard]["phi"]), optimizer=type(st.phi.optimizer)("adam"),
                               pg=st.phi.pg, group=st.phi.group, index=st.phi.index, parts=st.phi.parts)
-            fresh.load_state_dict({"weight": sd["phi"], "optimizer": sd["phi_optimizer"], "rows": sd["phi_rows"]})
+            fresh.load_state_dict(sd)
             out["reload_shard"] = torch.equal(fresh.weight, st.phi.weight) and all(
                 torch.equal(fresh.optimizer.state[k], v) for k, v in st.phi.optimizer.state.items())
             whole = TrimTable(torch.zeros_like(out[shard]["phi"]), optimizer=type(st.phi.optimizer)("fedavg"),

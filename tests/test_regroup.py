@@ -323,7 +323,9 @@ def _state_now(loop) -> dict:
     return {"body": body_vector(loop.trainer), "inner": _inner(loop), "held": _held(loop),
             "outer": {c: s.param_state() for c, s in sorted(loop.hooks.outer_syncs().items())},
             "buffers": _group_buffers(loop), "positions": {n: loop.hooks.source_steps(n, 4) for n in loop.hooks.names},
-            "phi": {k: v for k, v in loop.hooks.strategy.state_dict().items() if k.startswith("phi")}}
+            "phi": {k: (t.weight.clone(), {n: v.clone() for n, v in t.optimizer.state.items()})
+                    for k, t in (("phi", loop.hooks.strategy.phi), ("phi_head", loop.hooks.strategy.phi_head))
+                    if t is not None}}
 
 
 def _combined_and_two_step(rank, world, over, run_dir, two_step_dir, out_dirs, K):
@@ -346,8 +348,7 @@ def _combined_and_two_step(rank, world, over, run_dir, two_step_dir, out_dirs, K
 @pytest.mark.timeout(400)
 def test_another_number_of_groups_and_tensor_size_at_once(tmp_path):
     """A round-boundary checkpoint written by G = 2 groups with T = 1 loads into G = 1 with T = 2
-    in one launch (``check_layout``: ``"regroup_reshard"``: each old group's hook state
-    resharded, then regrouped). TRIM with int8 error feedback and group-owned body AdamW state:
+    in one launch (DEPT's load plan and the boxes of the new layout in one read). TRIM with int8 error feedback and group-owned body AdamW state:
     the state right after the load — body shards, body AdamW state (old group 0's), each
     source's compact-table AdamW state, φ with its row momentum, the outer state, the averaged
     residuals, the data positions — equals, tensor for tensor, the state reached in two steps

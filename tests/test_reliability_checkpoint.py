@@ -274,23 +274,25 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_hooks_files_load_safely(tmp_path):
-    """A crafted hooks_rank0.pt (with a matching manifest, as an attacker would leave it) is
-    refused without running its code; an unreadable one is one line naming the file."""
+def test_per_rank_files_load_safely(tmp_path):
+    """A crafted rng_tp0_pp0.pt (the dropout streams; with a matching manifest, as an attacker
+    would leave it) is refused without running its code; an unreadable one is one line naming
+    the file."""
     from dept_mega.checkpoint import load_weights
     loop = _dept_checkpoint(tmp_path)
     step = tmp_path / "checkpoints" / "step_1"
     load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)  # the real file loads with weights_only
     marker = tmp_path / "pwned"
-    torch.save({"body_sync": _Payload(str(marker))}, step / "hooks_rank0.pt")
+    assert (step / "rng_tp0_pp0.pt").exists()
+    torch.save({"default": _Payload(str(marker))}, step / "rng_tp0_pp0.pt")
     seal(str(step), 1)
     with pytest.raises(Exception) as exc:
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
     assert not marker.exists(), "the checkpoint ran code while loading"
-    assert isinstance(exc.value, CheckpointError) and "hooks_rank0.pt" in str(exc.value), exc.value
-    (step / "hooks_rank0.pt").write_bytes(b"garbage" * 100)
+    assert isinstance(exc.value, CheckpointError) and "rng_tp0_pp0.pt" in str(exc.value), exc.value
+    (step / "rng_tp0_pp0.pt").write_bytes(b"garbage" * 100)
     seal(str(step), 1)
-    with pytest.raises(CheckpointError, match="hooks_rank0.pt"):
+    with pytest.raises(CheckpointError, match="rng_tp0_pp0.pt"):
         load_weights(loop.trainer, str(tmp_path), 1, hooks=loop.hooks)
 
 

@@ -15,7 +15,14 @@ afterwards any layout change that format 2 allows applies.
 Single process, no torchrun: every tensor of the checkpoint is read whole into host memory
 (the whole checkpoint must fit there) and written again. The tensor-parallel split of each
 parameter (dimension, SwiGLU's stride) comes from the model code, built on the meta device
-from the run's config. The other files (layout, data positions, hook state, dropout
+from the run's config. DEPT's per-rank hook files (``hooks_rank{r}.pt``) become format 2's
+entries (:func:`convert_hooks`): each stored source's embeddings and optimizer states under
+``source/{name}/...`` (joined by the parameter names saved with them), TRIM's tables as row
+boxes and its learned positions' outer state, and each group's round position in
+``group{g}.json`` (``dept``); the installed source's state is the model's. Hook state this tool
+cannot place (optimizer states saved without parameter names, outer buffers kept in the hook
+files by older releases) is an error: resume such a checkpoint once with its own layout
+instead (its next checkpoint is format 2). The other files (layout, data positions, dropout
 streams) are copied unchanged. Integrity: the new step is written as ``step_S.convert.tmp``
 with a manifest of checksums, then the old directory is renamed ``step_S.format1`` (kept:
 delete it once the run resumed) and the new one renamed to ``step_S``; ``latest`` is not
@@ -36,8 +43,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dept_mega.checkpoint_format import (Entry, entries_of, optim_key, outer_key, param_key,  # noqa: E402
-                                         save_entries, whole)
-from dept_mega.manifest import LAYOUT_FILE, CheckpointError, fsync_dir, read_json, read_manifest, seal  # noqa: E402
+                                         save_entries, source_key, trim_key, whole)
+from dept_mega.manifest import (LAYOUT_FILE, CheckpointError, fsync_dir, read_json, read_manifest,  # noqa: E402
+                                seal, write_json_durable)
 
 _POS = r"tp(?P<t>\d+)/pp(?P<p>\d+)/c(?P<c>\d+)/(?P<name>[^/]+)"
 _MODEL = re.compile(rf"^model/g(?P<g>\d+)/{_POS}$")
@@ -60,10 +68,10 @@ def _read_all(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert_entries(tensors: dict[str, torch.Tensor], layout: dict, structure: dict, where: str) -> list[Entry]:
-    """The format-2 entries of the format-1 ``tensors`` of a checkpoint with ``layout``
-    (``structure``: name → ((partition dim, stride), full shape or None), from the model code)."""
-    T, D, P, G = (int(layout[k]) for k in ("tensor", "data", "pipeline", "groups"))
+def _like(layout: dict, structure: dict, where: str):
+    """``like(key, name, shard shape)``: a stand-in for parameter ``name``'s tensor-parallel
+    split (``checkpoint_format.entries_of``), from the model code's ``structure``."""
+    T = int(layout["tensor"])
 
     def like(key: str, name: str, shard_shape) -> SimpleNamespace:
         if name not in structure:
@@ -72,6 +80,15 @@ def convert_entries(tensors: dict[str, torch.Tensor], layout: dict, structure: d
         sharded = dim is not None and T > 1 and (full is None or tuple(full) != tuple(shard_shape))
         return SimpleNamespace(shape=tuple(shard_shape), partition_dim=dim, partition_stride=stride,
                                tensor_parallel=sharded)
+
+    return like
+
+
+def convert_entries(tensors: dict[str, torch.Tensor], layout: dict, structure: dict, where: str) -> list[Entry]:
+    """The format-2 entries of the format-1 ``tensors`` of a checkpoint with ``layout``
+    (``structure``: name → ((partition dim, stride), full shape or None), from the model code)."""
+    T, D, P, G = (int(layout[k]) for k in ("tensor", "data", "pipeline", "groups"))
+    like = _like(layout, structure, where)
 
     def group(m) -> int | None:
         return int(m["g"]) if G > 1 else None
@@ -106,6 +123,111 @@ def convert_entries(tensors: dict[str, torch.Tensor], layout: dict, structure: d
     return out
 
 
+def _hook_error(where: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {what}, which this tool does not convert; resume the checkpoint once with "
+                           f"its own layout instead (its next checkpoint is format 2)")
+
+
+def _optim_entries(key_of, kind: str, sd: dict, names: dict, like, shapes: dict, t: int, T: int,
+                   where: str) -> list[Entry]:
+    """One saved optimizer state dict (plain, or a distributed optimizer's pieces: ``shard``)
+    as entries, its tensors found by the parameter names saved with it (``names``: ``state``
+    per state index, ``params`` per ``main_params`` entry)."""
+    out: list[Entry] = []
+    pieces = {}
+    if "shard" in sd:
+        for (_, a, b), n in zip(sd["shard"]["pieces"], names["params"]):
+            pieces[n] = (int(a), int(b))
+
+    def add(moment: str, name: str, v: torch.Tensor) -> None:
+        key = key_of(optim_key(kind, moment, param_key(name, None)))
+        if v.dim() == 0:
+            out.append(whole(key, v))
+            return
+        flat = pieces.get(name) if "shard" in sd else None
+        if "shard" in sd and flat is None:
+            raise _hook_error(where, f"a {kind} optimizer piece of {name!r} without its range")
+        out.extend(entries_of(key, v.reshape(-1) if flat else v, like(key, name, shapes[name]), t, T, flat))
+
+    for i, st in sd.get("state", {}).items():
+        for moment, v in st.items():
+            if torch.is_tensor(v):
+                add(moment, names["state"][int(i)], v)
+    for n, v in zip(names["params"], sd.get("main_params") or []):
+        add("main_param", n, v)
+    return out
+
+
+def convert_hooks(path: str, layout: dict, structure: dict, like) -> tuple[list[Entry], dict[int, dict]]:
+    """Format-1 hook files as format-2 entries and each group's round position (module doc)."""
+    from dept_mega.dept.outer import join_flat_sync_chunks
+    from dept_mega.parallel.groups import rank_of
+    T, D, P, G = (int(layout[k]) for k in ("tensor", "data", "pipeline", "groups"))
+    dp0 = bool(layout.get("hooks_dp0"))
+    body = {n: tuple(s[d] // T if d is not None and T > 1 and i == d else s[i] for i in range(len(s)))
+            for n, ((d, _), s) in structure.items() if s is not None}
+    out: list[Entry] = []
+    metas: dict[int, dict] = {}
+    for g in range(G):
+        files = {}
+        for p in range(P):
+            for d in range(1 if dp0 else D):
+                for t in range(T):
+                    f = os.path.join(path, f"hooks_rank{rank_of(t, d, p, g, T, D, P)}.pt")
+                    files[(t, d, p)] = (f, torch.load(f, map_location="cpu", weights_only=True))
+        first = files[(0, 0, 0)][1]
+        store = {}
+        for (t, d, p), (f, sd) in files.items():
+            for old in ("body_sync", "outer_residuals", "outer_eager"):
+                if sd.get(old):
+                    raise _hook_error(f, f"its {old!r} (outer state kept in the hook files)")
+            for name, payload in sd["store"].items():
+                shapes = dict(body)
+                for emb in payload["embeddings"]:
+                    for n, v in (emb or {}).items():
+                        shapes[f"embeddings.{n}"] = tuple(v.shape)
+                        key = source_key(name, param_key(f"embeddings.{n}", None))
+                        out += entries_of(key, v, like(key, f"embeddings.{n}", v.shape), t, T)
+                flags = store.setdefault(name, {"optimizer": False, "body_optimizer": False})
+                for kind, opt in (("emb", payload.get("optimizer")), ("body", payload.get("body_optimizer"))):
+                    if opt is None:
+                        continue
+                    names = (payload.get("param_names") or {}).get("optimizer" if kind == "emb" else "body_optimizer")
+                    if names is None:
+                        raise _hook_error(f, f"source {name!r}: a {kind} optimizer state without parameter names")
+                    out += _optim_entries(lambda k, n=name: source_key(n, k), kind, opt, names, like, shapes, t, T, f)
+                    moments = any(opt.get("state", {}).values())
+                    flags["optimizer" if kind == "emb" else "body_optimizer"] |= moments or kind == "body"
+            for table in ("phi", "phi_head"):
+                if table in sd:
+                    start, _, V = (int(x) for x in sd.get(f"{table}_rows") or (0, 0, sd[table].shape[0]))
+                    row_state = (sd.get(f"{table}_optimizer") or {}).get("state", {})
+                    for state, v in [(None, sd[table])] + sorted(row_state.items()):
+                        out.append(Entry(trim_key(table, state), v, (V,) + tuple(v.shape[1:]),
+                                         (start,) + (0,) * (v.dim() - 1)))
+            if "positions" in sd:
+                out.append(whole(trim_key("positions"), sd["positions"]))
+        syncs = [files[(0, d, p)][1] for p in range(P) for d in range(1 if dp0 else D)
+                 if "position_sync" in files[(0, d, p)][1]]
+        if syncs:
+            full = join_flat_sync_chunks([x["position_sync"] for x in syncs])
+            if "eager_base" in full:
+                raise _hook_error(path, "TRIM positions' eager estimates")
+            shape = tuple(syncs[0]["positions"].shape)
+            out.append(whole(outer_key("trim_positions", "steps"), torch.tensor(int(full["optimizer"]["steps"]))))
+            if full["optimizer"].get("part_steps"):
+                out.append(whole(outer_key("trim_positions", "part_steps"),
+                                 torch.tensor([int(c) for c in full["optimizer"]["part_steps"]])))
+            for kind, v in [("reference", full["theta_prev"])] + sorted(full["optimizer"]["state"].items()):
+                out.append(whole(outer_key("trim_positions", kind, "positions"), v.view(shape)))
+            if "residual" in full:
+                out.append(whole(outer_key("trim_positions", "residual", "positions", group=g),
+                                 full["residual"].view(shape)))
+        metas[g] = {"round": first.get("round"), "in_round": bool(first.get("in_round", False)),
+                    "installed": first.get("installed"), "store": store}
+    return out, metas
+
+
 def convert(run_dir: str, step: int | None = None, config: str | None = None) -> str:
     """Convert step ``step`` (None: ``latest``) of ``run_dir`` to format 2; returns its path."""
     from dept_mega.config import load_config
@@ -124,15 +246,28 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     if fmt != 1:
         raise CheckpointError(f"checkpoint {path} is in format {fmt}, not 1: nothing to convert")
     cfg = load_config(config or os.path.join(run_dir, "config.yaml"))
-    entries = convert_entries(_read_all(path), read_json(path, LAYOUT_FILE), _structure(cfg), path)
+    layout = read_json(path, LAYOUT_FILE)
+    structure = _structure(cfg)
+    entries = convert_entries(_read_all(path), layout, structure, path)
+    metas: dict[int, dict] = {}
+    if layout.get("per_rank_hooks") and cfg.dept.variant != "std":
+        more, metas = convert_hooks(path, layout, structure, _like(layout, structure, path))
+        entries += more
     tmp, old = path + ".convert.tmp", path + ".format1"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_entries(entries, tmp)
     data = set(os.listdir(tmp))
-    for name in os.listdir(path):  # layout, positions, hook state, dropout streams: unchanged
-        if name != "manifest.json" and not name.endswith(".distcp") and name != ".metadata" and name not in data:
+    for name in os.listdir(path):  # layout, positions, dropout streams: unchanged (hook files: converted)
+        if name != "manifest.json" and not name.endswith(".distcp") and name != ".metadata" and name not in data \
+                and not name.startswith("hooks_rank"):
             shutil.copy2(os.path.join(path, name), os.path.join(tmp, name))
+    if layout.get("per_rank_hooks"):
+        fixed = {k: v for k, v in layout.items() if k not in ("per_rank_hooks", "hooks_dp0", "hooks_param_names")}
+        write_json_durable(os.path.join(tmp, LAYOUT_FILE), fixed)
+    for g, meta in metas.items():
+        group = read_json(tmp, f"group{g}.json")
+        write_json_durable(os.path.join(tmp, f"group{g}.json"), dict(group, dept=meta))
     seal(tmp, step)
     problem = local_problem(tmp)
     if problem:

@@ -34,24 +34,23 @@ import torch
 
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
-from .chunk_buffers import CHUNK_BUFFERS, missing_chunk_buffer
-from .hook_loads import HookStateLoads
+from . import hook_state
 from .master_shards import value_access
 from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .streaming import OuterSchedule, body_fragments, sync_units
 from .rounds import RoundScheduler
 from .source_info import SourceInfo, sources_from_config  # noqa: F401  (SourceInfo: importable from here too)
-from .store import SourceState, SourceStore, load_payload, state_payload
+from .store import SourceState, SourceStore
 from .strategy import RoundView, StrategyContext
 from .variants import make_strategy
 
 BODY_OPTIMIZER_STATES = ("group", "source")
 
 
-class DeptHooks(HookStateLoads):
-    """RoundHooks for glob / trim / spec / spec_opt: the round driver. Loads of its state saved
-    under another layout come from :class:`~dept_mega.dept.hook_loads.HookStateLoads`."""
+class DeptHooks:
+    """RoundHooks for glob / trim / spec / spec_opt: the round driver. Its checkpoint state:
+    ``dept.hook_state``."""
 
     def __init__(self, cfg, pg, trainer, device, sources: Sequence[SourceInfo]) -> None:
         self.cfg, self.pg, self.trainer, self.device = cfg, pg, trainer, torch.device(device)
@@ -167,7 +166,7 @@ class DeptHooks(HookStateLoads):
         that a checkpoint of that step (not necessarily ``latest``: ``evaluate --step``) loads
         in place; ``dept_mega.checkpoint.load_weights`` calls it before loading. ``layout``: the
         checkpoint's ``layout.json`` (its schedule, when rebased; another number of groups:
-        nothing to install, :meth:`load_regrouped` installs the sources)."""
+        nothing to install, :meth:`resume_regrouped` installs the sources)."""
         if layout is not None and int(layout.get("groups", self.pg.num_groups)) != self.pg.num_groups:
             return
         self._use_schedule(layout)
@@ -176,7 +175,7 @@ class DeptHooks(HookStateLoads):
         plan = self._plan_of((step - 1) // self.cfg.dept.local_steps)
         if plan.sources:
             name = self.names[plan.sources[self.group_index]]
-        else:  # saved just after a change of the number of groups (see load_regrouped)
+        else:  # saved just after a change of the number of groups (see rebase_groups)
             name = self._first_held(plan.last_group)
             if name is None:
                 return
@@ -350,106 +349,57 @@ class DeptHooks(HookStateLoads):
                 if restore is not None:
                     self.trainer.set_embeddings(*restore)
 
-    # ------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        """This rank's DEPT state for ``dept_mega.checkpoint`` (saved per rank): θ_{t-1} and
-        outer optimizer state, the variant's own state (GLOB's embedding sync; TRIM's φ with
-        its row state and positions), and every per-source state this rank holds — the
-        installed source's included, so that a resumed run reinstalls it whatever vocabulary
-        the trainer started with (its body optimizer state, if per source, is the trainer's
-        and saved with the model). Plain dicts, lists, numbers, strings and tensors only:
-        loadable with ``torch.load(..., weights_only=True)``."""
-        if not self.schedule.idle:
-            raise RuntimeError("DeptHooks.state_dict: an outer sync is in flight; checkpoints are taken only where "
-                               "can_save_now() is true")
-        # the outer state of every FlatSync is not here: dept_mega.checkpoint saves it per parameter
-        # from outer_syncs() (dept_mega.checkpoint_state): θ_{t-1} and the outer optimizer's once,
-        # the error-feedback residuals and eager estimates (chunk buffers) once per group
-        sd: dict[str, Any] = {"round": self.plan.round if self.plan is not None else None,
-                              "installed": self.installed, "in_round": self.in_round,
-                              "mark": dict(self._mark)}
-        sd.update(self.strategy.state_dict())
-        with_opt = not self.cfg.dept.reset_inner_optimizer
-        # with the global parameter names of their optimizer states (load_state_dict_repartitioned)
-        sd["store"] = {n: self._with_param_names(state_payload(self.store.get(n), with_opt), self.store.get(n))
-                       for n in self.store.names()}
-        if self.strategy.source_embeddings and self.installed is not None:
-            current = self._current_state(with_body=False)
-            sd["installed_state"] = self._with_param_names(state_payload(current, with_opt), current)
-        return sd
+    # ------------------------------------------------------------------------- checkpoints
+    def checkpoint_syncs(self) -> dict[str, FlatSync]:
+        """:meth:`outer_syncs` and the strategy's own (TRIM's learned positions: ``trim_positions``),
+        whose state ``dept_mega.checkpoint_state`` saves per parameter."""
+        return {**self.outer_syncs(), **self.strategy.checkpoint_syncs()}
 
-    def load_state_dict(self, sd: dict) -> None:
-        if "body_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
-            body = sd["body_sync"]
-            parts = body["fragments"] if "fragments" in body else [body]
-            if len(parts) != len(self.body_syncs):
-                raise ValueError(f"dept.outer_fragments: the checkpoint's body state has {len(parts)} fragments, "
-                                 f"this run {len(self.body_syncs)}")
-            for s, part in zip(self.body_syncs, parts):
-                s.load_state_dict(part)
-        syncs = self.outer_syncs()
-        # checkpoints that kept the chunk buffers here (CHUNK_BUFFERS); later ones have none here and
-        # dept_mega.checkpoint loads them from their per-parameter keys after this
-        for entry, attr in CHUNK_BUFFERS.items():
-            for k, r in (sd.get(entry) or {}).items():
-                if k not in syncs or getattr(syncs[k], attr) is None:
-                    raise missing_chunk_buffer(entry, attr, k)
-                getattr(syncs[k], attr).copy_(r.to(getattr(syncs[k], attr).device, torch.float32))
-        for k, s in syncs.items():  # the eager start's estimate: none in the checkpoint, none known
-            if s.eager_base is not None:
-                if k not in (sd.get("outer_eager") or {}):
-                    s.eager_base.zero_()
-                s.load_eager_known((sd.get("outer_eager_known") or {}).get(k))
-        self.strategy.load_state_dict(sd)
-        self.store = SourceStore()
-        for n, payload in sd["store"].items():
-            state = self._fresh_state(n)
-            load_payload(state, payload)
-            self.store.put(n, state)
-        self.installed = sd["installed"]
-        if self.strategy.source_embeddings and self.installed is not None:
-            state = self._fresh_state(self.installed)
-            load_payload(state, sd["installed_state"])
-            self.trainer.set_embeddings(state.embeddings, state.optimizer)
+    def checkpoint_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
+        """The synchronised tensors that are not the model's (TRIM's positions), by id: (name, tensor)."""
+        return self.strategy.checkpoint_params()
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The round position for ``group{g}.json`` (``dept.hook_state.meta``)."""
+        if not self.schedule.idle:
+            raise RuntimeError("DeptHooks: an outer sync is in flight; checkpoints are taken only where "
+                               "can_save_now() is true")
+        return hook_state.meta(self)
+
+    def checkpoint_entries(self) -> list:
+        """The stored sources' state and TRIM's tables as checkpoint entries (``dept.hook_state``)."""
+        return hook_state.entries(self, self.trainer)
+
+    def checkpoint_targets(self, metas: dict[int, dict], saved_groups: Optional[int], step: int,
+                           origin: Optional[dict], optimizer: bool):
+        """(entries to load, install) of a checkpoint (``dept.hook_state.targets``)."""
+        return hook_state.targets(self, self.trainer, metas, saved_groups, step, origin, optimizer)
+
+    def resume_at(self, meta: dict, store: SourceStore) -> None:
+        """Continue from a checkpoint of this number of groups: its round position ``meta`` and
+        the sources ``store`` held by this group (the installed one is loaded with the model)."""
+        self.store = store
+        self.installed = meta["installed"]
         # a run resumed inside a round must not redo that round's moves and installs; the plan
         # also tells evaluation (evaluate.py) which group holds each source
-        self._resumed_round = sd["round"]
-        self.in_round = bool(sd.get("in_round", False))
-        if sd["round"] is not None:
-            self.plan = self._plan_of(int(sd["round"]))
+        self._resumed_round = meta["round"]
+        self.in_round = bool(meta.get("in_round", False))
+        if meta["round"] is not None:
+            self.plan = self._plan_of(int(meta["round"]))
         self._mark = self.pg.comm.snapshot()
 
     # ------------------------------------------------------------------------- another number of groups
-    def regroup_refusal(self, step: int, saved_groups: int, group_keys: bool = False) -> Optional[tuple[str, str]]:
+    def regroup_refusal(self, step: int, saved_groups: int) -> Optional[tuple[str, str]]:
         """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
-        loaded by this launch's number of groups: (config key, reason), or None when it can
-        (:meth:`load_regrouped`). It can at a round boundary, where everything a group owns
-        is the same in every group (the body and GLOB's embeddings are synchronised, the outer
-        state is the same everywhere), is keyed by source, or is the inner optimizer state a
-        group owns (:meth:`group_owned_inner_state`), which new group g takes from old group
-        g mod G_old, as a replica that joins a DiLoCo job (torchft) receives a live peer's: for
-        GLOB, SPEC, SPEC-OPT and TRIM (its φ, φ_head, their per-row outer state and the learned
-        positions' are the same in every group after a round's sync: joined from old group 0's
-        row shards and cut), with the distributed optimizer too (also under another
-        ``parallel.data`` or bucket size: each source's optimizer state is joined from its old
-        group's data-parallel ranks, :meth:`dp_joined_state`). With error feedback or the eager
-        start only when the checkpoint saved their buffers per parameter and group
-        (``group_keys``; layout.json: ``outer_group_keys``; TRIM's are its body's): the residuals
-        are then averaged over the old groups and the estimates reset
-        (``dept_mega.checkpoint_state``, logged); older checkpoints kept them in per-rank hook
-        files, which are refused."""
-        d = self.cfg.dept
-        L = int(d.local_steps)
-        if self.cfg.dept.outer_error_feedback and not group_keys:
-            return ("dept.outer_error_feedback",
-                    "the checkpoint has no error-feedback residuals saved per parameter and group (layout.json "
-                    "without outer_group_keys: written before they were, which kept them in per-rank hook files, "
-                    "or written without error feedback)")
-        if self.schedule.eager and not group_keys:
-            return ("dept.outer_overlap_rule",
-                    "the checkpoint has no eager-start estimates saved per parameter and group (layout.json "
-                    "without outer_group_keys: written before they were, which kept them in per-rank hook files, "
-                    "or written without the eager start)")
+        loaded by this launch's number of groups: (config key, reason), or None when it can.
+        It can at a round boundary, where everything a group owns is the same in every group
+        (the body and GLOB's embeddings are synchronised, the outer state and TRIM's tables
+        are the same everywhere), is keyed by source, or is the inner optimizer state a group
+        owns (:meth:`group_owned_inner_state`), which new group g takes from old group
+        g mod G_old, as a replica that joins a DiLoCo job (torchft) receives a live peer's.
+        The error-feedback residuals are averaged over the old groups and the eager
+        estimates reset (``dept_mega.checkpoint_state``, logged)."""
+        L = int(self.cfg.dept.local_steps)
         if step % L:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
@@ -461,74 +411,40 @@ class DeptHooks(HookStateLoads):
         across rounds by the group that trains with it: ``dept.reset_inner_optimizer: false``):
         the body's with ``dept.body_optimizer_state: group``, GLOB's shared embeddings'. Under
         another number of groups new group g takes old group g mod G_old's
-        (``dept_mega.checkpoint``: ``_regroup_keys``)."""
+        (``dept_mega.checkpoint``: ``_regroup_plan``)."""
         if self.cfg.dept.reset_inner_optimizer:
             return []
         return ((["GLOB's embeddings"] if not self.strategy.source_embeddings else [])
                 + (["the body"] if not self.body_per_source else []))
 
-    def load_regrouped(self, step: int, saved: dict[int, dict], saved_groups: int,
-                       saved_origin: Optional[dict], read_body_optimizer=None, group_keys: bool = False) -> None:
-        """Load the hook state of a round-boundary checkpoint written by ``saved_groups``
-        groups (``saved[g]``: the state dict of group g's rank at this rank's (tp, pp)
-        position, with the distributed optimizer joined from group g's data-parallel ranks
-        and cut for this rank, TRIM's φ joined from the stage's row shards:
-        :meth:`dp_joined_state`) into this launch's groups. The
-        schedule continues from the checkpoint's history: every source keeps its data
-        position (rounds trained so far) and its own state, which the new group ``old group
-        mod G`` holds (``last_group``); the plans from round ``step / local_steps`` on are this
-        launch's (``RoundScheduler.rebase``), recorded in later checkpoints' ``layout.json``.
-        Each group then installs the first source it holds (or none).
-        ``read_body_optimizer(g)``: the body optimizer's state dict that old group g saved with
-        its model (``dept.body_optimizer_state: source``: the state of the source installed
-        there, which its hooks file leaves out). ``group_keys``: the checkpoint saved the
-        error-feedback residuals and eager estimates per parameter and group (loaded after
-        this by ``dept_mega.checkpoint``, :func:`~dept_mega.checkpoint_state.group_state_targets`)."""
-        refusal = self.regroup_refusal(step, saved_groups, group_keys)
+    def rebase_groups(self, step: int, saved_groups: int, saved_origin: Optional[dict]):
+        """The schedule of a round-boundary checkpoint of step ``step`` written by
+        ``saved_groups`` groups continued by this launch's groups: every source keeps its data
+        position (rounds trained so far) and its own state, which new group ``old group mod G``
+        holds; the plans from round ``step / local_steps`` on are this launch's
+        (``RoundScheduler.rebase``), recorded in later checkpoints' ``layout.json``. Returns
+        (the old schedule's plan of that round: ``last_group`` says where each source's state
+        is, each source's new group)."""
+        refusal = self.regroup_refusal(step, saved_groups)
         if refusal is not None:
             raise ValueError(f"{refusal[0]}: {refusal[1]}")
-        L = int(self.cfg.dept.local_steps)
-        r0 = step // L
-        old = self._make_scheduler(saved_groups, saved_origin)
-        before = old.plan(r0)  # its last_group / rounds_before: the history at round r0's start
+        r0 = step // int(self.cfg.dept.local_steps)
+        before = self._make_scheduler(saved_groups, saved_origin).plan(r0)
         G = self.pg.num_groups
         last = [None if g is None else int(g) % G for g in before.last_group]
         self.scheduler = self._make_scheduler(G)
         self.scheduler.rebase(r0, last, before.rounds_before)
-        # GLOB: nothing (its outer state is under dept/... keys); TRIM: φ (the same in every group
-        # at a round boundary) from old group 0 (the other groups' states may leave it out:
-        # dp_joined_state(strategy_state=False)), before the first held source is filled from it
-        self.strategy.load_state_dict(saved[0])
-        payloads: dict[str, tuple[int, dict, bool]] = {}
-        for g, sd in sorted(saved.items()):
-            held = {n: (p, False) for n, p in sd["store"].items()}
-            if sd.get("installed") is not None and "installed_state" in sd:
-                held[sd["installed"]] = (sd["installed_state"], True)
-            for name, (payload, installed) in held.items():
-                if name in payloads:
-                    raise ValueError(f"source {name!r}: the checkpoint holds its state in groups {payloads[name][0]} "
-                                     f"and {g}")
-                payloads[name] = (g, payload, installed)
-        self.store = SourceStore()
+        return before, last
+
+    def resume_regrouped(self, step: int, last: list, store: SourceStore) -> None:
+        """After :meth:`rebase_groups`: this group holds the sources ``store`` and installs the
+        first of them (or none)."""
+        self.store = store
         self.installed = None
-        for name, (g, payload, installed) in sorted(payloads.items()):
-            if last[self.index[name]] != self.pg.group_index:
-                continue
-            if before.last_group[self.index[name]] != g:
-                raise ValueError(f"source {name!r}: the checkpoint holds its state in group {g}, its round plan "
-                                 f"says group {before.last_group[self.index[name]]}")
-            if installed and self.body_per_source and read_body_optimizer is not None:
-                payload = dict(payload, body_optimizer=read_body_optimizer(g))
-            state = self._fresh_state(name)
-            load_payload(state, payload)
-            self.store.put(name, state)
-        missing = [self.names[k] for k, g in enumerate(last) if g == self.pg.group_index and self.per_source
-                   and self.names[k] not in self.store]
-        if missing:
-            raise ValueError(f"sources {missing}: trained before step {step} but their state is not in the checkpoint")
         first = self._first_held(last) if self.per_source else None
         if first is not None:
             self._install(first, self.store.pop(first))
+        r0 = step // int(self.cfg.dept.local_steps)
         self.plan = self._plan_of(r0 - 1) if r0 > 0 else None
         self.in_round = False
         self._resumed_round = None

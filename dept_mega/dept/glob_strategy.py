@@ -50,9 +50,6 @@ class GlobStrategy(VariantStrategy):
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         return None  # the group's own (global) embeddings, as they are now
 
-    def state_dict(self) -> dict:
-        return {}
-
     def load_state_dict(self, sd: dict) -> None:
         if "embedding_sync" in sd:  # checkpoints written before the outer state moved to DCP keys
             self.embedding_sync.load_state_dict(sd["embedding_sync"])

@@ -83,9 +83,6 @@ class VariantStrategy:
     name = ""
     source_embeddings = False
     move_weights = True
-    # the keys of :meth:`state_dict` that are the strategy's own state (TRIM's φ), which
-    # :meth:`joined_state` joins from the old ranks' files under another layout
-    STATE_KEYS: tuple = ()
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -113,19 +110,17 @@ class VariantStrategy:
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         return None
 
-    def state_dict(self) -> dict:
+    def checkpoint_syncs(self) -> dict:
+        """FlatSyncs of the strategy's own that the driver does not schedule, by checkpoint
+        category (``dept_mega.checkpoint_state``; TRIM's learned positions)."""
+        return {}
+
+    def checkpoint_params(self) -> dict:
+        """id → (name, tensor) of the tensors those syncs synchronise that are not the model's."""
         return {}
 
     def load_state_dict(self, sd: dict) -> None:
-        pass
-
-    @staticmethod
-    def joined_state(sds) -> dict:
-        """The strategy's own part of :meth:`state_dict` (``STATE_KEYS``) whole, for a rank of
-        another layout, from ``sds[(tp, dp, pp)]`` (the old ranks' hook states of this group,
-        ``DeptHooks.load_state_dict_rank_resharded``): none here (no state of its own; SPEC /
-        SPEC-OPT keep theirs per source); TRIM joins φ's row shards."""
-        return {}
+        """The strategy's part of a format-1 hook file (``dept_mega.checkpoint_v1``)."""
 
 
 def embeddings_from_holder(ctx: StrategyContext, holder: int, mine: Optional[list],

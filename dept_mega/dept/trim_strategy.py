@@ -19,7 +19,7 @@ import torch
 from ..model.embeddings import SourceEmbeddings
 from ..parallel.groups import Coords, ParallelGroups
 from .master_shards import ShardedMasters, sharded_owner
-from .outer import FlatSync, OuterOptimizer, join_flat_sync_chunks, sync_options
+from .outer import FlatSync, OuterOptimizer, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
 from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
@@ -198,77 +198,11 @@ class TrimStrategy(VariantStrategy):
         table = {"phi": self.phi, "phi_head": self.phi_head}[key]
         return None if table is None else table.full_table()
 
-    def state_dict(self) -> dict:
-        """``phi`` / ``phi_head``: this rank's rows of the tables (fp32), ``phi_rows`` /
-        ``phi_head_rows`` = [first row, end row, |V|] (dept_mega.export joins the shards of a
-        stage's tp × dp ranks; :meth:`full_table` gathers them in a live run);
-        ``phi_optimizer`` / ``phi_head_optimizer``: their per-row outer optimizer state."""
-        sd: dict = {}
-        for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
-            if table is not None:
-                tsd = table.state_dict()
-                sd[key] = tsd["weight"]
-                sd[f"{key}_rows"] = tsd["rows"]
-                sd[f"{key}_optimizer"] = tsd["optimizer"]
-        if self.position_sync is not None:
-            sd["positions"] = self.positions.detach().clone()
-            sd["position_sync"] = self.position_sync.state_dict()
-        return sd
+    def checkpoint_syncs(self) -> dict:
+        return {} if self.position_sync is None else {"trim_positions": self.position_sync}
 
-    # the keys of :meth:`state_dict` that are TRIM's own (the rest is the driver's)
-    STATE_KEYS = ("phi", "phi_rows", "phi_optimizer", "phi_head", "phi_head_rows", "phi_head_optimizer",
-                  "positions", "position_sync")
-
-    @staticmethod
-    def _join_table(key: str, parts: list) -> dict:
-        """``key`` (``phi`` / ``phi_head``), its ``_rows`` and ``_optimizer`` as whole tables from
-        the :meth:`state_dict` of every rank that held a row shard of it (one stage's tp × dp
-        ranks, any order); the shards must cover the table exactly. :meth:`load_state_dict`
-        cuts this rank's rows from them."""
-        parts = sorted(parts, key=lambda sd: int(sd[f"{key}_rows"][0]))
-        at, total = 0, int(parts[0][f"{key}_rows"][2])
-        for sd in parts:
-            start = int(sd[f"{key}_rows"][0])
-            if start != at:
-                raise ValueError(f"TRIM table {key}: the saved row shards do not cover rows {at}-{start}")
-            at = int(sd[f"{key}_rows"][1])
-        if at != total:
-            raise ValueError(f"TRIM table {key}: the saved row shards end at row {at} of {total}")
-        opt = dict(parts[0][f"{key}_optimizer"])
-        opt["state"] = {k: torch.cat([sd[f"{key}_optimizer"]["state"][k] for sd in parts])
-                        for k in opt.get("state", {})}
-        return {key: torch.cat([sd[key] for sd in parts]), f"{key}_rows": [0, total, total], f"{key}_optimizer": opt}
-
-    @staticmethod
-    def _join_positions(replicas: list) -> dict:
-        """The learned positions and their outer state (the full form that
-        ``FlatSync.load_state_dict`` cuts) from the :meth:`state_dict` of one tensor position's
-        data-parallel replicas, in data-parallel order."""
-        return {"positions": replicas[0]["positions"],
-                "position_sync": join_flat_sync_chunks([sd["position_sync"] for sd in replicas])}
-
-    @staticmethod
-    def joined_state(sds) -> dict:
-        """TRIM's own part of :meth:`state_dict` (``STATE_KEYS``) whole, for a rank of any
-        layout, from ``sds[(tp, dp, pp)]`` = the states saved by the old ranks of this group
-        (a mapping that may read its values lazily: only the stages named below are read in
-        full; keys: every old rank of the stages given). φ and φ_head come from the first old
-        stage that held each (a tied table's copy on the last stage takes the same updates as
-        the first stage's), joined over that stage's tp × dp row shards; the learned positions
-        and their outer state from the first stage, joined over its data-parallel replicas at
-        tensor rank 0 (the positions are whole on every tensor rank)."""
-        stages = sorted({p for _, _, p in sds})
-        out: dict = {}
-        for key in ("phi", "phi_head", "position_sync"):
-            held = [p for p in stages if key in sds[(0, 0, p)]]
-            if not held:
-                continue
-            ranks = sorted((t, d) for t, d, p in sds if p == held[0])
-            if key == "position_sync":
-                out.update(TrimStrategy._join_positions([sds[(0, d, held[0])] for t, d in ranks if t == 0]))
-            else:
-                out.update(TrimStrategy._join_table(key, [sds[(t, d, held[0])] for t, d in ranks]))
-        return out
+    def checkpoint_params(self) -> dict:
+        return {} if self.positions is None else {id(self.positions): ("positions", self.positions)}
 
     def load_state_dict(self, sd: dict) -> None:
         for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):

@@ -14,8 +14,10 @@ The token table (and untied head) has at least the vocabulary's rows: the model'
 padded to a multiple of 128 (the rows past the vocabulary are padding); TRIM's φ has exactly
 the global vocabulary's rows.
 
-The checkpoint format read here (``dept_mega/checkpoint.py`` and ``DeptHooks.state_dict`` in
-``dept_mega/dept/driver.py``):
+The checkpoint formats read here. Format 2 (``dept_mega.checkpoint_format``): every tensor
+read whole under its global key — the body ``model[/g{g}]/{name}``, a stored source's
+embeddings ``source/{name}/model/embeddings...``, TRIM's tables ``dept/trim/{phi|phi_head|positions}``
+— and each group's installed and stored sources from ``group{g}.json`` (``dept``). Format 1:
 
 * ``step_N/`` — torch.distributed.checkpoint files; model keys
   ``model/g{group}/tp{t}/pp{p}/c{chunk}/{stage parameter name}`` (data-parallel replicas share
@@ -193,17 +195,28 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
 
     from ..manifest import read_manifest
     layout = _layout(path)
-    T, P, V = layout["tensor"], layout["pipeline"], layout["virtual_pipeline"]
-    group, where, hooks0 = _locate(cfg, path, layout, step, source)
+    fmt = read_manifest(path)["format"]
+    group, where = _locate(cfg, path, layout, step, source, fmt)
     structure = _structure(cfg)
     out = FullWeights()
     out.step = step
-    if read_manifest(path)["format"] >= 2:  # global keys: whatever the layout, read whole
+    if fmt >= 2:  # global keys: whatever the layout, read whole
         _read_model_v2(path, layout, group, where, structure, out)
+        _read_dept_v2(path, where, source, structure, out)
     else:
         _read_model_v1(path, layout, group, where, structure, out)
+        _read_dept_v1(path, layout, group, where, source, structure, out)
+    out.origin = (f"step {step}, group {group}" +
+                  {"model": "", "store": f" (source {source!r} from its group's store)",
+                   "trim": " (TRIM: the global table φ)"}[where])
+    return out
 
-    # ---- the source's vocabulary-owned tensors
+
+def _read_dept_v1(path: str, layout: dict, group: int, where: str, source: Optional[str], structure: dict,
+                  out: FullWeights) -> None:
+    """The source's vocabulary-owned tensors of a format-1 checkpoint (its hook files)."""
+    T, P, V = layout["tensor"], layout["pipeline"], layout["virtual_pipeline"]
+    hooks0 = _load_hooks(path, _rank(layout, 0, 0, 0, group)) if where != "model" else {}
     first, last = (0, 0), (P - 1, V - 1)  # (pipeline rank, chunk) of the input side and the head
     emb_names = [n for n in structure if n.startswith("embeddings.")]
     if where == "store":
@@ -232,10 +245,27 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
             if key not in sd:
                 raise CheckpointReadError(f"{path}/hooks_rank{r}.pt has no {key!r} (TRIM's global table)")
             out[name] = _trim_rows(path, layout, pp, group, key, sd)
-    out.origin = (f"step {step}, group {group}" +
-                  {"model": "", "store": f" (source {source!r} from its group's store)",
-                   "trim": " (TRIM: the global table φ)"}[where])
-    return out
+
+
+def _read_dept_v2(path: str, where: str, source: Optional[str], structure: dict, out: FullWeights) -> None:
+    """The source's vocabulary-owned tensors of a format-2 checkpoint: its stored state
+    (``source/{name}/model/...``) or TRIM's global tables (``dept/trim/...``), read whole."""
+    from ..checkpoint_format import param_key, read_full, source_key, trim_key
+    from ..manifest import CheckpointError
+    tables = {"embeddings.word_embeddings.weight": "phi", "embeddings.output_layer.weight": "phi_head",
+              "embeddings.position_embeddings.weight": "positions"}
+    if where == "store":
+        keys = {n: source_key(source, param_key(n, None)) for n in structure if n.startswith("embeddings.")}
+    elif where == "trim":
+        keys = {n: trim_key(k) for n, k in tables.items() if n in structure}
+    else:
+        return
+    try:
+        full = read_full(path, list(keys.values()))
+    except CheckpointError as exc:
+        raise CheckpointReadError(f"{exc} (source {source!r}; does config.yaml match the run?)") from None
+    for name, key in keys.items():
+        out[name] = full[key].float()
 
 
 def _read_model_v1(path: str, layout: dict, group: int, where: str, structure: dict, out: FullWeights) -> None:
@@ -342,10 +372,27 @@ def _trim_rows(path: str, layout: dict[str, int], pp: int, group: int, key: str,
     return torch.cat(parts)
 
 
-def _locate(cfg: Config, path: str, layout: dict[str, int], step: int,
-            source: Optional[str]) -> tuple[int, str, dict[str, Any]]:
-    """(group whose body to take, where the embeddings are: model | store | trim, the hook
-    state of that group's first rank or {})."""
+def _holdings(path: str, layout: dict[str, int], fmt: int) -> dict[int, tuple[Optional[str], set]]:
+    """Per group: (the installed source, the stored sources) — format 2: ``group{g}.json``'s
+    ``dept``; format 1: the hook file of the group's first rank."""
+    out = {}
+    for g in range(layout["groups"]):
+        if fmt >= 2:
+            f = os.path.join(path, f"group{g}.json")
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    dept = json.load(fh).get("dept") or {}
+            except (OSError, ValueError) as exc:
+                raise CheckpointReadError(f"{f}: cannot be read ({type(exc).__name__}: {exc})") from None
+        else:
+            dept = _load_hooks(path, _rank(layout, 0, 0, 0, g))
+        out[g] = (dept.get("installed"), set(dept.get("store") or {}))
+    return out
+
+
+def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: Optional[str],
+            fmt: int) -> tuple[int, str]:
+    """(group whose body to take, where the embeddings are: model | store | trim)."""
     variant = cfg.dept.variant
     G = layout["groups"]
     mid_round = G > 1 and variant != "std" and step % cfg.dept.local_steps != 0
@@ -354,22 +401,21 @@ def _locate(cfg: Config, path: str, layout: dict[str, int], step: int,
             raise CheckpointReadError(f"step {step} is inside a round (dept.local_steps={cfg.dept.local_steps}): "
                                       f"the {G} groups hold different local models; export a step that is a "
                                       f"multiple of {cfg.dept.local_steps} (--step)")
-        return 0, "model", {}
-    hooks = {g: _load_hooks(path, _rank(layout, 0, 0, 0, g)) for g in range(G)}
-    installed = [g for g in range(G) if hooks[g].get("installed") == source]
-    stored = [g for g in range(G) if source in (hooks[g].get("store") or {})]
+        return 0, "model"
+    held = _holdings(path, layout, fmt)
+    installed = [g for g in range(G) if held[g][0] == source]
+    stored = [g for g in range(G) if source in held[g][1]]
     if variant == "trim":
         if mid_round and not installed:
             raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
                                       f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")
-        g = installed[0] if installed else 0
-        return g, "trim", hooks[g]
+        return (installed[0] if installed else 0), "trim"
     if installed:
-        return installed[0], "model", hooks[installed[0]]
+        return installed[0], "model"
     if stored:
         if mid_round:
             raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
                                       f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")
-        return stored[0], "store", hooks[stored[0]]
+        return stored[0], "store"
     raise CheckpointReadError(f"source {source!r} has no trained embeddings at step {step} "
                               f"(no group has trained it yet)")
