@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..config import source_groups
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
 from .chunk_buffers import CHUNK_BUFFERS, missing_chunk_buffer
@@ -100,8 +101,10 @@ class DeptHooks(HookStateLoads):
         """The round plans of a run with ``groups`` groups (``origin``: rebased there, see
         :meth:`RoundScheduler.rebase`)."""
         d = self.cfg.dept
+        # sources that belong to groups (data.sources[].group; federation with K > G) never move
         sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
-                               temperature=d.temperature, sizes=[s.size for s in self.sources])
+                               temperature=d.temperature, sizes=[s.size for s in self.sources],
+                               owners=source_groups(self.cfg, groups))
         if origin:
             sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
         return sched
@@ -262,6 +265,8 @@ class DeptHooks(HookStateLoads):
         if self.installed is not None:
             self.store.put(self.installed, self._current_state())
         moves = [(self.names[m.source], m.src_group, m.dst_group) for m in self.plan.moves]
+        if moves and self.federation is not None:  # sources belong to their group job (config.source_groups)
+            raise RuntimeError(f"federation: round {self.plan.round} would move sources {moves} between group jobs")
         self.store.move(self.pg, moves, self._fresh_state, self.device, with_optimizer=not reset,
                         with_weights=self.strategy.move_weights)
         state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine)
@@ -440,6 +445,10 @@ class DeptHooks(HookStateLoads):
         files, which are refused."""
         d = self.cfg.dept
         L = int(d.local_steps)
+        if self.scheduler.owners is not None:
+            return ("data.sources[].group",
+                    f"the sources belong to groups (each group trains only its own), so a run keeps its number "
+                    f"of groups: the checkpoint has {saved_groups}, this launch {self.num_groups}")
         if self.cfg.dept.outer_error_feedback and not group_keys:
             return ("dept.outer_error_feedback",
                     "the checkpoint has no error-feedback residuals saved per parameter and group (layout.json "
