@@ -22,6 +22,11 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
   the strategy's own state (TRIM's φ, its rows' outer state, positions) and the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
   and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
+- **sources**: a source belongs to the group job that holds its data
+  (``config.source_groups``: ``data.sources[i].group``, null = i mod groups) and never moves;
+  each round a job trains one of its own (the seeded sampler, restricted to them:
+  ``rounds.RoundScheduler``'s ``owners``). A gone job's sources are not trained until it
+  returns.
 - **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
   (a collective over every group) and by a healing group against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
