@@ -219,6 +219,11 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
             trained.add(name)
             rounds.setdefault(g, []).append(name) if step % L == 1 else None
         assert trained == {n for k, n in enumerate(names) if k % G == g}, trained
+        # the final evaluation: each job its own sources (installed or stored), as the single job
+        (ev,), (ev1,) = _records(run, "eval"), _records(str(tmp_path / "single"), "eval")
+        assert sorted(ev["by_source"]) == sorted(trained)
+        for name, v in ev["by_source"].items():
+            assert v == pytest.approx(ev1["by_source"][name], abs=1e-6), (g, name, v, ev1["by_source"][name])
     # some group switches source and back: a source's stored state is reinstalled, not rebuilt
     assert any(any(a != b and a in seq[i + 1:] for i, (a, b) in enumerate(zip(seq, seq[1:])))
                for seq in rounds.values()), rounds
@@ -461,15 +466,19 @@ def _started(root, g, pid):
 
 
 def test_trim_group_leaves_and_rejoins(tmp_path):
-    """TRIM, two groups: group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
-    group 0 trains rounds 2 and 3 alone (its φ moves on) and holds at round 4's start until
+    """TRIM, two groups, three sources (group 1 holds sources 0 and 2, data.sources[].group):
+    group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
+    group 0 trains rounds 2 and 3 alone (its φ moves on; only its own source, none of group
+    1's) and holds at round 4's start until
     group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
     it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
-    older — while its compact table's AdamW state is its checkpoint's; right after its first
+    older — while its source's compact table's AdamW state is its checkpoint's (installed
+    there or stored); right after its first
     sync its φ and body equal group 0's, and both finish with the same φ and body."""
     import torch
     L, steps, G = 2, 16, 2
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    owners = [1, 0, 1]
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=len(owners), owners=owners)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     trim = ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
             "dept.outer_optimizer.lr=0.7", f"train.save_interval={L}")
@@ -505,9 +514,18 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
     assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
     assert not torch.equal(heal["phi"], d1[1]["phi"])
+    # only group 1 trained its sources, and not while it was away
+    names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
+    for g, run in enumerate(runs):
+        for rec in _records(run, "train"):
+            assert all(owners[names.index(n)] == g for n in rec["loss_by_source"]), (g, rec["step"])
+    gone = [rec["step"] for rec in _records(runs[1], "train") if 2 * L < rec["step"] <= joined * L]
+    assert gone == [], gone
     # its compact table's inner optimizer state is its checkpoint's (step 2L)
     hooks = torch.load(os.path.join(runs[1], "checkpoints", f"step_{2 * L}", "hooks_rank0.pt"), weights_only=False)
-    opt = hooks["installed_state"]["optimizer"]["state"]
+    assert owners[names.index(heal["source"])] == 1
+    saved = (hooks["installed_state"] if hooks["installed"] == heal["source"] else hooks["store"][heal["source"]])
+    opt = saved["optimizer"]["state"]
     assert opt and sorted(opt) == sorted(heal["optimizer"]["state"])
     for i, st in opt.items():
         for k, v in st.items():

@@ -346,14 +346,24 @@ class DeptHooks(HookStateLoads):
         with self.uncounted():
             try:
                 view = RoundView(self.plan, self.installed, self.store, self.in_round)
-                # federated: a group job evaluates only its own source, with what it trains
-                embs = None if self.federation is not None else self.strategy.eval_embeddings(source, view)
+                # federated: a group job evaluates only its own sources, all of whose state it holds
+                embs = (self._own_eval_embeddings(source) if self.federation is not None
+                        else self.strategy.eval_embeddings(source, view))
                 if embs is not None:
                     restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
                 yield
             finally:
                 if restore is not None:
                     self.trainer.set_embeddings(*restore)
+
+    def _own_eval_embeddings(self, source: str) -> Optional[list]:
+        """Federation: the embeddings this group job evaluates its own ``source`` with — the
+        installed ones (None) or, for another of its sources, the stored state (SPEC /
+        SPEC-OPT; TRIM: its rows of φ), seeded fresh if never trained. No other job takes
+        part: the view has no plan, so no strategy asks another group for a copy."""
+        if source == self.installed or not self.strategy.source_embeddings:
+            return None
+        return self.strategy.eval_embeddings(source, RoundView(None, self.installed, self.store, False))
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
