@@ -332,6 +332,31 @@ def _check_outer_sync(cfg: Config) -> None:
                           "(the row mask would undo the delayed update of the frozen rows)")
 
 
+def source_groups(cfg: Config, groups: int) -> list[int] | None:
+    """The group that owns each source (``data.sources[i].group``; null: i mod ``groups``) when
+    sources belong to groups: when any source sets ``group``, or under federation with more
+    sources than groups (a source's data stays at its site). None: every group may train any
+    source (the seeded sampler moves sources between groups). Raises :class:`ConfigError`
+    for a group index out of range or a group that owns no source."""
+    sources = cfg.data.sources
+    federated_k_gt_g = cfg.federation.lighthouse is not None and len(sources) > groups
+    if not any(s.group is not None for s in sources) and not federated_k_gt_g:
+        return None
+    owners = []
+    for i, s in enumerate(sources):
+        g = i % groups if s.group is None else s.group
+        if not 0 <= g < groups:
+            raise ConfigError(f"config key 'data.sources[{i}].group': {g} is not a group index in [0, {groups}) "
+                              f"(source '{s.name}')")
+        owners.append(g)
+    empty = [g for g in range(groups) if g not in owners]
+    if empty:
+        raise ConfigError(f"config key 'data.sources[].group': group {empty[0]} of {groups} owns no source (every "
+                          f"group trains one of its own sources each round; data.sources[i].group null = i mod "
+                          f"{groups})")
+    return owners
+
+
 def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     """Checks that need the world size and the data files. Raises :class:`ConfigError`."""
     p = cfg.parallel
@@ -354,6 +379,9 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
                           f"got {k} sources for {groups} groups")
     if variant != "std" and k and k < groups:
         raise ConfigError(f"config key 'data.sources': {k} sources cannot fill {groups} groups")
+    if variant != "std" and k:
+        # the group jobs' number under federation (each job's own world is one group)
+        source_groups(cfg, cfg.federation.groups if cfg.federation.lighthouse is not None else groups)
     if variant == "spec_opt":
         for i, s in enumerate(cfg.data.sources):
             if not s.tokenizer:

@@ -125,6 +125,10 @@ class SourceConfig:
     prefix: str = ""  #: Path prefix of its Megatron indexed data (PREFIX.bin and PREFIX.idx).
     tokenizer: Optional[str] = None  #: Its own tokenizer model (spec_opt only).
     weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling.
+    #: The source group that holds its data and trains it (a site's data stays there): each
+    #: round group g draws one of its own sources; null = index mod the number of groups when
+    #: any source sets it or under federation with more sources than groups, else any group.
+    group: Optional[int] = None
 
 
 @dataclass
@@ -205,7 +209,9 @@ class FederationConfig:
     lighthouse: Optional[str] = None
     #: This job's group index in [0, groups); null: from the environment variable DEPT_GROUP.
     group: Optional[int] = None
-    groups: int = 1  #: Number of group jobs expected (one source per group: data.sources has this many).
+    #: Number of group jobs expected (each trains its own sources: data.sources[].group, at
+    #: least one each).
+    groups: int = 1
     min_groups: int = 1  #: Fewest groups that may complete a round (the others' pseudo-gradients are not waited for).
     #: Seconds survivors wait for a missing group: collectives and commits across groups, and
     #: a fresh run's first round waiting for every expected group.

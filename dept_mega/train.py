@@ -148,9 +148,9 @@ def build_session(cfg: Config, metrics: bool = True,
     eval_only = None
     federated = resolve_federation(cfg)
     if federated is not None:  # this job is one group of several (dept/federation.py)
-        from .dept.federation import FederatedOuter, Federation
+        from .dept.federation import FederatedOuter, Federation, own_sources
         pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated))
-        eval_only = cfg.data.sources[cfg.federation.group].name  # the others' embeddings are in other jobs
+        eval_only = own_sources(cfg)  # the others' embeddings are in other jobs
     data = load_run_data(cfg, pg)
     torch.manual_seed(cfg.train.seed)
     vocab = vocab_size_of(cfg)
@@ -165,7 +165,7 @@ def build_session(cfg: Config, metrics: bool = True,
                            wandb=cfg.train.wandb, config=cfg.to_dict())
     from .checkpoint import Checkpointer
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
-                     eval_sources=[n for n in data.valid if eval_only in (None, n)], make_eval_batches=data.make_eval_batches,
+                     eval_sources=[n for n in data.valid if eval_only is None or n in eval_only], make_eval_batches=data.make_eval_batches,
                      checkpointer=Checkpointer(cfg.train.run_dir))
     return Session(cfg, pg, device, trainer, loop, writer, rank)
 

@@ -73,3 +73,29 @@ def test_missing_files_named(tmp_path):
 
 def test_missing_config_file():
     assert "does not exist" in _err([], path="/nonexistent/cfg.yaml")
+
+
+def test_source_groups():
+    """data.sources[i].group: which group owns (trains) a source; checked against the number of
+    groups (the world's, or federation.groups), every group owning at least one source."""
+    from dept_mega.config import source_groups
+    base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100", "dept.variant=spec"]
+    four = "data.sources=[{name: a, prefix: x}, {name: b, prefix: y}, {name: c, prefix: z, group: %s}, " \
+           "{name: d, prefix: w}]"
+    assert "'data.sources[2].group': 2 is not a group index in [0, 2)" in _err(base + [four % 2], world=2)
+    assert "'data.sources[2].group': -1 is not" in _err(base + [four % -1], world=2)
+    # every source in group 0: group 1 owns none
+    none = ("data.sources=[{name: a, prefix: x}, {name: b, prefix: y, group: 0}, {name: c, prefix: z, group: 0}, "
+            "{name: d, prefix: w, group: 0}]")
+    assert "'data.sources[].group': group 1 of 2 owns no source" in _err(base + [none], world=2)
+    cfg = load_config(None, base + [four % 1])
+    validate(cfg, 2, check_files=False)
+    assert source_groups(cfg, 2) == [0, 1, 1, 1]
+    plain = load_config(None, base + ["data.sources=[{name: a, prefix: x}, {name: b, prefix: y}, "
+                                      "{name: c, prefix: z}]"])
+    assert source_groups(plain, 2) is None  # no key, one job: any group trains any source
+    fed = ["federation.lighthouse=h:1", "federation.groups=2"]
+    plain = load_config(None, base + fed + ["data.sources=[{name: a, prefix: x}, {name: b, prefix: y}, "
+                                            "{name: c, prefix: z}]"])
+    assert source_groups(plain, 2) == [0, 1, 0]  # federation, K > G: i mod G
+    assert "'data.sources[2].group': 3 is not a group index in [0, 2)" in _err(base + fed + [four % 3], world=1)

@@ -67,3 +67,35 @@ def test_bad_layouts_are_errors():
         RoundScheduler(1, 2, seed=0)
     with pytest.raises(ValueError, match="sizes"):
         RoundScheduler(3, 2, seed=0, sizes=[1, 2])
+
+
+def test_sources_owned_by_groups_stay_there_and_follow_their_weights():
+    """``owners`` (data.sources[].group; federation with K > G): every round each group trains
+    one of its own sources, drawn ∝ their weights among them; identical for every caller
+    (no communication), no source ever moves; without owners the plans are as before."""
+    owners = [0, 1, 0, 1, 0]
+    sizes = [1, 1, 8, 3, 1]
+    a = RoundScheduler(5, 2, seed=5, sampling="proportional", sizes=sizes, owners=owners)
+    b = RoundScheduler(5, 2, seed=5, sampling="proportional", sizes=sizes, owners=owners)
+    plans = [a.plan(r) for r in range(600)]
+    assert b.plan(599).sources == plans[599].sources  # replayed from any round
+    assert [b.plan(r).sources for r in range(600)] == [p.sources for p in plans]
+    freq = collections.Counter()
+    for p in plans:
+        assert p.moves == ()
+        for g, k in enumerate(p.sources):
+            assert owners[k] == g
+            freq[k] += 1
+    # group 0 owns sizes 1, 8, 1 (weights 0.1, 0.8, 0.1); group 1 owns 1, 3 (0.25, 0.75)
+    assert 0.74 < freq[2] / 600 < 0.86 and 0.05 < freq[0] / 600 < 0.15 and 0.05 < freq[4] / 600 < 0.15
+    assert 0.68 < freq[3] / 600 < 0.82
+    # a single source per group is that group's every round (any order of owners)
+    fixed = RoundScheduler(3, 3, seed=0, owners=[2, 0, 1])
+    assert all(fixed.plan(r).sources == (1, 2, 0) for r in range(5))
+    # no owners: the unrestricted sampler as before (sources move)
+    free = RoundScheduler(5, 2, seed=5, sampling="proportional", sizes=sizes)
+    assert any(free.plan(r).moves for r in range(50))
+    with pytest.raises(ValueError, match="every one of the 2 groups"):
+        RoundScheduler(3, 2, seed=0, owners=[0, 0, 0])
+    with pytest.raises(ValueError, match="one group in"):
+        RoundScheduler(3, 2, seed=0, owners=[0, 1, 2])

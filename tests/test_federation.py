@@ -21,17 +21,19 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=R
 SOURCES = 3
 
 
-def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES) -> str:
+def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None) -> str:
     ensure_sample_corpus()
     with open(os.path.join(ROOT, "examples", "tiny", "spec.yaml"), encoding="utf-8") as f:
         c = yaml.safe_load(f)
     c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
     c["data"]["sources"] = [dict(s, prefix=os.path.join(ROOT, s["prefix"])) for s in c["data"]["sources"][:sources]]
+    for s, g in zip(c["data"]["sources"], owners or []):  # data.sources[i].group
+        s["group"] = g
     c["dept"]["local_steps"] = local_steps
     c["model"]["seq_length"] = 32
     c["train"].update(steps=steps, micro_batch_size=2, global_batch_size=2, log_interval=1, eval_interval=0,
                       eval_iters=1, save_interval=0)
-    path = os.path.join(tmp_path, "spec.yaml")
+    path = os.path.join(tmp_path, "spec.yaml" if owners is None else "spec_owned.yaml")
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(c, f)
     return path
@@ -182,6 +184,52 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path):
             assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
 
 
+def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
+    """K = 4 sources, G = 2 group jobs (SPEC: every source's embeddings and AdamW state are its
+    own): each job holds the sources of its site (i mod 2 by default) and trains one of them
+    per round, drawn by the seeded sampler among its own (proportional); the jobs' fp32
+    losses equal the single 2-group job's whose data.sources[].group says the same."""
+    from dept_mega.config import load_config, source_groups
+    K, G, L, steps = 4, 2, 2, 10
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=K)
+    owned = _config(str(tmp_path), steps=steps, local_steps=L, sources=K, owners=[0, 1, 0, 1])
+    extra = ("dept.sampling=proportional",)
+    lh = Lighthouse(min_groups=G)
+    try:
+        runs = [str(tmp_path / f"g{g}") for g in range(G)]
+        procs = [_group(cfg, runs[g], lh.addr, g, *extra, groups=G, min_groups=G) for g in range(G)]
+        outs = _finish(procs)
+    finally:
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    _single_job(owned, str(tmp_path / "single"), G, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    names = [s.name for s in load_config(cfg).data.sources]
+    job = load_config(os.path.join(runs[0], "config.yaml"))
+    assert source_groups(job, G) == [0, 1, 0, 1]
+    rounds = {}  # per group, the source of each round
+    for g, run in enumerate(runs):
+        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        assert sorted(mine) == sorted(single) == list(range(1, steps + 1))
+        trained = set()
+        for step, by in mine.items():
+            (name,), = [list(by)]
+            assert names.index(name) % G == g, (g, step, name)  # only its own sources
+            assert abs(by[name] - single[step][name]) <= 1e-6, (g, step, by, single[step])
+            trained.add(name)
+            rounds.setdefault(g, []).append(name) if step % L == 1 else None
+        assert trained == {n for k, n in enumerate(names) if k % G == g}, trained
+        # the final evaluation: each job its own sources (installed or stored), as the single job
+        (ev,), (ev1,) = _records(run, "eval"), _records(str(tmp_path / "single"), "eval")
+        assert sorted(ev["by_source"]) == sorted(trained)
+        for name, v in ev["by_source"].items():
+            assert v == pytest.approx(ev1["by_source"][name], abs=1e-6), (g, name, v, ev1["by_source"][name])
+    # some group switches source and back: a source's stored state is reinstalled, not rebuilt
+    assert any(any(a != b and a in seq[i + 1:] for i, (a, b) in enumerate(zip(seq, seq[1:])))
+               for seq in rounds.values()), rounds
+
+
 def _bad(out):
     lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     return lines[0] if lines else out[-2000:]
@@ -219,7 +267,7 @@ def test_bad_input(tmp_path):
 @pytest.mark.parametrize("override,want", [
     ("dept.variant=std", "'dept.variant': std"),
     ("dept.outer_overlap=true", "'dept.outer_overlap': true"),
-    ("federation.groups=2", "'data.sources': 3 sources for federation.groups = 2"),
+    ("federation.groups=4", "'data.sources': 3 sources for federation.groups = 4"),
     ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),
 ])
 def test_refused_in_federation_mode(tmp_path, override, want):
@@ -420,15 +468,19 @@ def _started(root, g, pid):
 
 
 def test_trim_group_leaves_and_rejoins(tmp_path):
-    """TRIM, two groups: group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
-    group 0 trains rounds 2 and 3 alone (its φ moves on) and holds at round 4's start until
+    """TRIM, two groups, three sources (group 1 holds sources 0 and 2, data.sources[].group):
+    group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
+    group 0 trains rounds 2 and 3 alone (its φ moves on; only its own source, none of group
+    1's) and holds at round 4's start until
     group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
     it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
-    older — while its compact table's AdamW state is its checkpoint's; right after its first
+    older — while its source's compact table's AdamW state is its checkpoint's (installed
+    there or stored); right after its first
     sync its φ and body equal group 0's, and both finish with the same φ and body."""
     import torch
     L, steps, G = 2, 16, 2
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    owners = [1, 0, 1]
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=len(owners), owners=owners)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     trim = ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
             "dept.outer_optimizer.lr=0.7", f"train.save_interval={L}")
@@ -464,9 +516,18 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
     assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
     assert not torch.equal(heal["phi"], d1[1]["phi"])
+    # only group 1 trained its sources, and not while it was away
+    names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
+    for g, run in enumerate(runs):
+        for rec in _records(run, "train"):
+            assert all(owners[names.index(n)] == g for n in rec["loss_by_source"]), (g, rec["step"])
+    gone = [rec["step"] for rec in _records(runs[1], "train") if 2 * L < rec["step"] <= joined * L]
+    assert gone == [], gone
     # its compact table's inner optimizer state is its checkpoint's (step 2L)
     hooks = torch.load(os.path.join(runs[1], "checkpoints", f"step_{2 * L}", "hooks_rank0.pt"), weights_only=False)
-    opt = hooks["installed_state"]["optimizer"]["state"]
+    assert owners[names.index(heal["source"])] == 1
+    saved = (hooks["installed_state"] if hooks["installed"] == heal["source"] else hooks["store"][heal["source"]])
+    opt = saved["optimizer"]["state"]
     assert opt and sorted(opt) == sorted(heal["optimizer"]["state"])
     for i, st in opt.items():
         for k, v in st.items():

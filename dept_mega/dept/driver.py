@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..config import source_groups
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
 from . import hook_state
@@ -99,8 +100,10 @@ class DeptHooks:
         """The round plans of a run with ``groups`` groups (``origin``: rebased there, see
         :meth:`RoundScheduler.rebase`)."""
         d = self.cfg.dept
+        # sources that belong to groups (data.sources[].group; federation with K > G) never move
         sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
-                               temperature=d.temperature, sizes=[s.size for s in self.sources])
+                               temperature=d.temperature, sizes=[s.size for s in self.sources],
+                               owners=source_groups(self.cfg, groups))
         if origin:
             sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
         return sched
@@ -261,6 +264,8 @@ class DeptHooks:
         if self.installed is not None:
             self.store.put(self.installed, self._current_state())
         moves = [(self.names[m.source], m.src_group, m.dst_group) for m in self.plan.moves]
+        if moves and self.federation is not None:  # sources belong to their group job (config.source_groups)
+            raise RuntimeError(f"federation: round {self.plan.round} would move sources {moves} between group jobs")
         self.store.move(self.pg, moves, self._fresh_state, self.device, with_optimizer=not reset,
                         with_weights=self.strategy.move_weights)
         state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine)
@@ -340,14 +345,24 @@ class DeptHooks:
         with self.uncounted():
             try:
                 view = RoundView(self.plan, self.installed, self.store, self.in_round)
-                # federated: a group job evaluates only its own source, with what it trains
-                embs = None if self.federation is not None else self.strategy.eval_embeddings(source, view)
+                # federated: a group job evaluates only its own sources, all of whose state it holds
+                embs = (self._own_eval_embeddings(source) if self.federation is not None
+                        else self.strategy.eval_embeddings(source, view))
                 if embs is not None:
                     restore = self.trainer.set_embeddings(embs, self.trainer.embedding_optimizer)
                 yield
             finally:
                 if restore is not None:
                     self.trainer.set_embeddings(*restore)
+
+    def _own_eval_embeddings(self, source: str) -> Optional[list]:
+        """Federation: the embeddings this group job evaluates its own ``source`` with — the
+        installed ones (None) or, for another of its sources, the stored state (SPEC /
+        SPEC-OPT; TRIM: its rows of φ), seeded fresh if never trained. No other job takes
+        part: the view has no plan, so no strategy asks another group for a copy."""
+        if source == self.installed or not self.strategy.source_embeddings:
+            return None
+        return self.strategy.eval_embeddings(source, RoundView(None, self.installed, self.store, False))
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpoint_syncs(self) -> dict[str, FlatSync]:
@@ -400,6 +415,10 @@ class DeptHooks:
         The error-feedback residuals are averaged over the old groups and the eager
         estimates reset (``dept_mega.checkpoint_state``, logged)."""
         L = int(self.cfg.dept.local_steps)
+        if self.scheduler.owners is not None:
+            return ("data.sources[].group",
+                    f"the sources belong to groups (each group trains only its own), so a run keeps its number "
+                    f"of groups: the checkpoint has {saved_groups}, this launch {self.num_groups}")
         if step % L:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "

@@ -22,6 +22,11 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
   the strategy's own state (TRIM's φ, its rows' outer state, positions) and the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
   and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
+- **sources**: a source belongs to the group job that holds its data
+  (``config.source_groups``: ``data.sources[i].group``, null = i mod groups) and never moves;
+  each round a job trains one of its own (the seeded sampler, restricted to them:
+  ``rounds.RoundScheduler``'s ``owners``). A gone job's sources are not trained until it
+  returns.
 - **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
   (a collective over every group) and by a healing group against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
@@ -44,7 +49,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, source_groups
 from ..parallel.comm import CrossJob
 from . import federation_dump
 
@@ -52,11 +57,14 @@ from . import federation_dump
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
               "dept.outer_quant_block", "dept.outer_fragments",
               "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
-              "train.seed", "optim", "federation.groups")
+              "train.seed", "optim", "federation.groups", "data.sources[].group")
 REPLICA_PREFIX = "dept_group_"
 
 
 def _get(cfg, dotted: str):
+    if dotted == "data.sources[].group":  # which group job holds each source (by name)
+        owners = source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
+        return [[s.name, g] for s, g in zip(cfg.data.sources, owners)]
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -107,13 +115,21 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
                                                      "spec_opt)"),
                 ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking: a healing group receives "
                                                         "θ_{t-1} and the outer state, not an exchange in flight)"),
-                ("data.sources", len(cfg.data.sources) != f.groups,
+                ("data.sources", len(cfg.data.sources) < f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
-                 f"its own source: as many sources as groups)")]
+                 f"its own sources: at least one per group)")]
     for key, bad, what in refusals:
         if bad:
             raise ConfigError(f"config key '{key}': {what}")
+    source_groups(cfg, f.groups)  # which sources each group job holds (their data stays at its site)
     return group, host, int(port)
+
+
+def own_sources(cfg) -> list[str]:
+    """The names of the sources this group job holds and trains (``data.sources[i].group``,
+    null: i mod ``federation.groups``); the others' data and state are in other jobs."""
+    owners = source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
+    return [s.name for s, g in zip(cfg.data.sources, owners) if g == cfg.federation.group]
 
 
 def check_reachable(host: str, port: int, timeout_s: float) -> None:

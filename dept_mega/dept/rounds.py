@@ -2,6 +2,9 @@
 
 K = G: a fixed assignment, group g trains source g every round.
 K > G: a seeded sampler draws G distinct sources per round (weighted, without replacement).
+Sources that belong to groups (``owners``: ``data.sources[].group``, and federation with K > G,
+where a source's data stays at its site): each group draws one of its own sources, weighted
+among them, and a source never moves.
 The draw depends only on (seed, round), so every rank computes the same plan without any
 communication, and a resumed run replays the same history.
 
@@ -81,7 +84,10 @@ class RoundScheduler:
     """Round plans for ``num_sources`` sources over ``num_groups`` groups."""
 
     def __init__(self, num_sources: int, num_groups: int, *, seed: int, sampling: str = "uniform",
-                 temperature: float = 1.0, sizes: Optional[Sequence[float]] = None) -> None:
+                 temperature: float = 1.0, sizes: Optional[Sequence[float]] = None,
+                 owners: Optional[Sequence[int]] = None) -> None:
+        """``owners[k]``: the group that owns source k (each group then draws one of its own
+        sources every round, ∝ their weights); None: any group trains any source."""
         if num_groups < 1:
             raise ValueError(f"need at least one group, got {num_groups}")
         if num_sources < num_groups:
@@ -93,6 +99,13 @@ class RoundScheduler:
         if len(sizes) != num_sources:
             raise ValueError(f"got {len(sizes)} source sizes for {num_sources} sources")
         self.weights = sampling_weights(sizes, sampling, temperature)
+        self.owners: Optional[list[int]] = None
+        if owners is not None:
+            self.owners = [int(g) for g in owners]
+            if len(self.owners) != num_sources or any(not 0 <= g < num_groups for g in self.owners):
+                raise ValueError(f"owners {self.owners}: need one group in [0, {num_groups}) per source")
+            if set(self.owners) != set(range(num_groups)):
+                raise ValueError(f"owners {self.owners}: every one of the {num_groups} groups needs a source")
         self._plans: list[RoundPlan] = []
         self._base = 0  # round of self._plans[0]
         self._origin: Optional[dict] = None
@@ -121,12 +134,19 @@ class RoundScheduler:
 
     @property
     def fixed(self) -> bool:
-        return self.num_sources == self.num_groups
+        return self.num_sources == self.num_groups and self.owners is None
 
     def _draw(self, round_index: int, last_group: list[Optional[int]]) -> tuple[int, ...]:
         G = self.num_groups
         if self.fixed:
             return tuple(range(G))
+        if self.owners is not None:  # group g: one of its own sources, ∝ their weights
+            rng = _round_rng(self.seed, round_index)
+            out = []
+            for g in range(G):
+                own = [k for k, o in enumerate(self.owners) if o == g]
+                out.append(own[draw_without_replacement([self.weights[k] for k in own], 1, rng)[0]])
+            return tuple(out)
         drawn = draw_without_replacement(self.weights, G, _round_rng(self.seed, round_index))
         slots: list[Optional[int]] = [None] * G
         rest = []

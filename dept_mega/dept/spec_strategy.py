@@ -36,8 +36,8 @@ class SpecStrategy(VariantStrategy):
         """The weights of the group that trains the source now (or trained it last), copied to
         every other group; a never-trained source uses its seeded initial embeddings."""
         holder = view.holder(self.ctx.index[source])
-        if holder is None:
-            return self.build(source)
+        if holder is None:  # no plan (a federated job's own source: the stored state), or never trained
+            return view.store.get(source).embeddings if source in view.store else self.build(source)
         installed = source == view.installed
         mine = None
         if self.ctx.pg.coords.group == holder:
