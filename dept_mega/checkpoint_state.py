@@ -118,7 +118,9 @@ def outer_entries(hooks, trainer) -> list[Entry]:
     """The entries to save (a collective over ``pg.dp`` inside ``param_state``: every rank)."""
     out: list[Entry] = []
     for category, sync in sorted(_syncs(hooks).items()):
-        out += _outer(category, sync, sync.param_state(), trainer, _names(hooks, trainer))
+        state = sync.param_state()
+        if sync.params:  # a rank without a part of this sync (another stage's fragment) never counts its steps
+            out += _outer(category, sync, state, trainer, _names(hooks, trainer))
     return out
 
 
