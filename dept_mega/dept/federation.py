@@ -235,9 +235,9 @@ class Federation:
     # ------------------------------------------------------------------ healing state
     def attach(self, syncs: dict, strategy=None) -> None:
         """The FlatSyncs whose state is replicated across groups (``DeptHooks.outer_syncs()``)
-        and the variant's strategy, whose own state (``STATE_KEYS``: TRIM's φ and φ_head with
-        their rows' outer optimizer state, its learned positions and their sync) every group
-        holds the same at a round start."""
+        and the variant's strategy, whose own state (``replicated_state``: TRIM's φ and φ_head
+        with their rows' outer optimizer state, its learned positions and their sync) every
+        group holds the same at a round start."""
         self.syncs = dict(syncs)
         self.strategy = strategy
         if self.dump is not None:
@@ -246,7 +246,7 @@ class Federation:
     def _replicated_state(self) -> dict:
         """What a healing group receives from this one (called on torchft's quorum thread
         while this job's main thread waits for the quorum)."""
-        own = self.strategy.state_dict() if self.strategy is not None and self.strategy.STATE_KEYS else {}
+        own = self.strategy.replicated_state() if self.strategy is not None else {}
         return {"round": self.round, "agree": self.hashes,
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 

@@ -119,8 +119,15 @@ class VariantStrategy:
         """id → (name, tensor) of the tensors those syncs synchronise that are not the model's."""
         return {}
 
+    def replicated_state(self) -> dict:
+        """This rank's part of the strategy's own state that every group holds the same at a
+        round start, for federation to heal a joining group with (``dept.federation``;
+        :meth:`load_state_dict` takes it): none here; TRIM's tables and positions."""
+        return {}
+
     def load_state_dict(self, sd: dict) -> None:
-        """The strategy's part of a format-1 hook file (``dept_mega.checkpoint_v1``)."""
+        """The strategy's part of a format-1 hook file (``dept_mega.checkpoint_v1``), or a
+        live peer's :meth:`replicated_state`."""
 
 
 def embeddings_from_holder(ctx: StrategyContext, holder: int, mine: Optional[list],

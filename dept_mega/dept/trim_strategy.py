@@ -204,6 +204,21 @@ class TrimStrategy(VariantStrategy):
     def checkpoint_params(self) -> dict:
         return {} if self.positions is None else {id(self.positions): ("positions", self.positions)}
 
+    def replicated_state(self) -> dict:
+        """``phi`` / ``phi_head``: this rank's rows of the tables (fp32) with ``*_rows`` = [first
+        row, end row, |V|] and ``*_optimizer``, their rows' outer optimizer state; the learned
+        positions and their sync. The same on the rank at this position of every group after a
+        round's sync."""
+        sd: dict = {}
+        for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
+            if table is not None:
+                tsd = table.state_dict()
+                sd[key], sd[f"{key}_rows"], sd[f"{key}_optimizer"] = tsd["weight"], tsd["rows"], tsd["optimizer"]
+        if self.position_sync is not None:
+            sd["positions"] = self.positions.detach().clone()
+            sd["position_sync"] = self.position_sync.state_dict()
+        return sd
+
     def load_state_dict(self, sd: dict) -> None:
         for key, table in (("phi", self.phi), ("phi_head", self.phi_head)):
             if table is None:
