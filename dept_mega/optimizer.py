@@ -267,7 +267,7 @@ class InnerOptimizer:
         ``names``: parameter id → name (default: the names this optimizer was built with). A
         checkpoint saves these names beside a state dict so that it can be joined by name
         under another pipeline layout, where a stage holds other parameters in another order
-        (``DeptHooks.load_state_dict_repartitioned``)."""
+        (a format-1 checkpoint, ``dept_mega.checkpoint_v1``)."""
         names = self.names if names is None else names
         model_of = self._model_of_main()
         out = []

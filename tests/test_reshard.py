@@ -1,28 +1,15 @@
-"""Resuming a checkpoint under another layout (issue 13): what loads where, and what is refused.
+"""Resuming a checkpoint under another layout: the training continues as if uninterrupted.
 
-Another ``parallel.data``: STD (model and optimizer keys carry no data-parallel rank), and
-DEPT GLOB / SPEC / SPEC-OPT, whose hook state is the same on a group's replicas and saved once
-per (tp, pp, group) (``hooks_dp0``) and whose outer state is saved per parameter, full over dp
-(``dept_mega.checkpoint_state``). Train to step 2 with D = 1, resume with D = 2 and continue:
-the losses equal an uninterrupted D = 2 run from the same initial weights within 1e-6 (they
-differ only in the order of the data-parallel gradient sum over the first 2 steps), and the
-checkpoint holds the same tensors. Another tensor and pipeline size for STD and DEPT GLOB,
-another tensor, pipeline and virtual-pipeline size for SPEC / SPEC-OPT (dept_mega.reshard; their
-per-source hook state joined over the old stages by the parameter names saved with it), and
-another tensor, pipeline or virtual-pipeline size for TRIM (φ's row shards joined from every
-old rank, its per-source state like SPEC's; with the distributed optimizer too: its pieces
-joined by parameter name, optim_reshard.join_named_pieces; the same for SPEC-OPT's per-source
-state saved per rank with the distributed optimizer, here with another D too). A SPEC checkpoint without those names (layout.json without
-hooks_param_names) under another P or VP and a checkpoint of the earlier format whose hook files
-keep error-feedback residuals under another T are refused with a ConfigError naming the key; TRIM under another D joins φ's row shards; GLOB's
-and TRIM's error-feedback residuals (saved per parameter and group) are cut into the new
-replicas' chunks, and the residuals and eager estimates reshard under another T and P (GLOB,
-SPEC; TRIM's and SPEC-OPT's residuals with the distributed optimizer); GLOB's per-source body
-state like SPEC-OPT's; with dropout the streams are re-seeded under another T / P. The
-distributed optimizer switched on or off, under another D and bucket size
-(dept_mega.optim_reshard), also with SPEC-OPT's and TRIM's per-source optimizer states (per rank with the
-distributed optimizer: joined from the old replicas' pieces and cut,
-DeptHooks.dp_joined_state). (Another number of groups: tests/test_regroup.py.)"""
+Format 2 saves every tensor as a box of a global tensor under a key of global names, so another
+tensor, pipeline, virtual-pipeline or data-parallel size, and the distributed optimizer
+switched on or off, are one DCP load of the boxes the new layout needs
+(``dept_mega.checkpoint_format``). These tests keep one loss-continuation case per kind of
+change: train to a step, resume under the other layout and continue; the losses equal an
+uninterrupted run of the new layout from the same initial weights within 1e-6 (they differ
+only in the order of sums), with dropout re-seeded under another T / P, error-feedback
+residuals and eager estimates resharded, and the refusals named by key. Full-tensor equality
+of every piece of state under random layout pairs: tests/test_checkpoint_property.py;
+another number of groups: tests/test_regroup.py."""
 from __future__ import annotations
 
 import io
