@@ -17,6 +17,11 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   failed exchange (a group died) is redone with the survivors' quorum
   (``shrink_only``) from the same pseudo-gradient; exchanges whose sizes depend on each other
   (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
+- **overlapped sync** (``dept.outer_overlap``, torchft's streaming DiLoCo pattern): every
+  exchange is launched (:class:`FederatedWork`) and committed where it is waited on; the
+  round-end launch is deferred to right after the next round start's quorum
+  (``OuterSchedule.launch_deferred``), so no exchange is in flight across a quorum; a group
+  healed at that quorum launches it too with Δ = 0 and is left out of its mean.
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
   joins at their next round start and receives from a live peer what is replicated across
   groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
@@ -50,8 +55,8 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError, source_groups
-from ..parallel.comm import CrossJob
 from . import federation_dump
+from .federation_outer import FederatedOuter, FederatedWork  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -165,74 +170,6 @@ def recording(cls):
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
     return Recording
-
-
-class FederatedOuter(CrossJob):
-    """Stands for ``pg.outer`` in a group job: the cross-group communicator of the outer sync
-    (``parallel.comm`` dispatches its collectives here). ``size()`` is the number of groups
-    taking part in the current exchange."""
-
-    def __init__(self, federation: "Federation") -> None:
-        self.federation = federation
-
-    def size(self) -> int:
-        return self.federation.participants
-
-    def all_reduce(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
-        """Sum ``t`` in place over the participating groups; redone with the survivors when a
-        group fails during the exchange. Counts ``t``'s bytes once (the committed exchange)."""
-        return self.federation.all_reduce_sum(t, comm, category)
-
-    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
-        """The participating groups' shards, in group order (quantised outer syncs)."""
-        return self.federation.all_gather_into(out, shard, comm, category)
-
-    def atomic(self, fn, comm):
-        """``fn()``'s collectives on this communicator as one exchange (TRIM's row exchange)."""
-        return self.federation.atomic(fn, comm)
-
-    def all_reduce_async(self, t: torch.Tensor, comm, category: str):
-        """:meth:`all_reduce` launched: a handle whose ``wait()`` commits it (overlapped sync)."""
-        return self.federation.all_reduce_async(t, comm, category)
-
-    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str):
-        """:meth:`all_gather_into` launched: a handle whose ``wait()`` commits it."""
-        return self.federation.all_gather_async(out, shard, comm, category)
-
-
-class FederatedWork:
-    """An overlapped exchange across the groups (torchft's streaming DiLoCo pattern): launched
-    on the quorum taken before it, committed where it is waited on (``should_commit``; on a
-    failure redone, blocking, with the survivors' quorum). ``groups``: how many groups' values
-    the committed exchange holds (the divisor of the mean)."""
-
-    def __init__(self, federation: "Federation", state: dict, after, run, restore, comm) -> None:
-        self.federation, self.state, self.after, self.run = federation, state, after, run
-        self.restore, self.comm = restore, comm
-        self.done = False
-
-    @property
-    def groups(self) -> int:
-        return len(self.state["keep"])
-
-    def is_completed(self) -> bool:
-        work = self.state["work"]
-        return self.done or work is None or bool(work.is_completed())
-
-    def wait(self) -> bool:
-        if self.done:
-            return True
-        fed = self.federation
-        try:
-            if self.state["work"] is not None:
-                self.state["work"].wait()
-                self.after()
-        except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
-            fed.manager.report_error(exc)
-        fed._exchange(self.run, self.restore, self.comm, [], tried=True)  # (bytes counted at launch)
-        fed.round_groups = list(self.state["keep"])
-        self.done = True
-        return True
 
 
 class Federation:
