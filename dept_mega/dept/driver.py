@@ -91,7 +91,8 @@ class DeptHooks:
         units = sync_units(self.body_syncs, self.strategy.outer_syncs(), d.local_steps)
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
                                       cfg.train.steps, eager=eager_start(cfg),
-                                      mix=d.outer_mix_alpha if d.outer_overlap_rule == "mix" else None)
+                                      mix=d.outer_mix_alpha if d.outer_overlap_rule == "mix" else None,
+                                      defer_round_end=fed is not None)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         self._prepare_resume()

@@ -17,6 +17,11 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   failed exchange (a group died) is redone with the survivors' quorum
   (``shrink_only``) from the same pseudo-gradient; exchanges whose sizes depend on each other
   (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
+- **overlapped sync** (``dept.outer_overlap``, torchft's streaming DiLoCo pattern): every
+  exchange is launched (:class:`FederatedWork`) and committed where it is waited on; the
+  round-end launch is deferred to right after the next round start's quorum
+  (``OuterSchedule.launch_deferred``), so no exchange is in flight across a quorum; a group
+  healed at that quorum launches it too with Δ = 0 and is left out of its mean.
 - **healing**: a group that starts while others are running (a relaunched job, a new group)
   joins at their next round start and receives from a live peer what is replicated across
   groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
@@ -50,8 +55,8 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError, source_groups
-from ..parallel.comm import CrossJob
 from . import federation_dump
+from .federation_outer import FederatedOuter, FederatedWork  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -113,8 +118,11 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
     d = cfg.dept
     refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
                                                      "spec_opt)"),
-                ("dept.outer_overlap", d.outer_overlap, "true (federation syncs blocking: a healing group receives "
-                                                        "θ_{t-1} and the outer state, not an exchange in flight)"),
+                ("dept.outer_delay", d.outer_overlap and d.outer_fragments > 1
+                 and (d.outer_fragments - 1) * (d.local_steps // d.outer_fragments) + d.outer_delay > d.local_steps,
+                 f"{d.outer_delay} lands fragment {d.outer_fragments - 2}'s overlapped sync in the next round "
+                 f"(federation: only the round-end sync may be in flight across a round start's quorum; "
+                 f"needs (outer_fragments - 1) * (local_steps // outer_fragments) + outer_delay <= local_steps)"),
                 ("data.sources", len(cfg.data.sources) < f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
                  f"its own sources: at least one per group)")]
@@ -164,31 +172,6 @@ def recording(cls):
     return Recording
 
 
-class FederatedOuter(CrossJob):
-    """Stands for ``pg.outer`` in a group job: the cross-group communicator of the outer sync
-    (``parallel.comm`` dispatches its collectives here). ``size()`` is the number of groups
-    taking part in the current exchange."""
-
-    def __init__(self, federation: "Federation") -> None:
-        self.federation = federation
-
-    def size(self) -> int:
-        return self.federation.participants
-
-    def all_reduce(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
-        """Sum ``t`` in place over the participating groups; redone with the survivors when a
-        group fails during the exchange. Counts ``t``'s bytes once (the committed exchange)."""
-        return self.federation.all_reduce_sum(t, comm, category)
-
-    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
-        """The participating groups' shards, in group order (quantised outer syncs)."""
-        return self.federation.all_gather_into(out, shard, comm, category)
-
-    def atomic(self, fn, comm):
-        """``fn()``'s collectives on this communicator as one exchange (TRIM's row exchange)."""
-        return self.federation.atomic(fn, comm)
-
-
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
 
@@ -217,10 +200,15 @@ class Federation:
         self._rounds = 0  # quorums done
         self.syncs: dict[str, Any] = {}
         self.strategy = None  # the variant's strategy (attach)
+        self._hooks = None  # DeptHooks (its OuterSchedule), from the first round start
         self._nested: Optional[list] = None  # inside atomic(): the (category, bytes) of its collectives
         self.round = 0
         self._just_healed = False
         self._loop = None  # the training loop (its writer and step), from the first round start
+        # the exchanges launched right after a round start's quorum (outer_overlap: the previous
+        # round's end sync, deferred to that quorum): a group healed at it contributes nothing
+        self._launching = False
+        self._peers_deferred = False  # (healed) the peers had such exchanges to launch
         self.dump = federation_dump.from_env(group, pg.rank)  # a test hook (federation_dump.py)
         self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
                                min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
@@ -247,7 +235,8 @@ class Federation:
         """What a healing group receives from this one (called on torchft's quorum thread
         while this job's main thread waits for the quorum)."""
         own = self.strategy.replicated_state() if self.strategy is not None else {}
-        return {"round": self.round, "agree": self.hashes,
+        deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
+        return {"round": self.round, "agree": self.hashes, "deferred": deferred,
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
@@ -292,6 +281,7 @@ class Federation:
             time.sleep(0.2)
             self._quorum(allow_heal=True)
         self._rounds += 1
+        self.round_groups = list(self.members)  # until an exchange of this round commits
         healed, self._healed = self._healed, None
         dup = sorted({g for g in self.members if self.members.count(g) > 1})
         if dup and (healed is not None or self.manager.current_step() == 0):
@@ -303,6 +293,7 @@ class Federation:
             if healed["strategy"]:  # TRIM's φ: the next install fills the source's compact table from it
                 self.strategy.load_state_dict(healed["strategy"])
             round_index = self.round = int(healed["round"])
+            self._peers_deferred = bool(healed.get("deferred"))
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
         if writer is not None and self.members != before:
@@ -318,7 +309,7 @@ class Federation:
         position follow the run's step). Returns the round to train."""
         if not self.syncs:
             self.attach(hooks.outer_syncs(), hooks.strategy)
-        tr, self._loop = loop.trainer, loop
+        tr, self._loop, self._hooks = loop.trainer, loop, hooks
         if self.dump is not None:
             self.dump.hold(round_index, "start")
         r, healed = self.round_start(round_index, loop.writer, tr.step)
@@ -328,6 +319,16 @@ class Federation:
             tr.step = r * self.cfg.dept.local_steps
             self.log(f"federation: group {self.group} healed from a live peer at round {r} "
                      f"(step {was} -> {tr.step}); groups {self.members}")
+        # dept.outer_overlap: the previous round's end sync is launched now, on this quorum (a
+        # group healed here launches it too, from θ_{t-1}: Δ = 0, left out of the mean)
+        schedule = hooks.schedule
+        if schedule.deferred_step is not None or (healed and self._peers_deferred):
+            self._launching = True
+            try:
+                schedule.launch_deferred(tr.step)
+            finally:
+                self._launching = False
+        self._peers_deferred = False
         return r
 
     def round_begun(self, hooks) -> None:
@@ -408,6 +409,90 @@ class Federation:
         self._exchange(run, lambda: None, comm, [(category, shard.numel() * shard.element_size())])
         return out
 
+    def _contributors(self, launching: bool, contributes: bool) -> list[int]:
+        """The group indices (sorted) whose values count in an exchange: the quorum's members,
+        or, for the exchanges launched right after a round start's quorum (``launching``), those
+        not healed at it (a bookkeeping all-reduce, not counted; its failure fails the exchange)."""
+        if not launching:
+            return list(self.members)
+        from torch.distributed import ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        t = torch.zeros(self.groups, dtype=torch.int64, device=self.device)
+        t[self.group] = int(contributes)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self.process_group.allreduce([t], opts).wait()
+        return [g for g, v in enumerate(t.cpu().tolist()) if v > 0]
+
+    def _launched(self, state: dict, launch, after, restore, comm, counts) -> FederatedWork:
+        """``launch()`` now (its failure reported to the Manager: the commit at ``wait()`` then
+        fails and the exchange is redone blocking: ``launch``, wait, ``after``)."""
+        if self.dump is not None:
+            self.dump.hold(self.round, "exchange")
+        try:
+            if self.manager.errored() is None:
+                launch()
+        except Exception as exc:  # noqa: BLE001
+            self.manager.report_error(exc)
+            state["work"] = None
+        for category, nbytes in counts:  # at launch, as every collective (parallel/comm.py)
+            comm.count(category, nbytes)
+
+        def run() -> None:
+            launch()
+            state["work"].wait()
+            after()
+
+        return FederatedWork(self, state, after, run, restore, comm)
+
+    def all_reduce_async(self, t: torch.Tensor, comm, category: str) -> FederatedWork:
+        """:meth:`all_reduce_sum` launched now on this quorum, committed at ``wait()`` (the
+        handle's ``groups``: the number of groups summed; a group healed at this round start
+        adds zeros to the exchanges launched right after it)."""
+        from torch.distributed import ReduceOp
+        launching, contributes = self._launching, not (self._launching and self._just_healed)
+        if not contributes:
+            t.zero_()
+        saved = t.clone()
+        if self.dump is not None:
+            self.dump.sent(category, saved)
+        state: dict = {"work": None, "keep": list(self.members)}
+
+        def launch() -> None:
+            state["keep"] = self._contributors(launching, contributes)
+            state["work"] = self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
+
+        return self._launched(state, launch, lambda: None, lambda: t.copy_(saved), comm,
+                              [(category, t.numel() * t.element_size())])
+
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> FederatedWork:
+        """:meth:`all_gather_into` launched now, committed at ``wait()``: ``out`` then holds
+        the counted groups' shards in group order (resized to their number)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+        shard = shard.contiguous()
+        launching, contributes = self._launching, not (self._launching and self._just_healed)
+        if self.dump is not None:
+            self.dump.sent(category, shard)
+        state: dict = {"work": None, "keep": list(self.members), "order": [], "parts": []}
+
+        def launch() -> None:
+            state["keep"] = self._contributors(launching, contributes)
+            state["order"] = list(self.order)
+            state["parts"] = [torch.empty_like(shard) for _ in range(self.participants)]
+            state["work"] = self.process_group.allgather([state["parts"]], [shard], AllgatherOptions())
+
+        def after() -> None:
+            keep, n = state["keep"], shard.shape[0]
+            if out.shape[0] != len(keep) * n:
+                out.resize_((len(keep) * n,) + tuple(shard.shape[1:]))
+            for part, g in zip(state["parts"], state["order"]):
+                if g in keep:
+                    out.narrow(0, keep.index(g) * n, n).copy_(part)
+            state["parts"] = []
+
+        return self._launched(state, launch, after, lambda: None, comm,
+                              [(category, shard.numel() * shard.element_size())])
+
     def atomic(self, fn, comm):
         """``fn()``, whose collectives on :class:`FederatedOuter` depend on each other (TRIM's
         row exchange: counts, then ids, then rows sized by the counts), as **one** exchange:
@@ -428,7 +513,7 @@ class Federation:
         self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
         return result[0]
 
-    def _exchange(self, run, restore, comm, counts) -> None:
+    def _exchange(self, run, restore, comm, counts, tried: bool = False) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
         (``should_commit``); else ``restore()`` and again with the survivors' quorum.
         ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
@@ -438,11 +523,13 @@ class Federation:
             run()
             self._nested.extend(counts)
             return
-        if self.dump is not None:
+        if self.dump is not None and not tried:
             self.dump.hold(self.round, "exchange")
         waited = time.monotonic()
         while True:
-            if self.manager.errored() is None:
+            if tried:  # (an overlapped exchange: its first try was launched and waited on)
+                tried = False
+            elif self.manager.errored() is None:
                 try:
                     run()
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised

@@ -351,6 +351,8 @@ class FlatSync:
         t0 = time.perf_counter()
         if pending.work is not None:
             pending.work.wait()
+            # a cross-job exchange (federation) says how many groups its committed sum holds
+            G = getattr(pending.work, "groups", G)
         waited = time.perf_counter() - t0
         delta = pending.delta
         if G > 1:

@@ -32,7 +32,9 @@ Where things happen, with ``s`` = inner steps done:
 * ``before_step(s)``: fragments with offset ``s mod L`` (≠ 0) are launched (blocking: synced);
 * ``after_step(s)``: pending syncs due at ``s`` are applied;
 * ``round_end(s)``: the last fragment and the embedding syncs are launched (blocking when
-  τ = 0 or on the last step, which also applies everything pending).
+  τ = 0 or on the last step, which also applies everything pending); under federation
+  (``defer_round_end``) an overlapped launch waits for the next round start's quorum
+  (:meth:`OuterSchedule.launch_deferred`, nothing trains in between: the same Δ).
 
 Launching in ``before_step`` (not after the previous step) leaves, after every
 ``after_step``, a point where the fragment due then has been applied and the next one is not
@@ -114,8 +116,12 @@ def sync_units(body_syncs: Sequence[FlatSync], embedding_syncs: Sequence[FlatSyn
 
 class OuterSchedule:
     def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int,
-                 eager: bool = False, mix: Optional[float] = None) -> None:
+                 eager: bool = False, mix: Optional[float] = None, defer_round_end: bool = False) -> None:
         self.units = list(units)
+        # federation (dept/federation.py): an overlapped round-end launch waits for the next
+        # round start's quorum (launch_deferred), so that it runs on that quorum's process group
+        self.defer_round_end = bool(defer_round_end) and delay > 0
+        self.deferred_step: Optional[int] = None  # the step of the round end whose launch waits
         self.L, self.delay, self.total = int(local_steps), int(delay), int(total_steps)
         if eager and mix is not None:
             raise ValueError("OuterSchedule: eager and mix are two different overlap rules")
@@ -133,8 +139,8 @@ class OuterSchedule:
 
     @property
     def idle(self) -> bool:
-        """No sync is in flight (a checkpoint may be taken)."""
-        return not self.pending
+        """No sync is in flight or waiting to be launched (a checkpoint may be taken)."""
+        return not self.pending and self.deferred_step is None
 
     def synced_now(self, step: int) -> list[FlatSync]:
         """The FlatSyncs every part of which was synchronised blocking after inner step
@@ -192,6 +198,9 @@ class OuterSchedule:
 
     def round_end(self, step: int) -> None:
         last = step >= self.total
+        if self.defer_round_end and not last:
+            self.deferred_step = step
+            return
         for u in self.units:
             if u.offset == self.L:
                 self._launch(u, step, blocking=self.delay == 0 or last)
@@ -202,6 +211,15 @@ class OuterSchedule:
             for u in self.units:
                 if u.offset != self.L:
                     self._launch(u, step, blocking=True)
+
+    def launch_deferred(self, step: int) -> None:
+        """Launch the round-end units whose launch :meth:`round_end` deferred (at ``step``, the
+        next round's start; the same step as the round end: a group healed there launches them
+        too, from the state it received)."""
+        self.deferred_step = None
+        for u in self.units:
+            if u.offset == self.L:
+                self._launch(u, step, blocking=False)
 
     def flush(self) -> None:
         """Apply every pending sync now (in launch order)."""

@@ -45,7 +45,9 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 class CrossJob:
     """A communicator across jobs (federated source groups, ``dept.federation.FederatedOuter``)
     that stands where a process group would: ``size()``, a summing ``all_reduce`` and an
-    ``all_gather_into`` (both blocking; they count what they commit), and ``atomic``."""
+    ``all_gather_into`` (both blocking; they count what they commit), ``atomic``, and their
+    launched forms ``all_reduce_async`` / ``all_gather_async`` (counted at launch): a handle
+    whose ``wait()`` commits the exchange and whose ``groups`` is the number of groups it holds."""
 
     def size(self) -> int:
         raise NotImplementedError
@@ -59,6 +61,12 @@ class CrossJob:
     def atomic(self, fn, comm: "Comm"):
         """Run ``fn()``, whose collectives on this communicator depend on each other, as one
         exchange (committed once, redone whole on a failure); returns its result."""
+        raise NotImplementedError
+
+    def all_reduce_async(self, t: torch.Tensor, comm: "Comm", category: str):
+        raise NotImplementedError
+
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, comm: "Comm", category: str):
         raise NotImplementedError
 
 
@@ -137,11 +145,13 @@ class Comm:
         """In place; returns ``t`` (with ``async_op``: a handle to ``wait()`` on)."""
         if group_size(group) == 1:
             return Done() if async_op else t
-        if isinstance(group, CrossJob):  # blocking, counts what it commits
+        if isinstance(group, CrossJob):  # blocking, counts what it commits; async: committed at wait()
             if op != dist.ReduceOp.SUM:
                 raise ValueError("a cross-job all_reduce sums")
+            if async_op:
+                return group.all_reduce_async(t, self, category)
             group.all_reduce(t, self, category)
-            return Done() if async_op else t
+            return t
         self.count(category, self._nbytes(t))
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
         work = self._slowed(group, self._nbytes(t), work, async_op)
@@ -154,9 +164,11 @@ class Comm:
         if group_size(group) == 1:
             out.copy_(shard)
             return Done() if async_op else out
-        if isinstance(group, CrossJob):  # blocking, counts what it commits
+        if isinstance(group, CrossJob):  # blocking, counts what it commits; async: committed at wait()
+            if async_op:
+                return group.all_gather_async(out, shard, self, category)
             group.all_gather_into(out, shard, self, category)
-            return Done() if async_op else out
+            return out
         self.count(category, self._nbytes(shard))
         work = _all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
         work = self._slowed(group, self._nbytes(out), work, async_op)

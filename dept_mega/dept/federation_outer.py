@@ -1,0 +1,76 @@
+"""The cross-group communicator of a federated group job (dept/federation.py): what stands in
+``pg.outer``'s place (:class:`FederatedOuter`) and the handle of an exchange launched on it
+(:class:`FederatedWork`), committed where it is waited on."""
+from __future__ import annotations
+
+import torch
+
+from ..parallel.comm import CrossJob
+
+
+class FederatedOuter(CrossJob):
+    """Stands for ``pg.outer`` in a group job: the cross-group communicator of the outer sync
+    (``parallel.comm`` dispatches its collectives here). ``size()`` is the number of groups
+    taking part in the current exchange."""
+
+    def __init__(self, federation) -> None:
+        self.federation = federation
+
+    def size(self) -> int:
+        return self.federation.participants
+
+    def all_reduce(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
+        """Sum ``t`` in place over the participating groups; redone with the survivors when a
+        group fails during the exchange. Counts ``t``'s bytes once (the committed exchange)."""
+        return self.federation.all_reduce_sum(t, comm, category)
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str) -> torch.Tensor:
+        """The participating groups' shards, in group order (quantised outer syncs)."""
+        return self.federation.all_gather_into(out, shard, comm, category)
+
+    def atomic(self, fn, comm):
+        """``fn()``'s collectives on this communicator as one exchange (TRIM's row exchange)."""
+        return self.federation.atomic(fn, comm)
+
+    def all_reduce_async(self, t: torch.Tensor, comm, category: str):
+        """:meth:`all_reduce` launched: a handle whose ``wait()`` commits it (overlapped sync)."""
+        return self.federation.all_reduce_async(t, comm, category)
+
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, comm, category: str):
+        """:meth:`all_gather_into` launched: a handle whose ``wait()`` commits it."""
+        return self.federation.all_gather_async(out, shard, comm, category)
+
+
+class FederatedWork:
+    """An overlapped exchange across the groups (torchft's streaming DiLoCo pattern): launched
+    on the quorum taken before it, committed where it is waited on (``should_commit``; on a
+    failure redone, blocking, with the survivors' quorum). ``groups``: how many groups' values
+    the committed exchange holds (the divisor of the mean)."""
+
+    def __init__(self, federation, state: dict, after, run, restore, comm) -> None:
+        self.federation, self.state, self.after, self.run = federation, state, after, run
+        self.restore, self.comm = restore, comm
+        self.done = False
+
+    @property
+    def groups(self) -> int:
+        return len(self.state["keep"])
+
+    def is_completed(self) -> bool:
+        work = self.state["work"]
+        return self.done or work is None or bool(work.is_completed())
+
+    def wait(self) -> bool:
+        if self.done:
+            return True
+        fed = self.federation
+        try:
+            if self.state["work"] is not None:
+                self.state["work"].wait()
+                self.after()
+        except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
+            fed.manager.report_error(exc)
+        fed._exchange(self.run, self.restore, self.comm, [], tried=True)  # (bytes counted at launch)
+        fed.round_groups = list(self.state["keep"])
+        self.done = True
+        return True
