@@ -21,12 +21,15 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=R
 SOURCES = 3
 
 
-def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None) -> str:
+def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None, example="spec") -> str:
+    """``example``: examples/tiny/{example}.yaml (spec: the global tokenizer; spec_opt: one per source)."""
     ensure_sample_corpus()
-    with open(os.path.join(ROOT, "examples", "tiny", "spec.yaml"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "examples", "tiny", f"{example}.yaml"), encoding="utf-8") as f:
         c = yaml.safe_load(f)
-    c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
-    c["data"]["sources"] = [dict(s, prefix=os.path.join(ROOT, s["prefix"])) for s in c["data"]["sources"][:sources]]
+    if c["data"].get("tokenizer"):
+        c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
+    c["data"]["sources"] = [dict(s, **{k: os.path.join(ROOT, s[k]) for k in ("prefix", "tokenizer") if k in s})
+                            for s in c["data"]["sources"][:sources]]
     for s, g in zip(c["data"]["sources"], owners or []):  # data.sources[i].group
         s["group"] = g
     c["dept"]["local_steps"] = local_steps
@@ -171,14 +174,29 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
             assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"]
 
 
-def test_two_rank_group_jobs_equal_the_single_job(tmp_path):
-    """Group jobs of two ranks each (data parallel 2, the distributed optimizer: masters and
-    AdamW moments sharded over the job's two ranks; TRIM's φ row-sharded over them, its rows'
-    exchange split between the replicas, each replica's own committed exchange): two group
-    jobs give the fp32 losses of the single 4-rank job, per source."""
-    cfg = _config(str(tmp_path), steps=4, sources=2)
-    extra = ("parallel.data=2", "optim.distributed=true", "train.global_batch_size=4", "dept.variant=trim",
-             "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
+TWO_RANK_LAYOUTS = {
+    # data parallel 2, the distributed optimizer: masters and AdamW moments sharded over the
+    # job's two ranks; TRIM's φ row-sharded over them, its rows' exchange split between the
+    # replicas, each replica's own committed exchange
+    "data2-distopt-trim": ("parallel.data=2", "optim.distributed=true", "train.global_batch_size=4",
+                           "dept.variant=trim"),
+    # tensor parallel 2: every body and embedding shard is its tp rank's own, the outer sync of
+    # each shard meets the same tp rank of the other group (SPEC-OPT: the embeddings' vocab
+    # shards and their AdamW state stay in the job)
+    "tensor2-spec_opt": ("parallel.tensor=2",),
+    # pipeline parallel 2: each stage syncs its own layers with the same stage of the other
+    # group; GLOB's table on the first stage, its tied copy (the head) on the last
+    "pipeline2-glob": ("parallel.pipeline=2", "dept.variant=glob"),
+}
+
+
+@pytest.mark.parametrize("layout", list(TWO_RANK_LAYOUTS))
+def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
+    """Group jobs of two ranks each (a layout of TWO_RANK_LAYOUTS inside every group job, a
+    nesterov outer optimizer whose state is per rank): two group jobs give the fp32 losses of
+    the single 4-rank job of the same layout, per source."""
+    cfg = _config(str(tmp_path), steps=4, sources=2, example="spec_opt" if "spec_opt" in layout else "spec")
+    extra = TWO_RANK_LAYOUTS[layout] + ("dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
     lh = Lighthouse(min_groups=2)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(2)]
