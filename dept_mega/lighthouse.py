@@ -5,8 +5,11 @@ job's torchft Manager heartbeats to it and asks it for a quorum at each round bo
 It prints its address (``lighthouse: http://HOST:PORT``) and runs until killed.
 
 ``--join-timeout-s``: how long a quorum waits for a live group that has not reached the
-boundary yet before it forms without it; ``--heartbeat-timeout-s``: after how long without a
-heartbeat a group counts as gone (a killed job, a cut network).
+boundary yet before it forms without it (a round start, or the survivors' new quorum after an
+exchange timed out on a slow group: they then wait ``federation.timeout_s`` + this; torchft
+forms it only when the groups asking are more than half of those that heartbeat, so with 2
+groups a slow one is always waited for: docs/launching.md §12); ``--heartbeat-timeout-s``:
+after how long without a heartbeat a group counts as gone (a killed job, a cut network).
 """
 from __future__ import annotations
 

@@ -576,3 +576,53 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     for r in range(joined, steps // L):  # the same φ and body from its first sync on
         assert torch.equal(d1[r]["phi"], d0[r]["phi"]), r
         assert torch.equal(d1[r]["body"], d0[r]["body"]), r
+
+
+def test_slow_group_is_left_out_and_rejoins(tmp_path):
+    """Three groups, timeout_s = 3, the lighthouse's join timeout 1 s. Group 2 is alive (it
+    heartbeats) but held 8 s before round 1's exchange: groups 0 and 1 complete round 1
+    without it within timeout_s + the join timeout (+ a margin), averaged over the two.
+    Group 2 finds the round completed without it, drops out of it and rejoins at the next
+    round start by healing: right after its first sync its body equals the others'; all
+    three exit 0 and finish with the same body."""
+    import torch
+    L, steps, timeout_s, join_s, held_s, G = 2, 10, 3, 1.0, 6, 3
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
+    env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    lh = Lighthouse(min_groups=2, join_s=join_s)
+    procs = []
+    try:
+        # groups 0 and 1 wait at round 3's start until group 2 is let go (and has asked for a
+        # quorum), so that the run is not over before group 2 comes back
+        hold = {0: f"3:start:{go}", 1: f"3:start:{go}", 2: f"1:exchange:{go}2"}
+        procs = [_group(cfg, runs[g], lh.addr, g, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold else env,
+                        groups=G, min_groups=2, timeout_s=timeout_s) for g in range(G)]
+        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held1")) or procs[2].poll() is not None,
+                  "group 2 did not reach round 1's exchange")
+        time.sleep(held_s)
+        open(go + "2", "w").close()
+        time.sleep(1.5)
+        open(go, "w").close()
+        outs = _finish(procs, timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    outer = [{r["round"]: r for r in _records(run, "outer")} for run in runs]
+    assert sorted(outer[0]) == list(range(steps // L))
+    assert outer[0][0]["groups"] == [0, 1, 2] and outer[0][1]["groups"] == [0, 1]
+    assert outer[0][1]["seconds"] < timeout_s + join_s + 2.5, outer[0][1]["seconds"]  # the wait is bounded
+    d = [_dumps(dump, g) for g in range(G)]
+    assert 1 not in d[2]  # it took no part in the round completed without it
+    (joined, _), = _dumps(dump, 2, "heal").items()
+    assert joined == 3 and outer[0][2]["groups"] == [0, 1], (joined, outer[0][2])
+    for r in range(joined, steps // L):
+        assert 2 in outer[0][r]["groups"], (r, outer[0][r]["groups"])
+        assert torch.equal(d[2][r]["body"], d[0][r]["body"]), r  # from its first sync on
+    for run in runs:
+        assert _records(run, "outer")[-1]["groups"] == [0, 1, 2]

@@ -36,6 +36,7 @@ from ..config import source_groups
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
 from . import hook_state
+from .federation import LeftOut
 from .master_shards import value_access
 from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
@@ -294,9 +295,15 @@ class DeptHooks:
 
     def round_end(self, loop, round_index: int) -> dict[str, Any]:
         whole = PhaseTimer(self.device)  # GPU time on CUDA (host time would only see queuing)
-        self.schedule.round_end(self.trainer.step)
-        strategy = PhaseTimer(self.device)
-        self.strategy.sync(self.installed)
+        try:
+            self.schedule.round_end(self.trainer.step)
+            strategy = PhaseTimer(self.device)
+            self.strategy.sync(self.installed)
+        except LeftOut:  # federation: the round was completed without this group (no record of it)
+            self.in_round = False
+            self._mark = self.pg.comm.snapshot()
+            self._excluded = {c: 0 for c in CATEGORIES}
+            return None
         strategy.stop()
         whole.stop()
         self.in_round = False

@@ -14,8 +14,9 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   divides by ``group_size(pg.outer)``, here the participants) — or, for quantised syncs, the
   all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
   all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
-  failed exchange (a group died) is redone with the survivors' quorum
-  (``shrink_only``) from the same pseudo-gradient; exchanges whose sizes depend on each other
+  failed exchange (a group died or is late) is redone with the survivors' quorum from the same
+  pseudo-gradient; a group that finds the round completed without it (healed at that quorum)
+  drops its pseudo-gradient and goes on at the others' round (:class:`LeftOut`); exchanges whose sizes depend on each other
   (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
 - **overlapped sync** (``dept.outer_overlap``, torchft's streaming DiLoCo pattern): every
   exchange is launched (:class:`FederatedWork`) and committed where it is waited on; the
@@ -172,6 +173,12 @@ def recording(cls):
     return Recording
 
 
+class LeftOut(Exception):
+    """A round was completed by the other groups without this one (it reached the exchange
+    more than ``timeout_s`` after them): its pseudo-gradient is dropped, the peers' state is
+    written, and it goes on at their next round (``DeptHooks.round_end`` catches this)."""
+
+
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
 
@@ -204,6 +211,7 @@ class Federation:
         self._nested: Optional[list] = None  # inside atomic(): the (category, bytes) of its collectives
         self.round = 0
         self._just_healed = False
+        self._left_out: Optional[dict] = None  # healed at an exchange's redo quorum (LeftOut)
         self._loop = None  # the training loop (its writer and step), from the first round start
         # the exchanges launched right after a round start's quorum (outer_overlap: the previous
         # round's end sync, deferred to that quorum): a group healed at it contributes nothing
@@ -271,7 +279,10 @@ class Federation:
         fresh = self._rounds == 0
         before = list(self.members) if not fresh else []
         self.round = round_index
-        self._quorum(allow_heal=True)
+        if self._left_out is None:
+            self._quorum(allow_heal=True)
+        else:  # healed at the redo quorum of a round completed without this group: that quorum is this round's
+            self._healed, self._left_out = self._left_out, None
         # a fresh run (every member at its first quorum) waits up to timeout_s for every
         # expected group: the lighthouse forms a quorum without those not heartbeating yet
         deadline = time.monotonic() + self.cfg.federation.timeout_s
@@ -287,11 +298,8 @@ class Federation:
         if dup and (healed is not None or self.manager.current_step() == 0):
             raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs")
         if healed is not None:
-            for k, s in self.syncs.items():
-                s.load_state_dict(healed["syncs"][k])
-                s.write_reference()
-            if healed["strategy"]:  # TRIM's φ: the next install fills the source's compact table from it
-                self.strategy.load_state_dict(healed["strategy"])
+            if not healed.get("applied"):
+                self._apply(healed)
             round_index = self.round = int(healed["round"])
             self._peers_deferred = bool(healed.get("deferred"))
         elif fresh and self.manager.current_step() == 0:
@@ -302,6 +310,15 @@ class Federation:
             writer.write("membership", step, round_index, groups=self.members, joined=joined, left=left,
                          healed=healed is not None)
         return round_index, healed is not None
+
+    def _apply(self, healed: dict) -> None:
+        """Write a live peer's replicated state (θ_{t-1}, outer optimizer state, the strategy's)."""
+        for k, s in self.syncs.items():
+            s.load_state_dict(healed["syncs"][k])
+            s.write_reference()
+        if healed["strategy"]:  # TRIM's φ: the next install fills the source's compact table from it
+            self.strategy.load_state_dict(healed["strategy"])
+        healed["applied"] = True
 
     def join_round(self, hooks, loop, round_index: int) -> int:
         """``DeptHooks.round_start``'s call: the quorum of round ``round_index``; after a heal
@@ -544,7 +561,18 @@ class Federation:
                      f"({self.manager.errored()}); again with the groups still there")
             restore()
             before = list(self.members)
-            self._quorum(allow_heal=False, shrink_only=True)
+            # not shrink_only: a group left out of a quorum (slow beyond timeout_s while the others
+            # completed the round) is never let back into a shrink_only quorum by torchft's lighthouse;
+            # allow_heal: such a group heals here at the others' next round start (LeftOut)
+            self._quorum(allow_heal=True)
+            if self._healed is not None:
+                self._left_out, self._healed = self._healed, None
+                self._apply(self._left_out)
+                if self.dump is not None:
+                    self.dump.dropped()
+                self.log(f"federation: group {self.group}: round {self.round} was completed without it; "
+                         f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
+                raise LeftOut(self.round)
             if self._loop is not None and self.members != before:  # a group left mid-round
                 self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
                                         joined=sorted(set(self.members) - set(before)),

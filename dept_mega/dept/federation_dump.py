@@ -92,6 +92,10 @@ class FederationDump:
         torch.save(out, f"{self.prefix}_round{round_index}.pt")
         self._sent, self._means = [], []
 
+    def dropped(self) -> None:
+        """The round was completed without this group: what it sent is not part of any round."""
+        self._sent, self._means = [], []
+
     def healed(self, round_index: int, source: str, trainer, strategy=None) -> None:
         embs = {f"{i}.{n}": p.detach().to("cpu", copy=True) for i, e in enumerate(trainer.embeddings())
                 if e is not None for n, p in e.named_parameters()}
