@@ -628,3 +628,53 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
         assert torch.equal(d[2][r]["body"], d[0][r]["body"]), r  # from its first sync on
     for run in runs:
         assert _records(run, "outer")[-1]["groups"] == [0, 1, 2]
+
+
+def test_group_dies_during_an_overlapped_exchange(tmp_path):
+    """dept.outer_overlap: round 1's end exchange is launched right after round 2's start
+    quorum (the hook ``2:launch`` holds group 2 in it, after the count of contributing groups,
+    before its all-reduce) and group 2 is killed with SIGKILL while groups 0 and 1 have the
+    all-reduce in flight (training round 2's first step). Their wait fails, they redo
+    it blocking with the survivors: both exit 0, the rounds from 2 on count groups [0, 1],
+    the redone update is the mean of the two survivors' pseudo-gradients (what they sent
+    at launch), their θ_t stay equal every round and their bodies after the last sync."""
+    import torch
+    L, steps, G = 2, 8, 3
+    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    dump = str(tmp_path / "dump")
+    env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    lh = Lighthouse(min_groups=2)
+    procs = []
+    try:
+        procs = [_group(cfg, runs[g], lh.addr, g, "dept.outer_overlap=true", "dept.outer_delay=1",
+                        env=dict(env, DEPT_FEDERATION_HOLD=f"2:launch:{tmp_path / 'never'}") if g == 2 else env,
+                        groups=G, min_groups=2, timeout_s=10) for g in range(G)]
+        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
+                  "group 2 did not reach round 2's launch")
+        assert procs[2].poll() is None, "group 2 ended before round 2's launch"
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].wait()
+        outs = _finish(procs[:2], timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip(procs[:2], outs):
+        assert p.returncode == 0, out[-3000:]
+    outer = [{r["round"]: r for r in _records(run, "outer")} for run in runs[:2]]
+    assert sorted(outer[0]) == sorted(outer[1]) == list(range(steps // L))
+    assert [outer[0][r]["groups"] for r in range(steps // L)] == [[0, 1, 2], [0, 1, 2], [0, 1], [0, 1]]
+    d = [_dumps(dump, g) for g in range(2)]
+    # round 2's record holds round 1's exchange (launched at round 2's start), redone by the two
+    sent = [d[g][2]["sent"] for g in range(2)]
+    assert d[0][2]["groups"] == [0, 1] and d[0][2]["means"]
+    for i, (name, mean) in enumerate(d[0][2]["means"]):
+        ref = (sent[0][i][1] + sent[1][i][1]) / 2
+        assert torch.allclose(mean, ref, rtol=1e-5, atol=1e-8), (name, (mean - ref).abs().max())
+        assert torch.equal(d[1][2]["means"][i][1], mean)
+    for r in range(steps // L):  # the replicated θ_t every round; the bodies after the last (blocking) sync
+        for k, theta in d[0][r]["theta"].items():
+            assert torch.equal(d[1][r]["theta"][k], theta), (r, k)
+    assert torch.equal(d[0][steps // L - 1]["body"], d[1][steps // L - 1]["body"])

@@ -477,6 +477,8 @@ class Federation:
 
         def launch() -> None:
             state["keep"] = self._contributors(launching, contributes)
+            if self.dump is not None:
+                self.dump.hold(self.round, "launch")
             state["work"] = self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
 
         return self._launched(state, launch, lambda: None, lambda: t.copy_(saved), comm,
@@ -494,6 +496,8 @@ class Federation:
 
         def launch() -> None:
             state["keep"] = self._contributors(launching, contributes)
+            if self.dump is not None:
+                self.dump.hold(self.round, "launch")
             state["order"] = list(self.order)
             state["parts"] = [torch.empty_like(shard) for _ in range(self.participants)]
             state["work"] = self.process_group.allgather([state["parts"]], [shard], AllgatherOptions())

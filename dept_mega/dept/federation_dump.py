@@ -15,7 +15,9 @@ test needs to recompute the outer synchronisation from outside the jobs.
 - ``g{group}_rank{rank}_started{pid}`` when the job's torchft Manager is built (it heartbeats
   to the lighthouse from then on);
 - with ``DEPT_FEDERATION_HOLD=R:WHERE:PATH`` (WHERE ``start``: before round R's quorum;
-  ``exchange``: before round R's first cross-group exchange) the job writes
+  ``exchange``: before round R's first cross-group exchange; ``launch``: in round R's first
+  overlapped exchange, between its count of contributing groups and its launch, so that the
+  other groups have it in flight) the job writes
   ``g{group}_rank{rank}_held{R}`` there and waits until the file PATH exists: a test stops
   a group at a known point (to kill it there, to make it slow, to keep it running until
   another job has started) instead of racing its progress.
@@ -50,8 +52,8 @@ class FederationDump:
         spec = os.environ.get(HOLD_ENV)
         if spec:
             r, where, path = spec.split(":", 2)
-            if where not in ("start", "exchange"):
-                raise ValueError(f"{HOLD_ENV}={spec!r}: WHERE is start or exchange")
+            if where not in ("start", "exchange", "launch"):
+                raise ValueError(f"{HOLD_ENV}={spec!r}: WHERE is start, exchange or launch")
             self._hold = (int(r), where, path)
 
     def started(self) -> None:
