@@ -251,20 +251,15 @@ EOF
 stage_bf16() { bench bf16 --profile; }
 stage_fp8() { bench fp8 --profile fp8=hybrid backend=local; }
 stage_vocab250k() { bench std_vocab250k dept.variant=std model.vocab_size=$BIG_VOCAB; }
-stage_compile() {
+compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=true
   if [ "$DRY" = 1 ]; then  # inductor's CPU build alone takes ~45 s here: the stage's plumbing only
-    TORCH_COMPILE_DISABLE=1 bench bf16_compile --profile train.compile=true
+    TORCH_COMPILE_DISABLE=1 bench "$@" train.compile=true
   else
-    bench bf16_compile --profile train.compile=true
+    bench "$@" train.compile=true
   fi
 }
-stage_fp8_compile() {
-  if [ "$DRY" = 1 ]; then
-    TORCH_COMPILE_DISABLE=1 bench fp8_compile fp8=hybrid backend=local train.compile=true
-  else
-    bench fp8_compile fp8=hybrid backend=local train.compile=true
-  fi
-}
+stage_compile() { compiled_bench bf16_compile --profile; }
+stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
 
 stage_memory() {
   local rec="$WORK/bench_bf16.json"

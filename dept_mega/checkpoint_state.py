@@ -24,7 +24,7 @@ share as group g saw it, meaningless for a group of another partition); both are
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -243,9 +243,7 @@ def group_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
     def install() -> list[str]:
         for sync, kind, per_group, known in plan:
             if per_group is None:
-                getattr(sync, kind).zero_()
-                if kind == "eager_base":
-                    sync.load_eager_known(None)
+                zero_group_buffer(sync, kind)
                 continue
             values = [torch.stack(ts).sum(0) / len(ts) if len(ts) > 1 else ts[0] for ts in zip(*per_group)]
             state = {kind: values}
@@ -258,12 +256,25 @@ def group_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
     return entries, install
 
 
-def unused_group_buffers(hooks, path: str) -> list[str]:
-    """Lines to log for the per-group buffers that checkpoint ``path`` holds and this run does
-    not keep (error feedback or the eager start switched off on resume): not loaded, and the
-    run continues without them."""
-    kept = {kind for s in _syncs(hooks).values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
-    held = sorted({(cat, kind) for cat, _, kind in _saved_group_kinds(path) if kind in GROUP_BUFFERS})
+def unused_buffer_notes(syncs: dict[str, Any], path: str, saved: Iterable[tuple[str, int, str]]) -> list[str]:
+    """Lines to log for the per-group buffers that checkpoint ``path`` holds (``saved``: its
+    (category, group, kind) keys) and ``syncs`` do not keep (error feedback or the eager start
+    switched off on resume): not loaded, and the run continues without them."""
+    kept = {kind for s in syncs.values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
+    held = sorted({(cat, kind) for cat, _, kind in saved if kind in GROUP_BUFFERS})
     return [f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds the outer {kind} of {cat}, which this run does "
             f"not keep; not loaded (it continues without {'error feedback' if kind == 'residual' else 'the eager start'})"
             for cat, kind in held if kind not in kept]
+
+
+def unused_group_buffers(hooks, path: str) -> list[str]:
+    """:func:`unused_buffer_notes` of this run's syncs and checkpoint ``path``."""
+    return unused_buffer_notes(_syncs(hooks), path, _saved_group_kinds(path))
+
+
+def zero_group_buffer(sync, kind: str) -> None:
+    """A per-group buffer the checkpoint does not hold starts at zero (an eager start's
+    estimates as unknown, as on a first sync)."""
+    getattr(sync, kind).zero_()
+    if kind == "eager_base":
+        sync.load_eager_known(None)

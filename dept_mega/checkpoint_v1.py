@@ -55,7 +55,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .checkpoint_state import EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS
+from .checkpoint_state import (EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS,
+                               unused_buffer_notes, zero_group_buffer)
 from .manifest import CheckpointError
 
 # hook-file entries of checkpoints older still, which kept the chunk buffers per rank there
@@ -223,9 +224,7 @@ def group_state_targets(hooks, trainer, path: str) -> tuple[dict[str, torch.Tens
     def install() -> list[str]:
         for category, sync, kind, values in plan:
             if values is None:
-                getattr(sync, kind).zero_()
-                if kind == "eager_base":
-                    sync.load_eager_known(None)
+                zero_group_buffer(sync, kind)
                 continue
             state = {kind: values}
             if kind == "eager_base":
@@ -237,14 +236,9 @@ def group_state_targets(hooks, trainer, path: str) -> tuple[dict[str, torch.Tens
 
 
 def unused_group_buffers(hooks, path: str) -> list[str]:
-    """Lines to log for the per-group buffers that checkpoint ``path`` holds (``outer_group_keys``)
-    and this run does not keep (error feedback or the eager start switched off on resume): they
-    are not loaded, and the run continues without them."""
-    kept = {kind for s in _syncs(hooks).values() for kind in GROUP_BUFFERS if getattr(s, kind, None) is not None}
-    held = sorted({(cat, kind) for cat, _, kind in _saved_group_keys(path) if kind in GROUP_BUFFERS})
-    return [f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds the outer {kind} of {cat}, which this run does "
-            f"not keep; not loaded (it continues without {'error feedback' if kind == 'residual' else 'the eager start'})"
-            for cat, kind in held if kind not in kept]
+    """Lines to log for the per-group buffers a format-1 checkpoint holds (``outer_group_keys``)
+    and this run does not keep (``checkpoint_state.unused_buffer_notes``)."""
+    return unused_buffer_notes(_syncs(hooks), path, _saved_group_keys(path))
 
 
 def _dcp_load(state: dict, path: str) -> None:

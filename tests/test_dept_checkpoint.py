@@ -35,15 +35,17 @@ def _make(cfg, run_dir, rank):
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=ck), ck
 
 
-def _resume_worker(rank, world, over, run_dir):
+def _resume_worker(rank, world, over, run_dir, step=2):
+    """Train the whole run, then resume a second loop from checkpoint ``step`` and finish:
+    (the uninterrupted run's body and embeddings, the resumed run's)."""
     cfg = tiny_config(over)
     loop, _ = _make(cfg, run_dir, rank)
     loop.run()
-    full = body_vector(loop.trainer)
+    full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
     loop2, ck = _make(cfg, run_dir, rank)
-    ck.load(loop2, step=2)
+    assert ck.load(loop2, step=step) == step
     loop2.run()
-    return {"full": full, "resumed": body_vector(loop2.trainer)}
+    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
 
 
 @pytest.mark.slow
@@ -55,8 +57,8 @@ def test_glob_resume_restores_outer_state(tmp_path):
             "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
             "train": {"steps": 6, "save_interval": 2, "eval_interval": 0}}
     res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
-    for r in res:
-        assert torch.equal(r["full"], r["resumed"])
+    for full, resumed in res:
+        assert torch.equal(full["body"], resumed["body"])
 
 
 @pytest.mark.slow
@@ -66,8 +68,8 @@ def test_source_state_variants_resume(tmp_path, variant):
     over = {"dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 6, "save_interval": 2,
                                                                      "eval_interval": 0}}
     res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
-    for r in res:
-        assert torch.equal(r["full"], r["resumed"])
+    for full, resumed in res:
+        assert torch.equal(full["body"], resumed["body"])
 
 
 def test_load_weights_of_an_earlier_step_installs_that_steps_source(tmp_path):
@@ -184,17 +186,6 @@ def _make_trim(cfg, run_dir):
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=Checkpointer(run_dir)), None
 
 
-def _mid_round_worker(rank, world, over, run_dir):
-    cfg = tiny_config(over)
-    loop, _ = _make(cfg, run_dir, rank)
-    loop.run()
-    full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
-    loop2, ck = _make(cfg, run_dir, rank)
-    assert ck.load(loop2, step=3) == 3
-    loop2.run()
-    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant,async_save", [("glob", False), ("trim", False), ("spec", False),
                                                 ("spec_opt", False), ("trim", True)])
@@ -206,7 +197,7 @@ def test_mid_round_checkpoint_resumes_bit_exactly(tmp_path, variant, async_save)
     over = {"dept": {"variant": variant, "local_steps": 2,
                      "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
             "train": {"steps": 6, "save_interval": 3, "eval_interval": 0, "async_save": async_save}}
-    res = run_distributed(_mid_round_worker, 2, args=(over, str(tmp_path)), timeout=200)
+    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 3), timeout=200)
     for full, resumed in res:
         assert torch.equal(full["body"], resumed["body"])
         assert full["emb"].keys() == resumed["emb"].keys()
@@ -310,17 +301,6 @@ def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
     assert not any("not loaded" in n for n in notes), notes
 
 
-def _boundary_worker(rank, world, over, run_dir):
-    cfg = tiny_config(over)
-    loop, _ = _make(cfg, run_dir, rank)
-    loop.run()
-    full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
-    loop2, ck = _make(cfg, run_dir, rank)
-    assert ck.load(loop2, step=6) == 6
-    loop2.run()
-    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_round_boundary_checkpoint_writes_the_shared_body_once(tmp_path, fragments):
@@ -335,7 +315,7 @@ def test_round_boundary_checkpoint_writes_the_shared_body_once(tmp_path, fragmen
     over = {"dept": {"variant": "glob", "local_steps": 2, "outer_fragments": fragments,
                      "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
             "train": {"steps": 8, "save_interval": 3, "eval_interval": 0}}
-    res = run_distributed(_boundary_worker, 2, args=(over, str(tmp_path)), timeout=200)
+    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 6), timeout=200)
     for full, resumed in res:
         assert torch.equal(full["body"], resumed["body"])
         for k in full["emb"]:

@@ -69,8 +69,7 @@ REPLICA_PREFIX = "dept_group_"
 
 def _get(cfg, dotted: str):
     if dotted == "data.sources[].group":  # which group job holds each source (by name)
-        owners = source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
-        return [[s.name, g] for s, g in zip(cfg.data.sources, owners)]
+        return [[s.name, g] for s, g in zip(cfg.data.sources, _owners(cfg))]
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -137,8 +136,13 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
 def own_sources(cfg) -> list[str]:
     """The names of the sources this group job holds and trains (``data.sources[i].group``,
     null: i mod ``federation.groups``); the others' data and state are in other jobs."""
-    owners = source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
-    return [s.name for s, g in zip(cfg.data.sources, owners) if g == cfg.federation.group]
+    return [s.name for s, g in zip(cfg.data.sources, _owners(cfg)) if g == cfg.federation.group]
+
+
+def _owners(cfg) -> list[int]:
+    """The group job of each source: ``config.source_groups``, or (K = G, no ``group`` keys)
+    source i in job i."""
+    return source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
 
 
 def check_reachable(host: str, port: int, timeout_s: float) -> None:
