@@ -217,8 +217,7 @@ def group_targets(hooks, trainer, path: str, saved_groups: Optional[int] = None
                 plan.append((sync, kind, None, None))
                 continue
             if any((category, g, kind) not in saved for g in groups):
-                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
-                             f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
+                notes.append(missing_buffer_note(path, category, kind))
                 plan.append((sync, kind, None, None))
                 continue
             per_group = []  # one temporary per old group: the load is a reduction over them
@@ -270,6 +269,13 @@ def unused_buffer_notes(syncs: dict[str, Any], path: str, saved: Iterable[tuple[
 def unused_group_buffers(hooks, path: str) -> list[str]:
     """:func:`unused_buffer_notes` of this run's syncs and checkpoint ``path``."""
     return unused_buffer_notes(_syncs(hooks), path, _saved_group_kinds(path))
+
+
+def missing_buffer_note(path: str, category: str, kind: str) -> str:
+    """The line to log for a per-group buffer this run keeps and checkpoint ``path`` lacks
+    (it starts at zero: :func:`zero_group_buffer`)."""
+    return (f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; it starts at zero"
+            + (" (estimate unknown)" if kind == "eager_base" else ""))
 
 
 def zero_group_buffer(sync, kind: str) -> None:

@@ -55,8 +55,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .checkpoint_state import (EAGER_KNOWN, GROUP_BUFFER_KEYS, GROUP_BUFFERS, PART_STEPS, STEPS,
-                               unused_buffer_notes, zero_group_buffer)
+from .checkpoint_state import (EAGER_KNOWN, GROUP_BUFFERS, PART_STEPS, STEPS,
+                               missing_buffer_note, unused_buffer_notes, zero_group_buffer)
 from .manifest import CheckpointError
 
 # hook-file entries of checkpoints older still, which kept the chunk buffers per rank there
@@ -213,8 +213,7 @@ def group_state_targets(hooks, trainer, path: str) -> tuple[dict[str, torch.Tens
             if getattr(sync, kind) is None:
                 continue
             if (category, g, kind) not in saved:
-                notes.append(f"{GROUP_BUFFER_KEYS[kind]}: checkpoint {path} holds no outer {kind} of {category}; "
-                             f"it starts at zero" + (" (estimate unknown)" if kind == "eager_base" else ""))
+                notes.append(missing_buffer_note(path, category, kind))
                 plan.append((category, sync, kind, None))
                 continue
             plan.append((category, sync, kind, [entries.setdefault(f"dept/{category}/g{g}/{keys[id(p)]}/{kind}",
