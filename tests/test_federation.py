@@ -383,6 +383,10 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         procs[2].wait()
         ckpts = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(runs[2], "checkpoints"))
                        if d.startswith("step_"))
+        # relaunch once the survivors completed round 2 without it (as a requeue would, minutes
+        # later): a join request arriving while they redo the failed exchange is another case
+        _wait_for(lambda: os.path.exists(os.path.join(dump, "g0_rank0_round2.pt")),
+                  "groups 0 and 1 did not complete round 2 without group 2")
         late = [_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
         _wait_for(lambda: all(_started(dump, g, p.pid) or p.poll() is not None for g, p in zip((2, 3), late)),
                   "the late groups did not start")
