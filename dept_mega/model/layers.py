@@ -152,9 +152,12 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads_local, self.head_dim)
-        k = qkv[:, :, :, self.q_per_group]
-        v = qkv[:, :, :, self.q_per_group + 1]
+        # split, not indexing: the backward of a split is one concatenation into the QKV gradient,
+        # where indexing's backward is a zero-filled full-size tensor per piece plus two adds
+        # (three fills, three strided copies and two full-size adds per layer and micro-batch)
+        q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_local, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
         if self.positions.rope is not None:
             q = self.positions.rope.apply(q)
             k = self.positions.rope.apply(k)
