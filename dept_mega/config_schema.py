@@ -156,6 +156,11 @@ class OptimConfig:
     distributed: bool = False
     grad_dtype: str = "fp32"  #: Dtype of the gradient accumulation and reduction buffer (bf16 needs precision bf16).
     overlap_grad_reduce: bool = True  #: Start each bucket's data-parallel reduction during backward.
+    #: Gradient-accumulation fusion (Megatron's --gradient-accumulation-fusion): the weight-gradient
+    #: GEMMs of the linear layers and the output head accumulate straight into the gradient buffer
+    #: (no per-micro-batch param.grad and add). Not the fp8 / Transformer Engine GEMMs, not inside
+    #: train.compile's compiled blocks; the run log's `backends:` line names the accumulation call.
+    grad_accum_fusion: bool = True
     grad_bucket_size: int = 25_000_000  #: Elements per gradient bucket (one data-parallel collective each).
     fused: Optional[bool] = None  #: AdamW kernel: null = fused on CUDA, foreach elsewhere; true / false force it.
 

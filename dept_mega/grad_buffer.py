@@ -4,7 +4,10 @@ Megatron's DDP idea, on plain modules: every parameter an optimizer owns gets a 
 ``param.main_grad`` into one flat buffer (``optim.grad_dtype``, fp32 by default). A hook that
 runs after autograd has accumulated a micro-batch's gradient into ``param.grad``
 (``register_post_accumulate_grad_hook``) adds it into ``main_grad`` and frees ``param.grad``,
-so half-precision weights accumulate their gradients in fp32.
+so half-precision weights accumulate their gradients in fp32. With
+``optim.grad_accum_fusion`` the weights of our linear layers skip ``param.grad`` altogether:
+their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``).
+Both paths go through :meth:`GradBuffer.arrive`, which does the step's bookkeeping.
 
 The buffer is laid out in reverse parameter order (roughly the order backward produces the
 gradients) and cut into buckets of about ``optim.grad_bucket_size`` elements. A bucket is
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -169,22 +172,38 @@ class GradBuffer:
             b.pending = sum(expected.get(id(p), 0) for p in b.params)
             b.launched, b.work, b.shard_out = False, None, None
 
+    @property
+    def active(self) -> bool:
+        """Inside a training step: the storage is allocated and a :class:`GradSync` has begun."""
+        return self.data is not None and self.sync is not None
+
     @torch.no_grad()
     def accumulate(self, p: torch.nn.Parameter) -> None:
-        if self.data is None or self.sync is None:
+        """The post-accumulate-grad hook's path: move autograd's ``p.grad`` into ``main_grad``."""
+        if not self.active:
             return  # outside a training step: autograd's plain ``param.grad`` is left as it is
+        g = p.grad
+        if g is None:
+            return  # autograd runs the hook also when a fused linear's backward returned no gradient
+        first = self.counts[id(p)] == 0
+        # the first micro-batch: exactly its gradient (as autograd keeps it); then sums
+        self.arrive(p, (lambda mg: mg.copy_(g)) if first else (lambda mg: mg.add_(g)))
+        p.grad = None
+
+    @torch.no_grad()
+    def arrive(self, p: torch.nn.Parameter, add: Callable[[torch.Tensor], Any]) -> None:
+        """One micro-batch's gradient of ``p`` arrives: ``add(p.main_grad)`` adds it into the
+        buffer (the hook's copy/add, or a linear layer's weight-gradient GEMM accumulating in
+        place, ``parallel/wgrad.py``), then the step's bookkeeping: the count, the bucket's
+        pending accumulations and, when the bucket is final, :meth:`GradSync.bucket_final`
+        (which may launch its data-parallel reduction). Call only while :attr:`active`."""
         b = self.bucket_of[id(p)]
         if b.launched:
             raise RuntimeError(f"gradient of {self.names.get(id(p), 'a parameter')} arrived after its bucket's "
                                f"data-parallel reduction started: the parameter received more gradient "
                                f"accumulations this step than the trainer expected")
-        g = p.grad
-        if self.counts[id(p)] == 0:
-            p.main_grad.copy_(g)  # exactly the first micro-batch's gradient (as autograd keeps it)
-        else:
-            p.main_grad.add_(g)
+        add(p.main_grad)
         self.counts[id(p)] += 1
-        p.grad = None
         b.pending -= 1
         if b.pending == 0:
             self.sync.bucket_final(self, b)

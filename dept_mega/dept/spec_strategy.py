@@ -30,7 +30,8 @@ class SpecStrategy(VariantStrategy):
         vocab = ctx.sources[ctx.index[name]].vocab_size
         return build_embeddings(ctx, name, lambda st, i, seed: SourceEmbeddings(
             ctx.cfg.model, ctx.pg, vocab, seed, st.is_first, st.is_last,
-            sequence_parallel=ctx.cfg.parallel.sequence_parallel, rng=ctx.rng(i), device=ctx.device))
+            sequence_parallel=ctx.cfg.parallel.sequence_parallel, rng=ctx.rng(i), device=ctx.device,
+            fuse_wgrad=ctx.cfg.optim.grad_accum_fusion))
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         """The weights of the group that trains the source now (or trained it last), copied to

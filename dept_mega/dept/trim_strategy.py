@@ -32,9 +32,9 @@ class TrimmedEmbeddings(SourceEmbeddings):
 
     def __init__(self, cfg, pg, vocab_ids: torch.Tensor, global_vocab: int, source: str, seed: int,
                  has_input: bool, has_output: bool, *, sequence_parallel: bool = False, rng=None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", fuse_wgrad: bool = False) -> None:
         super().__init__(cfg, pg, int(vocab_ids.numel()), seed, has_input, has_output,
-                         sequence_parallel=sequence_parallel, rng=rng, device=device)
+                         sequence_parallel=sequence_parallel, rng=rng, device=device, fuse_wgrad=fuse_wgrad)
         self.source = source
         self.register_buffer("lookup", remap_lookup(vocab_ids.cpu(), global_vocab).to(device), persistent=False)
 
@@ -92,7 +92,8 @@ class TrimStrategy(VariantStrategy):
         ids = ctx.sources[ctx.index[name]].vocab_ids
         return build_embeddings(ctx, name, lambda st, i, seed: TrimmedEmbeddings(
             ctx.cfg.model, ctx.pg, ids, self.global_vocab, name, seed, st.is_first, st.is_last,
-            sequence_parallel=ctx.cfg.parallel.sequence_parallel, rng=ctx.rng(i), device=ctx.device))
+            sequence_parallel=ctx.cfg.parallel.sequence_parallel, rng=ctx.rng(i), device=ctx.device,
+            fuse_wgrad=ctx.cfg.optim.grad_accum_fusion))
 
     def _tables(self, emb):
         """(weight owner module, φ) pairs of one compact embedding on this rank."""

@@ -35,6 +35,10 @@ Attention (``model.attention_backend``; ``attention.py`` has the implementations
 
 Norms: apex's fused LayerNorm / RMSNorm when apex is installed and the device is CUDA;
 otherwise ``torch.nn.functional``.
+
+Weight gradients (``optim.grad_accum_fusion``, ``parallel/wgrad.py``): the torch GEMMs of the
+blocks and the output head accumulate them straight into the gradient buffer; the log names
+the accumulation call. Not the FP8 / TE GEMMs, not inside ``train.compile``'s compiled blocks.
 """
 from __future__ import annotations
 
@@ -47,8 +51,10 @@ import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from ..parallel.fp8 import Fp8Recipe, fp8_gemm_shape_ok
-from ..parallel.layers import TORCH_GEMM, LinearGemm
+from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
+from ..parallel.wgrad import describe as describe_wgrad
+from ..precision import Precision
 from .attention import flash_attn_available
 
 GEMMS = ("qkv", "proj", "fc1", "fc2")
@@ -92,6 +98,9 @@ class Backends:
     recompute: str = "none"
     recompute_layers: Optional[int] = None
     compile: bool = False
+    fuse_wgrad: bool = False  # optim.grad_accum_fusion: torch GEMMs accumulate dW into main_grad
+    wgrad: str = ""  # how (parallel/wgrad.py PATHS), for the log
+    tied: bool = False  # model.tie_embeddings (the head shares the input embedding)
     notes: tuple[str, ...] = field(default=())
 
     def layer_fp8(self, layer_id: int) -> bool:
@@ -101,9 +110,25 @@ class Backends:
         """The GEMM of each linear layer of block ``layer_id``."""
         if self.linear == "transformer_engine":
             return {g: LinearGemm("te") for g in GEMMS}
+        torch_gemm = FUSED_TORCH_GEMM if self.fuse_wgrad else TORCH_GEMM
         if self.linear == "fp8-native" and self.layer_fp8(layer_id):
-            return {g: (LinearGemm("fp8", self.fp8) if g in self.fp8_gemms else TORCH_GEMM) for g in GEMMS}
-        return {g: TORCH_GEMM for g in GEMMS}
+            return {g: (LinearGemm("fp8", self.fp8) if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
+        return {g: torch_gemm for g in GEMMS}
+
+    def describe_wgrad(self) -> str:
+        if not self.fuse_wgrad:
+            return "grad_accum_fusion=off"
+        where = ["output head" if not self.tied else "tied head on a chunk without the input embedding"]
+        if self.linear == "transformer_engine":
+            where.append("not the TE GEMMs")
+        elif not self.compile:
+            where.insert(0, "torch GEMMs")
+            if self.fp8 is not None:
+                where.append("not the fp8 GEMMs")
+        out = f"grad_accum_fusion=on [{', '.join(where)}]: {self.wgrad}"
+        if self.compile:
+            out += "; grad_accum_fusion: off inside compiled blocks"
+        return out
 
     def describe_linear(self) -> str:
         if self.fp8 is None:
@@ -130,6 +155,7 @@ class Backends:
             parts.append("recompute=selective (attention core)")
         if self.compile:
             parts.append("compile=per-block torch.compile")
+        parts.append(self.describe_wgrad())
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
 
@@ -323,9 +349,15 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                               if fp8_gemm_shape_ok(i, o))
         else:
             fp8_gemms = GEMMS  # TE checks shapes itself
+    fuse = cfg.optim.grad_accum_fusion
+    wgrad = ""
+    if fuse:
+        prec = Precision(cfg.precision, device, cfg.optim.grad_dtype)  # raises for a combination it rejects
+        wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, num_layers=m.num_layers, recompute=m.recompute,
-                    recompute_layers=m.recompute_layers, compile=cfg.train.compile, notes=tuple(notes))
+                    recompute_layers=m.recompute_layers, compile=cfg.train.compile, fuse_wgrad=fuse, wgrad=wgrad,
+                    tied=m.tie_embeddings, notes=tuple(notes))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:

@@ -16,14 +16,14 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
-from ..parallel.layers import ColumnParallelLinear, UsesGroups, VocabParallelEmbedding, mark
+from ..parallel.layers import FUSED_TORCH_GEMM, ColumnParallelLinear, UsesGroups, VocabParallelEmbedding, mark
 from ..parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, tp_world)
 from ..parallel.random import RNGTracker, dropout, init_full_then_shard
+from ..parallel.wgrad import linear
 
 VOCAB_MULTIPLE = 128
 
@@ -48,12 +48,18 @@ class SourceEmbeddings(UsesGroups, nn.Module):
     ``embeddings.``): ``word_embeddings.weight``, ``position_embeddings.weight``,
     ``output_layer.weight``. Init names are ``embeddings.<param>`` seeded by ``seed``.
 
+    ``fuse_wgrad`` (``optim.grad_accum_fusion``): the head's weight gradient accumulates
+    straight into the gradient buffer (``parallel/wgrad.py``) — the untied head, and the tied
+    one only where this chunk has no input side (else the same weight also gets the lookup's
+    gradient through autograd in the same backward, and the two paths would each count it).
+
     Attributes: ``vocab_size`` (true), ``padded_vocab_size``.
     """
 
     def __init__(self, cfg: ModelConfig, pg, vocab_size: int, seed: int, has_input: bool, has_output: bool, *,
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 fuse_wgrad: bool = False) -> None:
         super().__init__()
         if not (has_input or has_output):
             raise ValueError("SourceEmbeddings needs has_input or has_output")
@@ -66,6 +72,7 @@ class SourceEmbeddings(UsesGroups, nn.Module):
         self.tied = cfg.tie_embeddings
         self.sequence_parallel = sequence_parallel and T > 1
         self.rng = rng
+        self.fuse_tied_head = fuse_wgrad and self.tied and not has_input
         self.vocab_size = int(vocab_size)
         self.padded_vocab_size = padded_vocab_size(self.vocab_size, T)
         std = cfg.init_method_std
@@ -88,7 +95,9 @@ class SourceEmbeddings(UsesGroups, nn.Module):
         if has_output and not self.tied:
             self.output_layer = ColumnParallelLinear(h, self.padded_vocab_size, pg, name="embeddings.output_layer",
                                                      seed=seed, init_std=std, bias=False,
-                                                     sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                                                     sequence_parallel=sequence_parallel,
+                                                     gemm=FUSED_TORCH_GEMM if fuse_wgrad else None,
+                                                     device=device, dtype=dtype)
         else:
             self.output_layer = None
         if has_output:
@@ -135,7 +144,7 @@ class SourceEmbeddings(UsesGroups, nn.Module):
                 hidden = gather_from_sequence_parallel_region(hidden, self.pg, tensor_parallel_output_grad=True)
             else:
                 hidden = copy_to_tp_region(hidden, self.pg)
-            logits = F.linear(hidden, self.word_embeddings.weight)
+            logits = linear(hidden, self.word_embeddings.weight, None, self.fuse_tied_head)
         if self.vocab_size != self.padded_vocab_size:
             logits = logits.masked_fill(self.padding_mask, float("-inf"))
         return logits

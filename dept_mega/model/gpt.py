@@ -222,7 +222,7 @@ def build_source_embeddings(cfg: Config, pg, vocab_size: int, seed: int, device:
         if first or last:
             out.append(SourceEmbeddings(cfg.model, pg, vocab_size, seed, first, last,
                                         sequence_parallel=cfg.parallel.sequence_parallel, rng=rng,
-                                        device=device, dtype=dtype))
+                                        device=device, dtype=dtype, fuse_wgrad=cfg.optim.grad_accum_fusion))
         else:
             out.append(None)
     return out

@@ -12,7 +12,8 @@ Parameter attributes read by the trainer / gradient-norm code:
 * ``partition_dim`` / ``partition_stride`` — how the full tensor is sharded (for resharding).
 
 The GEMM of a column/row-parallel layer is chosen by its :class:`LinearGemm`: ``torch``
-(``F.linear``), ``fp8`` (our FP8 GEMMs, ``fp8.py``) or ``te`` (Transformer Engine's ``Linear``,
+(``F.linear``; with ``fuse_wgrad`` its weight gradient accumulates into ``main_grad``,
+``wgrad.py``), ``fp8`` (our FP8 GEMMs, ``fp8.py``) or ``te`` (Transformer Engine's ``Linear``,
 ``te.py``). Whatever the GEMM, the tensor/sequence-parallel collectives around it are ours and
 go through ``pg.comm``.
 """
@@ -31,6 +32,7 @@ from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, 
 from .fp8 import Fp8Recipe, Fp8WeightCache, fp8_gemm_shape_ok, fp8_linear, new_amax_history
 from .random import init_full_then_shard
 from .te import TELinearHolder
+from .wgrad import linear as _linear_fn
 
 
 class GroupsRef:
@@ -89,18 +91,24 @@ def copy_parallel_attributes(src: nn.Module, dst: nn.Module) -> None:
 class LinearGemm:
     """How a parallel linear layer multiplies: ``torch`` (F.linear in the weights' dtype),
     ``fp8`` (native FP8 GEMMs with ``recipe``), ``te`` (Transformer Engine ``Linear``; FP8 when
-    the caller is inside TE's FP8 autocast, see ``te.py``)."""
+    the caller is inside TE's FP8 autocast, see ``te.py``). ``fuse_wgrad`` (``torch`` only):
+    the weight gradient accumulates straight into the gradient buffer (``wgrad.py``,
+    ``optim.grad_accum_fusion``)."""
     kind: str = "torch"
     recipe: Optional[Fp8Recipe] = None
+    fuse_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fp8", "te"):
             raise ValueError(f"unknown GEMM kind {self.kind!r}")
         if self.kind == "fp8" and self.recipe is None:
             raise ValueError("an fp8 GEMM needs a recipe")
+        if self.fuse_wgrad and self.kind != "torch":
+            raise ValueError(f"gradient-accumulation fusion is for torch GEMMs, not {self.kind!r}")
 
 
 TORCH_GEMM = LinearGemm()
+FUSED_TORCH_GEMM = LinearGemm(fuse_wgrad=True)
 
 
 class _GemmMixin:
@@ -124,11 +132,11 @@ class _GemmMixin:
             return fp8_linear(x, self.weight, self.gemm.recipe, self.fp8_amax_history, self.fp8_cache)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)
-        return F.linear(x, self.weight)
+        return _linear_fn(x, self.weight, None, self.gemm.fuse_wgrad)
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.gemm.kind == "torch":
-            return F.linear(x, self.weight, bias)
+            return _linear_fn(x, self.weight, bias, self.gemm.fuse_wgrad)
         y = self._matmul(x)
         return y if bias is None else y + bias.to(y.dtype)
 

@@ -1,0 +1,153 @@
+"""Gradient-accumulation fusion (``optim.grad_accum_fusion``; Megatron's
+``--gradient-accumulation-fusion``, without apex).
+
+Without it, autograd materialises every micro-batch's weight gradient ``dYᵀ·X`` of a linear
+layer in ``param.grad`` (the weights' dtype) and the gradient buffer's hook then copies or adds
+it into ``param.main_grad`` (``grad_buffer.py``). With it, :func:`linear` runs ``y = x Wᵀ + b``
+through :class:`FusedWgradLinear`, whose backward computes that GEMM straight into
+``main_grad`` (accumulating, beta = 1) and returns no weight gradient, so ``param.grad`` is
+never allocated and the extra copy/add kernels disappear. The buffer is zeroed when a step
+begins, so the first micro-batch's accumulation equals the copy the hook would make.
+
+Decided in backward, per weight: only when the weight's gradient currently goes to an active
+gradient buffer (``grad_owner(weight)`` with its storage allocated and a step begun: inside
+``Trainer.train_step``) — then :meth:`GradBuffer.arrive` adds it and does the same
+bookkeeping as the hook (count, bucket pending, data-parallel reduction launch). Otherwise
+(evaluation with gradients, a model used outside the trainer, SPEC's stored sources whose
+buffers are released) the weight gradient is returned to autograd as usual.
+
+The accumulation itself (:func:`wgrad_call` picks one; the run log's ``backends:`` line says
+which):
+
+* CUDA, fp32 ``main_grad``, bf16/fp16 operands: ``torch.addmm(main_grad, a, b,
+  out_dtype=torch.float32, out=main_grad)`` — one cuBLAS GEMM with fp32 output and beta = 1
+  (``aten::addmm.dtype_out``, CUDA only). ``_addmm_dtype_out_cuda`` accepts an addend in
+  ``out_dtype`` since pytorch/pytorch#167931 (Nov. 2025); ``out`` aliasing ``self`` is fine
+  (``addmm_out_cuda_impl`` copies ``self`` into ``out`` first, a no-op on the same tensor).
+  The first use on a device checks it on a small product; a torch that rejects it uses
+  ``torch.mm(a, b, out_dtype=torch.float32)`` and an fp32 add instead (same math, one extra
+  pass over the gradient), and says so in the log.
+* ``main_grad`` in the operands' dtype (fp32 weights; bf16 weights with a bf16 buffer):
+  ``main_grad.addmm_(a, b)``.
+* elsewhere (CPU) with bf16/fp16 operands and an fp32 buffer (``aten::addmm.dtype`` exists only
+  on CUDA): ``main_grad.addmm_(a.float(), b.float())`` — fp32 accumulation of the half-precision
+  values, the same math as the fused GEMM up to summation order.
+
+``train.compile``: the backward reads and changes Python state (is a buffer active, its counts,
+the bucket's launch of a collective), which Dynamo does not re-evaluate faithfully once traced
+(tried on torch 2.13 with ``aot_eager``: without the guard below the second step raised the
+buffer's "arrived after its bucket's data-parallel reduction started" error). A custom op
+cannot return "no gradient" either, so inside a compiled transformer block :func:`linear` is a
+plain ``F.linear`` (decided in the forward with ``torch.compiler.is_compiling()``): those
+weights take the hook path; the output head, which is not compiled, stays fused.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..grad_buffer import grad_owner
+
+_HALF = (torch.bfloat16, torch.float16)
+
+PATHS = {
+    "addmm_out_dtype": "torch.addmm(out_dtype=fp32, out=main_grad): one GEMM accumulating in fp32",
+    "mm_out_dtype_add": "torch.mm(out_dtype=fp32) + add into main_grad (this torch's addmm.dtype_out "
+                        "rejects an fp32 addend)",
+    "addmm_": "main_grad.addmm_ (one GEMM)",
+    "addmm_fp32_operands": "main_grad.addmm_ on fp32 copies of the half-precision operands "
+                           "(aten::addmm.dtype is CUDA-only)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_addmm_ok(device: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's ``addmm.dtype_out`` accumulates half-precision products into an fp32
+    tensor that is both the addend and the output (checked once per device on a small product)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-3, 4, (24, 40), generator=g).to(device, dtype)
+    b = torch.randint(-3, 4, (40, 16), generator=g).to(device, dtype)
+    c = torch.randint(-3, 4, (24, 16), generator=g).to(device, torch.float32)
+    want = c + a.float() @ b.float()
+    try:
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(torch.equal(c, want))
+
+
+@functools.lru_cache(maxsize=None)
+def wgrad_call(device: torch.device, operands: torch.dtype, main: torch.dtype) -> str:
+    """The accumulation of ``operands``-dtype weight-gradient GEMMs into a ``main``-dtype buffer
+    on ``device``: a key of :data:`PATHS`."""
+    device = torch.device(device)
+    if operands == main:
+        return "addmm_"
+    if main == torch.float32 and operands in _HALF:
+        if device.type == "cuda":
+            return "addmm_out_dtype" if _fused_addmm_ok(str(device), operands) else "mm_out_dtype_add"
+        return "addmm_fp32_operands"
+    raise ValueError(f"optim.grad_accum_fusion: no accumulation of {operands} weight gradients into a {main} "
+                     f"gradient buffer")
+
+
+def add_wgrad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    """``main_grad [out, in] += grad_outᵀ · inp`` for ``grad_out [n, out]``, ``inp [n, in]``."""
+    a, b = grad_out.t(), inp
+    kind = wgrad_call(main_grad.device, a.dtype, main_grad.dtype)
+    if kind == "addmm_out_dtype":
+        torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)
+    elif kind == "addmm_":
+        main_grad.addmm_(a, b)
+    elif kind == "mm_out_dtype_add":
+        main_grad.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        main_grad.addmm_(a.float(), b.float())
+
+
+class FusedWgradLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward accumulates the weight gradient into the
+    weight's active gradient buffer (see module doc); dX and the bias gradient as usual."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # the parameter itself (its gradient buffer): under activation recomputation the saved
+        # tensors come back as detached copies, without the parameter's attributes
+        ctx.param = weight
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = grad.matmul(weight)
+        if ctx.needs_input_grad[2]:
+            db = grad.reshape(-1, grad.shape[-1]).sum(0)
+        if ctx.needs_input_grad[1]:
+            g2 = grad.reshape(-1, grad.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            owner = grad_owner(ctx.param)
+            if owner is not None and owner.active:
+                owner.arrive(ctx.param, lambda main: add_wgrad(main, g2, x2))
+            else:
+                dw = g2.t().mm(x2)
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           fuse_wgrad: bool = False) -> torch.Tensor:
+    """``F.linear``; with ``fuse_wgrad`` (and outside a compiled region) through
+    :class:`FusedWgradLinear`."""
+    if fuse_wgrad and weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return FusedWgradLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def describe(device: torch.device | str, weights: torch.dtype, grads: torch.dtype) -> str:
+    """The accumulation path for the log, e.g. ``main_grad.addmm_ (one GEMM)``."""
+    return PATHS[wgrad_call(torch.device(device), weights, grads)]
