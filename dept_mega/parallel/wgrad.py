@@ -149,5 +149,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def describe(device: torch.device | str, weights: torch.dtype, grads: torch.dtype) -> str:
-    """The accumulation path for the log, e.g. ``main_grad.addmm_ (one GEMM)``."""
-    return PATHS[wgrad_call(torch.device(device), weights, grads)]
+    """The accumulation path for the log, e.g. ``main_grad.addmm_ (one GEMM)``. Planning for a
+    CUDA device on a machine without one (``resolve_backends(cfg, "cuda")`` on a CPU) names the
+    fused GEMM without probing it: the probe runs on the device at first use."""
+    device = torch.device(device)
+    if (device.type == "cuda" and not torch.cuda.is_available() and grads == torch.float32
+            and weights in _HALF):
+        return PATHS["addmm_out_dtype"] + " (to be checked on the device at first use)"
+    return PATHS[wgrad_call(device, weights, grads)]
