@@ -1,8 +1,8 @@
 """Native FP8 GEMMs for the tensor-parallel linear layers (``backend: local`` + ``fp8``).
 
-``fp8_linear(x, weight, recipe, history, cache)`` computes ``x Wᵀ`` with ``torch._scaled_mm``
-on FP8 operands with one scaling factor per tensor (Transformer Engine's per-tensor recipes,
-written here without TE):
+``fp8_linear(x, weight, layer)`` computes ``x Wᵀ`` with ``torch._scaled_mm`` on FP8 operands
+with one scaling factor per tensor (Transformer Engine's per-tensor recipes, written here
+without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :class:`Fp8State`:
 
 * forward: the input and the weight are cast to e4m3 (``x·s_x``, ``W·s_w``, saturated to ±448)
   and multiplied with fp32 accumulation; the output is bf16 (``scale_a = 1/s_x``,
@@ -11,23 +11,32 @@ written here without TE):
   ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight of the forward (so the
   saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
   and ``weight``; the master weights are never touched (the optimizer keeps them).
-* weights are cast once per training step (:class:`Fp8WeightCache`, opened by the trainer
-  around the step's forwards and backwards): every micro-batch, recomputed forward and
-  input-gradient GEMM of the step reuses that cast, as Transformer Engine does with its
-  first-micro-batch flag. Outside a step every call casts afresh.
+* steps: the trainer opens one step of the model's FP8 state around a training step's
+  forwards and backwards (:func:`fp8_weight_cache`; ``train=False`` around an evaluation).
+  Weights are cast once per step (:class:`Fp8WeightCache`): every micro-batch, recomputed
+  forward and input-gradient GEMM of the step reuses that cast, as Transformer Engine does
+  with its first-micro-batch flag. Outside a step every call casts afresh.
 * scaling factors: ``s = FP8_MAX / amax``. ``current`` scaling takes the amax of the tensor
-  being cast (exact range, one extra reduction per cast); ``delayed`` scaling takes the
-  largest amax of the last ``fp8_amax_history`` casts of that operand in that layer (TE's
-  ``DelayedScaling`` with ``amax_compute_algo='max'``, margin 0) and records the current amax
-  afterwards; a layer's first cast (empty history) uses its current amax. A weight is cast
-  once per step, so its row of the history holds one amax per step. The history is a
-  non-persistent buffer of the layer (3 × N: input, weight, grad-output): it is per rank
-  (no amax reduction across ranks: every rank scales its own shards consistently), it is
-  not checkpointed (a resumed run refills it), and activation recomputation saves and
-  restores it so a recomputed forward casts exactly as the original one did.
-* every cast is one function (``_cast_math``: amax, scale, saturate, cast, optional zero
-  padding and transposed copy) that runs compiled (``torch.compile``, fused by inductor) on
-  CUDA and eagerly on CPU, with the same math.
+  being cast (exact range; the amax is reduced before the cast). ``delayed`` scaling is
+  Transformer Engine's ``DelayedScaling`` (``amax_compute_algo='max'``, margin 0) with one
+  history entry per training step: a step's scale of an operand (input, weight or output
+  gradient of a layer) is ``FP8_MAX / the largest amax of that operand in the previous
+  ``fp8_amax_history`` steps``, fixed for the whole step; each cast maxes its amax into the
+  step's entry (so an entry is the largest over the step's micro-batches). An operand's first
+  training step (no history yet) uses current scaling; an operand whose amaxes in the window
+  are all 0 or not finite keeps its previous scale. Evaluations and calls outside a training
+  step use current scaling and leave the history alone. Because the scales do not change
+  within a step, a recomputed forward casts exactly as the original one did (nothing to save
+  or restore). The bookkeeping lives in :class:`Fp8State`, one per model: the histories of
+  all layers are one buffer, every scale of a step is computed by one batched op when the step
+  opens, and the step's position in the history is a ring index kept on the host. The state
+  is per rank (no amax reduction across ranks: every rank scales its own shards
+  consistently) and not checkpointed (a resumed run refills it).
+* casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
+  writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
+  history), plus a reduction kernel before it under current scaling. The reference math
+  (``_cast_math``, the same bytes) runs eagerly on CPU and compiled on CUDA without Triton;
+  the run log names the path (``Triton cast kernels`` | ``torch casts``).
 
 ``torch._scaled_mm`` wants its first operand row-major and its second column-major, and every
 dimension a multiple of 16 (checked on every device, see ``_scaled_mm``). The feature
@@ -82,7 +91,7 @@ class Fp8Recipe:
         return E5M2 if self.fmt == "hybrid" else E4M3
 
     def describe(self) -> str:
-        extra = f", amax history {self.amax_history}" if self.scaling == "delayed" else ""
+        extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
         return f"{self.fmt}, {self.scaling} scaling{extra}"
 
 
