@@ -57,7 +57,8 @@ def kernel_vs_reference(device: str) -> dict:
     ``1/scale`` (current scaling) and the amax written into its slot. Rows not a multiple of the
     tile, zero-padding rows to a multiple of 16, both formats, every layout, current and delayed
     scaling; values from e4m3/e5m2 subnormals to saturation, ±0 and tiny values of both signs;
-    a tensor of more blocks than partial maxima (the reduction's grid-stride loop); ±inf and NaN."""
+    a tensor of more blocks than partial maxima (the reduction's grid-stride loop); an all-zero
+    tensor; ±inf and NaN."""
     g = torch.Generator().manual_seed(0)
     failures, cases = [], 0
     for (rows, cols, pad), dtype in product([(40, 64, 8), (130, 96, 14), (1, 16, 15)], (E4M3, E5M2)):
@@ -92,6 +93,12 @@ def kernel_vs_reference(device: str) -> dict:
             failures.append("grid-stride amax: the cast differs")
     finally:
         K._AMAX_BLOCK, K._PARTS = block, parts
+    x = torch.zeros(24, 32, dtype=torch.bfloat16, device=device)  # all zero: the scale of amax 1e-12
+    q, q_t, inv = K.cast_fp8(x, E5M2, 8, colwise=True)
+    rq, rq_t, rinv, _ = _cast_math(x, None, E5M2, 8, True, True)
+    cases += 1
+    if not (_same_bytes(q, rq) and _same_bytes(q_t, rq_t) and torch.equal(inv, rinv)):
+        failures.append("all-zero tensor: the cast differs")
     x = torch.randn(48, 32, generator=g).bfloat16().to(device)
     x[3, 4], x[7, 1], x[9, 9] = float("inf"), float("-inf"), float("nan")
     amax = torch.zeros(1, device=device)
@@ -244,7 +251,7 @@ def _check_launches(res: dict) -> None:
 @needs_triton
 def test_triton_kernels_in_the_interpreter_match_the_reference():
     res = _interpreted("kernel_vs_reference")
-    assert res["cases"] == 3 * 2 * 6 + 2 and not res["failures"], res["failures"]
+    assert res["cases"] == 3 * 2 * 6 + 3 and not res["failures"], res["failures"]
     res = _interpreted("state_kernels_agree")
     assert res["tensors"] == 3 * 2 * 3 and res["history_rows_used"] == 3 and not res["failures"], res
     _check_launches(_interpreted("launches_per_cast"))
@@ -258,6 +265,31 @@ def test_triton_kernels_on_cuda_match_the_reference():
     res = state_kernels_agree("cuda")
     assert not res["failures"], res
     _check_launches(launches_per_cast("cuda"))
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked test compiles them for the device")
+def test_triton_kernels_compile_for_an_h100():
+    """The interpreter does not compile: compile the kernels ahead of time for sm_90 (no GPU
+    needed) in the variants a training step uses, and check the PTX converts with the hardware's
+    saturating round-to-nearest instruction and updates the amax atomically."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+    target = GPUTarget("cuda", 90, 32)
+    amax = triton.compile(ASTSource(fn=K._amax_parts_kernel, constexprs={"BLOCK": K._AMAX_BLOCK},
+                                    signature={"x_ptr": "*bf16", "parts_ptr": "*fp32", "n": "i32", "nprog": "i32",
+                                               "BLOCK": "constexpr"}), target=target)
+    assert ".entry" in amax.asm["ptx"]
+    for fmt, dtype, current in [("fp8e4nv", E4M3, False), ("fp8e5", E5M2, True)]:
+        fmax, mbits, emin = K._FORMATS[dtype]
+        consts = dict(FMAX=fmax, MBITS=mbits, EMIN=emin, MIN_AMAX=K._MIN_AMAX, CURRENT=current, RECORD=True,
+                      ROWWISE=True, COLWISE=True, PARTS=K._PARTS, BLOCK_M=K._TILE, BLOCK_N=K._TILE)
+        sig = {"x_ptr": "*bf16", "q_ptr": f"*{fmt}", "qt_ptr": f"*{fmt}", "scale_ptr": "*fp32", "inv_ptr": "*fp32",
+               "parts_ptr": "*fp32", "amax_ptr": "*fp32", **{k: "i32" for k in (
+                   "rows", "cols", "out_rows", "nparts", "scale_index", "amax_index")}, **{k: "constexpr" for k in consts}}
+        ptx = triton.compile(ASTSource(fn=K._cast_kernel, signature=sig, constexprs=consts), target=target).asm["ptx"]
+        assert f"cvt.rn.satfinite.{'e4m3' if dtype == E4M3 else 'e5m2'}x2.f32" in ptx and "atom.global" in ptx
 
 
 def test_the_triton_path_is_refused_where_it_cannot_run(monkeypatch):

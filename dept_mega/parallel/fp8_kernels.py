@@ -64,7 +64,8 @@ if AVAILABLE:
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         tl.store(parts_ptr + pid, tl.reduce(acc, 0, _nanmax))
 
-    @triton.jit
+    # the slot indices change with every layer: no specialisation (and recompilation) on them
+    @triton.jit(do_not_specialize=["nparts", "scale_index", "amax_index"])
     def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, inv_ptr, parts_ptr, amax_ptr,
                      rows, cols, out_rows, nparts, scale_index, amax_index,
                      FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MIN_AMAX: tl.constexpr,
