@@ -115,13 +115,17 @@ def test_which_layers_run_fp8_and_the_log_line():
 
 
 def _stage_losses_grads(cfg, pg):
+    """Two training steps of the FP8 state on the same batch (the second delayed-scaled under
+    ``fp8_recipe: delayed``), no optimizer: the second step's losses, the summed gradients."""
     (stage,) = build_model(cfg, pg, 100, 5)
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 100, (2, 16), generator=g)
     labels = torch.randint(0, 100, (2, 16), generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = stage(tokens, labels)
-    losses.mean().backward()
+    for _ in range(2):
+        with fp8_module.fp8_weight_cache([stage]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = stage(tokens, labels)
+            losses.mean().backward()
     reduce_sequence_parallel_grads(stage, pg)  # what the trainer does under sequence parallelism
     return losses.detach(), full_tensors(stage, pg, grads=True)
 
@@ -308,7 +312,8 @@ def _tp_worker(rank, world, cases):
 @pytest.mark.slow
 def test_tp2_fp8_matches_tp1_fp8():
     """TP2 quantises each weight shard with its own amax (per-tensor scaling of the local
-    tensor), TP1 the full weight, so the two differ by FP8 rounding only: per-token losses
+    tensor; delayed scaling: each rank's own history), TP1 the full weight, so the two differ
+    by FP8 rounding only: per-token losses
     within 2 % (the loss of a 4-layer tiny model moves far less than its GEMM outputs) and
     every gradient within 2 × the backward bound (each is within one bound of the exact value).
     With sequence parallelism the column-parallel GEMMs see the all-gathered sequence."""
