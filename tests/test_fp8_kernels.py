@@ -349,20 +349,24 @@ def test_delayed_scale_is_fp8_max_over_the_largest_amax_of_the_previous_n_steps(
     assert torch.equal(state.history, before[0]) and torch.equal(state.scale, before[1]) and state.pos == before[2]
 
 
-def test_a_column_with_a_zero_or_nonfinite_amax_keeps_its_scale():
-    """Transformer Engine's rule: an operand whose largest amax in the window is 0 (an all-zero
-    tensor) or not finite keeps the scale it had; an e5m2 gradient column scales to 57344."""
-    state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=1), "cpu")
-    layer = state.new_layer()
-    w = torch.eye(16).bfloat16().requires_grad_()
-    for x, gy in [(torch.full((16, 16), 2.0), torch.full((16, 16), 4.0)),
-                  (torch.zeros(16, 16), torch.full((16, 16), float("inf"))),
-                  (torch.full((16, 16), 1.0), torch.full((16, 16), 1.0))]:
-        state.begin_step()
-        y = fp8_linear(x.bfloat16().requires_grad_(), w, layer)
-        torch.autograd.grad(y, (w,), gy.bfloat16())
-        state.end_step()
-    # step 1 scaled from step 0 (input 2, weight 1, grad 4); step 2 kept the input's and the
-    # gradient's scales (step 1 recorded an input amax of 0 and a gradient amax of inf)
+def test_nonfinite_amaxes_are_left_out_and_a_column_without_amax_keeps_its_scale():
+    """A step's non-finite amaxes (inf/NaN values) are left out of later windows, and an operand
+    whose window has no positive amax left (an all-zero tensor, or only non-finite entries)
+    keeps its scale (Transformer Engine's rule); e5m2 gradient columns scale to 57344."""
+    def run(history, steps):
+        state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=history), "cpu")
+        layer = state.new_layer()
+        w = torch.eye(16).bfloat16().requires_grad_()
+        for x, gy in steps:
+            state.begin_step()
+            y = fp8_linear(torch.full((16, 16), x).bfloat16().requires_grad_(), w, layer)
+            torch.autograd.grad(y, (w,), torch.full((16, 16), gy).bfloat16())
+            state.end_step()
+        return state
+    # window 1: step 1 (input 0, grad inf) leaves step 2 with step 1's scales, from step 0
+    state = run(1, [(2.0, 4.0), (0.0, float("inf")), (1.0, 1.0)])
     assert state.history[1].tolist() == [0.0, 1.0, float("inf")]
     assert state.scale.tolist() == [224.0, 448.0, 57344.0 / 4]
+    # window 2: step 3's gradient scale comes from step 1 (2), step 2's inf left out
+    state = run(2, [(1.0, 4.0), (1.0, 2.0), (1.0, float("inf")), (1.0, 1.0)])
+    assert state.scale.tolist() == [448.0, 448.0, 57344.0 / 2]

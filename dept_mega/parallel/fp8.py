@@ -23,8 +23,9 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   gradient of a layer) is ``FP8_MAX / the largest amax of that operand in the previous
   ``fp8_amax_history`` steps``, fixed for the whole step; each cast maxes its amax into the
   step's entry (so an entry is the largest over the step's micro-batches). An operand's first
-  training step (no history yet) uses current scaling; an operand whose amaxes in the window
-  are all 0 or not finite keeps its previous scale. Evaluations and calls outside a training
+  training step (no history yet) uses current scaling; non-finite amaxes (a step with inf/NaN
+  values) are left out of the window, and an operand with no positive amax left keeps its
+  previous scale. Evaluations and calls outside a training
   step use current scaling and leave the history alone. Because the scales do not change
   within a step, a recomputed forward casts exactly as the original one did (nothing to save
   or restore). The bookkeeping lives in :class:`Fp8State`, one per model: the histories of
@@ -160,8 +161,8 @@ class Fp8State:
     (N = ``amax_history``, L layers, columns ``3·layer + operand``), a ring of one row per
     training step. :meth:`begin_step` (training) moves to the next row, zeroes it and computes
     the scales of every layer and operand at once: ``scale = FP8_MAX / max of the other N rows``
-    (the previous N steps; a column whose amax is 0 or not finite keeps its last scale, as in
-    Transformer Engine). During the step every cast of an operand uses that fixed scale and
+    (the previous N steps; non-finite amaxes, from a step with inf/NaN values, are left out, and
+    a column with no positive amax left keeps its last scale, as in Transformer Engine). During the step every cast of an operand uses that fixed scale and
     maxes its amax into the current row, so the row ends up holding the step's largest amax
     over all its micro-batches (and recomputations, which see the same tensors). An operand's
     casts in its first training step (nothing recorded yet; tracked on the host) use current
@@ -241,8 +242,9 @@ class Fp8State:
         self._recorded = set()
         self.pos = (self.pos + 1) % self.history.shape[0]
         self.history[self.pos].zero_()
-        amax = self.history.amax(dim=0)
-        self.scale.copy_(torch.where((amax > 0) & torch.isfinite(amax), self._fmax / amax, self.scale))
+        h = self.history
+        amax = torch.where(torch.isfinite(h), h, 0.0).amax(dim=0)  # a step with inf/NaN is left out
+        self.scale.copy_(torch.where(amax > 0, self._fmax / amax, self.scale))
         torch.reciprocal(self.scale, out=self.inv)
 
     def cast(self, t: torch.Tensor, layer: int, operand: int, dtype: torch.dtype, pad: int = 0,
