@@ -231,7 +231,7 @@ class Config:
     precision: str = "bf16"  #: Dtype of weights and activations; bf16 / fp16 keep fp32 masters in the optimizer.
     fp8: Optional[str] = None  #: FP8 GEMMs in the transformer blocks (needs precision bf16); null = off.
     fp8_recipe: str = "delayed"  #: FP8 scaling: from an amax history (delayed) or the current tensor.
-    fp8_amax_history: int = 1024  #: Length of the delayed recipe's amax history.
+    fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
     dept: DeptConfig = field(default_factory=DeptConfig)

@@ -268,7 +268,7 @@ class Trainer:
             return per_token.sum() * scale
 
         self._begin_grads(len(mbs))
-        with fp8_weight_cache(self.stages):  # native FP8: each weight cast once for all micro-batches
+        with fp8_weight_cache(self.stages):  # native FP8: the step's scales; each weight cast once
             run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                                  stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
@@ -402,7 +402,7 @@ class Trainer:
             acc[1] += per_token.numel()
 
         if mbs:
-            with fp8_weight_cache(self.stages):
+            with fp8_weight_cache(self.stages, train=False):  # current scaling; the amax history untouched
                 run_forward_only(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                                  stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():

@@ -13,8 +13,7 @@ from dept_mega.parallel import fp8 as fp8_module
 
 from dept_mega.config import ConfigError
 from dept_mega.model import build_model, resolve_backends
-from dept_mega.parallel.fp8 import (E4M3, WEIGHT, Fp8Recipe, Fp8WeightCache, fp8_linear, new_amax_history,
-                                    quantize)
+from dept_mega.parallel.fp8 import E4M3, INPUT, Fp8Recipe, Fp8State, fp8_linear, quantize
 from dept_mega.parallel.groups import build_groups
 from tests.model_utils import full_tensors, reduce_sequence_parallel_grads, rel_err
 from tests.mp_utils import run_distributed
@@ -47,13 +46,15 @@ def _operands(seed):
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_fp8_linear_within_fp8_error_bounds(fmt, scaling):
-    recipe = Fp8Recipe(fmt, scaling, amax_history=4)
-    history = new_amax_history(recipe, "cpu")
+    state = Fp8State(Fp8Recipe(fmt, scaling, amax_history=4), "cpu")
+    layer = state.new_layer()
     for step in range(3):
         x, w, gy = _operands(step)
         xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8_linear(xa, wa, recipe, history)
+        state.begin_step()  # delayed: step 0 current scaling, steps 1-2 the scales of the steps before
+        y = fp8_linear(xa, wa, layer)
         (y.float() * gy).sum().backward()
+        state.end_step()
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         yr = xr @ wr.t()
         (yr * gy).sum().backward()
@@ -63,24 +64,28 @@ def test_fp8_linear_within_fp8_error_bounds(fmt, scaling):
                                 (wa.grad, wr.grad, BWD_BOUND[fmt])):
             err = rel_err(got.float(), ref)
             assert QUANTISED < err < bound, (step, err)
-    if scaling == "delayed":
-        assert (history[:, :3] > 0).all() and (history[:, 3] == 0).all()  # three casts of each operand recorded
+    if scaling == "delayed":  # one row per step (of 4 + 1), each operand's amax recorded
+        assert (state.history[:3] > 0).all() and (state.history[3:] == 0).all()
+    else:
+        assert state.history is None
 
 
 def test_quantize_saturates_and_delayed_scaling_uses_the_history():
     q, inv = quantize(torch.tensor([1.0, -2.0, 4.0]), torch.tensor(2.0), E4M3)
     assert q.float().tolist() == [224.0, -448.0, 448.0] and float(inv) == pytest.approx(2.0 / 448.0)  # 4.0 saturates
-    recipe = Fp8Recipe("hybrid", "delayed", amax_history=2)
-    history = new_amax_history(recipe, "cpu")
+    state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=2), "cpu")
+    layer = state.new_layer()
     w = torch.eye(16)
-    fp8_linear(torch.full((16, 16), 100.0), w, recipe, history)
-    # the next input is small, but its scale still comes from the past amax (100): 1e-4·448/100
-    # is below half of e4m3's smallest subnormal (2^-10) and flushes to zero
-    y = fp8_linear(torch.full((16, 16), 1e-4), w, recipe, history)
+    for value in (100.0, 1e-4):
+        state.begin_step()
+        y = fp8_linear(torch.full((16, 16), value), w, layer)
+        state.end_step()
+    # the second step's input is small, but its scale comes from the first step's amax (100):
+    # 1e-4·448/100 is below half of e4m3's smallest subnormal (2^-10) and flushes to zero
     assert float(y.abs().max()) == 0.0
-    y = fp8_linear(torch.full((16, 16), 1e-4), w, Fp8Recipe("hybrid", "current"))  # current scaling
+    y = fp8_linear(torch.full((16, 16), 1e-4), w, layer)  # outside a training step: current scaling
     assert torch.allclose(y.float(), torch.full((16, 16), 1e-4), rtol=0.07)
-    assert torch.allclose(history[0], torch.tensor([1e-4, 100.0]))  # newest first
+    assert torch.allclose(state.history[:2, INPUT], torch.tensor([100.0, 1e-4]))  # one row per step
 
 
 def _fp8_cfg(**over):
@@ -110,13 +115,17 @@ def test_which_layers_run_fp8_and_the_log_line():
 
 
 def _stage_losses_grads(cfg, pg):
+    """Two training steps of the FP8 state on the same batch (the second delayed-scaled under
+    ``fp8_recipe: delayed``), no optimizer: the second step's losses, the summed gradients."""
     (stage,) = build_model(cfg, pg, 100, 5)
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 100, (2, 16), generator=g)
     labels = torch.randint(0, 100, (2, 16), generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = stage(tokens, labels)
-    losses.mean().backward()
+    for _ in range(2):
+        with fp8_module.fp8_weight_cache([stage]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = stage(tokens, labels)
+            losses.mean().backward()
     reduce_sequence_parallel_grads(stage, pg)  # what the trainer does under sequence parallelism
     return losses.detach(), full_tensors(stage, pg, grads=True)
 
@@ -131,14 +140,15 @@ def test_cached_weight_operands_are_reused_in_the_layouts_the_gemm_takes(monkeyp
     monkeypatch.setattr(fp8_module, "_scaled_mm", lambda a, b, *s: calls.append((a, b)) or real_mm(a, b, *s))
     casts = []
     monkeypatch.setattr(fp8_module, "quantize_weight", lambda *a: casts.append(real_qw(*a)) or casts[-1])
-    recipe, cache = Fp8Recipe("hybrid", "current"), Fp8WeightCache()
+    state = Fp8State(Fp8Recipe("hybrid", "current"), "cpu")
+    layer = state.new_layer()
     x, w, gy = _operands(0)
     w = w.requires_grad_()
-    cache.open()
+    state.begin_step()
     for _ in range(2):  # two micro-batches
         xa = x.clone().requires_grad_()
-        (fp8_linear(xa, w, recipe, None, cache).float() * gy).sum().backward()
-    cache.close()
+        (fp8_linear(xa, w, layer).float() * gy).sum().backward()
+    state.end_step()
     (cast,) = casts
     assert len(calls) == 6  # forward, dX, dW per micro-batch
     for i in (0, 3):
@@ -148,43 +158,44 @@ def test_cached_weight_operands_are_reused_in_the_layouts_the_gemm_takes(monkeyp
         assert all(t.stride(1) == 1 for t in (fa, da, wa)) and wb.stride(0) == 1
     w.grad = None
     xa = x.clone().requires_grad_()
-    (fp8_linear(xa, w, recipe, None, cache).float() * gy).sum().backward()  # closed: a fresh cast
+    (fp8_linear(xa, w, layer).float() * gy).sum().backward()  # closed: a fresh cast
     assert len(casts) == 2
-    cache.open()  # an evaluation (no grad) casts one layout; a later backward adds the transposed one
+    state.begin_step()  # an evaluation (no grad) casts one layout; a later backward adds the transposed one
     with torch.no_grad():
-        fp8_linear(x, w, recipe, None, cache)
+        fp8_linear(x, w, layer)
     assert len(casts) == 3 and casts[-1].q_t is None
     calls.clear()
-    (fp8_linear(x.clone().requires_grad_(), w, recipe, None, cache).float() * gy).sum().backward()
+    (fp8_linear(x.clone().requires_grad_(), w, layer).float() * gy).sum().backward()
     assert len(casts) == 3 and calls[0][1].data_ptr() == casts[-1].q.data_ptr()
     assert torch.equal(calls[1][1].float(), casts[-1].q.float())  # dX's operand: W [out, in] again
-    cache.close()
+    state.end_step()
     q = quantize(x[:32], torch.tensor(4.0), E4M3)[0]
     with pytest.raises(ValueError, match="row-major first and a column-major second"):
         fp8_module._scaled_mm(q, q.t().contiguous(), torch.tensor(1.0), torch.tensor(1.0))
 
 
 def test_a_weight_changed_inside_an_open_step_is_an_error():
-    recipe, cache = Fp8Recipe("hybrid", "current"), Fp8WeightCache()
+    state = Fp8State(Fp8Recipe("hybrid", "current"), "cpu")
+    layer = state.new_layer()
     x, w, _ = _operands(0)
-    cache.open()
-    fp8_linear(x, w, recipe, None, cache)
+    state.begin_step()
+    fp8_linear(x, w, layer)
     w.add_(1.0)
     with pytest.raises(RuntimeError, match="changed during a training step"):
-        fp8_linear(x, w, recipe, None, cache)
+        fp8_linear(x, w, layer)
     with pytest.raises(RuntimeError, match="does not nest"):
-        cache.open()
+        state.begin_step()
 
 
 def _train_counting_casts(cfg, steps, monkeypatch):
     """Train ``steps`` steps of 4 micro-batches; per-step losses, gradient norms, the number of
-    weight casts in each step, the FP8 layers and the amax histories."""
+    weight casts in each step, the FP8 layers and the model's FP8 state."""
     from dept_mega.trainer import Trainer
     casts = []
     real = fp8_module.quantize_weight
     monkeypatch.setattr(fp8_module, "quantize_weight", lambda *a: casts.append(1) or real(*a))
     trainer = Trainer(cfg, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
-    layers = [m for st in trainer.stages for m in st.modules() if getattr(m, "fp8_cache", None) is not None]
+    layers = [m for st in trainer.stages for m in st.modules() if getattr(m, "fp8_layer", None) is not None]
     out = {"loss": [], "grad_norm": [], "casts": []}
     for i in range(steps):
         mbs = dp_micro_batches(cfg, global_batch(cfg, i), 0, 1)
@@ -195,7 +206,7 @@ def _train_counting_casts(cfg, steps, monkeypatch):
         out["casts"].append(len(casts))
         casts.clear()
     out["layers"] = len(layers)
-    out["history"] = [m.fp8_amax_history for m in layers if m.fp8_amax_history is not None]
+    out["states"] = {id(m.fp8_layer.state): m.fp8_layer.state for m in layers}
     return out
 
 
@@ -209,17 +220,19 @@ def test_weights_cast_once_per_step_and_recast_after_every_optimizer_step(recipe
     recomputed in backward), and the step after an optimizer update casts the updated weight.
     Reference: the same run with every use casting the weight afresh (the trainer's cache
     scope removed), which is how FP8 ran before the cache. Current scaling gives the same
-    numbers bit for bit (a cache not emptied after the step gives others); delayed scaling
-    now sets a weight's scale from the amaxes of the previous steps for all micro-batches of a
-    step (before: also from the step's earlier micro-batches), so its losses agree within
-    1e-3. Both stay within 1 % of bf16 (the loss of this tiny model moves far less)."""
+    numbers bit for bit (a cache not emptied after the step gives others). Delayed scaling
+    needs the step scope: without it every cast is current-scaled, so the reference differs
+    from the second step on (losses within 1e-3) and equals it in the first step (current
+    scaling in both). The one state of the model holds one history row per step, every
+    operand of every layer recorded. Both stay within 1 % of bf16 (the loss of this tiny model
+    moves far less)."""
     steps = 3
     cfg = _fp8_cfg(fp8_recipe=recipe, optim={"lr": 1.0e-2, **over.get("optim", {})},
                    model=over.get("model", {}))
     got = _train_counting_casts(cfg, steps, monkeypatch)
     assert got["layers"] == 16 and got["casts"] == [16] * steps
     with monkeypatch.context() as m:
-        m.setattr(trainer_module, "fp8_weight_cache", lambda stages: contextlib.nullcontext())
+        m.setattr(trainer_module, "fp8_weight_cache", lambda stages, **kw: contextlib.nullcontext())
         ref = _train_counting_casts(cfg, steps, monkeypatch)
     per_use = 16 * 4 * (2 if over.get("model", {}).get("recompute") == "full" else 1)
     assert ref["casts"] == [per_use] * steps
@@ -228,9 +241,12 @@ def test_weights_cast_once_per_step_and_recast_after_every_optimizer_step(recipe
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"]
     else:
         assert_close(got["loss"], ref["loss"], rel=1e-3, what="loss")
-        assert got["loss"][0] == ref["loss"][0]  # the first step has no past amax: the same casts
-        for h in got["history"]:  # the weight's amax recorded once per step
-            assert (h[WEIGHT, :steps] > 0).all() and (h[WEIGHT, steps:] == 0).all()
+        assert got["loss"][0] == ref["loss"][0] and got["loss"][1:] != ref["loss"][1:]
+        (state,) = got["states"].values()
+        assert state.history.shape == (cfg.fp8_amax_history + 1, 3 * 16)
+        assert (state.history[:steps] > 0).all() and (state.history[steps:] == 0).all()
+        (ref_state,) = ref["states"].values()
+        assert ref_state.history is None  # no training step opened: nothing recorded
     bf16 = _train_counting_casts(tiny_config({"precision": "bf16", "optim": {"lr": 1.0e-2}}), steps, monkeypatch)
     assert got["loss"] != bf16["loss"]
     assert_close(got["loss"], bf16["loss"], rel=0.01, what="fp8 loss against bf16")
@@ -247,7 +263,7 @@ def _pp_cache_worker(rank, world, layouts):
         for parallel in layouts:
             cfg = _fp8_cfg(parallel=parallel, optim={"lr": 1.0e-2}, model={"recompute": "full"})
             runs = []
-            for scope in (real_scope, lambda stages: contextlib.nullcontext()):
+            for scope in (real_scope, lambda stages, **kw: contextlib.nullcontext()):
                 trainer_module.fp8_weight_cache = scope
                 casts.clear()
                 r = train_losses(cfg, 3)
@@ -277,11 +293,11 @@ def test_the_cast_compiles_to_the_eager_result():
     checks that it traces without a break and gives the eager bytes, layouts included."""
     compiled = torch.compile(fp8_module._cast_math, fullgraph=True, dynamic=True)
     g = torch.Generator().manual_seed(0)
-    for rows, pad, dtype, past, rowwise in [(40, 8, E4M3, torch.tensor(3.0), True),
-                                           (48, 0, fp8_module.E5M2, None, False)]:
+    for rows, pad, dtype, scale, rowwise in [(40, 8, E4M3, torch.tensor(150.0), True),
+                                            (48, 0, fp8_module.E5M2, None, False)]:
         x = torch.randn(rows, 64, generator=g).bfloat16()
-        for a, b in zip(fp8_module._cast_math(x, past, dtype, pad, rowwise, True),
-                        compiled(x, past, dtype, pad, rowwise, True)):
+        for a, b in zip(fp8_module._cast_math(x, scale, dtype, pad, rowwise, True),
+                        compiled(x, scale, dtype, pad, rowwise, True)):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a.float(), b.float())
@@ -296,7 +312,8 @@ def _tp_worker(rank, world, cases):
 @pytest.mark.slow
 def test_tp2_fp8_matches_tp1_fp8():
     """TP2 quantises each weight shard with its own amax (per-tensor scaling of the local
-    tensor), TP1 the full weight, so the two differ by FP8 rounding only: per-token losses
+    tensor; delayed scaling: each rank's own history), TP1 the full weight, so the two differ
+    by FP8 rounding only: per-token losses
     within 2 % (the loss of a 4-layer tiny model moves far less than its GEMM outputs) and
     every gradient within 2 × the backward bound (each is within one bound of the exact value).
     With sequence parallelism the column-parallel GEMMs see the all-gathered sequence."""
@@ -357,7 +374,7 @@ def test_fp8_linear_on_cuda_matches_cpu():
     for dev in ("cpu", "cuda"):
         # detached copies: leaves on each device (x itself becomes a leaf that requires grad on the CPU)
         xa, wa = x.detach().to(dev).requires_grad_(), w.detach().to(dev).requires_grad_()
-        y = fp8_linear(xa, wa, recipe)
+        y = fp8_linear(xa, wa, Fp8State(recipe, dev).new_layer())
         (y.float() * gy.to(dev)).sum().backward()
         outs.append([t.detach().float().cpu() for t in (y, xa.grad, wa.grad)])
     for a, b in zip(*outs):

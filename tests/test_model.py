@@ -238,7 +238,7 @@ def test_backend_description_and_errors():
                                       "seq_length": 16}, "fp8": "hybrid", "precision": "bf16"})
     b = resolve_backends(cfg)
     assert b.linear == "fp8-native" and b.fp8_layers == (0, 1)
-    assert "native fp8 (torch._scaled_mm) hybrid, delayed scaling" in b.describe()
+    assert "native fp8 (torch._scaled_mm, torch casts) hybrid, delayed scaling" in b.describe()  # CPU: torch casts
 
 
 # ----------------------------------------------------------------------------- dropout

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, ModelConfig
-from ..parallel.fp8 import Fp8Recipe, fp8_gemm_shape_ok
+from ..parallel.fp8 import Fp8Recipe, Fp8State, default_cast_kernels, fp8_gemm_shape_ok
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
 from ..parallel.wgrad import describe as describe_wgrad
@@ -94,6 +94,7 @@ class Backends:
     fp8: Optional[Fp8Recipe] = None
     fp8_layers: tuple[int, ...] = ()  # global layer ids whose block GEMMs run FP8
     fp8_gemms: tuple[str, ...] = ()  # which of GEMMS (per-rank shape rule)
+    fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "torch" (fp8._cast_math)
     num_layers: int = 0
     recompute: str = "none"
     recompute_layers: Optional[int] = None
@@ -106,13 +107,16 @@ class Backends:
     def layer_fp8(self, layer_id: int) -> bool:
         return self.fp8 is not None and layer_id in self.fp8_layers
 
-    def gemms(self, layer_id: int) -> dict[str, LinearGemm]:
-        """The GEMM of each linear layer of block ``layer_id``."""
+    def gemms(self, layer_id: int, fp8_state: Optional[Fp8State] = None) -> dict[str, LinearGemm]:
+        """The GEMM of each linear layer of block ``layer_id``; native FP8 GEMMs need the
+        model's ``fp8_state`` (``build_model`` makes one per model)."""
         if self.linear == "transformer_engine":
             return {g: LinearGemm("te") for g in GEMMS}
         torch_gemm = FUSED_TORCH_GEMM if self.fuse_wgrad else TORCH_GEMM
         if self.linear == "fp8-native" and self.layer_fp8(layer_id):
-            return {g: (LinearGemm("fp8", self.fp8) if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
+            if fp8_state is None or fp8_state.recipe != self.fp8:
+                raise ValueError(f"layer {layer_id}: native FP8 GEMMs need an Fp8State with the recipe {self.fp8}")
+            return {g: (LinearGemm("fp8", fp8_state) if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
         return {g: torch_gemm for g in GEMMS}
 
     def describe_wgrad(self) -> str:
@@ -134,7 +138,7 @@ class Backends:
         if self.fp8 is None:
             return "transformer_engine (bf16)" if self.linear == "transformer_engine" else "torch"
         how = ("transformer_engine fp8" if self.linear == "transformer_engine"
-               else "native fp8 (torch._scaled_mm)")
+               else f"native fp8 (torch._scaled_mm, {_CASTS[self.fp8_casts]})")
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
         gemms = ", ".join(self.fp8_gemms) if self.fp8_gemms else "none"
         out = f"{how} {self.fp8.describe()}: fp8 GEMMs [{gemms}] in layers {_ranges(self.fp8_layers)}"
@@ -158,6 +162,9 @@ class Backends:
         parts.append(self.describe_wgrad())
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
+
+
+_CASTS = {"triton": "Triton cast kernels", "torch": "torch casts"}
 
 
 def _ranges(ids) -> str:
@@ -340,6 +347,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     recipe = None
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
+    fp8_casts = ""
     if cfg.fp8 is not None:
         recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
@@ -347,6 +355,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         if linear == "fp8-native":
             fp8_gemms = tuple(g for g, (i, o) in _gemm_shapes(m, cfg.parallel.tensor).items()
                               if fp8_gemm_shape_ok(i, o))
+            fp8_casts = default_cast_kernels(device)
         else:
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
@@ -355,9 +364,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         prec = Precision(cfg.precision, device, cfg.optim.grad_dtype)  # raises for a combination it rejects
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
-                    fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, num_layers=m.num_layers, recompute=m.recompute,
-                    recompute_layers=m.recompute_layers, compile=cfg.train.compile, fuse_wgrad=fuse, wgrad=wgrad,
-                    tied=m.tie_embeddings, notes=tuple(notes))
+                    fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts, num_layers=m.num_layers,
+                    recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
+                    fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings, notes=tuple(notes))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:

@@ -14,20 +14,22 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ModelConfig
+from ..parallel.fp8 import Fp8State
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, dropout
 from ..parallel.te import TEContext, make_recipe
 from .backends import BackendError, Backends, compile_problem, resolve_backends
 from .embeddings import SourceEmbeddings
 from .layers import MLP, Norm, PositionState, SelfAttention
-from .recompute import BufferReplay, recompute
+from .recompute import recompute
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``."""
 
     def __init__(self, cfg: ModelConfig, pg, layer_id: int, *, seed: int, sequence_parallel: bool,
-                 positions: PositionState, backends: Backends, rng: Optional[RNGTracker], device, dtype) -> None:
+                 positions: PositionState, backends: Backends, rng: Optional[RNGTracker], device, dtype,
+                 fp8_state: Optional[Fp8State] = None) -> None:
         super().__init__()
         prefix = f"body.layers.{layer_id}"
         self.layer_id = layer_id
@@ -36,7 +38,7 @@ class TransformerBlock(nn.Module):
         self.rng = rng
         use_apex = backends.norm == "apex"
         self.fp8 = backends.layer_fp8(layer_id)
-        gemms = backends.gemms(layer_id)
+        gemms = backends.gemms(layer_id, fp8_state)
         self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name=f"{prefix}.input_norm",
                                seed=seed, sequence_parallel=sequence_parallel, use_apex=use_apex,
                                bias=cfg.norm_bias, device=device, dtype=dtype)
@@ -59,13 +61,10 @@ class TransformerBlock(nn.Module):
         return x + self._drop(self.mlp(self.mlp_norm(x)))
 
     def replay_states(self) -> list:
-        """What a recomputation of this block must replay: the dropout streams and the FP8
-        delayed-scaling amax histories of its linear layers."""
-        out: list = [self.rng] if self.rng is not None else []
-        hist = [b for n, b in self.named_buffers() if n.endswith("fp8_amax_history")]
-        if hist:
-            out.append(BufferReplay(hist))
-        return out
+        """What a recomputation of this block must replay: the dropout streams. (Native FP8
+        needs nothing: a step's scales are fixed when it opens, and a recomputed cast maxes the
+        same amax into the history again.)"""
+        return [self.rng] if self.rng is not None else []
 
 
 class TransformerBody(nn.Module):
@@ -75,7 +74,8 @@ class TransformerBody(nn.Module):
     ``seed`` seeds the init (with each parameter's name); ``rng`` provides dropout streams
     (required only when a dropout is > 0 in training mode). ``backends``: the kernels (default:
     ``resolve_backends(cfg)``); ``te``: the Transformer Engine context when the linear layers
-    run through TE. ``model.recompute: full`` recomputes the first ``model.recompute_layers``
+    run through TE; ``fp8_state``: the model's FP8 scaling state when the linear layers run
+    native FP8 (default: one of this body's own). ``model.recompute: full`` recomputes the first ``model.recompute_layers``
     blocks of this chunk in backward (see ``recompute.py``).
     """
 
@@ -83,7 +83,7 @@ class TransformerBody(nn.Module):
                  sequence_parallel: bool = False, rng: Optional[RNGTracker] = None,
                  backends: Optional[Backends] = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, te: Optional[TEContext] = None,
-                 compile_flex: bool = True) -> None:
+                 compile_flex: bool = True, fp8_state: Optional[Fp8State] = None) -> None:
         super().__init__()
         self.layer_ids = [int(i) for i in layer_ids]
         for i in self.layer_ids:
@@ -93,6 +93,8 @@ class TransformerBody(nn.Module):
         if backends.linear == "transformer_engine" and te is None:
             raise ValueError("TransformerBody: the transformer_engine backend needs a TEContext (build_model makes it)")
         self.te = te
+        if fp8_state is None and backends.linear == "fp8-native" and backends.fp8 is not None:
+            fp8_state = Fp8State(backends.fp8, device, kernels=backends.fp8_casts)
         sp = sequence_parallel and tp_world(pg) > 1
         self.tp_size = tp_world(pg)
         self.sequence_parallel = sp
@@ -102,7 +104,7 @@ class TransformerBody(nn.Module):
                                        flex="flex" in (backends.attention.kind, backends.attention.fallback))
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, pg, i, seed=seed, sequence_parallel=sp, positions=self.positions,
-                                     backends=backends, rng=rng, device=device, dtype=dtype)
+                                     backends=backends, rng=rng, device=device, dtype=dtype, fp8_state=fp8_state)
             for i in self.layer_ids})
         if final_norm:
             self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_eps, name="body.final_norm",
@@ -246,6 +248,9 @@ def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.devic
     if backends.linear == "transformer_engine":
         recipe = make_recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history) if cfg.fp8 else None
         te = TEContext(recipe, pg.tp_dp)
+    fp8_state = None  # one for the whole model: its delayed scales are updated by one batched op per step
+    if backends.linear == "fp8-native" and backends.fp8 is not None:
+        fp8_state = Fp8State(backends.fp8, device, kernels=backends.fp8_casts)
     rng = RNGTracker.for_groups(seed, pg, device)
     layouts = chunk_layout(cfg.model.num_layers, pg.pp_size, cfg.parallel.virtual_pipeline, pg.pp_rank)
     embs = build_source_embeddings(cfg, pg, vocab_size, seed, device, rng=rng, dtype=dtype)
@@ -253,7 +258,7 @@ def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.devic
     for (first, last), layer_ids, emb in zip(_chunk_roles(cfg, pg), layouts, embs):
         body = TransformerBody(cfg.model, pg, layer_ids, final_norm=last, seed=seed,
                                sequence_parallel=cfg.parallel.sequence_parallel, rng=rng, backends=backends,
-                               device=device, dtype=dtype, te=te)
+                               device=device, dtype=dtype, te=te, fp8_state=fp8_state)
         if cfg.train.compile:
             for block in body.layers.values():
                 block.compile()  # torchtitan's per-block compile; names and state dict unchanged

@@ -10,9 +10,8 @@ recomputed activations (and so the gradients) differ from the original ones:
   know these generators, so their states are captured when the forward starts, set again
   before the recomputation, and the live states (which the rest of the step has advanced
   since) are put back after it;
-* native FP8 delayed scaling updates each layer's amax history in the forward: the history
-  is captured and restored the same way (``BufferReplay``), so the recomputed forward uses
-  the scales of the original one and the history is not updated twice.
+* native FP8 needs no replay: a training step's scales are fixed when the step opens, and a
+  recomputed cast maxes the same amax into the step's history row again (``parallel/fp8.py``).
 
 The global CPU/CUDA generators are still preserved by ``torch.utils.checkpoint`` itself.
 Without autograd (evaluation) ``fn`` runs directly.
@@ -36,21 +35,6 @@ class Replayable(Protocol):
     def get_states(self) -> Any: ...
 
     def set_states(self, states: Any) -> None: ...
-
-
-class BufferReplay:
-    """Replays in-place-updated tensors (e.g. FP8 amax histories) of a recomputed region."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
-
-    def get_states(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.tensors]
-
-    def set_states(self, states: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for t, s in zip(self.tensors, states):
-                t.copy_(s)
 
 
 def _contexts(replay: Sequence[Replayable]):

@@ -1,8 +1,8 @@
 """Native FP8 GEMMs for the tensor-parallel linear layers (``backend: local`` + ``fp8``).
 
-``fp8_linear(x, weight, recipe, history, cache)`` computes ``x Wᵀ`` with ``torch._scaled_mm``
-on FP8 operands with one scaling factor per tensor (Transformer Engine's per-tensor recipes,
-written here without TE):
+``fp8_linear(x, weight, layer)`` computes ``x Wᵀ`` with ``torch._scaled_mm`` on FP8 operands
+with one scaling factor per tensor (Transformer Engine's per-tensor recipes, written here
+without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :class:`Fp8State`:
 
 * forward: the input and the weight are cast to e4m3 (``x·s_x``, ``W·s_w``, saturated to ±448)
   and multiplied with fp32 accumulation; the output is bf16 (``scale_a = 1/s_x``,
@@ -11,23 +11,33 @@ written here without TE):
   ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight of the forward (so the
   saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
   and ``weight``; the master weights are never touched (the optimizer keeps them).
-* weights are cast once per training step (:class:`Fp8WeightCache`, opened by the trainer
-  around the step's forwards and backwards): every micro-batch, recomputed forward and
-  input-gradient GEMM of the step reuses that cast, as Transformer Engine does with its
-  first-micro-batch flag. Outside a step every call casts afresh.
+* steps: the trainer opens one step of the model's FP8 state around a training step's
+  forwards and backwards (:func:`fp8_weight_cache`; ``train=False`` around an evaluation).
+  Weights are cast once per step (:class:`Fp8WeightCache`): every micro-batch, recomputed
+  forward and input-gradient GEMM of the step reuses that cast, as Transformer Engine does
+  with its first-micro-batch flag. Outside a step every call casts afresh.
 * scaling factors: ``s = FP8_MAX / amax``. ``current`` scaling takes the amax of the tensor
-  being cast (exact range, one extra reduction per cast); ``delayed`` scaling takes the
-  largest amax of the last ``fp8_amax_history`` casts of that operand in that layer (TE's
-  ``DelayedScaling`` with ``amax_compute_algo='max'``, margin 0) and records the current amax
-  afterwards; a layer's first cast (empty history) uses its current amax. A weight is cast
-  once per step, so its row of the history holds one amax per step. The history is a
-  non-persistent buffer of the layer (3 × N: input, weight, grad-output): it is per rank
-  (no amax reduction across ranks: every rank scales its own shards consistently), it is
-  not checkpointed (a resumed run refills it), and activation recomputation saves and
-  restores it so a recomputed forward casts exactly as the original one did.
-* every cast is one function (``_cast_math``: amax, scale, saturate, cast, optional zero
-  padding and transposed copy) that runs compiled (``torch.compile``, fused by inductor) on
-  CUDA and eagerly on CPU, with the same math.
+  being cast (exact range; the amax is reduced before the cast). ``delayed`` scaling is
+  Transformer Engine's ``DelayedScaling`` (``amax_compute_algo='max'``, margin 0) with one
+  history entry per training step: a step's scale of an operand (input, weight or output
+  gradient of a layer) is ``FP8_MAX / the largest amax of that operand in the previous
+  ``fp8_amax_history`` steps``, fixed for the whole step; each cast maxes its amax into the
+  step's entry (so an entry is the largest over the step's micro-batches). An operand's first
+  training step (no history yet) uses current scaling; non-finite amaxes (a step with inf/NaN
+  values) are left out of the window, and an operand with no positive amax left keeps its
+  previous scale. Evaluations and calls outside a training
+  step use current scaling and leave the history alone. Because the scales do not change
+  within a step, a recomputed forward casts exactly as the original one did (nothing to save
+  or restore). The bookkeeping lives in :class:`Fp8State`, one per model: the histories of
+  all layers are one buffer, every scale of a step is computed by one batched op when the step
+  opens, and the step's position in the history is a ring index kept on the host. The state
+  is per rank (no amax reduction across ranks: every rank scales its own shards
+  consistently) and not checkpointed (a resumed run refills it).
+* casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
+  writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
+  history), plus a reduction kernel before it under current scaling. The reference math
+  (``_cast_math``, the same bytes) runs eagerly on CPU and compiled on CUDA without Triton;
+  the run log names the path (``Triton cast kernels`` | ``torch casts``).
 
 ``torch._scaled_mm`` wants its first operand row-major and its second column-major, and every
 dimension a multiple of 16 (checked on every device, see ``_scaled_mm``). The feature
@@ -51,12 +61,14 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from . import fp8_kernels
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 _MIN_AMAX = 1e-12  # an all-zero tensor gets a finite scale (its FP8 copy is zero anyway)
 _ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
-INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of the amax history
+INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the amax history)
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class Fp8Recipe:
         return E5M2 if self.fmt == "hybrid" else E4M3
 
     def describe(self) -> str:
-        extra = f", amax history {self.amax_history}" if self.scaling == "delayed" else ""
+        extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
         return f"{self.fmt}, {self.scaling} scaling{extra}"
 
 
@@ -89,28 +101,28 @@ def fp8_gemm_shape_ok(in_features: int, out_features: int) -> bool:
     return in_features % _ALIGN == 0 and out_features % _ALIGN == 0
 
 
-def new_amax_history(recipe: Fp8Recipe, device: torch.device | str) -> Optional[torch.Tensor]:
-    """The per-layer buffer of delayed scaling (None for current scaling)."""
-    if recipe.scaling != "delayed":
-        return None
-    return torch.zeros(3, recipe.amax_history, dtype=torch.float32, device=device)
+def default_cast_kernels(device: torch.device | str) -> str:
+    """Which casts an :class:`Fp8State` on ``device`` runs by default: ``triton`` (the kernels of
+    ``fp8_kernels.py``) on CUDA when Triton imports, else ``torch`` (``_cast_math``)."""
+    return "triton" if torch.device(device).type == "cuda" and fp8_kernels.AVAILABLE else "torch"
 
 
-def _cast_math(t: torch.Tensor, past_amax: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
+def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
                rowwise: bool, colwise: bool):
-    """Amax, scale and cast of one 2-D operand: the math of every FP8 cast (compiled on CUDA).
+    """Scale and cast of one 2-D operand: the reference math of every FP8 cast (the ``torch``
+    casts: eager on CPU, compiled on CUDA; the Triton kernels give the same bytes).
 
-    The scale comes from ``past_amax`` when it is > 0 (delayed scaling), else from the tensor's
-    own amax. ``pad`` zero rows are appended (they change neither the amax nor a product).
-    Returns ``(q, q_t, 1/scale, current amax)``: ``q`` the row-major FP8 copy (when
-    ``rowwise``), ``q_t`` the FP8 copy of the transpose, row-major (when ``colwise``), which is
-    what the GEMMs that contract over the rows need. Compiled, this is a reduction and one
-    pointwise pass (read 2 bytes twice, write 1 byte per layout); eagerly it holds one fp32
-    temporary (the amax comes from ``vector_norm(∞)``, which allocates nothing)."""
+    ``scale``: a 0-d fp32 tensor (delayed scaling), or None: current scaling, ``FP8_MAX /
+    max(amax, 1e-12)`` from the tensor's own amax. ``pad`` zero rows are appended (they change
+    neither the amax nor a product). Returns ``(q, q_t, 1/scale, amax)``: ``q`` the row-major
+    FP8 copy (when ``rowwise``), ``q_t`` the FP8 copy of the transpose, row-major (when
+    ``colwise``), which is what the GEMMs that contract over the rows need, and the tensor's
+    amax. Eagerly it holds one fp32 temporary (the amax comes from ``vector_norm(∞)``, which
+    allocates nothing)."""
     fmax = FP8_MAX[dtype]
     current = torch.linalg.vector_norm(t, float("inf")).float()
-    amax = current if past_amax is None else torch.where(past_amax > 0, past_amax, current)
-    scale = fmax / amax.clamp(min=_MIN_AMAX)
+    if scale is None:
+        scale = fmax / current.clamp(min=_MIN_AMAX)
     rows = t.shape[0]
     scaled = t.new_empty((rows + pad, t.shape[1]), dtype=torch.float32)
     scaled[:rows].copy_(t)
@@ -124,32 +136,138 @@ def _cast_math(t: torch.Tensor, past_amax: Optional[torch.Tensor], dtype: torch.
 @functools.cache
 def _compiled_cast():
     """``_cast_math`` compiled once per process (fused by inductor; dynamic shapes, so the
-    layers' different sizes share one graph per (dtype, layouts) combination)."""
+    layers' different sizes share one graph per (dtype, layouts, scaling) combination)."""
     return torch.compile(_cast_math, fullgraph=True, dynamic=True)
 
 
-def _cast(t, past_amax, dtype, pad=0, rowwise=True, colwise=False):
+def _cast(t, scale, dtype, pad=0, rowwise=True, colwise=False):
     fn = _compiled_cast() if t.device.type == "cuda" else _cast_math
-    return fn(t, past_amax, dtype, pad, rowwise, colwise)
-
-
-def _past_amax(history: Optional[torch.Tensor], row: int) -> Optional[torch.Tensor]:
-    """Delayed scaling: the largest amax in this operand's history (0 when empty)."""
-    return None if history is None else history[row].amax()
-
-
-def _record(history: Optional[torch.Tensor], row: int, current: torch.Tensor) -> None:
-    """Delayed scaling: push this cast's amax into the history (newest first)."""
-    if history is not None:
-        history[row] = torch.roll(history[row], 1)
-        history[row, 0] = current
+    return fn(t, scale, dtype, pad, rowwise, colwise)
 
 
 def quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` scaled so that ``amax`` (> 0) maps to the format's largest value, saturated, cast
     to ``dtype``; returns ``(fp8 tensor, 1/scale)`` (the factor that dequantises it)."""
-    q, _, inv, _ = _cast(t.reshape(-1, t.shape[-1]), amax, dtype)
+    scale = FP8_MAX[dtype] / amax.float().clamp(min=_MIN_AMAX)
+    q, _, inv, _ = _cast(t.reshape(-1, t.shape[-1]), scale, dtype)
     return q.reshape(t.shape), inv
+
+
+class Fp8State:
+    """The FP8 scaling state of one model: all FP8 linear layers of this rank (``build_model``
+    makes one and hands it to every layer; a layer holds an :class:`Fp8Layer` of it).
+
+    Delayed scaling keeps one amax history for the whole model: ``history`` ``[N + 1, 3 L]``
+    (N = ``amax_history``, L layers, columns ``3·layer + operand``), a ring of one row per
+    training step. :meth:`begin_step` (training) moves to the next row, zeroes it and computes
+    the scales of every layer and operand at once: ``scale = FP8_MAX / max of the other N rows``
+    (the previous N steps; non-finite amaxes, from a step with inf/NaN values, are left out, and
+    a column with no positive amax left keeps its last scale, as in Transformer Engine). During the step every cast of an operand uses that fixed scale and
+    maxes its amax into the current row, so the row ends up holding the step's largest amax
+    over all its micro-batches (and recomputations, which see the same tensors). An operand's
+    casts in its first training step (nothing recorded yet; tracked on the host) use current
+    scaling and record their amax too.
+
+    Outside a training step (no step open, or an evaluation opened with ``train=False``)
+    every cast uses current scaling and records nothing, so evaluations and direct calls leave
+    the history alone. ``current`` scaling never records. The state is per rank and not
+    checkpointed (a resumed run starts with an empty history).
+
+    ``kernels``: ``triton`` (one kernel per cast, ``fp8_kernels.py``) | ``torch``
+    (``_cast_math``) | ``auto`` (:func:`default_cast_kernels`)."""
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto") -> None:
+        self.recipe = recipe
+        self.device = torch.device(device)
+        kernels = default_cast_kernels(self.device) if kernels == "auto" else kernels
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"FP8 cast kernels {kernels!r} are not one of auto | triton | torch")
+        if kernels == "triton" and not fp8_kernels.AVAILABLE:
+            raise ValueError("FP8 cast kernels 'triton' need Triton, which is not installed")
+        if kernels == "triton" and self.device.type != "cuda" and not fp8_kernels.interpreted():
+            raise ValueError(f"FP8 cast kernels 'triton' on {self.device.type} need Triton's interpreter "
+                             f"(TRITON_INTERPRET=1)")
+        self.kernels = kernels
+        self.layers: list[Fp8Layer] = []
+        self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
+        self.history: Optional[torch.Tensor] = None  # [N + 1, 3 L], allocated by the first training step
+        self.scale: Optional[torch.Tensor] = None  # [3 L] this step's scales (delayed scaling)
+        self.inv: Optional[torch.Tensor] = None  # [3 L] their reciprocals (the GEMMs' dequantisation)
+        self.pos = 0  # the history row of the current step
+        self._fmax: Optional[torch.Tensor] = None
+        self._inv_views: list[torch.Tensor] = []
+        self._ready: set[int] = set()  # columns with an amax recorded before the current step
+        self._recorded: set[int] = set()  # columns recorded in the current step
+
+    def new_layer(self) -> "Fp8Layer":
+        if self.history is not None:
+            raise RuntimeError("Fp8State: layers are added before the first training step")
+        layer = Fp8Layer(self, len(self.layers))
+        self.layers.append(layer)
+        return layer
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe.scaling == "delayed"
+
+    def begin_step(self, train: bool = True) -> None:
+        """Open a step: the weight caches (each weight cast once until :meth:`end_step`) and,
+        for a training step under delayed scaling, the next history row and the step's scales."""
+        if self.mode is not None:
+            raise RuntimeError("Fp8State: a step is already open (fp8_weight_cache does not nest)")
+        for layer in self.layers:
+            layer.cache.open()
+        self.mode = "train" if train else "eval"
+        if train and self.delayed and self.layers:
+            self._advance()
+
+    def end_step(self) -> None:
+        for layer in self.layers:
+            layer.cache.close()
+        self.mode = None
+
+    @torch.no_grad()
+    def _advance(self) -> None:
+        cols = 3 * len(self.layers)
+        if self.history is None:
+            self.history = torch.zeros(self.recipe.amax_history + 1, cols, dtype=torch.float32, device=self.device)
+            self.scale = torch.ones(cols, dtype=torch.float32, device=self.device)
+            self.inv = torch.ones(cols, dtype=torch.float32, device=self.device)
+            fmax = (FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype])
+            self._fmax = torch.tensor(fmax * len(self.layers), dtype=torch.float32, device=self.device)
+            self._inv_views = list(self.inv.unbind(0))
+            self.pos = 0
+            return
+        self._ready |= self._recorded
+        self._recorded = set()
+        self.pos = (self.pos + 1) % self.history.shape[0]
+        self.history[self.pos].zero_()
+        h = self.history
+        amax = torch.where(torch.isfinite(h), h, 0.0).amax(dim=0)  # a step with inf/NaN is left out
+        self.scale.copy_(torch.where(amax > 0, self._fmax / amax, self.scale))
+        torch.reciprocal(self.scale, out=self.inv)
+
+    def cast(self, t: torch.Tensor, layer: int, operand: int, dtype: torch.dtype, pad: int = 0,
+             rowwise: bool = True, colwise: bool = False):
+        """One FP8 cast of ``layer``'s ``operand`` (INPUT | WEIGHT | GRAD): ``(q, q_t, 1/scale)``
+        (see ``_cast_math``). Delayed scaling inside a training step: the step's scale, the amax
+        maxed into the history; otherwise current scaling. Triton: one launch (two for current
+        scaling)."""
+        col = 3 * layer + operand
+        record = self.mode == "train" and self.delayed
+        delayed = record and col in self._ready
+        if record:
+            self._recorded.add(col)
+        if self.kernels == "triton":
+            q, q_t, inv = fp8_kernels.cast_fp8(
+                t, dtype, pad, rowwise, colwise, scale=self.scale if delayed else None, scale_index=col,
+                amax_out=self.history if record else None, amax_index=self.pos * self.history.shape[1] + col
+                if record else 0)
+        else:
+            q, q_t, inv, current = _cast(t, self.scale[col] if delayed else None, dtype, pad, rowwise, colwise)
+            if record:
+                torch.maximum(self.history[self.pos, col], current, out=self.history[self.pos, col])
+        return q, q_t, (self._inv_views[col] if delayed else inv)
 
 
 @dataclass(frozen=True)
@@ -162,11 +280,10 @@ class WeightFp8:
     inv: torch.Tensor
 
 
-def quantize_weight(weight: torch.Tensor, history: Optional[torch.Tensor], transposed: bool) -> WeightFp8:
-    """One cast of a weight to e4m3, in both layouts when ``transposed`` (one fused pass)."""
+def quantize_weight(weight: torch.Tensor, layer: "Fp8Layer", transposed: bool) -> WeightFp8:
+    """One cast of a weight to e4m3, in both layouts when ``transposed`` (one pass)."""
     with torch.no_grad():
-        q, q_t, inv, current = _cast(weight.detach(), _past_amax(history, WEIGHT), E4M3, colwise=transposed)
-        _record(history, WEIGHT, current)
+        q, q_t, inv = layer.state.cast(weight.detach(), layer.index, WEIGHT, E4M3, colwise=transposed)
     return WeightFp8(q, q_t, inv)
 
 
@@ -191,14 +308,12 @@ class Fp8WeightCache:
         self._key: Optional[tuple[int, int]] = None
 
     def open(self) -> None:
-        if self.is_open:
-            raise RuntimeError("Fp8WeightCache: a step is already open (fp8_weight_cache does not nest)")
         self.is_open, self._entry, self._key = True, None, None
 
     def close(self) -> None:
         self.is_open, self._entry, self._key = False, None, None
 
-    def operands(self, weight: torch.Tensor, history: Optional[torch.Tensor], transposed: bool) -> WeightFp8:
+    def operands(self, weight: torch.Tensor, layer: "Fp8Layer", transposed: bool) -> WeightFp8:
         key = (weight._version, weight.data_ptr())
         if self._entry is not None:
             if key != self._key:
@@ -207,27 +322,47 @@ class Fp8WeightCache:
             if transposed and self._entry.q_t is None:  # first needed after a forward-only use
                 self._entry = dataclasses.replace(self._entry, q_t=self._entry.q.t().contiguous())
             return self._entry
-        ops = quantize_weight(weight, history, transposed)
+        ops = quantize_weight(weight, layer, transposed)
         if self.is_open:
             self._entry, self._key = ops, key
         return ops
 
 
+class Fp8Layer:
+    """One FP8 linear layer's handle: its columns in the state's history (``index``) and its
+    weight cache."""
+
+    def __init__(self, state: Fp8State, index: int) -> None:
+        self.state = state
+        self.index = index
+        self.cache = Fp8WeightCache()
+
+
+def _states(modules: Iterable[torch.nn.Module]) -> list[Fp8State]:
+    out: dict[int, Fp8State] = {}
+    for mod in modules:
+        for m in mod.modules():
+            layer = getattr(m, "fp8_layer", None)
+            if isinstance(layer, Fp8Layer):
+                out.setdefault(id(layer.state), layer.state)
+    return list(out.values())
+
+
 @contextlib.contextmanager
-def fp8_weight_cache(modules: Iterable[torch.nn.Module]) -> Iterator[int]:
-    """Open the FP8 weight caches of ``modules`` (and their submodules) for one training step;
-    they are emptied when the block exits. Yields the number of caches opened."""
-    caches = [c for mod in modules for m in mod.modules()
-              if isinstance(c := getattr(m, "fp8_cache", None), Fp8WeightCache)]
-    opened: list[Fp8WeightCache] = []
+def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> Iterator[int]:
+    """One step of the FP8 layers of ``modules``: opens their states (:meth:`Fp8State.begin_step`:
+    the weight caches and, for a training step, the step's delayed scales) and closes them when
+    the block exits. ``train=False`` for an evaluation (current scaling, nothing recorded).
+    Yields the number of FP8 layers opened."""
+    opened: list[Fp8State] = []
     try:
-        for c in caches:
-            c.open()
-            opened.append(c)
-        yield len(caches)
+        for state in _states(modules):
+            state.begin_step(train)
+            opened.append(state)
+        yield sum(len(s.layers) for s in opened)
     finally:
-        for c in opened:
-            c.close()
+        for state in opened:
+            state.end_step()
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -258,52 +393,44 @@ class _Fp8Linear(torch.autograd.Function):
     one, the same bytes) and the gradient's cast writes its transposed copy too."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
-                history: Optional[torch.Tensor], cache: Optional[Fp8WeightCache], grad: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, grad: bool) -> torch.Tensor:
         out_features, in_features = weight.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, in_features)
         rows = x2.shape[0]
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xq, xq_t, x_inv, current = _cast(x2, _past_amax(history, INPUT), E4M3, (-rows) % _ALIGN,
-                                             colwise=need_dw)
-            _record(history, INPUT, current)
-            w = (cache.operands(weight, history, need_dx) if cache is not None
-                 else quantize_weight(weight, history, need_dx))
+            xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, (-rows) % _ALIGN, colwise=need_dw)
+            w = layer.cache.operands(weight, layer, need_dx)
             y = _scaled_mm(xq, w.q.t(), x_inv, w.inv)
         ctx.save_for_backward(xq_t, x_inv, w.q_t, w.inv)
-        ctx.meta = (recipe, history, rows, x.dtype, weight.dtype)
+        ctx.meta = (layer, rows, x.dtype, weight.dtype)
         return y[:rows].reshape(*lead, out_features)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        recipe, history, rows, x_dtype, w_dtype = ctx.meta
+        layer, rows, x_dtype, w_dtype = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         out_features = grad_out.shape[-1]
         g2 = grad_out.reshape(-1, out_features)
         grad_x = grad_w = None
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            gq, gq_t, g_inv, current = _cast(g2, _past_amax(history, GRAD), recipe.grad_dtype, (-rows) % _ALIGN,
-                                             rowwise=need_dx, colwise=need_dw)
-            _record(history, GRAD, current)
+            gq, gq_t, g_inv = layer.state.cast(g2, layer.index, GRAD, layer.state.recipe.grad_dtype,
+                                               (-rows) % _ALIGN, rowwise=need_dx, colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
                 grad_x = _scaled_mm(gq, wq_t.t(), g_inv, w_inv)[:rows]
                 grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
             if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
                 grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None
 
 
 @torch.compiler.disable
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe,
-               history: Optional[torch.Tensor] = None, cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.Tensor:
     """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
-    ``cache``: the layer's :class:`Fp8WeightCache` (the weight is cast once per step while a
-    step is open). Runs eagerly inside a compiled block (``train.compile``): the autograd
-    function and the cache are Python state; the casts in it are compiled on their own."""
-    if recipe.scaling == "delayed" and history is None:
-        raise ValueError("delayed FP8 scaling needs the layer's amax history (new_amax_history)")
+    ``layer``: the layer's :class:`Fp8Layer` (its scaling state and weight cache). Runs
+    eagerly inside a compiled block (``train.compile``): the autograd function and the
+    bookkeeping are Python state; the casts in it are kernels of their own."""
     # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
-    return _Fp8Linear.apply(x, weight, recipe, history, cache, torch.is_grad_enabled())
+    return _Fp8Linear.apply(x, weight, layer, torch.is_grad_enabled())

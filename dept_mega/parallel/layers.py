@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
-from .fp8 import Fp8Recipe, Fp8WeightCache, fp8_gemm_shape_ok, fp8_linear, new_amax_history
+from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear
 from .random import init_full_then_shard
 from .te import TELinearHolder
 from .wgrad import linear as _linear_fn
@@ -90,21 +90,25 @@ def copy_parallel_attributes(src: nn.Module, dst: nn.Module) -> None:
 @dataclass(frozen=True)
 class LinearGemm:
     """How a parallel linear layer multiplies: ``torch`` (F.linear in the weights' dtype),
-    ``fp8`` (native FP8 GEMMs with ``recipe``), ``te`` (Transformer Engine ``Linear``; FP8 when
-    the caller is inside TE's FP8 autocast, see ``te.py``). ``fuse_wgrad`` (``torch`` only):
-    the weight gradient accumulates straight into the gradient buffer (``wgrad.py``,
-    ``optim.grad_accum_fusion``)."""
+    ``fp8`` (native FP8 GEMMs scaled by the model's ``fp8_state``, whose recipe they follow),
+    ``te`` (Transformer Engine ``Linear``; FP8 when the caller is inside TE's FP8 autocast, see
+    ``te.py``). ``fuse_wgrad`` (``torch`` only): the weight gradient accumulates straight into
+    the gradient buffer (``wgrad.py``, ``optim.grad_accum_fusion``)."""
     kind: str = "torch"
-    recipe: Optional[Fp8Recipe] = None
+    fp8_state: Optional[Fp8State] = None
     fuse_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fp8", "te"):
             raise ValueError(f"unknown GEMM kind {self.kind!r}")
-        if self.kind == "fp8" and self.recipe is None:
-            raise ValueError("an fp8 GEMM needs a recipe")
+        if self.kind == "fp8" and self.fp8_state is None:
+            raise ValueError("an fp8 GEMM needs the model's Fp8State")
         if self.fuse_wgrad and self.kind != "torch":
             raise ValueError(f"gradient-accumulation fusion is for torch GEMMs, not {self.kind!r}")
+
+    @property
+    def recipe(self) -> Optional[Fp8Recipe]:
+        return self.fp8_state.recipe if self.fp8_state is not None else None
 
 
 TORCH_GEMM = LinearGemm()
@@ -120,16 +124,15 @@ class _GemmMixin:
             if not fp8_gemm_shape_ok(in_local, out_local):
                 raise ValueError(f"{name}: FP8 GEMMs need the per-rank weight sizes ({out_local} × {in_local}) "
                                  f"to be multiples of 16")
-            self.register_buffer("fp8_amax_history", new_amax_history(self.gemm.recipe, device), persistent=False)
-            self.fp8_cache: Optional[Fp8WeightCache] = Fp8WeightCache()  # opened per step by the trainer
+            # its columns in the model's scaling state and its weight cache (opened per step by the trainer)
+            self.fp8_layer: Optional[Fp8Layer] = self.gemm.fp8_state.new_layer()
         else:
-            self.fp8_amax_history = None
-            self.fp8_cache = None
+            self.fp8_layer = None
         self._te = TELinearHolder() if self.gemm.kind == "te" else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
-            return fp8_linear(x, self.weight, self.gemm.recipe, self.fp8_amax_history, self.fp8_cache)
+            return fp8_linear(x, self.weight, self.fp8_layer)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)
         return _linear_fn(x, self.weight, None, self.gemm.fuse_wgrad)

@@ -1,0 +1,151 @@
+"""Triton kernels of the native FP8 casts (``fp8.py``): one kernel per cast.
+
+:func:`cast_fp8` reads a 2-D bf16/fp32 tensor once and writes its FP8 copy row-major and/or
+transposed (``q_t``, row-major ``[cols, rows + pad]``, the tile transposed on chip), zero rows
+appended for ``pad``. It computes the same bytes as the reference math (``fp8._cast_math``):
+
+* ``y = x·scale`` in fp32, saturated to ±FP8_MAX (NaN stays NaN), rounded to the nearest FP8
+  value (ties to even) in fp32 arithmetic and then converted, which is exact. Rounding first
+  makes the bytes independent of the backend's conversion instruction (Triton's interpreter
+  rounds differently from the GPU; both convert an exactly representable value exactly).
+* delayed scaling (``scale`` given: a slot of a tensor, scale known before the cast): one
+  kernel; every program max-reduces ``|x|`` of its tile and, when ``amax_out`` is given,
+  atomically maxes it into that fp32 slot (so the tensor's amax is a by-product).
+* current scaling (``scale`` None): a reduction kernel writes at most ``_PARTS`` partial maxima,
+  then the cast kernel reduces them in every program and computes ``scale = FP8_MAX / max(amax,
+  1e-12)`` as PyTorch does (``FP8_MAX · (1/amax)``, IEEE reciprocal) and ``1/scale`` (returned
+  for the GEMM). Two launches.
+
+Triton is optional: this module imports without it (``AVAILABLE`` False) and ``fp8.py`` then
+uses the reference math (compiled by inductor on CUDA). On CPU tensors the kernels run only
+under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported), which the
+tests use to compare them with the reference bit for bit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU test environment need not have Triton
+    triton = None
+    tl = None
+
+AVAILABLE = triton is not None
+_MIN_AMAX = 1e-12  # as fp8._MIN_AMAX
+_PARTS = 256  # most partial maxima of the current-scaling reduction (one per program)
+_AMAX_BLOCK = 4096
+_TILE = 64
+# (FP8 max, mantissa bits, smallest normal exponent, Triton dtype name) of each format
+_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if AVAILABLE:
+    @triton.jit
+    def _nanmax(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax_parts_kernel(x_ptr, parts_ptr, n, nprog, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        tl.store(parts_ptr + pid, tl.reduce(acc, 0, _nanmax))
+
+    # the slot indices change with every layer: no specialisation (and recompilation) on them
+    @triton.jit(do_not_specialize=["nparts", "scale_index", "amax_index"])
+    def _cast_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, inv_ptr, parts_ptr, amax_ptr,
+                     rows, cols, out_rows, nparts, scale_index, amax_index,
+                     FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MIN_AMAX: tl.constexpr,
+                     CURRENT: tl.constexpr, RECORD: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        first = (pid_m == 0) & (pid_n == 0)
+        if CURRENT:
+            p = tl.arange(0, PARTS)
+            amax = tl.reduce(tl.load(parts_ptr + p, mask=p < nparts, other=0.0), 0, _nanmax)
+            # FP8_MAX / amax as PyTorch computes a number over a tensor: FP8_MAX · (1/amax)
+            scale = tl.math.div_rn(1.0, tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL)) * FMAX
+            if first:
+                tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+                if RECORD:
+                    tl.atomic_max(amax_ptr + amax_index, amax)
+        else:
+            scale = tl.load(scale_ptr + scale_index)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < cols),
+                    other=0.0).to(tl.float32)
+        if RECORD and not CURRENT:
+            tl.atomic_max(amax_ptr + amax_index, tl.reduce(tl.reduce(tl.abs(x), 1, _nanmax), 0, _nanmax))
+        y = x * scale
+        y = tl.minimum(tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        # round to the FP8 grid (nearest, ties to even): y + 1.5·2^(23+k) rounds y to a
+        # multiple of 2^k in fp32, k = max(exponent(y), EMIN) - MBITS; subtracting is exact
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+        magic = (((e - MBITS + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        rounded = (y + magic) - magic
+        # keep the sign of y (a negative value that rounds to zero is -0, as the reference gives)
+        y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+        out = (r[:, None] < out_rows) & (c[None, :] < cols)
+        if ROWWISE:
+            tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
+        if COLWISE:
+            tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
+                     mask=tl.trans(out))
+
+
+def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,
+             scale: Optional[torch.Tensor] = None, scale_index: int = 0,
+             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0
+             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Cast the 2-D ``t`` to ``dtype`` (see the module docstring). ``scale``: an fp32 tensor
+    whose element ``scale_index`` is the scale (delayed scaling), or None (current scaling);
+    ``amax_out``: an fp32 tensor whose element ``amax_index`` is maxed with ``t``'s amax.
+    Returns ``(q, q_t, inv)``: ``q`` ``[rows + pad, cols]`` when ``rowwise``, ``q_t``
+    ``[cols, rows + pad]`` when ``colwise``, ``inv`` the 0-d ``1/scale`` under current scaling
+    (None when ``scale`` is given: the caller has it)."""
+    if not AVAILABLE:
+        raise RuntimeError("cast_fp8 needs Triton (not installed)")
+    if t.dim() != 2 or t.numel() + pad * t.shape[1] >= 2 ** 31:
+        raise ValueError(f"cast_fp8 takes a 2-D tensor under 2^31 elements, got {tuple(t.shape)}")
+    if t.device.type == "cpu" and not interpreted():
+        raise RuntimeError("cast_fp8 on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    fmax, mbits, emin = _FORMATS[dtype]
+    t = t.contiguous()
+    rows, cols = t.shape
+    out_rows = rows + pad
+    q = t.new_empty((out_rows, cols), dtype=dtype) if rowwise else None
+    q_t = t.new_empty((cols, out_rows), dtype=dtype) if colwise else None
+    current = scale is None
+    dummy = t.new_empty((), dtype=torch.float32) if current or amax_out is None else None
+    inv = t.new_empty((), dtype=torch.float32) if current else None
+    parts, nparts = dummy, 0
+    if current:
+        n = t.numel()
+        nparts = max(1, min(_PARTS, triton.cdiv(n, _AMAX_BLOCK)))
+        parts = t.new_empty((nparts,), dtype=torch.float32)
+        _amax_parts_kernel[(nparts,)](t, parts, n, nparts, BLOCK=_AMAX_BLOCK)
+    grid = (triton.cdiv(out_rows, _TILE), triton.cdiv(cols, _TILE))
+    _cast_kernel[grid](t, q if rowwise else q_t, q_t if colwise else q, dummy if current else scale,
+                       inv if current else dummy, parts, dummy if amax_out is None else amax_out,
+                       rows, cols, out_rows, nparts, scale_index, amax_index,
+                       FMAX=fmax, MBITS=mbits, EMIN=emin, MIN_AMAX=_MIN_AMAX, CURRENT=current,
+                       RECORD=amax_out is not None, ROWWISE=rowwise, COLWISE=colwise, PARTS=_PARTS,
+                       BLOCK_M=_TILE, BLOCK_N=_TILE)
+    return q, q_t, inv
