@@ -92,6 +92,7 @@ class Backends:
     recompute: str = "none"
     recompute_layers: Optional[int] = None
     compile: bool = False
+    cross_entropy: str = "eager"  # "compiled" on CUDA (parallel/cross_entropy.py), else "eager"
     notes: tuple[str, ...] = field(default=())
 
     def layer_fp8(self, layer_id: int) -> bool:
@@ -130,6 +131,7 @@ class Backends:
             parts.append("recompute=selective (attention core)")
         if self.compile:
             parts.append("compile=per-block torch.compile")
+        parts.append(f"cross_entropy={self.cross_entropy}")
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
 
@@ -325,7 +327,8 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             fp8_gemms = GEMMS  # TE checks shapes itself
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, num_layers=m.num_layers, recompute=m.recompute,
-                    recompute_layers=m.recompute_layers, compile=cfg.train.compile, notes=tuple(notes))
+                    recompute_layers=m.recompute_layers, compile=cfg.train.compile,
+                    cross_entropy="compiled" if cuda else "eager", notes=tuple(notes))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
