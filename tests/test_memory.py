@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dept_mega.dept.memory import MEMORY_KEYS, activation_bytes, ce_transient_bytes, held_bytes, predict_memory
+from dept_mega.dept.memory import (CE_TOKEN_BYTES, MEMORY_KEYS, activation_bytes, ce_transient_bytes, held_bytes,
+                                   predict_memory)
 from tests.dept_utils import SyntheticSource, allowed_ids, run_dept, source_infos, tiny_config
 from tests.mp_utils import run_distributed
 
@@ -120,8 +121,9 @@ def test_activation_formula_by_recompute_mode():
     none, sel, full = act(), act(model={"recompute": "selective"}), act(model={"recompute": "full"})
     assert full < sel < none
     s, b, h, L, a = 32, 2, 64, 4, 2
-    # full: each layer's input + embedding output + final norm input + fp32 logits' softmax
-    assert full == L * s * b * h * a + 2 * s * b * h * a + s * b * 128 * 4
+    # full: each layer's input + embedding output + final norm input + the logits (saved by the
+    # cross entropy, in the activation dtype) + its per-token statistics
+    assert full == L * s * b * h * a + 2 * s * b * h * a + s * b * 128 * a + CE_TOKEN_BYTES * s * b
     assert act(model={"recompute": "full", "recompute_layers": 2}) == full + 2 * (none - full) // L
     tp = act(parallel={"tensor": 2})
     sp = act(parallel={"tensor": 2, "sequence_parallel": True})
@@ -129,9 +131,10 @@ def test_activation_formula_by_recompute_mode():
     assert act(model={"attention_backend": "bias"}) > none
 
 
-def _allocated_peak(fn) -> int:
-    """Peak bytes allocated on the CPU while ``fn`` runs, beyond what was allocated before (the
-    profiler's allocator events, summed in time order)."""
+def _allocated_peak(fn) -> tuple[int, int]:
+    """Peak bytes allocated on the CPU while ``fn`` runs, beyond what was allocated before, and
+    the bytes still allocated when it returns (the profiler's allocator events, summed in time
+    order)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -142,41 +145,50 @@ def _allocated_peak(fn) -> int:
     for e in events:
         cur += e.nbytes()
         peak = max(peak, cur)
-    return peak
+    return peak, cur
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_cross_entropy_peak_is_the_modelled_transient(precision):
-    """The vocab-parallel cross entropy's forward holds the logits and ONE vocabulary-sized fp32
-    buffer (the saved softmax, counted in the activations) at its peak: measured allocations
-    equal the model's softmax + ``ce_transient`` (a second fp32 copy would add 4 bytes per
-    logit, far over the slack of the small per-token vectors)."""
+def test_cross_entropy_buffers_are_the_modelled_ones(precision):
+    """The cross entropy on the CPU (its eager math), as the model's loss calls it (padded
+    columns masked by ``vocab_size``, gradient written into the logits): its forward and its
+    backward each allocate one fp32 copy of the unpadded columns at their peak
+    (``ce_transient_bytes(eager=True)``; compiled on CUDA there is none) and keep only per-token
+    vectors (``CE_TOKEN_BYTES``, in ``activation_bytes`` beside the logits themselves); the
+    gradient is the logits' own storage. A second fp32 copy, or a new gradient buffer, would
+    exceed the slack of a few bytes per token."""
     from dept_mega.config import config_from_dict
+    from dept_mega.dept.memory import CE_TOKEN_BYTES
     from dept_mega.parallel.cross_entropy import vocab_parallel_cross_entropy
     from dept_mega.parallel.groups import build_groups
 
     cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
                                       "ffn_hidden_size": 64, "seq_length": 64, "vocab_size": 1000},
                             "train": {"micro_batch_size": 2, "global_batch_size": 2}, "precision": precision})
-    s, b, v_pad = 64, 2, 1024
+    s, b, v, v_pad = 64, 2, 1000, 1024
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    labels = torch.randint(0, 1000, (b, s))
-    logits = torch.randn(b, s, v_pad, dtype=dtype)
-    logits[..., 1000:] = float("-inf")  # padded vocabulary rows
-    logits.requires_grad_()
+    labels = torch.randint(0, v, (s, b))
+    base = torch.randn(s, b, v_pad, dtype=dtype, requires_grad=True)
+    logits = base * 1  # a non-leaf, as the head's output
     pg = build_groups()
     held = {}
 
     def forward():
-        held["loss"] = vocab_parallel_cross_entropy(logits, labels, pg)
+        held["loss"] = vocab_parallel_cross_entropy(logits, labels, pg, vocab_size=v, consume_logits=True)
 
-    measured = logits.numel() * logits.element_size() + _allocated_peak(forward)
-    softmax = s * b * v_pad * 4  # the last stage's share of activation_bytes
-    predicted = softmax + ce_transient_bytes(cfg, 1000, 0)
-    assert predicted == s * b * v_pad * (4 + dtype.itemsize)
-    assert 0 <= measured - predicted <= 64 * s * b, (measured, predicted)
-    held["loss"].sum().backward()  # the saved buffer still serves the backward
-    assert logits.grad is not None and torch.isfinite(logits.grad[..., :1000]).all()
+    def backward():
+        (held["grad"],) = torch.autograd.grad(held["loss"].sum(), logits)
+
+    predicted = ce_transient_bytes(cfg, v, 0, eager=True)
+    assert predicted == s * b * v * 4 and ce_transient_bytes(cfg, v, 0) == 0
+    slack = 64 * s * b  # per-token vectors (labels, masks, statistics, the loss)
+    fwd_peak, fwd_kept = _allocated_peak(forward)
+    assert 0 <= fwd_peak - predicted <= slack, (fwd_peak, predicted)
+    assert CE_TOKEN_BYTES * s * b <= fwd_kept <= slack, fwd_kept  # nothing vocabulary-sized kept
+    bwd_peak, _ = _allocated_peak(backward)
+    assert 0 <= bwd_peak - predicted <= slack, (bwd_peak, predicted)
+    assert held["grad"].data_ptr() == logits.data_ptr()  # the gradient is written into the logits
+    assert torch.isfinite(held["grad"]).all() and not held["grad"][..., v:].any()
 
 
 @pytest.mark.gpu

@@ -27,10 +27,11 @@
   optimizer state (nesterov: one value per element; adam: two and an int64 step per row);
 * ``activations_per_microbatch``: what one micro-batch leaves saved for backward on the rank
   (:func:`activation_bytes`);
-* ``ce_transient``: on the rank with the output layer, the logits of one micro-batch in the
-  activation dtype (``sb·V_pad/T·a``), alive for a moment beside their fp32 softmax (counted in
-  the activations) while the cross entropy's forward copies them to fp32 (and again while its
-  backward casts the fp32 gradient back); 0 on other ranks (:func:`ce_transient_bytes`);
+* ``ce_transient``: what the cross entropy allocates beyond the tensors it saves (which the
+  activations count): 0 on a CUDA device, where its math is compiled into passes that reduce
+  the logits in their own dtype and write the gradient into them in place
+  (parallel/cross_entropy.py); :func:`ce_transient_bytes` with ``eager=True`` gives the CPU
+  (eager) path's one fp32 temporary of the logits' unpadded columns;
 * ``total``: the sum of the above with the activations of the micro-batches in flight at the
   pipeline schedule's peak (``in_flight_microbatches``).
 
@@ -59,8 +60,10 @@ Transformer Models", counted for this model's layers). Per transformer layer:
 ``recompute: selective`` drops the core's saved tensors (softmax statistics / scores, the
 attention output) and keeps the rest; ``full`` keeps only each recomputed layer's input
 (``sbh·a``, /T with SP) for ``recompute_layers`` layers of each chunk (all when unset). The
-stage with the output layer adds the logits' fp32 softmax of its vocabulary shard
-(``sb·V_pad/T·4``) and the final norm's input; the first stage the embedding output
+stage with the output layer adds the logits of its vocabulary shard in the activation dtype
+(``sb·V_pad/T·a``, which the cross entropy saves and overwrites with their gradient), the cross
+entropy's per-token statistics (``21·sb`` bytes: fp32 max, target and sum of exponentials, the
+label's int64 column and a flag) and the final norm's input; the first stage the embedding output
 (``sbh·a``). Pipeline schedule: stage p of 1F1B holds ``min(P − p, m)`` micro-batches in flight,
 the interleaved schedule ``min(2(P − p − 1) + (V − 1)P + 1, m·V)`` chunk-micro-batches of 1/V of
 its layers each (m micro-batches per step and rank).
@@ -199,8 +202,13 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
         if first:
             total += rep * a
         if last:
-            total += rep * a + _logits_elems(cfg, vocab) * 4
+            total += rep * a + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
     return total
+
+
+# Saved by the cross entropy per token: the fp32 max, the fp32 [target, Σexp] pair, the label's
+# int64 column and a bool flag (parallel/cross_entropy.py)
+CE_TOKEN_BYTES = 4 + 8 + 8 + 1
 
 
 def _logits_elems(cfg: Config, vocab: int) -> int:
@@ -209,14 +217,17 @@ def _logits_elems(cfg: Config, vocab: int) -> int:
                                                                 // cfg.parallel.tensor)
 
 
-def ce_transient_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
-    """The cross entropy's peak beyond the saved activations on a rank of stage ``pp_rank``: the
-    logits in the activation dtype beside the one fp32 buffer (parallel/cross_entropy.py) that
-    the activations count as the saved softmax; 0 without the output layer."""
-    if pp_rank != cfg.parallel.pipeline - 1:
+def ce_transient_bytes(cfg: Config, vocab: int, pp_rank: int, eager: bool = False) -> int:
+    """The cross entropy's peak beyond the tensors it saves (counted in the activations) on a
+    rank of stage ``pp_rank``. Compiled (CUDA): 0 — its passes read the logits in their own
+    dtype and write the gradient into them. ``eager`` (CPU): one fp32 copy of the rank's
+    unpadded columns, made in the forward (for the sum of exponentials) and again in the
+    backward (for the gradient), freed before each returns. 0 without the output layer."""
+    if pp_rank != cfg.parallel.pipeline - 1 or not eager:
         return 0
-    a = PARAM_BYTES[cfg.precision] if cfg.precision != "fp32" else 4
-    return _logits_elems(cfg, vocab) * a
+    T = cfg.parallel.tensor
+    columns = min(_padded(vocab, T) // T, vocab)  # the first rank's unpadded columns: the most
+    return cfg.train.micro_batch_size * cfg.model.seq_length * columns * 4
 
 
 def in_flight_microbatches(cfg: Config, pp_rank: int = 0) -> float:

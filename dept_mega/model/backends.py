@@ -102,6 +102,7 @@ class Backends:
     fuse_wgrad: bool = False  # optim.grad_accum_fusion: torch GEMMs accumulate dW into main_grad
     wgrad: str = ""  # how (parallel/wgrad.py PATHS), for the log
     tied: bool = False  # model.tie_embeddings (the head shares the input embedding)
+    cross_entropy: str = "eager"  # "compiled" on CUDA (parallel/cross_entropy.py), else "eager"
     notes: tuple[str, ...] = field(default=())
 
     def layer_fp8(self, layer_id: int) -> bool:
@@ -160,6 +161,7 @@ class Backends:
         if self.compile:
             parts.append("compile=per-block torch.compile")
         parts.append(self.describe_wgrad())
+        parts.append(f"cross_entropy={self.cross_entropy}")
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
 
@@ -366,7 +368,8 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
-                    fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings, notes=tuple(notes))
+                    fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
+                    cross_entropy="compiled" if cuda else "eager", notes=tuple(notes))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:

@@ -132,19 +132,23 @@ class SourceEmbeddings(UsesGroups, nn.Module):
         return dropout(e, self.cfg.hidden_dropout, self.training, self.rng, tensor_parallel=self.sequence_parallel)
 
     # -- output side -------------------------------------------------------------------------
-    def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [s(/T), b, h]`` → this rank's vocabulary columns ``[s, b, V_pad/T]``;
-        padded columns are ``-inf``."""
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [s(/T), b, h]`` → the output layer's ``[s, b, V_pad/T]`` (padded columns
+        not masked)."""
         if not self.has_output:
             raise RuntimeError("these embeddings have no output head (not the last pipeline chunk)")
         if self.output_layer is not None:
-            logits = self.output_layer(hidden)
+            return self.output_layer(hidden)
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.pg, tensor_parallel_output_grad=True)
         else:
-            if self.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(hidden, self.pg, tensor_parallel_output_grad=True)
-            else:
-                hidden = copy_to_tp_region(hidden, self.pg)
-            logits = linear(hidden, self.word_embeddings.weight, None, self.fuse_tied_head)
+            hidden = copy_to_tp_region(hidden, self.pg)
+        return linear(hidden, self.word_embeddings.weight, None, self.fuse_tied_head)
+
+    def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [s(/T), b, h]`` → this rank's vocabulary columns ``[s, b, V_pad/T]``;
+        padded columns are ``-inf``."""
+        logits = self._head(hidden)
         if self.vocab_size != self.padded_vocab_size:
             logits = logits.masked_fill(self.padding_mask, float("-inf"))
         return logits
@@ -154,9 +158,12 @@ class SourceEmbeddings(UsesGroups, nn.Module):
         return self.logits_shard(hidden).transpose(0, 1)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token fp32 losses ``[b, s]`` for ``labels [b, s]``."""
-        logits = self.logits_shard(hidden)
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg).t()
+        """Per-token fp32 losses ``[b, s]`` for ``labels [b, s]``. The cross entropy treats the
+        padded columns as ``-inf`` itself (no masked copy of the logits) and writes its gradient
+        into the head's output, which nothing else holds (parallel/cross_entropy.py)."""
+        logits = self._head(hidden)
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.pg, vocab_size=self.vocab_size,
+                                            consume_logits=True).t()
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """Parameters whose gradients the trainer all-reduces over ``pg.embedding``: the tied
