@@ -24,12 +24,14 @@
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback while the
 #              extension builds; test files in parallel with pytest-xdist when available)     70
 #   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py 60
-#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  10
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
+#   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
-#   memory     tools/dept_costs.py --memory vs the bf16 run's peak -> memory.json                12
+#   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
+#              -> memory.json                                                                   16
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  10
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
@@ -58,7 +60,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests ops bf16 fp8 vocab250k memory megatron compile fp8_compile)
+STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile fp8_compile)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -95,7 +97,7 @@ if [ "$DRY" = 1 ]; then
   MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
   MEGATRON_SET=(model.position_embedding=learned)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
-  declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [fp8]=12 [vocab250k]=8 [memory]=6
+  declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [fp8_compile]=8)
   CAP=8
 else
@@ -106,7 +108,8 @@ else
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
   # seconds measured on the first H100 run (2026-11-26), rounded up
-  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [fp8]=55 [vocab250k]=45 [memory]=12
+  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
+                     [memory]=16
                      [megatron]=60 [compile]=60 [fp8_compile]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
@@ -249,6 +252,7 @@ EOF
 }
 
 stage_bf16() { bench bf16 --profile; }
+stage_nofusion() { bench bf16_nofusion optim.grad_accum_fusion=false; }
 stage_fp8() { bench fp8 --profile fp8=hybrid backend=local; }
 stage_vocab250k() { bench std_vocab250k dept.variant=std model.vocab_size=$BIG_VOCAB; }
 compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=true
@@ -261,15 +265,29 @@ compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=tru
 stage_compile() { compiled_bench bf16_compile --profile; }
 stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
 
-stage_memory() {
+stage_memory() {  # the memory model against the bf16 run's peak, and the 250,112-token head's when it ran
   local rec="$WORK/bench_bf16.json"
   [ -f "$rec" ] || { log "no bf16 benchmark record: the memory stage needs the bf16 stage"; return 1; }
+  memory_compare "$rec" spec_opt "$VOCAB" "$OUT/memory.json" || return 1
+  local big="$WORK/bench_std_vocab250k.json"
+  [ -f "$big" ] || { log "no vocab250k benchmark record: its memory comparison is left out"; return 0; }
+  memory_compare "$big" std "$BIG_VOCAB" "$WORK/memory_250k.json" dept.variant=std model.vocab_size=$BIG_VOCAB \
+    || return 1
+  "$PY" - "$OUT/memory.json" "$WORK/memory_250k.json" <<'EOF'
+import json, sys
+main, big = (json.load(open(p)) for p in sys.argv[1:])
+main["comparison"]["trainer, STD 250,112-token head"] = big["comparison"]["trainer"]
+json.dump(main, open(sys.argv[1], "w"), indent=1)
+EOF
+}
+memory_compare() {  # BENCH_RECORD VARIANT VOCAB OUT [OVERRIDES...]
+  local rec=$1 variant=$2 vocab=$3 out=$4; shift 4
   # the config's tokenizer files do not exist here: the vocabulary sizes are given
-  log "\$ tools/dept_costs.py --config $CFG ${SHAPE[*]} --global-vocab $VOCAB --source-vocab $VOCAB --memory --json"
-  timeout -k 5 "$LIMIT" "$PY" tools/dept_costs.py --config "$CFG" "${SHAPE[@]}" --global-vocab "$VOCAB" \
-    --source-vocab "$VOCAB" --memory --json >"$WORK/costs.json" 2>>"$LOG" || { log "dept_costs.py failed"; return 1; }
-  run "$PY" benchmarks/memory_vs_model.py --bench "$rec" --costs "$WORK/costs.json" --variant spec_opt \
-    --out "$OUT/memory.json"
+  log "\$ tools/dept_costs.py --config $CFG ${SHAPE[*]} $* --global-vocab $vocab --source-vocab $vocab --memory --json"
+  timeout -k 5 "$LIMIT" "$PY" tools/dept_costs.py --config "$CFG" "${SHAPE[@]}" "$@" --global-vocab "$vocab" \
+    --source-vocab "$vocab" --memory --json >"$WORK/costs_$variant.json" 2>>"$LOG" || { log "dept_costs.py failed"; return 1; }
+  run "$PY" benchmarks/memory_vs_model.py --bench "$rec" --costs "$WORK/costs_$variant.json" --variant "$variant" \
+    --out "$out"
 }
 
 stage_megatron() {

@@ -101,6 +101,9 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     if bf is not None and "fp8" in ok and bf.get("tokens_per_s"):
         ratio = ok["fp8"]["tokens_per_s"] / bf["tokens_per_s"]
         lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
+    if bf is not None and "bf16_nofusion" in ok and ok["bf16_nofusion"].get("tokens_per_s"):
+        lines.append(f"- optim.grad_accum_fusion: {bf['tokens_per_s'] / ok['bf16_nofusion']['tokens_per_s']:.3f}x the "
+                     "tokens/s of the same run without it (bf16_nofusion)")
     if bf is not None and "bf16_compile" in ok and bf.get("tokens_per_s"):
         lines.append(f"- train.compile: {ok['bf16_compile']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s")
     if "fp8_compile" in ok and "bf16_compile" in ok and ok["bf16_compile"].get("tokens_per_s"):

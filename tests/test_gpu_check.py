@@ -17,7 +17,8 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "ops", "bf16", "fp8", "vocab250k", "memory", "megatron", "compile", "fp8_compile")
+STAGES = ("env", "tests", "ops_tests", "bf16", "nofusion", "fp8", "vocab250k", "memory", "ops", "megatron", "compile",
+          "fp8_compile")
 
 
 def _run(out, *args, timeout=420):
@@ -40,9 +41,10 @@ def test_dry_run_writes_every_figure(tmp_path):
         want = "ok" if stage != "megatron" or megatron else "failed rc=1"
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "std_vocab250k", "bf16_compile", "fp8_compile"]
+    assert [r["name"] for r in rows] == ["bf16", "bf16_nofusion", "fp8", "std_vocab250k", "bf16_compile", "fp8_compile"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
-    assert rows[2]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
+    assert rows[3]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
+    assert "grad_accum_fusion=off" in rows[1]["backends"] and "grad_accum_fusion=on" in rows[0]["backends"]
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
     assert "# kernels: bf16_compile" in kernels
@@ -50,6 +52,9 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "--global-vocab 1000 --source-vocab 1000 --memory" in log
     mem = json.loads((tmp_path / "memory.json").read_text())
     assert mem["variant"] == "spec_opt" and mem["comparison"]["trainer"]["predicted_gb"] > 0
+    big = mem["comparison"]["trainer, STD 250,112-token head"]
+    assert big["predicted_gb"] > 0 and big["measured_gb"] == rows[3]["peak_mem_gb"]
+    assert "optim.grad_accum_fusion: " in summary and "STD 250,112-token head: predicted" in summary
     assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
     assert "passed" in summary or "skipped in" in summary  # the pytest results reached the summary
     if megatron:
