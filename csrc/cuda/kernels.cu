@@ -12,14 +12,9 @@
 //   data: a long run (a frequent token) is reduced in parallel, and the result is fixed by
 //   the ids alone, bit-identical from run to run and equal to the CPU kernel's.
 // remap: elementwise lookup, grid-stride, kRemapItems independent ids per thread in flight.
-// Invalid ids, gather and remap (one launch per call): the kernel lowers the caller's
-//   DmCallScratch.bad (atomicMin) to the first invalid position; each block then counts itself
-//   done (threadfence + atomicAdd on DmCallScratch.blocks, the threadFenceReduction pattern),
-//   and the thread that counts the last block writes the device's error record (when the call
-//   found an invalid id and the record is empty) and resets the scratch for the stream's next
-//   call (finish_call).
-// Invalid ids, scatters: a per-call flag lowered by prepare_kernel, read on the device by the
-//   writing kernels (which write nothing on error), and a one-thread record_kernel.
+// Invalid ids: gather and remap in their one launch (finish_call: the last block to finish
+//   writes the error record and resets the per-stream scratch); the scatters with a per-call
+//   flag that the writing kernels read (nothing written on error) and a one-thread record_kernel.
 #include "kernels.h"
 
 #include <cuda_bf16.h>
@@ -73,10 +68,8 @@ __device__ __forceinline__ void store_float(T* p, const float (&f)[VEC]) {
 }
 
 // Writes the error record of an invalid id at position p of a call of op `op` unless the
-// record already holds an error (kept until check_errors clears it): the code is claimed with
-// atomicCAS, so two writers (two streams' calls) never mix their fields; the host reads the
-// record only after the stream that wrote it finished (check_errors: a copy on its stream).
-// Not inlined: a cold path at the end of the gather / remap kernels.
+// record holds an error (kept until check_errors clears it). The code is claimed with
+// atomicCAS, so two writers (two streams' calls) never mix their fields. Not inlined: cold.
 template <typename Idx, typename Lut>
 __device__ __noinline__ void write_record(int64_t p, int op, const Idx* __restrict__ ids,
                                           int64_t bound, const Lut* __restrict__ lookup,
@@ -102,17 +95,14 @@ __device__ __noinline__ void write_record(int64_t p, int op, const Idx* __restri
 }
 
 // Invalid ids of a gather / remap call (one launch). A thread that meets one lowers either
-// scratch->bad itself, followed by a __threadfence() (gather), or its block's lowest position
-// `block_bad` in shared memory (remap: no global atomic per invalid id), which begin_call sets
-// to kNoBad before a barrier. Register counts decided the split (ptxas -v, sm_90): a
-// per-thread minimum carried through the loop cost the gather 8 to 14 registers and shared
-// atomics in its loop up to 8 (same-type copies 48 -> 56), while the remap kernel needs 30-32
-// with them.
-// finish_call ends the kernel, called once by every thread of every block (it has a barrier:
-// no thread may return before it): thread 0 lowers scratch->bad to *block_bad (when given),
-// counts the block as done, and the thread 0 that counts the grid's last block reads the
-// call's lowest invalid position, writes the record if there is one, and resets the scratch
-// (bad = kNoBad, blocks = 0), so the stream's next call starts clean without a fill launch.
+// scratch->bad itself, then __threadfence() (gather), or its block's lowest position
+// `block_bad` in shared memory (remap), which begin_call sets to kNoBad before a barrier: the
+// split that costs fewest registers (ptxas -v, sm_90; a per-thread minimum carried through the
+// loop cost the gather 8 to 14). finish_call ends the kernel, called by every thread of every
+// block (it has a barrier: no thread may return before it): thread 0 lowers scratch->bad to
+// *block_bad (when given) and counts the block as done (threadFenceReduction pattern); the
+// thread 0 that counts the grid's last block reads the call's lowest invalid position, writes
+// the record if there is one, and resets the scratch to {kNoBad, 0} for the stream's next call.
 __device__ __forceinline__ void begin_call(unsigned long long& block_bad) {
   if (threadIdx.x == 0) block_bad = kNoBad;
   __syncthreads();
@@ -141,9 +131,8 @@ __device__ __forceinline__ void finish_call(const unsigned long long* block_bad,
   }
 }
 
-// Launch bounds: the occupancy of the measured three-launch build (ptxas -v, sm_90): a copy
-// needs up to 48 registers (5 blocks of 256 per SM), a conversion fits in 32 (8 blocks), which
-// the end-of-call code (finish_call) would otherwise push to 34-37 (6 blocks). No spills.
+// Launch bounds: the occupancy of the three-launch build (ptxas -v, sm_90): a copy <= 48
+// registers (5 blocks of 256 per SM), a conversion <= 32 (8 blocks; 34-37 without the bound).
 template <typename Tin, typename Tout, typename Idx, int VEC>
 __global__ void __launch_bounds__(kBlock, std::is_same<Tin, Tout>::value ? 5 : 8)
     gather_kernel(const Tin* __restrict__ table, int64_t rows, int64_t dim,
@@ -180,9 +169,8 @@ __global__ void __launch_bounds__(kBlock, std::is_same<Tin, Tout>::value ? 5 : 8
 }
 
 // Each thread takes kRemapItems ids a block width apart per step (coalesced), loading all of
-// them before the dependent lookups, so several loads are in flight per thread. The launch
-// bound keeps it at <= 32 registers (8 blocks of 256 per SM: full occupancy on sm_90; it
-// needs 30-32 without the bound, 56 when it kept its lowest invalid position in a register).
+// them before the dependent lookups, so several loads are in flight per thread. <= 32
+// registers (it needs 30-32): 8 blocks of 256 per SM, full occupancy on sm_90.
 template <typename Idx, typename Lut>
 __global__ void __launch_bounds__(kBlock, 8)
     remap_kernel(const Idx* __restrict__ ids, int64_t n, const Lut* __restrict__ lookup,
