@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,10 @@ def _nvcc():
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (no CUDA toolkit): the .cu sources "
                                             "cannot be compile-checked on this machine")
 def test_cuda_sources_compile_for_sm90():
-    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90")
+    # PYTHON: the torch whose headers check ops_cuda.cpp (the script's default, .venv/bin/python
+    # else python3, has none in a worktree without its own .venv).
+    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90",
+               PYTHON=os.environ.get("PYTHON", sys.executable))
     res = subprocess.run(["bash", str(ROOT / "tools" / "check_cuda_compile.sh")], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"CUDA compile check failed:\n{res.stdout}\n{res.stderr}"

@@ -2,7 +2,8 @@
 kernels): the parallel deterministic scatter on the benchmark's id distributions (equal to
 the CPU kernel bit for bit, close to index_add_, the same bits run to run, not slower than
 index_add_), and no host synchronisation inside the ops or ``fork_device_rng``, invalid ids
-being reported at the next ``check_errors``."""
+being reported at the next ``check_errors`` (the first failing call's lowest invalid position,
+over many blocks, calls in a row and two streams)."""
 from __future__ import annotations
 
 import pytest
@@ -122,6 +123,162 @@ def test_cuda_ops_do_not_synchronise_and_report_invalid_ids_at_the_check():
     ops.check_errors(dev)  # cleared by the check that raised
     ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]], device=dev), lookup)
     with pytest.raises(ValueError, match=r"remap_ids: global id 3 \(first at flat position 3\)"):
+        ops.check_errors(dev)
+
+
+def _id_tensor(values, dtype, dev):
+    return torch.tensor(values, dtype=dtype, device=dev)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_cuda_remap_and_gather_record_the_first_failing_call(id_dtype):
+    """gather_rows / remap_ids report invalid ids in one kernel launch: a per-stream scratch
+    that the kernel's last block turns into the device's error record and resets
+    (csrc/cuda/kernels.cu, finish_call). Calls in a row on one stream: the first failing call
+    is recorded, valid calls record nothing, before or after a failing one."""
+    _need_cuda_kernels()
+    dev = torch.device("cuda")
+    lookup = torch.tensor([0, -1, 1, -1, 2], device=dev)
+    table = torch.randn(5, 8, device=dev)
+
+    def ids(*v):
+        return _id_tensor(v, id_dtype, dev)
+    ops.check_errors(dev)  # clears anything earlier
+    ops.remap_ids(ids(0, 2, 3, 1), lookup)  # the first call fails
+    with pytest.raises(ValueError, match=r"^remap_ids: global id 3 \(first at flat position 2\) "
+                                         r"is not in this source's vocabulary "
+                                         r"\(lookup\[3\] = -1\)"):
+        ops.check_errors(dev)
+    ops.check_errors(dev)  # cleared by the check that raised
+    ops.remap_ids(ids(0, 7, 1, 3), lookup)  # two failing calls (and a failing gather)
+    ops.remap_ids(ids(1, 0), lookup)
+    ops.gather_rows(table, ids(9))
+    with pytest.raises(IndexError, match=r"^remap_ids: global id 7 at flat position 1 is out of "
+                                         r"range for a lookup of 5 entries"):
+        ops.check_errors(dev)
+    ops.gather_rows(table, ids(0, 6, 2, -1))  # a failing call, then valid ones
+    out = ops.remap_ids(ids(4, 2, 0), lookup)
+    rows = ops.gather_rows(table, ids(4, 0))
+    with pytest.raises(IndexError, match=r"^gather_rows: ids\[1\] = 6 is out of range for a "
+                                         r"table of 5 rows"):
+        ops.check_errors(dev)
+    assert out.dtype == id_dtype and out.tolist() == [2, 1, 0]
+    assert torch.equal(rows, table[[4, 0]])
+    # The failing calls left the stream's scratch reset: valid calls record nothing now (a stale
+    # position would be recorded here) and the next failing call records its own position.
+    ops.remap_ids(ids(0, 2, 4, 0, 2), lookup)
+    ops.gather_rows(table, ids(1, 2, 3, 4, 0, 1))
+    ops.check_errors(dev)
+    ops.gather_rows(table, ids(1, 2, 3, 4, 5))
+    with pytest.raises(IndexError, match=r"^gather_rows: ids\[4\] = 5 is out of range"):
+        ops.check_errors(dev)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_cuda_remap_and_gather_record_the_lowest_invalid_position_over_many_blocks(id_dtype):
+    """Invalid ids in several blocks of one launch (thousands of blocks, a partial last one):
+    the record names the lowest position, whichever block finishes last; calls of different
+    grid sizes follow each other on one stream; the valid entries are remapped / gathered."""
+    _need_cuda_kernels()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    vocab, missing = 50_000, 777
+    lookup = torch.randperm(vocab, generator=g)
+    lookup[missing] = -1
+    lookup = lookup.to(dev)
+    n = 3_000_017  # about 2,930 blocks of 4 x 256 ids
+    valid = torch.randint(0, vocab, (n,), generator=g)
+    valid[valid == missing] = 0
+    ops.check_errors(dev)
+    cases = [  # (position: bad id); the lowest position is the expected record
+        ({2_999_999: missing, 1_500_003: vocab + 5, 640_123: missing}, 640_123),
+        ({n - 1: -3}, n - 1),  # only in the last, partial block
+        ({2_000_000: vocab, 1_024: missing, 1_023: missing, 3: -1}, 3),
+        ({2_999_000: missing, 1_111_111: vocab}, 1_111_111),
+    ]
+    for bad, lowest in cases:
+        ids = valid.clone()
+        for pos, gid in bad.items():
+            ids[pos] = gid
+        ids_dev = ids.to(id_dtype).to(dev)
+        out = ops.remap_ids(ids_dev, lookup)
+        small = ops.remap_ids(ids_dev[:5000].clone(), lookup)  # one more call, a smaller grid
+        gid = bad[lowest]
+        if 0 <= gid < vocab:
+            expect = (ValueError, rf"^remap_ids: global id {gid} \(first at flat position "
+                                  rf"{lowest}\) is not in this source's vocabulary")
+        else:
+            expect = (IndexError, rf"^remap_ids: global id {gid} at flat position {lowest} is "
+                                  rf"out of range for a lookup of {vocab} entries")
+        with pytest.raises(expect[0], match=expect[1]):
+            ops.check_errors(dev)
+        ok = torch.ones(n, dtype=torch.bool)
+        ok[list(bad)] = False
+        ref = lookup.cpu()[valid]
+        assert torch.equal(out.cpu()[ok].long(), ref[ok])
+        assert torch.equal(small.cpu()[ok[:5000]].long(), ref[:5000][ok[:5000]])
+    assert torch.equal(ops.remap_ids(valid.to(id_dtype).to(dev), lookup).cpu().long(),
+                       lookup.cpu()[valid])
+    ops.check_errors(dev)  # a valid call of the same size records nothing
+
+    rows, dim, m = 1000, 8, 300_001  # gather: 2 threads per row, about 2,350 blocks
+    table = torch.randn(rows, dim, device=dev)
+    gids = torch.randint(0, rows, (m,), generator=g)
+    for bad, lowest in [({290_000: rows, 150_001: -1, 77_777: rows + 9}, 77_777),
+                        ({m - 1: rows}, m - 1)]:
+        ids = gids.clone()
+        for pos, gid in bad.items():
+            ids[pos] = gid
+        got = ops.gather_rows(table, ids.to(id_dtype).to(dev))
+        with pytest.raises(IndexError, match=rf"^gather_rows: ids\[{lowest}\] = {bad[lowest]} "
+                                             rf"is out of range for a table of {rows} rows"):
+            ops.check_errors(dev)
+        ok = torch.ones(m, dtype=torch.bool)
+        ok[list(bad)] = False
+        assert torch.equal(got.cpu()[ok], table.cpu()[gids][ok])
+    ops.gather_rows(table, gids.to(id_dtype).to(dev))
+    ops.check_errors(dev)
+
+
+def test_cuda_remap_on_two_streams_keeps_their_calls_apart():
+    """Each stream has its own scratch (a shared one would mix the block counts of concurrent
+    launches): failing calls on one stream interleaved with large valid calls on another record
+    the failing stream's position, and both streams' later calls are reported correctly."""
+    _need_cuda_kernels()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(4)
+    vocab = 50_000
+    lookup = torch.randperm(vocab, generator=g).to(dev)
+    lookup[11] = -1
+    big = torch.randint(12, vocab, (4_000_000,), generator=g).to(dev)
+    small_bad = torch.randint(12, vocab, (70_000,), generator=g)
+    small_bad[[66_000, 5_000]] = 11
+    small_bad = small_bad.to(dev)
+    side = torch.cuda.Stream()
+    ops.check_errors(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(30):
+        with torch.cuda.stream(side):
+            outs.append(ops.remap_ids(big, lookup))
+        ops.remap_ids(small_bad, lookup)  # on the current stream, while the side stream runs
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"global id 11 \(first at flat position 5000\)"):
+        ops.check_errors(dev)
+    ref = lookup[big]
+    assert all(torch.equal(o, ref) for o in outs)
+    with torch.cuda.stream(side):
+        ops.remap_ids(big, lookup)
+    ops.remap_ids(small_bad[:5000], lookup)
+    torch.cuda.synchronize()
+    ops.check_errors(dev)  # both streams' scratches were left reset
+    big_bad = big.clone()
+    big_bad[3_210_000] = vocab
+    with torch.cuda.stream(side):
+        ops.remap_ids(big_bad, lookup)
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=r"global id 50000 at flat position 3210000 is out of "
+                                         r"range"):
         ops.check_errors(dev)
 
 

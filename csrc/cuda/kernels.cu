@@ -11,7 +11,10 @@
 //   row's start value and the chunk sums in chunk order. All sums in fp32, no atomics on
 //   data: a long run (a frequent token) is reduced in parallel, and the result is fixed by
 //   the ids alone, bit-identical from run to run and equal to the CPU kernel's.
-// remap: elementwise lookup, grid-stride.
+// remap: elementwise lookup, grid-stride, kRemapItems independent ids per thread in flight.
+// Invalid ids: gather and remap in their one launch (finish_call: the last block to finish
+//   writes the error record and resets the per-stream scratch); the scatters with a per-call
+//   flag that the writing kernels read (nothing written on error) and a one-thread record_kernel.
 #include "kernels.h"
 
 #include <cuda_bf16.h>
@@ -25,6 +28,8 @@ namespace {
 
 constexpr int kBlock = 256;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+constexpr int kRemapItems = 4;  // ids per thread and loop step of remap_kernel
+constexpr unsigned long long kNoBad = DM_NO_BAD;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -62,10 +67,77 @@ __device__ __forceinline__ void store_float(T* p, const float (&f)[VEC]) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = x;
 }
 
+// Writes the error record of an invalid id at position p of a call of op `op` unless the
+// record holds an error (kept until check_errors clears it). The code is claimed with
+// atomicCAS, so two writers (two streams' calls) never mix their fields. Not inlined: cold.
+template <typename Idx, typename Lut>
+__device__ __noinline__ void write_record(int64_t p, int op, const Idx* __restrict__ ids,
+                                          int64_t bound, const Lut* __restrict__ lookup,
+                                          int64_t* __restrict__ record) {
+  const int64_t id = static_cast<int64_t>(ids[p]);
+  int code = op;
+  int64_t value = 0;
+  if (op == DM_ERR_REMAP_MISSING) {
+    if (id < 0 || id >= bound) {
+      code = DM_ERR_REMAP_RANGE;
+    } else {
+      value = static_cast<int64_t>(lookup[id]);
+    }
+  }
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(record), 0ull,
+                static_cast<unsigned long long>(code)) != 0ull) {
+    return;  // an earlier error is kept
+  }
+  record[1] = p;
+  record[2] = id;
+  record[3] = bound;
+  record[4] = value;
+}
+
+// Invalid ids of a gather / remap call (one launch). A thread that meets one lowers either
+// scratch->bad itself, then __threadfence() (gather), or its block's lowest position
+// `block_bad` in shared memory (remap), which begin_call sets to kNoBad before a barrier: the
+// split that costs fewest registers (ptxas -v, sm_90; a per-thread minimum carried through the
+// loop cost the gather 8 to 14). finish_call ends the kernel, called by every thread of every
+// block (it has a barrier: no thread may return before it): thread 0 lowers scratch->bad to
+// *block_bad (when given) and counts the block as done (threadFenceReduction pattern); the
+// thread 0 that counts the grid's last block reads the call's lowest invalid position, writes
+// the record if there is one, and resets the scratch to {kNoBad, 0} for the stream's next call.
+__device__ __forceinline__ void begin_call(unsigned long long& block_bad) {
+  if (threadIdx.x == 0) block_bad = kNoBad;
+  __syncthreads();
+}
+
+template <typename Idx, typename Lut>
+__device__ __forceinline__ void finish_call(const unsigned long long* block_bad,
+                                            DmCallScratch* scratch, int64_t n, int op,
+                                            const Idx* __restrict__ ids, int64_t bound,
+                                            const Lut* __restrict__ lookup,
+                                            int64_t* __restrict__ record) {
+  __syncthreads();  // the block's atomicMin (shared, or global and fenced) are all done
+  if (threadIdx.x != 0) return;
+  if (block_bad != nullptr && *block_bad != kNoBad) atomicMin(&scratch->bad, *block_bad);
+  // Release: the block's invalid positions are visible device-wide before it counts as done.
+  __threadfence();
+  const unsigned long long done = atomicAdd(&scratch->blocks, 1ull);
+  if (done != static_cast<unsigned long long>(gridDim.x) - 1) return;
+  // The last block. Acquire: every block lowered scratch->bad before its count, so the
+  // exchange reads the call's lowest invalid position.
+  __threadfence();
+  const unsigned long long b = atomicExch(&scratch->bad, kNoBad);
+  atomicExch(&scratch->blocks, 0ull);
+  if (b < static_cast<unsigned long long>(n)) {
+    write_record<Idx, Lut>(static_cast<int64_t>(b), op, ids, bound, lookup, record);
+  }
+}
+
+// Launch bounds: the occupancy of the three-launch build (ptxas -v, sm_90): a copy <= 48
+// registers (5 blocks of 256 per SM), a conversion <= 32 (8 blocks; 34-37 without the bound).
 template <typename Tin, typename Tout, typename Idx, int VEC>
-__global__ void gather_kernel(const Tin* __restrict__ table, int64_t rows, int64_t dim,
-                              const Idx* __restrict__ ids, int64_t n, Tout* __restrict__ out,
-                              unsigned long long* bad, int tpr) {
+__global__ void __launch_bounds__(kBlock, std::is_same<Tin, Tout>::value ? 5 : 8)
+    gather_kernel(const Tin* __restrict__ table, int64_t rows, int64_t dim,
+                  const Idx* __restrict__ ids, int64_t n, Tout* __restrict__ out, int tpr,
+                  DmCallScratch* scratch, int64_t* __restrict__ record) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.x / tpr;
   const int lane = static_cast<int>(tid & (tpr - 1));
@@ -73,7 +145,10 @@ __global__ void gather_kernel(const Tin* __restrict__ table, int64_t rows, int64
   for (int64_t i = tid / tpr; i < n; i += groups) {
     const int64_t id = static_cast<int64_t>(ids[i]);
     if (id < 0 || id >= rows) {
-      if (lane == 0) atomicMin(bad, static_cast<unsigned long long>(i));
+      if (lane == 0) {
+        atomicMin(&scratch->bad, static_cast<unsigned long long>(i));
+        __threadfence();  // before this thread reaches finish_call's barrier
+      }
       continue;
     }
     const Tin* s = table + id * dim;
@@ -90,23 +165,42 @@ __global__ void gather_kernel(const Tin* __restrict__ table, int64_t rows, int64
       }
     }
   }
+  finish_call<Idx, int64_t>(nullptr, scratch, n, DM_ERR_GATHER, ids, rows, nullptr, record);
 }
 
+// Each thread takes kRemapItems ids a block width apart per step (coalesced), loading all of
+// them before the dependent lookups, so several loads are in flight per thread. <= 32
+// registers (it needs 30-32): 8 blocks of 256 per SM, full occupancy on sm_90.
 template <typename Idx, typename Lut>
-__global__ void remap_kernel(const Idx* __restrict__ ids, int64_t n,
-                             const Lut* __restrict__ lookup, int64_t size, Idx* __restrict__ out,
-                             unsigned long long* bad) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const int64_t id = static_cast<int64_t>(ids[i]);
-    const int64_t v = (id >= 0 && id < size) ? static_cast<int64_t>(lookup[id]) : -1;
-    if (v < 0) {
-      atomicMin(bad, static_cast<unsigned long long>(i));
-    } else {
-      out[i] = static_cast<Idx>(v);
+__global__ void __launch_bounds__(kBlock, 8)
+    remap_kernel(const Idx* __restrict__ ids, int64_t n, const Lut* __restrict__ lookup,
+                 int64_t size, Idx* __restrict__ out, DmCallScratch* scratch,
+                 int64_t* __restrict__ record) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kRemapItems;
+  __shared__ unsigned long long block_bad;
+  begin_call(block_bad);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kRemapItems + threadIdx.x;
+       base < n; base += step) {
+    int64_t id[kRemapItems];
+#pragma unroll
+    for (int k = 0; k < kRemapItems; ++k) {
+      const int64_t i = base + static_cast<int64_t>(k) * blockDim.x;
+      id[k] = i < n ? static_cast<int64_t>(ids[i]) : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < kRemapItems; ++k) {
+      const int64_t i = base + static_cast<int64_t>(k) * blockDim.x;
+      if (i >= n) break;
+      const int64_t v = (id[k] >= 0 && id[k] < size) ? static_cast<int64_t>(lookup[id[k]]) : -1;
+      if (v < 0) {
+        atomicMin(&block_bad, static_cast<unsigned long long>(i));
+      } else {
+        out[i] = static_cast<Idx>(v);
+      }
     }
   }
+  finish_call<Idx, Lut>(&block_bad, scratch, n, DM_ERR_REMAP_MISSING, ids, size, lookup,
+                        record);
 }
 
 template <typename Idx>
@@ -279,30 +373,15 @@ __global__ void final_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __
   }
 }
 
-// One thread: if the call found an invalid id (*bad < n) and the device's record is empty,
-// write what the error message needs, in the layout of kernels.h.
+// One thread (the scatters): if the call found an invalid id (*bad < n), write the device's
+// error record unless it holds one already, in the layout of kernels.h.
 template <typename Idx, typename Lut>
 __global__ void record_kernel(const unsigned long long* __restrict__ bad, int64_t n, int op,
                               const Idx* __restrict__ ids, int64_t bound,
                               const Lut* __restrict__ lookup, int64_t* __restrict__ record) {
   const unsigned long long b = *bad;
   if (b >= static_cast<unsigned long long>(n) || record[0] != DM_ERR_NONE) return;
-  const int64_t p = static_cast<int64_t>(b);
-  const int64_t id = static_cast<int64_t>(ids[p]);
-  int code = op;
-  int64_t value = 0;
-  if (op == DM_ERR_REMAP_MISSING) {
-    if (id < 0 || id >= bound) {
-      code = DM_ERR_REMAP_RANGE;
-    } else {
-      value = static_cast<int64_t>(lookup[id]);
-    }
-  }
-  record[1] = p;
-  record[2] = id;
-  record[3] = bound;
-  record[4] = value;
-  record[0] = code;
+  write_record<Idx, Lut>(static_cast<int64_t>(b), op, ids, bound, lookup, record);
 }
 
 inline int64_t blocks_for(int64_t threads) {
@@ -392,8 +471,8 @@ inline size_t sort_temp_bytes(int64_t n, int64_t rows) {
 
 extern "C" cudaError_t dm_gather_rows(const void* table, int table_dtype, int64_t rows,
                                       int64_t dim, const void* ids, int ids_dtype, int64_t n,
-                                      void* out, int out_dtype, unsigned long long* bad,
-                                      cudaStream_t stream) {
+                                      void* out, int out_dtype, DmCallScratch* scratch,
+                                      int64_t* record, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   bool ok = true;
   if (!with_id_type(ids_dtype, [&](auto idx_tag) {
@@ -410,11 +489,11 @@ extern "C" cudaError_t dm_gather_rows(const void* table, int table_dtype, int64_
         if (vec) {
           gather_kernel<Tin, Tout, Idx, V><<<blocks, kBlock, 0, stream>>>(
               static_cast<const Tin*>(table), rows, dim, static_cast<const Idx*>(ids), n,
-              static_cast<Tout*>(out), bad, tpr);
+              static_cast<Tout*>(out), tpr, scratch, record);
         } else {
           gather_kernel<Tin, Tout, Idx, 1><<<blocks, kBlock, 0, stream>>>(
               static_cast<const Tin*>(table), rows, dim, static_cast<const Idx*>(ids), n,
-              static_cast<Tout*>(out), bad, tpr);
+              static_cast<Tout*>(out), tpr, scratch, record);
         }
       }))
         ok = false;
@@ -428,16 +507,18 @@ extern "C" cudaError_t dm_gather_rows(const void* table, int table_dtype, int64_
 
 extern "C" cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n,
                                     const void* lookup, int lookup_dtype, int64_t lookup_size,
-                                    void* out, unsigned long long* bad, cudaStream_t stream) {
+                                    void* out, DmCallScratch* scratch, int64_t* record,
+                                    cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   bool ok = true;
   if (!with_id_type(ids_dtype, [&](auto idx_tag) {
     using Idx = decltype(idx_tag);
     if (!with_id_type(lookup_dtype, [&](auto lut_tag) {
       using Lut = decltype(lut_tag);
-      remap_kernel<Idx, Lut><<<blocks_for(n), kBlock, 0, stream>>>(
+      const int64_t blocks = blocks_for((n + kRemapItems - 1) / kRemapItems);
+      remap_kernel<Idx, Lut><<<blocks, kBlock, 0, stream>>>(
           static_cast<const Idx*>(ids), n, static_cast<const Lut*>(lookup), lookup_size,
-          static_cast<Idx*>(out), bad);
+          static_cast<Idx*>(out), scratch, record);
     }))
       ok = false;
   }))

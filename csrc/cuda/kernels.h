@@ -6,11 +6,19 @@
 // position into the same errors as the CPU operators.
 //
 // Conventions: every pointer is a device pointer to a contiguous row-major array; `rows` is
-// the number of rows of a table, `dim` its row length; dtype codes below. `bad` points to one
-// device uint64 that the caller sets to n before the call; a kernel that meets an invalid id
-// lowers it (atomicMin) to the first invalid position. Nothing reads it back on the host
-// during the call: dm_record_error copies what the message needs into a per-device error
-// record, which the host reads when it checks (dept_mega.ops.check_errors).
+// the number of rows of a table, `dim` its row length; dtype codes below. Nothing about an
+// invalid id is read back on the host during a call: the kernels write what the message needs
+// into a per-device error record int64[DM_ERR_RECORD_LEN] (../constants.h), which the host
+// reads when it checks (dept_mega.ops.check_errors). A record that holds an error is kept
+// (the first error since the last check), so a later failing call changes nothing.
+// - gather / remap: one kernel launch per call. `scratch` is a DmCallScratch that the caller
+//   keeps for one stream (set once to {DM_NO_BAD, 0}); the kernel lowers scratch->bad to the
+//   call's first invalid position, its last block to finish writes the record and resets the
+//   scratch to {DM_NO_BAD, 0}, ready for the stream's next call. Calls that use one scratch
+//   must not run concurrently (one stream: they run one after another).
+// - scatters: `bad` points to one device uint64 that the caller sets to n before the call; the
+//   kernels lower it (atomicMin) to the first invalid position, and dm_record_error copies the
+//   error into the record.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,19 +35,29 @@ enum { DM_FLOAT32 = 0, DM_BFLOAT16 = 1, DM_FLOAT16 = 2 };  // row dtypes
 enum { DM_INT32 = 0, DM_INT64 = 1 };                         // id dtypes
 enum { DM_SCATTER_ADD = 0, DM_SCATTER_MEAN = 1, DM_SCATTER_MEAN_ACCUMULATE = 2 };
 
+// Per-stream state of the one-launch error reporting of gather and remap (16 bytes, device
+// memory): the call's lowest invalid position (DM_NO_BAD: none yet) and its finished blocks.
+// Both are back at {DM_NO_BAD, 0} when a call's kernel has finished.
+typedef struct DmCallScratch {
+  unsigned long long bad;
+  unsigned long long blocks;
+} DmCallScratch;
+#define DM_NO_BAD (~0ull)
+
 // DM_SCATTER_CHUNK and the error codes: ../constants.h (shared with the CPU kernels).
 
 // out[i, :] = (out_dtype) table[ids[i], :] for i < n. Rows with an invalid id are not
-// written (the caller raises).
+// written; the first one is recorded (code DM_ERR_GATHER, bound = rows).
 cudaError_t dm_gather_rows(const void* table, int table_dtype, int64_t rows, int64_t dim,
                            const void* ids, int ids_dtype, int64_t n, void* out, int out_dtype,
-                           unsigned long long* bad, cudaStream_t stream);
+                           DmCallScratch* scratch, int64_t* record, cudaStream_t stream);
 
-// out[i] = lookup[ids[i]] (out has ids' dtype) for i < n; an id outside [0, lookup_size) or
-// with lookup[id] < 0 is invalid.
+// out[i] = lookup[ids[i]] (out has ids' dtype) for i < n; an id outside [0, lookup_size)
+// (recorded as DM_ERR_REMAP_RANGE) or with lookup[id] < 0 (DM_ERR_REMAP_MISSING, with the
+// value) is invalid and its entry of out is not written.
 cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n, const void* lookup,
                          int lookup_dtype, int64_t lookup_size, void* out,
-                         unsigned long long* bad, cudaStream_t stream);
+                         DmCallScratch* scratch, int64_t* record, cudaStream_t stream);
 
 // Deterministic scatter in two calls:
 // 1. dm_scatter_prepare validates the ids (lowering `bad`) and sorts positions by
@@ -63,9 +81,9 @@ cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim
                              const void* workspace, const unsigned long long* bad,
                              cudaStream_t stream);
 
-// If *bad < n (the call of op `op` found an invalid id) and record[0] == DM_ERR_NONE, writes
-// the error record: position *bad, ids[*bad], `bound` (the table rows / lookup size) and, for
-// remap_ids (op DM_ERR_REMAP_MISSING, `lookup` given), the kind (range or missing) and
+// Scatters: if *bad < n (the call of op `op` found an invalid id) and the record is empty,
+// writes the error record: position *bad, ids[*bad], `bound` (the table rows / lookup size)
+// and, for op DM_ERR_REMAP_MISSING (`lookup` given), the kind (range or missing) and
 // lookup[id]. One thread, no host synchronisation. `lookup` may be null for the other ops.
 cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op, const void* ids,
                             int ids_dtype, int64_t bound, const void* lookup, int lookup_dtype,

@@ -7,19 +7,36 @@
 // headers (tools/check_cuda_compile.sh). tests/test_ops.py runs every op on CUDA when a GPU
 // is present.
 //
-// Errors, without a host synchronisation inside a call: each op's kernels lower a per-call
-// device counter to the first invalid position, and a one-thread kernel copies what the
-// message needs into the device's persistent error record (the first error since the last
-// check is kept). dept_mega.ops.check_errors() reads the record (one small copy, at the log
-// interval) and raises exactly what the CPU op raises. The scatters' writing kernel reads the
-// counter on the device and writes nothing on error, so a failed call leaves the table
-// unchanged, as on CPU; a failed gather / remap leaves the rows of the invalid ids unset.
+// Errors, without a host synchronisation inside a call: the kernels copy what the message of a
+// call's first invalid id needs into the device's persistent error record (the first error
+// since the last check is kept). dept_mega.ops.check_errors() reads the record (one small
+// copy, at the log interval) and raises exactly what the CPU op raises.
+// - gather_rows / remap_ids launch one kernel: it lowers the current stream's persistent
+//   DmCallScratch to the first invalid position, and its last block writes the record and
+//   resets the scratch (kernels.h). A failed call leaves the outputs of the invalid ids unset.
+// - the scatters fill a per-call flag, and a one-thread kernel copies the flag's position into
+//   the record; their writing kernel reads the flag on the device and writes nothing on error,
+//   so a failed call leaves the table unchanged, as on CPU.
+// Streams: a scratch belongs to one (device, stream), so calls on two streams never share one
+// (a shared one would mix the block counts and positions of two concurrent launches); the
+// record is per device. Two streams that run failing calls concurrently: the record keeps the
+// error whose kernel claims it first (atomicCAS on the code, never a mix of two errors), which
+// need not be the one queued first; check_errors copies the record on its current stream, so
+// it sees another stream's errors once that stream's calls are ordered before the copy (the
+// usual cross-stream rule: synchronize or wait_stream first).
+// CUDA graphs: the scratch of a stream is created (and filled) by the stream's first
+// gather / remap, and the record by the device's first op or check_errors; run both once on the
+// capturing stream before a capture, which then records kernels that use them (each replay
+// leaves the scratch reset). A replay uses the capture stream's scratch, so it must not overlap
+// gather / remap calls on that stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "../common.h"
@@ -49,7 +66,8 @@ void check_cuda(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA error: ", cudaGetErrorString(err));
 }
 
-// A device counter initialised to n; kernels lower it to the first invalid position.
+// The scatters' per-call flag: a device counter initialised to n; kernels lower it to the
+// first invalid position.
 at::Tensor new_bad_flag(const at::Tensor& like, int64_t n) {
   return at::full({1}, n, like.options().dtype(at::kLong));
 }
@@ -58,29 +76,68 @@ unsigned long long* bad_ptr(at::Tensor& flag) {
   return reinterpret_cast<unsigned long long*>(flag.data_ptr<int64_t>());
 }
 
-// The persistent error record of a CUDA device (zeros until an op records an error). Kept for
-// the life of the process: never freed, so no CUDA call runs in a static destructor.
-at::Tensor device_record(const at::Device& device) {
-  static std::mutex mu;
-  static auto* records = new std::vector<at::Tensor>();
-  const std::lock_guard<std::mutex> lock(mu);
+// The persistent error records (one per CUDA device, zeros until an op records an error) and
+// the gather / remap scratch of each (device, stream) used so far. Kept for the life of the
+// process: never freed, so no CUDA call runs in a static destructor.
+struct ErrorState {
+  std::mutex mu;
+  std::vector<at::Tensor> records;                           // by device index
+  std::map<std::pair<int, int64_t>, at::Tensor> scratches;  // (device index, stream id)
+};
+
+ErrorState& error_state() {
+  static auto* state = new ErrorState();
+  return *state;
+}
+
+at::Tensor& device_record_locked(ErrorState& st, const at::Device& device) {
   const auto idx = static_cast<size_t>(device.index());
-  if (records->size() <= idx) records->resize(idx + 1);
-  at::Tensor& rec = (*records)[idx];
+  if (st.records.size() <= idx) st.records.resize(idx + 1);
+  at::Tensor& rec = st.records[idx];
   if (!rec.defined()) {
     rec = at::zeros({DM_ERR_RECORD_LEN}, at::TensorOptions().dtype(at::kLong).device(device));
   }
   return rec;
 }
 
-// Queues the record of this call's first invalid id (if any) on the current stream.
+at::Tensor device_record(const at::Device& device) {
+  ErrorState& st = error_state();
+  const std::lock_guard<std::mutex> lock(st.mu);
+  return device_record_locked(st, device);
+}
+
+static_assert(sizeof(DmCallScratch) == 2 * sizeof(int64_t), "DmCallScratch is two int64");
+
+struct CallState {
+  int64_t* record;
+  DmCallScratch* scratch;
+  cudaStream_t stream;
+};
+
+// The record of `device` and the scratch of its current stream (the guard has made `device`
+// current). A new scratch is filled with {DM_NO_BAD, 0} by two kernels on that stream, queued
+// before the call's kernel; later calls find it reset by the previous call's last block.
+CallState call_state(const at::Device& device) {
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  ErrorState& st = error_state();
+  const std::lock_guard<std::mutex> lock(st.mu);
+  at::Tensor& rec = device_record_locked(st, device);
+  auto it = st.scratches.find({device.index(), stream.id()});
+  if (it == st.scratches.end()) {
+    at::Tensor scratch = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+    scratch.narrow(0, 0, 1).fill_(-1);  // DM_NO_BAD: all bits set
+    it = st.scratches.emplace(std::make_pair(device.index(), stream.id()), scratch).first;
+  }
+  return {rec.data_ptr<int64_t>(), reinterpret_cast<DmCallScratch*>(it->second.data_ptr<int64_t>()),
+          stream.stream()};
+}
+
+// Scatters: queues the record of this call's first invalid id (if any) on the current stream.
 void record_error(at::Tensor& flag, int64_t n, int op, const at::Tensor& ids, int64_t bound,
-                  const at::Tensor* lookup, const char* name) {
+                  const char* name) {
   at::Tensor rec = device_record(ids.device());
   check_cuda(dm_record_error(bad_ptr(flag), n, op, ids.const_data_ptr(),
-                             id_code(ids.scalar_type()), bound,
-                             lookup ? lookup->const_data_ptr() : nullptr,
-                             lookup ? id_code(lookup->scalar_type()) : DM_INT64,
+                             id_code(ids.scalar_type()), bound, nullptr, DM_INT64,
                              rec.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
              name);
 }
@@ -96,13 +153,11 @@ at::Tensor gather_rows_cuda(const at::Tensor& table_in, const at::Tensor& ids_in
   at::Tensor out = at::empty({n, dim}, table.options().dtype(odt));
   if (n == 0) return out;
   // dim == 0 runs the kernel too: it still validates the ids.
-  at::Tensor flag = new_bad_flag(ids, n);
+  const CallState cs = call_state(ids.device());
   check_cuda(dm_gather_rows(table.const_data_ptr(), row_code(table.scalar_type()), rows, dim,
                             ids.const_data_ptr(), id_code(ids.scalar_type()), n,
-                            out.data_ptr(), row_code(odt), bad_ptr(flag),
-                            c10::cuda::getCurrentCUDAStream()),
+                            out.data_ptr(), row_code(odt), cs.scratch, cs.record, cs.stream),
              "gather_rows");
-  record_error(flag, n, DM_ERR_GATHER, ids, rows, nullptr, "gather_rows");
   return out;
 }
 
@@ -123,7 +178,7 @@ void scatter_rows_cuda(const char* op, int err_code, at::Tensor& out, const at::
   check_cuda(dm_scatter_prepare(ids.const_data_ptr(), id_code(ids.scalar_type()), n, rows, dim,
                                 ws.data_ptr(), ws_bytes, bad_ptr(flag), stream),
              op);
-  record_error(flag, n, err_code, ids, rows, nullptr, op);
+  record_error(flag, n, err_code, ids, rows, op);
   check_cuda(dm_scatter_apply(out.data_ptr(), row_code(out.scalar_type()), rows, dim,
                               src.const_data_ptr(), row_code(src.scalar_type()), n, mode,
                               alpha, ws.const_data_ptr(), bad_ptr(flag), stream),
@@ -150,12 +205,11 @@ at::Tensor remap_ids_cuda(const at::Tensor& ids_in, const at::Tensor& lookup_in)
   at::Tensor out = at::empty_like(ids, at::MemoryFormat::Contiguous);
   const int64_t n = ids.numel(), size = lookup.numel();
   if (n == 0) return out;
-  at::Tensor flag = new_bad_flag(ids, n);
+  const CallState cs = call_state(ids.device());
   check_cuda(dm_remap_ids(ids.const_data_ptr(), id_code(ids.scalar_type()), n,
                           lookup.const_data_ptr(), id_code(lookup.scalar_type()), size,
-                          out.data_ptr(), bad_ptr(flag), c10::cuda::getCurrentCUDAStream()),
+                          out.data_ptr(), cs.scratch, cs.record, cs.stream),
              "remap_ids");
-  record_error(flag, n, DM_ERR_REMAP_MISSING, ids, size, &lookup, "remap_ids");
   return out;
 }
 

@@ -43,7 +43,9 @@ on CPU (and by the fallback), but by the compiled CUDA kernels only at the next
 ``check_errors(device)``, so that no call waits for the GPU: the kernels keep the first
 invalid id in a per-device error record on the GPU, and ``check_errors`` reads it (one small
 copy) and raises the very error the CPU op raises. The trainer checks at every log interval
-and at the end of training. A failed CUDA scatter leaves the table unchanged; a failed CUDA
+and at the end of training. With calls on several CUDA streams, the record keeps the first error
+written, and a check (a copy on the current stream) sees the errors of the calls its stream has
+waited for. A failed CUDA scatter leaves the table unchanged; a failed CUDA
 gather / remap leaves the rows of the invalid ids unset (garbage until the check raises).
 
 Backends: the compiled extension ``dept_mega.ops._C`` (csrc/: C++ CPU kernels, CUDA kernels
