@@ -233,6 +233,9 @@ class Config:
     fp8_recipe: str = "delayed"  #: FP8 scaling: from an amax history (delayed) or the current tensor.
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
+    #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), torch (PyTorch ops, compiled on CUDA),
+    #: auto (triton on CUDA when Triton imports, else torch).
+    fp8_casts: str = "auto"
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
     dept: DeptConfig = field(default_factory=DeptConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -258,6 +261,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "precision": ("fp32", "bf16", "fp16"),
     "fp8": (None, "hybrid", "e4m3"),
     "fp8_recipe": ("delayed", "current"),
+    "fp8_casts": ("auto", "triton", "torch"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature"),

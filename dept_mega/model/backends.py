@@ -51,6 +51,7 @@ import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from ..parallel.fp8 import Fp8Recipe, Fp8State, default_cast_kernels, fp8_gemm_shape_ok
+from ..parallel.fp8_kernels import AVAILABLE as _TRITON_CASTS, interpreted as triton_interpreted
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
 from ..parallel.wgrad import describe as describe_wgrad
@@ -357,7 +358,11 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         if linear == "fp8-native":
             fp8_gemms = tuple(g for g, (i, o) in _gemm_shapes(m, cfg.parallel.tensor).items()
                               if fp8_gemm_shape_ok(i, o))
-            fp8_casts = default_cast_kernels(device)
+            fp8_casts = default_cast_kernels(device) if cfg.fp8_casts == "auto" else cfg.fp8_casts
+            if fp8_casts == "triton" and not (_TRITON_CASTS and (device.type == "cuda" or triton_interpreted())):
+                raise BackendError("config key 'fp8_casts': triton casts need the triton package and a CUDA "
+                                   f"device (here: triton {'installed' if _TRITON_CASTS else 'not installed'}, "
+                                   f"device {device.type})")
         else:
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
