@@ -34,6 +34,7 @@
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  10
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
+#   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
 #   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
@@ -60,7 +61,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile fp8_compile)
+STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile compile_nofusion
+        fp8_compile)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -98,7 +100,7 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
-                     [megatron]=15 [compile]=8 [fp8_compile]=8)
+                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [fp8_compile]=8)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -110,7 +112,7 @@ else
   # seconds measured on the first H100 run (2026-11-26), rounded up
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16
-                     [megatron]=60 [compile]=60 [fp8_compile]=60)
+                     [megatron]=60 [compile]=60 [compile_nofusion]=60 [fp8_compile]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -263,6 +265,7 @@ compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=tru
   fi
 }
 stage_compile() { compiled_bench bf16_compile --profile; }
+stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
 
 stage_memory() {  # the memory model against the bf16 run's peak, and the 250,112-token head's when it ran

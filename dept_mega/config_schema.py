@@ -158,8 +158,9 @@ class OptimConfig:
     overlap_grad_reduce: bool = True  #: Start each bucket's data-parallel reduction during backward.
     #: Gradient-accumulation fusion (Megatron's --gradient-accumulation-fusion): the weight-gradient
     #: GEMMs of the linear layers and the output head accumulate straight into the gradient buffer
-    #: (no per-micro-batch param.grad and add). Not the fp8 / Transformer Engine GEMMs, not inside
-    #: train.compile's compiled blocks; the run log's `backends:` line names the accumulation call.
+    #: (no per-micro-batch param.grad and add). Not the fp8 / Transformer Engine GEMMs; under
+    #: train.compile the fused layers run outside the compiled graphs (a graph break each); the
+    #: run log's `backends:` line names the accumulation call.
     grad_accum_fusion: bool = True
     grad_bucket_size: int = 25_000_000  #: Elements per gradient bucket (one data-parallel collective each).
     fused: Optional[bool] = None  #: AdamW kernel: null = fused on CUDA, foreach elsewhere; true / false force it.

@@ -127,14 +127,12 @@ class Backends:
         where = ["output head" if not self.tied else "tied head on a chunk without the input embedding"]
         if self.linear == "transformer_engine":
             where.append("not the TE GEMMs")
-        elif not self.compile:
-            where.insert(0, "torch GEMMs")
+        else:
+            where.insert(0, "torch GEMMs (outside the compiled graphs: a graph break each)" if self.compile
+                         else "torch GEMMs")
             if self.fp8 is not None:
                 where.append("not the fp8 GEMMs")
-        out = f"grad_accum_fusion=on [{', '.join(where)}]: {self.wgrad}"
-        if self.compile:
-            out += "; grad_accum_fusion: off inside compiled blocks"
-        return out
+        return f"grad_accum_fusion=on [{', '.join(where)}]: {self.wgrad}"
 
     def describe_linear(self) -> str:
         if self.fp8 is None:

@@ -35,11 +35,14 @@ which):
 
 ``train.compile``: the backward reads and changes Python state (is a buffer active, its counts,
 the bucket's launch of a collective), which Dynamo does not re-evaluate faithfully once traced
-(tried on torch 2.13 with ``aot_eager``: without the guard below the second step raised the
-buffer's "arrived after its bucket's data-parallel reduction started" error). A custom op
-cannot return "no gradient" either, so inside a compiled transformer block :func:`linear` is a
-plain ``F.linear`` (decided in the forward with ``torch.compiler.is_compiling()``): those
-weights take the hook path; the output head, which is not compiled, stays fused.
+(tried on torch 2.13 with ``aot_eager``: traced, the second step raised the buffer's "arrived
+after its bucket's data-parallel reduction started" error), and a custom op cannot return "no
+gradient". So inside a compiled transformer block a fused linear is left out of the graph
+(:func:`_fused_outside_graph`, ``torch.compiler.disable``): Dynamo breaks the block's graph
+around it and the layer runs eagerly, forward and backward, while the code between the linear
+layers (norms, residual adds, activation, attention) stays compiled. Whether those graph breaks
+cost more than the fusion saves is measured on the device (``optim.grad_accum_fusion: false``
+keeps each block one graph, with the hook path).
 """
 from __future__ import annotations
 
@@ -141,11 +144,19 @@ class FusedWgradLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            fuse_wgrad: bool = False) -> torch.Tensor:
-    """``F.linear``; with ``fuse_wgrad`` (and outside a compiled region) through
-    :class:`FusedWgradLinear`."""
-    if fuse_wgrad and weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    """``F.linear``; with ``fuse_wgrad`` through :class:`FusedWgradLinear` (inside a compiled
+    region, outside its graph: see the module doc)."""
+    if fuse_wgrad and weight.requires_grad and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            return _fused_outside_graph(x, weight, bias)
         return FusedWgradLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@torch.compiler.disable
+def _fused_outside_graph(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """:class:`FusedWgradLinear` called from compiled code: a graph break, run eagerly."""
+    return FusedWgradLinear.apply(x, weight, bias)
 
 
 def describe(device: torch.device | str, weights: torch.dtype, grads: torch.dtype) -> str:
