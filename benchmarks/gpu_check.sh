@@ -35,6 +35,7 @@
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
+#   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
 #   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
@@ -62,7 +63,7 @@ done
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
 STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile compile_nofusion
-        fp8_compile)
+        mb8 fp8_compile)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -90,9 +91,10 @@ VOCAB=50257
 if [ "$DRY" = 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} CUDA_VISIBLE_DEVICES=
   VOCAB=1000; BIG_VOCAB=2000
+  MB=2
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=64
          model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=256 model.seq_length=64
-         train.micro_batch_size=2 train.global_batch_size=4)
+         train.micro_batch_size=$MB train.global_batch_size=4)
   STEPS=(--warmup 3 --steps 1)
   OPS_ARGS=(--device cpu --small --iters 2)
   # Megatron's RoPE needs CUDA: learned positions on both sides here
@@ -100,11 +102,12 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
-                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [fp8_compile]=8)
+                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_compile]=8)
   CAP=8
 else
   BIG_VOCAB=250112
-  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB train.micro_batch_size=4 train.global_batch_size=16)
+  MB=4
+  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB train.micro_batch_size=$MB train.global_batch_size=16)
   STEPS=(--warmup 4 --steps 6)
   OPS_ARGS=(--device cuda)
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
@@ -112,7 +115,7 @@ else
   # seconds measured on the first H100 run (2026-11-26), rounded up
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16
-                     [megatron]=60 [compile]=60 [compile_nofusion]=60 [fp8_compile]=60)
+                     [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45 [fp8_compile]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -234,7 +237,8 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
 import json, os, sys
 name, rec, rc, log, dst = sys.argv[1:]
 if rc == "0" and os.path.exists(rec):
-    r = json.load(open(rec)); r["name"] = name; r.pop("config", None)
+    r = json.load(open(rec)); r["name"] = name
+    r["micro_batch_size"] = ((r.pop("config", None) or {}).get("train") or {}).get("micro_batch_size")
 else:
     lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
     r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
@@ -265,6 +269,7 @@ compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=tru
   fi
 }
 stage_compile() { compiled_bench bf16_compile --profile; }
+stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
 
