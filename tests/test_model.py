@@ -213,6 +213,32 @@ def test_rope_scores_depend_on_relative_position_only():
         RotaryEmbedding(7)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_compiled_rope_equals_the_eager_math_with_gradients(device):
+    """RoPE runs compiled on CUDA (positions._compiled_rope); on the CPU the same function
+    compiled by inductor gives the eager math's outputs and input gradients (bf16 inputs:
+    within one bf16 rounding of the eager result, fp32 math inside)."""
+    from dept_mega.model import positions
+    rope = RotaryEmbedding(16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 2, 3, 16, generator=g).to(device, torch.bfloat16).requires_grad_()
+    gy = torch.randn(12, 2, 3, 16, generator=g).to(device, torch.bfloat16)
+    cos, sin = rope.tables(12, x.device)
+    outs = []
+    for fn in (positions.rope_math, positions._compiled_rope()):
+        y = fn(x, cos, sin)
+        (gx,) = torch.autograd.grad(y, x, gy)
+        outs.append((y.float(), gx.float()))
+    (y0, g0), (y1, g1) = outs
+    torch.testing.assert_close(y1, y0, rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(g1, g0, rtol=8e-3, atol=1e-2)
+    want = x.detach().float()
+    half = 8
+    rotated = torch.cat([-want[..., half:], want[..., :half]], dim=-1)
+    torch.testing.assert_close(y1, (want * cos + rotated * sin).bfloat16().float(), rtol=8e-3, atol=1e-2)
+
+
 # ----------------------------------------------------------------------------- backends
 
 

@@ -104,6 +104,7 @@ class Backends:
     wgrad: str = ""  # how (parallel/wgrad.py PATHS), for the log
     tied: bool = False  # model.tie_embeddings (the head shares the input embedding)
     cross_entropy: str = "eager"  # "compiled" on CUDA (parallel/cross_entropy.py), else "eager"
+    rope: bool = False  # rotary positions (model/positions.py: compiled on CUDA as the cross entropy)
     notes: tuple[str, ...] = field(default=())
 
     def layer_fp8(self, layer_id: int) -> bool:
@@ -161,6 +162,8 @@ class Backends:
             parts.append("compile=per-block torch.compile")
         parts.append(self.describe_wgrad())
         parts.append(f"cross_entropy={self.cross_entropy}")
+        if self.rope:
+            parts.append(f"rope={self.cross_entropy}")  # compiled on CUDA, like the cross entropy
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
 
@@ -372,7 +375,8 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
-                    cross_entropy="compiled" if cuda else "eager", notes=tuple(notes))
+                    cross_entropy="compiled" if cuda else "eager", rope=m.position_embedding == "rope",
+                    notes=tuple(notes))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
