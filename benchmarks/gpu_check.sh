@@ -28,6 +28,7 @@
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
 #   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
+#              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
 #              -> memory.json                                                                   16
@@ -259,7 +260,12 @@ EOF
 
 stage_bf16() { bench bf16 --profile; }
 stage_nofusion() { bench bf16_nofusion optim.grad_accum_fusion=false; }
-stage_fp8() { bench fp8 --profile fp8=hybrid backend=local; }
+stage_fp8() {  # the Triton casts; if that run fails, the PyTorch casts (fp8_torch_casts) in the same stage
+  bench fp8 --profile fp8=hybrid backend=local && return 0
+  log "the FP8 run with the default casts failed: once more with fp8_casts=torch"
+  bench fp8_torch_casts fp8=hybrid backend=local fp8_casts=torch
+  return 1
+}
 stage_vocab250k() { bench std_vocab250k dept.variant=std model.vocab_size=$BIG_VOCAB; }
 compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=true
   if [ "$DRY" = 1 ]; then  # inductor's CPU build alone takes ~45 s here: the stage's plumbing only

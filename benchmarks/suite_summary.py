@@ -98,9 +98,11 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     bf = ok.get("bf16")
     if bf is not None and bf.get("mfu") is not None:
         lines.append(f"- target bf16 MFU >= 50%: {100 * bf['mfu']:.1f}% ({'met' if bf['mfu'] >= 0.5 else 'NOT met'})")
-    if bf is not None and "fp8" in ok and bf.get("tokens_per_s"):
-        ratio = ok["fp8"]["tokens_per_s"] / bf["tokens_per_s"]
-        lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
+    fp8 = "fp8" if "fp8" in ok else "fp8_torch_casts" if "fp8_torch_casts" in ok else None
+    if bf is not None and fp8 is not None and bf.get("tokens_per_s"):
+        ratio = ok[fp8]["tokens_per_s"] / bf["tokens_per_s"]
+        lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})"
+                     + (" (the PyTorch casts: the default run failed)" if fp8 != "fp8" else ""))
     if bf is not None and "bf16_nofusion" in ok and ok["bf16_nofusion"].get("tokens_per_s"):
         lines.append(f"- optim.grad_accum_fusion: {bf['tokens_per_s'] / ok['bf16_nofusion']['tokens_per_s']:.3f}x the "
                      "tokens/s of the same run without it (bf16_nofusion)")

@@ -154,3 +154,9 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
     assert "| bf16 | 50,000 | 420.0 | 42.5% | 41.0 | 1300 |" in text
     assert "bf16 MFU >= 50%: 42.5% (NOT met)" in text and "1.40x (met)" in text
     assert "failed: rc=2" in text and "kernels: bf16 (rank0_steps2-3.json)" in text
+    # the FP8 stage's second run (PyTorch casts) when the default one failed
+    rows[1] = {"name": "fp8", "error": "rc=1: triton"}
+    rows.append({"name": "fp8_torch_casts", "tokens_per_s": 60000.0})
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
+    assert "1.20x (NOT met) (the PyTorch casts: the default run failed)" in text
