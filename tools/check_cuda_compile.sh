@@ -32,23 +32,34 @@ echo "check_cuda_compile: $("$NVCC" --version | tail -1)"
 TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                   -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
                   --expt-relaxed-constexpr)
+# kernels.cu (nvcc) and ops_cuda.cpp (g++ against torch's headers) are checked at the same time
 echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/kernels.cu"
 "$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
-  -c csrc/cuda/kernels.cu -o "$tmp/kernels.o"
-syms=$(nm -g --defined-only "$tmp/kernels.o")
-for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply \
-           dm_record_error; do
-  if ! grep -qw "$sym" <<<"$syms"; then
-    echo "check_cuda_compile: kernels.o does not export $sym" >&2
+  -c csrc/cuda/kernels.cu -o "$tmp/kernels.o" >"$tmp/nvcc.log" 2>&1 &
+NVCC_PID=$!
+finish_nvcc() {  # wait for the nvcc compile; fail with its output, or check the symbols it exports
+  local rc=0
+  wait "$NVCC_PID" || rc=$?
+  cat "$tmp/nvcc.log"
+  if [ $rc -ne 0 ]; then
+    echo "check_cuda_compile: nvcc failed (rc=$rc)" >&2
     exit 1
   fi
-done
+  local syms
+  syms=$(nm -g --defined-only "$tmp/kernels.o")
+  for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply \
+             dm_record_error; do
+    if ! grep -qw "$sym" <<<"$syms"; then
+      echo "check_cuda_compile: kernels.o does not export $sym" >&2
+      exit 1
+    fi
+  done
+}
 
-# The torch-facing file needs torch's headers; a CPU torch ships them except one generated
-# CUDA config header, which is stubbed here (it only defines the shared-library macro).
 TORCH_INC=$("$PY" -c "from torch.utils.cpp_extension import include_paths; print(' '.join(include_paths()))" 2>/dev/null || true)
 if [ -z "$TORCH_INC" ]; then
   echo "check_cuda_compile: torch not importable with $PY; ops_cuda.cpp not checked" >&2
+  finish_nvcc
   exit 0
 fi
 CUDA_INC=
@@ -58,6 +69,7 @@ for d in "$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include" "${CUDA_HOME
 done
 if [ -z "$CUDA_INC" ]; then
   echo "check_cuda_compile: cuda_runtime_api.h not found next to $NVCC; ops_cuda.cpp not checked" >&2
+  finish_nvcc
   exit 1
 fi
 INCS=()
@@ -70,5 +82,11 @@ if [ ! -f "$first_inc/c10/cuda/impl/cuda_cmake_macros.h" ]; then
 fi
 STD=c++20  # what recent torch builds extensions with; the file is also valid C++17
 echo "check_cuda_compile: g++ -std=$STD -fsyntax-only csrc/cuda/ops_cuda.cpp"
-"${CXX:-g++}" -std="$STD" -fsyntax-only -Wall "${INCS[@]}" -isystem "$CUDA_INC" csrc/cuda/ops_cuda.cpp
+gxx_rc=0
+"${CXX:-g++}" -std="$STD" -fsyntax-only -Wall "${INCS[@]}" -isystem "$CUDA_INC" csrc/cuda/ops_cuda.cpp || gxx_rc=$?
+finish_nvcc
+if [ $gxx_rc -ne 0 ]; then
+  echo "check_cuda_compile: ops_cuda.cpp failed the syntax check (rc=$gxx_rc)" >&2
+  exit 1
+fi
 echo "check_cuda_compile: OK"
