@@ -107,11 +107,17 @@ def main_param(p: torch.nn.Parameter) -> torch.Tensor:
 
 @torch.no_grad()
 def refresh_model_params(params: Iterable[torch.nn.Parameter]) -> None:
-    """Copy the fp32 main parameters into the (half-precision) model weights."""
+    """Copy the fp32 main parameters into the (half-precision) model weights: one multi-tensor
+    copy (``torch._foreach_copy_``; a launch per parameter was ~150 launches a step on the 1B
+    model)."""
+    dst, src = [], []
     for p in params:
         m = getattr(p, "main_param", None)
         if m is not None:
-            p.data.copy_(m)
+            dst.append(p.data)
+            src.append(m)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 @torch.no_grad()
