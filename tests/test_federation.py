@@ -99,8 +99,7 @@ def _single_job(cfg, run, nproc=SOURCES, *extra):
     assert out.returncode == 0, out.stdout[-3000:]
 
 
-SAME_MATH = {
-    "spec": (),
+SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
     # fragments synchronised at two points of the round, GLOB's tables, an outer optimizer with state
     "glob-int8-fragments-nesterov": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
