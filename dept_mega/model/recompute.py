@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.utils.checkpoint as _checkpoint
-from ..compile_guard import outside_compiled_graphs
 
 
 class Replayable(Protocol):
@@ -60,7 +59,7 @@ def _contexts(replay: Sequence[Replayable]):
     return forward(), recomputation()
 
 
-@outside_compiled_graphs
+@torch.compiler.disable
 def recompute(fn: Callable[..., torch.Tensor], *args: torch.Tensor,
               replay: Sequence[Replayable] = ()) -> torch.Tensor:
     """``fn(*args)``, keeping only ``args`` for backward and replaying ``replay``'s states

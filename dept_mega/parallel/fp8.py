@@ -62,7 +62,6 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from . import fp8_kernels
-from ..compile_guard import outside_compiled_graphs
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -427,7 +426,7 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-@outside_compiled_graphs
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.Tensor:
     """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
     ``layer``: the layer's :class:`Fp8Layer` (its scaling state and weight cache). Runs
