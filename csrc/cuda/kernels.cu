@@ -374,14 +374,15 @@ __global__ void final_kernel(Tout* __restrict__ out, int64_t dim, const Tsrc* __
 }
 
 // One thread (the scatters): if the call found an invalid id (*bad < n), write the device's
-// error record unless it holds one already, in the layout of kernels.h.
-template <typename Idx, typename Lut>
+// error record unless it holds one already, in the layout of kernels.h. (No lookup: only the
+// remap's record reads one, and the remap writes its own in finish_call.)
+template <typename Idx>
 __global__ void record_kernel(const unsigned long long* __restrict__ bad, int64_t n, int op,
                               const Idx* __restrict__ ids, int64_t bound,
-                              const Lut* __restrict__ lookup, int64_t* __restrict__ record) {
+                              int64_t* __restrict__ record) {
   const unsigned long long b = *bad;
   if (b >= static_cast<unsigned long long>(n) || record[0] != DM_ERR_NONE) return;
-  write_record<Idx, Lut>(static_cast<int64_t>(b), op, ids, bound, lookup, record);
+  write_record<Idx, int64_t>(static_cast<int64_t>(b), op, ids, bound, nullptr, record);
 }
 
 inline int64_t blocks_for(int64_t threads) {
@@ -601,21 +602,13 @@ extern "C" cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, 
 
 extern "C" cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op,
                                        const void* ids, int ids_dtype, int64_t bound,
-                                       const void* lookup, int lookup_dtype, int64_t* record,
-                                       cudaStream_t stream) {
+                                       int64_t* record, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  bool ok = true;
   if (!with_id_type(ids_dtype, [&](auto idx_tag) {
     using Idx = decltype(idx_tag);
-    if (!with_id_type(lookup_dtype, [&](auto lut_tag) {
-      using Lut = decltype(lut_tag);
-      record_kernel<Idx, Lut><<<1, 1, 0, stream>>>(bad, n, op, static_cast<const Idx*>(ids),
-                                                   bound, static_cast<const Lut*>(lookup),
-                                                   record);
-    }))
-      ok = false;
+    record_kernel<Idx><<<1, 1, 0, stream>>>(bad, n, op, static_cast<const Idx*>(ids), bound,
+                                            record);
   }))
-    ok = false;
-  if (!ok) return cudaErrorInvalidValue;
+    return cudaErrorInvalidValue;
   return cudaGetLastError();
 }

@@ -82,12 +82,10 @@ cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim
                              cudaStream_t stream);
 
 // Scatters: if *bad < n (the call of op `op` found an invalid id) and the record is empty,
-// writes the error record: position *bad, ids[*bad], `bound` (the table rows / lookup size)
-// and, for op DM_ERR_REMAP_MISSING (`lookup` given), the kind (range or missing) and
-// lookup[id]. One thread, no host synchronisation. `lookup` may be null for the other ops.
+// writes the error record: position *bad, ids[*bad] and `bound` (the table rows). One thread,
+// no host synchronisation.
 cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op, const void* ids,
-                            int ids_dtype, int64_t bound, const void* lookup, int lookup_dtype,
-                            int64_t* record, cudaStream_t stream);
+                            int ids_dtype, int64_t bound, int64_t* record, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

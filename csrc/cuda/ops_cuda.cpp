@@ -137,8 +137,8 @@ void record_error(at::Tensor& flag, int64_t n, int op, const at::Tensor& ids, in
                   const char* name) {
   at::Tensor rec = device_record(ids.device());
   check_cuda(dm_record_error(bad_ptr(flag), n, op, ids.const_data_ptr(),
-                             id_code(ids.scalar_type()), bound, nullptr, DM_INT64,
-                             rec.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+                             id_code(ids.scalar_type()), bound, rec.data_ptr<int64_t>(),
+                             c10::cuda::getCurrentCUDAStream()),
              name);
 }
 
