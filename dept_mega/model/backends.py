@@ -38,7 +38,8 @@ otherwise ``torch.nn.functional``.
 
 Weight gradients (``optim.grad_accum_fusion``, ``parallel/wgrad.py``): the torch GEMMs of the
 blocks and the output head accumulate them straight into the gradient buffer; the log names
-the accumulation call. Not the FP8 / TE GEMMs, not inside ``train.compile``'s compiled blocks.
+the accumulation call. Not the FP8 / TE GEMMs; inside ``train.compile``'s compiled blocks the
+fused layers run outside the graphs.
 """
 from __future__ import annotations
 
@@ -50,8 +51,7 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, ModelConfig
-from ..parallel.fp8 import Fp8Recipe, Fp8State, default_cast_kernels, fp8_gemm_shape_ok
-from ..parallel.fp8_kernels import AVAILABLE as _TRITON_CASTS, interpreted as triton_interpreted
+from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
 from ..parallel.wgrad import describe as describe_wgrad
@@ -121,6 +121,13 @@ class Backends:
                 raise ValueError(f"layer {layer_id}: native FP8 GEMMs need an Fp8State with the recipe {self.fp8}")
             return {g: (LinearGemm("fp8", fp8_state) if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
         return {g: torch_gemm for g in GEMMS}
+
+    def new_fp8_state(self, device: torch.device | str) -> Optional[Fp8State]:
+        """The FP8 scaling state for a model built with these backends (one per model), or None
+        when its linear layers do not run native FP8."""
+        if self.linear == "fp8-native" and self.fp8 is not None:
+            return Fp8State(self.fp8, device, kernels=self.fp8_casts)
+        return None
 
     def describe_wgrad(self) -> str:
         if not self.fuse_wgrad:
@@ -359,11 +366,11 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         if linear == "fp8-native":
             fp8_gemms = tuple(g for g, (i, o) in _gemm_shapes(m, cfg.parallel.tensor).items()
                               if fp8_gemm_shape_ok(i, o))
-            fp8_casts = default_cast_kernels(device) if cfg.fp8_casts == "auto" else cfg.fp8_casts
-            if fp8_casts == "triton" and not (_TRITON_CASTS and (device.type == "cuda" or triton_interpreted())):
-                raise BackendError("config key 'fp8_casts': triton casts need the triton package and a CUDA "
-                                   f"device (here: triton {'installed' if _TRITON_CASTS else 'not installed'}, "
-                                   f"device {device.type})")
+            try:
+                fp8_casts = resolve_cast_kernels(cfg.fp8_casts, device)
+            except ValueError as exc:
+                raise BackendError(f"config key 'fp8_casts': triton casts need the triton package and a CUDA "
+                                   f"device ({exc})") from None
         else:
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion

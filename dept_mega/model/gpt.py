@@ -93,8 +93,8 @@ class TransformerBody(nn.Module):
         if backends.linear == "transformer_engine" and te is None:
             raise ValueError("TransformerBody: the transformer_engine backend needs a TEContext (build_model makes it)")
         self.te = te
-        if fp8_state is None and backends.linear == "fp8-native" and backends.fp8 is not None:
-            fp8_state = Fp8State(backends.fp8, device, kernels=backends.fp8_casts)
+        if fp8_state is None:
+            fp8_state = backends.new_fp8_state(device)
         sp = sequence_parallel and tp_world(pg) > 1
         self.tp_size = tp_world(pg)
         self.sequence_parallel = sp
@@ -248,9 +248,7 @@ def build_model(cfg: Config, pg, vocab_size: int, seed: int, device: torch.devic
     if backends.linear == "transformer_engine":
         recipe = make_recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history) if cfg.fp8 else None
         te = TEContext(recipe, pg.tp_dp)
-    fp8_state = None  # one for the whole model: its delayed scales are updated by one batched op per step
-    if backends.linear == "fp8-native" and backends.fp8 is not None:
-        fp8_state = Fp8State(backends.fp8, device, kernels=backends.fp8_casts)
+    fp8_state = backends.new_fp8_state(device)  # one per model: its delayed scales, one batched op per step
     rng = RNGTracker.for_groups(seed, pg, device)
     layouts = chunk_layout(cfg.model.num_layers, pg.pp_size, cfg.parallel.virtual_pipeline, pg.pp_rank)
     embs = build_source_embeddings(cfg, pg, vocab_size, seed, device, rng=rng, dtype=dtype)

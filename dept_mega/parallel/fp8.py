@@ -107,6 +107,21 @@ def default_cast_kernels(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" and fp8_kernels.AVAILABLE else "torch"
 
 
+def resolve_cast_kernels(kernels: str, device: torch.device | str) -> str:
+    """``auto`` | ``triton`` | ``torch`` → the casts to run on ``device``; ``ValueError`` for a
+    name it does not know and for ``triton`` where it cannot run."""
+    device = torch.device(device)
+    kernels = default_cast_kernels(device) if kernels == "auto" else kernels
+    if kernels not in ("triton", "torch"):
+        raise ValueError(f"FP8 cast kernels {kernels!r} are not one of auto | triton | torch")
+    if kernels == "triton" and not fp8_kernels.AVAILABLE:
+        raise ValueError("FP8 cast kernels 'triton' need Triton, which is not installed")
+    if kernels == "triton" and device.type != "cuda" and not fp8_kernels.interpreted():
+        raise ValueError(f"FP8 cast kernels 'triton' on {device.type} need Triton's interpreter "
+                         f"(TRITON_INTERPRET=1)")
+    return kernels
+
+
 def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
                rowwise: bool, colwise: bool):
     """Scale and cast of one 2-D operand: the reference math of every FP8 cast (the ``torch``
@@ -179,15 +194,7 @@ class Fp8State:
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto") -> None:
         self.recipe = recipe
         self.device = torch.device(device)
-        kernels = default_cast_kernels(self.device) if kernels == "auto" else kernels
-        if kernels not in ("triton", "torch"):
-            raise ValueError(f"FP8 cast kernels {kernels!r} are not one of auto | triton | torch")
-        if kernels == "triton" and not fp8_kernels.AVAILABLE:
-            raise ValueError("FP8 cast kernels 'triton' need Triton, which is not installed")
-        if kernels == "triton" and self.device.type != "cuda" and not fp8_kernels.interpreted():
-            raise ValueError(f"FP8 cast kernels 'triton' on {self.device.type} need Triton's interpreter "
-                             f"(TRITON_INTERPRET=1)")
-        self.kernels = kernels
+        self.kernels = resolve_cast_kernels(kernels, self.device)
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
         self.history: Optional[torch.Tensor] = None  # [N + 1, 3 L], allocated by the first training step
