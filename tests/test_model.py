@@ -216,7 +216,7 @@ def test_rope_scores_depend_on_relative_position_only():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_compiled_rope_equals_the_eager_math_with_gradients(device):
-    """RoPE runs compiled on CUDA (positions._compiled_rope); on the CPU the same function
+    """RoPE runs compiled on CUDA (positions._ROPE); on the CPU the same function
     compiled by inductor gives the eager math's outputs and input gradients (bf16 inputs:
     within one bf16 rounding of the eager result, fp32 math inside)."""
     from dept_mega.model import positions
@@ -226,7 +226,7 @@ def test_compiled_rope_equals_the_eager_math_with_gradients(device):
     gy = torch.randn(12, 2, 3, 16, generator=g).to(device, torch.bfloat16)
     cos, sin = rope.tables(12, x.device)
     outs = []
-    for fn in (positions.rope_math, positions._compiled_rope()):
+    for fn in (positions.rope_math, positions._ROPE.compiled):
         y = fn(x, cos, sin)
         (gx,) = torch.autograd.grad(y, x, gy)
         outs.append((y.float(), gx.float()))

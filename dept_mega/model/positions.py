@@ -3,10 +3,11 @@
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
+
+from ..parallel.compiled_math import CudaCompiled
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -81,8 +82,7 @@ class RotaryEmbedding:
         instead of about ten passes over an fp32 copy of ``x`` each way); inside a compiled
         block it is traced into the block's graph; on CPU it runs eagerly."""
         cos, sin = self.tables(x.shape[0], x.device)
-        fn = _compiled_rope() if x.is_cuda and not torch.compiler.is_compiling() else rope_math
-        return fn(x, cos, sin)
+        return _ROPE.on(x.device)(x, cos, sin)
 
 
 def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,8 +94,4 @@ def rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-@functools.cache
-def _compiled_rope():
-    """:func:`rope_math` compiled once per process (dynamic shapes: query and key heads, micro-batch
-    and sequence sizes share it)."""
-    return torch.compile(rope_math, fullgraph=True, dynamic=True)
+_ROPE = CudaCompiled(rope_math)  # query and key heads, micro-batch and sequence sizes share one graph

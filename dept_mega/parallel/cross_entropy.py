@@ -36,12 +36,12 @@ does. Labels are global ids; a rank adds nothing for labels outside its shard.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .compiled_math import CudaCompiled
 from .mappings import CATEGORY, tp_world
 
 
@@ -84,19 +84,14 @@ def _grad_math(out: torch.Tensor, logits: torch.Tensor, zmax: torch.Tensor, sum_
         out[:, valid:].zero_()
 
 
-_MATH = {"max": _max_math, "sum_exp": _sum_exp_math, "grad": _grad_math}
-
-
-@functools.cache
-def _compiled(name: str):
-    """``_MATH[name]`` compiled once per process (fused by inductor; dynamic shapes, so every
-    micro-batch and vocabulary size shares the graphs)."""
-    return torch.compile(_MATH[name], fullgraph=True, dynamic=True)
+# compiled on CUDA (every micro-batch and vocabulary size shares the graphs), eager elsewhere
+_MATH = {name: CudaCompiled(fn) for name, fn in (("max", _max_math), ("sum_exp", _sum_exp_math),
+                                                 ("grad", _grad_math))}
 
 
 def _math(name: str, device: torch.device):
     """The compiled function on CUDA, the eager one elsewhere (the same math)."""
-    return _compiled(name) if device.type == "cuda" else _MATH[name]
+    return _MATH[name].on(device)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from . import fp8_kernels
+from .compiled_math import CudaCompiled
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -148,16 +148,12 @@ def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtyp
     return (q if rowwise else None), q_t, scale.reciprocal(), current
 
 
-@functools.cache
-def _compiled_cast():
-    """``_cast_math`` compiled once per process (fused by inductor; dynamic shapes, so the
-    layers' different sizes share one graph per (dtype, layouts, scaling) combination)."""
-    return torch.compile(_cast_math, fullgraph=True, dynamic=True)
+# compiled on CUDA: one graph per (dtype, layouts, scaling) combination, whatever the layer sizes
+_CAST = CudaCompiled(_cast_math)
 
 
 def _cast(t, scale, dtype, pad=0, rowwise=True, colwise=False):
-    fn = _compiled_cast() if t.device.type == "cuda" else _cast_math
-    return fn(t, scale, dtype, pad, rowwise, colwise)
+    return _CAST.on(t.device)(t, scale, dtype, pad, rowwise, colwise)
 
 
 def quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
