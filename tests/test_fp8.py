@@ -310,6 +310,48 @@ def _tp_worker(rank, world, cases):
 
 
 @pytest.mark.slow
+def test_triton_casts_take_half_precision_and_send_fp32_to_the_reference(monkeypatch):
+    """The Triton casts run for bf16/fp16 operands only; an fp32 operand takes the reference
+    math with the same scaling state (the kernel's transposed fp32 store was wrong on an H200)."""
+    from dept_mega.parallel import fp8_kernels
+    calls = []
+
+    def fake_kernel(t, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0,
+                    amax_out=None, amax_index=0):  # the reference bytes, recording the input dtype
+        calls.append(t.dtype)
+        q, q_t, inv, current = fp8_module._cast_math(t, None if scale is None else scale[scale_index],
+                                                     dtype, pad, rowwise, colwise)
+        if amax_out is not None:
+            amax_out.view(-1)[amax_index] = torch.maximum(amax_out.view(-1)[amax_index], current)
+        return q, q_t, (inv if scale is None else None)
+
+    monkeypatch.setattr(fp8_kernels, "AVAILABLE", True)
+    monkeypatch.setattr(fp8_kernels, "interpreted", lambda: True)
+    monkeypatch.setattr(fp8_kernels, "cast_fp8", fake_kernel)
+    x, w, gy = _operands(3)
+    # per step: input, weight and (bf16, as the GEMM's output) output gradient; fp32: the gradient only
+    for dtype, kernel_calls in ((torch.bfloat16, 3), (torch.float32, 1)):
+        outs = []
+        for kernels in ("triton", "torch"):
+            calls.clear()
+            state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=2), "cpu", kernels=kernels)
+            layer = state.new_layer()
+            xa, wa = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+            for _ in range(2):  # a current-scaled first step, then a delayed one
+                state.begin_step()
+                y = fp8_linear(xa, wa, layer)
+                grads = torch.autograd.grad(y, (xa, wa), gy.to(dtype))
+                state.end_step()
+            outs.append([y, *grads, state.history])
+            assert len(calls) == (2 * kernel_calls if kernels == "triton" else 0), (dtype, kernels, calls)
+            assert set(calls) <= {torch.bfloat16}, calls
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        fp8_kernels.cast_fp8(torch.zeros(16, 16), E4M3)
+
+
 def test_tp2_fp8_matches_tp1_fp8():
     """TP2 quantises each weight shard with its own amax (per-tensor scaling of the local
     tensor; delayed scaling: each rank's own history), TP1 the full weight, so the two differ

@@ -68,6 +68,8 @@ E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 _MIN_AMAX = 1e-12  # an all-zero tensor gets a finite scale (its FP8 copy is zero anyway)
 _ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
+_PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
+_SCALE_STRIDE = _PTR_ALIGN // 4  # float32 elements between two delayed-scaling inverse scales
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the amax history)
 
 
@@ -195,7 +197,8 @@ class Fp8State:
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
         self.history: Optional[torch.Tensor] = None  # [N + 1, 3 L], allocated by the first training step
         self.scale: Optional[torch.Tensor] = None  # [3 L] this step's scales (delayed scaling)
-        self.inv: Optional[torch.Tensor] = None  # [3 L] their reciprocals (the GEMMs' dequantisation)
+        # [3 L] their reciprocals (the GEMMs' dequantisation), one per 16 bytes: see _scaled_mm
+        self.inv: Optional[torch.Tensor] = None
         self.pos = 0  # the history row of the current step
         self._fmax: Optional[torch.Tensor] = None
         self._inv_views: list[torch.Tensor] = []
@@ -235,7 +238,7 @@ class Fp8State:
         if self.history is None:
             self.history = torch.zeros(self.recipe.amax_history + 1, cols, dtype=torch.float32, device=self.device)
             self.scale = torch.ones(cols, dtype=torch.float32, device=self.device)
-            self.inv = torch.ones(cols, dtype=torch.float32, device=self.device)
+            self.inv = torch.ones(cols, _SCALE_STRIDE, dtype=torch.float32, device=self.device)[:, 0]
             fmax = (FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype])
             self._fmax = torch.tensor(fmax * len(self.layers), dtype=torch.float32, device=self.device)
             self._inv_views = list(self.inv.unbind(0))
@@ -255,13 +258,13 @@ class Fp8State:
         """One FP8 cast of ``layer``'s ``operand`` (INPUT | WEIGHT | GRAD): ``(q, q_t, 1/scale)``
         (see ``_cast_math``). Delayed scaling inside a training step: the step's scale, the amax
         maxed into the history; otherwise current scaling. Triton: one launch (two for current
-        scaling)."""
+        scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
         col = 3 * layer + operand
         record = self.mode == "train" and self.delayed
         delayed = record and col in self._ready
         if record:
             self._recorded.add(col)
-        if self.kernels == "triton":
+        if self.kernels == "triton" and t.dtype in fp8_kernels.INPUT_DTYPES:
             q, q_t, inv = fp8_kernels.cast_fp8(
                 t, dtype, pad, rowwise, colwise, scale=self.scale if delayed else None, scale_index=col,
                 amax_out=self.history if record else None, amax_index=self.pos * self.history.shape[1] + col
@@ -370,7 +373,9 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
     """``torch._scaled_mm`` with a bf16 output. The layout rule of cuBLASLt's FP8 GEMM (``a``
-    row-major, ``b`` column-major, every dimension a multiple of 16) is checked on every device
+    row-major, ``b`` column-major, every dimension a multiple of 16, every pointer, the scales'
+    included, 16-byte aligned: a scale that is element i of a packed float32 vector makes
+    cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) is checked on every device
     (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. On CPU it
     runs PyTorch's own kernel with oneDNN switched off for the call: oneDNN's FP8 GEMM took
     ~10 ms per call at our test sizes (~200× the reference kernel; torch 2.13, project VM)."""
@@ -378,6 +383,11 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         raise ValueError(f"FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} strides "
                          f"{b.stride()}: need a row-major first and a column-major second operand, sizes "
                          f"multiples of {_ALIGN}")
+    misaligned = [n for n, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
+                  if t.data_ptr() % _PTR_ALIGN]
+    if misaligned:
+        raise ValueError(f"FP8 GEMM: {', '.join(misaligned)} not {_PTR_ALIGN}-byte aligned (a view at an "
+                         f"offset into a larger tensor?); cuBLASLt rejects it")
     if a.device.type != "cpu":
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     was = torch._C._get_mkldnn_enabled()

@@ -16,6 +16,11 @@ appended for ``pad``. It computes the same bytes as the reference math (``fp8._c
   1e-12)`` as PyTorch does (``FP8_MAX · (1/amax)``, IEEE reciprocal) and ``1/scale`` (returned
   for the GEMM). Two launches.
 
+The kernels take bf16 and fp16 tensors (the operands of mixed-precision training). An fp32
+tensor takes the reference math instead (``Fp8State.cast`` routes it): on an H200 (Triton 3.6,
+torch 2.11) the fused transposed store of an fp32 input wrote wrong bytes in every fourth row
+of ``q_t``, while bf16 inputs matched the reference bit for bit.
+
 Triton is optional: this module imports without it (``AVAILABLE`` False) and ``fp8.py`` then
 uses the reference math (compiled by inductor on CUDA). On CPU tensors the kernels run only
 under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported), which the
@@ -40,6 +45,7 @@ _MIN_AMAX = 1e-12  # as fp8._MIN_AMAX
 _PARTS = 256  # most partial maxima of the current-scaling reduction (one per program)
 _AMAX_BLOCK = 4096
 _TILE = 64
+INPUT_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels take (see the module docstring)
 # (FP8 max, mantissa bits, smallest normal exponent, Triton dtype name) of each format
 _FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
 
@@ -120,6 +126,9 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
     Returns ``(q, q_t, inv)``: ``q`` ``[rows + pad, cols]`` when ``rowwise``, ``q_t``
     ``[cols, rows + pad]`` when ``colwise``, ``inv`` the 0-d ``1/scale`` under current scaling
     (None when ``scale`` is given: the caller has it)."""
+    if t.dtype not in INPUT_DTYPES:
+        raise ValueError(f"cast_fp8 takes bf16 or fp16 tensors, got {t.dtype} (Fp8State.cast sends others "
+                         f"to the reference math)")
     if not AVAILABLE:
         raise RuntimeError("cast_fp8 needs Triton (not installed)")
     if t.dim() != 2 or t.numel() + pad * t.shape[1] >= 2 ** 31:
