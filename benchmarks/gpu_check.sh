@@ -37,6 +37,7 @@
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
 #   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
+#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
 #   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
@@ -64,7 +65,7 @@ done
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
 STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile compile_nofusion
-        mb8 fp8_compile)
+        mb8 fp8_mb8 fp8_compile)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -103,7 +104,8 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
-                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_compile]=8)
+                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
+                     [fp8_compile]=8)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -115,7 +117,8 @@ else
   MEGATRON_SET=()
   # seconds measured on the first H100 run (2026-11-26), rounded up
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
-                     [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45 [fp8_compile]=60)
+                     [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
+                     [fp8_mb8]=50 [fp8_compile]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -276,6 +279,7 @@ compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=tru
 }
 stage_compile() { compiled_bench bf16_compile --profile; }
 stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
+stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
 

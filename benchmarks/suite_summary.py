@@ -112,6 +112,9 @@ def _bench_lines(rows: list[dict]) -> list[str]:
         lines.append(f"- optim.grad_accum_fusion under train.compile (fused layers outside the graphs): "
                      f"{ok['bf16_compile']['tokens_per_s'] / ok['bf16_compile_nofusion']['tokens_per_s']:.3f}x the "
                      "tokens/s of the compiled run without it")
+    if "fp8_mb8" in ok and ok.get("bf16_mb8", {}).get("tokens_per_s"):
+        lines.append(f"- FP8 with micro-batches of 8: {ok['fp8_mb8']['tokens_per_s'] / ok['bf16_mb8']['tokens_per_s']:.2f}x "
+                     "the bf16 run's tokens/s at the same micro-batch")
     if "fp8_compile" in ok and "bf16_compile" in ok and ok["bf16_compile"].get("tokens_per_s"):
         lines.append(f"- FP8 with train.compile: {ok['fp8_compile']['tokens_per_s'] / ok['bf16_compile']['tokens_per_s']:.2f}x "
                      "the compiled bf16 run's tokens/s")

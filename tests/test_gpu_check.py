@@ -18,7 +18,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
 STAGES = ("env", "tests", "ops_tests", "bf16", "nofusion", "fp8", "vocab250k", "memory", "ops", "megatron", "compile",
-          "compile_nofusion", "mb8", "fp8_compile")
+          "compile_nofusion", "mb8", "fp8_mb8", "fp8_compile")
 
 
 def _run(out, *args, timeout=420):
@@ -42,10 +42,10 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [r["name"] for r in rows] == ["bf16", "bf16_nofusion", "fp8", "std_vocab250k", "bf16_compile", "bf16_compile_nofusion",
-                                           "bf16_mb8", "fp8_compile"]
+                                           "bf16_mb8", "fp8_mb8", "fp8_compile"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[3]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
-    assert rows[0]["micro_batch_size"] == 2 and rows[6]["micro_batch_size"] == 4
+    assert rows[0]["micro_batch_size"] == 2 and rows[6]["micro_batch_size"] == 4 and rows[7]["micro_batch_size"] == 4
     assert "grad_accum_fusion=off" in rows[1]["backends"] and "grad_accum_fusion=on" in rows[0]["backends"]
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
@@ -56,6 +56,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert mem["variant"] == "spec_opt" and mem["comparison"]["trainer"]["predicted_gb"] > 0
     big = mem["comparison"]["trainer, STD 250,112-token head"]
     assert big["predicted_gb"] > 0 and big["measured_gb"] == rows[3]["peak_mem_gb"]
+    assert "FP8 with micro-batches of 8: " in summary
     assert "optim.grad_accum_fusion: " in summary and "optim.grad_accum_fusion under train.compile" in summary and "STD 250,112-token head: predicted" in summary
     assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
     assert "passed" in summary or "skipped in" in summary  # the pytest results reached the summary
