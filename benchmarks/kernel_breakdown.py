@@ -9,6 +9,12 @@ Kinds (by kernel name, a heuristic): gemm (cuBLAS / CUTLASS / nvjet matrix kerne
 (elementwise, norms, reductions, ...). ``busy`` = summed kernel time; ``span`` = the wall time
 of the ProfilerStep ranges; busy / span below 1 means the GPU sat idle (launch gaps, host syncs,
 waiting for the CPU).
+
+After the kernel tables, for each profiled step (``step_timeline.py`` defines each figure): the
+GPU's idle time (the step's span minus the union of its kernels / copies on all streams), its idle
+gaps longer than ``--gap-us`` with what the launching host thread was doing when each opened, the
+host operators by self time, the CUDA runtime / driver calls and kernel launches, and the host
+threads. ``--json`` writes the same under ``"per_step"``.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+
+from step_timeline import analyse, is_step, render as render_steps
 
 KINDS = (
     ("nccl", ("nccl",)),
@@ -49,7 +57,7 @@ def breakdown(trace: dict, category: str = "kernel") -> dict:
             by_name[e["name"]][0] += d
             by_name[e["name"]][1] += 1
             by_kind[kind_of(e["name"])] += d
-        elif str(e.get("name", "")).startswith("ProfilerStep#"):
+        elif is_step(str(e.get("name", "")), e.get("cat")):  # not kineto's GPU-side copy of the range
             steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
     busy = sum(v[0] for v in by_name.values())
     span = sum(b - a for a, b in steps)
@@ -80,16 +88,22 @@ def main(argv=None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="also write the breakdown as JSON here")
+    ap.add_argument("--gap-us", type=float, default=20.0, help="GPU idle gaps longer than this are listed")
+    ap.add_argument("--gaps", type=int, default=8, help="the longest gaps listed per step")
+    ap.add_argument("--top-host", type=int, default=20, help="rows of the host tables per step")
     ap.add_argument("--category", choices=("kernel", "cpu_op"), default="kernel",
                     help="kernel: CUDA kernels; cpu_op: host operators (a CPU trace; nested ones overlap)")
     args = ap.parse_args(argv)
     with open(args.trace, encoding="utf-8") as f:
-        res = breakdown(json.load(f), args.category)
+        trace = json.load(f)
+    res = breakdown(trace, args.category)
     if not res["kernels"]:
         print(f"error: {args.trace} has no {args.category} events"
               + (" (profiled on a CPU? --category cpu_op)" if args.category == "kernel" else ""), file=sys.stderr)
         return 1
+    res["per_step"] = analyse(trace, args.gap_us, args.gaps, args.top_host)
     print(render(res, args.top))
+    print(render_steps(res["per_step"]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)

@@ -175,7 +175,9 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         for section in re.split(r"^(?=# kernels: )", open(kern, encoding="utf-8").read(), flags=re.M):
             if section.startswith("# kernels: "):
                 head = section.splitlines()[:12]
-                lines += [head[0][2:]] + head[1:] + [""]
+                # and each step's GPU idle figures (kernel_breakdown's per-step part, further down)
+                idle = [ln for ln in section.splitlines()[12:] if ln.startswith(("step ", "GPU active ", "idle gaps > "))]
+                lines += [head[0][2:]] + head[1:] + idle + [""]
     return "\n".join(lines) + "\n"
 
 

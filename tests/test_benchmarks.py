@@ -144,7 +144,10 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
         + (" =" if not quiet else "") + "\n### stage ops_tests finished: rc=1 in 65 s\n"
         "### stage bf16 (expected 60s, limit 180s, now)\n"
         "### stage megatron skipped: expected 100s, 40s left\n")
-    (tmp_path / "kernels.txt").write_text("# kernels: bf16 (rank0_steps2-3.json)\nsteps 2: GPU busy 1.0 ms\n")
+    (tmp_path / "kernels.txt").write_text(
+        "# kernels: bf16 (rank0_steps2-3.json)\nsteps 2: GPU busy 1.0 ms\n" + "| kernel |\n" * 12
+        + "\nstep ProfilerStep#3: span 5.00 ms\nGPU active 4.00 ms (union ...), idle 1.00 ms (20.0%)\n"
+        "idle gaps > 20 µs: 3 = 0.90 ms; shorter gaps: 9 = 0.10 ms\n| host op (self time) |\n")
     assert pytest_results(open(tmp_path / "gpu_check.log").read()) == ["3 passed, 1 skipped in 12.0s", failed]
     text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
     assert "NVIDIA H100 80GB HBM3" in text and "400 s of the 420 s budget" in text
@@ -154,6 +157,10 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
     assert "| bf16 | 50,000 | 420.0 | 42.5% | 41.0 | 1300 |" in text
     assert "bf16 MFU >= 50%: 42.5% (NOT met)" in text and "1.40x (met)" in text
     assert "failed: rc=2" in text and "kernels: bf16 (rank0_steps2-3.json)" in text
+    # the head of each kernel breakdown (12 lines), then each step's idle lines without the tables
+    assert ("| kernel |\nstep ProfilerStep#3: span 5.00 ms\nGPU active 4.00 ms (union ...), idle 1.00 ms (20.0%)\n"
+            "idle gaps > 20 µs: 3 = 0.90 ms; shorter gaps: 9 = 0.10 ms\n\n") in text
+    assert text.count("| kernel |") == 10 and "| host op (self time) |" not in text
     # the FP8 stage's second run (PyTorch casts) when the default one failed
     rows[1] = {"name": "fp8", "error": "rc=1: triton"}
     rows.append({"name": "fp8_torch_casts", "tokens_per_s": 60000.0})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -95,6 +96,22 @@ def test_train_records_carry_throughput_memory_and_a_cuda_trace(tmp_path):
     assert "ProfilerStep#2" in names
     if CUDA:
         assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA activities recorded
+    # benchmarks/kernel_breakdown.py's per-step part on this trace: one step (kineto's GPU-side
+    # copy of the range is not a second one); on CUDA the GPU's union within the step, launches
+    # correlated to their kernels, and the launching thread's host stack at each long gap
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from step_timeline import analyse
+    [st] = analyse(trace, gap_us=20)
+    assert st["step"] == "ProfilerStep#2" and st["span_us"] > 0 and st["host"]["ops"]
+    if CUDA:
+        assert 0 < st["gpu_active_us"] <= st["span_us"] and st["gpu_idle_us"] >= 0
+        assert st["long_gaps_us"] + st["short_gaps_us"] == pytest.approx(st["gpu_idle_us"])
+        la = st["host"]["launches"]
+        assert la["runtime_calls"] + la["driver_calls"] > 0 and la["runtime_us"] + la["driver_us"] > 0
+        assert any(kernels for _, _, _, kernels in st["host"]["api"])  # correlation ids matched
+        assert all(g["cpu_at_start"] for g in st["largest_gaps"])
+    else:
+        assert st["gpu_active_us"] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
