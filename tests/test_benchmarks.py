@@ -167,3 +167,33 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
     assert "1.20x (NOT met) (the PyTorch casts: the default run failed)" in text
+
+
+def test_ops_summary_judges_the_targets_on_the_bandwidth_rows():
+    """ops_bench.json as gpu_check's summary shows it: host-bound rows marked, the remap judged on
+    its queued bandwidth row, each scatter against index_add_ on the same ids, the per-call table."""
+    from suite_summary import ops_lines
+    rows = [{"op": "copy (same bytes as the gather)", "dtype": "float32", "ms": 1.0, "GB/s": 3000.0, "host_ms": 0.01},
+            {"op": "gather_rows (sorted ids)", "dtype": "float32", "ms": 1.05, "% of copy": 95.2, "host_ms": 0.01},
+            {"op": "gather_rows (shuffled ids)", "dtype": "float32", "ms": 1.2, "% of copy": 83.3, "host_ms": 0.01},
+            {"op": "scatter_add_rows (deterministic)", "dtype": "float32", "ms": 2.0, "host_ms": 0.02},
+            {"op": "torch index_add_", "dtype": "float32", "ms": 3.0, "host_ms": 0.01},
+            {"op": "scatter_add_rows 8x2048 tokens (dups)", "dtype": "bfloat16", "ms": 0.1, "host_ms": 0.06,
+             "host-bound": True},
+            {"op": "torch index_add_ 8x2048 tokens (dups)", "dtype": "bfloat16", "ms": 0.08, "host_ms": 0.01},
+            {"op": "remap_ids (16384x2048)", "dtype": "int64", "ms": 0.2, "% of copy": 75.0, "host_ms": 0.03,
+             "queued": True}]
+    overhead = [{"op": "remap_ids", "shape": [8, 2048], "host_us": 12.0, "gpu_us": 4.0, "call_us": 30.0},
+                {"op": "torch lookup[ids]", "shape": [8, 2048], "host_us": 10.0, "gpu_us": 5.0, "call_us": 28.0}]
+    text = "\n".join(ops_lines({"info": {"device": "H200", "backend": "cuda"}, "results": rows, "overhead": overhead}))
+    assert "| scatter_add_rows 8x2048 tokens (dups) | bfloat16 | 0.100 | n/a |  | 0.060 (host-bound) |" in text
+    assert "| remap_ids | 12.00 | 4.00 | 30.00 |" in text and "(8x2048 ids)" in text
+    assert "gather >= 80% of the copy: 83% at the lowest (gather_rows (shuffled ids), float32) (met)" in text
+    assert "remap >= 80% of the copy: 75% (remap_ids (16384x2048), calls queued back to back) (NOT met)" in text
+    assert ("scatter_add_rows (deterministic), float32 1.50x, scatter_add_rows 8x2048 tokens (dups), bfloat16 0.80x "
+            "(host-bound) (NOT met)") in text
+    assert "training size: host 1.20x, device 0.80x" in text
+    rows[-1].update({"% of copy": 90.0, "queued": False})
+    text = "\n".join(ops_lines({"results": rows}))
+    assert "90% (remap_ids (16384x2048), calls queued back to back; the device waited for the host: " in text
+    assert "| remap_ids (16384x2048) | int64 | 0.200 | n/a | 90 | 0.030 (device waited for the host) |" in text

@@ -484,6 +484,22 @@ def test_mixed_devices_are_a_value_error():
         ops.remap_ids(meta_ids, torch.arange(4))
 
 
+def test_remap_quick_argument_check_agrees_with_the_full_one():
+    """On CUDA remap_ids runs check_remap_args (which raises the message) only when
+    _remap_args_ok fails: the two must agree on every dtype / rank."""
+    dtypes = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.float32, torch.bool)
+    for ids_dt in dtypes:
+        for lut_dt in dtypes:
+            for shape in ((), (4,), (2, 2)):
+                ids, lookup = torch.zeros(3, dtype=ids_dt), torch.zeros(shape, dtype=lut_dt)
+                try:
+                    fallback.check_remap_args(ids, lookup)
+                    raises = False
+                except (TypeError, ValueError):
+                    raises = True
+                assert ops._remap_args_ok(ids, lookup) is not raises, (ids_dt, lut_dt, shape)
+
+
 def test_meta_tensors_give_shapes():
     _require_extension()
     table = torch.empty(10, 7, device="meta")
@@ -504,3 +520,11 @@ def test_ops_bench_small_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["results"]
     ops_run = {r["op"] for r in rows}
     assert "scatter_add_rows 2x128 tokens (dups)" in ops_run and all(r["ms"] > 0 for r in rows)
+    # the remap's bandwidth rows at --remap-ids (2**13 with --small, 128 ids a row), and its
+    # per-call overhead at the batch size
+    remap = next(r for r in rows if r["op"] == "remap_ids (64x128)")
+    assert remap["% of copy"] > 0 and remap["host_ms"] > 0
+    overhead = json.loads(out.read_text())["overhead"]
+    assert [r["op"] for r in overhead] == ["copy", "remap_ids", "torch lookup[ids]"]
+    assert all(r["shape"] == [2, 128] and r["host_us"] > 0 and r["call_us"] > 0 for r in overhead)
+    assert "| remap_ids | " in res.stdout and "target remap >= 80% of the copy" in res.stdout

@@ -82,8 +82,9 @@ def _route(*tensors: torch.Tensor) -> bool:
     with a segmentation fault, while the CPU kernels' identical throws were caught. The C++
     checks stay as the last line."""
     device = tensors[0].device
-    if any(t.device != device for t in tensors[1:]):
-        return False
+    for t in tensors[1:]:  # a loop, not any(<generator>): this runs on every call
+        if t.device != device:
+            return False
     return _use_extension(device)
 
 
@@ -91,9 +92,8 @@ def _use_extension(device: torch.device) -> bool:
     st = status()
     if not st.loaded:
         return False
-    if device.type in ("cpu", "meta"):
-        return True
-    return device.type == "cuda" and st.cuda
+    kind = device.type  # one attribute read (it builds a str)
+    return kind == "cpu" or kind == "meta" or (kind == "cuda" and st.cuda)
 
 
 def backend(device: Union[str, torch.device, None] = None) -> str:
@@ -140,11 +140,21 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 
 def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
-    if _route(ids, lookup):
-        if ids.is_cuda:
+    # _route, inlined: host work per call (the trainer remaps every micro-batch) is one device
+    # comparison and, on CUDA, the argument checks as three tests; check_remap_args (which
+    # builds the message) runs only when one fails.
+    device = ids.device
+    if device == lookup.device and _use_extension(device):
+        if ids.is_cuda and not _remap_args_ok(ids, lookup):
             fallback.check_remap_args(ids, lookup)
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
+
+
+def _remap_args_ok(ids: torch.Tensor, lookup: torch.Tensor) -> bool:
+    """False exactly when check_remap_args raises for two tensors on one device."""
+    return (lookup.dim() == 1 and ids.dtype in fallback.ID_DTYPES
+            and lookup.dtype in fallback.ID_DTYPES)
 
 
 def check_errors(device: Union[str, torch.device, None] = None) -> None:
