@@ -32,7 +32,7 @@
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
 #              -> memory.json                                                                   16
-#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  10
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
@@ -116,7 +116,7 @@ else
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
   # seconds measured on the first H100 run (2026-11-26), rounded up
-  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=10 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
+  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=20 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
