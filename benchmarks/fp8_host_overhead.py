@@ -15,12 +15,13 @@ Every mode times forward and backward passes through a chain of ``--depth`` line
 ``backward()`` per pass, as one per micro-batch in training) and reports the time per layer
 call. Each pass runs inside an open training step as the trainer runs it: a gradient buffer
 active for the weights (``main_grad`` fp32) and, for FP8, the model's ``Fp8State`` step open
-with delayed scaling (a warm-up step first, so the step timed has history and scales; the
+with delayed scaling (``--scaling current``: current scaling, where a Triton cast is two
+launches). A warm-up step comes first, so the step timed has history and scales, and each
 step's first pass, which casts the weights, is not timed: every timed call finds its weight's
-FP8 copies cached and casts its input and its output gradient). Trials alternate the modes (rotating which goes first) to share the machine's noise;
-the result is the median over trials of µs per call, in CPU time of the process (with one
-thread that is the host's work, and time the process was preempted on a shared machine does
-not count). Modes:
+FP8 copies cached and casts its input and its output gradient. Trials alternate the modes
+(rotating which goes first) to share the machine's noise; the result is the median over
+trials of µs per call, in CPU time of the process (with one thread that is the host's work;
+time the process was preempted on a shared machine does not count). Modes:
 
 * ``bf16``: plain ``F.linear`` with autograd's own weight-gradient accumulation (``w.grad``).
 * ``bf16_layer``: our bf16 linear path (``optim.grad_accum_fusion``, the default): the
@@ -130,7 +131,7 @@ class Case:
     """One mode's chain of ``depth`` linear layers, operands, gradient buffer and step (see the
     module docstring)."""
 
-    def __init__(self, mode: str, tokens: int, hidden: int, depth: int) -> None:
+    def __init__(self, mode: str, tokens: int, hidden: int, depth: int, scaling: str = "delayed") -> None:
         g = torch.Generator().manual_seed(0)
         self.mode = mode
         self.ws = [torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).bfloat16())
@@ -144,7 +145,7 @@ class Case:
             self.sync = GradSync(build_groups(), overlap=False)
         self.state, self.layers = None, [None] * depth
         if mode.startswith("fp8"):
-            self.state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=16), "cpu", kernels="torch")
+            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), "cpu", kernels="torch")
             self.layers = [self.state.new_layer() for _ in range(depth)]
             if mode != "fp8_torch":
                 self.state.kernels = "triton"  # the kernel path of Fp8State.cast, its kernels stubbed
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--scaling", default="delayed", choices=("delayed", "current"), help="the FP8 recipe's scaling")
     ap.add_argument("--profile", default=None, help="a mode to run once more under cProfile")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -212,7 +214,7 @@ def main() -> None:
     unknown = set(modes) - set(MODES) | ({args.profile} - set(MODES) - {None})
     if len(shape) != 2 or unknown:
         raise SystemExit(f"--shape takes tokens,hidden; modes are {', '.join(MODES)} (got {sorted(unknown)})")
-    cases = {m: Case(m, *shape, args.depth) for m in modes}
+    cases = {m: Case(m, *shape, args.depth, args.scaling) for m in modes}
     for case in cases.values():  # warm-up: allocator, dispatcher caches
         case.step(args.calls // 4 + 1)
     us: dict[str, list[float]] = {m: [] for m in modes}
@@ -220,17 +222,17 @@ def main() -> None:
         order = modes[trial % len(modes):] + modes[:trial % len(modes)]
         for m in order:
             us[m].append(cases[m].step(args.calls) / (args.calls * args.depth) * 1e6)
-    res = {"shape": shape, "depth": args.depth, "calls": args.calls, "trials": args.trials, "threads": args.threads,
+    res = {"shape": shape, "depth": args.depth, "scaling": args.scaling, "calls": args.calls, "trials": args.trials, "threads": args.threads,
            "torch": torch.__version__, "us_per_call": {m: statistics.median(v) for m, v in us.items()},
            "us_min": {m: min(v) for m, v in us.items()}}
     print(f"host µs per linear call (forward + backward), tokens,hidden = {args.shape}, a chain of {args.depth}, "
-          f"{args.calls} passes × {args.trials} trials, torch {torch.__version__}, {args.threads} thread(s)")
+          f"{args.calls} passes × {args.trials} trials, torch {torch.__version__}, {args.threads} thread(s), {args.scaling} scaling")
     base = res["us_per_call"].get("bf16")
     for m in modes:
         rel = f"  ({res['us_per_call'][m] / base:.2f}× bf16)" if base else ""
         print(f"  {m:16s} median {res['us_per_call'][m]:8.1f}  min {res['us_min'][m]:8.1f}{rel}")
     if args.profile:
-        print(profile(cases.get(args.profile) or Case(args.profile, *shape, args.depth), args.calls))
+        print(profile(cases.get(args.profile) or Case(args.profile, *shape, args.depth, args.scaling), args.calls))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -60,6 +60,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..grad_buffer import grad_owner
 from . import fp8_kernels
 from .compiled_math import CudaCompiled
 
@@ -196,6 +197,7 @@ class Fp8State:
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
+        self._record = False  # a training step under delayed scaling is open: casts record their amax
         self.history: Optional[torch.Tensor] = None  # [N + 1, 3 L], allocated by the first training step
         self.scale: Optional[torch.Tensor] = None  # [3 L] this step's scales (delayed scaling)
         # [3 L] their reciprocals (the GEMMs' dequantisation), one per 16 bytes: see _scaled_mm
@@ -225,13 +227,14 @@ class Fp8State:
         for layer in self.layers:
             layer.cache.open()
         self.mode = "train" if train else "eval"
-        if train and self.delayed and self.layers:
+        self._record = train and self.delayed
+        if self._record and self.layers:
             self._advance()
 
     def end_step(self) -> None:
         for layer in self.layers:
             layer.cache.close()
-        self.mode = None
+        self.mode, self._record = None, False
 
     @torch.no_grad()
     def _advance(self) -> None:
@@ -261,7 +264,7 @@ class Fp8State:
         maxed into the history; otherwise current scaling. Triton: one launch (two for current
         scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
         col = 3 * layer + operand
-        record = self.mode == "train" and self.delayed
+        record = self._record
         delayed = record and col in self._ready
         if record:
             self._recorded.add(col)
@@ -447,6 +450,8 @@ class _Fp8Linear(torch.autograd.Function):
             y = _scaled_mm(xq, w.fwd, x_inv, w.inv)
         ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
         ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
+        # the parameter itself (its gradient buffer; see backward)
+        ctx.param = weight
         if pad:
             y = y[:rows]
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
@@ -474,6 +479,10 @@ class _Fp8Linear(torch.autograd.Function):
                 grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv)
                 if grad_w.dtype != w_dtype:
                     grad_w = grad_w.to(w_dtype)
+                owner = grad_owner(ctx.param)
+                if owner is not None and owner.active:  # inside a training step: straight into main_grad
+                    owner.add_grad(ctx.param, grad_w)
+                    grad_w = None
         return grad_x, grad_w, None, None
 
 
