@@ -67,23 +67,26 @@ def test_fp8_linear_is_its_spelled_out_composition_bit_for_bit(shape, dtype, aut
         assert _bytes_equal(got, want), (what, got.dtype, got.shape, want.dtype, want.shape)
 
 
-def _train(hook_path: bool, monkeypatch) -> dict:
+def _train(route: str, monkeypatch) -> dict:
     """Two training steps (the first current-scaled, then delayed) of three micro-batches
-    through two chained FP8 linears whose weights have an fp32 gradient buffer; then one pass
-    outside a step. ``hook_path``: the weight gradient goes through ``param.grad`` and the
-    buffer's hook (the backward finds no buffer)."""
-    if hook_path:
+    through two chained FP8 linears with bf16 weights; then one pass outside a step. ``route``
+    of the weight gradients: ``direct`` (an fp32 gradient buffer, the backward adds into it),
+    ``hook`` (the same buffer, the backward finds none: ``param.grad`` and the buffer's hook),
+    ``plain`` (no buffer: each micro-batch's ``param.grad`` taken as it is)."""
+    if route == "hook":
         monkeypatch.setattr(fp8_module, "grad_owner", lambda p: None)
     g = torch.Generator().manual_seed(5)
     state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=4), "cpu")
     layers = [state.new_layer() for _ in range(2)]
     ws = [torch.nn.Parameter((torch.randn(64, 64, generator=g) * 0.1).bfloat16()) for _ in range(2)]
-    buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
-    buf.adopt()
-    sync = GradSync(build_groups(), overlap=True)
-    out = {"main_grad": [], "x_grad": [], "counts": [], "param_grad_none": []}
+    if route != "plain":
+        buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
+        buf.adopt()
+        sync = GradSync(build_groups(), overlap=True)
+    out = {"main_grad": [], "x_grad": [], "counts": [], "param_grad_none": [], "per_micro_batch": []}
     for _ in range(2):
-        sync.begin([buf], {id(w): 3 for w in ws})
+        if route != "plain":
+            sync.begin([buf], {id(w): 3 for w in ws})
         state.begin_step()
         for _ in range(3):
             x = torch.randn(2, 20, 64, generator=g).bfloat16().requires_grad_()
@@ -91,10 +94,15 @@ def _train(hook_path: bool, monkeypatch) -> dict:
             y.backward(torch.randn(y.shape, generator=g).bfloat16())
             out["x_grad"].append(x.grad)
             out["param_grad_none"].append(all(w.grad is None for w in ws))
-        out["counts"].append([buf.counts[id(w)] for w in ws])
+            if route == "plain":
+                out["per_micro_batch"].append([w.grad for w in ws])
+                for w in ws:
+                    w.grad = None
         state.end_step()
-        sync.finish()
-        out["main_grad"] += [w.main_grad.clone() for w in ws]
+        if route != "plain":
+            out["counts"].append([buf.counts[id(w)] for w in ws])
+            sync.finish()
+            out["main_grad"] += [w.main_grad.clone() for w in ws]
     x = torch.randn(16, 64, generator=g).bfloat16()
     fp8_linear(fp8_linear(x, ws[0], layers[0]), ws[1], layers[1]).sum().backward()  # no step: plain autograd
     out["outside"] = [w.grad for w in ws]
@@ -102,15 +110,27 @@ def _train(hook_path: bool, monkeypatch) -> dict:
 
 
 def test_weight_gradient_reaches_main_grad_as_through_the_hook(monkeypatch):
-    got = _train(False, monkeypatch)
+    got = _train("direct", monkeypatch)
     with monkeypatch.context() as m:
-        ref = _train(True, m)
+        ref = _train("hook", m)
+    plain = _train("plain", monkeypatch)
     assert got["counts"] == ref["counts"] == [[3, 3]] * 2
     assert all(got["param_grad_none"]) and all(ref["param_grad_none"])
     for key in ("main_grad", "x_grad", "outside"):
         assert all(t is not None for t in got[key]), key
         assert len(got[key]) == len(ref[key]) and all(_bytes_equal(a, b) for a, b in zip(got[key], ref[key])), key
-    assert any(t.abs().sum() > 0 for t in got["main_grad"])
+    # the buffer holds, per step, the fp32 sum of the micro-batches' bf16 gradients: the first
+    # copied, the others added in order
+    want = []
+    for step in range(2):
+        mbs = plain["per_micro_batch"][3 * step:3 * step + 3]
+        for i in range(2):
+            acc = mbs[0][i].float()
+            for mb in mbs[1:]:
+                acc = acc + mb[i]
+            want.append(acc)
+    assert all(_bytes_equal(a, b) for a, b in zip(got["main_grad"], want))
+    assert all(t.abs().sum() > 0 for t in got["main_grad"])
 
 
 def test_scaled_mm_names_a_misaligned_operand_or_scale():
