@@ -6,8 +6,10 @@ runs after autograd has accumulated a micro-batch's gradient into ``param.grad``
 (``register_post_accumulate_grad_hook``) adds it into ``main_grad`` and frees ``param.grad``,
 so half-precision weights accumulate their gradients in fp32. With
 ``optim.grad_accum_fusion`` the weights of our linear layers skip ``param.grad`` altogether:
-their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``).
-Both paths go through :meth:`GradBuffer.arrive`, which does the step's bookkeeping.
+their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``),
+and the FP8 linear's backward hands its weight gradient to :meth:`GradBuffer.add_grad` itself
+(the hook's copy-then-add, ``parallel/fp8.py``). All paths go through
+:meth:`GradBuffer.arrive`, which does the step's bookkeeping.
 
 The buffer is laid out in reverse parameter order (roughly the order backward produces the
 gradients) and cut into buckets of about ``optim.grad_bucket_size`` elements. A bucket is

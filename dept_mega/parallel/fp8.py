@@ -10,7 +10,9 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
 * backward: the output gradient is cast to e5m2 (``fp8: hybrid``; e4m3 with ``fp8: e4m3``);
   ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight of the forward (so the
   saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
-  and ``weight``; the master weights are never touched (the optimizer keeps them).
+  and ``weight``; inside a training step the weight gradient goes straight into the weight's
+  gradient buffer (``GradBuffer.add_grad``: what ``param.grad`` and the buffer's hook would
+  do, with less host work). The master weights are never touched (the optimizer keeps them).
 * steps: the trainer opens one step of the model's FP8 state around a training step's
   forwards and backwards (:func:`fp8_weight_cache`; ``train=False`` around an evaluation).
   Weights are cast once per step (:class:`Fp8WeightCache`): every micro-batch, recomputed
