@@ -6,8 +6,10 @@ runs after autograd has accumulated a micro-batch's gradient into ``param.grad``
 (``register_post_accumulate_grad_hook``) adds it into ``main_grad`` and frees ``param.grad``,
 so half-precision weights accumulate their gradients in fp32. With
 ``optim.grad_accum_fusion`` the weights of our linear layers skip ``param.grad`` altogether:
-their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``).
-Both paths go through :meth:`GradBuffer.arrive`, which does the step's bookkeeping.
+their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``),
+and the FP8 linear's backward hands its weight gradient to :meth:`GradBuffer.add_grad` itself
+(the hook's copy-then-add, ``parallel/fp8.py``). All paths go through
+:meth:`GradBuffer.arrive`, which does the step's bookkeeping.
 
 The buffer is laid out in reverse parameter order (roughly the order backward produces the
 gradients) and cut into buckets of about ``optim.grad_bucket_size`` elements. A bucket is
@@ -177,7 +179,6 @@ class GradBuffer:
         """Inside a training step: the storage is allocated and a :class:`GradSync` has begun."""
         return self.data is not None and self.sync is not None
 
-    @torch.no_grad()
     def accumulate(self, p: torch.nn.Parameter) -> None:
         """The post-accumulate-grad hook's path: move autograd's ``p.grad`` into ``main_grad``."""
         if not self.active:
@@ -185,24 +186,37 @@ class GradBuffer:
         g = p.grad
         if g is None:
             return  # autograd runs the hook also when a fused linear's backward returned no gradient
-        first = self.counts[id(p)] == 0
-        # the first micro-batch: exactly its gradient (as autograd keeps it); then sums
-        self.arrive(p, (lambda mg: mg.copy_(g)) if first else (lambda mg: mg.add_(g)))
+        self.add_grad(p, g)
         p.grad = None
 
-    @torch.no_grad()
+    def add_grad(self, p: torch.nn.Parameter, g: torch.Tensor) -> None:
+        """One micro-batch's gradient ``g`` of ``p`` into ``main_grad``: the step's first is
+        copied (exactly its gradient, as autograd keeps it), the others added. The hook's path,
+        and the FP8 linear's backward, which hands its weight gradient here itself
+        (``parallel/fp8.py``) rather than through ``p.grad`` and the hook: the same operations
+        on the same tensors, less host work."""
+        first = self.counts[id(p)] == 0
+        self.arrive(p, (lambda mg: mg.copy_(g)) if first else (lambda mg: mg.add_(g)))
+
     def arrive(self, p: torch.nn.Parameter, add: Callable[[torch.Tensor], Any]) -> None:
         """One micro-batch's gradient of ``p`` arrives: ``add(p.main_grad)`` adds it into the
         buffer (the hook's copy/add, or a linear layer's weight-gradient GEMM accumulating in
         place, ``parallel/wgrad.py``), then the step's bookkeeping: the count, the bucket's
         pending accumulations and, when the bucket is final, :meth:`GradSync.bucket_final`
-        (which may launch its data-parallel reduction). Call only while :attr:`active`."""
+        (which may launch its data-parallel reduction). Call only while :attr:`active`.
+        ``add`` runs without autograd recording: backward passes run with gradients off (a
+        ``no_grad`` context only where they are on, ``create_graph``: entering one costs ~2 µs
+        of host time per call)."""
         b = self.bucket_of[id(p)]
         if b.launched:
             raise RuntimeError(f"gradient of {self.names.get(id(p), 'a parameter')} arrived after its bucket's "
                                f"data-parallel reduction started: the parameter received more gradient "
                                f"accumulations this step than the trainer expected")
-        add(p.main_grad)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                add(p.main_grad)
+        else:
+            add(p.main_grad)
         self.counts[id(p)] += 1
         b.pending -= 1
         if b.pending == 0:

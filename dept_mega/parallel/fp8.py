@@ -10,7 +10,9 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
 * backward: the output gradient is cast to e5m2 (``fp8: hybrid``; e4m3 with ``fp8: e4m3``);
   ``dX = dY·W`` and ``dW = dYᵀ·X`` reuse the FP8 input and weight of the forward (so the
   saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
-  and ``weight``; the master weights are never touched (the optimizer keeps them).
+  and ``weight``; inside a training step the weight gradient goes straight into the weight's
+  gradient buffer (``GradBuffer.add_grad``: what ``param.grad`` and the buffer's hook would
+  do, with less host work). The master weights are never touched (the optimizer keeps them).
 * steps: the trainer opens one step of the model's FP8 state around a training step's
   forwards and backwards (:func:`fp8_weight_cache`; ``train=False`` around an evaluation).
   Weights are cast once per step (:class:`Fp8WeightCache`): every micro-batch, recomputed
@@ -60,6 +62,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..grad_buffer import grad_owner
 from . import fp8_kernels
 from .compiled_math import CudaCompiled
 
@@ -193,8 +196,10 @@ class Fp8State:
         self.recipe = recipe
         self.device = torch.device(device)
         self.kernels = resolve_cast_kernels(kernels, self.device)
+        self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
+        self._record = False  # a training step under delayed scaling is open: casts record their amax
         self.history: Optional[torch.Tensor] = None  # [N + 1, 3 L], allocated by the first training step
         self.scale: Optional[torch.Tensor] = None  # [3 L] this step's scales (delayed scaling)
         # [3 L] their reciprocals (the GEMMs' dequantisation), one per 16 bytes: see _scaled_mm
@@ -224,13 +229,14 @@ class Fp8State:
         for layer in self.layers:
             layer.cache.open()
         self.mode = "train" if train else "eval"
-        if train and self.delayed and self.layers:
+        self._record = train and self.delayed
+        if self._record and self.layers:
             self._advance()
 
     def end_step(self) -> None:
         for layer in self.layers:
             layer.cache.close()
-        self.mode = None
+        self.mode, self._record = None, False
 
     @torch.no_grad()
     def _advance(self) -> None:
@@ -260,7 +266,7 @@ class Fp8State:
         maxed into the history; otherwise current scaling. Triton: one launch (two for current
         scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
         col = 3 * layer + operand
-        record = self.mode == "train" and self.delayed
+        record = self._record
         delayed = record and col in self._ready
         if record:
             self._recorded.add(col)
@@ -280,10 +286,17 @@ class Fp8State:
 class WeightFp8:
     """A weight's FP8 copies: ``q`` [out, in] (the forward GEMM's second operand as ``q.t()``),
     ``q_t`` [in, out] (the input-gradient GEMM's second operand as ``q_t.t()``; None when not
-    needed) and the dequantisation factor ``inv``."""
+    needed) and the dequantisation factor ``inv``. ``fwd`` and ``dgrad`` are those column-major
+    views, made once with the copies (a ``.t()`` per GEMM is a dispatch of its own)."""
     q: torch.Tensor
     q_t: Optional[torch.Tensor]
     inv: torch.Tensor
+    fwd: torch.Tensor = dataclasses.field(init=False, repr=False, compare=False)
+    dgrad: Optional[torch.Tensor] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fwd", self.q.t())
+        object.__setattr__(self, "dgrad", None if self.q_t is None else self.q_t.t())
 
 
 def quantize_weight(weight: torch.Tensor, layer: "Fp8Layer", transposed: bool) -> WeightFp8:
@@ -376,16 +389,20 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     row-major, ``b`` column-major, every dimension a multiple of 16, every pointer, the scales'
     included, 16-byte aligned: a scale that is element i of a packed float32 vector makes
     cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) is checked on every device
-    (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. On CPU it
-    runs PyTorch's own kernel with oneDNN switched off for the call: oneDNN's FP8 GEMM took
-    ~10 ms per call at our test sizes (~200× the reference kernel; torch 2.13, project VM)."""
-    if a.stride(1) != 1 or b.stride(0) != 1 or any(n % _ALIGN for n in (*a.shape, b.shape[1])):
+    (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. The checks
+    are a few integer operations (the pointers OR-ed together: 16 is a power of two); the
+    names of what failed are worked out only for the error. On CPU it runs PyTorch's own
+    kernel with oneDNN switched off for the call: oneDNN's FP8 GEMM took ~10 ms per call at
+    our test sizes (~200× the reference kernel; torch 2.13, project VM)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a.stride(1) != 1 or b.stride(0) != 1 or (m % _ALIGN or k % _ALIGN or n % _ALIGN):
         raise ValueError(f"FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} strides "
                          f"{b.stride()}: need a row-major first and a column-major second operand, sizes "
                          f"multiples of {_ALIGN}")
-    misaligned = [n for n, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
-                  if t.data_ptr() % _PTR_ALIGN]
-    if misaligned:
+    if (a.data_ptr() | b.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr()) % _PTR_ALIGN:
+        misaligned = [name for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
+                      if t.data_ptr() % _PTR_ALIGN]
         raise ValueError(f"FP8 GEMM: {', '.join(misaligned)} not {_PTR_ALIGN}-byte aligned (a view at an "
                          f"offset into a larger tensor?); cuBLASLt rejects it")
     if a.device.type != "cpu":
@@ -398,44 +415,76 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         torch._C._set_mkldnn_enabled(was)
 
 
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
+def _autocast_off(device_type: str):
+    """The FP8 math runs outside autocast: ``torch.autocast(enabled=False)`` where autocast is
+    on, nothing where it is off (the trainer uses none; entering an autocast context costs
+    ~4 µs of host time per call even when it changes nothing)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return _NO_AUTOCAST
+
+
 class _Fp8Linear(torch.autograd.Function):
     """Layouts (all without a separate transpose pass; ``·_t`` copies come out of the casts):
     forward ``y = xq · wq.t()``; input gradient ``dX = gq · w.q_t.t()``; weight gradient
     ``dW = gq_t · xq_t.t()``, which contracts over the tokens and so needs both operands
     token-major: the forward saves the input's transposed FP8 copy (instead of the row-major
-    one, the same bytes) and the gradient's cast writes its transposed copy too."""
+    one, the same bytes) and the gradient's cast writes its transposed copy too.
+
+    Host time matters here (on a fast GPU the step waits for the Python of its FP8 linears,
+    ``benchmarks/fp8_host_overhead.py``): a reshape, slice or dtype conversion that would change
+    nothing is skipped rather than dispatched (2-D operands, token counts that need no
+    padding, gradients already in the operand's dtype)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, grad: bool) -> torch.Tensor:
         out_features, in_features = weight.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
         rows = x2.shape[0]
+        pad = (-rows) % _ALIGN
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, (-rows) % _ALIGN, colwise=need_dw)
+        with _autocast_off(x.device.type):
+            xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
             w = layer.cache.operands(weight, layer, need_dx)
-            y = _scaled_mm(xq, w.q.t(), x_inv, w.inv)
-        ctx.save_for_backward(xq_t, x_inv, w.q_t, w.inv)
-        ctx.meta = (layer, rows, x.dtype, weight.dtype)
-        return y[:rows].reshape(*lead, out_features)
+            y = _scaled_mm(xq, w.fwd, x_inv, w.inv)
+        ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
+        ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
+        # the parameter itself (its gradient buffer; see backward)
+        ctx.param = weight
+        if pad:
+            y = y[:rows]
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        layer, rows, x_dtype, w_dtype = ctx.meta
+        xq_t, x_inv, w_dgrad, w_inv = ctx.saved_tensors
+        layer, rows, pad, x_dtype, w_dtype = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        out_features = grad_out.shape[-1]
-        g2 = grad_out.reshape(-1, out_features)
+        g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
-        with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            gq, gq_t, g_inv = layer.state.cast(g2, layer.index, GRAD, layer.state.recipe.grad_dtype,
-                                               (-rows) % _ALIGN, rowwise=need_dx, colwise=need_dw)
+        state = layer.state
+        with _autocast_off(grad_out.device.type):
+            gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
+                                         colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
-                grad_x = _scaled_mm(gq, wq_t.t(), g_inv, w_inv)[:rows]
-                grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
+                grad_x = _scaled_mm(gq, w_dgrad, g_inv, w_inv)
+                if pad:
+                    grad_x = grad_x[:rows]
+                if grad_out.dim() != 2:
+                    grad_x = grad_x.reshape(*grad_out.shape[:-1], w_dgrad.shape[1])
+                if grad_x.dtype != x_dtype:
+                    grad_x = grad_x.to(x_dtype)
             if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
+                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv)
+                if grad_w.dtype != w_dtype:
+                    grad_w = grad_w.to(w_dtype)
+                owner = grad_owner(ctx.param)
+                if owner is not None and owner.active:  # inside a training step: straight into main_grad
+                    owner.add_grad(ctx.param, grad_w)
+                    grad_w = None
         return grad_x, grad_w, None, None
 
 

@@ -50,6 +50,19 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels take (see the
 _FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
 
 
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor on ``device`` for the pointer arguments a launch does not use (a
+    current-scaled cast's scale, an unrecorded cast's amax slot): one per device, never read
+    or written, rather than an allocation per cast."""
+    d = _DUMMIES.get(device)
+    if d is None:
+        d = _DUMMIES[device] = torch.empty((), dtype=torch.float32, device=device)
+    return d
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -133,7 +146,7 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
         raise RuntimeError("cast_fp8 needs Triton (not installed)")
     if t.dim() != 2 or t.numel() + pad * t.shape[1] >= 2 ** 31:
         raise ValueError(f"cast_fp8 takes a 2-D tensor under 2^31 elements, got {tuple(t.shape)}")
-    if t.device.type == "cpu" and not interpreted():
+    if t.is_cpu and not interpreted():
         raise RuntimeError("cast_fp8 on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     fmax, mbits, emin = _FORMATS[dtype]
     t = t.contiguous()
@@ -142,7 +155,7 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
     q = t.new_empty((out_rows, cols), dtype=dtype) if rowwise else None
     q_t = t.new_empty((cols, out_rows), dtype=dtype) if colwise else None
     current = scale is None
-    dummy = t.new_empty((), dtype=torch.float32) if current or amax_out is None else None
+    dummy = _dummy(t.device) if current or amax_out is None else None
     inv = t.new_empty((), dtype=torch.float32) if current else None
     parts, nparts = dummy, 0
     if current:

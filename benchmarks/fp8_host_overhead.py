@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Host (CPU-side Python and dispatch) cost of one FP8 linear call, forward + backward.
+
+    OMP_NUM_THREADS=1 python benchmarks/fp8_host_overhead.py [--shape 16,16] [--depth 8] \
+        [--calls 50] [--trials 9] [--modes bf16,bf16_layer,fp8_torch,...] [--profile MODE] [--json OUT]
+
+On a fast GPU the FP8 linear layers are bound by what the host spends per call: the GPU kernels
+of a 1B model's linear are over before Python has launched the next ones (docs/performance.md).
+This script measures that host time on the CPU with operands so small (``--shape tokens,hidden``,
+default 16 × 16, the smallest legal FP8 GEMM) that the kernels' own time is small, so the time
+per call is mostly the Python and the dispatcher around them.
+
+Every mode times forward and backward passes through a chain of ``--depth`` linear layers
+``hidden → hidden`` (bf16 weights, the input a leaf that needs its gradient; one
+``backward()`` per pass, as one per micro-batch in training) and reports the time per layer
+call. Each pass runs inside an open training step as the trainer runs it: a gradient buffer
+active for the weights (``main_grad`` fp32) and, for FP8, the model's ``Fp8State`` step open
+with delayed scaling (``--scaling current``: current scaling, where a Triton cast is two
+launches). A warm-up step comes first, so the step timed has history and scales, and each
+step's first pass, which casts the weights, is not timed: every timed call finds its weight's
+FP8 copies cached and casts its input and its output gradient. Trials alternate the modes
+(rotating which goes first) to share the machine's noise; the result is the median over
+trials of µs per call, in CPU time of the process (with one thread that is the host's work;
+time the process was preempted on a shared machine does not count). Modes:
+
+* ``bf16``: plain ``F.linear`` with autograd's own weight-gradient accumulation (``w.grad``).
+* ``bf16_layer``: our bf16 linear path (``optim.grad_accum_fusion``, the default): the
+  ``FusedWgradLinear`` autograd function, its backward adding ``dYᵀ·X`` into ``main_grad``
+  through ``GradBuffer.arrive``.
+* ``fp8_torch``: ``fp8_linear`` with the ``torch`` casts (``_cast_math`` eagerly, as on CPU; on
+  CUDA they are compiled, so their host cost there differs): the whole FP8 path including the
+  reference casts' several eager tensor ops per cast. Gradient to ``main_grad`` as the trainer
+  does for FP8 weights.
+* ``fp8_stub``: the ``triton`` cast path of ``Fp8State.cast`` with ``fp8_kernels.cast_fp8``
+  replaced by a stub that only allocates its outputs (no arithmetic, the FP8 bytes are
+  garbage): the Python of the FP8 linear around the cast call (state lookups, weight cache,
+  ``_scaled_mm`` checks and GEMMs, autograd function, gradient accumulation).
+* ``fp8_launch_stub``: as ``fp8_stub`` but the real ``cast_fp8`` runs, with only its Triton
+  kernel objects replaced by no-op launchers (and Triton's ``cdiv`` and availability flags
+  provided when Triton is not installed): adds ``cast_fp8``'s own Python (checks,
+  allocations, grid). What neither stub measures is Triton's launcher itself (argument
+  binding, specialisation key, cache lookup, the driver call), which exists only on a GPU.
+* ``fp8_python``: as ``fp8_stub`` and ``torch._scaled_mm`` replaced by a stub that allocates
+  its bf16 output: our Python, autograd and the allocations alone (PyTorch's CPU ``_scaled_mm``
+  converts both operands to fp32 first, ~20 µs per call even at 16 × 16, which is not what the
+  cuBLASLt call costs the host on a GPU).
+
+``--profile MODE`` runs one more step of ``MODE`` under cProfile and prints where its time goes.
+The kernels' time is not zero at these sizes (the CPU ``_scaled_mm`` and, in ``fp8_torch``, the
+eager casts compute), so the differences between modes, not the absolute numbers, are the host
+cost of the FP8 path; GPU kernel launch costs (the CUDA driver) are not included anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import types
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
+from dept_mega.parallel import fp8_kernels as K  # noqa: E402
+from dept_mega.parallel import wgrad  # noqa: E402
+from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear  # noqa: E402
+from dept_mega.parallel.groups import build_groups  # noqa: E402
+
+MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8_stub", "fp8_launch_stub", "fp8_python")
+_BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
+
+
+def _stub_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=None, **kwargs):
+    """``torch._scaled_mm``'s output, allocated and left unwritten (the ``fp8_python`` mode)."""
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _stub_cast_fp8(t, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0,
+                   amax_out=None, amax_index=0):
+    """``cast_fp8``'s outputs, allocated and left unwritten (the ``fp8_stub`` mode)."""
+    rows, cols = t.shape
+    q = t.new_empty((rows + pad, cols), dtype=dtype) if rowwise else None
+    q_t = t.new_empty((cols, rows + pad), dtype=dtype) if colwise else None
+    return q, q_t, (t.new_empty((), dtype=torch.float32) if scale is None else None)
+
+
+class _NoLaunch:
+    """A Triton kernel object whose launches do nothing (the ``fp8_launch_stub`` mode)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _patched(mode: str):
+    """The cast path of ``mode`` in place for the duration (restored afterwards)."""
+    saved = {name: getattr(K, name) for name in ("cast_fp8", "_cast_kernel", "_amax_parts_kernel", "AVAILABLE",
+                                                   "triton", "interpreted") if hasattr(K, name)}
+    scaled_mm = torch._scaled_mm
+    if mode in ("fp8_stub", "fp8_python"):
+        K.cast_fp8 = _stub_cast_fp8
+    if mode == "fp8_python":
+        torch._scaled_mm = _stub_scaled_mm
+    elif mode == "fp8_launch_stub":
+        K._cast_kernel = K._amax_parts_kernel = _NoLaunch()
+        K.AVAILABLE, K.interpreted = True, lambda: True
+        if K.triton is None:
+            K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    try:
+        yield
+    finally:
+        torch._scaled_mm = scaled_mm
+        for name, value in saved.items():
+            setattr(K, name, value)
+        for name in ("_cast_kernel", "_amax_parts_kernel"):
+            if name not in saved and hasattr(K, name):
+                delattr(K, name)
+
+
+class Case:
+    """One mode's chain of ``depth`` linear layers, operands, gradient buffer and step (see the
+    module docstring)."""
+
+    def __init__(self, mode: str, tokens: int, hidden: int, depth: int, scaling: str = "delayed") -> None:
+        g = torch.Generator().manual_seed(0)
+        self.mode = mode
+        self.ws = [torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).bfloat16())
+                   for _ in range(depth)]
+        self.x = torch.randn(tokens, hidden, generator=g).bfloat16().requires_grad_()
+        self.dy = torch.randn(tokens, hidden, generator=g).bfloat16()
+        self.buffer = None
+        if mode != "bf16":
+            self.buffer = GradBuffer(self.ws, torch.float32, torch.device("cpu"), bucket_size=1 << 30)
+            self.buffer.adopt()
+            self.sync = GradSync(build_groups(), overlap=False)
+        self.state, self.layers = None, [None] * depth
+        if mode.startswith("fp8"):
+            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), "cpu", kernels="torch")
+            self.layers = [self.state.new_layer() for _ in range(depth)]
+            if mode != "fp8_torch":
+                self.state.kernels = "triton"  # the kernel path of Fp8State.cast, its kernels stubbed
+            self.step(2)  # the first (current-scaled) step: history and scales from here on
+
+    def call(self) -> None:
+        """Forward and backward through the chain."""
+        y = self.x
+        for w, layer in zip(self.ws, self.layers):
+            if self.mode == "bf16":
+                y = F.linear(y, w)
+            elif self.mode == "bf16_layer":
+                y = wgrad.linear(y, w, None, fuse_wgrad=True)
+            else:
+                y = fp8_linear(y, w, layer)
+        y.backward(self.dy)
+
+    def step(self, calls: int) -> float:
+        """One training step of ``calls`` forward + backward passes through the chain (the
+        micro-batches); CPU seconds of all but the first (FP8: which casts the weights)."""
+        with _patched(self.mode):
+            if self.buffer is not None:
+                self.sync.begin([self.buffer], {id(w): _BIG for w in self.ws})
+            if self.state is not None:
+                self.state.begin_step()
+            self.call()
+            t0 = time.process_time()
+            for _ in range(calls):
+                self.call()
+            dt = time.process_time() - t0
+            if self.state is not None:
+                self.state.end_step()
+            if self.buffer is not None:
+                self.sync.finish()
+            self.x.grad = None
+            for w in self.ws:
+                w.grad = None
+        return dt
+
+
+def profile(case: Case, calls: int, top: int = 25) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    case.step(calls)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="16,16", help="tokens,hidden (multiples of 16)")
+    ap.add_argument("--depth", type=int, default=8, help="linear layers in the chain")
+    ap.add_argument("--calls", type=int, default=50, help="timed forward + backward passes per trial")
+    ap.add_argument("--trials", type=int, default=9)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--scaling", default="delayed", choices=("delayed", "current"), help="the FP8 recipe's scaling")
+    ap.add_argument("--profile", default=None, help="a mode to run once more under cProfile")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = tuple(int(n) for n in args.shape.split(","))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES) | ({args.profile} - set(MODES) - {None})
+    if len(shape) != 2 or unknown:
+        raise SystemExit(f"--shape takes tokens,hidden; modes are {', '.join(MODES)} (got {sorted(unknown)})")
+    cases = {m: Case(m, *shape, args.depth, args.scaling) for m in modes}
+    for case in cases.values():  # warm-up: allocator, dispatcher caches
+        case.step(args.calls // 4 + 1)
+    us: dict[str, list[float]] = {m: [] for m in modes}
+    for trial in range(args.trials):
+        order = modes[trial % len(modes):] + modes[:trial % len(modes)]
+        for m in order:
+            us[m].append(cases[m].step(args.calls) / (args.calls * args.depth) * 1e6)
+    res = {"shape": shape, "depth": args.depth, "scaling": args.scaling, "calls": args.calls, "trials": args.trials, "threads": args.threads,
+           "torch": torch.__version__, "us_per_call": {m: statistics.median(v) for m, v in us.items()},
+           "us_min": {m: min(v) for m, v in us.items()}}
+    print(f"host µs per linear call (forward + backward), tokens,hidden = {args.shape}, a chain of {args.depth}, "
+          f"{args.calls} passes × {args.trials} trials, torch {torch.__version__}, {args.threads} thread(s), {args.scaling} scaling")
+    base = res["us_per_call"].get("bf16")
+    for m in modes:
+        rel = f"  ({res['us_per_call'][m] / base:.2f}× bf16)" if base else ""
+        print(f"  {m:16s} median {res['us_per_call'][m]:8.1f}  min {res['us_min'][m]:8.1f}{rel}")
+    if args.profile:
+        print(profile(cases.get(args.profile) or Case(args.profile, *shape, args.depth, args.scaling), args.calls))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The FP8 linear's host-side shortcuts (``parallel/fp8.py``; measured by
+``benchmarks/fp8_host_overhead.py``) change no byte:
+
+* reshapes, slices, dtype conversions and autocast contexts that would change nothing are
+  skipped: ``fp8_linear`` equals the composition of its pieces (casts, ``_scaled_mm``, unpad,
+  reshape, dtype) bit for bit for 2-D and 3-D inputs, with and without token padding, bf16 and
+  fp32 operands, under autocast and without;
+* the weight gradient goes into an active gradient buffer from the backward itself (not through
+  ``param.grad`` and the buffer's hook): the same ``main_grad`` bytes and counts as the hook path,
+  ``param.grad`` never set; outside a training step autograd gets the gradient as before;
+* ``_scaled_mm``'s cheaper checks still name a misaligned operand or scale;
+* the benchmark runs every mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import product
+
+import pytest
+import torch
+
+from dept_mega.grad_buffer import GradBuffer, GradSync
+from dept_mega.parallel import fp8 as fp8_module
+from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, _cast_math, fp8_linear
+from dept_mega.parallel.groups import build_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _reference(x, w, gy):
+    """Current-scaled FP8 linear spelled out step by step: (y, dX, dW)."""
+    lead, d_in, d_out = x.shape[:-1], x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, d_in)
+    rows = x2.shape[0]
+    pad = (-rows) % 16
+    xq, xq_t, x_inv, _ = _cast_math(x2, None, E4M3, pad, True, True)
+    wq, wq_t, w_inv, _ = _cast_math(w, None, E4M3, 0, True, True)
+    y = fp8_module._scaled_mm(xq, wq.t(), x_inv, w_inv)[:rows].reshape(*lead, d_out)
+    gq, gq_t, g_inv, _ = _cast_math(gy.reshape(-1, d_out), None, E5M2, pad, True, True)
+    dx = fp8_module._scaled_mm(gq, wq_t.t(), g_inv, w_inv)[:rows].reshape(x.shape).to(x.dtype)
+    dw = fp8_module._scaled_mm(gq_t, xq_t.t(), g_inv, x_inv).to(w.dtype)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("shape,dtype,autocast", list(product(
+    [(40, 64), (32, 64), (2, 20, 64), (2, 16, 64)], [torch.bfloat16, torch.float32], [False, True])))
+def test_fp8_linear_is_its_spelled_out_composition_bit_for_bit(shape, dtype, autocast):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = (torch.randn(96, 64, generator=g) * 0.05).to(dtype)
+    gy = torch.randn(*shape[:-1], 96, generator=g).bfloat16()
+    layer = Fp8State(Fp8Recipe("hybrid", "current"), "cpu").new_layer()
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = fp8_linear(xa, wa, layer)
+    y.backward(gy)
+    ry, rdx, rdw = _reference(x, w, gy)
+    for what, got, want in (("y", y, ry), ("dX", xa.grad, rdx), ("dW", wa.grad, rdw)):
+        assert _bytes_equal(got, want), (what, got.dtype, got.shape, want.dtype, want.shape)
+
+
+def _train(route: str, monkeypatch) -> dict:
+    """Two training steps (the first current-scaled, then delayed) of three micro-batches
+    through two chained FP8 linears with bf16 weights; then one pass outside a step. ``route``
+    of the weight gradients: ``direct`` (an fp32 gradient buffer, the backward adds into it),
+    ``hook`` (the same buffer, the backward finds none: ``param.grad`` and the buffer's hook),
+    ``plain`` (no buffer: each micro-batch's ``param.grad`` taken as it is)."""
+    if route == "hook":
+        monkeypatch.setattr(fp8_module, "grad_owner", lambda p: None)
+    g = torch.Generator().manual_seed(5)
+    state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=4), "cpu")
+    layers = [state.new_layer() for _ in range(2)]
+    ws = [torch.nn.Parameter((torch.randn(64, 64, generator=g) * 0.1).bfloat16()) for _ in range(2)]
+    if route != "plain":
+        buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
+        buf.adopt()
+        sync = GradSync(build_groups(), overlap=True)
+    out = {"main_grad": [], "x_grad": [], "counts": [], "param_grad_none": [], "per_micro_batch": []}
+    for _ in range(2):
+        if route != "plain":
+            sync.begin([buf], {id(w): 3 for w in ws})
+        state.begin_step()
+        for _ in range(3):
+            x = torch.randn(2, 20, 64, generator=g).bfloat16().requires_grad_()
+            y = fp8_linear(fp8_linear(x, ws[0], layers[0]), ws[1], layers[1])
+            y.backward(torch.randn(y.shape, generator=g).bfloat16())
+            out["x_grad"].append(x.grad)
+            out["param_grad_none"].append(all(w.grad is None for w in ws))
+            if route == "plain":
+                out["per_micro_batch"].append([w.grad for w in ws])
+                for w in ws:
+                    w.grad = None
+        state.end_step()
+        if route != "plain":
+            out["counts"].append([buf.counts[id(w)] for w in ws])
+            sync.finish()
+            out["main_grad"] += [w.main_grad.clone() for w in ws]
+    x = torch.randn(16, 64, generator=g).bfloat16()
+    fp8_linear(fp8_linear(x, ws[0], layers[0]), ws[1], layers[1]).sum().backward()  # no step: plain autograd
+    out["outside"] = [w.grad for w in ws]
+    return out
+
+
+def test_weight_gradient_reaches_main_grad_as_through_the_hook(monkeypatch):
+    got = _train("direct", monkeypatch)
+    with monkeypatch.context() as m:
+        ref = _train("hook", m)
+    plain = _train("plain", monkeypatch)
+    assert got["counts"] == ref["counts"] == [[3, 3]] * 2
+    assert all(got["param_grad_none"]) and all(ref["param_grad_none"])
+    for key in ("main_grad", "x_grad", "outside"):
+        assert all(t is not None for t in got[key]), key
+        assert len(got[key]) == len(ref[key]) and all(_bytes_equal(a, b) for a, b in zip(got[key], ref[key])), key
+    # the buffer holds, per step, the fp32 sum of the micro-batches' bf16 gradients: the first
+    # copied, the others added in order
+    want = []
+    for step in range(2):
+        mbs = plain["per_micro_batch"][3 * step:3 * step + 3]
+        for i in range(2):
+            acc = mbs[0][i].float()
+            for mb in mbs[1:]:
+                acc = acc + mb[i]
+            want.append(acc)
+    assert all(_bytes_equal(a, b) for a, b in zip(got["main_grad"], want))
+    assert all(t.abs().sum() > 0 for t in got["main_grad"])
+
+
+def test_scaled_mm_names_a_misaligned_operand_or_scale():
+    a = torch.randn(16, 32).to(E4M3)
+    b = torch.randn(16, 32).to(E4M3).t()
+    one = torch.ones(4)
+    fp8_module._scaled_mm(a, b, one[0], one[0])  # aligned: runs
+    with pytest.raises(ValueError, match=r"scale_b not 16-byte aligned"):
+        fp8_module._scaled_mm(a, b, one[0], one[1])
+    flat = torch.zeros(16 * 32 + 1, dtype=E4M3)
+    a_off = flat[1:].view(16, 32)  # row-major, but one byte into its storage
+    with pytest.raises(ValueError, match=r"FP8 GEMM: a not 16-byte aligned"):
+        fp8_module._scaled_mm(a_off, b, one[0], one[0])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_module._scaled_mm(a[:, :24], b[:24], one[0], one[0])
+
+
+def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
+    out = tmp_path / "host.json"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fp8_host_overhead.py"), "--calls", "2",
+                          "--trials", "1", "--depth", "2", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    us = json.loads(out.read_text())["us_per_call"]
+    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_stub", "fp8_launch_stub", "fp8_python"}
+    assert all(v > 0 for v in us.values())
