@@ -9,6 +9,7 @@
   ``param.grad`` and the buffer's hook): the same ``main_grad`` bytes and counts as the hook path,
   ``param.grad`` never set; outside a training step autograd gets the gradient as before;
 * ``_scaled_mm``'s cheaper checks still name a misaligned operand or scale;
+* under a profiler the forward and backward are named ranges; without one no range is opened;
 * the benchmark runs every mode.
 """
 from __future__ import annotations
@@ -146,6 +147,25 @@ def test_scaled_mm_names_a_misaligned_operand_or_scale():
         fp8_module._scaled_mm(a_off, b, one[0], one[0])
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_module._scaled_mm(a[:, :24], b[:24], one[0], one[0])
+
+
+def test_named_profiler_ranges_only_while_profiling(monkeypatch):
+    x = torch.randn(32, 16, requires_grad=True)
+    w = (torch.randn(16, 16) * 0.1).requires_grad_()
+
+    def run():
+        y = fp8_linear(x, w, Fp8State(Fp8Recipe("hybrid", "current"), "cpu").new_layer())
+        y.float().sum().backward()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    names = {e.name for e in prof.events()}
+    assert {"dept_mega::fp8_linear_forward", "dept_mega::fp8_linear_backward"} <= names, sorted(names)[:40]
+
+    def no_range(name):
+        raise AssertionError(f"record_function({name!r}) opened without a profiler")
+    monkeypatch.setattr(torch.profiler, "record_function", no_range)
+    run()
 
 
 def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):

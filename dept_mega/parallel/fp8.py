@@ -427,6 +427,16 @@ def _autocast_off(device_type: str):
     return _NO_AUTOCAST
 
 
+def _profiled(name: str):
+    """A named range in a ``torch.profiler`` trace (``train.profile``) around an FP8 linear's
+    forward or backward, so that the host tables of ``benchmarks/kernel_breakdown.py`` show
+    the Python time of this path by name; nothing when no profiler runs (a ``record_function``
+    costs ~6 µs of host time even then; the check ~0.04 µs)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _NO_AUTOCAST
+
+
 class _Fp8Linear(torch.autograd.Function):
     """Layouts (all without a separate transpose pass; ``·_t`` copies come out of the casts):
     forward ``y = xq · wq.t()``; input gradient ``dX = gq · w.q_t.t()``; weight gradient
@@ -446,7 +456,7 @@ class _Fp8Linear(torch.autograd.Function):
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        with _autocast_off(x.device.type):
+        with _profiled("dept_mega::fp8_linear_forward"), _autocast_off(x.device.type):
             xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
             w = layer.cache.operands(weight, layer, need_dx)
             y = _scaled_mm(xq, w.fwd, x_inv, w.inv)
@@ -466,7 +476,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
         state = layer.state
-        with _autocast_off(grad_out.device.type):
+        with _profiled("dept_mega::fp8_linear_backward"), _autocast_off(grad_out.device.type):
             gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
                                          colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
