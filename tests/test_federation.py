@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -55,6 +57,23 @@ class Lighthouse:
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def status(self) -> str:
+        """The "Next quorum status" line of torchft's lighthouse page ``/status`` (computed under
+        the lock that registers quorum requests), e.g. ``New quorum not ready, only have 1
+        participants, need at least half of 2 healthy workers [1/1 participants healthy][2
+        heartbeating][shrink_only=false]``."""
+        url = f"http://{self.addr}/status"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            page = r.read().decode("utf-8", "replace")
+        m = re.search(r"Next quorum status: *([^\n<]*)", page)
+        assert m and re.search(r"\[\d+/\d+ participants healthy\]", m.group(1)), \
+            f"{url}: no '[N/M participants healthy]' in torchft's status page (torchft changed?): {page[:600]!r}"
+        return m.group(1).strip()
+
+    def waiting(self) -> int:
+        """How many live groups have asked for a quorum that the lighthouse has not formed yet."""
+        return int(re.search(r"\[(\d+)/\d+ participants healthy\]", self.status()).group(1))
 
     def stop(self) -> None:
         self.proc.kill()
@@ -344,6 +363,31 @@ def _wait_for(pred, what, timeout=120):
         time.sleep(0.02)
 
 
+def _held(root, g, r):
+    """Group ``g`` waits before round ``r``'s quorum (DEPT_FEDERATION_HOLD=r:start:...)."""
+    return os.path.exists(os.path.join(root, f"g{g}_rank0_held{r}"))
+
+
+def _wait_for_requests(lh, n, procs, what, timeout=120):
+    """Wait until the lighthouse holds ``n`` quorum requests (``procs``', ``what``), called while
+    every other group waits at a hold before its own request. Releasing the held groups before
+    that would race: when every member of the previous quorum asks, torchft's lighthouse forms
+    the quorum at once from the groups that have asked (its "fast quorum"), without waiting for a
+    group that heartbeats but has not asked yet — and a relaunched job heartbeats from the moment
+    its Manager exists, well before it has built its model, loaded its checkpoint and asked."""
+    deadline = time.monotonic() + timeout
+    while lh.waiting() < n:
+        for p in procs:
+            if p.poll() is not None:
+                with open(p.log, encoding="utf-8", errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise AssertionError(f"{what}: a job exited ({p.returncode}) before its quorum request "
+                                     f"reached the lighthouse:\n{tail}")
+        assert time.monotonic() < deadline, (f"{what}: the lighthouse does not hold {n} quorum request(s) after "
+                                             f"{timeout} s: {lh.status()}")
+        time.sleep(0.05)
+
+
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     """Four groups expected, three start. Group 2 is killed with SIGKILL in round 2: groups 0
     and 1 go on, each round without it averaged over the two (its mean pseudo-gradient = the
@@ -368,9 +412,9 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
     go = str(tmp_path / "go")
     # test hooks (federation_dump.py), instead of racing the jobs' progress: group 2 stops before
-    # round 2's exchange (killed there); group 0 waits at round 6's start until both late
-    # groups run (group 1 waits with it: min_groups 2), so they join before the run ends
-    hold = {0: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
+    # round 2's exchange (killed there); groups 0 and 1 wait at round 6's start until the
+    # lighthouse holds both late groups' quorum requests, so they join before the run ends
+    hold = {0: f"6:start:{go}", 1: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
     procs, late = [], []
     try:
         procs = [_group(cfg, runs[g], lh.addr, g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
@@ -387,8 +431,11 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         _wait_for(lambda: os.path.exists(os.path.join(dump, "g0_rank0_round2.pt")),
                   "groups 0 and 1 did not complete round 2 without group 2")
         late = [_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
-        _wait_for(lambda: all(_started(dump, g, p.pid) or p.poll() is not None for g, p in zip((2, 3), late)),
-                  "the late groups did not start")
+        _wait_for(lambda: all(_held(dump, g, 6) or procs[g].poll() is not None for g in (0, 1)),
+                  "groups 0 and 1 did not reach round 6's start")
+        assert procs[0].poll() is None and procs[1].poll() is None, "group 0 or 1 ended before round 6"
+        # (the late groups' requests: to join, or, joined at an earlier round start, round 6's)
+        _wait_for_requests(lh, 2, late, "the late groups 2 and 3")
         open(go, "w").close()
         outs = _finish(procs[:2] + late, timeout=240)
     finally:
@@ -468,6 +515,48 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
             assert (w[k] == bodies[0][k]).all(), k
 
 
+def test_lighthouse_counts_the_quorum_requests_it_holds():
+    """The rejoin tests' sync point (_wait_for_requests): the lighthouse's count of groups that
+    asked for a quorum not formed yet — a group that only heartbeats is not counted, and a
+    quorum formed clears it (torchft's LighthouseClient playing two groups; 2 heartbeat, 1 asks:
+    torchft holds the quorum, one group is not more than half of two)."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+    lh = Lighthouse(min_groups=1)
+    stop = threading.Event()
+    try:
+        client = LighthouseClient(f"http://{lh.addr}", timedelta(seconds=10))
+
+        def heartbeat():  # group 0 is alive throughout (as a job's Manager, every 100 ms)
+            while not stop.is_set():
+                client.heartbeat("dept_group_0")
+                stop.wait(0.1)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        client.heartbeat("dept_group_1")
+        assert lh.waiting() == 0, lh.status()
+        done = []
+
+        def ask(g):
+            done.append(client.quorum(f"dept_group_{g}", timedelta(seconds=60), address="a", store_address="s",
+                                      step=0, world_size=1))
+
+        t = threading.Thread(target=ask, args=(1,), daemon=True)
+        t.start()
+        _wait_for(lambda: lh.waiting() == 1, "the lighthouse does not count group 1's request", 30)
+        time.sleep(0.3)  # (a few of the lighthouse's 100 ms quorum ticks)
+        assert t.is_alive() and not done and lh.waiting() == 1, lh.status()  # held: group 0 has not asked
+        ask(0)
+        t.join(30)
+        assert len(done) == 2 and sorted(m.replica_id for m in done[0].participants) == ["dept_group_0", "dept_group_1"]
+        assert lh.waiting() == 0, lh.status()
+    finally:
+        stop.set()
+        lh.stop()
+
+
 def test_quorum_ranks_from_torchft_configure():
     """Which group each rank of an exchange is comes from the ``global_ranks`` argument that
     torchft's Manager passes to the process group's ``configure`` (a public argument):
@@ -500,16 +589,13 @@ def test_quorum_ranks_from_torchft_configure():
         recording(Old)
 
 
-def _started(root, g, pid):
-    return os.path.exists(os.path.join(root, f"g{g}_rank0_started{pid}"))
-
-
 def test_trim_group_leaves_and_rejoins(tmp_path):
     """TRIM, two groups, three sources (group 1 holds sources 0 and 2, data.sources[].group):
     group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
     group 0 trains rounds 2 and 3 alone (its φ moves on; only its own source, none of group
-    1's) and holds at round 4's start until
-    group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
+    1's) and holds at round 4's start (a test hook); group 1 is relaunched then, and group 0
+    is let go once the lighthouse holds group 1's quorum request, so that round 4's quorum
+    has both (no race on timing: _wait_for_requests). Group 1 heals at a round start:
     it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
     older — while its source's compact table's AdamW state is its checkpoint's (installed
     there or stored); right after its first
@@ -532,9 +618,12 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
                         env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)]
         first = _finish(procs[1:])[0]
         assert procs[1].returncode == 0, first[-3000:]
+        # relaunched only once group 0 waits at round 4's start: rounds 2 and 3 are its alone
+        _wait_for(lambda: _held(dump, 0, 4) or procs[0].poll() is not None, "group 0 did not reach round 4's start")
+        assert procs[0].poll() is None, "group 0 ended before round 4's start"
         again = _group(cfg, runs[1], lh.addr, 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
         procs.append(again)
-        _wait_for(lambda: _started(dump, 1, again.pid) or again.poll() is not None, "group 1 did not start again")
+        _wait_for_requests(lh, 1, [again], "the relaunched group 1")
         open(go, "w").close()
         outs = _finish([procs[0], again], timeout=240)
     finally:
@@ -548,7 +637,7 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     assert sorted(outer) == list(range(steps // L))
     assert outer[0] == outer[1] == [0, 1] and outer[2] == outer[3] == [0]
     (joined, heal), = _dumps(dump, 1, "heal").items()
-    assert joined >= 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
+    assert joined == 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
     d0, d1 = _dumps(dump, 0), _dumps(dump, 1)
     # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
     assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
