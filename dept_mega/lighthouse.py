@@ -8,7 +8,10 @@ It prints its address (``lighthouse: http://HOST:PORT``) and runs until killed.
 boundary yet before it forms without it (a round start, or the survivors' new quorum after an
 exchange timed out on a slow group: they then wait ``federation.timeout_s`` + this; torchft
 forms it only when the groups asking are more than half of those that heartbeat, so with 2
-groups a slow one is always waited for: docs/launching.md §12); ``--heartbeat-timeout-s``:
+groups a slow one is always waited for: docs/launching.md §12). It waits only while a group
+of the previous quorum has not asked: once all of those ask, torchft forms the quorum at once
+from the groups that asked, so a group that heartbeats but has not asked yet (a relaunched job
+still loading its checkpoint) joins at the first boundary after its request; ``--heartbeat-timeout-s``:
 after how long without a heartbeat a group counts as gone (a killed job, a cut network).
 """
 from __future__ import annotations

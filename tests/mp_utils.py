@@ -115,8 +115,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
 # every rank starts from a fork of an interpreter that has them. Imports only: the server holds
 # no process group, no thread but numpy's BLAS pool (which handles forks) and no custom-ops
 # status (dept_mega.ops computes it on first use): each rank is as a freshly started one.
-PRELOAD = ["torch", "torch.distributed", "dept_mega.trainer", "dept_mega.loop", "dept_mega.dept.driver",
-           "dept_mega.checkpoint"]
+# torch._dynamo: the trainer's modules do not import it (compile_guard.py), but a rank that
+# builds an optimizer does (torch.optim imports it at the first add_param_group): ~1 s a rank.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dept_mega.trainer", "dept_mega.loop",
+           "dept_mega.dept.driver", "dept_mega.checkpoint"]
 
 
 def _start_method() -> str:

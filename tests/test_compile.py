@@ -94,3 +94,54 @@ def test_compiled_blocks_trace_flex_attention_without_graph_breaks(monkeypatch):
         assert_close(flex(x, labels=y).flatten().tolist(), eager(x, labels=y).flatten().tolist(),
                      rel=1e-5, what="per-token loss, 8 tokens")
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {} and len(graphs) == 2  # a new shape: one more
+
+
+def test_outside_compiled_graphs_is_the_disable_decorator_and_loads_no_dynamo_at_import():
+    """``compile_guard.outside_compiled_graphs`` (fp8_linear, the fused-wgrad linear, the cross
+    entropy, recompute, attention with dropout): called from compiled code the function runs
+    eagerly outside the graph with the same graphs, graph breaks and compiled frames as with
+    ``torch.compiler.disable`` (a wrapper Dynamo traces would add a frame and a break per call);
+    importing the trainer does not import ``torch._dynamo`` (about a second in every process
+    that neither trains nor compiles), the first call does."""
+    import subprocess
+    import sys
+
+    import torch
+    import torch._dynamo
+
+    from dept_mega.compile_guard import outside_compiled_graphs
+    from tests.trainer_utils import ROOT
+
+    def traced(decorator):
+        @decorator
+        def inner(x):
+            return torch.sin(x) * 3
+
+        def block(x):
+            return inner(torch.cos(inner(torch.relu(x)))) + 1
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+            return gm.forward
+
+        x = torch.randn(4)
+        compiled = torch.compile(block, backend=record)
+        for _ in range(2):  # the second call: the cached graphs, nothing traced again
+            torch.testing.assert_close(compiled(x), torch.sin(torch.cos(torch.sin(torch.relu(x)) * 3)) * 3 + 1)
+        counters = torch._dynamo.utils.counters
+        return graphs, sum(counters["graph_break"].values()), dict(counters["frames"])
+
+    ours, disabled = traced(outside_compiled_graphs), traced(torch.compiler.disable)
+    assert ours == disabled, (ours, disabled)
+    graphs, breaks, _ = ours
+    assert breaks == 2 and not any("sin" in op for g in graphs for op in g), ours  # inner: never in a graph
+    assert any("cos" in op for g in graphs for op in g), ours
+    code = ("import sys, dept_mega.train, dept_mega.model; a = 'torch._dynamo' in sys.modules; "
+            "import torch; from dept_mega.model.recompute import recompute; "
+            "recompute(torch.sin, torch.ones(2)); print(a, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False True", out.stdout + out.stderr[-2000:]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,90 +12,10 @@ import yaml
 
 pytest.importorskip("torchft")
 
+from tests.federation_utils import (ENV, SOURCES, Lighthouse, error_line, finish_all, is_held,  # noqa: E402
+                                    launch_group, read_dumps, read_records, run_single_job, trained_steps,
+                                    wait_for, wait_for_requests, write_config)
 from tests.mp_utils import free_port  # noqa: E402
-from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl  # noqa: E402
-
-ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
-SOURCES = 3
-
-
-def _config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None, example="spec") -> str:
-    """``example``: examples/tiny/{example}.yaml (spec: the global tokenizer; spec_opt: one per source)."""
-    ensure_sample_corpus()
-    with open(os.path.join(ROOT, "examples", "tiny", f"{example}.yaml"), encoding="utf-8") as f:
-        c = yaml.safe_load(f)
-    if c["data"].get("tokenizer"):
-        c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
-    c["data"]["sources"] = [dict(s, **{k: os.path.join(ROOT, s[k]) for k in ("prefix", "tokenizer") if k in s})
-                            for s in c["data"]["sources"][:sources]]
-    for s, g in zip(c["data"]["sources"], owners or []):  # data.sources[i].group
-        s["group"] = g
-    c["dept"]["local_steps"] = local_steps
-    c["model"]["seq_length"] = 32
-    c["train"].update(steps=steps, micro_batch_size=2, global_batch_size=2, log_interval=1, eval_interval=0,
-                      eval_iters=1, save_interval=0)
-    path = os.path.join(tmp_path, "spec.yaml" if owners is None else "spec_owned.yaml")
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(c, f)
-    return path
-
-
-class Lighthouse:
-    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0):
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
-                                      "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
-                                      "--heartbeat-timeout-s", str(heartbeat_s)],
-                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        assert line.startswith("lighthouse: http://"), line
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-def _group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
-           f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
-           f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
-    # output to a file: torchft logs every quorum, and a full pipe would stop the job
-    os.makedirs(run, exist_ok=True)
-    log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
-    p.log = log
-    return p
-
-
-def _finish(procs, timeout=120):
-    outs = []
-    for p in procs:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        with open(p.log, encoding="utf-8", errors="replace") as f:
-            outs.append(f.read())
-    return outs
-
-
-def _records(run, kind):
-    return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
-
-
-def _single_job(cfg, run, nproc=SOURCES, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stdout[-3000:]
-
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
@@ -126,30 +44,30 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
     from dept_mega.config import load_config
     from dept_mega.dept.costs import predict_outer_round_bytes
     extra = SAME_MATH[case]
-    cfg = _config(str(tmp_path))
+    cfg = write_config(str(tmp_path))
     lh = Lighthouse(min_groups=SOURCES)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra) for g in range(SOURCES)]
-        _single_job(cfg, str(tmp_path / "single"), SOURCES, *extra)
-        outs = _finish(procs)
+        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra) for g in range(SOURCES)]
+        run_single_job(cfg, str(tmp_path / "single"), SOURCES, *extra)
+        outs = finish_all(procs)
     finally:
         lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = list(single[1])
     for g, run in enumerate(runs):
-        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        mine = {r["step"]: r["loss_by_source"] for r in read_records(run, "train")}
         assert sorted(mine) == sorted(single)
         for step, by in mine.items():
             assert list(by) == [names[g]]
             assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
-        member = _records(run, "membership")
+        member = read_records(run, "membership")
         assert member[0]["groups"] == [0, 1, 2] and member[0]["joined"] == [0, 1, 2]
     # bytes: each job's outer bytes summed over the groups that took part = the single job's
-    single_outer = _records(str(tmp_path / "single"), "outer")
-    per_job = [_records(run, "outer") for run in runs]
+    single_outer = read_records(str(tmp_path / "single"), "outer")
+    per_job = [read_records(run, "outer") for run in runs]
     from dept_mega.run_inputs import vocab_size_of
     job_cfg = load_config(os.path.join(runs[0], "config.yaml"))
     trim = None
@@ -194,22 +112,22 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
     """Group jobs of two ranks each (a layout of TWO_RANK_LAYOUTS inside every group job, a
     nesterov outer optimizer whose state is per rank): two group jobs give the fp32 losses of
     the single 4-rank job of the same layout, per source."""
-    cfg = _config(str(tmp_path), steps=4, sources=2, example="spec_opt" if "spec_opt" in layout else "spec")
+    cfg = write_config(str(tmp_path), steps=4, sources=2, example="spec_opt" if "spec_opt" in layout else "spec")
     extra = TWO_RANK_LAYOUTS[layout] + ("dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
     lh = Lighthouse(min_groups=2)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(2)]
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2) for g in range(2)]
-        outs = _finish(procs)
+        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2) for g in range(2)]
+        outs = finish_all(procs)
     finally:
         lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    _single_job(cfg, str(tmp_path / "single"), 4, *extra)
-    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    run_single_job(cfg, str(tmp_path / "single"), 4, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = list(single[1])
     for g, run in enumerate(runs):
-        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        mine = {r["step"]: r["loss_by_source"] for r in read_records(run, "train")}
         assert sorted(mine) == sorted(single) == [1, 2, 3, 4]
         for step, by in mine.items():
             assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
@@ -222,26 +140,26 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     losses equal the single 2-group job's whose data.sources[].group says the same."""
     from dept_mega.config import load_config, source_groups
     K, G, L, steps = 4, 2, 2, 10
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=K)
-    owned = _config(str(tmp_path), steps=steps, local_steps=L, sources=K, owners=[0, 1, 0, 1])
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=K)
+    owned = write_config(str(tmp_path), steps=steps, local_steps=L, sources=K, owners=[0, 1, 0, 1])
     extra = ("dept.sampling=proportional",)
     lh = Lighthouse(min_groups=G)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra, groups=G, min_groups=G) for g in range(G)]
-        outs = _finish(procs)
+        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, groups=G, min_groups=G) for g in range(G)]
+        outs = finish_all(procs)
     finally:
         lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    _single_job(owned, str(tmp_path / "single"), G, *extra)
-    single = {r["step"]: r["loss_by_source"] for r in _records(str(tmp_path / "single"), "train")}
+    run_single_job(owned, str(tmp_path / "single"), G, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = [s.name for s in load_config(cfg).data.sources]
     job = load_config(os.path.join(runs[0], "config.yaml"))
     assert source_groups(job, G) == [0, 1, 0, 1]
     rounds = {}  # per group, the source of each round
     for g, run in enumerate(runs):
-        mine = {r["step"]: r["loss_by_source"] for r in _records(run, "train")}
+        mine = {r["step"]: r["loss_by_source"] for r in read_records(run, "train")}
         assert sorted(mine) == sorted(single) == list(range(1, steps + 1))
         trained = set()
         for step, by in mine.items():
@@ -252,7 +170,7 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
             rounds.setdefault(g, []).append(name) if step % L == 1 else None
         assert trained == {n for k, n in enumerate(names) if k % G == g}, trained
         # the final evaluation: each job its own sources (installed or stored), as the single job
-        (ev,), (ev1,) = _records(run, "eval"), _records(str(tmp_path / "single"), "eval")
+        (ev,), (ev1,) = read_records(run, "eval"), read_records(str(tmp_path / "single"), "eval")
         assert sorted(ev["by_source"]) == sorted(trained)
         for name, v in ev["by_source"].items():
             assert v == pytest.approx(ev1["by_source"][name], abs=1e-6), (g, name, v, ev1["by_source"][name])
@@ -261,28 +179,23 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
                for seq in rounds.values()), rounds
 
 
-def _bad(out):
-    lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
-    return lines[0] if lines else out[-2000:]
-
-
 def test_bad_input(tmp_path):
     """A group index out of range, an unreachable lighthouse, two jobs claiming one group, a
     config that differs between groups: exit status 2 and one line naming the key, before
     any training."""
-    cfg = _config(str(tmp_path))
+    cfg = write_config(str(tmp_path))
     dead = f"127.0.0.1:{free_port()}"
     lh_dup, lh_diff = Lighthouse(min_groups=2), Lighthouse(min_groups=2)
     try:
         procs = {
-            "range": [_group(cfg, str(tmp_path / "range"), dead, 3)],
-            "unreachable": [_group(cfg, str(tmp_path / "dead"), dead, 0)],
-            "dup": [_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, timeout_s=3) for i in range(2)],
-            "diff": [_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, timeout_s=3),
-                     _group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5",
+            "range": [launch_group(cfg, str(tmp_path / "range"), dead, 3)],
+            "unreachable": [launch_group(cfg, str(tmp_path / "dead"), dead, 0)],
+            "dup": [launch_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, timeout_s=3) for i in range(2)],
+            "diff": [launch_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, timeout_s=3),
+                     launch_group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5",
                             timeout_s=3)],
         }
-        outs = {k: _finish(ps) for k, ps in procs.items()}
+        outs = {k: finish_all(ps) for k, ps in procs.items()}
     finally:
         lh_dup.stop()
         lh_diff.stop()
@@ -291,7 +204,7 @@ def test_bad_input(tmp_path):
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
-            assert want[case] in _bad(out), (case, _bad(out))
+            assert want[case] in error_line(out), (case, error_line(out))
             assert "step 1/" not in out, case  # before any training
 
 
@@ -307,41 +220,16 @@ def test_refused_in_federation_mode(tmp_path, override, want):
     the check runs before the lighthouse is contacted)."""
     from dept_mega.config import ConfigError, load_config
     from dept_mega.dept.federation import resolve
-    cfg = load_config(_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
                                               f"federation.groups={SOURCES}", *override.split()])
     with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
         resolve(cfg)
     # the quantised, fragmented and overlapped outer syncs are accepted (same math: test_three_group_jobs_...)
-    ok = load_config(_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+    ok = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
                                              f"federation.groups={SOURCES}", "dept.outer_comm_dtype=int4",
                                              "dept.outer_fragments=2", "dept.outer_overlap=true",
                                              "dept.outer_delay=1"])
     assert resolve(ok) == (0, "127.0.0.1", 1)
-
-
-def _steps(run):
-    path = os.path.join(run, "metrics.jsonl")
-    try:
-        return [r["step"] for r in read_jsonl(path) if r["kind"] == "train"] if os.path.exists(path) else []
-    except ValueError:  # a line being written
-        return []
-
-
-def _dumps(root, g, kind="round"):
-    import torch
-    out = {}
-    for f in os.listdir(root):
-        if f.startswith(f"g{g}_rank0_{kind}"):
-            d = torch.load(os.path.join(root, f), weights_only=False)
-            out[d["round"]] = d
-    return out
-
-
-def _wait_for(pred, what, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
@@ -359,7 +247,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     from dept_mega.dept.costs import predict_outer_round_bytes
     from dept_mega.export.checkpoint_reader import read_full_weights
     L, steps, timeout_s, G = 5, 80, 15, 4
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump = str(tmp_path / "dump")
     lh = Lighthouse(min_groups=2)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
@@ -368,14 +256,14 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
     go = str(tmp_path / "go")
     # test hooks (federation_dump.py), instead of racing the jobs' progress: group 2 stops before
-    # round 2's exchange (killed there); group 0 waits at round 6's start until both late
-    # groups run (group 1 waits with it: min_groups 2), so they join before the run ends
-    hold = {0: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
+    # round 2's exchange (killed there); groups 0 and 1 wait at round 6's start until the
+    # lighthouse holds both late groups' quorum requests, so they join before the run ends
+    hold = {0: f"6:start:{go}", 1: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
     procs, late = [], []
     try:
-        procs = [_group(cfg, runs[g], lh.addr, g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
+        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
                         else env, **kw) for g in range(3)]
-        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
+        wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
                   "group 2 did not reach round 2's exchange")
         assert procs[2].poll() is None, "group 2 ended before round 2's exchange"
         os.kill(procs[2].pid, signal.SIGKILL)
@@ -384,13 +272,16 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
                        if d.startswith("step_"))
         # relaunch once the survivors completed round 2 without it (as a requeue would, minutes
         # later): a join request arriving while they redo the failed exchange is another case
-        _wait_for(lambda: os.path.exists(os.path.join(dump, "g0_rank0_round2.pt")),
+        wait_for(lambda: os.path.exists(os.path.join(dump, "g0_rank0_round2.pt")),
                   "groups 0 and 1 did not complete round 2 without group 2")
-        late = [_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
-        _wait_for(lambda: all(_started(dump, g, p.pid) or p.poll() is not None for g, p in zip((2, 3), late)),
-                  "the late groups did not start")
+        late = [launch_group(cfg, runs[g], lh.addr, g, *extra, env=env, **kw) for g in (2, 3)]
+        wait_for(lambda: all(is_held(dump, g, 6) or procs[g].poll() is not None for g in (0, 1)),
+                  "groups 0 and 1 did not reach round 6's start")
+        assert procs[0].poll() is None and procs[1].poll() is None, "group 0 or 1 ended before round 6"
+        # (the late groups' requests: to join, or, joined at an earlier round start, round 6's)
+        wait_for_requests(lh, 2, late, "the late groups 2 and 3")
         open(go, "w").close()
-        outs = _finish(procs[:2] + late, timeout=240)
+        outs = finish_all(procs[:2] + late, timeout=240)
     finally:
         for p in procs + late:
             if p.poll() is None:
@@ -398,7 +289,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         lh.stop()
     for p, out in zip(procs[:2] + late, outs):
         assert p.returncode == 0, out[-3000:]
-    outer = [{r["round"]: r for r in _records(run, "outer")} for run in runs]
+    outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs]
     assert outer[0].keys() == outer[1].keys() and len(outer[0]) == steps // L
     for r, rec in outer[0].items():
         assert rec["groups"] == outer[1][r]["groups"]
@@ -406,7 +297,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     assert two and min(two) == 2 and outer[0][1]["groups"] == [0, 1, 2], "round 2 was not completed by the two alone"
     assert max(rec["seconds"] for rec in outer[0].values()) < timeout_s + 5  # the wait is bounded
     # the average of every round is over the groups that took part, from their own pseudo-gradients
-    dumps = [_dumps(dump, g) for g in range(G)]
+    dumps = [read_dumps(dump, g) for g in range(G)]
     assert sorted(dumps[0]) == sorted(outer[0])
     for r, d in dumps[0].items():
         assert d["groups"] == outer[0][r]["groups"]
@@ -419,20 +310,20 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     # both late groups healed at a round start and are counted from then on
     names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
     for g in (2, 3):
-        heals = _dumps(dump, g, "heal")
+        heals = read_dumps(dump, g, "heal")
         assert len(heals) == 1, (g, sorted(heals))
         (joined, heal), = heals.items()
         assert joined > 2 and heal["source"] == names[g]
         assert sorted(r for r in dumps[g] if r >= joined) == list(range(joined, steps // L))
         for r in range(joined, steps // L):
             assert g in outer[0][r]["groups"], (g, r, outer[0][r]["groups"])
-        assert joined * L + 1 in _steps(runs[g])  # trains from that round's start
+        assert joined * L + 1 in trained_steps(runs[g])  # trains from that round's start
         first = dumps[g][joined]  # right after its first sync: the body equals the others' exactly
         for other in first["groups"]:
             assert torch.equal(dumps[other][joined]["body"], first["body"]), (g, other)
     assert outer[0][steps // L - 1]["groups"] == [0, 1, 2, 3]
     # group 2's source state when it rejoined = its last checkpoint's
-    heal = _dumps(dump, 2, "heal")
+    heal = read_dumps(dump, 2, "heal")
     (joined, heal), = heal.items()
     saved = read_full_weights(runs[2], ckpts[-1], names[2])
     embs = {k: v for k, v in saved.items() if not k.startswith("body.")}
@@ -456,7 +347,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         n = len(rec["groups"])
         measured = sum(outer[g][r]["bytes"]["outer_body"] for g in rec["groups"])
         assert measured == predict_outer_round_bytes(job_cfg, n)["outer_body"] > 0, (r, rec["groups"])
-    membership = _records(runs[0], "membership")
+    membership = read_records(runs[0], "membership")
     assert [m["left"] for m in membership if m["left"]] == [[2]]
     joins = [m["joined"] for m in membership if m["joined"]]
     assert joins[0] == [0, 1, 2] and sorted(sum(joins[1:], [])) == [2, 3]
@@ -466,6 +357,48 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     for w in bodies[1:]:
         for k in keys:
             assert (w[k] == bodies[0][k]).all(), k
+
+
+def test_lighthouse_counts_the_quorum_requests_it_holds():
+    """The rejoin tests' sync point (wait_for_requests): the lighthouse's count of groups that
+    asked for a quorum not formed yet — a group that only heartbeats is not counted, and a
+    quorum formed clears it (torchft's LighthouseClient playing two groups; 2 heartbeat, 1 asks:
+    torchft holds the quorum, one group is not more than half of two)."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+    lh = Lighthouse(min_groups=1)
+    stop = threading.Event()
+    try:
+        client = LighthouseClient(f"http://{lh.addr}", timedelta(seconds=10))
+
+        def heartbeat():  # group 0 is alive throughout (as a job's Manager, every 100 ms)
+            while not stop.is_set():
+                client.heartbeat("dept_group_0")
+                stop.wait(0.1)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        client.heartbeat("dept_group_1")
+        assert lh.waiting() == 0, lh.status()
+        done = []
+
+        def ask(g):
+            done.append(client.quorum(f"dept_group_{g}", timedelta(seconds=60), address="a", store_address="s",
+                                      step=0, world_size=1))
+
+        t = threading.Thread(target=ask, args=(1,), daemon=True)
+        t.start()
+        wait_for(lambda: lh.waiting() == 1, "the lighthouse does not count group 1's request", 30)
+        time.sleep(0.3)  # (a few of the lighthouse's 100 ms quorum ticks)
+        assert t.is_alive() and not done and lh.waiting() == 1, lh.status()  # held: group 0 has not asked
+        ask(0)
+        t.join(30)
+        assert len(done) == 2 and sorted(m.replica_id for m in done[0].participants) == ["dept_group_0", "dept_group_1"]
+        assert lh.waiting() == 0, lh.status()
+    finally:
+        stop.set()
+        lh.stop()
 
 
 def test_quorum_ranks_from_torchft_configure():
@@ -500,16 +433,13 @@ def test_quorum_ranks_from_torchft_configure():
         recording(Old)
 
 
-def _started(root, g, pid):
-    return os.path.exists(os.path.join(root, f"g{g}_rank0_started{pid}"))
-
-
 def test_trim_group_leaves_and_rejoins(tmp_path):
     """TRIM, two groups, three sources (group 1 holds sources 0 and 2, data.sources[].group):
     group 1 stops after round 1 (``train.exit_interval``, a checkpoint),
     group 0 trains rounds 2 and 3 alone (its φ moves on; only its own source, none of group
-    1's) and holds at round 4's start until
-    group 1 is relaunched (a test hook, no race on timing). Group 1 heals at a round start:
+    1's) and holds at round 4's start (a test hook); group 1 is relaunched then, and group 0
+    is let go once the lighthouse holds group 1's quorum request, so that round 4's quorum
+    has both (no race on timing: wait_for_requests). Group 1 heals at a round start:
     it receives φ and its rows' outer state from group 0 — not its checkpoint's, which is
     older — while its source's compact table's AdamW state is its checkpoint's (installed
     there or stored); right after its first
@@ -517,7 +447,7 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     import torch
     L, steps, G = 2, 16, 2
     owners = [1, 0, 1]
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=len(owners), owners=owners)
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=len(owners), owners=owners)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     trim = ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
             "dept.outer_optimizer.lr=0.7", f"train.save_interval={L}")
@@ -526,17 +456,20 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     lh = Lighthouse(min_groups=1)
     procs = []
     try:
-        procs = [_group(cfg, runs[0], lh.addr, 0, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
+        procs = [launch_group(cfg, runs[0], lh.addr, 0, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
                                                                  DEPT_FEDERATION_HOLD=f"4:start:{go}"), **kw),
-                 _group(cfg, runs[1], lh.addr, 1, *trim, f"train.exit_interval={2 * L}",
+                 launch_group(cfg, runs[1], lh.addr, 1, *trim, f"train.exit_interval={2 * L}",
                         env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)]
-        first = _finish(procs[1:])[0]
+        first = finish_all(procs[1:])[0]
         assert procs[1].returncode == 0, first[-3000:]
-        again = _group(cfg, runs[1], lh.addr, 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
+        # relaunched only once group 0 waits at round 4's start: rounds 2 and 3 are its alone
+        wait_for(lambda: is_held(dump, 0, 4) or procs[0].poll() is not None, "group 0 did not reach round 4's start")
+        assert procs[0].poll() is None, "group 0 ended before round 4's start"
+        again = launch_group(cfg, runs[1], lh.addr, 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
         procs.append(again)
-        _wait_for(lambda: _started(dump, 1, again.pid) or again.poll() is not None, "group 1 did not start again")
+        wait_for_requests(lh, 1, [again], "the relaunched group 1")
         open(go, "w").close()
-        outs = _finish([procs[0], again], timeout=240)
+        outs = finish_all([procs[0], again], timeout=240)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -544,21 +477,21 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
         lh.stop()
     for p, out in zip([procs[0], again], outs):
         assert p.returncode == 0, out[-3000:]
-    outer = {r["round"]: r["groups"] for r in _records(runs[0], "outer")}
+    outer = {r["round"]: r["groups"] for r in read_records(runs[0], "outer")}
     assert sorted(outer) == list(range(steps // L))
     assert outer[0] == outer[1] == [0, 1] and outer[2] == outer[3] == [0]
-    (joined, heal), = _dumps(dump, 1, "heal").items()
-    assert joined >= 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
-    d0, d1 = _dumps(dump, 0), _dumps(dump, 1)
+    (joined, heal), = read_dumps(dump, 1, "heal").items()
+    assert joined == 4 and all(outer[r] == [0, 1] for r in range(joined, steps // L)), (joined, outer)
+    d0, d1 = read_dumps(dump, 0), read_dumps(dump, 1)
     # φ from the peer (as group 0 left round joined - 1), not from group 1's own older state
     assert torch.equal(heal["phi"], d0[joined - 1]["phi"])
     assert not torch.equal(heal["phi"], d1[1]["phi"])
     # only group 1 trained its sources, and not while it was away
     names = [s["name"] for s in yaml.safe_load(open(cfg))["data"]["sources"]]
     for g, run in enumerate(runs):
-        for rec in _records(run, "train"):
+        for rec in read_records(run, "train"):
             assert all(owners[names.index(n)] == g for n in rec["loss_by_source"]), (g, rec["step"])
-    gone = [rec["step"] for rec in _records(runs[1], "train") if 2 * L < rec["step"] <= joined * L]
+    gone = [rec["step"] for rec in read_records(runs[1], "train") if 2 * L < rec["step"] <= joined * L]
     assert gone == [], gone
     # its compact table's inner optimizer state is its checkpoint's (step 2L): the model's keys
     # when the source was installed there, else the stored source's (format 2)
@@ -591,7 +524,7 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
     three exit 0 and finish with the same body."""
     import torch
     L, steps, timeout_s, join_s, held_s, G = 2, 10, 3, 3.0, 12, 3
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
@@ -601,15 +534,15 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
         # groups 0 and 1 wait at round 3's start until group 2 is let go (and has asked for a
         # quorum), so that the run is not over before group 2 comes back
         hold = {0: f"3:start:{go}", 1: f"3:start:{go}", 2: f"1:exchange:{go}2"}
-        procs = [_group(cfg, runs[g], lh.addr, g, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold else env,
+        procs = [launch_group(cfg, runs[g], lh.addr, g, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold else env,
                         groups=G, min_groups=2, timeout_s=timeout_s) for g in range(G)]
-        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held1")) or procs[2].poll() is not None,
+        wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held1")) or procs[2].poll() is not None,
                   "group 2 did not reach round 1's exchange")
         time.sleep(held_s)
         open(go + "2", "w").close()
         time.sleep(1.5)
         open(go, "w").close()
-        outs = _finish(procs, timeout=120)
+        outs = finish_all(procs, timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -617,20 +550,20 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
         lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    outer = [{r["round"]: r for r in _records(run, "outer")} for run in runs]
+    outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs]
     assert sorted(outer[0]) == list(range(steps // L))
     assert outer[0][0]["groups"] == [0, 1, 2] and outer[0][1]["groups"] == [0, 1]
     bound = timeout_s + join_s + 4  # the wait is bounded (below the hold: not waiting for group 2)
     assert bound < held_s and outer[0][1]["seconds"] < bound, outer[0][1]["seconds"]
-    d = [_dumps(dump, g) for g in range(G)]
+    d = [read_dumps(dump, g) for g in range(G)]
     assert 1 not in d[2]  # it took no part in the round completed without it
-    (joined, _), = _dumps(dump, 2, "heal").items()
+    (joined, _), = read_dumps(dump, 2, "heal").items()
     assert joined == 3 and outer[0][2]["groups"] == [0, 1], (joined, outer[0][2])
     for r in range(joined, steps // L):
         assert 2 in outer[0][r]["groups"], (r, outer[0][r]["groups"])
         assert torch.equal(d[2][r]["body"], d[0][r]["body"]), r  # from its first sync on
     for run in runs:
-        assert _records(run, "outer")[-1]["groups"] == [0, 1, 2]
+        assert read_records(run, "outer")[-1]["groups"] == [0, 1, 2]
 
 
 def test_group_dies_during_an_overlapped_exchange(tmp_path):
@@ -643,22 +576,22 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
     at launch), their θ_t stay equal every round and their bodies after the last sync."""
     import torch
     L, steps, G = 2, 8, 3
-    cfg = _config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump = str(tmp_path / "dump")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     lh = Lighthouse(min_groups=2)
     procs = []
     try:
-        procs = [_group(cfg, runs[g], lh.addr, g, "dept.outer_overlap=true", "dept.outer_delay=1",
+        procs = [launch_group(cfg, runs[g], lh.addr, g, "dept.outer_overlap=true", "dept.outer_delay=1",
                         env=dict(env, DEPT_FEDERATION_HOLD=f"2:launch:{tmp_path / 'never'}") if g == 2 else env,
                         groups=G, min_groups=2, timeout_s=10) for g in range(G)]
-        _wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
+        wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
                   "group 2 did not reach round 2's launch")
         assert procs[2].poll() is None, "group 2 ended before round 2's launch"
         os.kill(procs[2].pid, signal.SIGKILL)
         procs[2].wait()
-        outs = _finish(procs[:2], timeout=120)
+        outs = finish_all(procs[:2], timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -666,10 +599,10 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
         lh.stop()
     for p, out in zip(procs[:2], outs):
         assert p.returncode == 0, out[-3000:]
-    outer = [{r["round"]: r for r in _records(run, "outer")} for run in runs[:2]]
+    outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs[:2]]
     assert sorted(outer[0]) == sorted(outer[1]) == list(range(steps // L))
     assert [outer[0][r]["groups"] for r in range(steps // L)] == [[0, 1, 2], [0, 1, 2], [0, 1], [0, 1]]
-    d = [_dumps(dump, g) for g in range(2)]
+    d = [read_dumps(dump, g) for g in range(2)]
     # round 2's record holds round 1's exchange (launched at round 2's start), redone by the two
     sent = [d[g][2]["sent"] for g in range(2)]
     assert d[0][2]["groups"] == [0, 1] and d[0][2]["means"]

@@ -229,8 +229,6 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
-        if self.dump is not None:
-            self.dump.started()
 
     # ------------------------------------------------------------------ healing state
     def attach(self, syncs: dict, strategy=None) -> None:

@@ -11,16 +11,13 @@ test needs to recompute the outer synchronisation from outside the jobs.
   state is installed: ``source``, ``embeddings`` (its embeddings' tensors by name) and
   ``optimizer`` (their inner optimizer's state dict);
 - both with ``phi``: TRIM's whole φ (None for other variants);
-
-- ``g{group}_rank{rank}_started{pid}`` when the job's torchft Manager is built (it heartbeats
-  to the lighthouse from then on);
 - with ``DEPT_FEDERATION_HOLD=R:WHERE:PATH`` (WHERE ``start``: before round R's quorum;
   ``exchange``: before round R's first cross-group exchange; ``launch``: in round R's first
   overlapped exchange, between its count of contributing groups and its launch, so that the
   other groups have it in flight) the job writes
   ``g{group}_rank{rank}_held{R}`` there and waits until the file PATH exists: a test stops
-  a group at a known point (to kill it there, to make it slow, to keep it running until
-  another job has started) instead of racing its progress.
+  a group at a known point (to kill it there, to make it slow, to keep it waiting until
+  another job's quorum request is at the lighthouse) instead of racing its progress.
 
 Nothing is written without the variable; the training path is the same either way.
 """
@@ -55,10 +52,6 @@ class FederationDump:
             if where not in ("start", "exchange", "launch"):
                 raise ValueError(f"{HOLD_ENV}={spec!r}: WHERE is start, exchange or launch")
             self._hold = (int(r), where, path)
-
-    def started(self) -> None:
-        """The job's Manager exists (it heartbeats to the lighthouse from now on)."""
-        open(f"{self.prefix}_started{os.getpid()}", "w").close()
 
     def hold(self, round_index: int, where: str) -> None:
         """Wait here until the hold's file exists, if this is the hold's point (module doc)."""

@@ -16,6 +16,7 @@ from .attention import CoreAttention, FlexState
 from .backends import Backends
 from .positions import RotaryEmbedding, causal_alibi_bias, causal_mask_bias, local_alibi_slopes
 from .recompute import recompute
+from ..compile_guard import outside_compiled_graphs
 
 try:  # optional fused kernels; only used on CUDA (see backends.py)
     from apex.normalization.fused_layer_norm import (fused_layer_norm_affine as _apex_ln,  # type: ignore
@@ -140,7 +141,7 @@ class SelfAttention(nn.Module):
             return self._forward_eager(x)
         return self._forward(x)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         """Attention dropout inside a compiled block (``train.compile``) runs eagerly: the kernel's
         dropout draws from the device generator seeded from our stream (``fork_device_rng``),

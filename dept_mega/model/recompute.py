@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.utils.checkpoint as _checkpoint
+from ..compile_guard import outside_compiled_graphs
 
 
 class Replayable(Protocol):
@@ -59,7 +60,7 @@ def _contexts(replay: Sequence[Replayable]):
     return forward(), recomputation()
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def recompute(fn: Callable[..., torch.Tensor], *args: torch.Tensor,
               replay: Sequence[Replayable] = ()) -> torch.Tensor:
     """``fn(*args)``, keeping only ``args`` for backward and replaying ``replay``'s states

@@ -24,7 +24,7 @@ exponential and reduction or cast-back into one pass over the logits, with no fp
 temporary; the backward's pass reads and writes the same buffer) and run eagerly on CPU with
 the same math; eagerly, the sum and the gradient each make one fp32 temporary of the logits'
 unpadded columns (freed before the function returns). The entry point is
-``torch.compiler.disable``'d: inside a compiled region (it is not in one under
+``outside_compiled_graphs`` (``compile_guard.py``): inside a compiled region (it is not in one under
 ``train.compile``, which compiles the transformer blocks only) it runs eagerly and calls
 its own compiled functions.
 
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .compiled_math import CudaCompiled
 from .mappings import CATEGORY, tp_world
+from ..compile_guard import outside_compiled_graphs
 
 
 def _max_math(logits: torch.Tensor, valid: int) -> torch.Tensor:
@@ -148,7 +149,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return out.view(ctx.shape), None, None, None, None
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, pg, *,
                                  vocab_size: Optional[int] = None, consume_logits: bool = False) -> torch.Tensor:
     """Per-token fp32 losses from this rank's vocabulary shard of the logits.

@@ -65,6 +65,7 @@ import torch
 from ..grad_buffer import grad_owner
 from . import fp8_kernels
 from .compiled_math import CudaCompiled
+from ..compile_guard import outside_compiled_graphs
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -498,7 +499,7 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.Tensor:
     """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
     ``layer``: the layer's :class:`Fp8Layer` (its scaling state and weight cache). Runs

@@ -38,7 +38,7 @@ the bucket's launch of a collective), which Dynamo does not re-evaluate faithful
 (tried on torch 2.13 with ``aot_eager``: traced, the second step raised the buffer's "arrived
 after its bucket's data-parallel reduction started" error), and a custom op cannot return "no
 gradient". So inside a compiled transformer block a fused linear is left out of the graph
-(:func:`_fused_outside_graph`, ``torch.compiler.disable``): Dynamo breaks the block's graph
+(:func:`_fused_outside_graph`, ``compile_guard.outside_compiled_graphs``): Dynamo breaks the block's graph
 around it and the layer runs eagerly, forward and backward, while the code between the linear
 layers (norms, residual adds, activation, attention) stays compiled. Whether those graph breaks
 cost more than the fusion saves is measured on the device (``optim.grad_accum_fusion: false``
@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grad_buffer import grad_owner
+from ..compile_guard import outside_compiled_graphs
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -153,7 +154,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _fused_outside_graph(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """:class:`FusedWgradLinear` called from compiled code: a graph break, run eagerly."""
     return FusedWgradLinear.apply(x, weight, bias)

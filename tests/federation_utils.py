@@ -1,0 +1,169 @@
+"""Helpers of tests/test_federation.py: the lighthouse and group jobs as processes (CPU, gloo),
+their records and dumps (dept_mega/dept/federation_dump.py), and the waits that stand in for
+racing the jobs' progress."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import yaml
+
+from tests.mp_utils import free_port
+from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
+SOURCES = 3
+
+
+def write_config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None, example="spec") -> str:
+    """``example``: examples/tiny/{example}.yaml (spec: the global tokenizer; spec_opt: one per source)."""
+    ensure_sample_corpus()
+    with open(os.path.join(ROOT, "examples", "tiny", f"{example}.yaml"), encoding="utf-8") as f:
+        c = yaml.safe_load(f)
+    if c["data"].get("tokenizer"):
+        c["data"]["tokenizer"] = os.path.join(ROOT, c["data"]["tokenizer"])
+    c["data"]["sources"] = [dict(s, **{k: os.path.join(ROOT, s[k]) for k in ("prefix", "tokenizer") if k in s})
+                            for s in c["data"]["sources"][:sources]]
+    for s, g in zip(c["data"]["sources"], owners or []):  # data.sources[i].group
+        s["group"] = g
+    c["dept"]["local_steps"] = local_steps
+    c["model"]["seq_length"] = 32
+    c["train"].update(steps=steps, micro_batch_size=2, global_batch_size=2, log_interval=1, eval_interval=0,
+                      eval_iters=1, save_interval=0)
+    path = os.path.join(tmp_path, "spec.yaml" if owners is None else "spec_owned.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(c, f)
+    return path
+
+
+class Lighthouse:
+    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0):
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
+                                      "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
+                                      "--heartbeat-timeout-s", str(heartbeat_s)],
+                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        assert line.startswith("lighthouse: http://"), line
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def status(self) -> str:
+        """The "Next quorum status" line of torchft's lighthouse page ``/status`` (computed under
+        the lock that registers quorum requests), e.g. ``New quorum not ready, only have 1
+        participants, need at least half of 2 healthy workers [1/1 participants healthy][2
+        heartbeating][shrink_only=false]``."""
+        url = f"http://{self.addr}/status"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            page = r.read().decode("utf-8", "replace")
+        m = re.search(r"Next quorum status: *([^\n<]*)", page)
+        assert m and re.search(r"\[\d+/\d+ participants healthy\]", m.group(1)), \
+            f"{url}: no '[N/M participants healthy]' in torchft's status page (torchft changed?): {page[:600]!r}"
+        return m.group(1).strip()
+
+    def waiting(self) -> int:
+        """How many live groups have asked for a quorum that the lighthouse has not formed yet."""
+        return int(re.search(r"\[(\d+)/\d+ participants healthy\]", self.status()).group(1))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
+           f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
+           f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
+    # output to a file: torchft logs every quorum, and a full pipe would stop the job
+    os.makedirs(run, exist_ok=True)
+    log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+    p.log = log
+    return p
+
+
+def finish_all(procs, timeout=120):
+    outs = []
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        with open(p.log, encoding="utf-8", errors="replace") as f:
+            outs.append(f.read())
+    return outs
+
+
+def read_records(run, kind):
+    return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
+
+
+def run_single_job(cfg, run, nproc=SOURCES, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def error_line(out):
+    lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    return lines[0] if lines else out[-2000:]
+
+
+def trained_steps(run):
+    path = os.path.join(run, "metrics.jsonl")
+    try:
+        return [r["step"] for r in read_jsonl(path) if r["kind"] == "train"] if os.path.exists(path) else []
+    except ValueError:  # a line being written
+        return []
+
+
+def read_dumps(root, g, kind="round"):
+    import torch
+    out = {}
+    for f in os.listdir(root):
+        if f.startswith(f"g{g}_rank0_{kind}"):
+            d = torch.load(os.path.join(root, f), weights_only=False)
+            out[d["round"]] = d
+    return out
+
+
+def wait_for(pred, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def is_held(root, g, r):
+    """Group ``g`` waits before round ``r``'s quorum (DEPT_FEDERATION_HOLD=r:start:...)."""
+    return os.path.exists(os.path.join(root, f"g{g}_rank0_held{r}"))
+
+
+def wait_for_requests(lh, n, procs, what, timeout=120):
+    """Wait until the lighthouse holds ``n`` quorum requests (``procs``', ``what``), called while
+    every other group waits at a hold before its own request. Releasing the held groups before
+    that would race: when every member of the previous quorum asks, torchft's lighthouse forms
+    the quorum at once from the groups that have asked (its "fast quorum"), without waiting for a
+    group that heartbeats but has not asked yet — and a relaunched job heartbeats from the moment
+    its Manager exists, well before it has built its model, loaded its checkpoint and asked."""
+    deadline = time.monotonic() + timeout
+    while lh.waiting() < n:
+        for p in procs:
+            if p.poll() is not None:
+                with open(p.log, encoding="utf-8", errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise AssertionError(f"{what}: a job exited ({p.returncode}) before its quorum request "
+                                     f"reached the lighthouse:\n{tail}")
+        assert time.monotonic() < deadline, (f"{what}: the lighthouse does not hold {n} quorum request(s) after "
+                                             f"{timeout} s: {lh.status()}")
+        time.sleep(0.05)
