@@ -104,7 +104,7 @@ class Backends:
     wgrad: str = ""  # how (parallel/wgrad.py PATHS), for the log
     tied: bool = False  # model.tie_embeddings (the head shares the input embedding)
     cross_entropy: str = "eager"  # "compiled" on CUDA (parallel/cross_entropy.py), else "eager"
-    rope: bool = False  # rotary positions (model/positions.py: compiled on CUDA as the cross entropy)
+    rope: str = ""  # rotary positions (model/positions.py): "compiled" on CUDA, "eager" elsewhere; "" without
     notes: tuple[str, ...] = field(default=())
 
     def layer_fp8(self, layer_id: int) -> bool:
@@ -170,7 +170,7 @@ class Backends:
         parts.append(self.describe_wgrad())
         parts.append(f"cross_entropy={self.cross_entropy}")
         if self.rope:
-            parts.append(f"rope={self.cross_entropy}")  # compiled on CUDA, like the cross entropy
+            parts.append(f"rope={self.rope}")
         note = f" ({'; '.join(self.notes)})" if self.notes else ""
         return " | ".join(parts) + note
 
@@ -348,6 +348,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     linear, notes = _resolve_linear(cfg, device)
     attention = _resolve_attention(m, cfg.precision, device)
     cuda = device.type == "cuda"
+    compiled_math = "compiled" if cuda else "eager"  # the cross entropy and RoPE (parallel/compiled_math.py)
     if _installed("apex") and cuda:
         norm = "apex"
     else:
@@ -382,7 +383,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
-                    cross_entropy="compiled" if cuda else "eager", rope=m.position_embedding == "rope",
+                    cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",
                     notes=tuple(notes))
 
 

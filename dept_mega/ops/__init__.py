@@ -140,11 +140,9 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 
 def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
-    # _route, inlined: host work per call (the trainer remaps every micro-batch) is one device
-    # comparison and, on CUDA, the argument checks as three tests; check_remap_args (which
-    # builds the message) runs only when one fails.
-    device = ids.device
-    if device == lookup.device and _use_extension(device):
+    # on CUDA the argument checks are three tests (the trainer remaps every micro-batch);
+    # check_remap_args, which builds the message, runs only when one fails
+    if _route(ids, lookup):
         if ids.is_cuda and not _remap_args_ok(ids, lookup):
             fallback.check_remap_args(ids, lookup)
         return torch.ops.dept_mega.remap_ids(ids, lookup)

@@ -416,7 +416,7 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         torch._C._set_mkldnn_enabled(was)
 
 
-_NO_AUTOCAST = contextlib.nullcontext()
+_NO_CONTEXT = contextlib.nullcontext()  # a context that does nothing
 
 
 def _autocast_off(device_type: str):
@@ -425,7 +425,7 @@ def _autocast_off(device_type: str):
     ~4 µs of host time per call even when it changes nothing)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
-    return _NO_AUTOCAST
+    return _NO_CONTEXT
 
 
 def _profiled(name: str):
@@ -435,7 +435,7 @@ def _profiled(name: str):
     costs ~6 µs of host time even then; the check ~0.04 µs)."""
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
-    return _NO_AUTOCAST
+    return _NO_CONTEXT
 
 
 class _Fp8Linear(torch.autograd.Function):
