@@ -8,7 +8,9 @@ Kinds (by kernel name, a heuristic): gemm (cuBLAS / CUTLASS / nvjet matrix kerne
 (flash / fused attention), nccl, optimizer (fused AdamW, foreach), copy (memcpy / memset), other
 (elementwise, norms, reductions, ...). ``busy`` = summed kernel time; ``span`` = the wall time
 of the ProfilerStep ranges; busy / span below 1 means the GPU sat idle (launch gaps, host syncs,
-waiting for the CPU).
+waiting for the CPU). Each kernel of the table says what launched it (``kernel_launchers.py``):
+the host operator around its launch call, with its input shapes, top-level operator and
+``record_function`` range, up to three launchers with their calls.
 
 After the kernel tables, for each profiled step (``step_timeline.py`` defines each figure): the
 GPU's idle time (the step's span minus the union of its kernels / copies on all streams), its idle
@@ -23,7 +25,8 @@ import json
 import sys
 from collections import defaultdict
 
-from step_timeline import analyse, is_step, render as render_steps
+from kernel_launchers import attribute, cell, summary_line
+from step_timeline import analyse, is_step, render as render_steps, timeline
 
 KINDS = (
     ("nccl", ("nccl",)),
@@ -75,11 +78,21 @@ def render(res: dict, top: int) -> str:
     for k, v in res["by_kind_us"].items():
         lines.append(f"| {k} | {v / 1e3:.2f} | {100 * v / max(busy, 1e-9):.1f}% |")
     lines.append("")
-    lines.append("| kernel | calls | ms | share |")
-    lines.append("| --- | ---: | ---: | ---: |")
+    att = res.get("launchers")
+    if att is not None:
+        lines.append(summary_line(att))
+        lines.append("")
+        lines.append("| kernel | calls | ms | share | launched by |")
+        lines.append("| --- | ---: | ---: | ---: | --- |")
+    else:
+        lines.append("| kernel | calls | ms | share |")
+        lines.append("| --- | ---: | ---: | ---: |")
     for name, us, calls in res["kernels"][:top]:
         short = name if len(name) <= 90 else name[:87] + "..."
-        lines.append(f"| `{short}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |")
+        row = f"| `{short}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |"
+        lines.append(row + (f" {cell(att['kernels'].get(name))} |" if att is not None else ""))
+    if res.get("launchers_note"):
+        lines.append(res["launchers_note"])
     return "\n".join(lines)
 
 
@@ -101,7 +114,15 @@ def main(argv=None) -> int:
         print(f"error: {args.trace} has no {args.category} events"
               + (" (profiled on a CPU? --category cpu_op)" if args.category == "kernel" else ""), file=sys.stderr)
         return 1
-    res["per_step"] = analyse(trace, args.gap_us, args.gaps, args.top_host)
+    tl = timeline(trace)
+    if args.category == "kernel":
+        res["launchers"] = attribute(tl)
+    else:
+        res["launchers_note"] = ("launched by: nothing to attribute: "
+                                 + ("the rows are host operators (--category cpu_op)"
+                                    if any(ev.cat == "kernel" for ev in tl.gpu)
+                                    else "no CUDA kernels in this trace (a CPU profile)"))
+    res["per_step"] = analyse(trace, args.gap_us, args.gaps, args.top_host, tl=tl)
     print(render(res, args.top))
     print(render_steps(res["per_step"]))
     if args.json:

@@ -29,6 +29,7 @@ Definitions (all times in µs, from the trace's complete ``X`` events):
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 OP_CATS = ("cpu_op", "user_annotation", "python_function")
@@ -38,11 +39,13 @@ LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cuGraphLaunch")
 
 
 class Ev:
-    """One complete event; ``parent`` and ``self_us`` are filled by ``nest`` (host events only)."""
-    __slots__ = ("name", "cat", "tid", "ts", "end", "corr", "parent", "self_us")
+    """One complete event; ``parent`` and ``self_us`` are filled by ``nest`` (host events only);
+    ``args`` is the event's own ``args`` (shapes, ``External id``: ``kernel_launchers`` reads them)."""
+    __slots__ = ("name", "cat", "tid", "ts", "end", "corr", "args", "parent", "self_us")
 
-    def __init__(self, name: str, cat: str, tid, ts: float, end: float, corr) -> None:
+    def __init__(self, name: str, cat: str, tid, ts: float, end: float, corr, args: dict | None = None) -> None:
         self.name, self.cat, self.tid, self.ts, self.end, self.corr = name, cat, tid, ts, end, corr
+        self.args = args or {}
         self.parent: Ev | None = None
         self.self_us = end - ts
 
@@ -63,7 +66,7 @@ def collect(trace) -> tuple[list[Ev], list[Ev], list[Ev]]:
             continue
         ts = float(e["ts"])
         args = e.get("args") or {}
-        ev = Ev(name, cat, (e.get("pid"), e.get("tid")), ts, ts + float(e.get("dur", 0.0)), args.get("correlation"))
+        ev = Ev(name, cat, (e.get("pid"), e.get("tid")), ts, ts + float(e.get("dur", 0.0)), args.get("correlation"), args)
         if cat in GPU_CATS:
             gpu.append(ev)
         else:
@@ -225,11 +228,25 @@ def _host_tables(host: list[Ev], gpu_by_corr: dict, a: float, b: float, step: Ev
     }
 
 
-def analyse(trace, gap_us: float = 20.0, top_gaps: int = 8, top: int = 20) -> list[dict]:
-    """One record per profiled step: GPU idle time and gaps, what the host did at each gap's
-    start, host self times, CUDA API calls and kernel launches (see the module's definitions)."""
+class Timeline(NamedTuple):
+    """A trace read once (``timeline``): what ``analyse`` and ``kernel_launchers`` share."""
+    gpu: list
+    host: list
+    steps: list
+    threads: dict
+
+
+def timeline(trace) -> Timeline:
+    """The trace's GPU activities, host ranges (nested: parents and self times set) and steps."""
     gpu, host, steps = collect(trace)
-    threads = nest(host)
+    return Timeline(gpu, host, steps, nest(host))
+
+
+def analyse(trace, gap_us: float = 20.0, top_gaps: int = 8, top: int = 20, tl: Timeline | None = None) -> list[dict]:
+    """One record per profiled step: GPU idle time and gaps, what the host did at each gap's
+    start, host self times, CUDA API calls and kernel launches (see the module's definitions).
+    ``tl``: the trace's ``timeline`` when the caller has it already (else it is built here)."""
+    gpu, host, steps, threads = tl if tl is not None else timeline(trace)
     launch_of = {ev.corr: ev for ev in host if ev.cat in API_CATS and ev.corr is not None}
     gpu_by_corr = {ev.corr: ev for ev in gpu if ev.corr is not None}
     merged = union(gpu)

@@ -7,6 +7,15 @@ CUDA kernels; a ``ProfilerStep#N`` range marks each step N. Step numbers are inn
 metrics records: the trace starts when S steps are done (or at once when a run resumes between
 S and E) and stops when E are done or the run ends, whichever comes first (the file name then
 says where it stopped). Other ranks do nothing.
+
+The trace records each operator's input shapes and strides (``record_shapes``), so that
+``benchmarks/kernel_breakdown.py`` can say which operator, on which shapes, launched each kernel.
+That costs about 0.4 µs of host time per operator (measured on a CPU: 1.9 µs per small operator
+under the profiler without shapes, 2.3 with them, 1.35 without a profiler) and makes the file
+1.5-1.6 times larger (a CPU trace of the trainer; kernels and launches carry no shapes); only
+the profiled steps pay it. Not recorded: Python stacks (``with_stack``: the Python tracer slows
+the host, whose time the trace measures) and module names (``with_modules`` fills them only for
+TorchScript models).
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ class StepProfiler:
         if not self.enabled:
             return
         if self._prof is None and self._first is None and self.cfg.start <= steps_done < self.cfg.stop:
-            self._prof = torch.profiler.profile(activities=self._activities())
+            self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=True)
             self._prof.start()
             self._first = steps_done
         if self._prof is not None:

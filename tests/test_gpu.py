@@ -112,6 +112,18 @@ def test_train_records_carry_throughput_memory_and_a_cuda_trace(tmp_path):
         assert all(g["cpu_at_start"] for g in st["largest_gaps"])
     else:
         assert st["gpu_active_us"] is None
+    # kernel_breakdown's "launched by": each kernel linked to its launch call (correlation id) and
+    # the aten operator around it, with the input shapes the trainer's profiler records
+    from kernel_launchers import attribute
+    from step_timeline import timeline
+    att = attribute(timeline(trace))
+    labels = [lab for rows in att["kernels"].values() for lab, _, _ in rows]
+    if CUDA:
+        li = att["linked"]
+        assert li["launch"] >= 0.9 * sum(li.values()), li
+        assert att["shapes_recorded"] and any(lab.startswith("aten::") and " [" in lab for lab in labels), labels
+    else:
+        assert labels == [] and att["linked"] == {"launch": 0, "external_id": 0, "none": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
