@@ -124,7 +124,8 @@ def attribute(tl: Timeline, top: int = 3) -> dict:
     for name, by_label in rows.items():
         ranked = sorted(([lab, c, us] for lab, (c, us) in by_label.items()), key=lambda r: (-r[2], -r[1], r[0]))
         rest = ranked[top:]
-        out[name] = ranked[:top] + ([[f"({len(rest)} other launchers)", sum(r[1] for r in rest),
+        other = f"({len(rest)} other launcher{'s' if len(rest) > 1 else ''})"
+        out[name] = ranked[:top] + ([[other, sum(r[1] for r in rest),
                                       sum(r[2] for r in rest)]] if rest else [])
     return {"kernels": out, "linked": linked, "shapes_recorded": shapes}
 

@@ -49,9 +49,10 @@ def hand_made_trace() -> dict:
     """One step. EW (one kernel name) is launched by a strided aten::copy_ inside aten::contiguous
     in a record_function range (twice), by a contiguous aten::copy_ in the same range, by aten::add
     (a scalar argument and a 0-dim tensor left out of the shapes) and by aten::mul on autograd's
-    thread. A GEMM whose launch call is missing (the trace cut it) is found through its External id;
-    a Triton kernel came through the driver; one kernel was launched outside any operator and one
-    has neither a launch call nor a known External id."""
+    thread. A GEMM inside an nn.Module range (a with_stack trace) whose launch call is missing (the
+    trace cut it) is found through its External id; a Triton kernel came through the driver; one
+    kernel was launched outside any operator and one has neither a launch call nor a known
+    External id."""
     t = [4096, 32, 512, 1]  # strides of a [4, 16, 8, 32] view of a contiguous [4, 8, 16, 32] tensor
     ev = [_x("user_annotation", "ProfilerStep#3", 0, 2000, External_id=1),
           _x("user_annotation", "dept_mega::attention", 10, 800, External_id=2)]
@@ -68,6 +69,9 @@ def hand_made_trace() -> dict:
            _op("triton_poi_fused_gelu_0", 600, 650, 22),
            *_launch(610, 104, 22, name="cuLaunchKernelEx", cat="cuda_driver"),
            *_kernel("triton_poi_fused_gelu_0", 1130, 1150, 104, 22),
+           # a with_stack trace: the nn.Module range names the module, other Python functions do not count
+           _x("python_function", "nn.Module: Linear_0", 880, 1010),
+           _x("python_function", "torch/nn/modules/linear.py(125): forward", 890, 1005),
            _op("aten::linear", 900, 1000, 30, [[8, 32], [64, 32]], [[32, 1], [32, 1]]),
            _op("aten::mm", 910, 990, 31, [[8, 32], [32, 64]], [[32, 1], [1, 32]]),
            *_kernel("nvjet_gemm", 1200, 1300, 105, 31),  # its cudaLaunchKernel is not in the trace
@@ -90,11 +94,11 @@ def test_each_kernel_names_the_operators_that_launched_it():
     assert att["kernels"][EW] == [
         [strided, 2, 80], ["aten::copy_ [64,32] [64,32] < dept_mega::attention", 1, 10],
         ["aten::add [64,32] [64,32]* < dept_mega::attention", 1, 5],
-        ["(1 other launchers)", 1, 2]]
+        ["(1 other launcher)", 1, 2]]
     assert attribute(timeline(trace), top=4)["kernels"][EW][3] == [
         "aten::mul [64,32] < autograd::engine::evaluate_function: CloneBackward0", 1, 2]
     assert att["kernels"]["triton_poi_fused_gelu_0"] == [["triton_poi_fused_gelu_0 < dept_mega::attention", 1, 20]]
-    assert att["kernels"]["nvjet_gemm"] == [["aten::mm [8,32] [32,64]* < aten::linear", 1, 100]]
+    assert att["kernels"]["nvjet_gemm"] == [["aten::mm [8,32] [32,64]* < aten::linear < nn.Module: Linear_0", 1, 100]]
     assert att["kernels"]["fill_kernel"] == [["(cudaLaunchKernel outside any operator)", 1, 10]]
     assert att["kernels"]["orphan_kernel"] == [["(launch not in the trace)", 1, 1]]
     assert att["linked"] == {"launch": 7, "external_id": 1, "none": 1} and att["shapes_recorded"]
@@ -105,7 +109,7 @@ def test_each_kernel_names_the_operators_that_launched_it():
             and "no input shapes" not in text)
     row = next(line for line in text.splitlines() if line.startswith("| `void at::native::elementwise_kernel"))
     assert row.endswith(f"| 5 | 0.10 | 42.5% | `{strided}` ×2; `aten::copy_ [64,32] [64,32] < dept_mega::attention` ×1; "
-                        "`aten::add [64,32] [64,32]* < dept_mega::attention` ×1; `(1 other launchers)` ×1 |"), row
+                        "`aten::add [64,32] [64,32]* < dept_mega::attention` ×1; `(1 other launcher)` ×1 |"), row
     assert cell([[strided, 2, 80.0]], width=40) == f"`{strided[:37]}...` ×2"  # long labels cut at the end
 
 
