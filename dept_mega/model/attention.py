@@ -24,7 +24,13 @@ way), so with ``attention_dropout > 0`` runs on different paths are not bit-comp
 path is deterministic given our RNG streams, which is what recomputation needs.
 
 Layout: inputs ``q [s, b, H, d]``, ``k, v [s, b, G, d]`` (G query groups, H = G·q_per_group);
-output ``[s, b, H, d]``.
+output ``[s, b, H, d]``. The ``flex`` kernel takes ``[b, H, s, d]`` views of these and writes its
+output (and the q/k/v gradients) densely in its query's memory order, i.e. as ``[s, b, H, d]``
+tensors; the permutes to and from that view happen inside the compiled region (``FlexState``),
+so the region's output is a contiguous ``[s, b, H, d]`` tensor. Were it the ``[b, H, s, d]``
+view, AOT autograd would copy its incoming gradient to contiguous ``[b, H, s, d]`` in every
+backward (torch up to 2.12: ``torch._functorch.config.guess_tangent_strides_as_outputs`` is
+False, so a compiled region's output gradients are expected in contiguous memory format).
 """
 from __future__ import annotations
 
@@ -67,8 +73,8 @@ class FlexState:
         from torch.nn.attention.flex_attention import flex_attention
         self.slopes = slopes
         self.compile = compile
-        self._plain: Callable = flex_attention
-        self._kernel: Callable = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        self._plain: Callable = _sbhd(flex_attention)
+        self._kernel: Callable = torch.compile(self._plain, dynamic=False) if compile else self._plain
         self._masks: dict[tuple[int, str], object] = {}
         self._score_mods: dict[str, Callable] = {}
 
@@ -89,7 +95,8 @@ class FlexState:
             self._masks[key] = create_block_mask(_causal, None, None, key[0], key[0], device=device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
-        key = (q.shape[2], _device_key(q.device))
+        """``q [s, b, H, d]``, ``k, v [s, b, G, d]`` -> ``[s, b, H, d]`` (see the module doc)."""
+        key = (q.shape[0], _device_key(q.device))
         if key not in self._masks:
             if torch.compiler.is_compiling():  # Dynamo would trace the mask's construction into the block
                 raise RuntimeError(f"flex_attention: nothing prepared for length {key[0]} on {key[1]}; "
@@ -99,6 +106,20 @@ class FlexState:
         # inside a compiled block the plain function (Dynamo traces it), else the compiled kernel
         fn = self._plain if torch.compiler.is_compiling() else self._kernel
         return fn(q, k, v, score_mod=score_mod, block_mask=self._masks[key], enable_gqa=enable_gqa)
+
+
+def _sbhd(flex_attention: Callable) -> Callable:
+    """``flex_attention`` on ``q [s, b, H, d]``, ``k, v [s, b, G, d]``, returning ``[s, b, H, d]``:
+    the kernel sees ``[b, heads, s, d]`` views and lays its output out in the query's memory
+    order, so the permute returned is contiguous (the point of compiling this function rather
+    than ``flex_attention`` itself: see the module doc)."""
+
+    def attend(q, k, v, score_mod, block_mask, enable_gqa):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+        return out.permute(2, 0, 1, 3)
+
+    return attend
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -161,11 +182,11 @@ class CoreAttention(nn.Module):
             kind = self.fallback
         if kind == "flash":
             return self._flash(q, k, v, p)
+        if kind == "flex":  # [s, b, H, d] in and out; FlexState permutes inside its compiled region
+            return self.positions.flex(q, k, v, enable_gqa=self.q_per_group > 1)
         # [s, b, H, d] -> [b, H, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if kind == "flex":
-            out = self._flex(q, k, v)
-        elif kind == "sdpa":
+        if kind == "sdpa":
             out = self._dropout_wrap(p, lambda: F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1))
         else:
@@ -184,9 +205,6 @@ class CoreAttention(nn.Module):
             v = v.repeat_interleave(self.q_per_group, dim=1)
         bias = self.positions.attention_bias(q.shape[2], q.dtype, q.device)
         return self._dropout_wrap(p, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p))
-
-    def _flex(self, q, k, v) -> torch.Tensor:
-        return self.positions.flex(q, k, v, enable_gqa=self.q_per_group > 1)
 
     def _flash(self, q, k, v, p: float) -> torch.Tensor:  # pragma: no cover - CUDA + flash-attn only
         # flash-attn layout [b, s, H, d]; GQA and ALiBi slopes are native.

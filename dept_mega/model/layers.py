@@ -151,14 +151,16 @@ class SelfAttention(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
-        s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.head_dim)
-        # split, not indexing: the backward of a split is one concatenation into the QKV gradient,
-        # where indexing's backward is a zero-filled full-size tensor per piece plus two adds
-        # (three fills, three strided copies and two full-size adds per layer and micro-batch)
-        q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(s, b, self.heads_local, self.head_dim)
-        k, v = k.squeeze(3), v.squeeze(3)
+        s, b, hd = qkv.shape[0], qkv.shape[1], self.head_dim
+        qkv = qkv.view(s, b, self.groups_local, (self.q_per_group + 2) * hd)
+        # A split, not indexing: the backward of a split is one concatenation into the QKV
+        # gradient, where indexing's backward is a zero-filled full-size tensor per piece plus two
+        # adds. A split of this 4-d view, not of [s, b, groups, q_per_group + 2, hd]: CUDA's cat
+        # runs one batched (vectorised) kernel for tensors of at most 4 dimensions and otherwise
+        # one strided copy per piece (aten/src/ATen/native/cuda/Shape.cu, CAT_ARRAY_MAX_INPUT_DIMS),
+        # which were three of the four strided copies per layer and micro-batch of the 1B model.
+        q, k, v = torch.split(qkv, [self.q_per_group * hd, hd, hd], dim=3)
+        q = q.reshape(s, b, self.heads_local, hd)  # a view with one query head per group, else a copy
         if self.positions.rope is not None:
             q = self.positions.rope.apply(q)
             k = self.positions.rope.apply(k)
@@ -167,7 +169,7 @@ class SelfAttention(nn.Module):
             out = recompute(self.core, q, k, v, replay=[self.rng] if self.rng is not None else [])
         else:
             out = self.core(q, k, v)
-        return self.proj(out.reshape(s, b, self.heads_local * self.head_dim))
+        return self.proj(out.reshape(s, b, self.heads_local * hd))
 
 
 class MLP(nn.Module):
