@@ -18,10 +18,10 @@ The math is the eager path's: the casts are :func:`fp8._cast_math` itself (amax,
 FP8_MAX / max(amax, 1e-12)``, scaled in fp32, saturated, cast; the token dimension zero-padded
 to a multiple of 16; the transposed copy where a GEMM contracts over the tokens) and the GEMMs
 take the operand layouts of ``fp8._Fp8Linear`` (e4m3 forward, the recipe's gradient format in
-the backward, bf16 outputs, gradients returned in the dtypes of ``x`` and the weight). Eagerly
-(outside a graph) it gives the eager path's bytes; compiled, inductor may round the division
-of the scale differently in the last bit (``tests/test_compile.py`` compares training runs).
-What differs from the eager path:
+the backward, bf16 outputs, gradients returned in the dtypes of ``x`` and the weight). Called
+eagerly, and in graphs that run without inductor (AOT autograd alone), it gives the eager
+path's bytes (``tests/test_fp8_compile.py``); inductor's fused kernels need not be bit for
+bit. What differs from the eager path:
 
 * The weight is cast on every call (no per-step cache: that is Python state). Weights do not
   change within a training step, so every call of a step casts the same bytes the cache would
