@@ -39,6 +39,9 @@
 #   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
 #   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
 #   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
+#   fp8_current_compile  the same with fp8_recipe=current: the FP8 GEMMs traced into the
+#              compiled blocks (no graph break) -> bench.jsonl                                  60
+#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
 set -uo pipefail
@@ -65,7 +68,7 @@ done
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
 STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile compile_nofusion
-        mb8 fp8_mb8 fp8_compile)
+        mb8 fp8_mb8 fp8_compile fp8_current_compile fp8_current)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -105,7 +108,7 @@ if [ "$DRY" = 1 ]; then
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
-                     [fp8_compile]=8)
+                     [fp8_compile]=8 [fp8_current_compile]=8 [fp8_current]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -118,7 +121,7 @@ else
   # seconds measured on the first H100 run (2026-11-26), rounded up
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=20 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
-                     [fp8_mb8]=50 [fp8_compile]=60)
+                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_current_compile]=60 [fp8_current]=50)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -282,6 +285,8 @@ stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
+stage_fp8_current_compile() { compiled_bench fp8_current_compile fp8=hybrid backend=local fp8_recipe=current; }
+stage_fp8_current() { bench fp8_current fp8=hybrid backend=local fp8_recipe=current; }
 
 stage_memory() {  # the memory model against the bf16 run's peak, and the 250,112-token head's when it ran
   local rec="$WORK/bench_bf16.json"

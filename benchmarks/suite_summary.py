@@ -175,6 +175,18 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     if "fp8_compile" in ok and "bf16_compile" in ok and ok["bf16_compile"].get("tokens_per_s"):
         lines.append(f"- FP8 with train.compile: {ok['fp8_compile']['tokens_per_s'] / ok['bf16_compile']['tokens_per_s']:.2f}x "
                      "the compiled bf16 run's tokens/s")
+    traced = ok.get("fp8_current_compile", {}).get("tokens_per_s")
+    if traced:  # current scaling: the FP8 GEMMs traced into the compiled blocks
+        against = [f"{traced / ok[name]['tokens_per_s']:.2f}x {what}" for name, what in (
+            ("bf16_compile", "the compiled bf16 run"), ("fp8_compile", "the compiled delayed-scaling FP8 run"),
+            ("fp8_current", "the eager current-scaling FP8 run"), ("bf16", "the eager bf16 run"))
+            if ok.get(name, {}).get("tokens_per_s")]
+        if against:
+            lines.append("- FP8 current scaling traced into the compiled blocks (fp8_current_compile): "
+                         + ", ".join(against) + " (tokens/s)")
+    if ok.get("fp8_current", {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
+        lines.append(f"- FP8 current scaling, eager (fp8_current): {ok['fp8_current']['tokens_per_s'] / bf['tokens_per_s']:.2f}x "
+                     "bf16 tokens/s")
     if bf is not None:
         lines.append(f"- backends: {bf.get('backends')}")
     return lines

@@ -8,7 +8,8 @@ so half-precision weights accumulate their gradients in fp32. With
 ``optim.grad_accum_fusion`` the weights of our linear layers skip ``param.grad`` altogether:
 their weight-gradient GEMM accumulates straight into ``main_grad`` (``parallel/wgrad.py``),
 and the FP8 linear's backward hands its weight gradient to :meth:`GradBuffer.add_grad` itself
-(the hook's copy-then-add, ``parallel/fp8.py``). All paths go through
+(the hook's copy-then-add, ``parallel/fp8.py``; traced into a compiled block, ``fp8_traced.py``,
+it returns the gradient to autograd and the hook). All paths go through
 :meth:`GradBuffer.arrive`, which does the step's bookkeeping.
 
 The buffer is laid out in reverse parameter order (roughly the order backward produces the

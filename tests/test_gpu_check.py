@@ -18,7 +18,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
 STAGES = ("env", "tests", "ops_tests", "bf16", "nofusion", "fp8", "vocab250k", "memory", "ops", "megatron", "compile",
-          "compile_nofusion", "mb8", "fp8_mb8", "fp8_compile")
+          "compile_nofusion", "mb8", "fp8_mb8", "fp8_compile", "fp8_current_compile", "fp8_current")
 
 
 def _run(out, *args, timeout=420):
@@ -42,7 +42,7 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert [r["name"] for r in rows] == ["bf16", "bf16_nofusion", "fp8", "std_vocab250k", "bf16_compile", "bf16_compile_nofusion",
-                                           "bf16_mb8", "fp8_mb8", "fp8_compile"]
+                                           "bf16_mb8", "fp8_mb8", "fp8_compile", "fp8_current_compile", "fp8_current"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     assert rows[3]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
     assert rows[0]["micro_batch_size"] == 2 and rows[6]["micro_batch_size"] == 4 and rows[7]["micro_batch_size"] == 4
@@ -57,6 +57,11 @@ def test_dry_run_writes_every_figure(tmp_path):
     big = mem["comparison"]["trainer, STD 250,112-token head"]
     assert big["predicted_gb"] > 0 and big["measured_gb"] == rows[3]["peak_mem_gb"]
     assert "FP8 with micro-batches of 8: " in summary
+    assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in rows[9]["backends"], rows[9]["backends"]
+    assert "a graph break each (fp8_recipe=current traces them)" in rows[8]["backends"], rows[8]["backends"]
+    assert "| fp8_current_compile | " in summary and "| fp8_current | " in summary
+    assert "FP8 current scaling traced into the compiled blocks (fp8_current_compile): " in summary
+    assert "the eager current-scaling FP8 run" in summary and "FP8 current scaling, eager (fp8_current): " in summary
     assert "optim.grad_accum_fusion: " in summary and "optim.grad_accum_fusion under train.compile" in summary and "STD 250,112-token head: predicted" in summary
     assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
     assert "passed" in summary or "skipped in" in summary  # the pytest results reached the summary

@@ -9,7 +9,9 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
   ``pg.tp_dp``.
 * ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
   (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
-  ``auto`` + ``fp8`` without TE is this path (said in the log), not an error.
+  ``auto`` + ``fp8`` without TE is this path (said in the log), not an error. Under
+  ``train.compile`` with ``fp8_recipe: current`` they are traced into the compiled blocks
+  (``parallel/fp8_traced.py``); with delayed scaling each is a graph break (the log says which).
 * otherwise ``F.linear`` in the weights' dtype (bf16/fp16 weights under half precision).
 
 Which GEMMs run FP8: the four of every transformer block (qkv, proj, fc1, fc2) except in the
@@ -145,8 +147,10 @@ class Backends:
     def describe_linear(self) -> str:
         if self.fp8 is None:
             return "transformer_engine (bf16)" if self.linear == "transformer_engine" else "torch"
-        how = ("transformer_engine fp8" if self.linear == "transformer_engine"
-               else f"native fp8 (torch._scaled_mm, {_CASTS[self.fp8_casts]})")
+        native = self.linear != "transformer_engine"
+        traced = native and self.compile and self.fp8.traced_under_compile
+        casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
+        how = f"native fp8 (torch._scaled_mm, {casts})" if native else "transformer_engine fp8"
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
         gemms = ", ".join(self.fp8_gemms) if self.fp8_gemms else "none"
         out = f"{how} {self.fp8.describe()}: fp8 GEMMs [{gemms}] in layers {_ranges(self.fp8_layers)}"
@@ -155,6 +159,10 @@ class Backends:
             out += f"; bf16 GEMMs [{', '.join(stay)}] (per-rank size not a multiple of 16)"
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
+        if native and self.compile:  # the rule: Fp8Recipe.traced_under_compile (parallel/fp8_traced.py)
+            out += ("; FP8 GEMMs traced into the compiled blocks (current scaling)" if traced else
+                    f"; FP8 GEMMs outside the compiled graphs ({self.fp8.scaling} scaling): a graph break each "
+                    f"(fp8_recipe=current traces them)")
         return out + "; bf16 output head and embeddings"
 
     def describe(self) -> str:

@@ -97,6 +97,14 @@ class Fp8Recipe:
     def grad_dtype(self) -> torch.dtype:
         return E5M2 if self.fmt == "hybrid" else E4M3
 
+    @property
+    def traced_under_compile(self) -> bool:
+        """Whether the native FP8 linears are traced into ``train.compile``'s graphs: under
+        current scaling, which keeps no state (``fp8_traced.py``); delayed scaling reads and
+        writes the :class:`Fp8State` on the host, so its linears run outside the graphs (a graph
+        break each)."""
+        return self.scaling == "current"
+
     def describe(self) -> str:
         extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
         return f"{self.fmt}, {self.scaling} scaling{extra}"
@@ -504,6 +512,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.
     """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
     ``layer``: the layer's :class:`Fp8Layer` (its scaling state and weight cache). Runs
     eagerly inside a compiled block (``train.compile``): the autograd function and the
-    bookkeeping are Python state; the casts in it are kernels of their own."""
+    bookkeeping are Python state; the casts in it are kernels of their own. (Under current
+    scaling the compiled blocks call ``fp8_traced.fp8_linear_traced`` instead, which traces.)"""
     # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
     return _Fp8Linear.apply(x, weight, layer, torch.is_grad_enabled())

@@ -13,7 +13,8 @@ Parameter attributes read by the trainer / gradient-norm code:
 
 The GEMM of a column/row-parallel layer is chosen by its :class:`LinearGemm`: ``torch``
 (``F.linear``; with ``fuse_wgrad`` its weight gradient accumulates into ``main_grad``,
-``wgrad.py``), ``fp8`` (our FP8 GEMMs, ``fp8.py``) or ``te`` (Transformer Engine's ``Linear``,
+``wgrad.py``), ``fp8`` (our FP8 GEMMs, ``fp8.py``; inside a compiled block under current
+scaling the traced version, ``fp8_traced.py``) or ``te`` (Transformer Engine's ``Linear``,
 ``te.py``). Whatever the GEMM, the tensor/sequence-parallel collectives around it are ours and
 go through ``pg.comm``.
 """
@@ -30,6 +31,7 @@ from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, 
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
 from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear
+from .fp8_traced import fp8_linear_traced
 from .random import init_full_then_shard
 from .te import TELinearHolder
 from .wgrad import linear as _linear_fn
@@ -126,12 +128,19 @@ class _GemmMixin:
                                  f"to be multiples of 16")
             # its columns in the model's scaling state and its weight cache (opened per step by the trainer)
             self.fp8_layer: Optional[Fp8Layer] = self.gemm.fp8_state.new_layer()
+            self._fp8_traced = self.gemm.recipe.traced_under_compile
+            self._fp8_grad_dtype = self.gemm.recipe.grad_dtype
         else:
             self.fp8_layer = None
+            self._fp8_traced = False
         self._te = TELinearHolder() if self.gemm.kind == "te" else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
+            # inside a compiled block under current scaling: traced into the graph; otherwise the
+            # eager FP8 linear (a graph break under compile), see Fp8Recipe.traced_under_compile
+            if self._fp8_traced and torch.compiler.is_compiling():
+                return fp8_linear_traced(x, self.weight, self._fp8_grad_dtype)
             return fp8_linear(x, self.weight, self.fp8_layer)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)

@@ -1,0 +1,120 @@
+"""Native FP8 under ``train.compile`` (``parallel/fp8_traced.py``): with ``fp8_recipe: current``
+the FP8 linears are traced into the compiled blocks (one graph per block holding the casts and
+``torch._scaled_mm``, forward and backward, no graph break) and train to the eager path's
+losses and gradient norms; with delayed scaling they stay graph breaks; the run log says which.
+
+The compiled runs use AOT autograd without inductor (``aot_eager`` or a recording backend): the
+ATen graphs run as traced, so the comparison with the eager path is exact (inductor's CPU build
+takes ~25 s per model here and may round bf16 intermediates differently), and with oneDNN off
+(the eager ``_scaled_mm`` switches it off per call; a traced graph cannot)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.backends.common import aot_autograd
+
+from dept_mega.model import build_model, resolve_backends
+from dept_mega.model import gpt as gpt_module
+from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, fp8_linear
+from dept_mega.parallel.fp8_traced import fp8_linear_traced
+from dept_mega.parallel.groups import build_groups
+from tests.trainer_utils import dp_micro_batches, global_batch, tiny_config, train_losses
+
+FP8 = {"precision": "bf16", "fp8": "hybrid", "backend": "local", "fp8_recipe": "current"}
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+@pytest.mark.parametrize("fmt,shape", [("hybrid", (40, 64)), ("e4m3", (2, 16, 64))])
+def test_traced_linear_called_eagerly_is_the_eager_fp8_linear_bit_for_bit(fmt, shape):
+    """Outside a graph the traced function is the eager current-scaled FP8 linear: the same
+    output and gradients, byte for byte (40 rows: the padding to 48)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    w = (torch.randn(96, 64, generator=g) * 0.05).bfloat16()
+    gy = torch.randn(*shape[:-1], 96, generator=g).bfloat16()
+    recipe = Fp8Recipe(fmt, "current")
+    layer = Fp8State(recipe, "cpu").new_layer()
+    out = []
+    for fn in (lambda a, b: fp8_linear(a, b, layer), lambda a, b: fp8_linear_traced(a, b, recipe.grad_dtype)):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xa, wa)
+        y.backward(gy)
+        out.append((y, xa.grad, wa.grad))
+    for what, got, want in zip(("y", "dX", "dW"), out[1], out[0]):
+        assert _bytes_equal(got, want), what
+    with torch.no_grad():  # no gradients: no transposed copies, the same output
+        assert _bytes_equal(fp8_linear_traced(x, w, recipe.grad_dtype), out[0][0])
+
+
+def _fp8_casts(graph, dtype) -> int:
+    return sum(1 for n in graph.nodes if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == dtype)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_current_scaled_fp8_linears_are_traced_into_the_compiled_blocks(recipe):
+    """Current scaling: each compiled block is one forward and one backward graph holding its
+    four FP8 GEMMs (eight in the backward, whose output-gradient casts are e5m2), no graph
+    break, both blocks and every micro-batch on the same graphs. Delayed scaling: the FP8
+    linears stay outside the graphs (graph breaks, no ``_scaled_mm`` in any graph). The log
+    line says which."""
+    cfg = tiny_config({**FP8, "fp8_recipe": recipe, "model": {"num_layers": 2}})
+    (stage,) = build_model(cfg, build_groups(), 100, 7, dtype=torch.bfloat16)
+    forward, backward = [], []
+
+    def recorder(graphs):
+        def compiler(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return compiler
+
+    batches = [mb for step in range(2) for mb in dp_micro_batches(cfg, global_batch(cfg, step), 0, 1)[:2]]
+    with torch.no_grad():  # eagerly first: the attention's cached ALiBi bias exists before the blocks compile
+        stage(batches[0].tokens[:, :-1])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = aot_autograd(fw_compiler=recorder(forward), bw_compiler=recorder(backward))
+    for block in stage.body.layers.values():
+        block.compile(backend=backend)
+    with torch.backends.mkldnn.flags(enabled=False):
+        for mb in batches:
+            stage(mb.tokens[:, :-1], labels=mb.tokens[:, 1:]).mean().backward()
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    mms = [sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default) for gm in forward + backward]
+    compiled = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe, "train": {"compile": True}})).describe()
+    if recipe == "current":
+        assert breaks == {}
+        assert len(forward) == len(backward) == 1 and mms == [4, 8]
+        assert _fp8_casts(backward[0].graph, E5M2) == 1 * 4 and _fp8_casts(forward[0].graph, E4M3) == 2 * 4
+        assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in compiled, compiled
+        assert "casts in the compiled graphs" in compiled, compiled
+    else:
+        assert breaks and sum(mms) == 0, (breaks, mms)
+        assert ("FP8 GEMMs outside the compiled graphs (delayed scaling): a graph break each "
+                "(fp8_recipe=current traces them)") in compiled, compiled
+    eager = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe})).describe()
+    assert "compiled" not in eager and "torch casts" in eager, eager
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_compiled_current_scaled_fp8_trains_to_the_eager_losses(fmt, monkeypatch):
+    """Three training steps of four micro-batches through the trainer (bf16 weights, fp32
+    gradient buffer: the traced weight gradients reach ``main_grad`` through ``param.grad`` and
+    the buffer's hook, the eager ones through ``add_grad``), then an evaluation: the compiled
+    blocks give the eager current-scaled FP8 losses, gradient norms and evaluation loss
+    exactly."""
+    over = {**FP8, "fp8": fmt, "model": {"num_layers": 2}, "train": {"steps": 3}}
+    with torch.backends.mkldnn.flags(enabled=False):
+        eager = train_losses(tiny_config(over), 3)
+        compile_block = torch.nn.Module.compile
+        monkeypatch.setattr(gpt_module.TransformerBlock, "compile",
+                            lambda self: compile_block(self, backend="aot_eager"))
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = train_losses(tiny_config({**over, "train": {"steps": 3, "compile": True}}), 3)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}  # the traced path ran
+    assert compiled == eager
