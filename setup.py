@@ -11,8 +11,9 @@ A build that fails is logged (stderr and build/dept_mega_ops_build.log) and neve
 CUDA build that fails is retried with the CPU kernels, and without any extension dept_mega.ops
 uses its pure PyTorch fallback. `python -m dept_mega.ops` says which kernels are active.
 Environment: DEPT_MEGA_NO_EXT=1 builds nothing, DEPT_MEGA_NO_CUDA=1 the CPU kernels only,
-TORCH_CUDA_ARCH_LIST (e.g. "9.0") picks the GPU architectures (torch's default: this
-machine's GPUs, or all common ones when none is visible).
+TORCH_CUDA_ARCH_LIST (e.g. "9.0") picks the GPU architectures. Unset, torch builds for this
+machine's GPUs; where none is visible (a cluster's login node; torch 2.11 then stops with an
+IndexError before compiling anything) we build for DEFAULT_CUDA_ARCHS and say so.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
 CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
 CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu"]
 CXX_FLAGS = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
+# built where no GPU is visible: A100 (8.0), H100/H200 (9.0), and PTX that newer GPUs compile at load
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 
 
 def _log(msg: str) -> None:
@@ -57,11 +60,17 @@ def nvcc_release(cuda_home: str) -> Optional[str]:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
+def has_cuda_headers(cuda_home: str) -> bool:
+    return os.path.isfile(os.path.join(cuda_home, "include", "cuda_runtime_api.h"))
+
+
 def cuda_plan(torch_cuda: Optional[str], cuda_home: Optional[str], env: Mapping[str, str],
-              release: Optional[Callable[[str], Optional[str]]] = None) -> tuple[bool, str]:
+              release: Optional[Callable[[str], Optional[str]]] = None,
+              headers: Optional[Callable[[str], bool]] = None) -> tuple[bool, str]:
     """(build the CUDA kernels too?, why). The same condition torch's build applies (nvcc's
     CUDA major version = torch's), checked here so that a mismatch builds the CPU kernels
-    instead of nothing."""
+    instead of nothing; and the toolkit's headers, which torch looks for under the CUDA_HOME it
+    derived (from an nvcc on PATH that is a wrapper script, ``/usr/local``: no headers there)."""
     if env.get("DEPT_MEGA_NO_CUDA") == "1":
         return False, "DEPT_MEGA_NO_CUDA=1"
     if torch_cuda is None:
@@ -76,7 +85,26 @@ def cuda_plan(torch_cuda: Optional[str], cuda_home: Optional[str], env: Mapping[
         return False, (f"nvcc at {cuda_home} is CUDA {nvcc}, torch was built with CUDA {torch_cuda}: "
                        "torch builds no CUDA extension across major versions (install the matching "
                        "toolkit and set CUDA_HOME)")
+    if not (headers or has_cuda_headers)(cuda_home):
+        return False, (f"the CUDA toolkit at {cuda_home} (CUDA_HOME, or where nvcc on PATH is) has no "
+                       "include/cuda_runtime_api.h: set CUDA_HOME to the toolkit's folder (e.g. /usr/local/cuda)")
     return True, f"nvcc CUDA {nvcc} at {cuda_home}, torch's CUDA {torch_cuda}"
+
+
+def default_arch_flags(env: Mapping[str, str], visible_gpus: int) -> list[str]:
+    """nvcc's ``-gencode`` flags for :data:`DEFAULT_CUDA_ARCHS` when the build would otherwise
+    have no architecture (no ``TORCH_CUDA_ARCH_LIST`` and no visible GPU), else none: torch's
+    build then picks (the list, or the visible GPUs). Passed as the extension's nvcc flags,
+    which torch's build takes instead of choosing its own."""
+    if env.get("TORCH_CUDA_ARCH_LIST") or visible_gpus > 0:
+        return []
+    flags = []
+    for arch in DEFAULT_CUDA_ARCHS.split(";"):
+        num = arch.replace("+PTX", "").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
 
 
 # The public build fields of a setuptools Extension (the private ones setuptools adds when it
@@ -94,7 +122,9 @@ def make_build_ext(cx, cpu_ext, cuda_ext):
     class OptionalBuildExt(cx.BuildExtension):
         def run(self):
             what = "CPU+CUDA" if cuda_ext is not None else "CPU"
+            compiler = self.compiler  # the option (a name or None); a run replaces it by a compiler object
             while True:
+                self.compiler = compiler  # a retry with the object fails in distutils' new_compiler
                 try:
                     super().run()
                     _log(f"built {EXT_NAME} ({what} kernels)")
@@ -130,9 +160,13 @@ def extensions(env: Mapping[str, str] = os.environ):
     cuda_ext = None
     if with_cuda:
         _log(f"building the CPU and CUDA kernels ({why})")
+        arch_flags = default_arch_flags(env, torch.cuda.device_count())
+        if arch_flags:
+            _log(f"no GPU visible and no TORCH_CUDA_ARCH_LIST: building for {DEFAULT_CUDA_ARCHS} (A100, "
+                 "H100/H200, PTX for newer GPUs); set TORCH_CUDA_ARCH_LIST to choose")
         cuda_ext = cx.CUDAExtension(
             EXT_NAME, CPU_SOURCES + CUDA_SOURCES, define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false"]})
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false", *arch_flags]})
     else:
         _log(f"building the CPU kernels only: {why}")
     return [cuda_ext or cpu_ext], {"build_ext": make_build_ext(cx, cpu_ext, cuda_ext)}

@@ -27,6 +27,9 @@ PKG = os.path.join("dept_mega", "")
 # (Generator.get_state() is a CPU ByteTensor; a CUDA generator's Philox seed and offset).
 ALLOWED = {("trainer.py", "train_step", "cpu"), ("trainer.py", "train_step", "tolist"),
            ("optim.py", "norm_of", "item"), ("random.py", "fork_device_rng", "numpy")}
+# the PyTorch fallback of the custom ops (no compiled extension) checks a remap's ids on the
+# host, to raise for an id outside the source's vocabulary; the compiled kernels check on the device
+FALLBACK_READS = {("fallback.py", "remap_ids", "__bool__")}
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
@@ -71,7 +74,9 @@ def test_trim_step_with_dropout_reads_no_tensor_outside_the_documented_sites(mon
     monkeypatch.undo()
 
     assert seen, "the patch saw no read at all (the documented ones must show)"
-    assert set(seen) <= ALLOWED, f"host reads outside the documented sites: {seen}"
+    from dept_mega.ops import loader
+    allowed = ALLOWED if loader.status().loaded else ALLOWED | FALLBACK_READS
+    assert set(seen) <= allowed, f"host reads outside the documented sites: {seen}"
     # one read per documented site and step: stats.cpu().tolist() and the norm's item()
     assert seen.get(("optim.py", "norm_of", "item")) == 1, seen
 

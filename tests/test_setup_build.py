@@ -23,6 +23,8 @@ def setup_mod(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("torch_cuda,home,nvcc,env,want,why", [
+    ("13.0", "/usr/local", "13.0", {}, False, "/usr/local (CUDA_HOME, or where nvcc on PATH is) has no "
+                                             "include/cuda_runtime_api.h"),
     (None, "/cuda", "13.0", {}, False, "CPU build"),
     ("13.0", "/cuda", "13.0", {"DEPT_MEGA_NO_CUDA": "1"}, False, "DEPT_MEGA_NO_CUDA=1"),
     ("13.0", None, None, {}, False, "no CUDA toolkit"),
@@ -31,7 +33,8 @@ def setup_mod(tmp_path, monkeypatch):
     ("13.0", "/cuda", "13.1", {}, True, "nvcc CUDA 13.1"),
 ])
 def test_cuda_plan(setup_mod, torch_cuda, home, nvcc, env, want, why):
-    got, reason = setup_mod.cuda_plan(torch_cuda, home, env, release=lambda h: nvcc)
+    got, reason = setup_mod.cuda_plan(torch_cuda, home, env, release=lambda h: nvcc,
+                                      headers=lambda h: h != "/usr/local")
     assert got is want and why in reason
 
 
@@ -49,6 +52,7 @@ def _fake_torch_cuda(monkeypatch, setup_mod, torch_cuda, nvcc):
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.setattr(cx, "CUDA_HOME", "/usr/local/cuda")
     monkeypatch.setattr(setup_mod, "nvcc_release", lambda home: nvcc)
+    monkeypatch.setattr(setup_mod, "has_cuda_headers", lambda home: True)
 
 
 def _sources(exts):
@@ -79,22 +83,46 @@ def test_failed_cuda_build_retries_with_the_cpu_kernels(setup_mod, monkeypatch, 
     exts, cmdclass = setup_mod.extensions({})
     assert "csrc/cuda/kernels.cu" in _sources(exts)
     cmd = _build_ext(setup_mod, exts, cmdclass, tmp_path)
-    built = []
+    built, compilers = [], []
+    option = cmd.compiler
 
     def fake_run(self):
         srcs = _sources(self.extensions)
         built.append(srcs)
+        compilers.append(self.compiler)
+        self.compiler = object()  # distutils' build_ext.run replaces the option by a compiler object
         if any(s.endswith(".cu") for s in srcs) or cpu_fails:
             raise RuntimeError("The detected CUDA version mismatches the version that was used to compile PyTorch")
 
     monkeypatch.setattr(cx.BuildExtension, "run", fake_run)
     cmd.run()
     assert len(built) == 2 and built[1] == setup_mod.CPU_SOURCES
+    assert compilers == [option, option]  # the retry starts from the option, not the first run's object
     assert cmd.extensions[0] is exts[0] and exts[0]._full_name == setup_mod.EXT_NAME
     log = (tmp_path / "build.log").read_text()
     assert "retrying with the CPU kernels only" in log
     assert ("continuing without the extension" in log) is cpu_fails
     assert ("built dept_mega.ops._C (CPU kernels)" in log) is not cpu_fails
+
+
+@pytest.mark.parametrize("env,gpus,want", [
+    ({}, 0, ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+             "-gencode=arch=compute_90,code=compute_90"]),
+    ({"TORCH_CUDA_ARCH_LIST": "9.0"}, 0, []),
+    ({}, 1, []),
+])
+def test_a_build_without_a_visible_gpu_gets_default_architectures(setup_mod, monkeypatch, env, gpus, want):
+    """torch 2.11's build stops with an IndexError where no GPU is visible and no
+    TORCH_CUDA_ARCH_LIST is set (a login node): the CUDA extension then carries nvcc flags for
+    the default architectures, which torch's build takes instead of choosing its own."""
+    import torch
+    _fake_torch_cuda(monkeypatch, setup_mod, "13.0", "13.0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    (ext,), _ = setup_mod.extensions(env)
+    nvcc = ext.extra_compile_args["nvcc"]
+    assert [f for f in nvcc if f.startswith("-gencode")] == want
+    if want:
+        assert cx._get_cuda_arch_flags(nvcc) == []  # torch's build then skips its own choice
 
 
 def test_sdist_holds_every_source_and_header(tmp_path):
