@@ -20,7 +20,11 @@ from dept_mega.dept.driver import DeptHooks
 from dept_mega.trainer import Trainer
 from tests.dept_utils import SyntheticSource, allowed_ids, solo_groups, source_infos, tiny_config
 
-PKG = os.path.join("dept_mega", "")
+import dept_mega
+
+# the package's own folder: a path merely containing "dept_mega/" (a checkout named so, with
+# its .venv and torch inside) is not ours
+PKG = os.path.join(os.path.realpath(os.path.dirname(dept_mega.__file__)), "")
 # (file, function, read) of the documented reads: the step's loss / token statistics and the
 # gradient norm (needed every step for clipping and the non-finite skip), and the dropout
 # seed's hash of a generator state, which torch keeps on the host for every device
@@ -38,7 +42,7 @@ def _caller_in_package():
     torch itself are not counted: e.g. torch.optim's AdamW reads its step counter, which it
     keeps on the host unless capturable / fused."""
     frame = inspect.stack(context=0)[2]
-    if PKG in frame.filename:
+    if os.path.realpath(frame.filename).startswith(PKG):
         return os.path.basename(frame.filename), frame.function
     return None
 
