@@ -26,22 +26,22 @@
 #   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py 60
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
-#   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
+#   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
+#   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
+#              compiled blocks (no graph break) -> bench.jsonl                                  60
+#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
+#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
+#   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
 #              -> memory.json                                                                   16
-#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
-#   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
+#   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
 #   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
-#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
-#   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
-#   fp8_current_compile  the same with fp8_recipe=current: the FP8 GEMMs traced into the
-#              compiled blocks (no graph break) -> bench.jsonl                                  60
-#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
 set -uo pipefail
@@ -67,8 +67,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 nofusion fp8 vocab250k memory ops megatron compile compile_nofusion
-        mb8 fp8_mb8 fp8_compile fp8_current_compile fp8_current)
+STAGES=(build env tests ops_tests bf16 fp8 compile fp8_current_compile fp8_current ops fp8_mb8 fp8_compile
+        vocab250k memory megatron nofusion compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }

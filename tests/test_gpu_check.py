@@ -17,8 +17,8 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "nofusion", "fp8", "vocab250k", "memory", "ops", "megatron", "compile",
-          "compile_nofusion", "mb8", "fp8_mb8", "fp8_compile", "fp8_current_compile", "fp8_current")
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "compile", "fp8_current_compile", "fp8_current", "ops", "fp8_mb8",
+          "fp8_compile", "vocab250k", "memory", "megatron", "nofusion", "compile_nofusion", "mb8")
 
 
 def _run(out, *args, timeout=420):
@@ -41,12 +41,16 @@ def test_dry_run_writes_every_figure(tmp_path):
         want = "ok" if stage != "megatron" or megatron else "failed rc=1"
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [r["name"] for r in rows] == ["bf16", "bf16_nofusion", "fp8", "std_vocab250k", "bf16_compile", "bf16_compile_nofusion",
-                                           "bf16_mb8", "fp8_mb8", "fp8_compile", "fp8_current_compile", "fp8_current"]
+    # the stages' order: the main runs first, then the variants, the model checks and the ablations
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "bf16_compile", "fp8_current_compile", "fp8_current", "fp8_mb8",
+                                           "fp8_compile", "std_vocab250k", "bf16_nofusion", "bf16_compile_nofusion",
+                                           "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
-    assert rows[3]["vocab_size"] == 2000 and rows[0]["vocab_size"] == 1000
-    assert rows[0]["micro_batch_size"] == 2 and rows[6]["micro_batch_size"] == 4 and rows[7]["micro_batch_size"] == 4
-    assert "grad_accum_fusion=off" in rows[1]["backends"] and "grad_accum_fusion=on" in rows[0]["backends"]
+    by = {r["name"]: r for r in rows}
+    assert by["std_vocab250k"]["vocab_size"] == 2000 and by["bf16"]["vocab_size"] == 1000
+    assert by["bf16"]["micro_batch_size"] == 2 and by["bf16_mb8"]["micro_batch_size"] == 4
+    assert by["fp8_mb8"]["micro_batch_size"] == 4
+    assert "grad_accum_fusion=off" in by["bf16_nofusion"]["backends"] and "grad_accum_fusion=on" in by["bf16"]["backends"]
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
     assert "# kernels: bf16_compile" in kernels
@@ -55,10 +59,10 @@ def test_dry_run_writes_every_figure(tmp_path):
     mem = json.loads((tmp_path / "memory.json").read_text())
     assert mem["variant"] == "spec_opt" and mem["comparison"]["trainer"]["predicted_gb"] > 0
     big = mem["comparison"]["trainer, STD 250,112-token head"]
-    assert big["predicted_gb"] > 0 and big["measured_gb"] == rows[3]["peak_mem_gb"]
+    assert big["predicted_gb"] > 0 and big["measured_gb"] == by["std_vocab250k"]["peak_mem_gb"]
     assert "FP8 with micro-batches of 8: " in summary
-    assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in rows[9]["backends"], rows[9]["backends"]
-    assert "a graph break each (fp8_recipe=current traces them)" in rows[8]["backends"], rows[8]["backends"]
+    assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in by["fp8_current_compile"]["backends"], by["fp8_current_compile"]["backends"]
+    assert "a graph break each (fp8_recipe=current traces them)" in by["fp8_compile"]["backends"], by["fp8_compile"]["backends"]
     assert "| fp8_current_compile | " in summary and "| fp8_current | " in summary
     assert "FP8 current scaling traced into the compiled blocks (fp8_current_compile): " in summary
     assert "the eager current-scaling FP8 run" in summary and "FP8 current scaling, eager (fp8_current): " in summary
