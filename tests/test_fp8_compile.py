@@ -118,3 +118,41 @@ def test_compiled_current_scaled_fp8_trains_to_the_eager_losses(fmt, monkeypatch
         compiled = train_losses(tiny_config({**over, "train": {"steps": 3, "compile": True}}), 3)
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}  # the traced path ran
     assert compiled == eager
+
+
+def _inductor_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    import os
+    if os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1":  # a rehearsal of the test's logic
+        return "cpu"
+    pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
+
+
+@pytest.mark.gpu
+def test_inductor_compiles_the_traced_fp8_linear_to_the_eager_results():
+    """The traced linear under inductor (``fullgraph``: no graph break) against the eager FP8
+    linear with current scaling (Triton casts on CUDA), forward and both gradients: inductor's
+    own cast kernels and its ``_scaled_mm`` call with the column-major operands. The FP8 bytes
+    may differ where inductor computes a scale one ulp apart, so the results agree to FP8
+    precision, not bit for bit."""
+    dev = _inductor_device()
+    if dev == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 250, 256, generator=g).bfloat16().to(dev)  # 1000 tokens: padded to 1008
+    w = (torch.randn(512, 256, generator=g) * 0.05).bfloat16().to(dev)
+    gy = torch.randn(4, 250, 512, generator=g).bfloat16().to(dev)
+    recipe = Fp8Recipe("hybrid", "current")
+    layer = Fp8State(recipe, dev).new_layer()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: fp8_linear_traced(a, b, recipe.grad_dtype), fullgraph=True)
+    outs = []
+    for fn in (lambda a, b: fp8_linear(a, b, layer), compiled):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xa, wa)
+        y.backward(gy)
+        outs.append([t.detach().float() for t in (y, xa.grad, wa.grad)])
+    for what, got, want in zip(("y", "dX", "dW"), outs[1], outs[0]):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 2e-2, (what, err)
