@@ -14,7 +14,8 @@ every source's own state (the installed source's in the model, the others in the
 source name. Under another G (the load plan, docs/architecture.md): the weights from old
 group 0, group-owned inner state of new group g from old group g mod G_old, the residuals
 averaged over the old groups, the eager estimates reset, per-source state by source.
-Losses after such a load: tests/test_reshard.py and tests/test_regroup.py."""
+Losses after such a load: tests/test_reshard.py, tests/test_reshard_optimizer.py and
+tests/test_regroup.py."""
 from __future__ import annotations
 
 import io

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.mp_utils import run_distributed
-from tests.test_reshard import _loop, _losses
+from tests.reshard_utils import make_loop, read_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STD = {"dept": {"variant": "std"}, "optim": {"distributed": True}}
@@ -25,7 +25,7 @@ def _write_format1(rank, world, run_dir):
     ck.FORMAT = manifest.FORMAT = 1
     ck.model_entries = lambda trainer, optimizer=True, replicated=frozenset(): [
         whole(k, v) for k, v in model_state(trainer).items()]
-    loop = _loop(STD, run_dir, rank, data=2)
+    loop = make_loop(STD, run_dir, rank, data=2)
     loop.cfg.train.steps = 2
     if rank == 0:
         save_config(loop.cfg, os.path.join(run_dir, "config.yaml"))
@@ -34,7 +34,7 @@ def _write_format1(rank, world, run_dir):
 
 def _resume(rank, world, run_dir, data, tensor, expect_refusal=False):
     from dept_mega.manifest import CheckpointError
-    loop = _loop(STD, run_dir, rank, data=data, tensor=tensor)
+    loop = make_loop(STD, run_dir, rank, data=data, tensor=tensor)
     if expect_refusal:
         with pytest.raises(CheckpointError) as err:
             loop.checkpointer.load(loop)
@@ -67,7 +67,7 @@ def test_format1_checkpoint_converts_and_resumes_under_another_layout(tmp_path):
     # the original at its own layout (data 2, distributed optimizer); the converted one under tensor 2
     run_distributed(_resume, 2, args=(same, 2, 1), timeout=200)
     run_distributed(_resume, 2, args=(run, 1, 2), timeout=200)
-    got, want = _losses(run), _losses(same)
+    got, want = read_losses(run), read_losses(same)
     assert [s for s in got if s > 2] == [s for s in want if s > 2] == [3, 4]
     for s in (3, 4):
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0), (s, got[s], want[s])
@@ -95,7 +95,7 @@ def _write_format1_dept(rank, world, run_dir):
         whole(k, v) for k, v in model_state(trainer).items()]
     ck.outer_entries = lambda hooks, trainer: [whole(k, v) for k, v in outer_state_tensors(hooks, trainer).items()]
     ck.group_entries = lambda hooks, trainer: [whole(k, v) for k, v in group_state_tensors(hooks, trainer).items()]
-    loop = _loop(GLOB_EF, run_dir, rank, data=1)
+    loop = make_loop(GLOB_EF, run_dir, rank, data=1)
     loop.cfg.train.steps = 2
     if rank == 0:
         save_config(loop.cfg, os.path.join(run_dir, "config.yaml"))
@@ -123,7 +123,7 @@ def _write_format1_dept(rank, world, run_dir):
 
 
 def _resume_dept(rank, world, run_dir, tensor):
-    loop = _loop(GLOB_EF, run_dir, rank, data=1, tensor=tensor)
+    loop = make_loop(GLOB_EF, run_dir, rank, data=1, tensor=tensor)
     assert loop.checkpointer.load(loop) == 2
     loop.writer.resume_at(2)
     loop.run()
@@ -174,7 +174,7 @@ def test_format1_dept_outer_state_converts(tmp_path):
         assert torch.equal(read_full(step, [key])[key], old[key]), key
     run_distributed(_resume_dept, 2, args=(same, 1), timeout=300)
     run_distributed(_resume_dept, 4, args=(run, 2), timeout=300)
-    got_l, want_l = _losses(run), _losses(same)
+    got_l, want_l = read_losses(run), read_losses(same)
     assert [s for s in got_l if s > 2] == [s for s in want_l if s > 2] == [3, 4]
     for s in (3, 4):
         assert got_l[s] == pytest.approx(want_l[s], rel=1e-6, abs=0), (s, got_l[s], want_l[s])

@@ -240,9 +240,10 @@ def test_resume_is_bit_exact_with_sharded_or_half_precision_optimizer_state(tmp_
     optimizer's per-rank shards, half-precision runs' masters, and fused AdamW (optim.fused:
     true, on CPU here) whose ``step`` must live where the fused kernel keeps it. A 1-rank
     launch loads the 2-rank distributed-optimizer checkpoint (its pieces joined and cut,
-    dept_mega.optim_reshard; tests/test_reshard.py checks the values), with the distributed
-    optimizer or without; a layout that claims tensor shards the checkpoint lacks is an error
-    naming the checkpoint and the tensor (another tensor size itself loads: tests/test_reshard.py)."""
+    dept_mega.optim_reshard; tests/test_reshard_optimizer.py checks the values), with the
+    distributed optimizer or without; a layout that claims tensor shards the checkpoint lacks
+    is an error naming the checkpoint and the tensor (another tensor size itself loads:
+    tests/test_reshard.py)."""
     res = run_distributed(_resume_worker, 2, args=(str(tmp_path),), timeout=280)
     for r in res:
         for name, got in r.items():

@@ -344,8 +344,8 @@ def test_another_number_of_groups_and_tensor_size_at_once(tmp_path):
     source's compact-table AdamW state, φ with its row momentum, the outer state, the averaged
     residuals, the data positions — equals, tensor for tensor, the state reached in two steps
     (the same checkpoint regrouped to G = 1 with T = 1 and written back, then resharded to
-    T = 2; each step is tested on its own in this file and tests/test_reshard.py), and the
-    losses of two more rounds agree within 1e-6."""
+    T = 2; each step is tested on its own in this file, tests/test_reshard.py and
+    tests/test_reshard_optimizer.py), and the losses of two more rounds agree within 1e-6."""
     K = 4
     run_dir, two = str(tmp_path / "run"), str(tmp_path / "two_step")
     run_distributed(_first_phase, 2, args=(TRIM_EF_GROUP, run_dir, K, 4), timeout=200)
