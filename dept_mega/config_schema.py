@@ -232,9 +232,9 @@ class Config:
     precision: str = "bf16"  #: Dtype of weights and activations; bf16 / fp16 keep fp32 masters in the optimizer.
     fp8: Optional[str] = None  #: FP8 GEMMs in the transformer blocks (needs precision bf16); null = off.
     #: FP8 scaling: from an amax history (delayed) or the current tensor. With train.compile and
-    #: the native FP8 GEMMs (backend local, or auto without Transformer Engine), current traces
-    #: the casts and GEMMs into the compiled blocks, while under delayed each FP8 GEMM is a graph
-    #: break (which is faster on a GPU is not measured yet: docs/performance.md, FP8 speed).
+    #: the native FP8 GEMMs (backend local, or auto without Transformer Engine), both trace the
+    #: casts and GEMMs into the compiled blocks (same math as eager; delayed recompiles the blocks
+    #: once, after the first training step).
     fp8_recipe: str = "delayed"
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.

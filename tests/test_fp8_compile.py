@@ -13,13 +13,17 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import aot_eager
 
 from dept_mega.model import build_model, resolve_backends
 from dept_mega.model import gpt as gpt_module
 from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, fp8_linear
+from dept_mega.parallel.fp8 import _states as fp8_states
+from dept_mega.parallel.fp8 import fp8_weight_cache
 from dept_mega.parallel.fp8_traced import fp8_linear_traced
 from dept_mega.parallel.groups import build_groups
-from tests.trainer_utils import dp_micro_batches, global_batch, tiny_config, train_losses
+from dept_mega.trainer import Trainer
+from tests.trainer_utils import dp_micro_batches, global_batch, tiny_config
 
 FP8 = {"precision": "bf16", "fp8": "hybrid", "backend": "local", "fp8_recipe": "current"}
 
@@ -56,11 +60,13 @@ def _fp8_casts(graph, dtype) -> int:
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_current_scaled_fp8_linears_are_traced_into_the_compiled_blocks(recipe):
-    """Current scaling: each compiled block is one forward and one backward graph holding its
-    four FP8 GEMMs (eight in the backward, whose output-gradient casts are e5m2), no graph
-    break, both blocks and every micro-batch on the same graphs. Delayed scaling: the FP8
-    linears stay outside the graphs (graph breaks, no ``_scaled_mm`` in any graph). The log
+def test_fp8_linears_are_traced_into_the_compiled_blocks(recipe):
+    """Two training steps (``fp8_weight_cache``) of two micro-batches: each compiled block is one
+    forward and one backward graph holding its four FP8 GEMMs (eight in the backward, whose
+    output-gradient casts are e5m2), no graph break, both blocks and every micro-batch on the
+    same graphs. Delayed scaling compiles a second pair in the second step, when the operands
+    turn ready (their casts take the step's scales), and each of its backward graphs writes
+    the four output gradients' amaxes into graph inputs (the layers' ``grad_amax``). The log
     line says which."""
     cfg = tiny_config({**FP8, "fp8_recipe": recipe, "model": {"num_layers": 2}})
     (stage,) = build_model(cfg, build_groups(), 100, 7, dtype=torch.bfloat16)
@@ -72,52 +78,113 @@ def test_current_scaled_fp8_linears_are_traced_into_the_compiled_blocks(recipe):
             return gm.forward
         return compiler
 
-    batches = [mb for step in range(2) for mb in dp_micro_batches(cfg, global_batch(cfg, step), 0, 1)[:2]]
+    steps = [dp_micro_batches(cfg, global_batch(cfg, step), 0, 1)[:2] for step in range(2)]
     with torch.no_grad():  # eagerly first: the attention's cached ALiBi bias exists before the blocks compile
-        stage(batches[0].tokens[:, :-1])
+        stage(steps[0][0].tokens[:, :-1])
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     backend = aot_autograd(fw_compiler=recorder(forward), bw_compiler=recorder(backward))
     for block in stage.body.layers.values():
         block.compile(backend=backend)
     with torch.backends.mkldnn.flags(enabled=False):
-        for mb in batches:
-            stage(mb.tokens[:, :-1], labels=mb.tokens[:, 1:]).mean().backward()
+        for mbs in steps:
+            with fp8_weight_cache([stage]):
+                for mb in mbs:
+                    stage(mb.tokens[:, :-1], labels=mb.tokens[:, 1:]).mean().backward()
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     mms = [sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default) for gm in forward + backward]
     compiled = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe, "train": {"compile": True}})).describe()
-    if recipe == "current":
-        assert breaks == {}
-        assert len(forward) == len(backward) == 1 and mms == [4, 8]
-        assert _fp8_casts(backward[0].graph, E5M2) == 1 * 4 and _fp8_casts(forward[0].graph, E4M3) == 2 * 4
-        assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in compiled, compiled
-        assert "casts in the compiled graphs" in compiled, compiled
-    else:
-        assert breaks and sum(mms) == 0, (breaks, mms)
-        assert ("FP8 GEMMs outside the compiled graphs (delayed scaling): a graph break each "
-                "(fp8_recipe=current traces them)") in compiled, compiled
+    pairs = 1 if recipe == "current" else 2
+    assert breaks == {}
+    assert len(forward) == len(backward) == pairs and mms == [4] * pairs + [8] * pairs
+    assert all(_fp8_casts(gm.graph, E5M2) == 1 * 4 for gm in backward)
+    assert all(_fp8_casts(gm.graph, E4M3) == 2 * 4 for gm in forward)
+    writes = [_input_writes(gm.graph) for gm in backward]
+    assert writes == [0 if recipe == "current" else 4] * pairs, writes
+    assert f"FP8 GEMMs traced into the compiled blocks ({recipe} scaling)" in compiled, compiled
+    assert "casts in the compiled graphs" in compiled, compiled
     eager = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe})).describe()
     assert "compiled" not in eager and "torch casts" in eager, eager
 
 
-@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_compiled_current_scaled_fp8_trains_to_the_eager_losses(fmt, monkeypatch):
+def _input_writes(graph) -> int:
+    """``copy_`` nodes into the graph's inputs (mutations AOT autograd kept in the graph)."""
+    return sum(1 for n in graph.nodes if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder")
+
+
+def _train(cfg, steps: int, graphs: list) -> dict:
+    """``train_losses`` with the model's FP8 state after each step (amax history, scales, ring
+    position, operands with a recorded amax) and the number of graphs compiled so far
+    (``len(graphs)``) after each step and after the evaluation."""
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    out = {"loss": [], "grad_norm": [], "state": [], "graphs": []}
+    for step in range(steps):
+        res = trainer.train_step(dp_micro_batches(cfg, global_batch(cfg, step), 0, 1))
+        out["loss"].append(res.loss)
+        out["grad_norm"].append(res.grad_norm)
+        out["graphs"].append(len(graphs))
+        (state,) = fp8_states(trainer.stages)
+        out["state"].append(None if state.history is None else
+                            (state.history.clone(), state.scale.clone(), state.inv.clone(), state.pos,
+                             sorted(state.recorded_columns())))
+    loss_sum, tokens = trainer.eval_batches(dp_micro_batches(cfg, global_batch(cfg, 10_000), 0, 1))
+    out["eval"] = loss_sum / tokens
+    out["graphs"].append(len(graphs))
+    (state,) = fp8_states(trainer.stages)
+    out["after_eval"] = None if state.history is None else (state.history.clone(), state.scale.clone())
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return _bytes_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("fmt,recipe", [("hybrid", "current"), ("e4m3", "current"), ("hybrid", "delayed")])
+def test_compiled_fp8_trains_to_the_eager_losses(fmt, recipe, monkeypatch):
     """Three training steps of four micro-batches through the trainer (bf16 weights, fp32
     gradient buffer: the traced weight gradients reach ``main_grad`` through ``param.grad`` and
     the buffer's hook, the eager ones through ``add_grad``), then an evaluation: the compiled
-    blocks give the eager current-scaled FP8 losses, gradient norms and evaluation loss
-    exactly."""
-    over = {**FP8, "fp8": fmt, "model": {"num_layers": 2}, "train": {"steps": 3}}
+    blocks give the eager FP8 losses, gradient norms and evaluation loss exactly; under
+    delayed scaling also the same amax history, scales and ready operands after every step
+    (the input and weight amaxes recorded in the forward graphs, the output gradient's in the
+    backward graphs), with no graph break and at most two compiles per block kind for the
+    training steps (the first step's current scaling, then the delayed scales) and one for the
+    evaluation."""
+    over = {**FP8, "fp8": fmt, "fp8_recipe": recipe, "model": {"num_layers": 2}, "train": {"steps": 3}}
+    graphs = []
+
+    def backend(gm, example_inputs):  # aot_eager, counting the graphs Dynamo hands it
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
     with torch.backends.mkldnn.flags(enabled=False):
-        eager = train_losses(tiny_config(over), 3)
+        eager = _train(tiny_config(over), 3, graphs)
         compile_block = torch.nn.Module.compile
-        monkeypatch.setattr(gpt_module.TransformerBlock, "compile",
-                            lambda self: compile_block(self, backend="aot_eager"))
+        monkeypatch.setattr(gpt_module.TransformerBlock, "compile", lambda self: compile_block(self, backend=backend))
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        compiled = train_losses(tiny_config({**over, "train": {"steps": 3, "compile": True}}), 3)
+        compiled = _train(tiny_config({**over, "train": {"steps": 3, "compile": True}}), 3, graphs)
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}  # the traced path ran
-    assert compiled == eager
+    # both blocks on the same graphs: the first step compiles (twice: the attention's ALiBi bias
+    # cache fills on the first call), delayed scaling once more when its operands turn ready
+    # after the first step (not per step), the evaluation once
+    n = compiled["graphs"]
+    assert n[0] <= 2 and n[1] - n[0] == (recipe == "delayed") and n[2] == n[1] and n[3] == n[2] + 1, n
+    for key in ("loss", "grad_norm", "eval"):
+        assert compiled[key] == eager[key], key
+    if recipe == "delayed":  # 8 FP8 linears, all operands recorded, one history row per step
+        assert eager["state"][2][3] == 2 and len(eager["state"][2][4]) == 3 * 8
+        assert (eager["state"][2][0][:3] > 0).all() and (eager["state"][2][0][3:] == 0).all()
+    for k, (got, want) in enumerate(zip(compiled["state"], eager["state"])):
+        assert _same(got, want), f"FP8 state after step {k}"
+    assert _same(compiled["after_eval"], eager["after_eval"])  # the evaluation records nothing
 
 
 def _inductor_device() -> str:

@@ -10,8 +10,8 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
 * ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
   (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
   ``auto`` + ``fp8`` without TE is this path (said in the log), not an error. Under
-  ``train.compile`` with ``fp8_recipe: current`` they are traced into the compiled blocks
-  (``parallel/fp8_traced.py``); with delayed scaling each is a graph break (the log says which).
+  ``train.compile`` they are traced into the compiled blocks (``parallel/fp8_traced.py``, both
+  recipes; the log says so).
 * otherwise ``F.linear`` in the weights' dtype (bf16/fp16 weights under half precision).
 
 Which GEMMs run FP8: the four of every transformer block (qkv, proj, fc1, fc2) except in the
@@ -160,7 +160,7 @@ class Backends:
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
         if native and self.compile:  # the rule: Fp8Recipe.traced_under_compile (parallel/fp8_traced.py)
-            out += ("; FP8 GEMMs traced into the compiled blocks (current scaling)" if traced else
+            out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling)" if traced else
                     f"; FP8 GEMMs outside the compiled graphs ({self.fp8.scaling} scaling): a graph break each "
                     f"(fp8_recipe=current traces them)")
         return out + "; bf16 output head and embeddings"

@@ -32,12 +32,16 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   within a step, a recomputed forward casts exactly as the original one did (nothing to save
   or restore). The bookkeeping lives in :class:`Fp8State`, one per model: the histories of
   all layers are one buffer, every scale of a step is computed by one batched op when the step
-  opens, and the step's position in the history is a ring index kept on the host. The state
+  opens, and the step's position in the history is a ring index kept on the host. During a
+  step the casts max their amaxes into fixed per-layer tensors (``Fp8Layer.amax``, and
+  ``grad_amax`` for the output gradients), which the step's close writes into the history
+  row: so the traced path (``fp8_traced.py``) records into the same place without knowing
+  the ring position. The state
   is per rank (no amax reduction across ranks: every rank scales its own shards
   consistently) and not checkpointed (a resumed run refills it).
 * casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
   writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
-  history), plus a reduction kernel before it under current scaling. The reference math
+  step's amaxes), plus a reduction kernel before it under current scaling. The reference math
   (``_cast_math``, the same bytes) runs eagerly on CPU and compiled on CUDA without Triton;
   the run log names the path (``Triton cast kernels`` | ``torch casts``).
 
@@ -99,11 +103,10 @@ class Fp8Recipe:
 
     @property
     def traced_under_compile(self) -> bool:
-        """Whether the native FP8 linears are traced into ``train.compile``'s graphs: under
-        current scaling, which keeps no state (``fp8_traced.py``); delayed scaling reads and
-        writes the :class:`Fp8State` on the host, so its linears run outside the graphs (a graph
-        break each)."""
-        return self.scaling == "current"
+        """Whether the native FP8 linears are traced into ``train.compile``'s graphs
+        (``fp8_traced.py``): under both recipes (delayed scaling reads the step's scales and
+        maxes its amaxes into each layer's ``amax`` / ``grad_amax``, tensors fixed for the step)."""
+        return True
 
     def describe(self) -> str:
         extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
@@ -216,6 +219,12 @@ class Fp8State:
         self.pos = 0  # the history row of the current step
         self._fmax: Optional[torch.Tensor] = None
         self._inv_views: list[torch.Tensor] = []
+        # the current step's amaxes: every cast of a training step maxes into fixed tensors of
+        # its layer (eager and traced alike, so a compiled graph depends neither on ``pos`` nor
+        # on the layer's index): ``Fp8Layer.amax`` (input, weight) and ``Fp8Layer.grad_amax``
+        # (output gradient; a storage of its own: AOT autograd keeps a backward's mutation of a
+        # graph input in the backward graph only for an input the forward does not mutate);
+        # :meth:`end_step` writes them into the history row ``pos``
         self._ready: set[int] = set()  # columns with an amax recorded before the current step
         self._recorded: set[int] = set()  # columns recorded in the current step
 
@@ -245,7 +254,23 @@ class Fp8State:
     def end_step(self) -> None:
         for layer in self.layers:
             layer.cache.close()
+        if self._record and self.layers:
+            with torch.no_grad():
+                torch.maximum(torch.cat([layer.amax for layer in self.layers]),
+                              torch.cat([layer.grad_amax for layer in self.layers]), out=self.history[self.pos])
         self.mode, self._record = None, False
+
+
+    def recorded_columns(self) -> set[int]:
+        """The columns with an amax recorded so far (earlier training steps and the open one, by
+        eager or traced linears)."""
+        out = self._ready | self._recorded
+        for layer in self.layers:
+            if layer.traced_fwd:
+                out |= {3 * layer.index + INPUT, 3 * layer.index + WEIGHT}
+            if layer.traced_grad:
+                out.add(3 * layer.index + GRAD)
+        return out
 
     @torch.no_grad()
     def _advance(self) -> None:
@@ -257,12 +282,20 @@ class Fp8State:
             fmax = (FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype])
             self._fmax = torch.tensor(fmax * len(self.layers), dtype=torch.float32, device=self.device)
             self._inv_views = list(self.inv.unbind(0))
+            for layer in self.layers:
+                layer.scale = self.scale[3 * layer.index:3 * layer.index + 3]
+                layer.amax = torch.zeros(3, dtype=torch.float32, device=self.device)
+                layer.grad_amax = torch.zeros(3, dtype=torch.float32, device=self.device)
             self.pos = 0
             return
-        self._ready |= self._recorded
+        self._ready = self.recorded_columns()  # with those of traced linears (fp8_traced.py)
         self._recorded = set()
+        for layer in self.layers:
+            layer.traced_fwd = layer.traced_grad = False
+            layer.ready = tuple(3 * layer.index + op in self._ready for op in (INPUT, WEIGHT, GRAD))
         self.pos = (self.pos + 1) % self.history.shape[0]
         self.history[self.pos].zero_()
+        torch._foreach_zero_([t for layer in self.layers for t in (layer.amax, layer.grad_amax)])
         h = self.history
         amax = torch.where(torch.isfinite(h), h, 0.0).amax(dim=0)  # a step with inf/NaN is left out
         self.scale.copy_(torch.where(amax > 0, self._fmax / amax, self.scale))
@@ -279,15 +312,16 @@ class Fp8State:
         delayed = record and col in self._ready
         if record:
             self._recorded.add(col)
+            owner = self.layers[layer]
+            amax = owner.grad_amax if operand == GRAD else owner.amax
         if self.kernels == "triton" and t.dtype in fp8_kernels.INPUT_DTYPES:
             q, q_t, inv = fp8_kernels.cast_fp8(
                 t, dtype, pad, rowwise, colwise, scale=self.scale if delayed else None, scale_index=col,
-                amax_out=self.history if record else None, amax_index=self.pos * self.history.shape[1] + col
-                if record else 0)
+                amax_out=amax if record else None, amax_index=operand)
         else:
             q, q_t, inv, current = _cast(t, self.scale[col] if delayed else None, dtype, pad, rowwise, colwise)
             if record:
-                torch.maximum(self.history[self.pos, col], current, out=self.history[self.pos, col])
+                torch.maximum(amax[operand], current, out=amax[operand])
         return q, q_t, (self._inv_views[col] if delayed else inv)
 
 
@@ -364,6 +398,20 @@ class Fp8Layer:
         self.state = state
         self.index = index
         self.cache = Fp8WeightCache()
+        # set by traced linears of a training step (a side effect Dynamo replays on every call):
+        # their input and weight amaxes were recorded, and (a backward follows) the gradient's
+        self.traced_fwd = False
+        self.traced_grad = False
+        # which operands (INPUT, WEIGHT, GRAD) have an amax from an earlier training step, i.e.
+        # cast with the step's delayed scale (set when a step opens; a Python fact the traced
+        # path guards on: one recompile when it flips after the first step)
+        self.ready = (False, False, False)
+        # the first training step allocates these (delayed scaling): this layer's three scales
+        # (a view of ``Fp8State.scale``) and the step's amaxes of its input and weight (``amax``)
+        # and of its output gradient (``grad_amax``), indexed by operand
+        self.scale: Optional[torch.Tensor] = None
+        self.amax: Optional[torch.Tensor] = None
+        self.grad_amax: Optional[torch.Tensor] = None
 
 
 def _states(modules: Iterable[torch.nn.Module]) -> list[Fp8State]:
@@ -512,7 +560,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.
     """``x Wᵀ`` through FP8 GEMMs (see the module docstring); bf16 output ``[..., out]``.
     ``layer``: the layer's :class:`Fp8Layer` (its scaling state and weight cache). Runs
     eagerly inside a compiled block (``train.compile``): the autograd function and the
-    bookkeeping are Python state; the casts in it are kernels of their own. (Under current
-    scaling the compiled blocks call ``fp8_traced.fp8_linear_traced`` instead, which traces.)"""
+    bookkeeping are Python state; the casts in it are kernels of their own. (The layers'
+    compiled blocks call ``fp8_traced.fp8_linear_traced`` instead, which traces.)"""
     # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
     return _Fp8Linear.apply(x, weight, layer, torch.is_grad_enabled())

@@ -1,4 +1,4 @@
-"""FP8 linears traced into ``train.compile``'s compiled blocks (``fp8_recipe: current``).
+"""FP8 linears traced into ``train.compile``'s compiled blocks (both ``fp8_recipe`` values).
 
 The native FP8 linear of ``fp8.py`` (:func:`fp8.fp8_linear`) reads and writes Python state:
 the delayed-scaling history and its ring position, the set of operands with a recorded amax,
@@ -6,13 +6,32 @@ the per-step weight cache, Triton launches, pointer checks, the gradient buffer.
 trace that, so inside a compiled block each call is a graph break and runs eagerly (four per
 block).
 
-Current scaling needs none of it: each cast takes the amax of the tensor it casts. With that
-recipe, under ``torch.compile``, the layers call :func:`fp8_linear_traced` instead (the rule is
+Under ``torch.compile`` the layers call :func:`fp8_linear_traced` instead (the rule is
 :attr:`fp8.Fp8Recipe.traced_under_compile`, applied in ``layers._GemmMixin._matmul``): the same
 FP8 linear written with tensor operations only, so that each compiled block is one graph
 holding the casts and the ``torch._scaled_mm`` calls. Inductor can then fuse the amax
 reductions and the casts with the elementwise work around them, and the host launches one
 graph per block instead of a few dozen operations per linear.
+
+Current scaling needs no state: each cast takes the amax of the tensor it casts. Delayed
+scaling (inside a training step; evaluations and calls outside a step use current scaling, as
+eagerly) keeps its state in tensors fixed for the step and in Python facts that change at
+most once:
+
+* the scales: the layer's view of ``Fp8State.scale`` (computed when the step opens), read by
+  the casts of the operands that have a history. Which those are (``Fp8Layer.ready``) is a
+  Python fact the graph is specialised on (Dynamo guards on it): it flips after the first
+  training step, so each block compiles once more then, and not again.
+* the amaxes: the forward maxes the input's and the weight's into the layer's ``amax``, the
+  backward the output gradient's into its ``grad_amax`` (a tensor of its own, which the
+  forward does not touch: AOT autograd keeps a data mutation of such a graph input in the
+  backward graph). ``Fp8State.end_step`` writes both into the history row, so the graphs do
+  not depend on the ring position.
+* the host bookkeeping (which operands were recorded this step): two attributes of the layer
+  (``traced_fwd``, ``traced_grad``) set by the traced call, a side effect Dynamo replays after
+  each run of the graph. The gradient's is set in the forward (a backward's Python side
+  effects are not replayed): inside a training step every forward that builds a graph is
+  followed by its backward.
 
 The math is the eager path's: the casts are :func:`fp8._cast_math` itself (amax, ``scale =
 FP8_MAX / max(amax, 1e-12)``, scaled in fp32, saturated, cast; the token dimension zero-padded
@@ -25,7 +44,8 @@ bit. What differs from the eager path:
 
 * The weight is cast on every call (no per-step cache: that is Python state). Weights do not
   change within a training step, so every call of a step casts the same bytes the cache would
-  hold; the cost is one extra read of the weight per micro-batch.
+  hold (and maxes the same amax into the step's); the cost is one extra read of the weight
+  per micro-batch.
 * The weight gradient returns through autograd: ``param.grad``, which the gradient buffer's
   post-accumulate hook copies (first micro-batch) or adds (the others) into ``main_grad``, as
   for the compiled bf16 layers; the eager path hands it to ``GradBuffer.add_grad`` itself.
@@ -37,9 +57,11 @@ bit. What differs from the eager path:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .fp8 import _ALIGN, E4M3, _cast_math
+from .fp8 import _ALIGN, E4M3, GRAD, INPUT, WEIGHT, Fp8Layer, _cast_math
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -54,30 +76,51 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torc
 class _TracedFp8Linear(torch.autograd.Function):
     """``y = xq · wq.t()``; ``dX = gq · wq_t.t()``; ``dW = gq_t · xq_t.t()`` (see ``fp8._Fp8Linear``).
     ``need_dx`` / ``need_dw``: which gradients the backward computes, so the forward makes only
-    the transposed copies those GEMMs take (none under ``no_grad``)."""
+    the transposed copies those GEMMs take (none under ``no_grad``).
+
+    Delayed scaling (``scale``, ``amax`` the layer's ``scale`` and ``grad_amax``, ``ready``
+    which operands take the step's scale; None and current scaling otherwise): the casts of
+    ready operands use ``scale[operand]``, the others
+    their own amax. The forward returns the input's and the weight's amaxes (recorded by the
+    caller into the layer's ``amax``, outside this function); the backward maxes the output
+    gradient's amax into ``amax[GRAD]`` itself (a data mutation of a forward input that needs no
+    gradient and that the forward leaves alone, which AOT autograd keeps in the backward graph)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, need_dx: bool,
-                need_dw: bool) -> torch.Tensor:
+                need_dw: bool, scale=None, amax=None, ready=(False, False, False)):
         out_features, in_features = weight.shape
         x2 = x.reshape(-1, in_features)
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
-        xq, xq_t, x_inv, _ = _cast_math(x2, None, E4M3, pad, True, need_dw)
-        wq, wq_t, w_inv, _ = _cast_math(weight, None, E4M3, 0, True, need_dx)
+        sx = scale[INPUT] if ready[INPUT] else None
+        sw = scale[WEIGHT] if ready[WEIGHT] else None
+        xq, xq_t, x_inv, x_amax = _cast_math(x2, sx, E4M3, pad, True, need_dw)
+        wq, wq_t, w_inv, w_amax = _cast_math(weight, sw, E4M3, 0, True, need_dx)
         y = _gemm(xq, wq.t(), x_inv, w_inv)
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
-        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw)
+        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw, ready[GRAD])
+        ctx.delayed = (scale, amax) if amax is not None else None
         if pad:
             y = y[:rows]
-        return y.reshape(*x.shape[:-1], out_features)
+        y = y.reshape(*x.shape[:-1], out_features)
+        if amax is None:
+            return y
+        ctx.mark_non_differentiable(x_amax, w_amax)
+        return y, x_amax, w_amax
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, *amax_grads):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw = ctx.meta
+        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw, g_ready = ctx.meta
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        gq, gq_t, g_inv, _ = _cast_math(g2, None, grad_dtype, pad, need_dx, need_dw)
+        sg = None
+        if ctx.delayed is not None and g_ready:
+            sg = ctx.delayed[0][GRAD]
+        gq, gq_t, g_inv, g_amax = _cast_math(g2, sg, grad_dtype, pad, need_dx, need_dw)
+        if ctx.delayed is not None:  # the gradient's amax, recorded where it exists: here
+            amax = ctx.delayed[1]
+            amax[GRAD].copy_(torch.maximum(amax[GRAD], g_amax))
         grad_x = grad_w = None
         if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
             grad_x = _gemm(gq, wq_t.t(), g_inv, w_inv)
@@ -86,12 +129,28 @@ class _TracedFp8Linear(torch.autograd.Function):
             grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
         if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
             grad_w = _gemm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
-def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
-    """``x Wᵀ`` through current-scaled FP8 GEMMs, written to be traced by ``torch.compile``
-    (see the module docstring); bf16 output ``[..., out]``. ``grad_dtype``: the output
-    gradient's FP8 format (``Fp8Recipe.grad_dtype``: e5m2 for ``hybrid``)."""
+def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype,
+                      layer: Optional[Fp8Layer] = None) -> torch.Tensor:
+    """``x Wᵀ`` through FP8 GEMMs, written to be traced by ``torch.compile`` (see the module
+    docstring); bf16 output ``[..., out]``. ``grad_dtype``: the output gradient's FP8 format
+    (``Fp8Recipe.grad_dtype``: e5m2 for ``hybrid``). ``layer``: the layer's :class:`Fp8Layer`;
+    inside a delayed-scaling training step its state's scales are used and its amaxes recorded,
+    otherwise (or without it) current scaling."""
     grad = torch.is_grad_enabled()
-    return _TracedFp8Linear.apply(x, weight, grad_dtype, grad and x.requires_grad, grad and weight.requires_grad)
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    state = layer.state if layer is not None else None
+    if state is None or not state._record:
+        return _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw)
+    y, x_amax, w_amax = _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, layer.scale,
+                                               layer.grad_amax, layer.ready)
+    amax = layer.amax
+    with torch.no_grad():  # the forward operands' amaxes into the step's (as the eager casts do)
+        amax[INPUT].copy_(torch.maximum(amax[INPUT], x_amax))
+        amax[WEIGHT].copy_(torch.maximum(amax[WEIGHT], w_amax))
+    layer.traced_fwd = True  # host bookkeeping, replayed by Dynamo after each run of the graph
+    if y.requires_grad:
+        layer.traced_grad = True  # a training step's backward follows (its amax is recorded there)
+    return y

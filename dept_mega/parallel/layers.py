@@ -140,7 +140,7 @@ class _GemmMixin:
             # inside a compiled block under current scaling: traced into the graph; otherwise the
             # eager FP8 linear (a graph break under compile), see Fp8Recipe.traced_under_compile
             if self._fp8_traced and torch.compiler.is_compiling():
-                return fp8_linear_traced(x, self.weight, self._fp8_grad_dtype)
+                return fp8_linear_traced(x, self.weight, self._fp8_grad_dtype, self.fp8_layer)
             return fp8_linear(x, self.weight, self.fp8_layer)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)
