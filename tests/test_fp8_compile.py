@@ -223,3 +223,44 @@ def test_inductor_compiles_the_traced_fp8_linear_to_the_eager_results():
     for what, got, want in zip(("y", "dX", "dW"), outs[1], outs[0]):
         err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-2, (what, err)
+
+
+@pytest.mark.gpu
+def test_inductor_compiles_the_delayed_scaled_traced_fp8_linear():
+    """Delayed scaling under inductor (``fullgraph``): two training steps of two micro-batches
+    (the first current-scaled, the second on the scales from the first's amaxes) against the
+    eager FP8 linear (Triton casts on CUDA): the same amax history and scales (an amax is exact
+    whoever computes it; the output gradients are given), the results to FP8 precision. Checks
+    that inductor keeps the forward's amax writes and the backward's write of the gradient's
+    amax into the layer's tensors."""
+    dev = _inductor_device()
+    if dev == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(4, 250, 256, generator=g).mul(s).bfloat16().to(dev) for s in (1.0, 3.0, 0.5, 2.0)]
+    w = (torch.randn(512, 256, generator=g) * 0.05).bfloat16().to(dev)
+    gys = [torch.randn(4, 250, 512, generator=g).mul(s).bfloat16().to(dev) for s in (1e-3, 4e-3, 2e-3, 1e-3)]
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history=4)
+    layers = [Fp8State(recipe, dev).new_layer() for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: fp8_linear_traced(a, b, recipe.grad_dtype, layers[1]), fullgraph=True)
+    outs = [[], []]
+    for step in range(2):
+        for i, (layer, fn) in enumerate(zip(layers, (lambda a, b: fp8_linear(a, b, layers[0]), compiled))):
+            layer.state.begin_step()
+            wa = w.clone().requires_grad_()  # one weight for the step (the eager path caches its cast)
+            for x, gy in zip(xs[2 * step:2 * step + 2], gys[2 * step:2 * step + 2]):
+                xa = x.clone().requires_grad_()
+                wa.grad = None
+                y = fn(xa, wa)
+                y.backward(gy)
+                outs[i].append([t.detach().float() for t in (y, xa.grad, wa.grad)])
+            layer.state.end_step()
+        eager_state, traced_state = (layer.state for layer in layers)
+        assert torch.equal(traced_state.history, eager_state.history), step
+        assert torch.equal(traced_state.scale, eager_state.scale), step
+    assert (eager_state.history[:2] > 0).all() and layers[1].ready == (True, True, True)
+    for k, (got, want) in enumerate(zip(outs[1], outs[0])):
+        for what, a, b in zip(("y", "dX", "dW"), got, want):
+            err = ((a - b).norm() / b.norm()).item()
+            assert err < 2e-2, (k, what, err)
