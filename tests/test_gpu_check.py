@@ -62,7 +62,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert big["predicted_gb"] > 0 and big["measured_gb"] == by["std_vocab250k"]["peak_mem_gb"]
     assert "FP8 with micro-batches of 8: " in summary
     assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in by["fp8_current_compile"]["backends"], by["fp8_current_compile"]["backends"]
-    assert "a graph break each (fp8_recipe=current traces them)" in by["fp8_compile"]["backends"], by["fp8_compile"]["backends"]
+    assert "FP8 GEMMs traced into the compiled blocks (delayed scaling)" in by["fp8_compile"]["backends"], by["fp8_compile"]["backends"]
     assert "| fp8_current_compile | " in summary and "| fp8_current | " in summary
     assert "FP8 current scaling traced into the compiled blocks (fp8_current_compile): " in summary
     assert "the eager current-scaling FP8 run" in summary and "FP8 current scaling, eager (fp8_current): " in summary

@@ -148,7 +148,7 @@ class Backends:
         if self.fp8 is None:
             return "transformer_engine (bf16)" if self.linear == "transformer_engine" else "torch"
         native = self.linear != "transformer_engine"
-        traced = native and self.compile and self.fp8.traced_under_compile
+        traced = native and self.compile  # parallel/fp8_traced.py
         casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
         how = f"native fp8 (torch._scaled_mm, {casts})" if native else "transformer_engine fp8"
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
@@ -159,10 +159,8 @@ class Backends:
             out += f"; bf16 GEMMs [{', '.join(stay)}] (per-rank size not a multiple of 16)"
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
-        if native and self.compile:  # the rule: Fp8Recipe.traced_under_compile (parallel/fp8_traced.py)
-            out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling)" if traced else
-                    f"; FP8 GEMMs outside the compiled graphs ({self.fp8.scaling} scaling): a graph break each "
-                    f"(fp8_recipe=current traces them)")
+        if traced:
+            out += f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling)"
         return out + "; bf16 output head and embeddings"
 
     def describe(self) -> str:

@@ -101,13 +101,6 @@ class Fp8Recipe:
     def grad_dtype(self) -> torch.dtype:
         return E5M2 if self.fmt == "hybrid" else E4M3
 
-    @property
-    def traced_under_compile(self) -> bool:
-        """Whether the native FP8 linears are traced into ``train.compile``'s graphs
-        (``fp8_traced.py``): under both recipes (delayed scaling reads the step's scales and
-        maxes its amaxes into each layer's ``amax`` / ``grad_amax``, tensors fixed for the step)."""
-        return True
-
     def describe(self) -> str:
         extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
         return f"{self.fmt}, {self.scaling} scaling{extra}"

@@ -3,12 +3,12 @@
 The native FP8 linear of ``fp8.py`` (:func:`fp8.fp8_linear`) reads and writes Python state:
 the delayed-scaling history and its ring position, the set of operands with a recorded amax,
 the per-step weight cache, Triton launches, pointer checks, the gradient buffer. Dynamo cannot
-trace that, so inside a compiled block each call is a graph break and runs eagerly (four per
-block).
+trace that: inside a compiled block each call would be a graph break and run eagerly (four
+per block).
 
-Under ``torch.compile`` the layers call :func:`fp8_linear_traced` instead (the rule is
-:attr:`fp8.Fp8Recipe.traced_under_compile`, applied in ``layers._GemmMixin._matmul``): the same
-FP8 linear written with tensor operations only, so that each compiled block is one graph
+Under ``torch.compile`` the layers call :func:`fp8_linear_traced` instead
+(``layers._GemmMixin._matmul``): the same FP8 linear written with tensor operations only (and
+a few Python facts Dynamo guards on or replays), so that each compiled block is one graph
 holding the casts and the ``torch._scaled_mm`` calls. Inductor can then fuse the amax
 reductions and the casts with the elementwise work around them, and the host launches one
 graph per block instead of a few dozen operations per linear.

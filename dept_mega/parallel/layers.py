@@ -128,18 +128,16 @@ class _GemmMixin:
                                  f"to be multiples of 16")
             # its columns in the model's scaling state and its weight cache (opened per step by the trainer)
             self.fp8_layer: Optional[Fp8Layer] = self.gemm.fp8_state.new_layer()
-            self._fp8_traced = self.gemm.recipe.traced_under_compile
             self._fp8_grad_dtype = self.gemm.recipe.grad_dtype
         else:
             self.fp8_layer = None
-            self._fp8_traced = False
         self._te = TELinearHolder() if self.gemm.kind == "te" else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
-            # inside a compiled block under current scaling: traced into the graph; otherwise the
-            # eager FP8 linear (a graph break under compile), see Fp8Recipe.traced_under_compile
-            if self._fp8_traced and torch.compiler.is_compiling():
+            # inside a compiled block: traced into the graph (fp8_traced.py, both recipes);
+            # otherwise the eager FP8 linear
+            if torch.compiler.is_compiling():
                 return fp8_linear_traced(x, self.weight, self._fp8_grad_dtype, self.fp8_layer)
             return fp8_linear(x, self.weight, self.fp8_layer)
         if self.gemm.kind == "te":
