@@ -26,7 +26,7 @@ import sys
 from collections import defaultdict
 
 from kernel_launchers import attribute, cell, summary_line
-from step_timeline import analyse, is_step, render as render_steps, timeline
+from step_timeline import analyse, is_step, render as render_steps, short, timeline
 
 KINDS = (
     ("nccl", ("nccl",)),
@@ -88,8 +88,7 @@ def render(res: dict, top: int) -> str:
         lines.append("| kernel | calls | ms | share |")
         lines.append("| --- | ---: | ---: | ---: |")
     for name, us, calls in res["kernels"][:top]:
-        short = name if len(name) <= 90 else name[:87] + "..."
-        row = f"| `{short}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |"
+        row = f"| `{short(name, 90)}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |"
         lines.append(row + (f" {cell(att['kernels'].get(name))} |" if att is not None else ""))
     if res.get("launchers_note"):
         lines.append(res["launchers_note"])

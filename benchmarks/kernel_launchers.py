@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from step_timeline import API_CATS, Ev, Timeline, chain_of, is_step
+from step_timeline import Ev, Timeline, chain_of, is_step, short
 
 RANGE_CATS = ("user_annotation", "python_function")
 
@@ -91,7 +91,7 @@ def attribute(tl: Timeline, top: int = 3) -> dict:
     """For each kernel name of the trace, its launchers (label, calls, µs) by kernel time, the
     ``top`` largest and the rest summed as "(N other launchers)"; and how many kernels were
     linked through their launch call, through ``External id``, or not at all."""
-    launch_of = {ev.corr: ev for ev in tl.host if ev.cat in API_CATS and ev.corr is not None}
+    launch_of = tl.launch_of
     by_ext: dict = {}
     for ev in tl.host:
         ext = ev.args.get("External id")
@@ -130,15 +130,11 @@ def attribute(tl: Timeline, top: int = 3) -> dict:
     return {"kernels": out, "linked": linked, "shapes_recorded": shapes}
 
 
-def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[:n - 3] + "..."
-
-
 def cell(launchers: list | None, width: int = 100) -> str:
     """The table cell: ``label`` ×calls per launcher, most kernel time first."""
     if not launchers:
         return "?"
-    return "; ".join(f"`{_short(lab, width)}` ×{calls}" for lab, calls, _ in launchers)
+    return "; ".join(f"`{short(lab, width)}` ×{calls}" for lab, calls, _ in launchers)
 
 
 def summary_line(att: dict) -> str:

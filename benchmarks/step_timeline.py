@@ -234,20 +234,21 @@ class Timeline(NamedTuple):
     host: list
     steps: list
     threads: dict
+    launch_of: dict  # correlation id -> the CUDA runtime / driver call that launched that activity
 
 
 def timeline(trace) -> Timeline:
     """The trace's GPU activities, host ranges (nested: parents and self times set) and steps."""
     gpu, host, steps = collect(trace)
-    return Timeline(gpu, host, steps, nest(host))
+    launch_of = {ev.corr: ev for ev in host if ev.cat in API_CATS and ev.corr is not None}
+    return Timeline(gpu, host, steps, nest(host), launch_of)
 
 
 def analyse(trace, gap_us: float = 20.0, top_gaps: int = 8, top: int = 20, tl: Timeline | None = None) -> list[dict]:
     """One record per profiled step: GPU idle time and gaps, what the host did at each gap's
     start, host self times, CUDA API calls and kernel launches (see the module's definitions).
     ``tl``: the trace's ``timeline`` when the caller has it already (else it is built here)."""
-    gpu, host, steps, threads = tl if tl is not None else timeline(trace)
-    launch_of = {ev.corr: ev for ev in host if ev.cat in API_CATS and ev.corr is not None}
+    gpu, host, steps, threads, launch_of = tl if tl is not None else timeline(trace)
     gpu_by_corr = {ev.corr: ev for ev in gpu if ev.corr is not None}
     merged = union(gpu)
     out = []
@@ -289,7 +290,8 @@ def analyse(trace, gap_us: float = 20.0, top_gaps: int = 8, top: int = 20, tl: T
     return out
 
 
-def _short(name: str, n: int = 70) -> str:
+def short(name: str, n: int = 70) -> str:
+    """``name`` cut to ``n`` characters, "..." marking the cut."""
     return name if len(name) <= n else name[:n - 3] + "..."
 
 
@@ -314,23 +316,23 @@ def render(steps: list[dict]) -> str:
                       "launched +µs | launched in |", "| ---: | ---: | --- | --- | ---: | --- |"]
             for r in st["largest_gaps"]:
                 after = r["next_launch_after_gap_start_us"]
-                lines.append(f"| {r['start_ms_into_step']:.3f} | {r['us']:.1f} | `{_short(r['cpu_at_start'], 80)}` | "
-                             f"`{_short(r['next_gpu'] or '(none: the step ends)', 50)}` | "
+                lines.append(f"| {r['start_ms_into_step']:.3f} | {r['us']:.1f} | `{short(r['cpu_at_start'], 80)}` | "
+                             f"`{short(r['next_gpu'] or '(none: the step ends)', 50)}` | "
                              + (f"{after:+.1f}" if after is not None else "?")
-                             + f" | `{_short(r['next_launched_in'] or '?', 60)}` |")
+                             + f" | `{short(r['next_launched_in'] or '?', 60)}` |")
             lines += ["", f"| host op at the start of gaps > {st['gap_threshold_us']:g} µs | gaps | idle ms |",
                       "| --- | ---: | ---: |"]
-            lines += [f"| `{_short(n, 90)}` | {c} | {us / 1e3:.2f} |" for n, c, us in st["idle_by_op_at_gap_start"]]
+            lines += [f"| `{short(n, 90)}` | {c} | {us / 1e3:.2f} |" for n, c, us in st["idle_by_op_at_gap_start"]]
         h = st["host"]
         lines += ["", "| host op (self time) | calls | self ms | total ms |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| `{_short(n, 90)}` | {c} | {s / 1e3:.2f} | {t / 1e3:.2f} |" for n, c, s, t in h["ops"]]
+        lines += [f"| `{short(n, 90)}` | {c} | {s / 1e3:.2f} | {t / 1e3:.2f} |" for n, c, s, t in h["ops"]]
         la = h["launches"]
         lines += ["", f"launches: runtime (cudaLaunch*) {la['runtime_calls']} calls, {la['runtime_us'] / 1e3:.2f} ms; "
                   f"driver (cuLaunch*: Triton's, some cuBLAS) {la['driver_calls']} calls, {la['driver_us'] / 1e3:.2f} ms"]
         if h["api"]:
             lines += ["| CUDA runtime / driver call | calls | ms | kernels it launched (top 3) |",
                       "| --- | ---: | ---: | --- |"]
-            lines += [f"| `{n}` | {c} | {us / 1e3:.2f} | " + ", ".join(f"`{_short(k, 40)}` {m}" for k, m in ks) + " |"
+            lines += [f"| `{n}` | {c} | {us / 1e3:.2f} | " + ", ".join(f"`{short(k, 40)}` {m}" for k, m in ks) + " |"
                       for n, c, us, ks in h["api"]]
         lines.append("threads: " + "; ".join(
             f"{t['thread']}{' (the step)' if t['step_thread'] else ''}: {t['events']} ranges, "

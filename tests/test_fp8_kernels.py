@@ -45,7 +45,8 @@ def _interpreter_problem():
     return None
 
 
-needs_interpreter = pytest.mark.skipif(_interpreter_problem() is not None, reason=str(_interpreter_problem()))
+_INTERPRETER_PROBLEM = _interpreter_problem()
+needs_interpreter = pytest.mark.skipif(_INTERPRETER_PROBLEM is not None, reason=str(_INTERPRETER_PROBLEM))
 needs_cuda_triton = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()
                                             and torch.cuda.get_device_capability() >= (8, 9)),
                                        reason="needs Triton and a CUDA GPU with FP8 (compute capability 8.9+)")

@@ -253,7 +253,6 @@ class Fp8State:
                               torch.cat([layer.grad_amax for layer in self.layers]), out=self.history[self.pos])
         self.mode, self._record = None, False
 
-
     def recorded_columns(self) -> set[int]:
         """The columns with an amax recorded so far (earlier training steps and the open one, by
         eager or traced linears)."""

@@ -13,8 +13,8 @@ Parameter attributes read by the trainer / gradient-norm code:
 
 The GEMM of a column/row-parallel layer is chosen by its :class:`LinearGemm`: ``torch``
 (``F.linear``; with ``fuse_wgrad`` its weight gradient accumulates into ``main_grad``,
-``wgrad.py``), ``fp8`` (our FP8 GEMMs, ``fp8.py``; inside a compiled block under current
-scaling the traced version, ``fp8_traced.py``) or ``te`` (Transformer Engine's ``Linear``,
+``wgrad.py``), ``fp8`` (our FP8 GEMMs, ``fp8.py``; inside a compiled block the traced
+version, ``fp8_traced.py``) or ``te`` (Transformer Engine's ``Linear``,
 ``te.py``). Whatever the GEMM, the tensor/sequence-parallel collectives around it are ours and
 go through ``pg.comm``.
 """
