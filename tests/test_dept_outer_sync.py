@@ -2,15 +2,18 @@
 quantisation round trips, lean chunk state and its layout-free form, fragments and overlap
 against a plain-tensor reference on 2 groups × 2 replicas, DEPT runs of every variant with
 the options on, and the hiding of a simulated slow link."""
-import time
+import os
+import sys
 
 import pytest
 import torch
 
 from dept_mega.dept.outer import FlatSync, OuterOptimizer
 from dept_mega.dept.quant import QUANT_FORMATS, decode, encode, error_bound, packed_nbytes
-from dept_mega.dept.streaming import OuterSchedule, SyncUnit, fragment_offsets
+from dept_mega.dept.streaming import OuterSchedule, fragment_offsets
 from tests.mp_utils import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -433,46 +436,13 @@ def test_dept_variants_with_streaming_options():
 
 
 # ----------------------------------------------------------------------------- hiding
-def _hiding_worker(rank, world, delays, step_s, tau):
-    from dept_mega.parallel.groups import build_groups
-    pg = build_groups(tensor=1, data=1, pipeline=1)
-    out = {}
-    for overlap in (False, True):
-        for delay in delays:
-            pg.comm.simulate_slow_link(pg.outer, latency_s=delay)
-            params = [torch.nn.Parameter(torch.randn(64))]
-            L = 4
-            sync = FlatSync(params, pg, OuterOptimizer("fedavg"))
-            sched = OuterSchedule([SyncUnit(sync, L, "body")], L, tau if overlap else 0, 3 * L)
-            exposed = []
-            for s in range(3 * L):
-                sched.before_step(s)
-                time.sleep(step_s)  # the inner step's compute
-                with torch.no_grad():
-                    params[0].add_(0.01)
-                sched.after_step(s + 1)
-                if (s + 1) % L == 0 and s + 1 < 3 * L:  # the last step flushes: not counted
-                    sched.round_end(s + 1)
-                    exposed.append(sched.take_times())
-            sched.round_end(3 * L)
-            out[(overlap, delay)] = exposed
-            pg.comm.simulate_slow_link(None)
-    return out
-
-
 def hiding_table(delays=(0.0, 0.05, 0.1, 0.2), step_s=0.1, tau=3):
     """Per simulated link delay: seconds exposed per sync, blocking and overlapped (τ steps of
-    ``step_s`` seconds of compute), and seconds hidden per overlapped sync."""
-    res = run_distributed(_hiding_worker, 2, args=(tuple(delays), step_s, tau), timeout=120)[0]
-    # records of rounds 1 and 2 (the last step's flush is left out): the blocking run applied
-    # 2 syncs there, the overlapped one 1 (round 1's, τ steps into round 2; round 2's is flushed)
-    rows = []
-    for d in delays:
-        blk = sum(e for _, e in res[(False, d)]) / 2
-        ovl = sum(e for _, e in res[(True, d)]) / 1
-        hid = sum(o for o, _ in res[(True, d)]) / 1
-        rows.append((d, blk, ovl, hid))
-    return rows
+    ``step_s`` seconds of compute), and seconds hidden per overlapped sync
+    (benchmarks/outer_hiding.py, on two gloo ranks)."""
+    from outer_hiding import hiding_rows, hiding_worker
+    records = run_distributed(hiding_worker, 2, args=(tuple(delays), step_s, tau), timeout=120)[0]
+    return hiding_rows(records, tuple(delays))
 
 
 @pytest.mark.timeout(120)
