@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .parallel.comm import group_size
+from .parallel.wgrad import grad_owner, set_grad_owner
 
 
 @dataclass
@@ -60,12 +61,6 @@ class Bucket:
         """This data-parallel rank's [start, end) of the bucket, in buffer coordinates."""
         n = self.numel // shards
         return self.start + rank * n, self.start + (rank + 1) * n
-
-
-def grad_owner(p: torch.nn.Parameter) -> Optional["GradBuffer"]:
-    """The buffer that currently receives ``p``'s gradients (None: plain autograd)."""
-    ref = getattr(p, "_grad_owner", None)
-    return ref() if ref is not None else None
 
 
 def _grad_hook(p: torch.Tensor) -> None:
@@ -137,9 +132,8 @@ class GradBuffer:
     def adopt(self) -> None:
         """Make this buffer the destination of its parameters' gradients (a parameter has one
         owner at a time: a newer optimizer over the same parameters takes them over)."""
-        me = weakref.ref(self)
         for p in self.params:
-            p._grad_owner = me
+            set_grad_owner(p, self)
             if not getattr(p, "_grad_hook_registered", False):
                 p.register_post_accumulate_grad_hook(_grad_hook)
                 p._grad_hook_registered = True

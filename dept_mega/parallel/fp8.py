@@ -66,9 +66,9 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..grad_buffer import grad_owner
 from . import fp8_kernels
 from .compiled_math import CudaCompiled
+from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
 
 E4M3 = torch.float8_e4m3fn

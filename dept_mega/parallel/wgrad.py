@@ -47,13 +47,27 @@ keeps each block one graph, with the hook path).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..grad_buffer import grad_owner
 from ..compile_guard import outside_compiled_graphs
+
+
+def grad_owner(p: torch.nn.Parameter) -> Optional[Any]:
+    """The gradient buffer (``grad_buffer.GradBuffer``) that currently receives ``p``'s
+    gradients; None: plain autograd. The layers ask it in their backward; a buffer claims its
+    parameters with :func:`set_grad_owner`."""
+    ref = getattr(p, "_grad_owner", None)
+    return ref() if ref is not None else None
+
+
+def set_grad_owner(p: torch.nn.Parameter, owner: Any) -> None:
+    """Make ``owner`` the destination of ``p``'s gradients (held weakly: a released buffer
+    owns nothing)."""
+    p._grad_owner = weakref.ref(owner)
 
 _HALF = (torch.bfloat16, torch.float16)
 
