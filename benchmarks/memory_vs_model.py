@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Measured peak memory of a benchmark run against the memory model's prediction (issue 12,
-item 3: within 5%).
+"""Measured peak memory of a benchmark run against the memory model's prediction (the target:
+within 5%).
 
     python benchmarks/memory_vs_model.py --bench BENCH.json --costs COSTS.json --variant NAME --out MEM.json
 

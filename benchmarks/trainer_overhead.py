@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Overhead of our trainer against a minimal single-process PyTorch loop (issue 3, Figures).
+"""Overhead of our trainer against a minimal single-process PyTorch loop.
 
     OMP_NUM_THREADS=1 python benchmarks/trainer_overhead.py [--config examples/tiny/std.yaml] \
         [--steps 20] [--trials 5] [--out OVERHEAD.json] [key=value ...]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Our trainer side by side with megatron-core's GPTModel (local, non-Transformer-Engine spec)
-on the same GPU in the same process (issue 12, item 4).
+on the same GPU in the same process.
 
     python benchmarks/vs_megatron.py --config examples/1b/spec_opt.yaml [key=value ...] \
         [--vocab 50257] [--micro-batch 4] [--accum 1] [--steps 10] [--warmup 3] \

@@ -172,6 +172,10 @@ def test_clear_errors_for_missing_files(tmp_path, tok_model):
     r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", str(tmp_path / "no.model"),
                                         "--output-prefix", str(tmp_path / "o")])
     assert r.returncode == 2 and "no.model" in r.stderr and "Traceback" not in r.stderr
+    # an input that exists but cannot be read by offsets (a directory here; a pipe alike) is named as such
+    r = run_tool("preprocess_data.py", ["--input", str(tmp_path), "--tokenizer-model", tok_model,
+                                        "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 2 and "not a regular file" in r.stderr and "does not exist" not in r.stderr
 
 
 def test_progress_lines(tmp_path, tok_model):

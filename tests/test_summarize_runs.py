@@ -63,3 +63,18 @@ def test_missing_run_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "config.yaml does not exist" in res.stderr
+
+
+def test_unreachable_tokenizer_leaves_out_one_figure(tmp_path):
+    """A run whose tokenizer file is not reachable from here (copied runs, relative paths read
+    from another directory) is still summarised: only the predicted sync params/step is '-'."""
+    _fake_run(tmp_path / "a", "glob", {"en": 1.0}, [1000])
+    cfg = load_config(tmp_path / "a" / "config.yaml", [f"data.tokenizer={tmp_path / 'gone.model'}"])
+    save_config(cfg, tmp_path / "a" / "config.yaml")
+    res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "a")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split()[0]: ln.split()[1:] for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("-")}
+    assert lines["sync"] == ["params/step", "-"]
+    assert lines["mean"] == ["1.0000"]
+    assert "gone.model" in res.stderr and "Traceback" not in res.stderr

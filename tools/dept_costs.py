@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="outer communication dtype (default: the config's dept.outer_comm_dtype)")
     ap.add_argument("--memory", action="store_true", help="also predict the bytes per rank of every variant")
     ap.add_argument("--outer-state", choices=("full", "lean"), default=None,
-                    help="FlatSync's theta_prev: full on every dp rank, or the rank's 1/D chunk (default: the code's)")
+                    help="FlatSync's theta_prev: the rank's 1/D chunk (lean, what the trainer keeps: the "
+                         "default) or, for comparison, full on every dp rank")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="change a config key after validation, unchecked (what-if memory predictions)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")

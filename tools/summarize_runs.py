@@ -84,11 +84,17 @@ def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
     """Paper Table 1's per-step communication (parameters crossing groups per inner step)
     for this run's config, from dept_mega.dept.costs (the same arithmetic as tools/dept_costs.py)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from dept_mega.config import load_config
+    from dept_mega.config import ConfigError, load_config
     from dept_mega.dept.costs import predict_costs, resolve_vocabs
 
     cfg = load_config(cfg_path)
-    v = resolve_vocabs(cfg)
+    try:
+        v = resolve_vocabs(cfg)
+    except ConfigError as exc:
+        # the run's tokenizers are not reachable from here (runs copied elsewhere, or relative
+        # paths read from another directory): leave this one figure out, not the summary
+        print(f"warning: {cfg_path}: no sync params/step ({exc})", file=sys.stderr)
+        return None
     sources = v.source_vocabs or None
     global_vocab = v.global_vocab or (max(sources.values()) if sources else None)
     if global_vocab is None:

@@ -222,8 +222,11 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     (``tokenizer_model``: a ``tokenizer.json`` or its directory; Megatron's encoding)."""
     log = log or (lambda msg: None)
     for path in inputs:
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise PreprocessError(f"input file {path!r} does not exist")
+        if not os.path.isfile(path):  # a pipe (<(zcat ...)), a device, a directory
+            raise PreprocessError(f"input {path!r} is not a regular file: the input is read by byte offsets "
+                                  f"(progress, --partitions), so write a stream to a file first")
     if not keys:
         raise PreprocessError("no --json-keys given")
     if workers < 1 or partitions < 1:

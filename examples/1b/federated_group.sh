@@ -14,7 +14,8 @@
 # outer synchronisation, via the lighthouse (examples/1b/lighthouse.sh). Submit one per group,
 # on any cluster that reaches the lighthouse and the other groups' nodes:
 #   sbatch --export=ALL,DEPT_GROUP=0,LIGHTHOUSE=host:29510 examples/1b/federated_group.sh [key=value ...]
-# CONFIG must list as many data.sources as groups (federation.groups = FEDERATION_GROUPS).
+# CONFIG must list at least as many data.sources as groups (federation.groups = FEDERATION_GROUPS;
+# data.sources[i].group says which group job holds each when there are more).
 # A requeued job resumes from its own RUN_DIR and rejoins at the next round boundary.
 VARIANT=spec
 CONFIG=${CONFIG:-examples/1b/spec.yaml}

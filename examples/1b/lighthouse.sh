@@ -13,5 +13,7 @@ set -euo pipefail
 cd "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 [ -f .venv/bin/activate ] && source .venv/bin/activate
 echo "lighthouse host: $(hostname -f)"
+# JOIN_TIMEOUT_S: the spread of the groups' arrival at a round start, well below the group jobs'
+# federation.timeout_s (600 in federated_group.sh): survivors of a slow group wait both
 exec python -m dept_mega.lighthouse --port "${PORT:-29510}" --min-groups "${MIN_GROUPS:-2}" \
-  --join-timeout-s "${JOIN_TIMEOUT_S:-600}" --heartbeat-timeout-s "${HEARTBEAT_TIMEOUT_S:-30}"
+  --join-timeout-s "${JOIN_TIMEOUT_S:-60}" --heartbeat-timeout-s "${HEARTBEAT_TIMEOUT_S:-30}"
