@@ -63,13 +63,14 @@ def test_resumed_delayed_fp8_run_continues_bit_for_bit(tmp_path, fmt, k):
     saved = torch.load(os.path.join(run, "checkpoints", f"step_{k}", fp8_file(first.trainer.pg)), weights_only=True)
     assert saved["pos"] == (k - 1) % 3 != 0 and saved["history"].shape == (3, 3 * 4 * 2)  # 2 layers × 4 GEMMs
     loop, step = _resume(run, fmt)
-    assert step == k and not loop.checkpointer.notes
-    assert _same(_state(loop), _state(first))  # restored exactly
+    restored = _same(_state(loop), _state(first))
     loop.run()
     got, want = read_losses(run), read_losses(str(tmp_path / "full"))
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    assert [got[s] for s in got] == [want[s] for s in got]  # bit for bit (floats compare exactly)
-    assert _same(_state(loop), _state(full))
+    assert step == k and sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert [got[s] for s in sorted(got)] == [want[s] for s in sorted(got)]  # bit for bit (floats compare exactly)
+    assert _same(_state(loop), _state(full)), "the FP8 state after the run differs from the uninterrupted run's"
+    assert restored, "the FP8 state after the load differs from the one saved"
+    assert not loop.checkpointer.notes
 
 
 def test_no_restore_under_another_recipe_or_from_a_checkpoint_without_fp8_state(tmp_path, monkeypatch):
@@ -94,3 +95,24 @@ def test_no_restore_under_another_recipe_or_from_a_checkpoint_without_fp8_state(
     assert len(loop.checkpointer.notes) == 1 and loop.checkpointer.notes[0].startswith(
         f"fp8: amax history not restored: checkpoint {old}/checkpoints/step_2 holds no FP8 scaling state")
     loop.run()
+
+
+def _resume_two_replicas(rank, world, run_dir):
+    loop = make_loop(_over("hybrid"), run_dir, rank, data=2, steps=STEPS)
+    assert loop.checkpointer.load(loop) == 2
+    empty = delayed_state(loop.trainer).history is None
+    loop.run()
+    return loop.checkpointer.notes, empty, delayed_state(loop.trainer).history is not None
+
+
+def test_no_restore_under_another_layout(tmp_path):
+    """Saved by one process, resumed by two data-parallel replicas: every rank starts with an
+    empty history, the notes say why (the same line on every rank), and training goes on."""
+    from tests.mp_utils import run_distributed
+    run = str(tmp_path / "run")
+    _train(run, "hybrid", 2)
+    out = run_distributed(_resume_two_replicas, 2, args=(run,), timeout=120)
+    line = (f"fp8: amax history not restored: checkpoint {run}/checkpoints/step_2 was saved under another layout, "
+            f"parallel.data=1 (this launch: 2); per-rank amaxes do not map onto other shards; the first step uses "
+            f"current scaling")
+    assert out == [([line], True, True)] * 2
