@@ -13,7 +13,10 @@ number of groups inside a round). The step directory is first written as ``step_
 then renamed by global rank 0 after a barrier, and ``RUN/checkpoints/latest`` (text: N) is
 replaced atomically, so ``latest`` always names a complete checkpoint. Scalars (trainer
 counters, data positions, loss scale, DEPT's round position) go to ``step_N/group{g}.json``,
-one per source group. ``step_N/layout.json`` records the layout. The dropout streams
+one per source group. ``step_N/layout.json`` records the layout. Native FP8 with delayed
+scaling: each rank's amax history goes to ``step_N/fp8_tp{t}_dp{d}_pp{p}_g{g}.pt``, restored
+under the same layout and recipe only (``dept_mega.checkpoint_fp8``; else an empty history and a
+line in ``notes``). The dropout streams
 (``RNGTracker``) go to ``step_N/rng_tp{t}_pp{p}.pt``; under another tensor / pipeline /
 virtual-pipeline layout they are re-seeded from (seed, step, tensor rank, pipeline rank)
 instead (logged through ``notes``). Format 1 (``dept_mega.checkpoint_v1``) loads with its own
@@ -47,6 +50,7 @@ from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointEr
 from .checkpoint_format import Entry, load_entries, save_entries, with_group
 from .checkpoint_state import (group_entries, group_targets, has_group_state, has_outer_state, model_entries,
                                outer_entries, outer_targets, unused_group_buffers)
+from .checkpoint_fp8 import FLAG as FP8_FLAG, fp8_file, restore_fp8, stage_fp8
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
@@ -199,11 +203,15 @@ class Checkpointer:
             state += hooks.checkpoint_entries()
         pg = trainer.pg
         tracker = _rng_tracker(trainer)
+        fp8 = stage_fp8(trainer)  # native FP8, delayed scaling: this rank's amax history (checkpoint_fp8)
+        if fp8 is not None:
+            layout[FP8_FLAG] = True
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
                "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
                "keep": int(trainer.cfg.train.keep_checkpoints),
                "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
-               else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None}
+               else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None,
+               "fp8": fp8, "fp8_file": fp8_file(pg)}
         if pg.rank == pg.rank_of(0, 0, 0, pg.group_index):
             # positions are the same on every rank of a group, different across groups (DEPT)
             out["meta"] = {"step": step, "trainer": trainer.state_dict(),
@@ -244,6 +252,9 @@ class Checkpointer:
             if failed is None and staged["rng"] is not None:
                 torch.save(staged["rng"], os.path.join(tmp, staged["rng_file"]))
                 fsync_file(os.path.join(tmp, staged["rng_file"]))
+            if failed is None and staged["fp8"] is not None:
+                torch.save(staged["fp8"], os.path.join(tmp, staged["fp8_file"]))
+                fsync_file(os.path.join(tmp, staged["fp8_file"]))
             if failed is None and staged["meta"] is not None:
                 write_json_durable(os.path.join(tmp, f"group{staged['group']}.json"), staged["meta"])
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -406,6 +417,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         elif trainer.cfg.model.hidden_dropout > 0 or trainer.cfg.model.attention_dropout > 0:
             raise CheckpointError(f"checkpoint {path} has no dropout streams (rng_tp*_pp*.pt), which this run's "
                                   f"dropout needs to continue exactly")
+    if optimizer:  # a resume: native FP8's amax history (same layout and recipe), else empty and a note
+        restore_fp8(trainer, path, layout, _layout(trainer), notes)
     if fmt == 1:
         from .checkpoint_v1 import load_hooks_v1, load_outer_v1
         load_hooks_v1(trainer, hooks, path, layout)

@@ -64,6 +64,8 @@ def state_sizes(staged: dict) -> dict[str, int]:
     out = {f"{e.key}{list(e.offset)}": e.tensor.numel() * e.tensor.element_size() for e in staged["state"]}
     if staged["rng"] is not None:
         out[staged["rng_file"]] = sum(t.numel() * t.element_size() for t in _tensors_in(staged["rng"]))
+    if staged.get("fp8") is not None:
+        out[staged["fp8_file"]] = sum(t.numel() * t.element_size() for t in _tensors_in(staged["fp8"]))
     return out
 
 

@@ -14,7 +14,9 @@ expected (:func:`expected_files`): format 1 wants ``layout.json``, ``depends.jso
 ``.metadata``, ``group{g}.json`` for every source group, ``hooks_rank{r}.pt`` for every rank
 when the round hooks have state (with ``hooks_dp0``: for the data-parallel rank 0 of every
 (tp, pp, group) position only), and ``rng_tp{t}_pp{p}.pt`` for every tensor/pipeline position
-when the model has dropout streams.
+when the model has dropout streams; format 2 also ``fp8_tp{t}_dp{d}_pp{p}_g{g}.pt`` for every
+rank when ``layout.json`` says ``fp8_state`` (native FP8 with delayed scaling,
+``dept_mega.checkpoint_fp8``).
 
 Hashing is spread over the ranks (each checks a share of the files, in threads) by the callers
 in :mod:`dept_mega.checkpoint`; everything here is local to one process.
@@ -33,6 +35,7 @@ LAYOUT_FILE = "layout.json"
 DEPENDS_FILE = "depends.json"
 DCP_METADATA = ".metadata"
 CHUNK = 8 << 20
+FP8_FILE = "fp8_tp{t}_dp{d}_pp{p}_g{g}.pt"  # a rank's FP8 scaling state (dept_mega.checkpoint_fp8)
 
 
 class CheckpointError(Exception):
@@ -148,6 +151,9 @@ def expected_files(fmt: int, layout: dict[str, Any]) -> list[str]:
         names += [f"hooks_rank{r}.pt" for r in range(T * P * D * G)]
     if layout.get("dropout_rng"):
         names += [f"rng_tp{t}_pp{p}.pt" for t in range(T) for p in range(P)]
+    if layout.get("fp8_state"):
+        names += [FP8_FILE.format(t=t, d=d, p=p, g=g) for g in range(G) for p in range(P) for d in range(D)
+                  for t in range(T)]
     return names
 
 

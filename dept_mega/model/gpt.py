@@ -95,6 +95,7 @@ class TransformerBody(nn.Module):
         self.te = te
         if fp8_state is None:
             fp8_state = backends.new_fp8_state(device)
+        self.fp8_state = fp8_state  # also on a chunk without FP8 layers (checkpoint_fp8.py saves every rank's)
         sp = sequence_parallel and tp_world(pg) > 1
         self.tp_size = tp_world(pg)
         self.sequence_parallel = sp

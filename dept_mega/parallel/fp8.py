@@ -38,7 +38,9 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   row: so the traced path (``fp8_traced.py``) records into the same place without knowing
   the ring position. The state
   is per rank (no amax reduction across ranks: every rank scales its own shards
-  consistently) and not checkpointed (a resumed run refills it).
+  consistently); checkpoints save it per rank (``checkpoint_fp8.py``) and a resume with the
+  same layout restores it exactly (:meth:`Fp8State.state_dict`), so a resumed run scales as
+  the uninterrupted one would.
 * casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
   writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
   step's amaxes), plus a reduction kernel before it under current scaling. The reference math
@@ -191,8 +193,9 @@ class Fp8State:
 
     Outside a training step (no step open, or an evaluation opened with ``train=False``)
     every cast uses current scaling and records nothing, so evaluations and direct calls leave
-    the history alone. ``current`` scaling never records. The state is per rank and not
-    checkpointed (a resumed run starts with an empty history).
+    the history alone. ``current`` scaling never records. The state is per rank; between
+    steps :meth:`state_dict` / :meth:`load_state_dict` save and restore it exactly (the
+    checkpoints' ``fp8_*.pt`` files, ``checkpoint_fp8.py``).
 
     ``kernels``: ``triton`` (one kernel per cast, ``fp8_kernels.py``) | ``torch``
     (``_cast_math``) | ``auto`` (:func:`default_cast_kernels`)."""
@@ -264,21 +267,64 @@ class Fp8State:
                 out.add(3 * layer.index + GRAD)
         return out
 
+    def state_dict(self) -> dict:
+        """The delayed-scaling state between two steps, as host copies: the recipe's format and
+        window, the number of layers and, once a training step has run, the amax ``history``,
+        this step's ``scale``s, the ring position ``pos`` and the ``ready`` columns (those with
+        an amax recorded: the next step scales them from the history)."""
+        if self.mode is not None:
+            raise RuntimeError("Fp8State.state_dict: a step is open (save between steps)")
+        out = {"fmt": self.recipe.fmt, "amax_history": self.recipe.amax_history, "layers": len(self.layers)}
+        if self.history is not None:
+            out.update(history=self.history.detach().to("cpu", copy=True),
+                       scale=self.scale.detach().to("cpu", copy=True), pos=self.pos,
+                       ready=sorted(self.recorded_columns()))
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (ValueError when it was saved for another recipe
+        or number of layers); without a history: the empty state of a run before its first
+        training step. The next step continues exactly as it would have after the save."""
+        if self.mode is not None:
+            raise RuntimeError("Fp8State.load_state_dict: a step is open")
+        saved = (state.get("fmt"), state.get("amax_history"), state.get("layers"))
+        if saved != (self.recipe.fmt, self.recipe.amax_history, len(self.layers)):
+            raise ValueError(f"FP8 state saved for (format, amax history, layers) {saved}, this state is "
+                             f"{(self.recipe.fmt, self.recipe.amax_history, len(self.layers))}")
+        self.history = self.scale = self.inv = None
+        self.pos, self._ready, self._recorded = 0, set(), set()
+        for layer in self.layers:
+            layer.traced_fwd = layer.traced_grad = False
+            layer.ready = (False, False, False)
+            layer.scale = layer.amax = layer.grad_amax = None
+        if state.get("history") is None:
+            return
+        self._allocate()
+        self.history.copy_(state["history"])
+        self.scale.copy_(state["scale"])
+        torch.reciprocal(self.scale, out=self.inv)
+        self.pos = int(state["pos"])
+        self._ready = {int(c) for c in state["ready"]}
+
+    def _allocate(self) -> None:
+        cols = 3 * len(self.layers)
+        self.history = torch.zeros(self.recipe.amax_history + 1, cols, dtype=torch.float32, device=self.device)
+        self.scale = torch.ones(cols, dtype=torch.float32, device=self.device)
+        self.inv = torch.ones(cols, _SCALE_STRIDE, dtype=torch.float32, device=self.device)[:, 0]
+        fmax = (FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype])
+        self._fmax = torch.tensor(fmax * len(self.layers), dtype=torch.float32, device=self.device)
+        self._inv_views = list(self.inv.unbind(0))
+        for layer in self.layers:
+            layer.scale = self.scale[3 * layer.index:3 * layer.index + 3]
+            layer.amax = torch.zeros(3, dtype=torch.float32, device=self.device)
+            layer.grad_amax = torch.zeros(3, dtype=torch.float32, device=self.device)
+        self.pos = 0
+
     @torch.no_grad()
     def _advance(self) -> None:
-        cols = 3 * len(self.layers)
         if self.history is None:
-            self.history = torch.zeros(self.recipe.amax_history + 1, cols, dtype=torch.float32, device=self.device)
-            self.scale = torch.ones(cols, dtype=torch.float32, device=self.device)
-            self.inv = torch.ones(cols, _SCALE_STRIDE, dtype=torch.float32, device=self.device)[:, 0]
-            fmax = (FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[self.recipe.grad_dtype])
-            self._fmax = torch.tensor(fmax * len(self.layers), dtype=torch.float32, device=self.device)
-            self._inv_views = list(self.inv.unbind(0))
-            for layer in self.layers:
-                layer.scale = self.scale[3 * layer.index:3 * layer.index + 3]
-                layer.amax = torch.zeros(3, dtype=torch.float32, device=self.device)
-                layer.grad_amax = torch.zeros(3, dtype=torch.float32, device=self.device)
-            self.pos = 0
+            self._allocate()
             return
         self._ready = self.recorded_columns()  # with those of traced linears (fp8_traced.py)
         self._recorded = set()
