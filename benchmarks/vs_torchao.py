@@ -34,7 +34,8 @@ sequences of synthetic tokens (the same per step in every arm). Per arm: median 
 ``--steps`` timed steps after ``--warmup`` untimed ones (the compiles happen there), tokens/s,
 TFLOP/s and MFU with :func:`dept_mega.metrics.train_flops_per_token` over the unpadded
 vocabulary (as ``tools/benchmark.py``; null on CPU), peak allocated memory over the timed steps
-(null on CPU), the compiled graph count, the losses, the first step's gradient norm.
+(null on CPU), the compiled graph count (2 when the blocks share one graph), the losses, the
+first step's gradient norms.
 ``ratios``: each float8 arm's tokens/s over bf16's. Sanity check: every loss finite, and each
 float8 arm's first-step loss (initial weights, same batch) within ``--loss-tolerance`` of
 bf16's and the first-step gradient norm of each parameter (its fp32 accumulated gradient)
@@ -42,9 +43,9 @@ within ``--grad-tolerance`` of bf16's, relatively; else exit 1 with the record s
 
 torchao is optional: when it does not import (and an arm needs it), the script prints why,
 writes ``{"skipped": "..."}`` and exits 0 — the device check records that instead of failing.
-``--arms bf16`` runs without torchao. On the CPU (torch 2.13) torchao's float8 runs eagerly
-(PyTorch's CPU ``_scaled_mm``; torch 2.11's CPU one takes tensorwise scales only) and
-``--no-compile`` keeps the rehearsal cheap.
+``--arms bf16`` runs without torchao. On the CPU (torch 2.13) torchao's float8 runs, eager and
+compiled, through PyTorch's CPU ``_scaled_mm`` (torch 2.11's takes tensorwise scales only);
+``--no-compile`` keeps a CPU rehearsal cheap (inductor's CPU builds take most of a minute).
 """
 from __future__ import annotations
 
