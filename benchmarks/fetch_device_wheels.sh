@@ -3,16 +3,21 @@
 # device tool to carry: run() with carry=[".whl"].
 # The machine runs Python 3.12 on x86-64 with torch 2.11 and no network (see docs/performance.md).
 #
-#   bash benchmarks/fetch_device_wheels.sh [NAME==VERSION ...]     # default: megatron-core==0.16.1
+#   bash benchmarks/fetch_device_wheels.sh [NAME==VERSION ...]
+#   # default: megatron-core==0.16.1 torchao==0.17.0
 #
-# megatron-core 0.16.1 needs torch>=2.6, numpy and packaging (all on the machine); its wheel is
-# about 2.6 MB. benchmarks/gpu_check.sh installs whatever lies in .whl/ with --no-deps.
+# megatron-core 0.16.1 (benchmarks/vs_megatron.py) needs torch>=2.6, numpy and packaging (all on
+# the machine); its wheel is about 2.6 MB. torchao 0.17.0 (benchmarks/vs_torchao.py) is the
+# release built against torch 2.11, the machine's (its C++ extensions load there; its float8
+# training is pure Python and also runs under other torch versions); it requires nothing; its
+# wheel is about 3.2 MB. benchmarks/gpu_check.sh installs whatever lies in .whl/ with --no-deps;
+# the device tool carries 64 MiB at most with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 pkgs=("$@")
-[ ${#pkgs[@]} -eq 0 ] && pkgs=("megatron-core==0.16.1")
+[ ${#pkgs[@]} -eq 0 ] && pkgs=("megatron-core==0.16.1" "torchao==0.17.0")
 mkdir -p .whl
 for p in "${pkgs[@]}"; do
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

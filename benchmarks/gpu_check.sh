@@ -14,7 +14,7 @@
 #                  discovers a bug in this script
 #
 # Prepare once, where the device call is made from (the repository root; .whl/ is ignored):
-#   bash benchmarks/fetch_device_wheels.sh        # megatron-core's wheel into .whl/ (carry it)
+#   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/ (carry it)
 # then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
 #
 # Stages (seconds measured on one H100, 2026-11-26; a stage starts only when its expected time is
@@ -42,6 +42,9 @@
 #   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
 #   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
+#   torchao    benchmarks/vs_torchao.py: torchao's float8 (tensorwise) against bf16, both compiled,
+#              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
+#              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          90
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
 set -uo pipefail
@@ -68,7 +71,7 @@ done
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
 STAGES=(build env tests ops_tests bf16 fp8 compile fp8_current_compile fp8_current ops fp8_mb8 fp8_compile
-        vocab250k memory megatron nofusion compile_nofusion mb8)
+        vocab250k memory megatron nofusion compile_nofusion mb8 torchao)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -105,10 +108,12 @@ if [ "$DRY" = 1 ]; then
   # Megatron's RoPE needs CUDA: learned positions on both sides here
   MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
   MEGATRON_SET=(model.position_embedding=learned)
+  # eager (an inductor build of each arm would take a minute on the CPU): the plumbing only
+  TORCHAO=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --no-compile)
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
-                     [fp8_compile]=8 [fp8_current_compile]=8 [fp8_current]=12)
+                     [fp8_compile]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -118,10 +123,12 @@ else
   OPS_ARGS=(--device cuda)
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
+  TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
   # seconds measured on the first H100 run (2026-11-26), rounded up
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=20 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
-                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_current_compile]=60 [fp8_current]=50)
+                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_current_compile]=60 [fp8_current]=50
+                     [torchao]=90)  # torchao: an estimate, not measured yet (two compiles, 16 steps)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -318,6 +325,25 @@ stage_megatron() {
     return 1; }
   run "$PY" benchmarks/vs_megatron.py --config "$CFG" "${MEGATRON[@]}" --out "$OUT/vs_megatron.json" \
     "${SHAPE[@]}" "${MEGATRON_SET[@]}"
+}
+
+stage_torchao() {  # vs_torchao.py's record (less its config) as one row of bench.jsonl; skipped without torchao
+  local rec="$WORK/vs_torchao.json" rc
+  rm -f "$rec"
+  run "$PY" benchmarks/vs_torchao.py --config "$CFG" "${TORCHAO[@]}" --out "$rec" "${SHAPE[@]}"
+  rc=$?
+  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+rec, rc, log, dst = sys.argv[1:]
+if os.path.exists(rec):
+    r = json.load(open(rec)); r.pop("config", None)
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"kind": "vs_torchao", "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+r.update(name="torchao", rc=int(rc))
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+  return $rc
 }
 
 # ------------------------------------------------------------------ the sequence

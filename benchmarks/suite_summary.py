@@ -3,7 +3,9 @@
 (written to OUT/summary.md; rewritten after every stage): environment, each stage's status and
 time, the pytest results, the custom ops against the copy bandwidth, the 1B benchmark rows
 (tokens/s, TFLOP/s, MFU, peak memory against the targets of issue 24), the memory model against
-the measured peak, the comparison with megatron-core and the head of each kernel breakdown.
+the measured peak, the comparison with megatron-core, torchao's float8 against bf16 on a plain
+GPT of the same shape (the ``vs_torchao`` row of bench.jsonl) and the head of each kernel
+breakdown.
 
     python benchmarks/suite_summary.py OUT [--env ENV.json] [--budget S] [--elapsed S] [--dry-run]
 
@@ -192,6 +194,50 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
+    """benchmarks/vs_torchao.py's record (a bench.jsonl row of kind ``vs_torchao``): each arm's
+    figures, torchao float8's tokens/s over bf16's, and our FP8 runs' ratios beside it (``ours``:
+    the bench rows; the compiled ones are what the compiled torchao arms compare with)."""
+    how = "compiled per block" if r.get("compiled") else "eager"
+    version = f" {r['torchao_version']}" if r.get("torchao_version") else ""
+    lines = [f"## torchao{version} float8 against bf16 on a plain PyTorch GPT of the same shape ({how})", ""]
+    if "skipped" in r:
+        return lines + [f"- skipped: {r['skipped']}"]
+    if "error" in r:
+        return lines + [f"- failed: {r['error']}"]
+    model = r.get("model") or {}
+    lines += [f"- {model.get('layers')} x {model.get('hidden')}, {model.get('heads')} heads, FFN {model.get('ffn')}, "
+              f"sequence {model.get('seq_length')}, vocabulary {model.get('vocab')}, positions {model.get('positions')}; "
+              f"micro-batch {r.get('micro_batch_size')} x {r.get('accum')}; weights {model.get('weights')}",
+              "", "| arm | tokens/s | TFLOP/s | MFU | peak GB | step ms | first loss | Float8Linear | graphs |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, a in (r.get("arms") or {}).items():
+        if "error" in a:
+            lines.append(f"| {name} | failed: {a['error'][:200]} | | | | | | | |")
+            continue
+        mfu = "n/a" if a.get("mfu") is None else f"{100 * a['mfu']:.1f}%"
+        lines.append(f"| {name} | {_fmt(a.get('tokens_per_s'))} | {_fmt(a.get('tflops'), '.1f')} | {mfu} | "
+                     f"{_fmt(a.get('peak_mem_gb'), '.1f')} | {_fmt(a.get('step_ms_median'), '.0f')} | "
+                     f"{_fmt(a.get('first_loss'), '.4f')} | {a.get('float8_linears')} | "
+                     f"{_fmt(a.get('compiled_graphs'), 'd', '')} |")
+    if r.get("compiled"):
+        lines.append("- graphs: the compiled graphs of the arm (2 = one for all blocks, one for the head and loss)")
+    for name, ratio in (r.get("ratios") or {}).items():
+        lines.append(f"- torchao {name}: {ratio:.2f}x its bf16 tokens/s (issue 24's target for our FP8: 1.3x)")
+    ok = {x["name"]: x for x in ours if "error" not in x and x.get("tokens_per_s")}
+    mine = [f"{ok[f]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x ({f} / {b})" for f, b in (
+        ("fp8_current_compile", "bf16_compile"), ("fp8_compile", "bf16_compile"), ("fp8", "bf16"))
+        if f in ok and b in ok]
+    if mine:
+        lines.append("- ours on the same card: " + ", ".join(mine))
+    for e in r.get("loss_errors") or []:
+        lines.append(f"- SANITY CHECK FAILED: {e}")
+    warnings = r.get("torchao_import_warnings") or []
+    if warnings:
+        lines.append(f"- torchao's import warned ({len(warnings)}): {warnings[0][:160]}")
+    return lines
+
+
 def summary(out: str, env_path: str | None = None, budget: int | None = None, elapsed: int | None = None,
             dry_run: bool = False) -> str:
     lines = ["# GPU check summary" + (" (dry run on the CPU: tiny model, no figure means anything)" if dry_run
@@ -220,7 +266,12 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-        lines += [""] + _bench_lines(rows)
+        bench_rows = [r for r in rows if r.get("kind") != "vs_torchao"]
+        if bench_rows:
+            lines += [""] + _bench_lines(bench_rows)
+        for r in rows:
+            if r.get("kind") == "vs_torchao":
+                lines += [""] + torchao_lines(r, bench_rows)
     mem = _load(os.path.join(out, "memory.json"))
     if mem:
         lines += ["", f"## Memory model ({mem.get('note', '')})", ""]

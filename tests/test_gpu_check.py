@@ -18,7 +18,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
 STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "compile", "fp8_current_compile", "fp8_current", "ops", "fp8_mb8",
-          "fp8_compile", "vocab250k", "memory", "megatron", "nofusion", "compile_nofusion", "mb8")
+          "fp8_compile", "vocab250k", "memory", "megatron", "nofusion", "compile_nofusion", "mb8", "torchao")
 
 
 def _run(out, *args, timeout=420):
@@ -41,6 +41,8 @@ def test_dry_run_writes_every_figure(tmp_path):
         want = "ok" if stage != "megatron" or megatron else "failed rc=1"
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
+    rows = [r for r in rows if r.get("kind") != "vs_torchao"]
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "bf16_compile", "fp8_current_compile", "fp8_current", "fp8_mb8",
                                            "fp8_compile", "std_vocab250k", "bf16_nofusion", "bf16_compile_nofusion",
@@ -69,6 +71,14 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "optim.grad_accum_fusion: " in summary and "optim.grad_accum_fusion under train.compile" in summary and "STD 250,112-token head: predicted" in summary
     assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
     assert "passed" in summary or "skipped in" in summary  # the pytest results reached the summary
+    # the last stage: torchao's float8 against bf16 (benchmarks/vs_torchao.py), one row of bench.jsonl
+    assert len(torchao) == 1 and torchao[0]["name"] == "torchao" and torchao[0]["rc"] == 0, torchao
+    if "skipped" in torchao[0]:  # torchao not importable where the script ran (the suite's venv lacks it)
+        assert torchao[0]["skipped"].startswith("torchao is not importable") and "- skipped: torchao" in summary
+    else:
+        assert torchao[0]["loss_errors"] == [] and torchao[0]["ratios"]["float8_tensorwise"] > 0
+        assert torchao[0]["arms"]["float8_tensorwise"]["float8_linears"] == 8 and "its bf16 tokens/s" in summary
+    assert "float8 against bf16 on a plain PyTorch GPT of the same shape (eager)" in summary
     if megatron:
         vs = json.loads((tmp_path / "vs_megatron.json").read_text())
         assert vs["ratio"] > 0 and vs["precision"] == "bf16" and vs["micro_batch_size"] == 2

@@ -57,7 +57,7 @@ transposed by a pass of its own (see ``_Fp8Linear``).
 torchao's float8 training (``Float8Linear``) was considered: it converts ``nn.Linear``
 modules, while our column/row-parallel layers own their weights and collectives, so only its
 GEMM part could replace ours. Whether it is faster than this path is to be measured on the
-device (docs/performance.md); until then this is the one FP8 path.
+device (benchmarks/vs_torchao.py, docs/performance.md); until then this is the one FP8 path.
 """
 from __future__ import annotations
 
