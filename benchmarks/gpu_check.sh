@@ -29,22 +29,23 @@
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
+#   fp8_compile  the FP8 run (delayed scaling, the default recipe) with train.compile=true: the FP8
+#              GEMMs traced into the compiled blocks -> bench.jsonl                             60
 #   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
 #              compiled blocks (no graph break) -> bench.jsonl                                  60
-#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
-#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
-#   fp8_compile  the FP8 run with train.compile=true -> bench.jsonl                             60
-#   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
-#   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
-#              -> memory.json                                                                   16
-#   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
-#   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
-#   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
-#   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
+#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
 #   torchao    benchmarks/vs_torchao.py: torchao's float8 (tensorwise) against bf16, both compiled,
 #              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
 #              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          90
+#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
+#   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
+#   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
+#   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
+#              -> memory.json                                                                   16
+#   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
+#   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
+#   mb8        the bf16 run with micro-batches of 8 sequences (2 per step instead of 4)          45
 # Files in the output folder (8 at most): summary.md, gpu_check.log (every command and its
 # output), build.log, ops_bench.json, bench.jsonl, kernels.txt, memory.json, vs_megatron.json.
 set -uo pipefail
@@ -70,8 +71,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 compile fp8_current_compile fp8_current ops fp8_mb8 fp8_compile
-        vocab250k memory megatron nofusion compile_nofusion mb8 torchao)
+STAGES=(build env tests ops_tests bf16 fp8 compile fp8_compile fp8_current_compile ops fp8_current torchao fp8_mb8
+        megatron vocab250k memory nofusion compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }

@@ -17,8 +17,8 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "compile", "fp8_current_compile", "fp8_current", "ops", "fp8_mb8",
-          "fp8_compile", "vocab250k", "memory", "megatron", "nofusion", "compile_nofusion", "mb8", "torchao")
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "compile", "fp8_compile", "fp8_current_compile", "ops", "fp8_current",
+          "torchao", "fp8_mb8", "megatron", "vocab250k", "memory", "nofusion", "compile_nofusion", "mb8")
 
 
 def _run(out, *args, timeout=420):
@@ -44,8 +44,8 @@ def test_dry_run_writes_every_figure(tmp_path):
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
     rows = [r for r in rows if r.get("kind") != "vs_torchao"]
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "bf16_compile", "fp8_current_compile", "fp8_current", "fp8_mb8",
-                                           "fp8_compile", "std_vocab250k", "bf16_nofusion", "bf16_compile_nofusion",
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "bf16_compile", "fp8_compile", "fp8_current_compile", "fp8_current",
+                                           "fp8_mb8", "std_vocab250k", "bf16_nofusion", "bf16_compile_nofusion",
                                            "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     by = {r["name"]: r for r in rows}
