@@ -2,7 +2,7 @@
 """Summarise what benchmarks/gpu_check.sh has left in its output folder so far, as Markdown
 (written to OUT/summary.md; rewritten after every stage): environment, each stage's status and
 time, the pytest results, the custom ops against the copy bandwidth, the 1B benchmark rows
-(tokens/s, TFLOP/s, MFU, peak memory against the targets of issue 24), the memory model against
+(tokens/s, TFLOP/s, MFU, peak memory against the targets of docs/performance.md), the memory model against
 the measured peak, the comparison with megatron-core, torchao's float8 against bf16 on a plain
 GPT of the same shape (the ``vs_torchao`` row of bench.jsonl) and the head of each kernel
 breakdown.
@@ -223,7 +223,7 @@ def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
     if r.get("compiled"):
         lines.append("- graphs: the compiled graphs of the arm (2 = one for all blocks, one for the head and loss)")
     for name, ratio in (r.get("ratios") or {}).items():
-        lines.append(f"- torchao {name}: {ratio:.2f}x its bf16 tokens/s (issue 24's target for our FP8: 1.3x)")
+        lines.append(f"- torchao {name}: {ratio:.2f}x its bf16 tokens/s (the target for our FP8: 1.3x)")
     ok = {x["name"]: x for x in ours if "error" not in x and x.get("tokens_per_s")}
     mine = [f"{ok[f]['tokens_per_s'] / ok[b]['tokens_per_s']:.2f}x ({f} / {b})" for f, b in (
         ("fp8_current_compile", "bf16_compile"), ("fp8_compile", "bf16_compile"), ("fp8", "bf16"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torchao's float8 training against bf16 on one plain PyTorch GPT of our 1B shape, on the same
-GPU in the same process: the reference for issue 24's "FP8 >= 1.3x bf16 tokens/s".
+GPU in the same process: the reference for the target "FP8 >= 1.3x bf16 tokens/s" (docs/performance.md).
 
     python benchmarks/vs_torchao.py --config examples/1b/spec_opt.yaml [key=value ...] \
         [--vocab 50257] [--micro-batch 4] [--accum 4] [--steps 5] [--warmup 3] \
