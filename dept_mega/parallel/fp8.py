@@ -27,20 +27,18 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   step's entry (so an entry is the largest over the step's micro-batches). An operand's first
   training step (no history yet) uses current scaling; non-finite amaxes (a step with inf/NaN
   values) are left out of the window, and an operand with no positive amax left keeps its
-  previous scale. Evaluations and calls outside a training
-  step use current scaling and leave the history alone. Because the scales do not change
-  within a step, a recomputed forward casts exactly as the original one did (nothing to save
-  or restore). The bookkeeping lives in :class:`Fp8State`, one per model: the histories of
-  all layers are one buffer, every scale of a step is computed by one batched op when the step
-  opens, and the step's position in the history is a ring index kept on the host. During a
-  step the casts max their amaxes into fixed per-layer tensors (``Fp8Layer.amax``, and
-  ``grad_amax`` for the output gradients), which the step's close writes into the history
-  row: so the traced path (``fp8_traced.py``) records into the same place without knowing
-  the ring position. The state
-  is per rank (no amax reduction across ranks: every rank scales its own shards
-  consistently); checkpoints save it per rank (``checkpoint_fp8.py``) and a resume with the
-  same layout restores it exactly (:meth:`Fp8State.state_dict`), so a resumed run scales as
-  the uninterrupted one would.
+  previous scale. Evaluations and calls outside a training step use current scaling and leave
+  the history alone. Because the scales do not change within a step, a recomputed forward casts
+  exactly as the original one did (nothing to save or restore). The bookkeeping lives in
+  :class:`Fp8State`, one per model: the histories of all layers are one buffer, every scale of a
+  step is computed by one batched op when the step opens, and the step's position in the history
+  is a ring index kept on the host. During a step the casts max their amaxes into fixed
+  per-layer tensors (``Fp8Layer.amax``, and ``grad_amax`` for the output gradients), which the
+  step's close writes into the history row: so the traced path (``fp8_traced.py``) records into
+  the same place without knowing the ring position. The state is per rank (no amax reduction
+  across ranks: every rank scales its own shards consistently); checkpoints save it per rank
+  (``checkpoint_fp8.py``) and a resume with the same layout restores it exactly
+  (:meth:`Fp8State.state_dict`), so a resumed run scales as the uninterrupted one would.
 * casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
   writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
   step's amaxes), plus a reduction kernel before it under current scaling. The reference math
@@ -185,11 +183,12 @@ class Fp8State:
     training step. :meth:`begin_step` (training) moves to the next row, zeroes it and computes
     the scales of every layer and operand at once: ``scale = FP8_MAX / max of the other N rows``
     (the previous N steps; non-finite amaxes, from a step with inf/NaN values, are left out, and
-    a column with no positive amax left keeps its last scale, as in Transformer Engine). During the step every cast of an operand uses that fixed scale and
-    maxes its amax into the current row, so the row ends up holding the step's largest amax
-    over all its micro-batches (and recomputations, which see the same tensors). An operand's
-    casts in its first training step (nothing recorded yet; tracked on the host) use current
-    scaling and record their amax too.
+    a column with no positive amax left keeps its last scale, as in Transformer Engine). During
+    the step every cast of an operand uses that fixed scale and maxes its amax into the current
+    row, so the row ends up holding the step's largest amax over all its micro-batches (and
+    recomputations, which see the same tensors). An operand's casts in its first training step
+    (nothing recorded yet; tracked on the host: ``Fp8Layer.recorded_*``) use current scaling and
+    record their amax too.
 
     Outside a training step (no step open, or an evaluation opened with ``train=False``)
     every cast uses current scaling and records nothing, so evaluations and direct calls leave
@@ -221,8 +220,7 @@ class Fp8State:
         # (output gradient; a storage of its own: AOT autograd keeps a backward's mutation of a
         # graph input in the backward graph only for an input the forward does not mutate);
         # :meth:`end_step` writes them into the history row ``pos``
-        self._ready: set[int] = set()  # columns with an amax recorded before the current step
-        self._recorded: set[int] = set()  # columns recorded in the current step
+        self._ready: set[int] = set()  # columns recorded before this step (this step's: Fp8Layer)
 
     def new_layer(self) -> "Fp8Layer":
         if self.history is not None:
@@ -257,14 +255,11 @@ class Fp8State:
         self.mode, self._record = None, False
 
     def recorded_columns(self) -> set[int]:
-        """The columns with an amax recorded so far (earlier training steps and the open one, by
-        eager or traced linears)."""
-        out = self._ready | self._recorded
+        """The columns with an amax recorded so far (earlier training steps and the open one)."""
+        out = set(self._ready)
         for layer in self.layers:
-            if layer.traced_fwd:
-                out |= {3 * layer.index + INPUT, 3 * layer.index + WEIGHT}
-            if layer.traced_grad:
-                out.add(3 * layer.index + GRAD)
+            flags = (layer.recorded_fwd, layer.recorded_fwd, layer.recorded_grad)
+            out.update(3 * layer.index + op for op in (INPUT, WEIGHT, GRAD) if flags[op])
         return out
 
     def state_dict(self) -> dict:
@@ -293,9 +288,9 @@ class Fp8State:
             raise ValueError(f"FP8 state saved for (format, amax history, layers) {saved}, this state is "
                              f"{(self.recipe.fmt, self.recipe.amax_history, len(self.layers))}")
         self.history = self.scale = self.inv = None
-        self.pos, self._ready, self._recorded = 0, set(), set()
+        self.pos, self._ready = 0, set()
         for layer in self.layers:
-            layer.traced_fwd = layer.traced_grad = False
+            layer.recorded_fwd = layer.recorded_grad = False
             layer.ready = (False, False, False)
             layer.scale = layer.amax = layer.grad_amax = None
         if state.get("history") is None:
@@ -326,10 +321,9 @@ class Fp8State:
         if self.history is None:
             self._allocate()
             return
-        self._ready = self.recorded_columns()  # with those of traced linears (fp8_traced.py)
-        self._recorded = set()
+        self._ready = self.recorded_columns()
         for layer in self.layers:
-            layer.traced_fwd = layer.traced_grad = False
+            layer.recorded_fwd = layer.recorded_grad = False
             layer.ready = tuple(3 * layer.index + op in self._ready for op in (INPUT, WEIGHT, GRAD))
         self.pos = (self.pos + 1) % self.history.shape[0]
         self.history[self.pos].zero_()
@@ -348,10 +342,12 @@ class Fp8State:
         col = 3 * layer + operand
         record = self._record
         delayed = record and col in self._ready
-        if record:
-            self._recorded.add(col)
+        if record:  # the step's amax, and the layer's flag for it (see Fp8Layer)
             owner = self.layers[layer]
-            amax = owner.grad_amax if operand == GRAD else owner.amax
+            if operand == GRAD:
+                amax, owner.recorded_grad = owner.grad_amax, True
+            else:
+                amax, owner.recorded_fwd = owner.amax, True
         if self.kernels == "triton" and t.dtype in fp8_kernels.INPUT_DTYPES:
             q, q_t, inv = fp8_kernels.cast_fp8(
                 t, dtype, pad, rowwise, colwise, scale=self.scale if delayed else None, scale_index=col,
@@ -429,17 +425,16 @@ class Fp8WeightCache:
 
 
 class Fp8Layer:
-    """One FP8 linear layer's handle: its columns in the state's history (``index``) and its
-    weight cache."""
+    """One FP8 linear layer's handle: its history columns (``index``), weight cache and flags."""
 
     def __init__(self, state: Fp8State, index: int) -> None:
         self.state = state
         self.index = index
         self.cache = Fp8WeightCache()
-        # set by traced linears of a training step (a side effect Dynamo replays on every call):
-        # their input and weight amaxes were recorded, and (a backward follows) the gradient's
-        self.traced_fwd = False
-        self.traced_grad = False
+        # whether the open training step recorded this layer's input and weight amaxes (always
+        # together: a forward casts both, the weight once per step) and its output gradient's;
+        # set by the eager casts and the traced linears (fp8_traced.py: writes Dynamo replays)
+        self.recorded_fwd = self.recorded_grad = False
         # which operands (INPUT, WEIGHT, GRAD) have an amax from an earlier training step, i.e.
         # cast with the step's delayed scale (set when a step opens; a Python fact the traced
         # path guards on: one recompile when it flips after the first step)

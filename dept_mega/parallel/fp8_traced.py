@@ -27,11 +27,12 @@ most once:
   forward does not touch: AOT autograd keeps a data mutation of such a graph input in the
   backward graph). ``Fp8State.end_step`` writes both into the history row, so the graphs do
   not depend on the ring position.
-* the host bookkeeping (which operands were recorded this step): two attributes of the layer
-  (``traced_fwd``, ``traced_grad``) set by the traced call, a side effect Dynamo replays after
-  each run of the graph. The gradient's is set in the forward (a backward's Python side
-  effects are not replayed): inside a training step every forward that builds a graph is
-  followed by its backward.
+* the host bookkeeping (which operands were recorded this step): the layer's flags
+  ``recorded_fwd`` and ``recorded_grad``, the ones the eager casts set, set here by the traced
+  call: an attribute write is a side effect Dynamo replays after each run of the graph (adding
+  to a set inside the graph would not be replayed the same way). The gradient's is set in the
+  forward (a backward's Python side effects are not replayed): inside a training step every
+  forward that builds a graph is followed by its backward.
 
 The math is the eager path's: the casts are :func:`fp8._cast_math` itself (amax, ``scale =
 FP8_MAX / max(amax, 1e-12)``, scaled in fp32, saturated, cast; the token dimension zero-padded
@@ -150,7 +151,7 @@ def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.d
     with torch.no_grad():  # the forward operands' amaxes into the step's (as the eager casts do)
         amax[INPUT].copy_(torch.maximum(amax[INPUT], x_amax))
         amax[WEIGHT].copy_(torch.maximum(amax[WEIGHT], w_amax))
-    layer.traced_fwd = True  # host bookkeeping, replayed by Dynamo after each run of the graph
+    layer.recorded_fwd = True  # host bookkeeping, replayed by Dynamo after each run of the graph
     if y.requires_grad:
-        layer.traced_grad = True  # a training step's backward follows (its amax is recorded there)
+        layer.recorded_grad = True  # a training step's backward follows (its amax is recorded there)
     return y
