@@ -204,7 +204,11 @@ EOF
 
 pytest_args() {
   local x=()
-  "$PY" -c "import xdist" 2>/dev/null && x=(-n 3 --dist loadfile)
+  # a test file per worker: 3 workers, 6 where the host has 12 cores or more (the device: 16),
+  # so that the files whose tests compile with inductor run side by side
+  local n=3
+  (( $(nproc) >= 12 )) && n=6
+  "$PY" -c "import xdist" 2>/dev/null && x=(-n "$n" --dist loadfile)
   echo "-q -m gpu -p no:cacheprovider -rfEs ${x[*]}"
 }
 
