@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .run_inputs import input_errors
     from .train import build_session
     try:
-        session = build_session(cfg, metrics=False)
+        session = build_session(cfg, metrics=False, federate=False)  # a group job's: without the lighthouse
         sel = select_checkpoint(args.run_dir, session.device, args.step)
         if sel.step is None:
             print(f"error: no checkpoint to evaluate in {args.run_dir}/checkpoints", file=sys.stderr)

@@ -199,7 +199,9 @@ class TrainLoop:
         log_every = cfg.train.log_interval
         t_start = time.time()
         meter = ThroughputMeter(cfg.model, self.pg, tr.device)
-        step_start = tr.step
+        # steps this process trained (the ETA's rate): not tr.step - its start, which a federated
+        # group that healed jumps forward without training the steps in between
+        trained = 0
         evaluated_at = -1
         # optional hooks (DEPT's streamed / overlapped outer sync, dept/streaming.py)
         before_step = getattr(self.hooks, "before_step", None)
@@ -221,6 +223,7 @@ class TrainLoop:
             if after_step is not None:
                 after_step(self)
             self.last_result = res
+            trained += 1
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
             if step % log_every == 0 or step == total:
@@ -230,7 +233,7 @@ class TrainLoop:
                 now = time.time()
                 self.writer.write("train", step, self.round_of(step - 1), **rec)
                 elapsed = now - t_start
-                eta_rate = elapsed / max(step - step_start, 1)
+                eta_rate = elapsed / trained
                 self.writer.log(human_line(step, total, rec["loss"], rec["lr"], rec["tokens_per_s"], elapsed,
                                            eta_rate * (total - step), tr.nonfinite_total,
                                            rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb")))

@@ -16,6 +16,7 @@ from tests.federation_utils import (ENV, SOURCES, Lighthouse, error_line, finish
                                     launch_group, read_dumps, read_records, run_single_job, trained_steps,
                                     wait_for, wait_for_requests, write_config)
 from tests.mp_utils import free_port  # noqa: E402
+from tests.trainer_utils import ROOT  # noqa: E402
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
@@ -177,6 +178,21 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     # some group switches source and back: a source's stored state is reinstalled, not rebuilt
     assert any(any(a != b and a in seq[i + 1:] for i, (a, b) in enumerate(zip(seq, seq[1:])))
                for seq in rounds.values()), rounds
+    # the log: the job's own lines on the groups, torchft's INFO lines off (RUST_LOG unset)
+    assert "federation: round 0: groups [0, 1]" in outs[0] and "federation: group 0 of 2" in outs[0], outs[0][-3000:]
+    assert "[INFO] [torchft::" not in outs[0] and "flight recorder" not in outs[0], outs[0][-3000:]
+    # after the run, the lighthouse gone: dept_mega.evaluate reads a group job's checkpoint
+    # offline and gives the run's final evaluation of that job's own sources
+    import subprocess
+    import sys
+    res = str(tmp_path / "eval.json")
+    p = subprocess.run([sys.executable, "-m", "dept_mega.evaluate", "--run-dir", runs[1], "--out", res],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (ev,), got = read_records(runs[1], "eval"), json.load(open(res))["by_source"]
+    assert sorted(got) == sorted(ev["by_source"]) and len(got) == 2
+    for name, v in ev["by_source"].items():
+        assert got[name] == pytest.approx(v, abs=1e-6), name
 
 
 def test_bad_input(tmp_path):
@@ -318,6 +334,8 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         for r in range(joined, steps // L):
             assert g in outer[0][r]["groups"], (g, r, outer[0][r]["groups"])
         assert joined * L + 1 in trained_steps(runs[g])  # trains from that round's start
+        mine = [m for m in read_records(runs[g], "membership") if m["healed"]]
+        assert [(m["round"], m["step"]) for m in mine] == [(joined, joined * L)]  # the step it trains from
         first = dumps[g][joined]  # right after its first sync: the body equals the others' exactly
         for other in first["groups"]:
             assert torch.equal(dumps[other][joined]["body"], first["body"]), (g, other)

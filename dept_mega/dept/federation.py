@@ -57,7 +57,8 @@ import torch
 
 from ..config import ConfigError, source_groups
 from . import federation_dump
-from .federation_outer import FederatedOuter, FederatedWork  # noqa: F401  (importable from here)
+from .federation_log import WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft
+from .federation_outer import FederatedOuter, FederatedWork, Offline  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -187,10 +188,13 @@ class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
 
     def __init__(self, cfg, pg, device: torch.device, group: int, host: str, port: int, log=print) -> None:
+        quiet_torchft()  # before torchft starts logging (federation_log.py)
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         f = cfg.federation
         self.cfg, self.pg, self.device, self.log = cfg, pg, device, log
+        self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
+        self.where = f"{host}:{port}"
         self.group, self.groups = group, f.groups
         self.hashes = agree_hashes(cfg)
         check_reachable(host, port, f.timeout_s)
@@ -229,6 +233,12 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        self._say(f"federation: group {group} of {f.groups} (sources: {', '.join(own_sources(cfg))}), lighthouse "
+                  f"{self.where}; a round needs at least {f.min_groups} group(s)")
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)
 
     # ------------------------------------------------------------------ healing state
     def attach(self, syncs: dict, strategy=None) -> None:
@@ -262,7 +272,11 @@ class Federation:
 
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
-        self.manager.start_quorum(**kw)
+        f = self.cfg.federation
+        with Waiting(self.say, lambda s: f"federation: round {self.round}: waiting {s:.0f} s for a quorum of at least "
+                     f"{f.min_groups} group(s) at the lighthouse {self.where} (a group that is gone keeps counting "
+                     "until the lighthouse's --heartbeat-timeout-s passes without its heartbeat)"):
+            self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:
             raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
@@ -287,10 +301,16 @@ class Federation:
             self._healed, self._left_out = self._left_out, None
         # a fresh run (every member at its first quorum) waits up to timeout_s for every
         # expected group: the lighthouse forms a quorum without those not heartbeating yet
-        deadline = time.monotonic() + self.cfg.federation.timeout_s
+        t0 = time.monotonic()
+        deadline, said = t0 + self.cfg.federation.timeout_s, None
         # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
         while (fresh and self._healed is None and self.manager.current_step() == 0
                and len(self.members) < self.groups and not self._any(time.monotonic() >= deadline)):
+            if said is None or time.monotonic() - said >= WAIT_EVERY_S:
+                said = time.monotonic()
+                self._say(f"federation: fresh start: groups {self.members} of {self.groups} are here; waiting for the "
+                          f"others up to federation.timeout_s = {self.cfg.federation.timeout_s:g} s "
+                          f"({said - t0:.0f} s so far; those that miss it join later by healing)")
             time.sleep(0.2)
             self._quorum(allow_heal=True)
         self._rounds += 1
@@ -306,10 +326,14 @@ class Federation:
             self._peers_deferred = bool(healed.get("deferred"))
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
+        if self.members != before:
+            self._say(membership_line(round_index, self.members, before, healed is not None))
         if writer is not None and self.members != before:
             joined = sorted(set(self.members) - set(before))
             left = sorted(set(before) - set(self.members))
-            writer.write("membership", step, round_index, groups=self.members, joined=joined, left=left,
+            # (a healed job's record: at the step it trains from, its peers' round start)
+            at = round_index * self.cfg.dept.local_steps if healed is not None else step
+            writer.write("membership", at, round_index, groups=self.members, joined=joined, left=left,
                          healed=healed is not None)
         return round_index, healed is not None
 
@@ -336,8 +360,8 @@ class Federation:
         if healed:
             was = tr.step
             tr.step = r * self.cfg.dept.local_steps
-            self.log(f"federation: group {self.group} healed from a live peer at round {r} "
-                     f"(step {was} -> {tr.step}); groups {self.members}")
+            self._say(f"federation: group {self.group} healed from a live peer at round {r} "
+                      f"(step {was} -> {tr.step}); groups {self.members}")
         # dept.outer_overlap: the previous round's end sync is launched now, on this quorum (a
         # group healed here launches it too, from θ_{t-1}: Δ = 0, left out of the mean)
         schedule = hooks.schedule
@@ -563,8 +587,8 @@ class Federation:
                 self.round_groups = list(self.members)
                 return
             gone = time.monotonic() - waited
-            self.log(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
-                     f"({self.manager.errored()}); again with the groups still there")
+            self._say(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
+                      f"({first_line(self.manager.errored())}); again with the groups still there")
             restore()
             before = list(self.members)
             # not shrink_only: a group left out of a quorum (slow beyond timeout_s while the others
@@ -576,10 +600,12 @@ class Federation:
                 self._apply(self._left_out)
                 if self.dump is not None:
                     self.dump.dropped()
-                self.log(f"federation: group {self.group}: round {self.round} was completed without it; "
-                         f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
+                self._say(f"federation: group {self.group}: round {self.round} was completed without it; "
+                          f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
                 raise LeftOut(self.round)
-            if self._loop is not None and self.members != before:  # a group left mid-round
+            if self.members != before:  # a group left mid-round
+                self._say(membership_line(self.round, self.members, before))
+            if self._loop is not None and self.members != before:
                 self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
                                         joined=sorted(set(self.members) - set(before)),
                                         left=sorted(set(before) - set(self.members)), healed=False)

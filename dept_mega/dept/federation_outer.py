@@ -74,3 +74,19 @@ class FederatedWork:
         fed.round_groups = list(self.state["keep"])
         self.done = True
         return True
+
+
+class Offline:
+    """A group job's place among the group jobs (``group`` of ``groups``) without joining them:
+    for reading its own checkpoint after the run (``dept_mega.evaluate``), when the lighthouse
+    and the other jobs may be gone. Evaluation needs only this job's own sources, whose state
+    its checkpoint holds; nothing crosses jobs, so any exchange is refused by name."""
+
+    participants = 1
+
+    def __init__(self, group: int, groups: int) -> None:
+        self.group, self.groups = group, groups
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"federation: {name} needs the other group jobs; this group job's checkpoint is read "
+                           "offline (dept_mega.evaluate), without the lighthouse")
