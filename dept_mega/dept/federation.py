@@ -204,9 +204,12 @@ class Federation:
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a single process without torchrun: a store of its own
+            # (the quorum's process group meets at one group's store: the other group jobs,
+            # possibly on other hosts, connect to it by this name, as to torchft's own servers)
             from torch.distributed import TCPStore
-            self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "127.0.0.1", self._own_store.port
+            store_addr = socket.gethostname()
+            self._own_store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self._own_store.port
         self.participants = 1
         self.members: list[int] = [group]  # group indices in the current quorum
         self.order: list[int] = [group]  # ... in the order of the process group's ranks
