@@ -632,3 +632,52 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
         for k, theta in d[0][r]["theta"].items():
             assert torch.equal(d[1][r]["theta"][k], theta), (r, k)
     assert torch.equal(d[0][steps // L - 1]["body"], d[1][steps // L - 1]["body"])
+
+
+def test_what_a_group_job_logs(monkeypatch):
+    """The job's own lines (dept/federation_log.py): a membership change, a failed exchange's
+    error in one line, "still waiting" lines only while a wait lasts, the lighthouse's own
+    status in them, and torchft's noise kept out."""
+    import logging
+
+    from dept_mega.dept.federation_log import (Waiting, first_line, lighthouse_status, membership_line,
+                                               quiet_torchft)
+    assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
+    assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
+    assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
+            == "federation: round 27: groups [0, 1, 2, 3] (joined: 2, 3; this job healed from a live peer)")
+    assert first_line(RuntimeError("\n  peer closed [127.0.0.1]:5\nTraceback (most recent call last):\n  x")) \
+        == "peer closed [127.0.0.1]:5"
+    said = []
+    with Waiting(said.append, lambda s: f"waited {s:.2f}", every=0.05):
+        time.sleep(0.3)
+    assert len(said) >= 3 and all(line.startswith("waited ") for line in said), said
+    said.clear()
+    with Waiting(said.append, lambda s: "never", every=5):
+        pass
+    assert said == []
+    lh = Lighthouse(min_groups=2)
+    try:
+        assert "participants healthy" in lighthouse_status(lh.addr), lighthouse_status(lh.addr)
+    finally:
+        lh.stop()
+    assert lighthouse_status(f"127.0.0.1:{free_port()}") is None
+    monkeypatch.setenv("RUST_LOG", "-")  # (restored to what it was after the test)
+    monkeypatch.delenv("RUST_LOG")
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "warn"
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torchft.manager")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError:
+            logger.exception("[dept_group_0] got exception waiting for work Connection closed by peer")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["[dept_group_0] got exception waiting for work Connection closed "
+                                                 "by peer"] and records[0].exc_info is None

@@ -57,7 +57,7 @@ import torch
 
 from ..config import ConfigError, source_groups
 from . import federation_dump
-from .federation_log import WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft
+from .federation_log import WAIT_EVERY_S, Waiting, first_line, lighthouse_status, membership_line, quiet_torchft
 from .federation_outer import FederatedOuter, FederatedWork, Offline  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
@@ -277,8 +277,10 @@ class Federation:
     def _quorum(self, **kw) -> None:
         f = self.cfg.federation
         with Waiting(self.say, lambda s: f"federation: round {self.round}: waiting {s:.0f} s for a quorum of at least "
-                     f"{f.min_groups} group(s) at the lighthouse {self.where} (a group that is gone keeps counting "
-                     "until the lighthouse's --heartbeat-timeout-s passes without its heartbeat)"):
+                     f"{f.min_groups} group(s); the lighthouse {self.where} says: "
+                     f"{lighthouse_status(self.where) or 'unreadable'} (a group that is gone counts until its "
+                     "heartbeats stop for the lighthouse's --heartbeat-timeout-s; once the other group jobs "
+                     "have finished the run, none will come: stop this job)"):
             self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:

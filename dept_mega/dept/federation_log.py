@@ -22,9 +22,10 @@ WAIT_EVERY_S = 30.0
 
 
 def quiet_torchft() -> None:
-    """Before torchft's Manager starts: its Rust INFO lines off unless ``RUST_LOG`` is set, and
-    two messages that say nothing about this run dropped (the flight recorder on CPU builds;
-    torch's warning about the read-only buffer torchft's healing transport hands it)."""
+    """Before torchft's Manager starts: its Rust INFO lines off unless ``RUST_LOG`` is set, two
+    messages that say nothing about this run dropped (the flight recorder on CPU builds;
+    torch's warning about the read-only buffer torchft's healing transport hands it), and a
+    failed collective's traceback (torchft's own frames; the error stays, one line)."""
     os.environ.setdefault("RUST_LOG", "warn")
     logger = logging.getLogger("torchft.manager")
     if not any(isinstance(f, _DropFlightRecorder) for f in logger.filters):
@@ -33,8 +34,14 @@ def quiet_torchft() -> None:
 
 
 class _DropFlightRecorder(logging.Filter):
+    """Drops the flight recorder warning; keeps a failed collective's line (a group gone: an
+    event of this mode, which the job reports itself) without its local traceback."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "flight recorder" not in record.getMessage()
+        message = record.getMessage()
+        if "got exception waiting for work" in message:
+            record.exc_info, record.exc_text = None, None
+        return "flight recorder" not in message
 
 
 def first_line(error: object) -> str:
@@ -55,6 +62,21 @@ def membership_line(round_index: int, groups: list, before: list, healed: bool =
     if healed:
         what.append("this job healed from a live peer")
     return f"federation: round {round_index}: groups {sorted(groups)}" + (f" ({'; '.join(what)})" if what else "")
+
+
+def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
+    """The lighthouse's own account of the next quorum (torchft's ``/status`` page), e.g. ``New
+    quorum not ready, only have 1 participants, need min_replicas 2 [1/1 participants
+    healthy][1 heartbeating]``; None when it cannot be read."""
+    import re
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{where}/status", timeout=timeout) as r:
+            page = r.read().decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - a status line is a courtesy: the wait goes on without it
+        return None
+    m = re.search(r"Next quorum status: *([^\n<]*)", page)
+    return m.group(1).strip() or None if m else None
 
 
 class Waiting:
