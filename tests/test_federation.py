@@ -246,6 +246,14 @@ def test_refused_in_federation_mode(tmp_path, override, want):
                                              "dept.outer_fragments=2", "dept.outer_overlap=true",
                                              "dept.outer_delay=1"])
     assert resolve(ok) == (0, "127.0.0.1", 1)
+    # the address as the lighthouse prints it (a URL) is taken too; a bare host is refused by name
+    url = load_config(write_config(str(tmp_path)), ["federation.lighthouse=http://127.0.0.1:1/", "federation.group=0",
+                                              f"federation.groups={SOURCES}"])
+    assert resolve(url) == (0, "127.0.0.1", 1)
+    bare = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1", "federation.group=0",
+                                               f"federation.groups={SOURCES}"])
+    with pytest.raises(ConfigError, match="'federation.lighthouse': '127.0.0.1' is not host:port"):
+        resolve(bare)
 
 
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):

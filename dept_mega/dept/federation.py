@@ -113,9 +113,13 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
         raise ConfigError(f"config key 'federation.min_groups': {f.min_groups} is not in [1, {f.groups}]")
     if not f.timeout_s > 0:
         raise ConfigError(f"config key 'federation.timeout_s': must be > 0, got {f.timeout_s}")
-    host, _, port = str(f.lighthouse).rpartition(":")
+    addr = str(f.lighthouse)
+    if addr.startswith("http://"):  # the URL the lighthouse prints (and torchft's TORCHFT_LIGHTHOUSE) is fine too
+        addr = addr[len("http://"):].rstrip("/")
+    host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
+        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port (e.g. "
+                          "lh-host:29510, or the http://host:port that python -m dept_mega.lighthouse prints)")
     d = cfg.dept
     refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
                                                      "spec_opt)"),
