@@ -649,7 +649,7 @@ def test_what_a_group_job_logs(monkeypatch):
     import logging
 
     from dept_mega.dept.federation_log import (Waiting, first_line, lighthouse_status, membership_line,
-                                               quiet_torchft)
+                                               quiet_torchft, quorum_wait_line)
     assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
     assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
     assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
@@ -667,9 +667,14 @@ def test_what_a_group_job_logs(monkeypatch):
     lh = Lighthouse(min_groups=2)
     try:
         assert "participants healthy" in lighthouse_status(lh.addr), lighthouse_status(lh.addr)
+        assert f"waiting 31 s for a quorum of at least 2 group(s); the lighthouse {lh.addr} says: New quorum not " \
+            "ready" in quorum_wait_line(3, 31, 2, lh.addr)
     finally:
         lh.stop()
-    assert lighthouse_status(f"127.0.0.1:{free_port()}") is None
+    dead = f"127.0.0.1:{free_port()}"
+    assert lighthouse_status(dead) is None
+    assert f"the lighthouse {dead} does not answer (if it died: restart it, then the group jobs" \
+        in quorum_wait_line(3, 31, 2, dead)
     monkeypatch.setenv("RUST_LOG", "-")  # (restored to what it was after the test)
     monkeypatch.delenv("RUST_LOG")
     quiet_torchft()

@@ -44,7 +44,6 @@ the group index) for the ``membership`` and ``outer`` records.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import socket
@@ -57,8 +56,8 @@ import torch
 
 from ..config import ConfigError, source_groups
 from . import federation_dump
-from .federation_log import WAIT_EVERY_S, Waiting, first_line, lighthouse_status, membership_line, quiet_torchft
-from .federation_outer import FederatedOuter, FederatedWork, Offline  # noqa: F401  (importable from here)
+from .federation_log import WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft, quorum_wait_line
+from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -156,30 +155,6 @@ def check_reachable(host: str, port: int, timeout_s: float) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
-
-
-def recording(cls):
-    """``cls`` (a torchft process group) that records the ``global_ranks`` argument torchft's
-    Manager passes to :meth:`configure` at every reconfiguration: the ranks of the quorum's
-    replica groups (group index × job size + rank in the job), in the process group's rank
-    order — which group each rank of an exchange is. ``global_ranks`` is a documented
-    argument of torchft's ``ProcessGroup.configure``; torchft itself keeps it only in a
-    private attribute. Fails at once if torchft's signature no longer has it (tested)."""
-    if "global_ranks" not in inspect.signature(cls.configure).parameters:
-        raise RuntimeError(f"federation: torchft's {cls.__name__}.configure has no global_ranks argument "
-                           "(torchft changed; dept_mega/dept/federation.py, recording())")
-
-    class Recording(cls):
-        quorum_ranks: Optional[list] = None
-
-        def configure(self, *args, **kwargs) -> None:
-            bound = inspect.signature(cls.configure).bind(self, *args, **kwargs)
-            ranks = bound.arguments.get("global_ranks")
-            self.quorum_ranks = list(ranks) if ranks is not None else None
-            super().configure(*args, **kwargs)
-
-    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
-    return Recording
 
 
 class LeftOut(Exception):
@@ -280,11 +255,7 @@ class Federation:
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
         f = self.cfg.federation
-        with Waiting(self.say, lambda s: f"federation: round {self.round}: waiting {s:.0f} s for a quorum of at least "
-                     f"{f.min_groups} group(s); the lighthouse {self.where} says: "
-                     f"{lighthouse_status(self.where) or 'unreadable'} (a group that is gone counts until its "
-                     "heartbeats stop for the lighthouse's --heartbeat-timeout-s; once the other group jobs "
-                     "have finished the run, none will come: stop this job)"):
+        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, f.min_groups, self.where)):
             self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:

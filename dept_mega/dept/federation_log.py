@@ -79,6 +79,19 @@ def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
     return m.group(1).strip() or None if m else None
 
 
+def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: str) -> str:
+    """The "still waiting for a quorum" line, with what the lighthouse sees."""
+    status = lighthouse_status(where)
+    if status is None:  # (torchft does not send a lost quorum request again to a restarted lighthouse)
+        says = (f"the lighthouse {where} does not answer (if it died: restart it, then the group jobs; they "
+                "resume from their checkpoints)")
+    else:
+        says = f"the lighthouse {where} says: {status}"
+    return (f"federation: round {round_index}: waiting {seconds:.0f} s for a quorum of at least {min_groups} "
+            f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
+            "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
+
+
 class Waiting:
     """While a blocking call runs (torchft's quorum), a line every ``every`` seconds saying what
     is waited for and for how long; nothing when it returns sooner.
