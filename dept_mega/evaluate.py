@@ -8,7 +8,9 @@ sizes; launch with as many ranks as the run used, or any data-parallel size), lo
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
 computed exactly as the run's periodic evaluation (``train.eval_iters`` batches of the
-validation split, unless ``--eval-iters`` says otherwise).
+validation split, unless ``--eval-iters`` says otherwise). A federated group job's run
+(``federation.lighthouse`` set) is evaluated on its own sources, without the lighthouse or
+the other group jobs (which may be gone by then).
 """
 from __future__ import annotations
 
