@@ -62,6 +62,10 @@ def test_federated_group_job_shows_membership(tmp_path):
              {"kind": "membership", "step": 8, "round": 4, "time": 0, "groups": [0, 1], "joined": [0, 1],
               "left": [], "healed": True}]
     (tmp_path / "g1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for g in (0, 1):  # group jobs 0 and 1 of a federated run of 3
+        cfg = load_config(tmp_path / f"g{g}" / "config.yaml",
+                          ["federation.lighthouse=lh:1", f"federation.group={g}", "federation.groups=3"])
+        save_config(cfg, tmp_path / f"g{g}" / "config.yaml")
     out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
                           str(tmp_path / "g1"), "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True, check=True).stdout
@@ -71,6 +75,13 @@ def test_federated_group_job_shows_membership(tmp_path):
     assert "  SPEC g0: r0+0,1,2 r1-2 r2+2,3h" in out.splitlines()
     assert "  SPEC g1: r0+0,1 r4+0,1h" in out.splitlines()
     assert lines["train"] == ["tokens", "640", "384"]  # g0: 10 steps x 64; g1: (2 + 2 + 2) x 64
+    assert ("federated SPEC (SPEC g0, SPEC g1): mean over its 2 sources 1.2500 (group job(s) 2 not given: their "
+            "sources are missing)") in out.splitlines()
+    recs = (tmp_path / "g1" / "metrics.jsonl").read_text().replace('"kind": "eval", "step": 10', '"kind": "eval", "step": 8')
+    (tmp_path / "g1" / "metrics.jsonl").write_text(recs)
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
+                          str(tmp_path / "g1")], capture_output=True, text=True, check=True).stdout
+    assert "not given: their sources are missing) (evaluated at different steps: 10, 8)" in out, out
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [m["left"] for m in summary[0]["membership"]] == [[], [2], []]
     assert [s["train_tokens"] for s in summary] == [640, 384]

@@ -75,6 +75,7 @@ def read_run(run_dir: str) -> dict[str, Any]:
     membership = [{k: m.get(k) for k in ("step", "round", "groups", "joined", "left", "healed")} for m in members]
     took_part = sorted({len(rec["groups"]) for rec in outers if "groups" in rec})
     return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
+            "federation": cfg.get("federation") if (cfg.get("federation") or {}).get("lighthouse") else None,
             "membership": membership, "groups_per_round": took_part,
             "rounds": rounds, "outer_bytes_per_round": outer_bytes, "params": params,
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
@@ -153,6 +154,30 @@ def _event(m: dict[str, Any]) -> str:
     return out
 
 
+def federated_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """One line per federated run whose group jobs are given together: its sources' mean BPB
+    (each group job evaluates only its own sources), and which group jobs are missing."""
+    runs_of: dict[tuple, list[int]] = {}
+    for i, r in enumerate(runs):
+        f = r.get("federation")
+        if f:
+            runs_of.setdefault((r["variant"], f.get("groups")), []).append(i)
+    out = []
+    for (variant, groups), idx in runs_of.items():
+        if len(idx) < 2:
+            continue
+        bpb = {s: v["bpb"] for i in idx for s, v in runs[i]["eval"]["by_source"].items()}
+        have = sorted({runs[i]["federation"].get("group") for i in idx})
+        missing = [g for g in range(groups or 0) if g not in have]
+        steps = sorted({runs[i]["eval"]["step"] for i in idx}, reverse=True)
+        out.append(f"federated {variant.upper()} ({', '.join(names[i] for i in idx)}): mean over its "
+                   f"{len(bpb)} sources {sum(bpb.values()) / len(bpb):.4f}"
+                   + (f" (group job(s) {', '.join(map(str, missing))} not given: their sources are missing)"
+                      if missing else "")
+                   + (f" (evaluated at different steps: {', '.join(map(str, steps))})" if len(steps) > 1 else ""))
+    return out
+
+
 def render(runs: list[dict[str, Any]]) -> str:
     names = labels(runs)
     sources: list[str] = []
@@ -175,6 +200,7 @@ def render(runs: list[dict[str, Any]]) -> str:
         vals = [v["bpb"] for v in r["eval"]["by_source"].values()]
         row += f"{sum(vals) / len(vals):>{width}.4f}"
     out.append(row)
+    out += federated_lines(runs, names)
     out.append("")
     out.append(f"{'per run':<22}" + "".join(f"{n:>{width}}" for n in names))
     out.append("-" * len(head))
