@@ -694,3 +694,20 @@ def test_what_a_group_job_logs(monkeypatch):
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["[dept_group_0] got exception waiting for work Connection closed "
                                                  "by peer"] and records[0].exc_info is None
+
+
+def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
+    """A healing group's agreed keys against its peer's: the first field that differs and both
+    values (a peer that sends only hashes: the key)."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import agree_hashes, agree_values, check_agree
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    running = load_config(write_config(str(tmp_path)), fed)
+    joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])
+    peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
+    check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
+    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': 0\.001 here, "
+                                          r"0\.003 in the running groups"):
+        check_agree(joining, peer)
+    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups' \(federation"):
+        check_agree(joining, {"agree": peer["agree"]})

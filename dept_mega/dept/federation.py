@@ -56,7 +56,8 @@ import torch
 
 from ..config import ConfigError, source_groups
 from . import federation_dump
-from .federation_log import WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft, quorum_wait_line
+from .federation_log import (WAIT_EVERY_S, Waiting, first_difference, first_line, membership_line, quiet_torchft,
+                             quorum_wait_line)
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
@@ -76,15 +77,30 @@ def _get(cfg, dotted: str):
     return node
 
 
+def agree_values(cfg) -> list:
+    """Each :data:`AGREE_KEYS` entry of ``cfg`` as plain JSON values (what a healing group is
+    sent, to name the field that differs)."""
+    return [json.loads(json.dumps(asdict(v) if is_dataclass(v) else v, sort_keys=True, default=str))
+            for v in (_get(cfg, key) for key in AGREE_KEYS)]
+
+
 def agree_hashes(cfg) -> list[int]:
     """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
-    out = []
-    for key in AGREE_KEYS:
-        value = _get(cfg, key)
-        value = asdict(value) if is_dataclass(value) else value
-        digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
-        out.append(int.from_bytes(digest[:8], "little") >> 4)
-    return out
+    return [int.from_bytes(hashlib.sha256(json.dumps(v, sort_keys=True).encode()).digest()[:8], "little") >> 4
+            for v in agree_values(cfg)]
+
+
+def check_agree(cfg, peer: dict) -> None:
+    """A healing group's agreed keys against its peer's (``peer``: its ``agree`` hashes and,
+    from dept_mega versions that send them, its ``agree_values``): a ConfigError naming the
+    first field that differs and both values."""
+    values = peer.get("agree_values")
+    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, agree_hashes(cfg), peer["agree"])):
+        if a != b:
+            where, mine, theirs = first_difference(agree_values(cfg)[i], values[i]) if values else ("", None, None)
+            what = f": {mine!r} here, {theirs!r} in the running groups" if values else ""
+            raise ConfigError(f"config key '{key}{where}' differs from the running groups'{what} (federation: every "
+                              "group job needs the same value)")
 
 
 def resolve(cfg) -> Optional[tuple[int, str, int]]:
@@ -238,15 +254,12 @@ class Federation:
         while this job's main thread waits for the quorum)."""
         own = self.strategy.replicated_state() if self.strategy is not None else {}
         deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
-        return {"round": self.round, "agree": self.hashes, "deferred": deferred,
+        return {"round": self.round, "agree": self.hashes, "agree_values": agree_values(self.cfg),
+                "deferred": deferred,
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
-        mine = self.hashes
-        for key, a, b in zip(AGREE_KEYS, mine, sd["agree"]):
-            if a != b:
-                raise ConfigError(f"config key '{key}': differs from the running groups' (federation: every group "
-                                  "job needs the same value)")
+        check_agree(self.cfg, sd)
         if set(sd["syncs"]) != set(self.syncs):
             raise ConfigError(f"config key 'dept.variant': the running groups synchronise {sorted(sd['syncs'])}, "
                               f"this job {sorted(self.syncs)}")

@@ -50,6 +50,19 @@ def first_line(error: object) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
+def first_difference(mine, theirs, where: str = "") -> tuple[str, object, object]:
+    """The first place two JSON values differ: (``.lr`` / ``[2]`` / ``""``, mine, theirs)."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for k in sorted(set(mine) | set(theirs)):
+            if mine.get(k) != theirs.get(k):
+                return first_difference(mine.get(k), theirs.get(k), f"{where}.{k}")
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return first_difference(a, b, f"{where}[{i}]")
+    return where, mine, theirs
+
+
 def membership_line(round_index: int, groups: list, before: list, healed: bool = False) -> str:
     """``federation: round 14: groups [0, 1] (left: 2)``: a change of the groups taking part."""
     joined = sorted(set(groups) - set(before))
