@@ -102,6 +102,8 @@ def adapt_config(run_cfg: dict, new: dict, new_path: str, steps: int, run_dir: s
     # one source group, no rounds: the run's DEPT keys (embedding_rows, body_optimizer_state,
     # the outer sync's) describe training that does not happen here, and some refuse std
     merged["dept"] = {"variant": "std"}
+    # a federated group job's run: the adaptation is a job of its own, not one of the group jobs
+    merged.pop("federation", None)
     p = merged["parallel"]
     per_replica = int(p.get("tensor", 1)) * int(p.get("pipeline", 1))
     if world % per_replica:

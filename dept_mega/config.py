@@ -365,6 +365,10 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         raise ConfigError(f"config key 'parallel': world size {world_size} is not divisible by "
                           f"tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} = {per_group}")
     groups = world_size // per_group
+    if cfg.federation.lighthouse is not None and groups != 1:
+        raise ConfigError(f"config key 'parallel': a federated group job (federation.lighthouse set) is one source group, "
+                          f"but world size {world_size} with tensor×pipeline×data={per_group} gives {groups}; launch "
+                          f"{per_group} process(es) per group job (torchrun --nproc-per-node), or raise parallel.data")
     prof = cfg.train.profile
     if prof is not None and max(prof.ranks) >= world_size:
         raise ConfigError(f"config key 'train.profile.ranks': rank {max(prof.ranks)} does not exist in a world "

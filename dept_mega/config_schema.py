@@ -210,8 +210,8 @@ class TrainConfig:
 class FederationConfig:
     """Source groups as separate jobs joined through a torchft lighthouse (docs/launching.md,
     "Federated source groups"); ``lighthouse: null`` is the single job."""
-    #: host:port of the lighthouse (``python -m dept_mega.lighthouse``); null: every group in
-    #: this one job, no federation.
+    #: host:port of the lighthouse (``python -m dept_mega.lighthouse``; the http://host:port it
+    #: prints is taken too); null: every group in this one job, no federation.
     lighthouse: Optional[str] = None
     #: This job's group index in [0, groups); null: from the environment variable DEPT_GROUP.
     group: Optional[int] = None

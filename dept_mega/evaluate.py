@@ -8,7 +8,9 @@ sizes; launch with as many ranks as the run used, or any data-parallel size), lo
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
 computed exactly as the run's periodic evaluation (``train.eval_iters`` batches of the
-validation split, unless ``--eval-iters`` says otherwise).
+validation split, unless ``--eval-iters`` says otherwise). A federated group job's run
+(``federation.lighthouse`` set) is evaluated on its own sources, without the lighthouse or
+the other group jobs (which may be gone by then).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .run_inputs import input_errors
     from .train import build_session
     try:
-        session = build_session(cfg, metrics=False)
+        session = build_session(cfg, metrics=False, federate=False)  # a group job's: without the lighthouse
         sel = select_checkpoint(args.run_dir, session.device, args.step)
         if sel.step is None:
             print(f"error: no checkpoint to evaluate in {args.run_dir}/checkpoints", file=sys.stderr)

@@ -199,7 +199,11 @@ class TrainLoop:
         log_every = cfg.train.log_interval
         t_start = time.time()
         meter = ThroughputMeter(cfg.model, self.pg, tr.device)
-        step_start = tr.step
+        # the ETA's rate: the time since the first step this process trained over the steps it
+        # trained — not tr.step - its start, which a federated group that healed jumps forward
+        # without training the steps in between, and not counting the first round start's wait
+        # (a federated fresh start waits for the other group jobs, a rejoining one heals)
+        trained, t_first = 0, None
         evaluated_at = -1
         # optional hooks (DEPT's streamed / overlapped outer sync, dept/streaming.py)
         before_step = getattr(self.hooks, "before_step", None)
@@ -216,11 +220,14 @@ class TrainLoop:
             if before_step is not None:
                 before_step(self)
             profiler.before_step(tr.step)
+            if t_first is None:
+                t_first = time.time()
             res = tr.train_step(self.iterator(source).next_step())
             profiler.after_step(tr.step)
             if after_step is not None:
                 after_step(self)
             self.last_result = res
+            trained += 1
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
             if step % log_every == 0 or step == total:
@@ -230,7 +237,7 @@ class TrainLoop:
                 now = time.time()
                 self.writer.write("train", step, self.round_of(step - 1), **rec)
                 elapsed = now - t_start
-                eta_rate = elapsed / max(step - step_start, 1)
+                eta_rate = (now - t_first) / trained
                 self.writer.log(human_line(step, total, rec["loss"], rec["lr"], rec["tokens_per_s"], elapsed,
                                            eta_rate * (total - step), tr.nonfinite_total,
                                            rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb")))

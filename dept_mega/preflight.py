@@ -53,12 +53,20 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     from .dept.memory import predict_memory
     from .run_inputs import describe_batch, vocab_size_of
     validate(cfg, world_size)
+    federated = None
+    if cfg.federation.lighthouse is not None:  # the group index and federation.* keys, as the launch checks them
+        from .dept.federation import own_sources, resolve
+        federated = resolve(cfg)
     check_sources(cfg)
     vocab = vocab_size_of(cfg)
     p = cfg.parallel
     lines = [f"pre-flight: {cfg.dept.variant}, world {world_size} = {cfg.num_groups(world_size)} group(s) x "
              f"tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}",
              describe_batch(cfg, cfg.num_groups(world_size))]
+    if federated is not None:
+        f = cfg.federation
+        lines.append(f"federation: group job {federated[0]} of {f.groups} (sources: {', '.join(own_sources(cfg))}), "
+                     f"lighthouse {f.lighthouse} (not contacted here), rounds need at least {f.min_groups} group(s)")
     vocabs = resolve_vocabs(cfg)
     sources = list(vocabs.source_vocabs.values()) if cfg.dept.variant == "spec_opt" else []
     lines.append(f"vocabulary: {vocab:,} ids" + (f" (per source: {', '.join(f'{n} {v:,}' for n, v in vocabs.source_vocabs.items())})"

@@ -134,10 +134,12 @@ def checked_on_rank0(check, rank: int, device: torch.device) -> None:
 
 
 def build_session(cfg: Config, metrics: bool = True,
-                  prepare_stages: Optional[Callable[[list, ParallelGroups, torch.device], None]] = None) -> Session:
+                  prepare_stages: Optional[Callable[[list, ParallelGroups, torch.device], None]] = None,
+                  federate: bool = True) -> Session:
     """Everything a run needs. ``prepare_stages(stages, pg, device)``, when given, sees the
     freshly built fp32 model chunks before the trainer takes them (``dept_mega.adapt``: load a
-    trained body, freeze it)."""
+    trained body, freeze it). ``federate=False``: a federated group job's session without its
+    lighthouse and peers (``dept_mega.evaluate`` of its checkpoint after the run)."""
     from .data.checks import check_sources
     rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
     validate(cfg, world)
@@ -148,8 +150,10 @@ def build_session(cfg: Config, metrics: bool = True,
     eval_only = None
     federated = resolve_federation(cfg)
     if federated is not None:  # this job is one group of several (dept/federation.py)
-        from .dept.federation import FederatedOuter, Federation, own_sources
-        pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated))
+        from .dept.federation import FederatedOuter, Federation, Offline, own_sources
+        group = federated[0]
+        pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated) if federate
+                                  else Offline(group, cfg.federation.groups))
         eval_only = own_sources(cfg)  # the others' embeddings are in other jobs
     data = load_run_data(cfg, pg)
     torch.manual_seed(cfg.train.seed)

@@ -147,11 +147,15 @@ def test_a_step_inside_a_round_needs_a_group(trained, tmp_path):
 
 def test_dept_only_keys_of_the_run_do_not_reach_the_adaptation(tmp_path):
     """The adaptation is one source group without rounds: keys that only DEPT variants take
-    (some refuse std) are dropped, whatever the run used."""
+    (some refuse std) are dropped, whatever the run used — and a federated group job's
+    federation keys (the adaptation joins no lighthouse)."""
     from dept_mega.adapt import adapt_config
+    from dept_mega.dept.federation import resolve
     run = yaml.safe_load((ROOT / "examples" / "tiny" / "glob.yaml").read_text())
     run["dept"].update({"embedding_rows": "present", "body_optimizer_state": "source"})
+    run["federation"] = {"lighthouse": "lh-host:29510", "group": 1, "groups": 3, "min_groups": 2}
     new = {"data": {"sources": [{"name": "ja", "prefix": str(BUILD / "ja_global_text_document")}]}}
     cfg = adapt_config(run, new, "new.yaml", steps=3, run_dir=str(tmp_path / "a"), world=1)
     assert cfg.dept.variant == "std" and cfg.dept.embedding_rows == "all"
     assert cfg.dept.body_optimizer_state == "group"
+    assert cfg.federation.lighthouse is None and resolve(cfg) is None

@@ -165,6 +165,13 @@ def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
     r, argv = _launch(tmp_path, root, "std", "parallel.data=8")
     assert r.returncode != 0 and not argv
     assert "world size 64" in r.stderr and "dept.variant" in r.stderr
+    # federated_group.sh: the group index, and a world of one source group (here 8 nodes x 8
+    # ranks with data 8 would be 8 groups in one group job), refused before srun
+    fed = dict(LIGHTHOUSE="lh:29510")
+    r, argv = _launch(tmp_path, root, "federated_group", "parallel.data=64", DEPT_GROUP="8", **fed)
+    assert r.returncode != 0 and not argv and "'federation.group': 8 is not a group index" in r.stderr, r.stderr
+    r, argv = _launch(tmp_path, root, "federated_group", DEPT_GROUP="3", **fed)
+    assert r.returncode != 0 and not argv and "'parallel': a federated group job" in r.stderr, r.stderr
     # the real checkout has no data: the pre-flight names the missing file
     r, argv = _launch(tmp_path, ROOT, "trim")
     assert r.returncode != 0 and not argv

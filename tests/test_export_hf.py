@@ -237,6 +237,15 @@ def test_bad_run_directory_and_source_are_one_line_errors(tmp_path, capsys):
     assert main(["--run-dir", run, "--source", "xx", "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'xx'" in err, err
+    # a federated group job's run directory holds its own sources only (group 0 of 2: en, ja, code)
+    save_config(load_config(os.path.join(ROOT, "examples/tiny/spec.yaml"),
+                            config_overrides(run) + ["federation.lighthouse=lh:1", "federation.group=0",
+                                                     "federation.groups=2"]), os.path.join(run, "config.yaml"))
+    assert main(["--run-dir", run, "--source", "fr", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'fr' is trained by group job 1" in err and "group job 0's" in err, err
+    assert main(["--run-dir", run, "--all-sources", "--output", str(tmp_path / "o")]) == 2
+    assert "exported 0 of 3 sources before 'en' failed" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- tokenizer

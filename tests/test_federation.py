@@ -16,6 +16,7 @@ from tests.federation_utils import (ENV, SOURCES, Lighthouse, error_line, finish
                                     launch_group, read_dumps, read_records, run_single_job, trained_steps,
                                     wait_for, wait_for_requests, write_config)
 from tests.mp_utils import free_port  # noqa: E402
+from tests.trainer_utils import ROOT  # noqa: E402
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
@@ -177,6 +178,21 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     # some group switches source and back: a source's stored state is reinstalled, not rebuilt
     assert any(any(a != b and a in seq[i + 1:] for i, (a, b) in enumerate(zip(seq, seq[1:])))
                for seq in rounds.values()), rounds
+    # the log: the job's own lines on the groups, torchft's INFO lines off (RUST_LOG unset)
+    assert "federation: round 0: groups [0, 1]" in outs[0] and "federation: group 0 of 2" in outs[0], outs[0][-3000:]
+    assert "[INFO] [torchft::" not in outs[0] and "flight recorder" not in outs[0], outs[0][-3000:]
+    # after the run, the lighthouse gone: dept_mega.evaluate reads a group job's checkpoint
+    # offline and gives the run's final evaluation of that job's own sources
+    import subprocess
+    import sys
+    res = str(tmp_path / "eval.json")
+    p = subprocess.run([sys.executable, "-m", "dept_mega.evaluate", "--run-dir", runs[1], "--out", res],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (ev,), got = read_records(runs[1], "eval"), json.load(open(res))["by_source"]
+    assert sorted(got) == sorted(ev["by_source"]) and len(got) == 2
+    for name, v in ev["by_source"].items():
+        assert got[name] == pytest.approx(v, abs=1e-6), name
 
 
 def test_bad_input(tmp_path):
@@ -230,6 +246,14 @@ def test_refused_in_federation_mode(tmp_path, override, want):
                                              "dept.outer_fragments=2", "dept.outer_overlap=true",
                                              "dept.outer_delay=1"])
     assert resolve(ok) == (0, "127.0.0.1", 1)
+    # the address as the lighthouse prints it (a URL) is taken too; a bare host is refused by name
+    url = load_config(write_config(str(tmp_path)), ["federation.lighthouse=http://127.0.0.1:1/", "federation.group=0",
+                                              f"federation.groups={SOURCES}"])
+    assert resolve(url) == (0, "127.0.0.1", 1)
+    bare = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1", "federation.group=0",
+                                               f"federation.groups={SOURCES}"])
+    with pytest.raises(ConfigError, match="'federation.lighthouse': '127.0.0.1' is not host:port"):
+        resolve(bare)
 
 
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
@@ -318,6 +342,8 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         for r in range(joined, steps // L):
             assert g in outer[0][r]["groups"], (g, r, outer[0][r]["groups"])
         assert joined * L + 1 in trained_steps(runs[g])  # trains from that round's start
+        mine = [m for m in read_records(runs[g], "membership") if m["healed"]]
+        assert [(m["round"], m["step"]) for m in mine] == [(joined, joined * L)]  # the step it trains from
         first = dumps[g][joined]  # right after its first sync: the body equals the others' exactly
         for other in first["groups"]:
             assert torch.equal(dumps[other][joined]["body"], first["body"]), (g, other)
@@ -614,3 +640,74 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
         for k, theta in d[0][r]["theta"].items():
             assert torch.equal(d[1][r]["theta"][k], theta), (r, k)
     assert torch.equal(d[0][steps // L - 1]["body"], d[1][steps // L - 1]["body"])
+
+
+def test_what_a_group_job_logs(monkeypatch):
+    """The job's own lines (dept/federation_log.py): a membership change, a failed exchange's
+    error in one line, "still waiting" lines only while a wait lasts, the lighthouse's own
+    status in them, and torchft's noise kept out."""
+    import logging
+
+    from dept_mega.dept.federation_log import (Waiting, first_line, lighthouse_status, membership_line,
+                                               quiet_torchft, quorum_wait_line)
+    assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
+    assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
+    assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
+            == "federation: round 27: groups [0, 1, 2, 3] (joined: 2, 3; this job healed from a live peer)")
+    assert first_line(RuntimeError("\n  peer closed [127.0.0.1]:5\nTraceback (most recent call last):\n  x")) \
+        == "peer closed [127.0.0.1]:5"
+    said = []
+    with Waiting(said.append, lambda s: f"waited {s:.2f}", every=0.05):
+        time.sleep(0.3)
+    assert len(said) >= 3 and all(line.startswith("waited ") for line in said), said
+    said.clear()
+    with Waiting(said.append, lambda s: "never", every=5):
+        pass
+    assert said == []
+    lh = Lighthouse(min_groups=2)
+    try:
+        assert "participants healthy" in lighthouse_status(lh.addr), lighthouse_status(lh.addr)
+        assert f"waiting 31 s for a quorum of at least 2 group(s); the lighthouse {lh.addr} says: New quorum not " \
+            "ready" in quorum_wait_line(3, 31, 2, lh.addr)
+    finally:
+        lh.stop()
+    dead = f"127.0.0.1:{free_port()}"
+    assert lighthouse_status(dead) is None
+    assert f"the lighthouse {dead} does not answer (if it died: restart it, then the group jobs" \
+        in quorum_wait_line(3, 31, 2, dead)
+    monkeypatch.setenv("RUST_LOG", "-")  # (restored to what it was after the test)
+    monkeypatch.delenv("RUST_LOG")
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "warn"
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torchft.manager")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError:
+            logger.exception("[dept_group_0] got exception waiting for work Connection closed by peer")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["[dept_group_0] got exception waiting for work Connection closed "
+                                                 "by peer"] and records[0].exc_info is None
+
+
+def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
+    """A healing group's agreed keys against its peer's: the first field that differs and both
+    values (a peer that sends only hashes: the key)."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import agree_hashes, agree_values, check_agree
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    running = load_config(write_config(str(tmp_path)), fed)
+    joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])
+    peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
+    check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
+    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': 0\.001 here, "
+                                          r"0\.003 in the running groups"):
+        check_agree(joining, peer)
+    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups' \(federation"):
+        check_agree(joining, {"agree": peer["agree"]})

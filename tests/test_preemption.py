@@ -272,3 +272,41 @@ def test_async_save_gives_the_sync_results_and_verified_checkpoints(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(r[False]["params"], r[True]["params"]))
         assert r[True]["thread_group"] and not r[False]["thread_group"]
     assert "checkpoint step 6:" in res[0][True]["log"] and "(written in the background)" in res[0][True]["log"]
+
+
+def test_eta_counts_the_steps_trained_not_the_steps_jumped(tmp_path, monkeypatch):
+    """A federated group that heals jumps its step to its peers' round without training the
+    steps in between, after waiting for them (dept/federation.py): the ETA's rate is the time
+    since its first trained step over the steps it trained — not over the jump (which made a
+    rejoined group's ETA far too short), nor counting the wait (far too long). A clock that
+    ticks 1 s per reading of the loop's and 1000 s during the first round start."""
+    import types
+
+    import dept_mega.loop as loop_module
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    class Jumping(_Deferring):
+        def round_start(self, loop, round_index):
+            if loop.trainer.step == 0:
+                loop.trainer.step = 20  # healed: the peers are at step 20, after a long wait
+                clock[0] += 1000.0
+            return self._std.round_start(loop, round_index)
+
+    lines = []
+    real = loop_module.human_line
+    monkeypatch.setattr(loop_module, "human_line", lambda *a, **k: lines.append(a) or real(*a, **k))
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(time=tick))
+    run = str(tmp_path / "run")
+    hooks = Jumping(())
+    loop, _ = _loop(_cfg(run, steps=24), run, hooks)
+    hooks.loop = loop
+    loop.run()
+    assert [a[0] for a in lines] == [21, 22, 23, 24]
+    for n, (step, total, _, _, _, elapsed, eta, *_rest) in enumerate(lines, 1):
+        assert elapsed > 1000  # the wait is elapsed time ...
+        # ... not a step's time: a step reads the clock a few times
+        assert eta == 0 if step == total else 0 < eta / (total - step) <= 10, (step, eta, elapsed)

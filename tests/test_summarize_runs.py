@@ -38,8 +38,11 @@ def test_summary_table_and_json(tmp_path):
 
 
 def test_federated_group_job_shows_membership(tmp_path):
-    """A group job's membership records (leave, join, heal) and the groups per round."""
+    """Group jobs' membership records (leave, join, heal), one line per job under the table,
+    the groups per round, columns named by run directory where the variants are the same,
+    and the tokens trained: logged every few steps, none over a healed job's jump."""
     _fake_run(tmp_path / "g0", "spec", {"en": 1.0}, [1000, 1000])
+    _fake_run(tmp_path / "g1", "spec", {"fr": 1.5}, [1000, 1000])
     recs = [json.loads(ln) for ln in (tmp_path / "g0" / "metrics.jsonl").read_text().splitlines()]
     for rec, groups in zip([r for r in recs if r["kind"] == "outer"], ([0, 1, 2], [0, 1])):
         rec["groups"] = groups
@@ -50,13 +53,38 @@ def test_federated_group_job_shows_membership(tmp_path):
              {"kind": "membership", "step": 10, "round": 2, "time": 0, "groups": [0, 1, 2, 3], "joined": [2, 3],
               "left": [], "healed": True}]
     (tmp_path / "g0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"), "--json",
-                          str(tmp_path / "s.json")], capture_output=True, text=True, check=True).stdout
+    # g1: logged every 2 steps; trained steps 1-4, healed at the peers' step 8, trained 9-10
+    recs = [r for r in (json.loads(ln) for ln in (tmp_path / "g1" / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] != "train"]
+    recs += [{"kind": "train", "step": s, "round": 0, "time": 0, "loss": 3.0, "tokens": 64} for s in (2, 4, 10)]
+    recs += [{"kind": "membership", "step": 0, "round": 0, "time": 0, "groups": [0, 1], "joined": [0, 1],
+              "left": [], "healed": False},
+             {"kind": "membership", "step": 8, "round": 4, "time": 0, "groups": [0, 1], "joined": [0, 1],
+              "left": [], "healed": True}]
+    (tmp_path / "g1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for g in (0, 1):  # group jobs 0 and 1 of a federated run of 3
+        cfg = load_config(tmp_path / f"g{g}" / "config.yaml",
+                          ["federation.lighthouse=lh:1", f"federation.group={g}", "federation.groups=3"])
+        save_config(cfg, tmp_path / f"g{g}" / "config.yaml")
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
+                          str(tmp_path / "g1"), "--json", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, check=True).stdout
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
-    assert lines["groups/round"] == ["2-3"]
-    assert lines["membership"] == ["r0+0,1,2", "r1-2", "r2+2,3h"]
+    assert lines["validation"] == ["BPB", "SPEC", "g0", "SPEC", "g1"]
+    assert lines["groups/round"] == ["2-3", "-"]
+    assert "  SPEC g0: r0+0,1,2 r1-2 r2+2,3h" in out.splitlines()
+    assert "  SPEC g1: r0+0,1 r4+0,1h" in out.splitlines()
+    assert lines["train"] == ["tokens", "640", "384"]  # g0: 10 steps x 64; g1: (2 + 2 + 2) x 64
+    assert ("federated SPEC (SPEC g0, SPEC g1): mean over its 2 sources 1.2500 (group job(s) 2 not given: their "
+            "sources are missing)") in out.splitlines()
+    recs = (tmp_path / "g1" / "metrics.jsonl").read_text().replace('"kind": "eval", "step": 10', '"kind": "eval", "step": 8')
+    (tmp_path / "g1" / "metrics.jsonl").write_text(recs)
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
+                          str(tmp_path / "g1")], capture_output=True, text=True, check=True).stdout
+    assert "not given: their sources are missing) (evaluated at different steps: 10, 8)" in out, out
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [m["left"] for m in summary[0]["membership"]] == [[], [2], []]
+    assert [s["train_tokens"] for s in summary] == [640, 384]
 
 
 def test_missing_run_is_a_clear_error(tmp_path):

@@ -38,6 +38,7 @@ def _setup(tmp_path, variant="glob", vocab_hi=100) -> str:
 
 def _train(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_DEVICE="cpu")
+    env.pop("DEPT_GROUP", None)  # (a federated group job's index)
     return subprocess.run([sys.executable, "-m", "dept_mega.train", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env=env)
 
@@ -61,6 +62,12 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
     (3, ["parallel.data=2"], "config key 'parallel': world size 3 is not divisible"),
     (2, ["data.sources.0.prefix=/nonexistent/x"], "config key 'data.sources[0].prefix': file '/nonexistent/x.bin'"),
     (2, ["model.vocab_size=50"], None),  # the tokenizer decides the vocabulary, not model.vocab_size
+    # a federated group job: one source group, its index (DEPT_GROUP unset here) in range
+    (2, ["federation.lighthouse=127.0.0.1:1", "federation.groups=2"], "config key 'parallel': a federated group job"),
+    (1, ["federation.lighthouse=127.0.0.1:1", "federation.groups=2"],
+     "config key 'federation.group': null and DEPT_GROUP is not set"),
+    (1, ["federation.lighthouse=127.0.0.1:1", "federation.groups=2", "federation.group=2"],
+     "config key 'federation.group': 2 is not a group index in [0, 2)"),
 ])
 def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, want):
     cfg = _setup(tmp_path)

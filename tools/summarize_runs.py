@@ -69,12 +69,13 @@ def read_run(run_dir: str) -> dict[str, Any]:
     for rec in outers:
         for cat, n in rec["bytes"].items():
             outer_bytes[cat] = outer_bytes.get(cat, 0) + n / rounds
-    tokens = sum(r.get("tokens", 0) for r in trains)
+    tokens = trained_tokens(trains, members)
     comm = predicted_comm_per_step(cfg_path, cfg["dept"]["variant"])
     # federated source groups: who left and joined when, and how many groups took part per round
     membership = [{k: m.get(k) for k in ("step", "round", "groups", "joined", "left", "healed")} for m in members]
     took_part = sorted({len(rec["groups"]) for rec in outers if "groups" in rec})
     return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
+            "federation": cfg.get("federation") if (cfg.get("federation") or {}).get("lighthouse") else None,
             "membership": membership, "groups_per_round": took_part,
             "rounds": rounds, "outer_bytes_per_round": outer_bytes, "params": params,
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
@@ -103,6 +104,37 @@ def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
     return costs[variant]["per_step_comm_params"]
 
 
+def trained_tokens(trains: list[dict], members: list[dict]) -> int:
+    """Tokens this run trained: each ``train`` record's step tokens times the steps since the
+    previous record (records come every ``train.log_interval`` steps; a step's tokens are the
+    same between them: packed sequences). A federated group that healed jumped to its peers'
+    step without training the steps in between: its ``healed`` membership record (at the step
+    it trains from) starts a new count."""
+    jumps = sorted(m["step"] for m in members if m.get("healed") and m.get("step") is not None)
+    total, prev = 0, 0
+    for rec in trains:
+        step = rec["step"]
+        start = max([prev] + [j for j in jumps if j < step])
+        total += rec.get("tokens", 0) * max(step - start, 0)
+        prev = step
+    return total
+
+
+def labels(runs: list[dict[str, Any]]) -> list[str]:
+    """Column names: the variant, and where two runs would share one (federated group jobs
+    of one run, a sweep of one variant) the shortest ending of the run directories that
+    tells them apart (``SPEC g0``)."""
+    names = [r["variant"].upper() for r in runs]
+    if len(set(names)) == len(names):
+        return names
+    parts = [os.path.normpath(os.path.abspath(r["run_dir"])).split(os.sep) for r in runs]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        tails = ["/".join(p[-k:]) for p in parts]
+        if len(set(tails)) == len(tails):
+            break
+    return [f"{n} {t}" for n, t in zip(names, tails)]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -122,8 +154,32 @@ def _event(m: dict[str, Any]) -> str:
     return out
 
 
+def federated_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """One line per federated run whose group jobs are given together: its sources' mean BPB
+    (each group job evaluates only its own sources), and which group jobs are missing."""
+    runs_of: dict[tuple, list[int]] = {}
+    for i, r in enumerate(runs):
+        f = r.get("federation")
+        if f:
+            runs_of.setdefault((r["variant"], f.get("groups")), []).append(i)
+    out = []
+    for (variant, groups), idx in runs_of.items():
+        if len(idx) < 2:
+            continue
+        bpb = {s: v["bpb"] for i in idx for s, v in runs[i]["eval"]["by_source"].items()}
+        have = sorted({runs[i]["federation"].get("group") for i in idx})
+        missing = [g for g in range(groups or 0) if g not in have]
+        steps = sorted({runs[i]["eval"]["step"] for i in idx}, reverse=True)
+        out.append(f"federated {variant.upper()} ({', '.join(names[i] for i in idx)}): mean over its "
+                   f"{len(bpb)} sources {sum(bpb.values()) / len(bpb):.4f}"
+                   + (f" (group job(s) {', '.join(map(str, missing))} not given: their sources are missing)"
+                      if missing else "")
+                   + (f" (evaluated at different steps: {', '.join(map(str, steps))})" if len(steps) > 1 else ""))
+    return out
+
+
 def render(runs: list[dict[str, Any]]) -> str:
-    names = [r["variant"].upper() for r in runs]
+    names = labels(runs)
     sources: list[str] = []
     for r in runs:
         for s in r["eval"]["by_source"]:
@@ -144,6 +200,7 @@ def render(runs: list[dict[str, Any]]) -> str:
         vals = [v["bpb"] for v in r["eval"]["by_source"].values()]
         row += f"{sum(vals) / len(vals):>{width}.4f}"
     out.append(row)
+    out += federated_lines(runs, names)
     out.append("")
     out.append(f"{'per run':<22}" + "".join(f"{n:>{width}}" for n in names))
     out.append("-" * len(head))
@@ -163,7 +220,7 @@ def render(runs: list[dict[str, Any]]) -> str:
     if any(r["groups_per_round"] for r in runs):  # federated group jobs
         line("groups/round", [("-".join(str(n) for n in sorted({r["groups_per_round"][0], r["groups_per_round"][-1]}))
                                if r["groups_per_round"] else "-") for r in runs])
-        line("membership", [" ".join(_event(m) for m in r["membership"]) or "-" for r in runs])
+        events = [(n, " ".join(_event(m) for m in r["membership"])) for n, r in zip(names, runs) if r["membership"]]
     for key, label in (("body", "body params/rank"), ("embeddings", "emb params/rank")):
         vals = []
         for r in runs:
@@ -174,6 +231,9 @@ def render(runs: list[dict[str, Any]]) -> str:
             nums = sorted({rk[key] for rk in ranks})
             vals.append(f"{nums[0]:,}" if len(nums) == 1 else f"{nums[0]:,}-{nums[-1]:,}")
         line(label, vals)
+    if any(r["groups_per_round"] for r in runs):  # one line per job: too long for a column
+        out += ["", "membership (rR+G: group G joined at round R, h: by healing; rR-G: left in round R)"]
+        out += [f"  {n}: {e}" for n, e in events]
     return "\n".join(out)
 
 

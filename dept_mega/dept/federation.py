@@ -44,7 +44,6 @@ the group index) for the ``membership`` and ``outer`` records.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import socket
@@ -57,7 +56,9 @@ import torch
 
 from ..config import ConfigError, source_groups
 from . import federation_dump
-from .federation_outer import FederatedOuter, FederatedWork  # noqa: F401  (importable from here)
+from .federation_log import (WAIT_EVERY_S, Waiting, first_difference, first_line, membership_line, quiet_torchft,
+                             quorum_wait_line)
+from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -76,15 +77,30 @@ def _get(cfg, dotted: str):
     return node
 
 
+def agree_values(cfg) -> list:
+    """Each :data:`AGREE_KEYS` entry of ``cfg`` as plain JSON values (what a healing group is
+    sent, to name the field that differs)."""
+    return [json.loads(json.dumps(asdict(v) if is_dataclass(v) else v, sort_keys=True, default=str))
+            for v in (_get(cfg, key) for key in AGREE_KEYS)]
+
+
 def agree_hashes(cfg) -> list[int]:
     """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
-    out = []
-    for key in AGREE_KEYS:
-        value = _get(cfg, key)
-        value = asdict(value) if is_dataclass(value) else value
-        digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
-        out.append(int.from_bytes(digest[:8], "little") >> 4)
-    return out
+    return [int.from_bytes(hashlib.sha256(json.dumps(v, sort_keys=True).encode()).digest()[:8], "little") >> 4
+            for v in agree_values(cfg)]
+
+
+def check_agree(cfg, peer: dict) -> None:
+    """A healing group's agreed keys against its peer's (``peer``: its ``agree`` hashes and,
+    from dept_mega versions that send them, its ``agree_values``): a ConfigError naming the
+    first field that differs and both values."""
+    values = peer.get("agree_values")
+    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, agree_hashes(cfg), peer["agree"])):
+        if a != b:
+            where, mine, theirs = first_difference(agree_values(cfg)[i], values[i]) if values else ("", None, None)
+            what = f": {mine!r} here, {theirs!r} in the running groups" if values else ""
+            raise ConfigError(f"config key '{key}{where}' differs from the running groups'{what} (federation: every "
+                              "group job needs the same value)")
 
 
 def resolve(cfg) -> Optional[tuple[int, str, int]]:
@@ -112,9 +128,13 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
         raise ConfigError(f"config key 'federation.min_groups': {f.min_groups} is not in [1, {f.groups}]")
     if not f.timeout_s > 0:
         raise ConfigError(f"config key 'federation.timeout_s': must be > 0, got {f.timeout_s}")
-    host, _, port = str(f.lighthouse).rpartition(":")
+    addr = str(f.lighthouse)
+    if addr.startswith("http://"):  # the URL the lighthouse prints (and torchft's TORCHFT_LIGHTHOUSE) is fine too
+        addr = addr[len("http://"):].rstrip("/")
+    host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port")
+        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port (e.g. "
+                          "lh-host:29510, or the http://host:port that python -m dept_mega.lighthouse prints)")
     d = cfg.dept
     refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
                                                      "spec_opt)"),
@@ -153,30 +173,6 @@ def check_reachable(host: str, port: int, timeout_s: float) -> None:
         raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
 
 
-def recording(cls):
-    """``cls`` (a torchft process group) that records the ``global_ranks`` argument torchft's
-    Manager passes to :meth:`configure` at every reconfiguration: the ranks of the quorum's
-    replica groups (group index × job size + rank in the job), in the process group's rank
-    order — which group each rank of an exchange is. ``global_ranks`` is a documented
-    argument of torchft's ``ProcessGroup.configure``; torchft itself keeps it only in a
-    private attribute. Fails at once if torchft's signature no longer has it (tested)."""
-    if "global_ranks" not in inspect.signature(cls.configure).parameters:
-        raise RuntimeError(f"federation: torchft's {cls.__name__}.configure has no global_ranks argument "
-                           "(torchft changed; dept_mega/dept/federation.py, recording())")
-
-    class Recording(cls):
-        quorum_ranks: Optional[list] = None
-
-        def configure(self, *args, **kwargs) -> None:
-            bound = inspect.signature(cls.configure).bind(self, *args, **kwargs)
-            ranks = bound.arguments.get("global_ranks")
-            self.quorum_ranks = list(ranks) if ranks is not None else None
-            super().configure(*args, **kwargs)
-
-    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
-    return Recording
-
-
 class LeftOut(Exception):
     """A round was completed by the other groups without this one (it reached the exchange
     more than ``timeout_s`` after them): its pseudo-gradient is dropped, the peers' state is
@@ -187,10 +183,13 @@ class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
 
     def __init__(self, cfg, pg, device: torch.device, group: int, host: str, port: int, log=print) -> None:
+        quiet_torchft()  # before torchft starts logging (federation_log.py)
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         f = cfg.federation
         self.cfg, self.pg, self.device, self.log = cfg, pg, device, log
+        self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
+        self.where = f"{host}:{port}"
         self.group, self.groups = group, f.groups
         self.hashes = agree_hashes(cfg)
         check_reachable(host, port, f.timeout_s)
@@ -200,9 +199,12 @@ class Federation:
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a single process without torchrun: a store of its own
+            # (the quorum's process group meets at one group's store: the other group jobs,
+            # possibly on other hosts, connect to it by this name, as to torchft's own servers)
             from torch.distributed import TCPStore
-            self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "127.0.0.1", self._own_store.port
+            store_addr = socket.gethostname()
+            self._own_store = TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self._own_store.port
         self.participants = 1
         self.members: list[int] = [group]  # group indices in the current quorum
         self.order: list[int] = [group]  # ... in the order of the process group's ranks
@@ -229,6 +231,12 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        self._say(f"federation: group {group} of {f.groups} (sources: {', '.join(own_sources(cfg))}), lighthouse "
+                  f"{self.where}; a round needs at least {f.min_groups} group(s)")
+
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)
 
     # ------------------------------------------------------------------ healing state
     def attach(self, syncs: dict, strategy=None) -> None:
@@ -246,15 +254,12 @@ class Federation:
         while this job's main thread waits for the quorum)."""
         own = self.strategy.replicated_state() if self.strategy is not None else {}
         deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
-        return {"round": self.round, "agree": self.hashes, "deferred": deferred,
+        return {"round": self.round, "agree": self.hashes, "agree_values": agree_values(self.cfg),
+                "deferred": deferred,
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
-        mine = self.hashes
-        for key, a, b in zip(AGREE_KEYS, mine, sd["agree"]):
-            if a != b:
-                raise ConfigError(f"config key '{key}': differs from the running groups' (federation: every group "
-                                  "job needs the same value)")
+        check_agree(self.cfg, sd)
         if set(sd["syncs"]) != set(self.syncs):
             raise ConfigError(f"config key 'dept.variant': the running groups synchronise {sorted(sd['syncs'])}, "
                               f"this job {sorted(self.syncs)}")
@@ -262,7 +267,9 @@ class Federation:
 
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
-        self.manager.start_quorum(**kw)
+        f = self.cfg.federation
+        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, f.min_groups, self.where)):
+            self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:
             raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
@@ -287,10 +294,16 @@ class Federation:
             self._healed, self._left_out = self._left_out, None
         # a fresh run (every member at its first quorum) waits up to timeout_s for every
         # expected group: the lighthouse forms a quorum without those not heartbeating yet
-        deadline = time.monotonic() + self.cfg.federation.timeout_s
+        t0 = time.monotonic()
+        deadline, said = t0 + self.cfg.federation.timeout_s, None
         # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
         while (fresh and self._healed is None and self.manager.current_step() == 0
                and len(self.members) < self.groups and not self._any(time.monotonic() >= deadline)):
+            if said is None or time.monotonic() - said >= WAIT_EVERY_S:
+                said = time.monotonic()
+                self._say(f"federation: fresh start: groups {self.members} of {self.groups} are here; waiting for the "
+                          f"others up to federation.timeout_s = {self.cfg.federation.timeout_s:g} s "
+                          f"({said - t0:.0f} s so far; those that miss it join later by healing)")
             time.sleep(0.2)
             self._quorum(allow_heal=True)
         self._rounds += 1
@@ -306,10 +319,14 @@ class Federation:
             self._peers_deferred = bool(healed.get("deferred"))
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
+        if self.members != before:
+            self._say(membership_line(round_index, self.members, before, healed is not None))
         if writer is not None and self.members != before:
             joined = sorted(set(self.members) - set(before))
             left = sorted(set(before) - set(self.members))
-            writer.write("membership", step, round_index, groups=self.members, joined=joined, left=left,
+            # (a healed job's record: at the step it trains from, its peers' round start)
+            at = round_index * self.cfg.dept.local_steps if healed is not None else step
+            writer.write("membership", at, round_index, groups=self.members, joined=joined, left=left,
                          healed=healed is not None)
         return round_index, healed is not None
 
@@ -336,8 +353,8 @@ class Federation:
         if healed:
             was = tr.step
             tr.step = r * self.cfg.dept.local_steps
-            self.log(f"federation: group {self.group} healed from a live peer at round {r} "
-                     f"(step {was} -> {tr.step}); groups {self.members}")
+            self._say(f"federation: group {self.group} healed from a live peer at round {r} "
+                      f"(step {was} -> {tr.step}); groups {self.members}")
         # dept.outer_overlap: the previous round's end sync is launched now, on this quorum (a
         # group healed here launches it too, from θ_{t-1}: Δ = 0, left out of the mean)
         schedule = hooks.schedule
@@ -563,8 +580,8 @@ class Federation:
                 self.round_groups = list(self.members)
                 return
             gone = time.monotonic() - waited
-            self.log(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
-                     f"({self.manager.errored()}); again with the groups still there")
+            self._say(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
+                      f"({first_line(self.manager.errored())}); again with the groups still there")
             restore()
             before = list(self.members)
             # not shrink_only: a group left out of a quorum (slow beyond timeout_s while the others
@@ -576,10 +593,12 @@ class Federation:
                 self._apply(self._left_out)
                 if self.dump is not None:
                     self.dump.dropped()
-                self.log(f"federation: group {self.group}: round {self.round} was completed without it; "
-                         f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
+                self._say(f"federation: group {self.group}: round {self.round} was completed without it; "
+                          f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
                 raise LeftOut(self.round)
-            if self._loop is not None and self.members != before:  # a group left mid-round
+            if self.members != before:  # a group left mid-round
+                self._say(membership_line(self.round, self.members, before))
+            if self._loop is not None and self.members != before:
                 self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
                                         joined=sorted(set(self.members) - set(before)),
                                         left=sorted(set(before) - set(self.members)), healed=False)

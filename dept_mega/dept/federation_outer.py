@@ -1,7 +1,11 @@
 """The cross-group communicator of a federated group job (dept/federation.py): what stands in
 ``pg.outer``'s place (:class:`FederatedOuter`) and the handle of an exchange launched on it
-(:class:`FederatedWork`), committed where it is waited on."""
+(:class:`FederatedWork`), committed where it is waited on; a group job read offline (:class:`Offline`); the
+process group that records each quorum's ranks (:func:`recording`)."""
 from __future__ import annotations
+
+import inspect
+from typing import Optional
 
 import torch
 
@@ -74,3 +78,43 @@ class FederatedWork:
         fed.round_groups = list(self.state["keep"])
         self.done = True
         return True
+
+
+class Offline:
+    """A group job's place among the group jobs (``group`` of ``groups``) without joining them:
+    for reading its own checkpoint after the run (``dept_mega.evaluate``), when the lighthouse
+    and the other jobs may be gone. Evaluation needs only this job's own sources, whose state
+    its checkpoint holds; nothing crosses jobs, so any exchange is refused by name."""
+
+    participants = 1
+
+    def __init__(self, group: int, groups: int) -> None:
+        self.group, self.groups = group, groups
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"federation: {name} needs the other group jobs; this group job's checkpoint is read "
+                           "offline (dept_mega.evaluate), without the lighthouse")
+
+
+def recording(cls):
+    """``cls`` (a torchft process group) that records the ``global_ranks`` argument torchft's
+    Manager passes to :meth:`configure` at every reconfiguration: the ranks of the quorum's
+    replica groups (group index × job size + rank in the job), in the process group's rank
+    order — which group each rank of an exchange is. ``global_ranks`` is a documented
+    argument of torchft's ``ProcessGroup.configure``; torchft itself keeps it only in a
+    private attribute. Fails at once if torchft's signature no longer has it (tested)."""
+    if "global_ranks" not in inspect.signature(cls.configure).parameters:
+        raise RuntimeError(f"federation: torchft's {cls.__name__}.configure has no global_ranks argument "
+                           "(torchft changed; dept_mega/dept/federation.py, recording())")
+
+    class Recording(cls):
+        quorum_ranks: Optional[list] = None
+
+        def configure(self, *args, **kwargs) -> None:
+            bound = inspect.signature(cls.configure).bind(self, *args, **kwargs)
+            ranks = bound.arguments.get("global_ranks")
+            self.quorum_ranks = list(ranks) if ranks is not None else None
+            super().configure(*args, **kwargs)
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
+    return Recording

@@ -28,7 +28,7 @@ import shutil
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, load_config, source_groups
 from .checkpoint_reader import CheckpointReadError, read_full_weights
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError, save_hf_tokenizer
@@ -129,6 +129,29 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
     return info
 
 
+def held_sources(cfg: Config) -> list[str]:
+    """The sources whose weights this run directory holds: all of them, or a federated group
+    job's own (``data.sources[i].group``, null: i mod ``federation.groups``)."""
+    names = [s.name for s in cfg.data.sources]
+    f = cfg.federation
+    if f.lighthouse is None or f.group is None:
+        return names
+    owners = source_groups(cfg, f.groups) or list(range(len(names)))
+    return [n for n, g in zip(names, owners) if g == f.group]
+
+
+def held_elsewhere(cfg: Config, source: str) -> str:
+    """Why ``source`` is not in this run directory (a federated group job holds only its own)."""
+    names = [s.name for s in cfg.data.sources]
+    if source not in names:
+        return f"source {source!r} is not in the run's data.sources ({', '.join(names)})"
+    f = cfg.federation
+    owners = source_groups(cfg, f.groups) or list(range(len(names)))
+    return (f"source {source!r} is trained by group job {owners[names.index(source)]} of this federated run; this "
+            f"run directory is group job {f.group}'s (its sources: {', '.join(held_sources(cfg))}): export "
+            f"{source!r} from that job's run directory")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/convert_to_hf.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True)
@@ -140,8 +163,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
+        held = held_sources(cfg)
+        if args.source is not None and args.source not in held:
+            raise ExportError(held_elsewhere(cfg, args.source))
         if args.all_sources:
-            names = [s.name for s in cfg.data.sources]
+            names = held
             if not names:
                 raise ExportError("the run's data.sources is empty: no source to export")
             for k, name in enumerate(names):

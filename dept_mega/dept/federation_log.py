@@ -1,0 +1,137 @@
+"""What a federated group job (dept/federation.py) says in its log, and torchft's noise kept out.
+
+torchft logs five INFO lines per round from its Rust core (each quorum printed whole), and on
+a CPU build of torch a warning per reconfiguration that the NCCL flight recorder cannot be
+reset; the progress lines of a long run drown in them. So a group job sets ``RUST_LOG=warn``
+unless the user set ``RUST_LOG`` (``RUST_LOG=info`` brings torchft's lines back) and says
+itself, in one line each, what a user waits for: the quorum at a fresh start (the other
+groups), a quorum that takes long (a group gone: the lighthouse drops it after its
+``--heartbeat-timeout-s``), a change of the groups taking part, a failed exchange.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from typing import Callable, Optional
+
+#: seconds between the "still waiting" lines of a quorum that takes long (the first after this too)
+WAIT_EVERY_S = 30.0
+
+
+def quiet_torchft() -> None:
+    """Before torchft's Manager starts: its Rust INFO lines off unless ``RUST_LOG`` is set, two
+    messages that say nothing about this run dropped (the flight recorder on CPU builds;
+    torch's warning about the read-only buffer torchft's healing transport hands it), and a
+    failed collective's traceback (torchft's own frames; the error stays, one line)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _DropFlightRecorder) for f in logger.filters):
+        logger.addFilter(_DropFlightRecorder())
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class _DropFlightRecorder(logging.Filter):
+    """Drops the flight recorder warning; keeps a failed collective's line (a group gone: an
+    event of this mode, which the job reports itself) without its local traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "got exception waiting for work" in message:
+            record.exc_info, record.exc_text = None, None
+        return "flight recorder" not in message
+
+
+def first_line(error: object) -> str:
+    """An exception (torchft's errors carry the remote traceback) as its first non-empty line."""
+    text = str(error).strip()
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
+
+
+def first_difference(mine, theirs, where: str = "") -> tuple[str, object, object]:
+    """The first place two JSON values differ: (``.lr`` / ``[2]`` / ``""``, mine, theirs)."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for k in sorted(set(mine) | set(theirs)):
+            if mine.get(k) != theirs.get(k):
+                return first_difference(mine.get(k), theirs.get(k), f"{where}.{k}")
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return first_difference(a, b, f"{where}[{i}]")
+    return where, mine, theirs
+
+
+def membership_line(round_index: int, groups: list, before: list, healed: bool = False) -> str:
+    """``federation: round 14: groups [0, 1] (left: 2)``: a change of the groups taking part."""
+    joined = sorted(set(groups) - set(before))
+    left = sorted(set(before) - set(groups))
+    what = []
+    if joined and before:
+        what.append("joined: " + ", ".join(map(str, joined)))
+    if left:
+        what.append("left: " + ", ".join(map(str, left)))
+    if healed:
+        what.append("this job healed from a live peer")
+    return f"federation: round {round_index}: groups {sorted(groups)}" + (f" ({'; '.join(what)})" if what else "")
+
+
+def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
+    """The lighthouse's own account of the next quorum (torchft's ``/status`` page), e.g. ``New
+    quorum not ready, only have 1 participants, need min_replicas 2 [1/1 participants
+    healthy][1 heartbeating]``; None when it cannot be read."""
+    import re
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{where}/status", timeout=timeout) as r:
+            page = r.read().decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - a status line is a courtesy: the wait goes on without it
+        return None
+    m = re.search(r"Next quorum status: *([^\n<]*)", page)
+    return m.group(1).strip() or None if m else None
+
+
+def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: str) -> str:
+    """The "still waiting for a quorum" line, with what the lighthouse sees."""
+    status = lighthouse_status(where)
+    if status is None:  # (torchft does not send a lost quorum request again to a restarted lighthouse)
+        says = (f"the lighthouse {where} does not answer (if it died: restart it, then the group jobs; they "
+                "resume from their checkpoints)")
+    else:
+        says = f"the lighthouse {where} says: {status}"
+    return (f"federation: round {round_index}: waiting {seconds:.0f} s for a quorum of at least {min_groups} "
+            f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
+            "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
+
+
+class Waiting:
+    """While a blocking call runs (torchft's quorum), a line every ``every`` seconds saying what
+    is waited for and for how long; nothing when it returns sooner.
+
+        with Waiting(log, lambda s: f"... {s:.0f} s ..."):
+            manager.start_quorum()
+    """
+
+    def __init__(self, log: Optional[Callable[[str], None]], message: Callable[[float], str],
+                 every: float = WAIT_EVERY_S) -> None:
+        self.log, self.message, self.every = log, message, every
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Waiting":
+        if self.log is not None:
+            t0 = time.monotonic()
+
+            def run() -> None:
+                while not self._stop.wait(self.every):
+                    self.log(self.message(time.monotonic() - t0))
+
+            self._thread = threading.Thread(target=run, name="federation-waiting", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
