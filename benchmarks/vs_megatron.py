@@ -85,15 +85,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def one_rank_std(vocab: int, micro: int, accum: int) -> list[str]:
+    """Overrides shared by the side-by-side benchmarks: one rank, the STD variant, no data (a
+    synthetic ``vocab``), ``accum`` micro-batches of ``micro`` sequences a step, no dropout."""
+    return ["parallel.tensor=1", "parallel.pipeline=1", "parallel.data=1", "parallel.virtual_pipeline=1",
+            "parallel.sequence_parallel=false", "dept.variant=std", "data.sources=[]", "data.tokenizer=null",
+            f"model.vocab_size={vocab}", f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro * accum}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
+
+
 def bench_config(args) -> Config:
     """Our config for the comparison: one rank, std, synthetic vocabulary."""
     cfg = load_config(args.config, list(args.overrides))
     micro = args.micro_batch or cfg.train.micro_batch_size
-    fixed = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.data=1", "parallel.virtual_pipeline=1",
-             "parallel.sequence_parallel=false", "dept.variant=std", "data.sources=[]", "data.tokenizer=null",
-             f"model.vocab_size={args.vocab}", f"train.micro_batch_size={micro}",
-             f"train.global_batch_size={micro * args.accum}", f"train.steps={args.warmup + args.steps + 1}",
-             "optim.warmup_steps=1", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+    fixed = one_rank_std(args.vocab, micro, args.accum) + [
+             f"train.steps={args.warmup + args.steps + 1}", "optim.warmup_steps=1",
              # megatron-core's LayerNorm always has a bias: the same parameters on both sides
              "model.norm_bias=true", f"model.attention_backend={OUR_ATTENTION}"]
     if args.position == "rope":

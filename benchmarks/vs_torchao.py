@@ -69,7 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 from dept_mega.config import Config, ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import device_peak_flops, train_flops_per_token  # noqa: E402
 from dept_mega.model.embeddings import padded_vocab_size  # noqa: E402
-from vs_megatron import MasterAdamW, count, synthetic, timed  # noqa: E402
+from vs_megatron import MasterAdamW, count, one_rank_std, synthetic, timed  # noqa: E402
 
 ARMS = ("bf16", "tensorwise", "rowwise")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
@@ -111,11 +111,7 @@ def bench_config(args) -> Config:
     """The config's model shape and optimizer, one rank, no data, no dropout."""
     base = load_config(args.config, list(args.overrides))
     micro = args.micro_batch or base.train.micro_batch_size
-    fixed = ["parallel.tensor=1", "parallel.pipeline=1", "parallel.data=1", "parallel.virtual_pipeline=1",
-             "parallel.sequence_parallel=false", "dept.variant=std", "data.sources=[]", "data.tokenizer=null",
-             f"model.vocab_size={args.vocab}", f"train.micro_batch_size={micro}",
-             f"train.global_batch_size={micro * args.accum}", "model.hidden_dropout=0.0",
-             "model.attention_dropout=0.0", "precision=bf16", "fp8=null"]
+    fixed = one_rank_std(args.vocab, micro, args.accum) + ["precision=bf16", "fp8=null"]
     cfg = load_config(args.config, list(args.overrides) + fixed)
     m = cfg.model
     for key, ok, what in (("model.activation", m.activation == "gelu", "gelu"),
