@@ -55,7 +55,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     validate(cfg, world_size)
     federated = None
     if cfg.federation.lighthouse is not None:  # the group index and federation.* keys, as the launch checks them
-        from .dept.federation import own_sources, resolve
+        from .dept.federation_config import own_sources, resolve
         federated = resolve(cfg)
     check_sources(cfg)
     vocab = vocab_size_of(cfg)

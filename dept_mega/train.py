@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .metrics import MetricsWriter, write_json_atomic
-from .dept.federation import resolve as resolve_federation
+from .dept.federation_config import resolve as resolve_federation
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
 from .trainer import Trainer
@@ -150,7 +150,8 @@ def build_session(cfg: Config, metrics: bool = True,
     eval_only = None
     federated = resolve_federation(cfg)
     if federated is not None:  # this job is one group of several (dept/federation.py)
-        from .dept.federation import FederatedOuter, Federation, Offline, own_sources
+        from .dept.federation import FederatedOuter, Federation, Offline
+        from .dept.federation_config import own_sources
         group = federated[0]
         pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated) if federate
                                   else Offline(group, cfg.federation.groups))

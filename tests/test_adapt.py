@@ -150,7 +150,7 @@ def test_dept_only_keys_of_the_run_do_not_reach_the_adaptation(tmp_path):
     (some refuse std) are dropped, whatever the run used — and a federated group job's
     federation keys (the adaptation joins no lighthouse)."""
     from dept_mega.adapt import adapt_config
-    from dept_mega.dept.federation import resolve
+    from dept_mega.dept.federation_config import resolve
     run = yaml.safe_load((ROOT / "examples" / "tiny" / "glob.yaml").read_text())
     run["dept"].update({"embedding_rows": "present", "body_optimizer_state": "source"})
     run["federation"] = {"lighthouse": "lh-host:29510", "group": 1, "groups": 3, "min_groups": 2}

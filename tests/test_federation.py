@@ -235,7 +235,7 @@ def test_refused_in_federation_mode(tmp_path, override, want):
     """What federation mode does not support is one config error naming the key (in process:
     the check runs before the lighthouse is contacted)."""
     from dept_mega.config import ConfigError, load_config
-    from dept_mega.dept.federation import resolve
+    from dept_mega.dept.federation_config import resolve
     cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
                                               f"federation.groups={SOURCES}", *override.split()])
     with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
@@ -700,7 +700,7 @@ def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
     """A healing group's agreed keys against its peer's: the first field that differs and both
     values (a peer that sends only hashes: the key)."""
     from dept_mega.config import ConfigError, load_config
-    from dept_mega.dept.federation import agree_hashes, agree_values, check_agree
+    from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
     fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
     running = load_config(write_config(str(tmp_path)), fed)
     joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])

@@ -1,0 +1,128 @@
+"""Federation mode's config side (docs/launching.md, "Federated group jobs"): the checks of the
+``federation`` section a group job makes before it contacts anyone (``resolve``; also run by
+``--check``), which sources the job holds, and the keys every group job must agree on, compared
+as hashes at each heal, with the values to name the field that differs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from dataclasses import asdict, is_dataclass
+from typing import Optional
+
+from ..config import ConfigError, source_groups
+from .federation_log import first_difference
+
+#: config keys that must be the same in every group job (compared as hashes)
+AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
+              "dept.outer_quant_block", "dept.outer_fragments",
+              "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
+              "train.seed", "optim", "federation.groups", "data.sources[].group")
+
+
+def _get(cfg, dotted: str):
+    if dotted == "data.sources[].group":  # which group job holds each source (by name)
+        return [[s.name, g] for s, g in zip(cfg.data.sources, _owners(cfg))]
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def agree_values(cfg) -> list:
+    """Each :data:`AGREE_KEYS` entry of ``cfg`` as plain JSON values (what a healing group is
+    sent, to name the field that differs)."""
+    return [json.loads(json.dumps(asdict(v) if is_dataclass(v) else v, sort_keys=True, default=str))
+            for v in (_get(cfg, key) for key in AGREE_KEYS)]
+
+
+def agree_hashes(cfg) -> list[int]:
+    """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
+    return [int.from_bytes(hashlib.sha256(json.dumps(v, sort_keys=True).encode()).digest()[:8], "little") >> 4
+            for v in agree_values(cfg)]
+
+
+def check_agree(cfg, peer: dict) -> None:
+    """A healing group's agreed keys against its peer's (``peer``: its ``agree`` hashes and,
+    from dept_mega versions that send them, its ``agree_values``): a ConfigError naming the
+    first field that differs and both values."""
+    values = peer.get("agree_values")
+    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, agree_hashes(cfg), peer["agree"])):
+        if a != b:
+            where, mine, theirs = first_difference(agree_values(cfg)[i], values[i]) if values else ("", None, None)
+            what = f": {mine!r} here, {theirs!r} in the running groups" if values else ""
+            raise ConfigError(f"config key '{key}{where}' differs from the running groups'{what} (federation: every "
+                              "group job needs the same value)")
+
+
+def resolve(cfg) -> Optional[tuple[int, str, int]]:
+    """Check the ``federation`` section; None for the single job, else (group, host, port).
+    ``federation.group`` null is read from the environment variable DEPT_GROUP."""
+    f = cfg.federation
+    if f.lighthouse is None:
+        return None
+    group = f.group
+    if group is None:
+        env = os.environ.get("DEPT_GROUP")
+        if env is None:
+            raise ConfigError("config key 'federation.group': null and DEPT_GROUP is not set (this job's group index)")
+        try:
+            group = int(env)
+        except ValueError:
+            raise ConfigError(f"config key 'federation.group': DEPT_GROUP={env!r} is not an integer") from None
+        f.group = group
+    if f.groups < 1:
+        raise ConfigError(f"config key 'federation.groups': must be >= 1, got {f.groups}")
+    if not 0 <= group < f.groups:
+        raise ConfigError(f"config key 'federation.group': {group} is not a group index in [0, {f.groups}) "
+                          f"(federation.groups = {f.groups})")
+    if not 1 <= f.min_groups <= f.groups:
+        raise ConfigError(f"config key 'federation.min_groups': {f.min_groups} is not in [1, {f.groups}]")
+    if not f.timeout_s > 0:
+        raise ConfigError(f"config key 'federation.timeout_s': must be > 0, got {f.timeout_s}")
+    addr = str(f.lighthouse)
+    if addr.startswith("http://"):  # the URL the lighthouse prints (and torchft's TORCHFT_LIGHTHOUSE) is fine too
+        addr = addr[len("http://"):].rstrip("/")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port (e.g. "
+                          "lh-host:29510, or the http://host:port that python -m dept_mega.lighthouse prints)")
+    d = cfg.dept
+    refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
+                                                     "spec_opt)"),
+                ("dept.outer_delay", d.outer_overlap and d.outer_fragments > 1
+                 and (d.outer_fragments - 1) * (d.local_steps // d.outer_fragments) + d.outer_delay > d.local_steps,
+                 f"{d.outer_delay} lands fragment {d.outer_fragments - 2}'s overlapped sync in the next round "
+                 f"(federation: only the round-end sync may be in flight across a round start's quorum; "
+                 f"needs (outer_fragments - 1) * (local_steps // outer_fragments) + outer_delay <= local_steps)"),
+                ("data.sources", len(cfg.data.sources) < f.groups,
+                 f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
+                 f"its own sources: at least one per group)")]
+    for key, bad, what in refusals:
+        if bad:
+            raise ConfigError(f"config key '{key}': {what}")
+    source_groups(cfg, f.groups)  # which sources each group job holds (their data stays at its site)
+    return group, host, int(port)
+
+
+def own_sources(cfg) -> list[str]:
+    """The names of the sources this group job holds and trains (``data.sources[i].group``,
+    null: i mod ``federation.groups``); the others' data and state are in other jobs."""
+    return [s.name for s, g in zip(cfg.data.sources, _owners(cfg)) if g == cfg.federation.group]
+
+
+def _owners(cfg) -> list[int]:
+    """The group job of each source: ``config.source_groups``, or (K = G, no ``group`` keys)
+    source i in job i."""
+    return source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
+
+
+def check_reachable(host: str, port: int, timeout_s: float) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
+
+
