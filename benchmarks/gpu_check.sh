@@ -205,10 +205,11 @@ EOF
 pytest_args() {
   local x=()
   # a test file per worker: 3 workers, 6 where the host has 12 cores or more (the device: 16),
-  # so that the files whose tests compile with inductor run side by side
+  # so that the files whose tests compile with inductor run side by side; the dry run in one
+  # process (its tests all skip: workers would only add their start-up)
   local n=3
   (( $(nproc) >= 12 )) && n=6
-  "$PY" -c "import xdist" 2>/dev/null && x=(-n "$n" --dist loadfile)
+  [ "$DRY" = 0 ] && "$PY" -c "import xdist" 2>/dev/null && x=(-n "$n" --dist loadfile)
   echo "-q -m gpu -p no:cacheprovider -rfEs ${x[*]}"
 }
 

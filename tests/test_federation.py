@@ -19,18 +19,16 @@ from tests.mp_utils import free_port  # noqa: E402
 from tests.trainer_utils import ROOT  # noqa: E402
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
-    # a quantised outer sync (the groups' packed chunks all-gathered in group order), the body in
-    # fragments synchronised at two points of the round, GLOB's tables, an outer optimizer with state
-    "glob-int8-fragments-nesterov": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
+    # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state;
+    # a quantised outer sync (the groups' packed chunks all-gathered in group order) and the body
+    # in fragments synchronised (blocking) at two points of the round
+    "trim-int8-fragments-nesterov": ("dept.variant=trim", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
                                      "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
                                      "dept.outer_optimizer.lr=0.7"),
-    # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state
-    "trim-nesterov": ("dept.variant=trim", "dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9",
-                      "dept.outer_optimizer.lr=0.7"),
     # overlapped outer sync: the round-end exchange launched on the next round start's quorum,
     # committed τ = 1 step later where it is applied (the default correction rule)
     "spec-overlap": ("dept.outer_overlap=true", "dept.outer_delay=1"),
-    # ... quantised, in fragments (one launched mid-round), GLOB's tables in parts, eager start
+    # GLOB's tables (in parts), quantised, in fragments (one launched mid-round), overlapped, eager start
     "glob-int8-fragments-overlap-eager": ("dept.variant=glob", "dept.outer_comm_dtype=int8", "dept.outer_fragments=2",
                                           "dept.outer_overlap=true", "dept.outer_delay=1",
                                           "dept.outer_overlap_rule=eager", "dept.outer_optimizer.name=nesterov",
