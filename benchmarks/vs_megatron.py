@@ -62,14 +62,21 @@ from dept_mega.config import Config, ConfigError, load_config  # noqa: E402
 from dept_mega.model.embeddings import padded_vocab_size  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(ap: argparse.ArgumentParser, accum: int, steps: int) -> None:
+    """The options both side-by-side benchmarks take: the config, the synthetic vocabulary, the
+    micro-batch, micro-batches per step (default ``accum``), timed (default ``steps``) and warmup
+    steps."""
     ap.add_argument("--config", required=True)
     ap.add_argument("--vocab", type=int, default=50257, help="vocabulary (before padding to 128)")
     ap.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
-    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--accum", type=int, default=accum, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--warmup", type=int, default=3)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap, accum=1, steps=10)
     ap.add_argument("--position", choices=("rope", "config"), default="rope",
                     help="rope: both sides RoPE; config: the config's (rope or learned)")
     ap.add_argument("--only", choices=("ours", "megatron"), default=None)
@@ -353,6 +360,15 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def bench_device(name) -> torch.device:
+    """``--device``, else cuda where there is one; a CUDA device with its index (the current one:
+    ``set_device`` needs an index)."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -360,10 +376,8 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        if device.index is None:  # set_device needs an index; Megatron's layers use the current device
-            device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_device(args.device)
+    if device.type == "cuda":  # Megatron's layers use the current device
         torch.cuda.set_device(device)
     if device.type != "cuda" and args.only != "ours" and cfg.model.position_embedding == "rope":
         print("error: megatron-core's RoPE needs CUDA; on CPU use --only ours (and --check-shapes), or "

@@ -69,7 +69,8 @@ import torch.nn.functional as F  # noqa: E402
 from dept_mega.config import Config, ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import device_peak_flops, train_flops_per_token  # noqa: E402
 from dept_mega.model.embeddings import padded_vocab_size  # noqa: E402
-from vs_megatron import MasterAdamW, count, one_rank_std, synthetic, timed  # noqa: E402
+from vs_megatron import (MasterAdamW, add_run_args, bench_device, count, one_rank_std, synthetic,  # noqa: E402
+                         timed)
 
 ARMS = ("bf16", "tensorwise", "rowwise")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
@@ -77,12 +78,7 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--vocab", type=int, default=50257, help="vocabulary (before padding to 128)")
-    ap.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
-    ap.add_argument("--accum", type=int, default=4, help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=3)
+    add_run_args(ap, accum=4, steps=5)
     ap.add_argument("--arms", default="bf16,tensorwise",
                     help=f"comma-separated, bf16 first (the ratios' denominator): {', '.join(ARMS)}")
     ap.add_argument("--no-compile", action="store_true", help="eager arms (the CPU rehearsal)")
@@ -348,9 +344,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_device(args.device)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
     rec: dict = {"kind": "vs_torchao", "arms_requested": args.arms, "compiled": not args.no_compile,
                  "vocab_size": args.vocab, "tokens_per_step": tokens_per_step,

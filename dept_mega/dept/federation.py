@@ -79,6 +79,7 @@ class Federation:
         self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
         self.where = f"{host}:{port}"
         self.group, self.groups = group, f.groups
+        self.agreed = agree_values(cfg)  # sent to a healing peer, to name a field that differs
         self.hashes = agree_hashes(cfg)
         check_reachable(host, port, f.timeout_s)
         timeout = timedelta(seconds=f.timeout_s)
@@ -142,7 +143,7 @@ class Federation:
         while this job's main thread waits for the quorum)."""
         own = self.strategy.replicated_state() if self.strategy is not None else {}
         deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
-        return {"round": self.round, "agree": self.hashes, "agree_values": agree_values(self.cfg),
+        return {"round": self.round, "agree": self.hashes, "agree_values": self.agreed,
                 "deferred": deferred,
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
@@ -207,16 +208,21 @@ class Federation:
             self._peers_deferred = bool(healed.get("deferred"))
         elif fresh and self.manager.current_step() == 0:
             self._check_agree(round_index)
-        if self.members != before:
-            self._say(membership_line(round_index, self.members, before, healed is not None))
-        if writer is not None and self.members != before:
-            joined = sorted(set(self.members) - set(before))
-            left = sorted(set(before) - set(self.members))
-            # (a healed job's record: at the step it trains from, its peers' round start)
-            at = round_index * self.cfg.dept.local_steps if healed is not None else step
-            writer.write("membership", at, round_index, groups=self.members, joined=joined, left=left,
-                         healed=healed is not None)
+        # (a healed job's record: at the step it trains from, its peers' round start)
+        at = round_index * self.cfg.dept.local_steps if healed is not None else step
+        self._members_changed(before, round_index, writer, at, healed is not None)
         return round_index, healed is not None
+
+    def _members_changed(self, before: list, round_index: int, writer, step: int, healed: bool = False) -> None:
+        """When the groups taking part differ from ``before``: the job's log line and, with a
+        ``writer``, the ``membership`` record at ``step``."""
+        if self.members == before:
+            return
+        self._say(membership_line(round_index, self.members, before, healed))
+        if writer is not None:
+            writer.write("membership", step, round_index, groups=self.members,
+                         joined=sorted(set(self.members) - set(before)),
+                         left=sorted(set(before) - set(self.members)), healed=healed)
 
     def _apply(self, healed: dict) -> None:
         """Write a live peer's replicated state (θ_{t-1}, outer optimizer state, the strategy's)."""
@@ -484,12 +490,9 @@ class Federation:
                 self._say(f"federation: group {self.group}: round {self.round} was completed without it; "
                           f"it rejoins at round {self._left_out['round']} (healed from a live peer)")
                 raise LeftOut(self.round)
-            if self.members != before:  # a group left mid-round
-                self._say(membership_line(self.round, self.members, before))
-            if self._loop is not None and self.members != before:
-                self._loop.writer.write("membership", self._loop.trainer.step, self.round, groups=self.members,
-                                        joined=sorted(set(self.members) - set(before)),
-                                        left=sorted(set(before) - set(self.members)), healed=False)
+            loop = self._loop  # a group left mid-round: said, and recorded at the step it left
+            self._members_changed(before, self.round, loop.writer if loop is not None else None,
+                                  loop.trainer.step if loop is not None else 0)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -23,7 +23,7 @@ AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps
 
 def _get(cfg, dotted: str):
     if dotted == "data.sources[].group":  # which group job holds each source (by name)
-        return [[s.name, g] for s, g in zip(cfg.data.sources, _owners(cfg))]
+        return [[s.name, g] for s, g in zip(cfg.data.sources, source_owners(cfg))]
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -39,18 +39,22 @@ def agree_values(cfg) -> list:
 
 def agree_hashes(cfg) -> list[int]:
     """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
+    return _hashes(agree_values(cfg))
+
+
+def _hashes(values: list) -> list[int]:
     return [int.from_bytes(hashlib.sha256(json.dumps(v, sort_keys=True).encode()).digest()[:8], "little") >> 4
-            for v in agree_values(cfg)]
+            for v in values]
 
 
 def check_agree(cfg, peer: dict) -> None:
     """A healing group's agreed keys against its peer's (``peer``: its ``agree`` hashes and,
     from dept_mega versions that send them, its ``agree_values``): a ConfigError naming the
     first field that differs and both values."""
-    values = peer.get("agree_values")
-    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, agree_hashes(cfg), peer["agree"])):
+    values, own = peer.get("agree_values"), agree_values(cfg)
+    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, _hashes(own), peer["agree"])):
         if a != b:
-            where, mine, theirs = first_difference(agree_values(cfg)[i], values[i]) if values else ("", None, None)
+            where, mine, theirs = first_difference(own[i], values[i]) if values else ("", None, None)
             what = f": {mine!r} here, {theirs!r} in the running groups" if values else ""
             raise ConfigError(f"config key '{key}{where}' differs from the running groups'{what} (federation: every "
                               "group job needs the same value)")
@@ -109,10 +113,10 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
 def own_sources(cfg) -> list[str]:
     """The names of the sources this group job holds and trains (``data.sources[i].group``,
     null: i mod ``federation.groups``); the others' data and state are in other jobs."""
-    return [s.name for s, g in zip(cfg.data.sources, _owners(cfg)) if g == cfg.federation.group]
+    return [s.name for s, g in zip(cfg.data.sources, source_owners(cfg)) if g == cfg.federation.group]
 
 
-def _owners(cfg) -> list[int]:
+def source_owners(cfg) -> list[int]:
     """The group job of each source: ``config.source_groups``, or (K = G, no ``group`` keys)
     source i in job i."""
     return source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))

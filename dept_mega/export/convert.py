@@ -28,7 +28,8 @@ import shutil
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..config import Config, ConfigError, load_config, source_groups
+from ..config import Config, ConfigError, load_config
+from ..dept.federation_config import own_sources, source_owners
 from .checkpoint_reader import CheckpointReadError, read_full_weights
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError, save_hf_tokenizer
@@ -132,12 +133,10 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
 def held_sources(cfg: Config) -> list[str]:
     """The sources whose weights this run directory holds: all of them, or a federated group
     job's own (``data.sources[i].group``, null: i mod ``federation.groups``)."""
-    names = [s.name for s in cfg.data.sources]
     f = cfg.federation
     if f.lighthouse is None or f.group is None:
-        return names
-    owners = source_groups(cfg, f.groups) or list(range(len(names)))
-    return [n for n, g in zip(names, owners) if g == f.group]
+        return [s.name for s in cfg.data.sources]
+    return own_sources(cfg)
 
 
 def held_elsewhere(cfg: Config, source: str) -> str:
@@ -145,11 +144,10 @@ def held_elsewhere(cfg: Config, source: str) -> str:
     names = [s.name for s in cfg.data.sources]
     if source not in names:
         return f"source {source!r} is not in the run's data.sources ({', '.join(names)})"
-    f = cfg.federation
-    owners = source_groups(cfg, f.groups) or list(range(len(names)))
-    return (f"source {source!r} is trained by group job {owners[names.index(source)]} of this federated run; this "
-            f"run directory is group job {f.group}'s (its sources: {', '.join(held_sources(cfg))}): export "
-            f"{source!r} from that job's run directory")
+    owner = source_owners(cfg)[names.index(source)]
+    return (f"source {source!r} is trained by group job {owner} of this federated run; this run directory is "
+            f"group job {cfg.federation.group}'s (its sources: {', '.join(held_sources(cfg))}): export {source!r} "
+            f"from that job's run directory")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -69,6 +69,7 @@ def set_grad_owner(p: torch.nn.Parameter, owner: Any) -> None:
     owns nothing)."""
     p._grad_owner = weakref.ref(owner)
 
+
 _HALF = (torch.bfloat16, torch.float16)
 
 PATHS = {
