@@ -30,7 +30,7 @@
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   fp8_compile  the FP8 run (delayed scaling, the default recipe) with train.compile=true: the FP8
-#              GEMMs traced into the compiled blocks -> bench.jsonl                             60
+#              GEMMs traced into the compiled blocks, profiled -> bench.jsonl, kernels.txt     60
 #   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
 #              compiled blocks (no graph break) -> bench.jsonl                                  60
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
@@ -297,7 +297,7 @@ stage_compile() { compiled_bench bf16_compile --profile; }
 stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
-stage_fp8_compile() { compiled_bench fp8_compile fp8=hybrid backend=local; }
+stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }
 stage_fp8_current_compile() { compiled_bench fp8_current_compile fp8=hybrid backend=local fp8_recipe=current; }
 stage_fp8_current() { bench fp8_current fp8=hybrid backend=local fp8_recipe=current; }
 
