@@ -239,7 +239,9 @@ class Config:
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
     #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), torch (PyTorch ops, compiled on CUDA),
-    #: auto (triton on CUDA when Triton imports, else torch).
+    #: auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
+    #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
+    #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
     dept: DeptConfig = field(default_factory=DeptConfig)

@@ -11,7 +11,9 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
   (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
   ``auto`` + ``fp8`` without TE is this path (said in the log), not an error. Under
   ``train.compile`` they are traced into the compiled blocks (``parallel/fp8_traced.py``, both
-  recipes; the log says so).
+  recipes; the log says so), their casts left to inductor (``_cast_math``) unless
+  ``fp8_casts: triton`` is named: then each is the Triton kernel as one operator of the graph
+  (``parallel/fp8_cast_op.py``).
 * otherwise ``F.linear`` in the weights' dtype (bf16/fp16 weights under half precision).
 
 Which GEMMs run FP8: the four of every transformer block (qkv, proj, fc1, fc2) except in the
@@ -98,6 +100,7 @@ class Backends:
     fp8_layers: tuple[int, ...] = ()  # global layer ids whose block GEMMs run FP8
     fp8_gemms: tuple[str, ...] = ()  # which of GEMMS (per-rank shape rule)
     fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "torch" (fp8._cast_math)
+    fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
     num_layers: int = 0
     recompute: str = "none"
     recompute_layers: Optional[int] = None
@@ -128,7 +131,9 @@ class Backends:
         """The FP8 scaling state for a model built with these backends (one per model), or None
         when its linear layers do not run native FP8."""
         if self.linear == "fp8-native" and self.fp8 is not None:
-            return Fp8State(self.fp8, device, kernels=self.fp8_casts)
+            state = Fp8State(self.fp8, device, kernels=self.fp8_casts)
+            state.graph_casts = self.fp8_graph_casts or state.graph_casts
+            return state
         return None
 
     def describe_wgrad(self) -> str:
@@ -160,7 +165,8 @@ class Backends:
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
         if traced:
-            out += f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling)"
+            out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling) with "
+                    f"{_GRAPH_CASTS[self.fp8_graph_casts or 'torch']}")
         return out + "; bf16 output head and embeddings"
 
     def describe(self) -> str:
@@ -182,6 +188,8 @@ class Backends:
 
 
 _CASTS = {"triton": "Triton cast kernels", "torch": "torch casts"}
+_GRAPH_CASTS = {"triton": "the Triton cast kernel as one op per cast (dept_mega::fp8_cast)",
+                "torch": "inductor's casts (from the torch math)"}
 
 
 def _ranges(ids) -> str:
@@ -365,7 +373,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     recipe = None
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
-    fp8_casts = ""
+    fp8_casts = fp8_graph_casts = ""
     if cfg.fp8 is not None:
         recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
@@ -378,6 +386,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             except ValueError as exc:
                 raise BackendError(f"config key 'fp8_casts': triton casts need the triton package and a CUDA "
                                    f"device ({exc})") from None
+            fp8_graph_casts = "triton" if cfg.fp8_casts == "triton" else "torch"
         else:
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
@@ -386,7 +395,8 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         prec = Precision(cfg.precision, device, cfg.optim.grad_dtype)  # raises for a combination it rejects
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
-                    fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts, num_layers=m.num_layers,
+                    fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
+                    fp8_graph_casts=fp8_graph_casts, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
                     cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",

@@ -141,9 +141,8 @@ def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtyp
     max(amax, 1e-12)`` from the tensor's own amax. ``pad`` zero rows are appended (they change
     neither the amax nor a product). Returns ``(q, q_t, 1/scale, amax)``: ``q`` the row-major
     FP8 copy (when ``rowwise``), ``q_t`` the FP8 copy of the transpose, row-major (when
-    ``colwise``), which is what the GEMMs that contract over the rows need, and the tensor's
-    amax. Eagerly it holds one fp32 temporary (the amax comes from ``vector_norm(∞)``, which
-    allocates nothing)."""
+    ``colwise``), which the GEMMs that contract over the rows need, and the tensor's amax.
+    Eagerly it holds one fp32 temporary (the amax is ``vector_norm(∞)``: allocates nothing)."""
     fmax = FP8_MAX[dtype]
     current = torch.linalg.vector_norm(t, float("inf")).float()
     if scale is None:
@@ -196,13 +195,14 @@ class Fp8State:
     steps :meth:`state_dict` / :meth:`load_state_dict` save and restore it exactly (the
     checkpoints' ``fp8_*.pt`` files, ``checkpoint_fp8.py``).
 
-    ``kernels``: ``triton`` (one kernel per cast, ``fp8_kernels.py``) | ``torch``
-    (``_cast_math``) | ``auto`` (:func:`default_cast_kernels`)."""
+    ``kernels``: ``triton`` (one kernel per cast, ``fp8_kernels.py``; named, also in compiled graphs:
+    ``graph_casts``) | ``torch`` (``_cast_math``) | ``auto`` (:func:`default_cast_kernels`)."""
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto") -> None:
         self.recipe = recipe
         self.device = torch.device(device)
         self.kernels = resolve_cast_kernels(kernels, self.device)
+        self.graph_casts = "triton" if kernels == "triton" else "torch"  # the traced casts (fp8_traced.py)
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"

@@ -38,7 +38,10 @@ The math is the eager path's: the casts are :func:`fp8._cast_math` itself (amax,
 FP8_MAX / max(amax, 1e-12)``, scaled in fp32, saturated, cast; the token dimension zero-padded
 to a multiple of 16; the transposed copy where a GEMM contracts over the tokens) and the GEMMs
 take the operand layouts of ``fp8._Fp8Linear`` (e4m3 forward, the recipe's gradient format in
-the backward, bf16 outputs, gradients returned in the dtypes of ``x`` and the weight). Called
+the backward, bf16 outputs, gradients returned in the dtypes of ``x`` and the weight). With
+``fp8_casts: triton`` (``Fp8State.graph_casts``) each cast is instead one opaque node, the
+``dept_mega::fp8_cast`` operator (``fp8_cast_op.py``: the one-pass Triton kernel on CUDA, the
+same bytes; ``_cast_math`` itself on the CPU), which inductor calls rather than splits. Called
 eagerly, and in graphs that run without inductor (AOT autograd alone), it gives the eager
 path's bytes (``tests/test_fp8_compile.py``); inductor's fused kernels need not be bit for
 bit. What differs from the eager path:
@@ -63,6 +66,17 @@ from typing import Optional
 import torch
 
 from .fp8 import _ALIGN, E4M3, GRAD, INPUT, WEIGHT, Fp8Layer, _cast_math
+from .fp8_cast_op import fp8_cast
+
+
+def _cast(op: bool, t: torch.Tensor, scale: Optional[torch.Tensor], operand: int, ready: bool, dtype: torch.dtype,
+          pad: int, rowwise: bool, colwise: bool):
+    """One cast of ``operand``: ``(q, q_t, 1/scale, amax)``; the step's ``scale[operand]`` when
+    ``ready``, else current scaling. ``op``: through the ``dept_mega::fp8_cast`` operator (one
+    opaque node: the Triton kernel on CUDA), else ``_cast_math`` (inductor's own kernels)."""
+    if op:
+        return fp8_cast(t, scale if ready else None, operand, dtype, pad, rowwise, colwise)
+    return _cast_math(t, scale[operand] if ready else None, dtype, pad, rowwise, colwise)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -89,18 +103,16 @@ class _TracedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, need_dx: bool,
-                need_dw: bool, scale=None, amax=None, ready=(False, False, False)):
+                need_dw: bool, op: bool, scale=None, amax=None, ready=(False, False, False)):
         out_features, in_features = weight.shape
         x2 = x.reshape(-1, in_features)
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
-        sx = scale[INPUT] if ready[INPUT] else None
-        sw = scale[WEIGHT] if ready[WEIGHT] else None
-        xq, xq_t, x_inv, x_amax = _cast_math(x2, sx, E4M3, pad, True, need_dw)
-        wq, wq_t, w_inv, w_amax = _cast_math(weight, sw, E4M3, 0, True, need_dx)
+        xq, xq_t, x_inv, x_amax = _cast(op, x2, scale, INPUT, ready[INPUT], E4M3, pad, True, need_dw)
+        wq, wq_t, w_inv, w_amax = _cast(op, weight, scale, WEIGHT, ready[WEIGHT], E4M3, 0, True, need_dx)
         y = _gemm(xq, wq.t(), x_inv, w_inv)
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
-        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw, ready[GRAD])
+        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw, ready[GRAD], op)
         ctx.delayed = (scale, amax) if amax is not None else None
         if pad:
             y = y[:rows]
@@ -113,12 +125,11 @@ class _TracedFp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *amax_grads):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw, g_ready = ctx.meta
+        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw, g_ready, op = ctx.meta
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        sg = None
-        if ctx.delayed is not None and g_ready:
-            sg = ctx.delayed[0][GRAD]
-        gq, gq_t, g_inv, g_amax = _cast_math(g2, sg, grad_dtype, pad, need_dx, need_dw)
+        scale = ctx.delayed[0] if ctx.delayed is not None else None
+        gq, gq_t, g_inv, g_amax = _cast(op, g2, scale, GRAD, scale is not None and g_ready, grad_dtype, pad,
+                                        need_dx, need_dw)
         if ctx.delayed is not None:  # the gradient's amax, recorded where it exists: here
             amax = ctx.delayed[1]
             amax[GRAD].copy_(torch.maximum(amax[GRAD], g_amax))
@@ -130,22 +141,29 @@ class _TracedFp8Linear(torch.autograd.Function):
             grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
         if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
             grad_w = _gemm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype,
-                      layer: Optional[Fp8Layer] = None) -> torch.Tensor:
+                      layer: Optional[Fp8Layer] = None, casts: Optional[str] = None) -> torch.Tensor:
     """``x Wᵀ`` through FP8 GEMMs, written to be traced by ``torch.compile`` (see the module
     docstring); bf16 output ``[..., out]``. ``grad_dtype``: the output gradient's FP8 format
     (``Fp8Recipe.grad_dtype``: e5m2 for ``hybrid``). ``layer``: the layer's :class:`Fp8Layer`;
     inside a delayed-scaling training step its state's scales are used and its amaxes recorded,
-    otherwise (or without it) current scaling."""
+    otherwise (or without it) current scaling. ``casts``: ``triton`` (the casts as the
+    ``dept_mega::fp8_cast`` operator, ``fp8_cast_op.py``) | ``torch`` (``_cast_math``, decomposed
+    by the compiler); None: the state's ``graph_casts`` (``torch`` without a layer)."""
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
     state = layer.state if layer is not None else None
+    if casts is None:
+        casts = state.graph_casts if state is not None else "torch"
+    if casts not in ("triton", "torch"):
+        raise ValueError(f"traced FP8 casts {casts!r} are not one of triton | torch")
+    op = casts == "triton"
     if state is None or not state._record:
-        return _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw)
-    y, x_amax, w_amax = _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, layer.scale,
+        return _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op)
+    y, x_amax, w_amax = _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op, layer.scale,
                                                layer.grad_amax, layer.ready)
     amax = layer.amax
     with torch.no_grad():  # the forward operands' amaxes into the step's (as the eager casts do)
