@@ -17,29 +17,33 @@
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/ (carry it)
 # then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
 #
-# Stages (seconds measured on one H100, 2026-11-26; a stage starts only when its expected time is
-# left, and is stopped at twice it):
+# Stages (expected seconds: measured on one H100, 2026-11-26, or, for ops_tests, ops and torchao,
+# on one H200, 2026-11-27, with room; a stage starts only when its expected time is left,
+# and is stopped at twice it):
 #   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start (20 s)
 #   env        GPU, driver, torch / CUDA versions                                            8
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback while the
 #              extension builds; test files in parallel with pytest-xdist when available)     70
-#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py 60
+#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py 40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
+#   fp8_compile_triton  the FP8 run with train.compile=true and fp8_casts=triton: our one-pass
+#              Triton cast kernel inside the compiled blocks (one op per cast, instead of
+#              inductor's casts), profiled -> bench.jsonl, kernels.txt                   60
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   fp8_compile  the FP8 run (delayed scaling, the default recipe) with train.compile=true: the FP8
 #              GEMMs traced into the compiled blocks, profiled -> bench.jsonl, kernels.txt     60
-#   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
-#              compiled blocks (no graph break) -> bench.jsonl                                  60
-#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  20
-#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   torchao    benchmarks/vs_torchao.py: torchao's float8 (tensorwise) against bf16, both compiled,
 #              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
-#              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          90
-#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
+#              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          60
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
+#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
+#   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
+#              compiled blocks (no graph break) -> bench.jsonl                                  60
+#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
 #              -> memory.json                                                                   16
@@ -71,8 +75,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 compile fp8_compile fp8_current_compile ops fp8_current torchao fp8_mb8
-        megatron vocab250k memory nofusion compile_nofusion mb8)
+STAGES=(build env tests ops_tests bf16 fp8 fp8_compile_triton compile fp8_compile ops torchao megatron fp8_current
+        fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -111,10 +115,13 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # eager (an inductor build of each arm would take a minute on the CPU): the plumbing only
   TORCHAO=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --no-compile)
+  # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
+  # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
+  GRAPH_CASTS=torch
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
-                     [fp8_compile]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6)
+                     [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -125,11 +132,13 @@ else
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
   TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
-  # seconds measured on the first H100 run (2026-11-26), rounded up
-  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=60 [ops]=20 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
+  GRAPH_CASTS=triton
+  # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
+  # the H200 run (2026-11-27: 17, 5 and 39 s) with room
+  declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
-                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_current_compile]=60 [fp8_current]=50
-                     [torchao]=90)  # torchao: an estimate, not measured yet (two compiles, 16 steps)
+                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
+                     [torchao]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -298,6 +307,7 @@ stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }
+stage_fp8_compile_triton() { compiled_bench fp8_compile_triton --profile fp8=hybrid backend=local fp8_casts=$GRAPH_CASTS; }
 stage_fp8_current_compile() { compiled_bench fp8_current_compile fp8=hybrid backend=local fp8_recipe=current; }
 stage_fp8_current() { bench fp8_current fp8=hybrid backend=local fp8_recipe=current; }
 

@@ -18,8 +18,9 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "compile", "fp8_compile", "fp8_current_compile", "ops", "fp8_current",
-          "torchao", "fp8_mb8", "megatron", "vocab250k", "memory", "nofusion", "compile_nofusion", "mb8")
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+          "megatron", "fp8_current", "fp8_current_compile", "fp8_mb8", "vocab250k", "memory", "nofusion",
+          "compile_nofusion", "mb8")
 
 
 def _run(out, *args, timeout=420):
@@ -45,9 +46,9 @@ def test_dry_run_writes_every_figure(tmp_path):
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
     rows = [r for r in rows if r.get("kind") != "vs_torchao"]
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "bf16_compile", "fp8_compile", "fp8_current_compile", "fp8_current",
-                                           "fp8_mb8", "std_vocab250k", "bf16_nofusion", "bf16_compile_nofusion",
-                                           "bf16_mb8"]
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_compile_triton", "bf16_compile", "fp8_compile", "fp8_current",
+                                           "fp8_current_compile", "fp8_mb8", "std_vocab250k", "bf16_nofusion",
+                                           "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     by = {r["name"]: r for r in rows}
     assert by["std_vocab250k"]["vocab_size"] == 2000 and by["bf16"]["vocab_size"] == 1000
@@ -56,7 +57,11 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "grad_accum_fusion=off" in by["bf16_nofusion"]["backends"] and "grad_accum_fusion=on" in by["bf16"]["backends"]
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
-    assert "# kernels: bf16_compile" in kernels
+    assert "# kernels: bf16_compile" in kernels and "# kernels: fp8_compile_triton" in kernels
+    # the dry run's stage runs the torch casts (no Triton here); the device's names fp8_casts=triton
+    assert "fp8=hybrid backend=local fp8_casts=torch train.compile=true" in log
+    assert "FP8 GEMMs traced into the compiled blocks (delayed scaling) with" in by["fp8_compile_triton"]["backends"]
+    assert "FP8 with train.compile and our Triton casts inside the graphs (fp8_compile_triton): " in summary
     # the memory stage: dept_costs.py given the vocabulary sizes (the config's tokenizers do not exist)
     assert "--global-vocab 1000 --source-vocab 1000 --memory" in log
     mem = json.loads((tmp_path / "memory.json").read_text())
