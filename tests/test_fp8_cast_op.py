@@ -6,8 +6,6 @@ operator node per cast in the graphs. The GPU test checks that inductor runs it 
 path's Triton kernel (the same bytes)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch._dynamo
@@ -19,7 +17,7 @@ from dept_mega.parallel import fp8_kernels
 from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, _cast_math, fp8_linear
 from dept_mega.parallel.fp8_cast_op import fp8_cast
 from dept_mega.parallel.fp8_traced import fp8_linear_traced
-from tests.trainer_utils import tiny_config
+from tests.trainer_utils import gpu_test_device, tiny_config
 
 OP = torch.ops.dept_mega.fp8_cast.default
 
@@ -163,18 +161,6 @@ def test_fp8_casts_triton_selects_the_op_in_compiled_graphs():
         fp8_linear_traced(torch.zeros(16, 16).bfloat16(), torch.zeros(16, 16).bfloat16(), E5M2, casts="cuda")
 
 
-def _gpu_device() -> str:
-    if torch.cuda.is_available():
-        if torch.cuda.get_device_capability() < (8, 9):
-            pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
-        if not fp8_kernels.AVAILABLE:
-            pytest.skip("needs Triton")
-        return "cuda"
-    if os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1":  # a rehearsal of the test's logic
-        return "cpu"
-    pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
-
-
 @pytest.mark.gpu
 def test_inductor_runs_the_cast_op_as_the_eager_triton_kernel():
     """Under inductor (``fullgraph``) the operator is the eager path's Triton cast: the same
@@ -183,7 +169,7 @@ def test_inductor_runs_the_cast_op_as_the_eager_triton_kernel():
     eager FP8 linear's (Triton casts) outputs, gradients, amax history and scales byte for byte
     (the same FP8 operands into the same GEMM). (Rehearsed on the CPU, the operator is the
     reference math and the eager path the torch casts.)"""
-    dev = _gpu_device()
+    dev = gpu_test_device(fp8=True, triton=True)
     kernels = "triton" if dev == "cuda" else "torch"
     g = torch.Generator().manual_seed(7)
     t = torch.randn(1000, 256, generator=g).bfloat16().to(dev)  # 1000 rows: padded to 1008

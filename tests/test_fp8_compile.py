@@ -23,7 +23,7 @@ from dept_mega.parallel.fp8 import fp8_weight_cache
 from dept_mega.parallel.fp8_traced import fp8_linear_traced
 from dept_mega.parallel.groups import build_groups
 from dept_mega.trainer import Trainer
-from tests.trainer_utils import dp_micro_batches, global_batch, tiny_config
+from tests.trainer_utils import dp_micro_batches, global_batch, gpu_test_device, tiny_config
 
 FP8 = {"precision": "bf16", "fp8": "hybrid", "backend": "local", "fp8_recipe": "current"}
 
@@ -191,15 +191,6 @@ def test_compiled_fp8_trains_to_the_eager_losses(fmt, recipe, dropout, monkeypat
     assert _same(compiled["after_eval"], eager["after_eval"])  # the evaluation records nothing
 
 
-def _inductor_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    import os
-    if os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1":  # a rehearsal of the test's logic
-        return "cpu"
-    pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
-
-
 @pytest.mark.gpu
 def test_inductor_compiles_the_traced_fp8_linear_to_the_eager_results():
     """The traced linear under inductor (``fullgraph``: no graph break) against the eager FP8
@@ -207,7 +198,7 @@ def test_inductor_compiles_the_traced_fp8_linear_to_the_eager_results():
     own cast kernels and its ``_scaled_mm`` call with the column-major operands. The FP8 bytes
     may differ where inductor computes a scale one ulp apart, so the results agree to FP8
     precision, not bit for bit."""
-    dev = _inductor_device()
+    dev = gpu_test_device(fp8=True)
     if dev == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
     g = torch.Generator().manual_seed(3)
@@ -237,7 +228,7 @@ def test_inductor_compiles_the_delayed_scaled_traced_fp8_linear():
     whoever computes it; the output gradients are given), the results to FP8 precision. Checks
     that inductor keeps the forward's amax writes and the backward's write of the gradient's
     amax into the layer's tensors."""
-    dev = _inductor_device()
+    dev = gpu_test_device(fp8=True)
     if dev == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
     g = torch.Generator().manual_seed(4)

@@ -25,6 +25,27 @@ TINY: dict[str, Any] = {
 }
 
 
+def gpu_test_device(fp8: bool = False, triton: bool = False) -> str:
+    """The device of a test marked ``gpu``: ``cuda``, or ``cpu`` under DEPT_MEGA_GPU_TESTS_ON_CPU=1
+    (a rehearsal of the test's logic; conftest skips ``gpu`` tests without CUDA otherwise).
+    On a GPU, ``fp8`` skips without FP8 GEMMs (compute capability 8.9+), ``triton`` without
+    Triton (the FP8 cast kernels)."""
+    import os
+
+    import pytest
+    if not torch.cuda.is_available():
+        if os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1":
+            return "cpu"
+        pytest.skip("needs a CUDA device")
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9+)")
+    if triton:
+        from dept_mega.parallel import fp8_kernels
+        if not fp8_kernels.AVAILABLE:
+            pytest.skip("needs Triton")
+    return "cuda"
+
+
 def merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
