@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host (CPU-side Python and dispatch) cost of one FP8 linear call, forward + backward.
 
-    OMP_NUM_THREADS=1 python benchmarks/fp8_host_overhead.py [--shape 16,16] [--depth 8] \
+    OMP_NUM_THREADS=1 python benchmarks/fp8_host_overhead.py [--device cpu|cuda] [--shape 16,16] [--depth 8] \
         [--calls 50] [--trials 9] [--modes bf16,bf16_layer,fp8_torch,...] [--profile MODE] [--json OUT]
 
 On a fast GPU the FP8 linear layers are bound by what the host spends per call: the GPU kernels
@@ -21,16 +21,35 @@ step's first pass, which casts the weights, is not timed: every timed call finds
 FP8 copies cached and casts its input and its output gradient. Trials alternate the modes
 (rotating which goes first) to share the machine's noise; the result is the median over
 trials of µs per call, in CPU time of the process (with one thread that is the host's work;
-time the process was preempted on a shared machine does not count). Modes:
+time the process was preempted on a shared machine does not count).
+
+``--device cuda`` runs the same chains on the GPU (weights, operands and gradient buffer there;
+the FP8 state with ``kernels="triton"``) and times them by the wall clock, with
+``torch.cuda.synchronize()`` before the first and after the last timed pass: the operands are
+so small that the GPU finishes each kernel before the host has issued the next, so the wall
+time is the host's time, now including what exists only on a GPU (Triton's launcher, the CUDA
+driver's launches, cuBLASLt's descriptor and heuristic setup in ``_scaled_mm``). Modes:
 
 * ``bf16``: plain ``F.linear`` with autograd's own weight-gradient accumulation (``w.grad``).
 * ``bf16_layer``: our bf16 linear path (``optim.grad_accum_fusion``, the default): the
   ``FusedWgradLinear`` autograd function, its backward adding ``dYᵀ·X`` into ``main_grad``
   through ``GradBuffer.arrive``.
-* ``fp8_torch``: ``fp8_linear`` with the ``torch`` casts (``_cast_math`` eagerly, as on CPU; on
-  CUDA they are compiled, so their host cost there differs): the whole FP8 path including the
-  reference casts' several eager tensor ops per cast. Gradient to ``main_grad`` as the trainer
-  does for FP8 weights.
+* ``fp8_torch``: ``fp8_linear`` with the ``torch`` casts (``_cast_math`` eagerly): the whole FP8
+  path including the reference casts' several eager tensor ops per cast. Gradient to
+  ``main_grad`` as the trainer does for FP8 weights. On CUDA the casts run eagerly here too
+  (the trainer compiles them there: Dynamo's guards and inductor's kernels instead, not
+  measured), a dozen kernel launches per cast.
+* ``fp8``: the real path on CUDA, the Triton casts and ``torch._scaled_mm`` as training runs
+  them. Skipped on the CPU, which has no Triton launcher (Triton's interpreter would time the
+  interpreter); the output says so.
+* ``fp8_op``: as ``fp8`` with each cast through the custom operator
+  ``torch.ops.dept_mega.fp8_cast`` (``fp8_cast_op.py``, what the compiled graphs call) instead
+  of ``cast_fp8`` directly, the operator's fresh amax maxed into the layer's slot afterwards as
+  the traced linear does. On CUDA ``fp8_op − fp8`` is the operator's cost per call: the
+  dispatcher and ``custom_op``'s Python around the same kernel, plus the operator's own small
+  kernels (the amax's zero fill; under delayed scaling the scale's reciprocal) and the maximum.
+  On the CPU the operator runs the reference math, so there ``fp8_op − fp8_torch`` is that
+  cost without the extra kernels.
 * ``fp8_stub``: the ``triton`` cast path of ``Fp8State.cast`` with ``fp8_kernels.cast_fp8``
   replaced by a stub that only allocates its outputs (no arithmetic, the FP8 bytes are
   garbage): the Python of the FP8 linear around the cast call (state lookups, weight cache,
@@ -45,10 +64,22 @@ time the process was preempted on a shared machine does not count). Modes:
   converts both operands to fp32 first, ~20 µs per call even at 16 × 16, which is not what the
   cuBLASLt call costs the host on a GPU).
 
+The differences between modes are printed as a derived table (and are ``derived`` in the
+JSON), µs per linear call (two casts, the weight's cached, and three GEMMs):
+
+* ``triton_launcher`` = ``fp8 − fp8_launch_stub``: Triton's launcher (argument binding,
+  specialisation key, kernel cache lookup, the driver's launch). CUDA only.
+* ``cast_fp8_python`` = ``fp8_launch_stub − fp8_stub``: ``cast_fp8``'s own Python.
+* ``scaled_mm_host`` = ``fp8_stub − fp8_python``: ``torch._scaled_mm`` (on CUDA its host path:
+  dispatch, cuBLASLt's descriptors and heuristic; on the CPU PyTorch's CPU kernel, which
+  computes, ~20 µs per call even at 16 × 16: not a host figure).
+* ``cast_op`` = ``fp8_op − fp8`` (CUDA) or ``fp8_op − fp8_torch`` (CPU): see ``fp8_op``.
+
 ``--profile MODE`` runs one more step of ``MODE`` under cProfile and prints where its time goes.
-The kernels' time is not zero at these sizes (the CPU ``_scaled_mm`` and, in ``fp8_torch``, the
-eager casts compute), so the differences between modes, not the absolute numbers, are the host
-cost of the FP8 path; GPU kernel launch costs (the CUDA driver) are not included anywhere.
+On the CPU the kernels' time is not zero at these sizes (the CPU ``_scaled_mm`` and, in
+``fp8_torch``, the eager casts compute), so the differences between modes, not the absolute
+numbers, are the host cost of the FP8 path; GPU kernel launches (the CUDA driver) are part
+of the figures only with ``--device cuda``.
 """
 from __future__ import annotations
 
@@ -71,13 +102,48 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
+from dept_mega.parallel import fp8 as fp8_module  # noqa: E402
+from dept_mega.parallel import fp8_cast_op  # noqa: E402,F401  (registers torch.ops.dept_mega.fp8_cast)
 from dept_mega.parallel import fp8_kernels as K  # noqa: E402
 from dept_mega.parallel import wgrad  # noqa: E402
 from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 
-MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8_stub", "fp8_launch_stub", "fp8_python")
+MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python")
 _BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
+# the derived table: name -> (minuend, subtrahend on CUDA, subtrahend on the CPU, what it is)
+DERIVED = {
+    "triton_launcher": ("fp8", "fp8_launch_stub", "fp8_launch_stub",
+                        "Triton's launcher: binding, specialisation key, cache lookup, driver launch"),
+    "cast_fp8_python": ("fp8_launch_stub", "fp8_stub", "fp8_stub", "cast_fp8's own Python: checks, allocations, grid"),
+    "scaled_mm_host": ("fp8_stub", "fp8_python", "fp8_python",
+                       "torch._scaled_mm: dispatch and cuBLASLt setup (CPU: PyTorch's CPU kernel, computing)"),
+    "cast_op": ("fp8_op", "fp8", "fp8_torch",
+                "the custom operator dept_mega::fp8_cast around each cast (see fp8_op)"),
+}
+
+
+def derived(us: dict, device: str) -> dict:
+    """The :data:`DERIVED` differences of the medians ``us`` (µs per call) on ``device``: per
+    name ``{"us": value or None, "of": "a - b", "what": ...}``; None where a mode did not run."""
+    out = {}
+    for name, (a, b_cuda, b_cpu, what) in DERIVED.items():
+        b = b_cuda if device == "cuda" else b_cpu
+        value = us[a] - us[b] if a in us and b in us else None
+        out[name] = {"us": value, "of": f"{a} - {b}", "what": what}
+    return out
+
+
+def skip_reason(mode: str, device: str):
+    """Why ``mode`` cannot run on ``device`` (None: it can)."""
+    if mode != "fp8":
+        return None
+    if device != "cuda":
+        return ("needs a GPU: the real Triton casts have no launcher on the CPU (Triton's interpreter would time "
+                "the interpreter)" + ("" if K.AVAILABLE else "; Triton is not installed here"))
+    if not K.AVAILABLE:
+        return "Triton is not installed: the Triton casts cannot run"
+    return None
 
 
 def _stub_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=None, **kwargs):
@@ -101,12 +167,38 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _op_cast_fp8(t, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0, amax_out=None,
+                 amax_index=0):
+    """``cast_fp8`` through the custom operator (the ``fp8_op`` mode): its fresh amax maxed into
+    ``amax_out``'s slot, as the traced linear does with it."""
+    q, q_t, inv, amax = torch.ops.dept_mega.fp8_cast(t, scale, scale_index, dtype, pad, rowwise, colwise)
+    if amax_out is not None:
+        torch.maximum(amax_out[amax_index], amax, out=amax_out[amax_index])
+    return (q if rowwise else None), (q_t if colwise else None), (inv if scale is None else None)
+
+
+class _KernelsVia:
+    """What ``fp8.py`` sees as ``fp8_kernels`` in the ``fp8_op`` mode: the module with its
+    ``cast_fp8`` replaced (the operator's own CUDA implementation still calls the real one)."""
+
+    def __init__(self, cast_fp8) -> None:
+        self.cast_fp8 = cast_fp8
+
+    def __getattr__(self, name):
+        return getattr(K, name)
+
+
+def _eager_cast(t, scale, dtype, pad=0, rowwise=True, colwise=False):
+    """``fp8._cast`` run eagerly on every device (the ``fp8_torch`` mode on CUDA)."""
+    return fp8_module._cast_math(t, scale, dtype, pad, rowwise, colwise)
+
+
 @contextlib.contextmanager
-def _patched(mode: str):
+def _patched(mode: str, device: str = "cpu"):
     """The cast path of ``mode`` in place for the duration (restored afterwards)."""
     saved = {name: getattr(K, name) for name in ("cast_fp8", "_cast_kernel", "_amax_parts_kernel", "AVAILABLE",
                                                    "triton", "interpreted") if hasattr(K, name)}
-    scaled_mm = torch._scaled_mm
+    scaled_mm, kernels, cast = torch._scaled_mm, fp8_module.fp8_kernels, fp8_module._cast
     if mode in ("fp8_stub", "fp8_python"):
         K.cast_fp8 = _stub_cast_fp8
     if mode == "fp8_python":
@@ -116,10 +208,15 @@ def _patched(mode: str):
         K.AVAILABLE, K.interpreted = True, lambda: True
         if K.triton is None:
             K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    elif mode == "fp8_op":
+        fp8_module.fp8_kernels = _KernelsVia(_op_cast_fp8)
+    elif mode == "fp8_torch" and device == "cuda":
+        fp8_module._cast = _eager_cast
     try:
         yield
     finally:
         torch._scaled_mm = scaled_mm
+        fp8_module.fp8_kernels, fp8_module._cast = kernels, cast
         for name, value in saved.items():
             setattr(K, name, value)
         for name in ("_cast_kernel", "_amax_parts_kernel"):
@@ -131,24 +228,28 @@ class Case:
     """One mode's chain of ``depth`` linear layers, operands, gradient buffer and step (see the
     module docstring)."""
 
-    def __init__(self, mode: str, tokens: int, hidden: int, depth: int, scaling: str = "delayed") -> None:
+    def __init__(self, mode: str, tokens: int, hidden: int, depth: int, scaling: str = "delayed",
+                 device: str = "cpu") -> None:
         g = torch.Generator().manual_seed(0)
-        self.mode = mode
-        self.ws = [torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).bfloat16())
+        self.mode, self.device = mode, device
+        self.ws = [torch.nn.Parameter((torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).bfloat16().to(device))
                    for _ in range(depth)]
-        self.x = torch.randn(tokens, hidden, generator=g).bfloat16().requires_grad_()
-        self.dy = torch.randn(tokens, hidden, generator=g).bfloat16()
+        self.x = torch.randn(tokens, hidden, generator=g).bfloat16().to(device).requires_grad_()
+        self.dy = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
         self.buffer = None
         if mode != "bf16":
-            self.buffer = GradBuffer(self.ws, torch.float32, torch.device("cpu"), bucket_size=1 << 30)
+            self.buffer = GradBuffer(self.ws, torch.float32, torch.device(device), bucket_size=1 << 30)
             self.buffer.adopt()
             self.sync = GradSync(build_groups(), overlap=False)
         self.state, self.layers = None, [None] * depth
         if mode.startswith("fp8"):
-            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), "cpu", kernels="torch")
+            # CUDA: the Triton casts where Triton is installed (the real path; stubbed in the
+            # stub modes); the CPU has no launcher: the state's kernel path is set by hand below
+            kernels = "triton" if device == "cuda" and K.AVAILABLE and mode != "fp8_torch" else "torch"
+            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device, kernels=kernels)
             self.layers = [self.state.new_layer() for _ in range(depth)]
             if mode != "fp8_torch":
-                self.state.kernels = "triton"  # the kernel path of Fp8State.cast, its kernels stubbed
+                self.state.kernels = "triton"  # the kernel path of Fp8State.cast (stubbed in the stub modes)
             self.step(2)  # the first (current-scaled) step: history and scales from here on
 
     def call(self) -> None:
@@ -165,17 +266,24 @@ class Case:
 
     def step(self, calls: int) -> float:
         """One training step of ``calls`` forward + backward passes through the chain (the
-        micro-batches); CPU seconds of all but the first (FP8: which casts the weights)."""
-        with _patched(self.mode):
+        micro-batches); seconds of all but the first (FP8: which casts the weights): CPU time of
+        the process on the CPU, wall time between two synchronisations on CUDA."""
+        cuda = self.device == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
+        with _patched(self.mode, self.device):
             if self.buffer is not None:
                 self.sync.begin([self.buffer], {id(w): _BIG for w in self.ws})
             if self.state is not None:
                 self.state.begin_step()
             self.call()
-            t0 = time.process_time()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = clock()
             for _ in range(calls):
                 self.call()
-            dt = time.process_time() - t0
+            if cuda:
+                torch.cuda.synchronize()
+            dt = clock() - t0
             if self.state is not None:
                 self.state.end_step()
             if self.buffer is not None:
@@ -198,6 +306,8 @@ def profile(case: Case, calls: int, top: int = 25) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the chains run (cuda: wall time between synchronisations)")
     ap.add_argument("--shape", default="16,16", help="tokens,hidden (multiples of 16)")
     ap.add_argument("--depth", type=int, default=8, help="linear layers in the chain")
     ap.add_argument("--calls", type=int, default=50, help="timed forward + backward passes per trial")
@@ -210,29 +320,47 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = tuple(int(n) for n in args.shape.split(","))
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES) | ({args.profile} - set(MODES) - {None})
+    requested = [m for m in args.modes.split(",") if m]
+    unknown = set(requested) - set(MODES) | ({args.profile} - set(MODES) - {None})
     if len(shape) != 2 or unknown:
         raise SystemExit(f"--shape takes tokens,hidden; modes are {', '.join(MODES)} (got {sorted(unknown)})")
-    cases = {m: Case(m, *shape, args.depth, args.scaling) for m in modes}
-    for case in cases.values():  # warm-up: allocator, dispatcher caches
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to this process")
+    skipped = {m: why for m in requested if (why := skip_reason(m, args.device))}
+    if args.profile in skipped:
+        raise SystemExit(f"--profile {args.profile}: {skipped[args.profile]}")
+    modes = [m for m in requested if m not in skipped]
+    cases = {m: Case(m, *shape, args.depth, args.scaling, args.device) for m in modes}
+    for case in cases.values():  # warm-up: allocator, dispatcher caches (and on CUDA Triton's kernel cache)
         case.step(args.calls // 4 + 1)
     us: dict[str, list[float]] = {m: [] for m in modes}
     for trial in range(args.trials):
         order = modes[trial % len(modes):] + modes[:trial % len(modes)]
         for m in order:
             us[m].append(cases[m].step(args.calls) / (args.calls * args.depth) * 1e6)
-    res = {"shape": shape, "depth": args.depth, "scaling": args.scaling, "calls": args.calls, "trials": args.trials, "threads": args.threads,
-           "torch": torch.__version__, "us_per_call": {m: statistics.median(v) for m, v in us.items()},
-           "us_min": {m: min(v) for m, v in us.items()}}
-    print(f"host µs per linear call (forward + backward), tokens,hidden = {args.shape}, a chain of {args.depth}, "
-          f"{args.calls} passes × {args.trials} trials, torch {torch.__version__}, {args.threads} thread(s), {args.scaling} scaling")
-    base = res["us_per_call"].get("bf16")
-    for m in modes:
-        rel = f"  ({res['us_per_call'][m] / base:.2f}× bf16)" if base else ""
-        print(f"  {m:16s} median {res['us_per_call'][m]:8.1f}  min {res['us_min'][m]:8.1f}{rel}")
+    median = {m: statistics.median(v) for m, v in us.items()}
+    res = {"device": args.device, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "timing": "wall clock between synchronisations" if args.device == "cuda" else "process CPU time",
+           "shape": shape, "depth": args.depth, "scaling": args.scaling, "calls": args.calls, "trials": args.trials,
+           "threads": args.threads, "torch": torch.__version__, "us_per_call": median,
+           "us_min": {m: min(v) for m, v in us.items()}, "skipped": skipped, "derived": derived(median, args.device)}
+    print(f"host µs per linear call (forward + backward) on {res['device_name']} ({res['timing']}), tokens,hidden = "
+          f"{args.shape}, a chain of {args.depth}, {args.calls} passes × {args.trials} trials, torch "
+          f"{torch.__version__}, {args.threads} thread(s), {args.scaling} scaling")
+    base = median.get("bf16")
+    for m in requested:
+        if m in skipped:
+            print(f"  {m:16s} skipped: {skipped[m]}")
+            continue
+        rel = f"  ({median[m] / base:.2f}× bf16)" if base else ""
+        print(f"  {m:16s} median {median[m]:8.1f}  min {res['us_min'][m]:8.1f}{rel}")
+    print("derived, µs per call:")
+    for name, d in res["derived"].items():
+        value = "n/a (a mode did not run)" if d["us"] is None else f"{d['us']:8.1f}"
+        print(f"  {name:16s} {value}  = {d['of']}: {d['what']}")
     if args.profile:
-        print(profile(cases.get(args.profile) or Case(args.profile, *shape, args.depth, args.scaling), args.calls))
+        print(profile(cases.get(args.profile) or Case(args.profile, *shape, args.depth, args.scaling, args.device),
+                      args.calls))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -29,6 +29,10 @@
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
+#   fp8_host   benchmarks/fp8_host_overhead.py --device cuda: the host's µs per FP8 linear call by
+#              mode, and what Triton's launcher, cast_fp8's Python and _scaled_mm's host path
+#              each cost (tiny operands, wall time) -> one "kind": "fp8_host" row of bench.jsonl
+#              30 (an estimate: not yet measured)
 #   fp8_compile_triton  the FP8 run with train.compile=true and fp8_casts=triton: our one-pass
 #              Triton cast kernel inside the compiled blocks (one op per cast, instead of
 #              inductor's casts), profiled -> bench.jsonl, kernels.txt                   60
@@ -75,7 +79,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 fp8_compile_triton compile fp8_compile ops torchao megatron fp8_current
+STAGES=(build env tests ops_tests bf16 fp8 fp8_host fp8_compile_triton compile fp8_compile ops torchao megatron fp8_current
         fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
@@ -115,13 +119,16 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # eager (an inductor build of each arm would take a minute on the CPU): the plumbing only
   TORCHAO=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --no-compile)
+  # the CPU has no Triton launcher: the benchmark skips its real fp8 mode there (and says so)
+  FP8_HOST=(--device cpu --trials 1 --calls 3 --depth 2)
   # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
   # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
   GRAPH_CASTS=torch
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
-                     [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6)
+                     [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
+                     [fp8_host]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -132,13 +139,14 @@ else
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
   TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
+  FP8_HOST=(--device cuda --trials 5)
   GRAPH_CASTS=triton
   # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
   # the H200 run (2026-11-27: 17, 5 and 39 s) with room
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
-                     [torchao]=60)
+                     [torchao]=60 [fp8_host]=30)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -341,6 +349,25 @@ stage_megatron() {
     return 1; }
   run "$PY" benchmarks/vs_megatron.py --config "$CFG" "${MEGATRON[@]}" --out "$OUT/vs_megatron.json" \
     "${SHAPE[@]}" "${MEGATRON_SET[@]}"
+}
+
+stage_fp8_host() {  # fp8_host_overhead.py's record as one "kind": "fp8_host" row of bench.jsonl
+  local rec="$WORK/fp8_host.json" rc
+  rm -f "$rec"
+  run "$PY" benchmarks/fp8_host_overhead.py "${FP8_HOST[@]}" --json "$rec"
+  rc=$?
+  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+rec, rc, log, dst = sys.argv[1:]
+if rc == "0" and os.path.exists(rec):
+    r = json.load(open(rec))
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+r.update(kind="fp8_host", name="fp8_host", rc=int(rc))
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+  return $rc
 }
 
 stage_torchao() {  # vs_torchao.py's record (less its config) as one row of bench.jsonl; skipped without torchao

@@ -4,8 +4,8 @@
 time, the pytest results, the custom ops against the copy bandwidth, the 1B benchmark rows
 (tokens/s, TFLOP/s, MFU, peak memory against the targets of docs/performance.md), the memory model against
 the measured peak, the comparison with megatron-core, torchao's float8 against bf16 on a plain
-GPT of the same shape (the ``vs_torchao`` row of bench.jsonl) and the head of each kernel
-breakdown.
+GPT of the same shape (the ``vs_torchao`` row of bench.jsonl), the host's cost per FP8 linear
+call by mode (the ``fp8_host`` row) and the head of each kernel breakdown.
 
     python benchmarks/suite_summary.py OUT [--env ENV.json] [--budget S] [--elapsed S] [--dry-run]
 
@@ -28,6 +28,7 @@ PYTEST_RESULT = re.compile(rf"^(?:=+ )?((?:{_OUTCOME}(?:, )?)+ in [\d.]+s(?: \([
 STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
 STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s")
 STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
+OWN_SECTIONS = ("vs_torchao", "fp8_host")  # kinds of bench.jsonl rows with a section of their own
 
 
 def _load(path: str):
@@ -242,6 +243,28 @@ def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
     return lines
 
 
+def fp8_host_lines(r: dict) -> list[str]:
+    """benchmarks/fp8_host_overhead.py's record (a bench.jsonl row of kind ``fp8_host``): µs per
+    FP8 linear call (forward + backward) by mode, the modes that did not run and why, and the
+    derived differences (what each piece of the FP8 path costs the host)."""
+    lines = ["## FP8: the host's cost per linear call (benchmarks/fp8_host_overhead.py)", ""]
+    if "error" in r:
+        return lines + [f"- failed: {r['error']}"]
+    shape = "x".join(str(x) for x in r.get("shape") or [])
+    lines += [f"- {r.get('device_name')}, {r.get('timing')}; operands {shape}, a chain of {r.get('depth')}, "
+              f"{r.get('scaling')} scaling, {r.get('calls')} passes x {r.get('trials')} trials (median)",
+              "", "| mode | us per call | min |", "| --- | ---: | ---: |"]
+    us, low = r.get("us_per_call") or {}, r.get("us_min") or {}
+    for mode, value in us.items():
+        lines.append(f"| {mode} | {_fmt(value, '.1f')} | {_fmt(low.get(mode), '.1f')} |")
+    for mode, why in (r.get("skipped") or {}).items():
+        lines.append(f"| {mode} | skipped: {why} | |")
+    lines += ["", "| derived | us per call | of | what |", "| --- | ---: | --- | --- |"]
+    for name, d in (r.get("derived") or {}).items():
+        lines.append(f"| {name} | {_fmt(d.get('us'), '.1f', 'n/a')} | {d.get('of')} | {d.get('what')} |")
+    return lines
+
+
 def summary(out: str, env_path: str | None = None, budget: int | None = None, elapsed: int | None = None,
             dry_run: bool = False) -> str:
     lines = ["# GPU check summary" + (" (dry run on the CPU: tiny model, no figure means anything)" if dry_run
@@ -270,12 +293,14 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-        bench_rows = [r for r in rows if r.get("kind") != "vs_torchao"]
+        bench_rows = [r for r in rows if r.get("kind") not in OWN_SECTIONS]  # the 1B runs (kind "bench")
         if bench_rows:
             lines += [""] + _bench_lines(bench_rows)
         for r in rows:
             if r.get("kind") == "vs_torchao":
                 lines += [""] + torchao_lines(r, bench_rows)
+            elif r.get("kind") == "fp8_host":
+                lines += [""] + fp8_host_lines(r)
     mem = _load(os.path.join(out, "memory.json"))
     if mem:
         lines += ["", f"## Memory model ({mem.get('note', '')})", ""]

@@ -10,10 +10,13 @@
   ``param.grad`` never set; outside a training step autograd gets the gradient as before;
 * ``_scaled_mm``'s cheaper checks still name a misaligned operand or scale;
 * under a profiler the forward and backward are named ranges; without one no range is opened;
-* the benchmark runs every mode.
+* the benchmark runs every mode (the real ``fp8`` one only on CUDA: on the CPU it says why
+  not); its derived table subtracts the right modes; its ``fp8_op`` mode sends the casts through
+  the custom operator and gives the same bytes as the ``torch`` casts.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -168,13 +171,79 @@ def test_named_profiler_ranges_only_while_profiling(monkeypatch):
     run()
 
 
+BENCH = os.path.join(ROOT, "benchmarks", "fp8_host_overhead.py")
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("fp8_host_overhead", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
     out = tmp_path / "host.json"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fp8_host_overhead.py"), "--calls", "2",
-                          "--trials", "1", "--depth", "2", "--json", str(out)],
+    res = subprocess.run([sys.executable, BENCH, "--calls", "2", "--trials", "1", "--depth", "2", "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
-    us = json.loads(out.read_text())["us_per_call"]
-    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_stub", "fp8_launch_stub", "fp8_python"}
+    rec = json.loads(out.read_text())
+    us = rec["us_per_call"]
+    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python"}
     assert all(v > 0 for v in us.values())
+    # the real path needs a GPU: skipped on the CPU, with the reason in the output and the record
+    assert set(rec["skipped"]) == {"fp8"} and rec["skipped"]["fp8"].startswith("needs a GPU")
+    assert "fp8              skipped: needs a GPU" in res.stdout
+    assert rec["device"] == "cpu" and rec["timing"] == "process CPU time"
+    d = rec["derived"]
+    assert d["triton_launcher"]["us"] is None and "triton_launcher  n/a" in res.stdout
+    assert d["cast_fp8_python"]["us"] == us["fp8_launch_stub"] - us["fp8_stub"]
+    assert d["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
+    assert d["cast_op"]["us"] == us["fp8_op"] - us["fp8_torch"] and d["cast_op"]["of"] == "fp8_op - fp8_torch"
+
+
+def test_the_derived_table_subtracts_the_right_modes():
+    """Each mode a different power of two, so every pair's difference is unique to that pair."""
+    bench = _bench_module()
+    us = {m: float(2 ** i) for i, m in enumerate(bench.MODES)}
+    want = {"cuda": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
+                     "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8")},
+            "cpu": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
+                    "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8_torch")}}
+    for device, table in want.items():
+        got = bench.derived(us, device)
+        assert set(got) == set(table)
+        for name, (a, b) in table.items():
+            assert got[name]["us"] == us[a] - us[b], (device, name, got[name])
+            assert got[name]["of"] == f"{a} - {b}"
+    partial = bench.derived({m: v for m, v in us.items() if m != "fp8"}, "cuda")
+    assert partial["triton_launcher"]["us"] is None and partial["cast_op"]["us"] is None
+    assert partial["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
+    assert bench.skip_reason("fp8", "cpu").startswith("needs a GPU") and bench.skip_reason("fp8_op", "cpu") is None
+
+
+def test_the_operator_mode_casts_through_the_operator_with_the_same_bytes():
+    """``fp8_op`` on the CPU (the operator's reference implementation) gives the ``torch``
+    casts' bytes: outputs, input gradients, ``main_grad`` and the amax history; the operator is
+    what ran; the module's cast path is restored afterwards."""
+    bench = _bench_module()
+    cases = {m: bench.Case(m, 16, 32, 2) for m in ("fp8_torch", "fp8_op")}  # with a first (current-scaled) step
+    outs = {}
+    for mode, case in cases.items():
+        case.step(1)  # a delayed-scaling step
+        with bench._patched(mode), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            case.state.begin_step()
+            y = case.x
+            for w, layer in zip(case.ws, case.layers):
+                y = fp8_linear(y, w, layer)
+            y.backward(case.dy)
+            case.state.end_step()
+        outs[mode] = (y.detach(), case.x.grad, [w.main_grad.clone() for w in case.ws], case.state.history.clone(),
+                      {e.name for e in prof.events()})
+    (y0, gx0, mg0, h0, names0), (y1, gx1, mg1, h1, names1) = outs["fp8_torch"], outs["fp8_op"]
+    assert "dept_mega::fp8_cast" in names1 and "dept_mega::fp8_cast" not in names0
+    assert _bytes_equal(y0, y1) and _bytes_equal(gx0, gx1) and torch.equal(h0, h1)
+    assert all(_bytes_equal(a, b) for a, b in zip(mg0, mg1))
+    assert h1.abs().sum() > 0  # the operator's amaxes reached the history
+    from dept_mega.parallel import fp8_kernels
+    assert fp8_module.fp8_kernels is fp8_kernels and fp8_module._cast is not bench._eager_cast

@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_host", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "fp8_current", "fp8_current_compile", "fp8_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -44,7 +44,8 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
-    rows = [r for r in rows if r.get("kind") != "vs_torchao"]
+    host = [r for r in rows if r.get("kind") == "fp8_host"]
+    rows = [r for r in rows if r.get("kind") not in ("vs_torchao", "fp8_host")]
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_compile_triton", "bf16_compile", "fp8_compile", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "std_vocab250k", "bf16_nofusion",
@@ -81,6 +82,17 @@ def test_dry_run_writes_every_figure(tmp_path):
     for stage in ("tests", "ops_tests"):
         assert re.search(rf"^\| {stage} \| ok \| \d+ \| \d+ (passed|skipped|deselected)[^|]* in [\d.]+s", summary,
                          re.MULTILINE), (stage, summary)
+    # the fp8_host stage: benchmarks/fp8_host_overhead.py's record, one row of bench.jsonl, and its section
+    assert len(host) == 1 and host[0]["name"] == "fp8_host" and host[0]["rc"] == 0 and "error" not in host[0], host
+    us = host[0]["us_per_call"]
+    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python"}
+    assert all(v > 0 for v in us.values()) and host[0]["device"] == "cpu"
+    assert host[0]["derived"]["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
+    assert "## FP8: the host's cost per linear call" in summary and "| fp8_python | " in summary
+    assert "| fp8 | skipped: needs a GPU" in summary  # no Triton launcher on the CPU: the real mode says why
+    assert "| triton_launcher | n/a | fp8 - fp8_launch_stub |" in summary
+    assert re.search(r"^\| cast_fp8_python \| -?[\d.]+ \| fp8_launch_stub - fp8_stub \|", summary, re.MULTILINE), summary
+    assert "--device cpu --trials 1 --calls 3" in log
     # the last stage: torchao's float8 against bf16 (benchmarks/vs_torchao.py), one row of bench.jsonl
     assert len(torchao) == 1 and torchao[0]["name"] == "torchao" and torchao[0]["rc"] == 0, torchao
     if "skipped" in torchao[0]:  # torchao not importable where the script ran (the suite's venv lacks it)
