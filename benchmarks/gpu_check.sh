@@ -44,6 +44,10 @@
 #              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
 #              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          60
 #   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
+#   flex_autotune  the bf16 run with TORCHINDUCTOR_MAX_AUTOTUNE=1: inductor tries block sizes for
+#              the compiled flex_attention kernels (and the other compiled regions) and keeps the
+#              fastest; profiled, so attention's ms compare with bf16's -> bench.jsonl, kernels.txt
+#              120 (an estimate: not yet measured)
 #   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
 #   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
 #              compiled blocks (no graph break) -> bench.jsonl                                  60
@@ -79,8 +83,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 fp8_host fp8_compile_triton compile fp8_compile ops torchao megatron fp8_current
-        fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion mb8)
+STAGES=(build env tests ops_tests bf16 fp8 fp8_host fp8_compile_triton compile fp8_compile ops torchao megatron
+        flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -128,7 +132,7 @@ if [ "$DRY" = 1 ]; then
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
-                     [fp8_host]=12)
+                     [fp8_host]=12 [flex_autotune]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -146,7 +150,7 @@ else
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
-                     [torchao]=60 [fp8_host]=30)
+                     [torchao]=60 [fp8_host]=30 [flex_autotune]=120)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -312,6 +316,8 @@ compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=tru
 }
 stage_compile() { compiled_bench bf16_compile --profile; }
 stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
+# attention is 17 % of the bf16 step's GPU time (flex_attention with its default block sizes)
+stage_flex_autotune() { TORCHINDUCTOR_MAX_AUTOTUNE=1 bench bf16_flex_autotune --profile; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }

@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch._inductor import config as inductor_config  # noqa: E402
 
 from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
 from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
                       flops_per_token=flops_tok, vocab_size=vocab,
                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       torch_version=torch.__version__, cuda_version=torch.version.cuda,
+                      inductor_max_autotune=bool(inductor_config.max_autotune),
                       date=datetime.date.today().isoformat(), config=cfg.to_dict())
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
