@@ -552,7 +552,7 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
-    lh = Lighthouse(min_groups=2, join_s=join_s)
+    lh = Lighthouse(min_groups=2, join_s=join_s, process=True)  # (the command, --join-timeout-s among its options)
     procs = []
     try:
         # groups 0 and 1 wait at round 3's start until group 2 is let go (and has asked for a
