@@ -22,6 +22,17 @@ import sys
 import threading
 
 
+def serve(port: int, min_groups: int, bind: str = "[::]", join_timeout_s: float = 60.0,
+          heartbeat_timeout_s: float = 5.0):
+    """Start torchft's ``LighthouseServer`` with this CLI's settings and return it (serving on its
+    own threads until ``shutdown()``); ``main`` below is the command around it. Raises ImportError
+    without torchft, and what torchft raises when the address cannot be listened on."""
+    from torchft.coordination import LighthouseServer
+    return LighthouseServer(bind=f"{bind}:{port}", min_replicas=min_groups,
+                            join_timeout_ms=int(join_timeout_s * 1000),
+                            heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.lighthouse", description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port)")
@@ -36,14 +47,12 @@ def main(argv=None) -> int:
         print("error: --min-groups must be >= 1", file=sys.stderr)
         return 2
     try:
-        from torchft.coordination import LighthouseServer
+        import torchft.coordination  # noqa: F401
     except ImportError as exc:
         print(f"error: the lighthouse needs torchft (pip install 'dept_mega[federation]'): {exc}", file=sys.stderr)
         return 2
     try:
-        server = LighthouseServer(bind=f"{args.bind}:{args.port}", min_replicas=args.min_groups,
-                                  join_timeout_ms=int(args.join_timeout_s * 1000),
-                                  heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000))
+        server = serve(args.port, args.min_groups, args.bind, args.join_timeout_s, args.heartbeat_timeout_s)
     except Exception as exc:  # noqa: BLE001 - the port is taken or the address invalid
         print(f"error: --port {args.port}: the lighthouse cannot listen: {exc}", file=sys.stderr)
         return 2

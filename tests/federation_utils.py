@@ -41,14 +41,25 @@ def write_config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None,
 
 
 class Lighthouse:
-    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0):
+    """A lighthouse for the group jobs: in this process by default (``dept_mega.lighthouse.serve``,
+    torchft's Rust server on its own threads: no second Python + torch start of 2-3 s per test),
+    or with ``process=True`` the command ``python -m dept_mega.lighthouse`` itself, which one
+    test runs (its options, its address line, killed at the end)."""
+
+    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0, process: bool = False):
         self.port = free_port()
+        self.proc = self.server = None
+        if not process:
+            from dept_mega.lighthouse import serve
+            self.server = serve(self.port, min_groups, join_timeout_s=join_s, heartbeat_timeout_s=heartbeat_s)
+            assert self.server.address().endswith(f":{self.port}"), self.server.address()
+            return
         self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
                                       "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
                                       "--heartbeat-timeout-s", str(heartbeat_s)],
                                      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
-        assert line.startswith("lighthouse: http://"), line
+        assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
 
     @property
     def addr(self) -> str:
@@ -72,6 +83,9 @@ class Lighthouse:
         return int(re.search(r"\[(\d+)/\d+ participants healthy\]", self.status()).group(1))
 
     def stop(self) -> None:
+        if self.proc is None:
+            self.server.shutdown()
+            return
         self.proc.kill()
         self.proc.wait()
 

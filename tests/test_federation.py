@@ -268,7 +268,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     from dept_mega.config import load_config
     from dept_mega.dept.costs import predict_outer_round_bytes
     from dept_mega.export.checkpoint_reader import read_full_weights
-    L, steps, timeout_s, G = 5, 80, 15, 4
+    L, steps, timeout_s, G = 5, 40, 15, 4  # (8 rounds: the late groups join by round 6, held there)
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump = str(tmp_path / "dump")
     lh = Lighthouse(min_groups=2)
@@ -552,7 +552,7 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
-    lh = Lighthouse(min_groups=2, join_s=join_s)
+    lh = Lighthouse(min_groups=2, join_s=join_s, process=True)  # (the command, --join-timeout-s among its options)
     procs = []
     try:
         # groups 0 and 1 wait at round 3's start until group 2 is let go (and has asked for a

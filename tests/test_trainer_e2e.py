@@ -182,16 +182,26 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     losses = {"single": [r["loss"] for r in _train(str(tmp_path / "single"), *steps) if r["kind"] == "train"]}
+    # both jobs at once: each torchrun's own start (one process importing torch) overlaps the other's ranks
+    procs = {}
     for name, nproc, extra in [("dp2", 2, ["parallel.data=2"]), ("pp2", 2, ["parallel.pipeline=2"])]:
-        run = str(tmp_path / name)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), "-m", "dept_mega.train", "--config", TINY_STD,
-               f"train.run_dir={run}", "train.log_interval=1", *steps, *extra]
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-        assert p.returncode == 0, p.stderr[-3000:]
-        recs = read_jsonl(os.path.join(run, "metrics.jsonl"))
+               f"train.run_dir={tmp_path / name}", "train.log_interval=1", *steps, *extra]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        outs = {name: p.communicate(timeout=240) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for name, p in procs.items():
+        stdout, stderr = outs[name]
+        assert p.returncode == 0, stderr[-3000:]
+        recs = read_jsonl(os.path.join(str(tmp_path / name), "metrics.jsonl"))
         losses[name] = [r["loss"] for r in recs if r["kind"] == "train"]
-        assert "step 4/4" in p.stdout
+        assert "step 4/4" in stdout
     assert len(losses["single"]) == 4
     for name in ("dp2", "pp2"):
         for a, b in zip(losses[name], losses["single"]):
