@@ -360,6 +360,13 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def write_record(rec: dict, path: str) -> None:
+    """The benchmark's JSON record at ``path`` (its folder made if missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rec, f, indent=1)
+
+
 def bench_device(name) -> torch.device:
     """``--device``, else cuda where there is one; a CUDA device with its index (the current one:
     ``set_device`` needs an index)."""
@@ -413,9 +420,7 @@ def main(argv=None) -> int:
     if "ours" in rec and "megatron" in rec:
         rec["ratio"] = rec["ours"]["tokens_per_s"] / rec["megatron"]["tokens_per_s"]
         print(f"ratio ours / megatron-core: {rec['ratio']:.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(rec, f, indent=1)
+    write_record(rec, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
     if args.check_shapes and not rec["shape_check"]["equal"]:

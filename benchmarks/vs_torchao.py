@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import logging
 import math
 import os
@@ -70,7 +69,7 @@ from dept_mega.config import Config, ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import device_peak_flops, train_flops_per_token  # noqa: E402
 from dept_mega.model.embeddings import padded_vocab_size  # noqa: E402
 from vs_megatron import (MasterAdamW, add_run_args, bench_device, count, one_rank_std, synthetic,  # noqa: E402
-                         timed)
+                         timed, write_record)
 
 ARMS = ("bf16", "tensorwise", "rowwise")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
@@ -331,12 +330,6 @@ def describe_model(cfg: Config, vocab: int) -> dict:
             "float8": "torchao convert_to_float8_training on the blocks' nn.Linear layers (head and attention bf16)"}
 
 
-def write(rec: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(rec, f, indent=1)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -359,7 +352,7 @@ def main(argv=None) -> int:
             rec["skipped"] = (f"torchao is not importable ({type(exc).__name__}: {exc}); carry its wheel "
                               "(bash benchmarks/fetch_device_wheels.sh, carry .whl) or run --arms bf16")
             print(f"skipped: {rec['skipped']}", file=sys.stderr)
-            write(rec, args.out)
+            write_record(rec, args.out)
             return 0
     print("model: " + ", ".join(f"{k} {v}" for k, v in rec["model"].items()), flush=True)
     peak = device_peak_flops(device)
@@ -393,7 +386,7 @@ def main(argv=None) -> int:
         for k, v in rec["ratios"].items():
             print(f"ratio {k} / bf16: {v:.3f} tokens/s")
     rec["loss_errors"] = check_losses(ok, args.loss_tolerance, args.grad_tolerance)
-    write(rec, args.out)
+    write_record(rec, args.out)
     for e in rec["loss_errors"]:
         print(f"error: {e}", file=sys.stderr)
     return 1 if failed or rec["loss_errors"] else 0
