@@ -131,9 +131,7 @@ class Backends:
         """The FP8 scaling state for a model built with these backends (one per model), or None
         when its linear layers do not run native FP8."""
         if self.linear == "fp8-native" and self.fp8 is not None:
-            state = Fp8State(self.fp8, device, kernels=self.fp8_casts)
-            state.graph_casts = self.fp8_graph_casts or state.graph_casts
-            return state
+            return Fp8State(self.fp8, device, kernels=self.fp8_casts, graph_casts=self.fp8_graph_casts or None)
         return None
 
     def describe_wgrad(self) -> str:

@@ -195,14 +195,15 @@ class Fp8State:
     steps :meth:`state_dict` / :meth:`load_state_dict` save and restore it exactly (the
     checkpoints' ``fp8_*.pt`` files, ``checkpoint_fp8.py``).
 
-    ``kernels``: ``triton`` (one kernel per cast, ``fp8_kernels.py``; named, also in compiled graphs:
-    ``graph_casts``) | ``torch`` (``_cast_math``) | ``auto`` (:func:`default_cast_kernels`)."""
+    ``kernels``: ``triton`` (``fp8_kernels.py``) | ``torch`` (``_cast_math``) | ``auto``; ``graph_casts``
+    (fp8_traced.py's): ``triton`` | ``torch``, by default ``triton`` where ``kernels`` names it."""
 
-    def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto") -> None:
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto",
+                 graph_casts: Optional[str] = None) -> None:
         self.recipe = recipe
         self.device = torch.device(device)
         self.kernels = resolve_cast_kernels(kernels, self.device)
-        self.graph_casts = "triton" if kernels == "triton" else "torch"  # the traced casts (fp8_traced.py)
+        self.graph_casts = graph_casts or ("triton" if kernels == "triton" else "torch")
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
