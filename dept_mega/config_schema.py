@@ -237,6 +237,9 @@ class Config:
     #: once, after the first training step).
     fp8_recipe: str = "delayed"
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
+    #: Native FP8 GEMMs in the tensor cores' fast accumulation: forward (the forward GEMM only, as
+    #: Transformer Engine; the gradients' GEMMs promote to fp32), none, all. GPU results only.
+    fp8_fast_accum: str = "forward"
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
     #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), torch (PyTorch ops, compiled on CUDA),
     #: auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
@@ -268,6 +271,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "precision": ("fp32", "bf16", "fp16"),
     "fp8": (None, "hybrid", "e4m3"),
     "fp8_recipe": ("delayed", "current"),
+    "fp8_fast_accum": ("forward", "none", "all"),
     "fp8_casts": ("auto", "triton", "torch"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),

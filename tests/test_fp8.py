@@ -137,7 +137,7 @@ def test_cached_weight_operands_are_reused_in_the_layouts_the_gemm_takes(monkeyp
     by the casts. Operands in another layout are refused on CPU too (cuBLASLt's rule)."""
     calls = []
     real_mm, real_qw = fp8_module._scaled_mm, fp8_module.quantize_weight
-    monkeypatch.setattr(fp8_module, "_scaled_mm", lambda a, b, *s: calls.append((a, b)) or real_mm(a, b, *s))
+    monkeypatch.setattr(fp8_module, "_scaled_mm", lambda a, b, *s, **k: calls.append((a, b)) or real_mm(a, b, *s, **k))
     casts = []
     monkeypatch.setattr(fp8_module, "quantize_weight", lambda *a: casts.append(real_qw(*a)) or casts[-1])
     state = Fp8State(Fp8Recipe("hybrid", "current"), "cpu")
@@ -421,3 +421,30 @@ def test_fp8_linear_on_cuda_matches_cpu():
         outs.append([t.detach().float().cpu() for t in (y, xa.grad, wa.grad)])
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("fast_accum", ["forward", "none", "all"])
+def test_fast_accumulation_reaches_each_gemm(monkeypatch, fast_accum):
+    """``fp8_fast_accum`` is ``torch._scaled_mm``'s ``use_fast_accum`` of the forward, input-
+    gradient and weight-gradient GEMMs (in that order of the calls), eagerly and in the traced
+    linear; the CPU kernel ignores it, so the flag is read off the calls."""
+    from dept_mega.parallel.fp8_traced import fp8_linear_traced
+    recipe = Fp8Recipe("hybrid", "current", fast_accum=fast_accum)
+    want = {"forward": [True, False, False], "none": [False] * 3, "all": [True] * 3}[fast_accum]
+    assert list(recipe.fast_gemms) == want
+    seen, real = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    layer = Fp8State(recipe, "cpu").new_layer()
+    x, w, gy = _operands(0)
+    for fn in (lambda a, b: fp8_linear(a, b, layer),
+               lambda a, b: fp8_linear_traced(a, b, recipe.grad_dtype, layer)):
+        seen.clear()
+        xa, wa = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        (fn(xa, wa).float() * gy).sum().backward()
+        assert seen == want
+    with pytest.raises(ValueError, match="fast accumulation 'some'"):
+        Fp8Recipe(fast_accum="some")

@@ -346,7 +346,7 @@ def test_delayed_scale_is_fp8_max_over_the_largest_amax_of_the_previous_n_steps(
     amaxes = [(4.0, 1.0), (2.0, 0.5), (0.25, 8.0), (1.0, 1.0), (3.0, 2.0), (0.5, 0.5), (1.0, 1.0)]
     inv_used = []
     real_mm = fp8_module._scaled_mm
-    monkeypatch.setattr(fp8_module, "_scaled_mm", lambda a, b, sa, sb: inv_used.append((sa, sb)) or real_mm(a, b, sa, sb))
+    monkeypatch.setattr(fp8_module, "_scaled_mm", lambda a, b, sa, sb, *f: inv_used.append((sa, sb)) or real_mm(a, b, sa, sb, *f))
     state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=2), "cpu")
     layer = state.new_layer()
     w = torch.eye(16).bfloat16() * 0.5

@@ -373,7 +373,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     fp8_gemms: tuple[str, ...] = ()
     fp8_casts = fp8_graph_casts = ""
     if cfg.fp8 is not None:
-        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
+        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history, cfg.fp8_fast_accum)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
         fp8_layers = tuple(i for i in range(m.num_layers) if i not in skip)
         if linear == "fp8-native":
@@ -386,6 +386,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                                    f"device ({exc})") from None
             fp8_graph_casts = "triton" if cfg.fp8_casts == "triton" else "torch"
         else:
+            if cfg.fp8_fast_accum != "forward":
+                raise BackendError(f"config key 'fp8_fast_accum': {cfg.fp8_fast_accum} applies to the native FP8 "
+                                   f"GEMMs (backend local); Transformer Engine's accumulate as 'forward' does")
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
     wgrad = ""

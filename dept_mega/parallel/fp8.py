@@ -68,42 +68,15 @@ import torch
 
 from . import fp8_kernels
 from .compiled_math import CudaCompiled
+from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
 from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 _MIN_AMAX = 1e-12  # an all-zero tensor gets a finite scale (its FP8 copy is zero anyway)
 _ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
 _PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
 _SCALE_STRIDE = _PTR_ALIGN // 4  # float32 elements between two delayed-scaling inverse scales
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the amax history)
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """``fmt``: hybrid (e4m3 forward, e5m2 gradients) | e4m3 (e4m3 everywhere);
-    ``scaling``: current | delayed; ``amax_history``: delayed scaling's window."""
-    fmt: str = "hybrid"
-    scaling: str = "delayed"
-    amax_history: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.fmt not in ("hybrid", "e4m3"):
-            raise ValueError(f"fp8 format {self.fmt!r} is not one of hybrid | e4m3")
-        if self.scaling not in ("current", "delayed"):
-            raise ValueError(f"fp8 scaling {self.scaling!r} is not one of current | delayed")
-        if self.amax_history < 1:
-            raise ValueError(f"fp8 amax history must be >= 1, got {self.amax_history}")
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return E5M2 if self.fmt == "hybrid" else E4M3
-
-    def describe(self) -> str:
-        extra = f", amax history {self.amax_history} steps" if self.scaling == "delayed" else ""
-        return f"{self.fmt}, {self.scaling} scaling{extra}"
 
 
 def fp8_gemm_shape_ok(in_features: int, out_features: int) -> bool:
@@ -205,6 +178,7 @@ class Fp8State:
         self.kernels = resolve_cast_kernels(kernels, self.device)
         self.graph_casts = graph_casts or ("triton" if kernels == "triton" else "torch")
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
+        self.fast_gemms = recipe.fast_gemms  # use_fast_accum of the (forward, dgrad, wgrad) GEMMs
         self.layers: list[Fp8Layer] = []
         self.mode: Optional[str] = None  # None (no step open) | "train" | "eval"
         self._record = False  # a training step under delayed scaling is open: casts record their amax
@@ -475,10 +449,11 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
             state.end_step()
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """``torch._scaled_mm`` with a bf16 output. The layout rule of cuBLASLt's FP8 GEMM (``a``
-    row-major, ``b`` column-major, every dimension a multiple of 16, every pointer, the scales'
-    included, 16-byte aligned: a scale that is element i of a packed float32 vector makes
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               fast: bool = False) -> torch.Tensor:
+    """``torch._scaled_mm`` with a bf16 output (``fast``: its ``use_fast_accum``, see
+    ``fp8_recipe``). The layout rule of cuBLASLt's FP8 GEMM (``a`` row-major, ``b``
+    column-major, every dimension a multiple of 16, every pointer, the scales' included, 16-byte aligned: a scale that is element i of a packed float32 vector makes
     cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) is checked on every device
     (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. The checks
     are a few integer operations (the pointers OR-ed together: 16 is a power of two); the
@@ -497,11 +472,13 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         raise ValueError(f"FP8 GEMM: {', '.join(misaligned)} not {_PTR_ALIGN}-byte aligned (a view at an "
                          f"offset into a larger tensor?); cuBLASLt rejects it")
     if a.device.type != "cpu":
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)
     was = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)
     finally:
         torch._C._set_mkldnn_enabled(was)
 
@@ -550,7 +527,7 @@ class _Fp8Linear(torch.autograd.Function):
         with _profiled("dept_mega::fp8_linear_forward"), _autocast_off(x.device.type):
             xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
             w = layer.cache.operands(weight, layer, need_dx)
-            y = _scaled_mm(xq, w.fwd, x_inv, w.inv)
+            y = _scaled_mm(xq, w.fwd, x_inv, w.inv, layer.state.fast_gemms[0])
         ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
         ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
         # the parameter itself (its gradient buffer; see backward)
@@ -571,7 +548,7 @@ class _Fp8Linear(torch.autograd.Function):
             gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
                                          colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
-                grad_x = _scaled_mm(gq, w_dgrad, g_inv, w_inv)
+                grad_x = _scaled_mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
                 if pad:
                     grad_x = grad_x[:rows]
                 if grad_out.dim() != 2:
@@ -579,7 +556,7 @@ class _Fp8Linear(torch.autograd.Function):
                 if grad_x.dtype != x_dtype:
                     grad_x = grad_x.to(x_dtype)
             if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv)
+                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
                 if grad_w.dtype != w_dtype:
                     grad_w = grad_w.to(w_dtype)
                 owner = grad_owner(ctx.param)

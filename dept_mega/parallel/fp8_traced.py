@@ -67,6 +67,9 @@ import torch
 
 from .fp8 import _ALIGN, E4M3, GRAD, INPUT, WEIGHT, Fp8Layer, _cast_math
 from .fp8_cast_op import fp8_cast
+from .fp8_recipe import Fp8Recipe
+
+_DEFAULT_FAST = Fp8Recipe().fast_gemms  # a call without a layer: the default recipe's GEMMs
 
 
 def _cast(op: bool, t: torch.Tensor, scale: Optional[torch.Tensor], operand: int, ready: bool, dtype: torch.dtype,
@@ -79,13 +82,14 @@ def _cast(op: bool, t: torch.Tensor, scale: Optional[torch.Tensor], operand: int
     return _cast_math(t, scale[operand] if ready else None, dtype, pad, rowwise, colwise)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """``torch._scaled_mm`` with a bf16 output; the operand layouts cuBLASLt needs are checked
+def _gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+          fast: bool) -> torch.Tensor:
+    """``torch._scaled_mm`` with a bf16 output (``fast``: ``use_fast_accum``); the operand layouts cuBLASLt needs are checked
     on the (fake) tensors of the trace, so a wrong layout fails when the graph is built."""
     if a.stride(1) != 1 or b.stride(0) != 1:
         raise ValueError(f"traced FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} "
                          f"strides {b.stride()}: need a row-major first and a column-major second operand")
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
 class _TracedFp8Linear(torch.autograd.Function):
@@ -103,16 +107,16 @@ class _TracedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, need_dx: bool,
-                need_dw: bool, op: bool, scale=None, amax=None, ready=(False, False, False)):
+                need_dw: bool, op: bool, fast: tuple, scale=None, amax=None, ready=(False, False, False)):
         out_features, in_features = weight.shape
         x2 = x.reshape(-1, in_features)
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
         xq, xq_t, x_inv, x_amax = _cast(op, x2, scale, INPUT, ready[INPUT], E4M3, pad, True, need_dw)
         wq, wq_t, w_inv, w_amax = _cast(op, weight, scale, WEIGHT, ready[WEIGHT], E4M3, 0, True, need_dx)
-        y = _gemm(xq, wq.t(), x_inv, w_inv)
+        y = _gemm(xq, wq.t(), x_inv, w_inv, fast[0])
         ctx.save_for_backward(xq_t, x_inv, wq_t, w_inv)
-        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw, ready[GRAD], op)
+        ctx.meta = (rows, pad, grad_dtype, x.dtype, weight.dtype, need_dx, need_dw, ready[GRAD], op, fast)
         ctx.delayed = (scale, amax) if amax is not None else None
         if pad:
             y = y[:rows]
@@ -125,7 +129,7 @@ class _TracedFp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *amax_grads):
         xq_t, x_inv, wq_t, w_inv = ctx.saved_tensors
-        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw, g_ready, op = ctx.meta
+        rows, pad, grad_dtype, x_dtype, w_dtype, need_dx, need_dw, g_ready, op, fast = ctx.meta
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         scale = ctx.delayed[0] if ctx.delayed is not None else None
         gq, gq_t, g_inv, g_amax = _cast(op, g2, scale, GRAD, scale is not None and g_ready, grad_dtype, pad,
@@ -135,13 +139,13 @@ class _TracedFp8Linear(torch.autograd.Function):
             amax[GRAD].copy_(torch.maximum(amax[GRAD], g_amax))
         grad_x = grad_w = None
         if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
-            grad_x = _gemm(gq, wq_t.t(), g_inv, w_inv)
+            grad_x = _gemm(gq, wq_t.t(), g_inv, w_inv, fast[1])
             if pad:
                 grad_x = grad_x[:rows]
             grad_x = grad_x.reshape(*grad_out.shape[:-1], wq_t.shape[0]).to(x_dtype)
         if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-            grad_w = _gemm(gq_t, xq_t.t(), g_inv, x_inv).to(w_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+            grad_w = _gemm(gq_t, xq_t.t(), g_inv, x_inv, fast[2]).to(w_dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype,
@@ -150,7 +154,8 @@ def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.d
     docstring); bf16 output ``[..., out]``. ``grad_dtype``: the output gradient's FP8 format
     (``Fp8Recipe.grad_dtype``: e5m2 for ``hybrid``). ``layer``: the layer's :class:`Fp8Layer`;
     inside a delayed-scaling training step its state's scales are used and its amaxes recorded,
-    otherwise (or without it) current scaling. ``casts``: ``triton`` (the casts as the
+    otherwise (or without it) current scaling; the GEMMs' fast accumulation is its recipe's
+    (without it the default recipe's). ``casts``: ``triton`` (the casts as the
     ``dept_mega::fp8_cast`` operator, ``fp8_cast_op.py``) | ``torch`` (``_cast_math``, decomposed
     by the compiler); None: the state's ``graph_casts`` (``torch`` without a layer)."""
     grad = torch.is_grad_enabled()
@@ -161,9 +166,10 @@ def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.d
     if casts not in ("triton", "torch"):
         raise ValueError(f"traced FP8 casts {casts!r} are not one of triton | torch")
     op = casts == "triton"
+    fast = state.fast_gemms if state is not None else _DEFAULT_FAST
     if state is None or not state._record:
-        return _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op)
-    y, x_amax, w_amax = _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op, layer.scale,
+        return _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op, fast)
+    y, x_amax, w_amax = _TracedFp8Linear.apply(x, weight, grad_dtype, need_dx, need_dw, op, fast, layer.scale,
                                                layer.grad_amax, layer.ready)
     amax = layer.amax
     with torch.no_grad():  # the forward operands' amaxes into the step's (as the eager casts do)
