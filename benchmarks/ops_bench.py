@@ -12,7 +12,8 @@ Two ways of timing (see `timed` and `timed_queued`):
   that time (``host_ms``) and is flagged ``host-bound`` where the host's dispatch is at least half
   of it: such a row measures the per-call overhead, not the kernel;
 - the id remap is judged at a bandwidth-bound size (``--remap-ids``, 2**25 ids by default: at
-  most five 256 MiB int64 tensors at a time), its copy and torch's ``lookup[ids]`` alike, with
+  most five 256 MiB int64 tensors at a time), on uniformly drawn ids (each lookup a random
+  read of the table) and on Zipf-distributed ones (natural text's token frequencies), its copy and torch's ``lookup[ids]`` alike, with
   calls queued back to back behind a GPU sleep, so that the host's dispatch cannot leave the
   device idle between them; and its per-call overhead at the training size (one 8 x 2048
   batch) apart (``overhead`` in the JSON): host time per call, device time per call, one call's
@@ -250,24 +251,45 @@ def _row_ops(device, dtype, g, record: Recorder, vocab, dim, n_rows, batch, iter
                2 * mean_ids.numel() * dim * es)
 
 
+ZIPF_S = 1.0  # Zipf's law of word frequencies in natural text: the r-th most frequent ∝ 1 / r
+
+
+def zipf_ranks(n: int, size: int, shape: tuple, g: torch.Generator, device) -> torch.Tensor:
+    """``shape`` ranks in ``[0, size)`` drawn with probability ∝ 1 / (rank + 1)^ZIPF_S (inverse
+    CDF on the device)."""
+    weights = torch.arange(1, size + 1, device=device, dtype=torch.float64).pow(-ZIPF_S)
+    cdf = weights.cumsum(0)
+    u = torch.rand(shape, generator=g, device=device, dtype=torch.float64) * cdf[-1]
+    return torch.searchsorted(cdf, u).clamp_(max=size - 1)
+
+
 def _remap_bandwidth(device, g, record: Recorder, ids, lookup, cols: int, n_ids: int,
                      iters: int) -> None:
     """Copy, remap_ids and torch's lookup[ids] on ``n_ids`` ids (rounded to rows of ``cols``):
     calls queued back to back, so the device's bandwidth, not the host's dispatch, sets the
-    time."""
+    time. Two draws of the source's tokens: uniform (every lookup a random read of the table,
+    the worst case) and Zipf (natural text's token frequencies; a BPE vocabulary numbers its
+    tokens roughly by frequency, so the frequent ones are the low ids)."""
     shape = (max(1, n_ids // cols), cols)
-    toks = ids[torch.randint(0, ids.numel(), shape, generator=g, device=device)]
-    out = torch.empty_like(toks)
-    moved = 2 * toks.numel() * toks.element_size()
     label = f"{shape[0]}x{shape[1]}"
-    copy = timed_queued(lambda: out.copy_(toks), device, iters, BANDWIDTH_CALLS)
-    record.add(f"copy ({label} int64)", torch.int64, copy, moved)
-    record.add(f"remap_ids ({label})", torch.int64,
-               timed_queued(lambda: ops.remap_ids(toks, lookup), device, iters, BANDWIDTH_CALLS),
-               moved, copy["s"])
-    record.add(f"torch lookup[ids] ({label})", torch.int64,
-               timed_queued(lambda: lookup[toks], device, iters, BANDWIDTH_CALLS), moved,
-               copy["s"])
+    for dist in ("uniform", f"Zipf {ZIPF_S:g}"):
+        if dist == "uniform":
+            toks = ids[torch.randint(0, ids.numel(), shape, generator=g, device=device)]
+        else:
+            toks = ids[zipf_ranks(n_ids, ids.numel(), shape, g, device)]
+        out = torch.empty_like(toks)
+        moved = 2 * toks.numel() * toks.element_size()
+        copy = timed_queued(lambda: out.copy_(toks), device, iters, BANDWIDTH_CALLS)
+        record.add(f"copy ({label} int64, {dist})", torch.int64, copy, moved)
+        record.add(f"remap_ids ({label}, {dist})", torch.int64,
+                   timed_queued(lambda: ops.remap_ids(toks, lookup), device, iters, BANDWIDTH_CALLS),
+                   moved, copy["s"])
+        record.add(f"torch lookup[ids] ({label}, {dist})", torch.int64,
+                   timed_queued(lambda: lookup[toks], device, iters, BANDWIDTH_CALLS), moved,
+                   copy["s"])
+        del toks, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _remap_overhead(device, g, ids, lookup, batch, iters: int) -> List[Dict]:

@@ -522,9 +522,20 @@ def test_ops_bench_small_runs_on_cpu(tmp_path):
     assert "scatter_add_rows 2x128 tokens (dups)" in ops_run and all(r["ms"] > 0 for r in rows)
     # the remap's bandwidth rows at --remap-ids (2**13 with --small, 128 ids a row), and its
     # per-call overhead at the batch size
-    remap = next(r for r in rows if r["op"] == "remap_ids (64x128)")
-    assert remap["% of copy"] > 0 and remap["host_ms"] > 0
+    for dist in ("uniform", "Zipf 1"):  # uniformly drawn ids and natural text's frequencies
+        remap = next(r for r in rows if r["op"] == f"remap_ids (64x128, {dist})")
+        assert remap["% of copy"] > 0 and remap["host_ms"] > 0
     overhead = json.loads(out.read_text())["overhead"]
     assert [r["op"] for r in overhead] == ["copy", "remap_ids", "torch lookup[ids]"]
     assert all(r["shape"] == [2, 128] and r["host_us"] > 0 and r["call_us"] > 0 for r in overhead)
     assert "| remap_ids | " in res.stdout and "target remap >= 80% of the copy" in res.stdout
+
+
+def test_zipf_ranks_follow_one_over_rank():
+    """The remap bench's Zipf draw: rank r comes with probability ∝ 1/(r+1), so rank 0 is
+    drawn about twice as often as rank 1 and ten times as often as rank 9."""
+    from benchmarks.ops_bench import zipf_ranks
+    r = zipf_ranks(0, 1000, (200_000,), torch.Generator().manual_seed(0), "cpu")
+    assert r.min() >= 0 and r.max() < 1000
+    counts = torch.bincount(r, minlength=1000).double()
+    assert abs(counts[0] / counts[1] - 2.0) < 0.15 and abs(counts[0] / counts[9] - 10.0) < 1.0
