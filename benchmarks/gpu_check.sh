@@ -11,7 +11,8 @@
 #   --stages LIST  run only these stages (a second, shorter call for what failed or was skipped)
 #   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
 #                  same files (tests/test_gpu_check.py runs it), so that the device call never
-#                  discovers a bug in this script
+#                  discovers a bug in this script; its Python commands are forked from one
+#                  interpreter that has imported torch once (benchmarks/forkserver.py)
 #
 # Prepare once, where the device call is made from (the repository root; .whl/ is ignored):
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/ (carry it)
@@ -64,7 +65,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 DRY=0
 OUT_DIR=${OUT:-}
 BUDGET=
@@ -155,6 +156,21 @@ else
 fi
 
 # ------------------------------------------------------------------ plumbing
+FORK_PID=
+forkserver_up() {
+  # the dry run, from its first stage or build on: each Python command forked from one interpreter
+  # that has imported torch and torch._dynamo (~3 s of the 2-core machine per command otherwise),
+  # with the command's own arguments, environment and stdio; a command whose TORCH* variables
+  # differ from the server's (the TORCH_COMPILE_DISABLE and max-autotune runs) starts a fresh
+  # interpreter (benchmarks/forkserver.py)
+  [ "$DRY" = 1 ] && [ -z "$FORK_PID" ] || return 0
+  local sock=$WORK/forkserver.sock
+  "$PY" benchmarks/forkserver.py serve "$sock" </dev/null >>"$LOG" 2>&1 &
+  FORK_PID=$!
+  printf '#!/bin/sh\nexec "%s" "%s" run "%s" "$@"\n' "$PY" "$ROOT/benchmarks/forkserver.py" "$sock" >"$WORK/python"
+  chmod +x "$WORK/python"
+  PY=$WORK/python
+}
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 LIMIT=60
@@ -180,6 +196,7 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
     summary; return 0
   fi
   LIMIT=$(( rem - RESERVE < CAP * exp ? rem - RESERVE : CAP * exp ))
+  forkserver_up
   log "### stage $name (expected ${exp}s, limit ${LIMIT}s, $(date -Is))"
   t=$(date +%s)
   "stage_$name"
@@ -194,6 +211,7 @@ start_build() {
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",build,"* && ",$ONLY," != *",ops_tests,"* && ",$ONLY," != *",ops,"* ]]; then
     return 0
   fi
+  forkserver_up
   if [ "$DRY" = 1 ]; then  # the same command, building nothing (a CPU build takes minutes here)
     (DEPT_MEGA_NO_EXT=1 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1) &
   else
@@ -408,4 +426,5 @@ fi
 log "# gpu_check done in $(( $(date +%s) - T0 )) s"
 summary
 cat "$OUT/summary.md"
+[ -n "$FORK_PID" ] && kill "$FORK_PID" 2>/dev/null
 rm -rf "$WORK"

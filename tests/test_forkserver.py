@@ -1,0 +1,96 @@
+"""benchmarks/forkserver.py, which runs the Python commands of gpu_check.sh's dry run forked from
+one interpreter: each command sees what ``python ARGS`` would give it (arguments, ``sys.path[0]``,
+``__main__``, environment, stdin / stdout, exit status or signal), a command whose start-up
+variables differ starts a fresh interpreter, and a stopped caller stops its command's processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.trainer_utils import ROOT
+
+FS = os.path.join(ROOT, "benchmarks", "forkserver.py")
+PRELOADED = "wave"  # a module the interpreter does not import by itself: in sys.modules = forked
+REPORT = ("import json, os, sys\n"
+          f"forked = {PRELOADED!r} in sys.modules\n"
+          "print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'name': __name__, 'forked': forked,"
+          " 'foo': os.environ.get('FOO')}))\n")
+
+
+@pytest.fixture
+def server(tmp_path):
+    sock = str(tmp_path / "fs.sock")
+    proc = subprocess.Popen([sys.executable, FS, "serve", sock, PRELOADED], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    yield sock, proc
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _run(sock, *args, env=None, stdin=None, cwd=None):
+    return subprocess.run([sys.executable, FS, "run", sock, *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **(env or {})), input=stdin, cwd=cwd)
+
+
+def test_commands_run_as_python_would_run_them(server, tmp_path):
+    sock, _ = server
+    (tmp_path / "pkg").mkdir()
+    script = tmp_path / "pkg" / "report.py"
+    script.write_text(REPORT + "sys.exit(int(sys.argv[-1]))\n")
+    res = _run(sock, str(script), "a", "3", env={"FOO": "bar"}, cwd=tmp_path)
+    assert res.returncode == 3, res.stderr
+    out = json.loads(res.stdout)
+    assert out == {"argv": [str(script), "a", "3"], "path0": str(tmp_path / "pkg"), "name": "__main__",
+                   "forked": True, "foo": "bar"}
+    res = _run(sock, "-m", "pkg.report", "0", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout) == {
+        "argv": [str(script), "0"], "path0": str(tmp_path), "name": "__main__", "forked": True, "foo": None}
+    res = _run(sock, "-c", REPORT, "x", cwd=tmp_path)
+    assert json.loads(res.stdout)["argv"] == ["-c", "x"] and json.loads(res.stdout)["path0"] == ""
+    res = _run(sock, "-", "y", stdin=REPORT, cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["argv"] == ["-", "y"], res.stderr
+    # a start-up variable that differs from the server's: a fresh interpreter, the same command
+    res = _run(sock, "-c", REPORT, "z", env={"TORCH_COMPILE_DISABLE": "1", "FOO": "baz"}, cwd=tmp_path)
+    assert json.loads(res.stdout) == {"argv": ["-c", "z"], "path0": "", "name": "__main__", "forked": False,
+                                      "foo": "baz"}
+    # an uncaught exception and a signal, as the interpreter reports them
+    res = _run(sock, "-c", "raise ValueError('boom')")
+    assert res.returncode == 1 and "ValueError: boom" in res.stderr
+    res = _run(sock, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert res.returncode == -signal.SIGKILL
+
+
+def test_a_stopped_caller_stops_its_command_and_a_gone_server_is_named(server, tmp_path):
+    sock, proc = server
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen(['sleep', '60'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    caller = subprocess.Popen([sys.executable, FS, "run", sock, "-c", code], stdout=subprocess.PIPE, text=True)
+    grandchild = int(caller.stdout.readline())
+    caller.terminate()  # what gpu_check.sh's `timeout` does at a stage's limit
+    caller.wait(timeout=10)
+    deadline = time.monotonic() + 3  # SIGTERM at once (SIGKILL follows 5 s later)
+    while time.monotonic() < deadline and _alive(grandchild):
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the stopped caller's command group was left running"
+    caller = subprocess.Popen([sys.executable, FS, "run", sock, "-c", "import time; print(1, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert caller.stdout.readline() == "1\n"
+    proc.terminate()
+    assert caller.wait(timeout=20) == 1 and "went away before the command finished" in caller.stderr.read()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
