@@ -97,7 +97,7 @@ DM_HD float dm_reciprocal(float s) {
 // The FP8 byte of x * scale (see the top of the file).
 DM_HD uint8_t dm_fp8_cast_one(float x, float scale, const DmFp8Format& f) {
 #ifdef __CUDA_ARCH__
-  float y = x * scale;
+  float y = __fmul_rn(x, scale);  // never contracted into an FMA with what follows
 #else
   // both NaN: the scale's NaN, as PyTorch's CPU multiply gives (one NaN: that NaN, any order)
   float y = (scale != scale) ? scale : x * scale;

@@ -25,6 +25,7 @@ from . import fp8_kernels
 
 CAST_KERNELS = ("auto", "triton", "cuda", "torch")
 _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+MAX_CUDA_COLS = 65535 * 64  # the CUDA kernel's grid: at most 65535 tiles of 64 columns (dm_fp8_max_cols)
 
 
 def _has_op_kernel(device_type: str) -> bool:
@@ -93,6 +94,8 @@ def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index) -> None:
         raise TypeError(f"cast_fp8: casts to float8_e4m3fn or float8_e5m2, got {str(dtype)[6:]}")
     if pad < 0:
         raise ValueError(f"cast_fp8: pad must be >= 0, got {pad}")
+    if t.is_cuda and t.shape[1] > MAX_CUDA_COLS:
+        raise ValueError(f"cast_fp8: at most {MAX_CUDA_COLS} columns on CUDA, got {t.shape[1]}")
     for name, s, i in (("scale", scale, scale_index), ("amax_out", amax_out, amax_index)):
         if s is None:
             continue
