@@ -32,7 +32,7 @@ EXT_NAME = "dept_mega.ops._C"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
 CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
-CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu"]
+CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu", "csrc/cuda/fp8_cast.cu"]
 CXX_FLAGS = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
 # built where no GPU is visible: A100 (8.0), H100/H200 (9.0), and PTX that newer GPUs compile at load
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"

@@ -50,6 +50,11 @@ driver's launches, cuBLASLt's descriptor and heuristic setup in ``_scaled_mm``).
   kernels (the amax's zero fill; under delayed scaling the scale's reciprocal) and the maximum.
   On the CPU the operator runs the reference math, so there ``fp8_op − fp8_torch`` is that
   cost without the extra kernels.
+* ``fp8_cuda``: the FP8 path with the C++ cast operator (``Fp8State(kernels="cuda")``,
+  ``fp8_casts: cuda``: ``torch.ops.dept_mega.cast_fp8``, ``parallel/fp8_casts.py``) in place of
+  the Triton cast: on CUDA its CUDA kernel, launched through the dispatcher; on the CPU its CPU
+  kernel (which computes the bytes: at 16 × 16 little). Skipped where the ``dept_mega.ops``
+  extension lacks the operator's kernel for the device (the output says why).
 * ``fp8_stub``: the ``triton`` cast path of ``Fp8State.cast`` with ``fp8_kernels.cast_fp8``
   replaced by a stub that only allocates its outputs (no arithmetic, the FP8 bytes are
   garbage): the Python of the FP8 linear around the cast call (state lookups, weight cache,
@@ -74,6 +79,9 @@ JSON), µs per linear call (two casts, the weight's cached, and three GEMMs):
   dispatch, cuBLASLt's descriptors and heuristic; on the CPU PyTorch's CPU kernel, which
   computes, ~20 µs per call even at 16 × 16: not a host figure).
 * ``cast_op`` = ``fp8_op − fp8`` (CUDA) or ``fp8_op − fp8_torch`` (CPU): see ``fp8_op``.
+* ``cuda_cast`` = ``fp8_cuda − fp8`` (CUDA: what the C++ operator saves (negative) or costs
+  against the Triton casts, two casts per call) or ``fp8_cuda − fp8_torch`` (CPU: the
+  operator's CPU kernel against the eager torch casts).
 
 ``--profile MODE`` runs one more step of ``MODE`` under cProfile and prints where its time goes.
 On the CPU the kernels' time is not zero at these sizes (the CPU ``_scaled_mm`` and, in
@@ -104,12 +112,14 @@ import torch.nn.functional as F  # noqa: E402
 from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
 from dept_mega.parallel import fp8 as fp8_module  # noqa: E402
 from dept_mega.parallel import fp8_cast_op  # noqa: E402,F401  (registers torch.ops.dept_mega.fp8_cast)
+from dept_mega.parallel import fp8_casts  # noqa: E402
 from dept_mega.parallel import fp8_kernels as K  # noqa: E402
 from dept_mega.parallel import wgrad  # noqa: E402
 from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 
-MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python")
+MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8", "fp8_op", "fp8_cuda", "fp8_stub", "fp8_launch_stub",
+         "fp8_python")
 _BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
 # the derived table: name -> (minuend, subtrahend on CUDA, subtrahend on the CPU, what it is)
 DERIVED = {
@@ -120,6 +130,8 @@ DERIVED = {
                        "torch._scaled_mm: dispatch and cuBLASLt setup (CPU: PyTorch's CPU kernel, computing)"),
     "cast_op": ("fp8_op", "fp8", "fp8_torch",
                 "the custom operator dept_mega::fp8_cast around each cast (see fp8_op)"),
+    "cuda_cast": ("fp8_cuda", "fp8", "fp8_torch",
+                  "the C++ operator dept_mega::cast_fp8 in place of the Triton casts (CPU: of the torch casts)"),
 }
 
 
@@ -136,6 +148,9 @@ def derived(us: dict, device: str) -> dict:
 
 def skip_reason(mode: str, device: str):
     """Why ``mode`` cannot run on ``device`` (None: it can)."""
+    if mode == "fp8_cuda":
+        why = fp8_casts.op_unavailable(device)
+        return None if why is None else f"the C++ cast operator cannot run: {why}"
     if mode != "fp8":
         return None
     if device != "cuda":
@@ -246,9 +261,11 @@ class Case:
             # CUDA: the Triton casts where Triton is installed (the real path; stubbed in the
             # stub modes); the CPU has no launcher: the state's kernel path is set by hand below
             kernels = "triton" if device == "cuda" and K.AVAILABLE and mode != "fp8_torch" else "torch"
+            if mode == "fp8_cuda":
+                kernels = "cuda"  # the C++ operator on either device
             self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device, kernels=kernels)
             self.layers = [self.state.new_layer() for _ in range(depth)]
-            if mode != "fp8_torch":
+            if mode not in ("fp8_torch", "fp8_cuda"):
                 self.state.kernels = "triton"  # the kernel path of Fp8State.cast (stubbed in the stub modes)
             self.step(2)  # the first (current-scaled) step: history and scales from here on
 

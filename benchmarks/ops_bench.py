@@ -287,7 +287,7 @@ def _remap_bandwidth(device, g, record: Recorder, ids, lookup, cols: int, n_ids:
         record.add(f"torch lookup[ids] ({label}, {dist})", torch.int64,
                    timed_queued(lambda: lookup[toks], device, iters, BANDWIDTH_CALLS), moved,
                    copy["s"])
-        del toks, out
+        toks = out = None  # freed before the next draw
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

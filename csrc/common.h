@@ -15,6 +15,7 @@
 #include <string>
 
 #include "constants.h"
+#include "fp8_cast.h"
 
 namespace dept_mega {
 
@@ -31,6 +32,8 @@ inline std::string dtype_name(at::ScalarType t) {
     case at::kChar: return "int8";
     case at::kByte: return "uint8";
     case at::kBool: return "bool";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
     default: return c10::toString(t);
   }
 }
@@ -96,6 +99,34 @@ inline void check_remap_args(const at::Tensor& ids, const at::Tensor& lookup) {
   check_ids_dtype(op, "ids", ids.scalar_type());
   check_ids_dtype(op, "lookup", lookup.scalar_type());
   check_same_device(op, ids, "ids", lookup, "lookup");
+}
+
+// cast_fp8(t [rows, cols] bf16/fp16, dtype e4m3fn/e5m2, pad >= 0, ..., scale fp32 (element
+// scale_index), amax_out fp32 (element amax_index)); the FP8 format code (DM_FP8_*) of dtype.
+inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_t pad,
+                               const std::optional<at::Tensor>& scale, int64_t scale_index,
+                               const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const char* op = "cast_fp8";
+  TORCH_CHECK_VALUE(t.dim() == 2, op, ": takes a 2-D tensor, got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK_TYPE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op,
+                   ": casts to float8_e4m3fn or float8_e5m2, got ", dtype_name(dtype));
+  TORCH_CHECK_VALUE(pad >= 0, op, ": pad must be >= 0, got ", pad);
+  const std::optional<at::Tensor>* slots[2] = {&scale, &amax_out};
+  const int64_t index[2] = {scale_index, amax_index};
+  const char* names[2] = {"scale", "amax_out"};
+  for (int k = 0; k < 2; ++k) {
+    if (!slots[k]->has_value()) continue;
+    const at::Tensor& s = **slots[k];
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, op, ": ", names[k], " must be float32, got ",
+                     dtype_name(s.scalar_type()));
+    TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", names[k], " must be contiguous");
+    TORCH_CHECK_VALUE(index[k] >= 0 && index[k] < s.numel(), op, ": ", names[k], " index ",
+                      index[k], " is out of range for ", s.numel(), " elements");
+    check_same_device(op, t, "t", s, names[k]);
+  }
+  return dtype == at::kFloat8_e4m3fn ? DM_FP8_E4M3 : DM_FP8_E5M2;
 }
 
 // Raised (as IndexError) for the first id i (in order) outside [0, num_rows).

@@ -19,6 +19,15 @@ TORCH_LIBRARY(dept_mega, m) {
       "float alpha=1.0) -> ()");
   // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
   m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
+  // FP8 cast of a 2-D bf16/fp16 tensor (dept_mega/parallel/fp8_casts.py; the bytes of the
+  // reference math fp8._cast_math, csrc/fp8_cast.h): q [rows + pad, cols] when rowwise, q_t
+  // [cols, rows + pad] when colwise; scale[scale_index] (delayed scaling) or, without a scale,
+  // current scaling (the returned 1/scale, 0-d fp32); amax(t) maxed into amax_out[amax_index]
+  // when given. Outputs not asked for are None (undefined tensors): an eager operator.
+  m.def(
+      "cast_fp8(Tensor t, ScalarType dtype, int pad=0, bool rowwise=True, bool colwise=False, "
+      "Tensor? scale=None, int scale_index=0, Tensor(a!)? amax_out=None, int amax_index=0) "
+      "-> (Tensor, Tensor, Tensor)");
   // Lazy error checks of the CUDA ops (no host synchronisation inside a call): the persistent
   // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), decoded into
   // the exception the CPU op raises by dept_mega.ops.check_errors.

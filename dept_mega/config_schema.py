@@ -241,8 +241,11 @@ class Config:
     #: Transformer Engine; the gradients' GEMMs promote to fp32), none, all. GPU results only.
     fp8_fast_accum: str = "forward"
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
-    #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), torch (PyTorch ops, compiled on CUDA),
-    #: auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
+    #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), cuda (the same cast as a C++/CUDA operator
+    #: of the dept_mega.ops extension, dept_mega::cast_fp8: a few µs of host time per cast where Triton's
+    #: launcher takes more; needs the extension built with its CUDA kernels, on CPU it runs its CPU kernel;
+    #: not yet verified or measured on a GPU, so auto does not pick it), torch (PyTorch ops, compiled on
+    #: CUDA), auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
@@ -272,7 +275,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8": (None, "hybrid", "e4m3"),
     "fp8_recipe": ("delayed", "current"),
     "fp8_fast_accum": ("forward", "none", "all"),
-    "fp8_casts": ("auto", "triton", "torch"),
+    "fp8_casts": ("auto", "triton", "cuda", "torch"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature"),

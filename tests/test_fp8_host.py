@@ -11,8 +11,8 @@
 * ``_scaled_mm``'s cheaper checks still name a misaligned operand or scale;
 * under a profiler the forward and backward are named ranges; without one no range is opened;
 * the benchmark runs every mode (the real ``fp8`` one only on CUDA: on the CPU it says why
-  not); its derived table subtracts the right modes; its ``fp8_op`` mode sends the casts through
-  the custom operator and gives the same bytes as the ``torch`` casts.
+  not); its derived table subtracts the right modes; its ``fp8_op`` and ``fp8_cuda`` modes send
+  the casts through the custom operators and give the same bytes as the ``torch`` casts.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import torch
 
 from dept_mega.grad_buffer import GradBuffer, GradSync
 from dept_mega.parallel import fp8 as fp8_module
+from dept_mega.parallel import fp8_casts
 from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, _cast_math, fp8_linear
 from dept_mega.parallel.groups import build_groups
 
@@ -189,10 +190,14 @@ def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads(out.read_text())
     us = rec["us_per_call"]
-    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python"}
+    # fp8_cuda: the C++ operator's CPU kernel where the extension has it (else skipped, saying why)
+    op_here = fp8_casts.op_unavailable("cpu") is None
+    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python",
+                       *(["fp8_cuda"] if op_here else [])}
     assert all(v > 0 for v in us.values())
     # the real path needs a GPU: skipped on the CPU, with the reason in the output and the record
-    assert set(rec["skipped"]) == {"fp8"} and rec["skipped"]["fp8"].startswith("needs a GPU")
+    assert set(rec["skipped"]) == {"fp8", *([] if op_here else ["fp8_cuda"])}
+    assert rec["skipped"]["fp8"].startswith("needs a GPU")
     assert "fp8              skipped: needs a GPU" in res.stdout
     assert rec["device"] == "cpu" and rec["timing"] == "process CPU time"
     d = rec["derived"]
@@ -200,6 +205,8 @@ def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
     assert d["cast_fp8_python"]["us"] == us["fp8_launch_stub"] - us["fp8_stub"]
     assert d["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
     assert d["cast_op"]["us"] == us["fp8_op"] - us["fp8_torch"] and d["cast_op"]["of"] == "fp8_op - fp8_torch"
+    if op_here:
+        assert d["cuda_cast"]["us"] == us["fp8_cuda"] - us["fp8_torch"]
 
 
 def test_the_derived_table_subtracts_the_right_modes():
@@ -207,9 +214,11 @@ def test_the_derived_table_subtracts_the_right_modes():
     bench = _bench_module()
     us = {m: float(2 ** i) for i, m in enumerate(bench.MODES)}
     want = {"cuda": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
-                     "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8")},
+                     "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8"),
+                     "cuda_cast": ("fp8_cuda", "fp8")},
             "cpu": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
-                    "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8_torch")}}
+                    "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8_torch"),
+                    "cuda_cast": ("fp8_cuda", "fp8_torch")}}
     for device, table in want.items():
         got = bench.derived(us, device)
         assert set(got) == set(table)
@@ -222,12 +231,16 @@ def test_the_derived_table_subtracts_the_right_modes():
     assert bench.skip_reason("fp8", "cpu").startswith("needs a GPU") and bench.skip_reason("fp8_op", "cpu") is None
 
 
-def test_the_operator_mode_casts_through_the_operator_with_the_same_bytes():
-    """``fp8_op`` on the CPU (the operator's reference implementation) gives the ``torch``
-    casts' bytes: outputs, input gradients, ``main_grad`` and the amax history; the operator is
-    what ran; the module's cast path is restored afterwards."""
+@pytest.mark.parametrize("mode,op", [("fp8_op", "dept_mega::fp8_cast"), ("fp8_cuda", "dept_mega::cast_fp8")])
+def test_the_operator_mode_casts_through_the_operator_with_the_same_bytes(mode, op):
+    """``fp8_op`` on the CPU (the operator's reference implementation) and ``fp8_cuda`` (the C++
+    operator's CPU kernel) give the ``torch`` casts' bytes: outputs, input gradients,
+    ``main_grad`` and the amax history; the operator is what ran; the module's cast path is
+    restored afterwards."""
+    if mode == "fp8_cuda" and fp8_casts.op_unavailable("cpu"):
+        pytest.skip(f"dept_mega::cast_fp8 unavailable: {fp8_casts.op_unavailable('cpu')}")
     bench = _bench_module()
-    cases = {m: bench.Case(m, 16, 32, 2) for m in ("fp8_torch", "fp8_op")}  # with a first (current-scaled) step
+    cases = {m: bench.Case(m, 16, 32, 2) for m in ("fp8_torch", mode)}  # with a first (current-scaled) step
     outs = {}
     for mode, case in cases.items():
         case.step(1)  # a delayed-scaling step
@@ -240,8 +253,8 @@ def test_the_operator_mode_casts_through_the_operator_with_the_same_bytes():
             case.state.end_step()
         outs[mode] = (y.detach(), case.x.grad, [w.main_grad.clone() for w in case.ws], case.state.history.clone(),
                       {e.name for e in prof.events()})
-    (y0, gx0, mg0, h0, names0), (y1, gx1, mg1, h1, names1) = outs["fp8_torch"], outs["fp8_op"]
-    assert "dept_mega::fp8_cast" in names1 and "dept_mega::fp8_cast" not in names0
+    (y0, gx0, mg0, h0, names0), (y1, gx1, mg1, h1, names1) = outs["fp8_torch"], outs[mode]
+    assert op in names1 and op not in names0
     assert _bytes_equal(y0, y1) and _bytes_equal(gx0, gx1) and torch.equal(h0, h1)
     assert all(_bytes_equal(a, b) for a, b in zip(mg0, mg1))
     assert h1.abs().sum() > 0  # the operator's amaxes reached the history

@@ -20,6 +20,9 @@ def test_report_and_require(capsys):
     out = capsys.readouterr().out
     assert f"custom ops: {extension_status().reason}" in out
     assert f"cpu tensors: {backend('cpu')}" in out
+    from dept_mega.parallel.fp8_casts import op_unavailable
+    cpu_cast = "yes" if op_unavailable("cpu") is None else "no"
+    assert f"FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda): cpu {cpu_cast}, cuda " in out
     want = describe_backends(load_config(CFG, ["model.position_embedding=rope"]), "cpu")
     assert f"backends (cpu): {want}" in out
     assert rc == (0 if backend("cpu") == "cpp" else 1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA side of the custom ops without a GPU or a CUDA build of torch:
-#  1. csrc/cuda/kernels.cu (plain CUDA C++, no torch headers) with nvcc for sm_90, and checks
-#     that the object exports the C interface of csrc/cuda/kernels.h;
+#  1. csrc/cuda/kernels.cu and fp8_cast.cu (plain CUDA C++, no torch headers) with nvcc for
+#     sm_90, and checks that the objects export the C interface of csrc/cuda/kernels.h;
 #  2. csrc/cuda/ops_cuda.cpp (the torch-facing CUDA operators) with g++ -fsyntax-only against
 #     the installed torch's headers and the CUDA toolkit's headers.
 # Exits 0 on success, 1 on a compile error, 77 when nvcc is not found (nothing checked).
@@ -33,9 +33,14 @@ TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                   -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
                   --expt-relaxed-constexpr)
 # kernels.cu (nvcc) and ops_cuda.cpp (g++ against torch's headers) are checked at the same time
-echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/kernels.cu"
-"$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
-  -c csrc/cuda/kernels.cu -o "$tmp/kernels.o" >"$tmp/nvcc.log" 2>&1 &
+CU_SOURCES=(kernels fp8_cast)  # csrc/cuda/*.cu: the kernels behind kernels.h
+echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/{$(IFS=,; echo "${CU_SOURCES[*]}")}.cu"
+(
+  for src in "${CU_SOURCES[@]}"; do
+    "$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
+      -c "csrc/cuda/$src.cu" -o "$tmp/$src.o" || exit $?
+  done
+) >"$tmp/nvcc.log" 2>&1 &
 NVCC_PID=$!
 finish_nvcc() {  # wait for the nvcc compile; fail with its output, or check the symbols it exports
   local rc=0
@@ -46,11 +51,11 @@ finish_nvcc() {  # wait for the nvcc compile; fail with its output, or check the
     exit 1
   fi
   local syms
-  syms=$(nm -g --defined-only "$tmp/kernels.o")
+  syms=$(for src in "${CU_SOURCES[@]}"; do nm -g --defined-only "$tmp/$src.o"; done)
   for sym in dm_gather_rows dm_remap_ids dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply \
-             dm_record_error; do
+             dm_record_error dm_fp8_amax_parts dm_fp8_max_cols dm_fp8_cast; do
     if ! grep -qw "$sym" <<<"$syms"; then
-      echo "check_cuda_compile: kernels.o does not export $sym" >&2
+      echo "check_cuda_compile: the CUDA objects do not export $sym" >&2
       exit 1
     fi
   done

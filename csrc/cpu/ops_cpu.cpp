@@ -16,6 +16,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../common.h"
@@ -250,6 +252,94 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
   return out;
 }
 
+// cast_fp8: the bytes of csrc/fp8_cast.h, elementwise, so the result does not depend on the
+// thread count. The amax (max of |x|, NaN propagating) is an int max of the magnitudes' bits.
+// Tiles of kCastTile x kCastTile elements: each is encoded once into a local buffer and written
+// row-major (q) and transposed (q_t) from there.
+constexpr int64_t kCastTile = 64;
+
+template <typename T>
+int32_t amax_bits_cpu(const T* x, int64_t n) {
+  return at::parallel_reduce(
+      int64_t{0}, n, int64_t{32768}, int32_t{0},
+      [&](int64_t begin, int64_t end, int32_t acc) {
+        for (int64_t i = begin; i < end; ++i)
+          acc = std::max(acc, dm_abs_bits(static_cast<float>(x[i])));
+        return acc;
+      },
+      [](int32_t a, int32_t b) { return std::max(a, b); });
+}
+
+template <typename T>
+void cast_tiles_cpu(const T* x, int64_t rows, int64_t cols, int64_t out_rows, float scale,
+                    const DmFp8Format& fmt, uint8_t* q, uint8_t* qt) {
+  const int64_t tiles = (out_rows + kCastTile - 1) / kCastTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> tile(kCastTile * kCastTile);
+    for (int64_t tr = begin; tr < end; ++tr) {
+      const int64_t r0 = tr * kCastTile, nr = std::min(kCastTile, out_rows - r0);
+      for (int64_t c0 = 0; c0 < cols; c0 += kCastTile) {
+        const int64_t nc = std::min(kCastTile, cols - c0);
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t r = r0 + i;
+          uint8_t* dst = tile.data() + i * kCastTile;
+          if (r < rows) {
+            const T* src = x + r * cols + c0;
+            for (int64_t j = 0; j < nc; ++j) dst[j] = dm_fp8_cast_one(static_cast<float>(src[j]), scale, fmt);
+          } else {  // a pad row: zeros cast as the reference casts them (0 * scale)
+            for (int64_t j = 0; j < nc; ++j) dst[j] = dm_fp8_cast_one(0.0f, scale, fmt);
+          }
+          if (q != nullptr) std::memcpy(q + r * cols + c0, dst, static_cast<size_t>(nc));
+        }
+        if (qt != nullptr) {
+          for (int64_t j = 0; j < nc; ++j) {
+            uint8_t* dst = qt + (c0 + j) * out_rows + r0;
+            for (int64_t i = 0; i < nr; ++i) dst[i] = tile[i * kCastTile + j];
+          }
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cpu(
+    const at::Tensor& t_in, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
+    const std::optional<at::Tensor>& scale, int64_t scale_index,
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const DmFp8Format fmt =
+      dm_fp8_format(check_cast_fp8_args(t_in, dtype, pad, scale, scale_index, amax_out, amax_index));
+  const at::Tensor t = t_in.contiguous();
+  const int64_t rows = t.size(0), cols = t.size(1), out_rows = rows + pad;
+  at::Tensor q, qt, inv;  // undefined: None in Python
+  if (rowwise) q = at::empty({out_rows, cols}, t.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, out_rows}, t.options().dtype(dtype));
+  dispatch_rows(t.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      const T* x = t.const_data_ptr<T>();
+      const bool record = amax_out.has_value();
+      // the amax is needed by current scaling and by a recording cast
+      const int32_t amax = (!scale.has_value() || record) ? amax_bits_cpu(x, rows * cols) : 0;
+      float s;
+      if (scale.has_value()) {
+        s = scale->const_data_ptr<float>()[scale_index];
+      } else {
+        s = dm_fp8_current_scale(dm_u2f(static_cast<uint32_t>(amax)), fmt.fmax);
+        inv = at::empty({}, t.options().dtype(at::kFloat));
+        *inv.data_ptr<float>() = dm_reciprocal(s);
+      }
+      if (record) {  // slot = max(slot, amax), NaN propagating: the int max of the bits
+        int32_t* slot = reinterpret_cast<int32_t*>(amax_out->data_ptr<float>() + amax_index);
+        *slot = std::max(*slot, amax);
+      }
+      cast_tiles_cpu(x, rows, cols, out_rows, s, fmt,
+                     rowwise ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr,
+                     colwise ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr);
+    }
+  });
+  return {q, qt, inv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
@@ -257,6 +347,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cpu);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
   m.impl("remap_ids", &remap_ids_cpu);
+  m.impl("cast_fp8", &cast_fp8_cpu);
 }
 
 }  // namespace dept_mega

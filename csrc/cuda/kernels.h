@@ -87,6 +87,19 @@ cudaError_t dm_scatter_apply(void* out, int out_dtype, int64_t rows, int64_t dim
 cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op, const void* ids,
                             int ids_dtype, int64_t bound, int64_t* record, cudaStream_t stream);
 
+// FP8 cast (dept_mega::cast_fp8; the bytes of csrc/fp8_cast.h; kernels in fp8_cast.cu). x:
+// [rows, cols] bf16/fp16 (x_dtype DM_BFLOAT16 | DM_FLOAT16), fp8_format DM_FP8_E4M3 |
+// DM_FP8_E5M2. Writes q [rows + pad, cols] (when not null) and qt [cols, rows + pad] (when not
+// null), pad rows zero before the cast. scale: the fp32 scale (delayed scaling), or null: current
+// scaling, which needs `parts` (int32[dm_fp8_amax_parts(rows * cols)], scratch of this call) and
+// writes 1/scale to *inv. amax (not null): the input's amax is atomically maxed into *amax. No
+// host synchronisation. Limits: cols <= dm_fp8_max_cols() (the operator checks).
+int dm_fp8_amax_parts(int64_t n);
+int64_t dm_fp8_max_cols(void);
+cudaError_t dm_fp8_cast(const void* x, int x_dtype, int64_t rows, int64_t cols, int64_t pad,
+                        int fp8_format, void* q, void* qt, const float* scale, float* inv,
+                        void* parts, float* amax, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -36,6 +36,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -213,6 +214,37 @@ at::Tensor remap_ids_cuda(const at::Tensor& ids_in, const at::Tensor& lookup_in)
   return out;
 }
 
+// cast_fp8 (kernels in fp8_cast.cu): allocation and the launch on the current stream, no host
+// synchronisation. The Python caller checks the arguments first (dept_mega/parallel/fp8_casts.py,
+// see dept_mega.ops._route on C++ throws from CUDA ops); these checks stay as the last line.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cuda(
+    const at::Tensor& t_in, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
+    const std::optional<at::Tensor>& scale, int64_t scale_index,
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const int fmt = check_cast_fp8_args(t_in, dtype, pad, scale, scale_index, amax_out, amax_index);
+  TORCH_CHECK_VALUE(t_in.size(1) <= dm_fp8_max_cols(), "cast_fp8: at most ", dm_fp8_max_cols(),
+                    " columns on CUDA, got ", t_in.size(1));
+  const c10::cuda::CUDAGuard guard(t_in.device());
+  const at::Tensor t = t_in.contiguous();
+  const int64_t rows = t.size(0), cols = t.size(1), out_rows = rows + pad;
+  at::Tensor q, qt, inv, parts;  // undefined: None in Python
+  if (rowwise) q = at::empty({out_rows, cols}, t.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, out_rows}, t.options().dtype(dtype));
+  if (!scale.has_value()) {
+    inv = at::empty({}, t.options().dtype(at::kFloat));
+    parts = at::empty({dm_fp8_amax_parts(rows * cols)}, t.options().dtype(at::kInt));
+  }
+  check_cuda(dm_fp8_cast(t.const_data_ptr(), row_code(t.scalar_type()), rows, cols, pad, fmt,
+                         rowwise ? q.data_ptr() : nullptr, colwise ? qt.data_ptr() : nullptr,
+                         scale.has_value() ? scale->const_data_ptr<float>() + scale_index : nullptr,
+                         scale.has_value() ? nullptr : inv.data_ptr<float>(),
+                         scale.has_value() ? nullptr : parts.data_ptr(),
+                         amax_out.has_value() ? amax_out->data_ptr<float>() + amax_index : nullptr,
+                         c10::cuda::getCurrentCUDAStream()),
+             "cast_fp8");
+  return {q, qt, inv};
+}
+
 // The device's persistent record (aliased, not copied: the caller reads and clears it).
 at::Tensor error_record_cuda(const at::Tensor& like) {
   TORCH_CHECK_VALUE(like.is_cuda(), "error_record: expected a CUDA tensor, got ", like.device());
@@ -227,6 +259,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) {
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cuda);
   m.impl("remap_ids", &remap_ids_cuda);
   m.impl("error_record", &error_record_cuda);
+  m.impl("cast_fp8", &cast_fp8_cuda);
 }
 
 }  // namespace dept_mega

@@ -99,7 +99,7 @@ class Backends:
     fp8: Optional[Fp8Recipe] = None
     fp8_layers: tuple[int, ...] = ()  # global layer ids whose block GEMMs run FP8
     fp8_gemms: tuple[str, ...] = ()  # which of GEMMS (per-rank shape rule)
-    fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "torch" (fp8._cast_math)
+    fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "cuda" (the C++ operator) | "torch" (fp8._cast_math)
     fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
     num_layers: int = 0
     recompute: str = "none"
@@ -185,7 +185,7 @@ class Backends:
         return " | ".join(parts) + note
 
 
-_CASTS = {"triton": "Triton cast kernels", "torch": "torch casts"}
+_CASTS = {"triton": "Triton cast kernels", "cuda": "C++ cast operator dept_mega::cast_fp8", "torch": "torch casts"}
 _GRAPH_CASTS = {"triton": "the Triton cast kernel as one op per cast (dept_mega::fp8_cast)",
                 "torch": "inductor's casts (from the torch math)"}
 
@@ -382,8 +382,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             try:
                 fp8_casts = resolve_cast_kernels(cfg.fp8_casts, device)
             except ValueError as exc:
-                raise BackendError(f"config key 'fp8_casts': triton casts need the triton package and a CUDA "
-                                   f"device ({exc})") from None
+                raise BackendError(f"config key 'fp8_casts': {exc}") from None
             fp8_graph_casts = "triton" if cfg.fp8_casts == "triton" else "torch"
         else:
             if cfg.fp8_fast_accum != "forward":

@@ -44,6 +44,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     st = extension_status()
     print(f"custom ops: {st.reason}")
     print(f"  cpu tensors: {backend('cpu')}" + (f", cuda tensors: {backend('cuda')}" if cuda else ""))
+    from dept_mega.parallel.fp8_casts import op_unavailable
+    casts = [f"{dev} {'yes' if op_unavailable(dev) is None else 'no'}" for dev in ("cpu", "cuda")]
+    print(f"  FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda): {', '.join(casts)}")
     print("optional packages:")
     for name, state in _optional_packages():
         print(f"  {name}: {state}")

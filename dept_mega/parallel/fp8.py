@@ -41,9 +41,10 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   (:meth:`Fp8State.state_dict`), so a resumed run scales as the uninterrupted one would.
 * casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
   writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
-  step's amaxes), plus a reduction kernel before it under current scaling. The reference math
+  step's amaxes), plus a reduction kernel before it under current scaling; or, named
+  (``kernels="cuda"``), the same as a C++ operator (``fp8_casts.py``). The reference math
   (``_cast_math``, the same bytes) runs eagerly on CPU and compiled on CUDA without Triton;
-  the run log names the path (``Triton cast kernels`` | ``torch casts``).
+  the run log names the path (``Triton cast kernels`` | ``C++ cast operator`` | ``torch casts``).
 
 ``torch._scaled_mm`` wants its first operand row-major and its second column-major, and every
 dimension a multiple of 16 (checked on every device, see ``_scaled_mm``). The feature
@@ -66,8 +67,9 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from . import fp8_kernels
+from . import fp8_casts, fp8_kernels
 from .compiled_math import CudaCompiled
+from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
 from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
@@ -82,27 +84,6 @@ INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the ama
 def fp8_gemm_shape_ok(in_features: int, out_features: int) -> bool:
     """Whether a (per-rank) ``in × out`` weight can run the FP8 GEMMs (both multiples of 16)."""
     return in_features % _ALIGN == 0 and out_features % _ALIGN == 0
-
-
-def default_cast_kernels(device: torch.device | str) -> str:
-    """Which casts an :class:`Fp8State` on ``device`` runs by default: ``triton`` (the kernels of
-    ``fp8_kernels.py``) on CUDA when Triton imports, else ``torch`` (``_cast_math``)."""
-    return "triton" if torch.device(device).type == "cuda" and fp8_kernels.AVAILABLE else "torch"
-
-
-def resolve_cast_kernels(kernels: str, device: torch.device | str) -> str:
-    """``auto`` | ``triton`` | ``torch`` → the casts to run on ``device``; ``ValueError`` for a
-    name it does not know and for ``triton`` where it cannot run."""
-    device = torch.device(device)
-    kernels = default_cast_kernels(device) if kernels == "auto" else kernels
-    if kernels not in ("triton", "torch"):
-        raise ValueError(f"FP8 cast kernels {kernels!r} are not one of auto | triton | torch")
-    if kernels == "triton" and not fp8_kernels.AVAILABLE:
-        raise ValueError("FP8 cast kernels 'triton' need Triton, which is not installed")
-    if kernels == "triton" and device.type != "cuda" and not fp8_kernels.interpreted():
-        raise ValueError(f"FP8 cast kernels 'triton' on {device.type} need Triton's interpreter "
-                         f"(TRITON_INTERPRET=1)")
-    return kernels
 
 
 def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
@@ -168,14 +149,16 @@ class Fp8State:
     steps :meth:`state_dict` / :meth:`load_state_dict` save and restore it exactly (the
     checkpoints' ``fp8_*.pt`` files, ``checkpoint_fp8.py``).
 
-    ``kernels``: ``triton`` (``fp8_kernels.py``) | ``torch`` (``_cast_math``) | ``auto``; ``graph_casts``
-    (fp8_traced.py's): ``triton`` | ``torch``, by default ``triton`` where ``kernels`` names it."""
+    ``kernels``: ``triton`` (``fp8_kernels.py``) | ``cuda`` (the C++ operator, ``fp8_casts.py``) |
+    ``torch`` (``_cast_math``) | ``auto``; ``graph_casts`` (fp8_traced.py's): ``triton`` | ``torch``,
+    by default ``triton`` where ``kernels`` names it."""
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto",
                  graph_casts: Optional[str] = None) -> None:
         self.recipe = recipe
         self.device = torch.device(device)
         self.kernels = resolve_cast_kernels(kernels, self.device)
+        self._cast_op = fp8_casts.op() if self.kernels == "cuda" else None  # dept_mega::cast_fp8
         self.graph_casts = graph_casts or ("triton" if kernels == "triton" else "torch")
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.fast_gemms = recipe.fast_gemms  # use_fast_accum of the (forward, dgrad, wgrad) GEMMs
@@ -312,8 +295,8 @@ class Fp8State:
              rowwise: bool = True, colwise: bool = False):
         """One FP8 cast of ``layer``'s ``operand`` (INPUT | WEIGHT | GRAD): ``(q, q_t, 1/scale)``
         (see ``_cast_math``). Delayed scaling inside a training step: the step's scale, the amax
-        maxed into the history; otherwise current scaling. Triton: one launch (two for current
-        scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
+        maxed into the history; otherwise current scaling. Triton or the C++ operator: one
+        launch (two for current scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
         col = 3 * layer + operand
         record = self._record
         delayed = record and col in self._ready
@@ -323,10 +306,10 @@ class Fp8State:
                 amax, owner.recorded_grad = owner.grad_amax, True
             else:
                 amax, owner.recorded_fwd = owner.amax, True
-        if self.kernels == "triton" and t.dtype in fp8_kernels.INPUT_DTYPES:
-            q, q_t, inv = fp8_kernels.cast_fp8(
-                t, dtype, pad, rowwise, colwise, scale=self.scale if delayed else None, scale_index=col,
-                amax_out=amax if record else None, amax_index=operand)
+        if self.kernels != "torch" and t.dtype in fp8_kernels.INPUT_DTYPES:  # triton | cuda: one operator
+            cast = fp8_kernels.cast_fp8 if self.kernels == "triton" else self._cast_op
+            q, q_t, inv = cast(t, dtype, pad, rowwise, colwise, self.scale if delayed else None, col,
+                               amax if record else None, operand)
         else:
             q, q_t, inv, current = _cast(t, self.scale[col] if delayed else None, dtype, pad, rowwise, colwise)
             if record:

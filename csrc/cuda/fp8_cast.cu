@@ -1,0 +1,279 @@
+// CUDA kernels of the FP8 cast operator dept_mega::cast_fp8 behind dm_fp8_cast (kernels.h).
+// The per-element bytes are csrc/fp8_cast.h's (those of fp8._cast_math and the Triton kernel).
+//
+// UNVERIFIED on a GPU: CI compiles this file for sm_90 (tools/check_cuda_compile.sh); the
+// gpu-marked test (tests/test_fp8_cuda_cast.py) compares it with the Triton kernel and the
+// reference bit for bit.
+//
+// cast_kernel: one block of kThreads threads per kTile x kTile tile of the padded output
+//   (blockIdx.x: row tiles, blockIdx.y: column tiles). A thread owns 4 consecutive rows x 8
+//   columns: per row one 16-byte load of 8 bf16/fp16 (eight lanes read a 128-byte row segment)
+//   and, for q, one 8-byte store. For q_t the thread packs its 4 rows' bytes of each column
+//   into a 32-bit word of a shared tile stored transposed ([column][row], pitch kPitch bytes:
+//   at most 2-way bank conflicts); after a barrier each thread stores 16-byte rows of q_t
+//   (four lanes write a 64-byte segment of one q_t row), so both outputs are written
+//   coalesced. Shapes that do not allow the vector accesses (cols % 8, (rows + pad) % 16, a
+//   misaligned input) take the same kernel with scalar, bounds-checked accesses.
+//   Delayed scaling: the scale is read on the device; with an amax slot, the block's amax
+//   (warp shuffles, then one atomicMax on the float's bits per block: non-negative floats order
+//   as ints, and a NaN, sign cleared, is above +inf, so it propagates) is maxed into it.
+//   Current scaling: amax_parts_kernel first writes one partial maximum per block (at most
+//   kMaxParts); every cast block reduces them (one warp) and computes the scale; block (0, 0)
+//   writes 1/scale and records the amax. No host synchronisation anywhere.
+// Indexing is int64; the grid limits the columns to 65535 tiles (checked by the operator).
+#include "kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../fp8_cast.h"
+
+namespace {
+
+constexpr int kTile = 64;
+constexpr int kThreads = 128;             // 16 row groups of 4 rows x 8 column groups of 8
+constexpr int kRowsPerThread = 4;
+constexpr int kColsPerThread = 8;
+constexpr int kPitch = kTile + 4;         // bytes per transposed tile row (a multiple of 4)
+constexpr int kMaxParts = 256;            // partial maxima of current scaling
+constexpr int64_t kPartElems = 8192;      // elements per partial (at least)
+constexpr int kAmaxThreads = 256;
+
+static_assert((kTile / kRowsPerThread) * (kTile / kColsPerThread) == kThreads, "thread layout");
+static_assert(kTile * (kTile / 16) == 2 * kThreads, "two 16-byte q_t stores per thread");
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ int32_t warp_max(int32_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The max over the block's threads (all threads call it; the result is valid in thread 0).
+template <int THREADS>
+__device__ __forceinline__ int32_t block_max(int32_t v, int32_t* smem) {
+  v = warp_max(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 1; w < THREADS / 32; ++w) v = max(v, smem[w]);
+  }
+  return v;
+}
+
+// parts[blockIdx.x] = max |x| over a grid-stride share of the n elements (as dm_abs_bits).
+template <typename T>
+__global__ void __launch_bounds__(kAmaxThreads)
+    amax_parts_kernel(const T* __restrict__ x, int64_t n, bool vec, int32_t* __restrict__ parts) {
+  __shared__ int32_t smem[kAmaxThreads / 32];
+  int32_t m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kAmaxThreads;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kAmaxThreads + threadIdx.x;
+  int64_t tail = 0;
+  if (vec) {  // 16-byte loads of 8 elements, then the last n % 8 one by one
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int64_t nv = n / 8;
+    for (int64_t i = first; i < nv; i += stride) {
+      const uint4 p = __ldg(xv + i);
+      const T* e = reinterpret_cast<const T*>(&p);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) m = max(m, dm_abs_bits(to_f(e[k])));
+    }
+    tail = nv * 8;
+  }
+  for (int64_t i = tail + first; i < n; i += stride) m = max(m, dm_abs_bits(to_f(x[i])));
+  m = block_max<kAmaxThreads>(m, smem);
+  if (threadIdx.x == 0) parts[blockIdx.x] = m;
+}
+
+template <typename T, bool VEC, bool ROWWISE, bool COLWISE>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                int64_t rows, int64_t cols, int64_t out_rows, int fmt_code,
+                const float* __restrict__ scale_ptr, float* __restrict__ inv,
+                const int32_t* __restrict__ parts, int nparts, float* __restrict__ amax_slot) {
+  __shared__ __align__(16) uint8_t tile[COLWISE ? kTile * kPitch : 4];
+  __shared__ int32_t red[kThreads / 32];
+  __shared__ float s_scale;
+  const DmFp8Format fmt = dm_fp8_format(fmt_code);
+  const bool current = scale_ptr == nullptr;
+  float scale;
+  if (current) {  // reduce the partial maxima (one warp), the scale from their max
+    if (threadIdx.x < 32) {
+      int32_t m = 0;
+      for (int i = threadIdx.x; i < nparts; i += 32) m = max(m, parts[i]);
+      m = warp_max(m);
+      if (threadIdx.x == 0) {
+        const float amax = dm_u2f(static_cast<uint32_t>(m));
+        const float s = dm_fp8_current_scale(amax, fmt.fmax);
+        s_scale = s;
+        if (blockIdx.x == 0 && blockIdx.y == 0) {
+          *inv = dm_reciprocal(s);
+          if (amax_slot != nullptr) atomicMax(reinterpret_cast<int*>(amax_slot), m);
+        }
+      }
+    }
+    __syncthreads();
+    scale = s_scale;
+  } else {
+    scale = __ldg(scale_ptr);
+  }
+
+  const int rg = threadIdx.x / (kTile / kColsPerThread);        // row group: rows 4 rg .. 4 rg + 3
+  const int lc = (threadIdx.x % (kTile / kColsPerThread)) * kColsPerThread;  // first column
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t gc = c0 + lc;
+  int32_t m = 0;  // the block's amax (delayed scaling with a slot)
+  uint8_t b[kRowsPerThread][kColsPerThread];
+  float v[kRowsPerThread][kColsPerThread];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {  // the loads first: four in flight
+    const int64_t gr = r0 + rg * kRowsPerThread + i;
+    if (VEC) {
+      if (gr < rows && gc < cols) {  // cols % 8 == 0: the 8 columns are all inside
+        const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + gr * cols + gc));
+        const T* e = reinterpret_cast<const T*>(&p);
+#pragma unroll
+        for (int k = 0; k < kColsPerThread; ++k) v[i][k] = to_f(e[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kColsPerThread; ++k) v[i][k] = 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k)
+        v[i][k] = (gr < rows && gc + k < cols) ? to_f(x[gr * cols + gc + k]) : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+    for (int k = 0; k < kColsPerThread; ++k) {
+      m = max(m, dm_abs_bits(v[i][k]));  // zeros outside the tensor change nothing
+      b[i][k] = dm_fp8_cast_one(v[i][k], scale, fmt);
+    }
+  }
+  if (ROWWISE) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t gr = r0 + rg * kRowsPerThread + i;
+      if (gr >= out_rows) continue;
+      if (VEC) {
+        if (gc < cols) {
+          uint2 w;
+          w.x = b[i][0] | (b[i][1] << 8) | (b[i][2] << 16) | (static_cast<uint32_t>(b[i][3]) << 24);
+          w.y = b[i][4] | (b[i][5] << 8) | (b[i][6] << 16) | (static_cast<uint32_t>(b[i][7]) << 24);
+          *reinterpret_cast<uint2*>(q + gr * cols + gc) = w;
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kColsPerThread; ++k)
+          if (gc + k < cols) q[gr * cols + gc + k] = b[i][k];
+      }
+    }
+  }
+  if (COLWISE) {  // tile[column][row]: one word holds the thread's 4 rows of a column
+#pragma unroll
+    for (int k = 0; k < kColsPerThread; ++k) {
+      const uint32_t w = b[0][k] | (b[1][k] << 8) | (b[2][k] << 16) | (static_cast<uint32_t>(b[3][k]) << 24);
+      *reinterpret_cast<uint32_t*>(tile + (lc + k) * kPitch + rg * kRowsPerThread) = w;
+    }
+  }
+  if (amax_slot != nullptr && !current) {
+    m = block_max<kThreads>(m, red);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax_slot), m);
+  }
+  if (COLWISE) {
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {  // 64 q_t rows x 4 chunks of 16 bytes
+      const int idx = threadIdx.x + s * kThreads;
+      const int col = idx / 4, part = (idx % 4) * 16;
+      const int64_t qc = c0 + col, qr = r0 + part;
+      if (qc >= cols) continue;
+      const uint8_t* src = tile + col * kPitch + part;
+      if (VEC) {  // out_rows % 16 == 0: the 16 rows are all inside or all outside
+        if (qr < out_rows) {
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
+          *reinterpret_cast<uint4*>(qt + qc * out_rows + qr) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      } else {
+        for (int k = 0; k < 16 && qr + k < out_rows; ++k) qt[qc * out_rows + qr + k] = src[k];
+      }
+    }
+  }
+}
+
+template <typename T, bool VEC>
+cudaError_t launch_cast(const void* x, int64_t rows, int64_t cols, int64_t out_rows, int fmt,
+                        void* q, void* qt, const float* scale, float* inv, const int32_t* parts,
+                        int nparts, float* amax, dim3 grid, cudaStream_t stream) {
+  const T* xp = static_cast<const T*>(x);
+  uint8_t* qp = static_cast<uint8_t*>(q);
+  uint8_t* qtp = static_cast<uint8_t*>(qt);
+  if (q != nullptr && qt != nullptr) {
+    cast_kernel<T, VEC, true, true><<<grid, kThreads, 0, stream>>>(
+        xp, qp, qtp, rows, cols, out_rows, fmt, scale, inv, parts, nparts, amax);
+  } else if (qt != nullptr) {
+    cast_kernel<T, VEC, false, true><<<grid, kThreads, 0, stream>>>(
+        xp, qp, qtp, rows, cols, out_rows, fmt, scale, inv, parts, nparts, amax);
+  } else if (q != nullptr) {
+    cast_kernel<T, VEC, true, false><<<grid, kThreads, 0, stream>>>(
+        xp, qp, qtp, rows, cols, out_rows, fmt, scale, inv, parts, nparts, amax);
+  } else {  // no copy asked for: the amax and 1/scale only
+    cast_kernel<T, VEC, false, false><<<grid, kThreads, 0, stream>>>(
+        xp, qp, qtp, rows, cols, out_rows, fmt, scale, inv, parts, nparts, amax);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t fp8_cast(const void* x, int64_t rows, int64_t cols, int64_t pad, int fmt, void* q,
+                     void* qt, const float* scale, float* inv, void* parts, float* amax,
+                     cudaStream_t stream) {
+  const int64_t out_rows = rows + pad, n = rows * cols;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  int nparts = 0;
+  if (scale == nullptr) {
+    nparts = dm_fp8_amax_parts(n);
+    amax_parts_kernel<T><<<nparts, kAmaxThreads, 0, stream>>>(static_cast<const T*>(x), n, aligned,
+                                                              static_cast<int32_t*>(parts));
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  // at least one block: a current-scaled cast of an empty tensor still writes 1/scale
+  const dim3 grid(static_cast<unsigned>(out_rows > 0 ? (out_rows + kTile - 1) / kTile : 1),
+                  static_cast<unsigned>(cols > 0 ? (cols + kTile - 1) / kTile : 1));
+  const bool vec = aligned && cols % 8 == 0 && out_rows % 16 == 0;
+  const int32_t* p = static_cast<const int32_t*>(parts);
+  return vec ? launch_cast<T, true>(x, rows, cols, out_rows, fmt, q, qt, scale, inv, p, nparts, amax, grid, stream)
+             : launch_cast<T, false>(x, rows, cols, out_rows, fmt, q, qt, scale, inv, p, nparts, amax, grid, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+int dm_fp8_amax_parts(int64_t n) {
+  const int64_t parts = (n + kPartElems - 1) / kPartElems;
+  return static_cast<int>(parts < 1 ? 1 : (parts > kMaxParts ? kMaxParts : parts));
+}
+
+int64_t dm_fp8_max_cols(void) { return int64_t{65535} * kTile; }
+
+cudaError_t dm_fp8_cast(const void* x, int x_dtype, int64_t rows, int64_t cols, int64_t pad,
+                        int fp8_format, void* q, void* qt, const float* scale, float* inv,
+                        void* parts, float* amax, cudaStream_t stream) {
+  if (x_dtype == DM_BFLOAT16)
+    return fp8_cast<__nv_bfloat16>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, stream);
+  if (x_dtype == DM_FLOAT16)
+    return fp8_cast<__half>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // extern "C"
