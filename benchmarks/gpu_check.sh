@@ -38,6 +38,9 @@
 #              mode, and what Triton's launcher, cast_fp8's Python and _scaled_mm's host path
 #              each cost (tiny operands, wall time) -> one "kind": "fp8_host" row of bench.jsonl
 #              30 (an estimate: not yet measured)
+#   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
+#              the C++ operator, inductor's) against a copy of the same bytes, bytes compared
+#              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
 #   fp8_exact_accum  the FP8 run with fp8_fast_accum=none: every GEMM promotes its sums to fp32
 #              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
 #   fp8_compile_triton  the FP8 run with train.compile=true and fp8_casts=triton: our one-pass
@@ -90,7 +93,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 fp8_cuda fp8_host fp8_exact_accum fp8_compile_triton compile fp8_compile ops
+STAGES=(build env tests ops_tests bf16 fp8 fp8_cuda fp8_host fp8_casts fp8_exact_accum fp8_compile_triton compile fp8_compile ops
         torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion
         mb8)
 if [ -n "$ONLY" ]; then
@@ -133,6 +136,7 @@ if [ "$DRY" = 1 ]; then
   TORCHAO=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --no-compile)
   # the CPU has no Triton launcher: the benchmark skips its real fp8 mode there (and says so)
   FP8_HOST=(--device cpu --trials 1 --calls 3 --depth 2)
+  CAST_BENCH=(--device cpu --iters 1)
   # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
   # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
   GRAPH_CASTS=torch
@@ -140,7 +144,7 @@ if [ "$DRY" = 1 ]; then
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
-                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_exact_accum]=12)
+                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_exact_accum]=12 [fp8_casts]=8)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -152,6 +156,7 @@ else
   MEGATRON_SET=()
   TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
   FP8_HOST=(--device cuda --trials 5)
+  CAST_BENCH=(--device cuda)
   GRAPH_CASTS=triton
   # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
   # the H200 run (2026-11-27: 17, 5 and 39 s) with room
@@ -159,7 +164,7 @@ else
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_exact_accum]=50)
+                     [fp8_exact_accum]=50 [fp8_casts]=40)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -399,6 +404,25 @@ else:
     lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
     r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
 r.update(kind="fp8_host", name="fp8_host", rc=int(rc))
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+  return $rc
+}
+
+stage_fp8_casts() {  # fp8_cast_bench.py's rows as one "kind": "fp8_cast_bench" row of bench.jsonl
+  local rec="$WORK/fp8_casts.json" rc
+  rm -f "$rec"
+  run "$PY" benchmarks/fp8_cast_bench.py "${CAST_BENCH[@]}" --json "$rec"
+  rc=$?
+  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+rec, rc, log, dst = sys.argv[1:]
+if os.path.exists(rec):
+    r = json.load(open(rec))
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+r.update(kind="fp8_cast_bench", name="fp8_casts", rc=int(rc))
 open(dst, "a").write(json.dumps(r) + "\n")
 EOF
   return $rc

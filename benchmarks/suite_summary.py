@@ -28,7 +28,7 @@ PYTEST_RESULT = re.compile(rf"^(?:=+ )?((?:{_OUTCOME}(?:, )?)+ in [\d.]+s(?: \([
 STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
 STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s")
 STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
-OWN_SECTIONS = ("vs_torchao", "fp8_host")  # kinds of bench.jsonl rows with a section of their own
+OWN_SECTIONS = ("vs_torchao", "fp8_host", "fp8_cast_bench")  # kinds of bench.jsonl rows with a section of their own
 
 
 def _load(path: str):
@@ -275,6 +275,31 @@ def fp8_host_lines(r: dict) -> list[str]:
     return lines
 
 
+def fp8_cast_lines(r: dict) -> list[str]:
+    """benchmarks/fp8_cast_bench.py's rows (a bench.jsonl row of kind ``fp8_cast_bench``): each
+    kernel's device µs per cast at the 1B shapes and its bandwidth against a copy of the same
+    bytes, the fastest per shape marked."""
+    lines = ["## FP8 casts: device time per cast by kernel (benchmarks/fp8_cast_bench.py)", ""]
+    if "error" in r:
+        return lines + [f"- failed: {r['error']}"]
+    lines += ["| shape | kernel | us | GB/s | % of copy | host us | same bytes |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    rows = r.get("rows") or []
+    for shape in dict.fromkeys(x.get("shape") for x in rows):
+        mine = [x for x in rows if x.get("shape") == shape]
+        timed = [x for x in mine if "pct_of_copy" in x]
+        best = max(timed, key=lambda x: x["pct_of_copy"]) if timed else None
+        for x in mine:
+            if "error" in x:
+                lines.append(f"| {shape} | {x['kernel']} | failed: {x['error'][:150]} | | | | |")
+                continue
+            mark = " (fastest)" if x is best else ""
+            lines.append(f"| {shape} | {x['kernel']}{mark} | {_fmt(x.get('us'), '.1f')} | {_fmt(x.get('gbps'), '.0f')} | "
+                         f"{_fmt(x.get('pct_of_copy'), '.0f', '')} | {_fmt(x.get('host_us'), '.1f')} | "
+                         f"{'' if x.get('same_bytes') is None else ('yes' if x['same_bytes'] else 'NO')} |")
+    return lines
+
+
 def summary(out: str, env_path: str | None = None, budget: int | None = None, elapsed: int | None = None,
             dry_run: bool = False) -> str:
     lines = ["# GPU check summary" + (" (dry run on the CPU: tiny model, no figure means anything)" if dry_run
@@ -311,6 +336,8 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
                 lines += [""] + torchao_lines(r, bench_rows)
             elif r.get("kind") == "fp8_host":
                 lines += [""] + fp8_host_lines(r)
+            elif r.get("kind") == "fp8_cast_bench":
+                lines += [""] + fp8_cast_lines(r)
     mem = _load(os.path.join(out, "memory.json"))
     if mem:
         lines += ["", f"## Memory model ({mem.get('note', '')})", ""]

@@ -197,3 +197,27 @@ def test_ops_summary_judges_the_targets_on_the_bandwidth_rows():
     text = "\n".join(ops_lines({"results": rows}))
     assert "90% (remap_ids (16384x2048), calls queued back to back; the device waited for the host: " in text
     assert "| remap_ids (16384x2048) | int64 | 0.200 | n/a | 90 | 0.030 (device waited for the host) |" in text
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")])])
+def test_fp8_cast_bench_rows_and_same_bytes(device):
+    """benchmarks/fp8_cast_bench.py at small shapes: a copy row and a row per kernel for each
+    shape, every kernel's bytes equal to the first kernel's (on CUDA: every Triton tile, the C++
+    operator where built, inductor's casts), the copy's bytes moved counted as the cast's."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fp8_cast_bench as bench
+    rows = bench.run(torch.device(device), 256, 64, 256, iters=1)
+    assert not [r for r in rows if "error" in r], rows
+    per_shape = {}
+    for r in rows:
+        per_shape.setdefault(r["shape"], []).append(r)
+    assert len(per_shape) == 4
+    names = [k for k, _ in bench.kernels(torch.device(device))]
+    for label, rs in per_shape.items():
+        assert [r["kernel"] for r in rs] == ["copy (bf16 clone)"] + names, (label, rs)
+        assert all(r["gbps"] > 0 and r["us"] > 0 for r in rs)
+        assert all(r["same_bytes"] is True for r in rs[2:]), rs  # rs[1] is the reference
+    if device == "cuda":
+        assert sum(n.startswith("triton") for n in names) == len(bench.TRITON_TILES)

@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_host", "fp8_exact_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_host", "fp8_casts", "fp8_exact_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -45,7 +45,11 @@ def test_dry_run_writes_every_figure(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
     host = [r for r in rows if r.get("kind") == "fp8_host"]
-    rows = [r for r in rows if r.get("kind") not in ("vs_torchao", "fp8_host")]
+    casts = [r for r in rows if r.get("kind") == "fp8_cast_bench"]
+    rows = [r for r in rows if r.get("kind") not in ("vs_torchao", "fp8_host", "fp8_cast_bench")]
+    # the fp8_casts stage: fp8_cast_bench.py's rows (the C++ operator and the torch casts on the CPU)
+    assert len(casts) == 1 and casts[0]["rc"] == 0 and casts[0]["rows"], casts
+    assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_exact_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "std_vocab250k", "bf16_nofusion",

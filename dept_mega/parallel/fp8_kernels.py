@@ -131,14 +131,15 @@ if AVAILABLE:
 
 def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,
              scale: Optional[torch.Tensor] = None, scale_index: int = 0,
-             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0
+             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0, tile: tuple = (_TILE, _TILE, 4)
              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Cast the 2-D ``t`` to ``dtype`` (see the module docstring). ``scale``: an fp32 tensor
     whose element ``scale_index`` is the scale (delayed scaling), or None (current scaling);
     ``amax_out``: an fp32 tensor whose element ``amax_index`` is maxed with ``t``'s amax.
     Returns ``(q, q_t, inv)``: ``q`` ``[rows + pad, cols]`` when ``rowwise``, ``q_t``
     ``[cols, rows + pad]`` when ``colwise``, ``inv`` the 0-d ``1/scale`` under current scaling
-    (None when ``scale`` is given: the caller has it)."""
+    (None when ``scale`` is given: the caller has it). ``tile``: (rows, columns, warps) of a
+    program (powers of two; the bytes do not depend on it), for ``benchmarks/fp8_cast_bench.py``."""
     if t.dtype not in INPUT_DTYPES:
         raise ValueError(f"cast_fp8 takes bf16 or fp16 tensors, got {t.dtype} (Fp8State.cast sends others "
                          f"to the reference math)")
@@ -163,11 +164,12 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
         nparts = max(1, min(_PARTS, triton.cdiv(n, _AMAX_BLOCK)))
         parts = t.new_empty((nparts,), dtype=torch.float32)
         _amax_parts_kernel[(nparts,)](t, parts, n, nparts, BLOCK=_AMAX_BLOCK)
-    grid = (triton.cdiv(out_rows, _TILE), triton.cdiv(cols, _TILE))
+    block_m, block_n, warps = tile
+    grid = (triton.cdiv(out_rows, block_m), triton.cdiv(cols, block_n))
     _cast_kernel[grid](t, q if rowwise else q_t, q_t if colwise else q, dummy if current else scale,
                        inv if current else dummy, parts, dummy if amax_out is None else amax_out,
                        rows, cols, out_rows, nparts, scale_index, amax_index,
                        FMAX=fmax, MBITS=mbits, EMIN=emin, MIN_AMAX=_MIN_AMAX, CURRENT=current,
                        RECORD=amax_out is not None, ROWWISE=rowwise, COLWISE=colwise, PARTS=_PARTS,
-                       BLOCK_M=_TILE, BLOCK_N=_TILE)
+                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return q, q_t, inv
