@@ -5,7 +5,8 @@ What is built, decided here before torch's own build step runs:
   `pip install --no-build-isolation .`, so the build sees the torch you run with) and a C++
   compiler works;
 - plus the CUDA kernels when torch has CUDA and an nvcc of the same CUDA major version is found
-  (CUDA_HOME, else nvcc on PATH). torch refuses another major version before any kernel is
+  (CUDA_HOME, else nvcc on PATH); with them the FP8 GEMM operator's cuBLASLt kernel when
+  cuBLASLt's headers are found (the toolkit's, or NVIDIA's pip wheels': see cublaslt_plan). torch refuses another major version before any kernel is
   compiled; we check first and build the CPU kernels instead, saying why.
 A build that fails is logged (stderr and build/dept_mega_ops_build.log) and never fatal: a
 CUDA build that fails is retried with the CPU kernels, and without any extension dept_mega.ops
@@ -18,6 +19,7 @@ IndexError before compiling anything) we build for DEFAULT_CUDA_ARCHS and say so
 from __future__ import annotations
 
 import copy
+import glob
 import os
 import re
 import subprocess
@@ -33,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
 CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
 CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu", "csrc/cuda/fp8_cast.cu"]
+LT_SOURCE = "csrc/cuda/fp8_gemm_lt.cpp"  # built when cuBLASLt's headers are found (cublaslt_plan)
 CXX_FLAGS = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
 # built where no GPU is visible: A100 (8.0), H100/H200 (9.0), and PTX that newer GPUs compile at load
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
@@ -107,6 +110,69 @@ def default_arch_flags(env: Mapping[str, str], visible_gpus: int) -> list[str]:
     return flags
 
 
+def nvidia_dirs(kind: str) -> list[str]:
+    """The ``kind`` (``include`` | ``lib``) folders of NVIDIA's pip wheels of this Python
+    (``nvidia/cu13/include``, ``nvidia/cublas/lib``, ...): where a torch from PyPI finds cuBLAS."""
+    try:
+        import nvidia  # a namespace package of the wheels
+    except ImportError:
+        return []
+    out = []
+    for base in getattr(nvidia, "__path__", []):
+        for name in sorted(os.listdir(base)):
+            if os.path.isdir(os.path.join(base, name, kind)):
+                out.append(os.path.join(base, name, kind))
+    return out
+
+
+# the headers of csrc/cuda/fp8_gemm_lt.cpp beyond the CUDA runtime's: cuBLASLt's, and those torch's
+# ATen/cuda/CUDAContextLight.h includes
+LT_HEADERS = ("cublasLt.h", "cublas_v2.h", "cusparse.h", "cusolverDn.h")
+
+
+def cublaslt_plan(cuda_home: Optional[str], torch_cuda: str, wheel_includes: Optional[list[str]] = None,
+                  wheel_libs: Optional[list[str]] = None) -> tuple[Optional[dict[str, list[str]]], str]:
+    """How to build csrc/cuda/fp8_gemm_lt.cpp (the FP8 GEMM operator's cuBLASLt kernel): the
+    Extension fields it needs (include and library folders, libraries, link arguments), or None
+    (not built, the other CUDA kernels are) when cublasLt.h is not found; and what was found.
+
+    Headers: the toolkit's include folder, else the NVIDIA wheels' (a torch from PyPI brings
+    them; a toolkit installed without cuBLAS has none). Library: ``libcublasLt.so`` in the
+    toolkit (``lib64``, ``lib``, ``targets/*/lib``) or the wheels (``-lcublasLt``), else
+    ``libcublasLt.so.<torch's CUDA major>`` (the wheels ship only that; ``-l:`` names the file).
+    No library found: none is linked, and the extension resolves cuBLASLt's symbols when it loads,
+    from the copy torch's own CUDA library has loaded (a shared object may keep undefined symbols)."""
+    toolkit_inc = [os.path.join(cuda_home, "include")] if cuda_home else []
+    wheel_includes = nvidia_dirs("include") if wheel_includes is None else wheel_includes
+    has = {h: [d for d in toolkit_inc + wheel_includes if os.path.isfile(os.path.join(d, h))] for h in LT_HEADERS}
+    if not has["cublasLt.h"]:
+        return None, (f"cublasLt.h not found (in {cuda_home}/include or NVIDIA's pip wheels): the FP8 GEMM "
+                      "operator's CUDA kernel (fp8_gemm: cublaslt) is not built")
+    missing = [h for h in LT_HEADERS if not has[h]]
+    if missing:
+        return None, (f"{', '.join(missing)} not found next to cublasLt.h: the FP8 GEMM operator's CUDA kernel "
+                      "(fp8_gemm: cublaslt) is not built")
+    fields: dict[str, list[str]] = {"include_dirs": sorted({ds[0] for ds in has.values()} - set(toolkit_inc))}
+    lib_dirs = []
+    if cuda_home:
+        lib_dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+        lib_dirs += sorted(glob.glob(os.path.join(cuda_home, "targets", "*", "lib")))
+    lib_dirs += nvidia_dirs("lib") if wheel_libs is None else wheel_libs
+    versioned = f"libcublasLt.so.{torch_cuda.split('.')[0]}"
+    lib = next(((d, "libcublasLt.so") for d in lib_dirs if os.path.isfile(os.path.join(d, "libcublasLt.so"))),
+               None) or next(((d, versioned) for d in lib_dirs if os.path.isfile(os.path.join(d, versioned))), None)
+    where = f"headers in {has['cublasLt.h'][0]}"
+    if lib is None:
+        return fields, (f"{where}; no libcublasLt.so or {versioned} found: not linked, its symbols resolve from "
+                        "torch's own CUDA libraries when the extension loads")
+    d, name = lib
+    if name == "libcublasLt.so":
+        fields.update(library_dirs=[d], libraries=["cublasLt"])
+    else:
+        fields.update(extra_link_args=[f"-L{d}", f"-l:{name}"])
+    return fields, f"{where}, linking {d}/{name}"
+
+
 # The public build fields of a setuptools Extension (the private ones setuptools adds when it
 # finalizes the command stay those of the extension the distribution was given).
 _EXT_FIELDS = ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
@@ -164,9 +230,13 @@ def extensions(env: Mapping[str, str] = os.environ):
         if arch_flags:
             _log(f"no GPU visible and no TORCH_CUDA_ARCH_LIST: building for {DEFAULT_CUDA_ARCHS} (A100, "
                  "H100/H200, PTX for newer GPUs); set TORCH_CUDA_ARCH_LIST to choose")
+        lt, found = cublaslt_plan(cx.CUDA_HOME, torch.version.cuda)
+        _log(f"cuBLASLt (the FP8 GEMM operator dept_mega::fp8_gemm): {found}")
+        sources = CPU_SOURCES + CUDA_SOURCES + ([LT_SOURCE] if lt is not None else [])
         cuda_ext = cx.CUDAExtension(
-            EXT_NAME, CPU_SOURCES + CUDA_SOURCES, define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false", *arch_flags]})
+            EXT_NAME, sources, define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false", *arch_flags]},
+            **(lt or {}))
     else:
         _log(f"building the CPU kernels only: {why}")
     return [cuda_ext or cpu_ext], {"build_ext": make_build_ext(cx, cpu_ext, cuda_ext)}

@@ -55,6 +55,12 @@ driver's launches, cuBLASLt's descriptor and heuristic setup in ``_scaled_mm``).
   the Triton cast: on CUDA its CUDA kernel, launched through the dispatcher; on the CPU its CPU
   kernel (which computes the bytes: at 16 × 16 little). Skipped where the ``dept_mega.ops``
   extension lacks the operator's kernel for the device (the output says why).
+* ``fp8_lt``: the ``fp8`` path (on the CPU the ``fp8_torch`` one) with its three GEMMs through the C++
+  operator ``dept_mega::fp8_gemm`` (``Fp8State(gemm="cublaslt")``, ``fp8_gemm: cublaslt``,
+  ``parallel/fp8_gemm.py``) in place of ``torch._scaled_mm``: on CUDA cuBLASLt with its algorithm
+  cached per shape, the weight gradient accumulated into ``main_grad`` by the GEMM (no bf16 dW,
+  no add); on the CPU the operator's CPU kernel. Skipped where the extension lacks the
+  operator's kernel for the device (the output says why).
 * ``fp8_stub``: the ``triton`` cast path of ``Fp8State.cast`` with ``fp8_kernels.cast_fp8``
   replaced by a stub that only allocates its outputs (no arithmetic, the FP8 bytes are
   garbage): the Python of the FP8 linear around the cast call (state lookups, weight cache,
@@ -82,6 +88,9 @@ JSON), µs per linear call (two casts, the weight's cached, and three GEMMs):
 * ``cuda_cast`` = ``fp8_cuda − fp8`` (CUDA: what the C++ operator saves (negative) or costs
   against the Triton casts, two casts per call) or ``fp8_cuda − fp8_torch`` (CPU: the
   operator's CPU kernel against the eager torch casts).
+* ``lt_gemm`` = ``fp8_lt − fp8`` (CUDA: what the cuBLASLt operator saves (negative) or costs
+  against ``torch._scaled_mm`` and the weight gradient's add, three GEMMs per call) or
+  ``fp8_lt − fp8_torch`` (CPU: the operator's CPU kernel and its fp32 accumulation).
 
 ``--profile MODE`` runs one more step of ``MODE`` under cProfile and prints where its time goes.
 On the CPU the kernels' time is not zero at these sizes (the CPU ``_scaled_mm`` and, in
@@ -113,12 +122,13 @@ from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
 from dept_mega.parallel import fp8 as fp8_module  # noqa: E402
 from dept_mega.parallel import fp8_cast_op  # noqa: E402,F401  (registers torch.ops.dept_mega.fp8_cast)
 from dept_mega.parallel import fp8_casts  # noqa: E402
+from dept_mega.parallel import fp8_gemm  # noqa: E402
 from dept_mega.parallel import fp8_kernels as K  # noqa: E402
 from dept_mega.parallel import wgrad  # noqa: E402
 from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State, fp8_linear  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 
-MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8", "fp8_op", "fp8_cuda", "fp8_stub", "fp8_launch_stub",
+MODES = ("bf16", "bf16_layer", "fp8_torch", "fp8", "fp8_op", "fp8_cuda", "fp8_lt", "fp8_stub", "fp8_launch_stub",
          "fp8_python")
 _BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
 # the derived table: name -> (minuend, subtrahend on CUDA, subtrahend on the CPU, what it is)
@@ -132,6 +142,8 @@ DERIVED = {
                 "the custom operator dept_mega::fp8_cast around each cast (see fp8_op)"),
     "cuda_cast": ("fp8_cuda", "fp8", "fp8_torch",
                   "the C++ operator dept_mega::cast_fp8 in place of the Triton casts (CPU: of the torch casts)"),
+    "lt_gemm": ("fp8_lt", "fp8", "fp8_torch",
+                "the cuBLASLt operator dept_mega::fp8_gemm in place of torch._scaled_mm + the dW add"),
 }
 
 
@@ -151,6 +163,9 @@ def skip_reason(mode: str, device: str):
     if mode == "fp8_cuda":
         why = fp8_casts.op_unavailable(device)
         return None if why is None else f"the C++ cast operator cannot run: {why}"
+    if mode == "fp8_lt":
+        why = fp8_gemm.op_unavailable(device)
+        return None if why is None else f"the C++ GEMM operator cannot run: {why}"
     if mode != "fp8":
         return None
     if device != "cuda":
@@ -263,9 +278,10 @@ class Case:
             kernels = "triton" if device == "cuda" and K.AVAILABLE and mode != "fp8_torch" else "torch"
             if mode == "fp8_cuda":
                 kernels = "cuda"  # the C++ operator on either device
-            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device, kernels=kernels)
+            gemm = "cublaslt" if mode == "fp8_lt" else "torch"
+            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device, kernels=kernels, gemm=gemm)
             self.layers = [self.state.new_layer() for _ in range(depth)]
-            if mode not in ("fp8_torch", "fp8_cuda"):
+            if mode not in ("fp8_torch", "fp8_cuda", "fp8_lt"):
                 self.state.kernels = "triton"  # the kernel path of Fp8State.cast (stubbed in the stub modes)
             self.step(2)  # the first (current-scaled) step: history and scales from here on
 

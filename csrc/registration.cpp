@@ -28,6 +28,14 @@ TORCH_LIBRARY(dept_mega, m) {
       "cast_fp8(Tensor t, ScalarType dtype, int pad=0, bool rowwise=True, bool colwise=False, "
       "Tensor? scale=None, int scale_index=0, Tensor(a!)? amax_out=None, int amax_index=0) "
       "-> (Tensor, Tensor, Tensor)");
+  // FP8 GEMM with per-tensor scales (csrc/fp8_gemm.h; dept_mega/parallel/fp8_gemm.py): a
+  // float8 [m, k] row-major, b float8 [k, n] column-major. Without out: returns
+  // scale_a * scale_b * (a . b) as a new bfloat16 [m, n] tensor. With out (float32 or bfloat16
+  // [m, n], contiguous): adds the product into out in place (first=True: overwrites), returns
+  // None (an undefined tensor). On CUDA one cuBLASLt matmul (csrc/cuda/fp8_gemm_lt.cpp).
+  m.def(
+      "fp8_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, bool use_fast_accum=False, "
+      "Tensor(a!)? out=None, bool first=False) -> Tensor");
   // Lazy error checks of the CUDA ops (no host synchronisation inside a call): the persistent
   // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), decoded into
   // the exception the CPU op raises by dept_mega.ops.check_errors.

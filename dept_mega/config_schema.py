@@ -249,6 +249,14 @@ class Config:
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
+    #: Native FP8 GEMMs: torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm of the
+    #: dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU its CPU
+    #: kernel). With cublaslt the weight-gradient GEMM of a training step accumulates into the fp32 gradient
+    #: buffer inside the GEMM (beta = 1), as the bf16 layers' gradient-accumulation fusion does, instead of a
+    #: bf16 dW then an fp32 add: one kernel less per weight and micro-batch, and slightly different (more
+    #: precise: no bf16 rounding of dW) numbers. Not yet verified or measured on a GPU, hence not the default.
+    #: Eager FP8 linears only (refused with train.compile, whose traced GEMMs are torch._scaled_mm).
+    fp8_gemm: str = "torch"
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
     dept: DeptConfig = field(default_factory=DeptConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -276,6 +284,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8_recipe": ("delayed", "current"),
     "fp8_fast_accum": ("forward", "none", "all"),
     "fp8_casts": ("auto", "triton", "cuda", "torch"),
+    "fp8_gemm": ("torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature"),

@@ -193,6 +193,11 @@ class GradBuffer:
         first = self.counts[id(p)] == 0
         self.arrive(p, (lambda mg: mg.copy_(g)) if first else (lambda mg: mg.add_(g)))
 
+    def is_first(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s next gradient is the step's first: ``main_grad`` then holds the zeros of
+        :meth:`begin`, which a GEMM may overwrite (beta = 0, ``parallel/fp8_gemm.py``) rather than add to."""
+        return self.counts[id(p)] == 0
+
     def arrive(self, p: torch.nn.Parameter, add: Callable[[torch.Tensor], Any]) -> None:
         """One micro-batch's gradient of ``p`` arrives: ``add(p.main_grad)`` adds it into the
         buffer (the hook's copy/add, or a linear layer's weight-gradient GEMM accumulating in

@@ -28,7 +28,7 @@ import torch
 
 from dept_mega.grad_buffer import GradBuffer, GradSync
 from dept_mega.parallel import fp8 as fp8_module
-from dept_mega.parallel import fp8_casts
+from dept_mega.parallel import fp8_casts, fp8_gemm
 from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, _cast_math, fp8_linear
 from dept_mega.parallel.groups import build_groups
 
@@ -192,11 +192,12 @@ def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
     us = rec["us_per_call"]
     # fp8_cuda: the C++ operator's CPU kernel where the extension has it (else skipped, saying why)
     op_here = fp8_casts.op_unavailable("cpu") is None
+    lt_here = fp8_gemm.op_unavailable("cpu") is None  # fp8_lt: the GEMM operator's CPU kernel
     assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python",
-                       *(["fp8_cuda"] if op_here else [])}
+                       *(["fp8_cuda"] if op_here else []), *(["fp8_lt"] if lt_here else [])}
     assert all(v > 0 for v in us.values())
     # the real path needs a GPU: skipped on the CPU, with the reason in the output and the record
-    assert set(rec["skipped"]) == {"fp8", *([] if op_here else ["fp8_cuda"])}
+    assert set(rec["skipped"]) == {"fp8", *([] if op_here else ["fp8_cuda"]), *([] if lt_here else ["fp8_lt"])}
     assert rec["skipped"]["fp8"].startswith("needs a GPU")
     assert "fp8              skipped: needs a GPU" in res.stdout
     assert rec["device"] == "cpu" and rec["timing"] == "process CPU time"
@@ -207,6 +208,8 @@ def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
     assert d["cast_op"]["us"] == us["fp8_op"] - us["fp8_torch"] and d["cast_op"]["of"] == "fp8_op - fp8_torch"
     if op_here:
         assert d["cuda_cast"]["us"] == us["fp8_cuda"] - us["fp8_torch"]
+    if lt_here:
+        assert d["lt_gemm"]["us"] == us["fp8_lt"] - us["fp8_torch"]
 
 
 def test_the_derived_table_subtracts_the_right_modes():
@@ -215,10 +218,10 @@ def test_the_derived_table_subtracts_the_right_modes():
     us = {m: float(2 ** i) for i, m in enumerate(bench.MODES)}
     want = {"cuda": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
                      "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8"),
-                     "cuda_cast": ("fp8_cuda", "fp8")},
+                     "cuda_cast": ("fp8_cuda", "fp8"), "lt_gemm": ("fp8_lt", "fp8")},
             "cpu": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
                     "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8_torch"),
-                    "cuda_cast": ("fp8_cuda", "fp8_torch")}}
+                    "cuda_cast": ("fp8_cuda", "fp8_torch"), "lt_gemm": ("fp8_lt", "fp8_torch")}}
     for device, table in want.items():
         got = bench.derived(us, device)
         assert set(got) == set(table)

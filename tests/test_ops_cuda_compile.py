@@ -22,15 +22,36 @@ def _nvcc():
     return None
 
 
+@pytest.fixture(scope="module")
+def compile_check():
+    """One run of tools/check_cuda_compile.sh for the tests of this module."""
+    # PYTHON: the torch whose headers check ops_cuda.cpp (the script's default, .venv/bin/python
+    # else python3, has none in a worktree without its own .venv). cublasLt.h for fp8_gemm_lt.cpp:
+    # the script looks in CUBLASLT_INCLUDE, the toolkit and the nvidia packages of PYTHON and
+    # CUDA_PYTHON (passed through from the environment).
+    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90",
+               PYTHON=os.environ.get("PYTHON", sys.executable))
+    return subprocess.run(["bash", str(ROOT / "tools" / "check_cuda_compile.sh")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (no CUDA toolkit): the .cu sources "
                                             "cannot be compile-checked on this machine")
-def test_cuda_sources_compile_for_sm90():
-    # PYTHON: the torch whose headers check ops_cuda.cpp (the script's default, .venv/bin/python
-    # else python3, has none in a worktree without its own .venv).
-    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90",
-               PYTHON=os.environ.get("PYTHON", sys.executable))
-    res = subprocess.run(["bash", str(ROOT / "tools" / "check_cuda_compile.sh")], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+def test_cuda_sources_compile_for_sm90(compile_check):
+    res = compile_check
     assert res.returncode == 0, f"CUDA compile check failed:\n{res.stdout}\n{res.stderr}"
     assert "check_cuda_compile: OK" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (no CUDA toolkit)")
+def test_the_cublaslt_gemm_compiles_where_cublaslt_h_is_found(compile_check):
+    """csrc/cuda/fp8_gemm_lt.cpp needs cublasLt.h, which a toolkit without cuBLAS lacks (NVIDIA's
+    pip wheels have it: point CUDA_PYTHON at the python of a CUDA torch, or CUBLASLT_INCLUDE at
+    the folder)."""
+    res = compile_check
+    if "cublasLt.h not found" in res.stdout:
+        pytest.skip("cublasLt.h not found " + res.stdout.split("cublasLt.h not found", 1)[1].splitlines()[0].strip())
+    assert res.returncode == 0, f"CUDA compile check failed:\n{res.stdout}\n{res.stderr}"
+    assert "-fsyntax-only csrc/cuda/fp8_gemm_lt.cpp" in res.stdout

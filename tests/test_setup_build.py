@@ -125,6 +125,50 @@ def test_a_build_without_a_visible_gpu_gets_default_architectures(setup_mod, mon
         assert cx._get_cuda_arch_flags(nvcc) == []  # torch's build then skips its own choice
 
 
+def test_cublaslt_plan_finds_the_headers_and_the_library(setup_mod, tmp_path):
+    """The cuBLASLt GEMM (csrc/cuda/fp8_gemm_lt.cpp) is built when cublasLt.h and the headers
+    torch's CUDAContextLight.h includes are found (toolkit or NVIDIA's wheels); linked with
+    libcublasLt.so when there is one, else the library of torch's CUDA major version, else not."""
+    home, wheel = tmp_path / "cuda", tmp_path / "nvidia" / "cu13"
+    for d in (home / "include", wheel / "include", wheel / "lib"):
+        d.mkdir(parents=True)
+
+    def plan():
+        return setup_mod.cublaslt_plan(str(home), "13.0", [str(wheel / "include")], [str(wheel / "lib")])
+
+    fields, why = plan()
+    assert fields is None and "cublasLt.h not found" in why
+    (wheel / "include" / "cublasLt.h").touch()
+    fields, why = plan()
+    assert fields is None and "cublas_v2.h, cusparse.h, cusolverDn.h not found" in why
+    for h in setup_mod.LT_HEADERS:
+        (wheel / "include" / h).touch()
+    fields, why = plan()
+    assert fields == {"include_dirs": [str(wheel / "include")]} and "not linked" in why
+    (wheel / "lib" / "libcublasLt.so.12").touch()  # another CUDA major: not this torch's
+    assert plan()[0] == {"include_dirs": [str(wheel / "include")]}
+    (wheel / "lib" / "libcublasLt.so.13").touch()
+    fields, why = plan()
+    assert fields["extra_link_args"] == [f"-L{wheel / 'lib'}", "-l:libcublasLt.so.13"] and "linking" in why
+    (home / "lib64").mkdir()
+    (home / "lib64" / "libcublasLt.so").touch()
+    for h in setup_mod.LT_HEADERS:
+        (home / "include" / h).touch()
+    fields, _ = plan()  # the toolkit's headers (already on the include path) and its library
+    assert fields == {"include_dirs": [], "library_dirs": [str(home / "lib64")], "libraries": ["cublasLt"]}
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_the_cuda_build_has_the_cublaslt_gemm_when_planned(setup_mod, monkeypatch, found):
+    _fake_torch_cuda(monkeypatch, setup_mod, "13.0", "13.0")
+    fields = {"include_dirs": ["/w/include"], "extra_link_args": ["-L/w/lib", "-l:libcublasLt.so.13"]}
+    monkeypatch.setattr(setup_mod, "cublaslt_plan", lambda home, cuda: (fields if found else None, "why"))
+    (ext,), _ = setup_mod.extensions({"TORCH_CUDA_ARCH_LIST": "9.0"})
+    assert (setup_mod.LT_SOURCE in ext.sources) is found
+    assert set(setup_mod.CUDA_SOURCES) <= set(ext.sources)
+    assert ("/w/include" in ext.include_dirs and "-l:libcublasLt.so.13" in ext.extra_link_args) is found
+
+
 def test_sdist_holds_every_source_and_header(tmp_path):
     """A source distribution can build the extension: every file under csrc/ is in it."""
     import subprocess

@@ -3,11 +3,17 @@
 #  1. csrc/cuda/kernels.cu and fp8_cast.cu (plain CUDA C++, no torch headers) with nvcc for
 #     sm_90, and checks that the objects export the C interface of csrc/cuda/kernels.h;
 #  2. csrc/cuda/ops_cuda.cpp (the torch-facing CUDA operators) with g++ -fsyntax-only against
-#     the installed torch's headers and the CUDA toolkit's headers.
+#     the installed torch's headers and the CUDA toolkit's headers;
+#  3. csrc/cuda/fp8_gemm_lt.cpp (the cuBLASLt FP8 GEMM) the same way, plus cublasLt.h (and the
+#     cuSPARSE / cuSOLVER headers torch's CUDAContextLight.h includes). They come with a full
+#     CUDA toolkit or with NVIDIA's pip wheels (nvidia/cu13/include, nvidia/cublas/include, ...):
+#     looked for in CUBLASLT_INCLUDE (folders, ':'-separated), next to nvcc, $CUDA_HOME/include,
+#     /usr/local/cuda/include, and the nvidia packages of $PYTHON and of $CUDA_PYTHON (e.g. the
+#     python of a CUDA torch). Not found: said, and this file is not checked (not an error).
 # Exits 0 on success, 1 on a compile error, 77 when nvcc is not found (nothing checked).
 # Environment: NVCC (default: nvcc on PATH, else $CUDA_HOME/bin/nvcc, else
 # /usr/local/cuda/bin/nvcc), PYTHON (default .venv/bin/python, else python3), CUDA_ARCH
-# (default sm_90).
+# (default sm_90), CUBLASLT_INCLUDE, CUDA_PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -89,9 +95,52 @@ STD=c++20  # what recent torch builds extensions with; the file is also valid C+
 echo "check_cuda_compile: g++ -std=$STD -fsyntax-only csrc/cuda/ops_cuda.cpp"
 gxx_rc=0
 "${CXX:-g++}" -std="$STD" -fsyntax-only -Wall "${INCS[@]}" -isystem "$CUDA_INC" csrc/cuda/ops_cuda.cpp || gxx_rc=$?
+
+# csrc/cuda/fp8_gemm_lt.cpp: needs cublasLt.h (see the top)
+nvidia_includes() {  # the include folders of the nvidia pip packages of python $1
+  [ -n "$1" ] || return 0
+  "$1" - <<'PYEOF' 2>/dev/null || true
+import os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit(0)
+for base in getattr(nvidia, "__path__", []):
+    for name in sorted(os.listdir(base)):
+        inc = os.path.join(base, name, "include")
+        if os.path.isdir(inc):
+            print(inc)
+PYEOF
+}
+LT_CANDIDATES=()
+IFS=: read -r -a _extra <<<"${CUBLASLT_INCLUDE:-}"
+for d in "${_extra[@]}"; do [ -n "$d" ] && LT_CANDIDATES+=("$d"); done
+LT_CANDIDATES+=("$CUDA_INC" "${CUDA_HOME:-/nonexistent}/include" /usr/local/cuda/include)
+while IFS= read -r d; do LT_CANDIDATES+=("$d"); done < <(nvidia_includes "$PY"; nvidia_includes "${CUDA_PYTHON:-}")
+LT_INCS=()
+have_lt=0
+for d in "${LT_CANDIDATES[@]}"; do
+  [ -d "$d" ] || continue
+  if [ -f "$d/cublasLt.h" ]; then have_lt=1; fi
+  # every folder with one of the headers CUDAContextLight.h includes (a wheel per library)
+  if [ -f "$d/cublasLt.h" ] || [ -f "$d/cusparse.h" ] || [ -f "$d/cusolverDn.h" ]; then LT_INCS+=(-isystem "$d"); fi
+done
+lt_rc=0
+if [ $have_lt -eq 1 ]; then
+  echo "check_cuda_compile: g++ -std=$STD -fsyntax-only csrc/cuda/fp8_gemm_lt.cpp"
+  "${CXX:-g++}" -std="$STD" -fsyntax-only -Wall "${INCS[@]}" -isystem "$CUDA_INC" "${LT_INCS[@]}" \
+    csrc/cuda/fp8_gemm_lt.cpp || lt_rc=$?
+else
+  echo "check_cuda_compile: cublasLt.h not found (CUBLASLT_INCLUDE, next to nvcc, CUDA_HOME, the nvidia" \
+       "packages of $PY${CUDA_PYTHON:+ and $CUDA_PYTHON}); csrc/cuda/fp8_gemm_lt.cpp not checked"
+fi
 finish_nvcc
 if [ $gxx_rc -ne 0 ]; then
   echo "check_cuda_compile: ops_cuda.cpp failed the syntax check (rc=$gxx_rc)" >&2
+  exit 1
+fi
+if [ $lt_rc -ne 0 ]; then
+  echo "check_cuda_compile: fp8_gemm_lt.cpp failed the syntax check (rc=$lt_rc)" >&2
   exit 1
 fi
 echo "check_cuda_compile: OK"

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../fp8_gemm.h"
 
 namespace dept_mega {
 namespace {
@@ -340,6 +341,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cpu(
   return {q, qt, inv};
 }
 
+// fp8_gemm (csrc/fp8_gemm.h): the product through PyTorch's own CPU kernel of _scaled_mm with
+// an fp32 output (both operands converted to fp32 and scaled, one fp32 matmul), oneDNN switched
+// off for the call as dept_mega/parallel/fp8.py's _scaled_mm does (its FP8 GEMM is ~200x slower
+// at our sizes and computes differently). The bf16 output is that product rounded once, the
+// bytes of torch._scaled_mm(out_dtype=bfloat16); accumulation adds it to out in fp32 (a
+// bfloat16 out: fp32 sum, rounded once), first=True copies it.
+struct MkldnnOff {
+  bool was = at::globalContext().userEnabledMkldnn();
+  MkldnnOff() { at::globalContext().setUserEnabledMkldnn(false); }
+  ~MkldnnOff() { at::globalContext().setUserEnabledMkldnn(was); }
+};
+
+at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                        const at::Tensor& scale_b, bool use_fast_accum,
+                        const std::optional<at::Tensor>& out, bool first) {
+  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first);
+  at::Tensor prod;
+  {
+    const MkldnnOff off;
+    prod = at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, at::kFloat,
+                          use_fast_accum);
+  }
+  if (!out.has_value()) return prod.to(at::kBFloat16);
+  at::Tensor o = *out;
+  if (first) {
+    o.copy_(prod);
+  } else if (o.scalar_type() == at::kFloat) {
+    o.add_(prod);
+  } else {
+    o.copy_(prod.add_(o.to(at::kFloat)));
+  }
+  return at::Tensor();  // None: the result is in out
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
@@ -348,6 +383,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
   m.impl("remap_ids", &remap_ids_cpu);
   m.impl("cast_fp8", &cast_fp8_cpu);
+  m.impl("fp8_gemm", &fp8_gemm_cpu);
 }
 
 }  // namespace dept_mega

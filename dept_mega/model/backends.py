@@ -8,7 +8,8 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
   autocast (``fp8_recipe``: delayed | current, ``fp8_amax_history``), amaxes reduced over
   ``pg.tp_dp``.
 * ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
-  (``parallel/fp8.py``, ``torch._scaled_mm``; on CUDA it needs compute capability 8.9+).
+  (``parallel/fp8.py``, ``torch._scaled_mm``, or the cuBLASLt operator with ``fp8_gemm: cublaslt``,
+  ``parallel/fp8_gemm.py``; on CUDA it needs compute capability 8.9+).
   ``auto`` + ``fp8`` without TE is this path (said in the log), not an error. Under
   ``train.compile`` they are traced into the compiled blocks (``parallel/fp8_traced.py``, both
   recipes; the log says so), their casts left to inductor (``_cast_math``) unless
@@ -56,6 +57,7 @@ import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
+from ..parallel.fp8_gemm import resolve_gemm
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
 from ..parallel.wgrad import describe as describe_wgrad
@@ -101,6 +103,7 @@ class Backends:
     fp8_gemms: tuple[str, ...] = ()  # which of GEMMS (per-rank shape rule)
     fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "cuda" (the C++ operator) | "torch" (fp8._cast_math)
     fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
+    fp8_gemm: str = ""  # native FP8: "torch" (torch._scaled_mm) | "cublaslt" (dept_mega::fp8_gemm, fp8_gemm.py)
     num_layers: int = 0
     recompute: str = "none"
     recompute_layers: Optional[int] = None
@@ -131,7 +134,8 @@ class Backends:
         """The FP8 scaling state for a model built with these backends (one per model), or None
         when its linear layers do not run native FP8."""
         if self.linear == "fp8-native" and self.fp8 is not None:
-            return Fp8State(self.fp8, device, kernels=self.fp8_casts, graph_casts=self.fp8_graph_casts or None)
+            return Fp8State(self.fp8, device, kernels=self.fp8_casts, graph_casts=self.fp8_graph_casts or None,
+                            gemm=self.fp8_gemm or "torch")
         return None
 
     def describe_wgrad(self) -> str:
@@ -144,7 +148,8 @@ class Backends:
             where.insert(0, "torch GEMMs (outside the compiled graphs: a graph break each)" if self.compile
                          else "torch GEMMs")
             if self.fp8 is not None:
-                where.append("not the fp8 GEMMs")
+                where.append("fp8 GEMMs accumulating in fp32 themselves (fp8_gemm: cublaslt)"
+                             if self.fp8_gemm == "cublaslt" else "not the fp8 GEMMs")
         return f"grad_accum_fusion=on [{', '.join(where)}]: {self.wgrad}"
 
     def describe_linear(self) -> str:
@@ -153,7 +158,7 @@ class Backends:
         native = self.linear != "transformer_engine"
         traced = native and self.compile  # parallel/fp8_traced.py
         casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
-        how = f"native fp8 (torch._scaled_mm, {casts})" if native else "transformer_engine fp8"
+        how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}, {casts})" if native else "transformer_engine fp8"
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
         gemms = ", ".join(self.fp8_gemms) if self.fp8_gemms else "none"
         out = f"{how} {self.fp8.describe()}: fp8 GEMMs [{gemms}] in layers {_ranges(self.fp8_layers)}"
@@ -185,6 +190,8 @@ class Backends:
         return " | ".join(parts) + note
 
 
+_GEMM = {"torch": "torch._scaled_mm",
+         "cublaslt": "cuBLASLt operator dept_mega::fp8_gemm, weight gradients accumulated into main_grad by the GEMM"}
 _CASTS = {"triton": "Triton cast kernels", "cuda": "C++ cast operator dept_mega::cast_fp8", "torch": "torch casts"}
 _GRAPH_CASTS = {"triton": "the Triton cast kernel as one op per cast (dept_mega::fp8_cast)",
                 "torch": "inductor's casts (from the torch math)"}
@@ -371,7 +378,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     recipe = None
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
-    fp8_casts = fp8_graph_casts = ""
+    fp8_casts = fp8_graph_casts = fp8_gemm = ""
     if cfg.fp8 is not None:
         recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history, cfg.fp8_fast_accum)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
@@ -384,7 +391,18 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             except ValueError as exc:
                 raise BackendError(f"config key 'fp8_casts': {exc}") from None
             fp8_graph_casts = "triton" if cfg.fp8_casts == "triton" else "torch"
+            try:
+                fp8_gemm = resolve_gemm(cfg.fp8_gemm, device)
+            except ValueError as exc:
+                raise BackendError(f"config key 'fp8_gemm': {exc}") from None
+            if fp8_gemm == "cublaslt" and cfg.train.compile:
+                raise BackendError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under "
+                                   "train.compile the FP8 GEMMs are traced into the compiled blocks with "
+                                   "torch._scaled_mm (use fp8_gemm: torch, or train.compile: false)")
         else:
+            if cfg.fp8_gemm != "torch":
+                raise BackendError(f"config key 'fp8_gemm': {cfg.fp8_gemm} applies to the native FP8 GEMMs "
+                                   f"(backend local); Transformer Engine runs its own")
             if cfg.fp8_fast_accum != "forward":
                 raise BackendError(f"config key 'fp8_fast_accum': {cfg.fp8_fast_accum} applies to the native FP8 "
                                    f"GEMMs (backend local); Transformer Engine's accumulate as 'forward' does")
@@ -396,7 +414,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
-                    fp8_graph_casts=fp8_graph_casts, num_layers=m.num_layers,
+                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
                     cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",

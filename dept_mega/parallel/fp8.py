@@ -1,7 +1,8 @@
 """Native FP8 GEMMs for the tensor-parallel linear layers (``backend: local`` + ``fp8``).
 
-``fp8_linear(x, weight, layer)`` computes ``x Wᵀ`` with ``torch._scaled_mm`` on FP8 operands
-with one scaling factor per tensor (Transformer Engine's per-tensor recipes, written here
+``fp8_linear(x, weight, layer)`` computes ``x Wᵀ`` with ``torch._scaled_mm`` (or, with
+``fp8_gemm: cublaslt``, the C++ operator of ``fp8_gemm.py``) on FP8 operands with one scaling
+factor per tensor (Transformer Engine's per-tensor recipes, written here
 without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :class:`Fp8State`:
 
 * forward: the input and the weight are cast to e4m3 (``x·s_x``, ``W·s_w``, saturated to ±448)
@@ -12,7 +13,7 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   saved activations are 1 byte per element). Gradients are returned in the dtypes of ``x``
   and ``weight``; inside a training step the weight gradient goes straight into the weight's
   gradient buffer (``GradBuffer.add_grad``: what ``param.grad`` and the buffer's hook would
-  do, with less host work). The master weights are never touched (the optimizer keeps them).
+  do, with less host work; ``fp8_gemm: cublaslt``: the GEMM adds into it in fp32). The master weights are never touched (the optimizer keeps them).
 * steps: the trainer opens one step of the model's FP8 state around a training step's
   forwards and backwards (:func:`fp8_weight_cache`; ``train=False`` around an evaluation).
   Weights are cast once per step (:class:`Fp8WeightCache`): every micro-batch, recomputed
@@ -70,13 +71,12 @@ import torch
 from . import fp8_casts, fp8_kernels
 from .compiled_math import CudaCompiled
 from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
+from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, check_layout, lt_mm, resolve_gemm
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
 from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
 
 _MIN_AMAX = 1e-12  # an all-zero tensor gets a finite scale (its FP8 copy is zero anyway)
-_ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
-_PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
 _SCALE_STRIDE = _PTR_ALIGN // 4  # float32 elements between two delayed-scaling inverse scales
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the amax history)
 
@@ -151,12 +151,16 @@ class Fp8State:
 
     ``kernels``: ``triton`` (``fp8_kernels.py``) | ``cuda`` (the C++ operator, ``fp8_casts.py``) |
     ``torch`` (``_cast_math``) | ``auto``; ``graph_casts`` (fp8_traced.py's): ``triton`` | ``torch``,
-    by default ``triton`` where ``kernels`` names it."""
+    by default ``triton`` where ``kernels`` names it; ``gemm``: ``torch`` (``torch._scaled_mm``) |
+    ``cublaslt`` (the C++ operator, weight gradients accumulated into ``main_grad`` by the GEMM:
+    ``fp8_gemm.py``), the eager linears' GEMMs."""
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto",
-                 graph_casts: Optional[str] = None) -> None:
+                 graph_casts: Optional[str] = None, gemm: str = "torch") -> None:
         self.recipe = recipe
         self.device = torch.device(device)
+        self.gemm = resolve_gemm(gemm, self.device)
+        self.lt = self.gemm == "cublaslt"  # read by every GEMM of the FP8 linears
         self.kernels = resolve_cast_kernels(kernels, self.device)
         self._cast_op = fp8_casts.op() if self.kernels == "cuda" else None  # dept_mega::cast_fp8
         self.graph_casts = graph_casts or ("triton" if kernels == "triton" else "torch")
@@ -435,25 +439,11 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                fast: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` with a bf16 output (``fast``: its ``use_fast_accum``, see
-    ``fp8_recipe``). The layout rule of cuBLASLt's FP8 GEMM (``a`` row-major, ``b``
-    column-major, every dimension a multiple of 16, every pointer, the scales' included, 16-byte aligned: a scale that is element i of a packed float32 vector makes
-    cuBLASLt answer CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11) is checked on every device
-    (the CPU kernel accepts any layout), so the CPU tests hold the operands to it. The checks
-    are a few integer operations (the pointers OR-ed together: 16 is a power of two); the
-    names of what failed are worked out only for the error. On CPU it runs PyTorch's own
-    kernel with oneDNN switched off for the call: oneDNN's FP8 GEMM took ~10 ms per call at
-    our test sizes (~200× the reference kernel; torch 2.13, project VM)."""
-    m, k = a.shape
-    n = b.shape[1]
-    if a.stride(1) != 1 or b.stride(0) != 1 or (m % _ALIGN or k % _ALIGN or n % _ALIGN):
-        raise ValueError(f"FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} strides "
-                         f"{b.stride()}: need a row-major first and a column-major second operand, sizes "
-                         f"multiples of {_ALIGN}")
-    if (a.data_ptr() | b.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr()) % _PTR_ALIGN:
-        misaligned = [name for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
-                      if t.data_ptr() % _PTR_ALIGN]
-        raise ValueError(f"FP8 GEMM: {', '.join(misaligned)} not {_PTR_ALIGN}-byte aligned (a view at an "
-                         f"offset into a larger tensor?); cuBLASLt rejects it")
+    ``fp8_recipe``), after the layout rule of cuBLASLt's FP8 GEMM (``fp8_gemm.check_layout``,
+    on every device). On CPU it runs PyTorch's own kernel with oneDNN switched off for the call:
+    oneDNN's FP8 GEMM took ~10 ms per call at our test sizes (~200× the reference kernel; torch
+    2.13, project VM). ``fp8_gemm: cublaslt`` calls ``fp8_gemm.lt_mm`` instead."""
+    check_layout(a, b, scale_a, scale_b)
     if a.device.type != "cpu":
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
                                 use_fast_accum=fast)
@@ -510,7 +500,7 @@ class _Fp8Linear(torch.autograd.Function):
         with _profiled("dept_mega::fp8_linear_forward"), _autocast_off(x.device.type):
             xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
             w = layer.cache.operands(weight, layer, need_dx)
-            y = _scaled_mm(xq, w.fwd, x_inv, w.inv, layer.state.fast_gemms[0])
+            y = (lt_mm if layer.state.lt else _scaled_mm)(xq, w.fwd, x_inv, w.inv, layer.state.fast_gemms[0])
         ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
         ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
         # the parameter itself (its gradient buffer; see backward)
@@ -527,11 +517,12 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
         state = layer.state
+        mm = lt_mm if state.lt else _scaled_mm
         with _profiled("dept_mega::fp8_linear_backward"), _autocast_off(grad_out.device.type):
             gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
                                          colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
-                grad_x = _scaled_mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
+                grad_x = mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
                 if pad:
                     grad_x = grad_x[:rows]
                 if grad_out.dim() != 2:
@@ -539,13 +530,17 @@ class _Fp8Linear(torch.autograd.Function):
                 if grad_x.dtype != x_dtype:
                     grad_x = grad_x.to(x_dtype)
             if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-                grad_w = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
-                if grad_w.dtype != w_dtype:
-                    grad_w = grad_w.to(w_dtype)
                 owner = grad_owner(ctx.param)
-                if owner is not None and owner.active:  # inside a training step: straight into main_grad
-                    owner.add_grad(ctx.param, grad_w)
-                    grad_w = None
+                step = owner is not None and owner.active  # inside a training step: straight into main_grad
+                # cublaslt: the GEMM accumulates into main_grad in fp32 itself (False: it cannot, see fp8_gemm)
+                if not (step and state.lt and accumulate_wgrad(owner, ctx.param, gq_t, xq_t.t(), g_inv, x_inv,
+                                                               state.fast_gemms[2])):
+                    grad_w = mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
+                    if grad_w.dtype != w_dtype:
+                        grad_w = grad_w.to(w_dtype)
+                    if step:
+                        owner.add_grad(ctx.param, grad_w)
+                        grad_w = None
         return grad_x, grad_w, None, None
 
 

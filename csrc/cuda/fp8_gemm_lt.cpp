@@ -1,0 +1,232 @@
+// CUDA kernel of dept_mega::fp8_gemm (semantics and checks: csrc/fp8_gemm.h): one cuBLASLt
+// matmul on the current stream, with torch's cuBLASLt handle and a workspace from the caching
+// allocator.
+//
+// UNVERIFIED on a GPU: built only by setup.py's CUDAExtension route (linked with cublasLt);
+// CI syntax-checks it against torch's headers and cublasLt.h (tools/check_cuda_compile.sh).
+// tests/test_fp8_gemm.py's gpu test compares it with torch._scaled_mm on training shapes.
+//
+// Why not torch._scaled_mm: it cannot accumulate into its output (beta = 0, a new tensor), so
+// the FP8 weight gradient was a bf16 dW then an fp32 add into main_grad; here the GEMM adds into
+// main_grad itself (beta = 1, C = D, fp32 output), as Transformer Engine's wgrad does. And
+// _scaled_mm creates its descriptors and asks cuBLASLt's heuristic on every call; here the
+// algorithm chosen for a problem is cached (AlgoKey below), so a call after the first is the
+// descriptors' set-up and cublasLtMatmul.
+//
+// Layout (cuBLASLt is column-major): the row-major [m, n] result D is, read column-major, the
+// [n, m] matrix Dᵀ = bᵀ · aᵀ. So cuBLASLt's A is our b ([k, n] column-major: op(A) = transpose,
+// its [n, k] bᵀ), its B is our a ([m, k] row-major = [k, m] column-major, not transposed): the
+// "TN" form, the one layout cuBLASLt's FP8 kernels take on Ada / Hopper (A transposed, B not),
+// with no copy. cuBLASLt's A scale is therefore our scale_b and its B scale our scale_a (a product
+// of two scalars either way). Requirements of cuBLASLt's FP8 GEMM honoured (cuBLAS docs,
+// cublasLtMatmul, FP8): compute type CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, TN, dimensions
+// and leading dimensions multiples of 16, 16-byte aligned pointers (checked before the call:
+// check_fp8_gemm_args); types e4m3 x e4m3, e4m3 x e5m2, e5m2 x e4m3 with C = D in bf16 or fp32.
+// Accumulation: C and D are the same tensor with the same layout (in place), beta = 1.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <tuple>
+
+#include "../fp8_gemm.h"
+
+namespace dept_mega {
+namespace {
+
+cudaDataType_t lt_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
+    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kFloat: return CUDA_R_32F;
+    default: TORCH_CHECK_TYPE(false, "fp8_gemm: no cuBLASLt type for ", dtype_name(t));
+  }
+}
+
+// The largest power of two (at most 256) that divides the address: cuBLASLt's heuristic is told
+// the operands' real alignment (its default assumes 256 bytes) and the choice is cached per
+// alignment.
+uint32_t alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 1;
+  while (al < 256 && v % (2 * al) == 0) al *= 2;
+  return al;
+}
+
+// What the cached algorithm depends on: device, problem size, leading dimensions, types,
+// beta != 0, fast accumulation, the pointers' alignments.
+using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
+                           bool, bool, uint32_t, uint32_t, uint32_t>;
+
+struct CachedAlgo {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace;  // bytes the algorithm asked for
+};
+
+struct AlgoCache {
+  std::mutex mu;
+  std::map<AlgoKey, CachedAlgo> map;
+};
+
+AlgoCache& algo_cache() {
+  static auto* cache = new AlgoCache();  // never freed: no CUDA state in a static destructor
+  return *cache;
+}
+
+struct Problem {  // for messages
+  int64_t m, n, k;
+  at::ScalarType a, b, d;
+  bool accumulate, fast;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "a [" << m << ", " << k << "] " << dtype_name(a) << " x b [" << k << ", " << n << "] "
+      << dtype_name(b) << " -> " << dtype_name(d) << " [" << m << ", " << n << "]"
+      << (accumulate ? ", accumulating (beta = 1)" : "") << (fast ? ", fast accumulation" : "");
+    return s.str();
+  }
+};
+
+void check_lt(cublasStatus_t st, const char* call, const Problem& p) {
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "fp8_gemm: ", call, " failed: ",
+              cublasLtGetStatusString(st), " (status ", static_cast<int>(st), ") for ",
+              p.describe());
+}
+
+// Owners of the per-call descriptors (destroyed on every path out, exceptions included).
+struct MatmulDesc {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~MatmulDesc() {
+    if (d != nullptr) cublasLtMatmulDescDestroy(d);
+  }
+};
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  ~Layout() {
+    if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
+  }
+};
+struct Preference {
+  cublasLtMatmulPreference_t p = nullptr;
+  ~Preference() {
+    if (p != nullptr) cublasLtMatmulPreferenceDestroy(p);
+  }
+};
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& value,
+              const char* what, const Problem& p) {
+  check_lt(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)), what, p);
+}
+
+template <typename T>
+void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+              const T& value, const char* what, const Problem& p) {
+  check_lt(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), what, p);
+}
+
+at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                         const at::Tensor& scale_b, bool use_fast_accum,
+                         const std::optional<at::Tensor>& out, bool first) {
+  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first);
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  at::Tensor d = out.has_value() ? *out : at::empty({m, n}, a.options().dtype(at::kBFloat16));
+  const bool accumulate = out.has_value() && !first;
+  if (m == 0 || n == 0) return out.has_value() ? at::Tensor() : d;
+  if (k == 0) {  // an empty product: D = beta * C
+    if (!accumulate) d.zero_();
+    return out.has_value() ? at::Tensor() : d;
+  }
+  const Problem prob{m, n, k, a.scalar_type(), b.scalar_type(), d.scalar_type(), accumulate,
+                     use_fast_accum};
+  const int64_t lda = a.stride(0), ldb = b.stride(1), ldd = d.stride(0);
+  const cudaDataType_t a_t = lt_type(a.scalar_type()), b_t = lt_type(b.scalar_type()),
+                       d_t = lt_type(d.scalar_type());
+
+  MatmulDesc desc;
+  check_lt(cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+           "cublasLtMatmulDescCreate", prob);
+  set_desc(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T, "setting TRANSA", prob);
+  set_desc(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N, "setting TRANSB", prob);
+  const void* lt_a_scale = scale_b.const_data_ptr();  // cuBLASLt's A is our b (see the top)
+  const void* lt_b_scale = scale_a.const_data_ptr();
+  set_desc(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, lt_a_scale, "setting A_SCALE_POINTER", prob);
+  set_desc(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, lt_b_scale, "setting B_SCALE_POINTER", prob);
+  const int8_t fast = use_fast_accum ? 1 : 0;
+  set_desc(desc.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast, "setting FAST_ACCUM", prob);
+
+  // column-major: cuBLASLt's A = b as [k rows, n cols], B = a as [k, m], C = D = d as [n, m]
+  Layout lt_a, lt_b, lt_d;
+  check_lt(cublasLtMatrixLayoutCreate(&lt_a.l, b_t, k, n, ldb), "cublasLtMatrixLayoutCreate (b)", prob);
+  check_lt(cublasLtMatrixLayoutCreate(&lt_b.l, a_t, k, m, lda), "cublasLtMatrixLayoutCreate (a)", prob);
+  check_lt(cublasLtMatrixLayoutCreate(&lt_d.l, d_t, n, m, ldd), "cublasLtMatrixLayoutCreate (out)", prob);
+
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const uint32_t al_a = alignment(b.const_data_ptr()), al_b = alignment(a.const_data_ptr()),
+                 al_d = alignment(d.const_data_ptr());
+  const AlgoKey key{static_cast<int>(a.device().index()), m, n, k, lda, ldb, ldd,
+                    static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t), accumulate,
+                    use_fast_accum, al_a, al_b, al_d};
+  CachedAlgo chosen{};
+  bool cached = false;
+  AlgoCache& cache = algo_cache();
+  {
+    const std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.map.find(key);
+    if (it != cache.map.end()) {
+      chosen = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    Preference pref;
+    check_lt(cublasLtMatmulPreferenceCreate(&pref.p), "cublasLtMatmulPreferenceCreate", prob);
+    const uint64_t max_ws = static_cast<uint64_t>(at::cuda::getCUDABlasLtWorkspaceSize());
+    set_pref(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_ws, "setting MAX_WORKSPACE_BYTES", prob);
+    set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a, "setting MIN_ALIGNMENT_A_BYTES", prob);
+    set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b, "setting MIN_ALIGNMENT_B_BYTES", prob);
+    set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d, "setting MIN_ALIGNMENT_C_BYTES", prob);
+    set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d, "setting MIN_ALIGNMENT_D_BYTES", prob);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, lt_a.l, lt_b.l, lt_d.l, lt_d.l, pref.p, 1,
+                                            &result, &found),
+             "cublasLtMatmulAlgoGetHeuristic", prob);
+    TORCH_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+                "fp8_gemm: cuBLASLt has no algorithm for ", prob.describe(), " (workspace limit ",
+                max_ws, " bytes, alignments ", al_a, "/", al_b, "/", al_d, " bytes)");
+    chosen = CachedAlgo{result.algo, result.workspaceSize};
+    const std::lock_guard<std::mutex> lock(cache.mu);
+    cache.map.emplace(key, chosen);
+  }
+
+  at::Tensor workspace;  // from the caching allocator, on the current stream (freed after the call)
+  void* ws_ptr = nullptr;
+  if (chosen.workspace > 0) {
+    workspace = at::empty({static_cast<int64_t>(chosen.workspace)}, a.options().dtype(at::kByte));
+    ws_ptr = workspace.data_ptr();
+  }
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  void* d_ptr = d.data_ptr();
+  check_lt(cublasLtMatmul(handle, desc.d, &alpha, b.const_data_ptr(), lt_a.l, a.const_data_ptr(), lt_b.l,
+                          &beta, d_ptr, lt_d.l, d_ptr, lt_d.l, &chosen.algo, ws_ptr, chosen.workspace,
+                          c10::cuda::getCurrentCUDAStream()),
+           "cublasLtMatmul", prob);
+  return out.has_value() ? at::Tensor() : d;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) { m.impl("fp8_gemm", &fp8_gemm_cuda); }
+
+}  // namespace dept_mega

@@ -1,0 +1,204 @@
+"""Which GEMM the native FP8 linears run (config key ``fp8_gemm``), and the C++ operator
+``dept_mega::fp8_gemm`` behind ``cublaslt``.
+
+* ``torch`` (the default): ``torch._scaled_mm`` (``fp8._scaled_mm``). Every GEMM writes a new bf16
+  tensor; the weight gradient is a bf16 dW, which ``GradBuffer.add_grad`` then copies or adds
+  into the fp32 ``main_grad`` (one more kernel per weight and micro-batch: 438 per step of the
+  1B model, 15 ms of a 465 ms step on an H200), and ``_scaled_mm`` sets up cuBLASLt's
+  descriptors and asks its heuristic on every call.
+* ``cublaslt``: the operator :func:`fp8_gemm` (``csrc/cuda/fp8_gemm_lt.cpp``: cuBLASLt called
+  directly, the algorithm cached per problem; on the CPU ``csrc/cpu/ops_cpu.cpp``: PyTorch's CPU
+  ``_scaled_mm`` with an fp32 output). The forward and input-gradient GEMMs return bf16 as
+  ``torch`` does (the same bytes on the CPU; on a GPU cuBLASLt may pick another algorithm than
+  ``_scaled_mm`` did: another summation order). The weight-gradient GEMM of a training step
+  (the weight's gradient buffer active) accumulates into ``main_grad`` in the GEMM itself, in
+  fp32 (beta = 1, in place; the step's first micro-batch overwrites: beta = 0), as the bf16
+  layers' gradient-accumulation fusion does (``wgrad.py``): no bf16 dW, no separate add, and the
+  gradient is not rounded to bf16 first (slightly different, more precise, numbers). A
+  ``main_grad`` that the GEMM cannot write (not 16-byte aligned: a gradient buffer whose earlier
+  parameters' sizes or data-parallel padding shift it; a dtype other than fp32 / bf16) takes the
+  bf16 dW and the add, as ``torch`` (warned once). Outside a step autograd gets a bf16 dW.
+  UNVERIFIED on a GPU so far, hence not the default.
+
+Under ``train.compile`` the FP8 GEMMs are traced into the compiled blocks (``fp8_traced.py``) with
+``torch._scaled_mm``; ``cublaslt`` applies to the eager FP8 linears (``model/backends.py`` refuses
+the combination rather than ignore the key).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import torch
+
+GEMMS = ("torch", "cublaslt")
+ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
+PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT = (torch.float32, torch.bfloat16)
+
+
+def check_layout(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """The layout rule of cuBLASLt's FP8 GEMM for ``a · b`` (``a`` row-major, ``b`` column-major,
+    every dimension a multiple of 16, every pointer, the scales' included, 16-byte aligned: a
+    scale that is element i of a packed float32 vector makes cuBLASLt answer
+    CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11), checked before every FP8 GEMM on every device
+    (the CPU kernels accept any layout), so the CPU tests hold the operands to it. A few integer
+    operations (the pointers OR-ed together: 16 is a power of two); the names of what failed are
+    worked out only for the error."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a.stride(1) != 1 or b.stride(0) != 1 or (m % ALIGN or k % ALIGN or n % ALIGN):
+        raise ValueError(f"FP8 GEMM operands {tuple(a.shape)} strides {a.stride()} × {tuple(b.shape)} strides "
+                         f"{b.stride()}: need a row-major first and a column-major second operand, sizes "
+                         f"multiples of {ALIGN}")
+    if (a.data_ptr() | b.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr()) % PTR_ALIGN:
+        misaligned = [name for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
+                      if t.data_ptr() % PTR_ALIGN]
+        raise ValueError(f"FP8 GEMM: {', '.join(misaligned)} not {PTR_ALIGN}-byte aligned (a view at an "
+                         f"offset into a larger tensor?); cuBLASLt rejects it")
+
+
+def _has_op_kernel(device_type: str) -> bool:
+    """Whether ``dept_mega::fp8_gemm`` has a kernel for ``device_type`` (loads the extension)."""
+    from ..ops import loader
+
+    if not loader.status().loaded:
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and loader._has_kernel("dept_mega::fp8_gemm", key)
+
+
+def op_unavailable(device: torch.device | str) -> Optional[str]:
+    """Why ``fp8_gemm: cublaslt`` cannot run on ``device`` (None: it can)."""
+    device = torch.device(device)
+    if _has_op_kernel(device.type):
+        return None
+    from ..ops import loader
+
+    st = loader.status()
+    if not st.loaded:
+        return f"the dept_mega.ops extension is not loaded ({st.reason})"
+    built = ("its CUDA kernels and cuBLASLt's headers (build/dept_mega_ops_build.log says whether they were found)"
+             if device.type == "cuda" else "this version of csrc/")
+    return (f"the dept_mega.ops extension has no {device.type} kernel of dept_mega::fp8_gemm (rebuild it with "
+            f"{built}: pip install --no-build-isolation -e .)")
+
+
+def resolve_gemm(gemm: str, device: torch.device | str) -> str:
+    """``torch`` | ``cublaslt`` → itself; ``ValueError`` for a name it does not know and for
+    ``cublaslt`` where the operator has no kernel for ``device``."""
+    if gemm not in GEMMS:
+        raise ValueError(f"FP8 GEMM {gemm!r} is not one of {' | '.join(GEMMS)}")
+    if gemm == "cublaslt" and (why := op_unavailable(device)) is not None:
+        raise ValueError(f"FP8 GEMM 'cublaslt' (the C++ operator dept_mega::fp8_gemm) cannot run on "
+                         f"{torch.device(device).type}: {why}")
+    return gemm
+
+
+def op():
+    """The operator overload itself (``torch.ops.dept_mega.fp8_gemm.default``): what the FP8 linear
+    calls, with operands valid by construction and :func:`check_layout` checked."""
+    return torch.ops.dept_mega.fp8_gemm.default
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(s) for s in t.shape)}]"
+
+
+def _strides(t: torch.Tensor) -> str:
+    return f"[{', '.join(str(s) for s in t.stride())}]"
+
+
+def check_args(a, b, scale_a, scale_b, out=None, first=False) -> None:
+    """Raises what the operator's own checks raise (``csrc/fp8_gemm.h``), in the same order with
+    the same messages: a C++ exception from a CUDA op once crashed the process on a GPU machine
+    (``dept_mega.ops._route``), so :func:`fp8_gemm` checks here first."""
+    op_name = "fp8_gemm"
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{op_name}: a and b must be 2-D, got shapes {_shape(a)} and {_shape(b)}")
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
+        raise TypeError(f"{op_name}: a and b must be float8_e4m3fn or float8_e5m2, got {str(a.dtype)[6:]} and "
+                        f"{str(b.dtype)[6:]}")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError(f"{op_name}: float8_e5m2 x float8_e5m2 has no FP8 GEMM (one operand must be float8_e4m3fn)")
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(f"{op_name}: a {_shape(a)} and b {_shape(b)} cannot be multiplied")
+    if m % ALIGN or k % ALIGN or n % ALIGN:
+        raise ValueError(f"{op_name}: m, k, n must be multiples of {ALIGN}, got {m}, {k}, {n}")
+    if a.stride(1) != 1 or a.stride(0) < k or a.stride(0) % ALIGN:
+        raise ValueError(f"{op_name}: a must be row-major (strides [ld, 1], ld >= k and a multiple of 16), got "
+                         f"strides {_strides(a)}")
+    if b.stride(0) != 1 or b.stride(1) < k or b.stride(1) % ALIGN:
+        raise ValueError(f"{op_name}: b must be column-major (strides [1, ld], ld >= k and a multiple of 16; e.g. "
+                         f"the .t() of a row-major [n, k] tensor), got strides {_strides(b)}")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32:
+            raise TypeError(f"{op_name}: {name} must be float32, got {str(s.dtype)[6:]}")
+        if s.numel() != 1:
+            raise ValueError(f"{op_name}: {name} must have one element (per-tensor scaling), got shape {_shape(s)}")
+        if s.device != a.device:
+            raise ValueError(f"{op_name}: a is on {a.device} but {name} is on {s.device}")
+    if b.device != a.device:
+        raise ValueError(f"{op_name}: a is on {a.device} but b is on {b.device}")
+    if out is None and first:
+        raise ValueError(f"{op_name}: first=True (overwrite) needs an out tensor to write into")
+    if out is not None:
+        if out.dtype not in _OUT:
+            raise TypeError(f"{op_name}: out must be float32 or bfloat16, got {str(out.dtype)[6:]}")
+        if out.dim() != 2 or tuple(out.shape) != (m, n):
+            raise ValueError(f"{op_name}: out must have shape [{m}, {n}], got {_shape(out)}")
+        if not out.is_contiguous():
+            raise ValueError(f"{op_name}: out must be contiguous (row-major), got strides {_strides(out)}")
+        if out.device != a.device:
+            raise ValueError(f"{op_name}: a is on {a.device} but out is on {out.device}")
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("out", out)):
+        if t is not None and t.data_ptr() % PTR_ALIGN:
+            raise ValueError(f"{op_name}: {name} is not {PTR_ALIGN}-byte aligned (a view at an offset into a larger "
+                             f"tensor?); cuBLASLt rejects it")
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+             use_fast_accum: bool = False, out: Optional[torch.Tensor] = None,
+             first: bool = False) -> Optional[torch.Tensor]:
+    """``scale_a · scale_b · (a · b)`` through ``dept_mega::fp8_gemm``, arguments checked first
+    (:func:`check_args`). ``a`` FP8 ``[m, k]`` row-major, ``b`` FP8 ``[k, n]`` column-major, the
+    scales 1-element fp32 tensors (``torch._scaled_mm``'s rule and meaning). ``out`` None: returns
+    a new bf16 ``[m, n]`` tensor. ``out`` an fp32 or bf16 ``[m, n]`` contiguous tensor: adds the
+    product into it in place (``first``: overwrites it) and returns None."""
+    check_args(a, b, scale_a, scale_b, out, first)
+    return op()(a, b, scale_a, scale_b, use_fast_accum, out, first)
+
+
+def lt_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+          fast: bool = False) -> torch.Tensor:
+    """``fp8._scaled_mm`` through the operator: the same checks (:func:`check_layout`), a bf16 result."""
+    check_layout(a, b, scale_a, scale_b)
+    return op()(a, b, scale_a, scale_b, fast, None, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(why: str) -> None:
+    warnings.warn(f"fp8_gemm: cublaslt: {why}: those weight gradients go through a bf16 dW and an add instead",
+                  stacklevel=3)
+
+
+def accumulate_wgrad(owner, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                     scale_b: torch.Tensor, fast: bool) -> bool:
+    """The weight gradient ``a · b`` (scaled) of ``p`` accumulated into ``p.main_grad`` by the GEMM
+    itself, through ``owner.arrive`` (``GradBuffer``: the step's bookkeeping; the step's first
+    micro-batch overwrites). False, nothing done, when ``main_grad`` cannot be the GEMM's output
+    (the caller then takes the bf16 dW path)."""
+    mg = p.main_grad
+    if mg.dtype not in _OUT or not mg.is_contiguous() or mg.data_ptr() % PTR_ALIGN:
+        _warn_once(f"a main_grad that is {str(mg.dtype)[6:]}, {'' if mg.is_contiguous() else 'not '}contiguous, "
+                   f"at an address {mg.data_ptr() % PTR_ALIGN} bytes past 16-byte alignment")
+        return False
+    check_layout(a, b, scale_a, scale_b)
+    first = owner.is_first(p)
+    gemm = op()
+    owner.arrive(p, lambda main: gemm(a, b, scale_a, scale_b, fast, main, first))
+    return True
