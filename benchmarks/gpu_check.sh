@@ -26,7 +26,8 @@
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback while the
 #              extension builds; test files in parallel with pytest-xdist when available)     70
 #   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py and
-#              tests/test_fp8_cuda_cast.py (the C++ FP8 cast operator against Triton's)             40
+#              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py (the C++ FP8 cast and GEMM operators
+#              against Triton's and torch._scaled_mm)                                            40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
@@ -34,6 +35,9 @@
 #   fp8_cuda   the FP8 run with fp8_casts=cuda: each cast the C++/CUDA operator dept_mega::cast_fp8
 #              (a dispatcher call instead of Triton's launcher), profiled -> bench.jsonl, kernels.txt
 #              55 (an estimate: not yet measured)
+#   fp8_lt     the FP8 run with fp8_gemm=cublaslt (and the C++ casts): the GEMMs through cuBLASLt
+#              directly (dept_mega::fp8_gemm), the weight gradients accumulated into the fp32
+#              gradient buffer inside the GEMM, profiled -> bench.jsonl, kernels.txt  55 (an estimate)
 #   fp8_host   benchmarks/fp8_host_overhead.py --device cuda: the host's µs per FP8 linear call by
 #              mode, and what Triton's launcher, cast_fp8's Python and _scaled_mm's host path
 #              each cost (tiny operands, wall time) -> one "kind": "fp8_host" row of bench.jsonl
@@ -93,7 +97,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 fp8_cuda fp8_host fp8_casts fp8_exact_accum fp8_compile_triton compile fp8_compile ops
+STAGES=(build env tests ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum fp8_compile_triton compile fp8_compile ops
         torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion
         mb8)
 if [ -n "$ONLY" ]; then
@@ -144,7 +148,7 @@ if [ "$DRY" = 1 ]; then
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
-                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_exact_accum]=12 [fp8_casts]=8)
+                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_exact_accum]=12 [fp8_casts]=8 [fp8_lt]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -164,7 +168,7 @@ else
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_exact_accum]=50 [fp8_casts]=40)
+                     [fp8_exact_accum]=50 [fp8_casts]=40 [fp8_lt]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -268,7 +272,7 @@ pytest_args() {
 stage_tests() {  # GPU tests that do not need the extension, while it builds
   local files=()
   for f in tests/test_*.py; do
-    case $f in tests/test_ops.py|tests/test_ops_gpu.py|tests/test_fp8_cuda_cast.py) continue ;; esac
+    case $f in tests/test_ops.py|tests/test_ops_gpu.py|tests/test_fp8_cuda_cast.py|tests/test_fp8_gemm.py) continue ;; esac
     grep -q "mark.gpu" "$f" && files+=("$f")
   done
   # shellcheck disable=SC2046
@@ -290,7 +294,8 @@ stage_ops_tests() {
   run "$PY" -c "import sys, dept_mega.ops as o; b = o.backend(); print('ops backend:', b, o.extension_status()); \
 sys.exit(b not in '$want'.split())" || return 1
   # shellcheck disable=SC2046
-  run "$PY" -m pytest $(pytest_args) tests/test_ops.py tests/test_ops_gpu.py tests/test_fp8_cuda_cast.py
+  run "$PY" -m pytest $(pytest_args) tests/test_ops.py tests/test_ops_gpu.py tests/test_fp8_cuda_cast.py \
+    tests/test_fp8_gemm.py
 }
 
 stage_ops() {
@@ -350,6 +355,7 @@ stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 # attention is 17 % of the bf16 step's GPU time (flex_attention with its default block sizes)
 stage_flex_autotune() { TORCHINDUCTOR_MAX_AUTOTUNE=1 bench bf16_flex_autotune --profile; }
 stage_fp8_cuda() { bench fp8_cuda --profile fp8=hybrid backend=local fp8_casts=cuda; }
+stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt; }
 stage_fp8_exact_accum() { bench fp8_exact_accum fp8=hybrid backend=local fp8_fast_accum=none; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }

@@ -184,6 +184,7 @@ def _bench_lines(rows: list[dict]) -> list[str]:
                      "the compiled bf16 run's tokens/s")
     fp8 = ok.get("fp8", {}).get("tokens_per_s")
     for run, what in (("fp8_cuda", "FP8 with the C++/CUDA cast operator (fp8_cuda)"),
+                      ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator (fp8_lt)"),
                       ("fp8_exact_accum", "FP8 with fp8_fast_accum=none (fp8_exact_accum)")):
         if ok.get(run, {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
             theirs = f", {ok[run]['tokens_per_s'] / fp8:.3f}x the FP8 run's (Triton casts, forward fast)" if fp8 else ""

@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_host", "fp8_casts", "fp8_exact_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_host", "fp8_casts", "fp8_exact_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -51,7 +51,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert len(casts) == 1 and casts[0]["rc"] == 0 and casts[0]["rows"], casts
     assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_exact_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_exact_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "std_vocab250k", "bf16_nofusion",
                                            "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
@@ -66,6 +66,8 @@ def test_dry_run_writes_every_figure(tmp_path):
     # the C++ cast operator's run (its CPU kernel here) and the run without fast accumulation
     assert "# kernels: fp8_cuda" in kernels and "C++ cast operator" in by["fp8_cuda"]["backends"]
     assert "fast accumulation: none" in by["fp8_exact_accum"]["backends"]
+    assert "# kernels: fp8_lt" in kernels and "cuBLASLt operator dept_mega::fp8_gemm" in by["fp8_lt"]["backends"]
+    assert "(fp8_lt): " in summary
     assert "fast accumulation: forward" in by["fp8"]["backends"]
     assert "FP8 with the C++/CUDA cast operator (fp8_cuda): " in summary and "(fp8_exact_accum): " in summary
     assert "# kernels: bf16_flex_autotune" in kernels and "inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1" in summary
@@ -98,8 +100,10 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert len(host) == 1 and host[0]["name"] == "fp8_host" and host[0]["rc"] == 0 and "error" not in host[0], host
     us = host[0]["us_per_call"]
     from dept_mega.parallel.fp8_casts import op_unavailable  # fp8_cuda: where the C++ cast operator runs
+    from dept_mega.parallel.fp8_gemm import op_unavailable as gemm_unavailable  # fp8_lt: the GEMM operator
     assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python",
-                       *(["fp8_cuda"] if op_unavailable("cpu") is None else [])}
+                       *(["fp8_cuda"] if op_unavailable("cpu") is None else []),
+                       *(["fp8_lt"] if gemm_unavailable("cpu") is None else [])}
     assert all(v > 0 for v in us.values()) and host[0]["device"] == "cpu"
     assert host[0]["derived"]["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
     assert "## FP8: the host's cost per linear call" in summary and "| fp8_python | " in summary
