@@ -12,7 +12,7 @@ import urllib.request
 
 import yaml
 
-from tests.mp_utils import free_port
+from tests.mp_utils import free_port, run_distributed
 from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
@@ -120,12 +120,44 @@ def read_records(run, kind):
     return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
 
 
+def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
+    """One rank of the single job: ``python -m dept_mega.train ARGV``'s ``main``, its output
+    (the same lines as a launched rank's) to ``log``.rank."""
+    import sys as _sys
+    with open(f"{log}.{rank}", "w") as f:
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        from dept_mega.train import main
+        status = main(argv)
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+    return status
+
+
 def run_single_job(cfg, run, nproc=SOURCES, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stdout[-3000:]
+    """The reference single job (every group in one job of ``nproc`` ranks), run to its end:
+    ``dept_mega.train``'s ``main`` on ranks forked from the test process's forkserver
+    (tests/mp_utils.py: torch and the trainer imported once), with the environment torchrun
+    would give them. The job is the same as ``torchrun --nproc-per-node N -m dept_mega.train``
+    (tested as such elsewhere); launched that way it would cost each rank a fresh import of
+    torch and torchrun's launcher one more (~2-3 s of CPU each, while the group jobs start
+    beside it)."""
+    os.makedirs(run, exist_ok=True)
+    log = os.path.join(run, "single_out")
+    argv = ["--config", cfg, f"train.run_dir={run}", *extra]
+    try:
+        status = run_distributed(_single_job_rank, nproc, args=(argv, log), timeout=180)
+    except Exception as exc:  # noqa: BLE001 - with the ranks' output
+        status = [repr(exc)[-3000:]]
+    if status != [0] * nproc:
+        tails = []
+        for r in range(nproc):
+            if os.path.exists(f"{log}.{r}"):
+                with open(f"{log}.{r}", encoding="utf-8", errors="replace") as f:
+                    tails.append(f"rank {r}: " + f.read()[-3000:])
+        raise AssertionError(f"the single job failed: {status}\n" + "\n".join(tails))
 
 
 def error_line(out):

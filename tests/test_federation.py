@@ -147,12 +147,13 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
         procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, groups=G, min_groups=G) for g in range(G)]
+        # the single job while the group jobs run: its start-up fills their waits for the quorum
+        run_single_job(owned, str(tmp_path / "single"), G, *extra)
         outs = finish_all(procs)
     finally:
         lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
-    run_single_job(owned, str(tmp_path / "single"), G, *extra)
     single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = [s.name for s in load_config(cfg).data.sources]
     job = load_config(os.path.join(runs[0], "config.yaml"))
@@ -194,28 +195,43 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
         assert got[name] == pytest.approx(v, abs=1e-6), name
 
 
-def test_bad_input(tmp_path):
+def test_bad_input(tmp_path, monkeypatch):
     """A group index out of range, an unreachable lighthouse, two jobs claiming one group, a
-    config that differs between groups: exit status 2 and one line naming the key, before
-    any training."""
+    config that differs between groups: one error naming the key, before any training. The
+    first two in process, in the functions a launch's ``build_session`` calls before it
+    contacts any peer (``federation_config.resolve``, ``Federation``'s constructor: a launch
+    turns their ConfigError into exit status 2 and its line, as for any config error); the
+    others, found at the first quorum, as group jobs: exit status 2 and the line (two-group
+    federations: nothing waits for a third group at the fresh start)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_config import resolve
     cfg = write_config(str(tmp_path))
     dead = f"127.0.0.1:{free_port()}"
+    fed = [f"federation.lighthouse={dead}", f"federation.groups={SOURCES}"]
+    with pytest.raises(ConfigError, match=r"'federation\.group': 3 is not a group index"):
+        resolve(load_config(cfg, [*fed, "federation.group=3"]))
+    monkeypatch.setenv("RUST_LOG", "warn")  # (Federation sets it when unset)
+    job = load_config(cfg, [*fed, "federation.group=0"])
+    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:"):
+        Federation(job, SimpleNamespace(rank=0, group_size=1), torch.device("cpu"), *resolve(job))
     lh_dup, lh_diff = Lighthouse(min_groups=2), Lighthouse(min_groups=2)
+    two = dict(groups=2, min_groups=2, timeout_s=3)
     try:
         procs = {
-            "range": [launch_group(cfg, str(tmp_path / "range"), dead, 3)],
-            "unreachable": [launch_group(cfg, str(tmp_path / "dead"), dead, 0)],
-            "dup": [launch_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, timeout_s=3) for i in range(2)],
-            "diff": [launch_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, timeout_s=3),
-                     launch_group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5",
-                            timeout_s=3)],
+            "dup": [launch_group(cfg, str(tmp_path / f"dup{i}"), lh_dup.addr, 1, **two) for i in range(2)],
+            "diff": [launch_group(cfg, str(tmp_path / "diff0"), lh_diff.addr, 0, **two),
+                     launch_group(cfg, str(tmp_path / "diff1"), lh_diff.addr, 1, "dept.outer_optimizer.lr=0.5", **two)],
         }
         outs = {k: finish_all(ps) for k, ps in procs.items()}
     finally:
         lh_dup.stop()
         lh_diff.stop()
-    want = {"range": "'federation.group': 3 is not a group index", "unreachable": "'federation.lighthouse': cannot reach",
-            "dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
+    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
