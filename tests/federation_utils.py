@@ -92,15 +92,72 @@ class Lighthouse:
 
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
-           f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
-           f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
+    args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
+            f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
+            *extra]
     # output to a file: torchft logs every quorum, and a full pipe would stop the job
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
+    if nproc == 1:
+        return ForkedJob(args, env, log)
+    cmd = [sys.executable, *launch, "-m", "dept_mega.train", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
     p.log = log
     return p
+
+
+def _job_main(argv: list, env: dict, log: str) -> None:
+    """``python -m dept_mega.train ARGV`` with environment ``env``, its output to ``log``, in a
+    process forked from the test's forkserver (tests/mp_utils.py)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    from dept_mega.process_exit import exit_after
+    from dept_mega.train import main
+    try:
+        exit_after(lambda: main(argv))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class ForkedJob:
+    """A one-process group job forked from the test's forkserver (torch and the trainer imported
+    there once: a fresh ``python -m dept_mega.train`` spends ~2-3 s of CPU importing them, while
+    the other jobs of the test start beside it). The part of ``subprocess.Popen`` the tests use:
+    ``pid`` (the job's own process: SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (-N:
+    killed by signal N), ``kill``, and ``log``, its output."""
+
+    def __init__(self, argv: list, env: dict, log: str) -> None:
+        import multiprocessing
+
+        from tests.mp_utils import _start_method
+        self.log = log
+        self.proc = multiprocessing.get_context(_start_method()).Process(target=_job_main, args=(argv, env, log))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.exitcode
+
+    def poll(self):
+        return self.proc.exitcode
+
+    def wait(self, timeout=None):
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"group job {self.pid}", timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
 def finish_all(procs, timeout=120):
