@@ -1,6 +1,8 @@
 """Helpers of tests/test_federation.py: the lighthouse and group jobs as processes (CPU, gloo),
 their records and dumps (dept_mega/dept/federation_dump.py), and the waits that stand in for
-racing the jobs' progress."""
+racing the jobs' progress. One-process group jobs and the reference single job's ranks are
+forked from the test process's forkserver (tests/mp_utils.py), which has imported torch and
+the trainer once; group jobs of several ranks are torchrun commands."""
 from __future__ import annotations
 
 import os
