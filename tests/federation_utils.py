@@ -1,6 +1,8 @@
 """Helpers of tests/test_federation.py: the lighthouse and group jobs as processes (CPU, gloo),
 their records and dumps (dept_mega/dept/federation_dump.py), and the waits that stand in for
-racing the jobs' progress."""
+racing the jobs' progress. One-process group jobs and the reference single job's ranks are
+forked from the test process's forkserver (tests/mp_utils.py), which has imported torch and
+the trainer once; group jobs of several ranks are torchrun commands."""
 from __future__ import annotations
 
 import os
@@ -12,7 +14,7 @@ import urllib.request
 
 import yaml
 
-from tests.mp_utils import free_port
+from tests.mp_utils import free_port, run_distributed
 from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
@@ -92,15 +94,72 @@ class Lighthouse:
 
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}",
-           f"federation.lighthouse={lighthouse}", f"federation.group={g}", f"federation.groups={groups}",
-           f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}", *extra]
+    args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
+            f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
+            *extra]
     # output to a file: torchft logs every quorum, and a full pipe would stop the job
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
+    if nproc == 1:
+        return ForkedJob(args, env, log)
+    cmd = [sys.executable, *launch, "-m", "dept_mega.train", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
     p.log = log
     return p
+
+
+def _job_main(argv: list, env: dict, log: str) -> None:
+    """``python -m dept_mega.train ARGV`` with environment ``env``, its output to ``log``, in a
+    process forked from the test's forkserver (tests/mp_utils.py)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import torch
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    from dept_mega.process_exit import exit_after
+    from dept_mega.train import main
+    try:
+        exit_after(lambda: main(argv))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class ForkedJob:
+    """A one-process group job forked from the test's forkserver (torch and the trainer imported
+    there once: a fresh ``python -m dept_mega.train`` spends ~2-3 s of CPU importing them, while
+    the other jobs of the test start beside it). The part of ``subprocess.Popen`` the tests use:
+    ``pid`` (the job's own process: SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (-N:
+    killed by signal N), ``kill``, and ``log``, its output."""
+
+    def __init__(self, argv: list, env: dict, log: str) -> None:
+        import multiprocessing
+
+        from tests.mp_utils import _start_method
+        self.log = log
+        self.proc = multiprocessing.get_context(_start_method()).Process(target=_job_main, args=(argv, env, log))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.exitcode
+
+    def poll(self):
+        return self.proc.exitcode
+
+    def wait(self, timeout=None):
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"group job {self.pid}", timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
 def finish_all(procs, timeout=120):
@@ -120,12 +179,44 @@ def read_records(run, kind):
     return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
 
 
+def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
+    """One rank of the single job: ``python -m dept_mega.train ARGV``'s ``main``, its output
+    (the same lines as a launched rank's) to ``log``.rank."""
+    import sys as _sys
+    with open(f"{log}.{rank}", "w") as f:
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        from dept_mega.train import main
+        status = main(argv)
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+    return status
+
+
 def run_single_job(cfg, run, nproc=SOURCES, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "dept_mega.train", "--config", cfg, f"train.run_dir={run}", *extra]
-    out = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=180)
-    assert out.returncode == 0, out.stdout[-3000:]
+    """The reference single job (every group in one job of ``nproc`` ranks), run to its end:
+    ``dept_mega.train``'s ``main`` on ranks forked from the test process's forkserver
+    (tests/mp_utils.py: torch and the trainer imported once), with the environment torchrun
+    would give them. The job is the same as ``torchrun --nproc-per-node N -m dept_mega.train``
+    (tested as such elsewhere); launched that way it would cost each rank a fresh import of
+    torch and torchrun's launcher one more (~2-3 s of CPU each, while the group jobs start
+    beside it)."""
+    os.makedirs(run, exist_ok=True)
+    log = os.path.join(run, "single_out")
+    argv = ["--config", cfg, f"train.run_dir={run}", *extra]
+    try:
+        status = run_distributed(_single_job_rank, nproc, args=(argv, log), timeout=180)
+    except Exception as exc:  # noqa: BLE001 - with the ranks' output
+        status = [repr(exc)[-3000:]]
+    if status != [0] * nproc:
+        tails = []
+        for r in range(nproc):
+            if os.path.exists(f"{log}.{r}"):
+                with open(f"{log}.{r}", encoding="utf-8", errors="replace") as f:
+                    tails.append(f"rank {r}: " + f.read()[-3000:])
+        raise AssertionError(f"the single job failed: {status}\n" + "\n".join(tails))
 
 
 def error_line(out):
