@@ -286,7 +286,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     from dept_mega.dept.costs import predict_outer_round_bytes
     from dept_mega.export.checkpoint_reader import read_full_weights
     # timeout_s also bounds the fresh start's wait for group 3 (not there until relaunch time)
-    L, steps, timeout_s, G = 5, 40, 5, 4  # (8 rounds: the late groups join by round 6, held there)
+    L, steps, timeout_s, G = 5, 40, 7, 4  # (8 rounds: the late groups join by round 6, held there)
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump = str(tmp_path / "dump")
     lh = Lighthouse(min_groups=2)
