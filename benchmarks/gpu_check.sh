@@ -23,8 +23,6 @@
 # and is stopped at twice it):
 #   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start (20 s)
 #   env        GPU, driver, torch / CUDA versions                                            8
-#   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback while the
-#              extension builds; test files in parallel with pytest-xdist when available)     70
 #   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py and
 #              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py (the C++ FP8 cast and GEMM operators
 #              against Triton's and torch._scaled_mm)                                            40
@@ -47,6 +45,9 @@
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
 #   fp8_exact_accum  the FP8 run with fp8_fast_accum=none: every GEMM promotes its sums to fp32
 #              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
+#   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback; test files in
+#              parallel with pytest-xdist when available); after the FP8 runs, which are what a
+#              first call is for (the GPU tests passed on the H200, 2026-11-27)              70
 #   fp8_compile_triton  the FP8 run with train.compile=true and fp8_casts=triton: our one-pass
 #              Triton cast kernel inside the compiled blocks (one op per cast, instead of
 #              inductor's casts), profiled -> bench.jsonl, kernels.txt                   60
@@ -97,9 +98,9 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env tests ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum fp8_compile_triton compile fp8_compile ops
-        torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion compile_nofusion
-        mb8)
+STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum tests fp8_compile_triton compile
+        fp8_compile ops torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion
+        compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
@@ -224,9 +225,12 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
 
 # ------------------------------------------------------------------ stages
 BUILD_PID=
+NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_host fp8_casts)  # stages that run the extension's operators
 start_build() {
-  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",build,"* && ",$ONLY," != *",ops_tests,"* && ",$ONLY," != *",ops,"* ]]; then
-    return 0
+  if [ -n "$ONLY" ]; then
+    local s need=0
+    for s in "${NEEDS_BUILD[@]}"; do [[ ",$ONLY," == *",$s,"* ]] && need=1; done
+    [ $need = 1 ] || return 0
   fi
   forkserver_up
   if [ "$DRY" = 1 ]; then  # the same command, building nothing (a CPU build takes minutes here)
@@ -279,16 +283,20 @@ stage_tests() {  # GPU tests that do not need the extension, while it builds
   DEPT_MEGA_OPS=torch run "$PY" -m pytest $(pytest_args) "${files[@]}"
 }
 
-stage_ops_tests() {
-  if [ -n "$BUILD_PID" ]; then
-    log "waiting for the build (pid $BUILD_PID)"
-    local waited=0
-    while kill -0 "$BUILD_PID" 2>/dev/null && (( waited < LIMIT )); do sleep 1; waited=$((waited + 1)); done
-    if kill -0 "$BUILD_PID" 2>/dev/null; then log "the build is still running after ${waited}s"; return 1; fi
-    wait "$BUILD_PID"; log "build finished: rc=$? ($(tail -n 1 "$OUT/build.log" 2>/dev/null))"
-    BUILD_PID=
-  fi
+wait_build() {  # the stages that run the extension's operators wait for its build first
+  [ -n "$BUILD_PID" ] || return 0
+  log "waiting for the build (pid $BUILD_PID)"
+  local waited=0
+  while kill -0 "$BUILD_PID" 2>/dev/null && (( waited < LIMIT )); do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$BUILD_PID" 2>/dev/null; then log "the build is still running after ${waited}s"; return 1; fi
+  wait "$BUILD_PID"; log "build finished: rc=$? ($(tail -n 1 "$OUT/build.log" 2>/dev/null))"
+  BUILD_PID=
   tail -n 5 build/dept_mega_ops_build.log >>"$LOG" 2>/dev/null
+  return 0
+}
+
+stage_ops_tests() {
+  wait_build || return 1
   local want=cuda
   [ "$DRY" = 1 ] && want="cpp torch"
   run "$PY" -c "import sys, dept_mega.ops as o; b = o.backend(); print('ops backend:', b, o.extension_status()); \
@@ -299,6 +307,7 @@ sys.exit(b not in '$want'.split())" || return 1
 }
 
 stage_ops() {
+  wait_build || return 1
   run "$PY" benchmarks/ops_bench.py "${OPS_ARGS[@]}" --out "$OUT/ops_bench.json"
 }
 
@@ -306,6 +315,7 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
   local name=$1 profile=0 rc; shift
   [ "${1:-}" = --profile ] && { profile=1; shift; }
   local rec="$WORK/bench_$name.json" prof=()
+  wait_build || return 1  # a run loads the extension: never while the build writes it
   [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" train.profile.start=2 train.profile.stop=3)
   run "$PY" tools/benchmark.py --config "$CFG" "${SHAPE[@]}" "$@" "${prof[@]}" "${STEPS[@]}" --out "$rec"
   rc=$?
@@ -399,6 +409,7 @@ stage_megatron() {
 stage_fp8_host() {  # fp8_host_overhead.py's record as one "kind": "fp8_host" row of bench.jsonl
   local rec="$WORK/fp8_host.json" rc
   rm -f "$rec"
+  wait_build || return 1
   run "$PY" benchmarks/fp8_host_overhead.py "${FP8_HOST[@]}" --json "$rec"
   rc=$?
   "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
@@ -418,6 +429,7 @@ EOF
 stage_fp8_casts() {  # fp8_cast_bench.py's rows as one "kind": "fp8_cast_bench" row of bench.jsonl
   local rec="$WORK/fp8_casts.json" rc
   rm -f "$rec"
+  wait_build || return 1
   run "$PY" benchmarks/fp8_cast_bench.py "${CAST_BENCH[@]}" --json "$rec"
   rc=$?
   "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'

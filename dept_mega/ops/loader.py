@@ -34,6 +34,21 @@ def _has_kernel(op: str, key: str) -> bool:
 _STATUS: list = []
 
 
+def kernel_missing(op: str, device: "torch.device | str", cuda_needs: str = "its CUDA kernels") -> "str | None":
+    """Why operator ``op`` (``dept_mega::name``) has no kernel for ``device``'s type, None when it
+    has one (loads the extension). ``cuda_needs``: what a CUDA build must have had."""
+    device_type = torch.device(device).type
+    st = status()
+    if not st.loaded:
+        return f"the dept_mega.ops extension is not loaded ({st.reason})"
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is not None and _has_kernel(op, key):
+        return None
+    built = cuda_needs if device_type == "cuda" else "this version of csrc/"
+    return (f"the dept_mega.ops extension has no {device_type} kernel of {op} (rebuild it with {built}: "
+            f"pip install --no-build-isolation -e .)")
+
+
 def status() -> ExtensionStatus:
     """Loads the extension on first call; the same answer afterwards."""
     if not _STATUS:

@@ -28,29 +28,11 @@ _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_CUDA_COLS = 65535 * 64  # the CUDA kernel's grid: at most 65535 tiles of 64 columns (dm_fp8_max_cols)
 
 
-def _has_op_kernel(device_type: str) -> bool:
-    """Whether ``dept_mega::cast_fp8`` has a kernel for ``device_type`` (loads the extension)."""
-    from ..ops import loader
-
-    if not loader.status().loaded:
-        return False
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and loader._has_kernel("dept_mega::cast_fp8", key)
-
-
 def op_unavailable(device: torch.device | str) -> Optional[str]:
     """Why the ``cuda`` casts cannot run on ``device`` (None: they can)."""
-    device = torch.device(device)
-    if _has_op_kernel(device.type):
-        return None
     from ..ops import loader
 
-    st = loader.status()
-    if not st.loaded:
-        return f"the dept_mega.ops extension is not loaded ({st.reason})"
-    built = "its CUDA kernels" if device.type == "cuda" else "this version of csrc/"
-    return (f"the dept_mega.ops extension has no {device.type} kernel of dept_mega::cast_fp8 (rebuild it with "
-            f"{built}: pip install --no-build-isolation -e .)")
+    return loader.kernel_missing("dept_mega::cast_fp8", device)
 
 
 def default_cast_kernels(device: torch.device | str) -> str:

@@ -60,30 +60,11 @@ def check_layout(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
                          f"offset into a larger tensor?); cuBLASLt rejects it")
 
 
-def _has_op_kernel(device_type: str) -> bool:
-    """Whether ``dept_mega::fp8_gemm`` has a kernel for ``device_type`` (loads the extension)."""
-    from ..ops import loader
-
-    if not loader.status().loaded:
-        return False
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and loader._has_kernel("dept_mega::fp8_gemm", key)
-
-
 def op_unavailable(device: torch.device | str) -> Optional[str]:
     """Why ``fp8_gemm: cublaslt`` cannot run on ``device`` (None: it can)."""
-    device = torch.device(device)
-    if _has_op_kernel(device.type):
-        return None
     from ..ops import loader
 
-    st = loader.status()
-    if not st.loaded:
-        return f"the dept_mega.ops extension is not loaded ({st.reason})"
-    built = ("its CUDA kernels and cuBLASLt's headers (build/dept_mega_ops_build.log says whether they were found)"
-             if device.type == "cuda" else "this version of csrc/")
-    return (f"the dept_mega.ops extension has no {device.type} kernel of dept_mega::fp8_gemm (rebuild it with "
-            f"{built}: pip install --no-build-isolation -e .)")
+    return loader.kernel_missing("dept_mega::fp8_gemm", device, "its CUDA kernels and cuBLASLt's headers (build/dept_mega_ops_build.log says whether they were found)")
 
 
 def resolve_gemm(gemm: str, device: torch.device | str) -> str:
