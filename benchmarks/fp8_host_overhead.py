@@ -160,12 +160,10 @@ def derived(us: dict, device: str) -> dict:
 
 def skip_reason(mode: str, device: str):
     """Why ``mode`` cannot run on ``device`` (None: it can)."""
-    if mode == "fp8_cuda":
-        why = fp8_casts.op_unavailable(device)
-        return None if why is None else f"the C++ cast operator cannot run: {why}"
-    if mode == "fp8_lt":
-        why = fp8_gemm.op_unavailable(device)
-        return None if why is None else f"the C++ GEMM operator cannot run: {why}"
+    operator = {"fp8_cuda": ("cast", fp8_casts), "fp8_lt": ("GEMM", fp8_gemm)}.get(mode)
+    if operator is not None:
+        why = operator[1].op_unavailable(device)
+        return None if why is None else f"the C++ {operator[0]} operator cannot run: {why}"
     if mode != "fp8":
         return None
     if device != "cuda":

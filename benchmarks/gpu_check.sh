@@ -406,23 +406,28 @@ stage_megatron() {
     "${SHAPE[@]}" "${MEGATRON_SET[@]}"
 }
 
+record_row() {  # KIND NAME RECORD RC ok|any: RECORD's JSON (less its config) as one row of bench.jsonl,
+  # read when it exists and (ok) the command succeeded, else an error row with the log's last line
+  "$PY" - "$@" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+kind, name, rec, rc, when, log, dst = sys.argv[1:]
+if os.path.exists(rec) and (rc == "0" or when == "any"):
+    r = json.load(open(rec)); r.pop("config", None)
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+r.update(kind=kind, name=name, rc=int(rc))
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+}
+
 stage_fp8_host() {  # fp8_host_overhead.py's record as one "kind": "fp8_host" row of bench.jsonl
   local rec="$WORK/fp8_host.json" rc
   rm -f "$rec"
   wait_build || return 1
   run "$PY" benchmarks/fp8_host_overhead.py "${FP8_HOST[@]}" --json "$rec"
   rc=$?
-  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
-import json, os, sys
-rec, rc, log, dst = sys.argv[1:]
-if rc == "0" and os.path.exists(rec):
-    r = json.load(open(rec))
-else:
-    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
-    r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
-r.update(kind="fp8_host", name="fp8_host", rc=int(rc))
-open(dst, "a").write(json.dumps(r) + "\n")
-EOF
+  record_row fp8_host fp8_host "$rec" $rc ok
   return $rc
 }
 
@@ -432,17 +437,7 @@ stage_fp8_casts() {  # fp8_cast_bench.py's rows as one "kind": "fp8_cast_bench" 
   wait_build || return 1
   run "$PY" benchmarks/fp8_cast_bench.py "${CAST_BENCH[@]}" --json "$rec"
   rc=$?
-  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
-import json, os, sys
-rec, rc, log, dst = sys.argv[1:]
-if os.path.exists(rec):
-    r = json.load(open(rec))
-else:
-    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
-    r = {"error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
-r.update(kind="fp8_cast_bench", name="fp8_casts", rc=int(rc))
-open(dst, "a").write(json.dumps(r) + "\n")
-EOF
+  record_row fp8_cast_bench fp8_casts "$rec" $rc any  # rows also when some kernels' bytes differed
   return $rc
 }
 
@@ -451,17 +446,7 @@ stage_torchao() {  # vs_torchao.py's record (less its config) as one row of benc
   rm -f "$rec"
   run "$PY" benchmarks/vs_torchao.py --config "$CFG" "${TORCHAO[@]}" --out "$rec" "${SHAPE[@]}"
   rc=$?
-  "$PY" - "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
-import json, os, sys
-rec, rc, log, dst = sys.argv[1:]
-if os.path.exists(rec):
-    r = json.load(open(rec)); r.pop("config", None)
-else:
-    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
-    r = {"kind": "vs_torchao", "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
-r.update(name="torchao", rc=int(rc))
-open(dst, "a").write(json.dumps(r) + "\n")
-EOF
+  record_row vs_torchao torchao "$rec" $rc any  # its record says why an arm failed or was skipped
   return $rc
 }
 

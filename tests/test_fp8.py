@@ -448,3 +448,18 @@ def test_fast_accumulation_reaches_each_gemm(monkeypatch, fast_accum):
         assert seen == want
     with pytest.raises(ValueError, match="fast accumulation 'some'"):
         Fp8Recipe(fast_accum="some")
+
+
+@pytest.mark.parametrize("key,value,why", [("fp8_gemm", "cublaslt", "Transformer Engine runs its own"),
+                                           ("fp8_fast_accum", "none", "Transformer Engine's accumulate")])
+def test_native_gemm_settings_are_refused_with_transformer_engine(monkeypatch, key, value, why):
+    """``fp8_gemm`` and ``fp8_fast_accum`` are settings of the native FP8 GEMMs: with Transformer
+    Engine's linears (resolved here without TE installed, by standing in for the linear choice)
+    anything but what TE does is an error naming the key, not a setting silently ignored."""
+    from dept_mega.model import backends as backends_module
+    from dept_mega.model.backends import BackendError
+    monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
+    resolve_backends(_fp8_cfg(), "cpu")  # TE's own settings pass
+    with pytest.raises(BackendError, match=rf"config key '{key}': {value} applies to the native FP8 GEMMs "
+                                           rf"\(backend local\); {why}"):
+        resolve_backends(_fp8_cfg(**{key: value}), "cpu")

@@ -57,6 +57,7 @@ import torch
 
 from ..config import Config, ConfigError, ModelConfig
 from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
+from ..parallel.fp8_casts import default_graph_casts
 from ..parallel.fp8_gemm import resolve_gemm
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
@@ -390,7 +391,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                 fp8_casts = resolve_cast_kernels(cfg.fp8_casts, device)
             except ValueError as exc:
                 raise BackendError(f"config key 'fp8_casts': {exc}") from None
-            fp8_graph_casts = "triton" if cfg.fp8_casts == "triton" else "torch"
+            fp8_graph_casts = default_graph_casts(cfg.fp8_casts)
             try:
                 fp8_gemm = resolve_gemm(cfg.fp8_gemm, device)
             except ValueError as exc:
@@ -400,12 +401,12 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                                    "train.compile the FP8 GEMMs are traced into the compiled blocks with "
                                    "torch._scaled_mm (use fp8_gemm: torch, or train.compile: false)")
         else:
-            if cfg.fp8_gemm != "torch":
-                raise BackendError(f"config key 'fp8_gemm': {cfg.fp8_gemm} applies to the native FP8 GEMMs "
-                                   f"(backend local); Transformer Engine runs its own")
-            if cfg.fp8_fast_accum != "forward":
-                raise BackendError(f"config key 'fp8_fast_accum': {cfg.fp8_fast_accum} applies to the native FP8 "
-                                   f"GEMMs (backend local); Transformer Engine's accumulate as 'forward' does")
+            for key, what_te_does, why in (("fp8_gemm", "torch", "Transformer Engine runs its own"),
+                                           ("fp8_fast_accum", "forward",
+                                            "Transformer Engine's accumulate as 'forward' does")):
+                if getattr(cfg, key) != what_te_does:  # settings of the native FP8 GEMMs only
+                    raise BackendError(f"config key '{key}': {getattr(cfg, key)} applies to the native FP8 "
+                                       f"GEMMs (backend local); {why}")
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
     wgrad = ""

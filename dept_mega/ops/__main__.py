@@ -44,12 +44,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     st = extension_status()
     print(f"custom ops: {st.reason}")
     print(f"  cpu tensors: {backend('cpu')}" + (f", cuda tensors: {backend('cuda')}" if cuda else ""))
-    from dept_mega.parallel.fp8_casts import op_unavailable
-    casts = [f"{dev} {'yes' if op_unavailable(dev) is None else 'no'}" for dev in ("cpu", "cuda")]
-    print(f"  FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda): {', '.join(casts)}")
-    from dept_mega.parallel import fp8_gemm
-    gemms = [f"{dev} {'yes' if fp8_gemm.op_unavailable(dev) is None else 'no'}" for dev in ("cpu", "cuda")]
-    print(f"  FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt): {', '.join(gemms)}")
+    from dept_mega.parallel import fp8_casts, fp8_gemm
+    for what, module in (("FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda)", fp8_casts),
+                         ("FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt)", fp8_gemm)):
+        where = [f"{dev} {'yes' if module.op_unavailable(dev) is None else 'no'}" for dev in ("cpu", "cuda")]
+        print(f"  {what}: {', '.join(where)}")
     print("optional packages:")
     for name, state in _optional_packages():
         print(f"  {name}: {state}")

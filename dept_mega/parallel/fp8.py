@@ -163,7 +163,7 @@ class Fp8State:
         self.lt = self.gemm == "cublaslt"  # read by every GEMM of the FP8 linears
         self.kernels = resolve_cast_kernels(kernels, self.device)
         self._cast_op = fp8_casts.op() if self.kernels == "cuda" else None  # dept_mega::cast_fp8
-        self.graph_casts = graph_casts or ("triton" if kernels == "triton" else "torch")
+        self.graph_casts = graph_casts or fp8_casts.default_graph_casts(kernels)
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.fast_gemms = recipe.fast_gemms  # use_fast_accum of the (forward, dgrad, wgrad) GEMMs
         self.layers: list[Fp8Layer] = []

@@ -22,9 +22,10 @@ from typing import Optional
 import torch
 
 from . import fp8_kernels
+from .fp8_recipe import FP8_MAX
 
 CAST_KERNELS = ("auto", "triton", "cuda", "torch")
-_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FORMATS = tuple(FP8_MAX)  # e4m3, e5m2
 MAX_CUDA_COLS = 65535 * 64  # the CUDA kernel's grid: at most 65535 tiles of 64 columns (dm_fp8_max_cols)
 
 
@@ -39,6 +40,13 @@ def default_cast_kernels(device: torch.device | str) -> str:
     """Which casts an ``Fp8State`` on ``device`` runs by default (``auto``): ``triton`` (the
     kernels of ``fp8_kernels.py``) on CUDA when Triton imports, else ``torch`` (``_cast_math``)."""
     return "triton" if torch.device(device).type == "cuda" and fp8_kernels.AVAILABLE else "torch"
+
+
+def default_graph_casts(kernels: str) -> str:
+    """The casts inside compiled graphs for the config's ``fp8_casts`` (before ``auto`` is
+    resolved): ``triton`` only where it is named (the Triton kernel as one operator per cast,
+    ``fp8_cast_op.py``), else ``torch`` (inductor's casts from ``_cast_math``)."""
+    return "triton" if kernels == "triton" else "torch"
 
 
 def resolve_cast_kernels(kernels: str, device: torch.device | str) -> str:

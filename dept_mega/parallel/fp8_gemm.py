@@ -32,10 +32,12 @@ from typing import Optional
 
 import torch
 
+from .fp8_recipe import FP8_MAX
+
 GEMMS = ("torch", "cublaslt")
 ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
 PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = tuple(FP8_MAX)  # e4m3, e5m2
 _OUT = (torch.float32, torch.bfloat16)
 
 
@@ -64,7 +66,8 @@ def op_unavailable(device: torch.device | str) -> Optional[str]:
     """Why ``fp8_gemm: cublaslt`` cannot run on ``device`` (None: it can)."""
     from ..ops import loader
 
-    return loader.kernel_missing("dept_mega::fp8_gemm", device, "its CUDA kernels and cuBLASLt's headers (build/dept_mega_ops_build.log says whether they were found)")
+    return loader.kernel_missing("dept_mega::fp8_gemm", device, "its CUDA kernels and cuBLASLt's headers "
+                                 "(build/dept_mega_ops_build.log says whether they were found)")
 
 
 def resolve_gemm(gemm: str, device: torch.device | str) -> str:
