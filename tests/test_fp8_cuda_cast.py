@@ -174,19 +174,21 @@ def test_fp8_casts_cuda_trains_exactly_as_the_torch_casts(recipe, monkeypatch):
 def test_cuda_operator_matches_the_triton_kernel_and_the_reference():
     """On the GPU: the CUDA kernel, the Triton kernel and the eager reference math give the same
     bytes, 1/scale and amax at training-like shapes (the vectorised path: 16-byte rows, rows a
-    multiple of 16 after padding) and odd ones (the scalar path), for random values and the
-    edge cases of the CPU test, every bf16/fp16 bit pattern included. Without a GPU under
+    multiple of 16 after padding) and odd ones (the scalar path; the CUDA kernel only), for random
+    values and the edge cases of the CPU test, every bf16/fp16 bit pattern included. Without a GPU under
     DEPT_MEGA_GPU_TESTS_ON_CPU=1 it rehearses with the CPU kernel against the reference."""
     device = gpu_test_device(fp8=True)
     from dept_mega.parallel import fp8_kernels
     if device == "cuda" and fp8_casts.op_unavailable(device):
         pytest.fail(f"the CUDA kernel of dept_mega::cast_fp8 is not built: {fp8_casts.op_unavailable(device)}")
-    impls = {"cuda op": fp8_casts.cast_fp8}
-    if device == "cuda" and fp8_kernels.AVAILABLE:
-        impls["triton"] = fp8_kernels.cast_fp8
-    shapes = [(4096, 2048, 0, 0), (2040, 5632, 8, 0), (8192, 1024, 0, 0), (130, 72, 14, 0), (33, 12, 3, 0),
-              (64, 256, 0, 4)]
+    training = [(4096, 2048, 0, 0), (8192, 1024, 0, 0)]
+    shapes = training + [(2040, 5632, 8, 0), (130, 72, 14, 0), (33, 12, 3, 0), (64, 256, 0, 4)]
     failures = []
     for in_dtype, fp8 in product((torch.bfloat16, torch.float16), (E4M3, E5M2)):
-        failures += _compare(impls, device, in_dtype, fp8, shapes)
+        failures += _compare({"cuda op": fp8_casts.cast_fp8}, device, in_dtype, fp8, shapes)
+        # Triton on the training shapes only: each other shape's divisibility and alignment is a
+        # specialisation of its own, compiled for every layout and scaling (~120 compiles, a minute
+        # or more of the device check); test_fp8_kernels compares Triton with the reference
+        if device == "cuda" and fp8_kernels.AVAILABLE:
+            failures += _compare({"triton": fp8_kernels.cast_fp8}, device, in_dtype, fp8, training)
     assert not failures, "\n".join(failures[:30])

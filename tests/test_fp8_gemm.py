@@ -32,12 +32,15 @@ PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 
 def _operands(m, k, n, da, db, g, device="cpu", lda=None, ldb=None):
     """FP8 ``a`` [m, k] row-major (leading dimension ``lda``) and ``b`` [k, n] column-major
-    (leading dimension ``ldb``), values spread over the formats' ranges, and two scales."""
+    (leading dimension ``ldb``), values spread over the formats' ranges, and two scales; drawn on
+    ``g``'s device (a CUDA generator for the training shapes: ~10^9 draws on the host would take
+    seconds of the device check), then moved to ``device``."""
     lda, ldb = lda or k, ldb or k
-    a = (torch.randn(m, lda, generator=g) * 40).clamp(-440, 440).to(da)[:, :k]
-    b = (torch.randn(n, ldb, generator=g) * 40).clamp(-440, 440).to(db)[:, :k].t()
-    sa = torch.tensor(0.37, dtype=torch.float32) * torch.rand((), generator=g)
-    sb = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    on = g.device
+    a = (torch.randn(m, lda, generator=g, device=on) * 40).clamp(-440, 440).to(da)[:, :k]
+    b = (torch.randn(n, ldb, generator=g, device=on) * 40).clamp(-440, 440).to(db)[:, :k].t()
+    sa = 0.37 * torch.rand((), generator=g, device=on)
+    sb = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=on)
     return a.to(device), b.to(device), sa.to(device), sb.to(device)
 
 
@@ -259,7 +262,7 @@ def test_cuda_operator_matches_scaled_mm_on_training_shapes():
         pytest.fail(f"the CUDA kernel of dept_mega::fp8_gemm is not built: {fp8_gemm.op_unavailable(device)}")
     shapes = ([(8192, 2048, 6144), (8192, 8192, 2048), (2048, 8192, 8192), (6144, 8192, 2048)] if device == "cuda"
               else [(64, 128, 96), (96, 64, 128)])
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device=device).manual_seed(5)
     for (m, k, n), (da, db) in product(shapes, PAIRS):
         a, b, sa, sb = _operands(m, k, n, da, db, g, device)
         what = f"{m}x{k}x{n} {da}x{db}"
@@ -276,7 +279,7 @@ def test_cuda_operator_matches_scaled_mm_on_training_shapes():
             assert ((got.float() - want.float()).abs() <= tol).all(), (what, fast)
         prod = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32) if device == "cuda" \
             else _ref_fp32(a, b, sa, sb)
-        out0 = torch.randn(m, n, generator=g).to(device)
+        out0 = torch.randn(m, n, generator=g, device=device)
         out = out0.clone()
         fp8_gemm.fp8_gemm(a, b, sa, sb, out=out)
         tol = bound + 2.0 ** -24 * (out0 + prod).abs() * 2
