@@ -253,6 +253,14 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
   return out;
 }
 
+// Set bits of x, branch-free (SWAR): __builtin_popcount is a libgcc call without -mpopcnt.
+inline uint32_t popcount32(uint32_t x) {
+  x = x - ((x >> 1) & 0x55555555u);
+  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+  x = (x + (x >> 4)) & 0x0F0F0F0Fu;
+  return (x * 0x01010101u) >> 24;
+}
+
 // remap_ids through vocabulary ranks (constants.h): member v -> (word >> 32) + the set bits
 // below v's in its word; the errors of the equivalent lookup (a non-member's value is -1).
 at::Tensor remap_ranked_cpu(const at::Tensor& ids_in, const at::Tensor& words_in, int64_t size,
@@ -280,7 +288,7 @@ at::Tensor remap_ranked_cpu(const at::Tensor& ids_in, const at::Tensor& words_in
           }
           return;  // later positions of this chunk cannot be first
         }
-        dst[i] = static_cast<idx_t>((w >> 32) + __builtin_popcount(bits & ((1u << b) - 1u)));
+        dst[i] = static_cast<idx_t>((w >> 32) + popcount32(bits & ((1u << b) - 1u)));
       }
     });
     const int64_t pos = first_bad.load();
