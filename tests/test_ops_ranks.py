@@ -169,3 +169,16 @@ def test_ranked_operator_arguments_match_the_fallback():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     toks = torch.tensor([[0, 40, 3]])
     assert torch.equal(compiled(toks), step(toks))
+
+
+def test_an_extension_without_the_ranked_operator_is_not_used(monkeypatch):
+    """An extension built from an older source (no remap_ranked) is reported and left for the
+    fallback, rather than failing at the first ranked remap."""
+    from dept_mega.ops import loader
+    if ops.backend("cpu") != "cpp":
+        pytest.skip(f"no compiled extension: {ops.extension_status().reason}")
+    assert loader._load().loaded
+    real = loader._has_kernel
+    monkeypatch.setattr(loader, "_has_kernel", lambda op, key: op != "dept_mega::remap_ranked" and real(op, key))
+    st = loader._load()
+    assert not st.loaded and "older than this source (no remap_ranked operator)" in st.reason

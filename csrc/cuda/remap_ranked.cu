@@ -94,8 +94,9 @@ __global__ void __launch_bounds__(kBlock)
 struct DeviceInfo {
   bool ready = false;
   int sms = 0;
-  int optin = 0;  // bytes of dynamic shared memory a block may opt in to
+  int optin = 0;  // bytes of shared memory (static + dynamic) a block may opt in to
   bool opted[2] = {false, false};
+  int dyn_max[2] = {0, 0};  // the staged kernel's dynamic shared memory limit, set at opt-in
   int64_t occ_bytes[2] = {-1, -1};
   int occ[2] = {0, 0};
 };
@@ -124,16 +125,18 @@ cudaError_t staged_capacity(int dev, size_t bytes, int64_t* resident) {
       return err;
     d.ready = true;
   }
-  // the static block_bad sits next to the dynamic words
-  if (bytes + sizeof(unsigned long long) > static_cast<size_t>(d.optin)) return cudaSuccess;
   const int s = idx_slot<Idx>();
   if (!d.opted[s]) {
+    // the kernel's static shared memory (block_bad) counts against the same opt-in limit
+    cudaFuncAttributes attr;
+    if ((err = cudaFuncGetAttributes(&attr, ranked_kernel<Idx, true>)) != cudaSuccess) return err;
+    d.dyn_max[s] = d.optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(ranked_kernel<Idx, true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               d.optin - static_cast<int>(sizeof(unsigned long long)));
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, d.dyn_max[s]);
     if (err != cudaSuccess) return err;
     d.opted[s] = true;
   }
+  if (bytes > static_cast<size_t>(d.dyn_max[s])) return cudaSuccess;  // does not fit: global
   if (d.occ_bytes[s] != static_cast<int64_t>(bytes)) {
     int occ = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, ranked_kernel<Idx, true>, kBlock,
