@@ -13,7 +13,9 @@ Two ways of timing (see `timed` and `timed_queued`):
   of it: such a row measures the per-call overhead, not the kernel;
 - the id remap is judged at a bandwidth-bound size (``--remap-ids``, 2**25 ids by default: at
   most five 256 MiB int64 tensors at a time), on uniformly drawn ids (each lookup a random
-  read of the table) and on Zipf-distributed ones (natural text's token frequencies), its copy and torch's ``lookup[ids]`` alike, with
+  read of the table) and on Zipf-distributed ones (natural text's token frequencies), through the
+  lookup table and through the vocabulary's ranks (``ranked``, TRIM's form: the table as 32x
+  smaller bitmap ranks), its copy and torch's ``lookup[ids]`` alike, with
   calls queued back to back behind a GPU sleep, so that the host's dispatch cannot leave the
   device idle between them; and its per-call overhead at the training size (one 8 x 2048
   batch) apart (``overhead`` in the JSON): host time per call, device time per call, one call's
@@ -263,9 +265,10 @@ def zipf_ranks(n: int, size: int, shape: tuple, g: torch.Generator, device) -> t
     return torch.searchsorted(cdf, u).clamp_(max=size - 1)
 
 
-def _remap_bandwidth(device, g, record: Recorder, ids, lookup, cols: int, n_ids: int,
+def _remap_bandwidth(device, g, record: Recorder, ids, lookup, ranks, cols: int, n_ids: int,
                      iters: int) -> None:
-    """Copy, remap_ids and torch's lookup[ids] on ``n_ids`` ids (rounded to rows of ``cols``):
+    """Copy, remap_ids (through the lookup table, and through the vocabulary's ranks: the
+    ``ranked`` rows, TRIM's form) and torch's lookup[ids] on ``n_ids`` ids (rounded to rows of ``cols``):
     calls queued back to back, so the device's bandwidth, not the host's dispatch, sets the
     time. Two draws of the source's tokens: uniform (every lookup a random read of the table,
     the worst case) and Zipf (natural text's token frequencies; a BPE vocabulary numbers its
@@ -284,6 +287,9 @@ def _remap_bandwidth(device, g, record: Recorder, ids, lookup, cols: int, n_ids:
         record.add(f"remap_ids ({label}, {dist})", torch.int64,
                    timed_queued(lambda: ops.remap_ids(toks, lookup), device, iters, BANDWIDTH_CALLS),
                    moved, copy["s"])
+        record.add(f"remap_ids ({label}, {dist}, ranked)", torch.int64,
+                   timed_queued(lambda: ops.remap_ids(toks, ranks), device, iters, BANDWIDTH_CALLS),
+                   moved, copy["s"])
         record.add(f"torch lookup[ids] ({label}, {dist})", torch.int64,
                    timed_queued(lambda: lookup[toks], device, iters, BANDWIDTH_CALLS), moved,
                    copy["s"])
@@ -292,7 +298,7 @@ def _remap_bandwidth(device, g, record: Recorder, ids, lookup, cols: int, n_ids:
             torch.cuda.empty_cache()
 
 
-def _remap_overhead(device, g, ids, lookup, batch, iters: int) -> List[Dict]:
+def _remap_overhead(device, g, ids, lookup, ranks, batch, iters: int) -> List[Dict]:
     """Per call at the training size (one batch): ``host_us``, the host's time to issue a call
     back to back; ``gpu_us``, the device's time per call with the calls queued; ``call_us``, one
     call on an idle device (host dispatch + kernel: what the earlier runs' rows measured)."""
@@ -301,6 +307,7 @@ def _remap_overhead(device, g, ids, lookup, batch, iters: int) -> List[Dict]:
     rows = []
     for name, fn in (("copy", lambda: out.copy_(toks)),
                      ("remap_ids", lambda: ops.remap_ids(toks, lookup)),
+                     ("remap_ids (ranked)", lambda: ops.remap_ids(toks, ranks)),
                      ("torch lookup[ids]", lambda: lookup[toks])):
         q = timed_queued(fn, device, iters, OVERHEAD_CALLS)
         one, _ = timed(fn, device, iters)
@@ -332,10 +339,11 @@ def run(device: torch.device, vocab: int, dim: int, n_rows: int, batch: tuple, i
     # Remap into one source's vocabulary (every token in it).
     lookup = torch.full((vocab,), -1, dtype=torch.int64, device=device)
     lookup[ids] = torch.arange(n_rows, device=device)
-    _remap_bandwidth(device, g, record, ids, lookup, batch[1], remap_ids, iters)
+    ranks = ops.VocabRanks.from_ids(ids, vocab)  # the same map as TRIM builds it (its ranks)
+    _remap_bandwidth(device, g, record, ids, lookup, ranks, batch[1], remap_ids, iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    overhead = _remap_overhead(device, g, ids, lookup, batch, iters)
+    overhead = _remap_overhead(device, g, ids, lookup, ranks, batch, iters)
     return record.rows, overhead
 
 

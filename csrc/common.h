@@ -101,6 +101,26 @@ inline void check_remap_args(const at::Tensor& ids, const at::Tensor& lookup) {
   check_same_device(op, ids, "ids", lookup, "lookup");
 }
 
+// remap_ranked(ids, words, size, stage): words int64 [ceil(size / DM_RANK_BITS)] (the layout
+// of constants.h; dept_mega.ops.VocabRanks builds and checks its contents).
+inline void check_remap_ranked_args(const at::Tensor& ids, const at::Tensor& words, int64_t size,
+                                    int64_t stage) {
+  const char* op = "remap_ids";
+  TORCH_CHECK_VALUE(size >= 0 && size < (int64_t{1} << 31), op,
+                    ": the ranks' vocabulary size must be in [0, 2^31), got ", size);
+  const int64_t nwords = (size + DM_RANK_BITS - 1) / DM_RANK_BITS;
+  TORCH_CHECK_VALUE(words.dim() == 1 && words.size(0) == nwords, op,
+                    ": ranks words must have shape [", nwords, "] for a vocabulary of ", size,
+                    " ids, got ", words.sizes());
+  TORCH_CHECK_TYPE(words.scalar_type() == at::kLong, op, ": ranks words must be int64, got ",
+                   dtype_name(words.scalar_type()));
+  TORCH_CHECK_VALUE(stage >= -1 && stage <= 1, op,
+                    ": stage must be -1 (auto), 0 (global memory) or 1 (shared memory), got ",
+                    stage);
+  check_ids_dtype(op, "ids", ids.scalar_type());
+  check_same_device(op, ids, "ids", words, "ranks");
+}
+
 // cast_fp8(t [rows, cols] bf16/fp16, dtype e4m3fn/e5m2, pad >= 0, ..., scale fp32 (element
 // scale_index), amax_out fp32 (element amax_index)); the FP8 format code (DM_FP8_*) of dtype.
 inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_t pad,

@@ -7,6 +7,13 @@
 // the same value so that every backend gives the same bits.
 #define DM_SCATTER_CHUNK 64
 
+// Vocabulary ranks (dept_mega.ops.VocabRanks), the succinct form of a monotone remap table
+// (lookup[v] = rank of v in a sorted set of ids, -1 for a non-member) over ids [0, size): int64
+// word w = (members below DM_RANK_BITS * w) << 32 | the membership bitmap of ids
+// DM_RANK_BITS * w ... DM_RANK_BITS * w + 31 (bit b: id DM_RANK_BITS * w + b). Member v maps to
+// (word >> 32) + popcount(bitmap & ((1 << (v % 32)) - 1)).
+#define DM_RANK_BITS 32
+
 // Error record: int64[DM_ERR_RECORD_LEN] = {code, position, id, bound, lookup value}; code 0 = no
 // error. Codes name the op and the kind of error (csrc/common.h has the messages).
 enum {

@@ -19,6 +19,11 @@ TORCH_LIBRARY(dept_mega, m) {
       "float alpha=1.0) -> ()");
   // local = lookup[ids], any shape of ids; lookup entries < 0 are an error.
   m.def("remap_ids(Tensor ids, Tensor lookup) -> Tensor");
+  // remap_ids through vocabulary ranks (csrc/constants.h, DM_RANK_BITS; dept_mega.ops.VocabRanks):
+  // the result and errors of remap_ids with the equivalent lookup (-1 for a non-member).
+  // stage (CUDA only; the CPU kernel checks and ignores it): -1 the launcher picks shared or
+  // global memory for the words, 0 / 1 force global / shared (tests; csrc/cuda/remap_ranked.cu).
+  m.def("remap_ranked(Tensor ids, Tensor words, int size, int stage=-1) -> Tensor");
   // FP8 cast of a 2-D bf16/fp16 tensor (dept_mega/parallel/fp8_casts.py; the bytes of the
   // reference math fp8._cast_math, csrc/fp8_cast.h): q [rows + pad, cols] when rowwise, q_t
   // [cols, rows + pad] when colwise; scale[scale_index] (delayed scaling) or, without a scale,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dept_mega.dept.outer import chunk_bounds
-from dept_mega.dept.trim import (TrimTable, exchange_rows, remap_lookup, remap_tokens, row_mean_update,
+from dept_mega.dept.trim import (TrimTable, exchange_rows, remap_ranks, remap_tokens, row_mean_update,
                                  row_mean_update_dense)
 from tests.mp_utils import run_distributed
 
@@ -53,10 +53,16 @@ def test_table_gather_and_remap():
     t = TrimTable(torch.arange(20.0).view(10, 2))
     ids = torch.tensor([1, 4, 7])
     assert torch.equal(t.gather(ids), torch.tensor([[2.0, 3.0], [8.0, 9.0], [14.0, 15.0]]))
-    lookup = remap_lookup(ids, 10)
-    assert torch.equal(remap_tokens(torch.tensor([[7, 1, 4]]), lookup), torch.tensor([[2, 0, 1]]))
-    with pytest.raises(ValueError, match="not in its vocabulary set"):
-        remap_tokens(torch.tensor([3]), lookup, "en")
+    ranks = remap_ranks(ids, 10)
+    # the ranks stand for the lookup TRIM used before them: position in V_k, -1 elsewhere
+    lookup = torch.full((10,), -1, dtype=torch.int64)
+    lookup[ids] = torch.arange(3)
+    assert torch.equal(ranks.to_lookup(), lookup)
+    assert torch.equal(remap_tokens(torch.tensor([[7, 1, 4]]), ranks), torch.tensor([[2, 0, 1]]))
+    for table in (ranks, lookup):  # one message through either form
+        with pytest.raises(ValueError, match=r"source 'en': .* not in its vocabulary set V_k \(remap_ids: global id 3 "
+                                             r"\(first at flat position 0\) .*\(lookup\[3\] = -1\)\)"):
+            remap_tokens(torch.tensor([3]), table, "en")
 
 
 def _exchange_worker(rank, world, T, D):

@@ -33,7 +33,7 @@ ALLOWED = {("trainer.py", "train_step", "cpu"), ("trainer.py", "train_step", "to
            ("optim.py", "norm_of", "item"), ("random.py", "fork_device_rng", "numpy")}
 # the PyTorch fallback of the custom ops (no compiled extension) checks a remap's ids on the
 # host, to raise for an id outside the source's vocabulary; the compiled kernels check on the device
-FALLBACK_READS = {("fallback.py", "remap_ids", "__bool__")}
+FALLBACK_READS = {("fallback.py", "_remapped", "__bool__")}
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 

@@ -3,7 +3,7 @@ kernels): the parallel deterministic scatter on the benchmark's id distributions
 the CPU kernel bit for bit, close to index_add_, the same bits run to run, not slower than
 index_add_), and no host synchronisation inside the ops or ``fork_device_rng``, invalid ids
 being reported at the next ``check_errors`` (the first failing call's lowest invalid position,
-over many blocks, calls in a row and two streams)."""
+over many blocks, calls in a row and two streams); the ranked remap on both of its memory paths."""
 from __future__ import annotations
 
 import pytest
@@ -291,3 +291,68 @@ def test_phase_timer_measures_gpu_time_not_queuing():
     timer = PhaseTimer("cuda")
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles on an H100 (1.98 GHz)
     assert timer.stop().seconds() > 0.05
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_cuda_ranked_remap_equals_cpu_on_both_memory_paths(id_dtype):
+    """remap_ids through VocabRanks on CUDA (csrc/cuda/remap_ranked.cu) equals the CPU kernel
+    with the words staged in shared memory (stage=1), read from global memory (stage=0) and as
+    the launcher picks (-1), on 2^20+ ids (uniform and Zipf) and a training-size batch; invalid
+    ids raise the CPU's exact error at the check, with no synchronisation in the call; words
+    larger than the device's shared memory fall back to global reads."""
+    _need_cuda_kernels()
+    from dept_mega.ops import VocabRanks
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    V = 250_112
+    keep = torch.rand(V, generator=g) < 0.86
+    keep[V - 1] = True
+    members = keep.nonzero().flatten()
+    ranks = VocabRanks.from_ids(members, V)
+    ranks_dev = VocabRanks.from_ids(members.to(dev), V)  # built on the device: the same words
+    assert torch.equal(ranks_dev.words.cpu(), ranks.words)
+    n = 2 ** 20 + 7
+    zipf = members[_ids("zipf", n, members.numel(), g)]
+    uniform = members[torch.randint(0, members.numel(), (n,), generator=g)]
+    batch = uniform[:8 * 2048].view(8, 2048)
+    ops.check_errors(dev)
+    for ids in (uniform, zipf, batch):
+        cpu = ops.remap_ids(ids.to(id_dtype), ranks)
+        ids_dev = ids.to(id_dtype).to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [ops._remap_ranked(ids_dev, ranks_dev, stage) for stage in (-1, 0, 1)]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for stage, out in zip((-1, 0, 1), outs):
+            assert out.dtype == id_dtype and out.shape == ids.shape
+            assert torch.equal(out.cpu(), cpu), stage
+    ops.check_errors(dev)
+
+    non_member = int((~keep).nonzero()[5])
+    for stage in (-1, 0, 1):
+        for bad in ({700_001: non_member, 900_000: V}, {n - 1: V + 9, 3: -1}, {1_000_000: V}):
+            ids = uniform.clone()
+            for pos, gid in bad.items():
+                ids[pos] = gid
+            ids = ids.to(id_dtype)
+            err = _raised(lambda: ops.remap_ids(ids, ranks))  # the CPU kernel's, at once
+            ops._remap_ranked(ids.to(dev), ranks_dev, stage)
+            with pytest.raises(type(err)) as info:
+                ops.check_errors(dev)
+            assert str(info.value) == str(err), (stage, bad)
+
+    big = VocabRanks.from_ids(torch.arange(0, 2 ** 24, 3), 2 ** 24)  # 4 MB of words
+    ids = torch.randint(0, 2 ** 24, (n,), generator=g) // 3 * 3
+    out = ops._remap_ranked(ids.to(id_dtype).to(dev), big.to(dev), 1)
+    assert torch.equal(out.cpu(), ops.remap_ids(ids.to(id_dtype), big))
+    ops.check_errors(dev)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned for its type and message
+        return exc
+    raise AssertionError("no error raised")

@@ -253,6 +253,54 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
   return out;
 }
 
+// Set bits of x, branch-free (SWAR): __builtin_popcount is a libgcc call without -mpopcnt.
+inline uint32_t popcount32(uint32_t x) {
+  x = x - ((x >> 1) & 0x55555555u);
+  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+  x = (x + (x >> 4)) & 0x0F0F0F0Fu;
+  return (x * 0x01010101u) >> 24;
+}
+
+// remap_ids through vocabulary ranks (constants.h): member v -> (word >> 32) + the set bits
+// below v's in its word; the errors of the equivalent lookup (a non-member's value is -1).
+at::Tensor remap_ranked_cpu(const at::Tensor& ids_in, const at::Tensor& words_in, int64_t size,
+                            int64_t stage) {
+  check_remap_ranked_args(ids_in, words_in, size, stage);
+  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor words = words_in.contiguous();
+  at::Tensor out = at::empty_like(ids, at::MemoryFormat::Contiguous);
+  const int64_t n = ids.numel();
+  if (n == 0) return out;
+  dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
+    using idx_t = decltype(idx_tag);
+    const idx_t* src = ids.const_data_ptr<idx_t>();
+    const uint64_t* wp = reinterpret_cast<const uint64_t*>(words.const_data_ptr<int64_t>());
+    idx_t* dst = out.data_ptr<idx_t>();
+    std::atomic<int64_t> first_bad{n};
+    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t id = static_cast<int64_t>(src[i]);
+        const uint64_t w = (id >= 0 && id < size) ? wp[id / DM_RANK_BITS] : 0;
+        const uint32_t bits = static_cast<uint32_t>(w), b = static_cast<uint32_t>(id) & 31u;
+        if (!((bits >> b) & 1u)) {
+          int64_t cur = first_bad.load();
+          while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+          }
+          return;  // later positions of this chunk cannot be first
+        }
+        dst[i] = static_cast<idx_t>((w >> 32) + popcount32(bits & ((1u << b) - 1u)));
+      }
+    });
+    const int64_t pos = first_bad.load();
+    if (pos < n) {
+      const int64_t id = static_cast<int64_t>(src[pos]);
+      if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
+      fail_remap_missing(pos, id, -1);
+    }
+  });
+  return out;
+}
+
 // cast_fp8: the bytes of csrc/fp8_cast.h, elementwise, so the result does not depend on the
 // thread count. The amax (max of |x|, NaN propagating) is an int max of the magnitudes' bits.
 // Tiles of kCastTile x kCastTile elements: each is encoded once into a local buffer and written
@@ -382,6 +430,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cpu);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cpu);
   m.impl("remap_ids", &remap_ids_cpu);
+  m.impl("remap_ranked", &remap_ranked_cpu);
   m.impl("cast_fp8", &cast_fp8_cpu);
   m.impl("fp8_gemm", &fp8_gemm_cpu);
 }

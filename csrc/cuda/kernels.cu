@@ -12,10 +12,12 @@
 //   data: a long run (a frequent token) is reduced in parallel, and the result is fixed by
 //   the ids alone, bit-identical from run to run and equal to the CPU kernel's.
 // remap: elementwise lookup, grid-stride, kRemapItems independent ids per thread in flight.
-// Invalid ids: gather and remap in their one launch (finish_call: the last block to finish
-//   writes the error record and resets the per-stream scratch); the scatters with a per-call
-//   flag that the writing kernels read (nothing written on error) and a one-thread record_kernel.
+// Invalid ids: gather and remap in their one launch (finish_call, call_record.cuh: the last
+//   block to finish writes the error record and resets the per-stream scratch); the scatters
+//   with a per-call flag that the writing kernels read (nothing written on error) and a
+//   one-thread record_kernel. The ranked remap: remap_ranked.cu.
 #include "kernels.h"
+#include "call_record.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,7 +31,6 @@ namespace {
 constexpr int kBlock = 256;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 constexpr int kRemapItems = 4;  // ids per thread and loop step of remap_kernel
-constexpr unsigned long long kNoBad = DM_NO_BAD;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -67,70 +68,6 @@ __device__ __forceinline__ void store_float(T* p, const float (&f)[VEC]) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = x;
 }
 
-// Writes the error record of an invalid id at position p of a call of op `op` unless the
-// record holds an error (kept until check_errors clears it). The code is claimed with
-// atomicCAS, so two writers (two streams' calls) never mix their fields. Not inlined: cold.
-template <typename Idx, typename Lut>
-__device__ __noinline__ void write_record(int64_t p, int op, const Idx* __restrict__ ids,
-                                          int64_t bound, const Lut* __restrict__ lookup,
-                                          int64_t* __restrict__ record) {
-  const int64_t id = static_cast<int64_t>(ids[p]);
-  int code = op;
-  int64_t value = 0;
-  if (op == DM_ERR_REMAP_MISSING) {
-    if (id < 0 || id >= bound) {
-      code = DM_ERR_REMAP_RANGE;
-    } else {
-      value = static_cast<int64_t>(lookup[id]);
-    }
-  }
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(record), 0ull,
-                static_cast<unsigned long long>(code)) != 0ull) {
-    return;  // an earlier error is kept
-  }
-  record[1] = p;
-  record[2] = id;
-  record[3] = bound;
-  record[4] = value;
-}
-
-// Invalid ids of a gather / remap call (one launch). A thread that meets one lowers either
-// scratch->bad itself, then __threadfence() (gather), or its block's lowest position
-// `block_bad` in shared memory (remap), which begin_call sets to kNoBad before a barrier: the
-// split that costs fewest registers (ptxas -v, sm_90; a per-thread minimum carried through the
-// loop cost the gather 8 to 14). finish_call ends the kernel, called by every thread of every
-// block (it has a barrier: no thread may return before it): thread 0 lowers scratch->bad to
-// *block_bad (when given) and counts the block as done (threadFenceReduction pattern); the
-// thread 0 that counts the grid's last block reads the call's lowest invalid position, writes
-// the record if there is one, and resets the scratch to {kNoBad, 0} for the stream's next call.
-__device__ __forceinline__ void begin_call(unsigned long long& block_bad) {
-  if (threadIdx.x == 0) block_bad = kNoBad;
-  __syncthreads();
-}
-
-template <typename Idx, typename Lut>
-__device__ __forceinline__ void finish_call(const unsigned long long* block_bad,
-                                            DmCallScratch* scratch, int64_t n, int op,
-                                            const Idx* __restrict__ ids, int64_t bound,
-                                            const Lut* __restrict__ lookup,
-                                            int64_t* __restrict__ record) {
-  __syncthreads();  // the block's atomicMin (shared, or global and fenced) are all done
-  if (threadIdx.x != 0) return;
-  if (block_bad != nullptr && *block_bad != kNoBad) atomicMin(&scratch->bad, *block_bad);
-  // Release: the block's invalid positions are visible device-wide before it counts as done.
-  __threadfence();
-  const unsigned long long done = atomicAdd(&scratch->blocks, 1ull);
-  if (done != static_cast<unsigned long long>(gridDim.x) - 1) return;
-  // The last block. Acquire: every block lowered scratch->bad before its count, so the
-  // exchange reads the call's lowest invalid position.
-  __threadfence();
-  const unsigned long long b = atomicExch(&scratch->bad, kNoBad);
-  atomicExch(&scratch->blocks, 0ull);
-  if (b < static_cast<unsigned long long>(n)) {
-    write_record<Idx, Lut>(static_cast<int64_t>(b), op, ids, bound, lookup, record);
-  }
-}
-
 // Launch bounds: the occupancy of the three-launch build (ptxas -v, sm_90): a copy <= 48
 // registers (5 blocks of 256 per SM), a conversion <= 32 (8 blocks; 34-37 without the bound).
 template <typename Tin, typename Tout, typename Idx, int VEC>
@@ -165,7 +102,8 @@ __global__ void __launch_bounds__(kBlock, std::is_same<Tin, Tout>::value ? 5 : 8
       }
     }
   }
-  finish_call<Idx, int64_t>(nullptr, scratch, n, DM_ERR_GATHER, ids, rows, nullptr, record);
+  finish_call<Idx>(nullptr, scratch, n, DM_ERR_GATHER, ids, rows, LookupValue<int64_t>{nullptr},
+                   record);
 }
 
 // Each thread takes kRemapItems ids a block width apart per step (coalesced), loading all of
@@ -199,8 +137,8 @@ __global__ void __launch_bounds__(kBlock, 8)
       }
     }
   }
-  finish_call<Idx, Lut>(&block_bad, scratch, n, DM_ERR_REMAP_MISSING, ids, size, lookup,
-                        record);
+  finish_call<Idx>(&block_bad, scratch, n, DM_ERR_REMAP_MISSING, ids, size,
+                   LookupValue<Lut>{lookup}, record);
 }
 
 template <typename Idx>
@@ -382,7 +320,8 @@ __global__ void record_kernel(const unsigned long long* __restrict__ bad, int64_
                               int64_t* __restrict__ record) {
   const unsigned long long b = *bad;
   if (b >= static_cast<unsigned long long>(n) || record[0] != DM_ERR_NONE) return;
-  write_record<Idx, int64_t>(static_cast<int64_t>(b), op, ids, bound, nullptr, record);
+  write_record<Idx>(static_cast<int64_t>(b), op, ids, bound, LookupValue<int64_t>{nullptr},
+                    record);
 }
 
 inline int64_t blocks_for(int64_t threads) {

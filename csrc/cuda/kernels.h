@@ -59,6 +59,18 @@ cudaError_t dm_remap_ids(const void* ids, int ids_dtype, int64_t n, const void* 
                          int lookup_dtype, int64_t lookup_size, void* out,
                          DmCallScratch* scratch, int64_t* record, cudaStream_t stream);
 
+// Ranked remap (remap_ranked.cu): the same as dm_remap_ids for the lookup that the vocabulary
+// ranks `words` stand for (layout: ../constants.h, DM_RANK_BITS), one launch.
+// An id outside [0, size) is DM_ERR_REMAP_RANGE, a non-member DM_ERR_REMAP_MISSING with value
+// -1. stage: DM_STAGE_AUTO lets the launcher choose between the words in shared memory and
+// reads from global memory (see remap_ranked.cu), DM_STAGE_NEVER / DM_STAGE_ALWAYS force one
+// (tests); ALWAYS falls back to global reads when the words exceed the device's shared memory.
+// Limits: 0 <= size < 2^31, nwords = ceil(size / 32).
+enum { DM_STAGE_AUTO = -1, DM_STAGE_NEVER = 0, DM_STAGE_ALWAYS = 1 };
+cudaError_t dm_remap_ranked(const void* ids, int ids_dtype, int64_t n, const int64_t* words,
+                            int64_t size, void* out, int stage, DmCallScratch* scratch,
+                            int64_t* record, cudaStream_t stream);
+
 // Deterministic scatter in two calls:
 // 1. dm_scatter_prepare validates the ids (lowering `bad`) and sorts positions by
 //    destination row (stable radix sort, in `workspace` of

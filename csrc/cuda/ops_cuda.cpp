@@ -214,6 +214,23 @@ at::Tensor remap_ids_cuda(const at::Tensor& ids_in, const at::Tensor& lookup_in)
   return out;
 }
 
+at::Tensor remap_ranked_cuda(const at::Tensor& ids_in, const at::Tensor& words_in, int64_t size,
+                             int64_t stage) {
+  check_remap_ranked_args(ids_in, words_in, size, stage);
+  const c10::cuda::CUDAGuard guard(ids_in.device());
+  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor words = words_in.contiguous();
+  at::Tensor out = at::empty_like(ids, at::MemoryFormat::Contiguous);
+  const int64_t n = ids.numel();
+  if (n == 0) return out;
+  const CallState cs = call_state(ids.device());
+  check_cuda(dm_remap_ranked(ids.const_data_ptr(), id_code(ids.scalar_type()), n,
+                             words.const_data_ptr<int64_t>(), size, out.data_ptr(),
+                             static_cast<int>(stage), cs.scratch, cs.record, cs.stream),
+             "remap_ids");
+  return out;
+}
+
 // cast_fp8 (kernels in fp8_cast.cu): allocation and the launch on the current stream, no host
 // synchronisation. The Python caller checks the arguments first (dept_mega/parallel/fp8_casts.py,
 // see dept_mega.ops._route on C++ throws from CUDA ops); these checks stay as the last line.
@@ -258,6 +275,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) {
   m.impl("scatter_add_rows_", &scatter_add_rows_cuda);
   m.impl("scatter_mean_rows_", &scatter_mean_rows_cuda);
   m.impl("remap_ids", &remap_ids_cuda);
+  m.impl("remap_ranked", &remap_ranked_cuda);
   m.impl("error_record", &error_record_cuda);
   m.impl("cast_fp8", &cast_fp8_cuda);
 }

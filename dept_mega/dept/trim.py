@@ -21,11 +21,11 @@ in one fused op (lr 1 = the plain row mean).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
-from ..ops import gather_rows, remap_ids, scatter_mean_rows
+from ..ops import VocabRanks, gather_rows, remap_ids, scatter_mean_rows
 from ..parallel.comm import CrossJob, group_size
 from .outer import COMM_DTYPES, chunk_bounds
 
@@ -323,17 +323,19 @@ def exchange_rows(pg, ids: torch.Tensor, deltas: torch.Tensor, *, comm_dtype: st
     return g_ids, g_rows
 
 
-def remap_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Global→local id table: lookup[v] = position of v in ``vocab_ids`` (sorted), −1 elsewhere."""
-    lookup = torch.full((vocab_size,), -1, dtype=torch.int64)
-    lookup[vocab_ids.to(torch.int64)] = torch.arange(vocab_ids.numel(), dtype=torch.int64)
-    return lookup
+def remap_ranks(vocab_ids: torch.Tensor, vocab_size: int) -> VocabRanks:
+    """Global→local id map of V_k: the rank of v in ``vocab_ids`` (sorted, unique), "not in V_k"
+    elsewhere, as ``VocabRanks`` (ceil(V / 32) words; the remap of the equivalent lookup table,
+    without its random reads: ``dept_mega.ops.ranks``)."""
+    return VocabRanks.from_ids(vocab_ids, vocab_size)
 
 
-def remap_tokens(tokens: torch.Tensor, lookup: torch.Tensor, source: Optional[str] = None) -> torch.Tensor:
-    """Map global token ids to compact ids (``dept_mega.ops.remap_ids``); an id outside V_k is
-    an error naming the source (its V_k does not match its data)."""
+def remap_tokens(tokens: torch.Tensor, ranks: Union[VocabRanks, torch.Tensor],
+                 source: Optional[str] = None) -> torch.Tensor:
+    """Map global token ids to compact ids (``dept_mega.ops.remap_ids``; ``ranks`` from
+    ``remap_ranks``, or a lookup table); an id outside V_k is an error naming the source (its
+    V_k does not match its data)."""
     try:
-        return remap_ids(tokens, lookup)
+        return remap_ids(tokens, ranks)
     except ValueError as exc:
         raise ValueError(f"TRIM: source {source!r}: a token id is not in its vocabulary set V_k ({exc})") from exc

@@ -22,7 +22,8 @@ from .master_shards import ShardedMasters, sharded_owner
 from .outer import FlatSync, OuterOptimizer, sync_options
 from .spec_strategy import build_embeddings
 from .strategy import RoundView, StrategyContext, VariantStrategy, embeddings_from_holder
-from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_lookup, remap_tokens
+from ..ops import VocabRanks
+from .trim import RowOuterOptimizer, TrimTable, exchange_rows, remap_ranks, remap_tokens
 
 
 class TrimmedEmbeddings(SourceEmbeddings):
@@ -36,13 +37,21 @@ class TrimmedEmbeddings(SourceEmbeddings):
         super().__init__(cfg, pg, int(vocab_ids.numel()), seed, has_input, has_output,
                          sequence_parallel=sequence_parallel, rng=rng, device=device, fuse_wgrad=fuse_wgrad)
         self.source = source
-        self.register_buffer("lookup", remap_lookup(vocab_ids.cpu(), global_vocab).to(device), persistent=False)
+        # V_k's ranks (the global→local map): their words are a buffer, so they follow the
+        # module's device; not persistent (rebuilt from V_k, never in a checkpoint)
+        self.global_vocab = int(global_vocab)
+        self.register_buffer("rank_words", remap_ranks(vocab_ids.cpu(), global_vocab).words.to(device),
+                             persistent=False)
+
+    @property
+    def ranks(self) -> VocabRanks:
+        return VocabRanks(self.rank_words, self.global_vocab)
 
     def embed(self, tokens):
-        return super().embed(remap_tokens(tokens, self.lookup, self.source))
+        return super().embed(remap_tokens(tokens, self.ranks, self.source))
 
     def loss(self, hidden, labels):
-        return super().loss(hidden, remap_tokens(labels, self.lookup, self.source))
+        return super().loss(hidden, remap_tokens(labels, self.ranks, self.source))
 
 
 class TrimStrategy(VariantStrategy):

@@ -29,7 +29,10 @@ API (every op validates its arguments and raises the same errors on every backen
   (a [b, s] token batch), returned with the ids' dtype and shape. ``lookup`` [V_global]
   int32 / int64 maps a global id to its local row, < 0 for "not in this source's
   vocabulary": such an id raises ``ValueError`` naming the first offending global id (in
-  row-major order) and its position.
+  row-major order) and its position. ``lookup`` may instead be a :class:`VocabRanks` (the
+  ranks of a sorted vocabulary set, 32x smaller than its lookup: ``dept_mega.ops.ranks``),
+  which gives the result and errors of its equivalent lookup (-1 for a non-member); its CUDA
+  kernel keeps the ranks in shared memory, so the remap streams like a copy.
 - ``backend(device=None) -> "cuda" | "cpp" | "torch"``: what runs the ops for tensors on
   ``device`` (default: cuda if available, else cpu). ``extension_status()`` says why.
 
@@ -62,9 +65,10 @@ import torch
 
 from dept_mega.ops import fallback
 from dept_mega.ops.loader import ExtensionStatus, status
+from dept_mega.ops.ranks import VocabRanks
 
 __all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend",
-           "check_errors", "extension_status", "ExtensionStatus"]
+           "check_errors", "extension_status", "ExtensionStatus", "VocabRanks"]
 
 
 def extension_status() -> ExtensionStatus:
@@ -138,8 +142,11 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
 
-def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
-    """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError."""
+def remap_ids(ids: torch.Tensor, lookup: Union[torch.Tensor, VocabRanks]) -> torch.Tensor:
+    """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError. ``lookup``
+    may be a VocabRanks (the same result and errors as its equivalent lookup)."""
+    if isinstance(lookup, VocabRanks):
+        return _remap_ranked(ids, lookup)
     # on CUDA the argument checks are three tests (the trainer remaps every micro-batch);
     # check_remap_args, which builds the message, runs only when one fails
     if _route(ids, lookup):
@@ -147,6 +154,18 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
             fallback.check_remap_args(ids, lookup)
         return torch.ops.dept_mega.remap_ids(ids, lookup)
     return fallback.remap_ids(ids, lookup)
+
+
+def _remap_ranked(ids: torch.Tensor, ranks: VocabRanks, stage: int = -1) -> torch.Tensor:
+    """remap_ids through ranks; ``stage`` picks the CUDA kernel's words in shared (1) or global
+    (0) memory, -1 lets it choose (tests force both). VocabRanks has checked its words, so on
+    CUDA only the ids' dtype is left to check here before the C++ op."""
+    words, size = ranks.words, ranks.size
+    if _route(ids, words):
+        if ids.is_cuda and (ids.dtype not in fallback.ID_DTYPES or stage not in (-1, 0, 1)):
+            fallback.check_remap_ranked_args(ids, words, size, stage)
+        return torch.ops.dept_mega.remap_ranked(ids, words, size, stage)
+    return fallback.remap_ranked(ids, words, size, stage)
 
 
 def _remap_args_ok(ids: torch.Tensor, lookup: torch.Tensor) -> bool:

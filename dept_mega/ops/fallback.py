@@ -16,6 +16,8 @@ ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Contributions per chunk of the scatters' summation order: DM_SCATTER_CHUNK of csrc/constants.h.
 CHUNK = 64
 ID_DTYPES = (torch.int32, torch.int64)
+# Ids per word of the vocabulary ranks (dept_mega.ops.ranks): DM_RANK_BITS of csrc/constants.h.
+RANK_BITS = 32
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -79,6 +81,30 @@ def check_remap_args(ids: torch.Tensor, lookup: torch.Tensor) -> None:
     _check_ids_dtype(op, "ids", ids.dtype)
     _check_ids_dtype(op, "lookup", lookup.dtype)
     _check_same_device(op, ids, "ids", lookup, "lookup")
+
+
+def check_ranks_words(words: torch.Tensor, size: int) -> None:
+    """The vocabulary ranks' own invariants that the operators check: the size's range, the
+    words' shape and dtype (their contents: dept_mega.ops.VocabRanks.from_ids)."""
+    op = "remap_ids"
+    if not 0 <= size < 2 ** 31:
+        raise ValueError(f"{op}: the ranks' vocabulary size must be in [0, 2^31), got {size}")
+    nwords = (size + RANK_BITS - 1) // RANK_BITS
+    if words.dim() != 1 or words.shape[0] != nwords:
+        raise ValueError(f"{op}: ranks words must have shape [{nwords}] for a vocabulary of {size} "
+                         f"ids, got {_shape(words)}")
+    if words.dtype != torch.int64:
+        raise TypeError(f"{op}: ranks words must be int64, got {_dtype_name(words.dtype)}")
+
+
+def check_remap_ranked_args(ids: torch.Tensor, words: torch.Tensor, size: int, stage: int = -1) -> None:
+    """The checks of the remap_ranked operator, in its order (csrc/common.h)."""
+    check_ranks_words(words, size)
+    if stage not in (-1, 0, 1):
+        raise ValueError(f"remap_ids: stage must be -1 (auto), 0 (global memory) or 1 (shared "
+                         f"memory), got {stage}")
+    _check_ids_dtype("remap_ids", "ids", ids.dtype)
+    _check_same_device("remap_ids", ids, "ids", words, "ranks")
 
 
 def id_out_of_range(op: str, pos: int, gid: int, num_rows: int) -> IndexError:
@@ -244,6 +270,13 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
         vals = lookup.long()[flat.clamp(0, size - 1)]
     else:
         vals = torch.full_like(flat, -1)
+    return _remapped(ids, flat, vals, in_range, size)
+
+
+def _remapped(ids: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, in_range: torch.Tensor,
+              size: int) -> torch.Tensor:
+    """``vals`` (the lookup's value at each in-range id) in the ids' dtype and shape, or the
+    error of the first id out of range or with a value < 0."""
     bad = ~in_range | (vals < 0)
     if bool(bad.any()):
         pos = int(bad.nonzero()[0, 0])
@@ -252,3 +285,37 @@ def remap_ids(ids: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
             raise remap_out_of_range(pos, gid, size)
         raise remap_missing(pos, gid, int(vals[pos]))
     return vals.to(ids.dtype).reshape(ids.shape).contiguous()
+
+
+def popcount32(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64 in [0, 2^32) (SWAR: torch has no popcount)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) & 0xFFFFFFFF) >> 24
+
+
+def ranked_values(flat: torch.Tensor, words: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the equivalent lookup's values at int64 ids ``flat``: a member's rank, -1 for a non-member
+    or an id out of range; which ids are in [0, size))."""
+    in_range = (flat >= 0) & (flat < size)
+    if size == 0:
+        return torch.full_like(flat, -1), in_range
+    safe = flat.clamp(0, size - 1)
+    word = words[safe >> 5]  # RANK_BITS = 2^5 ids a word
+    bit = safe & (RANK_BITS - 1)
+    bits = word & 0xFFFFFFFF
+    member = in_range & (((bits >> bit) & 1) == 1)
+    below = popcount32(bits & ((torch.ones_like(bit) << bit) - 1))
+    return torch.where(member, (word >> 32) + below, torch.full_like(flat, -1)), in_range
+
+
+def remap_ranked(ids: torch.Tensor, words: torch.Tensor, size: int, stage: int = -1) -> torch.Tensor:
+    """remap_ids through vocabulary ranks (dept_mega.ops.VocabRanks): the result and errors of
+    remap_ids with the equivalent lookup. ``stage`` is the CUDA kernel's (checked, no effect)."""
+    check_remap_ranked_args(ids, words, size, stage)
+    if ids.numel() == 0:
+        return torch.empty_like(ids, memory_format=torch.contiguous_format)
+    flat = ids.reshape(-1).long()
+    vals, in_range = ranked_values(flat, words, size)
+    return _remapped(ids, flat, vals, in_range, size)

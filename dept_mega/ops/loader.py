@@ -26,7 +26,10 @@ class ExtensionStatus:
 
 
 def _has_kernel(op: str, key: str) -> bool:
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+    except RuntimeError:  # no such operator (an extension built from an older source)
+        return False
 
 
 # The one status of this process, computed on first use. A plain list rather than
@@ -83,6 +86,9 @@ def _load() -> ExtensionStatus:
         return ExtensionStatus(False, False, f"the extension failed to load: {e}")
     if not _has_kernel("dept_mega::gather_rows", "CPU"):
         return ExtensionStatus(False, False, "the extension loaded but registered no CPU kernels")
+    if not _has_kernel("dept_mega::remap_ranked", "CPU"):  # the newest operator
+        return ExtensionStatus(False, False, "the extension dept_mega.ops._C is older than this source "
+                               "(no remap_ranked operator): rebuild it (`python setup.py build_ext --inplace`)")
     from dept_mega.ops import registration
 
     registration.register()

@@ -30,6 +30,10 @@ def _fake_remap_ids(ids, lookup):
     return torch.empty_like(ids, memory_format=torch.contiguous_format)
 
 
+def _fake_remap_ranked(ids, words, size, stage=-1):
+    return torch.empty_like(ids, memory_format=torch.contiguous_format)
+
+
 def _gather_setup_context(ctx, inputs, output):
     table, ids, _ = inputs
     ctx.save_for_backward(ids)
@@ -51,5 +55,6 @@ def register() -> None:
     torch.library.register_fake("dept_mega::scatter_add_rows_")(_fake_scatter_add_rows_)
     torch.library.register_fake("dept_mega::scatter_mean_rows_")(_fake_scatter_mean_rows_)
     torch.library.register_fake("dept_mega::remap_ids")(_fake_remap_ids)
+    torch.library.register_fake("dept_mega::remap_ranked")(_fake_remap_ranked)
     torch.library.register_autograd("dept_mega::gather_rows", _gather_backward,
                                     setup_context=_gather_setup_context)
