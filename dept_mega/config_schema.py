@@ -238,7 +238,8 @@ class Config:
     fp8_recipe: str = "delayed"
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
     #: Native FP8 GEMMs in the tensor cores' fast accumulation: forward (the forward GEMM only, as
-    #: Transformer Engine; the gradients' GEMMs promote to fp32), none, all. GPU results only.
+    #: Transformer Engine; the gradients' GEMMs promote to fp32), none, all. GPU results only. The
+    #: measured FP8 speed-ups (docs/performance.md) are with none; forward and all are not yet measured.
     fp8_fast_accum: str = "forward"
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
     #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), cuda (the same cast as a C++/CUDA operator
