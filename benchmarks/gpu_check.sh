@@ -178,14 +178,24 @@ FORK_PID=
 forkserver_up() {
   # the dry run, from its first stage or build on: each Python command forked from one interpreter
   # that has imported torch and torch._dynamo (~3 s of the 2-core machine per command otherwise),
-  # with the command's own arguments, environment and stdio; a command whose TORCH* variables
-  # differ from the server's (the TORCH_COMPILE_DISABLE and max-autotune runs) starts a fresh
-  # interpreter (benchmarks/forkserver.py)
+  # with the command's own arguments, environment and stdio; the compiled stages' commands
+  # (TORCH_COMPILE_DISABLE=1, a start-up variable) from a second server started with it (five
+  # stages, ~5 s each otherwise); a command whose other TORCH* variables differ from its server's
+  # (the max-autotune run) starts a fresh interpreter (benchmarks/forkserver.py)
   [ "$DRY" = 1 ] && [ -z "$FORK_PID" ] || return 0
-  local sock=$WORK/forkserver.sock
+  local sock=$WORK/forkserver.sock nocompile=$WORK/forkserver_nocompile.sock
   "$PY" benchmarks/forkserver.py serve "$sock" </dev/null >>"$LOG" 2>&1 &
   FORK_PID=$!
-  printf '#!/bin/sh\nexec "%s" "%s" run "%s" "$@"\n' "$PY" "$ROOT/benchmarks/forkserver.py" "$sock" >"$WORK/python"
+  # (torch.compile imports inductor's compiler even when disabled: ~1.5 s, imported once here)
+  TORCH_COMPILE_DISABLE=1 "$PY" benchmarks/forkserver.py serve "$nocompile" torch torch._dynamo \
+    torch._inductor.compile_fx torch._dynamo.repro.after_dynamo </dev/null >>"$LOG" 2>&1 &
+  FORK_PID="$FORK_PID $!"
+  cat >"$WORK/python" <<EOF
+#!/bin/sh
+sock="$sock"
+[ "\${TORCH_COMPILE_DISABLE:-}" = 1 ] && sock="$nocompile"
+exec "$PY" "$ROOT/benchmarks/forkserver.py" run "\$sock" "\$@"
+EOF
   chmod +x "$WORK/python"
   PY=$WORK/python
 }
@@ -463,5 +473,6 @@ fi
 log "# gpu_check done in $(( $(date +%s) - T0 )) s"
 summary
 cat "$OUT/summary.md"
-[ -n "$FORK_PID" ] && kill "$FORK_PID" 2>/dev/null
+# shellcheck disable=SC2086
+[ -n "$FORK_PID" ] && kill $FORK_PID 2>/dev/null
 rm -rf "$WORK"

@@ -92,7 +92,12 @@ class Lighthouse:
         self.proc.wait()
 
 
-def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1):
+def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1,
+                 torchrun=True):
+    """Group job ``g``: one process forked from the test's forkserver (ForkedJob), or ``nproc``
+    ranks under torchrun, or (``torchrun=False``) ``nproc`` ranks forked with the environment
+    torchrun would give them, its store on rank 0 (ForkedJob: ~2-3 s of CPU less per rank and
+    no launcher process; torchrun's own store is covered by the jobs launched with it)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
             f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
@@ -100,8 +105,8 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
     # output to a file: torchft logs every quorum, and a full pipe would stop the job
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
-    if nproc == 1:
-        return ForkedJob(args, env, log)
+    if nproc == 1 or not torchrun:
+        return ForkedJob(args, env, log, nproc)
     cmd = [sys.executable, *launch, "-m", "dept_mega.train", *args]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
     p.log = log
@@ -130,36 +135,52 @@ def _job_main(argv: list, env: dict, log: str) -> None:
 
 
 class ForkedJob:
-    """A one-process group job forked from the test's forkserver (torch and the trainer imported
-    there once: a fresh ``python -m dept_mega.train`` spends ~2-3 s of CPU importing them, while
-    the other jobs of the test start beside it). The part of ``subprocess.Popen`` the tests use:
-    ``pid`` (the job's own process: SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (-N:
-    killed by signal N), ``kill``, and ``log``, its output."""
+    """A group job of ``nproc`` ranks forked from the test's forkserver (torch and the trainer
+    imported there once: a fresh ``python -m dept_mega.train`` spends ~2-3 s of CPU importing
+    them, while the other jobs of the test start beside it); several ranks get the environment
+    torchrun would give them (rank 0 holds the job's store), their output in one log as
+    torchrun's. The part of ``subprocess.Popen`` the tests use: ``pid`` (rank 0's process:
+    SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (the first rank's nonzero status, -N:
+    killed by signal N; None while a rank runs), ``kill`` (every rank), and ``log``."""
 
-    def __init__(self, argv: list, env: dict, log: str) -> None:
+    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1) -> None:
         import multiprocessing
 
         from tests.mp_utils import _start_method
         self.log = log
-        self.proc = multiprocessing.get_context(_start_method()).Process(target=_job_main, args=(argv, env, log))
-        self.proc.start()
-        self.pid = self.proc.pid
+        ctx = multiprocessing.get_context(_start_method())
+        envs = [env]
+        if nproc > 1:
+            port = str(free_port())
+            envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), LOCAL_RANK=str(r),
+                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
+        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log)) for e in envs]
+        for p in self.procs:
+            p.start()
+        self.pid = self.procs[0].pid
 
     @property
     def returncode(self):
-        return self.proc.exitcode
+        codes = [p.exitcode for p in self.procs]
+        if None in codes:
+            return None
+        return next((c for c in codes if c != 0), 0)
 
     def poll(self):
-        return self.proc.exitcode
+        return self.returncode
 
     def wait(self, timeout=None):
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.returncode is None:
             raise subprocess.TimeoutExpired(f"group job {self.pid}", timeout)
-        return self.proc.exitcode
+        return self.returncode
 
     def kill(self) -> None:
-        self.proc.kill()
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
 
 
 def finish_all(procs, timeout=120):

@@ -1,8 +1,5 @@
 """dept_mega.adapt: a trained body with fresh embeddings for a new source (plasticity)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,10 +46,10 @@ def trained(tmp_path_factory):
     ensure_sample_corpus()
     tmp = tmp_path_factory.mktemp("adapt")
     cfg = _tiny_run_config(tmp, "glob")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "dept_mega.train", "--config", cfg], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    # dept_mega.train's main on 2 ranks forked with torchrun's environment (tests/mp_utils.py):
+    # the run is what is adapted here; a torchrun launch would add its and the ranks' start-up
+    from tests.federation_utils import run_single_job
+    run_single_job(cfg, str(tmp / "run"), 2)
     return tmp
 
 

@@ -116,7 +116,10 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
     lh = Lighthouse(min_groups=2)
     try:
         runs = [str(tmp_path / f"g{g}") for g in range(2)]
-        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2) for g in range(2)]
+        # torchrun launches the pipeline layout's group jobs; the others' ranks are forked with
+        # torchrun's environment (the same jobs, without a launcher and the ranks' torch imports)
+        procs = [launch_group(cfg, runs[g], lh.addr, g, *extra, groups=2, min_groups=2, nproc=2,
+                              torchrun=layout == "pipeline2-glob") for g in range(2)]
         # the single job while the group jobs run: its start-up fills their waits for the quorum
         run_single_job(cfg, str(tmp_path / "single"), 4, *extra)
         outs = finish_all(procs)

@@ -175,21 +175,25 @@ def test_data_parallel_ranks_read_different_data(corpus, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
-    """The CLI under torchrun: data parallel 2 and pipeline 2 give the single process's losses
-    (the single process runs in this one: a torchrun of one rank would add only its start)."""
+    """The CLI under torchrun: pipeline 2 gives the single process's losses, and so does data
+    parallel 2 (its ranks forked with torchrun's environment while the torchrun job runs:
+    tests/test_restart.py and tests/test_preemption.py launch data parallel 2 with torchrun);
+    the single process runs in this one (a torchrun of one rank would add only its start)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu")
     steps = ["train.steps=4", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0"]
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     losses = {"single": [r["loss"] for r in _train(str(tmp_path / "single"), *steps) if r["kind"] == "train"]}
-    # both jobs at once: each torchrun's own start (one process importing torch) overlaps the other's ranks
+    # the torchrun job, and the forked one while torchrun starts
     procs = {}
-    for name, nproc, extra in [("dp2", 2, ["parallel.data=2"]), ("pp2", 2, ["parallel.pipeline=2"])]:
+    for name, nproc, extra in [("pp2", 2, ["parallel.pipeline=2"])]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), "-m", "dept_mega.train", "--config", TINY_STD,
                f"train.run_dir={tmp_path / name}", "train.log_interval=1", *steps, *extra]
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        from tests.federation_utils import run_single_job
+        run_single_job(TINY_STD, str(tmp_path / "dp2"), 2, "train.log_interval=1", *steps, "parallel.data=2")
         outs = {name: p.communicate(timeout=240) for name, p in procs.items()}
     finally:
         for p in procs.values():
@@ -199,9 +203,10 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
     for name, p in procs.items():
         stdout, stderr = outs[name]
         assert p.returncode == 0, stderr[-3000:]
+        assert "step 4/4" in stdout
+    for name in ("dp2", "pp2"):
         recs = read_jsonl(os.path.join(str(tmp_path / name), "metrics.jsonl"))
         losses[name] = [r["loss"] for r in recs if r["kind"] == "train"]
-        assert "step 4/4" in stdout
     assert len(losses["single"]) == 4
     for name in ("dp2", "pp2"):
         for a, b in zip(losses[name], losses["single"]):

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
-# the 30 slowest tests are listed at the end: the suite has a 20-minute budget on 2 cores
+# the 30 slowest tests are listed at the end: the suite (with setup) has a 15-minute budget on 2 cores
 # DEPT_MEGA_TEST_WORKERS=N runs it in N pytest-xdist workers, a test file per worker at a time
 workers=()
 if [ -n "${DEPT_MEGA_TEST_WORKERS:-}" ]; then workers=(-n "$DEPT_MEGA_TEST_WORKERS" --dist loadfile); fi
