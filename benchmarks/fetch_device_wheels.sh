@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Download the wheels the GPU machine lacks into .whl/ (ignored by git: .gitignore), for the
-# device tool to carry: run() with carry=[".whl"].
+# Download the wheels the GPU machine lacks into .whl/ (ignored by git: .gitignore), to copy to a
+# GPU machine without network together with the checkout.
 # The machine runs Python 3.12 on x86-64 with torch 2.11 and no network (see docs/performance.md).
 #
 #   bash benchmarks/fetch_device_wheels.sh [NAME==VERSION ...]
@@ -11,7 +11,7 @@
 # release built against torch 2.11, the machine's (its C++ extensions load there; its float8
 # training is pure Python and also runs under other torch versions); it requires nothing; its
 # wheel is about 3.2 MB. benchmarks/gpu_check.sh installs whatever lies in .whl/ with --no-deps;
-# the device tool carries 64 MiB at most with the working tree.
+# the two wheels are about 6 MB, small enough to copy with the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

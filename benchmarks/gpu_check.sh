@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS] [--stages a,b,...]
 #
-#   --out DIR      output folder (default: $OUT, the folder the device tool returns)
+#   --out DIR      output folder (default: $OUT)
 #   --budget S     seconds for the whole script (default 420; --dry-run: 240)
 #   --stages LIST  run only these stages (a second, shorter call for what failed or was skipped)
 #   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
@@ -14,9 +14,10 @@
 #                  discovers a bug in this script; its Python commands are forked from one
 #                  interpreter that has imported torch once (benchmarks/forkserver.py)
 #
-# Prepare once, where the device call is made from (the repository root; .whl/ is ignored):
+# Prepare once on a machine with network (the repository root; .whl/ is ignored by git):
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/ (carry it)
-# then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=480)
+# then copy the checkout with .whl/ to the GPU machine (it needs no network) and run there:
+#   bash benchmarks/gpu_check.sh --out DIR
 #
 # Stages (expected seconds: measured on one H100, 2026-11-26, or, for ops_tests, ops and torchao,
 # on one H200, 2026-11-27, with room; a stage starts only when its expected time is left,
@@ -45,6 +46,7 @@
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
 #   fp8_exact_accum  the FP8 run with fp8_fast_accum=none: every GEMM promotes its sums to fp32
 #              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
+#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback; test files in
 #              parallel with pytest-xdist when available); after the FP8 runs, which are what a
 #              first call is for (the GPU tests passed on the H200, 2026-11-27)              70
@@ -54,7 +56,6 @@
 #   compile    the bf16 run with train.compile=true, profiled -> bench.jsonl, kernels.txt       60
 #   fp8_compile  the FP8 run (delayed scaling, the default recipe) with train.compile=true: the FP8
 #              GEMMs traced into the compiled blocks, profiled -> bench.jsonl, kernels.txt     60
-#   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   torchao    benchmarks/vs_torchao.py: torchao's float8 (tensorwise) against bf16, both compiled,
 #              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
 #              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          60
@@ -98,8 +99,8 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum tests fp8_compile_triton compile
-        fp8_compile ops torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion
+STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum ops tests fp8_compile_triton
+        compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
