@@ -210,11 +210,18 @@ run() {  # a command under the stage's time limit, its output in the log
   [ $rc -eq 124 ] && log "(stopped at the stage's limit of ${LIMIT}s)"
   return $rc
 }
+PLANNED=()  # the stages this call runs (--stages, or all but build), for summary.md's rerun line
+for s in "${STAGES[@]}"; do
+  [ "$s" = build ] && continue
+  if [ -z "$ONLY" ] || [[ ",$ONLY," == *",$s,"* ]]; then PLANNED+=("$s"); fi
+done
 summary() {
-  local dry=()
+  local dry=() planned
   [ "$DRY" = 1 ] && dry=(--dry-run)
+  planned=$(IFS=,; echo "${PLANNED[*]}")
   "$PY" benchmarks/suite_summary.py "$OUT" --env "$WORK/env.json" --budget "$BUDGET" \
-    --elapsed $(( $(date +%s) - T0 )) "${dry[@]}" >/dev/null 2>>"$LOG" || log "suite_summary.py failed"
+    --elapsed $(( $(date +%s) - T0 )) --planned "$planned" "${dry[@]}" >/dev/null 2>>"$LOG" \
+    || log "suite_summary.py failed"
 }
 stage() {  # NAME: run stage_NAME if selected and its expected time is left
   local name=$1 exp=${EXPECT[$1]} rem t rc

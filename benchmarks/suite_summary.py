@@ -301,8 +301,18 @@ def fp8_cast_lines(r: dict) -> list[str]:
     return lines
 
 
+def rerun_line(found: list[dict], planned: list[str]) -> str | None:
+    """The command for a second call: every planned stage that did not finish ok (failed, cut
+    off, skipped for time, or not reached before the call ended), in the planned order."""
+    ok = {st["name"] for st in found if st["status"] == "ok"}
+    left = [name for name in planned if name not in ok]
+    if not left:
+        return None
+    return f"- to run what failed, was cut off or did not run: `bash benchmarks/gpu_check.sh --stages {','.join(left)}`"
+
+
 def summary(out: str, env_path: str | None = None, budget: int | None = None, elapsed: int | None = None,
-            dry_run: bool = False) -> str:
+            dry_run: bool = False, planned: list[str] | None = None) -> str:
     lines = ["# GPU check summary" + (" (dry run on the CPU: tiny model, no figure means anything)" if dry_run
                                       else ""), ""]
     env = _load(env_path) if env_path else None
@@ -315,9 +325,13 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
     if os.path.exists(log):
         text = open(log, encoding="utf-8", errors="replace").read()
         lines += ["", "| stage | status | s | pytest |", "| --- | --- | ---: | --- |"]
-        for st in stages(text):
+        found = stages(text)
+        for st in found:
             lines.append(f"| {st['name']} | {st['status']} | {_fmt(st['seconds'], 'd', '')} | "
                          f"{'; '.join(st['pytest'])} |")
+        rerun = rerun_line(found, planned or [])
+        if rerun:
+            lines += ["", rerun]
     ops = _load(os.path.join(out, "ops_bench.json"))
     if isinstance(ops, dict):
         lines += [""] + ops_lines(ops)
@@ -375,8 +389,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=None)
     ap.add_argument("--elapsed", type=int, default=None)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--planned", default="", help="the stages this call runs, comma-separated, in order")
     args = ap.parse_args(argv)
-    text = summary(args.out, args.env, args.budget, args.elapsed, args.dry_run)
+    planned = [name for name in args.planned.split(",") if name]
+    text = summary(args.out, args.env, args.budget, args.elapsed, args.dry_run, planned)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(text)
     print(text)

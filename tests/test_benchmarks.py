@@ -152,8 +152,11 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
         + "\nstep ProfilerStep#3: span 5.00 ms\nGPU active 4.00 ms (union ...), idle 1.00 ms (20.0%)\n"
         "idle gaps > 20 µs: 3 = 0.90 ms; shorter gaps: 9 = 0.10 ms\n| host op (self time) |\n")
     assert pytest_results(open(tmp_path / "gpu_check.log").read()) == ["3 passed, 1 skipped in 12.0s", failed]
-    text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
+    text = summary(str(tmp_path), str(env), budget=420, elapsed=400,
+                   planned=["tests", "ops_tests", "bf16", "fp8", "megatron"])
     assert "NVIDIA H100 80GB HBM3" in text and "400 s of the 420 s budget" in text
+    # a second call's command: failed, cut off, never reached (fp8) and skipped, in the planned order
+    assert "`bash benchmarks/gpu_check.sh --stages ops_tests,bf16,fp8,megatron`" in text
     assert "| tests | ok | 70 | 3 passed, 1 skipped in 12.0s |" in text
     assert f"| ops_tests | failed rc=1 | 65 | {failed} |" in text
     assert "| bf16 | running (cut off?) |" in text and "| megatron | skipped (expected 100s, 40s left) |" in text

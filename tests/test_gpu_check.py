@@ -42,6 +42,9 @@ def test_dry_run_writes_every_figure(tmp_path):
     for stage in STAGES:
         want = "ok" if stage != "megatron" or megatron else "failed rc=1"
         assert f"| {stage} | {want} |" in summary, (stage, summary, log[-4000:])
+    # every stage ok: no second call to suggest (megatron-core absent: only its stage)
+    rerun = "" if megatron else "`bash benchmarks/gpu_check.sh --stages megatron`"
+    assert ("--stages " in summary) == bool(rerun) and rerun in summary
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
     host = [r for r in rows if r.get("kind") == "fp8_host"]
@@ -132,6 +135,7 @@ def test_budget_skips_what_does_not_fit_and_still_summarises(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| env | skipped (expected 4s, " in summary and "| bf16 | skipped (expected 12s, " in summary
     assert "| tests |" not in summary  # not selected
+    assert "`bash benchmarks/gpu_check.sh --stages env,bf16`" in summary  # what a second call runs
     assert not (tmp_path / "bench.jsonl").exists()
     bad = _run(tmp_path, "--stages", "env,nope", timeout=60)
     assert bad.returncode == 2 and "unknown stage 'nope'" in bad.stderr
