@@ -48,13 +48,21 @@ def _gather_backward(ctx, grad):
     return grad_table, None, None
 
 
+# The operators dept_mega.ops routes to the extension, with their fake kernels; an extension
+# that lacks one of them was built from an older source (ops.loader refuses it).
+FAKES = {
+    "dept_mega::gather_rows": _fake_gather_rows,
+    "dept_mega::scatter_add_rows_": _fake_scatter_add_rows_,
+    "dept_mega::scatter_mean_rows_": _fake_scatter_mean_rows_,
+    "dept_mega::remap_ids": _fake_remap_ids,
+    "dept_mega::remap_ranked": _fake_remap_ranked,
+}
+
+
 @functools.lru_cache(maxsize=None)
 def register() -> None:
     """Registers once per process; the extension must be loaded."""
-    torch.library.register_fake("dept_mega::gather_rows")(_fake_gather_rows)
-    torch.library.register_fake("dept_mega::scatter_add_rows_")(_fake_scatter_add_rows_)
-    torch.library.register_fake("dept_mega::scatter_mean_rows_")(_fake_scatter_mean_rows_)
-    torch.library.register_fake("dept_mega::remap_ids")(_fake_remap_ids)
-    torch.library.register_fake("dept_mega::remap_ranked")(_fake_remap_ranked)
+    for op, fake in FAKES.items():
+        torch.library.register_fake(op)(fake)
     torch.library.register_autograd("dept_mega::gather_rows", _gather_backward,
                                     setup_context=_gather_setup_context)
