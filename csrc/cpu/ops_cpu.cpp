@@ -214,6 +214,33 @@ void scatter_mean_rows_cpu(at::Tensor table, const at::Tensor& ids, const at::Te
                    static_cast<float>(alpha));
 }
 
+// The remap of both operators: dst[i] = value(src[i]), where value(id) for an id in [0, size) is
+// its local id, < 0 for a non-member. Chunks in parallel; the error is the lowest position's
+// (out of range, or the non-member with its value), as the CUDA kernels record it.
+template <typename idx_t, typename Value>
+void remap_each(const idx_t* src, idx_t* dst, int64_t n, int64_t size, const Value& value) {
+  std::atomic<int64_t> first_bad{n};
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t id = static_cast<int64_t>(src[i]);
+      const int64_t v = (id >= 0 && id < size) ? value(id) : -1;
+      if (v < 0) {
+        int64_t cur = first_bad.load();
+        while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+        }
+        return;  // later positions of this chunk cannot be first
+      }
+      dst[i] = static_cast<idx_t>(v);
+    }
+  });
+  const int64_t pos = first_bad.load();
+  if (pos < n) {
+    const int64_t id = static_cast<int64_t>(src[pos]);
+    if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
+    fail_remap_missing(pos, id, value(id));
+  }
+}
+
 at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) {
   check_remap_args(ids_in, lookup_in);
   const at::Tensor ids = ids_in.contiguous();
@@ -225,29 +252,9 @@ at::Tensor remap_ids_cpu(const at::Tensor& ids_in, const at::Tensor& lookup_in) 
     using idx_t = decltype(idx_tag);
     dispatch_ids(lookup.scalar_type(), [&](auto lut_tag) {
       using lut_t = decltype(lut_tag);
-      const idx_t* src = ids.const_data_ptr<idx_t>();
       const lut_t* lut = lookup.const_data_ptr<lut_t>();
-      idx_t* dst = out.data_ptr<idx_t>();
-      std::atomic<int64_t> first_bad{n};
-      at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t id = static_cast<int64_t>(src[i]);
-          const int64_t v = (id >= 0 && id < size) ? static_cast<int64_t>(lut[id]) : -1;
-          if (v < 0) {
-            int64_t cur = first_bad.load();
-            while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
-            }
-            return;  // later positions of this chunk cannot be first
-          }
-          dst[i] = static_cast<idx_t>(v);
-        }
-      });
-      const int64_t pos = first_bad.load();
-      if (pos < n) {
-        const int64_t id = static_cast<int64_t>(src[pos]);
-        if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
-        fail_remap_missing(pos, id, static_cast<int64_t>(lut[id]));
-      }
+      remap_each(ids.const_data_ptr<idx_t>(), out.data_ptr<idx_t>(), n, size,
+                 [lut](int64_t id) { return static_cast<int64_t>(lut[id]); });
     });
   });
   return out;
@@ -271,32 +278,15 @@ at::Tensor remap_ranked_cpu(const at::Tensor& ids_in, const at::Tensor& words_in
   at::Tensor out = at::empty_like(ids, at::MemoryFormat::Contiguous);
   const int64_t n = ids.numel();
   if (n == 0) return out;
+  const uint64_t* wp = reinterpret_cast<const uint64_t*>(words.const_data_ptr<int64_t>());
   dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
     using idx_t = decltype(idx_tag);
-    const idx_t* src = ids.const_data_ptr<idx_t>();
-    const uint64_t* wp = reinterpret_cast<const uint64_t*>(words.const_data_ptr<int64_t>());
-    idx_t* dst = out.data_ptr<idx_t>();
-    std::atomic<int64_t> first_bad{n};
-    at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t id = static_cast<int64_t>(src[i]);
-        const uint64_t w = (id >= 0 && id < size) ? wp[id / DM_RANK_BITS] : 0;
-        const uint32_t bits = static_cast<uint32_t>(w), b = static_cast<uint32_t>(id) & 31u;
-        if (!((bits >> b) & 1u)) {
-          int64_t cur = first_bad.load();
-          while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
-          }
-          return;  // later positions of this chunk cannot be first
-        }
-        dst[i] = static_cast<idx_t>((w >> 32) + popcount32(bits & ((1u << b) - 1u)));
-      }
+    remap_each(ids.const_data_ptr<idx_t>(), out.data_ptr<idx_t>(), n, size, [wp](int64_t id) {
+      const uint64_t w = wp[id / DM_RANK_BITS];
+      const uint32_t bits = static_cast<uint32_t>(w), b = static_cast<uint32_t>(id) & 31u;
+      if (!((bits >> b) & 1u)) return int64_t{-1};
+      return static_cast<int64_t>((w >> 32) + popcount32(bits & ((1u << b) - 1u)));
     });
-    const int64_t pos = first_bad.load();
-    if (pos < n) {
-      const int64_t id = static_cast<int64_t>(src[pos]);
-      if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
-      fail_remap_missing(pos, id, -1);
-    }
   });
   return out;
 }
