@@ -337,9 +337,8 @@ def run(device: torch.device, vocab: int, dim: int, n_rows: int, batch: tuple, i
             torch.cuda.empty_cache()
 
     # Remap into one source's vocabulary (every token in it).
-    lookup = torch.full((vocab,), -1, dtype=torch.int64, device=device)
-    lookup[ids] = torch.arange(n_rows, device=device)
-    ranks = ops.VocabRanks.from_ids(ids, vocab)  # the same map as TRIM builds it (its ranks)
+    ranks = ops.VocabRanks.from_ids(ids, vocab)  # the map as TRIM builds it (its ranks)
+    lookup = ranks.to_lookup()  # the same map as a table: lookup[v] = rank of v, -1 elsewhere
     _remap_bandwidth(device, g, record, ids, lookup, ranks, batch[1], remap_ids, iters)
     if device.type == "cuda":
         torch.cuda.empty_cache()
