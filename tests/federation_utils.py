@@ -146,14 +146,13 @@ class ForkedJob:
     def __init__(self, argv: list, env: dict, log: str, nproc: int = 1) -> None:
         import multiprocessing
 
-        from tests.mp_utils import _start_method
+        from tests.mp_utils import _start_method, torchrun_env
         self.log = log
         ctx = multiprocessing.get_context(_start_method())
         envs = [env]
         if nproc > 1:
-            port = str(free_port())
-            envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), LOCAL_RANK=str(r),
-                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)) for r in range(nproc)]
+            port = free_port()
+            envs = [dict(env, **torchrun_env(r, nproc, port)) for r in range(nproc)]
         self.procs = [ctx.Process(target=_job_main, args=(argv, e, log)) for e in envs]
         for p in self.procs:
             p.start()

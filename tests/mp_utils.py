@@ -75,15 +75,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {ports}")
 
 
+def torchrun_env(rank: int, world_size: int, port: int) -> dict:
+    """The variables torchrun gives rank ``rank`` of a one-node job (rank 0 holds the store)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
             env: dict) -> None:
     # the environment of the caller at this call (a forkserver child starts with the server's)
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
-                       "DEPT_MEGA_DEVICE": "cpu"})
+    os.environ.update(torchrun_env(rank, world_size, port))
+    os.environ.update({"OMP_NUM_THREADS": "1", "DEPT_MEGA_DEVICE": "cpu"})
     torch.set_num_threads(1)
     # a rank killed by a signal (SIGABRT from C++, SIGSEGV) prints every thread's Python stack
     # to the test's captured stderr: where it was is otherwise lost
