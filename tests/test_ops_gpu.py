@@ -350,6 +350,40 @@ def test_cuda_ranked_remap_equals_cpu_on_both_memory_paths(id_dtype):
     ops.check_errors(dev)
 
 
+def test_cuda_ranked_remap_past_2_to_the_31_ids():
+    """More than 2^31 int32 ids in one call (the kernel's positions and grid-stride steps are
+    64-bit; the global-memory path's grid is capped at 2^20 blocks, so it strides too), on each
+    memory path: every local id right, and an invalid id past position 2^31 recorded with its
+    exact position. About 20 GB of device memory."""
+    _need_cuda_kernels()
+    from dept_mega.ops import VocabRanks, fallback
+    dev = torch.device("cuda")
+    torch.cuda.empty_cache()
+    if torch.cuda.mem_get_info(dev)[0] < 24 * 2 ** 30:
+        pytest.skip("needs 24 GiB of free device memory")
+    V, reps = 250_112, 2049  # members: the even ids, so member v maps to v // 2
+    ranks = VocabRanks.from_ids(torch.arange(0, V, 2, device=dev), V)
+    g = torch.Generator(device=dev).manual_seed(5)
+    half = torch.randint(0, V // 2, (2 ** 20,), generator=g, device=dev, dtype=torch.int32)
+    ids = (half * 2).repeat(reps)  # 2^31 + 2^20 ids
+    assert ids.numel() > 2 ** 31
+    ops.check_errors(dev)
+    for stage in (-1, 0, 1):
+        out = ops._remap_ranked(ids, ranks, stage)
+        assert bool((out.view(reps, -1) == half).all()), stage
+        out = None
+        ops.check_errors(dev)
+    pos = 2 ** 31 + 7
+    ids[pos], ids[-1] = 1, V  # a non-member past 2^31, then an id out of range
+    for stage in (-1, 0, 1):
+        ops._remap_ranked(ids, ranks, stage)
+        with pytest.raises(ValueError) as info:
+            ops.check_errors(dev)
+        assert str(info.value) == str(fallback.remap_missing(pos, 1, -1)), stage
+    ids = half = None
+    torch.cuda.empty_cache()
+
+
 def _raised(fn):
     try:
         fn()

@@ -9,7 +9,7 @@ import torch
 
 import dept_mega.ops as ops
 from dept_mega.ops import VocabRanks, fallback
-from tests.ops_utils import ID_DTYPES, gen, seed_of
+from tests.ops_utils import DEVICES, ID_DTYPES, gen, seed_of
 
 # (vocabulary size, which members): sizes below, at and off multiples of 32
 CASES = [(1, "full"), (1, "empty"), (5, "random"), (31, "random"), (32, "full"), (33, "last"),
@@ -117,6 +117,65 @@ def test_ranked_remap_equals_the_lookup_path(V, kind, id_dtype):
         # the CUDA kernel's record of that error (code 5 with value -1, or code 4) decodes to it
         code, value = (5, -1) if want[0] is ValueError else (4, 0)
         assert _error(lambda: (_ for _ in ()).throw(ops.recorded_error([code, first, gid, V, value]))) == want
+
+
+def _outcome(call, device: torch.device):
+    """(the result, None) or (None, (type, message)) of a remap on ``device``: a CUDA kernel's
+    invalid id raises at the next check_errors (run here), a CPU kernel's at the call."""
+    try:
+        out = call()
+        ops.check_errors(device)
+    except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
+        return None, (type(exc), str(exc))
+    return out, None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("id_dtype", ID_DTYPES)
+def test_compiled_ranked_remap_equals_the_cpu_lookup_path(device, id_dtype):
+    """The compiled ranked remap on ``device`` (on CUDA, csrc/cuda/remap_ranked.cu, each memory
+    path: the words staged in shared memory, read from global memory, the launcher's choice)
+    against the CPU lookup path, on the vocabulary cases above and the 1B model's 50,257 (a
+    partial last word; 1,571 words, not a multiple of the block's threads): every member in
+    order (bit 0 and bit 31 of each full word), random members (a non-contiguous view, an empty
+    shape), and one invalid id among valid ones, then a second one: a non-member, ids of the last
+    word past the size, the size, the first id past the words, -1 and the dtype's extremes."""
+    dev = torch.device(device)
+    if ops.backend(dev) == "torch":
+        pytest.skip(f"no compiled kernels for {device}: {ops.extension_status().reason}")
+    stages = (-1, 0, 1) if dev.type == "cuda" else (-1,)  # the CPU kernel ignores the stage
+    info = torch.iinfo(id_dtype)
+    g = gen(seed_of("ranks on a device", device, id_dtype))
+    ops.check_errors(dev)  # nothing left from an earlier test
+    for V, kind in CASES + [(50_257, "random")]:
+        members = _members(V, kind, g)
+        ranks = VocabRanks.from_ids(members, V)
+        ranks_dev, lookup = ranks.to(dev), ranks.to_lookup()
+        non_members = (lookup < 0).nonzero().flatten()
+        span = 32 * ((V + 31) // 32)  # the ids the words cover
+        valid = [torch.empty(2, 0, 5, dtype=torch.int64)]
+        if members.numel():
+            drawn = members[torch.randint(0, members.numel(), (4800,), generator=g)]
+            valid += [members, drawn, drawn.view(40, 120).t()]
+        base = drawn if members.numel() else non_members[torch.arange(4800) % non_members.numel()]
+        bads = [V, V + 1, span - 1, span, -1, info.min, info.max]
+        if non_members.numel():
+            bads.append(int(non_members[torch.randint(0, non_members.numel(), (1,), generator=g)]))
+        invalid = []
+        for bad in bads:
+            ids = base.clone()
+            pos = int(torch.randint(0, 4790, (1,), generator=g))
+            ids[pos], ids[pos + 7] = bad, V + 3
+            invalid.append(ids)
+        for ids in valid + invalid:
+            ids = ids.to(id_dtype)
+            want, want_err = _outcome(lambda: ops.remap_ids(ids, lookup), torch.device("cpu"))
+            for stage in stages:
+                got, err = _outcome(lambda: ops._remap_ranked(ids.to(dev), ranks_dev, stage), dev)
+                assert err == want_err, (V, kind, stage)
+                if want is not None:
+                    assert got.device == dev and got.dtype == id_dtype and got.is_contiguous()
+                    assert got.shape == ids.shape and torch.equal(got.cpu(), want), (V, kind, stage)
 
 
 def test_vocab_ranks_constructor_errors():
