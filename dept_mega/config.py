@@ -9,6 +9,7 @@ system; it runs before any process group or file is created, and every failure i
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -70,6 +71,15 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type {_type_name(tp)}")
 
 
+def _unknown_key(key: str, known) -> ConfigError:
+    """The error for a key its section does not have, with the closest key of that section when
+    one is close (a typo such as ``model.hiden_size``)."""
+    head, _, last = key.rpartition(".")
+    near = difflib.get_close_matches(last, sorted(known), n=1, cutoff=0.75)
+    hint = f"; did you mean '{head + '.' if head else ''}{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint} (every key: docs/config.md)")
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -77,7 +87,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     for k, v in values.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
-            raise ConfigError(f"unknown config key '{key}'")
+            raise _unknown_key(key, names)
         kwargs[k] = _convert(v, hints[k], key)
     return cls(**kwargs)
 
@@ -109,7 +119,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             continue
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
-            raise ConfigError(f"unknown config key '{here}'")
+            raise _unknown_key(here, hints)
         if i == len(parts) - 1:
             node[part] = value
             return

@@ -50,6 +50,20 @@ def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)
 
 
+def test_unknown_key_suggests_the_closest(tmp_path):
+    """A typo names the key it probably meant (in the file, in an override, in a list item);
+    a key near nothing names only itself."""
+    assert "'model.hiden_size'; did you mean 'model.hidden_size'?" in _err(["model.hiden_size=8"])
+    assert "did you mean 'data.sources.0.tokenizer'?" in _err(["data.sources=[{name: a, prefix: x}]",
+                                                                "data.sources.0.tokenzer=t"])
+    p = tmp_path / "c.yaml"
+    p.write_text("dept: {local_step: 10}\ndata: {sources: [{name: a, prefx: x}]}\n")
+    assert "'dept.local_step'; did you mean 'dept.local_steps'?" in _err([], path=p)
+    p.write_text("data: {sources: [{name: a, prefx: x}]}\n")
+    assert "'data.sources[0].prefx'; did you mean 'data.sources[0].prefix'?" in _err([], path=p)
+    assert "did you mean" not in _err(["model.colour=1"])
+
+
 def test_world_size_checks():
     base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100"]
     assert "world size 6" in _err(base + ["parallel.tensor=4"], world=6)

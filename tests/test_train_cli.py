@@ -54,7 +54,8 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
     assert printed["model"]["rope_theta"] == 10000.0  # a default the file does not set
     assert not os.path.exists(tmp_path / "run")
     bad = _train("--config", cfg, "train.stepz=6", "--print-config")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: unknown config key 'train.stepz'"
+    assert bad.returncode == 2 and bad.stderr.strip() == ("error: unknown config key 'train.stepz'; did you mean "
+                                                         "'train.steps'? (every key: docs/config.md)")
 
 
 @pytest.mark.parametrize("world,overrides,want", [
