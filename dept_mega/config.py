@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import os
 import types
 import typing
@@ -367,6 +368,22 @@ def source_groups(cfg: Config, groups: int) -> list[int] | None:
     return owners
 
 
+def _prefix_hint(prefix: str) -> str:
+    """What a missing ``PREFIX.bin`` most likely means: the prefix names the file itself
+    (``.bin`` / ``.idx`` written out), or it is the ``--output-prefix`` given to
+    tools/preprocess_data.py, which writes ``OUTPUT-PREFIX_<json key>_document.bin``."""
+    for ext in (".bin", ".idx"):
+        stem = prefix[: -len(ext)]
+        if prefix.endswith(ext) and os.path.exists(stem + ".bin") and os.path.exists(stem + ".idx"):
+            return f"; the prefix is the path without '.bin' / '.idx': {stem!r}"
+    found = sorted(p[: -len(".bin")] for p in glob.glob(glob.escape(prefix) + "_*_document.bin")
+                   if os.path.exists(p[: -len(".bin")] + ".idx"))
+    if found:
+        return (f"; tools/preprocess_data.py appends _<json key>_document to its --output-prefix: "
+                f"did you mean {found[0]!r}?")
+    return ""
+
+
 def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     """Checks that need the world size and the data files. Raises :class:`ConfigError`."""
     p = cfg.parallel
@@ -411,7 +428,7 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         for ext in (".bin", ".idx"):
             if not os.path.exists(s.prefix + ext):
                 raise ConfigError(f"config key 'data.sources[{i}].prefix': file {s.prefix + ext!r} "
-                                  f"does not exist (source '{s.name}')")
+                                  f"does not exist (source '{s.name}'){_prefix_hint(s.prefix)}")
         if variant == "spec_opt" and s.tokenizer and not os.path.exists(s.tokenizer):
             raise ConfigError(f"config key 'data.sources[{i}].tokenizer': file {s.tokenizer!r} does not exist")
 

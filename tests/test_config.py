@@ -85,6 +85,26 @@ def test_missing_files_named(tmp_path):
         validate(cfg, 1)
 
 
+def test_missing_data_file_hints_the_prefix(tmp_path):
+    """A prefix given as tools/preprocess_data.py's --output-prefix, or with the file's extension
+    written out, names the prefix that exists; a prefix near nothing says only what is missing."""
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"en_text_document{ext}").write_bytes(b"")
+
+    def err(prefix):
+        cfg = load_config(None, ["dept.variant=glob", "dept.local_steps=10", "train.steps=20",
+                                 "model.vocab_size=100", f"data.sources=[{{name: en, prefix: {prefix}}}]"])
+        with pytest.raises(ConfigError) as exc:
+            validate(cfg, 1)
+        return str(exc.value)
+
+    want = repr(str(tmp_path / "en_text_document"))
+    assert err(tmp_path / "en").endswith(f"appends _<json key>_document to its --output-prefix: did you mean {want}?")
+    assert err(tmp_path / "en_text_document.bin").endswith(f"the prefix is the path without '.bin' / '.idx': {want}")
+    assert err(tmp_path / "en_text_document.idx").endswith(f"the prefix is the path without '.bin' / '.idx': {want}")
+    assert err(tmp_path / "fr").endswith("does not exist (source 'en')")
+
+
 def test_missing_config_file():
     assert "does not exist" in _err([], path="/nonexistent/cfg.yaml")
 
