@@ -136,3 +136,19 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
     trainer.train_step(loop.iterator("blend").next_step())
     real = dir_bytes(loop.save())
     assert 0.9 * real <= want <= 1.1 * real, (want, real)
+
+
+def test_relaunching_a_finished_run_keeps_its_params_json(tmp_path):
+    """A launch that finds the run complete trains nothing and so leaves RUN/params.json (the
+    parameters per rank of the layout that trained, which tools/summarize_runs.py reports) as it
+    was, instead of rewriting it for its own, possibly other, layout."""
+    import json
+    cfg = _setup(tmp_path)
+    first = _train("--config", cfg)
+    assert first.returncode == 0, first.stderr
+    params = tmp_path / "run" / "params.json"
+    assert json.loads(params.read_text())["ranks"][0]["rank"] == 0
+    params.write_text('{"ranks": "written by the launch that trained"}')
+    again = _train("--config", cfg)
+    assert again.returncode == 0 and "nothing to do: the run is complete at step 4" in again.stdout, again.stderr
+    assert params.read_text() == '{"ranks": "written by the launch that trained"}'
