@@ -152,3 +152,22 @@ def test_relaunching_a_finished_run_keeps_its_params_json(tmp_path):
     again = _train("--config", cfg)
     assert again.returncode == 0 and "nothing to do: the run is complete at step 4" in again.stdout, again.stderr
     assert params.read_text() == '{"ranks": "written by the launch that trained"}'
+
+
+def test_check_against_the_checkpoint_it_would_resume(tmp_path):
+    """--check on a run directory that holds a checkpoint checks what the resume would: a key
+    the checkpoint depends on (here dept.local_steps) is refused with the launch's own line; an
+    allowed change (train.steps) reports the checkpoint it will resume from."""
+    cfg = _setup(tmp_path)
+    first = _train("--config", cfg)
+    assert first.returncode == 0, first.stderr
+    ok = _train("--config", cfg, "train.steps=8", "--check", "--world-size", "1")
+    assert ok.returncode == 0, ok.stderr
+    step = os.path.join(str(tmp_path / "run"), "checkpoints", "step_4")
+    assert f"resume: from {step}; the model, DEPT, source and tokenizer keys it depends on match" in ok.stdout
+    bad = _train("--config", cfg, "train.steps=8", "dept.local_steps=4", "--check", "--world-size", "1")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"error: config key 'dept.local_steps': checkpoint {step} was written with 2, this launch has 4; "
+        f"resume with the checkpoint's value, or start a new train.run_dir"), bad.stderr
+    fresh = _train("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
+    assert fresh.returncode == 0 and "resume:" not in fresh.stdout, fresh.stderr
