@@ -9,6 +9,8 @@ system; it runs before any process group or file is created, and every failure i
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import glob
 import os
 import types
 import typing
@@ -70,6 +72,15 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type {_type_name(tp)}")
 
 
+def _unknown_key(key: str, known) -> ConfigError:
+    """The error for a key its section does not have, with the closest key of that section when
+    one is close (a typo such as ``model.hiden_size``)."""
+    head, _, last = key.rpartition(".")
+    near = difflib.get_close_matches(last, sorted(known), n=1, cutoff=0.75)
+    hint = f"; did you mean '{head + '.' if head else ''}{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint} (every key: docs/config.md)")
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -77,7 +88,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     for k, v in values.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
-            raise ConfigError(f"unknown config key '{key}'")
+            raise _unknown_key(key, names)
         kwargs[k] = _convert(v, hints[k], key)
     return cls(**kwargs)
 
@@ -109,7 +120,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             continue
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         if part not in hints:
-            raise ConfigError(f"unknown config key '{here}'")
+            raise _unknown_key(here, hints)
         if i == len(parts) - 1:
             node[part] = value
             return
@@ -357,6 +368,22 @@ def source_groups(cfg: Config, groups: int) -> list[int] | None:
     return owners
 
 
+def _prefix_hint(prefix: str) -> str:
+    """What a missing ``PREFIX.bin`` most likely means: the prefix names the file itself
+    (``.bin`` / ``.idx`` written out), or it is the ``--output-prefix`` given to
+    tools/preprocess_data.py, which writes ``OUTPUT-PREFIX_<json key>_document.bin``."""
+    for ext in (".bin", ".idx"):
+        stem = prefix[: -len(ext)]
+        if prefix.endswith(ext) and os.path.exists(stem + ".bin") and os.path.exists(stem + ".idx"):
+            return f"; the prefix is the path without '.bin' / '.idx': {stem!r}"
+    found = sorted(p[: -len(".bin")] for p in glob.glob(glob.escape(prefix) + "_*_document.bin")
+                   if os.path.exists(p[: -len(".bin")] + ".idx"))
+    if found:
+        return (f"; tools/preprocess_data.py appends _<json key>_document to its --output-prefix: "
+                f"did you mean {found[0]!r}?")
+    return ""
+
+
 def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     """Checks that need the world size and the data files. Raises :class:`ConfigError`."""
     p = cfg.parallel
@@ -401,7 +428,7 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         for ext in (".bin", ".idx"):
             if not os.path.exists(s.prefix + ext):
                 raise ConfigError(f"config key 'data.sources[{i}].prefix': file {s.prefix + ext!r} "
-                                  f"does not exist (source '{s.name}')")
+                                  f"does not exist (source '{s.name}'){_prefix_hint(s.prefix)}")
         if variant == "spec_opt" and s.tokenizer and not os.path.exists(s.tokenizer):
             raise ConfigError(f"config key 'data.sources[{i}].tokenizer': file {s.tokenizer!r} does not exist")
 

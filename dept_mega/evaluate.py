@@ -1,9 +1,11 @@
 """Evaluate a run's saved weights per source (docs/metrics.md, eval records).
 
-    torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json
+    torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json [key=value ...]
 
-Reads ``RUN/config.yaml``, rebuilds the model in the run's layout (same tensor and pipeline
-sizes; launch with as many ranks as the run used, or any data-parallel size), loads
+Reads ``RUN/config.yaml`` (with the ``key=value`` overrides), rebuilds the model in the run's
+layout (same tensor and pipeline sizes, any number of groups and data-parallel size; overrides
+such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in another one, e.g. in one process,
+as the checkpoint loads under any layout), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
@@ -33,15 +35,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
     ap.add_argument("--eval-iters", type=int, default=None)
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
+                         "to evaluate in another layout (any layout loads: docs/launching.md section 10)")
     args = ap.parse_args(argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")
-    overrides = [f"train.run_dir={args.run_dir}"]
+    overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
     if args.eval_iters is not None:
         overrides.append(f"train.eval_iters={args.eval_iters}")
     try:
         cfg = load_config(cfg_path, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    p = cfg.parallel
+    per_group, world = p.tensor * p.pipeline * p.data, int(os.environ.get("WORLD_SIZE", "1"))
+    if world % per_group:
+        print(f"error: config key 'parallel': the run's tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} "
+              f"= {per_group} does not divide the {world} process(es) of this launch: start a multiple of "
+              f"{per_group} with torchrun --nproc-per-node, or evaluate in another layout with overrides (the "
+              f"checkpoint loads under any), e.g. parallel.tensor=1 parallel.pipeline=1 parallel.data=1",
+              file=sys.stderr)
         return 2
     from .resume import read_latest, select_checkpoint, step_dirs
     if args.step is None and read_latest(args.run_dir) == (None, None) and not step_dirs(args.run_dir):

@@ -5,7 +5,8 @@ start (``examples/1b/common.sh`` calls it before ``srun``): the layout for N ran
 tokenizer files, the sources' token ids against their vocabulary, then the predicted memory per
 rank (``dept_mega.dept.memory``, the largest rank) and the predicted size of one checkpoint,
 with a warning when the run directory's file system has less than two checkpoints' room (a
-checkpoint is written beside the previous one before that one may be removed). Bad input is
+checkpoint is written beside the previous one before that one may be removed), and, when the
+run directory already holds a checkpoint, the config keys that checkpoint depends on. Bad input is
 one ``error:`` line naming the key and exit status 2, as at a real launch.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from .config import Config, validate
 
@@ -36,6 +37,24 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict) -> int:
     per_shard = mem["weights"] + optimizer
     shared = (mem["outer"] + mem["trim_table"]) * p.data
     return int(groups * p.pipeline * p.tensor * per_shard + p.pipeline * p.tensor * shared)
+
+
+def resume_line(cfg: Config) -> Optional[str]:
+    """When ``train.run_dir`` already holds a checkpoint, the launch will resume from it: check
+    now, as the launch will, that the config keeps what the checkpoint depends on (model shape,
+    DEPT variant and rounds, sources, tokenizers: ``resume.check_depends``; a ConfigError naming
+    the key), so that a changed key is not first seen on the allocated nodes. Not checked here:
+    the files' checksums and a change of layout (both at launch)."""
+    from .manifest import DEPENDS_FILE
+    from .resume import check_depends, read_latest, step_dir
+    step, _ = read_latest(cfg.train.run_dir)
+    if step is None:
+        return None
+    path = step_dir(cfg.train.run_dir, step)
+    if not os.path.isfile(os.path.join(path, DEPENDS_FILE)):
+        return f"resume: from {path} (its config keys could not be checked here: no {DEPENDS_FILE})"
+    check_depends(cfg, path)
+    return f"resume: from {path}; the model, DEPT, source and tokenizer keys it depends on match"
 
 
 def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str, int]:
@@ -87,6 +106,9 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                                 f"({_size(have)}); see docs/performance.md for what lowers it")
     except Exception:  # noqa: BLE001 - a login node without a usable driver: nothing to compare
         pass
+    resume = resume_line(cfg)
+    if resume:
+        lines.append(resume)
     ckpt = checkpoint_bytes(cfg, world_size, mem)
     where, free = free_bytes(cfg.train.run_dir, disk_usage)
     lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}")

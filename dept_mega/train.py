@@ -278,8 +278,9 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
     if preemption is None:
         preemption = Preemption().install()
     loop.preemption = preemption
+    complete = session.trainer.step >= cfg.train.steps
     try:
-        if session.trainer.step >= cfg.train.steps:
+        if complete:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
         else:
             loop.run()
@@ -291,7 +292,7 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
         elif loop.exited_at is not None:
             session.writer.log(f"stopped after step {loop.exited_at} of {cfg.train.steps} ({loop.exit_reason}): "
                                f"checkpoint written; relaunch to continue with the same schedule")
-        else:
+        elif not complete:  # a relaunch of a finished run keeps the params.json of the layout that trained it
             write_params(session)
     finally:
         preemption.uninstall()

@@ -50,6 +50,20 @@ def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)
 
 
+def test_unknown_key_suggests_the_closest(tmp_path):
+    """A typo names the key it probably meant (in the file, in an override, in a list item);
+    a key near nothing names only itself."""
+    assert "'model.hiden_size'; did you mean 'model.hidden_size'?" in _err(["model.hiden_size=8"])
+    assert "did you mean 'data.sources.0.tokenizer'?" in _err(["data.sources=[{name: a, prefix: x}]",
+                                                                "data.sources.0.tokenzer=t"])
+    p = tmp_path / "c.yaml"
+    p.write_text("dept: {local_step: 10}\ndata: {sources: [{name: a, prefx: x}]}\n")
+    assert "'dept.local_step'; did you mean 'dept.local_steps'?" in _err([], path=p)
+    p.write_text("data: {sources: [{name: a, prefx: x}]}\n")
+    assert "'data.sources[0].prefx'; did you mean 'data.sources[0].prefix'?" in _err([], path=p)
+    assert "did you mean" not in _err(["model.colour=1"])
+
+
 def test_world_size_checks():
     base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100"]
     assert "world size 6" in _err(base + ["parallel.tensor=4"], world=6)
@@ -69,6 +83,26 @@ def test_missing_files_named(tmp_path):
     (tmp_path / "tok.model").write_text("x")
     with pytest.raises(ConfigError, match=r"data.sources\[0\].prefix"):
         validate(cfg, 1)
+
+
+def test_missing_data_file_hints_the_prefix(tmp_path):
+    """A prefix given as tools/preprocess_data.py's --output-prefix, or with the file's extension
+    written out, names the prefix that exists; a prefix near nothing says only what is missing."""
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"en_text_document{ext}").write_bytes(b"")
+
+    def err(prefix):
+        cfg = load_config(None, ["dept.variant=glob", "dept.local_steps=10", "train.steps=20",
+                                 "model.vocab_size=100", f"data.sources=[{{name: en, prefix: {prefix}}}]"])
+        with pytest.raises(ConfigError) as exc:
+            validate(cfg, 1)
+        return str(exc.value)
+
+    want = repr(str(tmp_path / "en_text_document"))
+    assert err(tmp_path / "en").endswith(f"appends _<json key>_document to its --output-prefix: did you mean {want}?")
+    assert err(tmp_path / "en_text_document.bin").endswith(f"the prefix is the path without '.bin' / '.idx': {want}")
+    assert err(tmp_path / "en_text_document.idx").endswith(f"the prefix is the path without '.bin' / '.idx': {want}")
+    assert err(tmp_path / "fr").endswith("does not exist (source 'en')")
 
 
 def test_missing_config_file():

@@ -265,6 +265,13 @@ def test_trim_vocab_from_indexed_data(tmp_path):
     assert c["trim"]["embedding_params"] == 5 * 32
     # an explicit global size is another tokenizer's: the files' V_k do not apply to it
     assert resolve_vocabs(cfg, global_vocab=1000, source_vocab=10).trim_vocabs == {}
+    # sources with their own tokenizers (a spec_opt config): the files hold those ids, not the
+    # global tokenizer's, so they say nothing about TRIM's rows
+    for s in sources:
+        s["tokenizer"] = "own.model"
+    own = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                                      "vocab_size": 12}, "data": {"sources": sources}})
+    assert resolve_vocabs(own, source_vocab=10).trim_vocabs == {}
 
 
 # ----------------------------------------------------------------------------- command line

@@ -54,7 +54,8 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
     assert printed["model"]["rope_theta"] == 10000.0  # a default the file does not set
     assert not os.path.exists(tmp_path / "run")
     bad = _train("--config", cfg, "train.stepz=6", "--print-config")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: unknown config key 'train.stepz'"
+    assert bad.returncode == 2 and bad.stderr.strip() == ("error: unknown config key 'train.stepz'; did you mean "
+                                                         "'train.steps'? (every key: docs/config.md)")
 
 
 @pytest.mark.parametrize("world,overrides,want", [
@@ -135,3 +136,38 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
     trainer.train_step(loop.iterator("blend").next_step())
     real = dir_bytes(loop.save())
     assert 0.9 * real <= want <= 1.1 * real, (want, real)
+
+
+def test_relaunching_a_finished_run_keeps_its_params_json(tmp_path):
+    """A launch that finds the run complete trains nothing and so leaves RUN/params.json (the
+    parameters per rank of the layout that trained, which tools/summarize_runs.py reports) as it
+    was, instead of rewriting it for its own, possibly other, layout."""
+    import json
+    cfg = _setup(tmp_path)
+    first = _train("--config", cfg)
+    assert first.returncode == 0, first.stderr
+    params = tmp_path / "run" / "params.json"
+    assert json.loads(params.read_text())["ranks"][0]["rank"] == 0
+    params.write_text('{"ranks": "written by the launch that trained"}')
+    again = _train("--config", cfg)
+    assert again.returncode == 0 and "nothing to do: the run is complete at step 4" in again.stdout, again.stderr
+    assert params.read_text() == '{"ranks": "written by the launch that trained"}'
+
+
+def test_check_against_the_checkpoint_it_would_resume(tmp_path):
+    """--check on a run directory that holds a checkpoint checks what the resume would: a key
+    the checkpoint depends on (here dept.local_steps) is refused with the launch's own line; an
+    allowed change (train.steps) reports the checkpoint it will resume from."""
+    cfg = _setup(tmp_path)
+    first = _train("--config", cfg)
+    assert first.returncode == 0, first.stderr
+    ok = _train("--config", cfg, "train.steps=8", "--check", "--world-size", "1")
+    assert ok.returncode == 0, ok.stderr
+    step = os.path.join(str(tmp_path / "run"), "checkpoints", "step_4")
+    assert f"resume: from {step}; the model, DEPT, source and tokenizer keys it depends on match" in ok.stdout
+    bad = _train("--config", cfg, "train.steps=8", "dept.local_steps=4", "--check", "--world-size", "1")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"error: config key 'dept.local_steps': checkpoint {step} was written with 2, this launch has 4; "
+        f"resume with the checkpoint's value, or start a new train.run_dir"), bad.stderr
+    fresh = _train("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
+    assert fresh.returncode == 0 and "resume:" not in fresh.stdout, fresh.stderr

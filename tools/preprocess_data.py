@@ -10,7 +10,9 @@ Face ``tokenizers`` file locally and writes what Megatron-LM's preprocess_data.p
 same tokenizer (its special tokens added, EOS from tokenizer_config.json). Progress lines give
 the percent of the input read and an ETA.
 
-Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte).
+Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
+OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
+another tokenizer for this data is refused before training).
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
 byte-order mark, CRLF) are counted by kind and reported at the end with their first line
 numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
               f"{st.text_bytes} text bytes in {st.seconds:.2f}s ({st.documents / el:.0f} docs/s, "
               f"{st.tokens / el:.0f} tokens/s)", file=sys.stderr)
         for out in st.outputs:
-            print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy", file=sys.stderr)
+            print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json", file=sys.stderr)
         if st.report.total:
             print(f"[preprocess] input problems ({st.report.skipped} lines skipped):", file=sys.stderr)
             for line in st.report.lines():

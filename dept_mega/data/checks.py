@@ -5,12 +5,17 @@ Data tokenized with one tokenizer and a config naming another gives no error fur
 past the vocabulary become zero rows under tensor parallelism or index past the table (an
 ``IndexError``, a device-side assert on a GPU), and ids in the padded rows make the steps
 non-finite. The largest id is computed once per data file and cached beside it
-(:func:`dept_mega.data.sources.token_id_range`).
+(:func:`dept_mega.data.sources.token_id_range`). A tokenizer of the same size or larger is
+caught only where the data says which tokenizer made it (``PREFIX.tokenizer.json``, written by
+tools/preprocess_data.py): its checksum must be the configured tokenizer's.
 """
 from __future__ import annotations
 
+import json
+import os
+
 from dept_mega.config import Config, ConfigError
-from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path
+from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path, tokenizer_record_path
 from dept_mega.data.sources import token_id_range
 
 
@@ -39,9 +44,37 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
     return out
 
 
+def _check_made_with(cfg: Config, i: int, vkey: str) -> None:
+    """ConfigError when the source's ``PREFIX.tokenizer.json`` names a SentencePiece model whose
+    checksum is not the configured tokenizer's (data without the record, or made with a Hugging
+    Face tokenizer, is left to the id-range check)."""
+    from dept_mega.data.tokenizer import model_sha256
+    s = cfg.data.sources[i]
+    record = tokenizer_record_path(s.prefix)
+    if vkey == "model.vocab_size" or not os.path.isfile(record):
+        return
+    try:
+        with open(record, encoding="utf-8") as f:
+            made = json.load(f)
+        made_type, made_model, made_sha = made["tokenizer_type"], made["tokenizer_model"], made["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {record} is not a "
+                          f"tokenizer record ({exc!r}); rerun tools/preprocess_data.py, or delete the file "
+                          f"to skip this check") from None
+    if made_type != "SentencePieceTokenizer":
+        return
+    used = s.tokenizer if vkey.startswith("data.sources") else cfg.data.tokenizer
+    if model_sha256(used) != made_sha:
+        raise ConfigError(f"config key '{vkey}': source '{s.name}': {bin_path(s.prefix)} was tokenized with "
+                          f"{made_model} ({record}), but {vkey} is {used}, another model: point {vkey} at the "
+                          f"tokenizer the data was made with, or data.sources[{i}].prefix at data tokenized "
+                          f"with {used}")
+
+
 def check_sources(cfg: Config) -> None:
-    """ConfigError (one line naming the key, the file and the numbers) when a source is empty
-    or holds a token id outside the vocabulary that embeds it."""
+    """ConfigError (one line naming the key, the file and the numbers) when a source is empty,
+    holds a token id outside the vocabulary that embeds it, or was made with another tokenizer
+    than the configured one (where the data records it)."""
     vocabs = embedding_vocabularies(cfg)
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
         key = f"config key 'data.sources[{i}].prefix'"
@@ -56,3 +89,4 @@ def check_sources(cfg: Config) -> None:
             raise ConfigError(f"{key}: source '{s.name}': {bin_path(s.prefix)} holds token id {bad}, but {what} "
                               f"({vkey}) has {vocab} ids (0..{vocab - 1}): the data was made with another "
                               f"tokenizer")
+        _check_made_with(cfg, i, vkey)

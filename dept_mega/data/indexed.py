@@ -63,6 +63,13 @@ def bytes_path(prefix: str) -> str:
     return prefix + ".bytes.npy"
 
 
+def tokenizer_record_path(prefix: str) -> str:
+    """Which tokenizer made the data (JSON: type, model path, sha256 of the model file), written
+    by tools/preprocess_data.py beside the index so that a config naming another tokenizer of
+    the same size is caught (dept_mega/data/checks.py); older data has none."""
+    return prefix + ".tokenizer.json"
+
+
 def optimal_dtype(vocab_size: int) -> type:
     """Megatron's rule: uint16 when the vocabulary has fewer than 65500 ids, else int32."""
     return np.uint16 if vocab_size < 65500 else np.int32

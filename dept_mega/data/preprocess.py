@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -27,9 +28,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
-                                    optimal_dtype)
+                                    optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
-from dept_mega.data.tokenizer import TokenizerError, open_tokenizer
+from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
 BATCH_LINES = 512
 BATCH_BYTES = 4 << 20
@@ -200,16 +201,25 @@ def _check_output(output_prefix: str, finals: Sequence[str]) -> None:
         raise PreprocessError(f"--output-prefix {output_prefix!r}: cannot write to {exc.filename or out_dir} "
                               f"({exc.strerror})") from None
     for final in finals:
-        for path in (bin_path(final), idx_path(final), bytes_path(final)):
+        for path in (bin_path(final), idx_path(final), bytes_path(final), tokenizer_record_path(final)):
             if os.path.isdir(path):
                 raise PreprocessError(f"--output-prefix {output_prefix!r}: output {path} is a directory")
 
 
 def _remove_outputs(prefixes: Sequence[str]) -> None:
     for p in prefixes:
-        for f in (bin_path(p), idx_path(p), bytes_path(p)):
+        for f in (bin_path(p), idx_path(p), bytes_path(p), tokenizer_record_path(p)):
             if os.path.exists(f):
                 os.remove(f)
+
+
+def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str) -> None:
+    """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
+    before training, dept_mega/data/checks.py); written atomically, after the data."""
+    path = tokenizer_record_path(prefix)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256}, f)
+    os.replace(path + ".tmp", path)
 
 
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
@@ -281,6 +291,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                 else "the input is empty")
         raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
                               f"empty dataset)")
+    digest = model_sha256(tokenizer_model)
+    for final in finals:
+        _write_tokenizer_record(final, tokenizer_type, tokenizer_model, digest)
     stats.outputs = finals
     return stats
 

@@ -2,10 +2,23 @@
 tokenizers for ``tools/preprocess_data.py`` (:class:`HuggingFaceTokenizer`)."""
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Sequence
 
 import sentencepiece as spm
+
+
+def model_sha256(path: str) -> str:
+    """sha256 of a tokenizer's model file (a SentencePiece ``.model``, or the ``tokenizer.json``
+    of a Hugging Face tokenizer or of its directory): what identifies the vocabulary, wherever
+    the file is moved."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class TokenizerError(ValueError):

@@ -60,8 +60,9 @@ def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab
     (``data.tokenizer``, ``data.sources[i].tokenizer``), then ``model.vocab_size``.
 
     ``trim_vocab`` (the mean |V_k|) may also come from the sources' data files through the
-    data package's ``vocab_set`` when they exist and the global vocabulary is the config's
-    own (not ``global_vocab``: the files' ids belong to the config's tokenizer); otherwise it
+    data package's ``vocab_set`` when they exist, the global vocabulary is the config's own
+    (not ``global_vocab``: the files' ids belong to the config's tokenizer) and no source names
+    its own tokenizer (then the files are tokenized with those, as SPEC-OPT's are); otherwise it
     stays unknown and :func:`predict_costs` reports TRIM untrimmed (and says so).
     """
     v = Vocabs()
@@ -85,8 +86,10 @@ def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab
     if trim_vocab is not None:
         v.trim_vocabs = {n: int(trim_vocab) for n in names}
         v.origin["trim"] = "--trim-vocab"
-    elif read_trim_from_data and cfg.data.sources and global_vocab is None and v.global_vocab is not None:
-        # only when the global vocabulary is the config's own: the data's ids belong to it
+    elif (read_trim_from_data and cfg.data.sources and global_vocab is None and v.global_vocab is not None
+          and not any(s.tokenizer for s in cfg.data.sources)):
+        # only when the global vocabulary is the config's own and no source names its own
+        # tokenizer (a spec_opt config's files hold its sources' own ids): the data's ids are it
         found = _trim_vocabs_from_data(cfg)
         if found:
             v.trim_vocabs, v.origin["trim"] = found, "vocab_set(data.sources[*].prefix)"

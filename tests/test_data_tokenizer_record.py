@@ -1,0 +1,69 @@
+"""PREFIX.tokenizer.json: tools/preprocess_data.py records which tokenizer made the data, and the
+pre-flight refuses a config naming another one even when its vocabulary is as large (the id-range
+check cannot see that: the ids fit, the text they stand for is another)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from dept_mega.config import ConfigError, load_config
+from dept_mega.data.checks import check_sources
+from dept_mega.data.indexed import tokenizer_record_path
+from dept_mega.data.preprocess import preprocess
+from dept_mega.data.tokenizer import model_sha256
+from tests.data_utils import synthetic_texts, train_tiny_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Data made with tokenizer A; B has the same vocabulary size (another model type)."""
+    d = tmp_path_factory.mktemp("rec")
+    a = train_tiny_tokenizer(str(d / "a"), vocab=200)
+    b = train_tiny_tokenizer(str(d / "b"), vocab=200, model_type="bpe")
+    src = write_jsonl(str(d / "x.jsonl"), synthetic_texts(40, seed=3))
+    preprocess([src], ["text"], a, str(d / "x"), append_eod=True, log=None)
+    return str(d / "x_text_document"), a, b
+
+
+def _cfg(variant, prefix, tok):
+    common = ["dept.local_steps=10", "train.steps=20", f"dept.variant={variant}"]
+    if variant == "spec_opt":
+        return load_config(None, common + [f"data.sources=[{{name: x, prefix: {prefix}, tokenizer: {tok}}}]"])
+    return load_config(None, common + [f"data.tokenizer={tok}", f"data.sources=[{{name: x, prefix: {prefix}}}]"])
+
+
+def test_preprocess_records_the_tokenizer(made):
+    prefix, a, _ = made
+    rec = json.load(open(tokenizer_record_path(prefix)))
+    assert rec == {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": a, "sha256": model_sha256(a)}
+
+
+def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):
+    prefix, a, b = made
+    check_sources(_cfg("glob", prefix, a))  # the one that made it
+    moved = str(tmp_path / "elsewhere.model")
+    shutil.copy(a, moved)
+    check_sources(_cfg("glob", prefix, moved))  # moved or renamed: the same model
+    with pytest.raises(ConfigError) as exc:
+        check_sources(_cfg("glob", prefix, b))
+    msg = str(exc.value)
+    assert msg.startswith("config key 'data.tokenizer': source 'x': ") and f"tokenized with {a}" in msg
+    assert f"but data.tokenizer is {b}, another model" in msg
+    with pytest.raises(ConfigError, match=r"^config key 'data.sources\[0\].tokenizer': .*tokenized with"):
+        check_sources(_cfg("spec_opt", prefix, b))
+
+
+def test_without_a_record_or_with_a_broken_one(made, tmp_path):
+    prefix, a, b = made
+    for ext in (".bin", ".idx", ".bytes.npy"):
+        shutil.copy(prefix + ext, str(tmp_path / "old_text_document") + ext)
+    old = str(tmp_path / "old_text_document")
+    check_sources(_cfg("glob", old, b))  # data made before the record existed: the id range only
+    with open(tokenizer_record_path(old), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ConfigError, match=r"old_text_document.tokenizer.json is not a tokenizer record"):
+        check_sources(_cfg("glob", old, a))
+    os.remove(tokenizer_record_path(old))
