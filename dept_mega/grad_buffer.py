@@ -64,6 +64,11 @@ class Bucket:
 
 
 def _grad_hook(p: torch.Tensor) -> None:
+    # autograd runs the hook also when a fused or FP8 linear's backward put the gradient into
+    # main_grad itself and returned none: then there is nothing to move (what accumulate would
+    # find too), and the owner's lookup is skipped (three Python calls per weight and micro-batch)
+    if p.grad is None:
+        return
     owner = grad_owner(p)
     if owner is not None:
         owner.accumulate(p)

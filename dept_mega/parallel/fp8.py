@@ -68,10 +68,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from . import fp8_casts, fp8_kernels
+from . import fp8_casts, fp8_gemm, fp8_kernels
 from .compiled_math import CudaCompiled
 from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
-from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, check_layout, lt_mm, resolve_gemm
+from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, check_layout, direct_op, resolve_gemm
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
 from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
@@ -161,8 +161,12 @@ class Fp8State:
         self.device = torch.device(device)
         self.gemm = resolve_gemm(gemm, self.device)
         self.lt = self.gemm == "cublaslt"  # read by every GEMM of the FP8 linears
+        # the eager linears' GEMM, (a, b, scale_a, scale_b, fast) -> bf16, and with cublaslt the
+        # operator itself (the weight gradient's accumulation), resolved once here
+        self.gemm_op = direct_op(fp8_gemm.op()) if self.lt else None
+        self.mm = fp8_gemm.lt_mm_via(self.gemm_op) if self.lt else _scaled_mm
         self.kernels = resolve_cast_kernels(kernels, self.device)
-        self._cast_op = fp8_casts.op() if self.kernels == "cuda" else None  # dept_mega::cast_fp8
+        self._cast_op = direct_op(fp8_casts.op()) if self.kernels == "cuda" else None  # dept_mega::cast_fp8
         self.graph_casts = graph_casts or fp8_casts.default_graph_casts(kernels)
         self.grad_dtype = recipe.grad_dtype  # the output gradients' FP8 format (read by every backward)
         self.fast_gemms = recipe.fast_gemms  # use_fast_accum of the (forward, dgrad, wgrad) GEMMs
@@ -456,26 +460,29 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         torch._C._set_mkldnn_enabled(was)
 
 
-_NO_CONTEXT = contextlib.nullcontext()  # a context that does nothing
+def _host_contexts(name: str, device_type: str) -> Optional[contextlib.ExitStack]:
+    """The contexts the FP8 linear's forward or backward runs inside, entered (the caller closes
+    the stack), or None (the usual case) where there are none, so that nothing is entered at
+    all (even a ``nullcontext`` costs two Python calls, entered and left four times per linear
+    call):
 
-
-def _autocast_off(device_type: str):
-    """The FP8 math runs outside autocast: ``torch.autocast(enabled=False)`` where autocast is
-    on, nothing where it is off (the trainer uses none; entering an autocast context costs
-    ~4 µs of host time per call even when it changes nothing)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return _NO_CONTEXT
-
-
-def _profiled(name: str):
-    """A named range in a ``torch.profiler`` trace (``train.profile``) around an FP8 linear's
-    forward or backward, so that the host tables of ``benchmarks/kernel_breakdown.py`` show
-    the Python time of this path by name; nothing when no profiler runs (a ``record_function``
-    costs ~6 µs of host time even then; the check ~0.04 µs)."""
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return _NO_CONTEXT
+    * outside autocast: the FP8 math runs with ``torch.autocast(enabled=False)`` where autocast
+      is on for ``device_type`` (the trainer uses none; entering an autocast context costs ~4 µs
+      of host time per call even when it changes nothing);
+    * a named range ``name`` in a ``torch.profiler`` trace (``train.profile``) while a profiler
+      runs, so that the host tables of ``benchmarks/kernel_breakdown.py`` show the Python time
+      of this path by name (a ``record_function`` costs ~6 µs of host time even without a
+      profiler; the check ~0.04 µs)."""
+    profiling = torch._C._autograd._profiler_enabled()
+    autocast = torch.is_autocast_enabled(device_type)
+    if not (profiling or autocast):
+        return None
+    stack = contextlib.ExitStack()
+    if profiling:
+        stack.enter_context(torch.profiler.record_function(name))
+    if autocast:
+        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+    return stack
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -486,9 +493,10 @@ class _Fp8Linear(torch.autograd.Function):
     one, the same bytes) and the gradient's cast writes its transposed copy too.
 
     Host time matters here (on a fast GPU the step waits for the Python of its FP8 linears,
-    ``benchmarks/fp8_host_overhead.py``): a reshape, slice or dtype conversion that would change
-    nothing is skipped rather than dispatched (2-D operands, token counts that need no
-    padding, gradients already in the operand's dtype)."""
+    ``benchmarks/fp8_host_overhead.py``, ``benchmarks/fp8_host_bench.py``): a reshape, slice or
+    dtype conversion that would change nothing is skipped rather than dispatched (2-D operands,
+    token counts that need no padding, gradients already in the operand's dtype), and no context
+    is entered where none is needed (``_host_contexts``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, grad: bool) -> torch.Tensor:
@@ -497,10 +505,15 @@ class _Fp8Linear(torch.autograd.Function):
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        with _profiled("dept_mega::fp8_linear_forward"), _autocast_off(x.device.type):
-            xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
+        state = layer.state
+        contexts = _host_contexts("dept_mega::fp8_linear_forward", x.device.type)
+        try:
+            xq, xq_t, x_inv = state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
             w = layer.cache.operands(weight, layer, need_dx)
-            y = (lt_mm if layer.state.lt else _scaled_mm)(xq, w.fwd, x_inv, w.inv, layer.state.fast_gemms[0])
+            y = state.mm(xq, w.fwd, x_inv, w.inv, state.fast_gemms[0])
+        finally:
+            if contexts is not None:
+                contexts.close()
         ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
         ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
         # the parameter itself (its gradient buffer; see backward)
@@ -517,8 +530,9 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = None
         state = layer.state
-        mm = lt_mm if state.lt else _scaled_mm
-        with _profiled("dept_mega::fp8_linear_backward"), _autocast_off(grad_out.device.type):
+        mm = state.mm
+        contexts = _host_contexts("dept_mega::fp8_linear_backward", grad_out.device.type)
+        try:
             gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
                                          colwise=need_dw)
             if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
@@ -534,14 +548,40 @@ class _Fp8Linear(torch.autograd.Function):
                 step = owner is not None and owner.active  # inside a training step: straight into main_grad
                 # cublaslt: the GEMM accumulates into main_grad in fp32 itself (False: it cannot, see fp8_gemm)
                 if not (step and state.lt and accumulate_wgrad(owner, ctx.param, gq_t, xq_t.t(), g_inv, x_inv,
-                                                               state.fast_gemms[2])):
+                                                               state.fast_gemms[2], state.gemm_op)):
                     grad_w = mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
                     if grad_w.dtype != w_dtype:
                         grad_w = grad_w.to(w_dtype)
                     if step:
                         owner.add_grad(ctx.param, grad_w)
                         grad_w = None
+        finally:
+            if contexts is not None:
+                contexts.close()
         return grad_x, grad_w, None, None
+
+
+# ``torch.autograd.Function.apply`` without its Python wrapper (what it calls when no functorch
+# transform is active, after replacing a dead functorch wrapper by its tensor): the C++ apply of
+# ``_Fp8Linear`` bound once. The wrapper's own work (``setup_context`` inspection, the transforms'
+# check, a generator over the arguments) is ~1.5 µs of host time per call; see fp8_linear_eager.
+_APPLY = getattr(super(torch.autograd.Function, _Fp8Linear), "apply", None)
+_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+if _unwrap_if_dead is None or _APPLY is None or _APPLY == _Fp8Linear.apply:
+    _APPLY = None  # a torch whose Function.apply is laid out otherwise: always the public apply
+
+
+def fp8_linear_eager(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.Tensor:
+    """:func:`fp8_linear` for a caller that is never traced by Dynamo (the layers call it when
+    ``torch.compiler.is_compiling()`` is False): without ``outside_compiled_graphs``'s wrapper
+    (~1 µs of host time per call) and, when no functorch transform is active (training), with
+    ``_Fp8Linear``'s C++ apply called directly, which is what ``Function.apply`` calls then
+    (the same autograd node, the same results)."""
+    # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
+    if _APPLY is None or _transforms_active():
+        return _Fp8Linear.apply(x, weight, layer, torch.is_grad_enabled())
+    return _APPLY(_unwrap_if_dead(x), _unwrap_if_dead(weight), layer, torch.is_grad_enabled())
 
 
 @outside_compiled_graphs
@@ -551,5 +591,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.
     eagerly inside a compiled block (``train.compile``): the autograd function and the
     bookkeeping are Python state; the casts in it are kernels of their own. (The layers'
     compiled blocks call ``fp8_traced.fp8_linear_traced`` instead, which traces.)"""
-    # under no_grad (evaluation) ``needs_input_grad`` still says True: no backward layouts then
-    return _Fp8Linear.apply(x, weight, layer, torch.is_grad_enabled())
+    return fp8_linear_eager(x, weight, layer)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
-from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear
+from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear_eager
 from .fp8_traced import fp8_linear_traced
 from .random import init_full_then_shard
 from .te import TELinearHolder
@@ -136,10 +136,10 @@ class _GemmMixin:
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
             # inside a compiled block: traced into the graph (fp8_traced.py, both recipes);
-            # otherwise the eager FP8 linear
+            # otherwise the eager FP8 linear (here never traced: without fp8_linear's graph-break wrapper)
             if torch.compiler.is_compiling():
                 return fp8_linear_traced(x, self.weight, self._fp8_grad_dtype, self.fp8_layer)
-            return fp8_linear(x, self.weight, self.fp8_layer)
+            return fp8_linear_eager(x, self.weight, self.fp8_layer)
         if self.gemm.kind == "te":
             return self._te(self.weight, x)
         return _linear_fn(x, self.weight, None, self.gemm.fuse_wgrad)

@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""Host cost of one eager linear layer call, forward and backward apart: µs, dispatcher ops, Python calls.
+
+    OMP_NUM_THREADS=1 python benchmarks/fp8_host_bench.py [--device cpu|cuda] [--shape 16,64] [--depth 8]
+        [--repeats 200] [--combos bf16,cuda+cublaslt,...] [--kernels stub|real] [--ops] [--json OUT]
+
+What it runs: a chain of ``--depth`` parallel linear layers (``ColumnParallelLinear`` and
+``RowParallelLinear`` in turn, ``hidden → hidden``, bf16 weights, tensor-parallel size 1) as
+the model builds them, inside an open training step as the trainer opens it (a ``GradBuffer``
+with fp32 ``main_grad`` active; for FP8 the model's ``Fp8State`` step open under delayed
+scaling, after a first step that gave every operand a history). Combinations:
+
+* ``bf16``: ``LinearGemm(fuse_wgrad=True)`` (``optim.grad_accum_fusion``, the default).
+* ``CASTS+GEMM`` for CASTS in ``torch`` | ``cuda`` and GEMM in ``torch`` | ``cublaslt``: the eager
+  FP8 linear with ``Fp8State(kernels=CASTS, gemm=GEMM)`` (``fp8_casts``, ``fp8_gemm``).
+  ``cuda+cublaslt`` is the path a GPU run with ``fp8_casts: cuda`` + ``fp8_gemm: cublaslt`` takes:
+  the Python of ``fp8.py`` does not branch on the device there (the two C++ operators are
+  called through the same overloads; only their kernels differ), so on the CPU the same Python
+  and the same dispatcher calls run. ``torch`` casts run eagerly here but compiled on CUDA, and
+  ``torch`` GEMMs toggle oneDNN around ``_scaled_mm`` on the CPU only: those combinations are
+  not the GPU's host path (shown for comparison). ``triton`` casts (the default on CUDA) run
+  with ``--device cuda`` only.
+
+``--device cuda`` runs the same chains on the GPU (real kernels; by default without the
+``torch`` casts, which inductor would compile first) and times each forward and backward by the
+wall clock between two synchronisations: at these sizes the kernels end about as soon as the
+host has issued them, so that is the host's time with the CUDA launches included.
+
+``--kernels stub`` (the default) replaces the CPU kernels of ``dept_mega::cast_fp8`` and
+``dept_mega::fp8_gemm`` in this process by C++ kernels that only allocate their outputs (compiled
+once with ``torch.utils.cpp_extension.load_inline``, ~45 s the first time, cached after): the
+CPU kernels compute (the GEMM converts its operands to fp32: ~50 µs per call even at 16 × 64),
+which a GPU does not do on the host, so with them the figures would mostly be arithmetic.
+With the stubs a call costs what it costs a CUDA host minus the driver's launches: our Python,
+autograd, the dispatcher and the allocations. The numbers are garbage then (nothing is checked
+against them). ``--kernels real`` keeps the computing kernels.
+
+Figures, per layer call (chain totals / depth), forward and backward apart:
+
+* ``us``: the minimum over ``--repeats`` passes of the process's CPU time (``time.process_time``:
+  time the process was preempted on a shared machine does not count), after warm-up passes.
+  A pass is one forward of the chain, then one ``backward()`` (one per micro-batch, as in
+  training: autograd's own start is shared by the chain). Each pass of a step after the
+  step's first (which casts the weights) is timed, so the weights' FP8 copies come from the
+  cache as on every micro-batch but the first of a training step.
+* ``ops``: operators that reached the dispatcher from Python (a ``TorchDispatchMode``; a C++
+  kernel's own inner calls are not counted), by name, counted in one untimed pass.
+* ``py_calls``: Python function calls (``sys.setprofile``'s ``call`` events) and calls of C
+  functions from Python (``c_call``) in that pass.
+* ``syncs``: ops that read a tensor's value on the host (``aten::_local_scalar_dense``:
+  ``.item()``, ``bool(t)``, ``.tolist()``; ``aten::is_nonzero``; ``aten::equal``) or copy to the
+  CPU; must be 0 on the hot path.
+
+On the CPU these are a proxy for the host time of a GPU run, without the CUDA driver's launch
+cost (a few µs per kernel), on a CPU other jobs may share; compare figures of one run (the
+combinations alternate per repeat to share the machine's noise).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
+from dept_mega.ops import loader  # noqa: E402
+from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels  # noqa: E402
+from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State  # noqa: E402
+from dept_mega.parallel.groups import build_groups  # noqa: E402
+from dept_mega.parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear  # noqa: E402
+
+COMBOS = ("bf16", "torch+torch", "torch+cublaslt", "cuda+torch", "cuda+cublaslt", "triton+torch", "triton+cublaslt")
+# on CUDA the torch casts are compiled by inductor at their first call (minutes for the bench): left out
+DEFAULT = {"cpu": COMBOS[:5], "cuda": ("bf16", "triton+torch", "triton+cublaslt", "cuda+torch", "cuda+cublaslt")}
+GPU_PATH = "cuda+cublaslt"  # the combination whose Python is the GPU run's (see the docstring)
+_BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
+_SYNC_OPS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item")
+
+_STUB_SRC = r"""
+#include <torch/library.h>
+#include <ATen/ATen.h>
+namespace {
+// dept_mega::cast_fp8 / fp8_gemm with their outputs allocated and left unwritten (the bench's
+// --kernels stub): the host work of a CUDA kernel's launcher minus the launch itself.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_stub(
+    const at::Tensor& t, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
+    const std::optional<at::Tensor>& scale, int64_t, const std::optional<at::Tensor>&, int64_t) {
+  const int64_t rows = t.size(0) + pad, cols = t.size(1);
+  at::Tensor q, qt, inv;
+  if (rowwise) q = at::empty({rows, cols}, t.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, rows}, t.options().dtype(dtype));
+  if (!scale.has_value()) inv = at::empty({}, t.options().dtype(at::kFloat));
+  return {q, qt, inv};
+}
+at::Tensor gemm_stub(const at::Tensor& a, const at::Tensor& b, const at::Tensor&, const at::Tensor&, bool,
+                     const std::optional<at::Tensor>& out, bool) {
+  if (out.has_value()) return at::Tensor();
+  return at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kBFloat16));
+}
+}  // namespace
+TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
+  m.impl("cast_fp8", &cast_stub);
+  m.impl("fp8_gemm", &gemm_stub);
+}
+"""
+
+
+def install_stub_kernels() -> None:
+    """Replace the CPU kernels of the two FP8 operators in this process (see ``--kernels``)."""
+    from torch.utils.cpp_extension import load_inline
+
+    why = loader.kernel_missing("dept_mega::cast_fp8", "cpu")  # loads the extension (its kernels first)
+    if why is not None:
+        raise SystemExit(f"--kernels stub: {why}")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": what is wanted here
+        load_inline("dept_mega_fp8_host_stubs", cpp_sources=[_STUB_SRC], is_python_module=False)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.name()] += 1
+        out = func(*args, **(kwargs or {}))
+        if func.name() in ("aten::_to_copy", "aten::copy_") and args and isinstance(args[0], torch.Tensor):
+            dev = (kwargs or {}).get("device")
+            if dev is not None and torch.device(dev).type == "cpu" and args[0].device.type != "cpu":
+                self.ops["<copy to cpu>"] += 1
+        return out
+
+
+class _PyCalls:
+    def __init__(self) -> None:
+        self.calls = self.c_calls = 0
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            self.calls += 1
+        elif event == "c_call":
+            self.c_calls += 1
+
+    def __enter__(self):
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+
+class Chain:
+    """``depth`` column/row-parallel layers of one combination, their gradient buffer and FP8 state."""
+
+    def __init__(self, combo: str, tokens: int, hidden: int, depth: int, device: str = "cpu") -> None:
+        torch.manual_seed(0)
+        self.device = torch.device(device)
+        pg = build_groups()
+        self.state = None
+        if combo == "bf16":
+            gemm = LinearGemm(fuse_wgrad=True)
+        else:
+            casts, mm = combo.split("+")
+            self.state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=16), device, kernels=casts, gemm=mm)
+            gemm = LinearGemm("fp8", self.state)
+        kinds = (ColumnParallelLinear, RowParallelLinear)
+        self.layers = [kinds[i % 2](hidden, hidden, pg, name=f"l{i}", seed=i, init_std=hidden ** -0.5, gemm=gemm,
+                                    device=device, dtype=torch.bfloat16) for i in range(depth)]
+        self.ws = [m.weight for m in self.layers]
+        self.buffer = GradBuffer(self.ws, torch.float32, self.device, bucket_size=1 << 30)
+        self.buffer.adopt()
+        self.sync = GradSync(pg, overlap=False)
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(tokens, hidden, generator=g).bfloat16().to(device).requires_grad_()
+        self.dy = torch.randn(tokens, hidden, generator=g).bfloat16().to(device)
+        self.depth = depth
+        self.step(lambda: None)  # the first (current-scaled) step: every operand has a history after it
+
+    def forward(self) -> torch.Tensor:
+        y = self.x
+        for m in self.layers:
+            y = m(y)
+        return y
+
+    def backward(self, y: torch.Tensor) -> None:
+        """One micro-batch's backward. ``inputs``: the weights only, so that the chain's input,
+        a leaf here where the model's is not, gets no gradient of its own (autograd would
+        detach or add one per pass); the first layer computes its input's gradient all the same."""
+        torch.autograd.backward(y, self.dy, inputs=self.ws)
+
+    def step(self, body) -> None:
+        """One training step: its first pass (the weights' casts), then ``body()``."""
+        self.sync.begin([self.buffer], {id(w): _BIG for w in self.ws})
+        if self.state is not None:
+            self.state.begin_step()
+        try:
+            self.backward(self.forward())
+            body()
+        finally:
+            if self.state is not None:
+                self.state.end_step()
+            self.sync.finish()
+
+    def timed(self, passes: int) -> tuple[list[float], list[float]]:
+        """Seconds of ``passes`` forwards and of their backwards, one step: CPU time of the process
+        on the CPU; on CUDA wall time, the device synchronised before and after each (its kernels
+        on tiny operands end about as soon as the host has issued them)."""
+        fwd, bwd = [], []
+        cuda = self.device.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+        def body():
+            for _ in range(passes):
+                sync()
+                t0 = clock()
+                y = self.forward()
+                sync()
+                t1 = clock()
+                self.backward(y)
+                sync()
+                t2 = clock()
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        self.step(body)
+        return fwd, bwd
+
+    def counted(self) -> dict:
+        """Dispatcher ops, Python calls and host syncs of one pass (forward, backward)."""
+        ops, py = {}, {}
+
+        def body():  # ops twice (the first pass under the mode also counts what it sets up once), then
+            # the Python calls without the mode (its __torch_dispatch__ is a Python call per op)
+            for counter in (_Count, _Count, _PyCalls):
+                for phase in ("fwd", "bwd"):
+                    with counter() as c:
+                        if phase == "fwd":
+                            y = self.forward()
+                        else:
+                            self.backward(y)
+                    if counter is _Count:
+                        ops[phase] = c.ops
+                    else:
+                        py[phase] = c
+        self.step(body)
+        res = {}
+        for phase in ("fwd", "bwd"):
+            n = ops[phase]
+            res[phase] = {"ops": sum(n.values()) / self.depth,
+                          "by_op": {k: v / self.depth for k, v in sorted(n.items())},
+                          "py_calls": py[phase].calls / self.depth, "c_calls": py[phase].c_calls / self.depth,
+                          "syncs": sum(v for k, v in n.items() if k in _SYNC_OPS or k == "<copy to cpu>")}
+        return res
+
+
+def skip_reason(combo: str, device: str):
+    """Why ``combo`` cannot run on ``device`` (None: it can)."""
+    if combo == "bf16":
+        return None
+    casts, gemm = combo.split("+")
+    if casts == "triton" and (device != "cuda" or not fp8_kernels.AVAILABLE):
+        return "Triton's casts need CUDA and Triton (on the CPU only its interpreter, which would time the interpreter)"
+    if casts == "cuda" and (why := fp8_casts.op_unavailable(device)):
+        return f"the C++ cast operator cannot run: {why}"
+    if gemm == "cublaslt" and (why := fp8_gemm.op_unavailable(device)):
+        return f"the C++ GEMM operator cannot run: {why}"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--shape", default="16,64", help="tokens,hidden (multiples of 16)")
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=200, help="timed passes per combination (minimum taken)")
+    ap.add_argument("--per-step", type=int, default=4, help="passes per training step (micro-batches)")
+    ap.add_argument("--combos", default=None, help=f"of {', '.join(COMBOS)} (default: {', '.join(DEFAULT['cpu'])}; "
+                    f"on CUDA {', '.join(DEFAULT['cuda'])})")
+    ap.add_argument("--kernels", default=None, choices=("stub", "real"), help="default: stub on the CPU, real on CUDA")
+    ap.add_argument("--ops", action="store_true", help="print the dispatcher ops by name")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tokens, hidden = (int(n) for n in args.shape.split(","))
+    combos = [c for c in (args.combos or ",".join(DEFAULT[args.device])).split(",") if c]
+    if set(combos) - set(COMBOS):
+        raise SystemExit(f"--combos: one of {', '.join(COMBOS)}, got {sorted(set(combos) - set(COMBOS))}")
+    kernels = args.kernels or ("stub" if args.device == "cpu" else "real")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to this process")
+    if kernels == "stub" and args.device != "cpu":
+        raise SystemExit("--kernels stub replaces the operators' CPU kernels: on CUDA the real kernels run")
+    skipped = {c: why for c in combos if (why := skip_reason(c, args.device))}
+    combos = [c for c in combos if c not in skipped]
+    if kernels == "stub":
+        install_stub_kernels()
+    chains = {c: Chain(c, tokens, hidden, args.depth, args.device) for c in combos}
+    counts = {c: chains[c].counted() for c in combos}
+    for c in combos:  # warm-up
+        chains[c].timed(args.per_step)
+    times = {c: ([], []) for c in combos}
+    rounds = -(-args.repeats // args.per_step)
+    for r in range(rounds):
+        for c in combos[r % len(combos):] + combos[:r % len(combos)]:
+            f, b = chains[c].timed(args.per_step)
+            times[c][0].extend(f)
+            times[c][1].extend(b)
+    cuda = args.device == "cuda"
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    timing = "wall time between synchronisations" if cuda else "process CPU time"
+    res = {"device": args.device, "device_name": name, "shape": [tokens, hidden], "depth": args.depth,
+           "kernels": kernels, "torch": torch.__version__, "timing": f"{timing}, min over passes, per layer call",
+           "skipped": skipped, "combos": {}}
+    print(f"host µs per layer call on {name}, min of {rounds * args.per_step} passes ({timing}), tokens,hidden = "
+          f"{args.shape}, chain of {args.depth}, kernels {kernels}, torch {torch.__version__}")
+    print(f"  {'combo':16s} {'fwd us':>7s} {'bwd us':>7s} {'sum':>7s} | {'fwd ops':>7s} {'bwd ops':>7s} | "
+          f"{'py fwd':>6s} {'py bwd':>6s} | syncs")
+    for c in combos:
+        f, b = (min(v) / args.depth * 1e6 for v in times[c])
+        k = counts[c]
+        res["combos"][c] = {"fwd_us": f, "bwd_us": b, **{f"{ph}_{key}": k[ph][key] for ph in ("fwd", "bwd")
+                                                         for key in ("ops", "py_calls", "c_calls", "syncs", "by_op")}}
+        print(f"  {c:16s} {f:7.1f} {b:7.1f} {f + b:7.1f} | {k['fwd']['ops']:7.2f} {k['bwd']['ops']:7.2f} | "
+              f"{k['fwd']['py_calls']:6.1f} {k['bwd']['py_calls']:6.1f} | {k['fwd']['syncs'] + k['bwd']['syncs']}"
+              f"{'   <- fp8_casts: cuda + fp8_gemm: cublaslt' if c == GPU_PATH else ''}")
+        if args.ops:
+            for ph in ("fwd", "bwd"):
+                print(f"      {ph}: " + ", ".join(f"{n.split('::')[-1]} {v:g}" for n, v in k[ph]["by_op"].items()))
+    for c, why in skipped.items():
+        print(f"  {c:16s} skipped: {why}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
