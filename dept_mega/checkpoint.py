@@ -450,6 +450,16 @@ def _dept_metas(path: str, groups) -> dict[int, dict]:
     return out
 
 
+def regroup_note(path: str, saved_groups: int, groups: int, owned: list[str]) -> str:
+    """The line a load under another number of groups logs about the inner optimizer state a
+    group owns (``owned``: ``DeptHooks.group_owned_inner_state``): what happened first, then
+    why (``dept.reset_inner_optimizer: false`` keeps that state across rounds)."""
+    return (f"checkpoint {path} was written by {saved_groups} source groups, this launch has {groups}: new group g "
+            f"continues with the inner optimizer state of {' and of '.join(owned)} of old group g mod {saved_groups} "
+            f"(as a replica joining a DiLoCo job receives a peer's); a group keeps that state across rounds "
+            f"because dept.reset_inner_optimizer is false (true clears it at every round start)")
+
+
 def _regroup_plan(entries: list[Entry], hooks, pg, saved_groups: int, path: str, notes: Optional[list]) -> list[Entry]:
     """DEPT's load plan under another number of groups, at a round boundary: this rank's
     entries renamed to the keys of the old group they load from. The weights from old group 0
@@ -464,10 +474,7 @@ def _regroup_plan(entries: list[Entry], hooks, pg, saved_groups: int, path: str,
     own = bool(getattr(getattr(hooks, "strategy", None), "source_embeddings", False))  # SPEC, SPEC-OPT
     owned = getattr(hooks, "group_owned_inner_state", lambda: [])()
     if owned and notes is not None:
-        notes.append(f"dept.reset_inner_optimizer: false: the inner optimizer state of {' and of '.join(owned)} "
-                     f"belongs to a source group; checkpoint {path} holds {saved_groups} groups, this launch "
-                     f"{pg.num_groups}: new group g continues with old group g mod {saved_groups}'s (as a "
-                     f"replica joining a DiLoCo job receives a peer's)")
+        notes.append(regroup_note(path, saved_groups, pg.num_groups, owned))
     now = pg.group_index if pg.num_groups > 1 else None
     out = []
     for e in entries:

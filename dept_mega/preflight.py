@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from .config import Config, validate
 
@@ -25,18 +25,82 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def checkpoint_bytes(cfg: Config, world_size: int, mem: dict) -> int:
-    """Predicted bytes of one checkpoint from the per-rank memory model ``mem``
-    (:func:`dept_mega.dept.memory.predict_memory`): every group writes its weights and optimizer
-    state once per (pipeline, tensor) shard — data-parallel replicas share keys, the distributed
-    optimizer's pieces do not — and DEPT's outer state and TRIM's table once per parameter (each
-    rank holds a 1/D chunk). The largest rank stands for every pipeline stage: an upper bound."""
-    p = cfg.parallel
+# What a checkpoint writes besides the tensors' bytes (measured with torch 2.x's
+# torch.distributed.checkpoint; a tiny model's checkpoint is mostly this): every box (a tensor,
+# or a rank's shard or piece of one) is serialized with its own header in ``__N_M.distcp``
+# (~1.6 KiB) and described in ``.metadata`` (~0.25 KiB); ``rng_tp{t}_pp{p}.pt`` (~12 KiB) per
+# tensor x pipeline rank; ``group{g}.json`` per group; layout, depends and manifest files.
+ITEM_BYTES = 2048
+RNG_FILE_BYTES = 16 * 1024
+GROUP_FILE_BYTES = 1024
+FIXED_FILE_BYTES = 8 * 1024
+
+
+def _stored_vocabs(cfg: Config, groups: int, vocab: int, source_vocabs: Sequence[int],
+                   trim_vocabs: Sequence[int]) -> list[int]:
+    """The vocabularies of the sources a checkpoint writes besides the G installed ones (K − G
+    of them: SPEC/SPEC-OPT/TRIM keep every source's embeddings, each written once under
+    ``source/{name}/``; ``dept_mega.dept.hook_state``). Upper bound: the K − G largest."""
+    stored = len(cfg.data.sources) - groups
+    if cfg.dept.variant not in ("spec", "spec_opt", "trim") or stored <= 0:
+        return []
+    sizes = {"spec_opt": list(source_vocabs), "trim": list(trim_vocabs)}.get(cfg.dept.variant) or []
+    sizes = sorted(sizes, reverse=True)[:stored]
+    return sizes + [max(sizes, default=vocab)] * (stored - len(sizes))
+
+
+def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[int] = None,
+                     source_vocabs: Sequence[int] = (), trim_vocabs: Sequence[int] = ()) -> int:
+    """Predicted bytes of one checkpoint, an upper bound, from the per-rank memory model ``mem``
+    (:func:`dept_mega.dept.memory.predict_memory` with the same vocabularies): every group
+    writes its weights and optimizer state once per (pipeline, tensor) shard — data-parallel
+    replicas share keys, the distributed optimizer's pieces do not — and DEPT's outer state and
+    TRIM's table once per parameter (each rank holds a 1/D chunk). The largest rank stands for
+    every pipeline stage. Besides the installed sources, SPEC/SPEC-OPT/TRIM write the K − G
+    stored sources' embeddings, their fp32 masters (bf16/fp16) and, unless
+    ``dept.reset_inner_optimizer``, their moments; with ``dept.body_optimizer_state: source``
+    every stored source also carries the body's moments (:func:`_stored_vocabs`; ``vocab``: the
+    global vocabulary, the default of a source without a known size). Plus the files' own
+    overhead (:data:`ITEM_BYTES` per box and the small files)."""
+    from .dept.cost_common import eager_start, rank_params
+    from .dept.memory import OUTER_STATE, trim_shards
+    p, d = cfg.parallel, cfg.dept
     groups = cfg.num_groups(world_size)
-    optimizer = mem["optimizer"] * (p.data if cfg.optim.distributed else 1)
+    P, T, D = p.pipeline, p.tensor, p.data
+    S = D if cfg.optim.distributed else 1  # the optimizer's pieces of a tensor
+    half = cfg.precision != "fp32"
+    wb = 2 if half else 4
+    optimizer = mem["optimizer"] * S
     per_shard = mem["weights"] + optimizer
-    shared = (mem["outer"] + mem["trim_table"]) * p.data
-    return int(groups * p.pipeline * p.tensor * per_shard + p.pipeline * p.tensor * shared)
+    shared = (mem["outer"] + mem["trim_table"]) * D
+    total = groups * P * T * per_shard + P * T * shared
+    # boxes: per parameter the weight, two moments and the masters per piece, a step
+    vocab = vocab or cfg.model.vocab_size or 0
+    tensors = max((len(rank_params(cfg, vocab, pp).body), len(rank_params(cfg, vocab, pp).emb)) for pp in range(P))
+    n_body, n_emb = tensors
+    inner_items = lambda n, moments=True: n * ((2 * S + 1 if moments else 0) + (S if half else 0))  # noqa: E731
+    items = groups * P * T * (n_body + n_emb + inner_items(n_body + n_emb))
+    if d.variant != "std":  # θ_prev, the outer optimizer's state, residual, estimate: chunks over D
+        per = 1 + OUTER_STATE[d.outer_optimizer.name] + int(d.outer_error_feedback) + int(eager_start(cfg))
+        synced = n_body + (n_emb if d.variant == "glob" else 0)
+        items += P * T * (synced + D) * per + 1
+    if d.variant == "trim":
+        items += 2 * trim_shards(cfg) * (1 + OUTER_STATE[d.outer_optimizer.name]) + 2
+    moments = not d.reset_inner_optimizer
+    if d.body_optimizer_state == "source":  # every stored source: the body's fp32 moments and steps
+        body_moments = sum(8 * sum(rank_params(cfg, vocab, pp).body) + 4 * n_body for pp in range(P)) * T
+        stored_count = max(len(cfg.data.sources) - groups, 0)
+        total += stored_count * body_moments
+        items += stored_count * P * T * n_body * (2 * S + 1)
+    stored = _stored_vocabs(cfg, groups, vocab, source_vocabs, trim_vocabs)
+    per_elem = wb + (4 if half else 0) + (8 if moments else 0)
+    for v in stored:
+        for pp in range(P):
+            emb = rank_params(cfg, v, pp).emb
+            total += T * (per_elem * sum(emb) + (4 * len(emb) if moments else 0))
+            items += T * (len(emb) + inner_items(len(emb), moments))
+    files = RNG_FILE_BYTES * P * T + GROUP_FILE_BYTES * groups + FIXED_FILE_BYTES
+    return int(total + ITEM_BYTES * items + files)
 
 
 def resume_line(cfg: Config) -> Optional[str]:
@@ -109,7 +173,8 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     resume = resume_line(cfg)
     if resume:
         lines.append(resume)
-    ckpt = checkpoint_bytes(cfg, world_size, mem)
+    ckpt = checkpoint_bytes(cfg, world_size, mem, vocabs.global_vocab or vocab, sources,
+                            list(vocabs.trim_vocabs.values()))
     where, free = free_bytes(cfg.train.run_dir, disk_usage)
     lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}")
     if free < 2 * ckpt:

@@ -155,3 +155,24 @@ def test_source_datasets_from_config(tmp_path):
     assert tr[1][0][0] >= 10000 and tr[0].seed == 3 and tr[0].seq_length == 8
     tr[0][0]
     assert os.listdir(tmp_path / "cache")
+
+
+def test_a_truncated_source_file_names_the_source_and_the_key(tmp_path):
+    """A damaged ``.bin`` (here cut short) opened from a config is reported with the source's
+    name and its key ``data.sources[i].prefix``, not only the file: at the pre-flight / launch
+    check (check_sources) and where the datasets are built (source_datasets)."""
+    from dept_mega.config import ConfigError
+    from dept_mega.data.checks import check_sources
+    a = _source(tmp_path, "a", 40, 0)
+    b = _source(tmp_path, "b", 40, 10)
+    with open(b + ".bin", "r+b") as f:
+        f.truncate(100)
+    cfg = config_from_dict({"model": {"seq_length": 8, "vocab_size": 100000},
+                            "data": {"sources": [{"name": "a", "prefix": a}, {"name": "legal", "prefix": b}],
+                                     "cache_dir": str(tmp_path / "cache")}})
+    for call in (lambda: check_sources(cfg), lambda: source_datasets(cfg, "train")):
+        with pytest.raises(ConfigError) as err:
+            call()
+        msg = str(err.value)
+        assert msg.startswith(f"config key 'data.sources[1].prefix': source 'legal': {b}.bin: data file is shorter "
+                              f"than its index says: 100 bytes"), msg

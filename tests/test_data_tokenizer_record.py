@@ -38,7 +38,8 @@ def _cfg(variant, prefix, tok):
 def test_preprocess_records_the_tokenizer(made):
     prefix, a, _ = made
     rec = json.load(open(tokenizer_record_path(prefix)))
-    assert rec == {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": a, "sha256": model_sha256(a)}
+    assert rec == {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(a),
+                   "sha256": model_sha256(a)}
 
 
 def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):
@@ -67,3 +68,20 @@ def test_without_a_record_or_with_a_broken_one(made, tmp_path):
     with pytest.raises(ConfigError, match=r"old_text_document.tokenizer.json is not a tokenizer record"):
         check_sources(_cfg("glob", old, a))
     os.remove(tokenizer_record_path(old))
+
+
+def test_record_path_is_absolute_and_a_failed_rerun_leaves_none(tmp_path, monkeypatch):
+    """A tokenizer given relative to the preprocessing's working directory is recorded by its
+    absolute path (the pre-flight reads the record from elsewhere); a rerun into the same prefix
+    that fails leaves no record of the earlier run beside its data."""
+    a = train_tiny_tokenizer(str(tmp_path / "a"), vocab=200)
+    src = write_jsonl(str(tmp_path / "x.jsonl"), synthetic_texts(20, seed=1))
+    monkeypatch.chdir(tmp_path)
+    preprocess([src], ["text"], os.path.relpath(a), "x", log=None)
+    record = tokenizer_record_path(str(tmp_path / "x_text_document"))
+    assert json.load(open(record))["tokenizer_model"] == a
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(open(src).read() + "not json\n")
+    with pytest.raises(Exception, match="--strict"):  # the bad line stops the run midway
+        preprocess([str(bad)], ["text"], a, "x", log=None, strict=True)
+    assert not os.path.exists(record)

@@ -215,8 +215,11 @@ def test_inside_a_compiled_region_the_fused_layer_runs_outside_the_graph():
 def test_backends_line_names_the_accumulation():
     from dept_mega.model.backends import resolve_backends
     line = resolve_backends(tiny_config(overrides=("precision=bf16",))).describe()
+    # pipeline 1: the tied head shares the one chunk with the input embedding (not fused there)
+    assert "grad_accum_fusion=on [torch GEMMs]: " + wgrad.PATHS["addmm_fp32_operands"] in line, line
+    piped = resolve_backends(tiny_config(overrides=("precision=bf16", "parallel.pipeline=2"))).describe()
     assert ("grad_accum_fusion=on [torch GEMMs, tied head on a chunk without the input embedding]: "
-            + wgrad.PATHS["addmm_fp32_operands"]) in line
+            + wgrad.PATHS["addmm_fp32_operands"]) in piped, piped
     assert "grad_accum_fusion=off" in resolve_backends(tiny_config(overrides=("optim.grad_accum_fusion=false",))).describe()
     compiled = resolve_backends(tiny_config(overrides=("train.compile=true", "model.tie_embeddings=false"))).describe()
     assert "grad_accum_fusion=on [torch GEMMs (outside the compiled graphs: a graph break each), output head]: " in compiled

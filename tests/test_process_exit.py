@@ -47,7 +47,35 @@ def test_without_it_the_cycle_outlives_main():
 
 
 def test_the_entry_points_use_it():
-    for path in ("dept_mega/train.py", "dept_mega/evaluate.py", "dept_mega/adapt.py", "tools/benchmark.py"):
+    for path in ("dept_mega/train.py", "dept_mega/evaluate.py", "dept_mega/adapt.py", "tools/benchmark.py",
+                 "tools/dept_costs.py", "tools/summarize_runs.py", "tools/study.py", "tools/glob_rows.py",
+                 "dept_mega/ops/__main__.py"):
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             text = f.read()
         assert "exit_after(main)" in text and "sys.exit(main())" not in text, path
+
+
+def _piped_into_closed_reader(args: list[str]) -> subprocess.CompletedProcess:
+    """Run ``args`` with its stdout a pipe whose read end is closed at once (``| head -0``:
+    the reader went away before the first line), deterministically: every write fails."""
+    read, write = os.pipe()
+    os.close(read)
+    env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_DEVICE="cpu")
+    try:
+        done = subprocess.run(args, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT, env=env)
+    finally:
+        os.close(write)
+    return done
+
+
+def test_a_closed_stdout_ends_the_clis_quietly(tmp_path):
+    """``train --print-config | head``, ``train --check | head``, ``dept_costs | head``: no
+    BrokenPipeError traceback, exit status 141 (128 + SIGPIPE), as a standard tool."""
+    from dept_mega.process_exit import EXIT_BROKEN_PIPE
+    from tests.test_train_cli import _setup
+    cfg = _setup(tmp_path)
+    for args in (["-m", "dept_mega.train", "--config", cfg, "--print-config"],
+                 ["-m", "dept_mega.train", "--config", cfg, "--check", "--world-size", "2"],
+                 [os.path.join(ROOT, "tools", "dept_costs.py"), "--config", cfg, "--source-vocab", "120"]):
+        done = _piped_into_closed_reader([sys.executable, *args])
+        assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", (args, done.returncode, done.stderr)

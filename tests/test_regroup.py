@@ -361,3 +361,15 @@ def test_another_number_of_groups_and_tensor_size_at_once(tmp_path):
         assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-6, atol=0), \
             (got["losses"], want["losses"])
         assert any("dept.reset_inner_optimizer" in n for n in got["notes"]), got["notes"]
+
+
+def test_regroup_note_says_what_happened_before_the_key():
+    """The note of a load under another number of groups begins with what happened (the
+    checkpoint's and this launch's groups), not with the config key, which reads as a problem
+    with that key; the key comes last, saying what it does."""
+    from dept_mega.checkpoint import regroup_note
+    note = regroup_note("RUN/checkpoints/step_8", 2, 3, ["the body"])
+    assert note.startswith("checkpoint RUN/checkpoints/step_8 was written by 2 source groups, this launch has 3: "
+                           "new group g continues with the inner optimizer state of the body of old group g mod 2")
+    assert note.endswith("because dept.reset_inner_optimizer is false (true clears it at every round start)")
+    assert note.index("dept.reset_inner_optimizer") > note.index("g mod 2")

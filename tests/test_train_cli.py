@@ -112,7 +112,7 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
 
     cfg = load_config(_setup(tmp_path, variant="std"), ["model.hidden_size=128", "model.ffn_hidden_size=512"])
     mem = predict_memory(cfg, 120)
-    want = checkpoint_bytes(cfg, 1, mem)
+    want = checkpoint_bytes(cfg, 1, mem, 120)
     usage = type("Usage", (), {})
 
     def disk(free):

@@ -226,4 +226,5 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dept_mega.process_exit import exit_after
+    exit_after(main)

@@ -111,4 +111,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dept_mega.process_exit import exit_after
+    exit_after(main)

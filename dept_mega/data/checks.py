@@ -16,7 +16,7 @@ import os
 
 from dept_mega.config import Config, ConfigError
 from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path, tokenizer_record_path
-from dept_mega.data.sources import token_id_range
+from dept_mega.data.sources import naming_source, token_id_range
 
 
 def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
@@ -78,12 +78,14 @@ def check_sources(cfg: Config) -> None:
     vocabs = embedding_vocabularies(cfg)
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
         key = f"config key 'data.sources[{i}].prefix'"
-        ds = IndexedDataset(s.prefix)
+        with naming_source(i, s.name):
+            ds = IndexedDataset(s.prefix)
         if ds.num_documents == 0 or ds.num_tokens == 0:
             raise ConfigError(f"{key}: source '{s.name}': {idx_path(s.prefix)} holds {ds.num_documents} documents "
                               f"and {ds.num_tokens} tokens: an empty dataset (was the preprocessing input empty "
                               f"or all bad lines?)")
-        lo, hi = token_id_range(s.prefix, cfg.data.cache_dir)
+        with naming_source(i, s.name):
+            lo, hi = token_id_range(s.prefix, cfg.data.cache_dir)
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ConfigError(f"{key}: source '{s.name}': {bin_path(s.prefix)} holds token id {bad}, but {what} "

@@ -252,6 +252,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs))
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
+    for final in finals:  # a rerun into the same prefix: the old record must not outlive a failed run's data
+        if os.path.isfile(tokenizer_record_path(final)):
+            os.remove(tokenizer_record_path(final))
     t0 = time.time()
 
     pool = None
@@ -292,8 +295,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
                               f"empty dataset)")
     digest = model_sha256(tokenizer_model)
-    for final in finals:
-        _write_tokenizer_record(final, tokenizer_type, tokenizer_model, digest)
+    for final in finals:  # the absolute path: the record is read from other working directories
+        _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest)
     stats.outputs = finals
     return stats
 

@@ -16,13 +16,15 @@ import json
 import os
 import tempfile
 import warnings
+from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from dept_mega.data.gpt_dataset import GPTDataset
-from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path
+from dept_mega.config import ConfigError
+from dept_mega.data.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
 
 SAMPLINGS = ("uniform", "proportional", "temperature")
 
@@ -288,9 +290,23 @@ def vocab_set(prefix: str, cache_dir: Optional[str] = None) -> np.ndarray:
     return np.flatnonzero(token_counts(prefix, cache_dir)).astype(np.int64)
 
 
+@contextmanager
+def naming_source(index: int, name: str):
+    """Re-raise a damaged file's :class:`IndexedFormatError` (which names only the file) of
+    source ``data.sources[index]`` as a ConfigError naming the source and the config key."""
+    try:
+        yield
+    except IndexedFormatError as exc:
+        raise ConfigError(f"config key 'data.sources[{index}].prefix': source '{name}': {exc}") from exc
+
+
 def source_datasets(cfg, which: str = "train", shuffle: Optional[bool] = None) -> list[GPTDataset]:
     """One :class:`GPTDataset` per ``cfg.data.sources`` entry (train shuffled, valid/test not,
     unless ``shuffle`` says otherwise)."""
     shuffle = (which == "train") if shuffle is None else shuffle
-    return [GPTDataset(s.prefix, cfg.model.seq_length, cfg.data.split, which, cfg.train.seed,
-                       cfg.data.cache_dir, shuffle=shuffle) for s in cfg.data.sources]
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        with naming_source(i, s.name):
+            out.append(GPTDataset(s.prefix, cfg.model.seq_length, cfg.data.split, which, cfg.train.seed,
+                                  cfg.data.cache_dir, shuffle=shuffle))
+    return out

@@ -112,6 +112,7 @@ class Backends:
     fuse_wgrad: bool = False  # optim.grad_accum_fusion: torch GEMMs accumulate dW into main_grad
     wgrad: str = ""  # how (parallel/wgrad.py PATHS), for the log
     tied: bool = False  # model.tie_embeddings (the head shares the input embedding)
+    head_apart: bool = False  # the head on another model chunk than the input embedding (pipeline/virtual > 1)
     cross_entropy: str = "eager"  # "compiled" on CUDA (parallel/cross_entropy.py), else "eager"
     rope: str = ""  # rotary positions (model/positions.py): "compiled" on CUDA, "eager" elsewhere; "" without
     notes: tuple[str, ...] = field(default=())
@@ -142,7 +143,10 @@ class Backends:
     def describe_wgrad(self) -> str:
         if not self.fuse_wgrad:
             return "grad_accum_fusion=off"
-        where = ["output head" if not self.tied else "tied head on a chunk without the input embedding"]
+        # a tied head accumulates into main_grad only where its chunk holds no input embedding
+        # (model/embeddings.py: fuse_tied_head); on the one chunk of pipeline 1 it does not
+        where = (["output head"] if not self.tied
+                 else ["tied head on a chunk without the input embedding"] if self.head_apart else [])
         if self.linear == "transformer_engine":
             where.append("not the TE GEMMs")
         else:
@@ -418,6 +422,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                     fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
+                    head_apart=cfg.parallel.pipeline * cfg.parallel.virtual_pipeline > 1,
                     cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",
                     notes=tuple(notes))
 

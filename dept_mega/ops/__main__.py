@@ -73,4 +73,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dept_mega.process_exit import exit_after
+    exit_after(main)

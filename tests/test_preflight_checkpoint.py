@@ -1,0 +1,77 @@
+"""The pre-flight's checkpoint size (``dept_mega.preflight.checkpoint_bytes``) is an upper bound
+of what a real save writes, for every DEPT variant, with more sources than groups (K = 3 > G = 1:
+SPEC/SPEC-OPT/TRIM write the stored sources' embeddings too), and not far above it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.data_utils import train_tiny_tokenizer, write_docs
+from tests.trainer_utils import ROOT
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("corpus")
+    tok = train_tiny_tokenizer(str(tmp / "tok"))
+    rng = np.random.default_rng(0)
+    sources = []
+    for name in ("a", "b", "c"):
+        docs = [rng.integers(3, 100, int(rng.integers(20, 60))).tolist() for _ in range(40)]
+        prefix = write_docs(str(tmp / f"{name}_text_document"), docs, nbytes=[3 * len(d) for d in docs])
+        sources.append({"name": name, "prefix": prefix})
+    return tok, sources
+
+
+@pytest.mark.parametrize("variant,overrides", [
+    ("std", []), ("glob", []), ("spec", []), ("spec_opt", []), ("trim", []),
+    ("spec", ["dept.body_optimizer_state=source"]),
+])
+def test_predicted_checkpoint_bounds_a_real_save(tmp_path, corpus, variant, overrides):
+    from dept_mega.checkpoint import dir_bytes
+    from dept_mega.config import load_config
+    from dept_mega.dept.costs import resolve_vocabs
+    from dept_mega.dept.memory import predict_memory
+    from dept_mega.preflight import checkpoint_bytes
+    tok, sources = corpus
+    if variant == "spec_opt":  # every source its own tokenizer (the same file will do)
+        sources = [dict(s, tokenizer=tok) for s in sources]
+    cfg = {"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
+                     "seq_length": 16},
+           "precision": "fp32", "backend": "local", "dept": {"variant": variant, "local_steps": 1},
+           "data": {"tokenizer": tok, "sources": sources},
+           "train": {"steps": STEPS, "micro_batch_size": 2, "global_batch_size": 2, "eval_iters": 1,
+                     "eval_interval": 1000, "run_dir": str(tmp_path / "run")}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    c = load_config(str(path), overrides)
+    vocabs = resolve_vocabs(c)
+    own = list(vocabs.source_vocabs.values()) if variant == "spec_opt" else []
+    trim = list(vocabs.trim_vocabs.values())
+    mem = predict_memory(c, vocabs.global_vocab, own, trim)
+    predicted = checkpoint_bytes(c, 1, mem, vocabs.global_vocab, own, trim)
+
+    env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_DEVICE="cpu")
+    env.pop("DEPT_GROUP", None)
+    r = subprocess.run([sys.executable, "-m", "dept_mega.train", "--config", str(path), *overrides],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    step = tmp_path / "run" / "checkpoints" / f"step_{STEPS}"
+    if variant in ("spec", "spec_opt", "trim"):  # the case under test: stored sources are written
+        assert _stored_sources(str(step)), "no stored source in the checkpoint"
+    real = dir_bytes(str(step))
+    assert real <= predicted <= 1.5 * real, (variant, overrides, predicted, real)
+
+
+def _stored_sources(step: str) -> set[str]:
+    """The names of the sources written under ``source/{name}/`` in a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    return {k.split("/")[1] for k in keys if k.startswith("source/")}
