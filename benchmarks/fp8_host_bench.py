@@ -2,38 +2,53 @@
 """Host cost of one eager linear layer call, forward and backward apart: µs, dispatcher ops, Python calls.
 
     OMP_NUM_THREADS=1 python benchmarks/fp8_host_bench.py [--device cpu|cuda] [--shape 16,64] [--depth 8]
-        [--repeats 200] [--combos bf16,cuda+cublaslt,...] [--kernels stub|real] [--ops] [--json OUT]
+        [--repeats 200] [--combos bf16,cuda+cublaslt,...] [--kernels stub|real] [--scaling delayed|current]
+        [--ops] [--json OUT]
+
+On a fast GPU the eager FP8 step is bound by the host (docs/performance.md, "FP8: what the host
+costs per linear layer"): the kernels of a 1B model's linear are over before Python has issued
+the next ones, so every µs of Python per call counts. This script measures that host time.
 
 What it runs: a chain of ``--depth`` parallel linear layers (``ColumnParallelLinear`` and
 ``RowParallelLinear`` in turn, ``hidden → hidden``, bf16 weights, tensor-parallel size 1) as
 the model builds them, inside an open training step as the trainer opens it (a ``GradBuffer``
-with fp32 ``main_grad`` active; for FP8 the model's ``Fp8State`` step open under delayed
-scaling, after a first step that gave every operand a history). Combinations:
+with fp32 ``main_grad`` active; for FP8 the model's ``Fp8State`` step open under ``--scaling``,
+delayed by default, after a first step that gave every operand a history). Combinations:
 
-* ``bf16``: ``LinearGemm(fuse_wgrad=True)`` (``optim.grad_accum_fusion``, the default).
-* ``CASTS+GEMM`` for CASTS in ``torch`` | ``cuda`` and GEMM in ``torch`` | ``cublaslt``: the eager
-  FP8 linear with ``Fp8State(kernels=CASTS, gemm=GEMM)`` (``fp8_casts``, ``fp8_gemm``).
-  ``cuda+cublaslt`` is the path a GPU run with ``fp8_casts: cuda`` + ``fp8_gemm: cublaslt`` takes:
-  the Python of ``fp8.py`` does not branch on the device there (the two C++ operators are
-  called through the same overloads; only their kernels differ), so on the CPU the same Python
-  and the same dispatcher calls run. ``torch`` casts run eagerly here but compiled on CUDA, and
-  ``torch`` GEMMs toggle oneDNN around ``_scaled_mm`` on the CPU only: those combinations are
-  not the GPU's host path (shown for comparison). ``triton`` casts (the default on CUDA) run
-  with ``--device cuda`` only.
+* ``bf16``: ``LinearGemm(fuse_wgrad=True)`` (``optim.grad_accum_fusion``, the default): the weight
+  gradient added into ``main_grad`` by the backward. ``bf16_unfused``: ``LinearGemm()`` (the fusion
+  off): ``F.linear``, autograd's ``param.grad`` and the buffer's hook. The bf16 references.
+* ``CASTS+GEMM`` for CASTS in ``torch`` | ``cuda`` | ``triton`` | ``tritonpy`` and GEMM in ``torch``
+  | ``cublaslt``: the eager FP8 linear with ``Fp8State(kernels=CASTS, gemm=GEMM)`` (``fp8_casts``,
+  ``fp8_gemm``). ``cuda+cublaslt`` is the path a GPU run with ``fp8_casts: cuda`` + ``fp8_gemm:
+  cublaslt`` takes: the Python of ``fp8.py`` does not branch on the device there (the two C++
+  operators are called through the same overloads; only their kernels differ), so on the CPU the
+  same Python and the same dispatcher calls run. ``triton+torch`` is the default on CUDA
+  (Triton casts, ``torch._scaled_mm``); ``triton`` casts run with ``--device cuda`` only (on the
+  CPU only Triton's interpreter could, which would time the interpreter). ``torch`` casts run
+  eagerly here but compiled on CUDA, and ``torch`` GEMMs toggle oneDNN around ``_scaled_mm`` on
+  the CPU only: those combinations are not the GPU's host path (shown for comparison; on CUDA
+  left out by default: inductor would compile the casts first).
+* ``tritonpy``: the ``triton`` cast path with only the Triton kernels' launches made no-ops
+  (``fp8_kernels._cast_kernel`` and ``_amax_parts_kernel``; Triton's ``cdiv`` and availability
+  provided where it is not installed): ``cast_fp8``'s own Python runs (checks, allocations, grid),
+  no kernel, so its bytes are garbage. It runs on either device; against ``triton`` it leaves
+  exactly Triton's launcher out (argument binding, specialisation key, cache lookup, the
+  driver's launch).
 
-``--device cuda`` runs the same chains on the GPU (real kernels; by default without the
-``torch`` casts, which inductor would compile first) and times each forward and backward by the
-wall clock between two synchronisations: at these sizes the kernels end about as soon as the
-host has issued them, so that is the host's time with the CUDA launches included.
+``--device cuda`` runs the same chains on the GPU (real kernels) and times each forward and
+backward by the wall clock between two synchronisations: at these sizes the kernels end about as
+soon as the host has issued them, so that is the host's time with the CUDA launches included.
 
-``--kernels stub`` (the default) replaces the CPU kernels of ``dept_mega::cast_fp8`` and
-``dept_mega::fp8_gemm`` in this process by C++ kernels that only allocate their outputs (compiled
-once with ``torch.utils.cpp_extension.load_inline``, ~45 s the first time, cached after): the
-CPU kernels compute (the GEMM converts its operands to fp32: ~50 µs per call even at 16 × 64),
-which a GPU does not do on the host, so with them the figures would mostly be arithmetic.
-With the stubs a call costs what it costs a CUDA host minus the driver's launches: our Python,
-autograd, the dispatcher and the allocations. The numbers are garbage then (nothing is checked
-against them). ``--kernels real`` keeps the computing kernels.
+``--kernels stub`` (the default on the CPU) replaces the CPU kernels of ``dept_mega::cast_fp8``
+and ``dept_mega::fp8_gemm`` in this process by C++ kernels that only allocate their outputs
+(compiled once with ``torch.utils.cpp_extension.load_inline``, ~45 s the first time, cached
+after): the CPU kernels compute (the GEMM converts its operands to fp32: ~50 µs per call even at
+16 × 64), which a GPU does not do on the host, so with them the figures would mostly be
+arithmetic. With the stubs a call costs what it costs a CUDA host minus the driver's launches:
+our Python, autograd, the dispatcher and the allocations. The numbers are garbage then (nothing
+is checked against them). ``--kernels real`` keeps the computing kernels (no compile: what the
+device check's dry run uses); on CUDA the real kernels always run.
 
 Figures, per layer call (chain totals / depth), forward and backward apart:
 
@@ -51,6 +66,25 @@ Figures, per layer call (chain totals / depth), forward and backward apart:
   ``.item()``, ``bool(t)``, ``.tolist()``; ``aten::is_nonzero``; ``aten::equal``) or copy to the
   CPU; must be 0 on the hot path.
 
+Derived, µs per linear call (forward + backward: two casts, the weight's cached, three GEMMs),
+differences of the combinations' sums (``derived`` in the JSON; the first pair of rows that both
+ran, the cublaslt rows first, so the GPU path's own figures; n/a where none did):
+
+* ``triton_launcher`` = ``triton+G − tritonpy+G``: Triton's launcher alone (CUDA only: the rows
+  differ in the launches and nothing else).
+* ``cast_fp8_python`` = ``tritonpy+G − cuda+G``: ``cast_fp8``'s Python over the C++ operator's whole
+  host path (binding, dispatcher, allocation; on CUDA its launch too). Not the absolute Python of
+  ``cast_fp8`` (that would need a row with the cast replaced by nothing), but what choosing the
+  operator saves of it.
+* ``triton_casts`` = ``triton+G − cuda+G`` (= the two above): what the Triton casts cost the host
+  over the C++ cast operator (``fp8_casts: triton`` against ``cuda``). CUDA only.
+* ``scaled_mm_host`` = ``C+torch − C+cublaslt``: ``torch._scaled_mm``'s host path (dispatch,
+  cuBLASLt's descriptors and heuristic) and the weight gradient's separate add, over the cuBLASLt
+  operator's (``fp8_gemm: torch`` against ``cublaslt``), again not absolute. On the CPU PyTorch's
+  CPU ``_scaled_mm`` computes (~20 µs per GEMM even here): not a host figure.
+* ``gpu_path_over_bf16`` = ``cuda+cublaslt − bf16``: what the FP8 path costs the host per call over
+  the bf16 layer's.
+
 On the CPU these are a proxy for the host time of a GPU run, without the CUDA driver's launch
 cost (a few µs per kernel), on a CPU other jobs may share; compare figures of one run (the
 combinations alternate per repeat to share the machine's noise).
@@ -59,10 +93,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import sys
 import time
+import types
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -77,10 +113,29 @@ from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 from dept_mega.parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear  # noqa: E402
 
-COMBOS = ("bf16", "torch+torch", "torch+cublaslt", "cuda+torch", "cuda+cublaslt", "triton+torch", "triton+cublaslt")
+CASTS = ("torch", "cuda", "triton", "tritonpy")
+COMBOS = ("bf16", "bf16_unfused") + tuple(f"{c}+{g}" for c in CASTS for g in ("torch", "cublaslt"))
 # on CUDA the torch casts are compiled by inductor at their first call (minutes for the bench): left out
-DEFAULT = {"cpu": COMBOS[:5], "cuda": ("bf16", "triton+torch", "triton+cublaslt", "cuda+torch", "cuda+cublaslt")}
+DEFAULT = {"cpu": ("bf16", "bf16_unfused", "torch+torch", "torch+cublaslt", "cuda+torch", "cuda+cublaslt",
+                   "tritonpy+cublaslt"),
+           "cuda": ("bf16", "bf16_unfused", "triton+torch", "triton+cublaslt", "tritonpy+cublaslt", "cuda+torch",
+                    "cuda+cublaslt")}
 GPU_PATH = "cuda+cublaslt"  # the combination whose Python is the GPU run's (see the docstring)
+# the derived table (see the docstring): name -> (candidate (minuend, subtrahend) pairs, the first
+# that both ran is used; what it is; a caveat on the CPU or None)
+DERIVED = {
+    "triton_launcher": ((("triton+cublaslt", "tritonpy+cublaslt"), ("triton+torch", "tritonpy+torch")),
+                        "Triton's launcher: binding, specialisation key, cache lookup, driver launch", None),
+    "cast_fp8_python": ((("tritonpy+cublaslt", "cuda+cublaslt"), ("tritonpy+torch", "cuda+torch")),
+                        "cast_fp8's Python (checks, allocations, grid) over the C++ cast operator's host path", None),
+    "triton_casts": ((("triton+cublaslt", "cuda+cublaslt"), ("triton+torch", "cuda+torch")),
+                     "the Triton casts over the C++ cast operator (fp8_casts: triton against cuda)", None),
+    "scaled_mm_host": ((("cuda+torch", "cuda+cublaslt"), ("triton+torch", "triton+cublaslt"),
+                        ("tritonpy+torch", "tritonpy+cublaslt"), ("torch+torch", "torch+cublaslt")),
+                       "torch._scaled_mm's host path and the dW add over the cuBLASLt operator's (fp8_gemm: torch "
+                       "against cublaslt)", "on the CPU PyTorch's CPU _scaled_mm computes: not a host figure"),
+    "gpu_path_over_bf16": ((("cuda+cublaslt", "bf16"),), "the GPU path's FP8 linear over the bf16 layer", None),
+}
 _BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
 _SYNC_OPS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item")
 
@@ -126,6 +181,50 @@ def install_stub_kernels() -> None:
         load_inline("dept_mega_fp8_host_stubs", cpp_sources=[_STUB_SRC], is_python_module=False)
 
 
+def derived(us: dict, device: str) -> dict:
+    """The :data:`DERIVED` differences of ``us`` (µs per call, forward + backward, by combination):
+    per name ``{"us": value or None, "of": "a - b", "what": ...}``; None where no pair ran."""
+    out = {}
+    for name, (pairs, what, cpu_note) in DERIVED.items():
+        pair = next(((a, b) for a, b in pairs if a in us and b in us), None)
+        out[name] = {"us": None if pair is None else us[pair[0]] - us[pair[1]],
+                     "of": " - ".join(pair or pairs[0]),
+                     "what": what + (f" ({cpu_note})" if cpu_note and device == "cpu" else "")}
+    return out
+
+
+class _NoLaunch:
+    """A Triton kernel object whose launches do nothing (the ``tritonpy`` casts)."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def launches_stubbed():
+    """``fp8_kernels`` with its Triton launches no-ops for the duration (see ``tritonpy`` in the
+    module docstring), restored afterwards: ``cast_fp8``'s own Python runs, no kernel."""
+    K = fp8_kernels
+    names = ("_cast_kernel", "_amax_parts_kernel", "AVAILABLE", "triton", "interpreted")
+    saved = {n: getattr(K, n) for n in names if hasattr(K, n)}
+    K._cast_kernel = K._amax_parts_kernel = _NoLaunch()
+    K.AVAILABLE, K.interpreted = True, lambda: True  # interpreted: its check of CPU tensors passes
+    if K.triton is None:
+        K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    try:
+        yield
+    finally:
+        for n in names:
+            if n in saved:
+                setattr(K, n, saved[n])
+            elif hasattr(K, n):
+                delattr(K, n)
+
+
 class _Count(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -162,16 +261,21 @@ class _PyCalls:
 class Chain:
     """``depth`` column/row-parallel layers of one combination, their gradient buffer and FP8 state."""
 
-    def __init__(self, combo: str, tokens: int, hidden: int, depth: int, device: str = "cpu") -> None:
+    def __init__(self, combo: str, tokens: int, hidden: int, depth: int, device: str = "cpu",
+                 scaling: str = "delayed") -> None:
         torch.manual_seed(0)
         self.device = torch.device(device)
         pg = build_groups()
-        self.state = None
-        if combo == "bf16":
-            gemm = LinearGemm(fuse_wgrad=True)
+        self.state, self.stub_launches = None, combo.startswith("tritonpy+")
+        if combo in ("bf16", "bf16_unfused"):
+            gemm = LinearGemm(fuse_wgrad=combo == "bf16")
         else:
             casts, mm = combo.split("+")
-            self.state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=16), device, kernels=casts, gemm=mm)
+            # tritonpy: a state any device can build, then Fp8State.cast's Triton path by hand
+            self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device,
+                                  kernels="torch" if self.stub_launches else casts, gemm=mm)
+            if self.stub_launches:
+                self.state.kernels = "triton"
             gemm = LinearGemm("fp8", self.state)
         kinds = (ColumnParallelLinear, RowParallelLinear)
         self.layers = [kinds[i % 2](hidden, hidden, pg, name=f"l{i}", seed=i, init_std=hidden ** -0.5, gemm=gemm,
@@ -200,6 +304,10 @@ class Chain:
 
     def step(self, body) -> None:
         """One training step: its first pass (the weights' casts), then ``body()``."""
+        with launches_stubbed() if self.stub_launches else contextlib.nullcontext():
+            self._step(body)
+
+    def _step(self, body) -> None:
         self.sync.begin([self.buffer], {id(w): _BIG for w in self.ws})
         if self.state is not None:
             self.state.begin_step()
@@ -265,7 +373,7 @@ class Chain:
 
 def skip_reason(combo: str, device: str):
     """Why ``combo`` cannot run on ``device`` (None: it can)."""
-    if combo == "bf16":
+    if combo.startswith("bf16"):
         return None
     casts, gemm = combo.split("+")
     if casts == "triton" and (device != "cuda" or not fp8_kernels.AVAILABLE):
@@ -287,6 +395,8 @@ def main() -> None:
     ap.add_argument("--combos", default=None, help=f"of {', '.join(COMBOS)} (default: {', '.join(DEFAULT['cpu'])}; "
                     f"on CUDA {', '.join(DEFAULT['cuda'])})")
     ap.add_argument("--kernels", default=None, choices=("stub", "real"), help="default: stub on the CPU, real on CUDA")
+    ap.add_argument("--scaling", default="delayed", choices=("delayed", "current"),
+                    help="the FP8 recipe's scaling (current: a Triton cast is two launches)")
     ap.add_argument("--ops", action="store_true", help="print the dispatcher ops by name")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -304,7 +414,7 @@ def main() -> None:
     combos = [c for c in combos if c not in skipped]
     if kernels == "stub":
         install_stub_kernels()
-    chains = {c: Chain(c, tokens, hidden, args.depth, args.device) for c in combos}
+    chains = {c: Chain(c, tokens, hidden, args.depth, args.device, args.scaling) for c in combos}
     counts = {c: chains[c].counted() for c in combos}
     for c in combos:  # warm-up
         chains[c].timed(args.per_step)
@@ -319,10 +429,10 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     timing = "wall time between synchronisations" if cuda else "process CPU time"
     res = {"device": args.device, "device_name": name, "shape": [tokens, hidden], "depth": args.depth,
-           "kernels": kernels, "torch": torch.__version__, "timing": f"{timing}, min over passes, per layer call",
-           "skipped": skipped, "combos": {}}
+           "kernels": kernels, "scaling": args.scaling, "passes": rounds * args.per_step, "torch": torch.__version__,
+           "timing": f"{timing}, min over passes, per layer call", "skipped": skipped, "combos": {}}
     print(f"host µs per layer call on {name}, min of {rounds * args.per_step} passes ({timing}), tokens,hidden = "
-          f"{args.shape}, chain of {args.depth}, kernels {kernels}, torch {torch.__version__}")
+          f"{args.shape}, chain of {args.depth}, kernels {kernels}, {args.scaling} scaling, torch {torch.__version__}")
     print(f"  {'combo':16s} {'fwd us':>7s} {'bwd us':>7s} {'sum':>7s} | {'fwd ops':>7s} {'bwd ops':>7s} | "
           f"{'py fwd':>6s} {'py bwd':>6s} | syncs")
     for c in combos:
@@ -338,6 +448,11 @@ def main() -> None:
                 print(f"      {ph}: " + ", ".join(f"{n.split('::')[-1]} {v:g}" for n, v in k[ph]["by_op"].items()))
     for c, why in skipped.items():
         print(f"  {c:16s} skipped: {why}")
+    res["derived"] = derived({c: v["fwd_us"] + v["bwd_us"] for c, v in res["combos"].items()}, args.device)
+    print("derived, µs per call (forward + backward):")
+    for n, d in res["derived"].items():
+        value = "     n/a" if d["us"] is None else f"{d['us']:8.1f}"
+        print(f"  {n:18s} {value}  = {d['of']}: {d['what']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

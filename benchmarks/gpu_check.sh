@@ -37,10 +37,11 @@
 #   fp8_lt     the FP8 run with fp8_gemm=cublaslt (and the C++ casts): the GEMMs through cuBLASLt
 #              directly (dept_mega::fp8_gemm), the weight gradients accumulated into the fp32
 #              gradient buffer inside the GEMM, profiled -> bench.jsonl, kernels.txt  55 (an estimate)
-#   fp8_host   benchmarks/fp8_host_overhead.py --device cuda: the host's µs per FP8 linear call by
-#              mode, and what Triton's launcher, cast_fp8's Python and _scaled_mm's host path
-#              each cost (tiny operands, wall time) -> one "kind": "fp8_host" row of bench.jsonl
-#              30 (an estimate: not yet measured)
+#   fp8_host   benchmarks/fp8_host_bench.py --device cuda: the host's µs per linear call, forward and
+#              backward apart, and its dispatcher ops, by casts x GEMM (triton|cuda casts, torch|cublaslt
+#              GEMM, bf16 beside), and what Triton's launcher, cast_fp8's Python and _scaled_mm's host
+#              path each cost over the C++ operators (tiny operands, wall time) -> one "kind":
+#              "fp8_host" row of bench.jsonl                       30 (an estimate: not yet measured)
 #   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
@@ -140,8 +141,9 @@ if [ "$DRY" = 1 ]; then
   MEGATRON_SET=(model.position_embedding=learned)
   # eager (an inductor build of each arm would take a minute on the CPU): the plumbing only
   TORCHAO=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --no-compile)
-  # the CPU has no Triton launcher: the benchmark skips its real fp8 mode there (and says so)
-  FP8_HOST=(--device cpu --trials 1 --calls 3 --depth 2)
+  # the CPU has no Triton launcher: the benchmark skips the triton casts there (and says so); the
+  # operators' real CPU kernels (--kernels stub would compile its stub kernels first: ~45 s)
+  FP8_HOST=(--device cpu --kernels real --repeats 4 --per-step 2 --depth 2)
   CAST_BENCH=(--device cpu --iters 1)
   # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
   # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
@@ -161,7 +163,7 @@ else
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
   TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
-  FP8_HOST=(--device cuda --trials 5)
+  FP8_HOST=(--device cuda --repeats 200)
   CAST_BENCH=(--device cuda)
   GRAPH_CASTS=triton
   # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
@@ -439,11 +441,11 @@ open(dst, "a").write(json.dumps(r) + "\n")
 EOF
 }
 
-stage_fp8_host() {  # fp8_host_overhead.py's record as one "kind": "fp8_host" row of bench.jsonl
+stage_fp8_host() {  # fp8_host_bench.py's record as one "kind": "fp8_host" row of bench.jsonl
   local rec="$WORK/fp8_host.json" rc
   rm -f "$rec"
   wait_build || return 1
-  run "$PY" benchmarks/fp8_host_overhead.py "${FP8_HOST[@]}" --json "$rec"
+  run "$PY" benchmarks/fp8_host_bench.py "${FP8_HOST[@]}" --json "$rec"
   rc=$?
   record_row fp8_host fp8_host "$rec" $rc ok
   return $rc

@@ -5,7 +5,7 @@ time, the pytest results, the custom ops against the copy bandwidth, the 1B benc
 (tokens/s, TFLOP/s, MFU, peak memory against the targets of docs/performance.md), the memory model against
 the measured peak, the comparison with megatron-core, torchao's float8 against bf16 on a plain
 GPT of the same shape (the ``vs_torchao`` row of bench.jsonl), the host's cost per FP8 linear
-call by mode (the ``fp8_host`` row) and the head of each kernel breakdown.
+call by casts + GEMM combination (the ``fp8_host`` row) and the head of each kernel breakdown.
 
     python benchmarks/suite_summary.py OUT [--env ENV.json] [--budget S] [--elapsed S] [--dry-run]
 
@@ -255,24 +255,30 @@ def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
 
 
 def fp8_host_lines(r: dict) -> list[str]:
-    """benchmarks/fp8_host_overhead.py's record (a bench.jsonl row of kind ``fp8_host``): µs per
-    FP8 linear call (forward + backward) by mode, the modes that did not run and why, and the
-    derived differences (what each piece of the FP8 path costs the host)."""
-    lines = ["## FP8: the host's cost per linear call (benchmarks/fp8_host_overhead.py)", ""]
+    """benchmarks/fp8_host_bench.py's record (a bench.jsonl row of kind ``fp8_host``): one table,
+    µs per linear call forward and backward and their dispatcher ops by casts + GEMM combination
+    (the combinations that did not run and why), then the derived differences (what Triton's
+    launcher, ``cast_fp8``'s Python and ``_scaled_mm``'s host path cost over the C++ operators)."""
+    lines = ["## FP8: the host's cost per linear call (benchmarks/fp8_host_bench.py)", ""]
     if "error" in r:
         return lines + [f"- failed: {r['error']}"]
     shape = "x".join(str(x) for x in r.get("shape") or [])
     lines += [f"- {r.get('device_name')}, {r.get('timing')}; operands {shape}, a chain of {r.get('depth')}, "
-              f"{r.get('scaling')} scaling, {r.get('calls')} passes x {r.get('trials')} trials (median)",
-              "", "| mode | us per call | min |", "| --- | ---: | ---: |"]
-    us, low = r.get("us_per_call") or {}, r.get("us_min") or {}
-    for mode, value in us.items():
-        lines.append(f"| {mode} | {_fmt(value, '.1f')} | {_fmt(low.get(mode), '.1f')} |")
-    for mode, why in (r.get("skipped") or {}).items():
-        lines.append(f"| {mode} | skipped: {why} | |")
-    lines += ["", "| derived | us per call | of | what |", "| --- | ---: | --- | --- |"]
+              f"{r.get('scaling')} scaling, kernels {r.get('kernels')}, min of {r.get('passes')} passes",
+              "", "| combination | fwd us | bwd us | sum | ops fwd / bwd | Python calls fwd / bwd | syncs |",
+              "| --- | ---: | ---: | ---: | --- | --- | ---: |"]
+    for c, x in (r.get("combos") or {}).items():
+        f, b = x.get("fwd_us"), x.get("bwd_us")
+        total = None if f is None or b is None else f + b
+        syncs = (x.get("fwd_syncs") or 0) + (x.get("bwd_syncs") or 0)
+        lines.append(f"| {c} | {_fmt(f, '.1f')} | {_fmt(b, '.1f')} | {_fmt(total, '.1f')} | "
+                     f"{_fmt(x.get('fwd_ops'), 'g')} / {_fmt(x.get('bwd_ops'), 'g')} | "
+                     f"{_fmt(x.get('fwd_py_calls'), '.1f')} / {_fmt(x.get('bwd_py_calls'), '.1f')} | {syncs} |")
+    for c, why in (r.get("skipped") or {}).items():
+        lines.append(f"| {c} | skipped: {why} | | | | | |")
+    lines.append("")
     for name, d in (r.get("derived") or {}).items():
-        lines.append(f"| {name} | {_fmt(d.get('us'), '.1f', 'n/a')} | {d.get('of')} | {d.get('what')} |")
+        lines.append(f"- {name}: {_fmt(d.get('us'), '.1f')} us per call = {d.get('of')}: {d.get('what')}")
     return lines
 
 

@@ -205,6 +205,31 @@ def test_ops_summary_judges_the_targets_on_the_bandwidth_rows():
     assert "| remap_ids (16384x2048) | int64 | 0.200 | n/a | 90 | 0.030 (device waited for the host) |" in text
 
 
+def test_fp8_host_summary_renders_the_combination_table():
+    """benchmarks/fp8_host_bench.py's record as gpu_check's summary shows it (a GPU-shaped record:
+    the Triton rows): one table row per combination with forward, backward, their sum, the ops and
+    Python calls, a skipped combination with its reason, the derived costs; a failed stage's error."""
+    from suite_summary import fp8_host_lines
+    row = {"fwd_ops": 2, "bwd_ops": 4, "fwd_py_calls": 20.5, "bwd_py_calls": 26.5, "fwd_syncs": 0, "bwd_syncs": 0}
+    rec = {"device": "cuda", "device_name": "NVIDIA H200", "shape": [16, 64], "depth": 8, "kernels": "real",
+           "scaling": "delayed", "passes": 200, "timing": "wall time between synchronisations, min over passes",
+           "combos": {"bf16": {**row, "fwd_us": 10.0, "bwd_us": 20.0, "bwd_ops": 7},
+                      "triton+torch": {**row, "fwd_us": 30.25, "bwd_us": 41.5, "bwd_syncs": 1}},
+           "skipped": {"cuda+cublaslt": "the C++ GEMM operator cannot run: not built"},
+           "derived": {"triton_launcher": {"us": 12.5, "of": "triton+cublaslt - tritonpy+cublaslt", "what": "launcher"},
+                       "triton_casts": {"us": None, "of": "triton+cublaslt - cuda+cublaslt", "what": "casts"}}}
+    lines = fp8_host_lines(rec)
+    assert lines[0] == "## FP8: the host's cost per linear call (benchmarks/fp8_host_bench.py)"
+    assert "| bf16 | 10.0 | 20.0 | 30.0 | 2 / 7 | 20.5 / 26.5 | 0 |" in lines
+    assert "| triton+torch | 30.2 | 41.5 | 71.8 | 2 / 4 | 20.5 / 26.5 | 1 |" in lines
+    assert "| cuda+cublaslt | skipped: the C++ GEMM operator cannot run: not built | | | | | |" in lines
+    assert "- triton_launcher: 12.5 us per call = triton+cublaslt - tritonpy+cublaslt: launcher" in lines
+    assert "- triton_casts: n/a us per call = triton+cublaslt - cuda+cublaslt: casts" in lines
+    assert "delayed scaling, kernels real, min of 200 passes" in lines[2] and "NVIDIA H200" in lines[2]
+    assert sum(line.startswith("| ---") for line in lines) == 1  # one table
+    assert fp8_host_lines({"error": "rc=1: boom"})[-1] == "- failed: rc=1: boom"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")])])

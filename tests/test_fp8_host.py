@@ -1,5 +1,5 @@
 """The FP8 linear's host-side shortcuts (``parallel/fp8.py``; measured by
-``benchmarks/fp8_host_overhead.py``) change no byte:
+``benchmarks/fp8_host_bench.py``) change no byte:
 
 * reshapes, slices, dtype conversions and autocast contexts that would change nothing are
   skipped: ``fp8_linear`` equals the composition of its pieces (casts, ``_scaled_mm``, unpad,
@@ -10,9 +10,10 @@
   ``param.grad`` never set; outside a training step autograd gets the gradient as before;
 * ``_scaled_mm``'s cheaper checks still name a misaligned operand or scale;
 * under a profiler the forward and backward are named ranges; without one no range is opened;
-* the benchmark runs every mode (the real ``fp8`` one only on CUDA: on the CPU it says why
-  not); its derived table subtracts the right modes; its ``fp8_op`` and ``fp8_cuda`` modes send
-  the casts through the custom operators and give the same bytes as the ``torch`` casts.
+* the benchmark's derived table subtracts the right combinations; its ``tritonpy`` casts run
+  ``cast_fp8``'s Python with no launch and leave ``fp8_kernels`` as it was; a run reports every
+  combination asked for (the Triton casts only on CUDA: on the CPU it says why not) and the
+  derived costs from them.
 """
 from __future__ import annotations
 
@@ -172,94 +173,96 @@ def test_named_profiler_ranges_only_while_profiling(monkeypatch):
     run()
 
 
-BENCH = os.path.join(ROOT, "benchmarks", "fp8_host_overhead.py")
+BENCH = os.path.join(ROOT, "benchmarks", "fp8_host_bench.py")
+_OPS_HERE = fp8_casts.op_unavailable("cpu") is None and fp8_gemm.op_unavailable("cpu") is None
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("fp8_host_overhead", BENCH)
+    spec = importlib.util.spec_from_file_location("fp8_host_bench", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_the_host_overhead_benchmark_runs_every_mode(tmp_path):
+def test_the_host_bench_derives_the_right_differences():
+    """Each combination a different power of two, so every pair's difference is unique to that
+    pair: the cublaslt rows are preferred, the torch GEMM's taken when they did not run."""
+    bench = _bench_module()
+    us = {c: float(2 ** i) for i, c in enumerate(bench.COMBOS)}
+    want = {"triton_launcher": ("triton+cublaslt", "tritonpy+cublaslt"),
+            "cast_fp8_python": ("tritonpy+cublaslt", "cuda+cublaslt"),
+            "triton_casts": ("triton+cublaslt", "cuda+cublaslt"),
+            "scaled_mm_host": ("cuda+torch", "cuda+cublaslt"),
+            "gpu_path_over_bf16": ("cuda+cublaslt", "bf16")}
+    got = bench.derived(us, "cuda")
+    assert set(got) == set(want)
+    for name, (a, b) in want.items():
+        assert got[name]["us"] == us[a] - us[b] and got[name]["of"] == f"{a} - {b}", (name, got[name])
+    # without the cublaslt rows: the torch GEMM's pairs; the GEMM's difference needs both GEMMs
+    no_lt = bench.derived({c: v for c, v in us.items() if not c.endswith("cublaslt")}, "cuda")
+    assert no_lt["triton_launcher"]["us"] == us["triton+torch"] - us["tritonpy+torch"]
+    assert no_lt["cast_fp8_python"]["us"] == us["tritonpy+torch"] - us["cuda+torch"]
+    assert no_lt["scaled_mm_host"]["us"] is None and no_lt["gpu_path_over_bf16"]["us"] is None
+    assert no_lt["scaled_mm_host"]["of"] == "cuda+torch - cuda+cublaslt"  # the pair it would have used
+    cpu = bench.derived({c: v for c, v in us.items() if not c.startswith("triton+")}, "cpu")
+    assert cpu["triton_launcher"]["us"] is None and cpu["triton_casts"]["us"] is None
+    assert "not a host figure" in cpu["scaled_mm_host"]["what"] and "not a host" not in got["scaled_mm_host"]["what"]
+    assert bench.skip_reason("triton+torch", "cpu").startswith("Triton's casts need CUDA")
+    assert bench.skip_reason("tritonpy+torch", "cpu") is None and bench.skip_reason("bf16_unfused", "cpu") is None
+
+
+def test_the_tritonpy_casts_run_cast_fp8s_python_without_a_launch(monkeypatch):
+    """``tritonpy``: ``Fp8State.cast`` calls the real ``cast_fp8``, whose kernel launches reach
+    the bench's no-op (no cast operator dispatched, the outputs allocated by its Python), and
+    ``fp8_kernels`` is as it was afterwards."""
+    from dept_mega.parallel import fp8_kernels as K
+    bench = _bench_module()
+    before = {n: getattr(K, n, None) for n in ("AVAILABLE", "triton", "interpreted", "_cast_kernel", "cast_fp8")}
+    calls = {"cast_fp8": 0, "launch": 0}
+    real_cast = K.cast_fp8
+
+    def counted_cast(*args, **kwargs):
+        calls["cast_fp8"] += 1
+        return real_cast(*args, **kwargs)
+
+    def counted_launch(*args, **kwargs):
+        calls["launch"] += 1
+    monkeypatch.setattr(K, "cast_fp8", counted_cast)
+    monkeypatch.setattr(bench, "_no_launch", counted_launch)
+    chain = bench.Chain("tritonpy+torch", 16, 32, 2)  # its first step, current-scaled: two launches per cast
+    assert calls["cast_fp8"] > 0 and calls["launch"] == 2 * calls["cast_fp8"]
+    calls.update(cast_fp8=0, launch=0)
+    chain.timed(1)  # a delayed-scaling step: one launch per cast
+    assert calls["cast_fp8"] > 0 and calls["launch"] == calls["cast_fp8"]
+    counts = chain.counted()
+    assert counts["fwd"]["by_op"].get("aten::new_empty", 0) > 0 and counts["fwd"]["by_op"]["aten::_scaled_mm"] == 1
+    assert not any("cast_fp8" in op or "fp8_cast" in op for ph in ("fwd", "bwd") for op in counts[ph]["by_op"])
+    assert chain.state.kernels == "triton"
+    monkeypatch.setattr(K, "cast_fp8", real_cast)
+    assert {n: getattr(K, n, None) for n in before} == before  # restored after every step
+
+
+@pytest.mark.skipif(not _OPS_HERE, reason="the dept_mega.ops FP8 operators are not built")
+def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path):
     out = tmp_path / "host.json"
-    res = subprocess.run([sys.executable, BENCH, "--calls", "2", "--trials", "1", "--depth", "2", "--json", str(out)],
+    combos = "bf16,bf16_unfused,cuda+torch,cuda+cublaslt,tritonpy+cublaslt,triton+cublaslt"
+    res = subprocess.run([sys.executable, BENCH, "--kernels", "real", "--depth", "2", "--repeats", "4", "--per-step",
+                          "2", "--scaling", "current", "--combos", combos, "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads(out.read_text())
-    us = rec["us_per_call"]
-    # fp8_cuda: the C++ operator's CPU kernel where the extension has it (else skipped, saying why)
-    op_here = fp8_casts.op_unavailable("cpu") is None
-    lt_here = fp8_gemm.op_unavailable("cpu") is None  # fp8_lt: the GEMM operator's CPU kernel
-    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python",
-                       *(["fp8_cuda"] if op_here else []), *(["fp8_lt"] if lt_here else [])}
-    assert all(v > 0 for v in us.values())
-    # the real path needs a GPU: skipped on the CPU, with the reason in the output and the record
-    assert set(rec["skipped"]) == {"fp8", *([] if op_here else ["fp8_cuda"]), *([] if lt_here else ["fp8_lt"])}
-    assert rec["skipped"]["fp8"].startswith("needs a GPU")
-    assert "fp8              skipped: needs a GPU" in res.stdout
-    assert rec["device"] == "cpu" and rec["timing"] == "process CPU time"
+    assert rec["device"] == "cpu" and rec["scaling"] == "current" and rec["passes"] == 4
+    assert list(rec["combos"]) == combos.split(",")[:-1]
+    assert set(rec["skipped"]) == {"triton+cublaslt"} and "triton+cublaslt  skipped: Triton" in res.stdout
+    total = {c: x["fwd_us"] + x["bwd_us"] for c, x in rec["combos"].items()}
+    assert all(v > 0 for v in total.values())
     d = rec["derived"]
-    assert d["triton_launcher"]["us"] is None and "triton_launcher  n/a" in res.stdout
-    assert d["cast_fp8_python"]["us"] == us["fp8_launch_stub"] - us["fp8_stub"]
-    assert d["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
-    assert d["cast_op"]["us"] == us["fp8_op"] - us["fp8_torch"] and d["cast_op"]["of"] == "fp8_op - fp8_torch"
-    if op_here:
-        assert d["cuda_cast"]["us"] == us["fp8_cuda"] - us["fp8_torch"]
-    if lt_here:
-        assert d["lt_gemm"]["us"] == us["fp8_lt"] - us["fp8_torch"]
-
-
-def test_the_derived_table_subtracts_the_right_modes():
-    """Each mode a different power of two, so every pair's difference is unique to that pair."""
-    bench = _bench_module()
-    us = {m: float(2 ** i) for i, m in enumerate(bench.MODES)}
-    want = {"cuda": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
-                     "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8"),
-                     "cuda_cast": ("fp8_cuda", "fp8"), "lt_gemm": ("fp8_lt", "fp8")},
-            "cpu": {"triton_launcher": ("fp8", "fp8_launch_stub"), "cast_fp8_python": ("fp8_launch_stub", "fp8_stub"),
-                    "scaled_mm_host": ("fp8_stub", "fp8_python"), "cast_op": ("fp8_op", "fp8_torch"),
-                    "cuda_cast": ("fp8_cuda", "fp8_torch"), "lt_gemm": ("fp8_lt", "fp8_torch")}}
-    for device, table in want.items():
-        got = bench.derived(us, device)
-        assert set(got) == set(table)
-        for name, (a, b) in table.items():
-            assert got[name]["us"] == us[a] - us[b], (device, name, got[name])
-            assert got[name]["of"] == f"{a} - {b}"
-    partial = bench.derived({m: v for m, v in us.items() if m != "fp8"}, "cuda")
-    assert partial["triton_launcher"]["us"] is None and partial["cast_op"]["us"] is None
-    assert partial["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
-    assert bench.skip_reason("fp8", "cpu").startswith("needs a GPU") and bench.skip_reason("fp8_op", "cpu") is None
-
-
-@pytest.mark.parametrize("mode,op", [("fp8_op", "dept_mega::fp8_cast"), ("fp8_cuda", "dept_mega::cast_fp8")])
-def test_the_operator_mode_casts_through_the_operator_with_the_same_bytes(mode, op):
-    """``fp8_op`` on the CPU (the operator's reference implementation) and ``fp8_cuda`` (the C++
-    operator's CPU kernel) give the ``torch`` casts' bytes: outputs, input gradients,
-    ``main_grad`` and the amax history; the operator is what ran; the module's cast path is
-    restored afterwards."""
-    if mode == "fp8_cuda" and fp8_casts.op_unavailable("cpu"):
-        pytest.skip(f"dept_mega::cast_fp8 unavailable: {fp8_casts.op_unavailable('cpu')}")
-    bench = _bench_module()
-    cases = {m: bench.Case(m, 16, 32, 2) for m in ("fp8_torch", mode)}  # with a first (current-scaled) step
-    outs = {}
-    for mode, case in cases.items():
-        case.step(1)  # a delayed-scaling step
-        with bench._patched(mode), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            case.state.begin_step()
-            y = case.x
-            for w, layer in zip(case.ws, case.layers):
-                y = fp8_linear(y, w, layer)
-            y.backward(case.dy)
-            case.state.end_step()
-        outs[mode] = (y.detach(), case.x.grad, [w.main_grad.clone() for w in case.ws], case.state.history.clone(),
-                      {e.name for e in prof.events()})
-    (y0, gx0, mg0, h0, names0), (y1, gx1, mg1, h1, names1) = outs["fp8_torch"], outs[mode]
-    assert op in names1 and op not in names0
-    assert _bytes_equal(y0, y1) and _bytes_equal(gx0, gx1) and torch.equal(h0, h1)
-    assert all(_bytes_equal(a, b) for a, b in zip(mg0, mg1))
-    assert h1.abs().sum() > 0  # the operator's amaxes reached the history
-    from dept_mega.parallel import fp8_kernels
-    assert fp8_module.fp8_kernels is fp8_kernels and fp8_module._cast is not bench._eager_cast
+    assert d["cast_fp8_python"]["us"] == total["tritonpy+cublaslt"] - total["cuda+cublaslt"]
+    assert d["scaled_mm_host"]["us"] == total["cuda+torch"] - total["cuda+cublaslt"]
+    assert d["gpu_path_over_bf16"]["us"] == total["cuda+cublaslt"] - total["bf16"]
+    assert d["triton_launcher"]["us"] is None and d["triton_casts"]["us"] is None
+    assert "  triton_launcher         n/a  = triton+cublaslt - tritonpy+cublaslt" in res.stdout
+    # current scaling: cast_fp8 allocates both layouts, 1/scale and the amax's partial maxima (delayed: the two layouts)
+    assert rec["combos"]["tritonpy+cublaslt"]["fwd_by_op"] == {"aten::new_empty": 4, "dept_mega::fp8_gemm": 1}
+    assert rec["combos"]["cuda+cublaslt"]["fwd_by_op"] == {"dept_mega::cast_fp8": 1, "dept_mega::fp8_gemm": 1}

@@ -99,21 +99,27 @@ def test_dry_run_writes_every_figure(tmp_path):
     for stage in ("tests", "ops_tests"):
         assert re.search(rf"^\| {stage} \| ok \| \d+ \| \d+ (passed|skipped|deselected)[^|]* in [\d.]+s", summary,
                          re.MULTILINE), (stage, summary)
-    # the fp8_host stage: benchmarks/fp8_host_overhead.py's record, one row of bench.jsonl, and its section
+    # the fp8_host stage: benchmarks/fp8_host_bench.py's record, one row of bench.jsonl, and its section
     assert len(host) == 1 and host[0]["name"] == "fp8_host" and host[0]["rc"] == 0 and "error" not in host[0], host
-    us = host[0]["us_per_call"]
-    from dept_mega.parallel.fp8_casts import op_unavailable  # fp8_cuda: where the C++ cast operator runs
-    from dept_mega.parallel.fp8_gemm import op_unavailable as gemm_unavailable  # fp8_lt: the GEMM operator
-    assert set(us) == {"bf16", "bf16_layer", "fp8_torch", "fp8_op", "fp8_stub", "fp8_launch_stub", "fp8_python",
-                       *(["fp8_cuda"] if op_unavailable("cpu") is None else []),
-                       *(["fp8_lt"] if gemm_unavailable("cpu") is None else [])}
-    assert all(v > 0 for v in us.values()) and host[0]["device"] == "cpu"
-    assert host[0]["derived"]["scaled_mm_host"]["us"] == us["fp8_stub"] - us["fp8_python"]
-    assert "## FP8: the host's cost per linear call" in summary and "| fp8_python | " in summary
-    assert "| fp8 | skipped: needs a GPU" in summary  # no Triton launcher on the CPU: the real mode says why
-    assert "| triton_launcher | n/a | fp8 - fp8_launch_stub |" in summary
-    assert re.search(r"^\| cast_fp8_python \| -?[\d.]+ \| fp8_launch_stub - fp8_stub \|", summary, re.MULTILINE), summary
-    assert "--device cpu --trials 1 --calls 3" in log
+    combos = host[0]["combos"]
+    from dept_mega.parallel.fp8_casts import op_unavailable  # the cuda casts: where the C++ cast operator runs
+    from dept_mega.parallel.fp8_gemm import op_unavailable as gemm_unavailable  # cublaslt: the GEMM operator
+    ops_here = op_unavailable("cpu") is None and gemm_unavailable("cpu") is None
+    assert set(combos) == {"bf16", "bf16_unfused", "torch+torch",
+                           *(["torch+cublaslt", "cuda+torch", "cuda+cublaslt", "tritonpy+cublaslt"] if ops_here else [])}
+    assert all(x["fwd_us"] > 0 and x["bwd_us"] > 0 for x in combos.values()), combos
+    assert host[0]["device"] == "cpu" and host[0]["kernels"] == "real" and host[0]["depth"] == 2
+    if ops_here:
+        total = {c: x["fwd_us"] + x["bwd_us"] for c, x in combos.items()}
+        assert host[0]["derived"]["scaled_mm_host"]["us"] == total["cuda+torch"] - total["cuda+cublaslt"]
+        assert combos["cuda+cublaslt"]["fwd_ops"] == 2 and combos["cuda+cublaslt"]["bwd_ops"] == 4
+        assert re.search(r"^\| cuda\+cublaslt \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 2 / 4 \| ", summary, re.MULTILINE), summary
+        assert re.search(r"^- cast_fp8_python: -?[\d.]+ us per call = tritonpy\+cublaslt - cuda\+cublaslt", summary,
+                         re.MULTILINE), summary
+    assert "## FP8: the host's cost per linear call (benchmarks/fp8_host_bench.py)" in summary
+    assert "| bf16_unfused | " in summary
+    assert "- triton_launcher: n/a us per call = triton+cublaslt - tritonpy+cublaslt" in summary  # no Triton on the CPU
+    assert "--device cpu --kernels real --repeats 4" in log
     # the last stage: torchao's float8 against bf16 (benchmarks/vs_torchao.py), one row of bench.jsonl
     assert len(torchao) == 1 and torchao[0]["name"] == "torchao" and torchao[0]["rc"] == 0, torchao
     if "skipped" in torchao[0]:  # torchao not importable where the script ran (the suite's venv lacks it)

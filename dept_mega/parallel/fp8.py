@@ -493,7 +493,7 @@ class _Fp8Linear(torch.autograd.Function):
     one, the same bytes) and the gradient's cast writes its transposed copy too.
 
     Host time matters here (on a fast GPU the step waits for the Python of its FP8 linears,
-    ``benchmarks/fp8_host_overhead.py``, ``benchmarks/fp8_host_bench.py``): a reshape, slice or
+    ``benchmarks/fp8_host_bench.py``): a reshape, slice or
     dtype conversion that would change nothing is skipped rather than dispatched (2-D operands,
     token counts that need no padding, gradients already in the operand's dtype), and no context
     is entered where none is needed (``_host_contexts``)."""

@@ -8,8 +8,8 @@ Paths (all give the bytes of the reference math ``fp8._cast_math``):
 * ``cuda``: :func:`cast_fp8` here, the custom operator of the ``dept_mega.ops`` extension
   (``csrc/cuda/fp8_cast.cu``; its CPU kernel in ``csrc/cpu/ops_cpu.cpp``, which the CPU tests
   compare with the reference bit for bit). Called through the PyTorch dispatcher, a cast costs
-  the host a few µs, where Triton's Python launcher costs more (``benchmarks/fp8_host_overhead.py``
-  mode ``fp8_cuda``). UNVERIFIED on a GPU so far: ``auto`` does not pick it.
+  the host a few µs, where Triton's Python launcher costs more (``benchmarks/fp8_host_bench.py``:
+  ``triton_casts``). UNVERIFIED on a GPU so far: ``auto`` does not pick it.
 * ``auto``: ``triton`` on CUDA when Triton imports, else ``torch``.
 
 Under every path an fp32 input takes the reference math (``Fp8State.cast``), as the kernels
