@@ -171,6 +171,7 @@ def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]],
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     from .checkpoint import CheckpointError
+    from .parallel.agree import mark_agreed
     from .resume import select_checkpoint
     from .run_inputs import input_errors
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -198,8 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .parallel.groups import init_distributed
         _, _, device = init_distributed(timeout_s=cfgs["trained"].train.init_timeout_s)
         sel = select_checkpoint(args.run_dir, device, args.step)
-        if sel.step is None:
-            raise CheckpointError(f"{args.run_dir} has no checkpoint to take a body from")
+        if sel.step is None:  # (rank 0's view of the directory decided: the same on every rank)
+            raise mark_agreed(CheckpointError(f"{args.run_dir} has no checkpoint to take a body from"))
         if rank == 0:
             for note in sel.notes:
                 print(f"warning: {note}", file=sys.stderr)
@@ -208,7 +209,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results[name] = run_arm(cfgs[name], body_from=(args.run_dir, sel.step, args.group) if trained else None,
                                     frozen=args.body == "frozen", body_lr=args.body_lr, save=trained)
     except (*input_errors(), FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from .parallel.agree import is_agreed
+        from .process_exit import report_error
+        report_error(str(exc), agreed=is_agreed(exc))  # before the process group: rank 0's line
         return 2
     if rank == 0:
         report = {"run_dir": args.run_dir, "step": sel.step, "group": args.group,

@@ -54,7 +54,7 @@ from .checkpoint_fp8 import FLAG as FP8_FLAG, fp8_file, restore_fp8, stage_fp8
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
-from .parallel.agree import all_gather_text
+from .parallel.agree import agree_errors, all_gather_text, mark_agreed
 from .resume import (CKPT_DIR, check_depends, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
                      verify_checkpoint)
 
@@ -370,9 +370,14 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
     if not verified:
         problem = verify_checkpoint(path, trainer.device)
         if problem:
-            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    regroup, reshard = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
-    check_depends(trainer.cfg, path, tokenizer_digests)
+            raise mark_agreed(CheckpointError(f"checkpoint {path} is not usable: {problem}"))
+
+    def checks():  # each rank's reading of the checkpoint's layout and depends: one agreed error
+        found = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
+        check_depends(trainer.cfg, path, tokenizer_digests)
+        return found
+    from .run_inputs import input_errors
+    regroup, reshard = agree_errors(checks, input_errors(), trainer.device)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
     if hooks is not None and hasattr(hooks, "prepare_load"):

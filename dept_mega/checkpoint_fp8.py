@@ -24,7 +24,7 @@ from typing import Optional
 
 from .checkpoint_layout import _safe_load
 from .manifest import FP8_FILE, CheckpointError
-from .parallel.agree import first_problem
+from .parallel.agree import first_problem, mark_agreed
 from .parallel.fp8 import Fp8Layer, Fp8State
 
 FLAG = "fp8_state"  # layout.json: every rank wrote its FP8 state
@@ -119,7 +119,7 @@ def restore_fp8(trainer, path: str, layout: dict, now: dict, notes: Optional[lis
                            "layers": len(state.layers)})  # empty: as before a run's first step
     kind, _, what = first.partition(":")
     if kind == "error":
-        raise CheckpointError(what)
+        raise mark_agreed(CheckpointError(what))
     line = f"fp8: amax history not restored: {what}; the first step uses current scaling"
     if notes is not None and line not in notes:
         notes.append(line)

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from .checkpoint import load_weights
 from .config import ConfigError, load_config
 from .metrics import make_record, write_json_atomic
+from .parallel.agree import is_agreed
+from .process_exit import report_error
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -46,21 +48,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(cfg_path, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(str(exc))
         return 2
     p = cfg.parallel
     per_group, world = p.tensor * p.pipeline * p.data, int(os.environ.get("WORLD_SIZE", "1"))
     if world % per_group:
-        print(f"error: config key 'parallel': the run's tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} "
-              f"= {per_group} does not divide the {world} process(es) of this launch: start a multiple of "
-              f"{per_group} with torchrun --nproc-per-node, or evaluate in another layout with overrides (the "
-              f"checkpoint loads under any), e.g. parallel.tensor=1 parallel.pipeline=1 parallel.data=1",
-              file=sys.stderr)
+        report_error(f"config key 'parallel': the run's tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} "
+                     f"= {per_group} does not divide the {world} process(es) of this launch: start a multiple of "
+                     f"{per_group} with torchrun --nproc-per-node, or evaluate in another layout with overrides (the "
+                     f"checkpoint loads under any), e.g. parallel.tensor=1 parallel.pipeline=1 parallel.data=1")
         return 2
     from .resume import read_latest, select_checkpoint, step_dirs
     if args.step is None and read_latest(args.run_dir) == (None, None) and not step_dirs(args.run_dir):
-        print(f"error: {args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)",
-              file=sys.stderr)
+        report_error(f"{args.run_dir}/checkpoints/latest does not exist (no checkpoint to evaluate)")
         return 2
     from .run_inputs import input_errors
     from .train import build_session
@@ -68,7 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         session = build_session(cfg, metrics=False, federate=False)  # a group job's: without the lighthouse
         sel = select_checkpoint(args.run_dir, session.device, args.step)
         if sel.step is None:
-            print(f"error: no checkpoint to evaluate in {args.run_dir}/checkpoints", file=sys.stderr)
+            # (rank 0's view of the directory decided: the same on every rank)
+            report_error(f"no checkpoint to evaluate in {args.run_dir}/checkpoints", agreed=True)
             return 2
         if session.rank == 0:
             for note in sel.notes:
@@ -77,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
                      verified=True)
     except (*input_errors(), FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(str(exc), agreed=is_agreed(exc))
         return 2
     session.trainer.step = step
     by_source = session.loop.evaluate()

@@ -13,13 +13,16 @@ returned destroys the groups while the interpreter is whole.
 A closed standard output (``... --check | head``) ends the process quietly, as it ends the
 standard command-line tools: no ``BrokenPipeError`` traceback, exit status 141 (128 + SIGPIPE,
 what a shell reports for a tool that SIGPIPE stopped).
+
+:func:`report_error` prints an entry point's ``error:`` line once for a job of several ranks
+when they all fail alike, and with the rank's number when it may be one rank's own.
 """
 from __future__ import annotations
 
 import gc
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional, TextIO
 
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
@@ -39,3 +42,47 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
         sys.exit(EXIT_BROKEN_PIPE)
     gc.collect()
     sys.exit(status)
+
+
+def _env_int(name: str) -> Optional[int]:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def report_error(message: str, agreed: bool = False, file: Optional[TextIO] = None) -> None:
+    """Print ``error: MESSAGE`` (to stderr) the way a job of several ranks should: once, not once
+    per rank, when every rank has it; with ``[rank R]`` when it may be one rank's alone.
+
+    * One process (``WORLD_SIZE`` unset or 1): always, as it is.
+    * ``agreed`` (the error came out of an agreement, ``dept_mega.parallel.agree.is_agreed``:
+      every rank raises the same one): global rank 0 only.
+    * Before the process group exists (config parsing and checks): every rank computed it from
+      the same files and arguments, so global rank 0 prints it; the first rank of each other
+      node (``LOCAL_RANK`` 0) prints it too, as ``error: [rank R] ...``, because another node
+      may see other files (a node-local disk) and its own error must not be lost.
+    * After (not agreed): every rank that has it, rank 0 included, as ``error: [rank R] ...``:
+      nothing a single rank meets is hidden.
+
+    A rank that prints nothing still exits with the caller's status."""
+    import torch.distributed as dist
+    out = file if file is not None else sys.stderr
+    world = _env_int("WORLD_SIZE") or 1
+    started = dist.is_available() and dist.is_initialized()
+    if started:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = _env_int("RANK") or 0
+    if world <= 1:
+        line = f"error: {message}"
+    elif agreed or not started:
+        if rank == 0:
+            line = f"error: {message}"
+        elif agreed or _env_int("LOCAL_RANK") != 0:
+            return  # rank 0 (or the node's first rank) says it
+        else:
+            line = f"error: [rank {rank}] {message}"
+    else:
+        line = f"error: [rank {rank}] {message}"
+    print(line, file=out, flush=True)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError
 from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
-from .parallel.agree import all_gather_text, first_problem
+from .parallel.agree import all_gather_text, first_problem, mark_agreed
 
 CKPT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -126,7 +126,7 @@ def select_checkpoint(run_dir: str, device: Optional[torch.device] = None,
         path = step_dir(run_dir, step)
         problem = verify_checkpoint(path, device)
         if problem:
-            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+            raise mark_agreed(CheckpointError(f"checkpoint {path} is not usable: {problem}"))
         return Selection(step)
     # rank 0's view of the directory decides for everyone (a network file system may show
     # another node a directory listing a moment late)
@@ -141,8 +141,9 @@ def select_checkpoint(run_dir: str, device: Optional[torch.device] = None,
     if not plan["any"]:
         return Selection(None)
     ckdir = os.path.join(run_dir, CKPT_DIR)
-    raise CheckpointError(f"no complete, verified checkpoint in {ckdir} to resume from: " + "; ".join(notes)
-                          + f" (move {ckdir} away to start the run from scratch)")
+    # (rank 0's plan, every rank's verification: the same error on every rank)
+    raise mark_agreed(CheckpointError(f"no complete, verified checkpoint in {ckdir} to resume from: "
+                                      + "; ".join(notes) + f" (move {ckdir} away to start the run from scratch)"))
 
 
 # ------------------------------------------------------------------------- depends.json

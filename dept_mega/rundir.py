@@ -133,8 +133,9 @@ class RunLock:
 def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable] = None) -> RunLock:
     """The start of a training job, on every rank: rank 0 runs ``check`` (e.g. config
     validation), :func:`prepare_run_dir` and :meth:`RunLock.acquire`; its verdict is shared
-    with every rank, which then joins the lock. A refusal is the same ConfigError everywhere."""
-    from .parallel.agree import first_problem
+    with every rank, which then joins the lock. A refusal is the same ConfigError everywhere
+    (marked agreed: the job prints it once)."""
+    from .parallel.agree import first_problem, mark_agreed
     lock = RunLock()
     problem = None
     if rank == 0:
@@ -148,7 +149,7 @@ def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable]
     problem = first_problem(problem, device)
     if problem:
         lock.release()
-        raise ConfigError(problem)
+        raise mark_agreed(ConfigError(problem))
     problem = None
     if rank != 0:
         try:
@@ -158,5 +159,5 @@ def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable]
     problem = first_problem(problem, device)  # every rank goes on, or none does
     if problem:
         lock.release()
-        raise ConfigError(problem)
+        raise mark_agreed(ConfigError(problem))
     return lock

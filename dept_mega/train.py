@@ -29,7 +29,9 @@ from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .metrics import MetricsWriter, write_json_atomic
 from .dept.federation_config import resolve as resolve_federation
+from .parallel.agree import is_agreed
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
+from .process_exit import report_error
 from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
 from .trainer import Trainer
 
@@ -120,8 +122,8 @@ class Session:
 
 def checked_on_rank0(check, rank: int, device: torch.device) -> None:
     """Run ``check`` on global rank 0 only (e.g. a pass over the data that is cached after) and
-    raise its input error as the same ConfigError on every rank."""
-    from .parallel.agree import first_problem
+    raise its input error as the same ConfigError on every rank (marked agreed: one line)."""
+    from .parallel.agree import first_problem, mark_agreed
     problem = None
     if rank == 0:
         try:
@@ -130,7 +132,7 @@ def checked_on_rank0(check, rank: int, device: torch.device) -> None:
             problem = str(exc)
     problem = first_problem(problem, device)
     if problem:
-        raise ConfigError(problem)
+        raise mark_agreed(ConfigError(problem))
 
 
 def build_session(cfg: Config, metrics: bool = True,
@@ -141,14 +143,17 @@ def build_session(cfg: Config, metrics: bool = True,
     trained body, freeze it). ``federate=False``: a federated group job's session without its
     lighthouse and peers (``dept_mega.evaluate`` of its checkpoint after the run)."""
     from .data.checks import check_sources
+    from .parallel.agree import agree_errors
     rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
-    validate(cfg, world)
+    # checks each rank makes itself (no collective inside) raise one agreed error on every rank:
+    # the job prints it once (dept_mega.process_exit.report_error)
+    agree_errors(lambda: validate(cfg, world), input_errors(), device)
     # the data first (empty sources, token ids outside the vocabulary): before any heavy work
     checked_on_rank0(lambda: check_sources(cfg), rank, device)
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
     eval_only = None
-    federated = resolve_federation(cfg)
+    federated = agree_errors(lambda: resolve_federation(cfg), input_errors(), device)
     if federated is not None:  # this job is one group of several (dept/federation.py)
         from .dept.federation import FederatedOuter, Federation, Offline
         from .dept.federation_config import own_sources
@@ -156,9 +161,8 @@ def build_session(cfg: Config, metrics: bool = True,
         pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated) if federate
                                   else Offline(group, cfg.federation.groups))
         eval_only = own_sources(cfg)  # the others' embeddings are in other jobs
-    data = load_run_data(cfg, pg)
+    data, vocab = agree_errors(lambda: (load_run_data(cfg, pg), vocab_size_of(cfg)), input_errors(), device)
     torch.manual_seed(cfg.train.seed)
-    vocab = vocab_size_of(cfg)
     stages = None
     if prepare_stages is not None:
         from .model import build_model
@@ -212,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error(str(exc))  # before the process group: rank 0's line speaks for all
         return 2
     if args.print_config:
         import yaml
@@ -237,17 +241,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loop.launched_at = launched_at
             resumed = loop.checkpointer.load(loop)
         except input_errors() as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            report_error(str(exc), agreed=is_agreed(exc))
             return 2
         from .checkpoint_space import EXIT_NO_SPACE, CheckpointSpaceError
         try:
             return _train(session, resumed, preemption)
         except CheckpointSpaceError as exc:  # every rank; one line for the job
-            if session.rank == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+            report_error(str(exc), agreed=True)
             return EXIT_NO_SPACE
         except ConfigError as exc:  # federation: a check at the first quorum, before any training
-            print(f"error: {exc}", file=sys.stderr)
+            report_error(str(exc), agreed=is_agreed(exc))
             return 2
     finally:
         preemption.uninstall()

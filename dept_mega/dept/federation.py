@@ -52,6 +52,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
+from ..parallel.agree import mark_agreed
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
@@ -294,14 +295,16 @@ class Federation:
         opts.reduceOp = ReduceOp.MAX
         self.process_group.allreduce([both], opts).wait()
         hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
+        # every rank of this job holds the same config and round, so every rank raises the same error
         for i, key in enumerate(AGREE_KEYS):
             if hi[i] != lo[i]:
-                raise ConfigError(f"config key '{key}': differs between the group jobs (federation: every group job "
-                                  "needs the same value)")
+                raise mark_agreed(ConfigError(f"config key '{key}': differs between the group jobs (federation: "
+                                              "every group job needs the same value)"))
         if hi[-1] != lo[-1]:
-            raise ConfigError(f"config key 'train.run_dir': the group jobs resume at different rounds "
-                              f"({int(lo[-1])}..{int(hi[-1])}); start them from checkpoints of one round, or start "
-                              "the lagging ones after the others run (they then heal)")
+            raise mark_agreed(ConfigError(
+                f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "
+                "start them from checkpoints of one round, or start the lagging ones after the others run (they "
+                "then heal)"))
 
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp

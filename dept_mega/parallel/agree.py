@@ -7,7 +7,7 @@ the algorithm's traffic. Without ``torch.distributed`` (one process) they are lo
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,3 +44,40 @@ def first_problem(problem: Optional[str], device: Optional[torch.device] = None)
         if text:
             return text
     return None
+
+
+# ------------------------------------------------------------------ errors every rank shares
+
+def mark_agreed(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as the same error on every rank of the job (it came out of an agreement such
+    as :func:`first_problem`): the entry point prints its ``error:`` line once, on rank 0
+    (:func:`dept_mega.process_exit.report_error`). Returns ``exc``: ``raise mark_agreed(E(...))``."""
+    exc.dept_mega_agreed = True
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    return bool(getattr(exc, "dept_mega_agreed", False))
+
+
+def agree_errors(fn: Callable[[], Any], errors: tuple[type[BaseException], ...],
+                 device: Optional[torch.device] = None) -> Any:
+    """Run ``fn`` on every rank (it must make no collective call) and return its result; when
+    any rank raised one of ``errors`` (each built from one message), every rank raises the lowest
+    such rank's error, of its type, marked :func:`mark_agreed`: one ``error:`` line for the job
+    whether the problem is every rank's (a config check) or one rank's (a file only its node
+    lacks). One small gather; nothing without ``torch.distributed``."""
+    own, problem = None, ""
+    try:
+        result = fn()
+    except errors as exc:
+        own, result = exc, None
+        kind = next(i for i, e in enumerate(errors) if isinstance(exc, e))
+        problem = f"{kind}:{exc}"
+    first = next((t for t in all_gather_text(problem, device) if t), None)
+    if first is None:
+        return result
+    if first == problem:
+        raise mark_agreed(own)
+    kind, _, message = first.partition(":")
+    raise mark_agreed(errors[int(kind)](message))
