@@ -37,10 +37,54 @@ def _setup(tmp_path, variant="glob", vocab_hi=100) -> str:
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
+    """``python -m dept_mega.train ARGS`` as a fresh process (the real entry point)."""
     env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_DEVICE="cpu")
     env.pop("DEPT_GROUP", None)  # (a federated group job's index)
     return subprocess.run([sys.executable, "-m", "dept_mega.train", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env=env)
+
+
+def _train_here(*args: str) -> subprocess.CompletedProcess:
+    """``dept_mega.train.main(ARGS)`` in this process, its status and what it printed as
+    :func:`_train` returns them: what these tests check is main's, not the interpreter's, and a
+    fresh process costs ~2 s of the 2-core CI machine importing torch (the entry point itself is
+    run as a process by test_print_config_is_the_resolved_yaml and tests/test_process_exit.py)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from dept_mega import train as train_cli
+    out, err = io.StringIO(), io.StringIO()
+    env = {k: v for k, v in os.environ.items() if k != "DEPT_GROUP"}  # (a federated group job's index)
+    env["DEPT_MEGA_DEVICE"] = "cpu"
+    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            status = train_cli.main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            status = exc.code
+    return subprocess.CompletedProcess(["dept_mega.train", *args], status, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One finished run of :func:`_setup`'s config (4 steps, checkpoint at step 4), shared by the
+    tests that look at a run directory holding a checkpoint: (config, run directory). A test
+    that writes into the run works on its own copy (:func:`_copy_run`)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = _setup(tmp)
+    first = _train_here("--config", cfg)
+    assert first.returncode == 0, first.stderr
+    assert os.path.isdir(os.path.join(str(tmp / "run"), "checkpoints", "step_4")), os.listdir(tmp / "run")
+    return cfg, str(tmp / "run")
+
+
+def _copy_run(trained, dest) -> tuple[str, str]:
+    """A copy of the shared finished run at ``dest``: (config, the ``train.run_dir=`` override)."""
+    import shutil
+    cfg, run = trained
+    shutil.copytree(run, str(dest))
+    return cfg, f"train.run_dir={dest}"
 
 
 def test_print_config_is_the_resolved_yaml(tmp_path):
@@ -72,7 +116,7 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
 ])
 def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, want):
     cfg = _setup(tmp_path)
-    r = _train("--config", cfg, *overrides, "--check", "--world-size", str(world))
+    r = _train_here("--config", cfg, *overrides, "--check", "--world-size", str(world))
     if want is not None:
         assert r.returncode == 2, r.stdout + r.stderr
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and want in r.stderr, r.stderr
@@ -88,9 +132,9 @@ def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, w
 
 def test_check_names_token_ids_outside_the_vocabulary(tmp_path):
     cfg = _setup(tmp_path, vocab_hi=500)  # ids up to 499, the tokenizer has 120
-    r = _train("--config", cfg, "--check", "--world-size", "2")
+    r = _train_here("--config", cfg, "--check", "--world-size", "2")
     assert r.returncode == 2 and "config key 'data.sources[0].prefix'" in r.stderr and "120 ids" in r.stderr
-    assert _train("--config", cfg, "--check").returncode == 2  # --world-size is required
+    assert _train_here("--config", cfg, "--check").returncode == 2  # --world-size is required
 
 
 def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
@@ -138,36 +182,33 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
     assert 0.9 * real <= want <= 1.1 * real, (want, real)
 
 
-def test_relaunching_a_finished_run_keeps_its_params_json(tmp_path):
+def test_relaunching_a_finished_run_keeps_its_params_json(tmp_path, trained):
     """A launch that finds the run complete trains nothing and so leaves RUN/params.json (the
     parameters per rank of the layout that trained, which tools/summarize_runs.py reports) as it
     was, instead of rewriting it for its own, possibly other, layout."""
     import json
-    cfg = _setup(tmp_path)
-    first = _train("--config", cfg)
-    assert first.returncode == 0, first.stderr
+    cfg, run_dir = _copy_run(trained, tmp_path / "run")
     params = tmp_path / "run" / "params.json"
     assert json.loads(params.read_text())["ranks"][0]["rank"] == 0
     params.write_text('{"ranks": "written by the launch that trained"}')
-    again = _train("--config", cfg)
+    again = _train_here("--config", cfg, run_dir)
     assert again.returncode == 0 and "nothing to do: the run is complete at step 4" in again.stdout, again.stderr
     assert params.read_text() == '{"ranks": "written by the launch that trained"}'
 
 
-def test_check_against_the_checkpoint_it_would_resume(tmp_path):
+def test_check_against_the_checkpoint_it_would_resume(tmp_path, trained):
     """--check on a run directory that holds a checkpoint checks what the resume would: a key
     the checkpoint depends on (here dept.local_steps) is refused with the launch's own line; an
-    allowed change (train.steps) reports the checkpoint it will resume from."""
-    cfg = _setup(tmp_path)
-    first = _train("--config", cfg)
-    assert first.returncode == 0, first.stderr
-    ok = _train("--config", cfg, "train.steps=8", "--check", "--world-size", "1")
+    allowed change (train.steps) reports the checkpoint it will resume from. (--check only reads
+    the run directory: the shared run as it is.)"""
+    cfg, run = trained
+    ok = _train_here("--config", cfg, "train.steps=8", "--check", "--world-size", "1")
     assert ok.returncode == 0, ok.stderr
-    step = os.path.join(str(tmp_path / "run"), "checkpoints", "step_4")
+    step = os.path.join(run, "checkpoints", "step_4")
     assert f"resume: from {step}; the model, DEPT, source and tokenizer keys it depends on match" in ok.stdout
-    bad = _train("--config", cfg, "train.steps=8", "dept.local_steps=4", "--check", "--world-size", "1")
+    bad = _train_here("--config", cfg, "train.steps=8", "dept.local_steps=4", "--check", "--world-size", "1")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         f"error: config key 'dept.local_steps': checkpoint {step} was written with 2, this launch has 4; "
         f"resume with the checkpoint's value, or start a new train.run_dir"), bad.stderr
-    fresh = _train("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
+    fresh = _train_here("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
     assert fresh.returncode == 0 and "resume:" not in fresh.stdout, fresh.stderr
