@@ -69,13 +69,35 @@ def _piped_into_closed_reader(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_a_closed_stdout_ends_the_clis_quietly(tmp_path):
-    """``train --print-config | head``, ``train --check | head``, ``dept_costs | head``: no
-    BrokenPipeError traceback, exit status 141 (128 + SIGPIPE), as a standard tool."""
-    from dept_mega.process_exit import EXIT_BROKEN_PIPE
+    """``train --check | head``, ``train --print-config | head``, ``dept_costs | head``: no
+    BrokenPipeError traceback, exit status 141 (128 + SIGPIPE), as a standard tool.
+
+    ``train --check`` runs as a real process (the interpreter's own flush at its exit included);
+    the other two run their ``main`` through ``exit_after`` in this process with ``sys.stdout`` a
+    pipe whose reader is gone (what their ``__main__`` does, test_the_entry_points_use_it), and the
+    stream is closed after it as the interpreter would: without a fresh interpreter's ~2 s each."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import pytest
+
+    from dept_mega import train as train_cli
+    from dept_mega.process_exit import EXIT_BROKEN_PIPE, exit_after
     from tests.test_train_cli import _setup
+    from tools import dept_costs
     cfg = _setup(tmp_path)
-    for args in (["-m", "dept_mega.train", "--config", cfg, "--print-config"],
-                 ["-m", "dept_mega.train", "--config", cfg, "--check", "--world-size", "2"],
-                 [os.path.join(ROOT, "tools", "dept_costs.py"), "--config", cfg, "--source-vocab", "120"]):
-        done = _piped_into_closed_reader([sys.executable, *args])
-        assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", (args, done.returncode, done.stderr)
+    args = ["-m", "dept_mega.train", "--config", cfg, "--check", "--world-size", "2"]
+    done = _piped_into_closed_reader([sys.executable, *args])
+    assert done.returncode == EXIT_BROKEN_PIPE and done.stderr == "", (args, done.returncode, done.stderr)
+    for main, argv in ((train_cli.main, ["--config", cfg, "--print-config"]),
+                       (dept_costs.main, ["--config", cfg, "--source-vocab", "120"])):
+        read, write = os.pipe()
+        os.close(read)
+        stdout = os.fdopen(write, "w")  # block-buffered, as a process's stdout into a pipe
+        err = io.StringIO()
+        with mock.patch.dict(os.environ, {"DEPT_MEGA_DEVICE": "cpu"}), mock.patch.object(sys, "stdout", stdout), \
+                contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+            exit_after(lambda: main(argv))
+        stdout.close()  # the interpreter's flush at exit: must not fail again
+        assert exited.value.code == EXIT_BROKEN_PIPE and err.getvalue() == "", (argv, exited.value.code, err.getvalue())
