@@ -385,7 +385,8 @@ def skip_reason(combo: str, device: str):
     return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: its arguments, default ``sys.argv[1:]``; the tests run it in process)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--shape", default="16,64", help="tokens,hidden (multiples of 16)")
@@ -399,7 +400,7 @@ def main() -> None:
                     help="the FP8 recipe's scaling (current: a Triton cast is two launches)")
     ap.add_argument("--ops", action="store_true", help="print the dispatcher ops by name")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     tokens, hidden = (int(n) for n in args.shape.split(","))
     combos = [c for c in (args.combos or ",".join(DEFAULT[args.device])).split(",") if c]

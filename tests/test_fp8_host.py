@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from itertools import product
 
 import pytest
@@ -243,18 +241,18 @@ def test_the_tritonpy_casts_run_cast_fp8s_python_without_a_launch(monkeypatch):
 
 
 @pytest.mark.skipif(not _OPS_HERE, reason="the dept_mega.ops FP8 operators are not built")
-def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path):
+def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path, capsys):
+    """The bench's command line, its main in this process (the operators are loaded here already;
+    a fresh interpreter would spend most of the test importing torch)."""
     out = tmp_path / "host.json"
     combos = "bf16,bf16_unfused,cuda+torch,cuda+cublaslt,tritonpy+cublaslt,triton+cublaslt"
-    res = subprocess.run([sys.executable, BENCH, "--kernels", "real", "--depth", "2", "--repeats", "4", "--per-step",
-                          "2", "--scaling", "current", "--combos", combos, "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
-    assert res.returncode == 0, res.stderr[-3000:]
+    _bench_module().main(["--kernels", "real", "--depth", "2", "--repeats", "4", "--per-step", "2",
+                          "--scaling", "current", "--combos", combos, "--json", str(out)])
+    stdout = capsys.readouterr().out
     rec = json.loads(out.read_text())
     assert rec["device"] == "cpu" and rec["scaling"] == "current" and rec["passes"] == 4
     assert list(rec["combos"]) == combos.split(",")[:-1]
-    assert set(rec["skipped"]) == {"triton+cublaslt"} and "triton+cublaslt  skipped: Triton" in res.stdout
+    assert set(rec["skipped"]) == {"triton+cublaslt"} and "triton+cublaslt  skipped: Triton" in stdout
     total = {c: x["fwd_us"] + x["bwd_us"] for c, x in rec["combos"].items()}
     assert all(v > 0 for v in total.values())
     d = rec["derived"]
@@ -262,7 +260,7 @@ def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path):
     assert d["scaled_mm_host"]["us"] == total["cuda+torch"] - total["cuda+cublaslt"]
     assert d["gpu_path_over_bf16"]["us"] == total["cuda+cublaslt"] - total["bf16"]
     assert d["triton_launcher"]["us"] is None and d["triton_casts"]["us"] is None
-    assert "  triton_launcher         n/a  = triton+cublaslt - tritonpy+cublaslt" in res.stdout
+    assert "  triton_launcher         n/a  = triton+cublaslt - tritonpy+cublaslt" in stdout
     # current scaling: cast_fp8 allocates both layouts, 1/scale and the amax's partial maxima (delayed: the two layouts)
     assert rec["combos"]["tritonpy+cublaslt"]["fwd_by_op"] == {"aten::new_empty": 4, "dept_mega::fp8_gemm": 1}
     assert rec["combos"]["cuda+cublaslt"]["fwd_by_op"] == {"dept_mega::cast_fp8": 1, "dept_mega::fp8_gemm": 1}

@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -134,13 +132,13 @@ def test_the_gpu_paths_dispatcher_ops_per_linear_call():
 
 
 @pytest.mark.skipif(not (_CAST_OP and _GEMM_OP), reason="the dept_mega.ops FP8 operators are not built")
-def test_the_host_bench_runs_and_reports_every_combination(tmp_path):
+def test_the_host_bench_runs_and_reports_every_combination(tmp_path, capsys):
+    """The bench's command line, its main in this process (the operators are loaded here already;
+    a fresh interpreter would spend most of the test importing torch)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_host_bench.py"), "--kernels", "real", "--depth", "2",
-           "--repeats", "4", "--per-step", "2", "--combos", "bf16,cuda+cublaslt,triton+torch", "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    _bench_module().main(["--kernels", "real", "--depth", "2", "--repeats", "4", "--per-step", "2",
+                          "--combos", "bf16,cuda+cublaslt,triton+torch", "--json", str(out)])
+    assert "cuda+cublaslt" in capsys.readouterr().out
     res = json.loads(out.read_text())
     assert list(res["combos"]) == ["bf16", "cuda+cublaslt"] and "Triton" in res["skipped"]["triton+torch"]
     lt = res["combos"]["cuda+cublaslt"]
