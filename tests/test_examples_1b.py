@@ -294,9 +294,12 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
     $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
     A stale marker from an earlier job is removed before the launch."""
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, "federated_group"):
         h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
         assert h.get("signal") == "USR1@120" and "requeue" in h, variant
+        # a requeued job starts again with the same job id, hence the same log file: Slurm
+        # truncates it (JobFileAppend=0, the default) unless the job asks to append
+        assert h.get("open-mode") == "append", variant
     root = _root_with_placeholder_files(tmp_path)
     bindir = tmp_path / "qbin"
     bindir.mkdir()
