@@ -194,10 +194,15 @@ def describe(session: Session) -> str:
 
 def write_params(session: Session) -> None:
     """``RUN/params.json``: the parameters each rank holds at the end of the run (body and the
-    installed source's embeddings), gathered with a bookkeeping collective (not counted)."""
+    installed source's embeddings), gathered with a bookkeeping collective (not counted), and
+    where the rank ran: its host and torchrun's node index (``GROUP_RANK``) and local rank, which
+    show how ranks, groups and nodes lined up (docs/launching.md section 2)."""
+    import socket
     pg, tr = session.pg, session.trainer
     loop = session.loop
-    mine = {"rank": pg.rank, "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
+    mine = {"rank": pg.rank, "host": socket.gethostname(), "node": int(os.environ.get("GROUP_RANK", "0")),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
             "source": (loop.assignment or {}).get(pg.group_index),
             "body": sum(p.numel() for p in tr.body_parameters()),
             "embeddings": sum(p.numel() for p in tr.embedding_parameters())}

@@ -335,3 +335,117 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     else:
         assert r.returncode == 1, r.stdout + r.stderr
         assert not log.exists()
+
+
+# A fake `srun` for a simulated allocation of SLURM_NNODES nodes on this machine: one copy of
+# the command per node, each with the variables slurmstepd gives a task (SLURM_NODEID,
+# SLURM_PROCID, SLURM_LOCALID, SLURMD_NODENAME), its output in FAKE_NODE_LOGS/node<i>.log; the
+# copies' pids go to FAKE_SRUN_PIDS (Slurm's --signal without B: signals the step's tasks,
+# i.e. each node's torchrun); it ends with the highest status of the copies.
+FAKE_SRUN_NODES = r'''#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=node$i "$@" > "$FAKE_NODE_LOGS/node$i.log" 2>&1 &
+  pids+=($!)
+done
+echo "${pids[@]}" > "$FAKE_SRUN_PIDS"
+rc=0
+for p in "${pids[@]}"; do
+  s=0; wait "$p" || s=$?
+  if [ "$s" -gt "$rc" ]; then rc=$s; fi
+done
+exit "$rc"
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
+    """spec.sh on a simulated 2-node allocation (fake ``srun`` starting one real torchrun per
+    node, c10d rendezvous on the first node; 2 CPU ranks per node, data 2: one source group per
+    node), then Slurm's ``--signal=USR1@120`` (SIGUSR1 to each node's torchrun): the ranks save
+    and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
+    (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
+    the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
+    group of T·P·D = ranks per node is one node."""
+    import json
+    import signal
+    import time
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    requeues = tmp_path / "requeue.log"
+    (bindir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "$@" >> {requeues}; exit 0; fi\n'
+                                     'echo 127.0.0.1\necho 127.0.0.1\n')
+    (bindir / "srun").write_text(FAKE_SRUN_NODES)
+    for f in bindir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    logs = tmp_path / "nodes"
+    logs.mkdir()
+    run_dir = tmp_path / "run"
+    from .mp_utils import free_port
+
+    env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+               SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
+               SLURM_JOB_ID=str(30000 + os.getpid() % 9000), SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="2",
+               SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=ROOT, DEPT_MEGA_DEVICE="cpu",
+               RUN_DIR=str(run_dir), PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               FAKE_NODE_LOGS=str(logs), FAKE_SRUN_PIDS=str(tmp_path / "srun.pids"))
+    for k in ("DEPT_MEGA_ROOT", "GPUS_PER_NODE", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        env.pop(k, None)
+    steps = 40
+    overrides = ["parallel.data=2", "dept.local_steps=4", "model.num_layers=2", "model.hidden_size=32",
+                 "model.num_attention_heads=4", "model.num_query_groups=4", "model.ffn_hidden_size=64",
+                 "model.seq_length=32", "model.vocab_size=300", "data.tokenizer=null", "precision=fp32",
+                 "backend=local", f"train.steps={steps}", "train.micro_batch_size=1", "train.global_batch_size=2",
+                 "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0", "train.log_interval=1",
+                 "train.init_timeout_s=120", f"data.sources={_tiny_sources(tmp_path)}"]
+    script = ["bash", os.path.join(EX, "spec.sh"), *overrides]
+
+    def train_steps():
+        try:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            return [json.loads(line)["step"] for line in lines if '"kind": "train"' in line]
+        except (OSError, ValueError):
+            return []
+
+    def node_logs():
+        return "".join((logs / f"node{i}.log").read_text() for i in range(2) if (logs / f"node{i}.log").exists())
+
+    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while max(train_steps(), default=0) < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None and max(train_steps(), default=0) >= 2, "the job ended before the signal: " + node_logs()[-3000:]
+        for pid in (tmp_path / "srun.pids").read_text().split():
+            os.kill(int(pid), signal.SIGUSR1)
+        out, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out[-3000:] + node_logs()[-3000:]
+    assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in out
+    assert "launch: spec on 2 node(s) x 2 GPU(s)" in out
+    job = env["SLURM_JOB_ID"]
+    assert requeues.read_text().split() == ["requeue", job]
+    assert f"requeueing job {job}" in out
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    stopped = marker["step"]
+    assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75 and 2 <= stopped < steps
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(stopped)
+    assert "exiting with status 75" in node_logs()
+
+    # Slurm starts the requeued job: the same script, job id and environment
+    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
+    assert requeues.read_text().split() == ["requeue", job]  # not requeued again
+    assert not (run_dir / "preempted.json").exists()
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in node_logs()
+    assert train_steps() == list(range(1, steps + 1))
+    ranks = json.loads((run_dir / "params.json").read_text())["ranks"]
+    assert [(q["rank"], q["node"], q["local_rank"], q["group"], q["dp"]) for q in ranks] == \
+        [(0, 0, 0, 0, 0), (1, 0, 1, 0, 1), (2, 1, 0, 1, 0), (3, 1, 1, 1, 1)]
