@@ -181,13 +181,14 @@ def build_session(cfg: Config, metrics: bool = True,
 
 def describe(session: Session) -> str:
     from .model.gpt import describe_backends
+    from .ops import describe as describe_ops
     cfg, pg = session.cfg, session.pg
     n_body = sum(p.numel() for p in session.trainer.body_parameters())
     n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
     return (f"dept_mega: {cfg.dept.variant} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
             f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
-            f"backends: {describe_backends(cfg, session.device)} | precision: "
+            f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
             f"{session.trainer.precision.describe()} | device {session.device}\n"
             f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}")
 

@@ -438,6 +438,7 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75 and 2 <= stopped < steps
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(stopped)
     assert "exiting with status 75" in node_logs()
+    assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
 
     # Slurm starts the requeued job: the same script, job id and environment
     r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
