@@ -116,7 +116,7 @@ def _fake_bin(tmp_path) -> str:
         return str(bindir)
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\nfor i in 1 2 3 4 5 6 7 8; do echo node0$i; done\n")
-    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_SRUN_LOG"\n')
+    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$FAKE_SRUN_LOG"\n')
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     return str(bindir)
@@ -132,7 +132,7 @@ def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple
     env.pop("RUN_DIR", None)
     r = subprocess.run(["bash", os.path.join(root, "examples", "1b", f"{variant}.sh"), *args],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
-    argv = log.read_text().splitlines() if log.exists() else []
+    argv = log.read_text().split("\0")[:-1] if log.exists() else []
     return r, argv
 
 
@@ -163,10 +163,11 @@ def test_launch_command(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pre-flight: spec_opt, world 64 = 8 group(s) x tensor 1 x pipeline 1 x data 8" in r.stdout
     assert "memory per rank (predicted, largest rank):" in r.stdout  # dept_mega.train --check ran
-    i = argv.index("torchrun")
+    i = argv.index("bash")
     # Slurm >= 22.05: srun does not inherit the allocation's --cpus-per-task
     assert argv[:i] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=64"]
-    cmd = argv[i:]
+    assert argv[i + 1] == "-c" and argv[i + 3] == "torchrun"
+    cmd = argv[i + 3:]
     assert cmd[cmd.index("--nnodes") + 1] == "8"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
     assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
@@ -174,6 +175,21 @@ def test_launch_command(tmp_path):
     assert cmd[-6:] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml",
                         "train.run_dir=runs/1b/spec_opt", "dept.outer_optimizer.lr=0.7"]
     assert os.path.isdir(os.path.join(root, "runs", "1b", "spec_opt"))
+    # each node's task tells torchrun whether it hosts the rendezvous store: Slurm's name of the
+    # node (SLURMD_NODENAME) against the first node, not torchrun's host-name guess
+    fake = tmp_path / "tbin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/bash\necho "$@"\n')
+    (fake / "torchrun").chmod(0o755)
+    for node, want in (("node01", "--rdzv-conf is_host=1 --nnodes 8"), ("node02", "--rdzv-conf is_host=0 --nnodes 8"),
+                       (None, "--nnodes 8")):
+        env = dict(os.environ, PATH=str(fake) + os.pathsep + os.environ["PATH"], MASTER_ADDR="node01")
+        env.pop("SLURMD_NODENAME", None)
+        if node:
+            env["SLURMD_NODENAME"] = node
+        out = subprocess.run(["bash", "-c", argv[i + 2], "torchrun", "--nnodes", "8"], capture_output=True,
+                             text=True, timeout=30, env=env).stdout.strip()
+        assert out == want, (node, out)
 
 
 def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
@@ -339,14 +355,16 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
 
 # A fake `srun` for a simulated allocation of SLURM_NNODES nodes on this machine: one copy of
 # the command per node, each with the variables slurmstepd gives a task (SLURM_NODEID,
-# SLURM_PROCID, SLURM_LOCALID, SLURMD_NODENAME), its output in FAKE_NODE_LOGS/node<i>.log; the
-# copies' pids go to FAKE_SRUN_PIDS (Slurm's --signal without B: signals the step's tasks,
-# i.e. each node's torchrun); it ends with the highest status of the copies.
+# SLURM_PROCID, SLURM_LOCALID, SLURMD_NODENAME: the node's name as `scontrol show hostnames`
+# lists it), its output in FAKE_NODE_LOGS/node<i>.log; the copies' pids go to FAKE_SRUN_PIDS
+# (Slurm's --signal without B: signals the step's tasks, i.e. each node's torchrun); it ends
+# with the highest status of the copies.
 FAKE_SRUN_NODES = r'''#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
+mapfile -t names < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 pids=()
 for ((i = 0; i < SLURM_NNODES; i++)); do
-  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=node$i "$@" > "$FAKE_NODE_LOGS/node$i.log" 2>&1 &
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=${names[$i]} "$@" > "$FAKE_NODE_LOGS/node$i.log" 2>&1 &
   pids+=($!)
 done
 echo "${pids[@]}" > "$FAKE_SRUN_PIDS"
@@ -377,7 +395,7 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     bindir.mkdir()
     requeues = tmp_path / "requeue.log"
     (bindir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "$@" >> {requeues}; exit 0; fi\n'
-                                     'echo 127.0.0.1\necho 127.0.0.1\n')
+                                     'echo 127.0.0.1\necho 127.0.0.2\n')
     (bindir / "srun").write_text(FAKE_SRUN_NODES)
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)

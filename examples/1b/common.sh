@@ -80,11 +80,22 @@ rm -f "$RUN_DIR/preempted.json"  # a stale marker must not requeue a job that fa
 # One torchrun per node (ntasks-per-node=1); torchrun starts the node's GPU processes and
 # assigns global ranks node by node, so consecutive ranks (a source group: tp fastest, then
 # dp, pp, group) sit on the same node (docs/launching.md).
+# The rendezvous store runs on the first node. torchrun decides whether it is that node by
+# comparing host names, which fails where Slurm's node names are not what the machine calls
+# itself (an interface alias, another domain; pytorch/pytorch#73656): then no node hosts the
+# store and the job hangs at start-up. So each node's task says it (is_host), from Slurm's name
+# of its node, SLURMD_NODENAME, against the allocation's first node, MASTER_ADDR.
+# shellcheck disable=SC2016  # expanded by the bash of each task, not here
+TORCHRUN_ON_NODE='h=()
+if [ -n "${SLURMD_NODENAME:-}" ]; then
+  if [ "$SLURMD_NODENAME" = "$MASTER_ADDR" ]; then h=(--rdzv-conf is_host=1); else h=(--rdzv-conf is_host=0); fi
+fi
+exec torchrun "${h[@]}" "$@"'
 rc=0
 # Slurm >= 22.05 no longer passes the allocation's --cpus-per-task on to srun: without it, on
 # clusters that bind tasks to cores, every rank of a node would share one core.
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
-  torchrun \
+  bash -c "$TORCHRUN_ON_NODE" torchrun \
     --nnodes "$NNODES" \
     --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-id "${SLURM_JOB_ID:-dept}" \
