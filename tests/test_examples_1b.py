@@ -124,12 +124,18 @@ def _fake_bin(tmp_path) -> str:
 
 def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple[subprocess.CompletedProcess, list[str]]:
     log = tmp_path / "srun.args"
+    log.unlink(missing_ok=True)  # an earlier launch's
     env = dict(os.environ, PATH=_fake_bin(tmp_path) + os.pathsep + os.environ["PATH"],
                SLURM_NNODES="8", SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242",
                SLURM_CPUS_PER_TASK="64", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root,
-               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable, **env_extra)
+               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable)
     env.pop("DEPT_MEGA_ROOT", None)
     env.pop("RUN_DIR", None)
+    env.pop("GPUS_PER_NODE", None)
+    env.pop("SLURM_GPUS_PER_NODE", None)
+    env.update(env_extra)
+    for k in [k for k, v in env.items() if v is None]:  # env_extra's None: the variable is unset
+        env.pop(k)
     r = subprocess.run(["bash", os.path.join(root, "examples", "1b", f"{variant}.sh"), *args],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     argv = log.read_text().split("\0")[:-1] if log.exists() else []
@@ -190,6 +196,20 @@ def test_launch_command(tmp_path):
         out = subprocess.run(["bash", "-c", argv[i + 2], "torchrun", "--nnodes", "8"], capture_output=True,
                              text=True, timeout=30, env=env).stdout.strip()
         assert out == want, (node, out)
+
+
+def test_gpus_per_node_from_slurm(tmp_path):
+    """Processes per node: SLURM_GPUS_ON_NODE, else --gpus-per-node's count (SLURM_GPUS_PER_NODE,
+    possibly typed), and the world the pre-flight checks follows."""
+    root = _root_with_placeholder_files(tmp_path)
+    for extra, want in ((dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:4"), "4"),
+                        (dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="2"), "2")):
+        r, argv = _launch(tmp_path, root, "spec_opt", f"parallel.data={want}", **extra)  # a group per node
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert argv[argv.index("--nproc-per-node") + 1] == want
+        assert f"world {8 * int(want)} = " in r.stdout
+    r, argv = _launch(tmp_path, root, "spec_opt", SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:x")
+    assert r.returncode != 0 and not argv and "is not a number; set GPUS_PER_NODE" in r.stderr
 
 
 def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):

@@ -7,7 +7,8 @@
 # Environment knobs (all optional):
 #   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
 #                   RUN_DIR resumes from RUN_DIR/checkpoints/latest)
-#   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else 8)
+#   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else the count
+#                   of SLURM_GPUS_PER_NODE, else 8)
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
 #   PYTHON          interpreter for the pre-flight check (default: python, after activating
 #                   the checkout's .venv when there is one)
@@ -31,7 +32,13 @@ fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+# SLURM_GPUS_ON_NODE is the count on this node; SLURM_GPUS_PER_NODE, from --gpus-per-node, may
+# carry a type ("h100:4"), hence the suffix after the last colon.
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:+${SLURM_GPUS_PER_NODE##*:}}}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+case "$GPUS_PER_NODE" in
+  '' | *[!0-9]*) echo "examples/1b/common.sh: GPUs per node '$GPUS_PER_NODE' is not a number; set GPUS_PER_NODE" >&2; exit 1 ;;
+esac
 WORLD=$((NNODES * GPUS_PER_NODE))
 
 # Rendezvous on the first node of the allocation.
