@@ -181,23 +181,29 @@ def build_session(cfg: Config, metrics: bool = True,
 
 def describe(session: Session) -> str:
     from .model.gpt import describe_backends
+    from .ops import describe as describe_ops
     cfg, pg = session.cfg, session.pg
     n_body = sum(p.numel() for p in session.trainer.body_parameters())
     n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
     return (f"dept_mega: {cfg.dept.variant} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
             f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
-            f"backends: {describe_backends(cfg, session.device)} | precision: "
+            f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
             f"{session.trainer.precision.describe()} | device {session.device}\n"
             f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}")
 
 
 def write_params(session: Session) -> None:
     """``RUN/params.json``: the parameters each rank holds at the end of the run (body and the
-    installed source's embeddings), gathered with a bookkeeping collective (not counted)."""
+    installed source's embeddings), gathered with a bookkeeping collective (not counted), and
+    where the rank ran: its host and torchrun's node index (``GROUP_RANK``) and local rank, which
+    show how ranks, groups and nodes lined up (docs/launching.md section 2)."""
+    import socket
     pg, tr = session.pg, session.trainer
     loop = session.loop
-    mine = {"rank": pg.rank, "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
+    mine = {"rank": pg.rank, "host": socket.gethostname(), "node": int(os.environ.get("GROUP_RANK", "0")),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "group": pg.group_index, "tp": pg.tp_rank, "dp": pg.dp_rank, "pp": pg.pp_rank,
             "source": (loop.assignment or {}).get(pg.group_index),
             "body": sum(p.numel() for p in tr.body_parameters()),
             "embeddings": sum(p.numel() for p in tr.embedding_parameters())}

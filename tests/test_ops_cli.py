@@ -36,3 +36,19 @@ def test_require_fails_on_the_fallback():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "cpu tensors: torch" in res.stdout
     assert "DEPT_MEGA_OPS=torch" in res.stderr
+
+
+def test_run_log_says_when_the_gpu_takes_the_fallback(monkeypatch):
+    """The run log's ``custom ops=`` part (dept_mega.ops.describe): an extension built without
+    CUDA kernels (a login node without nvcc) on a GPU run is named with its fix, not silent."""
+    from dept_mega.ops import ExtensionStatus, describe, loader
+
+    monkeypatch.setattr(loader, "_STATUS", [ExtensionStatus(True, False, "loaded dept_mega.ops._C (CPU kernels)")])
+    gpu = describe("cuda")
+    assert gpu.startswith("custom ops=PyTorch fallback on the GPU") and "without CUDA kernels" in gpu
+    assert "build/dept_mega_ops_build.log" in gpu and "--require cuda" in gpu
+    assert describe("cpu") == "custom ops=C++ kernels"
+    monkeypatch.setattr(loader, "_STATUS", [ExtensionStatus(True, True, "loaded dept_mega.ops._C (CPU + CUDA kernels)")])
+    assert describe("cuda") == "custom ops=CUDA kernels"
+    monkeypatch.setattr(loader, "_STATUS", [ExtensionStatus(False, False, "the extension dept_mega.ops._C is not built")])
+    assert describe("cuda") == describe("cpu") == "custom ops=PyTorch fallback (the extension dept_mega.ops._C is not built)"

@@ -67,7 +67,7 @@ from dept_mega.ops import fallback
 from dept_mega.ops.loader import ExtensionStatus, status
 from dept_mega.ops.ranks import VocabRanks
 
-__all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend",
+__all__ = ["gather_rows", "scatter_add_rows", "scatter_mean_rows", "remap_ids", "backend", "describe",
            "check_errors", "extension_status", "ExtensionStatus", "VocabRanks"]
 
 
@@ -98,6 +98,23 @@ def _use_extension(device: torch.device) -> bool:
         return False
     kind = device.type  # one attribute read (it builds a str)
     return kind == "cpu" or kind == "meta" or (kind == "cuda" and st.cuda)
+
+
+def describe(device: Union[str, torch.device]) -> str:
+    """The run log's word on the custom ops (TRIM's row gather/scatter, the id remap) for
+    tensors on ``device``. On a GPU with an extension built without CUDA kernels (typically on a
+    cluster's login node without nvcc) it says so and how to fix it: the run is correct but
+    takes the slower PyTorch fallback, which nothing else would show."""
+    dev = torch.device(device)
+    st = status()
+    if _use_extension(dev):
+        return "custom ops=" + ("CUDA kernels" if dev.type == "cuda" else "C++ kernels")
+    if dev.type == "cuda" and st.loaded:
+        return ("custom ops=PyTorch fallback on the GPU: the dept_mega.ops extension was built without "
+                "CUDA kernels (no nvcc of torch's CUDA major version at build time, e.g. on a login node; "
+                "the reason is in build/dept_mega_ops_build.log). Rebuild where nvcc is "
+                "(pip install --no-build-isolation -e .); python -m dept_mega.ops --require cuda checks")
+    return f"custom ops=PyTorch fallback ({st.reason})"
 
 
 def backend(device: Union[str, torch.device, None] = None) -> str:

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared part of the 1B sbatch scripts (examples/1b/{std,glob,trim,spec,spec_opt}.sh).
 # The calling script sets VARIANT, CONFIG and its #SBATCH headers, then sources this file; any
 # arguments given to sbatch after the script name are passed on to dept_mega.train as
@@ -6,7 +7,8 @@
 # Environment knobs (all optional):
 #   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
 #                   RUN_DIR resumes from RUN_DIR/checkpoints/latest)
-#   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else 8)
+#   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else the count
+#                   of SLURM_GPUS_PER_NODE, else 8)
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
 #   PYTHON          interpreter for the pre-flight check (default: python, after activating
 #                   the checkout's .venv when there is one)
@@ -30,12 +32,18 @@ fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+# SLURM_GPUS_ON_NODE is the count on this node; SLURM_GPUS_PER_NODE, from --gpus-per-node, may
+# carry a type ("h100:4"), hence the suffix after the last colon.
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:+${SLURM_GPUS_PER_NODE##*:}}}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+case "$GPUS_PER_NODE" in
+  '' | *[!0-9]*) echo "examples/1b/common.sh: GPUs per node '$GPUS_PER_NODE' is not a number; set GPUS_PER_NODE" >&2; exit 1 ;;
+esac
 WORLD=$((NNODES * GPUS_PER_NODE))
 
 # Rendezvous on the first node of the allocation.
 # (sed reads the whole list: `head` could end scontrol with SIGPIPE, fatal under pipefail)
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm allocation}" | sed -n 1p)
 MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}
 export MASTER_ADDR MASTER_PORT
 
@@ -79,11 +87,22 @@ rm -f "$RUN_DIR/preempted.json"  # a stale marker must not requeue a job that fa
 # One torchrun per node (ntasks-per-node=1); torchrun starts the node's GPU processes and
 # assigns global ranks node by node, so consecutive ranks (a source group: tp fastest, then
 # dp, pp, group) sit on the same node (docs/launching.md).
+# The rendezvous store runs on the first node. torchrun decides whether it is that node by
+# comparing host names, which fails where Slurm's node names are not what the machine calls
+# itself (an interface alias, another domain; pytorch/pytorch#73656): then no node hosts the
+# store and the job hangs at start-up. So each node's task says it (is_host), from Slurm's name
+# of its node, SLURMD_NODENAME, against the allocation's first node, MASTER_ADDR.
+# shellcheck disable=SC2016  # expanded by the bash of each task, not here
+TORCHRUN_ON_NODE='h=()
+if [ -n "${SLURMD_NODENAME:-}" ]; then
+  if [ "$SLURMD_NODENAME" = "$MASTER_ADDR" ]; then h=(--rdzv-conf is_host=1); else h=(--rdzv-conf is_host=0); fi
+fi
+exec torchrun "${h[@]}" "$@"'
 rc=0
 # Slurm >= 22.05 no longer passes the allocation's --cpus-per-task on to srun: without it, on
 # clusters that bind tasks to cores, every rank of a node would share one core.
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
-  torchrun \
+  bash -c "$TORCHRUN_ON_NODE" torchrun \
     --nnodes "$NNODES" \
     --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-id "${SLURM_JOB_ID:-dept}" \

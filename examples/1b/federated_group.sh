@@ -9,6 +9,7 @@
 #SBATCH --exclusive
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 # One source group of a federated DEPT run as its own job (docs/launching.md, "Federated source
 # groups"): one node (tensor 1 x data 8), joined to the other group jobs only through the
 # outer synchronisation, via the lighthouse (examples/1b/lighthouse.sh). Submit one per group,

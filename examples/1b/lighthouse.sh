@@ -11,6 +11,7 @@
 #   sbatch examples/1b/lighthouse.sh        (PORT, MIN_GROUPS, JOIN_TIMEOUT_S to change them)
 set -euo pipefail
 cd "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+# shellcheck disable=SC1091
 [ -f .venv/bin/activate ] && source .venv/bin/activate
 echo "lighthouse host: $(hostname -f)"
 # JOIN_TIMEOUT_S: the spread of the groups' arrival at a round start, well below the group jobs'

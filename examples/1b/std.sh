@@ -9,6 +9,7 @@
 #SBATCH --exclusive
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 # STD baseline, 1B model: one group of 64 data-parallel ranks (8 nodes x 8 GPUs), per-step all-reduce.
 # Submit from the repository root:   sbatch examples/1b/std.sh [key.sub=value ...]
 # Shared environment, pre-flight check and launch: examples/1b/common.sh.

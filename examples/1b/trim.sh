@@ -9,6 +9,7 @@
 #SBATCH --exclusive
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 # DEPT TRIM, 1B model: 8 source groups, one per node (tensor 1 x data 8), body + trimmed rows averaged per round.
 # Submit from the repository root:   sbatch examples/1b/trim.sh [key.sub=value ...]
 # Shared environment, pre-flight check and launch: examples/1b/common.sh.
