@@ -101,6 +101,7 @@ class Federation:
         self.round_groups: list[int] = [group]  # those of the last committed exchange
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
+        self._commits = 0  # exchanges committed since the last round end (round_done)
         self.syncs: dict[str, Any] = {}
         self.strategy = None  # the variant's strategy (attach)
         self._hooks = None  # DeptHooks (its OuterSchedule), from the first round start
@@ -270,6 +271,14 @@ class Federation:
 
     def round_done(self, hooks) -> list[int]:
         """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
+        if self._commits == 0 and self.participants == 1:
+            # alone, the outer sync exchanged nothing (a group of one skips it), so no commit
+            # moved torchft's step: commit the round here, else a new group joining later finds
+            # this job at step 0 like itself, takes the quorum for a fresh start of both and
+            # runs the fresh start's checks against this job's next exchange (a collective
+            # mismatch) instead of healing from it
+            self.manager.should_commit()
+        self._commits = 0
         if self.dump is not None:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
@@ -472,6 +481,7 @@ class Federation:
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
+                self._commits += 1
                 for category, nbytes in (counts() if callable(counts) else counts):
                     comm.count(category, nbytes)
                 self.round_groups = list(self.members)
