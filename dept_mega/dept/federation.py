@@ -82,7 +82,7 @@ class Federation:
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer, to name a field that differs
         self.hashes = agree_hashes(cfg)
-        check_reachable(host, port, f.timeout_s)
+        lighthouse_min = check_reachable(host, port, f.timeout_s, f.groups)
         timeout = timedelta(seconds=f.timeout_s)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
@@ -122,8 +122,12 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups
+        least = self.least = max(f.min_groups, lighthouse_min or 0)
+        why = (f" (the lighthouse's --min-groups {lighthouse_min} > federation.min_groups {f.min_groups})"
+               if least > f.min_groups else "")
         self._say(f"federation: group {group} of {f.groups} (sources: {', '.join(own_sources(cfg))}), lighthouse "
-                  f"{self.where}; a round needs at least {f.min_groups} group(s)")
+                  f"{self.where}; a round needs at least {least} group(s){why}")
 
     def _say(self, line: str) -> None:
         if self.say is not None:
@@ -158,8 +162,7 @@ class Federation:
 
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
-        f = self.cfg.federation
-        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, f.min_groups, self.where)):
+        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
             self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:
