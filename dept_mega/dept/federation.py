@@ -311,7 +311,8 @@ class Federation:
         for i, key in enumerate(AGREE_KEYS):
             if hi[i] != lo[i]:
                 raise mark_agreed(ConfigError(f"config key '{key}': differs between the group jobs (federation: "
-                                              "every group job needs the same value)"))
+                                              "every group job needs the same value; the first key that differs: "
+                                              "compare the jobs' train.run_dir/config.yaml)"))
         if hi[-1] != lo[-1]:
             raise mark_agreed(ConfigError(
                 f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "
