@@ -239,6 +239,8 @@ def test_bad_input(tmp_path, monkeypatch):
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
             assert want[case] in error_line(out), (case, error_line(out))
+            if case == "diff":  # where to see the values (only hashes are compared at a fresh start)
+                assert "compare the jobs' train.run_dir/config.yaml" in error_line(out), error_line(out)
             assert "step 1/" not in out, case  # before any training
 
 

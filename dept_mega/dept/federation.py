@@ -82,7 +82,7 @@ class Federation:
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer, to name a field that differs
         self.hashes = agree_hashes(cfg)
-        check_reachable(host, port, f.timeout_s)
+        lighthouse_min = check_reachable(host, port, f.timeout_s, f.groups)
         timeout = timedelta(seconds=f.timeout_s)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
@@ -101,6 +101,7 @@ class Federation:
         self.round_groups: list[int] = [group]  # those of the last committed exchange
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
+        self._commits = 0  # exchanges committed since the last round end (round_done)
         self.syncs: dict[str, Any] = {}
         self.strategy = None  # the variant's strategy (attach)
         self._hooks = None  # DeptHooks (its OuterSchedule), from the first round start
@@ -121,8 +122,12 @@ class Federation:
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
+        # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups
+        least = self.least = max(f.min_groups, lighthouse_min or 0)
+        why = (f" (the lighthouse's --min-groups {lighthouse_min} > federation.min_groups {f.min_groups})"
+               if least > f.min_groups else "")
         self._say(f"federation: group {group} of {f.groups} (sources: {', '.join(own_sources(cfg))}), lighthouse "
-                  f"{self.where}; a round needs at least {f.min_groups} group(s)")
+                  f"{self.where}; a round needs at least {least} group(s){why}")
 
     def _say(self, line: str) -> None:
         if self.say is not None:
@@ -157,8 +162,7 @@ class Federation:
 
     # ------------------------------------------------------------------ rounds
     def _quorum(self, **kw) -> None:
-        f = self.cfg.federation
-        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, f.min_groups, self.where)):
+        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
             self.manager.start_quorum(**kw)
         ranks = self.process_group.quorum_ranks
         if ranks is None:
@@ -270,6 +274,14 @@ class Federation:
 
     def round_done(self, hooks) -> list[int]:
         """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
+        if self._commits == 0 and self.participants == 1:
+            # alone, the outer sync exchanged nothing (a group of one skips it), so no commit
+            # moved torchft's step: commit the round here, else a new group joining later finds
+            # this job at step 0 like itself, takes the quorum for a fresh start of both and
+            # runs the fresh start's checks against this job's next exchange (a collective
+            # mismatch) instead of healing from it
+            self.manager.should_commit()
+        self._commits = 0
         if self.dump is not None:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
@@ -299,7 +311,8 @@ class Federation:
         for i, key in enumerate(AGREE_KEYS):
             if hi[i] != lo[i]:
                 raise mark_agreed(ConfigError(f"config key '{key}': differs between the group jobs (federation: "
-                                              "every group job needs the same value)"))
+                                              "every group job needs the same value; the first key that differs: "
+                                              "compare the jobs' train.run_dir/config.yaml)"))
         if hi[-1] != lo[-1]:
             raise mark_agreed(ConfigError(
                 f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "
@@ -472,6 +485,7 @@ class Federation:
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
+                self._commits += 1
                 for category, nbytes in (counts() if callable(counts) else counts):
                     comm.count(category, nbytes)
                 self.round_groups = list(self.members)

@@ -122,11 +122,30 @@ def source_owners(cfg) -> list[int]:
     return source_groups(cfg, cfg.federation.groups) or list(range(len(cfg.data.sources)))
 
 
-def check_reachable(host: str, port: int, timeout_s: float) -> None:
+def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Optional[int]:
+    """Before the Manager starts (whose quorum request would wait without end on a wrong
+    address): ``host:port`` accepts TCP and answers as a torchft lighthouse (its ``/status``
+    page: a proxy, a firewall or another service on that port accepts the connection but does
+    not), and its ``--min-groups`` (when its status shows it) is at most ``groups`` (else no
+    quorum could ever form). Returns the lighthouse's ``--min-groups``, None when not shown."""
+    import re
+
+    from .federation_log import lighthouse_status
+    wait = min(timeout_s, 10.0)
     try:
-        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
+        with socket.create_connection((host, port), timeout=wait):
             pass
     except OSError as exc:
         raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
-
-
+    status = lighthouse_status(f"{host}:{port}", timeout=wait)
+    if status is None:
+        raise ConfigError(f"config key 'federation.lighthouse': {host}:{port} accepts connections but is not a torchft "
+                          f"lighthouse (no quorum status at http://{host}:{port}/status within {wait:g} s): give the "
+                          "host:port that python -m dept_mega.lighthouse prints ('lighthouse: http://HOST:PORT')")
+    m = re.search(r"need min_replicas (\d+)", status)
+    least = int(m.group(1)) if m else None
+    if least is not None and least > groups:
+        raise ConfigError(f"config key 'federation.groups': {groups}, but the lighthouse {host}:{port} forms quorums of "
+                          f"at least {least} groups (its --min-groups): no round could start; restart the lighthouse "
+                          f"with --min-groups <= {groups}")
+    return least

@@ -14,6 +14,8 @@ cd "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
 # shellcheck disable=SC1091
 [ -f .venv/bin/activate ] && source .venv/bin/activate
 echo "lighthouse host: $(hostname -f)"
+# MIN_GROUPS: a round needs at least this many groups, and at least the group jobs'
+# federation.min_groups (FEDERATION_MIN_GROUPS): with two sites, 1 in both for one to go on alone.
 # JOIN_TIMEOUT_S: the spread of the groups' arrival at a round start, well below the group jobs'
 # federation.timeout_s (600 in federated_group.sh): survivors of a slow group wait both
 exec python -m dept_mega.lighthouse --port "${PORT:-29510}" --min-groups "${MIN_GROUPS:-2}" \
