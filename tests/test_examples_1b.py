@@ -406,7 +406,13 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
     (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
     the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
-    group of T·P·D = ranks per node is one node."""
+    group of T·P·D = ranks per node is one node, with its 2 data-parallel replicas on that node.
+
+    Kept small for the CI budget: 24 steps (the signal comes after step 2; the steps left are
+    the margin for it to arrive before the end), no periodic eval or save (the preemption's save
+    is the one resumed from), and the pre-flight (a Python start with torch, ~2 s here) on the
+    requeued launch only (``DEPT_SKIP_PREFLIGHT=1`` on the first): there it also shows that the
+    pre-flight accepts the preempted run's directory and its checkpoint."""
     import json
     import signal
     import time
@@ -429,11 +435,12 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
                SLURM_JOB_ID=str(30000 + os.getpid() % 9000), SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="2",
                SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=ROOT, DEPT_MEGA_DEVICE="cpu",
                RUN_DIR=str(run_dir), PYTHON=sys.executable, MASTER_PORT=str(free_port()),
-               FAKE_NODE_LOGS=str(logs), FAKE_SRUN_PIDS=str(tmp_path / "srun.pids"))
+               FAKE_NODE_LOGS=str(logs), FAKE_SRUN_PIDS=str(tmp_path / "srun.pids"),
+               LOGLEVEL="INFO")  # torchrun logs its launch configs, is_host among them
     for k in ("DEPT_MEGA_ROOT", "GPUS_PER_NODE", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         env.pop(k, None)
-    steps = 40
+    steps = 24
     overrides = ["parallel.data=2", "dept.local_steps=4", "model.num_layers=2", "model.hidden_size=32",
                  "model.num_attention_heads=4", "model.num_query_groups=4", "model.ffn_hidden_size=64",
                  "model.seq_length=32", "model.vocab_size=300", "data.tokenizer=null", "precision=fp32",
@@ -452,7 +459,8 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     def node_logs():
         return "".join((logs / f"node{i}.log").read_text() for i in range(2) if (logs / f"node{i}.log").exists())
 
-    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(env, DEPT_SKIP_PREFLIGHT="1"), cwd=str(tmp_path))
     try:
         deadline = time.monotonic() + 300
         while max(train_steps(), default=0) < 2 and p.poll() is None and time.monotonic() < deadline:
@@ -466,8 +474,13 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
             p.kill()
             p.wait()
     assert p.returncode == 0, out[-3000:] + node_logs()[-3000:]
-    assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in out
+    assert "pre-flight:" not in out
     assert "launch: spec on 2 node(s) x 2 GPU(s)" in out
+    assert "world 4 = groups 2 × data 2 × pipeline 1 (virtual 1) × tensor 1" in node_logs()
+    # the first node of the list (scontrol show hostnames, SLURMD_NODENAME) hosts the store: on
+    # one machine the rendezvous would work whichever node hosted it, so look at what each said
+    for i in range(2):
+        assert re.search(rf"rdzv_configs *: {{'is_host': '{1 - i}'", (logs / f"node{i}.log").read_text()), i
     job = env["SLURM_JOB_ID"]
     assert requeues.read_text().split() == ["requeue", job]
     assert f"requeueing job {job}" in out
@@ -475,12 +488,15 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     stopped = marker["step"]
     assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75 and 2 <= stopped < steps
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(stopped)
+    assert max(train_steps()) == stopped  # every rank stopped after the same step
     assert "exiting with status 75" in node_logs()
     assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
 
     # Slurm starts the requeued job: the same script, job id and environment
     r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
+    assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
+    assert f"resume: from {run_dir}/checkpoints/step_{stopped}; the model, DEPT, source and tokenizer keys" in r.stdout
     assert requeues.read_text().split() == ["requeue", job]  # not requeued again
     assert not (run_dir / "preempted.json").exists()
     assert f"resumed from {run_dir}/checkpoints/step_{stopped}" in node_logs()
