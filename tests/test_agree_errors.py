@@ -44,3 +44,28 @@ def test_a_rank_with_its_own_other_exception_keeps_it():
     out = run_distributed(_outcome, 2, args=({0: ConfigError("config key 'x': bad"), 1: KeyError("k")},),
                           timeout=60)
     assert out == [("ConfigError", "config key 'x': bad", True), ("KeyError", "'k'", False)], out
+
+
+def _rank0_check(rank: int, world: int, exc: Exception) -> tuple:
+    from dept_mega.parallel.agree import is_agreed
+    from dept_mega.train import checked_on_rank0
+
+    def check():
+        raise exc
+
+    try:
+        checked_on_rank0(check, rank, None)
+        return ("ok",)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return (type(e).__name__, str(e), is_agreed(e))
+
+
+def test_rank0s_data_check_does_not_leave_the_others_waiting():
+    """train.checked_on_rank0 (the data checks, rank 0 only): an input error is every rank's,
+    marked; an OSError reading a data file on rank 0 makes the others raise too, not wait."""
+    from dept_mega.data.indexed import IndexedFormatError
+    out = run_distributed(_rank0_check, 2, args=(IndexedFormatError("a.idx: truncated"),), timeout=60)
+    assert [o[1:] for o in out] == [("a.idx: truncated", True)] * 2, out
+    out = run_distributed(_rank0_check, 2, args=(PermissionError("cannot read a.bin"),), timeout=60)
+    assert out[0] == ("PermissionError", "cannot read a.bin", False), out
+    assert out[1][0] == "RuntimeError" and "rank 0 failed" in out[1][1] and "cannot read a.bin" in out[1][1], out
