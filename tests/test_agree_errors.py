@@ -69,3 +69,33 @@ def test_rank0s_data_check_does_not_leave_the_others_waiting():
     out = run_distributed(_rank0_check, 2, args=(PermissionError("cannot read a.bin"),), timeout=60)
     assert out[0] == ("PermissionError", "cannot read a.bin", False), out
     assert out[1][0] == "RuntimeError" and "rank 0 failed" in out[1][1] and "cannot read a.bin" in out[1][1], out
+
+
+def _take(rank: int, world: int, run_dir: str, exc) -> tuple:
+    from dept_mega.parallel.agree import is_agreed
+    from dept_mega.rundir import take_run_dir
+
+    def check():
+        if exc is not None:
+            raise exc
+
+    try:
+        lock = take_run_dir(run_dir, rank, None, check=check)
+        held = lock.held
+        lock.release()
+        return ("ok", held)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return (type(e).__name__, str(e), is_agreed(e))
+
+
+def test_the_run_directory_start_does_not_leave_the_others_waiting(tmp_path):
+    """rundir.take_run_dir: rank 0's refusal is every rank's, marked; an exception of another
+    kind in rank 0's check makes the others raise too instead of waiting; without one every
+    rank holds the lock."""
+    run = str(tmp_path / "run")
+    out = run_distributed(_take, 2, args=(run, ConfigError("config key 'x': bad")), timeout=60)
+    assert out == [("ConfigError", "config key 'x': bad", True)] * 2, out
+    out = run_distributed(_take, 2, args=(run, OSError("stale file handle")), timeout=60)
+    assert out[0] == ("OSError", "stale file handle", False), out
+    assert out[1][0] == "RuntimeError" and "rank 0 failed" in out[1][1], out
+    assert run_distributed(_take, 2, args=(run, None), timeout=60) == [("ok", True)] * 2
