@@ -35,6 +35,8 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
         status = main()
         sys.stdout.flush()  # here, not at the interpreter's exit, where the error would be a traceback
     except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # another pipe or socket (a worker, a peer): a real error, not a reader that left
         # what is still buffered cannot be written: point stdout at /dev/null so that the
         # interpreter's own flush at exit does not fail again
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -42,6 +44,20 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
         sys.exit(EXIT_BROKEN_PIPE)
     gc.collect()
     sys.exit(status)
+
+
+def _stdout_gone() -> bool:
+    """Whether our standard output is a pipe or socket whose reader has gone (poll reports an
+    error or hang-up on it), i.e. whether a BrokenPipeError can be that reader's ``| head``;
+    True where it cannot be told (no poll, no file descriptor), the quiet exit as before."""
+    try:
+        import select
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -135,29 +135,21 @@ def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable]
     validation), :func:`prepare_run_dir` and :meth:`RunLock.acquire`; its verdict is shared
     with every rank, which then joins the lock. A refusal is the same ConfigError everywhere
     (marked agreed: the job prints it once)."""
-    from .parallel.agree import first_problem, mark_agreed
+    from .parallel.agree import agree_errors
     lock = RunLock()
-    problem = None
-    if rank == 0:
-        try:
-            if check is not None:
-                check()
-            prepare_run_dir(run_dir)
-            lock.acquire(run_dir)
-        except ConfigError as exc:
-            problem = str(exc)
-    problem = first_problem(problem, device)
-    if problem:
+
+    def first():
+        if check is not None:
+            check()
+        prepare_run_dir(run_dir)
+        lock.acquire(run_dir)
+
+    # (agree_errors: any other exception of a rank's does not leave the others waiting for it)
+    try:
+        agree_errors(first if rank == 0 else (lambda: None), (ConfigError,), device)
+        # every rank goes on, or none does
+        agree_errors((lambda: lock.join(run_dir)) if rank != 0 else (lambda: None), (ConfigError,), device)
+    except BaseException:
         lock.release()
-        raise mark_agreed(ConfigError(problem))
-    problem = None
-    if rank != 0:
-        try:
-            lock.join(run_dir)
-        except ConfigError as exc:
-            problem = str(exc)
-    problem = first_problem(problem, device)  # every rank goes on, or none does
-    if problem:
-        lock.release()
-        raise mark_agreed(ConfigError(problem))
+        raise
     return lock

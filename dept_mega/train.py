@@ -122,17 +122,11 @@ class Session:
 
 def checked_on_rank0(check, rank: int, device: torch.device) -> None:
     """Run ``check`` on global rank 0 only (e.g. a pass over the data that is cached after) and
-    raise its input error as the same ConfigError on every rank (marked agreed: one line)."""
-    from .parallel.agree import first_problem, mark_agreed
-    problem = None
-    if rank == 0:
-        try:
-            check()
-        except input_errors() as exc:
-            problem = str(exc)
-    problem = first_problem(problem, device)
-    if problem:
-        raise mark_agreed(ConfigError(problem))
+    raise its input error as the same error on every rank (marked agreed: one line); any other
+    exception of rank 0's does not leave the other ranks waiting for its verdict
+    (:func:`dept_mega.parallel.agree.agree_errors`)."""
+    from .parallel.agree import agree_errors
+    agree_errors(check if rank == 0 else (lambda: None), input_errors(), device)
 
 
 def build_session(cfg: Config, metrics: bool = True,

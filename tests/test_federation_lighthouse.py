@@ -44,3 +44,20 @@ def test_a_lighthouse_that_needs_more_groups_than_the_run_has_is_refused():
         assert check_reachable(host, int(port), 5.0, groups=3) == 3
     finally:
         lh.stop()
+
+
+def test_a_lighthouse_is_asked_directly_not_through_the_environments_proxy(monkeypatch):
+    """A cluster's http_proxy (for the internet) cannot reach a lighthouse on an internal
+    address, and torchft's own client does not use it: the check reads /status directly, so a
+    real lighthouse is not refused where the proxy variables are set."""
+    dead = f"http://127.0.0.1:{free_port()}"  # a proxy that refuses every connection
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    lh = Lighthouse(min_groups=2)
+    try:
+        host, port = lh.addr.split(":")
+        assert check_reachable(host, int(port), 5.0, groups=2) == 2
+    finally:
+        lh.stop()

@@ -101,3 +101,27 @@ def test_a_closed_stdout_ends_the_clis_quietly(tmp_path):
             exit_after(lambda: main(argv))
         stdout.close()  # the interpreter's flush at exit: must not fail again
         assert exited.value.code == EXIT_BROKEN_PIPE and err.getvalue() == "", (argv, exited.value.code, err.getvalue())
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_a_real_error(tmp_path):
+    """A BrokenPipeError from another pipe (a worker or peer that died) while standard output is
+    fine is raised as it is (a traceback, a failed status), not taken for ``| head``'s quiet
+    exit: 141 and no word would hide why a run stopped."""
+    from unittest import mock
+
+    import pytest
+
+    from dept_mega.process_exit import exit_after
+
+    def main():
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            os.write(write, b"to a worker that died")
+        finally:
+            os.close(write)
+        return 0
+
+    with open(tmp_path / "out.txt", "w") as stdout, mock.patch.object(sys, "stdout", stdout), \
+            pytest.raises(BrokenPipeError):
+        exit_after(main)

@@ -80,11 +80,14 @@ def membership_line(round_index: int, groups: list, before: list, healed: bool =
 def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
     """The lighthouse's own account of the next quorum (torchft's ``/status`` page), e.g. ``New
     quorum not ready, only have 1 participants, need min_replicas 2 [1/1 participants
-    healthy][1 heartbeating]``; None when it cannot be read."""
+    healthy][1 heartbeating]``; None when it cannot be read. Asked directly, never through the
+    environment's ``http_proxy`` (set on many clusters for the internet): the group jobs' torchft
+    client reaches the lighthouse directly, and a proxy cannot reach a node-internal address."""
     import re
     import urllib.request
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(f"http://{where}/status", timeout=timeout) as r:
+        with direct.open(f"http://{where}/status", timeout=timeout) as r:
             page = r.read().decode("utf-8", "replace")
     except Exception:  # noqa: BLE001 - a status line is a courtesy: the wait goes on without it
         return None

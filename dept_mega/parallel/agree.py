@@ -66,7 +66,12 @@ def agree_errors(fn: Callable[[], Any], errors: tuple[type[BaseException], ...],
     any rank raised one of ``errors`` (each built from one message), every rank raises the lowest
     such rank's error, of its type, marked :func:`mark_agreed`: one ``error:`` line for the job
     whether the problem is every rank's (a config check) or one rank's (a file only its node
-    lacks). One small gather; nothing without ``torch.distributed``."""
+    lacks). One small gather; nothing without ``torch.distributed``.
+
+    Any other exception (a bug, an unreadable file's ``OSError``) still takes part in the
+    gather, so that no rank waits in it for one that left: that rank raises its own, unmarked
+    (its traceback, its ``[rank R]`` line); a rank without one of its own whose lowest failing
+    rank had such an error raises a ``RuntimeError`` naming that rank and its error."""
     own, problem = None, ""
     try:
         result = fn()
@@ -74,10 +79,20 @@ def agree_errors(fn: Callable[[], Any], errors: tuple[type[BaseException], ...],
         own, result = exc, None
         kind = next(i for i, e in enumerate(errors) if isinstance(exc, e))
         problem = f"{kind}:{exc}"
-    first = next((t for t in all_gather_text(problem, device) if t), None)
-    if first is None:
+    except Exception as exc:  # noqa: BLE001 - raised below, after the gather the other ranks wait in
+        own, result = exc, None
+        problem = f"-1:{type(exc).__name__}: {exc}"
+    texts = all_gather_text(problem, device)
+    if own is not None and not isinstance(own, errors):
+        raise own
+    failed = next((r for r, t in enumerate(texts) if t), None)
+    if failed is None:
         return result
+    first = texts[failed]
     if first == problem:
         raise mark_agreed(own)
     kind, _, message = first.partition(":")
+    if int(kind) < 0:
+        raise RuntimeError(f"rank {failed} failed where every rank checks the same inputs: {message} "
+                           f"(its traceback is in rank {failed}'s output)")
     raise mark_agreed(errors[int(kind)](message))
