@@ -99,3 +99,28 @@ def test_the_run_directory_start_does_not_leave_the_others_waiting(tmp_path):
     assert out[0] == ("OSError", "stale file handle", False), out
     assert out[1][0] == "RuntimeError" and "rank 0 failed" in out[1][1], out
     assert run_distributed(_take, 2, args=(run, None), timeout=60) == [("ok", True)] * 2
+
+
+def _lighthouse_check(rank: int, world: int) -> tuple:
+    """Rank 1 alone cannot reach the lighthouse (its /status timed out there); rank 0 can."""
+    from dept_mega.dept import federation
+    from dept_mega.parallel.agree import is_agreed
+
+    def check_reachable(host, port, timeout_s, groups):
+        if rank == 1:
+            raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} (timed out)")
+        return 2
+
+    federation.check_reachable = check_reachable  # this forked rank's own module
+    try:
+        return ("ok", federation.lighthouse_reachable("lh", 29510, 5.0, 2, None))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return (type(e).__name__, str(e), is_agreed(e))
+
+
+def test_a_lighthouse_one_rank_cannot_reach_stops_every_rank():
+    """The group job's lighthouse check is agreed: rank 0, which reached it, does not go on to
+    the quorum (and wait there for rank 1) but stops with rank 1's line."""
+    out = run_distributed(_lighthouse_check, 2, timeout=60)
+    line = "config key 'federation.lighthouse': cannot reach lh:29510 (timed out)"
+    assert out == [("ConfigError", line, True)] * 2, out

@@ -52,7 +52,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel.agree import mark_agreed
+from ..parallel.agree import agree_errors, mark_agreed
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
@@ -66,6 +66,14 @@ class LeftOut(Exception):
     """A round was completed by the other groups without this one (it reached the exchange
     more than ``timeout_s`` after them): its pseudo-gradient is dropped, the peers' state is
     written, and it goes on at their next round (``DeptHooks.round_end`` catches this)."""
+
+
+def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, device: torch.device) -> Optional[int]:
+    """``check_reachable`` on every rank of this job, its verdict agreed: a lighthouse that one
+    rank cannot reach (or whose ``/status`` times out there alone) stops every rank with that
+    rank's line, instead of that rank alone while the others go on to the quorum and wait.
+    Returns this rank's reading of the lighthouse's ``--min-groups`` (for the log)."""
+    return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)
 
 
 class Federation:
@@ -82,7 +90,7 @@ class Federation:
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer, to name a field that differs
         self.hashes = agree_hashes(cfg)
-        lighthouse_min = check_reachable(host, port, f.timeout_s, f.groups)
+        lighthouse_min = lighthouse_reachable(host, port, f.timeout_s, f.groups, device)
         timeout = timedelta(seconds=f.timeout_s)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
