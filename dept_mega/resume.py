@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -150,21 +149,12 @@ def select_checkpoint(run_dir: str, device: Optional[torch.device] = None,
 
 
 def _file_sha256(path: str, cache: Optional[dict] = None) -> Optional[str]:
+    """The tokenizer's digest (``data.tokenizer.model_sha256``), None where it cannot be read."""
+    from .data.tokenizer import model_sha256
     try:
-        st = os.stat(path)
+        return model_sha256(path, cache)
     except OSError:
         return None
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if cache is not None and key in cache:
-        return cache[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    digest = h.hexdigest()
-    if cache is not None:
-        cache[key] = digest
-    return digest
 
 
 def _config_values(cfg: Config) -> dict[str, Any]:

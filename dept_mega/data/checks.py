@@ -44,10 +44,11 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
     return out
 
 
-def _check_made_with(cfg: Config, i: int, vkey: str) -> None:
+def _check_made_with(cfg: Config, i: int, vkey: str, digests: dict) -> None:
     """ConfigError when the source's ``PREFIX.tokenizer.json`` names a SentencePiece model whose
     checksum is not the configured tokenizer's (data without the record, or made with a Hugging
-    Face tokenizer, is left to the id-range check)."""
+    Face tokenizer, is left to the id-range check). ``digests``: the tokenizers' checksums so
+    far (``model_sha256``'s cache: a tokenizer several sources share is read once)."""
     from dept_mega.data.tokenizer import model_sha256
     s = cfg.data.sources[i]
     record = tokenizer_record_path(s.prefix)
@@ -64,7 +65,7 @@ def _check_made_with(cfg: Config, i: int, vkey: str) -> None:
     if made_type != "SentencePieceTokenizer":
         return
     used = s.tokenizer if vkey.startswith("data.sources") else cfg.data.tokenizer
-    if model_sha256(used) != made_sha:
+    if model_sha256(used, digests) != made_sha:
         raise ConfigError(f"config key '{vkey}': source '{s.name}': {bin_path(s.prefix)} was tokenized with "
                           f"{made_model} ({record}), but {vkey} is {used}, another model: point {vkey} at the "
                           f"tokenizer the data was made with, or data.sources[{i}].prefix at data tokenized "
@@ -76,6 +77,7 @@ def check_sources(cfg: Config) -> None:
     holds a token id outside the vocabulary that embeds it, or was made with another tokenizer
     than the configured one (where the data records it)."""
     vocabs = embedding_vocabularies(cfg)
+    digests: dict = {}
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
         key = f"config key 'data.sources[{i}].prefix'"
         with naming_source(i, s.name):
@@ -91,4 +93,4 @@ def check_sources(cfg: Config) -> None:
             raise ConfigError(f"{key}: source '{s.name}': {bin_path(s.prefix)} holds token id {bad}, but {what} "
                               f"({vkey}) has {vocab} ids (0..{vocab - 1}): the data was made with another "
                               f"tokenizer")
-        _check_made_with(cfg, i, vkey)
+        _check_made_with(cfg, i, vkey, digests)

@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import sentencepiece as spm
 
 
-def model_sha256(path: str) -> str:
+def model_sha256(path: str, cache: Optional[dict] = None) -> str:
     """sha256 of a tokenizer's model file (a SentencePiece ``.model``, or the ``tokenizer.json``
     of a Hugging Face tokenizer or of its directory): what identifies the vocabulary, wherever
-    the file is moved."""
+    the file is moved. ``cache`` ({(path, size, mtime): digest}) spares reading a file again
+    that has not changed (a tokenizer several sources or checkpoints name). OSError when the
+    file cannot be read."""
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    st = os.stat(file)
+    key = (os.path.abspath(file), st.st_size, st.st_mtime_ns)
+    if cache is not None and key in cache:
+        return cache[key]
     h = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if cache is not None:
+        cache[key] = digest
+    return digest
 
 
 class TokenizerError(ValueError):
