@@ -76,9 +76,12 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
     total = groups * P * T * per_shard + P * T * shared
     # boxes: per parameter the weight, two moments and the masters per piece, a step
     vocab = vocab or cfg.model.vocab_size or 0
-    tensors = max((len(rank_params(cfg, vocab, pp).body), len(rank_params(cfg, vocab, pp).emb)) for pp in range(P))
-    n_body, n_emb = tensors
-    inner_items = lambda n, moments=True: n * ((2 * S + 1 if moments else 0) + (S if half else 0))  # noqa: E731
+    stages = [rank_params(cfg, vocab, pp) for pp in range(P)]  # each pipeline stage's parameters
+    n_body, n_emb = max((len(r.body), len(r.emb)) for r in stages)
+
+    def inner_items(n: int, moments: bool = True) -> int:  # the inner optimizer's boxes of n tensors
+        return n * ((2 * S + 1 if moments else 0) + (S if half else 0))
+
     items = groups * P * T * (n_body + n_emb + inner_items(n_body + n_emb))
     if d.variant != "std":  # θ_prev, the outer optimizer's state, residual, estimate: chunks over D
         per = 1 + OUTER_STATE[d.outer_optimizer.name] + int(d.outer_error_feedback) + int(eager_start(cfg))
@@ -88,7 +91,7 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
         items += 2 * trim_shards(cfg) * (1 + OUTER_STATE[d.outer_optimizer.name]) + 2
     moments = not d.reset_inner_optimizer
     if d.body_optimizer_state == "source":  # every stored source: the body's fp32 moments and steps
-        body_moments = sum(8 * sum(rank_params(cfg, vocab, pp).body) + 4 * n_body for pp in range(P)) * T
+        body_moments = sum(8 * sum(r.body) + 4 * n_body for r in stages) * T
         stored_count = max(len(cfg.data.sources) - groups, 0)
         total += stored_count * body_moments
         items += stored_count * P * T * n_body * (2 * S + 1)
