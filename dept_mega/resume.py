@@ -186,23 +186,36 @@ def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
 
 
 def check_depends(cfg: Config, path: str, cache: Optional[dict] = None) -> None:
-    """ConfigError naming the first key whose value differs from the checkpoint's."""
+    """One ConfigError naming every key whose value differs from the checkpoint's, with both
+    values (the :data:`DEPENDS_KEYS` in their order, then the tokenizer keys sorted): a launch
+    that changed three keys learns all three at once, not one per relaunch."""
     saved = read_json(path, DEPENDS_FILE)
     now = fingerprint(cfg, cache)
     old_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
-    hint = "resume with the checkpoint's value, or start a new train.run_dir"
-    for key in DEPENDS_KEYS:
-        if key in old_cfg and old_cfg[key] != now["config"][key]:
-            raise ConfigError(f"config key '{key}': checkpoint {path} was written with {old_cfg[key]!r}, this "
-                              f"launch has {now['config'][key]!r}; {hint}")
     old_tok = saved.get("tokenizers", {}) if isinstance(saved, dict) else {}
+    diffs = _differences(old_cfg, old_tok, now)
+    if not diffs:
+        return
+    if len(diffs) == 1:
+        key, what = diffs[0]
+        raise ConfigError(f"config key '{key}': checkpoint {path} {what}; resume with the checkpoint's value, "
+                          "or start a new train.run_dir")
+    raise ConfigError(f"{len(diffs)} config keys differ from checkpoint {path}; resume with the checkpoint's "
+                      "values, or start a new train.run_dir:\n"
+                      + "\n".join(f"  config key '{key}': the checkpoint {what}" for key, what in diffs))
+
+
+def _differences(old_cfg: dict, old_tok: dict, now: dict) -> list[tuple[str, str]]:
+    """(key, "was written with A, this launch has B") for each key of ``depends.json`` whose
+    value this launch changes; a key the checkpoint does not record is not compared."""
+    out = [(key, f"was written with {old_cfg[key]!r}, this launch has {now['config'][key]!r}")
+           for key in DEPENDS_KEYS if key in old_cfg and old_cfg[key] != now["config"][key]]
     for key in sorted(set(old_tok) | set(now["tokenizers"])):
         a, b = old_tok.get(key), now["tokenizers"].get(key)
         if a is None or b is None:
-            raise ConfigError(f"config key '{key}': checkpoint {path} was written "
-                              f"{'without it' if a is None else 'with ' + repr(a.get('path'))}, this launch "
-                              f"{'has none' if b is None else 'gives ' + repr(b['path'])}; {hint}")
-        if a.get("sha256") != b["sha256"]:
-            raise ConfigError(f"config key '{key}': checkpoint {path} was trained with tokenizer "
-                              f"{a.get('path')!r} (sha256 {str(a.get('sha256'))[:12]}), this launch gives "
-                              f"{b['path']!r} (sha256 {str(b['sha256'])[:12]}): another vocabulary; {hint}")
+            out.append((key, f"was written {'without it' if a is None else 'with ' + repr(a.get('path'))}, this "
+                             f"launch {'has none' if b is None else 'gives ' + repr(b['path'])}"))
+        elif a.get("sha256") != b["sha256"]:
+            out.append((key, f"was trained with tokenizer {a.get('path')!r} (sha256 {str(a.get('sha256'))[:12]}), "
+                             f"this launch gives {b['path']!r} (sha256 {str(b['sha256'])[:12]}): another vocabulary"))
+    return out

@@ -736,3 +736,67 @@ def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
         check_agree(joining, peer)
     with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups' \(federation"):
         check_agree(joining, {"agree": peer["agree"]})
+
+
+def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
+    """Several fields differ (two inside one agreed key): one ConfigError, one line per field
+    with both values, in AGREE_KEYS order and the fields sorted within a key; a peer that sends
+    only hashes: how many keys differ and each key."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    running = load_config(write_config(str(tmp_path)), fed)
+    joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
+                                                        "dept.local_steps=3", "optim.min_lr=0.0001"])
+    rule = "(federation: every group job needs the same value)"
+    with pytest.raises(ConfigError) as exc:
+        check_agree(joining, {"agree": agree_hashes(running), "agree_values": agree_values(running)})
+    r = running
+    assert str(exc.value).split("\n") == [
+        f"4 config keys differ from the running groups' {rule}:",
+        f"  config key 'dept.local_steps': 3 here, {r.dept.local_steps} in the running groups",
+        f"  config key 'train.seed': 7 here, {r.train.seed} in the running groups",
+        f"  config key 'optim.lr': 0.001 here, {r.optim.lr} in the running groups",
+        f"  config key 'optim.min_lr': 0.0001 here, {r.optim.min_lr} in the running groups"]
+    with pytest.raises(ConfigError) as exc:
+        check_agree(joining, {"agree": agree_hashes(running)})
+    assert str(exc.value).split("\n") == [f"3 config keys differ from the running groups' {rule}:",
+                                          "  config key 'dept.local_steps'", "  config key 'train.seed'",
+                                          "  config key 'optim'"]
+
+
+def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
+    """At a fresh start only hashes travel: one agreed ConfigError with how many keys differ
+    and each key (the other group's hashes stand in through a process group that takes the
+    element-wise max of both jobs' tensors, as the allreduce does)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_config import agree_hashes
+    from dept_mega.parallel.agree import is_agreed
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    other = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001"])
+
+    def quorum(cfg):
+        def allreduce(tensors, opts):
+            t = tensors[0]
+            theirs = torch.tensor(agree_hashes(other) + [0], dtype=torch.int64)
+            t.copy_(torch.maximum(t, torch.cat([theirs, -theirs])))
+            return SimpleNamespace(wait=lambda: None)
+        fake = object.__new__(Federation)
+        fake.hashes, fake.device = agree_hashes(cfg), torch.device("cpu")
+        fake.process_group = SimpleNamespace(allreduce=allreduce)
+        return fake
+
+    quorum(other)._check_agree(0)  # the same keys
+    with pytest.raises(ConfigError) as exc:
+        quorum(load_config(write_config(str(tmp_path)), fed))._check_agree(0)
+    head, *lines = str(exc.value).split("\n")
+    assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs ("), head
+    assert "compare the jobs' train.run_dir/config.yaml" in head and lines == ["  config key 'train.seed'",
+                                                                               "  config key 'optim'"], lines
+    with pytest.raises(ConfigError, match=r"^config key 'optim': differs between the group jobs \(federation"):
+        quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree(0)

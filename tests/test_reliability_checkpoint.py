@@ -223,6 +223,31 @@ def test_tokenizer_is_checked_by_content(base_run, tmp_path, monkeypatch):
         check_depends(load_config(TINY_STD, [f"data.tokenizer={other}"]), _step(base_run, 6))
 
 
+@pytest.mark.parametrize("overrides,want", [
+    (["dept.local_steps=4", "model.hidden_size=128"],
+     ["config key 'model.hidden_size': the checkpoint was written with 64, this launch has 128",
+      "config key 'dept.local_steps': the checkpoint was written with 100, this launch has 4"]),
+    (["data.tokenizer=examples/data/build/tok/en.model", "model.seq_length=32", "model.num_layers=3"],
+     ["config key 'model.num_layers': the checkpoint was written with 2, this launch has 3",
+      "config key 'model.seq_length': the checkpoint was written with 64, this launch has 32",
+      "config key 'data.tokenizer': the checkpoint was trained with tokenizer "]),
+])
+def test_every_changed_key_is_named_at_once(base_run, monkeypatch, overrides, want):
+    """Several keys changed against the checkpoint: one ConfigError, one line per key with both
+    values, in depends.json's key order (the tokenizers last), whatever the order of the
+    overrides."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.resume import check_depends
+    monkeypatch.chdir(ROOT)
+    step = _step(base_run, 6)
+    with pytest.raises(ConfigError) as exc:
+        check_depends(load_config(TINY_STD, overrides), step)
+    head, *lines = str(exc.value).split("\n")
+    assert head == (f"{len(want)} config keys differ from checkpoint {step}; resume with the checkpoint's values, "
+                    "or start a new train.run_dir:"), head
+    assert len(lines) == len(want) and all(ln.startswith("  " + w) for ln, w in zip(lines, want)), lines
+
+
 def test_fsync_of_files_directories_and_latest(tmp_path, monkeypatch):
     """Every file of a saved checkpoint, the step directory after the rename, and `latest`
     reach stable storage (os.fsync on each)."""

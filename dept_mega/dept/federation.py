@@ -316,11 +316,14 @@ class Federation:
         self.process_group.allreduce([both], opts).wait()
         hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
         # every rank of this job holds the same config and round, so every rank raises the same error
-        for i, key in enumerate(AGREE_KEYS):
-            if hi[i] != lo[i]:
-                raise mark_agreed(ConfigError(f"config key '{key}': differs between the group jobs (federation: "
-                                              "every group job needs the same value; the first key that differs: "
-                                              "compare the jobs' train.run_dir/config.yaml)"))
+        keys = [key for i, key in enumerate(AGREE_KEYS) if hi[i] != lo[i]]
+        where = ("federation: every group job needs the same value; only hashes are compared here: compare "
+                 "the jobs' train.run_dir/config.yaml")
+        if len(keys) == 1:
+            raise mark_agreed(ConfigError(f"config key '{keys[0]}': differs between the group jobs ({where})"))
+        if keys:
+            raise mark_agreed(ConfigError(f"{len(keys)} config keys differ between the group jobs ({where}):\n"
+                                          + "\n".join(f"  config key '{k}'" for k in keys)))
         if hi[-1] != lo[-1]:
             raise mark_agreed(ConfigError(
                 f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "

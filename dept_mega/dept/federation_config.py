@@ -12,7 +12,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Optional
 
 from ..config import ConfigError, source_groups
-from .federation_log import first_difference
+from .federation_log import differences
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -49,15 +49,22 @@ def _hashes(values: list) -> list[int]:
 
 def check_agree(cfg, peer: dict) -> None:
     """A healing group's agreed keys against its peer's (``peer``: its ``agree`` hashes and,
-    from dept_mega versions that send them, its ``agree_values``): a ConfigError naming the
-    first field that differs and both values."""
+    from dept_mega versions that send them, its ``agree_values``): one ConfigError naming every
+    field that differs with both values (from a peer that sends only hashes: every key that
+    differs, and how many)."""
     values, own = peer.get("agree_values"), agree_values(cfg)
-    for i, (key, a, b) in enumerate(zip(AGREE_KEYS, _hashes(own), peer["agree"])):
-        if a != b:
-            where, mine, theirs = first_difference(own[i], values[i]) if values else ("", None, None)
-            what = f": {mine!r} here, {theirs!r} in the running groups" if values else ""
-            raise ConfigError(f"config key '{key}{where}' differs from the running groups'{what} (federation: every "
-                              "group job needs the same value)")
+    keys = [i for i, (a, b) in enumerate(zip(_hashes(own), peer["agree"])) if a != b]
+    if values:  # each field that differs (a key whose hash differs but whose values do not: the key, both values)
+        rows = [(AGREE_KEYS[i] + where, f": {mine!r} here, {theirs!r} in the running groups") for i in keys
+                for where, mine, theirs in (differences(own[i], values[i]) or [("", own[i], values[i])])]
+    else:
+        rows = [(AGREE_KEYS[i], "") for i in keys]
+    rule = "federation: every group job needs the same value"
+    if len(rows) == 1:
+        raise ConfigError(f"config key '{rows[0][0]}' differs from the running groups'{rows[0][1]} ({rule})")
+    if rows:
+        raise ConfigError(f"{len(rows)} config keys differ from the running groups' ({rule}):\n"
+                          + "\n".join(f"  config key '{key}'{what}" for key, what in rows))
 
 
 def resolve(cfg) -> Optional[tuple[int, str, int]]:

@@ -50,17 +50,17 @@ def first_line(error: object) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
-def first_difference(mine, theirs, where: str = "") -> tuple[str, object, object]:
-    """The first place two JSON values differ: (``.lr`` / ``[2]`` / ``""``, mine, theirs)."""
+def differences(mine, theirs, where: str = "") -> list[tuple[str, object, object]]:
+    """Every place two JSON values differ, in a stable order (dict keys sorted, list items in
+    order): [(``.lr`` / ``[2]`` / ``""``, mine, theirs), ...]; [] where they are equal."""
+    if mine == theirs:
+        return []
     if isinstance(mine, dict) and isinstance(theirs, dict):
-        for k in sorted(set(mine) | set(theirs)):
-            if mine.get(k) != theirs.get(k):
-                return first_difference(mine.get(k), theirs.get(k), f"{where}.{k}")
+        return [d for k in sorted(set(mine) | set(theirs))
+                for d in differences(mine.get(k), theirs.get(k), f"{where}.{k}")]
     if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                return first_difference(a, b, f"{where}[{i}]")
-    return where, mine, theirs
+        return [d for i, (a, b) in enumerate(zip(mine, theirs)) for d in differences(a, b, f"{where}[{i}]")]
+    return [(where, mine, theirs)]
 
 
 def membership_line(round_index: int, groups: list, before: list, healed: bool = False) -> str:
