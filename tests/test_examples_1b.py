@@ -208,8 +208,46 @@ def test_gpus_per_node_from_slurm(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert argv[argv.index("--nproc-per-node") + 1] == want
         assert f"world {8 * int(want)} = " in r.stdout
-    r, argv = _launch(tmp_path, root, "spec_opt", SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:x")
-    assert r.returncode != 0 and not argv and "is not a number; set GPUS_PER_NODE" in r.stderr
+
+
+@pytest.mark.parametrize("env,want", [
+    (dict(SLURM_GPUS_PER_NODE="4"), "4"),
+    (dict(SLURM_GPUS_PER_NODE="h100:4"), "4"),
+    (dict(SLURM_GPUS_PER_NODE="gpu:a100:4"), "4"),
+    (dict(SLURM_GPUS_PER_NODE="a100:2,v100:2"), "4"),
+    (dict(SLURM_GPUS_PER_NODE="gpu:a100:2,gpu:v100:1,3"), "6"),
+    (dict(SLURM_GPUS_PER_NODE="08"), "8"),
+    (dict(SLURM_GPUS_PER_NODE="a100:2,v100:2", SLURM_GPUS_ON_NODE="3"), "3"),  # this node's count first
+    (dict(SLURM_GPUS_PER_NODE="a100:2,v100:2", GPUS_PER_NODE="5"), "5"),  # the user's first
+    (dict(), "8"),
+])
+def test_gpus_per_node_count(tmp_path, env, want):
+    """--gpus-per-node as SLURM_GPUS_PER_NODE gives it: a count, a typed count (gpu:TYPE:N too),
+    a comma list of those summed (every type's GPUs on the node get a process). (The launch
+    without its pre-flight: only the torchrun line is looked at.)"""
+    r, argv = _launch(tmp_path, ROOT, "spec_opt", DEPT_SKIP_PREFLIGHT="1", RUN_DIR=str(tmp_path / "run"),
+                      **{"SLURM_GPUS_ON_NODE": None, **env})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert argv[argv.index("--nproc-per-node") + 1] == want, argv
+
+
+@pytest.mark.parametrize("env,bad", [
+    (dict(SLURM_GPUS_PER_NODE="h100:x"), "SLURM_GPUS_PER_NODE='h100:x' is not a GPU count"),
+    (dict(SLURM_GPUS_PER_NODE="h100"), "SLURM_GPUS_PER_NODE='h100' is not a GPU count"),
+    (dict(SLURM_GPUS_PER_NODE="a100:2,"), "SLURM_GPUS_PER_NODE='a100:2,' is not a GPU count"),
+    (dict(SLURM_GPUS_PER_NODE="a100:2;v100:2"), "SLURM_GPUS_PER_NODE='a100:2;v100:2' is not a GPU count"),
+    (dict(SLURM_GPUS_PER_NODE="h100:0"), "SLURM_GPUS_PER_NODE='h100:0' is not a positive number of GPUs"),
+    (dict(SLURM_GPUS_ON_NODE="four"), "SLURM_GPUS_ON_NODE='four' is not a positive number of GPUs"),
+    (dict(GPUS_PER_NODE="0"), "GPUS_PER_NODE='0' is not a positive number of GPUs"),
+])
+def test_gpus_per_node_unreadable(tmp_path, env, bad):
+    """A GPU count the script cannot read stops the launch before srun, naming the variable and
+    its value and how to set the count."""
+    r, argv = _launch(tmp_path, ROOT, "spec_opt", DEPT_SKIP_PREFLIGHT="1", RUN_DIR=str(tmp_path / "run"),
+                      **{"SLURM_GPUS_ON_NODE": None, **env})
+    assert r.returncode == 1 and not argv, r.stdout + r.stderr
+    assert r.stderr.startswith(f"examples/1b/common.sh: {bad}") and r.stderr.count("\n") == 1, r.stderr
+    assert "set GPUS_PER_NODE=<processes per node>" in r.stderr, r.stderr
 
 
 def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):

@@ -32,12 +32,39 @@ fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
-# SLURM_GPUS_ON_NODE is the count on this node; SLURM_GPUS_PER_NODE, from --gpus-per-node, may
-# carry a type ("h100:4"), hence the suffix after the last colon.
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:+${SLURM_GPUS_PER_NODE##*:}}}}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+# The GPU count of --gpus-per-node as Slurm passes it in SLURM_GPUS_PER_NODE: a count ("4"), a
+# typed count ("h100:4", "gpu:h100:4"), or a comma list of those, summed ("a100:2,v100:2": 4).
+# Prints the count; fails (prints nothing) on anything else.
+slurm_gpu_count() {
+  local item total=0
+  local -a items
+  [[ $1 =~ ^([A-Za-z0-9_.-]+:){0,2}[0-9]+(,([A-Za-z0-9_.-]+:){0,2}[0-9]+)*$ ]] || return 1
+  IFS=, read -ra items <<< "$1"
+  for item in "${items[@]}"; do
+    total=$((total + 10#${item##*:}))
+  done
+  echo "$total"
+}
+# Processes per node: GPUS_PER_NODE, else SLURM_GPUS_ON_NODE (this node's count), else the
+# count of SLURM_GPUS_PER_NODE, else 8.
+gpus_given=${GPUS_PER_NODE:-}
+if [ -n "$gpus_given" ]; then
+  gpus_from=GPUS_PER_NODE
+elif [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
+  gpus_from=SLURM_GPUS_ON_NODE gpus_given=$SLURM_GPUS_ON_NODE GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
+elif [ -n "${SLURM_GPUS_PER_NODE:-}" ]; then
+  gpus_from=SLURM_GPUS_PER_NODE gpus_given=$SLURM_GPUS_PER_NODE
+  GPUS_PER_NODE=$(slurm_gpu_count "$SLURM_GPUS_PER_NODE") || {
+    echo "examples/1b/common.sh: SLURM_GPUS_PER_NODE='$SLURM_GPUS_PER_NODE' is not a GPU count (N, TYPE:N," \
+         "gpu:TYPE:N, or a comma list of those); set GPUS_PER_NODE=<processes per node>" >&2
+    exit 1
+  }
+else
+  gpus_from=default gpus_given=8 GPUS_PER_NODE=8
+fi
 case "$GPUS_PER_NODE" in
-  '' | *[!0-9]*) echo "examples/1b/common.sh: GPUs per node '$GPUS_PER_NODE' is not a number; set GPUS_PER_NODE" >&2; exit 1 ;;
+  '' | *[!0-9]* | 0*) echo "examples/1b/common.sh: $gpus_from='$gpus_given' is not a positive number of GPUs;" \
+                           "set GPUS_PER_NODE=<processes per node>" >&2; exit 1 ;;
 esac
 WORLD=$((NNODES * GPUS_PER_NODE))
 
