@@ -56,14 +56,15 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
     writes its weights and optimizer state once per (pipeline, tensor) shard — data-parallel
     replicas share keys, the distributed optimizer's pieces do not — and DEPT's outer state and
     TRIM's table once per parameter (each rank holds a 1/D chunk). The largest rank stands for
-    every pipeline stage. Besides the installed sources, SPEC/SPEC-OPT/TRIM write the K − G
+    every pipeline stage, less the last stage's copy of a tied word table, which has the first
+    stage's key and is written once (:func:`_tied_copy`). Besides the installed sources, SPEC/SPEC-OPT/TRIM write the K − G
     stored sources' embeddings, their fp32 masters (bf16/fp16) and, unless
     ``dept.reset_inner_optimizer``, their moments; with ``dept.body_optimizer_state: source``
     every stored source also carries the body's moments (:func:`_stored_vocabs`; ``vocab``: the
     global vocabulary, the default of a source without a known size). Plus the files' own
     overhead (:data:`ITEM_BYTES` per box and the small files)."""
     from .dept.cost_common import eager_start, rank_params
-    from .dept.memory import OUTER_STATE, trim_shards
+    from .dept.memory import OUTER_STATE, trim_shards, variant_vocab
     p, d = cfg.parallel, cfg.dept
     groups = cfg.num_groups(world_size)
     P, T, D = p.pipeline, p.tensor, p.data
@@ -99,11 +100,53 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
     per_elem = wb + (4 if half else 0) + (8 if moments else 0)
     for v in stored:
         for pp in range(P):
-            emb = rank_params(cfg, v, pp).emb
+            rp = rank_params(cfg, v, pp)
+            copies = _tied_copies(cfg, rp, pp)
+            emb = [n for i, n in enumerate(rp.emb) if i not in rp.emb_isolate or not copies]
             total += T * (per_elem * sum(emb) + (4 * len(emb) if moments else 0))
             items += T * (len(emb) + inner_items(len(emb), moments))
+    own, shared_copy, outer_items = _tied_copy(cfg, variant_vocab(d.variant, vocab, source_vocabs, trim_vocabs),
+                                               vocab)
+    if own:  # the tied table's copy on the last stage: its key is the first stage's, written once
+        total -= groups * T * own + T * shared_copy
+        items -= groups * T * (1 + inner_items(1)) + T * outer_items
     files = RNG_FILE_BYTES * P * T + GROUP_FILE_BYTES * groups + FIXED_FILE_BYTES
     return int(total + ITEM_BYTES * items + files)
+
+
+def _tied_copies(cfg: Config, rp, pp: int) -> list[int]:
+    """The numels of stage ``pp``'s tied-table copies whose key the first stage writes too
+    (``rp``: its :func:`~dept_mega.dept.cost_common.rank_params`): the last stage's isolated
+    word table under ``model.tie_embeddings`` and pipeline > 1; [] elsewhere."""
+    if not cfg.model.tie_embeddings or cfg.parallel.pipeline == 1 or pp != cfg.parallel.pipeline - 1:
+        return []
+    return [rp.emb[i] for i in sorted(rp.emb_isolate)]
+
+
+def _tied_copy(cfg: Config, vocab: int, global_vocab: int) -> tuple[int, int, int]:
+    """What the P × largest-rank count holds twice under a tied head (``model.tie_embeddings``,
+    pipeline > 1): the last stage's copy of the word table has the first stage's key (the same
+    parameter name, kept equal by the embedding all-reduce), so a save writes it once. Returns
+    its weights and optimizer bytes on a tensor shard of one group, its outer state and TRIM
+    table over the D ranks, and its outer boxes; zeros without a copy. (Measured: a tied pipeline-2
+    checkpoint is the pipeline-1 one plus the second stage's RNG file.)"""
+    from .dept.cost_common import eager_start, rank_params
+    from .dept.memory import (FLATSYNC_THETA_CHUNK_ONLY, OUTER_STATE, _optimizer_bytes, _outer_bytes,
+                              _trim_table_bytes)
+    p, d = cfg.parallel, cfg.dept
+    copies = _tied_copies(cfg, rank_params(cfg, vocab, p.pipeline - 1), p.pipeline - 1)
+    if not copies:
+        return 0, 0, 0
+    table = sum(copies)
+    inner = _optimizer_bytes(cfg, [table], {0})
+    own = inner["weights"] + inner["optimizer"] * (p.data if cfg.optim.distributed else 1)
+    shared = items = 0
+    if d.variant == "glob":  # its outer state, chunked over D
+        shared += _outer_bytes(cfg, [table], [0], {0}, FLATSYNC_THETA_CHUNK_ONLY) * p.data
+        items += 1 + OUTER_STATE[d.outer_optimizer.name] + int(d.outer_error_feedback) + int(eager_start(cfg))
+    if d.variant == "trim":
+        shared += _trim_table_bytes(cfg, global_vocab) * p.data
+    return own, shared, items
 
 
 def resume_line(cfg: Config) -> Optional[str]:

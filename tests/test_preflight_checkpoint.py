@@ -26,11 +26,18 @@ def corpus(tmp_path_factory):
     return tok, sources
 
 
+PIPELINE_TIED = ["model.num_layers=2", "parallel.pipeline=2"]  # (model.tie_embeddings: true, the default)
+
+
 @pytest.mark.parametrize("variant,overrides", [
     ("std", []), ("glob", []), ("spec", []), ("spec_opt", []), ("trim", []),
     ("spec", ["dept.body_optimizer_state=source"]),
+    ("std", PIPELINE_TIED), ("spec", PIPELINE_TIED),
 ])
 def test_predicted_checkpoint_bounds_a_real_save(tmp_path, corpus, variant, overrides):
+    """(Pipeline 2 with a tied head: both end stages hold the word table under one key, which
+    the save writes once; so does the prediction: counting it on both stages gave 1.25x (std)
+    and 1.37x (spec) of the real size, now 1.12x and 1.10x, hence the tighter bound.)"""
     from dept_mega.checkpoint import dir_bytes
     from dept_mega.config import load_config
     from dept_mega.dept.costs import resolve_vocabs
@@ -52,15 +59,20 @@ def test_predicted_checkpoint_bounds_a_real_save(tmp_path, corpus, variant, over
     own = list(vocabs.source_vocabs.values()) if variant == "spec_opt" else []
     trim = list(vocabs.trim_vocabs.values())
     mem = predict_memory(c, vocabs.global_vocab, own, trim)
-    predicted = checkpoint_bytes(c, 1, mem, vocabs.global_vocab, own, trim)
+    world = c.parallel.pipeline
+    predicted = checkpoint_bytes(c, world, mem, vocabs.global_vocab, own, trim)
 
-    r = _train_here("--config", str(path), *overrides)  # main in this process: the save is the same
-    assert r.returncode == 0, r.stderr
+    if world == 1:
+        r = _train_here("--config", str(path), *overrides)  # main in this process: the save is the same
+        assert r.returncode == 0, r.stderr
+    else:  # ranks forked as torchrun would start them
+        from tests.federation_utils import run_single_job
+        run_single_job(str(path), str(tmp_path / "run"), world, *overrides)
     step = tmp_path / "run" / "checkpoints" / f"step_{STEPS}"
     if variant in ("spec", "spec_opt", "trim"):  # the case under test: stored sources are written
         assert len(_stored_sources(str(step))) == 3 - 1, "not the K - G stored sources in the checkpoint"
     real = dir_bytes(str(step))
-    assert real <= predicted <= 1.5 * real, (variant, overrides, predicted, real)
+    assert real <= predicted <= (1.2 if world > 1 else 1.5) * real, (variant, overrides, predicted, real)
 
 
 def _stored_sources(step: str) -> set[str]:
