@@ -403,8 +403,12 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     variant = cfg.dept.variant
     k = len(cfg.data.sources)
     if variant == "std" and groups != 1:
+        d = world_size // (p.tensor * p.pipeline)
         raise ConfigError(f"config key 'dept.variant': std trains one group, but world size {world_size} "
-                          f"with tensor×pipeline×data={per_group} gives {groups} groups")
+                          f"with tensor×pipeline×data={p.tensor}×{p.pipeline}×{p.data}={per_group} gives {groups} "
+                          f"groups: set parallel.data={d} (world size / (tensor × pipeline); Megatron-LM infers the "
+                          f"data-parallel size, dept_mega does not: the ranks left over form DEPT source groups), "
+                          f"or launch {per_group} process(es)")
     if variant in ("spec", "spec_opt") and k < groups:
         raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
                           f"got {k} sources for {groups} groups")

@@ -68,6 +68,10 @@ def test_world_size_checks():
     base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100"]
     assert "world size 6" in _err(base + ["parallel.tensor=4"], world=6)
     assert "std trains one group" in _err(base + ["dept.variant=std"], world=2)
+    # the fix is named: the data-parallel size Megatron-LM would have inferred
+    msg = _err(base + ["dept.variant=std", "parallel.tensor=2"], world=8)
+    assert "tensor×pipeline×data=2×1×1=2 gives 4 groups: set parallel.data=4 " in msg, msg
+    assert "or launch 2 process(es)" in msg
     two = "data.sources=[{name: a, prefix: x, tokenizer: t}, {name: b, prefix: y, tokenizer: u}]"
     assert "at least one source per group" in _err(base + ["dept.variant=spec", two], world=4)
     assert "needs a tokenizer" in _err(base + ["dept.variant=spec_opt",
