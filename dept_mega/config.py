@@ -259,6 +259,11 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.sources[{i}].name': a source needs a name")
         if s.weight <= 0:
             raise ConfigError(f"config key 'data.sources[{i}].weight': must be > 0, got {s.weight}")
+        if s.weight != 1.0 and cfg.dept.sampling == "uniform":
+            raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
+                              f"dept.sampling=uniform (the default: every source equally likely); set "
+                              f"dept.sampling=proportional (a source's share ∝ its tokens × weight) or temperature "
+                              f"((tokens × weight)^dept.temperature), or drop the weight")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")

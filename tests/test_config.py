@@ -16,7 +16,8 @@ def test_defaults_and_overrides(tmp_path):
     p.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4}\n"
                  "dept: {variant: glob, local_steps: 10}\ntrain: {steps: 20}\n")
     cfg = load_config(p, ["parallel.tensor=2", "dept.outer_optimizer.lr=0.7", "optim.lr=3e-4",
-                          "data.sources=[{name: a, prefix: x}, {name: b, prefix: y, weight: 2}]"])
+                          "data.sources=[{name: a, prefix: x}, {name: b, prefix: y, weight: 2}]",
+                          "dept.sampling=proportional"])
     assert cfg.parallel.tensor == 2 and cfg.dept.outer_optimizer.lr == 0.7 and cfg.optim.lr == 3e-4
     assert [s.name for s in cfg.data.sources] == ["a", "b"] and cfg.data.sources[1].weight == 2.0
     assert cfg.model.query_groups == 4 and cfg.model.ffn_size == 256
@@ -48,6 +49,18 @@ def test_defaults_and_overrides(tmp_path):
 ])
 def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)
+
+
+def test_a_source_weight_that_uniform_sampling_would_ignore_is_refused():
+    """A weight (Megatron's --data-path 0.3 A 0.7 B habit) does nothing under the default
+    dept.sampling=uniform; it is refused with the sampling modes that use it, not ignored."""
+    two = "data.sources=[{name: a, prefix: x, weight: 0.3}, {name: b, prefix: y}]"
+    msg = _err([two])
+    assert msg.startswith("config key 'data.sources[0].weight': 0.3 has no effect under dept.sampling=uniform"), msg
+    assert "dept.sampling=proportional" in msg
+    for sampling in ("proportional", "temperature"):
+        assert load_config(None, [two, f"dept.sampling={sampling}"]).data.sources[0].weight == 0.3
+    load_config(None, ["data.sources=[{name: a, prefix: x, weight: 1.0}]"])  # the default weight is fine
 
 
 def test_unknown_key_suggests_the_closest(tmp_path):
