@@ -77,8 +77,12 @@ def _unknown_key(key: str, known) -> ConfigError:
     one is close (a typo such as ``model.hiden_size``)."""
     head, _, last = key.rpartition(".")
     near = difflib.get_close_matches(last, sorted(known), n=1, cutoff=0.75)
-    hint = f"; did you mean '{head + '.' if head else ''}{near[0]}'?" if near else ""
-    return ConfigError(f"unknown config key '{key}'{hint} (every key: docs/config.md)")
+    if near:
+        return ConfigError(f"unknown config key '{key}'; did you mean '{head + '.' if head else ''}{near[0]}'? "
+                           f"(every key: docs/config.md)")
+    # no typo: perhaps a Megatron-LM / torchtitan setting under its own name (optim.lr_decay_style)
+    return ConfigError(f"unknown config key '{key}' (every key: docs/config.md; Megatron-LM's and torchtitan's "
+                       f"settings and their keys here: docs/migrating.md)")
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
