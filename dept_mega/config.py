@@ -77,8 +77,12 @@ def _unknown_key(key: str, known) -> ConfigError:
     one is close (a typo such as ``model.hiden_size``)."""
     head, _, last = key.rpartition(".")
     near = difflib.get_close_matches(last, sorted(known), n=1, cutoff=0.75)
-    hint = f"; did you mean '{head + '.' if head else ''}{near[0]}'?" if near else ""
-    return ConfigError(f"unknown config key '{key}'{hint} (every key: docs/config.md)")
+    if near:
+        return ConfigError(f"unknown config key '{key}'; did you mean '{head + '.' if head else ''}{near[0]}'? "
+                           f"(every key: docs/config.md)")
+    # no typo: perhaps a Megatron-LM / torchtitan setting under its own name (optim.lr_decay_style)
+    return ConfigError(f"unknown config key '{key}' (every key: docs/config.md; Megatron-LM's and torchtitan's "
+                       f"settings and their keys here: docs/migrating.md)")
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
@@ -259,6 +263,11 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.sources[{i}].name': a source needs a name")
         if s.weight <= 0:
             raise ConfigError(f"config key 'data.sources[{i}].weight': must be > 0, got {s.weight}")
+        if s.weight != 1.0 and cfg.dept.sampling == "uniform":
+            raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
+                              f"dept.sampling=uniform (the default: every source equally likely); set "
+                              f"dept.sampling=proportional (a source's share ∝ its tokens × weight) or temperature "
+                              f"((tokens × weight)^dept.temperature), or drop the weight")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
@@ -403,8 +412,12 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     variant = cfg.dept.variant
     k = len(cfg.data.sources)
     if variant == "std" and groups != 1:
+        d = world_size // (p.tensor * p.pipeline)
         raise ConfigError(f"config key 'dept.variant': std trains one group, but world size {world_size} "
-                          f"with tensor×pipeline×data={per_group} gives {groups} groups")
+                          f"with tensor×pipeline×data={p.tensor}×{p.pipeline}×{p.data}={per_group} gives {groups} "
+                          f"groups: set parallel.data={d} (world size / (tensor × pipeline); Megatron-LM infers the "
+                          f"data-parallel size, dept_mega does not: the ranks left over form DEPT source groups), "
+                          f"or launch {per_group} process(es)")
     if variant in ("spec", "spec_opt") and k < groups:
         raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
                           f"got {k} sources for {groups} groups")

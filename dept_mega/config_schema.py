@@ -124,7 +124,7 @@ class SourceConfig:
     name: str = ""  #: The source's name, used in logs, metrics and checkpoints.
     prefix: str = ""  #: Path prefix of its Megatron indexed data (PREFIX.bin and PREFIX.idx).
     tokenizer: Optional[str] = None  #: Its own tokenizer model (spec_opt only).
-    weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling.
+    weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling (a weight other than 1 is refused under uniform, where it would have no effect).
     #: The source group that holds its data and trains it (a site's data stays there): each
     #: round group g draws one of its own sources; null = index mod the number of groups when
     #: any source sets it or under federation with more sources than groups, else any group.

@@ -240,7 +240,8 @@ class TrainLoop:
                 eta_rate = (now - t_first) / trained
                 self.writer.log(human_line(step, total, rec["loss"], rec["lr"], rec["tokens_per_s"], elapsed,
                                            eta_rate * (total - step), tr.nonfinite_total,
-                                           rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb")))
+                                           rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb"),
+                                           grad_norm=rec["grad_norm"]))
             if step % L == 0 or step == total:
                 t0 = time.time()
                 outer = self.hooks.round_end(self, self.round_of(step - 1))

@@ -238,11 +238,13 @@ def format_seconds(s: float) -> str:
 
 def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed: float,
                eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
-               mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None) -> str:
-    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | 12,345 tok/s | 402.1 TFLOP/s/device |
-    MFU 40.7% | mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the TFLOP/s, MFU and
-    memory parts only where known)."""
+               mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None,
+               grad_norm: Optional[float] = None) -> str:
+    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | grad norm 0.512 | 12,345 tok/s | 402.1
+    TFLOP/s/device | MFU 40.7% | mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the grad
+    norm, TFLOP/s, MFU and memory parts only where known; a non-finite norm prints as nan)."""
     extra = f" | skipped {skipped}" if skipped else ""
+    norm = "" if grad_norm is None else f" | grad norm {grad_norm:.3f}"
     perf = ""
     if tflops_per_device is not None:
         perf += f" | {tflops_per_device:.1f} TFLOP/s/device"
@@ -250,7 +252,7 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
         perf += f" | MFU {100 * mfu:.1f}%"
     if mem_peak_gb is not None:
         perf += f" | mem peak {mem_peak_gb:.1f} GB"
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s{perf} | "
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
 
 

@@ -16,7 +16,8 @@ def test_defaults_and_overrides(tmp_path):
     p.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4}\n"
                  "dept: {variant: glob, local_steps: 10}\ntrain: {steps: 20}\n")
     cfg = load_config(p, ["parallel.tensor=2", "dept.outer_optimizer.lr=0.7", "optim.lr=3e-4",
-                          "data.sources=[{name: a, prefix: x}, {name: b, prefix: y, weight: 2}]"])
+                          "data.sources=[{name: a, prefix: x}, {name: b, prefix: y, weight: 2}]",
+                          "dept.sampling=proportional"])
     assert cfg.parallel.tensor == 2 and cfg.dept.outer_optimizer.lr == 0.7 and cfg.optim.lr == 3e-4
     assert [s.name for s in cfg.data.sources] == ["a", "b"] and cfg.data.sources[1].weight == 2.0
     assert cfg.model.query_groups == 4 and cfg.model.ffn_size == 256
@@ -50,6 +51,18 @@ def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)
 
 
+def test_a_source_weight_that_uniform_sampling_would_ignore_is_refused():
+    """A weight (Megatron's --data-path 0.3 A 0.7 B habit) does nothing under the default
+    dept.sampling=uniform; it is refused with the sampling modes that use it, not ignored."""
+    two = "data.sources=[{name: a, prefix: x, weight: 0.3}, {name: b, prefix: y}]"
+    msg = _err([two])
+    assert msg.startswith("config key 'data.sources[0].weight': 0.3 has no effect under dept.sampling=uniform"), msg
+    assert "dept.sampling=proportional" in msg
+    for sampling in ("proportional", "temperature"):
+        assert load_config(None, [two, f"dept.sampling={sampling}"]).data.sources[0].weight == 0.3
+    load_config(None, ["data.sources=[{name: a, prefix: x, weight: 1.0}]"])  # the default weight is fine
+
+
 def test_unknown_key_suggests_the_closest(tmp_path):
     """A typo names the key it probably meant (in the file, in an override, in a list item);
     a key near nothing names only itself."""
@@ -62,12 +75,21 @@ def test_unknown_key_suggests_the_closest(tmp_path):
     p.write_text("data: {sources: [{name: a, prefx: x}]}\n")
     assert "'data.sources[0].prefx'; did you mean 'data.sources[0].prefix'?" in _err([], path=p)
     assert "did you mean" not in _err(["model.colour=1"])
+    # a key near nothing may be another trainer's name for a setting: the mapping is pointed at
+    msg = _err(["optim.lr_decay_style=linear"])
+    assert msg == ("unknown config key 'optim.lr_decay_style' (every key: docs/config.md; Megatron-LM's and "
+                   "torchtitan's settings and their keys here: docs/migrating.md)"), msg
+    assert "migrating" not in _err(["model.hiden_size=8"])
 
 
 def test_world_size_checks():
     base = ["dept.local_steps=10", "train.steps=20", "model.vocab_size=100"]
     assert "world size 6" in _err(base + ["parallel.tensor=4"], world=6)
     assert "std trains one group" in _err(base + ["dept.variant=std"], world=2)
+    # the fix is named: the data-parallel size Megatron-LM would have inferred
+    msg = _err(base + ["dept.variant=std", "parallel.tensor=2"], world=8)
+    assert "tensor×pipeline×data=2×1×1=2 gives 4 groups: set parallel.data=4 " in msg, msg
+    assert "or launch 2 process(es)" in msg
     two = "data.sources=[{name: a, prefix: x, tokenizer: t}, {name: b, prefix: y, tokenizer: u}]"
     assert "at least one source per group" in _err(base + ["dept.variant=spec", two], world=4)
     assert "needs a tokenizer" in _err(base + ["dept.variant=spec_opt",

@@ -176,3 +176,23 @@ def test_a_truncated_source_file_names_the_source_and_the_key(tmp_path):
         msg = str(err.value)
         assert msg.startswith(f"config key 'data.sources[1].prefix': source 'legal': {b}.bin: data file is shorter "
                               f"than its index says: 100 bytes"), msg
+
+
+def test_data_without_byte_counts_is_refused_at_the_check_not_at_the_first_evaluation(tmp_path):
+    """Megatron-LM's preprocess_data.py writes no PREFIX.bytes.npy; evaluation needs it for bits
+    per byte. The check names the file and both ways out; with train.eval_iters=0 it passes."""
+    from dept_mega.config import ConfigError
+    from dept_mega.data.checks import check_sources
+    a = _source(tmp_path, "a", 40, 0)
+    docs = numbered_docs(40, seed=1)
+    b = write_docs(str(tmp_path / "megatron_text_document"), docs)  # no byte counts
+    sources = [{"name": "a", "prefix": a}, {"name": "meg", "prefix": b}]
+    base = {"model": {"seq_length": 8, "vocab_size": 100000}, "data": {"sources": sources}}
+    with pytest.raises(ConfigError) as err:
+        check_sources(config_from_dict(base))
+    msg = str(err.value)
+    assert msg.startswith(f"config key 'data.sources[1].prefix': source 'meg': {b}.bytes.npy does not exist"), msg
+    assert "tools/preprocess_data.py" in msg and "train.eval_iters=0" in msg
+    check_sources(config_from_dict({**base, "train": {"eval_iters": 0}}))
+    write_docs(b, docs, nbytes=[3 * len(d) for d in docs])
+    check_sources(config_from_dict(base))

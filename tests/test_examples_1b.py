@@ -159,7 +159,8 @@ def _root_with_placeholder_files(tmp_path) -> str:
                 shutil.copyfile(model, root / p)
         for s in cfg.data.sources:
             (root / s.prefix).parent.mkdir(parents=True, exist_ok=True)
-            write_docs(str(root / s.prefix), [[5 + (d + k) % 100 for k in range(50)] for d in range(20)])
+            write_docs(str(root / s.prefix), [[5 + (d + k) % 100 for k in range(50)] for d in range(20)],
+                       nbytes=[150] * 20)
     return str(root)
 
 

@@ -59,6 +59,40 @@ def test_human_line_shows_what_is_known():
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, tflops_per_device=402.12, mfu=0.4066,
                       mem_peak_gb=61.23)
     assert "402.1 TFLOP/s/device" in line and "MFU 40.7%" in line and "mem peak 61.2 GB" in line
+    assert "grad norm" not in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, grad_norm=0.51234)
+    assert "| lr 3.000e-04 | grad norm 0.512 | 12,345 tok/s" in line
+    assert "grad norm nan" in human_line(20, 100, 5.1234, 3e-4, 1.0, 62.0, 248.0, grad_norm=float("nan"))
+
+
+def test_the_step_line_shows_the_records_grad_norm(tmp_path):
+    """The log's step line carries the train record's grad norm (Megatron's log shows it)."""
+    import io
+    import json
+    import os
+
+    import torch
+
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+    from tests.dept_utils import tiny_config as dept_config
+    run = str(tmp_path / "run")
+    cfg = dept_config({"dept": {"variant": "std"}, "train": {"steps": 2, "log_interval": 1, "eval_interval": 0,
+                                                              "save_interval": 0, "run_dir": run}})
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    stream = io.StringIO()
+    allowed = torch.arange(cfg.model.vocab_size)
+    TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(run, enabled=True, stream=stream),
+              lambda name: SyntheticSource(cfg, 3, allowed)).run()
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        norms = [r["grad_norm"] for r in map(json.loads, f) if r["kind"] == "train"]
+    lines = [ln for ln in stream.getvalue().splitlines() if ln.startswith("step ")]
+    assert len(lines) == len(norms) == 2
+    for ln, norm in zip(lines, norms):
+        assert f"| grad norm {norm:.3f} |" in ln, (ln, norm)
 
 
 def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):

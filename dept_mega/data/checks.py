@@ -15,7 +15,7 @@ import json
 import os
 
 from dept_mega.config import Config, ConfigError
-from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path, tokenizer_record_path
+from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_path, tokenizer_record_path
 from dept_mega.data.sources import naming_source, token_id_range
 
 
@@ -94,3 +94,20 @@ def check_sources(cfg: Config) -> None:
                               f"({vkey}) has {vocab} ids (0..{vocab - 1}): the data was made with another "
                               f"tokenizer")
         _check_made_with(cfg, i, vkey, digests)
+        _check_byte_counts(cfg, i)
+
+
+def _check_byte_counts(cfg: Config, i: int) -> None:
+    """ConfigError when evaluation will run (``train.eval_iters`` > 0) but the source has no
+    ``PREFIX.bytes.npy``: its bits per byte need each document's UTF-8 byte count, which
+    tools/preprocess_data.py writes and Megatron-LM's preprocess_data.py does not. Without this
+    check such data trains until the first evaluation and then stops with a traceback."""
+    s = cfg.data.sources[i]
+    path = bytes_path(s.prefix)
+    if cfg.train.eval_iters == 0 or os.path.isfile(path):
+        return
+    raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {path} does not exist: "
+                      f"evaluation (train.eval_iters={cfg.train.eval_iters}) reports bits per byte from each "
+                      f"document's UTF-8 byte count, which tools/preprocess_data.py writes beside the .bin/.idx "
+                      f"(Megatron-LM's preprocess_data.py does not): re-run tools/preprocess_data.py on the "
+                      f"source's jsonl, or set train.eval_iters=0 to train without evaluation")
