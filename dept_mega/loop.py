@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import ops
 from .config import Config
 from .metrics import MetricsWriter, ThroughputMeter, human_line
+from .preemption import PreemptedWait
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
 
@@ -112,6 +113,10 @@ class TrainLoop:
         # dept_mega.preemption.Preemption (set by dept_mega.train): asked after every step
         self.preemption: Optional[Any] = None
         self.preempted_at: Optional[int] = None  # the step saved before a preemption exit
+        # a preemption in a wait of the hooks (PreemptedWait): the wait, and whether the
+        # checkpoint preempted_at is of this step (else the last one before: None = none)
+        self.preempted_wait: Optional[PreemptedWait] = None
+        self.saved_in_wait = False
         # train.exit_interval / exit_duration_mins: why and after which step the loop stopped early
         self.exit_reason: Optional[str] = None
         self.exited_at: Optional[int] = None
@@ -211,7 +216,11 @@ class TrainLoop:
         while tr.step < total:
             r = self.round_of(tr.step)
             if self.assignment is None or tr.step % L == 0:
-                self.assignment = self.hooks.round_start(self, r)
+                try:
+                    self.assignment = self.hooks.round_start(self, r)
+                except PreemptedWait as stop:
+                    self._preempted_in_wait(stop)
+                    return
                 if self.pg.group_index not in self.assignment:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
                                        f"{self.pg.group_index}: {self.assignment}")
@@ -244,7 +253,11 @@ class TrainLoop:
                                            grad_norm=rec["grad_norm"]))
             if step % L == 0 or step == total:
                 t0 = time.time()
-                outer = self.hooks.round_end(self, self.round_of(step - 1))
+                try:
+                    outer = self.hooks.round_end(self, self.round_of(step - 1))
+                except PreemptedWait as stop:
+                    self._preempted_in_wait(stop)
+                    return
                 if outer is not None:
                     outer.setdefault("seconds", time.time() - t0)
                     self.writer.write("outer", step, self.round_of(step - 1), **outer)
@@ -290,6 +303,32 @@ class TrainLoop:
         if int(over.item()):
             return f"train.exit_duration_mins={t.exit_duration_mins:g} ({minutes:.1f} min since launch)"
         return None
+
+    def _preempted_in_wait(self, stop: PreemptedWait) -> None:
+        """A preemption agreed while the hooks waited for others (a federated group job at
+        torchft's quorum): a checkpoint of this step when ``stop.synced`` (a round start: the
+        state a periodic save after the previous round's end holds) and none was written at it;
+        otherwise — inside a round's end, its outer sync not done — nothing is saved: the
+        checkpoint format holds a round boundary as after its sync, and a resume there would
+        skip the pending one, so the relaunch resumes from the last checkpoint, as after a kill
+        (a federated group then heals from the live groups). ``preempted_at``: the step a
+        relaunch resumes from (None: no checkpoint, it starts anew)."""
+        from .resume import latest_step
+        self.preempted_wait = stop
+        step = self.trainer.step
+        if self.checkpointer is None:
+            self.preempted_at = None
+            return
+        if hasattr(self.checkpointer, "wait"):
+            self.checkpointer.wait()
+        last = latest_step(self.cfg.train.run_dir)
+        can = getattr(self.hooks, "can_save_now", None)
+        if stop.synced and step > 0 and last != step and (can is None or can()):
+            self.save()
+            if hasattr(self.checkpointer, "wait"):
+                self.checkpointer.wait()
+            self.saved_in_wait, last = True, step
+        self.preempted_at = last
 
     def _stopped(self, step: int, preempted: bool) -> None:
         if preempted:

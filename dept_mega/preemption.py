@@ -29,6 +29,20 @@ PREEMPTED_FILE = "preempted.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class PreemptedWait(Exception):
+    """A preemption agreed while the job waited for others outside its own world (a federated
+    group job at torchft's quorum: dept/federation_wait.py): the wait is abandoned. ``what``:
+    the wait, for the log; ``synced``: the job's state is the one a checkpoint of its current
+    step holds (a round start, after the previous round's outer sync), so the loop saves it;
+    False inside a round's end (its outer sync not done: a checkpoint cannot hold a round whose
+    sync is pending, see TrainLoop._preempted_in_wait), where the relaunch resumes from the last
+    checkpoint."""
+
+    def __init__(self, what: str, synced: bool) -> None:
+        super().__init__(what)
+        self.what, self.synced = what, synced
+
+
 class Preemption:
     """Records SIGTERM / SIGUSR1 (once installed) and agrees across ranks on stopping."""
 
@@ -70,6 +84,12 @@ class Preemption:
             self.stop_signal = flag
         return self.stop_signal is not None
 
+    def agree_flag(self, flag: int) -> None:
+        """A signal agreed over the world elsewhere than :meth:`agreed` (a preemptible wait's
+        own collective): :meth:`agreed` is True from now on."""
+        if flag and self.stop_signal is None:
+            self.stop_signal = int(flag)
+
     @property
     def signal_name(self) -> str:
         s = self.stop_signal or self.signal
@@ -79,12 +99,14 @@ class Preemption:
             return str(s)
 
 
-def write_marker(run_dir: str, step: int, signal_name: str) -> None:
+def write_marker(run_dir: str, step: Optional[int], signal_name: str) -> None:
     """``RUN/preempted.json`` (global rank 0): the job stopped for a preemption after saving
-    checkpoint ``step``; the sbatch scripts requeue the job when it is there."""
+    checkpoint ``step`` (the checkpoint a relaunch resumes from; null: none, it starts anew);
+    the sbatch scripts requeue the job when it is there."""
     from .manifest import replace_durable
     replace_durable(os.path.join(run_dir, PREEMPTED_FILE),
-                    json.dumps({"step": int(step), "signal": signal_name, "exit_code": EXIT_PREEMPTED}).encode())
+                    json.dumps({"step": None if step is None else int(step), "signal": signal_name,
+                                "exit_code": EXIT_PREEMPTED}).encode())
 
 
 def clear_marker(run_dir: str) -> None:

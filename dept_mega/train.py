@@ -287,7 +287,23 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
         else:
             loop.run()
-        if loop.preempted_at is not None:
+        stop = loop.preempted_wait
+        if stop is not None:  # a federated group job preempted while waiting for the other groups
+            at = session.trainer.step
+            if loop.saved_in_wait:
+                saved = f"checkpoint of step {at} written"
+            elif stop.synced and loop.preempted_at == at:
+                saved = f"the checkpoint of step {at} was written before"
+            else:
+                why = ("nothing trained" if stop.synced else
+                       "round's outer sync not done: a checkpoint holds a round's end only after it")
+                saved = (f"no checkpoint of step {at} ({why}); a relaunch resumes from "
+                         + (f"step {loop.preempted_at}" if loop.preempted_at is not None else "the start"))
+            session.writer.log(f"preempted ({preemption.signal_name}) while {stop.what}: stopped waiting; {saved}; "
+                               f"exiting with status {EXIT_PREEMPTED} (requeue to continue)")
+            if session.rank == 0:
+                write_marker(run_dir, loop.preempted_at, preemption.signal_name)
+        elif loop.preempted_at is not None:
             session.writer.log(f"preempted ({preemption.signal_name}): checkpoint of step {loop.preempted_at} "
                                f"written; exiting with status {EXIT_PREEMPTED} (requeue to continue)")
             if session.rank == 0:
@@ -306,6 +322,14 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if loop.preempted_wait is not None:
+        # the abandoned wait's thread is torchft's quorum worker (a ThreadPoolExecutor's, which
+        # the interpreter joins at exit), blocked in its call to the lighthouse for up to its
+        # quorum timeout (a day): the process ends here, its output flushed (the kernel drops
+        # the run directory's locks); everything else is done above
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PREEMPTED)
     return EXIT_PREEMPTED if loop.preempted_at is not None else 0
 
 

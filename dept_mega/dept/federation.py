@@ -57,6 +57,7 @@ from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
                              quorum_wait_line)
+from .federation_wait import preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
@@ -169,9 +170,14 @@ class Federation:
         self._healed = sd
 
     # ------------------------------------------------------------------ rounds
-    def _quorum(self, **kw) -> None:
+    def _quorum(self, synced: bool = True, **kw) -> None:
+        """torchft's quorum, abandoned on a preemption (federation_wait.py: PreemptedWait;
+        ``synced``: at a round start, after the previous round's outer sync; False: inside a
+        round's end, its exchange failed and redone)."""
+        what = (f"waiting for a quorum at round {self.round}" if synced else
+                f"waiting for a quorum to redo round {self.round}'s exchange")
         with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
-            self.manager.start_quorum(**kw)
+            preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced)
         ranks = self.process_group.quorum_ranks
         if ranks is None:
             raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
@@ -509,7 +515,7 @@ class Federation:
             # not shrink_only: a group left out of a quorum (slow beyond timeout_s while the others
             # completed the round) is never let back into a shrink_only quorum by torchft's lighthouse;
             # allow_heal: such a group heals here at the others' next round start (LeftOut)
-            self._quorum(allow_heal=True)
+            self._quorum(synced=False, allow_heal=True)
             if self._healed is not None:
                 self._left_out, self._healed = self._healed, None
                 self._apply(self._left_out)

@@ -1,0 +1,70 @@
+"""A federated group job's wait for the other groups (torchft's quorum), preemptible.
+
+torchft's ``Manager.start_quorum`` blocks until the lighthouse forms a quorum — with fewer
+than ``min_groups`` live groups, for as long as that lasts. A SIGTERM / SIGUSR1 arriving then
+is only recorded by the handler (``dept_mega.preemption``); the loop's check after each step
+comes after the wait, so on SLURM the job would be killed after ``KillWait`` with nothing
+saved. Here the blocking call runs on a helper thread while the job's main thread looks every
+:data:`POLL_S` seconds whether it returned and whether a rank of the job was signalled: one
+all-reduce (MAX) of (signalled, still waiting) over the job's world, so every rank stops
+waiting at the same poll, or every rank goes on. The quorum is called at the same points on
+every rank of the job (torchft's quorum is a collective of the replica group), so the polls
+match. A preemption agreed while some rank still waits raises
+:class:`~dept_mega.preemption.PreemptedWait`; the helper thread is left blocked (a daemon: it
+ends with the process), and the other groups see this one as gone when its heartbeats stop, as
+after any kill.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..preemption import PreemptedWait
+
+#: seconds between the preemption checks of a wait (a quorum that forms at once costs one check)
+POLL_S = 0.5
+
+
+def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
+                poll_s: float = POLL_S) -> Any:
+    """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
+    any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank.
+    ``preemption`` None: ``fn()`` as it is. ``fn``'s exception is raised here."""
+    if preemption is None:
+        return fn()
+    result: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="federation-quorum", daemon=True).start()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    while True:
+        finished = done.wait(poll_s)
+        flags = torch.tensor([int(preemption.signal or 0), int(not finished)], dtype=torch.int64, device=device)
+        if world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # bookkeeping, not counted
+        signal, waiting = (int(v) for v in flags.tolist())
+        if not waiting:  # every rank's call returned: the loop's own check after the step follows
+            break
+        if signal:
+            preemption.agree_flag(signal)
+            raise PreemptedWait(what, synced)
+    done.wait()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def preemption_of(loop: Optional[Any]) -> Optional[Any]:
+    """The loop's ``Preemption`` (set by dept_mega.train), None without one."""
+    return getattr(loop, "preemption", None) if loop is not None else None

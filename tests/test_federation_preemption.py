@@ -1,0 +1,119 @@
+"""A federated group job preempted (SIGTERM / SIGUSR1) while it waits for the other groups:
+it stops waiting within seconds, saves what a relaunch can resume, writes RUN/preempted.json
+and exits with status 75 (dept_mega/dept/federation_wait.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from tests.federation_utils import (ENV, Lighthouse, finish_all, is_held, launch_group, read_records,  # noqa: E402
+                                    run_single_job, trained_steps, wait_for, wait_for_requests,
+                                    write_config)
+
+
+L, STEPS = 2, 6
+HEARTBEAT_S = 1.0  # the lighthouse's --heartbeat-timeout-s
+
+
+def _log(p) -> str:
+    with open(p.log, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
+    """Groups 0 and 1 (a round needs both), group 1 held at ``hold`` (DEPT_FEDERATION_HOLD's
+    R:WHERE) while group 0 waits for it; group 0 gets SIGTERM. Returns (runs, seconds group 0
+    took to exit, its log, the log's preempted.json), group 0 relaunched and both run to the end."""
+    cfg = write_config(str(tmp_path), steps=STEPS, local_steps=L, sources=2)
+    dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
+    env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
+    runs = [str(tmp_path / f"g{g}") for g in range(2)]
+    kw = dict(groups=2, min_groups=2, timeout_s=timeout_s)
+    lh = Lighthouse(min_groups=2, heartbeat_s=HEARTBEAT_S)
+    procs, again = [], []
+    r = int(hold.split(":")[0])
+    try:
+        procs = [launch_group(cfg, runs[0], lh.addr, 0, *extra, env=env, **kw),
+                 launch_group(cfg, runs[1], lh.addr, 1, *extra, env=dict(env, DEPT_FEDERATION_HOLD=f"{hold}:{go}"),
+                              **kw)]
+        wait_for(lambda: is_held(dump, 1, r) or procs[1].poll() is not None, f"group 1 did not reach {hold}")
+        if hold.endswith(":start"):  # group 0 at round r's quorum
+            wait_for_requests(lh, 1, procs[:1], f"group 0 at round {r}'s quorum")
+        else:  # group 0 in round r's exchange (its last step trained)
+            wait_for(lambda: r * L + L in trained_steps(runs[0]) or procs[0].poll() is not None,
+                     f"group 0 did not train round {r}")
+        time.sleep(1.0)  # well inside the wait, not on its way there
+        assert procs[0].poll() is None, _log(procs[0])[-3000:]
+        t0 = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGTERM)
+        try:
+            procs[0].wait(timeout=timeout_s + 10)
+        except Exception:  # noqa: BLE001
+            raise AssertionError(f"group 0 did not stop waiting within {timeout_s + 10} s of SIGTERM:\n"
+                                 + _log(procs[0])[-3000:])
+        took = time.monotonic() - t0
+        out = _log(procs[0])
+        assert procs[0].returncode == 75, out[-3000:]
+        with open(os.path.join(runs[0], "preempted.json")) as f:
+            marker = json.load(f)
+        # the gone job's quorum request counts at the lighthouse until its heartbeats are
+        # HEARTBEAT_S old: a quorum formed with it before then fails for the group that takes it
+        # (as after a kill); a requeue starts later than this
+        time.sleep(HEARTBEAT_S + 0.5)
+        # relaunched (a requeue), then group 1 goes on
+        again = [launch_group(cfg, runs[0], lh.addr, 0, *extra, env=env, **kw)]
+        wait_for_requests(lh, 1, again, "the relaunched group 0")
+        open(go, "w").close()
+        outs = finish_all([procs[1]] + again, timeout=120)
+    finally:
+        for p in procs + again:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, o in zip([procs[1]] + again, outs):
+        assert p.returncode == 0, o[-3000:]
+    assert not os.path.exists(os.path.join(runs[0], "preempted.json"))
+    # the losses of a run never interrupted: the single job's, per source
+    run_single_job(cfg, str(tmp_path / "single"), 2, *extra)
+    single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
+    names = list(single[1])
+    for g, run in enumerate(runs):
+        mine = {r["step"]: r["loss_by_source"] for r in read_records(run, "train")}
+        assert sorted(mine) == list(range(1, STEPS + 1)), (g, sorted(mine))
+        for step, by in mine.items():
+            assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
+    return runs, took, out, marker
+
+
+def test_preempted_while_waiting_for_a_quorum_saves_and_resumes(tmp_path):
+    """Group 1 holds before round 2's quorum; group 0 has synchronised round 1 and waits
+    there. SIGTERM to group 0: it exits with 75 within seconds, with a checkpoint of step 4
+    (no periodic saves: the preemption wrote it) and preempted.json; relaunched, it joins
+    group 1 at round 2, and both groups' losses equal the single job's."""
+    runs, took, out, marker = _preempt_waiting_group(tmp_path, "2:start", timeout_s=20)
+    assert took < 10, took
+    assert marker == {"step": 2 * L, "signal": "SIGTERM", "exit_code": 75}
+    assert "preempted (SIGTERM) while waiting for a quorum at round 2: stopped waiting; checkpoint of step 4 " \
+           "written" in out, out[-3000:]
+
+
+def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_path):
+    """Group 1 holds before round 2's exchange; group 0 has trained round 2 and waits in it.
+    SIGTERM to group 0: it stops once the exchange fails (after federation.timeout_s) at the
+    redo quorum, saves nothing (a checkpoint cannot hold a round whose outer sync is pending),
+    preempted.json names the periodic checkpoint of step 4; relaunched, it retrains round 2,
+    group 1 redoes the exchange with it, and the losses equal the single job's."""
+    timeout_s = 4
+    runs, took, out, marker = _preempt_waiting_group(tmp_path, "2:exchange", timeout_s,
+                                                     extra=(f"train.save_interval={L}",))
+    assert took < timeout_s + 6, took
+    assert marker == {"step": 2 * L, "signal": "SIGTERM", "exit_code": 75}
+    assert "preempted (SIGTERM) while waiting for a quorum to redo round 2's exchange: stopped waiting; no " \
+           "checkpoint of step 6" in out, out[-3000:]
+    assert "a relaunch resumes from step 4" in out
