@@ -360,12 +360,13 @@ class Checkpointer:
 
 def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer: bool = True,
                  verified: bool = False, tokenizer_digests: Optional[dict] = None,
-                 notes: Optional[list] = None) -> None:
+                 notes: Optional[list] = None, remedy: Optional[str] = None) -> None:
     """Load checkpoint ``step`` into ``trainer`` (and the round hooks). Unless ``verified``, the
     checkpoint's manifest is checked first (:class:`CheckpointError` when damaged). ``notes``:
     a list that receives one line per piece of state the load changed rather than restored
     (e.g. under another number of groups: the error-feedback residuals averaged, the eager
-    estimates reset), for the launch to log."""
+    estimates reset), for the launch to log. ``remedy``: the advice of a config that differs
+    from the checkpoint's (``resume.check_depends``; default: a training launch's)."""
     path = step_dir(run_dir, step)
     if not verified:
         problem = verify_checkpoint(path, trainer.device)
@@ -374,7 +375,7 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
 
     def checks():  # each rank's reading of the checkpoint's layout and depends: one agreed error
         found = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
-        check_depends(trainer.cfg, path, tokenizer_digests)
+        check_depends(trainer.cfg, path, tokenizer_digests, remedy)
         return found
     from .run_inputs import input_errors
     regroup, reshard = agree_errors(checks, input_errors(), trainer.device)

@@ -31,6 +31,14 @@ from .parallel.agree import is_agreed
 from .process_exit import report_error
 
 
+# what a config that differs from the checkpoint's is told: the overrides may change the layout,
+# not the model, the variant or the sources (a source the run never trained has no data position,
+# and under SPEC / SPEC-OPT no embedding)
+NOT_THE_RUNS_CONFIG = ("dept_mega.evaluate evaluates a checkpoint with the model, DEPT settings and data.sources "
+                       "it was trained with: drop that override (a new source: train its embeddings on this body "
+                       "with python -m dept_mega.adapt, docs/dept.md \"Studies and plasticity\")")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True)
@@ -76,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"warning: {note}", file=sys.stderr)
         step = sel.step
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
-                     verified=True)
+                     verified=True, remedy=NOT_THE_RUNS_CONFIG)
     except (*input_errors(), FileNotFoundError) as exc:
         report_error(str(exc), agreed=is_agreed(exc))
         return 2

@@ -185,10 +185,11 @@ def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
             "tokenizers": {k: {"path": p, "sha256": _file_sha256(p, cache)} for k, p in _tokenizers(cfg).items()}}
 
 
-def check_depends(cfg: Config, path: str, cache: Optional[dict] = None) -> None:
+def check_depends(cfg: Config, path: str, cache: Optional[dict] = None, remedy: Optional[str] = None) -> None:
     """One ConfigError naming every key whose value differs from the checkpoint's, with both
     values (the :data:`DEPENDS_KEYS` in their order, then the tokenizer keys sorted): a launch
-    that changed three keys learns all three at once, not one per relaunch."""
+    that changed three keys learns all three at once, not one per relaunch. ``remedy``: what the
+    message tells the user to do (default: a training launch's, resume or a new run directory)."""
     saved = read_json(path, DEPENDS_FILE)
     now = fingerprint(cfg, cache)
     old_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
@@ -198,10 +199,10 @@ def check_depends(cfg: Config, path: str, cache: Optional[dict] = None) -> None:
         return
     if len(diffs) == 1:
         key, what = diffs[0]
-        raise ConfigError(f"config key '{key}': checkpoint {path} {what}; resume with the checkpoint's value, "
-                          "or start a new train.run_dir")
-    raise ConfigError(f"{len(diffs)} config keys differ from checkpoint {path}; resume with the checkpoint's "
-                      "values, or start a new train.run_dir:\n"
+        raise ConfigError(f"config key '{key}': checkpoint {path} {what}; "
+                          + (remedy or "resume with the checkpoint's value, or start a new train.run_dir"))
+    raise ConfigError(f"{len(diffs)} config keys differ from checkpoint {path}; "
+                      + (remedy or "resume with the checkpoint's values, or start a new train.run_dir") + ":\n"
                       + "\n".join(f"  config key '{key}': the checkpoint {what}" for key, what in diffs))
 
 

@@ -283,6 +283,21 @@ def _run(*args) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env)
 
 
+def test_table_header_prints_vocabulary_means_readably():
+    """Means over sources print as 2667.7, whole sizes without a decimal (was 2000.0 and
+    2667.6666666666665)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dept_costs_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    head = tool.table({"vocab": {"global": 4000, "source_mean": 2000.0, "trim_mean": 8003 / 3},
+                       "local_steps": 20, "variants": {}}).splitlines()[0]
+    assert head == "global vocab 4000, SPEC-OPT vocab 2000, TRIM mean |V_k| 2667.7; N_local 20", head
+    head = tool.table({"vocab": {"global": 4000, "source_mean": 2500.5, "trim_mean": None},
+                       "local_steps": 20, "variants": {}}).splitlines()[0]
+    assert "SPEC-OPT vocab 2500.5, TRIM mean |V_k| unknown;" in head, head
+
+
 def test_cli_json_1b():
     r = _run("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V),
              "--source-vocab", str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V), "--groups", "8", "--json")

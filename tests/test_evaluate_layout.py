@@ -1,13 +1,15 @@
 """``python -m dept_mega.evaluate`` of a run trained in another layout: a launch whose process
 count the run's layout does not divide is one line saying what to launch or override, and the
 overrides evaluate the checkpoint in another layout (here one process for a pipeline-2 run)
-with the run's own final numbers."""
+with the run's own final numbers; an override of the run's sources is refused with evaluate's
+own advice (not a training launch's "resume ... or start a new train.run_dir")."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+import yaml
 
 from dept_mega import evaluate as evaluate_cli
 from tests.federation_utils import run_single_job
@@ -33,3 +35,12 @@ def test_evaluate_a_pipeline_run_in_one_process(tmp_path, capsys, monkeypatch):
     assert all(v["loss"] is not None for v in final["by_source"].values())
     for name, v in final["by_source"].items():
         assert got["by_source"][name]["loss"] == pytest.approx(v["loss"], rel=1e-6)
+    # another set of sources: refused, naming the key, with evaluate's advice
+    sources = yaml.safe_load(open(os.path.join(run, "config.yaml")))["data"]["sources"]
+    fewer = yaml.safe_dump(sources[:-1], default_flow_style=True, width=1 << 20).strip()
+    os.remove(out)
+    assert evaluate_cli.main(["--run-dir", run, "--out", out, "parallel.pipeline=1", f"data.sources={fewer}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: config key 'data.sources': checkpoint "), err
+    assert err.endswith(evaluate_cli.NOT_THE_RUNS_CONFIG) and "python -m dept_mega.adapt" in err, err
+    assert "train.run_dir" not in err and not os.path.exists(out)

@@ -68,9 +68,9 @@ def test_grid_errors_name_the_problem(tmp_path, over, match):
         load_study(_grid(tmp_path, **over))
 
 
-def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int) -> None:
+def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int, local_steps: int = 50) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    cfg = {"dept": {"variant": variant, "local_steps": 50}}
+    cfg = {"dept": {"variant": variant, "local_steps": local_steps}}
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(cfg, f)
     recs = []
@@ -147,6 +147,26 @@ def test_runner_budget_resume_and_failures(tmp_path):
     assert marker["command"][:3] == ["python", "-m", "torch.distributed.run"]
 
 
+@pytest.mark.parametrize("dept_steps, per, why", [
+    ((20, 50), 1, "one inner step (the DEPT runs' rounds differ in length: dept.local_steps 20, 50)"),
+    ((), 1, "one inner step (no DEPT run in the study to compare with)"),
+    ((20, 20), 20, "a round of the DEPT runs' 20 inner steps"),
+])
+def test_std_equivalent_counts_the_dept_runs_round(tmp_path, dept_steps, per, why):
+    results = {}
+    for name, variant, n in [("std", "std", 100)] + [(f"glob{i}", "glob", n) for i, n in enumerate(dept_steps)]:
+        d = str(tmp_path / name)
+        _fake_metrics(d, variant, 100, 1.0, 3, local_steps=n)
+        results[name] = read_run(d)
+    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}] + [
+        {"variant": "glob", "name": f"glob{i}", "set": {"dept.local_steps": 50}} for i in range(len(dept_steps))]))
+    data = summary(study, results, "cmd")
+    std = next(r for r in data["runs"] if r["name"] == "std")
+    assert std["std_equivalent_bytes_per_round"] == 3 * 1500 * 4 * per
+    assert data["std_equivalent_round_steps"] == per and data["std_equivalent_round"].startswith(why)
+    assert f"send in {why}" in render_markdown(data)
+
+
 def test_report_tables_gain_and_figures(tmp_path):
     pytest.importorskip("matplotlib")
     from dept_mega.study.report import plot
@@ -156,7 +176,8 @@ def test_report_tables_gain_and_figures(tmp_path):
     for i, r in enumerate(study.runs):
         d = run_dir_of(str(out), r)
         bpb = {"std": 1.0 + 0.5 * i}.get(r.variant, 0.9)
-        _fake_metrics(d, r.variant, 100, bpb, 3)
+        # STD keeps examples/tiny/std.yaml's dept.local_steps (100), which means nothing for it
+        _fake_metrics(d, r.variant, 100, bpb, 3, local_steps=100 if r.variant == "std" else 50)
         results[r.name] = read_run(d)
     rr = results["std_t0"]
     assert [s for s, _ in rr.train_curve][:2] == [10, 20] and rr.train_curve[0][1] == pytest.approx(4.9)
@@ -166,8 +187,10 @@ def test_report_tables_gain_and_figures(tmp_path):
     glob = next(r for r in data["runs"] if r["name"] == "glob_outer_optimizer=fedavg")
     assert glob["gain_vs_best_std_pct"] == pytest.approx((1.05 - 0.95) / 1.05 * 100)
     std = next(r for r in data["runs"] if r["name"] == "std_t0")
+    # over a round of the DEPT runs (50 inner steps), not STD's own dept.local_steps
     assert std["std_equivalent_bytes_per_round"] == 3 * 1500 * 4 * 50
     md = render_markdown(data)
+    assert "in a round of the DEPT runs' 50 inner steps" in md and "| 900.00 kB |" in md
     assert "| glob_outer_optimizer=fedavg | 0.9000 | 1.0000 | 0.9500 | +9.5 % |" in md
     assert "| std_t0 | 1.0000 | 1.1000 | 1.0500 | (best STD) |" in md
     assert "1.00 kB" not in md and "3.00 kB" in md  # outer_body per round, summed over ranks

@@ -140,10 +140,17 @@ def _fmt_bytes(x: int) -> str:
     return f"{int(x)} B"
 
 
+def _vocab(x) -> str:
+    """A vocabulary size, or a mean of several: 2000, 2667.7 (not 2000.0, 2667.6666666666665)."""
+    if x is None:
+        return "unknown"
+    return f"{int(x)}" if float(x).is_integer() else f"{x:.1f}"
+
+
 def table(result: dict) -> str:
     v = result["vocab"]
-    lines = [f"global vocab {v['global']}, SPEC-OPT vocab {v['source_mean']}, TRIM mean |V_k| "
-             f"{v['trim_mean'] if v['trim_mean'] is not None else 'unknown'}; "
+    lines = [f"global vocab {_vocab(v['global'])}, SPEC-OPT vocab {_vocab(v['source_mean'])}, TRIM mean |V_k| "
+             f"{_vocab(v['trim_mean'])}; "
              f"N_local {result['local_steps']}",
              f"{'variant':9} {'vocab':>9} {'embedding':>11} {'total':>11} {'per step':>11} {'per round':>11}",
              "-" * 68]

@@ -9,7 +9,7 @@ import shlex
 from typing import Any, Optional
 
 from .grid import Study
-from .results import CROSS_GROUP, RunResult, std_equivalent_bytes_per_round
+from .results import CROSS_GROUP, RunResult, dept_round_steps, std_equivalent_bytes_per_round
 
 
 def _fmt(x: Optional[float], digits: int = 4) -> str:
@@ -50,6 +50,7 @@ def summary(study: Study, results: dict[str, RunResult], command: str,
             plasticity: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     ref_name = best_std(results)
     ref = results.get(ref_name) if ref_name else None
+    round_steps, round_why = dept_round_steps(results)
     runs = []
     for spec in study.runs:
         r = results.get(spec.name)
@@ -62,7 +63,7 @@ def summary(study: Study, results: dict[str, RunResult], command: str,
             "by_source": r.by_source, "mean_bpb": r.mean_bpb, "mean_ppl": r.mean_ppl,
             "gain_vs_best_std_pct": gain_pct(r, ref) if r.variant != "std" else None,
             "params_per_rank": r.params_per_rank, "rounds": r.rounds, "bytes_per_round": r.bytes_per_round,
-            "std_equivalent_bytes_per_round": (std_equivalent_bytes_per_round(r, study.groups)
+            "std_equivalent_bytes_per_round": (std_equivalent_bytes_per_round(r, study.groups, round_steps)
                                                if r.variant == "std" else None),
             "train_tokens": r.train_tokens, "eval_step": r.eval_step,
             "eval_curve": r.eval_curve, "train_curve": r.train_curve,
@@ -70,6 +71,7 @@ def summary(study: Study, results: dict[str, RunResult], command: str,
         })
     return {"grid": study.path, "description": study.description, "command": command,
             "groups": study.groups, "group_batch": study.group_batch, "best_std": ref_name,
+            "std_equivalent_round_steps": round_steps, "std_equivalent_round": round_why,
             "sources": sources_of(results), "runs": runs}
 
 
@@ -140,8 +142,8 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += ["", "## Cost", "",
               "Parameters held by the largest rank; bytes per round summed over all ranks (measured, "
               "`outer` records). STD runs in one group, so nothing crosses groups; its column shows what "
-              f"it would send per round if its batch were split over {G} data-parallel workers (fp32 gradients "
-              "all-reduced every step).", "",
+              f"it would send in {data['std_equivalent_round']} if its batch were split over {G} data-parallel "
+              "workers (fp32 gradients all-reduced every step).", "",
               "| run | params/rank body | params/rank embeddings | outer_body/round | outer_embedding/round | "
               "source_move/round | STD data-parallel equivalent/round | wall time |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]

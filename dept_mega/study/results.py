@@ -116,10 +116,23 @@ def read_run(run_dir: str) -> RunResult:
                      train_curve, tokens, len(outers), per_round, params, seconds, command)
 
 
-def std_equivalent_bytes_per_round(result: RunResult, groups: int) -> float:
-    """What STD would send per round if its global batch were split over ``groups`` data-parallel
-    workers (the comparison the paper's Table 1 makes): every worker all-reduces the whole
-    model's fp32 gradients every step (counted as comm.py counts: each rank its input)."""
+def dept_round_steps(results: dict[str, RunResult]) -> tuple[int, str]:
+    """The inner steps of one round that STD's data-parallel equivalent is counted over, and why:
+    the DEPT runs' ``dept.local_steps`` when they all share one; otherwise one inner step. (An STD
+    run's own ``dept.local_steps`` means nothing: STD has no rounds.)"""
+    steps = sorted({int(r.config["dept"]["local_steps"]) for r in results.values() if r.variant != "std"})
+    if len(steps) == 1:
+        return steps[0], f"a round of the DEPT runs' {steps[0]} inner steps (dept.local_steps)"
+    if not steps:
+        return 1, "one inner step (no DEPT run in the study to compare with)"
+    return 1, ("one inner step (the DEPT runs' rounds differ in length: dept.local_steps "
+               + ", ".join(map(str, steps)) + ")")
+
+
+def std_equivalent_bytes_per_round(result: RunResult, groups: int, round_steps: int) -> float:
+    """What STD would send in ``round_steps`` inner steps if its global batch were split over
+    ``groups`` data-parallel workers (the comparison the paper's Table 1 makes): every worker
+    all-reduces the whole model's fp32 gradients every step (counted as comm.py counts: each rank
+    its input)."""
     model_params = result.params_per_rank.get("body", 0) + result.params_per_rank.get("embeddings", 0)
-    local_steps = int(result.config["dept"]["local_steps"])
-    return float(groups * model_params * 4 * local_steps)
+    return float(groups * model_params * 4 * round_steps)
