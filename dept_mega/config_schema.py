@@ -215,6 +215,12 @@ class TrainConfig:
     #: Stop cleanly (checkpoint, exit 0) once this many minutes of wall time since launch have
     #: passed, agreed by all ranks at a step boundary; null = off (Megatron's --exit-duration-in-mins).
     exit_duration_mins: Optional[float] = None
+    #: Start a new run from the model weights of another run's checkpoint: its run directory (the
+    #: newest verified checkpoint) or its checkpoints/step_N (Megatron's --load with --finetune /
+    #: --no-load-optim). Optimizer state, step, consumed samples and data position start fresh;
+    #: any layout; same model and tokenizer; dept.variant std only. Not used once train.run_dir
+    #: holds a checkpoint of its own: that one is resumed. null = initialise from train.seed.
+    init_from: Optional[str] = None
     #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
     wandb: Optional[str] = None
 
