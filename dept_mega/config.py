@@ -80,7 +80,7 @@ def _unknown_key(key: str, known) -> ConfigError:
     if near:
         return ConfigError(f"unknown config key '{key}'; did you mean '{head + '.' if head else ''}{near[0]}'? "
                            f"(every key: docs/config.md)")
-    # no typo: perhaps a Megatron-LM / torchtitan setting under its own name (optim.lr_decay_style)
+    # no typo: perhaps a Megatron-LM / torchtitan setting under its own name (optim.adam_beta1)
     return ConfigError(f"unknown config key '{key}' (every key: docs/config.md; Megatron-LM's and torchtitan's "
                        f"settings and their keys here: docs/migrating.md)")
 
@@ -209,7 +209,8 @@ def _check_values(cfg: Config) -> None:
                     "train.micro_batch_size", "train.global_batch_size", "train.log_interval", "train.exit_interval",
                     "train.exit_duration_mins",
                     "optim.max_consecutive_nonfinite", "train.init_timeout_s", "optim.grad_bucket_size",
-                    "dept.outer_quant_block", "dept.outer_fragments"])
+                    "dept.outer_quant_block", "dept.outer_fragments", "optim.lr_decay_steps",
+                    "optim.lr_wsd_decay_steps"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
                     "train.eval_iters", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
@@ -242,8 +243,14 @@ def _check_values(cfg: Config) -> None:
     if t.global_batch_size % (t.micro_batch_size * p.data):
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible "
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
+    if t.init_from is not None and not t.init_from.strip():
+        raise ConfigError("config key 'train.init_from': a run directory or its checkpoints/step_N, or null")
+    if t.init_from is not None and cfg.dept.variant != "std":
+        raise ConfigError(f"config key 'train.init_from': supported with dept.variant=std only (this config: "
+                          f"{cfg.dept.variant!r}); a DEPT run's per-source or per-group weights are not mapped yet")
     if t.wandb is not None and not t.wandb.strip():
         raise ConfigError("config key 'train.wandb': a Weights & Biases project name, or null for off")
+    _check_schedule(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"config key 'optim.min_lr': {cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
     if len(cfg.optim.betas) != 2:
@@ -322,6 +329,29 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")
+
+
+def _check_schedule(cfg: Config) -> None:
+    """The learning-rate schedule's keys (optim.lr_at). An lr_decay_steps above train.steps is
+    allowed, as in Megatron-LM (a run meant to be extended, or cut short, before min_lr)."""
+    o = cfg.optim
+    if o.lr_decay_steps is not None and o.lr_decay_steps <= o.warmup_steps:
+        raise ConfigError(f"config key 'optim.lr_decay_steps': {o.lr_decay_steps} must be above "
+                          f"optim.warmup_steps={o.warmup_steps} (the decay ends at this step, counted from 0)")
+    if o.lr_decay_style != "wsd":
+        if o.lr_wsd_decay_steps is not None:
+            raise ConfigError(f"config key 'optim.lr_wsd_decay_steps': {o.lr_wsd_decay_steps} has no effect "
+                              f"under optim.lr_decay_style={o.lr_decay_style!r}; set lr_decay_style: wsd, or drop it")
+        return
+    if o.lr_wsd_decay_steps is None:
+        raise ConfigError("config key 'optim.lr_wsd_decay_steps': optim.lr_decay_style=wsd needs the length "
+                          "of its final decay in steps (Megatron's --lr-wsd-decay-iters)")
+    decay_steps = cfg.train.steps if o.lr_decay_steps is None else o.lr_decay_steps
+    key = "train.steps" if o.lr_decay_steps is None else "optim.lr_decay_steps"
+    if o.lr_wsd_decay_steps > decay_steps - o.warmup_steps:
+        raise ConfigError(f"config key 'optim.lr_wsd_decay_steps': {o.lr_wsd_decay_steps} is more than the "
+                          f"{decay_steps - o.warmup_steps} steps between warmup (optim.warmup_steps="
+                          f"{o.warmup_steps}) and the end of the decay ({key}={decay_steps})")
 
 
 def _check_outer_sync(cfg: Config) -> None:

@@ -142,10 +142,23 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """The inner optimizer: AdamW with linear warmup and cosine decay."""
+    """The inner optimizer: AdamW; its learning rate warms up linearly, then decays."""
     lr: float = 6.0e-4  #: Peak learning rate, reached after warmup_steps.
-    min_lr: float = 6.0e-5  #: Learning rate at train.steps (cosine decay from lr).
+    min_lr: float = 6.0e-5  #: Learning rate at the end of the decay (lr_decay_steps) and after it; unused by constant.
     warmup_steps: int = 100  #: Steps of linear warmup.
+    #: Decay after warmup (Megatron-LM's --lr-decay-style): cosine or linear from lr to min_lr
+    #: at lr_decay_steps; constant (lr throughout); inverse-square-root (lr·√warmup_steps/√step,
+    #: at least min_lr); wsd (warmup-stable-decay: lr, then lr_wsd_decay_style down to min_lr
+    #: over the last lr_wsd_decay_steps of lr_decay_steps). Past lr_decay_steps: min_lr (not constant).
+    lr_decay_style: str = "cosine"
+    #: Step at which the decay reaches min_lr, counted from step 0 (warmup included; Megatron's
+    #: --lr-decay-iters); null = train.steps. May be above train.steps (the run stops before
+    #: min_lr) or below it (min_lr from there on); must be above warmup_steps.
+    lr_decay_steps: Optional[int] = None
+    #: wsd: the final decay's length in steps (Megatron's --lr-wsd-decay-iters); needed by wsd, refused otherwise.
+    lr_wsd_decay_steps: Optional[int] = None
+    #: wsd: the final decay's shape (Megatron's --lr-wsd-decay-style, the same default).
+    lr_wsd_decay_style: str = "exponential"
     weight_decay: float = 0.1  #: AdamW decoupled weight decay.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  #: AdamW β1, β2.
     eps: float = 1.0e-8  #: AdamW ε.
@@ -202,6 +215,12 @@ class TrainConfig:
     #: Stop cleanly (checkpoint, exit 0) once this many minutes of wall time since launch have
     #: passed, agreed by all ranks at a step boundary; null = off (Megatron's --exit-duration-in-mins).
     exit_duration_mins: Optional[float] = None
+    #: Start a new run from the model weights of another run's checkpoint: its run directory (the
+    #: newest verified checkpoint) or its checkpoints/step_N (Megatron's --load with --finetune /
+    #: --no-load-optim). Optimizer state, step, consumed samples and data position start fresh;
+    #: any layout; same model and tokenizer; dept.variant std only. Not used once train.run_dir
+    #: holds a checkpoint of its own: that one is resumed. null = initialise from train.seed.
+    init_from: Optional[str] = None
     #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
     wandb: Optional[str] = None
 
@@ -297,6 +316,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "dept.body_optimizer_state": ("group", "source"),
     "dept.trim_table_device": ("cpu",),  # a table sharded over the outer group: not yet
     "optim.grad_dtype": ("fp32", "bf16"),
+    "optim.lr_decay_style": ("cosine", "linear", "constant", "inverse-square-root", "wsd"),
+    "optim.lr_wsd_decay_style": ("exponential", "linear", "cosine", "minus_sqrt"),
 }
 
 

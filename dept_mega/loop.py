@@ -202,6 +202,7 @@ class TrainLoop:
         total = cfg.train.steps
         L = self.local_steps
         log_every = cfg.train.log_interval
+        G = self.pg.num_groups
         t_start = time.time()
         meter = ThroughputMeter(cfg.model, self.pg, tr.device)
         # the ETA's rate: the time since the first step this process trained over the steps it
@@ -250,7 +251,8 @@ class TrainLoop:
                 self.writer.log(human_line(step, total, rec["loss"], rec["lr"], rec["tokens_per_s"], elapsed,
                                            eta_rate * (total - step), tr.nonfinite_total,
                                            rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb"),
-                                           grad_norm=rec["grad_norm"]))
+                                           grad_norm=rec["grad_norm"],
+                                           consumed=(rec["consumed_samples"], rec["consumed_tokens"], G)))
             if step % L == 0 or step == total:
                 t0 = time.time()
                 try:
@@ -403,7 +405,9 @@ class TrainLoop:
             by_source = {n: s / t for n, (s, t) in sums.items() if t > 0}
         return {"loss": loss, "lr": res.lr, "grad_norm": sum(norms) / len(norms), "tokens": total_tokens,
                 "sources": {str(g): s for g, s in sorted(assignment.items())}, "loss_by_source": by_source,
-                "skipped": int(self.trainer.nonfinite_total)}
+                "skipped": int(self.trainer.nonfinite_total),
+                "consumed_samples": self.trainer.consumed_samples,
+                "consumed_tokens": self.trainer.consumed_samples * self.cfg.model.seq_length}
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, TextIO
 KINDS = ("train", "eval", "outer", "bench", "membership")
 REQUIRED = {
     "train": ("loss", "lr", "grad_norm", "tokens", "sources", "loss_by_source", "tokens_per_s",
-              "tflops_per_device", "mfu"),
+              "tflops_per_device", "mfu", "consumed_samples", "consumed_tokens"),
     "eval": ("by_source",),
     "outer": ("bytes", "seconds"),
     "membership": ("groups", "joined", "left"),  # federated source groups (dept/federation.py)
@@ -176,7 +176,8 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
     """The scalars of a record that TensorBoard and W&B show, by tag."""
     out: dict[str, float] = {}
     if rec["kind"] == "train":
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb",
+                    "consumed_samples", "consumed_tokens"):
             if rec.get(key) is not None:
                 out[f"train/{key}"] = rec[key]
         for src, loss in rec["loss_by_source"].items():
@@ -239,12 +240,17 @@ def format_seconds(s: float) -> str:
 def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed: float,
                eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
                mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None,
-               grad_norm: Optional[float] = None) -> str:
-    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | grad norm 0.512 | 12,345 tok/s | 402.1
-    TFLOP/s/device | MFU 40.7% | mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the grad
-    norm, TFLOP/s, MFU and memory parts only where known; a non-finite norm prints as nan)."""
+               grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None) -> str:
+    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | grad norm 0.512 | consumed 5,120 samples
+    20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% | mem peak 61.2 GB |
+    elapsed 0:01:02 | eta 0:04:08`` (the grad norm, consumed, TFLOP/s, MFU and memory parts only
+    where known; a non-finite norm prints as nan). ``consumed``: (samples, tokens, groups) of one
+    source group, said to be per group when there are several."""
     extra = f" | skipped {skipped}" if skipped else ""
     norm = "" if grad_norm is None else f" | grad norm {grad_norm:.3f}"
+    if consumed is not None:
+        samples, tokens, groups = consumed
+        norm += f" | consumed {samples:,} samples {tokens:,} tokens{' per group' if groups > 1 else ''}"
     perf = ""
     if tflops_per_device is not None:
         perf += f" | {tflops_per_device:.1f} TFLOP/s/device"

@@ -1,4 +1,5 @@
-"""Inner optimizer pieces: AdamW builder, cosine LR schedule with warmup, the gradient norm.
+"""Inner optimizer pieces: AdamW builder, the LR schedule (warmup, then cosine, linear, constant,
+inverse-square-root or WSD decay), the gradient norm.
 
 The gradient norm is global over the model of one source group: every parameter is counted
 exactly once although some are stored on several ranks —
@@ -27,15 +28,61 @@ from .parallel.groups import ParallelGroups
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     """LR of the update taken at inner step ``step`` (0-based): linear warmup from
-    ``lr/warmup_steps`` to ``lr`` over ``warmup_steps`` updates, then cosine to ``min_lr``
-    at ``total_steps``, constant ``min_lr`` beyond."""
+    ``lr/warmup_steps`` to ``lr`` over ``warmup_steps`` updates, then ``optim.lr_decay_style``
+    from ``lr`` towards ``min_lr`` over the decay window that ends at ``optim.lr_decay_steps``
+    (null: ``total_steps``, i.e. train.steps).
+
+    After warmup the styles are Megatron-LM's (``OptimizerParamScheduler.get_lr``) with its
+    ``num_steps`` = ``step``, the number of updates already taken, and
+    r = (step − warmup) / (decay_steps − warmup):
+    cosine min + (lr − min)·½(1 + cos πr); linear min + (lr − min)(1 − r); constant lr
+    (min_lr unused); inverse-square-root max(min, lr·√max(warmup, 1)/√max(step, 1));
+    wsd lr until decay_steps − ``lr_wsd_decay_steps``, then ``lr_wsd_decay_style``
+    over those last steps. Past decay_steps every style but constant gives ``min_lr``.
+    Warmup differs from Megatron's by one step: the first update already takes
+    ``lr/warmup_steps`` (Megatron's takes its init_lr, 0) and step ``warmup − 1`` takes ``lr``.
+    A decay window that ends within warmup (only through the default, train.steps ≤
+    warmup_steps: an explicit lr_decay_steps must exceed warmup_steps) holds ``lr``."""
     w = optim.warmup_steps
     if step < w:
         return optim.lr * (step + 1) / w
-    if total_steps <= w:
+    decay_steps = total_steps if optim.lr_decay_steps is None else optim.lr_decay_steps
+    if decay_steps <= w:
         return optim.lr
-    progress = min(1.0, (step - w) / max(1, total_steps - w))
-    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))
+    style = optim.lr_decay_style
+    if style == "constant":
+        return optim.lr
+    if style == "cosine":  # the original expression, kept as it was: the same floats as before
+        progress = min(1.0, (step - w) / max(1, decay_steps - w))
+        return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if step > decay_steps:
+        return optim.min_lr
+    if style == "inverse-square-root":
+        return max(optim.min_lr, optim.lr * math.sqrt(max(w, 1)) / math.sqrt(max(step, 1)))
+    if style == "linear":
+        coeff = 1.0 - (step - w) / (decay_steps - w)
+    elif style == "wsd":
+        anneal_start = decay_steps - optim.lr_wsd_decay_steps
+        if step <= anneal_start:
+            return optim.lr
+        coeff = _wsd_coeff(optim.lr_wsd_decay_style, (step - anneal_start) / optim.lr_wsd_decay_steps)
+    else:
+        raise ValueError(f"optim.lr_decay_style {style!r}")  # the config's choices stop it before
+    return optim.min_lr + coeff * (optim.lr - optim.min_lr)
+
+
+def _wsd_coeff(style: str, r: float) -> float:
+    """The fraction of (lr − min_lr) left at fraction ``r`` of WSD's final decay: 1 at r = 0,
+    0 at r = 1 (Megatron-LM's --lr-wsd-decay-style shapes)."""
+    if style == "linear":
+        return 1.0 - r
+    if style == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * r))
+    if style == "exponential":
+        return 2.0 * 0.5 ** r - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(r)
+    raise ValueError(f"optim.lr_wsd_decay_style {style!r}")
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:

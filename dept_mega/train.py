@@ -240,12 +240,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loop = session.loop
             loop.launched_at = launched_at
             resumed = loop.checkpointer.load(loop)
+            initialised = None
+            if resumed is None and cfg.train.init_from is not None:
+                from .init_from import init_from
+                initialised = init_from(session.trainer, cfg, session.device)
         except input_errors() as exc:
             report_error(str(exc), agreed=is_agreed(exc))
             return 2
         from .checkpoint_space import EXIT_NO_SPACE, CheckpointSpaceError
         try:
-            return _train(session, resumed, preemption)
+            return _train(session, resumed, preemption, initialised)
         except CheckpointSpaceError as exc:  # every rank; one line for the job
             report_error(str(exc), agreed=True)
             return EXIT_NO_SPACE
@@ -258,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lock.release()
 
 
-def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
+def _train(session: Session, resumed: Optional[int], preemption=None, initialised: Optional[str] = None) -> int:
     cfg, loop = session.cfg, session.loop
     run_dir = cfg.train.run_dir
     if session.rank == 0:
@@ -271,7 +275,12 @@ def _train(session: Session, resumed: Optional[int], preemption=None) -> int:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     session.writer.log(describe(session))
     if resumed is not None:
-        session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}")
+        session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}"
+                           + (f" (train.init_from={cfg.train.init_from} not used: the run's own checkpoint wins)"
+                              if cfg.train.init_from is not None else ""))
+    if initialised is not None:
+        session.writer.log(f"model weights from {initialised} (train.init_from); optimizer state, step and data "
+                           f"position start fresh")
     if dropped:
         session.writer.log(f"metrics.jsonl: dropped {dropped} record(s) after step {resumed or 0}, written by the "
                            f"interrupted run after its last checkpoint")

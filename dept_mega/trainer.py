@@ -125,6 +125,8 @@ class Trainer:
         self._cast_unowned(self.parameters())
         self.grad_sync = GradSync(pg, overlap=cfg.optim.overlap_grad_reduce)
         self.step = 0  # inner steps done
+        # (step, samples consumed by then): consumed_samples counts on from here (resume sets it)
+        self._samples_since = (0, 0)
         self.body_lr_scale = 1.0  # the body's LR relative to the schedule (see set_lr)
         # objects with after_reduce(trainer) (gradients reduced over dp, before the norm) and
         # after_step(trainer) (after the optimizers stepped); e.g. dept.row_mask.PresentRowsOnly
@@ -412,13 +414,27 @@ class Trainer:
         loss_sum, tokens = acc.cpu().tolist()
         return loss_sum, int(tokens)
 
+    @property
+    def consumed_samples(self) -> int:
+        """Sequences this source group has trained on so far (skipped steps included: their
+        batch was read, as Megatron-LM counts): train.global_batch_size per step since the
+        last resume, on top of the checkpoint's count, so a launch with another batch size
+        continues the count. Steps jumped without training (a federated group healing) count
+        as trained with this launch's batch, as the live groups trained them."""
+        since, samples = self._samples_since
+        return samples + (self.step - since) * self.cfg.train.global_batch_size
+
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "nonfinite_total": self.nonfinite_total,
+                "consumed_samples": self.consumed_samples,
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        # a checkpoint written before the count was kept: as if its steps had this launch's batch
+        self._samples_since = (self.step, int(state.get("consumed_samples",
+                                                        self.step * self.cfg.train.global_batch_size)))
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         if self.precision.scaler is not None and state.get("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])

@@ -76,8 +76,8 @@ def test_unknown_key_suggests_the_closest(tmp_path):
     assert "'data.sources[0].prefx'; did you mean 'data.sources[0].prefix'?" in _err([], path=p)
     assert "did you mean" not in _err(["model.colour=1"])
     # a key near nothing may be another trainer's name for a setting: the mapping is pointed at
-    msg = _err(["optim.lr_decay_style=linear"])
-    assert msg == ("unknown config key 'optim.lr_decay_style' (every key: docs/config.md; Megatron-LM's and "
+    msg = _err(["optim.adam_beta1=0.9"])
+    assert msg == ("unknown config key 'optim.adam_beta1' (every key: docs/config.md; Megatron-LM's and "
                    "torchtitan's settings and their keys here: docs/migrating.md)"), msg
     assert "migrating" not in _err(["model.hiden_size=8"])
 

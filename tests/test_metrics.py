@@ -63,6 +63,11 @@ def test_human_line_shows_what_is_known():
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, grad_norm=0.51234)
     assert "| lr 3.000e-04 | grad norm 0.512 | 12,345 tok/s" in line
     assert "grad norm nan" in human_line(20, 100, 5.1234, 3e-4, 1.0, 62.0, 248.0, grad_norm=float("nan"))
+    assert "consumed" not in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, grad_norm=0.5, consumed=(5120, 20971520, 1))
+    assert "| grad norm 0.500 | consumed 5,120 samples 20,971,520 tokens | 12,345 tok/s" in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, consumed=(80, 1280, 2))
+    assert "| consumed 80 samples 1,280 tokens per group | 12,345 tok/s" in line
 
 
 def test_the_step_line_shows_the_records_grad_norm(tmp_path):

@@ -9,7 +9,7 @@ import types
 from dept_mega.metrics import MetricsWriter
 
 TRAIN = dict(loss=2.5, lr=1e-3, grad_norm=0.7, tokens=64, sources={"0": "a"}, loss_by_source={"a": 2.5, "b": None},
-             tokens_per_s=100.0, tflops_per_device=None, mfu=None)
+             tokens_per_s=100.0, tflops_per_device=None, mfu=None, consumed_samples=8, consumed_tokens=128)
 
 
 class _FakeWandb(types.ModuleType):
@@ -45,7 +45,8 @@ def test_wandb_receives_the_scalars_and_a_relaunch_continues_its_run(tmp_path, m
     assert init[1]["dir"] == run and init[1]["resume"] == "allow" and init[1]["config"] == {"train": {"steps": 3}}
     assert init[1]["id"].startswith("my-run-")
     assert fake.calls[1] == ("log", {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.7,
-                                     "train/tokens_per_s": 100.0, "train_loss/a": 2.5}, 1)
+                                     "train/tokens_per_s": 100.0, "train/consumed_samples": 8,
+                                     "train/consumed_tokens": 128, "train_loss/a": 2.5}, 1)
     assert fake.calls[2] == ("log", {"eval_loss/a": 2.0, "eval_ppl/a": 7.39, "eval_bpb/a": 1.1}, 1)
     assert fake.calls[3] == ("finish",)
     MetricsWriter(run, stream=io.StringIO(), tensorboard=False, wandb="proj").close()

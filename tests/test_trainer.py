@@ -181,7 +181,8 @@ def test_grad_norm_counts_replicated_and_duplicate_params_once():
 def test_metrics_records(tmp_path):
     w = MetricsWriter(str(tmp_path), enabled=True, tensorboard=False)
     w.write("train", 3, 0, loss=float("nan"), lr=1e-3, grad_norm=1.0, tokens=10, sources={"0": "blend"},
-            loss_by_source={"en": 2.0}, tokens_per_s=5.0, tflops_per_device=None, mfu=None)
+            loss_by_source={"en": 2.0}, tokens_per_s=5.0, tflops_per_device=None, mfu=None, consumed_samples=12,
+            consumed_tokens=48)
     w.write("eval", 3, 0, by_source={"en": {"loss": 1.0, "ppl": math.e, "bpb": 0.5, "tokens": 4, "bytes": 12}})
     w.write("outer", 4, 1, bytes={"dp": 3}, seconds=0.1)
     w.write("bench", 5, 0, tokens_per_s=1.0, tokens_per_s_per_device=1.0, tflops_per_device=None, mfu=None,
