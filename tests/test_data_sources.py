@@ -187,7 +187,7 @@ def test_data_without_byte_counts_is_refused_at_the_check_not_at_the_first_evalu
     docs = numbered_docs(40, seed=1)
     b = write_docs(str(tmp_path / "megatron_text_document"), docs)  # no byte counts
     sources = [{"name": "a", "prefix": a}, {"name": "meg", "prefix": b}]
-    base = {"model": {"seq_length": 8, "vocab_size": 100000}, "data": {"sources": sources}}
+    base = {"model": {"seq_length": 8, "vocab_size": 100000}, "data": {"sources": sources, "split": "90,10"}}
     with pytest.raises(ConfigError) as err:
         check_sources(config_from_dict(base))
     msg = str(err.value)
@@ -196,3 +196,30 @@ def test_data_without_byte_counts_is_refused_at_the_check_not_at_the_first_evalu
     check_sources(config_from_dict({**base, "train": {"eval_iters": 0}}))
     write_docs(b, docs, nbytes=[3 * len(d) for d in docs])
     check_sources(config_from_dict(base))
+
+
+@pytest.mark.parametrize("split,mbs,data,ok", [
+    ("98,2", 2, 1, True),     # 1 validation document of 17 tokens: 2 samples of 9 tokens, one batch of 2
+    ("98,2", 4, 1, False),    # ... fewer than one batch of 4
+    ("98,2", 2, 2, False),    # ... or of 2 × parallel.data 2
+    ("80,20", 4, 2, True),    # 8 documents: 17 samples
+])
+def test_a_validation_part_that_cannot_fill_one_evaluation_batch_is_refused(tmp_path, split, mbs, data, ok):
+    """Evaluation over a validation part with fewer samples than one batch (micro-batch ×
+    parallel.data) computes loss and bits per byte from no tokens: NaN at every evaluation. The
+    check refuses it naming the source, the numbers and the ways out; eval_iters=0 passes."""
+    from dept_mega.config import ConfigError
+    from dept_mega.data.checks import check_sources
+    a = _source(tmp_path, "a", 40, 0)
+    cfg = {"model": {"seq_length": 8, "vocab_size": 100000}, "parallel": {"data": data},
+           "data": {"sources": [{"name": "a", "prefix": a}], "split": split},
+           "train": {"micro_batch_size": mbs, "global_batch_size": 8 * data}}
+    if ok:
+        check_sources(config_from_dict(cfg))
+        return
+    with pytest.raises(ConfigError) as err:
+        check_sources(config_from_dict(cfg))
+    msg = str(err.value)
+    assert msg.startswith("config key 'data.split': source 'a': its validation part (1 of 40 documents"), msg
+    assert f"= {mbs * data}: its loss and bits per byte would be NaN" in msg and "train.eval_iters=0" in msg
+    check_sources(config_from_dict({**cfg, "train": {**cfg["train"], "eval_iters": 0}}))

@@ -49,7 +49,7 @@ def test_predicted_checkpoint_bounds_a_real_save(tmp_path, corpus, variant, over
     cfg = {"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
                      "seq_length": 16},
            "precision": "fp32", "backend": "local", "dept": {"variant": variant, "local_steps": 1},
-           "data": {"tokenizer": tok, "sources": sources},
+           "data": {"tokenizer": tok, "sources": sources, "split": "90,10"},
            "train": {"steps": STEPS, "micro_batch_size": 2, "global_batch_size": 2, "eval_iters": 1,
                      "eval_interval": 1000, "run_dir": str(tmp_path / "run")}}
     path = tmp_path / "cfg.yaml"

@@ -29,7 +29,7 @@ def _setup(tmp_path, variant="glob", vocab_hi=100) -> str:
         sources.append({"name": name, "prefix": prefix})
     cfg = {"model": TINY_MODEL, "precision": "fp32", "backend": "local",
            "dept": {"variant": variant, "local_steps": 2},
-           "data": {"tokenizer": tok, "sources": sources},
+           "data": {"tokenizer": tok, "sources": sources, "split": "90,10"},
            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_iters": 1, "run_dir": str(tmp_path / "run")}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -95,6 +95,37 @@ def check_sources(cfg: Config) -> None:
                               f"tokenizer")
         _check_made_with(cfg, i, vkey, digests)
         _check_byte_counts(cfg, i)
+    # after every source's files are known sound: a damaged file is named as such first
+    for i, s in enumerate(cfg.data.sources):
+        _check_validation_size(cfg, i, IndexedDataset(s.prefix))
+
+
+def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
+    """ConfigError when evaluation will run but the source's validation part cannot fill one
+    evaluation batch (``train.micro_batch_size`` × ``parallel.data`` samples of
+    ``model.seq_length`` + 1 tokens): its loss and bits per byte would be computed from no
+    tokens at all (NaN in the log and metrics.jsonl) at every evaluation."""
+    from dept_mega.data.gpt_dataset import DatasetError, split_bounds
+    t, s = cfg.train, cfg.data.sources[i]
+    if t.eval_iters == 0:
+        return
+    try:
+        lo, hi = split_bounds(ds.num_documents, cfg.data.split)[1]
+    except DatasetError as exc:
+        raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
+    lengths = ds.document_token_ranges()[1][lo:hi]
+    tokens = int(lengths.sum())
+    samples = max(tokens - 1, 0) // cfg.model.seq_length
+    per_batch = t.micro_batch_size * cfg.parallel.data
+    if samples >= per_batch:
+        return
+    raise ConfigError(
+        f"config key 'data.split': source '{s.name}': its validation part ({hi - lo} of {ds.num_documents} "
+        f"documents under data.split {cfg.data.split!r}, {tokens} tokens) gives {samples} samples of "
+        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens, fewer than one evaluation batch of "
+        f"train.micro_batch_size × parallel.data = {per_batch}: its loss and bits per byte would be NaN. "
+        f"Give the validation part more weight in data.split, use more data for this source, or set "
+        f"train.eval_iters=0 to train without evaluation")
 
 
 def _check_byte_counts(cfg: Config, i: int) -> None:
