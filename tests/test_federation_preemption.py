@@ -62,11 +62,9 @@ def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
         assert procs[0].returncode == 75, out[-3000:]
         with open(os.path.join(runs[0], "preempted.json")) as f:
             marker = json.load(f)
-        # the gone job's quorum request counts at the lighthouse until its heartbeats are
-        # HEARTBEAT_S old: a quorum formed with it before then fails for the group that takes it
-        # (as after a kill); a requeue starts later than this
-        time.sleep(HEARTBEAT_S + 0.5)
-        # relaunched (a requeue), then group 1 goes on
+        # relaunched at once (a requeue), then group 1 goes on: the gone job's quorum request still
+        # counts at the lighthouse until its heartbeats are HEARTBEAT_S old, so the quorum may form
+        # with it; group 1 and the relaunched job then ask again (federation.py, _quorum)
         again = [launch_group(cfg, runs[0], lh.addr, 0, *extra, env=env, **kw)]
         wait_for_requests(lh, 1, again, "the relaunched group 0")
         open(go, "w").close()
