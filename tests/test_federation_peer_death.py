@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from tests.federation_utils import (ENV, Lighthouse, finish_all, is_held, launch_group, read_dumps,  # noqa: E402
-                                    read_records, wait_for, wait_for_requests, write_config)
+from tests.federation_utils import (ENV, federation, finish_all, is_held, read_dumps, read_records,  # noqa: E402
+                                    wait_for, wait_for_requests, write_config)
 
 
 def test_survivors_go_on_when_a_joining_group_dies_with_its_request_pending(tmp_path):
@@ -35,29 +35,23 @@ def test_survivors_go_on_when_a_joining_group_dies_with_its_request_pending(tmp_
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     # join_s long: group 0's request stays pending until the others ask
-    lh = Lighthouse(min_groups=2, join_s=60, heartbeat_s=2.0)
     kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
-    procs = []
-    try:
-        procs = [None] + [launch_group(cfg, runs[g], lh.addr, g, env=dict(env, DEPT_FEDERATION_HOLD=f"2:start:{go}"),
+    with federation(min_groups=2, join_s=60, heartbeat_s=2.0) as jobs:
+        procs = [None] + [jobs.launch(cfg, runs[g], g, env=dict(env, DEPT_FEDERATION_HOLD=f"2:start:{go}"),
                                        **kw) for g in (1, 2)]
         wait_for(lambda: all(is_held(dump, g, 2) or procs[g].poll() is not None for g in (1, 2)),
                  "groups 1 and 2 did not reach round 2's start")
-        procs[0] = launch_group(cfg, runs[0], lh.addr, 0, env=env, **kw)
-        wait_for_requests(lh, 1, procs, "group 0's request to join")
+        procs[0] = jobs.launch(cfg, runs[0], 0, env=env, **kw)
+        wait_for_requests(jobs.lh, 1, procs, "group 0's request to join")
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].wait()
         open(go, "w").close()  # at once: well inside group 0's heartbeat timeout
         outs = finish_all(procs[1:], timeout=120)
-    finally:
-        for p in procs:
-            if p is not None and p.poll() is None:
-                p.kill()
-        lh.stop()
     for p, out in zip(procs[1:], outs):
         assert p.returncode == 0, out[-3000:]
     for out in outs:  # the race happened and was survived: one line per retry, naming the round
-        retries = [ln for ln in out.splitlines() if ln.startswith("federation: round 2: the quorum of groups [0, 1, 2] failed")]
+        retries = [ln for ln in out.splitlines()
+                   if ln.startswith("federation: round 2: the quorum of groups [0, 1, 2] failed")]
         assert len(retries) == 1 and "asking the lighthouse again (try 2 of " in retries[0], out[-3000:]
     outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs[1:]]
     assert sorted(outer[0]) == sorted(outer[1]) == list(range(steps // L))
