@@ -1,4 +1,4 @@
-"""Helpers of tests/test_federation.py: the lighthouse and group jobs as processes (CPU, gloo),
+"""Helpers of the federation tests (tests/test_federation*.py): the lighthouse and group jobs as processes (CPU, gloo),
 their records and dumps (dept_mega/dept/federation_dump.py), and the waits that stand in for
 racing the jobs' progress. One-process group jobs and the reference single job's ranks are
 forked from the test process's forkserver (tests/mp_utils.py), which has imported torch and
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import yaml
 
@@ -90,6 +91,38 @@ class Lighthouse:
             return
         self.proc.kill()
         self.proc.wait()
+
+
+class Jobs(list):
+    """The group jobs a test started (a list: every job ``launch`` started or ``add`` took) and
+    their lighthouse ``lh``; :func:`federation` kills those still running at the test's end."""
+
+    def __init__(self, lh: "Lighthouse") -> None:
+        super().__init__()
+        self.lh = lh
+
+    def launch(self, cfg, run, g, *extra, **kw):
+        """:func:`launch_group` on this federation's lighthouse; the job is returned and kept."""
+        return self.add(launch_group(cfg, run, self.lh.addr, g, *extra, **kw))
+
+    def add(self, p):
+        self.append(p)
+        return p
+
+
+@contextmanager
+def federation(min_groups: int, **lighthouse):
+    """A :class:`Lighthouse` (``min_groups``, its other options) and the :class:`Jobs` started on
+    it: on leaving, whatever happened, the jobs still running are killed and the lighthouse
+    stopped (every multi-job test's ``try: ... finally: kill, lh.stop()``)."""
+    jobs = Jobs(Lighthouse(min_groups, **lighthouse))
+    try:
+        yield jobs
+    finally:
+        for p in jobs:
+            if p.poll() is None:
+                p.kill()
+        jobs.lh.stop()
 
 
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 
 import pytest
 
@@ -12,7 +13,7 @@ pytest.importorskip("torchft")
 
 from dept_mega.config import ConfigError  # noqa: E402
 from dept_mega.dept.federation_config import check_reachable  # noqa: E402
-from tests.federation_utils import Lighthouse  # noqa: E402
+from tests.federation_utils import Lighthouse, wait_for  # noqa: E402
 from tests.mp_utils import free_port  # noqa: E402
 
 
@@ -61,3 +62,77 @@ def test_a_lighthouse_is_asked_directly_not_through_the_environments_proxy(monke
         assert check_reachable(host, int(port), 5.0, groups=2) == 2
     finally:
         lh.stop()
+
+
+def test_lighthouse_counts_the_quorum_requests_it_holds():
+    """The rejoin tests' sync point (wait_for_requests): the lighthouse's count of groups that
+    asked for a quorum not formed yet — a group that only heartbeats is not counted, and a
+    quorum formed clears it (torchft's LighthouseClient playing two groups; 2 heartbeat, 1 asks:
+    torchft holds the quorum, one group is not more than half of two)."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+    lh = Lighthouse(min_groups=1)
+    stop = threading.Event()
+    try:
+        client = LighthouseClient(f"http://{lh.addr}", timedelta(seconds=10))
+
+        def heartbeat():  # group 0 is alive throughout (as a job's Manager, every 100 ms)
+            while not stop.is_set():
+                client.heartbeat("dept_group_0")
+                stop.wait(0.1)
+
+        threading.Thread(target=heartbeat, daemon=True).start()
+        client.heartbeat("dept_group_1")
+        assert lh.waiting() == 0, lh.status()
+        done = []
+
+        def ask(g):
+            done.append(client.quorum(f"dept_group_{g}", timedelta(seconds=60), address="a", store_address="s",
+                                      step=0, world_size=1))
+
+        t = threading.Thread(target=ask, args=(1,), daemon=True)
+        t.start()
+        wait_for(lambda: lh.waiting() == 1, "the lighthouse does not count group 1's request", 30)
+        time.sleep(0.3)  # (a few of the lighthouse's 100 ms quorum ticks)
+        assert t.is_alive() and not done and lh.waiting() == 1, lh.status()  # held: group 0 has not asked
+        ask(0)
+        t.join(30)
+        assert len(done) == 2 and sorted(m.replica_id for m in done[0].participants) == ["dept_group_0", "dept_group_1"]
+        assert lh.waiting() == 0, lh.status()
+    finally:
+        stop.set()
+        lh.stop()
+
+
+def test_quorum_ranks_from_torchft_configure():
+    """Which group each rank of an exchange is comes from the ``global_ranks`` argument that
+    torchft's Manager passes to the process group's ``configure`` (a public argument):
+    recorded by federation.recording(); a torchft whose configure lost it fails loudly."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    from dept_mega.dept.federation import recording
+    for cls in (ProcessGroupGloo, ProcessGroupNCCL):
+        assert "global_ranks" in __import__("inspect").signature(cls.configure).parameters, cls
+        recording(cls)
+    # the Manager passes it by keyword or by position: both recorded
+    seen = []
+
+    class Base:
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            seen.append(global_ranks)
+
+    pg = recording(Base)()
+    pg.configure("a", "r", 0, 2, 1, 0, 1, [3, 1])
+    assert pg.quorum_ranks == [3, 1] and seen == [[3, 1]]
+    pg.configure("a", "r", 0, 2, quorum_id=2, global_ranks=[1])
+    assert pg.quorum_ranks == [1]
+
+    class Old:
+        def configure(self, store_addr, replica_id, rank, world_size):
+            pass
+
+    with pytest.raises(RuntimeError, match="no global_ranks argument"):
+        recording(Old)

@@ -12,9 +12,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from tests.federation_utils import (ENV, Lighthouse, finish_all, is_held, launch_group, read_records,  # noqa: E402
-                                    run_single_job, trained_steps, wait_for, wait_for_requests,
-                                    write_config)
+from tests.federation_utils import (ENV, federation, finish_all, is_held, read_records, run_single_job,  # noqa: E402
+                                    trained_steps, wait_for, wait_for_requests, write_config)
 
 
 L, STEPS = 2, 6
@@ -35,16 +34,14 @@ def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(2)]
     kw = dict(groups=2, min_groups=2, timeout_s=timeout_s)
-    lh = Lighthouse(min_groups=2, heartbeat_s=HEARTBEAT_S)
-    procs, again = [], []
     r = int(hold.split(":")[0])
-    try:
-        procs = [launch_group(cfg, runs[0], lh.addr, 0, *extra, env=env, **kw),
-                 launch_group(cfg, runs[1], lh.addr, 1, *extra, env=dict(env, DEPT_FEDERATION_HOLD=f"{hold}:{go}"),
+    with federation(min_groups=2, heartbeat_s=HEARTBEAT_S) as jobs:
+        procs = [jobs.launch(cfg, runs[0], 0, *extra, env=env, **kw),
+                 jobs.launch(cfg, runs[1], 1, *extra, env=dict(env, DEPT_FEDERATION_HOLD=f"{hold}:{go}"),
                               **kw)]
         wait_for(lambda: is_held(dump, 1, r) or procs[1].poll() is not None, f"group 1 did not reach {hold}")
         if hold.endswith(":start"):  # group 0 at round r's quorum
-            wait_for_requests(lh, 1, procs[:1], f"group 0 at round {r}'s quorum")
+            wait_for_requests(jobs.lh, 1, procs[:1], f"group 0 at round {r}'s quorum")
         else:  # group 0 in round r's exchange (its last step trained)
             wait_for(lambda: r * L + L in trained_steps(runs[0]) or procs[0].poll() is not None,
                      f"group 0 did not train round {r}")
@@ -62,20 +59,13 @@ def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
         assert procs[0].returncode == 75, out[-3000:]
         with open(os.path.join(runs[0], "preempted.json")) as f:
             marker = json.load(f)
-        # the gone job's quorum request counts at the lighthouse until its heartbeats are
-        # HEARTBEAT_S old: a quorum formed with it before then fails for the group that takes it
-        # (as after a kill); a requeue starts later than this
-        time.sleep(HEARTBEAT_S + 0.5)
-        # relaunched (a requeue), then group 1 goes on
-        again = [launch_group(cfg, runs[0], lh.addr, 0, *extra, env=env, **kw)]
-        wait_for_requests(lh, 1, again, "the relaunched group 0")
+        # relaunched at once (a requeue), then group 1 goes on: the gone job's quorum request still
+        # counts at the lighthouse until its heartbeats are HEARTBEAT_S old, so the quorum may form
+        # with it; group 1 and the relaunched job then ask again (federation.py, _quorum)
+        again = [jobs.launch(cfg, runs[0], 0, *extra, env=env, **kw)]
+        wait_for_requests(jobs.lh, 1, again, "the relaunched group 0")
         open(go, "w").close()
         outs = finish_all([procs[1]] + again, timeout=120)
-    finally:
-        for p in procs + again:
-            if p.poll() is None:
-                p.kill()
-        lh.stop()
     for p, o in zip([procs[1]] + again, outs):
         assert p.returncode == 0, o[-3000:]
     assert not os.path.exists(os.path.join(runs[0], "preempted.json"))

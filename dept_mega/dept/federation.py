@@ -15,7 +15,9 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   all-gather of the packed chunks on the reconfigured process group (torchft wraps only the
   all-reduce; a failure is reported to the Manager) — and ``should_commit``. A
   failed exchange (a group died or is late) is redone with the survivors' quorum from the same
-  pseudo-gradient; a group that finds the round completed without it (healed at that quorum)
+  pseudo-gradient; a quorum that fails once formed (it holds a group that died with its request
+  pending at the lighthouse) is asked again, bounded (``federation_wait.QUORUM_TRIES``);
+  a group that finds the round completed without it (healed at that quorum)
   drops its pseudo-gradient and goes on at the others' round (:class:`LeftOut`); exchanges whose sizes depend on each other
   (TRIM's counts, ids and rows) are one exchange (:meth:`Federation.atomic`).
 - **overlapped sync** (``dept.outer_overlap``, torchft's streaming DiLoCo pattern): every
@@ -57,7 +59,7 @@ from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
                              quorum_wait_line)
-from .federation_wait import preemptible, preemption_of
+from .federation_wait import QUORUM_TRIES, any_rank, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
@@ -176,8 +178,27 @@ class Federation:
         round's end, its exchange failed and redone)."""
         what = (f"waiting for a quorum at round {self.round}" if synced else
                 f"waiting for a quorum to redo round {self.round}'s exchange")
-        with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
-            preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced)
+        for attempt in range(1, QUORUM_TRIES + 1):
+            with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
+                preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what,
+                            synced)
+            # a quorum formed with a group that is gone (it died with its request pending at the
+            # lighthouse, which counts it until its heartbeats time out): this job's process group
+            # could not be configured with it, or healing from it failed. Every rank of the job
+            # asks again (one rank alone would wait for the others' requests), and the
+            # lighthouse's next quorum leaves the dead group out once its heartbeats are old.
+            failed = self.manager.errored()
+            if not any_rank(failed is not None, self.device):
+                break
+            if attempt == QUORUM_TRIES:  # not a group gone: something persistent (a store, a network)
+                raise RuntimeError(f"federation: quorum failed {QUORUM_TRIES} times in a row at round {self.round}: "
+                                   f"{failed if failed is not None else 'on another rank of this job'}")
+            ranks, W = self.process_group.quorum_ranks, self.pg.group_size
+            of = f" of groups {sorted((r - self.pg.rank) // W for r in ranks)}" if ranks else ""
+            why = first_line(failed) if failed is not None else "on another rank of this job"
+            self._say(f"federation: round {self.round}: the quorum{of} failed ({why}); asking the lighthouse again "
+                      f"(try {attempt + 1} of {QUORUM_TRIES}: a group that is gone is left out once its heartbeats "
+                      "time out)")
         ranks = self.process_group.quorum_ranks
         if ranks is None:
             raise RuntimeError("federation: torchft's Manager configured the process group without global_ranks "
@@ -186,8 +207,6 @@ class Federation:
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
         self.participants = self.manager.num_participants()
-        if self.manager.errored() is not None:
-            raise RuntimeError(f"federation: quorum failed: {self.manager.errored()}")
 
     def round_start(self, round_index: int, writer=None, step: int = 0) -> tuple[int, bool]:
         """The quorum at the start of round ``round_index``. Returns (the round to train,

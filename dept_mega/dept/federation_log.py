@@ -34,12 +34,14 @@ def quiet_torchft() -> None:
 
 
 class _DropFlightRecorder(logging.Filter):
-    """Drops the flight recorder warning; keeps a failed collective's line (a group gone: an
-    event of this mode, which the job reports itself) without its local traceback."""
+    """Drops the flight recorder warning; keeps the line of a failed collective, of a quorum
+    whose process group cannot be configured and of a failed healing (a group gone: events of
+    this mode, which the job reports itself) without its local traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "got exception waiting for work" in message:
+        if any(what in message for what in ("got exception waiting for work", "got exception in pg configure",
+                                            "got exception in recovery")):
             record.exc_info, record.exc_text = None, None
         return "flight recorder" not in message
 

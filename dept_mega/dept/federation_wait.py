@@ -1,4 +1,5 @@
-"""A federated group job's wait for the other groups (torchft's quorum), preemptible.
+"""A federated group job's wait for the other groups (torchft's quorum), preemptible, and how
+often a quorum that fails once formed is asked again (:data:`QUORUM_TRIES`, dept/federation.py).
 
 torchft's ``Manager.start_quorum`` blocks until the lighthouse forms a quorum — with fewer
 than ``min_groups`` live groups, for as long as that lasts. A SIGTERM / SIGUSR1 arriving then
@@ -26,6 +27,23 @@ from ..preemption import PreemptedWait
 
 #: seconds between the preemption checks of a wait (a quorum that forms at once costs one check)
 POLL_S = 0.5
+
+#: quorums a job asks for in a row when each one fails after it formed (its process group cannot
+#: be configured, or healing fails: a member that is gone). A group that died with its quorum
+#: request pending at the lighthouse is in at most the first of them: the lighthouse consumed
+#: the request, and its next quorum waits until the dead group's heartbeats time out. Each
+#: failed try ends within ``federation.timeout_s`` (torchft's store and process group timeouts).
+QUORUM_TRIES = 3
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` OR-ed over the job's ranks (one all-reduce MAX; bookkeeping, not counted), so
+    that every rank of the job takes the same branch; without a job-wide process group: ``flag``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,

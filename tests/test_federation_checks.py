@@ -1,0 +1,223 @@
+"""Federated source groups: what a group job refuses (one error naming the key, before any
+training) and what it says in its log (dept_mega/dept/federation_config.py, federation_log.py)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from tests.federation_utils import (SOURCES, error_line, federation, finish_all, write_config)  # noqa: E402
+from tests.mp_utils import free_port  # noqa: E402
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    """A group index out of range, an unreachable lighthouse, two jobs claiming one group, a
+    config that differs between groups: one error naming the key, before any training. The
+    first two in process, in the functions a launch's ``build_session`` calls before it
+    contacts any peer (``federation_config.resolve``, ``Federation``'s constructor: a launch
+    turns their ConfigError into exit status 2 and its line, as for any config error); the
+    others, found at the first quorum, as group jobs: exit status 2 and the line (two-group
+    federations: nothing waits for a third group at the fresh start)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_config import resolve
+    cfg = write_config(str(tmp_path))
+    dead = f"127.0.0.1:{free_port()}"
+    fed = [f"federation.lighthouse={dead}", f"federation.groups={SOURCES}"]
+    with pytest.raises(ConfigError, match=r"'federation\.group': 3 is not a group index"):
+        resolve(load_config(cfg, [*fed, "federation.group=3"]))
+    monkeypatch.setenv("RUST_LOG", "warn")  # (Federation sets it when unset)
+    job = load_config(cfg, [*fed, "federation.group=0"])
+    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:"):
+        Federation(job, SimpleNamespace(rank=0, group_size=1), torch.device("cpu"), *resolve(job))
+    two = dict(groups=2, min_groups=2, timeout_s=3)
+    with federation(2) as dup, federation(2) as diff:
+        procs = {
+            "dup": [dup.launch(cfg, str(tmp_path / f"dup{i}"), 1, **two) for i in range(2)],
+            "diff": [diff.launch(cfg, str(tmp_path / "diff0"), 0, **two),
+                     diff.launch(cfg, str(tmp_path / "diff1"), 1, "dept.outer_optimizer.lr=0.5", **two)],
+        }
+        outs = {k: finish_all(ps) for k, ps in procs.items()}
+    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
+    for case, ps in procs.items():
+        for p, out in zip(ps, outs[case]):
+            assert p.returncode == 2, (case, out[-3000:])
+            assert want[case] in error_line(out), (case, error_line(out))
+            if case == "diff":  # where to see the values (only hashes are compared at a fresh start)
+                assert "compare the jobs' train.run_dir/config.yaml" in error_line(out), error_line(out)
+            assert "step 1/" not in out, case  # before any training
+
+
+@pytest.mark.parametrize("override,want", [
+    ("dept.variant=std", "'dept.variant': std"),
+    ("dept.outer_overlap=true dept.outer_delay=4 dept.outer_fragments=2 dept.local_steps=6",
+     "'dept.outer_delay': 4 lands fragment 0's overlapped sync in the next round"),
+    ("federation.groups=4", "'data.sources': 3 sources for federation.groups = 4"),
+    ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),
+])
+def test_refused_in_federation_mode(tmp_path, override, want):
+    """What federation mode does not support is one config error naming the key (in process:
+    the check runs before the lighthouse is contacted)."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation_config import resolve
+    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                              f"federation.groups={SOURCES}", *override.split()])
+    with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
+        resolve(cfg)
+    # the quantised, fragmented and overlapped outer syncs are accepted (same math: test_three_group_jobs_...)
+    ok = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                             f"federation.groups={SOURCES}", "dept.outer_comm_dtype=int4",
+                                             "dept.outer_fragments=2", "dept.outer_overlap=true",
+                                             "dept.outer_delay=1"])
+    assert resolve(ok) == (0, "127.0.0.1", 1)
+    # the address as the lighthouse prints it (a URL) is taken too; a bare host is refused by name
+    url = load_config(write_config(str(tmp_path)), ["federation.lighthouse=http://127.0.0.1:1/", "federation.group=0",
+                                              f"federation.groups={SOURCES}"])
+    assert resolve(url) == (0, "127.0.0.1", 1)
+    bare = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1", "federation.group=0",
+                                               f"federation.groups={SOURCES}"])
+    with pytest.raises(ConfigError, match="'federation.lighthouse': '127.0.0.1' is not host:port"):
+        resolve(bare)
+
+
+def test_what_a_group_job_logs(monkeypatch):
+    """The job's own lines (dept/federation_log.py): a membership change, a failed exchange's
+    error in one line, "still waiting" lines only while a wait lasts, the lighthouse's own
+    status in them, and torchft's noise kept out."""
+    import logging
+
+    from dept_mega.dept.federation_log import (Waiting, first_line, lighthouse_status, membership_line,
+                                               quiet_torchft, quorum_wait_line)
+    assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
+    assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
+    assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
+            == "federation: round 27: groups [0, 1, 2, 3] (joined: 2, 3; this job healed from a live peer)")
+    assert first_line(RuntimeError("\n  peer closed [127.0.0.1]:5\nTraceback (most recent call last):\n  x")) \
+        == "peer closed [127.0.0.1]:5"
+    said = []
+    with Waiting(said.append, lambda s: f"waited {s:.2f}", every=0.05):
+        time.sleep(0.3)
+    assert len(said) >= 3 and all(line.startswith("waited ") for line in said), said
+    said.clear()
+    with Waiting(said.append, lambda s: "never", every=5):
+        pass
+    assert said == []
+    with federation(min_groups=2) as jobs:
+        addr = jobs.lh.addr
+        assert "participants healthy" in lighthouse_status(addr), lighthouse_status(addr)
+        assert f"waiting 31 s for a quorum of at least 2 group(s); the lighthouse {addr} says: New quorum not " \
+            "ready" in quorum_wait_line(3, 31, 2, addr)
+    dead = f"127.0.0.1:{free_port()}"
+    assert lighthouse_status(dead) is None
+    assert f"the lighthouse {dead} does not answer (if it died: restart it, then the group jobs" \
+        in quorum_wait_line(3, 31, 2, dead)
+    monkeypatch.setenv("RUST_LOG", "-")  # (restored to what it was after the test)
+    monkeypatch.delenv("RUST_LOG")
+    quiet_torchft()
+    assert os.environ["RUST_LOG"] == "warn"
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torchft.manager")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        lines = ["[dept_group_0] got exception waiting for work Connection closed by peer",
+                 "[dept_group_0] got exception in pg configure: The client socket has timed out",
+                 "[dept_group_0] got exception in recovery: Connection refused"]
+        for line in lines:
+            try:
+                raise RuntimeError(line)
+            except RuntimeError:
+                logger.exception(line)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == lines and all(r.exc_info is None for r in records)
+
+
+def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
+    """A healing group's agreed keys against its peer's: the first field that differs and both
+    values (a peer that sends only hashes: the key)."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    running = load_config(write_config(str(tmp_path)), fed)
+    joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])
+    peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
+    check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
+    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': 0\.001 here, "
+                                          r"0\.003 in the running groups"):
+        check_agree(joining, peer)
+    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups' \(federation"):
+        check_agree(joining, {"agree": peer["agree"]})
+
+
+def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
+    """Several fields differ (two inside one agreed key): one ConfigError, one line per field
+    with both values, in AGREE_KEYS order and the fields sorted within a key; a peer that sends
+    only hashes: how many keys differ and each key."""
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    running = load_config(write_config(str(tmp_path)), fed)
+    joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
+                                                        "dept.local_steps=3", "optim.min_lr=0.0001"])
+    rule = "(federation: every group job needs the same value)"
+    with pytest.raises(ConfigError) as exc:
+        check_agree(joining, {"agree": agree_hashes(running), "agree_values": agree_values(running)})
+    r = running
+    assert str(exc.value).split("\n") == [
+        f"4 config keys differ from the running groups' {rule}:",
+        f"  config key 'dept.local_steps': 3 here, {r.dept.local_steps} in the running groups",
+        f"  config key 'train.seed': 7 here, {r.train.seed} in the running groups",
+        f"  config key 'optim.lr': 0.001 here, {r.optim.lr} in the running groups",
+        f"  config key 'optim.min_lr': 0.0001 here, {r.optim.min_lr} in the running groups"]
+    with pytest.raises(ConfigError) as exc:
+        check_agree(joining, {"agree": agree_hashes(running)})
+    assert str(exc.value).split("\n") == [f"3 config keys differ from the running groups' {rule}:",
+                                          "  config key 'dept.local_steps'", "  config key 'train.seed'",
+                                          "  config key 'optim'"]
+
+
+def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
+    """At a fresh start only hashes travel: one agreed ConfigError with how many keys differ
+    and each key (the other group's hashes stand in through a process group that takes the
+    element-wise max of both jobs' tensors, as the allreduce does)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_config import agree_hashes
+    from dept_mega.parallel.agree import is_agreed
+    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
+    other = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001"])
+
+    def quorum(cfg):
+        def allreduce(tensors, opts):
+            t = tensors[0]
+            theirs = torch.tensor(agree_hashes(other) + [0], dtype=torch.int64)
+            t.copy_(torch.maximum(t, torch.cat([theirs, -theirs])))
+            return SimpleNamespace(wait=lambda: None)
+        fake = object.__new__(Federation)
+        fake.hashes, fake.device = agree_hashes(cfg), torch.device("cpu")
+        fake.process_group = SimpleNamespace(allreduce=allreduce)
+        return fake
+
+    quorum(other)._check_agree(0)  # the same keys
+    with pytest.raises(ConfigError) as exc:
+        quorum(load_config(write_config(str(tmp_path)), fed))._check_agree(0)
+    head, *lines = str(exc.value).split("\n")
+    assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs ("), head
+    assert "compare the jobs' train.run_dir/config.yaml" in head and lines == ["  config key 'train.seed'",
+                                                                               "  config key 'optim'"], lines
+    with pytest.raises(ConfigError, match=r"^config key 'optim': differs between the group jobs \(federation"):
+        quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree(0)
