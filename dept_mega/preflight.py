@@ -177,7 +177,7 @@ def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str
 
 def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_usage) -> tuple[list[str], list[str]]:
     """The report lines and warnings of the pre-flight; raises the launch's input errors."""
-    from .data.checks import check_sources
+    from .data.checks import check_sources, lossy_source_warnings
     from .dept.costs import resolve_vocabs
     from .dept.memory import predict_memory
     from .run_inputs import describe_batch, vocab_size_of
@@ -206,7 +206,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                  f"grads {_size(mem['grads'])} + optimizer {_size(mem['optimizer'])} + outer {_size(mem['outer'])} + "
                  f"trim table {_size(mem['trim_table'])} + activations {mem['in_flight_microbatches']:g} x {_size(act)} "
                  f"(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
-    warnings = []
+    warnings = lossy_source_warnings(cfg)
     try:
         import torch
         if torch.cuda.is_available():

@@ -57,7 +57,8 @@ def run_tool(name: str, args: Sequence[str], timeout: float = 120) -> subprocess
 
 def train_tiny_tokenizer(directory: str, vocab: int = 120, model_type: str = "unigram",
                          extra: Sequence[str] = ()) -> str:
-    """Train a small SentencePiece model on synthetic text; returns the .model path."""
+    """Train a small SentencePiece model on synthetic text (lossless settings, byte fallback
+    only when ``extra`` asks for it); returns the .model path."""
     os.makedirs(directory, exist_ok=True)
     src = write_jsonl(os.path.join(directory, "tok_train.jsonl"), synthetic_texts(400, seed=1))
     prefix = os.path.join(directory, f"tiny_{model_type}_{vocab}")
@@ -65,9 +66,11 @@ def train_tiny_tokenizer(directory: str, vocab: int = 120, model_type: str = "un
         sys.path.insert(0, TOOLS)
         import train_tokenizer
 
+        # vocabularies this small have no room for byte fallback's 256 byte pieces
+        fb = [] if any(x.endswith("byte-fallback") for x in extra) else ["--no-byte-fallback"]
         rc = train_tokenizer.main(["--input", src, "--json-key", "text", "--vocab-size", str(vocab),
                                    "--model-type", model_type, "--output-prefix", prefix, "--threads", "1",
-                                   *extra])
+                                   *fb, *extra])
         assert rc == 0
     return prefix + ".model"
 

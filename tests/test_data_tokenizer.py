@@ -19,7 +19,8 @@ def test_cli_contract_writes_model_and_vocab(tmp_path):
     a = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(200, seed=2))
     b = write_jsonl(str(tmp_path / "b.jsonl"), ["Привет, мир! " * 3] * 50)
     r = run_tool("train_tokenizer.py", ["--input", a, b, "--json-key", "text", "--vocab-size", "100",
-                                        "--model-type", "unigram", "--output-prefix", str(tmp_path / "t")])
+                                        "--model-type", "unigram", "--output-prefix", str(tmp_path / "t"),
+                                        "--no-byte-fallback"])
     assert r.returncode == 0, r.stderr
     assert os.path.exists(tmp_path / "t.model") and os.path.exists(tmp_path / "t.vocab")
     assert "250 documents" in r.stderr and "100 pieces" in r.stderr
@@ -76,7 +77,7 @@ def test_sample_cap_and_strict(tmp_path):
     texts = synthetic_texts(300, seed=4)
     src = write_jsonl(str(tmp_path / "a.jsonl"), texts)
     r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "60", "--max-sentences", "100",
-                                        "--output-prefix", str(tmp_path / "t")])
+                                        "--no-byte-fallback", "--output-prefix", str(tmp_path / "t")])
     assert r.returncode == 0, r.stderr
     assert "sampled 100 of 300" in r.stderr
     with open(src, "a") as f:
@@ -105,3 +106,59 @@ def test_training_is_deterministic(tmp_path):
     b = load_tokenizer(train_tiny_tokenizer(str(tmp_path / "b"), vocab=150))
     pa = [(a.id_to_piece(i), a.processor.GetScore(i)) for i in range(a.vocab_size)]
     assert pa == [(b.id_to_piece(i), b.processor.GetScore(i)) for i in range(b.vocab_size)]
+
+
+# Code with tab and space indentation, blank and whitespace-only lines, CRLF, leading and
+# trailing spaces, runs of spaces, emoji, CJK, NFKC-sensitive forms (full-width, ligature, "…").
+MIXED = [
+    "def f(x):\n    if x:\n\treturn  x   # two spaces\n\n    \n        pass\n",
+    "  leading spaces and trailing  ",
+    "line one\r\nline two\r\n",
+    "\n\nstarts with newlines and ends with a tab\t",
+    "emoji 😀🎉 and CJK 日本語の文 and Ｆｕｌｌ ﬁ ligature…",
+    "for i in range(10):\n    print(i)\n",
+    "Une phrase en français, avec des accents: é à ç.",
+]
+
+
+def _mixed_corpus(path: str) -> str:
+    texts = []
+    for i in range(60):
+        texts += [t.replace("x", "xyz"[i % 3]) for t in MIXED]
+        texts.append("class C%d:\n    def m(self):\n        return %d\n" % (i, i))
+    return write_jsonl(path, texts)
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_default_tokenizer_is_lossless_on_a_mixed_corpus(tmp_path, model_type):
+    src = _mixed_corpus(str(tmp_path / "mixed.jsonl"))
+    r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "400", "--model-type", model_type,
+                                        "--output-prefix", str(tmp_path / "t"), "--threads", "1"])
+    assert r.returncode == 0, r.stderr
+    assert "normalization identity, byte fallback on" in r.stderr and "LOSSY" not in r.stderr
+    tok = load_tokenizer(str(tmp_path / "t.model"))
+    unseen = "an unseen character: \u16a0 and Ωmega\u0378"  # runic letter, unassigned code point
+    for doc in [*MIXED, unseen]:
+        ids = tok.encode(doc)
+        assert tok.decode(ids) == doc, (doc, [tok.id_to_piece(i) for i in ids])
+        assert tok.unk_id not in ids
+    # indents are learned as whitespace-only pieces, and "\n" is a piece of its own
+    pieces = [tok.id_to_piece(i) for i in tok.encode("        return 1\n")]
+    assert any(len(p) >= 2 and set(p) == {"▁"} for p in pieces) and pieces[-1] == "\n", pieces
+
+
+def test_nmt_nfkc_opt_out_is_lossy_and_says_so(tmp_path):
+    src = _mixed_corpus(str(tmp_path / "mixed.jsonl"))
+    r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "120", "--normalization", "nmt_nfkc",
+                                        "--output-prefix", str(tmp_path / "t"), "--threads", "1"])
+    assert r.returncode == 0, r.stderr
+    assert "normalization nmt_nfkc, byte fallback off; LOSSY" in r.stderr
+    tok = load_tokenizer(str(tmp_path / "t.model"))
+    assert tok.decode(tok.encode(MIXED[0])) == "def f(x): if x: return x # two spaces pass"
+
+
+def test_vocab_too_small_for_byte_fallback_gives_advice(tmp_path):
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "100", "--output-prefix", str(tmp_path / "t")])
+    assert r.returncode == 1 and "--vocab-size 100 is too small" in r.stderr
+    assert "--no-byte-fallback" in r.stderr and "Use --vocab-size >=" in r.stderr and "Traceback" not in r.stderr

@@ -10,11 +10,11 @@ import shutil
 import pytest
 
 from dept_mega.config import ConfigError, load_config
-from dept_mega.data.checks import check_sources
+from dept_mega.data.checks import check_sources, lossy_source_warnings
 from dept_mega.data.indexed import tokenizer_record_path
 from dept_mega.data.preprocess import preprocess
 from dept_mega.data.tokenizer import model_sha256
-from tests.data_utils import synthetic_texts, train_tiny_tokenizer, write_jsonl
+from tests.data_utils import run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,11 @@ def _cfg(variant, prefix, tok):
 def test_preprocess_records_the_tokenizer(made):
     prefix, a, _ = made
     rec = json.load(open(tokenizer_record_path(prefix)))
+    nbytes = sum(len(t.encode()) for t in synthetic_texts(40, seed=3))
     assert rec == {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(a),
-                   "sha256": model_sha256(a)}
+                   "sha256": model_sha256(a), "lossless": True,
+                   "round_trip": {"documents": 40, "bytes": nbytes, "mismatched_documents": 0,
+                                  "mismatched_bytes": 0, "mismatched_decoded_bytes": 0}}
 
 
 def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):
@@ -85,3 +88,41 @@ def test_record_path_is_absolute_and_a_failed_rerun_leaves_none(tmp_path, monkey
     with pytest.raises(Exception, match="--strict"):  # the bad line stops the run midway
         preprocess([str(bad)], ["text"], a, "x", log=None, strict=True)
     assert not os.path.exists(record)
+
+
+def test_round_trip_is_counted_reported_recorded_and_warned(tmp_path, capsys):
+    """A lossy tokenizer (SentencePiece's nmt_nfkc: whitespace collapsed, newlines lost) on text
+    with newlines and double spaces: preprocess_data.py counts the documents that do not come
+    back, prints it, records it, and the pre-flight warns once for that source."""
+    lossy = train_tiny_tokenizer(str(tmp_path / "nfkc"), vocab=120, extra=["--normalization", "nmt_nfkc"])
+    plain = synthetic_texts(30, seed=5)
+    texts = [t if i % 3 else t.replace(" ", "\n", 1).replace(" ", "  ", 1) for i, t in enumerate(plain)]
+    src = write_jsonl(str(tmp_path / "x.jsonl"), texts)
+    r = run_tool("preprocess_data.py", ["--input", src, "--tokenizer-model", lossy, "--append-eod",
+                                        "--output-prefix", str(tmp_path / "x")])
+    assert r.returncode == 0, r.stderr
+    bad = texts[::3]
+    nbytes, bad_bytes = sum(len(t.encode()) for t in texts), sum(len(t.encode()) for t in bad)
+    decoded = sum(len(" ".join(t.split()).encode()) for t in bad)  # what nmt_nfkc gives back
+    assert (f"warning: {tmp_path}/x_text_document: 10 of 30 documents do not round-trip" in r.stderr
+            and f"decode to {decoded} bytes for their {bad_bytes}" in r.stderr
+            and "bits per byte are measured against the original bytes" in r.stderr), r.stderr
+    prefix = str(tmp_path / "x_text_document")
+    rec = json.load(open(tokenizer_record_path(prefix)))
+    assert rec["lossless"] is False and rec["round_trip"] == {
+        "documents": 30, "bytes": nbytes, "mismatched_documents": 10, "mismatched_bytes": bad_bytes,
+        "mismatched_decoded_bytes": decoded}
+    cfg = _cfg("glob", prefix, lossy)
+    (w,) = lossy_source_warnings(cfg)
+    assert w.startswith(f"config key 'data.sources[0].prefix': source 'x': {tokenizer_record_path(prefix)}: "
+                        f"the tokenizer is lossy on this data (10 of 30 documents")
+    # a lossless record, or an older one without the field: no warning
+    good = write_jsonl(str(tmp_path / "g.jsonl"), plain)
+    r = run_tool("preprocess_data.py", ["--input", good, "--tokenizer-model", lossy, "--append-eod",
+                                        "--output-prefix", str(tmp_path / "g")])
+    assert "all 30 documents round-trip" in r.stderr, r.stderr
+    assert lossy_source_warnings(_cfg("glob", str(tmp_path / "g_text_document"), lossy)) == []
+    rec.pop("lossless")
+    rec.pop("round_trip")
+    json.dump(rec, open(tokenizer_record_path(prefix), "w"))
+    assert lossy_source_warnings(cfg) == []

@@ -12,7 +12,12 @@ the percent of the input read and an ETA.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
-another tokenizer for this data is refused before training).
+another tokenizer for this data is refused before training; and the round trip: how many
+documents do not come back from their tokens, ``decode(encode(text)) != text``, and their
+bytes). Bits per byte are always measured against the original bytes, so a lossy tokenizer
+(SentencePiece's default ``nmt_nfkc`` normalization collapses whitespace and drops newlines)
+is charged for bytes its tokens do not encode; the summary line says how many documents
+that concerns, and training's pre-flight warns about such data.
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
 byte-order mark, CRLF) are counted by kind and reported at the end with their first line
 numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
@@ -28,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dept_mega.data.preprocess import PreprocessError, preprocess  # noqa: E402
+from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,8 +77,9 @@ def main(argv=None) -> int:
         print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "
               f"{st.text_bytes} text bytes in {st.seconds:.2f}s ({st.documents / el:.0f} docs/s, "
               f"{st.tokens / el:.0f} tokens/s)", file=sys.stderr)
-        for out in st.outputs:
+        for out, rt in zip(st.outputs, st.round_trip):
             print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json", file=sys.stderr)
+            print(round_trip_line(out, rt), file=sys.stderr)
         if st.report.total:
             print(f"[preprocess] input problems ({st.report.skipped} lines skipped):", file=sys.stderr)
             for line in st.report.lines():

@@ -4,11 +4,32 @@
     python tools/train_tokenizer.py --input A.jsonl [B.jsonl ...] --json-key text \\
         --vocab-size N --model-type unigram|bpe --output-prefix PREFIX   # PREFIX.model, PREFIX.vocab
 
-Each document's non-empty lines are the training "sentences". With more sentences than
-``--max-sentences`` a seeded reservoir sample of that many is used (memory stays bounded
-for very large inputs). Special ids: unk=0, bos=1, eos=2 (the end-of-document token
-appended by ``preprocess_data.py --append-eod``), pad=3. Bad input lines are counted and
-reported like in preprocess_data.py; ``--strict`` makes any of them an error.
+The tokenizer is lossless by default: decoding a document's tokens gives the document back,
+byte for byte, so bits per byte (measured against the documents' original UTF-8 bytes) count
+bits for bytes the tokens really encode, and code keeps its indentation and line structure:
+
+* ``--normalization identity``: no Unicode normalization (SentencePiece's default
+  ``nmt_nfkc`` rewrites full-width forms, ligatures, "…", control characters and newlines);
+* whitespace kept as written (``remove_extra_whitespaces=False``), and pieces made only of
+  spaces allowed (``allow_whitespace_only_pieces``: a 4- or 8-space indent can be one token);
+* no dummy prefix: a document's first word is encoded like a line's first word, as written;
+* "\\n" is a piece of its own (a user-defined symbol); "\\r", tabs and any other character
+  roundtrip through the vocabulary or, if rare, byte fallback (``--byte-fallback``, on by
+  default: 256 byte pieces; ``--no-byte-fallback`` turns unknown characters into ``<unk>``);
+* the training "sentences" are a document's lines with only the "\\n" removed
+  (indentation, trailing spaces and a CRLF's "\\r" kept); lines of only whitespace are skipped.
+
+One character cannot roundtrip: U+2581 ("▁"), SentencePiece's space symbol, decodes as a
+space. ``--normalization nmt_nfkc`` gives SentencePiece's defaults instead (NFKC, runs of
+whitespace collapsed, newlines become spaces, dummy prefix, stripped training lines, byte
+fallback only when asked): LOSSY, kept for tokenizers that must match older ones.
+``tools/preprocess_data.py`` reports how many documents a tokenizer does not roundtrip.
+
+With more sentences than ``--max-sentences`` a seeded reservoir sample of that many is used
+(memory stays bounded for very large inputs). Special ids: unk=0, bos=1, eos=2 (the
+end-of-document token appended by ``preprocess_data.py --append-eod``), pad=3. Bad input
+lines are counted and reported like in preprocess_data.py; ``--strict`` makes any of them an
+error.
 """
 from __future__ import annotations
 
@@ -23,6 +44,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dept_mega.data.jsonl import BadInputReport, iter_texts  # noqa: E402
 
+NORMALIZATIONS = ("identity", "nmt_nfkc")
+
+
+def spm_options(normalization: str, byte_fallback: bool) -> dict:
+    """SentencePiece trainer options of a ``--normalization`` (see the module docstring)."""
+    if normalization == "nmt_nfkc":
+        return {"normalization_rule_name": "nmt_nfkc", "byte_fallback": byte_fallback}
+    return {"normalization_rule_name": "identity", "remove_extra_whitespaces": False,
+            "add_dummy_prefix": False, "allow_whitespace_only_pieces": True,
+            "user_defined_symbols": ["\n"], "byte_fallback": byte_fallback}
+
+
+def training_line(line: str, normalization: str) -> str:
+    """A training sentence from one line of a document (its "\\n" already split off; "" to
+    skip it): identity keeps the line as encoding will see it (indentation, trailing spaces,
+    a CRLF's "\\r"); nmt_nfkc strips it, as SentencePiece's own normalization would."""
+    if normalization == "nmt_nfkc":
+        return line.strip()
+    return line if line.strip() else ""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,8 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--byte-fallback", action="store_true",
-                   help="unknown characters become UTF-8 byte pieces instead of <unk> (adds 256 ids)")
+    p.add_argument("--normalization", choices=NORMALIZATIONS, default="identity",
+                   help="identity (default): lossless, whitespace and newlines kept; nmt_nfkc: SentencePiece's "
+                        "defaults (NFKC, whitespace collapsed, newlines lost, dummy prefix): LOSSY")
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
+                   help="unknown characters become UTF-8 byte pieces instead of <unk> (adds 256 ids); "
+                        "default: on with --normalization identity, off with nmt_nfkc")
     p.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of characters the vocabulary must cover (default 0.9995)")
     p.add_argument("--max-sentences", type=int, default=2_000_000,
@@ -57,7 +102,7 @@ def collect_sentences(args, report: BadInputReport) -> tuple[list[str], int, int
     for text in iter_texts(args.input, args.json_key, report):
         docs += 1
         for line in text.split("\n"):
-            line = line.strip()
+            line = training_line(line, args.normalization)
             if not line:
                 continue
             seen += 1
@@ -78,6 +123,8 @@ def collect_sentences(args, report: BadInputReport) -> tuple[list[str], int, int
 def main(argv=None) -> int:
     args = parse_args(argv)
     import sentencepiece as spm
+    if args.byte_fallback is None:
+        args.byte_fallback = args.normalization == "identity"
 
     for path in args.input:
         if not os.path.isfile(path):
@@ -106,8 +153,10 @@ def main(argv=None) -> int:
         print(f"error: no text found under key {args.json_key!r} in {', '.join(args.input)}", file=sys.stderr)
         return 1
     capped = f" (sampled {len(sample)} of {seen})" if seen > len(sample) else ""
+    lossy = "; LOSSY: decoding does not give the text back" if args.normalization != "identity" else ""
     print(f"[train_tokenizer] {docs} documents, {seen} sentences{capped} read in {time.time() - t0:.1f}s; "
-          f"training {args.model_type} with vocab {args.vocab_size}", file=sys.stderr, flush=True)
+          f"training {args.model_type} with vocab {args.vocab_size}, normalization {args.normalization}, "
+          f"byte fallback {'on' if args.byte_fallback else 'off'}{lossy}", file=sys.stderr, flush=True)
 
     t1 = time.time()
     model_file = args.output_prefix + ".model"
@@ -119,7 +168,7 @@ def main(argv=None) -> int:
             vocab_size=args.vocab_size,
             model_type=args.model_type,
             character_coverage=args.character_coverage,
-            byte_fallback=args.byte_fallback,
+            **spm_options(args.normalization, args.byte_fallback),
             unk_id=0, bos_id=1, eos_id=2, pad_id=3,
             input_sentence_size=0,  # we sampled already
             shuffle_input_sentence=False,
@@ -129,11 +178,18 @@ def main(argv=None) -> int:
         )
     except RuntimeError as exc:
         msg = str(exc)
-        m = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", msg)
-        if m:
-            print(f"error: --vocab-size {m.group(1)} is too large for this corpus: SentencePiece can make "
-                  f"at most {m.group(2)} pieces from these {len(sample)} sentences. Use --vocab-size "
-                  f"<= {m.group(2)}, or give it more text.", file=sys.stderr)
+        high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", msg)
+        low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if high:
+            print(f"error: --vocab-size {high.group(1)} is too large for this corpus: SentencePiece can make "
+                  f"at most {high.group(2)} pieces from these {len(sample)} sentences. Use --vocab-size "
+                  f"<= {high.group(2)}, or give it more text.", file=sys.stderr)
+        elif low:
+            fb = (" (256 of them byte fallback's byte pieces: --no-byte-fallback drops them, and characters "
+                  "outside the vocabulary then become <unk>, which is lossy)") if args.byte_fallback else ""
+            print(f"error: --vocab-size {low.group(1)} is too small: the special pieces and the characters "
+                  f"this corpus needs take {low.group(2)} ids{fb}. Use --vocab-size >= {low.group(2)}.",
+                  file=sys.stderr)
         else:
             print(f"error: SentencePiece training failed: {msg}", file=sys.stderr)
         for ext in (".model", ".vocab"):

@@ -128,6 +128,35 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
         f"train.eval_iters=0 to train without evaluation")
 
 
+def lossy_source_warnings(cfg: Config) -> list[str]:
+    """One line per source whose ``PREFIX.tokenizer.json`` says its tokenizer did not give every
+    document back (``lossless: false``, written by tools/preprocess_data.py): its bits per byte
+    count the original bytes, including bytes the tokens do not encode, so they are understated
+    against a lossless tokenizer's. Records without the field (older data) say nothing."""
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        record = tokenizer_record_path(s.prefix)
+        try:
+            with open(record, encoding="utf-8") as f:
+                made = json.load(f)
+            rt = made["round_trip"] if made.get("lossless") is False else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # no record, or one check_sources reports
+        if rt is None:
+            continue
+        try:
+            share = 100.0 * rt["mismatched_bytes"] / max(rt["bytes"], 1)
+            what = (f"{rt['mismatched_documents']} of {rt['documents']} documents ({share:.1f} % of the bytes) "
+                    f"do not round-trip")
+        except (KeyError, TypeError):
+            what = "documents do not round-trip"
+        out.append(f"config key 'data.sources[{i}].prefix': source '{s.name}': {record}: the tokenizer is lossy "
+                   f"on this data ({what}: decode(encode(text)) != text); its bits per byte count bytes the "
+                   f"tokens do not encode, so they are not comparable with a lossless tokenizer's "
+                   f"(tools/train_tokenizer.py trains lossless tokenizers by default)")
+    return out
+
+
 def _check_byte_counts(cfg: Config, i: int) -> None:
     """ConfigError when evaluation will run (``train.eval_iters`` > 0) but the source has no
     ``PREFIX.bytes.npy``: its bits per byte need each document's UTF-8 byte count, which

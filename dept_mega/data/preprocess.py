@@ -41,6 +41,27 @@ class PreprocessError(RuntimeError):
 
 
 @dataclass
+class RoundTrip:
+    """Of one output key's ``documents`` (``bytes``: their UTF-8 bytes): how many do not come
+    back from their tokens (``decode(encode(text)) != text``: a lossy tokenizer), their
+    UTF-8 bytes, and the bytes their decoded texts have instead (the net change is a lower
+    bound of what was lost)."""
+    documents: int = 0
+    bytes: int = 0
+    mismatched_documents: int = 0
+    mismatched_bytes: int = 0
+    mismatched_decoded_bytes: int = 0
+
+    def add(self, other: "RoundTrip") -> None:
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def lossless(self) -> bool:
+        return self.mismatched_documents == 0
+
+
+@dataclass
 class PreprocessStats:
     lines: int = 0
     documents: int = 0
@@ -51,6 +72,8 @@ class PreprocessStats:
     total_bytes: int = 0
     report: BadInputReport = field(default_factory=BadInputReport)
     outputs: list[str] = field(default_factory=list)
+    # per key (in --json-keys order): the documents that do not round-trip
+    round_trip: list[RoundTrip] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +83,7 @@ class _BatchResult:
     tokens: list[np.ndarray]
     lengths: list[np.ndarray]
     nbytes: list[np.ndarray]
+    round_trip: list[RoundTrip]
     report: BadInputReport
     input_bytes: int
 
@@ -85,11 +109,12 @@ def _encode_batch(batch: list[tuple[str, bytes]]) -> _BatchResult:
         texts = parse_line(raw, keys, where, report)
         if texts is not None:
             kept.append(texts)
-    tokens, lengths, nbytes = [], [], []
+    tokens, lengths, nbytes, lossy = [], [], [], []
     eod = [tok.eos_id] if append_eod else []
     for k in range(len(keys)):
         texts = [t[k] for t in kept]
         ids = tok.encode_batch(texts) if texts else []
+        lossy.append(_round_trip(tok, texts, ids))
         if append_eod:
             ids = [x + eod for x in ids]
         lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
@@ -97,7 +122,23 @@ def _encode_batch(batch: list[tuple[str, bytes]]) -> _BatchResult:
         tokens.append(flat)
         lengths.append(lens)
         nbytes.append(np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts)))
-    return _BatchResult(len(batch), tokens, lengths, nbytes, report, input_bytes)
+    return _BatchResult(len(batch), tokens, lengths, nbytes, lossy, report, input_bytes)
+
+
+def _round_trip(tok, texts: list[str], ids: list[list[int]]) -> RoundTrip:
+    """The documents of ``texts`` whose tokens ``ids`` do not decode to them (decoding costs
+    a small part of encoding)."""
+    out = RoundTrip(documents=len(texts))
+    if not texts:
+        return out
+    for text, back in zip(texts, tok.decode_batch(ids)):
+        n = len(text.encode("utf-8"))
+        out.bytes += n
+        if back != text:
+            out.mismatched_documents += 1
+            out.mismatched_bytes += n
+            out.mismatched_decoded_bytes += len(back.encode("utf-8"))
+    return out
 
 
 def _count_newlines(path: str, end: int) -> int:
@@ -180,6 +221,20 @@ def _iter_batches(ranges: Sequence[Range]) -> Iterator[list[tuple[str, bytes]]]:
         yield batch
 
 
+def round_trip_line(output: str, rt: RoundTrip) -> str:
+    """The summary line of one output's round trip (tools/preprocess_data.py prints it)."""
+    if rt.lossless:
+        return (f"[preprocess] {output}: all {rt.documents} documents round-trip "
+                f"(decode(encode(text)) == text): the tokenizer is lossless on this data")
+    share = 100.0 * rt.mismatched_bytes / max(rt.bytes, 1)
+    change = 100.0 * (rt.mismatched_decoded_bytes - rt.mismatched_bytes) / max(rt.mismatched_bytes, 1)
+    return (f"[preprocess] warning: {output}: {rt.mismatched_documents} of {rt.documents} documents do not "
+            f"round-trip (decode(encode(text)) != text: a lossy tokenizer); they hold {share:.1f} % of the "
+            f"{rt.bytes} bytes and decode to {rt.mismatched_decoded_bytes} bytes for their "
+            f"{rt.mismatched_bytes} ({change:+.1f} %); bits per byte are measured against the original "
+            f"bytes, including bytes the tokens do not encode")
+
+
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
@@ -213,12 +268,17 @@ def _remove_outputs(prefixes: Sequence[str]) -> None:
                 os.remove(f)
 
 
-def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str) -> None:
+def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str,
+                            round_trip: RoundTrip) -> None:
     """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
-    before training, dept_mega/data/checks.py); written atomically, after the data."""
+    before training, dept_mega/data/checks.py), and whether it gave every document back
+    (``lossless``; ``round_trip``: the documents that do not come back, warned about before
+    training); written atomically, after the data."""
     path = tokenizer_record_path(prefix)
+    record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
+              "lossless": round_trip.lossless, "round_trip": vars(round_trip)}
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256}, f)
+        json.dump(record, f)
     os.replace(path + ".tmp", path)
 
 
@@ -249,7 +309,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         raise PreprocessError(f"--append-eod: tokenizer {tokenizer_model!r} names no eos_token (tokenizer_config.json "
                               f"or special_tokens_map.json beside its tokenizer.json)")
     dtype = optimal_dtype(tok.vocab_size)
-    stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs))
+    stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs),
+                            round_trip=[RoundTrip() for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
     for final in finals:  # a rerun into the same prefix: the old record must not outlive a failed run's data
@@ -295,8 +356,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
                               f"empty dataset)")
     digest = model_sha256(tokenizer_model)
-    for final in finals:  # the absolute path: the record is read from other working directories
-        _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest)
+    for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
+        _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
+                                stats.round_trip[k])
     stats.outputs = finals
     return stats
 
@@ -327,6 +389,8 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         stats.documents += len(result.lengths[0])
         stats.tokens += int(result.lengths[0].sum())
         stats.text_bytes += int(result.nbytes[0].sum())
+        for total, part in zip(stats.round_trip, result.round_trip):
+            total.add(part)
         now = time.time()
         if now - last >= interval:
             last = now

@@ -84,6 +84,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Decode several id lists in this thread."""
+        return self._sp.Decode([x if isinstance(x, list) else [int(i) for i in x] for x in ids], num_threads=1)
+
     def id_to_piece(self, i: int) -> str:
         return self._sp.IdToPiece(int(i))
 
@@ -136,6 +140,9 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self._tok.decode_batch([[int(i) for i in x] for x in ids])
 
 
 def _eos_token(directory: str):

@@ -9,7 +9,9 @@ decoding gives its text:
   ``remove_extra_whitespaces`` runs of spaces become one and the ends are stripped; with
   ``add_dummy_prefix`` a "▁" goes in front; spaces become "▁" (``escape_whitespaces``);
 * pre-tokenizer: split before every "▁" (SentencePiece's ``split_by_whitespace``: no piece
-  spans a word boundary, so encoding word by word equals encoding the whole string);
+  spans a word boundary, so encoding word by word equals encoding the whole string); with
+  ``allow_whitespace_only_pieces`` (tools/train_tokenizer.py's lossless default) only where a
+  run of "▁" starts, since a piece may then be a run of "▁" (an indent);
 * model: Unigram with the pieces' scores (BPE: merges ordered by the pieces' scores), unknown
   id and byte fallback as in the proto; control pieces (``<s>``, ``</s>``, ``<pad>``) are
   special tokens that plain text never produces (``split_special_tokens``), as in SentencePiece;
@@ -97,7 +99,11 @@ def build_tokenizer(model_path: str):
         norms.append(normalizers.Prepend(" "))
     norms.append(normalizers.Replace(" ", "▁"))
     tok.normalizer = normalizers.Sequence(norms)
-    if ts.split_by_whitespace:
+    if ts.split_by_whitespace and ts.allow_whitespace_only_pieces:
+        # a piece holds "▁" only in front, or only "▁"s ("▁▁▁▁", an indent): split where a
+        # run of "▁" starts, so that "▁▁▁▁def" stays one word ("▁▁▁▁" + "def" or "▁▁▁" + "▁def")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("▁*[^▁]+|▁+"), behavior="isolated")
+    elif ts.split_by_whitespace:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
     dec = [decoders.Replace("▁", " ")]
     if ts.unk_surface and 0 <= ts.unk_id < len(m.pieces):
