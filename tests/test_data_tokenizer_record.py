@@ -29,7 +29,7 @@ def made(tmp_path_factory):
 
 
 def _cfg(variant, prefix, tok):
-    common = ["dept.local_steps=10", "train.steps=20", f"dept.variant={variant}"]
+    common = ["dept.local_steps=10", "train.steps=20", f"dept.variant={variant}", "train.eval_iters=0"]
     if variant == "spec_opt":
         return load_config(None, common + [f"data.sources=[{{name: x, prefix: {prefix}, tokenizer: {tok}}}]"])
     return load_config(None, common + [f"data.tokenizer={tok}", f"data.sources=[{{name: x, prefix: {prefix}}}]"])
