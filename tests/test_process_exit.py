@@ -125,3 +125,44 @@ def test_a_broken_pipe_that_is_not_stdout_is_a_real_error(tmp_path):
     with open(tmp_path / "out.txt", "w") as stdout, mock.patch.object(sys, "stdout", stdout), \
             pytest.raises(BrokenPipeError):
         exit_after(main)
+
+
+LEAVE = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    from dept_mega.process_exit import exit_after
+
+    class Teardown:  # held by a module global: freed only by the interpreter's teardown
+        def __del__(self):
+            os.write(1, b"teardown\\n")
+
+    KEPT = Teardown()
+
+    def main():
+        def late_writer():  # a non-daemon thread still working when main returns
+            time.sleep(0.3)
+            with open(sys.argv[1], "w") as f:
+                f.write("written")
+        threading.Thread(target=late_writer).start()
+        atexit.register(print, "atexit ran")
+        sys.stdout.write("buffered, not flushed\\n")  # stdout is a pipe: block-buffered
+        return 5
+
+    exit_after(main)
+""")
+
+
+def test_the_process_leaves_without_the_interpreter_teardown(tmp_path):
+    """exit_after ends the process as the interpreter would — non-daemon threads joined, atexit
+    handlers run, buffered output flushed, the status kept — but skips the teardown that frees
+    every module (about 0.5 s per process with torch imported). DEPT_MEGA_FULL_EXIT=1: the full exit."""
+    for full in (False, True):
+        out = tmp_path / f"thread_{full}.txt"
+        env = dict(os.environ, PYTHONPATH=ROOT, DEPT_MEGA_FULL_EXIT="1" if full else "0")
+        env.pop("PYTHONUNBUFFERED", None)  # block-buffered stdout: what the final flush must write
+        done = subprocess.run([sys.executable, "-c", LEAVE, str(out)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode == 5, done.stderr
+        assert out.read_text() == "written"
+        lines = done.stdout.splitlines()
+        assert lines[:2] == ["buffered, not flushed", "atexit ran"], done.stdout
+        assert ("teardown" in lines) == full, done.stdout
