@@ -273,8 +273,9 @@ def _check_values(cfg: Config) -> None:
         if s.weight != 1.0 and cfg.dept.sampling == "uniform":
             raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
                               f"dept.sampling=uniform (the default: every source equally likely); set "
-                              f"dept.sampling=proportional (a source's share ∝ its tokens × weight) or temperature "
-                              f"((tokens × weight)^dept.temperature), or drop the weight")
+                              f"dept.sampling=weights (the weights alone are the shares, as Megatron-LM's "
+                              f"--data-path 0.3 A 0.7 B), proportional (a source's share ∝ its tokens × weight) or "
+                              f"temperature ((tokens × weight)^dept.temperature), or drop the weight")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")

@@ -92,6 +92,8 @@ class DeptConfig:
     variant: str = "spec_opt"
     local_steps: int = 500  #: Inner steps per round between outer synchronisations (train.steps must be a multiple).
     #: How sources are weighted: for STD's batch mix, and for drawing G of K > G sources each round.
+    #: uniform: alike; proportional: ∝ tokens × weight; temperature: ∝ (tokens × weight)^τ;
+    #: weights: ∝ data.sources[i].weight alone, whatever the sizes (Megatron-LM's --data-path 0.3 A 0.7 B).
     sampling: str = "uniform"
     temperature: float = 1.0  #: τ of sampling temperature: weights ∝ size^τ (0: uniform, 1: proportional).
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
@@ -124,7 +126,7 @@ class SourceConfig:
     name: str = ""  #: The source's name, used in logs, metrics and checkpoints.
     prefix: str = ""  #: Path prefix of its Megatron indexed data (PREFIX.bin and PREFIX.idx).
     tokenizer: Optional[str] = None  #: Its own tokenizer model (spec_opt only).
-    weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling (a weight other than 1 is refused under uniform, where it would have no effect).
+    weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling, or is its share under dept.sampling=weights (normalised over the sources); a weight other than 1 is refused under uniform, where it would have no effect.
     #: The source group that holds its data and trains it (a site's data stays there): each
     #: round group g draws one of its own sources; null = index mod the number of groups when
     #: any source sets it or under federation with more sources than groups, else any group.
@@ -307,7 +309,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8_gemm": ("torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
-    "dept.sampling": ("uniform", "proportional", "temperature"),
+    "dept.sampling": ("uniform", "proportional", "temperature", "weights"),
     "dept.embedding_rows": ("all", "present"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
     "dept.outer_comm_dtype": ("fp32", "bf16", "fp8", "int8", "int4"),

@@ -62,20 +62,24 @@ class RunData:
     valid: dict[str, Any]
 
     def make_iterator(self, name: str):
-        from .data.sources import BlendedBatches, SourceBatches, source_weights
+        from .data.sources import BlendedBatches, SourceBatches
         t = self.cfg.train
         if name == BLEND:
             datasets = list(self.train.values())
-            # size = tokens × data.sources[i].weight, as DEPT's round sampler counts it
-            scale = {s.name: s.weight for s in self.cfg.data.sources}
-            sizes = [d.num_tokens * scale.get(n, 1.0) for n, d in self.train.items()]
-            weights = source_weights(sizes, self.cfg.dept.sampling, self.cfg.dept.temperature)
-            return BlendedBatches(datasets, weights, t.global_batch_size, t.micro_batch_size,
+            return BlendedBatches(datasets, self.blend_weights(), t.global_batch_size, t.micro_batch_size,
                                   self.pg.dp_rank, self.pg.dp_size, seed=t.seed)
         if name not in self.train:
             raise KeyError(f"no source named {name!r} (sources: {sorted(self.train)})")
         return SourceBatches(self.train[name], t.global_batch_size, t.micro_batch_size,
                              self.pg.dp_rank, self.pg.dp_size)
+
+    def blend_weights(self):
+        """STD: each source's probability in the batch mix (dept.sampling over the train parts'
+        tokens and data.sources[i].weight, as DEPT's round sampler counts them)."""
+        from .data.sources import source_weights
+        scale = {s.name: s.weight for s in self.cfg.data.sources}
+        return source_weights([d.num_tokens for d in self.train.values()], self.cfg.dept.sampling,
+                              self.cfg.dept.temperature, weights=[scale.get(n, 1.0) for n in self.train])
 
     def make_eval_batches(self, name: str):
         from .data.sources import ValidationBatches
@@ -118,6 +122,7 @@ class Session:
     loop: TrainLoop
     writer: MetricsWriter
     rank: int
+    sampling: str = ""  # each source's share of the training (the start-up log's "sampling" line)
 
 
 def checked_on_rank0(check, rank: int, device: torch.device) -> None:
@@ -170,7 +175,16 @@ def build_session(cfg: Config, metrics: bool = True,
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
                      eval_sources=[n for n in data.valid if eval_only is None or n in eval_only], make_eval_batches=data.make_eval_batches,
                      checkpointer=Checkpointer(cfg.train.run_dir))
-    return Session(cfg, pg, device, trainer, loop, writer, rank)
+    return Session(cfg, pg, device, trainer, loop, writer, rank, sampling_of(cfg, hooks, data))
+
+
+def sampling_of(cfg: Config, hooks, data: RunData) -> str:
+    """The start-up log line of each source's actual share under dept.sampling: STD's blend
+    probabilities, or DEPT's share of the run's group-rounds from its round plans."""
+    if hasattr(hooks, "sampling_line"):
+        return hooks.sampling_line()
+    from .data.sources import sampling_line
+    return sampling_line(cfg.dept.sampling, list(data.train), data.blend_weights())
 
 
 def describe(session: Session) -> str:
@@ -184,7 +198,8 @@ def describe(session: Session) -> str:
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
             f"{session.trainer.precision.describe()} | device {session.device}\n"
-            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}")
+            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}"
+            + (f"\n{session.sampling}" if session.sampling else ""))
 
 
 def write_params(session: Session) -> None:

@@ -35,6 +35,7 @@ def test_exit_interval_stops_with_status_0_and_the_relaunch_continues(tmp_path, 
     assert train_cli.main(["--config", cfg, *common, f"train.run_dir={ref}"]) == 0
     out = capsys.readouterr().out
     assert "batch: 4 sequences per group (train.global_batch_size) × 1 group(s) = 4 sequences = 64 tokens" in out
+    assert "\nsampling (uniform): a 50.0 %, b 50.0 %\n" in out  # the start-up line of the shares
     run = str(tmp_path / "run")
     r = _train("--config", cfg, *common, f"train.run_dir={run}", "train.exit_interval=4")
     assert r.returncode == 0, r.stderr[-3000:]

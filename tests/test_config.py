@@ -57,8 +57,8 @@ def test_a_source_weight_that_uniform_sampling_would_ignore_is_refused():
     two = "data.sources=[{name: a, prefix: x, weight: 0.3}, {name: b, prefix: y}]"
     msg = _err([two])
     assert msg.startswith("config key 'data.sources[0].weight': 0.3 has no effect under dept.sampling=uniform"), msg
-    assert "dept.sampling=proportional" in msg
-    for sampling in ("proportional", "temperature"):
+    assert "dept.sampling=weights (the weights alone are the shares" in msg and "proportional" in msg
+    for sampling in ("proportional", "temperature", "weights"):
         assert load_config(None, [two, f"dept.sampling={sampling}"]).data.sources[0].weight == 0.3
     load_config(None, ["data.sources=[{name: a, prefix: x, weight: 1.0}]"])  # the default weight is fine
 

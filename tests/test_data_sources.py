@@ -193,6 +193,7 @@ def test_data_without_byte_counts_is_refused_at_the_check_not_at_the_first_evalu
     msg = str(err.value)
     assert msg.startswith(f"config key 'data.sources[1].prefix': source 'meg': {b}.bytes.npy does not exist"), msg
     assert "tools/preprocess_data.py" in msg and "train.eval_iters=0" in msg
+    assert f"tools/add_byte_counts.py --prefix {b} --input" in msg
     check_sources(config_from_dict({**base, "train": {"eval_iters": 0}}))
     write_docs(b, docs, nbytes=[3 * len(d) for d in docs])
     check_sources(config_from_dict(base))

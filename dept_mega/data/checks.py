@@ -169,5 +169,6 @@ def _check_byte_counts(cfg: Config, i: int) -> None:
     raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {path} does not exist: "
                       f"evaluation (train.eval_iters={cfg.train.eval_iters}) reports bits per byte from each "
                       f"document's UTF-8 byte count, which tools/preprocess_data.py writes beside the .bin/.idx "
-                      f"(Megatron-LM's preprocess_data.py does not): re-run tools/preprocess_data.py on the "
-                      f"source's jsonl, or set train.eval_iters=0 to train without evaluation")
+                      f"(Megatron-LM's preprocess_data.py does not): write it from the source's jsonl with "
+                      f"tools/add_byte_counts.py --prefix {s.prefix} --input DOCS.jsonl, re-run "
+                      f"tools/preprocess_data.py on the jsonl, or set train.eval_iters=0 to train without evaluation")

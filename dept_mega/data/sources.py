@@ -26,30 +26,46 @@ from dept_mega.data.gpt_dataset import GPTDataset
 from dept_mega.config import ConfigError
 from dept_mega.data.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
 
-SAMPLINGS = ("uniform", "proportional", "temperature")
+SAMPLINGS = ("uniform", "proportional", "temperature", "weights")
 
 
-def source_weights(sizes: Sequence[float], sampling: str, temperature: float = 1.0) -> np.ndarray:
-    """Probabilities of picking each source: ``uniform``; ``proportional`` to size;
-    ``temperature``: ∝ size^τ (τ = 0 is uniform, τ = 1 proportional). Sizes are usually
-    the sources' token counts. Used for STD batches and for DEPT's K > G source sampler."""
+def source_weights(sizes: Sequence[float], sampling: str, temperature: float = 1.0,
+                   weights: Optional[Sequence[float]] = None) -> np.ndarray:
+    """Probabilities of picking each source. ``sizes``: the sources' token counts; ``weights``:
+    their ``data.sources[i].weight`` (default 1 each). ``uniform``: alike; ``proportional``: ∝
+    size × weight; ``temperature``: ∝ (size × weight)^τ (τ = 0 is uniform, τ = 1 proportional);
+    ``weights``: ∝ weight alone, whatever the sizes (Megatron-LM's ``--data-path 0.3 A 0.7 B``).
+    Used for STD batches and for DEPT's K > G source sampler."""
     s = np.asarray(sizes, dtype=np.float64)
     if s.ndim != 1 or len(s) == 0:
         raise ValueError(f"source_weights: need a non-empty list of sizes, got {sizes!r}")
     if np.any(~np.isfinite(s)) or np.any(s <= 0):
         raise ValueError(f"source_weights: every source size must be > 0, got {list(s)}")
+    w_cfg = np.ones_like(s) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w_cfg.shape != s.shape or np.any(~np.isfinite(w_cfg)) or np.any(w_cfg <= 0):
+        raise ValueError(f"source_weights: need one weight > 0 per source, got {weights!r} for {len(s)} sources")
     if sampling == "uniform":
         w = np.ones_like(s)
     elif sampling == "proportional":
-        w = s.copy()
+        w = s * w_cfg
     elif sampling == "temperature":
         if temperature < 0:
             raise ValueError(f"dept.temperature must be >= 0, got {temperature}")
         # normalise first so large sizes with τ > 1 do not overflow
-        w = (s / s.max()) ** float(temperature)
+        sw = s * w_cfg
+        w = (sw / sw.max()) ** float(temperature)
+    elif sampling == "weights":
+        w = w_cfg.copy()
     else:
         raise ValueError(f"dept.sampling {sampling!r} is not one of {' | '.join(SAMPLINGS)}")
     return w / w.sum()
+
+
+def sampling_line(sampling: str, names: Sequence[str], shares: Sequence[float], how: str = "") -> str:
+    """The start-up log line of each source's share of the training, e.g.
+    ``sampling (proportional): en 41.2 %, fr 33.0 %, code 25.8 %``."""
+    parts = ", ".join(f"{n} {100.0 * float(x):.1f} %" for n, x in zip(names, shares))
+    return f"sampling ({sampling}{'; ' + how if how else ''}): {parts}"
 
 
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> int:

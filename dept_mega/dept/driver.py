@@ -105,10 +105,27 @@ class DeptHooks:
         # sources that belong to groups (data.sources[].group; federation with K > G) never move
         sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
                                temperature=d.temperature, sizes=[s.size for s in self.sources],
-                               owners=source_groups(self.cfg, groups))
+                               weights=[s.weight for s in self.sources], owners=source_groups(self.cfg, groups))
         if origin:
             sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
         return sched
+
+    def sampling_line(self) -> str:
+        """Each source's share of the run's group-rounds from its round plans (from the round the
+        schedule starts at to the last), for the start-up log."""
+        from ..data.sources import sampling_line
+        first = (self.scheduler.origin() or {}).get("round", 0)
+        last = -(-self.cfg.train.steps // self.cfg.dept.local_steps)
+        shares = self.scheduler.shares(first, max(last, first + 1))
+        K, G = len(self.sources), self.num_groups
+        rounds = f"shares of rounds {first}-{max(last, first + 1) - 1}"
+        if self.scheduler.fixed:
+            how = f"DEPT: {K} sources on {G} groups, each every round"
+        elif self.scheduler.owners is not None:
+            how = f"DEPT: each group draws one of its own sources a round; {rounds}"
+        else:
+            how = f"DEPT: {G} of {K} sources a round, without repeats; {rounds}"
+        return sampling_line(self.cfg.dept.sampling, [s.name for s in self.sources], shares, how)
 
     def schedule_state(self) -> Optional[dict]:
         """Where this run's schedule was rebased (after a resume with another number of

@@ -48,12 +48,13 @@ class RoundPlan:
         return self.sources.index(source) if source in self.sources else None
 
 
-def sampling_weights(sizes: Sequence[float], sampling: str, temperature: float) -> list[float]:
+def sampling_weights(sizes: Sequence[float], sampling: str, temperature: float,
+                     weights: Optional[Sequence[float]] = None) -> list[float]:
     """Source probabilities for the K > G draw: the data package's ``source_weights`` (the
-    same rule as STD's blend: uniform, proportional to size, or ∝ size^τ)."""
+    same rule as STD's blend: uniform, ∝ size × weight, ∝ (size × weight)^τ, or ∝ weight)."""
     from ..data.sources import source_weights
 
-    return [float(w) for w in source_weights(sizes, sampling, temperature)]
+    return [float(w) for w in source_weights(sizes, sampling, temperature, weights)]
 
 
 def _round_rng(seed: int, round_index: int) -> random.Random:
@@ -85,8 +86,10 @@ class RoundScheduler:
 
     def __init__(self, num_sources: int, num_groups: int, *, seed: int, sampling: str = "uniform",
                  temperature: float = 1.0, sizes: Optional[Sequence[float]] = None,
-                 owners: Optional[Sequence[int]] = None) -> None:
-        """``owners[k]``: the group that owns source k (each group then draws one of its own
+                 owners: Optional[Sequence[int]] = None, weights: Optional[Sequence[float]] = None) -> None:
+        """``sizes``: the sources' tokens; ``weights``: their ``data.sources[i].weight``
+        (:func:`sampling_weights`; ``self.weights`` holds the resulting probabilities).
+        ``owners[k]``: the group that owns source k (each group then draws one of its own
         sources every round, ∝ their weights); None: any group trains any source."""
         if num_groups < 1:
             raise ValueError(f"need at least one group, got {num_groups}")
@@ -98,7 +101,7 @@ class RoundScheduler:
         sizes = list(sizes) if sizes is not None else [1.0] * num_sources
         if len(sizes) != num_sources:
             raise ValueError(f"got {len(sizes)} source sizes for {num_sources} sources")
-        self.weights = sampling_weights(sizes, sampling, temperature)
+        self.weights = sampling_weights(sizes, sampling, temperature, weights)
         self.owners: Optional[list[int]] = None
         if owners is not None:
             self.owners = [int(g) for g in owners]
@@ -184,6 +187,16 @@ class RoundScheduler:
                           if last[k] is not None and last[k] != g)
             self._plans.append(RoundPlan(r, sources, moves, tuple(last), tuple(before)))
         return self._plans[round_index - self._base]
+
+    def shares(self, first: int, last: int) -> list[float]:
+        """Each source's fraction of the group-rounds of rounds ``[first, last)``: its actual
+        share of the training (a group's round is as many steps as any other's)."""
+        counts = [0] * self.num_sources
+        for r in range(first, last):
+            for k in self.plan(r).sources:
+                counts[k] += 1
+        total = max(sum(counts), 1)
+        return [c / total for c in counts]
 
     def steps_trained(self, source: int, step: int, local_steps: int) -> int:
         """Inner steps of ``[0, step)`` in which some group trained ``source``: its data

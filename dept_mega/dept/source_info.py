@@ -15,6 +15,7 @@ class SourceInfo:
     vocab_size: int  # vocabulary of its embeddings: global (glob, trim, spec) or its own (spec_opt)
     size: float = 1.0  # for proportional / temperature sampling (tokens)
     vocab_ids: Optional[torch.Tensor] = None  # TRIM: V_k, sorted global ids
+    weight: float = 1.0  # data.sources[i].weight
 
 
 def source_seed(seed: int, source_index: int) -> int:
@@ -30,7 +31,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
     from ..data.indexed import IndexedDataset
     out = []
     for i, s in enumerate(cfg.data.sources):
-        size = float(len(IndexedDataset(s.prefix).tokens)) * float(s.weight)
+        size = float(len(IndexedDataset(s.prefix).tokens))
         if cfg.dept.variant == "spec_opt":
             from ..data.tokenizer import load_tokenizer
             vocab = load_tokenizer(s.tokenizer).vocab_size
@@ -47,5 +48,5 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
                 from ..config import ConfigError
                 raise ConfigError(f"config key 'data.sources[{i}].prefix': token id {int(ids.max())} of source "
                                  f"{s.name!r} is outside the global vocabulary of {vocab}")
-        out.append(SourceInfo(s.name, vocab, size, ids))
+        out.append(SourceInfo(s.name, vocab, size, ids, weight=float(s.weight)))
     return out

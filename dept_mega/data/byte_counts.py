@@ -1,0 +1,196 @@
+"""``PREFIX.bytes.npy`` for a ``.bin``/``.idx`` pair that Megatron-LM's ``tools/preprocess_data.py``
+made, from the jsonl it was made from (the engine behind ``tools/add_byte_counts.py``).
+
+What Megatron-LM's preprocessing does with each input line decides which document of the
+``.idx`` a line became; this module follows it exactly and refuses what it cannot follow:
+
+* Every line is ``json.loads``-ed (the file read as UTF-8 text, universal newlines): a blank
+  line, invalid JSON, a missing key or invalid UTF-8 stops Megatron's preprocessing. Such a
+  line here is an error naming it: the data was not made from this file as it is.
+* A line whose text tokenizes to nothing (an empty text) is kept by current Megatron-LM as a
+  document of no sequence (``IndexedDatasetBuilder.add_document`` with no lengths), so the
+  documents are the lines, one for one. Older releases skipped such documents; the document
+  count then falls short of the line count and which lines were dropped cannot be told from
+  the files: an error.
+* ``--split-sentences`` gives a document several sequences (one per sentence); the documents
+  are still the lines. The byte count is the whole text's.
+* ``--partitions P`` (without ``--keep-sequential-samples``) deals the lines round-robin over P
+  partitions and concatenates the partitions' outputs: document order is lines 0, P, 2P, ...,
+  then 1, P+1, ... The caller says so (``partitions``); counts alone cannot tell the order.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from dept_mega.data.indexed import IndexedDataset, bytes_path, idx_path
+
+
+class ByteCountError(ValueError):
+    """The jsonl and the ``.idx`` do not correspond (or an argument is wrong): nothing written."""
+
+
+@dataclass
+class ByteCountResult:
+    path: str  # the written PREFIX.bytes.npy
+    documents: int
+    sequences: int
+    total_bytes: int
+    empty_documents: int  # documents of no token
+    checked: int  # documents whose token counts were compared with a tokenizer
+
+
+def read_texts(paths: Sequence[str], key: str) -> list[tuple[str, str]]:
+    """(``file:line``, text) of every line, as Megatron-LM's preprocessing reads them; any line
+    it would have stopped on is a :class:`ByteCountError`."""
+    out = []
+    for path in paths:
+        lineno = 0
+        try:
+            with open(path, "r", encoding="utf-8") as f:  # as Megatron: text mode, universal newlines
+                for lineno, line in enumerate(f, 1):
+                    out.append((f"{path}:{lineno}", _text_of(line, key, f"{path}:{lineno}")))
+        except UnicodeDecodeError as exc:
+            raise ByteCountError(f"{path}: not valid UTF-8 after line {lineno} ({exc.reason}): Megatron-LM's "
+                                 f"preprocess_data.py stops on such input, so the data was not made from this "
+                                 f"file as it is") from None
+        except OSError as exc:
+            raise ByteCountError(f"{path}: cannot read ({exc.strerror})") from None
+    return out
+
+
+def _text_of(line: str, key: str, where: str) -> str:
+    stop = "Megatron-LM's preprocess_data.py stops on such a line, so the data was not made from this file as it is"
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        what = "a blank line" if not line.strip() else f"invalid JSON ({exc})"
+        raise ByteCountError(f"{where}: {what}: {stop}") from None
+    if not isinstance(obj, dict) or key not in obj:
+        raise ByteCountError(f"{where}: no key {key!r} (--json-key): {stop}")
+    text = obj[key]
+    if isinstance(text, list):
+        raise ByteCountError(f"{where}: {key!r} holds a list (sentences): this is a sentence-split file (Megatron's "
+                             f"*_ss.jsonl) or pre-split input, whose documents' original texts are unknown; pass "
+                             f"the original jsonl")
+    if not isinstance(text, str):
+        raise ByteCountError(f"{where}: {key!r} holds a {type(text).__name__}, not a string: {stop}")
+    return text
+
+
+def utf8_length(text: str, where: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ByteCountError(f"{where}: the text holds a lone surrogate escape (e.g. \"\\ud800\"), which has no "
+                             f"UTF-8 bytes to count") from None
+
+
+def document_order(n: int, partitions: int, keep_sequential: bool) -> np.ndarray:
+    """The input line of each output document of Megatron's preprocessing with ``partitions``."""
+    if partitions < 1:
+        raise ByteCountError(f"--partitions must be >= 1, got {partitions}")
+    if partitions == 1 or keep_sequential:
+        return np.arange(n, dtype=np.int64)
+    return np.concatenate([np.arange(p, n, partitions, dtype=np.int64) for p in range(partitions)])
+
+
+def add_byte_counts(prefix: str, inputs: Sequence[str], key: str = "text", *, partitions: int = 1,
+                    keep_sequential: bool = False, tokenizer=None, append_eod: bool = False, check: int = 0,
+                    force: bool = False) -> ByteCountResult:
+    """Write ``PREFIX.bytes.npy`` (int64, one UTF-8 byte count per document) from ``inputs``.
+
+    ``tokenizer`` (with ``check`` > 0): re-tokenize the first ``check`` documents and compare
+    their token counts (+1 for the EOD when ``append_eod`` and the text has tokens, as Megatron
+    appends it) with the ``.idx``. Raises :class:`ByteCountError` on any mismatch, writing nothing."""
+    out = bytes_path(prefix)
+    if os.path.exists(out) and not force:
+        raise ByteCountError(f"{out} exists; pass --force to replace it")
+    ds = IndexedDataset(prefix)
+    lines = read_texts(inputs, key)
+    docs = ds.num_documents
+    if len(lines) != docs:
+        raise ByteCountError(_count_message(prefix, inputs, lines, docs))
+    order = document_order(len(lines), partitions, keep_sequential)
+    nbytes = np.fromiter((utf8_length(lines[i][1], lines[i][0]) for i in order), dtype=np.int64, count=docs)
+    _, lengths = ds.document_token_ranges()
+    checked = 0
+    if check > 0:
+        if tokenizer is None:
+            raise ByteCountError("--check needs --tokenizer-model")
+        per_doc = np.diff(np.asarray(ds.document_indices, dtype=np.int64))
+        if np.any(per_doc > 1):
+            raise ByteCountError(f"{idx_path(prefix)}: {len(ds)} sequences in {docs} documents (Megatron's "
+                                 f"--split-sentences): each sentence was tokenized on its own after NLTK's "
+                                 f"sentence splitter, which this tool does not run, so --check cannot compare "
+                                 f"token counts; leave --check out")
+        checked = _check_tokens(prefix, lines, order, lengths, tokenizer, append_eod, check)
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, nbytes)
+    os.replace(tmp, out)
+    return ByteCountResult(out, docs, len(ds), int(nbytes.sum()), int(np.count_nonzero(lengths == 0)), checked)
+
+
+def _count_message(prefix: str, inputs: Sequence[str], lines: list, docs: int) -> str:
+    blank = sum(1 for _, t in lines if not t.strip())
+    head = (f"{', '.join(inputs)} has {len(lines)} lines but {idx_path(prefix)} holds {docs} documents: "
+            f"Megatron-LM's preprocessing makes one document of every line")
+    if len(lines) > docs:
+        return (f"{head}; {blank} lines hold an empty or whitespace-only text, and older Megatron-LM releases "
+                f"skipped documents that tokenize to nothing (current ones keep them as documents of no "
+                f"sequence). Which lines were dropped cannot be told from the files, so no byte counts are "
+                f"written: is this the file the data was made from (several files: in the order preprocessing "
+                f"read them)? Otherwise tokenize it again with tools/preprocess_data.py, which writes the byte "
+                f"counts")
+    return (f"{head}: the data was made from more input than this (another file, or several files: pass them "
+            f"all, in the order preprocessing read them)")
+
+
+def _check_tokens(prefix: str, lines: list, order: np.ndarray, lengths: np.ndarray, tokenizer,
+                  append_eod: bool, check: int) -> int:
+    n = min(check, len(order))
+    texts = [lines[int(order[d])][1] for d in range(n)]
+    ids = tokenizer.encode_batch(texts)
+    for d, (t, x) in enumerate(zip(texts, ids)):
+        want = len(x) + (1 if append_eod and len(x) else 0)
+        if want != int(lengths[d]):
+            hint = ""
+            if int(lengths[d]) - want == 1 and not append_eod:
+                hint = " (one more: was Megatron's preprocessing run with --append-eod? then pass it)"
+            elif want - int(lengths[d]) == 1 and append_eod:
+                hint = " (one fewer: was it run without --append-eod? then leave it out)"
+            raise ByteCountError(f"{idx_path(prefix)}: document {d} holds {int(lengths[d])} tokens, but "
+                                 f"{lines[int(order[d])][0]} tokenizes to {want}{hint}: not the tokenizer, "
+                                 f"file, line order (--partitions) or --append-eod the data was made with; "
+                                 f"nothing written")
+    return n
+
+
+def summary(res: ByteCountResult, log: Callable[[str], None], prefix: str) -> None:
+    log(f"[add_byte_counts] wrote {res.path}: {res.documents} documents, {res.total_bytes} UTF-8 bytes "
+        f"(matched to {idx_path(prefix)} line by line)")
+    if res.sequences != res.documents:
+        log(f"[add_byte_counts] note: {res.sequences} sequences in {res.documents} documents (--split-sentences): "
+            f"byte counts are per document, of the whole text, including any whitespace the sentence splitter "
+            f"left out of the tokens")
+    if res.empty_documents:
+        log(f"[add_byte_counts] note: {res.empty_documents} documents hold no token (empty texts)")
+    if res.checked:
+        log(f"[add_byte_counts] checked: the first {res.checked} documents re-tokenize to the .idx's token counts")
+    else:
+        log("[add_byte_counts] token counts not checked (--tokenizer-model with --check N compares them)")
+
+
+def open_for_check(tokenizer_type: Optional[str], model: Optional[str]):
+    if model is None:
+        return None
+    from dept_mega.data.tokenizer import TokenizerError, open_tokenizer
+    try:
+        return open_tokenizer(tokenizer_type or "SentencePieceTokenizer", model)
+    except (TokenizerError, OSError) as exc:
+        raise ByteCountError(f"--tokenizer-model {model}: {exc}") from None

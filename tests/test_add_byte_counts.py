@@ -1,0 +1,123 @@
+"""tools/add_byte_counts.py: PREFIX.bytes.npy for data that Megatron-LM's preprocess_data.py made,
+written by megatron-core's own IndexedDatasetBuilder here (the tests skip without it)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dept_mega.data.byte_counts import ByteCountError, add_byte_counts
+from dept_mega.data.indexed import IndexedDataset, bytes_path
+from dept_mega.data.tokenizer import Tokenizer
+from tests.data_utils import megatron_indexed, run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
+
+# an empty text (Megatron keeps it as a document of no sequence) and multi-byte characters
+TEXTS = synthetic_texts(12, seed=4)[:5] + [""] + ["river é stone — cloud 火"] + synthetic_texts(12, seed=5)[:5]
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    return train_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def megatron_data(prefix: str, texts, model: str, append_eod: bool = True, order=None, sentences=False) -> str:
+    """What Megatron-LM's encode + IndexedDatasetBuilder write for ``texts`` (in ``order``)."""
+    mcore = megatron_indexed()
+    tok = Tokenizer(model)
+    b = mcore.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for i in (order if order is not None else range(len(texts))):
+        parts = texts[i].split(" ") if sentences else [texts[i]]  # "sentences": words
+        ids, lens = [], []
+        for s in parts:
+            x = tok.encode(s)
+            if x:
+                ids.extend(x)
+                lens.append(len(x))
+        if ids and append_eod:
+            ids.append(tok.eos_id)
+            lens[-1] += 1
+        b.add_document(ids, lens)
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_writes_byte_counts_megatron_data_lacked(tmp_path, tok_model):
+    prefix = megatron_data(str(tmp_path / "corpus_text_document"), TEXTS, tok_model)
+    src = write_jsonl(str(tmp_path / "corpus.jsonl"), TEXTS)
+    r = run_tool("add_byte_counts.py", ["--prefix", prefix, "--input", src, "--tokenizer-model", tok_model,
+                                        "--check", "8", "--append-eod"])
+    assert r.returncode == 0, r.stderr
+    got = np.load(bytes_path(prefix))
+    assert got.dtype == np.int64 and got.tolist() == [len(t.encode("utf-8")) for t in TEXTS]
+    assert IndexedDataset(prefix).document_bytes().tolist() == got.tolist()
+    assert f"wrote {prefix}.bytes.npy: {len(TEXTS)} documents" in r.stderr
+    assert "1 documents hold no token" in r.stderr and "the first 8 documents re-tokenize" in r.stderr
+    assert not os.path.exists(bytes_path(prefix) + ".tmp")
+    again = run_tool("add_byte_counts.py", ["--prefix", prefix, "--input", src])
+    assert again.returncode == 2 and "exists; pass --force" in again.stderr
+
+
+@pytest.mark.parametrize("case,message", [
+    ("extra_line", "has 13 lines but {idx} holds 12 documents"),
+    ("missing_line", "has 11 lines but {idx} holds 12 documents"),
+    ("blank_line", "{src}:3: a blank line: Megatron-LM's preprocess_data.py stops"),
+    ("bad_json", "{src}:3: invalid JSON"),
+    ("missing_key", "{src}:3: no key 'text'"),
+    ("sentence_list", "{src}:3: 'text' holds a list (sentences)"),
+    ("no_eod_flag", "document 0 holds"),
+    ("swapped_lines", "{idx}: document 0 holds"),
+])
+def test_mismatches_are_refused_naming_the_place_and_write_nothing(tmp_path, tok_model, case, message):
+    prefix = megatron_data(str(tmp_path / "d"), TEXTS, tok_model)
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in TEXTS]
+    kwargs = dict(tokenizer=Tokenizer(tok_model), check=len(TEXTS), append_eod=True)
+    if case == "extra_line":
+        lines.append(json.dumps({"text": "one more"}))
+    elif case == "missing_line":
+        lines.pop()
+    elif case == "blank_line":
+        lines[2] = ""
+    elif case == "bad_json":
+        lines[2] = lines[2][:-1]
+    elif case == "missing_key":
+        lines[2] = json.dumps({"content": TEXTS[2]})
+    elif case == "sentence_list":
+        lines[2] = json.dumps({"text": TEXTS[2].split(". ")})
+    elif case == "no_eod_flag":
+        kwargs["append_eod"] = False
+    elif case == "swapped_lines":
+        lines[0], lines[1] = lines[1], lines[0]
+    src = str(tmp_path / "in.jsonl")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    with pytest.raises(ByteCountError) as err:
+        add_byte_counts(prefix, [src], **kwargs)
+    assert message.format(idx=prefix + ".idx", src=src) in str(err.value), str(err.value)
+    if case == "no_eod_flag":
+        assert "--append-eod" in str(err.value)
+    assert not os.path.exists(bytes_path(prefix)) and not os.path.exists(bytes_path(prefix) + ".tmp")
+
+
+def test_partitions_order_documents_round_robin(tmp_path, tok_model):
+    """Megatron's --partitions 3 deals lines round-robin and concatenates the partitions."""
+    order = [i for p in range(3) for i in range(p, len(TEXTS), 3)]
+    prefix = megatron_data(str(tmp_path / "p"), TEXTS, tok_model, order=order)
+    src = write_jsonl(str(tmp_path / "in.jsonl"), TEXTS)
+    tok = Tokenizer(tok_model)
+    with pytest.raises(ByteCountError, match="line order"):
+        add_byte_counts(prefix, [src], tokenizer=tok, check=4, append_eod=True)
+    add_byte_counts(prefix, [src], partitions=3, tokenizer=tok, check=len(TEXTS), append_eod=True)
+    assert np.load(bytes_path(prefix)).tolist() == [len(TEXTS[i].encode("utf-8")) for i in order]
+
+
+def test_sentence_split_data_gets_per_document_counts_and_refuses_check(tmp_path, tok_model):
+    prefix = megatron_data(str(tmp_path / "s"), TEXTS, tok_model, sentences=True)
+    ds = IndexedDataset(prefix)
+    assert len(ds) > ds.num_documents  # several sequences in some documents
+    src = write_jsonl(str(tmp_path / "in.jsonl"), TEXTS)
+    with pytest.raises(ByteCountError, match="--split-sentences"):
+        add_byte_counts(prefix, [src], tokenizer=Tokenizer(tok_model), check=3)
+    res = add_byte_counts(prefix, [src])
+    assert res.sequences == len(ds) and np.load(bytes_path(prefix)).tolist() == [len(t.encode()) for t in TEXTS]
