@@ -66,3 +66,18 @@ def test_the_log_line_states_each_sources_actual_share():
     # two of three drawn without repeats: no source above 50 %, though en's weight is 60 %
     shares = [float(p.split()[-2]) for p in _line_of("weights", 2).split("): ", 1)[1].split(", ")]
     assert max(shares) <= 50.0 and np.isclose(sum(shares), 100.0, atol=0.2)
+
+
+@pytest.mark.parametrize("mode", ["proportional", "weights"])
+def test_the_driver_passes_the_configured_weights_to_its_round_sampler(mode):
+    """DeptHooks._make_scheduler (what a DEPT run uses) hands data.sources[].weight and the
+    sources' sizes to the round sampler, so a configured weight is never silently dropped."""
+    from dept_mega.config import config_from_dict
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.dept.source_info import SourceInfo
+    cfg = config_from_dict({"dept": {"variant": "glob", "sampling": mode},
+                            "data": {"sources": [{"name": n, "prefix": f"/nonexistent/{n}", "weight": w}
+                                                 for n, w in zip(("en", "fr", "code"), WEIGHTS)]}})
+    infos = [SourceInfo(s.name, 10, t, weight=s.weight) for s, t in zip(cfg.data.sources, TOKENS)]
+    sched = DeptHooks._make_scheduler(SimpleNamespace(cfg=cfg, sources=infos), 1)
+    assert sched.weights == pytest.approx(SHARES[mode], rel=1e-12)
