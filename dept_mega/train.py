@@ -173,13 +173,16 @@ def build_session(cfg: Config, metrics: bool = True,
     return Session(cfg, pg, device, trainer, loop, writer, rank)
 
 
-def describe(session: Session) -> str:
+def describe(session: Session, label: Optional[str] = None) -> str:
+    """The launch's summary lines; ``label`` replaces the first words (``dept_mega: VARIANT``:
+    ``dept_mega.adapt`` says what it trains instead)."""
     from .model.gpt import describe_backends
     from .ops import describe as describe_ops
     cfg, pg = session.cfg, session.pg
     n_body = sum(p.numel() for p in session.trainer.body_parameters())
     n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
-    return (f"dept_mega: {cfg.dept.variant} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
+    head = label if label is not None else f"dept_mega: {cfg.dept.variant}"
+    return (f"{head} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
             f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
