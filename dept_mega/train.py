@@ -244,9 +244,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loop.launched_at = launched_at
             resumed = loop.checkpointer.load(loop)
             initialised = None
+            hooks = getattr(loop, "hooks", None)
             if resumed is None and cfg.train.init_from is not None:
                 from .init_from import init_from
-                initialised = init_from(session.trainer, cfg, session.device)
+                initialised = init_from(session.trainer, cfg, session.device, hooks)
+            elif resumed is not None:  # SPEC / SPEC-OPT: sources not trained yet still start from it
+                from .init_from import resume_sources
+                resume_sources(hooks, cfg, session.device)
         except input_errors() as exc:
             report_error(str(exc), agreed=is_agreed(exc))
             return 2
