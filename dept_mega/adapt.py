@@ -128,9 +128,10 @@ def _mean(values: list[float]) -> float:
 
 
 def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]], frozen: bool,
-            body_lr: Optional[float], save: bool) -> dict[str, Any]:
+            body_lr: Optional[float], save: bool, variant: str = "") -> dict[str, Any]:
     """Train one arm (the body loaded from ``(run_dir, step, group)``, or the model's random
-    init when None) and return its final evaluation {source: {loss, ppl, bpb, tokens, bytes}}."""
+    init when None) and return its final evaluation {source: {loss, ppl, bpb, tokens, bytes}}.
+    ``variant``: the trained run's dept.variant (the log's label)."""
     from .checkpoint import load_body
     from .train import build_session, describe
     said = []
@@ -160,7 +161,11 @@ def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]],
         save_config(cfg, os.path.join(cfg.train.run_dir, "config.yaml"))
     for line in said:
         session.writer.log(line)
-    session.writer.log(describe(session))
+    names = ", ".join(s.name for s in cfg.data.sources)
+    label = (f"dept_mega adapt: new source{'s' if len(cfg.data.sources) > 1 else ''} {names} on "
+             + (f"the body of {body_from[0]} ({variant})" if body_from is not None
+                else "a randomly initialised body (the reference)"))
+    session.writer.log(describe(session, label))
     try:
         loop.run()
     finally:
@@ -207,7 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = {}
         for name, trained in arms:
             results[name] = run_arm(cfgs[name], body_from=(args.run_dir, sel.step, args.group) if trained else None,
-                                    frozen=args.body == "frozen", body_lr=args.body_lr, save=trained)
+                                    frozen=args.body == "frozen", body_lr=args.body_lr, save=trained,
+                                    variant=str((run_cfg.get("dept") or {}).get("variant", "spec_opt")))
     except (*input_errors(), FileNotFoundError) as exc:
         from .parallel.agree import is_agreed
         from .process_exit import report_error

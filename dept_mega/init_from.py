@@ -12,9 +12,10 @@ not used (a requeued or relaunched fine-tuning job continues itself rather than 
 from the source); ``dept_mega.train`` says so in its log.
 
 The source must hold the same model: the keys of :data:`MODEL_KEYS` and the tokenizer (the
-embedding rows' tokens) are compared, and a difference names the key. STD only for now: the
-DEPT variants keep embeddings per source or trimmed tables and per-group bodies, whose mapping
-between two runs is not defined yet (refused, naming dept.variant)."""
+embedding rows' tokens) are compared, and a difference names the key; dept.variant may differ
+between std and glob only (the same tensors). Under glob, spec and spec_opt the DEPT rules
+(which body, which tables): ``dept_mega.init_from_dept``. TRIM is refused (its global table φ
+and compact per-source tables are not mapped yet)."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ MODEL_KEYS = ("dept.variant", "model.num_layers", "model.hidden_size", "model.nu
               "model.position_embedding", "model.tie_embeddings", "model.bias", "model.norm_bias",
               "model.vocab_size")
 KEY = "train.init_from"
+INTERCHANGEABLE = {"std", "glob"}  # variants whose checkpoints hold the same tensors (one shared table)
 
 
 def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
@@ -62,9 +64,8 @@ def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
 
 def check_source(cfg: Config, path: str) -> None:
     """One ConfigError naming every model key (and the tokenizer) in which the checkpoint
-    ``path`` differs from ``cfg`` (dept.variant among them: a DEPT run's checkpoint into an STD
-    launch); a format-1 checkpoint is refused. (An STD launch only: config validation refuses
-    the key under the DEPT variants.)"""
+    ``path`` differs from ``cfg`` (dept.variant among them, except std ↔ glob); a format-1
+    checkpoint is refused."""
     from .manifest import read_manifest
     if read_manifest(path)["format"] == 1:
         raise ConfigError(f"config key '{KEY}': checkpoint {path} has format 1; convert it first: python "
@@ -74,7 +75,8 @@ def check_source(cfg: Config, path: str) -> None:
     now = fingerprint(cfg)
     keys = MODEL_KEYS + (("model.seq_length",) if cfg.model.position_embedding == "learned" else ())
     diffs = [f"config key '{k}': the checkpoint has {old[k]!r}, this launch {now['config'][k]!r}"
-             for k in keys if k in old and old[k] != now["config"][k]]
+             for k in keys if k in old and old[k] != now["config"][k]
+             and not (k == "dept.variant" and {old[k], now["config"][k]} <= INTERCHANGEABLE)]
     a, b = old_tok.get("data.tokenizer"), now["tokenizers"].get("data.tokenizer")
     if (a is None) != (b is None) or (a is not None and a.get("sha256") != b.get("sha256")):
         diffs.append(f"config key 'data.tokenizer': the checkpoint was trained with "
@@ -86,17 +88,46 @@ def check_source(cfg: Config, path: str) -> None:
                           if len(diffs) > 1 else f"{KEY}: checkpoint {path} holds another model: {diffs[0]}")
 
 
-def init_from(trainer, cfg: Config, device: torch.device) -> str:
+def init_from(trainer, cfg: Config, device: torch.device, hooks=None) -> str:
     """Load the model weights of ``cfg.train.init_from``'s checkpoint into ``trainer`` (a fresh
-    one: step 0, no optimizer state), on every rank; returns the checkpoint's path. Errors are
-    agreed: every rank raises the same one."""
+    one: step 0, no optimizer state), on every rank; returns the checkpoint's path. ``hooks``:
+    the DEPT round driver (its outer references follow the loaded weights; SPEC / SPEC-OPT:
+    the sources' tables, read at their first installation). Errors are agreed: every rank
+    raises the same one."""
     from .checkpoint_format import load_entries
-    from .checkpoint_state import model_entries
+    from .init_from_dept import PER_SOURCE, attach, reset_references, weight_entries
     from .parallel.agree import agree_errors
     from .run_inputs import input_errors
     path = source_checkpoint(cfg.train.init_from, device)
     agree_errors(lambda: check_source(cfg, path), input_errors(), device)
-    agree_errors(lambda: load_entries(model_entries(trainer, optimizer=False), path), input_errors(), device)
+    per_source = cfg.dept.variant in PER_SOURCE
+    tables = source_tables_of(hooks, cfg, path, device) if per_source else None
+    agree_errors(lambda: load_entries(weight_entries(trainer, path, per_source), path), input_errors(), device)
     for opt in trainer.optimizers:
         opt.after_checkpoint_load(with_optimizer=False)  # the masters from the loaded weights
+    if hooks is not None and hasattr(hooks, "checkpoint_syncs"):
+        reset_references(hooks)
+        if per_source:
+            attach(hooks, tables)
+    return path
+
+
+def source_tables_of(hooks, cfg: Config, path: str, device: torch.device):
+    """SPEC / SPEC-OPT: the checked :class:`~dept_mega.init_from_dept.SourceTables` of ``path``
+    for ``hooks``' sources (agreed errors)."""
+    from .init_from_dept import source_tables
+    from .parallel.agree import agree_errors
+    from .run_inputs import input_errors
+    return agree_errors(lambda: source_tables(cfg, path, hooks.pg, hooks.sources), input_errors(), device)
+
+
+def resume_sources(hooks, cfg: Config, device: torch.device) -> Optional[str]:
+    """A SPEC / SPEC-OPT run started with ``train.init_from`` that resumed from its own
+    checkpoint: a source it has not trained yet still starts from the checkpoint's table, as
+    in an uninterrupted run. Returns the checkpoint's path (None: nothing to attach)."""
+    from .init_from_dept import PER_SOURCE, attach
+    if cfg.train.init_from is None or cfg.dept.variant not in PER_SOURCE or hooks is None:
+        return None
+    path = source_checkpoint(cfg.train.init_from, device)
+    attach(hooks, source_tables_of(hooks, cfg, path, device))
     return path

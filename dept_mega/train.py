@@ -187,13 +187,16 @@ def sampling_of(cfg: Config, hooks, data: RunData) -> str:
     return sampling_line(cfg.dept.sampling, list(data.train), data.blend_weights())
 
 
-def describe(session: Session) -> str:
+def describe(session: Session, label: Optional[str] = None) -> str:
+    """The launch's summary lines; ``label`` replaces the first words (``dept_mega: VARIANT``:
+    ``dept_mega.adapt`` says what it trains instead)."""
     from .model.gpt import describe_backends
     from .ops import describe as describe_ops
     cfg, pg = session.cfg, session.pg
     n_body = sum(p.numel() for p in session.trainer.body_parameters())
     n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
-    return (f"dept_mega: {cfg.dept.variant} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
+    head = label if label is not None else f"dept_mega: {cfg.dept.variant}"
+    return (f"{head} | world {pg.world_size} = groups {pg.num_groups} × data {pg.dp_size} × "
             f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
@@ -256,9 +259,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loop.launched_at = launched_at
             resumed = loop.checkpointer.load(loop)
             initialised = None
+            hooks = getattr(loop, "hooks", None)
             if resumed is None and cfg.train.init_from is not None:
                 from .init_from import init_from
-                initialised = init_from(session.trainer, cfg, session.device)
+                initialised = init_from(session.trainer, cfg, session.device, hooks)
+            elif resumed is not None:  # SPEC / SPEC-OPT: sources not trained yet still start from it
+                from .init_from import resume_sources
+                resume_sources(hooks, cfg, session.device)
         except input_errors() as exc:
             report_error(str(exc), agreed=is_agreed(exc))
             return 2

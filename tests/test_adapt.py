@@ -75,7 +75,12 @@ def test_frozen_body_fresh_embeddings_and_random_reference(trained, tmp_path, ca
     from dept_mega.export.checkpoint_reader import read_full_weights
     table = read_full_weights(str(out / "trained"), 3)["embeddings.word_embeddings.weight"]
     assert table.shape[0] >= load_tokenizer(str(BUILD / "tok" / "ja.model")).vocab_size
-    assert "frozen" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "frozen" in said
+    # the launch lines say what is trained, not the std config the arms run under
+    assert f"dept_mega adapt: new source ja on the body of {run_dir} (glob) | world 1" in said, said
+    assert "dept_mega adapt: new source ja on a randomly initialised body (the reference) | world 1" in said
+    assert "dept_mega: std" not in said
 
 
 @pytest.mark.slow

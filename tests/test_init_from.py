@@ -102,8 +102,8 @@ def test_another_model_is_refused_naming_the_keys(source, tmp_path):
     os.remove(damaged / "depends.json")
     with pytest.raises(ConfigError, match="config key 'train.init_from': checkpoint .*step_2 is not usable"):
         source_checkpoint(str(damaged))
-    with pytest.raises(ConfigError, match="config key 'train.init_from': supported with dept.variant=std only"):
-        load_config(cfg_path, ["dept.variant=glob", f"train.init_from={src_run}"])
+    with pytest.raises(ConfigError, match="config key 'train.init_from': not supported with dept.variant=trim"):
+        load_config(cfg_path, ["dept.variant=trim", f"train.init_from={src_run}"])
 
 
 def test_a_fresh_run_starts_from_the_weights_and_a_relaunch_resumes_itself(source, tmp_path):

@@ -211,10 +211,12 @@ class DeptHooks:
         return self.scheduler.steps_trained(self.index[source], step, self.cfg.dept.local_steps)
 
     # ------------------------------------------------------------------------- source state
-    def _fresh_state(self, name: str) -> SourceState:
+    def _fresh_state(self, name: str, initial: bool = False) -> SourceState:
+        """Fresh state of ``name`` (``initial``: its first installation, from
+        ``strategy.initial``; else modules to load or receive into)."""
         if not self.strategy.source_embeddings:
             return SourceState([None] * len(self.trainer.stages))
-        embs = self.strategy.build(name)
+        embs = self.strategy.initial(name) if initial else self.strategy.build(name)
         return SourceState(embs, self.trainer.make_embedding_optimizer(embs))
 
     def _current_state(self, with_body: bool = True) -> SourceState:
@@ -287,7 +289,7 @@ class DeptHooks:
             raise RuntimeError(f"federation: round {self.plan.round} would move sources {moves} between group jobs")
         self.store.move(self.pg, moves, self._fresh_state, self.device, with_optimizer=not reset,
                         with_weights=self.strategy.move_weights)
-        state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine)
+        state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine, initial=True)
         self._install(mine, state)
 
     def before_step(self, loop) -> None:

@@ -390,6 +390,11 @@ class FlatSync:
         return waited
 
     @torch.no_grad()
+    def reset_reference(self) -> None:
+        """θ_{t-1} := this rank's chunk of the current values (weights loaded after the sync
+        was built: ``train.init_from``). No communication."""
+        self.theta_prev.copy_(self._read_chunk().to(self.state_device))
+
     def write_reference(self) -> None:
         """Write θ_{t-1} into the parameters (a federated group that healed from a peer's
         state: dept/federation.py). Collective over ``pg.dp``."""

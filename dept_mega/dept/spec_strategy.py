@@ -35,10 +35,11 @@ class SpecStrategy(VariantStrategy):
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         """The weights of the group that trains the source now (or trained it last), copied to
-        every other group; a never-trained source uses its seeded initial embeddings."""
+        every other group; a never-trained source uses its initial embeddings (seeded, or
+        ``train.init_from``'s table)."""
         holder = view.holder(self.ctx.index[source])
         if holder is None:  # no plan (a federated job's own source: the stored state), or never trained
-            return view.store.get(source).embeddings if source in view.store else self.build(source)
+            return view.store.get(source).embeddings if source in view.store else self.initial(source)
         installed = source == view.installed
         mine = None
         if self.ctx.pg.coords.group == holder:

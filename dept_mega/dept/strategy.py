@@ -83,12 +83,21 @@ class VariantStrategy:
     name = ""
     source_embeddings = False
     move_weights = True
+    initial_tables = None  # train.init_from (SPEC / SPEC-OPT): fills a source's first embeddings
 
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
 
     def build(self, name: str) -> list:
         raise NotImplementedError(f"{self.name}: sources own no embeddings")
+
+    def initial(self, name: str) -> list:
+        """The embeddings a source starts from the first time it is trained or evaluated:
+        :meth:`build`, then ``initial_tables`` (``train.init_from``: the checkpoint's table)."""
+        embs = self.build(name)
+        if self.initial_tables is not None:
+            self.initial_tables(name, embs)
+        return embs
 
     def install(self, name: str, embs: list) -> None:
         pass
