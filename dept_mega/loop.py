@@ -116,6 +116,9 @@ class TrainLoop:
         # a preemption in a wait of the hooks (PreemptedWait): the wait, and whether the
         # checkpoint preempted_at is of this step (else the last one before: None = none)
         self.preempted_wait: Optional[PreemptedWait] = None
+        # the step of the last checkpoint this run wrote or resumed from (None: none), the same
+        # on every rank (a file read could differ between nodes on a shared file system)
+        self.saved_step: Optional[int] = None
         self.saved_in_wait = False
         # train.exit_interval / exit_duration_mins: why and after which step the loop stopped early
         self.exit_reason: Optional[str] = None
@@ -190,8 +193,15 @@ class TrainLoop:
         from .profiling import StepProfiler
         profiler = StepProfiler(self.cfg.train.profile, self.cfg.train.run_dir, self.pg.rank, self.trainer.device,
                                 log=lambda m: print(m, flush=True))
+        if self.trainer.step > 0:
+            self.saved_step = self.trainer.step  # resumed from its checkpoint
         try:
-            self._run(profiler)
+            try:
+                self._run(profiler)
+            except PreemptedWait as stop:
+                # from any wait of the hooks: a round's start or end, or the streamed outer
+                # sync's exchange finished in before_step / after_step (dept/streaming.py)
+                self._preempted_in_wait(stop)
             if hasattr(self.checkpointer, "wait"):
                 self.checkpointer.wait()  # train.async_save: the last save is complete on return
         finally:
@@ -217,11 +227,7 @@ class TrainLoop:
         while tr.step < total:
             r = self.round_of(tr.step)
             if self.assignment is None or tr.step % L == 0:
-                try:
-                    self.assignment = self.hooks.round_start(self, r)
-                except PreemptedWait as stop:
-                    self._preempted_in_wait(stop)
-                    return
+                self.assignment = self.hooks.round_start(self, r)
                 if self.pg.group_index not in self.assignment:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
                                        f"{self.pg.group_index}: {self.assignment}")
@@ -255,11 +261,7 @@ class TrainLoop:
                                            consumed=(rec["consumed_samples"], rec["consumed_tokens"], G)))
             if step % L == 0 or step == total:
                 t0 = time.time()
-                try:
-                    outer = self.hooks.round_end(self, self.round_of(step - 1))
-                except PreemptedWait as stop:
-                    self._preempted_in_wait(stop)
-                    return
+                outer = self.hooks.round_end(self, self.round_of(step - 1))
                 if outer is not None:
                     outer.setdefault("seconds", time.time() - t0)
                     self.writer.write("outer", step, self.round_of(step - 1), **outer)
@@ -315,7 +317,6 @@ class TrainLoop:
         skip the pending one, so the relaunch resumes from the last checkpoint, as after a kill
         (a federated group then heals from the live groups). ``preempted_at``: the step a
         relaunch resumes from (None: no checkpoint, it starts anew)."""
-        from .resume import latest_step
         self.preempted_wait = stop
         step = self.trainer.step
         if self.checkpointer is None:
@@ -323,7 +324,7 @@ class TrainLoop:
             return
         if hasattr(self.checkpointer, "wait"):
             self.checkpointer.wait()
-        last = latest_step(self.cfg.train.run_dir)
+        last = self.saved_step
         can = getattr(self.hooks, "can_save_now", None)
         if stop.synced and step > 0 and last != step and (can is None or can()):
             self.save()
@@ -359,6 +360,7 @@ class TrainLoop:
             self.checkpointer.on_saved = self._log_saved
         path = self.checkpointer.save(self)
         self._save_pending = False
+        self.saved_step = self.trainer.step
         return path
 
     def _log_saved(self, step: int, size: int, removed: Sequence[int], seconds: float) -> None:

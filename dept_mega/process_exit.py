@@ -56,27 +56,42 @@ def exit_after(main: Callable[[], int]) -> NoReturn:
     leave(status)
 
 
-def leave(status) -> NoReturn:
+def leave(status, join_threads: bool = True) -> NoReturn:
     """End the process with ``status`` (``sys.exit``'s meaning: None 0, an int that int) as the
     interpreter would end it, without its teardown (module docstring): non-daemon threads joined
     and ``threading``'s own exit callbacks run (what ``threading._shutdown`` does at exit, in
     CPython's order: before ``atexit``), ``atexit`` handlers run, standard streams flushed, then
-    ``os._exit``. ``DEPT_MEGA_FULL_EXIT=1``, or a status that is not None or an int: ``sys.exit``."""
-    if os.environ.get("DEPT_MEGA_FULL_EXIT") == "1" or not (status is None or isinstance(status, int)):
-        sys.exit(status)
-    import atexit
+    ``os._exit``. ``DEPT_MEGA_FULL_EXIT=1``, or a status that is not None or an int: ``sys.exit``.
+    ``join_threads=False`` (a thread known to be blocked for good, e.g. torchft's quorum worker
+    after an abandoned wait): no thread is waited for, nor are atexit handlers run (they may wait
+    for it too); the process ends at once, its output flushed, with ``status`` whatever the
+    environment says."""
     import threading
     shutdown = getattr(threading, "_shutdown", None)
-    if shutdown is None:  # another interpreter than CPython's: its own exit
-        sys.exit(status)
-    shutdown()
-    atexit._run_exitfuncs()
+    if join_threads and (os.environ.get("DEPT_MEGA_FULL_EXIT") == "1" or shutdown is None
+                         or not (status is None or isinstance(status, int))):
+        sys.exit(status)  # the interpreter's own exit (asked for, or another interpreter than CPython's)
+    if join_threads:
+        import atexit
+        shutdown()
+        atexit._run_exitfuncs()
+    _flush_all()
+    os._exit(0 if status is None else int(status) & 0xFF)
+
+
+def _flush_all() -> None:
+    """Python's standard streams, then C's stdio buffers (what libraries such as NCCL print
+    through C ``stdout`` sits there while it is a file or a pipe, and ``os._exit`` drops it)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass  # a reader that left or a closed stream: nothing more can be written
-    os._exit(0 if status is None else status & 0xFF)
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass  # no C library to ask (not a POSIX system)
 
 
 def _stdout_gone() -> bool:

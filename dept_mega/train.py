@@ -359,9 +359,8 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
         # the interpreter joins at exit), blocked in its call to the lighthouse for up to its
         # quorum timeout (a day): the process ends here, its output flushed (the kernel drops
         # the run directory's locks); everything else is done above
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_PREEMPTED)
+        from .process_exit import leave
+        leave(EXIT_PREEMPTED, join_threads=False)
     return EXIT_PREEMPTED if loop.preempted_at is not None else 0
 
 

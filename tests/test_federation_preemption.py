@@ -107,3 +107,4 @@ def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_
     assert "preempted (SIGTERM) while waiting for a quorum to redo round 2's exchange: stopped waiting; no " \
            "checkpoint of step 6" in out, out[-3000:]
     assert "a relaunch resumes from step 4" in out
+

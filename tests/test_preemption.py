@@ -304,3 +304,64 @@ def test_eta_counts_the_steps_trained_not_the_steps_jumped(tmp_path, monkeypatch
         assert elapsed > 1000  # the wait is elapsed time ...
         # ... not a step's time: a step reads the clock a few times
         assert eta == 0 if step == total else 0 < eta / (total - step) <= 10, (step, eta, elapsed)
+
+
+@pytest.mark.parametrize("where,synced,saved", [
+    ("round_start", True, True),    # a round start after a synced round: its state is saved
+    ("after_step", False, False),   # the streamed outer sync's exchange (dept/streaming.py): mid-round
+    ("round_end", False, False),    # a round end's redo quorum: its sync pending
+])
+def test_a_wait_abandoned_in_any_hook_stops_the_loop_cleanly(tmp_path, where, synced, saved):
+    """PreemptedWait raised by any of the hooks' waits ends TrainLoop.run without an exception:
+    ``preempted_wait`` set, a checkpoint of the step only where the state is a round boundary's,
+    ``preempted_at`` the step a relaunch resumes from (the in-memory last save, the same on every
+    rank). In-process, one rank: the hooks of a plain run raise where a federated job would wait."""
+    import io
+
+    import torch
+
+    from dept_mega.checkpoint import Checkpointer
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.preemption import PreemptedWait
+    from dept_mega.resume import latest_step
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource, tiny_config
+
+    class Hooks(StdHooks):
+        """Waits at the second round (step 2, local_steps 2): a preemption arrives there."""
+        def __init__(self):
+            self.calls = {"round_start": 0, "after_step": 0, "round_end": 0}
+
+        def _maybe(self, name, n):
+            self.calls[name] += 1
+            if name == where and self.calls[name] == n:
+                raise PreemptedWait(f"waiting in {name}", synced)
+
+        def round_start(self, loop, r):
+            self._maybe("round_start", 2)
+            return super().round_start(loop, r)
+
+        def after_step(self, loop):
+            self._maybe("after_step", 3)
+
+        def round_end(self, loop, r):
+            self._maybe("round_end", 2)
+            return super().round_end(loop, r)
+
+    run = str(tmp_path / "run")
+    cfg = tiny_config({"dept": {"variant": "std", "local_steps": 2},
+                       "train": {"steps": 6, "save_interval": 1000, "eval_interval": 0, "run_dir": run}})
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    loop = TrainLoop(cfg, pg, trainer, Hooks(), MetricsWriter(run, enabled=True, stream=io.StringIO()),
+                     lambda n: SyntheticSource(cfg, 3, torch.arange(cfg.model.vocab_size)),
+                     checkpointer=Checkpointer(run))
+    loop.run()  # no exception
+    assert loop.preempted_wait is not None and loop.preempted_wait.synced is synced
+    step = trainer.step
+    assert step == {"round_start": 2, "after_step": 3, "round_end": 4}[where]
+    assert loop.saved_in_wait is saved
+    assert loop.preempted_at == (step if saved else None)
+    assert latest_step(run) == loop.preempted_at

@@ -193,6 +193,9 @@ class Federation:
             if attempt == QUORUM_TRIES:  # not a group gone: something persistent (a store, a network)
                 raise RuntimeError(f"federation: quorum failed {QUORUM_TRIES} times in a row at round {self.round}: "
                                    f"{failed if failed is not None else 'on another rank of this job'}")
+            # a state received in the failed try's recovery (torchft applies it before the step
+            # fails) is not this round's: the next quorum heals again or not at all
+            self._healed = None
             ranks, W = self.process_group.quorum_ranks, self.pg.group_size
             of = f" of groups {sorted((r - self.pg.rank) // W for r in ranks)}" if ranks else ""
             why = first_line(failed) if failed is not None else "on another rank of this job"

@@ -58,6 +58,10 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
 
     def run() -> None:
         try:
+            if device.type == "cuda":
+                # the current CUDA device is per thread, and a new thread's is device 0: torchft's
+                # quorum records the caller's device for its process group and streams
+                torch.cuda.set_device(device)
             result["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - raised in the waiting thread
             result["error"] = exc
