@@ -35,6 +35,7 @@ MODEL_KEYS = ("dept.variant", "model.num_layers", "model.hidden_size", "model.nu
               "model.position_embedding", "model.tie_embeddings", "model.bias", "model.norm_bias",
               "model.vocab_size")
 KEY = "train.init_from"
+RECORD = "init_from.json"  # RUN/init_from.json: the checkpoint a run started from (resumes read it again)
 INTERCHANGEABLE = {"std", "glob"}  # variants whose checkpoints hold the same tensors (one shared table)
 
 
@@ -109,6 +110,33 @@ def init_from(trainer, cfg: Config, device: torch.device, hooks=None) -> str:
         reset_references(hooks)
         if per_source:
             attach(hooks, tables)
+    _record(cfg, path)
+    return path
+
+
+def _record(cfg: Config, path: str) -> None:
+    """``RUN/init_from.json`` (global rank 0): the checkpoint directory the run started from, so
+    that a resume reads the same one even where ``train.init_from`` names a run directory that
+    has saved newer checkpoints since (or removed this one)."""
+    import torch.distributed as dist
+
+    from .metrics import write_json_atomic
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    write_json_atomic(os.path.join(cfg.train.run_dir, RECORD),
+                      {"init_from": cfg.train.init_from, "checkpoint": os.path.abspath(path)})
+
+
+def _recorded(cfg: Config) -> Optional[str]:
+    """The checkpoint directory ``RUN/init_from.json`` names (None: no record, a run started
+    before it was written); a ConfigError when that checkpoint is gone."""
+    rec = os.path.join(cfg.train.run_dir, RECORD)
+    if not os.path.isfile(rec):
+        return None
+    path = read_json(cfg.train.run_dir, RECORD)["checkpoint"]
+    if not os.path.isdir(path):
+        raise ConfigError(f"config key '{KEY}': this run started from checkpoint {path} ({rec}), which is gone: "
+                          f"the sources it has not trained yet take their tables from it; restore it")
     return path
 
 
@@ -128,6 +156,6 @@ def resume_sources(hooks, cfg: Config, device: torch.device) -> Optional[str]:
     from .init_from_dept import PER_SOURCE, attach
     if cfg.train.init_from is None or cfg.dept.variant not in PER_SOURCE or hooks is None:
         return None
-    path = source_checkpoint(cfg.train.init_from, device)
+    path = _recorded(cfg) or source_checkpoint(cfg.train.init_from, device)
     attach(hooks, source_tables_of(hooks, cfg, path, device))
     return path

@@ -169,3 +169,13 @@ def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
         same = {k: theirs[name]("model/" + k.split("model/", 1)[1]) for k in keys}  # its key in the source run
         b = read_full(old, list(same.values()))
         assert all(torch.equal(a[k], b[same[k]]) for k in keys), name
+    # the run records the checkpoint it started from; a resume reads that one again, not what
+    # train.init_from names now (here a run directory that no longer exists: as if moved)
+    import json
+    rec = json.load(open(os.path.join(run, "init_from.json")))
+    assert rec == {"init_from": src_run, "checkpoint": os.path.abspath(old)}, rec
+    r = _train_here("--config", cfg_path, "train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0",
+                    "train.steps=4", "optim.lr=0", "optim.min_lr=0", f"train.run_dir={run}",
+                    f"train.init_from={tmp_path / 'moved'}")
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
