@@ -95,7 +95,7 @@ class DeptConfig:
     #: uniform: alike; proportional: ∝ tokens × weight; temperature: ∝ (tokens × weight)^τ;
     #: weights: ∝ data.sources[i].weight alone, whatever the sizes (Megatron-LM's --data-path 0.3 A 0.7 B).
     sampling: str = "uniform"
-    temperature: float = 1.0  #: τ of sampling temperature: weights ∝ size^τ (0: uniform, 1: proportional).
+    temperature: float = 1.0  #: τ of sampling temperature: shares ∝ (tokens × weight)^τ (0: uniform, 1: proportional).
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     reset_inner_optimizer: bool = False  #: Clear the inner AdamW state at the start of every round.
     #: Who owns the body's inner AdamW state: the group (DiLoCo) or the source (it moves with
