@@ -60,6 +60,8 @@ def test_the_log_line_states_each_sources_actual_share():
     line = _line_of("weights", 1)
     assert line.startswith("sampling (weights; DEPT: 1 of 3 sources a round, without repeats; shares of rounds "
                            "0-3999): en 6"), line
+    # a long run of short rounds: the line counts the first SAMPLING_LINE_ROUNDS rounds and says so
+    assert "shares of rounds 0-9999 of 0-19999): en 6" in _line_of("weights", 1, steps=40000)
     # as many groups as sources: every source every round, whatever the weights
     assert _line_of("weights", 3) == ("sampling (weights; DEPT: 3 sources on 3 groups, each every round): "
                                       "en 33.3 %, fr 33.3 %, code 33.3 %")

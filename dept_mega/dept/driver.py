@@ -50,6 +50,10 @@ from .variants import make_strategy
 BODY_OPTIMIZER_STATES = ("group", "source")
 
 
+#: the round plans the start-up sampling line counts at most (DeptHooks.sampling_line)
+SAMPLING_LINE_ROUNDS = 10_000
+
+
 class DeptHooks:
     """RoundHooks for glob / trim / spec / spec_opt: the round driver. Its checkpoint state:
     ``dept.hook_state``."""
@@ -115,10 +119,14 @@ class DeptHooks:
         schedule starts at to the last), for the start-up log."""
         from ..data.sources import sampling_line
         first = (self.scheduler.origin() or {}).get("round", 0)
-        last = -(-self.cfg.train.steps // self.cfg.dept.local_steps)
-        shares = self.scheduler.shares(first, max(last, first + 1))
+        last = max(-(-self.cfg.train.steps // self.cfg.dept.local_steps), first + 1)
+        # (at most SAMPLING_LINE_ROUNDS plans drawn for a log line: a long run of short rounds
+        # would draw its whole schedule at start, about 25 µs a round)
+        counted = min(last, first + SAMPLING_LINE_ROUNDS)
+        shares = self.scheduler.shares(first, counted)
         K, G = len(self.sources), self.num_groups
-        rounds = f"shares of rounds {first}-{max(last, first + 1) - 1}"
+        rounds = (f"shares of rounds {first}-{counted - 1}"
+                  + (f" of {first}-{last - 1}" if counted < last else ""))
         if self.scheduler.fixed:
             how = f"DEPT: {K} sources on {G} groups, each every round"
         elif self.scheduler.owners is not None:
