@@ -301,10 +301,8 @@ class TrainLoop:
         if t.exit_duration_mins is None:
             return None
         minutes = (time.time() - self.launched_at) / 60.0
-        over = torch.tensor([1 if minutes > t.exit_duration_mins else 0], dtype=torch.int64, device=self.trainer.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)  # bookkeeping, not counted
-        if int(over.item()):
+        from .parallel.agree import world_max
+        if world_max([minutes > t.exit_duration_mins], self.trainer.device)[0]:
             return f"train.exit_duration_mins={t.exit_duration_mins:g} ({minutes:.1f} min since launch)"
         return None
 

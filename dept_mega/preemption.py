@@ -21,7 +21,6 @@ import signal
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry"
 EXIT_PREEMPTED = 75
@@ -75,11 +74,8 @@ class Preemption:
         call it on every rank at the same point of every step). Stays True once True."""
         if self.stop_signal is not None:
             return True
-        flag = int(self.signal or 0)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([flag], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
+        from .parallel.agree import world_max
+        flag = world_max([int(self.signal or 0)], device)[0]
         if flag:
             self.stop_signal = flag
         return self.stop_signal is not None

@@ -54,12 +54,12 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel.agree import agree_errors, mark_agreed
+from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
                              quorum_wait_line)
-from .federation_wait import QUORUM_TRIES, any_rank, preemptible, preemption_of
+from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
@@ -188,7 +188,7 @@ class Federation:
             # asks again (one rank alone would wait for the others' requests), and the
             # lighthouse's next quorum leaves the dead group out once its heartbeats are old.
             failed = self.manager.errored()
-            if not any_rank(failed is not None, self.device):
+            if not world_max([failed is not None], self.device)[0]:
                 break
             if attempt == QUORUM_TRIES:  # not a group gone: something persistent (a store, a network)
                 raise RuntimeError(f"federation: quorum failed {QUORUM_TRIES} times in a row at round {self.round}: "

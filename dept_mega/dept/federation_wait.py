@@ -21,8 +21,8 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from ..parallel.agree import world_max
 from ..preemption import PreemptedWait
 
 #: seconds between the preemption checks of a wait (a quorum that forms at once costs one check)
@@ -34,16 +34,6 @@ POLL_S = 0.5
 #: the request, and its next quorum waits until the dead group's heartbeats time out. Each
 #: failed try ends within ``federation.timeout_s`` (torchft's store and process group timeouts).
 QUORUM_TRIES = 3
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """``flag`` OR-ed over the job's ranks (one all-reduce MAX; bookkeeping, not counted), so
-    that every rank of the job takes the same branch; without a job-wide process group: ``flag``."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
@@ -69,13 +59,9 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
             done.set()
 
     threading.Thread(target=run, name="federation-quorum", daemon=True).start()
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     while True:
         finished = done.wait(poll_s)
-        flags = torch.tensor([int(preemption.signal or 0), int(not finished)], dtype=torch.int64, device=device)
-        if world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # bookkeeping, not counted
-        signal, waiting = (int(v) for v in flags.tolist())
+        signal, waiting = world_max([preemption.signal or 0, not finished], device)
         if not waiting:  # every rank's call returned: the loop's own check after the step follows
             break
         if signal:

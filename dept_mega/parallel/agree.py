@@ -17,6 +17,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world_max(values: list[int], device: Optional[torch.device] = None) -> list[int]:
+    """Each of ``values`` maxed over every rank (one all-reduce MAX of int64s on ``device``, the
+    rank's CUDA device under NCCL): a flag any rank raised (a signal, a deadline passed, a failed
+    quorum) becomes every rank's, so that all take the same branch. Local in one process."""
+    if not _distributed():
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device or torch.device("cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def all_gather_text(text: str, device: Optional[torch.device] = None) -> list[str]:
     """Every rank's ``text``, in rank order, on every rank (UTF-8 bytes in uint8 tensors; the
     tensors live on ``device``, which must be the rank's CUDA device under NCCL)."""
