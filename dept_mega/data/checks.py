@@ -78,10 +78,12 @@ def check_sources(cfg: Config) -> None:
     than the configured one (where the data records it)."""
     vocabs = embedding_vocabularies(cfg)
     digests: dict = {}
+    opened = []
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
         key = f"config key 'data.sources[{i}].prefix'"
         with naming_source(i, s.name):
             ds = IndexedDataset(s.prefix)
+        opened.append(ds)
         if ds.num_documents == 0 or ds.num_tokens == 0:
             raise ConfigError(f"{key}: source '{s.name}': {idx_path(s.prefix)} holds {ds.num_documents} documents "
                               f"and {ds.num_tokens} tokens: an empty dataset (was the preprocessing input empty "
@@ -96,8 +98,8 @@ def check_sources(cfg: Config) -> None:
         _check_made_with(cfg, i, vkey, digests)
         _check_byte_counts(cfg, i)
     # after every source's files are known sound: a damaged file is named as such first
-    for i, s in enumerate(cfg.data.sources):
-        _check_validation_size(cfg, i, IndexedDataset(s.prefix))
+    for i, ds in enumerate(opened):
+        _check_validation_size(cfg, i, ds)
 
 
 def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
