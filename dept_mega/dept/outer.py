@@ -395,6 +395,7 @@ class FlatSync:
         was built: ``train.init_from``). No communication."""
         self.theta_prev.copy_(self._read_chunk().to(self.state_device))
 
+    @torch.no_grad()
     def write_reference(self) -> None:
         """Write θ_{t-1} into the parameters (a federated group that healed from a peer's
         state: dept/federation.py). Collective over ``pg.dp``."""
