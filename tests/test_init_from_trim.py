@@ -22,8 +22,8 @@ COMMON = ["train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A 2-step STD run (untied head, learned positions: every table TRIM keeps) and a TRIM
-    run of one round started from it with learning rate 0 (its φ is the STD table's rows):
-    (config, STD run dir, TRIM run dir)."""
+    run of one round started from it with learning rate 0 (its φ is the STD table's rows), and
+    a STD run with a tied head and RoPE: (config, STD run dir, TRIM run dir, tied STD run dir)."""
     from tests.test_train_cli import _setup, _train_here
     tmp = tmp_path_factory.mktemp("trimsrc")
     cfg = _setup(tmp, variant="std")
@@ -31,13 +31,16 @@ def runs(tmp_path_factory):
     d["model"].update(tie_embeddings=False, position_embedding="learned")
     with open(cfg, "w") as f:
         yaml.safe_dump(d, f)
-    std, trim = str(tmp / "std"), str(tmp / "trim")
+    std, trim, tied = str(tmp / "std"), str(tmp / "trim"), str(tmp / "tied")
     r = _train_here("--config", cfg, *COMMON, "train.steps=2", f"train.run_dir={std}")
+    assert r.returncode == 0, r.stderr
+    r = _train_here("--config", cfg, *COMMON, "train.steps=2", "model.tie_embeddings=true",
+                    "model.position_embedding=rope", f"train.run_dir={tied}")
     assert r.returncode == 0, r.stderr
     r = _train_here("--config", cfg, *COMMON, "train.steps=2", "dept.variant=trim", "optim.lr=0", "optim.min_lr=0",
                     f"train.run_dir={trim}", f"train.init_from={std}")
     assert r.returncode == 0, r.stderr
-    return cfg, std, trim
+    return cfg, std, trim, tied
 
 
 def _tables(path: str, V: int) -> dict[str, torch.Tensor]:
@@ -124,23 +127,27 @@ def _worker(rank, world, cfg_path, src, new, overrides, run_dir):
     return _check(cfg_path, src, new, overrides, f"{run_dir}/{rank}")
 
 
-# (this launch's variant, the checkpoint's run, this launch's layout, processes)
+# (this launch's variant, the checkpoint's run, this launch's layout, processes); "tied": a
+# tied head (φ on the first and the last stage) and no position table
 CASES = [("trim", "std", [], 1), ("trim", "std", ["parallel.tensor=2"], 2), ("trim", "trim", ["parallel.data=2"], 2),
          ("std", "trim", ["parallel.tensor=2"], 2), ("glob", "trim", [], 1), ("spec", "std", [], 1),
-         ("spec", "trim", ["parallel.tensor=2"], 2)]
+         ("spec", "trim", ["parallel.tensor=2"], 2), ("trim", "std", ["parallel.pipeline=2"], 2),
+         ("trim", "tied", ["parallel.pipeline=2"], 2)]
 
 
 @pytest.mark.parametrize("new,src,overrides,world", CASES, ids=[f"{c[0]}_from_{c[1]}_{c[3]}" + "_".join(c[2])
                                                               for c in CASES])
 def test_every_table_starts_from_the_checkpoint(runs, tmp_path, new, src, overrides, world):
-    cfg_path, std, trim = runs
-    source = {"std": std, "trim": trim}[src]
+    cfg_path, std, trim, tied = runs
+    source = {"std": std, "trim": trim, "tied": tied}[src]
+    if src == "tied":
+        overrides = overrides + ["model.tie_embeddings=true", "model.position_embedding=rope"]
     if world == 1:
         ranks = [_check(cfg_path, source, new, overrides, str(tmp_path))]
     else:
         ranks = run_distributed(_worker, world, args=(cfg_path, source, new, overrides, str(tmp_path)))
     for r in ranks:
-        assert r["tables"] == ["phi", "phi_head", "positions"], r
+        assert r["tables"] == (["phi"] if src == "tied" else ["phi", "phi_head", "positions"]), r
         assert r["checks"] and all(r["checks"]), r["checks"]
         assert r["body"] and r["reference"] and r["outer_state_zero"] and r["inner_state"] == 0, r
 
@@ -154,7 +161,7 @@ def test_first_losses_match_a_run_that_loaded_the_same_weights(runs, tmp_path):
     as φ) starts TRIM and STD runs exactly as the STD checkpoint does: a TRIM run from it has
     the first loss of the TRIM run from STD, a STD run from it that of a STD run from STD."""
     from tests.test_train_cli import _train_here
-    cfg_path, std, trim = runs
+    cfg_path, std, trim, _ = runs
     losses = {}
     for name, variant, src in (("trim_trim", "trim", trim), ("std_trim", "std", trim), ("std_std", "std", std)):
         run = str(tmp_path / name)
@@ -170,7 +177,7 @@ def test_still_refused(runs):
     """A SPEC-OPT run from anything but SPEC-OPT (its sources' own tokenizers), and STD / GLOB /
     TRIM from a checkpoint with a table per source: one error naming dept.variant and why."""
     from dept_mega.init_from import check_source, source_checkpoint
-    cfg_path, std, trim = runs
+    cfg_path, std, trim, _ = runs
     with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'trim', this launch "
                                           "'spec_opt'; a spec_opt run starts from a spec_opt checkpoint"):
         check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), source_checkpoint(trim))
