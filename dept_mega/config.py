@@ -245,9 +245,6 @@ def _check_values(cfg: Config) -> None:
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
     if t.init_from is not None and not t.init_from.strip():
         raise ConfigError("config key 'train.init_from': a run directory or its checkpoints/step_N, or null")
-    if t.init_from is not None and cfg.dept.variant == "trim":
-        raise ConfigError("config key 'train.init_from': not supported with dept.variant=trim (its global table "
-                          "and compact per-source tables are not mapped yet); std, glob, spec and spec_opt are")
     if t.init_from_new_sources not in ("error", "fresh"):
         raise ConfigError(f"config key 'train.init_from_new_sources': {t.init_from_new_sources!r} is not one of "
                           f"error | fresh")

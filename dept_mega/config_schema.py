@@ -220,13 +220,14 @@ class TrainConfig:
     #: Start a new run from the model weights of another run's checkpoint: its run directory (the
     #: newest verified checkpoint) or its checkpoints/step_N (Megatron's --load with --finetune /
     #: --no-load-optim). Optimizer state, step, consumed samples and data position start fresh;
-    #: any layout; same model and tokenizer; dept.variant std, glob (either's checkpoint), spec or
-    #: spec_opt (the body and GLOB's table at a round boundary; SPEC/SPEC-OPT: each source's table
-    #: by name); not trim. Not used once train.run_dir holds a checkpoint of its own: that one is
-    #: resumed. null = initialise from train.seed.
+    #: any layout; same model and tokenizer; the body (and any global table) at a round boundary.
+    #: std, glob and trim start from a std, glob or trim checkpoint (TRIM's φ is the shared
+    #: table); spec from spec (each source's table by name), std, glob or trim (every source's
+    #: table := the shared table or φ); spec_opt from spec_opt only. Not used once train.run_dir
+    #: holds a checkpoint of its own: that one is resumed. null = initialise from train.seed.
     init_from: Optional[str] = None
-    #: SPEC/SPEC-OPT with train.init_from: a source whose embeddings the checkpoint does not hold is
-    #: an error (error) or seeded as in a new run (fresh).
+    #: SPEC/SPEC-OPT with train.init_from of a spec / spec_opt checkpoint: a source whose embeddings
+    #: the checkpoint does not hold is an error (error) or seeded as in a new run (fresh).
     init_from_new_sources: str = "error"
     #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
     wandb: Optional[str] = None

@@ -13,9 +13,9 @@ from the source); ``dept_mega.train`` says so in its log.
 
 The source must hold the same model: the keys of :data:`MODEL_KEYS` and the tokenizer (the
 embedding rows' tokens) are compared, and a difference names the key; dept.variant may differ
-between std and glob only (the same tensors). Under glob, spec and spec_opt the DEPT rules
-(which body, which tables): ``dept_mega.init_from_dept``. TRIM is refused (its global table φ
-and compact per-source tables are not mapped yet)."""
+as :data:`STARTS_FROM` allows (the variants with one global vocabulary map their tables onto
+each other). The DEPT rules (which body, which tables): ``dept_mega.init_from_dept``; TRIM's
+global tables ↔ a shared table: ``dept_mega.init_from_trim``."""
 from __future__ import annotations
 
 import os
@@ -36,7 +36,12 @@ MODEL_KEYS = ("dept.variant", "model.num_layers", "model.hidden_size", "model.nu
               "model.vocab_size")
 KEY = "train.init_from"
 RECORD = "init_from.json"  # RUN/init_from.json: the checkpoint a run started from (resumes read it again)
-INTERCHANGEABLE = {"std", "glob"}  # variants whose checkpoints hold the same tensors (one shared table)
+# this launch's dept.variant → the variants whose checkpoints it starts from. std / glob hold one
+# shared table, trim its global φ (the same rows, unpadded), spec a table per source of the
+# same global vocabulary (each from a shared table or φ); spec_opt's tables belong to their
+# sources' own tokenizers, and a spec checkpoint holds no single table for std / glob / trim
+STARTS_FROM = {"std": ("std", "glob", "trim"), "glob": ("std", "glob", "trim"), "trim": ("trim", "std", "glob"),
+               "spec": ("spec", "std", "glob", "trim"), "spec_opt": ("spec_opt",)}
 
 
 def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
@@ -65,8 +70,8 @@ def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
 
 def check_source(cfg: Config, path: str) -> None:
     """One ConfigError naming every model key (and the tokenizer) in which the checkpoint
-    ``path`` differs from ``cfg`` (dept.variant among them, except std ↔ glob); a format-1
-    checkpoint is refused."""
+    ``path`` differs from ``cfg`` (dept.variant among them, unless :data:`STARTS_FROM` allows
+    the pair); a format-1 checkpoint is refused."""
     from .manifest import read_manifest
     if read_manifest(path)["format"] == 1:
         raise ConfigError(f"config key '{KEY}': checkpoint {path} has format 1; convert it first: python "
@@ -76,8 +81,9 @@ def check_source(cfg: Config, path: str) -> None:
     now = fingerprint(cfg)
     keys = MODEL_KEYS + (("model.seq_length",) if cfg.model.position_embedding == "learned" else ())
     diffs = [f"config key '{k}': the checkpoint has {old[k]!r}, this launch {now['config'][k]!r}"
+             + (_variant_note(old[k], now["config"][k]) if k == "dept.variant" else "")
              for k in keys if k in old and old[k] != now["config"][k]
-             and not (k == "dept.variant" and {old[k], now["config"][k]} <= INTERCHANGEABLE)]
+             and not (k == "dept.variant" and old[k] in STARTS_FROM.get(now["config"][k], ()))]
     a, b = old_tok.get("data.tokenizer"), now["tokenizers"].get("data.tokenizer")
     if (a is None) != (b is None) or (a is not None and a.get("sha256") != b.get("sha256")):
         diffs.append(f"config key 'data.tokenizer': the checkpoint was trained with "
@@ -89,21 +95,38 @@ def check_source(cfg: Config, path: str) -> None:
                           if len(diffs) > 1 else f"{KEY}: checkpoint {path} holds another model: {diffs[0]}")
 
 
+def _variant_note(old: str, new: str) -> str:
+    """Why checkpoints of dept.variant ``old`` do not start a ``new`` run, and which do."""
+    why = (" (SPEC-OPT's tables belong to each source's own tokenizer)" if new == "spec_opt" else
+           " (its tables belong to its sources' own tokenizers)" if old == "spec_opt" else
+           " (it holds a table per source, no shared one)")
+    return f"; a {new} run starts from a {' / '.join(STARTS_FROM[new])} checkpoint{why}"
+
+
 def init_from(trainer, cfg: Config, device: torch.device, hooks=None) -> str:
     """Load the model weights of ``cfg.train.init_from``'s checkpoint into ``trainer`` (a fresh
     one: step 0, no optimizer state), on every rank; returns the checkpoint's path. ``hooks``:
     the DEPT round driver (its outer references follow the loaded weights; SPEC / SPEC-OPT:
-    the sources' tables, read at their first installation). Errors are agreed: every rank
-    raises the same one."""
+    the sources' tables, read at their first installation; TRIM: its global tables, loaded
+    here). Errors are agreed: every rank raises the same one."""
     from .checkpoint_format import load_entries
     from .init_from_dept import PER_SOURCE, attach, reset_references, weight_entries
+    from .init_from_trim import saved_variant, trim_entries
     from .parallel.agree import agree_errors
     from .run_inputs import input_errors
     path = source_checkpoint(cfg.train.init_from, device)
     agree_errors(lambda: check_source(cfg, path), input_errors(), device)
-    per_source = cfg.dept.variant in PER_SOURCE
+    new, old = cfg.dept.variant, saved_variant(path)
+    per_source = new in PER_SOURCE
     tables = source_tables_of(hooks, cfg, path, device) if per_source else None
-    agree_errors(lambda: load_entries(weight_entries(trainer, path, per_source), path), input_errors(), device)
+
+    def entries() -> list:
+        out = weight_entries(trainer, path, new, old)
+        if new == "trim":  # φ, φ_head, positions: the compact tables are filled from φ at installation
+            out += trim_entries(hooks.strategy, path, old)
+        return out
+
+    agree_errors(lambda: load_entries(entries(), path), input_errors(), device)
     for opt in trainer.optimizers:
         opt.after_checkpoint_load(with_optimizer=False)  # the masters from the loaded weights
     if hooks is not None and hasattr(hooks, "checkpoint_syncs"):

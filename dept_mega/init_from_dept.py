@@ -11,7 +11,11 @@ run starts from (docs/launching.md section 11).
   (``source/{name}/model/embeddings...``). They are read when the new run first installs
   (or evaluates) the source — as a fresh run seeds them then — on the rank that needs them,
   with no collective. A source of this config that the checkpoint does not hold is an error
-  naming it, unless ``train.init_from_new_sources: fresh`` (seeded as in a new run).
+  naming it, unless ``train.init_from_new_sources: fresh`` (seeded as in a new run). SPEC
+  from a STD / GLOB checkpoint: every source's table is its shared table; from TRIM, its φ
+  (``dept_mega.init_from_trim``).
+* TRIM: its global tables φ / φ_head and positions (``dept_mega.init_from_trim``); the
+  compact tables are filled from φ when a source is installed, as in any TRIM run.
 * Never: the outer optimizer's state, the inner optimizers', the round position. The outer
   synchronisations' reference θ_{t-1} is set to the loaded weights (they were built from the
   seeded ones).
@@ -26,25 +30,33 @@ from .manifest import DEPENDS_FILE, LAYOUT_FILE, read_json
 
 KEY = "train.init_from"
 PER_SOURCE = ("spec", "spec_opt")
+OWN_TABLES = PER_SOURCE + ("trim",)  # variants whose model holds a source's embeddings, not a shared table
 WORD = "embeddings.word_embeddings.weight"
 
 
-def weight_entries(trainer, path: str, per_source: bool) -> list:
-    """This rank's boxes of the weights to load, under group-free keys (the values every group
-    held at a round boundary); without the embeddings when each source owns its own. A key the
-    checkpoint holds only per group: a ConfigError (the checkpoint is inside a round)."""
+def weight_entries(trainer, path: str, new: str, old: str) -> list:
+    """This rank's boxes of the weights to load into a ``new``-variant run from checkpoint
+    ``path`` of variant ``old``, under group-free keys (the values every group held at a round
+    boundary). The embeddings: as saved (STD / GLOB from either), from TRIM's tables (STD /
+    GLOB from TRIM: ``init_from_trim.from_phi``), or not here where each source owns its own
+    (SPEC / SPEC-OPT: :class:`SourceTables`) or TRIM's φ feeds them (``init_from_trim``). A
+    key the checkpoint holds only per group: a ConfigError (the checkpoint is inside a round)."""
     from .checkpoint_state import model_entries
+    from .init_from_trim import from_phi
     every = frozenset(id(p) for st in trainer.stages for p in st.parameters())
-    entries = [e for e in model_entries(trainer, optimizer=False, replicated=every)
-               if not (per_source and "/embeddings." in e.key)]
+    entries = model_entries(trainer, optimizer=False, replicated=every)
+    body = [e for e in entries if "/embeddings." not in e.key]
+    embeddings = [] if new in OWN_TABLES else [e for e in entries if "/embeddings." in e.key]
+    if old == "trim":
+        embeddings = from_phi(embeddings, path)
     saved = saved_keys(path)
-    for e in entries:
+    for e in body + embeddings:
         if e.key not in saved and e.key.replace("model/", "model/g0/", 1) in saved:
             local = read_json(path, DEPENDS_FILE).get("config", {}).get("dept.local_steps")
             raise ConfigError(f"config key '{KEY}': checkpoint {path} was taken inside a round, where its source "
                               f"groups hold different values of {e.key[len('model/'):]!r}; name a checkpoint at "
                               f"a round boundary (a step that is a multiple of dept.local_steps={local})")
-    return entries
+    return body + embeddings
 
 
 def reset_references(hooks) -> None:
@@ -59,8 +71,8 @@ class SourceTables:
     fill freshly built embeddings of ``name`` in place (no-op for a source the checkpoint lacks,
     allowed by ``train.init_from_new_sources: fresh``)."""
 
-    def __init__(self, path: str, keys: dict[str, Callable[[str], str]], pg) -> None:
-        self.path, self.keys, self.pg = path, keys, pg
+    def __init__(self, path: str, keys: dict[str, Callable[[str], str]], pg, trim: bool = False) -> None:
+        self.path, self.keys, self.pg, self.trim = path, keys, pg, trim
 
     def __call__(self, name: str, embs: list) -> None:
         if name not in self.keys:
@@ -70,6 +82,9 @@ class SourceTables:
         key_of, pg = self.keys[name], self.pg
         entries = [e for n, p in _emb_params(SourceState(embs))
                    for e in entries_of(key_of(param_key(n, None)), p.data, p, pg.tp_rank, pg.tp_size)]
+        if self.trim:  # every source's table is the TRIM checkpoint's φ
+            from .init_from_trim import from_phi
+            entries = from_phi(entries, self.path)
         load_entries(entries, self.path)
 
 
@@ -93,9 +108,15 @@ def held_sources(path: str) -> dict[str, Callable[[str], str]]:
 def source_tables(cfg: Config, path: str, pg, sources) -> SourceTables:
     """:class:`SourceTables` of ``cfg``'s sources (``sources``: their SourceInfo), checked: each
     is held by the checkpoint (or ``train.init_from_new_sources: fresh``), with a table of its
-    vocabulary size and (SPEC-OPT) the same tokenizer. One ConfigError naming every problem."""
+    vocabulary size and (SPEC-OPT) the same tokenizer. One ConfigError naming every problem.
+    A STD / GLOB checkpoint (SPEC only: the same global tokenizer, ``init_from.check_source``)
+    holds every source's table: its shared one; a TRIM checkpoint its φ (``init_from_trim``)."""
+    from .init_from_trim import SHARED, saved_variant
     from .model.embeddings import padded_vocab_size
     from .resume import fingerprint
+    old = saved_variant(path)
+    if old in SHARED + ("trim",):
+        return SourceTables(path, {s.name: (lambda k: k) for s in sources}, pg, trim=old == "trim")
     held = held_sources(path)
     saved = saved_keys(path)
     depends = read_json(path, DEPENDS_FILE)

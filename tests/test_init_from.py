@@ -102,8 +102,9 @@ def test_another_model_is_refused_naming_the_keys(source, tmp_path):
     os.remove(damaged / "depends.json")
     with pytest.raises(ConfigError, match="config key 'train.init_from': checkpoint .*step_2 is not usable"):
         source_checkpoint(str(damaged))
-    with pytest.raises(ConfigError, match="config key 'train.init_from': not supported with dept.variant=trim"):
-        load_config(cfg_path, ["dept.variant=trim", f"train.init_from={src_run}"])
+    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'std', this launch "
+                                          "'spec_opt'; a spec_opt run starts from a spec_opt checkpoint"):
+        check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), path)
 
 
 def test_a_fresh_run_starts_from_the_weights_and_a_relaunch_resumes_itself(source, tmp_path):

@@ -54,13 +54,14 @@ def _loaded(cfg_path: str, src: str, overrides: list[str], run_dir: str) -> dict
     from dept_mega.dept.store import SourceState
     from dept_mega.init_from import init_from
     from dept_mega.init_from_dept import held_sources, weight_entries
+    from dept_mega.init_from_trim import saved_variant
     from dept_mega.train import build_session
     cfg = load_config(cfg_path, [f"train.init_from={src}", f"train.run_dir={run_dir}", *overrides])
     session = build_session(cfg, metrics=False)
     tr, hooks = session.trainer, session.loop.hooks
     path = init_from(tr, cfg, session.device, hooks)
     per_source = cfg.dept.variant == "spec_opt"
-    entries = weight_entries(tr, path, per_source)
+    entries = weight_entries(tr, path, cfg.dept.variant, saved_variant(path))
     full = read_full(path, sorted({e.key for e in entries}))
     out = {"groups": tr.pg.num_groups, "step": tr.step, "n": len(entries),
            "embeddings": sum("/embeddings." in e.key for e in entries),
@@ -113,8 +114,6 @@ def test_std_and_glob_checkpoints_start_each_other(glob_source, tmp_path):
     with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'glob', this launch "
                                           "'spec_opt'"):
         check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), path)
-    with pytest.raises(ConfigError, match="not supported with dept.variant=trim"):
-        load_config(cfg_path, ["dept.variant=trim", f"train.init_from={src_run}"])
 
 
 def _with_source_c(cfg_path: str, tmp_path) -> str:
