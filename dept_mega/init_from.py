@@ -27,7 +27,8 @@ import torch
 from .config import Config, ConfigError
 from .manifest import DEPENDS_FILE, CheckpointError, read_json
 from .parallel.agree import is_agreed, mark_agreed
-from .resume import CKPT_DIR, fingerprint, select_checkpoint, step_dir
+from .config_diff import check_differing
+from .resume import CKPT_DIR, depends_differences, fingerprint, select_checkpoint, step_dir
 
 # what the weights' shapes and meaning depend on (model.seq_length only with a learned position table)
 MODEL_KEYS = ("dept.variant", "model.num_layers", "model.hidden_size", "model.num_attention_heads",
@@ -76,23 +77,12 @@ def check_source(cfg: Config, path: str) -> None:
     if read_manifest(path)["format"] == 1:
         raise ConfigError(f"config key '{KEY}': checkpoint {path} has format 1; convert it first: python "
                           f"tools/convert_checkpoint.py --run-dir {os.path.dirname(os.path.dirname(path))}")
-    saved = read_json(path, DEPENDS_FILE)
-    old, old_tok = saved.get("config", {}), saved.get("tokenizers", {})
-    now = fingerprint(cfg)
     keys = MODEL_KEYS + (("model.seq_length",) if cfg.model.position_embedding == "learned" else ())
-    diffs = [f"config key '{k}': the checkpoint has {old[k]!r}, this launch {now['config'][k]!r}"
-             + (_variant_note(old[k], now["config"][k]) if k == "dept.variant" else "")
-             for k in keys if k in old and old[k] != now["config"][k]
-             and not (k == "dept.variant" and old[k] in STARTS_FROM.get(now["config"][k], ()))]
-    a, b = old_tok.get("data.tokenizer"), now["tokenizers"].get("data.tokenizer")
-    if (a is None) != (b is None) or (a is not None and a.get("sha256") != b.get("sha256")):
-        diffs.append(f"config key 'data.tokenizer': the checkpoint was trained with "
-                     f"{'no tokenizer' if a is None else repr(a.get('path'))}, this launch has "
-                     f"{'none' if b is None else repr(b['path'])}"
-                     + ("" if a is None or b is None else " (another file content)"))
-    if diffs:
-        raise ConfigError(f"{KEY}: checkpoint {path} holds another model:\n  " + "\n  ".join(diffs)
-                          if len(diffs) > 1 else f"{KEY}: checkpoint {path} holds another model: {diffs[0]}")
+    saved, now = read_json(path, DEPENDS_FILE), fingerprint(cfg)
+    rows = depends_differences(saved, now, keys, ("data.tokenizer",),
+                               lambda key, a, b: key == "dept.variant" and a in STARTS_FROM.get(b, ()))
+    check_differing([(k, what + (_variant_note(saved["config"][k], now["config"][k]) if k == "dept.variant" else ""))
+                     for k, what in rows], f"from checkpoint {path}", f"{KEY} needs a checkpoint of the same model")
 
 
 def _variant_note(old: str, new: str) -> str:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from .checkpoint_format import entries_of, load_entries, param_key, saved_keys, source_key, with_group
 from .config import Config, ConfigError
+from .config_diff import both, check_differing
 from .manifest import DEPENDS_FILE, LAYOUT_FILE, read_json
 
 KEY = "train.init_from"
@@ -123,29 +124,27 @@ def source_tables(cfg: Config, path: str, pg, sources) -> SourceTables:
     old_names = depends.get("config", {}).get("data.sources") or []
     old_tok, new_tok = depends.get("tokenizers", {}), fingerprint(cfg)["tokenizers"]
     fresh = cfg.train.init_from_new_sources == "fresh"
-    problems = []
+    rows = []  # (config key, what)
     for i, s in enumerate(sources):
         if s.name not in held:
             if not fresh:
-                problems.append(f"source {s.name!r}: checkpoint {path} holds no embeddings of it (its run "
-                                f"{'never trained it' if s.name in old_names else 'had no such source'}); "
-                                f"train.init_from_new_sources: fresh seeds it as a new run would")
+                rows.append((f"data.sources[{i}]", f"source {s.name!r}: the checkpoint holds no embeddings of it (its "
+                             f"run {'never trained it' if s.name in old_names else 'had no such source'}); "
+                             f"train.init_from_new_sources: fresh seeds it as a new run would"))
             continue
         key = held[s.name](param_key(WORD, None))
         want = padded_vocab_size(s.vocab_size, 1)
         if key in saved and saved[key][0] != want:
-            problems.append(f"source {s.name!r}: checkpoint key {key!r} has {saved[key][0]} rows, this launch's "
-                            f"vocabulary of {s.vocab_size} needs {want}")
+            rows.append((f"data.sources[{i}]", f"source {s.name!r}: checkpoint key {key!r} has {saved[key][0]} rows, "
+                         f"this launch's vocabulary of {s.vocab_size} needs {want}"))
         if cfg.dept.variant == "spec_opt" and s.name in old_names:
-            a = old_tok.get(f"data.sources[{old_names.index(s.name)}].tokenizer")
-            b = new_tok.get(f"data.sources[{i}].tokenizer")
-            if (a or {}).get("sha256") != (b or {}).get("sha256"):
-                problems.append(f"source {s.name!r}: config key 'data.sources[{i}].tokenizer': the checkpoint's "
-                                f"embeddings were trained with {(a or {}).get('path')!r}, this launch has "
-                                f"{(b or {}).get('path')!r} (another vocabulary)")
-    if problems:
-        raise ConfigError(f"{KEY}: checkpoint {path}: " + ("\n  ".join([""] + problems) if len(problems) > 1
-                                                           else problems[0]))
+            a = old_tok.get(f"data.sources[{old_names.index(s.name)}].tokenizer") or {}
+            b = new_tok.get(f"data.sources[{i}].tokenizer") or {}
+            if a.get("sha256") != b.get("sha256"):
+                rows.append((f"data.sources[{i}].tokenizer", f"source {s.name!r}: " + both(
+                    a.get("path"), b.get("path"), ("the checkpoint's embeddings were trained with", "this launch has"))
+                    + " (another vocabulary)"))
+    check_differing(rows, f"from checkpoint {path}", f"{KEY} takes each source's embeddings from it")
     return SourceTables(path, held, pg)
 
 

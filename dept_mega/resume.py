@@ -18,12 +18,13 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError
+from .config import Config
+from .config_diff import both, check_differing
 from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
 from .parallel.agree import all_gather_text, first_problem, mark_agreed
 
@@ -190,33 +191,29 @@ def check_depends(cfg: Config, path: str, cache: Optional[dict] = None, remedy: 
     values (the :data:`DEPENDS_KEYS` in their order, then the tokenizer keys sorted): a launch
     that changed three keys learns all three at once, not one per relaunch. ``remedy``: what the
     message tells the user to do (default: a training launch's, resume or a new run directory)."""
-    saved = read_json(path, DEPENDS_FILE)
-    now = fingerprint(cfg, cache)
+    check_differing(depends_differences(read_json(path, DEPENDS_FILE), fingerprint(cfg, cache)),
+                    f"from checkpoint {path}", remedy or "resume with the checkpoint's values, or start a new "
+                    "train.run_dir")
+
+
+def depends_differences(saved: Any, now: dict, keys: tuple = DEPENDS_KEYS, tokenizers: Optional[tuple] = None,
+                        same: Optional[Callable[[str, Any, Any], bool]] = None) -> list[tuple[str, str]]:
+    """(key, both values) for each of ``keys`` whose value in ``depends.json`` (``saved``) this
+    launch's :func:`fingerprint` (``now``) changes, then for each tokenizer key (those in
+    ``tokenizers``; None: all) whose file content changes. A key the checkpoint does not record
+    is not compared; ``same(key, old, new)`` True: a change that does not count."""
     old_cfg = saved.get("config", {}) if isinstance(saved, dict) else {}
     old_tok = saved.get("tokenizers", {}) if isinstance(saved, dict) else {}
-    diffs = _differences(old_cfg, old_tok, now)
-    if not diffs:
-        return
-    if len(diffs) == 1:
-        key, what = diffs[0]
-        raise ConfigError(f"config key '{key}': checkpoint {path} {what}; "
-                          + (remedy or "resume with the checkpoint's value, or start a new train.run_dir"))
-    raise ConfigError(f"{len(diffs)} config keys differ from checkpoint {path}; "
-                      + (remedy or "resume with the checkpoint's values, or start a new train.run_dir") + ":\n"
-                      + "\n".join(f"  config key '{key}': the checkpoint {what}" for key, what in diffs))
-
-
-def _differences(old_cfg: dict, old_tok: dict, now: dict) -> list[tuple[str, str]]:
-    """(key, "was written with A, this launch has B") for each key of ``depends.json`` whose
-    value this launch changes; a key the checkpoint does not record is not compared."""
-    out = [(key, f"was written with {old_cfg[key]!r}, this launch has {now['config'][key]!r}")
-           for key in DEPENDS_KEYS if key in old_cfg and old_cfg[key] != now["config"][key]]
-    for key in sorted(set(old_tok) | set(now["tokenizers"])):
+    out = [(key, both(old_cfg[key], now["config"][key])) for key in keys
+           if key in old_cfg and old_cfg[key] != now["config"][key]
+           and not (same is not None and same(key, old_cfg[key], now["config"][key]))]
+    for key in sorted(k for k in set(old_tok) | set(now["tokenizers"]) if tokenizers is None or k in tokenizers):
         a, b = old_tok.get(key), now["tokenizers"].get(key)
         if a is None or b is None:
-            out.append((key, f"was written {'without it' if a is None else 'with ' + repr(a.get('path'))}, this "
-                             f"launch {'has none' if b is None else 'gives ' + repr(b['path'])}"))
+            out.append((key, f"the checkpoint was trained with {'no tokenizer' if a is None else repr(a.get('path'))}, "
+                             f"this launch has {'none' if b is None else repr(b['path'])}"))
         elif a.get("sha256") != b["sha256"]:
-            out.append((key, f"was trained with tokenizer {a.get('path')!r} (sha256 {str(a.get('sha256'))[:12]}), "
-                             f"this launch gives {b['path']!r} (sha256 {str(b['sha256'])[:12]}): another vocabulary"))
+            out.append((key, f"the checkpoint was trained with tokenizer {a.get('path')!r} (sha256 "
+                             f"{str(a.get('sha256'))[:12]}), this launch gives {b['path']!r} (sha256 "
+                             f"{str(b['sha256'])[:12]}): another vocabulary"))
     return out

@@ -41,6 +41,6 @@ def test_evaluate_a_pipeline_run_in_one_process(tmp_path, capsys, monkeypatch):
     os.remove(out)
     assert evaluate_cli.main(["--run-dir", run, "--out", out, "parallel.pipeline=1", f"data.sources={fewer}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: config key 'data.sources': checkpoint "), err
+    assert err.startswith("error: config key 'data.sources' differs from checkpoint "), err
     assert err.endswith(evaluate_cli.NOT_THE_RUNS_CONFIG) and "python -m dept_mega.adapt" in err, err
     assert "train.run_dir" not in err and not os.path.exists(out)

@@ -45,7 +45,7 @@ def test_bad_input(tmp_path, monkeypatch):
                      diff.launch(cfg, str(tmp_path / "diff1"), 1, "dept.outer_optimizer.lr=0.5", **two)],
         }
         outs = {k: finish_all(ps) for k, ps in procs.items()}
-    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
+    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer' differs"}
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
@@ -152,10 +152,10 @@ def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
     joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])
     peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
     check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
-    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': 0\.001 here, "
-                                          r"0\.003 in the running groups"):
+    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': this job has "
+                                          r"0\.001, the running groups have 0\.003"):
         check_agree(joining, peer)
-    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups' \(federation"):
+    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups'; federation"):
         check_agree(joining, {"agree": peer["agree"]})
 
 
@@ -169,19 +169,19 @@ def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
     running = load_config(write_config(str(tmp_path)), fed)
     joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
                                                         "dept.local_steps=3", "optim.min_lr=0.0001"])
-    rule = "(federation: every group job needs the same value)"
+    rule = "; federation: every group job needs the same value"
     with pytest.raises(ConfigError) as exc:
         check_agree(joining, {"agree": agree_hashes(running), "agree_values": agree_values(running)})
     r = running
     assert str(exc.value).split("\n") == [
-        f"4 config keys differ from the running groups' {rule}:",
-        f"  config key 'dept.local_steps': 3 here, {r.dept.local_steps} in the running groups",
-        f"  config key 'train.seed': 7 here, {r.train.seed} in the running groups",
-        f"  config key 'optim.lr': 0.001 here, {r.optim.lr} in the running groups",
-        f"  config key 'optim.min_lr': 0.0001 here, {r.optim.min_lr} in the running groups"]
+        f"4 config keys differ from the running groups'{rule}:",
+        f"  config key 'dept.local_steps': this job has 3, the running groups have {r.dept.local_steps}",
+        f"  config key 'train.seed': this job has 7, the running groups have {r.train.seed}",
+        f"  config key 'optim.lr': this job has 0.001, the running groups have {r.optim.lr}",
+        f"  config key 'optim.min_lr': this job has 0.0001, the running groups have {r.optim.min_lr}"]
     with pytest.raises(ConfigError) as exc:
         check_agree(joining, {"agree": agree_hashes(running)})
-    assert str(exc.value).split("\n") == [f"3 config keys differ from the running groups' {rule}:",
+    assert str(exc.value).split("\n") == [f"3 config keys differ from the running groups'{rule}:",
                                           "  config key 'dept.local_steps'", "  config key 'train.seed'",
                                           "  config key 'optim'"]
 
@@ -216,8 +216,8 @@ def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
     with pytest.raises(ConfigError) as exc:
         quorum(load_config(write_config(str(tmp_path)), fed))._check_agree(0)
     head, *lines = str(exc.value).split("\n")
-    assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs ("), head
+    assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs; federation: "), head
     assert "compare the jobs' train.run_dir/config.yaml" in head and lines == ["  config key 'train.seed'",
                                                                                "  config key 'optim'"], lines
-    with pytest.raises(ConfigError, match=r"^config key 'optim': differs between the group jobs \(federation"):
+    with pytest.raises(ConfigError, match=r"^config key 'optim' differs between the group jobs; federation"):
         quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree(0)

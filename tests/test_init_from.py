@@ -86,10 +86,11 @@ def test_another_model_is_refused_naming_the_keys(source, tmp_path):
     with pytest.raises(ConfigError) as exc:
         check_source(cfg, path)
     msg = str(exc.value)
-    assert "holds another model:" in msg and "config key 'model.hidden_size': the checkpoint has 32, this launch 64" \
-        in msg and "config key 'model.activation'" in msg, msg
+    assert msg.startswith(f"2 config keys differ from checkpoint {path}; train.init_from needs a checkpoint of the "
+                          "same model:\n") and "config key 'model.hidden_size': the checkpoint has 32, this launch " \
+        "has 64" in msg and "config key 'model.activation'" in msg, msg
     cfg = load_config(cfg_path, ["data.tokenizer=null", "model.vocab_size=120"])
-    with pytest.raises(ConfigError, match=r"config key 'data.tokenizer': the checkpoint was trained with '.*tiny"):
+    with pytest.raises(ConfigError, match=r"config key 'data.tokenizer'.*: the checkpoint was trained with '.*tiny"):
         check_source(cfg, path)
     with pytest.raises(ConfigError, match="config key 'train.init_from': .* holds no checkpoint"):
         source_checkpoint(str(tmp_path))
@@ -102,7 +103,7 @@ def test_another_model_is_refused_naming_the_keys(source, tmp_path):
     os.remove(damaged / "depends.json")
     with pytest.raises(ConfigError, match="config key 'train.init_from': checkpoint .*step_2 is not usable"):
         source_checkpoint(str(damaged))
-    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'std', this launch "
+    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'std', this launch has "
                                           "'spec_opt'; a spec_opt run starts from a spec_opt checkpoint"):
         check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), path)
 
@@ -135,6 +136,6 @@ def test_a_fresh_run_starts_from_the_weights_and_a_relaunch_resumes_itself(sourc
     other = str(tmp_path / "other")
     r = _train_here("--config", cfg_path, *common, "train.steps=1", f"train.run_dir={other}",
                     f"train.init_from={src_run}", "model.ffn_hidden_size=96")
-    assert r.returncode == 2 and "config key 'model.ffn_hidden_size': the checkpoint has 64, this launch 96" \
-        in r.stderr, r.stderr
+    assert r.returncode == 2 and "config key 'model.ffn_hidden_size' differs from checkpoint " in r.stderr \
+        and ": the checkpoint has 64, this launch has 96; train.init_from needs" in r.stderr, r.stderr
     assert not os.path.exists(os.path.join(other, "config.yaml"))  # written only once a launch is accepted

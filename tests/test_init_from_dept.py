@@ -111,7 +111,7 @@ def test_std_and_glob_checkpoints_start_each_other(glob_source, tmp_path):
     check_source(load_config(cfg_path, ["dept.variant=std"]), path)  # the same tensors: accepted
     r = _loaded(cfg_path, src_run, ["dept.variant=std"], str(tmp_path / "std"))
     assert r["equal"] and r["embeddings"] > 0
-    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'glob', this launch "
+    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'glob', this launch has "
                                           "'spec_opt'"):
         check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), path)
 
@@ -134,7 +134,8 @@ def test_spec_opt_tables_by_source_and_a_new_source(spec_opt_source, tmp_path):
         assert r["held"] and set(r["tables"]) == {"a", "b"}
         assert all(r["tables"][n] for n in r["held"]), r["tables"]
     three = _with_source_c(cfg_path, tmp_path)
-    with pytest.raises(ConfigError, match="source 'c': checkpoint .* holds no embeddings of it \\(its run had no "
+    with pytest.raises(ConfigError, match="config key 'data.sources\\[2\\]' differs from checkpoint .*: source 'c': "
+                                          "the checkpoint holds no embeddings of it \\(its run had no "
                                           "such source\\); train.init_from_new_sources: fresh"):
         _loaded(three, src_run, [], str(tmp_path / "err"))
     r = _loaded(three, src_run, ["train.init_from_new_sources=fresh"], str(tmp_path / "fresh"))

@@ -178,7 +178,7 @@ def test_still_refused(runs):
     TRIM from a checkpoint with a table per source: one error naming dept.variant and why."""
     from dept_mega.init_from import check_source, source_checkpoint
     cfg_path, std, trim, _ = runs
-    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'trim', this launch "
+    with pytest.raises(ConfigError, match="config key 'dept.variant': the checkpoint has 'trim', this launch has "
                                           "'spec_opt'; a spec_opt run starts from a spec_opt checkpoint"):
         check_source(load_config(cfg_path, ["dept.variant=spec_opt"]), source_checkpoint(trim))
     from dept_mega.manifest import DEPENDS_FILE
@@ -191,6 +191,7 @@ def test_still_refused(runs):
         dep = json.load(open(os.path.join(path, DEPENDS_FILE)))
         dep["config"]["dept.variant"] = "spec"
         json.dump(dep, open(os.path.join(path, DEPENDS_FILE), "w"))
-        with pytest.raises(ConfigError, match="the checkpoint has 'spec', this launch 'trim'; a trim run starts "
-                                              "from a trim / std / glob checkpoint \\(it holds a table per source"):
+        with pytest.raises(ConfigError, match="the checkpoint has 'spec', this launch has 'trim'; a trim run "
+                                              "starts from a trim / std / glob checkpoint \\(it holds a table per "
+                                              "source"):
             check_source(load_config(cfg_path, ["dept.variant=trim"]), path)

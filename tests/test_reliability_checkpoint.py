@@ -219,17 +219,17 @@ def test_tokenizer_is_checked_by_content(base_run, tmp_path, monkeypatch):
     shutil.copy(cfg.data.tokenizer, moved)
     check_depends(load_config(TINY_STD, [f"data.tokenizer={moved}"]), _step(base_run, 6))
     other = "examples/data/build/tok/en.model"
-    with pytest.raises(ConfigError, match=r"^config key 'data.tokenizer': .*en.model"):
+    with pytest.raises(ConfigError, match=r"^config key 'data.tokenizer' differs .*en.model"):
         check_depends(load_config(TINY_STD, [f"data.tokenizer={other}"]), _step(base_run, 6))
 
 
 @pytest.mark.parametrize("overrides,want", [
     (["dept.local_steps=4", "model.hidden_size=128"],
-     ["config key 'model.hidden_size': the checkpoint was written with 64, this launch has 128",
-      "config key 'dept.local_steps': the checkpoint was written with 100, this launch has 4"]),
+     ["config key 'model.hidden_size': the checkpoint has 64, this launch has 128",
+      "config key 'dept.local_steps': the checkpoint has 100, this launch has 4"]),
     (["data.tokenizer=examples/data/build/tok/en.model", "model.seq_length=32", "model.num_layers=3"],
-     ["config key 'model.num_layers': the checkpoint was written with 2, this launch has 3",
-      "config key 'model.seq_length': the checkpoint was written with 64, this launch has 32",
+     ["config key 'model.num_layers': the checkpoint has 2, this launch has 3",
+      "config key 'model.seq_length': the checkpoint has 64, this launch has 32",
       "config key 'data.tokenizer': the checkpoint was trained with tokenizer "]),
 ])
 def test_every_changed_key_is_named_at_once(base_run, monkeypatch, overrides, want):

@@ -208,7 +208,7 @@ def test_check_against_the_checkpoint_it_would_resume(tmp_path, trained):
     assert f"resume: from {step}; the model, DEPT, source and tokenizer keys it depends on match" in ok.stdout
     bad = _train_here("--config", cfg, "train.steps=8", "dept.local_steps=4", "--check", "--world-size", "1")
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        f"error: config key 'dept.local_steps': checkpoint {step} was written with 2, this launch has 4; "
-        f"resume with the checkpoint's value, or start a new train.run_dir"), bad.stderr
+        f"error: config key 'dept.local_steps' differs from checkpoint {step}: the checkpoint has 2, this launch "
+        f"has 4; resume with the checkpoint's values, or start a new train.run_dir"), bad.stderr
     fresh = _train_here("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
     assert fresh.returncode == 0 and "resume:" not in fresh.stdout, fresh.stderr

@@ -54,6 +54,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
+from ..config_diff import check_differing
 from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
@@ -345,13 +346,9 @@ class Federation:
         hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
         # every rank of this job holds the same config and round, so every rank raises the same error
         keys = [key for i, key in enumerate(AGREE_KEYS) if hi[i] != lo[i]]
-        where = ("federation: every group job needs the same value; only hashes are compared here: compare "
-                 "the jobs' train.run_dir/config.yaml")
-        if len(keys) == 1:
-            raise mark_agreed(ConfigError(f"config key '{keys[0]}': differs between the group jobs ({where})"))
-        if keys:
-            raise mark_agreed(ConfigError(f"{len(keys)} config keys differ between the group jobs ({where}):\n"
-                                          + "\n".join(f"  config key '{k}'" for k in keys)))
+        check_differing([(key, "") for key in keys], "between the group jobs", "federation: every group job needs the "
+                        "same value; only hashes are compared here: compare the jobs' train.run_dir/config.yaml",
+                        agreed=True)
         if hi[-1] != lo[-1]:
             raise mark_agreed(ConfigError(
                 f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "

@@ -12,7 +12,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Optional
 
 from ..config import ConfigError, source_groups
-from .federation_log import differences
+from ..config_diff import both, check_differing, differences
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -55,16 +55,11 @@ def check_agree(cfg, peer: dict) -> None:
     values, own = peer.get("agree_values"), agree_values(cfg)
     keys = [i for i, (a, b) in enumerate(zip(_hashes(own), peer["agree"])) if a != b]
     if values:  # each field that differs (a key whose hash differs but whose values do not: the key, both values)
-        rows = [(AGREE_KEYS[i] + where, f": {mine!r} here, {theirs!r} in the running groups") for i in keys
+        rows = [(AGREE_KEYS[i] + where, both(mine, theirs, ("this job has", "the running groups have"))) for i in keys
                 for where, mine, theirs in (differences(own[i], values[i]) or [("", own[i], values[i])])]
     else:
         rows = [(AGREE_KEYS[i], "") for i in keys]
-    rule = "federation: every group job needs the same value"
-    if len(rows) == 1:
-        raise ConfigError(f"config key '{rows[0][0]}' differs from the running groups'{rows[0][1]} ({rule})")
-    if rows:
-        raise ConfigError(f"{len(rows)} config keys differ from the running groups' ({rule}):\n"
-                          + "\n".join(f"  config key '{key}'{what}" for key, what in rows))
+    check_differing(rows, "from the running groups'", "federation: every group job needs the same value")
 
 
 def resolve(cfg) -> Optional[tuple[int, str, int]]:

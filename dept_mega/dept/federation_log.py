@@ -52,19 +52,6 @@ def first_line(error: object) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
 
 
-def differences(mine, theirs, where: str = "") -> list[tuple[str, object, object]]:
-    """Every place two JSON values differ, in a stable order (dict keys sorted, list items in
-    order): [(``.lr`` / ``[2]`` / ``""``, mine, theirs), ...]; [] where they are equal."""
-    if mine == theirs:
-        return []
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        return [d for k in sorted(set(mine) | set(theirs))
-                for d in differences(mine.get(k), theirs.get(k), f"{where}.{k}")]
-    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
-        return [d for i, (a, b) in enumerate(zip(mine, theirs)) for d in differences(a, b, f"{where}[{i}]")]
-    return [(where, mine, theirs)]
-
-
 def membership_line(round_index: int, groups: list, before: list, healed: bool = False) -> str:
     """``federation: round 14: groups [0, 1] (left: 2)``: a change of the groups taking part."""
     joined = sorted(set(groups) - set(before))
