@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 
 from .config import Config, ConfigError
+from .config_diff import check_differing
 from .manifest import DEPENDS_FILE, CheckpointError, read_json
 from .parallel.agree import is_agreed, mark_agreed
-from .config_diff import check_differing
 from .resume import CKPT_DIR, depends_differences, fingerprint, select_checkpoint, step_dir
 
 # what the weights' shapes and meaning depend on (model.seq_length only with a learned position table)

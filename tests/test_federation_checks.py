@@ -89,26 +89,18 @@ def test_refused_in_federation_mode(tmp_path, override, want):
 
 def test_what_a_group_job_logs(monkeypatch):
     """The job's own lines (dept/federation_log.py): a membership change, a failed exchange's
-    error in one line, "still waiting" lines only while a wait lasts, the lighthouse's own
-    status in them, and torchft's noise kept out."""
+    error in one line, the lighthouse's own status in the "still waiting" line, and torchft's
+    noise kept out."""
     import logging
 
-    from dept_mega.dept.federation_log import (Waiting, first_line, lighthouse_status, membership_line,
-                                               quiet_torchft, quorum_wait_line)
+    from dept_mega.dept.federation_log import (first_line, lighthouse_status, membership_line, quiet_torchft,
+                                               quorum_wait_line)
     assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
     assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
     assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
             == "federation: round 27: groups [0, 1, 2, 3] (joined: 2, 3; this job healed from a live peer)")
     assert first_line(RuntimeError("\n  peer closed [127.0.0.1]:5\nTraceback (most recent call last):\n  x")) \
         == "peer closed [127.0.0.1]:5"
-    said = []
-    with Waiting(said.append, lambda s: f"waited {s:.2f}", every=0.05):
-        time.sleep(0.3)
-    assert len(said) >= 3 and all(line.startswith("waited ") for line in said), said
-    said.clear()
-    with Waiting(said.append, lambda s: "never", every=5):
-        pass
-    assert said == []
     with federation(min_groups=2) as jobs:
         addr = jobs.lh.addr
         assert "participants healthy" in lighthouse_status(addr), lighthouse_status(addr)
@@ -142,37 +134,65 @@ def test_what_a_group_job_logs(monkeypatch):
     assert [r.getMessage() for r in records] == lines and all(r.exc_info is None for r in records)
 
 
-def test_a_joining_group_with_another_config_is_told_which_field(tmp_path):
-    """A healing group's agreed keys against its peer's: the first field that differs and both
-    values (a peer that sends only hashes: the key)."""
-    from dept_mega.config import ConfigError, load_config
-    from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
-    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
-    running = load_config(write_config(str(tmp_path)), fed)
-    joining = load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"])
-    peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
-    check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
-    with pytest.raises(ConfigError, match=r"config key 'optim\.lr' differs from the running groups': this job has "
-                                          r"0\.001, the running groups have 0\.003"):
-        check_agree(joining, peer)
-    with pytest.raises(ConfigError, match=r"config key 'optim' differs from the running groups'; federation"):
-        check_agree(joining, {"agree": peer["agree"]})
+def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
+    """The "still waiting" line comes from the polls of dept/federation_wait.preemptible: every
+    WAIT_EVERY_S (30 s) while torchft's quorum blocks, with or without a preemption handler;
+    nothing when it returns sooner; the quorum's result and error come through. Through
+    Federation._quorum: the line is quorum_wait_line's, asked for on rank 0 only (``say`` None)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept import federation as fed
+    from dept_mega.dept.federation_wait import preemptible
+    assert fed.WAIT_EVERY_S == 30
+    cpu = torch.device("cpu")
+    for preemption in (None, SimpleNamespace(signal=None)):  # (one process: the agreement is local)
+        said = []
+        assert preemptible(lambda: time.sleep(0.3) or 5, preemption, cpu, "w", True, said.append, 0.01, 0.05) == 5
+        assert len(said) >= 3 and said == sorted(said) and said[0] >= 0.05, said
+        said.clear()
+        assert preemptible(lambda: 6, preemption, cpu, "w", True, said.append, every=5) == 6 and said == []
+        with pytest.raises(KeyError, match="x"):
+            preemptible(lambda: {}["x"], preemption, cpu, "w", True, said.append)
+    monkeypatch.setattr(fed, "WAIT_EVERY_S", 0.05)
+    asked = []
+    monkeypatch.setattr(fed, "quorum_wait_line", lambda *a: asked.append(a) or f"waiting {a[1]:.2f} s")
+    for said in ([], None):  # rank 0, another rank
+        job = object.__new__(fed.Federation)
+        job.round, job.least, job.where, job._loop, job.device = 3, 2, "127.0.0.1:1", None, cpu
+        job.say = said.append if said is not None else None
+        job.manager = SimpleNamespace(start_quorum=lambda: time.sleep(1.2), errored=lambda: None,
+                                      num_participants=lambda: 2)
+        job.process_group, job.pg = SimpleNamespace(quorum_ranks=[0, 1]), SimpleNamespace(group_size=1, rank=0)
+        job._quorum()
+        assert job.members == [0, 1]
+        if said is not None:
+            assert len(said) >= 2 and all(line.startswith("waiting ") for line in said), said  # (polls: 0.5 s)
+            assert all(a[0] == 3 and a[2:] == (2, "127.0.0.1:1") for a in asked), asked
+            asked.clear()
+    assert asked == []
 
 
 def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
-    """Several fields differ (two inside one agreed key): one ConfigError, one line per field
-    with both values, in AGREE_KEYS order and the fields sorted within a key; a peer that sends
-    only hashes: how many keys differ and each key."""
+    """A healing group's agreed keys against its peer's: one ConfigError, one line per field
+    with both values, in AGREE_KEYS order and the fields sorted within a key (one field: one
+    line); a peer that sends only hashes: how many keys differ and each key."""
     from dept_mega.config import ConfigError, load_config
     from dept_mega.dept.federation_config import agree_hashes, agree_values, check_agree
     fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
-    running = load_config(write_config(str(tmp_path)), fed)
-    joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
-                                                        "dept.local_steps=3", "optim.min_lr=0.0001"])
+    r = running = load_config(write_config(str(tmp_path)), fed)
+    peer = {"agree": agree_hashes(running), "agree_values": agree_values(running)}
+    check_agree(load_config(write_config(str(tmp_path)), [fed[0], "federation.group=2", fed[2]]), peer)  # the same keys
     rule = "; federation: every group job needs the same value"
     with pytest.raises(ConfigError) as exc:
-        check_agree(joining, {"agree": agree_hashes(running), "agree_values": agree_values(running)})
-    r = running
+        check_agree(load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"]), peer)
+    assert str(exc.value) == f"config key 'optim.lr' differs from the running groups': this job has 0.001, the " \
+        f"running groups have {r.optim.lr}{rule}"
+    joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
+                                                        "dept.local_steps=3", "optim.min_lr=0.0001"])
+    with pytest.raises(ConfigError) as exc:
+        check_agree(joining, peer)
     assert str(exc.value).split("\n") == [
         f"4 config keys differ from the running groups'{rule}:",
         f"  config key 'dept.local_steps': this job has 3, the running groups have {r.dept.local_steps}",

@@ -58,7 +58,7 @@ from ..config_diff import check_differing
 from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
+from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_torchft,
                              quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
@@ -180,9 +180,9 @@ class Federation:
         what = (f"waiting for a quorum at round {self.round}" if synced else
                 f"waiting for a quorum to redo round {self.round}'s exchange")
         for attempt in range(1, QUORUM_TRIES + 1):
-            with Waiting(self.say, lambda s: quorum_wait_line(self.round, s, self.least, self.where)):
-                preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what,
-                            synced)
+            say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where))) if self.say else None
+            preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
+                        say, every=WAIT_EVERY_S)
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 #: seconds between the "still waiting" lines of a quorum that takes long (the first after this too)
 WAIT_EVERY_S = 30.0
@@ -95,35 +93,3 @@ def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: s
     return (f"federation: round {round_index}: waiting {seconds:.0f} s for a quorum of at least {min_groups} "
             f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
             "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
-
-
-class Waiting:
-    """While a blocking call runs (torchft's quorum), a line every ``every`` seconds saying what
-    is waited for and for how long; nothing when it returns sooner.
-
-        with Waiting(log, lambda s: f"... {s:.0f} s ..."):
-            manager.start_quorum()
-    """
-
-    def __init__(self, log: Optional[Callable[[str], None]], message: Callable[[float], str],
-                 every: float = WAIT_EVERY_S) -> None:
-        self.log, self.message, self.every = log, message, every
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def __enter__(self) -> "Waiting":
-        if self.log is not None:
-            t0 = time.monotonic()
-
-            def run() -> None:
-                while not self._stop.wait(self.every):
-                    self.log(self.message(time.monotonic() - t0))
-
-            self._thread = threading.Thread(target=run, name="federation-waiting", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()

@@ -13,17 +13,20 @@ every rank of the job (torchft's quorum is a collective of the replica group), s
 match. A preemption agreed while some rank still waits raises
 :class:`~dept_mega.preemption.PreemptedWait`; the helper thread is left blocked (a daemon: it
 ends with the process), and the other groups see this one as gone when its heartbeats stop, as
-after any kill.
+after any kill. The same polls print the "still waiting for a quorum" line (rank 0, every
+:data:`~dept_mega.dept.federation_log.WAIT_EVERY_S` seconds), with or without a preemption handler.
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..parallel.agree import world_max
 from ..preemption import PreemptedWait
+from .federation_log import WAIT_EVERY_S
 
 #: seconds between the preemption checks of a wait (a quorum that forms at once costs one check)
 POLL_S = 0.5
@@ -37,11 +40,14 @@ QUORUM_TRIES = 3
 
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
-                poll_s: float = POLL_S) -> Any:
+                say: Optional[Callable[[float], None]] = None, poll_s: float = POLL_S,
+                every: float = WAIT_EVERY_S) -> Any:
     """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
     any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank.
-    ``preemption`` None: ``fn()`` as it is. ``fn``'s exception is raised here."""
-    if preemption is None:
+    ``say(seconds)`` every ``every`` seconds while this rank waits (the "still waiting" line;
+    nothing when ``fn`` returns sooner). ``preemption`` None: no agreement (and, without ``say``,
+    ``fn()`` as it is). ``fn``'s exception is raised here."""
+    if preemption is None and say is None:
         return fn()
     result: dict[str, Any] = {}
     done = threading.Event()
@@ -59,15 +65,19 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
             done.set()
 
     threading.Thread(target=run, name="federation-quorum", daemon=True).start()
+    t0 = said = time.monotonic()
     while True:
         finished = done.wait(poll_s)
-        signal, waiting = world_max([preemption.signal or 0, not finished], device)
+        signal, waiting = (0, not finished) if preemption is None else \
+            world_max([preemption.signal or 0, not finished], device)
         if not waiting:  # every rank's call returned: the loop's own check after the step follows
             break
         if signal:
             preemption.agree_flag(signal)
             raise PreemptedWait(what, synced)
-    done.wait()
+        if say is not None and time.monotonic() - said >= every:
+            said += every
+            say(time.monotonic() - t0)
     if "error" in result:
         raise result["error"]
     return result.get("value")
