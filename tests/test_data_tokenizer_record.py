@@ -41,8 +41,9 @@ def test_preprocess_records_the_tokenizer(made):
     nbytes = sum(len(t.encode()) for t in synthetic_texts(40, seed=3))
     assert rec == {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": os.path.abspath(a),
                    "sha256": model_sha256(a), "lossless": True,
-                   "round_trip": {"documents": 40, "bytes": nbytes, "mismatched_documents": 0,
-                                  "mismatched_bytes": 0, "mismatched_decoded_bytes": 0}}
+                   "round_trip": {"documents": 40, "bytes": nbytes, "checked": 40, "checked_bytes": nbytes,
+                                  "mismatched_documents": 0, "mismatched_bytes": 0,
+                                  "mismatched_decoded_bytes": 0, "every": 1}}
 
 
 def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):
@@ -110,8 +111,8 @@ def test_round_trip_is_counted_reported_recorded_and_warned(tmp_path, capsys):
     prefix = str(tmp_path / "x_text_document")
     rec = json.load(open(tokenizer_record_path(prefix)))
     assert rec["lossless"] is False and rec["round_trip"] == {
-        "documents": 30, "bytes": nbytes, "mismatched_documents": 10, "mismatched_bytes": bad_bytes,
-        "mismatched_decoded_bytes": decoded}
+        "documents": 30, "bytes": nbytes, "checked": 30, "checked_bytes": nbytes, "mismatched_documents": 10,
+        "mismatched_bytes": bad_bytes, "mismatched_decoded_bytes": decoded, "every": 1}
     cfg = _cfg("glob", prefix, lossy)
     (w,) = lossy_source_warnings(cfg)
     assert w.startswith(f"config key 'data.sources[0].prefix': source 'x': {tokenizer_record_path(prefix)}: "

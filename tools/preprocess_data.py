@@ -17,7 +17,11 @@ documents do not come back from their tokens, ``decode(encode(text)) != text``, 
 bytes). Bits per byte are always measured against the original bytes, so a lossy tokenizer
 (SentencePiece's default ``nmt_nfkc`` normalization collapses whitespace and drops newlines)
 is charged for bytes its tokens do not encode; the summary line says how many documents
-that concerns, and training's pre-flight warns about such data.
+that concerns, and training's pre-flight warns about such data. Decoding every document
+costs CPU (docs/performance.md, "Preprocessing"): ``--round-trip-every K`` checks only the
+documents on every K-th input line (lines 1, K+1, 2K+1, ... of the inputs in order, whatever
+``--workers`` and ``--partitions``), ``--round-trip-every 0`` none; the summary line and the
+record then say how many were checked (``lossless`` is null unless all were).
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
 byte-order mark, CRLF) are counted by kind and reported at the end with their first line
 numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
@@ -34,6 +38,19 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
+
+
+def _every(value: str) -> int:
+    """--round-trip-every: an integer >= 0, else argparse's usage error."""
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer (K >= 0: 1 checks every document, "
+                                         f"K the documents on every K-th line, 0 none)") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"{k} is negative (K >= 0: 1 checks every document, "
+                                         f"K the documents on every K-th line, 0 none)")
+    return k
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
                    help="write an empty dataset when no document is left (default: an error)")
+    p.add_argument("--round-trip-every", type=_every, default=1, metavar="K",
+                   help="decode the documents of every K-th input line to check decode(encode(text)) == text "
+                        "(default 1: every document; 0: no check, the record says it was not checked)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--quiet", action="store_true", help="no progress or summary lines")
     return p.parse_args(argv)
@@ -65,7 +85,8 @@ def main(argv=None) -> int:
         st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                         workers=args.workers, append_eod=args.append_eod, strict=args.strict,
                         partitions=args.partitions, log=log, progress_interval=args.log_interval,
-                        allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type)
+                        allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type,
+                        round_trip_every=args.round_trip_every)
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -79,7 +100,7 @@ def main(argv=None) -> int:
               f"{st.tokens / el:.0f} tokens/s)", file=sys.stderr)
         for out, rt in zip(st.outputs, st.round_trip):
             print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json", file=sys.stderr)
-            print(round_trip_line(out, rt), file=sys.stderr)
+            print(round_trip_line(out, rt, args.round_trip_every), file=sys.stderr)
         if st.report.total:
             print(f"[preprocess] input problems ({st.report.skipped} lines skipped):", file=sys.stderr)
             for line in st.report.lines():

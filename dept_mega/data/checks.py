@@ -132,27 +132,41 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
 
 def lossy_source_warnings(cfg: Config) -> list[str]:
     """One line per source whose ``PREFIX.tokenizer.json`` says its tokenizer did not give every
-    document back (``lossless: false``, written by tools/preprocess_data.py): its bits per byte
-    count the original bytes, including bytes the tokens do not encode, so they are understated
-    against a lossless tokenizer's. Records without the field (older data) say nothing."""
+    checked document back (``lossless: false``, written by tools/preprocess_data.py): its bits
+    per byte count the original bytes, including bytes the tokens do not encode, so they are
+    understated against a lossless tokenizer's. A source preprocessed with
+    ``--round-trip-every 0`` (``lossless: null``, ``round_trip.checked: 0``) gets a note that
+    its round trip was not checked. Sampled with no mismatch (``lossless: null``, some checked),
+    lossless, or older records without the fields (``checked`` absent: every document was
+    checked): nothing."""
     out = []
     for i, s in enumerate(cfg.data.sources):
         record = tokenizer_record_path(s.prefix)
         try:
             with open(record, encoding="utf-8") as f:
                 made = json.load(f)
-            rt = made["round_trip"] if made.get("lossless") is False else None
+            lossless, rt = made.get("lossless", True), made.get("round_trip")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # no record, or one check_sources reports
-        if rt is None:
+        where = f"config key 'data.sources[{i}].prefix': source '{s.name}': {record}"
+        if lossless is None and isinstance(rt, dict) and rt.get("checked") == 0:
+            out.append(f"{where}: the round trip was not checked (tools/preprocess_data.py --round-trip-every 0): "
+                       f"whether its tokenizer gives the documents back is unknown, and with a lossy one bits per "
+                       f"byte count bytes the tokens do not encode; preprocess again without --round-trip-every 0 "
+                       f"(or with a K > 1 to sample) to know")
+            continue
+        if lossless is not False:
             continue
         try:
-            share = 100.0 * rt["mismatched_bytes"] / max(rt["bytes"], 1)
-            what = (f"{rt['mismatched_documents']} of {rt['documents']} documents ({share:.1f} % of the bytes) "
-                    f"do not round-trip")
-        except (KeyError, TypeError):
+            checked = rt.get("checked", rt["documents"])
+            share = 100.0 * rt["mismatched_bytes"] / max(rt.get("checked_bytes", rt["bytes"]), 1)
+            of = (f"{rt['documents']} documents" if checked == rt["documents"]
+                  else f"{checked} checked documents of {rt['documents']}")
+            what = (f"{rt['mismatched_documents']} of {of} ({share:.1f} % of the "
+                    f"{'checked ' if checked != rt['documents'] else ''}bytes) do not round-trip")
+        except (KeyError, TypeError, AttributeError):
             what = "documents do not round-trip"
-        out.append(f"config key 'data.sources[{i}].prefix': source '{s.name}': {record}: the tokenizer is lossy "
+        out.append(f"{where}: the tokenizer is lossy "
                    f"on this data ({what}: decode(encode(text)) != text); its bits per byte count bytes the "
                    f"tokens do not encode, so they are not comparable with a lossless tokenizer's "
                    f"(tools/train_tokenizer.py trains lossless tokenizers by default)")

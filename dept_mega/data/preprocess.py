@@ -42,12 +42,15 @@ class PreprocessError(RuntimeError):
 
 @dataclass
 class RoundTrip:
-    """Of one output key's ``documents`` (``bytes``: their UTF-8 bytes): how many do not come
-    back from their tokens (``decode(encode(text)) != text``: a lossy tokenizer), their
-    UTF-8 bytes, and the bytes their decoded texts have instead (the net change is a lower
-    bound of what was lost)."""
+    """Of one output key's ``documents`` (``bytes``: their UTF-8 bytes), the ``checked`` ones
+    (``checked_bytes``; all of them unless ``--round-trip-every`` K > 1 samples them, none when
+    K = 0): how many do not come back from their tokens (``decode(encode(text)) != text``: a
+    lossy tokenizer), their UTF-8 bytes, and the bytes their decoded texts have instead (the
+    net change is a lower bound of what was lost)."""
     documents: int = 0
     bytes: int = 0
+    checked: int = 0
+    checked_bytes: int = 0
     mismatched_documents: int = 0
     mismatched_bytes: int = 0
     mismatched_decoded_bytes: int = 0
@@ -57,8 +60,13 @@ class RoundTrip:
             setattr(self, k, getattr(self, k) + v)
 
     @property
-    def lossless(self) -> bool:
-        return self.mismatched_documents == 0
+    def lossless(self) -> Optional[bool]:
+        """False: some checked document does not come back; True: every document was checked
+        and comes back; None: no mismatch among the checked ones, but not all were checked
+        (a sample, or none), so nothing is certain."""
+        if self.mismatched_documents:
+            return False
+        return True if self.checked == self.documents else None
 
 
 @dataclass
@@ -94,47 +102,64 @@ _WORKER: dict = {}
 
 
 def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
-                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
-    _WORKER.update(tok=open_tokenizer(tokenizer_type, model), keys=tuple(keys), append_eod=append_eod, dtype=dtype)
+                 tokenizer_type: str = "SentencePieceTokenizer", round_trip_every: int = 1) -> None:
+    _WORKER.update(tok=open_tokenizer(tokenizer_type, model), keys=tuple(keys), append_eod=append_eod, dtype=dtype,
+                   every=round_trip_every)
 
 
-def _encode_batch(batch: list[tuple[str, bytes]]) -> _BatchResult:
+def checks_line(line: int, every: int) -> bool:
+    """Whether the documents of input line ``line`` (0-based, counted over all inputs in order,
+    bad lines included) are round-trip checked under ``--round-trip-every every``: lines 0, K,
+    2K, ... (the 1st, (K+1)-th, ... line), whatever ``--workers`` and ``--partitions``."""
+    return every > 0 and line % every == 0
+
+
+def _encode_batch(batch: list[tuple[str, bytes]], first_line: int = 0) -> _BatchResult:
+    """Parse, tokenize and round-trip check one batch; ``first_line``: the 0-based index of its
+    first line in the whole input (which lines are checked, :func:`checks_line`)."""
     tok = _WORKER["tok"]
-    keys, append_eod, dtype = _WORKER["keys"], _WORKER["append_eod"], _WORKER["dtype"]
+    keys, append_eod, dtype, every = _WORKER["keys"], _WORKER["append_eod"], _WORKER["dtype"], _WORKER["every"]
     report = BadInputReport()
     kept: list[list[str]] = []
+    checked: list[int] = []  # indices into kept
     input_bytes = 0
-    for where, raw in batch:
+    for i, (where, raw) in enumerate(batch):
         input_bytes += len(raw)
         texts = parse_line(raw, keys, where, report)
         if texts is not None:
+            if checks_line(first_line + i, every):
+                checked.append(len(kept))
             kept.append(texts)
     tokens, lengths, nbytes, lossy = [], [], [], []
     eod = [tok.eos_id] if append_eod else []
     for k in range(len(keys)):
         texts = [t[k] for t in kept]
         ids = tok.encode_batch(texts) if texts else []
-        lossy.append(_round_trip(tok, texts, ids))
+        sizes = np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts))
+        lossy.append(_round_trip(tok, texts, ids, sizes, checked))
         if append_eod:
             ids = [x + eod for x in ids]
         lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lens.sum()))
         tokens.append(flat)
         lengths.append(lens)
-        nbytes.append(np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64, count=len(texts)))
+        nbytes.append(sizes)
     return _BatchResult(len(batch), tokens, lengths, nbytes, lossy, report, input_bytes)
 
 
-def _round_trip(tok, texts: list[str], ids: list[list[int]]) -> RoundTrip:
-    """The documents of ``texts`` whose tokens ``ids`` do not decode to them (decoding costs
-    a small part of encoding)."""
-    out = RoundTrip(documents=len(texts))
-    if not texts:
+def _round_trip(tok, texts: list[str], ids: list[list[int]], sizes: np.ndarray, checked: list[int]) -> RoundTrip:
+    """Of the documents ``texts`` (``sizes``: their UTF-8 bytes), those at the indices ``checked``
+    whose tokens ``ids`` do not decode to them (decoding costs a part of encoding; sampling is
+    what --round-trip-every saves)."""
+    out = RoundTrip(documents=len(texts), bytes=int(sizes.sum()), checked=len(checked))
+    if not checked:
         return out
-    for text, back in zip(texts, tok.decode_batch(ids)):
-        n = len(text.encode("utf-8"))
-        out.bytes += n
-        if back != text:
+    all_checked = len(checked) == len(texts)
+    back_all = tok.decode_batch(ids if all_checked else [ids[i] for i in checked])
+    for i, back in zip(checked, back_all):
+        n = int(sizes[i])
+        out.checked_bytes += n
+        if back != texts[i]:
             out.mismatched_documents += 1
             out.mismatched_bytes += n
             out.mismatched_decoded_bytes += len(back.encode("utf-8"))
@@ -221,18 +246,29 @@ def _iter_batches(ranges: Sequence[Range]) -> Iterator[list[tuple[str, bytes]]]:
         yield batch
 
 
-def round_trip_line(output: str, rt: RoundTrip) -> str:
-    """The summary line of one output's round trip (tools/preprocess_data.py prints it)."""
+def round_trip_line(output: str, rt: RoundTrip, every: int = 1) -> str:
+    """The summary line of one output's round trip (tools/preprocess_data.py prints it);
+    ``every``: the run's --round-trip-every, named when not every document was checked."""
+    if every == 0:
+        return (f"[preprocess] {output}: round trip not checked (--round-trip-every 0): whether the tokenizer "
+                f"gives the {rt.documents} documents back (decode(encode(text)) == text) is unknown")
+    sample = "" if rt.checked == rt.documents else (
+        f" (--round-trip-every {every}: the documents on input lines 1, {1 + every}, {1 + 2 * every}, ...; "
+        f"{rt.documents - rt.checked} not checked)")
     if rt.lossless:
         return (f"[preprocess] {output}: all {rt.documents} documents round-trip "
                 f"(decode(encode(text)) == text): the tokenizer is lossless on this data")
-    share = 100.0 * rt.mismatched_bytes / max(rt.bytes, 1)
+    if rt.lossless is None:
+        return (f"[preprocess] {output}: no mismatch in {rt.checked} checked documents of {rt.documents}"
+                f"{sample}: decode(encode(text)) == text for each checked one")
+    share = 100.0 * rt.mismatched_bytes / max(rt.checked_bytes, 1)
     change = 100.0 * (rt.mismatched_decoded_bytes - rt.mismatched_bytes) / max(rt.mismatched_bytes, 1)
-    return (f"[preprocess] warning: {output}: {rt.mismatched_documents} of {rt.documents} documents do not "
+    of = f"{rt.documents} documents" if not sample else f"{rt.checked} checked documents of {rt.documents}{sample}"
+    return (f"[preprocess] warning: {output}: {rt.mismatched_documents} of {of} do not "
             f"round-trip (decode(encode(text)) != text: a lossy tokenizer); they hold {share:.1f} % of the "
-            f"{rt.bytes} bytes and decode to {rt.mismatched_decoded_bytes} bytes for their "
-            f"{rt.mismatched_bytes} ({change:+.1f} %); bits per byte are measured against the original "
-            f"bytes, including bytes the tokens do not encode")
+            f"{rt.checked_bytes} {'checked ' if sample else ''}bytes and decode to {rt.mismatched_decoded_bytes} "
+            f"bytes for their {rt.mismatched_bytes} ({change:+.1f} %); bits per byte are measured against the "
+            f"original bytes, including bytes the tokens do not encode")
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -269,14 +305,17 @@ def _remove_outputs(prefixes: Sequence[str]) -> None:
 
 
 def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str,
-                            round_trip: RoundTrip) -> None:
+                            round_trip: RoundTrip, every: int = 1) -> None:
     """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
     before training, dept_mega/data/checks.py), and whether it gave every document back
-    (``lossless``; ``round_trip``: the documents that do not come back, warned about before
-    training); written atomically, after the data."""
+    (``lossless``: true, false, or null when not every document was checked and none of the
+    checked ones failed; ``round_trip``: the counts, ``checked`` of ``documents`` and
+    ``every``, the --round-trip-every K; warned about before training); written atomically,
+    after the data."""
     path = tokenizer_record_path(prefix)
     record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
-              "lossless": round_trip.lossless, "round_trip": vars(round_trip)}
+              "lossless": None if every == 0 else round_trip.lossless,  # 0 documents, unchecked: not "true"
+              "round_trip": {**vars(round_trip), "every": every}}
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
@@ -285,11 +324,14 @@ def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: s
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
                workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
                log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0,
-               allow_empty: bool = False, tokenizer_type: str = "SentencePieceTokenizer") -> PreprocessStats:
+               allow_empty: bool = False, tokenizer_type: str = "SentencePieceTokenizer",
+               round_trip_every: int = 1) -> PreprocessStats:
     """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`
     (also when no document is left, e.g. an empty or all-bad input: nothing is written then,
     unless ``allow_empty``). ``tokenizer_type``: SentencePieceTokenizer, or HuggingFaceTokenizer
-    (``tokenizer_model``: a ``tokenizer.json`` or its directory; Megatron's encoding)."""
+    (``tokenizer_model``: a ``tokenizer.json`` or its directory; Megatron's encoding).
+    ``round_trip_every``: decode the documents of every K-th input line to check they come
+    back (1: all, the default; 0: none; :func:`checks_line`)."""
     log = log or (lambda msg: None)
     for path in inputs:
         if not os.path.exists(path):
@@ -301,6 +343,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         raise PreprocessError("no --json-keys given")
     if workers < 1 or partitions < 1:
         raise PreprocessError(f"--workers ({workers}) and --partitions ({partitions}) must be >= 1")
+    if isinstance(round_trip_every, bool) or not isinstance(round_trip_every, int) or round_trip_every < 0:
+        raise PreprocessError(f"--round-trip-every ({round_trip_every!r}) must be an integer >= 0")
     try:
         tok = open_tokenizer(tokenizer_type, tokenizer_model)
     except TokenizerError as exc:
@@ -322,9 +366,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     if workers > 1:
         pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype,
-                                                         tokenizer_type))
+                                                         tokenizer_type, round_trip_every))
     else:
-        _init_worker(tokenizer_model, keys, append_eod, dtype, tokenizer_type)
+        _init_worker(tokenizer_model, keys, append_eod, dtype, tokenizer_type, round_trip_every)
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
     part_prefixes: list[list[str]] = []
@@ -358,7 +402,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     digest = model_sha256(tokenizer_model)
     for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
         _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                stats.round_trip[k])
+                                stats.round_trip[k], round_trip_every)
     stats.outputs = finals
     return stats
 
@@ -401,12 +445,14 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
                 f"{stats.documents} docs, {stats.tokens} tokens | {stats.documents / el:.0f} docs/s, "
                 f"{stats.tokens / el:.0f} tokens/s, {done / el / 1e6:.1f} MB/s | ETA {_eta(eta)}")
 
+    line = stats.lines  # 0-based index of the next batch's first line in the whole input (earlier parts done)
     try:
         for batch in _iter_batches(ranges):
+            first, line = line, line + len(batch)
             if pool is None:
-                consume(_encode_batch(batch))
+                consume(_encode_batch(batch, first))
                 continue
-            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            pending.append(pool.apply_async(_encode_batch, (batch, first)))
             while len(pending) >= max_inflight:
                 consume(pending.popleft().get())
         while pending:
