@@ -2,7 +2,8 @@
 """Preprocessing throughput: tools/preprocess_data.py's engine with 1 and 2 workers against
 a bare single-process loop of ``SentencePieceProcessor.encode`` over the same texts.
 
-    python benchmarks/preprocess_bench.py [--repeat 3] [--tokenizer examples/data/build/tok/global.model]
+    python benchmarks/preprocess_bench.py [--repeat 3] [--tokenizer examples/data/build/tok/global.model] \
+        [--round-trip-every 1 0 100]
 
 Input: the sample corpus (examples/data/*.jsonl) concatenated ``--repeat`` times. The bare
 loop times only tokenization of texts already in memory (no JSON, no I/O, no writing); the
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--trials", type=int, default=2)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--round-trip-every", type=int, nargs="+", default=[1], metavar="K",
+                   help="preprocess runs with each of these --round-trip-every values (default: 1, every document)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     if not os.path.exists(args.tokenizer):
@@ -68,16 +71,18 @@ def main(argv=None) -> int:
                 best, cpu = el, _cpu() - c0
         rows = [{"method": "bare sp.encode loop (1 process)", "seconds": best, "cpu_seconds": cpu, "tokens": tokens,
                  "tokens_per_s": tokens / best, "docs_per_s": len(texts) / best}]
-        for w in args.workers:
+        for w, k in [(w, k) for w in args.workers for k in args.round_trip_every]:
             bw, cpu = float("inf"), 0.0
             for _ in range(args.trials):
                 c0 = _cpu()
                 st = preprocess([src], ["text"], args.tokenizer, os.path.join(tmp, f"w{w}"), workers=w,
-                                append_eod=True, log=None)
+                                append_eod=True, log=None, round_trip_every=k)
                 if st.seconds < bw:
                     bw, cpu = st.seconds, _cpu() - c0
             # --append-eod adds one token a document: count the same tokens as the bare loop
-            rows.append({"method": f"preprocess_data --workers {w}", "seconds": bw, "cpu_seconds": cpu,
+            method = f"preprocess_data --workers {w}" + (f" --round-trip-every {k}" if args.round_trip_every != [1] else "")
+            rows.append({"method": method, "seconds": bw, "cpu_seconds": cpu, "round_trip_every": k,
+                         "checked": st.round_trip[0].checked,
                          "tokens": st.tokens - st.documents, "tokens_per_s": (st.tokens - st.documents) / bw,
                          "docs_per_s": st.documents / bw})
     info = {"input_mb": round(size_mb, 2), "documents": len(texts), "cpus": os.cpu_count(),
@@ -85,9 +90,9 @@ def main(argv=None) -> int:
             "sentencepiece": spm.__version__, "tokenizer": os.path.relpath(args.tokenizer, ROOT), "rows": rows}
     print(f"input: {size_mb:.1f} MB, {len(texts)} documents, {os.cpu_count()} CPUs")
     info["load_average_1m"] = os.getloadavg()[0]
-    print(f"{'method':<36} {'wall s':>7} {'CPU s':>6} {'tokens/s':>12} {'docs/s':>9}")
+    print(f"{'method':<56} {'wall s':>7} {'CPU s':>6} {'tokens/s':>12} {'docs/s':>9}")
     for r in rows:
-        print(f"{r['method']:<36} {r['seconds']:>7.2f} {r['cpu_seconds']:>6.2f} {r['tokens_per_s']:>12,.0f} "
+        print(f"{r['method']:<56} {r['seconds']:>7.2f} {r['cpu_seconds']:>6.2f} {r['tokens_per_s']:>12,.0f} "
               f"{r['docs_per_s']:>9,.0f}")
     print(f"1-minute load average after the runs: {info['load_average_1m']:.2f} on {os.cpu_count()} CPUs")
     if args.out:
