@@ -79,6 +79,26 @@ def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, de
     return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)
 
 
+def resume_rounds_error(mine: int, lo: int, hi: int) -> str:
+    """A fresh start's group jobs resume at rounds ``lo``..``hi``: the line for the job at
+    ``mine``. Every job of the quorum stops. A fresh start (every job at its first quorum)
+    cannot heal one from another, so the jobs of the newest round must first train a round
+    without the lagging ones, which then heal when relaunched; what that needs is said here,
+    because with the two sites' advice of docs/launching.md §12 reversed (min 2) it cannot
+    happen and the same error would come back."""
+    head = f"config key 'train.run_dir': the group jobs resume at different rounds ({lo}..{hi}); "
+    if mine < hi:
+        what = (f"this job's checkpoint is of round {mine}, behind: relaunch it only after the jobs of round {hi} "
+                "have trained a round without it (it then heals from them)")
+    else:
+        what = (f"this job is at the newest round {hi}: relaunch it (and any other job of round {hi}) first, and "
+                "the lagging jobs only once it has trained a round without them (they then heal from it)")
+    return (head + what + "; the jobs of the newest round must be able to form a round by themselves: the "
+            "lighthouse's --min-groups and their federation.min_groups at most their number, and their fresh "
+            "start waits up to federation.timeout_s for the others before the first round (docs/launching.md "
+            "§12, 'Stopping and resuming')")
+
+
 class Federation:
     """This job's torchft Manager and what DEPT needs around it (module docstring)."""
 
@@ -353,10 +373,8 @@ class Federation:
             raise mark_agreed(ConfigError(f"{len(keys)} config keys differ between the group jobs ({where}):\n"
                                           + "\n".join(f"  config key '{k}'" for k in keys)))
         if hi[-1] != lo[-1]:
-            raise mark_agreed(ConfigError(
-                f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "
-                "start them from checkpoints of one round, or start the lagging ones after the others run (they "
-                "then heal)"))
+            # (the same round on every rank of this job: one line, from rank 0)
+            raise mark_agreed(ConfigError(resume_rounds_error(round_index, int(lo[-1]), int(hi[-1]))))
 
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
