@@ -40,7 +40,9 @@ def test_a_lighthouse_that_needs_more_groups_than_the_run_has_is_refused():
     try:
         host, port = lh.addr.split(":")
         with pytest.raises(ConfigError, match=r"'federation\.groups': 2, but the lighthouse .* forms quorums of at "
-                                              r"least 3 groups \(its --min-groups\)"):
+                                              r"least 3 groups \(its --min-groups\): no round could start; set "
+                                              r"federation\.groups to the number of group jobs .* or restart the "
+                                              r"lighthouse with --min-groups <= 2"):
             check_reachable(host, int(port), 5.0, groups=2)
         assert check_reachable(host, int(port), 5.0, groups=3) == 3
     finally:

@@ -153,6 +153,7 @@ def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Opti
     least = int(m.group(1)) if m else None
     if least is not None and least > groups:
         raise ConfigError(f"config key 'federation.groups': {groups}, but the lighthouse {host}:{port} forms quorums of "
-                          f"at least {least} groups (its --min-groups): no round could start; restart the lighthouse "
+                          f"at least {least} groups (its --min-groups): no round could start; set federation.groups "
+                          f"to the number of group jobs (the same in every job; default 1), or restart the lighthouse "
                           f"with --min-groups <= {groups}")
     return least
