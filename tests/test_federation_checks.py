@@ -259,3 +259,46 @@ def test_jobs_resuming_at_different_rounds_are_each_told_what_to_do(tmp_path):
 
     assert "this job's checkpoint is of round 8, behind: relaunch it only after the jobs of round 11" in check(8, 11)
     assert "this job is at the newest round 11: relaunch it" in check(11, 8)
+
+
+@pytest.mark.parametrize("survivors", [1, 2])
+def test_an_exchange_redone_alone_counts_no_bytes(survivors):
+    """An exchange that fails (a peer gone) and is redone by the survivors' quorum counts its
+    bytes once, at the commit, and none when the survivor is alone: nothing crossed, as a group
+    of one skips the sync, so a round's outer bytes stay tools/dept_costs.py's for its groups
+    (the walkthrough's two sites: the round a group died in was recorded with groups [0] and a
+    full exchange's bytes). torchft's Manager and the quorum stand in as fakes."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.federation import Federation
+
+    class Manager:
+        error = None
+
+        def errored(self):
+            return self.error
+
+        def report_error(self, exc):
+            self.error = exc
+
+        def should_commit(self):
+            return self.error is None
+
+    fed = object.__new__(Federation)
+    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = Manager(), None, None, None, None
+    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+
+    def quorum(**kw):  # the survivors' quorum: the failure cleared
+        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
+    fed._quorum = quorum
+    tries = []
+
+    def run():
+        tries.append(fed.participants)
+        if len(tries) == 1:
+            raise RuntimeError("Connection closed by peer")
+    counted = []
+    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
+    fed._exchange(run, lambda: None, comm, [("outer_body", 1000)])
+    assert tries == [3, survivors] and fed._commits == 1 and fed.round_groups == list(range(survivors))
+    assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
