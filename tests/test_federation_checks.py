@@ -302,3 +302,35 @@ def test_an_exchange_redone_alone_counts_no_bytes(survivors):
     fed._exchange(run, lambda: None, comm, [("outer_body", 1000)])
     assert tries == [3, survivors] and fed._commits == 1 and fed.round_groups == list(range(survivors))
     assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+@pytest.mark.parametrize("quiet", [True, False])
+def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
+    """torchft's healing transport serves a peer's state over http.server, which wrote one
+    access line per request ('"GET /checkpoint/N/full HTTP/1.1" 200 -') into the serving job's
+    log (the walkthrough's group 0). Quieted, a healing fetch leaves no line while a refused
+    request's error line stays; unquieted (the sabotage) the access line is there."""
+    import urllib.error
+    import urllib.request
+    from datetime import timedelta
+
+    import torch
+    from torchft.checkpointing import HTTPTransport
+
+    from dept_mega.dept.federation_log import quiet_checkpoint_server
+    timeout = timedelta(seconds=10)
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    try:
+        if quiet:
+            quiet_checkpoint_server(transport)
+        transport.send_checkpoint([1], step=3, state_dict={"x": torch.arange(4.0)}, timeout=timeout)
+        got = transport.recv_checkpoint(0, transport.metadata(), 3, timeout)
+        assert torch.equal(got["x"], torch.arange(4.0))
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{transport.metadata()}7/full", timeout=10)
+    finally:
+        transport.shutdown(wait=True)
+    err = capfd.readouterr().err
+    assert ("GET /checkpoint/3/full" in err) is not quiet, err
+    assert "code 400" in err, err  # the refused request (a stale step) is still said

@@ -57,8 +57,8 @@ from ..config import ConfigError
 from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_torchft,
-                             quorum_wait_line)
+from .federation_log import (WAIT_EVERY_S, Waiting, first_line, membership_line, quiet_checkpoint_server,
+                             quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
@@ -152,6 +152,7 @@ class Federation:
                                rank=pg.rank, world_size=pg.group_size, store_addr=store_addr, store_port=store_port,
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
+        quiet_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
         # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups
         least = self.least = max(f.min_groups, lighthouse_min or 0)
