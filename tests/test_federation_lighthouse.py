@@ -28,7 +28,8 @@ def test_an_address_that_is_not_a_lighthouse_is_refused():
             check_reachable("127.0.0.1", server.server_address[1], 5.0, groups=2)
     finally:
         server.shutdown()
-    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:"):
+    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:\d+ \(.*\); start "
+                                          r"python -m dept_mega\.lighthouse there before the group jobs"):
         check_reachable("127.0.0.1", free_port(), 5.0, groups=2)
 
 

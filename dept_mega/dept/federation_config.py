@@ -143,7 +143,9 @@ def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Opti
         with socket.create_connection((host, port), timeout=wait):
             pass
     except OSError as exc:
-        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
+        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc}); start python -m "
+                          "dept_mega.lighthouse there before the group jobs, or give the host:port it prints "
+                          "('lighthouse: http://HOST:PORT')") from None
     status = lighthouse_status(f"{host}:{port}", timeout=wait)
     if status is None:
         raise ConfigError(f"config key 'federation.lighthouse': {host}:{port} accepts connections but is not a torchft "
