@@ -45,7 +45,8 @@ def test_bad_input(tmp_path, monkeypatch):
                      diff.launch(cfg, str(tmp_path / "diff1"), 1, "dept.outer_optimizer.lr=0.5", **two)],
         }
         outs = {k: finish_all(ps) for k, ps in procs.items()}
-    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer': differs"}
+    want = {"dup": "'federation.group': group 1 is claimed by two jobs; give each job its own index in [0, 2)",
+            "diff": "'dept.outer_optimizer': differs"}
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])

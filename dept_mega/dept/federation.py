@@ -262,7 +262,8 @@ class Federation:
         healed, self._healed = self._healed, None
         dup = sorted({g for g in self.members if self.members.count(g) > 1})
         if dup and (healed is not None or self.manager.current_step() == 0):
-            raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs")
+            raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs; give each job "
+                              f"its own index in [0, {self.groups}) (federation.group, or DEPT_GROUP when it is null)")
         if healed is not None:
             if not healed.get("applied"):
                 self._apply(healed)
