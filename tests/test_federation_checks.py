@@ -45,7 +45,8 @@ def test_bad_input(tmp_path, monkeypatch):
                      diff.launch(cfg, str(tmp_path / "diff1"), 1, "dept.outer_optimizer.lr=0.5", **two)],
         }
         outs = {k: finish_all(ps) for k, ps in procs.items()}
-    want = {"dup": "'federation.group': group 1 is claimed by two jobs", "diff": "'dept.outer_optimizer' differs"}
+    want = {"dup": "'federation.group': group 1 is claimed by two jobs; give each job its own index in [0, 2)",
+            "diff": "'dept.outer_optimizer' differs"}
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
@@ -241,3 +242,116 @@ def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
                                                                                "  config key 'optim'"], lines
     with pytest.raises(ConfigError, match=r"^config key 'optim' differs between the group jobs; federation"):
         quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree(0)
+
+
+def test_jobs_resuming_at_different_rounds_are_each_told_what_to_do(tmp_path):
+    """A fresh start whose jobs resume at different rounds stops every job; the one behind is
+    told it lags and waits for the others' first round, the one at the newest round to go
+    first, and both what the newest jobs need to train a round alone (min-groups, the fresh
+    start's wait). The other job's round stands in through a process group that takes the
+    element-wise max of both jobs' tensors, as the allreduce does."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_config import agree_hashes
+    from dept_mega.parallel.agree import is_agreed
+    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                                    f"federation.groups={SOURCES}"])
+
+    def check(mine, theirs):
+        def allreduce(tensors, opts):
+            other = torch.tensor(agree_hashes(cfg) + [theirs], dtype=torch.int64)
+            tensors[0].copy_(torch.maximum(tensors[0], torch.cat([other, -other])))
+            return SimpleNamespace(wait=lambda: None)
+        fake = object.__new__(Federation)
+        fake.hashes, fake.device = agree_hashes(cfg), torch.device("cpu")
+        fake.process_group = SimpleNamespace(allreduce=allreduce)
+        with pytest.raises(ConfigError) as exc:
+            fake._check_agree(mine)
+        assert is_agreed(exc.value)
+        text = str(exc.value)
+        assert text.startswith("config key 'train.run_dir': the group jobs resume at different rounds (8..11); "), text
+        assert "--min-groups and their federation.min_groups at most their number" in text, text
+        assert "federation.timeout_s" in text, text
+        return text
+
+    assert "this job's checkpoint is of round 8, behind: relaunch it only after the jobs of round 11" in check(8, 11)
+    assert "this job is at the newest round 11: relaunch it" in check(11, 8)
+
+
+@pytest.mark.parametrize("survivors", [1, 2])
+def test_an_exchange_redone_alone_counts_no_bytes(survivors):
+    """An exchange that fails (a peer gone) and is redone by the survivors' quorum counts its
+    bytes once, at the commit, and none when the survivor is alone: nothing crossed, as a group
+    of one skips the sync, so a round's outer bytes stay tools/dept_costs.py's for its groups
+    (the walkthrough's two sites: the round a group died in was recorded with groups [0] and a
+    full exchange's bytes). torchft's Manager and the quorum stand in as fakes."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.federation import Federation
+
+    class Manager:
+        error = None
+
+        def errored(self):
+            return self.error
+
+        def report_error(self, exc):
+            self.error = exc
+
+        def should_commit(self):
+            return self.error is None
+
+    fed = object.__new__(Federation)
+    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = Manager(), None, None, None, None
+    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+
+    def quorum(**kw):  # the survivors' quorum: the failure cleared
+        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
+    fed._quorum = quorum
+    tries = []
+
+    def run():
+        tries.append(fed.participants)
+        if len(tries) == 1:
+            raise RuntimeError("Connection closed by peer")
+    counted = []
+    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
+    fed._exchange(run, lambda: None, comm, [("outer_body", 1000)])
+    assert tries == [3, survivors] and fed._commits == 1 and fed.round_groups == list(range(survivors))
+    assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
+
+
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+@pytest.mark.parametrize("quiet", [True, False])
+def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
+    """torchft's healing transport serves a peer's state over http.server, which wrote one
+    access line per request ('"GET /checkpoint/N/full HTTP/1.1" 200 -') into the serving job's
+    log (the walkthrough's group 0). Quieted, a healing fetch leaves no line while a refused
+    request's error line stays; unquieted (the sabotage) the access line is there."""
+    import urllib.error
+    import urllib.request
+    from datetime import timedelta
+
+    import torch
+    from torchft.checkpointing import HTTPTransport
+
+    from dept_mega.dept.federation_log import quiet_checkpoint_server
+    timeout = timedelta(seconds=10)
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    try:
+        if quiet:
+            quiet_checkpoint_server(transport)
+        transport.send_checkpoint([1], step=3, state_dict={"x": torch.arange(4.0)}, timeout=timeout)
+        got = transport.recv_checkpoint(0, transport.metadata(), 3, timeout)
+        assert torch.equal(got["x"], torch.arange(4.0))
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{transport.metadata()}7/full", timeout=10)
+    finally:
+        transport.shutdown(wait=True)
+    err = capfd.readouterr().err
+    assert ("GET /checkpoint/3/full" in err) is not quiet, err
+    assert "code 400" in err, err  # the refused request (a stale step) is still said

@@ -28,7 +28,8 @@ def test_an_address_that_is_not_a_lighthouse_is_refused():
             check_reachable("127.0.0.1", server.server_address[1], 5.0, groups=2)
     finally:
         server.shutdown()
-    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:"):
+    with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:\d+ \(.*\); start "
+                                          r"python -m dept_mega\.lighthouse there before the group jobs"):
         check_reachable("127.0.0.1", free_port(), 5.0, groups=2)
 
 
@@ -40,7 +41,9 @@ def test_a_lighthouse_that_needs_more_groups_than_the_run_has_is_refused():
     try:
         host, port = lh.addr.split(":")
         with pytest.raises(ConfigError, match=r"'federation\.groups': 2, but the lighthouse .* forms quorums of at "
-                                              r"least 3 groups \(its --min-groups\)"):
+                                              r"least 3 groups \(its --min-groups\): no round could start; set "
+                                              r"federation\.groups to the number of group jobs .* or restart the "
+                                              r"lighthouse with --min-groups <= 2"):
             check_reachable(host, int(port), 5.0, groups=2)
         assert check_reachable(host, int(port), 5.0, groups=3) == 3
     finally:

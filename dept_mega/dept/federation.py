@@ -58,7 +58,7 @@ from ..config_diff import check_differing
 from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_torchft,
+from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_checkpoint_server, quiet_torchft,
                              quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
@@ -78,6 +78,26 @@ def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, de
     rank's line, instead of that rank alone while the others go on to the quorum and wait.
     Returns this rank's reading of the lighthouse's ``--min-groups`` (for the log)."""
     return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)
+
+
+def resume_rounds_error(mine: int, lo: int, hi: int) -> str:
+    """A fresh start's group jobs resume at rounds ``lo``..``hi``: the line for the job at
+    ``mine``. Every job of the quorum stops. A fresh start (every job at its first quorum)
+    cannot heal one from another, so the jobs of the newest round must first train a round
+    without the lagging ones, which then heal when relaunched; what that needs is said here,
+    because with the two sites' advice of docs/launching.md §12 reversed (min 2) it cannot
+    happen and the same error would come back."""
+    head = f"config key 'train.run_dir': the group jobs resume at different rounds ({lo}..{hi}); "
+    if mine < hi:
+        what = (f"this job's checkpoint is of round {mine}, behind: relaunch it only after the jobs of round {hi} "
+                "have trained a round without it (it then heals from them)")
+    else:
+        what = (f"this job is at the newest round {hi}: relaunch it (and any other job of round {hi}) first, and "
+                "the lagging jobs only once it has trained a round without them (they then heal from it)")
+    return (head + what + "; the jobs of the newest round must be able to form a round by themselves: the "
+            "lighthouse's --min-groups and their federation.min_groups at most their number, and their fresh "
+            "start waits up to federation.timeout_s for the others before the first round (docs/launching.md "
+            "§12, 'Stopping and resuming')")
 
 
 class Federation:
@@ -133,6 +153,7 @@ class Federation:
                                rank=pg.rank, world_size=pg.group_size, store_addr=store_addr, store_port=store_port,
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
                                init_sync=False)
+        quiet_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
         # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups
         least = self.least = max(f.min_groups, lighthouse_min or 0)
@@ -242,7 +263,8 @@ class Federation:
         healed, self._healed = self._healed, None
         dup = sorted({g for g in self.members if self.members.count(g) > 1})
         if dup and (healed is not None or self.manager.current_step() == 0):
-            raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs")
+            raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs; give each job "
+                              f"its own index in [0, {self.groups}) (federation.group, or DEPT_GROUP when it is null)")
         if healed is not None:
             if not healed.get("applied"):
                 self._apply(healed)
@@ -350,10 +372,8 @@ class Federation:
                         "same value; only hashes are compared here: compare the jobs' train.run_dir/config.yaml",
                         agreed=True)
         if hi[-1] != lo[-1]:
-            raise mark_agreed(ConfigError(
-                f"config key 'train.run_dir': the group jobs resume at different rounds ({int(lo[-1])}..{int(hi[-1])}); "
-                "start them from checkpoints of one round, or start the lagging ones after the others run (they "
-                "then heal)"))
+            # (the same round on every rank of this job: one line, from rank 0)
+            raise mark_agreed(ConfigError(resume_rounds_error(round_index, int(lo[-1]), int(hi[-1]))))
 
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
@@ -522,7 +542,9 @@ class Federation:
                     self.manager.report_error(exc)
             if self.manager.should_commit():
                 self._commits += 1
-                for category, nbytes in (counts() if callable(counts) else counts):
+                # redone alone (the others gone): nothing crossed, as a group of one skips the
+                # sync (FlatSync), so the round's bytes stay tools/dept_costs.py's for one group
+                for category, nbytes in (counts() if callable(counts) else counts) if self.participants > 1 else ():
                     comm.count(category, nbytes)
                 self.round_groups = list(self.members)
                 return

@@ -138,7 +138,9 @@ def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Opti
         with socket.create_connection((host, port), timeout=wait):
             pass
     except OSError as exc:
-        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc})") from None
+        raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} ({exc}); start python -m "
+                          "dept_mega.lighthouse there before the group jobs, or give the host:port it prints "
+                          "('lighthouse: http://HOST:PORT')") from None
     status = lighthouse_status(f"{host}:{port}", timeout=wait)
     if status is None:
         raise ConfigError(f"config key 'federation.lighthouse': {host}:{port} accepts connections but is not a torchft "
@@ -148,6 +150,7 @@ def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Opti
     least = int(m.group(1)) if m else None
     if least is not None and least > groups:
         raise ConfigError(f"config key 'federation.groups': {groups}, but the lighthouse {host}:{port} forms quorums of "
-                          f"at least {least} groups (its --min-groups): no round could start; restart the lighthouse "
+                          f"at least {least} groups (its --min-groups): no round could start; set federation.groups "
+                          f"to the number of group jobs (the same in every job; default 1), or restart the lighthouse "
                           f"with --min-groups <= {groups}")
     return least

@@ -31,6 +31,19 @@ def quiet_torchft() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
+def quiet_checkpoint_server(transport) -> None:
+    """torchft's healing transport (``HTTPTransport``) serves a healing peer over
+    ``http.server``, which writes an access line (``::ffff:HOST - - [DATE] "GET
+    /checkpoint/N/full HTTP/1.1" 200 -``) to standard error, i.e. into the serving job's log,
+    for every request. Its request handler is a class of that transport alone: its access line
+    is dropped there (errors, ``log_error``, stay). The job says itself who healed (the
+    ``joined`` line)."""
+    server = getattr(transport, "_server", None)
+    if server is None:  # another transport (or torchft changed): nothing to quiet
+        return
+    server.RequestHandlerClass.log_request = lambda handler, code="-", size="-": None
+
+
 class _DropFlightRecorder(logging.Filter):
     """Drops the flight recorder warning; keeps the line of a failed collective, of a quorum
     whose process group cannot be configured and of a failed healing (a group gone: events of
