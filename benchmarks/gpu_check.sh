@@ -45,7 +45,7 @@
 #   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
-#   fp8_exact_accum  the FP8 run with fp8_fast_accum=none: every GEMM promotes its sums to fp32
+#   fp8_fast_accum   the FP8 run with fp8_fast_accum=forward: the forward GEMM sums in the tensor cores' fast accumulation
 #              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback; test files in
@@ -100,7 +100,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_exact_accum ops tests fp8_compile_triton
+STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
@@ -152,7 +152,7 @@ if [ "$DRY" = 1 ]; then
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
-                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_exact_accum]=12 [fp8_casts]=8 [fp8_lt]=12)
+                     [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -172,7 +172,7 @@ else
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_exact_accum]=50 [fp8_casts]=40 [fp8_lt]=55)
+                     [fp8_fast_accum]=50 [fp8_casts]=40 [fp8_lt]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -386,7 +386,7 @@ stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 stage_flex_autotune() { TORCHINDUCTOR_MAX_AUTOTUNE=1 bench bf16_flex_autotune --profile; }
 stage_fp8_cuda() { bench fp8_cuda --profile fp8=hybrid backend=local fp8_casts=cuda; }
 stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt; }
-stage_fp8_exact_accum() { bench fp8_exact_accum fp8=hybrid backend=local fp8_fast_accum=none; }
+stage_fp8_fast_accum() { bench fp8_fast_accum fp8=hybrid backend=local fp8_fast_accum=forward; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }

@@ -264,15 +264,16 @@ class Config:
     #: once, after the first training step).
     fp8_recipe: str = "delayed"
     fp8_amax_history: int = 1024  #: Delayed recipe: a step's scales come from the amaxes of this many previous training steps.
-    #: Native FP8 GEMMs in the tensor cores' fast accumulation: forward (the forward GEMM only, as
-    #: Transformer Engine; the gradients' GEMMs promote to fp32), none, all. GPU results only. The
-    #: measured FP8 speed-ups (docs/performance.md) are with none; forward and all are not yet measured.
-    fp8_fast_accum: str = "forward"
+    #: Native FP8 GEMMs in the tensor cores' fast accumulation: none (every GEMM promotes its sums
+    #: to fp32), forward (the forward GEMM only, as Transformer Engine), all; auto = none (with
+    #: Transformer Engine: its own, as forward). GPU results only. On an H200 (docs/performance.md)
+    #: forward was no faster than none (478 against 469 ms a step of the 1B model).
+    fp8_fast_accum: str = "auto"
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
     #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), cuda (the same cast as a C++/CUDA operator
     #: of the dept_mega.ops extension, dept_mega::cast_fp8: a few µs of host time per cast where Triton's
     #: launcher takes more; needs the extension built with its CUDA kernels, on CPU it runs its CPU kernel;
-    #: not yet verified or measured on a GPU, so auto does not pick it), torch (PyTorch ops, compiled on
+    #: on an H200 its kernel was slower than Triton's (1.13x bf16 against 1.19x), so auto does not pick it), torch (PyTorch ops, compiled on
     #: CUDA), auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
@@ -282,7 +283,7 @@ class Config:
     #: kernel). With cublaslt the weight-gradient GEMM of a training step accumulates into the fp32 gradient
     #: buffer inside the GEMM (beta = 1), as the bf16 layers' gradient-accumulation fusion does, instead of a
     #: bf16 dW then an fp32 add: one kernel less per weight and micro-batch, and slightly different (more
-    #: precise: no bf16 rounding of dW) numbers. Not yet verified or measured on a GPU, hence not the default.
+    #: precise: no bf16 rounding of dW) numbers. On an H200 (with fp8_casts cuda) no faster than torch, hence not the default.
     #: Eager FP8 linears only (refused with train.compile, whose traced GEMMs are torch._scaled_mm).
     fp8_gemm: str = "torch"
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
@@ -310,7 +311,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "precision": ("fp32", "bf16", "fp16"),
     "fp8": (None, "hybrid", "e4m3"),
     "fp8_recipe": ("delayed", "current"),
-    "fp8_fast_accum": ("forward", "none", "all"),
+    "fp8_fast_accum": ("auto", "none", "forward", "all"),
     "fp8_casts": ("auto", "triton", "cuda", "torch"),
     "fp8_gemm": ("torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),

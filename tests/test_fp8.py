@@ -463,3 +463,12 @@ def test_native_gemm_settings_are_refused_with_transformer_engine(monkeypatch, k
     with pytest.raises(BackendError, match=rf"config key '{key}': {value} applies to the native FP8 GEMMs "
                                            rf"\(backend local\); {why}"):
         resolve_backends(_fp8_cfg(**{key: value}), "cpu")
+
+
+@pytest.mark.parametrize("setting,want", [(None, "none"), ("auto", "none"), ("forward", "forward"), ("all", "all")])
+def test_fast_accumulation_default_is_the_exact_sums(setting, want):
+    """``fp8_fast_accum: auto`` (the default) gives the native FP8 GEMMs fp32-promoted sums
+    (``none``): on an H200 the forward GEMM's fast accumulation was no faster (docs/performance.md);
+    an explicit value reaches the recipe as it is."""
+    cfg = _fp8_cfg() if setting is None else _fp8_cfg(fp8_fast_accum=setting)
+    assert resolve_backends(cfg, "cpu").fp8.fast_accum == want

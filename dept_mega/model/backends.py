@@ -385,7 +385,8 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     fp8_gemms: tuple[str, ...] = ()
     fp8_casts = fp8_graph_casts = fp8_gemm = ""
     if cfg.fp8 is not None:
-        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history, cfg.fp8_fast_accum)
+        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history,
+                           "none" if cfg.fp8_fast_accum == "auto" else cfg.fp8_fast_accum)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
         fp8_layers = tuple(i for i in range(m.num_layers) if i not in skip)
         if linear == "fp8-native":
@@ -408,7 +409,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             for key, what_te_does, why in (("fp8_gemm", "torch", "Transformer Engine runs its own"),
                                            ("fp8_fast_accum", "forward",
                                             "Transformer Engine's accumulate as 'forward' does")):
-                if getattr(cfg, key) != what_te_does:  # settings of the native FP8 GEMMs only
+                if getattr(cfg, key) not in (what_te_does, "auto"):  # settings of the native FP8 GEMMs only
                     raise BackendError(f"config key '{key}': {getattr(cfg, key)} applies to the native FP8 "
                                        f"GEMMs (backend local); {why}")
             fp8_gemms = GEMMS  # TE checks shapes itself
