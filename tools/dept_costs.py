@@ -9,7 +9,7 @@
 Vocabulary sizes come from the command line when given, else from the config's tokenizers
 (``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
 ``--trim-vocab`` is TRIM's mean |V_k|; without it (and without the sources' data files) TRIM
-is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one outer round
+is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one round's outer synchronisation
 per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts, and
 the bytes that cross groups after each inner step of a round (``outer_step_bytes``; with
 ``dept.outer_fragments`` they are spread over the round) with their peak (``peak_step_bytes``);
@@ -177,7 +177,8 @@ def table(result: dict) -> str:
             notes.append(f"  {name}: {c['note']}")
     lines.append("params with the true vocabulary; per step/round = parameters crossing groups (Table 1)")
     if any("outer_round_bytes" in c for c in result["variants"].values()):
-        lines.append("predicted bytes of one outer round, summed over ranks:")
+        lines.append("predicted bytes of one round's outer synchronisation, summed over ranks "
+                     "(dp, tp: what it adds inside the groups; inner steps not included):")
         for name, c in result["variants"].items():
             b = c["outer_round_bytes"]
             lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items())
