@@ -15,6 +15,9 @@ the bytes that cross groups after each inner step of a round (``outer_step_bytes
 ``dept.outer_fragments`` they are spread over the round) with their peak (``peak_step_bytes``);
 every ``dept.outer_*`` key of the config (or given as an override) counts.
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
+Each variant's ``flops_per_token`` (training FLOPs per token, docs/metrics.md: what the log's
+``tflops_per_device`` counts, with the variant's vocabulary) and ``flops_per_group_step`` (times
+``train.global_batch_size`` × ``model.seq_length``).
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
 ``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, ce_transient,
 total}.
@@ -34,6 +37,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.config import ConfigError, load_config  # noqa: E402
+from dept_mega.metrics import train_flops_per_token  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
                                   predict_outer_sync, resolve_vocabs)
 
@@ -63,6 +67,11 @@ def compute(args: argparse.Namespace) -> dict:
     cfg = unchecked(load_config(args.config, args.overrides), args.set)
     vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # one group's inner step
+    for c in variants.values():
+        # what the run's tflops_per_device counts (dept_mega/metrics.py), with the variant's vocabulary
+        c["flops_per_token"] = train_flops_per_token(cfg.model, c["vocab"])
+        c["flops_per_group_step"] = c["flops_per_token"] * tokens_per_step
     if args.groups is not None:
         if args.groups < 1:
             raise ConfigError(f"--groups must be >= 1, got {args.groups}")
@@ -176,6 +185,10 @@ def table(result: dict) -> str:
         if c.get("note"):
             notes.append(f"  {name}: {c['note']}")
     lines.append("params with the true vocabulary; per step/round = parameters crossing groups (Table 1)")
+    lines.append("training FLOPs per token / per inner step of one group (docs/metrics.md's formula, what "
+                 "the log's TFLOP/s counts):")
+    lines += [f"  {name:9} {c['flops_per_token'] / 1e9:.3f} GFLOP / {c['flops_per_group_step'] / 1e15:.3f} PFLOP"
+              for name, c in result["variants"].items()]
     if any("outer_round_bytes" in c for c in result["variants"].values()):
         lines.append("predicted bytes of one round's outer synchronisation, summed over ranks "
                      "(dp, tp: what it adds inside the groups; inner steps not included):")
