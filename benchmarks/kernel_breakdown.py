@@ -64,15 +64,19 @@ def breakdown(trace: dict, category: str = "kernel") -> dict:
             steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
     busy = sum(v[0] for v in by_name.values())
     span = sum(b - a for a, b in steps)
-    return {"busy_us": busy, "span_us": span, "steps": len(steps),
+    return {"category": category, "busy_us": busy, "span_us": span, "steps": len(steps),
             "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "kernels": sorted(([n, v[0], v[1]] for n, v in by_name.items()), key=lambda r: -r[1])}
 
 
 def render(res: dict, top: int) -> str:
     busy, span = res["busy_us"], res["span_us"]
-    lines = [f"steps {res['steps']}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms profiled"
-             + (f" ({100 * busy / span:.1f}%)" if span else "")]
+    if res.get("category") == "cpu_op":  # nested operators overlap: no share of the span
+        lines = [f"steps {res['steps']}: host operators {busy / 1e3:.1f} ms summed (each nested one in its "
+                 f"parent too) in {span / 1e3:.1f} ms profiled"]
+    else:
+        lines = [f"steps {res['steps']}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms profiled"
+                 + (f" ({100 * busy / span:.1f}%)" if span else "")]
     lines.append("| kind | ms | share of busy |")
     lines.append("| --- | ---: | ---: |")
     for k, v in res["by_kind_us"].items():

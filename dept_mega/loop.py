@@ -86,6 +86,11 @@ class EvalStep:
 EvalFactory = Callable[[str], Iterable[EvalStep]]
 
 
+def _paused_if(meter: ThroughputMeter, pause: bool) -> ContextManager:
+    """``meter.paused()`` when ``pause`` (it synchronises the device: not on every step)."""
+    return meter.paused() if pause else nullcontext()
+
+
 def eval_metrics(loss_sum: float, tokens: int, nbytes: float) -> dict[str, float]:
     """docs/metrics.md (eval records): mean token loss, perplexity, bits per UTF-8 byte (nats / ln 2 / bytes)."""
     loss = loss_sum / tokens if tokens else float("nan")
@@ -235,11 +240,13 @@ class TrainLoop:
             source = self.assignment[self.pg.group_index]
             if before_step is not None:
                 before_step(self)
-            profiler.before_step(tr.step)
+            with _paused_if(meter, profiler.starts_or_stops(tr.step, before=True)):
+                profiler.before_step(tr.step)
             if t_first is None:
                 t_first = time.time()
             res = tr.train_step(self.iterator(source).next_step())
-            profiler.after_step(tr.step)
+            with _paused_if(meter, profiler.starts_or_stops(tr.step, before=False)):  # writing the trace
+                profiler.after_step(tr.step)
             if after_step is not None:
                 after_step(self)
             self.last_result = res

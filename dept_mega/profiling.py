@@ -46,6 +46,15 @@ class StepProfiler:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         return acts
 
+    def starts_or_stops(self, steps_done: int, before: bool) -> bool:
+        """Whether :meth:`before_step` (``before``) or :meth:`after_step` with this count starts
+        the profiler or stops it and writes the trace: the caller keeps that time (seconds for
+        a large GPU trace) out of its throughput."""
+        if before:
+            return (self.enabled and self._prof is None and self._first is None
+                    and self.cfg.start <= steps_done < self.cfg.stop)
+        return self._prof is not None and steps_done >= self.cfg.stop
+
     def before_step(self, steps_done: int) -> None:
         """Call before each training step with the number of inner steps done."""
         if not self.enabled:

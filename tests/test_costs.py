@@ -312,6 +312,42 @@ def test_cli_json_1b():
     assert ob["outer_body"] == 8 * out["variants"]["spec_opt"]["body_params"] * 4
 
 
+def test_flops_per_token_are_the_logs():
+    """Each variant's FLOPs per token are what the run's tflops_per_device counts
+    (train_flops_per_token) with that variant's vocabulary; per group step: times the batch."""
+    from dept_mega.config import load_config
+    from dept_mega.metrics import train_flops_per_token
+    r = _run("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V), "--source-vocab",
+             str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V), "--json", "train.global_batch_size=64")
+    assert r.returncode == 0, r.stderr
+    variants = json.loads(r.stdout)["variants"]
+    model = load_config(os.path.join(ROOT, "examples/1b/spec_opt.yaml")).model
+    for name, vocab in (("std", GLOBAL_V), ("trim", TRIM_V), ("spec_opt", SPEC_OPT_V)):
+        c = variants[name]
+        assert c["flops_per_token"] == train_flops_per_token(model, vocab), name
+        assert c["flops_per_group_step"] == c["flops_per_token"] * 64 * 2048, name
+    assert variants["spec_opt"]["flops_per_token"] < variants["std"]["flops_per_token"]
+    r = _run("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V), "--source-vocab",
+             str(SPEC_OPT_V))
+    assert "spec_opt  8.469 GFLOP / " in r.stdout, r.stdout
+
+
+def test_memory_names_what_fp8_leaves_out():
+    """FP8 is not in the memory model: --memory with fp8 set says so (table and JSON), and says
+    nothing without FP8 or without --memory."""
+    args = ("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V),
+            "--source-vocab", str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V))
+    r = _run(*args, "--memory", "--json", "fp8=hybrid")
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["memory_notes"]
+    assert len(notes) == 1 and notes[0].startswith("fp8=hybrid is not in the memory model")
+    r = _run(*args, "--memory", "fp8=hybrid")
+    assert r.returncode == 0 and "fp8=hybrid is not in the memory model" in r.stdout
+    for extra in (("--memory", "--json"), ("--json", "fp8=hybrid")):
+        r = _run(*args, *extra)
+        assert r.returncode == 0 and "memory_notes" not in json.loads(r.stdout)
+
+
 def test_cli_overrides_table_and_errors():
     r = _run("--config", "examples/1b/glob.yaml", "model.num_layers=12", "model.hidden_size=768",
              "model.num_attention_heads=12", "model.num_query_groups=12", "model.ffn_hidden_size=3072",

@@ -100,6 +100,60 @@ def test_the_step_line_shows_the_records_grad_norm(tmp_path):
         assert f"| grad norm {norm:.3f} |" in ln, (ln, norm)
 
 
+def test_profiler_start_and_trace_export_are_not_in_tokens_per_s(tmp_path, monkeypatch):
+    """train.profile: starting the profiler and writing its trace (seconds for a large GPU trace)
+    are kept out of the window's tokens/s, as evaluation and checkpoints are; the profiled steps
+    themselves count. A clock that jumps 1000 s inside start and export shows it."""
+    import io
+    import json
+    import os
+    import time
+
+    import torch
+
+    import dept_mega.loop as loop_module
+    from dept_mega.loop import StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.profiling import StepProfiler
+    from dept_mega.trainer import Trainer
+    from tests.dept_utils import SyntheticSource
+    from tests.dept_utils import tiny_config as dept_config
+    jump = [0.0]
+
+    class Meter(ThroughputMeter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, clock=lambda: time.perf_counter() + jump[0], **kwargs)
+
+    monkeypatch.setattr(loop_module, "ThroughputMeter", Meter)
+    start, finish = StepProfiler.before_step, StepProfiler._finish
+
+    def slow_start(self, steps_done):
+        if self._prof is None and self._first is None and self.cfg.start <= steps_done < self.cfg.stop:
+            jump[0] += 1000.0
+        start(self, steps_done)
+
+    def slow_finish(self, steps_done):
+        jump[0] += 1000.0
+        finish(self, steps_done)
+
+    monkeypatch.setattr(StepProfiler, "before_step", slow_start)
+    monkeypatch.setattr(StepProfiler, "_finish", slow_finish)
+    run = str(tmp_path / "run")
+    cfg = dept_config({"dept": {"variant": "std"},
+                       "train": {"steps": 3, "log_interval": 3, "eval_interval": 0, "save_interval": 0,
+                                 "run_dir": run, "profile": {"start": 1, "stop": 2}}})
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    allowed = torch.arange(cfg.model.vocab_size)
+    TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(run, enabled=True, stream=io.StringIO()),
+              lambda name: SyntheticSource(cfg, 3, allowed)).run()
+    assert jump[0] == 2000.0 and os.listdir(os.path.join(run, "profile")) == ["rank0_steps1-2.json"]
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        (rec,) = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    tokens = 3 * cfg.train.global_batch_size * cfg.model.seq_length
+    assert rec["tokens_per_s"] > tokens / 100.0, rec  # not tokens / 2000 s
+
+
 def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):
     import os
 

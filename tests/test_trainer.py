@@ -213,6 +213,26 @@ def test_flops_per_token_formula():
     assert train_flops_per_token(m, 10) == 2 * per_layer + 6 * 8 * 10
 
 
+def test_benchmark_tool_missing_tokenizer_is_one_error_line(tmp_path, capsys):
+    """The synthetic batches need only the vocabulary size: a tokenizer file that is not there
+    (tools/prepare_sample.py not run yet) is exit 2 with the key and how to go on, not a traceback."""
+    import importlib.util
+    import os
+
+    import yaml
+    from tests.trainer_utils import ROOT
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(merge(TINY, {"data": {"tokenizer": str(tmp_path / "no.model")}})))
+    spec = importlib.util.spec_from_file_location("bench_tool", os.path.join(ROOT, "tools", "benchmark.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench.json"
+    assert mod.main(["--config", str(cfg_path), "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'data.tokenizer'" in err and "no.model" in err and "model.vocab_size=N" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     import importlib.util
     import os

@@ -54,11 +54,11 @@ def synthetic_step(cfg, vocab: int, pg, step: int) -> list[MicroBatch]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--config", required=True, help="YAML config (as for dept_mega.train)")
+    ap.add_argument("--steps", type=int, required=True, help="timed training steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    ap.add_argument("--out", required=True, help="JSON file for the bench record (docs/metrics.md)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. parallel.data=1")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -74,8 +74,18 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from dept_mega.train import vocab_size_of
-    vocab = vocab_size_of(cfg)
+    from dept_mega.run_inputs import input_errors, vocab_size_of
+    try:
+        vocab = vocab_size_of(cfg)
+    except input_errors() as exc:
+        # the batches are synthetic: only the vocabulary size is read from the tokenizer
+        spec_opt = cfg.dept.variant == "spec_opt"
+        key = "data.sources[0].tokenizer" if spec_opt or not cfg.data.tokenizer else "data.tokenizer"
+        size = "model.vocab_size=N" if spec_opt else "data.tokenizer=null model.vocab_size=N"
+        print(f"error: config key '{key}' (read for the model's vocabulary size): {exc}; build the "
+              f"tokenizers (python tools/prepare_sample.py for examples/tiny/*.yaml) or give the size: {size}",
+              file=sys.stderr)
+        return 2
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
     torch.manual_seed(cfg.train.seed)

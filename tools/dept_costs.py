@@ -9,12 +9,15 @@
 Vocabulary sizes come from the command line when given, else from the config's tokenizers
 (``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
 ``--trim-vocab`` is TRIM's mean |V_k|; without it (and without the sources' data files) TRIM
-is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one outer round
+is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one round's outer synchronisation
 per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts, and
 the bytes that cross groups after each inner step of a round (``outer_step_bytes``; with
 ``dept.outer_fragments`` they are spread over the round) with their peak (``peak_step_bytes``);
 every ``dept.outer_*`` key of the config (or given as an override) counts.
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
+Each variant's ``flops_per_token`` (training FLOPs per token, docs/metrics.md: what the log's
+``tflops_per_device`` counts, with the variant's vocabulary) and ``flops_per_group_step`` (times
+``train.global_batch_size`` × ``model.seq_length``).
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
 ``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, ce_transient,
 total}.
@@ -34,6 +37,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.config import ConfigError, load_config  # noqa: E402
+from dept_mega.metrics import train_flops_per_token  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
                                   predict_outer_sync, resolve_vocabs)
 
@@ -63,6 +67,11 @@ def compute(args: argparse.Namespace) -> dict:
     cfg = unchecked(load_config(args.config, args.overrides), args.set)
     vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # one group's inner step
+    for c in variants.values():
+        # what the run's tflops_per_device counts (dept_mega/metrics.py), with the variant's vocabulary
+        c["flops_per_token"] = train_flops_per_token(cfg.model, c["vocab"])
+        c["flops_per_group_step"] = c["flops_per_token"] * tokens_per_step
     if args.groups is not None:
         if args.groups < 1:
             raise ConfigError(f"--groups must be >= 1, got {args.groups}")
@@ -91,6 +100,7 @@ def compute(args: argparse.Namespace) -> dict:
             variants[name]["memory"] = {k: int(mem[k]) for k in MEMORY_KEYS}
             variants[name]["in_flight_microbatches"] = mem["in_flight_microbatches"]
     m = cfg.model
+    notes = memory_notes(cfg) if args.memory else []
     return {
         "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                   "num_attention_heads": m.num_attention_heads, "num_query_groups": m.query_groups,
@@ -101,7 +111,20 @@ def compute(args: argparse.Namespace) -> dict:
         "vocab": {"global": vocabs.global_vocab, "source_mean": vocabs.mean_source_vocab,
                   "trim_mean": vocabs.mean_trim_vocab, "origin": vocabs.origin},
         "variants": variants,
+        **({"memory_notes": notes} if notes else {}),
     }
+
+
+def memory_notes(cfg) -> list[str]:
+    """What the memory model leaves out for this config and the prediction does not show."""
+    if not cfg.fp8:
+        return []
+    # dept_mega/parallel/fp8.py: Fp8WeightCache (each FP8 layer's weight cast once per step, in
+    # both layouts) and _Fp8Linear.forward (the input's FP8 copy saved for the weight gradient)
+    return [f"fp8={cfg.fp8} is not in the memory model: the prediction is that of the same run "
+            "without FP8. Not counted: the FP8 copies of the FP8 layers' weights held during a step "
+            "(up to 2 bytes per weight element, one copy per layout); the activations are counted as "
+            "without FP8 (its GEMMs keep 1-byte FP8 copies of their inputs for the backward)"]
 
 
 def unchecked(cfg, assignments: list[str]):
@@ -162,8 +185,13 @@ def table(result: dict) -> str:
         if c.get("note"):
             notes.append(f"  {name}: {c['note']}")
     lines.append("params with the true vocabulary; per step/round = parameters crossing groups (Table 1)")
+    lines.append("training FLOPs per token / per inner step of one group (docs/metrics.md's formula, what "
+                 "the log's TFLOP/s counts):")
+    lines += [f"  {name:9} {c['flops_per_token'] / 1e9:.3f} GFLOP / {c['flops_per_group_step'] / 1e15:.3f} PFLOP"
+              for name, c in result["variants"].items()]
     if any("outer_round_bytes" in c for c in result["variants"].values()):
-        lines.append("predicted bytes of one outer round, summed over ranks:")
+        lines.append("predicted bytes of one round's outer synchronisation, summed over ranks "
+                     "(dp, tp: what it adds inside the groups; inner steps not included):")
         for name, c in result["variants"].items():
             b = c["outer_round_bytes"]
             lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items())
@@ -174,6 +202,7 @@ def table(result: dict) -> str:
         for name, c in result["variants"].items():
             mem = c["memory"]
             lines.append(f"  {name:9} " + " ".join(f"{_fmt_bytes(mem[k]):>11}" for k in MEMORY_KEYS))
+    notes += [f"  {n}" for n in result.get("memory_notes", [])]
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 
 
