@@ -113,6 +113,13 @@ def test_no_check_is_recorded_as_unchecked(corpus, tmp_path):
     assert "round trip not checked (--round-trip-every 0)" in r.stderr, r.stderr
     (w,) = _warnings(str(tmp_path / "n"), lossy)
     assert "the round trip was not checked (tools/preprocess_data.py --round-trip-every 0)" in w, w
+    # a sampled run (K > 0) whose sampled lines held no valid document: the note names that K
+    path = tokenizer_record_path(str(tmp_path / "n") + "_text_document")
+    rec["round_trip"]["every"] = 5
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    (w,) = _warnings(str(tmp_path / "n"), lossy)
+    assert "(tools/preprocess_data.py --round-trip-every 5: no valid document on the sampled lines)" in w, w
 
 
 def test_old_records_read_as_before(corpus, tmp_path):

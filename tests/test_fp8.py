@@ -472,3 +472,15 @@ def test_fast_accumulation_default_is_the_exact_sums(setting, want):
     an explicit value reaches the recipe as it is."""
     cfg = _fp8_cfg() if setting is None else _fp8_cfg(fp8_fast_accum=setting)
     assert resolve_backends(cfg, "cpu").fp8.fast_accum == want
+
+
+def test_transformer_engine_fp8_describes_itself(monkeypatch):
+    """With Transformer Engine's linears (stood in for here) the start-up backends line is
+    built without the native casts' settings, and the default ``fp8_fast_accum: auto`` reads as
+    what TE does (``forward``), not as the native GEMMs' exact sums."""
+    from dept_mega.model import backends as backends_module
+    monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
+    b = resolve_backends(_fp8_cfg(), "cpu")
+    assert b.fp8.fast_accum == "forward"
+    line = b.describe()
+    assert "linear=transformer_engine fp8" in line and "fast accumulation: forward" in line, line

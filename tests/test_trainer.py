@@ -231,6 +231,12 @@ def test_benchmark_tool_missing_tokenizer_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config key 'data.tokenizer'" in err and "no.model" in err and "model.vocab_size=N" in err
     assert "Traceback" not in err and not out.exists()
+    # no tokenizer and no vocabulary size: the config's own error, as it is (one key, no advice
+    # to build tokenizers that are not configured)
+    cfg_path.write_text(yaml.safe_dump(merge(TINY, {"data": {"tokenizer": None}, "model": {"vocab_size": None}})))
+    assert mod.main(["--config", str(cfg_path), "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config key 'data.tokenizer': no tokenizer") and "build the" not in err, err
 
 
 def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):

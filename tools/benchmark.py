@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     from dept_mega.run_inputs import input_errors, vocab_size_of
     try:
         vocab = vocab_size_of(cfg)
+    except ConfigError as exc:  # names its own key (e.g. no tokenizer and no model.vocab_size)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except input_errors() as exc:
         # the batches are synthetic: only the vocabulary size is read from the tokenizer
         spec_opt = cfg.dept.variant == "spec_opt"

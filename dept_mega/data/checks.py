@@ -150,7 +150,10 @@ def lossy_source_warnings(cfg: Config) -> list[str]:
             continue  # no record, or one check_sources reports
         where = f"config key 'data.sources[{i}].prefix': source '{s.name}': {record}"
         if lossless is None and isinstance(rt, dict) and rt.get("checked") == 0:
-            out.append(f"{where}: the round trip was not checked (tools/preprocess_data.py --round-trip-every 0): "
+            every = rt.get("every", 0)
+            how = ("--round-trip-every 0" if not every else
+                   f"--round-trip-every {every}: no valid document on the sampled lines")
+            out.append(f"{where}: the round trip was not checked (tools/preprocess_data.py {how}): "
                        f"whether its tokenizer gives the documents back is unknown, and with a lossy one bits per "
                        f"byte count bytes the tokens do not encode; preprocess again without --round-trip-every 0 "
                        f"(or with a K > 1 to sample) to know")

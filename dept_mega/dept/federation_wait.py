@@ -44,8 +44,9 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
                 every: float = WAIT_EVERY_S) -> Any:
     """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
     any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank.
-    ``say(seconds)`` every ``every`` seconds while this rank waits (the "still waiting" line;
-    nothing when ``fn`` returns sooner). ``preemption`` None: no agreement (and, without ``say``,
+    ``say(seconds)`` every ``every`` seconds while any rank of the job still waits (without a
+    preemption handler: while this rank waits; the "still waiting" line; nothing when every
+    ``fn`` returns sooner). ``preemption`` None: no agreement (and, without ``say``,
     ``fn()`` as it is). ``fn``'s exception is raised here."""
     if preemption is None and say is None:
         return fn()

@@ -162,8 +162,11 @@ class Backends:
             return "transformer_engine (bf16)" if self.linear == "transformer_engine" else "torch"
         native = self.linear != "transformer_engine"
         traced = native and self.compile  # parallel/fp8_traced.py
-        casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
-        how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}, {casts})" if native else "transformer_engine fp8"
+        if native:
+            casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
+            how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}, {casts})"
+        else:  # Transformer Engine casts itself (fp8_casts / fp8_gemm apply to the native GEMMs only)
+            how = "transformer_engine fp8"
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
         gemms = ", ".join(self.fp8_gemms) if self.fp8_gemms else "none"
         out = f"{how} {self.fp8.describe()}: fp8 GEMMs [{gemms}] in layers {_ranges(self.fp8_layers)}"
@@ -385,8 +388,10 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     fp8_gemms: tuple[str, ...] = ()
     fp8_casts = fp8_graph_casts = fp8_gemm = ""
     if cfg.fp8 is not None:
-        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history,
-                           "none" if cfg.fp8_fast_accum == "auto" else cfg.fp8_fast_accum)
+        fast_accum = cfg.fp8_fast_accum
+        if fast_accum == "auto":  # exact sums in our GEMMs; Transformer Engine accumulates as 'forward'
+            fast_accum = "forward" if linear == "transformer_engine" else "none"
+        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history, fast_accum)
         skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
         fp8_layers = tuple(i for i in range(m.num_layers) if i not in skip)
         if linear == "fp8-native":
