@@ -50,16 +50,20 @@ class StepProfiler:
         """Whether :meth:`before_step` (``before``) or :meth:`after_step` with this count starts
         the profiler or stops it and writes the trace: the caller keeps that time (seconds for
         a large GPU trace) out of its throughput."""
-        if before:
-            return (self.enabled and self._prof is None and self._first is None
-                    and self.cfg.start <= steps_done < self.cfg.stop)
+        return self._starts(steps_done) if before else self._stops(steps_done)
+
+    def _starts(self, steps_done: int) -> bool:
+        return (self.enabled and self._prof is None and self._first is None
+                and self.cfg.start <= steps_done < self.cfg.stop)
+
+    def _stops(self, steps_done: int) -> bool:
         return self._prof is not None and steps_done >= self.cfg.stop
 
     def before_step(self, steps_done: int) -> None:
         """Call before each training step with the number of inner steps done."""
         if not self.enabled:
             return
-        if self._prof is None and self._first is None and self.cfg.start <= steps_done < self.cfg.stop:
+        if self._starts(steps_done):
             self._prof = torch.profiler.profile(activities=self._activities(), record_shapes=True)
             self._prof.start()
             self._first = steps_done
@@ -72,7 +76,7 @@ class StepProfiler:
         if self._prof is None:
             return
         self._end_step()
-        if steps_done >= self.cfg.stop:
+        if self._stops(steps_done):
             self._finish(steps_done)
 
     def close(self, steps_done: int) -> None:
