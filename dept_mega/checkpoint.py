@@ -55,7 +55,8 @@ from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, stat
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
 from .parallel.agree import agree_errors, all_gather_text, mark_agreed
-from .resume import (CKPT_DIR, check_depends, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
+from .config_diff import check_differing
+from .resume import (CKPT_DIR, check_depends, depends_differences, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
                      verify_checkpoint)
 
 
@@ -544,11 +545,10 @@ def load_body(stages, cfg, pg, run_dir: str, step: int, group: Optional[int] = N
                           + ", ".join(f"parallel.{k}={saved.get(k)} (this launch: {now[k]})" for k in wrong)
                           + f"; a format-1 checkpoint loads with its own layout only; convert it first: "
                             f"python tools/convert_checkpoint.py --run-dir {run_dir} --step {step}")
-    old = read_json(path, DEPENDS_FILE).get("config", {})
-    here = fingerprint(cfg)["config"]
-    for key in BODY_KEYS:
-        if key in old and old[key] != here[key]:
-            raise ConfigError(f"config key '{key}': the body in {path} has {old[key]!r}, this launch {here[key]!r}")
+    depends = read_json(path, DEPENDS_FILE)
+    old = depends.get("config", {})
+    check_differing(depends_differences(depends, fingerprint(cfg), BODY_KEYS, tokenizers=()),
+                    f"from the body in checkpoint {path}", "the body loads into the same model shape only")
     groups = int(saved.get("groups", 1))
     local_steps = int(old.get("dept.local_steps") or 0)
     if group is None:

@@ -145,6 +145,14 @@ def test_a_step_inside_a_round_needs_a_group(trained, tmp_path):
     assert load_body(stages, cfg, pg, str(run), 4, group=1) == 1
     with pytest.raises(ConfigError, match="no group 2"):
         load_body(stages, cfg, pg, str(run), 4, group=2)
+    # a model of another shape: every differing body key, with both values
+    other = load_config(str(run / "config.yaml"), ["dept.variant=std", "model.num_layers=3", "model.activation=swiglu"])
+    with pytest.raises(ConfigError) as info:
+        load_body(build_model(other, pg, 8000, 1), other, pg, str(run), 4, group=1)
+    head, *rows = str(info.value).split("\n")
+    assert head.startswith("2 config keys differ from the body in checkpoint "), head
+    assert any("'model.num_layers': the checkpoint has 2, this launch has 3" in r for r in rows), rows
+    assert any("'model.activation'" in r and "'swiglu'" in r for r in rows), rows
 
 
 def test_dept_only_keys_of_the_run_do_not_reach_the_adaptation(tmp_path):
