@@ -24,11 +24,12 @@
 # and is stopped at twice it):
 #   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start (20 s)
 #   env        GPU, driver, torch / CUDA versions                                            8
-#   ops_tests  waits for the build, checks the CUDA backend, pytest -m gpu tests/test_ops*.py and
+#   ops_tests  waits for the build, checks the CUDA backend, tests/test_ops_cpp_errors.py, then
+#              pytest -m gpu tests/test_ops.py, tests/test_ops_gpu.py and
 #              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py (the C++ FP8 cast and GEMM operators
 #              against Triton's and torch._scaled_mm)                                            40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
-#              steps 2-3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                 45
+#              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
 #   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
 #              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
 #   fp8_cuda   the FP8 run with fp8_casts=cuda: each cast the C++/CUDA operator dept_mega::cast_fp8
@@ -81,7 +82,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }  # the header comment, whole
 DRY=0
 OUT_DIR=${OUT:-}
 BUDGET=

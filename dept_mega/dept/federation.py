@@ -59,7 +59,7 @@ from ..parallel.agree import agree_errors, mark_agreed, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_checkpoint_server, quiet_torchft,
-                             quorum_wait_line)
+                             quorum_wait_line, resume_rounds_error)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
@@ -78,26 +78,6 @@ def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, de
     rank's line, instead of that rank alone while the others go on to the quorum and wait.
     Returns this rank's reading of the lighthouse's ``--min-groups`` (for the log)."""
     return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)
-
-
-def resume_rounds_error(mine: int, lo: int, hi: int) -> str:
-    """A fresh start's group jobs resume at rounds ``lo``..``hi``: the line for the job at
-    ``mine``. Every job of the quorum stops. A fresh start (every job at its first quorum)
-    cannot heal one from another, so the jobs of the newest round must first train a round
-    without the lagging ones, which then heal when relaunched; what that needs is said here,
-    because with the two sites' advice of docs/launching.md §12 reversed (min 2) it cannot
-    happen and the same error would come back."""
-    head = f"config key 'train.run_dir': the group jobs resume at different rounds ({lo}..{hi}); "
-    if mine < hi:
-        what = (f"this job's checkpoint is of round {mine}, behind: relaunch it only after the jobs of round {hi} "
-                "have trained a round without it (it then heals from them)")
-    else:
-        what = (f"this job is at the newest round {hi}: relaunch it (and any other job of round {hi}) first, and "
-                "the lagging jobs only once it has trained a round without them (they then heal from it)")
-    return (head + what + "; the jobs of the newest round must be able to form a round by themselves: the "
-            "lighthouse's --min-groups and their federation.min_groups at most their number, and their fresh "
-            "start waits up to federation.timeout_s for the others before the first round (docs/launching.md "
-            "§12, 'Stopping and resuming')")
 
 
 class Federation:
