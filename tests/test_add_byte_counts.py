@@ -68,6 +68,7 @@ def test_writes_byte_counts_megatron_data_lacked(tmp_path, tok_model):
     ("sentence_list", "{src}:3: 'text' holds a list (sentences)"),
     ("no_eod_flag", "document 0 holds"),
     ("swapped_lines", "{idx}: document 0 holds"),
+    ("lone_surrogate", "{src}:3: the text holds a lone surrogate escape"),
 ])
 def test_mismatches_are_refused_naming_the_place_and_write_nothing(tmp_path, tok_model, case, message):
     prefix = megatron_data(str(tmp_path / "d"), TEXTS, tok_model)
@@ -89,6 +90,8 @@ def test_mismatches_are_refused_naming_the_place_and_write_nothing(tmp_path, tok
         kwargs["append_eod"] = False
     elif case == "swapped_lines":
         lines[0], lines[1] = lines[1], lines[0]
+    elif case == "lone_surrogate":
+        lines[2] = '{"text": "a \\ud800 b"}'
     src = str(tmp_path / "in.jsonl")
     with open(src, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -121,3 +124,15 @@ def test_sentence_split_data_gets_per_document_counts_and_refuses_check(tmp_path
         add_byte_counts(prefix, [src], tokenizer=Tokenizer(tok_model), check=3)
     res = add_byte_counts(prefix, [src])
     assert res.sequences == len(ds) and np.load(bytes_path(prefix)).tolist() == [len(t.encode()) for t in TEXTS]
+
+
+def test_input_lines_keep_byte_counts_and_only_the_checked_texts(tmp_path):
+    """The reader keeps a byte count per line, the texts of the lines asked for only, and names
+    a line by its file and line number across several files."""
+    from dept_mega.data.byte_counts import read_lines
+    a = write_jsonl(str(tmp_path / "a.jsonl"), ["one", " "])
+    b = write_jsonl(str(tmp_path / "b.jsonl"), ["é", "three"])
+    lines = read_lines([a, b], "text", keep={0, 3})
+    assert list(lines.nbytes) == [3, 1, 2, 5] and lines.blank == 1
+    assert lines.texts == {0: "one", 3: "three"}
+    assert lines.where(1) == f"{a}:2" and lines.where(2) == f"{b}:1" and lines.where(3) == f"{b}:2"

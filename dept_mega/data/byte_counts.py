@@ -20,10 +20,12 @@ What Megatron-LM's preprocessing does with each input line decides which documen
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
+from array import array
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import numpy as np
 
@@ -44,16 +46,49 @@ class ByteCountResult:
     checked: int  # documents whose token counts were compared with a tokenizer
 
 
-def read_texts(paths: Sequence[str], key: str) -> list[tuple[str, str]]:
-    """(``file:line``, text) of every line, as Megatron-LM's preprocessing reads them; any line
-    it would have stopped on is a :class:`ByteCountError`."""
-    out = []
+class InputLines:
+    """What :func:`add_byte_counts` keeps of the input lines, read once in order: each line's
+    UTF-8 byte count (8 bytes a line, not its text: a corpus of any size fits), how many hold
+    an empty or whitespace-only text, the texts of the lines in ``keep`` (those ``--check``
+    re-tokenizes) and the lines whose text has no UTF-8 form (a lone surrogate escape)."""
+
+    def __init__(self) -> None:
+        self.nbytes = array("q")
+        self.blank = 0
+        self.texts: dict[int, str] = {}
+        self.unencodable: list[int] = []
+        self._files: list[tuple[int, str]] = []  # (index of its first line, path)
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def where(self, i: int) -> str:
+        """``file:line`` of line ``i`` (0-based over all inputs)."""
+        k = bisect.bisect_right([first for first, _ in self._files], i) - 1
+        first, path = self._files[k]
+        return f"{path}:{i - first + 1}"
+
+
+def read_lines(paths: Sequence[str], key: str, keep: Collection[int] = ()) -> InputLines:
+    """Every line's byte count as Megatron-LM's preprocessing reads the lines (and the texts of
+    the lines in ``keep``); any line it would have stopped on is a :class:`ByteCountError`."""
+    out = InputLines()
     for path in paths:
+        out._files.append((len(out), path))
         lineno = 0
         try:
             with open(path, "r", encoding="utf-8") as f:  # as Megatron: text mode, universal newlines
                 for lineno, line in enumerate(f, 1):
-                    out.append((f"{path}:{lineno}", _text_of(line, key, f"{path}:{lineno}")))
+                    i = len(out)
+                    text = _text_of(line, key, f"{path}:{lineno}")
+                    try:
+                        out.nbytes.append(len(text.encode("utf-8")))
+                    except UnicodeEncodeError:
+                        out.nbytes.append(0)
+                        out.unencodable.append(i)
+                    out.blank += not text.strip()
+                    if i in keep:
+                        out.texts[i] = text
         except UnicodeDecodeError as exc:
             raise ByteCountError(f"{path}: not valid UTF-8 after line {lineno} ({exc.reason}): Megatron-LM's "
                                  f"preprocess_data.py stops on such input, so the data was not made from this "
@@ -82,12 +117,9 @@ def _text_of(line: str, key: str, where: str) -> str:
     return text
 
 
-def utf8_length(text: str, where: str) -> int:
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ByteCountError(f"{where}: the text holds a lone surrogate escape (e.g. \"\\ud800\"), which has no "
-                             f"UTF-8 bytes to count") from None
+def _no_utf8(where: str) -> ByteCountError:
+    return ByteCountError(f"{where}: the text holds a lone surrogate escape (e.g. \"\\ud800\"), which has no "
+                          f"UTF-8 bytes to count")
 
 
 def document_order(n: int, partitions: int, keep_sequential: bool) -> np.ndarray:
@@ -111,12 +143,20 @@ def add_byte_counts(prefix: str, inputs: Sequence[str], key: str = "text", *, pa
     if os.path.exists(out) and not force:
         raise ByteCountError(f"{out} exists; pass --force to replace it")
     ds = IndexedDataset(prefix)
-    lines = read_texts(inputs, key)
     docs = ds.num_documents
+    # the lines --check re-tokenizes: the first documents' (their order as the .idx's count says;
+    # a file of another line count is refused below, before any text is used)
+    keep = (set(document_order(docs, partitions, keep_sequential)[:check].tolist())
+            if check > 0 and partitions >= 1 else set())
+    lines = read_lines(inputs, key, keep)
     if len(lines) != docs:
         raise ByteCountError(_count_message(prefix, inputs, lines, docs))
     order = document_order(len(lines), partitions, keep_sequential)
-    nbytes = np.fromiter((utf8_length(lines[i][1], lines[i][0]) for i in order), dtype=np.int64, count=docs)
+    if lines.unencodable:  # the first one in document order, as the counts are written
+        position = np.empty(docs, dtype=np.int64)
+        position[order] = np.arange(docs)
+        raise _no_utf8(lines.where(min(lines.unencodable, key=lambda i: position[i])))
+    nbytes = np.frombuffer(lines.nbytes, dtype=np.int64)[order]
     _, lengths = ds.document_token_ranges()
     checked = 0
     if check > 0:
@@ -136,8 +176,8 @@ def add_byte_counts(prefix: str, inputs: Sequence[str], key: str = "text", *, pa
     return ByteCountResult(out, docs, len(ds), int(nbytes.sum()), int(np.count_nonzero(lengths == 0)), checked)
 
 
-def _count_message(prefix: str, inputs: Sequence[str], lines: list, docs: int) -> str:
-    blank = sum(1 for _, t in lines if not t.strip())
+def _count_message(prefix: str, inputs: Sequence[str], lines: InputLines, docs: int) -> str:
+    blank = lines.blank
     head = (f"{', '.join(inputs)} has {len(lines)} lines but {idx_path(prefix)} holds {docs} documents: "
             f"Megatron-LM's preprocessing makes one document of every line")
     if len(lines) > docs:
@@ -151,10 +191,10 @@ def _count_message(prefix: str, inputs: Sequence[str], lines: list, docs: int) -
             f"all, in the order preprocessing read them)")
 
 
-def _check_tokens(prefix: str, lines: list, order: np.ndarray, lengths: np.ndarray, tokenizer,
+def _check_tokens(prefix: str, lines: InputLines, order: np.ndarray, lengths: np.ndarray, tokenizer,
                   append_eod: bool, check: int) -> int:
     n = min(check, len(order))
-    texts = [lines[int(order[d])][1] for d in range(n)]
+    texts = [lines.texts[int(order[d])] for d in range(n)]
     ids = tokenizer.encode_batch(texts)
     for d, (t, x) in enumerate(zip(texts, ids)):
         want = len(x) + (1 if append_eod and len(x) else 0)
@@ -165,7 +205,7 @@ def _check_tokens(prefix: str, lines: list, order: np.ndarray, lengths: np.ndarr
             elif want - int(lengths[d]) == 1 and append_eod:
                 hint = " (one fewer: was it run without --append-eod? then leave it out)"
             raise ByteCountError(f"{idx_path(prefix)}: document {d} holds {int(lengths[d])} tokens, but "
-                                 f"{lines[int(order[d])][0]} tokenizes to {want}{hint}: not the tokenizer, "
+                                 f"{lines.where(int(order[d]))} tokenizes to {want}{hint}: not the tokenizer, "
                                  f"file, line order (--partitions) or --append-eod the data was made with; "
                                  f"nothing written")
     return n
