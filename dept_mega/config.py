@@ -245,9 +245,6 @@ def _check_values(cfg: Config) -> None:
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
     if t.init_from is not None and not t.init_from.strip():
         raise ConfigError("config key 'train.init_from': a run directory or its checkpoints/step_N, or null")
-    if t.init_from_new_sources not in ("error", "fresh"):
-        raise ConfigError(f"config key 'train.init_from_new_sources': {t.init_from_new_sources!r} is not one of "
-                          f"error | fresh")
     if t.wandb is not None and not t.wandb.strip():
         raise ConfigError("config key 'train.wandb': a Weights & Biases project name, or null for off")
     _check_schedule(cfg)

@@ -327,6 +327,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "optim.grad_dtype": ("fp32", "bf16"),
     "optim.lr_decay_style": ("cosine", "linear", "constant", "inverse-square-root", "wsd"),
     "optim.lr_wsd_decay_style": ("exponential", "linear", "cosine", "minus_sqrt"),
+    "train.init_from_new_sources": ("error", "fresh"),
 }
 
 

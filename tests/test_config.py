@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from dept_mega.config import ConfigError, load_config, save_config, validate
@@ -155,3 +157,13 @@ def test_source_groups():
                                             "{name: c, prefix: z}]"])
     assert source_groups(plain, 2) == [0, 1, 0]  # federation, K > G: i mod G
     assert "'data.sources[2].group': 3 is not a group index in [0, 2)" in _err(base + fed + [four % 3], world=1)
+
+
+@pytest.mark.parametrize("key", sorted(__import__("dept_mega.config_schema", fromlist=["CHOICES"]).CHOICES))
+def test_every_key_with_choices_refuses_another_value_naming_them(key):
+    """CHOICES is the one place a key's allowed values are checked: any other value is refused
+    with the key and the values it takes."""
+    from dept_mega.config_schema import CHOICES
+    shown = " | ".join("null" if a is None else str(a) for a in CHOICES[key])
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': 'not_a_choice' is not one of {shown}")):
+        load_config("examples/tiny/std.yaml", [f"{key}=not_a_choice"])
