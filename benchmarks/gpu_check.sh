@@ -278,6 +278,17 @@ try:
     d["megatron_core"] = version("megatron-core")
 except Exception:
     d["megatron_core"] = None
+# the toolchain that builds the extension (torch's cpp_extension runs $CXX, else c++) and the C++
+# runtime torch loaded: one build there crashed on some C++ exceptions of the extension
+import os, shutil, subprocess
+cxx = os.environ.get("CXX", "c++")
+try:
+    ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=20).stdout.splitlines()[0]
+except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+    ver = f"unavailable: {e}"
+d["cxx"] = {"command": cxx, "path": shutil.which(cxx), "version": ver}
+d["cxx_runtime"] = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                           if "libstdc++" in line or "libgcc_s" in line})
 json.dump(d, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(d))
 EOF
@@ -313,6 +324,13 @@ wait_build() {  # the stages that run the extension's operators wait for its bui
   wait "$BUILD_PID"; log "build finished: rc=$? ($(tail -n 1 "$OUT/build.log" 2>/dev/null))"
   BUILD_PID=
   tail -n 5 build/dept_mega_ops_build.log >>"$LOG" 2>/dev/null
+  # which compilers built the extension and which C++ runtime it links (see stage_env's cxx)
+  local so
+  for so in dept_mega/ops/_C*.so; do
+    [ -f "$so" ] || continue
+    { readelf -p .comment "$so" 2>/dev/null | grep -o 'GCC: .*\|clang .*' | sort -u
+      ldd "$so" 2>/dev/null | grep -E 'libstdc\+\+|libgcc_s'; } >>"$LOG" 2>&1
+  done
   return 0
 }
 
