@@ -70,6 +70,8 @@
 #   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
 #              compiled blocks (no graph break) -> bench.jsonl                                  60
 #   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
+#   fp8_lt_mb8 the fp8_lt run (C++ casts, cuBLASLt GEMMs) with micro-batches of 8: the two ways to
+#              less host work per token together (compare with mb8)                       50 (an estimate)
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
 #              -> memory.json                                                                   16
@@ -102,7 +104,7 @@ done
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
 STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
-        compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 vocab250k memory nofusion
+        compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do
@@ -151,7 +153,7 @@ if [ "$DRY" = 1 ]; then
   GRAPH_CASTS=torch
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
-                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12
+                     [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12 [fp8_lt_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12)
   CAP=8
@@ -171,7 +173,7 @@ else
   # the H200 run (2026-11-27: 17, 5 and 39 s) with room
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
-                     [fp8_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
+                     [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
                      [fp8_fast_accum]=50 [fp8_casts]=40 [fp8_lt]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
@@ -246,7 +248,7 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
 
 # ------------------------------------------------------------------ stages
 BUILD_PID=
-NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_host fp8_casts)  # stages that run the extension's operators
+NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_lt_mb8 fp8_host fp8_casts)  # stages that run the extension's operators
 start_build() {
   if [ -n "$ONLY" ]; then
     local s need=0
@@ -411,6 +413,7 @@ stage_fp8_cuda() { bench fp8_cuda --profile fp8=hybrid backend=local fp8_casts=c
 stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt; }
 stage_fp8_fast_accum() { bench fp8_fast_accum fp8=hybrid backend=local fp8_fast_accum=forward; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
+stage_fp8_lt_mb8() { bench fp8_lt_mb8 fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }
 stage_fp8_compile_triton() { compiled_bench fp8_compile_triton --profile fp8=hybrid backend=local fp8_casts=$GRAPH_CASTS; }

@@ -19,7 +19,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
 STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
-          "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "vocab250k", "memory", "nofusion",
+          "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
 
@@ -55,13 +55,13 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
-                                           "fp8_current_compile", "fp8_mb8", "std_vocab250k", "bf16_nofusion",
+                                           "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
                                            "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
     by = {r["name"]: r for r in rows}
     assert by["std_vocab250k"]["vocab_size"] == 2000 and by["bf16"]["vocab_size"] == 1000
     assert by["bf16"]["micro_batch_size"] == 2 and by["bf16_mb8"]["micro_batch_size"] == 4
-    assert by["fp8_mb8"]["micro_batch_size"] == 4
+    assert by["fp8_mb8"]["micro_batch_size"] == 4 and by["fp8_lt_mb8"]["micro_batch_size"] == 4
     assert "grad_accum_fusion=off" in by["bf16_nofusion"]["backends"] and "grad_accum_fusion=on" in by["bf16"]["backends"]
     kernels = (tmp_path / "kernels.txt").read_text()
     assert "# kernels: bf16" in kernels and "# kernels: fp8" in kernels and "| kind | ms |" in kernels
