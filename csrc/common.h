@@ -1,10 +1,14 @@
-// Argument checks and error messages shared by the CPU and CUDA operators of dept_mega.
+// Argument checks and their messages, shared by the CPU and CUDA operators of dept_mega.
 //
 // The pure PyTorch fallback (dept_mega/ops/fallback.py) raises the same exception types with
 // the same messages, so callers see one behaviour whatever the backend:
-//   IndexError  an id outside [0, rows) of the table / lookup
-//   ValueError  a lookup entry < 0 (id not in this source's vocabulary), bad shapes, devices
+//   ValueError  bad shapes, mixed devices
 //   TypeError   an unsupported dtype
+// dept_mega.ops checks the arguments in Python before calling an operator, so these throws are
+// the last line, reached only through torch.ops.dept_mega.* directly. Invalid ids (data, not
+// arguments) are never thrown by a kernel: CPU and CUDA kernels write the error record of
+// constants.h, which dept_mega.ops decodes into an IndexError / ValueError (recorded_error, with
+// the fallback's messages).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -147,26 +151,6 @@ inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_
     check_same_device(op, t, "t", s, names[k]);
   }
   return dtype == at::kFloat8_e4m3fn ? DM_FP8_E4M3 : DM_FP8_E5M2;
-}
-
-// Raised (as IndexError) for the first id i (in order) outside [0, num_rows).
-[[noreturn]] inline void fail_id_out_of_range(const char* op, int64_t pos, int64_t id,
-                                              int64_t num_rows) {
-  TORCH_CHECK_INDEX(false, op, ": ids[", pos, "] = ", id,
-                    " is out of range for a table of ", num_rows, " rows");
-  __builtin_unreachable();
-}
-
-[[noreturn]] inline void fail_remap_out_of_range(int64_t pos, int64_t id, int64_t size) {
-  TORCH_CHECK_INDEX(false, "remap_ids: global id ", id, " at flat position ", pos,
-                    " is out of range for a lookup of ", size, " entries");
-  __builtin_unreachable();
-}
-
-[[noreturn]] inline void fail_remap_missing(int64_t pos, int64_t id, int64_t value) {
-  TORCH_CHECK_VALUE(false, "remap_ids: global id ", id, " (first at flat position ", pos,
-                    ") is not in this source's vocabulary (lookup[", id, "] = ", value, ")");
-  __builtin_unreachable();
 }
 
 }  // namespace dept_mega

@@ -15,7 +15,9 @@
 #define DM_RANK_BITS 32
 
 // Error record: int64[DM_ERR_RECORD_LEN] = {code, position, id, bound, lookup value}; code 0 = no
-// error. Codes name the op and the kind of error (csrc/common.h has the messages).
+// error. Codes name the op and the kind of error; dept_mega.ops.recorded_error decodes a record
+// into its exception (the messages are dept_mega/ops/fallback.py's). Written by the CUDA kernels
+// (one record per device) and the CPU kernels (one per calling thread) instead of throwing.
 enum {
   DM_ERR_NONE = 0,
   DM_ERR_GATHER = 1,         // gather_rows: id outside [0, bound)

@@ -26,6 +26,14 @@ IMPLS = {
 }
 
 
+def lazy_check(device) -> None:
+    """check_errors for a CUDA device, whose kernels report invalid ids at the next check; none
+    for CPU, where the ops raise at the call: a CPU call that returned had no error (a check
+    here would raise an error that the call left in the thread's record instead)."""
+    if torch.device(device).type == "cuda":
+        ops.check_errors(device)
+
+
 def seed_of(*key) -> int:
     """A seed from test parameters that is the same in every process (unlike hash())."""
     return zlib.crc32(repr(key).encode())

@@ -13,8 +13,8 @@ import torch
 
 import dept_mega.ops as ops
 from dept_mega.ops import fallback
-from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, rand_ids, rand_rows,
-                             ref_chunked_add, ref_scatter_add, ref_scatter_mean, seed_of, tol)
+from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, lazy_check, rand_ids,
+                             rand_rows, ref_chunked_add, ref_scatter_add, ref_scatter_mean, seed_of, tol)
 
 SHAPES = [(1, 1), (7, 3), (50, 17), (33, 769), (300, 64)]  # (rows, dim), odd dims included
 NS = [0, 1, 40]  # ids per call; 40 > rows for the small tables, so ids repeat
@@ -230,17 +230,17 @@ def test_remap_errors_name_first_offending_id(device, impl):
     with pytest.raises(ValueError, match=r"global id 3 \(first at flat position 3\) is not in "
                                          r"this source's vocabulary \(lookup\[3\] = -1\)"):
         remap(ids, lookup)
-        ops.check_errors(device)  # the CUDA kernels report invalid ids at the next check
+        lazy_check(device)  # CUDA reports invalid ids at the next check; CPU raised
     with pytest.raises(IndexError, match=r"global id 7 at flat position 1 is out of range for "
                                          r"a lookup of 5 entries"):
         remap(torch.tensor([0, 7, 1], device=device), lookup)
-        ops.check_errors(device)
+        lazy_check(device)
     with pytest.raises(IndexError, match=r"global id -2 at flat position 0"):
         remap(torch.tensor([-2], device=device), lookup)
-        ops.check_errors(device)
+        lazy_check(device)
     with pytest.raises(IndexError, match=r"lookup of 0 entries"):
         remap(torch.tensor([0], device=device), lookup[:0])
-        ops.check_errors(device)
+        lazy_check(device)
     assert remap(torch.empty(0, dtype=torch.long, device=device), lookup[:0]).numel() == 0
 
 
@@ -293,10 +293,10 @@ def test_scatter_error_leaves_table_unchanged(device, impl):
     ids = torch.tensor([0, 1, 9], device=device)
     with pytest.raises(IndexError):
         IMPLS[impl][1](t, ids, torch.ones(3, 2, device=device))
-        ops.check_errors(device)
+        lazy_check(device)
     with pytest.raises(IndexError):
         IMPLS[impl][2](t, ids, torch.ones(3, 2, device=device))
-        ops.check_errors(device)
+        lazy_check(device)
     assert torch.equal(t, before)
 
 
@@ -321,7 +321,116 @@ def test_error_records_raise_the_immediate_errors():
     for record, call in cases:
         assert _error(raise_record, record) == _error(call), record
     assert "unknown error record code 9" in str(ops.recorded_error([9, 0, 0, 0, 0]))
-    ops.check_errors("cpu")  # CPU errors are immediate: nothing to check, returns
+    ops.check_errors("cpu")  # the CPU calls above raised and cleared this thread's record
+
+
+def _cpu_direct_cases():
+    """(name, a torch.ops.dept_mega call with an invalid id, the public call with the same
+    arguments, the table it must leave unchanged or None): every data error of the CPU kernels."""
+    t, r = torch.arange(12, dtype=torch.float32).reshape(4, 3), torch.ones(3, 3)
+    i = torch.tensor([0, 4, 1])
+    lookup = torch.tensor([0, -1, 1, -1, 2])
+    ranks = ops.VocabRanks.from_ids(torch.tensor([0, 2, 4]), 5)
+    O = torch.ops.dept_mega
+    return [
+        ("gather", lambda: O.gather_rows(t, i, None), lambda: ops.gather_rows(t, i), None),
+        ("scatter_add", lambda: O.scatter_add_rows_(t, i, r), lambda: ops.scatter_add_rows(t, i, r), t),
+        ("scatter_mean", lambda: O.scatter_mean_rows_(t, i, r, True, -1.0),
+         lambda: ops.scatter_mean_rows(t, i, r, True, -1.0), t),
+        ("remap range", lambda: O.remap_ids(torch.tensor([0, 7, 1]), lookup),
+         lambda: ops.remap_ids(torch.tensor([0, 7, 1]), lookup), None),
+        ("remap missing", lambda: O.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup),
+         lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup), None),
+        ("ranked range", lambda: O.remap_ranked(torch.tensor([0, 7, 1]), ranks.words, 5, -1),
+         lambda: ops.remap_ids(torch.tensor([0, 7, 1]), ranks), None),
+        ("ranked missing", lambda: O.remap_ranked(torch.tensor([[0, 2, 4], [3, 1, 0]]), ranks.words, 5, -1),
+         lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), ranks), None),
+    ]
+
+
+def test_cpu_kernels_record_invalid_ids_instead_of_throwing():
+    """The CPU kernels throw no C++ exception for an invalid id (a throw crashed the GPU
+    machine's build): they write the calling thread's error record and return, a scatter without
+    touching the table. The operator called directly raises nothing; the next check_errors("cpu")
+    raises exactly what the public call raises at once, and clears the record. The record keeps
+    the first error since the last check, as the CUDA record does."""
+    _require_extension()
+    ops.check_errors("cpu")  # nothing left from an earlier test
+    for name, direct, public, table in _cpu_direct_cases():
+        before = None if table is None else table.clone()
+        direct()  # no exception
+        if table is not None:
+            assert torch.equal(table, before), name
+        want = _error(public)  # raised at the call (and the record cleared by it)
+        direct()
+        assert _error(ops.check_errors, "cpu") == want, name
+        ops.check_errors("cpu")  # cleared by the check that raised
+    cases = _cpu_direct_cases()
+    cases[0][1](), cases[3][1]()  # two errors: the first is kept
+    assert _error(ops.check_errors, "cpu") == _error(cases[0][2])
+
+
+def test_cpu_arguments_are_checked_in_python_before_the_operator(monkeypatch):
+    """The public API runs the fallback's argument checks before a CPU operator (as before a
+    CUDA one), so no C++ argument check throws through it: each check, replaced by one that
+    raises a marker, raises it for arguments the C++ check would refuse."""
+    _require_extension()
+
+    class Marker(Exception):
+        pass
+
+    def refuse(*args):
+        raise Marker()
+    for name in ("check_gather_args", "check_scatter_args", "check_remap_args", "check_remap_ranked_args"):
+        monkeypatch.setattr(fallback, name, refuse)
+    t, i, r = torch.zeros(4, 3), torch.tensor([0, 1]), torch.ones(2, 3)
+    ranks = ops.VocabRanks.from_ids(torch.tensor([0, 2]), 5)
+    for call in (lambda: ops.gather_rows(t[0], i), lambda: ops.scatter_add_rows(t, i, r[:, :2]),
+                 lambda: ops.scatter_mean_rows(t.t(), i, r), lambda: ops.remap_ids(i.float(), i),
+                 lambda: ops.remap_ids(i.float(), ranks)):
+        with pytest.raises(Marker):
+            call()
+
+
+def test_an_extension_without_the_cpu_error_record_is_not_used(monkeypatch):
+    """An extension built before the CPU kernels recorded their errors (no CPU kernel of
+    error_record: its kernels threw) is reported and left for the fallback."""
+    from dept_mega.ops import loader
+    _require_extension()
+    real = loader._has_kernel
+    monkeypatch.setattr(loader, "_has_kernel",
+                        lambda op, key: not (op == "dept_mega::error_record" and key == "CPU") and real(op, key))
+    st = loader._load()
+    assert not st.loaded and "older than this source (no error_record operator)" in st.reason
+
+
+def test_cpu_error_record_is_per_thread():
+    """Two Python threads never see each other's CPU errors: an invalid id met by one thread's
+    direct call is not raised by another thread's calls or checks, and is raised by its own."""
+    import threading
+    _require_extension()
+    ops.check_errors("cpu")
+    caught = []
+    bad = threading.Event()
+    checked = threading.Event()
+
+    def worker():
+        torch.ops.dept_mega.remap_ids(torch.tensor([0, 9]), torch.arange(4))
+        bad.set()
+        checked.wait(60)
+        try:
+            ops.check_errors("cpu")
+        except IndexError as exc:
+            caught.append(str(exc))
+
+    th = threading.Thread(target=worker)
+    th.start()
+    assert bad.wait(60)
+    assert ops.remap_ids(torch.tensor([1, 2]), torch.arange(4)).tolist() == [1, 2]  # no raise here
+    ops.check_errors("cpu")  # nor here
+    checked.set()
+    th.join(60)
+    assert caught == ["remap_ids: global id 9 at flat position 1 is out of range for a lookup of 4 entries"]
 
 
 # --------------------------------------------------------------------------- determinism
@@ -473,6 +582,14 @@ def test_torch_compile_traces_ops():
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(table, tokens), step(table, tokens))
+    # in a compiled graph the CPU wrappers do not read the error record (no graph break): an
+    # invalid id raises at the next check_errors("cpu"), as a CUDA kernel's does
+    ops.check_errors("cpu")
+    bad = tokens.clone()
+    bad[1, 2] = 4  # lookup[4] = -1
+    compiled(table, bad)
+    with pytest.raises(ValueError, match=r"global id 4 \(first at flat position 6\)"):
+        ops.check_errors("cpu")
 
 
 def test_mixed_devices_are_a_value_error():

@@ -337,8 +337,8 @@ def test_cuda_ranked_remap_equals_cpu_on_both_memory_paths(id_dtype):
             for pos, gid in bad.items():
                 ids[pos] = gid
             ids = ids.to(id_dtype)
-            # the reference's error (the CPU kernel raises the same: tests/test_ops.py; its C++
-            # throw is tested apart, tests/test_ops_cpp_errors.py, having crashed one GPU build)
+            # the reference's error (the CPU kernel raises the same, from its own error record:
+            # tests/test_ops.py)
             err = _raised(lambda: fallback.remap_ranked(ids, ranks.words, ranks.size, -1))
             ops._remap_ranked(ids.to(dev), ranks_dev, stage)
             with pytest.raises(type(err)) as info:

@@ -9,7 +9,7 @@ import torch
 
 import dept_mega.ops as ops
 from dept_mega.ops import VocabRanks, fallback
-from tests.ops_utils import DEVICES, ID_DTYPES, gen, seed_of
+from tests.ops_utils import DEVICES, ID_DTYPES, gen, lazy_check, seed_of
 
 # (vocabulary size, which members): sizes below, at and off multiples of 32
 CASES = [(1, "full"), (1, "empty"), (5, "random"), (31, "random"), (32, "full"), (33, "last"),
@@ -121,10 +121,11 @@ def test_ranked_remap_equals_the_lookup_path(V, kind, id_dtype):
 
 def _outcome(call, device: torch.device):
     """(the result, None) or (None, (type, message)) of a remap on ``device``: a CUDA kernel's
-    invalid id raises at the next check_errors (run here), a CPU kernel's at the call."""
+    invalid id raises at the next check_errors (run here), a CPU kernel's at the call (no check:
+    a CPU call that does not raise at once has no error)."""
     try:
         out = call()
-        ops.check_errors(device)
+        lazy_check(device)
     except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
         return None, (type(exc), str(exc))
     return out, None

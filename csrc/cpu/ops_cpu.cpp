@@ -49,13 +49,49 @@ void dispatch_ids(at::ScalarType t, F&& f) {
 // Rows per parallel task so that a task moves ~32k elements.
 inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
 
-// Raises for the first id outside [0, num_rows). Sequential: O(n), small next to the rows.
+// Data errors (an invalid id) are never thrown here: the kernel writes the error record of
+// csrc/constants.h, {code, position, id, bound, lookup value}, into the calling thread's record
+// and returns (a scatter without writing, a gather / remap with its output unfinished), as the
+// CUDA kernels write their device's record. dept_mega.ops reads the record right after the call
+// and raises the error that dept_mega.ops.recorded_error decodes (the same function and messages
+// for both backends). Why not throw: on the GPU machine's build (torch 2.11, /opt/gcc g++) a C++
+// exception thrown from these kernels ended the process with SIGSEGV (tests/test_ops_cpp_errors.py).
+// One record per calling thread (the kernels run on the caller's thread; the parallel_for
+// workers only compute the position), so two Python threads never see each other's errors.
+int64_t* thread_record() {
+  thread_local int64_t record[DM_ERR_RECORD_LEN] = {};
+  return record;
+}
+
+// Keeps the first error since the last check (a later one is dropped), as the CUDA record does.
+void record_error(int code, int64_t pos, int64_t id, int64_t bound, int64_t value) {
+  int64_t* r = thread_record();
+  if (r[0] != DM_ERR_NONE) return;
+  r[1] = pos;
+  r[2] = id;
+  r[3] = bound;
+  r[4] = value;
+  r[0] = code;
+}
+
+// The position of the first id outside [0, num_rows), n if none. Sequential: O(n), small next
+// to the rows.
 template <typename idx_t>
-void check_ids_in_range(const char* op, const idx_t* ids, int64_t n, int64_t num_rows) {
+int64_t first_out_of_range(const idx_t* ids, int64_t n, int64_t num_rows) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = static_cast<int64_t>(ids[i]);
-    if (id < 0 || id >= num_rows) fail_id_out_of_range(op, i, id, num_rows);
+    if (id < 0 || id >= num_rows) return i;
   }
+  return n;
+}
+
+// Records the first id outside [0, num_rows) under `code`; false when there is one.
+template <typename idx_t>
+bool ids_in_range(int code, const idx_t* ids, int64_t n, int64_t num_rows) {
+  const int64_t pos = first_out_of_range(ids, n, num_rows);
+  if (pos == n) return true;
+  record_error(code, pos, static_cast<int64_t>(ids[pos]), num_rows, 0);
+  return false;
 }
 
 at::Tensor gather_rows_cpu(const at::Tensor& table_in, const at::Tensor& ids_in,
@@ -70,7 +106,7 @@ at::Tensor gather_rows_cpu(const at::Tensor& table_in, const at::Tensor& ids_in,
   dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
     using idx_t = decltype(idx_tag);
     const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
-    check_ids_in_range("gather_rows", id_ptr, n, num_rows);
+    if (!ids_in_range(DM_ERR_GATHER, id_ptr, n, num_rows)) return;  // rows left unset
     dispatch_rows(table.scalar_type(), [&](auto in_tag) {
       using in_t = decltype(in_tag);
       dispatch_rows(odt, [&](auto out_tag) {
@@ -124,8 +160,9 @@ void group_by_row(const idx_t* ids, int64_t n, int64_t num_rows, std::vector<int
 
 enum class ScatterMode { kAdd, kMeanReplace, kMeanAccumulate };
 
-// Shared by scatter_add_rows_ and scatter_mean_rows_. Validates every id before writing.
-void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
+// Shared by scatter_add_rows_ and scatter_mean_rows_ (error record code `code`). Validates
+// every id before writing.
+void scatter_rows_cpu(const char* op, int code, at::Tensor& out, const at::Tensor& ids_in,
                       const at::Tensor& rows_in, ScatterMode mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const at::Tensor ids = ids_in.contiguous();
@@ -136,7 +173,7 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
   dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
     using idx_t = decltype(idx_tag);
     const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
-    check_ids_in_range(op, id_ptr, n, num_rows);
+    if (!ids_in_range(code, id_ptr, n, num_rows)) return;  // the table unchanged
     group_by_row(id_ptr, n, num_rows, order, seg);
     const int64_t nseg = static_cast<int64_t>(seg.size()) - 1;
     // Destination rows per task: ~32k accumulated elements (rows per segment x dim).
@@ -204,19 +241,20 @@ void scatter_rows_cpu(const char* op, at::Tensor& out, const at::Tensor& ids_in,
 }
 
 void scatter_add_rows_cpu(at::Tensor out, const at::Tensor& ids, const at::Tensor& rows) {
-  scatter_rows_cpu("scatter_add_rows", out, ids, rows, ScatterMode::kAdd, 1.0f);
+  scatter_rows_cpu("scatter_add_rows", DM_ERR_SCATTER_ADD, out, ids, rows, ScatterMode::kAdd,
+                   1.0f);
 }
 
 void scatter_mean_rows_cpu(at::Tensor table, const at::Tensor& ids, const at::Tensor& rows,
                            bool accumulate, double alpha) {
-  scatter_rows_cpu("scatter_mean_rows", table, ids, rows,
+  scatter_rows_cpu("scatter_mean_rows", DM_ERR_SCATTER_MEAN, table, ids, rows,
                    accumulate ? ScatterMode::kMeanAccumulate : ScatterMode::kMeanReplace,
                    static_cast<float>(alpha));
 }
 
 // The remap of both operators: dst[i] = value(src[i]), where value(id) for an id in [0, size) is
-// its local id, < 0 for a non-member. Chunks in parallel; the error is the lowest position's
-// (out of range, or the non-member with its value), as the CUDA kernels record it.
+// its local id, < 0 for a non-member. Chunks in parallel; the error recorded is the lowest
+// position's (out of range, or the non-member with its value), as the CUDA kernels record it.
 template <typename idx_t, typename Value>
 void remap_each(const idx_t* src, idx_t* dst, int64_t n, int64_t size, const Value& value) {
   std::atomic<int64_t> first_bad{n};
@@ -236,8 +274,11 @@ void remap_each(const idx_t* src, idx_t* dst, int64_t n, int64_t size, const Val
   const int64_t pos = first_bad.load();
   if (pos < n) {
     const int64_t id = static_cast<int64_t>(src[pos]);
-    if (id < 0 || id >= size) fail_remap_out_of_range(pos, id, size);
-    fail_remap_missing(pos, id, value(id));
+    if (id < 0 || id >= size) {
+      record_error(DM_ERR_REMAP_RANGE, pos, id, size, 0);
+    } else {
+      record_error(DM_ERR_REMAP_MISSING, pos, id, size, value(id));
+    }
   }
 }
 
@@ -413,6 +454,13 @@ at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return at::Tensor();  // None: the result is in out
 }
 
+// The calling thread's error record as a tensor over its memory (no copy): dept_mega.ops reads
+// and clears it after each CPU call. Valid while the thread lives.
+at::Tensor error_record_cpu(const at::Tensor& like) {
+  TORCH_CHECK_VALUE(like.is_cpu(), "error_record: expected a CPU tensor, got ", like.device());
+  return at::from_blob(thread_record(), {DM_ERR_RECORD_LEN}, at::TensorOptions().dtype(at::kLong));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
@@ -423,6 +471,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("remap_ranked", &remap_ranked_cpu);
   m.impl("cast_fp8", &cast_fp8_cpu);
   m.impl("fp8_gemm", &fp8_gemm_cpu);
+  m.impl("error_record", &error_record_cpu);
 }
 
 }  // namespace dept_mega

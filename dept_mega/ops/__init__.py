@@ -41,15 +41,28 @@ Errors: ``IndexError`` for an id outside [0, V) (message names the position and 
 unsupported dtypes. In-place ops check every id before writing: on error the table is
 unchanged. Empty inputs work (no-op / empty result).
 
-When errors are raised: shapes, dtypes and devices at once everywhere; invalid ids at once
-on CPU (and by the fallback), but by the compiled CUDA kernels only at the next
-``check_errors(device)``, so that no call waits for the GPU: the kernels keep the first
-invalid id in a per-device error record on the GPU, and ``check_errors`` reads it (one small
-copy) and raises the very error the CPU op raises. The trainer checks at every log interval
-and at the end of training. With calls on several CUDA streams, the record keeps the first error
+When errors are raised: shapes, dtypes and devices at once everywhere (checked in Python
+before a compiled op is called); invalid ids at once on CPU (and by the fallback), but by the
+compiled CUDA kernels only at the next ``check_errors(device)``, so that no call waits for the
+GPU. No compiled kernel throws for an invalid id: it writes the first one into an error record
+{code, position, id, bound, lookup value} (csrc/constants.h), per device on the GPU, per calling
+thread on CPU, and `recorded_error` decodes a record into the very error the fallback raises.
+The CPU wrappers read their thread's record right after the call (a few memory reads) and raise;
+``check_errors`` reads the GPU's (one small copy). The trainer checks at every log interval and
+at the end of training. With calls on several CUDA streams, the record keeps the first error
 written, and a check (a copy on the current stream) sees the errors of the calls its stream has
-waited for. A failed CUDA scatter leaves the table unchanged; a failed CUDA
-gather / remap leaves the rows of the invalid ids unset (garbage until the check raises).
+waited for. A failed scatter leaves the table unchanged; a failed gather / remap leaves its
+output unfinished (garbage, never returned by a wrapper that raises at the call).
+
+Why records and not C++ exceptions: on the GPU machine (torch 2.11, the extension built there by
+the image's /opt/gcc g++) a C++ exception thrown by our operators crashed the process with a
+segmentation fault in some places (the CUDA ops' argument checks on one run, the CPU remap's
+invalid-id errors on another; tests/test_ops_cpp_errors.py runs every remaining throw site).
+The operators' own C++ argument checks stay as the last line: ``torch.ops.dept_mega.*`` called
+directly, past these wrappers, may still throw from C++, and its invalid ids on CPU raise
+nothing until ``check_errors("cpu")`` on that thread (or the thread's next wrapped CPU call).
+Under ``torch.compile`` the CPU wrappers do not read the record inside the graph (it would break
+the graph): a compiled CPU call's invalid id raises at the next ``check_errors("cpu")``, as on CUDA.
 
 Backends: the compiled extension ``dept_mega.ops._C`` (csrc/: C++ CPU kernels, CUDA kernels
 when built with a CUDA torch) registered as ``torch.ops.dept_mega.*`` with fake kernels, so
@@ -59,6 +72,8 @@ the ops trace under torch.compile; otherwise the pure PyTorch fallback
 """
 from __future__ import annotations
 
+import ctypes
+import threading
 from typing import Optional, Union
 
 import torch
@@ -80,11 +95,8 @@ def _route(*tensors: torch.Tensor) -> bool:
     """True: call the compiled op. Mixed devices go to the fallback, which raises the same
     ValueError as the compiled checks (the dispatcher would otherwise pick a device first).
 
-    For CUDA tensors the callers check the arguments in Python first (the same messages as the
-    C++ checks): on the first GPU run (H100, torch 2.11, the extension built there by the
-    image's /opt/gcc g++) a C++ exception thrown by a CUDA op's checks crashed the process
-    with a segmentation fault, while the CPU kernels' identical throws were caught. The C++
-    checks stay as the last line."""
+    The callers then check the arguments in Python (the same messages as the C++ checks), on
+    every device: no C++ throw is reached through this API (see the module docstring)."""
     device = tensors[0].device
     for t in tensors[1:]:  # a loop, not any(<generator>): this runs on every call
         if t.device != device:
@@ -131,18 +143,21 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """rows[i] = table[ids[i]] (see the module docstring)."""
     if _route(table, ids):
-        if table.is_cuda:
-            fallback.check_gather_args(table, ids, out_dtype)
-        return torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
+        fallback.check_gather_args(table, ids, out_dtype)
+        rows = torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
+        if not table.is_cuda:
+            _raise_recorded()
+        return rows
     return fallback.gather_rows(table, ids, out_dtype)
 
 
 def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
-        if out.is_cuda:
-            fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
+        fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
         torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
+        if not out.is_cuda:
+            _raise_recorded()
         return out
     return fallback.scatter_add_rows(out, ids, rows)
 
@@ -152,9 +167,10 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     """In place, per touched row r: table[r] = alpha * mean_r (or += with accumulate=True);
     returns ``table``."""
     if _route(table, ids, rows):
-        if table.is_cuda:
-            fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
+        fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
         torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
+        if not table.is_cuda:
+            _raise_recorded()
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
@@ -164,24 +180,30 @@ def remap_ids(ids: torch.Tensor, lookup: Union[torch.Tensor, VocabRanks]) -> tor
     may be a VocabRanks (the same result and errors as its equivalent lookup)."""
     if isinstance(lookup, VocabRanks):
         return _remap_ranked(ids, lookup)
-    # on CUDA the argument checks are three tests (the trainer remaps every micro-batch);
+    # the argument checks are three tests (the trainer remaps every micro-batch);
     # check_remap_args, which builds the message, runs only when one fails
     if _route(ids, lookup):
-        if ids.is_cuda and not _remap_args_ok(ids, lookup):
+        if not _remap_args_ok(ids, lookup):
             fallback.check_remap_args(ids, lookup)
-        return torch.ops.dept_mega.remap_ids(ids, lookup)
+        local = torch.ops.dept_mega.remap_ids(ids, lookup)
+        if not ids.is_cuda:
+            _raise_recorded()
+        return local
     return fallback.remap_ids(ids, lookup)
 
 
 def _remap_ranked(ids: torch.Tensor, ranks: VocabRanks, stage: int = -1) -> torch.Tensor:
     """remap_ids through ranks; ``stage`` picks the CUDA kernel's words in shared (1) or global
-    (0) memory, -1 lets it choose (tests force both). VocabRanks has checked its words, so on
-    CUDA only the ids' dtype is left to check here before the C++ op."""
+    (0) memory, -1 lets it choose (tests force both). VocabRanks has checked its words, so only
+    the ids' dtype (and the stage) is left to check here before the C++ op."""
     words, size = ranks.words, ranks.size
     if _route(ids, words):
-        if ids.is_cuda and (ids.dtype not in fallback.ID_DTYPES or stage not in (-1, 0, 1)):
+        if ids.dtype not in fallback.ID_DTYPES or stage not in (-1, 0, 1):
             fallback.check_remap_ranked_args(ids, words, size, stage)
-        return torch.ops.dept_mega.remap_ranked(ids, words, size, stage)
+        local = torch.ops.dept_mega.remap_ranked(ids, words, size, stage)
+        if not ids.is_cuda:
+            _raise_recorded()
+        return local
     return fallback.remap_ranked(ids, words, size, stage)
 
 
@@ -191,13 +213,47 @@ def _remap_args_ok(ids: torch.Tensor, lookup: torch.Tensor) -> bool:
             and lookup.dtype in fallback.ID_DTYPES)
 
 
+# The CPU kernels' error records, one per thread (csrc/cpu/ops_cpu.cpp, thread_record): each
+# thread's view of its own record's memory, made at the thread's first compiled CPU call.
+_THREAD = threading.local()
+
+
+def _thread_record() -> ctypes.Array:
+    """This thread's CPU error record: int64[5] over the extension's thread-local memory (reads
+    cost tens of ns, where reading a tensor element costs a few µs)."""
+    record = getattr(_THREAD, "record", None)
+    if record is None:
+        view = torch.ops.dept_mega.error_record(torch.empty(0))
+        record = (ctypes.c_int64 * view.numel()).from_address(view.data_ptr())
+        _THREAD.record = record
+    return record
+
+
+def _raise_recorded() -> None:
+    """After a compiled CPU call: raises (and clears) the error the kernel recorded in this
+    thread's record. Skipped while Dynamo traces (the call is then in a graph; the record is
+    read at the next check_errors("cpu"))."""
+    if torch.compiler.is_compiling():
+        return
+    record = _thread_record()
+    if record[0] != 0:
+        host = list(record)
+        ctypes.memset(record, 0, ctypes.sizeof(record))
+        raise recorded_error(host)
+
+
 def check_errors(device: Union[str, torch.device, None] = None) -> None:
-    """Raises the first invalid-id error that the compiled CUDA ops met on ``device`` since
-    the last check (and clears it); returns at once, without touching the GPU, for a device
-    whose ops raise immediately (CPU, the fallback). One device-to-host copy on CUDA: call it
-    where the host waits for the GPU anyway (the log interval)."""
+    """Raises the first invalid-id error that the compiled ops met on ``device`` since the last
+    check (and clears it): on CUDA the device's record (one device-to-host copy: call it where
+    the host waits for the GPU anyway, the log interval); on CPU this thread's record, which
+    holds an error only after ``torch.ops.dept_mega.*`` was called directly or from a compiled
+    graph (the wrappers raise at the call). Returns at once for a device without compiled ops."""
     dev = torch.device("cuda" if device is None else device)
-    if dev.type != "cuda" or backend(dev) != "cuda":
+    kind = backend(dev)
+    if kind == "cpp":
+        _raise_recorded()
+        return
+    if kind != "cuda":
         return
     record = torch.ops.dept_mega.error_record(torch.empty(0, device=dev))
     host = record.tolist()
@@ -207,9 +263,10 @@ def check_errors(device: Union[str, torch.device, None] = None) -> None:
 
 
 def recorded_error(record: list[int]) -> Exception:
-    """The exception a CUDA error record {code, position, id, bound, lookup value}
-    (csrc/constants.h) stands for: exactly what the CPU op raises at once. Decoded here, not in
-    C++: on the first GPU run (torch 2.11, H100) raising it from a C++ op crashed the process."""
+    """The exception an error record {code, position, id, bound, lookup value}
+    (csrc/constants.h) of a CUDA or CPU kernel stands for: exactly what the fallback raises. The
+    one decoder of both backends' records, with the fallback's messages: no kernel throws for an
+    invalid id (see the module docstring)."""
     code, pos, gid, bound, value = record
     ops = {1: "gather_rows", 2: "scatter_add_rows", 3: "scatter_mean_rows"}
     if code in ops:

@@ -86,8 +86,11 @@ def _load() -> ExtensionStatus:
         return ExtensionStatus(False, False, f"the extension failed to load: {e}")
     from dept_mega.ops import registration
 
-    missing = [op.split("::")[1] for op in registration.FAKES if not _has_kernel(op, "CPU")]
-    if len(missing) == len(registration.FAKES):
+    # the routed operators, and the CPU error record that the wrappers read after each CPU call
+    # (csrc/cpu/ops_cpu.cpp; an older build threw its errors instead)
+    needed = [*registration.FAKES, "dept_mega::error_record"]
+    missing = [op.split("::")[1] for op in needed if not _has_kernel(op, "CPU")]
+    if len(missing) == len(needed):
         return ExtensionStatus(False, False, "the extension loaded but registered no CPU kernels")
     if missing:  # an extension built from an older source
         return ExtensionStatus(False, False, "the extension dept_mega.ops._C is older than this source "

@@ -42,6 +42,7 @@ def _gather_setup_context(ctx, inputs, output):
 
 
 def _gather_backward(ctx, grad):
+    # the operator itself, past dept_mega.ops' checks: the forward has checked these ids
     (ids,) = ctx.saved_tensors
     grad_table = grad.new_zeros(ctx.table_shape, dtype=ctx.table_dtype)
     torch.ops.dept_mega.scatter_add_rows_(grad_table, ids, grad.contiguous())

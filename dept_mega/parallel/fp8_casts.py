@@ -109,6 +109,6 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
     (``scale`` None; None under delayed scaling). ``amax_out[amax_index]`` is maxed with ``t``'s
     amax when given. The arguments are checked here first (:func:`check_args`: the operator's
     exceptions and messages), as a C++ exception from a CUDA op crashed the process on a GPU
-    machine once (see ``dept_mega.ops._route``); the C++ checks stay as the last line."""
+    machine once (see ``dept_mega.ops``' docstring); the C++ checks stay as the last line."""
     check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index)
     return op()(t, dtype, pad, rowwise, colwise, scale, scale_index, amax_out, amax_index)

@@ -105,7 +105,7 @@ def _strides(t: torch.Tensor) -> str:
 def check_args(a, b, scale_a, scale_b, out=None, first=False) -> None:
     """Raises what the operator's own checks raise (``csrc/fp8_gemm.h``), in the same order with
     the same messages: a C++ exception from a CUDA op once crashed the process on a GPU machine
-    (``dept_mega.ops._route``), so :func:`fp8_gemm` checks here first."""
+    (``dept_mega.ops``' docstring), so :func:`fp8_gemm` checks here first."""
     op_name = "fp8_gemm"
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"{op_name}: a and b must be 2-D, got shapes {_shape(a)} and {_shape(b)}")
