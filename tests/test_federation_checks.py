@@ -225,7 +225,7 @@ def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
     def quorum(cfg):
         def allreduce(tensors, opts):
             t = tensors[0]
-            theirs = torch.tensor(agree_hashes(other) + [0], dtype=torch.int64)
+            theirs = torch.tensor(agree_hashes(other), dtype=torch.int64)
             t.copy_(torch.maximum(t, torch.cat([theirs, -theirs])))
             return SimpleNamespace(wait=lambda: None)
         fake = object.__new__(Federation)
@@ -233,53 +233,15 @@ def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
         fake.process_group = SimpleNamespace(allreduce=allreduce)
         return fake
 
-    quorum(other)._check_agree(0)  # the same keys
+    quorum(other)._check_agree()  # the same keys
     with pytest.raises(ConfigError) as exc:
-        quorum(load_config(write_config(str(tmp_path)), fed))._check_agree(0)
+        quorum(load_config(write_config(str(tmp_path)), fed))._check_agree()
     head, *lines = str(exc.value).split("\n")
     assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs; federation: "), head
     assert "compare the jobs' train.run_dir/config.yaml" in head and lines == ["  config key 'train.seed'",
                                                                                "  config key 'optim'"], lines
     with pytest.raises(ConfigError, match=r"^config key 'optim' differs between the group jobs; federation"):
-        quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree(0)
-
-
-def test_jobs_resuming_at_different_rounds_are_each_told_what_to_do(tmp_path):
-    """A fresh start whose jobs resume at different rounds stops every job; the one behind is
-    told it lags and waits for the others' first round, the one at the newest round to go
-    first, and both what the newest jobs need to train a round alone (min-groups, the fresh
-    start's wait). The other job's round stands in through a process group that takes the
-    element-wise max of both jobs' tensors, as the allreduce does."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from dept_mega.config import ConfigError, load_config
-    from dept_mega.dept.federation import Federation
-    from dept_mega.dept.federation_config import agree_hashes
-    from dept_mega.parallel.agree import is_agreed
-    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
-                                                    f"federation.groups={SOURCES}"])
-
-    def check(mine, theirs):
-        def allreduce(tensors, opts):
-            other = torch.tensor(agree_hashes(cfg) + [theirs], dtype=torch.int64)
-            tensors[0].copy_(torch.maximum(tensors[0], torch.cat([other, -other])))
-            return SimpleNamespace(wait=lambda: None)
-        fake = object.__new__(Federation)
-        fake.hashes, fake.device = agree_hashes(cfg), torch.device("cpu")
-        fake.process_group = SimpleNamespace(allreduce=allreduce)
-        with pytest.raises(ConfigError) as exc:
-            fake._check_agree(mine)
-        assert is_agreed(exc.value)
-        text = str(exc.value)
-        assert text.startswith("config key 'train.run_dir': the group jobs resume at different rounds (8..11); "), text
-        assert "--min-groups and their federation.min_groups at most their number" in text, text
-        assert "federation.timeout_s" in text, text
-        return text
-
-    assert "this job's checkpoint is of round 8, behind: relaunch it only after the jobs of round 11" in check(8, 11)
-    assert "this job is at the newest round 11: relaunch it" in check(11, 8)
+        quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree()
 
 
 @pytest.mark.parametrize("survivors", [1, 2])

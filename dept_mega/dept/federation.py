@@ -30,13 +30,18 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   groups — every outer sync's θ_{t-1} and outer optimizer state (the body, GLOB's tables),
   the strategy's own state (TRIM's φ, its rows' outer state, positions) and the round — through torchft's checkpoint transport; θ_{t-1} is written into its parameters
   and its loop jumps to that round. Its sources' own state comes from its own checkpoint.
+  The same at a fresh start of jobs that resume at different rounds (the whole federation
+  relaunched after one job stopped earlier): a job asks for its first quorum with torchft's
+  step = the round it resumes at (:data:`RUNNING`), so those behind heal from one of the
+  newest round.
 - **sources**: a source belongs to the group job that holds its data
   (``config.source_groups``: ``data.sources[i].group``, null = i mod groups) and never moves;
   each round a job trains one of its own (the seeded sampler, restricted to them:
   ``rounds.RoundScheduler``'s ``owners``). A gone job's sources are not trained until it
   returns.
 - **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
-  (a collective over every group) and by a healing group against its peer's; a group index
+  (a collective over every group, the healed ones too) and by a group healing from a running
+  one against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
 What torchft does not do and this module adds: the checks, the round ↔ step mapping and the
 jump of a healed group, the participants' group indices (from the ``global_ranks`` torchft's
@@ -55,15 +60,21 @@ import torch
 
 from ..config import ConfigError
 from ..config_diff import check_differing
-from ..parallel.agree import agree_errors, mark_agreed, world_max
+from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_checkpoint_server, quiet_torchft,
-                             quorum_wait_line, resume_rounds_error)
+                             quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
+#: torchft's step of a job past its first round start is at least this; below it, a job at its
+#: first quorum asks with the round it resumes at (0 for a new run). torchft heals every member of
+#: a quorum whose step is not the highest from one that is, so a job at its first quorum heals
+#: from a running job (as a relaunched job always did), and at a fresh start of every job the
+#: lagging ones heal from a job of the newest round (Federation.round_start)
+RUNNING = 1 << 40
 
 
 class LeftOut(Exception):
@@ -159,7 +170,11 @@ class Federation:
 
     def _replicated_state(self) -> dict:
         """What a healing group receives from this one (called on torchft's quorum thread
-        while this job's main thread waits for the quorum)."""
+        while this job's main thread waits for the quorum). A job that healed in its fresh start's
+        wait for the other groups (not applied yet: ``round_start``) is at the newest round's
+        step and may be asked in the next try: it sends what it received."""
+        if self._healed is not None and not self._healed.get("applied"):
+            return self._healed
         own = self.strategy.replicated_state() if self.strategy is not None else {}
         deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
         return {"round": self.round, "agree": self.hashes, "agree_values": self.agreed,
@@ -167,11 +182,24 @@ class Federation:
                 "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
+        """torchft's call with a live peer's state (checked where it is used: at a fresh start
+        after every job's keys are compared together, ``round_start``)."""
+        self._healed = sd
+
+    def _check_healed(self, sd: dict) -> None:
+        """A peer's state against this job's: the agreed keys, the outer syncs."""
         check_agree(self.cfg, sd)
         if set(sd["syncs"]) != set(self.syncs):
             raise ConfigError(f"config key 'dept.variant': the running groups synchronise {sorted(sd['syncs'])}, "
                               f"this job {sorted(self.syncs)}")
-        self._healed = sd
+
+    def _set_step(self, step: int) -> None:
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def _fresh_quorum(self) -> bool:
+        """After a quorum: every member is at its first (torchft's step below :data:`RUNNING`;
+        a member healed at it holds the step of the newest, which is then below too)."""
+        return self.manager.current_step() < RUNNING
 
     # ------------------------------------------------------------------ rounds
     def _quorum(self, synced: bool = True, **kw) -> None:
@@ -220,17 +248,20 @@ class Federation:
         fresh = self._rounds == 0
         before = list(self.members) if not fresh else []
         self.round = round_index
+        if fresh:  # (RUNNING): a job that resumes at an older round heals from one at the newest
+            self._set_step(round_index)
         if self._left_out is None:
             self._quorum(allow_heal=True)
         else:  # healed at the redo quorum of a round completed without this group: that quorum is this round's
             self._healed, self._left_out = self._left_out, None
-        # a fresh run (every member at its first quorum) waits up to timeout_s for every
-        # expected group: the lighthouse forms a quorum without those not heartbeating yet
+        # a fresh run (every member at its first quorum, those that resume at an older round
+        # healed) waits up to timeout_s for every expected group: the lighthouse forms a quorum
+        # without those not heartbeating yet
         t0 = time.monotonic()
         deadline, said = t0 + self.cfg.federation.timeout_s, None
         # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
-        while (fresh and self._healed is None and self.manager.current_step() == 0
-               and len(self.members) < self.groups and not self._any(time.monotonic() >= deadline)):
+        while (self._fresh_quorum() and len(self.members) < self.groups
+               and not self._any(time.monotonic() >= deadline)):
             if said is None or time.monotonic() - said >= WAIT_EVERY_S:
                 said = time.monotonic()
                 self._say(f"federation: fresh start: groups {self.members} of {self.groups} are here; waiting for the "
@@ -242,16 +273,19 @@ class Federation:
         self.round_groups = list(self.members)  # until an exchange of this round commits
         healed, self._healed = self._healed, None
         dup = sorted({g for g in self.members if self.members.count(g) > 1})
-        if dup and (healed is not None or self.manager.current_step() == 0):
+        first = self._fresh_quorum()
+        if dup and (healed is not None or first):
             raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs; give each job "
                               f"its own index in [0, {self.groups}) (federation.group, or DEPT_GROUP when it is null)")
+        if first:  # every member, healed or not, compares the keys (one error, in every job)
+            self._check_agree()
+            self._set_step(self.manager.current_step() + RUNNING)
         if healed is not None:
+            self._check_healed(healed)
             if not healed.get("applied"):
                 self._apply(healed)
             round_index = self.round = int(healed["round"])
             self._peers_deferred = bool(healed.get("deferred"))
-        elif fresh and self.manager.current_step() == 0:
-            self._check_agree(round_index)
         # (a healed job's record: at the step it trains from, its peers' round start)
         at = round_index * self.cfg.dept.local_steps if healed is not None else step
         self._members_changed(before, round_index, writer, at, healed is not None)
@@ -315,10 +349,8 @@ class Federation:
         """``DeptHooks.round_end``'s call: the groups whose pseudo-gradients were averaged."""
         if self._commits == 0 and self.participants == 1:
             # alone, the outer sync exchanged nothing (a group of one skips it), so no commit
-            # moved torchft's step: commit the round here, else a new group joining later finds
-            # this job at step 0 like itself, takes the quorum for a fresh start of both and
-            # runs the fresh start's checks against this job's next exchange (a collective
-            # mismatch) instead of healing from it
+            # moved torchft's step: commit the round here, so that the step grows every round
+            # (a group left out of a round completed without it is behind the others' step)
             self.manager.should_commit()
         self._commits = 0
         if self.dump is not None:
@@ -335,25 +367,23 @@ class Federation:
         self.process_group.allreduce([t], opts).wait()
         return bool(t.item())
 
-    def _check_agree(self, round_index: int) -> None:
-        """A fresh quorum (every member at its first): the agreed keys, the round and the group
-        indices compared over every group (bookkeeping collectives, not counted)."""
+    def _check_agree(self) -> None:
+        """A fresh quorum (every member at its first): the agreed keys compared over every group
+        (a bookkeeping collective, not counted; the round needs none: the lagging members healed
+        to the newest)."""
         from torch.distributed import ReduceOp
         from torch.distributed.distributed_c10d import AllreduceOptions
-        vals = torch.tensor(self.hashes + [round_index], dtype=torch.int64)
+        vals = torch.tensor(self.hashes, dtype=torch.int64)
         both = torch.cat([vals, -vals]).to(self.device)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MAX
         self.process_group.allreduce([both], opts).wait()
         hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
-        # every rank of this job holds the same config and round, so every rank raises the same error
+        # every rank of this job holds the same config, so every rank raises the same error
         keys = [key for i, key in enumerate(AGREE_KEYS) if hi[i] != lo[i]]
         check_differing([(key, "") for key in keys], "between the group jobs", "federation: every group job needs the "
                         "same value; only hashes are compared here: compare the jobs' train.run_dir/config.yaml",
                         agreed=True)
-        if hi[-1] != lo[-1]:
-            # (the same round on every rank of this job: one line, from rank 0)
-            raise mark_agreed(ConfigError(resume_rounds_error(round_index, int(lo[-1]), int(hi[-1]))))
 
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
@@ -539,6 +569,7 @@ class Federation:
             self._quorum(synced=False, allow_heal=True)
             if self._healed is not None:
                 self._left_out, self._healed = self._healed, None
+                self._check_healed(self._left_out)
                 self._apply(self._left_out)
                 if self.dump is not None:
                     self.dump.dropped()

@@ -107,22 +107,3 @@ def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: s
             f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
             "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
 
-
-def resume_rounds_error(mine: int, lo: int, hi: int) -> str:
-    """A fresh start's group jobs resume at rounds ``lo``..``hi``: the line for the job at
-    ``mine``. Every job of the quorum stops. A fresh start (every job at its first quorum)
-    cannot heal one from another, so the jobs of the newest round must first train a round
-    without the lagging ones, which then heal when relaunched; what that needs is said here,
-    because with the two sites' advice of docs/launching.md §12 reversed (min 2) it cannot
-    happen and the same error would come back."""
-    head = f"config key 'train.run_dir': the group jobs resume at different rounds ({lo}..{hi}); "
-    if mine < hi:
-        what = (f"this job's checkpoint is of round {mine}, behind: relaunch it only after the jobs of round {hi} "
-                "have trained a round without it (it then heals from them)")
-    else:
-        what = (f"this job is at the newest round {hi}: relaunch it (and any other job of round {hi}) first, and "
-                "the lagging jobs only once it has trained a round without them (they then heal from it)")
-    return (head + what + "; the jobs of the newest round must be able to form a round by themselves: the "
-            "lighthouse's --min-groups and their federation.min_groups at most their number, and their fresh "
-            "start waits up to federation.timeout_s for the others before the first round (docs/launching.md "
-            "§12, 'Stopping and resuming')")
