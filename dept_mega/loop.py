@@ -232,7 +232,10 @@ class TrainLoop:
         while tr.step < total:
             r = self.round_of(tr.step)
             if self.assignment is None or tr.step % L == 0:
-                self.assignment = self.hooks.round_start(self, r)
+                # the process's first round start is not training throughput (a federated fresh
+                # start waits for the other group jobs, a relaunched job heals); later ones are
+                with meter.paused() if trained == 0 else nullcontext():
+                    self.assignment = self.hooks.round_start(self, r)
                 if self.pg.group_index not in self.assignment:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
                                        f"{self.pg.group_index}: {self.assignment}")

@@ -89,3 +89,34 @@ def test_loop_records_and_eval_on_every_group(tmp_path, variant):
         assert e0["by_source"].keys() == {"s0", "s1", "s2"}
         for name in e0["by_source"]:
             assert e0["by_source"][name]["loss"] == pytest.approx(e1["by_source"][name]["loss"], rel=1e-6)
+
+
+def _slow_first_round_start_worker(rank, world, run_dir, sleep):
+    import time
+
+    from tests.reshard_utils import make_loop
+    loop = make_loop({"dept": {"variant": "std"}}, run_dir, rank, 1, steps=3)
+    loop.checkpointer = None
+    start, calls = loop.hooks.round_start, []
+
+    def slow(lp, r):  # the first round start waits, as a federated fresh start waits for its peers
+        calls.append(r)
+        if len(calls) == 1:
+            time.sleep(sleep)
+        return start(lp, r)
+
+    loop.hooks.round_start = slow
+    loop.run()
+
+
+@pytest.mark.timeout(120)
+def test_first_round_start_wait_is_not_throughput(tmp_path):
+    """The process's first round start (a federated fresh start's wait for the other group jobs,
+    a relaunched job's healing) is left out of the first window's tokens/s."""
+    sleep = 1.5
+    run_distributed(_slow_first_round_start_worker, 1, args=(str(tmp_path), sleep), timeout=100)
+    train = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
+    train = [r for r in train if r["kind"] == "train"]
+    first = train[0]
+    seconds = first["consumed_tokens"] / first["tokens_per_s"]  # the first window's time
+    assert first["step"] == 1 and 0 < seconds < sleep / 3, (seconds, train)
