@@ -10,7 +10,8 @@ config and overrides, ``{"variants": {NAME: {"memory": {"weights", "grads", "opt
 "trim_table", "activations_per_microbatch", "ce_transient", "total"}}}}`` in bytes per rank. The
 benchmark runs the trainer alone (no DEPT round hooks), so the prediction it is compared with is
 the trainer's share: weights + grads + optimizer + activations of the micro-batches in flight (one
-for a single pipeline stage; ``--in-flight`` otherwise) + the cross entropy's transient. Writes MEM.json with both and the error.
+for a single pipeline stage; ``--in-flight`` otherwise) + the cross entropy's transient + with native
+FP8 its weight copies and scaling state. Writes MEM.json with both and the error.
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ def compare(bench: dict, costs: dict, variant: str, in_flight: int = 1) -> dict:
     if missing:
         raise ValueError(f"costs JSON variants.{variant}.memory misses {missing}")
     predicted = (mem["weights"] + mem["grads"] + mem["optimizer"]
-                 + in_flight * mem["activations_per_microbatch"] + mem.get("ce_transient", 0)) / 1e9
+                 + in_flight * mem["activations_per_microbatch"] + mem.get("ce_transient", 0)
+                 + mem.get("fp8_weight_copies", 0) + mem.get("fp8_scaling", 0)) / 1e9
     measured = bench.get("peak_mem_gb")
     out = {"variant": variant, "in_flight": in_flight, "model_bytes": mem,
            "comparison": {"trainer": {"predicted_gb": predicted, "measured_gb": measured,
                                       "error_pct": None if not measured else 100 * (predicted - measured) / measured}},
-           "note": "trainer only (weights + grads + optimizer + activations in flight + cross-entropy transient) "
-                   "vs peak allocated"}
+           "note": "trainer only (weights + grads + optimizer + activations in flight + cross-entropy transient "
+                   "+ FP8 weight copies and scaling state) vs peak allocated"}
     return out
 
 

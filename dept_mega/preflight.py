@@ -205,7 +205,9 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     lines.append(f"memory per rank (predicted, largest rank): {_size(mem['total'])} = weights {_size(mem['weights'])} + "
                  f"grads {_size(mem['grads'])} + optimizer {_size(mem['optimizer'])} + outer {_size(mem['outer'])} + "
                  f"trim table {_size(mem['trim_table'])} + activations {mem['in_flight_microbatches']:g} x {_size(act)} "
-                 f"(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
+                 + (f"+ FP8 weight copies {_size(mem['fp8_weight_copies'])} + FP8 scaling {_size(mem['fp8_scaling'])} "
+                    if mem["fp8_weight_copies"] else "")
+                 + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
     warnings = lossy_source_warnings(cfg)
     try:
         import torch

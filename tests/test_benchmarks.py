@@ -122,6 +122,10 @@ def test_memory_vs_model_compares_the_trainer_share():
     assert c["predicted_gb"] == pytest.approx(18.0) and c["error_pct"] == pytest.approx(100 * (18 - 19) / 19)
     with pytest.raises(ValueError, match="variants.glob.memory"):
         compare({"peak_mem_gb": 1.0}, costs, "glob")
+    # native FP8: its weight copies and scaling state count (held during the step)
+    costs["variants"]["spec_opt"]["memory"].update(fp8_weight_copies=2e9, fp8_scaling=1e6)
+    c = compare({"peak_mem_gb": 19.0}, costs, "spec_opt")["comparison"]["trainer"]
+    assert c["predicted_gb"] == pytest.approx(20.001)
 
 
 @pytest.mark.parametrize("quiet", [False, True])

@@ -332,17 +332,46 @@ def test_flops_per_token_are_the_logs():
     assert "spec_opt  8.469 GFLOP / " in r.stdout, r.stdout
 
 
-def test_memory_names_what_fp8_leaves_out():
-    """FP8 is not in the memory model: --memory with fp8 set says so (table and JSON), and says
-    nothing without FP8 or without --memory."""
+def test_memory_counts_native_fp8_and_names_what_it_leaves_out():
+    """Native FP8 (backend local) is in the memory model: --memory shows its weight copies and
+    scaling state (JSON and table) and activations at their FP8 size, the total adds them, and
+    there is no note. Transformer Engine's FP8 is not: with backend transformer_engine the
+    prediction is the bf16 one, with a note; backend auto notes that it may use TE. Nothing
+    without FP8 or without --memory."""
+    from dept_mega.config import load_config
+    from dept_mega.dept.memory_fp8 import fp8_activation_delta
+
     args = ("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V),
             "--source-vocab", str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V))
-    r = _run(*args, "--memory", "--json", "fp8=hybrid")
-    assert r.returncode == 0, r.stderr
-    notes = json.loads(r.stdout)["memory_notes"]
-    assert len(notes) == 1 and notes[0].startswith("fp8=hybrid is not in the memory model")
-    r = _run(*args, "--memory", "fp8=hybrid")
-    assert r.returncode == 0 and "fp8=hybrid is not in the memory model" in r.stdout
+
+    def mem(*extra):
+        r = _run(*args, "--memory", "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        return out["variants"]["spec_opt"]["memory"], out.get("memory_notes")
+
+    bf16, notes = mem()
+    assert notes is None and bf16["fp8_weight_copies"] == bf16["fp8_scaling"] == 0
+    fp8, notes = mem("fp8=hybrid", "backend=local")
+    assert notes is None
+    cfg = load_config(os.path.join(ROOT, "examples/1b/spec_opt.yaml"), ["fp8=hybrid", "backend=local"])
+    m = cfg.model
+    per_layer = 2 * (m.hidden_size * 3 * m.hidden_size + m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_size)
+    assert fp8["fp8_weight_copies"] == m.num_layers * per_layer
+    assert fp8["fp8_scaling"] > 0
+    delta = fp8_activation_delta(cfg, 0)
+    assert delta < 0 and fp8["activations_per_microbatch"] == bf16["activations_per_microbatch"] + delta
+    # one pipeline stage: one micro-batch in flight
+    assert fp8["total"] - bf16["total"] == fp8["fp8_weight_copies"] + fp8["fp8_scaling"] + delta
+    r = _run(*args, "--memory", "fp8=hybrid", "backend=local")
+    assert r.returncode == 0 and "fp8 weights" in r.stdout and "Transformer Engine" not in r.stdout
+    assert "fp8 weights" not in _run(*args, "--memory").stdout
+    te, notes = mem("fp8=hybrid", "backend=transformer_engine")
+    assert te == bf16 and len(notes) == 1 and "Transformer Engine's FP8 is not in the memory model" in notes[0]
+    auto, notes = mem("fp8=hybrid")
+    assert auto == fp8 and len(notes) == 1 and notes[0].startswith("backend auto uses Transformer Engine")
+    r = _run(*args, "--memory", "fp8=hybrid", "backend=transformer_engine")
+    assert r.returncode == 0 and "Transformer Engine's FP8 is not in the memory model" in r.stdout
     for extra in (("--memory", "--json"), ("--json", "fp8=hybrid")):
         r = _run(*args, *extra)
         assert r.returncode == 0 and "memory_notes" not in json.loads(r.stdout)

@@ -20,7 +20,8 @@ Each variant's ``flops_per_token`` (training FLOPs per token, docs/metrics.md: w
 ``train.global_batch_size`` × ``model.seq_length``).
 ``--memory`` adds each variant's bytes per rank (the largest rank; dept_mega/dept/memory.py):
 ``memory`` = {weights, grads, optimizer, outer, trim_table, activations_per_microbatch, ce_transient,
-total}.
+fp8_weight_copies, fp8_scaling, total} (the FP8 terms: native FP8, ``fp8`` with ``backend: local``;
+its activations are counted at their FP8 size).
 ``--outer-state`` picks FlatSync's θ_prev layout (default: what dept/outer.py does);
 ``--set KEY=VALUE`` changes the config after validation, without checking it (what-if
 predictions of a combination the config checks refuse); an override after the config
@@ -119,12 +120,15 @@ def memory_notes(cfg) -> list[str]:
     """What the memory model leaves out for this config and the prediction does not show."""
     if not cfg.fp8:
         return []
-    # dept_mega/parallel/fp8.py: Fp8WeightCache (each FP8 layer's weight cast once per step, in
-    # both layouts) and _Fp8Linear.forward (the input's FP8 copy saved for the weight gradient)
-    return [f"fp8={cfg.fp8} is not in the memory model: the prediction is that of the same run "
-            "without FP8. Not counted: the FP8 copies of the FP8 layers' weights held during a step "
-            "(up to 2 bytes per weight element, one copy per layout); the activations are counted as "
-            "without FP8 (its GEMMs keep 1-byte FP8 copies of their inputs for the backward)"]
+    # native FP8 (backend local) is counted: fp8_weight_copies, fp8_scaling and the activations
+    # at their FP8 size (dept_mega/dept/memory_fp8.py); Transformer Engine's FP8 is not
+    if cfg.backend == "transformer_engine":
+        return [f"fp8={cfg.fp8} with backend transformer_engine: Transformer Engine's FP8 is not in the memory "
+                "model; the prediction is that of the same run without FP8"]
+    if cfg.backend == "auto":
+        return ["backend auto uses Transformer Engine's FP8 where it is installed on a CUDA device, which the "
+                "memory model does not count: the prediction is that of the native FP8 GEMMs (backend local)"]
+    return []
 
 
 def unchecked(cfg, assignments: list[str]):
@@ -198,10 +202,15 @@ def table(result: dict) -> str:
                          + f"; peak per inner step {_fmt_bytes(c['peak_step_bytes'])}")
     if any("memory" in c for c in result["variants"].values()):
         lines.append("predicted bytes per rank (the largest rank):")
-        lines.append(f"  {'variant':9} " + " ".join(f"{k[:11]:>11}" for k in MEMORY_KEYS))
+        # the FP8 columns (native FP8 only) when any variant has them
+        keys = [k for k in MEMORY_KEYS if not k.startswith("fp8_")
+                or any(c["memory"][k] for c in result["variants"].values())]
+        short = {"activations_per_microbatch": "act/micro", "fp8_weight_copies": "fp8 weights",
+                 "fp8_scaling": "fp8 scaling"}
+        lines.append(f"  {'variant':9} " + " ".join(f"{short.get(k, k)[:11]:>11}" for k in keys))
         for name, c in result["variants"].items():
             mem = c["memory"]
-            lines.append(f"  {name:9} " + " ".join(f"{_fmt_bytes(mem[k]):>11}" for k in MEMORY_KEYS))
+            lines.append(f"  {name:9} " + " ".join(f"{_fmt_bytes(mem[k]):>11}" for k in keys))
     notes += [f"  {n}" for n in result.get("memory_notes", [])]
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 

@@ -32,6 +32,10 @@
   the logits in their own dtype and write the gradient into them in place
   (parallel/cross_entropy.py); :func:`ce_transient_bytes` with ``eager=True`` gives the CPU
   (eager) path's one fp32 temporary of the logits' unpadded columns;
+* ``fp8_weight_copies``, ``fp8_scaling``: native FP8 (``fp8`` with ``backend: local``): the FP8
+  copies of the FP8 GEMMs' weights held during a training step and the delayed-scaling state
+  (dept/memory_fp8.py, which also gives the FP8 change of the activations; 0 without FP8 and
+  with Transformer Engine, which is not modelled);
 * ``total``: the sum of the above with the activations of the micro-batches in flight at the
   pipeline schedule's peak (``in_flight_microbatches``).
 
@@ -77,6 +81,7 @@ from typing import Optional, Sequence
 from ..config import Config, ConfigError
 from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks,
                           rank_body_fragments, rank_params, shard_pieces)
+from .memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
 from .outer import chunk_bounds
 
 # The layout of FlatSync's θ_prev that dept/outer.py implements: True = the rank's 1/D chunk
@@ -85,7 +90,7 @@ from .outer import chunk_bounds
 FLATSYNC_THETA_CHUNK_ONLY = True
 
 MEMORY_KEYS = ("weights", "grads", "optimizer", "outer", "trim_table", "activations_per_microbatch",
-               "ce_transient", "total")
+               "ce_transient", "fp8_weight_copies", "fp8_scaling", "total")
 OUTER_STATE = {"fedavg": 0, "nesterov": 1, "adam": 2}  # fp32 values per element of outer optimizer state
 
 
@@ -159,9 +164,10 @@ def _trim_table_bytes(cfg: Config, vocab: int) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def activation_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
+def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional[bool] = None) -> int:
     """Bytes one micro-batch leaves saved for backward on a rank of stage ``pp_rank`` (formula
-    in the module doc)."""
+    in the module doc; native FP8: plus :func:`memory_fp8.fp8_activation_delta`, whose
+    ``shared`` is ``fp8_shared``)."""
     from ..model.gpt import chunk_layout
 
     m, p = cfg.model, cfg.parallel
@@ -203,7 +209,7 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int) -> int:
             total += rep * a
         if last:
             total += rep * a + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
-    return total
+    return total + fp8_activation_delta(cfg, pp_rank, fp8_shared)
 
 
 # Saved by the cross entropy per token: the fp32 max, the fp32 [target, Σexp] pair, the label's
@@ -298,7 +304,10 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
         flight = in_flight_microbatches(cfg, pp)
         out["activations_per_microbatch"] = act
         out["ce_transient"] = ce_transient_bytes(cfg, vocab, pp)
-        held = ("weights", "grads", "optimizer", "outer", "trim_table", "ce_transient")
+        out["fp8_weight_copies"] = fp8_weight_copy_bytes(cfg, pp)
+        out["fp8_scaling"] = fp8_scaling_bytes(cfg, pp)
+        held = ("weights", "grads", "optimizer", "outer", "trim_table", "ce_transient", "fp8_weight_copies",
+                "fp8_scaling")
         out["total"] = sum(out[k] for k in held) + int(math.ceil(flight * act))
         out["in_flight_microbatches"] = flight
         if best is None or out["total"] > best["total"]:
