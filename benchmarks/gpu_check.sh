@@ -73,7 +73,7 @@
 #   fp8_lt_mb8 the fp8_lt run (C++ casts, cuBLASLt GEMMs) with micro-batches of 8: the two ways to
 #              less host work per token together (compare with mb8)                       50 (an estimate)
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
-#   memory     tools/dept_costs.py --memory vs the peaks of the bf16 and vocab250k runs
+#   memory     tools/dept_costs.py --memory vs the peaks of the bf16, fp8 and vocab250k runs
 #              -> memory.json                                                                   16
 #   nofusion   the bf16 run with optim.grad_accum_fusion=false (what the fusion gains) -> bench.jsonl 45
 #   compile_nofusion  the compiled run with optim.grad_accum_fusion=false (each block one graph)  60
@@ -420,17 +420,30 @@ stage_fp8_compile_triton() { compiled_bench fp8_compile_triton --profile fp8=hyb
 stage_fp8_current_compile() { compiled_bench fp8_current_compile fp8=hybrid backend=local fp8_recipe=current; }
 stage_fp8_current() { bench fp8_current fp8=hybrid backend=local fp8_recipe=current; }
 
-stage_memory() {  # the memory model against the bf16 run's peak, and the 250,112-token head's when it ran
+stage_memory() {  # the memory model against the bf16 run's peak, and the FP8 run's and the 250,112-token head's when they ran
   local rec="$WORK/bench_bf16.json"
   [ -f "$rec" ] || { log "no bf16 benchmark record: the memory stage needs the bf16 stage"; return 1; }
   memory_compare "$rec" spec_opt "$VOCAB" "$OUT/memory.json" || return 1
-  local big="$WORK/bench_std_vocab250k.json"
-  [ -f "$big" ] || { log "no vocab250k benchmark record: its memory comparison is left out"; return 0; }
-  memory_compare "$big" std "$BIG_VOCAB" "$WORK/memory_250k.json" "${BIG_SET[@]}" || return 1
-  "$PY" - "$OUT/memory.json" "$WORK/memory_250k.json" <<'EOF'
-import json, sys
-main, big = (json.load(open(p)) for p in sys.argv[1:])
-main["comparison"]["trainer, STD 250,112-token head"] = big["comparison"]["trainer"]
+  local extra=0
+  if [ -f "$WORK/bench_fp8.json" ]; then
+    memory_compare "$WORK/bench_fp8.json" spec_opt "$VOCAB" "$WORK/memory_fp8.json" fp8=hybrid backend=local || return 1
+    extra=1
+  else
+    log "no fp8 benchmark record: its memory comparison is left out"
+  fi
+  if [ -f "$WORK/bench_std_vocab250k.json" ]; then
+    memory_compare "$WORK/bench_std_vocab250k.json" std "$BIG_VOCAB" "$WORK/memory_250k.json" "${BIG_SET[@]}" || return 1
+    extra=1
+  else
+    log "no vocab250k benchmark record: its memory comparison is left out"
+  fi
+  [ $extra = 1 ] || return 0
+  "$PY" - "$OUT/memory.json" "$WORK/memory_fp8.json" "$WORK/memory_250k.json" <<'EOF'
+import json, os, sys
+main = json.load(open(sys.argv[1]))
+for path, name in zip(sys.argv[2:], ("trainer, FP8 (fp8=hybrid backend=local)", "trainer, STD 250,112-token head")):
+    if os.path.exists(path):
+        main["comparison"][name] = json.load(open(path))["comparison"]["trainer"]
 json.dump(main, open(sys.argv[1], "w"), indent=1)
 EOF
 }

@@ -86,6 +86,9 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert mem["variant"] == "spec_opt" and mem["comparison"]["trainer"]["predicted_gb"] > 0
     big = mem["comparison"]["trainer, STD 250,112-token head"]
     assert big["predicted_gb"] > 0 and big["measured_gb"] == by["std_vocab250k"]["peak_mem_gb"]
+    fp8 = mem["comparison"]["trainer, FP8 (fp8=hybrid backend=local)"]  # the FP8 terms of the model
+    assert fp8["measured_gb"] == by["fp8"]["peak_mem_gb"] and fp8["predicted_gb"] > 0
+    assert "fp8=hybrid backend=local --global-vocab 1000 --source-vocab 1000 --memory" in log
     assert "FP8 with micro-batches of 8: " in summary
     assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in by["fp8_current_compile"]["backends"], by["fp8_current_compile"]["backends"]
     assert "FP8 GEMMs traced into the compiled blocks (delayed scaling)" in by["fp8_compile"]["backends"], by["fp8_compile"]["backends"]
