@@ -14,6 +14,12 @@ per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/com
 the bytes that cross groups after each inner step of a round (``outer_step_bytes``; with
 ``dept.outer_fragments`` they are spread over the round) with their peak (``peak_step_bytes``);
 every ``dept.outer_*`` key of the config (or given as an override) counts.
+Each variant's ``inner_step_bytes`` = {dp, tp, pp}: one inner training step of one group, summed
+over its ranks (dept_mega/dept/step_bytes.py: gradient reduction, tensor-parallel activations,
+pipeline sends; TRIM and SPEC-OPT with their mean vocabulary). With ``--groups`` also
+``inner_round_bytes`` (``dept.local_steps`` steps of every group; TRIM's and SPEC-OPT's groups each
+with their own |V_k| when there is one size per group) and ``record_bytes`` = {dp, tp, pp} of a
+round record: the inner steps plus the outer synchronisation's share (``outer_round_bytes``).
 All ``*_params`` figures use the true vocabulary; ``padded_*`` the model's 128-padded table.
 Each variant's ``flops_per_token`` (training FLOPs per token, docs/metrics.md: what the log's
 ``tflops_per_device`` counts, with the variant's vocabulary) and ``flops_per_group_step`` (times
@@ -41,6 +47,7 @@ from dept_mega.config import ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import train_flops_per_token  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
                                   predict_outer_sync, resolve_vocabs)
+from dept_mega.dept.step_bytes import predict_inner_round_bytes, predict_inner_step_bytes  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,10 +76,12 @@ def compute(args: argparse.Namespace) -> dict:
     vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # one group's inner step
-    for c in variants.values():
+    for name, c in variants.items():
         # what the run's tflops_per_device counts (dept_mega/metrics.py), with the variant's vocabulary
         c["flops_per_token"] = train_flops_per_token(cfg.model, c["vocab"])
         c["flops_per_group_step"] = c["flops_per_token"] * tokens_per_step
+        # one group's inner step (dept_mega/dept/step_bytes.py), with the variant's (mean) vocabulary
+        c["inner_step_bytes"] = predict_inner_step_bytes(_variant(cfg, name), round(c["vocab"]))
     if args.groups is not None:
         if args.groups < 1:
             raise ConfigError(f"--groups must be >= 1, got {args.groups}")
@@ -85,13 +94,22 @@ def compute(args: argparse.Namespace) -> dict:
             trim = [round(sum(sizes) / len(sizes))] * args.groups
         else:
             trim = [vocabs.global_vocab] * args.groups
+        # SPEC-OPT's table per group: its source's vocabulary when there is one source per group
+        src = list(vocabs.source_vocabs.values())
+        per_group = {"trim": trim, "spec_opt": src if len(src) == args.groups else
+                     [round(variants["spec_opt"]["vocab"])] * args.groups}
         for name in VARIANTS:
-            one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
+            one = _variant(cfg, name)
             dtype = args.comm_dtype or cfg.dept.outer_comm_dtype
-            pred = predict_outer_sync(one, 1 if name == "std" else args.groups, dtype, vocabs.global_vocab, trim)
+            groups = 1 if name == "std" else args.groups
+            pred = predict_outer_sync(one, groups, dtype, vocabs.global_vocab, trim)
             variants[name]["outer_round_bytes"] = pred["round"]
             variants[name]["outer_step_bytes"] = pred["outer_per_step"]
             variants[name]["peak_step_bytes"] = pred["peak_step_bytes"]
+            inner = predict_inner_round_bytes(one, per_group.get(name, [vocabs.global_vocab] * groups))
+            variants[name]["inner_round_bytes"] = inner
+            # a round record's dp / tp / pp: the inner steps plus what the outer sync adds
+            variants[name]["record_bytes"] = {k: inner[k] + pred["round"].get(k, 0) for k in inner}
     if args.memory:
         lean = None if args.outer_state is None else args.outer_state == "lean"
         for name in VARIANTS:
@@ -114,6 +132,10 @@ def compute(args: argparse.Namespace) -> dict:
         "variants": variants,
         **({"memory_notes": notes} if notes else {}),
     }
+
+
+def _variant(cfg, name: str):
+    return dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
 
 
 def memory_notes(cfg) -> list[str]:
@@ -193,6 +215,10 @@ def table(result: dict) -> str:
                  "the log's TFLOP/s counts):")
     lines += [f"  {name:9} {c['flops_per_token'] / 1e9:.3f} GFLOP / {c['flops_per_group_step'] / 1e15:.3f} PFLOP"
               for name, c in result["variants"].items()]
+    lines.append("predicted bytes of one inner step of one group, summed over its ranks (dp: gradient "
+                 "reduction; tp: activations; pp: pipeline sends):")
+    lines += [f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in c["inner_step_bytes"].items())
+              for name, c in result["variants"].items()]
     if any("outer_round_bytes" in c for c in result["variants"].values()):
         lines.append("predicted bytes of one round's outer synchronisation, summed over ranks "
                      "(dp, tp: what it adds inside the groups; inner steps not included):")
@@ -200,6 +226,10 @@ def table(result: dict) -> str:
             b = c["outer_round_bytes"]
             lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in b.items())
                          + f"; peak per inner step {_fmt_bytes(c['peak_step_bytes'])}")
+        lines.append(f"a round record's dp / tp / pp (N_local {result['local_steps']} inner steps of every "
+                     f"group + the outer synchronisation's share):")
+        for name, c in result["variants"].items():
+            lines.append(f"  {name:9} " + ", ".join(f"{k} {_fmt_bytes(x)}" for k, x in c["record_bytes"].items()))
     if any("memory" in c for c in result["variants"].values()):
         lines.append("predicted bytes per rank (the largest rank):")
         # the FP8 columns (native FP8 only) when any variant has them
