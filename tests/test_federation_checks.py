@@ -164,7 +164,7 @@ def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
         job.round, job.least, job.where, job._loop, job.device = 3, 2, "127.0.0.1:1", None, cpu
         job.say = said.append if said is not None else None
         job.manager = SimpleNamespace(start_quorum=lambda: time.sleep(1.2), errored=lambda: None,
-                                      num_participants=lambda: 2)
+                                      num_participants=lambda: 2, current_step=lambda: 0)
         job.process_group, job.pg = SimpleNamespace(quorum_ranks=[0, 1]), SimpleNamespace(group_size=1, rank=0)
         job._quorum()
         assert job.members == [0, 1]
@@ -317,3 +317,46 @@ def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
     err = capfd.readouterr().err
     assert ("GET /checkpoint/3/full" in err) is not quiet, err
     assert "code 400" in err, err  # the refused request (a stale step) is still said
+
+
+def test_a_failed_quorum_after_healing_leaves_the_job_at_its_own_step():
+    """A quorum try that healed this job (torchft moved its step to the peer's and handed over
+    the peer's state) and then failed elsewhere: the state is dropped and torchft's step goes
+    back to this job's, so the next try heals again instead of presenting this job, whose own
+    state is unchanged, as one of the newest round. torchft's Manager stands in as a fake."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.federation import Federation
+
+    fed = object.__new__(Federation)
+
+    class Manager:
+        def __init__(self):
+            self.step, self.tries = 3, 0
+
+        def current_step(self):
+            return self.step
+
+        def batches_committed(self):
+            return 0
+
+        def load_state_dict(self, sd):
+            self.step = sd["step"]
+
+        def start_quorum(self, **kw):
+            self.tries += 1
+            if self.tries == 1:  # heals from a peer at step 9, then the try fails on another rank
+                self.step = 9
+                fed._load_healed({"round": 4})
+
+        def errored(self):
+            return RuntimeError("peer gone") if self.tries == 1 else None
+
+    fed.manager, fed.say, fed._loop, fed._healed = Manager(), None, None, None
+    import torch
+    fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
+    fed.pg = SimpleNamespace(group_size=1, rank=0)
+    fed.process_group = SimpleNamespace(quorum_ranks=[0])
+    fed.manager.num_participants = lambda: 1
+    fed._quorum()
+    assert fed.manager.tries == 2 and fed._healed is None and fed.manager.step == 3

@@ -209,6 +209,7 @@ class Federation:
         what = (f"waiting for a quorum at round {self.round}" if synced else
                 f"waiting for a quorum to redo round {self.round}'s exchange")
         for attempt in range(1, QUORUM_TRIES + 1):
+            step = self.manager.current_step()
             say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where))) if self.say else None
             preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
                         say, every=WAIT_EVERY_S)
@@ -224,8 +225,11 @@ class Federation:
                 raise RuntimeError(f"federation: quorum failed {QUORUM_TRIES} times in a row at round {self.round}: "
                                    f"{failed if failed is not None else 'on another rank of this job'}")
             # a state received in the failed try's recovery (torchft applies it before the step
-            # fails) is not this round's: the next quorum heals again or not at all
+            # fails) is not this round's: the next quorum heals again or not at all. torchft also
+            # moved its step to the peer's: back to this job's, or the next quorum would take this
+            # job (its state unchanged) for one of the newest round, and heal others from it
             self._healed = None
+            self._set_step(step)
             ranks, W = self.process_group.quorum_ranks, self.pg.group_size
             of = f" of groups {sorted((r - self.pg.rank) // W for r in ranks)}" if ranks else ""
             why = first_line(failed) if failed is not None else "on another rank of this job"
