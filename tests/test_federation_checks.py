@@ -162,6 +162,7 @@ def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
     for said in ([], None):  # rank 0, another rank
         job = object.__new__(fed.Federation)
         job.round, job.least, job.where, job._loop, job.device = 3, 2, "127.0.0.1:1", None, cpu
+        job._healed = None
         job.say = said.append if said is not None else None
         job.manager = SimpleNamespace(start_quorum=lambda: time.sleep(1.2), errored=lambda: None,
                                       num_participants=lambda: 2, current_step=lambda: 0)
@@ -319,12 +320,17 @@ def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
     assert "code 400" in err, err  # the refused request (a stale step) is still said
 
 
-def test_a_failed_quorum_after_healing_leaves_the_job_at_its_own_step():
+@pytest.mark.parametrize("healed_before", [False, True])
+def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     """A quorum try that healed this job (torchft moved its step to the peer's and handed over
-    the peer's state) and then failed elsewhere: the state is dropped and torchft's step goes
-    back to this job's, so the next try heals again instead of presenting this job, whose own
-    state is unchanged, as one of the newest round. torchft's Manager stands in as a fake."""
+    the peer's state) and then failed elsewhere: the try's state is dropped and torchft's step
+    goes back to what it was before the try, so the next try heals again instead of presenting
+    this job, its own state unchanged, as one of the newest round. ``healed_before``: the job
+    had healed in an earlier, successful try (a fresh start's wait asks again while groups are
+    missing): that heal and its step stay. torchft's Manager stands in as a fake."""
     from types import SimpleNamespace
+
+    import torch
 
     from dept_mega.dept.federation import Federation
 
@@ -352,11 +358,16 @@ def test_a_failed_quorum_after_healing_leaves_the_job_at_its_own_step():
         def errored(self):
             return RuntimeError("peer gone") if self.tries == 1 else None
 
+        def num_participants(self):
+            return 1
+
     fed.manager, fed.say, fed._loop, fed._healed = Manager(), None, None, None
-    import torch
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
     fed.pg = SimpleNamespace(group_size=1, rank=0)
     fed.process_group = SimpleNamespace(quorum_ranks=[0])
-    fed.manager.num_participants = lambda: 1
+    earlier = {"round": 5}
+    if healed_before:  # an earlier try healed this job to the newest round (step 7)
+        fed._healed, fed.manager.step = earlier, 7
     fed._quorum()
-    assert fed.manager.tries == 2 and fed._healed is None and fed.manager.step == 3
+    assert fed.manager.tries == 2
+    assert (fed._healed, fed.manager.step) == ((earlier, 7) if healed_before else (None, 3))

@@ -209,7 +209,7 @@ class Federation:
         what = (f"waiting for a quorum at round {self.round}" if synced else
                 f"waiting for a quorum to redo round {self.round}'s exchange")
         for attempt in range(1, QUORUM_TRIES + 1):
-            step = self.manager.current_step()
+            step, healed = self.manager.current_step(), self._healed  # what a failed try puts back
             say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where))) if self.say else None
             preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
                         say, every=WAIT_EVERY_S)
@@ -226,9 +226,10 @@ class Federation:
                                    f"{failed if failed is not None else 'on another rank of this job'}")
             # a state received in the failed try's recovery (torchft applies it before the step
             # fails) is not this round's: the next quorum heals again or not at all. torchft also
-            # moved its step to the peer's: back to this job's, or the next quorum would take this
-            # job (its state unchanged) for one of the newest round, and heal others from it
-            self._healed = None
+            # moved its step to the peer's: both back to what they were before the try (a heal of
+            # an earlier, successful try of a fresh start's wait stays), or the next quorum would
+            # take this job, its state unchanged, for one of the newest round
+            self._healed = healed
             self._set_step(step)
             ranks, W = self.process_group.quorum_ranks, self.pg.group_size
             of = f" of groups {sorted((r - self.pg.rank) // W for r in ranks)}" if ranks else ""
