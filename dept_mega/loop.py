@@ -234,7 +234,7 @@ class TrainLoop:
             if self.assignment is None or tr.step % L == 0:
                 # the process's first round start is not training throughput (a federated fresh
                 # start waits for the other group jobs, a relaunched job heals); later ones are
-                with meter.paused() if trained == 0 else nullcontext():
+                with _paused_if(meter, trained == 0):
                     self.assignment = self.hooks.round_start(self, r)
                 if self.pg.group_index not in self.assignment:
                     raise RuntimeError(f"round {r}: hooks.round_start gave no source for group "
@@ -300,6 +300,7 @@ class TrainLoop:
             self.evaluate()
         if self.checkpointer is not None:
             self.save()
+        ops.check_errors(tr.device)  # the last steps' (and evaluation's) invalid ids
 
     # -- stopping early ------------------------------------------------------------------
     def _exit_due(self, step: int) -> Optional[str]:
@@ -364,6 +365,9 @@ class TrainLoop:
     def save(self) -> str:
         """Write a checkpoint of this step (``train.async_save``: start writing it) and log its
         size once complete (and what retention removed)."""
+        # an invalid id met by the compiled ops since the last log step (their errors are raised
+        # at checks, not inside a step) is raised before its results can be saved
+        ops.check_errors(self.trainer.device)
         if hasattr(self.checkpointer, "on_saved"):
             self.checkpointer.on_saved = self._log_saved
         path = self.checkpointer.save(self)

@@ -120,3 +120,31 @@ def test_first_round_start_wait_is_not_throughput(tmp_path):
     first = train[0]
     seconds = first["consumed_tokens"] / first["tokens_per_s"]  # the first window's time
     assert first["step"] == 1 and 0 < seconds < sleep / 3, (seconds, train)
+
+
+def _save_after_recorded_error_worker(rank, world, run_dir):
+    import torch
+
+    from dept_mega import ops
+    from tests.reshard_utils import make_loop
+    loop = make_loop({"dept": {"variant": "std"}}, run_dir, rank, 1, steps=1)
+    if ops.backend("cpu") != "cpp":
+        return "no extension"
+    # an invalid id met by a compiled op (recorded, raised at a check, as on CUDA)
+    torch.ops.dept_mega.remap_ids(torch.tensor([0, 9]), torch.arange(4))
+    try:
+        loop.save()
+    except IndexError as exc:
+        return str(exc)
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_recorded_invalid_id_is_raised_before_a_checkpoint(tmp_path):
+    """Invalid ids that the compiled ops met since the last log step are raised before a
+    checkpoint is written, not saved with the garbage rows they left."""
+    res = run_distributed(_save_after_recorded_error_worker, 1, args=(str(tmp_path),), timeout=100)[0]
+    if res == "no extension":
+        pytest.skip("the dept_mega.ops extension is not built")
+    assert res.startswith("remap_ids: global id 9 at flat position 1"), res
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step_*"))

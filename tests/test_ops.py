@@ -370,6 +370,25 @@ def test_cpu_kernels_record_invalid_ids_instead_of_throwing():
     assert _error(ops.check_errors, "cpu") == _error(cases[0][2])
 
 
+@pytest.mark.parametrize("scatter", ["add", "mean"])
+def test_an_earlier_recorded_error_is_raised_before_an_in_place_scatter_writes(scatter):
+    """A record left by a direct operator call (or a compiled graph) is raised by the next
+    wrapped CPU call; an in-place scatter raises it before writing, so that "on error the table
+    is unchanged" holds for the call that raises."""
+    _require_extension()
+    ops.check_errors("cpu")
+    table, ids, rows = torch.zeros(4, 3), torch.tensor([0, 1]), torch.ones(2, 3)
+    bad = torch.tensor([0, 9])
+    torch.ops.dept_mega.remap_ids(bad, torch.arange(4))  # records, raises nothing
+    want = _error(ops.remap_ids, bad, torch.arange(4))
+    torch.ops.dept_mega.remap_ids(bad, torch.arange(4))
+    call = ops.scatter_add_rows if scatter == "add" else ops.scatter_mean_rows
+    assert _error(call, table, ids, rows) == want
+    assert torch.equal(table, torch.zeros(4, 3))
+    call(table, ids, rows)  # the record was cleared: this one runs
+    assert table[:2].eq(1).all()
+
+
 def test_cpu_arguments_are_checked_in_python_before_the_operator(monkeypatch):
     """The public API runs the fallback's argument checks before a CPU operator (as before a
     CUDA one), so no C++ argument check throws through it: each check, replaced by one that

@@ -155,6 +155,8 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
         fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
+        if not out.is_cuda:  # an earlier call's error first: this one must not write before raising it
+            _raise_recorded()
         torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
         if not out.is_cuda:
             _raise_recorded()
@@ -168,6 +170,8 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     returns ``table``."""
     if _route(table, ids, rows):
         fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
+        if not table.is_cuda:  # an earlier call's error first: this one must not write before raising it
+            _raise_recorded()
         torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
         if not table.is_cuda:
             _raise_recorded()
