@@ -121,9 +121,12 @@ def test_activation_formula_by_recompute_mode():
     none, sel, full = act(), act(model={"recompute": "selective"}), act(model={"recompute": "full"})
     assert full < sel < none
     s, b, h, L, a = 32, 2, 64, 4, 2
-    # full: each layer's input + embedding output + final norm input + the logits (saved by the
-    # cross entropy, in the activation dtype) + its per-token statistics
-    assert full == L * s * b * h * a + 2 * s * b * h * a + s * b * 128 * a + CE_TOKEN_BYTES * s * b
+    # full: each layer's input + the token ids + the final norm's input, statistics (fp32 mean and
+    # 1/σ of LayerNorm) and output (the head's input) + the logits (saved by the cross entropy, in
+    # the activation dtype) + its per-token statistics
+    assert config_from_dict(base).model.normalization == "layernorm"
+    assert full == (L * s * b * h * a + 8 * s * b + 2 * s * b * h * a + 2 * 4 * s * b + s * b * 128 * a
+                    + CE_TOKEN_BYTES * s * b)
     assert act(model={"recompute": "full", "recompute_layers": 2}) == full + 2 * (none - full) // L
     tp = act(parallel={"tensor": 2})
     sp = act(parallel={"tensor": 2, "sequence_parallel": True})

@@ -127,14 +127,9 @@ def _tp_worker(rank, world, cases):
     for over in cases:
         bf16, fp8 = _measure(over, pg), _measure(merge(over, {"fp8": "hybrid"}), pg)
         cfg = fp8.pop("cfg")
-        m = cfg.model
-        # sequence parallelism: the bf16 QKV and fc1 GEMMs save their all-gathered input, which
-        # the bf16 model counts sharded (dept/memory.py, as Megatron keeps it); FP8 frees the
-        # gathered one, so the run's difference is larger by the rest of it (the FP8 model's
-        # total is then the run's: neither bf16 tensor is saved)
-        sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
-        gathered = 2 * m.num_layers * (sbh - sbh // 2) * 2 if cfg.parallel.sequence_parallel else 0
-        out.append({"diff": fp8["act"] - bf16["act"], "delta": fp8_activation_delta(cfg, 0, shared=True) - gathered,
+        # sequence parallelism: the bf16 QKV and fc1 layers keep their input's shard (they
+        # all-gather it again in backward, parallel/sp_linear.py), which is what the model counts
+        out.append({"diff": fp8["act"] - bf16["act"], "delta": fp8_activation_delta(cfg, 0, shared=True),
                     "views": bf16["proj_input_is_view"] and fp8["proj_input_is_view"],
                     "cache": fp8["cache"], "copies": fp8_weight_copy_bytes(cfg, 0),
                     "state": fp8["state"], "scaling": fp8_scaling_bytes(cfg, 0)})

@@ -52,23 +52,33 @@ dtype, T tensor ranks; Korthikanti et al., "Reducing Activation Recomputation in
 Transformer Models", counted for this model's layers). Per transformer layer:
 
 * *replicated* tensors (split over T only with sequence parallelism): the inputs of the two
-  norms and of the QKV / fc1 GEMMs (``4·sbh·a``; with SP the GEMM inputs are the all-gathered
-  ``sbh`` — Megatron keeps them sharded and re-gathers, we count them sharded like Megatron),
-  dropout masks after the projection and fc2 (``2·sbh`` bytes, when ``hidden_dropout > 0``);
-* *TP-sharded* tensors (always /T): Q, K, V (``sb(q + 2kv)·a``), the attention output and the
-  projection's input (``2·sbq·a``), fc1's output and the activation's output
-  (``sb·f1·a + sb·f·a``), and the core's softmax statistics (``4·b·heads·s`` bytes, fp32);
-  the ``bias`` attention backend materialises the scores instead: softmax ``b·heads·s²·a`` and,
-  with ``attention_dropout > 0``, its mask ``b·heads·s²`` bytes.
+  norms and of the QKV / fc1 GEMMs (``4·sbh·a``; with SP the QKV and fc1 layers keep their
+  input's shard and all-gather it again in backward, parallel/sp_linear.py, as Megatron),
+  the norms' statistics (fp32 per token: LayerNorm's mean and 1/σ, RMSNorm's 1/rms), dropout
+  masks after the projection and fc2 (``2·sbh·a``: parallel/random.py keeps them in the
+  activation dtype, when ``hidden_dropout > 0``);
+* *TP-sharded* tensors (always /T): Q, K, V (``sb(q + 2kv)·a``; with RoPE also the rotated Q
+  and K, ``sb(q + kv)·a``), the projection's input (``sbq·a``) and the attention output the
+  core's backward keeps — the same tensor where the reshape between them is a view (flex on
+  CUDA, the CPU's SDPA kernel: ``memory_fp8.attention_output_shared``), else one more
+  ``sbq·a`` (flash-attn and CUDA SDPA write ``[b, s, H, d]``) —, fc1's output and the
+  activation's output (``sb·f1·a + sb·f·a``; SwiGLU: plus silu(gate), ``sb·f·a``), and the
+  core's softmax statistics (``4·b·heads·s`` bytes, fp32); the ``bias`` attention backend on
+  CUDA is counted with the scores materialised instead (softmax ``b·heads·s²·a`` and, with
+  ``attention_dropout > 0``, its mask ``b·heads·s²`` bytes).
 
 ``recompute: selective`` drops the core's saved tensors (softmax statistics / scores, the
-attention output) and keeps the rest; ``full`` keeps only each recomputed layer's input
-(``sbh·a``, /T with SP) for ``recompute_layers`` layers of each chunk (all when unset). The
-stage with the output layer adds the logits of its vocabulary shard in the activation dtype
-(``sb·V_pad/T·a``, which the cross entropy saves and overwrites with their gradient), the cross
-entropy's per-token statistics (``21·sb`` bytes: fp32 max, target and sum of exponentials, the
-label's int64 column and a flag) and the final norm's input; the first stage the embedding output
-(``sbh·a``). Pipeline schedule: stage p of 1F1B holds ``min(P − p, m)`` micro-batches in flight,
+attention output when it is not the projection's input) and keeps the rest; ``full`` keeps only
+each recomputed layer's input (``sbh·a``, /T with SP) for ``recompute_layers`` layers of each
+chunk (all when unset). The stage with the output layer adds the logits of its vocabulary shard
+in the activation dtype (``sb·V_pad/T·a``, which the cross entropy saves and overwrites with
+their gradient), the cross entropy's per-token statistics (``21·sb`` bytes: fp32 max, target and
+sum of exponentials, the label's int64 column and a flag), the final norm's input and statistics
+and its output (the head's input; its shard with SP); the first stage the token ids (``8·sb``;
+its output is the first layer's input), with TP the embedding's out-of-shard flags (``sb``),
+with hidden dropout its mask. ``activation_bytes(..., device="cpu")`` counts the CPU kernels'
+tensors instead where they differ; tests/test_memory_activations.py checks that against the
+tensors a CPU run saves, exactly. Pipeline schedule: stage p of 1F1B holds ``min(P − p, m)`` micro-batches in flight,
 the interleaved schedule ``min(2(P − p − 1) + (V − 1)P + 1, m·V)`` chunk-micro-batches of 1/V of
 its layers each (m micro-batches per step and rank).
 """
@@ -164,11 +174,16 @@ def _trim_table_bytes(cfg: Config, vocab: int) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional[bool] = None) -> int:
+def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional[bool] = None,
+                     device: str = "cuda") -> int:
     """Bytes one micro-batch leaves saved for backward on a rank of stage ``pp_rank`` (formula
     in the module doc; native FP8: plus :func:`memory_fp8.fp8_activation_delta`, whose
-    ``shared`` is ``fp8_shared``)."""
+    ``shared`` is ``fp8_shared``). ``device``: the kernels whose saved tensors are counted,
+    ``cuda`` (the prediction) or ``cpu`` (where they differ: the norms' statistics in the
+    activation dtype, the CPU SDPA kernel's output shared with the projection's input and, for
+    the ``bias`` backend, its log-sum-exp instead of the scores; tests/test_memory.py measures it)."""
     from ..model.gpt import chunk_layout
+    from .memory_fp8 import attention_output_shared
 
     m, p = cfg.model, cfg.parallel
     T, P, V = p.tensor, p.pipeline, p.virtual_pipeline
@@ -181,16 +196,28 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
     heads = m.num_attention_heads
     sbh = s * b * h
     rep = sbh // T if sp else sbh  # a replicated [s, b, h] tensor on one rank
+    tokens = s * b // T if sp else s * b  # the rows of one
     drop = m.hidden_dropout > 0
-    per_layer_rep = 4 * rep * a + (2 * rep if drop else 0)
+    # a norm keeps its input (counted with the replicated tensors) and its statistics: LayerNorm
+    # mean and 1/σ, RMSNorm 1/rms, one per token, fp32 on CUDA (the CPU's LayerNorm: activation dtype)
+    stat = 4 if device == "cuda" or a == 4 else a
+    norm_stats = (2 if m.normalization == "layernorm" else 1) * tokens * stat
+    # dropout (parallel/random.py) keeps its mask in the activation dtype
+    per_layer_rep = 4 * rep * a + 2 * norm_stats + (2 * rep * a if drop else 0)
     qkv = s * b * (q + 2 * kv) // T * a
+    if m.position_embedding == "rope":  # the attention keeps the rotated Q and K, new tensors
+        qkv += s * b * (q + kv) // T * a
     proj_in = s * b * q // T * a
-    mlp = (s * b * f1 // T + s * b * f // T) * a
-    if m.attention_backend == "bias":
+    mlp = (s * b * f1 // T + s * b * f // T) * a  # fc1's output, the activation's output
+    if m.activation == "swiglu":  # silu(gate), a new tensor the product keeps
+        mlp += s * b * f // T * a
+    if m.attention_backend == "bias" and not (device == "cpu" and m.attention_dropout == 0):
         core = b * heads // T * s * s * a + (b * heads // T * s * s if m.attention_dropout > 0 else 0)
-    else:
+    else:  # the fused kernels' log-sum-exp (the CPU SDPA kernel takes the bias without materialising the scores)
         core = 4 * b * heads // T * s
-    core_out = s * b * q // T * a  # the core's output (saved by its backward)
+    # the core's output, saved by its backward; the same tensor as the projection's input when
+    # the reshape between them is a view (flex on CUDA, the CPU kernels: attention_output_shared)
+    core_out = 0 if attention_output_shared(cfg, device) else s * b * q // T * a
     full_layer = per_layer_rep + qkv + proj_in + mlp + core + core_out
     if m.recompute == "selective":
         full_layer -= core + core_out
@@ -205,10 +232,11 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
             total += n * full_layer
         first = pp_rank == 0 and c == 0
         last = pp_rank == P - 1 and c == V - 1
-        if first:
-            total += rep * a
-        if last:
-            total += rep * a + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
+        if first:  # the token ids (the embedding's output is the first layer's input), its dropout
+            # mask; a vocabulary-parallel table also keeps which ids are outside its rows (bool)
+            total += 8 * s * b + (s * b if T > 1 else 0) + (rep * a if drop else 0)
+        if last:  # the final norm's input and statistics, the head's input (its shard with SP), the logits
+            total += 2 * rep * a + norm_stats + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
     return total + fp8_activation_delta(cfg, pp_rank, fp8_shared)
 
 

@@ -15,8 +15,8 @@ weight sizes are multiples of 16 (``fp8_gemm_shape_ok``); the output layer stays
   1-byte transposed copy of its input (``pad16(s·b)`` rows: the token count padded to a
   multiple of 16; with sequence parallelism the all-gathered rows) instead of the bf16 input.
   What goes is what the bf16 formula counts for that input (with sequence parallelism the
-  norms' outputs sharded, as dept/memory.py counts them, though the bf16 GEMMs keep the
-  all-gathered ones: FP8 keeps neither, so its total is the run's).
+  norms' outputs sharded: the bf16 QKV and fc1 layers keep the shard and all-gather it again in
+  backward, parallel/sp_linear.py; the FP8 ones keep only their 1-byte copy of the gathered input).
   The bf16 input is freed unless another op keeps it: the inputs of QKV and fc1 (the norms'
   outputs) and of fc2 (the activation's output) are kept by nobody else, so their bf16 terms
   go; the projection's input is the attention core's output, reshaped: unless the core is
@@ -67,11 +67,15 @@ def gemm_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
             if fp8_gemm_shape_ok(i, o)}
 
 
-def attention_output_shared(cfg: Config) -> bool:
-    """Whether the projection's input is a view of the attention core's output (one tensor):
-    ``flex`` writes its output densely as ``[s, b, H, d]`` (model/attention.py). flash-attn and
-    the CUDA SDPA kernels write ``[b, s, H, d]``, so the reshape copies (b > 1)."""
+def attention_output_shared(cfg: Config, device: str = "cuda") -> bool:
+    """Whether the projection's input is a view of the attention core's output (one tensor, kept
+    by the core's backward and by the projection's): ``flex`` writes its output densely as
+    ``[s, b, H, d]`` (model/attention.py); so does PyTorch's CPU SDPA kernel (the ``sdpa`` and
+    ``bias`` backends on ``device="cpu"``, measured by tests/test_memory.py). flash-attn and the
+    CUDA SDPA kernels write ``[b, s, H, d]``, so the reshape copies (b > 1)."""
     m = cfg.model
+    if device == "cpu":
+        return True  # every CPU path (flex is not used there; flash falls back to sdpa or bias)
     if m.attention_backend == "auto":  # flex for ALiBi without attention dropout (flash-attn not installed)
         return m.position_embedding == "alibi" and m.attention_dropout == 0
     return m.attention_backend == "flex"

@@ -22,7 +22,9 @@ replicated activation, x/T its sequence shard.
   block (the forward all-reduces of proj and fc2, the backward all-reduces before qkv and fc1),
   x for the head's backward all-reduce; with it, every one of those becomes a reduce-scatter of
   x paired with an all-gather of x/T in the other direction (2(x + x/T) per block each way,
-  x + x/T for the embedding and for the head). The vocabulary-parallel cross entropy
+  x + x/T for the embedding and for the head), and the QKV, fc1 and head layers with torch
+  GEMMs all-gather their input shard again in backward for the weight gradient (x/T each,
+  parallel/sp_linear.py; not the native FP8 GEMMs of the FP8 blocks, nor Transformer Engine's). The vocabulary-parallel cross entropy
   all-reduces the max and the (target, Σexp) pair, 12 fp32 bytes per token. A block recomputed
   in backward (``model.recompute: full``, the first ``recompute_layers`` of each chunk) repeats
   its forward collectives up to its last operation that saves a tensor for backward
@@ -107,6 +109,19 @@ def _dp_bytes(cfg: Config, vocab: int) -> int:
     return total
 
 
+def _fp8_column_layers(cfg: Config) -> int:
+    """How many of the blocks' QKV and fc1 layers do not run torch GEMMs (so keep their own copy
+    of the gathered input instead of all-gathering it again in backward, parallel/sp_linear.py):
+    all with Transformer Engine, the FP8 ones with native FP8 (dept/memory_fp8.py)."""
+    from .memory_fp8 import fp8_layer_ids, gemm_shapes, native_fp8
+
+    if cfg.backend == "transformer_engine":
+        return 2 * cfg.model.num_layers
+    if not native_fp8(cfg):
+        return 0
+    return len(fp8_layer_ids(cfg)) * sum(1 for g in ("qkv", "fc1") if g in gemm_shapes(cfg))
+
+
 def _tp_bytes(cfg: Config) -> int:
     from ..model.gpt import chunk_layout
 
@@ -121,6 +136,10 @@ def _tp_bytes(cfg: Config) -> int:
     fwd_block = 2 * (x + x // T) if sp else 2 * x  # qkv / fc1 gathers + proj / fc2 reductions
     bwd_block = fwd_block
     ends = 2 * (x + x // T) if sp else 2 * x  # embedding and head, forward + backward
+    regathers = 0  # sequence parallelism: torch-GEMM column-parallel layers all-gather their input again in backward
+    if sp:
+        regathers = m.num_layers * 2 - _fp8_column_layers(cfg)
+        ends += x // T  # the head (untied: a column-parallel layer; tied: the same function)
     recomputed = 0
     if m.recompute == "full":
         for pp in range(P):
@@ -131,7 +150,7 @@ def _tp_bytes(cfg: Config) -> int:
     # recomputation at its last op that saves a tensor for backward: fc2's GEMM, unless hidden
     # dropout follows (its mask is saved), so fc2's output reduction (x) is repeated only then
     again = fwd_block if m.hidden_dropout > 0 else fwd_block - x
-    per_rank_mb = (m.num_layers * (fwd_block + bwd_block) + recomputed * again + ends
+    per_rank_mb = (m.num_layers * (fwd_block + bwd_block) + regathers * (x // T) + recomputed * again + ends
                    + CE_BYTES_PER_TOKEN * s * b)
     total = T * D * _microbatches(cfg) * per_rank_mb
     if sp:

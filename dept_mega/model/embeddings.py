@@ -20,9 +20,10 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel.layers import FUSED_TORCH_GEMM, ColumnParallelLinear, UsesGroups, VocabParallelEmbedding, mark
-from ..parallel.mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, reduce_from_tp_region,
+from ..parallel.mappings import (copy_to_tp_region, reduce_from_tp_region,
                                  reduce_scatter_to_sequence_parallel_region, tp_world)
 from ..parallel.random import RNGTracker, dropout, init_full_then_shard
+from ..parallel.sp_linear import sp_gather_linear
 from ..parallel.wgrad import linear
 
 VOCAB_MULTIPLE = 128
@@ -139,10 +140,9 @@ class SourceEmbeddings(UsesGroups, nn.Module):
             raise RuntimeError("these embeddings have no output head (not the last pipeline chunk)")
         if self.output_layer is not None:
             return self.output_layer(hidden)
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.pg, tensor_parallel_output_grad=True)
-        else:
-            hidden = copy_to_tp_region(hidden, self.pg)
+        if self.sequence_parallel:  # keeps the shard for backward, as the column-parallel layers (sp_linear.py)
+            return sp_gather_linear(hidden, self.word_embeddings.weight, None, self.pg, self.fuse_tied_head)
+        hidden = copy_to_tp_region(hidden, self.pg)
         return linear(hidden, self.word_embeddings.weight, None, self.fuse_tied_head)
 
     def logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:

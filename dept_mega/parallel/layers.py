@@ -33,6 +33,7 @@ from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, 
 from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear_eager
 from .fp8_traced import fp8_linear_traced
 from .random import init_full_then_shard
+from .sp_linear import sp_gather_linear
 from .te import TELinearHolder
 from .wgrad import linear as _linear_fn
 
@@ -161,7 +162,10 @@ class ColumnParallelLinear(_GemmMixin, UsesGroups, nn.Module):
     """``y = x Aᵀ + b`` with A split by output rows over the tensor group.
 
     Input: replicated ``[..., in]`` — or, with ``sequence_parallel``, this rank's sequence
-    shard ``[s/T, ..., in]`` which is all-gathered first (backward: reduce-scatter).
+    shard ``[s/T, ..., in]`` which is all-gathered first (backward: reduce-scatter). With the
+    ``torch`` GEMMs only the shard is kept for the weight gradient and the backward all-gathers
+    it again (``sp_linear.py``, as Megatron-LM); the FP8 and Transformer Engine GEMMs keep their
+    own copies of the gathered input.
     Output: this rank's ``[..., out/T]`` columns, or the full ``[..., out]`` with
     ``gather_output``. ``stride``: the output dimension is made of that many equal blocks
     (SwiGLU's [gate; up]) and each rank holds its chunk of every block. ``gemm``: see
@@ -195,7 +199,11 @@ class ColumnParallelLinear(_GemmMixin, UsesGroups, nn.Module):
         self._setup_gemm(gemm, in_features, self.out_per_rank, name, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.gemm.kind == "torch":
+            # keeps only this rank's shard for backward and all-gathers it again there (sp_linear.py)
+            y = sp_gather_linear(x, self.weight, self.bias, self.pg, self.gemm.fuse_wgrad)
+            return y  # (gather_output is refused with a sequence-parallel input)
+        if self.sequence_parallel:  # FP8 / Transformer Engine: they keep their own copy of the gathered input
             x = gather_from_sequence_parallel_region(x, self.pg, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tp_region(x, self.pg)

@@ -127,6 +127,16 @@ def add_wgrad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor
         main_grad.addmm_(a.float(), b.float())
 
 
+def accumulate_or_return_wgrad(param: torch.nn.Parameter, g2: torch.Tensor, x2: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight gradient ``g2ᵀ · x2`` of ``param``: added into its active gradient buffer
+    (returns None), else returned for autograd (see the module doc)."""
+    owner = grad_owner(param)
+    if owner is not None and owner.active:
+        owner.arrive(param, lambda main: add_wgrad(main, g2, x2))
+        return None
+    return g2.t().mm(x2)
+
+
 class FusedWgradLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward accumulates the weight gradient into the
     weight's active gradient buffer (see module doc); dX and the bias gradient as usual."""
@@ -148,13 +158,7 @@ class FusedWgradLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             db = grad.reshape(-1, grad.shape[-1]).sum(0)
         if ctx.needs_input_grad[1]:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
-            owner = grad_owner(ctx.param)
-            if owner is not None and owner.active:
-                owner.arrive(ctx.param, lambda main: add_wgrad(main, g2, x2))
-            else:
-                dw = g2.t().mm(x2)
+            dw = accumulate_or_return_wgrad(ctx.param, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]))
         return dx, dw, db
 
 
