@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dept_mega.dept.memory import activation_bytes
-from tests.dept_utils import merge, solo_groups, tiny_config
+from tests.dept_utils import merge
+from tests.memory_utils import saved_storages, trained_one_step
 
 BASE = {"precision": "bf16", "backend": "local",
         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 2,
@@ -42,23 +43,9 @@ def _position_caches(stage) -> set[int]:
 
 def measure(over: dict, pg=None) -> tuple[int, object]:
     """(bytes one micro-batch's forward saves for backward, the config), after one training step."""
-    from dept_mega.trainer import MicroBatch, Trainer
-
-    cfg = tiny_config(merge(BASE, over))
-    torch.manual_seed(0)
-    tr = Trainer(cfg, pg or solo_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(1))
-    tr.train_step([MicroBatch(tokens=tokens)])
+    tr, cfg, tokens = trained_one_step(BASE, over, pg)
     stage = tr.stages[0]
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages() as saved:
         loss = stage(tokens[:, :-1], tokens[:, 1:]).float().sum()
     loss.backward()
     held = {p.untyped_storage().data_ptr() for p in tr.parameters()} | _position_caches(stage)

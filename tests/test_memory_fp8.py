@@ -6,11 +6,11 @@ delayed-scaling state."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dept_mega.dept.memory import predict_memory
 from dept_mega.dept.memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
-from tests.dept_utils import merge, solo_groups, tiny_config
+from tests.dept_utils import merge, tiny_config
+from tests.memory_utils import saved_storages, trained_one_step
 
 BASE = {"precision": "bf16", "backend": "local",
         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 2,
@@ -52,29 +52,15 @@ def _measure(over: dict, pg=None) -> dict:
     saved_tensors_hooks inside an open FP8 step: the bytes of the unique storages saved for
     backward that are neither parameters nor FP8 cache/state, the cache's and state's bytes."""
     from dept_mega.parallel.fp8 import fp8_weight_cache
-    from dept_mega.trainer import MicroBatch, Trainer
-
-    cfg = tiny_config(merge(BASE, over))
-    torch.manual_seed(0)
-    tr = Trainer(cfg, pg or solo_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
-    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(1))
-    tr.train_step([MicroBatch(tokens=tokens)])
+    tr, cfg, tokens = trained_one_step(BASE, over, pg)
     params = {p.untyped_storage().data_ptr() for p in tr.parameters()}
     stage = tr.stages[0]
     views = []
     hooks = [m.register_forward_pre_hook(lambda _m, args: views.append(args[0]._base is not None))
              for name, m in stage.named_modules() if name.endswith("attention.proj")]
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        saved[st.data_ptr()] = st.nbytes()
-        return t
-
     out = {}
     with fp8_weight_cache(tr.stages):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages() as saved:
             loss = stage(tokens[:, :-1], tokens[:, 1:]).float().sum()
         cache, out["cache"], state, out["state"] = (_fp8_storages(stage) if cfg.fp8 else (set(), 0, set(), 0))
         loss.backward()
