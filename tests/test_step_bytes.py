@@ -98,10 +98,10 @@ def test_round_record_bytes_equal_prediction():
 
 
 def test_terms_scale_as_documented():
-    """Config arithmetic only: doubling the micro-batches doubles tp and the pipeline sends;
+    """Config arithmetic only: doubling the micro-batches doubles tp and the pipeline sends (pp
+    less its fixed part per step);
     the distributed optimizer reduce-scatters what the plain one all-reduces and adds the
-    weights' all-gather (1/D of the grads' bytes at fp32); sequence parallelism moves the same
-    activations per block in other collectives, plus the replicated parameters' all-reduce."""
+    weights' all-gather (1/D of the grads' bytes at fp32)."""
     base = _config({"parallel": {"data": 2}})
     dist = _config({"parallel": {"data": 2}, "optim": {"distributed": True}})
     a, b = predict_inner_step_bytes(base, VOCAB), predict_inner_step_bytes(dist, VOCAB)
@@ -109,6 +109,10 @@ def test_terms_scale_as_documented():
     t1 = predict_inner_step_bytes(_config({"parallel": {"tensor": 2}}), VOCAB)
     t2 = predict_inner_step_bytes(_config({"parallel": {"tensor": 2}, "train": {"global_batch_size": 8}}), VOCAB)
     assert t2["tp"] == 2 * t1["tp"]
+    # pp: the sends per micro-batch over a fixed part per step (the tied table's all-reduce)
+    p1, p2, p4 = (predict_inner_step_bytes(_config({"parallel": {"pipeline": 2}, "train": {"global_batch_size": 4 * k}}),
+                                           VOCAB)["pp"] for k in (1, 2, 4))
+    assert p2 - p1 > 0 and p4 - p2 == 2 * (p2 - p1)
 
 
 def test_dept_costs_tool_reports_inner_steps_and_records():
