@@ -283,13 +283,19 @@ def _run(*args) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env)
 
 
-def test_table_header_prints_vocabulary_means_readably():
-    """Means over sources print as 2667.7, whole sizes without a decimal (was 2000.0 and
-    2667.6666666666665)."""
+def _tool():
+    """tools/dept_costs.py as a module (parse_args, compute, table), for tests that run it often."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("dept_costs_tool", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_table_header_prints_vocabulary_means_readably():
+    """Means over sources print as 2667.7, whole sizes without a decimal (was 2000.0 and
+    2667.6666666666665)."""
+    tool = _tool()
     head = tool.table({"vocab": {"global": 4000, "source_mean": 2000.0, "trim_mean": 8003 / 3},
                        "local_steps": 20, "variants": {}}).splitlines()[0]
     assert head == "global vocab 4000, SPEC-OPT vocab 2000, TRIM mean |V_k| 2667.7; N_local 20", head
@@ -344,10 +350,16 @@ def test_memory_counts_native_fp8_and_names_what_it_leaves_out():
     args = ("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V),
             "--source-vocab", str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V))
 
+    tool = _tool()  # in this process: a dozen runs of the tool, each importing torch, took ~30 s
+
+    def result(*extra) -> dict:
+        return tool.compute(tool.parse_args([*args, *extra]))
+
+    def text(*extra) -> str:
+        return tool.table(result(*extra))
+
     def mem(*extra):
-        r = _run(*args, "--memory", "--json", *extra)
-        assert r.returncode == 0, r.stderr
-        out = json.loads(r.stdout)
+        out = result("--memory", "--json", *extra)
         return out["variants"]["spec_opt"]["memory"], out.get("memory_notes")
 
     bf16, notes = mem()
@@ -363,18 +375,17 @@ def test_memory_counts_native_fp8_and_names_what_it_leaves_out():
     assert delta < 0 and fp8["activations_per_microbatch"] == bf16["activations_per_microbatch"] + delta
     # one pipeline stage: one micro-batch in flight
     assert fp8["total"] - bf16["total"] == fp8["fp8_weight_copies"] + fp8["fp8_scaling"] + delta
-    r = _run(*args, "--memory", "fp8=hybrid", "backend=local")
-    assert r.returncode == 0 and "fp8 weights" in r.stdout and "Transformer Engine" not in r.stdout
-    assert "fp8 weights" not in _run(*args, "--memory").stdout
+    shown = text("--memory", "fp8=hybrid", "backend=local")
+    assert "fp8 weights" in shown and "Transformer Engine" not in shown
+    assert "fp8 weights" not in text("--memory")
     te, notes = mem("fp8=hybrid", "backend=transformer_engine")
     assert te == bf16 and len(notes) == 1 and "Transformer Engine's FP8 is not in the memory model" in notes[0]
     auto, notes = mem("fp8=hybrid")
     assert auto == fp8 and len(notes) == 1 and notes[0].startswith("backend auto uses Transformer Engine")
-    r = _run(*args, "--memory", "fp8=hybrid", "backend=transformer_engine")
-    assert r.returncode == 0 and "Transformer Engine's FP8 is not in the memory model" in r.stdout
+    assert "Transformer Engine's FP8 is not in the memory model" in text("--memory", "fp8=hybrid",
+                                                                        "backend=transformer_engine")
     for extra in (("--memory", "--json"), ("--json", "fp8=hybrid")):
-        r = _run(*args, *extra)
-        assert r.returncode == 0 and "memory_notes" not in json.loads(r.stdout)
+        assert "memory_notes" not in result(*extra)
 
 
 def test_cli_overrides_table_and_errors():
