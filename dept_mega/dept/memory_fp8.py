@@ -53,20 +53,19 @@ def native_fp8(cfg: Config) -> bool:
 
 
 def fp8_layer_ids(cfg: Config) -> tuple[int, ...]:
-    """Global ids of the blocks whose GEMMs run FP8 (model/backends.py)."""
-    L = cfg.model.num_layers
-    skip = {0, L - 1} if cfg.fp8_first_last_layers_bf16 else set()
-    return tuple(i for i in range(L) if i not in skip)
+    """Global ids of the blocks whose GEMMs run FP8 (model/backends.py's choice)."""
+    from ..model.backends import fp8_block_layers
+
+    return fp8_block_layers(cfg.model.num_layers, cfg.fp8_first_last_layers_bf16)
 
 
 def gemm_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
-    """Per-rank (in, out) of each block GEMM that runs FP8 (the ones model/backends.py picks:
-    both sizes multiples of 16)."""
-    from ..model.backends import _gemm_shapes
-    from ..parallel.fp8 import fp8_gemm_shape_ok
+    """Per-rank (in, out) of each block GEMM that runs FP8 (the ones model/backends.py picks,
+    ``native_fp8_gemms``: both sizes multiples of 16)."""
+    from ..model.backends import _gemm_shapes, native_fp8_gemms
 
-    return {g: (i, o) for g, (i, o) in _gemm_shapes(cfg.model, cfg.parallel.tensor).items()
-            if fp8_gemm_shape_ok(i, o)}
+    shapes = _gemm_shapes(cfg.model, cfg.parallel.tensor)
+    return {g: shapes[g] for g in native_fp8_gemms(cfg.model, cfg.parallel.tensor)}
 
 
 def _rows(cfg: Config) -> int:
