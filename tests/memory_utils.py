@@ -11,15 +11,15 @@ import torch
 from tests.dept_utils import merge, solo_groups, tiny_config
 
 
-def trained_one_step(base: dict, over: dict, pg=None):
-    """(trainer, config, tokens [b, s + 1]): a CPU Trainer of ``base`` merged with ``over`` after
-    one training step on those tokens (optimizer state and, with FP8, the delayed-scaling history
-    exist)."""
+def trained_one_step(base: dict, over: dict, pg=None, device: str = "cpu"):
+    """(trainer, config, tokens [b, s + 1]): a Trainer on ``device`` of ``base`` merged with
+    ``over`` after one training step on those tokens (optimizer state and, with FP8, the
+    delayed-scaling history exist; the tokens stay on the CPU)."""
     from dept_mega.trainer import MicroBatch, Trainer
 
     cfg = tiny_config(merge(base, over))
     torch.manual_seed(0)
-    tr = Trainer(cfg, pg or solo_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    tr = Trainer(cfg, pg or solo_groups(), torch.device(device), vocab_size=cfg.model.vocab_size)
     b, s = cfg.train.micro_batch_size, cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(1))
     tr.train_step([MicroBatch(tokens=tokens)])

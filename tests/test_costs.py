@@ -388,6 +388,26 @@ def test_memory_counts_native_fp8_and_names_what_it_leaves_out():
         assert "memory_notes" not in result(*extra)
 
 
+def test_memory_notes_name_transformer_engine_sequence_parallel_under_auto():
+    """Backend auto with TP + SP: a note that Transformer Engine's gathered QKV / fc1 inputs are
+    counted only with backend transformer_engine; none with local, transformer_engine or without SP."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dept_costs_tool", os.path.join(ROOT, "tools", "dept_costs.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from dept_mega.config import load_config
+
+    def notes(*over):
+        return tool.memory_notes(load_config(os.path.join(ROOT, "examples/1b/glob.yaml"), list(over)))
+
+    sp = ("parallel.tensor=2", "parallel.sequence_parallel=true")
+    got = notes("backend=auto", *sp)
+    assert len(got) == 1 and "sequence parallelism" in got[0] and "backend transformer_engine" in got[0]
+    for over in (("backend=local", *sp), ("backend=transformer_engine", *sp), ("backend=auto", "parallel.tensor=2")):
+        assert notes(*over) == [], over
+
+
 def test_cli_overrides_table_and_errors():
     r = _run("--config", "examples/1b/glob.yaml", "model.num_layers=12", "model.hidden_size=768",
              "model.num_attention_heads=12", "model.num_query_groups=12", "model.ffn_hidden_size=3072",

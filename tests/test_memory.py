@@ -132,6 +132,11 @@ def test_activation_formula_by_recompute_mode():
     sp = act(parallel={"tensor": 2, "sequence_parallel": True})
     assert sp < tp < none
     assert act(model={"attention_backend": "bias"}) > none
+    # Transformer Engine's column layers keep the gathered QKV and fc1 inputs, not their shards
+    # (sp_linear.py is for the torch GEMMs): 2 (sbh - sbh/T) a more per layer; without SP nothing changes
+    assert act(backend="transformer_engine", parallel={"tensor": 2, "sequence_parallel": True}) \
+        == sp + L * 2 * (s * b * h - s * b * h // 2) * a
+    assert act(backend="transformer_engine", parallel={"tensor": 2}) == tp
 
 
 def _allocated_peak(fn) -> tuple[int, int]:

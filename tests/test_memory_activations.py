@@ -1,7 +1,8 @@
 """The memory model's activations (``activation_bytes``, dept/memory.py) against what one
 micro-batch's forward saves for backward on CPU, exactly: the unique storages that
-``saved_tensors_hooks`` sees, less the parameters and the position caches (the ALiBi bias, the
-RoPE tables: held once per model, not per micro-batch). With ``device="cpu"`` the model counts
+``saved_tensors_hooks`` sees, less those a second micro-batch's forward saves too (the
+parameters, the position caches: held once per model, not per micro-batch). A ``gpu`` test does
+the same on CUDA for the attention kernels whose saved tensors the model counts by rule. With ``device="cpu"`` the model counts
 the CPU kernels' tensors where they differ from CUDA's (the LayerNorm statistics in the
 activation dtype; SDPA's output shared with the projection's input, as flex_attention's on
 CUDA; the ``bias`` backend's log-sum-exp rather than its scores).
@@ -28,28 +29,21 @@ BASE = {"precision": "bf16", "backend": "local",
         "train": {"micro_batch_size": 2, "global_batch_size": 2}}
 
 
-def _position_caches(stage) -> set[int]:
-    out = set()
-    for mod in stage.modules():
-        pos = getattr(mod, "positions", None)
-        if pos is None:
-            continue
-        cached = list(pos._bias.values()) + (list(pos.rope._cache.values()) if pos.rope is not None else [])
-        for v in cached:
-            for t in (v if isinstance(v, tuple) else (v,)):
-                out.add(t.untyped_storage().data_ptr())
-    return out
-
-
-def measure(over: dict, pg=None) -> tuple[int, object]:
-    """(bytes one micro-batch's forward saves for backward, the config), after one training step."""
-    tr, cfg, tokens = trained_one_step(BASE, over, pg)
+def measure(over: dict, pg=None, device: str = "cpu") -> tuple[int, object]:
+    """(bytes one micro-batch's forward saves for backward, the config), after one training step.
+    Two forwards, both graphs alive: what both save (parameters, the position caches, flex's
+    block masks: held once per model) is left out; what only the first saves is its micro-batch's."""
+    tr, cfg, tokens = trained_one_step(BASE, over, pg, device)
     stage = tr.stages[0]
-    with saved_storages() as saved:
-        loss = stage(tokens[:, :-1], tokens[:, 1:]).float().sum()
-    loss.backward()
-    held = {p.untyped_storage().data_ptr() for p in tr.parameters()} | _position_caches(stage)
-    return sum(n for p, n in saved.items() if p not in held), cfg
+    tokens = tokens.to(device)
+    losses, saves = [], []
+    for _ in range(2):
+        with saved_storages() as saved:
+            losses.append(stage(tokens[:, :-1], tokens[:, 1:]).float().sum())
+        saves.append(saved)
+    sum(losses).backward()
+    held = set(saves[0]) & set(saves[1])
+    return sum(n for p, n in saves[0].items() if p not in held), cfg
 
 
 CASES = {
@@ -71,20 +65,81 @@ def test_activation_bytes_equal_the_saved_tensors(case):
     assert got == activation_bytes(cfg, cfg.model.vocab_size, 0, device="cpu")
 
 
-def test_attention_output_counted_once_where_it_is_the_projection_input():
-    """On CUDA, flex (ALiBi's backend) shares the core's output with the projection's input; the
-    SDPA kernels' output is laid out [b, s, H, d] and the projection's input is a copy."""
-    from dept_mega.config import config_from_dict
+# (model overrides, device, flash-attn installed) for which the trainer's attention choice is
+# checked; ``auto`` resolves to each of flash, flex, bias and sdpa among them
+KIND_CASES = {
+    "auto alibi cuda": ({}, "cuda", False),
+    "auto alibi cuda flash": ({}, "cuda", True),
+    "auto alibi dropout cuda": ({"attention_dropout": 0.1}, "cuda", False),
+    "auto alibi head_dim 8 cuda": ({"num_attention_heads": 4, "num_query_groups": 4}, "cuda", False),
+    "auto alibi cpu": ({}, "cpu", True),
+    "auto rope cuda": ({"position_embedding": "rope"}, "cuda", False),
+    "sdpa learned cuda": ({"attention_backend": "sdpa", "position_embedding": "learned"}, "cuda", False),
+    "sdpa rope cpu": ({"attention_backend": "sdpa", "position_embedding": "rope"}, "cpu", False),
+    "bias cuda": ({"attention_backend": "bias"}, "cuda", True),
+    "flex cuda": ({"attention_backend": "flex"}, "cuda", False),
+}
 
-    cfg = config_from_dict(merge(BASE, {}))
-    s, b, q, a = 16, 2, 32, 2
-    flex = activation_bytes(config_from_dict(merge(BASE, {"model": {"attention_backend": "flex"}})), 96, 0)
-    sdpa = activation_bytes(config_from_dict(merge(BASE, {"model": {"attention_backend": "sdpa",
-                                                                     "position_embedding": "learned"}})), 96, 0)
-    learned_flex = activation_bytes(config_from_dict(merge(BASE, {"model": {"attention_backend": "flex",
-                                                                             "position_embedding": "learned"}})), 96, 0)
-    assert sdpa - learned_flex == 2 * s * b * q * a  # two layers, one copy each
-    assert activation_bytes(cfg, 96, 0) == flex  # auto with ALiBi is flex
+
+@pytest.mark.parametrize("case", sorted(KIND_CASES))
+def test_activations_count_the_attention_the_trainer_picks(case, monkeypatch):
+    """The memory model resolves ``model.attention_backend`` as the trainer does (model/backends.py
+    for the device and whether flash-attn is installed), and ``auto`` is counted exactly as the
+    kernel it resolves to named explicitly."""
+    import dataclasses
+
+    from dept_mega.config import config_from_dict
+    from dept_mega.dept.memory_attention import attention_kind
+    from dept_mega.model import backends
+
+    over, device, flash = KIND_CASES[case]
+    cfg = config_from_dict(merge(BASE, {"model": over}))
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: flash)
+    want = backends._resolve_attention(cfg.model, cfg.precision, torch.device(device)).kind
+    if device == "cpu":  # the whole resolution a CPU trainer makes
+        assert backends.resolve_backends(cfg, "cpu").attention.kind == want
+    assert attention_kind(cfg, device, flash) == want
+    named = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend=want))
+    assert activation_bytes(cfg, 96, 0, device=device, flash_installed=flash) == \
+        activation_bytes(named, 96, 0, device=device, flash_installed=flash), want
+
+
+# CUDA attention kernels whose saved tensors the model counts by rule (memory_attention.py)
+GPU_CASES = {
+    "sdpa bf16 rope": {"model": {"attention_backend": "sdpa", "position_embedding": "rope"}},
+    "sdpa bf16 learned": {"model": {"attention_backend": "sdpa", "position_embedding": "learned"}},
+    "sdpa fp32 learned": {"precision": "fp32", "model": {"attention_backend": "sdpa",
+                                                         "position_embedding": "learned"}},
+    "bias alibi": {"model": {"attention_backend": "bias"}},
+    "bias alibi attention dropout": {"model": {"attention_backend": "bias", "attention_dropout": 0.1}},
+    "flex alibi": {"model": {"attention_backend": "flex"}},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_activation_bytes_equal_the_saved_tensors_on_cuda(case):
+    """On CUDA the bytes one micro-batch's forward saves equal ``activation_bytes(...,
+    device="cuda")``. A failure names the attention kernel, both numbers and the per-layer sizes
+    of the attention terms counted by rule (the s² scores of ``bias``, the log-sum-exp, the
+    output copy when it is not the projection's input), so that the difference shows which rule
+    the kernel follows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dept_mega.dept.memory_attention import attention_kind, attention_output_shared, scores_saved
+
+    got, cfg = measure(GPU_CASES[case], device="cuda")
+    want = activation_bytes(cfg, cfg.model.vocab_size, 0, device="cuda")
+    m = cfg.model
+    kind = attention_kind(cfg, "cuda")
+    b, s, a = cfg.train.micro_batch_size, m.seq_length, 4 if cfg.precision == "fp32" else 2
+    heads, q = m.num_attention_heads, m.num_attention_heads * m.head_dim
+    terms = (f"counted: scores {scores_saved(kind, 'cuda', m.attention_dropout)}, output shared "
+             f"{attention_output_shared(kind, 'cuda')}; per layer ({m.num_layers} layers): s² scores "
+             f"{b * heads * s * s * a} bytes (+ dropout mask {b * heads * s * s}), log-sum-exp {4 * b * heads * s}, "
+             f"output copy {s * b * q * a}")
+    assert got == want, (f"{case}: attention backend {kind} on CUDA saved {got} bytes, activation_bytes "
+                         f"predicts {want} (measured - predicted = {got - want}); {terms}")
 
 
 def _tp_worker(rank, world, cases):

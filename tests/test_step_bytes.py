@@ -2,7 +2,7 @@
 group (dept/step_bytes.py) plus the predicted outer synchronisation's share (dept/costs.py),
 exactly, on real DEPT rounds (Trainer + DeptHooks) over 4 gloo ranks, for a grid of layouts:
 data-parallel (plain; distributed optimizer with small padded buckets), tensor-parallel with and
-without sequence parallelism (and full recomputation), pipeline (tied and untied, interleaved),
+without sequence parallelism (and full recomputation; native FP8 with bf16 first and last blocks), pipeline (tied and untied, interleaved),
 mixed, bf16; GLOB, SPEC and TRIM (TRIM: each group's own |V_k| table)."""
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ CASES = [
     ("T2 SP P2 tied distributed", {"parallel": {"tensor": 2, "pipeline": 2, "sequence_parallel": True},
                                    "dept": {"variant": "glob"}, "optim": {"distributed": True}}),
     ("D2 P2 tied", {"parallel": {"data": 2, "pipeline": 2}, "dept": {"variant": "glob"}}),
+    # native FP8 (on CPU): the FP8 block's QKV and fc1 keep their FP8 copy of the gathered input
+    # and do not all-gather it again in backward; the bf16 first and last blocks do
+    ("T2 SP fp8 first/last bf16", {"parallel": {"tensor": 2, "sequence_parallel": True}, "dept": {"variant": "glob"},
+                                   "precision": "bf16", "fp8": "hybrid", "backend": "local",
+                                   "fp8_first_last_layers_bf16": True,
+                                   "model": {"num_layers": 3, "hidden_size": 32, "ffn_hidden_size": 64}}),
 ]
 
 

@@ -140,6 +140,17 @@ def _variant(cfg, name: str):
 
 def memory_notes(cfg) -> list[str]:
     """What the memory model leaves out for this config and the prediction does not show."""
+    notes = []
+    p = cfg.parallel
+    if cfg.backend == "auto" and p.sequence_parallel and p.tensor > 1:
+        # memory.py counts Transformer Engine's gathered QKV / fc1 inputs for backend transformer_engine only
+        notes.append("backend auto uses Transformer Engine where it is installed on a CUDA device; with sequence "
+                     "parallelism its QKV and fc1 layers keep their whole gathered input, which the prediction "
+                     "counts only with backend transformer_engine (here: the local layers' input shards)")
+    return notes + _fp8_notes(cfg)
+
+
+def _fp8_notes(cfg) -> list[str]:
     if not cfg.fp8:
         return []
     # native FP8 (backend local) is counted: fp8_weight_copies, fp8_scaling and the activations

@@ -53,19 +53,25 @@ Transformer Models", counted for this model's layers). Per transformer layer:
 
 * *replicated* tensors (split over T only with sequence parallelism): the inputs of the two
   norms and of the QKV / fc1 GEMMs (``4·sbh·a``; with SP the QKV and fc1 layers keep their
-  input's shard and all-gather it again in backward, parallel/sp_linear.py, as Megatron),
-  the norms' statistics (fp32 per token: LayerNorm's mean and 1/σ, RMSNorm's 1/rms), dropout
+  input's shard and all-gather it again in backward, parallel/sp_linear.py, as Megatron; with
+  ``backend: transformer_engine`` they keep the gathered input whole, ``2·sbh·a``: TE's
+  ``Linear`` saves the input it is given, parallel/layers.py gathers before it; ``auto`` is
+  counted as ``local``), the norms' statistics (fp32 per token: LayerNorm's mean and 1/σ, RMSNorm's 1/rms), dropout
   masks after the projection and fc2 (``2·sbh·a``: parallel/random.py keeps them in the
   activation dtype, when ``hidden_dropout > 0``);
 * *TP-sharded* tensors (always /T): Q, K, V (``sb(q + 2kv)·a``; with RoPE also the rotated Q
   and K, ``sb(q + kv)·a``), the projection's input (``sbq·a``) and the attention output the
   core's backward keeps — the same tensor where the reshape between them is a view (flex on
-  CUDA, the CPU's SDPA kernel: ``memory_fp8.attention_output_shared``), else one more
-  ``sbq·a`` (flash-attn and CUDA SDPA write ``[b, s, H, d]``) —, fc1's output and the
-  activation's output (``sb·f1·a + sb·f·a``; SwiGLU: plus silu(gate), ``sb·f·a``), and the
+  CUDA, the CPU's SDPA kernel: ``memory_attention.attention_output_shared``), else one more
+  ``sbq·a`` (flash-attn and CUDA SDPA counted as writing ``[b, s, H, d]``) —, fc1's output and
+  the activation's output (``sb·f1·a + sb·f·a``; SwiGLU: plus silu(gate), ``sb·f·a``), and the
   core's softmax statistics (``4·b·heads·s`` bytes, fp32); the ``bias`` attention backend on
   CUDA is counted with the scores materialised instead (softmax ``b·heads·s²·a`` and, with
-  ``attention_dropout > 0``, its mask ``b·heads·s²`` bytes).
+  ``attention_dropout > 0``, its mask ``b·heads·s²`` bytes). The attention kernel is the one
+  the trainer picks (``model.attention_backend``, ``auto`` resolved by model/backends.py's
+  ``choose_attention`` for the device and whether flash-attn is installed:
+  dept/memory_attention.py). These CUDA attention rules are not yet measured on a GPU (the
+  ``gpu`` test of tests/test_memory_activations.py measures them).
 
 ``recompute: selective`` drops the core's saved tensors (softmax statistics / scores, the
 attention output when it is not the projection's input) and keeps the rest; ``full`` keeps only
@@ -91,6 +97,7 @@ from typing import Optional, Sequence
 from ..config import Config, ConfigError
 from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks,
                           rank_body_fragments, rank_params, shard_pieces)
+from .memory_attention import attention_kind, attention_output_shared, scores_saved
 from .memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
 from .outer import chunk_bounds
 
@@ -175,15 +182,17 @@ def _trim_table_bytes(cfg: Config, vocab: int) -> int:
 
 
 def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional[bool] = None,
-                     device: str = "cuda") -> int:
+                     device: str = "cuda", flash_installed: Optional[bool] = None) -> int:
     """Bytes one micro-batch leaves saved for backward on a rank of stage ``pp_rank`` (formula
     in the module doc; native FP8: plus :func:`memory_fp8.fp8_activation_delta`, whose
     ``shared`` is ``fp8_shared``). ``device``: the kernels whose saved tensors are counted,
     ``cuda`` (the prediction) or ``cpu`` (where they differ: the norms' statistics in the
     activation dtype, the CPU SDPA kernel's output shared with the projection's input and, for
-    the ``bias`` backend, its log-sum-exp instead of the scores; tests/test_memory.py measures it)."""
+    the ``bias`` backend, its log-sum-exp instead of the scores; tests/test_memory_activations.py
+    measures it). The attention kernel is the trainer's choice on ``device``
+    (:func:`memory_attention.attention_kind`; ``flash_installed``: None = whether flash-attn
+    imports here)."""
     from ..model.gpt import chunk_layout
-    from .memory_fp8 import attention_output_shared
 
     m, p = cfg.model, cfg.parallel
     T, P, V = p.tensor, p.pipeline, p.virtual_pipeline
@@ -204,6 +213,8 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
     norm_stats = (2 if m.normalization == "layernorm" else 1) * tokens * stat
     # dropout (parallel/random.py) keeps its mask in the activation dtype
     per_layer_rep = 4 * rep * a + 2 * norm_stats + (2 * rep * a if drop else 0)
+    if sp and cfg.backend == "transformer_engine":  # TE's QKV and fc1 keep the gathered input, not its shard
+        per_layer_rep += 2 * (sbh - rep) * a
     qkv = s * b * (q + 2 * kv) // T * a
     if m.position_embedding == "rope":  # the attention keeps the rotated Q and K, new tensors
         qkv += s * b * (q + kv) // T * a
@@ -211,13 +222,15 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
     mlp = (s * b * f1 // T + s * b * f // T) * a  # fc1's output, the activation's output
     if m.activation == "swiglu":  # silu(gate), a new tensor the product keeps
         mlp += s * b * f // T * a
-    if m.attention_backend == "bias" and not (device == "cpu" and m.attention_dropout == 0):
+    kind = attention_kind(cfg, device, flash_installed)
+    if scores_saved(kind, device, m.attention_dropout):
         core = b * heads // T * s * s * a + (b * heads // T * s * s if m.attention_dropout > 0 else 0)
     else:  # the fused kernels' log-sum-exp (the CPU SDPA kernel takes the bias without materialising the scores)
         core = 4 * b * heads // T * s
     # the core's output, saved by its backward; the same tensor as the projection's input when
     # the reshape between them is a view (flex on CUDA, the CPU kernels: attention_output_shared)
-    core_out = 0 if attention_output_shared(cfg, device) else s * b * q // T * a
+    shared = attention_output_shared(kind, device)
+    core_out = 0 if shared else s * b * q // T * a
     full_layer = per_layer_rep + qkv + proj_in + mlp + core + core_out
     if m.recompute == "selective":
         full_layer -= core + core_out
@@ -237,7 +250,7 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
             total += 8 * s * b + (s * b if T > 1 else 0) + (rep * a if drop else 0)
         if last:  # the final norm's input and statistics, the head's input (its shard with SP), the logits
             total += 2 * rep * a + norm_stats + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
-    return total + fp8_activation_delta(cfg, pp_rank, fp8_shared)
+    return total + fp8_activation_delta(cfg, pp_rank, shared if fp8_shared is None else fp8_shared)
 
 
 # Saved by the cross entropy per token: the fp32 max, the fp32 [target, Σexp] pair, the label's

@@ -21,7 +21,8 @@ weight sizes are multiples of 16 (``fp8_gemm_shape_ok``); the output layer stays
   outputs) and of fc2 (the activation's output) are kept by nobody else, so their bf16 terms
   go; the projection's input is the attention core's output, reshaped: unless the core is
   recomputed (``selective``) the core's backward keeps it when the reshape is a view (``flex``: the core writes
-  ``[s, b, H, d]`` densely; :func:`attention_output_shared`), so only the FP8 copy is added;
+  ``[s, b, H, d]`` densely; ``memory_attention.attention_output_shared`` of the kernel the
+  trainer picks, ``attention_kind``), so only the FP8 copy is added;
   otherwise (or with ``selective``) the projection was its only keeper. ``full``: a
   recomputed block saves only its input, as without FP8. With current scaling each FP8 GEMM
   also saves its input's 4-byte dequantisation factor per micro-batch (delayed: a view). When
@@ -39,6 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..config import Config
+from .memory_attention import attention_kind, attention_output_shared
 
 from ..parallel.fp8_gemm import ALIGN as FP8_ALIGN  # the padded token rows
 from ..parallel.fp8_gemm import PTR_ALIGN as SCALE_STRIDE_BYTES  # one reciprocal scale per 16 bytes (fp8.py)
@@ -51,34 +53,19 @@ def native_fp8(cfg: Config) -> bool:
 
 
 def fp8_layer_ids(cfg: Config) -> tuple[int, ...]:
-    """Global ids of the blocks whose GEMMs run FP8 (model/backends.py)."""
-    L = cfg.model.num_layers
-    skip = {0, L - 1} if cfg.fp8_first_last_layers_bf16 else set()
-    return tuple(i for i in range(L) if i not in skip)
+    """Global ids of the blocks whose GEMMs run FP8 (model/backends.py's choice)."""
+    from ..model.backends import fp8_block_layers
+
+    return fp8_block_layers(cfg.model.num_layers, cfg.fp8_first_last_layers_bf16)
 
 
 def gemm_shapes(cfg: Config) -> dict[str, tuple[int, int]]:
-    """Per-rank (in, out) of each block GEMM that runs FP8 (the ones model/backends.py picks:
-    both sizes multiples of 16)."""
-    from ..model.backends import _gemm_shapes
-    from ..parallel.fp8 import fp8_gemm_shape_ok
+    """Per-rank (in, out) of each block GEMM that runs FP8 (the ones model/backends.py picks,
+    ``native_fp8_gemms``: both sizes multiples of 16)."""
+    from ..model.backends import _gemm_shapes, native_fp8_gemms
 
-    return {g: (i, o) for g, (i, o) in _gemm_shapes(cfg.model, cfg.parallel.tensor).items()
-            if fp8_gemm_shape_ok(i, o)}
-
-
-def attention_output_shared(cfg: Config, device: str = "cuda") -> bool:
-    """Whether the projection's input is a view of the attention core's output (one tensor, kept
-    by the core's backward and by the projection's): ``flex`` writes its output densely as
-    ``[s, b, H, d]`` (model/attention.py); so does PyTorch's CPU SDPA kernel (the ``sdpa`` and
-    ``bias`` backends on ``device="cpu"``, measured by tests/test_memory.py). flash-attn and the
-    CUDA SDPA kernels write ``[b, s, H, d]``, so the reshape copies (b > 1)."""
-    m = cfg.model
-    if device == "cpu":
-        return True  # every CPU path (flex is not used there; flash falls back to sdpa or bias)
-    if m.attention_backend == "auto":  # flex for ALiBi without attention dropout (flash-attn not installed)
-        return m.position_embedding == "alibi" and m.attention_dropout == 0
-    return m.attention_backend == "flex"
+    shapes = _gemm_shapes(cfg.model, cfg.parallel.tensor)
+    return {g: shapes[g] for g in native_fp8_gemms(cfg.model, cfg.parallel.tensor)}
 
 
 def _rows(cfg: Config) -> int:
@@ -131,8 +118,8 @@ def layer_delta(cfg: Config, shared: Optional[bool] = None) -> int:
     s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
     rep = s * b * h // T if sp else s * b * h
     q = m.num_attention_heads * m.head_dim
-    if shared is None:
-        shared = attention_output_shared(cfg)
+    if shared is None:  # the attention kernel the trainer picks on CUDA (memory_attention.py)
+        shared = attention_output_shared(attention_kind(cfg))
     removed = {"qkv": rep * a, "fc1": rep * a, "fc2": s * b * m.ffn_size // T * a,
                "proj": 0 if (shared and m.recompute != "selective") else s * b * q // T * a}
     inv = 4 if cfg.fp8_recipe == "current" else 0

@@ -392,11 +392,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         if fast_accum == "auto":  # exact sums in our GEMMs; Transformer Engine accumulates as 'forward'
             fast_accum = "forward" if linear == "transformer_engine" else "none"
         recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history, fast_accum)
-        skip = {0, m.num_layers - 1} if cfg.fp8_first_last_layers_bf16 else set()
-        fp8_layers = tuple(i for i in range(m.num_layers) if i not in skip)
+        fp8_layers = fp8_block_layers(m.num_layers, cfg.fp8_first_last_layers_bf16)
         if linear == "fp8-native":
-            fp8_gemms = tuple(g for g, (i, o) in _gemm_shapes(m, cfg.parallel.tensor).items()
-                              if fp8_gemm_shape_ok(i, o))
+            fp8_gemms = native_fp8_gemms(m, cfg.parallel.tensor)
             try:
                 fp8_casts = resolve_cast_kernels(cfg.fp8_casts, device)
             except ValueError as exc:
@@ -431,6 +429,20 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                     head_apart=cfg.parallel.pipeline * cfg.parallel.virtual_pipeline > 1,
                     cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",
                     notes=tuple(notes))
+
+
+def fp8_block_layers(num_layers: int, first_last_bf16: bool) -> tuple[int, ...]:
+    """Global ids of the blocks whose GEMMs run FP8 (with ``fp8`` set): all, or all but the
+    first and the last (``fp8_first_last_layers_bf16``). The memory and communication models
+    (dept/memory_fp8.py, dept/step_bytes.py) use this too."""
+    skip = {0, num_layers - 1} if first_last_bf16 else set()
+    return tuple(i for i in range(num_layers) if i not in skip)
+
+
+def native_fp8_gemms(m: ModelConfig, tp: int) -> tuple[str, ...]:
+    """Which of :data:`GEMMS` run native FP8 in an FP8 block: those whose per-rank weight sizes
+    are multiples of 16 (``fp8_gemm_shape_ok``)."""
+    return tuple(g for g, (i, o) in _gemm_shapes(m, tp).items() if fp8_gemm_shape_ok(i, o))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
