@@ -94,9 +94,15 @@ def test_what_a_group_job_logs(monkeypatch):
     noise kept out."""
     import logging
 
-    from dept_mega.dept.federation_log import (first_line, lighthouse_status, membership_line, quiet_torchft,
-                                               quorum_wait_line)
+    from dept_mega.dept.federation_log import (first_line, healed_line, lighthouse_status, membership_line,
+                                               quiet_torchft, quorum_wait_line)
     assert membership_line(0, [0, 1, 2], []) == "federation: round 0: groups [0, 1, 2]"
+    assert healed_line(0, 3, 2, 6, [0, 1]) == "federation: group 0 healed from a live peer at round 3 (step 2 -> 6); " \
+        "groups [0, 1]"
+    # a job relaunched after the others, its checkpoint newer than their round: the loss is said
+    back = healed_line(1, 3, 10, 6, [0, 1])
+    assert back.startswith("federation: group 1 healed from a live peer at round 3 (step 10 -> 6: behind this "
+                           "job's own checkpoint, whose last 4 steps are dropped;") and back.endswith("); groups [0, 1]")
     assert membership_line(14, [0, 1], [0, 1, 2]) == "federation: round 14: groups [0, 1] (left: 2)"
     assert (membership_line(27, [0, 1, 2, 3], [0, 1], healed=True)
             == "federation: round 27: groups [0, 1, 2, 3] (joined: 2, 3; this job healed from a live peer)")

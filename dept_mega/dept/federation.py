@@ -63,8 +63,8 @@ from ..config_diff import check_differing
 from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_log import (WAIT_EVERY_S, first_line, membership_line, quiet_checkpoint_server, quiet_torchft,
-                             quorum_wait_line)
+from .federation_log import (WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
+                             quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
@@ -330,8 +330,7 @@ class Federation:
         if healed:
             was = tr.step
             tr.step = r * self.cfg.dept.local_steps
-            self._say(f"federation: group {self.group} healed from a live peer at round {r} "
-                      f"(step {was} -> {tr.step}); groups {self.members}")
+            self._say(healed_line(self.group, r, was, tr.step, self.members))
         # dept.outer_overlap: the previous round's end sync is launched now, on this quorum (a
         # group healed here launches it too, from θ_{t-1}: Δ = 0, left out of the mean)
         schedule = hooks.schedule

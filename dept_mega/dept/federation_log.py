@@ -107,3 +107,16 @@ def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: s
             f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
             "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
 
+
+
+def healed_line(group: int, round_index: int, was: int, step: int, members: list) -> str:
+    """The line of a job that healed from a live peer: its loop moves from step ``was`` to
+    ``step``, the start of the peers' round. Backwards (this job's checkpoint was of a newer
+    round than the running groups': it came after them, and a running job is always the
+    source) the steps it loses are named, so that a job relaunched late is not taken for one
+    that caught up."""
+    line = f"federation: group {group} healed from a live peer at round {round_index} (step {was} -> {step}"
+    if step < was:
+        line += (f": behind this job's own checkpoint, whose last {was - step} steps are dropped; the running "
+                 "groups were started before it (docs/launching.md §12, 'Stopping and resuming')")
+    return line + f"); groups {members}"
