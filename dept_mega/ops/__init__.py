@@ -144,10 +144,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor,
     """rows[i] = table[ids[i]] (see the module docstring)."""
     if _route(table, ids):
         fallback.check_gather_args(table, ids, out_dtype)
-        rows = torch.ops.dept_mega.gather_rows(table, ids, out_dtype)
-        if not table.is_cuda:
-            _raise_recorded()
-        return rows
+        return _compiled(table, torch.ops.dept_mega.gather_rows, table, ids, out_dtype)
     return fallback.gather_rows(table, ids, out_dtype)
 
 
@@ -155,11 +152,7 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
         fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
-        if not out.is_cuda:  # an earlier call's error first: this one must not write before raising it
-            _raise_recorded()
-        torch.ops.dept_mega.scatter_add_rows_(out, ids, rows)
-        if not out.is_cuda:
-            _raise_recorded()
+        _compiled(out, torch.ops.dept_mega.scatter_add_rows_, out, ids, rows)
         return out
     return fallback.scatter_add_rows(out, ids, rows)
 
@@ -170,11 +163,7 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     returns ``table``."""
     if _route(table, ids, rows):
         fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
-        if not table.is_cuda:  # an earlier call's error first: this one must not write before raising it
-            _raise_recorded()
-        torch.ops.dept_mega.scatter_mean_rows_(table, ids, rows, accumulate, float(alpha))
-        if not table.is_cuda:
-            _raise_recorded()
+        _compiled(table, torch.ops.dept_mega.scatter_mean_rows_, table, ids, rows, accumulate, float(alpha))
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
@@ -189,10 +178,7 @@ def remap_ids(ids: torch.Tensor, lookup: Union[torch.Tensor, VocabRanks]) -> tor
     if _route(ids, lookup):
         if not _remap_args_ok(ids, lookup):
             fallback.check_remap_args(ids, lookup)
-        local = torch.ops.dept_mega.remap_ids(ids, lookup)
-        if not ids.is_cuda:
-            _raise_recorded()
-        return local
+        return _compiled(ids, torch.ops.dept_mega.remap_ids, ids, lookup)
     return fallback.remap_ids(ids, lookup)
 
 
@@ -204,10 +190,7 @@ def _remap_ranked(ids: torch.Tensor, ranks: VocabRanks, stage: int = -1) -> torc
     if _route(ids, words):
         if ids.dtype not in fallback.ID_DTYPES or stage not in (-1, 0, 1):
             fallback.check_remap_ranked_args(ids, words, size, stage)
-        local = torch.ops.dept_mega.remap_ranked(ids, words, size, stage)
-        if not ids.is_cuda:
-            _raise_recorded()
-        return local
+        return _compiled(ids, torch.ops.dept_mega.remap_ranked, ids, words, size, stage)
     return fallback.remap_ranked(ids, words, size, stage)
 
 
@@ -231,6 +214,19 @@ def _thread_record() -> ctypes.Array:
         record = (ctypes.c_int64 * view.numel()).from_address(view.data_ptr())
         _THREAD.record = record
     return record
+
+
+def _compiled(t: torch.Tensor, op, *args):
+    """``op(*args)``, a compiled operator on ``t``'s device. On CPU the thread's error record is
+    read before the call (an earlier direct or compiled call's error is raised first, so that an
+    in-place operator never writes before it) and after it (this call's invalid id); on CUDA the
+    record waits for :func:`check_errors`."""
+    if t.is_cuda:
+        return op(*args)
+    _raise_recorded()
+    out = op(*args)
+    _raise_recorded()
+    return out
 
 
 def _raise_recorded() -> None:
