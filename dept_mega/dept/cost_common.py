@@ -17,6 +17,11 @@ VOCAB_PAD_MULTIPLE = 128
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def grad_bytes(cfg: Config) -> int:
+    """Bytes per element of the gradient buffers (``optim.grad_dtype``)."""
+    return PARAM_BYTES[cfg.optim.grad_dtype]
+
+
 def _padded(vocab: int, tensor: int) -> int:
     padded = -(-vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
     if padded % tensor:

@@ -108,7 +108,6 @@ def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: s
             "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
 
 
-
 def healed_line(group: int, round_index: int, was: int, step: int, members: list) -> str:
     """The line of a job that healed from a live peer: its loop moves from step ``was`` to
     ``step``, the start of the peers' round. Backwards (this job's checkpoint was of a newer

@@ -95,7 +95,7 @@ import math
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError
-from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks,
+from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks, grad_bytes,
                           rank_body_fragments, rank_params, shard_pieces)
 from .memory_attention import attention_kind, attention_output_shared, scores_saved
 from .memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
@@ -118,7 +118,7 @@ def _optimizer_bytes(cfg: Config, numels: Sequence[int], isolate: set[int]) -> d
     """weights, grads and optimizer bytes of one InnerOptimizer over ``numels`` on dp rank 0."""
     o, D = cfg.optim, cfg.parallel.data
     wb = PARAM_BYTES[cfg.precision]
-    gb = 2 if o.grad_dtype == "bf16" else 4
+    gb = grad_bytes(cfg)
     half = cfg.precision != "fp32"
     if not numels:
         return {"weights": 0, "grads": 0, "optimizer": 0}
@@ -181,11 +181,11 @@ def _trim_table_bytes(cfg: Config, vocab: int) -> int:
 # ----------------------------------------------------------------------------- activations
 
 
-def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional[bool] = None,
-                     device: str = "cuda", flash_installed: Optional[bool] = None) -> int:
+def activation_bytes(cfg: Config, vocab: int, pp_rank: int, device: str = "cuda",
+                     flash_installed: Optional[bool] = None) -> int:
     """Bytes one micro-batch leaves saved for backward on a rank of stage ``pp_rank`` (formula
-    in the module doc; native FP8: plus :func:`memory_fp8.fp8_activation_delta`, whose
-    ``shared`` is ``fp8_shared``). ``device``: the kernels whose saved tensors are counted,
+    in the module doc; native FP8: plus :func:`memory_fp8.fp8_activation_delta` for the same
+    attention kernel). ``device``: the kernels whose saved tensors are counted,
     ``cuda`` (the prediction) or ``cpu`` (where they differ: the norms' statistics in the
     activation dtype, the CPU SDPA kernel's output shared with the projection's input and, for
     the ``bias`` backend, its log-sum-exp instead of the scores; tests/test_memory_activations.py
@@ -250,7 +250,7 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, fp8_shared: Optional
             total += 8 * s * b + (s * b if T > 1 else 0) + (rep * a if drop else 0)
         if last:  # the final norm's input and statistics, the head's input (its shard with SP), the logits
             total += 2 * rep * a + norm_stats + _logits_elems(cfg, vocab) * a + CE_TOKEN_BYTES * s * b
-    return total + fp8_activation_delta(cfg, pp_rank, shared if fp8_shared is None else fp8_shared)
+    return total + fp8_activation_delta(cfg, pp_rank, shared)
 
 
 # Saved by the cross entropy per token: the fp32 max, the fp32 [target, Σexp] pair, the label's

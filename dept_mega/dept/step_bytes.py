@@ -56,7 +56,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import Config, ConfigError
-from .cost_common import PARAM_BYTES, bucket_layout, rank_params
+from .cost_common import PARAM_BYTES, bucket_layout, grad_bytes, rank_params
 
 CE_BYTES_PER_TOKEN = 12  # fp32 max (4) + fp32 (target, Σexp) pair (8), all-reduced over tp
 
@@ -92,7 +92,7 @@ def _dp_bytes(cfg: Config, vocab: int) -> int:
     T, D, P = p.tensor, p.data, p.pipeline
     if D == 1:
         return 0
-    g = 2 if o.grad_dtype == "bf16" else 4
+    g = grad_bytes(cfg)
     w = PARAM_BYTES[cfg.precision]
     shards = D if o.distributed else 1
     total = 0
@@ -154,7 +154,7 @@ def _tp_bytes(cfg: Config) -> int:
                    + CE_BYTES_PER_TOKEN * s * b)
     total = T * D * _microbatches(cfg) * per_rank_mb
     if sp:
-        g = 2 if o.grad_dtype == "bf16" else 4
+        g = grad_bytes(cfg)
         copies = 1 if o.distributed else D  # distributed: the D shards of each parameter add up to one
         total += T * copies * g * sum(_sp_numel(cfg, pp) for pp in range(P))
     return total
@@ -170,7 +170,7 @@ def _pp_bytes(cfg: Config, vocab: int) -> int:
     act = s * cfg.train.micro_batch_size * m.hidden_size * a
     total = T * D * _microbatches(cfg) * 2 * (P * V - 1) * act
     if m.tie_embeddings:
-        g = 2 if o.grad_dtype == "bf16" else 4
+        g = grad_bytes(cfg)
         table = rank_params(cfg, vocab, 0).emb[0]  # the token table's TP shard
         copies = 1 if o.distributed else D
         total += 2 * T * copies * table * g  # first and last stage

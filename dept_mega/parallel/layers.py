@@ -201,8 +201,8 @@ class ColumnParallelLinear(_GemmMixin, UsesGroups, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.gemm.kind == "torch":
             # keeps only this rank's shard for backward and all-gathers it again there (sp_linear.py)
-            y = sp_gather_linear(x, self.weight, self.bias, self.pg, self.gemm.fuse_wgrad)
-            return y  # (gather_output is refused with a sequence-parallel input)
+            # (gather_output is refused with a sequence-parallel input)
+            return sp_gather_linear(x, self.weight, self.bias, self.pg, self.gemm.fuse_wgrad)
         if self.sequence_parallel:  # FP8 / Transformer Engine: they keep their own copy of the gathered input
             x = gather_from_sequence_parallel_region(x, self.pg, tensor_parallel_output_grad=True)
         else:
