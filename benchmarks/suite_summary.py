@@ -185,10 +185,16 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     fp8 = ok.get("fp8", {}).get("tokens_per_s")
     for run, what in (("fp8_cuda", "FP8 with the C++/CUDA cast operator (fp8_cuda)"),
                       ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator (fp8_lt)"),
+                      ("fp8_fused", "FP8 with fp8_fused_casts=true (fp8_fused)"),
                       ("fp8_fast_accum", "FP8 with fp8_fast_accum=forward (fp8_fast_accum)")):
         if ok.get(run, {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
             theirs = f", {ok[run]['tokens_per_s'] / fp8:.3f}x the FP8 run's (Triton casts, exact sums)" if fp8 else ""
             lines.append(f"- {what}: {ok[run]['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s{theirs}")
+    lt = ok.get("fp8_lt", {}).get("tokens_per_s")
+    if ok.get("fp8_lt_fused", {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
+        theirs = f", {ok['fp8_lt_fused']['tokens_per_s'] / lt:.3f}x the fp8_lt run's (unfused)" if lt else ""
+        lines.append(f"- FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true (fp8_lt_fused): "
+                     f"{ok['fp8_lt_fused']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s{theirs}")
     for run, what, others in (
             ("fp8_compile_triton", "FP8 with train.compile and our Triton casts inside the graphs",
              (("bf16_compile", "the compiled bf16 run"), ("fp8_compile", "the compiled FP8 run with inductor's casts"),

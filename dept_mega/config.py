@@ -278,6 +278,9 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
     if cfg.fp8 is not None and cfg.precision != "bf16":
         raise ConfigError(f"config key 'fp8': {cfg.fp8!r} needs precision: bf16, got {cfg.precision!r}")
+    if cfg.fp8_fused_casts and cfg.fp8 is None:
+        raise ConfigError("config key 'fp8_fused_casts': true fuses casts into the native FP8 linears, but fp8 is "
+                          "off (set fp8: hybrid or e4m3, or fp8_fused_casts: false)")
     if t.profile is not None:
         prof = t.profile
         if prof.start < 0 or prof.stop <= prof.start:

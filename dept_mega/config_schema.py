@@ -278,6 +278,16 @@ class Config:
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
+    #: Native FP8: fuse the producer of a linear's input into that input's FP8 cast, as Transformer
+    #: Engine's LayerNormLinear / LayerNormMLP do: the LayerNorm before QKV and fc1 and the GELU before fc2
+    #: are computed and cast in one pass (one kernel with fp8_casts triton or cuda; the LayerNorm one under
+    #: the delayed recipe once the input has a scale, otherwise the norm and then its cast) instead of
+    #: writing the bf16 result and reading it again to cast it. Same numbers as without (up to the
+    #: kernels' rounding of erf / rsqrt). Applies in the eager FP8 linears only (refused with train.compile)
+    #: and where no collective sits between the producer and the GEMM: QKV and fc1 with
+    #: parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU stay unfused. The run log
+    #: lists the linears that fuse. Its GPU speed is not yet measured, hence off by default.
+    fp8_fused_casts: bool = False
     #: Native FP8 GEMMs: torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm of the
     #: dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU its CPU
     #: kernel). With cublaslt the weight-gradient GEMM of a training step accumulates into the fp32 gradient

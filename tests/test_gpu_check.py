@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -54,7 +54,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert len(casts) == 1 and casts[0]["rc"] == 0 and casts[0]["rows"], casts
     assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
                                            "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
@@ -71,6 +71,12 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "fast accumulation: forward" in by["fp8_fast_accum"]["backends"]
     assert "# kernels: fp8_lt" in kernels and "cuBLASLt operator dept_mega::fp8_gemm" in by["fp8_lt"]["backends"]
     assert "(fp8_lt): " in summary
+    # the fused casts' runs (LayerNorm / GELU fused into the FP8 casts), each beside its unfused run
+    for run in ("fp8_fused", "fp8_lt_fused"):
+        assert f"# kernels: {run}" in kernels and "fused casts (fp8_fused_casts) [qkv (layernorm), fc1 (layernorm), " \
+            "fc2 (gelu)]" in by[run]["backends"], by[run]["backends"]
+    assert "fused casts" not in by["fp8"]["backends"] and "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
+    assert "(fp8_fused): " in summary and "the fp8_lt run's (unfused)" in summary
     assert "fast accumulation: none" in by["fp8"]["backends"]
     assert "FP8 with the C++/CUDA cast operator (fp8_cuda): " in summary and "(fp8_fast_accum): " in summary
     assert "# kernels: bf16_flex_autotune" in kernels and "inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1" in summary

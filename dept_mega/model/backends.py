@@ -105,6 +105,9 @@ class Backends:
     fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "cuda" (the C++ operator) | "torch" (fp8._cast_math)
     fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
     fp8_gemm: str = ""  # native FP8: "torch" (torch._scaled_mm) | "cublaslt" (dept_mega::fp8_gemm, fp8_gemm.py)
+    # fp8_fused_casts (when ``fused_casts``): the FP8 GEMMs whose input's producer is fused into its cast
+    fused_casts: bool = False
+    fp8_fused_casts: tuple[str, ...] = ()
     num_layers: int = 0
     recompute: str = "none"
     recompute_layers: Optional[int] = None
@@ -129,7 +132,8 @@ class Backends:
         if self.linear == "fp8-native" and self.layer_fp8(layer_id):
             if fp8_state is None or fp8_state.recipe != self.fp8:
                 raise ValueError(f"layer {layer_id}: native FP8 GEMMs need an Fp8State with the recipe {self.fp8}")
-            return {g: (LinearGemm("fp8", fp8_state) if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
+            return {g: (LinearGemm("fp8", fp8_state, fused_casts=g in self.fp8_fused_casts) if g in self.fp8_gemms
+                        else torch_gemm) for g in GEMMS}
         return {g: torch_gemm for g in GEMMS}
 
     def new_fp8_state(self, device: torch.device | str) -> Optional[Fp8State]:
@@ -175,6 +179,10 @@ class Backends:
             out += f"; bf16 GEMMs [{', '.join(stay)}] (per-rank size not a multiple of 16)"
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
+        if self.fused_casts:
+            what = {"qkv": "qkv (layernorm)", "fc1": "fc1 (layernorm)", "fc2": "fc2 (gelu)"}
+            fused = ", ".join(what[g] for g in self.fp8_fused_casts) or "none: no FP8 linear reads a LayerNorm (one tensor rank) or GELU output"
+            out += f"; fused casts (fp8_fused_casts) [{fused}]"
         if traced:
             out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling) with "
                     f"{_GRAPH_CASTS[self.fp8_graph_casts or 'torch']}")
@@ -387,6 +395,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
     fp8_casts = fp8_graph_casts = fp8_gemm = ""
+    fused_casts: Optional[tuple[str, ...]] = None  # fp8_fused_casts: which GEMMs fuse
     if cfg.fp8 is not None:
         fast_accum = cfg.fp8_fast_accum
         if fast_accum == "auto":  # exact sums in our GEMMs; Transformer Engine accumulates as 'forward'
@@ -408,7 +417,15 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                 raise BackendError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under "
                                    "train.compile the FP8 GEMMs are traced into the compiled blocks with "
                                    "torch._scaled_mm (use fp8_gemm: torch, or train.compile: false)")
+            if cfg.fp8_fused_casts and cfg.train.compile:
+                raise BackendError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; "
+                                   "under train.compile the norms, GELUs and casts are traced into the compiled "
+                                   "blocks (use fp8_fused_casts: false, or train.compile: false)")
+            fused_casts = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms) if cfg.fp8_fused_casts else None
         else:
+            if cfg.fp8_fused_casts:
+                raise BackendError("config key 'fp8_fused_casts': true applies to the native FP8 linears "
+                                   "(backend local); Transformer Engine casts itself")
             for key, what_te_does, why in (("fp8_gemm", "torch", "Transformer Engine runs its own"),
                                            ("fp8_fast_accum", "forward",
                                             "Transformer Engine's accumulate as 'forward' does")):
@@ -423,7 +440,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
-                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, num_layers=m.num_layers,
+                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fused_casts=fused_casts is not None,
+                    fp8_fused_casts=fused_casts or (),
+                    num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
                     head_apart=cfg.parallel.pipeline * cfg.parallel.virtual_pipeline > 1,
@@ -443,6 +462,16 @@ def native_fp8_gemms(m: ModelConfig, tp: int) -> tuple[str, ...]:
     """Which of :data:`GEMMS` run native FP8 in an FP8 block: those whose per-rank weight sizes
     are multiples of 16 (``fp8_gemm_shape_ok``)."""
     return tuple(g for g, (i, o) in _gemm_shapes(m, tp).items() if fp8_gemm_shape_ok(i, o))
+
+
+def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
+    """Which FP8 GEMMs fuse the producer of their input into its cast with ``fp8_fused_casts``
+    (``parallel/fp8_prologue.py``): QKV and fc1 after a LayerNorm on one
+    tensor rank (with more, the input's all-gather or copy sits between the norm and the GEMM),
+    fc2 after GELU. The layers apply the same rule (``layers._GemmMixin._fuses``)."""
+    norm = m.normalization == "layernorm" and tp == 1
+    fuse = {"qkv": norm, "fc1": norm, "fc2": m.activation == "gelu"}
+    return tuple(g for g in GEMMS if g in fp8_gemms and fuse.get(g, False))
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:

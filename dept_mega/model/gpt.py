@@ -57,8 +57,10 @@ class TransformerBlock(nn.Module):
         return dropout(x, self.hidden_dropout, self.training, self.rng, tensor_parallel=self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attention(self.input_norm(x)))
-        return x + self._drop(self.mlp(self.mlp_norm(x)))
+        # the norms are the prologues of QKV and fc1: applied by those layers (with
+        # fp8_fused_casts fused into their FP8 input casts, parallel/fp8_prologue.py)
+        x = x + self._drop(self.attention(x, norm=self.input_norm))
+        return x + self._drop(self.mlp(x, norm=self.mlp_norm))
 
     def replay_states(self) -> list:
         """What a recomputation of this block must replay: the dropout streams. (Native FP8

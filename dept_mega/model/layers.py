@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..parallel.fp8_prologue import GELU
 from ..parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear, mark
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, init_full_then_shard
@@ -31,6 +32,10 @@ class Norm(nn.Module):
 
     Under sequence parallelism each tensor rank normalises its own sequence shard, so the
     weight's gradient is partial: ``sequence_parallel`` marks it for an all-reduce over TP.
+
+    The block hands its norms to the linear layers that read their output (QKV, fc1) as their
+    ``prologue``; ``fp8_prologue`` says whether an FP8 linear may fuse it into its input's cast
+    (``parallel/fp8_prologue.py``: LayerNorm, by its ``weight``, ``bias`` and ``eps``).
     """
 
     def __init__(self, kind: str, hidden: int, eps: float, *, name: str, seed: int,
@@ -53,6 +58,10 @@ class Norm(nn.Module):
                              tensor_parallel=False, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+
+    @property
+    def fp8_prologue(self) -> Optional[str]:
+        return "layernorm" if self.kind == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_apex and x.is_cuda:
@@ -136,10 +145,11 @@ class SelfAttention(nn.Module):
                                       input_is_parallel=True, sequence_parallel=sequence_parallel,
                                       gemm=gemms.get("proj"), device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """``x`` the block's input, normalised by ``norm`` first (QKV's prologue: see ``Norm``)."""
         if self.training and self.core.dropout_p > 0 and torch.compiler.is_compiling():
-            return self._forward_eager(x)
-        return self._forward(x)
+            return self._forward_eager(x if norm is None else norm(x))  # the norm stays in the graph
+        return self._forward(x, norm)
 
     @outside_compiled_graphs
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +159,8 @@ class SelfAttention(nn.Module):
         fail replaying the QKV views, so the whole module is left out of the graph."""
         return self._forward(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * hd]
+    def _forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        qkv = self.qkv(x, prologue=norm)  # [s, b, groups_local * (q_per_group + 2) * hd]
         s, b, hd = qkv.shape[0], qkv.shape[1], self.head_dim
         qkv = qkv.view(s, b, self.groups_local, (self.q_per_group + 2) * hd)
         # A split, not indexing: the backward of a split is one concatenation into the QKV
@@ -193,11 +203,11 @@ class MLP(nn.Module):
                                      input_is_parallel=True, sequence_parallel=sequence_parallel,
                                      gemm=gemms.get("fc2"), device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+    def forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """``x`` the block's input, normalised by ``norm`` first (fc1's prologue: see ``Norm``);
+        GELU is fc2's prologue (``parallel/fp8_prologue.py``)."""
+        h = self.fc1(x, prologue=norm)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.fc2(h)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(h, prologue=GELU)

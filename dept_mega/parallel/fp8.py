@@ -69,14 +69,13 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from . import fp8_casts, fp8_gemm, fp8_kernels
-from .compiled_math import CudaCompiled
 from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
-from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, check_layout, direct_op, resolve_gemm
+from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, direct_op, resolve_gemm
+from .fp8_math import _MIN_AMAX, _cast, _cast_math, _scaled_mm  # noqa: F401  (_cast_math: re-exported)
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
 from .wgrad import grad_owner
 from ..compile_guard import outside_compiled_graphs
 
-_MIN_AMAX = 1e-12  # an all-zero tensor gets a finite scale (its FP8 copy is zero anyway)
 _SCALE_STRIDE = _PTR_ALIGN // 4  # float32 elements between two delayed-scaling inverse scales
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the amax history)
 
@@ -84,39 +83,6 @@ INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands of a layer (its columns in the ama
 def fp8_gemm_shape_ok(in_features: int, out_features: int) -> bool:
     """Whether a (per-rank) ``in × out`` weight can run the FP8 GEMMs (both multiples of 16)."""
     return in_features % _ALIGN == 0 and out_features % _ALIGN == 0
-
-
-def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype, pad: int,
-               rowwise: bool, colwise: bool):
-    """Scale and cast of one 2-D operand: the reference math of every FP8 cast (the ``torch``
-    casts: eager on CPU, compiled on CUDA; the Triton kernels give the same bytes).
-
-    ``scale``: a 0-d fp32 tensor (delayed scaling), or None: current scaling, ``FP8_MAX /
-    max(amax, 1e-12)`` from the tensor's own amax. ``pad`` zero rows are appended (they change
-    neither the amax nor a product). Returns ``(q, q_t, 1/scale, amax)``: ``q`` the row-major
-    FP8 copy (when ``rowwise``), ``q_t`` the FP8 copy of the transpose, row-major (when
-    ``colwise``), which the GEMMs that contract over the rows need, and the tensor's amax.
-    Eagerly it holds one fp32 temporary (the amax is ``vector_norm(∞)``: allocates nothing)."""
-    fmax = FP8_MAX[dtype]
-    current = torch.linalg.vector_norm(t, float("inf")).float()
-    if scale is None:
-        scale = fmax / current.clamp(min=_MIN_AMAX)
-    rows = t.shape[0]
-    scaled = t.new_empty((rows + pad, t.shape[1]), dtype=torch.float32)
-    scaled[:rows].copy_(t)
-    if pad:
-        scaled[rows:].zero_()
-    q = scaled.mul_(scale).clamp_(-fmax, fmax).to(dtype)
-    q_t = q.t().contiguous() if colwise else None
-    return (q if rowwise else None), q_t, scale.reciprocal(), current
-
-
-# compiled on CUDA: one graph per (dtype, layouts, scaling) combination, whatever the layer sizes
-_CAST = CudaCompiled(_cast_math)
-
-
-def _cast(t, scale, dtype, pad=0, rowwise=True, colwise=False):
-    return _CAST.on(t.device)(t, scale, dtype, pad, rowwise, colwise)
 
 
 def quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,11 +266,12 @@ class Fp8State:
         torch.reciprocal(self.scale, out=self.inv)
 
     def cast(self, t: torch.Tensor, layer: int, operand: int, dtype: torch.dtype, pad: int = 0,
-             rowwise: bool = True, colwise: bool = False):
+             rowwise: bool = True, colwise: bool = False, gelu: bool = False):
         """One FP8 cast of ``layer``'s ``operand`` (INPUT | WEIGHT | GRAD): ``(q, q_t, 1/scale)``
         (see ``_cast_math``). Delayed scaling inside a training step: the step's scale, the amax
         maxed into the history; otherwise current scaling. Triton or the C++ operator: one
-        launch (two for current scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``)."""
+        launch (two for current scaling); an fp32 ``t`` takes the reference math (see ``fp8_kernels``).
+        ``gelu``: cast ``F.gelu(t)`` instead (fc2's fused prologue, ``fp8_prologue.py``)."""
         col = 3 * layer + operand
         record = self._record
         delayed = record and col in self._ready
@@ -315,14 +282,43 @@ class Fp8State:
             else:
                 amax, owner.recorded_fwd = owner.amax, True
         if self.kernels != "torch" and t.dtype in fp8_kernels.INPUT_DTYPES:  # triton | cuda: one operator
-            cast = fp8_kernels.cast_fp8 if self.kernels == "triton" else self._cast_op
-            q, q_t, inv = cast(t, dtype, pad, rowwise, colwise, self.scale if delayed else None, col,
-                               amax if record else None, operand)
+            args = (t, dtype, pad, rowwise, colwise, self.scale if delayed else None, col,
+                    amax if record else None, operand)
+            if not gelu:
+                q, q_t, inv = (fp8_kernels.cast_fp8 if self.kernels == "triton" else self._cast_op)(*args)
+            elif self.kernels == "triton":
+                q, q_t, inv = fp8_kernels.cast_fp8(*args, gelu=True)
+            else:  # the operator's schema ends in ``bool gelu=False``
+                q, q_t, inv = self._cast_op(*args, True)
         else:
-            q, q_t, inv, current = _cast(t, self.scale[col] if delayed else None, dtype, pad, rowwise, colwise)
+            scale = self.scale[col] if delayed else None
+            q, q_t, inv, current = (_cast(t, scale, dtype, pad, rowwise, colwise, True) if gelu
+                                    else _cast(t, scale, dtype, pad, rowwise, colwise))
             if record:
                 torch.maximum(amax[operand], current, out=amax[operand])
         return q, q_t, (self._inv_views[col] if delayed else inv)
+
+    def norm_cast(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                  layer: int, pad: int = 0, colwise: bool = False):
+        """``F.layer_norm(x, (H,), weight, bias, eps)`` of the 2-D ``x`` cast to e4m3 as ``layer``'s
+        INPUT (the fused prologue of QKV and fc1, ``fp8_prologue.py``): ``(q, q_t, 1/scale, mean,
+        rstd)``, ``mean``/``rstd`` in the form ``aten.native_layer_norm_backward`` takes. Under a
+        ready delayed scale with the Triton or C++ casts and a bf16/fp16 ``x``: one kernel
+        (norm, cast and amax); otherwise ``torch.native_layer_norm`` and :meth:`cast` (the same
+        math; current scaling needs the output's amax before the cast). The amax and the layer's
+        flag are recorded as :meth:`cast` records them."""
+        col = 3 * layer + INPUT
+        if (self._record and col in self._ready and self.kernels != "torch"
+                and x.dtype in fp8_kernels.INPUT_DTYPES):
+            owner = self.layers[layer]
+            owner.recorded_fwd = True
+            fused = fp8_kernels.layernorm_cast_fp8 if self.kernels == "triton" else fp8_casts.layernorm_cast_fp8
+            q, q_t, mean, rstd = fused(x, weight, bias, eps, E4M3, pad, True, colwise, scale=self.scale,
+                                       scale_index=col, amax_out=owner.amax, amax_index=INPUT)
+            return q, q_t, self._inv_views[col], mean, rstd
+        y, mean, rstd = torch.native_layer_norm(x, (x.shape[1],), weight, bias, eps)
+        q, q_t, inv = self.cast(y, layer, INPUT, E4M3, pad, colwise=colwise)
+        return q, q_t, inv, mean, rstd
 
 
 @dataclass(frozen=True)
@@ -440,26 +436,6 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
             state.end_step()
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-               fast: bool = False) -> torch.Tensor:
-    """``torch._scaled_mm`` with a bf16 output (``fast``: its ``use_fast_accum``, see
-    ``fp8_recipe``), after the layout rule of cuBLASLt's FP8 GEMM (``fp8_gemm.check_layout``,
-    on every device). On CPU it runs PyTorch's own kernel with oneDNN switched off for the call:
-    oneDNN's FP8 GEMM took ~10 ms per call at our test sizes (~200× the reference kernel; torch
-    2.13, project VM). ``fp8_gemm: cublaslt`` calls ``fp8_gemm.lt_mm`` instead."""
-    check_layout(a, b, scale_a, scale_b)
-    if a.device.type != "cpu":
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast)
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast)
-    finally:
-        torch._C._set_mkldnn_enabled(was)
-
-
 def _host_contexts(name: str, device_type: str) -> Optional[contextlib.ExitStack]:
     """The contexts the FP8 linear's forward or backward runs inside, entered (the caller closes
     the stack), or None (the usual case) where there are none, so that nothing is entered at
@@ -500,65 +476,83 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, grad: bool) -> torch.Tensor:
-        out_features, in_features = weight.shape
-        x2 = x if x.dim() == 2 else x.reshape(-1, in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, weight.shape[1])
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
-        state = layer.state
         contexts = _host_contexts("dept_mega::fp8_linear_forward", x.device.type)
         try:
-            xq, xq_t, x_inv = state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
-            w = layer.cache.operands(weight, layer, need_dx)
-            y = state.mm(xq, w.fwd, x_inv, w.inv, state.fast_gemms[0])
+            xq, xq_t, x_inv = layer.state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw)
+            y, w = linear_gemm(ctx, x, xq, x_inv, weight, layer, rows, pad, need_dx)
         finally:
             if contexts is not None:
                 contexts.close()
         ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv)
-        ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
-        # the parameter itself (its gradient buffer; see backward)
-        ctx.param = weight
-        if pad:
-            y = y[:rows]
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         xq_t, x_inv, w_dgrad, w_inv = ctx.saved_tensors
-        layer, rows, pad, x_dtype, w_dtype = ctx.meta
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_w = None
-        state = layer.state
-        mm = state.mm
-        contexts = _host_contexts("dept_mega::fp8_linear_backward", grad_out.device.type)
-        try:
-            gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
-                                         colwise=need_dw)
-            if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
-                grad_x = mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
-                if pad:
-                    grad_x = grad_x[:rows]
-                if grad_out.dim() != 2:
-                    grad_x = grad_x.reshape(*grad_out.shape[:-1], w_dgrad.shape[1])
-                if grad_x.dtype != x_dtype:
-                    grad_x = grad_x.to(x_dtype)
-            if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
-                owner = grad_owner(ctx.param)
-                step = owner is not None and owner.active  # inside a training step: straight into main_grad
-                # cublaslt: the GEMM accumulates into main_grad in fp32 itself (False: it cannot, see fp8_gemm)
-                if not (step and state.lt and accumulate_wgrad(owner, ctx.param, gq_t, xq_t.t(), g_inv, x_inv,
-                                                               state.fast_gemms[2], state.gemm_op)):
-                    grad_w = mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
-                    if grad_w.dtype != w_dtype:
-                        grad_w = grad_w.to(w_dtype)
-                    if step:
-                        owner.add_grad(ctx.param, grad_w)
-                        grad_w = None
-        finally:
-            if contexts is not None:
-                contexts.close()
+        grad_x, grad_w = linear_grads(ctx, grad_out, xq_t, x_inv, w_dgrad, w_inv, ctx.needs_input_grad[0],
+                                      ctx.needs_input_grad[1])
         return grad_x, grad_w, None, None
+
+
+def linear_gemm(ctx, x: torch.Tensor, xq: torch.Tensor, x_inv: torch.Tensor, weight: torch.Tensor,
+                layer: Fp8Layer, rows: int, pad: int, need_dx: bool) -> tuple[torch.Tensor, WeightFp8]:
+    """The forward GEMM of an FP8 linear (``_Fp8Linear``, ``fp8_prologue``'s fused linears)
+    from its input's FP8 copy ``xq`` (``rows`` rows of ``x`` + ``pad``): ``(y [..., out] in
+    x's leading shape, the weight's FP8 operands)``; notes in ``ctx`` what
+    :func:`linear_grads` reads (``meta``, ``param``: the parameter itself, its gradient buffer)."""
+    state = layer.state
+    w = layer.cache.operands(weight, layer, need_dx)
+    y = state.mm(xq, w.fwd, x_inv, w.inv, state.fast_gemms[0])
+    ctx.meta = (layer, rows, pad, x.dtype, weight.dtype)
+    ctx.param = weight
+    if pad:
+        y = y[:rows]
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])), w
+
+
+def linear_grads(ctx, grad_out: torch.Tensor, xq_t: Optional[torch.Tensor], x_inv: torch.Tensor,
+                 w_dgrad: Optional[torch.Tensor], w_inv: torch.Tensor, need_dx: bool, need_dw: bool):
+    """The backward of an FP8 linear whose forward ran :func:`linear_gemm` (``ctx.meta``,
+    ``ctx.param``) on the input's transposed FP8 copy ``xq_t`` and the weight's ``w_dgrad``:
+    ``(grad of the GEMM's input in its dtype and shape, or None; grad_w)``. Inside a training
+    step the weight gradient goes into the gradient buffer (then ``grad_w`` is None)."""
+    layer, rows, pad, x_dtype, w_dtype = ctx.meta
+    g2 = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
+    grad_x = grad_w = None
+    state = layer.state
+    mm = state.mm
+    contexts = _host_contexts("dept_mega::fp8_linear_backward", grad_out.device.type)
+    try:
+        gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
+                                     colwise=need_dw)
+        if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
+            grad_x = mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
+            if pad:
+                grad_x = grad_x[:rows]
+            if grad_out.dim() != 2:
+                grad_x = grad_x.reshape(*grad_out.shape[:-1], w_dgrad.shape[1])
+            if grad_x.dtype != x_dtype:
+                grad_x = grad_x.to(x_dtype)
+        if need_dw:  # dW [out, in] = dYᵀ [out, M] · X [M, in]
+            owner = grad_owner(ctx.param)
+            step = owner is not None and owner.active  # inside a training step: straight into main_grad
+            # cublaslt: the GEMM accumulates into main_grad in fp32 itself (False: it cannot, see fp8_gemm)
+            if not (step and state.lt and accumulate_wgrad(owner, ctx.param, gq_t, xq_t.t(), g_inv, x_inv,
+                                                           state.fast_gemms[2], state.gemm_op)):
+                grad_w = mm(gq_t, xq_t.t(), g_inv, x_inv, state.fast_gemms[2])
+                if grad_w.dtype != w_dtype:
+                    grad_w = grad_w.to(w_dtype)
+                if step:
+                    owner.add_grad(ctx.param, grad_w)
+                    grad_w = None
+    finally:
+        if contexts is not None:
+            contexts.close()
+    return grad_x, grad_w
 
 
 # ``torch.autograd.Function.apply`` without its Python wrapper (what it calls when no functorch

@@ -17,6 +17,12 @@ The GEMM of a column/row-parallel layer is chosen by its :class:`LinearGemm`: ``
 version, ``fp8_traced.py``) or ``te`` (Transformer Engine's ``Linear``,
 ``te.py``). Whatever the GEMM, the tensor/sequence-parallel collectives around it are ours and
 go through ``pg.comm``.
+
+A layer's ``forward(x, prologue=None)`` applies ``prologue`` (a callable: the block's norm
+before QKV and fc1, the GELU before fc2) to its input first. With ``fp8_fused_casts``
+(``LinearGemm.fused_casts``) an eager FP8 GEMM fuses a fusable prologue (LayerNorm, GELU) into
+the cast of its input when no collective sits between the two (``fp8_prologue.py``);
+otherwise the prologue runs as a call of its own and the layer as without one.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, 
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tp_region, tp_world)
 from .fp8 import Fp8Layer, Fp8Recipe, Fp8State, fp8_gemm_shape_ok, fp8_linear_eager
+from .fp8_prologue import fp8_prologue_linear
 from .fp8_traced import fp8_linear_traced
 from .random import init_full_then_shard
 from .sp_linear import sp_gather_linear
@@ -96,10 +103,13 @@ class LinearGemm:
     ``fp8`` (native FP8 GEMMs scaled by the model's ``fp8_state``, whose recipe they follow),
     ``te`` (Transformer Engine ``Linear``; FP8 when the caller is inside TE's FP8 autocast, see
     ``te.py``). ``fuse_wgrad`` (``torch`` only): the weight gradient accumulates straight into
-    the gradient buffer (``wgrad.py``, ``optim.grad_accum_fusion``)."""
+    the gradient buffer (``wgrad.py``, ``optim.grad_accum_fusion``). ``fused_casts`` (``fp8``
+    only, ``fp8_fused_casts``): a fusable prologue is fused into the input's cast
+    (``fp8_prologue.py``)."""
     kind: str = "torch"
     fp8_state: Optional[Fp8State] = None
     fuse_wgrad: bool = False
+    fused_casts: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fp8", "te"):
@@ -108,6 +118,8 @@ class LinearGemm:
             raise ValueError("an fp8 GEMM needs the model's Fp8State")
         if self.fuse_wgrad and self.kind != "torch":
             raise ValueError(f"gradient-accumulation fusion is for torch GEMMs, not {self.kind!r}")
+        if self.fused_casts and self.kind != "fp8":
+            raise ValueError(f"fused FP8 casts are for fp8 GEMMs, not {self.kind!r}")
 
     @property
     def recipe(self) -> Optional[Fp8Recipe]:
@@ -121,8 +133,11 @@ FUSED_TORCH_GEMM = LinearGemm(fuse_wgrad=True)
 class _GemmMixin:
     """The GEMM ``x Wᵀ`` (no bias) of a parallel linear layer, by ``self.gemm.kind``."""
 
-    def _setup_gemm(self, gemm: Optional[LinearGemm], in_local: int, out_local: int, name: str, device) -> None:
+    def _setup_gemm(self, gemm: Optional[LinearGemm], in_local: int, out_local: int, name: str, device,
+                    direct: bool) -> None:
+        """``direct``: no collective between the layer's input and its GEMM (a prologue may fuse)."""
         self.gemm = gemm or TORCH_GEMM
+        self._fuse_prologue = self.gemm.fused_casts and direct
         if self.gemm.kind == "fp8":
             if not fp8_gemm_shape_ok(in_local, out_local):
                 raise ValueError(f"{name}: FP8 GEMMs need the per-rank weight sizes ({out_local} × {in_local}) "
@@ -133,6 +148,13 @@ class _GemmMixin:
         else:
             self.fp8_layer = None
         self._te = TELinearHolder() if self.gemm.kind == "te" else None
+
+    def _fuses(self, prologue) -> bool:
+        """Whether ``prologue`` is fused into the FP8 cast of this call's input: ``fused_casts``,
+        no collective in between, eager (a compiled block traces the unfused path) and a prologue
+        that says it is fusable (``fp8_prologue.py``)."""
+        return (self._fuse_prologue and getattr(prologue, "fp8_prologue", None) is not None
+                and not torch.compiler.is_compiling())
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm.kind == "fp8":
@@ -196,9 +218,14 @@ class ColumnParallelLinear(_GemmMixin, UsesGroups, nn.Module):
                 tensor_parallel=T > 1, partition_dim=0, partition_stride=stride)
         else:
             self.register_parameter("bias", None)
-        self._setup_gemm(gemm, in_features, self.out_per_rank, name, device)
+        self._setup_gemm(gemm, in_features, self.out_per_rank, name, device, direct=T == 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prologue=None) -> torch.Tensor:
+        if prologue is not None:
+            if self._fuses(prologue):  # one rank: no collective before the GEMM, none after it
+                y = fp8_prologue_linear(x, self.weight, self.fp8_layer, prologue)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+            x = prologue(x)
         if self.sequence_parallel and self.gemm.kind == "torch":
             # keeps only this rank's shard for backward and all-gathers it again there (sp_linear.py)
             # (gather_output is refused with a sequence-parallel input)
@@ -251,12 +278,17 @@ class RowParallelLinear(_GemmMixin, UsesGroups, nn.Module):
                 tensor_parallel=False, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
-        self._setup_gemm(gemm, self.in_per_rank, out_features, name, device)
+        self._setup_gemm(gemm, self.in_per_rank, out_features, name, device, direct=input_is_parallel or T == 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_tp_region(x, self.pg)
-        y = self._matmul(x)
+    def forward(self, x: torch.Tensor, prologue=None) -> torch.Tensor:
+        if prologue is not None and self._fuses(prologue):  # the input is this rank's: nothing in between
+            y = fp8_prologue_linear(x, self.weight, self.fp8_layer, prologue)
+        else:
+            if prologue is not None:
+                x = prologue(x)
+            if not self.input_is_parallel:
+                x = scatter_to_tp_region(x, self.pg)
+            y = self._matmul(x)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.pg)
         else:

@@ -1,0 +1,118 @@
+"""FP8 linears that fuse the producer of their input into its FP8 cast (``fp8_fused_casts``).
+
+In a pre-norm block the QKV and fc1 inputs are a LayerNorm's output and the fc2 input is a
+GELU's output. The FP8 linear would read that bf16 tensor once more just to cast it; here the
+producer and the cast are one pass, as in Transformer Engine's ``LayerNormLinear`` /
+``LayerNormMLP``: :meth:`Fp8State.norm_cast` (LayerNorm, then the cast) and
+:meth:`Fp8State.cast` with ``gelu=True`` (GELU, then the cast). With the Triton or C++ casts
+these are single kernels (LayerNorm only under a ready delayed scale: current scaling needs the
+norm's amax before its cast, so it normalises, then casts); with the ``torch`` casts they are
+the reference math, bit for bit what the unfused path computes.
+
+A *prologue* is what the layer applies to its input before the GEMM (``ColumnParallelLinear``
+/ ``RowParallelLinear``'s ``forward(x, prologue)``): any callable. One is fusable when it says
+so through ``fp8_prologue`` (``"layernorm"``: it has ``weight``, ``bias`` (or None) and
+``eps``, as the model's ``Norm`` with LayerNorm; ``"gelu"``: :data:`GELU`); the layer decides
+whether to fuse (``_GemmMixin._fuses``), and otherwise calls the prologue and runs its usual
+path, so a layer without FP8, a compiled block or an RMSNorm / SwiGLU model compute exactly
+what they did before. A fused prologue's module forward (and so any hook on it) does not run.
+
+:class:`_Fp8PrologueLinear` saves the prologue's input (GELU: ``h``; LayerNorm: ``x``, ``mean``,
+``rstd`` and the norm's parameters) and what ``_Fp8Linear`` saves (the input's transposed FP8
+copy and the weight's FP8 operands). Its backward is ``_Fp8Linear``'s (``fp8.linear_grads``:
+the dgrad GEMM gives the gradient of the prologue's output; the weight gradient goes where
+``_Fp8Linear`` puts it) followed by ``aten.gelu_backward`` or
+``aten.native_layer_norm_backward`` (the input's gradient and the norm's weight/bias gradients):
+the ops autograd runs for the unfused prologue, on the same tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import fp8
+from .fp8 import _ALIGN, E4M3, INPUT, Fp8Layer, linear_gemm, linear_grads
+
+
+class Gelu:
+    """The erf GELU (``F.gelu``, ``approximate='none'``) as a linear's prologue: fc2's input
+    (``model/layers.py`` ``MLP``). Stateless; :data:`GELU` is the instance."""
+
+    fp8_prologue = "gelu"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+    def __repr__(self) -> str:
+        return "Gelu()"
+
+
+GELU = Gelu()
+
+
+class _Fp8PrologueLinear(torch.autograd.Function):
+    """``prologue(x) Wᵀ`` through the FP8 GEMMs with the prologue fused into the input's cast.
+    ``eps`` None: GELU (``norm_weight``, ``norm_bias`` None); otherwise LayerNorm with
+    ``norm_weight`` and ``norm_bias`` (or None)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                norm_bias: Optional[torch.Tensor], layer: Fp8Layer, grad: bool, eps: Optional[float]) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        pad = (-rows) % _ALIGN
+        needs = ctx.needs_input_grad
+        # the dgrad GEMM whenever anything before the GEMM (x, the norm's parameters) needs a gradient
+        need_dx = grad and (needs[0] or needs[2] or needs[3])
+        need_dw = grad and needs[1]
+        state = layer.state
+        contexts = fp8._host_contexts("dept_mega::fp8_prologue_linear_forward", x.device.type)
+        try:
+            if eps is None:
+                xq, xq_t, x_inv = state.cast(x2, layer.index, INPUT, E4M3, pad, colwise=need_dw, gelu=True)
+                stats = (None, None)
+            else:
+                xq, xq_t, x_inv, mean, rstd = state.norm_cast(x2, norm_weight, norm_bias, eps, layer.index, pad,
+                                                              colwise=need_dw)
+                stats = (mean, rstd)
+            y, w = linear_gemm(ctx, x, xq, x_inv, weight, layer, rows, pad, need_dx)
+        finally:
+            if contexts is not None:
+                contexts.close()
+        if grad:  # nothing saved under no_grad (evaluation)
+            ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv, x, *stats, norm_weight, norm_bias)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        xq_t, x_inv, w_dgrad, w_inv, x, mean, rstd, norm_weight, norm_bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_dx = needs[0] or needs[2] or needs[3]
+        grad_u, grad_w = linear_grads(ctx, grad_out, xq_t, x_inv, w_dgrad, w_inv, need_dx, needs[1])
+        grad_x = grad_nw = grad_nb = None
+        if need_dx:
+            if ctx.eps is None:  # d/dh of gelu(h), as GeluBackward0
+                grad_x = torch.ops.aten.gelu_backward(grad_u, x)
+            else:  # as NativeLayerNormBackward0, on the 2-D view the forward normalised
+                h = x.shape[-1]
+                grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
+                    grad_u.reshape(-1, h), x.reshape(-1, h), [h], mean, rstd, norm_weight, norm_bias,
+                    [needs[0], needs[2], needs[3]])
+                if grad_x is not None:
+                    grad_x = grad_x.view(x.shape)
+        return grad_x, grad_w, grad_nw, grad_nb, None, None, None
+
+
+def fp8_prologue_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, prologue) -> torch.Tensor:
+    """``prologue(x) Wᵀ`` through the FP8 GEMMs, the prologue (``prologue.fp8_prologue``:
+    ``"gelu"`` | ``"layernorm"``) fused into the cast of the GEMM's input (the module docstring).
+    Eager only: the layers call it outside compiled graphs."""
+    grad = torch.is_grad_enabled()
+    if prologue.fp8_prologue == "gelu":
+        return _Fp8PrologueLinear.apply(x, weight, None, None, layer, grad, None)
+    if prologue.fp8_prologue == "layernorm":
+        return _Fp8PrologueLinear.apply(x, weight, prologue.weight, prologue.bias, layer, grad, prologue.eps)
+    raise ValueError(f"fp8_prologue_linear: no fused cast for a {prologue.fp8_prologue!r} prologue")
