@@ -15,6 +15,14 @@ appended for ``pad``. It computes the same bytes as the reference math (``fp8._c
   then the cast kernel reduces them in every program and computes ``scale = FP8_MAX / max(amax,
   1e-12)`` as PyTorch does (``FP8_MAX · (1/amax)``, IEEE reciprocal) and ``1/scale`` (returned
   for the GEMM). Two launches.
+* ``gelu=True`` casts ``GELU(t)`` (the prologue of fc2): ``(x·0.5)·(1 + erf(x·√½))`` in fp32 as
+  torch computes it, rounded to ``t``'s dtype, then cast as above; the amax (recorded, and that
+  of current scaling: the reduction applies GELU too) is that of the rounded values.
+  ``erf`` is the backend's (libdevice on the GPU, as torch's CUDA kernel; the interpreter's is
+  Python's), so an element may differ from torch's GELU by one bf16 step (rarely; measured by
+  the tests).
+
+The LayerNorm prologue (``layernorm_cast_fp8``) is in ``fp8_norm_kernels.py`` (re-exported).
 
 The kernels take bf16 and fp16 tensors (the operands of mixed-precision training). An fp32
 tensor takes the reference math instead (``Fp8State.cast`` routes it): on an H200 (Triton 3.6,
@@ -28,58 +36,32 @@ tests use to compare them with the reference bit for bit.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU test environment need not have Triton
-    triton = None
-    tl = None
+from .fp8_norm_kernels import layernorm_cast_fp8  # noqa: F401  (re-exported: the LayerNorm prologue)
+from .fp8_triton import (_FORMATS, _MIN_AMAX, AVAILABLE, INPUT_DTYPES, _dummy, interpreted,  # noqa: F401
+                         tl, triton)
 
-AVAILABLE = triton is not None
-_MIN_AMAX = 1e-12  # as fp8._MIN_AMAX
+if AVAILABLE:
+    from .fp8_triton import _abs_max, _gelu, _nanmax, _to_fp8_grid
+
 _PARTS = 256  # most partial maxima of the current-scaling reduction (one per program)
 _AMAX_BLOCK = 4096
 _TILE = 64
-INPUT_DTYPES = (torch.bfloat16, torch.float16)  # what the kernels take (see the module docstring)
-# (FP8 max, mantissa bits, smallest normal exponent, Triton dtype name) of each format
-_FORMATS = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
-
-
-_DUMMIES: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy(device: torch.device) -> torch.Tensor:
-    """A 0-d fp32 tensor on ``device`` for the pointer arguments a launch does not use (a
-    current-scaled cast's scale, an unrecorded cast's amax slot): one per device, never read
-    or written, rather than an allocation per cast."""
-    d = _DUMMIES.get(device)
-    if d is None:
-        d = _DUMMIES[device] = torch.empty((), dtype=torch.float32, device=device)
-    return d
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (CPU tensors) in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if AVAILABLE:
     @triton.jit
-    def _nanmax(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit
-    def _amax_parts_kernel(x_ptr, parts_ptr, n, nprog, BLOCK: tl.constexpr):
+    def _amax_parts_kernel(x_ptr, parts_ptr, n, nprog, BLOCK: tl.constexpr, GELU: tl.constexpr = False):
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(pid * BLOCK, n, nprog * BLOCK):
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            if GELU:  # masked elements: GELU(0) = 0
+                x = _gelu(x, x_ptr.dtype.element_ty == tl.bfloat16)
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         tl.store(parts_ptr + pid, tl.reduce(acc, 0, _nanmax))
 
@@ -89,7 +71,8 @@ if AVAILABLE:
                      rows, cols, out_rows, nparts, scale_index, amax_index,
                      FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, MIN_AMAX: tl.constexpr,
                      CURRENT: tl.constexpr, RECORD: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GELU: tl.constexpr = False):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         first = (pid_m == 0) & (pid_n == 0)
@@ -108,19 +91,11 @@ if AVAILABLE:
         c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < cols),
                     other=0.0).to(tl.float32)
+        if GELU:  # pad rows and masked columns load 0, and GELU(0) = 0
+            x = _gelu(x, x_ptr.dtype.element_ty == tl.bfloat16)
         if RECORD and not CURRENT:
-            tl.atomic_max(amax_ptr + amax_index, tl.reduce(tl.reduce(tl.abs(x), 1, _nanmax), 0, _nanmax))
-        y = x * scale
-        y = tl.minimum(tl.maximum(y, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
-                       propagate_nan=tl.PropagateNan.ALL)
-        # round to the FP8 grid (nearest, ties to even): y + 1.5·2^(23+k) rounds y to a
-        # multiple of 2^k in fp32, k = max(exponent(y), EMIN) - MBITS; subtracting is exact
-        bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
-        magic = (((e - MBITS + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        rounded = (y + magic) - magic
-        # keep the sign of y (a negative value that rounds to zero is -0, as the reference gives)
-        y = (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+            tl.atomic_max(amax_ptr + amax_index, _abs_max(x))
+        y = _to_fp8_grid(x, scale, FMAX, MBITS, EMIN)
         out = (r[:, None] < out_rows) & (c[None, :] < cols)
         if ROWWISE:
             tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
@@ -131,15 +106,17 @@ if AVAILABLE:
 
 def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,
              scale: Optional[torch.Tensor] = None, scale_index: int = 0,
-             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0, tile: tuple = (_TILE, _TILE, 4)
-             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0, tile: tuple = (_TILE, _TILE, 4),
+             gelu: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Cast the 2-D ``t`` to ``dtype`` (see the module docstring). ``scale``: an fp32 tensor
     whose element ``scale_index`` is the scale (delayed scaling), or None (current scaling);
     ``amax_out``: an fp32 tensor whose element ``amax_index`` is maxed with ``t``'s amax.
     Returns ``(q, q_t, inv)``: ``q`` ``[rows + pad, cols]`` when ``rowwise``, ``q_t``
     ``[cols, rows + pad]`` when ``colwise``, ``inv`` the 0-d ``1/scale`` under current scaling
     (None when ``scale`` is given: the caller has it). ``tile``: (rows, columns, warps) of a
-    program (powers of two; the bytes do not depend on it), for ``benchmarks/fp8_cast_bench.py``."""
+    program (powers of two; the bytes do not depend on it), for ``benchmarks/fp8_cast_bench.py``.
+    ``gelu``: cast ``GELU(t)`` instead (torch's erf form in fp32, rounded to ``t``'s dtype; the
+    amax, recorded or of current scaling, is that of the rounded values), the prologue of fc2."""
     if t.dtype not in INPUT_DTYPES:
         raise ValueError(f"cast_fp8 takes bf16 or fp16 tensors, got {t.dtype} (Fp8State.cast sends others "
                          f"to the reference math)")
@@ -163,7 +140,7 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
         n = t.numel()
         nparts = max(1, min(_PARTS, triton.cdiv(n, _AMAX_BLOCK)))
         parts = t.new_empty((nparts,), dtype=torch.float32)
-        _amax_parts_kernel[(nparts,)](t, parts, n, nparts, BLOCK=_AMAX_BLOCK)
+        _amax_parts_kernel[(nparts,)](t, parts, n, nparts, BLOCK=_AMAX_BLOCK, GELU=gelu)
     block_m, block_n, warps = tile
     grid = (triton.cdiv(out_rows, block_m), triton.cdiv(cols, block_n))
     _cast_kernel[grid](t, q if rowwise else q_t, q_t if colwise else q, dummy if current else scale,
@@ -171,5 +148,5 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
                        rows, cols, out_rows, nparts, scale_index, amax_index,
                        FMAX=fmax, MBITS=mbits, EMIN=emin, MIN_AMAX=_MIN_AMAX, CURRENT=current,
                        RECORD=amax_out is not None, ROWWISE=rowwise, COLWISE=colwise, PARTS=_PARTS,
-                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+                       BLOCK_M=block_m, BLOCK_N=block_n, GELU=gelu, num_warps=warps)
     return q, q_t, inv
