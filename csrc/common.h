@@ -15,6 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -129,8 +130,8 @@ inline void check_remap_ranked_args(const at::Tensor& ids, const at::Tensor& wor
 // scale_index), amax_out fp32 (element amax_index)); the FP8 format code (DM_FP8_*) of dtype.
 inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_t pad,
                                const std::optional<at::Tensor>& scale, int64_t scale_index,
-                               const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
-  const char* op = "cast_fp8";
+                               const std::optional<at::Tensor>& amax_out, int64_t amax_index,
+                               const char* op = "cast_fp8") {
   TORCH_CHECK_VALUE(t.dim() == 2, op, ": takes a 2-D tensor, got shape ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
                    ": takes a bfloat16 or float16 tensor, got ", dtype_name(t.scalar_type()));
@@ -148,9 +149,47 @@ inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_
     TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", names[k], " must be contiguous");
     TORCH_CHECK_VALUE(index[k] >= 0 && index[k] < s.numel(), op, ": ", names[k], " index ",
                       index[k], " is out of range for ", s.numel(), " elements");
-    check_same_device(op, t, "t", s, names[k]);
+    check_same_device(op, t, std::strcmp(op, "cast_fp8") == 0 ? "t" : "x", s, names[k]);
   }
   return dtype == at::kFloat8_e4m3fn ? DM_FP8_E4M3 : DM_FP8_E5M2;
+}
+
+// layernorm_cast_fp8(x [rows, cols] bf16/fp16 (cols >= 1), weight [cols] (x's dtype or float32),
+// bias None or like weight, ..., scale fp32 (required: delayed scaling), amax_out fp32): the
+// checks of cast_fp8 plus the LayerNorm's; the FP8 format code of dtype.
+inline int check_layernorm_cast_fp8_args(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias,
+                                         at::ScalarType dtype, int64_t pad,
+                                         const std::optional<at::Tensor>& scale,
+                                         int64_t scale_index,
+                                         const std::optional<at::Tensor>& amax_out,
+                                         int64_t amax_index) {
+  const char* op = "layernorm_cast_fp8";
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": takes a 2-D tensor, got shape ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.size(1) >= 1, op, ": takes a tensor of at least one column, got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(scale.has_value(), op,
+                    ": needs a delayed scale (scale tensor); current scaling is not fused");
+  const std::optional<at::Tensor> w_opt = weight;
+  const std::optional<at::Tensor>* params[2] = {&w_opt, &bias};
+  const char* pnames[2] = {"weight", "bias"};
+  for (int k = 0; k < 2; ++k) {
+    if (!params[k]->has_value()) continue;
+    const at::Tensor& p = **params[k];
+    TORCH_CHECK_VALUE(p.dim() == 1 && p.size(0) == x.size(1), op, ": ", pnames[k],
+                      " must have shape [", x.size(1), "], got ", p.sizes());
+    TORCH_CHECK_TYPE(p.scalar_type() == x.scalar_type() || p.scalar_type() == at::kFloat, op,
+                     ": ", pnames[k], " must be float32 or the input's dtype (",
+                     dtype_name(x.scalar_type()), "), got ", dtype_name(p.scalar_type()));
+    check_same_device(op, x, "x", p, pnames[k]);
+  }
+  TORCH_CHECK_TYPE(!bias.has_value() || bias->scalar_type() == weight.scalar_type(), op,
+                   ": bias must have weight's dtype (", dtype_name(weight.scalar_type()),
+                   "), got ", dtype_name(bias.has_value() ? bias->scalar_type() : at::kFloat));
+  // the FP8 side: cast_fp8's checks, under this operator's name
+  return check_cast_fp8_args(x, dtype, pad, scale, scale_index, amax_out, amax_index, op);
 }
 
 }  // namespace dept_mega

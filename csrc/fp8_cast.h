@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include <cmath>
 #include <cstring>
 
 #ifdef __CUDACC__
@@ -130,4 +131,17 @@ DM_HD uint8_t dm_fp8_cast_one(float x, float scale, const DmFp8Format& f) {
   // an FP8 subnormal m * 2^(emin - mbits): m = significand * 2^(er - 23 - emin + mbits), exact
   const uint32_t sig = (a & 0x7FFFFFu) | 0x800000u;
   return static_cast<uint8_t>(sign | (sig >> (23 - f.mbits + f.emin - er)));
+}
+
+// GELU, the erf form, in fp32 as PyTorch writes it (`(x * 0.5) * (1 + erf(x * M_SQRT1_2))`, opmath
+// fp32): the prologue of cast_fp8(gelu=True). The caller rounds the result to the input's dtype
+// (bf16 / fp16, nearest-even) before the cast and the amax. erff is the platform's (glibc's on the
+// host, CUDA's on the device), so a value can differ from PyTorch's by an ulp where PyTorch's
+// CPU kernel uses its own vectorised erf: the tests bound how often that changes an FP8 byte.
+DM_HD float dm_gelu(float x) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(__fmul_rn(x, 0.5f), __fadd_rn(1.0f, erff(__fmul_rn(x, 0.70710678118654752f))));
+#else
+  return (x * 0.5f) * (1.0f + std::erf(x * 0.70710678118654752f));
+#endif
 }

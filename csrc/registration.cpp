@@ -29,10 +29,20 @@ TORCH_LIBRARY(dept_mega, m) {
   // [cols, rows + pad] when colwise; scale[scale_index] (delayed scaling) or, without a scale,
   // current scaling (the returned 1/scale, 0-d fp32); amax(t) maxed into amax_out[amax_index]
   // when given. Outputs not asked for are None (undefined tensors): an eager operator.
+  // gelu: casts GELU(t) (erf form, rounded to t's dtype; the amax is of those values).
   m.def(
       "cast_fp8(Tensor t, ScalarType dtype, int pad=0, bool rowwise=True, bool colwise=False, "
-      "Tensor? scale=None, int scale_index=0, Tensor(a!)? amax_out=None, int amax_index=0) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor? scale=None, int scale_index=0, Tensor(a!)? amax_out=None, int amax_index=0, "
+      "bool gelu=False) -> (Tensor, Tensor, Tensor)");
+  // LayerNorm over the last dimension (fp32, biased variance) * weight (+ bias), rounded to x's
+  // dtype, then cast_fp8 of it with the delayed scale scale[scale_index] (required), its amax
+  // maxed into amax_out[amax_index] when given; pad rows are zero FP8. Returns (q, q_t, mean,
+  // rstd): q / q_t as cast_fp8's (None when not asked for), mean and rstd [rows, 1] in the form
+  // aten::native_layer_norm_backward takes on the device (CPU: x's dtype; CUDA: float32).
+  m.def(
+      "layernorm_cast_fp8(Tensor x, Tensor weight, Tensor? bias, float eps, ScalarType dtype, "
+      "int pad=0, bool rowwise=True, bool colwise=False, Tensor? scale=None, int scale_index=0, "
+      "Tensor(a!)? amax_out=None, int amax_index=0) -> (Tensor, Tensor, Tensor, Tensor)");
   // FP8 GEMM with per-tensor scales (csrc/fp8_gemm.h; dept_mega/parallel/fp8_gemm.py): a
   // float8 [m, k] row-major, b float8 [k, n] column-major. Without out: returns
   // scale_a * scale_b * (a . b) as a new bfloat16 [m, n] tensor. With out (float32 or bfloat16

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -338,19 +339,31 @@ at::Tensor remap_ranked_cpu(const at::Tensor& ids_in, const at::Tensor& words_in
 // row-major (q) and transposed (q_t) from there.
 constexpr int64_t kCastTile = 64;
 
-template <typename T>
+// The value cast for one input element: the element, or (GELU) GELU of it rounded to T (c10's
+// BFloat16 / Half conversions round to nearest even), as the reference F.gelu(t) gives.
+template <typename T, bool GELU>
+inline float cast_input(T v) {
+  const float f = static_cast<float>(v);
+  if constexpr (GELU) {
+    return static_cast<float>(static_cast<T>(dm_gelu(f)));
+  } else {
+    return f;
+  }
+}
+
+template <typename T, bool GELU>
 int32_t amax_bits_cpu(const T* x, int64_t n) {
   return at::parallel_reduce(
       int64_t{0}, n, int64_t{32768}, int32_t{0},
       [&](int64_t begin, int64_t end, int32_t acc) {
         for (int64_t i = begin; i < end; ++i)
-          acc = std::max(acc, dm_abs_bits(static_cast<float>(x[i])));
+          acc = std::max(acc, dm_abs_bits(cast_input<T, GELU>(x[i])));
         return acc;
       },
       [](int32_t a, int32_t b) { return std::max(a, b); });
 }
 
-template <typename T>
+template <typename T, bool GELU>
 void cast_tiles_cpu(const T* x, int64_t rows, int64_t cols, int64_t out_rows, float scale,
                     const DmFp8Format& fmt, uint8_t* q, uint8_t* qt) {
   const int64_t tiles = (out_rows + kCastTile - 1) / kCastTile;
@@ -365,7 +378,7 @@ void cast_tiles_cpu(const T* x, int64_t rows, int64_t cols, int64_t out_rows, fl
           uint8_t* dst = tile.data() + i * kCastTile;
           if (r < rows) {
             const T* src = x + r * cols + c0;
-            for (int64_t j = 0; j < nc; ++j) dst[j] = dm_fp8_cast_one(static_cast<float>(src[j]), scale, fmt);
+            for (int64_t j = 0; j < nc; ++j) dst[j] = dm_fp8_cast_one(cast_input<T, GELU>(src[j]), scale, fmt);
           } else {  // a pad row: zeros cast as the reference casts them (0 * scale)
             for (int64_t j = 0; j < nc; ++j) dst[j] = dm_fp8_cast_one(0.0f, scale, fmt);
           }
@@ -382,10 +395,36 @@ void cast_tiles_cpu(const T* x, int64_t rows, int64_t cols, int64_t out_rows, fl
   });
 }
 
+// slot = max(slot, amax), NaN propagating: the int max of the bits
+void record_amax(const std::optional<at::Tensor>& amax_out, int64_t amax_index, int32_t amax) {
+  int32_t* slot = reinterpret_cast<int32_t*>(amax_out->data_ptr<float>() + amax_index);
+  *slot = std::max(*slot, amax);
+}
+
+template <typename T, bool GELU>
+void cast_fp8_typed(const T* x, int64_t rows, int64_t cols, int64_t out_rows, const DmFp8Format& fmt,
+                    const std::optional<at::Tensor>& scale, int64_t scale_index,
+                    const std::optional<at::Tensor>& amax_out, int64_t amax_index, at::Tensor& inv,
+                    uint8_t* q, uint8_t* qt) {
+  const bool record = amax_out.has_value();
+  // the amax is needed by current scaling and by a recording cast
+  const int32_t amax = (!scale.has_value() || record) ? amax_bits_cpu<T, GELU>(x, rows * cols) : 0;
+  float s;
+  if (scale.has_value()) {
+    s = scale->const_data_ptr<float>()[scale_index];
+  } else {
+    s = dm_fp8_current_scale(dm_u2f(static_cast<uint32_t>(amax)), fmt.fmax);
+    inv = at::empty({}, at::TensorOptions().dtype(at::kFloat));
+    *inv.data_ptr<float>() = dm_reciprocal(s);
+  }
+  if (record) record_amax(amax_out, amax_index, amax);
+  cast_tiles_cpu<T, GELU>(x, rows, cols, out_rows, s, fmt, q, qt);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cpu(
     const at::Tensor& t_in, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
     const std::optional<at::Tensor>& scale, int64_t scale_index,
-    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index, bool gelu) {
   const DmFp8Format fmt =
       dm_fp8_format(check_cast_fp8_args(t_in, dtype, pad, scale, scale_index, amax_out, amax_index));
   const at::Tensor t = t_in.contiguous();
@@ -393,31 +432,97 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cpu(
   at::Tensor q, qt, inv;  // undefined: None in Python
   if (rowwise) q = at::empty({out_rows, cols}, t.options().dtype(dtype));
   if (colwise) qt = at::empty({cols, out_rows}, t.options().dtype(dtype));
+  uint8_t* qp = rowwise ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
+  uint8_t* qtp = colwise ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
   dispatch_rows(t.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) {
       const T* x = t.const_data_ptr<T>();
-      const bool record = amax_out.has_value();
-      // the amax is needed by current scaling and by a recording cast
-      const int32_t amax = (!scale.has_value() || record) ? amax_bits_cpu(x, rows * cols) : 0;
-      float s;
-      if (scale.has_value()) {
-        s = scale->const_data_ptr<float>()[scale_index];
+      if (gelu) {
+        cast_fp8_typed<T, true>(x, rows, cols, out_rows, fmt, scale, scale_index, amax_out, amax_index, inv, qp, qtp);
       } else {
-        s = dm_fp8_current_scale(dm_u2f(static_cast<uint32_t>(amax)), fmt.fmax);
-        inv = at::empty({}, t.options().dtype(at::kFloat));
-        *inv.data_ptr<float>() = dm_reciprocal(s);
+        cast_fp8_typed<T, false>(x, rows, cols, out_rows, fmt, scale, scale_index, amax_out, amax_index, inv, qp, qtp);
       }
-      if (record) {  // slot = max(slot, amax), NaN propagating: the int max of the bits
-        int32_t* slot = reinterpret_cast<int32_t*>(amax_out->data_ptr<float>() + amax_index);
-        *slot = std::max(*slot, amax);
-      }
-      cast_tiles_cpu(x, rows, cols, out_rows, s, fmt,
-                     rowwise ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr,
-                     colwise ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr);
     }
   });
   return {q, qt, inv};
+}
+
+// layernorm_cast_fp8: per row (in parallel) the statistics in double (two passes: the mean, then
+// the biased variance around it), mean and rstd = 1 / sqrt(var + eps) in fp32 as PyTorch's CPU
+// kernel keeps them, y = fma(fma(x, rstd, -rstd * mean), w, b) in fp32 (PyTorch's vectorised CPU
+// kernel computes (x * rstd + (-rstd * mean)) * w + b with FMAs: a one-column row gives its
+// noise too; without a bias no + 0, which would turn -0 into +0) rounded to T into a temporary;
+// then the cast of that temporary as cast_fp8 with a delayed scale. The statistics are returned
+// [rows, 1] in W, as aten::native_layer_norm gives them on the CPU (T, or float32 for float32
+// parameters: its backward wants that dtype there).
+template <typename T, typename W>
+void layernorm_rows_cpu(const T* x, const W* w, const W* b, int64_t rows, int64_t cols, float eps,
+                        T* y, W* mean_out, W* rstd_out) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * cols;
+      double sum = 0.0;
+      for (int64_t j = 0; j < cols; ++j) sum += static_cast<double>(static_cast<float>(xr[j]));
+      const double mean_d = sum / static_cast<double>(cols);
+      double sq = 0.0;
+      for (int64_t j = 0; j < cols; ++j) {
+        const double d = static_cast<double>(static_cast<float>(xr[j])) - mean_d;
+        sq += d * d;
+      }
+      const float mean = static_cast<float>(mean_d);
+      const float var = static_cast<float>(sq / static_cast<double>(cols));
+      const float rstd = 1.0f / std::sqrt(var + eps);
+      const float shift = -rstd * mean;
+      T* yr = y + r * cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        const float t = std::fma(static_cast<float>(xr[j]), rstd, shift);
+        yr[j] = static_cast<T>(b != nullptr ? std::fma(t, static_cast<float>(w[j]), static_cast<float>(b[j]))
+                                            : t * static_cast<float>(w[j]));
+      }
+      mean_out[r] = static_cast<W>(mean);
+      rstd_out[r] = static_cast<W>(rstd);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layernorm_cast_fp8_cpu(
+    const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    double eps, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
+    const std::optional<at::Tensor>& scale, int64_t scale_index,
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const DmFp8Format fmt = dm_fp8_format(check_layernorm_cast_fp8_args(
+      x_in, weight_in, bias_in, dtype, pad, scale, scale_index, amax_out, amax_index));
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const int64_t rows = x.size(0), cols = x.size(1), out_rows = rows + pad;
+  at::Tensor q, qt, inv;
+  if (rowwise) q = at::empty({out_rows, cols}, x.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, out_rows}, x.options().dtype(dtype));
+  at::Tensor y = at::empty_like(x);
+  // x's dtype, or float32 with float32 parameters (PyTorch's mixed-type CPU kernel): W below
+  at::Tensor mean = at::empty({rows, 1}, x.options().dtype(weight.scalar_type()));
+  at::Tensor rstd = at::empty({rows, 1}, x.options().dtype(weight.scalar_type()));
+  uint8_t* qp = rowwise ? reinterpret_cast<uint8_t*>(q.data_ptr()) : nullptr;
+  uint8_t* qtp = colwise ? reinterpret_cast<uint8_t*>(qt.data_ptr()) : nullptr;
+  dispatch_rows(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      dispatch_rows(weight.scalar_type(), [&](auto wtag) {
+        using W = decltype(wtag);
+        if constexpr (std::is_same_v<W, float> || std::is_same_v<W, T>) {
+          layernorm_rows_cpu<T, W>(x.const_data_ptr<T>(), weight.const_data_ptr<W>(),
+                                   bias.defined() ? bias.const_data_ptr<W>() : nullptr, rows, cols,
+                                   static_cast<float>(eps), y.data_ptr<T>(), mean.data_ptr<W>(),
+                                   rstd.data_ptr<W>());
+        }
+      });
+      cast_fp8_typed<T, false>(y.const_data_ptr<T>(), rows, cols, out_rows, fmt, scale, scale_index,
+                               amax_out, amax_index, inv, qp, qtp);
+    }
+  });
+  return {q, qt, mean, rstd};
 }
 
 // fp8_gemm (csrc/fp8_gemm.h): the product through PyTorch's own CPU kernel of _scaled_mm with
@@ -470,6 +575,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("remap_ids", &remap_ids_cpu);
   m.impl("remap_ranked", &remap_ranked_cpu);
   m.impl("cast_fp8", &cast_fp8_cpu);
+  m.impl("layernorm_cast_fp8", &layernorm_cast_fp8_cpu);
   m.impl("fp8_gemm", &fp8_gemm_cpu);
   m.impl("error_record", &error_record_cpu);
 }

@@ -21,6 +21,9 @@
 //   Current scaling: amax_parts_kernel first writes one partial maximum per block (at most
 //   kMaxParts); every cast block reduces them (one warp) and computes the scale; block (0, 0)
 //   writes 1/scale and records the amax. No host synchronisation anywhere.
+// gelu (a template argument, so the plain cast is the same code as without it): every loaded
+//   element becomes GELU(x) rounded to the input dtype (dm_gelu) before the amax and the cast,
+//   in both kernels; the zeros of padding and out-of-range lanes stay zeros.
 // Indexing is int64; the grid limits the columns to 65535 tiles (checked by the operator).
 #include "kernels.h"
 
@@ -29,6 +32,7 @@
 #include <cuda_fp8.h>
 
 #include "../fp8_cast.h"
+#include "fp8_device.cuh"
 
 namespace {
 
@@ -44,50 +48,9 @@ constexpr int kAmaxThreads = 256;
 static_assert((kTile / kRowsPerThread) * (kTile / kColsPerThread) == kThreads, "thread layout");
 static_assert(kTile * (kTile / 16) == 2 * kThreads, "two 16-byte q_t stores per thread");
 
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-
-// The FP8 bytes of a * scale and b * scale (csrc/fp8_cast.h's dm_fp8_cast_one), a's in the low
-// byte. From sm_89 one hardware conversion of the two products, cvt.rn.satfinite.{e4m3,e5m2}x2.f32,
-// which rounds to the nearest FP8 value (ties to even) and saturates to ±FP8_MAX, a NaN giving
-// the canonical NaN 0x7F: by IEEE semantics the bytes of the header's saturate-then-round
-// arithmetic (the gpu-marked tests compare them with the reference and the Triton kernel bit for
-// bit), in about a third of its instructions, which bound this kernel (SASS for sm_90: 2408
-// instructions for a thread's 32 elements with the header's arithmetic, about 3/4 of them the
-// per-element rounding and encoding; a copy of the same bytes needs far fewer).
-template <int FMT>
-__device__ __forceinline__ uint32_t cast2(float a, float b, float scale) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, scale), __fmul_rn(b, scale)), __NV_SATFINITE,
-                                  FMT == DM_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-#else
-  const DmFp8Format f = dm_fp8_format(FMT);
-  return dm_fp8_cast_one(a, scale, f) | (static_cast<uint32_t>(dm_fp8_cast_one(b, scale, f)) << 8);
-#endif
-}
-
-__device__ __forceinline__ int32_t warp_max(int32_t v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// The max over the block's threads (all threads call it; the result is valid in thread 0).
-template <int THREADS>
-__device__ __forceinline__ int32_t block_max(int32_t v, int32_t* smem) {
-  v = warp_max(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int w = 1; w < THREADS / 32; ++w) v = max(v, smem[w]);
-  }
-  return v;
-}
 
 // parts[blockIdx.x] = max |x| over a grid-stride share of the n elements (as dm_abs_bits).
-template <typename T>
+template <typename T, bool GELU>
 __global__ void __launch_bounds__(kAmaxThreads)
     amax_parts_kernel(const T* __restrict__ x, int64_t n, bool vec, int32_t* __restrict__ parts) {
   __shared__ int32_t smem[kAmaxThreads / 32];
@@ -102,16 +65,16 @@ __global__ void __launch_bounds__(kAmaxThreads)
       const uint4 p = __ldg(xv + i);
       const T* e = reinterpret_cast<const T*>(&p);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) m = max(m, dm_abs_bits(to_f(e[k])));
+      for (int k = 0; k < 8; ++k) m = max(m, dm_abs_bits(prologue<T, GELU>(to_f(e[k]))));
     }
     tail = nv * 8;
   }
-  for (int64_t i = tail + first; i < n; i += stride) m = max(m, dm_abs_bits(to_f(x[i])));
+  for (int64_t i = tail + first; i < n; i += stride) m = max(m, dm_abs_bits(prologue<T, GELU>(to_f(x[i]))));
   m = block_max<kAmaxThreads>(m, smem);
   if (threadIdx.x == 0) parts[blockIdx.x] = m;
 }
 
-template <typename T, int FMT, bool VEC, bool ROWWISE, bool COLWISE>
+template <typename T, int FMT, bool VEC, bool ROWWISE, bool COLWISE, bool GELU>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
                 int64_t rows, int64_t cols, int64_t out_rows,
@@ -169,6 +132,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kColsPerThread; ++k)
         v[i][k] = (gr < rows && gc + k < cols) ? to_f(x[gr * cols + gc + k]) : 0.0f;
+    }
+  }
+  if (GELU) {  // GELU(0) = 0: the zeros outside stay zeros
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+      for (int k = 0; k < kColsPerThread; ++k) v[i][k] = prologue<T, true>(v[i][k]);
     }
   }
 #pragma unroll
@@ -232,7 +202,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int FMT, bool VEC>
+template <typename T, int FMT, bool VEC, bool GELU>
 cudaError_t launch_cast(const void* x, int64_t rows, int64_t cols, int64_t out_rows, void* q,
                         void* qt, const float* scale, float* inv, const int32_t* parts, int nparts,
                         float* amax, dim3 grid, cudaStream_t stream) {
@@ -240,40 +210,47 @@ cudaError_t launch_cast(const void* x, int64_t rows, int64_t cols, int64_t out_r
   uint8_t* qp = static_cast<uint8_t*>(q);
   uint8_t* qtp = static_cast<uint8_t*>(qt);
   if (q != nullptr && qt != nullptr) {
-    cast_kernel<T, FMT, VEC, true, true><<<grid, kThreads, 0, stream>>>(
+    cast_kernel<T, FMT, VEC, true, true, GELU><<<grid, kThreads, 0, stream>>>(
         xp, qp, qtp, rows, cols, out_rows, scale, inv, parts, nparts, amax);
   } else if (qt != nullptr) {
-    cast_kernel<T, FMT, VEC, false, true><<<grid, kThreads, 0, stream>>>(
+    cast_kernel<T, FMT, VEC, false, true, GELU><<<grid, kThreads, 0, stream>>>(
         xp, qp, qtp, rows, cols, out_rows, scale, inv, parts, nparts, amax);
   } else if (q != nullptr) {
-    cast_kernel<T, FMT, VEC, true, false><<<grid, kThreads, 0, stream>>>(
+    cast_kernel<T, FMT, VEC, true, false, GELU><<<grid, kThreads, 0, stream>>>(
         xp, qp, qtp, rows, cols, out_rows, scale, inv, parts, nparts, amax);
   } else {  // no copy asked for: the amax and 1/scale only
-    cast_kernel<T, FMT, VEC, false, false><<<grid, kThreads, 0, stream>>>(
+    cast_kernel<T, FMT, VEC, false, false, GELU><<<grid, kThreads, 0, stream>>>(
         xp, qp, qtp, rows, cols, out_rows, scale, inv, parts, nparts, amax);
   }
   return cudaGetLastError();
 }
 
 template <typename T, int FMT>
-cudaError_t launch_format(bool vec, const void* x, int64_t rows, int64_t cols, int64_t out_rows,
+cudaError_t launch_format(bool vec, bool gelu, const void* x, int64_t rows, int64_t cols, int64_t out_rows,
                           void* q, void* qt, const float* scale, float* inv, const int32_t* parts,
                           int nparts, float* amax, dim3 grid, cudaStream_t stream) {
-  return vec ? launch_cast<T, FMT, true>(x, rows, cols, out_rows, q, qt, scale, inv, parts, nparts, amax, grid, stream)
-             : launch_cast<T, FMT, false>(x, rows, cols, out_rows, q, qt, scale, inv, parts, nparts, amax, grid, stream);
+#define DM_LAUNCH(V, G) launch_cast<T, FMT, V, G>(x, rows, cols, out_rows, q, qt, scale, inv, parts, nparts, amax, grid, stream)
+  if (gelu) return vec ? DM_LAUNCH(true, true) : DM_LAUNCH(false, true);
+  return vec ? DM_LAUNCH(true, false) : DM_LAUNCH(false, false);
+#undef DM_LAUNCH
 }
 
 template <typename T>
 cudaError_t fp8_cast(const void* x, int64_t rows, int64_t cols, int64_t pad, int fmt, void* q,
-                     void* qt, const float* scale, float* inv, void* parts, float* amax,
+                     void* qt, const float* scale, float* inv, void* parts, float* amax, bool gelu,
                      cudaStream_t stream) {
   const int64_t out_rows = rows + pad, n = rows * cols;
   const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
   int nparts = 0;
   if (scale == nullptr) {
     nparts = dm_fp8_amax_parts(n);
-    amax_parts_kernel<T><<<nparts, kAmaxThreads, 0, stream>>>(static_cast<const T*>(x), n, aligned,
-                                                              static_cast<int32_t*>(parts));
+    if (gelu) {
+      amax_parts_kernel<T, true><<<nparts, kAmaxThreads, 0, stream>>>(static_cast<const T*>(x), n, aligned,
+                                                                      static_cast<int32_t*>(parts));
+    } else {
+      amax_parts_kernel<T, false><<<nparts, kAmaxThreads, 0, stream>>>(static_cast<const T*>(x), n, aligned,
+                                                                       static_cast<int32_t*>(parts));
+    }
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -283,8 +260,8 @@ cudaError_t fp8_cast(const void* x, int64_t rows, int64_t cols, int64_t pad, int
   const bool vec = aligned && cols % 8 == 0 && out_rows % 16 == 0;
   const int32_t* p = static_cast<const int32_t*>(parts);
   return fmt == DM_FP8_E4M3
-             ? launch_format<T, DM_FP8_E4M3>(vec, x, rows, cols, out_rows, q, qt, scale, inv, p, nparts, amax, grid, stream)
-             : launch_format<T, DM_FP8_E5M2>(vec, x, rows, cols, out_rows, q, qt, scale, inv, p, nparts, amax, grid, stream);
+             ? launch_format<T, DM_FP8_E4M3>(vec, gelu, x, rows, cols, out_rows, q, qt, scale, inv, p, nparts, amax, grid, stream)
+             : launch_format<T, DM_FP8_E5M2>(vec, gelu, x, rows, cols, out_rows, q, qt, scale, inv, p, nparts, amax, grid, stream);
 }
 
 }  // namespace
@@ -300,11 +277,11 @@ int64_t dm_fp8_max_cols(void) { return int64_t{65535} * kTile; }
 
 cudaError_t dm_fp8_cast(const void* x, int x_dtype, int64_t rows, int64_t cols, int64_t pad,
                         int fp8_format, void* q, void* qt, const float* scale, float* inv,
-                        void* parts, float* amax, cudaStream_t stream) {
+                        void* parts, float* amax, int gelu, cudaStream_t stream) {
   if (x_dtype == DM_BFLOAT16)
-    return fp8_cast<__nv_bfloat16>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, stream);
+    return fp8_cast<__nv_bfloat16>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, gelu != 0, stream);
   if (x_dtype == DM_FLOAT16)
-    return fp8_cast<__half>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, stream);
+    return fp8_cast<__half>(x, rows, cols, pad, fp8_format, q, qt, scale, inv, parts, amax, gelu != 0, stream);
   return cudaErrorInvalidValue;
 }
 

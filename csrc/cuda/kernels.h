@@ -105,12 +105,23 @@ cudaError_t dm_record_error(const unsigned long long* bad, int64_t n, int op, co
 // null), pad rows zero before the cast. scale: the fp32 scale (delayed scaling), or null: current
 // scaling, which needs `parts` (int32[dm_fp8_amax_parts(rows * cols)], scratch of this call) and
 // writes 1/scale to *inv. amax (not null): the input's amax is atomically maxed into *amax. No
-// host synchronisation. Limits: cols <= dm_fp8_max_cols() (the operator checks).
+// host synchronisation. gelu != 0: the values cast (and their amax) are GELU(x) rounded to
+// x's dtype (csrc/fp8_cast.h, dm_gelu). Limits: cols <= dm_fp8_max_cols() (the operator checks).
 int dm_fp8_amax_parts(int64_t n);
 int64_t dm_fp8_max_cols(void);
 cudaError_t dm_fp8_cast(const void* x, int x_dtype, int64_t rows, int64_t cols, int64_t pad,
                         int fp8_format, void* q, void* qt, const float* scale, float* inv,
-                        void* parts, float* amax, cudaStream_t stream);
+                        void* parts, float* amax, int gelu, cudaStream_t stream);
+
+// LayerNorm + FP8 cast (dept_mega::layernorm_cast_fp8; layernorm_cast.cu). x [rows, cols]
+// bf16/fp16 (x_dtype), weight / bias [cols] (w_dtype: x_dtype or DM_FLOAT32; bias may be null),
+// y = LayerNorm(x) * weight + bias in fp32 rounded to x's dtype, cast with the delayed scale
+// *scale into q / qt (as dm_fp8_cast, either may be null; pad zero rows), its amax maxed into
+// *amax (may be null); mean / rstd (fp32 [rows]) written. One launch, no host synchronisation.
+cudaError_t dm_layernorm_cast_fp8(const void* x, int x_dtype, const void* weight, const void* bias,
+                                  int w_dtype, int64_t rows, int64_t cols, int64_t pad, float eps,
+                                  int fp8_format, void* q, void* qt, const float* scale, float* amax,
+                                  float* mean, float* rstd, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

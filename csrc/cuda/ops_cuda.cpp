@@ -237,7 +237,7 @@ at::Tensor remap_ranked_cuda(const at::Tensor& ids_in, const at::Tensor& words_i
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cuda(
     const at::Tensor& t_in, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
     const std::optional<at::Tensor>& scale, int64_t scale_index,
-    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index, bool gelu) {
   const int fmt = check_cast_fp8_args(t_in, dtype, pad, scale, scale_index, amax_out, amax_index);
   TORCH_CHECK_VALUE(t_in.size(1) <= dm_fp8_max_cols(), "cast_fp8: at most ", dm_fp8_max_cols(),
                     " columns on CUDA, got ", t_in.size(1));
@@ -257,9 +257,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_fp8_cuda(
                          scale.has_value() ? nullptr : inv.data_ptr<float>(),
                          scale.has_value() ? nullptr : parts.data_ptr(),
                          amax_out.has_value() ? amax_out->data_ptr<float>() + amax_index : nullptr,
-                         c10::cuda::getCurrentCUDAStream()),
+                         gelu ? 1 : 0, c10::cuda::getCurrentCUDAStream()),
              "cast_fp8");
   return {q, qt, inv};
+}
+
+// layernorm_cast_fp8 (kernel in layernorm_cast.cu): one launch on the current stream, no host
+// synchronisation; mean / rstd float32 [rows, 1], as aten::native_layer_norm gives them on CUDA.
+// Arguments checked in Python first (fp8_casts.check_layernorm_args), these checks the last line.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layernorm_cast_fp8_cuda(
+    const at::Tensor& x_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    double eps, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
+    const std::optional<at::Tensor>& scale, int64_t scale_index,
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const int fmt = check_layernorm_cast_fp8_args(x_in, weight_in, bias_in, dtype, pad, scale,
+                                                scale_index, amax_out, amax_index);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const int64_t rows = x.size(0), cols = x.size(1), out_rows = rows + pad;
+  TORCH_CHECK_VALUE(out_rows < (int64_t{1} << 31) * 32, "layernorm_cast_fp8: too many rows on CUDA: ",
+                    out_rows);
+  at::Tensor q, qt;
+  if (rowwise) q = at::empty({out_rows, cols}, x.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, out_rows}, x.options().dtype(dtype));
+  at::Tensor mean = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  check_cuda(dm_layernorm_cast_fp8(x.const_data_ptr(), row_code(x.scalar_type()), weight.const_data_ptr(),
+                                   bias.defined() ? bias.const_data_ptr() : nullptr,
+                                   row_code(weight.scalar_type()), rows, cols, pad,
+                                   static_cast<float>(eps), fmt, rowwise ? q.data_ptr() : nullptr,
+                                   colwise ? qt.data_ptr() : nullptr,
+                                   scale->const_data_ptr<float>() + scale_index,
+                                   amax_out.has_value() ? amax_out->data_ptr<float>() + amax_index : nullptr,
+                                   mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                   c10::cuda::getCurrentCUDAStream()),
+             "layernorm_cast_fp8");
+  return {q, qt, mean, rstd};
 }
 
 // The device's persistent record (aliased, not copied: the caller reads and clears it).
@@ -278,6 +313,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) {
   m.impl("remap_ranked", &remap_ranked_cuda);
   m.impl("error_record", &error_record_cuda);
   m.impl("cast_fp8", &cast_fp8_cuda);
+  m.impl("layernorm_cast_fp8", &layernorm_cast_fp8_cuda);
 }
 
 }  // namespace dept_mega

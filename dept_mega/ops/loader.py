@@ -37,13 +37,27 @@ def _has_kernel(op: str, key: str) -> bool:
 _STATUS: list = []
 
 
-def kernel_missing(op: str, device: "torch.device | str", cuda_needs: str = "its CUDA kernels") -> "str | None":
+def _missing_args(op: str, args) -> list:
+    """The names in ``args`` that the registered schema of ``op`` does not have."""
+    namespace, name = op.split("::")
+    schema = getattr(getattr(torch.ops, namespace), name).default._schema
+    have = {a.name for a in schema.arguments}
+    return [a for a in args if a not in have]
+
+
+def kernel_missing(op: str, device: "torch.device | str", cuda_needs: str = "its CUDA kernels",
+                   args=()) -> "str | None":
     """Why operator ``op`` (``dept_mega::name``) has no kernel for ``device``'s type, None when it
-    has one (loads the extension). ``cuda_needs``: what a CUDA build must have had."""
+    has one (loads the extension). ``cuda_needs``: what a CUDA build must have had. ``args``:
+    argument names this source passes that an older build of the operator lacks (its schema
+    without them: refused, as a build from an older csrc/)."""
     device_type = torch.device(device).type
     st = status()
     if not st.loaded:
         return f"the dept_mega.ops extension is not loaded ({st.reason})"
+    if args and _has_kernel(op, "CPU") and (old := _missing_args(op, args)):
+        return (f"the dept_mega.ops extension is older than this source: {op} has no argument "
+                f"{', '.join(old)} (rebuild it: pip install --no-build-isolation -e .)")
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is not None and _has_kernel(op, key):
         return None

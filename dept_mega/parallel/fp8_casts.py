@@ -29,11 +29,20 @@ _FORMATS = tuple(FP8_MAX)  # e4m3, e5m2
 MAX_CUDA_COLS = 65535 * 64  # the CUDA kernel's grid: at most 65535 tiles of 64 columns (dm_fp8_max_cols)
 
 
+# What this source's casts need of the extension: the operators, and the arguments added since
+# they first appeared (an extension built from an older csrc/ lacks them: refused, not misused).
+OPS = {"dept_mega::cast_fp8": ("gelu",), "dept_mega::layernorm_cast_fp8": ()}
+
+
 def op_unavailable(device: torch.device | str) -> Optional[str]:
-    """Why the ``cuda`` casts cannot run on ``device`` (None: they can)."""
+    """Why the ``cuda`` casts (:func:`cast_fp8`, :func:`layernorm_cast_fp8`) cannot run on
+    ``device`` (None: they can)."""
     from ..ops import loader
 
-    return loader.kernel_missing("dept_mega::cast_fp8", device)
+    for name, args in OPS.items():
+        if (why := loader.kernel_missing(name, device, args=args)) is not None:
+            return why
+    return None
 
 
 def default_cast_kernels(device: torch.device | str) -> str:
@@ -74,34 +83,67 @@ def op():
     return torch.ops.dept_mega.cast_fp8.default
 
 
-def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index) -> None:
-    """Raises what the operator's own checks raise (``csrc/common.h``, check_cast_fp8_args)."""
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype)[6:]  # torch.bfloat16 -> bfloat16, as csrc/common.h's dtype_name
+
+
+def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index, op: str = "cast_fp8") -> None:
+    """Raises what the operator's own checks raise (``csrc/common.h``, check_cast_fp8_args);
+    ``op``: the operator named in the messages."""
+    x = "t" if op == "cast_fp8" else "x"
     if t.dim() != 2:
-        raise ValueError(f"cast_fp8: takes a 2-D tensor, got shape {list(t.shape)}")
+        raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(t.shape)}")
     if t.dtype not in fp8_kernels.INPUT_DTYPES:
-        raise TypeError(f"cast_fp8: takes a bfloat16 or float16 tensor, got {str(t.dtype)[6:]}")
+        raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(t.dtype)}")
     if dtype not in _FORMATS:
-        raise TypeError(f"cast_fp8: casts to float8_e4m3fn or float8_e5m2, got {str(dtype)[6:]}")
+        raise TypeError(f"{op}: casts to float8_e4m3fn or float8_e5m2, got {_name(dtype)}")
     if pad < 0:
-        raise ValueError(f"cast_fp8: pad must be >= 0, got {pad}")
-    if t.is_cuda and t.shape[1] > MAX_CUDA_COLS:
+        raise ValueError(f"{op}: pad must be >= 0, got {pad}")
+    if op == "cast_fp8" and t.is_cuda and t.shape[1] > MAX_CUDA_COLS:
         raise ValueError(f"cast_fp8: at most {MAX_CUDA_COLS} columns on CUDA, got {t.shape[1]}")
     for name, s, i in (("scale", scale, scale_index), ("amax_out", amax_out, amax_index)):
         if s is None:
             continue
         if s.dtype != torch.float32:
-            raise TypeError(f"cast_fp8: {name} must be float32, got {str(s.dtype)[6:]}")
+            raise TypeError(f"{op}: {name} must be float32, got {_name(s.dtype)}")
         if not s.is_contiguous():
-            raise ValueError(f"cast_fp8: {name} must be contiguous")
+            raise ValueError(f"{op}: {name} must be contiguous")
         if not 0 <= i < s.numel():
-            raise ValueError(f"cast_fp8: {name} index {i} is out of range for {s.numel()} elements")
+            raise ValueError(f"{op}: {name} index {i} is out of range for {s.numel()} elements")
         if s.device != t.device:
-            raise ValueError(f"cast_fp8: t is on {t.device} but {name} is on {s.device}")
+            raise ValueError(f"{op}: {x} is on {t.device} but {name} is on {s.device}")
+
+
+def check_layernorm_args(x, weight, bias, dtype, pad, scale, scale_index, amax_out, amax_index) -> None:
+    """Raises what the operator's own checks raise (``csrc/common.h``,
+    check_layernorm_cast_fp8_args), in its order."""
+    op = "layernorm_cast_fp8"
+    if x.dim() != 2:
+        raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(x.shape)}")
+    if x.dtype not in fp8_kernels.INPUT_DTYPES:
+        raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(x.dtype)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"{op}: takes a tensor of at least one column, got shape {list(x.shape)}")
+    if scale is None:
+        raise ValueError(f"{op}: needs a delayed scale (scale tensor); current scaling is not fused")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if p.dim() != 1 or p.shape[0] != x.shape[1]:
+            raise ValueError(f"{op}: {name} must have shape [{x.shape[1]}], got {list(p.shape)}")
+        if p.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{op}: {name} must be float32 or the input's dtype ({_name(x.dtype)}), "
+                            f"got {_name(p.dtype)}")
+        if p.device != x.device:
+            raise ValueError(f"{op}: x is on {x.device} but {name} is on {p.device}")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{op}: bias must have weight's dtype ({_name(weight.dtype)}), got {_name(bias.dtype)}")
+    check_args(x, dtype, pad, scale, scale_index, amax_out, amax_index, op=op)
 
 
 def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,
              scale: Optional[torch.Tensor] = None, scale_index: int = 0,
-             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0
+             amax_out: Optional[torch.Tensor] = None, amax_index: int = 0, gelu: bool = False
              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``fp8_kernels.cast_fp8`` (same arguments, same results, same bytes) through the C++
     operator: ``(q, q_t, inv)``, ``q`` ``[rows + pad, cols]`` when ``rowwise``, ``q_t``
@@ -109,6 +151,35 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
     (``scale`` None; None under delayed scaling). ``amax_out[amax_index]`` is maxed with ``t``'s
     amax when given. The arguments are checked here first (:func:`check_args`: the operator's
     exceptions and messages), as a C++ exception from a CUDA op crashed the process on a GPU
-    machine once (see ``dept_mega.ops``' docstring); the C++ checks stay as the last line."""
+    machine once (see ``dept_mega.ops``' docstring); the C++ checks stay as the last line.
+
+    ``gelu``: casts ``F.gelu(t)`` (the erf form, rounded to ``t``'s dtype) instead of ``t``, under
+    both scalings (current scaling's amax is of those values too), as the reference
+    ``fp8._cast_math(F.gelu(t), ...)``: the same bytes except where the kernel's erf and
+    PyTorch's round GELU's fp32 value to different sides of a bf16/fp16 midpoint (rare; see
+    tests/test_fp8_fused_op.py)."""
     check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index)
-    return op()(t, dtype, pad, rowwise, colwise, scale, scale_index, amax_out, amax_index)
+    return op()(t, dtype, pad, rowwise, colwise, scale, scale_index, amax_out, amax_index, gelu)
+
+
+def layernorm_op():
+    """The overload ``torch.ops.dept_mega.layernorm_cast_fp8.default`` (arguments unchecked)."""
+    return torch.ops.dept_mega.layernorm_cast_fp8.default
+
+
+def layernorm_cast_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                       dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,
+                       scale: Optional[torch.Tensor] = None, scale_index: int = 0,
+                       amax_out: Optional[torch.Tensor] = None, amax_index: int = 0
+                       ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``F.layer_norm(x, (cols,), weight, bias, eps)`` (fp32 statistics, biased variance; rounded
+    to ``x``'s dtype) cast to FP8 with the delayed scale ``scale[scale_index]`` (required:
+    ``ValueError`` without), in one pass through the C++ operator ``dept_mega::layernorm_cast_fp8``:
+    ``(q, q_t, mean, rstd)``. ``q`` / ``q_t`` as :func:`cast_fp8` (pad rows zero FP8, None when
+    not asked for); ``amax_out[amax_index]`` is maxed with the normalised tensor's amax. ``mean``
+    and ``rstd`` are ``[rows, 1]`` in the form ``aten::native_layer_norm_backward`` takes on the
+    device (CPU: ``x``'s dtype; CUDA: float32). ``weight`` / ``bias`` (may be None): ``[cols]``,
+    float32 or ``x``'s dtype. Arguments checked here first, as :func:`cast_fp8`'s."""
+    check_layernorm_args(x, weight, bias, dtype, pad, scale, scale_index, amax_out, amax_index)
+    return layernorm_op()(x, weight, bias, float(eps), dtype, pad, rowwise, colwise, scale, scale_index,
+                          amax_out, amax_index)

@@ -1,0 +1,330 @@
+"""The fused prologues of the C++ FP8 cast operators (``parallel/fp8_casts.py``; kernels in
+``csrc/cpu/ops_cpu.cpp``, ``csrc/cuda/fp8_cast.cu``, ``csrc/cuda/layernorm_cast.cu``):
+``cast_fp8(..., gelu=True)`` and ``layernorm_cast_fp8``, against the reference, ``F.gelu`` /
+``F.layer_norm`` in torch and then ``fp8._cast_math`` with the same scale.
+
+Bytes: equal, except where the intermediate (GELU or LayerNorm in fp32, rounded to bf16/fp16)
+is ambiguous: where an fp32 computation within the formula's rounding error of the exact value
+(float64) can round to another bf16/fp16 value (another erf, rsqrt or summation order). There the
+byte may differ, but only within the FP8 values of that interval (``_interval``; LayerNorm: also
+at most one FP8 step where that interval is one step wide), and the fraction of differing bytes is bounded by what was measured.
+Everywhere else the intermediate is PyTorch's, and the bytes are equal.
+
+Measured on the CPU (torch 2.13, x86; fractions of the bytes, maxima over the cases):
+LayerNorm at most 6.1e-5 (bf16, e4m3; 0 elsewhere). GELU: e4m3 8.9e-4, e5m2 9.8e-3 (bf16,
+current scaling): all in the negative tail, where ``1 + erf(x)`` cancels and the fp32 formula's
+error (an ulp of erf, ~6e-8) is a few per cent of GELU's value or all of it; PyTorch's
+vectorised CPU erf and glibc's erff differ there, and the scaled values fall on e5m2's
+subnormals. On CUDA PyTorch's GELU is the kernel's formula with CUDA's erff: equal bytes expected.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dept_mega.parallel import fp8_casts
+from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
+from dept_mega.parallel.fp8_recipe import FP8_MAX
+from tests.trainer_utils import gpu_test_device
+
+_WHY = fp8_casts.op_unavailable("cpu")
+needs_op = pytest.mark.skipif(_WHY is not None, reason=f"the fused cast operators are unavailable: {_WHY}")
+LAYOUTS = [(True, False), (False, True), (True, True)]
+PAIRS = list(product((torch.bfloat16, torch.float16), (E4M3, E5M2)))
+IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
+
+
+def _ordinal(q: torch.Tensor) -> torch.Tensor:
+    """FP8 bytes as signed steps from zero (±0 both 0): adjacent FP8 values differ by 1."""
+    b = q.view(torch.uint8).to(torch.int32)
+    return torch.where(b >= 0x80, -(b - 0x80), b)
+
+
+def _interval(exact, bound, dtype, scale, fp8):
+    """The FP8 ordinals of ``exact ∓ bound`` (float64) rounded to ``dtype`` and cast with ``scale``:
+    what an fp32 computation within ``bound`` of the exact value may give."""
+    lo = _ordinal(_cast_math((exact - bound).to(dtype), scale, fp8, 0, True, False)[0])
+    hi = _ordinal(_cast_math((exact + bound).to(dtype), scale, fp8, 0, True, False)[0])
+    return lo, hi
+
+
+def _compare(got, ref, interval, rows: int, max_fraction: float, max_steps, what: str) -> float:
+    """``got`` vs ``ref`` ([rows + pad, cols] FP8, or their transposes: pass them transposed
+    back): pad rows equal; elsewhere equal except where the fp32 rounding of the intermediate is
+    ambiguous: there ``got`` lies in ``interval`` (see :func:`_interval`), at most ``max_steps``
+    FP8 steps from ``ref`` (None: the interval only), and at most ``max_fraction`` of the bytes
+    differ. Returns the fraction that differs."""
+    assert got is not None and got.dtype == ref.dtype and got.shape == ref.shape, what
+    g, r = _ordinal(got), _ordinal(ref)
+    assert torch.equal(g[rows:], r[rows:]), f"{what}: pad rows differ"
+    g, r = g[:rows], r[:rows]
+    lo, hi = interval
+    diff = g != r
+    outside = diff & ((g < lo) | (g > hi))
+    assert not outside.any(), f"{what}: {int(outside.sum())} bytes differ outside the fp32 rounding interval"
+    if max_steps is not None:
+        # where the interval is one step wide (the rounding is ambiguous but the value well
+        # conditioned): neighbours, ±(smallest subnormal) included. A wider interval is an
+        # ill-conditioned element (a row whose spread is tiny next to its mean): the interval only.
+        narrow = (hi - lo) <= 1
+        far = narrow & ((g - r).abs() > max_steps) & ~((g.abs() <= 1) & (r.abs() <= 1))
+        assert not far.any(), f"{what}: bytes more than {max_steps} FP8 steps apart"
+    frac = float(diff.float().mean()) if diff.numel() else 0.0
+    assert frac <= max_fraction, f"{what}: {frac:.2e} of the bytes differ (bound {max_fraction:.0e})"
+    return frac
+
+
+def _check_layouts(q, q_t, rq, rowwise, colwise, interval, rows, bound, max_steps, what) -> float:
+    assert (q is None) == (not rowwise) and (q_t is None) == (not colwise), f"{what}: layouts"
+    frac = 0.0
+    if rowwise:
+        frac = _compare(q, rq, interval, rows, bound, max_steps, what)
+    if colwise:
+        assert q_t.is_contiguous()
+        frac = _compare(q_t.t(), rq, interval, rows, bound, max_steps, what + " q_t")
+    return frac
+
+
+def _scale_used(s, ramax, fp8):
+    """The scale _cast_math used: the delayed one, or current scaling's from the amax."""
+    return s if s is not None else FP8_MAX[fp8] / ramax.clamp(min=1e-12)
+
+
+# --- GELU -------------------------------------------------------------------------------------
+
+def _gelu_inputs(in_dtype, g):
+    """(rows, cols, pad, x): odd shapes, one row, and a training-like one, values over a range
+    where GELU's negative tail, its bend and its linear part all occur."""
+    out = []
+    for rows, cols, pad in [(256, 512, 0), (37, 70, 5), (1, 16, 15), (64, 24, 0)]:
+        x = (torch.randn(rows, cols, generator=g) * 3).to(in_dtype)
+        out.append((rows, cols, pad, x))
+    return out
+
+
+def _gelu_exact(x: torch.Tensor):
+    """GELU in float64 and the error bound of the fp32 formula: erf's (a few ulp of 1, times
+    |x| / 2: in the negative tail 1 + erf(x) cancels, and this is most of GELU's value there) and
+    the products' (of the value)."""
+    x64 = x.double()
+    exact = x64 * 0.5 * (1 + torch.erf(x64 / 2 ** 0.5))
+    return exact, x64.abs() * 2.0 ** -21 + exact.abs() * 2.0 ** -20
+
+
+def _run_gelu(device, cast, in_dtype, fp8, max_fraction) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    fracs = []
+    for rows, cols, pad, x in _gelu_inputs(in_dtype, g):
+        x = x.to(device)
+        u = F.gelu(x)
+        exact, err = _gelu_exact(x)
+        for s, (rowwise, colwise) in product((None, 2.5, 2.0 ** 7), LAYOUTS):
+            scale = None if s is None else torch.tensor([0.0, s], device=device)
+            rq, _, rinv, ramax = _cast_math(u, None if s is None else scale[1], fp8, pad, True, False)
+            amax = torch.tensor([0.5, 0.0, 0.0], device=device)
+            q, q_t, inv = cast(x, fp8, pad, rowwise, colwise, scale, 1, amax, 2, gelu=True)
+            what = f"gelu {x.dtype} {rows}x{cols}+{pad} {fp8} scale={s} rowwise={rowwise} colwise={colwise}"
+            interval = _interval(exact, err, x.dtype, _scale_used(None if s is None else scale[1], ramax, fp8), fp8)
+            fracs.append(_check_layouts(q, q_t, rq, rowwise, colwise, interval, rows, max_fraction, None, what))
+            # the amax recorded is that of the rounded GELU values, maxed into the slot
+            assert amax.tolist() == [0.5, 0.0, max(0.0, ramax.item())], what
+            if s is None:
+                assert inv is not None and torch.equal(inv, rinv), f"{what}: 1/scale {inv} != {rinv}"
+            else:
+                assert inv is None, what
+            if s == 2.0 ** 7 and rowwise and fp8 == E4M3 and rows > 1:  # the saturation is exercised
+                assert (q.view(torch.uint8) & 0x7F == 0x7E).any(), what
+    return fracs
+
+
+# measured maxima over the cases (see the docstring): e4m3 8.9e-4, e5m2 9.8e-3 (bf16, current scaling)
+_GELU_BOUND = {E4M3: 2e-3, E5M2: 2e-2}
+
+
+@needs_op
+@pytest.mark.parametrize("in_dtype,fp8", PAIRS, ids=IDS)
+def test_cpu_gelu_cast_gives_the_reference_bytes(in_dtype, fp8):
+    """cast_fp8(gelu=True) on the CPU: both scalings (current: the amax and 1/scale of GELU(x)),
+    every layout, pad rows, odd shapes, saturation, the amax slot."""
+    fracs = _run_gelu("cpu", fp8_casts.cast_fp8, in_dtype, fp8, _GELU_BOUND[fp8])
+    assert len(fracs) == 36
+
+
+@needs_op
+def test_gelu_false_is_the_plain_cast():
+    """gelu=False (the default) is the cast of x itself; gelu=True is not."""
+    x = (torch.randn(48, 40, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    plain = fp8_casts.cast_fp8(x, E4M3)[0].view(torch.uint8)
+    assert torch.equal(plain, _cast_math(x, None, E4M3, 0, True, False)[0].view(torch.uint8))
+    assert torch.equal(plain, fp8_casts.cast_fp8(x, E4M3, gelu=False)[0].view(torch.uint8))
+    assert not torch.equal(plain, fp8_casts.cast_fp8(x, E4M3, gelu=True)[0].view(torch.uint8))
+
+
+# --- LayerNorm --------------------------------------------------------------------------------
+
+def _ln_input(rows, cols, in_dtype, g):
+    """Rows with their own offsets and spreads (a nonzero mean), one constant row (variance 0)."""
+    x = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 4 + torch.randn(rows, 1, generator=g) * 3
+    if rows > 2:
+        x[2] = 1.5
+    return x.to(in_dtype)
+
+
+def _ln_exact(x, w, b, eps):
+    """LayerNorm in float64 and the error bound of an fp32 computation."""
+    x64, w64 = x.double(), w.double()
+    mean = x64.mean(1, keepdim=True)
+    var = x64.var(1, unbiased=False, keepdim=True)
+    rstd = (var + eps).rsqrt()
+    exact = (x64 - mean) * rstd * w64 + (0 if b is None else b.double())
+    # fp32 statistics (summation order, rsqrt) and the fp32 products: relative errors of ~2^-20
+    # of the terms
+    scale = rstd * w64.abs() * ((x64 - mean).abs() + mean.abs() + var.sqrt())
+    return exact, scale * 2.0 ** -18 + exact.abs() * 2.0 ** -20
+
+
+def _native_layer_norm(x, w, b, eps):
+    """torch.native_layer_norm; where the device takes no fp32 weight with a bf16/fp16 input, the
+    same fp32 LayerNorm on x in fp32, rounded to x's dtype (the statistics are fp32 there)."""
+    try:
+        return torch.native_layer_norm(x, (x.shape[1],), w, b, eps)
+    except RuntimeError:
+        y, mean, rstd = torch.native_layer_norm(x.float(), (x.shape[1],), w.float(),
+                                                None if b is None else b.float(), eps)
+        return y.to(x.dtype), mean, rstd
+
+
+def _run_layernorm(device, in_dtype, fp8, max_fraction, shapes) -> list[float]:
+    g = torch.Generator().manual_seed(3)
+    fracs = []
+    eps = 1e-5
+    for rows, cols, pad in shapes:
+        x = _ln_input(rows, cols, in_dtype, g).to(device)
+        for w_dtype, with_bias in product((in_dtype, torch.float32), (True, False)):
+            w = (1 + 0.5 * torch.randn(cols, generator=g)).to(w_dtype).to(device)
+            b = (0.3 * torch.randn(cols, generator=g)).to(w_dtype).to(device) if with_bias else None
+            y, rmean, rrstd = _native_layer_norm(x, w, b, eps)
+            exact, err = _ln_exact(x, w, b, eps)
+            for s, (rowwise, colwise) in product((2.5, 2.0 ** 8), LAYOUTS):
+                scale = torch.tensor([0.0, s], device=device)
+                rq, _, _, ramax = _cast_math(y, scale[1], fp8, pad, True, False)
+                amax = torch.tensor([0.0, 0.0, 0.5], device=device)
+                q, q_t, mean, rstd = fp8_casts.layernorm_cast_fp8(x, w, b, eps, fp8, pad, rowwise, colwise,
+                                                                  scale, 1, amax, 2)
+                what = (f"layernorm {x.dtype} w {w_dtype} bias {with_bias} {rows}x{cols}+{pad} {fp8} "
+                        f"scale={s} rowwise={rowwise} colwise={colwise}")
+                interval = _interval(exact, err, x.dtype, scale[1], fp8)
+                fracs.append(_check_layouts(q, q_t, rq, rowwise, colwise, interval, rows, max_fraction, 1, what))
+                assert amax.tolist() == [0.0, 0.0, max(0.5, ramax.item())], what
+                # mean / rstd: native_layer_norm's form on this device, its values up to a rounding
+                for got, ref in ((mean, rmean), (rstd, rrstd)):
+                    assert got.dtype == ref.dtype and got.shape == ref.shape, f"{what}: {got.dtype} {got.shape}"
+                    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-6, msg=what)
+                if s == 2.0 ** 8 and rowwise and fp8 == E4M3 and cols >= 64:
+                    assert (q.view(torch.uint8) & 0x7F == 0x7E).any(), f"{what}: no saturation"
+        # the backward takes the statistics (with the reference's y)
+        gy = torch.randn_like(x)
+        w = torch.ones(cols, dtype=in_dtype, device=device)
+        _, _, mean, rstd = fp8_casts.layernorm_cast_fp8(x, w, None, eps, fp8, 0, True, False,
+                                                        torch.ones(1, device=device))
+        dx, _, _ = torch.ops.aten.native_layer_norm_backward(gy, x, (cols,), mean, rstd, w, None,
+                                                             [True, True, False])
+        rdx, _, _ = torch.ops.aten.native_layer_norm_backward(gy, x, (cols,), *torch.native_layer_norm(
+            x, (cols,), w, None, eps)[1:], w, None, [True, True, False])
+        torch.testing.assert_close(dx.float(), rdx.float(), rtol=2 ** -6, atol=2 ** -6)
+    return fracs
+
+
+_LN_SHAPES = [(64, 256, 0), (37, 70, 5), (1, 16, 15), (40, 1, 0)]
+
+
+@needs_op
+@pytest.mark.parametrize("in_dtype,fp8", PAIRS, ids=IDS)
+def test_cpu_layernorm_cast_gives_the_reference_bytes(in_dtype, fp8):
+    """layernorm_cast_fp8 on the CPU: weight in x's dtype and fp32, bias None or not, odd shapes
+    (one column: every y is the bias), pad rows (zero FP8, not the LayerNorm of a zero row), a
+    constant row, saturation, every layout, the amax slot, mean / rstd as native_layer_norm's."""
+    fracs = _run_layernorm("cpu", in_dtype, fp8, 2e-4, _LN_SHAPES)  # measured: at most 6.1e-5
+    assert len(fracs) == 4 * 4 * 6
+
+
+# --- arguments, stale builds ------------------------------------------------------------------
+
+def _ln_bad_args():
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    w, s = torch.ones(16), torch.ones(3)
+    base = dict(x=x, weight=w, bias=None, dtype=E4M3, pad=0, scale=s, scale_index=0, amax_out=None, amax_index=0)
+    cases = [
+        (dict(x=torch.zeros(2, 4, 16, dtype=torch.bfloat16)), ValueError, "layernorm_cast_fp8: takes a 2-D tensor"),
+        (dict(x=x.float()), TypeError, "bfloat16 or float16 tensor, got float32"),
+        (dict(x=x[:, :0]), ValueError, "at least one column"),
+        (dict(scale=None), ValueError, "needs a delayed scale"),
+        (dict(weight=torch.ones(15)), ValueError, r"weight must have shape \[16\], got \[15\]"),
+        (dict(weight=torch.ones(16, dtype=torch.float64)), TypeError, "weight must be float32 or the input's dtype"),
+        (dict(bias=torch.ones(16, dtype=torch.bfloat16)), TypeError, r"bias must have weight's dtype \(float32\)"),
+        (dict(bias=torch.ones(2, 8)), ValueError, r"bias must have shape \[16\]"),
+        (dict(dtype=torch.float16), TypeError, "float8_e4m3fn or float8_e5m2, got float16"),
+        (dict(pad=-1), ValueError, "pad must be >= 0"),
+        (dict(scale_index=3), ValueError, "scale index 3 is out of range for 3 elements"),
+        (dict(scale=s.double()), TypeError, "scale must be float32"),
+        (dict(amax_out=torch.ones(4, 2).t()), ValueError, "amax_out must be contiguous"),
+    ]
+    return [({**base, **over}, exc, msg) for over, exc, msg in cases]
+
+
+@needs_op
+def test_layernorm_argument_errors_are_raised_in_python_as_the_operator_does(monkeypatch):
+    """Each bad argument: the wrapper raises before the operator is called (a C++ throw from a CUDA
+    op once crashed the process), with the operator's own exception type and message."""
+    for a, exc, msg in _ln_bad_args():
+        with pytest.raises(exc, match=msg):
+            torch.ops.dept_mega.layernorm_cast_fp8(a["x"], a["weight"], a["bias"], 1e-5, a["dtype"], a["pad"],
+                                                   True, False, a["scale"], a["scale_index"], a["amax_out"],
+                                                   a["amax_index"])
+    monkeypatch.setattr(fp8_casts, "layernorm_op", lambda: pytest.fail("the operator was reached"))
+    for a, exc, msg in _ln_bad_args():
+        with pytest.raises(exc, match=msg):
+            fp8_casts.layernorm_cast_fp8(a["x"], a["weight"], a["bias"], 1e-5, a["dtype"], a["pad"], True, False,
+                                         a["scale"], a["scale_index"], a["amax_out"], a["amax_index"])
+
+
+@needs_op
+def test_a_build_without_the_fused_operators_is_refused(monkeypatch):
+    """op_unavailable names what an extension built from an older csrc/ lacks: an argument of
+    cast_fp8's schema (gelu) or an operator (layernorm_cast_fp8), so fp8_casts: cuda is refused."""
+    from dept_mega.ops import loader
+    assert fp8_casts.op_unavailable("cpu") is None
+    assert loader.kernel_missing("dept_mega::cast_fp8", "cpu", args=("gelu",)) is None
+    monkeypatch.setitem(fp8_casts.OPS, "dept_mega::cast_fp8", ("gelu", "newer_arg"))
+    why = fp8_casts.op_unavailable("cpu")
+    assert why is not None and "older than this source" in why and "newer_arg" in why
+    monkeypatch.setitem(fp8_casts.OPS, "dept_mega::cast_fp8", ("gelu",))
+    monkeypatch.setitem(fp8_casts.OPS, "dept_mega::layernorm_cast_fp9", ())
+    why = fp8_casts.op_unavailable("cpu")
+    assert why is not None and "layernorm_cast_fp9" in why
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        fp8_casts.resolve_cast_kernels("cuda", "cpu")
+
+
+# --- the GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cuda_fused_operators_match_the_reference():
+    """On the GPU: the CUDA kernels against the reference computed there (F.gelu / F.layer_norm on
+    CUDA, then _cast_math) under the same rules, at odd and training-like shapes (the vectorised
+    paths: 16-byte rows, rows + pad a multiple of 16). GELU: torch's CUDA GELU has the kernel's
+    formula and erff, so every byte is expected equal (bound 1e-5). Without a GPU under
+    DEPT_MEGA_GPU_TESTS_ON_CPU=1 it rehearses with the CPU kernels."""
+    device = gpu_test_device(fp8=True)
+    if device == "cuda" and (why := fp8_casts.op_unavailable(device)) is not None:
+        pytest.fail(f"the CUDA kernels of the fused cast operators are not built: {why}")
+    shapes = _LN_SHAPES + [(2048, 2048, 0), (1000, 1024, 24)]
+    gelu_bound = {E4M3: 1e-5, E5M2: 1e-5} if device == "cuda" else _GELU_BOUND
+    report = []
+    for in_dtype, fp8 in PAIRS:
+        report.append(max(_run_gelu(device, fp8_casts.cast_fp8, in_dtype, fp8, gelu_bound[fp8])))
+        report.append(max(_run_layernorm(device, in_dtype, fp8, 1e-3, shapes)))
+    print("max fractions of differing bytes (gelu, layernorm per dtype pair):", report)
