@@ -19,6 +19,22 @@ inductor on CUDA as the ``torch`` casts run). Calls are queued behind a GPU slee
 (``ops_bench.timed_queued``), so the rows are device time, not the host's dispatch; the host's
 µs per call is a column of its own. On the CPU (a smoke test) the shapes shrink by 64 and only
 the ``torch`` and ``cuda`` kernels run (Triton needs a GPU).
+
+Fused casts (the JSON's ``fused`` rows, :func:`run_fused`): is a cast fused into its producer
+faster than the producer and then the cast, per path? The LayerNorm of the linears' input
+``[tokens, hidden]`` (bf16 x and weight, no bias, as the 1B model) cast to e4m3, unfused
+(``F.layer_norm`` then each path's cast) against fused (``layernorm_cast_fp8``: Triton with its
+default tile and the candidates of ``LN_TILES``, the C++ operator); GELU of fc2's input
+``[tokens, ffn]``, unfused (``F.gelu`` then the cast) against ``cast_fp8(gelu=True)`` (Triton, the
+C++ operator, and the torch casts: inductor fuses the GELU into its cast on CUDA). Delayed
+scaling, amax recorded, both layouts. The bytes a minimal pass moves are counted as for a cast:
+read the bf16 input (2 B per element), write both FP8 layouts (1 + 1 B); LayerNorm's weight and
+statistics are left out (under 0.1 %), and the unfused pass's bf16 intermediate (written and
+read back, 4 B more per element) is what fusing saves. ``speedup`` is the unfused row's µs of
+the same path over the fused row's. A fused row's bytes are compared with the unfused rows'
+(the reference): ``differ_bytes`` counts those that differ (an element whose rounded bf16
+intermediate came out one step apart; ``max_steps``: the largest distance in FP8 steps), which
+the spec allows rarely (``FUSED_MAX_FRACTION``); reported, not failed on.
 """
 from __future__ import annotations
 
@@ -34,13 +50,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ops_bench import timed_queued  # noqa: E402
 
-from dept_mega.parallel import fp8_casts, fp8_kernels  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dept_mega.parallel import fp8_casts, fp8_kernels, fp8_norm_kernels  # noqa: E402
 from dept_mega.parallel.fp8 import _cast  # noqa: E402
 from dept_mega.parallel.fp8_recipe import E4M3, E5M2  # noqa: E402
 
 # (rows, columns, warps) of a Triton program; the first is the default of fp8_kernels.cast_fp8
 TRITON_TILES = ((64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (32, 128, 4))
 CALLS = 20
+# (rows, columns, warps) of a program of the fused LayerNorm cast; the first is layernorm_cast_fp8's default
+LN_TILES = (fp8_norm_kernels._TILE,) + tuple(t for t in ((16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4))
+                                             if t != fp8_norm_kernels._TILE)
+LN_EPS = 1e-5
+# the share of a fused row's bytes that may differ from the unfused (a rounded intermediate one
+# bf16 step apart: the CPU measured at most 6.1e-5 for LayerNorm, 8.9e-4 for GELU to e4m3;
+# tests/test_fp8_fused_op.py), each by at most one FP8 step
+FUSED_MAX_FRACTION = 1e-3
 
 
 def shapes(tokens: int, hidden: int, ffn: int) -> list[tuple[str, int, int, torch.dtype]]:
@@ -67,6 +93,131 @@ def kernels(device: torch.device) -> list[tuple[str, object]]:
         return q, q_t, inv
     out.append(("torch (compiled on CUDA)" if device.type == "cuda" else "torch", torch_cast))
     return out
+
+
+def _ordinal(q: torch.Tensor) -> torch.Tensor:
+    """FP8 bytes as signed steps from zero (±0 both 0): adjacent FP8 values differ by 1."""
+    b = q.view(torch.uint8).to(torch.int32)
+    return torch.where(b >= 0x80, -(b - 0x80), b)
+
+
+def compare_bytes(got: tuple, ref: tuple) -> dict:
+    """How ``got``'s FP8 tensors (q, q_t) differ from ``ref``'s: the count and share of differing
+    bytes and the largest distance in FP8 steps (0 where none differ)."""
+    differ, total, steps = 0, 0, 0
+    for g, r in zip(got, ref):
+        a, b = _ordinal(g), _ordinal(r)
+        mask = g.view(torch.uint8) != r.view(torch.uint8)
+        differ += int(mask.sum())
+        total += mask.numel()
+        if mask.any():
+            steps = max(steps, int((a - b).abs()[mask].max()))
+    return {"differ_bytes": differ, "differ_fraction": differ / total, "max_steps": steps}
+
+
+def fused_kernels(device: torch.device, weight: torch.Tensor) -> dict[str, list[tuple[str, str, str, object]]]:
+    """Per op (``layernorm``, ``gelu``): (variant, path, name, f(x, dtype, scale, amax) -> (q,
+    q_t)) of every unfused and fused pass that runs on ``device``, the unfused first; each casts
+    in both layouts with ``scale[0]`` and maxes its amax into ``amax[0]``."""
+    casts = []  # (path, name, cast(t, dtype, scale, amax, gelu) -> (q, q_t))
+    if device.type == "cuda" and fp8_kernels.AVAILABLE:
+        casts.append(("triton", "triton cast_fp8", lambda t, d, s, a, gelu=False: fp8_kernels.cast_fp8(
+            t, d, 0, True, True, scale=s, scale_index=0, amax_out=a, amax_index=0, gelu=gelu)[:2]))
+    cuda = fp8_casts.op_unavailable(device) is None
+    if cuda:
+        casts.append(("cuda", "cuda cast_fp8", lambda t, d, s, a, gelu=False: fp8_casts.cast_fp8(
+            t, d, 0, True, True, s, 0, a, 0, gelu=gelu)[:2]))
+
+    def torch_cast(t, d, s, a, gelu=False):
+        q, q_t, _, amax = _cast(t, s[0], d, 0, True, True, gelu)
+        torch.maximum(a[0], amax, out=a[0])
+        return q, q_t
+    casts.append(("torch", "torch cast (compiled on CUDA)" if device.type == "cuda" else "torch cast", torch_cast))
+
+    hidden = weight.shape[0]
+    ln = [("unfused", path, f"unfused: F.layer_norm + {name}",
+           lambda x, d, s, a, c=c: c(F.layer_norm(x, (hidden,), weight, None, LN_EPS), d, s, a))
+          for path, name, c in casts]
+    gelu = [("unfused", path, f"unfused: F.gelu + {name}", lambda h, d, s, a, c=c: c(F.gelu(h), d, s, a))
+            for path, name, c in casts]
+    if device.type == "cuda" and fp8_kernels.AVAILABLE:
+        for tile in LN_TILES:
+            ln.append(("fused", "triton", f"fused: triton layernorm_cast_fp8 {tile[0]}x{tile[1]} w{tile[2]}"
+                       + (" (default)" if tile == LN_TILES[0] else ""),
+                       lambda x, d, s, a, tile=tile: fp8_kernels.layernorm_cast_fp8(
+                           x, weight, None, LN_EPS, d, 0, True, True, scale=s, scale_index=0, amax_out=a,
+                           amax_index=0, tile=tile)[:2]))
+    if cuda:
+        ln.append(("fused", "cuda", "fused: cuda layernorm_cast_fp8",
+                   lambda x, d, s, a: fp8_casts.layernorm_cast_fp8(x, weight, None, LN_EPS, d, 0, True, True, s, 0,
+                                                                   a, 0)[:2]))
+    for path, name, c in casts:
+        gelu.append(("fused", path, f"fused: {name}(gelu=True)", lambda h, d, s, a, c=c: c(h, d, s, a, gelu=True)))
+    return {"layernorm": ln, "gelu": gelu}
+
+
+def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
+    """The fused-cast rows (see the module docstring): per op a copy row, then each unfused and
+    fused pass, the fused rows with their speed-up over the same path's unfused row and their
+    bytes against the unfused (the first unfused row's; the unfused rows among themselves are
+    compared as the plain casts are: ``same_bytes``)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16)
+    rows = []
+    for op, label, m, n in (("layernorm", "layernorm [tokens, hidden]", tokens, hidden),
+                            ("gelu", "gelu [tokens, ffn]", tokens, ffn)):
+        x = torch.randn(m, n, generator=g, device=device).to(torch.bfloat16)
+        scale = torch.full((4,), 8.0, device=device)
+        amax = torch.zeros(4, device=device)
+        moved = 4 * x.numel()  # the minimal pass: read 2 bytes, write 1 + 1
+        base = {"shape": label, "op": op, "rows": m, "cols": n, "fp8": str(E4M3)[6:]}
+        copy = timed_queued(lambda: x.clone(), device, iters, CALLS)
+        rows.append({**base, "variant": "copy", "path": None, "kernel": "copy (bf16 clone)", "us": copy["s"] * 1e6,
+                     "gbps": moved / copy["s"] / 1e9, "host_us": copy["host_s"] * 1e6})
+        ref, unfused_us = None, {}
+        for variant, path, name, f in fused_kernels(device, weight)[op]:
+            try:
+                out = f(x, E4M3, scale, amax)
+                extra = {}
+                if variant == "unfused":
+                    if ref is None:
+                        ref, extra["same_bytes"] = out, None
+                    else:
+                        extra["same_bytes"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                                  for a, b in zip(out, ref))
+                else:
+                    if ref is None:
+                        raise RuntimeError("no unfused row to compare with")
+                    extra = compare_bytes(out, ref)
+                out = None
+                r = timed_queued(lambda f=f: f(x, E4M3, scale, amax), device, iters, CALLS)
+            except Exception as exc:  # one pass failing leaves the others' rows
+                rows.append({**base, "variant": variant, "path": path, "kernel": name,
+                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"  {label:<26} {name:<58} FAILED {rows[-1]['error']}", flush=True)
+                continue
+            us = r["s"] * 1e6
+            if variant == "unfused":
+                unfused_us[path] = us
+            else:
+                extra["speedup"] = unfused_us[path] / us if path in unfused_us else None
+            rows.append({**base, "variant": variant, "path": path, "kernel": name, "us": us,
+                         "gbps": moved / r["s"] / 1e9, "pct_of_copy": 100 * copy["s"] / r["s"],
+                         "host_us": r["host_s"] * 1e6, "queued": r["queued"], **extra})
+        for r in rows:
+            if r["shape"] == label and "error" not in r:
+                pct = f"{r['pct_of_copy']:5.0f}% of copy" if "pct_of_copy" in r else " " * 13
+                note = ""
+                if r.get("speedup") is not None:
+                    note += f"  {r['speedup']:.2f}x unfused"
+                if r.get("differ_bytes"):
+                    note += f"  {r['differ_bytes']} bytes differ ({r['differ_fraction']:.1e}, {r['max_steps']} steps)"
+                if r.get("same_bytes") is False:
+                    note += "  BYTES DIFFER"
+                print(f"  {label:<26} {r['kernel']:<58} {r['us']:9.1f} us {r['gbps']:8.0f} GB/s {pct}  host "
+                      f"{r['host_us']:6.1f} us{note}", flush=True)
+        x = ref = None  # freed before the next op
+    return rows
 
 
 def run(device: torch.device, tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
@@ -124,9 +275,13 @@ def main() -> None:
     print(f"FP8 casts on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}, tokens {tokens}, hidden {hidden}, ffn {ffn}", flush=True)
     rows = run(device, tokens, hidden, ffn, args.iters)
-    differ = [r for r in rows if r.get("same_bytes") is False]
+    print("Fused casts: the producer (LayerNorm, GELU) and the cast in one kernel, against the producer then "
+          "the cast", flush=True)
+    fused = run_fused(device, tokens, hidden, ffn, args.iters)
+    differ = [r for r in rows + fused if r.get("same_bytes") is False]
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows},
+        Path(args.json).write_text(json.dumps({"device": str(device), "torch": torch.__version__, "rows": rows,
+                                               "fused": fused, "fused_max_fraction": FUSED_MAX_FRACTION},
                                               indent=1))
     if differ:
         sys.exit(f"kernels that gave other bytes than the first: {sorted({r['kernel'] for r in differ})}")

@@ -310,6 +310,45 @@ def fp8_cast_lines(r: dict) -> list[str]:
             lines.append(f"| {shape} | {x['kernel']}{mark} | {_fmt(x.get('us'), '.1f')} | {_fmt(x.get('gbps'), '.0f')} | "
                          f"{_fmt(x.get('pct_of_copy'), '.0f', '')} | {_fmt(x.get('host_us'), '.1f')} | "
                          f"{'' if x.get('same_bytes') is None else ('yes' if x['same_bytes'] else 'NO')} |")
+    if "fused" in r:
+        lines += [""] + fused_cast_lines(r["fused"], r.get("fused_max_fraction"))
+    return lines
+
+
+def fused_cast_lines(rows: list[dict], max_fraction: float | None) -> list[str]:
+    """The fused-cast rows of fp8_cast_bench.py (its JSON's ``fused``): per op and path, the
+    unfused pass (producer, then the cast) against the fused kernel, the speed-up, and how many
+    of the fused kernel's bytes differ from the unfused (beyond ``max_fraction`` or one FP8
+    step: flagged); the fastest fused kernel per op marked."""
+    lines = ["### Fused vs unfused: the producer (LayerNorm, GELU) and the FP8 cast in one kernel", "",
+             "| op | path | unfused us | fused kernel | fused us | % of copy | host us | speed-up | differing bytes |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    for op in dict.fromkeys(x.get("op") for x in rows):
+        mine = [x for x in rows if x.get("op") == op]
+        unfused = {x["path"]: x for x in mine if x.get("variant") == "unfused" and "error" not in x}
+        fused = [x for x in mine if x.get("variant") == "fused"]
+        timed = [x for x in fused if "error" not in x]
+        best = min(timed, key=lambda x: x["us"]) if timed else None
+        for x in mine:
+            if "error" in x:
+                lines.append(f"| {op} | {x.get('path')} | | {x['kernel']} | failed: {x['error'][:150]} | | | | |")
+        for x in timed:
+            base = unfused.get(x["path"])
+            n, frac, steps = x.get("differ_bytes"), x.get("differ_fraction"), x.get("max_steps")
+            differ = "n/a" if n is None else ("none" if n == 0 else f"{n:,} ({frac:.1e}, up to {steps} FP8 steps)")
+            if n and ((max_fraction is not None and frac > max_fraction) or steps > 1):
+                differ += " BEYOND TOLERANCE"
+            name = x["kernel"].removeprefix("fused: ") + (" (fastest)" if x is best else "")
+            lines.append(f"| {op} | {x['path']} | {_fmt(base and base.get('us'), '.1f')} | {name} | "
+                         f"{_fmt(x.get('us'), '.1f')} | {_fmt(x.get('pct_of_copy'), '.0f')} | "
+                         f"{_fmt(x.get('host_us'), '.1f')} | {_fmt(x.get('speedup'), '.2f')}"
+                         f"{'' if x.get('speedup') is None else 'x'} | {differ} |")
+        for path, x in unfused.items():
+            if not any(f["path"] == path for f in fused):
+                lines.append(f"| {op} | {path} | {_fmt(x.get('us'), '.1f')} | none (this path runs them apart) | "
+                             f"| | | | |")
+    lines += ["", "- speed-up: the unfused pass's device us over the fused kernel's, same path; % of copy: a "
+              "copy of the bytes a minimal pass moves (read bf16, write both FP8 layouts: 4 B per element)"]
     return lines
 
 

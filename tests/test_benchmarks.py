@@ -256,3 +256,96 @@ def test_fp8_cast_bench_rows_and_same_bytes(device):
         assert all(r["same_bytes"] is True for r in rs[2:]), rs  # rs[1] is the reference
     if device == "cuda":
         assert sum(n.startswith("triton") for n in names) == len(bench.TRITON_TILES)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")])])
+def test_fp8_cast_bench_fused_rows_agree_with_unfused(device):
+    """fp8_cast_bench.run_fused at small shapes: per op (LayerNorm, GELU) a copy row, each path's
+    unfused pass (producer, then the cast; the same bytes across paths) and the fused kernels
+    (the C++ operator where built, the torch casts' GELU, Triton's on CUDA with every LayerNorm
+    tile), each fused row's bytes within the tolerance of the unfused rows' and its speed-up over
+    its path's unfused row."""
+    import fp8_cast_bench as bench
+    from dept_mega.parallel import fp8_casts
+    dev = torch.device(device)
+    rows = bench.run_fused(dev, 256, 64, 256, iters=1)
+    assert not [r for r in rows if "error" in r], rows
+    weight = torch.ones(64, dtype=torch.bfloat16, device=dev)
+    for op, label in (("layernorm", "layernorm [tokens, hidden]"), ("gelu", "gelu [tokens, ffn]")):
+        rs = [r for r in rows if r["op"] == op]
+        assert all(r["shape"] == label for r in rs)
+        names = [name for _, _, name, _ in bench.fused_kernels(dev, weight)[op]]
+        assert [r["kernel"] for r in rs] == ["copy (bf16 clone)"] + names, (op, rs)
+        assert all(r["us"] > 0 and r["gbps"] > 0 for r in rs)
+        unfused = [r for r in rs if r["variant"] == "unfused"]
+        fused = [r for r in rs if r["variant"] == "fused"]
+        assert unfused[0]["same_bytes"] is None and all(r["same_bytes"] is True for r in unfused[1:]), unfused
+        paths = {r["path"] for r in fused}
+        assert ("cuda" in paths) == (fp8_casts.op_unavailable(dev) is None), paths
+        assert ("torch" in paths) == (op == "gelu")  # no fused LayerNorm in the torch casts
+        for r in fused:
+            assert r["differ_fraction"] <= bench.FUSED_MAX_FRACTION and r["max_steps"] <= 1, r
+            assert r["speedup"] == pytest.approx(next(u["us"] for u in unfused if u["path"] == r["path"]) / r["us"])
+    if device == "cuda":
+        assert sum(r["kernel"].startswith("fused: triton layernorm") for r in rows) == len(bench.LN_TILES)
+
+
+def test_fp8_cast_bench_compare_bytes_counts_fp8_steps():
+    """compare_bytes: the differing bytes of both layouts and their distance in FP8 steps (±0 equal
+    in value, one step across zero)."""
+    import fp8_cast_bench as bench
+    from dept_mega.parallel.fp8_recipe import E4M3
+    ref = torch.tensor([[0.5, -0.5, 0.0, 2.0]]).to(E4M3)
+    got = ref.view(torch.uint8).clone()
+    got[0, 0] += 1  # the next e4m3 value
+    got[0, 3] += 3
+    got = got.view(E4M3)
+    r = bench.compare_bytes((got, got.t().contiguous()), (ref, ref.t().contiguous()))
+    assert r == {"differ_bytes": 4, "differ_fraction": 0.5, "max_steps": 3}
+    assert bench.compare_bytes((ref,), (ref,)) == {"differ_bytes": 0, "differ_fraction": 0.0, "max_steps": 0}
+    minus_zero = torch.tensor([[-0.0, 2 ** -9]]).to(E4M3)  # -0 and the smallest subnormal
+    plus_zero = torch.tensor([[0.0, -2 ** -9]]).to(E4M3)
+    assert bench.compare_bytes((minus_zero,), (plus_zero,))["max_steps"] == 2
+
+
+def test_fp8_cast_bench_summary_renders_fused_vs_unfused():
+    """suite_summary.fused_cast_lines: one line per fused kernel beside its path's unfused µs,
+    the speed-up, the differing bytes (flagged beyond the tolerance), failures, and the paths
+    without a fused kernel; the plain casts' table unchanged before it."""
+    from suite_summary import fp8_cast_lines
+    base = {"op": "layernorm", "shape": "layernorm [tokens, hidden]"}
+    fused = [{**base, "variant": "copy", "path": None, "kernel": "copy (bf16 clone)", "us": 10.0},
+             {**base, "variant": "unfused", "path": "triton", "kernel": "unfused: F.layer_norm + triton cast_fp8",
+              "us": 40.0, "pct_of_copy": 25.0, "host_us": 9.0, "same_bytes": None},
+             {**base, "variant": "unfused", "path": "torch", "kernel": "unfused: F.layer_norm + torch cast",
+              "us": 50.0, "pct_of_copy": 20.0, "host_us": 30.0, "same_bytes": True},
+             {**base, "variant": "fused", "path": "triton", "kernel": "fused: triton layernorm_cast_fp8 32x128 w4 "
+              "(default)", "us": 20.0, "pct_of_copy": 50.0, "host_us": 8.0, "speedup": 2.0, "differ_bytes": 3,
+              "differ_fraction": 1e-5, "max_steps": 1},
+             {**base, "variant": "fused", "path": "triton", "kernel": "fused: triton layernorm_cast_fp8 16x128 w4",
+              "us": 16.0, "pct_of_copy": 62.5, "host_us": 8.0, "speedup": 2.5, "differ_bytes": 0,
+              "differ_fraction": 0.0, "max_steps": 0},
+             {"op": "gelu", "shape": "gelu [tokens, ffn]", "variant": "unfused", "path": "cuda",
+              "kernel": "unfused: F.gelu + cuda cast_fp8", "us": 30.0, "host_us": 5.0, "same_bytes": None},
+             {"op": "gelu", "shape": "gelu [tokens, ffn]", "variant": "fused", "path": "cuda",
+              "kernel": "fused: cuda cast_fp8(gelu=True)", "us": 20.0, "pct_of_copy": 40.0, "host_us": 5.0,
+              "speedup": 1.5, "differ_bytes": 500, "differ_fraction": 5e-2, "max_steps": 1},
+             {"op": "gelu", "shape": "gelu [tokens, ffn]", "variant": "fused", "path": "triton",
+              "kernel": "fused: triton cast_fp8(gelu=True)", "error": "RuntimeError: boom"}]
+    plain = [{"shape": "input [tokens, hidden]", "kernel": "copy (bf16 clone)", "us": 10.0, "gbps": 400.0,
+              "host_us": 1.0}]
+    lines = fp8_cast_lines({"rows": plain, "fused": fused, "fused_max_fraction": 1e-3})
+    assert "| input [tokens, hidden] | copy (bf16 clone) | 10.0 | 400 |  | 1.0 |  |" in lines
+    head = lines.index("### Fused vs unfused: the producer (LayerNorm, GELU) and the FP8 cast in one kernel")
+    assert lines[head + 2].startswith("| op | path | unfused us | fused kernel | fused us |")
+    assert ("| layernorm | triton | 40.0 | triton layernorm_cast_fp8 32x128 w4 (default) | 20.0 | 50 | 8.0 | "
+            "2.00x | 3 (1.0e-05, up to 1 FP8 steps) |") in lines
+    assert ("| layernorm | triton | 40.0 | triton layernorm_cast_fp8 16x128 w4 (fastest) | 16.0 | 62 | 8.0 | "
+            "2.50x | none |") in lines
+    assert "| layernorm | torch | 50.0 | none (this path runs them apart) | | | | | |" in lines
+    assert ("| gelu | cuda | 30.0 | cuda cast_fp8(gelu=True) (fastest) | 20.0 | 40 | 5.0 | 1.50x | "
+            "500 (5.0e-02, up to 1 FP8 steps) BEYOND TOLERANCE |") in lines
+    assert "| gelu | triton | | fused: triton cast_fp8(gelu=True) | failed: RuntimeError: boom | | | | |" in lines
+    assert "Fused vs unfused" not in "\n".join(fp8_cast_lines({"rows": plain}))  # an older record: no section

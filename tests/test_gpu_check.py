@@ -53,6 +53,10 @@ def test_dry_run_writes_every_figure(tmp_path):
     # the fp8_casts stage: fp8_cast_bench.py's rows (the C++ operator and the torch casts on the CPU)
     assert len(casts) == 1 and casts[0]["rc"] == 0 and casts[0]["rows"], casts
     assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
+    # and its fused rows: the C++ operator's LayerNorm and GELU casts against F.layer_norm / F.gelu then the cast
+    fused = {(r["op"], r["variant"], r["path"]) for r in casts[0]["fused"] if "error" not in r}
+    assert {("layernorm", "fused", "cuda"), ("gelu", "fused", "cuda"), ("layernorm", "unfused", "cuda")} <= fused
+    assert "### Fused vs unfused" in summary and "| layernorm | cuda | " in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
