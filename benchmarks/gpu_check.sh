@@ -49,8 +49,9 @@
 #              path each cost over the C++ operators (tiny operands, wall time) -> one "kind":
 #              "fp8_host" row of bench.jsonl                       30 (an estimate: not yet measured)
 #   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
-#              the C++ operator, inductor's) against a copy of the same bytes, bytes compared
-#              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       40 (an estimate)
+#              the C++ operator, inductor's) against a copy of the same bytes, bytes compared; and the
+#              LayerNorm / GELU casts fused (fp8_fused_casts) against the producer then the cast, per path
+#              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       60 (an estimate)
 #   fp8_fast_accum   the FP8 run with fp8_fast_accum=forward: the forward GEMM sums in the tensor cores' fast accumulation
 #              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
@@ -181,7 +182,7 @@ else
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_fast_accum]=50 [fp8_casts]=40 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55)
+                     [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
