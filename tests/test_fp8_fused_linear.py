@@ -128,8 +128,8 @@ def test_fused_training_equals_unfused(recipe, monkeypatch):
     losses, gradient norms, evaluation loss and weights; the run log lists the fused linears."""
     over = {"fp8_recipe": recipe}
     cfg = tiny_config(merge(BASE, {**over, "fp8_fused_casts": True}))
-    assert "fused casts (fp8_fused_casts) [qkv (layernorm), fc1 (layernorm), fc2 (gelu)]" in \
-        resolve_backends(cfg, "cpu").describe()
+    assert ("fused casts (fp8_fused_casts) [qkv (layernorm, then the cast: torch casts), fc1 (layernorm, then "
+            "the cast: torch casts), fc2 (gelu, then the cast: torch casts)]") in resolve_backends(cfg, "cpu").describe()
     assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
     norm_casts, gelu_casts = [], []
     real_norm, real_cast = Fp8State.norm_cast, Fp8State.cast
@@ -298,3 +298,39 @@ def test_config_errors_name_the_key(monkeypatch):
         resolve_backends(tiny_config(merge(BASE, {"fp8_fused_casts": True})), "cpu")
     with pytest.raises(ValueError, match="fused FP8 casts are for fp8 GEMMs, not 'torch'"):
         LinearGemm(fused_casts=True)
+
+
+def test_torch_casts_round_the_gelu_when_compiled(monkeypatch):
+    """The ``torch`` casts' GELU (``fp8_math._cast``) gives the unfused path's bytes when its cast
+    runs compiled, as on CUDA (here inductor on the CPU): inside one graph inductor would drop the
+    GELU's rounding to bf16 and cast the fp32 values (thousands of bytes apart at this size)."""
+    from dept_mega.parallel import fp8_math
+
+    monkeypatch.setattr(fp8_math._CAST, "on", lambda device: fp8_math._CAST.compiled)
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(1024, 128, generator=g) * 3).bfloat16()
+    scale = torch.tensor(37.0)
+    got = fp8_math._cast(h, scale, E4M3, 0, True, True, gelu=True)
+    want = _cast_math(torch.nn.functional.gelu(h), scale, E4M3, 0, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
+
+
+@pytest.mark.parametrize("casts,recipe,ln,gelu", [
+    ("cuda", "delayed", "one kernel once the input has a delayed scale (from the second training step)", "one kernel"),
+    ("cuda", "current", "normalised, then cast: current scaling", "one kernel"),
+    ("torch", "delayed", "then the cast: torch casts", "then the cast: torch casts")])
+def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu):
+    """The run log does not claim one kernel where the path runs the producer, then the cast
+    (the torch casts; the LayerNorm under current scaling), and names apex's LayerNorm replaced."""
+    import dataclasses
+
+    if casts == "cuda" and fp8_casts.op_unavailable("cpu") is not None:
+        pytest.skip(f"the C++ cast operator is unavailable: {fp8_casts.op_unavailable('cpu')}")
+    cfg = tiny_config(merge(BASE, {"fp8_casts": casts, "fp8_recipe": recipe, "fp8_fused_casts": True}))
+    backends = resolve_backends(cfg, "cpu")
+    want = f"[qkv (layernorm, {ln}), fc1 (layernorm, {ln}), fc2 (gelu, {gelu})]"
+    assert f"fused casts (fp8_fused_casts) {want}" in backends.describe()
+    assert "not apex" not in backends.describe()
+    assert "(those LayerNorms are computed by the fused path, not apex)" in dataclasses.replace(
+        backends, norm="apex").describe()

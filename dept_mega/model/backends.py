@@ -144,6 +144,25 @@ class Backends:
                             gemm=self.fp8_gemm or "torch")
         return None
 
+    def _describe_fused_casts(self) -> str:
+        """The run log's account of ``fp8_fused_casts``: which linears fuse which producer, and
+        how it runs with this run's casts and recipe (one kernel; or, with the ``torch`` casts or
+        under current scaling for the LayerNorm, the producer then the cast: the same math)."""
+        if not self.fp8_fused_casts:
+            return "fused casts (fp8_fused_casts) [none: no FP8 linear reads a LayerNorm (one tensor rank) or GELU output]"
+        kernel = self.fp8_casts in ("triton", "cuda")
+        if not kernel:
+            ln = gelu = "then the cast: torch casts"
+        else:
+            gelu = "one kernel"
+            ln = ("one kernel once the input has a delayed scale (from the second training step)"
+                  if self.fp8.scaling == "delayed" else "normalised, then cast: current scaling")
+        what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
+        out = f"fused casts (fp8_fused_casts) [{', '.join(what[g] for g in self.fp8_fused_casts)}]"
+        if self.norm == "apex" and {"qkv", "fc1"} & set(self.fp8_fused_casts):
+            out += " (those LayerNorms are computed by the fused path, not apex)"
+        return out
+
     def describe_wgrad(self) -> str:
         if not self.fuse_wgrad:
             return "grad_accum_fusion=off"
@@ -180,9 +199,7 @@ class Backends:
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
         if self.fused_casts:
-            what = {"qkv": "qkv (layernorm)", "fc1": "fc1 (layernorm)", "fc2": "fc2 (gelu)"}
-            fused = ", ".join(what[g] for g in self.fp8_fused_casts) or "none: no FP8 linear reads a LayerNorm (one tensor rank) or GELU output"
-            out += f"; fused casts (fp8_fused_casts) [{fused}]"
+            out += "; " + self._describe_fused_casts()
         if traced:
             out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling) with "
                     f"{_GRAPH_CASTS[self.fp8_graph_casts or 'torch']}")
