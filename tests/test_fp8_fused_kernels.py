@@ -14,11 +14,7 @@ As in ``test_fp8_kernels.py`` the checks run in a subprocess under Triton's inte
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from itertools import product
 
 import numpy as np
@@ -28,7 +24,8 @@ import torch.nn.functional as F
 
 from dept_mega.parallel import fp8_kernels as K
 from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
-from tests.test_fp8_kernels import ROOT, needs_cuda_triton, needs_interpreter, needs_triton
+from tests.test_fp8_kernels import needs_cuda_triton, needs_interpreter, needs_triton
+from tests.test_fp8_kernels import _interpreted as interpreted
 
 # largest fractions of bytes differing from the reference (one FP8 step where the math is well
 # conditioned; anywhere in its ill-conditioned parts). Measured in the interpreter: 0 of 232,768
@@ -40,14 +37,8 @@ LAYOUTS = [(True, False), (False, True), (True, True)]
 
 
 def _interpreted(check: str):
-    """``check('cpu')`` of this module in a subprocess running Triton's interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    code = f"import json, tests.test_fp8_fused_kernels as t; print('RESULT' + json.dumps(t.{check}('cpu')))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith("RESULT")][-1][len("RESULT"):])
+    """``check('cpu')`` of this module under Triton's interpreter (in a subprocess)."""
+    return interpreted(check, "tests.test_fp8_fused_kernels")
 
 
 # ----------------------------------------------------------------------------- comparison helpers

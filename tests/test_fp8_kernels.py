@@ -52,11 +52,12 @@ needs_cuda_triton = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_availab
                                        reason="needs Triton and a CUDA GPU with FP8 (compute capability 8.9+)")
 
 
-def _interpreted(check: str):
-    """``check('cpu')`` of this module in a subprocess running Triton's interpreter."""
+def _interpreted(check: str, module: str = "tests.test_fp8_kernels"):
+    """``check('cpu')`` of ``module`` (a test module whose check functions return JSON-able
+    findings) in a subprocess running Triton's interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    code = f"import json, tests.test_fp8_kernels as t; print('RESULT' + json.dumps(t.{check}('cpu')))"
+    code = f"import json, {module} as t; print('RESULT' + json.dumps(t.{check}('cpu')))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
