@@ -281,6 +281,7 @@ def _check_values(cfg: Config) -> None:
     if cfg.fp8_fused_casts and cfg.fp8 is None:
         raise ConfigError("config key 'fp8_fused_casts': true fuses casts into the native FP8 linears, but fp8 is "
                           "off (set fp8: hybrid or e4m3, or fp8_fused_casts: false)")
+    _check_eager_fp8(cfg)
     if t.profile is not None:
         prof = t.profile
         if prof.start < 0 or prof.stop <= prof.start:
@@ -330,6 +331,26 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}")
+
+
+def _check_eager_fp8(cfg: Config) -> None:
+    """The native FP8 options that run only in the eager FP8 linears, against ``train.compile``
+    and an explicit ``backend: transformer_engine`` (checked here, with the config, so that
+    ``--check`` and the launchers' pre-flight report them; ``backend: auto`` choosing Transformer
+    Engine is found where the backend is resolved, ``model/backends.py``)."""
+    if cfg.fp8 is None:
+        return
+    if cfg.train.compile and cfg.fp8_gemm == "cublaslt":
+        raise ConfigError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under train.compile the "
+                          "FP8 GEMMs are traced into the compiled blocks with torch._scaled_mm (use fp8_gemm: torch, "
+                          "or train.compile: false)")
+    if cfg.train.compile and cfg.fp8_fused_casts:
+        raise ConfigError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; under "
+                          "train.compile the norms, GELUs and casts are traced into the compiled blocks (use "
+                          "fp8_fused_casts: false, or train.compile: false)")
+    if cfg.backend == "transformer_engine" and cfg.fp8_fused_casts:
+        raise ConfigError("config key 'fp8_fused_casts': true applies to the native FP8 linears (backend: local); "
+                          "Transformer Engine casts itself")
 
 
 def _check_schedule(cfg: Config) -> None:

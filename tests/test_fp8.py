@@ -461,8 +461,11 @@ def test_native_gemm_settings_are_refused_with_transformer_engine(monkeypatch, k
     monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
     resolve_backends(_fp8_cfg(), "cpu")  # TE's own settings pass
     with pytest.raises(BackendError, match=rf"config key '{key}': {value} applies to the native FP8 GEMMs "
-                                           rf"\(backend local\); {why}"):
+                                           rf"\(backend: local\); {why}"):
         resolve_backends(_fp8_cfg(**{key: value}), "cpu")
+    # backend: auto chose Transformer Engine: the message says so and what to set
+    with pytest.raises(BackendError, match=r"\(backend: auto chose it: set backend: local\)"):
+        resolve_backends(_fp8_cfg(**{key: value, "backend": "auto"}), "cpu")
 
 
 @pytest.mark.parametrize("setting,want", [(None, "none"), ("auto", "none"), ("forward", "forward"), ("all", "all")])

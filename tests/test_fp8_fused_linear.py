@@ -20,7 +20,7 @@ import torch
 
 from dept_mega.config import ConfigError
 from dept_mega.model import build_model, resolve_backends
-from dept_mega.model.backends import GEMMS, BackendError, fused_cast_gemms
+from dept_mega.model.backends import GEMMS, BackendError, fused_cast_gemms, unfused_cast_reasons
 from dept_mega.parallel import fp8_casts, fp8_kernels
 from dept_mega.parallel import layers as layers_module
 from dept_mega.parallel.fp8 import E4M3, INPUT, Fp8Recipe, Fp8State, _cast_math, fp8_weight_cache
@@ -128,8 +128,9 @@ def test_fused_training_equals_unfused(recipe, monkeypatch):
     losses, gradient norms, evaluation loss and weights; the run log lists the fused linears."""
     over = {"fp8_recipe": recipe}
     cfg = tiny_config(merge(BASE, {**over, "fp8_fused_casts": True}))
-    assert ("fused casts (fp8_fused_casts) [qkv (layernorm, then the cast: torch casts), fc1 (layernorm, then "
-            "the cast: torch casts), fc2 (gelu, then the cast: torch casts)]") in resolve_backends(cfg, "cpu").describe()
+    apart = "run apart: the torch casts have no fused kernel"
+    assert (f"fused casts (fp8_fused_casts) [qkv (layernorm, {apart}), fc1 (layernorm, {apart}), fc2 (gelu, "
+            f"{apart})]") in resolve_backends(cfg, "cpu").describe()
     assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
     norm_casts, gelu_casts = [], []
     real_norm, real_cast = Fp8State.norm_cast, Fp8State.cast
@@ -175,6 +176,9 @@ def test_tp2_fuses_fc2_only_and_trains_as_unfused():
     """TP 2 (gloo): fc2 (row-parallel, the input is this rank's) fuses its GELU; QKV and fc1
     (an all-gather / copy between the norm and the GEMM) do not; the results equal the unfused ones."""
     assert fused_cast_gemms(tiny_config(BASE).model, 2, GEMMS) == ("fc2",)
+    assert unfused_cast_reasons(tiny_config(BASE).model, 2, GEMMS) == (
+        "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)",)
+    assert unfused_cast_reasons(tiny_config(BASE).model, 1, GEMMS) == ()
     assert _layers_fuse(build_groups()) == (True, True, True)
     for rank, out in enumerate(run_distributed(_tp2_worker, 2, timeout=110)):
         (on, calls), (off, none) = out[True], out[False]
@@ -197,8 +201,13 @@ def test_rmsnorm_and_swiglu_stay_unfused(model, want, monkeypatch):
     cfg = tiny_config(merge(BASE, {"model": model, "fp8_fused_casts": True}))
     backends = resolve_backends(cfg, "cpu")
     assert backends.fp8_fused_casts == tuple(g for g in GEMMS if g in {names[k] for k in want})
+    line = backends.describe()
     if not want:  # on, but nothing to fuse: the log says so
-        assert "fused casts (fp8_fused_casts) [none: no FP8 linear reads" in backends.describe()
+        assert "fused casts (fp8_fused_casts) [none, not fused: " in line, line
+    if model.get("normalization") == "rmsnorm":  # and why the others do not fuse
+        assert "qkv, fc1 (rmsnorm has no fused cast)" in line, line
+    if model.get("activation") == "swiglu":
+        assert "fc2 (swiglu has no fused cast)" in line, line
 
 
 def _reference_kernels(monkeypatch, log: list) -> None:
@@ -289,9 +298,11 @@ def test_config_errors_name_the_key(monkeypatch):
     with pytest.raises(ConfigError, match="config key 'fp8_fused_casts': true fuses casts into the native FP8 "
                                           "linears, but fp8 is off"):
         tiny_config({"fp8_fused_casts": True})
-    with pytest.raises(BackendError, match="config key 'fp8_fused_casts': the fused casts run in the eager FP8 "
-                                           "linears; under train.compile"):
-        resolve_backends(tiny_config(merge(BASE, {"fp8_fused_casts": True, "train": {"compile": True}})), "cpu")
+    with pytest.raises(ConfigError, match="config key 'fp8_fused_casts': the fused casts run in the eager FP8 "
+                                          "linears; under train.compile"):
+        tiny_config(merge(BASE, {"fp8_fused_casts": True, "train": {"compile": True}}))
+    with pytest.raises(ConfigError, match="config key 'fp8_fused_casts': true applies to the native FP8 linears"):
+        tiny_config(merge(BASE, {"fp8_fused_casts": True, "backend": "transformer_engine"}))
     from dept_mega.model import backends as backends_module
     monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
     with pytest.raises(BackendError, match="config key 'fp8_fused_casts': true applies to the native FP8 linears"):
@@ -319,7 +330,8 @@ def test_torch_casts_round_the_gelu_when_compiled(monkeypatch):
 @pytest.mark.parametrize("casts,recipe,ln,gelu", [
     ("cuda", "delayed", "one kernel once the input has a delayed scale (from the second training step)", "one kernel"),
     ("cuda", "current", "normalised, then cast: current scaling", "one kernel"),
-    ("torch", "delayed", "then the cast: torch casts", "then the cast: torch casts")])
+    ("torch", "delayed", "run apart: the torch casts have no fused kernel",
+     "run apart: the torch casts have no fused kernel")])
 def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu):
     """The run log does not claim one kernel where the path runs the producer, then the cast
     (the torch casts; the LayerNorm under current scaling), and names apex's LayerNorm replaced."""

@@ -233,11 +233,13 @@ def test_fp8_gemm_cublaslt_trains_as_torch_within_bf16_rounding():
 
 
 def test_backends_refuse_what_cublaslt_cannot_run():
+    from dept_mega.config import ConfigError
     from dept_mega.model import resolve_backends
     from dept_mega.model.backends import BackendError
     over = {"precision": "bf16", "fp8": "hybrid", "fp8_gemm": "cublaslt"}
-    with pytest.raises(BackendError, match="'fp8_gemm': cublaslt runs in the eager FP8 linears"):
-        resolve_backends(tiny_config({**over, "train": {"compile": True}}), "cpu")
+    # refused with the config (so --check and the launchers' pre-flight report it)
+    with pytest.raises(ConfigError, match="'fp8_gemm': cublaslt runs in the eager FP8 linears"):
+        tiny_config({**over, "train": {"compile": True}})
     assert "torch._scaled_mm" in resolve_backends(tiny_config({**over, "fp8_gemm": "torch"}), "cpu").describe()
     if _WHY is not None:
         with pytest.raises(BackendError, match="config key 'fp8_gemm'"):

@@ -113,6 +113,9 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
      "config key 'federation.group': null and DEPT_GROUP is not set"),
     (1, ["federation.lighthouse=127.0.0.1:1", "federation.groups=2", "federation.group=2"],
      "config key 'federation.group': 2 is not a group index in [0, 2)"),
+    # eager-only FP8 options with compiled blocks: refused before the job takes its GPUs
+    (1, ["precision=bf16", "fp8=hybrid", "fp8_fused_casts=true", "train.compile=true"],
+     "config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears"),
 ])
 def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, want):
     cfg = _setup(tmp_path)

@@ -108,6 +108,7 @@ class Backends:
     # fp8_fused_casts (when ``fused_casts``): the FP8 GEMMs whose input's producer is fused into its cast
     fused_casts: bool = False
     fp8_fused_casts: tuple[str, ...] = ()
+    fp8_unfused: tuple[str, ...] = ()  # with fused_casts: the FP8 linears that do not fuse, and why
     num_layers: int = 0
     recompute: str = "none"
     recompute_layers: Optional[int] = None
@@ -145,20 +146,22 @@ class Backends:
         return None
 
     def _describe_fused_casts(self) -> str:
-        """The run log's account of ``fp8_fused_casts``: which linears fuse which producer, and
-        how it runs with this run's casts and recipe (one kernel; or, with the ``torch`` casts or
-        under current scaling for the LayerNorm, the producer then the cast: the same math)."""
-        if not self.fp8_fused_casts:
-            return "fused casts (fp8_fused_casts) [none: no FP8 linear reads a LayerNorm (one tensor rank) or GELU output]"
+        """The run log's account of ``fp8_fused_casts``: which linears fuse which producer and how
+        that runs with this run's casts and recipe (one kernel; with the ``torch`` casts, or the
+        LayerNorm under current scaling, the producer then the cast: the same math), and which
+        FP8 linears do not fuse, and why."""
         kernel = self.fp8_casts in ("triton", "cuda")
         if not kernel:
-            ln = gelu = "then the cast: torch casts"
+            ln = gelu = "run apart: the torch casts have no fused kernel"
         else:
             gelu = "one kernel"
             ln = ("one kernel once the input has a delayed scale (from the second training step)"
                   if self.fp8.scaling == "delayed" else "normalised, then cast: current scaling")
         what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
-        out = f"fused casts (fp8_fused_casts) [{', '.join(what[g] for g in self.fp8_fused_casts)}]"
+        parts = [what[g] for g in self.fp8_fused_casts] or ["none"]
+        if self.fp8_unfused:
+            parts.append("not fused: " + "; ".join(self.fp8_unfused))
+        out = f"fused casts (fp8_fused_casts) [{', '.join(parts)}]"
         if self.norm == "apex" and {"qkv", "fc1"} & set(self.fp8_fused_casts):
             out += " (those LayerNorms are computed by the fused path, not apex)"
         return out
@@ -430,25 +433,19 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                 fp8_gemm = resolve_gemm(cfg.fp8_gemm, device)
             except ValueError as exc:
                 raise BackendError(f"config key 'fp8_gemm': {exc}") from None
-            if fp8_gemm == "cublaslt" and cfg.train.compile:
-                raise BackendError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under "
-                                   "train.compile the FP8 GEMMs are traced into the compiled blocks with "
-                                   "torch._scaled_mm (use fp8_gemm: torch, or train.compile: false)")
-            if cfg.fp8_fused_casts and cfg.train.compile:
-                raise BackendError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; "
-                                   "under train.compile the norms, GELUs and casts are traced into the compiled "
-                                   "blocks (use fp8_fused_casts: false, or train.compile: false)")
+            # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts are refused with the config)
             fused_casts = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms) if cfg.fp8_fused_casts else None
         else:
+            chose = " (backend: auto chose it: set backend: local)" if cfg.backend == "auto" else ""
             if cfg.fp8_fused_casts:
                 raise BackendError("config key 'fp8_fused_casts': true applies to the native FP8 linears "
-                                   "(backend local); Transformer Engine casts itself")
+                                   f"(backend: local); Transformer Engine casts itself{chose}")
             for key, what_te_does, why in (("fp8_gemm", "torch", "Transformer Engine runs its own"),
                                            ("fp8_fast_accum", "forward",
                                             "Transformer Engine's accumulate as 'forward' does")):
                 if getattr(cfg, key) not in (what_te_does, "auto"):  # settings of the native FP8 GEMMs only
                     raise BackendError(f"config key '{key}': {getattr(cfg, key)} applies to the native FP8 "
-                                       f"GEMMs (backend local); {why}")
+                                       f"GEMMs (backend: local); {why}{chose}")
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
     wgrad = ""
@@ -459,6 +456,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
                     fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fused_casts=fused_casts is not None,
                     fp8_fused_casts=fused_casts or (),
+                    fp8_unfused=unfused_cast_reasons(m, cfg.parallel.tensor, fp8_gemms) if fused_casts is not None else (),
                     num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
@@ -489,6 +487,19 @@ def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tup
     norm = m.normalization == "layernorm" and tp == 1
     fuse = {"qkv": norm, "fc1": norm, "fc2": m.activation == "gelu"}
     return tuple(g for g in GEMMS if g in fp8_gemms and fuse.get(g, False))
+
+
+def unfused_cast_reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
+    """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log."""
+    out = []
+    norm_gemms = ", ".join(g for g in ("qkv", "fc1") if g in fp8_gemms)
+    if norm_gemms and m.normalization != "layernorm":
+        out.append(f"{norm_gemms} ({m.normalization} has no fused cast)")
+    elif norm_gemms and tp > 1:
+        out.append(f"{norm_gemms} (parallel.tensor {tp}: a collective sits between the norm and the GEMM)")
+    if "fc2" in fp8_gemms and m.activation != "gelu":
+        out.append(f"fc2 ({m.activation} has no fused cast)")
+    return tuple(out)
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
