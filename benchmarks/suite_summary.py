@@ -2,7 +2,8 @@
 """Summarise what benchmarks/gpu_check.sh has left in its output folder so far, as Markdown
 (written to OUT/summary.md; rewritten after every stage): environment, each stage's status and
 time, the pytest results, the custom ops against the copy bandwidth, the 1B benchmark rows
-(tokens/s, TFLOP/s, MFU, peak memory against the targets of docs/performance.md), the memory model against
+(tokens/s, TFLOP/s, MFU, peak memory against the targets of docs/performance.md; each run's tokens/s over
+its base runs', :data:`RATIOS`; each run's backends line), the memory model against
 the measured peak, the comparison with megatron-core, torchao's float8 against bf16 on a plain
 GPT of the same shape (the ``vs_torchao`` row of bench.jsonl), the host's cost per FP8 linear
 call by casts + GEMM combination (the ``fp8_host`` row) and the head of each kernel breakdown.
@@ -163,56 +164,122 @@ def _bench_lines(rows: list[dict]) -> list[str]:
         ratio = ok[fp8]["tokens_per_s"] / bf["tokens_per_s"]
         lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})"
                      + (" (the PyTorch casts: the default run failed)" if fp8 != "fp8" else ""))
-    if bf is not None and "bf16_nofusion" in ok and ok["bf16_nofusion"].get("tokens_per_s"):
-        lines.append(f"- optim.grad_accum_fusion: {bf['tokens_per_s'] / ok['bf16_nofusion']['tokens_per_s']:.3f}x the "
-                     "tokens/s of the same run without it (bf16_nofusion)")
-    if bf is not None and "bf16_compile" in ok and bf.get("tokens_per_s"):
-        lines.append(f"- train.compile: {ok['bf16_compile']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s")
-    if "bf16_compile" in ok and ok.get("bf16_compile_nofusion", {}).get("tokens_per_s"):
-        lines.append(f"- optim.grad_accum_fusion under train.compile (fused layers outside the graphs): "
-                     f"{ok['bf16_compile']['tokens_per_s'] / ok['bf16_compile_nofusion']['tokens_per_s']:.3f}x the "
-                     "tokens/s of the compiled run without it")
-    if "bf16_flex_autotune" in ok and bf is not None and bf.get("tokens_per_s"):
-        lines.append(f"- inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1, flex_attention's block sizes): "
-                     f"{ok['bf16_flex_autotune']['tokens_per_s'] / bf['tokens_per_s']:.3f}x the bf16 run's tokens/s "
-                     "(attention's ms: the two runs' kernel breakdowns)")
-    if "fp8_mb8" in ok and ok.get("bf16_mb8", {}).get("tokens_per_s"):
-        lines.append(f"- FP8 with micro-batches of 8: {ok['fp8_mb8']['tokens_per_s'] / ok['bf16_mb8']['tokens_per_s']:.2f}x "
-                     "the bf16 run's tokens/s at the same micro-batch")
-    if "fp8_compile" in ok and "bf16_compile" in ok and ok["bf16_compile"].get("tokens_per_s"):
-        lines.append(f"- FP8 with train.compile: {ok['fp8_compile']['tokens_per_s'] / ok['bf16_compile']['tokens_per_s']:.2f}x "
-                     "the compiled bf16 run's tokens/s")
-    fp8 = ok.get("fp8", {}).get("tokens_per_s")
-    for run, what in (("fp8_cuda", "FP8 with the C++/CUDA cast operator (fp8_cuda)"),
-                      ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator (fp8_lt)"),
-                      ("fp8_fused", "FP8 with fp8_fused_casts=true (fp8_fused)"),
-                      ("fp8_fast_accum", "FP8 with fp8_fast_accum=forward (fp8_fast_accum)")):
-        if ok.get(run, {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
-            theirs = f", {ok[run]['tokens_per_s'] / fp8:.3f}x the FP8 run's (Triton casts, exact sums)" if fp8 else ""
-            lines.append(f"- {what}: {ok[run]['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s{theirs}")
-    lt = ok.get("fp8_lt", {}).get("tokens_per_s")
-    if ok.get("fp8_lt_fused", {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
-        theirs = f", {ok['fp8_lt_fused']['tokens_per_s'] / lt:.3f}x the fp8_lt run's (unfused)" if lt else ""
-        lines.append(f"- FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true (fp8_lt_fused): "
-                     f"{ok['fp8_lt_fused']['tokens_per_s'] / bf['tokens_per_s']:.2f}x bf16 tokens/s{theirs}")
-    for run, what, others in (
-            ("fp8_compile_triton", "FP8 with train.compile and our Triton casts inside the graphs",
-             (("bf16_compile", "the compiled bf16 run"), ("fp8_compile", "the compiled FP8 run with inductor's casts"),
-              ("fp8", "the eager FP8 run"), ("bf16", "the eager bf16 run"))),
-            ("fp8_current_compile", "FP8 current scaling traced into the compiled blocks",
-             (("bf16_compile", "the compiled bf16 run"), ("fp8_compile", "the compiled delayed-scaling FP8 run"),
-              ("fp8_current", "the eager current-scaling FP8 run"), ("bf16", "the eager bf16 run")))):
-        traced = ok.get(run, {}).get("tokens_per_s")
-        against = [f"{traced / ok[name]['tokens_per_s']:.2f}x {label}" for name, label in others
-                   if traced and ok.get(name, {}).get("tokens_per_s")]
+    lines += ratio_lines(ok)
+    lines += backends_lines(rows)
+    return lines
+
+
+# Each benchmark run beside the runs it varies (run, what it is, its bases): a line for each run
+# present, with its tokens/s over each base present, in the order given, so that a call with any
+# subset of the stages (``--stages fp8,fp8_fused``) still compares what it ran. A run may have
+# more than one entry (bf16 is also the grad_accum_fusion run beside bf16_nofusion).
+RATIOS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("fp8_cuda", "FP8 with the C++/CUDA cast operator", ("fp8", "bf16")),
+    ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator", ("fp8", "fp8_cuda", "bf16")),
+    ("fp8_fused", "FP8 with fp8_fused_casts=true", ("fp8", "bf16")),
+    ("fp8_lt_fused", "FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true",
+     ("fp8_lt", "fp8_fused", "fp8", "bf16")),
+    ("fp8_fast_accum", "FP8 with fp8_fast_accum=forward", ("fp8", "bf16")),
+    ("fp8_current", "FP8 current scaling, eager", ("fp8", "bf16")),
+    ("bf16_mb8", "bf16 with micro-batches of 8", ("bf16",)),
+    ("fp8_mb8", "FP8 with micro-batches of 8", ("fp8", "bf16_mb8", "bf16")),
+    ("fp8_lt_mb8", "FP8 with the C++ casts, cuBLASLt GEMMs and micro-batches of 8",
+     ("fp8_lt", "fp8_mb8", "bf16_mb8", "bf16")),
+    ("bf16_compile", "train.compile", ("bf16",)),
+    ("fp8_compile", "FP8 with train.compile (the casts traced into the graphs)", ("bf16_compile", "fp8", "bf16")),
+    ("fp8_compile_triton", "FP8 with train.compile and our Triton casts inside the graphs",
+     ("fp8_compile", "bf16_compile", "fp8", "bf16")),
+    ("fp8_current_compile", "FP8 current scaling traced into the compiled blocks",
+     ("fp8_compile", "bf16_compile", "fp8_current", "bf16")),
+    ("bf16_flex_autotune", "inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1, flex_attention's block sizes; "
+     "attention's ms: the two runs' kernel breakdowns)", ("bf16",)),
+    ("bf16", "optim.grad_accum_fusion (the default run against the same run without it)", ("bf16_nofusion",)),
+    ("bf16_compile", "optim.grad_accum_fusion under train.compile (fused layers outside the graphs)",
+     ("bf16_compile_nofusion",)),
+)
+
+
+def ratio_lines(ok: dict[str, dict]) -> list[str]:
+    """One line per :data:`RATIOS` entry whose run and at least one base succeeded: the run's
+    tokens/s over each base's, each base named with what it ran (:func:`run_gist` of its
+    ``backends`` line)."""
+    lines = []
+    for run, what, bases in RATIOS:
+        mine = ok.get(run, {}).get("tokens_per_s")
+        against = [f"{mine / ok[b]['tokens_per_s']:.3f}x {b} ({run_gist(ok[b].get('backends'))})"
+                   for b in bases if mine and ok.get(b, {}).get("tokens_per_s")]
         if against:
             lines.append(f"- {what} ({run}): " + ", ".join(against) + " (tokens/s)")
-    if ok.get("fp8_current", {}).get("tokens_per_s") and bf is not None and bf.get("tokens_per_s"):
-        lines.append(f"- FP8 current scaling, eager (fp8_current): {ok['fp8_current']['tokens_per_s'] / bf['tokens_per_s']:.2f}x "
-                     "bf16 tokens/s")
-    if bf is not None:
-        lines.append(f"- backends: {bf.get('backends')}")
     return lines
+
+
+def _linear_part(backends: str) -> str:
+    """The ``linear=...`` part of a ``backends`` line (model/backends.py ``Backends.describe``)."""
+    for part in backends.split(" | "):
+        if "linear=" in part:
+            return part.split("linear=", 1)[1]
+    return ""
+
+
+def run_gist(backends: str | None) -> str:
+    """A few words on how a run computes, from its ``backends`` line: the GEMMs, the FP8 casts,
+    scaling, fast accumulation, fused casts, compile, gradient-accumulation fusion."""
+    if not backends:
+        return "backends not recorded"
+    linear = _linear_part(backends)
+    words = []
+    if linear.startswith("native fp8"):
+        words.append("cuBLASLt GEMMs" if "dept_mega::fp8_gemm" in linear else "_scaled_mm")
+        if "casts in the compiled graphs" in linear:
+            words.append("Triton casts in the graphs" if "dept_mega::fp8_cast)" in linear else "inductor's casts")
+        else:
+            casts = linear.split("(", 1)[1].split(")", 1)[0]  # "torch._scaled_mm, torch casts"
+            words.append("C++ casts" if "dept_mega::cast_fp8" in casts else "Triton casts" if "Triton" in casts
+                         else "torch casts" if "torch casts" in casts else casts)
+        words.append("current scaling" if "current scaling" in linear else "delayed scaling")
+        accum = re.search(r"fast accumulation: (\w+)", linear)
+        words.append("exact sums" if accum is None or accum.group(1) == "none" else f"fast accumulation: {accum.group(1)}")
+        if "fused casts (fp8_fused_casts) [" in linear and "fused casts (fp8_fused_casts) [none" not in linear:
+            # per producer: one kernel, or the producer then the cast (torch casts, current scaling)
+            how = {p: "one kernel" if h.startswith("one kernel") else "apart"
+                   for p, h in re.findall(r"\((layernorm|gelu), ([^,)]*)", linear)}
+            words.append("fused casts" + (": " + ", ".join(f"{p} {h}" for p, h in how.items()) if how else ""))
+    elif linear.startswith("transformer_engine"):
+        words.append(linear)
+    else:
+        words.append("bf16 GEMMs" if linear == "torch" else linear)
+    if "compile=per-block torch.compile" in backends:
+        words.append("compiled")
+    if "grad_accum_fusion=off" in backends:
+        words.append("grad_accum_fusion off")
+    return ", ".join(words)
+
+
+def _parts(backends: str) -> dict[str, str]:
+    """A ``backends`` line's parts by key (the text before the first ``=``; "backend" for the
+    first, which holds the linear layers)."""
+    return {p.split("=", 1)[0]: p for p in backends.split(" | ")}
+
+
+def backends_lines(rows: list[dict]) -> list[str]:
+    """Each run's ``backends`` line: the first run's in full, every other's as the parts that
+    differ from it (and the parts it lacks), so that e.g. the fused casts of fp8_fused show."""
+    lines = ["- backends of each run (the first in full; the others: the parts that differ from it)"]
+    first = None
+    for r in rows:
+        if "error" in r or "name" not in r:
+            continue
+        b = r.get("backends")
+        if not b:
+            lines.append(f"  - {r['name']}: not recorded")
+        elif first is None:
+            first = (r["name"], b)
+            lines.append(f"  - {r['name']}: {b}")
+        else:
+            base, mine = _parts(first[1]), _parts(b)
+            diff = [p for k, p in mine.items() if base.get(k) != p] + [f"no {k}" for k in base if k not in mine]
+            lines.append(f"  - {r['name']}: " + (" | ".join(diff) if diff else f"as {first[0]}"))
+    return lines if len(lines) > 1 else []
 
 
 def torchao_lines(r: dict, ours: list[dict]) -> list[str]:

@@ -179,6 +179,78 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
     assert "1.20x (NOT met) (the PyTorch casts: the default run failed)" in text
 
 
+# backends lines as model/backends.py writes them (Backends.describe), shortened where it does not matter
+_REST = (" | attention=torch-sdpa | norm=torch | grad_accum_fusion=on [torch GEMMs, not the fp8 GEMMs]: addmm_ "
+         "| cross_entropy=eager")
+_FP8 = ("backend=local: linear=native fp8 ({gemm}, {casts}) hybrid, delayed scaling, amax history 1024 steps, "
+        "fast accumulation: {accum}: fp8 GEMMs [qkv, proj, fc1, fc2] in layers 0-1{fused}; bf16 output head and "
+        "embeddings")
+_TORCH_FUSED = ("; fused casts (fp8_fused_casts) [qkv (layernorm, then the cast: torch casts), fc1 (layernorm, then "
+                "the cast: torch casts), fc2 (gelu, then the cast: torch casts)]")
+_CPP_FUSED = ("; fused casts (fp8_fused_casts) [qkv (layernorm, one kernel once the input has a delayed scale (from "
+              "the second training step)), fc1 (layernorm, one kernel once the input has a delayed scale (from the "
+              "second training step)), fc2 (gelu, one kernel)]")
+_LT = "cuBLASLt operator dept_mega::fp8_gemm, weight gradients accumulated into main_grad by the GEMM"
+_CPP = "C++ cast operator dept_mega::cast_fp8"
+
+
+def _fp8_backends(gemm="torch._scaled_mm", casts="torch casts", accum="none", fused=""):
+    return _FP8.format(gemm=gemm, casts=casts, accum=accum, fused=fused) + _REST
+
+
+def test_bench_summary_pairs_each_variant_with_its_bases_and_lists_every_backends_line():
+    """suite_summary's 1B section: every run present beside each of its bases present (RATIOS),
+    with or without bf16 in the call; each base described from its own backends line; each run's
+    backends line, the first in full, the others as the parts that differ."""
+    from suite_summary import _bench_lines, run_gist
+
+    rows = [{"name": "fp8", "tokens_per_s": 1000.0, "backends": _fp8_backends()},
+            {"name": "fp8_fused", "tokens_per_s": 1100.0, "backends": _fp8_backends(fused=_TORCH_FUSED)}]
+    text = "\n".join(_bench_lines(rows))
+    # no bf16 in the call: the fused run still against the FP8 run, described from its backends line
+    assert ("- FP8 with fp8_fused_casts=true (fp8_fused): 1.100x fp8 (_scaled_mm, torch casts, delayed scaling, "
+            "exact sums) (tokens/s)") in text, text
+    assert "bf16" not in text.replace("bf16 output head", "")
+    assert "Triton casts" not in text  # the runs' casts were torch's
+    assert "  - fp8: " + _fp8_backends() in text
+    assert "  - fp8_fused: " + _FP8.format(
+        gemm="torch._scaled_mm", casts="torch casts", accum="none", fused=_TORCH_FUSED) + "\n" in text + "\n", text
+
+    rows = [{"name": "bf16", "tokens_per_s": 800.0, "backends": "backend=auto: linear=torch" + _REST},
+            *rows,
+            {"name": "fp8_lt", "tokens_per_s": 1200.0, "backends": _fp8_backends(_LT, _CPP)},
+            {"name": "fp8_lt_fused", "tokens_per_s": 1320.0, "backends": _fp8_backends(_LT, _CPP, fused=_CPP_FUSED)},
+            {"name": "fp8_fast_accum", "tokens_per_s": 1050.0, "backends": _fp8_backends(accum="forward")},
+            {"name": "fp8_mb8", "tokens_per_s": 1250.0, "backends": _fp8_backends()},
+            {"name": "fp8_lt_mb8", "tokens_per_s": 1500.0, "backends": _fp8_backends(_LT, _CPP)},
+            {"name": "bf16_nofusion", "tokens_per_s": 780.0,
+             "backends": "backend=auto: linear=torch" + _REST.replace("grad_accum_fusion=on [torch GEMMs, not the fp8 "
+                                                                      "GEMMs]: addmm_", "grad_accum_fusion=off")},
+            {"name": "fp8_cuda", "error": "rc=1"}]
+    text = "\n".join(_bench_lines(rows))
+    fp8, bf16 = "fp8 (_scaled_mm, torch casts, delayed scaling, exact sums)", "bf16 (bf16 GEMMs)"
+    lt = "fp8_lt (cuBLASLt GEMMs, C++ casts, delayed scaling, exact sums)"
+    assert "- target FP8 >= 1.3x bf16 tokens/s: 1.25x (NOT met)" in text
+    assert f"(fp8_fused): 1.100x {fp8}, 1.375x {bf16} (tokens/s)" in text, text
+    assert f"(fp8_lt): 1.200x {fp8}, 1.500x {bf16} (tokens/s)" in text, text  # fp8_cuda failed: no ratio
+    assert (f"(fp8_lt_fused): 1.100x {lt}, 1.200x fp8_fused (_scaled_mm, torch casts, delayed scaling, exact sums, "
+            f"fused casts: layernorm apart, gelu apart), 1.320x {fp8}, 1.650x {bf16} (tokens/s)") in text, text
+    assert f"(fp8_fast_accum): 1.050x {fp8}, 1.312x {bf16} (tokens/s)" in text, text
+    assert f"(fp8_mb8): 1.250x {fp8}, 1.562x {bf16} (tokens/s)" in text, text
+    assert f"(fp8_lt_mb8): 1.250x {lt}, 1.200x fp8_mb8 (" in text, text
+    assert ("optim.grad_accum_fusion (the default run against the same run without it) (bf16): 1.026x bf16_nofusion "
+            "(bf16 GEMMs, grad_accum_fusion off) (tokens/s)") in text, text
+    assert "(fp8_cuda)" not in text and "fp8_cuda (" not in text
+    assert run_gist(rows[4]["backends"]).endswith("fused casts: layernorm one kernel, gelu one kernel")
+    assert "fast accumulation: forward" in run_gist(rows[5]["backends"]) and run_gist(None) == "backends not recorded"
+    # every run's backends line: bf16's in full, the FP8 runs' differing parts (their linear layers, wgrad)
+    assert "  - bf16: backend=auto: linear=torch" + _REST.split(" | grad")[0] in text
+    assert f"  - fp8_lt_fused: {_FP8.format(gemm=_LT, casts=_CPP, accum='none', fused=_CPP_FUSED)}\n" in text
+    assert "  - bf16_nofusion: grad_accum_fusion=off\n" in text + "\n", text
+    assert "  - fp8_mb8: backend=local: linear=native fp8 (torch._scaled_mm, torch casts)" in text
+    assert "  - fp8_cuda" not in text  # failed: in the table with its error, no backends
+
+
 def test_ops_summary_judges_the_targets_on_the_bandwidth_rows():
     """ops_bench.json as gpu_check's summary shows it: host-bound rows marked, the remap judged on
     its queued bandwidth row, each scatter against index_add_ on the same ids, the per-call table."""

@@ -82,7 +82,14 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert "), fc1 (layernorm, " in line and "), fc2 (gelu, " in line, line
     assert "fc2 (gelu, one kernel)" in by["fp8_lt_fused"]["backends"]  # the C++ casts (their CPU kernels here)
     assert "fused casts" not in by["fp8"]["backends"] and "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
-    assert "(fp8_fused): " in summary and "the fp8_lt run's (unfused)" in summary
+    assert "(fp8_fused): " in summary and "x fp8 (_scaled_mm, torch casts, delayed scaling, exact sums)" in summary
+    # each variant against its unfused / base runs, and every run's backends line in the summary
+    assert re.search(r"\(fp8_lt_fused\): [\d.]+x fp8_lt \(cuBLASLt GEMMs, C\+\+ casts, [^)]*\), [\d.]+x fp8_fused \(",
+                     summary), summary
+    assert re.search(r"\(fp8_lt_mb8\): [\d.]+x fp8_lt \(", summary), summary
+    assert f"  - bf16: {by['bf16']['backends']}\n" in summary
+    assert "  - fp8_lt_fused: backend=local: linear=native fp8 (cuBLASLt operator" in summary
+    assert "fc2 (gelu, one kernel)]" in summary.split("  - fp8_lt_fused: ")[1].splitlines()[0]
     assert "fast accumulation: none" in by["fp8"]["backends"]
     assert "FP8 with the C++/CUDA cast operator (fp8_cuda): " in summary and "(fp8_fast_accum): " in summary
     assert "# kernels: bf16_flex_autotune" in kernels and "inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1" in summary
@@ -101,13 +108,13 @@ def test_dry_run_writes_every_figure(tmp_path):
     fp8 = mem["comparison"]["trainer, FP8 (fp8=hybrid backend=local)"]  # the FP8 terms of the model
     assert fp8["measured_gb"] == by["fp8"]["peak_mem_gb"] and fp8["predicted_gb"] > 0
     assert "fp8=hybrid backend=local --global-vocab 1000 --source-vocab 1000 --memory" in log
-    assert "FP8 with micro-batches of 8: " in summary
+    assert "FP8 with micro-batches of 8 (fp8_mb8): " in summary
     assert "FP8 GEMMs traced into the compiled blocks (current scaling)" in by["fp8_current_compile"]["backends"], by["fp8_current_compile"]["backends"]
     assert "FP8 GEMMs traced into the compiled blocks (delayed scaling)" in by["fp8_compile"]["backends"], by["fp8_compile"]["backends"]
     assert "| fp8_current_compile | " in summary and "| fp8_current | " in summary
     assert "FP8 current scaling traced into the compiled blocks (fp8_current_compile): " in summary
-    assert "the eager current-scaling FP8 run" in summary and "FP8 current scaling, eager (fp8_current): " in summary
-    assert "optim.grad_accum_fusion: " in summary and "optim.grad_accum_fusion under train.compile" in summary and "STD 250,112-token head: predicted" in summary
+    assert "x fp8_current (" in summary and "FP8 current scaling, eager (fp8_current): " in summary
+    assert "optim.grad_accum_fusion (the default run against the same run without it) (bf16): " in summary and "optim.grad_accum_fusion under train.compile" in summary and "STD 250,112-token head: predicted" in summary
     assert json.loads((tmp_path / "ops_bench.json").read_text())["results"]
     # the pytest results reached the summary: pytest's last line in the stage's row
     # (e.g. "20 skipped, 121 deselected in 3.13s" in the dry run, where every GPU test skips)

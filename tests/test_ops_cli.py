@@ -20,14 +20,33 @@ def test_report_and_require(capsys):
     out = capsys.readouterr().out
     assert f"custom ops: {extension_status().reason}" in out
     assert f"cpu tensors: {backend('cpu')}" in out
-    from dept_mega.parallel.fp8_casts import op_unavailable
-    cpu_cast = "yes" if op_unavailable("cpu") is None else "no"
-    assert f"FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda): cpu {cpu_cast}, cuda " in out
+    from dept_mega.ops import loader
+    for op, label in (("cast_fp8", "FP8 cast operator"), ("layernorm_cast_fp8", "fused LayerNorm + FP8 cast operator"),
+                      ("fp8_gemm", "FP8 GEMM operator")):
+        here = "yes" if loader.kernel_missing(f"dept_mega::{op}", "cpu") is None else "no"
+        assert f"  {label} dept_mega::{op} (" in out and f"): cpu {here}, cuda " in out, out
     want = describe_backends(load_config(CFG, ["model.position_embedding=rope"]), "cpu")
     assert f"backends (cpu): {want}" in out
     assert rc == (0 if backend("cpu") == "cpp" else 1)
     assert main(["--config", CFG, "model.activation=nope"]) == 2
     assert "model.activation" in capsys.readouterr().err
+
+
+def test_listing_names_each_fp8_operator_apart(capsys, monkeypatch):
+    """The fused LayerNorm cast operator has its own line (an extension may have cast_fp8 without
+    it: built from an older csrc/), and cast_fp8's line says it takes the GELU."""
+    from dept_mega.ops import loader
+
+    missing = {("dept_mega::layernorm_cast_fp8", "cpu")}
+    monkeypatch.setattr(loader, "kernel_missing", lambda op, device, *a, **k: "absent" if (op, str(device)) in missing
+                        or str(device) == "cuda" else None)
+    main([])
+    out = capsys.readouterr().out
+    assert ("  FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda; gelu=True: the GELU fused into the cast, "
+            "fp8_fused_casts): cpu yes, cuda no\n") in out, out
+    assert ("  fused LayerNorm + FP8 cast operator dept_mega::layernorm_cast_fp8 (fp8_casts: cuda with "
+            "fp8_fused_casts): cpu no, cuda no\n") in out, out
+    assert "  FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt): cpu yes, cuda no\n" in out, out
 
 
 def test_require_fails_on_the_fallback():

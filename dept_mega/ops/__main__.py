@@ -28,6 +28,20 @@ def _optional_packages() -> list[tuple[str, str]]:
             ("apex (fused LayerNorm / RMSNorm on CUDA)", "yes" if layers._apex_ln is not None else "not installed")]
 
 
+def _fp8_operators() -> list[tuple[str, str, tuple[str, ...]]]:
+    """The FP8 operators of the extension, each as (what it is and which config selects it,
+    operator, the arguments this source passes that an older build lacks: such a build counts as
+    missing the operator); ``fp8_casts: cuda`` needs both cast operators (``fp8_casts.op_unavailable``)."""
+    from dept_mega.parallel import fp8_casts
+
+    cast_args = fp8_casts.OPS["dept_mega::cast_fp8"]
+    return [("FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda; gelu=True: the GELU fused into the cast, "
+             "fp8_fused_casts)", "dept_mega::cast_fp8", cast_args),
+            ("fused LayerNorm + FP8 cast operator dept_mega::layernorm_cast_fp8 (fp8_casts: cuda with "
+             "fp8_fused_casts)", "dept_mega::layernorm_cast_fp8", fp8_casts.OPS["dept_mega::layernorm_cast_fp8"]),
+            ("FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt)", "dept_mega::fp8_gemm", ())]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.ops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="also print the backends a run of this config uses here")
@@ -36,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda")
     args = ap.parse_args(argv)
 
-    from dept_mega.ops import backend, extension_status
+    from dept_mega.ops import backend, extension_status, loader
 
     cuda = torch.cuda.is_available()
     gpus = f"{torch.cuda.device_count()} visible ({torch.cuda.get_device_name(0)})" if cuda else "none visible"
@@ -44,10 +58,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     st = extension_status()
     print(f"custom ops: {st.reason}")
     print(f"  cpu tensors: {backend('cpu')}" + (f", cuda tensors: {backend('cuda')}" if cuda else ""))
-    from dept_mega.parallel import fp8_casts, fp8_gemm
-    for what, module in (("FP8 cast operator dept_mega::cast_fp8 (fp8_casts: cuda)", fp8_casts),
-                         ("FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt)", fp8_gemm)):
-        where = [f"{dev} {'yes' if module.op_unavailable(dev) is None else 'no'}" for dev in ("cpu", "cuda")]
+    for what, op, newer in _fp8_operators():
+        where = [f"{dev} {'yes' if loader.kernel_missing(op, dev, args=newer) is None else 'no'}"
+                 for dev in ("cpu", "cuda")]
         print(f"  {what}: {', '.join(where)}")
     print("optional packages:")
     for name, state in _optional_packages():
