@@ -35,6 +35,17 @@ delayed by default, after a first step that gave every operand a history). Combi
   no kernel, so its bytes are garbage. It runs on either device; against ``triton`` it leaves
   exactly Triton's launcher out (argument binding, specialisation key, cache lookup, the
   driver's launch).
+* ``CASTS+GEMM+fused`` and ``CASTS+GEMM+unfused``: the chain with the producers of the layers'
+  inputs as the model hands them over (each layer's ``prologue``): a LayerNorm (the model's
+  ``Norm``) before each column layer (QKV, fc1), the GELU before each row layer (fc2), the
+  norms' parameters in the gradient buffer. ``fused``: ``fp8_fused_casts`` on (the producer in
+  the input's cast: ``fp8_prologue.py``, one operator or launch, then its backward op);
+  ``unfused``: ``F.layer_norm`` / ``F.gelu`` called by the layer, then the plain FP8 linear.
+  Their difference is what fusion saves the host per linear call, the producer's own call
+  included. Under ``--kernels stub`` the fused LayerNorm cast is stubbed as well; the
+  unfused producers and both variants' backward ops (``native_layer_norm_backward``,
+  ``gelu_backward``) are ATen's CPU kernels, which compute (at 16 × 64 a small part of their
+  cost, against a GPU host's launch, which they lack).
 
 ``--device cuda`` runs the same chains on the GPU (real kernels) and times each forward and
 backward by the wall clock between two synchronisations: at these sizes the kernels end about as
@@ -42,8 +53,8 @@ soon as the host has issued them, so that is the host's time with the CUDA launc
 
 ``--kernels stub`` (the default on the CPU) replaces the CPU kernels of ``dept_mega::cast_fp8``
 and ``dept_mega::fp8_gemm`` in this process by C++ kernels that only allocate their outputs
-(compiled once with ``torch.utils.cpp_extension.load_inline``, ~45 s the first time, cached
-after): the CPU kernels compute (the GEMM converts its operands to fp32: ~50 µs per call even at
+(and of ``dept_mega::layernorm_cast_fp8``; compiled once with
+``torch.utils.cpp_extension.load_inline``, ~45 s the first time, cached after): the CPU kernels compute (the GEMM converts its operands to fp32: ~50 µs per call even at
 16 × 64), which a GPU does not do on the host, so with them the figures would mostly be
 arithmetic. With the stubs a call costs what it costs a CUDA host minus the driver's launches:
 our Python, autograd, the dispatcher and the allocations. The numbers are garbage then (nothing
@@ -84,6 +95,10 @@ ran, the cublaslt rows first, so the GPU path's own figures; n/a where none did)
   CPU ``_scaled_mm`` computes (~20 µs per GEMM even here): not a host figure.
 * ``gpu_path_over_bf16`` = ``cuda+cublaslt − bf16``: what the FP8 path costs the host per call over
   the bf16 layer's.
+* ``fusion_saves`` = ``cuda+cublaslt+unfused − cuda+cublaslt+fused``: what fusing the producer
+  into the C++ cast saves the host per linear call (negative: what it costs), its producer's
+  call included. ``fusion_saves_triton``: the same for the Triton casts (``triton``, on the CPU
+  ``tritonpy``).
 
 On the CPU these are a proxy for the host time of a GPU run, without the CUDA driver's launch
 cost (a few µs per kernel), on a CPU other jobs may share; compare figures of one run (the
@@ -108,18 +123,26 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
 from dept_mega.ops import loader  # noqa: E402
-from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels  # noqa: E402
+from dept_mega.model.layers import Norm  # noqa: E402
+from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels, fp8_norm_kernels  # noqa: E402
 from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State  # noqa: E402
+from dept_mega.parallel.fp8_prologue import GELU  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 from dept_mega.parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear  # noqa: E402
 
 CASTS = ("torch", "cuda", "triton", "tritonpy")
-COMBOS = ("bf16", "bf16_unfused") + tuple(f"{c}+{g}" for c in CASTS for g in ("torch", "cublaslt"))
+PLAIN = ("bf16", "bf16_unfused") + tuple(f"{c}+{g}" for c in CASTS for g in ("torch", "cublaslt"))
+# CASTS+GEMM+fused / +unfused: the chain with its producers (LayerNorm before the column layers,
+# GELU before the row layers), fused into the casts (fp8_fused_casts) or called before the linear
+PROLOGUE = ("fused", "unfused")
+COMBOS = PLAIN + tuple(f"{c}+{v}" for c in PLAIN if "+" in c for v in PROLOGUE)
 # on CUDA the torch casts are compiled by inductor at their first call (minutes for the bench): left out
+_FUSED_ROWS = ("cuda+cublaslt+fused", "cuda+cublaslt+unfused", "tritonpy+cublaslt+fused",
+               "tritonpy+cublaslt+unfused")
 DEFAULT = {"cpu": ("bf16", "bf16_unfused", "torch+torch", "torch+cublaslt", "cuda+torch", "cuda+cublaslt",
-                   "tritonpy+cublaslt"),
+                   "tritonpy+cublaslt") + _FUSED_ROWS,
            "cuda": ("bf16", "bf16_unfused", "triton+torch", "triton+cublaslt", "tritonpy+cublaslt", "cuda+torch",
-                    "cuda+cublaslt")}
+                    "cuda+cublaslt", "triton+cublaslt+fused", "triton+cublaslt+unfused") + _FUSED_ROWS[:2]}
 GPU_PATH = "cuda+cublaslt"  # the combination whose Python is the GPU run's (see the docstring)
 # the derived table (see the docstring): name -> (candidate (minuend, subtrahend) pairs, the first
 # that both ran is used; what it is; a caveat on the CPU or None)
@@ -135,6 +158,14 @@ DERIVED = {
                        "torch._scaled_mm's host path and the dW add over the cuBLASLt operator's (fp8_gemm: torch "
                        "against cublaslt)", "on the CPU PyTorch's CPU _scaled_mm computes: not a host figure"),
     "gpu_path_over_bf16": ((("cuda+cublaslt", "bf16"),), "the GPU path's FP8 linear over the bf16 layer", None),
+    "fusion_saves": ((("cuda+cublaslt+unfused", "cuda+cublaslt+fused"), ("cuda+torch+unfused", "cuda+torch+fused")),
+                     "what fusing the producer (LayerNorm, GELU) into the C++ cast saves the host (negative: costs), "
+                     "the producer's own call included", None),
+    "fusion_saves_triton": ((("triton+cublaslt+unfused", "triton+cublaslt+fused"),
+                             ("tritonpy+cublaslt+unfused", "tritonpy+cublaslt+fused"),
+                             ("triton+torch+unfused", "triton+torch+fused"),
+                             ("tritonpy+torch+unfused", "tritonpy+torch+fused")),
+                            "the same with the Triton casts (tritonpy: without Triton's launcher)", None),
 }
 _BIG = 1 << 40  # expected accumulations per step: the buffer's buckets never become final
 _SYNC_OPS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item")
@@ -147,13 +178,25 @@ namespace {
 // --kernels stub): the host work of a CUDA kernel's launcher minus the launch itself.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_stub(
     const at::Tensor& t, at::ScalarType dtype, int64_t pad, bool rowwise, bool colwise,
-    const std::optional<at::Tensor>& scale, int64_t, const std::optional<at::Tensor>&, int64_t) {
+    const std::optional<at::Tensor>& scale, int64_t, const std::optional<at::Tensor>&, int64_t, bool) {
   const int64_t rows = t.size(0) + pad, cols = t.size(1);
   at::Tensor q, qt, inv;
   if (rowwise) q = at::empty({rows, cols}, t.options().dtype(dtype));
   if (colwise) qt = at::empty({cols, rows}, t.options().dtype(dtype));
   if (!scale.has_value()) inv = at::empty({}, t.options().dtype(at::kFloat));
   return {q, qt, inv};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layernorm_cast_stub(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>&, double, at::ScalarType dtype,
+    int64_t pad, bool rowwise, bool colwise, const std::optional<at::Tensor>&, int64_t,
+    const std::optional<at::Tensor>&, int64_t) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  at::Tensor q, qt;
+  if (rowwise) q = at::empty({rows + pad, cols}, x.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, rows + pad}, x.options().dtype(dtype));
+  // mean and rstd as the CPU kernel returns them (the dtype native_layer_norm_backward takes there)
+  return {q, qt, at::empty({rows, 1}, x.options().dtype(weight.scalar_type())),
+          at::empty({rows, 1}, x.options().dtype(weight.scalar_type()))};
 }
 at::Tensor gemm_stub(const at::Tensor& a, const at::Tensor& b, const at::Tensor&, const at::Tensor&, bool,
                      const std::optional<at::Tensor>& out, bool) {
@@ -163,6 +206,7 @@ at::Tensor gemm_stub(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 }  // namespace
 TORCH_LIBRARY_IMPL(dept_mega, CPU, m) {
   m.impl("cast_fp8", &cast_stub);
+  m.impl("layernorm_cast_fp8", &layernorm_cast_stub);
   m.impl("fp8_gemm", &gemm_stub);
 }
 """
@@ -178,7 +222,9 @@ def install_stub_kernels() -> None:
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": what is wanted here
-        load_inline("dept_mega_fp8_host_stubs", cpp_sources=[_STUB_SRC], is_python_module=False)
+        # the stubs' signatures follow the operators' schemas: a name of their own per schema, so a
+        # checkout of another version (its build cached under the old name) does not rebuild this one
+        load_inline("dept_mega_fp8_host_stubs_v2", cpp_sources=[_STUB_SRC], is_python_module=False)
 
 
 def derived(us: dict, device: str) -> dict:
@@ -206,23 +252,28 @@ def _no_launch(*args, **kwargs) -> None:
 
 @contextlib.contextmanager
 def launches_stubbed():
-    """``fp8_kernels`` with its Triton launches no-ops for the duration (see ``tritonpy`` in the
-    module docstring), restored afterwards: ``cast_fp8``'s own Python runs, no kernel."""
-    K = fp8_kernels
-    names = ("_cast_kernel", "_amax_parts_kernel", "AVAILABLE", "triton", "interpreted")
-    saved = {n: getattr(K, n) for n in names if hasattr(K, n)}
-    K._cast_kernel = K._amax_parts_kernel = _NoLaunch()
-    K.AVAILABLE, K.interpreted = True, lambda: True  # interpreted: its check of CPU tensors passes
-    if K.triton is None:
-        K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
+    """``fp8_kernels`` (and ``fp8_norm_kernels``, the fused LayerNorm cast) with their Triton
+    launches no-ops for the duration (see ``tritonpy`` in the module docstring), restored
+    afterwards: ``cast_fp8``'s and ``layernorm_cast_fp8``'s own Python runs, no kernel."""
+    saved = []
+    for K, kernels in ((fp8_kernels, ("_cast_kernel", "_amax_parts_kernel")),
+                       (fp8_norm_kernels, ("_layernorm_cast_kernel",))):
+        names = kernels + ("AVAILABLE", "triton", "interpreted")
+        saved.append((K, names, {n: getattr(K, n) for n in names if hasattr(K, n)}))
+        for n in kernels:
+            setattr(K, n, _NoLaunch())
+        K.AVAILABLE, K.interpreted = True, lambda: True  # interpreted: its check of CPU tensors passes
+        if K.triton is None:
+            K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
     try:
         yield
     finally:
-        for n in names:
-            if n in saved:
-                setattr(K, n, saved[n])
-            elif hasattr(K, n):
-                delattr(K, n)
+        for K, names, values in saved:
+            for n in names:
+                if n in values:
+                    setattr(K, n, values[n])
+                elif hasattr(K, n):
+                    delattr(K, n)
 
 
 class _Count(TorchDispatchMode):
@@ -267,20 +318,29 @@ class Chain:
         self.device = torch.device(device)
         pg = build_groups()
         self.state, self.stub_launches = None, combo.startswith("tritonpy+")
+        prologue = combo.split("+")[2] if combo.count("+") == 2 else None
         if combo in ("bf16", "bf16_unfused"):
             gemm = LinearGemm(fuse_wgrad=combo == "bf16")
         else:
-            casts, mm = combo.split("+")
+            casts, mm = combo.split("+")[:2]
             # tritonpy: a state any device can build, then Fp8State.cast's Triton path by hand
             self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device,
                                   kernels="torch" if self.stub_launches else casts, gemm=mm)
             if self.stub_launches:
                 self.state.kernels = "triton"
-            gemm = LinearGemm("fp8", self.state)
+            gemm = LinearGemm("fp8", self.state, fused_casts=prologue == "fused")
         kinds = (ColumnParallelLinear, RowParallelLinear)
         self.layers = [kinds[i % 2](hidden, hidden, pg, name=f"l{i}", seed=i, init_std=hidden ** -0.5, gemm=gemm,
                                     device=device, dtype=torch.bfloat16) for i in range(depth)]
-        self.ws = [m.weight for m in self.layers]
+        # +fused / +unfused: each layer's producer as the model hands it over (its prologue): a
+        # LayerNorm (the model's Norm, bf16 weight and bias) before a column layer (QKV, fc1), the
+        # GELU before a row layer (fc2)
+        self.prologues = [None] * depth if prologue is None else [
+            GELU if i % 2 else Norm("layernorm", hidden, 1e-5, name=f"n{i}", seed=i, device=device,
+                                    dtype=torch.bfloat16) for i in range(depth)]
+        norms = [p for p in self.prologues if isinstance(p, Norm)]
+        # the norms' parameters get their gradients as in training (from the buffer, as the weights')
+        self.ws = [m.weight for m in self.layers] + [t for n in norms for t in (n.weight, n.bias)]
         self.buffer = GradBuffer(self.ws, torch.float32, self.device, bucket_size=1 << 30)
         self.buffer.adopt()
         self.sync = GradSync(pg, overlap=False)
@@ -292,12 +352,12 @@ class Chain:
 
     def forward(self) -> torch.Tensor:
         y = self.x
-        for m in self.layers:
-            y = m(y)
+        for m, p in zip(self.layers, self.prologues):
+            y = m(y) if p is None else m(y, prologue=p)
         return y
 
     def backward(self, y: torch.Tensor) -> None:
-        """One micro-batch's backward. ``inputs``: the weights only, so that the chain's input,
+        """One micro-batch's backward. ``inputs``: the parameters only, so that the chain's input,
         a leaf here where the model's is not, gets no gradient of its own (autograd would
         detach or add one per pass); the first layer computes its input's gradient all the same."""
         torch.autograd.backward(y, self.dy, inputs=self.ws)
@@ -375,7 +435,7 @@ def skip_reason(combo: str, device: str):
     """Why ``combo`` cannot run on ``device`` (None: it can)."""
     if combo.startswith("bf16"):
         return None
-    casts, gemm = combo.split("+")
+    casts, gemm = combo.split("+")[:2]
     if casts == "triton" and (device != "cuda" or not fp8_kernels.AVAILABLE):
         return "Triton's casts need CUDA and Triton (on the CPU only its interpreter, which would time the interpreter)"
     if casts == "cuda" and (why := fp8_casts.op_unavailable(device)):
@@ -434,26 +494,26 @@ def main(argv: list[str] | None = None) -> None:
            "timing": f"{timing}, min over passes, per layer call", "skipped": skipped, "combos": {}}
     print(f"host µs per layer call on {name}, min of {rounds * args.per_step} passes ({timing}), tokens,hidden = "
           f"{args.shape}, chain of {args.depth}, kernels {kernels}, {args.scaling} scaling, torch {torch.__version__}")
-    print(f"  {'combo':16s} {'fwd us':>7s} {'bwd us':>7s} {'sum':>7s} | {'fwd ops':>7s} {'bwd ops':>7s} | "
+    print(f"  {'combo':25s} {'fwd us':>7s} {'bwd us':>7s} {'sum':>7s} | {'fwd ops':>7s} {'bwd ops':>7s} | "
           f"{'py fwd':>6s} {'py bwd':>6s} | syncs")
     for c in combos:
         f, b = (min(v) / args.depth * 1e6 for v in times[c])
         k = counts[c]
         res["combos"][c] = {"fwd_us": f, "bwd_us": b, **{f"{ph}_{key}": k[ph][key] for ph in ("fwd", "bwd")
                                                          for key in ("ops", "py_calls", "c_calls", "syncs", "by_op")}}
-        print(f"  {c:16s} {f:7.1f} {b:7.1f} {f + b:7.1f} | {k['fwd']['ops']:7.2f} {k['bwd']['ops']:7.2f} | "
+        print(f"  {c:25s} {f:7.1f} {b:7.1f} {f + b:7.1f} | {k['fwd']['ops']:7.2f} {k['bwd']['ops']:7.2f} | "
               f"{k['fwd']['py_calls']:6.1f} {k['bwd']['py_calls']:6.1f} | {k['fwd']['syncs'] + k['bwd']['syncs']}"
               f"{'   <- fp8_casts: cuda + fp8_gemm: cublaslt' if c == GPU_PATH else ''}")
         if args.ops:
             for ph in ("fwd", "bwd"):
                 print(f"      {ph}: " + ", ".join(f"{n.split('::')[-1]} {v:g}" for n, v in k[ph]["by_op"].items()))
     for c, why in skipped.items():
-        print(f"  {c:16s} skipped: {why}")
+        print(f"  {c:25s} skipped: {why}")
     res["derived"] = derived({c: v["fwd_us"] + v["bwd_us"] for c, v in res["combos"].items()}, args.device)
     print("derived, µs per call (forward + backward):")
     for n, d in res["derived"].items():
         value = "     n/a" if d["us"] is None else f"{d['us']:8.1f}"
-        print(f"  {n:18s} {value}  = {d['of']}: {d['what']}")
+        print(f"  {n:19s} {value}  = {d['of']}: {d['what']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from itertools import product
 
 import pytest
@@ -191,7 +192,10 @@ def test_the_host_bench_derives_the_right_differences():
             "cast_fp8_python": ("tritonpy+cublaslt", "cuda+cublaslt"),
             "triton_casts": ("triton+cublaslt", "cuda+cublaslt"),
             "scaled_mm_host": ("cuda+torch", "cuda+cublaslt"),
-            "gpu_path_over_bf16": ("cuda+cublaslt", "bf16")}
+            "gpu_path_over_bf16": ("cuda+cublaslt", "bf16"),
+            "fusion_saves": ("cuda+cublaslt+unfused", "cuda+cublaslt+fused"),
+            "fusion_saves_triton": ("triton+cublaslt+unfused", "triton+cublaslt+fused")}
+    assert len(bench.COMBOS) < 60  # the powers of two stay exact in a float
     got = bench.derived(us, "cuda")
     assert set(got) == set(want)
     for name, (a, b) in want.items():
@@ -204,6 +208,7 @@ def test_the_host_bench_derives_the_right_differences():
     assert no_lt["scaled_mm_host"]["of"] == "cuda+torch - cuda+cublaslt"  # the pair it would have used
     cpu = bench.derived({c: v for c, v in us.items() if not c.startswith("triton+")}, "cpu")
     assert cpu["triton_launcher"]["us"] is None and cpu["triton_casts"]["us"] is None
+    assert cpu["fusion_saves_triton"]["us"] == us["tritonpy+cublaslt+unfused"] - us["tritonpy+cublaslt+fused"]
     assert "not a host figure" in cpu["scaled_mm_host"]["what"] and "not a host" not in got["scaled_mm_host"]["what"]
     assert bench.skip_reason("triton+torch", "cpu").startswith("Triton's casts need CUDA")
     assert bench.skip_reason("tritonpy+torch", "cpu") is None and bench.skip_reason("bf16_unfused", "cpu") is None
@@ -252,7 +257,7 @@ def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path, capsys)
     rec = json.loads(out.read_text())
     assert rec["device"] == "cpu" and rec["scaling"] == "current" and rec["passes"] == 4
     assert list(rec["combos"]) == combos.split(",")[:-1]
-    assert set(rec["skipped"]) == {"triton+cublaslt"} and "triton+cublaslt  skipped: Triton" in stdout
+    assert set(rec["skipped"]) == {"triton+cublaslt"} and re.search(r"\n  triton\+cublaslt +skipped: Triton", stdout)
     total = {c: x["fwd_us"] + x["bwd_us"] for c, x in rec["combos"].items()}
     assert all(v > 0 for v in total.values())
     d = rec["derived"]
@@ -260,7 +265,39 @@ def test_the_host_bench_reports_combinations_and_derived_costs(tmp_path, capsys)
     assert d["scaled_mm_host"]["us"] == total["cuda+torch"] - total["cuda+cublaslt"]
     assert d["gpu_path_over_bf16"]["us"] == total["cuda+cublaslt"] - total["bf16"]
     assert d["triton_launcher"]["us"] is None and d["triton_casts"]["us"] is None
-    assert "  triton_launcher         n/a  = triton+cublaslt - tritonpy+cublaslt" in stdout
+    assert "  triton_launcher          n/a  = triton+cublaslt - tritonpy+cublaslt" in stdout
     # current scaling: cast_fp8 allocates both layouts, 1/scale and the amax's partial maxima (delayed: the two layouts)
     assert rec["combos"]["tritonpy+cublaslt"]["fwd_by_op"] == {"aten::new_empty": 4, "dept_mega::fp8_gemm": 1}
     assert rec["combos"]["cuda+cublaslt"]["fwd_by_op"] == {"dept_mega::cast_fp8": 1, "dept_mega::fp8_gemm": 1}
+
+
+@pytest.mark.skipif(not _OPS_HERE, reason="the dept_mega.ops FP8 operators are not built")
+def test_the_host_bench_compares_fused_prologues_with_their_producers(tmp_path):
+    """The ``+fused`` / ``+unfused`` rows: the chain with a LayerNorm before each column layer and
+    the GELU before each row layer, fused into the casts (one LayerNorm cast operator, the cast
+    operator for GELU; under ``tritonpy`` no launch reaches a kernel) or called before the
+    plain linear; ``fusion_saves`` is their difference."""
+    out = tmp_path / "host.json"
+    combos = "cuda+cublaslt+fused,cuda+cublaslt+unfused,tritonpy+cublaslt+fused,tritonpy+cublaslt+unfused"
+    _bench_module().main(["--kernels", "real", "--depth", "2", "--repeats", "4", "--per-step", "2",
+                          "--combos", combos, "--json", str(out)])
+    rec = json.loads(out.read_text())
+    c = rec["combos"]
+    assert list(c) == combos.split(",")
+    # per call (a column and a row layer): forward the fused LayerNorm cast or the GELU cast, and the GEMM
+    assert c["cuda+cublaslt+fused"]["fwd_by_op"] == {"dept_mega::cast_fp8": 0.5, "dept_mega::fp8_gemm": 1,
+                                                    "dept_mega::layernorm_cast_fp8": 0.5}
+    assert c["cuda+cublaslt+unfused"]["fwd_by_op"] == {"aten::gelu": 0.5, "aten::native_layer_norm": 0.5,
+                                                      "dept_mega::cast_fp8": 1, "dept_mega::fp8_gemm": 1}
+    assert c["tritonpy+cublaslt+fused"]["fwd_by_op"] == {"aten::new_empty": 3, "dept_mega::fp8_gemm": 1}
+    for combo in c:  # the producers' backward in both (the norms' parameters get their gradients)
+        assert c[combo]["bwd_by_op"]["aten::native_layer_norm_backward"] == 0.5, combo
+        assert c[combo]["bwd_by_op"]["aten::gelu_backward"] == 0.5, combo
+        assert c[combo]["fwd_syncs"] == c[combo]["bwd_syncs"] == 0
+    total = {k: x["fwd_us"] + x["bwd_us"] for k, x in c.items()}
+    d = rec["derived"]
+    assert d["fusion_saves"]["us"] == total["cuda+cublaslt+unfused"] - total["cuda+cublaslt+fused"]
+    assert d["fusion_saves_triton"]["us"] == total["tritonpy+cublaslt+unfused"] - total["tritonpy+cublaslt+fused"]
+    from dept_mega.parallel import fp8_norm_kernels, fp8_triton
+    # the launches' stubs restored after each step (fp8_norm_kernels as fp8_kernels)
+    assert fp8_norm_kernels.AVAILABLE == fp8_triton.AVAILABLE and fp8_norm_kernels.interpreted is fp8_triton.interpreted

@@ -144,3 +144,62 @@ def test_the_host_bench_runs_and_reports_every_combination(tmp_path, capsys):
     lt = res["combos"]["cuda+cublaslt"]
     assert lt["fwd_ops"] == 2 and lt["bwd_ops"] == 4 and lt["fwd_syncs"] == lt["bwd_syncs"] == 0
     assert all(v["fwd_us"] > 0 and v["bwd_us"] > 0 for v in res["combos"].values())
+
+
+def _train_fused(casts: str, gemm: str) -> dict:
+    """Two training steps (current-scaled, then delayed) of two micro-batches through a column
+    layer with a LayerNorm prologue and a row layer with the GELU prologue, casts fused
+    (``fp8_fused_casts``), 3-D input padded; outputs, input and norm gradients, the buffer, state."""
+    from dept_mega.model.layers import Norm
+    from dept_mega.parallel.fp8_prologue import GELU
+    torch.manual_seed(0)
+    state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=4), "cpu", kernels=casts, gemm=gemm)
+    kind = LinearGemm("fp8", state, fused_casts=True)
+    pg = build_groups()
+    norm = Norm("layernorm", 64, 1e-5, name="n", seed=3, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+        norm.bias.normal_(0.0, 0.2)
+    chain = [ColumnParallelLinear(64, 96, pg, name="a", seed=1, init_std=0.1, gemm=kind, dtype=torch.bfloat16),
+             RowParallelLinear(96, 64, pg, name="b", seed=2, init_std=0.1, gemm=kind, dtype=torch.bfloat16)]
+    ws = [m.weight for m in chain] + [norm.weight, norm.bias]
+    buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
+    buf.adopt()
+    sync = GradSync(pg, overlap=False)
+    g = torch.Generator().manual_seed(5)
+    out = {"y": [], "x_grad": [], "main_grad": []}
+    for _ in range(2):
+        sync.begin([buf], {id(w): 2 for w in ws})
+        state.begin_step()
+        for _ in range(2):
+            x = torch.randn(2, 20, 64, generator=g).bfloat16().requires_grad_()
+            y = chain[1](chain[0](x, prologue=norm), prologue=GELU)
+            y.backward(torch.randn(y.shape, generator=g).bfloat16())
+            out["y"].append(_bits(y))
+            out["x_grad"].append(_bits(x.grad))
+        state.end_step()
+        sync.finish()
+        out["main_grad"] += [_bits(w.main_grad) for w in ws]
+    out["history"], out["scale"] = _bits(state.history), _bits(state.scale)
+    return out
+
+
+@pytest.mark.parametrize("casts,gemm", COMBOS)
+def test_the_fused_linears_direct_apply_gives_the_public_applys_bytes(casts, gemm, monkeypatch):
+    """``fp8_prologue_linear`` calls ``_Fp8PrologueLinear``'s C++ apply directly (as the plain
+    linear's): every fused call takes it, with the bytes of ``Function.apply``."""
+    from dept_mega.parallel import fp8_prologue
+    applied = []
+    real_apply = fp8_prologue._APPLY
+    assert real_apply is not None
+    with monkeypatch.context() as m:
+        m.setattr(fp8_prologue, "_APPLY", lambda *a: applied.append(a[-1]) or real_apply(*a))
+        fast = _train_fused(casts, gemm)
+    assert len(applied) == 2 * 2 * 2 and applied.count(None) == 4  # per pass: LayerNorm (eps), GELU (None)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_prologue, "_APPLY", None)
+        public = _train_fused(casts, gemm)
+    for key in fast:
+        a, b = fast[key], public[key]
+        pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
+        assert all(torch.equal(p, q) for p, q in pairs), key

@@ -559,11 +559,18 @@ def linear_grads(ctx, grad_out: torch.Tensor, xq_t: Optional[torch.Tensor], x_in
 # transform is active, after replacing a dead functorch wrapper by its tensor): the C++ apply of
 # ``_Fp8Linear`` bound once. The wrapper's own work (``setup_context`` inspection, the transforms'
 # check, a generator over the arguments) is ~1.5 µs of host time per call; see fp8_linear_eager.
-_APPLY = getattr(super(torch.autograd.Function, _Fp8Linear), "apply", None)
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
-if _unwrap_if_dead is None or _APPLY is None or _APPLY == _Fp8Linear.apply:
-    _APPLY = None  # a torch whose Function.apply is laid out otherwise: always the public apply
+
+
+def direct_apply(fn: type):
+    """The C++ apply of the ``autograd.Function`` ``fn``, bound (see above), or None on a torch
+    whose ``Function.apply`` is laid out otherwise (then the callers take the public apply)."""
+    apply = getattr(super(torch.autograd.Function, fn), "apply", None)
+    return None if _unwrap_if_dead is None or apply is None or apply == fn.apply else apply
+
+
+_APPLY = direct_apply(_Fp8Linear)
 
 
 def fp8_linear_eager(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer) -> torch.Tensor:

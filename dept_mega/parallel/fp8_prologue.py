@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from . import fp8
 from .fp8 import _ALIGN, E4M3, INPUT, Fp8Layer, linear_gemm, linear_grads
+from .fp8_gemm import direct_op
 
 
 class Gelu:
@@ -50,6 +51,11 @@ class Gelu:
 
 
 GELU = Gelu()
+
+
+# the producers' backward ops, their overloads' C++ callables resolved once (fp8_gemm.direct_op)
+_GELU_BACKWARD = direct_op(torch.ops.aten.gelu_backward.default)
+_LN_BACKWARD = direct_op(torch.ops.aten.native_layer_norm_backward.default)
 
 
 class _Fp8PrologueLinear(torch.autograd.Function):
@@ -95,24 +101,38 @@ class _Fp8PrologueLinear(torch.autograd.Function):
         grad_x = grad_nw = grad_nb = None
         if need_dx:
             if ctx.eps is None:  # d/dh of gelu(h), as GeluBackward0
-                grad_x = torch.ops.aten.gelu_backward(grad_u, x)
+                grad_x = _GELU_BACKWARD(grad_u, x)
             else:  # as NativeLayerNormBackward0, on the 2-D view the forward normalised
                 h = x.shape[-1]
-                grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(
-                    grad_u.reshape(-1, h), x.reshape(-1, h), [h], mean, rstd, norm_weight, norm_bias,
-                    [needs[0], needs[2], needs[3]])
-                if grad_x is not None:
+                flat = x.dim() == 2  # no reshape or view dispatched that would change nothing (host time)
+                grad_x, grad_nw, grad_nb = _LN_BACKWARD(
+                    grad_u if flat else grad_u.reshape(-1, h), x if flat else x.reshape(-1, h), [h], mean, rstd,
+                    norm_weight, norm_bias, [needs[0], needs[2], needs[3]])
+                if grad_x is not None and not flat:
                     grad_x = grad_x.view(x.shape)
         return grad_x, grad_w, grad_nw, grad_nb, None, None, None
+
+
+# ``_Fp8PrologueLinear``'s C++ apply, called directly when no functorch transform is active, as
+# ``fp8.fp8_linear_eager`` calls ``_Fp8Linear``'s (the same node and results, without
+# ``Function.apply``'s Python wrapper); None where this torch lays ``Function.apply`` out otherwise
+_APPLY = fp8.direct_apply(_Fp8PrologueLinear)
 
 
 def fp8_prologue_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, prologue) -> torch.Tensor:
     """``prologue(x) Wᵀ`` through the FP8 GEMMs, the prologue (``prologue.fp8_prologue``:
     ``"gelu"`` | ``"layernorm"``) fused into the cast of the GEMM's input (the module docstring).
-    Eager only: the layers call it outside compiled graphs."""
+    Eager only: the layers call it outside compiled graphs (never traced by Dynamo)."""
+    kind = prologue.fp8_prologue
+    if kind == "gelu":
+        nw = nb = eps = None
+    elif kind == "layernorm":
+        nw, nb, eps = prologue.weight, prologue.bias, prologue.eps
+    else:
+        raise ValueError(f"fp8_prologue_linear: no fused cast for a {kind!r} prologue")
     grad = torch.is_grad_enabled()
-    if prologue.fp8_prologue == "gelu":
-        return _Fp8PrologueLinear.apply(x, weight, None, None, layer, grad, None)
-    if prologue.fp8_prologue == "layernorm":
-        return _Fp8PrologueLinear.apply(x, weight, prologue.weight, prologue.bias, layer, grad, prologue.eps)
-    raise ValueError(f"fp8_prologue_linear: no fused cast for a {prologue.fp8_prologue!r} prologue")
+    if _APPLY is None or fp8._transforms_active():
+        return _Fp8PrologueLinear.apply(x, weight, nw, nb, layer, grad, eps)
+    unwrap = fp8._unwrap_if_dead  # what Function.apply does to its tensor arguments, then its C++ apply
+    return _APPLY(unwrap(x), unwrap(weight), None if nw is None else unwrap(nw), None if nb is None else unwrap(nb),
+                  layer, grad, eps)
