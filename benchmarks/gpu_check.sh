@@ -181,7 +181,7 @@ else
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
-                     [torchao]=60 [fp8_host]=30 [flex_autotune]=120 [fp8_cuda]=55
+                     [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
                      [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi

@@ -128,7 +128,10 @@ def test_dry_run_writes_every_figure(tmp_path):
     from dept_mega.parallel.fp8_gemm import op_unavailable as gemm_unavailable  # cublaslt: the GEMM operator
     ops_here = op_unavailable("cpu") is None and gemm_unavailable("cpu") is None
     assert set(combos) == {"bf16", "bf16_unfused", "torch+torch",
-                           *(["torch+cublaslt", "cuda+torch", "cuda+cublaslt", "tritonpy+cublaslt"] if ops_here else [])}
+                           *(["torch+cublaslt", "cuda+torch", "cuda+cublaslt", "tritonpy+cublaslt",
+                              # the fused casts' chain (LayerNorm / GELU before the linears) and its unfused twin
+                              "cuda+cublaslt+fused", "cuda+cublaslt+unfused", "tritonpy+cublaslt+fused",
+                              "tritonpy+cublaslt+unfused"] if ops_here else [])}
     assert all(x["fwd_us"] > 0 and x["bwd_us"] > 0 for x in combos.values()), combos
     assert host[0]["device"] == "cpu" and host[0]["kernels"] == "real" and host[0]["depth"] == 2
     if ops_here:
