@@ -14,7 +14,7 @@ import glob
 import os
 import types
 import typing
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -333,13 +333,31 @@ def _check_values(cfg: Config) -> None:
                           f"{cfg.dept.local_steps}")
 
 
+def te_fp8_conflict(cfg: Config) -> Optional[str]:
+    """The first setting of the native FP8 linears that Transformer Engine's linears would not
+    honour (``fp8_fused_casts``, ``fp8_gemm``, ``fp8_fast_accum`` other than what TE does), as
+    an error line naming the key; None when there is none. Checked with the config for an
+    explicit ``backend: transformer_engine`` and by ``model/backends.py`` when ``auto`` picks TE."""
+    settings = (("fp8_fused_casts", cfg.fp8_fused_casts, (False,), "Transformer Engine casts itself"),
+                ("fp8_gemm", cfg.fp8_gemm, ("torch",), "Transformer Engine runs its own"),
+                ("fp8_fast_accum", cfg.fp8_fast_accum, ("forward", "auto"),
+                 "Transformer Engine's accumulate as 'forward' does"))
+    for key, value, te_does, why in settings:
+        if value not in te_does:
+            return (f"config key '{key}': {str(value).lower()} applies to the native FP8 linears "
+                    f"(backend: local); {why}")
+    return None
+
+
 def _check_eager_fp8(cfg: Config) -> None:
-    """The native FP8 options that run only in the eager FP8 linears, against ``train.compile``
-    and an explicit ``backend: transformer_engine`` (checked here, with the config, so that
+    """The settings of the native FP8 linears against an explicit ``backend: transformer_engine``,
+    and those that run only in the eager FP8 linears against ``train.compile`` (checked here, with the config, so that
     ``--check`` and the launchers' pre-flight report them; ``backend: auto`` choosing Transformer
     Engine is found where the backend is resolved, ``model/backends.py``)."""
     if cfg.fp8 is None:
         return
+    if cfg.backend == "transformer_engine" and (why := te_fp8_conflict(cfg)) is not None:
+        raise ConfigError(why)  # first: with TE the compile conflicts below do not arise
     if cfg.train.compile and cfg.fp8_gemm == "cublaslt":
         raise ConfigError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under train.compile the "
                           "FP8 GEMMs are traced into the compiled blocks with torch._scaled_mm (use fp8_gemm: torch, "
@@ -348,9 +366,6 @@ def _check_eager_fp8(cfg: Config) -> None:
         raise ConfigError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; under "
                           "train.compile the norms, GELUs and casts are traced into the compiled blocks (use "
                           "fp8_fused_casts: false, or train.compile: false)")
-    if cfg.backend == "transformer_engine" and cfg.fp8_fused_casts:
-        raise ConfigError("config key 'fp8_fused_casts': true applies to the native FP8 linears (backend: local); "
-                          "Transformer Engine casts itself")
 
 
 def _check_schedule(cfg: Config) -> None:

@@ -460,12 +460,16 @@ def test_native_gemm_settings_are_refused_with_transformer_engine(monkeypatch, k
     from dept_mega.model.backends import BackendError
     monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
     resolve_backends(_fp8_cfg(), "cpu")  # TE's own settings pass
-    with pytest.raises(BackendError, match=rf"config key '{key}': {value} applies to the native FP8 GEMMs "
+    with pytest.raises(BackendError, match=rf"config key '{key}': {value} applies to the native FP8 linears "
                                            rf"\(backend: local\); {why}"):
         resolve_backends(_fp8_cfg(**{key: value}), "cpu")
     # backend: auto chose Transformer Engine: the message says so and what to set
     with pytest.raises(BackendError, match=r"\(backend: auto chose it: set backend: local\)"):
         resolve_backends(_fp8_cfg(**{key: value, "backend": "auto"}), "cpu")
+    # an explicit backend: transformer_engine is refused with the config (--check reports it)
+    from dept_mega.config import ConfigError
+    with pytest.raises(ConfigError, match=rf"config key '{key}': {value} applies to the native FP8 linears"):
+        _fp8_cfg(**{key: value, "backend": "transformer_engine"})
 
 
 @pytest.mark.parametrize("setting,want", [(None, "none"), ("auto", "none"), ("forward", "forward"), ("all", "all")])

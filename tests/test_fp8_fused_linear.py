@@ -346,6 +346,9 @@ def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu):
     assert "not apex" not in backends.describe()
     assert "(those LayerNorms are computed by the fused path, not apex)" in dataclasses.replace(
         backends, norm="apex").describe()
+    # nothing fuses and no reason applies (e.g. those GEMMs stay bf16 for their shapes): the line says why
+    assert "fused casts (fp8_fused_casts) [none: no FP8 linear reads a LayerNorm or GELU output]" in \
+        dataclasses.replace(backends, fp8_fused_casts=(), fp8_unfused=()).describe()
 
 
 

@@ -110,6 +110,10 @@ def test_a_functorch_transform_takes_the_public_apply():
     # Function.apply under a transform wants setup_context, which _Fp8Linear does not define
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda t: fp8_module.fp8_linear_eager(t, w, layer).float().sum())(x)
+    # the fused linear (fp8_prologue.py) takes the same public path under a transform
+    from dept_mega.parallel.fp8_prologue import GELU, fp8_prologue_linear
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: fp8_prologue_linear(t, w, layer, GELU).float().sum())(x)
 
 
 def _bench_module():

@@ -55,7 +55,7 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ConfigError, ModelConfig
+from ..config import Config, ConfigError, ModelConfig, te_fp8_conflict
 from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
 from ..parallel.fp8_casts import default_graph_casts
 from ..parallel.fp8_gemm import resolve_gemm
@@ -158,7 +158,8 @@ class Backends:
             ln = ("one kernel once the input has a delayed scale (from the second training step)"
                   if self.fp8.scaling == "delayed" else "normalised, then cast: current scaling")
         what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
-        parts = [what[g] for g in self.fp8_fused_casts] or ["none"]
+        parts = [what[g] for g in self.fp8_fused_casts] or [
+            "none" if self.fp8_unfused else "none: no FP8 linear reads a LayerNorm or GELU output"]
         if self.fp8_unfused:
             parts.append("not fused: " + "; ".join(self.fp8_unfused))
         out = f"fused casts (fp8_fused_casts) [{', '.join(parts)}]"
@@ -436,16 +437,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts are refused with the config)
             fused_casts = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms) if cfg.fp8_fused_casts else None
         else:
-            chose = " (backend: auto chose it: set backend: local)" if cfg.backend == "auto" else ""
-            if cfg.fp8_fused_casts:
-                raise BackendError("config key 'fp8_fused_casts': true applies to the native FP8 linears "
-                                   f"(backend: local); Transformer Engine casts itself{chose}")
-            for key, what_te_does, why in (("fp8_gemm", "torch", "Transformer Engine runs its own"),
-                                           ("fp8_fast_accum", "forward",
-                                            "Transformer Engine's accumulate as 'forward' does")):
-                if getattr(cfg, key) not in (what_te_does, "auto"):  # settings of the native FP8 GEMMs only
-                    raise BackendError(f"config key '{key}': {getattr(cfg, key)} applies to the native FP8 "
-                                       f"GEMMs (backend: local); {why}{chose}")
+            if (why := te_fp8_conflict(cfg)) is not None:
+                chose = " (backend: auto chose it: set backend: local)" if cfg.backend == "auto" else ""
+                raise BackendError(why + chose)
             fp8_gemms = GEMMS  # TE checks shapes itself
     fuse = cfg.optim.grad_accum_fusion
     wgrad = ""
