@@ -149,14 +149,15 @@ def _tp2_worker(rank: int, world_size: int) -> dict:
     import pytest as _pytest
     torch.manual_seed(0)
     out = {}
-    for fused in (True, False):
-        with _pytest.MonkeyPatch.context() as mp:
-            calls = []
-            real = layers_module.fp8_prologue_linear
-            mp.setattr(layers_module, "fp8_prologue_linear",
-                       lambda x, w, layer, p: calls.append(p.fp8_prologue) or real(x, w, layer, p))
-            run = _train({"parallel": {"tensor": 2}}, fused, steps=2)
-        out[fused] = (run, calls)
+    for sp in (False, True):
+        for fused in (True, False):
+            with _pytest.MonkeyPatch.context() as mp:
+                calls = []
+                real = layers_module.fp8_prologue_linear
+                mp.setattr(layers_module, "fp8_prologue_linear",
+                           lambda x, w, layer, p: calls.append(p.fp8_prologue) or real(x, w, layer, p))
+                run = _train({"parallel": {"tensor": 2, "sequence_parallel": sp}}, fused, steps=2)
+            out[(sp, fused)] = (run, calls)
     out["fuses"] = _layers_fuse(build_groups(2))
     return out
 
@@ -173,18 +174,20 @@ def _layers_fuse(pg) -> tuple[bool, ...]:
 
 @pytest.mark.timeout(120)
 def test_tp2_fuses_fc2_only_and_trains_as_unfused():
-    """TP 2 (gloo): fc2 (row-parallel, the input is this rank's) fuses its GELU; QKV and fc1
-    (an all-gather / copy between the norm and the GEMM) do not; the results equal the unfused ones."""
+    """TP 2 (gloo), with and without sequence parallelism: fc2 (row-parallel, the input is this
+    rank's) fuses its GELU; QKV and fc1 (an all-gather / copy between the norm and the GEMM) do
+    not; the results equal the unfused ones."""
     assert fused_cast_gemms(tiny_config(BASE).model, 2, GEMMS) == ("fc2",)
     assert unfused_cast_reasons(tiny_config(BASE).model, 2, GEMMS) == (
         "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)",)
     assert unfused_cast_reasons(tiny_config(BASE).model, 1, GEMMS) == ()
     assert _layers_fuse(build_groups()) == (True, True, True)
     for rank, out in enumerate(run_distributed(_tp2_worker, 2, timeout=110)):
-        (on, calls), (off, none) = out[True], out[False]
-        assert set(calls) == {"gelu"} and len(calls) == 2 * 4 * 4 + 4 * 4 and not none, rank
+        for sp in (False, True):
+            (on, calls), (off, none) = out[(sp, True)], out[(sp, False)]
+            assert set(calls) == {"gelu"} and len(calls) == 2 * 4 * 4 + 4 * 4 and not none, (rank, sp)
+            _assert_same_run(on, off, f"rank {rank}, sequence parallel {sp}")
         assert out["fuses"] == (False, True, False), rank  # the layers' own rule, whatever they are given
-        _assert_same_run(on, off, f"rank {rank}")
 
 
 @pytest.mark.parametrize("model,want", [({"normalization": "rmsnorm"}, {"mlp.fc2": "gelu"}),
