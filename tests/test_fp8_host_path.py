@@ -39,27 +39,39 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8).clone()
 
 
-def _train(casts: str, gemm: str) -> dict:
-    """Two training steps (current-scaled, then delayed) of three micro-batches through a column-
-    and a row-parallel FP8 layer (3-D input, 40 tokens: padded to 48), then a pass outside a step."""
+def _train(casts: str, gemm: str, fused: bool = False) -> dict:
+    """Two training steps (current-scaled, then delayed) through a column- and a row-parallel FP8
+    layer (3-D input, 40 tokens: padded to 48). Plain: three micro-batches, then a pass outside a
+    step. ``fused``: two micro-batches with a LayerNorm prologue (drawn weight and bias) before the
+    column layer and the GELU prologue before the row layer, casts fused (``fp8_fused_casts``)."""
+    from dept_mega.model.layers import Norm
+    from dept_mega.parallel.fp8_prologue import GELU
     torch.manual_seed(0)
     state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=4), "cpu", kernels=casts, gemm=gemm)
-    kind = LinearGemm("fp8", state)
+    kind = LinearGemm("fp8", state, fused_casts=fused)
     pg = build_groups()
     chain = [ColumnParallelLinear(64, 96, pg, name="a", seed=1, init_std=0.1, gemm=kind, dtype=torch.bfloat16),
              RowParallelLinear(96, 64, pg, name="b", seed=2, init_std=0.1, gemm=kind, dtype=torch.bfloat16)]
     ws = [m.weight for m in chain]
+    norm = None
+    if fused:
+        norm = Norm("layernorm", 64, 1e-5, name="n", seed=3, dtype=torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.2)
+            norm.bias.normal_(0.0, 0.2)
+        ws += [norm.weight, norm.bias]
+    micro = 2 if fused else 3
     buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
     buf.adopt()
     sync = GradSync(pg, overlap=False)
     g = torch.Generator().manual_seed(5)
     out = {"y": [], "x_grad": [], "main_grad": []}
     for _ in range(2):
-        sync.begin([buf], {id(w): 3 for w in ws})
+        sync.begin([buf], {id(w): micro for w in ws})
         state.begin_step()
-        for _ in range(3):
+        for _ in range(micro):
             x = torch.randn(2, 20, 64, generator=g).bfloat16().requires_grad_()
-            y = chain[1](chain[0](x))
+            y = chain[1](chain[0](x, prologue=norm), prologue=GELU if fused else None)
             y.backward(torch.randn(y.shape, generator=g).bfloat16())
             out["y"].append(_bits(y))
             out["x_grad"].append(_bits(x.grad))
@@ -67,9 +79,10 @@ def _train(casts: str, gemm: str) -> dict:
         sync.finish()
         out["main_grad"] += [_bits(w.main_grad) for w in ws]
     out["history"], out["scale"] = _bits(state.history), _bits(state.scale)
-    x = torch.randn(16, 64, generator=g).bfloat16()
-    chain[1](chain[0](x)).float().sum().backward()  # no step open: plain autograd
-    out["outside"] = [_bits(w.grad) for w in ws]
+    if not fused:
+        x = torch.randn(16, 64, generator=g).bfloat16()
+        chain[1](chain[0](x)).float().sum().backward()  # no step open: plain autograd
+        out["outside"] = [_bits(w.grad) for w in ws]
     return out
 
 
@@ -150,44 +163,6 @@ def test_the_host_bench_runs_and_reports_every_combination(tmp_path, capsys):
     assert all(v["fwd_us"] > 0 and v["bwd_us"] > 0 for v in res["combos"].values())
 
 
-def _train_fused(casts: str, gemm: str) -> dict:
-    """Two training steps (current-scaled, then delayed) of two micro-batches through a column
-    layer with a LayerNorm prologue and a row layer with the GELU prologue, casts fused
-    (``fp8_fused_casts``), 3-D input padded; outputs, input and norm gradients, the buffer, state."""
-    from dept_mega.model.layers import Norm
-    from dept_mega.parallel.fp8_prologue import GELU
-    torch.manual_seed(0)
-    state = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=4), "cpu", kernels=casts, gemm=gemm)
-    kind = LinearGemm("fp8", state, fused_casts=True)
-    pg = build_groups()
-    norm = Norm("layernorm", 64, 1e-5, name="n", seed=3, dtype=torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.normal_(1.0, 0.2)
-        norm.bias.normal_(0.0, 0.2)
-    chain = [ColumnParallelLinear(64, 96, pg, name="a", seed=1, init_std=0.1, gemm=kind, dtype=torch.bfloat16),
-             RowParallelLinear(96, 64, pg, name="b", seed=2, init_std=0.1, gemm=kind, dtype=torch.bfloat16)]
-    ws = [m.weight for m in chain] + [norm.weight, norm.bias]
-    buf = GradBuffer(ws, torch.float32, torch.device("cpu"), bucket_size=1 << 20)
-    buf.adopt()
-    sync = GradSync(pg, overlap=False)
-    g = torch.Generator().manual_seed(5)
-    out = {"y": [], "x_grad": [], "main_grad": []}
-    for _ in range(2):
-        sync.begin([buf], {id(w): 2 for w in ws})
-        state.begin_step()
-        for _ in range(2):
-            x = torch.randn(2, 20, 64, generator=g).bfloat16().requires_grad_()
-            y = chain[1](chain[0](x, prologue=norm), prologue=GELU)
-            y.backward(torch.randn(y.shape, generator=g).bfloat16())
-            out["y"].append(_bits(y))
-            out["x_grad"].append(_bits(x.grad))
-        state.end_step()
-        sync.finish()
-        out["main_grad"] += [_bits(w.main_grad) for w in ws]
-    out["history"], out["scale"] = _bits(state.history), _bits(state.scale)
-    return out
-
-
 @pytest.mark.parametrize("casts,gemm", COMBOS)
 def test_the_fused_linears_direct_apply_gives_the_public_applys_bytes(casts, gemm, monkeypatch):
     """``fp8_prologue_linear`` calls ``_Fp8PrologueLinear``'s C++ apply directly (as the plain
@@ -198,11 +173,11 @@ def test_the_fused_linears_direct_apply_gives_the_public_applys_bytes(casts, gem
     assert real_apply is not None
     with monkeypatch.context() as m:
         m.setattr(fp8_prologue, "_APPLY", lambda *a: applied.append(a[-1]) or real_apply(*a))
-        fast = _train_fused(casts, gemm)
+        fast = _train(casts, gemm, fused=True)
     assert len(applied) == 2 * 2 * 2 and applied.count(None) == 4  # per pass: LayerNorm (eps), GELU (None)
     with monkeypatch.context() as m:
         m.setattr(fp8_prologue, "_APPLY", None)
-        public = _train_fused(casts, gemm)
+        public = _train(casts, gemm, fused=True)
     for key in fast:
         a, b = fast[key], public[key]
         pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
