@@ -280,11 +280,11 @@ class Config:
     fp8_casts: str = "auto"
     #: Native FP8: fuse the producer of a linear's input into that input's FP8 cast, as Transformer
     #: Engine's LayerNormLinear / LayerNormMLP do: the LayerNorm before QKV and fc1 and the GELU before fc2
-    #: are computed and cast in one pass (one kernel with fp8_casts triton or cuda; the LayerNorm one under
-    #: the delayed recipe once the input has a scale, otherwise the norm and then its cast) instead of
+    #: are computed and cast in one pass (one kernel with fp8_casts triton or cuda; the LayerNorm only under
+    #: delayed scaling from the second training step, otherwise normalised then cast) instead of
     #: writing the bf16 result and reading it again to cast it. Same numbers as without (up to the
-    #: kernels' rounding of erf / rsqrt). Applies in the eager native FP8 linears only (refused with
-    #: train.compile and with Transformer Engine's linears: backend local, or auto where TE is not installed)
+    #: kernels' rounding of erf / rsqrt). Applies in the eager native FP8 linears only (needs backend: local,
+    #: or auto on a machine without Transformer Engine; refused with train.compile and without fp8)
     #: and where no collective sits between the producer and the GEMM: QKV and fc1 with
     #: parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU stay unfused. The run log
     #: lists the linears that fuse. Its GPU speed is not yet measured, hence off by default.
