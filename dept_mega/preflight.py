@@ -16,7 +16,7 @@ import shutil
 import sys
 from typing import Callable, Optional, Sequence
 
-from .config import Config, validate
+from .config import Config, te_fp8_conflict, validate
 
 def _size(n: float) -> str:
     for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -209,6 +209,11 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                     if mem["fp8_weight_copies"] else "")
                  + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
     warnings = lossy_source_warnings(cfg)
+    if cfg.fp8 is not None and cfg.backend == "auto" and (why := te_fp8_conflict(cfg)) is not None:
+        # refused with the config for backend: transformer_engine; auto decides on the GPU node
+        warnings.append(f"config key 'backend': auto picks Transformer Engine on a node where it is installed, "
+                        f"and that run would stop: {why}; set backend: local to run the native FP8 linears "
+                        f"whatever is installed")
     try:
         import torch
         if torch.cuda.is_available():

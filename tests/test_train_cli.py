@@ -133,6 +133,20 @@ def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, w
     assert not os.path.exists(tmp_path / "run")  # nothing written
 
 
+def test_check_warns_when_backend_auto_could_pick_transformer_engine(tmp_path):
+    """--check on a login node cannot know whether ``backend: auto`` will find Transformer Engine
+    on the GPU nodes; with a native-only FP8 setting it warns (and still passes), naming the fix."""
+    cfg = _setup(tmp_path)
+    fp8 = ["precision=bf16", "fp8=hybrid", "backend=auto"]
+    r = _train_here("--config", cfg, *fp8, "fp8_fused_casts=true", "--check", "--world-size", "1")
+    assert r.returncode == 0, r.stderr
+    assert ("warning: config key 'backend': auto picks Transformer Engine on a node where it is installed, and that "
+            "run would stop: config key 'fp8_fused_casts': true applies to the native FP8 linears") in r.stderr
+    assert "set backend: local" in r.stderr
+    quiet = _train_here("--config", cfg, *fp8, "--check", "--world-size", "1")
+    assert quiet.returncode == 0 and "Transformer Engine" not in quiet.stderr, quiet.stderr
+
+
 def test_check_names_token_ids_outside_the_vocabulary(tmp_path):
     cfg = _setup(tmp_path, vocab_hi=500)  # ids up to 499, the tokenizer has 120
     r = _train_here("--config", cfg, "--check", "--world-size", "2")
