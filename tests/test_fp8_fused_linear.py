@@ -27,9 +27,8 @@ from dept_mega.parallel.fp8 import E4M3, INPUT, Fp8Recipe, Fp8State, _cast_math,
 from dept_mega.parallel.groups import build_groups
 from dept_mega.parallel.fp8_prologue import GELU
 from dept_mega.parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear
-from dept_mega.trainer import Trainer
 from tests.mp_utils import run_distributed
-from tests.trainer_utils import VOCAB, dp_micro_batches, global_batch, merge, tiny_config
+from tests.trainer_utils import VOCAB, global_batch, merge, tiny_config, train_losses
 
 BASE = {"precision": "bf16", "fp8": "hybrid", "fp8_casts": "torch", "optim": {"lr": 1.0e-2}}
 
@@ -102,17 +101,7 @@ def test_fused_model_gradients_equal_unfused(recipe, norm_bias, recompute, monke
 
 
 def _train(over: dict, fused: bool, steps: int = 3) -> dict:
-    cfg = tiny_config(merge(BASE, merge(over, {"fp8_fused_casts": fused})))
-    pg = build_groups(cfg.parallel.tensor, cfg.parallel.data, cfg.parallel.pipeline)
-    tr = Trainer(cfg, pg, torch.device("cpu"), vocab_size=VOCAB)
-    losses, norms = [], []
-    for step in range(steps):
-        res = tr.train_step(dp_micro_batches(cfg, global_batch(cfg, step), pg.dp_rank, pg.dp_size))
-        losses.append(res.loss)
-        norms.append(res.grad_norm)
-    loss_sum, tokens = tr.eval_batches(dp_micro_batches(cfg, global_batch(cfg, 10_000), pg.dp_rank, pg.dp_size))
-    weights = {n: p.detach().clone() for st in tr.stages for n, p in st.named_parameters()}
-    return {"loss": losses, "grad_norm": norms, "eval": loss_sum / tokens, "weights": weights}
+    return train_losses(tiny_config(merge(BASE, merge(over, {"fp8_fused_casts": fused}))), steps, weights=True)
 
 
 def _assert_same_run(a: dict, b: dict, what: str) -> None:

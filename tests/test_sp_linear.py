@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.mp_utils import run_distributed
-from tests.trainer_utils import dp_micro_batches, global_batch, tiny_config
+from tests.trainer_utils import tiny_config, train_losses
 
 STEPS = 2
 
@@ -95,21 +95,8 @@ RUNS = {
 
 
 def _train(over: dict, overrides: tuple[str, ...]) -> dict:
-    from dept_mega.parallel.groups import build_groups
-    from dept_mega.trainer import Trainer
-
     cfg = tiny_config(over, overrides + ("parallel.tensor=2", "parallel.sequence_parallel=true"))
-    p = cfg.parallel
-    pg = build_groups(p.tensor, p.data, p.pipeline)
-    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
-    losses, norms = [], []
-    for step in range(STEPS):
-        res = trainer.train_step(dp_micro_batches(cfg, global_batch(cfg, step), pg.dp_rank, pg.dp_size))
-        losses.append(res.loss)
-        norms.append(res.grad_norm)
-    loss_sum, tokens = trainer.eval_batches(dp_micro_batches(cfg, global_batch(cfg, 10_000), pg.dp_rank, pg.dp_size))
-    return {"loss": losses, "grad_norm": norms, "eval": loss_sum / tokens,
-            "weights": [p.detach().clone() for p in trainer.parameters()]}
+    return train_losses(cfg, STEPS, weights=True)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -165,5 +152,5 @@ def test_tp2_sp_training_is_bit_identical(results):
             assert new["loss"] == old["loss"] and new["grad_norm"] == old["grad_norm"], (rank, name, new, old)
             assert new["eval"] == old["eval"], (rank, name)
             assert len(new["weights"]) == len(old["weights"])
-            for a, b in zip(new["weights"], old["weights"]):
+            for a, b in zip(new["weights"].values(), old["weights"].values()):
                 assert torch.equal(a, b), (rank, name)

@@ -75,9 +75,10 @@ def dp_micro_batches(cfg: Config, tokens: torch.Tensor, dp_rank: int, dp_size: i
     return [MicroBatch(tokens=mine[i:i + b]) for i in range(0, per, b)]
 
 
-def train_losses(cfg: Config, steps: int, data_seed: int = 0) -> dict[str, list[float]]:
+def train_losses(cfg: Config, steps: int, data_seed: int = 0, weights: bool = False) -> dict:
     """Train ``steps`` steps in the current process (distributed or not) with the config's
-    layout; every rank returns the group-level losses and gradient norms."""
+    layout; every rank returns the group-level losses and gradient norms, the held-out loss and,
+    with ``weights``, this rank's parameters after the evaluation (``{"chunk.name": tensor}``)."""
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
     trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=cfg.model.vocab_size)
@@ -90,7 +91,11 @@ def train_losses(cfg: Config, steps: int, data_seed: int = 0) -> dict[str, list[
     # forward-only (evaluation) schedule on a held-out batch: the mean token loss
     held_out = dp_micro_batches(cfg, global_batch(cfg, 10_000, data_seed), pg.dp_rank, pg.dp_size)
     loss_sum, tokens = trainer.eval_batches(held_out)
-    return {"loss": losses, "grad_norm": norms, "eval": [loss_sum / tokens]}
+    out = {"loss": losses, "grad_norm": norms, "eval": [loss_sum / tokens]}
+    if weights:
+        out["weights"] = {f"{i}.{n}": p.detach().clone() for i, st in enumerate(trainer.stages)
+                          for n, p in st.named_parameters()}
+    return out
 
 
 def layouts_worker(rank: int, world_size: int, runs: list[tuple[dict, tuple[str, ...]]], steps: int) -> list[dict]:
