@@ -45,7 +45,7 @@ from .fp8_triton import (_FORMATS, _MIN_AMAX, AVAILABLE, INPUT_DTYPES, _dummy, i
                          tl, triton)
 
 if AVAILABLE:
-    from .fp8_triton import _abs_max, _gelu, _nanmax, _to_fp8_grid
+    from .fp8_triton import _abs_max, _gelu, _nanmax, _store_fp8, _to_fp8_grid
 
 _PARTS = 256  # most partial maxima of the current-scaling reduction (one per program)
 _AMAX_BLOCK = 4096
@@ -96,12 +96,8 @@ if AVAILABLE:
         if RECORD and not CURRENT:
             tl.atomic_max(amax_ptr + amax_index, _abs_max(x))
         y = _to_fp8_grid(x, scale, FMAX, MBITS, EMIN)
-        out = (r[:, None] < out_rows) & (c[None, :] < cols)
-        if ROWWISE:
-            tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
-        if COLWISE:
-            tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
-                     mask=tl.trans(out))
+        _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, (r[:, None] < out_rows) & (c[None, :] < cols),
+                   ROWWISE, COLWISE)
 
 
 def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True, colwise: bool = False,

@@ -24,7 +24,7 @@ import torch
 from .fp8_triton import _FORMATS, AVAILABLE, INPUT_DTYPES, _dummy, interpreted, tl, triton
 
 if AVAILABLE:
-    from .fp8_triton import _nanmax, _round_to_input, _to_fp8_grid
+    from .fp8_triton import _nanmax, _round_to_input, _store_fp8, _to_fp8_grid
 
 _TILE = (32, 128, 4)  # rows, columns, warps of a program
 
@@ -39,6 +39,12 @@ if AVAILABLE:
         else:
             tl.store(ptr, _round_to_input(v, ptr.dtype.element_ty == tl.bfloat16).to(ptr.dtype.element_ty),
                      mask=mask)
+
+    @triton.jit
+    def _load_rows(x_ptr, r, c, cols, mask):
+        """The tile (rows ``r``, columns ``c``) of the row-major ``x`` in fp32 (0 outside ``mask``):
+        both passes' read."""
+        return tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
 
     # the slot indices change with every layer: no specialisation (and recompilation) on them
     @triton.jit(do_not_specialize=["scale_index", "amax_index"])
@@ -55,8 +61,7 @@ if AVAILABLE:
         for start in range(0, cols, BLOCK_N):
             c = start + tl.arange(0, BLOCK_N)
             inside = c < cols
-            x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=real[:, None] & inside[None, :],
-                        other=0.0).to(tl.float32)
+            x = _load_rows(x_ptr, r, c, cols, real[:, None] & inside[None, :])
             n_a = start * 1.0  # columns combined so far
             n_b = tl.minimum(cols - start, BLOCK_N) * 1.0  # columns of this tile
             mean_b = tl.sum(x, 1) / n_b
@@ -74,8 +79,7 @@ if AVAILABLE:
         for start in range(0, cols, BLOCK_N):
             c = start + tl.arange(0, BLOCK_N)
             inside = c < cols
-            x = tl.load(x_ptr + r[:, None] * cols + c[None, :], mask=real[:, None] & inside[None, :],
-                        other=0.0).to(tl.float32)
+            x = _load_rows(x_ptr, r, c, cols, real[:, None] & inside[None, :])
             w = tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
             y = w[None, :] * (rstd[:, None] * (x - mean[:, None]))
             if HAS_BIAS:
@@ -84,12 +88,8 @@ if AVAILABLE:
             y = tl.where(real[:, None] & inside[None, :], y, 0.0)  # pad rows (and masked columns): 0
             amax = tl.maximum(amax, tl.reduce(tl.abs(y), 1, _nanmax), propagate_nan=tl.PropagateNan.ALL)
             y = _to_fp8_grid(y, scale, FMAX, MBITS, EMIN)
-            out = (r[:, None] < out_rows) & inside[None, :]
-            if ROWWISE:
-                tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
-            if COLWISE:
-                tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
-                         mask=tl.trans(out))
+            _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, (r[:, None] < out_rows) & inside[None, :],
+                       ROWWISE, COLWISE)
         if RECORD:
             tl.atomic_max(amax_ptr + amax_index, tl.reduce(amax, 0, _nanmax))
 

@@ -90,3 +90,14 @@ if AVAILABLE:
         rounded = (y + magic) - magic
         # keep the sign of y (a negative value that rounds to zero is -0, as the reference gives)
         return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, out, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+        """Store the tile ``y`` (rows ``r``, columns ``c``, on the FP8 grid) of a ``[out_rows,
+        cols]`` tensor row-major into ``q`` and/or transposed (``[cols, out_rows]``) into ``q_t``,
+        where ``out``."""
+        if ROWWISE:
+            tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
+        if COLWISE:
+            tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
+                     mask=tl.trans(out))
