@@ -291,9 +291,7 @@ class Fp8State:
             else:  # the operator's schema ends in ``bool gelu=False``
                 q, q_t, inv = self._cast_op(*args, True)
         else:
-            scale = self.scale[col] if delayed else None
-            q, q_t, inv, current = (_cast(t, scale, dtype, pad, rowwise, colwise, True) if gelu
-                                    else _cast(t, scale, dtype, pad, rowwise, colwise))
+            q, q_t, inv, current = _cast(t, self.scale[col] if delayed else None, dtype, pad, rowwise, colwise, gelu)
             if record:
                 torch.maximum(amax[operand], current, out=amax[operand])
         return q, q_t, (self._inv_views[col] if delayed else inv)
