@@ -473,27 +473,33 @@ def native_fp8_gemms(m: ModelConfig, tp: int) -> tuple[str, ...]:
     return tuple(g for g, (i, o) in _gemm_shapes(m, tp).items() if fp8_gemm_shape_ok(i, o))
 
 
+def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
+    """The fused-casts rule: for each GEMM with a fusable producer (QKV and fc1 after the norm,
+    fc2 after the activation) None when it fuses, else why not: the producer has no fused cast
+    (RMSNorm, SwiGLU), or a collective sits between the norm and the GEMM (more than one tensor
+    rank: the input's all-gather or copy). The layers apply the same rule
+    (``layers._GemmMixin._fuses``)."""
+    norm = (f"{m.normalization} has no fused cast" if m.normalization != "layernorm" else
+            f"parallel.tensor {tp}: a collective sits between the norm and the GEMM" if tp > 1 else None)
+    act = f"{m.activation} has no fused cast" if m.activation != "gelu" else None
+    return {"qkv": norm, "fc1": norm, "fc2": act}
+
+
 def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
     """Which FP8 GEMMs fuse the producer of their input into its cast with ``fp8_fused_casts``
-    (``parallel/fp8_prologue.py``): QKV and fc1 after a LayerNorm on one
-    tensor rank (with more, the input's all-gather or copy sits between the norm and the GEMM),
-    fc2 after GELU. The layers apply the same rule (``layers._GemmMixin._fuses``)."""
-    norm = m.normalization == "layernorm" and tp == 1
-    fuse = {"qkv": norm, "fc1": norm, "fc2": m.activation == "gelu"}
-    return tuple(g for g in GEMMS if g in fp8_gemms and fuse.get(g, False))
+    (``parallel/fp8_prologue.py``; the rule: :func:`_unfused_casts`)."""
+    rule = _unfused_casts(m, tp)
+    return tuple(g for g in GEMMS if g in fp8_gemms and g in rule and rule[g] is None)
 
 
 def unfused_cast_reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
-    """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log."""
-    out = []
-    norm_gemms = ", ".join(g for g in ("qkv", "fc1") if g in fp8_gemms)
-    if norm_gemms and m.normalization != "layernorm":
-        out.append(f"{norm_gemms} ({m.normalization} has no fused cast)")
-    elif norm_gemms and tp > 1:
-        out.append(f"{norm_gemms} (parallel.tensor {tp}: a collective sits between the norm and the GEMM)")
-    if "fc2" in fp8_gemms and m.activation != "gelu":
-        out.append(f"fc2 ({m.activation} has no fused cast)")
-    return tuple(out)
+    """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log:
+    ``"<gemms> (<why>)"``, GEMMs with the same reason together."""
+    by_reason: dict[str, list[str]] = {}
+    for g, why in _unfused_casts(m, tp).items():
+        if g in fp8_gemms and why is not None:
+            by_reason.setdefault(why, []).append(g)
+    return tuple(f"{', '.join(gemms)} ({why})" for why, gemms in by_reason.items())
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
