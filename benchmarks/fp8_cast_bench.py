@@ -171,53 +171,72 @@ def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: i
         amax = torch.zeros(4, device=device)
         moved = 4 * x.numel()  # the minimal pass: read 2 bytes, write 1 + 1
         base = {"shape": label, "op": op, "rows": m, "cols": n, "fp8": str(E4M3)[6:]}
-        copy = timed_queued(lambda: x.clone(), device, iters, CALLS)
-        rows.append({**base, "variant": "copy", "path": None, "kernel": "copy (bf16 clone)", "us": copy["s"] * 1e6,
-                     "gbps": moved / copy["s"] / 1e9, "host_us": copy["host_s"] * 1e6})
-        ref, unfused_us = None, {}
+        copy, row = _copy_row({**base, "variant": "copy", "path": None}, x, moved, device, iters)
+        rows.append(row)
+        ref, unfused_us = [], {}
         for variant, path, name, f in fused_kernels(device, weight)[op]:
-            try:
-                out = f(x, E4M3, scale, amax)
-                extra = {}
+            def check(out, variant=variant) -> dict:
+                if variant == "unfused":  # the first is the reference; the others: the same bytes
+                    if not ref:
+                        ref.extend(out)
+                        return {"same_bytes": None}
+                    return {"same_bytes": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                              for a, b in zip(out, ref))}
+                if not ref:
+                    raise RuntimeError("no unfused row to compare with")
+                return compare_bytes(out, tuple(ref))
+            tagged = {**base, "variant": variant, "path": path}
+            row = _pass_row(tagged, tagged, name, lambda f=f: f(x, E4M3, scale, amax), check, moved, copy, device,
+                            iters)
+            if "error" not in row:
                 if variant == "unfused":
-                    if ref is None:
-                        ref, extra["same_bytes"] = out, None
-                    else:
-                        extra["same_bytes"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                                  for a, b in zip(out, ref))
+                    unfused_us[path] = row["us"]
                 else:
-                    if ref is None:
-                        raise RuntimeError("no unfused row to compare with")
-                    extra = compare_bytes(out, ref)
-                out = None
-                r = timed_queued(lambda f=f: f(x, E4M3, scale, amax), device, iters, CALLS)
-            except Exception as exc:  # one pass failing leaves the others' rows
-                rows.append({**base, "variant": variant, "path": path, "kernel": name,
-                             "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"  {label:<26} {name:<58} FAILED {rows[-1]['error']}", flush=True)
-                continue
-            us = r["s"] * 1e6
-            if variant == "unfused":
-                unfused_us[path] = us
-            else:
-                extra["speedup"] = unfused_us[path] / us if path in unfused_us else None
-            rows.append({**base, "variant": variant, "path": path, "kernel": name, "us": us,
-                         "gbps": moved / r["s"] / 1e9, "pct_of_copy": 100 * copy["s"] / r["s"],
-                         "host_us": r["host_s"] * 1e6, "queued": r["queued"], **extra})
-        for r in rows:
-            if r["shape"] == label and "error" not in r:
-                pct = f"{r['pct_of_copy']:5.0f}% of copy" if "pct_of_copy" in r else " " * 13
-                note = ""
-                if r.get("speedup") is not None:
-                    note += f"  {r['speedup']:.2f}x unfused"
-                if r.get("differ_bytes"):
-                    note += f"  {r['differ_bytes']} bytes differ ({r['differ_fraction']:.1e}, {r['max_steps']} steps)"
-                if r.get("same_bytes") is False:
-                    note += "  BYTES DIFFER"
-                print(f"  {label:<26} {r['kernel']:<58} {r['us']:9.1f} us {r['gbps']:8.0f} GB/s {pct}  host "
-                      f"{r['host_us']:6.1f} us{note}", flush=True)
+                    row["speedup"] = unfused_us[path] / row["us"] if path in unfused_us else None
+            rows.append(row)
+
+        def note(r: dict) -> str:
+            out = f"  {r['speedup']:.2f}x unfused" if r.get("speedup") is not None else ""
+            if r.get("differ_bytes"):
+                out += f"  {r['differ_bytes']} bytes differ ({r['differ_fraction']:.1e}, {r['max_steps']} steps)"
+            return out + ("  BYTES DIFFER" if r.get("same_bytes") is False else "")
+        _print_rows(rows, label, 26, 58, note)
         x = ref = None  # freed before the next op
     return rows
+
+
+def _copy_row(base: dict, x: torch.Tensor, moved: int, device: torch.device, iters: int) -> tuple[dict, dict]:
+    """A device copy of ``x`` timed: (its timing, its row): what every pass is measured against."""
+    copy = timed_queued(lambda: x.clone(), device, iters, CALLS)
+    return copy, {**base, "kernel": "copy (bf16 clone)", "us": copy["s"] * 1e6, "gbps": moved / copy["s"] / 1e9,
+                  "host_us": copy["host_s"] * 1e6}
+
+
+def _pass_row(base: dict, error_base: dict, name: str, f, check, moved: int, copy: dict, device: torch.device,
+              iters: int) -> dict:
+    """One pass ``f()`` timed against ``copy``: its row, with ``check(f())``'s fields (its bytes
+    against the reference's), or an error row (``error_base``, the name and the error: one pass
+    failing leaves the others' rows)."""
+    try:
+        extra = check(f())
+        r = timed_queued(f, device, iters, CALLS)
+    except Exception as exc:
+        return {**error_base, "kernel": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {**base, "kernel": name, "us": r["s"] * 1e6, "gbps": moved / r["s"] / 1e9,
+            "pct_of_copy": 100 * copy["s"] / r["s"], "host_us": r["host_s"] * 1e6, "queued": r["queued"], **extra}
+
+
+def _print_rows(rows: list[dict], label: str, width: int, kernel_width: int, note) -> None:
+    """The rows of ``label`` as the bench prints them (``note(row)``: the line's tail)."""
+    for r in rows:
+        if r["shape"] != label:
+            continue
+        if "error" in r:
+            print(f"  {label:<{width}} {r['kernel']:<{kernel_width}} FAILED {r['error']}", flush=True)
+            continue
+        pct = f"{r['pct_of_copy']:5.0f}% of copy" if "pct_of_copy" in r else " " * 13
+        print(f"  {label:<{width}} {r['kernel']:<{kernel_width}} {r['us']:9.1f} us {r['gbps']:8.0f} GB/s {pct}  host "
+              f"{r['host_us']:6.1f} us{note(r)}", flush=True)
 
 
 def run(device: torch.device, tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
@@ -228,33 +247,22 @@ def run(device: torch.device, tokens: int, hidden: int, ffn: int, iters: int) ->
         scale = torch.full((4,), 8.0, device=device)
         amax = torch.zeros(4, device=device)
         moved = 4 * t.numel()  # read 2 bytes, write 1 + 1
-        copy = timed_queued(lambda: t.clone(), device, iters, CALLS)
-        rows.append({"shape": label, "rows": m, "cols": n, "fp8": str(dtype)[6:], "kernel": "copy (bf16 clone)",
-                     "us": copy["s"] * 1e6, "gbps": moved / copy["s"] / 1e9, "host_us": copy["host_s"] * 1e6})
-        ref = None
+        base = {"shape": label, "rows": m, "cols": n, "fp8": str(dtype)[6:]}
+        copy, row = _copy_row(base, t, moved, device, iters)
+        rows.append(row)
+        ref = []
+
+        def same_as_ref(out) -> dict:  # every kernel gives the reference's bytes (the first kernel's)
+            q, q_t, _ = out
+            if not ref:
+                ref.extend((q, q_t))
+                return {"same_bytes": None}
+            return {"same_bytes": bool(torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8))
+                                       and torch.equal(q_t.view(torch.uint8), ref[1].view(torch.uint8)))}
         for name, cast in kernels(device):
-            try:
-                q, q_t, _ = cast(t, dtype, scale, amax)
-                same = None
-                if ref is None:
-                    ref = (q, q_t)
-                else:  # every kernel gives the reference's bytes (the first kernel's)
-                    same = bool(torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8))
-                                and torch.equal(q_t.view(torch.uint8), ref[1].view(torch.uint8)))
-                r = timed_queued(lambda cast=cast: cast(t, dtype, scale, amax), device, iters, CALLS)
-            except Exception as exc:  # one kernel failing leaves the others' rows
-                rows.append({"shape": label, "kernel": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"  {label:<24} {name:<28} FAILED {rows[-1]['error']}", flush=True)
-                continue
-            rows.append({"shape": label, "rows": m, "cols": n, "fp8": str(dtype)[6:], "kernel": name,
-                         "us": r["s"] * 1e6, "gbps": moved / r["s"] / 1e9, "pct_of_copy": 100 * copy["s"] / r["s"],
-                         "host_us": r["host_s"] * 1e6, "queued": r["queued"], "same_bytes": same})
-        for r in rows:
-            if r["shape"] == label and "error" not in r:
-                pct = f"{r['pct_of_copy']:5.0f}% of copy" if "pct_of_copy" in r else " " * 13
-                print(f"  {label:<24} {r['kernel']:<28} {r['us']:9.1f} us {r['gbps']:8.0f} GB/s {pct}  host "
-                      f"{r['host_us']:6.1f} us" + ("" if r.get("same_bytes") in (None, True) else "  BYTES DIFFER"),
-                      flush=True)
+            rows.append(_pass_row(base, {"shape": label}, name, lambda cast=cast: cast(t, dtype, scale, amax),
+                                  same_as_ref, moved, copy, device, iters))
+        _print_rows(rows, label, 24, 28, lambda r: "" if r.get("same_bytes") in (None, True) else "  BYTES DIFFER")
         t = ref = None  # freed before the next shape
     return rows
 
