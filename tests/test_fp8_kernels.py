@@ -145,8 +145,8 @@ def _eager_reference():
     """The ``torch`` casts eagerly on every device (on CUDA they are compiled by default, and
     inductor's arithmetic is not the reference's)."""
     real = fp8_module._cast
-    fp8_module._cast = lambda t, scale, dtype, pad=0, rowwise=True, colwise=False: _cast_math(
-        t, scale, dtype, pad, rowwise, colwise)
+    fp8_module._cast = lambda t, scale, dtype, pad=0, rowwise=True, colwise=False, gelu=False: _cast_math(
+        t, scale, dtype, pad, rowwise, colwise, gelu)
     try:
         yield
     finally:
