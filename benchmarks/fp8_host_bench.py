@@ -30,11 +30,15 @@ delayed by default, after a first step that gave every operand a history). Combi
   the CPU only: those combinations are not the GPU's host path (shown for comparison; on CUDA
   left out by default: inductor would compile the casts first).
 * ``tritonpy``: the ``triton`` cast path with only the Triton kernels' launches made no-ops
-  (``fp8_kernels._cast_kernel`` and ``_amax_parts_kernel``; Triton's ``cdiv`` and availability
+  (``fp8_kernels._cast_kernel`` and ``_amax_parts_kernel``; Triton's availability
   provided where it is not installed): ``cast_fp8``'s own Python runs (checks, allocations, grid),
   no kernel, so its bytes are garbage. It runs on either device; against ``triton`` it leaves
-  exactly Triton's launcher out (argument binding, specialisation key, cache lookup, the
-  driver's launch).
+  exactly the launch out (``parallel/triton_launch.py``'s direct launch: the cache key and lookup,
+  the compiled kernel's launcher, the driver's launch).
+* ``tritonrun``: the ``triton`` casts launched through Triton's own ``kernel[grid](...)``
+  (``JITFunction.run``: argument binding, specialisation, string cache key, launch metadata and
+  hooks) instead of the direct launch; CUDA only. Against ``triton`` it gives what the direct
+  launch saves.
 * ``CASTS+GEMM+fused`` and ``CASTS+GEMM+unfused``: the chain with the producers of the layers'
   inputs as the model hands them over (each layer's ``prologue``): a LayerNorm (the model's
   ``Norm``) before each column layer (QKV, fc1), the GELU before each row layer (fc2), the
@@ -81,8 +85,10 @@ Derived, µs per linear call (forward + backward: two casts, the weight's cached
 differences of the combinations' sums (``derived`` in the JSON; the first pair of rows that both
 ran, the cublaslt rows first, so the GPU path's own figures; n/a where none did):
 
-* ``triton_launcher`` = ``triton+G − tritonpy+G``: Triton's launcher alone (CUDA only: the rows
-  differ in the launches and nothing else).
+* ``triton_launcher`` = ``triton+G − tritonpy+G``: the Triton kernels' launches alone (the direct
+  launch; CUDA only: the rows differ in the launches and nothing else).
+* ``direct_launch_saves`` = ``tritonrun+G − triton+G``: what launching the compiled kernels
+  directly saves over Triton's ``kernel[grid](...)`` (CUDA only).
 * ``cast_fp8_python`` = ``tritonpy+G − cuda+G``: ``cast_fp8``'s Python over the C++ operator's whole
   host path (binding, dispatcher, allocation; on CUDA its launch too). Not the absolute Python of
   ``cast_fp8`` (that would need a row with the cast replaced by nothing), but what choosing the
@@ -113,7 +119,6 @@ import json
 import os
 import sys
 import time
-import types
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -124,13 +129,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from dept_mega.grad_buffer import GradBuffer, GradSync  # noqa: E402
 from dept_mega.ops import loader  # noqa: E402
 from dept_mega.model.layers import Norm  # noqa: E402
-from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels, fp8_norm_kernels  # noqa: E402
+from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels, fp8_norm_kernels, triton_launch  # noqa: E402
 from dept_mega.parallel.fp8 import Fp8Recipe, Fp8State  # noqa: E402
 from dept_mega.parallel.fp8_prologue import GELU  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 from dept_mega.parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear  # noqa: E402
 
-CASTS = ("torch", "cuda", "triton", "tritonpy")
+CASTS = ("torch", "cuda", "triton", "tritonpy", "tritonrun")
 PLAIN = ("bf16", "bf16_unfused") + tuple(f"{c}+{g}" for c in CASTS for g in ("torch", "cublaslt"))
 # CASTS+GEMM+fused / +unfused: the chain with its producers (LayerNorm before the column layers,
 # GELU before the row layers), fused into the casts (fp8_fused_casts) or called before the linear
@@ -141,14 +146,17 @@ _FUSED_ROWS = ("cuda+cublaslt+fused", "cuda+cublaslt+unfused", "tritonpy+cublasl
                "tritonpy+cublaslt+unfused")
 DEFAULT = {"cpu": ("bf16", "bf16_unfused", "torch+torch", "torch+cublaslt", "cuda+torch", "cuda+cublaslt",
                    "tritonpy+cublaslt") + _FUSED_ROWS,
-           "cuda": ("bf16", "bf16_unfused", "triton+torch", "triton+cublaslt", "tritonpy+cublaslt", "cuda+torch",
+           "cuda": ("bf16", "bf16_unfused", "triton+torch", "triton+cublaslt", "tritonpy+cublaslt",
+                    "tritonrun+cublaslt", "cuda+torch",
                     "cuda+cublaslt", "triton+cublaslt+fused", "triton+cublaslt+unfused") + _FUSED_ROWS[:2]}
 GPU_PATH = "cuda+cublaslt"  # the combination whose Python is the GPU run's (see the docstring)
 # the derived table (see the docstring): name -> (candidate (minuend, subtrahend) pairs, the first
 # that both ran is used; what it is; a caveat on the CPU or None)
 DERIVED = {
     "triton_launcher": ((("triton+cublaslt", "tritonpy+cublaslt"), ("triton+torch", "tritonpy+torch")),
-                        "Triton's launcher: binding, specialisation key, cache lookup, driver launch", None),
+                        "the Triton kernels' launches (direct: cache key and lookup, driver launch)", None),
+    "direct_launch_saves": ((("tritonrun+cublaslt", "triton+cublaslt"), ("tritonrun+torch", "triton+torch")),
+                            "the direct launch's saving over Triton's kernel[grid](...)", None),
     "cast_fp8_python": ((("tritonpy+cublaslt", "cuda+cublaslt"), ("tritonpy+torch", "cuda+torch")),
                         "cast_fp8's Python (checks, allocations, grid) over the C++ cast operator's host path", None),
     "triton_casts": ((("triton+cublaslt", "cuda+cublaslt"), ("triton+torch", "cuda+torch")),
@@ -258,13 +266,11 @@ def launches_stubbed():
     saved = []
     for K, kernels in ((fp8_kernels, ("_cast_kernel", "_amax_parts_kernel")),
                        (fp8_norm_kernels, ("_layernorm_cast_kernel",))):
-        names = kernels + ("AVAILABLE", "triton", "interpreted")
+        names = kernels + ("AVAILABLE", "interpreted")
         saved.append((K, names, {n: getattr(K, n) for n in names if hasattr(K, n)}))
         for n in kernels:
             setattr(K, n, _NoLaunch())
         K.AVAILABLE, K.interpreted = True, lambda: True  # interpreted: its check of CPU tensors passes
-        if K.triton is None:
-            K.triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))
     try:
         yield
     finally:
@@ -274,6 +280,20 @@ def launches_stubbed():
                     setattr(K, n, values[n])
                 elif hasattr(K, n):
                     delattr(K, n)
+
+
+@contextlib.contextmanager
+def launched_by_triton():
+    """The Triton casts launched through Triton's ``kernel[grid](...)`` for the duration (the
+    ``tritonrun`` casts), the direct launch restored afterwards."""
+    saved = [(K, K.launch) for K in (fp8_kernels, fp8_norm_kernels)]
+    for K, _ in saved:
+        K.launch = triton_launch.triton_launch
+    try:
+        yield
+    finally:
+        for K, fn in saved:
+            K.launch = fn
 
 
 class _Count(TorchDispatchMode):
@@ -318,6 +338,7 @@ class Chain:
         self.device = torch.device(device)
         pg = build_groups()
         self.state, self.stub_launches = None, combo.startswith("tritonpy+")
+        self.triton_run = combo.startswith("tritonrun+")
         prologue = combo.split("+")[2] if combo.count("+") == 2 else None
         if combo in ("bf16", "bf16_unfused"):
             gemm = LinearGemm(fuse_wgrad=combo == "bf16")
@@ -325,7 +346,8 @@ class Chain:
             casts, mm = combo.split("+")[:2]
             # tritonpy: a state any device can build, then Fp8State.cast's Triton path by hand
             self.state = Fp8State(Fp8Recipe("hybrid", scaling, amax_history=16), device,
-                                  kernels="torch" if self.stub_launches else casts, gemm=mm)
+                                  kernels="torch" if self.stub_launches else casts.replace("tritonrun", "triton"),
+                                  gemm=mm)
             if self.stub_launches:
                 self.state.kernels = "triton"
             gemm = LinearGemm("fp8", self.state, fused_casts=prologue == "fused")
@@ -364,7 +386,8 @@ class Chain:
 
     def step(self, body) -> None:
         """One training step: its first pass (the weights' casts), then ``body()``."""
-        with launches_stubbed() if self.stub_launches else contextlib.nullcontext():
+        with (launches_stubbed() if self.stub_launches else
+              launched_by_triton() if self.triton_run else contextlib.nullcontext()):
             self._step(body)
 
     def _step(self, body) -> None:
@@ -436,7 +459,7 @@ def skip_reason(combo: str, device: str):
     if combo.startswith("bf16"):
         return None
     casts, gemm = combo.split("+")[:2]
-    if casts == "triton" and (device != "cuda" or not fp8_kernels.AVAILABLE):
+    if casts in ("triton", "tritonrun") and (device != "cuda" or not fp8_kernels.AVAILABLE):
         return "Triton's casts need CUDA and Triton (on the CPU only its interpreter, which would time the interpreter)"
     if casts == "cuda" and (why := fp8_casts.op_unavailable(device)):
         return f"the C++ cast operator cannot run: {why}"

@@ -45,8 +45,9 @@
 #              -> bench.jsonl, kernels.txt                                      55 (an estimate)
 #   fp8_host   benchmarks/fp8_host_bench.py --device cuda: the host's µs per linear call, forward and
 #              backward apart, and its dispatcher ops, by casts x GEMM (triton|cuda casts, torch|cublaslt
-#              GEMM, bf16 beside), and what Triton's launcher, cast_fp8's Python and _scaled_mm's host
-#              path each cost over the C++ operators (tiny operands, wall time) -> one "kind":
+#              GEMM, bf16 beside), and what the Triton launches, cast_fp8's Python and _scaled_mm's host
+#              path each cost over the C++ operators, and what the direct launch saves over Triton's
+#              kernel[grid] (the tritonrun row; tiny operands, wall time) -> one "kind":
 #              "fp8_host" row of bench.jsonl                       30 (an estimate: not yet measured)
 #   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared; and the

@@ -194,7 +194,8 @@ def test_the_host_bench_derives_the_right_differences():
             "scaled_mm_host": ("cuda+torch", "cuda+cublaslt"),
             "gpu_path_over_bf16": ("cuda+cublaslt", "bf16"),
             "fusion_saves": ("cuda+cublaslt+unfused", "cuda+cublaslt+fused"),
-            "fusion_saves_triton": ("triton+cublaslt+unfused", "triton+cublaslt+fused")}
+            "fusion_saves_triton": ("triton+cublaslt+unfused", "triton+cublaslt+fused"),
+            "direct_launch_saves": ("tritonrun+cublaslt", "triton+cublaslt")}
     assert len(bench.COMBOS) < 60  # the powers of two stay exact in a float
     got = bench.derived(us, "cuda")
     assert set(got) == set(want)
@@ -211,6 +212,12 @@ def test_the_host_bench_derives_the_right_differences():
     assert cpu["fusion_saves_triton"]["us"] == us["tritonpy+cublaslt+unfused"] - us["tritonpy+cublaslt+fused"]
     assert "not a host figure" in cpu["scaled_mm_host"]["what"] and "not a host" not in got["scaled_mm_host"]["what"]
     assert bench.skip_reason("triton+torch", "cpu").startswith("Triton's casts need CUDA")
+    assert bench.skip_reason("tritonrun+cublaslt", "cpu").startswith("Triton's casts need CUDA")
+    # tritonrun: both kernel modules launch through Triton's kernel[grid](...) inside, directly after
+    from dept_mega.parallel import fp8_kernels, fp8_norm_kernels, triton_launch
+    with bench.launched_by_triton():
+        assert fp8_kernels.launch is fp8_norm_kernels.launch is triton_launch.triton_launch
+    assert fp8_kernels.launch is fp8_norm_kernels.launch is triton_launch.launch
     assert bench.skip_reason("tritonpy+torch", "cpu") is None and bench.skip_reason("bf16_unfused", "cpu") is None
 
 

@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, ModelConfig, te_fp8_conflict
+from ..parallel import fp8_kernels, triton_launch
 from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
 from ..parallel.fp8_casts import default_graph_casts
 from ..parallel.fp8_gemm import resolve_gemm
@@ -191,6 +192,8 @@ class Backends:
         traced = native and self.compile  # parallel/fp8_traced.py
         if native:
             casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
+            if casts == _CASTS["triton"] and fp8_kernels.AVAILABLE:
+                casts += f" ({triton_launch.describe(fp8_kernels._cast_kernel)})"
             how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}, {casts})"
         else:  # Transformer Engine casts itself (fp8_casts / fp8_gemm apply to the native GEMMs only)
             how = "transformer_engine fp8"

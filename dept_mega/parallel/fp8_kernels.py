@@ -43,6 +43,7 @@ import torch
 from .fp8_norm_kernels import layernorm_cast_fp8  # noqa: F401  (re-exported: the LayerNorm prologue)
 from .fp8_triton import (_FORMATS, _MIN_AMAX, AVAILABLE, INPUT_DTYPES, _dummy, interpreted,  # noqa: F401
                          tl, triton)
+from .triton_launch import ceil_div, launch
 
 if AVAILABLE:
     from .fp8_triton import _abs_max, _gelu, _nanmax, _store_fp8, _to_fp8_grid
@@ -134,15 +135,15 @@ def cast_fp8(t: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = 
     parts, nparts = dummy, 0
     if current:
         n = t.numel()
-        nparts = max(1, min(_PARTS, triton.cdiv(n, _AMAX_BLOCK)))
+        nparts = max(1, min(_PARTS, ceil_div(n, _AMAX_BLOCK)))
         parts = t.new_empty((nparts,), dtype=torch.float32)
-        _amax_parts_kernel[(nparts,)](t, parts, n, nparts, BLOCK=_AMAX_BLOCK, GELU=gelu)
+        launch(_amax_parts_kernel, (nparts,), (t, parts, n, nparts), {"BLOCK": _AMAX_BLOCK, "GELU": gelu}, 4)
     block_m, block_n, warps = tile
-    grid = (triton.cdiv(out_rows, block_m), triton.cdiv(cols, block_n))
-    _cast_kernel[grid](t, q if rowwise else q_t, q_t if colwise else q, dummy if current else scale,
-                       inv if current else dummy, parts, dummy if amax_out is None else amax_out,
-                       rows, cols, out_rows, nparts, scale_index, amax_index,
-                       FMAX=fmax, MBITS=mbits, EMIN=emin, MIN_AMAX=_MIN_AMAX, CURRENT=current,
-                       RECORD=amax_out is not None, ROWWISE=rowwise, COLWISE=colwise, PARTS=_PARTS,
-                       BLOCK_M=block_m, BLOCK_N=block_n, GELU=gelu, num_warps=warps)
+    launch(_cast_kernel, (ceil_div(out_rows, block_m), ceil_div(cols, block_n)),
+           (t, q if rowwise else q_t, q_t if colwise else q, dummy if current else scale,
+            inv if current else dummy, parts, dummy if amax_out is None else amax_out,
+            rows, cols, out_rows, nparts, scale_index, amax_index),
+           {"FMAX": fmax, "MBITS": mbits, "EMIN": emin, "MIN_AMAX": _MIN_AMAX, "CURRENT": current,
+            "RECORD": amax_out is not None, "ROWWISE": rowwise, "COLWISE": colwise, "PARTS": _PARTS,
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "GELU": gelu}, warps)
     return q, q_t, inv

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .fp8_triton import _FORMATS, AVAILABLE, INPUT_DTYPES, _dummy, interpreted, tl, triton
+from .triton_launch import ceil_div, launch
 
 if AVAILABLE:
     from .fp8_triton import _nanmax, _round_to_input, _store_fp8, _to_fp8_grid
@@ -151,9 +152,10 @@ def layernorm_cast_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     rstd = x.new_empty((rows, 1), dtype=sdt)
     block_m, block_n, warps = tile
     dummy = _dummy(x.device)
-    _layernorm_cast_kernel[(triton.cdiv(out_rows, block_m),)](
-        x, weight, dummy if bias is None else bias.contiguous(), q if rowwise else q_t, q_t if colwise else q,
-        mean, rstd, scale, dummy if amax_out is None else amax_out, rows, cols, out_rows, eps, scale_index,
-        amax_index, FMAX=fmax, MBITS=mbits, EMIN=emin, HAS_BIAS=bias is not None, RECORD=amax_out is not None,
-        ROWWISE=rowwise, COLWISE=colwise, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    launch(_layernorm_cast_kernel, (ceil_div(out_rows, block_m),),
+           (x, weight, dummy if bias is None else bias.contiguous(), q if rowwise else q_t, q_t if colwise else q,
+            mean, rstd, scale, dummy if amax_out is None else amax_out, rows, cols, out_rows, eps, scale_index,
+            amax_index),
+           {"FMAX": fmax, "MBITS": mbits, "EMIN": emin, "HAS_BIAS": bias is not None, "RECORD": amax_out is not None,
+            "ROWWISE": rowwise, "COLWISE": colwise, "BLOCK_M": block_m, "BLOCK_N": block_n}, warps)
     return q, q_t, mean, rstd
