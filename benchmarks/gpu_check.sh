@@ -43,6 +43,9 @@
 #              55 (an estimate: not yet measured)
 #   fp8_lt_fused  the fp8_lt run (C++ casts, cuBLASLt GEMMs) with fp8_fused_casts=true, profiled
 #              -> bench.jsonl, kernels.txt                                      55 (an estimate)
+#   fp8_tlt_fused  the Triton casts (launched directly) with the cuBLASLt GEMMs and fp8_fused_casts=true:
+#              the faster cast kernels with the GEMM that accumulates the weight gradients, profiled
+#              -> bench.jsonl, kernels.txt                                      55 (an estimate)
 #   fp8_host   benchmarks/fp8_host_bench.py --device cuda: the host's µs per linear call, forward and
 #              backward apart, and its dispatcher ops, by casts x GEMM (triton|cuda casts, torch|cublaslt
 #              GEMM, bf16 beside), and what the Triton launches, cast_fp8's Python and _scaled_mm's host
@@ -110,7 +113,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
+STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
@@ -163,7 +166,7 @@ if [ "$DRY" = 1 ]; then
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12 [fp8_lt_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
-                     [fp8_fused]=12 [fp8_lt_fused]=12)
+                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -183,7 +186,7 @@ else
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55)
+                     [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -256,7 +259,7 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
 
 # ------------------------------------------------------------------ stages
 BUILD_PID=
-NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_lt_fused fp8_lt_mb8 fp8_host fp8_casts)  # stages that run the extension's operators
+NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_lt_fused fp8_tlt_fused fp8_lt_mb8 fp8_host fp8_casts)  # stages that run the extension's operators
 start_build() {
   if [ -n "$ONLY" ]; then
     local s need=0
@@ -427,6 +430,8 @@ stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda 
 stage_fp8_fused() { bench fp8_fused --profile fp8=hybrid backend=local fp8_fused_casts=true; }
 stage_fp8_lt_fused() {
   bench fp8_lt_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
+# fp8_casts stays auto: Triton on the GPU (the torch casts in the CPU dry run)
+stage_fp8_tlt_fused() { bench fp8_tlt_fused --profile fp8=hybrid backend=local fp8_gemm=cublaslt fp8_fused_casts=true; }
 stage_fp8_fast_accum() { bench fp8_fast_accum fp8=hybrid backend=local fp8_fast_accum=forward; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
 stage_fp8_lt_mb8() { bench fp8_lt_mb8 fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt train.micro_batch_size=$((2 * MB)); }

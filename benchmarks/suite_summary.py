@@ -179,6 +179,8 @@ RATIOS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("fp8_fused", "FP8 with fp8_fused_casts=true", ("fp8", "bf16")),
     ("fp8_lt_fused", "FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true",
      ("fp8_lt", "fp8_fused", "fp8", "bf16")),
+    ("fp8_tlt_fused", "FP8 with the Triton casts, cuBLASLt GEMMs and fp8_fused_casts=true",
+     ("fp8_fused", "fp8_lt_fused", "fp8", "bf16")),
     ("fp8_fast_accum", "FP8 with fp8_fast_accum=forward", ("fp8", "bf16")),
     ("fp8_current", "FP8 current scaling, eager", ("fp8", "bf16")),
     ("bf16_mb8", "bf16 with micro-batches of 8", ("bf16",)),
