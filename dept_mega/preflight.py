@@ -177,7 +177,7 @@ def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str
 
 def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_usage) -> tuple[list[str], list[str]]:
     """The report lines and warnings of the pre-flight; raises the launch's input errors."""
-    from .data.checks import check_sources, lossy_source_warnings
+    from .data.checks import check_sources, source_warnings
     from .dept.costs import resolve_vocabs
     from .dept.memory import predict_memory
     from .run_inputs import describe_batch, vocab_size_of
@@ -208,7 +208,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                  + (f"+ FP8 weight copies {_size(mem['fp8_weight_copies'])} + FP8 scaling {_size(mem['fp8_scaling'])} "
                     if mem["fp8_weight_copies"] else "")
                  + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
-    warnings = lossy_source_warnings(cfg)
+    warnings = source_warnings(cfg)
     if cfg.fp8 is not None and cfg.backend == "auto" and (why := te_fp8_conflict(cfg)) is not None:
         # refused with the config for backend: transformer_engine; auto decides on the GPU node
         warnings.append(f"config key 'backend': auto picks Transformer Engine on a node where it is installed, "

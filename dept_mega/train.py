@@ -288,8 +288,8 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     cfg, loop = session.cfg, session.loop
     run_dir = cfg.train.run_dir
     if session.rank == 0:
-        from .data.checks import lossy_source_warnings
-        for note in [*loop.checkpointer.notes, *lossy_source_warnings(cfg)]:
+        from .data.checks import source_warnings
+        for note in [*loop.checkpointer.notes, *source_warnings(cfg)]:
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
     dropped = session.writer.resume_at(resumed or 0)

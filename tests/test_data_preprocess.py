@@ -128,21 +128,81 @@ def test_each_bad_input_kind_is_counted_with_line_numbers(tmp_path, tok_model):
     assert nbytes == [len(t.encode()) for t in kept]
 
 
-def test_report_printed_by_cli_and_strict_fails_without_output(tmp_path, tok_model):
+@pytest.mark.parametrize("quiet", [False, True])
+def test_report_printed_by_cli_and_strict_fails_without_output(tmp_path, tok_model, quiet):
+    """The report of bad input is printed (stderr) with or without --quiet: the counts, the
+    first places of each kind and how many more; the record keeps the skipped counts; --strict
+    says what it found and that nothing was written."""
     src = str(tmp_path / "bad.jsonl")
     _bad_file(src)
+    with open(src, "ab") as f:  # 7 more invalid_json lines (16-22): 9 in all, 5 named, "and 4 more"
+        f.write(b"\n" + b"not json\n" * 7)
     args = ["--input", src, "--json-keys", "text", "--tokenizer-model", tok_model,
-            "--output-prefix", str(tmp_path / "o")]
+            "--output-prefix", str(tmp_path / "o")] + (["--quiet"] if quiet else [])
     r = run_tool("preprocess_data.py", args)
-    assert r.returncode == 0
-    assert "input problems (10 lines skipped)" in r.stderr
-    assert "invalid_utf8" in r.stderr and f"{src}:12" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0 and r.stdout == "" and "Traceback" not in r.stderr
+    assert ("[preprocess] done" in r.stderr) is not quiet, r.stderr
+    record = str(tmp_path / "o_text_document.tokenizer.json")
+    assert f"input problems: 17 of 22 lines skipped (counts recorded in {record}; --strict" in r.stderr
+    rows = {line.split()[0]: line for line in r.stderr.splitlines() if line.startswith("  ")}
+    assert set(rows) == set(KINDS), r.stderr
+    assert rows["invalid_json"].split()[1:3] == ["9", "skipped"]
+    assert rows["invalid_json"].endswith(f"{src}:18, ... and 4 more"), rows["invalid_json"]
+    assert rows["invalid_utf8"].split()[1:3] == ["2", "skipped"] and f"{src}:12" in rows["invalid_utf8"]
+    assert rows["bom"].split()[1:4] == ["1", "kept", "(fixed)"] and "more" not in rows["missing_key"]
+    assert json.load(open(record))["input"] == {
+        "files": [src], "lines": 22, "skipped": 17, "skipped_by_kind": {
+            "blank_line": 1, "invalid_utf8": 2, "invalid_json": 9, "missing_key": 1, "non_string": 2, "empty_text": 2}}
     os.remove(str(tmp_path / "o_text_document.bin"))
     r = run_tool("preprocess_data.py", args + ["--strict", "--workers", "2"])
-    assert r.returncode == 2 and "--strict" in r.stderr and "Traceback" not in r.stderr
-    assert not [f for f in os.listdir(tmp_path) if f.endswith((".bin", ".tmp"))]
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: bad input and --strict given: nothing written; found in the lines read")
+    rows = [line.split() for line in r.stderr.splitlines()[1:]]
+    assert {row[0] for row in rows} == set(KINDS) and {row[2] for row in rows} == {"found"}, r.stderr
+    assert "skipped" not in r.stderr and "and 4 more" in r.stderr
+    assert not [f for f in os.listdir(tmp_path) if f.endswith((".bin", ".tmp", ".tokenizer.json"))]
 
 
+def test_check_warns_about_sources_with_skipped_lines(tmp_path, tok_model):
+    """--check (and the launch, through the same function) warns once per source whose record
+    says lines were skipped; a clean source, or a record written before the field, gets nothing."""
+    import yaml
+
+    from dept_mega.config import load_config
+    from dept_mega.data.checks import source_warnings
+    from dept_mega.data.indexed import tokenizer_record_path
+    from tests.test_train_cli import TINY_MODEL, _train_here
+    bad = str(tmp_path / "bad.jsonl")
+    _bad_file(bad)
+    with open(bad, "a") as f:
+        f.write("\n" + "".join(json.dumps({"text": t}) + "\n" for t in synthetic_texts(40, seed=9)))
+    good = write_jsonl(str(tmp_path / "good.jsonl"), synthetic_texts(40, seed=10))
+    for name, src in (("b", bad), ("g", good)):
+        preprocess([src], ["text"], tok_model, str(tmp_path / name), append_eod=True, log=None)
+    sources = [{"name": n, "prefix": str(tmp_path / f"{n}_text_document")} for n in ("b", "g")]
+    cfg = {"model": TINY_MODEL, "precision": "fp32", "backend": "local", "dept": {"variant": "glob", "local_steps": 2},
+           "data": {"tokenizer": tok_model, "sources": sources, "split": "80,20"},
+           "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "eval_iters": 0,
+                     "run_dir": str(tmp_path / "run")}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = _train_here("--config", str(path), "--check", "--world-size", "2")
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "skipped as bad input" in line]
+    b = sources[0]["prefix"]
+    assert warned == [
+        f"warning: config key 'data.sources[0].prefix': source 'b': {b}: 10 of 55 input lines were skipped as bad "
+        f"input when it was preprocessed (blank_line 1, invalid_utf8 2, invalid_json 2, missing_key 1, non_string 2, "
+        f"empty_text 2; {tokenizer_record_path(b)}): this data lacks them; fix the input and preprocess again "
+        f"(tools/preprocess_data.py's report names the first lines of each kind), or preprocess with --strict to "
+        f"stop at bad input instead of skipping it"], r.stderr
+    r = _train_here("--config", str(path), "train.steps=2")  # the launch prints the same line
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "skipped as bad input" in line] == warned, r.stderr
+    record = json.load(open(tokenizer_record_path(b)))
+    del record["input"]  # a record from before the field: nothing said
+    json.dump(record, open(tokenizer_record_path(b), "w"))
+    assert not [w for w in source_warnings(load_config(str(path))) if "skipped" in w]
 @pytest.mark.parametrize("kind,line", [("bom", b"\xef\xbb\xbf{\"text\": \"x\"}\n"),
                                        ("crlf", b'{"text": "x"}\r\n'),
                                        ("empty_text", b'{"text": ""}\n')])

@@ -84,7 +84,11 @@ def test_sample_cap_and_strict(tmp_path):
         f.write("{broken\n")
     r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "60", "--strict",
                                         "--output-prefix", str(tmp_path / "s")])
-    assert r.returncode == 1 and "--strict" in r.stderr and "a.jsonl:301" in r.stderr
+    assert r.returncode == 1 and "a.jsonl:301" in r.stderr
+    # --strict stops before training: the lines were found, nothing was written (none "skipped")
+    assert r.stderr.startswith("error: bad input lines and --strict given: nothing written; found:\n")
+    assert r.stderr.split("\n")[1].split()[:3] == ["invalid_json", "1", "found"] and "skipped" not in r.stderr
+    assert not os.path.exists(str(tmp_path / "s.model"))
 
 
 def test_load_tokenizer_errors(tmp_path):

@@ -43,7 +43,9 @@ def test_preprocess_records_the_tokenizer(made):
                    "sha256": model_sha256(a), "lossless": True,
                    "round_trip": {"documents": 40, "bytes": nbytes, "checked": 40, "checked_bytes": nbytes,
                                   "mismatched_documents": 0, "mismatched_bytes": 0,
-                                  "mismatched_decoded_bytes": 0, "every": 1}}
+                                  "mismatched_decoded_bytes": 0, "every": 1},
+                   "input": {"files": [os.path.join(os.path.dirname(prefix), "x.jsonl")], "lines": 40, "skipped": 0,
+                             "skipped_by_kind": {}}}
 
 
 def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):

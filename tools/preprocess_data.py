@@ -23,9 +23,11 @@ documents on every K-th input line (lines 1, K+1, 2K+1, ... of the inputs in ord
 ``--workers`` and ``--partitions``), ``--round-trip-every 0`` none; the summary line and the
 record then say how many were checked (``lossless`` is null unless all were).
 Bad input lines (invalid JSON, missing key, non-string value, empty text, invalid UTF-8,
-byte-order mark, CRLF) are counted by kind and reported at the end with their first line
-numbers; see dept_mega/data/jsonl.py for what is kept and what is skipped. ``--strict``
-makes any of them an error. An input that leaves no document (empty, or all bad lines) is an
+byte-order mark, CRLF) are counted by kind and reported at the end (stderr, also with
+``--quiet``) with their first line numbers and how many more; see dept_mega/data/jsonl.py for
+what is kept and what is skipped. The skipped counts are recorded in the tokenizer record
+(``input``), and training's pre-flight warns about data that lacks lines. ``--strict`` makes
+any of them an error. An input that leaves no document (empty, or all bad lines) is an
 error too unless ``--allow-empty``. Errors are one ``error:`` line and exit status 2, with no
 output written; an output path that cannot be written is refused before tokenizing.
 """
@@ -74,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode the documents of every K-th input line to check decode(encode(text)) == text "
                         "(default 1: every document; 0: no check, the record says it was not checked)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
-    p.add_argument("--quiet", action="store_true", help="no progress or summary lines")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress or summary lines (the report of bad input lines is printed all the same)")
     return p.parse_args(argv)
 
 
@@ -101,10 +104,12 @@ def main(argv=None) -> int:
         for out, rt in zip(st.outputs, st.round_trip):
             print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json", file=sys.stderr)
             print(round_trip_line(out, rt, args.round_trip_every), file=sys.stderr)
-        if st.report.total:
-            print(f"[preprocess] input problems ({st.report.skipped} lines skipped):", file=sys.stderr)
-            for line in st.report.lines():
-                print(line, file=sys.stderr)
+    if st.report.total:  # also with --quiet: input left out of the data is never silent
+        print(f"[preprocess] input problems: {st.report.skipped} of {st.lines} lines skipped (counts recorded in "
+              f"{', '.join(o + '.tokenizer.json' for o in st.outputs)}; --strict stops at bad input instead):",
+              file=sys.stderr)
+        for line in st.report.lines():
+            print(line, file=sys.stderr)
     return 0
 
 

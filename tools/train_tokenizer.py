@@ -142,13 +142,15 @@ def main(argv=None) -> int:
     t0 = time.time()
     report = BadInputReport()
     sample, docs, seen = collect_sentences(args, report)
-    if report.total:
-        print(f"[train_tokenizer] input problems ({report.skipped} lines skipped):", file=sys.stderr)
+    if report.total and args.strict:
+        print("error: bad input lines and --strict given: nothing written; found:", file=sys.stderr)
+        for line in report.lines(found=True):
+            print(line, file=sys.stderr)
+        return 1
+    if report.total:  # always printed (this tool has no --quiet): input left out is never silent
+        print(f"[train_tokenizer] input problems: {report.skipped} lines skipped:", file=sys.stderr)
         for line in report.lines():
             print(line, file=sys.stderr)
-        if args.strict:
-            print("error: bad input lines and --strict given", file=sys.stderr)
-            return 1
     if not sample:
         print(f"error: no text found under key {args.json_key!r} in {', '.join(args.input)}", file=sys.stderr)
         return 1

@@ -130,6 +130,47 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
         f"train.eval_iters=0 to train without evaluation")
 
 
+def source_warnings(cfg: Config) -> list[str]:
+    """What the pre-flight (``--check``) and the launch warn about the sources' data, from their
+    ``PREFIX.tokenizer.json``: input lines skipped at preprocessing, then lossy tokenizers."""
+    return skipped_input_warnings(cfg) + lossy_source_warnings(cfg)
+
+
+def _read_record(prefix: str):
+    """A source's ``PREFIX.tokenizer.json`` as a dict, or None (no record, or one that
+    :func:`check_sources` reports)."""
+    try:
+        with open(tokenizer_record_path(prefix), encoding="utf-8") as f:
+            made = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None
+
+
+def skipped_input_warnings(cfg: Config) -> list[str]:
+    """One line per source whose ``PREFIX.tokenizer.json`` says tools/preprocess_data.py skipped
+    input lines as bad input (``input.skipped`` > 0, by kind in ``input.skipped_by_kind``): the
+    data lacks those lines, which the preprocessing report named at the time. Records without
+    the field (written before it existed) or with nothing skipped: nothing."""
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        source = (_read_record(s.prefix) or {}).get("input")
+        skipped = source.get("skipped") if isinstance(source, dict) else None
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped <= 0:
+            continue
+        lines = source.get("lines")
+        of = f"{skipped} of {lines}" if isinstance(lines, int) and not isinstance(lines, bool) else f"{skipped}"
+        kinds = source.get("skipped_by_kind")
+        by = (", ".join(f"{k} {n}" for k, n in kinds.items()) if isinstance(kinds, dict) and kinds
+              else "kinds not recorded")
+        out.append(f"config key 'data.sources[{i}].prefix': source '{s.name}': {s.prefix}: {of} input lines were "
+                   f"skipped as bad input when it was preprocessed ({by}; {tokenizer_record_path(s.prefix)}): "
+                   f"this data lacks them; fix the input and preprocess again (tools/preprocess_data.py's report "
+                   f"names the first lines of each kind), or preprocess with --strict to stop at bad input "
+                   f"instead of skipping it")
+    return out
+
+
 def lossy_source_warnings(cfg: Config) -> list[str]:
     """One line per source whose ``PREFIX.tokenizer.json`` says its tokenizer did not give every
     checked document back (``lossless: false``, written by tools/preprocess_data.py): its bits

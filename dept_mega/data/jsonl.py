@@ -61,14 +61,23 @@ class BadInputReport:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def lines(self) -> list[str]:
-        """Human-readable summary, one line per kind seen."""
+    def skipped_by_kind(self) -> dict[str, int]:
+        """The counts of the kinds whose lines are dropped (only those seen)."""
+        return {k: self.counts[k] for k in SKIPPED_KINDS if self.counts.get(k)}
+
+    def lines(self, found: bool = False) -> list[str]:
+        """Human-readable summary, one line per kind seen: the count, what became of the lines
+        ("skipped", "kept (fixed)"; ``found``: only "found", for a run stopped by --strict that
+        wrote nothing), the first few places and how many more there are."""
         out = []
         for kind in KINDS:
             n = self.counts.get(kind, 0)
             if n:
-                action = "skipped" if kind in SKIPPED_KINDS else "kept (fixed)"
-                out.append(f"  {kind:<13} {n:>9}  {action:<13} first at: {', '.join(self.examples[kind])}")
+                action = "found" if found else "skipped" if kind in SKIPPED_KINDS else "kept (fixed)"
+                ex = self.examples.get(kind, [])
+                more = f", ... and {n - len(ex)} more" if n > len(ex) else ""
+                out.append(f"  {kind:<13} {n:>9}  {action:<13} {'at' if n == 1 else 'first at'}: "
+                           f"{', '.join(ex)}{more}")
         return out
 
 

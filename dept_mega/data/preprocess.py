@@ -304,18 +304,30 @@ def _remove_outputs(prefixes: Sequence[str]) -> None:
                 os.remove(f)
 
 
+def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
+    """The ``input`` field of ``PREFIX.tokenizer.json``: the input files (absolute paths), the
+    lines read, and the lines skipped as bad input (``skipped``, and ``skipped_by_kind``: only
+    the kinds seen), so that the pre-flight can warn about data that lacks them
+    (dept_mega/data/checks.py)."""
+    return {"files": [os.path.abspath(p) for p in inputs], "lines": lines, "skipped": report.skipped,
+            "skipped_by_kind": report.skipped_by_kind()}
+
+
 def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str,
-                            round_trip: RoundTrip, every: int = 1) -> None:
+                            round_trip: RoundTrip, every: int = 1, source: Optional[dict] = None) -> None:
     """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
     before training, dept_mega/data/checks.py), and whether it gave every document back
     (``lossless``: true, false, or null when not every document was checked and none of the
     checked ones failed; ``round_trip``: the counts, ``checked`` of ``documents`` and
-    ``every``, the --round-trip-every K; warned about before training); written atomically,
-    after the data."""
+    ``every``, the --round-trip-every K; warned about before training); ``input``: what was
+    read and how many lines were skipped (:func:`input_record`; warned about before training);
+    written atomically, after the data."""
     path = tokenizer_record_path(prefix)
     record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
               "lossless": None if every == 0 else round_trip.lossless,  # 0 documents, unchecked: not "true"
               "round_trip": {**vars(round_trip), "every": every}}
+    if source is not None:
+        record["input"] = source
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
@@ -398,11 +410,12 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input" if stats.lines
                 else "the input is empty")
         raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
-                              f"empty dataset)")
+                              f"empty dataset)" + "".join(f"\n{line}" for line in stats.report.lines(found=True)))
     digest = model_sha256(tokenizer_model)
+    source = input_record(inputs, stats.lines, stats.report)
     for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
         _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                stats.round_trip[k], round_trip_every)
+                                stats.round_trip[k], round_trip_every, source)
     stats.outputs = finals
     return stats
 
@@ -424,7 +437,8 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         nonlocal last
         if strict and result.report.total:
             stats.report.merge(result.report)
-            raise PreprocessError("bad input and --strict given:\n" + "\n".join(result.report.lines()))
+            raise PreprocessError("bad input and --strict given: nothing written; found in the lines read before "
+                                  "stopping (later lines not read):\n" + "\n".join(result.report.lines(found=True)))
         stats.report.merge(result.report)
         stats.lines += result.lines
         stats.input_bytes += result.input_bytes
