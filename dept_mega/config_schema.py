@@ -202,7 +202,11 @@ class TrainConfig:
     run_dir: str = "runs/example"  #: Directory of the run's config, metrics, logs and checkpoints.
     log_interval: int = 10  #: Steps between log lines and train records.
     eval_interval: int = 500  #: Steps between evaluations on every source (0: only at the end).
-    eval_iters: int = 20  #: Validation batches per source and evaluation (at most one pass over its part).
+    #: Validation global batches per source and evaluation, as Megatron-LM's --eval-iters:
+    #: the first eval_iters × global_batch_size sequences of each source's validation part
+    #: (all of it when smaller; never a sequence twice), the same under any parallel layout
+    #: and micro_batch_size; an evaluation reads (forward only) that many sequences per source.
+    eval_iters: int = 20
     save_interval: int = 500  #: Steps between checkpoints (0: only at the end).
     profile: Optional[ProfileConfig] = None  #: A torch.profiler trace of some steps; null = off.
     #: Seconds to wait for every rank at start-up; torch applies the same limit to later

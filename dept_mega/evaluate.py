@@ -9,8 +9,9 @@ as the checkpoint loads under any layout), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
-computed exactly as the run's periodic evaluation (``train.eval_iters`` batches of the
-validation split, unless ``--eval-iters`` says otherwise). A federated group job's run
+computed exactly as the run's periodic evaluation (``train.eval_iters`` global batches of
+``train.global_batch_size`` sequences of each source's validation part, unless ``--eval-iters``
+says otherwise: the same sequences in any layout, dept_mega.data.sources.ValidationBatches). A federated group job's run
 (``federation.lighthouse`` set) is evaluated on its own sources, without the lighthouse or
 the other group jobs (which may be gone by then).
 """
@@ -44,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
-    ap.add_argument("--eval-iters", type=int, default=None)
+    ap.add_argument("--eval-iters", type=int, default=None,
+                    help="global batches (train.global_batch_size sequences) per source; default: the run's "
+                         "train.eval_iters")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
                          "to evaluate in another layout (any layout loads: docs/launching.md section 10)")

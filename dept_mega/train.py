@@ -33,7 +33,7 @@ from .parallel.agree import is_agreed
 from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .process_exit import report_error
 from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
-from .trainer import Trainer
+from .trainer import MicroBatch, Trainer
 
 
 def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -> argparse.Namespace:
@@ -82,12 +82,17 @@ class RunData:
                               self.cfg.dept.temperature, weights=[scale.get(n, 1.0) for n in self.train])
 
     def make_eval_batches(self, name: str):
+        """This rank's evaluation steps of source ``name``: ``train.eval_iters`` global batches
+        of ``train.global_batch_size`` validation sequences (one group's, as in training), each
+        rank its share in micro-batches; the same samples under any layout (ValidationBatches)."""
         from .data.sources import ValidationBatches
         t = self.cfg.train
-        vb = ValidationBatches(self.valid[name], t.micro_batch_size, t.eval_iters, self.pg.dp_rank,
-                               self.pg.dp_size)
+        vb = ValidationBatches(self.valid[name], t.global_batch_size, t.micro_batch_size, t.eval_iters,
+                               self.pg.dp_rank, self.pg.dp_size)
         for batch in vb:
-            yield EvalStep(micro_batches=[batch.tokens], nbytes=float(batch.bytes.sum()))
+            yield EvalStep(micro_batches=[MicroBatch(tokens, rows=rows)
+                                          for tokens, rows in zip(batch.micro_batches, batch.rows)],
+                           nbytes=float(batch.bytes.sum()))
 
 
 def load_run_data(cfg: Config, pg: ParallelGroups) -> RunData:

@@ -51,9 +51,12 @@ class NonFiniteLossError(RuntimeError):
 @dataclass
 class MicroBatch:
     """``tokens`` [b, s+1] int64: inputs ``tokens[:, :-1]``, labels ``tokens[:, 1:]``.
-    ``source_ids`` [b]: index of each sequence's source in ``cfg.data.sources`` (or None)."""
+    ``source_ids`` [b]: index of each sequence's source in ``cfg.data.sources`` (or None).
+    ``rows``: evaluation only, the first ``rows`` sequences count and the others only fill a
+    short share to the micro-batch shape (``dept_mega.data.sources.ValidationBatches``); None: all."""
     tokens: torch.Tensor
     source_ids: Optional[torch.Tensor] = None
+    rows: Optional[int] = None
 
     @property
     def num_targets(self) -> int:
@@ -250,6 +253,8 @@ class Trainer:
         mbs = step_micro_batches(micro_batches)
         P, V = self.pg.pp_size, len(self.stages)
         check_microbatches(len(mbs), P, V)
+        if any(mb.rows is not None for mb in mbs):
+            raise ValueError("train_step: micro-batches with filler rows (MicroBatch.rows) are for evaluation only")
         for st in self.stages:
             st.train()
         global_tokens = sum(mb.num_targets for mb in mbs) * self.pg.dp_size
@@ -393,15 +398,19 @@ class Trainer:
     @torch.no_grad()
     def eval_batches(self, micro_batches: Any) -> tuple[float, int]:
         """Forward only; returns the group's (sum of token losses, number of target tokens)
-        over these micro-batches on every data-parallel rank together."""
+        over these micro-batches on every data-parallel rank together: of each micro-batch's
+        first ``rows`` sequences where it says (``MicroBatch.rows``). The losses are summed in
+        float64, so the total does not depend on how the sequences were cut into micro-batches
+        beyond float64 rounding."""
         mbs = step_micro_batches(micro_batches)
         for st in self.stages:
             st.eval()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
 
         def loss_fn(per_token: torch.Tensor, mb: MicroBatch) -> None:
-            acc[0] += per_token.float().sum().double()
-            acc[1] += per_token.numel()
+            counted = per_token if mb.rows is None else per_token[:mb.rows]  # [b, s]: sequences first
+            acc[0] += counted.double().sum()
+            acc[1] += counted.numel()
 
         if mbs:
             with fp8_weight_cache(self.stages, train=False):  # current scaling; the amax history untouched

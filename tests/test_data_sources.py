@@ -128,19 +128,44 @@ def test_validation_batches(tmp_path):
     prefix = _source(tmp_path, "val", 100, 0)
     ds = GPTDataset(prefix, 8, "80,20", "valid", shuffle=False)
     n = ds.samples_per_epoch
-    vb = ValidationBatches(ds, micro_batch_size=2, eval_iters=3)
+    assert n % 4  # the part ends in a partial batch below
+    vb = ValidationBatches(ds, global_batch_size=4, micro_batch_size=2, eval_iters=3)
     batches = list(vb)
     assert len(batches) == len(vb) == 3
-    assert torch.equal(batches[1].tokens, torch.from_numpy(np.stack([ds[2], ds[3]])))
-    assert batches[1].bytes.tolist() == [ds.sample_bytes(2), ds.sample_bytes(3)]
-    assert [torch.equal(a.tokens, b.tokens) for a, b in zip(batches, list(vb))] == [True] * 3  # fixed order
-    # data-parallel ranks split each batch; never more than one pass over the part
-    r0 = list(ValidationBatches(ds, 2, 10_000, dp_rank=0, dp_size=2))
-    r1 = list(ValidationBatches(ds, 2, 10_000, dp_rank=1, dp_size=2))
-    assert len(r0) == len(r1) == n // 4
-    assert torch.equal(r1[0].tokens, torch.from_numpy(np.stack([ds[2], ds[3]])))
-    seen = torch.cat([torch.cat([a.tokens, b.tokens]) for a, b in zip(r0, r1)])
-    assert seen.shape[0] == 4 * (n // 4) <= n
+    want = [torch.from_numpy(np.stack([ds[4], ds[5]])), torch.from_numpy(np.stack([ds[6], ds[7]]))]
+    assert len(batches[1].micro_batches) == 2
+    assert all(torch.equal(a, b) for a, b in zip(batches[1].micro_batches, want))
+    assert batches[1].bytes.tolist() == [ds.sample_bytes(i) for i in range(4, 8)] and batches[1].rows == [2, 2]
+    assert all(torch.equal(a.micro_batches[0], b.micro_batches[0]) for a, b in zip(batches, vb))  # fixed order
+
+
+@pytest.mark.parametrize("gbs,eval_iters", [(4, 3), (4, 10_000), (8, 1), (24, 2), (100, 1)])
+def test_validation_batches_cover_the_same_samples_under_any_layout(tmp_path, gbs, eval_iters):
+    """``eval_iters`` global batches: the first min(eval_iters × GBS, n) samples of the part,
+    each once, whatever the data-parallel size and micro-batch size; every rank runs the same
+    micro-batches (count and shape) in each iteration, rows beyond its share filling only."""
+    prefix = _source(tmp_path, "val", 100, 0)
+    ds = GPTDataset(prefix, 8, "80,20", "valid", shuffle=False)
+    n = ds.samples_per_epoch
+    want = np.arange(min(eval_iters * gbs, n))
+    for dp_size in (1, 2, 4):
+        for mbs in (1, 2, 4):
+            if gbs % (mbs * dp_size):
+                continue
+            ranks = [list(ValidationBatches(ds, gbs, mbs, eval_iters, r, dp_size)) for r in range(dp_size)]
+            assert len({len(b) for b in ranks}) == 1
+            seen = []
+            for k in range(len(ranks[0])):
+                shapes = {tuple(t.shape) for b in ranks for t in b[k].micro_batches}
+                assert shapes == {(mbs, 9)} and len({len(b[k].micro_batches) for b in ranks}) == 1
+                for b in ranks:
+                    batch = b[k]
+                    assert sum(batch.rows) == len(batch.samples) == len(batch.bytes)
+                    rows = torch.cat([t[:r] for t, r in zip(batch.micro_batches, batch.rows)])
+                    own = np.array([ds[int(i)] for i in batch.samples], dtype=np.int64).reshape(-1, 9)
+                    assert torch.equal(rows, torch.from_numpy(own))
+                    seen.extend(batch.samples.tolist())
+            assert seen == want.tolist(), (dp_size, mbs)
 
 
 def test_source_datasets_from_config(tmp_path):
@@ -199,20 +224,22 @@ def test_data_without_byte_counts_is_refused_at_the_check_not_at_the_first_evalu
     check_sources(config_from_dict(base))
 
 
-@pytest.mark.parametrize("split,mbs,data,ok", [
-    ("98,2", 2, 1, True),     # 1 validation document of 17 tokens: 2 samples of 9 tokens, one batch of 2
-    ("98,2", 4, 1, False),    # ... fewer than one batch of 4
-    ("98,2", 2, 2, False),    # ... or of 2 × parallel.data 2
-    ("80,20", 4, 2, True),    # 8 documents: 17 samples
+@pytest.mark.parametrize("split,seq,mbs,data,ok", [
+    ("98,2", 8, 2, 1, True),     # 1 validation document of 17 tokens: 2 samples of 9 tokens
+    ("98,2", 8, 4, 2, True),     # ... fewer than one batch (or one micro-batch per rank): evaluated whole
+    ("98,2", 16, 2, 1, True),    # ... 1 sample of 17 tokens
+    ("98,2", 17, 2, 1, False),   # ... no sample of 18 tokens
+    ("98,2", 17, 4, 2, False),
 ])
-def test_a_validation_part_that_cannot_fill_one_evaluation_batch_is_refused(tmp_path, split, mbs, data, ok):
-    """Evaluation over a validation part with fewer samples than one batch (micro-batch ×
-    parallel.data) computes loss and bits per byte from no tokens: NaN at every evaluation. The
-    check refuses it naming the source, the numbers and the ways out; eval_iters=0 passes."""
+def test_a_validation_part_without_a_sample_is_refused(tmp_path, split, seq, mbs, data, ok):
+    """Evaluation over a validation part without one sample of seq_length + 1 tokens computes
+    loss and bits per byte from no tokens: NaN at every evaluation. The check refuses it naming
+    the source, the numbers and the ways out; eval_iters=0 passes. A part smaller than a batch
+    is evaluated whole (ValidationBatches), whatever the layout."""
     from dept_mega.config import ConfigError
     from dept_mega.data.checks import check_sources
     a = _source(tmp_path, "a", 40, 0)
-    cfg = {"model": {"seq_length": 8, "vocab_size": 100000}, "parallel": {"data": data},
+    cfg = {"model": {"seq_length": seq, "vocab_size": 100000}, "parallel": {"data": data},
            "data": {"sources": [{"name": "a", "prefix": a}], "split": split},
            "train": {"micro_batch_size": mbs, "global_batch_size": 8 * data}}
     if ok:
@@ -222,5 +249,6 @@ def test_a_validation_part_that_cannot_fill_one_evaluation_batch_is_refused(tmp_
         check_sources(config_from_dict(cfg))
     msg = str(err.value)
     assert msg.startswith("config key 'data.split': source 'a': its validation part (1 of 40 documents"), msg
-    assert f"= {mbs * data}: its loss and bits per byte would be NaN" in msg and "train.eval_iters=0" in msg
+    assert f"holds no sample of model.seq_length + 1 = {seq + 1} tokens: its loss and bits per byte would be NaN" \
+        in msg and "train.eval_iters=0" in msg
     check_sources(config_from_dict({**cfg, "train": {**cfg["train"], "eval_iters": 0}}))

@@ -159,9 +159,9 @@ def _root_with_placeholder_files(tmp_path) -> str:
                 shutil.copyfile(model, root / p)
         for s in cfg.data.sources:
             (root / s.prefix).parent.mkdir(parents=True, exist_ok=True)
-            # the last document is the validation part (data.split 98,2): long enough for one
-            # evaluation batch of the 1B configs (micro-batch × parallel.data samples of 2049 ids)
-            docs = [[5 + (d + k) % 100 for k in range(50 if d < 19 else 70_000)] for d in range(20)]
+            # the last document is the validation part (data.split 98,2): long enough for a few
+            # samples of 2049 ids (the pre-flight refuses a part without one)
+            docs = [[5 + (d + k) % 100 for k in range(50 if d < 19 else 10_000)] for d in range(20)]
             write_docs(str(root / s.prefix), docs, nbytes=[3 * len(d) for d in docs])
     return str(root)
 
@@ -402,8 +402,7 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
                PYTHON=sys.executable)
     for k in ("DEPT_MEGA_ROOT", "RUN_DIR", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
         env.pop(k, None)
-    # (train.eval_iters=0: the placeholder validation part holds too few ids for 8 × 8 ranks)
-    r = subprocess.run(["bash", os.path.join(root, "examples", "1b", "std.sh"), "train.eval_iters=0"],
+    r = subprocess.run(["bash", os.path.join(root, "examples", "1b", "std.sh")],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert "SIGUSR1" in (tmp_path / "srun.log").read_text()  # torchrun passes SIGUSR1 on to the ranks
     if preempted:

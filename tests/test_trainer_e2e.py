@@ -140,11 +140,12 @@ def test_eval_bpb_uses_real_bytes(corpus, monkeypatch):
     data = train_cli.RunData(cfg, pg, {}, dict(zip(["en"], source_datasets(cfg, "valid")[:1])))
     steps = list(data.make_eval_batches("en"))
     ds = data.valid["en"]
-    mbs = cfg.train.micro_batch_size
-    want = sum(ds.sample_bytes(i) for i in range(2 * mbs))
+    gbs = cfg.train.global_batch_size  # train.eval_iters counts global batches
+    assert ds.samples_per_epoch >= 2 * gbs
+    want = sum(ds.sample_bytes(i) for i in range(2 * gbs))
     got = sum(s.nbytes for s in steps)
     assert got == pytest.approx(want) and got > 0
-    tokens = 2 * mbs * cfg.model.seq_length
+    tokens = 2 * gbs * cfg.model.seq_length
     assert abs(got - tokens) > 10  # bytes are not token counts
     m = eval_metrics(loss_sum=tokens * 2.0, tokens=tokens, nbytes=got)
     assert m["bpb"] == pytest.approx(tokens * 2.0 / math.log(2) / got)

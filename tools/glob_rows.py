@@ -51,7 +51,7 @@ from dept_mega.data.sources import SourceBatches, ValidationBatches, source_data
 from dept_mega.dept.row_mask import PresentRowsOnly  # noqa: E402
 from dept_mega.parallel.groups import build_groups  # noqa: E402
 from dept_mega.train import vocab_size_of  # noqa: E402
-from dept_mega.trainer import Trainer  # noqa: E402
+from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
 
 
 MODES = ("all", "present", "holders", "body_only")
@@ -64,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--local-steps", type=int, default=50)
     ap.add_argument("--group-batch", type=int, default=16, help="sequences per group per inner step")
-    ap.add_argument("--eval-iters", type=int, default=4)
+    ap.add_argument("--eval-iters", type=int, default=4,
+                    help="validation batches of train.micro_batch_size sequences per source (one process: "
+                         "the samples docs/study/glob_rows*.json were measured on)")
     ap.add_argument("--modes", default="all,present", help="dept.embedding_rows values to compare")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override (train.steps and dept.local_steps follow --rounds and --local-steps)")
@@ -82,7 +84,7 @@ def _table(trainer) -> torch.nn.Parameter:
 def _bpb(trainer, batches) -> float:
     loss, nbytes = 0.0, 0.0
     for b in batches:
-        s, _ = trainer.eval_batches([b.tokens])
+        s, _ = trainer.eval_batches([MicroBatch(t, rows=r) for t, r in zip(b.micro_batches, b.rows)])
         loss += s
         nbytes += float(b.bytes.sum())
     return loss / math.log(2) / nbytes
@@ -112,6 +114,7 @@ def run_mode(cfg, names: list[str], mode: str, args) -> dict[str, Any]:
     valid_sets = source_datasets(cfg, "valid")
     index = {s.name: i for i, s in enumerate(cfg.data.sources)}
     groups = []
+    mbs = cfg.train.micro_batch_size
     for name in names:
         torch.manual_seed(cfg.train.seed)
         tr = Trainer(cfg, pg, torch.device("cpu"), vocab_size=vocab)
@@ -119,7 +122,7 @@ def run_mode(cfg, names: list[str], mode: str, args) -> dict[str, Any]:
         ids = torch.as_tensor(vocab_set(cfg.data.sources[i].prefix, cfg.data.cache_dir), dtype=torch.int64)
         groups.append({"name": name, "trainer": tr, "ids": ids,
                        "data": SourceBatches(train_sets[i], args.group_batch, cfg.train.micro_batch_size),
-                       "valid": list(ValidationBatches(valid_sets[i], cfg.train.micro_batch_size, args.eval_iters))})
+                       "valid": list(ValidationBatches(valid_sets[i], mbs, mbs, args.eval_iters))})
     first = groups[0]["trainer"]
     for g in groups[1:]:  # identical start (the seed makes them equal; make sure)
         _load(g["trainer"], _snapshot(first))

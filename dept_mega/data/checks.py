@@ -103,10 +103,11 @@ def check_sources(cfg: Config) -> None:
 
 
 def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
-    """ConfigError when evaluation will run but the source's validation part cannot fill one
-    evaluation batch (``train.micro_batch_size`` × ``parallel.data`` samples of
-    ``model.seq_length`` + 1 tokens): its loss and bits per byte would be computed from no
-    tokens at all (NaN in the log and metrics.jsonl) at every evaluation."""
+    """ConfigError when evaluation will run but the source's validation part holds no sample of
+    ``model.seq_length`` + 1 tokens: its loss and bits per byte would be computed from no tokens
+    at all (NaN in the log and metrics.jsonl) at every evaluation. A part with fewer samples
+    than ``train.eval_iters`` × ``train.global_batch_size`` is evaluated whole
+    (``dept_mega.data.sources.ValidationBatches``)."""
     from dept_mega.data.gpt_dataset import DatasetError, split_bounds
     t, s = cfg.train, cfg.data.sources[i]
     if t.eval_iters == 0:
@@ -118,14 +119,12 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     lengths = ds.document_token_ranges()[1][lo:hi]
     tokens = int(lengths.sum())
     samples = max(tokens - 1, 0) // cfg.model.seq_length
-    per_batch = t.micro_batch_size * cfg.parallel.data
-    if samples >= per_batch:
+    if samples > 0:
         return
     raise ConfigError(
         f"config key 'data.split': source '{s.name}': its validation part ({hi - lo} of {ds.num_documents} "
-        f"documents under data.split {cfg.data.split!r}, {tokens} tokens) gives {samples} samples of "
-        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens, fewer than one evaluation batch of "
-        f"train.micro_batch_size × parallel.data = {per_batch}: its loss and bits per byte would be NaN. "
+        f"documents under data.split {cfg.data.split!r}, {tokens} tokens) holds no sample of "
+        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens: its loss and bits per byte would be NaN. "
         f"Give the validation part more weight in data.split, use more data for this source, or set "
         f"train.eval_iters=0 to train without evaluation")
 

@@ -188,36 +188,66 @@ class BlendedBatches:
 
 
 class EvalBatch(NamedTuple):
-    tokens: torch.Tensor  # [micro_batch_size, seq_length + 1] int64
-    bytes: torch.Tensor  # [micro_batch_size] float64: UTF-8 bytes behind each row's targets
+    """One evaluation iteration of one data-parallel rank: its share of the global batch."""
+    micro_batches: list[torch.Tensor]  # each [micro_batch_size, seq_length + 1] int64
+    rows: list[int]  # the rows of each micro-batch that count (the first ones; the rest fill a short share)
+    samples: np.ndarray  # the validation samples of the share (dataset indices), in order
+    bytes: torch.Tensor  # [len(samples)] float64: UTF-8 bytes behind each sample's targets
 
 
 class ValidationBatches:
-    """Fixed-order evaluation batches over one source's validation part: batch ``k`` is
-    samples ``[k·mbs·D, (k+1)·mbs·D)`` of the dataset, rank ``r`` taking the ``r``-th block
-    of ``mbs``. At most ``eval_iters`` batches, and never more than one pass over the part
-    (no sample is counted twice); every rank gets the same number of batches. Use a
-    dataset built with ``which="valid", shuffle=False``."""
+    """Fixed-order evaluation over one source's validation part, the same samples whatever the
+    layout (data-parallel size, micro-batch size, tensor and pipeline sizes); ``eval_iters``
+    counts global batches, as Megatron-LM's ``--eval-iters`` does.
 
-    def __init__(self, dataset: GPTDataset, micro_batch_size: int, eval_iters: int,
+    The evaluated samples are the first ``min(eval_iters × global_batch_size, samples in the
+    part)`` of the dataset: at most ``eval_iters`` global batches and never more than one pass
+    (no sample counted twice). A part smaller than that is evaluated whole, its last batch
+    holding the ``m`` samples left (also when ``m`` < global_batch_size: a small part is not
+    refused or cut to a layout-dependent size). Iteration ``k`` covers samples
+    ``[k·GBS, k·GBS + m_k)`` (``m_k`` = GBS but in such a last batch); rank ``r`` of ``D``
+    takes the ``r``-th contiguous share of ``ceil(m_k / D)`` samples (GBS / D in a full batch)
+    and runs it in micro-batches of ``micro_batch_size``. Every rank runs the same number of
+    micro-batches of the same shape in every iteration (their collectives pair up): where a
+    share is short (only in a partial last batch) the micro-batches are filled by repeating a
+    sample of the batch, and ``rows`` says how many rows of each count. So the loss sums, token
+    counts and bytes summed over the ranks cover the same samples under any layout. Cost:
+    ``eval_iters × global_batch_size`` sequences per source and evaluation. Use a dataset built
+    with ``which="valid", shuffle=False``."""
+
+    def __init__(self, dataset: GPTDataset, global_batch_size: int, micro_batch_size: int, eval_iters: int,
                  dp_rank: int = 0, dp_size: int = 1):
-        _check_batch(micro_batch_size * dp_size, micro_batch_size, dp_rank, dp_size)
+        _check_batch(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        if eval_iters < 0:
+            raise ValueError(f"eval_iters must be >= 0, got {eval_iters}")
         self.dataset = dataset
-        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        per_batch = micro_batch_size * dp_size
-        self.num_batches = min(eval_iters, dataset.samples_per_epoch // per_batch)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_samples = min(eval_iters * global_batch_size, dataset.samples_per_epoch)
+        self.num_batches = -(-self.num_samples // global_batch_size)
 
     def __len__(self) -> int:
         return self.num_batches
 
+    def share(self, k: int) -> tuple[np.ndarray, int]:
+        """(this rank's samples of iteration ``k``, the share size every rank pads to)."""
+        lo = k * self.global_batch_size
+        m = min(self.global_batch_size, self.num_samples - lo)
+        per = -(-m // self.dp_size)
+        a, b = (min(lo + j * per, lo + m) for j in (self.dp_rank, self.dp_rank + 1))
+        return np.arange(a, b, dtype=np.int64), per
+
     def __iter__(self) -> Iterator[EvalBatch]:
-        mbs, per_batch = self.micro_batch_size, self.micro_batch_size * self.dp_size
+        mbs = self.micro_batch_size
         for k in range(self.num_batches):
-            lo = k * per_batch + self.dp_rank * mbs
-            idx = np.arange(lo, lo + mbs)
-            tokens = _stack(self.dataset, idx)
+            idx, per = self.share(k)
+            n_micro = -(-per // mbs)
+            fill = int(idx[-1]) if len(idx) else k * self.global_batch_size  # a sample of this batch
+            padded = np.concatenate([idx, np.full(n_micro * mbs - len(idx), fill, dtype=np.int64)])
+            tokens = _stack(self.dataset, padded)
+            rows = [min(max(len(idx) - j * mbs, 0), mbs) for j in range(n_micro)]
             nbytes = torch.tensor([self.dataset.sample_bytes(int(i)) for i in idx], dtype=torch.float64)
-            yield EvalBatch(tokens, nbytes)
+            yield EvalBatch(list(tokens.split(mbs)), rows, idx, nbytes)
 
 
 # ---------------------------------------------------------------------------- vocabulary sets
