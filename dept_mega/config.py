@@ -213,7 +213,7 @@ def _check_values(cfg: Config) -> None:
                     "optim.lr_wsd_decay_steps"])
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
-                    "train.eval_iters", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
+                    "train.eval_iters", "train.eval_samples", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
                     "model.attention_dropout", "dept.outer_delay"], allow_zero=True)
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"config key 'model.hidden_size': {m.hidden_size} is not divisible by "

@@ -207,6 +207,15 @@ class TrainConfig:
     #: (all of it when smaller; never a sequence twice), the same under any parallel layout
     #: and micro_batch_size; an evaluation reads (forward only) that many sequences per source.
     eval_iters: int = 20
+    #: Validation sequences per source and evaluation, instead of eval_iters ×
+    #: global_batch_size (null: that product): the first eval_samples sequences of each
+    #: part. For comparing runs whose global batches differ (STD's is groups × a DEPT
+    #: group's): the study tool sets it to eval_iters × the group batch for every run.
+    eval_samples: Optional[int] = None
+
+    def eval_sequences(self) -> int:
+        """Validation sequences per source and evaluation (before the part's own size caps it)."""
+        return self.eval_samples if self.eval_samples is not None else self.eval_iters * self.global_batch_size
     save_interval: int = 500  #: Steps between checkpoints (0: only at the end).
     profile: Optional[ProfileConfig] = None  #: A torch.profiler trace of some steps; null = off.
     #: Seconds to wait for every rank at start-up; torch applies the same limit to later

@@ -46,8 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
     ap.add_argument("--eval-iters", type=int, default=None,
-                    help="global batches (train.global_batch_size sequences) per source; default: the run's "
-                         "train.eval_iters")
+                    help="global batches (train.global_batch_size sequences) per source, in place of the run's "
+                         "train.eval_iters and train.eval_samples")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
                          "to evaluate in another layout (any layout loads: docs/launching.md section 10)")
@@ -55,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
     if args.eval_iters is not None:
-        overrides.append(f"train.eval_iters={args.eval_iters}")
+        overrides += [f"train.eval_iters={args.eval_iters}", "train.eval_samples=null"]
     try:
         cfg = load_config(cfg_path, overrides)
     except ConfigError as exc:

@@ -88,7 +88,7 @@ class RunData:
         from .data.sources import ValidationBatches
         t = self.cfg.train
         vb = ValidationBatches(self.valid[name], t.global_batch_size, t.micro_batch_size, t.eval_iters,
-                               self.pg.dp_rank, self.pg.dp_size)
+                               self.pg.dp_rank, self.pg.dp_size, samples=t.eval_samples)
         for batch in vb:
             yield EvalStep(micro_batches=[MicroBatch(tokens, rows=rows)
                                           for tokens, rows in zip(batch.micro_batches, batch.rows)],

@@ -139,20 +139,23 @@ def test_validation_batches(tmp_path):
     assert all(torch.equal(a.micro_batches[0], b.micro_batches[0]) for a, b in zip(batches, vb))  # fixed order
 
 
-@pytest.mark.parametrize("gbs,eval_iters", [(4, 3), (4, 10_000), (8, 1), (24, 2), (100, 1)])
-def test_validation_batches_cover_the_same_samples_under_any_layout(tmp_path, gbs, eval_iters):
+@pytest.mark.parametrize("gbs,eval_iters,samples", [(4, 3, None), (4, 10_000, None), (8, 1, None), (24, 2, None),
+                                                     (100, 1, None), (8, 1, 13), (4, 2, 0), (24, 1, 10_000)])
+def test_validation_batches_cover_the_same_samples_under_any_layout(tmp_path, gbs, eval_iters, samples):
     """``eval_iters`` global batches: the first min(eval_iters × GBS, n) samples of the part,
     each once, whatever the data-parallel size and micro-batch size; every rank runs the same
-    micro-batches (count and shape) in each iteration, rows beyond its share filling only."""
+    micro-batches (count and shape) in each iteration, rows beyond its share filling only.
+    ``samples`` (train.eval_samples): the first min(samples, n) instead."""
     prefix = _source(tmp_path, "val", 100, 0)
     ds = GPTDataset(prefix, 8, "80,20", "valid", shuffle=False)
     n = ds.samples_per_epoch
-    want = np.arange(min(eval_iters * gbs, n))
+    want = np.arange(min(eval_iters * gbs if samples is None else samples, n))
     for dp_size in (1, 2, 4):
         for mbs in (1, 2, 4):
             if gbs % (mbs * dp_size):
                 continue
-            ranks = [list(ValidationBatches(ds, gbs, mbs, eval_iters, r, dp_size)) for r in range(dp_size)]
+            ranks = [list(ValidationBatches(ds, gbs, mbs, eval_iters, r, dp_size, samples=samples))
+                     for r in range(dp_size)]
             assert len({len(b) for b in ranks}) == 1
             seen = []
             for k in range(len(ranks[0])):

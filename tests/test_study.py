@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dept_mega.study.grid import GridError, load_study
+from dept_mega.study.grid import GridError, load_study, run_config
 from dept_mega.study.report import render_markdown, summary
 from dept_mega.study.results import read_records, read_run
 from dept_mega.study.runner import MARKER, is_finished, run_all, run_dir_of
@@ -48,6 +48,12 @@ def test_grid_expands_at_equal_compute(tmp_path):
         "spec_opt_outer_optimizer=nesterov"].overrides
     assert by["std_t1"].overrides.index("dept.temperature=1.0") < by["std_t1"].overrides.index(
         "train.global_batch_size=12")
+    # every run evaluates the same validation sequences: eval_iters (12 in the tiny configs) x group_batch
+    assert all("train.eval_samples=48" in r.overrides for r in study.runs), [r.overrides for r in study.runs]
+    assert [run_config(".", r, "x").train.eval_sequences() for r in study.runs] == [48] * len(study.runs)
+    # a grid that sets eval_samples keeps its own
+    own = load_study(_grid(tmp_path, set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_samples": 5}))
+    assert all(run_config(".", r, "x").train.eval_samples == 5 for r in own.runs)
 
 
 @pytest.mark.parametrize("over, match", [

@@ -110,7 +110,7 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     (``dept_mega.data.sources.ValidationBatches``)."""
     from dept_mega.data.gpt_dataset import DatasetError, split_bounds
     t, s = cfg.train, cfg.data.sources[i]
-    if t.eval_iters == 0:
+    if t.eval_sequences() == 0:
         return
     try:
         lo, hi = split_bounds(ds.num_documents, cfg.data.split)[1]
@@ -223,7 +223,7 @@ def _check_byte_counts(cfg: Config, i: int) -> None:
     check such data trains until the first evaluation and then stops with a traceback."""
     s = cfg.data.sources[i]
     path = bytes_path(s.prefix)
-    if cfg.train.eval_iters == 0 or os.path.isfile(path):
+    if cfg.train.eval_sequences() == 0 or os.path.isfile(path):
         return
     raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {path} does not exist: "
                       f"evaluation (train.eval_iters={cfg.train.eval_iters}) reports bits per byte from each "

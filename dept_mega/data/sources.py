@@ -201,7 +201,8 @@ class ValidationBatches:
     counts global batches, as Megatron-LM's ``--eval-iters`` does.
 
     The evaluated samples are the first ``min(eval_iters × global_batch_size, samples in the
-    part)`` of the dataset: at most ``eval_iters`` global batches and never more than one pass
+    part)`` of the dataset (``samples``, ``train.eval_samples``, in place of the product when
+    given): at most ``eval_iters`` global batches and never more than one pass
     (no sample counted twice). A part smaller than that is evaluated whole, its last batch
     holding the ``m`` samples left (also when ``m`` < global_batch_size: a small part is not
     refused or cut to a layout-dependent size). Iteration ``k`` covers samples
@@ -216,14 +217,15 @@ class ValidationBatches:
     with ``which="valid", shuffle=False``."""
 
     def __init__(self, dataset: GPTDataset, global_batch_size: int, micro_batch_size: int, eval_iters: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, samples: Optional[int] = None):
         _check_batch(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        if eval_iters < 0:
-            raise ValueError(f"eval_iters must be >= 0, got {eval_iters}")
+        if eval_iters < 0 or (samples is not None and samples < 0):
+            raise ValueError(f"eval_iters and samples must be >= 0, got {eval_iters} and {samples}")
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.num_samples = min(eval_iters * global_batch_size, dataset.samples_per_epoch)
+        wanted = eval_iters * global_batch_size if samples is None else samples  # train.eval_samples
+        self.num_samples = min(wanted, dataset.samples_per_epoch)
         self.num_batches = -(-self.num_samples // global_batch_size)
 
     def __len__(self) -> int:

@@ -256,6 +256,8 @@ def _resolve(study: Study, base_dir: str) -> None:
             cfg = load_config(os.path.join(base_dir, run.config), run.overrides)
         except ConfigError as exc:
             raise GridError(f"{study.path}: run {run.name!r}: {exc}") from None
+        if cfg.train.eval_samples is None:  # the same validation sequences in every run (STD's batch is larger)
+            run.overrides.append(f"train.eval_samples={cfg.train.eval_iters * study.group_batch}")
         per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
         run.nproc = per_group * (1 if run.variant == "std" else study.groups)
         here = (cfg.train.steps, cfg.model.seq_length)
