@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
+from .megatron_flags import parse_with_hints
 from .metrics import MetricsWriter, write_json_atomic
 from .dept.federation_config import resolve as resolve_federation
 from .parallel.agree import is_agreed
@@ -47,7 +48,7 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -
                         help="run the pre-flight for --world-size ranks (layout, data, tokenizers, memory per "
                              "rank, disk space) without torchrun and without training; exit 0, or 2 naming the key")
         ap.add_argument("--world-size", type=int, default=None, help="ranks of the job that --check checks")
-    args = ap.parse_intermixed_args(argv)
+    args = parse_with_hints(ap, argv, intermixed=True)
     if checks and args.check and (args.world_size is None or args.world_size < 1):
         ap.error("--check needs --world-size N (N >= 1): the number of ranks the job will start")
     return args
