@@ -77,10 +77,8 @@ class RunData:
     def blend_weights(self):
         """STD: each source's probability in the batch mix (dept.sampling over the train parts'
         tokens and data.sources[i].weight, as DEPT's round sampler counts them)."""
-        from .data.sources import source_weights
-        scale = {s.name: s.weight for s in self.cfg.data.sources}
-        return source_weights([d.num_tokens for d in self.train.values()], self.cfg.dept.sampling,
-                              self.cfg.dept.temperature, weights=[scale.get(n, 1.0) for n in self.train])
+        from .data.sources import blend_shares
+        return blend_shares(self.cfg, list(self.train), [d.num_tokens for d in self.train.values()])
 
     def make_eval_batches(self, name: str):
         from .data.sources import ValidationBatches
@@ -290,7 +288,9 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     run_dir = cfg.train.run_dir
     if session.rank == 0:
         from .data.checks import lossy_source_warnings
-        for note in [*loop.checkpointer.notes, *lossy_source_warnings(cfg)]:
+        from .sampling_plan import sampling_groups, sampling_warning
+        sampling = sampling_warning(cfg, sampling_groups(cfg, session.pg.world_size))
+        for note in [*loop.checkpointer.notes, *([sampling] if sampling else []), *lossy_source_warnings(cfg)]:
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
     dropped = session.writer.resume_at(resumed or 0)
