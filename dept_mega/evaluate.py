@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .checkpoint import load_weights
 from .config import ConfigError, load_config
+from .megatron_flags import parse_with_hints
 from .metrics import make_record, write_json_atomic
 from .parallel.agree import is_agreed
 from .process_exit import report_error
@@ -51,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
                          "to evaluate in another layout (any layout loads: docs/launching.md section 10)")
-    args = ap.parse_args(argv)
+    args = parse_with_hints(ap, argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
     if args.eval_iters is not None:

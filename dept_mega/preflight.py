@@ -2,7 +2,9 @@
 
 Everything that can refuse a launch without a GPU, run on a login node before the job's ranks
 start (``examples/1b/common.sh`` calls it before ``srun``): the layout for N ranks, the data and
-tokenizer files, the sources' token ids against their vocabulary, then the predicted memory per
+tokenizer files, the sources' token ids against their vocabulary, each source's share of the
+training (the run log's ``sampling`` line, with a warning when the configured weighting cannot be
+the shares: ``dept_mega.sampling_plan``), then the predicted memory per
 rank (``dept_mega.dept.memory``, the largest rank) and the predicted size of one checkpoint,
 with a warning when the run directory's file system has less than two checkpoints' room (a
 checkpoint is written beside the previous one before that one may be removed), and, when the
@@ -196,6 +198,9 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
         f = cfg.federation
         lines.append(f"federation: group job {federated[0]} of {f.groups} (sources: {', '.join(own_sources(cfg))}), "
                      f"lighthouse {f.lighthouse} (not contacted here), rounds need at least {f.min_groups} group(s)")
+    from .sampling_plan import planned_line, sampling_groups, sampling_warning
+    groups = sampling_groups(cfg, world_size)
+    lines.append(planned_line(cfg, groups))
     vocabs = resolve_vocabs(cfg)
     sources = list(vocabs.source_vocabs.values()) if cfg.dept.variant == "spec_opt" else []
     lines.append(f"vocabulary: {vocab:,} ids" + (f" (per source: {', '.join(f'{n} {v:,}' for n, v in vocabs.source_vocabs.items())})"
@@ -208,7 +213,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                  + (f"+ FP8 weight copies {_size(mem['fp8_weight_copies'])} + FP8 scaling {_size(mem['fp8_scaling'])} "
                     if mem["fp8_weight_copies"] else "")
                  + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
-    warnings = source_warnings(cfg)
+    warnings = [w for w in (sampling_warning(cfg, groups),) if w] + source_warnings(cfg)
     if cfg.fp8 is not None and cfg.backend == "auto" and (why := te_fp8_conflict(cfg)) is not None:
         # refused with the config for backend: transformer_engine; auto decides on the GPU node
         warnings.append(f"config key 'backend': auto picks Transformer Engine on a node where it is installed, "

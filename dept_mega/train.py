@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, load_config, save_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
+from .megatron_flags import parse_with_hints
 from .metrics import MetricsWriter, write_json_atomic
 from .dept.federation_config import resolve as resolve_federation
 from .parallel.agree import is_agreed
@@ -47,7 +48,7 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -
                         help="run the pre-flight for --world-size ranks (layout, data, tokenizers, memory per "
                              "rank, disk space) without torchrun and without training; exit 0, or 2 naming the key")
         ap.add_argument("--world-size", type=int, default=None, help="ranks of the job that --check checks")
-    args = ap.parse_intermixed_args(argv)
+    args = parse_with_hints(ap, argv, intermixed=True)
     if checks and args.check and (args.world_size is None or args.world_size < 1):
         ap.error("--check needs --world-size N (N >= 1): the number of ranks the job will start")
     return args
@@ -76,10 +77,8 @@ class RunData:
     def blend_weights(self):
         """STD: each source's probability in the batch mix (dept.sampling over the train parts'
         tokens and data.sources[i].weight, as DEPT's round sampler counts them)."""
-        from .data.sources import source_weights
-        scale = {s.name: s.weight for s in self.cfg.data.sources}
-        return source_weights([d.num_tokens for d in self.train.values()], self.cfg.dept.sampling,
-                              self.cfg.dept.temperature, weights=[scale.get(n, 1.0) for n in self.train])
+        from .data.sources import blend_shares
+        return blend_shares(self.cfg, list(self.train), [d.num_tokens for d in self.train.values()])
 
     def make_eval_batches(self, name: str):
         """This rank's evaluation steps of source ``name``: ``train.eval_iters`` global batches
@@ -294,7 +293,9 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     run_dir = cfg.train.run_dir
     if session.rank == 0:
         from .data.checks import source_warnings
-        for note in [*loop.checkpointer.notes, *source_warnings(cfg)]:
+        from .sampling_plan import sampling_groups, sampling_warning
+        sampling = sampling_warning(cfg, sampling_groups(cfg, session.pg.world_size))
+        for note in [*loop.checkpointer.notes, *([sampling] if sampling else []), *source_warnings(cfg)]:
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
     dropped = session.writer.resume_at(resumed or 0)

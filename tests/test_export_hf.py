@@ -191,7 +191,12 @@ def test_glob_exports_round_boundaries_and_refuses_a_step_inside_a_round(corpus,
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "inside a round" in err and "--step" in err, err
     assert main(["--run-dir", run, "--step", "2", "--source", "code", "--output", out]) == 0
-    assert main(["--run-dir", run, "--source", "code", "--output", out]) == 0  # replaces the earlier export
+    capsys.readouterr()
+    assert main(["--run-dir", run, "--source", "code", "--output", out]) == 2  # an earlier export is kept
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert json.load(open(os.path.join(out, "dept_export.json")))["step"] == 2
+    assert main(["--run-dir", run, "--source", "code", "--output", out, "--overwrite"]) == 0  # replaced
+    assert "(replacing the earlier export there)" in capsys.readouterr().out
     assert json.load(open(os.path.join(out, "dept_export.json")))["step"] == 4
     tokens, ours = refs["code"]
     _check_model(out, tokens, ours)
@@ -220,6 +225,44 @@ def test_configurations_no_architecture_expresses_are_refused_naming_the_key(tmp
     assert main(["--run-dir", run, "--source", "en", "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: config key '{key}'"), err
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite_and_only_if_an_export(tmp_path, capsys):
+    """Refused before anything is read: an earlier export without --overwrite, a directory that
+    is not an export whatever the flag; with --overwrite the export goes on (and stops here at
+    the run's missing checkpoint). --all-sources checks every source's directory first."""
+    from dept_mega.config import load_config, save_config
+    from dept_mega.export.convert import MARKER, main
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    save_config(load_config(os.path.join(ROOT, "examples/tiny/std.yaml"), config_overrides(run)),
+                os.path.join(run, "config.yaml"))
+    earlier, other = tmp_path / "earlier", tmp_path / "other"
+    for d, name in ((earlier, MARKER), (other, "notes.txt")):
+        d.mkdir()
+        (d / name).write_text("{}")
+    capsys.readouterr()
+    assert main(["--run-dir", run, "--source", "en", "--output", str(earlier)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --output {earlier} holds an earlier export ({MARKER}); pass --overwrite to replace it, "
+                   f"or choose a new directory\n"), err
+    for flags in ([], ["--overwrite"]):
+        assert main(["--run-dir", run, "--source", "en", "--output", str(other), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--output {other} exists, is not empty and is not an earlier export" in err
+    assert main(["--run-dir", run, "--source", "en", "--output", str(earlier), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "latest" in err and "--output" not in err, err  # past the output check: no checkpoint in this run
+    assert os.listdir(earlier) == [MARKER] and os.listdir(other) == ["notes.txt"]  # nothing removed
+    # --all-sources: the second source's directory holds an export: refused before the first is written
+    (tmp_path / "all" / "ja").mkdir(parents=True)
+    (tmp_path / "all" / "ja" / MARKER).write_text("{}")
+    names = [s.name for s in load_config(os.path.join(run, "config.yaml")).data.sources]
+    assert names.index("ja") > 0, names
+    assert main(["--run-dir", run, "--all-sources", "--output", str(tmp_path / "all")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'all' / 'ja'} holds an earlier export" in err, err
+    assert sorted(os.listdir(tmp_path / "all")) == ["ja"]
 
 
 def test_bad_run_directory_and_source_are_one_line_errors(tmp_path, capsys):

@@ -37,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 
 from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
+from dept_mega.megatron_flags import parse_with_hints  # noqa: E402
 from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
 from dept_mega.model import describe_backends  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     ap.add_argument("--out", required=True, help="JSON file for the bench record (docs/metrics.md)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. parallel.data=1")
-    args = ap.parse_args(argv)
+    args = parse_with_hints(ap, argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

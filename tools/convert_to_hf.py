@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Export a run's source model(s) as Hugging Face ``transformers`` model directories.
 
-    python tools/convert_to_hf.py --run-dir RUN [--step S] (--source NAME | --all-sources) --output DIR
+    python tools/convert_to_hf.py --run-dir RUN [--step S] (--source NAME | --all-sources) --output DIR [--overwrite]
 
 See dept_mega/export/convert.py and docs/launching.md ("Export").
 """

@@ -61,6 +61,13 @@ def source_weights(sizes: Sequence[float], sampling: str, temperature: float = 1
     return w / w.sum()
 
 
+def blend_shares(cfg, names: Sequence[str], tokens: Sequence[float]) -> np.ndarray:
+    """STD: each source's probability in the batch mix: ``dept.sampling`` over the sources'
+    ``tokens`` (their train parts') and ``data.sources[i].weight``."""
+    scale = {s.name: s.weight for s in cfg.data.sources}
+    return source_weights(tokens, cfg.dept.sampling, cfg.dept.temperature, weights=[scale.get(n, 1.0) for n in names])
+
+
 def sampling_line(sampling: str, names: Sequence[str], shares: Sequence[float], how: str = "") -> str:
     """The start-up log line of each source's share of the training, e.g.
     ``sampling (proportional): en 41.2 %, fr 33.0 %, code 25.8 %``."""

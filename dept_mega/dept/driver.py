@@ -32,9 +32,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..config import source_groups
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
+from ..sampling_plan import make_scheduler, rounds_line
 from . import hook_state
 from .federation import LeftOut
 from .master_shards import value_access
@@ -48,10 +48,6 @@ from .strategy import RoundView, StrategyContext
 from .variants import make_strategy
 
 BODY_OPTIMIZER_STATES = ("group", "source")
-
-
-#: the round plans the start-up sampling line counts at most (DeptHooks.sampling_line)
-SAMPLING_LINE_ROUNDS = 10_000
 
 
 class DeptHooks:
@@ -104,36 +100,14 @@ class DeptHooks:
 
     def _make_scheduler(self, groups: int, origin: Optional[dict] = None) -> RoundScheduler:
         """The round plans of a run with ``groups`` groups (``origin``: rebased there, see
-        :meth:`RoundScheduler.rebase`)."""
-        d = self.cfg.dept
-        # sources that belong to groups (data.sources[].group; federation with K > G) never move
-        sched = RoundScheduler(len(self.sources), groups, seed=self.cfg.train.seed, sampling=d.sampling,
-                               temperature=d.temperature, sizes=[s.size for s in self.sources],
-                               weights=[s.weight for s in self.sources], owners=source_groups(self.cfg, groups))
-        if origin:
-            sched.rebase(origin["round"], origin["last_group"], origin["rounds_before"])
-        return sched
+        :meth:`RoundScheduler.rebase`; ``dept_mega.sampling_plan.make_scheduler``)."""
+        return make_scheduler(self.cfg, groups, [s.size for s in self.sources], [s.weight for s in self.sources],
+                              origin)
 
     def sampling_line(self) -> str:
-        """Each source's share of the run's group-rounds from its round plans (from the round the
-        schedule starts at to the last), for the start-up log."""
-        from ..data.sources import sampling_line
-        first = (self.scheduler.origin() or {}).get("round", 0)
-        last = max(-(-self.cfg.train.steps // self.cfg.dept.local_steps), first + 1)
-        # (at most SAMPLING_LINE_ROUNDS plans drawn for a log line: a long run of short rounds
-        # would draw its whole schedule at start, about 25 µs a round)
-        counted = min(last, first + SAMPLING_LINE_ROUNDS)
-        shares = self.scheduler.shares(first, counted)
-        K, G = len(self.sources), self.num_groups
-        rounds = (f"shares of rounds {first}-{counted - 1}"
-                  + (f" of {first}-{last - 1}" if counted < last else ""))
-        if self.scheduler.fixed:
-            how = f"DEPT: {K} sources on {G} groups, each every round"
-        elif self.scheduler.owners is not None:
-            how = f"DEPT: each group draws one of its own sources a round; {rounds}"
-        else:
-            how = f"DEPT: {G} of {K} sources a round, without repeats; {rounds}"
-        return sampling_line(self.cfg.dept.sampling, [s.name for s in self.sources], shares, how)
+        """Each source's share of the run's group-rounds from its round plans, for the start-up
+        log (``dept_mega.sampling_plan.rounds_line``)."""
+        return rounds_line(self.cfg, self.scheduler, [s.name for s in self.sources], self.num_groups)
 
     def schedule_state(self) -> Optional[dict]:
         """Where this run's schedule was rebased (after a resume with another number of

@@ -25,13 +25,18 @@ def source_seed(seed: int, source_index: int) -> int:
     return int(seed) + 1_000_003 * (int(source_index) + 1)
 
 
+def source_tokens(prefix: str) -> float:
+    """A source's size for proportional / temperature sampling: the tokens of its ``.bin``."""
+    from ..data.indexed import IndexedDataset
+    return float(len(IndexedDataset(prefix).tokens))
+
+
 def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
     """SourceInfo for every ``data.sources`` entry: sizes (tokens in the data), vocabularies
     (SPEC-OPT: each source's tokenizer) and TRIM's V_k (``vocab_set``)."""
-    from ..data.indexed import IndexedDataset
     out = []
     for i, s in enumerate(cfg.data.sources):
-        size = float(len(IndexedDataset(s.prefix).tokens))
+        size = source_tokens(s.prefix)
         if cfg.dept.variant == "spec_opt":
             from ..data.tokenizer import load_tokenizer
             vocab = load_tokenizer(s.tokenizer).vocab_size

@@ -1,6 +1,6 @@
 """Export a run's source models as Hugging Face ``transformers`` model directories.
 
-    python tools/convert_to_hf.py --run-dir RUN [--step S] (--source NAME | --all-sources) --output DIR
+    python tools/convert_to_hf.py --run-dir RUN [--step S] (--source NAME | --all-sources) --output DIR [--overwrite]
 
 One directory per source (``--all-sources``: ``DIR/<source>``) with ``config.json``,
 ``model.safetensors`` (fp32), ``generation_config.json``, the source's tokenizer
@@ -73,25 +73,35 @@ def _replace_dir(tmp: str, output: str) -> None:
     os.replace(tmp, output)
 
 
-def _check_output(output: str) -> None:
-    if os.path.isdir(output) and os.listdir(output) and not os.path.exists(os.path.join(output, MARKER)):
-        raise ExportError(f"--output {output} exists and is not an earlier export (no {MARKER}); "
-                          f"choose a new directory")
+def check_output(output: str, overwrite: bool = False) -> bool:
+    """Whether ``output`` holds an earlier export that this one replaces (``overwrite``); an
+    ExportError for anything else there: a file, a directory with other contents (never
+    removed), or an earlier export without ``overwrite``."""
     if os.path.exists(output) and not os.path.isdir(output):
         raise ExportError(f"--output {output} exists and is not a directory")
+    if not os.path.isdir(output) or not os.listdir(output):
+        return False
+    if not os.path.exists(os.path.join(output, MARKER)):
+        raise ExportError(f"--output {output} exists, is not empty and is not an earlier export (no {MARKER}); "
+                          f"choose a new directory")
+    if not overwrite:
+        raise ExportError(f"--output {output} holds an earlier export ({MARKER}); pass --overwrite to replace it, "
+                          f"or choose a new directory")
+    return True
 
 
 def export_source(run_dir: str, source: str, output: str, step: Optional[int] = None,
-                  cfg: Optional[Config] = None, log: Callable[[str], None] = print) -> dict:
-    """Export ``source``'s model of ``run_dir`` at ``step`` (default latest) to ``output``;
-    returns the contents of ``dept_export.json``."""
+                  cfg: Optional[Config] = None, log: Callable[[str], None] = print, overwrite: bool = False) -> dict:
+    """Export ``source``'s model of ``run_dir`` at ``step`` (default latest) to ``output``
+    (``overwrite``: replacing an earlier export there, :func:`check_output`); returns the
+    contents of ``dept_export.json``."""
     if cfg is None:
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
     names = [s.name for s in cfg.data.sources]
     if source not in names:
         raise ExportError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
     arch = architecture_for(cfg.model)  # refuse before reading anything
-    _check_output(output)
+    replaces = check_output(output, overwrite)
     tok_path = tokenizer_path(cfg, source)
     weights = read_full_weights(run_dir, step, source, cfg)
     from transformers.utils import logging as hf_logging
@@ -126,7 +136,7 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported {source!r} ({info['from']}) as {arch} ({info['parameters']:,} parameters, vocabulary "
-        f"{vocab}) to {output}")
+        f"{vocab}) to {output}" + (" (replacing the earlier export there)" if replaces else ""))
     return info
 
 
@@ -158,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     which.add_argument("--source", help="the source whose model to export")
     which.add_argument("--all-sources", action="store_true", help="every source, to OUTPUT/<source>")
     ap.add_argument("--output", required=True, help="the model directory to write")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export at --output (without it an existing, non-empty --output is "
+                         "refused; a directory that is not an export always is)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
@@ -168,14 +181,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             names = held
             if not names:
                 raise ExportError("the run's data.sources is empty: no source to export")
+            for name in names:  # every output refused before any is written
+                check_output(os.path.join(args.output, name), args.overwrite)
             for k, name in enumerate(names):
                 try:
-                    export_source(args.run_dir, name, os.path.join(args.output, name), args.step, cfg)
+                    export_source(args.run_dir, name, os.path.join(args.output, name), args.step, cfg,
+                                  overwrite=args.overwrite)
                 except Exception:
                     print(f"exported {k} of {len(names)} sources before {name!r} failed", file=sys.stderr)
                     raise
         else:
-            export_source(args.run_dir, args.source, args.output, args.step, cfg)
+            export_source(args.run_dir, args.source, args.output, args.step, cfg, overwrite=args.overwrite)
     except (ExportError, CheckpointReadError, TokenizerExportError, ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
