@@ -96,17 +96,23 @@ def test_direct_launcher_compiles_once_per_key_then_launches_directly():
         assert first[1:] == (args, (5, 2), False, warps, consts)
         # the launcher's arguments as Triton's run passes them: grid (3-D), stream, function,
         # metadata, no launch metadata or hooks, then every parameter in order
-        compiled = launcher.compiled[TL.specialization_key(device, warps, args, consts)]
+        compiled = launcher.compiled[TL.specialization_key(device, warps, args, consts, TL.compile_modes(kernel))]
         assert direct[1] == (5, 2, 1, 7 + device, compiled.function, compiled.packed_metadata, None, None, None,
                              *args, *consts.values())
     assert launcher.direct_launches == 2 * seen
+    # Triton's per-call compile options (debug here) are part of the key: a change compiles anew
+    drv.device = 0
+    kernel.debug = True
+    launcher((5, 2), *next(_variants(x))[1:4])
+    assert kernel.log[-1][0] == "triton" and len(launcher.compiled) == seen + 1
 
 
 def test_direct_launcher_refuses_arguments_it_cannot_order():
     launcher = TL.DirectLauncher(_Kernel(), _Driver())
     x = torch.zeros(64, dtype=torch.bfloat16)
+    launcher((1,), (x, 32, 1e-5), {"A": 1, "B": 1}, 4)  # compiled and cached under A, B
     with pytest.raises(ValueError, match=r"constexprs \('A', 'B'\) in that order"):
-        launcher((1,), (x, 32, 1e-5), {"B": True, "A": 1}, 4)
+        launcher((1,), (x, 32, 1e-5), {"B": 1, "A": 1}, 4)  # the same values in another order: not that kernel
     with pytest.raises(ValueError, match="3 runtime arguments"):
         launcher((1,), (x, 32), {"A": 1, "B": True}, 4)
     bad = _Kernel()
@@ -186,12 +192,23 @@ def _against_triton(J, K, N, log) -> dict:
     launcher((1, 2), args, consts_cast, 4)
     launcher((1, 2), args, consts_cast, 4)
     triton_call, direct_call = log[-2], log[-1]
+    # a pre-run hook attached: Triton's own path (it runs the hook and passes its hook chains)
+    seen_hook: list = []
+    for _ in range(2):  # the key compiled and launched directly once
+        TL.launch(K._cast_kernel, (1, 2), args, consts_cast, 4)
+    assert log[-1][7] is None
+    K._cast_kernel.pre_run_hooks.append(lambda *a, **kw: seen_hook.append(1))
+    try:
+        TL.launch(K._cast_kernel, (1, 2), args, consts_cast, 4)
+    finally:
+        K._cast_kernel.pre_run_hooks.clear()
+    hooked = seen_hook == [1] and log[-1][7] is not None
     same = (len(triton_call) == len(direct_call)
             and all(a is b or a == b for i, (a, b) in enumerate(zip(triton_call, direct_call)) if i not in (6, 7, 8)))
     return {"keys": len(ours_to_triton), "triton_keys": len(set().union(*ours_to_triton.values())),
             "ambiguous": ambiguous, "same_launch_args": same, "direct_launches": launcher.direct_launches,
             "hooks_passed_by_triton": [type(a).__name__ for a in triton_call[7:9]], "direct_hooks": list(direct_call[6:9]),
-            "described": TL.describe(K._cast_kernel)}
+            "described": TL.describe(K._cast_kernel), "pre_run_hook_took_tritons_path": hooked}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its launch path runs with a stand-in driver: no GPU)")
@@ -207,6 +224,7 @@ def test_key_refines_tritons_specialisation_and_direct_launch_passes_its_argumen
     assert res["same_launch_args"] and res["direct_launches"] == 1, res
     assert res["direct_hooks"] == [None, None, None], res
     assert res["described"] == "launched directly", res
+    assert res["pre_run_hook_took_tritons_path"], res
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its launch path runs with a stand-in driver: no GPU)")

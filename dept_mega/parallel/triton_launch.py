@@ -21,9 +21,9 @@ at least everything Triton's specialisation depends on, so a cached kernel is al
 Triton would pick (``tests/test_triton_launch.py`` checks this against Triton's own binder).
 
 Triton's own launch is used instead, for every call, when the kernel is not a compiled
-``JITFunction`` (Triton's interpreter, a test double), when a launch hook is attached (a
-profiler such as proton expects to see each launch) or when Triton's launcher interface is not
-the one this module knows (checked once per kernel: :func:`direct_launch_supported`).
+``JITFunction`` (Triton's interpreter, a test double), when a launch or pre-run hook is
+attached (a profiler such as proton expects to see each launch) or on a Triton version this
+module was not checked against (:data:`VERIFIED_TRITON`).
 """
 from __future__ import annotations
 
@@ -56,9 +56,18 @@ def _arg_key(v: Any) -> Any:
     return type(v)
 
 
-def specialization_key(device: int, num_warps: int, args: tuple, consts: dict) -> tuple:
-    """The cache key of one launch (see the module docstring)."""
-    return (device, num_warps, *consts.values(), *map(_arg_key, args))
+def specialization_key(device: int, num_warps: int, args: tuple, consts: dict, modes: tuple = ()) -> tuple:
+    """The cache key of one launch (see the module docstring); ``modes``: the compile options
+    ``JITFunction.run`` reads per call (:func:`compile_modes`)."""
+    return (device, num_warps, modes, tuple(consts), *consts.values(), *map(_arg_key, args))
+
+
+def compile_modes(kernel: Any) -> tuple:
+    """The options Triton's ``run`` adds to every call's compile options (debug, instrumentation):
+    a change of either after a key's first launch compiles another kernel, as Triton would."""
+    if _knobs is None:
+        return (getattr(kernel, "debug", None),)
+    return (bool(getattr(kernel, "debug", False) or _knobs.runtime.debug), _knobs.compilation.instrumentation_mode)
 
 
 def _hooks_idle() -> bool:
@@ -88,7 +97,7 @@ class DirectLauncher:
     def __call__(self, grid: tuple, args: tuple, consts: dict, num_warps: int) -> None:
         drv = self.driver or _driver.active
         device = drv.get_current_device()
-        key = specialization_key(device, num_warps, args, consts)
+        key = specialization_key(device, num_warps, args, consts, compile_modes(self.kernel))
         k = self.compiled.get(key)
         if k is None:
             if len(args) != self.runtime_count or tuple(consts) != self.const_names:
@@ -105,14 +114,19 @@ class DirectLauncher:
 _LAUNCHERS: dict[int, tuple[Any, Optional[DirectLauncher]]] = {}
 
 
+# Triton versions whose run / launcher convention this module was checked against (the
+# launcher's arguments, the specialisation; tests/test_triton_launch.py): others launch through
+# Triton's own path
+VERIFIED_TRITON = ((3, 6),)
+
+
 def direct_launch_supported(kernel: Any) -> bool:
     """Whether :func:`launch` can launch ``kernel`` directly: a compiled Triton ``JITFunction``
-    (not the interpreter's) of a Triton whose compiled kernels have the launcher interface used
-    here (``run``, ``function``, ``packed_metadata``; Triton 3.x)."""
+    (not the interpreter's) of a Triton in :data:`VERIFIED_TRITON`."""
     if _JITFunction is None or not isinstance(kernel, _JITFunction):
         return False
-    from triton.compiler.compiler import CompiledKernel
-    return all(hasattr(CompiledKernel, a) for a in ("run", "launch_metadata")) and hasattr(kernel, "params")
+    import triton
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) in VERIFIED_TRITON
 
 
 def describe(kernel: Any) -> str:
@@ -120,7 +134,8 @@ def describe(kernel: Any) -> str:
     if direct_launch_supported(kernel):
         return "launched directly"
     version = getattr(sys.modules.get("triton"), "__version__", "?")
-    return f"launched by Triton {version} itself (no direct launch for this kernel or version)"
+    verified = ", ".join(".".join(map(str, v)) for v in VERIFIED_TRITON)
+    return f"launched by Triton {version} itself (the direct launch is checked for Triton {verified})"
 
 
 def launcher_of(kernel: Any) -> Optional[DirectLauncher]:
@@ -142,7 +157,7 @@ def launch(kernel: Any, grid: tuple, args: tuple, consts: dict, num_warps: int) 
     module docstring). ``args``: every runtime parameter in order; ``consts``: every constexpr
     parameter, in the kernel's order."""
     direct = launcher_of(kernel)
-    if direct is None or not _hooks_idle():
+    if direct is None or kernel.pre_run_hooks or not _hooks_idle():
         kernel[grid](*args, **consts, num_warps=num_warps)
         return
     direct(grid, args, consts, num_warps)
