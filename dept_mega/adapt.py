@@ -43,7 +43,7 @@ from .metrics import write_json_atomic
 # what NEW.yaml may set (anything else belongs to the trained run)
 ALLOWED_SECTIONS = {"data", "optim", "train"}
 ALLOWED_TRAIN_KEYS = {"micro_batch_size", "global_batch_size", "seed", "log_interval", "eval_interval",
-                      "eval_iters", "save_interval", "init_timeout_s"}
+                      "eval_iters", "eval_samples", "save_interval", "init_timeout_s"}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -90,6 +90,10 @@ def adapt_config(run_cfg: dict, new: dict, new_path: str, steps: int, run_dir: s
     if not data.get("sources"):
         raise ConfigError(f"config key 'data.sources' in {new_path}: name at least one new source")
     merged = _merge(run_cfg, new)
+    new_train = new.get("train") or {}
+    if "eval_iters" in new_train and "eval_samples" not in new_train:
+        # the run's eval_samples (the study tool sets it) would override the eval_iters asked for
+        merged.setdefault("train", {})["eval_samples"] = None
     # the vocabulary of the fresh embeddings: the new source's own tokenizer, else data.tokenizer
     own = {s.get("tokenizer") for s in data["sources"] if isinstance(s, dict)}
     if len(own) == 1 and None not in own:

@@ -10,8 +10,9 @@ as the checkpoint loads under any layout), loads
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
 computed exactly as the run's periodic evaluation (``train.eval_iters`` global batches of
-``train.global_batch_size`` sequences of each source's validation part, unless ``--eval-iters``
-says otherwise: the same sequences in any layout, dept_mega.data.sources.ValidationBatches). A federated group job's run
+``train.global_batch_size`` sequences of each source's validation part, or
+``train.eval_samples`` sequences when the run sets it, unless ``--eval-iters`` says otherwise:
+the same sequences in any layout, dept_mega.data.sources.ValidationBatches). A federated group job's run
 (``federation.lighthouse`` set) is evaluated on its own sources, without the lighthouse or
 the other group jobs (which may be gone by then).
 """

@@ -111,7 +111,9 @@ class TrainLoop:
         self.writer = writer
         self._make_iterator = make_iterator
         self.iterators: dict[str, BatchIterator] = {}
-        self.eval_sources = list(eval_sources)
+        # no evaluation at all when it would read no sequence (train.eval_iters / eval_samples 0),
+        # rather than records of 0 tokens and NaN losses
+        self.eval_sources = list(eval_sources) if cfg.train.eval_sequences() > 0 else []
         self.make_eval_batches = make_eval_batches
         self.source_names = list(source_names) or [s.name for s in cfg.data.sources]
         self.checkpointer = checkpointer

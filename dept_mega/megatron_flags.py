@@ -41,7 +41,9 @@ def _minutes_to_seconds(text: str) -> str:
         return "SECONDS"
 
 
-_POSITIONS = {"learned_absolute": "learned", "rope": "rope", "none": "alibi"}
+# Megatron's "none" (no position embedding at all) has no equivalent: the hint lists the choices
+_POSITIONS = {"learned_absolute": "learned", "rope": "rope",
+              "none": "alibi|rope|learned (no key for Megatron's 'none', no position embedding)"}
 _RECIPES = {"delayed": "delayed", "tensorwise": "current"}
 
 #: Megatron-LM flag -> its dept_mega config key (docs/migrating.md, "Megatron-LM arguments").

@@ -400,8 +400,9 @@ class Trainer:
         """Forward only; returns the group's (sum of token losses, number of target tokens)
         over these micro-batches on every data-parallel rank together: of each micro-batch's
         first ``rows`` sequences where it says (``MicroBatch.rows``). The losses are summed in
-        float64, so the total does not depend on how the sequences were cut into micro-batches
-        beyond float64 rounding."""
+        float64, so the sum itself does not depend on how the sequences were cut into micro-batches
+        (the per-token losses may, with the GEMM shapes or a current-scaled FP8 cast's amax, up to
+        the model's numerics)."""
         mbs = step_micro_batches(micro_batches)
         for st in self.stages:
             st.eval()

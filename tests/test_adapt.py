@@ -169,3 +169,20 @@ def test_dept_only_keys_of_the_run_do_not_reach_the_adaptation(tmp_path):
     assert cfg.dept.variant == "std" and cfg.dept.embedding_rows == "all"
     assert cfg.dept.body_optimizer_state == "group"
     assert cfg.federation.lighthouse is None and resolve(cfg) is None
+
+
+def test_the_adaptations_eval_iters_wins_over_the_runs_eval_samples(tmp_path):
+    """A study run's config sets train.eval_samples; an adaptation config asking for eval_iters
+    evaluates that many global batches (the run's eval_samples dropped), and may set its own."""
+    from dept_mega.adapt import adapt_config
+    run = yaml.safe_load((ROOT / "examples" / "tiny" / "spec.yaml").read_text())
+    run["train"]["eval_samples"] = 48
+    src = {"sources": [{"name": "ja", "prefix": str(BUILD / "ja_global_text_document")}]}
+    kept = adapt_config(run, {"data": src}, "new.yaml", steps=3, run_dir=str(tmp_path / "a"), world=1)
+    assert kept.train.eval_sequences() == 48
+    iters = adapt_config(run, {"data": src, "train": {"eval_iters": 2, "global_batch_size": 8}}, "new.yaml", steps=3,
+                         run_dir=str(tmp_path / "b"), world=1)
+    assert iters.train.eval_samples is None and iters.train.eval_sequences() == 16
+    own = adapt_config(run, {"data": src, "train": {"eval_iters": 2, "eval_samples": 5}}, "new.yaml", steps=3,
+                       run_dir=str(tmp_path / "c"), world=1)
+    assert own.train.eval_sequences() == 5

@@ -229,3 +229,32 @@ def test_check_against_the_checkpoint_it_would_resume(tmp_path, trained):
         f"has 4; resume with the checkpoint's values, or start a new train.run_dir"), bad.stderr
     fresh = _train_here("--config", cfg, "train.run_dir=" + str(tmp_path / "new"), "--check", "--world-size", "1")
     assert fresh.returncode == 0 and "resume:" not in fresh.stdout, fresh.stderr
+
+
+@pytest.mark.parametrize("over,evaluates", [(["train.eval_iters=0"], False), (["train.eval_samples=0"], False),
+                                            (["train.eval_iters=0", "train.eval_samples=4"], True), ([], True)])
+def test_no_evaluation_when_it_would_read_no_sequence(tmp_path, over, evaluates):
+    """train.eval_iters=0 (or eval_samples=0, which a study run's config sets in its place):
+    no evaluation and no eval record, rather than records of 0 tokens and NaN losses."""
+    import io
+
+    import torch
+
+    from dept_mega.config import load_config
+    from dept_mega.loop import EvalStep, StdHooks, TrainLoop
+    from dept_mega.metrics import MetricsWriter
+    from dept_mega.parallel.groups import build_groups
+    from dept_mega.trainer import MicroBatch, Trainer
+
+    cfg = load_config(_setup(tmp_path, variant="std"), over)
+    pg = build_groups(1, 1, 1)
+    trainer = Trainer(cfg, pg, torch.device("cpu"), vocab_size=120)
+    out = io.StringIO()
+    tokens = torch.randint(0, 120, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
+
+    def batches(name):
+        yield EvalStep(micro_batches=[MicroBatch(tokens)], nbytes=100.0)
+    loop = TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(str(tmp_path / "run"), stream=out, tensorboard=False),
+                     lambda n: None, eval_sources=["a"], make_eval_batches=batches)
+    got = loop.evaluate()
+    assert bool(got) == evaluates and ("eval step" in out.getvalue()) == evaluates, out.getvalue()

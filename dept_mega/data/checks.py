@@ -126,7 +126,7 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
         f"documents under data.split {cfg.data.split!r}, {tokens} tokens) holds no sample of "
         f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens: its loss and bits per byte would be NaN. "
         f"Give the validation part more weight in data.split, use more data for this source, or set "
-        f"train.eval_iters=0 to train without evaluation")
+        f"train.eval_iters=0 (and train.eval_samples=0 where set) to train without evaluation")
 
 
 def source_warnings(cfg: Config) -> list[str]:
@@ -226,8 +226,8 @@ def _check_byte_counts(cfg: Config, i: int) -> None:
     if cfg.train.eval_sequences() == 0 or os.path.isfile(path):
         return
     raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {path} does not exist: "
-                      f"evaluation (train.eval_iters={cfg.train.eval_iters}) reports bits per byte from each "
+                      f"evaluation ({cfg.train.eval_sequences()} sequences per source) reports bits per byte from each "
                       f"document's UTF-8 byte count, which tools/preprocess_data.py writes beside the .bin/.idx "
                       f"(Megatron-LM's preprocess_data.py does not): write it from the source's jsonl with "
                       f"tools/add_byte_counts.py --prefix {s.prefix} --input DOCS.jsonl, re-run "
-                      f"tools/preprocess_data.py on the jsonl, or set train.eval_iters=0 to train without evaluation")
+                      f"tools/preprocess_data.py on the jsonl, or set train.eval_iters=0 (and train.eval_samples=0 where set) to train without evaluation")
