@@ -5,13 +5,14 @@ host costs per linear layer"), and every cast is a Triton launch. ``JITFunction.
 3.6) spends most of its host time before the launch itself: it binds the arguments and
 computes their specialisation (alignment and divisibility of every argument), turns that into
 a string key for its kernel cache, checks the kernel's global values, builds the launch
-metadata for its launch hooks and calls the (empty) hook chains around the launch. Measured on
-the CPU with the launch replaced by a recording stub (``benchmarks/fp8_host_bench.py`` with
-Triton installed), that is about 12 µs of a 22 µs cast, and Triton's ``cdiv`` (a
-``constexpr_function`` since 3.5) a further 2 µs per call from host code.
+metadata for its launch hooks and calls the (empty) hook chains around the launch; and
+Triton's ``cdiv`` (a ``constexpr_function``) costs about 2 µs per call from host code. On the
+CPU, with Triton's launch path real up to a stand-in launcher (``benchmarks/triton_launch_bench.py``),
+a delayed-scaling cast takes about 16 µs through ``kernel[grid]`` and 11 µs launched here.
 
 :func:`launch` keeps, per kernel, the compiled kernel Triton chose for each *key*: the launch's
-constexprs and ``num_warps``, the current device and, for every runtime argument, the facts
+constexprs (names and values) and ``num_warps``, the current device, the compile options
+Triton's ``run`` reads per call (:func:`compile_modes`) and, for every runtime argument, the facts
 Triton specialises on (a tensor's dtype and 16-byte alignment; an int's equality to 1,
 divisibility by 16 and whether it fits 32 / 64 bits; the type of anything else). The first
 launch with a key goes through Triton's own ``kernel[grid](...)`` (compiling if needed); later
