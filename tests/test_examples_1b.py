@@ -160,8 +160,9 @@ def _root_with_placeholder_files(tmp_path) -> str:
         for s in cfg.data.sources:
             (root / s.prefix).parent.mkdir(parents=True, exist_ok=True)
             # the last document is the validation part (data.split 98,2): long enough for a few
-            # samples of 2049 ids (the pre-flight refuses a part without one)
-            docs = [[5 + (d + k) % 100 for k in range(50 if d < 19 else 10_000)] for d in range(20)]
+            # samples of 2049 ids, and the train part for two (the pre-flight refuses a part
+            # without one: STD's sampling line reads the train parts)
+            docs = [[5 + (d + k) % 100 for k in range(250 if d < 19 else 10_000)] for d in range(20)]
             write_docs(str(root / s.prefix), docs, nbytes=[3 * len(d) for d in docs])
     return str(root)
 

@@ -65,6 +65,11 @@ class BadInputReport:
         """The counts of the kinds whose lines are dropped (only those seen)."""
         return {k: self.counts[k] for k in SKIPPED_KINDS if self.counts.get(k)}
 
+    def brief(self) -> str:
+        """One line: each kind seen with its count and first place (``invalid_json 2 (a.jsonl:4)``)."""
+        return ", ".join(f"{kind} {self.counts[kind]} ({self.examples[kind][0]})"
+                         for kind in KINDS if self.counts.get(kind) and self.examples.get(kind))
+
     def lines(self, found: bool = False) -> list[str]:
         """Human-readable summary, one line per kind seen: the count, what became of the lines
         ("skipped", "kept (fixed)"; ``found``: only "found", for a run stopped by --strict that

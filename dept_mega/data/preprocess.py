@@ -407,10 +407,11 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     stats.seconds = time.time() - t0
     if stats.documents == 0 and not allow_empty:
         _remove_outputs(finals)
-        what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input" if stats.lines
-                else "the input is empty")
+        what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input: {stats.report.brief()}"
+                if stats.lines else "the input is empty")
+        # one line (a tool's refusal before any output): the kinds with their first places
         raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
-                              f"empty dataset)" + "".join(f"\n{line}" for line in stats.report.lines(found=True)))
+                              f"empty dataset)")
     digest = model_sha256(tokenizer_model)
     source = input_record(inputs, stats.lines, stats.report)
     for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
