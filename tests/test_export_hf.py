@@ -319,3 +319,24 @@ def test_tokenizer_encodes_and_decodes_like_ours(corpus, tmp_path, model):
         assert hf.decode(a) == ours.decode(a)
     assert ties <= len(texts) // 10, ties
     assert hf.convert_tokens_to_ids(hf.eos_token) == ours.eos_id
+
+
+def test_an_output_under_a_file_or_through_a_link_is_refused_first(tmp_path, capsys):
+    """One line, before any weight is read: an --output below a file (--all-sources' FILE/name),
+    and a symbolic link (replacing it would replace the link)."""
+    from dept_mega.config import load_config, save_config
+    from dept_mega.export.convert import main
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    save_config(load_config(os.path.join(ROOT, "examples/tiny/std.yaml"), config_overrides(run)),
+                os.path.join(run, "config.yaml"))
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    capsys.readouterr()
+    for args, why in ((["--all-sources", "--output", str(tmp_path / "afile")], "is a file, not a directory"),
+                      (["--source", "en", "--output", str(tmp_path / "afile" / "x" / "y")], "is a file, not a directory"),
+                      (["--source", "en", "--output", str(tmp_path / "link")], "is a symbolic link")):
+        assert main(["--run-dir", run, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, err

@@ -76,9 +76,17 @@ def _replace_dir(tmp: str, output: str) -> None:
 def check_output(output: str, overwrite: bool = False) -> bool:
     """Whether ``output`` holds an earlier export that this one replaces (``overwrite``); an
     ExportError for anything else there: a file, a directory with other contents (never
-    removed), or an earlier export without ``overwrite``."""
+    removed), or an earlier export without ``overwrite``; also a symbolic link (replacing it
+    would replace the link, not the folder it names) and a path under a file."""
+    if os.path.islink(output):
+        raise ExportError(f"--output {output} is a symbolic link; give the directory it names")
     if os.path.exists(output) and not os.path.isdir(output):
         raise ExportError(f"--output {output} exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(output))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(f"--output {output}: {parent} is a file, not a directory")
     if not os.path.isdir(output) or not os.listdir(output):
         return False
     if not os.path.exists(os.path.join(output, MARKER)):
