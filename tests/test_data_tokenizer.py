@@ -68,7 +68,7 @@ def test_missing_input_and_empty_input(tmp_path):
     with open(src, "w") as f:
         f.write('{"other": "x"}\nnot json\n')
     r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "50", "--output-prefix", str(tmp_path / "t")])
-    assert r.returncode == 1 and "no text found under key 'text'" in r.stderr
+    assert r.returncode == 2 and "no text found under key 'text'" in r.stderr
     assert "missing_key" in r.stderr and "invalid_json" in r.stderr and "bad.jsonl:2" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -84,7 +84,7 @@ def test_sample_cap_and_strict(tmp_path):
         f.write("{broken\n")
     r = run_tool("train_tokenizer.py", ["--input", src, "--vocab-size", "60", "--strict",
                                         "--output-prefix", str(tmp_path / "s")])
-    assert r.returncode == 1 and "a.jsonl:301" in r.stderr
+    assert r.returncode == 2 and "a.jsonl:301" in r.stderr  # bad input: 2, as preprocess_data.py
     # --strict stops before training: the lines were found, nothing was written (none "skipped")
     assert r.stderr.startswith("error: bad input lines and --strict given: nothing written; found:\n")
     assert r.stderr.split("\n")[1].split()[:3] == ["invalid_json", "1", "found"] and "skipped" not in r.stderr

@@ -146,14 +146,14 @@ def main(argv=None) -> int:
         print("error: bad input lines and --strict given: nothing written; found:", file=sys.stderr)
         for line in report.lines(found=True):
             print(line, file=sys.stderr)
-        return 1
+        return 2  # bad input, as preprocess_data.py --strict
     if report.total:  # always printed (this tool has no --quiet): input left out is never silent
         print(f"[train_tokenizer] input problems: {report.skipped} lines skipped:", file=sys.stderr)
         for line in report.lines():
             print(line, file=sys.stderr)
     if not sample:
         print(f"error: no text found under key {args.json_key!r} in {', '.join(args.input)}", file=sys.stderr)
-        return 1
+        return 2
     capped = f" (sampled {len(sample)} of {seen})" if seen > len(sample) else ""
     lossy = "; LOSSY: decoding does not give the text back" if args.normalization != "identity" else ""
     print(f"[train_tokenizer] {docs} documents, {seen} sentences{capped} read in {time.time() - t0:.1f}s; "
