@@ -244,6 +244,9 @@ class TrainConfig:
     init_from_new_sources: str = "error"
     #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
     wandb: Optional[str] = None
+    #: TensorBoard events in RUN/tb/: null = when the tensorboard package is installed (silently
+    #: none without it); true = wanted (a warning when the package is missing); false = none.
+    tensorboard: Optional[bool] = None
 
 
 @dataclass

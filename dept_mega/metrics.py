@@ -77,11 +77,13 @@ def check_record(rec: dict[str, Any]) -> None:
 
 class MetricsWriter:
     def __init__(self, run_dir: Optional[str], enabled: bool = True, stream: Optional[TextIO] = None,
-                 tensorboard: bool = True, wandb: Optional[str] = None,
+                 tensorboard: Optional[bool] = True, wandb: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None) -> None:
         """``wandb``: a Weights & Biases project (``train.wandb``) that also receives the scalars
         TensorBoard gets; ``config`` is the run's resolved config, stored with the W&B run.
-        A missing optional package is one warning line on stderr, and the run goes on."""
+        ``tensorboard`` (``train.tensorboard``): True, None (only if the package is installed,
+        nothing said otherwise) or False. A missing optional package that was asked for is one
+        warning line on stderr, and the run goes on."""
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
         self.stream = stream if stream is not None else sys.stdout
@@ -92,13 +94,14 @@ class MetricsWriter:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
+        if tensorboard is not False:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
-                print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: {_why(exc, 'tensorboard')}",
-                      file=sys.stderr, flush=True)
+                if tensorboard or not isinstance(exc, ImportError):  # asked for, or broken rather than absent
+                    print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: "
+                          f"{_why(exc, 'tensorboard')}", file=sys.stderr, flush=True)
         if wandb:
             self._wandb = _start_wandb(wandb, run_dir, config)
 

@@ -174,7 +174,7 @@ def build_session(cfg: Config, metrics: bool = True,
     trainer = Trainer(cfg, pg, device, vocab_size=vocab, stages=stages)
     hooks = build_hooks(cfg, pg, trainer, device)
     writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics,
-                           wandb=cfg.train.wandb, config=cfg.to_dict())
+                           tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, config=cfg.to_dict())
     from .checkpoint import Checkpointer
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
                      eval_sources=[n for n in data.valid if eval_only is None or n in eval_only], make_eval_batches=data.make_eval_batches,

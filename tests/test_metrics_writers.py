@@ -70,3 +70,8 @@ def test_a_missing_package_is_one_warning_line(tmp_path, monkeypatch, capsys):
     assert err[1] == ("warning: train.wandb='proj': the wandb package is not installed (pip install wandb); "
                       "not logging to Weights & Biases")
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    # train.tensorboard: null (the default) writes events where the package is, and says nothing
+    # where it is not; false writes none
+    for tb in (None, False):
+        MetricsWriter(str(tmp_path / f"run_{tb}"), stream=io.StringIO(), tensorboard=tb).close()
+        assert capsys.readouterr().err == "", tb
