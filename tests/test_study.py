@@ -5,14 +5,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
 
-from dept_mega.study.grid import GridError, load_study, run_config
+from dept_mega.config import save_config
+from dept_mega.study.grid import GridError, describe, load_study, run_config
 from dept_mega.study.report import render_markdown, summary
 from dept_mega.study.results import read_records, read_run
-from dept_mega.study.runner import MARKER, is_finished, run_all, run_dir_of
+from dept_mega.study.runner import MARKER, is_finished, run_all, run_dir_of, run_plasticity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +76,8 @@ def test_grid_errors_name_the_problem(tmp_path, over, match):
         load_study(_grid(tmp_path, **over))
 
 
-def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int, local_steps: int = 50) -> None:
+def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int, local_steps: int = 50,
+                  nbytes: Optional[dict] = None) -> None:
     os.makedirs(run_dir, exist_ok=True)
     cfg = {"dept": {"variant": variant, "local_steps": local_steps}}
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -85,7 +88,8 @@ def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: in
     for s in (50, 100):
         recs.append({"kind": "eval", "step": s, "round": 0, "time": 0,
                      "by_source": {k: {"loss": 1.0, "ppl": 2.7, "bpb": bpb + 0.1 * i + (100 - s) / 100,
-                                       "tokens": 10, "bytes": 30} for i, k in enumerate(("en", "fr"))}})
+                                       "tokens": 10, "bytes": (nbytes or {}).get(k, 30)}
+                                   for i, k in enumerate(("en", "fr"))}})
     if variant != "std":
         recs += [{"kind": "outer", "step": s, "round": s // 50 - 1, "time": 0,
                   "bytes": {"outer_body": 1000 * groups, "outer_embedding": 0, "source_move": 0, "dp": 0},
@@ -204,6 +208,117 @@ def test_report_tables_gain_and_figures(tmp_path):
         assert os.path.getsize(p) > 5000
 
 
+def test_model_ablation_is_not_called_equal_compute(tmp_path):
+    """Runs that differ in the body (model.num_layers) make equal tokens but not equal compute:
+    describe() and results.md say so; a difference in the vocabulary alone does not."""
+    def grid(sets):
+        return load_study(_grid(tmp_path, runs=[{"variant": "std", "name": f"std{i}", "set": s}
+                                                for i, s in enumerate(sets)]))
+    ablation = grid([{"model.num_layers": 2}, {"model.num_layers": 1}])
+    assert ablation.model_differs_in == ["model.num_layers"]
+    assert ablation.body_flops["std0"] == 2 * ablation.body_flops["std1"] > 0
+    assert "warning: equal tokens and steps; NOT equal compute: runs differ in model.num_layers" in describe(ablation)
+    results = {}
+    for r in ablation.runs:
+        _fake_metrics(str(tmp_path / r.name), "std", 100, 1.0, 3)
+        results[r.name] = read_run(str(tmp_path / r.name))
+    data = summary(ablation, results, "cmd")
+    assert data["compute_note"].startswith("equal tokens and steps; NOT equal compute: runs differ in model.num_layers")
+    md = render_markdown(data)
+    assert "**Equal tokens and steps; NOT equal compute: runs differ in model.num_layers" in md
+    assert "Equal compute:" not in md
+    # the same body, other vocabulary sizes or kernels: equal compute, no warning
+    same = grid([{"model.vocab_size": 100}, {"model.vocab_size": 200, "model.attention_backend": "bias"}])
+    assert same.model_differs_in == [] and "warning" not in describe(same)
+    assert "Equal compute: every DEPT run" in render_markdown(summary(same, results, "cmd"))
+    # the same FLOPs but another model: said too
+    eps = grid([{"model.norm_eps": 1e-5}, {"model.norm_eps": 1e-6}])
+    assert "NOT the same model: runs differ in model.norm_eps" in describe(eps)
+
+
+def test_report_notes_validation_text_that_differs(tmp_path):
+    """A source whose evaluated bytes differ between runs (SPEC-OPT's own tokenizer reading the
+    same number of sequences of a larger part) is named with its byte range in results.md and
+    results.json; equal bytes give no note."""
+    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"},
+                                             {"variant": "spec_opt", "name": "spec_opt"}]))
+    results = {}
+    for r in study.runs:
+        d = str(tmp_path / r.name)
+        _fake_metrics(d, r.variant, 100, 1.0, 3, nbytes={"fr": 3781} if r.variant == "spec_opt" else {"fr": 3571})
+        save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))  # eval_samples 48, seq_length 64
+        results[r.name] = read_run(d)
+    data = summary(study, results, "cmd")
+    assert [(d["source"], d["min_bytes"], d["max_bytes"]) for d in data["eval_text_differs"]] == [("fr", 3571, 3781)]
+    # 10 tokens read of 64-token sequences: fewer than the 48 asked for, so every part was read whole
+    assert data["eval_text_differs"][0]["cut"] == []
+    md = render_markdown(data)
+    assert "Not the same validation text: the runs' final evaluations of fr (3,571 to 3,781 bytes)" in md
+    assert "Every run read these parts whole" in md and data["eval_text_note"] in md
+    # a run that read as many sequences as it asked for may have cut its part: the fix is named
+    for r in results.values():
+        r.by_source["fr"]["tokens"] = 48 * 64
+    data = summary(study, results, "cmd")
+    assert data["eval_text_differs"][0]["cut"] == ["std", "glob", "spec_opt"]
+    assert "set train.eval_samples (the grid's `set:`) to at least the largest validation part's sample count" in (
+        render_markdown(data))
+    # the same text everywhere: no note
+    for r in results.values():
+        r.by_source["fr"]["bytes"] = 3571
+    data = summary(study, results, "cmd")
+    assert data["eval_text_differs"] == [] and data["eval_text_note"] is None
+    assert "Not the same validation text" not in render_markdown(data)
+
+
+def test_plasticity_reference_per_model(tmp_path):
+    """The random-body reference is made once per distinct adaptation: runs of different models
+    (model.num_layers 2 and 1) each get their own, runs that differ only in what the adaptation
+    replaces (dept.*) share one."""
+    heldout = tmp_path / "heldout.yaml"
+    heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "x/ja", "tokenizer": "x/ja.model"}]},
+                                       "train": {"global_batch_size": 4, "micro_batch_size": 4}}))
+    study = load_study(_grid(tmp_path, runs=[{"variant": ["std", "glob"],
+                                              "grid": {"model.num_layers": [2, 1]}}],
+                             plasticity={"source_config": str(heldout), "steps": 2}))
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "logs"))
+    for r in study.runs:
+        d = run_dir_of(out, r)
+        _fake_metrics(d, r.variant, 100, 1.0, 3)
+        save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))
+        Path(d, MARKER).write_text("{}")
+    made = []
+
+    def launch(cmd, cwd, env, fh):  # the adaptation: random BPB from the run's model
+        run_dir, dest = cmd[cmd.index("--run-dir") + 1], cmd[cmd.index("--out") + 1]
+        layers = yaml.safe_load(Path(run_dir, "config.yaml").read_text())["model"]["num_layers"]
+        rep = {"sources": ["ja"], "steps": 2, "body": "frozen", "bpb": 2.0}
+        if "--no-random-baseline" not in cmd:
+            made.append(os.path.basename(run_dir))
+            rep["random_bpb"] = 3.0 + layers
+        os.makedirs(dest)
+        Path(dest, "adapt.json").write_text(json.dumps(rep))
+        return 0
+
+    reps = run_plasticity(study, out, 100, launch=launch, log=open(tmp_path / "log.txt", "w"))
+    names = [r.name for r in study.runs]
+    assert names == ["std_num_layers=2", "std_num_layers=1", "glob_num_layers=2", "glob_num_layers=1"]
+    # STD (batch 12) and GLOB (batch 4) adapt with the held-out config's batch: one reference per model
+    assert made == ["std_num_layers=2", "std_num_layers=1"]
+    assert {n: reps[n]["random_bpb"] for n in names} == {"std_num_layers=2": 5.0, "std_num_layers=1": 4.0,
+                                                         "glob_num_layers=2": 5.0, "glob_num_layers=1": 4.0}
+    assert reps["glob_num_layers=1"]["random_reference"] == "std_num_layers=1"
+    assert "--no-random-baseline" in reps["glob_num_layers=2"]["command"]
+    assert "--no-random-baseline" not in reps["std_num_layers=1"]["command"]
+    # without the held-out batch size, each run adapts with its own batch: STD's and GLOB's differ
+    heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "x/ja", "tokenizer": "x/ja.model"}]}}))
+    import shutil
+    shutil.rmtree(os.path.join(out, "plasticity"))
+    made.clear()
+    run_plasticity(study, out, 100, launch=launch, log=open(tmp_path / "log2.txt", "w"))
+    assert made == names
+
+
 def test_read_records_rejects_a_broken_line(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"kind": "train", "step": 1}\n{not json\n')
@@ -253,12 +368,14 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
     assert set(glob["by_source"]) == {"en", "fr"} and glob["train_tokens"] == data["runs"][0]["train_tokens"]
     for f in ("results.md", "bpb.png", "curves.png", "bytes.png"):
         assert (out / f).stat().st_size > 0
-    # plasticity: each body adapted to the held-out source; the random reference made once
+    # plasticity: each body adapted to the held-out source; the random reference made once (the
+    # held-out config sets the batch, so STD's and GLOB's adaptations are the same)
     plast = {r["name"]: r["plasticity"] for r in data["runs"]}
     assert set(plast) == {"std", "glob"} and all(p["source"] == "ja" and p["bpb"] > 0 for p in plast.values())
     assert plast["std"]["random_bpb"] == plast["glob"]["random_bpb"] > 0
     assert "random" in json.loads((out / "plasticity" / "std" / "adapt.json").read_text())
     assert json.loads((out / "plasticity" / "glob" / "adapt.json").read_text())["random"] is None
+    assert plast["glob"]["random_reference"] == "std"  # the same adaptation (model, seed, batch): shared
     assert "## Plasticity" in (out / "results.md").read_text()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2

@@ -10,9 +10,10 @@ outer optimizers × any dotted overrides; every run is ``torchrun --standalone
 finished are skipped, so a stopped study continues where it was. ``--parallel N`` runs
 several runs at once within a budget of N processes (default: one run at a time).
 
-Writes ``DIR/results.md`` (per-source validation BPB and perplexity for every run, the mean,
-each DEPT variant's gain over the best STD run, parameters per rank, cross-group bytes per
-round, the command lines), ``DIR/results.json`` (the same numbers and the curves) and the
+Writes ``DIR/results.md`` (whether the runs make equal compute or differ in the model, a note
+on any source whose evaluated text differs between runs, per-source validation BPB and
+perplexity for every run, the mean, each DEPT variant's gain over the best STD run, parameters
+per rank, cross-group bytes per round, the command lines), ``DIR/results.json`` (the same numbers and the curves) and the
 figures ``DIR/bpb.png``, ``DIR/curves.png``, ``DIR/bytes.png``. With ``plasticity:`` in the
 grid, every run's body is then adapted to a held-out source (``python -m dept_mega.adapt``,
 results in ``DIR/plasticity/NAME/``) and results.md gains a plasticity table.

@@ -21,7 +21,9 @@ Equal compute (the paper's comparison): every run makes the same number of inner
 the same sequence length, a DEPT run with ``groups`` groups of ``group_batch`` sequences each,
 an STD run with one group of ``groups × group_batch`` sequences, so every run sees the same
 number of tokens. The tool sets ``train.global_batch_size`` itself; a grid that sets it is an
-error, and so is a run whose steps or sequence length differ from the others'.
+error, and so is a run whose steps or sequence length differ from the others'. Runs whose
+models differ (a model ablation, e.g. ``model.num_layers``) are allowed, but then equal tokens
+are not equal compute: :func:`compute_note` says so, in ``describe`` and in results.md.
 """
 from __future__ import annotations
 
@@ -36,10 +38,15 @@ from typing import Any, Optional
 import yaml
 
 from ..config import Config, ConfigError, load_config
+from ..metrics import train_flops_per_token
 
 VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
 TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity"}
 RUN_KEYS = {"variant", "name", "set", "grid"}
+# model keys that do not make runs' models different for the equal-compute check: the
+# vocabulary (SPEC-OPT's differs by design; the head is not the body) and how the same model is
+# computed (kernel choice, activation recomputation)
+MODEL_KEYS_NOT_COMPARED = {"vocab_size", "attention_backend", "recompute", "recompute_layers"}
 
 
 class GridError(ValueError):
@@ -70,6 +77,11 @@ class Study:
     description: str = ""
     prepare: list[list[str]] = field(default_factory=list)  # commands run before the runs (idempotent)
     plasticity: Optional["Plasticity"] = None  # adapt every run's body to a held-out source
+    # filled by _resolve: the model keys (dotted) whose values differ between runs, outside
+    # the vocabulary and the implementation (MODEL_KEYS_NOT_COMPARED), and each run's training
+    # FLOPs per token of the transformer body (no output head: vocabularies differ by design)
+    model_differs_in: list[str] = field(default_factory=list)
+    body_flops: dict[str, float] = field(default_factory=dict)
 
 
 def _yaml_value(value: Any) -> str:
@@ -205,8 +217,9 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
 class Plasticity:
     """``plasticity:`` in a grid: after training, ``dept_mega.adapt`` gives every run's body
     (``runs``: those named, default all) fresh embeddings for a held-out source and trains them
-    ``steps`` steps; the same from a random body is the reference (made once: it does not
-    depend on the run)."""
+    ``steps`` steps; the same from a random body is the reference, made once per distinct
+    adaptation (runs whose adaptation configs are equal share it: the random body and its
+    training depend on the run's model, seed, batch sizes and optimizer, not on its weights)."""
     source_config: str
     steps: int
     body: str = "frozen"
@@ -251,6 +264,7 @@ def _resolve(study: Study, base_dir: str) -> None:
     check equal compute."""
     shape: Optional[tuple[int, int]] = None
     first = None
+    models: list[dict[str, Any]] = []
     for run in study.runs:
         try:
             cfg = load_config(os.path.join(base_dir, run.config), run.overrides)
@@ -258,6 +272,8 @@ def _resolve(study: Study, base_dir: str) -> None:
             raise GridError(f"{study.path}: run {run.name!r}: {exc}") from None
         if cfg.train.eval_samples is None:  # the same validation sequences in every run (STD's batch is larger)
             run.overrides.append(f"train.eval_samples={cfg.train.eval_iters * study.group_batch}")
+        models.append(cfg.to_dict()["model"])
+        study.body_flops[run.name] = train_flops_per_token(cfg.model, 0)  # vocab 0: the body alone
         per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
         run.nproc = per_group * (1 if run.variant == "std" else study.groups)
         here = (cfg.train.steps, cfg.model.seq_length)
@@ -267,6 +283,22 @@ def _resolve(study: Study, base_dir: str) -> None:
             raise GridError(f"{study.path}: run {run.name!r} makes {here[0]} steps of {here[1]} tokens, run "
                             f"{first!r} {shape[0]} of {shape[1]}: equal compute needs the same train.steps "
                             f"and model.seq_length")
+    study.model_differs_in = [f"model.{k}" for k in models[0] if k not in MODEL_KEYS_NOT_COMPARED
+                              and any(m[k] != models[0][k] for m in models)]
+
+
+def compute_note(study: Study) -> Optional[str]:
+    """None when the runs make equal compute (equal tokens and steps, the same body); otherwise
+    a sentence saying how they differ. A warning, not an error: model ablations are legitimate,
+    but their tokens are not equal compute."""
+    if not study.model_differs_in:
+        return None
+    keys = ", ".join(study.model_differs_in)
+    flops = sorted(set(study.body_flops.values()))
+    if len(flops) > 1:
+        return (f"equal tokens and steps; NOT equal compute: runs differ in {keys} (training FLOPs per token of "
+                f"the transformer body {flops[0]:.4g} to {flops[-1]:.4g})")
+    return (f"equal tokens, steps and body FLOPs per token, but NOT the same model: runs differ in {keys}")
 
 
 def run_config(study_base: str, run: RunSpec, run_dir: str) -> Config:
@@ -280,4 +312,7 @@ def describe(study: Study) -> str:
     for r in study.runs:
         extra = f"  {json.dumps(r.settings, default=str)}" if r.settings else ""
         lines.append(f"  {r.name:<28} {r.variant:<9} {r.nproc} process(es){extra}")
+    note = compute_note(study)
+    if note:
+        lines.append(f"warning: {note}")
     return "\n".join(lines)

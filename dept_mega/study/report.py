@@ -8,7 +8,7 @@ import os
 import shlex
 from typing import Any, Optional
 
-from .grid import Study
+from .grid import Study, compute_note
 from .results import CROSS_GROUP, RunResult, dept_round_steps, std_equivalent_bytes_per_round
 
 
@@ -46,6 +46,55 @@ def gain_pct(run: RunResult, reference: Optional[RunResult]) -> Optional[float]:
     return (reference.mean_bpb - run.mean_bpb) / reference.mean_bpb * 100.0
 
 
+def _read_whole(result: RunResult, source: str) -> bool:
+    """Whether ``result``'s last evaluation read ``source``'s validation part whole: it read fewer
+    sequences (its ``tokens`` / ``model.seq_length``) than it asked for (``train.eval_samples``,
+    else ``eval_iters`` × ``global_batch_size``). False where the run's config does not say."""
+    try:
+        train, seq = result.config["train"], int(result.config["model"]["seq_length"])
+        wanted = train.get("eval_samples")
+        wanted = int(train["eval_iters"]) * int(train["global_batch_size"]) if wanted is None else int(wanted)
+        return int(result.by_source[source]["tokens"]) // seq < wanted
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def eval_text_differs(results: dict[str, RunResult]) -> list[dict[str, Any]]:
+    """The sources whose final evaluation covered different text in different runs (their
+    ``bytes`` differ): the same number of sequences is other text under another tokenizer
+    (SPEC-OPT's own) unless every run reads the part whole. ``cut``: the runs that did not read
+    it whole (or whose config does not say)."""
+    out = []
+    for s in sources_of(results):
+        by = {n: r.by_source[s]["bytes"] for n, r in results.items()
+              if s in r.by_source and r.by_source[s].get("bytes") is not None}
+        if len(set(by.values())) > 1:
+            out.append({"source": s, "min_bytes": min(by.values()), "max_bytes": max(by.values()), "bytes": by,
+                        "cut": [n for n in by if not _read_whole(results[n], s)]})
+    return out
+
+
+def eval_text_note(differs: list[dict[str, Any]]) -> Optional[str]:
+    """The report's note on :func:`eval_text_differs` (None: every run evaluated the same text)."""
+    if not differs:
+        return None
+    where = ", ".join(f"{d['source']} ({d['min_bytes']:,} to {d['max_bytes']:,} bytes)" for d in differs)
+    note = (f"Not the same validation text: the runs' final evaluations of {where} cover different text, so the "
+            f"BPB of those sources were measured on different text in different runs.")
+    cut = sorted({n for d in differs for n in d["cut"]})
+    if cut:
+        note += (f" Run(s) {', '.join(cut)} read only the first train.eval_samples sequences of a part, which "
+                 "under another tokenizer (SPEC-OPT's own) is other text. To compare on the same text, set "
+                 "train.eval_samples (the grid's `set:`) to at least the largest validation part's sample "
+                 "count, so every run reads each part whole: a run read a part whole when its eval record's "
+                 "`tokens` / model.seq_length is below its train.eval_samples.")
+    else:
+        note += (" Every run read these parts whole: what differs is the text of each part's first token and of "
+                 "its last, incomplete sequence, which each tokenizer cuts differently (at most "
+                 "model.seq_length tokens per part).")
+    return note
+
+
 def summary(study: Study, results: dict[str, RunResult], command: str,
             plasticity: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     ref_name = best_std(results)
@@ -69,8 +118,12 @@ def summary(study: Study, results: dict[str, RunResult], command: str,
             "eval_curve": r.eval_curve, "train_curve": r.train_curve,
             "plasticity": (plasticity or {}).get(spec.name),
         })
+    differs = eval_text_differs(results)
     return {"grid": study.path, "description": study.description, "command": command,
             "groups": study.groups, "group_batch": study.group_batch, "best_std": ref_name,
+            "compute_note": compute_note(study), "model_differs_in": study.model_differs_in,
+            "body_flops_per_token": study.body_flops,
+            "eval_text_differs": differs, "eval_text_note": eval_text_note(differs),
             "std_equivalent_round_steps": round_steps, "std_equivalent_round": round_why,
             "sources": sources_of(results), "runs": runs}
 
@@ -98,9 +151,11 @@ def render_markdown(data: dict[str, Any]) -> str:
     missing = [r["name"] for r in data["runs"] if not r["finished"]]
     G, B = data["groups"], data["group_batch"]
     lines = [f"# Study: {data['description'] or data['grid']}", ""]
-    lines.append(f"Made by `{data['command']}` from `{data['grid']}`. Equal compute: every DEPT run has {G} "
-                 f"source groups of {B} sequences per inner step, every STD run one group of {G * B}; all runs make "
-                 f"the same number of inner steps.")
+    note = data.get("compute_note")
+    lines.append(f"Made by `{data['command']}` from `{data['grid']}`. "
+                 + (f"**{note[0].upper() + note[1:]}.** Every" if note else "Equal compute: every")
+                 + f" DEPT run has {G} source groups of {B} sequences per inner step, every STD run one group of "
+                 f"{G * B}; all runs make the same number of inner steps.")
     if runs:
         lines.append(f"Training tokens per run: {runs[0]['train_tokens']:,}.")
     if missing:
@@ -114,7 +169,10 @@ def render_markdown(data: dict[str, Any]) -> str:
         cells = [r["name"], *[_fmt(r["by_source"].get(s, {}).get("bpb")) for s in sources], _fmt(r["mean_bpb"]),
                  "(best STD)" if r["name"] == ref else ("–" if g is None else f"{g:+.1f} %")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Gain = (mean BPB of the best STD run − mean BPB of the run) / mean BPB of the best STD run.", "",
+    lines += ["", "Gain = (mean BPB of the best STD run − mean BPB of the run) / mean BPB of the best STD run."]
+    if data.get("eval_text_note"):
+        lines += ["", f"**{data['eval_text_note']}**"]
+    lines += ["",
               "## Validation perplexity (per token of each run's own tokenizer: comparable only between runs "
               "that share a tokenizer; SPEC-OPT's are not comparable with the others)", ""]
     head = ["run", *sources, "mean"]
@@ -136,7 +194,11 @@ def render_markdown(data: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | {p['source']} | {p['steps']} | {p['body']} | {_fmt(p['bpb'])} | "
                          f"{_fmt(p.get('random_bpb'))} | {'–' if gain is None else f'{gain:+.1f} %'} |")
         lines += ["", "Adaptation: a fresh embedding for the held-out source trained on each run's body "
-                  "(`dept_mega.adapt`); the gain is against the same procedure from a randomly initialised body.",
+                  "(`dept_mega.adapt`); the gain is against the same procedure from a randomly initialised body. "
+                  "That reference is made once per distinct adaptation (the same model, seed, batch sizes and "
+                  "optimizer after the held-out config is merged over the run's) and shared by the runs with "
+                  "that adaptation (`random_reference` in results.json names the run whose adaptation made "
+                  "it).",
                   "", "```bash"] + [shlex.join(r["plasticity"]["command"]) for r in runs
                                     if r.get("plasticity") and r["plasticity"].get("command")] + ["```"]
     lines += ["", "## Cost", "",

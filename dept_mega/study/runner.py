@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TextIO
 
+import yaml
+
 from .grid import RunSpec, Study
 
 MARKER = "study_run.json"
@@ -139,43 +141,78 @@ def plasticity_command(out: str, run: RunSpec, study: Study, reference: bool,
     return cmd if reference else cmd + ["--no-random-baseline"]
 
 
+def reference_key(out: str, run: RunSpec, study: Study, cwd: str) -> str:
+    """What the random-body reference of ``run``'s adaptation depends on: the adaptation's own
+    config (``dept_mega.adapt``'s merge of the held-out source config over the run's
+    ``config.yaml``, one process as the study launches it: model, seed, batch sizes, optimizer,
+    data, evaluation) and the body options, everything but the output directory. Runs with the
+    same key get the same random body trained the same way, so they share one reference. A
+    config the adaptation would refuse gets a key of its own (its adaptation fails and says why)."""
+    from ..adapt import adapt_config
+    from ..config import ConfigError
+    p = study.plasticity
+    try:
+        with open(os.path.join(run_dir_of(out, run), "config.yaml"), encoding="utf-8") as f:
+            run_cfg = yaml.safe_load(f)
+        src = p.source_config if os.path.isabs(p.source_config) else os.path.join(cwd, p.source_config)
+        with open(src, encoding="utf-8") as f:
+            new = yaml.safe_load(f) or {}
+        cfg = adapt_config(run_cfg, new, p.source_config, p.steps, "", 1).to_dict()
+    except (ConfigError, OSError, yaml.YAMLError) as exc:
+        return f"(no shared reference: {run.name}: {exc})"
+    cfg["train"]["run_dir"] = None
+    return json.dumps([cfg, p.body, p.body_lr], sort_keys=True, default=str)
+
+
 def run_plasticity(study: Study, out: str, steps: int, *, cwd: Optional[str] = None, log: TextIO = sys.stdout,
-                   python: str = sys.executable, execute: bool = True) -> dict[str, dict]:
+                   python: str = sys.executable, execute: bool = True,
+                   launch: Optional[Callable[[list[str], str, dict, TextIO], int]] = None) -> dict[str, dict]:
     """Adapt the body of every finished (selected) run to the held-out source, one after the
-    other; the first also runs the random-body reference. Returns {run name: summary} for the
-    runs whose adaptation finished (``adapt.json`` present: a second call skips them;
-    ``execute=False`` only reads those)."""
+    other. The random-body reference is made once per distinct adaptation
+    (:func:`reference_key`: e.g. runs of different models each get their own), by the first run
+    of each. Returns {run name: summary} for the runs whose adaptation finished (``adapt.json``
+    present: a second call skips them; ``execute=False`` only reads those). ``launch(cmd, cwd,
+    env, log_file)`` runs one adaptation and returns its exit status (tests pass a fake)."""
     p = study.plasticity
     if p is None:
         return {}
+    cwd = cwd or os.getcwd()
     chosen = [r for r in study.runs if (p.runs is None or r.name in p.runs) and is_finished(out, r, steps)]
+    keys = {r.name: reference_key(out, r, study, cwd) for r in chosen}
+    maker: dict[str, str] = {}  # key -> the run whose adaptation makes its reference
+    for r in chosen:
+        maker.setdefault(keys[r.name], r.name)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    launch = launch or (lambda cmd, cwd, env, fh: subprocess.run(cmd, cwd=cwd, env=env, stdout=fh,
+                                                                 stderr=subprocess.STDOUT).returncode)
     reports: dict[str, dict] = {}
-    random_bpb = None
-    for i, run in enumerate(chosen):
+    random_of: dict[str, tuple[float, str]] = {}  # key -> (random-body BPB, the run whose adapt.json has it)
+    for run in chosen:
+        reference = maker[keys[run.name]] == run.name
         path = os.path.join(plasticity_dir(out, run), "adapt.json")
         if not os.path.exists(path) and execute:
             if os.path.isdir(plasticity_dir(out, run)):  # an interrupted adaptation: start it again
                 import shutil
                 shutil.rmtree(plasticity_dir(out, run))
-            cmd = plasticity_command(out, run, study, reference=(i == 0), python=python)
+            cmd = plasticity_command(out, run, study, reference=reference, python=python)
             log_path = os.path.join(out, "logs", f"{run.name}.adapt.log")
             t0 = time.time()
             with open(log_path, "a", encoding="utf-8") as fh:
                 fh.write(f"$ {' '.join(cmd)}\n")
                 fh.flush()
-                rc = subprocess.run(cmd, cwd=cwd or os.getcwd(), env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+                rc = launch(cmd, cwd, env, fh)
             status = "finished" if rc == 0 and os.path.exists(path) else f"FAILED (exit {rc}; see {log_path})"
             print(f"[study] plasticity {run.name}: {status} in {time.time() - t0:.0f} s", file=log, flush=True)
         if not os.path.exists(path):
             continue
         with open(path, encoding="utf-8") as f:
             rep = json.load(f)
-        random_bpb = rep.get("random_bpb", random_bpb)
+        if rep.get("random_bpb") is not None:
+            random_of.setdefault(keys[run.name], (rep["random_bpb"], run.name))
         reports[run.name] = {"source": ",".join(rep["sources"]), "steps": rep["steps"], "body": rep["body"],
-                             "bpb": rep["bpb"], "random_bpb": None, "command": plasticity_command(
-                                 out, run, study, reference=(i == 0), python="python")}
-    for rep in reports.values():
-        rep["random_bpb"] = random_bpb
+                             "bpb": rep["bpb"], "random_bpb": None, "random_reference": None,
+                             "command": plasticity_command(out, run, study, reference=reference, python="python")}
+    for name, rep in reports.items():
+        rep["random_bpb"], rep["random_reference"] = random_of.get(keys[name], (None, None))
     return reports
