@@ -159,7 +159,7 @@ def launch(kernel: Any, grid: tuple, args: tuple, consts: dict, num_warps: int) 
     parameter, in the kernel's order."""
     direct = launcher_of(kernel)
     if direct is None or kernel.pre_run_hooks or not _hooks_idle():
-        kernel[grid](*args, **consts, num_warps=num_warps)
+        triton_launch(kernel, grid, args, consts, num_warps)
         return
     direct(grid, args, consts, num_warps)
 
