@@ -99,7 +99,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
-                if tensorboard or not isinstance(exc, ImportError):  # asked for, or broken rather than absent
+                absent = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "tensorboard"
+                if tensorboard or not absent:  # asked for, or broken rather than absent
                     print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: "
                           f"{_why(exc, 'tensorboard')}", file=sys.stderr, flush=True)
         if wandb:

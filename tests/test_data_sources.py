@@ -255,3 +255,25 @@ def test_a_validation_part_without_a_sample_is_refused(tmp_path, split, seq, mbs
     assert f"holds no sample of model.seq_length + 1 = {seq + 1} tokens: its loss and bits per byte would be NaN" \
         in msg and "train.eval_iters=0" in msg
     check_sources(config_from_dict({**cfg, "train": {**cfg["train"], "eval_iters": 0}}))
+
+
+@pytest.mark.parametrize("variant", ["std", "spec"])
+def test_a_train_part_without_a_sample_is_refused(tmp_path, variant):
+    """Every variant: a train part without one sample of seq_length + 1 tokens is refused by the
+    check (--check, before the launch takes its nodes), naming the key, the source and the numbers."""
+    from dept_mega.config import ConfigError
+    from dept_mega.data.checks import check_sources
+    a = _source(tmp_path, "a", 40, 0)
+    from dept_mega.data.indexed import IndexedDataset
+    ds = IndexedDataset(a)
+    train_tokens = int(ds.document_token_ranges()[1][:20].sum())  # data.split 50,50: 20 documents
+    base = {"model": {"seq_length": train_tokens - 1, "vocab_size": 100000}, "dept": {"variant": variant},
+            "data": {"sources": [{"name": "a", "prefix": a}], "split": "50,50"},
+            "train": {"eval_iters": 0, "micro_batch_size": 1, "global_batch_size": 1}}
+    check_sources(config_from_dict(base))  # exactly one sample
+    too_long = {**base, "model": {**base["model"], "seq_length": train_tokens}}
+    with pytest.raises(ConfigError) as err:
+        check_sources(config_from_dict(too_long))
+    msg = str(err.value)
+    assert msg.startswith("config key 'data.sources[0].prefix': source 'a': its train part (20 of 40 documents"), msg
+    assert f"{train_tokens} tokens) holds no sample of model.seq_length + 1 = {train_tokens + 1} tokens" in msg, msg

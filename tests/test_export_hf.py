@@ -336,7 +336,8 @@ def test_an_output_under_a_file_or_through_a_link_is_refused_first(tmp_path, cap
     capsys.readouterr()
     for args, why in ((["--all-sources", "--output", str(tmp_path / "afile")], "is a file, not a directory"),
                       (["--source", "en", "--output", str(tmp_path / "afile" / "x" / "y")], "is a file, not a directory"),
-                      (["--source", "en", "--output", str(tmp_path / "link")], "is a symbolic link")):
+                      (["--source", "en", "--output", str(tmp_path / "link")], "is a symbolic link"),
+                      (["--source", "en", "--output", str(tmp_path / "link") + os.sep], "is a symbolic link")):
         assert main(["--run-dir", run, *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err, err

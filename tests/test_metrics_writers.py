@@ -60,7 +60,8 @@ def test_wandb_receives_the_scalars_and_a_relaunch_continues_its_run(tmp_path, m
 
 def test_a_missing_package_is_one_warning_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # the package absent: import tensorboard fails
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     w = MetricsWriter(str(tmp_path / "run"), stream=io.StringIO(), wandb="proj")
     w.write("train", 1, 0, **TRAIN)
     w.close()
@@ -75,3 +76,7 @@ def test_a_missing_package_is_one_warning_line(tmp_path, monkeypatch, capsys):
     for tb in (None, False):
         MetricsWriter(str(tmp_path / f"run_{tb}"), stream=io.StringIO(), tensorboard=tb).close()
         assert capsys.readouterr().err == "", tb
+    # a tensorboard that is there but fails to import (too old, a broken dependency) still warns
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    MetricsWriter(str(tmp_path / "run_broken"), stream=io.StringIO(), tensorboard=None).close()
+    assert capsys.readouterr().err.startswith("warning: no TensorBoard events in "), "broken package"

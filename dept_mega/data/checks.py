@@ -99,7 +99,28 @@ def check_sources(cfg: Config) -> None:
         _check_byte_counts(cfg, i)
     # after every source's files are known sound: a damaged file is named as such first
     for i, ds in enumerate(opened):
+        _check_train_size(cfg, i, ds)
         _check_validation_size(cfg, i, ds)
+
+
+def _check_train_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
+    """ConfigError when a source's train part holds no sample of ``model.seq_length`` + 1 tokens:
+    the launch could not build its dataset (every variant; found here rather than on the
+    allocated nodes)."""
+    from dept_mega.data.gpt_dataset import DatasetError, split_bounds
+    s = cfg.data.sources[i]
+    try:
+        lo, hi = split_bounds(ds.num_documents, cfg.data.split)[0]
+    except DatasetError as exc:
+        raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
+    tokens = int(ds.document_token_ranges()[1][lo:hi].sum())
+    if max(tokens - 1, 0) // cfg.model.seq_length > 0:
+        return
+    raise ConfigError(
+        f"config key 'data.sources[{i}].prefix': source '{s.name}': its train part ({hi - lo} of "
+        f"{ds.num_documents} documents under data.split {cfg.data.split!r}, {tokens} tokens) holds no sample of "
+        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens: nothing to train on. Use more data for this "
+        f"source, give the train part more weight in data.split, or a shorter model.seq_length")
 
 
 def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:

@@ -78,6 +78,7 @@ def check_output(output: str, overwrite: bool = False) -> bool:
     ExportError for anything else there: a file, a directory with other contents (never
     removed), or an earlier export without ``overwrite``; also a symbolic link (replacing it
     would replace the link, not the folder it names) and a path under a file."""
+    output = output.rstrip(os.sep) or os.sep  # "link/" would follow the link
     if os.path.islink(output):
         raise ExportError(f"--output {output} is a symbolic link; give the directory it names")
     if os.path.exists(output) and not os.path.isdir(output):

@@ -72,9 +72,11 @@ def compile_modes(kernel: Any) -> tuple:
 
 
 def _hooks_idle() -> bool:
-    """No launch hook attached (Triton 3.6's hooks are chains, empty by default; older ones None)."""
+    """No launch hook attached (Triton 3.6's hooks are chains, empty by default; older ones None)
+    and no compile-pipeline inspection hook (its hash is part of Triton's specialisation)."""
     hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
-    return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
+    return (all(h is None or getattr(h, "calls", None) == [] for h in hooks)
+            and getattr(_knobs.runtime, "add_stages_inspection_hook", None) is None)
 
 
 class DirectLauncher:
@@ -126,8 +128,11 @@ def direct_launch_supported(kernel: Any) -> bool:
     (not the interpreter's) of a Triton in :data:`VERIFIED_TRITON`."""
     if _JITFunction is None or not isinstance(kernel, _JITFunction):
         return False
+    import re
+
     import triton
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) in VERIFIED_TRITON
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return m is not None and (int(m.group(1)), int(m.group(2))) in VERIFIED_TRITON
 
 
 def describe(kernel: Any) -> str:
