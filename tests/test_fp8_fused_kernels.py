@@ -61,11 +61,12 @@ def _layouts(q, q_t):
 
 
 def _compare(got: tuple, u: torch.Tensor, u_k, scale, dtype, pad: int, rowwise: bool, colwise: bool,
-             stats: dict, case: str, failures: list, ill: torch.Tensor = None) -> None:
+             stats: dict, case: str, failures: list, ill: torch.Tensor = None, unknown: torch.Tensor = None) -> None:
     """Bytes of ``got`` = (q, q_t) against ``_cast_math`` of torch's intermediate ``u``: shapes,
     strides and dtypes equal; every differing byte one FP8 step from the reference's, except
     where ``ill`` (the elements where the math is ill-conditioned: counted apart); none where the
-    kernel's intermediate ``u_k`` (when known) equals ``u``; the counts added to ``stats``."""
+    kernel's intermediate ``u_k`` (when known, and outside ``unknown``) equals ``u``; the counts
+    added to ``stats``."""
     ref = _cast_math(u, scale, dtype, pad, rowwise, colwise)[:2]
     for (a, b) in zip(got, ref):
         if (a is None) != (b is None) or (a is not None and (a.shape, a.stride(), a.dtype) != (b.shape, b.stride(),
@@ -80,6 +81,8 @@ def _compare(got: tuple, u: torch.Tensor, u_k, scale, dtype, pad: int, rowwise: 
     if u_k is not None:  # where the intermediates are equal (pad rows: both zero)
         same = torch.ones(u.shape[0] + pad, u.shape[1], dtype=torch.bool, device=u.device)
         same[:u.shape[0]] = u_k.view(torch.int16) == u.view(torch.int16)
+        if unknown is not None:
+            same[:u.shape[0]] &= ~unknown
     for (name, a), (_, b) in zip(_layouts(*got), _layouts(*ref)):
         diff = a != b
         stats["elements"] += a.numel()
@@ -97,21 +100,28 @@ def _compare(got: tuple, u: torch.Tensor, u_k, scale, dtype, pad: int, rowwise: 
                             f"equal")
 
 
-def _exact(got: tuple, u: torch.Tensor, scale, dtype, pad, rowwise, colwise, case: str, failures: list) -> None:
-    """The bytes of ``got`` equal ``_cast_math`` of ``u`` (the kernel's own intermediate) everywhere."""
+def _exact(got: tuple, u: torch.Tensor, scale, dtype, pad, rowwise, colwise, case: str, failures: list,
+           unknown: torch.Tensor = None) -> None:
+    """The bytes of ``got`` equal ``_cast_math`` of ``u`` (the kernel's own intermediate) everywhere
+    but ``unknown`` (elements where ``u`` is not known to be the kernel's intermediate)."""
     ref = _cast_math(u, scale, dtype, pad, rowwise, colwise)[:2]
+    skip = torch.zeros(u.shape[0] + pad, u.shape[1], dtype=torch.bool, device=u.device)
+    if unknown is not None:
+        skip[:u.shape[0]] = unknown
     for (name, a), (_, b) in zip(_layouts(*got), _layouts(*ref)):
-        if not torch.equal(a, b):
-            failures.append(f"{case} {name}: {int((a != b).sum())} bytes differ from the cast of the kernel's own "
-                            f"arithmetic")
+        if not torch.equal(a[~skip], b[~skip]):  # _layouts gives q_t back in q's orientation
+            failures.append(f"{case} {name}: {int(((a != b) & ~skip).sum())} bytes differ from the cast of the "
+                            f"kernel's own arithmetic")
 
 
 # ----------------------------------------------------------------------------- GELU
 
 
 def _erf32(t: torch.Tensor) -> torch.Tensor:
-    """The kernel's erf of an fp32 tensor: libdevice's ``erff`` on the GPU (torch's CUDA erf is the
-    same function), Python's ``math.erf`` rounded to fp32 in the interpreter."""
+    """The kernel's erf of an fp32 tensor: on the GPU torch's ``erf`` (libdevice's ``erff`` is
+    the kernel's; on an H200 the two differed where GELU's ``1 + erf(x)`` cancels, x < -3:
+    callers treat those elements as unknown there), Python's ``math.erf`` rounded to fp32 in the
+    interpreter."""
     if t.is_cuda:
         return torch.erf(t)
     return torch.from_numpy(np.vectorize(math.erf, otypes=[np.float32])(t.numpy()))
@@ -154,9 +164,12 @@ def gelu_vs_reference(device: str) -> dict:
             amax = torch.zeros(3, device=device)
             q, q_t, inv = K.cast_fp8(x, dtype, pad, rowwise, colwise, scale=scale, scale_index=1, amax_out=amax,
                                      amax_index=2, tile=tile, gelu=True)
+            # on the GPU Triton's erf may differ from torch's by an ulp, which 1 + erf(x) (x < -3)
+            # turns into another GELU value: there the kernel's own intermediate is not known
+            unknown = (x < -3) if x.is_cuda else None
             _compare((q, q_t), u_ref, u_k, s[0] if delayed else None, dtype, pad, rowwise, colwise, stats, case,
-                     failures, ill=x < -3)
-            _exact((q, q_t), u_k, s[0] if delayed else None, dtype, pad, rowwise, colwise, case, failures)
+                     failures, ill=x < -3, unknown=unknown)
+            _exact((q, q_t), u_k, s[0] if delayed else None, dtype, pad, rowwise, colwise, case, failures, unknown)
             if not (amax[2] == amax_k and amax[0] == 0 and amax[1] == 0):
                 failures.append(f"{case}: amax {amax.tolist()} != {amax_k.item()} (of the rounded GELU values)")
             if delayed and inv is not None:

@@ -124,7 +124,8 @@ def test_activation_bytes_equal_the_saved_tensors_on_cuda(case):
     of the attention terms counted by rule (the s² scores of ``bias``, the log-sum-exp, the
     output copy when it is not the projection's input), so that the difference shows which rule
     the kernel follows."""
-    from dept_mega.dept.memory_attention import attention_kind, attention_output_shared, scores_saved
+    from dept_mega.dept.memory_attention import (attention_kind, attention_output_shared, scores_saved,
+                                                 statistics_bytes)
     from tests.trainer_utils import gpu_test_device
 
     device = gpu_test_device()  # cpu: a rehearsal with the CPU kernels' rules (DEPT_MEGA_GPU_TESTS_ON_CPU=1)
@@ -139,7 +140,8 @@ def test_activation_bytes_equal_the_saved_tensors_on_cuda(case):
     heads, q = m.num_attention_heads, m.num_attention_heads * m.head_dim
     terms = (f"counted: scores {scores_saved(kind, device, m.attention_dropout)}, output shared "
              f"{attention_output_shared(kind, device)}; per layer ({m.num_layers} layers): s² scores "
-             f"{b * heads * s * s * a} bytes (+ dropout mask {b * heads * s * s}), log-sum-exp {4 * b * heads * s}, "
+             f"{b * heads * s * s * a} bytes (+ dropout mask {b * heads * s * s}), log-sum-exp and RNG state "
+             f"{statistics_bytes(kind, device, cfg.precision, b * heads, s)}, "
              f"output copy {s * b * q * a}")
     assert got == want, (f"{case}: attention backend {kind} on {device} saved {got} bytes, activation_bytes "
                          f"predicts {want} (measured - predicted = {got - want}); {terms}")

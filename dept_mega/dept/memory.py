@@ -97,7 +97,7 @@ from typing import Optional, Sequence
 from ..config import Config, ConfigError
 from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks, grad_bytes,
                           rank_body_fragments, rank_params, shard_pieces)
-from .memory_attention import attention_kind, attention_output_shared, scores_saved
+from .memory_attention import attention_kind, attention_output_shared, scores_saved, statistics_bytes
 from .memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
 from .outer import chunk_bounds
 
@@ -226,7 +226,7 @@ def activation_bytes(cfg: Config, vocab: int, pp_rank: int, device: str = "cuda"
     if scores_saved(kind, device, m.attention_dropout):
         core = b * heads // T * s * s * a + (b * heads // T * s * s if m.attention_dropout > 0 else 0)
     else:  # the fused kernels' log-sum-exp (the CPU SDPA kernel takes the bias without materialising the scores)
-        core = 4 * b * heads // T * s
+        core = statistics_bytes(kind, device, cfg.precision, b * heads // T, s)
     # the core's output, saved by its backward; the same tensor as the projection's input when
     # the reshape between them is a view (flex on CUDA, the CPU kernels: attention_output_shared)
     shared = attention_output_shared(kind, device)
