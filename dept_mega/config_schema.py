@@ -289,7 +289,8 @@ class Config:
     #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), cuda (the same cast as a C++/CUDA operator
     #: of the dept_mega.ops extension, dept_mega::cast_fp8: a few µs of host time per cast where Triton's
     #: launcher takes more; needs the extension built with its CUDA kernels, on CPU it runs its CPU kernel;
-    #: on an H200 its kernel was slower than Triton's (1.13x bf16 against 1.19x), so auto does not pick it), torch (PyTorch ops, compiled on
+    #: on an H200 (2026-11-28) its kernel is the fastest cast, and with fp8_gemm cublaslt and
+    #: fp8_fused_casts the fastest FP8 run: not yet auto's choice), torch (PyTorch ops, compiled on
     #: CUDA), auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
@@ -303,7 +304,8 @@ class Config:
     #: or auto on a machine without Transformer Engine; refused with train.compile and without fp8)
     #: and where no collective sits between the producer and the GEMM: QKV and fc1 with
     #: parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU stay unfused. The run log
-    #: lists the linears that fuse. Its GPU speed is not yet measured, hence off by default.
+    #: lists the linears that fuse. On an H200: +3 % a step with the Triton casts, +6 % with the C++
+    #: casts and cuBLASLt (docs/performance.md); off by default for now.
     fp8_fused_casts: bool = False
     #: Native FP8 GEMMs: torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm of the
     #: dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU its CPU
