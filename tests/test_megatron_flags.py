@@ -135,3 +135,28 @@ def test_flag_records_are_well_formed():
         assert isinstance(f, Flag) and flag.startswith("--")
         assert f.key is not None or f.note.startswith("no key"), flag
         assert not f.switch or f.value is not None or f.key is None, flag
+
+
+def test_overrides_may_follow_options_in_every_entry_point(tmp_path, capsys):
+    """key=value overrides after an option (``--steps 6 train.micro_batch_size=8 --out X``), as a
+    user writes them, parse in tools/benchmark.py and dept_mega.evaluate as in dept_mega.train."""
+    import importlib.util
+    import os
+
+    from dept_mega import evaluate
+    spec = importlib.util.spec_from_file_location("benchmark_tool", os.path.join(ROOT, "tools", "benchmark.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = os.path.join(ROOT, "examples", "tiny", "std.yaml")
+    # parsed, then refused for --steps 0 (after parsing: no "unrecognized arguments")
+    assert bench.main(["--config", cfg, "--steps", "0", "train.micro_batch_size=4", "--out", str(tmp_path / "b.json"),
+                       "model.vocab_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps must be >= 1" in err and "unrecognized" not in err, err
+    try:  # parsed, then refused: no config.yaml in the run directory
+        rc = evaluate.main(["--run-dir", str(tmp_path / "nope"), "--eval-iters", "1", "parallel.data=1",
+                            "--out", str(tmp_path / "e.json"), "parallel.tensor=1"])
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and "unrecognized" not in err and "config.yaml" in err, (rc, err)
