@@ -76,10 +76,13 @@ def _needs_sizes(cfg) -> bool:
 def planned_line(cfg, groups: int) -> str:
     """The ``sampling (...)`` line a launch of ``cfg`` on ``groups`` groups logs at start, from
     the data files (their token counts, read only where ``dept.sampling`` uses them)."""
-    from .data.sources import blend_shares, sampling_line, source_datasets
+    from .data.gpt_dataset import part_tokens
+    from .data.indexed import IndexedDataset
+    from .data.sources import blend_shares, sampling_line
     names = [s.name for s in cfg.data.sources]
-    if cfg.dept.variant == "std":  # STD counts the tokens of each source's train part
-        tokens = [d.num_tokens for d in source_datasets(cfg, "train")] if _needs_sizes(cfg) else [1.0] * len(names)
+    if cfg.dept.variant == "std":  # STD counts the tokens of each source's train part (from the index)
+        tokens = ([part_tokens(IndexedDataset(s.prefix), cfg.data.split, "train")[2] for s in cfg.data.sources]
+                  if _needs_sizes(cfg) else [1.0] * len(names))
         return sampling_line(cfg.dept.sampling, names, blend_shares(cfg, names, tokens))
     from .dept.source_info import source_tokens
     sizes = [source_tokens(s.prefix) if _needs_sizes(cfg) else 1.0 for s in cfg.data.sources]

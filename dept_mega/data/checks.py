@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from dept_mega.config import Config, ConfigError
 from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_path, tokenizer_record_path
@@ -103,18 +104,26 @@ def check_sources(cfg: Config) -> None:
         _check_validation_size(cfg, i, ds)
 
 
+def _part_samples(cfg: Config, i: int, ds: IndexedDataset, which: str) -> tuple[int, int, int, int]:
+    """``(lo, hi, tokens, samples)`` of source ``i``'s part ``which`` (``train`` | ``valid``): its
+    document range, tokens and samples of ``model.seq_length`` + 1 tokens; a ConfigError naming
+    ``data.split`` when the split cannot be applied."""
+    from dept_mega.data.gpt_dataset import DatasetError, part_tokens
+    s = cfg.data.sources[i]
+    try:
+        lo, hi, tokens = part_tokens(ds, cfg.data.split, which)
+    except DatasetError as exc:
+        raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
+    return lo, hi, tokens, max(tokens - 1, 0) // cfg.model.seq_length
+
+
 def _check_train_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     """ConfigError when a source's train part holds no sample of ``model.seq_length`` + 1 tokens:
     the launch could not build its dataset (every variant; found here rather than on the
     allocated nodes)."""
-    from dept_mega.data.gpt_dataset import DatasetError, split_bounds
     s = cfg.data.sources[i]
-    try:
-        lo, hi = split_bounds(ds.num_documents, cfg.data.split)[0]
-    except DatasetError as exc:
-        raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
-    tokens = int(ds.document_token_ranges()[1][lo:hi].sum())
-    if max(tokens - 1, 0) // cfg.model.seq_length > 0:
+    lo, hi, tokens, samples = _part_samples(cfg, i, ds, "train")
+    if samples > 0:
         return
     raise ConfigError(
         f"config key 'data.sources[{i}].prefix': source '{s.name}': its train part ({hi - lo} of "
@@ -129,17 +138,10 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     at all (NaN in the log and metrics.jsonl) at every evaluation. A part with fewer samples
     than ``train.eval_iters`` × ``train.global_batch_size`` is evaluated whole
     (``dept_mega.data.sources.ValidationBatches``)."""
-    from dept_mega.data.gpt_dataset import DatasetError, split_bounds
-    t, s = cfg.train, cfg.data.sources[i]
-    if t.eval_sequences() == 0:
+    s = cfg.data.sources[i]
+    if cfg.train.eval_sequences() == 0:
         return
-    try:
-        lo, hi = split_bounds(ds.num_documents, cfg.data.split)[1]
-    except DatasetError as exc:
-        raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
-    lengths = ds.document_token_ranges()[1][lo:hi]
-    tokens = int(lengths.sum())
-    samples = max(tokens - 1, 0) // cfg.model.seq_length
+    lo, hi, tokens, samples = _part_samples(cfg, i, ds, "valid")
     if samples > 0:
         return
     raise ConfigError(
@@ -152,8 +154,10 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
 
 def source_warnings(cfg: Config) -> list[str]:
     """What the pre-flight (``--check``) and the launch warn about the sources' data, from their
-    ``PREFIX.tokenizer.json``: input lines skipped at preprocessing, then lossy tokenizers."""
-    return skipped_input_warnings(cfg) + lossy_source_warnings(cfg)
+    ``PREFIX.tokenizer.json`` (each read once): input lines skipped at preprocessing, then lossy
+    tokenizers."""
+    records = [_read_record(s.prefix) for s in cfg.data.sources]
+    return skipped_input_warnings(cfg, records) + lossy_source_warnings(cfg, records)
 
 
 def _read_record(prefix: str):
@@ -167,14 +171,17 @@ def _read_record(prefix: str):
     return made if isinstance(made, dict) else None
 
 
-def skipped_input_warnings(cfg: Config) -> list[str]:
+def skipped_input_warnings(cfg: Config, records: Optional[list] = None) -> list[str]:
     """One line per source whose ``PREFIX.tokenizer.json`` says tools/preprocess_data.py skipped
     input lines as bad input (``input.skipped`` > 0, by kind in ``input.skipped_by_kind``): the
     data lacks those lines, which the preprocessing report named at the time. Records without
-    the field (written before it existed) or with nothing skipped: nothing."""
+    the field (written before it existed) or with nothing skipped: nothing. ``records``: the
+    sources' records as :func:`_read_record` gives them (read here when None)."""
+    if records is None:
+        records = [_read_record(s.prefix) for s in cfg.data.sources]
     out = []
-    for i, s in enumerate(cfg.data.sources):
-        source = (_read_record(s.prefix) or {}).get("input")
+    for i, (s, made) in enumerate(zip(cfg.data.sources, records)):
+        source = (made or {}).get("input")
         skipped = source.get("skipped") if isinstance(source, dict) else None
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped <= 0:
             continue
@@ -191,7 +198,7 @@ def skipped_input_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def lossy_source_warnings(cfg: Config) -> list[str]:
+def lossy_source_warnings(cfg: Config, records: Optional[list] = None) -> list[str]:
     """One line per source whose ``PREFIX.tokenizer.json`` says its tokenizer did not give every
     checked document back (``lossless: false``, written by tools/preprocess_data.py): its bits
     per byte count the original bytes, including bytes the tokens do not encode, so they are
@@ -199,16 +206,15 @@ def lossy_source_warnings(cfg: Config) -> list[str]:
     ``--round-trip-every 0`` (``lossless: null``, ``round_trip.checked: 0``) gets a note that
     its round trip was not checked. Sampled with no mismatch (``lossless: null``, some checked),
     lossless, or older records without the fields (``checked`` absent: every document was
-    checked): nothing."""
+    checked): nothing. ``records``: as for :func:`skipped_input_warnings`."""
+    if records is None:
+        records = [_read_record(s.prefix) for s in cfg.data.sources]
     out = []
-    for i, s in enumerate(cfg.data.sources):
-        record = tokenizer_record_path(s.prefix)
-        try:
-            with open(record, encoding="utf-8") as f:
-                made = json.load(f)
-            lossless, rt = made.get("lossless", True), made.get("round_trip")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    for i, (s, made) in enumerate(zip(cfg.data.sources, records)):
+        if made is None:
             continue  # no record, or one check_sources reports
+        record = tokenizer_record_path(s.prefix)
+        lossless, rt = made.get("lossless", True), made.get("round_trip")
         where = f"config key 'data.sources[{i}].prefix': source '{s.name}': {record}"
         if lossless is None and isinstance(rt, dict) and rt.get("checked") == 0:
             every = rt.get("every", 0)

@@ -79,6 +79,13 @@ def split_bounds(num_docs: int, split: str) -> list[tuple[int, int]]:
     return bounds
 
 
+def part_tokens(indexed: IndexedDataset, split: str, which: str) -> tuple[int, int, int]:
+    """``(lo, hi, tokens)`` of part ``which`` of ``split`` in ``indexed``: its document range and
+    its tokens (what :class:`GPTDataset` counts as ``num_tokens``), from the index alone."""
+    lo, hi = split_bounds(indexed.num_documents, split)[PARTS.index(which)]
+    return lo, hi, int(indexed.document_token_ranges()[1][lo:hi].sum())
+
+
 @dataclass
 class EpochIndex:
     doc_order: np.ndarray  # int64 positions into the part's document list, shuffled
