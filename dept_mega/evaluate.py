@@ -53,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
                          "to evaluate in another layout (any layout loads: docs/launching.md section 10)")
-    args = parse_with_hints(ap, argv, intermixed=True)
+    args = parse_with_hints(ap, argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
     if args.eval_iters is not None:

@@ -188,14 +188,13 @@ def unknown_flags_message(unknown: Sequence[str], argv: Sequence[str]) -> str:
     return "; ".join(parts)
 
 
-def parse_with_hints(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]],
-                     intermixed: bool = False) -> argparse.Namespace:
-    """``ap.parse_args(argv)`` (``parse_intermixed_args`` when ``intermixed``), except that
-    unrecognised options exit through ``ap.error`` with :func:`unknown_flags_message`."""
+def parse_with_hints(ap: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """``ap.parse_intermixed_args(argv)`` (key=value overrides may come before, between or after
+    the options), except that unrecognised options exit through ``ap.error`` with
+    :func:`unknown_flags_message`."""
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
-    parse = ap.parse_known_intermixed_args if intermixed else ap.parse_known_args
-    args, unknown = parse(argv)
+    args, unknown = ap.parse_known_intermixed_args(argv)
     if unknown:
         ap.error(unknown_flags_message(unknown, argv))
     return args

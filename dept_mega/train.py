@@ -48,7 +48,7 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -
                         help="run the pre-flight for --world-size ranks (layout, data, tokenizers, memory per "
                              "rank, disk space) without torchrun and without training; exit 0, or 2 naming the key")
         ap.add_argument("--world-size", type=int, default=None, help="ranks of the job that --check checks")
-    args = parse_with_hints(ap, argv, intermixed=True)
+    args = parse_with_hints(ap, argv)
     if checks and args.check and (args.world_size is None or args.world_size < 1):
         ap.error("--check needs --world-size N (N >= 1): the number of ranks the job will start")
     return args

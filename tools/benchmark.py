@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     ap.add_argument("--out", required=True, help="JSON file for the bench record (docs/metrics.md)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides, e.g. parallel.data=1")
-    args = parse_with_hints(ap, argv, intermixed=True)
+    args = parse_with_hints(ap, argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
