@@ -258,6 +258,10 @@ def _no_launch(*args, **kwargs) -> None:
     return None
 
 
+# one stand-in for every stubbed kernel: triton_launch keeps an entry per kernel object it sees
+_NO_LAUNCH = _NoLaunch()
+
+
 @contextlib.contextmanager
 def launches_stubbed():
     """``fp8_kernels`` (and ``fp8_norm_kernels``, the fused LayerNorm cast) with their Triton
@@ -269,7 +273,7 @@ def launches_stubbed():
         names = kernels + ("AVAILABLE", "interpreted")
         saved.append((K, names, {n: getattr(K, n) for n in names if hasattr(K, n)}))
         for n in kernels:
-            setattr(K, n, _NoLaunch())
+            setattr(K, n, _NO_LAUNCH)
         K.AVAILABLE, K.interpreted = True, lambda: True  # interpreted: its check of CPU tensors passes
     try:
         yield
