@@ -104,32 +104,31 @@ def check_sources(cfg: Config) -> None:
         _check_validation_size(cfg, i, ds)
 
 
-def _part_samples(cfg: Config, i: int, ds: IndexedDataset, which: str) -> tuple[int, int, int, int]:
-    """``(lo, hi, tokens, samples)`` of source ``i``'s part ``which`` (``train`` | ``valid``): its
-    document range, tokens and samples of ``model.seq_length`` + 1 tokens; a ConfigError naming
-    ``data.split`` when the split cannot be applied."""
+def _empty_part(cfg: Config, i: int, ds: IndexedDataset, which: str) -> Optional[str]:
+    """None when source ``i``'s part ``which`` (``train`` | ``valid``) holds a sample of
+    ``model.seq_length`` + 1 tokens, else what it holds, for the check's error; a ConfigError
+    naming ``data.split`` when the split cannot be applied."""
     from dept_mega.data.gpt_dataset import DatasetError, part_tokens
     s = cfg.data.sources[i]
     try:
         lo, hi, tokens = part_tokens(ds, cfg.data.split, which)
     except DatasetError as exc:
         raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
-    return lo, hi, tokens, max(tokens - 1, 0) // cfg.model.seq_length
+    if max(tokens - 1, 0) // cfg.model.seq_length > 0:
+        return None
+    part = "train" if which == "train" else "validation"
+    return (f"its {part} part ({hi - lo} of {ds.num_documents} documents under data.split {cfg.data.split!r}, "
+            f"{tokens} tokens) holds no sample of model.seq_length + 1 = {cfg.model.seq_length + 1} tokens")
 
 
 def _check_train_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     """ConfigError when a source's train part holds no sample of ``model.seq_length`` + 1 tokens:
     the launch could not build its dataset (every variant; found here rather than on the
     allocated nodes)."""
-    s = cfg.data.sources[i]
-    lo, hi, tokens, samples = _part_samples(cfg, i, ds, "train")
-    if samples > 0:
-        return
-    raise ConfigError(
-        f"config key 'data.sources[{i}].prefix': source '{s.name}': its train part ({hi - lo} of "
-        f"{ds.num_documents} documents under data.split {cfg.data.split!r}, {tokens} tokens) holds no sample of "
-        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens: nothing to train on. Use more data for this "
-        f"source, give the train part more weight in data.split, or a shorter model.seq_length")
+    if (empty := _empty_part(cfg, i, ds, "train")) is not None:
+        raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{cfg.data.sources[i].name}': {empty}: "
+                          f"nothing to train on. Use more data for this source, give the train part more weight "
+                          f"in data.split, or a shorter model.seq_length")
 
 
 def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
@@ -138,18 +137,12 @@ def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
     at all (NaN in the log and metrics.jsonl) at every evaluation. A part with fewer samples
     than ``train.eval_iters`` × ``train.global_batch_size`` is evaluated whole
     (``dept_mega.data.sources.ValidationBatches``)."""
-    s = cfg.data.sources[i]
-    if cfg.train.eval_sequences() == 0:
+    if cfg.train.eval_sequences() == 0 or (empty := _empty_part(cfg, i, ds, "valid")) is None:
         return
-    lo, hi, tokens, samples = _part_samples(cfg, i, ds, "valid")
-    if samples > 0:
-        return
-    raise ConfigError(
-        f"config key 'data.split': source '{s.name}': its validation part ({hi - lo} of {ds.num_documents} "
-        f"documents under data.split {cfg.data.split!r}, {tokens} tokens) holds no sample of "
-        f"model.seq_length + 1 = {cfg.model.seq_length + 1} tokens: its loss and bits per byte would be NaN. "
-        f"Give the validation part more weight in data.split, use more data for this source, or set "
-        f"train.eval_iters=0 (and train.eval_samples=0 where set) to train without evaluation")
+    raise ConfigError(f"config key 'data.split': source '{cfg.data.sources[i].name}': {empty}: its loss and bits "
+                      f"per byte would be NaN. Give the validation part more weight in data.split, use more data "
+                      f"for this source, or set train.eval_iters=0 (and train.eval_samples=0 where set) to train "
+                      f"without evaluation")
 
 
 def source_warnings(cfg: Config) -> list[str]:
