@@ -123,17 +123,20 @@ def counted_once(p: torch.nn.Parameter, pg: ParallelGroups, duplicates: frozense
     return True
 
 
-def norm_of(grads: Sequence[torch.Tensor], group, device: torch.device) -> float:
-    """sqrt of the sum over ``group`` of this rank's squared L2 norms of ``grads`` (fp64 sum)."""
+def norm_of(grads: Sequence[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+    """sqrt of the sum over ``group`` of this rank's squared L2 norms of ``grads`` (fp64 sum), as
+    a one-element fp64 tensor on ``device``: nothing is read back here, so the trainer fetches it
+    with the step's loss statistics in one copy. A fixed number of kernels whatever the number
+    of parameters (one ``_foreach_norm``, then the squares and their sum over the stacked norms)."""
     if grads:
         norms = torch._foreach_norm([g.float() for g in grads])
-        sq = torch.stack([n.double() ** 2 for n in norms]).sum()
+        sq = torch.stack(norms).double().square().sum()
     else:
         sq = torch.zeros((), dtype=torch.float64, device=device)
     sq = sq.reshape(1)
     if group is not None:
         dist.all_reduce(sq, group=group)
-    return float(sq.sqrt().item())
+    return sq.sqrt()
 
 
 __all__ = ["lr_at", "param_groups", "build_adamw", "set_lr", "counted_once", "norm_of"]

@@ -274,7 +274,8 @@ class Trainer:
                     stats[2 + K:].index_add_(0, ids, torch.full_like(seq, per_token.shape[1]))
             return per_token.sum() * scale
 
-        self._begin_grads(len(mbs))
+        params = self.parameters()  # one walk of the modules per step (host time the GPU may wait for)
+        self._begin_grads(len(mbs), params)
         with fp8_weight_cache(self.stages):  # native FP8: the step's scales; each weight cast once
             run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                                  stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
@@ -282,19 +283,22 @@ class Trainer:
             stats.zero_()
         if self.pg.source_group is not None:
             dist.all_reduce(stats, group=self.pg.source_group)  # bookkeeping, not counted
-        stats = stats.cpu().tolist()
-        loss_sum, tokens = stats[0], int(stats[1])
-        loss = loss_sum / max(tokens, 1)
-        by_src = {k: stats[2 + k] for k in range(K) if stats[2 + K + k] > 0}
-        tok_src = {k: int(stats[2 + K + k]) for k in range(K) if stats[2 + K + k] > 0}
 
-        self.reduce_gradients()
+        self.reduce_gradients(params)
         for hook in self.step_hooks:
             hook.after_reduce(self)
         if self.precision.scaler is not None:
             for opt in self.optimizers:
                 opt.scale_grads(1.0 / self.precision.scaler.scale)
-        grad_norm = self.grad_norm() if math.isfinite(loss) else float("nan")
+        # the step's one read of the device: the loss statistics and the gradient norm in one
+        # copy, after every kernel of the step up to the optimizer has been launched
+        host = torch.cat([stats, self._grad_norm_tensor(params)]).cpu().tolist()
+        stats, norm = host[:-1], host[-1]
+        loss_sum, tokens = stats[0], int(stats[1])
+        loss = loss_sum / max(tokens, 1)
+        by_src = {k: stats[2 + k] for k in range(K) if stats[2 + K + k] > 0}
+        tok_src = {k: int(stats[2 + K + k]) for k in range(K) if stats[2 + K + k] > 0}
+        grad_norm = norm if math.isfinite(loss) else float("nan")
         lr = self.set_lr()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
@@ -327,16 +331,16 @@ class Trainer:
         return frozenset(id(p) for st in self.stages if not st.is_first for p in st.shared_embedding_params())
 
     # -- gradients ------------------------------------------------------------------------
-    def _begin_grads(self, num_micro_batches: int) -> None:
+    def _begin_grads(self, num_micro_batches: int, params: Sequence[torch.nn.Parameter]) -> None:
         """Set up the step's gradient buffers: each parameter expects one accumulation per
         micro-batch for every chunk of this rank that holds it; a bucket's data-parallel
-        reduction starts when all of its accumulations have arrived."""
+        reduction starts when all of its accumulations have arrived. ``params``: :meth:`parameters`."""
         expected: dict[int, int] = {}
         for st in self.stages:
             for p in st.parameters():
                 expected[id(p)] = expected.get(id(p), 0) + num_micro_batches
         buffers = [opt.buffer for opt in self.optimizers]
-        for p in self.parameters():
+        for p in params:
             if p.requires_grad and not any(b.owns(p) for b in buffers):
                 raise RuntimeError(f"parameter {self._names().get(id(p), tuple(p.shape))} is not owned by the "
                                    f"installed optimizers: set_embeddings(embs, optimizer) needs the optimizer "
@@ -369,12 +373,12 @@ class Trainer:
                     out.append(g)
         return out
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         """Wait for the data-parallel reduction (started during backward with
         ``optim.overlap_grad_reduce``), then all-reduce tied-embedding gradients over
         ``pg.embedding`` and sequence-parallel ones over ``pg.tp``."""
         self.grad_sync.finish()
-        params = self.parameters()
+        params = self.parameters() if params is None else params
         if self.pg.embedding is not None and self.pg.pp_size > 1:
             shared = {id(p) for st in self.stages for p in st.shared_embedding_params()}
             tied = self._reduced([p for p in params if id(p) in shared])
@@ -389,8 +393,12 @@ class Trainer:
         """L2 norm of the group's gradient, each parameter counted once (``optim.counted_once``);
         with the distributed optimizer each rank sums its shards and the sum runs over the
         whole source group."""
+        return float(self._grad_norm_tensor(self.parameters()).item())
+
+    def _grad_norm_tensor(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """:meth:`grad_norm` as a one-element fp64 tensor on the device (not read back)."""
         dups = self._tied_duplicates()
-        grads = self._reduced([p for p in self.parameters() if counted_once(p, self.pg, dups)])
+        grads = self._reduced([p for p in params if counted_once(p, self.pg, dups)])
         group = self.pg.source_group if self.cfg.optim.distributed else self.pg.model_parallel
         return norm_of(grads, group, self.device)
 

@@ -275,3 +275,23 @@ def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     assert rec["tokens_per_s"] > 0 and rec["config"]["fp8"] == "hybrid"
     assert rec["config"]["model"]["recompute"] == "selective" and rec["config"]["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_norm_of_is_the_fp64_sum_of_squared_norms_in_a_fixed_number_of_kernels(seed, monkeypatch):
+    """norm_of sums the squares of the per-tensor norms in fp64 on the device (a stack, not one
+    kernel per tensor) and returns a tensor: the same bits as squaring and summing each norm in
+    fp64, and no read of the device (the trainer fetches it with the step's statistics)."""
+    from dept_mega.optim import norm_of
+
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item()
+             for n in torch.randint(1, 5000, (40,), generator=g).tolist()]
+    grads.append(torch.randn(3, 7, generator=g).bfloat16())
+    expected = torch.stack([n.double() ** 2 for n in torch._foreach_norm([t.float() for t in grads])]).sum().sqrt()
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("norm_of read the device"))
+    got = norm_of(grads, None, torch.device("cpu"))
+    monkeypatch.undo()
+    assert got.dtype == torch.float64 and got.shape == (1,)
+    assert got.item() == expected.item()
+    assert norm_of([], None, torch.device("cpu")).item() == 0.0
