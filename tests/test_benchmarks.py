@@ -421,3 +421,29 @@ def test_fp8_cast_bench_summary_renders_fused_vs_unfused():
             "500 (5.0e-02, up to 1 FP8 steps) BEYOND TOLERANCE |") in lines
     assert "| gelu | triton | | fused: triton cast_fp8(gelu=True) | failed: RuntimeError: boom | | | | |" in lines
     assert "Fused vs unfused" not in "\n".join(fp8_cast_lines({"rows": plain}))  # an older record: no section
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_attention_bench_measures_each_kernel_against_the_fp32_alibi_reference(device, tmp_path, monkeypatch):
+    """benchmarks/attention_bench.py at small shapes: a timed row per kernel with its errors
+    against the fp32 ALiBi reference. The ALiBi kernels agree with it; the no-ALiBi ceiling rows
+    compute another function and their error shows it (the error column can fail). On CUDA every
+    flex row (the model's, the first FLEX_OPTIONS entry: each compiles) runs or says why not."""
+    import attention_bench as bench
+    monkeypatch.setattr(bench, "FLEX_OPTIONS", bench.FLEX_OPTIONS[:1])
+    out = tmp_path / "rows.json"
+    assert bench.main(["--device", device, "--batch", "2", "--heads", "4", "--seq", "256", "--head-dim", "64",
+                       "--iters", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    by = {r["kernel"]: r for r in rows}
+    tol = 0.0 if device == "cpu" else 5e-2  # bf16 kernels against fp32
+    alibi = [r for r in rows if "no ALiBi" not in r["kernel"] and "ms" in r]
+    assert alibi and all(max(r["error"].values()) <= tol for r in alibi), alibi
+    ceiling = [r for r in rows if "no ALiBi" in r["kernel"] and "ms" in r]
+    assert ceiling and all(r["error"]["out"] > 0.1 for r in ceiling), ceiling
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in alibi + ceiling)
+    if device == "cuda":
+        assert "ms" in by["flex (the model's)"], by["flex (the model's)"]
+        assert sum(k.startswith("flex ") for k in by) == len(bench.FLEX_OPTIONS) + 1
+        assert all("ms" in r or r["failed"] for r in rows)

@@ -94,6 +94,14 @@ class FlexState:
                 self._masks.clear()
             self._masks[key] = create_block_mask(_causal, None, None, key[0], key[0], device=device)
 
+    def prepared(self, seq_len: int, device: torch.device | str) -> tuple[Optional[Callable], object]:
+        """(score_mod, block_mask) for ``seq_len`` on ``device``, made if needed (outside compiled
+        code): what :meth:`__call__` passes to flex_attention (benchmarks/attention_bench.py
+        passes the same with other kernel options)."""
+        self.prepare(seq_len, device)
+        dev = _device_key(device)
+        return (self._score_mods[dev] if self.slopes is not None else None), self._masks[(int(seq_len), dev)]
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
         """``q [s, b, H, d]``, ``k, v [s, b, G, d]`` -> ``[s, b, H, d]`` (see the module doc)."""
         key = (q.shape[0], _device_key(q.device))
