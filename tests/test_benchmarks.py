@@ -364,6 +364,16 @@ def test_fp8_cast_bench_fused_rows_agree_with_unfused(device):
         assert sum(r["kernel"].startswith("fused: triton layernorm") for r in rows) == len(bench.LN_TILES)
 
 
+def test_fp8_cast_bench_ln_tiles_start_with_the_default():
+    """LN_TILES: the fused LayerNorm cast's default tile first (the bench marks it "(default)"),
+    the fastest measured on the H200 (32 x 256, 8 warps), then the other candidates once each, the
+    previous default (32 x 128, 4 warps) among them."""
+    import fp8_cast_bench as bench
+    from dept_mega.parallel import fp8_norm_kernels
+    assert bench.LN_TILES[0] == fp8_norm_kernels._TILE == (32, 256, 8)
+    assert (32, 128, 4) in bench.LN_TILES[1:] and len(set(bench.LN_TILES)) == len(bench.LN_TILES)
+
+
 def test_fp8_cast_bench_compare_bytes_counts_fp8_steps():
     """compare_bytes: the differing bytes of both layouts and their distance in FP8 steps (±0 equal
     in value, one step across zero)."""
