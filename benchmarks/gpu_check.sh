@@ -30,22 +30,30 @@
 #              cast, fused LayerNorm/GELU cast and GEMM operators against Triton's, torch and torch._scaled_mm)                                            40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
-#   fp8        the same in native FP8 (fp8=hybrid backend=local) -> bench.jsonl, kernels.txt    55
-#              (if it fails: once more with fp8_casts=torch, recorded as fp8_torch_casts)
-#   fp8_cuda   the FP8 run with fp8_casts=cuda: each cast the C++/CUDA operator dept_mega::cast_fp8
-#              (a dispatcher call instead of Triton's launcher), profiled -> bench.jsonl, kernels.txt
-#              55 (an estimate: not yet measured)
-#   fp8_lt     the FP8 run with fp8_gemm=cublaslt (and the C++ casts): the GEMMs through cuBLASLt
+#   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
+#              fp8_casts auto = cuda, fp8_gemm auto = cublaslt, fp8_fused_casts null = the GELU
+#              before fc2 fused) -> bench.jsonl, kernels.txt                                   55
+#              (if it fails: once more with fp8_casts=torch fp8_gemm=torch, recorded as fp8_torch_casts)
+#   fp8_prev   the previous FP8 defaults: fp8_casts=triton fp8_gemm=torch fp8_fused_casts=false
+#              -> bench.jsonl                                                  55 (an estimate)
+#   fp8_all_fused  fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true: the defaults plus the C++
+#              LayerNorm cast fused (1.285x bf16 on an H200, 2026-11-28), profiled -> bench.jsonl,
+#              kernels.txt                                                     55 (an estimate)
+#   fp8_cuda   fp8_casts=cuda fp8_gemm=torch fp8_fused_casts=false: each cast the C++/CUDA operator
+#              dept_mega::cast_fp8 (a dispatcher call instead of Triton's launcher), beside fp8_prev,
+#              profiled -> bench.jsonl, kernels.txt                            55 (an estimate)
+#   fp8_lt     fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=false: the GEMMs through cuBLASLt
 #              directly (dept_mega::fp8_gemm), the weight gradients accumulated into the fp32
 #              gradient buffer inside the GEMM, profiled -> bench.jsonl, kernels.txt  55 (an estimate)
-#   fp8_fused  the fp8 run with fp8_fused_casts=true: the LayerNorm before QKV / fc1 and the GELU before
-#              fc2 fused into the FP8 casts of their outputs, profiled -> bench.jsonl, kernels.txt
-#              55 (an estimate: not yet measured)
-#   fp8_lt_fused  the fp8_lt run (C++ casts, cuBLASLt GEMMs) with fp8_fused_casts=true, profiled
-#              -> bench.jsonl, kernels.txt                                      55 (an estimate)
-#   fp8_tlt_fused  the Triton casts (launched directly) with the cuBLASLt GEMMs and fp8_fused_casts=true:
-#              the faster cast kernels with the GEMM that accumulates the weight gradients, profiled
-#              -> bench.jsonl, kernels.txt                                      55 (an estimate)
+#   fp8_fused  fp8_casts=triton fp8_gemm=torch fp8_fused_casts=true: the LayerNorm before QKV / fc1 and
+#              the GELU before fc2 fused into the Triton casts of their outputs, profiled
+#              -> bench.jsonl, kernels.txt                                     55 (an estimate)
+#   fp8_lt_fused  fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true (the fp8_lt run fused), profiled
+#              -> bench.jsonl, kernels.txt: fp8_all_fused's settings, so after it in the same call
+#              its record again (named fp8_lt_fused, same_run_as: fp8_all_fused), not run twice  55
+#   fp8_tlt_fused  fp8_casts=triton fp8_gemm=cublaslt fp8_fused_casts=true: the Triton casts (launched
+#              directly) with the GEMM that accumulates the weight gradients, profiled
+#              -> bench.jsonl, kernels.txt                                     55 (an estimate)
 #   fp8_host   benchmarks/fp8_host_bench.py --device cuda: the host's µs per linear call, forward and
 #              backward apart, and its dispatcher ops, by casts x GEMM (triton|cuda casts, torch|cublaslt
 #              GEMM, bf16 beside), and what the Triton launches, cast_fp8's Python and _scaled_mm's host
@@ -56,8 +64,8 @@
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared; and the
 #              LayerNorm / GELU casts fused (fp8_fused_casts) against the producer then the cast, per path
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       60 (an estimate)
-#   fp8_fast_accum   the FP8 run with fp8_fast_accum=forward: the forward GEMM sums in the tensor cores' fast accumulation
-#              (the default, forward, accumulates the forward GEMM fast) -> bench.jsonl       50
+#   fp8_fast_accum   the FP8 run (the defaults) with fp8_fast_accum=forward: the forward GEMM sums in the
+#              tensor cores' fast accumulation (the default, none, promotes every sum) -> bench.jsonl  50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback; test files in
 #              parallel with pytest-xdist when available); after the FP8 runs, which are what a
@@ -76,11 +84,11 @@
 #              the compiled flex_attention kernels (and the other compiled regions) and keeps the
 #              fastest; profiled, so attention's ms compare with bf16's -> bench.jsonl, kernels.txt
 #              120 (an estimate: not yet measured)
-#   fp8_current  the eager FP8 run with fp8_recipe=current (what the tracing is compared with)  50
+#   fp8_current  the eager FP8 run (the defaults) with fp8_recipe=current (what the tracing is compared with)  50
 #   fp8_current_compile  FP8 with train.compile=true, fp8_recipe=current: the FP8 GEMMs traced into the
 #              compiled blocks (no graph break) -> bench.jsonl                                  60
-#   fp8_mb8    the FP8 run with micro-batches of 8 (half the host work per token)              50
-#   fp8_lt_mb8 the fp8_lt run (C++ casts, cuBLASLt GEMMs) with micro-batches of 8: the two ways to
+#   fp8_mb8    the FP8 run (the defaults) with micro-batches of 8 (half the host work per token)  50
+#   fp8_lt_mb8 the fp8_lt run (C++ casts, cuBLASLt GEMMs, nothing fused) with micro-batches of 8: the two ways to
 #              less host work per token together (compare with mb8)                       50 (an estimate)
 #   vocab250k  the STD variant with the 250,112-token head -> bench.jsonl                        45
 #   memory     tools/dept_costs.py --memory vs the peaks of the bf16, fp8 and vocab250k runs
@@ -113,7 +121,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
+STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
@@ -161,12 +169,15 @@ if [ "$DRY" = 1 ]; then
   # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
   # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
   GRAPH_CASTS=torch
+  # the stages that name the Triton casts (fp8_prev, fp8_fused, fp8_tlt_fused) run the torch casts
+  # here, for the same reason: their plumbing
+  TRITON_CASTS=torch
   # expected seconds on a 2-core CPU machine; a stage may take CAP times that (a loaded machine)
   declare -A EXPECT=([env]=4 [tests]=10 [ops_tests]=8 [ops]=8 [bf16]=12 [nofusion]=12 [fp8]=12 [vocab250k]=8 [memory]=8
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12 [fp8_lt_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
-                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12)
+                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -180,13 +191,15 @@ else
   FP8_HOST=(--device cuda --repeats 200)
   CAST_BENCH=(--device cuda)
   GRAPH_CASTS=triton
+  TRITON_CASTS=triton
   # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
   # the H200 run (2026-11-27: 17, 5 and 39 s) with room
   declare -A EXPECT=([env]=8 [tests]=70 [ops_tests]=40 [ops]=15 [bf16]=45 [nofusion]=45 [fp8]=55 [vocab250k]=45
                      [memory]=16 [megatron]=60 [compile]=60 [compile_nofusion]=60 [mb8]=45
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
-                     [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55)
+                     [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55
+                     [fp8_prev]=55 [fp8_all_fused]=55)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -259,7 +272,9 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
 
 # ------------------------------------------------------------------ stages
 BUILD_PID=
-NEEDS_BUILD=(build ops_tests ops fp8_cuda fp8_lt fp8_lt_fused fp8_tlt_fused fp8_lt_mb8 fp8_host fp8_casts)  # stages that run the extension's operators
+# stages that run the extension's operators (the FP8 defaults do on the GPU: the C++ casts, cuBLASLt)
+NEEDS_BUILD=(build ops_tests ops fp8 fp8_all_fused fp8_cuda fp8_lt fp8_lt_fused fp8_tlt_fused fp8_fast_accum fp8_mb8
+             fp8_current fp8_lt_mb8 fp8_host fp8_casts)
 start_build() {
   if [ -n "$ONLY" ]; then
     local s need=0
@@ -380,17 +395,7 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
   [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" train.profile.start=2 train.profile.stop=3)
   run "$PY" tools/benchmark.py --config "$CFG" "${SHAPE[@]}" "$@" "${prof[@]}" "${STEPS[@]}" --out "$rec"
   rc=$?
-  "$PY" - "$name" "$rec" "$rc" "$LOG" "$OUT/bench.jsonl" <<'EOF'
-import json, os, sys
-name, rec, rc, log, dst = sys.argv[1:]
-if rc == "0" and os.path.exists(rec):
-    r = json.load(open(rec)); r["name"] = name
-    r["micro_batch_size"] = ((r.pop("config", None) or {}).get("train") or {}).get("micro_batch_size")
-else:
-    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
-    r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
-open(dst, "a").write(json.dumps(r) + "\n")
-EOF
+  bench_row "$name" "$rec" "$rc"
   if [ $profile = 1 ] && [ $rc = 0 ]; then
     local trace
     trace=$(ls "$WORK/run_$name"/profile/rank0_steps*.json 2>/dev/null | head -n 1)
@@ -404,14 +409,45 @@ EOF
   return $rc
 }
 
+bench_row() {  # NAME RECORD RC [SAME_AS]: a tools/benchmark.py record as NAME's row of bench.jsonl (an
+  # error row with the log's last line when the run failed); SAME_AS: the run whose record it is
+  "$PY" - "$@" "$LOG" "$OUT/bench.jsonl" <<'EOF'
+import json, os, sys
+name, rec, rc, *same, log, dst = sys.argv[1:]
+if rc == "0" and os.path.exists(rec):
+    r = json.load(open(rec)); r["name"] = name
+    r["micro_batch_size"] = ((r.pop("config", None) or {}).get("train") or {}).get("micro_batch_size")
+    if same:
+        r["same_run_as"] = same[0]
+else:
+    lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
+    r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
+open(dst, "a").write(json.dumps(r) + "\n")
+EOF
+}
+reuse() {  # NAME SAME_AS: SAME_AS ran NAME's settings earlier in this call: its record as NAME's row
+  local rec="$WORK/bench_$2.json"
+  [ -f "$rec" ] || return 1
+  log "$1: the settings of $2, which ran in this call: its record again as $1's row (not run twice)"
+  bench_row "$1" "$rec" 0 "$2"
+  if grep -q "^# kernels: $2 " "$OUT/kernels.txt" 2>/dev/null; then
+    printf '# kernels: %s: the run of %s, above\n\n' "$1" "$2" >>"$OUT/kernels.txt"
+  fi
+}
+
 stage_bf16() { bench bf16 --profile; }
 stage_nofusion() { bench bf16_nofusion optim.grad_accum_fusion=false; }
-stage_fp8() {  # the Triton casts; if that run fails, the PyTorch casts (fp8_torch_casts) in the same stage
+stage_fp8() {  # the FP8 defaults; if that run fails, the PyTorch casts and GEMM (fp8_torch_casts) in the same stage
   bench fp8 --profile fp8=hybrid backend=local && return 0
-  log "the FP8 run with the default casts failed: once more with fp8_casts=torch"
-  bench fp8_torch_casts fp8=hybrid backend=local fp8_casts=torch
+  log "the FP8 run with the defaults failed: once more with fp8_casts=torch fp8_gemm=torch"
+  bench fp8_torch_casts fp8=hybrid backend=local fp8_casts=torch fp8_gemm=torch
   return 1
 }
+# the previous defaults, and the fastest combination measured before the defaults (which differ
+# from it by the C++ LayerNorm cast's fusion only)
+stage_fp8_prev() { bench fp8_prev fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=torch fp8_fused_casts=false; }
+stage_fp8_all_fused() {
+  bench fp8_all_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
 BIG_SET=(dept.variant=std model.vocab_size=$BIG_VOCAB)  # the vocab250k run (and its memory comparison)
 stage_vocab250k() { bench std_vocab250k "${BIG_SET[@]}"; }
 compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=true
@@ -425,16 +461,20 @@ stage_compile() { compiled_bench bf16_compile --profile; }
 stage_mb8() { bench bf16_mb8 train.micro_batch_size=$((2 * MB)); }
 # attention is 17 % of the bf16 step's GPU time (flex_attention with its default block sizes)
 stage_flex_autotune() { TORCHINDUCTOR_MAX_AUTOTUNE=1 bench bf16_flex_autotune --profile; }
-stage_fp8_cuda() { bench fp8_cuda --profile fp8=hybrid backend=local fp8_casts=cuda; }
-stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt; }
-stage_fp8_fused() { bench fp8_fused --profile fp8=hybrid backend=local fp8_fused_casts=true; }
+stage_fp8_cuda() { bench fp8_cuda --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=torch fp8_fused_casts=false; }
+stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=false; }
+stage_fp8_fused() {
+  bench fp8_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=torch fp8_fused_casts=true; }
 stage_fp8_lt_fused() {
+  reuse fp8_lt_fused fp8_all_fused && return 0
   bench fp8_lt_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
-# fp8_casts stays auto: Triton on the GPU (the torch casts in the CPU dry run)
-stage_fp8_tlt_fused() { bench fp8_tlt_fused --profile fp8=hybrid backend=local fp8_gemm=cublaslt fp8_fused_casts=true; }
+stage_fp8_tlt_fused() {
+  bench fp8_tlt_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=cublaslt fp8_fused_casts=true; }
 stage_fp8_fast_accum() { bench fp8_fast_accum fp8=hybrid backend=local fp8_fast_accum=forward; }
 stage_fp8_mb8() { bench fp8_mb8 fp8=hybrid backend=local train.micro_batch_size=$((2 * MB)); }
-stage_fp8_lt_mb8() { bench fp8_lt_mb8 fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt train.micro_batch_size=$((2 * MB)); }
+stage_fp8_lt_mb8() {
+  bench fp8_lt_mb8 fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=false \
+    train.micro_batch_size=$((2 * MB)); }
 stage_compile_nofusion() { compiled_bench bf16_compile_nofusion optim.grad_accum_fusion=false; }
 stage_fp8_compile() { compiled_bench fp8_compile --profile fp8=hybrid backend=local; }
 stage_fp8_compile_triton() { compiled_bench fp8_compile_triton --profile fp8=hybrid backend=local fp8_casts=$GRAPH_CASTS; }

@@ -163,7 +163,7 @@ def _bench_lines(rows: list[dict]) -> list[str]:
     if bf is not None and fp8 is not None and bf.get("tokens_per_s"):
         ratio = ok[fp8]["tokens_per_s"] / bf["tokens_per_s"]
         lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})"
-                     + (" (the PyTorch casts: the default run failed)" if fp8 != "fp8" else ""))
+                     + (" (the PyTorch casts and torch._scaled_mm: the default run failed)" if fp8 != "fp8" else ""))
     lines += ratio_lines(ok)
     lines += backends_lines(rows)
     return lines
@@ -174,9 +174,14 @@ def _bench_lines(rows: list[dict]) -> list[str]:
 # subset of the stages (``--stages fp8,fp8_fused``) still compares what it ran. A run may have
 # more than one entry (bf16 is also the grad_accum_fusion run beside bf16_nofusion).
 RATIOS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("fp8_cuda", "FP8 with the C++/CUDA cast operator", ("fp8", "bf16")),
-    ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator", ("fp8", "fp8_cuda", "bf16")),
-    ("fp8_fused", "FP8 with fp8_fused_casts=true", ("fp8", "bf16")),
+    ("fp8", "FP8 with the defaults", ("fp8_prev",)),
+    ("fp8_prev", "FP8 with the previous defaults (fp8_casts=triton fp8_gemm=torch fp8_fused_casts=false)",
+     ("bf16",)),
+    ("fp8_all_fused", "FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true",
+     ("fp8", "fp8_prev", "bf16")),
+    ("fp8_cuda", "FP8 with the C++/CUDA cast operator", ("fp8_prev", "fp8", "bf16")),
+    ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator", ("fp8_prev", "fp8", "fp8_cuda", "bf16")),
+    ("fp8_fused", "FP8 with fp8_fused_casts=true", ("fp8_prev", "fp8", "bf16")),
     ("fp8_lt_fused", "FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true",
      ("fp8_lt", "fp8_fused", "fp8", "bf16")),
     ("fp8_tlt_fused", "FP8 with the Triton casts, cuBLASLt GEMMs and fp8_fused_casts=true",
@@ -241,11 +246,13 @@ def run_gist(backends: str | None) -> str:
         words.append("current scaling" if "current scaling" in linear else "delayed scaling")
         accum = re.search(r"fast accumulation: (\w+)", linear)
         words.append("exact sums" if accum is None or accum.group(1) == "none" else f"fast accumulation: {accum.group(1)}")
-        if "fused casts (fp8_fused_casts) [" in linear and "fused casts (fp8_fused_casts) [none" not in linear:
+        fused = re.search(r"fused casts \(fp8_fused_casts(: auto)?\) \[(?!none)", linear)
+        if fused:  # (fp8_fused_casts: auto: the producers its table fuses for the run's casts)
             # per producer: one kernel, or the producer then the cast (torch casts, current scaling)
             how = {p: "one kernel" if h.startswith("one kernel") else "apart"
                    for p, h in re.findall(r"\((layernorm|gelu), ([^,)]*)", linear)}
-            words.append("fused casts" + (": " + ", ".join(f"{p} {h}" for p, h in how.items()) if how else ""))
+            words.append(("auto " if fused.group(1) else "") + "fused casts"
+                         + (": " + ", ".join(f"{p} {h}" for p, h in how.items()) if how else ""))
     elif linear.startswith("transformer_engine"):
         words.append(linear)
     else:

@@ -278,7 +278,7 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
     if cfg.fp8 is not None and cfg.precision != "bf16":
         raise ConfigError(f"config key 'fp8': {cfg.fp8!r} needs precision: bf16, got {cfg.precision!r}")
-    if cfg.fp8_fused_casts and cfg.fp8 is None:
+    if cfg.fp8_fused_casts is True and cfg.fp8 is None:
         raise ConfigError("config key 'fp8_fused_casts': true fuses casts into the native FP8 linears, but fp8 is "
                           "off (set fp8: hybrid or e4m3, or fp8_fused_casts: false)")
     _check_eager_fp8(cfg)
@@ -335,11 +335,12 @@ def _check_values(cfg: Config) -> None:
 
 def te_fp8_conflict(cfg: Config) -> Optional[str]:
     """The first setting of the native FP8 linears that Transformer Engine's linears would not
-    honour (``fp8_fused_casts``, ``fp8_gemm``, ``fp8_fast_accum`` other than what TE does), as
-    an error line naming the key; None when there is none. Checked with the config for an
+    honour (``fp8_fused_casts: true``, ``fp8_gemm: cublaslt``, ``fp8_fast_accum`` other than what
+    TE does), as an error line naming the key; None when there is none (an ``auto`` / null setting
+    never conflicts: it picks nothing of the native linears' there). Checked with the config for an
     explicit ``backend: transformer_engine`` and by ``model/backends.py`` when ``auto`` picks TE."""
-    settings = (("fp8_fused_casts", cfg.fp8_fused_casts, (False,), "Transformer Engine casts itself"),
-                ("fp8_gemm", cfg.fp8_gemm, ("torch",), "Transformer Engine runs its own"),
+    settings = (("fp8_fused_casts", cfg.fp8_fused_casts, (False, None), "Transformer Engine casts itself"),
+                ("fp8_gemm", cfg.fp8_gemm, ("torch", "auto"), "Transformer Engine runs its own"),
                 ("fp8_fast_accum", cfg.fp8_fast_accum, ("forward", "auto"),
                  "Transformer Engine's accumulate as 'forward' does"))
     for key, value, te_does, why in settings:
@@ -353,19 +354,20 @@ def _check_eager_fp8(cfg: Config) -> None:
     """The settings of the native FP8 linears against an explicit ``backend: transformer_engine``,
     and those that run only in the eager FP8 linears against ``train.compile`` (checked here, with the config, so that
     ``--check`` and the launchers' pre-flight report them; ``backend: auto`` choosing Transformer
-    Engine is found where the backend is resolved, ``model/backends.py``)."""
+    Engine is found where the backend is resolved, ``model/backends.py``). Only explicit
+    settings are refused: ``fp8_gemm: auto`` and ``fp8_fused_casts: null`` choose what runs there."""
     if cfg.fp8 is None:
         return
     if cfg.backend == "transformer_engine" and (why := te_fp8_conflict(cfg)) is not None:
         raise ConfigError(why)  # first: with TE the compile conflicts below do not arise
     if cfg.train.compile and cfg.fp8_gemm == "cublaslt":
         raise ConfigError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under train.compile the "
-                          "FP8 GEMMs are traced into the compiled blocks with torch._scaled_mm (use fp8_gemm: torch, "
-                          "or train.compile: false)")
-    if cfg.train.compile and cfg.fp8_fused_casts:
+                          "FP8 GEMMs are traced into the compiled blocks with torch._scaled_mm (use fp8_gemm: auto "
+                          "or torch, or train.compile: false)")
+    if cfg.train.compile and cfg.fp8_fused_casts is True:
         raise ConfigError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; under "
                           "train.compile the norms, GELUs and casts are traced into the compiled blocks (use "
-                          "fp8_fused_casts: false, or train.compile: false)")
+                          "fp8_fused_casts: null or false, or train.compile: false)")
 
 
 def _check_schedule(cfg: Config) -> None:

@@ -286,12 +286,12 @@ class Config:
     #: forward was no faster than none (478 against 469 ms a step of the 1B model).
     fp8_fast_accum: str = "auto"
     fp8_first_last_layers_bf16: bool = False  #: Keep the first and last transformer block in bf16.
-    #: Native FP8 casts: triton (one Triton kernel per cast; CUDA), cuda (the same cast as a C++/CUDA operator
-    #: of the dept_mega.ops extension, dept_mega::cast_fp8: a few µs of host time per cast where Triton's
-    #: launcher takes more; needs the extension built with its CUDA kernels, on CPU it runs its CPU kernel;
-    #: on an H200 (2026-11-28) its kernel is the fastest cast, and with fp8_gemm cublaslt and
-    #: fp8_fused_casts the fastest FP8 run: not yet auto's choice), torch (PyTorch ops, compiled on
-    #: CUDA), auto (triton on CUDA when Triton imports, else torch). Under train.compile the casts inside the
+    #: Native FP8 casts: auto (on CUDA cuda where the dept_mega.ops extension has its CUDA kernels, else
+    #: triton when Triton imports, else torch; on CPU torch: the run log says which, and why not cuda), cuda
+    #: (a C++/CUDA operator of the extension, dept_mega::cast_fp8: the fastest cast measured, 83-87 % of a
+    #: copy's bandwidth on an H200, and a few µs of host time per cast where Triton's launcher takes more;
+    #: on CPU it runs its CPU kernel), triton (one Triton kernel per cast; CUDA), torch (PyTorch ops,
+    #: compiled on CUDA). Every path gives the same bytes. Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
@@ -300,21 +300,26 @@ class Config:
     #: are computed and cast in one pass (one kernel with fp8_casts triton or cuda; the LayerNorm only under
     #: delayed scaling from the second training step, otherwise normalised then cast) instead of
     #: writing the bf16 result and reading it again to cast it. Same numbers as without (up to the
-    #: kernels' rounding of erf / rsqrt). Applies in the eager native FP8 linears only (needs backend: local,
-    #: or auto on a machine without Transformer Engine; refused with train.compile and without fp8)
-    #: and where no collective sits between the producer and the GEMM: QKV and fc1 with
-    #: parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU stay unfused. The run log
-    #: lists the linears that fuse. On an H200: +3 % a step with the Triton casts, +6 % with the C++
-    #: casts and cuBLASLt (docs/performance.md); off by default for now.
-    fp8_fused_casts: bool = False
-    #: Native FP8 GEMMs: torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm of the
-    #: dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU its CPU
-    #: kernel). With cublaslt the weight-gradient GEMM of a training step accumulates into the fp32 gradient
-    #: buffer inside the GEMM (beta = 1), as the bf16 layers' gradient-accumulation fusion does, instead of a
-    #: bf16 dW then an fp32 add: one kernel less per weight and micro-batch, and slightly different (more
-    #: precise: no bf16 rounding of dW) numbers. On an H200 (with fp8_casts cuda) no faster than torch, hence not the default.
-    #: Eager FP8 linears only (refused with train.compile, whose traced GEMMs are torch._scaled_mm).
-    fp8_gemm: str = "torch"
+    #: kernels' rounding of erf / rsqrt). null = auto: fuse only where the fused kernel was measured
+    #: faster than the producer then the cast (H200, docs/performance.md): with the cuda casts the GELU
+    #: (fc2), with the triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, under
+    #: train.compile or with Transformer Engine nothing; the run log says which linears fuse and why the
+    #: others do not. true = fuse every producer that can be (refused with train.compile, without fp8
+    #: and with Transformer Engine's linears); false = none. Fusion needs the eager native FP8 linears
+    #: (backend local, or auto without Transformer Engine) and no collective between the producer and
+    #: the GEMM: QKV and fc1 with parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU
+    #: stay unfused.
+    fp8_fused_casts: Optional[bool] = None
+    #: Native FP8 GEMMs: auto, torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm
+    #: of the dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU
+    #: its CPU kernel). With cublaslt the weight-gradient GEMM of a training step accumulates into the
+    #: gradient buffer inside the GEMM (beta = 1), as the bf16 layers' gradient-accumulation fusion does,
+    #: instead of a bf16 dW then an add: one kernel less per weight and micro-batch, and slightly different
+    #: (more precise: no bf16 rounding of dW) numbers. Eager FP8 linears only (cublaslt is refused with
+    #: train.compile, whose traced GEMMs are torch._scaled_mm). auto = cublaslt on CUDA where the extension
+    #: has the operator, without train.compile, with optim.grad_accum_fusion on and optim.grad_dtype fp32;
+    #: otherwise torch (the run log says why).
+    fp8_gemm: str = "auto"
     backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
     dept: DeptConfig = field(default_factory=DeptConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -342,7 +347,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8_recipe": ("delayed", "current"),
     "fp8_fast_accum": ("auto", "none", "forward", "all"),
     "fp8_casts": ("auto", "triton", "cuda", "torch"),
-    "fp8_gemm": ("torch", "cublaslt"),
+    "fp8_gemm": ("auto", "torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
     "dept.sampling": ("uniform", "proportional", "temperature", "weights"),

@@ -176,7 +176,7 @@ def test_suite_summary_reads_what_the_check_wrote(tmp_path, quiet):
     rows.append({"name": "fp8_torch_casts", "tokens_per_s": 60000.0})
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = summary(str(tmp_path), str(env), budget=420, elapsed=400)
-    assert "1.20x (NOT met) (the PyTorch casts: the default run failed)" in text
+    assert "1.20x (NOT met) (the PyTorch casts and torch._scaled_mm: the default run failed)" in text
 
 
 # backends lines as model/backends.py writes them (Backends.describe), shortened where it does not matter
@@ -196,6 +196,32 @@ _CPP = "C++ cast operator dept_mega::cast_fp8"
 
 def _fp8_backends(gemm="torch._scaled_mm", casts="torch casts", accum="none", fused=""):
     return _FP8.format(gemm=gemm, casts=casts, accum=accum, fused=fused) + _REST
+
+
+_AUTO_FUSED = ("; fused casts (fp8_fused_casts: auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 (auto: the C++ "
+               "LayerNorm cast is not faster than the norm then the cast (0.95x, H200))]")
+
+
+def test_bench_summary_compares_the_defaults_with_the_previous_and_the_all_fused_runs():
+    """The gpu_check stages fp8 (the defaults), fp8_prev (the previous defaults) and fp8_all_fused
+    (every producer fused): the defaults over the previous ones, the all-fused run over both and
+    bf16, each described from its backends line (auto's fused casts said as such); fp8_lt_fused
+    reusing fp8_all_fused's record compares as that run."""
+    from suite_summary import _bench_lines
+
+    rows = [{"name": "bf16", "tokens_per_s": 600.0, "backends": "backend=auto: linear=torch" + _REST},
+            {"name": "fp8", "tokens_per_s": 780.0, "backends": _fp8_backends(_LT, _CPP, fused=_AUTO_FUSED)},
+            {"name": "fp8_prev", "tokens_per_s": 700.0,
+             "backends": _fp8_backends(casts="Triton cast kernels (launched directly)")},
+            {"name": "fp8_all_fused", "tokens_per_s": 770.0, "backends": _fp8_backends(_LT, _CPP, fused=_CPP_FUSED)}]
+    text = "\n".join(_bench_lines(rows))
+    prev = "fp8_prev (_scaled_mm, Triton casts, delayed scaling, exact sums)"
+    assert f"- FP8 with the defaults (fp8): 1.114x {prev} (tokens/s)" in text, text
+    assert ("- FP8 with the previous defaults (fp8_casts=triton fp8_gemm=torch fp8_fused_casts=false) (fp8_prev): "
+            "1.167x bf16 (bf16 GEMMs) (tokens/s)") in text, text
+    assert ("(fp8_all_fused): 0.987x fp8 (cuBLASLt GEMMs, C++ casts, delayed scaling, exact sums, auto fused casts: "
+            f"gelu one kernel), 1.100x {prev}, 1.283x bf16 (bf16 GEMMs) (tokens/s)") in text, text
+    assert "- target FP8 >= 1.3x bf16 tokens/s: 1.30x (met)" in text
 
 
 def test_bench_summary_pairs_each_variant_with_its_bases_and_lists_every_backends_line():
@@ -362,6 +388,16 @@ def test_fp8_cast_bench_fused_rows_agree_with_unfused(device):
             assert r["speedup"] == pytest.approx(next(u["us"] for u in unfused if u["path"] == r["path"]) / r["us"])
     if device == "cuda":
         assert sum(r["kernel"].startswith("fused: triton layernorm") for r in rows) == len(bench.LN_TILES)
+
+
+def test_fp8_cast_bench_ln_tiles_start_with_the_default():
+    """LN_TILES: the fused LayerNorm cast's default tile first (the bench marks it "(default)"),
+    the fastest measured on the H200 (32 x 256, 8 warps), then the other candidates once each, the
+    previous default (32 x 128, 4 warps) among them."""
+    import fp8_cast_bench as bench
+    from dept_mega.parallel import fp8_norm_kernels
+    assert bench.LN_TILES[0] == fp8_norm_kernels._TILE == (32, 256, 8)
+    assert (32, 128, 4) in bench.LN_TILES[1:] and len(set(bench.LN_TILES)) == len(bench.LN_TILES)
 
 
 def test_fp8_cast_bench_compare_bytes_counts_fp8_steps():

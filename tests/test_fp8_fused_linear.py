@@ -120,7 +120,11 @@ def test_fused_training_equals_unfused(recipe, monkeypatch):
     apart = "run apart: the torch casts have no fused kernel"
     assert (f"fused casts (fp8_fused_casts) [qkv (layernorm, {apart}), fc1 (layernorm, {apart}), fc2 (gelu, "
             f"{apart})]") in resolve_backends(cfg, "cpu").describe()
-    assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
+    assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, {**over, "fp8_fused_casts": False})),
+                                                 "cpu").describe()
+    # the default (auto) with the torch casts: nothing fuses, and the log says why
+    assert ("fused casts (fp8_fused_casts: auto) [none, not fused: qkv, fc1, fc2 (auto: the torch casts have no "
+            "fused kernel)]") in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
     norm_casts, gelu_casts = [], []
     real_norm, real_cast = Fp8State.norm_cast, Fp8State.cast
     monkeypatch.setattr(Fp8State, "norm_cast", lambda self, *a, **k: norm_casts.append(1) or real_norm(self, *a, **k))

@@ -13,6 +13,7 @@ within bf16 rounding. The ``gpu`` test compares the cuBLASLt kernel with ``torch
 training shapes (UNVERIFIED until run on a GPU)."""
 from __future__ import annotations
 
+import re
 from itertools import product
 
 import pytest
@@ -126,7 +127,7 @@ def test_argument_errors_are_named():
             fp8_gemm.check_args(ta, tb, tsa, tsb, tout, first)
         with pytest.raises(exc, match=msg):  # the operator itself (its C++ checks), the same message
             fp8_gemm.op()(ta, tb, tsa, tsb, False, tout, first)
-    with pytest.raises(ValueError, match="'cuda' is not one of torch | cublaslt"):
+    with pytest.raises(ValueError, match=re.escape("'cuda' is not one of auto | torch | cublaslt")):
         fp8_gemm.resolve_gemm("cuda", "cpu")
 
 

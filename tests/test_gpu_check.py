@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -58,7 +58,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert {("layernorm", "fused", "cuda"), ("gelu", "fused", "cuda"), ("layernorm", "unfused", "cuda")} <= fused
     assert "### Fused vs unfused" in summary and "| layernorm | cuda | " in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
                                            "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
@@ -81,10 +81,25 @@ def test_dry_run_writes_every_figure(tmp_path):
         assert f"# kernels: {run}" in kernels and "fused casts (fp8_fused_casts) [qkv (layernorm, " in line, line
         assert "), fc1 (layernorm, " in line and "), fc2 (gelu, " in line, line
     assert "fc2 (gelu, one kernel)" in by["fp8_lt_fused"]["backends"]  # the C++ casts (their CPU kernels here)
-    # the default casts (torch here, Triton on a GPU) with the cuBLASLt GEMMs, fused, beside fp8_fused
+    # the Triton casts (torch here) with the cuBLASLt GEMMs, fused, beside fp8_fused
     assert "cuBLASLt operator" in by["fp8_tlt_fused"]["backends"] and "C++ cast" not in by["fp8_tlt_fused"]["backends"]
     assert re.search(r"\(fp8_tlt_fused\): [\d.]+x fp8_fused \(", summary), summary
-    assert "fused casts" not in by["fp8"]["backends"] and "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
+    assert "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
+    # the defaults (the torch casts and GEMM on the CPU: auto fuses nothing, and says why) beside the
+    # previous defaults (named explicitly: fp8_fused_casts=false) and every producer fused
+    assert ("fused casts (fp8_fused_casts: auto) [none, not fused: qkv, fc1, fc2 (auto: the torch casts have no "
+            "fused kernel)]") in by["fp8"]["backends"], by["fp8"]["backends"]
+    assert "fp8=hybrid backend=local fp8_casts=torch fp8_gemm=torch fp8_fused_casts=false" in log
+    assert "fused casts" not in by["fp8_prev"]["backends"] and "torch._scaled_mm" in by["fp8_prev"]["backends"]
+    line = by["fp8_all_fused"]["backends"]
+    assert "cuBLASLt operator" in line and "C++ cast operator" in line and "fc2 (gelu, one kernel)]" in line, line
+    assert "# kernels: fp8_all_fused" in kernels and re.search(r"\(fp8_all_fused\): [\d.]+x fp8 \(", summary)
+    assert re.search(r"- FP8 with the defaults \(fp8\): [\d.]+x fp8_prev \(_scaled_mm, torch casts, ", summary), summary
+    # fp8_lt_fused has fp8_all_fused's settings: its record again, not a second run
+    assert by["fp8_lt_fused"]["same_run_as"] == "fp8_all_fused" and "same_run_as" not in by["fp8_all_fused"]
+    assert by["fp8_lt_fused"]["tokens_per_s"] == by["fp8_all_fused"]["tokens_per_s"]
+    assert "fp8_lt_fused: the settings of fp8_all_fused, which ran in this call" in log
+    assert log.count("fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true") == 1
     assert "(fp8_fused): " in summary and "x fp8 (_scaled_mm, torch casts, delayed scaling, exact sums)" in summary
     # each variant against its unfused / base runs, and every run's backends line in the summary
     assert re.search(r"\(fp8_lt_fused\): [\d.]+x fp8_lt \(cuBLASLt GEMMs, C\+\+ casts, [^)]*\), [\d.]+x fp8_fused \(",

@@ -8,10 +8,12 @@ Linear layers (the GEMMs of our column/row-parallel layers; the collectives are 
   autocast (``fp8_recipe``: delayed | current, ``fp8_amax_history``), amaxes reduced over
   ``pg.tp_dp``.
 * ``backend: local`` (or ``auto`` without TE) with ``fp8: hybrid | e4m3`` — our native FP8 GEMMs
-  (``parallel/fp8.py``, ``torch._scaled_mm``, or the cuBLASLt operator with ``fp8_gemm: cublaslt``,
-  ``parallel/fp8_gemm.py``; on CUDA it needs compute capability 8.9+).
-  ``auto`` + ``fp8`` without TE is this path (said in the log), not an error. Under
-  ``train.compile`` they are traced into the compiled blocks (``parallel/fp8_traced.py``, both
+  (``parallel/fp8.py``; on CUDA it needs compute capability 8.9+): ``torch._scaled_mm`` or the
+  cuBLASLt operator (``fp8_gemm``, ``parallel/fp8_gemm.py``), the casts of ``fp8_casts``
+  (``parallel/fp8_casts.py``), producers fused into casts per ``fp8_fused_casts``
+  (``fused_casts.py``); each key's ``auto`` / null picks the fastest path measured that runs
+  here, and the log's notes say why where it does not. ``backend: auto`` + ``fp8`` without TE
+  is this path (said in the log), not an error. Under ``train.compile`` they are traced into the compiled blocks (``parallel/fp8_traced.py``, both
   recipes; the log says so), their casts left to inductor (``_cast_math``) unless
   ``fp8_casts: triton`` is named: then each is the Triton kernel as one operator of the graph
   (``parallel/fp8_cast_op.py``).
@@ -58,13 +60,15 @@ import torch
 from ..config import Config, ConfigError, ModelConfig, te_fp8_conflict
 from ..parallel import fp8_kernels, triton_launch
 from ..parallel.fp8 import Fp8Recipe, Fp8State, fp8_gemm_shape_ok, resolve_cast_kernels
-from ..parallel.fp8_casts import default_graph_casts
-from ..parallel.fp8_gemm import resolve_gemm
+from ..parallel.fp8_casts import auto_cast_kernels, default_graph_casts
+from ..parallel.fp8_gemm import auto_gemm, resolve_gemm
 from ..parallel.layers import FUSED_TORCH_GEMM, TORCH_GEMM, LinearGemm
 from ..parallel.te import te_importable, te_installed
 from ..parallel.wgrad import describe as describe_wgrad
 from ..precision import Precision
+from . import fused_casts as fused_casts_rule
 from .attention import flash_attn_available
+from .fused_casts import fused_cast_gemms, unfused_cast_reasons  # noqa: F401  (re-exported)
 
 GEMMS = ("qkv", "proj", "fc1", "fc2")
 
@@ -106,9 +110,9 @@ class Backends:
     fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "cuda" (the C++ operator) | "torch" (fp8._cast_math)
     fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
     fp8_gemm: str = ""  # native FP8: "torch" (torch._scaled_mm) | "cublaslt" (dept_mega::fp8_gemm, fp8_gemm.py)
-    # fp8_fused_casts (when ``fused_casts``): the FP8 GEMMs whose input's producer is fused into its cast
-    fused_casts: bool = False
-    fp8_fused_casts: tuple[str, ...] = ()
+    # fp8_fused_casts for the log: "" (false, or no native FP8), "on" (true), "auto" (null; model/fused_casts.py)
+    fused_casts: str = ""
+    fp8_fused_casts: tuple[str, ...] = ()  # the FP8 GEMMs whose input's producer is fused into its cast
     fp8_unfused: tuple[str, ...] = ()  # with fused_casts: the FP8 linears that do not fuse, and why
     num_layers: int = 0
     recompute: str = "none"
@@ -145,28 +149,6 @@ class Backends:
             return Fp8State(self.fp8, device, kernels=self.fp8_casts, graph_casts=self.fp8_graph_casts or None,
                             gemm=self.fp8_gemm or "torch")
         return None
-
-    def _describe_fused_casts(self) -> str:
-        """The run log's account of ``fp8_fused_casts``: which linears fuse which producer and how
-        that runs with this run's casts and recipe (one kernel; with the ``torch`` casts, or the
-        LayerNorm under current scaling, the producer then the cast: the same math), and which
-        FP8 linears do not fuse, and why."""
-        kernel = self.fp8_casts in ("triton", "cuda")
-        if not kernel:
-            ln = gelu = "run apart: the torch casts have no fused kernel"
-        else:
-            gelu = "one kernel"
-            ln = ("one kernel once the input has a delayed scale (from the second training step)"
-                  if self.fp8.scaling == "delayed" else "normalised, then cast: current scaling")
-        what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
-        parts = [what[g] for g in self.fp8_fused_casts] or [
-            "none" if self.fp8_unfused else "none: no FP8 linear reads a LayerNorm or GELU output"]
-        if self.fp8_unfused:
-            parts.append("not fused: " + "; ".join(self.fp8_unfused))
-        out = f"fused casts (fp8_fused_casts) [{', '.join(parts)}]"
-        if self.norm == "apex" and {"qkv", "fc1"} & set(self.fp8_fused_casts):
-            out += " (those LayerNorms are computed by the fused path, not apex)"
-        return out
 
     def describe_wgrad(self) -> str:
         if not self.fuse_wgrad:
@@ -206,7 +188,8 @@ class Backends:
         if bf16_layers:
             out += f"; bf16 layers {_ranges(bf16_layers)} (fp8_first_last_layers_bf16)"
         if self.fused_casts:
-            out += "; " + self._describe_fused_casts()
+            out += "; " + fused_casts_rule.describe(self.fused_casts, self.fp8_fused_casts, self.fp8_unfused,
+                                                    self.fp8_casts, self.fp8.scaling, self.norm == "apex")
         if traced:
             out += (f"; FP8 GEMMs traced into the compiled blocks ({self.fp8.scaling} scaling) with "
                     f"{_GRAPH_CASTS[self.fp8_graph_casts or 'torch']}")
@@ -418,8 +401,9 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     recipe = None
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
-    fp8_casts = fp8_graph_casts = fp8_gemm = ""
-    fused_casts: Optional[tuple[str, ...]] = None  # fp8_fused_casts: which GEMMs fuse
+    fp8_casts = fp8_graph_casts = fp8_gemm = fused_mode = ""
+    fused_gemms: tuple[str, ...] = ()  # fp8_fused_casts: which GEMMs fuse
+    unfused: tuple[str, ...] = ()  # ... and why the others do not
     if cfg.fp8 is not None:
         fast_accum = cfg.fp8_fast_accum
         if fast_accum == "auto":  # exact sums in our GEMMs; Transformer Engine accumulates as 'forward'
@@ -428,17 +412,15 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         fp8_layers = fp8_block_layers(m.num_layers, cfg.fp8_first_last_layers_bf16)
         if linear == "fp8-native":
             fp8_gemms = native_fp8_gemms(m, cfg.parallel.tensor)
-            try:
-                fp8_casts = resolve_cast_kernels(cfg.fp8_casts, device)
-            except ValueError as exc:
-                raise BackendError(f"config key 'fp8_casts': {exc}") from None
+            fp8_casts, fp8_gemm = _native_fp8_paths(cfg, device, fp8_gemms, notes)
             fp8_graph_casts = default_graph_casts(cfg.fp8_casts)
-            try:
-                fp8_gemm = resolve_gemm(cfg.fp8_gemm, device)
-            except ValueError as exc:
-                raise BackendError(f"config key 'fp8_gemm': {exc}") from None
-            # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts are refused with the config)
-            fused_casts = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms) if cfg.fp8_fused_casts else None
+            # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts: true are refused with the config)
+            if cfg.fp8_fused_casts is not False:
+                how = dict(setting=cfg.fp8_fused_casts, casts=fp8_casts, scaling=recipe.scaling,
+                           compile=cfg.train.compile)
+                fused_mode = "on" if cfg.fp8_fused_casts else "auto"
+                fused_gemms = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms, **how)
+                unfused = unfused_cast_reasons(m, cfg.parallel.tensor, fp8_gemms, **how)
         else:
             if (why := te_fp8_conflict(cfg)) is not None:
                 chose = " (backend: auto chose it: set backend: local)" if cfg.backend == "auto" else ""
@@ -451,15 +433,37 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
-                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fused_casts=fused_casts is not None,
-                    fp8_fused_casts=fused_casts or (),
-                    fp8_unfused=unfused_cast_reasons(m, cfg.parallel.tensor, fp8_gemms) if fused_casts is not None else (),
-                    num_layers=m.num_layers,
+                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fused_casts=fused_mode,
+                    fp8_fused_casts=fused_gemms, fp8_unfused=unfused, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,
                     head_apart=cfg.parallel.pipeline * cfg.parallel.virtual_pipeline > 1,
                     cross_entropy=compiled_math, rope=compiled_math if m.position_embedding == "rope" else "",
                     notes=tuple(notes))
+
+
+def _native_fp8_paths(cfg: Config, device: torch.device, fp8_gemms: tuple[str, ...],
+                      notes: list[str]) -> tuple[str, str]:
+    """The native FP8 linears' casts (``fp8_casts``) and GEMM (``fp8_gemm``) on ``device``; an
+    ``auto`` that does not take the fastest path measured (the C++ casts, the cuBLASLt GEMM) says
+    why in ``notes``. :class:`BackendError` for an explicit path that cannot run here."""
+    shapes = _gemm_shapes(cfg.model, cfg.parallel.tensor)
+    widest = max((max(shapes[g]) for g in fp8_gemms), default=0)  # the most columns a cast sees
+    try:
+        casts = resolve_cast_kernels(cfg.fp8_casts, device, widest)
+    except ValueError as exc:
+        raise BackendError(f"config key 'fp8_casts': {exc}") from None
+    if cfg.fp8_casts == "auto" and (why := auto_cast_kernels(device, widest)[1]) is not None:
+        notes.append(f"fp8_casts auto: {casts} ({why})")
+    o = cfg.optim
+    try:
+        gemm = resolve_gemm(cfg.fp8_gemm, device, cfg.train.compile, o.grad_accum_fusion, o.grad_dtype)
+    except ValueError as exc:
+        raise BackendError(f"config key 'fp8_gemm': {exc}") from None
+    if cfg.fp8_gemm == "auto" and (why := auto_gemm(device, cfg.train.compile, o.grad_accum_fusion,
+                                                     o.grad_dtype)[1]) is not None:
+        notes.append(f"fp8_gemm auto: torch._scaled_mm ({why})")
+    return casts, gemm
 
 
 def fp8_block_layers(num_layers: int, first_last_bf16: bool) -> tuple[int, ...]:
@@ -474,35 +478,6 @@ def native_fp8_gemms(m: ModelConfig, tp: int) -> tuple[str, ...]:
     """Which of :data:`GEMMS` run native FP8 in an FP8 block: those whose per-rank weight sizes
     are multiples of 16 (``fp8_gemm_shape_ok``)."""
     return tuple(g for g, (i, o) in _gemm_shapes(m, tp).items() if fp8_gemm_shape_ok(i, o))
-
-
-def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
-    """The fused-casts rule: for each GEMM with a fusable producer (QKV and fc1 after the norm,
-    fc2 after the activation) None when it fuses, else why not: the producer has no fused cast
-    (RMSNorm, SwiGLU), or a collective sits between the norm and the GEMM (more than one tensor
-    rank: the input's all-gather or copy). The layers apply the same rule
-    (``layers._GemmMixin._fuses``)."""
-    norm = (f"{m.normalization} has no fused cast" if m.normalization != "layernorm" else
-            f"parallel.tensor {tp}: a collective sits between the norm and the GEMM" if tp > 1 else None)
-    act = f"{m.activation} has no fused cast" if m.activation != "gelu" else None
-    return {"qkv": norm, "fc1": norm, "fc2": act}
-
-
-def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
-    """Which FP8 GEMMs fuse the producer of their input into its cast with ``fp8_fused_casts``
-    (``parallel/fp8_prologue.py``; the rule: :func:`_unfused_casts`)."""
-    rule = _unfused_casts(m, tp)
-    return tuple(g for g in GEMMS if g in fp8_gemms and g in rule and rule[g] is None)
-
-
-def unfused_cast_reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...]) -> tuple[str, ...]:
-    """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log:
-    ``"<gemms> (<why>)"``, GEMMs with the same reason together."""
-    by_reason: dict[str, list[str]] = {}
-    for g, why in _unfused_casts(m, tp).items():
-        if g in fp8_gemms and why is not None:
-            by_reason.setdefault(why, []).append(g)
-    return tuple(f"{', '.join(gemms)} ({why})" for why, gemms in by_reason.items())
 
 
 def _gemm_shapes(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:

@@ -9,8 +9,11 @@ Paths (all give the bytes of the reference math ``fp8._cast_math``):
   (``csrc/cuda/fp8_cast.cu``; its CPU kernel in ``csrc/cpu/ops_cpu.cpp``, which the CPU tests
   compare with the reference bit for bit). Called through the PyTorch dispatcher, a cast costs
   the host a few µs, where Triton's Python launcher costs more (``benchmarks/fp8_host_bench.py``:
-  ``triton_casts``). UNVERIFIED on a GPU so far: ``auto`` does not pick it.
-* ``auto``: ``triton`` on CUDA when Triton imports, else ``torch``.
+  ``triton_casts``). On an H200 (2026-11-28, docs/performance.md) its kernel is the fastest cast.
+* ``auto``: on CUDA ``cuda`` where the operator runs (:func:`op_unavailable`, and no cast wider
+  than :data:`MAX_CUDA_COLS` columns), else ``triton`` when Triton imports, else ``torch``; on
+  the CPU ``torch`` (:func:`auto_cast_kernels`; the run log says why where it is not ``cuda``).
+  The paths give the same bytes, so the choice changes the speed only.
 
 Under every path an fp32 input takes the reference math (``Fp8State.cast``), as the kernels
 take bf16 and fp16 only.
@@ -45,10 +48,27 @@ def op_unavailable(device: torch.device | str) -> Optional[str]:
     return None
 
 
+def auto_cast_kernels(device: torch.device | str, max_cols: int = 0) -> tuple[str, Optional[str]]:
+    """What ``fp8_casts: auto`` runs on ``device`` for casts of at most ``max_cols`` columns (the
+    widest FP8 operand of the model; 0: not known), and, on CUDA where that is not ``cuda``, why
+    not. CUDA: ``cuda`` (the C++ operator: the fastest cast measured, H200 2026-11-28) where it
+    runs, else ``triton`` when Triton imports, else ``torch``; elsewhere ``torch`` (the C++
+    operator's and Triton's interpreter's CPU kernels are for verification, not speed)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "torch", None
+    why = op_unavailable(device)
+    if why is None and max_cols > MAX_CUDA_COLS:
+        why = f"a cast of {max_cols} columns is wider than its CUDA kernel's {MAX_CUDA_COLS}"
+    if why is None:
+        return "cuda", None
+    why = f"the C++ cast operator cannot run: {why}"
+    return ("triton", why) if fp8_kernels.AVAILABLE else ("torch", why + "; Triton is not installed")
+
+
 def default_cast_kernels(device: torch.device | str) -> str:
-    """Which casts an ``Fp8State`` on ``device`` runs by default (``auto``): ``triton`` (the
-    kernels of ``fp8_kernels.py``) on CUDA when Triton imports, else ``torch`` (``_cast_math``)."""
-    return "triton" if torch.device(device).type == "cuda" and fp8_kernels.AVAILABLE else "torch"
+    """Which casts an ``Fp8State`` on ``device`` runs by default (``auto``): :func:`auto_cast_kernels`."""
+    return auto_cast_kernels(device)[0]
 
 
 def default_graph_casts(kernels: str) -> str:
@@ -58,11 +78,13 @@ def default_graph_casts(kernels: str) -> str:
     return "triton" if kernels == "triton" else "torch"
 
 
-def resolve_cast_kernels(kernels: str, device: torch.device | str) -> str:
-    """``auto`` | ``triton`` | ``cuda`` | ``torch`` → the casts to run on ``device``;
-    ``ValueError`` for a name it does not know and for a path that cannot run there."""
+def resolve_cast_kernels(kernels: str, device: torch.device | str, max_cols: int = 0) -> str:
+    """``auto`` | ``triton`` | ``cuda`` | ``torch`` → the casts to run on ``device`` for casts of at
+    most ``max_cols`` columns (0: not known); ``ValueError`` for a name it does not know and for
+    a path that cannot run there (``cuda`` on CUDA with a cast wider than its kernel takes: an
+    error here rather than at the first cast)."""
     device = torch.device(device)
-    kernels = default_cast_kernels(device) if kernels == "auto" else kernels
+    kernels = auto_cast_kernels(device, max_cols)[0] if kernels == "auto" else kernels
     if kernels not in CAST_KERNELS[1:]:
         raise ValueError(f"FP8 cast kernels {kernels!r} are not one of {' | '.join(CAST_KERNELS)}")
     if kernels == "triton" and not fp8_kernels.AVAILABLE:
@@ -73,6 +95,9 @@ def resolve_cast_kernels(kernels: str, device: torch.device | str) -> str:
     if kernels == "cuda" and (why := op_unavailable(device)) is not None:
         raise ValueError(f"FP8 cast kernels 'cuda' (the C++ operator dept_mega::cast_fp8) cannot run on "
                          f"{device.type}: {why}")
+    if kernels == "cuda" and device.type == "cuda" and max_cols > MAX_CUDA_COLS:
+        raise ValueError(f"FP8 cast kernels 'cuda': a cast of {max_cols} columns is wider than the CUDA kernel's "
+                         f"{MAX_CUDA_COLS} (use auto, triton or torch)")
     return kernels
 
 

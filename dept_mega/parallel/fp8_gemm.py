@@ -1,11 +1,11 @@
 """Which GEMM the native FP8 linears run (config key ``fp8_gemm``), and the C++ operator
 ``dept_mega::fp8_gemm`` behind ``cublaslt``.
 
-* ``torch`` (the default): ``torch._scaled_mm`` (``fp8._scaled_mm``). Every GEMM writes a new bf16
-  tensor; the weight gradient is a bf16 dW, which ``GradBuffer.add_grad`` then copies or adds
-  into the fp32 ``main_grad`` (one more kernel per weight and micro-batch: 438 per step of the
-  1B model, 15 ms of a 465 ms step on an H200), and ``_scaled_mm`` sets up cuBLASLt's
-  descriptors and asks its heuristic on every call.
+* ``torch``: ``torch._scaled_mm`` (``fp8._scaled_mm``). Every GEMM writes a new bf16 tensor; the
+  weight gradient is a bf16 dW, which ``GradBuffer.add_grad`` then copies or adds into the fp32
+  ``main_grad`` (one more kernel per weight and micro-batch: 438 per step of the 1B model, 15 ms
+  of a 465 ms step on an H200), and ``_scaled_mm`` sets up cuBLASLt's descriptors and asks its
+  heuristic on every call.
 * ``cublaslt``: the operator :func:`fp8_gemm` (``csrc/cuda/fp8_gemm_lt.cpp``: cuBLASLt called
   directly, the algorithm cached per problem; on the CPU ``csrc/cpu/ops_cpu.cpp``: PyTorch's CPU
   ``_scaled_mm`` with an fp32 output). The forward and input-gradient GEMMs return bf16 as
@@ -18,11 +18,17 @@
   ``main_grad`` that the GEMM cannot write (not 16-byte aligned: a gradient buffer whose earlier
   parameters' sizes or data-parallel padding shift it; a dtype other than fp32 / bf16) takes the
   bf16 dW and the add, as ``torch`` (warned once). Outside a step autograd gets a bf16 dW.
-  UNVERIFIED on a GPU so far, hence not the default.
+  With the C++ casts and fused casts the fastest FP8 run measured (H200, 2026-11-28).
+* ``auto`` (:func:`auto_gemm`): ``cublaslt`` where the operator runs on the device (CUDA), the
+  FP8 linears run eagerly (no ``train.compile``), ``optim.grad_accum_fusion`` is on (the GEMM's
+  accumulation into ``main_grad`` is that fusion for the FP8 GEMMs: off, the user asked for the
+  bf16 dW and the add) and the gradient buffer is fp32 (``optim.grad_dtype``: the GEMM's
+  accumulation into a bf16 buffer has not run on a GPU); otherwise ``torch``, and the run log
+  says why.
 
 Under ``train.compile`` the FP8 GEMMs are traced into the compiled blocks (``fp8_traced.py``) with
-``torch._scaled_mm``; ``cublaslt`` applies to the eager FP8 linears (``model/backends.py`` refuses
-the combination rather than ignore the key).
+``torch._scaled_mm``; ``cublaslt`` applies to the eager FP8 linears (the config refuses an
+explicit ``cublaslt`` with ``train.compile`` rather than ignore the key; ``auto`` is ``torch`` there).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import torch
 
 from .fp8_recipe import FP8_MAX
 
-GEMMS = ("torch", "cublaslt")
+GEMMS = ("auto", "torch", "cublaslt")
 ALIGN = 16  # cuBLASLt FP8 GEMMs need every dimension to be a multiple of 16
 PTR_ALIGN = 16  # ... and every operand and scale pointer 16-byte aligned
 _FP8 = tuple(FP8_MAX)  # e4m3, e5m2
@@ -70,11 +76,31 @@ def op_unavailable(device: torch.device | str) -> Optional[str]:
                                  "(build/dept_mega_ops_build.log says whether they were found)")
 
 
-def resolve_gemm(gemm: str, device: torch.device | str) -> str:
-    """``torch`` | ``cublaslt`` → itself; ``ValueError`` for a name it does not know and for
-    ``cublaslt`` where the operator has no kernel for ``device``."""
+def auto_gemm(device: torch.device | str, compile: bool = False, grad_accum_fusion: bool = True,
+              grad_dtype: str = "fp32") -> tuple[str, Optional[str]]:
+    """What ``fp8_gemm: auto`` runs on ``device`` (the module docstring) and, on CUDA where that is
+    not ``cublaslt``, why not (None elsewhere: the CPU's kernels are for verification)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "torch", None
+    why = ("train.compile traces the FP8 GEMMs with torch._scaled_mm" if compile else
+           "optim.grad_accum_fusion is off (cuBLASLt would accumulate the weight gradients in the GEMM)"
+           if not grad_accum_fusion else
+           f"optim.grad_dtype {grad_dtype}: the GEMM's accumulation into a {grad_dtype} buffer is not verified on a GPU"
+           if grad_dtype != "fp32" else op_unavailable(device))
+    return ("cublaslt", None) if why is None else ("torch", f"cuBLASLt: {why}")
+
+
+def resolve_gemm(gemm: str, device: torch.device | str, compile: bool = False, grad_accum_fusion: bool = True,
+                 grad_dtype: str = "fp32") -> str:
+    """``auto`` | ``torch`` | ``cublaslt`` → the GEMM to run on ``device`` (``auto``:
+    :func:`auto_gemm` with the run's ``train.compile``, ``optim.grad_accum_fusion`` and
+    ``optim.grad_dtype``); ``ValueError`` for a name it does not know and for ``cublaslt``
+    where the operator has no kernel for ``device``."""
     if gemm not in GEMMS:
         raise ValueError(f"FP8 GEMM {gemm!r} is not one of {' | '.join(GEMMS)}")
+    if gemm == "auto":
+        return auto_gemm(device, compile, grad_accum_fusion, grad_dtype)[0]
     if gemm == "cublaslt" and (why := op_unavailable(device)) is not None:
         raise ValueError(f"FP8 GEMM 'cublaslt' (the C++ operator dept_mega::fp8_gemm) cannot run on "
                          f"{torch.device(device).type}: {why}")

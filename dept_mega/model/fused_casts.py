@@ -1,0 +1,114 @@
+"""Which native FP8 linears fuse the producer of their input into its cast (``fp8_fused_casts``,
+``parallel/fp8_prologue.py``), and the run log's account of it.
+
+Two rules decide, per linear:
+
+* what can fuse (:func:`_unfused_casts`): QKV and fc1 read a LayerNorm's output, fc2 a GELU's;
+  RMSNorm and SwiGLU have no fused cast, and a collective between the norm and the GEMM (more
+  than one tensor rank) leaves QKV and fc1 unfused. The layers apply the same rule
+  (``layers._GemmMixin._fuses``).
+* ``fp8_fused_casts: null`` (auto) fuses of those only where the fused kernel of the run's casts
+  was measured faster than the producer then the cast (:data:`AUTO`); ``true`` fuses them all,
+  ``false`` none.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import ModelConfig
+
+PRODUCERS = {"qkv": "layernorm", "fc1": "layernorm", "fc2": "gelu"}  # the GEMMs whose input a producer writes
+
+# fp8_fused_casts: null (auto): per cast path (fp8_casts, resolved) and producer, None where auto
+# fuses (the fused kernel is faster than the producer then the cast), else why it does not. H200,
+# 2026-11-28, benchmarks/fp8_cast_bench.py at the 1B model's shapes (docs/performance.md, "The
+# third H200 call"): the C++ GELU cast 1.42x its unfused pair, the C++ LayerNorm cast 0.95x; the
+# Triton LayerNorm cast 1.41x (at its tile 32 x 256, 8 warps), the Triton GELU cast 0.64x.
+_TORCH = "auto: the torch casts have no fused kernel"
+AUTO: dict[str, dict[str, Optional[str]]] = {
+    "cuda": {"layernorm": "auto: the C++ LayerNorm cast is not faster than the norm then the cast (0.95x, H200)",
+             "gelu": None},
+    "triton": {"layernorm": None,
+               "gelu": "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)"},
+    "torch": {"layernorm": _TORCH, "gelu": _TORCH},
+}
+# the LayerNorm's fused kernel needs a delayed scale: under current scaling the fused path
+# normalises, then casts (the unfused work), so auto leaves it
+_CURRENT = "auto: under current scaling the LayerNorm has no fused kernel (normalised, then cast)"
+_COMPILE = "auto: train.compile traces the norms, GELUs and casts into the compiled blocks"
+
+
+def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
+    """What can fuse: for each GEMM with a fusable producer (QKV and fc1 after the norm, fc2 after
+    the activation) None when it can, else why not: the producer has no fused cast (RMSNorm,
+    SwiGLU), or a collective sits between the norm and the GEMM (more than one tensor rank: the
+    input's all-gather or copy)."""
+    norm = (f"{m.normalization} has no fused cast" if m.normalization != "layernorm" else
+            f"parallel.tensor {tp}: a collective sits between the norm and the GEMM" if tp > 1 else None)
+    act = f"{m.activation} has no fused cast" if m.activation != "gelu" else None
+    return {"qkv": norm, "fc1": norm, "fc2": act}
+
+
+def _auto_reasons(casts: str, scaling: str, compile: bool) -> dict[str, Optional[str]]:
+    """auto's choice per producer (:data:`AUTO`) for the run's casts, scaling and compile."""
+    if compile:
+        return {"layernorm": _COMPILE, "gelu": _COMPILE}
+    reasons = dict(AUTO[casts])
+    if scaling == "current" and reasons["layernorm"] is None:
+        reasons["layernorm"] = _CURRENT
+    return reasons
+
+
+def _reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool], casts: str,
+             scaling: str, compile: bool) -> dict[str, Optional[str]]:
+    """For each FP8 GEMM with a producer: None when it fuses under ``setting`` (``fp8_fused_casts``),
+    else why not."""
+    rule = _unfused_casts(m, tp)
+    auto = _auto_reasons(casts, scaling, compile) if setting is None else {}
+    return {g: rule[g] or auto.get(p) for g, p in PRODUCERS.items() if g in fp8_gemms}
+
+
+def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool] = True,
+                     casts: str = "torch", scaling: str = "delayed", compile: bool = False) -> tuple[str, ...]:
+    """Which FP8 GEMMs fuse the producer of their input into its cast under ``fp8_fused_casts:
+    setting`` with the run's resolved ``casts`` (``fp8_casts``), ``scaling`` and ``compile`` (the
+    last three matter to auto, ``setting`` None, only), in the order qkv, fc1, fc2."""
+    if setting is False:
+        return ()
+    return tuple(g for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile).items()
+                 if why is None)
+
+
+def unfused_cast_reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool] = True,
+                         casts: str = "torch", scaling: str = "delayed", compile: bool = False) -> tuple[str, ...]:
+    """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log:
+    ``"<gemms> (<why>)"``, GEMMs with the same reason together (``setting`` False: none)."""
+    if setting is False:
+        return ()
+    by_reason: dict[str, list[str]] = {}
+    for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile).items():
+        if why is not None:
+            by_reason.setdefault(why, []).append(g)
+    return tuple(f"{', '.join(gemms)} ({why})" for why, gemms in by_reason.items())
+
+
+def describe(mode: str, fused: tuple[str, ...], unfused: tuple[str, ...], casts: str, scaling: str,
+             apex: bool) -> str:
+    """The run log's account of ``fp8_fused_casts`` (``mode``: ``on`` for true, ``auto`` for null):
+    which linears fuse which producer and how that runs with the run's casts and recipe (one
+    kernel; with the ``torch`` casts, or the LayerNorm under current scaling, the producer then
+    the cast: the same math), and which FP8 linears do not fuse, and why."""
+    if casts not in ("triton", "cuda"):
+        ln = gelu = "run apart: the torch casts have no fused kernel"
+    else:
+        gelu = "one kernel"
+        ln = ("one kernel once the input has a delayed scale (from the second training step)"
+              if scaling == "delayed" else "normalised, then cast: current scaling")
+    what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
+    parts = [what[g] for g in fused] or ["none" if unfused else "none: no FP8 linear reads a LayerNorm or GELU output"]
+    if unfused:
+        parts.append("not fused: " + "; ".join(unfused))
+    out = f"fused casts (fp8_fused_casts{': auto' if mode == 'auto' else ''}) [{', '.join(parts)}]"
+    if apex and {"qkv", "fc1"} & set(fused):
+        out += " (those LayerNorms are computed by the fused path, not apex)"
+    return out
