@@ -64,6 +64,11 @@
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared; and the
 #              LayerNorm / GELU casts fused (fp8_fused_casts) against the producer then the cast, per path
 #              -> one "kind": "fp8_cast_bench" row of bench.jsonl                       60 (an estimate)
+#   attention  benchmarks/attention_bench.py: device ms of the 1B model's ALiBi attention core, forward +
+#              backward, by kernel (the model's compiled flex_attention, flex with kernel_options
+#              candidates, SDPA with the materialised bias on the efficient / cuDNN backends, the
+#              no-ALiBi flash / cuDNN ceiling), each with its error against an fp32 reference
+#              -> one "kind": "attention_bench" row of bench.jsonl                 60 (an estimate)
 #   fp8_fast_accum   the FP8 run (the defaults) with fp8_fast_accum=forward: the forward GEMM sums in the
 #              tensor cores' fast accumulation (the default, none, promotes every sum) -> bench.jsonl  50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
@@ -121,7 +126,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts fp8_fast_accum ops tests fp8_compile_triton
+STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts attention fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
@@ -166,6 +171,7 @@ if [ "$DRY" = 1 ]; then
   # operators' real CPU kernels (--kernels stub would compile its stub kernels first: ~45 s)
   FP8_HOST=(--device cpu --kernels real --repeats 4 --per-step 2 --depth 2)
   CAST_BENCH=(--device cpu --iters 1)
+  ATTN_BENCH=(--device cpu --batch 2 --heads 4 --seq 128 --head-dim 32 --iters 2)
   # the Triton casts need a GPU (Triton is not installed here) and nothing is traced under
   # TORCH_COMPILE_DISABLE: the fp8_compile_triton stage's plumbing with the torch casts
   GRAPH_CASTS=torch
@@ -177,7 +183,7 @@ if [ "$DRY" = 1 ]; then
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12 [fp8_lt_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
-                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12)
+                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12 [attention]=6)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -190,6 +196,7 @@ else
   TORCHAO=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 3)
   FP8_HOST=(--device cuda --repeats 200)
   CAST_BENCH=(--device cuda)
+  ATTN_BENCH=(--device cuda)
   GRAPH_CASTS=triton
   TRITON_CASTS=triton
   # seconds measured on the first H100 run (2026-11-26), rounded up; ops_tests, ops and torchao:
@@ -199,7 +206,7 @@ else
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
                      [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55
-                     [fp8_prev]=55 [fp8_all_fused]=55)
+                     [fp8_prev]=55 [fp8_all_fused]=55 [attention]=60)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -558,6 +565,16 @@ stage_fp8_casts() {  # fp8_cast_bench.py's rows as one "kind": "fp8_cast_bench" 
   run "$PY" benchmarks/fp8_cast_bench.py "${CAST_BENCH[@]}" --json "$rec"
   rc=$?
   record_row fp8_cast_bench fp8_casts "$rec" $rc any  # rows also when some kernels' bytes differed
+  return $rc
+}
+
+stage_attention() {  # attention_bench.py's rows as one "kind": "attention_bench" row of bench.jsonl
+  local rec="$WORK/attention.json" rc
+  rm -f "$rec"
+  run "$PY" benchmarks/attention_bench.py "${ATTN_BENCH[@]}" --json "$rec"
+  rc=$?
+  [ -f "$rec" ] && "$PY" -c 'import json, sys; json.dump({"rows": json.load(open(sys.argv[1]))}, open(sys.argv[1], "w"))' "$rec"
+  record_row attention_bench attention "$rec" $rc any  # rows also when some kernels refused the inputs
   return $rc
 }
 

@@ -29,7 +29,7 @@ PYTEST_RESULT = re.compile(rf"^(?:=+ )?((?:{_OUTCOME}(?:, )?)+ in [\d.]+s(?: \([
 STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
 STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s")
 STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
-OWN_SECTIONS = ("vs_torchao", "fp8_host", "fp8_cast_bench")  # kinds of bench.jsonl rows with a section of their own
+OWN_SECTIONS = ("vs_torchao", "fp8_host", "fp8_cast_bench", "attention_bench")  # kinds of bench.jsonl rows with a section of their own
 
 
 def _load(path: str):
@@ -391,6 +391,28 @@ def fp8_cast_lines(r: dict) -> list[str]:
     return lines
 
 
+def attention_lines(r: dict) -> list[str]:
+    """benchmarks/attention_bench.py's rows (a bench.jsonl row of kind ``attention_bench``): each
+    kernel's device ms per forward + backward, TFLOP/s and largest error against the fp32
+    reference; the fastest row computing the model's function (ALiBi) marked."""
+    lines = ["## Attention: device time per forward + backward by kernel (benchmarks/attention_bench.py)", ""]
+    if "error" in r and not r.get("rows"):
+        return lines + [f"- failed: {r['error']}"]
+    lines += ["| kernel | ms | TFLOP/s | largest error (out, dq, dk, dv) |", "| --- | ---: | ---: | --- |"]
+    rows = r.get("rows") or []
+    alibi = [x for x in rows if "ms" in x and "no ALiBi" not in x["kernel"]]
+    best = min(alibi, key=lambda x: x["ms"]) if alibi else None
+    for x in rows:
+        if "failed" in x:
+            lines.append(f"| {x['kernel']} | failed: {x['failed'][:150]} | | |")
+            continue
+        e = x.get("error") or {}
+        errs = ", ".join(f"{e.get(k, float('nan')):.1e}" for k in ("out", "dq", "dk", "dv"))
+        mark = " (fastest)" if x is best else ""
+        lines.append(f"| {x['kernel']}{mark} | {_fmt(x.get('ms'), '.3f')} | {_fmt(x.get('tflops'), '.0f')} | {errs} |")
+    return lines
+
+
 def fused_cast_lines(rows: list[dict], max_fraction: float | None) -> list[str]:
     """The fused-cast rows of fp8_cast_bench.py (its JSON's ``fused``): per op and path, the
     unfused pass (producer, then the cast) against the fused kernel, the speed-up, and how many
@@ -480,6 +502,8 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
                 lines += [""] + fp8_host_lines(r)
             elif r.get("kind") == "fp8_cast_bench":
                 lines += [""] + fp8_cast_lines(r)
+            elif r.get("kind") == "attention_bench":
+                lines += [""] + attention_lines(r)
     mem = _load(os.path.join(out, "memory.json"))
     if mem:
         lines += ["", f"## Memory model ({mem.get('note', '')})", ""]

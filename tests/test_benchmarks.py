@@ -483,3 +483,21 @@ def test_attention_bench_measures_each_kernel_against_the_fp32_alibi_reference(d
         assert "ms" in by["flex (the model's)"], by["flex (the model's)"]
         assert sum(k.startswith("flex ") for k in by) == len(bench.FLEX_OPTIONS) + 1
         assert all("ms" in r or r["failed"] for r in rows)
+
+
+def test_attention_summary_marks_the_fastest_kernel_of_the_models_function():
+    """suite_summary's attention section: a row per kernel; "(fastest)" on the quickest row that
+    computes the model's function (ALiBi), never on the faster no-ALiBi ceiling; a kernel that
+    refused the inputs says why."""
+    from suite_summary import attention_lines
+    err = {"out": 1e-3, "dq": 2e-3, "dk": 2e-3, "dv": 1e-3}
+    rows = [{"kernel": "flex (the model's)", "ms": 1.0, "tflops": 240.0, "error": err},
+            {"kernel": "flex ROWS_GUARANTEED_SAFE=True", "ms": 0.9, "tflops": 267.0, "error": err},
+            {"kernel": "bias cudnn", "failed": "RuntimeError: No available kernel"},
+            {"kernel": "causal flash (no ALiBi)", "ms": 0.5, "tflops": 480.0, "error": {**err, "out": 0.6}}]
+    lines = attention_lines({"rows": rows, "rc": 0})
+    assert "| flex ROWS_GUARANTEED_SAFE=True (fastest) | 0.900 | 267 | 1.0e-03, 2.0e-03, 2.0e-03, 1.0e-03 |" in lines
+    assert "| causal flash (no ALiBi) | 0.500 | 480 | 6.0e-01, 2.0e-03, 2.0e-03, 1.0e-03 |" in lines
+    assert "| bias cudnn | failed: RuntimeError: No available kernel | | |" in lines
+    assert sum("(fastest)" in line for line in lines) == 1
+    assert attention_lines({"error": "rc=1: boom"})[-1] == "- failed: rc=1: boom"

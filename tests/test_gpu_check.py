@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "attention", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -49,7 +49,11 @@ def test_dry_run_writes_every_figure(tmp_path):
     torchao = [r for r in rows if r.get("kind") == "vs_torchao"]
     host = [r for r in rows if r.get("kind") == "fp8_host"]
     casts = [r for r in rows if r.get("kind") == "fp8_cast_bench"]
-    rows = [r for r in rows if r.get("kind") not in ("vs_torchao", "fp8_host", "fp8_cast_bench")]
+    attention = [r for r in rows if r.get("kind") == "attention_bench"]
+    rows = [r for r in rows if r.get("kind") not in ("vs_torchao", "fp8_host", "fp8_cast_bench", "attention_bench")]
+    # the attention stage: attention_bench.py's rows (the math backend's ALiBi and no-ALiBi rows on the CPU)
+    assert len(attention) == 1 and attention[0]["rc"] == 0 and len(attention[0]["rows"]) == 2, attention
+    assert "## Attention: device time per forward + backward by kernel" in summary and "| bias math (fastest) |" in summary
     # the fp8_casts stage: fp8_cast_bench.py's rows (the C++ operator and the torch casts on the CPU)
     assert len(casts) == 1 and casts[0]["rc"] == 0 and casts[0]["rows"], casts
     assert "## FP8 casts: device time per cast by kernel" in summary and "| copy (bf16 clone) |" in summary
