@@ -6,7 +6,9 @@
 //
 // UNVERIFIED on a GPU in this form (the loads reorganised for memory-level parallelism, same
 // arithmetic): tests/test_fp8_fused_op.py's gpu test compares it with the reference,
-// benchmarks/fp8_cast_bench.py times it against the unfused pair.
+// benchmarks/fp8_cast_bench.py times it against the unfused pair. Without a GPU,
+// tests/test_layernorm_cast_emulated.py runs this source on the CPU (tools/cuda_emu.py: a host
+// emulation of the threads, barriers and shuffles; keep every shuffle full-warp).
 //
 // One block of kThreads (8 warps) per kRows = 32 rows of the padded output (blockIdx.x); warp w
 // owns rows 4w .. 4w + 3 in both steps. The grid is small (256 blocks at the 1B model's 8192
