@@ -1,0 +1,153 @@
+"""Runs the CUDA kernel of ``layernorm_cast_fp8`` (``csrc/cuda/layernorm_cast.cu``) on the CPU
+through a host emulation of CUDA (``tools/cuda_emu.h``: a std::thread per CUDA thread, barriers
+and warp shuffles emulated), to check its indexing, synchronisation and arithmetic without a GPU
+(``tests/test_layernorm_cast_emulated.py``). Not its speed, and not the GPU's own rsqrtf and FP8
+conversion instruction (the host's IEEE arithmetic and the kernel's portable fallback instead).
+
+The kernel source up to its launch code (``launch_layout``, which uses ``<<<>>>``) is compiled
+with g++ (C++20) and the CUDA toolkit's headers (``cuda_bf16.h``, ``cuda_fp8.h``), behind a
+launch that mirrors ``launch_typed``'s choice of the vectorised path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERNORM_SRC = ROOT / "csrc" / "cuda" / "layernorm_cast.cu"
+_CUT = "template <typename T, typename W, int FMT, bool VEC>\ncudaError_t launch_layout"
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cuda/kernels.h
+_FP8 = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # csrc/fp8_cast.h
+
+# After the kernel (inside the source's anonymous namespace): the emulated launch; returns 1 when
+# it took the vectorised path, 0 the scalar one, -1 for dtype codes it does not know.
+_DRIVER = r"""
+template <typename T, typename W, int FMT, bool VEC, bool COLWISE>
+void emu_run(const void* x, const void* w, const void* b, int64_t rows, int64_t cols, int64_t out_rows,
+             float eps, void* q, void* qt, const float* s, float* a, float* m, float* r) {
+  const unsigned grid = static_cast<unsigned>((out_rows + kRows - 1) / kRows);
+  emu_launch(grid, kThreads, [&] {
+    layernorm_cast_kernel<T, W, FMT, VEC, COLWISE>(
+        static_cast<const T*>(x), static_cast<const W*>(w), static_cast<const W*>(b), rows, cols, out_rows, eps,
+        static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), s, a, m, r);
+  });
+}
+template <typename T, typename W, int FMT>
+void emu_layouts(bool vec, const void* x, const void* w, const void* b, int64_t rows, int64_t cols,
+                 int64_t out_rows, float eps, void* q, void* qt, const float* s, float* a, float* m, float* r) {
+  if (vec && qt) emu_run<T, W, FMT, true, true>(x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  if (vec && !qt) emu_run<T, W, FMT, true, false>(x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  if (!vec && qt) emu_run<T, W, FMT, false, true>(x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  if (!vec && !qt) emu_run<T, W, FMT, false, false>(x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+}
+template <typename T, typename W>
+void emu_formats(int fmt, bool vec, const void* x, const void* w, const void* b, int64_t rows, int64_t cols,
+                 int64_t out_rows, float eps, void* q, void* qt, const float* s, float* a, float* m, float* r) {
+  if (fmt == DM_FP8_E4M3) emu_layouts<T, W, DM_FP8_E4M3>(vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  else emu_layouts<T, W, DM_FP8_E5M2>(vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+}
+}  // namespace
+
+extern "C" int emu_layernorm_cast_fp8(const void* x, int x_dtype, const void* w, const void* b, int w_dtype,
+                                      int64_t rows, int64_t cols, int64_t pad, float eps, int fmt, void* q,
+                                      void* qt, const float* s, float* a, float* m, float* r) {
+  const int64_t out_rows = rows + pad;
+  // launch_typed's condition of the vectorised path
+  const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && cols % 8 == 0 && out_rows % 16 == 0;
+  if (out_rows == 0) return vec;
+  const bool same = w_dtype == x_dtype;
+  if (x_dtype == DM_BFLOAT16 && same)
+    emu_formats<__nv_bfloat16, __nv_bfloat16>(fmt, vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  else if (x_dtype == DM_BFLOAT16 && w_dtype == DM_FLOAT32)
+    emu_formats<__nv_bfloat16, float>(fmt, vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  else if (x_dtype == DM_FLOAT16 && same)
+    emu_formats<__half, __half>(fmt, vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  else if (x_dtype == DM_FLOAT16 && w_dtype == DM_FLOAT32)
+    emu_formats<__half, float>(fmt, vec, x, w, b, rows, cols, out_rows, eps, q, qt, s, a, m, r);
+  else
+    return -1;
+  return vec;
+}
+"""
+
+
+def cuda_include() -> Optional[Path]:
+    """The CUDA toolkit's include folder (with cuda_bf16.h and cuda_fp8.h): CUDA_HOME's, the one
+    next to nvcc on PATH, /usr/local/cuda's; None when there is none."""
+    cands = [os.environ.get("CUDA_HOME")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cands.append(str(Path(nvcc).resolve().parents[1]))
+    cands.append("/usr/local/cuda")
+    for c in cands:
+        if c and (Path(c) / "include" / "cuda_fp8.h").is_file():
+            return Path(c) / "include"
+    return None
+
+
+def build_layernorm_cast(out_dir: Path, src: Path = LAYERNORM_SRC) -> Path:
+    """Compiles the emulation of ``src``'s kernel into a shared library in ``out_dir`` (kept: the
+    name carries the source's hash) and returns its path."""
+    text = src.read_text()
+    if _CUT not in text:
+        raise ValueError(f"{src}: no '{_CUT.splitlines()[1]}' after the kernel: the emulation cuts the "
+                         "source there (tools/cuda_emu.py)")
+    inc = cuda_include()
+    if inc is None:
+        raise RuntimeError("tools/cuda_emu.py: the CUDA toolkit's headers (cuda_fp8.h) are not found "
+                           "(CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
+    code = '#include "cuda_emu.h"\n#line 1 "' + str(src) + '"\n' + text[:text.index(_CUT)] + _DRIVER
+    digest = hashlib.sha256((code + (ROOT / "tools" / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+    lib = Path(out_dir) / f"layernorm_cast_emu_{digest}.so"
+    if lib.exists():
+        return lib
+    cpp = lib.with_suffix(".cpp")
+    cpp.write_text(code)
+    cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-w",
+           "-I", str(ROOT / "tools"), "-I", str(src.parent), "-I", str(inc), str(cpp), "-o", str(lib), "-lpthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"tools/cuda_emu.py: compiling the emulation failed:\n{' '.join(cmd)}\n{res.stderr}")
+    return lib
+
+
+class LayerNormCast:
+    """``layernorm_cast_fp8`` through the emulated kernel: CPU tensors in, the CUDA operator's
+    outputs (q, q_t, mean and rstd float32 [rows, 1]) out, and ``vec``: whether the launch took
+    the vectorised path."""
+
+    def __init__(self, lib: Path):
+        self._f = ctypes.CDLL(str(lib)).emu_layernorm_cast_fp8
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self._f.argtypes = [p, i, p, p, i, i64, i64, i64, ctypes.c_float, i, p, p, p, p, p, p]
+        self._f.restype = i
+
+    def __call__(self, x, weight, bias, eps, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0,
+                 amax_out=None, amax_index=0):
+        """As ``fp8_casts.layernorm_cast_fp8`` (x, weight, bias contiguous: their addresses are
+        the kernel's, alignment included); returns (q, q_t, mean, rstd, vec)."""
+        for t in (x, weight, bias, scale, amax_out):
+            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+                raise ValueError("the emulated kernel takes contiguous CPU tensors")
+        rows, cols = x.shape
+        out_rows = rows + pad
+        q = torch.empty(out_rows, cols, dtype=dtype) if rowwise else None
+        qt = torch.empty(cols, out_rows, dtype=dtype) if colwise else None
+        mean = torch.empty(rows, 1)
+        rstd = torch.empty(rows, 1)
+
+        def ptr(t, index=0):
+            return None if t is None else t.data_ptr() + index * t.element_size()
+        vec = self._f(ptr(x), _CODES[x.dtype], ptr(weight), ptr(bias), _CODES[weight.dtype], rows, cols, pad, eps,
+                      _FP8[dtype], ptr(q), ptr(qt), ptr(scale, scale_index), ptr(amax_out, amax_index), ptr(mean),
+                      ptr(rstd))
+        if vec < 0:
+            raise TypeError(f"the emulated kernel takes no x {x.dtype} with weight {weight.dtype}")
+        return q, qt, mean, rstd, bool(vec)
