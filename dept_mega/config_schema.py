@@ -291,7 +291,8 @@ class Config:
     #: (a C++/CUDA operator of the extension, dept_mega::cast_fp8: the fastest cast measured, 83-87 % of a
     #: copy's bandwidth on an H200, and a few µs of host time per cast where Triton's launcher takes more;
     #: on CPU it runs its CPU kernel), triton (one Triton kernel per cast; CUDA), torch (PyTorch ops,
-    #: compiled on CUDA). Every path gives the same bytes. Under train.compile the casts inside the
+    #: compiled on CUDA). Every path gives the same bytes (with fp8_fused_casts null the path also decides
+    #: which producers fuse, below: a fused cast may round an element one FP8 step apart, rarely). Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
     #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
     fp8_casts: str = "auto"
@@ -302,8 +303,8 @@ class Config:
     #: writing the bf16 result and reading it again to cast it. Same numbers as without (up to the
     #: kernels' rounding of erf / rsqrt). null = auto: fuse only where the fused kernel was measured
     #: faster than the producer then the cast (H200, docs/performance.md): with the cuda casts the GELU
-    #: (fc2), with the triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, under
-    #: train.compile or with Transformer Engine nothing; the run log says which linears fuse and why the
+    #: (fc2), with the triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, off a
+    #: GPU, under train.compile or with Transformer Engine nothing; the run log says which linears fuse and why the
     #: others do not. true = fuse every producer that can be (refused with train.compile, without fp8
     #: and with Transformer Engine's linears); false = none. Fusion needs the eager native FP8 linears
     #: (backend local, or auto without Transformer Engine) and no collective between the producer and

@@ -102,9 +102,10 @@ def test_which_layers_run_fp8_and_the_log_line():
     assert set(kinds[1].values()) == {"fp8"} and set(kinds[2].values()) == {"fp8"}
     assert stage.embeddings.output_layer is None  # tied head: F.linear on the embedding, bf16
     line = resolve_backends(cfg).describe()
-    # (between them the default fp8_fused_casts' account: nothing fuses with the torch casts, and why)
+    # (between them the default fp8_fused_casts' account: nothing fuses on the CPU, and why)
     assert "fp8 GEMMs [qkv, proj, fc1, fc2] in layers 1-2; bf16 layers 0, 3 (fp8_first_last_layers_bf16); " in line
-    assert ("(auto: the torch casts have no fused kernel)]; bf16 output head and embeddings") in line, line
+    assert ("(auto: not on a GPU (auto fuses for the fused kernels' GPU speed))]; bf16 output head and "
+            "embeddings") in line, line
     # a GEMM whose per-rank size is not a multiple of 16 stays bf16 (cuBLASLt's FP8 rule), logged
     cfg = _fp8_cfg(model={"ffn_hidden_size": 72})
     b = resolve_backends(cfg)

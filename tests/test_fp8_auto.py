@@ -23,6 +23,7 @@ FP8 = {"precision": "bf16", "fp8": "hybrid"}
 CPP_LN = "auto: the C++ LayerNorm cast is not faster than the norm then the cast (0.95x, H200)"
 TRITON_GELU = "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)"
 TORCH = "auto: the torch casts have no fused kernel"
+NOT_GPU = "auto: not on a GPU (auto fuses for the fused kernels' GPU speed)"
 
 
 @pytest.fixture
@@ -132,13 +133,15 @@ def test_the_defaults_on_cuda_are_the_fast_path(cuda_here):
                                       "(normalised, then cast))", f"fc2 ({TRITON_GELU})")),
     ("torch", "delayed", False, (), (f"qkv, fc1, fc2 ({TORCH})",)),
     ("cuda", "delayed", True, (), ("qkv, fc1, fc2 (auto: train.compile traces the norms, GELUs and casts into the "
-                                   "compiled blocks)",))])
+                                   "compiled blocks)",)),
+    ("cuda", "delayed", "cpu", (), (f"qkv, fc1, fc2 ({NOT_GPU})",)),
+    ("triton", "delayed", "cpu", (), (f"qkv, fc1, fc2 ({NOT_GPU})",))])
 def test_auto_fused_casts_table(casts, scaling, compile_, fused, reasons):
     """``fp8_fused_casts: null``: per cast path the producers whose fused kernel was measured
     faster (the AUTO table), each other FP8 linear with its reason; true fuses every one that
     can, false none, whatever the path."""
     m = tiny_config(FP8).model
-    how = dict(casts=casts, scaling=scaling, compile=compile_)
+    how = dict(casts=casts, scaling=scaling, compile=compile_ is True, gpu=compile_ != "cpu")
     assert fused_cast_gemms(m, 1, GEMMS, None, **how) == fused
     assert unfused_cast_reasons(m, 1, GEMMS, None, **how) == reasons
     assert fused_cast_gemms(m, 1, GEMMS, True, **how) == ("qkv", "fc1", "fc2")
@@ -156,6 +159,17 @@ def test_auto_fused_casts_keep_the_structural_reasons():
     assert unfused_cast_reasons(m, 2, GEMMS, None, "triton") == (
         "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)", f"fc2 ({TRITON_GELU})")
     assert set(AUTO) == set(fp8_casts.CAST_KERNELS[1:])  # one entry per path auto may resolve to
+
+
+def test_auto_fuses_nothing_off_a_gpu():
+    """On the CPU auto keeps every cast apart, whichever casts are named (a fused cast may round
+    one element a step apart: fusing is a GPU speed choice); true still fuses there."""
+    for casts in ("cuda", "torch"):
+        b = resolve_backends(tiny_config({**FP8, "fp8_casts": casts}), "cpu")
+        assert b.fp8_fused_casts == (), casts
+        assert f"not fused: qkv, fc1, fc2 ({NOT_GPU})" in b.describe()
+    on = resolve_backends(tiny_config({**FP8, "fp8_casts": "cuda", "fp8_fused_casts": True}), "cpu")
+    assert on.fp8_fused_casts == ("qkv", "fc1", "fc2")
 
 
 @pytest.mark.parametrize("casts,fused", [("cuda", ("fc2",)), ("triton", ("qkv", "fc1")), ("torch", ())])

@@ -417,7 +417,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
             # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts: true are refused with the config)
             if cfg.fp8_fused_casts is not False:
                 how = dict(setting=cfg.fp8_fused_casts, casts=fp8_casts, scaling=recipe.scaling,
-                           compile=cfg.train.compile)
+                           compile=cfg.train.compile, gpu=device.type == "cuda")
                 fused_mode = "on" if cfg.fp8_fused_casts else "auto"
                 fused_gemms = fused_cast_gemms(m, cfg.parallel.tensor, fp8_gemms, **how)
                 unfused = unfused_cast_reasons(m, cfg.parallel.tensor, fp8_gemms, **how)

@@ -36,6 +36,10 @@ AUTO: dict[str, dict[str, Optional[str]]] = {
 # normalises, then casts (the unfused work), so auto leaves it
 _CURRENT = "auto: under current scaling the LayerNorm has no fused kernel (normalised, then cast)"
 _COMPILE = "auto: train.compile traces the norms, GELUs and casts into the compiled blocks"
+# off a GPU auto keeps every cast apart, as auto's casts and GEMMs there are the reference's:
+# a fused cast may round the producer's bf16 output one step apart (rarely), so fusing is a
+# choice of speed made on the GPU only
+_NOT_GPU = "auto: not on a GPU (auto fuses for the fused kernels' GPU speed)"
 
 
 def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
@@ -49,8 +53,10 @@ def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
     return {"qkv": norm, "fc1": norm, "fc2": act}
 
 
-def _auto_reasons(casts: str, scaling: str, compile: bool) -> dict[str, Optional[str]]:
-    """auto's choice per producer (:data:`AUTO`) for the run's casts, scaling and compile."""
+def _auto_reasons(casts: str, scaling: str, compile: bool, gpu: bool) -> dict[str, Optional[str]]:
+    """auto's choice per producer (:data:`AUTO`) for the run's casts, scaling, compile and device."""
+    if not gpu:
+        return {"layernorm": _NOT_GPU, "gelu": _NOT_GPU}
     if compile:
         return {"layernorm": _COMPILE, "gelu": _COMPILE}
     reasons = dict(AUTO[casts])
@@ -60,33 +66,36 @@ def _auto_reasons(casts: str, scaling: str, compile: bool) -> dict[str, Optional
 
 
 def _reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool], casts: str,
-             scaling: str, compile: bool) -> dict[str, Optional[str]]:
+             scaling: str, compile: bool, gpu: bool) -> dict[str, Optional[str]]:
     """For each FP8 GEMM with a producer: None when it fuses under ``setting`` (``fp8_fused_casts``),
     else why not."""
     rule = _unfused_casts(m, tp)
-    auto = _auto_reasons(casts, scaling, compile) if setting is None else {}
+    auto = _auto_reasons(casts, scaling, compile, gpu) if setting is None else {}
     return {g: rule[g] or auto.get(p) for g, p in PRODUCERS.items() if g in fp8_gemms}
 
 
 def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool] = True,
-                     casts: str = "torch", scaling: str = "delayed", compile: bool = False) -> tuple[str, ...]:
+                     casts: str = "torch", scaling: str = "delayed", compile: bool = False,
+                     gpu: bool = True) -> tuple[str, ...]:
     """Which FP8 GEMMs fuse the producer of their input into its cast under ``fp8_fused_casts:
-    setting`` with the run's resolved ``casts`` (``fp8_casts``), ``scaling`` and ``compile`` (the
-    last three matter to auto, ``setting`` None, only), in the order qkv, fc1, fc2."""
+    setting`` with the run's resolved ``casts`` (``fp8_casts``), ``scaling``, ``compile`` and
+    whether the device is a GPU (the last four matter to auto, ``setting`` None, only), in the
+    order qkv, fc1, fc2."""
     if setting is False:
         return ()
-    return tuple(g for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile).items()
+    return tuple(g for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile, gpu).items()
                  if why is None)
 
 
 def unfused_cast_reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool] = True,
-                         casts: str = "torch", scaling: str = "delayed", compile: bool = False) -> tuple[str, ...]:
+                         casts: str = "torch", scaling: str = "delayed", compile: bool = False,
+                         gpu: bool = True) -> tuple[str, ...]:
     """Why the FP8 GEMMs that :func:`fused_cast_gemms` leaves out do not fuse, for the run log:
     ``"<gemms> (<why>)"``, GEMMs with the same reason together (``setting`` False: none)."""
     if setting is False:
         return ()
     by_reason: dict[str, list[str]] = {}
-    for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile).items():
+    for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile, gpu).items():
         if why is not None:
             by_reason.setdefault(why, []).append(g)
     return tuple(f"{', '.join(gemms)} ({why})" for why, gemms in by_reason.items())

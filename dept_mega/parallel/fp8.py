@@ -40,10 +40,10 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   across ranks: every rank scales its own shards consistently); checkpoints save it per rank
   (``checkpoint_fp8.py``) and a resume with the same layout restores it exactly
   (:meth:`Fp8State.state_dict`), so a resumed run scales as the uninterrupted one would.
-* casts: on CUDA, one Triton kernel per cast (``fp8_kernels.py``: reads the tensor once,
-  writes the row-major and/or the transposed FP8 copy and maxes the tensor's amax into the
-  step's amaxes), plus a reduction kernel before it under current scaling; or, named
-  (``kernels="cuda"``), the same as a C++ operator (``fp8_casts.py``). The reference math
+* casts: on CUDA, by default (``auto``) one C++ operator per cast where the extension has its
+  CUDA kernels (``fp8_casts.py``), else one Triton kernel per cast (``fp8_kernels.py``); each
+  reads the tensor once, writes the row-major and/or the transposed FP8 copy and maxes the
+  tensor's amax into the step's amaxes (plus a reduction kernel before it under current scaling). The reference math
   (``_cast_math``, the same bytes) runs eagerly on CPU and compiled on CUDA without Triton;
   the run log names the path (``Triton cast kernels`` | ``C++ cast operator`` | ``torch casts``).
 
@@ -119,7 +119,8 @@ class Fp8State:
     ``torch`` (``_cast_math``) | ``auto``; ``graph_casts`` (fp8_traced.py's): ``triton`` | ``torch``,
     by default ``triton`` where ``kernels`` names it; ``gemm``: ``torch`` (``torch._scaled_mm``) |
     ``cublaslt`` (the C++ operator, weight gradients accumulated into ``main_grad`` by the GEMM:
-    ``fp8_gemm.py``), the eager linears' GEMMs."""
+    ``fp8_gemm.py``), the eager linears' GEMMs: ``torch`` unless named (the config's ``fp8_gemm:
+    auto`` is resolved by ``model/backends.py``, which knows the run's gradient settings)."""
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto",
                  graph_casts: Optional[str] = None, gemm: str = "torch") -> None:

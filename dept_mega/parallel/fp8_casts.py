@@ -13,7 +13,9 @@ Paths (all give the bytes of the reference math ``fp8._cast_math``):
 * ``auto``: on CUDA ``cuda`` where the operator runs (:func:`op_unavailable`, and no cast wider
   than :data:`MAX_CUDA_COLS` columns), else ``triton`` when Triton imports, else ``torch``; on
   the CPU ``torch`` (:func:`auto_cast_kernels`; the run log says why where it is not ``cuda``).
-  The paths give the same bytes, so the choice changes the speed only.
+  The paths give the same bytes, so the choice changes the speed only (but with
+  ``fp8_fused_casts: null`` the resolved path also decides which producers fuse on a GPU:
+  ``model/fused_casts.py``).
 
 Under every path an fp32 input takes the reference math (``Fp8State.cast``), as the kernels
 take bf16 and fp16 only.
