@@ -37,6 +37,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if inner == [bool] and not isinstance(value, bool):  # optim.fused, fp8_fused_casts, train.tensorboard
+            raise ConfigError(f"config key '{key}': expected true, false or null (null: chosen automatically, "
+                              f"as docs/config.md says for the key), got {value!r}")
         return _convert(value, inner[0], key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):

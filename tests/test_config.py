@@ -53,6 +53,17 @@ def test_bad_values_name_the_key(overrides, needle):
     assert needle in _err(overrides)
 
 
+@pytest.mark.parametrize("key", ["fp8_fused_casts", "optim.fused", "train.tensorboard"])
+@pytest.mark.parametrize("value", ["auto", "1"])
+def test_an_optional_bool_key_names_null_among_its_values(key, value):
+    """A key whose null means 'chosen automatically' (the run log may print that choice as auto)
+    says that null is its third value, not only true or false; a plain bool key does not."""
+    msg = _err([f"{key}={value}"])
+    assert f"config key '{key}': expected true, false or null (null: chosen automatically" in msg, msg
+    assert load_config(None, [f"{key}=null"]) is not None
+    assert "config key 'model.tie_embeddings': expected true or false, got 'auto'" in _err(["model.tie_embeddings=auto"])
+
+
 def test_a_source_weight_that_uniform_sampling_would_ignore_is_refused():
     """A weight (Megatron's --data-path 0.3 A 0.7 B habit) does nothing under the default
     dept.sampling=uniform; it is refused with the sampling modes that use it, not ignored."""
