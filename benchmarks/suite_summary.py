@@ -246,8 +246,8 @@ def run_gist(backends: str | None) -> str:
         words.append("current scaling" if "current scaling" in linear else "delayed scaling")
         accum = re.search(r"fast accumulation: (\w+)", linear)
         words.append("exact sums" if accum is None or accum.group(1) == "none" else f"fast accumulation: {accum.group(1)}")
-        fused = re.search(r"fused casts \(fp8_fused_casts(: auto)?\) \[(?!none)", linear)
-        if fused:  # (fp8_fused_casts: auto: the producers its table fuses for the run's casts)
+        fused = re.search(r"fused casts \(fp8_fused_casts(: null = auto)?\) \[(?!none)", linear)
+        if fused:  # (fp8_fused_casts: null = auto: the producers its table fuses for the run's casts)
             # per producer: one kernel, or the producer then the cast (torch casts, current scaling)
             how = {p: "one kernel" if h.startswith("one kernel") else "apart"
                    for p, h in re.findall(r"\((layernorm|gelu), ([^,)]*)", linear)}

@@ -198,7 +198,7 @@ def _fp8_backends(gemm="torch._scaled_mm", casts="torch casts", accum="none", fu
     return _FP8.format(gemm=gemm, casts=casts, accum=accum, fused=fused) + _REST
 
 
-_AUTO_FUSED = ("; fused casts (fp8_fused_casts: auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 (auto: the C++ "
+_AUTO_FUSED = ("; fused casts (fp8_fused_casts: null = auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 (auto: the C++ "
                "LayerNorm cast is not faster than the norm then the cast (0.95x, H200))]")
 
 

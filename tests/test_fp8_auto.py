@@ -119,7 +119,7 @@ def test_the_defaults_on_cuda_are_the_fast_path(cuda_here):
     b = resolve_backends(tiny_config(FP8), "cuda")
     assert (b.fp8_casts, b.fp8_gemm, b.fp8_fused_casts) == ("cuda", "cublaslt", ("fc2",))
     line = b.describe()
-    assert f"fused casts (fp8_fused_casts: auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 ({CPP_LN})]" in line
+    assert f"fused casts (fp8_fused_casts: null = auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 ({CPP_LN})]" in line
     assert "fp8_casts auto" not in line and "fp8_gemm auto" not in line, line
     cpu = resolve_backends(tiny_config(FP8), "cpu")
     assert (cpu.fp8_casts, cpu.fp8_gemm, cpu.fp8_fused_casts) == ("torch", "torch", ())
@@ -179,7 +179,7 @@ def test_backends_fuse_per_the_table(cuda_here, casts, fused):
     b = resolve_backends(tiny_config({**FP8, "fp8_casts": casts}), "cuda")
     assert b.fp8_fused_casts == fused and b.fused_casts == "auto"
     line = b.describe()
-    assert "fused casts (fp8_fused_casts: auto) [" in line, line
+    assert "fused casts (fp8_fused_casts: null = auto) [" in line, line
     assert "not fused: " in line
     on = resolve_backends(tiny_config({**FP8, "fp8_casts": casts, "fp8_fused_casts": True}), "cuda")
     assert on.fp8_fused_casts == ("qkv", "fc1", "fc2") and "fused casts (fp8_fused_casts) [qkv" in on.describe()

@@ -123,7 +123,7 @@ def test_fused_training_equals_unfused(recipe, monkeypatch):
     assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, {**over, "fp8_fused_casts": False})),
                                                  "cpu").describe()
     # the default (auto) on the CPU: nothing fuses, and the log says why
-    assert ("fused casts (fp8_fused_casts: auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
+    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
             "for the fused kernels' GPU speed))]") in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
     norm_casts, gelu_casts = [], []
     real_norm, real_cast = Fp8State.norm_cast, Fp8State.cast

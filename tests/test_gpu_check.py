@@ -91,7 +91,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
     # the defaults (the torch casts and GEMM on the CPU: auto fuses nothing, and says why) beside the
     # previous defaults (named explicitly: fp8_fused_casts=false) and every producer fused
-    assert ("fused casts (fp8_fused_casts: auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
+    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
             "for the fused kernels' GPU speed))]") in by["fp8"]["backends"], by["fp8"]["backends"]
     assert "fp8=hybrid backend=local fp8_casts=torch fp8_gemm=torch fp8_fused_casts=false" in log
     assert "fused casts" not in by["fp8_prev"]["backends"] and "torch._scaled_mm" in by["fp8_prev"]["backends"]

@@ -117,7 +117,7 @@ def describe(mode: str, fused: tuple[str, ...], unfused: tuple[str, ...], casts:
     parts = [what[g] for g in fused] or ["none" if unfused else "none: no FP8 linear reads a LayerNorm or GELU output"]
     if unfused:
         parts.append("not fused: " + "; ".join(unfused))
-    out = f"fused casts (fp8_fused_casts{': auto' if mode == 'auto' else ''}) [{', '.join(parts)}]"
+    out = f"fused casts (fp8_fused_casts{': null = auto' if mode == 'auto' else ''}) [{', '.join(parts)}]"
     if apex and {"qkv", "fc1"} & set(fused):
         out += " (those LayerNorms are computed by the fused path, not apex)"
     return out
