@@ -71,3 +71,51 @@ def test_run_log_says_when_the_gpu_takes_the_fallback(monkeypatch):
     assert describe("cuda") == "custom ops=CUDA kernels"
     monkeypatch.setattr(loader, "_STATUS", [ExtensionStatus(False, False, "the extension dept_mega.ops._C is not built")])
     assert describe("cuda") == describe("cpu") == "custom ops=PyTorch fallback (the extension dept_mega.ops._C is not built)"
+
+
+def _fake_cuda_kernels(monkeypatch, missing_on_cuda: set):
+    """The extension as built with CUDA kernels for every operator but those in ``missing_on_cuda``
+    (its CPU kernels all there); fp8_gemm.op_unavailable asks the same loader."""
+    from dept_mega.ops import loader
+
+    monkeypatch.setattr(loader, "kernel_missing", lambda op, device, *a, **k: f"no kernel of {op} here"
+                        if str(device) == "cuda" and op in missing_on_cuda else None)
+
+
+def test_require_fp8_passes_with_every_fp8_operator(monkeypatch, capsys):
+    _fake_cuda_kernels(monkeypatch, set())
+    assert main(["--require", "fp8"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_require_fp8_names_each_missing_operator_and_what_runs_instead(monkeypatch, capsys):
+    """A build with the cast kernels but without cuBLASLt (setup.py builds the GEMM only where
+    cuBLASLt's headers are found): --require cuda's gather/scatter check would pass, --require fp8
+    fails naming the GEMM operator, why, and the slower path auto takes; the casts are not named."""
+    _fake_cuda_kernels(monkeypatch, {"dept_mega::fp8_gemm"})
+    assert main(["--require", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --require fp8: 1 of the extension's 3 FP8 operators has no CUDA kernel"), err
+    assert ("  dept_mega::fp8_gemm: no kernel of dept_mega::fp8_gemm here; fp8_gemm auto runs torch._scaled_mm "
+            "instead (fp8_gemm: cublaslt is refused)\n") in err, err
+    assert "cast_fp8" not in err, err
+    # an older build without the fused LayerNorm cast: the C++ casts are not taken either
+    _fake_cuda_kernels(monkeypatch, {"dept_mega::layernorm_cast_fp8"})
+    assert main(["--require", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert "  dept_mega::layernorm_cast_fp8: no kernel of dept_mega::layernorm_cast_fp8 here; fp8_casts auto runs " \
+        "the Triton casts" in err and "fp8_gemm" not in err, err
+
+
+def test_require_is_repeatable_and_checks_each(monkeypatch, capsys):
+    """--require cpp --require fp8: both checked, each failure said. A build without CUDA kernels
+    (the CPU machines') fails fp8 for real, naming all three operators."""
+    rc = main(["--require", "cpp", "--require", "fp8"])
+    err = capsys.readouterr().err
+    assert ("error: --require cpp" in err) == (backend("cpu") != "cpp"), err
+    if not extension_status().cuda:
+        assert rc == 1 and "3 of the extension's 3 FP8 operators have no CUDA kernel" in err, err
+        for op in ("cast_fp8", "layernorm_cast_fp8", "fp8_gemm"):
+            assert f"  dept_mega::{op}: " in err, err
+    _fake_cuda_kernels(monkeypatch, set())
+    assert main(["--require", "fp8", "--require", "cpp"]) == (0 if backend("cpu") == "cpp" else 1)

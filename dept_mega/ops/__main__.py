@@ -4,7 +4,9 @@ Prints torch's build, whether the compiled custom ops (``dept_mega.ops._C``) loa
 which kernels, the optional packages the model can use (Transformer Engine, flash-attn,
 apex), and with ``--config CFG [key=value ...]`` the ``backends:`` line a run of that config
 logs on this machine. ``--require cpp|cuda`` exits with status 1 when the custom ops would not
-run compiled kernels on that device (for a cluster's install check).
+run compiled kernels on that device, ``--require fp8`` when an FP8 operator of the extension
+(``cast_fp8``, ``layernorm_cast_fp8``, ``fp8_gemm``) has no CUDA kernel, so that FP8's defaults
+would fall back on a GPU (for a cluster's install check; ``--require`` may be repeated).
 """
 from __future__ import annotations
 
@@ -42,12 +44,35 @@ def _fp8_operators() -> list[tuple[str, str, tuple[str, ...]]]:
             ("FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt)", "dept_mega::fp8_gemm", ())]
 
 
+# What a GPU run does instead when an FP8 operator has no CUDA kernel (fp8_casts.auto_cast_kernels
+# needs every cast operator, fp8_gemm.auto_gemm the GEMM operator).
+_GEMM_FALLBACK = "fp8_gemm auto runs torch._scaled_mm instead (fp8_gemm: cublaslt is refused)"
+_CASTS_FALLBACK = "fp8_casts auto runs the Triton casts (without Triton the torch casts) instead (fp8_casts: cuda is refused)"
+
+
+def _fp8_missing() -> list[str]:
+    """``op: why; what runs instead`` for each FP8 operator of the extension without a CUDA
+    kernel (the build decides: no GPU needed)."""
+    from dept_mega.ops import loader
+    from dept_mega.parallel import fp8_gemm
+
+    missing = []
+    for _, op, newer in _fp8_operators():
+        why = (fp8_gemm.op_unavailable("cuda") if op == "dept_mega::fp8_gemm"
+               else loader.kernel_missing(op, "cuda", args=newer))
+        if why is not None:
+            missing.append(f"{op}: {why}; {_GEMM_FALLBACK if op == 'dept_mega::fp8_gemm' else _CASTS_FALLBACK}")
+    return missing
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.ops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="also print the backends a run of this config uses here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides (with --config)")
-    ap.add_argument("--require", choices=("cpp", "cuda"),
-                    help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda")
+    ap.add_argument("--require", choices=("cpp", "cuda", "fp8"), action="append",
+                    help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda (cuda), or "
+                         "unless the FP8 operators have their CUDA kernels (fp8: the build only, no GPU "
+                         "needed); may be repeated")
     args = ap.parse_args(argv)
 
     from dept_mega.ops import backend, extension_status, loader
@@ -75,14 +100,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if args.require:
-        dev = "cpu" if args.require == "cpp" else "cuda"
+    rc = 0
+    for req in dict.fromkeys(args.require or ()):
+        if req == "fp8":
+            if missing := _fp8_missing():
+                print(f"error: --require fp8: {len(missing)} of the extension's {len(_fp8_operators())} FP8 operators "
+                      f"{'has' if len(missing) == 1 else 'have'} no CUDA kernel, so FP8's defaults take slower "
+                      f"paths on a GPU (the run log's backends: line names them):", file=sys.stderr)
+                for line in missing:
+                    print(f"  {line}", file=sys.stderr)
+                rc = 1
+            continue
+        dev = "cpu" if req == "cpp" else "cuda"
         got = backend(dev) if dev == "cpu" or cuda else None
-        if got != args.require:
+        if got != req:
             why = "no CUDA device is visible" if got is None else f"they run '{got}' on {dev} tensors"
-            print(f"error: --require {args.require}: {why} ({st.reason})", file=sys.stderr)
-            return 1
-    return 0
+            print(f"error: --require {req}: {why} ({st.reason})", file=sys.stderr)
+            rc = 1
+    return rc
 
 
 if __name__ == "__main__":
