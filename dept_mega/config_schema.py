@@ -172,10 +172,13 @@ class OptimConfig:
     grad_dtype: str = "fp32"  #: Dtype of the gradient accumulation and reduction buffer (bf16 needs precision bf16).
     overlap_grad_reduce: bool = True  #: Start each bucket's data-parallel reduction during backward.
     #: Gradient-accumulation fusion (Megatron's --gradient-accumulation-fusion): the weight-gradient
-    #: GEMMs of the linear layers and the output head accumulate straight into the gradient buffer
-    #: (no per-micro-batch param.grad and add). Not the fp8 / Transformer Engine GEMMs; under
-    #: train.compile the fused layers run outside the compiled graphs (a graph break each); the
-    #: run log's `backends:` line names the accumulation call.
+    #: GEMMs of the bf16 linear layers and the output head accumulate straight into the gradient buffer
+    #: (no per-micro-batch param.grad and add). The native FP8 GEMMs fuse it too with fp8_gemm cublaslt
+    #: (the GEMM accumulates into the buffer; fp8_gemm auto takes cublaslt only with this key on, and an
+    #: explicit cublaslt accumulates whatever it says), not with fp8_gemm torch (a bf16 dW, then an add);
+    #: Transformer Engine's GEMMs never. Under train.compile the fused layers run outside the compiled
+    #: graphs (a graph break each); the run log's `backends:` line names the accumulation call and which
+    #: GEMMs it covers.
     grad_accum_fusion: bool = True
     grad_bucket_size: int = 25_000_000  #: Elements per gradient bucket (one data-parallel collective each).
     fused: Optional[bool] = None  #: AdamW kernel: null = fused on CUDA, foreach elsewhere; true / false force it.
@@ -294,7 +297,8 @@ class Config:
     #: compiled on CUDA). Every path gives the same bytes (with fp8_fused_casts null the path also decides
     #: which producers fuse, below: a fused cast may round an element one FP8 step apart, rarely). Under train.compile the casts inside the
     #: compiled blocks are inductor's (from the PyTorch ops) unless triton is named: then each cast is
-    #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast; its GPU speed not yet measured).
+    #: the Triton kernel as one operator of the graph (dept_mega::fp8_cast, a Python-registered operator
+    #: around the Triton kernel: not the C++ dept_mega::cast_fp8 of cuda; its GPU speed not yet measured).
     fp8_casts: str = "auto"
     #: Native FP8: fuse the producer of a linear's input into that input's FP8 cast, as Transformer
     #: Engine's LayerNormLinear / LayerNormMLP do: the LayerNorm before QKV and fc1 and the GELU before fc2
@@ -321,7 +325,11 @@ class Config:
     #: has the operator, without train.compile, with optim.grad_accum_fusion on and optim.grad_dtype fp32;
     #: otherwise torch (the run log says why).
     fp8_gemm: str = "auto"
-    backend: str = "auto"  #: Linear layers: auto (Transformer Engine when it imports on CUDA), local or transformer_engine.
+    #: Linear layers: auto (Transformer Engine for every linear, bf16 runs included, when it imports on
+    #: CUDA; else local), local (ours, with the fp8_* keys above) or transformer_engine. Transformer Engine
+    #: has not yet run on a GPU here: every GPU figure in docs/performance.md ran our linears (local, or
+    #: auto where Transformer Engine was not installed).
+    backend: str = "auto"
     dept: DeptConfig = field(default_factory=DeptConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
