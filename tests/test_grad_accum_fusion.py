@@ -220,6 +220,12 @@ def test_backends_line_names_the_accumulation():
     piped = resolve_backends(tiny_config(overrides=("precision=bf16", "parallel.pipeline=2"))).describe()
     assert ("grad_accum_fusion=on [torch GEMMs, tied head on a chunk without the input embedding]: "
             + wgrad.PATHS["addmm_fp32_operands"]) in piped, piped
-    assert "grad_accum_fusion=off" in resolve_backends(tiny_config(overrides=("optim.grad_accum_fusion=false",))).describe()
+    off = resolve_backends(tiny_config(overrides=("optim.grad_accum_fusion=false",))).describe()
+    assert "grad_accum_fusion=off |" in off, off
+    # an explicit fp8_gemm: cublaslt still accumulates its weight gradients in the GEMM: said
+    lt = resolve_backends(tiny_config(overrides=("optim.grad_accum_fusion=false", "precision=bf16", "fp8=hybrid",
+                                                 "backend=local", "fp8_gemm=cublaslt"))).describe()
+    assert ("grad_accum_fusion=off [but the fp8 GEMMs accumulate into main_grad themselves: fp8_gemm cublaslt]"
+            in lt), lt
     compiled = resolve_backends(tiny_config(overrides=("train.compile=true", "model.tie_embeddings=false"))).describe()
     assert "grad_accum_fusion=on [torch GEMMs (outside the compiled graphs: a graph break each), output head]: " in compiled

@@ -152,7 +152,10 @@ class Backends:
 
     def describe_wgrad(self) -> str:
         if not self.fuse_wgrad:
-            return "grad_accum_fusion=off"
+            # fp8_gemm: cublaslt accumulates its weight gradients in the GEMM whatever this key says
+            lt = self.fp8 is not None and self.linear == "fp8-native" and self.fp8_gemm == "cublaslt"
+            return "grad_accum_fusion=off" + (" [but the fp8 GEMMs accumulate into main_grad themselves: "
+                                              "fp8_gemm cublaslt]" if lt else "")
         # a tied head accumulates into main_grad only where its chunk holds no input embedding
         # (model/embeddings.py: fuse_tied_head); on the one chunk of pipeline 1 it does not
         where = (["output head"] if not self.tied

@@ -125,7 +125,8 @@ def describe(device: Union[str, torch.device]) -> str:
         return ("custom ops=PyTorch fallback on the GPU: the dept_mega.ops extension was built without "
                 "CUDA kernels (no nvcc of torch's CUDA major version at build time, e.g. on a login node; "
                 "the reason is in build/dept_mega_ops_build.log). Rebuild where nvcc is "
-                "(pip install --no-build-isolation -e .); python -m dept_mega.ops --require cuda checks")
+                "(pip install --no-build-isolation -e .); python -m dept_mega.ops --require cuda (and, for "
+                "FP8, --require fp8) checks")
     return f"custom ops=PyTorch fallback ({st.reason})"
 
 
