@@ -268,6 +268,12 @@ def test_bench_summary_pairs_each_variant_with_its_bases_and_lists_every_backend
             "(bf16 GEMMs, grad_accum_fusion off) (tokens/s)") in text, text
     assert "(fp8_cuda)" not in text and "fp8_cuda (" not in text
     assert run_gist(rows[4]["backends"]).endswith("fused casts: layernorm one kernel, gelu one kernel")
+    dgelu = (", dgelu (fc1's output gradient, one kernel in fc2's backward once the gradient has a delayed scale "
+             "(from the second training step))]")  # fp8_fused_casts: true's dGELU cast (model/fused_casts.py)
+    assert run_gist(_fp8_backends(_LT, _CPP, fused=_CPP_FUSED[:-1] + dgelu)).endswith(
+        "fused casts: layernorm one kernel, gelu one kernel, dgelu one kernel")
+    assert run_gist(_fp8_backends(fused=_TORCH_FUSED[:-1] + ", dgelu (fc1's output gradient, run apart: the torch "
+                                  "casts have no fused kernel)]")).endswith("gelu apart, dgelu apart")
     assert "fast accumulation: forward" in run_gist(rows[5]["backends"]) and run_gist(None) == "backends not recorded"
     # every run's backends line: bf16's in full, the FP8 runs' differing parts (their linear layers, wgrad)
     assert "  - bf16: backend=auto: linear=torch" + _REST.split(" | grad")[0] in text
