@@ -33,9 +33,9 @@ from setuptools import setup
 EXT_NAME = "dept_mega.ops._C"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
-CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp"]
+CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/dgelu_cast_cpu.cpp"]
 CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu", "csrc/cuda/remap_ranked.cu",
-                "csrc/cuda/fp8_cast.cu", "csrc/cuda/layernorm_cast.cu"]
+                "csrc/cuda/fp8_cast.cu", "csrc/cuda/layernorm_cast.cu", "csrc/cuda/dgelu_cast.cu"]
 LT_SOURCE = "csrc/cuda/fp8_gemm_lt.cpp"  # built when cuBLASLt's headers are found (cublaslt_plan)
 CXX_FLAGS = ["-O3", "-g0", "-ffp-contract=off"]  # BuildExtension adds the -std= its torch needs
 # built where no GPU is visible: A100 (8.0), H100/H200 (9.0), and PTX that newer GPUs compile at load

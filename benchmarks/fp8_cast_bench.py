@@ -26,11 +26,16 @@ faster than the producer and then the cast, per path? The LayerNorm of the linea
 (``F.layer_norm`` then each path's cast) against fused (``layernorm_cast_fp8``: Triton with its
 default tile and the candidates of ``LN_TILES``, the C++ operator); GELU of fc2's input
 ``[tokens, ffn]``, unfused (``F.gelu`` then the cast) against ``cast_fp8(gelu=True)`` (Triton, the
-C++ operator, and the torch casts: inductor fuses the GELU into its cast on CUDA). Delayed
-scaling, amax recorded, both layouts. The bytes a minimal pass moves are counted as for a cast:
-read the bf16 input (2 B per element), write both FP8 layouts (1 + 1 B); LayerNorm's weight and
-statistics are left out (under 0.1 %), and the unfused pass's bf16 intermediate (written and
-read back, 4 B more per element) is what fusing saves. ``speedup`` is the unfused row's µs of
+C++ operator, and the torch casts: inductor fuses the GELU into its cast on CUDA); the GELU
+backward of fc2 and the cast of its result, fc1's output gradient ``[tokens, ffn]`` to e5m2
+(``dgelu``; the C++ operator only), unfused (``aten.gelu_backward`` then the C++ cast) against
+``dgelu_cast_fp8``. Delayed scaling, amax recorded, both layouts. The bytes a minimal pass moves
+are counted as for a cast: read the bf16 input (2 B per element), write both FP8 layouts (1 + 1
+B); LayerNorm's weight and statistics are left out (under 0.1 %), and the unfused pass's bf16
+intermediate (written and read back, 4 B more per element) is what fusing saves. ``dgelu`` reads
+two bf16 tensors (the gradient and GELU's input) and writes dH (bf16: autograd hands it on) besides
+the FP8 copies, 8 B per element at least; its copy row clones 8 B per element, so its ``% of
+copy`` is a bandwidth share as the others' are; fusing saves reading dH back (2 B). ``speedup`` is the unfused row's µs of
 the same path over the fused row's. A fused row's bytes are compared with the unfused rows'
 (the reference): ``differ_bytes`` counts those that differ (an element whose rounded bf16
 intermediate came out one step apart; ``max_steps``: the largest distance in FP8 steps), which
@@ -116,9 +121,10 @@ def compare_bytes(got: tuple, ref: tuple) -> dict:
 
 
 def fused_kernels(device: torch.device, weight: torch.Tensor) -> dict[str, list[tuple[str, str, str, object]]]:
-    """Per op (``layernorm``, ``gelu``): (variant, path, name, f(x, dtype, scale, amax) -> (q,
-    q_t)) of every unfused and fused pass that runs on ``device``, the unfused first; each casts
-    in both layouts with ``scale[0]`` and maxes its amax into ``amax[0]``."""
+    """Per op (``layernorm``, ``gelu``, ``dgelu``): (variant, path, name, f(*inputs, dtype, scale,
+    amax) -> (q, q_t)) of every unfused and fused pass that runs on ``device``, the unfused first;
+    each casts in both layouts with ``scale[0]`` and maxes its amax into ``amax[0]``. The inputs:
+    ``x`` (LayerNorm, GELU), ``grad, h`` (dgelu)."""
     casts = []  # (path, name, cast(t, dtype, scale, amax, gelu) -> (q, q_t))
     if device.type == "cuda" and fp8_kernels.AVAILABLE:
         casts.append(("triton", "triton cast_fp8", lambda t, d, s, a, gelu=False: fp8_kernels.cast_fp8(
@@ -153,7 +159,14 @@ def fused_kernels(device: torch.device, weight: torch.Tensor) -> dict[str, list[
                                                                    a, 0)[:2]))
     for path, name, c in casts:
         gelu.append(("fused", path, f"fused: {name}(gelu=True)", lambda h, d, s, a, c=c: c(h, d, s, a, gelu=True)))
-    return {"layernorm": ln, "gelu": gelu}
+    dgelu = []  # f(grad, h, dtype, scale, amax): the C++ operator where it runs
+    if cuda:
+        dgelu = [("unfused", "cuda", "unfused: aten.gelu_backward + cuda cast_fp8",
+                  lambda g, h, d, s, a: fp8_casts.cast_fp8(torch.ops.aten.gelu_backward(g, h), d, 0, True, True, s, 0,
+                                                           a, 0)[:2]),
+                 ("fused", "cuda", "fused: cuda dgelu_cast_fp8",
+                  lambda g, h, d, s, a: fp8_casts.dgelu_cast_fp8(g, h, d, 0, True, True, s, 0, a, 0)[1:])]
+    return {"layernorm": ln, "gelu": gelu, "dgelu": dgelu}
 
 
 def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
@@ -164,17 +177,25 @@ def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: i
     g = torch.Generator(device=device).manual_seed(1)
     weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(torch.bfloat16)
     rows = []
+    passes = fused_kernels(device, weight)
     for op, label, m, n in (("layernorm", "layernorm [tokens, hidden]", tokens, hidden),
-                            ("gelu", "gelu [tokens, ffn]", tokens, ffn)):
-        x = torch.randn(m, n, generator=g, device=device).to(torch.bfloat16)
+                            ("gelu", "gelu [tokens, ffn]", tokens, ffn), ("dgelu", "dgelu [tokens, ffn]", tokens, ffn)):
+        if not passes[op]:  # dgelu without the C++ operator
+            continue
+        inputs = tuple(torch.randn(m, n, generator=g, device=device).to(torch.bfloat16)
+                       for _ in range(2 if op == "dgelu" else 1))
+        fp8 = E5M2 if op == "dgelu" else E4M3  # dgelu: a gradient
         scale = torch.full((4,), 8.0, device=device)
         amax = torch.zeros(4, device=device)
-        moved = 4 * x.numel()  # the minimal pass: read 2 bytes, write 1 + 1
-        base = {"shape": label, "op": op, "rows": m, "cols": n, "fp8": str(E4M3)[6:]}
-        copy, row = _copy_row({**base, "variant": "copy", "path": None}, x, moved, device, iters)
+        # the minimal pass: read 2 bytes, write 1 + 1 (dgelu: read 2 + 2, write dH 2 and 1 + 1)
+        moved = (8 if op == "dgelu" else 4) * inputs[0].numel()
+        base = {"shape": label, "op": op, "rows": m, "cols": n, "fp8": str(fp8)[6:]}
+        copied = inputs[0] if len(inputs) == 1 else torch.cat(inputs)  # a copy of the same bytes
+        copy, row = _copy_row({**base, "variant": "copy", "path": None}, copied, moved, device, iters)
+        copied = None
         rows.append(row)
         ref, unfused_us = [], {}
-        for variant, path, name, f in fused_kernels(device, weight)[op]:
+        for variant, path, name, f in passes[op]:
             def check(out, variant=variant) -> dict:
                 if variant == "unfused":  # the first is the reference; the others: the same bytes
                     if not ref:
@@ -186,8 +207,8 @@ def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: i
                     raise RuntimeError("no unfused row to compare with")
                 return compare_bytes(out, tuple(ref))
             tagged = {**base, "variant": variant, "path": path}
-            row = _pass_row(tagged, tagged, name, lambda f=f: f(x, E4M3, scale, amax), check, moved, copy, device,
-                            iters)
+            row = _pass_row(tagged, tagged, name, lambda f=f: f(*inputs, fp8, scale, amax), check, moved, copy,
+                            device, iters)
             if "error" not in row:
                 if variant == "unfused":
                     unfused_us[path] = row["us"]
@@ -201,7 +222,7 @@ def run_fused(device: torch.device, tokens: int, hidden: int, ffn: int, iters: i
                 out += f"  {r['differ_bytes']} bytes differ ({r['differ_fraction']:.1e}, {r['max_steps']} steps)"
             return out + ("  BYTES DIFFER" if r.get("same_bytes") is False else "")
         _print_rows(rows, label, 26, 58, note)
-        x = ref = None  # freed before the next op
+        inputs = ref = None  # freed before the next op
     return rows
 
 
@@ -283,8 +304,8 @@ def main() -> None:
     print(f"FP8 casts on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}, tokens {tokens}, hidden {hidden}, ffn {ffn}", flush=True)
     rows = run(device, tokens, hidden, ffn, args.iters)
-    print("Fused casts: the producer (LayerNorm, GELU) and the cast in one kernel, against the producer then "
-          "the cast", flush=True)
+    print("Fused casts: the producer (LayerNorm, GELU, GELU backward) and the cast in one kernel, against the "
+          "producer then the cast", flush=True)
     fused = run_fused(device, tokens, hidden, ffn, args.iters)
     differ = [r for r in rows + fused if r.get("same_bytes") is False]
     if args.json:

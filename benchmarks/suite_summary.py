@@ -251,6 +251,9 @@ def run_gist(backends: str | None) -> str:
             # per producer: one kernel, or the producer then the cast (torch casts, current scaling)
             how = {p: "one kernel" if h.startswith("one kernel") else "apart"
                    for p, h in re.findall(r"\((layernorm|gelu), ([^,)]*)", linear)}
+            dgelu = re.search(r"dgelu \(fc1's output gradient, (one kernel)?", linear)  # its cast fused into fc2's
+            if dgelu:
+                how["dgelu"] = "one kernel" if dgelu.group(1) else "apart"
             words.append(("auto " if fused.group(1) else "") + "fused casts"
                          + (": " + ", ".join(f"{p} {h}" for p, h in how.items()) if how else ""))
     elif linear.startswith("transformer_engine"):

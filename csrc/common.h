@@ -149,7 +149,8 @@ inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_
     TORCH_CHECK_VALUE(s.is_contiguous(), op, ": ", names[k], " must be contiguous");
     TORCH_CHECK_VALUE(index[k] >= 0 && index[k] < s.numel(), op, ": ", names[k], " index ",
                       index[k], " is out of range for ", s.numel(), " elements");
-    check_same_device(op, t, std::strcmp(op, "cast_fp8") == 0 ? "t" : "x", s, names[k]);
+    const char* tn = std::strcmp(op, "cast_fp8") == 0 ? "t" : std::strcmp(op, "dgelu_cast_fp8") == 0 ? "grad" : "x";
+    check_same_device(op, t, tn, s, names[k]);
   }
   return dtype == at::kFloat8_e4m3fn ? DM_FP8_E4M3 : DM_FP8_E5M2;
 }
@@ -190,6 +191,28 @@ inline int check_layernorm_cast_fp8_args(const at::Tensor& x, const at::Tensor& 
                    "), got ", dtype_name(bias.has_value() ? bias->scalar_type() : at::kFloat));
   // the FP8 side: cast_fp8's checks, under this operator's name
   return check_cast_fp8_args(x, dtype, pad, scale, scale_index, amax_out, amax_index, op);
+}
+
+// dgelu_cast_fp8(grad [rows, cols] bf16/fp16, x like grad (same shape, dtype, device), ...,
+// scale fp32 (required: delayed scaling), amax_out fp32): the checks of cast_fp8 plus these;
+// the FP8 format code of dtype.
+inline int check_dgelu_cast_fp8_args(const at::Tensor& grad, const at::Tensor& x,
+                                     at::ScalarType dtype, int64_t pad,
+                                     const std::optional<at::Tensor>& scale, int64_t scale_index,
+                                     const std::optional<at::Tensor>& amax_out,
+                                     int64_t amax_index) {
+  const char* op = "dgelu_cast_fp8";
+  TORCH_CHECK_VALUE(grad.dim() == 2, op, ": takes a 2-D tensor, got shape ", grad.sizes());
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf, op,
+                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(grad.scalar_type()));
+  TORCH_CHECK_VALUE(x.sizes() == grad.sizes(), op, ": x must have grad's shape ", grad.sizes(),
+                    ", got ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == grad.scalar_type(), op, ": x must have grad's dtype (",
+                   dtype_name(grad.scalar_type()), "), got ", dtype_name(x.scalar_type()));
+  check_same_device(op, grad, "grad", x, "x");
+  TORCH_CHECK_VALUE(scale.has_value(), op,
+                    ": needs a delayed scale (scale tensor); current scaling is not fused");
+  return check_cast_fp8_args(grad, dtype, pad, scale, scale_index, amax_out, amax_index, op);
 }
 
 }  // namespace dept_mega

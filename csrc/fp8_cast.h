@@ -145,3 +145,27 @@ DM_HD float dm_gelu(float x) {
   return (x * 0.5f) * (1.0f + std::erf(x * 0.70710678118654752f));
 #endif
 }
+
+// The GELU backward, the erf form, in fp32 as PyTorch's gelu_backward writes it (approximate='none',
+// opmath fp32): dy * (cdf + x * pdf) with cdf = 0.5 * (1 + erf(x / sqrt(2))) and
+// pdf = exp(-x^2 / 2) / sqrt(2 pi), the constants rounded to fp32 from double as PyTorch's. The
+// prologue of dgelu_cast_fp8; the caller rounds the result to the gradient's dtype (bf16 / fp16,
+// nearest-even): that value is the op's dH, and the cast and the amax are of it. erff / expf are the
+// platform's: on the device CUDA's, as PyTorch's CUDA kernel calls them, whose `cdf + x * pdf` nvcc
+// contracts into one FMA (PyTorch is built without --fmad=false; this source is built with it, so
+// the FMA is written out); on the host glibc's without an FMA, where PyTorch's CPU kernel uses its
+// own vectorised erf and exp: in GELU's negative tail, where cdf + x * pdf cancels, the results
+// differ there (tests/test_fp8_dgelu_op.py bounds how often that changes a byte).
+DM_HD float dm_dgelu(float dy, float x) {
+  const float kAlpha = static_cast<float>(0.70710678118654752440);                // M_SQRT1_2
+  const float kBeta = static_cast<float>(1.12837916709551257390 * 0.70710678118654752440 * 0.5);
+#ifdef __CUDA_ARCH__
+  const float cdf = __fmul_rn(0.5f, __fadd_rn(1.0f, erff(__fmul_rn(x, kAlpha))));
+  const float pdf = __fmul_rn(expf(__fmul_rn(__fmul_rn(-0.5f, x), x)), kBeta);
+  return __fmul_rn(dy, __fmaf_rn(x, pdf, cdf));
+#else
+  const float cdf = 0.5f * (1.0f + std::erf(x * kAlpha));
+  const float pdf = kBeta * std::exp(x * x * -0.5f);
+  return dy * (cdf + x * pdf);
+#endif
+}

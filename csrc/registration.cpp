@@ -43,6 +43,14 @@ TORCH_LIBRARY(dept_mega, m) {
       "layernorm_cast_fp8(Tensor x, Tensor weight, Tensor? bias, float eps, ScalarType dtype, "
       "int pad=0, bool rowwise=True, bool colwise=False, Tensor? scale=None, int scale_index=0, "
       "Tensor(a!)? amax_out=None, int amax_index=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The GELU backward (erf form, fp32, as aten::gelu_backward(grad, x)) rounded to grad's dtype:
+  // dh, returned, then cast_fp8 of dh with the delayed scale scale[scale_index] (required), its
+  // amax maxed into amax_out[amax_index] when given; pad rows are zero FP8. Returns (dh, q, q_t):
+  // q / q_t as cast_fp8's (None when not asked for). x: grad's shape and dtype.
+  m.def(
+      "dgelu_cast_fp8(Tensor grad, Tensor x, ScalarType dtype, int pad=0, bool rowwise=True, "
+      "bool colwise=False, Tensor? scale=None, int scale_index=0, Tensor(a!)? amax_out=None, "
+      "int amax_index=0) -> (Tensor, Tensor, Tensor)");
   // FP8 GEMM with per-tensor scales (csrc/fp8_gemm.h; dept_mega/parallel/fp8_gemm.py): a
   // float8 [m, k] row-major, b float8 [k, n] column-major. Without out: returns
   // scale_a * scale_b * (a . b) as a new bfloat16 [m, n] tensor. With out (float32 or bfloat16

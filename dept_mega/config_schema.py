@@ -304,16 +304,21 @@ class Config:
     #: Engine's LayerNormLinear / LayerNormMLP do: the LayerNorm before QKV and fc1 and the GELU before fc2
     #: are computed and cast in one pass (one kernel with fp8_casts triton or cuda; the LayerNorm only under
     #: delayed scaling from the second training step, otherwise normalised then cast) instead of
-    #: writing the bf16 result and reading it again to cast it. Same numbers as without (up to the
-    #: kernels' rounding of erf / rsqrt). null = auto: fuse only where the fused kernel was measured
+    #: writing the bf16 result and reading it again to cast it. In the backward the same holds for fc1's
+    #: output gradient (dgelu): fc2's GELU backward writes it and fc1 casts it at once; fused, the GELU
+    #: backward also writes its FP8 copies for fc1 (one kernel with the cuda casts; the torch casts
+    #: run the same math apart), under delayed scaling from the second training step, with fc2's GELU
+    #: fused (not with the triton casts). Same numbers as without (up to the kernels' rounding of erf /
+    #: exp / rsqrt). null = auto: fuse only where the fused kernel was measured
     #: faster than the producer then the cast (H200, docs/performance.md): with the cuda casts the GELU
     #: (fc2), with the triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, off a
-    #: GPU, under train.compile or with Transformer Engine nothing; the run log says which linears fuse and why the
+    #: GPU, under train.compile or with Transformer Engine nothing; dgelu not yet (its kernel is not yet
+    #: measured on a GPU); the run log says which linears fuse and why the
     #: others do not. true = fuse every producer that can be (refused with train.compile, without fp8
     #: and with Transformer Engine's linears); false = none. Fusion needs the eager native FP8 linears
     #: (backend local, or auto without Transformer Engine) and no collective between the producer and
-    #: the GEMM: QKV and fc1 with parallel.tensor 1, fc2 at any tensor-parallel size; RMSNorm and SwiGLU
-    #: stay unfused.
+    #: the GEMM: QKV and fc1 with parallel.tensor 1, fc2 (and dgelu) at any tensor-parallel size; RMSNorm
+    #: and SwiGLU stay unfused.
     fp8_fused_casts: Optional[bool] = None
     #: Native FP8 GEMMs: auto, torch (torch._scaled_mm) or cublaslt (the C++ operator dept_mega::fp8_gemm
     #: of the dept_mega.ops extension, cuBLASLt called directly with its algorithm cached per shape; on CPU

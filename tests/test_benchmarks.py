@@ -268,6 +268,12 @@ def test_bench_summary_pairs_each_variant_with_its_bases_and_lists_every_backend
             "(bf16 GEMMs, grad_accum_fusion off) (tokens/s)") in text, text
     assert "(fp8_cuda)" not in text and "fp8_cuda (" not in text
     assert run_gist(rows[4]["backends"]).endswith("fused casts: layernorm one kernel, gelu one kernel")
+    dgelu = (", dgelu (fc1's output gradient, one kernel in fc2's backward once the gradient has a delayed scale "
+             "(from the second training step))]")  # fp8_fused_casts: true's dGELU cast (model/fused_casts.py)
+    assert run_gist(_fp8_backends(_LT, _CPP, fused=_CPP_FUSED[:-1] + dgelu)).endswith(
+        "fused casts: layernorm one kernel, gelu one kernel, dgelu one kernel")
+    assert run_gist(_fp8_backends(fused=_TORCH_FUSED[:-1] + ", dgelu (fc1's output gradient, run apart: the torch "
+                                  "casts have no fused kernel)]")).endswith("gelu apart, dgelu apart")
     assert "fast accumulation: forward" in run_gist(rows[5]["backends"]) and run_gist(None) == "backends not recorded"
     # every run's backends line: bf16's in full, the FP8 runs' differing parts (their linear layers, wgrad)
     assert "  - bf16: backend=auto: linear=torch" + _REST.split(" | grad")[0] in text
@@ -360,18 +366,27 @@ def test_fp8_cast_bench_rows_and_same_bytes(device):
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
     reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")])])
 def test_fp8_cast_bench_fused_rows_agree_with_unfused(device):
-    """fp8_cast_bench.run_fused at small shapes: per op (LayerNorm, GELU) a copy row, each path's
-    unfused pass (producer, then the cast; the same bytes across paths) and the fused kernels
-    (the C++ operator where built, the torch casts' GELU, Triton's on CUDA with every LayerNorm
-    tile), each fused row's bytes within the tolerance of the unfused rows' and its speed-up over
-    its path's unfused row."""
+    """fp8_cast_bench.run_fused at small shapes: per op (LayerNorm, GELU, and the GELU backward
+    where the C++ operator runs) a copy row, each path's unfused pass (producer, then the cast; the
+    same bytes across paths) and the fused kernels (the C++ operator where built, the torch casts'
+    GELU, Triton's on CUDA with every LayerNorm tile), each fused row's bytes within the tolerance
+    of the unfused rows' and its speed-up over its path's unfused row; dgelu's pair casts to e5m2
+    and counts 8 bytes an element (its copy row clones as many)."""
     import fp8_cast_bench as bench
     from dept_mega.parallel import fp8_casts
     dev = torch.device(device)
     rows = bench.run_fused(dev, 256, 64, 256, iters=1)
     assert not [r for r in rows if "error" in r], rows
     weight = torch.ones(64, dtype=torch.bfloat16, device=dev)
-    for op, label in (("layernorm", "layernorm [tokens, hidden]"), ("gelu", "gelu [tokens, ffn]")):
+    cpp = fp8_casts.op_unavailable(dev) is None
+    ops = [("layernorm", "layernorm [tokens, hidden]"), ("gelu", "gelu [tokens, ffn]")]
+    assert cpp == any(r["op"] == "dgelu" for r in rows)
+    if cpp:
+        ops.append(("dgelu", "dgelu [tokens, ffn]"))
+        dgelu = [r for r in rows if r["op"] == "dgelu"]
+        assert [r["variant"] for r in dgelu] == ["copy", "unfused", "fused"] and {r["fp8"] for r in dgelu} == {"float8_e5m2"}
+        assert dgelu[0]["gbps"] == pytest.approx(8 * 256 * 256 / (dgelu[0]["us"] * 1e3))
+    for op, label in ops:
         rs = [r for r in rows if r["op"] == op]
         assert all(r["shape"] == label for r in rs)
         names = [name for _, _, name, _ in bench.fused_kernels(dev, weight)[op]]
@@ -381,8 +396,8 @@ def test_fp8_cast_bench_fused_rows_agree_with_unfused(device):
         fused = [r for r in rs if r["variant"] == "fused"]
         assert unfused[0]["same_bytes"] is None and all(r["same_bytes"] is True for r in unfused[1:]), unfused
         paths = {r["path"] for r in fused}
-        assert ("cuda" in paths) == (fp8_casts.op_unavailable(dev) is None), paths
-        assert ("torch" in paths) == (op == "gelu")  # no fused LayerNorm in the torch casts
+        assert ("cuda" in paths) == cpp, paths
+        assert ("torch" in paths) == (op == "gelu")  # no fused LayerNorm or dGELU in the torch casts
         for r in fused:
             assert r["differ_fraction"] <= bench.FUSED_MAX_FRACTION and r["max_steps"] <= 1, r
             assert r["speedup"] == pytest.approx(next(u["us"] for u in unfused if u["path"] == r["path"]) / r["us"])

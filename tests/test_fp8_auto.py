@@ -24,6 +24,8 @@ CPP_LN = "auto: the C++ LayerNorm cast is not faster than the norm then the cast
 TRITON_GELU = "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)"
 TORCH = "auto: the torch casts have no fused kernel"
 NOT_GPU = "auto: not on a GPU (auto fuses for the fused kernels' GPU speed)"
+CPP_DGELU = "auto: the C++ dGELU cast is not yet measured on a GPU"
+TRITON_DGELU = "the Triton casts have no fused dGELU cast"
 
 
 @pytest.fixture
@@ -119,33 +121,37 @@ def test_the_defaults_on_cuda_are_the_fast_path(cuda_here):
     b = resolve_backends(tiny_config(FP8), "cuda")
     assert (b.fp8_casts, b.fp8_gemm, b.fp8_fused_casts) == ("cuda", "cublaslt", ("fc2",))
     line = b.describe()
-    assert f"fused casts (fp8_fused_casts: null = auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 ({CPP_LN})]" in line
+    assert (f"fused casts (fp8_fused_casts: null = auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 ({CPP_LN}); "
+            f"dgelu ({CPP_DGELU})]") in line, line
     assert "fp8_casts auto" not in line and "fp8_gemm auto" not in line, line
     cpu = resolve_backends(tiny_config(FP8), "cpu")
     assert (cpu.fp8_casts, cpu.fp8_gemm, cpu.fp8_fused_casts) == ("torch", "torch", ())
 
 
 @pytest.mark.parametrize("casts,scaling,compile_,fused,reasons", [
-    ("cuda", "delayed", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})",)),
-    ("cuda", "current", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})",)),
-    ("triton", "delayed", False, ("qkv", "fc1"), (f"fc2 ({TRITON_GELU})",)),
+    ("cuda", "delayed", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})", f"dgelu ({CPP_DGELU})")),
+    ("cuda", "current", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})", f"dgelu ({CPP_DGELU})")),
+    ("triton", "delayed", False, ("qkv", "fc1"), (f"fc2 ({TRITON_GELU})", f"dgelu ({TRITON_DGELU})")),
     ("triton", "current", False, (), ("qkv, fc1 (auto: under current scaling the LayerNorm has no fused kernel "
-                                      "(normalised, then cast))", f"fc2 ({TRITON_GELU})")),
-    ("torch", "delayed", False, (), (f"qkv, fc1, fc2 ({TORCH})",)),
-    ("cuda", "delayed", True, (), ("qkv, fc1, fc2 (auto: train.compile traces the norms, GELUs and casts into the "
-                                   "compiled blocks)",)),
-    ("cuda", "delayed", "cpu", (), (f"qkv, fc1, fc2 ({NOT_GPU})",)),
-    ("triton", "delayed", "cpu", (), (f"qkv, fc1, fc2 ({NOT_GPU})",))])
+                                      "(normalised, then cast))", f"fc2 ({TRITON_GELU})", f"dgelu ({TRITON_DGELU})")),
+    ("torch", "delayed", False, (), (f"qkv, fc1, fc2, dgelu ({TORCH})",)),
+    ("cuda", "delayed", True, (), ("qkv, fc1, fc2, dgelu (auto: train.compile traces the norms, GELUs and casts "
+                                   "into the compiled blocks)",)),
+    ("cuda", "delayed", "cpu", (), (f"qkv, fc1, fc2, dgelu ({NOT_GPU})",)),
+    ("triton", "delayed", "cpu", (), (f"qkv, fc1, fc2, dgelu ({NOT_GPU})",))])
 def test_auto_fused_casts_table(casts, scaling, compile_, fused, reasons):
     """``fp8_fused_casts: null``: per cast path the producers whose fused kernel was measured
     faster (the AUTO table), each other FP8 linear with its reason; true fuses every one that
-    can, false none, whatever the path."""
+    can, false none, whatever the path (true's dgelu: not with the Triton casts, nor under
+    current scaling)."""
     m = tiny_config(FP8).model
     how = dict(casts=casts, scaling=scaling, compile=compile_ is True, gpu=compile_ != "cpu")
     assert fused_cast_gemms(m, 1, GEMMS, None, **how) == fused
     assert unfused_cast_reasons(m, 1, GEMMS, None, **how) == reasons
-    assert fused_cast_gemms(m, 1, GEMMS, True, **how) == ("qkv", "fc1", "fc2")
-    assert unfused_cast_reasons(m, 1, GEMMS, True, **how) == ()
+    dgelu = (TRITON_DGELU if casts == "triton" else
+             "current scaling: the dGELU's fused cast needs a delayed scale" if scaling == "current" else None)
+    assert fused_cast_gemms(m, 1, GEMMS, True, **how) == ("qkv", "fc1", "fc2") + (() if dgelu else ("dgelu",))
+    assert unfused_cast_reasons(m, 1, GEMMS, True, **how) == ((f"dgelu ({dgelu})",) if dgelu else ())
     assert fused_cast_gemms(m, 1, GEMMS, False, **how) == () == unfused_cast_reasons(m, 1, GEMMS, False, **how)
 
 
@@ -154,10 +160,12 @@ def test_auto_fused_casts_keep_the_structural_reasons():
     auto's reasons apply to the rest only."""
     m = tiny_config(merge(FP8, {"model": {"normalization": "rmsnorm"}})).model
     assert fused_cast_gemms(m, 1, GEMMS, None, "cuda") == ("fc2",)
-    assert unfused_cast_reasons(m, 1, GEMMS, None, "cuda") == ("qkv, fc1 (rmsnorm has no fused cast)",)
+    assert unfused_cast_reasons(m, 1, GEMMS, None, "cuda") == ("qkv, fc1 (rmsnorm has no fused cast)",
+                                                               f"dgelu ({CPP_DGELU})")
     m = tiny_config(FP8).model
     assert unfused_cast_reasons(m, 2, GEMMS, None, "triton") == (
-        "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)", f"fc2 ({TRITON_GELU})")
+        "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)", f"fc2 ({TRITON_GELU})",
+        f"dgelu ({TRITON_DGELU})")
     assert set(AUTO) == set(fp8_casts.CAST_KERNELS[1:])  # one entry per path auto may resolve to
 
 
@@ -167,9 +175,9 @@ def test_auto_fuses_nothing_off_a_gpu():
     for casts in ("cuda", "torch"):
         b = resolve_backends(tiny_config({**FP8, "fp8_casts": casts}), "cpu")
         assert b.fp8_fused_casts == (), casts
-        assert f"not fused: qkv, fc1, fc2 ({NOT_GPU})" in b.describe()
+        assert f"not fused: qkv, fc1, fc2, dgelu ({NOT_GPU})" in b.describe()
     on = resolve_backends(tiny_config({**FP8, "fp8_casts": "cuda", "fp8_fused_casts": True}), "cpu")
-    assert on.fp8_fused_casts == ("qkv", "fc1", "fc2")
+    assert on.fp8_fused_casts == ("qkv", "fc1", "fc2", "dgelu")
 
 
 @pytest.mark.parametrize("casts,fused", [("cuda", ("fc2",)), ("triton", ("qkv", "fc1")), ("torch", ())])
@@ -182,7 +190,8 @@ def test_backends_fuse_per_the_table(cuda_here, casts, fused):
     assert "fused casts (fp8_fused_casts: null = auto) [" in line, line
     assert "not fused: " in line
     on = resolve_backends(tiny_config({**FP8, "fp8_casts": casts, "fp8_fused_casts": True}), "cuda")
-    assert on.fp8_fused_casts == ("qkv", "fc1", "fc2") and "fused casts (fp8_fused_casts) [qkv" in on.describe()
+    assert on.fp8_fused_casts == ("qkv", "fc1", "fc2") + (() if casts == "triton" else ("dgelu",))
+    assert "fused casts (fp8_fused_casts) [qkv" in on.describe()
     off = resolve_backends(tiny_config({**FP8, "fp8_casts": casts, "fp8_fused_casts": False}), "cuda")
     assert off.fp8_fused_casts == () and "fused casts" not in off.describe()
 

@@ -118,13 +118,15 @@ def test_fused_training_equals_unfused(recipe, monkeypatch):
     over = {"fp8_recipe": recipe}
     cfg = tiny_config(merge(BASE, {**over, "fp8_fused_casts": True}))
     apart = "run apart: the torch casts have no fused kernel"
+    dgelu = (f"dgelu (fc1's output gradient, {apart})" if recipe == "delayed" else
+             "not fused: dgelu (current scaling: the dGELU's fused cast needs a delayed scale)")
     assert (f"fused casts (fp8_fused_casts) [qkv (layernorm, {apart}), fc1 (layernorm, {apart}), fc2 (gelu, "
-            f"{apart})]") in resolve_backends(cfg, "cpu").describe()
+            f"{apart}), {dgelu}]") in resolve_backends(cfg, "cpu").describe()
     assert "fused casts" not in resolve_backends(tiny_config(merge(BASE, {**over, "fp8_fused_casts": False})),
                                                  "cpu").describe()
     # the default (auto) on the CPU: nothing fuses, and the log says why
-    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
-            "for the fused kernels' GPU speed))]") in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
+    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2, dgelu (auto: not on a GPU (auto "
+            "fuses for the fused kernels' GPU speed))]") in resolve_backends(tiny_config(merge(BASE, over)), "cpu").describe()
     norm_casts, gelu_casts = [], []
     real_norm, real_cast = Fp8State.norm_cast, Fp8State.cast
     monkeypatch.setattr(Fp8State, "norm_cast", lambda self, *a, **k: norm_casts.append(1) or real_norm(self, *a, **k))
@@ -170,7 +172,7 @@ def test_tp2_fuses_fc2_only_and_trains_as_unfused():
     """TP 2 (gloo), with and without sequence parallelism: fc2 (row-parallel, the input is this
     rank's) fuses its GELU; QKV and fc1 (an all-gather / copy between the norm and the GEMM) do
     not; the results equal the unfused ones."""
-    assert fused_cast_gemms(tiny_config(BASE).model, 2, GEMMS) == ("fc2",)
+    assert fused_cast_gemms(tiny_config(BASE).model, 2, GEMMS) == ("fc2", "dgelu")
     assert unfused_cast_reasons(tiny_config(BASE).model, 2, GEMMS) == (
         "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)",)
     assert unfused_cast_reasons(tiny_config(BASE).model, 1, GEMMS) == ()
@@ -196,14 +198,15 @@ def test_rmsnorm_and_swiglu_stay_unfused(model, want, monkeypatch):
     names = {"attention.qkv": "qkv", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
     cfg = tiny_config(merge(BASE, {"model": model, "fp8_fused_casts": True}))
     backends = resolve_backends(cfg, "cpu")
-    assert backends.fp8_fused_casts == tuple(g for g in GEMMS if g in {names[k] for k in want})
+    fused = tuple(g for g in GEMMS if g in {names[k] for k in want})
+    assert backends.fp8_fused_casts == fused + (("dgelu",) if "fc2" in fused else ())  # fc1's gradient with fc2
     line = backends.describe()
     if not want:  # on, but nothing to fuse: the log says so
         assert "fused casts (fp8_fused_casts) [none, not fused: " in line, line
     if model.get("normalization") == "rmsnorm":  # and why the others do not fuse
         assert "qkv, fc1 (rmsnorm has no fused cast)" in line, line
     if model.get("activation") == "swiglu":
-        assert "fc2 (swiglu has no fused cast)" in line, line
+        assert "fc2, dgelu (swiglu has no fused cast)" in line, line
 
 
 def _reference_kernels(monkeypatch, log: list) -> None:
@@ -323,12 +326,19 @@ def test_torch_casts_round_the_gelu_when_compiled(monkeypatch):
         assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
 
 
-@pytest.mark.parametrize("casts,recipe,ln,gelu", [
-    ("cuda", "delayed", "one kernel once the input has a delayed scale (from the second training step)", "one kernel"),
-    ("cuda", "current", "normalised, then cast: current scaling", "one kernel"),
+_DGELU_CUDA = ("dgelu (fc1's output gradient, one kernel in fc2's backward once the gradient has a delayed scale "
+               "(from the second training step))")
+
+
+@pytest.mark.parametrize("casts,recipe,ln,gelu,dgelu", [
+    ("cuda", "delayed", "one kernel once the input has a delayed scale (from the second training step)", "one kernel",
+     ", " + _DGELU_CUDA),
+    ("cuda", "current", "normalised, then cast: current scaling", "one kernel",
+     ", not fused: dgelu (current scaling: the dGELU's fused cast needs a delayed scale)"),
     ("torch", "delayed", "run apart: the torch casts have no fused kernel",
-     "run apart: the torch casts have no fused kernel")])
-def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu):
+     "run apart: the torch casts have no fused kernel",
+     ", dgelu (fc1's output gradient, run apart: the torch casts have no fused kernel)")])
+def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu, dgelu):
     """The run log does not claim one kernel where the path runs the producer, then the cast
     (the torch casts; the LayerNorm under current scaling), and names apex's LayerNorm replaced."""
     import dataclasses
@@ -337,7 +347,7 @@ def test_run_log_says_how_the_fused_casts_run(casts, recipe, ln, gelu):
         pytest.skip(f"the C++ cast operator is unavailable: {fp8_casts.op_unavailable('cpu')}")
     cfg = tiny_config(merge(BASE, {"fp8_casts": casts, "fp8_recipe": recipe, "fp8_fused_casts": True}))
     backends = resolve_backends(cfg, "cpu")
-    want = f"[qkv (layernorm, {ln}), fc1 (layernorm, {ln}), fc2 (gelu, {gelu})]"
+    want = f"[qkv (layernorm, {ln}), fc1 (layernorm, {ln}), fc2 (gelu, {gelu}){dgelu}]"
     assert f"fused casts (fp8_fused_casts) {want}" in backends.describe()
     assert "not apex" not in backends.describe()
     assert "(those LayerNorms are computed by the fused path, not apex)" in dataclasses.replace(

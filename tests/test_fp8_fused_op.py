@@ -1,7 +1,8 @@
 """The fused prologues of the C++ FP8 cast operators (``parallel/fp8_casts.py``; kernels in
 ``csrc/cpu/ops_cpu.cpp``, ``csrc/cuda/fp8_cast.cu``, ``csrc/cuda/layernorm_cast.cu``):
 ``cast_fp8(..., gelu=True)`` and ``layernorm_cast_fp8``, against the reference, ``F.gelu`` /
-``F.layer_norm`` in torch and then ``fp8._cast_math`` with the same scale.
+``F.layer_norm`` in torch and then ``fp8._cast_math`` with the same scale (and, on the GPU,
+``dgelu_cast_fp8``'s CUDA kernel: its CPU checks are ``test_fp8_dgelu_op.py``'s).
 
 Bytes: equal, except where the intermediate (GELU or LayerNorm in fp32, rounded to bf16/fp16)
 is ambiguous: where an fp32 computation within the formula's rounding error of the exact value
@@ -370,3 +371,25 @@ def test_cuda_fused_operators_match_the_reference():
         report.append(max(_run_gelu(device, fp8_casts.cast_fp8, in_dtype, fp8, gelu_bound[fp8])))
         report.append(max(_run_layernorm(device, in_dtype, fp8, 1e-3, shapes)))
     print("max fractions of differing bytes (gelu, layernorm per dtype pair):", report)
+
+
+@pytest.mark.gpu
+def test_cuda_dgelu_cast_matches_the_reference():
+    """On the GPU: dgelu_cast_fp8's CUDA kernel against aten.gelu_backward on CUDA, then
+    _cast_math, under the rules of test_fp8_dgelu_op.py, at odd and training-like shapes (the
+    vectorised path: 16-byte rows, rows + pad a multiple of 16; the scalar one: odd shapes).
+    PyTorch's CUDA kernel has the kernel's formula, erff and expf (its `cdf + x * pdf` contracted
+    into an FMA: the kernel writes it so), so every value and byte is expected equal (bounds 1e-5).
+    Without a GPU under DEPT_MEGA_GPU_TESTS_ON_CPU=1 it rehearses with the CPU kernel."""
+    from tests.test_fp8_dgelu_op import _BYTE_BOUND, _DH_BOUND, SHAPES, _run
+
+    device = gpu_test_device(fp8=True)
+    if device == "cuda" and (why := fp8_casts.op_unavailable(device)) is not None:
+        pytest.fail(f"the CUDA kernel of dgelu_cast_fp8 is not built: {why}")
+    on_gpu = device == "cuda"
+    report = []
+    for in_dtype, fp8 in PAIRS:
+        fracs = _run(device, fp8_casts.dgelu_cast_fp8, in_dtype, fp8, 1e-5 if on_gpu else _DH_BOUND[in_dtype],
+                     1e-5 if on_gpu else _BYTE_BOUND[fp8], SHAPES + [(2048, 2048, 0), (1000, 1024, 24)])
+        report.append((max(f for f, _ in fracs), max(f for _, f in fracs)))
+    print("dgelu: max fractions of differing dh values and bytes per dtype pair:", report)

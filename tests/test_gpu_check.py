@@ -23,6 +23,10 @@ STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused
           "compile_nofusion", "mb8")
 
 
+# the C++ casts' fused dGELU cast of fc1's output gradient, as fp8_fused_casts: true lists it
+_DGELU = "dgelu (fc1's output gradient, one kernel in fc2's backward once the gradient has a delayed scale"
+
+
 def _run(out, *args, timeout=420):
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
@@ -91,12 +95,12 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "cuBLASLt operator" in by["fp8_lt_fused"]["backends"]
     # the defaults (the torch casts and GEMM on the CPU: auto fuses nothing, and says why) beside the
     # previous defaults (named explicitly: fp8_fused_casts=false) and every producer fused
-    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2 (auto: not on a GPU (auto fuses "
-            "for the fused kernels' GPU speed))]") in by["fp8"]["backends"], by["fp8"]["backends"]
+    assert ("fused casts (fp8_fused_casts: null = auto) [none, not fused: qkv, fc1, fc2, dgelu (auto: not on a GPU (auto "
+            "fuses for the fused kernels' GPU speed))]") in by["fp8"]["backends"], by["fp8"]["backends"]
     assert "fp8=hybrid backend=local fp8_casts=torch fp8_gemm=torch fp8_fused_casts=false" in log
     assert "fused casts" not in by["fp8_prev"]["backends"] and "torch._scaled_mm" in by["fp8_prev"]["backends"]
     line = by["fp8_all_fused"]["backends"]
-    assert "cuBLASLt operator" in line and "C++ cast operator" in line and "fc2 (gelu, one kernel)]" in line, line
+    assert "cuBLASLt operator" in line and "C++ cast operator" in line and f"fc2 (gelu, one kernel), {_DGELU}" in line, line
     assert "# kernels: fp8_all_fused" in kernels and re.search(r"\(fp8_all_fused\): [\d.]+x fp8 \(", summary)
     assert re.search(r"- FP8 with the defaults \(fp8\): [\d.]+x fp8_prev \(_scaled_mm, torch casts, ", summary), summary
     # fp8_lt_fused has fp8_all_fused's settings: its record again, not a second run
@@ -111,7 +115,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert re.search(r"\(fp8_lt_mb8\): [\d.]+x fp8_lt \(", summary), summary
     assert f"  - bf16: {by['bf16']['backends']}\n" in summary
     assert "  - fp8_lt_fused: backend=local: linear=native fp8 (cuBLASLt operator" in summary
-    assert "fc2 (gelu, one kernel)]" in summary.split("  - fp8_lt_fused: ")[1].splitlines()[0]
+    assert f"fc2 (gelu, one kernel), {_DGELU}" in summary.split("  - fp8_lt_fused: ")[1].splitlines()[0]
     assert "fast accumulation: none" in by["fp8"]["backends"]
     assert "FP8 with the C++/CUDA cast operator (fp8_cuda): " in summary and "(fp8_fast_accum): " in summary
     assert "# kernels: bf16_flex_autotune" in kernels and "inductor autotuning (TORCHINDUCTOR_MAX_AUTOTUNE=1" in summary

@@ -33,8 +33,8 @@ def test_report_and_require(capsys):
 
 
 def test_listing_names_each_fp8_operator_apart(capsys, monkeypatch):
-    """The fused LayerNorm cast operator has its own line (an extension may have cast_fp8 without
-    it: built from an older csrc/), and cast_fp8's line says it takes the GELU."""
+    """The fused LayerNorm and GELU-backward cast operators have their own lines (an extension may
+    have cast_fp8 without them: built from an older csrc/), and cast_fp8's line says it takes the GELU."""
     from dept_mega.ops import loader
 
     missing = {("dept_mega::layernorm_cast_fp8", "cpu")}
@@ -46,6 +46,8 @@ def test_listing_names_each_fp8_operator_apart(capsys, monkeypatch):
             "fp8_fused_casts): cpu yes, cuda no\n") in out, out
     assert ("  fused LayerNorm + FP8 cast operator dept_mega::layernorm_cast_fp8 (fp8_casts: cuda with "
             "fp8_fused_casts): cpu no, cuda no\n") in out, out
+    assert ("  fused GELU backward + FP8 cast operator dept_mega::dgelu_cast_fp8 (fp8_casts: cuda with "
+            "fp8_fused_casts: fc1's output gradient): cpu yes, cuda no\n") in out, out
     assert "  FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt): cpu yes, cuda no\n" in out, out
 
 

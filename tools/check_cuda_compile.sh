@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-checks the CUDA side of the custom ops without a GPU or a CUDA build of torch:
-#  1. csrc/cuda/kernels.cu, remap_ranked.cu, fp8_cast.cu and layernorm_cast.cu (plain CUDA C++, no torch headers) with nvcc for
-#     sm_90, and checks that the objects export the C interface of csrc/cuda/kernels.h;
+#  1. csrc/cuda/kernels.cu, remap_ranked.cu, fp8_cast.cu, layernorm_cast.cu and dgelu_cast.cu (plain
+#     CUDA C++, no torch headers) with nvcc for sm_90, and checks that the objects export the C interface of csrc/cuda/kernels.h;
 #  2. csrc/cuda/ops_cuda.cpp (the torch-facing CUDA operators) with g++ -fsyntax-only against
 #     the installed torch's headers and the CUDA toolkit's headers;
 #  3. csrc/cuda/fp8_gemm_lt.cpp (the cuBLASLt FP8 GEMM) the same way, plus cublasLt.h (and the
@@ -39,7 +39,7 @@ TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                   -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
                   --expt-relaxed-constexpr)
 # kernels.cu (nvcc) and ops_cuda.cpp (g++ against torch's headers) are checked at the same time
-CU_SOURCES=(kernels remap_ranked fp8_cast layernorm_cast)  # csrc/cuda/*.cu: the kernels behind kernels.h
+CU_SOURCES=(kernels remap_ranked fp8_cast layernorm_cast dgelu_cast)  # csrc/cuda/*.cu: the kernels behind kernels.h
 echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/{$(IFS=,; echo "${CU_SOURCES[*]}")}.cu"
 (
   for src in "${CU_SOURCES[@]}"; do
@@ -59,7 +59,8 @@ finish_nvcc() {  # wait for the nvcc compile; fail with its output, or check the
   local syms
   syms=$(for src in "${CU_SOURCES[@]}"; do nm -g --defined-only "$tmp/$src.o"; done)
   for sym in dm_gather_rows dm_remap_ids dm_remap_ranked dm_scatter_workspace_bytes dm_scatter_prepare dm_scatter_apply \
-             dm_record_error dm_fp8_amax_parts dm_fp8_max_cols dm_fp8_cast dm_layernorm_cast_fp8; do
+             dm_record_error dm_fp8_amax_parts dm_fp8_max_cols dm_fp8_cast dm_layernorm_cast_fp8 \
+             dm_dgelu_cast_fp8; do
     if ! grep -qw "$sym" <<<"$syms"; then
       echo "check_cuda_compile: the CUDA objects do not export $sym" >&2
       exit 1

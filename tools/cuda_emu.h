@@ -101,20 +101,30 @@ inline int atomicMax(int* p, int v) {
   return old;
 }
 
-// Runs body() as grid blocks of threads threads, one block after another.
+// Runs body() as grid.x * grid.y blocks of threads threads, one block after another (blockIdx.x
+// fastest).
+template <typename Body>
+void emu_launch(EmuDim3 grid, unsigned threads, Body body) {
+  for (unsigned y = 0; y < grid.y; ++y) {
+    for (unsigned x = 0; x < grid.x; ++x) {
+      EmuBlock block(threads);
+      std::vector<std::thread> ts;
+      ts.reserve(threads);
+      for (unsigned t = 0; t < threads; ++t)
+        ts.emplace_back([&, t, x, y] {
+          threadIdx.x = t;
+          blockIdx.x = x;
+          blockIdx.y = y;
+          emu_block = &block;
+          body();
+        });
+      for (auto& th : ts) th.join();
+    }
+  }
+}
+
+// A one-dimensional grid of grid blocks.
 template <typename Body>
 void emu_launch(unsigned grid, unsigned threads, Body body) {
-  for (unsigned b = 0; b < grid; ++b) {
-    EmuBlock block(threads);
-    std::vector<std::thread> ts;
-    ts.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t)
-      ts.emplace_back([&, t, b] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        emu_block = &block;
-        body();
-      });
-    for (auto& th : ts) th.join();
-  }
+  emu_launch(EmuDim3{grid, 1, 1}, threads, body);
 }

@@ -1,16 +1,20 @@
-"""Runs the CUDA kernel of ``layernorm_cast_fp8`` (``csrc/cuda/layernorm_cast.cu``) on the CPU
-through a host emulation of CUDA (``tools/cuda_emu.h``: a std::thread per CUDA thread, barriers
-and warp shuffles emulated), to check its indexing, synchronisation and arithmetic without a GPU
-(``tests/test_layernorm_cast_emulated.py``). Not its speed, and not the GPU's own rsqrtf and FP8
-conversion instruction (the host's IEEE arithmetic and the kernel's portable fallback instead).
+"""Runs CUDA kernels of ``csrc/cuda`` on the CPU through a host emulation of CUDA
+(``tools/cuda_emu.h``: a std::thread per CUDA thread, barriers and warp shuffles emulated), to
+check their indexing, synchronisation and arithmetic without a GPU: ``layernorm_cast_fp8``'s
+(``layernorm_cast.cu``, ``tests/test_layernorm_cast_emulated.py``) and ``dgelu_cast_fp8``'s
+(``dgelu_cast.cu``, ``tests/test_fp8_dgelu_op.py``). Not their speed, and not the GPU's own
+erff / expf / rsqrtf and FP8 conversion instruction (the host's IEEE arithmetic and libm, and the
+kernels' portable fallbacks instead).
 
-The kernel source up to its launch code (``launch_layout``, which uses ``<<<>>>``) is compiled
-with g++ (C++20) and the CUDA toolkit's headers (``cuda_bf16.h``, ``cuda_fp8.h``), behind a
-launch that mirrors ``launch_typed``'s choice of the vectorised path.
+A kernel source up to its launch code (the first function that uses ``<<<>>>``: a
+:class:`KernelSource`'s ``cut``) is compiled with g++ (C++20) and the CUDA toolkit's headers
+(``cuda_bf16.h``, ``cuda_fp8.h``), behind a launch (its ``driver``) that mirrors the source's
+choice of the vectorised path.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -22,6 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERNORM_SRC = ROOT / "csrc" / "cuda" / "layernorm_cast.cu"
+DGELU_SRC = ROOT / "csrc" / "cuda" / "dgelu_cast.cu"
 _CUT = "template <typename T, typename W, int FMT, bool VEC>\ncudaError_t launch_layout"
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cuda/kernels.h
 _FP8 = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # csrc/fp8_cast.h
@@ -92,20 +97,32 @@ def cuda_include() -> Optional[Path]:
     return None
 
 
-def build_layernorm_cast(out_dir: Path, src: Path = LAYERNORM_SRC) -> Path:
-    """Compiles the emulation of ``src``'s kernel into a shared library in ``out_dir`` (kept: the
-    name carries the source's hash) and returns its path."""
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    """A kernel source for the emulation: the library's ``name``, the ``src`` file, ``cut`` (the
+    text that starts its launch code: the source is compiled up to there) and ``driver`` (C++
+    after it, inside the source's anonymous namespace first: the emulated launch, ``extern "C"``)."""
+    name: str
+    src: Path
+    cut: str
+    driver: str
+
+
+def build(out_dir: Path, kernel: KernelSource) -> Path:
+    """Compiles the emulation of ``kernel`` into a shared library in ``out_dir`` (kept: the name
+    carries the source's hash) and returns its path."""
+    src = kernel.src
     text = src.read_text()
-    if _CUT not in text:
-        raise ValueError(f"{src}: no '{_CUT.splitlines()[1]}' after the kernel: the emulation cuts the "
+    if kernel.cut not in text:
+        raise ValueError(f"{src}: no '{kernel.cut.splitlines()[-1]}' after the kernel: the emulation cuts the "
                          "source there (tools/cuda_emu.py)")
     inc = cuda_include()
     if inc is None:
         raise RuntimeError("tools/cuda_emu.py: the CUDA toolkit's headers (cuda_fp8.h) are not found "
                            "(CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
-    code = '#include "cuda_emu.h"\n#line 1 "' + str(src) + '"\n' + text[:text.index(_CUT)] + _DRIVER
+    code = '#include "cuda_emu.h"\n#line 1 "' + str(src) + '"\n' + text[:text.index(kernel.cut)] + kernel.driver
     digest = hashlib.sha256((code + (ROOT / "tools" / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
-    lib = Path(out_dir) / f"layernorm_cast_emu_{digest}.so"
+    lib = Path(out_dir) / f"{kernel.name}_emu_{digest}.so"
     if lib.exists():
         return lib
     cpp = lib.with_suffix(".cpp")
@@ -116,6 +133,21 @@ def build_layernorm_cast(out_dir: Path, src: Path = LAYERNORM_SRC) -> Path:
     if res.returncode != 0:
         raise RuntimeError(f"tools/cuda_emu.py: compiling the emulation failed:\n{' '.join(cmd)}\n{res.stderr}")
     return lib
+
+
+def build_layernorm_cast(out_dir: Path, src: Path = LAYERNORM_SRC) -> Path:
+    """:func:`build` of ``layernorm_cast.cu``'s kernel (or of ``src``, a variant of it)."""
+    return build(out_dir, KernelSource("layernorm_cast", src, _CUT, _DRIVER))
+
+
+def _ptr(t, index=0):
+    return None if t is None else t.data_ptr() + index * t.element_size()
+
+
+def _check_cpu(*tensors) -> None:
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError("the emulated kernel takes contiguous CPU tensors")
 
 
 class LayerNormCast:
@@ -133,21 +165,97 @@ class LayerNormCast:
                  amax_out=None, amax_index=0):
         """As ``fp8_casts.layernorm_cast_fp8`` (x, weight, bias contiguous: their addresses are
         the kernel's, alignment included); returns (q, q_t, mean, rstd, vec)."""
-        for t in (x, weight, bias, scale, amax_out):
-            if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-                raise ValueError("the emulated kernel takes contiguous CPU tensors")
+        _check_cpu(x, weight, bias, scale, amax_out)
         rows, cols = x.shape
         out_rows = rows + pad
         q = torch.empty(out_rows, cols, dtype=dtype) if rowwise else None
         qt = torch.empty(cols, out_rows, dtype=dtype) if colwise else None
         mean = torch.empty(rows, 1)
         rstd = torch.empty(rows, 1)
-
-        def ptr(t, index=0):
-            return None if t is None else t.data_ptr() + index * t.element_size()
+        ptr = _ptr
         vec = self._f(ptr(x), _CODES[x.dtype], ptr(weight), ptr(bias), _CODES[weight.dtype], rows, cols, pad, eps,
                       _FP8[dtype], ptr(q), ptr(qt), ptr(scale, scale_index), ptr(amax_out, amax_index), ptr(mean),
                       ptr(rstd))
         if vec < 0:
             raise TypeError(f"the emulated kernel takes no x {x.dtype} with weight {weight.dtype}")
         return q, qt, mean, rstd, bool(vec)
+
+
+# dgelu_cast.cu: after the kernel, the emulated launch (as dgelu_cast's); returns 1 when it took the
+# vectorised path, 0 the scalar one, -1 for a dtype code it does not know.
+_DGELU_CUT = "template <typename T, int FMT, bool VEC>\ncudaError_t launch_dgelu"
+_DGELU_DRIVER = r"""
+template <typename T, int FMT, bool VEC, bool R, bool C>
+void emu_run(const void* g, const void* x, void* dh, int64_t rows, int64_t cols, int64_t out_rows, void* q,
+             void* qt, const float* s, float* a) {
+  const EmuDim3 grid{static_cast<unsigned>((out_rows + kTile - 1) / kTile),
+                     static_cast<unsigned>((cols + kTile - 1) / kTile), 1};
+  emu_launch(grid, kThreads, [&] {
+    dgelu_cast_kernel<T, FMT, VEC, R, C>(static_cast<const T*>(g), static_cast<const T*>(x), static_cast<T*>(dh),
+                                         static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), rows, cols,
+                                         out_rows, s, a);
+  });
+}
+template <typename T, int FMT, bool VEC>
+void emu_layouts(const void* g, const void* x, void* dh, int64_t rows, int64_t cols, int64_t out_rows, void* q,
+                 void* qt, const float* s, float* a) {
+  if (q && qt) emu_run<T, FMT, VEC, true, true>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (!q && qt) emu_run<T, FMT, VEC, false, true>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (q && !qt) emu_run<T, FMT, VEC, true, false>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (!q && !qt) emu_run<T, FMT, VEC, false, false>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+}
+template <typename T>
+void emu_formats(int fmt, bool vec, const void* g, const void* x, void* dh, int64_t rows, int64_t cols,
+                 int64_t out_rows, void* q, void* qt, const float* s, float* a) {
+  if (fmt == DM_FP8_E4M3 && vec) emu_layouts<T, DM_FP8_E4M3, true>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (fmt == DM_FP8_E4M3 && !vec) emu_layouts<T, DM_FP8_E4M3, false>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (fmt != DM_FP8_E4M3 && vec) emu_layouts<T, DM_FP8_E5M2, true>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  if (fmt != DM_FP8_E4M3 && !vec) emu_layouts<T, DM_FP8_E5M2, false>(g, x, dh, rows, cols, out_rows, q, qt, s, a);
+}
+}  // namespace
+
+extern "C" int emu_dgelu_cast_fp8(const void* g, const void* x, int dtype, void* dh, int64_t rows, int64_t cols,
+                                  int64_t pad, int fmt, void* q, void* qt, const float* s, float* a) {
+  const int64_t out_rows = rows + pad;
+  // dgelu_cast's condition of the vectorised path
+  const bool aligned = reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(dh) % 16 == 0;
+  const bool vec = aligned && cols % 8 == 0 && out_rows % 16 == 0;
+  if (out_rows == 0 || cols == 0) return vec;
+  if (dtype == DM_BFLOAT16) emu_formats<__nv_bfloat16>(fmt, vec, g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  else if (dtype == DM_FLOAT16) emu_formats<__half>(fmt, vec, g, x, dh, rows, cols, out_rows, q, qt, s, a);
+  else return -1;
+  return vec;
+}
+"""
+DGELU = KernelSource("dgelu_cast", DGELU_SRC, _DGELU_CUT, _DGELU_DRIVER)
+
+
+class DgeluCast:
+    """``dgelu_cast_fp8`` through the emulated kernel (``lib``: :func:`build` of :data:`DGELU`): CPU
+    tensors in, the CUDA operator's outputs (dh, q, q_t) out, and ``vec``: whether the launch took
+    the vectorised path."""
+
+    def __init__(self, lib: Path):
+        self._f = ctypes.CDLL(str(lib)).emu_dgelu_cast_fp8
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self._f.argtypes = [p, p, i, p, i64, i64, i64, i, p, p, p, p]
+        self._f.restype = i
+
+    def __call__(self, grad, x, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0,
+                 amax_out=None, amax_index=0):
+        """As ``fp8_casts.dgelu_cast_fp8`` (grad, x contiguous: their addresses are the kernel's,
+        alignment included; ``scale`` required); returns (dh, q, q_t, vec)."""
+        _check_cpu(grad, x, scale, amax_out)
+        if scale is None:
+            raise ValueError("the emulated dgelu_cast_fp8 needs a delayed scale")
+        rows, cols = grad.shape
+        out_rows = rows + pad
+        dh = torch.empty_like(grad)
+        q = torch.empty(out_rows, cols, dtype=dtype) if rowwise else None
+        qt = torch.empty(cols, out_rows, dtype=dtype) if colwise else None
+        vec = self._f(_ptr(grad), _ptr(x), _CODES[grad.dtype], _ptr(dh), rows, cols, pad, _FP8[dtype], _ptr(q),
+                      _ptr(qt), _ptr(scale, scale_index), _ptr(amax_out, amax_index))
+        if vec < 0:
+            raise TypeError(f"the emulated kernel takes no {grad.dtype}")
+        return dh, q, qt, bool(vec)

@@ -123,6 +123,15 @@ cudaError_t dm_layernorm_cast_fp8(const void* x, int x_dtype, const void* weight
                                   int fp8_format, void* q, void* qt, const float* scale, float* amax,
                                   float* mean, float* rstd, cudaStream_t stream);
 
+// GELU backward + FP8 cast (dept_mega::dgelu_cast_fp8; dgelu_cast.cu). grad, x [rows, cols] (dtype
+// DM_BFLOAT16 | DM_FLOAT16): dh [rows, cols] = gelu_backward(grad, x) (csrc/fp8_cast.h, dm_dgelu)
+// rounded to dtype, written; its cast with the delayed scale *scale into q / qt (as dm_fp8_cast,
+// either may be null; pad zero rows), its amax maxed into *amax (may be null). One launch, no host
+// synchronisation. Limits: cols <= dm_fp8_max_cols() (the operator checks).
+cudaError_t dm_dgelu_cast_fp8(const void* grad, const void* x, int dtype, void* dh, int64_t rows, int64_t cols,
+                              int64_t pad, int fp8_format, void* q, void* qt, const float* scale, float* amax,
+                              cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -297,6 +297,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layernorm_cast_fp8_cu
   return {q, qt, mean, rstd};
 }
 
+// dgelu_cast_fp8 (kernel in dgelu_cast.cu): one launch on the current stream, no host
+// synchronisation. Arguments checked in Python first (fp8_casts.check_dgelu_args), these checks the
+// last line.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dgelu_cast_fp8_cuda(
+    const at::Tensor& grad_in, const at::Tensor& x_in, at::ScalarType dtype, int64_t pad, bool rowwise,
+    bool colwise, const std::optional<at::Tensor>& scale, int64_t scale_index,
+    const std::optional<at::Tensor>& amax_out, int64_t amax_index) {
+  const int fmt = check_dgelu_cast_fp8_args(grad_in, x_in, dtype, pad, scale, scale_index, amax_out, amax_index);
+  TORCH_CHECK_VALUE(grad_in.size(1) <= dm_fp8_max_cols(), "dgelu_cast_fp8: at most ", dm_fp8_max_cols(),
+                    " columns on CUDA, got ", grad_in.size(1));
+  const c10::cuda::CUDAGuard guard(grad_in.device());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = grad.size(0), cols = grad.size(1), out_rows = rows + pad;
+  at::Tensor dh = at::empty_like(grad, at::MemoryFormat::Contiguous);
+  at::Tensor q, qt;
+  if (rowwise) q = at::empty({out_rows, cols}, grad.options().dtype(dtype));
+  if (colwise) qt = at::empty({cols, out_rows}, grad.options().dtype(dtype));
+  check_cuda(dm_dgelu_cast_fp8(grad.const_data_ptr(), x.const_data_ptr(), row_code(grad.scalar_type()),
+                               dh.data_ptr(), rows, cols, pad, fmt, rowwise ? q.data_ptr() : nullptr,
+                               colwise ? qt.data_ptr() : nullptr, scale->const_data_ptr<float>() + scale_index,
+                               amax_out.has_value() ? amax_out->data_ptr<float>() + amax_index : nullptr,
+                               c10::cuda::getCurrentCUDAStream()),
+             "dgelu_cast_fp8");
+  return {dh, q, qt};
+}
+
 // The device's persistent record (aliased, not copied: the caller reads and clears it).
 at::Tensor error_record_cuda(const at::Tensor& like) {
   TORCH_CHECK_VALUE(like.is_cuda(), "error_record: expected a CUDA tensor, got ", like.device());
@@ -314,6 +341,7 @@ TORCH_LIBRARY_IMPL(dept_mega, CUDA, m) {
   m.impl("error_record", &error_record_cuda);
   m.impl("cast_fp8", &cast_fp8_cuda);
   m.impl("layernorm_cast_fp8", &layernorm_cast_fp8_cuda);
+  m.impl("dgelu_cast_fp8", &dgelu_cast_fp8_cuda);
 }
 
 }  // namespace dept_mega

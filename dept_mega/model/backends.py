@@ -112,7 +112,9 @@ class Backends:
     fp8_gemm: str = ""  # native FP8: "torch" (torch._scaled_mm) | "cublaslt" (dept_mega::fp8_gemm, fp8_gemm.py)
     # fp8_fused_casts for the log: "" (false, or no native FP8), "on" (true), "auto" (null; model/fused_casts.py)
     fused_casts: str = ""
-    fp8_fused_casts: tuple[str, ...] = ()  # the FP8 GEMMs whose input's producer is fused into its cast
+    # the FP8 GEMMs whose input's producer is fused into its cast, and "dgelu" where fc1's output
+    # gradient's cast is fused into fc2's GELU backward
+    fp8_fused_casts: tuple[str, ...] = ()
     fp8_unfused: tuple[str, ...] = ()  # with fused_casts: the FP8 linears that do not fuse, and why
     num_layers: int = 0
     recompute: str = "none"
@@ -138,8 +140,9 @@ class Backends:
         if self.linear == "fp8-native" and self.layer_fp8(layer_id):
             if fp8_state is None or fp8_state.recipe != self.fp8:
                 raise ValueError(f"layer {layer_id}: native FP8 GEMMs need an Fp8State with the recipe {self.fp8}")
-            return {g: (LinearGemm("fp8", fp8_state, fused_casts=g in self.fp8_fused_casts) if g in self.fp8_gemms
-                        else torch_gemm) for g in GEMMS}
+            fused = self.fp8_fused_casts  # "dgelu": fc1's output-gradient cast (fused_casts.py)
+            return {g: (LinearGemm("fp8", fp8_state, fused_casts=g in fused, fused_dgelu=g == "fc1" and "dgelu" in fused)
+                        if g in self.fp8_gemms else torch_gemm) for g in GEMMS}
         return {g: torch_gemm for g in GEMMS}
 
     def new_fp8_state(self, device: torch.device | str) -> Optional[Fp8State]:

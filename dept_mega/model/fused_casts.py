@@ -1,12 +1,16 @@
-"""Which native FP8 linears fuse the producer of their input into its cast (``fp8_fused_casts``,
-``parallel/fp8_prologue.py``), and the run log's account of it.
+"""Which native FP8 casts are fused into the producer of the tensor they cast (``fp8_fused_casts``),
+and the run log's account of it.
 
-Two rules decide, per linear:
+The producers: a LayerNorm before QKV and fc1 and the GELU before fc2 write those linears' inputs
+(``parallel/fp8_prologue.py``); fc2's GELU backward writes fc1's output gradient (``dgelu``,
+``parallel/fp8_dgelu.py``). Two rules decide, per cast:
 
-* what can fuse (:func:`_unfused_casts`): QKV and fc1 read a LayerNorm's output, fc2 a GELU's;
-  RMSNorm and SwiGLU have no fused cast, and a collective between the norm and the GEMM (more
-  than one tensor rank) leaves QKV and fc1 unfused. The layers apply the same rule
-  (``layers._GemmMixin._fuses``).
+* what can fuse (:func:`_unfused_casts`): RMSNorm and SwiGLU have no fused cast, and a collective
+  between the norm and the GEMM (more than one tensor rank) leaves QKV and fc1 unfused. The layers
+  apply the same rule (``layers._GemmMixin._fuses``). ``dgelu`` needs fc1 and fc2 in FP8 and fc2's
+  GELU fused (its backward is where the fused cast runs), delayed scaling (the cast needs its scale
+  before the GELU backward runs) and a cast path with the fused kernel (the C++ casts; the ``torch``
+  casts run the same math apart), not the Triton casts.
 * ``fp8_fused_casts: null`` (auto) fuses of those only where the fused kernel of the run's casts
   was measured faster than the producer then the cast (:data:`AUTO`); ``true`` fuses them all,
   ``false`` none.
@@ -18,19 +22,23 @@ from typing import Optional
 from ..config import ModelConfig
 
 PRODUCERS = {"qkv": "layernorm", "fc1": "layernorm", "fc2": "gelu"}  # the GEMMs whose input a producer writes
+DGELU = "dgelu"  # fc1's output gradient, which fc2's GELU backward writes (listed after the GEMMs)
 
 # fp8_fused_casts: null (auto): per cast path (fp8_casts, resolved) and producer, None where auto
 # fuses (the fused kernel is faster than the producer then the cast), else why it does not. H200,
 # 2026-11-28, benchmarks/fp8_cast_bench.py at the 1B model's shapes (docs/performance.md, "The
 # third H200 call"): the C++ GELU cast 1.42x its unfused pair, the C++ LayerNorm cast 0.95x; the
 # Triton LayerNorm cast 1.41x (at its tile 32 x 256, 8 warps), the Triton GELU cast 0.64x.
+# The C++ dGELU cast (dgelu_cast_fp8) has no measurement yet: auto leaves it (true runs it).
 _TORCH = "auto: the torch casts have no fused kernel"
+_NO_TRITON_DGELU = "the Triton casts have no fused dGELU cast"
 AUTO: dict[str, dict[str, Optional[str]]] = {
     "cuda": {"layernorm": "auto: the C++ LayerNorm cast is not faster than the norm then the cast (0.95x, H200)",
-             "gelu": None},
+             "gelu": None, DGELU: "auto: the C++ dGELU cast is not yet measured on a GPU"},
     "triton": {"layernorm": None,
-               "gelu": "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)"},
-    "torch": {"layernorm": _TORCH, "gelu": _TORCH},
+               "gelu": "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)",
+               DGELU: _NO_TRITON_DGELU},
+    "torch": {"layernorm": _TORCH, "gelu": _TORCH, DGELU: _TORCH},
 }
 # the LayerNorm's fused kernel needs a delayed scale: under current scaling the fused path
 # normalises, then casts (the unfused work), so auto leaves it
@@ -56,9 +64,9 @@ def _unfused_casts(m: ModelConfig, tp: int) -> dict[str, Optional[str]]:
 def _auto_reasons(casts: str, scaling: str, compile: bool, gpu: bool) -> dict[str, Optional[str]]:
     """auto's choice per producer (:data:`AUTO`) for the run's casts, scaling, compile and device."""
     if not gpu:
-        return {"layernorm": _NOT_GPU, "gelu": _NOT_GPU}
+        return {"layernorm": _NOT_GPU, "gelu": _NOT_GPU, DGELU: _NOT_GPU}
     if compile:
-        return {"layernorm": _COMPILE, "gelu": _COMPILE}
+        return {"layernorm": _COMPILE, "gelu": _COMPILE, DGELU: _COMPILE}
     reasons = dict(AUTO[casts])
     if scaling == "current" and reasons["layernorm"] is None:
         reasons["layernorm"] = _CURRENT
@@ -67,11 +75,17 @@ def _auto_reasons(casts: str, scaling: str, compile: bool, gpu: bool) -> dict[st
 
 def _reasons(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool], casts: str,
              scaling: str, compile: bool, gpu: bool) -> dict[str, Optional[str]]:
-    """For each FP8 GEMM with a producer: None when it fuses under ``setting`` (``fp8_fused_casts``),
-    else why not."""
+    """For each FP8 GEMM with a producer (and ``dgelu`` where fc1 and fc2 are FP8): None when it
+    fuses under ``setting`` (``fp8_fused_casts``), else why not."""
     rule = _unfused_casts(m, tp)
     auto = _auto_reasons(casts, scaling, compile, gpu) if setting is None else {}
-    return {g: rule[g] or auto.get(p) for g, p in PRODUCERS.items() if g in fp8_gemms}
+    out = {g: rule[g] or auto.get(p) for g, p in PRODUCERS.items() if g in fp8_gemms}
+    if "fc1" in fp8_gemms and "fc2" in fp8_gemms:
+        out[DGELU] = (rule["fc2"] or auto.get(DGELU) or (_NO_TRITON_DGELU if casts == "triton" else None)
+                      or ("current scaling: the dGELU's fused cast needs a delayed scale" if scaling == "current"
+                          else None)
+                      or ("fc2 does not fuse its GELU" if out["fc2"] is not None else None))
+    return out
 
 
 def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], setting: Optional[bool] = True,
@@ -80,7 +94,8 @@ def fused_cast_gemms(m: ModelConfig, tp: int, fp8_gemms: tuple[str, ...], settin
     """Which FP8 GEMMs fuse the producer of their input into its cast under ``fp8_fused_casts:
     setting`` with the run's resolved ``casts`` (``fp8_casts``), ``scaling``, ``compile`` and
     whether the device is a GPU (the last four matter to auto, ``setting`` None, only), in the
-    order qkv, fc1, fc2."""
+    order qkv, fc1, fc2, then ``dgelu`` where fc1's output-gradient cast is fused into fc2's GELU
+    backward."""
     if setting is False:
         return ()
     return tuple(g for g, why in _reasons(m, tp, fp8_gemms, setting, casts, scaling, compile, gpu).items()
@@ -108,12 +123,14 @@ def describe(mode: str, fused: tuple[str, ...], unfused: tuple[str, ...], casts:
     kernel; with the ``torch`` casts, or the LayerNorm under current scaling, the producer then
     the cast: the same math), and which FP8 linears do not fuse, and why."""
     if casts not in ("triton", "cuda"):
-        ln = gelu = "run apart: the torch casts have no fused kernel"
+        ln = gelu = dgelu = "run apart: the torch casts have no fused kernel"
     else:
         gelu = "one kernel"
         ln = ("one kernel once the input has a delayed scale (from the second training step)"
               if scaling == "delayed" else "normalised, then cast: current scaling")
-    what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})"}
+        dgelu = "one kernel in fc2's backward once the gradient has a delayed scale (from the second training step)"
+    what = {"qkv": f"qkv (layernorm, {ln})", "fc1": f"fc1 (layernorm, {ln})", "fc2": f"fc2 (gelu, {gelu})",
+            DGELU: f"dgelu (fc1's output gradient, {dgelu})"}
     parts = [what[g] for g in fused] or ["none" if unfused else "none: no FP8 linear reads a LayerNorm or GELU output"]
     if unfused:
         parts.append("not fused: " + "; ".join(unfused))

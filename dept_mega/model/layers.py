@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..parallel.fp8_prologue import GELU
+from ..parallel.fp8_prologue import GELU, Gelu
 from ..parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear, mark
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, init_full_then_shard
@@ -202,6 +202,9 @@ class MLP(nn.Module):
                                      init_std=std / math.sqrt(2.0 * num_layers), bias=cfg.bias,
                                      input_is_parallel=True, sequence_parallel=sequence_parallel,
                                      gemm=gemms.get("fc2"), device=device, dtype=dtype)
+        # fc2's prologue: the GELU, naming fc1 where fc1's output-gradient cast is fused into the
+        # GELU's backward (fp8_fused_casts' dgelu, parallel/fp8_dgelu.py)
+        self.gelu = Gelu(self.fc1) if self.fc1.gemm.fused_dgelu and not self.swiglu else GELU
 
     def forward(self, x: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         """``x`` the block's input, normalised by ``norm`` first (fc1's prologue: see ``Norm``);
@@ -210,4 +213,4 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return self.fc2(F.silu(gate) * up)
-        return self.fc2(h, prologue=GELU)
+        return self.fc2(h, prologue=self.gelu)

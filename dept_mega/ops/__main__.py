@@ -33,7 +33,7 @@ def _optional_packages() -> list[tuple[str, str]]:
 def _fp8_operators() -> list[tuple[str, str, tuple[str, ...]]]:
     """The FP8 operators of the extension, each as (what it is and which config selects it,
     operator, the arguments this source passes that an older build lacks: such a build counts as
-    missing the operator); ``fp8_casts: cuda`` needs both cast operators (``fp8_casts.op_unavailable``)."""
+    missing the operator); ``fp8_casts: cuda`` needs the three cast operators (``fp8_casts.op_unavailable``)."""
     from dept_mega.parallel import fp8_casts
 
     cast_args = fp8_casts.OPS["dept_mega::cast_fp8"]
@@ -41,6 +41,9 @@ def _fp8_operators() -> list[tuple[str, str, tuple[str, ...]]]:
              "fp8_fused_casts)", "dept_mega::cast_fp8", cast_args),
             ("fused LayerNorm + FP8 cast operator dept_mega::layernorm_cast_fp8 (fp8_casts: cuda with "
              "fp8_fused_casts)", "dept_mega::layernorm_cast_fp8", fp8_casts.OPS["dept_mega::layernorm_cast_fp8"]),
+            ("fused GELU backward + FP8 cast operator dept_mega::dgelu_cast_fp8 (fp8_casts: cuda with "
+             "fp8_fused_casts: fc1's output gradient)", "dept_mega::dgelu_cast_fp8",
+             fp8_casts.OPS["dept_mega::dgelu_cast_fp8"]),
             ("FP8 GEMM operator dept_mega::fp8_gemm (fp8_gemm: cublaslt)", "dept_mega::fp8_gemm", ())]
 
 

@@ -181,6 +181,7 @@ class Fp8State:
     def end_step(self) -> None:
         for layer in self.layers:
             layer.cache.close()
+            layer.handoff = None
         if self._record and self.layers:
             with torch.no_grad():
                 torch.maximum(torch.cat([layer.amax for layer in self.layers]),
@@ -406,6 +407,8 @@ class Fp8Layer:
         self.scale: Optional[torch.Tensor] = None
         self.amax: Optional[torch.Tensor] = None
         self.grad_amax: Optional[torch.Tensor] = None
+        # the FP8 copies of this layer's output gradient a fused producer made (fp8_dgelu.Handoff), one use
+        self.handoff = None
 
 
 def _states(modules: Iterable[torch.nn.Module]) -> list[Fp8State]:
@@ -526,8 +529,10 @@ def linear_grads(ctx, grad_out: torch.Tensor, xq_t: Optional[torch.Tensor], x_in
     mm = state.mm
     contexts = _host_contexts("dept_mega::fp8_linear_backward", grad_out.device.type)
     try:
-        gq, gq_t, g_inv = state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
-                                     colwise=need_dw)
+        hand, layer.handoff = layer.handoff, None  # taken only if g2 is the tensor it cast (fp8_dgelu.py)
+        hand = hand and hand.take(g2, rows + pad, need_dx, need_dw)
+        gq, gq_t, g_inv = hand or state.cast(g2, layer.index, GRAD, state.grad_dtype, pad, rowwise=need_dx,
+                                             colwise=need_dw)
         if need_dx:  # dX [M, in] = dY [M, out] · W [out, in]
             grad_x = mm(gq, w_dgrad, g_inv, w_inv, state.fast_gemms[1])
             if pad:

@@ -19,6 +19,10 @@ Paths (all give the bytes of the reference math ``fp8._cast_math``):
 
 Under every path an fp32 input takes the reference math (``Fp8State.cast``), as the kernels
 take bf16 and fp16 only.
+
+The fused operators of ``fp8_fused_casts`` (``model/fused_casts.py``) are here too:
+:func:`cast_fp8` with ``gelu=True``, :func:`layernorm_cast_fp8` and :func:`dgelu_cast_fp8` (the GELU
+backward and the FP8 cast of its result, fc1's output gradient: ``fp8_dgelu.py``).
 """
 from __future__ import annotations
 
@@ -36,11 +40,11 @@ MAX_CUDA_COLS = 65535 * 64  # the CUDA kernel's grid: at most 65535 tiles of 64 
 
 # What this source's casts need of the extension: the operators, and the arguments added since
 # they first appeared (an extension built from an older csrc/ lacks them: refused, not misused).
-OPS = {"dept_mega::cast_fp8": ("gelu",), "dept_mega::layernorm_cast_fp8": ()}
+OPS = {"dept_mega::cast_fp8": ("gelu",), "dept_mega::layernorm_cast_fp8": (), "dept_mega::dgelu_cast_fp8": ()}
 
 
 def op_unavailable(device: torch.device | str) -> Optional[str]:
-    """Why the ``cuda`` casts (:func:`cast_fp8`, :func:`layernorm_cast_fp8`) cannot run on
+    """Why the ``cuda`` casts (:func:`cast_fp8`, :func:`layernorm_cast_fp8`, :func:`dgelu_cast_fp8`) cannot run on
     ``device`` (None: they can)."""
     from ..ops import loader
 
@@ -117,7 +121,7 @@ def _name(dtype: torch.dtype) -> str:
 def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index, op: str = "cast_fp8") -> None:
     """Raises what the operator's own checks raise (``csrc/common.h``, check_cast_fp8_args);
     ``op``: the operator named in the messages."""
-    x = "t" if op == "cast_fp8" else "x"
+    x = {"cast_fp8": "t", "dgelu_cast_fp8": "grad"}.get(op, "x")
     if t.dim() != 2:
         raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(t.shape)}")
     if t.dtype not in fp8_kernels.INPUT_DTYPES:
@@ -126,8 +130,8 @@ def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index, op: str 
         raise TypeError(f"{op}: casts to float8_e4m3fn or float8_e5m2, got {_name(dtype)}")
     if pad < 0:
         raise ValueError(f"{op}: pad must be >= 0, got {pad}")
-    if op == "cast_fp8" and t.is_cuda and t.shape[1] > MAX_CUDA_COLS:
-        raise ValueError(f"cast_fp8: at most {MAX_CUDA_COLS} columns on CUDA, got {t.shape[1]}")
+    if op != "layernorm_cast_fp8" and t.is_cuda and t.shape[1] > MAX_CUDA_COLS:
+        raise ValueError(f"{op}: at most {MAX_CUDA_COLS} columns on CUDA, got {t.shape[1]}")
     for name, s, i in (("scale", scale, scale_index), ("amax_out", amax_out, amax_index)):
         if s is None:
             continue
@@ -210,3 +214,44 @@ def layernorm_cast_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     check_layernorm_args(x, weight, bias, dtype, pad, scale, scale_index, amax_out, amax_index)
     return layernorm_op()(x, weight, bias, float(eps), dtype, pad, rowwise, colwise, scale, scale_index,
                           amax_out, amax_index)
+
+
+def check_dgelu_args(grad, x, dtype, pad, scale, scale_index, amax_out, amax_index) -> None:
+    """Raises what the operator's own checks raise (``csrc/common.h``, check_dgelu_cast_fp8_args),
+    in its order."""
+    op = "dgelu_cast_fp8"
+    if grad.dim() != 2:
+        raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(grad.shape)}")
+    if grad.dtype not in fp8_kernels.INPUT_DTYPES:
+        raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(grad.dtype)}")
+    if x.shape != grad.shape:
+        raise ValueError(f"{op}: x must have grad's shape {list(grad.shape)}, got {list(x.shape)}")
+    if x.dtype != grad.dtype:
+        raise TypeError(f"{op}: x must have grad's dtype ({_name(grad.dtype)}), got {_name(x.dtype)}")
+    if x.device != grad.device:
+        raise ValueError(f"{op}: grad is on {grad.device} but x is on {x.device}")
+    if scale is None:
+        raise ValueError(f"{op}: needs a delayed scale (scale tensor); current scaling is not fused")
+    check_args(grad, dtype, pad, scale, scale_index, amax_out, amax_index, op=op)
+
+
+def dgelu_op():
+    """The overload ``torch.ops.dept_mega.dgelu_cast_fp8.default`` (arguments unchecked)."""
+    return torch.ops.dept_mega.dgelu_cast_fp8.default
+
+
+def dgelu_cast_fp8(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, pad: int = 0, rowwise: bool = True,
+                   colwise: bool = False, scale: Optional[torch.Tensor] = None, scale_index: int = 0,
+                   amax_out: Optional[torch.Tensor] = None, amax_index: int = 0
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The GELU backward ``dh = aten.gelu_backward(grad, x)`` (the erf form, fp32, rounded to
+    ``grad``'s dtype) and its FP8 cast with the delayed scale ``scale[scale_index]`` (required:
+    ``ValueError`` without), in one pass through the C++ operator ``dept_mega::dgelu_cast_fp8``:
+    ``(dh, q, q_t)``. ``dh`` [rows, cols] in ``grad``'s dtype; ``q`` / ``q_t`` as :func:`cast_fp8`'s
+    of ``dh`` (pad rows zero FP8, None when not asked for); ``amax_out[amax_index]`` is maxed with
+    ``dh``'s amax. ``x``: ``grad``'s shape, dtype and device. The same values as the composition,
+    except where the kernel's erf / exp and PyTorch's round the fp32 result to different sides of a
+    bf16/fp16 midpoint (GELU's negative tail; see tests/test_fp8_dgelu_op.py). Arguments checked
+    here first, as :func:`cast_fp8`'s."""
+    check_dgelu_args(grad, x, dtype, pad, scale, scale_index, amax_out, amax_index)
+    return dgelu_op()(grad, x, dtype, pad, rowwise, colwise, scale, scale_index, amax_out, amax_index)

@@ -23,7 +23,9 @@ copy and the weight's FP8 operands). Its backward is ``_Fp8Linear``'s (``fp8.lin
 the dgrad GEMM gives the gradient of the prologue's output; the weight gradient goes where
 ``_Fp8Linear`` puts it) followed by ``aten.gelu_backward`` or
 ``aten.native_layer_norm_backward`` (the input's gradient and the norm's weight/bias gradients):
-the ops autograd runs for the unfused prologue, on the same tensors.
+the ops autograd runs for the unfused prologue, on the same tensors. A GELU whose ``upstream``
+linear's output-gradient cast is fused (``fp8_dgelu.py``) casts its backward's result for that
+linear in the same pass, where that cast can be one pass.
 """
 from __future__ import annotations
 
@@ -34,20 +36,27 @@ import torch.nn.functional as F
 
 from . import fp8
 from .fp8 import _ALIGN, E4M3, INPUT, Fp8Layer, linear_gemm, linear_grads
+from .fp8_dgelu import fused_gelu_backward
 from .fp8_gemm import direct_op
 
 
 class Gelu:
     """The erf GELU (``F.gelu``, ``approximate='none'``) as a linear's prologue: fc2's input
-    (``model/layers.py`` ``MLP``). Stateless; :data:`GELU` is the instance."""
+    (``model/layers.py`` ``MLP``). ``upstream``: the linear whose output the GELU reads (fc1), when
+    that linear's output-gradient cast is fused into this GELU's backward (``fp8_dgelu.py``: its
+    ``fp8_layer`` receives the FP8 copies), else None; :data:`GELU` is the instance without."""
 
     fp8_prologue = "gelu"
+    __slots__ = ("upstream",)
+
+    def __init__(self, upstream=None) -> None:
+        self.upstream = upstream
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x)
 
     def __repr__(self) -> str:
-        return "Gelu()"
+        return "Gelu()" if self.upstream is None else "Gelu(upstream's output gradient cast fused)"
 
 
 GELU = Gelu()
@@ -60,12 +69,14 @@ _LN_BACKWARD = direct_op(torch.ops.aten.native_layer_norm_backward.default)
 
 class _Fp8PrologueLinear(torch.autograd.Function):
     """``prologue(x) Wᵀ`` through the FP8 GEMMs with the prologue fused into the input's cast.
-    ``eps`` None: GELU (``norm_weight``, ``norm_bias`` None); otherwise LayerNorm with
-    ``norm_weight`` and ``norm_bias`` (or None)."""
+    ``eps`` None: GELU (``norm_weight``, ``norm_bias`` None; ``up``: the FP8 layer whose output
+    the GELU reads when its output-gradient cast is fused into the GELU's backward, ``fp8_dgelu.py``,
+    else None); otherwise LayerNorm with ``norm_weight`` and ``norm_bias`` (or None)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
-                norm_bias: Optional[torch.Tensor], layer: Fp8Layer, grad: bool, eps: Optional[float]) -> torch.Tensor:
+                norm_bias: Optional[torch.Tensor], layer: Fp8Layer, grad: bool, eps: Optional[float],
+                up: Optional[Fp8Layer] = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         pad = (-rows) % _ALIGN
@@ -89,7 +100,7 @@ class _Fp8PrologueLinear(torch.autograd.Function):
                 contexts.close()
         if grad:  # nothing saved under no_grad (evaluation)
             ctx.save_for_backward(xq_t, x_inv, w.dgrad, w.inv, x, *stats, norm_weight, norm_bias)
-        ctx.eps = eps
+        ctx.eps, ctx.up = eps, up
         return y
 
     @staticmethod
@@ -100,8 +111,10 @@ class _Fp8PrologueLinear(torch.autograd.Function):
         grad_u, grad_w = linear_grads(ctx, grad_out, xq_t, x_inv, w_dgrad, w_inv, need_dx, needs[1])
         grad_x = grad_nw = grad_nb = None
         if need_dx:
-            if ctx.eps is None:  # d/dh of gelu(h), as GeluBackward0
-                grad_x = _GELU_BACKWARD(grad_u, x)
+            if ctx.eps is None:  # d/dh of gelu(h), as GeluBackward0 (with up's cast of it: fp8_dgelu.py)
+                grad_x = None if ctx.up is None else fused_gelu_backward(grad_u, x, ctx.up)
+                if grad_x is None:
+                    grad_x = _GELU_BACKWARD(grad_u, x)
             else:  # as NativeLayerNormBackward0, on the 2-D view the forward normalised
                 h = x.shape[-1]
                 flat = x.dim() == 2  # no reshape or view dispatched that would change nothing (host time)
@@ -110,7 +123,7 @@ class _Fp8PrologueLinear(torch.autograd.Function):
                     norm_weight, norm_bias, [needs[0], needs[2], needs[3]])
                 if grad_x is not None and not flat:
                     grad_x = grad_x.view(x.shape)
-        return grad_x, grad_w, grad_nw, grad_nb, None, None, None
+        return grad_x, grad_w, grad_nw, grad_nb, None, None, None, None
 
 
 # ``_Fp8PrologueLinear``'s C++ apply, called directly when no functorch transform is active, as
@@ -124,15 +137,18 @@ def fp8_prologue_linear(x: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, 
     ``"gelu"`` | ``"layernorm"``) fused into the cast of the GEMM's input (the module docstring).
     Eager only: the layers call it outside compiled graphs (never traced by Dynamo)."""
     kind = prologue.fp8_prologue
+    up = None
     if kind == "gelu":
         nw = nb = eps = None
+        upstream = getattr(prologue, "upstream", None)
+        up = None if upstream is None else upstream.fp8_layer
     elif kind == "layernorm":
         nw, nb, eps = prologue.weight, prologue.bias, prologue.eps
     else:
         raise ValueError(f"fp8_prologue_linear: no fused cast for a {kind!r} prologue")
     grad = torch.is_grad_enabled()
     if _APPLY is None or fp8._transforms_active():
-        return _Fp8PrologueLinear.apply(x, weight, nw, nb, layer, grad, eps)
+        return _Fp8PrologueLinear.apply(x, weight, nw, nb, layer, grad, eps, up)
     unwrap = fp8._unwrap_if_dead  # what Function.apply does to its tensor arguments, then its C++ apply
     return _APPLY(unwrap(x), unwrap(weight), None if nw is None else unwrap(nw), None if nb is None else unwrap(nb),
-                  layer, grad, eps)
+                  layer, grad, eps, up)

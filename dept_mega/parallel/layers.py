@@ -105,11 +105,14 @@ class LinearGemm:
     ``te.py``). ``fuse_wgrad`` (``torch`` only): the weight gradient accumulates straight into
     the gradient buffer (``wgrad.py``, ``optim.grad_accum_fusion``). ``fused_casts`` (``fp8``
     only, ``fp8_fused_casts``): a fusable prologue is fused into the input's cast
-    (``fp8_prologue.py``)."""
+    (``fp8_prologue.py``). ``fused_dgelu`` (``fp8`` only; fc1): the cast of the layer's output
+    gradient is fused into the GELU backward that produces it (``fp8_dgelu.py``; the MLP hands
+    the layer to fc2's GELU prologue)."""
     kind: str = "torch"
     fp8_state: Optional[Fp8State] = None
     fuse_wgrad: bool = False
     fused_casts: bool = False
+    fused_dgelu: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fp8", "te"):
@@ -118,7 +121,7 @@ class LinearGemm:
             raise ValueError("an fp8 GEMM needs the model's Fp8State")
         if self.fuse_wgrad and self.kind != "torch":
             raise ValueError(f"gradient-accumulation fusion is for torch GEMMs, not {self.kind!r}")
-        if self.fused_casts and self.kind != "fp8":
+        if (self.fused_casts or self.fused_dgelu) and self.kind != "fp8":
             raise ValueError(f"fused FP8 casts are for fp8 GEMMs, not {self.kind!r}")
 
     @property
