@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# The one-call device check: everything the first GPU run must measure, in order of value, inside
-# its own time budget (default 420 s of command time on one H100), every figure written to the
-# output folder as soon as it exists and summary.md rewritten after every stage, so that a call
-# cut off at its limit still returns everything measured until then.
+# The GPU check: the GPU tests and the benchmarks behind docs/performance.md on one GPU, the stages
+# in order of value inside a time budget. Every figure goes to the output folder as soon as it
+# exists and summary.md (the targets, each run's tokens/s over its base runs and over the bf16 run
+# of this call, the command that reruns what failed or did not fit) is rewritten after every
+# stage, so a job cut off at its time limit still leaves everything measured until then.
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS] [--stages a,b,...]
+#   bash benchmarks/gpu_check.sh --out DIR [--budget SECONDS] [--stages a,b,...] [--dry-run]
 #
-#   --out DIR      output folder (default: $OUT)
-#   --budget S     seconds for the whole script (default 420; --dry-run: 240)
-#   --stages LIST  run only these stages (a second, shorter call for what failed or was skipped)
+#   --out DIR      output folder, created if needed (without --out: the folder named by the OUT
+#                  environment variable; one of the two is required)
+#   --budget S     seconds for the whole script (default 420; --dry-run: 240). A stage starts only
+#                  when its expected time (below) is left and is stopped at twice that. The default
+#                  runs the stages in order of value until it is spent (at an H100's expected times:
+#                  env to fp8_lt, then fp8_host); the expected times of all stages add up to 1669 s,
+#                  so --budget 1800 runs everything unless stages overrun
+#   --stages LIST  only these stages, comma-separated, run in the order below (e.g. a second call
+#                  for what failed or was skipped: summary.md ends with that command)
 #   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
-#                  same files (tests/test_gpu_check.py runs it), so that the device call never
-#                  discovers a bug in this script; its Python commands are forked from one
-#                  interpreter that has imported torch once (benchmarks/forkserver.py)
+#                  same files: a rehearsal of the script, no figure means anything (about a minute
+#                  on 2 cores; the test suite runs it: tests/test_gpu_check.py). Its Python commands
+#                  are forked from one interpreter that has imported torch (benchmarks/forkserver.py)
+#   -h, --help     this text
 #
-# Prepare once on a machine with network (the repository root; .whl/ is ignored by git):
-#   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/ (carry it)
-# then copy the checkout with .whl/ to the GPU machine (it needs no network) and run there:
-#   bash benchmarks/gpu_check.sh --out DIR
+# Environment: run from a checkout with its environment active (a CUDA build of torch; the test
+# dependencies: pip install --no-build-isolation -e ".[test]"). The script runs python3 unless
+# PYTHON names the interpreter (PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh ...);
+# TORCH_CUDA_ARCH_LIST (default 9.0) and MAX_JOBS (default 8) set the extension's build.
+# On a SLURM cluster:
+#   srun -N1 --gpus=1 bash benchmarks/gpu_check.sh --out gpu_check_out --budget 1800
+#
+# What it changes besides the output folder:
+# - the build stage rebuilds the CUDA extension in the checkout (python setup.py build_ext
+#   --inplace, in the background from the start), replacing dept_mega/ops/_C*.so and build/: with
+#   an editable install that is the extension every run from this checkout loads, so on a shared
+#   file system run it in a checkout no running job uses. A --stages list without a stage that
+#   needs the extension builds nothing.
+# - at the start it deletes its eight files (listed at the end) from the output folder; other
+#   files there are left alone. Scratch files go to a temporary folder under $TMPDIR (/tmp),
+#   removed at the end.
+#
+# The megatron and torchao stages need megatron-core and torchao 0.17.0: installed in the
+# environment (pip install -e ".[benchmark]" for megatron-core), or as wheels in .whl/, which the
+# script installs with --no-deps into its temporary folder (for a GPU node without network). To
+# fetch the wheels on a machine with network (.whl/ is ignored by git; CPython 3.12 wheels):
+#   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/
 #
 # Stages (expected seconds: measured on one H100, 2026-11-26, or, for ops_tests, ops and torchao,
 # on one H200, 2026-11-27, with room; a stage starts only when its expected time is left,
@@ -59,7 +85,7 @@
 #              GEMM, bf16 beside), and what the Triton launches, cast_fp8's Python and _scaled_mm's host
 #              path each cost over the C++ operators, and what the direct launch saves over Triton's
 #              kernel[grid] (the tritonrun row; tiny operands, wall time) -> one "kind":
-#              "fp8_host" row of bench.jsonl                       30 (an estimate: not yet measured)
+#              "fp8_host" row of bench.jsonl                40 (an estimate; H200: 15-19)
 #   fp8_casts  benchmarks/fp8_cast_bench.py: device µs per cast at the 1B shapes by kernel (Triton tiles,
 #              the C++ operator, inductor's) against a copy of the same bytes, bytes compared; and the
 #              LayerNorm / GELU casts fused (fp8_fused_casts) against the producer then the cast, per path
@@ -73,8 +99,7 @@
 #              tensor cores' fast accumulation (the default, none, promotes every sum) -> bench.jsonl  50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
 #   tests      pytest -m gpu, all but the ops' tests (ops on the PyTorch fallback; test files in
-#              parallel with pytest-xdist when available); after the FP8 runs, which are what a
-#              first call is for (the GPU tests passed on the H200, 2026-11-27)              70
+#              parallel with pytest-xdist when available)                                       70
 #   fp8_compile_triton  the FP8 run with train.compile=true and fp8_casts=triton: our one-pass
 #              Triton cast kernel inside the compiled blocks (one op per cast, instead of
 #              inductor's casts), profiled -> bench.jsonl, kernels.txt                   60
@@ -82,9 +107,9 @@
 #   fp8_compile  the FP8 run (delayed scaling, the default recipe) with train.compile=true: the FP8
 #              GEMMs traced into the compiled blocks, profiled -> bench.jsonl, kernels.txt     60
 #   torchao    benchmarks/vs_torchao.py: torchao's float8 (tensorwise) against bf16, both compiled,
-#              on a plain PyTorch GPT of the same shape (needs the carried wheel; without it the
-#              stage records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl          60
-#   megatron   benchmarks/vs_megatron.py (needs the carried wheel) -> vs_megatron.json          60
+#              on a plain PyTorch GPT of the same shape (needs torchao; without it the stage
+#              records "skipped") -> one "kind": "vs_torchao" row of bench.jsonl               60
+#   megatron   benchmarks/vs_megatron.py (needs megatron-core; fails without it) -> vs_megatron.json 60
 #   flex_autotune  the bf16 run with TORCHINDUCTOR_MAX_AUTOTUNE=1: inductor tries block sizes for
 #              the compiled flex_attention kernels (and the other compiled regions) and keeps the
 #              fastest; profiled, so attention's ms compare with bf16's -> bench.jsonl, kernels.txt
@@ -143,7 +168,7 @@ RESERVE=8  # seconds kept for the last summary
 export PYTHONUNBUFFERED=1
 rm -f "$OUT"/{summary.md,gpu_check.log,build.log,ops_bench.json,bench.jsonl,kernels.txt,memory.json,vs_megatron.json}
 
-# wheels carried with the call (.whl/, benchmarks/fetch_device_wheels.sh), installed apart
+# wheels in .whl/ (benchmarks/fetch_device_wheels.sh), installed apart into the temporary folder
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
@@ -527,7 +552,7 @@ memory_compare() {  # BENCH_RECORD VARIANT VOCAB OUT [OVERRIDES...]
 
 stage_megatron() {
   "$PY" -c "import megatron.core" 2>/dev/null || {
-    log "megatron-core is not importable: carry its wheel (bash benchmarks/fetch_device_wheels.sh; carry .whl)"
+    log "megatron-core is not importable: pip install -e '.[benchmark]', or put its wheel in .whl/ (bash benchmarks/fetch_device_wheels.sh)"
     return 1; }
   run "$PY" benchmarks/vs_megatron.py --config "$CFG" "${MEGATRON[@]}" --out "$OUT/vs_megatron.json" \
     "${SHAPE[@]}" "${MEGATRON_SET[@]}"
