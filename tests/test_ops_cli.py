@@ -9,7 +9,7 @@ import sys
 from dept_mega.config import load_config
 from dept_mega.model.gpt import describe_backends
 from dept_mega.ops import backend, extension_status
-from dept_mega.ops.__main__ import main
+from dept_mega.ops.__main__ import _fp8_operators, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = os.path.join(ROOT, "examples", "tiny", "std.yaml")
@@ -97,7 +97,8 @@ def test_require_fp8_names_each_missing_operator_and_what_runs_instead(monkeypat
     _fake_cuda_kernels(monkeypatch, {"dept_mega::fp8_gemm"})
     assert main(["--require", "fp8"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: --require fp8: 1 of the extension's 3 FP8 operators has no CUDA kernel"), err
+    n = len(_fp8_operators())
+    assert err.startswith(f"error: --require fp8: 1 of the extension's {n} FP8 operators has no CUDA kernel"), err
     assert ("  dept_mega::fp8_gemm: no kernel of dept_mega::fp8_gemm here; fp8_gemm auto runs torch._scaled_mm "
             "instead (fp8_gemm: cublaslt is refused)\n") in err, err
     assert "cast_fp8" not in err, err
@@ -111,13 +112,14 @@ def test_require_fp8_names_each_missing_operator_and_what_runs_instead(monkeypat
 
 def test_require_is_repeatable_and_checks_each(monkeypatch, capsys):
     """--require cpp --require fp8: both checked, each failure said. A build without CUDA kernels
-    (the CPU machines') fails fp8 for real, naming all three operators."""
+    (the CPU machines') fails fp8 for real, naming every FP8 operator."""
     rc = main(["--require", "cpp", "--require", "fp8"])
     err = capsys.readouterr().err
     assert ("error: --require cpp" in err) == (backend("cpu") != "cpp"), err
     if not extension_status().cuda:
-        assert rc == 1 and "3 of the extension's 3 FP8 operators have no CUDA kernel" in err, err
-        for op in ("cast_fp8", "layernorm_cast_fp8", "fp8_gemm"):
+        n = len(_fp8_operators())
+        assert rc == 1 and f"{n} of the extension's {n} FP8 operators have no CUDA kernel" in err, err
+        for op in ("cast_fp8", "layernorm_cast_fp8", "dgelu_cast_fp8", "fp8_gemm"):
             assert f"  dept_mega::{op}: " in err, err
     _fake_cuda_kernels(monkeypatch, set())
     assert main(["--require", "fp8", "--require", "cpp"]) == (0 if backend("cpu") == "cpp" else 1)
