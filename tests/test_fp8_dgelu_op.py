@@ -171,6 +171,7 @@ EMULATED = [
     (90, 776, 6, (0, 0), BF16, E4M3, True, True, True, True),  # pad rows, a partial column tile
     (64, 128, 0, (0, 0), BF16, E5M2, False, True, True, True),  # q_t only
     (16, 64, 0, (0, 0), FP16, E4M3, True, False, False, True),  # q only, no amax slot
+    (64, 128, 0, (0, 0), BF16, E4M3, True, True, False, True),  # q_t without an amax slot (its own barrier)
     (37, 70, 5, (0, 0), FP16, E5M2, True, True, True, False),  # odd shape
     (48, 264, 0, (3, 0), BF16, E5M2, True, True, True, False),  # grad misaligned
     (48, 264, 0, (0, 1), FP16, E4M3, True, True, True, False),  # x misaligned

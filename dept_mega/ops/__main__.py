@@ -5,7 +5,7 @@ which kernels, the optional packages the model can use (Transformer Engine, flas
 apex), and with ``--config CFG [key=value ...]`` the ``backends:`` line a run of that config
 logs on this machine. ``--require cpp|cuda`` exits with status 1 when the custom ops would not
 run compiled kernels on that device, ``--require fp8`` when an FP8 operator of the extension
-(``cast_fp8``, ``layernorm_cast_fp8``, ``fp8_gemm``) has no CUDA kernel, so that FP8's defaults
+(``cast_fp8``, ``layernorm_cast_fp8``, ``dgelu_cast_fp8``, ``fp8_gemm``) has no CUDA kernel, so that FP8's defaults
 would fall back on a GPU (for a cluster's install check; ``--require`` may be repeated).
 """
 from __future__ import annotations
