@@ -114,10 +114,12 @@ def candidates(device: torch.device, slopes: torch.Tensor, s: int, dtype: torch.
     bias = causal_alibi_bias(slopes, s, dtype, device)
     if device.type != "cuda":
         return [("bias math", _sdpa(bias, "math")), ("causal math (no ALiBi)", _sdpa(None, "math"))]
+    # the model's kernel and the uncompiled SDPA rows first; each flex option compiles its own
+    # kernels (tens of seconds on a GPU's host), so they come last: a run cut off keeps the rest
     out: list[tuple[str, Callable]] = [("flex (the model's)", _flex(slopes, None))]
-    out += [(_options_name(o), _flex(slopes, o)) for o in FLEX_OPTIONS]
     out += [("bias efficient", _sdpa(bias, "efficient")), ("bias cudnn", _sdpa(bias, "cudnn")),
             ("causal flash (no ALiBi)", _sdpa(None, "flash")), ("causal cudnn (no ALiBi)", _sdpa(None, "cudnn"))]
+    out += [(_options_name(o), _flex(slopes, o)) for o in FLEX_OPTIONS]
     return out
 
 
@@ -131,7 +133,10 @@ def _errors(out: torch.Tensor, grad: torch.Tensor, ref: tuple[torch.Tensor, torc
     return err
 
 
-def run(device: torch.device, b: int, H: int, s: int, d: int, iters: int) -> list[dict]:
+def run(device: torch.device, b: int, H: int, s: int, d: int, iters: int,
+        json_path: Optional[str] = None) -> list[dict]:
+    """One row per kernel (:func:`candidates`); with ``json_path`` the rows so far are written
+    there after each row, so a run stopped at a time limit keeps what it measured."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     slopes = alibi_slopes(H)
     qkv, q, k, v = make_inputs(b, H, s, d, device, dtype)
@@ -164,6 +169,8 @@ def run(device: torch.device, b: int, H: int, s: int, d: int, iters: int) -> lis
             row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         rows.append(row)
         _print(row)
+        if json_path:
+            Path(json_path).write_text(json.dumps(rows, indent=1))
     return rows
 
 
@@ -190,9 +197,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    rows = run(device, args.batch, args.heads, args.seq, args.head_dim, args.iters)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows = run(device, args.batch, args.heads, args.seq, args.head_dim, args.iters, args.json)
     return 0 if any("ms" in r for r in rows) else 1
 
 

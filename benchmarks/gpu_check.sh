@@ -94,7 +94,7 @@
 #              backward, by kernel (the model's compiled flex_attention, flex with kernel_options
 #              candidates, SDPA with the materialised bias on the efficient / cuDNN backends, the
 #              no-ALiBi flash / cuDNN ceiling), each with its error against an fp32 reference
-#              -> one "kind": "attention_bench" row of bench.jsonl                 60 (an estimate)
+#              -> one "kind": "attention_bench" row of bench.jsonl                 90 (an estimate)
 #   fp8_fast_accum   the FP8 run (the defaults) with fp8_fast_accum=forward: the forward GEMM sums in the
 #              tensor cores' fast accumulation (the default, none, promotes every sum) -> bench.jsonl  50
 #   ops        benchmarks/ops_bench.py: custom ops vs a device-to-device copy -> ops_bench.json  15
@@ -231,7 +231,7 @@ else
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
                      [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55
-                     [fp8_prev]=55 [fp8_all_fused]=55 [attention]=60)
+                     [fp8_prev]=55 [fp8_all_fused]=55 [attention]=90)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
