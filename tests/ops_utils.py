@@ -34,6 +34,17 @@ def lazy_check(device) -> None:
         ops.check_errors(device)
 
 
+def ext_handles(device: str) -> bool:
+    """Whether the compiled extension (not the PyTorch fallback) runs the ops on ``device``."""
+    return ops.backend(device) != "torch"
+
+
+def require_extension() -> None:
+    """Skip the calling test unless the extension's CPU kernels are loaded."""
+    if ops.backend("cpu") != "cpp":
+        pytest.skip(f"extension not loaded: {ops.extension_status().reason}")
+
+
 def seed_of(*key) -> int:
     """A seed from test parameters that is the same in every process (unlike hash())."""
     return zlib.crc32(repr(key).encode())

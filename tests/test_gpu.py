@@ -1,6 +1,6 @@
 """Tests that need a CUDA device (``pytest -m gpu`` on the GPU machine; skipped elsewhere).
 
-The CUDA variants of the custom ops are in tests/test_ops.py (also marked ``gpu``). Here: a
+The CUDA variants of the custom ops are in tests/test_ops.py and tests/test_ops_errors.py (also marked ``gpu``). Here: a
 training step on CUDA against the same step on the CPU (fp32 and bf16), the throughput and
 memory fields of the train records with a profiler trace of CUDA kernels, the compiled cross
 entropy on CUDA (no vocabulary-sized temporaries), fused AdamW, and tools/benchmark.py's record on a GPU.

@@ -1,6 +1,6 @@
 """dept_mega.ops: gather / scatter-add / scatter-mean / remap against float64 references,
-the compiled kernels against the PyTorch fallback (bit for bit), errors, determinism,
-autograd and tracing. CUDA variants run when a GPU is present."""
+the compiled kernels against the PyTorch fallback (bit for bit), determinism, autograd and
+tracing (the errors: tests/test_ops_errors.py). CUDA variants run when a GPU is present."""
 from __future__ import annotations
 
 import os
@@ -13,15 +13,12 @@ import torch
 
 import dept_mega.ops as ops
 from dept_mega.ops import fallback
-from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, gen, lazy_check, rand_ids,
-                             rand_rows, ref_chunked_add, ref_scatter_add, ref_scatter_mean, seed_of, tol)
+from tests.ops_utils import (DEVICES, ID_DTYPES, IMPLS, ROW_DTYPES, ext_handles, gen, lazy_check, rand_ids,
+                             rand_rows, ref_chunked_add, ref_scatter_add, ref_scatter_mean, require_extension,
+                             seed_of, tol)
 
 SHAPES = [(1, 1), (7, 3), (50, 17), (33, 769), (300, 64)]  # (rows, dim), odd dims included
 NS = [0, 1, 40]  # ids per call; 40 > rows for the small tables, so ids repeat
-
-
-def _ext_handles(device: str) -> bool:
-    return ops.backend(device) != "torch"
 
 
 # --------------------------------------------------------------------------- gather
@@ -85,7 +82,7 @@ def test_scatter_add_matches_reference(device, impl, shape, out_dtype):
 @pytest.mark.parametrize("out_dtype", ROW_DTYPES)
 @pytest.mark.parametrize("rows_dtype", ROW_DTYPES)
 def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, rows_dtype):
-    if not _ext_handles(device):
+    if not ext_handles(device):
         pytest.skip(f"no compiled kernels for {device}: {ops.extension_status().reason}")
     g = gen(seed_of(("eq", shape, str(out_dtype), str(rows_dtype))))
     n = 3 * shape[0] + 5
@@ -244,214 +241,6 @@ def test_remap_errors_name_first_offending_id(device, impl):
     assert remap(torch.empty(0, dtype=torch.long, device=device), lookup[:0]).numel() == 0
 
 
-# --------------------------------------------------------------------------- errors
-
-
-def _error(fn, *args, **kwargs):
-    with pytest.raises(Exception) as info:
-        fn(*args, **kwargs)
-        ops.check_errors()  # CUDA: invalid ids are reported at the next check
-    return info.type, str(info.value).splitlines()[0]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_errors_identical_across_backends(device):
-    t = torch.zeros(4, 3, device=device)
-    i = torch.tensor([0, 4, 1], device=device)
-    r = torch.ones(3, 3, device=device)
-    cases = [
-        ("gather", lambda f: f[0](t, i)),
-        ("gather neg", lambda f: f[0](t, torch.tensor([-1], device=device))),
-        ("gather 3d", lambda f: f[0](t[None], i)),
-        ("gather ids 2d", lambda f: f[0](t, i[None])),
-        ("gather f64", lambda f: f[0](t.double(), i)),
-        ("gather float ids", lambda f: f[0](t, i.float())),
-        ("gather out_dtype", lambda f: f[0](t, i, torch.float64)),
-        ("scatter", lambda f: f[1](t.clone(), i, r)),
-        ("scatter shape", lambda f: f[1](t.clone(), i, r[:, :2])),
-        ("scatter noncontig", lambda f: f[1](torch.zeros(3, 4, device=device).t(), i, r)),
-        ("mean", lambda f: f[2](t.clone(), i, r)),
-        ("remap lookup 2d", lambda f: f[3](i, i[None])),
-        ("remap float", lambda f: f[3](i.float(), i)),
-    ]
-    for name, call in cases:
-        got = {impl: _error(call, IMPLS[impl]) for impl in IMPLS}
-        assert got["api"] == got["fallback"], name
-    typ, msg = _error(cases[0][1], IMPLS["api"])
-    assert typ is IndexError and msg == "gather_rows: ids[1] = 4 is out of range for a table of 4 rows"
-    typ, msg = _error(cases[7][1], IMPLS["api"])
-    assert typ is IndexError and msg.startswith("scatter_add_rows: ids[1] = 4")
-    assert _error(cases[4][1], IMPLS["api"])[0] is TypeError
-    assert _error(cases[2][1], IMPLS["api"])[0] is ValueError
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", list(IMPLS))
-def test_scatter_error_leaves_table_unchanged(device, impl):
-    t = torch.arange(8, dtype=torch.float32, device=device).reshape(4, 2)
-    before = t.clone()
-    ids = torch.tensor([0, 1, 9], device=device)
-    with pytest.raises(IndexError):
-        IMPLS[impl][1](t, ids, torch.ones(3, 2, device=device))
-        lazy_check(device)
-    with pytest.raises(IndexError):
-        IMPLS[impl][2](t, ids, torch.ones(3, 2, device=device))
-        lazy_check(device)
-    assert torch.equal(t, before)
-
-
-def test_error_records_raise_the_immediate_errors():
-    """The CUDA ops report invalid ids through a device error record {code, position, id,
-    bound, lookup value} (csrc/constants.h) that check_errors decodes: each record raises
-    exactly what the CPU op raises at once. (The CUDA kernels that write the records run only
-    on a GPU: the cuda variants of the tests above.)"""
-    t, r = torch.zeros(4, 3), torch.ones(3, 3)
-    i = torch.tensor([0, 4, 1])
-    lookup = torch.tensor([0, -1, 1, -1, 2])
-    cases = [  # (record, the CPU call that raises the same error)
-        ([1, 1, 4, 4, 0], lambda: ops.gather_rows(t, i)),
-        ([2, 1, 4, 4, 0], lambda: ops.scatter_add_rows(t.clone(), i, r)),
-        ([3, 1, 4, 4, 0], lambda: ops.scatter_mean_rows(t.clone(), i, r)),
-        ([4, 1, 7, 5, 0], lambda: ops.remap_ids(torch.tensor([0, 7, 1]), lookup)),
-        ([5, 3, 3, 5, -1], lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup)),
-    ]
-
-    def raise_record(record):
-        raise ops.recorded_error(record)
-    for record, call in cases:
-        assert _error(raise_record, record) == _error(call), record
-    assert "unknown error record code 9" in str(ops.recorded_error([9, 0, 0, 0, 0]))
-    ops.check_errors("cpu")  # the CPU calls above raised and cleared this thread's record
-
-
-def _cpu_direct_cases():
-    """(name, a torch.ops.dept_mega call with an invalid id, the public call with the same
-    arguments, the table it must leave unchanged or None): every data error of the CPU kernels."""
-    t, r = torch.arange(12, dtype=torch.float32).reshape(4, 3), torch.ones(3, 3)
-    i = torch.tensor([0, 4, 1])
-    lookup = torch.tensor([0, -1, 1, -1, 2])
-    ranks = ops.VocabRanks.from_ids(torch.tensor([0, 2, 4]), 5)
-    O = torch.ops.dept_mega
-    return [
-        ("gather", lambda: O.gather_rows(t, i, None), lambda: ops.gather_rows(t, i), None),
-        ("scatter_add", lambda: O.scatter_add_rows_(t, i, r), lambda: ops.scatter_add_rows(t, i, r), t),
-        ("scatter_mean", lambda: O.scatter_mean_rows_(t, i, r, True, -1.0),
-         lambda: ops.scatter_mean_rows(t, i, r, True, -1.0), t),
-        ("remap range", lambda: O.remap_ids(torch.tensor([0, 7, 1]), lookup),
-         lambda: ops.remap_ids(torch.tensor([0, 7, 1]), lookup), None),
-        ("remap missing", lambda: O.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup),
-         lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), lookup), None),
-        ("ranked range", lambda: O.remap_ranked(torch.tensor([0, 7, 1]), ranks.words, 5, -1),
-         lambda: ops.remap_ids(torch.tensor([0, 7, 1]), ranks), None),
-        ("ranked missing", lambda: O.remap_ranked(torch.tensor([[0, 2, 4], [3, 1, 0]]), ranks.words, 5, -1),
-         lambda: ops.remap_ids(torch.tensor([[0, 2, 4], [3, 1, 0]]), ranks), None),
-    ]
-
-
-def test_cpu_kernels_record_invalid_ids_instead_of_throwing():
-    """The CPU kernels throw no C++ exception for an invalid id (a throw crashed the GPU
-    machine's build): they write the calling thread's error record and return, a scatter without
-    touching the table. The operator called directly raises nothing; the next check_errors("cpu")
-    raises exactly what the public call raises at once, and clears the record. The record keeps
-    the first error since the last check, as the CUDA record does."""
-    _require_extension()
-    ops.check_errors("cpu")  # nothing left from an earlier test
-    for name, direct, public, table in _cpu_direct_cases():
-        before = None if table is None else table.clone()
-        direct()  # no exception
-        if table is not None:
-            assert torch.equal(table, before), name
-        want = _error(public)  # raised at the call (and the record cleared by it)
-        direct()
-        assert _error(ops.check_errors, "cpu") == want, name
-        ops.check_errors("cpu")  # cleared by the check that raised
-    cases = _cpu_direct_cases()
-    cases[0][1](), cases[3][1]()  # two errors: the first is kept
-    assert _error(ops.check_errors, "cpu") == _error(cases[0][2])
-
-
-@pytest.mark.parametrize("scatter", ["add", "mean"])
-def test_an_earlier_recorded_error_is_raised_before_an_in_place_scatter_writes(scatter):
-    """A record left by a direct operator call (or a compiled graph) is raised by the next
-    wrapped CPU call; an in-place scatter raises it before writing, so that "on error the table
-    is unchanged" holds for the call that raises."""
-    _require_extension()
-    ops.check_errors("cpu")
-    table, ids, rows = torch.zeros(4, 3), torch.tensor([0, 1]), torch.ones(2, 3)
-    bad = torch.tensor([0, 9])
-    torch.ops.dept_mega.remap_ids(bad, torch.arange(4))  # records, raises nothing
-    want = _error(ops.remap_ids, bad, torch.arange(4))
-    torch.ops.dept_mega.remap_ids(bad, torch.arange(4))
-    call = ops.scatter_add_rows if scatter == "add" else ops.scatter_mean_rows
-    assert _error(call, table, ids, rows) == want
-    assert torch.equal(table, torch.zeros(4, 3))
-    call(table, ids, rows)  # the record was cleared: this one runs
-    assert table[:2].eq(1).all()
-
-
-def test_cpu_arguments_are_checked_in_python_before_the_operator(monkeypatch):
-    """The public API runs the fallback's argument checks before a CPU operator (as before a
-    CUDA one), so no C++ argument check throws through it: each check, replaced by one that
-    raises a marker, raises it for arguments the C++ check would refuse."""
-    _require_extension()
-
-    class Marker(Exception):
-        pass
-
-    def refuse(*args):
-        raise Marker()
-    for name in ("check_gather_args", "check_scatter_args", "check_remap_args", "check_remap_ranked_args"):
-        monkeypatch.setattr(fallback, name, refuse)
-    t, i, r = torch.zeros(4, 3), torch.tensor([0, 1]), torch.ones(2, 3)
-    ranks = ops.VocabRanks.from_ids(torch.tensor([0, 2]), 5)
-    for call in (lambda: ops.gather_rows(t[0], i), lambda: ops.scatter_add_rows(t, i, r[:, :2]),
-                 lambda: ops.scatter_mean_rows(t.t(), i, r), lambda: ops.remap_ids(i.float(), i),
-                 lambda: ops.remap_ids(i.float(), ranks)):
-        with pytest.raises(Marker):
-            call()
-
-
-def test_an_extension_without_the_cpu_error_record_is_not_used(monkeypatch):
-    """An extension built before the CPU kernels recorded their errors (no CPU kernel of
-    error_record: its kernels threw) is reported and left for the fallback."""
-    from dept_mega.ops import loader
-    _require_extension()
-    real = loader._has_kernel
-    monkeypatch.setattr(loader, "_has_kernel",
-                        lambda op, key: not (op == "dept_mega::error_record" and key == "CPU") and real(op, key))
-    st = loader._load()
-    assert not st.loaded and "older than this source (no error_record operator)" in st.reason
-
-
-def test_cpu_error_record_is_per_thread():
-    """Two Python threads never see each other's CPU errors: an invalid id met by one thread's
-    direct call is not raised by another thread's calls or checks, and is raised by its own."""
-    import threading
-    _require_extension()
-    ops.check_errors("cpu")
-    caught = []
-    bad = threading.Event()
-    checked = threading.Event()
-
-    def worker():
-        torch.ops.dept_mega.remap_ids(torch.tensor([0, 9]), torch.arange(4))
-        bad.set()
-        checked.wait(60)
-        try:
-            ops.check_errors("cpu")
-        except IndexError as exc:
-            caught.append(str(exc))
-
-    th = threading.Thread(target=worker)
-    th.start()
-    assert bad.wait(60)
-    assert ops.remap_ids(torch.tensor([1, 2]), torch.arange(4)).tolist() == [1, 2]  # no raise here
-    ops.check_errors("cpu")  # nor here
-    checked.set()
-    th.join(60)
-    assert caught == ["remap_ids: global id 9 at flat position 1 is out of range for a lookup of 4 entries"]
-
-
 # --------------------------------------------------------------------------- determinism
 
 
@@ -539,11 +328,6 @@ def test_gather_backward_is_scatter_add(device, impl, out_dtype):
 # --------------------------------------------------------------------------- registration
 
 
-def _require_extension():
-    if ops.backend("cpu") != "cpp":
-        pytest.skip(f"extension not loaded: {ops.extension_status().reason}")
-
-
 def test_extension_built_when_compiler_present():
     """CI has g++: the CPU extension must have been built and loaded (no silent fallback)."""
     if os.environ.get("DEPT_MEGA_OPS", "auto") == "torch":
@@ -568,7 +352,7 @@ def test_env_switch_forces_fallback():
 
 
 def test_opcheck():
-    _require_extension()
+    require_extension()
     g = gen(9)
     table = rand_rows((10, 6), torch.float32, "cpu", g)
     ids = torch.tensor([3, 1, 3, 9], dtype=torch.int64)
@@ -585,7 +369,7 @@ def test_opcheck():
 
 
 def test_torch_compile_traces_ops():
-    _require_extension()
+    require_extension()
     g = gen(13)
     table = rand_rows((12, 5), torch.float32, "cpu", g)
     lookup = torch.full((40,), -1, dtype=torch.int64)
@@ -637,7 +421,7 @@ def test_remap_quick_argument_check_agrees_with_the_full_one():
 
 
 def test_meta_tensors_give_shapes():
-    _require_extension()
+    require_extension()
     table = torch.empty(10, 7, device="meta")
     ids = torch.empty(5, dtype=torch.int32, device="meta")
     assert ops.gather_rows(table, ids, torch.bfloat16).shape == (5, 7)
