@@ -5,10 +5,13 @@
 On the CPU its kernel is compared with the reference math ``fp8._cast_math`` bit for bit (both
 formats, both scalings, every layout, pad rows, bf16 and fp16 inputs, every bf16 and fp16 bit
 pattern, NaN, ±inf, ±0, FP8 subnormals, saturation), and a training run with the ``cuda`` casts
-gives the ``torch`` casts' losses exactly. The ``gpu`` test compares the CUDA kernel with the
+gives the ``torch`` casts' losses exactly. The CUDA kernels run here through the host emulation of
+CUDA (``tools/cuda_emu.py``): with the host's arithmetic their bytes, 1/scale and amax equal the CPU
+kernel's bit for bit in each of their paths. The ``gpu`` test compares the CUDA kernel with the
 Triton kernel and the reference on the device."""
 from __future__ import annotations
 
+import shutil
 from itertools import product
 
 import pytest
@@ -17,6 +20,7 @@ import torch
 from dept_mega.parallel import fp8_casts
 from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
 from tests.trainer_utils import gpu_test_device, tiny_config, train_losses
+from tools import cuda_emu
 
 _WHY = fp8_casts.op_unavailable("cpu")
 needs_op = pytest.mark.skipif(_WHY is not None, reason=f"dept_mega::cast_fp8 unavailable: {_WHY}")
@@ -192,3 +196,64 @@ def test_cuda_operator_matches_the_triton_kernel_and_the_reference():
         if device == "cuda" and fp8_kernels.AVAILABLE:
             failures += _compare({"triton": fp8_kernels.cast_fp8}, device, in_dtype, fp8, training)
     assert not failures, "\n".join(failures[:30])
+
+
+# --- the CUDA kernels, emulated on the CPU ---------------------------------------------------------
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (rows, cols, pad, element offset of x in its buffer, dtype, fp8, rowwise, colwise, delayed scale
+#  (None: current scaling), amax slot?, gelu, values (_values), the vectorised path?)
+EMULATED = [
+    (90, 776, 6, 0, BF16, E4M3, True, True, 2.5, True, False, "wide", True),  # pad rows, a partial column tile
+    (90, 776, 6, 0, FP16, E5M2, True, True, 2.0 ** 7, True, True, "wide", True),  # gelu
+    (130, 96, 14, 0, BF16, E5M2, False, True, None, True, False, "wide", True),  # current: two partial maxima
+    (65, 70, 7, 0, FP16, E4M3, True, True, None, True, True, "wide", False),  # current gelu, cols % 8, pad
+    (32, 64, 0, 4, BF16, E4M3, True, False, 3.7, True, False, "specials", False),  # x misaligned, NaN / inf
+    (40, 72, 0, 0, FP16, E4M3, True, True, 3.7, True, True, "specials", False),  # gelu of NaN / inf
+    (48, 264, 0, 1, FP16, E5M2, True, True, None, False, False, "wide", False),  # current, misaligned, no slot
+    (1, 16, 15, 0, BF16, E5M2, False, True, 1e-3, True, True, "wide", True),  # one row, 15 pad rows, gelu
+    (64, 128, 0, 0, BF16, E4M3, False, True, 2.5, False, False, "wide", True),  # q_t, its barrier its own
+    (64, 128, 0, 0, FP16, E4M3, False, False, None, True, False, "wide", True),  # no copy: 1/scale, amax
+    (0, 16, 0, 0, BF16, E4M3, True, True, None, True, False, "empty", True),  # current: 1/scale of nothing
+]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    if shutil.which("g++") is None or cuda_emu.cuda_include() is None:
+        pytest.skip("needs g++ and the CUDA toolkit's headers")
+    return cuda_emu.Fp8Cast(cuda_emu.build(tmp_path_factory.mktemp("emu"), cuda_emu.CAST))
+
+
+@needs_op
+@pytest.mark.parametrize("case", EMULATED, ids=[f"{c[0]}x{c[1]}+{c[2]}" + ("-gelu" if c[10] else "")
+                                                + ("-current" if c[8] is None else "") + ("-vec" if c[-1] else "-scalar")
+                                                for c in EMULATED])
+def test_emulated_cuda_kernel_equals_the_cpu_kernel(emulated, case):
+    """fp8_cast.cu's kernels through tools/cuda_emu.py (current scaling: the partial maxima, then
+    the cast): the cast takes the path the case is for, and the bytes of both layouts (pad rows
+    included, NaN bytes with their signs), 1/scale and the amax slots equal the CPU kernel's bit
+    for bit (the same host arithmetic; the CPU kernel is checked against the reference above).
+    One exception, the emulation's and not the kernel's: GELU's NaNs (of NaN and -inf) rounded to
+    fp16 by cuda_fp16.h's host conversion lose their sign, which c10::Half keeps (on the GPU every
+    NaN byte is 0x7F), so there the NaN bytes' signs are not compared (``_bytes``)."""
+    rows, cols, pad, offset, dt, fp8, rowwise, colwise, s, with_amax, gelu, kind, vec = case
+    x = torch.zeros(rows, cols, dtype=dt) if kind == "empty" else _values(kind, rows, cols, dt,
+                                                                            torch.Generator().manual_seed(3))
+    if gelu and kind == "wide":  # the largest |x| negative: GELU's amax is another element's
+        flat = x.view(-1)
+        at = flat.abs().argmax()
+        flat[at] = -flat[at].abs()
+    x = torch.cat([x.new_zeros(offset), x.reshape(-1)])[offset:].view(rows, cols)
+    assert x.data_ptr() % 16 == (2 * offset) % 16
+    scale = None if s is None else torch.tensor([0.0, s])
+    amax = torch.tensor([0.0, 0.0, 0.5]) if with_amax else None
+    q, q_t, inv, took_vec = emulated(x, fp8, pad, rowwise, colwise, scale, 1, amax, 2, gelu)
+    assert took_vec == vec
+    ramax = torch.tensor([0.0, 0.0, 0.5]) if with_amax else None
+    rq, rq_t, rinv = fp8_casts.cast_fp8(x, fp8, pad, rowwise, colwise, scale, 1, ramax, 2, gelu)
+    strict = not (gelu and dt == FP16)
+    assert _same_bytes(q, rq, strict) and _same_bytes(q_t, rq_t, strict)
+    assert (inv is None) == (rinv is None) and (inv is None or _same_float(inv, rinv))
+    if with_amax:
+        assert _same_float(amax, ramax) and (kind == "empty" or not amax[2] <= 0.5)

@@ -38,7 +38,7 @@
 struct EmuDim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local EmuDim3 threadIdx, blockIdx;
+inline thread_local EmuDim3 threadIdx, blockIdx, gridDim;
 
 struct EmuBlock {
   explicit EmuBlock(unsigned threads) : block_bar(threads), warps(threads / 32) {
@@ -115,6 +115,7 @@ void emu_launch(EmuDim3 grid, unsigned threads, Body body) {
           threadIdx.x = t;
           blockIdx.x = x;
           blockIdx.y = y;
+          gridDim = grid;
           emu_block = &block;
           body();
         });

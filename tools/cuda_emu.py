@@ -1,15 +1,16 @@
 """Runs CUDA kernels of ``csrc/cuda`` on the CPU through a host emulation of CUDA
 (``tools/cuda_emu.h``: a std::thread per CUDA thread, barriers and warp shuffles emulated), to
 check their indexing, synchronisation and arithmetic without a GPU: ``layernorm_cast_fp8``'s
-(``layernorm_cast.cu``, ``tests/test_layernorm_cast_emulated.py``) and ``dgelu_cast_fp8``'s
-(``dgelu_cast.cu``, ``tests/test_fp8_dgelu_op.py``). Not their speed, and not the GPU's own
-erff / expf / rsqrtf and FP8 conversion instruction (the host's IEEE arithmetic and libm, and the
+(``layernorm_cast.cu``, ``tests/test_layernorm_cast_emulated.py``), ``dgelu_cast_fp8``'s
+(``dgelu_cast.cu``, ``tests/test_fp8_dgelu_op.py``) and ``cast_fp8``'s (``fp8_cast.cu``, both
+scalings, with and without GELU: ``tests/test_fp8_cuda_cast.py``). Not their speed, and not the
+GPU's own erff / expf / rsqrtf and FP8 conversion instruction (the host's IEEE arithmetic and libm, and the
 kernels' portable fallbacks instead).
 
 A kernel source up to its launch code (the first function that uses ``<<<>>>``: a
 :class:`KernelSource`'s ``cut``) is compiled with g++ (C++20) and the CUDA toolkit's headers
 (``cuda_bf16.h``, ``cuda_fp8.h``), behind a launch (its ``driver``) that mirrors the source's
-choice of the vectorised path.
+launches and its choice of the vectorised path.
 """
 from __future__ import annotations
 
@@ -144,6 +145,15 @@ def _ptr(t, index=0):
     return None if t is None else t.data_ptr() + index * t.element_size()
 
 
+def _unwritten(*shape, dtype=torch.float32) -> torch.Tensor:
+    """An output buffer (the operator's ``torch.empty``) with every byte 0x5A, so that an element
+    the kernel leaves unwritten shows as a difference (fresh ``torch.empty`` memory is often zeros,
+    the value of pad rows)."""
+    t = torch.empty(*shape, dtype=dtype)
+    t.view(torch.uint8).fill_(0x5A)
+    return t
+
+
 def _check_cpu(*tensors) -> None:
     for t in tensors:
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
@@ -168,10 +178,10 @@ class LayerNormCast:
         _check_cpu(x, weight, bias, scale, amax_out)
         rows, cols = x.shape
         out_rows = rows + pad
-        q = torch.empty(out_rows, cols, dtype=dtype) if rowwise else None
-        qt = torch.empty(cols, out_rows, dtype=dtype) if colwise else None
-        mean = torch.empty(rows, 1)
-        rstd = torch.empty(rows, 1)
+        q = _unwritten(out_rows, cols, dtype=dtype) if rowwise else None
+        qt = _unwritten(cols, out_rows, dtype=dtype) if colwise else None
+        mean = _unwritten(rows, 1)
+        rstd = _unwritten(rows, 1)
         ptr = _ptr
         vec = self._f(ptr(x), _CODES[x.dtype], ptr(weight), ptr(bias), _CODES[weight.dtype], rows, cols, pad, eps,
                       _FP8[dtype], ptr(q), ptr(qt), ptr(scale, scale_index), ptr(amax_out, amax_index), ptr(mean),
@@ -251,11 +261,108 @@ class DgeluCast:
             raise ValueError("the emulated dgelu_cast_fp8 needs a delayed scale")
         rows, cols = grad.shape
         out_rows = rows + pad
-        dh = torch.empty_like(grad)
-        q = torch.empty(out_rows, cols, dtype=dtype) if rowwise else None
-        qt = torch.empty(cols, out_rows, dtype=dtype) if colwise else None
+        dh = _unwritten(rows, cols, dtype=grad.dtype)
+        q = _unwritten(out_rows, cols, dtype=dtype) if rowwise else None
+        qt = _unwritten(cols, out_rows, dtype=dtype) if colwise else None
         vec = self._f(_ptr(grad), _ptr(x), _CODES[grad.dtype], _ptr(dh), rows, cols, pad, _FP8[dtype], _ptr(q),
                       _ptr(qt), _ptr(scale, scale_index), _ptr(amax_out, amax_index))
         if vec < 0:
             raise TypeError(f"the emulated kernel takes no {grad.dtype}")
         return dh, q, qt, bool(vec)
+
+
+# fp8_cast.cu: after the kernels, the emulated launches (as fp8_cast's: current scaling's partial
+# maxima first, then the cast); returns 1 when the cast took the vectorised path, 0 the scalar one,
+# -1 for a dtype code it does not know.
+_CAST_CUT = "template <typename T, int FMT, bool VEC, bool GELU>\ncudaError_t launch_cast"
+_CAST_DRIVER = r"""
+template <typename T, int FMT, bool VEC, bool R, bool C, bool GELU>
+void emu_run(EmuDim3 grid, const void* x, int64_t rows, int64_t cols, int64_t out_rows, void* q, void* qt,
+             const float* s, float* inv, const int32_t* parts, int nparts, float* a) {
+  emu_launch(grid, kThreads, [&] {
+    cast_kernel<T, FMT, VEC, R, C, GELU>(static_cast<const T*>(x), static_cast<uint8_t*>(q),
+                                         static_cast<uint8_t*>(qt), rows, cols, out_rows, s, inv, parts, nparts, a);
+  });
+}
+template <typename T, int FMT, bool VEC, bool GELU>
+void emu_layouts(EmuDim3 grid, const void* x, int64_t rows, int64_t cols, int64_t out_rows, void* q, void* qt,
+                 const float* s, float* inv, const int32_t* parts, int nparts, float* a) {
+  if (q && qt) emu_run<T, FMT, VEC, true, true, GELU>(grid, x, rows, cols, out_rows, q, qt, s, inv, parts, nparts, a);
+  if (!q && qt) emu_run<T, FMT, VEC, false, true, GELU>(grid, x, rows, cols, out_rows, q, qt, s, inv, parts, nparts, a);
+  if (q && !qt) emu_run<T, FMT, VEC, true, false, GELU>(grid, x, rows, cols, out_rows, q, qt, s, inv, parts, nparts, a);
+  if (!q && !qt) emu_run<T, FMT, VEC, false, false, GELU>(grid, x, rows, cols, out_rows, q, qt, s, inv, parts, nparts, a);
+}
+template <typename T, int FMT>
+void emu_variants(bool vec, bool gelu, EmuDim3 grid, const void* x, int64_t rows, int64_t cols, int64_t out_rows,
+                  void* q, void* qt, const float* s, float* inv, const int32_t* parts, int nparts, float* a) {
+#define EMU_LAYOUTS(V, G) emu_layouts<T, FMT, V, G>(grid, x, rows, cols, out_rows, q, qt, s, inv, parts, nparts, a)
+  if (vec && gelu) EMU_LAYOUTS(true, true);
+  if (vec && !gelu) EMU_LAYOUTS(true, false);
+  if (!vec && gelu) EMU_LAYOUTS(false, true);
+  if (!vec && !gelu) EMU_LAYOUTS(false, false);
+#undef EMU_LAYOUTS
+}
+template <typename T>
+int emu_cast(const void* x, int64_t rows, int64_t cols, int64_t pad, int fmt, void* q, void* qt, const float* s,
+             float* inv, float* a, bool gelu) {
+  const int64_t out_rows = rows + pad, n = rows * cols;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  std::vector<int32_t> parts;
+  if (s == nullptr) {  // dm_fp8_amax_parts(n) partial maxima; a NaN's bits in each until its block writes it
+    const int64_t np = (n + kPartElems - 1) / kPartElems;
+    parts.assign(np < 1 ? 1 : (np > kMaxParts ? kMaxParts : np), 0x7FC00000);
+    int32_t* p = parts.data();
+    emu_launch(static_cast<unsigned>(parts.size()), kAmaxThreads, [&] {
+      if (gelu) amax_parts_kernel<T, true>(static_cast<const T*>(x), n, aligned, p);
+      else amax_parts_kernel<T, false>(static_cast<const T*>(x), n, aligned, p);
+    });
+  }
+  // fp8_cast's grid (at least one block) and its condition of the vectorised path
+  const EmuDim3 grid{static_cast<unsigned>(out_rows > 0 ? (out_rows + kTile - 1) / kTile : 1),
+                     static_cast<unsigned>(cols > 0 ? (cols + kTile - 1) / kTile : 1), 1};
+  const bool vec = aligned && cols % 8 == 0 && out_rows % 16 == 0;
+  const int32_t* p = parts.data();
+  const int np = static_cast<int>(parts.size());
+  if (fmt == DM_FP8_E4M3) emu_variants<T, DM_FP8_E4M3>(vec, gelu, grid, x, rows, cols, out_rows, q, qt, s, inv, p, np, a);
+  else emu_variants<T, DM_FP8_E5M2>(vec, gelu, grid, x, rows, cols, out_rows, q, qt, s, inv, p, np, a);
+  return vec;
+}
+}  // namespace
+
+extern "C" int emu_cast_fp8(const void* x, int dtype, int64_t rows, int64_t cols, int64_t pad, int fmt, void* q,
+                            void* qt, const float* s, float* inv, float* a, int gelu) {
+  if (dtype == DM_BFLOAT16) return emu_cast<__nv_bfloat16>(x, rows, cols, pad, fmt, q, qt, s, inv, a, gelu != 0);
+  if (dtype == DM_FLOAT16) return emu_cast<__half>(x, rows, cols, pad, fmt, q, qt, s, inv, a, gelu != 0);
+  return -1;
+}
+"""
+CAST = KernelSource("fp8_cast", ROOT / "csrc" / "cuda" / "fp8_cast.cu", _CAST_CUT, _CAST_DRIVER)
+
+
+class Fp8Cast:
+    """``cast_fp8`` through the emulated kernels (``lib``: :func:`build` of :data:`CAST`): CPU tensors
+    in, the CUDA operator's outputs (q, q_t, inv) out, and ``vec``: whether the cast took the
+    vectorised path."""
+
+    def __init__(self, lib: Path):
+        self._f = ctypes.CDLL(str(lib)).emu_cast_fp8
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self._f.argtypes = [p, i, i64, i64, i64, i, p, p, p, p, p, i]
+        self._f.restype = i
+
+    def __call__(self, t, dtype, pad=0, rowwise=True, colwise=False, scale=None, scale_index=0, amax_out=None,
+                 amax_index=0, gelu=False):
+        """As ``fp8_casts.cast_fp8`` (``t`` contiguous: its address is the kernel's, alignment
+        included); returns (q, q_t, inv, vec), ``inv`` the 0-d 1/scale of current scaling (``scale``
+        None), else None."""
+        _check_cpu(t, scale, amax_out)
+        rows, cols = t.shape
+        out_rows = rows + pad
+        q = _unwritten(out_rows, cols, dtype=dtype) if rowwise else None
+        qt = _unwritten(cols, out_rows, dtype=dtype) if colwise else None
+        inv = torch.full((), float("nan")) if scale is None else None
+        vec = self._f(_ptr(t), _CODES[t.dtype], rows, cols, pad, _FP8[dtype], _ptr(q), _ptr(qt),
+                      _ptr(scale, scale_index), _ptr(inv), _ptr(amax_out, amax_index), int(gelu))
+        if vec < 0:
+            raise TypeError(f"the emulated kernel takes no {t.dtype}")
+        return q, qt, inv, bool(vec)
