@@ -8,14 +8,16 @@
 // bytes equal the CPU kernel's there); the gpu-marked test compares it with aten::gelu_backward and
 // the reference cast on the GPU.
 //
-// The layout is fp8_cast.cu's cast_kernel (delayed scaling only): one block of kThreads threads per
-// kTile x kTile tile of the padded output (blockIdx.x: row tiles, blockIdx.y: column tiles); a
-// thread owns 4 consecutive rows x 8 columns: per row one 16-byte load of grad and one of x (eight
-// loads in flight), one 16-byte store of dh and, for q, one 8-byte store; q_t through a shared tile
-// stored transposed, then 16-byte rows of q_t. The block's amax (of the rounded dh) is maxed into
-// the slot by one atomicMax on the float's bits. Shapes that do not allow the vector accesses
-// (cols % 8, (rows + pad) % 16, grad or x not 16-byte aligned) take the same kernel with scalar,
-// bounds-checked accesses. Pad rows and lanes outside the tensor are zeros (cast to zero bytes).
+// The tile is fp8_cast.cu's cast_kernel's (delayed scaling only), its code from the values on
+// shared with it (fp8_tile.cuh: the cast, q's rows, q_t through a shared tile stored transposed):
+// one block of kThreads threads per kTile x kTile tile of the padded output (blockIdx.x: row
+// tiles, blockIdx.y: column tiles); a thread owns 4 consecutive rows x 8 columns: per row one
+// 16-byte load of grad and one of x (eight loads in flight), one 16-byte store of dh and, for q,
+// one 8-byte store; q_t through the shared tile, then 16-byte rows of q_t. The block's amax (of
+// the rounded dh) is maxed into the slot by one atomicMax on the float's bits. Shapes that do not
+// allow the vector accesses (cols % 8, (rows + pad) % 16, grad or x not 16-byte aligned) take the
+// same kernel with scalar, bounds-checked accesses. Pad rows and lanes outside the tensor are
+// zeros (cast to zero bytes).
 #include "kernels.h"
 
 #include <cuda_bf16.h>
@@ -24,17 +26,9 @@
 
 #include "../fp8_cast.h"
 #include "fp8_device.cuh"
+#include "fp8_tile.cuh"
 
 namespace {
-
-constexpr int kTile = 64;
-constexpr int kThreads = 128;             // 16 row groups of 4 rows x 8 column groups of 8
-constexpr int kRowsPerThread = 4;
-constexpr int kColsPerThread = 8;
-constexpr int kPitch = kTile + 4;         // bytes per transposed tile row (a multiple of 4)
-
-static_assert((kTile / kRowsPerThread) * (kTile / kColsPerThread) == kThreads, "thread layout");
-static_assert(kTile * (kTile / 16) == 2 * kThreads, "two 16-byte q_t stores per thread");
 
 __device__ __forceinline__ __nv_bfloat16 from_f(float f, __nv_bfloat16) { return __float2bfloat16_rn(f); }
 __device__ __forceinline__ __half from_f(float f, __half) { return __float2half_rn(f); }
@@ -47,11 +41,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(16) uint8_t tile[COLWISE ? kTile * kPitch : 4];
   __shared__ int32_t red[kThreads / 32];
   const float scale = __ldg(scale_ptr);
-  const int rg = threadIdx.x / (kTile / kColsPerThread);        // row group: rows 4 rg .. 4 rg + 3
-  const int lc = (threadIdx.x % (kTile / kColsPerThread)) * kColsPerThread;  // first column
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t gc = c0 + lc;
+  const TileThread t = tile_thread();
   int32_t m = 0;  // the block's amax
   uint8_t b[kRowsPerThread][kColsPerThread];
   float v[kRowsPerThread][kColsPerThread];
@@ -59,17 +49,17 @@ __global__ void __launch_bounds__(kThreads)
     uint4 pg[kRowsPerThread], px[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t gr = r0 + rg * kRowsPerThread + i;
-      if (gr < rows && gc < cols) {  // cols % 8 == 0: the 8 columns are all inside
-        pg[i] = __ldg(reinterpret_cast<const uint4*>(g + gr * cols + gc));
-        px[i] = __ldg(reinterpret_cast<const uint4*>(x + gr * cols + gc));
+      const int64_t gr = t.row(i);
+      if (gr < rows && t.gc < cols) {  // cols % 8 == 0: the 8 columns are all inside
+        pg[i] = __ldg(reinterpret_cast<const uint4*>(g + gr * cols + t.gc));
+        px[i] = __ldg(reinterpret_cast<const uint4*>(x + gr * cols + t.gc));
       } else {
         pg[i] = px[i] = make_uint4(0u, 0u, 0u, 0u);
       }
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t gr = r0 + rg * kRowsPerThread + i;
+      const int64_t gr = t.row(i);
       const T* eg = reinterpret_cast<const T*>(&pg[i]);
       const T* ex = reinterpret_cast<const T*>(&px[i]);
       uint4 out;
@@ -79,17 +69,17 @@ __global__ void __launch_bounds__(kThreads)
         eo[k] = from_f(dm_dgelu(to_f(eg[k]), to_f(ex[k])), T{});  // zeros outside: dgelu(0, 0) = 0
         v[i][k] = to_f(eo[k]);
       }
-      if (gr < rows && gc < cols) *reinterpret_cast<uint4*>(dh + gr * cols + gc) = out;
+      if (gr < rows && t.gc < cols) *reinterpret_cast<uint4*>(dh + gr * cols + t.gc) = out;
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t gr = r0 + rg * kRowsPerThread + i;
+      const int64_t gr = t.row(i);
 #pragma unroll
       for (int k = 0; k < kColsPerThread; ++k) {
         v[i][k] = 0.0f;
-        if (gr < rows && gc + k < cols) {
-          const int64_t at = gr * cols + gc + k;
+        if (gr < rows && t.gc + k < cols) {
+          const int64_t at = gr * cols + t.gc + k;
           const T d = from_f(dm_dgelu(to_f(g[at]), to_f(x[at])), T{});
           dh[at] = d;
           v[i][k] = to_f(d);
@@ -97,64 +87,16 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; k += 2) {
-      m = max(m, max(dm_abs_bits(v[i][k]), dm_abs_bits(v[i][k + 1])));  // zeros outside change nothing
-      const uint32_t two = cast2<FMT>(v[i][k], v[i][k + 1], scale);
-      b[i][k] = static_cast<uint8_t>(two);
-      b[i][k + 1] = static_cast<uint8_t>(two >> 8);
-    }
-  }
-  if (ROWWISE) {
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t gr = r0 + rg * kRowsPerThread + i;
-      if (gr >= out_rows) continue;
-      if (VEC) {
-        if (gc < cols) {
-          uint2 w;
-          w.x = b[i][0] | (b[i][1] << 8) | (b[i][2] << 16) | (static_cast<uint32_t>(b[i][3]) << 24);
-          w.y = b[i][4] | (b[i][5] << 8) | (b[i][6] << 16) | (static_cast<uint32_t>(b[i][7]) << 24);
-          *reinterpret_cast<uint2*>(q + gr * cols + gc) = w;
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kColsPerThread; ++k)
-          if (gc + k < cols) q[gr * cols + gc + k] = b[i][k];
-      }
-    }
-  }
-  if (COLWISE) {  // tile[column][row]: one word holds the thread's 4 rows of a column
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; ++k) {
-      const uint32_t w = b[0][k] | (b[1][k] << 8) | (b[2][k] << 16) | (static_cast<uint32_t>(b[3][k]) << 24);
-      *reinterpret_cast<uint32_t*>(tile + (lc + k) * kPitch + rg * kRowsPerThread) = w;
-    }
-  }
+  tile_cast<FMT>(v, scale, b, m);
+  if (ROWWISE) tile_store_rows<VEC>(b, q, t, cols, out_rows);
+  if (COLWISE) tile_put_columns(b, tile, t);
   if (amax_slot != nullptr) {
     m = block_max<kThreads>(m, red);
     if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax_slot), m);
   }
   if (COLWISE) {
     __syncthreads();
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {  // 64 q_t rows x 4 chunks of 16 bytes
-      const int idx = threadIdx.x + s * kThreads;
-      const int col = idx / 4, part = (idx % 4) * 16;
-      const int64_t qc = c0 + col, qr = r0 + part;
-      if (qc >= cols) continue;
-      const uint8_t* src = tile + col * kPitch + part;
-      if (VEC) {  // out_rows % 16 == 0: the 16 rows are all inside or all outside
-        if (qr < out_rows) {
-          const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
-          *reinterpret_cast<uint4*>(qt + qc * out_rows + qr) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-      } else {
-        for (int k = 0; k < 16 && qr + k < out_rows; ++k) qt[qc * out_rows + qr + k] = src[k];
-      }
-    }
+    tile_store_transposed<VEC>(tile, qt, t, cols, out_rows);
   }
 }
 

@@ -1,20 +1,23 @@
 // CUDA kernels of the FP8 cast operator dept_mega::cast_fp8 behind dm_fp8_cast (kernels.h).
 // The per-element bytes are csrc/fp8_cast.h's (those of fp8._cast_math and the Triton kernel),
-// computed from sm_89 by the hardware conversion (cast2 below).
+// computed from sm_89 by the hardware conversion (cast2, fp8_device.cuh).
 //
-// UNVERIFIED on a GPU: CI compiles this file for sm_90 (tools/check_cuda_compile.sh); the
-// gpu-marked test (tests/test_fp8_cuda_cast.py) compares it with the Triton kernel and the
-// reference bit for bit.
+// Verified on an H200 (2026-11-28, docs/performance.md): the gpu-marked test
+// (tests/test_fp8_cuda_cast.py) gives the Triton kernel's and the reference's bytes bit for bit;
+// 83-87 % of a copy's bandwidth at the 1B model's shapes (benchmarks/fp8_cast_bench.py). Its tile
+// code, since moved into fp8_tile.cuh, compiles to the same sm_90 SASS. CI compiles this file for
+// sm_90 (tools/check_cuda_compile.sh) and runs it on the CPU through a host emulation of CUDA
+// (tools/cuda_emu.py, tests/test_fp8_cuda_cast.py: its bytes equal the CPU kernel's there).
 //
-// cast_kernel: one block of kThreads threads per kTile x kTile tile of the padded output
-//   (blockIdx.x: row tiles, blockIdx.y: column tiles). A thread owns 4 consecutive rows x 8
-//   columns: per row one 16-byte load of 8 bf16/fp16 (eight lanes read a 128-byte row segment)
-//   and, for q, one 8-byte store. For q_t the thread packs its 4 rows' bytes of each column
-//   into a 32-bit word of a shared tile stored transposed ([column][row], pitch kPitch bytes:
-//   at most 2-way bank conflicts); after a barrier each thread stores 16-byte rows of q_t
-//   (four lanes write a 64-byte segment of one q_t row), so both outputs are written
-//   coalesced. Shapes that do not allow the vector accesses (cols % 8, (rows + pad) % 16, a
-//   misaligned input) take the same kernel with scalar, bounds-checked accesses.
+// cast_kernel: fp8_tile.cuh's tile (shared with dgelu_cast.cu): one block of kThreads threads per
+//   kTile x kTile tile of the padded output (blockIdx.x: row tiles, blockIdx.y: column tiles). A
+//   thread owns 4 consecutive rows x 8 columns: per row one 16-byte load of 8 bf16/fp16 (eight
+//   lanes read a 128-byte row segment) and, for q, one 8-byte store. For q_t the thread packs its
+//   4 rows' bytes of each column into a 32-bit word of a shared tile stored transposed
+//   ([column][row], pitch kPitch bytes: at most 2-way bank conflicts); after a barrier each thread
+//   stores 16-byte rows of q_t (four lanes write a 64-byte segment of one q_t row), so both outputs
+//   are written coalesced. Shapes that do not allow the vector accesses (cols % 8, (rows + pad) %
+//   16, a misaligned input) take the same kernel with scalar, bounds-checked accesses.
 //   Delayed scaling: the scale is read on the device; with an amax slot, the block's amax
 //   (warp shuffles, then one atomicMax on the float's bits per block: non-negative floats order
 //   as ints, and a NaN, sign cleared, is above +inf, so it propagates) is maxed into it.
@@ -33,21 +36,13 @@
 
 #include "../fp8_cast.h"
 #include "fp8_device.cuh"
+#include "fp8_tile.cuh"
 
 namespace {
 
-constexpr int kTile = 64;
-constexpr int kThreads = 128;             // 16 row groups of 4 rows x 8 column groups of 8
-constexpr int kRowsPerThread = 4;
-constexpr int kColsPerThread = 8;
-constexpr int kPitch = kTile + 4;         // bytes per transposed tile row (a multiple of 4)
 constexpr int kMaxParts = 256;            // partial maxima of current scaling
 constexpr int64_t kPartElems = 8192;      // elements per partial (at least)
 constexpr int kAmaxThreads = 256;
-
-static_assert((kTile / kRowsPerThread) * (kTile / kColsPerThread) == kThreads, "thread layout");
-static_assert(kTile * (kTile / 16) == 2 * kThreads, "two 16-byte q_t stores per thread");
-
 
 // parts[blockIdx.x] = max |x| over a grid-stride share of the n elements (as dm_abs_bits).
 template <typename T, bool GELU>
@@ -107,20 +102,16 @@ __global__ void __launch_bounds__(kThreads)
     scale = __ldg(scale_ptr);
   }
 
-  const int rg = threadIdx.x / (kTile / kColsPerThread);        // row group: rows 4 rg .. 4 rg + 3
-  const int lc = (threadIdx.x % (kTile / kColsPerThread)) * kColsPerThread;  // first column
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t gc = c0 + lc;
+  const TileThread t = tile_thread();
   int32_t m = 0;  // the block's amax (delayed scaling with a slot)
   uint8_t b[kRowsPerThread][kColsPerThread];
   float v[kRowsPerThread][kColsPerThread];
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {  // the loads first: four in flight
-    const int64_t gr = r0 + rg * kRowsPerThread + i;
+    const int64_t gr = t.row(i);
     if (VEC) {
-      if (gr < rows && gc < cols) {  // cols % 8 == 0: the 8 columns are all inside
-        const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + gr * cols + gc));
+      if (gr < rows && t.gc < cols) {  // cols % 8 == 0: the 8 columns are all inside
+        const uint4 p = __ldg(reinterpret_cast<const uint4*>(x + gr * cols + t.gc));
         const T* e = reinterpret_cast<const T*>(&p);
 #pragma unroll
         for (int k = 0; k < kColsPerThread; ++k) v[i][k] = to_f(e[k]);
@@ -131,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
 #pragma unroll
       for (int k = 0; k < kColsPerThread; ++k)
-        v[i][k] = (gr < rows && gc + k < cols) ? to_f(x[gr * cols + gc + k]) : 0.0f;
+        v[i][k] = (gr < rows && t.gc + k < cols) ? to_f(x[gr * cols + t.gc + k]) : 0.0f;
     }
   }
   if (GELU) {  // GELU(0) = 0: the zeros outside stay zeros
@@ -141,64 +132,16 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < kColsPerThread; ++k) v[i][k] = prologue<T, true>(v[i][k]);
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowsPerThread; ++i) {
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; k += 2) {
-      m = max(m, max(dm_abs_bits(v[i][k]), dm_abs_bits(v[i][k + 1])));  // zeros outside change nothing
-      const uint32_t two = cast2<FMT>(v[i][k], v[i][k + 1], scale);
-      b[i][k] = static_cast<uint8_t>(two);
-      b[i][k + 1] = static_cast<uint8_t>(two >> 8);
-    }
-  }
-  if (ROWWISE) {
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t gr = r0 + rg * kRowsPerThread + i;
-      if (gr >= out_rows) continue;
-      if (VEC) {
-        if (gc < cols) {
-          uint2 w;
-          w.x = b[i][0] | (b[i][1] << 8) | (b[i][2] << 16) | (static_cast<uint32_t>(b[i][3]) << 24);
-          w.y = b[i][4] | (b[i][5] << 8) | (b[i][6] << 16) | (static_cast<uint32_t>(b[i][7]) << 24);
-          *reinterpret_cast<uint2*>(q + gr * cols + gc) = w;
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kColsPerThread; ++k)
-          if (gc + k < cols) q[gr * cols + gc + k] = b[i][k];
-      }
-    }
-  }
-  if (COLWISE) {  // tile[column][row]: one word holds the thread's 4 rows of a column
-#pragma unroll
-    for (int k = 0; k < kColsPerThread; ++k) {
-      const uint32_t w = b[0][k] | (b[1][k] << 8) | (b[2][k] << 16) | (static_cast<uint32_t>(b[3][k]) << 24);
-      *reinterpret_cast<uint32_t*>(tile + (lc + k) * kPitch + rg * kRowsPerThread) = w;
-    }
-  }
+  tile_cast<FMT>(v, scale, b, m);
+  if (ROWWISE) tile_store_rows<VEC>(b, q, t, cols, out_rows);
+  if (COLWISE) tile_put_columns(b, tile, t);
   if (amax_slot != nullptr && !current) {
     m = block_max<kThreads>(m, red);
     if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax_slot), m);
   }
   if (COLWISE) {
     __syncthreads();
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {  // 64 q_t rows x 4 chunks of 16 bytes
-      const int idx = threadIdx.x + s * kThreads;
-      const int col = idx / 4, part = (idx % 4) * 16;
-      const int64_t qc = c0 + col, qr = r0 + part;
-      if (qc >= cols) continue;
-      const uint8_t* src = tile + col * kPitch + part;
-      if (VEC) {  // out_rows % 16 == 0: the 16 rows are all inside or all outside
-        if (qr < out_rows) {
-          const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
-          *reinterpret_cast<uint4*>(qt + qc * out_rows + qr) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-      } else {
-        for (int k = 0; k < 16 && qr + k < out_rows; ++k) qt[qc * out_rows + qr + k] = src[k];
-      }
-    }
+    tile_store_transposed<VEC>(tile, qt, t, cols, out_rows);
   }
 }
 

@@ -1,6 +1,7 @@
 // Device helpers of the FP8 cast kernels (fp8_cast.cu: cast_fp8; layernorm_cast.cu:
-// layernorm_cast_fp8): conversions, the two-element FP8 cast and the max reductions. Plain CUDA
-// C++, no torch headers; internal linkage (each .cu gets its own copy).
+// layernorm_cast_fp8; dgelu_cast.cu: dgelu_cast_fp8; fp8_tile.cuh, the tile two of them share):
+// conversions, the two-element FP8 cast and the max reductions. Plain CUDA C++, no torch headers;
+// internal linkage (each .cu gets its own copy).
 #pragma once
 
 #include <cuda_bf16.h>
