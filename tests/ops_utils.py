@@ -1,13 +1,19 @@
 """Helpers for the dept_mega.ops tests: random inputs and float64 references."""
 from __future__ import annotations
 
+import shutil
 import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 import dept_mega.ops as ops
 from dept_mega.ops import fallback
+
+if TYPE_CHECKING:  # tools.cuda_emu is imported by the emulated tests only
+    from tools.cuda_emu import KernelSource
 
 DEVICES = [
     "cpu",
@@ -43,6 +49,16 @@ def require_extension() -> None:
     """Skip the calling test unless the extension's CPU kernels are loaded."""
     if ops.backend("cpu") != "cpp":
         pytest.skip(f"extension not loaded: {ops.extension_status().reason}")
+
+
+def emulation(tmp_path_factory, kernel: KernelSource) -> Path:
+    """``kernel`` built for tools/cuda_emu.py's host emulation of CUDA (in a folder of the session);
+    the calling test skipped without g++ or the CUDA toolkit's headers, which the build needs."""
+    from tools import cuda_emu
+
+    if shutil.which("g++") is None or cuda_emu.cuda_include() is None:
+        pytest.skip("needs g++ and the CUDA toolkit's headers")
+    return cuda_emu.build(tmp_path_factory.mktemp("emu"), kernel)
 
 
 def seed_of(*key) -> int:

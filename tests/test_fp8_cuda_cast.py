@@ -11,7 +11,6 @@ kernel's bit for bit in each of their paths. The ``gpu`` test compares the CUDA 
 Triton kernel and the reference on the device."""
 from __future__ import annotations
 
-import shutil
 from itertools import product
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from dept_mega.parallel import fp8_casts
 from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
+from tests.ops_utils import emulation
 from tests.trainer_utils import gpu_test_device, tiny_config, train_losses
 from tools import cuda_emu
 
@@ -220,9 +220,7 @@ EMULATED = [
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    if shutil.which("g++") is None or cuda_emu.cuda_include() is None:
-        pytest.skip("needs g++ and the CUDA toolkit's headers")
-    return cuda_emu.Fp8Cast(cuda_emu.build(tmp_path_factory.mktemp("emu"), cuda_emu.CAST))
+    return cuda_emu.Fp8Cast(emulation(tmp_path_factory, cuda_emu.CAST))
 
 
 @needs_op

@@ -23,7 +23,6 @@ gpu tests run where the extension is built).
 """
 from __future__ import annotations
 
-import shutil
 from itertools import product
 
 import pytest
@@ -31,7 +30,8 @@ import torch
 
 from dept_mega.parallel import fp8_casts
 from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
-from tests.test_fp8_fused_op import IDS, LAYOUTS, PAIRS, _at, _check_layouts, _interval, _ordinal
+from tests.ops_utils import emulation
+from tests.test_fp8_fused_op import IDS, LAYOUTS, PAIRS, _at, _cast_bad_args, _check_layouts, _interval, _ordinal
 from tools import cuda_emu
 
 _WHY = fp8_casts.op_unavailable("cpu")
@@ -137,14 +137,8 @@ def _bad_args():
         (dict(grad=g.float(), x=x.float()), TypeError, "bfloat16 or float16 tensor, got float32"),
         (dict(x=torch.zeros(4, 8, dtype=BF16)), ValueError, r"x must have grad's shape \[4, 16\], got \[4, 8\]"),
         (dict(x=x.half()), TypeError, r"x must have grad's dtype \(bfloat16\), got float16"),
-        (dict(scale=None), ValueError, "needs a delayed scale"),
-        (dict(dtype=torch.float16), TypeError, "float8_e4m3fn or float8_e5m2, got float16"),
-        (dict(pad=-1), ValueError, "pad must be >= 0"),
-        (dict(scale_index=3), ValueError, "scale index 3 is out of range for 3 elements"),
-        (dict(scale=s.double()), TypeError, "scale must be float32"),
-        (dict(amax_out=torch.ones(4, 2).t()), ValueError, "amax_out must be contiguous"),
     ]
-    return [({**base, **over}, exc, msg) for over, exc, msg in cases]
+    return [({**base, **over}, exc, msg) for over, exc, msg in cases + _cast_bad_args(s)]
 
 
 @needs_op
@@ -180,9 +174,7 @@ EMULATED = [
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    if shutil.which("g++") is None or cuda_emu.cuda_include() is None:
-        pytest.skip("needs g++ and the CUDA toolkit's headers")
-    return cuda_emu.DgeluCast(cuda_emu.build(tmp_path_factory.mktemp("emu"), cuda_emu.DGELU))
+    return cuda_emu.DgeluCast(emulation(tmp_path_factory, cuda_emu.DGELU))
 
 
 @needs_op

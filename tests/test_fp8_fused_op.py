@@ -296,6 +296,19 @@ def test_cpu_layernorm_cast_gives_the_reference_bytes(in_dtype, fp8):
 
 # --- arguments, stale builds ------------------------------------------------------------------
 
+def _cast_bad_args(s):
+    """The bad arguments of the FP8 output that the fused operators share (delayed scale ``s``, 3
+    elements, required): (override, exception, message)."""
+    return [
+        (dict(scale=None), ValueError, "needs a delayed scale"),
+        (dict(dtype=torch.float16), TypeError, "float8_e4m3fn or float8_e5m2, got float16"),
+        (dict(pad=-1), ValueError, "pad must be >= 0"),
+        (dict(scale_index=3), ValueError, "scale index 3 is out of range for 3 elements"),
+        (dict(scale=s.double()), TypeError, "scale must be float32"),
+        (dict(amax_out=torch.ones(4, 2).t()), ValueError, "amax_out must be contiguous"),
+    ]
+
+
 def _ln_bad_args():
     x = torch.zeros(4, 16, dtype=torch.bfloat16)
     w, s = torch.ones(16), torch.ones(3)
@@ -304,18 +317,12 @@ def _ln_bad_args():
         (dict(x=torch.zeros(2, 4, 16, dtype=torch.bfloat16)), ValueError, "layernorm_cast_fp8: takes a 2-D tensor"),
         (dict(x=x.float()), TypeError, "bfloat16 or float16 tensor, got float32"),
         (dict(x=x[:, :0]), ValueError, "at least one column"),
-        (dict(scale=None), ValueError, "needs a delayed scale"),
         (dict(weight=torch.ones(15)), ValueError, r"weight must have shape \[16\], got \[15\]"),
         (dict(weight=torch.ones(16, dtype=torch.float64)), TypeError, "weight must be float32 or the input's dtype"),
         (dict(bias=torch.ones(16, dtype=torch.bfloat16)), TypeError, r"bias must have weight's dtype \(float32\)"),
         (dict(bias=torch.ones(2, 8)), ValueError, r"bias must have shape \[16\]"),
-        (dict(dtype=torch.float16), TypeError, "float8_e4m3fn or float8_e5m2, got float16"),
-        (dict(pad=-1), ValueError, "pad must be >= 0"),
-        (dict(scale_index=3), ValueError, "scale index 3 is out of range for 3 elements"),
-        (dict(scale=s.double()), TypeError, "scale must be float32"),
-        (dict(amax_out=torch.ones(4, 2).t()), ValueError, "amax_out must be contiguous"),
     ]
-    return [({**base, **over}, exc, msg) for over, exc, msg in cases]
+    return [({**base, **over}, exc, msg) for over, exc, msg in cases + _cast_bad_args(s)]
 
 
 @needs_op

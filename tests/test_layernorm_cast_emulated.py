@@ -5,19 +5,13 @@ checks the kernel's indexing, barriers, shuffles and statistics without a GPU; i
 checks it on the GPU. Needs g++ (C++20) and the CUDA toolkit's headers."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from dept_mega.parallel.fp8 import E4M3, E5M2, _cast_math
+from tests.ops_utils import emulation
 from tests.test_fp8_fused_op import _at, _check_layouts, _interval, _ln_exact, _ln_input, _native_layer_norm
 from tools import cuda_emu
-
-pytestmark = [
-    pytest.mark.skipif(shutil.which("g++") is None or cuda_emu.cuda_include() is None,
-                       reason="needs g++ and the CUDA toolkit's headers"),
-]
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (rows, cols, pad, offset of the rows' means, x_at, w_at, x dtype, weight dtype, bias, fp8,
@@ -33,7 +27,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    return cuda_emu.LayerNormCast(cuda_emu.build_layernorm_cast(tmp_path_factory.mktemp("emu")))
+    return cuda_emu.LayerNormCast(emulation(tmp_path_factory, cuda_emu.LAYERNORM))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}" + ("-vec" if c[-1] else "-scalar")

@@ -136,9 +136,12 @@ def build(out_dir: Path, kernel: KernelSource) -> Path:
     return lib
 
 
+LAYERNORM = KernelSource("layernorm_cast", LAYERNORM_SRC, _CUT, _DRIVER)
+
+
 def build_layernorm_cast(out_dir: Path, src: Path = LAYERNORM_SRC) -> Path:
     """:func:`build` of ``layernorm_cast.cu``'s kernel (or of ``src``, a variant of it)."""
-    return build(out_dir, KernelSource("layernorm_cast", src, _CUT, _DRIVER))
+    return build(out_dir, dataclasses.replace(LAYERNORM, src=src))
 
 
 def _ptr(t, index=0):
