@@ -122,7 +122,10 @@ def build(out_dir: Path, kernel: KernelSource) -> Path:
         raise RuntimeError("tools/cuda_emu.py: the CUDA toolkit's headers (cuda_fp8.h) are not found "
                            "(CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
     code = '#include "cuda_emu.h"\n#line 1 "' + str(src) + '"\n' + text[:text.index(kernel.cut)] + kernel.driver
-    digest = hashlib.sha256((code + (ROOT / "tools" / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+    # the key covers the headers the kernel may include (its folder's and csrc/'s), not only its own text
+    headers = sorted({*src.parent.glob("*.cuh"), *src.parent.glob("*.h"), *(ROOT / "csrc").glob("*.h"),
+                      ROOT / "tools" / "cuda_emu.h"})
+    digest = hashlib.sha256((code + "".join(h.read_text() for h in headers)).encode()).hexdigest()[:16]
     lib = Path(out_dir) / f"{kernel.name}_emu_{digest}.so"
     if lib.exists():
         return lib
