@@ -12,7 +12,7 @@
 #   --budget S     seconds for the whole script (default 420; --dry-run: 240). A stage starts only
 #                  when its expected time (below) is left and is stopped at twice that. The default
 #                  runs the stages in order of value until it is spent (at an H100's expected times:
-#                  env to fp8_lt, then fp8_host); the expected times of all stages add up to 1669 s,
+#                  env to fp8_lt, then fp8_host); the expected times of all stages add up to 1699 s,
 #                  so --budget 1800 runs everything unless stages overrun
 #   --stages LIST  only these stages, comma-separated, run in the order below (e.g. a second call
 #                  for what failed or was skipped: summary.md ends with that command)
@@ -63,7 +63,8 @@
 #   fp8_prev   the previous FP8 defaults: fp8_casts=triton fp8_gemm=torch fp8_fused_casts=false
 #              -> bench.jsonl                                                  55 (an estimate)
 #   fp8_all_fused  fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true: the defaults plus the C++
-#              LayerNorm cast fused (1.285x bf16 on an H200, 2026-11-28), profiled -> bench.jsonl,
+#              LayerNorm cast fused (1.285x bf16 on an H200, 2026-11-28) and, since, the GELU
+#              backward fused into fc1's gradient cast (dgelu, not yet measured), profiled -> bench.jsonl,
 #              kernels.txt                                                     55 (an estimate)
 #   fp8_cuda   fp8_casts=cuda fp8_gemm=torch fp8_fused_casts=false: each cast the C++/CUDA operator
 #              dept_mega::cast_fp8 (a dispatcher call instead of Triton's launcher), beside fp8_prev,
