@@ -274,8 +274,10 @@ class Trainer:
                     stats[2 + K:].index_add_(0, ids, torch.full_like(seq, per_token.shape[1]))
             return per_token.sum() * scale
 
-        params = self.parameters()  # one walk of the modules per step (host time the GPU may wait for)
-        self._begin_grads(len(mbs), params)
+        # one walk of the modules per step (host time the GPU may wait for): each chunk's parameters
+        stage_params = [list(st.parameters()) for st in self.stages]
+        params = _unique([p for ps in stage_params for p in ps])  # as parameters()
+        self._begin_grads(len(mbs), stage_params, params)
         with fp8_weight_cache(self.stages):  # native FP8: the step's scales; each weight cast once
             run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                                  stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
@@ -331,13 +333,15 @@ class Trainer:
         return frozenset(id(p) for st in self.stages if not st.is_first for p in st.shared_embedding_params())
 
     # -- gradients ------------------------------------------------------------------------
-    def _begin_grads(self, num_micro_batches: int, params: Sequence[torch.nn.Parameter]) -> None:
+    def _begin_grads(self, num_micro_batches: int, stage_params: Sequence[Sequence[torch.nn.Parameter]],
+                     params: Sequence[torch.nn.Parameter]) -> None:
         """Set up the step's gradient buffers: each parameter expects one accumulation per
         micro-batch for every chunk of this rank that holds it; a bucket's data-parallel
-        reduction starts when all of its accumulations have arrived. ``params``: :meth:`parameters`."""
+        reduction starts when all of its accumulations have arrived. ``stage_params``: each
+        chunk's parameters; ``params``: :meth:`parameters`."""
         expected: dict[int, int] = {}
-        for st in self.stages:
-            for p in st.parameters():
+        for ps in stage_params:
+            for p in ps:
                 expected[id(p)] = expected.get(id(p), 0) + num_micro_batches
         buffers = [opt.buffer for opt in self.optimizers]
         for p in params:
@@ -373,12 +377,11 @@ class Trainer:
                     out.append(g)
         return out
 
-    def reduce_gradients(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+    def reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Wait for the data-parallel reduction (started during backward with
         ``optim.overlap_grad_reduce``), then all-reduce tied-embedding gradients over
-        ``pg.embedding`` and sequence-parallel ones over ``pg.tp``."""
+        ``pg.embedding`` and sequence-parallel ones over ``pg.tp``. ``params``: :meth:`parameters`."""
         self.grad_sync.finish()
-        params = self.parameters() if params is None else params
         if self.pg.embedding is not None and self.pg.pp_size > 1:
             shared = {id(p) for st in self.stages for p in st.shared_embedding_params()}
             tied = self._reduced([p for p in params if id(p) in shared])
@@ -389,14 +392,11 @@ class Trainer:
             if sp:
                 _bucketed_all_reduce(sp, self.pg, self.pg.tp, "tp")
 
-    def grad_norm(self) -> float:
-        """L2 norm of the group's gradient, each parameter counted once (``optim.counted_once``);
-        with the distributed optimizer each rank sums its shards and the sum runs over the
-        whole source group."""
-        return float(self._grad_norm_tensor(self.parameters()).item())
-
     def _grad_norm_tensor(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-        """:meth:`grad_norm` as a one-element fp64 tensor on the device (not read back)."""
+        """L2 norm of the group's gradient over ``params`` (:meth:`parameters`), each parameter
+        counted once (``optim.counted_once``); with the distributed optimizer each rank sums its
+        shards and the sum runs over the whole source group. A one-element fp64 tensor on the
+        device, not read back (``train_step`` fetches it with the loss statistics)."""
         dups = self._tied_duplicates()
         grads = self._reduced([p for p in params if counted_once(p, self.pg, dups)])
         group = self.pg.source_group if self.cfg.optim.distributed else self.pg.model_parallel
