@@ -118,14 +118,19 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype)[6:]  # torch.bfloat16 -> bfloat16, as csrc/common.h's dtype_name
 
 
-def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index, op: str = "cast_fp8") -> None:
-    """Raises what the operator's own checks raise (``csrc/common.h``, check_cast_fp8_args);
-    ``op``: the operator named in the messages."""
-    x = {"cast_fp8": "t", "dgelu_cast_fp8": "grad"}.get(op, "x")
+def _check_input(t, op: str) -> None:
+    """The input checks every cast operator makes first: a 2-D bf16 / fp16 tensor."""
     if t.dim() != 2:
         raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(t.shape)}")
     if t.dtype not in fp8_kernels.INPUT_DTYPES:
         raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(t.dtype)}")
+
+
+def check_args(t, dtype, pad, scale, scale_index, amax_out, amax_index, op: str = "cast_fp8") -> None:
+    """Raises what the operator's own checks raise (``csrc/common.h``, check_cast_fp8_args);
+    ``op``: the operator named in the messages."""
+    x = {"cast_fp8": "t", "dgelu_cast_fp8": "grad"}.get(op, "x")
+    _check_input(t, op)
     if dtype not in _FORMATS:
         raise TypeError(f"{op}: casts to float8_e4m3fn or float8_e5m2, got {_name(dtype)}")
     if pad < 0:
@@ -149,10 +154,7 @@ def check_layernorm_args(x, weight, bias, dtype, pad, scale, scale_index, amax_o
     """Raises what the operator's own checks raise (``csrc/common.h``,
     check_layernorm_cast_fp8_args), in its order."""
     op = "layernorm_cast_fp8"
-    if x.dim() != 2:
-        raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(x.shape)}")
-    if x.dtype not in fp8_kernels.INPUT_DTYPES:
-        raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(x.dtype)}")
+    _check_input(x, op)
     if x.shape[1] < 1:
         raise ValueError(f"{op}: takes a tensor of at least one column, got shape {list(x.shape)}")
     if scale is None:
@@ -220,10 +222,7 @@ def check_dgelu_args(grad, x, dtype, pad, scale, scale_index, amax_out, amax_ind
     """Raises what the operator's own checks raise (``csrc/common.h``, check_dgelu_cast_fp8_args),
     in its order."""
     op = "dgelu_cast_fp8"
-    if grad.dim() != 2:
-        raise ValueError(f"{op}: takes a 2-D tensor, got shape {list(grad.shape)}")
-    if grad.dtype not in fp8_kernels.INPUT_DTYPES:
-        raise TypeError(f"{op}: takes a bfloat16 or float16 tensor, got {_name(grad.dtype)}")
+    _check_input(grad, op)
     if x.shape != grad.shape:
         raise ValueError(f"{op}: x must have grad's shape {list(grad.shape)}, got {list(x.shape)}")
     if x.dtype != grad.dtype:
