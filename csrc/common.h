@@ -126,15 +126,20 @@ inline void check_remap_ranked_args(const at::Tensor& ids, const at::Tensor& wor
   check_same_device(op, ids, "ids", words, "ranks");
 }
 
+// The input checks every cast operator makes first: a 2-D bf16 / fp16 tensor.
+inline void check_cast_input(const char* op, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() == 2, op, ": takes a 2-D tensor, got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(t.scalar_type()));
+}
+
 // cast_fp8(t [rows, cols] bf16/fp16, dtype e4m3fn/e5m2, pad >= 0, ..., scale fp32 (element
 // scale_index), amax_out fp32 (element amax_index)); the FP8 format code (DM_FP8_*) of dtype.
 inline int check_cast_fp8_args(const at::Tensor& t, at::ScalarType dtype, int64_t pad,
                                const std::optional<at::Tensor>& scale, int64_t scale_index,
                                const std::optional<at::Tensor>& amax_out, int64_t amax_index,
                                const char* op = "cast_fp8") {
-  TORCH_CHECK_VALUE(t.dim() == 2, op, ": takes a 2-D tensor, got shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
-                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(t.scalar_type()));
+  check_cast_input(op, t);
   TORCH_CHECK_TYPE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op,
                    ": casts to float8_e4m3fn or float8_e5m2, got ", dtype_name(dtype));
   TORCH_CHECK_VALUE(pad >= 0, op, ": pad must be >= 0, got ", pad);
@@ -166,9 +171,7 @@ inline int check_layernorm_cast_fp8_args(const at::Tensor& x, const at::Tensor& 
                                          const std::optional<at::Tensor>& amax_out,
                                          int64_t amax_index) {
   const char* op = "layernorm_cast_fp8";
-  TORCH_CHECK_VALUE(x.dim() == 2, op, ": takes a 2-D tensor, got shape ", x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
-                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(x.scalar_type()));
+  check_cast_input(op, x);
   TORCH_CHECK_VALUE(x.size(1) >= 1, op, ": takes a tensor of at least one column, got shape ",
                     x.sizes());
   TORCH_CHECK_VALUE(scale.has_value(), op,
@@ -202,9 +205,7 @@ inline int check_dgelu_cast_fp8_args(const at::Tensor& grad, const at::Tensor& x
                                      const std::optional<at::Tensor>& amax_out,
                                      int64_t amax_index) {
   const char* op = "dgelu_cast_fp8";
-  TORCH_CHECK_VALUE(grad.dim() == 2, op, ": takes a 2-D tensor, got shape ", grad.sizes());
-  TORCH_CHECK_TYPE(grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf, op,
-                   ": takes a bfloat16 or float16 tensor, got ", dtype_name(grad.scalar_type()));
+  check_cast_input(op, grad);
   TORCH_CHECK_VALUE(x.sizes() == grad.sizes(), op, ": x must have grad's shape ", grad.sizes(),
                     ", got ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == grad.scalar_type(), op, ": x must have grad's dtype (",
