@@ -66,6 +66,9 @@
 #              LayerNorm cast fused (1.285x bf16 on an H200, 2026-11-28) and, since, the GELU
 #              backward fused into fc1's gradient cast (dgelu, not yet measured), profiled -> bench.jsonl,
 #              kernels.txt                                                     55 (an estimate)
+#   fp8_tuned  fp8_all_fused's settings with fp8_gemm_tuning=8: each FP8 GEMM problem's first call times
+#              8 of cuBLASLt's candidate algorithms and keeps the fastest (the heuristic's first unless
+#              another is 2 % faster); its record lists every problem's candidates -> bench.jsonl  60 (an estimate)
 #   fp8_cuda   fp8_casts=cuda fp8_gemm=torch fp8_fused_casts=false: each cast the C++/CUDA operator
 #              dept_mega::cast_fp8 (a dispatcher call instead of Triton's launcher), beside fp8_prev,
 #              profiled -> bench.jsonl, kernels.txt                            55 (an estimate)
@@ -152,7 +155,7 @@ done
 [ -n "$OUT_DIR" ] || { echo "error: no output folder: set OUT or pass --out DIR" >&2; exit 2; }
 [ -z "$BUDGET" ] && BUDGET=$(( DRY ? 240 : 420 ))
 [[ $BUDGET =~ ^[0-9]+$ ]] || { echo "error: --budget must be a number of seconds, got '$BUDGET'" >&2; exit 2; }
-STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts attention fp8_fast_accum ops tests fp8_compile_triton
+STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_tuned fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts attention fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
 if [ -n "$ONLY" ]; then
@@ -209,7 +212,7 @@ if [ "$DRY" = 1 ]; then
                      [megatron]=15 [compile]=8 [compile_nofusion]=8 [mb8]=8 [fp8_mb8]=12 [fp8_lt_mb8]=12
                      [fp8_compile]=8 [fp8_compile_triton]=8 [fp8_current_compile]=8 [fp8_current]=12 [torchao]=6
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
-                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12 [attention]=6)
+                     [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12 [fp8_tuned]=12 [attention]=6)
   CAP=8
 else
   BIG_VOCAB=250112
@@ -232,7 +235,7 @@ else
                      [fp8_mb8]=50 [fp8_lt_mb8]=50 [fp8_compile]=60 [fp8_compile_triton]=60 [fp8_current_compile]=60 [fp8_current]=50
                      [torchao]=60 [fp8_host]=40 [flex_autotune]=120 [fp8_cuda]=55
                      [fp8_fast_accum]=50 [fp8_casts]=60 [fp8_lt]=55 [fp8_fused]=55 [fp8_lt_fused]=55 [fp8_tlt_fused]=55
-                     [fp8_prev]=55 [fp8_all_fused]=55 [attention]=90)
+                     [fp8_prev]=55 [fp8_all_fused]=55 [fp8_tuned]=60 [attention]=90)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
 
@@ -306,7 +309,7 @@ stage() {  # NAME: run stage_NAME if selected and its expected time is left
 # ------------------------------------------------------------------ stages
 BUILD_PID=
 # stages that run the extension's operators (the FP8 defaults do on the GPU: the C++ casts, cuBLASLt)
-NEEDS_BUILD=(build ops_tests ops fp8 fp8_all_fused fp8_cuda fp8_lt fp8_lt_fused fp8_tlt_fused fp8_fast_accum fp8_mb8
+NEEDS_BUILD=(build ops_tests ops fp8 fp8_all_fused fp8_tuned fp8_cuda fp8_lt fp8_lt_fused fp8_tlt_fused fp8_fast_accum fp8_mb8
              fp8_current fp8_lt_mb8 fp8_host fp8_casts)
 start_build() {
   if [ -n "$ONLY" ]; then
@@ -481,6 +484,8 @@ stage_fp8() {  # the FP8 defaults; if that run fails, the PyTorch casts and GEMM
 stage_fp8_prev() { bench fp8_prev fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=torch fp8_fused_casts=false; }
 stage_fp8_all_fused() {
   bench fp8_all_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
+stage_fp8_tuned() {
+  bench fp8_tuned fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_gemm_tuning=8 fp8_fused_casts=true; }
 BIG_SET=(dept.variant=std model.vocab_size=$BIG_VOCAB)  # the vocab250k run (and its memory comparison)
 stage_vocab250k() { bench std_vocab250k "${BIG_SET[@]}"; }
 compiled_bench() {  # bench NAME [--profile] OVERRIDES... with train.compile=true

@@ -165,6 +165,7 @@ def _bench_lines(rows: list[dict]) -> list[str]:
         lines.append(f"- target FP8 >= 1.3x bf16 tokens/s: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})"
                      + (" (the PyTorch casts and torch._scaled_mm: the default run failed)" if fp8 != "fp8" else ""))
     lines += ratio_lines(ok)
+    lines += tuning_lines(rows)
     lines += backends_lines(rows)
     return lines
 
@@ -179,6 +180,7 @@ RATIOS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("bf16",)),
     ("fp8_all_fused", "FP8 with the C++ casts, cuBLASLt GEMMs and fp8_fused_casts=true",
      ("fp8", "fp8_prev", "bf16")),
+    ("fp8_tuned", "FP8 with fp8_all_fused's settings and fp8_gemm_tuning=8", ("fp8_all_fused", "fp8", "bf16")),
     ("fp8_cuda", "FP8 with the C++/CUDA cast operator", ("fp8_prev", "fp8", "bf16")),
     ("fp8_lt", "FP8 with the C++ casts and the cuBLASLt GEMM operator", ("fp8_prev", "fp8", "fp8_cuda", "bf16")),
     ("fp8_fused", "FP8 with fp8_fused_casts=true", ("fp8_prev", "fp8", "bf16")),
@@ -271,6 +273,13 @@ def _parts(backends: str) -> dict[str, str]:
     """A ``backends`` line's parts by key (the text before the first ``=``; "backend" for the
     first, which holds the linear layers)."""
     return {p.split("=", 1)[0]: p for p in backends.split(" | ")}
+
+
+def tuning_lines(rows: list[dict]) -> list[str]:
+    """For each run whose record lists FP8 GEMM problems tuned (``fp8_gemm_tuning``): the run log's
+    line of them (``fp8_gemm_tuning_line``: each problem's kept and first candidate's ms, their sums)."""
+    return [f"- {r['name']}: {r['fp8_gemm_tuning_line']}" for r in rows
+            if "error" not in r and r.get("fp8_gemm_tuning")]
 
 
 def backends_lines(rows: list[dict]) -> list[str]:

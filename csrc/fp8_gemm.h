@@ -19,12 +19,17 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "common.h"
 
 namespace dept_mega {
 
 constexpr int64_t kFp8GemmAlign = 16;  // dimension multiple and pointer alignment (bytes)
+constexpr int64_t kFp8GemmMaxTune = 64;  // the most algorithms fp8_gemm(tune=...) times
+
+// Appends one line (a JSON object) to what fp8_gemm_tuning_log returns (csrc/registration.cpp).
+void record_fp8_gemm_tuning(std::string line);
 
 inline bool is_fp8_dtype(at::ScalarType t) {
   return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
@@ -36,7 +41,7 @@ inline bool fp8_misaligned(const at::Tensor& t) {
 
 inline void check_fp8_gemm_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                 const at::Tensor& scale_b, const std::optional<at::Tensor>& out,
-                                bool first) {
+                                bool first, int64_t tune) {
   const char* op = "fp8_gemm";
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D, got shapes ",
                     a.sizes(), " and ", b.sizes());
@@ -82,6 +87,8 @@ inline void check_fp8_gemm_args(const at::Tensor& a, const at::Tensor& b, const 
                       o.strides());
     check_same_device(op, a, "a", o, "out");
   }
+  TORCH_CHECK_VALUE(tune >= 0 && tune <= kFp8GemmMaxTune, op, ": tune must be between 0 and ",
+                    kFp8GemmMaxTune, " (the algorithms to time), got ", tune);
   const bool bad[5] = {fp8_misaligned(a), fp8_misaligned(b), fp8_misaligned(scale_a),
                        fp8_misaligned(scale_b), out.has_value() && fp8_misaligned(*out)};
   const char* names[5] = {"a", "b", "scale_a", "scale_b", "out"};

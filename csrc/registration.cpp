@@ -7,6 +7,43 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fp8_gemm.h"
+
+namespace dept_mega {
+namespace {
+
+struct TuningLog {
+  std::mutex mu;
+  std::vector<std::string> lines;
+};
+
+TuningLog& tuning_log() {
+  static auto* log = new TuningLog();  // never freed, as the algorithm cache it describes
+  return *log;
+}
+
+std::vector<std::string> fp8_gemm_tuning_log(bool clear) {
+  TuningLog& log = tuning_log();
+  const std::lock_guard<std::mutex> lock(log.mu);
+  std::vector<std::string> out = log.lines;
+  if (clear) log.lines.clear();
+  return out;
+}
+
+}  // namespace
+
+void record_fp8_gemm_tuning(std::string line) {
+  TuningLog& log = tuning_log();
+  const std::lock_guard<std::mutex> lock(log.mu);
+  log.lines.push_back(std::move(line));
+}
+
+}  // namespace dept_mega
+
 TORCH_LIBRARY(dept_mega, m) {
   // rows[i] = table[ids[i]], optionally cast to out_dtype.
   m.def("gather_rows(Tensor table, Tensor ids, ScalarType? out_dtype=None) -> Tensor");
@@ -56,9 +93,16 @@ TORCH_LIBRARY(dept_mega, m) {
   // scale_a * scale_b * (a . b) as a new bfloat16 [m, n] tensor. With out (float32 or bfloat16
   // [m, n], contiguous): adds the product into out in place (first=True: overwrites), returns
   // None (an undefined tensor). On CUDA one cuBLASLt matmul (csrc/cuda/fp8_gemm_lt.cpp).
+  // tune (0 to 64; 0 and 1: cuBLASLt's heuristic's first algorithm): on the first call of a
+  // problem, the heuristic's first `tune` algorithms are timed and the fastest is kept for it;
+  // ignored on the CPU (one kernel there).
   m.def(
       "fp8_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, bool use_fast_accum=False, "
-      "Tensor(a!)? out=None, bool first=False) -> Tensor");
+      "Tensor(a!)? out=None, bool first=False, int tune=0) -> Tensor");
+  // One JSON object per problem that fp8_gemm tuned (tune > 1) in this process, in order:
+  // the problem, every candidate's milliseconds (null: it failed), the one kept (clear: empty
+  // the list after reading it). Empty on the CPU.
+  m.def("fp8_gemm_tuning_log(bool clear=False) -> str[]", &dept_mega::fp8_gemm_tuning_log);
   // Lazy error checks of the CUDA ops (no host synchronisation inside a call): the persistent
   // int64[DM_ERR_RECORD_LEN] error record of `like`'s device (CUDA kernel only), decoded into
   // the exception the CPU op raises by dept_mega.ops.check_errors.

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
-    ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, get_key)
+    ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, FP8_GEMM_MAX_TUNING, get_key)
 
 
 # ----------------------------------------------------------------------------- building
@@ -217,7 +217,10 @@ def _check_values(cfg: Config) -> None:
     _positive(cfg, ["optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                     "optim.eps", "optim.clip_grad", "dept.temperature", "train.eval_interval",
                     "train.eval_iters", "train.eval_samples", "train.save_interval", "train.keep_checkpoints", "model.hidden_dropout",
-                    "model.attention_dropout", "dept.outer_delay"], allow_zero=True)
+                    "model.attention_dropout", "dept.outer_delay", "fp8_gemm_tuning"], allow_zero=True)
+    if cfg.fp8_gemm_tuning > FP8_GEMM_MAX_TUNING:
+        raise ConfigError(f"config key 'fp8_gemm_tuning': at most {FP8_GEMM_MAX_TUNING} algorithms are timed, got "
+                          f"{cfg.fp8_gemm_tuning}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"config key 'model.hidden_size': {m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")
@@ -345,7 +348,8 @@ def te_fp8_conflict(cfg: Config) -> Optional[str]:
     settings = (("fp8_fused_casts", cfg.fp8_fused_casts, (False, None), "Transformer Engine casts itself"),
                 ("fp8_gemm", cfg.fp8_gemm, ("torch", "auto"), "Transformer Engine runs its own"),
                 ("fp8_fast_accum", cfg.fp8_fast_accum, ("forward", "auto"),
-                 "Transformer Engine's accumulate as 'forward' does"))
+                 "Transformer Engine's accumulate as 'forward' does"),
+                ("fp8_gemm_tuning", cfg.fp8_gemm_tuning, (0, 1), "Transformer Engine picks its own GEMM algorithms"))
     for key, value, te_does, why in settings:
         if value not in te_does:
             return (f"config key '{key}': {str(value).lower()} applies to the native FP8 linears "
@@ -367,6 +371,10 @@ def _check_eager_fp8(cfg: Config) -> None:
         raise ConfigError("config key 'fp8_gemm': cublaslt runs in the eager FP8 linears; under train.compile the "
                           "FP8 GEMMs are traced into the compiled blocks with torch._scaled_mm (use fp8_gemm: auto "
                           "or torch, or train.compile: false)")
+    if cfg.fp8_gemm_tuning > 1 and cfg.fp8_gemm == "torch":
+        raise ConfigError(f"config key 'fp8_gemm_tuning': {cfg.fp8_gemm_tuning} times the algorithms of the cublaslt FP8 "
+                          f"GEMMs; fp8_gemm is torch (torch._scaled_mm picks its own): use fp8_gemm: auto or cublaslt, "
+                          f"or fp8_gemm_tuning: 0")
     if cfg.train.compile and cfg.fp8_fused_casts is True:
         raise ConfigError("config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears; under "
                           "train.compile the norms, GELUs and casts are traced into the compiled blocks (use "

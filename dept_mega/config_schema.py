@@ -330,6 +330,14 @@ class Config:
     #: has the operator, without train.compile, with optim.grad_accum_fusion on and optim.grad_dtype fp32;
     #: otherwise torch (the run log says why).
     fp8_gemm: str = "auto"
+    #: With the cublaslt FP8 GEMMs: on the first call of each GEMM problem (shape, layout, types,
+    #: accumulation) time this many of the algorithms cuBLASLt's heuristic proposes and keep the fastest for
+    #: the run (one host synchronisation per candidate, once per problem, within the first training step);
+    #: 0 or 1: the heuristic's first, untimed. At most 64. Another algorithm sums in another order, and a
+    #: timing can pick differently from run to run: a tuned run's last bits are not reproducible across
+    #: processes (the run log lists each problem's candidates, their times and the one kept). Not applied
+    #: to torch._scaled_mm (the run log says so when fp8_gemm auto does not take cublaslt).
+    fp8_gemm_tuning: int = 0
     #: Linear layers: auto (Transformer Engine for every linear, bf16 runs included, when it imports on
     #: CUDA; else local), local (ours, with the fp8_* keys above) or transformer_engine. Transformer Engine
     #: has not yet run on a GPU here: every GPU figure in docs/performance.md ran our linears (local, or
@@ -349,6 +357,8 @@ class Config:
         p = self.parallel
         return world_size // (p.tensor * p.pipeline * p.data)
 
+
+FP8_GEMM_MAX_TUNING = 64  # fp8_gemm_tuning's bound: the operator's (csrc/fp8_gemm.h, kFp8GemmMaxTune)
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.activation": ("gelu", "swiglu"),

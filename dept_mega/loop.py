@@ -214,6 +214,14 @@ class TrainLoop:
         finally:
             profiler.close(self.trainer.step)
 
+    def _log_gemm_tuning(self) -> None:
+        """With ``fp8_gemm_tuning``: the algorithms the first step timed and kept (the cuBLASLt
+        FP8 GEMMs on a GPU; nothing is tuned elsewhere), once."""
+        if self.cfg.fp8 is not None and self.cfg.fp8_gemm_tuning > 1:
+            from .parallel.fp8_gemm import describe_tuning, tuning_log
+            if rows := tuning_log(clear=True):
+                self.writer.log(describe_tuning(rows))
+
     def _run(self, profiler) -> None:
         cfg, tr = self.cfg, self.trainer
         total = cfg.train.steps
@@ -256,6 +264,8 @@ class TrainLoop:
                 after_step(self)
             self.last_result = res
             trained += 1
+            if trained == 1:
+                self._log_gemm_tuning()
             meter.add_step(res.tokens, self.vocab_in_use())
             step = tr.step
             if step % log_every == 0 or step == total:

@@ -516,3 +516,18 @@ def test_attention_summary_marks_the_fastest_kernel_of_the_models_function():
     assert "| bias cudnn | failed: RuntimeError: No available kernel | | |" in lines
     assert sum("(fastest)" in line for line in lines) == 1
     assert attention_lines({"error": "rc=1: boom"})[-1] == "- failed: rc=1: boom"
+
+
+def test_bench_summary_reports_the_tuned_run_and_its_gemm_problems():
+    """gpu_check's fp8_tuned stage (fp8_all_fused's settings with fp8_gemm_tuning=8): its tokens/s
+    over fp8_all_fused's, and the record's line of the GEMM problems tuned."""
+    from suite_summary import _bench_lines
+
+    tuned_line = "fp8_gemm_tuning: 1 problems tuned; kept 0.180 ms against the heuristic's first 0.200 ms: x"
+    rows = [{"name": "fp8_all_fused", "tokens_per_s": 1000.0, "backends": _fp8_backends(_LT, _CPP, fused=_CPP_FUSED)},
+            {"name": "fp8_tuned", "tokens_per_s": 1030.0,
+             "backends": _fp8_backends(_LT + " tuned over 8 candidates", _CPP, fused=_CPP_FUSED),
+             "fp8_gemm_tuning": [{"m": 16}], "fp8_gemm_tuning_line": tuned_line}]
+    text = "\n".join(_bench_lines(rows))
+    assert "- FP8 with fp8_all_fused's settings and fp8_gemm_tuning=8 (fp8_tuned): 1.030x fp8_all_fused (" in text, text
+    assert f"- fp8_tuned: {tuned_line}" in text, text

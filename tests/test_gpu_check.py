@@ -18,7 +18,7 @@ from tests.trainer_utils import ROOT
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
-STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "attention", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
+STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_tuned", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "attention", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
           "megatron", "flex_autotune", "fp8_current", "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "vocab250k", "memory", "nofusion",
           "compile_nofusion", "mb8")
 
@@ -66,7 +66,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert {("layernorm", "fused", "cuda"), ("gelu", "fused", "cuda"), ("layernorm", "unfused", "cuda")} <= fused
     assert "### Fused vs unfused" in summary and "| layernorm | cuda | " in summary
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
-    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
+    assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_tuned", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
                                            "bf16_compile_nofusion", "bf16_mb8"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
@@ -108,6 +108,8 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert by["fp8_lt_fused"]["tokens_per_s"] == by["fp8_all_fused"]["tokens_per_s"]
     assert "fp8_lt_fused: the settings of fp8_all_fused, which ran in this call" in log
     assert log.count("fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true") == 1
+    # fp8_tuned: fp8_all_fused's settings with fp8_gemm_tuning (the CPU kernel has nothing to tune: said)
+    assert "fp8_gemm_tuning 8 not applied: the operator's cpu kernel has one algorithm" in by["fp8_tuned"]["backends"]
     assert "(fp8_fused): " in summary and "x fp8 (_scaled_mm, torch casts, delayed scaling, exact sums)" in summary
     # each variant against its unfused / base runs, and every run's backends line in the summary
     assert re.search(r"\(fp8_lt_fused\): [\d.]+x fp8_lt \(cuBLASLt GEMMs, C\+\+ casts, [^)]*\), [\d.]+x fp8_fused \(",

@@ -40,6 +40,7 @@ from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
 from dept_mega.megatron_flags import parse_with_hints  # noqa: E402
 from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
 from dept_mega.model import describe_backends  # noqa: E402
+from dept_mega.parallel.fp8_gemm import describe_tuning, tuning_log  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
 from dept_mega.profiling import StepProfiler  # noqa: E402
 from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
@@ -131,6 +132,7 @@ def main(argv=None) -> int:
         tflops = mfu = None
     if dist.is_initialized():
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    tuned = tuning_log()  # fp8_gemm_tuning: what the first step tuned (on a GPU with cuBLASLt)
     rec = make_record("bench", args.warmup + args.steps, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
                       tflops_per_device=tflops, mfu=mfu, step_ms=seconds / args.steps * 1e3,
                       peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
                       device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       torch_version=torch.__version__, cuda_version=torch.version.cuda,
                       inductor_max_autotune=bool(inductor_config.max_autotune),
-                      date=datetime.date.today().isoformat(), config=cfg.to_dict())
+                      date=datetime.date.today().isoformat(), config=cfg.to_dict(),
+                      fp8_gemm_tuning=tuned, fp8_gemm_tuning_line=describe_tuning(tuned) if tuned else None)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

@@ -539,8 +539,8 @@ struct MkldnnOff {
 
 at::Tensor fp8_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                         const at::Tensor& scale_b, bool use_fast_accum,
-                        const std::optional<at::Tensor>& out, bool first) {
-  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first);
+                        const std::optional<at::Tensor>& out, bool first, int64_t tune) {
+  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first, tune);  // tune: one kernel here
   at::Tensor prod;
   {
     const MkldnnOff off;

@@ -11,7 +11,9 @@
 // main_grad itself (beta = 1, C = D, fp32 output), as Transformer Engine's wgrad does. And
 // _scaled_mm creates its descriptors and asks cuBLASLt's heuristic on every call; here the
 // algorithm chosen for a problem is cached (AlgoKey below), so a call after the first is the
-// descriptors' set-up and cublasLtMatmul.
+// descriptors' set-up and cublasLtMatmul. The algorithm is the heuristic's first, or with
+// tune > 1 the fastest of its first `tune` candidates timed on the problem's first call
+// (pick_fastest; config key fp8_gemm_tuning).
 //
 // Layout (cuBLASLt is column-major): the row-major [m, n] result D is, read column-major, the
 // [n, m] matrix Dᵀ = bᵀ · aᵀ. So cuBLASLt's A is our b ([k, n] column-major: op(A) = transpose,
@@ -25,17 +27,20 @@
 // Accumulation: C and D are the same tensor with the same layout (in place), beta = 1.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../fp8_gemm.h"
 
@@ -134,10 +139,121 @@ void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttribute
   check_lt(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), what, p);
 }
 
+// What a timed candidate runs on: the call's descriptors and operands.
+struct Operands {
+  cublasLtHandle_t handle;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t lt_a, lt_b, lt_d;
+  const at::Tensor& a;
+  const at::Tensor& b;
+  const at::Tensor& d;
+  bool accumulate;
+};
+
+struct Events {  // destroyed on every path out
+  cudaEvent_t start = nullptr, stop = nullptr;
+  Events() {
+    C10_CUDA_CHECK(cudaEventCreate(&start));
+    C10_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~Events() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
+  }
+};
+
+int32_t algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  int32_t v = -1;  // -1: cuBLASLt did not say
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
+  return v;
+}
+
+// tune > 1, on the problem's first call: every candidate of cuBLASLt's heuristic (in its order)
+// runs once, then kTuneReps times between two events on the call's stream; the fastest is kept,
+// the heuristic's first unless another is at least kTuneMargin faster (timing noise must not
+// trade a kernel for an equal one). The candidates write into a scratch copy of the output, never
+// into it (an accumulating GEMM would add into main_grad). A candidate cuBLASLt refuses to run
+// is skipped (its time null). One host synchronisation per candidate, once per problem; not
+// while the stream is being captured into a CUDA graph (the heuristic's first is kept). Each
+// tuning is one JSON line of fp8_gemm_tuning_log.
+constexpr int kTuneReps = 10;
+constexpr float kTuneMargin = 0.02f;
+
+int pick_fastest(const Operands& o, const std::vector<cublasLtMatmulHeuristicResult_t>& results,
+                 const Problem& prob) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const int n = static_cast<int>(results.size());
+  std::vector<float> ms(n, -1.0f);  // -1: not run
+  int pick = 0;
+  const char* why = "timed";
+  if (capture != cudaStreamCaptureStatusNone) {
+    why = "not timed: the stream is being captured";
+  } else if (n > 1) {
+    at::Tensor scratch = o.accumulate ? o.d.clone() : at::empty_like(o.d);
+    size_t ws_bytes = 0;
+    for (const auto& r : results) ws_bytes = std::max(ws_bytes, r.workspaceSize);
+    at::Tensor ws;
+    if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, o.a.options().dtype(at::kByte));
+    void* ws_ptr = ws_bytes > 0 ? ws.data_ptr() : nullptr;
+    const float alpha = 1.0f, beta = o.accumulate ? 1.0f : 0.0f;
+    void* s_ptr = scratch.data_ptr();
+    const Events ev;
+    for (int i = 0; i < n; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      auto run = [&]() {
+        return cublasLtMatmul(o.handle, o.desc, &alpha, o.b.const_data_ptr(), o.lt_a, o.a.const_data_ptr(),
+                              o.lt_b, &beta, s_ptr, o.lt_d, s_ptr, o.lt_d, &results[i].algo, ws_ptr,
+                              results[i].workspaceSize, stream);
+      };
+      if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; refused: skipped
+      bool ok = true;
+      C10_CUDA_CHECK(cudaEventRecord(ev.start, stream));
+      for (int r = 0; r < kTuneReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+      C10_CUDA_CHECK(cudaEventRecord(ev.stop, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(ev.stop));
+      float elapsed = 0.0f;
+      C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, ev.start, ev.stop));
+      if (ok) ms[i] = elapsed / kTuneReps;
+    }
+    int best = -1;
+    for (int i = 0; i < n; ++i) {
+      if (ms[i] >= 0.0f && (best < 0 || ms[i] < ms[best])) best = i;
+    }
+    TORCH_CHECK(best >= 0, "fp8_gemm: tuning ", prob.describe(), ": none of cuBLASLt's ", n,
+                " candidate algorithms ran");
+    if (best > 0 && (ms[0] < 0.0f || ms[best] < (1.0f - kTuneMargin) * ms[0])) pick = best;
+  } else {
+    why = "one candidate";
+  }
+  std::ostringstream line;
+  line << "{\"m\": " << prob.m << ", \"n\": " << prob.n << ", \"k\": " << prob.k << ", \"a\": \""
+       << dtype_name(prob.a) << "\", \"b\": \"" << dtype_name(prob.b) << "\", \"out\": \"" << dtype_name(prob.d)
+       << "\", \"accumulate\": " << (prob.accumulate ? "true" : "false")
+       << ", \"fast_accum\": " << (prob.fast ? "true" : "false") << ", \"how\": \"" << why << "\", \"ms\": [";
+  for (int i = 0; i < n; ++i) {
+    line << (i ? ", " : "");
+    if (ms[i] >= 0.0f) {
+      line << ms[i];
+    } else {
+      line << "null";
+    }
+  }
+  line << "], \"algo_ids\": [";
+  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_ID);
+  line << "], \"tile_ids\": [";
+  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
+  line << "], \"chosen\": " << pick << "}";
+  record_fp8_gemm_tuning(line.str());
+  return pick;
+}
+
 at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                          const at::Tensor& scale_b, bool use_fast_accum,
-                         const std::optional<at::Tensor>& out, bool first) {
-  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first);
+                         const std::optional<at::Tensor>& out, bool first, int64_t tune) {
+  check_fp8_gemm_args(a, b, scale_a, scale_b, out, first, tune);
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   at::Tensor d = out.has_value() ? *out : at::empty({m, n}, a.options().dtype(at::kBFloat16));
@@ -197,15 +313,22 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b, "setting MIN_ALIGNMENT_B_BYTES", prob);
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d, "setting MIN_ALIGNMENT_C_BYTES", prob);
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d, "setting MIN_ALIGNMENT_D_BYTES", prob);
-    cublasLtMatmulHeuristicResult_t result{};
+    const int asked = tune > 1 ? static_cast<int>(tune) : 1;
+    std::vector<cublasLtMatmulHeuristicResult_t> results(asked);
     int found = 0;
-    check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, lt_a.l, lt_b.l, lt_d.l, lt_d.l, pref.p, 1,
-                                            &result, &found),
+    check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, lt_a.l, lt_b.l, lt_d.l, lt_d.l, pref.p, asked,
+                                            results.data(), &found),
              "cublasLtMatmulAlgoGetHeuristic", prob);
-    TORCH_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+    TORCH_CHECK(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                 "fp8_gemm: cuBLASLt has no algorithm for ", prob.describe(), " (workspace limit ",
                 max_ws, " bytes, alignments ", al_a, "/", al_b, "/", al_d, " bytes)");
-    chosen = CachedAlgo{result.algo, result.workspaceSize};
+    results.resize(found);
+    int pick = 0;
+    if (tune > 1) {
+      const Operands ops{handle, desc.d, lt_a.l, lt_b.l, lt_d.l, a, b, d, accumulate};
+      pick = pick_fastest(ops, results, prob);
+    }
+    chosen = CachedAlgo{results[pick].algo, results[pick].workspaceSize};
     const std::lock_guard<std::mutex> lock(cache.mu);
     cache.map.emplace(key, chosen);
   }

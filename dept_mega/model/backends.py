@@ -110,6 +110,7 @@ class Backends:
     fp8_casts: str = ""  # native FP8: "triton" (one kernel per cast) | "cuda" (the C++ operator) | "torch" (fp8._cast_math)
     fp8_graph_casts: str = ""  # the casts inside compiled graphs: "triton" (fp8_casts named triton) | "torch"
     fp8_gemm: str = ""  # native FP8: "torch" (torch._scaled_mm) | "cublaslt" (dept_mega::fp8_gemm, fp8_gemm.py)
+    fp8_gemm_tuning: int = 0  # cublaslt: the candidates timed per problem (fp8_gemm_tuning; 0 elsewhere)
     # fp8_fused_casts for the log: "" (false, or no native FP8), "on" (true), "auto" (null; model/fused_casts.py)
     fused_casts: str = ""
     # the FP8 GEMMs whose input's producer is fused into its cast, and "dgelu" where fc1's output
@@ -150,7 +151,7 @@ class Backends:
         when its linear layers do not run native FP8."""
         if self.linear == "fp8-native" and self.fp8 is not None:
             return Fp8State(self.fp8, device, kernels=self.fp8_casts, graph_casts=self.fp8_graph_casts or None,
-                            gemm=self.fp8_gemm or "torch")
+                            gemm=self.fp8_gemm or "torch", gemm_tuning=self.fp8_gemm_tuning)
         return None
 
     def describe_wgrad(self) -> str:
@@ -182,7 +183,8 @@ class Backends:
             casts = "casts in the compiled graphs" if traced else _CASTS[self.fp8_casts]
             if casts == _CASTS["triton"] and fp8_kernels.AVAILABLE:
                 casts += f" ({triton_launch.describe(fp8_kernels._cast_kernel)})"
-            how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}, {casts})"
+            tuned = f" tuned over {self.fp8_gemm_tuning} candidates" if self.fp8_gemm_tuning > 1 else ""
+            how = f"native fp8 ({_GEMM[self.fp8_gemm or 'torch']}{tuned}, {casts})"
         else:  # Transformer Engine casts itself (fp8_casts / fp8_gemm apply to the native GEMMs only)
             how = "transformer_engine fp8"
         bf16_layers = [i for i in range(self.num_layers) if i not in self.fp8_layers]
@@ -408,6 +410,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
     fp8_layers: tuple[int, ...] = ()
     fp8_gemms: tuple[str, ...] = ()
     fp8_casts = fp8_graph_casts = fp8_gemm = fused_mode = ""
+    tuning = 0
     fused_gemms: tuple[str, ...] = ()  # fp8_fused_casts: which GEMMs fuse
     unfused: tuple[str, ...] = ()  # ... and why the others do not
     if cfg.fp8 is not None:
@@ -419,6 +422,11 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         if linear == "fp8-native":
             fp8_gemms = native_fp8_gemms(m, cfg.parallel.tensor)
             fp8_casts, fp8_gemm = _native_fp8_paths(cfg, device, fp8_gemms, notes)
+            tuning = cfg.fp8_gemm_tuning if fp8_gemm == "cublaslt" and device.type == "cuda" else 0
+            if cfg.fp8_gemm_tuning > 1 and not tuning:
+                notes.append(f"fp8_gemm_tuning {cfg.fp8_gemm_tuning} not applied: " + (
+                    "the FP8 GEMMs are torch._scaled_mm" if fp8_gemm != "cublaslt" else
+                    f"the operator's {device.type} kernel has one algorithm"))
             fp8_graph_casts = default_graph_casts(cfg.fp8_casts)
             # (with train.compile, fp8_gemm: cublaslt and fp8_fused_casts: true are refused with the config)
             if cfg.fp8_fused_casts is not False:
@@ -439,7 +447,7 @@ def resolve_backends(cfg: Config | ModelConfig | None = None, device: torch.devi
         wgrad = describe_wgrad(device, prec.param_dtype, prec.grad_dtype)
     return Backends(requested=cfg.backend, attention=attention, norm=norm, linear=linear, fp8=recipe,
                     fp8_layers=fp8_layers, fp8_gemms=fp8_gemms, fp8_casts=fp8_casts,
-                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fused_casts=fused_mode,
+                    fp8_graph_casts=fp8_graph_casts, fp8_gemm=fp8_gemm, fp8_gemm_tuning=tuning, fused_casts=fused_mode,
                     fp8_fused_casts=fused_gemms, fp8_unfused=unfused, num_layers=m.num_layers,
                     recompute=m.recompute, recompute_layers=m.recompute_layers, compile=cfg.train.compile,
                     fuse_wgrad=fuse, wgrad=wgrad, tied=m.tie_embeddings,

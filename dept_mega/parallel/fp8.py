@@ -120,17 +120,18 @@ class Fp8State:
     by default ``triton`` where ``kernels`` names it; ``gemm``: ``torch`` (``torch._scaled_mm``) |
     ``cublaslt`` (the C++ operator, weight gradients accumulated into ``main_grad`` by the GEMM:
     ``fp8_gemm.py``), the eager linears' GEMMs: ``torch`` unless named (the config's ``fp8_gemm:
-    auto`` is resolved by ``model/backends.py``, which knows the run's gradient settings)."""
+    auto`` is resolved by ``model/backends.py``, which knows the run's gradient settings),
+    ``gemm_tuning`` its algorithm timing (``fp8_gemm.bound_op``)."""
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str, kernels: str = "auto",
-                 graph_casts: Optional[str] = None, gemm: str = "torch") -> None:
+                 graph_casts: Optional[str] = None, gemm: str = "torch", gemm_tuning: int = 0) -> None:
         self.recipe = recipe
         self.device = torch.device(device)
         self.gemm = resolve_gemm(gemm, self.device)
         self.lt = self.gemm == "cublaslt"  # read by every GEMM of the FP8 linears
         # the eager linears' GEMM, (a, b, scale_a, scale_b, fast) -> bf16, and with cublaslt the
         # operator itself (the weight gradient's accumulation), resolved once here
-        self.gemm_op = direct_op(fp8_gemm.op()) if self.lt else None
+        self.gemm_op = fp8_gemm.bound_op(gemm_tuning) if self.lt else None  # tuning: fp8_gemm_tuning
         self.mm = fp8_gemm.lt_mm_via(self.gemm_op) if self.lt else _scaled_mm
         self.kernels = resolve_cast_kernels(kernels, self.device)
         self._cast_op = direct_op(fp8_casts.op()) if self.kernels == "cuda" else None  # dept_mega::cast_fp8

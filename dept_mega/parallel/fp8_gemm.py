@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from ..config_schema import FP8_GEMM_MAX_TUNING
 from .fp8_recipe import FP8_MAX
 
 GEMMS = ("auto", "torch", "cublaslt")
@@ -73,7 +74,7 @@ def op_unavailable(device: torch.device | str) -> Optional[str]:
     from ..ops import loader
 
     return loader.kernel_missing("dept_mega::fp8_gemm", device, "its CUDA kernels and cuBLASLt's headers "
-                                 "(build/dept_mega_ops_build.log says whether they were found)")
+                                 "(build/dept_mega_ops_build.log says whether they were found)", args=("tune",))
 
 
 def auto_gemm(device: torch.device | str, compile: bool = False, grad_accum_fusion: bool = True,
@@ -128,7 +129,7 @@ def _strides(t: torch.Tensor) -> str:
     return f"[{', '.join(str(s) for s in t.stride())}]"
 
 
-def check_args(a, b, scale_a, scale_b, out=None, first=False) -> None:
+def check_args(a, b, scale_a, scale_b, out=None, first=False, tune=0) -> None:
     """Raises what the operator's own checks raise (``csrc/fp8_gemm.h``), in the same order with
     the same messages: a C++ exception from a CUDA op once crashed the process on a GPU machine
     (``dept_mega.ops``' docstring), so :func:`fp8_gemm` checks here first."""
@@ -172,6 +173,9 @@ def check_args(a, b, scale_a, scale_b, out=None, first=False) -> None:
             raise ValueError(f"{op_name}: out must be contiguous (row-major), got strides {_strides(out)}")
         if out.device != a.device:
             raise ValueError(f"{op_name}: a is on {a.device} but out is on {out.device}")
+    if not 0 <= tune <= FP8_GEMM_MAX_TUNING:
+        raise ValueError(f"{op_name}: tune must be between 0 and {FP8_GEMM_MAX_TUNING} (the algorithms to time), "
+                         f"got {tune}")
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("out", out)):
         if t is not None and t.data_ptr() % PTR_ALIGN:
             raise ValueError(f"{op_name}: {name} is not {PTR_ALIGN}-byte aligned (a view at an offset into a larger "
@@ -180,14 +184,59 @@ def check_args(a, b, scale_a, scale_b, out=None, first=False) -> None:
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              use_fast_accum: bool = False, out: Optional[torch.Tensor] = None,
-             first: bool = False) -> Optional[torch.Tensor]:
+             first: bool = False, tune: int = 0) -> Optional[torch.Tensor]:
     """``scale_a · scale_b · (a · b)`` through ``dept_mega::fp8_gemm``, arguments checked first
     (:func:`check_args`). ``a`` FP8 ``[m, k]`` row-major, ``b`` FP8 ``[k, n]`` column-major, the
     scales 1-element fp32 tensors (``torch._scaled_mm``'s rule and meaning). ``out`` None: returns
     a new bf16 ``[m, n]`` tensor. ``out`` an fp32 or bf16 ``[m, n]`` contiguous tensor: adds the
-    product into it in place (``first``: overwrites it) and returns None."""
-    check_args(a, b, scale_a, scale_b, out, first)
-    return op()(a, b, scale_a, scale_b, use_fast_accum, out, first)
+    product into it in place (``first``: overwrites it) and returns None. ``tune`` > 1: on a
+    problem's first call time that many of cuBLASLt's candidate algorithms and keep the fastest
+    (:func:`tuning_log`; the CPU kernel ignores it)."""
+    check_args(a, b, scale_a, scale_b, out, first, tune)
+    return op()(a, b, scale_a, scale_b, use_fast_accum, out, first, tune)
+
+
+def bound_op(tune: int = 0):
+    """The operator as the FP8 linears call it (:func:`direct_op` of :func:`op`), with ``tune``
+    (config key ``fp8_gemm_tuning``) bound when it asks for timing (> 1): the calls pass only the
+    arguments they need."""
+    gemm = direct_op(op())
+    return functools.partial(gemm, tune=tune) if tune > 1 else gemm
+
+
+def tuning_log(clear: bool = False) -> list[dict]:
+    """What ``fp8_gemm(tune > 1)`` tuned in this process, one dict per problem, in order: ``m``,
+    ``n``, ``k``, the dtypes (``a``, ``b``, ``out``), ``accumulate``, ``fast_accum``, ``how``
+    (``timed``, or why not), ``ms`` (each candidate in the heuristic's order; None: it did not
+    run), ``algo_ids``, ``tile_ids`` (cuBLASLt's) and ``chosen`` (the index kept: 0 unless another
+    was at least 2 % faster). Empty on the CPU and without the extension."""
+    import json
+
+    from ..ops import loader
+
+    if not loader.status().loaded or not hasattr(torch.ops.dept_mega, "fp8_gemm_tuning_log"):
+        return []
+    return [json.loads(line) for line in torch.ops.dept_mega.fp8_gemm_tuning_log(clear)]
+
+
+def describe_tuning(rows: list[dict]) -> str:
+    """One line for the run log: per tuned problem its shape, the heuristic's first and the kept
+    algorithm's time, and the step's total gain."""
+    if not rows:
+        return "fp8_gemm_tuning: no problem tuned"
+    parts, first_ms, kept_ms = [], 0.0, 0.0
+    for r in rows:
+        ms = r["ms"]
+        if r["how"] != "timed" or ms[0] is None:
+            parts.append(f"{r['m']}x{r['n']}x{r['k']}: {r['how']}")
+            continue
+        kept = ms[r["chosen"]]
+        first_ms, kept_ms = first_ms + ms[0], kept_ms + kept
+        acc = " acc" if r["accumulate"] else ""
+        parts.append(f"{r['m']}x{r['n']}x{r['k']}{acc} #{r['chosen']} of {len(ms)} {kept:.3f} ms "
+                     f"(first {ms[0]:.3f})")
+    gain = f"; kept {kept_ms:.3f} ms against the heuristic's first {first_ms:.3f} ms" if first_ms else ""
+    return f"fp8_gemm_tuning: {len(rows)} problems tuned{gain}: " + "; ".join(parts)
 
 
 def lt_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
