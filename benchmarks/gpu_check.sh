@@ -52,8 +52,9 @@
 #   env        GPU, driver, torch / CUDA versions                                            8
 #   ops_tests  waits for the build, checks the CUDA backend, tests/test_ops_cpp_errors.py, then
 #              pytest -m gpu tests/test_ops.py, tests/test_ops_errors.py, tests/test_ops_gpu.py and
-#              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py, tests/test_fp8_fused_op.py (the C++ FP8
-#              cast, fused LayerNorm/GELU cast and GEMM operators against Triton's, torch and torch._scaled_mm)                                            40
+#              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py, tests/test_fp8_gemm_tuning.py,
+#              tests/test_fp8_fused_op.py (the C++ FP8 cast, fused LayerNorm/GELU/dGELU cast and GEMM
+#              operators against Triton's, torch and torch._scaled_mm; the GEMM's algorithm tuning)                                            40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
 #   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
@@ -372,7 +373,7 @@ pytest_args() {
 stage_tests() {  # GPU tests that do not need the extension, while it builds
   local files=()
   for f in tests/test_*.py; do
-    case $f in tests/test_ops.py|tests/test_ops_errors.py|tests/test_ops_gpu.py|tests/test_fp8_cuda_cast.py|tests/test_fp8_gemm.py|tests/test_fp8_fused_op.py|tests/test_triton_launch.py) continue ;; esac
+    case $f in tests/test_ops.py|tests/test_ops_errors.py|tests/test_ops_gpu.py|tests/test_fp8_cuda_cast.py|tests/test_fp8_gemm.py|tests/test_fp8_gemm_tuning.py|tests/test_fp8_fused_op.py|tests/test_triton_launch.py) continue ;; esac
     grep -q "mark.gpu" "$f" && files+=("$f")
   done
   local rc=0
@@ -414,7 +415,7 @@ sys.exit(b not in '$want'.split())" || return 1
   run "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_ops_cpp_errors.py || rc=1
   # shellcheck disable=SC2046
   run "$PY" -m pytest $(pytest_args) tests/test_ops.py tests/test_ops_errors.py tests/test_ops_gpu.py tests/test_fp8_cuda_cast.py \
-    tests/test_fp8_gemm.py tests/test_fp8_fused_op.py || rc=1
+    tests/test_fp8_gemm.py tests/test_fp8_gemm_tuning.py tests/test_fp8_fused_op.py || rc=1
   return $rc
 }
 

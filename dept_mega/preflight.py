@@ -228,6 +228,8 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                                 f"({_size(have)}); see docs/performance.md for what lowers it")
     except Exception:  # noqa: BLE001 - a login node without a usable driver: nothing to compare
         pass
+    from .export.hf_mapping import export_line
+    lines.append(export_line(cfg.model))
     resume = resume_line(cfg)
     if resume:
         lines.append(resume)

@@ -227,6 +227,22 @@ def test_configurations_no_architecture_expresses_are_refused_naming_the_key(tmp
     assert err.count("\n") == 0 and err.startswith(f"error: config key '{key}'"), err
 
 
+@pytest.mark.parametrize("model,want", [
+    ({}, "none exact (config key 'model.norm_bias': true trains LayerNorm biases"),  # the schema's defaults
+    (dict(MPT_MODEL, norm_bias=False), "exact, as MPT"),
+    (MPT_MODEL, "none exact (config key 'model.norm_bias'"),
+    ({"position_embedding": "rope", "normalization": "rmsnorm", "activation": "swiglu"}, "exact, as Llama"),
+    ({"position_embedding": "rope", "normalization": "layernorm"}, "none exact (config key 'model.normalization'"),
+    (dict(MPT_MODEL, bias=True), "none exact (config key 'model.bias'"),
+])
+def test_the_preflight_says_whether_the_model_exports(model, want):
+    """Before training (--check, the launch's pre-flight): the architecture the model exports to,
+    or why none does, naming the key (the LayerNorm biases' refusal otherwise comes at export)."""
+    from dept_mega.config import ModelConfig
+    from dept_mega.export.hf_mapping import export_line
+    assert export_line(ModelConfig(**model)).startswith(f"export to Hugging Face: {want}")
+
+
 def test_an_existing_output_is_replaced_only_with_overwrite_and_only_if_an_export(tmp_path, capsys):
     """Refused before anything is read: an earlier export without --overwrite, a directory that
     is not an export whatever the flag; with --overwrite the export goes on (and stops here at

@@ -130,6 +130,7 @@ def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, w
     assert "batch: 4 sequences per group (train.global_batch_size) × 2 group(s) = 8 sequences" in out
     assert "vocabulary: 120 ids" in out
     assert "memory per rank (predicted, largest rank):" in out and "checkpoint: about" in out
+    assert "export to Hugging Face: " in out  # its cases: tests/test_export_hf.py
     assert not os.path.exists(tmp_path / "run")  # nothing written
 
 

@@ -81,6 +81,20 @@ def architecture_for(m: ModelConfig) -> str:
                       f"supported architecture (alibi → MPT, rope → Llama)")
 
 
+def export_line(m: ModelConfig) -> str:
+    """The pre-flight's word on exporting the trained model to Hugging Face ``transformers``
+    exactly (``tools/convert_to_hf.py``): the architecture it maps to, or why none does and what to
+    set, known before training (the LayerNorm biases' refusal otherwise comes only at export)."""
+    try:
+        arch = architecture_for(m)
+    except ExportError as exc:
+        return f"export to Hugging Face: none exact ({exc})"
+    if arch == "mpt" and m.norm_bias:
+        return ("export to Hugging Face: none exact (config key 'model.norm_bias': true trains LayerNorm biases, "
+                "which MPT, the only architecture with our ALiBi, lacks; set model.norm_bias: false to export)")
+    return f"export to Hugging Face: exact, as {'Llama' if arch == 'llama' else 'MPT'} (tools/convert_to_hf.py)"
+
+
 def _split_qkv(w: torch.Tensor, m: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our fused QKV rows (per query group g: its q heads, its k head, its v head) → q, k, v
     rows in head order (q head j belongs to group j // (heads / groups), as in Llama/MPT)."""
