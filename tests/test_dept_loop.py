@@ -78,8 +78,8 @@ def test_loop_records_and_eval_on_every_group(tmp_path, variant):
             fpt = sum(train_flops_per_token(cfg.model, vocab[s]) for s in r["sources"].values()) / 2
             assert r["tflops_per_device"] * 1e12 * world_size_of(r) / r["tokens_per_s"] == pytest.approx(fpt)
     # train.profile: a trace of steps 2-3 on rank 1 only
-    assert os.listdir(tmp_path / "profile") == ["rank1_steps1-3.json"]
-    trace = json.load(open(tmp_path / "profile" / "rank1_steps1-3.json"))
+    assert os.listdir(tmp_path / "profile") == ["rank1_steps2-3.json"]
+    trace = json.load(open(tmp_path / "profile" / "rank1_steps2-3.json"))
     assert sum(1 for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")) == 2
     for r in outer:
         assert r["bytes"]["outer_body"] > 0 and r["seconds"] >= 0
