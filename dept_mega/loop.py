@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import ops
 from .config import Config
-from .metrics import MetricsWriter, ThroughputMeter, human_line
+from .metrics import MetricsWriter, ThroughputMeter, human_line, outer_line
 from .preemption import PreemptedWait
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
@@ -286,7 +286,9 @@ class TrainLoop:
                 outer = self.hooks.round_end(self, self.round_of(step - 1))
                 if outer is not None:
                     outer.setdefault("seconds", time.time() - t0)
-                    self.writer.write("outer", step, self.round_of(step - 1), **outer)
+                    written = self.writer.write("outer", step, self.round_of(step - 1), **outer)
+                    if written is not None:  # global rank 0
+                        self.writer.log(outer_line(written))
             if cfg.train.eval_interval and step % cfg.train.eval_interval == 0 and step < total:
                 with meter.paused():  # evaluation and checkpoints are not training throughput
                     self.evaluate()

@@ -192,7 +192,32 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
             for key in ("loss", "ppl", "bpb"):
                 if vals.get(key) is not None:
                     out[f"eval_{key}/{src}"] = vals[key]
+    elif rec["kind"] in ("outer", "membership"):
+        for key, value in rec.items():
+            if key not in ("kind", "step", "round", "time"):
+                _flatten(f"{rec['kind']}/{key}", value, out)
+        if rec["kind"] == "outer" and isinstance(rec.get("bytes"), dict):
+            out["outer/bytes_total"] = sum(v for v in rec["bytes"].values() if _is_number(v))
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _flatten(tag: str, value: Any, out: dict[str, float]) -> None:
+    """The naming rule of the ``outer`` and ``membership`` scalars: a number is ``tag``; a
+    dict's entries are ``tag/KEY`` (nested dicts: ``tag/KEY/SUBKEY``); a list gives its length
+    as ``tag_count``; true / false are 1 / 0; null and strings are left out."""
+    if isinstance(value, bool):
+        out[tag] = int(value)
+    elif _is_number(value):
+        out[tag] = value
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{tag}/{key}", sub, out)
+    elif isinstance(value, (list, tuple)):
+        out[f"{tag}_count"] = len(value)
 
 
 def _why(exc: BaseException, package: str) -> str:
@@ -264,6 +289,38 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
         perf += f" | mem peak {mem_peak_gb:.1f} GB"
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
+
+
+def format_bytes(n: float) -> str:
+    """``532 B``, ``12.3 kB``, ``45.6 MB``, ``1.23 GB``, ``4.56 TB`` (decimal units: 1 MB = 10⁶ bytes)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            x = n / size
+            return f"{x:.2f} {unit}" if abs(x) < 10 else f"{x:.1f} {unit}" if abs(x) < 100 else f"{x:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def outer_line(rec: dict[str, Any]) -> str:
+    """The log line of an ``outer`` record: ``outer sync round 3 (step 40) | sent 1.23 GB
+    (dp 1.18 GB, outer_body 45.6 MB) | 0.52 s | exposed 0.10 s`` — the bytes the whole job sent
+    in the round (inner steps included) with its non-zero categories, the sync's seconds, then
+    where known the seconds training waited for it, the overlapped seconds (when any) and the
+    federated groups it averaged. A field that is null (not finite) prints as nan."""
+    nbytes = {k: v for k, v in (rec.get("bytes") or {}).items() if _is_number(v)}
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in nbytes.items() if v)
+    line = (f"outer sync round {rec['round']} (step {rec['step']}) | sent {format_bytes(sum(nbytes.values()))}"
+            + (f" ({parts})" if parts else "") + f" | {_secs(rec.get('seconds'))}")
+    if "exposed_seconds" in rec:
+        line += f" | exposed {_secs(rec['exposed_seconds'])}"
+    if rec.get("overlap_seconds"):
+        line += f" | overlapped {_secs(rec['overlap_seconds'])}"
+    if isinstance(rec.get("groups"), list):
+        line += f" | groups {', '.join(map(str, rec['groups']))}"
+    return line
+
+
+def _secs(value: Optional[float]) -> str:
+    return "nan s" if value is None else f"{value:.2f} s"
 
 
 def train_flops_per_token(model, vocab_size: int) -> float:
