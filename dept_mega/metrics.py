@@ -180,8 +180,8 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
     """The scalars of a record that TensorBoard and W&B show, by tag."""
     out: dict[str, float] = {}
     if rec["kind"] == "train":
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb",
-                    "consumed_samples", "consumed_tokens"):
+        for key in ("loss", "loss_window", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+                    "mem_peak_gb", "consumed_samples", "consumed_tokens"):
             if rec.get(key) is not None:
                 out[f"train/{key}"] = rec[key]
         for src, loss in rec["loss_by_source"].items():
@@ -269,13 +269,17 @@ def format_seconds(s: float) -> str:
 def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed: float,
                eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
                mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None,
-               grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None) -> str:
-    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | grad norm 0.512 | consumed 5,120 samples
-    20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% | mem peak 61.2 GB |
-    elapsed 0:01:02 | eta 0:04:08`` (the grad norm, consumed, TFLOP/s, MFU and memory parts only
-    where known; a non-finite norm prints as nan). ``consumed``: (samples, tokens, groups) of one
-    source group, said to be per group when there are several."""
+               grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None,
+               loss_window: Optional[float] = None) -> str:
+    """``step 20/100 | loss 5.1234 | window loss 5.2011 | lr 3.000e-04 | grad norm 0.512 |
+    consumed 5,120 samples 20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% |
+    mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the window loss, grad norm, consumed,
+    TFLOP/s, MFU and memory parts only where given; a non-finite loss or norm prints as nan).
+    ``loss_window``: the mean loss over the logging window (the loop gives it when the window
+    holds more than one step). ``consumed``: (samples, tokens, groups) of one source group, said
+    to be per group when there are several."""
     extra = f" | skipped {skipped}" if skipped else ""
+    window = "" if loss_window is None else f" | window loss {loss_window:.4f}"
     norm = "" if grad_norm is None else f" | grad norm {grad_norm:.3f}"
     if consumed is not None:
         samples, tokens, groups = consumed
@@ -287,7 +291,7 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
         perf += f" | MFU {100 * mfu:.1f}%"
     if mem_peak_gb is not None:
         perf += f" | mem peak {mem_peak_gb:.1f} GB"
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
+    return (f"step {step}/{total} | loss {loss:.4f}{window} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
 
 

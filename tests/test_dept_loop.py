@@ -73,6 +73,7 @@ def test_loop_records_and_eval_on_every_group(tmp_path, variant):
         assert set(r["sources"]) == {"0", "1"} and len(set(r["sources"].values())) == 2
         assert set(r["loss_by_source"]) == set(r["sources"].values())
         assert r["tokens_per_s"] > 0 and "mem_peak_gb" not in r  # CPU: no memory fields
+        assert r["loss_window"] == pytest.approx(r["loss"], rel=1e-12)  # log_interval 1: the step's, over both groups
         assert r["mfu"] == pytest.approx(r["tflops_per_device"])  # peak 1e12 in this test
         if variant == "spec_opt":  # FLOPs per token of each group's own vocabulary, two equal groups
             fpt = sum(train_flops_per_token(cfg.model, vocab[s]) for s in r["sources"].values()) / 2

@@ -55,7 +55,9 @@ def test_meter_on_cpu_reports_tokens_only():
 
 def test_human_line_shows_what_is_known():
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0)
-    assert "12,345 tok/s" in line and "TFLOP" not in line and "MFU" not in line
+    assert "12,345 tok/s" in line and "TFLOP" not in line and "MFU" not in line and "window" not in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, loss_window=5.20114)
+    assert line.startswith("step 20/100 | loss 5.1234 | window loss 5.2011 | lr 3.000e-04 |")
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, tflops_per_device=402.12, mfu=0.4066,
                       mem_peak_gb=61.23)
     assert "402.1 TFLOP/s/device" in line and "MFU 40.7%" in line and "mem peak 61.2 GB" in line
