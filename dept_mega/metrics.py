@@ -89,7 +89,11 @@ class MetricsWriter:
         self.stream = stream if stream is not None else sys.stdout
         self._file: Optional[TextIO] = None
         self._tb = None
+        self._tb_class = None
         self._wandb = None
+        self._wandb_continued = False  # the W&B run existed before this launch (RUN/wandb_id.txt)
+        # lines for the run's log after resume_at (what W&B keeps of an interrupted launch)
+        self.resume_notes: list[str] = []
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -97,6 +101,7 @@ class MetricsWriter:
         if tensorboard is not False:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                self._tb_class = SummaryWriter
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
                 absent = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "tensorboard"
@@ -104,6 +109,7 @@ class MetricsWriter:
                     print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: "
                           f"{_why(exc, 'tensorboard')}", file=sys.stderr, flush=True)
         if wandb:
+            self._wandb_continued = os.path.exists(os.path.join(run_dir, WANDB_ID_FILE))
             self._wandb = _start_wandb(wandb, run_dir, config)
 
     def resume_at(self, step: int) -> int:
@@ -111,19 +117,28 @@ class MetricsWriter:
         from; 0 for a run that starts over): keep the records with ``step <= step``, drop the
         later ones (the steps between that checkpoint and a crash, which the resumed run writes
         again) and any unreadable line (a record cut by the crash). The file is rewritten
-        atomically; readers never see a step twice. Returns the number of lines dropped."""
+        atomically; readers never see a step twice. Returns the number of lines dropped.
+
+        The other writers: TensorBoard's events after ``step`` are hidden (a new event file with
+        ``purge_step`` = step + 1; TensorBoard shows the resumed run's values there). W&B cannot
+        rewrite steps it has: when this launch continues an earlier launch's W&B run, a line
+        in :attr:`resume_notes` says which steps keep the interrupted launch's values."""
         if not self.enabled:
             return 0
         path = os.path.join(self.run_dir, "metrics.jsonl")
         kept: list[bytes] = []
         dropped = 0
+        replayed: list[int] = []  # the steps of the dropped records
         with open(path, "rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                    keep = isinstance(rec, dict) and int(rec["step"]) <= step
+                    at = int(rec["step"])
+                    keep = at <= step
+                    if not keep:
+                        replayed.append(at)
                 except (ValueError, KeyError, TypeError):
                     keep = False
                 if keep:
@@ -139,6 +154,16 @@ class MetricsWriter:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             self._file = open(path, "a", encoding="utf-8")
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = self._tb_class(os.path.join(self.run_dir, "tb"), purge_step=step + 1)
+        if replayed and self._wandb is not None and self._wandb_continued:
+            first, last = min(replayed), max(replayed)
+            self.resume_notes.append(
+                f"warning: W&B: this launch continues from step {step}, and the W&B run already has steps "
+                f"{first}-{last} from the interrupted launch; W&B cannot rewrite logged steps and ignores this "
+                f"launch's values for them, so its curves keep the abandoned values up to step {last} "
+                f"(metrics.jsonl and TensorBoard hold the resumed run's; docs/metrics.md)")
         return dropped
 
     @property
