@@ -431,20 +431,20 @@ class TrainLoop:
             norms = [res.grad_norm]
             win_sum, win_tokens = window.loss_sum, window.tokens
         else:
-            # One slot per group, filled by the group's first rank (bookkeeping reduction); the
+            # Five slots per group, filled by the group's first rank (bookkeeping reduction); the
             # logging window's sums ride along (no reduction of their own).
-            n = 5
-            v = torch.zeros(n * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
+            w = 5  # slots per group
+            v = torch.zeros(w * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
             if self.pg.rank == self.pg.rank_of(0, 0, 0, self.pg.group_index):
                 g = self.pg.group_index
-                v[n * g:n * g + n] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm,
+                v[w * g:w * g + w] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm,
                                                    window.loss_sum, window.tokens], dtype=torch.float64)
             dist.all_reduce(v)
             vals = v.cpu().tolist()
-            tokens = [int(vals[n * g + 1]) for g in range(G)]
-            losses = [vals[n * g] / max(tokens[g], 1) for g in range(G)]
-            norms = [vals[n * g + 2] for g in range(G)]
-            win_sum, win_tokens = sum(vals[3::n]), sum(vals[4::n])
+            tokens = [int(vals[w * g + 1]) for g in range(G)]
+            losses = [vals[w * g] / max(tokens[g], 1) for g in range(G)]
+            norms = [vals[w * g + 2] for g in range(G)]
+            win_sum, win_tokens = sum(vals[3::w]), sum(vals[4::w])
         total_tokens = sum(tokens)
         loss = sum(l * t for l, t in zip(losses, tokens)) / max(total_tokens, 1)
         assignment = self.assignment or {0: source}
