@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import ops
 from .config import Config
-from .metrics import MetricsWriter, ThroughputMeter, human_line
+from .metrics import MetricsWriter, ThroughputMeter, human_line, outer_line
 from .preemption import PreemptedWait
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
@@ -84,6 +84,27 @@ class EvalStep:
 
 # make_eval_batches(source) -> the eval steps of this dp rank for that source (validation split)
 EvalFactory = Callable[[str], Iterable[EvalStep]]
+
+
+class LossWindow:
+    """The token-weighted mean loss over the logging window (the steps since the previous train
+    record, or since this launch began): Megatron-LM's ``lm loss``, which averages the
+    iterations of its ``--log-interval``. Steps skipped for a non-finite loss or gradient norm
+    are left out, as Megatron leaves its skipped iterations out. ``StepResult.loss`` is already
+    a host float (the step's one device read), so adding it up costs no synchronisation; the
+    record reduces the window's sums over the groups with the step's own bookkeeping reduction."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.loss_sum, self.tokens, self.steps = 0.0, 0, 0
+
+    def add(self, res: StepResult) -> None:
+        self.steps += 1
+        if not res.skipped:
+            self.loss_sum += res.loss * res.tokens
+            self.tokens += res.tokens
 
 
 def _paused_if(meter: ThroughputMeter, pause: bool) -> ContextManager:
@@ -235,6 +256,7 @@ class TrainLoop:
         # without training the steps in between, and not counting the first round start's wait
         # (a federated fresh start waits for the other group jobs, a rejoining one heals)
         trained, t_first = 0, None
+        window = LossWindow()  # the loss over the logging window (Megatron's lm loss), host floats
         evaluated_at = -1
         # optional hooks (DEPT's streamed / overlapped outer sync, dept/streaming.py)
         before_step = getattr(self.hooks, "before_step", None)
@@ -267,10 +289,11 @@ class TrainLoop:
             if trained == 1:
                 self._log_gemm_tuning()
             meter.add_step(res.tokens, self.vocab_in_use())
+            window.add(res)
             step = tr.step
             if step % log_every == 0 or step == total:
                 ops.check_errors(tr.device)  # the CUDA ops' invalid ids (no sync inside a step)
-                rec = self._train_record(res, source)
+                rec = self._train_record(res, source, window)
                 rec.update(meter.window())
                 now = time.time()
                 self.writer.write("train", step, self.round_of(step - 1), **rec)
@@ -280,13 +303,17 @@ class TrainLoop:
                                            eta_rate * (total - step), tr.nonfinite_total,
                                            rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb"),
                                            grad_norm=rec["grad_norm"],
-                                           consumed=(rec["consumed_samples"], rec["consumed_tokens"], G)))
+                                           consumed=(rec["consumed_samples"], rec["consumed_tokens"], G),
+                                           loss_window=rec["loss_window"] if window.steps > 1 else None))
+                window.start()
             if step % L == 0 or step == total:
                 t0 = time.time()
                 outer = self.hooks.round_end(self, self.round_of(step - 1))
                 if outer is not None:
                     outer.setdefault("seconds", time.time() - t0)
-                    self.writer.write("outer", step, self.round_of(step - 1), **outer)
+                    written = self.writer.write("outer", step, self.round_of(step - 1), **outer)
+                    if written is not None:  # global rank 0
+                        self.writer.log(outer_line(written))
             if cfg.train.eval_interval and step % cfg.train.eval_interval == 0 and step < total:
                 with meter.paused():  # evaluation and checkpoints are not training throughput
                     self.evaluate()
@@ -396,24 +423,28 @@ class TrainLoop:
         self.writer.log(line)
 
     # -- records -------------------------------------------------------------------------
-    def _train_record(self, res: StepResult, source: str) -> dict[str, Any]:
+    def _train_record(self, res: StepResult, source: str, window: LossWindow) -> dict[str, Any]:
         G = self.pg.num_groups
         if G == 1:
             losses = [res.loss]
             tokens = [res.tokens]
             norms = [res.grad_norm]
+            win_sum, win_tokens = window.loss_sum, window.tokens
         else:
-            # One slot per group, filled by the group's first rank (bookkeeping reduction).
-            v = torch.zeros(3 * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
+            # Five slots per group, filled by the group's first rank (bookkeeping reduction); the
+            # logging window's sums ride along (no reduction of their own).
+            w = 5  # slots per group
+            v = torch.zeros(w * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
             if self.pg.rank == self.pg.rank_of(0, 0, 0, self.pg.group_index):
                 g = self.pg.group_index
-                v[3 * g:3 * g + 3] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm],
-                                                  dtype=torch.float64)
+                v[w * g:w * g + w] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm,
+                                                   window.loss_sum, window.tokens], dtype=torch.float64)
             dist.all_reduce(v)
             vals = v.cpu().tolist()
-            tokens = [int(vals[3 * g + 1]) for g in range(G)]
-            losses = [vals[3 * g] / max(tokens[g], 1) for g in range(G)]
-            norms = [vals[3 * g + 2] for g in range(G)]
+            tokens = [int(vals[w * g + 1]) for g in range(G)]
+            losses = [vals[w * g] / max(tokens[g], 1) for g in range(G)]
+            norms = [vals[w * g + 2] for g in range(G)]
+            win_sum, win_tokens = sum(vals[3::w]), sum(vals[4::w])
         total_tokens = sum(tokens)
         loss = sum(l * t for l, t in zip(losses, tokens)) / max(total_tokens, 1)
         assignment = self.assignment or {0: source}
@@ -429,7 +460,8 @@ class TrainLoop:
                 acc[0] += losses[g] * tokens[g]
                 acc[1] += tokens[g]
             by_source = {n: s / t for n, (s, t) in sums.items() if t > 0}
-        return {"loss": loss, "lr": res.lr, "grad_norm": sum(norms) / len(norms), "tokens": total_tokens,
+        return {"loss": loss, "loss_window": win_sum / win_tokens if win_tokens else float("nan"),
+                "lr": res.lr, "grad_norm": sum(norms) / len(norms), "tokens": total_tokens,
                 "sources": {str(g): s for g, s in sorted(assignment.items())}, "loss_by_source": by_source,
                 "skipped": int(self.trainer.nonfinite_total),
                 "consumed_samples": self.trainer.consumed_samples,

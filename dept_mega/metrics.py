@@ -89,7 +89,11 @@ class MetricsWriter:
         self.stream = stream if stream is not None else sys.stdout
         self._file: Optional[TextIO] = None
         self._tb = None
+        self._tb_class = None
         self._wandb = None
+        self._wandb_continued = False  # the W&B run existed before this launch (RUN/wandb_id.txt)
+        # lines for the run's log after resume_at (what W&B keeps of an interrupted launch)
+        self.resume_notes: list[str] = []
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -97,6 +101,7 @@ class MetricsWriter:
         if tensorboard is not False:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                self._tb_class = SummaryWriter
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
                 absent = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "tensorboard"
@@ -104,6 +109,7 @@ class MetricsWriter:
                     print(f"warning: no TensorBoard events in {os.path.join(run_dir, 'tb')}: "
                           f"{_why(exc, 'tensorboard')}", file=sys.stderr, flush=True)
         if wandb:
+            self._wandb_continued = os.path.exists(os.path.join(run_dir, WANDB_ID_FILE))
             self._wandb = _start_wandb(wandb, run_dir, config)
 
     def resume_at(self, step: int) -> int:
@@ -111,19 +117,28 @@ class MetricsWriter:
         from; 0 for a run that starts over): keep the records with ``step <= step``, drop the
         later ones (the steps between that checkpoint and a crash, which the resumed run writes
         again) and any unreadable line (a record cut by the crash). The file is rewritten
-        atomically; readers never see a step twice. Returns the number of lines dropped."""
+        atomically; readers never see a step twice. Returns the number of lines dropped.
+
+        The other writers: TensorBoard's events after ``step`` are hidden (a new event file with
+        ``purge_step`` = step + 1; TensorBoard shows the resumed run's values there). W&B cannot
+        rewrite steps it has: when this launch continues an earlier launch's W&B run, a line
+        in :attr:`resume_notes` says which steps keep the interrupted launch's values."""
         if not self.enabled:
             return 0
         path = os.path.join(self.run_dir, "metrics.jsonl")
         kept: list[bytes] = []
         dropped = 0
+        replayed: list[int] = []  # the steps of the dropped records
         with open(path, "rb") as f:
             for line in f:
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                    keep = isinstance(rec, dict) and int(rec["step"]) <= step
+                    at = int(rec["step"])
+                    keep = at <= step
+                    if not keep:
+                        replayed.append(at)
                 except (ValueError, KeyError, TypeError):
                     keep = False
                 if keep:
@@ -139,6 +154,16 @@ class MetricsWriter:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             self._file = open(path, "a", encoding="utf-8")
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = self._tb_class(os.path.join(self.run_dir, "tb"), purge_step=step + 1)
+        if replayed and self._wandb is not None and self._wandb_continued:
+            first, last = min(replayed), max(replayed)
+            self.resume_notes.append(
+                f"warning: W&B: this launch continues from step {step}, and the W&B run already has steps "
+                f"{first}-{last} from the interrupted launch; W&B cannot rewrite logged steps and ignores this "
+                f"launch's values for them, so its curves keep the abandoned values up to step {last} "
+                f"(metrics.jsonl and TensorBoard hold the resumed run's; docs/metrics.md)")
         return dropped
 
     @property
@@ -180,8 +205,8 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
     """The scalars of a record that TensorBoard and W&B show, by tag."""
     out: dict[str, float] = {}
     if rec["kind"] == "train":
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_peak_gb",
-                    "consumed_samples", "consumed_tokens"):
+        for key in ("loss", "loss_window", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+                    "mem_peak_gb", "consumed_samples", "consumed_tokens"):
             if rec.get(key) is not None:
                 out[f"train/{key}"] = rec[key]
         for src, loss in rec["loss_by_source"].items():
@@ -192,7 +217,32 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
             for key in ("loss", "ppl", "bpb"):
                 if vals.get(key) is not None:
                     out[f"eval_{key}/{src}"] = vals[key]
+    elif rec["kind"] in ("outer", "membership"):
+        for key, value in rec.items():
+            if key not in ("kind", "step", "round", "time"):
+                _flatten(f"{rec['kind']}/{key}", value, out)
+        if rec["kind"] == "outer" and isinstance(rec.get("bytes"), dict):
+            out["outer/bytes_total"] = sum(v for v in rec["bytes"].values() if _is_number(v))
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _flatten(tag: str, value: Any, out: dict[str, float]) -> None:
+    """The naming rule of the ``outer`` and ``membership`` scalars: a number is ``tag``; a
+    dict's entries are ``tag/KEY`` (nested dicts: ``tag/KEY/SUBKEY``); a list gives its length
+    as ``tag_count``; true / false are 1 / 0; null and strings are left out."""
+    if isinstance(value, bool):
+        out[tag] = int(value)
+    elif _is_number(value):
+        out[tag] = value
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{tag}/{key}", sub, out)
+    elif isinstance(value, (list, tuple)):
+        out[f"{tag}_count"] = len(value)
 
 
 def _why(exc: BaseException, package: str) -> str:
@@ -244,13 +294,17 @@ def format_seconds(s: float) -> str:
 def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: float, elapsed: float,
                eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
                mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None,
-               grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None) -> str:
-    """``step 20/100 | loss 5.1234 | lr 3.000e-04 | grad norm 0.512 | consumed 5,120 samples
-    20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% | mem peak 61.2 GB |
-    elapsed 0:01:02 | eta 0:04:08`` (the grad norm, consumed, TFLOP/s, MFU and memory parts only
-    where known; a non-finite norm prints as nan). ``consumed``: (samples, tokens, groups) of one
-    source group, said to be per group when there are several."""
+               grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None,
+               loss_window: Optional[float] = None) -> str:
+    """``step 20/100 | loss 5.1234 | window loss 5.2011 | lr 3.000e-04 | grad norm 0.512 |
+    consumed 5,120 samples 20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% |
+    mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the window loss, grad norm, consumed,
+    TFLOP/s, MFU and memory parts only where given; a non-finite loss or norm prints as nan).
+    ``loss_window``: the mean loss over the logging window (the loop gives it when the window
+    holds more than one step). ``consumed``: (samples, tokens, groups) of one source group, said
+    to be per group when there are several."""
     extra = f" | skipped {skipped}" if skipped else ""
+    window = "" if loss_window is None else f" | window loss {loss_window:.4f}"
     norm = "" if grad_norm is None else f" | grad norm {grad_norm:.3f}"
     if consumed is not None:
         samples, tokens, groups = consumed
@@ -262,8 +316,40 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
         perf += f" | MFU {100 * mfu:.1f}%"
     if mem_peak_gb is not None:
         perf += f" | mem peak {mem_peak_gb:.1f} GB"
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
+    return (f"step {step}/{total} | loss {loss:.4f}{window} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
+
+
+def format_bytes(n: float) -> str:
+    """``532 B``, ``12.3 kB``, ``45.6 MB``, ``1.23 GB``, ``4.56 TB`` (decimal units: 1 MB = 10⁶ bytes)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            x = n / size
+            return f"{x:.2f} {unit}" if abs(x) < 10 else f"{x:.1f} {unit}" if abs(x) < 100 else f"{x:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+def outer_line(rec: dict[str, Any]) -> str:
+    """The log line of an ``outer`` record: ``outer sync round 3 (step 40) | sent 1.23 GB
+    (dp 1.18 GB, outer_body 45.6 MB) | 0.52 s | exposed 0.10 s`` — the bytes the whole job sent
+    in the round (inner steps included) with its non-zero categories, the sync's seconds, then
+    where known the seconds training waited for it, the overlapped seconds (when any) and the
+    federated groups it averaged. A field that is null (not finite) prints as nan."""
+    nbytes = {k: v for k, v in (rec.get("bytes") or {}).items() if _is_number(v)}
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in nbytes.items() if v)
+    line = (f"outer sync round {rec['round']} (step {rec['step']}) | sent {format_bytes(sum(nbytes.values()))}"
+            + (f" ({parts})" if parts else "") + f" | {_secs(rec.get('seconds'))}")
+    if "exposed_seconds" in rec:
+        line += f" | exposed {_secs(rec['exposed_seconds'])}"
+    if rec.get("overlap_seconds"):
+        line += f" | overlapped {_secs(rec['overlap_seconds'])}"
+    if isinstance(rec.get("groups"), list):
+        line += f" | groups {', '.join(map(str, rec['groups']))}"
+    return line
+
+
+def _secs(value: Optional[float]) -> str:
+    return "nan s" if value is None else f"{value:.2f} s"
 
 
 def train_flops_per_token(model, vocab_size: int) -> float:

@@ -1,12 +1,14 @@
 """``train.profile: {start: S, stop: E, ranks: [...]}``: a torch.profiler trace of inner steps
 S+1 … E on the selected global ranks.
 
-Each selected rank writes ``RUN/profile/rank{r}_steps{S}-{E}.json``, a Chrome trace (open it in
+Each selected rank writes ``RUN/profile/rank{r}_steps{F}-{E}.json``, a Chrome trace (open it in
 chrome://tracing or https://ui.perfetto.dev), with CPU activities and, when CUDA is available,
-CUDA kernels; a ``ProfilerStep#N`` range marks each step N. Step numbers are inner steps done, as in the
-metrics records: the trace starts when S steps are done (or at once when a run resumes between
-S and E) and stops when E are done or the run ends, whichever comes first (the file name then
-says where it stopped). Other ranks do nothing.
+CUDA kernels; a ``ProfilerStep#N`` range marks each step N. Step N is the step after which N inner
+steps are done, as in the metrics records: the trace starts when S steps are done (or at once when
+a run resumes between S and E) and stops when E are done or the run ends, whichever comes first.
+The file name and the log line name the steps the trace holds, first and last: ``F`` = S + 1 (the
+resumed step + 1 after a resume), ``E`` the last one traced (``start: 1, stop: 2`` writes
+``rank0_steps2-2.json``, holding ``ProfilerStep#2`` only). Other ranks do nothing.
 
 The trace records each operator's input shapes and strides (``record_shapes``), so that
 ``benchmarks/kernel_breakdown.py`` can say which operator, on which shapes, launched each kernel.
@@ -95,10 +97,12 @@ class StepProfiler:
         prof.stop()
         out = os.path.join(self.run_dir, "profile")
         os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, f"rank{self.rank}_steps{self._first}-{steps_done}.json")
+        first = self._first + 1  # the first step traced: ProfilerStep#{first}
+        path = os.path.join(out, f"rank{self.rank}_steps{first}-{steps_done}.json")
         prof.export_chrome_trace(path)
         self.paths.append(path)
-        self.log(f"profile: rank {self.rank} wrote {path} (steps {self._first + 1}-{steps_done})")
+        held = f"step {first}" if first == steps_done else f"steps {first}-{steps_done}"
+        self.log(f"profile: rank {self.rank} wrote {path} ({held})")
 
 
 class PhaseTimer:

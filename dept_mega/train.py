@@ -313,6 +313,8 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     if dropped:
         session.writer.log(f"metrics.jsonl: dropped {dropped} record(s) after step {resumed or 0}, written by the "
                            f"interrupted run after its last checkpoint")
+    for note in session.writer.resume_notes:
+        session.writer.log(note)
     from .preemption import EXIT_PREEMPTED, Preemption, clear_marker, write_marker
     if session.rank == 0:
         clear_marker(run_dir)

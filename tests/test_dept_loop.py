@@ -73,13 +73,14 @@ def test_loop_records_and_eval_on_every_group(tmp_path, variant):
         assert set(r["sources"]) == {"0", "1"} and len(set(r["sources"].values())) == 2
         assert set(r["loss_by_source"]) == set(r["sources"].values())
         assert r["tokens_per_s"] > 0 and "mem_peak_gb" not in r  # CPU: no memory fields
+        assert r["loss_window"] == pytest.approx(r["loss"], rel=1e-12)  # log_interval 1: the step's, over both groups
         assert r["mfu"] == pytest.approx(r["tflops_per_device"])  # peak 1e12 in this test
         if variant == "spec_opt":  # FLOPs per token of each group's own vocabulary, two equal groups
             fpt = sum(train_flops_per_token(cfg.model, vocab[s]) for s in r["sources"].values()) / 2
             assert r["tflops_per_device"] * 1e12 * world_size_of(r) / r["tokens_per_s"] == pytest.approx(fpt)
     # train.profile: a trace of steps 2-3 on rank 1 only
-    assert os.listdir(tmp_path / "profile") == ["rank1_steps1-3.json"]
-    trace = json.load(open(tmp_path / "profile" / "rank1_steps1-3.json"))
+    assert os.listdir(tmp_path / "profile") == ["rank1_steps2-3.json"]
+    trace = json.load(open(tmp_path / "profile" / "rank1_steps2-3.json"))
     assert sum(1 for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")) == 2
     for r in outer:
         assert r["bytes"]["outer_body"] > 0 and r["seconds"] >= 0

@@ -91,9 +91,9 @@ def test_train_records_carry_throughput_memory_and_a_cuda_trace(tmp_path):
             peak = peak_bf16_flops(torch.cuda.get_device_name(DEV))
             assert (r["mfu"] is None) == (peak is None)
             assert 0 < r["mem_allocated_gb"] <= r["mem_peak_gb"]
-    trace = json.load(open(tmp_path / "profile" / "rank0_steps1-2.json"))
+    trace = json.load(open(tmp_path / "profile" / "rank0_steps2-2.json"))  # profile start 1, stop 2: step 2
     names = [e.get("name", "") for e in trace["traceEvents"]]
-    assert "ProfilerStep#2" in names
+    assert "ProfilerStep#2" in names and "ProfilerStep#1" not in names
     if CUDA:
         assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA activities recorded
     # benchmarks/kernel_breakdown.py's per-step part on this trace: one step (kineto's GPU-side

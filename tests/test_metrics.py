@@ -55,7 +55,9 @@ def test_meter_on_cpu_reports_tokens_only():
 
 def test_human_line_shows_what_is_known():
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0)
-    assert "12,345 tok/s" in line and "TFLOP" not in line and "MFU" not in line
+    assert "12,345 tok/s" in line and "TFLOP" not in line and "MFU" not in line and "window" not in line
+    line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, loss_window=5.20114)
+    assert line.startswith("step 20/100 | loss 5.1234 | window loss 5.2011 | lr 3.000e-04 |")
     line = human_line(20, 100, 5.1234, 3e-4, 12345.0, 62.0, 248.0, tflops_per_device=402.12, mfu=0.4066,
                       mem_peak_gb=61.23)
     assert "402.1 TFLOP/s/device" in line and "MFU 40.7%" in line and "mem peak 61.2 GB" in line
@@ -147,7 +149,7 @@ def test_profiler_start_and_trace_export_are_not_in_tokens_per_s(tmp_path, monke
     allowed = torch.arange(cfg.model.vocab_size)
     TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(run, enabled=True, stream=io.StringIO()),
               lambda name: SyntheticSource(cfg, 3, allowed)).run()
-    assert jump[0] == 2000.0 and os.listdir(os.path.join(run, "profile")) == ["rank0_steps1-2.json"]
+    assert jump[0] == 2000.0 and os.listdir(os.path.join(run, "profile")) == ["rank0_steps2-2.json"]
     with open(os.path.join(run, "metrics.jsonl")) as f:
         (rec,) = [r for r in map(json.loads, f) if r["kind"] == "train"]
     tokens = 3 * cfg.train.global_batch_size * cfg.model.seq_length
@@ -155,6 +157,7 @@ def test_profiler_start_and_trace_export_are_not_in_tokens_per_s(tmp_path, monke
 
 
 def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):
+    import json
     import os
 
     import torch
@@ -176,7 +179,14 @@ def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):
     steps(StepProfiler(prof_cfg, str(tmp_path), 1, "cpu", log=lines.append), 0, 6)
     steps(StepProfiler(prof_cfg, str(tmp_path / "resumed"), 1, "cpu", log=lines.append), 3, 6)
     steps(StepProfiler(prof_cfg, str(tmp_path / "short"), 1, "cpu", log=lines.append), 0, 3)
-    assert os.listdir(tmp_path / "profile") == ["rank1_steps2-4.json"]
-    assert os.listdir(tmp_path / "resumed" / "profile") == ["rank1_steps3-4.json"]
-    assert os.listdir(tmp_path / "short" / "profile") == ["rank1_steps2-3.json"]  # the run ended first
-    assert len(lines) == 3 and "steps 3-4" in lines[0]
+    # the file name and the log line name the steps the trace holds (ProfilerStep#N: step N)
+    assert os.listdir(tmp_path / "profile") == ["rank1_steps3-4.json"]
+    assert os.listdir(tmp_path / "resumed" / "profile") == ["rank1_steps4-4.json"]
+    assert os.listdir(tmp_path / "short" / "profile") == ["rank1_steps3-3.json"]  # the run ended first
+    assert len(lines) == 3
+    assert lines[0].endswith("rank1_steps3-4.json (steps 3-4)") and lines[1].endswith("(step 4)"), lines
+    for where, held in (("", [3, 4]), ("resumed", [4]), ("short", [3])):
+        (name,) = os.listdir(tmp_path / where / "profile")
+        with open(tmp_path / where / "profile" / name) as f:
+            traced = {e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+        assert sorted(int(n.split("#")[1]) for n in traced) == held, (where, traced)

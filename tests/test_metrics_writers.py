@@ -3,6 +3,7 @@ A missing package is one warning line, not silence and not a failure."""
 from __future__ import annotations
 
 import io
+import os
 import sys
 import types
 
@@ -80,3 +81,42 @@ def test_a_missing_package_is_one_warning_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     MetricsWriter(str(tmp_path / "run_broken"), stream=io.StringIO(), tensorboard=None).close()
     assert capsys.readouterr().err.startswith("warning: no TensorBoard events in "), "broken package"
+
+
+def test_a_resume_hides_the_replayed_steps_in_tensorboard_and_says_what_wandb_keeps(tmp_path, monkeypatch):
+    """A relaunch resuming from step 3 after a crash at step 6: metrics.jsonl drops steps 4-6,
+    TensorBoard gets a new event file with purge_step 4 (it hides the old events from step 4 on),
+    and, W&B's steps being final, one log note says which steps keep the interrupted launch's
+    values — only when this launch continues an earlier launch's W&B run."""
+    from tests.test_metrics_outer import fake_tensorboard
+    fake_tensorboard(monkeypatch)
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = str(tmp_path / "run")
+    first = MetricsWriter(run, stream=io.StringIO(), tensorboard=True, wandb="proj")
+    for step in range(1, 7):
+        first.write("train", step, 0, **TRAIN)
+    first.close()  # (the crash)
+    again = MetricsWriter(run, stream=io.StringIO(), tensorboard=True, wandb="proj")
+    assert again._tb.kwargs == {}
+    assert again.resume_at(3) == 3
+    assert again._tb.kwargs == {"purge_step": 4}
+    (note,) = again.resume_notes
+    assert note.startswith("warning: W&B: this launch continues from step 3, and the W&B run already has steps 4-6 "
+                           "from the interrupted launch;"), note
+    again.close()
+    # no note: nothing replayed (and no purge); a W&B run new to this launch; no W&B
+    w = MetricsWriter(run, stream=io.StringIO(), tensorboard=True, wandb="proj")
+    assert w.resume_at(3) == 0 and w.resume_notes == [] and w._tb.kwargs == {}
+    w.close()
+    for wandb in ("proj", None):
+        crashed = MetricsWriter(run, stream=io.StringIO(), tensorboard=False)
+        for step in (4, 5):
+            crashed.write("train", step, 0, **TRAIN)
+        crashed.close()
+        os.remove(os.path.join(run, "wandb_id.txt"))
+        w = MetricsWriter(run, stream=io.StringIO(), tensorboard=True, wandb=wandb)
+        assert w.resume_at(3) == 2 and w._tb.kwargs == {"purge_step": 4}
+        assert w.resume_notes == [], wandb
+        w.close()
+        open(os.path.join(run, "wandb_id.txt"), "w").close()

@@ -259,3 +259,26 @@ def test_no_evaluation_when_it_would_read_no_sequence(tmp_path, over, evaluates)
                      lambda n: None, eval_sources=["a"], make_eval_batches=batches)
     got = loop.evaluate()
     assert bool(got) == evaluates and ("eval step" in out.getvalue()) == evaluates, out.getvalue()
+
+
+def test_a_resume_says_which_steps_wandb_keeps_from_the_interrupted_launch(tmp_path, trained, monkeypatch):
+    """A launch that resumes the shared run's step-4 checkpoint after an interrupted launch had
+    logged steps 5-6 to the same W&B run: its log drops those records from metrics.jsonl and says,
+    once, that W&B keeps the abandoned values for steps 5-6 (W&B cannot rewrite logged steps)."""
+    import json
+    import sys
+
+    from tests.test_metrics_writers import TRAIN, _FakeWandb
+    cfg, run_dir = _copy_run(trained, tmp_path / "run")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        for step in (5, 6):
+            f.write(json.dumps({"kind": "train", "step": step, "round": 2, "time": 0.0, **TRAIN}) + "\n")
+    (tmp_path / "run" / "wandb_id.txt").write_text("run-abc\n")
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    again = _train_here("--config", cfg, run_dir, "train.steps=6", "train.wandb=proj")
+    assert again.returncode == 0, again.stderr
+    assert fake.calls[0][1]["id"] == "run-abc"
+    notes = [ln for ln in again.stdout.splitlines() if ln.startswith("warning: W&B")]
+    assert len(notes) == 1 and "already has steps 5-6 from the interrupted launch" in notes[0], again.stdout
+    assert "metrics.jsonl: dropped 2 record(s) after step 4" in again.stdout

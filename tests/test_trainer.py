@@ -260,7 +260,7 @@ def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     # every key is accepted and recorded; train.profile traced the warm-up step
     assert rec["config"]["train"]["profile"] == {"start": 0, "stop": 1, "ranks": [0]}
     assert rec["device_name"] == "cpu" and rec["torch_version"] == torch.__version__
-    assert os.listdir(tmp_path / "run" / "profile") == ["rank0_steps0-1.json"]
+    assert os.listdir(tmp_path / "run" / "profile") == ["rank0_steps1-1.json"]
     assert rec["kind"] == "bench" and rec["tokens_per_s"] > 0 and rec["step_ms"] > 0
     assert rec["tokens_per_s_per_device"] == rec["tokens_per_s"]  # one device
     assert rec["tflops_per_device"] is None and rec["mfu"] is None  # CPU: tokens/s only (§8)
