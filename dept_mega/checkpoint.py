@@ -25,7 +25,8 @@ layout only; ``tools/convert_checkpoint.py`` converts it.
 Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
 (the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
 directories and ``latest`` are fsynced after their renames. ``step_N/depends.json`` records
-the config values and tokenizers the checkpoint depends on. Loading verifies the manifest
+the config values, tokenizers and data the checkpoint depends on; ``step_N/config.yaml`` the
+resolved config of the launch that wrote it. Loading verifies the manifest
 (a damaged newest checkpoint makes :meth:`Checkpointer.load` fall back to the newest verified
 one before it), then the layout and ``depends.json`` (a ConfigError naming the key), and reads
 the per-rank files with ``torch.load(weights_only=True)``. DCP's own ``.metadata`` is a
@@ -46,7 +47,8 @@ import torch.distributed as dist
 
 from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm, read_manifest,
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
-                       write_json_durable, write_manifest)
+                       write_durable, write_json_durable, write_manifest)
+from .run_configs import CONFIG_FILE, config_text
 from .checkpoint_format import Entry, load_entries, save_entries, with_group
 from .checkpoint_state import (group_entries, group_targets, has_group_state, has_outer_state, model_entries,
                                outer_entries, outer_targets, unused_group_buffers)
@@ -209,6 +211,7 @@ class Checkpointer:
             layout[FP8_FLAG] = True
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
                "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
+               "config": config_text(trainer.cfg),
                "keep": int(trainer.cfg.train.keep_checkpoints),
                "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
                else None, "rng_file": _rng_file(pg), "group": pg.group_index, "meta": None,
@@ -245,6 +248,7 @@ class Checkpointer:
                 os.makedirs(tmp, exist_ok=True)
                 write_json_durable(os.path.join(tmp, LAYOUT_FILE), layout)
                 write_json_durable(os.path.join(tmp, DEPENDS_FILE), staged["depends"])
+                write_durable(os.path.join(tmp, CONFIG_FILE), staged["config"].encode("utf-8"))
         except OSError as exc:
             failed = exc
         _barrier(group)
@@ -361,13 +365,15 @@ class Checkpointer:
 
 def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer: bool = True,
                  verified: bool = False, tokenizer_digests: Optional[dict] = None,
-                 notes: Optional[list] = None, remedy: Optional[str] = None) -> None:
+                 notes: Optional[list] = None, remedy: Optional[str] = None, check_data: bool = True) -> None:
     """Load checkpoint ``step`` into ``trainer`` (and the round hooks). Unless ``verified``, the
     checkpoint's manifest is checked first (:class:`CheckpointError` when damaged). ``notes``:
     a list that receives one line per piece of state the load changed rather than restored
     (e.g. under another number of groups: the error-feedback residuals averaged, the eager
     estimates reset), for the launch to log. ``remedy``: the advice of a config that differs
-    from the checkpoint's (``resume.check_depends``; default: a training launch's)."""
+    from the checkpoint's (``resume.check_depends``; default: a training launch's). ``check_data``:
+    also check the data the checkpoint's positions index (a resume; an evaluation reads the
+    weights only); a change accepted under ``train.allow_data_change`` goes to ``notes``."""
     path = step_dir(run_dir, step)
     if not verified:
         problem = verify_checkpoint(path, trainer.device)
@@ -376,10 +382,11 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
 
     def checks():  # each rank's reading of the checkpoint's layout and depends: one agreed error
         found = check_layout(trainer, path, optimizer=optimizer, hooks=hooks)
-        check_depends(trainer.cfg, path, tokenizer_digests, remedy)
-        return found
+        return found, check_depends(trainer.cfg, path, tokenizer_digests, remedy, data=check_data)
     from .run_inputs import input_errors
-    regroup, reshard = agree_errors(checks, input_errors(), trainer.device)
+    (regroup, reshard), data_notes = agree_errors(checks, input_errors(), trainer.device)
+    if notes is not None:
+        notes.extend(line for line in data_notes if line not in notes)
     pg = trainer.pg
     layout = read_json(path, LAYOUT_FILE)
     if hooks is not None and hasattr(hooks, "prepare_load"):

@@ -245,6 +245,12 @@ class TrainConfig:
     #: SPEC/SPEC-OPT with train.init_from of a spec / spec_opt checkpoint: a source whose embeddings
     #: the checkpoint does not hold is an error (error) or seeded as in a new run (fresh).
     init_from_new_sources: str = "error"
+    #: A resume whose data differs from what the checkpoint read (data.split, train.seed, or a
+    #: source's .bin/.idx by content; a moved file is the same data) is refused, naming each change.
+    #: true: resume anyway and log each change, for a deliberate change (a corrected corpus). The
+    #: saved data positions then index the new data, and under another split or seed validation
+    #: documents may already have been trained on. Checkpoints written after the resume record the new data.
+    allow_data_change: bool = False
     #: Weights & Biases project to log to from rank 0 (WANDB_MODE=offline works without a network); null = off.
     wandb: Optional[str] = None
     #: TensorBoard events in RUN/tb/: null = when the tensorboard package is installed (silently

@@ -89,7 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"warning: {note}", file=sys.stderr)
         step = sel.step
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
-                     verified=True, remedy=NOT_THE_RUNS_CONFIG)
+                     verified=True, remedy=NOT_THE_RUNS_CONFIG, check_data=False)
     except (*input_errors(), FileNotFoundError) as exc:
         report_error(str(exc), agreed=is_agreed(exc))
         return 2

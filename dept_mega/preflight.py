@@ -31,11 +31,13 @@ def _size(n: float) -> str:
 # torch.distributed.checkpoint; a tiny model's checkpoint is mostly this): every box (a tensor,
 # or a rank's shard or piece of one) is serialized with its own header in ``__N_M.distcp``
 # (~1.6 KiB) and described in ``.metadata`` (~0.25 KiB); ``rng_tp{t}_pp{p}.pt`` (~12 KiB) per
-# tensor x pipeline rank; ``group{g}.json`` per group; layout, depends and manifest files.
+# tensor x pipeline rank; ``group{g}.json`` per group; layout, depends and manifest files; the
+# launch's config.yaml.
 ITEM_BYTES = 2048
 RNG_FILE_BYTES = 16 * 1024
 GROUP_FILE_BYTES = 1024
 FIXED_FILE_BYTES = 8 * 1024
+SOURCE_DEPENDS_BYTES = 512  # a source's entry in depends.json's data (its prefix and content identity)
 
 
 def _stored_vocabs(cfg: Config, groups: int, vocab: int, source_vocabs: Sequence[int],
@@ -112,7 +114,9 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
     if own:  # the tied table's copy on the last stage: its key is the first stage's, written once
         total -= groups * T * own + T * shared_copy
         items -= groups * T * (1 + inner_items(1)) + T * outer_items
-    files = RNG_FILE_BYTES * P * T + GROUP_FILE_BYTES * groups + FIXED_FILE_BYTES
+    from .run_configs import config_text
+    files = (RNG_FILE_BYTES * P * T + GROUP_FILE_BYTES * groups + FIXED_FILE_BYTES
+             + SOURCE_DEPENDS_BYTES * len(cfg.data.sources) + len(config_text(cfg).encode("utf-8")))
     return int(total + ITEM_BYTES * items + files)
 
 
@@ -151,12 +155,14 @@ def _tied_copy(cfg: Config, vocab: int, global_vocab: int) -> tuple[int, int, in
     return own, shared, items
 
 
-def resume_line(cfg: Config) -> Optional[str]:
+def resume_line(cfg: Config, warnings: Optional[list] = None) -> Optional[str]:
     """When ``train.run_dir`` already holds a checkpoint, the launch will resume from it: check
     now, as the launch will, that the config keeps what the checkpoint depends on (model shape,
-    DEPT variant and rounds, sources, tokenizers: ``resume.check_depends``; a ConfigError naming
-    the key), so that a changed key is not first seen on the allocated nodes. Not checked here:
-    the files' checksums and a change of layout (both at launch)."""
+    DEPT variant and rounds, sources, tokenizers, the data its positions index:
+    ``resume.check_depends``; a ConfigError naming the key), so that a changed key is not first
+    seen on the allocated nodes. Not checked here: the checkpoint files' checksums and a change of
+    layout (both at launch). ``warnings`` receives what the launch will log about the data: each
+    change accepted under ``train.allow_data_change``, or that the checkpoint does not record it."""
     from .manifest import DEPENDS_FILE
     from .resume import check_depends, read_latest, step_dir
     step, _ = read_latest(cfg.train.run_dir)
@@ -165,8 +171,11 @@ def resume_line(cfg: Config) -> Optional[str]:
     path = step_dir(cfg.train.run_dir, step)
     if not os.path.isfile(os.path.join(path, DEPENDS_FILE)):
         return f"resume: from {path} (its config keys could not be checked here: no {DEPENDS_FILE})"
-    check_depends(cfg, path)
-    return f"resume: from {path}; the model, DEPT, source and tokenizer keys it depends on match"
+    notes = check_depends(cfg, path)
+    if warnings is not None:
+        warnings.extend(notes)
+    return (f"resume: from {path}; the model, DEPT, source and tokenizer keys it depends on match"
+            + (", and the data it read" if not notes else " (the data: see the warnings)"))
 
 
 def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str, int]:
@@ -230,7 +239,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
         pass
     from .export.hf_mapping import export_line
     lines.append(export_line(cfg.model))
-    resume = resume_line(cfg)
+    resume = resume_line(cfg, warnings)
     if resume:
         lines.append(resume)
     ckpt = checkpoint_bytes(cfg, world_size, mem, vocabs.global_vocab or vocab, sources,

@@ -9,8 +9,12 @@
   checks a share of the files, and the first problem in rank order counts everywhere.
 * ``step_N/depends.json`` (:func:`fingerprint`, :func:`check_depends`): the config values the
   checkpoint's tensors and data positions depend on (model shape, DEPT variant and rounds,
-  sources) and the checksums of the tokenizers in use. A resume whose config differs in one of
-  them is one :class:`ConfigError` naming the key, before DCP loads anything.
+  sources), the checksums of the tokenizers in use, and which data its positions index
+  (``data``: ``data.split``, ``train.seed``, each source's files by content;
+  :mod:`dept_mega.data.identity`). A resume whose config differs in one of them is one
+  :class:`ConfigError` naming every such key, before DCP loads anything; a change of data only
+  with ``train.allow_data_change`` (then logged). A checkpoint that does not record its data
+  (written before dept_mega recorded it) resumes with a note saying its data is not checked.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .config_diff import both, check_differing
+from .data.identity import data_differences, data_fingerprint
 from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
 from .parallel.agree import all_gather_text, first_problem, mark_agreed
 
@@ -183,17 +188,44 @@ def _tokenizers(cfg: Config) -> dict[str, str]:
 def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
     """The content of ``step_N/depends.json``."""
     return {"config": _config_values(cfg),
-            "tokenizers": {k: {"path": p, "sha256": _file_sha256(p, cache)} for k, p in _tokenizers(cfg).items()}}
+            "tokenizers": {k: {"path": p, "sha256": _file_sha256(p, cache)} for k, p in _tokenizers(cfg).items()},
+            "data": data_fingerprint(cfg, cache)}
 
 
-def check_depends(cfg: Config, path: str, cache: Optional[dict] = None, remedy: Optional[str] = None) -> None:
+#: what a refused change of data tells the user (``train.allow_data_change``)
+DATA_CHANGE_REMEDY = ("to continue on the changed data knowingly, set train.allow_data_change=true (the saved data "
+                      "positions then index the new data; under another data.split or train.seed, validation "
+                      "documents may already have been trained on)")
+
+
+def check_depends(cfg: Config, path: str, cache: Optional[dict] = None, remedy: Optional[str] = None,
+                  data: bool = True) -> list[str]:
     """One ConfigError naming every key whose value differs from the checkpoint's, with both
-    values (the :data:`DEPENDS_KEYS` in their order, then the tokenizer keys sorted): a launch
-    that changed three keys learns all three at once, not one per relaunch. ``remedy``: what the
-    message tells the user to do (default: a training launch's, resume or a new run directory)."""
-    check_differing(depends_differences(read_json(path, DEPENDS_FILE), fingerprint(cfg, cache)),
-                    f"from checkpoint {path}", remedy or "resume with the checkpoint's values, or start a new "
-                    "train.run_dir")
+    values (the :data:`DEPENDS_KEYS` in their order, then the tokenizer keys sorted, then the
+    data): a launch that changed three keys learns all three at once, not one per relaunch.
+    ``remedy``: what the message tells the user to do (default: a training launch's, resume or
+    a new run directory). ``data``: also check the data the checkpoint's positions index
+    (:func:`dept_mega.data.identity.data_differences`; a resume, not an evaluation): a change is
+    in the error unless ``train.allow_data_change``. Returns the lines to log: each change of
+    data accepted under ``train.allow_data_change``, or that the checkpoint does not record its
+    data."""
+    saved, now = read_json(path, DEPENDS_FILE), fingerprint(cfg, cache)
+    rows = depends_differences(saved, now)
+    notes: list[str] = []
+    advice = remedy or "resume with the checkpoint's values, or start a new train.run_dir"
+    if data:
+        changed = data_differences(saved.get("data") if isinstance(saved, dict) else None, now["data"], cfg)
+        if changed is None:
+            notes.append(f"checkpoint {path} does not record which data it read (written before dept_mega recorded "
+                         f"it): data.split, train.seed and the sources' files are not checked against it")
+        elif changed and cfg.train.allow_data_change:
+            notes += [f"resuming on changed data (train.allow_data_change=true): config key '{key}': {what}"
+                      for key, what in changed]
+        elif changed:
+            rows += changed
+            advice += f"; {DATA_CHANGE_REMEDY}"
+    check_differing(rows, f"from checkpoint {path}", advice)
+    return notes
 
 
 def depends_differences(saved: Any, now: dict, keys: tuple = DEPENDS_KEYS, tokenizers: Optional[tuple] = None,

@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc-per-node N -m dept_mega.train --config CFG.yaml [key.sub=value ...]
 
-Writes ``RUN/config.yaml`` (resolved config), ``RUN/metrics.jsonl`` (docs/metrics.md), a log line
+Writes ``RUN/config.yaml`` (the resolved config of the launch that trains; every launch's in
+``RUN/configs/launch_N.yaml``, each checkpoint's in ``step_N/config.yaml``: ``dept_mega.run_configs``),
+``RUN/metrics.jsonl`` (docs/metrics.md), a log line
 every ``train.log_interval`` steps, evaluation per source every ``train.eval_interval`` steps
 and at the end, and checkpoints (``RUN/checkpoints/step_N`` + ``latest``) every
 ``train.save_interval`` steps and at the end. A run whose ``run_dir`` holds a checkpoint
@@ -25,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, load_config, save_config, validate
+from .config import Config, ConfigError, load_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .megatron_flags import parse_with_hints
 from .metrics import MetricsWriter, write_json_atomic
@@ -299,10 +301,16 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
     dropped = session.writer.resume_at(resumed or 0)
-    if session.rank == 0:  # after a successful resume: a refused launch leaves the run's config as it was
+    complete = session.trainer.step >= cfg.train.steps
+    launch_file, wrote_config = None, False
+    if session.rank == 0:  # after a successful resume: a refused launch leaves the run's configs as they were
+        from .run_configs import record_launch
         os.makedirs(run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        launch_file, wrote_config = record_launch(cfg, run_dir, session.trainer.step, not complete, resumed)
     session.writer.log(describe(session))
+    if launch_file is not None:
+        session.writer.log(f"config: {launch_file}" + ("" if wrote_config else
+                           f" ({run_dir}/config.yaml left as the config of the launch that trained the run)"))
     if resumed is not None:
         session.writer.log(f"resumed from {run_dir}/checkpoints/step_{resumed}"
                            + (f" (train.init_from={cfg.train.init_from} not used: the run's own checkpoint wins)"
@@ -321,7 +329,6 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     if preemption is None:
         preemption = Preemption().install()
     loop.preemption = preemption
-    complete = session.trainer.step >= cfg.train.steps
     try:
         if complete:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")

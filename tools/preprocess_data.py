@@ -10,6 +10,10 @@ Face ``tokenizers`` file locally and writes what Megatron-LM's preprocess_data.p
 same tokenizer (its special tokens added, EOS from tokenizer_config.json). Progress lines give
 the percent of the input read and an ETA.
 
+``--input`` files may be compressed (gzip, bzip2, xz; zstd with the ``zstandard`` package),
+recognised by their first bytes and decompressed as they are read; progress counts their bytes
+on disk. ``--partitions`` needs plain files (it cuts them at byte offsets).
+
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
 another tokenizer for this data is refused before training; and the round trip: how many
@@ -57,7 +61,9 @@ def _every(value: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="jsonl file(s), read in order")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="jsonl file(s), read in order; gzip, bzip2, xz (and zstd with the zstandard package) "
+                        "are decompressed")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])

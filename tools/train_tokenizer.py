@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Train a SentencePiece tokenizer (unigram or BPE) from jsonl files.
 
-    python tools/train_tokenizer.py --input A.jsonl [B.jsonl ...] --json-key text \\
+    python tools/train_tokenizer.py --input A.jsonl [B.jsonl.gz ...] --json-key text \\
         --vocab-size N --model-type unigram|bpe --output-prefix PREFIX   # PREFIX.model, PREFIX.vocab
+
+Compressed input (gzip, bzip2, xz; zstd with the ``zstandard`` package) is decompressed as it is read.
 
 The tokenizer is lossless by default: decoding a document's tokens gives the document back,
 byte for byte, so bits per byte (measured against the documents' original UTF-8 bytes) count
@@ -42,6 +44,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dept_mega.data.compressed import CompressedInputError, check_readable  # noqa: E402
 from dept_mega.data.jsonl import BadInputReport, iter_texts  # noqa: E402
 
 NORMALIZATIONS = ("identity", "nmt_nfkc")
@@ -130,6 +133,11 @@ def main(argv=None) -> int:
         if not os.path.isfile(path):
             print(f"error: input file {path!r} does not exist", file=sys.stderr)
             return 2
+        try:  # gzip / bzip2 / xz / zstd input is decompressed as it is read
+            check_readable(path)
+        except CompressedInputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if args.vocab_size < 8:
         print(f"error: --vocab-size {args.vocab_size} is too small (special ids alone take 4)", file=sys.stderr)
         return 2
@@ -141,7 +149,11 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     report = BadInputReport()
-    sample, docs, seen = collect_sentences(args, report)
+    try:
+        sample, docs, seen = collect_sentences(args, report)
+    except CompressedInputError as exc:  # a damaged compressed stream: nothing written
+        print(f"error: {exc}; nothing written", file=sys.stderr)
+        return 2
     if report.total and args.strict:
         print("error: bad input lines and --strict given: nothing written; found:", file=sys.stderr)
         for line in report.lines(found=True):

@@ -142,11 +142,12 @@ def parse_line(raw: bytes, keys: Sequence[str], where: str,
 
 
 def iter_raw_lines(paths: Sequence[str]) -> Iterator[tuple[str, bytes]]:
-    """Yield (``file:line``, raw bytes) for each line of each file, streaming."""
+    """Yield (``file:line``, raw bytes) for each line of each file, streaming; a compressed file
+    decompressed (:mod:`dept_mega.data.compressed`)."""
+    from .compressed import iter_lines
     for path in paths:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                yield f"{path}:{lineno}", raw
+        for lineno, raw in iter_lines(path):
+            yield f"{path}:{lineno}", raw
 
 
 def iter_texts(paths: Sequence[str], key: str, report: BadInputReport) -> Iterator[str]:

@@ -5,7 +5,10 @@ check and tokenize a batch each; the main process writes results strictly in inp
 At most ``4 * workers`` batches are in flight, so memory stays bounded whatever the input
 size (the per-document index, 12 bytes a document, is the only thing that grows).
 With ``partitions > 1`` the input is cut into that many contiguous byte ranges, each
-written as its own dataset and then merged in order (the parts are removed).
+written as its own dataset and then merged in order (the parts are removed). Compressed input
+(gzip, bzip2, xz; zstd with the ``zstandard`` package) is decompressed as it is read
+(:mod:`dept_mega.data.compressed`; progress counts its bytes on disk); it cannot be cut into
+partitions.
 
 Outputs per key: ``OUT_{key}_document.bin/.idx`` (Megatron format, uint16 tokens when the
 vocabulary has < 65500 ids, else int32) and ``OUT_{key}_document.bytes.npy`` (int64 UTF-8
@@ -23,10 +26,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check_readable, damaged, open_input
 from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
                                     optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
@@ -93,7 +98,6 @@ class _BatchResult:
     nbytes: list[np.ndarray]
     round_trip: list[RoundTrip]
     report: BadInputReport
-    input_bytes: int
 
 
 # Worker-process state, set once per process by the pool initializer (the tokenizer is too
@@ -122,9 +126,7 @@ def _encode_batch(batch: list[tuple[str, bytes]], first_line: int = 0) -> _Batch
     report = BadInputReport()
     kept: list[list[str]] = []
     checked: list[int] = []  # indices into kept
-    input_bytes = 0
     for i, (where, raw) in enumerate(batch):
-        input_bytes += len(raw)
         texts = parse_line(raw, keys, where, report)
         if texts is not None:
             if checks_line(first_line + i, every):
@@ -144,7 +146,7 @@ def _encode_batch(batch: list[tuple[str, bytes]], first_line: int = 0) -> _Batch
         tokens.append(flat)
         lengths.append(lens)
         nbytes.append(sizes)
-    return _BatchResult(len(batch), tokens, lengths, nbytes, lossy, report, input_bytes)
+    return _BatchResult(len(batch), tokens, lengths, nbytes, lossy, report)
 
 
 def _round_trip(tok, texts: list[str], ids: list[list[int]], sizes: np.ndarray, checked: list[int]) -> RoundTrip:
@@ -223,27 +225,56 @@ def partition_ranges(inputs: Sequence[str], partitions: int) -> list[list[Range]
     return parts
 
 
-def _iter_batches(ranges: Sequence[Range]) -> Iterator[list[tuple[str, bytes]]]:
+@contextmanager
+def _open_range(path: str, start: int, end: int):
+    """(lines, position) of one input range: ``lines`` yields (``file:line``, raw line) and
+    ``position()`` is how far into the file on disk reading has got (a compressed input is
+    always one whole range: its compressed bytes, which is what the progress counts)."""
+    with open_input(path) as (stream, raw):
+        if stream is raw:  # plain: read by byte offsets
+            lineno = _count_newlines(path, start) if start else 0
+            raw.seek(start)
+
+            def lines():
+                nonlocal lineno
+                pos = start
+                while pos < end:
+                    line = raw.readline()
+                    if not line:
+                        break
+                    pos += len(line)
+                    lineno += 1
+                    yield f"{path}:{lineno}", line
+        else:
+            def lines():
+                lineno = 0
+                try:
+                    for line in stream:
+                        lineno += 1
+                        yield f"{path}:{lineno}", line
+                except STREAM_ERRORS as exc:
+                    raise PreprocessError(str(damaged(path, lineno, exc))) from None
+        yield lines(), raw.tell
+
+
+def _iter_batches(ranges: Sequence[Range]) -> Iterator[tuple[list[tuple[str, bytes]], int]]:
+    """Batches of (``file:line``, raw line), each with the bytes on disk read for it."""
     batch: list[tuple[str, bytes]] = []
-    size = 0
+    size = disk = 0
     for path, start, end in ranges:
-        lineno = _count_newlines(path, start) if start else 0
-        with open(path, "rb") as f:
-            f.seek(start)
-            pos = start
-            while pos < end:
-                raw = f.readline()
-                if not raw:
-                    break
-                pos += len(raw)
-                lineno += 1
-                batch.append((f"{path}:{lineno}", raw))
+        with _open_range(path, start, end) as (lines, position):
+            taken = start
+            for where, raw in lines:
+                batch.append((where, raw))
                 size += len(raw)
                 if len(batch) >= BATCH_LINES or size >= BATCH_BYTES:
-                    yield batch
-                    batch, size = [], 0
+                    now = position()
+                    disk, taken = disk + now - taken, now
+                    yield batch, disk
+                    batch, size, disk = [], 0, 0
+            disk += max(end - taken, 0)  # the rest of the range (a compressed file's read-ahead, its end)
     if batch:
-        yield batch
+        yield batch, disk
 
 
 def round_trip_line(output: str, rt: RoundTrip, every: int = 1) -> str:
@@ -351,6 +382,14 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         if not os.path.isfile(path):  # a pipe (<(zcat ...)), a device, a directory
             raise PreprocessError(f"input {path!r} is not a regular file: the input is read by byte offsets "
                                   f"(progress, --partitions), so write a stream to a file first")
+        try:  # compressed input (dept_mega.data.compressed): decompressed as it is read
+            kind = check_readable(path)
+        except CompressedInputError as exc:
+            raise PreprocessError(str(exc)) from None
+        if kind is not None and partitions > 1:
+            raise PreprocessError(f"--partitions {partitions} cuts the input at byte offsets, which the "
+                                  f"{kind}-compressed input {path!r} does not allow: use --partitions 1 (--workers "
+                                  f"still tokenizes in parallel) or decompress the file first")
     if not keys:
         raise PreprocessError("no --json-keys given")
     if workers < 1 or partitions < 1:
@@ -434,7 +473,7 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
     max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
     last = time.time()
 
-    def consume(result: _BatchResult) -> None:
+    def consume(result: _BatchResult, disk: int) -> None:
         nonlocal last
         if strict and result.report.total:
             stats.report.merge(result.report)
@@ -442,7 +481,7 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
                                   "stopping (later lines not read):\n" + "\n".join(result.report.lines(found=True)))
         stats.report.merge(result.report)
         stats.lines += result.lines
-        stats.input_bytes += result.input_bytes
+        stats.input_bytes += disk
         for k, b in enumerate(builders):
             b.add_documents(result.tokens[k], result.lengths[k], result.nbytes[k])
         stats.documents += len(result.lengths[0])
@@ -462,16 +501,18 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
 
     line = stats.lines  # 0-based index of the next batch's first line in the whole input (earlier parts done)
     try:
-        for batch in _iter_batches(ranges):
+        for batch, disk in _iter_batches(ranges):
             first, line = line, line + len(batch)
             if pool is None:
-                consume(_encode_batch(batch, first))
+                consume(_encode_batch(batch, first), disk)
                 continue
-            pending.append(pool.apply_async(_encode_batch, (batch, first)))
+            pending.append((pool.apply_async(_encode_batch, (batch, first)), disk))
             while len(pending) >= max_inflight:
-                consume(pending.popleft().get())
+                result, done = pending.popleft()
+                consume(result.get(), done)
         while pending:
-            consume(pending.popleft().get())
+            result, done = pending.popleft()
+            consume(result.get(), done)
     except BaseException:
         for b in builders:
             b.abort()
