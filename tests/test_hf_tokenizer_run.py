@@ -194,6 +194,26 @@ def test_a_spec_opt_source_may_use_a_hugging_face_tokenizer(hf, tmp_path, monkey
     assert VOCAB + 1 <= table.shape[0] < 1000  # the Hugging Face tokenizer's, padded; not en's 3000
 
 
+def test_trim_on_a_hugging_face_tokenizer_exports_its_v_k(hf, tmp_path, monkeypatch):
+    """TRIM with the Hugging Face tokenizer as the global one: the global table has its
+    len(tokenizer) rows, each source trains on V_k (the ids of its data, the added EOS among
+    them), and the export suppresses every other id and gives our logits on V_k."""
+    from dept_mega.data.sources import vocab_set
+    from dept_mega.export.convert import main as export
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = config_overrides(run) + [f"data.tokenizer={hf['dir']}", f"data.sources={_sources(hf, 'en', 'fr')}"]
+    refs = train_and_reference(0, 1, "examples/tiny/trim.yaml", over)
+    assert export(["--run-dir", run, "--source", "fr", "--output", out]) == 0
+    ids = vocab_set(hf["fr"]).tolist()
+    assert VOCAB in ids and len(ids) < VOCAB
+    gen = json.load(open(os.path.join(out, "generation_config.json")))
+    assert sorted(gen["suppress_tokens"]) == sorted(set(range(VOCAB + 1)) - set(ids))
+    tokens, logits = refs["fr"]
+    hf_out = hf_logits(out, tokens)
+    assert hf_out.shape[-1] == VOCAB + 1 and max_abs_diff(hf_out[..., ids], logits[..., :len(ids)]) <= 1e-4
+
+
 def test_a_path_that_is_no_tokenizer_is_one_error_naming_the_key(hf, tmp_path, capsys):
     """A text file, a directory without tokenizer.json, a broken tokenizer.json: the launch's
     pre-flight and the vocabulary lookups name the config key, the path and the two kinds; an
