@@ -125,7 +125,7 @@ class SourceConfig:
     """One data source (``data.sources`` list item)."""
     name: str = ""  #: The source's name, used in logs, metrics and checkpoints.
     prefix: str = ""  #: Path prefix of its Megatron indexed data (PREFIX.bin and PREFIX.idx).
-    tokenizer: Optional[str] = None  #: Its own tokenizer model (spec_opt only).
+    tokenizer: Optional[str] = None  #: Its own tokenizer (spec_opt only): a SentencePiece model or a Hugging Face tokenizer, as data.tokenizer.
     weight: float = 1.0  #: Multiplies the source's token count in proportional / temperature sampling, or is its share under dept.sampling=weights (normalised over the sources); a weight other than 1 is refused under uniform, where it would have no effect.
     #: The source group that holds its data and trains it (a site's data stays there): each
     #: round group g draws one of its own sources; null = index mod the number of groups when
@@ -136,7 +136,7 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     """Tokenizers and data sources."""
-    tokenizer: Optional[str] = None  #: The global SentencePiece model (every variant but spec_opt).
+    tokenizer: Optional[str] = None  #: The global tokenizer (every variant but spec_opt): a SentencePiece model (.model), or a Hugging Face tokenizer.json or a directory holding it (with tokenizer_config.json naming its eos_token); the kind is read from the path.
     sources: list[SourceConfig] = field(default_factory=list)  #: The data sources, one mapping each (keys below).
     split: str = "98,2"  #: Train,valid document weights of each source (a third weight: a test part).
     cache_dir: Optional[str] = None  #: Where sample-index caches go; null = beside each source's .idx.

@@ -123,7 +123,8 @@ MEGATRON_FLAGS: dict[str, Flag] = {
                         note="one entry per source, best in the config file"),
     "--split": Flag("data.split"),
     "--data-cache-path": Flag("data.cache_dir"),
-    "--tokenizer-type": Flag(None, note="no key: data.tokenizer is a SentencePiece model"),
+    "--tokenizer-type": Flag(None, note="no key: the type is read from data.tokenizer's path (a SentencePiece "
+                                        ".model, a Hugging Face tokenizer.json or its directory)"),
     "--tokenizer-model": Flag("data.tokenizer"),
     "--seed": Flag("train.seed"),
     "--distributed-timeout-minutes": Flag("train.init_timeout_s", convert=_minutes_to_seconds, note="seconds"),

@@ -11,11 +11,11 @@ def vocab_size_of(cfg: Config) -> int:
     ``model.vocab_size``, else (spec_opt) the first source's tokenizer's."""
     from .data.tokenizer import load_tokenizer
     if cfg.data.tokenizer and cfg.dept.variant != "spec_opt":
-        return load_tokenizer(cfg.data.tokenizer).vocab_size
+        return load_tokenizer(cfg.data.tokenizer, "data.tokenizer").vocab_size
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size
     if cfg.data.sources and cfg.data.sources[0].tokenizer:
-        return load_tokenizer(cfg.data.sources[0].tokenizer).vocab_size
+        return load_tokenizer(cfg.data.sources[0].tokenizer, "data.sources[0].tokenizer").vocab_size
     raise ConfigError("config key 'data.tokenizer': no tokenizer and no model.vocab_size")
 
 

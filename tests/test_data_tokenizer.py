@@ -96,7 +96,7 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(str(tmp_path / "missing.model"))
     bad = tmp_path / "bad.model"
     bad.write_bytes(b"not a model")
-    with pytest.raises(TokenizerError, match="not a SentencePiece model"):
+    with pytest.raises(TokenizerError, match="is neither a SentencePiece model nor a Hugging Face tokenizer.json"):
         load_tokenizer(str(bad))
     # a model without EOS cannot be used for --append-eod
     spm.SentencePieceTrainer.Train(sentence_iterator=iter(synthetic_texts(200)), model_prefix=str(tmp_path / "noeos"),

@@ -58,7 +58,7 @@ def test_another_tokenizer_of_the_same_size_is_refused(made, tmp_path):
         check_sources(_cfg("glob", prefix, b))
     msg = str(exc.value)
     assert msg.startswith("config key 'data.tokenizer': source 'x': ") and f"tokenized with {a}" in msg
-    assert f"but data.tokenizer is {b}, another model" in msg
+    assert f"but data.tokenizer is {b}, another tokenizer" in msg
     with pytest.raises(ConfigError, match=r"^config key 'data.sources\[0\].tokenizer': .*tokenized with"):
         check_sources(_cfg("spec_opt", prefix, b))
 

@@ -27,16 +27,18 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
     out = []
     sizes: dict[str, int] = {}
 
-    def size_of(path: str) -> int:
+    def size_of(path: str, key: str) -> int:
         if path not in sizes:
-            sizes[path] = load_tokenizer(path).vocab_size
+            sizes[path] = load_tokenizer(path, key).vocab_size
         return sizes[path]
 
     for i, s in enumerate(cfg.data.sources):
         if cfg.dept.variant == "spec_opt" and s.tokenizer:
-            out.append((f"data.sources[{i}].tokenizer", f"tokenizer {s.tokenizer}", size_of(s.tokenizer)))
+            out.append((f"data.sources[{i}].tokenizer", f"tokenizer {s.tokenizer}",
+                        size_of(s.tokenizer, f"data.sources[{i}].tokenizer")))
         elif cfg.data.tokenizer:
-            out.append(("data.tokenizer", f"tokenizer {cfg.data.tokenizer}", size_of(cfg.data.tokenizer)))
+            out.append(("data.tokenizer", f"tokenizer {cfg.data.tokenizer}",
+                        size_of(cfg.data.tokenizer, "data.tokenizer")))
         elif cfg.model.vocab_size is not None:
             out.append(("model.vocab_size", "model.vocab_size", cfg.model.vocab_size))
         else:
@@ -46,11 +48,12 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
 
 
 def _check_made_with(cfg: Config, i: int, vkey: str, digests: dict) -> None:
-    """ConfigError when the source's ``PREFIX.tokenizer.json`` names a SentencePiece model whose
-    checksum is not the configured tokenizer's (data without the record, or made with a Hugging
-    Face tokenizer, is left to the id-range check). ``digests``: the tokenizers' checksums so
-    far (``model_sha256``'s cache: a tokenizer several sources share is read once)."""
-    from dept_mega.data.tokenizer import model_sha256
+    """ConfigError when the source's ``PREFIX.tokenizer.json`` names a tokenizer whose checksum
+    (of the SentencePiece model, or of a Hugging Face tokenizer's ``tokenizer.json``) is not the
+    configured tokenizer's (data without the record is left to the id-range check).
+    ``digests``: the tokenizers' checksums so far (``model_sha256``'s cache: a tokenizer several
+    sources share is read once)."""
+    from dept_mega.data.tokenizer import TOKENIZER_TYPES, model_sha256
     s = cfg.data.sources[i]
     record = tokenizer_record_path(s.prefix)
     if vkey == "model.vocab_size" or not os.path.isfile(record):
@@ -63,12 +66,12 @@ def _check_made_with(cfg: Config, i: int, vkey: str, digests: dict) -> None:
         raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {record} is not a "
                           f"tokenizer record ({exc!r}); rerun tools/preprocess_data.py, or delete the file "
                           f"to skip this check") from None
-    if made_type != "SentencePieceTokenizer":
+    if made_type not in TOKENIZER_TYPES:
         return
     used = s.tokenizer if vkey.startswith("data.sources") else cfg.data.tokenizer
     if model_sha256(used, digests) != made_sha:
         raise ConfigError(f"config key '{vkey}': source '{s.name}': {bin_path(s.prefix)} was tokenized with "
-                          f"{made_model} ({record}), but {vkey} is {used}, another model: point {vkey} at the "
+                          f"{made_model} ({record}), but {vkey} is {used}, another tokenizer: point {vkey} at the "
                           f"tokenizer the data was made with, or data.sources[{i}].prefix at data tokenized "
                           f"with {used}")
 

@@ -1,5 +1,11 @@
-"""SentencePiece tokenizer wrapper: the one interface the rest of dept_mega uses; and Hugging Face
-tokenizers for ``tools/preprocess_data.py`` (:class:`HuggingFaceTokenizer`)."""
+"""The tokenizers a run reads: SentencePiece models (:class:`Tokenizer`) and Hugging Face
+``tokenizers`` files (:class:`HuggingFaceTokenizer`), behind one interface (``kind``, ``path``,
+``vocab_size``, ``eos_id``, ``encode``/``encode_batch``, ``decode``/``decode_batch``).
+
+:func:`load_tokenizer` is what every use of a configured tokenizer path (``data.tokenizer``,
+``data.sources[].tokenizer``) goes through: the type is read from the path
+(:func:`tokenizer_kind`), so a config names either kind the same way. ``tools/preprocess_data.py``
+takes the type from ``--tokenizer-type`` instead, as Megatron-LM's does (:func:`open_tokenizer`)."""
 from __future__ import annotations
 
 import hashlib
@@ -34,9 +40,26 @@ class TokenizerError(ValueError):
     """A tokenizer model that cannot be used (missing file, not a model, no EOS id)."""
 
 
+class NotATokenizer(TokenizerError):
+    """The file exists but cannot be read as the tokenizer type it was taken for (``detail``:
+    what the reader said)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
+SENTENCEPIECE, HUGGINGFACE = "sentencepiece", "huggingface"
+#: what a path that is neither kind gets told (the two forms a configured tokenizer takes)
+KINDS_HINT = ("a SentencePiece model is a .model file (tools/train_tokenizer.py); a Hugging Face tokenizer is "
+              "a tokenizer.json file or a directory holding one, with its tokenizer_config.json")
+
+
 class Tokenizer:
     """A loaded SentencePiece model. ``eos_id`` is the end-of-document token that
     ``tools/preprocess_data.py --append-eod`` appends."""
+
+    kind = SENTENCEPIECE
 
     def __init__(self, path: str):
         if not os.path.exists(path):
@@ -46,7 +69,7 @@ class Tokenizer:
         try:
             self._sp.Load(path)
         except (OSError, RuntimeError) as exc:
-            raise TokenizerError(f"{path!r} is not a SentencePiece model: {exc}") from None
+            raise NotATokenizer(f"{path!r} is not a SentencePiece model: {exc}", str(exc)) from None
         if self._sp.eos_id() < 0:
             raise TokenizerError(f"tokenizer model {path!r} defines no EOS id (train it with an eos id >= 0)")
 
@@ -92,8 +115,45 @@ class Tokenizer:
         return self._sp.IdToPiece(int(i))
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer(path)
+def tokenizer_kind(path: str) -> str:
+    """:data:`HUGGINGFACE` for a directory holding ``tokenizer.json`` or a JSON file (named
+    ``*.json``, or whose first byte is ``{``), :data:`SENTENCEPIECE` for any other file.
+    TokenizerError for a path that does not exist or a directory without ``tokenizer.json``."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return HUGGINGFACE
+        raise TokenizerError(f"{path!r} is a directory without a tokenizer.json, so it is neither a SentencePiece "
+                             f"model nor a Hugging Face tokenizer ({KINDS_HINT})")
+    if not os.path.exists(path):
+        raise TokenizerError(f"tokenizer {path!r} does not exist")
+    if path.endswith(".json"):
+        return HUGGINGFACE
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError as exc:
+        raise TokenizerError(f"tokenizer {path!r} cannot be read ({exc.strerror})") from None
+    return HUGGINGFACE if head.startswith(b"{") else SENTENCEPIECE
+
+
+def load_tokenizer(path: str, key: Optional[str] = None):
+    """The tokenizer at ``path``, of the type :func:`tokenizer_kind` reads from it: a
+    :class:`Tokenizer` (SentencePiece) or a :class:`HuggingFaceTokenizer`. ``key``: the config
+    key that names the path (``data.tokenizer``, ``data.sources[i].tokenizer``), put in front
+    of any error. A file that is neither kind: "... is neither a SentencePiece model nor a
+    Hugging Face tokenizer.json (...)"."""
+    try:
+        kind = tokenizer_kind(path)
+        try:
+            return HuggingFaceTokenizer(path) if kind == HUGGINGFACE else Tokenizer(path)
+        except NotATokenizer as exc:
+            raise TokenizerError(f"{path!r} is neither a SentencePiece model nor a Hugging Face tokenizer.json "
+                                 f"(read as {'a tokenizer.json' if kind == HUGGINGFACE else 'SentencePiece'}: "
+                                 f"{exc.detail}; {KINDS_HINT})") from None
+    except TokenizerError as exc:
+        if key is None:
+            raise
+        raise TokenizerError(f"config key {key!r}: {exc}") from None
 
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
@@ -105,7 +165,10 @@ class HuggingFaceTokenizer:
     of ``transformers``): the post-processor's special tokens are added (``add_special_tokens``),
     no truncation or padding; ``vocab_size`` counts the added tokens (``len(tokenizer)``); the EOS
     id (``--append-eod``) is the ``eos_token`` of ``tokenizer_config.json`` (or
-    ``special_tokens_map.json``) beside the file, None when neither names one."""
+    ``special_tokens_map.json``) beside the file, None when neither names one. Training needs
+    no EOS id (documents are the ``.idx``'s); preprocessing with ``--append-eod`` does."""
+
+    kind = HUGGINGFACE
 
     def __init__(self, path: str):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -119,11 +182,11 @@ class HuggingFaceTokenizer:
         try:
             self._tok = _HFTokenizer.from_file(file)
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception
-            raise TokenizerError(f"{file!r} is not a Hugging Face tokenizer.json: {exc}") from None
+            raise NotATokenizer(f"{file!r} is not a Hugging Face tokenizer.json: {exc}", str(exc)) from None
         self._tok.no_truncation()
         self._tok.no_padding()
         self.path = file
-        self.eos_token = _eos_token(os.path.dirname(file))
+        self.eos_token = special_token(os.path.dirname(file), "eos_token")
         self.eos_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
         if self.eos_token is not None and self.eos_id is None:
             raise TokenizerError(f"{file!r}: its eos_token {self.eos_token!r} is not in the vocabulary")
@@ -144,22 +207,32 @@ class HuggingFaceTokenizer:
     def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
         return self._tok.decode_batch([[int(i) for i in x] for x in ids])
 
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
 
-def _eos_token(directory: str):
+
+#: the files beside a ``tokenizer.json`` that name its special tokens, in the order they are read
+SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def special_token(directory: str, name: str) -> Optional[str]:
+    """The special token ``name`` (``eos_token``, ``bos_token``, ...) that the first of
+    :data:`SPECIAL_TOKEN_FILES` in ``directory`` naming it names (a string, or an AddedToken's
+    ``{"content": ...}``), None when none does."""
     import json
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = os.path.join(directory, name)
+    for file in SPECIAL_TOKEN_FILES:
+        path = os.path.join(directory, file)
         if not os.path.isfile(path):
             continue
         try:
             with open(path, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
+                token = json.load(f).get(name)
         except (OSError, ValueError, AttributeError) as exc:
             raise TokenizerError(f"{path}: not a JSON object ({exc})") from None
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            return eos
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            return token
     return None
 
 

@@ -37,21 +37,19 @@ def _mean(values) -> Optional[float]:
 
 
 def tokenizer_vocab_size(path: str, key: str) -> int:
-    """The vocabulary size of a SentencePiece model; a missing file is a ConfigError."""
+    """The vocabulary size of a tokenizer (a SentencePiece model, or a Hugging Face
+    ``tokenizer.json`` or its directory, added tokens included); a missing file is a ConfigError,
+    one that is neither kind too (naming ``key``)."""
     import os
 
+    from ..data.tokenizer import TokenizerError, load_tokenizer
     if not os.path.exists(path):
         raise ConfigError(f"config key '{key}': tokenizer file {path!r} does not exist "
                           f"(pass the vocabulary size on the command line instead)")
     try:
-        from ..data.tokenizer import load_tokenizer  # the data package's loader when present
-    except ImportError:
-        load_tokenizer = None
-    if load_tokenizer is not None:
-        return int(load_tokenizer(path).vocab_size)
-    import sentencepiece as spm
-
-    return int(spm.SentencePieceProcessor(model_file=path).get_piece_size())
+        return int(load_tokenizer(path, key).vocab_size)
+    except TokenizerError as exc:  # the tools report ConfigErrors as one line
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab: Optional[int] = None,

@@ -491,6 +491,6 @@ def build_round_hooks(cfg, pg, trainer, device, sources: Optional[Sequence[Sourc
             global_vocab = cfg.model.vocab_size
         if global_vocab is None and cfg.data.tokenizer:
             from ..data.tokenizer import load_tokenizer
-            global_vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+            global_vocab = load_tokenizer(cfg.data.tokenizer, "data.tokenizer").vocab_size
         sources = sources_from_config(cfg, global_vocab)
     return DeptHooks(cfg, pg, trainer, device, sources)

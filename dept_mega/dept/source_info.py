@@ -39,7 +39,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
         size = source_tokens(s.prefix)
         if cfg.dept.variant == "spec_opt":
             from ..data.tokenizer import load_tokenizer
-            vocab = load_tokenizer(s.tokenizer).vocab_size
+            vocab = load_tokenizer(s.tokenizer, f"data.sources[{i}].tokenizer").vocab_size
         else:
             if global_vocab is None:
                 from ..config import ConfigError

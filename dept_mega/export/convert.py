@@ -4,8 +4,9 @@
 
 One directory per source (``--all-sources``: ``DIR/<source>``) with ``config.json``,
 ``model.safetensors`` (fp32), ``generation_config.json``, the source's tokenizer
-(``tokenizer.json`` + ``tokenizer_config.json``; the SentencePiece model it came from as
-``sentencepiece.model``) and ``dept_export.json`` (what was exported from where). Load it with
+(``tokenizer.json`` + ``tokenizer_config.json``: a SentencePiece model converted, with the model
+as ``sentencepiece.model``; a Hugging Face tokenizer's own files copied, ``tokenizer_files``)
+and ``dept_export.json`` (what was exported from where). Load it with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``.
 
 What a source's model is, per variant: std / glob — the one model of the run (global
@@ -29,16 +30,24 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..config import Config, ConfigError, load_config
+from ..data.tokenizer import HUGGINGFACE, TokenizerError, load_tokenizer
 from ..dept.federation_config import own_sources, source_owners
 from .checkpoint_reader import CheckpointReadError, read_full_weights
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
-from .hf_tokenizer import TokenizerExportError, save_hf_tokenizer
+from .hf_tokenizer import TokenizerExportError
+from .tokenizer_files import encoding_difference, export_tokenizer
 
 MARKER = "dept_export.json"
 
 
 def tokenizer_path(cfg: Config, source: str) -> str:
-    """The SentencePiece model of ``source``'s vocabulary (spec_opt: its own, else the global one)."""
+    """The tokenizer of ``source``'s vocabulary (spec_opt: its own, else the global one)."""
+    return tokenizer_entry(cfg, source)[0]
+
+
+def tokenizer_entry(cfg: Config, source: str) -> tuple[str, str]:
+    """(path, config key) of the tokenizer of ``source``'s vocabulary (spec_opt: its own, else
+    the global one); an ExportError naming the key when there is none or its file is missing."""
     for i, s in enumerate(cfg.data.sources):
         if s.name == source and cfg.dept.variant == "spec_opt":
             if not s.tokenizer:
@@ -52,7 +61,7 @@ def tokenizer_path(cfg: Config, source: str) -> str:
     if not os.path.exists(path):
         raise ExportError(f"config key '{key}': tokenizer {path!r} does not exist (run the export from the "
                           f"directory the run was started in)")
-    return path
+    return path, key
 
 
 def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
@@ -111,7 +120,8 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
         raise ExportError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
     arch = architecture_for(cfg.model)  # refuse before reading anything
     replaces = check_output(output, overwrite)
-    tok_path = tokenizer_path(cfg, source)
+    tok_path, tok_key = tokenizer_entry(cfg, source)
+    tok = load_tokenizer(tok_path, tok_key)  # a file that is no tokenizer: refused before the weights are read
     weights = read_full_weights(run_dir, step, source, cfg)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -119,9 +129,8 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        special = save_hf_tokenizer(tok_path, tmp)
-        from ..data.tokenizer import load_tokenizer
-        vocab = load_tokenizer(tok_path).vocab_size
+        special = export_tokenizer(tok, tmp)
+        vocab = tok.vocab_size
         ids = {"bos_token_id": special["bos_token_id"], "eos_token_id": special["eos_token_id"],
                "pad_token_id": special["pad_token_id"] if special["pad_token_id"] is not None
                else special["eos_token_id"]}
@@ -129,7 +138,7 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
         model = build_model(exp)
         info = {"run_dir": os.path.abspath(run_dir), "step": weights.step, "source": source,
                 "variant": cfg.dept.variant, "architecture": arch, "from": weights.origin,
-                "tokenizer": os.path.abspath(tok_path), "vocab_size": vocab,
+                "tokenizer": os.path.abspath(tok_path), "tokenizer_kind": tok.kind, "vocab_size": vocab,
                 "parameters": int(sum(p.numel() for p in model.parameters()))}
         if cfg.dept.variant == "trim":
             keep = set(trim_vocab_ids(cfg, source))
@@ -139,6 +148,9 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
             model.generation_config.suppress_tokens = [i for i in range(vocab) if i not in keep]
             info["trim_vocab_size"] = len(keep)
         model.save_pretrained(tmp)
+        if tok.kind == HUGGINGFACE and (differs := encoding_difference(tmp, tok)) is not None:
+            print(f"warning: {source!r}: {differs}", file=sys.stderr, flush=True)
+            info["tokenizer_differs"] = differs
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
         _replace_dir(tmp, output)
@@ -201,7 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise
         else:
             export_source(args.run_dir, args.source, args.output, args.step, cfg, overwrite=args.overwrite)
-    except (ExportError, CheckpointReadError, TokenizerExportError, ConfigError, FileNotFoundError) as exc:
+    except (ExportError, CheckpointReadError, TokenizerExportError, TokenizerError, ConfigError,
+            FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
