@@ -273,12 +273,19 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.sources[{i}].name': a source needs a name")
         if s.weight <= 0:
             raise ConfigError(f"config key 'data.sources[{i}].weight': must be > 0, got {s.weight}")
+        if s.weight != 1.0 and cfg.dept.sampling == "balanced":
+            raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
+                              f"dept.sampling=balanced (every source trained once before any again); set "
+                              f"dept.sampling=weights, proportional or temperature, or drop the weight")
         if s.weight != 1.0 and cfg.dept.sampling == "uniform":
             raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
                               f"dept.sampling=uniform (the default: every source equally likely); set "
                               f"dept.sampling=weights (the weights alone are the shares, as Megatron-LM's "
                               f"--data-path 0.3 A 0.7 B), proportional (a source's share ∝ its tokens × weight) or "
                               f"temperature ((tokens × weight)^dept.temperature), or drop the weight")
+    if cfg.dept.sampling == "balanced" and cfg.dept.variant == "std":
+        raise ConfigError("config key 'dept.sampling': balanced orders DEPT's rounds (every source once before any "
+                          "again); std mixes the sources in every batch: use uniform for equal shares")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
