@@ -158,15 +158,39 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _leaf_keys(tree: Any, prefix: str = "") -> set[str]:
+    """The dotted keys a YAML tree sets: every key whose value is not a mapping (a list, such as
+    ``data.sources``, counts as one key)."""
+    if not isinstance(tree, dict):
+        return {prefix} if prefix else set()
+    keys: set[str] = set()
+    for k, v in tree.items():
+        keys |= _leaf_keys(v, f"{prefix}.{k}" if prefix else str(k))
+    return keys
+
+
 def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tree = dict(values or {})
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
+    # which keys the file and the overrides set: an error about a key left at its default says so
+    # (default_note); not a dataclass field, so never written to config.yaml
+    cfg.set_keys = frozenset(_leaf_keys(tree))
     _check_choices(cfg)
     _check_values(cfg)
     return cfg
+
+
+def default_note(cfg: Config, key: str, hint: str = "") -> str:
+    """``" (the default[; hint])"`` when the config file and the overrides left ``key`` unset (its
+    value is then the schema's default, which the user may not know is in play), else ``""``;
+    also ``""`` for a Config built in code (nothing recorded)."""
+    keys = getattr(cfg, "set_keys", None)
+    if keys is None or any(k == key or key.startswith(k + ".") or k.startswith(key + ".") for k in keys):
+        return ""
+    return f" (the default{'; ' + hint if hint else ''})"
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -273,12 +297,19 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key 'data.sources[{i}].name': a source needs a name")
         if s.weight <= 0:
             raise ConfigError(f"config key 'data.sources[{i}].weight': must be > 0, got {s.weight}")
+        if s.weight != 1.0 and cfg.dept.sampling == "balanced":
+            raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
+                              f"dept.sampling=balanced (every source trained once before any again); set "
+                              f"dept.sampling=weights, proportional or temperature, or drop the weight")
         if s.weight != 1.0 and cfg.dept.sampling == "uniform":
             raise ConfigError(f"config key 'data.sources[{i}].weight': {s.weight} has no effect under "
                               f"dept.sampling=uniform (the default: every source equally likely); set "
                               f"dept.sampling=weights (the weights alone are the shares, as Megatron-LM's "
                               f"--data-path 0.3 A 0.7 B), proportional (a source's share ∝ its tokens × weight) or "
                               f"temperature ((tokens × weight)^dept.temperature), or drop the weight")
+    if cfg.dept.sampling == "balanced" and cfg.dept.variant == "std":
+        raise ConfigError("config key 'dept.sampling': balanced orders DEPT's rounds (every source once before any "
+                          "again); std mixes the sources in every batch: use uniform for equal shares")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"config key 'data.sources': duplicate source name(s) {dupes}")
@@ -336,7 +367,17 @@ def _check_values(cfg: Config) -> None:
                           f"dropout (model.attention_dropout={m.attention_dropout}); use auto, sdpa, flash or bias")
     if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
-                          f"{cfg.dept.local_steps}")
+                          f"{cfg.dept.local_steps}" + default_note(cfg, "dept.local_steps", "a round is "
+                          "dept.local_steps inner steps: set it to a divisor of train.steps")
+                          + _variant_note(cfg, "dept.variant: std trains without rounds"))
+
+
+def _variant_note(cfg: Config, hint: str) -> str:
+    """`` under dept.variant V (the default; hint)`` on an error of the variant's own where
+    ``dept.variant`` was left at its default (spec_opt), which the user may not know is in play;
+    else ``""``."""
+    note = default_note(cfg, "dept.variant", hint)
+    return f" under dept.variant {cfg.dept.variant}{note}" if note else ""
 
 
 def te_fp8_conflict(cfg: Config) -> Optional[str]:
@@ -500,7 +541,8 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
                           f"or launch {per_group} process(es)")
     if variant in ("spec", "spec_opt") and k < groups:
         raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
-                          f"got {k} sources for {groups} groups")
+                          f"got {k} sources for {groups} groups" + _variant_note(
+                              cfg, "every DEPT variant needs a source per group; std trains one group"))
     if variant != "std" and k and k < groups:
         raise ConfigError(f"config key 'data.sources': {k} sources cannot fill {groups} groups")
     if variant != "std" and k:
@@ -510,7 +552,9 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         for i, s in enumerate(cfg.data.sources):
             if not s.tokenizer:
                 raise ConfigError(f"config key 'data.sources[{i}].tokenizer': spec_opt needs a tokenizer "
-                                  f"for source '{s.name}'")
+                                  f"for source '{s.name}'" + _variant_note(
+                                  cfg, "spec_opt gives each source its own data.sources[].tokenizer; glob, trim and "
+                                  "spec use one global data.tokenizer"))
     elif cfg.data.sources and not cfg.data.tokenizer and cfg.model.vocab_size is None:
         raise ConfigError(f"config key 'data.tokenizer': variant {variant} needs a global tokenizer")
     if not check_files:

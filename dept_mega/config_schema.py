@@ -93,9 +93,16 @@ class DeptConfig:
     local_steps: int = 500  #: Inner steps per round between outer synchronisations (train.steps must be a multiple).
     #: How sources are weighted: for STD's batch mix, and for drawing G of K > G sources each round.
     #: uniform: alike; proportional: ∝ tokens × weight; temperature: ∝ (tokens × weight)^τ;
-    #: weights: ∝ data.sources[i].weight alone, whatever the sizes (Megatron-LM's --data-path 0.3 A 0.7 B).
+    #: weights: ∝ data.sources[i].weight alone, whatever the sizes (Megatron-LM's --data-path 0.3 A 0.7 B);
+    #: balanced (DEPT only): no draw at random, every source trained once before any is trained
+    #: again (shuffled cycles, seeded by train.seed; with data.sources[].group, per group).
     sampling: str = "uniform"
     temperature: float = 1.0  #: τ of sampling temperature: shares ∝ (tokens × weight)^τ (0: uniform, 1: proportional).
+    #: SPEC / SPEC-OPT with K > G: when this run's round plans (train.steps / dept.local_steps rounds,
+    #: drawn with train.seed) train some source in no round, its own embeddings would stay as they
+    #: start (seeded at random, or train.init_from's): error refuses the launch (and --check), warn
+    #: only warns (a short trial run). Other variants always only warn.
+    untrained_sources: str = "error"
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     reset_inner_optimizer: bool = False  #: Clear the inner AdamW state at the start of every round.
     #: Who owns the body's inner AdamW state: the group (DiLoCo) or the source (it moves with
@@ -380,7 +387,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8_gemm": ("auto", "torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),
     "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
-    "dept.sampling": ("uniform", "proportional", "temperature", "weights"),
+    "dept.sampling": ("uniform", "proportional", "temperature", "weights", "balanced"),
+    "dept.untrained_sources": ("error", "warn"),
     "dept.embedding_rows": ("all", "present"),
     "dept.outer_optimizer.name": ("fedavg", "nesterov", "adam"),
     "dept.outer_comm_dtype": ("fp32", "bf16", "fp8", "int8", "int4"),

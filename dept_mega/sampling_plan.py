@@ -1,11 +1,16 @@
 """Each source's share of a run's training under ``dept.sampling``, as the run will draw it: the
 start-up log's ``sampling (...)`` line, which ``--check`` prints before a launch too, and the
-warning when the configured weighting cannot be the shares (docs/dept_guide.md §3).
+warnings when the configured weighting cannot be the shares, or when this run's rounds, as drawn,
+train a source in no round or far from its expected share (docs/dept_guide.md §3); under SPEC /
+SPEC-OPT a source trained in no round refuses the launch unless ``dept.untrained_sources: warn``.
 
 STD: every batch mixes the sources with the probabilities of ``data.sources.source_weights``.
 DEPT: the round plans decide (``dept.rounds.RoundScheduler``): as many sources as groups means
 group g trains source g every round, whatever the sampling; with more sources, each round draws
-G distinct ones, so a source trains at most one round in G.
+G distinct ones (``balanced``: the least trained), so a source trains at most one round in G.
+
+The launch passes its driver's scheduler, ``--check`` the one :func:`plan_scheduler` builds for
+its sampling line: the plans are drawn once for the line, the warnings and the check.
 """
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ SAMPLING_LINE_ROUNDS = 10_000
 #: weight's share under dept.sampling: weights before the pre-flight warns (an estimate from
 #: SAMPLING_LINE_ROUNDS rounds is within about 0.3 points)
 SHARE_TOLERANCE = 0.01
+#: this run's planned rounds give a source a share far from its expected one (the sampler's
+#: long-run share) when its group-rounds differ from the expected count by more than this fraction
+#: of it and by more than one group-round: a short run's shares move in steps of 1/(rounds × G),
+#: so a fixed tolerance such as SHARE_TOLERANCE would flag every run of a few rounds
+PLANNED_SHARE_FRACTION = 0.5
 
 
 def sampling_groups(cfg, world_size: int) -> int:
@@ -63,7 +73,10 @@ def rounds_line(cfg, scheduler, names: Sequence[str], groups: int) -> str:
     if scheduler.fixed:
         how = f"DEPT: {K} sources on {groups} groups, each every round"
     elif scheduler.owners is not None:
-        how = f"DEPT: each group draws one of its own sources a round; {rounds}"
+        turn = "in turn" if scheduler.balanced else "a round"
+        how = f"DEPT: each group draws one of its own sources {turn}; {rounds}"
+    elif scheduler.balanced:
+        how = f"DEPT: {groups} of {K} sources a round, each once before any again; {rounds}"
     else:
         how = f"DEPT: {groups} of {K} sources a round, without repeats; {rounds}"
     return sampling_line(cfg.dept.sampling, names, shares, how)
@@ -73,9 +86,19 @@ def _needs_sizes(cfg) -> bool:
     return cfg.dept.sampling in ("proportional", "temperature")
 
 
-def planned_line(cfg, groups: int) -> str:
+def plan_scheduler(cfg, groups: int):
+    """DEPT: the round plans a launch of ``cfg`` on ``groups`` groups draws, from the data files
+    (their token counts, read only where ``dept.sampling`` uses them); None under STD."""
+    if cfg.dept.variant == "std":
+        return None
+    from .dept.source_info import source_tokens
+    sizes = [source_tokens(s.prefix) if _needs_sizes(cfg) else 1.0 for s in cfg.data.sources]
+    return make_scheduler(cfg, groups, sizes, [s.weight for s in cfg.data.sources])
+
+
+def planned_line(cfg, groups: int, scheduler=None) -> str:
     """The ``sampling (...)`` line a launch of ``cfg`` on ``groups`` groups logs at start, from
-    the data files (their token counts, read only where ``dept.sampling`` uses them)."""
+    the data files (``scheduler``: DEPT's round plans, else :func:`plan_scheduler`'s)."""
     from .data.gpt_dataset import part_tokens
     from .data.indexed import IndexedDataset
     from .data.sources import blend_shares, sampling_line
@@ -84,13 +107,140 @@ def planned_line(cfg, groups: int) -> str:
         tokens = ([part_tokens(IndexedDataset(s.prefix), cfg.data.split, "train")[2] for s in cfg.data.sources]
                   if _needs_sizes(cfg) else [1.0] * len(names))
         return sampling_line(cfg.dept.sampling, names, blend_shares(cfg, names, tokens))
-    from .dept.source_info import source_tokens
-    sizes = [source_tokens(s.prefix) if _needs_sizes(cfg) else 1.0 for s in cfg.data.sources]
-    sched = make_scheduler(cfg, groups, sizes, [s.weight for s in cfg.data.sources])
-    return rounds_line(cfg, sched, names, groups)
+    return rounds_line(cfg, scheduler or plan_scheduler(cfg, groups), names, groups)
 
 
-def sampling_warning(cfg, groups: int) -> Optional[str]:
+def planned_rounds(cfg, scheduler) -> list[int]:
+    """Each source's rounds in the run: those before the schedule's first round (a rebased
+    schedule's history) and those of its plans up to the last round (at most
+    :data:`SAMPLING_LINE_ROUNDS` of them counted)."""
+    first, counted, _ = _counted_rounds(cfg, scheduler)
+    origin = scheduler.origin()
+    before = [int(n) for n in origin["rounds_before"]] if origin else [0] * scheduler.num_sources
+    return [b + c for b, c in zip(before, _counts(scheduler, first, counted))]
+
+
+def _counts(scheduler, first: int, last: int) -> list[int]:
+    """Each source's rounds among the plans of rounds ``[first, last)``."""
+    counts = [0] * scheduler.num_sources
+    for r in range(first, last):
+        for k in scheduler.plan(r).sources:
+            counts[k] += 1
+    return counts
+
+
+def expected_shares(scheduler, first: int = 0) -> list[float]:
+    """Each source's share of the group-rounds in the long run: exact where the draw makes it so
+    (fixed, one group, sources tied to groups, equal weights, balanced), else the share of
+    :data:`SAMPLING_LINE_ROUNDS` planned rounds from ``first`` (G distinct draws a round: a
+    source's chance to be in a round is not G times its weight)."""
+    K, G, w = scheduler.num_sources, scheduler.num_groups, scheduler.weights
+    if scheduler.fixed:
+        return [1.0 / G] * K
+    if scheduler.owners is not None:
+        totals = [sum(w[k] for k in range(K) if scheduler.owners[k] == g) for g in range(G)]
+        return [w[k] / totals[scheduler.owners[k]] / G for k in range(K)]
+    if G == 1:
+        return list(w)
+    if scheduler.balanced or max(w) - min(w) <= 1e-12 * max(w):
+        return [1.0 / K] * K
+    return scheduler.shares(first, first + SAMPLING_LINE_ROUNDS)
+
+
+def untrained_sources(cfg, scheduler) -> list[str]:
+    """The sources this run's round plans train in no round."""
+    return [s.name for s, n in zip(cfg.data.sources, planned_rounds(cfg, scheduler)) if n == 0]
+
+
+def _rounds_phrase(cfg, scheduler) -> str:
+    first, counted, last = _counted_rounds(cfg, scheduler)
+    d, t = cfg.dept, cfg.train
+    rounds = (f"{last} rounds = train.steps {t.steps} / dept.local_steps {d.local_steps}" if first == 0
+              else f"rounds {first}-{last - 1} after its resume")
+    if counted < last:
+        rounds += f", the first {counted - first:,} counted"
+    return f"this run's round plans ({rounds}, drawn with train.seed {t.seed})"
+
+
+def check_untrained(cfg, scheduler) -> None:
+    """SPEC / SPEC-OPT: refuse a run whose round plans train a source in no round (its own
+    embeddings would keep their initial values, and ``tools/convert_to_hf.py --source`` finds no
+    trained embeddings of it after the run), unless ``dept.untrained_sources: warn``. A
+    :class:`~dept_mega.config.ConfigError`; nothing under the other variants, which only warn
+    (:func:`sampling_warnings`), as a source there shares its embeddings with the others."""
+    from .config import ConfigError
+    d = cfg.dept
+    if scheduler is None or d.variant not in ("spec", "spec_opt") or d.untrained_sources != "error":
+        return
+    missing = untrained_sources(cfg, scheduler)
+    if not missing:
+        return
+    raise ConfigError(f"config key 'dept.untrained_sources': {_rounds_phrase(cfg, scheduler)} train "
+                      f"{', '.join(missing)} in no round: under {d.variant} its own embeddings would keep their "
+                      f"initial values and tools/convert_to_hf.py --source {missing[0]} would find no trained "
+                      f"embeddings; {_remedy(cfg, scheduler, len(missing))}; or set dept.untrained_sources: warn "
+                      f"to launch anyway (docs/dept_guide.md §3)")
+
+
+def _remedy(cfg, scheduler, missing: int) -> str:
+    """What trains every source: more rounds when this run has too few group-rounds for them,
+    else ``dept.sampling: balanced`` (or another seed)."""
+    first, counted, _ = _counted_rounds(cfg, scheduler)
+    rounds, G, K = counted - first, scheduler.num_groups, scheduler.num_sources
+    owners = scheduler.owners
+    need = max(owners.count(g) for g in range(G)) if owners is not None else -(-K // G)
+    if missing and rounds < need:
+        return (f"{rounds} round(s) cannot train all {K} sources (" + (f"a group owns up to {need} of them"
+                if owners is not None else f"{G} a round") + f"): raise train.steps or lower dept.local_steps to "
+                f"at least {need} rounds")
+    if scheduler.balanced:
+        return "raise train.steps or lower dept.local_steps"
+    ignores = ", ignoring the sizes and weights" if cfg.dept.sampling != "uniform" else ""
+    return (f"set dept.sampling: balanced (every source trained once before any again{ignores}), another "
+            f"train.seed or another number of rounds")
+
+
+def coverage_warning(cfg, scheduler) -> Optional[str]:
+    """DEPT with K > G: this run's round plans (as the scheduler draws them with this seed) train
+    a source in no round, or give one a share far from its expected share
+    (:data:`PLANNED_SHARE_FRACTION`); None when neither."""
+    if scheduler is None or scheduler.fixed:
+        return None
+    names = [s.name for s in cfg.data.sources]
+    first, counted, _ = _counted_rounds(cfg, scheduler)
+    total = planned_rounds(cfg, scheduler)
+    missing = [n for n, c in zip(names, total) if c == 0]
+    slots = (counted - first) * scheduler.num_groups
+    counts = _counts(scheduler, first, counted)
+    expected = expected_shares(scheduler, first)
+    far = [(n, c / slots, e) for n, c, e, t in zip(names, counts, expected, total)
+           if t > 0 and abs(c - e * slots) > max(1.0, PLANNED_SHARE_FRACTION * e * slots)]
+    if not missing and not far:
+        return None
+    parts = []
+    if missing:
+        what = ("its own embeddings keep their initial values" if cfg.dept.variant in ("spec", "spec_opt")
+                else "no step reads its data")
+        parts.append(f"train {', '.join(missing)} in no round ({what})")
+    if far:
+        parts.append("give " + ", ".join(f"{n} {100 * x:.1f} % (expected {100 * e:.1f} %)" for n, x, e in far)
+                     + " of the training")
+    return (f"config key 'dept.sampling': {_rounds_phrase(cfg, scheduler)} {' and '.join(parts)}; "
+            f"{_remedy(cfg, scheduler, len(missing))} (docs/dept_guide.md §3)")
+
+
+def sampling_warnings(cfg, groups: int, scheduler=None) -> list[str]:
+    """The sampling's warnings for the start-up log and ``--check``: :func:`sampling_warning`
+    and :func:`coverage_warning` (``scheduler``: the run's round plans; None: built from the data
+    files by :func:`plan_scheduler`)."""
+    if cfg.dept.variant == "std" or not cfg.data.sources:
+        return []
+    if scheduler is None:
+        scheduler = plan_scheduler(cfg, groups)
+    return [w for w in (sampling_warning(cfg, groups, scheduler), coverage_warning(cfg, scheduler)) if w]
+
+
+def sampling_warning(cfg, groups: int, scheduler=None) -> Optional[str]:
     """Why the configured weighting cannot be the sources' shares, or None. Under DEPT with as
     many sources as groups every source trains every round: ``dept.sampling`` and the weights
     change nothing. Under ``dept.sampling: weights`` with more sources than groups (G > 1):
@@ -98,10 +248,11 @@ def sampling_warning(cfg, groups: int) -> Optional[str]:
     than its weight (the sampler's long-run shares, :data:`SAMPLING_LINE_ROUNDS` rounds, more
     than :data:`SHARE_TOLERANCE` from a weight); with sources tied to groups, a group's sources
     share 1/G whatever their weights. Says what the shares will be and what gives the weights'
-    mix (docs/dept_guide.md §3)."""
+    mix (docs/dept_guide.md §3). ``scheduler``: the run's round plans (None: built here; the
+    sizes play no part under ``weights``)."""
     d, sources = cfg.dept, cfg.data.sources
     K, G = len(sources), groups
-    if d.variant == "std" or d.sampling == "uniform" or K <= 1 or G < 1:
+    if d.variant == "std" or d.sampling in ("uniform", "balanced") or K <= 1 or G < 1:
         return None
     weighted = any(s.weight != 1.0 for s in sources)
     asked = f"dept.sampling: {d.sampling}" + (" and data.sources[].weight" if weighted else "")
@@ -113,25 +264,22 @@ def sampling_warning(cfg, groups: int) -> Optional[str]:
                 f"(docs/dept_guide.md §3)")
     if d.sampling != "weights" or G == 1:
         return None
-    from .config import source_groups
     total = sum(s.weight for s in sources)
     p = [s.weight / total for s in sources]
-    sched = make_scheduler(cfg, G, [1.0] * K, [s.weight for s in sources])
-    owners = source_groups(cfg, G)
-    if owners is None:
-        long_run = sched.shares(0, SAMPLING_LINE_ROUNDS)
-        if max(abs(x - w) for x, w in zip(long_run, p)) <= SHARE_TOLERANCE:
+    sched = scheduler or make_scheduler(cfg, G, [1.0] * K, [s.weight for s in sources])
+    first, counted, _ = _counted_rounds(cfg, sched)
+    if sched.owners is None:
+        if max(abs(x - w) for x, w in zip(expected_shares(sched, first), p)) <= SHARE_TOLERANCE:
             return None
         why = (f"each round draws {G} distinct sources, so a source trains at most 1/{G} ({100.0 / G:.1f} %) of the "
                f"rounds and a heavy source less than its weight (weights: {_percent(sources, p)})")
     else:
-        totals = [sum(w for w, o in zip(p, owners) if o == g) for g in range(G)]
+        totals = [sum(w for w, o in zip(p, sched.owners) if o == g) for g in range(G)]
         if all(abs(t - 1.0 / G) <= 1e-9 for t in totals):
             return None
         why = (f"every group trains one of its own sources each round (data.sources[].group), so each group's "
                f"sources share 1/{G} ({100.0 / G:.1f} %) of the training whatever their weights (theirs add up to "
                f"{', '.join(f'group {g} {100.0 * t:.1f} %' for g, t in enumerate(totals))})")
-    first, counted, _ = _counted_rounds(cfg, sched)
     return (f"config key 'dept.sampling': the weights cannot be the shares here: {why}; this run's round plans "
             f"give {_percent(sources, sched.shares(first, counted))}; the weights are the exact shares under "
             f"dept.variant: std or with one group (docs/dept_guide.md §3)")

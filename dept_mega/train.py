@@ -266,6 +266,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             resumed = loop.checkpointer.load(loop)
             initialised = None
             hooks = getattr(loop, "hooks", None)
+            if getattr(hooks, "scheduler", None) is not None:  # after the resume: the schedule it continues
+                from .parallel.agree import agree_errors
+                from .sampling_plan import check_untrained
+                agree_errors(lambda: check_untrained(cfg, hooks.scheduler), (ConfigError,), session.device)
             if resumed is None and cfg.train.init_from is not None:
                 from .init_from import init_from
                 initialised = init_from(session.trainer, cfg, session.device, hooks)
@@ -295,9 +299,13 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     run_dir = cfg.train.run_dir
     if session.rank == 0:
         from .data.checks import source_warnings
-        from .sampling_plan import sampling_groups, sampling_warning
-        sampling = sampling_warning(cfg, sampling_groups(cfg, session.pg.world_size))
-        for note in [*loop.checkpointer.notes, *([sampling] if sampling else []), *source_warnings(cfg)]:
+        from .sampling_plan import sampling_groups, sampling_warnings
+        from .schedule_warnings import eval_interval_warning
+        # the round plans the run draws (its driver's), as the sampling line counted them
+        sampling = sampling_warnings(cfg, sampling_groups(cfg, session.pg.world_size),
+                                     getattr(loop.hooks, "scheduler", None))
+        for note in [*loop.checkpointer.notes, *sampling, *filter(None, [eval_interval_warning(cfg)]),
+                     *source_warnings(cfg)]:
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go
     dropped = session.writer.resume_at(resumed or 0)

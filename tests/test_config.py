@@ -178,3 +178,31 @@ def test_every_key_with_choices_refuses_another_value_naming_them(key):
     shown = " | ".join("null" if a is None else str(a) for a in CHOICES[key])
     with pytest.raises(ConfigError, match=re.escape(f"config key '{key}': 'not_a_choice' is not one of {shown}")):
         load_config("examples/tiny/std.yaml", [f"{key}=not_a_choice"])
+
+
+def test_errors_say_when_a_key_is_its_default(tmp_path):
+    """A minimal config leaves dept.variant (spec_opt) and dept.local_steps (500) at their
+    defaults: the errors those defaults cause say so; a key the file or an override set is
+    named without the note (docs/config.md holds the defaults)."""
+    p = tmp_path / "min.yaml"
+    p.write_text("data:\n  sources:\n    - {name: en, prefix: x}\ntrain: {steps: 10}\n")
+    msg = _err([], path=p)
+    assert msg == ("config key 'dept.local_steps': train.steps=10 is not a multiple of 500 (the default; a round is "
+                   "dept.local_steps inner steps: set it to a divisor of train.steps) under dept.variant spec_opt (the "
+                   "default; dept.variant: std trains without rounds)"), msg
+    msg = _err(["dept.local_steps=5"], world=1, path=p)
+    assert msg == ("config key 'data.sources[0].tokenizer': spec_opt needs a tokenizer for source 'en' under "
+                   "dept.variant spec_opt (the default; spec_opt gives each source its own data.sources[].tokenizer; "
+                   "glob, trim and spec use one global data.tokenizer)"), msg
+    # set by the user, in the file or by an override: no note
+    assert _err(["dept.local_steps=500"], path=p) == ("config key 'dept.local_steps': train.steps=10 is not a multiple "
+                                                      "of 500 under dept.variant spec_opt (the default; dept.variant: "
+                                                      "std trains without rounds)")
+    p2 = tmp_path / "set.yaml"
+    p2.write_text("dept: {variant: spec_opt, local_steps: 500}\ndata:\n  sources:\n    - {name: en, prefix: x}\n"
+                  "train: {steps: 10}\n")
+    assert _err([], path=p2) == "config key 'dept.local_steps': train.steps=10 is not a multiple of 500"
+    assert _err(["dept.local_steps=5"], world=1, path=p2) == ("config key 'data.sources[0].tokenizer': spec_opt needs "
+                                                              "a tokenizer for source 'en'")
+    # a section set as a whole counts as its keys set
+    assert "(the default" not in _err(["dept={variant: spec_opt, local_steps: 500}"], path=p)

@@ -145,7 +145,8 @@ def test_spec_opt_tables_by_source_and_a_new_source(spec_opt_source, tmp_path):
 
 
 def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
-    """Through dept_mega.train (one round of 2 steps, learning rate 0 so that nothing moves):
+    """Through dept_mega.train (one round of 2 steps, learning rate 0 so that nothing moves;
+    dept.untrained_sources: warn, as the sources that round does not train are the point):
     the sources the new run installed and saved hold the checkpoint's tables, and its log says
     where the weights came from."""
     from dept_mega.checkpoint_format import read_full, saved_keys
@@ -155,7 +156,7 @@ def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
     run = str(tmp_path / "init")
     r = _train_here("--config", cfg_path, "train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0",
                     "train.steps=2", "optim.lr=0", "optim.min_lr=0", f"train.run_dir={run}",
-                    f"train.init_from={src_run}")
+                    f"train.init_from={src_run}", "dept.untrained_sources=warn")
     assert r.returncode == 0, r.stderr
     old = os.path.join(src_run, "checkpoints", "step_4")
     assert f"model weights from {old} (train.init_from)" in r.stdout
@@ -176,6 +177,6 @@ def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
     assert rec == {"init_from": src_run, "checkpoint": os.path.abspath(old)}, rec
     r = _train_here("--config", cfg_path, "train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0",
                     "train.steps=4", "optim.lr=0", "optim.min_lr=0", f"train.run_dir={run}",
-                    f"train.init_from={tmp_path / 'moved'}")
+                    f"train.init_from={tmp_path / 'moved'}", "dept.untrained_sources=warn")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout

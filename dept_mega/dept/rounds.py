@@ -5,8 +5,11 @@ K > G: a seeded sampler draws G distinct sources per round (weighted, without re
 Sources that belong to groups (``owners``: ``data.sources[].group``, and federation with K > G,
 where a source's data stays at its site): each group draws one of its own sources, weighted
 among them, and a source never moves.
-The draw depends only on (seed, round), so every rank computes the same plan without any
-communication, and a resumed run replays the same history.
+``balanced`` (K > G): each round takes the G sources (with owners: each group its own source)
+trained the fewest rounds so far, ties broken by a seeded shuffle: shuffled cycles without
+replacement, every source trained once before any is trained again.
+The draw depends only on (seed, round) and the plan history before it, so every rank computes
+the same plan without any communication, and a resumed run replays the same history.
 
 The plan history also gives every source's data position: the inner steps it has been trained
 so far, by any group (:meth:`RoundScheduler.steps_trained`). The loop positions a source's
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,15 @@ def draw_without_replacement(weights: Sequence[float], count: int, rng: random.R
     return chosen
 
 
+def least_trained(candidates: Iterable[int], count: int, rounds_before: Sequence[int],
+                  rng: random.Random) -> list[int]:
+    """``count`` of ``candidates`` with the fewest rounds so far (``rounds_before``), ties in a
+    random order from ``rng``: applied round after round, a source is taken again only once
+    every candidate has been taken as often (shuffled cycles without replacement)."""
+    ties = {k: rng.random() for k in candidates}
+    return sorted(ties, key=lambda k: (rounds_before[k], ties[k]))[:count]
+
+
 class RoundScheduler:
     """Round plans for ``num_sources`` sources over ``num_groups`` groups."""
 
@@ -101,7 +113,10 @@ class RoundScheduler:
         sizes = list(sizes) if sizes is not None else [1.0] * num_sources
         if len(sizes) != num_sources:
             raise ValueError(f"got {len(sizes)} source sizes for {num_sources} sources")
-        self.weights = sampling_weights(sizes, sampling, temperature, weights)
+        #: balanced: fewest rounds first, ties shuffled (the weights are uniform: sizes and
+        #: weights play no part)
+        self.balanced = sampling == "balanced"
+        self.weights = sampling_weights(sizes, "uniform" if self.balanced else sampling, temperature, weights)
         self.owners: Optional[list[int]] = None
         if owners is not None:
             self.owners = [int(g) for g in owners]
@@ -139,18 +154,23 @@ class RoundScheduler:
     def fixed(self) -> bool:
         return self.num_sources == self.num_groups and self.owners is None
 
-    def _draw(self, round_index: int, last_group: list[Optional[int]]) -> tuple[int, ...]:
+    def _draw(self, round_index: int, last_group: list[Optional[int]], before: list[int]) -> tuple[int, ...]:
         G = self.num_groups
         if self.fixed:
             return tuple(range(G))
-        if self.owners is not None:  # group g: one of its own sources, ∝ their weights
+        if self.owners is not None:  # group g: one of its own sources, ∝ their weights (or the least trained)
             rng = _round_rng(self.seed, round_index)
             out = []
             for g in range(G):
                 own = [k for k, o in enumerate(self.owners) if o == g]
-                out.append(own[draw_without_replacement([self.weights[k] for k in own], 1, rng)[0]])
+                if self.balanced:
+                    out.append(least_trained(own, 1, before, rng)[0])
+                else:
+                    out.append(own[draw_without_replacement([self.weights[k] for k in own], 1, rng)[0]])
             return tuple(out)
-        drawn = draw_without_replacement(self.weights, G, _round_rng(self.seed, round_index))
+        rng = _round_rng(self.seed, round_index)
+        drawn = (least_trained(range(self.num_sources), G, before, rng) if self.balanced
+                 else draw_without_replacement(self.weights, G, rng))
         slots: list[Optional[int]] = [None] * G
         rest = []
         for k in drawn:  # a source drawn again stays where it was when it can
@@ -182,7 +202,7 @@ class RoundScheduler:
                 for g, k in enumerate(self._plans[-1].sources):
                     last[k] = g
                     before[k] += 1
-            sources = self._draw(r, last)
+            sources = self._draw(r, last, before)
             moves = tuple(Move(k, last[k], g) for g, k in enumerate(sources)
                           if last[k] is not None and last[k] != g)
             self._plans.append(RoundPlan(r, sources, moves, tuple(last), tuple(before)))

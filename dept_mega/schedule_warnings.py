@@ -1,0 +1,31 @@
+"""Warnings about how a DEPT run's intervals line up with its rounds, for ``--check`` and the
+start-up log (docs/dept.md, "Evaluation")."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def eval_interval_warning(cfg) -> Optional[str]:
+    """Under a DEPT variant, an evaluation at a step that is not a multiple of
+    ``dept.local_steps`` runs in the middle of a round, before its outer sync: the record (rank
+    0's, so group 0's) is of group 0's locally trained body with each source's embeddings as the
+    variant holds them then (SPEC / SPEC-OPT, TRIM: as trained so far by the group that trains
+    the source this round), a combination no group trained and no checkpoint holds. None when
+    every evaluation before the last step falls on a round's end (``train.eval_interval`` a
+    multiple of ``dept.local_steps``, 0, or not below ``train.steps``)."""
+    d, t = cfg.dept, cfg.train
+    E, L = t.eval_interval, d.local_steps
+    if d.variant == "std" or not E or E % L == 0 or E >= t.steps:
+        return None
+    if d.variant in ("spec", "spec_opt", "trim"):
+        embs = ("and each source's embeddings copied from the group that trains it this round (as trained so far; "
+                "a source no group trains: its last stored ones)" if d.variant != "trim" else
+                "and, for a source some group trains this round, that group's compact table as trained so far")
+        what = f"group 0's body {embs}: a body and embeddings that never trained together"
+    else:
+        what = "group 0's body and embeddings, trained this round on group 0's source only"
+    return (f"config key 'train.eval_interval': {E} is not a multiple of dept.local_steps={L}: the evaluations at "
+            f"steps such as {E} fall inside a round, before its outer sync, so their numbers are those of {what}, "
+            f"not of the synchronised model (only evaluations at round ends, steps that are multiples of {L}, and the "
+            f"final one evaluate that); set train.eval_interval to a multiple of {L} to compare evaluations across "
+            f"a run (docs/dept.md, Evaluation)")
