@@ -63,6 +63,25 @@ def test_workers_and_partitions_give_identical_files(tmp_path, tok_model, monkey
     for name in ("w2", "p3", "w2p4"):
         assert outs[name] == outs["w1"], name
     assert not [f for f in os.listdir(tmp_path) if "_part" in f]  # partitions removed after the merge
+    _check_token_range(str(tmp_path / "p3") + "_text_document", monkeypatch)
+
+
+def _check_token_range(prefix, monkeypatch):
+    """The preprocessing wrote the id range the start-up check reads (data/token_range.py): the
+    .bin's true range, read back without a pass over the .bin; the data rewritten, the cache is
+    stale and the range is computed again."""
+    import dept_mega.data.token_range as tr
+    tokens = np.asarray(IndexedDataset(prefix).tokens)
+    want = (int(tokens.min()), int(tokens.max()))
+    assert json.load(open(prefix + ".token_range.json"))["min"] == want[0]
+    with monkeypatch.context() as m:
+        m.setattr(tr, "IndexedDataset", lambda p: pytest.fail("the .bin was read again"))
+        assert tr.token_id_range(prefix) == want
+    os.utime(prefix + ".bin", ns=(1, 1))  # another .bin (its modification time)
+    calls = []
+    real = tr.IndexedDataset
+    monkeypatch.setattr(tr, "IndexedDataset", lambda p: calls.append(p) or real(p))
+    assert tr.token_id_range(prefix) == want and calls == [prefix]
 
 
 def test_partition_ranges_cover_input_at_line_starts(tmp_path):

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
               f"{st.text_bytes} text bytes in {st.seconds:.2f}s ({st.documents / el:.0f} docs/s, "
               f"{st.tokens / el:.0f} tokens/s)", file=sys.stderr)
         for out, rt in zip(st.outputs, st.round_trip):
-            print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json", file=sys.stderr)
+            print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json, "
+                  f"{out}.token_range.json", file=sys.stderr)
             print(round_trip_line(out, rt, args.round_trip_every), file=sys.stderr)
     if st.report.total:  # also with --quiet: input left out of the data is never silent
         print(f"[preprocess] input problems: {st.report.skipped} of {st.lines} lines skipped (counts recorded in "

@@ -5,7 +5,7 @@ Data tokenized with one tokenizer and a config naming another gives no error fur
 past the vocabulary become zero rows under tensor parallelism or index past the table (an
 ``IndexError``, a device-side assert on a GPU), and ids in the padded rows make the steps
 non-finite. The largest id is computed once per data file and cached beside it
-(:func:`dept_mega.data.sources.token_id_range`). A tokenizer of the same size or larger is
+(:func:`dept_mega.data.token_range.token_id_range`). A tokenizer of the same size or larger is
 caught only where the data says which tokenizer made it (``PREFIX.tokenizer.json``, written by
 tools/preprocess_data.py): its checksum must be the configured tokenizer's.
 """
@@ -17,7 +17,8 @@ from typing import Optional
 
 from dept_mega.config import Config, ConfigError
 from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_path, tokenizer_record_path
-from dept_mega.data.sources import naming_source, token_id_range
+from dept_mega.data.sources import naming_source
+from dept_mega.data.token_range import token_id_range
 
 
 def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:

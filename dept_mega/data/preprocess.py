@@ -35,6 +35,7 @@ from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check
 from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
                                     optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
+from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
 BATCH_LINES = 512
@@ -87,6 +88,9 @@ class PreprocessStats:
     outputs: list[str] = field(default_factory=list)
     # per key (in --json-keys order): the documents that do not round-trip
     round_trip: list[RoundTrip] = field(default_factory=list)
+    # per key: the smallest and largest token id written ((0, -1): none), cached beside the data
+    # (data/token_range.py) so that the start-up check need not read the .bin again
+    id_range: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -405,7 +409,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                               f"or special_tokens_map.json beside its tokenizer.json)")
     dtype = optimal_dtype(tok.vocab_size)
     stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs),
-                            round_trip=[RoundTrip() for _ in keys])
+                            round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
     for final in finals:  # a rerun into the same prefix: the old record must not outlive a failed run's data
@@ -456,6 +460,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
         _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
                                 stats.round_trip[k], round_trip_every, source)
+        record_token_range(final, *stats.id_range[k])
     stats.outputs = finals
     return stats
 
@@ -484,6 +489,10 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         stats.input_bytes += disk
         for k, b in enumerate(builders):
             b.add_documents(result.tokens[k], result.lengths[k], result.nbytes[k])
+            if result.tokens[k].size:
+                lo, hi = int(result.tokens[k].min()), int(result.tokens[k].max())
+                was = stats.id_range[k]
+                stats.id_range[k] = (lo, hi) if was[1] < was[0] else (min(was[0], lo), max(was[1], hi))
         stats.documents += len(result.lengths[0])
         stats.tokens += int(result.lengths[0].sum())
         stats.text_bytes += int(result.nbytes[0].sum())

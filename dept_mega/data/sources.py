@@ -11,8 +11,6 @@ iterator to the source's position from the round plan at every round start
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 import warnings
@@ -24,7 +22,8 @@ import torch
 
 from dept_mega.data.gpt_dataset import GPTDataset
 from dept_mega.config import ConfigError
-from dept_mega.data.indexed import IndexedDataset, IndexedFormatError, bin_path, idx_path
+from dept_mega.data.indexed import IndexedDataset, IndexedFormatError, bin_path
+from dept_mega.data.token_range import data_key as _data_key
 
 SAMPLINGS = ("uniform", "proportional", "temperature", "weights")
 
@@ -262,14 +261,6 @@ class ValidationBatches:
 # ---------------------------------------------------------------------------- vocabulary sets
 
 
-def _data_key(prefix: str) -> str:
-    parts = []
-    for path in (idx_path(prefix), bin_path(prefix)):
-        st = os.stat(path)
-        parts.append([st.st_size, st.st_mtime_ns])
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
-
-
 def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24) -> np.ndarray:
     """How often each token id occurs in ``PREFIX.bin`` (bincount in chunks, so memory stays
     bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir``),
@@ -306,38 +297,6 @@ def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int
     except OSError as exc:
         warnings.warn(f"could not cache token counts at {path}: {exc}")
     return counts
-
-
-def token_id_range(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24) -> tuple[int, int]:
-    """(smallest, largest) token id in ``PREFIX.bin`` ((0, -1) for no tokens), computed in
-    chunks once and cached as ``<name>.token_range.json`` beside the data (or in
-    ``cache_dir``), keyed like the token counts by the files' sizes and modification times."""
-    cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
-    path = os.path.join(cache_dir, os.path.basename(prefix) + ".token_range.json")
-    key = _data_key(prefix)
-    try:
-        with open(path, encoding="utf-8") as f:
-            cached = json.load(f)
-        if cached.get("key") == key:
-            return int(cached["min"]), int(cached["max"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # missing or unreadable: recompute
-    tokens = IndexedDataset(prefix).tokens
-    lo, hi = 0, -1
-    for start in range(0, len(tokens), chunk_tokens):
-        chunk = np.asarray(tokens[start:start + chunk_tokens])
-        if chunk.size:
-            c_lo, c_hi = int(chunk.min()), int(chunk.max())
-            lo, hi = (c_lo, c_hi) if hi < lo else (min(lo, c_lo), max(hi, c_hi))
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=cache_dir)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"key": key, "min": lo, "max": hi}, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        warnings.warn(f"could not cache the token id range at {path}: {exc}")
-    return lo, hi
 
 
 def vocab_set(prefix: str, cache_dir: Optional[str] = None) -> np.ndarray:
