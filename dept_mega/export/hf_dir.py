@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -194,6 +194,7 @@ def tokenizer_files(path: str) -> list[str]:
             os.path.isfile(os.path.join(path, f))]
 
 
-def describe_weights(d: HFDirectory) -> Optional[str]:
+def describe_weights(d: HFDirectory) -> str:
+    """``model.safetensors (291 tensors, bfloat16)``: the weight file read, for the record."""
     dtypes = sorted({str(d.dtype(n)).replace("torch.", "") for n in d.names()})
     return f"{d.weight_file} ({len(d.names())} tensors, {'/'.join(dtypes)})"
