@@ -2,7 +2,8 @@
 
 * :func:`prepare_run_dir`: ``train.run_dir`` must be a directory (created if missing) in which
   ``checkpoints/`` can be written — checked with a real file before step 1, not at the first
-  save. Failures are one :class:`ConfigError` naming ``train.run_dir``.
+  save — and not a directory of imported weights (:data:`IMPORTED`). Failures are one
+  :class:`ConfigError` naming ``train.run_dir``.
 * :class:`RunLock`: global rank 0 takes an exclusive ``fcntl.flock`` on ``RUN/.lock`` for the
   life of the job and writes its host and pid into it; a second job on the same directory is
   refused in one line that names them. Every rank of the job also holds a *shared* lock on
@@ -29,6 +30,9 @@ from .config import ConfigError
 from .resume import CKPT_DIR
 
 LOCK_FILE = ".lock"
+#: ``RUN/hf_import.json``: the directory holds weights imported by tools/convert_from_hf.py (a
+#: checkpoint to start runs from with ``train.init_from``, never a run that trains on)
+IMPORTED = "hf_import.json"
 WORKERS_FILE = ".lock.workers"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
@@ -38,6 +42,10 @@ def prepare_run_dir(run_dir: str) -> None:
     key = "config key 'train.run_dir'"
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"{key}: {run_dir} exists and is not a directory")
+    if os.path.isfile(os.path.join(run_dir, IMPORTED)):
+        raise ConfigError(f"{key}: {run_dir} holds weights imported by tools/convert_from_hf.py ({IMPORTED}), a "
+                          f"checkpoint to start from, not a run to continue: set train.init_from: {run_dir} and "
+                          f"another train.run_dir")
     ckdir = os.path.join(run_dir, CKPT_DIR)
     try:
         os.makedirs(ckdir, exist_ok=True)

@@ -76,34 +76,38 @@ def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
     raise ExportError(f"no source named {source!r} in data.sources")
 
 
-def _replace_dir(tmp: str, output: str) -> None:
+def replace_dir(tmp: str, output: str) -> None:
+    """``output`` := the finished directory ``tmp`` (an earlier one removed first)."""
     if os.path.exists(output):
         shutil.rmtree(output)
     os.replace(tmp, output)
 
 
-def check_output(output: str, overwrite: bool = False) -> bool:
+def check_output(output: str, overwrite: bool = False, marker: str = MARKER, flag: str = "--output",
+                 what: str = "export") -> bool:
     """Whether ``output`` holds an earlier export that this one replaces (``overwrite``); an
     ExportError for anything else there: a file, a directory with other contents (never
     removed), or an earlier export without ``overwrite``; also a symbolic link (replacing it
-    would replace the link, not the folder it names) and a path under a file."""
+    would replace the link, not the folder it names) and a path under a file. ``marker``,
+    ``flag``, ``what``: the file that marks an earlier one, the option naming ``output`` and
+    what it is (the import, ``tools/convert_from_hf.py``, writes run directories)."""
     output = output.rstrip(os.sep) or os.sep  # "link/" would follow the link
     if os.path.islink(output):
-        raise ExportError(f"--output {output} is a symbolic link; give the directory it names")
+        raise ExportError(f"{flag} {output} is a symbolic link; give the directory it names")
     if os.path.exists(output) and not os.path.isdir(output):
-        raise ExportError(f"--output {output} exists and is not a directory")
+        raise ExportError(f"{flag} {output} exists and is not a directory")
     parent = os.path.dirname(os.path.abspath(output))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ExportError(f"--output {output}: {parent} is a file, not a directory")
+        raise ExportError(f"{flag} {output}: {parent} is a file, not a directory")
     if not os.path.isdir(output) or not os.listdir(output):
         return False
-    if not os.path.exists(os.path.join(output, MARKER)):
-        raise ExportError(f"--output {output} exists, is not empty and is not an earlier export (no {MARKER}); "
+    if not os.path.exists(os.path.join(output, marker)):
+        raise ExportError(f"{flag} {output} exists, is not empty and is not an earlier {what} (no {marker}); "
                           f"choose a new directory")
     if not overwrite:
-        raise ExportError(f"--output {output} holds an earlier export ({MARKER}); pass --overwrite to replace it, "
+        raise ExportError(f"{flag} {output} holds an earlier {what} ({marker}); pass --overwrite to replace it, "
                           f"or choose a new directory")
     return True
 
@@ -153,7 +157,7 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
             info["tokenizer_differs"] = differs
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
-        _replace_dir(tmp, output)
+        replace_dir(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported {source!r} ({info['from']}) as {arch} ({info['parameters']:,} parameters, vocabulary "
