@@ -137,6 +137,16 @@ class Checkpointer:
         # rather than restored (load_weights' notes); the launch logs them
         self.notes: list[str] = []
         self._tokenizer_digests: dict = {}
+        self._opened: Optional[dict] = None  # the tokenizers' and data's identity as this launch read them
+
+    def depends(self, cfg) -> dict:
+        """``depends.json``'s content: the config values, and the tokenizers' and data's identity
+        as this launch first read them (at its :meth:`load`): files replaced while it runs are not
+        what its data positions index, so a later save must not record them."""
+        now = fingerprint(cfg, self._tokenizer_digests)
+        if self._opened is None:
+            self._opened = {k: now[k] for k in ("tokenizers", "data")}
+        return {**now, **self._opened}
 
     def save(self, loop) -> str:
         """Write checkpoint ``step_N`` of the loop's current step. With ``train.async_save`` the
@@ -210,7 +220,7 @@ class Checkpointer:
         if fp8 is not None:
             layout[FP8_FLAG] = True
         out = {"step": step, "final": final, "layout": layout, "state": state, "device": trainer.device,
-               "depends": fingerprint(trainer.cfg, self._tokenizer_digests),
+               "depends": self.depends(trainer.cfg),
                "config": config_text(trainer.cfg),
                "keep": int(trainer.cfg.train.keep_checkpoints),
                "rng": tracker.state_dict() if tracker is not None and pg.dp_rank == 0 and pg.group_index == 0
@@ -337,6 +347,7 @@ class Checkpointer:
         the ones passed over are in ``self.notes``) into the loop's trainer and iterators;
         returns the step loaded or None when there is no checkpoint."""
         self.wait()
+        self.depends(loop.trainer.cfg)  # the files as this launch opens them (what its saves record)
         sel = select_checkpoint(self.run_dir, loop.trainer.device, step)
         self.notes = sel.notes
         if sel.step is None:

@@ -196,6 +196,7 @@ def sampling_of(cfg: Config, hooks, data: RunData) -> str:
 def describe(session: Session, label: Optional[str] = None) -> str:
     """The launch's summary lines; ``label`` replaces the first words (``dept_mega: VARIANT``:
     ``dept_mega.adapt`` says what it trains instead)."""
+    from .export.hf_mapping import export_line
     from .model.gpt import describe_backends
     from .ops import describe as describe_ops
     cfg, pg = session.cfg, session.pg
@@ -207,7 +208,8 @@ def describe(session: Session, label: Optional[str] = None) -> str:
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
             f"{session.trainer.precision.describe()} | device {session.device}\n"
-            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}"
+            f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}\n"
+            f"{export_line(cfg.model)}"
             + (f"\n{session.sampling}" if session.sampling else ""))
 
 
@@ -260,6 +262,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
             # before any heavy work: the run directory is usable and no other job holds it
             lock = take_run_dir(run_dir, rank, device, check=lambda: validate(cfg, world))
+            from .resume import CKPT_DIR
+            if (cfg.dept.variant in ("spec", "spec_opt") and cfg.dept.untrained_sources == "error"
+                    and not os.path.exists(os.path.join(run_dir, CKPT_DIR, "latest"))):
+                # a fresh run whose plans leave a SPEC source untrained: refused before the session
+                # (its metrics writer starts tb/ and a W&B run); a resume is checked after its load,
+                # against the schedule it continues (rebased on another number of groups)
+                from .parallel.agree import agree_errors
+                from .sampling_plan import check_untrained, plan_scheduler, sampling_groups
+                agree_errors(lambda: check_untrained(cfg, plan_scheduler(cfg, sampling_groups(cfg, world))),
+                             (ConfigError,), device)
             session = build_session(cfg)
             loop = session.loop
             loop.launched_at = launched_at

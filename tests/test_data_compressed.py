@@ -78,6 +78,13 @@ def test_zstd_without_its_module_is_one_error_naming_the_file(tmp_path, tok_mode
     src = tmp_path / "c.jsonl.zst"
     src.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 64)
     assert compression_of(str(src)) == "zstd"
+    skippable = tmp_path / "p.zst"  # pzstd's output starts with a skippable frame (magic 0x184D2A5?)
+    for first in (0x50, 0x5F):
+        skippable.write_bytes(bytes([first]) + b"\x2a\x4d\x18" + b"\x04\x00\x00\x00" + b"\x00" * 4
+                              + b"\x28\xb5\x2f\xfd")
+        assert compression_of(str(skippable)) == "zstd"
+    skippable.write_bytes(b"\x60\x2a\x4d\x18{}")
+    assert compression_of(str(skippable)) is None
     for name, value in NO_ZSTD.items():
         monkeypatch.setitem(sys.modules, name, value)
     with pytest.raises(PreprocessError) as exc:

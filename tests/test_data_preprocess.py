@@ -77,6 +77,9 @@ def _check_token_range(prefix, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(tr, "IndexedDataset", lambda p: pytest.fail("the .bin was read again"))
         assert tr.token_id_range(prefix) == want
+    with monkeypatch.context() as m:  # with data.cache_dir (a read-only data folder): still read beside the data
+        m.setattr(tr, "IndexedDataset", lambda p: pytest.fail("the .bin was read again"))
+        assert tr.token_id_range(prefix, os.path.join(os.path.dirname(prefix), "cache")) == want
     os.utime(prefix + ".bin", ns=(1, 1))  # another .bin (its modification time)
     calls = []
     real = tr.IndexedDataset

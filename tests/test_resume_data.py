@@ -181,3 +181,22 @@ def test_fingerprint_records_split_seed_and_sources(tmp_path):
                           train=SimpleNamespace(seed=7))
     fp = data_fingerprint(cfg)
     assert fp == {"data.split": "95,5", "train.seed": 7, "sources": {"a": {"prefix": a, "identity": source_identity(a)}}}
+
+
+def test_every_save_of_a_launch_records_the_data_it_opened(tmp_path, monkeypatch):
+    """A source's files replaced while a launch runs (its readers keep the old mapping): the
+    launch's later checkpoints still record the data it opened, so a resume on the new files is
+    refused (train.allow_data_change) rather than taken for the data the positions index."""
+    from dept_mega.checkpoint import Checkpointer
+    a = write_docs(str(tmp_path / "a"), _docs(10, 0))
+    cfg = SimpleNamespace(data=SimpleNamespace(split="95,5", sources=[SimpleNamespace(name="a", prefix=a)],
+                                               tokenizer=None),
+                          train=SimpleNamespace(seed=7), dept=SimpleNamespace(variant="std"))
+    monkeypatch.setattr("dept_mega.checkpoint.fingerprint",
+                        lambda c, cache=None: {"config": {"x": 1}, "tokenizers": {}, "data": data_fingerprint(c)})
+    ckpt = Checkpointer(str(tmp_path / "run"))
+    opened = ckpt.depends(cfg)
+    write_docs(a, _docs(10, 1))  # replaced in place
+    assert source_identity(a) != opened["data"]["sources"]["a"]["identity"]
+    assert ckpt.depends(cfg) == opened
+    assert Checkpointer(str(tmp_path / "run")).depends(cfg)["data"] != opened["data"]  # the next launch: the new files

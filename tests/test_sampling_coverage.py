@@ -184,7 +184,8 @@ def test_spec_is_refused_by_check_and_launch_before_training(tmp_path):
     assert run.returncode == 2 and run.stderr == check.stderr, run.stderr[-2000:]
     run_dir = yaml.safe_load(open(cfg))["train"]["run_dir"]
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    assert not os.path.exists(metrics) or '"train"' not in open(metrics).read()  # refused before any step
+    # a fresh run: refused before its session (no metrics writer: no metrics.jsonl, tb/ or W&B run)
+    assert not os.path.exists(metrics) and not os.path.exists(os.path.join(run_dir, "tb"))
     assert not glob.glob(os.path.join(run_dir, "checkpoints", "step_*"))
     asked = _train_here("--config", cfg, *over, "dept.untrained_sources=warn", "--check", "--world-size", "1")
     assert asked.returncode == 0 and f"train {missing} in no round" in asked.stderr, asked.stderr

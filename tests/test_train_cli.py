@@ -75,6 +75,7 @@ def trained(tmp_path_factory):
     cfg = _setup(tmp)
     first = _train_here("--config", cfg)
     assert first.returncode == 0, first.stderr
+    assert "\nexport to Hugging Face: " in first.stdout  # a launch's summary says it, not only --check
     assert os.path.isdir(os.path.join(str(tmp / "run"), "checkpoints", "step_4")), os.listdir(tmp / "run")
     return cfg, str(tmp / "run")
 

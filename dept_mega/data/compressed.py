@@ -31,7 +31,11 @@ def compression_of(path: str) -> Optional[str]:
     """``gzip`` / ``zstd`` / ``bzip2`` / ``xz`` from the file's first bytes, None for anything else."""
     with open(path, "rb") as f:
         head = f.read(6)
-    return next((name for name, magic in MAGICS if head.startswith(magic)), None)
+    kind = next((name for name, magic in MAGICS if head.startswith(magic)), None)
+    # a zstd skippable frame first (pzstd writes one before each frame): magic 0x184D2A50-5F, little-endian
+    if kind is None and len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":
+        kind = "zstd"
+    return kind
 
 
 def _decompressor(kind: str, raw: BinaryIO, path: str) -> BinaryIO:

@@ -49,16 +49,19 @@ def record_token_range(prefix: str, lo: int, hi: int, cache_dir: Optional[str] =
 
 def token_id_range(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24) -> tuple[int, int]:
     """(smallest, largest) token id in ``PREFIX.bin`` ((0, -1) for no tokens): the cached range
-    when it is valid for the data as it is now (:func:`data_key`), else computed in chunks and
-    cached (beside the data, or in ``cache_dir``)."""
-    path = _range_path(prefix, cache_dir)
-    try:
-        with open(path, encoding="utf-8") as f:
-            cached = json.load(f)
-        if cached.get("key") == data_key(prefix):
-            return int(cached["min"]), int(cached["max"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # missing or unreadable: recompute
+    when it is valid for the data as it is now (:func:`data_key`), beside the data or in
+    ``cache_dir``, else computed in chunks and cached (in ``cache_dir`` when given: the data's
+    folder may be read-only)."""
+    key = data_key(prefix)
+    # beside the data (where the preprocessing writes it) first, then under cache_dir
+    for path in dict.fromkeys((_range_path(prefix, None), _range_path(prefix, cache_dir))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                cached = json.load(f)
+            if cached.get("key") == key:
+                return int(cached["min"]), int(cached["max"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # missing or unreadable: the next place, or recompute
     tokens = IndexedDataset(prefix).tokens
     lo, hi = 0, -1
     for start in range(0, len(tokens), chunk_tokens):
