@@ -8,6 +8,9 @@
 
 Vocabulary sizes come from the command line when given, else from the config's tokenizers
 (``data.tokenizer``; ``data.sources[i].tokenizer`` for SPEC-OPT), else ``model.vocab_size``.
+A size the config cannot give is assumed, and a note says so: SPEC-OPT's vocabulary is the
+global one for a config of one tokenizer; the global one is the largest source vocabulary for
+a spec_opt config (``vocab.notes`` in the JSON).
 ``--trim-vocab`` is TRIM's mean |V_k|; without it (and without the sources' data files) TRIM
 is shown untrimmed, with a note. ``--groups G`` adds the predicted bytes of one round's outer synchronisation
 per variant (``outer_round_bytes``), summed over ranks as dept_mega/parallel/comm.py counts, and
@@ -47,6 +50,7 @@ from dept_mega.config import ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import train_flops_per_token  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
                                   predict_outer_sync, resolve_vocabs)
+from dept_mega.dept.cost_vocabs import with_defaults  # noqa: E402
 from dept_mega.dept.step_bytes import predict_inner_round_bytes, predict_inner_step_bytes  # noqa: E402
 
 
@@ -73,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compute(args: argparse.Namespace) -> dict:
     cfg = unchecked(load_config(args.config, args.overrides), args.set)
-    vocabs = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
+    # sizes the config cannot give (SPEC-OPT's for a one-tokenizer config, the global one for a
+    # spec_opt config) are assumed, with a note, so the table of every variant prints
+    vocabs = with_defaults(resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab), cfg)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # one group's inner step
     for name, c in variants.items():
@@ -128,7 +134,7 @@ def compute(args: argparse.Namespace) -> dict:
                   "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings, "bias": m.bias},
         "local_steps": cfg.dept.local_steps,
         "vocab": {"global": vocabs.global_vocab, "source_mean": vocabs.mean_source_vocab,
-                  "trim_mean": vocabs.mean_trim_vocab, "origin": vocabs.origin},
+                  "trim_mean": vocabs.mean_trim_vocab, "origin": vocabs.origin, "notes": vocabs.notes},
         "variants": variants,
         **({"memory_notes": notes} if notes else {}),
     }
@@ -214,7 +220,7 @@ def table(result: dict) -> str:
              f"N_local {result['local_steps']}",
              f"{'variant':9} {'vocab':>9} {'embedding':>11} {'total':>11} {'per step':>11} {'per round':>11}",
              "-" * 68]
-    notes = []
+    notes = [f"  {n}" for n in v.get("notes", [])]
     for name, c in result["variants"].items():
         lines.append(f"{name:9} {_fmt(c['vocab']):>9} {_fmt(c['embedding_params']):>11} "
                      f"{_fmt(c['total_params']):>11} {_fmt(c['per_step_comm_params']):>11} "

@@ -86,21 +86,20 @@ def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
     for this run's config, from dept_mega.dept.costs (the same arithmetic as tools/dept_costs.py)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.cost_vocabs import with_defaults
     from dept_mega.dept.costs import predict_costs, resolve_vocabs
 
     cfg = load_config(cfg_path)
     try:
-        v = resolve_vocabs(cfg)
+        # SPEC-OPT's vocabulary = the global one, the global one = the largest source's, where
+        # the config has no such tokenizer (as tools/dept_costs.py)
+        v = with_defaults(resolve_vocabs(cfg), cfg)
     except ConfigError as exc:
         # the run's tokenizers are not reachable from here (runs copied elsewhere, or relative
         # paths read from another directory): leave this one figure out, not the summary
         print(f"warning: {cfg_path}: no sync params/step ({exc})", file=sys.stderr)
         return None
-    sources = v.source_vocabs or None
-    global_vocab = v.global_vocab or (max(sources.values()) if sources else None)
-    if global_vocab is None:
-        return None
-    costs = predict_costs(cfg, global_vocab, sources or [global_vocab], v.trim_vocabs or None)
+    costs = predict_costs(cfg, v.global_vocab, v.source_vocabs, v.trim_vocabs or None)
     return costs[variant]["per_step_comm_params"]
 
 

@@ -15,12 +15,14 @@ class Vocabs:
     ``global_vocab``: the global tokenizer (std, glob, trim, spec). ``source_vocabs``: each
     source's own tokenizer (spec_opt), by source name. ``trim_vocabs``: |V_k| per source,
     the global-tokenizer ids occurring in source k's data (trim). ``None`` = unknown.
+    ``notes``: the sizes :func:`with_defaults` assumed, one sentence each.
     """
 
     global_vocab: Optional[int] = None
     source_vocabs: dict[str, int] = field(default_factory=dict)
     trim_vocabs: dict[str, int] = field(default_factory=dict)
     origin: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def mean_source_vocab(self) -> Optional[float]:
@@ -96,6 +98,34 @@ def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab
         if size is not None and size <= 0:
             raise ConfigError(f"{name} vocabulary size must be > 0, got {size}")
     return v
+
+
+def with_defaults(v: Vocabs, cfg: Config) -> Vocabs:
+    """``v`` with the sizes a config cannot give assumed, each with a note saying so: a config of
+    one tokenizer (std, glob, trim, spec) names no per-source tokenizers, so SPEC-OPT's vocabulary
+    is taken as the global one; a spec_opt config names no global tokenizer, so the global
+    vocabulary (the other variants' table) is taken as the largest source vocabulary. The cost
+    table of every variant then prints for any config; the figures of the config's own variant
+    use only sizes the config gives. Neither size known is a ConfigError."""
+    import dataclasses
+
+    out = dataclasses.replace(v, source_vocabs=dict(v.source_vocabs), origin=dict(v.origin), notes=list(v.notes))
+    if out.global_vocab is None and out.source_vocabs:
+        name, size = max(out.source_vocabs.items(), key=lambda kv: kv[1])
+        out.global_vocab, out.origin["global"] = size, "the largest source vocabulary (assumed)"
+        out.notes.append(f"the config names no global tokenizer (data.tokenizer) or model.vocab_size: the global "
+                         f"vocabulary (std, glob, trim, spec) is taken as the largest source vocabulary, {size} "
+                         f"({name}); pass --global-vocab N for another")
+    if not out.source_vocabs and out.global_vocab is not None:
+        names = [s.name for s in cfg.data.sources] or ["source"]
+        out.source_vocabs = {n: out.global_vocab for n in names}
+        out.origin["source"] = "the global vocabulary (assumed)"
+        out.notes.append(f"the config names no per-source tokenizers (data.sources[i].tokenizer): SPEC-OPT's "
+                         f"vocabulary is taken as the global one, {out.global_vocab}; pass --source-vocab N for another")
+    if out.global_vocab is None:
+        raise ConfigError("no vocabulary size: set data.tokenizer, data.sources[i].tokenizer or model.vocab_size, "
+                          "or pass --global-vocab N")
+    return out
 
 
 def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
