@@ -110,8 +110,8 @@ def test_each_tiny_config_predicts_the_bytes_its_run_records(corpus, tmp_path, m
     """Two groups, two sources, two rounds of one inner step: every ``outer`` record's bytes
     equal the tool's prediction for the config's own variant (``outer_round_bytes`` for the
     categories crossing groups, ``record_bytes`` for dp / tp / pp), GLOB's table from the
-    global tokenizer, TRIM's rows from each source's data; STD records no outer bytes, as the
-    tool predicts."""
+    global tokenizer, TRIM's rows from each source's data. (STD writes no outer record; its
+    prediction has no outer bytes.)"""
     monkeypatch.chdir(ROOT)
     runs = [(name, _overrides(name, str(tmp_path / name))) for name in DEPT]
     run_distributed(_runs, GROUPS, args=(runs,), timeout=280)
