@@ -211,6 +211,10 @@ class TrainConfig:
     seed: int = 1234  #: Seed of the initial weights, data order, dropout and the round sampler.
     run_dir: str = "runs/example"  #: Directory of the run's config, metrics, logs and checkpoints.
     log_interval: int = 10  #: Steps between log lines and train records.
+    #: Each train record also gives the RMS of every transformer block's output over the
+    #: step's tokens (act_rms, act_rms_max; docs/metrics.md), measured only on the steps that
+    #: log and read with the loss: the paper's activation-norm stability comparison.
+    log_activation_norms: bool = False
     eval_interval: int = 500  #: Steps between evaluations on every source (0: only at the end).
     #: Validation global batches per source and evaluation, as Megatron-LM's --eval-iters:
     #: the first eval_iters × global_batch_size sequences of each source's validation part

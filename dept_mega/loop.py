@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import ops
 from .config import Config
-from .metrics import MetricsWriter, ThroughputMeter, human_line, outer_line
+from .metrics import MetricsWriter, ThroughputMeter, activation_fields, human_line, outer_line
 from .preemption import PreemptedWait
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
@@ -279,7 +279,11 @@ class TrainLoop:
                 profiler.before_step(tr.step)
             if t_first is None:
                 t_first = time.time()
-            res = tr.train_step(self.iterator(source).next_step())
+            batch = self.iterator(source).next_step()
+            if cfg.train.log_activation_norms and ((tr.step + 1) % log_every == 0 or tr.step + 1 == total):
+                res = tr.train_step(batch, activation_norms=True)  # a step that logs: measure them
+            else:
+                res = tr.train_step(batch)
             with _paused_if(meter, profiler.starts_or_stops(tr.step, before=False)):  # writing the trace
                 profiler.after_step(tr.step)
             if after_step is not None:
@@ -304,7 +308,8 @@ class TrainLoop:
                                            rec["tflops_per_device"], rec["mfu"], rec.get("mem_peak_gb"),
                                            grad_norm=rec["grad_norm"],
                                            consumed=(rec["consumed_samples"], rec["consumed_tokens"], G),
-                                           loss_window=rec["loss_window"] if window.steps > 1 else None))
+                                           loss_window=rec["loss_window"] if window.steps > 1 else None,
+                                           act_rms_max=rec.get("act_rms_max")))
                 window.start()
             if step % L == 0 or step == total:
                 t0 = time.time()
@@ -425,6 +430,7 @@ class TrainLoop:
     # -- records -------------------------------------------------------------------------
     def _train_record(self, res: StepResult, source: str, window: LossWindow) -> dict[str, Any]:
         G = self.pg.num_groups
+        act = res.act_sums  # the group's activation sums (train.log_activation_norms), or None
         if G == 1:
             losses = [res.loss]
             tokens = [res.tokens]
@@ -432,19 +438,22 @@ class TrainLoop:
             win_sum, win_tokens = window.loss_sum, window.tokens
         else:
             # Five slots per group, filled by the group's first rank (bookkeeping reduction); the
-            # logging window's sums ride along (no reduction of their own).
-            w = 5  # slots per group
+            # logging window's sums ride along (no reduction of their own), and so do the
+            # activation sums when measured (the same step on every rank)
+            w = 5 + (len(act) if act is not None else 0)  # slots per group
             v = torch.zeros(w * G, dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
             if self.pg.rank == self.pg.rank_of(0, 0, 0, self.pg.group_index):
                 g = self.pg.group_index
                 v[w * g:w * g + w] = torch.tensor([res.loss * res.tokens, res.tokens, res.grad_norm,
-                                                   window.loss_sum, window.tokens], dtype=torch.float64)
+                                                   window.loss_sum, window.tokens, *(act or [])], dtype=torch.float64)
             dist.all_reduce(v)
             vals = v.cpu().tolist()
             tokens = [int(vals[w * g + 1]) for g in range(G)]
             losses = [vals[w * g] / max(tokens[g], 1) for g in range(G)]
             norms = [vals[w * g + 2] for g in range(G)]
             win_sum, win_tokens = sum(vals[3::w]), sum(vals[4::w])
+            if act is not None:  # pooled over the groups: every group's tokens
+                act = [sum(vals[w * g + 5 + i] for g in range(G)) for i in range(len(act))]
         total_tokens = sum(tokens)
         loss = sum(l * t for l, t in zip(losses, tokens)) / max(total_tokens, 1)
         assignment = self.assignment or {0: source}
@@ -465,7 +474,8 @@ class TrainLoop:
                 "sources": {str(g): s for g, s in sorted(assignment.items())}, "loss_by_source": by_source,
                 "skipped": int(self.trainer.nonfinite_total),
                 "consumed_samples": self.trainer.consumed_samples,
-                "consumed_tokens": self.trainer.consumed_samples * self.cfg.model.seq_length}
+                "consumed_tokens": self.trainer.consumed_samples * self.cfg.model.seq_length,
+                **(activation_fields(act) if act is not None else {})}
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:

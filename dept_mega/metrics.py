@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
 KINDS = ("train", "eval", "outer", "bench", "membership")
 REQUIRED = {
@@ -212,6 +212,11 @@ def scalars_of(rec: dict[str, Any]) -> dict[str, float]:
         for src, loss in rec["loss_by_source"].items():
             if loss is not None:
                 out[f"train_loss/{src}"] = loss
+        if rec.get("act_rms_max") is not None:
+            out["train/act_rms_max"] = rec["act_rms_max"]
+        for i, rms in enumerate(rec.get("act_rms") or []):
+            if rms is not None:
+                out[f"train/act_rms/{i}"] = rms
     elif rec["kind"] == "eval":
         for src, vals in rec["by_source"].items():
             for key in ("loss", "ppl", "bpb"):
@@ -295,17 +300,20 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
                eta: float, skipped: int = 0, tflops_per_device: Optional[float] = None,
                mfu: Optional[float] = None, mem_peak_gb: Optional[float] = None,
                grad_norm: Optional[float] = None, consumed: Optional[tuple[int, int, int]] = None,
-               loss_window: Optional[float] = None) -> str:
+               loss_window: Optional[float] = None, act_rms_max: Optional[float] = None) -> str:
     """``step 20/100 | loss 5.1234 | window loss 5.2011 | lr 3.000e-04 | grad norm 0.512 |
     consumed 5,120 samples 20,971,520 tokens | 12,345 tok/s | 402.1 TFLOP/s/device | MFU 40.7% |
     mem peak 61.2 GB | elapsed 0:01:02 | eta 0:04:08`` (the window loss, grad norm, consumed,
-    TFLOP/s, MFU and memory parts only where given; a non-finite loss or norm prints as nan).
+    TFLOP/s, MFU and memory parts only where given; a non-finite loss or norm prints as nan;
+    ``| act rms max 1.23`` after the grad norm with ``train.log_activation_norms``).
     ``loss_window``: the mean loss over the logging window (the loop gives it when the window
     holds more than one step). ``consumed``: (samples, tokens, groups) of one source group, said
     to be per group when there are several."""
     extra = f" | skipped {skipped}" if skipped else ""
     window = "" if loss_window is None else f" | window loss {loss_window:.4f}"
     norm = "" if grad_norm is None else f" | grad norm {grad_norm:.3f}"
+    if act_rms_max is not None:
+        norm += f" | act rms max {act_rms_max:.3f}"
     if consumed is not None:
         samples, tokens, groups = consumed
         norm += f" | consumed {samples:,} samples {tokens:,} tokens{' per group' if groups > 1 else ''}"
@@ -318,6 +326,16 @@ def human_line(step: int, total: int, loss: float, lr: float, tokens_per_s: floa
         perf += f" | mem peak {mem_peak_gb:.1f} GB"
     return (f"step {step}/{total} | loss {loss:.4f}{window} | lr {lr:.3e}{norm} | {tokens_per_s:,.0f} tok/s{perf} | "
             f"elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}{extra}")
+
+
+def activation_fields(sums: Sequence[float]) -> dict[str, Any]:
+    """A train record's ``act_rms`` (per transformer block, model order: the RMS of its output
+    over the step's tokens, every group's) and ``act_rms_max`` (the largest; null when a layer
+    is not finite) from ``[sums of squares..., element counts...]`` (model/act_norms.py)."""
+    n = len(sums) // 2
+    rms = [math.sqrt(sums[i] / sums[n + i]) if sums[n + i] > 0 else None for i in range(n)]
+    finite = [r for r in rms if r is not None and math.isfinite(r)]
+    return {"act_rms": rms, "act_rms_max": max(finite) if len(finite) == len(rms) and finite else None}
 
 
 def format_bytes(n: float) -> str:

@@ -22,9 +22,10 @@ the optimizers; DEPT reads and writes weights through :meth:`Trainer.main_params
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from .parallel.groups import ParallelGroups
 from .parallel.pipeline import PipeChannels, ScheduleSpec, check_microbatches, run_forward_backward, \
     run_forward_only
 from .precision import Precision
+
+if TYPE_CHECKING:
+    from .model.act_norms import ActivationSums
 
 BUCKET_ELEMENTS = 25_000_000  # elements per all-reduce bucket of the tied / sequence-parallel gradients
 
@@ -72,6 +76,9 @@ class StepResult:
     lr: float
     loss_sum_by_source: dict[int, float] = field(default_factory=dict)
     tokens_by_source: dict[int, int] = field(default_factory=dict)
+    #: with ``activation_norms``: the group's per-layer sums of squares of the blocks' outputs,
+    #: then their element counts (``model/act_norms.py``; ``rms_of`` gives the RMS); else None
+    act_sums: Optional[list[float]] = None
 
 
 def as_micro_batch(x: Any) -> MicroBatch:
@@ -249,7 +256,11 @@ class Trainer:
         """Loss bookkeeping comes from tensor rank 0 of the last pipeline stage."""
         return self.pg.is_last_stage and self.pg.tp_rank == 0
 
-    def train_step(self, micro_batches: Any) -> StepResult:
+    def train_step(self, micro_batches: Any, activation_norms: bool = False) -> StepResult:
+        """One inner step of the group. ``activation_norms``: also measure the per-layer RMS of
+        the blocks' outputs (``StepResult.act_sums``), read with the loss statistics in the
+        step's one read of the device (the loop asks on the steps that log, with
+        ``train.log_activation_norms``)."""
         mbs = step_micro_batches(micro_batches)
         P, V = self.pg.pp_size, len(self.stages)
         check_microbatches(len(mbs), P, V)
@@ -260,7 +271,13 @@ class Trainer:
         global_tokens = sum(mb.num_targets for mb in mbs) * self.pg.dp_size
         scale = self.precision.loss_scale / global_tokens
         K = self.num_sources
-        stats = torch.zeros(2 + 2 * K, dtype=torch.float64, device=self.device)
+        L = self.cfg.model.num_layers if activation_norms else 0
+        # [loss sum, tokens, loss sums by source, tokens by source, (activation sums)]
+        stats = torch.zeros(2 + 2 * K + 2 * L, dtype=torch.float64, device=self.device)
+        act = None
+        if activation_norms:
+            from .model.act_norms import ActivationSums
+            act = ActivationSums(stats[2 + 2 * K:], L)
 
         def loss_fn(per_token: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
             per_token = per_token.float()
@@ -278,11 +295,11 @@ class Trainer:
         stage_params = [list(st.parameters()) for st in self.stages]
         params = _unique([p for ps in stage_params for p in ps])  # as parameters()
         self._begin_grads(len(mbs), stage_params, params)
-        with fp8_weight_cache(self.stages):  # native FP8: the step's scales; each weight cast once
+        with fp8_weight_cache(self.stages), self._measuring(act):  # native FP8: the step's scales; each weight cast once
             run_forward_backward(self.stages, mbs, self.pg, self.channels, self._spec(mbs),
                                  stage_input=self._stage_input, stage_labels=self._stage_labels, loss_fn=loss_fn)
         if not self._contributes():
-            stats.zero_()
+            stats[:2 + 2 * K].zero_()  # the activation sums: every rank's own layers and shards
         if self.pg.source_group is not None:
             dist.all_reduce(stats, group=self.pg.source_group)  # bookkeeping, not counted
 
@@ -295,7 +312,8 @@ class Trainer:
         # the step's one read of the device: the loss statistics and the gradient norm in one
         # copy, after every kernel of the step up to the optimizer has been launched
         host = torch.cat([stats, self._grad_norm_tensor(params)]).cpu().tolist()
-        stats, norm = host[:-1], host[-1]
+        stats, norm = host[:2 + 2 * K], host[-1]
+        act_sums = host[2 + 2 * K:-1] if activation_norms else None
         loss_sum, tokens = stats[0], int(stats[1])
         loss = loss_sum / max(tokens, 1)
         by_src = {k: stats[2 + k] for k in range(K) if stats[2 + K + k] > 0}
@@ -326,7 +344,22 @@ class Trainer:
                 f"(optim.max_consecutive_nonfinite={self.cfg.optim.max_consecutive_nonfinite}); "
                 f"last at step {self.step}, loss {loss}")
         return StepResult(loss=loss, tokens=tokens, grad_norm=grad_norm, skipped=skipped, lr=lr,
-                          loss_sum_by_source=by_src, tokens_by_source=tok_src)
+                          loss_sum_by_source=by_src, tokens_by_source=tok_src, act_sums=act_sums)
+
+    @contextlib.contextmanager
+    def _measuring(self, act: Optional[ActivationSums]) -> Iterator[None]:
+        """Every chunk's body adds its blocks' outputs to ``act`` inside (nothing when None)."""
+        if act is None:
+            yield
+            return
+        bodies = [st.body for st in self.stages]
+        for body in bodies:
+            body.act_sums = act
+        try:
+            yield
+        finally:
+            for body in bodies:
+                body.act_sums = None
 
     def _tied_duplicates(self) -> frozenset[int]:
         """The last stage's copy of a tied word embedding (PP > 1) is counted on the first stage."""

@@ -5,7 +5,8 @@ norm, read together in one copy after the step's kernels up to the optimizer are
 exist, so this test watches the Python side instead: it counts every read of a tensor's value
 on the host (``item``, ``tolist``, ``cpu``, ``numpy``, ``bool`` / ``int`` / ``float``) made by
 dept_mega code during a TRIM step with attention and hidden dropout (the custom ops' remap and
-gather, the dropout streams' ``fork_device_rng``), and names the call sites. The compiled
+gather, the dropout streams' ``fork_device_rng``), with and without the activation norms, and
+names the call sites. The compiled
 CUDA ops' own C++ is covered by tests/test_ops_gpu.py on a GPU.
 """
 from __future__ import annotations
@@ -47,7 +48,10 @@ def _caller_in_package():
     return None
 
 
-def test_trim_step_with_dropout_reads_no_tensor_outside_the_documented_sites(monkeypatch):
+@pytest.mark.parametrize("activation_norms", [False, True])
+def test_trim_step_with_dropout_reads_no_tensor_outside_the_documented_sites(monkeypatch, activation_norms):
+    """Also a step that measures the activation norms (train.log_activation_norms on a step
+    that logs): they come back in the same read."""
     cfg = tiny_config({"dept": {"variant": "trim"},
                        "model": {"attention_dropout": 0.1, "hidden_dropout": 0.1}})
     sources = source_infos(2, trim=True)
@@ -73,9 +77,10 @@ def test_trim_step_with_dropout_reads_no_tensor_outside_the_documented_sites(mon
 
         monkeypatch.setattr(torch.Tensor, attr, wrapped)
     hooks.before_step(None)
-    trainer.train_step(it.next_step())
+    res = trainer.train_step(it.next_step(), activation_norms=activation_norms)
     hooks.after_step(None)
     monkeypatch.undo()
+    assert (res.act_sums is not None) == activation_norms
 
     assert seen, "the patch saw no read at all (the documented ones must show)"
     from dept_mega.ops import loader

@@ -21,6 +21,7 @@ from ..parallel.te import TEContext, make_recipe
 from .backends import BackendError, Backends, compile_problem, resolve_backends
 from .embeddings import SourceEmbeddings
 from .layers import MLP, Norm, PositionState, SelfAttention
+from .act_norms import ActivationSums
 from .recompute import recompute
 
 
@@ -115,6 +116,8 @@ class TransformerBody(nn.Module):
                                    bias=cfg.norm_bias, device=device, dtype=dtype)
         else:
             self.final_norm = None
+        # set by the trainer on the steps that log activation norms (act_norms.py), else None
+        self.act_sums: Optional[ActivationSums] = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
@@ -126,6 +129,8 @@ class TransformerBody(nn.Module):
                         hidden = recompute(layer, hidden, replay=layer.replay_states())
                     else:
                         hidden = layer(hidden)
+                if self.act_sums is not None:
+                    self.act_sums.add(layer.layer_id, hidden)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         return hidden
