@@ -1,4 +1,5 @@
 """tools/study.py: grid expansion at equal compute, resumable scheduling, the report."""
+import importlib.util
 import json
 import math
 import os
@@ -288,6 +289,20 @@ def test_report_notes_validation_text_that_differs(tmp_path):
     assert next(r for r in data["runs"] if r["name"] == "spec_opt")["gain_vs_best_std_pct"] is None
     md = render_markdown(data)
     assert "| spec_opt | 1 | 0.9000 | 1.0000 | 0.9500 | – |" in md
+    if importlib.util.find_spec("matplotlib"):  # bpb.png marks the row too
+        import matplotlib.pyplot as plt
+        from dept_mega.study import figures
+        labels, real_bar = [], plt.Axes.bar
+
+        def bar(self, *args, label=None, hatch=None, **kw):
+            labels.append((label, hatch))
+            return real_bar(self, *args, label=label, hatch=hatch, **kw)
+        plt.Axes.bar = bar
+        try:
+            figures.plot(data, str(tmp_path))
+        finally:
+            plt.Axes.bar = real_bar
+        assert ("spec_opt (n=1; other text)", "xx") in labels and ("glob (n=1)", None) in labels
     assert "| glob | 1 | 0.9000 | 1.0000 | 0.9500 | +9.5 % |" in md
     assert "fr: std, glob 3,571 bytes; spec_opt 3,781 bytes" in md
     assert " spec_opt read other text than the reference (std)" in md and "std, glob read other" not in md
@@ -313,7 +328,7 @@ def test_eval_whole_reads_every_part_whole(tmp_path):
     """``eval_whole: true`` sets train.eval_samples above any part's size for every run (the
     evaluation reads min(eval_samples, the part's samples)); a grid that also sets it is refused."""
     study = load_study(_grid(tmp_path, eval_whole=True))
-    assert study.eval_whole
+    assert study.eval_whole and "every run reads every validation part whole (eval_whole: true)" in describe(study)
     assert all(run_config(".", r, "x").train.eval_samples == WHOLE_PART for r in study.runs)
     assert all(sum(o.startswith("train.eval_samples=") for o in r.overrides) == 1 for r in study.runs)
     with pytest.raises(GridError, match="'eval_whole: true' sets train.eval_samples itself"):

@@ -1,5 +1,6 @@
 """The study's figures (matplotlib) from :func:`report.summary`'s numbers: ``bpb.png`` (one bar
-per row, ± sd over its seeds), ``curves.png`` (one line per run; evaluations inside a round as
+per row, ± sd over its seeds; hatched where the row read other validation text than the
+reference), ``curves.png`` (one line per run; evaluations inside a round as
 unjoined × marks) and ``bytes.png`` (cross-group bytes per inner step)."""
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def plot(data: dict[str, Any], out_dir: str) -> list[str]:
     for i, r in enumerate(rows):
         vals = [_nan(r["by_source"].get(s, {}).get("bpb")) for s in sources] + [_nan(r["mean_bpb"])]
         sds = [r["by_source"].get(s, {}).get("bpb_sd") or 0.0 for s in sources] + [r["mean_bpb_sd"] or 0.0]
+        other = r.get("eval_text") == "other"  # not the reference's validation text (results.md's note)
         ax.bar([c + (i - (len(rows) - 1) / 2) * width for c in range(len(cats))], vals, width,
-               yerr=sds if r["n"] > 1 else None, capsize=2, label=f"{r['label']} (n={r['n']})")
+               yerr=sds if r["n"] > 1 else None, capsize=2, hatch="xx" if other else None,
+               label=f"{r['label']} (n={r['n']}" + ("; other text" if other else "") + ")")
     ax.set_xticks(range(len(cats)), cats)
     ax.set_ylabel("validation bits per byte")
     ax.set_title("Validation BPB per source (lower is better; bars: ± sd over seeds)")

@@ -382,6 +382,8 @@ def describe(study: Study) -> str:
     for r in study.runs:
         extra = f"  {json.dumps(r.settings, default=str)}" if r.settings else ""
         lines.append(f"  {r.name:<28} {r.variant:<9} {r.nproc} process(es){extra}")
+    if study.eval_whole:
+        lines.append("every run reads every validation part whole (eval_whole: true)")
     note = compute_note(study)
     if note:
         lines.append(f"warning: {note}")
