@@ -8,11 +8,11 @@ from dept_mega.config import load_config, save_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int]) -> None:
+def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int], dtype: str = "fp32") -> None:
     d.mkdir()
     cfg = load_config(None, [f"dept.variant={variant}", "model.vocab_size=300", "model.num_layers=2",
                              "model.hidden_size=32", "model.num_attention_heads=4",
-                             "dept.local_steps=5", "train.steps=10"])
+                             "dept.local_steps=5", "train.steps=10", f"dept.outer_comm_dtype={dtype}"])
     save_config(cfg, d / "config.yaml")
     recs = [{"kind": "train", "step": 10, "round": 1, "time": 0, "loss": 3.0, "tokens": 64}]
     recs += [{"kind": "outer", "step": 5 * (i + 1), "round": i, "time": 0,
@@ -31,10 +31,30 @@ def test_summary_table_and_json(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
     assert lines["mean"] == ["2.5000", "1.5000"]
-    assert lines["outer_body/round"] == ["-", "2.00", "KB"]
+    # decimal units, spelt as everywhere else (dept_mega.metrics.format_bytes: kB = 1000 bytes)
+    assert lines["outer_body/round"] == ["-", "2.00", "kB"]
+    # measured cross-group bytes: 4000 over the run's 10 inner steps
+    assert lines["cross-group/step"] == ["-", "400", "B"] and lines["cross-group"] == ["total", "-", "4.00", "kB"]
     assert lines["emb"][-1] == "7-9"
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary[1]["rounds"] == 2 and summary[1]["outer_bytes_per_round"]["outer_body"] == 2000
+    assert summary[1]["cross_group_bytes_per_step"] == 400 and summary[1]["steps"] == 10
+
+
+def test_outer_dtype_shows_in_bytes_not_in_predicted_parameters(tmp_path):
+    """fp32 and int8 GLOB predict the same parameters per step (paper Table 1, labelled as
+    parameters); the row of bytes is measured and shows the dtype's saving, and the dtype is
+    printed."""
+    _fake_run(tmp_path / "fp32", "glob", {"en": 1.0}, [40000, 40000])
+    _fake_run(tmp_path / "int8", "glob", {"en": 1.0}, [10300, 10300], dtype="int8")
+    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "fp32"),
+                          str(tmp_path / "int8")], capture_output=True, text=True, check=True).stdout
+    rows = {ln[:22].strip(): ln[22:].split() for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
+    assert rows["outer dtype"] == ["fp32", "int8"]
+    assert rows["cross-group/step"] == ["8.00", "kB", "2.06", "kB"]
+    table1 = rows["Table 1 params/step"]
+    assert len(table1) == 2 and table1[0] == table1[1]  # parameters: dtype-blind by definition
+    assert "sync params/step" not in out
 
 
 def test_federated_group_job_shows_membership(tmp_path):
@@ -103,6 +123,6 @@ def test_unreachable_tokenizer_leaves_out_one_figure(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     lines = {ln.split()[0]: ln.split()[1:] for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("-")}
-    assert lines["sync"] == ["params/step", "-"]
+    assert lines["Table"] == ["1", "params/step", "-"]
     assert lines["mean"] == ["1.0000"]
     assert "gone.model" in res.stderr and "Traceback" not in res.stderr

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Compare finished runs side by side: per-source validation BPB, outer bytes per round,
-parameters per rank.
+"""Compare finished runs side by side: per-source validation BPB, cross-group bytes (per inner
+step, in total and per round), parameters per rank.
 
     python tools/summarize_runs.py runs/main_std runs/main_spec_opt [--json OUT.json]
 
@@ -9,6 +9,11 @@ Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record, e
 kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
 ``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
 perplexity do not.
+
+Bytes are measured (``outer`` records, summed over ranks, in the run's ``dept.outer_comm_dtype``)
+and printed in decimal units (``kB`` = 1000 bytes, dept_mega.metrics.format_bytes);
+``Table 1 params/step`` is the paper's prediction in *parameters* per inner step, the same for
+any outer dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +25,11 @@ import sys
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dept_mega.metrics import format_bytes  # noqa: E402
+from dept_mega.study.results import CROSS_GROUP  # noqa: E402 - what crosses source groups (not dp)
 
 
 class RunError(RuntimeError):
@@ -65,10 +75,14 @@ def read_run(run_dir: str) -> dict[str, Any]:
         with open(params_path, encoding="utf-8") as f:
             params = json.load(f)
     rounds = len(outers)
-    outer_bytes: dict[str, float] = {}
+    total_bytes: dict[str, float] = {}
     for rec in outers:
         for cat, n in rec["bytes"].items():
-            outer_bytes[cat] = outer_bytes.get(cat, 0) + n / rounds
+            total_bytes[cat] = total_bytes.get(cat, 0) + n
+    outer_bytes = {cat: n / rounds for cat, n in total_bytes.items()}
+    # inner steps trained: the last step a record reached (a finished run: train.steps)
+    steps = max([int(r["step"]) for r in trains + evals + outers] or [0])
+    cross = sum(total_bytes.get(c, 0) for c in CROSS_GROUP)
     tokens = trained_tokens(trains, members)
     comm = predicted_comm_per_step(cfg_path, cfg["dept"]["variant"])
     # federated source groups: who left and joined when, and how many groups took part per round
@@ -77,7 +91,11 @@ def read_run(run_dir: str) -> dict[str, Any]:
     return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
             "federation": cfg.get("federation") if (cfg.get("federation") or {}).get("lighthouse") else None,
             "membership": membership, "groups_per_round": took_part,
-            "rounds": rounds, "outer_bytes_per_round": outer_bytes, "params": params,
+            "rounds": rounds, "outer_bytes_per_round": outer_bytes, "outer_bytes_total": total_bytes,
+            "steps": steps, "outer_comm_dtype": None if cfg["dept"]["variant"] == "std" else cfg["dept"].get(
+                "outer_comm_dtype", "fp32"),
+            "cross_group_bytes_total": cross if rounds else None,
+            "cross_group_bytes_per_step": cross / steps if rounds and steps else None, "params": params,
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
 
 
@@ -97,7 +115,7 @@ def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
     except ConfigError as exc:
         # the run's tokenizers are not reachable from here (runs copied elsewhere, or relative
         # paths read from another directory): leave this one figure out, not the summary
-        print(f"warning: {cfg_path}: no sync params/step ({exc})", file=sys.stderr)
+        print(f"warning: {cfg_path}: no Table 1 params/step ({exc})", file=sys.stderr)
         return None
     costs = predict_costs(cfg, v.global_vocab, v.source_vocabs, v.trim_vocabs or None)
     return costs[variant]["per_step_comm_params"]
@@ -135,11 +153,7 @@ def labels(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    return format_bytes(n)
 
 
 def _event(m: dict[str, Any]) -> str:
@@ -207,8 +221,13 @@ def render(runs: list[dict[str, Any]]) -> str:
     def line(label: str, values: list[str]) -> None:
         out.append(f"{label:<22}" + "".join(f"{v:>{width}}" for v in values))
 
-    line("sync params/step", [f"{r['comm_params_per_step']:,.0f}" if r["comm_params_per_step"] else "-"
-                              for r in runs])
+    line("Table 1 params/step", [f"{r['comm_params_per_step']:,.0f}" if r["comm_params_per_step"] else "-"
+                                 for r in runs])
+    line("outer dtype", [r["outer_comm_dtype"] or "-" for r in runs])
+    line("cross-group/step", [_fmt_bytes(r["cross_group_bytes_per_step"])
+                              if r["cross_group_bytes_per_step"] is not None else "-" for r in runs])
+    line("cross-group total", [_fmt_bytes(r["cross_group_bytes_total"])
+                               if r["cross_group_bytes_total"] is not None else "-" for r in runs])
     line("eval step", [str(r["eval"]["step"]) for r in runs])
     line("train tokens", [f"{r['train_tokens']:,}" for r in runs])
     line("outer rounds", [str(r["rounds"]) for r in runs])

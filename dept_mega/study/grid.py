@@ -9,6 +9,8 @@ Grid file (YAML)::
       std: examples/tiny/std.yaml
       glob: examples/tiny/glob.yaml
     set: {train.steps: 200}  # dotted overrides for every run
+    eval_whole: true         # optional: every run reads every validation part whole (the same text
+                             # under any tokenizer; default: eval_iters × group_batch sequences)
     runs:
       - variant: std
         name: std_t{dept.temperature}          # optional; {key} is replaced by that key's value
@@ -16,6 +18,13 @@ Grid file (YAML)::
         grid: {dept.temperature: [0.0, 1.0]}   # one run per value (product over keys)
       - variant: [glob, spec_opt]              # one entry per variant
         grid: {dept.outer_optimizer: [{name: fedavg, lr: 1.0}, {name: nesterov, lr: 0.7, momentum: 0.9}]}
+      - variant: glob                          # an outer lr sweep: names glob_lr0.7, glob_lr0.5
+        name: glob_lr{dept.outer_optimizer.lr} # (an entry of a grid key's mapping; without a
+        grid: {dept.outer_optimizer: [{name: nesterov, lr: 0.7}, {name: nesterov, lr: 0.5}]}
+                                               # template: glob_outer_optimizer=nesterov-lr0.7, ...)
+
+Runs whose configs differ only in ``train.seed`` (e.g. a grid over it, named with ``{train.seed}``) make
+one row of the report: mean ± sd over the seeds, and n.
 
 Equal compute (the paper's comparison): every run makes the same number of inner steps of
 the same sequence length, a DEPT run with ``groups`` groups of ``group_batch`` sequences each,
@@ -39,14 +48,18 @@ import yaml
 
 from ..config import Config, ConfigError, load_config
 from ..metrics import train_flops_per_token
+from ..schedule_warnings import eval_interval_warning
 
 VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
-TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity"}
+TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity", "eval_whole"}
 RUN_KEYS = {"variant", "name", "set", "grid"}
 # model keys that do not make runs' models different for the equal-compute check: the
 # vocabulary (SPEC-OPT's differs by design; the head is not the body) and how the same model is
 # computed (kernel choice, activation recomputation)
 MODEL_KEYS_NOT_COMPARED = {"vocab_size", "attention_backend", "recompute", "recompute_layers"}
+#: train.eval_samples under ``eval_whole: true``: more sequences than any validation part holds,
+#: so each run reads every part whole (the evaluation takes min(eval_samples, the part's samples))
+WHOLE_PART = 10**12
 
 
 class GridError(ValueError):
@@ -62,6 +75,9 @@ class RunSpec:
     overrides: list[str]  # dotted key=value, in order (the tool's own last)
     nproc: int  # processes (torchrun --nproc-per-node)
     settings: dict[str, Any] = field(default_factory=dict)  # the grid values of this run
+    # the name with its train.seed as "*" (None: the grid does not vary the seed): the label of
+    # the report's row of the runs that differ only in their seed
+    seed_label: Optional[str] = None
 
     def command(self, python: str = "python") -> list[str]:
         return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
@@ -82,6 +98,12 @@ class Study:
     # FLOPs per token of the transformer body (no output head: vocabularies differ by design)
     model_differs_in: list[str] = field(default_factory=list)
     body_flops: dict[str, float] = field(default_factory=dict)
+    # ``eval_whole: true``: every run reads every validation part whole (train.eval_samples =
+    # WHOLE_PART), so runs with other tokenizers (SPEC-OPT) are scored on the same text
+    eval_whole: bool = False
+    # filled by _resolve: a warning per run whose evaluations fall inside a round
+    # (schedule_warnings.eval_interval_warning), {run name: warning}
+    warnings: dict[str, str] = field(default_factory=dict)
 
 
 def _yaml_value(value: Any) -> str:
@@ -92,11 +114,17 @@ def _yaml_value(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def _short(value: Any) -> str:
-    """A value as it appears in a run name."""
+def _short(value: Any, others: tuple = ()) -> str:
+    """A value as it appears in a run name. A mapping with a ``name`` (an outer optimizer) is
+    its name, followed by the entries that tell it apart from ``others`` (the other values of
+    the same grid key) sharing that name: ``nesterov`` beside ``fedavg``, but ``nesterov-lr0.7``
+    and ``nesterov-lr0.5`` in an lr sweep."""
     if isinstance(value, dict):
         if "name" in value:
-            return str(value["name"])
+            same = [o for o in others if isinstance(o, dict) and o.get("name") == value["name"] and o != value]
+            keys = [k for k in value if k != "name" and any(o.get(k) != value[k] for o in same)]
+            keys += [k for k in sorted({k for o in same for k in o} - set(value)) if k != "name"]
+            return "-".join([str(value["name"])] + [f"{k}{_short(value.get(k, 'none'))}" for k in keys])
         return "-".join(_short(v) for v in value.values())
     if isinstance(value, (list, tuple)):
         return "-".join(_short(v) for v in value)
@@ -105,24 +133,52 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-def _name(template: Optional[str], variant: str, settings: dict[str, Any], varying: list[str]) -> str:
+#: the grid key whose runs a study groups into one row (mean ± sd over seeds)
+SEED_KEY = "train.seed"
+
+
+def _lookup(key: str, settings: dict[str, Any]) -> tuple[str, Any]:
+    """The grid key and value a template's ``{key}`` names: a grid key itself, or an entry
+    inside a grid key's mapping (``{dept.outer_optimizer.lr}`` under a grid over
+    ``dept.outer_optimizer``)."""
+    if key in settings:
+        return key, settings[key]
+    for k, v in settings.items():
+        if key.startswith(k + ".") and isinstance(v, dict):
+            for part in key[len(k) + 1:].split("."):
+                if not isinstance(v, dict) or part not in v:
+                    raise KeyError(key)
+                v = v[part]
+            return k, v
+    raise KeyError(key)
+
+
+def _name(template: Optional[str], variant: str, settings: dict[str, Any], varying: list[str],
+          grid: Optional[dict[str, list]] = None, seed: Optional[str] = None) -> str:
+    """A run's name from ``template`` (else the variant and the keys that vary). ``seed``: the
+    text that replaces the run's ``train.seed`` (an automatic name then leaves the seed out):
+    the label of the row of runs that differ only in their seed."""
+    grid = grid or {}
     if template:
         def sub(m: re.Match) -> str:
             key = m.group(1)
             if key == "variant":
                 return variant
-            if key not in settings:
-                raise KeyError(key)
-            return _short(settings[key])
+            if key == SEED_KEY and seed is not None:
+                return "\0"
+            gkey, value = _lookup(key, settings)
+            return _short(value, tuple(grid.get(gkey, ())) if gkey == key else ())
         try:
             name = re.sub(r"\{([^{}]+)\}", sub, template)
         except KeyError as exc:
-            raise GridError(f"run name {template!r}: {{{exc.args[0]}}} is not a grid key of this run") from None
+            raise GridError(f"run name {template!r}: {{{exc.args[0]}}} is neither a grid key of this run nor an "
+                            f"entry of one (e.g. {{dept.outer_optimizer.lr}})") from None
     else:
-        parts = [variant] + [f"{k.rsplit('.', 1)[-1]}={_short(settings[k])}" for k in varying]
+        keys = [k for k in varying if not (seed is not None and k == SEED_KEY)]
+        parts = [variant] + [f"{k.rsplit('.', 1)[-1]}={_short(settings[k], tuple(grid.get(k, ())))}" for k in keys]
         name = "_".join(parts)
-    name = re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
-    return name
+    name = re.sub(r"[^A-Za-z0-9_.=+\0-]", "-", name)
+    return name.replace("\0", seed or "")
 
 
 def _as_mapping(value: Any, where: str) -> dict[str, Any]:
@@ -184,7 +240,9 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
                 cfg_path = os.path.relpath(os.path.join(base_dir, cfg_path), base_dir)
             for combo in itertools.product(*grid.values()) if grid else [()]:
                 settings = dict(zip(grid.keys(), combo))
-                name = _name(entry.get("name"), variant, settings, varying)
+                name = _name(entry.get("name"), variant, settings, varying, grid)
+                seed_label = (_name(entry.get("name"), variant, settings, varying, grid, seed="*")
+                              if SEED_KEY in varying else None)
                 values = {**common, **fixed, **settings}
                 for key in values:
                     if key in ("train.global_batch_size", "train.run_dir", "dept.variant"):
@@ -194,7 +252,8 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
                 overrides.append(f"dept.variant={variant}")
                 batch = group_batch if variant != "std" else groups * group_batch
                 overrides.append(f"train.global_batch_size={batch}")
-                runs.append(RunSpec(name, variant, cfg_path, overrides, nproc=0, settings=settings))
+                runs.append(RunSpec(name, variant, cfg_path, overrides, nproc=0, settings=settings,
+                                    seed_label=seed_label))
     names = [r.name for r in runs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -207,8 +266,11 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
         unknown = sorted(set(plasticity.runs) - {r.name for r in runs})
         if unknown:
             raise GridError(f"{path}: 'plasticity.runs' names unknown run(s) {unknown}")
+    eval_whole = doc.get("eval_whole", False)
+    if not isinstance(eval_whole, bool):
+        raise GridError(f"{path}: 'eval_whole' must be true or false, got {eval_whole!r}")
     study = Study(path, groups, group_batch, runs, str(doc.get("description", "")),
-                  [shlex.split(c) for c in prepare], plasticity)
+                  [shlex.split(c) for c in prepare], plasticity, eval_whole=eval_whole)
     _resolve(study, base_dir)
     return study
 
@@ -270,8 +332,16 @@ def _resolve(study: Study, base_dir: str) -> None:
             cfg = load_config(os.path.join(base_dir, run.config), run.overrides)
         except ConfigError as exc:
             raise GridError(f"{study.path}: run {run.name!r}: {exc}") from None
-        if cfg.train.eval_samples is None:  # the same validation sequences in every run (STD's batch is larger)
+        if study.eval_whole:
+            if any(o.startswith("train.eval_samples=") for o in run.overrides):
+                raise GridError(f"{study.path}: run {run.name!r}: 'eval_whole: true' sets train.eval_samples itself; "
+                                f"remove it from the run's 'set' or 'grid'")
+            run.overrides.append(f"train.eval_samples={WHOLE_PART}")
+        elif cfg.train.eval_samples is None:  # the same validation sequences in every run (STD's batch is larger)
             run.overrides.append(f"train.eval_samples={cfg.train.eval_iters * study.group_batch}")
+        warning = eval_interval_warning(cfg)
+        if warning:
+            study.warnings[run.name] = warning
         models.append(cfg.to_dict()["model"])
         study.body_flops[run.name] = train_flops_per_token(cfg.model, 0)  # vocab 0: the body alone
         per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
@@ -312,7 +382,11 @@ def describe(study: Study) -> str:
     for r in study.runs:
         extra = f"  {json.dumps(r.settings, default=str)}" if r.settings else ""
         lines.append(f"  {r.name:<28} {r.variant:<9} {r.nproc} process(es){extra}")
+    if study.eval_whole:
+        lines.append("every run reads every validation part whole (eval_whole: true)")
     note = compute_note(study)
     if note:
         lines.append(f"warning: {note}")
+    for name, warning in study.warnings.items():
+        lines.append(f"warning: run {name}: {warning}")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ class RunResult:
     tokens_per_step: int
     rounds: int
     bytes_per_round: dict[str, float]  # mean over rounds, per category
+    bytes_total: dict[str, float]  # summed over the run's outer records (all rounds, all ranks), per category
     params_per_rank: dict[str, int]  # the largest rank's body / embeddings
     seconds: Optional[float] = None
     command: Optional[list[str]] = None
@@ -50,6 +51,23 @@ class RunResult:
     @property
     def train_tokens(self) -> int:
         return self.eval_step * self.tokens_per_step
+
+    @property
+    def local_steps(self) -> Optional[int]:
+        """Inner steps per round (None for STD, which has no rounds)."""
+        return None if self.variant == "std" else int(self.config["dept"]["local_steps"])
+
+    def bytes_per_step(self) -> dict[str, float]:
+        """Measured bytes per inner step by category: the run's total over its final step (its
+        last evaluation's), so runs whose rounds differ in length compare."""
+        return {c: n / self.eval_step for c, n in self.bytes_total.items()} if self.eval_step else {}
+
+    def mid_round_eval_steps(self) -> list[int]:
+        """The steps of evaluations inside a round (not a multiple of ``dept.local_steps``):
+        group 0's unsynchronised model, not comparable with round-end points
+        (dept_mega/schedule_warnings.py). [] for STD."""
+        L = self.local_steps
+        return [s for s, _ in self.eval_curve if L and s % L] if L else []
 
 
 def _mean(values: list[Optional[float]]) -> float:
@@ -94,10 +112,11 @@ def read_run(run_dir: str) -> RunResult:
     eval_curve = [(int(r["step"]), _mean([v.get("bpb") for v in r["by_source"].values()])) for r in evals]
     train_curve = [(int(r["step"]), float(r["loss"])) for r in trains if r.get("loss") is not None]
     tokens = int(trains[-1]["tokens"]) if trains else 0
-    per_round: dict[str, float] = {}
+    total: dict[str, float] = {}
     for r in outers:
         for cat, n in r["bytes"].items():
-            per_round[cat] = per_round.get(cat, 0.0) + float(n) / len(outers)
+            total[cat] = total.get(cat, 0.0) + float(n)
+    per_round = {cat: n / len(outers) for cat, n in total.items()}
     params: dict[str, int] = {}
     params_path = os.path.join(run_dir, "params.json")
     if os.path.exists(params_path):
@@ -113,26 +132,13 @@ def read_run(run_dir: str) -> RunResult:
             m = json.load(f)
         seconds, command = m.get("seconds"), m.get("command")
     return RunResult(run_dir, cfg["dept"]["variant"], cfg, last["by_source"], int(last["step"]), eval_curve,
-                     train_curve, tokens, len(outers), per_round, params, seconds, command)
+                     train_curve, tokens, len(outers), per_round, total, params, seconds, command)
 
 
-def dept_round_steps(results: dict[str, RunResult]) -> tuple[int, str]:
-    """The inner steps of one round that STD's data-parallel equivalent is counted over, and why:
-    the DEPT runs' ``dept.local_steps`` when they all share one; otherwise one inner step. (An STD
-    run's own ``dept.local_steps`` means nothing: STD has no rounds.)"""
-    steps = sorted({int(r.config["dept"]["local_steps"]) for r in results.values() if r.variant != "std"})
-    if len(steps) == 1:
-        return steps[0], f"a round of the DEPT runs' {steps[0]} inner steps (dept.local_steps)"
-    if not steps:
-        return 1, "one inner step (no DEPT run in the study to compare with)"
-    return 1, ("one inner step (the DEPT runs' rounds differ in length: dept.local_steps "
-               + ", ".join(map(str, steps)) + ")")
-
-
-def std_equivalent_bytes_per_round(result: RunResult, groups: int, round_steps: int) -> float:
-    """What STD would send in ``round_steps`` inner steps if its global batch were split over
-    ``groups`` data-parallel workers (the comparison the paper's Table 1 makes): every worker
-    all-reduces the whole model's fp32 gradients every step (counted as comm.py counts: each rank
-    its input)."""
+def std_equivalent_bytes_per_step(result: RunResult, groups: int) -> float:
+    """What STD would send per inner step if its global batch were split over ``groups``
+    data-parallel workers (the comparison the paper's Table 1 makes): every worker all-reduces
+    the whole model's fp32 gradients every step (counted as comm.py counts: each rank its
+    input)."""
     model_params = result.params_per_rank.get("body", 0) + result.params_per_rank.get("embeddings", 0)
-    return float(groups * model_params * 4 * round_steps)
+    return float(groups * model_params * 4)

@@ -6,20 +6,30 @@ exited 0) and its ``metrics.jsonl`` holds an evaluation at the last step. A run 
 without that marker (a run that was stopped) is started again with the same command: the
 trainer resumes from the run's own checkpoint. Each run's output goes to
 ``OUT/logs/NAME.log``.
+
+A run directory is only reused for the run the grid asks for now: :func:`find_stale` compares
+its ``config.yaml`` (and the process count of its marker) with the config the grid resolves to,
+and an adaptation's ``adapt.json`` and ``trained/config.yaml`` with the grid's ``plasticity:``.
+A difference is refused (:class:`StaleRunError`, naming the run and the keys) unless the caller
+asks to make those runs again (``rerun_changed``): their directories are then moved to
+``OUT/replaced/NAME.K/`` and the runs made from scratch.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 import yaml
 
-from .grid import RunSpec, Study
+from ..config import ConfigError
+from ..config_diff import differences
+from .grid import RunSpec, Study, run_config
 
 MARKER = "study_run.json"
 
@@ -56,6 +66,139 @@ def is_finished(out: str, run: RunSpec, steps: int) -> bool:
     return os.path.exists(os.path.join(d, MARKER)) and last_eval_step(os.path.join(d, "metrics.jsonl")) == steps
 
 
+class StaleRunError(RuntimeError):
+    """Runs (or adaptations) in the output directory made from another config than the grid
+    asks for now."""
+
+
+@dataclass
+class Stale:
+    """A run or adaptation whose directory holds other settings than the grid asks for."""
+    name: str
+    kind: str  # "run" | "adaptation"
+    path: str
+    diffs: list[tuple[str, Any, Any]]  # (key, what the directory has, what the grid asks)
+
+    def line(self) -> str:
+        shown = "; ".join(f"{k}: it has {a!r}, the grid asks {b!r}" for k, a, b in self.diffs[:8])
+        more = f"; and {len(self.diffs) - 8} more" if len(self.diffs) > 8 else ""
+        return f"{self.kind} {self.name} ({self.path}): {shown}{more}"
+
+
+def _config_diffs(stored: Any, wanted: dict) -> list[tuple[str, Any, Any]]:
+    """Differences between a saved config and the one asked for now, the run directory aside."""
+    stored = json.loads(json.dumps(stored, default=str))
+    wanted = json.loads(json.dumps(wanted, default=str))
+    for cfg in (stored, wanted):
+        if isinstance(cfg, dict) and isinstance(cfg.get("train"), dict):
+            cfg["train"].pop("run_dir", None)
+    return [(k.lstrip("."), a, b) for k, a, b in differences(stored, wanted)]
+
+
+def stale_run(out: str, run: RunSpec, cwd: str) -> Optional[Stale]:
+    """The differences between ``run``'s directory (a finished or stopped run: its
+    ``config.yaml``; its marker's process count) and what the grid asks for now; None when the
+    directory holds no config yet or the same one."""
+    d = run_dir_of(out, run)
+    cfg_path = os.path.join(d, "config.yaml")
+    if not os.path.exists(cfg_path):
+        return None
+    with open(cfg_path, encoding="utf-8") as f:
+        stored = yaml.safe_load(f)
+    try:
+        wanted = run_config(cwd, run, d).to_dict()
+    except ConfigError as exc:
+        return Stale(run.name, "run", d, [("(config)", "a config", f"one that does not load: {exc}")])
+    diffs = _config_diffs(stored, wanted)
+    marker = os.path.join(d, MARKER)
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as f:
+            nproc = json.load(f).get("nproc")
+        if nproc is not None and nproc != run.nproc:
+            diffs.append(("processes (--nproc-per-node)", nproc, run.nproc))
+    return Stale(run.name, "run", d, diffs) if diffs else None
+
+
+def stale_adaptation(out: str, run: RunSpec, study: Study, cwd: str) -> Optional[Stale]:
+    """The differences between ``run``'s finished adaptation (``adapt.json``: held-out config,
+    steps, body options, the run's step it adapted; ``trained/config.yaml``: the adaptation's
+    config, which follows the held-out config file and the run's config) and what the grid's
+    ``plasticity:`` asks for now; None when there is none or it matches."""
+    p = study.plasticity
+    d = plasticity_dir(out, run)
+    path = os.path.join(d, "adapt.json")
+    if p is None or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        rep = json.load(f)
+    diffs = [(k, rep.get(k), v) for k, v in (("source_config", p.source_config), ("steps", p.steps),
+                                              ("body", p.body), ("body_lr", p.body_lr)) if rep.get(k) != v]
+    last = last_eval_step(os.path.join(run_dir_of(out, run), "metrics.jsonl"))
+    if rep.get("step") is not None and last is not None and rep["step"] != last:
+        diffs.append(("the run's step adapted", rep["step"], last))
+    trained = os.path.join(d, "trained", "config.yaml")
+    run_cfg_path = os.path.join(run_dir_of(out, run), "config.yaml")
+    if os.path.exists(trained) and os.path.exists(run_cfg_path):
+        from ..adapt import adapt_config
+        try:
+            with open(run_cfg_path, encoding="utf-8") as f:
+                run_cfg = yaml.safe_load(f)
+            src = p.source_config if os.path.isabs(p.source_config) else os.path.join(cwd, p.source_config)
+            with open(src, encoding="utf-8") as f:
+                new = yaml.safe_load(f) or {}
+            wanted = adapt_config(run_cfg, new, p.source_config, p.steps, "", 1).to_dict()
+        except (OSError, ConfigError, yaml.YAMLError) as exc:
+            diffs.append(("(adaptation config)", "a config", f"one that does not load: {exc}"))
+        else:
+            with open(trained, encoding="utf-8") as f:
+                diffs += _config_diffs(yaml.safe_load(f), wanted)
+    return Stale(run.name, "adaptation", d, diffs) if diffs else None
+
+
+def find_stale(study: Study, out: str, cwd: Optional[str] = None, runs: bool = True,
+               adaptations: bool = True) -> list[Stale]:
+    """Every run and adaptation in ``out`` made from other settings than ``study`` asks for
+    (an adaptation of a run that is itself stale is not listed twice: it goes with its run)."""
+    cwd = cwd or os.getcwd()
+    found, changed = [], set()
+    for r in study.runs:
+        s = stale_run(out, r, cwd)
+        if s is not None:
+            changed.add(r.name)
+            if runs:
+                found.append(s)
+    if adaptations and study.plasticity is not None:
+        chosen = [r for r in study.runs if r.name not in changed
+                  and (study.plasticity.runs is None or r.name in study.plasticity.runs)]
+        found += [s for s in (stale_adaptation(out, r, study, cwd) for r in chosen) if s is not None]
+    return found
+
+
+def stale_message(stale: list[Stale], out: str) -> str:
+    return (f"{len(stale)} run(s) / adaptation(s) in {out} were made with other settings than the grid now asks "
+            "for; their results would be reported under this grid:\n  " + "\n  ".join(s.line() for s in stale)
+            + f"\nRestore the grid, choose another --out, or pass --rerun-changed to move them to "
+            f"{os.path.join(out, 'replaced')}/ and make them again.")
+
+
+def replace_stale(stale: list[Stale], out: str, log: TextIO = sys.stdout) -> None:
+    """Move each stale run's directory (with its adaptation) or stale adaptation's directory to
+    ``OUT/replaced/NAME.K/`` (K: the first free number), so that it is made again."""
+    for s in stale:
+        k = 1
+        while os.path.exists(os.path.join(out, "replaced", f"{s.name}.{k}")):
+            k += 1
+        dest = os.path.join(out, "replaced", f"{s.name}.{k}")
+        os.makedirs(dest)
+        moved = [s.path]
+        if s.kind == "run" and os.path.isdir(os.path.join(out, "plasticity", s.name)):
+            moved.append(os.path.join(out, "plasticity", s.name))
+        for src in moved:
+            shutil.move(src, os.path.join(dest, os.path.basename(os.path.dirname(src))))
+        print(f"[study] {s.kind} {s.name}: settings changed; moved {', '.join(moved)} to {dest} to make it again",
+              file=log, flush=True)
+
+
 @dataclass
 class Outcome:
     run: RunSpec
@@ -65,12 +208,18 @@ class Outcome:
 
 
 def run_all(study: Study, out: str, steps: int, *, parallel: int = 0, cwd: Optional[str] = None,
-            log: TextIO = sys.stdout, python: str = sys.executable,
+            log: TextIO = sys.stdout, python: str = sys.executable, rerun_changed: bool = False,
             launch: Optional[Callable[[list[str], str, dict, TextIO], subprocess.Popen]] = None) -> list[Outcome]:
     """Run every unfinished run of ``study``. ``parallel``: budget of processes running at once
-    (0 or 1: one run at a time; a run larger than the budget runs alone). ``launch(cmd, cwd,
-    env, log_file)`` starts one run (default: ``subprocess.Popen``; tests pass a fake)."""
+    (0 or 1: one run at a time; a run larger than the budget runs alone). A run directory made
+    with other settings than the grid asks for raises :class:`StaleRunError`, or with
+    ``rerun_changed`` is moved aside and made again. ``launch(cmd, cwd, env, log_file)`` starts
+    one run (default: ``subprocess.Popen``; tests pass a fake)."""
     cwd = cwd or os.getcwd()
+    stale = find_stale(study, out, cwd, adaptations=False)
+    if stale and not rerun_changed:
+        raise StaleRunError(stale_message(stale, out))
+    replace_stale(stale, out, log)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
     todo: list[RunSpec] = []
@@ -164,18 +313,24 @@ def reference_key(out: str, run: RunSpec, study: Study, cwd: str) -> str:
 
 
 def run_plasticity(study: Study, out: str, steps: int, *, cwd: Optional[str] = None, log: TextIO = sys.stdout,
-                   python: str = sys.executable, execute: bool = True,
+                   python: str = sys.executable, execute: bool = True, rerun_changed: bool = False,
                    launch: Optional[Callable[[list[str], str, dict, TextIO], int]] = None) -> dict[str, dict]:
     """Adapt the body of every finished (selected) run to the held-out source, one after the
     other. The random-body reference is made once per distinct adaptation
     (:func:`reference_key`: e.g. runs of different models each get their own), by the first run
     of each. Returns {run name: summary} for the runs whose adaptation finished (``adapt.json``
     present: a second call skips them; ``execute=False`` only reads those). ``launch(cmd, cwd,
-    env, log_file)`` runs one adaptation and returns its exit status (tests pass a fake)."""
+    env, log_file)`` runs one adaptation and returns its exit status (tests pass a fake). A
+    finished adaptation made with other settings than the grid's raises :class:`StaleRunError`
+    (or with ``rerun_changed`` is moved aside and made again; not with ``execute=False``)."""
     p = study.plasticity
     if p is None:
         return {}
     cwd = cwd or os.getcwd()
+    stale = find_stale(study, out, cwd, runs=False)
+    if stale and not (rerun_changed and execute):
+        raise StaleRunError(stale_message(stale, out))
+    replace_stale(stale, out, log)
     chosen = [r for r in study.runs if (p.runs is None or r.name in p.runs) and is_finished(out, r, steps)]
     keys = {r.name: reference_key(out, r, study, cwd) for r in chosen}
     maker: dict[str, str] = {}  # key -> the run whose adaptation makes its reference
@@ -192,7 +347,6 @@ def run_plasticity(study: Study, out: str, steps: int, *, cwd: Optional[str] = N
         path = os.path.join(plasticity_dir(out, run), "adapt.json")
         if not os.path.exists(path) and execute:
             if os.path.isdir(plasticity_dir(out, run)):  # an interrupted adaptation: start it again
-                import shutil
                 shutil.rmtree(plasticity_dir(out, run))
             cmd = plasticity_command(out, run, study, reference=reference, python=python)
             log_path = os.path.join(out, "logs", f"{run.name}.adapt.log")
