@@ -1,4 +1,7 @@
-"""Preemption: SIGTERM / SIGUSR1 make the job save a checkpoint and exit with a known code.
+"""Preemption: SIGTERM / SIGUSR1 make the job save a checkpoint and exit with a known code;
+SIGINT (Ctrl-C, which torchrun passes on to its workers) saves the same way but exits with
+:data:`EXIT_INTERRUPTED` and no ``preempted.json`` (the user stopped it: nothing requeues it),
+and a second SIGINT stops the process at once, unsaved (``KeyboardInterrupt``).
 
 SLURM sends ``SIGUSR1`` shortly before the time limit when the job asks for it
 (``#SBATCH --signal=USR1@120``) and ``SIGTERM`` on ``scancel`` or preemption. The handler only
@@ -25,7 +28,8 @@ import torch
 # EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry"
 EXIT_PREEMPTED = 75
 PREEMPTED_FILE = "preempted.json"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class PreemptedWait(Exception):
@@ -43,7 +47,7 @@ class PreemptedWait(Exception):
 
 
 class Preemption:
-    """Records SIGTERM / SIGUSR1 (once installed) and agrees across ranks on stopping."""
+    """Records SIGTERM / SIGUSR1 / SIGINT (once installed) and agrees across ranks on stopping."""
 
     def __init__(self) -> None:
         self.signal: Optional[int] = None  # the first signal this process received
@@ -51,7 +55,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "Preemption":
-        """Take over SIGTERM and SIGUSR1 in this (main-thread) process."""
+        """Take over SIGTERM, SIGUSR1 and SIGINT in this (main-thread) process."""
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
@@ -62,8 +66,13 @@ class Preemption:
         self._previous.clear()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        if signum == signal.SIGINT and self.signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
         if self.signal is None:
             self.signal = int(signum)
+            if signum == signal.SIGINT:  # os.write: safe wherever the handler interrupts the process
+                os.write(2, b"SIGINT: stopping after this step with a checkpoint (Ctrl-C again: stop at once, "
+                            b"unsaved)\n")
 
     def request(self, signum: int = int(signal.SIGUSR1)) -> None:
         """What the handler does (tests, and callers that learn of a preemption otherwise)."""
@@ -85,6 +94,15 @@ class Preemption:
         own collective): :meth:`agreed` is True from now on."""
         if flag and self.stop_signal is None:
             self.stop_signal = int(flag)
+
+    @property
+    def interrupted(self) -> bool:
+        """The agreed stop is a Ctrl-C (SIGINT on every rank that got a signal), not a preemption."""
+        return self.stop_signal == int(signal.SIGINT)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.interrupted else EXIT_PREEMPTED
 
     @property
     def signal_name(self) -> str:

@@ -343,7 +343,7 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                            f"interrupted run after its last checkpoint")
     for note in session.writer.resume_notes:
         session.writer.log(note)
-    from .preemption import EXIT_PREEMPTED, Preemption, clear_marker, write_marker
+    from .preemption import Preemption, clear_marker, write_marker
     if session.rank == 0:
         clear_marker(run_dir)
     if preemption is None:
@@ -366,14 +366,14 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                        "round's outer sync not done: a checkpoint holds a round's end only after it")
                 saved = (f"no checkpoint of step {at} ({why}); a relaunch resumes from "
                          + (f"step {loop.preempted_at}" if loop.preempted_at is not None else "the start"))
-            session.writer.log(f"preempted ({preemption.signal_name}) while {stop.what}: stopped waiting; {saved}; "
-                               f"exiting with status {EXIT_PREEMPTED} (requeue to continue)")
-            if session.rank == 0:
+            session.writer.log(f"{stopped_by(preemption)} while {stop.what}: stopped waiting; {saved}; "
+                               f"exiting with status {preemption.exit_code} ({continue_by(preemption)})")
+            if session.rank == 0 and not preemption.interrupted:
                 write_marker(run_dir, loop.preempted_at, preemption.signal_name)
         elif loop.preempted_at is not None:
-            session.writer.log(f"preempted ({preemption.signal_name}): checkpoint of step {loop.preempted_at} "
-                               f"written; exiting with status {EXIT_PREEMPTED} (requeue to continue)")
-            if session.rank == 0:
+            session.writer.log(f"{stopped_by(preemption)}: checkpoint of step {loop.preempted_at} "
+                               f"written; exiting with status {preemption.exit_code} ({continue_by(preemption)})")
+            if session.rank == 0 and not preemption.interrupted:
                 write_marker(run_dir, loop.preempted_at, preemption.signal_name)
         elif loop.exited_at is not None:
             session.writer.log(f"stopped after step {loop.exited_at} of {cfg.train.steps} ({loop.exit_reason}): "
@@ -395,8 +395,16 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
         # quorum timeout (a day): the process ends here, its output flushed (the kernel drops
         # the run directory's locks); everything else is done above
         from .process_exit import leave
-        leave(EXIT_PREEMPTED, join_threads=False)
-    return EXIT_PREEMPTED if loop.preempted_at is not None else 0
+        leave(preemption.exit_code, join_threads=False)
+    return preemption.exit_code if loop.preempted_at is not None else 0
+
+
+def stopped_by(preemption) -> str:
+    return "interrupted (SIGINT)" if preemption.interrupted else f"preempted ({preemption.signal_name})"
+
+
+def continue_by(preemption) -> str:
+    return "relaunch to continue" if preemption.interrupted else "requeue to continue"
 
 
 if __name__ == "__main__":

@@ -365,3 +365,39 @@ def test_a_wait_abandoned_in_any_hook_stops_the_loop_cleanly(tmp_path, where, sy
     assert loop.saved_in_wait is saved
     assert loop.preempted_at == (step if saved else None)
     assert latest_step(run) == loop.preempted_at
+
+
+def test_ctrl_c_saves_exits_130_without_requeue_and_a_second_stops_at_once(tmp_path, monkeypatch, capfd):
+    """SIGINT (Ctrl-C; torchrun passes it on to its workers): the run stops after the step with a
+    checkpoint and exits 130 without preempted.json (nothing requeues a run its user stopped); the
+    relaunch resumes from it. A second SIGINT raises KeyboardInterrupt at once."""
+    from dept_mega.preemption import EXIT_INTERRUPTED, Preemption
+    from dept_mega.trainer import Trainer
+    from tests.test_train_cli import _setup, _train_here
+    cfg = _setup(tmp_path)
+    run = str(tmp_path / "run")
+    orig = Trainer.train_step
+
+    def step(self, batches):
+        out = orig(self, batches)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    r = _train_here("--config", cfg, "train.steps=6")
+    assert r.returncode == EXIT_INTERRUPTED == 130, r.stderr[-2000:]
+    assert "interrupted (SIGINT): checkpoint of step 2 written; exiting with status 130 (relaunch to continue)" \
+        in r.stdout, r.stdout[-2000:]
+    assert "SIGINT: stopping after this step with a checkpoint" in capfd.readouterr().err  # written to fd 2
+    assert os.path.isdir(os.path.join(run, "checkpoints", "step_2"))
+    assert not os.path.exists(os.path.join(run, "preempted.json"))
+    monkeypatch.setattr(Trainer, "train_step", orig)
+    r = _train_here("--config", cfg, "train.steps=6")
+    assert r.returncode == 0 and "resum" in r.stdout.lower(), r.stdout[-2000:]
+
+    p = Preemption()
+    p._handler(int(signal.SIGINT), None)
+    assert p.signal == int(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        p._handler(int(signal.SIGINT), None)
