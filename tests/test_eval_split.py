@@ -121,3 +121,20 @@ def _evaluate_checkpoint(run: str, record: dict, step=None) -> list[list[str]]:
     got = json.load(open(out))
     assert got["by_source"] == record["by_source"] and got["step"] == record["step"]
     return [sorted(s for _, s in r["seen"]) for r in res]
+
+
+@pytest.mark.timeout(200)
+def test_stages_agree_on_whether_to_share_out(tmp_path):
+    """SPEC, two pipeline stages per group, ``dept.outer_fragments: 2``: at the first round's end
+    the second stage's parameters are fresh from their sync and the first stage's are not; the
+    stages must take the same decision (every group evaluates every source), or their
+    collectives would not pair up."""
+    cfg = write_config(str(tmp_path), steps=4, local_steps=2, sources=3, example="spec")
+    run = str(tmp_path / "run")
+    os.makedirs(run, exist_ok=True)
+    argv = ["--config", cfg, f"train.run_dir={run}", "train.eval_interval=2", "train.seed=1",
+            "parallel.pipeline=2", "dept.outer_fragments=2"]
+    res = run_distributed(_rank, 4, args=(argv, os.path.join(run, "out"), True, "train"), timeout=150)
+    assert [r["status"] for r in res] == [0] * 4, open(os.path.join(run, "out.0")).read()[-3000:]
+    names = sorted(_records(run, "eval")[0]["by_source"])
+    assert [sorted(s for t, s in r["seen"] if t == 2) for r in res] == [names] * 4
