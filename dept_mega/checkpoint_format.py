@@ -270,13 +270,14 @@ def save_entries(entries: list[Entry], path: str, process_group=None):
         return dcp.save({}, checkpoint_id=path, process_group=process_group, planner=save_planner(entries))
 
 
-def load_entries(entries: list[Entry], path: str) -> None:
+def load_entries(entries: list[Entry], path: str) -> list[Entry]:
     """Fill the entries in place from checkpoint ``path`` (by this process alone: no
     collective, each rank reads the boxes it needs). A key the checkpoint lacks, or of
-    another shape, is a :class:`CheckpointError` naming it."""
+    another shape, is a :class:`CheckpointError` naming it. Returns the entries with the keys
+    they were read from (:func:`resolve_keys`)."""
     import torch.distributed.checkpoint as dcp
     if not entries:
-        return
+        return []
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     md = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -293,6 +294,7 @@ def load_entries(entries: list[Entry], path: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({}, checkpoint_id=path, planner=load_planner(entries, path), no_dist=True)
+    return entries
 
 
 def saved_keys(path: str) -> dict[str, tuple[int, ...]]:

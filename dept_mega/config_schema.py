@@ -145,7 +145,7 @@ class DataConfig:
     """Tokenizers and data sources."""
     tokenizer: Optional[str] = None  #: The global tokenizer (every variant but spec_opt): a SentencePiece model (.model), or a Hugging Face tokenizer.json or a directory holding it (with tokenizer_config.json naming its eos_token); the kind is read from the path.
     sources: list[SourceConfig] = field(default_factory=list)  #: The data sources, one mapping each (keys below).
-    split: str = "98,2"  #: Train,valid document weights of each source (a third weight: a test part).
+    split: str = "98,2"  #: Train,valid document weights of each source; a third weight holds out a test part, which only python -m dept_mega.evaluate --part test reads.
     cache_dir: Optional[str] = None  #: Where sample-index caches go; null = beside each source's .idx.
 
 

@@ -1,6 +1,7 @@
 """Evaluate a run's saved weights per source (docs/metrics.md, eval records).
 
-    torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json [key=value ...]
+    torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json [--part valid|test]
+        [--extra-source NAME=PREFIX ...] [key=value ...]
 
 Reads ``RUN/config.yaml`` (with the ``key=value`` overrides), rebuilds the model in the run's
 layout (same tensor and pipeline sizes, any number of groups and data-parallel size; overrides
@@ -8,13 +9,18 @@ such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in another one, e.g. 
 as the checkpoint loads under any layout), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
-record (``kind, step, round, time, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
+record (``kind, step, round, time, part, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
 computed exactly as the run's periodic evaluation (``train.eval_iters`` global batches of
 ``train.global_batch_size`` sequences of each source's validation part, or
 ``train.eval_samples`` sequences when the run sets it, unless ``--eval-iters`` says otherwise:
-the same sequences in any layout, dept_mega.data.sources.ValidationBatches). A federated group job's run
-(``federation.lighthouse`` set) is evaluated on its own sources, without the lighthouse or
-the other group jobs (which may be gone by then).
+the same sequences in any layout, dept_mega.data.sources.ValidationBatches). ``--part test``
+reads each source's test part instead (the third weight of ``data.split``, which training
+never reads). ``--extra-source NAME=PREFIX`` (repeatable) also evaluates data the run never
+trained on, tokenized with its global tokenizer, under the name given (std, glob, trim; the
+variants whose sources own their embeddings are refused with a pointer to dept_mega.adapt:
+dept_mega.eval_sources). A federated group job's run (``federation.lighthouse`` set) is
+evaluated on its own sources, without the lighthouse or the other group jobs (which may be gone
+by then).
 """
 from __future__ import annotations
 
@@ -27,19 +33,13 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .checkpoint import load_weights
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
+from .data.checks import check_eval_part
+from .eval_sources import never_updated_notes, not_the_runs_config, parse_extra_sources
 from .megatron_flags import parse_with_hints
 from .metrics import make_record, write_json_atomic
 from .parallel.agree import is_agreed
 from .process_exit import report_error
-
-
-# what a config that differs from the checkpoint's is told: the overrides may change the layout,
-# not the model, the variant or the sources (a source the run never trained has no data position,
-# and under SPEC / SPEC-OPT no embedding)
-NOT_THE_RUNS_CONFIG = ("dept_mega.evaluate evaluates a checkpoint with the model, DEPT settings and data.sources "
-                       "it was trained with: drop that override (a new source: train its embeddings on this body "
-                       "with python -m dept_mega.adapt, docs/dept.md \"Studies and plasticity\")")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -47,6 +47,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
+    ap.add_argument("--part", choices=("valid", "test"), default="valid",
+                    help="the part of data.split to evaluate: valid (as the run's periodic evaluation) or test "
+                         "(the third weight of data.split, never trained on)")
+    ap.add_argument("--extra-source", action="append", default=[], metavar="NAME=PREFIX",
+                    help="also evaluate the indexed data PREFIX.bin/.idx (tokenized with the run's data.tokenizer) "
+                         "as source NAME; repeatable; std, glob, trim only (docs/launching.md section 13)")
     ap.add_argument("--eval-iters", type=int, default=None,
                     help="global batches (train.global_batch_size sequences) per source, in place of the run's "
                          "train.eval_iters and train.eval_samples")
@@ -60,6 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         overrides += [f"train.eval_iters={args.eval_iters}", "train.eval_samples=null"]
     try:
         cfg = load_config(cfg_path, overrides)
+        check_eval_part(cfg, args.part)
+        extra = parse_extra_sources(args.extra_source, cfg)
     except ConfigError as exc:
         report_error(str(exc))
         return 2
@@ -78,31 +86,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .run_inputs import input_errors
     from .train import build_session
     try:
-        session = build_session(cfg, metrics=False, federate=False)  # a group job's: without the lighthouse
+        # a group job's: without the lighthouse
+        session = build_session(cfg, metrics=False, federate=False, eval_part=args.part, extra_sources=extra)
         sel = select_checkpoint(args.run_dir, session.device, args.step)
         if sel.step is None:
             # (rank 0's view of the directory decided: the same on every rank)
             report_error(f"no checkpoint to evaluate in {args.run_dir}/checkpoints", agreed=True)
             return 2
         if session.rank == 0:
-            for note in sel.notes:
+            for note in sel.notes + _split_notes(args.run_dir, sel.step, cfg) + never_updated_notes(cfg, extra):
                 print(f"warning: {note}", file=sys.stderr)
         step = sel.step
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
-                     verified=True, remedy=NOT_THE_RUNS_CONFIG, check_data=False)
+                     verified=True, remedy=not_the_runs_config(_run_variant(cfg_path, cfg)), check_data=False)
     except (*input_errors(), FileNotFoundError) as exc:
         report_error(str(exc), agreed=is_agreed(exc))
         return 2
     session.trainer.step = step
     by_source = session.loop.evaluate()
     if session.rank == 0:
-        rec = make_record("eval", step, session.loop.round_of(max(step - 1, 0)), by_source=by_source)
+        rec = make_record("eval", step, session.loop.round_of(max(step - 1, 0)), part=args.part, by_source=by_source)
         write_json_atomic(args.out, rec)
         print(json.dumps(rec))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _split_notes(run_dir: str, step: int, cfg: Config) -> list[str]:
+    """A warning when ``data.split`` differs from the split the checkpoint was trained under
+    (``depends.json``): the parts evaluated then hold other documents than the run's, possibly
+    documents it trained on. (Not an error: evaluating another cut is sometimes the point.)"""
+    from .data.identity import same_split
+    from .manifest import DEPENDS_FILE, CheckpointError, read_json
+    from .resume import step_dir
+    try:
+        saved = read_json(step_dir(run_dir, step), DEPENDS_FILE)["data"]["data.split"]
+    except (CheckpointError, KeyError, TypeError):
+        return []  # a checkpoint that does not record its data
+    if same_split(saved, cfg.data.split):
+        return []
+    return [f"config key 'data.split': {cfg.data.split!r} is not the split the checkpoint was trained under "
+            f"({saved!r}): the evaluated parts hold other documents than the run's validation (and test) parts, "
+            f"possibly documents it trained on"]
+
+
+def _run_variant(cfg_path: str, cfg: Config) -> str:
+    """The variant ``RUN/config.yaml`` names (the run's, whatever the overrides say: the advice
+    for an override of the sources depends on it), else this launch's."""
+    import yaml
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            variant = (yaml.safe_load(f) or {}).get("dept", {}).get("variant")
+    except (OSError, ValueError, AttributeError):
+        variant = None
+    return variant if isinstance(variant, str) else cfg.dept.variant
 
 
 if __name__ == "__main__":

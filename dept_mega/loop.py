@@ -44,6 +44,12 @@ class RoundHooks(Protocol):
 
     def eval_context(self, loop: "TrainLoop", source: str) -> ContextManager: ...
 
+    # optional: ``eval_assignment(sources) -> {source: group} | None`` (the same answer on every
+    # rank): each source is evaluated by that group alone — ``eval_context(loop, source,
+    # alone=True)`` — and the sums are gathered, where that gives the numbers every group would
+    # (DEPT after a round's sync, dept/eval_split.py); None or absent: every group evaluates
+    # every source.
+
     # optional: ``can_save_now() -> bool`` (the same answer on every rank): False while state a
     # checkpoint needs is in flight (an overlapped outer sync); the loop then defers a due
     # save (periodic or preemption) to the first step where it is True. Absent: True.
@@ -479,12 +485,23 @@ class TrainLoop:
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """Evaluate every source on its validation split; writes a ``kind: "eval"`` record."""
+        """Evaluate every source on its validation split; writes a ``kind: "eval"`` record.
+        Where the hooks share the sources out over the groups (``eval_assignment``: after a
+        round's sync every group would compute the same numbers, dept/eval_split.py) each
+        group evaluates its share and the sums are gathered; otherwise every group evaluates
+        every source and the record is global rank 0's (group 0's)."""
         if self.make_eval_batches is None or not self.eval_sources:
             return {}
-        by_source: dict[str, dict[str, float]] = {}
+        share = getattr(self.hooks, "eval_assignment", None)
+        owners = share(self.eval_sources) if share is not None else None
+        sums: dict[str, tuple[float, int, float]] = {}
         for name in self.eval_sources:
-            ctx = self.hooks.eval_context(self, name) if hasattr(self.hooks, "eval_context") else nullcontext()
+            if owners is not None and owners[name] != self.pg.group_index:
+                continue
+            if owners is not None:
+                ctx = self.hooks.eval_context(self, name, alone=True)
+            else:
+                ctx = self.hooks.eval_context(self, name) if hasattr(self.hooks, "eval_context") else nullcontext()
             with ctx:
                 loss_sum, tokens, nbytes = 0.0, 0, 0.0
                 for batch in self.make_eval_batches(name):
@@ -492,14 +509,33 @@ class TrainLoop:
                     loss_sum += s
                     tokens += t
                     nbytes += float(batch.nbytes)
-            nbytes = self._sum_over_dp(nbytes)
-            by_source[name] = eval_metrics(loss_sum, tokens, nbytes)
+            sums[name] = (loss_sum, tokens, self._sum_over_dp(nbytes))
+        if owners is not None:
+            sums = self._gather_sums(sums, owners)
+        by_source = {name: eval_metrics(*sums[name]) for name in self.eval_sources}
         step = self.trainer.step
         self.writer.write("eval", step, self.round_of(max(step - 1, 0)), by_source=by_source)
         parts = " | ".join(f"{n}: loss {v['loss']:.4f} bpb {v['bpb']:.4f}" for n, v in by_source.items())
         self.writer.log(f"eval step {step} | {parts}")
         self.eval_history.append({"step": step, "by_source": by_source})
         return by_source
+
+    def _gather_sums(self, sums: dict[str, tuple[float, int, float]],
+                     owners: dict[str, int]) -> dict[str, tuple[float, int, float]]:
+        """Every source's (loss sum, tokens, bytes) on every rank, from the first rank (tp, dp,
+        pp = 0) of the group that evaluated it (``owners``; group 0's is global rank 0, the rank
+        that writes the record when every group evaluates everything): one float64 all-reduce
+        (bookkeeping, not counted) in which the other ranks add zeros, so each value arrives bit
+        for bit (x + 0.0 = x; token counts are exact in float64 below 2^53)."""
+        names = self.eval_sources
+        v = torch.zeros(3 * len(names), dtype=torch.float64, device=self.trainer.device)  # NCCL: on the GPU
+        for i, n in enumerate(names):
+            if self.pg.rank == self.pg.rank_of(0, 0, 0, owners[n]):
+                loss_sum, tokens, nbytes = sums[n]
+                v[3 * i:3 * i + 3] = torch.tensor([loss_sum, float(tokens), nbytes], dtype=torch.float64)
+        dist.all_reduce(v)
+        vals = v.cpu().tolist()
+        return {n: (vals[3 * i], int(vals[3 * i + 1]), vals[3 * i + 2]) for i, n in enumerate(names)}
 
     def _sum_over_dp(self, x: float) -> float:
         if self.pg.dp is None:

@@ -96,11 +96,16 @@ class RunData:
                            nbytes=float(batch.bytes.sum()))
 
 
-def load_run_data(cfg: Config, pg: ParallelGroups) -> RunData:
+def load_run_data(cfg: Config, pg: ParallelGroups, eval_part: str = "valid", extra_sources: Sequence = ()) -> RunData:
+    """The run's datasets: each source's train part, and the part evaluation reads (``valid``, or
+    ``test`` for ``dept_mega.evaluate --part test``) of each source and of ``extra_sources``
+    (``dept_mega.evaluate --extra-source``: evaluated only)."""
     from .data.sources import source_datasets
     names = [s.name for s in cfg.data.sources]
     train = dict(zip(names, source_datasets(cfg, "train")))
-    valid = dict(zip(names, source_datasets(cfg, "valid")))
+    valid = dict(zip(names, source_datasets(cfg, eval_part)))
+    if extra_sources:
+        valid.update(zip([s.name for s in extra_sources], source_datasets(cfg, eval_part, sources=extra_sources)))
     return RunData(cfg, pg, train, valid)
 
 
@@ -142,11 +147,14 @@ def checked_on_rank0(check, rank: int, device: torch.device) -> None:
 
 def build_session(cfg: Config, metrics: bool = True,
                   prepare_stages: Optional[Callable[[list, ParallelGroups, torch.device], None]] = None,
-                  federate: bool = True) -> Session:
+                  federate: bool = True, eval_part: str = "valid", extra_sources: Sequence = ()) -> Session:
     """Everything a run needs. ``prepare_stages(stages, pg, device)``, when given, sees the
     freshly built fp32 model chunks before the trainer takes them (``dept_mega.adapt``: load a
     trained body, freeze it). ``federate=False``: a federated group job's session without its
-    lighthouse and peers (``dept_mega.evaluate`` of its checkpoint after the run)."""
+    lighthouse and peers (``dept_mega.evaluate`` of its checkpoint after the run).
+    ``eval_part``: the part of ``data.split`` evaluation reads (``valid``; ``test``).
+    ``extra_sources``: ``SourceConfig``s evaluated after the run's own sources with the run's
+    global vocabulary, never trained (``dept_mega.evaluate --extra-source``, dept_mega.eval_sources)."""
     from .data.checks import check_sources
     from .parallel.agree import agree_errors
     rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
@@ -154,7 +162,10 @@ def build_session(cfg: Config, metrics: bool = True,
     # the job prints it once (dept_mega.process_exit.report_error)
     agree_errors(lambda: validate(cfg, world), input_errors(), device)
     # the data first (empty sources, token ids outside the vocabulary): before any heavy work
-    checked_on_rank0(lambda: check_sources(cfg), rank, device)
+    checked_on_rank0(lambda: check_sources(cfg, eval_part), rank, device)
+    if extra_sources:
+        from .eval_sources import check_extra_sources
+        checked_on_rank0(lambda: check_extra_sources(cfg, extra_sources, eval_part), rank, device)
     p = cfg.parallel
     pg = build_groups(p.tensor, p.data, p.pipeline)
     eval_only = None
@@ -166,7 +177,8 @@ def build_session(cfg: Config, metrics: bool = True,
         pg.outer = FederatedOuter(Federation(cfg, pg, device, *federated) if federate
                                   else Offline(group, cfg.federation.groups))
         eval_only = own_sources(cfg)  # the others' embeddings are in other jobs
-    data, vocab = agree_errors(lambda: (load_run_data(cfg, pg), vocab_size_of(cfg)), input_errors(), device)
+    data, vocab = agree_errors(lambda: (load_run_data(cfg, pg, eval_part, extra_sources), vocab_size_of(cfg)),
+                               input_errors(), device)
     torch.manual_seed(cfg.train.seed)
     stages = None
     if prepare_stages is not None:
@@ -175,11 +187,16 @@ def build_session(cfg: Config, metrics: bool = True,
         prepare_stages(stages, pg, device)
     trainer = Trainer(cfg, pg, device, vocab_size=vocab, stages=stages)
     hooks = build_hooks(cfg, pg, trainer, device)
+    if extra_sources:
+        from .eval_sources import register_extra_sources
+        agree_errors(lambda: register_extra_sources(cfg, hooks, extra_sources, vocab), input_errors(), device)
     writer = MetricsWriter(cfg.train.run_dir if metrics else None, enabled=(rank == 0) and metrics,
                            tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb, config=cfg.to_dict())
     from .checkpoint import Checkpointer
     loop = TrainLoop(cfg, pg, trainer, hooks, writer, data.make_iterator,
-                     eval_sources=[n for n in data.valid if eval_only is None or n in eval_only], make_eval_batches=data.make_eval_batches,
+                     eval_sources=[n for n in data.valid if eval_only is None or n in eval_only
+                                   or n in {s.name for s in extra_sources}],
+                     make_eval_batches=data.make_eval_batches,
                      checkpointer=Checkpointer(cfg.train.run_dir))
     return Session(cfg, pg, device, trainer, loop, writer, rank, sampling_of(cfg, hooks, data))
 

@@ -2,7 +2,8 @@
 count the run's layout does not divide is one line saying what to launch or override, and the
 overrides evaluate the checkpoint in another layout (here one process for a pipeline-2 run)
 with the run's own final numbers; an override of the run's sources is refused with evaluate's
-own advice (not a training launch's "resume ... or start a new train.run_dir")."""
+own advice (not a training launch's "resume ... or start a new train.run_dir"): for STD, whose
+sources share one table, --extra-source (not dept_mega.adapt, which trains per-source embeddings)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from dept_mega import evaluate as evaluate_cli
+from dept_mega.eval_sources import not_the_runs_config
 from tests.federation_utils import run_single_job
 from tests.test_train_cli import _setup
 from tests.trainer_utils import read_jsonl
@@ -42,5 +44,6 @@ def test_evaluate_a_pipeline_run_in_one_process(tmp_path, capsys, monkeypatch):
     assert evaluate_cli.main(["--run-dir", run, "--out", out, "parallel.pipeline=1", f"data.sources={fewer}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: config key 'data.sources' differs from checkpoint "), err
-    assert err.endswith(evaluate_cli.NOT_THE_RUNS_CONFIG) and "python -m dept_mega.adapt" in err, err
+    assert err.endswith(not_the_runs_config("std")) and "--extra-source NAME=PREFIX" in err, err
+    assert "adapt" not in err, err
     assert "train.run_dir" not in err and not os.path.exists(out)

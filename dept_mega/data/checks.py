@@ -48,39 +48,53 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
     return out
 
 
-def _check_made_with(cfg: Config, i: int, vkey: str, digests: dict) -> None:
-    """ConfigError when the source's ``PREFIX.tokenizer.json`` names a tokenizer whose checksum
-    (of the SentencePiece model, or of a Hugging Face tokenizer's ``tokenizer.json``) is not the
-    configured tokenizer's (data without the record is left to the id-range check).
-    ``digests``: the tokenizers' checksums so far (``model_sha256``'s cache: a tokenizer several
-    sources share is read once)."""
+def _made_with(prefix: str, tokenizer: str, digests: dict) -> Optional[tuple[str, str]]:
+    """``(record, tokenizer named there)`` when ``PREFIX.tokenizer.json`` names a tokenizer whose
+    checksum (of the SentencePiece model, or of a Hugging Face tokenizer's ``tokenizer.json``) is
+    not that of ``tokenizer``; None when they agree or the data has no record (left to the
+    id-range check). A record that cannot be read: ValueError saying so. ``digests``: the
+    tokenizers' checksums so far (``model_sha256``'s cache: a tokenizer several sources share
+    is read once)."""
     from dept_mega.data.tokenizer import TOKENIZER_TYPES, model_sha256
-    s = cfg.data.sources[i]
-    record = tokenizer_record_path(s.prefix)
-    if vkey == "model.vocab_size" or not os.path.isfile(record):
-        return
+    record = tokenizer_record_path(prefix)
+    if not os.path.isfile(record):
+        return None
     try:
         with open(record, encoding="utf-8") as f:
             made = json.load(f)
         made_type, made_model, made_sha = made["tokenizer_type"], made["tokenizer_model"], made["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {record} is not a "
-                          f"tokenizer record ({exc!r}); rerun tools/preprocess_data.py, or delete the file "
-                          f"to skip this check") from None
-    if made_type not in TOKENIZER_TYPES:
+        raise ValueError(f"{record} is not a tokenizer record ({exc!r}); rerun tools/preprocess_data.py, or delete "
+                         f"the file to skip this check") from None
+    if made_type not in TOKENIZER_TYPES or model_sha256(tokenizer, digests) == made_sha:
+        return None
+    return record, made_model
+
+
+def _check_made_with(cfg: Config, i: int, vkey: str, digests: dict) -> None:
+    """ConfigError when the source's ``PREFIX.tokenizer.json`` names another tokenizer than the
+    configured one (:func:`_made_with`)."""
+    s = cfg.data.sources[i]
+    if vkey == "model.vocab_size":
         return
     used = s.tokenizer if vkey.startswith("data.sources") else cfg.data.tokenizer
-    if model_sha256(used, digests) != made_sha:
+    try:
+        other = _made_with(s.prefix, used, digests)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'data.sources[{i}].prefix': source '{s.name}': {exc}") from None
+    if other is not None:
+        record, made_model = other
         raise ConfigError(f"config key '{vkey}': source '{s.name}': {bin_path(s.prefix)} was tokenized with "
                           f"{made_model} ({record}), but {vkey} is {used}, another tokenizer: point {vkey} at the "
                           f"tokenizer the data was made with, or data.sources[{i}].prefix at data tokenized "
                           f"with {used}")
 
 
-def check_sources(cfg: Config) -> None:
+def check_sources(cfg: Config, eval_part: str = "valid") -> None:
     """ConfigError (one line naming the key, the file and the numbers) when a source is empty,
     holds a token id outside the vocabulary that embeds it, or was made with another tokenizer
-    than the configured one (where the data records it)."""
+    than the configured one (where the data records it). ``eval_part``: the part evaluation
+    reads (``valid``; ``test``: ``dept_mega.evaluate --part test``, after :func:`check_eval_part`)."""
     vocabs = embedding_vocabularies(cfg)
     digests: dict = {}
     opened = []
@@ -105,22 +119,92 @@ def check_sources(cfg: Config) -> None:
     # after every source's files are known sound: a damaged file is named as such first
     for i, ds in enumerate(opened):
         _check_train_size(cfg, i, ds)
-        _check_validation_size(cfg, i, ds)
+        _check_validation_size(cfg, i, ds, eval_part)
 
 
-def _empty_part(cfg: Config, i: int, ds: IndexedDataset, which: str) -> Optional[str]:
-    """None when source ``i``'s part ``which`` (``train`` | ``valid``) holds a sample of
+def check_extra_source(cfg: Config, source, part: str, digests: dict, label: str) -> None:
+    """ConfigError naming ``label`` (``--extra-source NAME=PREFIX``) when ``source`` (a
+    ``SourceConfig`` evaluated beside the run's sources, never trained: dept_mega.eval_sources)
+    cannot be evaluated with the run's global vocabulary: the checks a training launch makes of
+    its own sources — documents present, every id inside the vocabulary, made with the run's
+    tokenizer where ``PREFIX.tokenizer.json`` records it (by checksum), the byte counts bits per
+    byte need — and a sample of ``model.seq_length`` + 1 tokens in part ``part`` of ``data.split``."""
+    from dept_mega.data.indexed import IndexedFormatError
+    vkey, what, vocab = embedding_vocabularies(_with_sources(cfg, [source]))[0]
+    prefix = source.prefix
+    try:
+        ds = IndexedDataset(prefix)
+    except IndexedFormatError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    if ds.num_documents == 0 or ds.num_tokens == 0:
+        raise ConfigError(f"{label}: {idx_path(prefix)} holds {ds.num_documents} documents and {ds.num_tokens} "
+                          f"tokens: an empty dataset")
+    how = (f"preprocess its jsonl with tools/preprocess_data.py --tokenizer-model {cfg.data.tokenizer}"
+           if vkey == "data.tokenizer" else "preprocess it with the run's tokenizer")
+    lo, hi = token_id_range(prefix, cfg.data.cache_dir)
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ConfigError(f"{label}: {bin_path(prefix)} holds token id {bad}, but the run's {what} ({vkey}) has "
+                          f"{vocab} ids (0..{vocab - 1}): the data was made with another tokenizer; {how}")
+    if vkey == "data.tokenizer":
+        try:
+            other = _made_with(prefix, cfg.data.tokenizer, digests)
+        except ValueError as exc:
+            raise ConfigError(f"{label}: {exc}") from None
+        if other is not None:
+            raise ConfigError(f"{label}: {bin_path(prefix)} was tokenized with {other[1]} ({other[0]}), but the "
+                              f"run's data.tokenizer is {cfg.data.tokenizer}, another tokenizer: its ids mean other "
+                              f"text to this model; {how}")
+    if cfg.train.eval_sequences() and not os.path.isfile(bytes_path(prefix)):
+        raise ConfigError(f"{label}: {bytes_path(prefix)} does not exist: bits per byte need each document's UTF-8 "
+                          f"byte count, which tools/preprocess_data.py writes (tools/add_byte_counts.py --prefix "
+                          f"{prefix} --input DOCS.jsonl adds it)")
+    if (empty := _empty_part(cfg, 0, ds, part, source=source)) is not None:
+        raise ConfigError(f"{label}: {empty}: nothing to evaluate (its documents are split by data.split like "
+                          f"the run's sources)")
+
+
+def _with_sources(cfg: Config, sources) -> Config:
+    """``cfg`` with ``data.sources`` replaced by ``sources`` (a shallow copy)."""
+    import dataclasses
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=list(sources)))
+
+
+PART_NAMES = {"train": "train", "valid": "validation", "test": "test"}
+
+
+def check_eval_part(cfg: Config, part: str) -> None:
+    """ConfigError naming ``data.split`` when evaluation is to read part ``part`` (``valid`` |
+    ``test``) but the split gives it no weight: ``data.split`` ``"98,2"`` has no test part."""
+    from dept_mega.data.gpt_dataset import PARTS, parse_split
+    if part not in PARTS[1:]:
+        raise ConfigError(f"evaluation part {part!r} is not one of {' | '.join(PARTS[1:])}")
+    try:
+        weights = parse_split(cfg.data.split)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'data.split': {exc}") from None
+    index = PARTS.index(part)
+    if index >= len(weights) or weights[index] <= 0:
+        raise ConfigError(f"config key 'data.split': {cfg.data.split!r} has no {PART_NAMES[part]} part (weights "
+                          f"train,valid,test: a third weight > 0 makes a test part, which training never reads); "
+                          f"the run's documents were split without one, so evaluate its validation part (--part "
+                          f"valid), or train with a data.split such as '90,5,5' to hold out a test part")
+
+
+def _empty_part(cfg: Config, i: int, ds: IndexedDataset, which: str, source=None) -> Optional[str]:
+    """None when source ``i``'s part ``which`` (``train`` | ``valid`` | ``test``) holds a sample of
     ``model.seq_length`` + 1 tokens, else what it holds, for the check's error; a ConfigError
-    naming ``data.split`` when the split cannot be applied."""
+    naming ``data.split`` when the split cannot be applied. ``source``: the source (default:
+    ``data.sources[i]``)."""
     from dept_mega.data.gpt_dataset import DatasetError, part_tokens
-    s = cfg.data.sources[i]
+    s = cfg.data.sources[i] if source is None else source
     try:
         lo, hi, tokens = part_tokens(ds, cfg.data.split, which)
     except DatasetError as exc:
         raise ConfigError(f"config key 'data.split': source '{s.name}' ({idx_path(s.prefix)}): {exc}") from None
     if max(tokens - 1, 0) // cfg.model.seq_length > 0:
         return None
-    part = "train" if which == "train" else "validation"
+    part = PART_NAMES[which]
     return (f"its {part} part ({hi - lo} of {ds.num_documents} documents under data.split {cfg.data.split!r}, "
             f"{tokens} tokens) holds no sample of model.seq_length + 1 = {cfg.model.seq_length + 1} tokens")
 
@@ -135,16 +219,16 @@ def _check_train_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
                           f"in data.split, or a shorter model.seq_length")
 
 
-def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset) -> None:
+def _check_validation_size(cfg: Config, i: int, ds: IndexedDataset, part: str = "valid") -> None:
     """ConfigError when evaluation will run but the source's validation part holds no sample of
     ``model.seq_length`` + 1 tokens: its loss and bits per byte would be computed from no tokens
     at all (NaN in the log and metrics.jsonl) at every evaluation. A part with fewer samples
     than ``train.eval_iters`` × ``train.global_batch_size`` is evaluated whole
     (``dept_mega.data.sources.ValidationBatches``)."""
-    if cfg.train.eval_sequences() == 0 or (empty := _empty_part(cfg, i, ds, "valid")) is None:
+    if cfg.train.eval_sequences() == 0 or (empty := _empty_part(cfg, i, ds, part)) is None:
         return
     raise ConfigError(f"config key 'data.split': source '{cfg.data.sources[i].name}': {empty}: its loss and bits "
-                      f"per byte would be NaN. Give the validation part more weight in data.split, use more data "
+                      f"per byte would be NaN. Give the {PART_NAMES[part]} part more weight in data.split, use more data "
                       f"for this source, or set train.eval_iters=0 (and train.eval_samples=0 where set) to train "
                       f"without evaluation")
 

@@ -78,7 +78,8 @@ def _split_weights(split: Any) -> Optional[list[float]]:
     return [x / total for x in w] if total > 0 else None
 
 
-def _same_split(a: Any, b: Any) -> bool:
+def same_split(a: Any, b: Any) -> bool:
+    """Whether two data.split values give the same shares ("95,5" is "19,1", "90,10" is "90,10,0")."""
     wa, wb = _split_weights(a), _split_weights(b)
     if wa is None or wb is None:
         return a == b
@@ -104,7 +105,7 @@ def data_differences(saved: Any, now: dict, cfg) -> Optional[list[tuple[str, str
         if key not in saved:
             continue
         old, new = saved[key], now[key]
-        if (key == "data.split" and not _same_split(old, new)) or (key != "data.split" and old != new):
+        if (key == "data.split" and not same_split(old, new)) or (key != "data.split" and old != new):
             rows.append((key, f"the checkpoint read its data under {old!r}, this launch has {new!r}"))
     old_sources = saved.get("sources") if isinstance(saved.get("sources"), dict) else {}
     for i, s in enumerate(cfg.data.sources):

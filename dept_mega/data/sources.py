@@ -314,12 +314,14 @@ def naming_source(index: int, name: str):
         raise ConfigError(f"config key 'data.sources[{index}].prefix': source '{name}': {exc}") from exc
 
 
-def source_datasets(cfg, which: str = "train", shuffle: Optional[bool] = None) -> list[GPTDataset]:
-    """One :class:`GPTDataset` per ``cfg.data.sources`` entry (train shuffled, valid/test not,
-    unless ``shuffle`` says otherwise)."""
+def source_datasets(cfg, which: str = "train", shuffle: Optional[bool] = None,
+                    sources: Optional[Sequence] = None) -> list[GPTDataset]:
+    """One :class:`GPTDataset` per ``cfg.data.sources`` entry (or per entry of ``sources``:
+    ``dept_mega.evaluate --extra-source``), part ``which`` of ``data.split`` (train shuffled,
+    valid/test not, unless ``shuffle`` says otherwise)."""
     shuffle = (which == "train") if shuffle is None else shuffle
     out = []
-    for i, s in enumerate(cfg.data.sources):
+    for i, s in enumerate(cfg.data.sources if sources is None else sources):
         with naming_source(i, s.name):
             out.append(GPTDataset(s.prefix, cfg.model.seq_length, cfg.data.split, which, cfg.train.seed,
                                   cfg.data.cache_dir, shuffle=shuffle))

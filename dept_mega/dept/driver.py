@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..parallel.agree import world_max
 from ..parallel.comm import CATEGORIES, total_over_ranks
 from ..profiling import PhaseTimer
 from ..sampling_plan import make_scheduler, rounds_line
@@ -40,6 +41,7 @@ from .federation import LeftOut
 from .master_shards import value_access
 from .memory import eager_start
 from .outer import FlatSync, OuterOptimizer, sync_options
+from .eval_split import balanced_assignment, eval_params
 from .streaming import OuterSchedule, body_fragments, sync_units
 from .rounds import RoundScheduler
 from .source_info import SourceInfo, sources_from_config  # noqa: F401  (SourceInfo: importable from here too)
@@ -96,6 +98,8 @@ class DeptHooks:
                                       defer_round_end=fed is not None)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
+        # (step, ids): the parameters a checkpoint load of that step read from group-free keys
+        self._loaded_same: Optional[tuple[int, frozenset]] = None
         self._prepare_resume()
 
     def _make_scheduler(self, groups: int, origin: Optional[dict] = None) -> RoundScheduler:
@@ -234,6 +238,7 @@ class DeptHooks:
     def round_start(self, loop, round_index: int) -> dict[int, str]:
         if self.federation is not None:  # the round's quorum; a healed group continues at its peers' round
             round_index = self.federation.join_round(self, loop, round_index)
+        self._loaded_same = None  # training goes on: the loaded values change
         self.plan = self.scheduler.plan(round_index)
         mine = self.names[self.plan.sources[self.group_index]]
         assignment = {g: self.names[k] for g, k in enumerate(self.plan.sources)}
@@ -276,6 +281,7 @@ class DeptHooks:
 
     def before_step(self, loop) -> None:
         """Before an inner step: fragments due now are launched (streaming.py)."""
+        self._loaded_same = None
         self.schedule.before_step(self.trainer.step)
 
     def after_step(self, loop) -> None:
@@ -345,15 +351,16 @@ class DeptHooks:
         return None  # TRIM remaps ids inside its compact embeddings (TrimmedEmbeddings)
 
     @contextlib.contextmanager
-    def eval_context(self, loop, source: str):
+    def eval_context(self, loop, source: str, alone: bool = False):
         """Evaluate ``source`` with the embeddings its variant's strategy names (docs/dept.md,
         "Evaluation"). Every group runs the same sequence of evaluations, so the group holding
-        a source's weights can send a copy to the other groups (same (tp, dp, pp) position).
-        Traffic inside is left out of the round's byte counts."""
+        a source's weights can send a copy to the other groups (same (tp, dp, pp) position);
+        ``alone``: this group alone evaluates it (:meth:`eval_assignment`), and nothing crosses
+        groups. Traffic inside is left out of the round's byte counts."""
         restore = None
         with self.uncounted():
             try:
-                view = RoundView(self.plan, self.installed, self.store, self.in_round)
+                view = RoundView(self.plan, self.installed, self.store, self.in_round, alone=alone)
                 # federated: a group job evaluates only its own sources, all of whose state it holds
                 embs = (self._own_eval_embeddings(source) if self.federation is not None
                         else self.strategy.eval_embeddings(source, view))
@@ -363,6 +370,35 @@ class DeptHooks:
             finally:
                 if restore is not None:
                     self.trainer.set_embeddings(*restore)
+
+    def add_eval_sources(self, infos: Sequence[SourceInfo]) -> None:
+        """Sources evaluated only, never trained (``dept_mega.evaluate --extra-source``;
+        GLOB, TRIM: ``strategy.add_eval_sources``)."""
+        self.strategy.add_eval_sources(infos)
+
+    def loaded_replicated(self, step: int, ids: frozenset) -> None:
+        """A checkpoint of inner step ``step`` was just loaded; ``ids``: the parameters it read
+        from group-free keys (the value every group held when it was written), which every group
+        holds the same until training goes on (:meth:`eval_assignment`)."""
+        self._loaded_same = (int(step), frozenset(ids))
+
+    def eval_assignment(self, names: Sequence[str]) -> Optional[dict[str, int]]:
+        """Source → the one group that evaluates it, where that gives the numbers every group
+        would (eval_split.py); None: every group evaluates every source (in the middle of a
+        round, with a sync in flight, a fragment trained on since its sync, federation, one
+        group). The same answer on every rank (plans and sync positions are)."""
+        if self.pg.num_groups < 2 or self.federation is not None or self.in_round or not self.schedule.idle:
+            return None
+        same = set(self.group_replicated_params())
+        if self._loaded_same is not None and self._loaded_same[0] == self.trainer.step:
+            same |= self._loaded_same[1]
+        differs = any(id(p) not in same for p in eval_params(self.trainer, self.strategy.source_embeddings))
+        # each rank sees its own stage's parameters (a fragment synchronised earlier in the round
+        # may sit on another stage): one rank's doubt is every rank's (bookkeeping, not counted)
+        if world_max([differs], self.device)[0]:
+            return None
+        view = RoundView(self.plan, self.installed, self.store, self.in_round)
+        return balanced_assignment(names, self.pg.num_groups, {n: self.strategy.eval_group(n, view) for n in names})
 
     def _own_eval_embeddings(self, source: str) -> Optional[list]:
         """Federation: the embeddings this group job evaluates its own ``source`` with — the

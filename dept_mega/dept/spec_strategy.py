@@ -35,14 +35,28 @@ class SpecStrategy(VariantStrategy):
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         """The weights of the group that trains the source now (or trained it last), copied to
-        every other group; a never-trained source uses its initial embeddings (seeded, or
-        ``train.init_from``'s table)."""
+        every other group — or, when that group alone evaluates it (``view.alone``: the groups
+        share the sources out, :meth:`eval_group`), its own; a never-trained source uses its
+        initial embeddings (seeded, or ``train.init_from``'s table)."""
         holder = view.holder(self.ctx.index[source])
         if holder is None:  # no plan (a federated job's own source: the stored state), or never trained
             return view.store.get(source).embeddings if source in view.store else self.initial(source)
         installed = source == view.installed
+        if view.alone:
+            if holder != self.ctx.pg.coords.group:
+                raise RuntimeError(f"{self.name}: source {source!r} is held by group {holder}, but group "
+                                   f"{self.ctx.pg.coords.group} was to evaluate it alone")
+            return None if installed else view.store.get(source).embeddings
         mine = None
         if self.ctx.pg.coords.group == holder:
             mine = self.ctx.trainer.embeddings() if installed else view.store.get(source).embeddings
         embs = embeddings_from_holder(self.ctx, holder, mine, lambda: self.build(source))
         return None if (installed and self.ctx.pg.coords.group == holder) else embs
+
+    def eval_group(self, source: str, view: RoundView) -> Optional[int]:
+        """The group holding the source's embeddings (none cross groups); None: never trained."""
+        return view.holder(self.ctx.index[source])
+
+    def add_eval_sources(self, infos) -> None:
+        raise ValueError(f"{self.name}: each source owns its embeddings; a source the run never trained has "
+                         f"none to evaluate with (dept_mega.adapt trains them)")

@@ -14,6 +14,9 @@ per source, data positions, byte accounting — and sequences the variant's stra
                   positions; overlapped with ``dept.outer_overlap``)
 ``sync``          the round end, after the body: TRIM's rows and positions (blocking)
 ``eval_embeddings``  the embeddings a source is evaluated with (None: the installed ones)
+``eval_group``    the group that should evaluate a source when each source is evaluated by one
+                  group (SPEC: the one holding its embeddings; None: any)
+``add_eval_sources``  sources evaluated only (``dept_mega.evaluate --extra-source``)
 ``state_dict`` / ``load_state_dict``  the variant's own checkpoint state (plain values and tensors)
 ================  ==========================================================================
 
@@ -62,6 +65,8 @@ class RoundView:
     installed: Optional[str]  # the source this group's embeddings / body state belong to
     store: SourceStore
     in_round: bool  # between round_start and round_end: groups hold locally trained parameters
+    # this group alone evaluates the source (DeptHooks.eval_assignment): no copy crosses groups
+    alone: bool = False
 
     def holder(self, k: int) -> Optional[int]:
         """The group that trains source k in this round, else the one that trained it last."""
@@ -118,6 +123,18 @@ class VariantStrategy:
 
     def eval_embeddings(self, source: str, view: RoundView) -> Optional[list]:
         return None
+
+    def eval_group(self, source: str, view: RoundView) -> Optional[int]:
+        """The group that evaluates ``source`` when the groups share the sources out
+        (``DeptHooks.eval_assignment``); None: any group gives the same numbers."""
+        return None
+
+    def add_eval_sources(self, infos: Sequence[SourceInfo]) -> None:
+        """Sources that are evaluated, never trained (``dept_mega.eval_sources``): known by
+        name to :meth:`eval_embeddings`, not to the round driver's plans (a new list: the
+        driver's stays as it is)."""
+        self.ctx.sources = [*self.ctx.sources, *infos]
+        self.ctx.index = {s.name: i for i, s in enumerate(self.ctx.sources)}
 
     def checkpoint_syncs(self) -> dict:
         """FlatSyncs of the strategy's own that the driver does not schedule, by checkpoint

@@ -189,6 +189,9 @@ class TrimStrategy(VariantStrategy):
         group = ctx.pg.coords.group
         holder = view.training(k)
         if view.in_round and holder is not None:
+            if view.alone:  # (DeptHooks.eval_assignment shares sources out only after a round's sync)
+                raise RuntimeError(f"trim: source {source!r} is trained by group {holder} in this round; every "
+                                   f"group evaluates it with a copy of that group's table")
             # what the training group holds now: its compact table, copied to the other groups
             mine = ctx.trainer.embeddings() if group == holder else None
             embs = embeddings_from_holder(ctx, holder, mine, lambda: self.build(source))
