@@ -49,7 +49,7 @@ from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointEr
                        digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
                        write_durable, write_json_durable, write_manifest)
 from .run_configs import CONFIG_FILE, config_text
-from .checkpoint_format import Entry, load_entries, param_key, save_entries, with_group
+from .checkpoint_format import Entry, load_entries, save_entries, shared_params, with_group
 from .checkpoint_state import (group_entries, group_targets, has_group_state, has_outer_state, model_entries,
                                outer_entries, outer_targets, unused_group_buffers)
 from .checkpoint_fp8 import FLAG as FP8_FLAG, fp8_file, restore_fp8, stage_fp8
@@ -463,18 +463,6 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
             notes.extend(line for line in lines if line not in notes)
     if hooks is not None and layout.get("outer_group_keys") and notes is not None:
         notes.extend(line for line in unused_group_buffers(hooks, path) if line not in notes)
-
-
-def shared_params(trainer, read: list[Entry]) -> frozenset:
-    """The ids of the model parameters that a load read (``read``: its entries, with the keys it
-    read them from) under their group-free keys only: the value every group held when the
-    checkpoint was written (checkpoint_format's module doc), so every group holds it now."""
-    keys = {e.key for e in read}
-    shared: dict[int, bool] = {}
-    for st in trainer.stages:
-        for name, p in st.named_parameters():
-            shared[id(p)] = shared.get(id(p), True) and param_key(name, None) in keys
-    return frozenset(i for i, ok in shared.items() if ok)
 
 
 def _dept_metas(path: str, groups) -> dict[int, dict]:

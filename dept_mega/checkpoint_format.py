@@ -316,3 +316,15 @@ def read_full(path: str, keys: Iterable[str], device="cpu") -> dict[str, torch.T
         out[k] = torch.empty(tuple(md[at].size), dtype=md[at].properties.dtype, device=device)
     load_entries([whole(k, t) for k, t in out.items()], path)
     return out
+
+
+def shared_params(trainer, read: list[Entry]) -> frozenset:
+    """The ids of the model parameters that a load read (``read``: its entries, with the keys it
+    read them from) under their group-free keys only: the value every group held when the
+    checkpoint was written (checkpoint_format's module doc), so every group holds it now."""
+    keys = {e.key for e in read}
+    shared: dict[int, bool] = {}
+    for st in trainer.stages:
+        for name, p in st.named_parameters():
+            shared[id(p)] = shared.get(id(p), True) and param_key(name, None) in keys
+    return frozenset(i for i, ok in shared.items() if ok)
