@@ -215,8 +215,11 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     check_untrained(cfg, scheduler)
     vocabs = resolve_vocabs(cfg)
     sources = list(vocabs.source_vocabs.values()) if cfg.dept.variant == "spec_opt" else []
-    lines.append(f"vocabulary: {vocab:,} ids" + (f" (per source: {', '.join(f'{n} {v:,}' for n, v in vocabs.source_vocabs.items())})"
-                                                 if sources else ""))
+    if sources:  # SPEC-OPT: each source its own; the largest sizes the memory below
+        per = ", ".join(f"{n} {v:,}" for n, v in vocabs.source_vocabs.items())
+        lines.append(f"vocabulary: per source {per} ids (largest {max(sources):,})")
+    else:
+        lines.append(f"vocabulary: {vocab:,} ids")
     mem = predict_memory(cfg, vocabs.global_vocab or vocab, sources, list(vocabs.trim_vocabs.values()))
     act = mem["activations_per_microbatch"]
     lines.append(f"memory per rank (predicted, largest rank): {_size(mem['total'])} = weights {_size(mem['weights'])} + "

@@ -257,7 +257,7 @@ def sampling_warning(cfg, groups: int, scheduler=None) -> Optional[str]:
     weighted = any(s.weight != 1.0 for s in sources)
     asked = f"dept.sampling: {d.sampling}" + (" and data.sources[].weight" if weighted else "")
     if K == G:
-        return (f"config key 'dept.sampling': {asked} change nothing here: with {K} sources on {G} groups, group g "
+        return (f"config key 'dept.sampling': {asked} {'change' if weighted else 'changes'} nothing here: with {K} sources on {G} groups, group g "
                 f"trains source g every round, so each source gets 1/{G} ({100.0 / G:.1f} %) of the training; for a "
                 f"weighted mix use dept.variant: std (the weights set every batch's mix) or more sources than "
                 f"groups (each round then draws {G} of them, a source at most 1/{G} of the rounds) "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 import numpy as np
 
 from tests.data_utils import run_tool, synthetic_texts, write_docs, write_jsonl
@@ -91,3 +93,16 @@ def test_progress_gives_percent_and_eta(tmp_path):
     assert pct == sorted(pct) and pct[-1] == 100.0 and pct[0] < 50
     size = os.path.getsize(src) / 1e6
     assert f"of {size:.1f} MB" in progress[0] and "ETA " in progress[0] and progress[-1].endswith("ETA 0:00:00")
+
+
+def test_a_huggingface_tokenizer_without_its_type_is_named():
+    """Megatron's --tokenizer-type stays explicit; a Hugging Face tokenizer given under the
+    default (SentencePieceTokenizer) says which flag to pass, for the directory and the file."""
+    import tempfile
+
+    from dept_mega.data.tokenizer import TokenizerError, open_tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        d = _train_bpe(os.path.join(tmp, "hf"))
+        for path in (d, os.path.join(d, "tokenizer.json")):
+            with pytest.raises(TokenizerError, match="pass --tokenizer-type HuggingFaceTokenizer"):
+                open_tokenizer("SentencePieceTokenizer", path)

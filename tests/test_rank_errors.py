@@ -45,7 +45,7 @@ def _rank_main(argv: list, env: dict, err: str, fail: tuple) -> None:
     if where == "data" and rank in ranks:
         from dept_mega.data.gpt_dataset import DatasetError
 
-        def load_run_data(cfg, pg):
+        def load_run_data(cfg, pg, *parts):
             raise DatasetError(f"{OWN} (rank {rank})")
         train.load_run_data = load_run_data
     if where == "trainer" and rank in ranks:

@@ -52,7 +52,7 @@ def test_as_many_sources_as_groups_warns_that_the_weights_change_nothing():
                  "more sources than groups (each round then draws 3 of them, a source at most 1/3 of the rounds) "
                  "(docs/dept_guide.md §3)")
     # any weighting, tied to groups or not
-    assert "dept.sampling: proportional change nothing" in sampling_warning(_cfg(sampling="proportional",
+    assert "dept.sampling: proportional changes nothing" in sampling_warning(_cfg(sampling="proportional",
                                                                                  weights=(1, 1, 1)), 3)
     assert "change nothing" in sampling_warning(_cfg(weights=(0.3, 0.5, 0.2), groups=(0, 1, 2)), 3)
 

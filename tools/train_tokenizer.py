@@ -71,7 +71,8 @@ def training_line(line: str, normalization: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="jsonl file(s), one JSON object per line")
-    p.add_argument("--json-key", default="text", help="key holding the text (default: text)")
+    p.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
+                   help="key holding the text (default: text; --json-keys, preprocess_data.py's name, is accepted)")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")

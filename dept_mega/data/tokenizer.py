@@ -241,5 +241,9 @@ def open_tokenizer(tokenizer_type: str, path: str):
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(path)
     if tokenizer_type == "SentencePieceTokenizer":
+        if os.path.exists(path) and (os.path.isdir(path) or path.endswith(".json")) \
+                and tokenizer_kind(path) == HUGGINGFACE:
+            raise TokenizerError(f"--tokenizer-type SentencePieceTokenizer (the default): {path!r} is a Hugging Face "
+                                 f"tokenizer (tokenizer.json); pass --tokenizer-type HuggingFaceTokenizer")
         return Tokenizer(path)
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
