@@ -1,7 +1,8 @@
 """Preemption: SIGTERM / SIGUSR1 make the job save a checkpoint and exit with a known code;
 SIGINT (Ctrl-C, which torchrun passes on to its workers) saves the same way but exits with
 :data:`EXIT_INTERRUPTED` and no ``preempted.json`` (the user stopped it: nothing requeues it),
-and a second SIGINT stops the process at once, unsaved (``KeyboardInterrupt``).
+and a second Ctrl-C stops the process at once, unsaved (``KeyboardInterrupt``: a second SIGINT,
+or the SIGTERM with which torchrun escalates a second Ctrl-C).
 
 SLURM sends ``SIGUSR1`` shortly before the time limit when the job asks for it
 (``#SBATCH --signal=USR1@120``) and ``SIGTERM`` on ``scancel`` or preemption. The handler only
@@ -66,8 +67,10 @@ class Preemption:
         self._previous.clear()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
-        if signum == signal.SIGINT and self.signal is not None:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        if self.signal == signal.SIGINT and signum in (signal.SIGINT, signal.SIGTERM):
+            # a second Ctrl-C: stop now, without the checkpoint (torchrun passes the first one on
+            # as SIGINT and, at the second, shuts its workers down with SIGTERM)
+            raise KeyboardInterrupt
         if self.signal is None:
             self.signal = int(signum)
             if signum == signal.SIGINT:  # os.write: safe wherever the handler interrupts the process

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from tests.federation_utils import write_config
+from tests.test_fp8_auto import cuda_here  # noqa: F401 - the fixture
 from tests.mp_utils import run_distributed
-from tests.trainer_utils import read_jsonl
+from tests.trainer_utils import read_jsonl, tiny_config
 
 
 def _rank(rank: int, world: int, argv: list, log: str, split: bool, module: str) -> dict:
@@ -140,3 +142,20 @@ def test_stages_agree_on_whether_to_share_out(tmp_path):
     assert [r["status"] for r in res] == [0] * 4, open(os.path.join(run, "out.0")).read()[-3000:]
     names = sorted(_records(run, "eval")[0]["by_source"])
     assert [sorted(s for t, s in r["seen"] if t == 2) for r in res] == [names] * 4
+
+
+def test_math_that_differs_between_groups_keeps_every_group_evaluating(cuda_here, monkeypatch):  # noqa: F811
+    """Where the same parameters give other bits in another group the evaluation is not shared
+    out: cuBLASLt algorithms timed per rank (fp8_gemm_tuning, on a GPU), Transformer Engine's
+    FP8 (each group's own amax history); native FP8 evaluates with current scaling: shared."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.model import backends as backends_module
+    fp8 = {"precision": "bf16", "fp8": "hybrid"}
+    ask = lambda over, device="cuda": DeptHooks._group_dependent_math(  # noqa: E731
+        SimpleNamespace(cfg=tiny_config(over), device=torch.device(device)))
+    assert not ask({}) and not ask(fp8)
+    assert ask({**fp8, "fp8_gemm_tuning": 8}) and not ask({**fp8, "fp8_gemm_tuning": 8}, "cpu")
+    monkeypatch.setattr(backends_module, "_resolve_linear", lambda cfg, device: ("transformer_engine", []))
+    assert ask(fp8)

@@ -396,8 +396,14 @@ def test_ctrl_c_saves_exits_130_without_requeue_and_a_second_stops_at_once(tmp_p
     r = _train_here("--config", cfg, "train.steps=6")
     assert r.returncode == 0 and "resum" in r.stdout.lower(), r.stdout[-2000:]
 
-    p = Preemption()
-    p._handler(int(signal.SIGINT), None)
-    assert p.signal == int(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
+    for second in (signal.SIGINT, signal.SIGTERM):  # torchrun escalates a second Ctrl-C to SIGTERM
+        p = Preemption()
         p._handler(int(signal.SIGINT), None)
+        assert p.signal == int(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            p._handler(int(second), None)
+    p = Preemption()  # a preemption is not a Ctrl-C: a second signal is recorded, never raised
+    p._handler(int(signal.SIGTERM), None)
+    p._handler(int(signal.SIGTERM), None)
+    p._handler(int(signal.SIGINT), None)
+    assert p.signal == int(signal.SIGTERM)

@@ -673,3 +673,14 @@ def test_mid_round_evaluations_are_warned_and_marked(tmp_path):
     assert ("glob_local_steps=100", None, "o", [100 * tps]) in lines  # the line: round ends only
     assert ("inside a round (not synchronised)", "none", "x", [50 * tps]) in lines
     assert ("glob_local_steps=50", None, "o", [50 * tps, 100 * tps]) in lines
+
+
+def test_the_final_evaluation_is_not_a_mid_round_one():
+    """train.steps not a multiple of dept.local_steps: the last evaluation follows the last
+    round's sync, so it is a round-end point; the ones inside a round are marked."""
+    from dept_mega.study.results import RunResult
+    r = RunResult(run_dir="r", variant="glob", config={"dept": {"variant": "glob", "local_steps": 50}},
+                  by_source={}, eval_step=210, eval_curve=[(50, 2.0), (75, 1.9), (100, 1.8), (210, 1.5)],
+                  train_curve=[], tokens_per_step=1, rounds=5, bytes_per_round={}, bytes_total={},
+                  params_per_rank={})
+    assert r.local_steps == 50 and r.mid_round_eval_steps() == [75]

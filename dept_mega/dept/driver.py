@@ -389,6 +389,8 @@ class DeptHooks:
         group). The same answer on every rank (plans and sync positions are)."""
         if self.pg.num_groups < 2 or self.federation is not None or self.in_round or not self.schedule.idle:
             return None
+        if self._group_dependent_math():
+            return None
         same = set(self.group_replicated_params())
         if self._loaded_same is not None and self._loaded_same[0] == self.trainer.step:
             same |= self._loaded_same[1]
@@ -399,6 +401,16 @@ class DeptHooks:
             return None
         view = RoundView(self.plan, self.installed, self.store, self.in_round)
         return balanced_assignment(names, self.pg.num_groups, {n: self.strategy.eval_group(n, view) for n in names})
+
+    def _group_dependent_math(self) -> bool:
+        """Whether the same parameters give other numbers in another group: Transformer Engine's
+        FP8 scales its evaluation with the group's own amax history; ``fp8_gemm_tuning`` lets
+        each rank time and keep its own cuBLASLt algorithms (another summation order)."""
+        from ..model.backends import resolve_backends
+        if self.cfg.fp8 is None:
+            return False
+        b = resolve_backends(self.cfg, self.device)
+        return b.linear == "transformer_engine" or b.fp8_gemm_tuning > 1
 
     def _own_eval_embeddings(self, source: str) -> Optional[list]:
         """Federation: the embeddings this group job evaluates its own ``source`` with — the

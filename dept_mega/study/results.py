@@ -65,9 +65,10 @@ class RunResult:
     def mid_round_eval_steps(self) -> list[int]:
         """The steps of evaluations inside a round (not a multiple of ``dept.local_steps``):
         group 0's unsynchronised model, not comparable with round-end points
-        (dept_mega/schedule_warnings.py). [] for STD."""
+        (dept_mega/schedule_warnings.py); not the final evaluation, which follows the last
+        round's sync whatever the step. [] for STD."""
         L = self.local_steps
-        return [s for s, _ in self.eval_curve if L and s % L] if L else []
+        return [s for s, _ in self.eval_curve if s % L and s != self.eval_step] if L else []
 
 
 def _mean(values: list[Optional[float]]) -> float:
