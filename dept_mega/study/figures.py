@@ -15,6 +15,15 @@ def _nan(x: Any) -> float:
     return float("nan") if x is None or not math.isfinite(x) else float(x)
 
 
+def _save(plt, fig, out_dir: str, name: str) -> str:
+    """``fig`` laid out and written as ``out_dir/name``, then closed; returns the path."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(data: dict[str, Any], out_dir: str) -> list[str]:
     """Write bpb.png, curves.png and bytes.png; returns their paths."""
     try:
@@ -46,10 +55,7 @@ def plot(data: dict[str, Any], out_dir: str) -> list[str]:
     ax.set_ylabel("validation bits per byte")
     ax.set_title("Validation BPB per source (lower is better; bars: ± sd over seeds)")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "bpb.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir, "bpb.png"))
 
     # curves against tokens; an evaluation inside a round is not the synchronised model: × marks
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -74,10 +80,7 @@ def plot(data: dict[str, Any], out_dir: str) -> list[str]:
     a2.set_ylabel("training loss (nats per token of the run's tokenizer)")
     a2.set_title("Training loss")
     a1.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "curves.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir, "curves.png"))
 
     # cross-group bytes per inner step, log scale
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(runs) + 2), 4.2))
@@ -98,8 +101,5 @@ def plot(data: dict[str, Any], out_dir: str) -> list[str]:
     ax.set_ylabel("bytes per inner step (all ranks)")
     ax.set_title("Cross-group bytes per inner step by category")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "bytes.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir, "bytes.png"))
     return paths
