@@ -110,23 +110,17 @@ def planned_line(cfg, groups: int, scheduler=None) -> str:
     return rounds_line(cfg, scheduler or plan_scheduler(cfg, groups), names, groups)
 
 
-def planned_rounds(cfg, scheduler) -> list[int]:
+def planned_rounds(cfg, scheduler, counts: Optional[list[int]] = None) -> list[int]:
     """Each source's rounds in the run: those before the schedule's first round (a rebased
     schedule's history) and those of its plans up to the last round (at most
-    :data:`SAMPLING_LINE_ROUNDS` of them counted)."""
-    first, counted, _ = _counted_rounds(cfg, scheduler)
+    :data:`SAMPLING_LINE_ROUNDS` of them counted; ``counts``: those plans' counts, when the
+    caller has them)."""
+    if counts is None:
+        first, counted, _ = _counted_rounds(cfg, scheduler)
+        counts = scheduler.counts(first, counted)
     origin = scheduler.origin()
     before = [int(n) for n in origin["rounds_before"]] if origin else [0] * scheduler.num_sources
-    return [b + c for b, c in zip(before, _counts(scheduler, first, counted))]
-
-
-def _counts(scheduler, first: int, last: int) -> list[int]:
-    """Each source's rounds among the plans of rounds ``[first, last)``."""
-    counts = [0] * scheduler.num_sources
-    for r in range(first, last):
-        for k in scheduler.plan(r).sources:
-            counts[k] += 1
-    return counts
+    return [b + c for b, c in zip(before, counts)]
 
 
 def expected_shares(scheduler, first: int = 0) -> list[float]:
@@ -208,10 +202,10 @@ def coverage_warning(cfg, scheduler) -> Optional[str]:
         return None
     names = [s.name for s in cfg.data.sources]
     first, counted, _ = _counted_rounds(cfg, scheduler)
-    total = planned_rounds(cfg, scheduler)
+    counts = scheduler.counts(first, counted)
+    total = planned_rounds(cfg, scheduler, counts)
     missing = [n for n, c in zip(names, total) if c == 0]
     slots = (counted - first) * scheduler.num_groups
-    counts = _counts(scheduler, first, counted)
     expected = expected_shares(scheduler, first)
     far = [(n, c / slots, e) for n, c, e, t in zip(names, counts, expected, total)
            if t > 0 and abs(c - e * slots) > max(1.0, PLANNED_SHARE_FRACTION * e * slots)]

@@ -152,10 +152,6 @@ def labels(runs: list[dict[str, Any]]) -> list[str]:
     return [f"{n} {t}" for n, t in zip(names, tails)]
 
 
-def _fmt_bytes(n: float) -> str:
-    return format_bytes(n)
-
-
 def _event(m: dict[str, Any]) -> str:
     """A ``membership`` record in a few characters: ``r3+2,3`` (joined at round 3; ``h``:
     healed from a live peer), ``r2-2`` (left in round 2)."""
@@ -224,16 +220,16 @@ def render(runs: list[dict[str, Any]]) -> str:
     line("Table 1 params/step", [f"{r['comm_params_per_step']:,.0f}" if r["comm_params_per_step"] else "-"
                                  for r in runs])
     line("outer dtype", [r["outer_comm_dtype"] or "-" for r in runs])
-    line("cross-group/step", [_fmt_bytes(r["cross_group_bytes_per_step"])
+    line("cross-group/step", [format_bytes(r["cross_group_bytes_per_step"])
                               if r["cross_group_bytes_per_step"] is not None else "-" for r in runs])
-    line("cross-group total", [_fmt_bytes(r["cross_group_bytes_total"])
+    line("cross-group total", [format_bytes(r["cross_group_bytes_total"])
                                if r["cross_group_bytes_total"] is not None else "-" for r in runs])
     line("eval step", [str(r["eval"]["step"]) for r in runs])
     line("train tokens", [f"{r['train_tokens']:,}" for r in runs])
     line("outer rounds", [str(r["rounds"]) for r in runs])
     cats = ["outer_body", "outer_embedding", "source_move", "dp"]
     for cat in cats:
-        line(f"{cat}/round", [_fmt_bytes(r["outer_bytes_per_round"].get(cat, 0)) if r["rounds"] else "-"
+        line(f"{cat}/round", [format_bytes(r["outer_bytes_per_round"].get(cat, 0)) if r["rounds"] else "-"
                                for r in runs])
     if any(r["groups_per_round"] for r in runs):  # federated group jobs
         line("groups/round", [("-".join(str(n) for n in sorted({r["groups_per_round"][0], r["groups_per_round"][-1]}))

@@ -16,6 +16,7 @@ import hashlib
 import os
 from typing import Any, Optional
 
+from .gpt_dataset import parse_split
 from .indexed import IndexedFormatError, bin_path, idx_path, read_header
 
 #: bytes hashed from each end of each file (``.idx`` and ``.bin``): 128 KiB read per source
@@ -68,14 +69,15 @@ def data_fingerprint(cfg, cache: Optional[dict] = None) -> dict[str, Any]:
 
 
 def _split_weights(split: Any) -> Optional[list[float]]:
-    """``data.split`` as normalised train, valid, test weights ("95,5" = "19,1"); None if unparsable."""
+    """``data.split`` as normalised train, valid, test weights ("95,5" = "19,1"); None where
+    :func:`~dept_mega.data.gpt_dataset.parse_split` refuses it."""
     try:
-        w = [float(x) for x in str(split).split(",")]
+        w = parse_split(str(split))
     except ValueError:
         return None
     w += [0.0] * (3 - len(w))
     total = sum(w)
-    return [x / total for x in w] if total > 0 else None
+    return [x / total for x in w]
 
 
 def same_split(a: Any, b: Any) -> bool:

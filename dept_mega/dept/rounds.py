@@ -208,13 +208,18 @@ class RoundScheduler:
             self._plans.append(RoundPlan(r, sources, moves, tuple(last), tuple(before)))
         return self._plans[round_index - self._base]
 
-    def shares(self, first: int, last: int) -> list[float]:
-        """Each source's fraction of the group-rounds of rounds ``[first, last)``: its actual
-        share of the training (a group's round is as many steps as any other's)."""
+    def counts(self, first: int, last: int) -> list[int]:
+        """Each source's rounds among the plans of rounds ``[first, last)``."""
         counts = [0] * self.num_sources
         for r in range(first, last):
             for k in self.plan(r).sources:
                 counts[k] += 1
+        return counts
+
+    def shares(self, first: int, last: int) -> list[float]:
+        """Each source's fraction of the group-rounds of rounds ``[first, last)``: its actual
+        share of the training (a group's round is as many steps as any other's)."""
+        counts = self.counts(first, last)
         total = max(sum(counts), 1)
         return [c / total for c in counts]
 

@@ -144,16 +144,24 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) 
     return x.reshape(G * (qpg + 2) * hd, *rest).contiguous()
 
 
+#: per architecture, the Hugging Face names of the token table and the final norm
+TABLE_AND_NORM = {"llama": ("model.embed_tokens.weight", "model.norm.weight"),
+                  "mpt": ("transformer.wte.weight", "transformer.norm_f.weight")}
+HEAD = "lm_head.weight"  # the output head, in both
+
+
 def weight_plan(m: ModelConfig, model_type: str) -> list[Piece]:
     """Our tensors and the Hugging Face tensors each is made of (``m``: the checked model keys)."""
-    return {"llama": _llama_plan, "mpt": _mpt_plan}[model_type](m)
-
-
-def _llama_plan(m: ModelConfig) -> list[Piece]:
-    out = [Piece("embeddings.word_embeddings.weight", ("model.embed_tokens.weight",), _same),
-           Piece("body.final_norm.weight", ("model.norm.weight",), _same)]
+    table, norm = TABLE_AND_NORM[model_type]
+    out = [Piece("embeddings.word_embeddings.weight", (table,), _same),
+           Piece("body.final_norm.weight", (norm,), _same)]
     if not m.tie_embeddings:
-        out.append(Piece("embeddings.output_layer.weight", ("lm_head.weight",), _same))
+        out.append(Piece("embeddings.output_layer.weight", (HEAD,), _same))
+    return out + {"llama": _llama_layers, "mpt": _mpt_layers}[model_type](m)
+
+
+def _llama_layers(m: ModelConfig) -> list[Piece]:
+    out: list[Piece] = []
     for i in range(m.num_layers):
         src, dst = f"model.layers.{i}", f"body.layers.{i}"
         out += [Piece(f"{dst}.input_norm.weight", (f"{src}.input_layernorm.weight",), _same),
@@ -170,11 +178,8 @@ def _llama_plan(m: ModelConfig) -> list[Piece]:
     return out
 
 
-def _mpt_plan(m: ModelConfig) -> list[Piece]:
-    out = [Piece("embeddings.word_embeddings.weight", ("transformer.wte.weight",), _same),
-           Piece("body.final_norm.weight", ("transformer.norm_f.weight",), _same)]
-    if not m.tie_embeddings:
-        out.append(Piece("embeddings.output_layer.weight", ("lm_head.weight",), _same))
+def _mpt_layers(m: ModelConfig) -> list[Piece]:
+    out: list[Piece] = []
     for i in range(m.num_layers):
         src, dst = f"transformer.blocks.{i}", f"body.layers.{i}"
         out += [Piece(f"{dst}.input_norm.weight", (f"{src}.norm_1.weight",), _same),
@@ -190,7 +195,7 @@ def _mpt_plan(m: ModelConfig) -> list[Piece]:
 def tied_copy(model_type: str) -> tuple[str, str]:
     """(the output head's name, the token table's): a tied model's file may hold the head too,
     as a copy of the table."""
-    return "lm_head.weight", {"llama": "model.embed_tokens.weight", "mpt": "transformer.wte.weight"}[model_type]
+    return HEAD, TABLE_AND_NORM[model_type][0]
 
 
 def ignorable(name: str) -> bool:
