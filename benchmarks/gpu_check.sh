@@ -14,8 +14,13 @@
 #                  runs the stages in order of value until it is spent (at an H100's expected times:
 #                  env to fp8_lt, then fp8_host); the expected times of all stages add up to 1699 s,
 #                  so --budget 1800 runs everything unless stages overrun
-#   --stages LIST  only these stages, comma-separated, run in the order below (e.g. a second call
-#                  for what failed or was skipped: summary.md ends with that command)
+#   --stages LIST  only these stages, comma-separated, run in the order listed (e.g. a second call
+#                  for what failed or was skipped: summary.md ends with that command, in the same
+#                  order), so list first what matters most within the budget. The build starts first
+#                  (in the background) wherever it is listed; env runs first when listed (summary.md's
+#                  device line reads what it writes); a list with memory before bf16, fp8 or
+#                  vocab250k (the runs whose peaks it compares) or fp8_lt_fused before fp8_all_fused
+#                  (whose run it reuses) is an error. Without --stages: every stage in the order below
 #   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
 #                  same files: a rehearsal of the script, no figure means anything (about a minute
 #                  on 2 cores; the test suite runs it: tests/test_gpu_check.py). Its Python commands
@@ -45,9 +50,9 @@
 # fetch the wheels on a machine with network (.whl/ is ignored by git; CPython 3.12 wheels):
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/
 #
-# Stages (expected seconds: measured on one H100, 2026-11-26, or, for ops_tests, ops and torchao,
-# on one H200, 2026-11-27, with room; a stage starts only when its expected time is left,
-# and is stopped at twice it):
+# Stages, in the order they run without --stages (expected seconds: measured on one H100,
+# 2026-11-26, or, for ops_tests, ops and torchao, on one H200, 2026-11-27, with room; a stage
+# starts only when its expected time is left, and is stopped at twice it):
 #   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start (20 s)
 #   env        GPU, driver, torch / CUDA versions                                            8
 #   ops_tests  waits for the build, checks the CUDA backend, tests/test_ops_cpp_errors.py, then
@@ -159,10 +164,34 @@ done
 STAGES=(build env ops_tests bf16 fp8 fp8_prev fp8_all_fused fp8_tuned fp8_cuda fp8_lt fp8_fused fp8_lt_fused fp8_tlt_fused fp8_host fp8_casts attention fp8_fast_accum ops tests fp8_compile_triton
         compile fp8_compile torchao megatron flex_autotune fp8_current fp8_current_compile fp8_mb8 fp8_lt_mb8 vocab250k memory nofusion
         compile_nofusion mb8)
+# the stages this call runs, in the order they run: --stages' order, else STAGES'
+ORDER=()
 if [ -n "$ONLY" ]; then
-  for s in ${ONLY//,/ }; do
+  declare -A POS=()
+  IFS=, read -ra LISTED <<<"$ONLY"
+  for s in "${LISTED[@]}"; do
     [[ " ${STAGES[*]} " == *" $s "* ]] || { echo "error: --stages: unknown stage '$s' (${STAGES[*]})" >&2; exit 2; }
+    [ -z "${POS[$s]:-}" ] || { echo "error: --stages: stage '$s' is listed twice" >&2; exit 2; }
+    POS[$s]=${#ORDER[@]}
+    ORDER+=("$s")
   done
+  # a stage that reads what another of the same call wrote comes after it: STAGE:WHAT_IT_READS
+  for dep in memory:bf16 memory:fp8 memory:vocab250k fp8_lt_fused:fp8_all_fused; do
+    a=${dep%%:*} b=${dep#*:}
+    if [ -n "${POS[$a]:-}" ] && [ -n "${POS[$b]:-}" ] && (( POS[$a] < POS[$b] )); then
+      case $a in
+        memory) why="it compares the memory model with the peaks of the $b run of the same call" ;;
+        *) why="it reuses the $b run of the same call (the same settings) instead of running them twice" ;;
+      esac
+      echo "error: --stages: list $b before $a: $why" >&2; exit 2
+    fi
+  done
+  # env first: summary.md's device line reads what it writes, from the first summary on
+  if [ -n "${POS[env]:-}" ] && [ "${POS[env]}" != 0 ]; then
+    ORDER=(env); for s in "${LISTED[@]}"; do [ "$s" = env ] || ORDER+=("$s"); done
+  fi
+else
+  ORDER=("${STAGES[@]}")
 fi
 mkdir -p "$OUT_DIR" && OUT=$(cd "$OUT_DIR" && pwd) || exit 2
 PY=${PYTHON:-python3}
@@ -276,11 +305,8 @@ run() {  # a command under the stage's time limit, its output in the log
   [ $rc -eq 124 ] && log "(stopped at the stage's limit of ${LIMIT}s)"
   return $rc
 }
-PLANNED=()  # the stages this call runs (--stages, or all but build), for summary.md's rerun line
-for s in "${STAGES[@]}"; do
-  [ "$s" = build ] && continue
-  if [ -z "$ONLY" ] || [[ ",$ONLY," == *",$s,"* ]]; then PLANNED+=("$s"); fi
-done
+PLANNED=()  # the stages this call runs but build, in their order, for summary.md's rerun line
+for s in "${ORDER[@]}"; do [ "$s" = build ] || PLANNED+=("$s"); done
 summary() {
   local dry=() planned
   [ "$DRY" = 1 ] && dry=(--dry-run)
@@ -289,9 +315,8 @@ summary() {
     --elapsed $(( $(date +%s) - T0 )) --planned "$planned" "${dry[@]}" >/dev/null 2>>"$LOG" \
     || log "suite_summary.py failed"
 }
-stage() {  # NAME: run stage_NAME if selected and its expected time is left
+stage() {  # NAME: run stage_NAME if its expected time is left
   local name=$1 exp=${EXPECT[$1]} rem t rc
-  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   rem=$(left)
   if (( rem - RESERVE < exp )); then
     log "### stage $name skipped: expected ${exp}s, $((rem - RESERVE))s left"
@@ -557,7 +582,8 @@ memory_compare() {  # BENCH_RECORD VARIANT VOCAB OUT [OVERRIDES...]
     --out "$out"
 }
 
-stage_megatron() {
+stage_megatron() {  # (our side loads the extension: never while the build writes it)
+  wait_build || return 1
   "$PY" -c "import megatron.core" 2>/dev/null || {
     log "megatron-core is not importable: pip install -e '.[benchmark]', or put its wheel in .whl/ (bash benchmarks/fetch_device_wheels.sh)"
     return 1; }
@@ -621,11 +647,9 @@ stage_torchao() {  # vs_torchao.py's record (less its config) as one row of benc
 
 # ------------------------------------------------------------------ the sequence
 log "# gpu_check $( [ "$DRY" = 1 ] && echo "(dry run on the CPU) " )budget ${BUDGET}s, output $OUT, $(date -Is)"
+log "# stages, in this order: ${PLANNED[*]}"
 start_build
-for s in "${STAGES[@]}"; do
-  [ "$s" = build ] && continue
-  stage "$s"
-done
+for s in "${PLANNED[@]}"; do stage "$s"; done
 if [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then
   log "the build is still running at the end: stopped"; kill "$BUILD_PID" 2>/dev/null
 fi

@@ -202,3 +202,40 @@ def test_budget_skips_what_does_not_fit_and_still_summarises(tmp_path):
     env.pop("OUT", None)
     none = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
     assert none.returncode == 2 and "no output folder" in none.stderr
+
+
+def _stage_lines(log: str) -> list[tuple[str, str]]:
+    """(stage, "ran" / "skipped") for each stage the log started or skipped, in the log's order."""
+    return [(m.group(1), "skipped" if m.group(2) == "skipped:" else "ran")
+            for m in re.finditer(r"^### stage (\S+) (skipped:|\(expected)", log, re.MULTILINE)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stages_run_in_the_order_listed(tmp_path):
+    """--stages runs its stages in the order listed, not the script's (a budget spent on a stage listed
+    late must not push out one listed first): here torchao before attention, the reverse of the
+    fixed order; the summary's rerun line keeps the listed order; env, when listed, runs first (the
+    summary's device line reads it); an order that breaks what a stage reads from another, or a stage
+    listed twice, is one clear error before anything runs."""
+    res = _run(tmp_path, "--stages", "torchao,attention", timeout=240)
+    log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").exists() else ""
+    assert res.returncode == 0, res.stderr[-2000:] + log[-4000:]
+    assert "# stages, in this order: torchao attention\n" in log
+    assert _stage_lines(log) == [("torchao", "ran"), ("attention", "ran")], log[-4000:]
+    for stage in ("torchao", "attention"):
+        assert f"### stage {stage} finished: rc=0 " in log, log[-4000:]
+    # every stage skipped for time (nothing runs): the rerun line lists them in the same order, env first
+    skip = tmp_path / "skip"
+    res = _run(skip, "--budget", "9", "--stages", "torchao,memory,attention,env", timeout=120)
+    assert res.returncode == 0, res.stderr
+    log = (skip / "gpu_check.log").read_text()
+    want = ["env", "torchao", "memory", "attention"]
+    assert _stage_lines(log) == [(s, "skipped") for s in want], log
+    assert f"`bash benchmarks/gpu_check.sh --stages {','.join(want)}`" in (skip / "summary.md").read_text()
+    for stages, error in (("bf16,memory,fp8", "list fp8 before memory: it compares the memory model"),
+                          ("fp8_lt_fused,fp8_all_fused", "list fp8_all_fused before fp8_lt_fused: it reuses"),
+                          ("env,bf16,env", "stage 'env' is listed twice")):
+        bad = _run(tmp_path / "bad", "--stages", stages, timeout=60)
+        assert bad.returncode == 2 and error in bad.stderr, (stages, bad.stderr)
+        assert not (tmp_path / "bad" / "gpu_check.log").exists()
