@@ -8,7 +8,9 @@ with the cuBLASLt GEMM on a GPU and say in the run log where it does not apply; 
 FP8 linear (forward, input gradient, the weight gradient accumulated into ``main_grad``) gets it;
 the run log's summary of a tuning. The ``gpu`` test checks on the GPU that tuning never writes
 into the output (an accumulating GEMM adds the product once), logs every candidate and keeps a
-candidate no slower than the heuristic's first (UNVERIFIED until run on a GPU)."""
+candidate no slower than the heuristic's first; and that a problem first seen untuned (tune 0, or
+inside a CUDA graph capture) is still tuned on its first call with tune > 1 (UNVERIFIED until run
+on a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -182,6 +184,55 @@ def test_tuning_times_candidates_without_touching_the_output():
     assert torch.equal(first.view(torch.int16), again.view(torch.int16))
     assert len(fp8_gemm.tuning_log()) == 1  # the bf16-output problem, tuned once
     print("fp8_gemm tuning:", fp8_gemm.describe_tuning(rows + fp8_gemm.tuning_log()))
+
+
+@pytest.mark.gpu
+def test_a_problem_first_seen_untuned_is_tuned_later():
+    """On the GPU: the algorithm cache keeps apart how a problem's algorithm was chosen. A problem
+    first called with tune=0 is timed on its first call with tune=4 (once: a third call is not);
+    a problem first called with tune=4 inside a CUDA graph capture (no timing there: the
+    heuristic's first, said once) is timed on its first uncaptured call, and the graph replays
+    the same product. Without a GPU (DEPT_MEGA_GPU_TESTS_ON_CPU=1): the CPU kernel logs
+    nothing whatever tune says, and the capture part is left out (CUDA graphs need CUDA)."""
+    device = gpu_test_device(fp8=True)
+    if device == "cuda" and fp8_gemm.op_unavailable(device):
+        pytest.fail(f"the CUDA kernel of dept_mega::fp8_gemm is not built: {fp8_gemm.op_unavailable(device)}")
+    g = torch.Generator(device=device).manual_seed(11)
+    # shapes no other test of this file uses (the cache lives as long as the process)
+    a, b, sa, sb = _operands(*((1024, 512, 768) if device == "cuda" else (32, 64, 48)), E4M3, E4M3, g, device)
+    fp8_gemm.tuning_log(clear=True)
+    untuned = fp8_gemm.fp8_gemm(a, b, sa, sb, tune=0)
+    assert fp8_gemm.tuning_log() == []
+    tuned = fp8_gemm.fp8_gemm(a, b, sa, sb, tune=4)
+    fp8_gemm.fp8_gemm(a, b, sa, sb, tune=4)
+    rows = fp8_gemm.tuning_log(clear=True)
+    if device != "cuda":
+        assert rows == [] and torch.equal(untuned.view(torch.int16), tuned.view(torch.int16))
+        return
+    assert len(rows) == 1 and (rows[0]["m"], rows[0]["n"], rows[0]["k"]) == (1024, 768, 512), rows
+    assert rows[0]["how"] in ("timed", "one candidate"), rows
+    assert _within_a_bf16_ulp(tuned, untuned, _bound(a, b, sa, sb, 512))  # another algorithm: another order
+
+    a, b, sa, sb = _operands(512, 1024, 256, E4M3, E4M3, g, device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemm.fp8_gemm(a, b, sa, sb, tune=4)
+    rows = fp8_gemm.tuning_log(clear=True)
+    assert len(rows) == 1 and rows[0]["how"].startswith("not timed: the stream is being captured"), rows
+    assert (rows[0]["m"], rows[0]["n"], rows[0]["k"], rows[0]["chosen"]) == (512, 256, 1024, 0), rows
+    eager = fp8_gemm.fp8_gemm(a, b, sa, sb, tune=4)
+    rows = fp8_gemm.tuning_log(clear=True)
+    assert len(rows) == 1 and rows[0]["how"] in ("timed", "one candidate"), rows
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _within_a_bf16_ulp(captured, eager, _bound(a, b, sa, sb, 1024))
+
+
+def _within_a_bf16_ulp(x, y, bound):
+    """Two bf16 products of the same operands summed in other orders: the fp32 summation bound plus
+    one bf16 rounding of the larger."""
+    ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(x.float().abs(), y.float().abs())
+    return bool(((x.float() - y.float()).abs() <= bound + ulp).all())
 
 
 def test_the_run_log_says_what_the_first_step_tuned(monkeypatch):

@@ -68,9 +68,12 @@ uint32_t alignment(const void* p) {
 }
 
 // What the cached algorithm depends on: device, problem size, leading dimensions, types,
-// beta != 0, fast accumulation, the pointers' alignments.
+// beta != 0, fast accumulation, the pointers' alignments, and how it was chosen (the last: 1 for
+// the heuristic's first, untimed, else the `tune` candidates it was timed among), so that a
+// problem first seen untuned (tune 0 or 1, or while a stream was captured) is still tuned on its
+// first call with tune > 1.
 using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
-                           bool, bool, uint32_t, uint32_t, uint32_t>;
+                           bool, bool, uint32_t, uint32_t, uint32_t, int64_t>;
 
 struct CachedAlgo {
   cublasLtMatmulAlgo_t algo;
@@ -150,16 +153,18 @@ struct Operands {
   bool accumulate;
 };
 
-struct Events {  // destroyed on every path out
-  cudaEvent_t start = nullptr, stop = nullptr;
-  Events() {
-    C10_CUDA_CHECK(cudaEventCreate(&start));
-    C10_CUDA_CHECK(cudaEventCreate(&stop));
+struct Event {  // destroyed on every path out
+  cudaEvent_t e = nullptr;
+  Event() { C10_CUDA_CHECK(cudaEventCreate(&e)); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() {
+    if (e != nullptr) cudaEventDestroy(e);
   }
-  ~Events() {
-    if (start != nullptr) cudaEventDestroy(start);
-    if (stop != nullptr) cudaEventDestroy(stop);
-  }
+};
+struct Events {  // two members, each its own owner: if the second's creation throws, the first's
+  // destructor still runs (a constructor that throws skips its own class's destructor)
+  Event start, stop;
 };
 
 int32_t algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
@@ -174,24 +179,48 @@ int32_t algo_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAt
 // the heuristic's first unless another is at least kTuneMargin faster (timing noise must not
 // trade a kernel for an equal one). The candidates write into a scratch copy of the output, never
 // into it (an accumulating GEMM would add into main_grad). A candidate cuBLASLt refuses to run
-// is skipped (its time null). One host synchronisation per candidate, once per problem; not
-// while the stream is being captured into a CUDA graph (the heuristic's first is kept). Each
-// tuning is one JSON line of fp8_gemm_tuning_log.
+// is skipped (its time null). One host synchronisation per candidate, once per problem. Never
+// called while the stream is being captured into a CUDA graph (no synchronisation is allowed
+// there): fp8_gemm_cuda takes the heuristic's first, cached as untuned, and the problem's next
+// uncaptured call times it. Each tuning is one JSON line of fp8_gemm_tuning_log.
 constexpr int kTuneReps = 10;
 constexpr float kTuneMargin = 0.02f;
+
+// One JSON line of fp8_gemm_tuning_log: the problem, how the algorithm was chosen, each
+// candidate's milliseconds (null: not run or failed) and algorithm / tile ids, the one kept.
+void record_tuning(const Problem& prob, const char* why,
+                   const std::vector<cublasLtMatmulHeuristicResult_t>& results, const std::vector<float>& ms,
+                   int pick) {
+  const int n = static_cast<int>(results.size());
+  std::ostringstream line;
+  line << "{\"m\": " << prob.m << ", \"n\": " << prob.n << ", \"k\": " << prob.k << ", \"a\": \""
+       << dtype_name(prob.a) << "\", \"b\": \"" << dtype_name(prob.b) << "\", \"out\": \"" << dtype_name(prob.d)
+       << "\", \"accumulate\": " << (prob.accumulate ? "true" : "false")
+       << ", \"fast_accum\": " << (prob.fast ? "true" : "false") << ", \"how\": \"" << why << "\", \"ms\": [";
+  for (int i = 0; i < n; ++i) {
+    line << (i ? ", " : "");
+    if (i < static_cast<int>(ms.size()) && ms[i] >= 0.0f) {
+      line << ms[i];
+    } else {
+      line << "null";
+    }
+  }
+  line << "], \"algo_ids\": [";
+  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_ID);
+  line << "], \"tile_ids\": [";
+  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
+  line << "], \"chosen\": " << pick << "}";
+  record_fp8_gemm_tuning(line.str());
+}
 
 int pick_fastest(const Operands& o, const std::vector<cublasLtMatmulHeuristicResult_t>& results,
                  const Problem& prob) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const int n = static_cast<int>(results.size());
   std::vector<float> ms(n, -1.0f);  // -1: not run
   int pick = 0;
   const char* why = "timed";
-  if (capture != cudaStreamCaptureStatusNone) {
-    why = "not timed: the stream is being captured";
-  } else if (n > 1) {
+  if (n > 1) {
     at::Tensor scratch = o.accumulate ? o.d.clone() : at::empty_like(o.d);
     size_t ws_bytes = 0;
     for (const auto& r : results) ws_bytes = std::max(ws_bytes, r.workspaceSize);
@@ -210,12 +239,12 @@ int pick_fastest(const Operands& o, const std::vector<cublasLtMatmulHeuristicRes
       };
       if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; refused: skipped
       bool ok = true;
-      C10_CUDA_CHECK(cudaEventRecord(ev.start, stream));
+      C10_CUDA_CHECK(cudaEventRecord(ev.start.e, stream));
       for (int r = 0; r < kTuneReps && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-      C10_CUDA_CHECK(cudaEventRecord(ev.stop, stream));
-      C10_CUDA_CHECK(cudaEventSynchronize(ev.stop));
+      C10_CUDA_CHECK(cudaEventRecord(ev.stop.e, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(ev.stop.e));
       float elapsed = 0.0f;
-      C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, ev.start, ev.stop));
+      C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, ev.start.e, ev.stop.e));
       if (ok) ms[i] = elapsed / kTuneReps;
     }
     int best = -1;
@@ -228,25 +257,7 @@ int pick_fastest(const Operands& o, const std::vector<cublasLtMatmulHeuristicRes
   } else {
     why = "one candidate";
   }
-  std::ostringstream line;
-  line << "{\"m\": " << prob.m << ", \"n\": " << prob.n << ", \"k\": " << prob.k << ", \"a\": \""
-       << dtype_name(prob.a) << "\", \"b\": \"" << dtype_name(prob.b) << "\", \"out\": \"" << dtype_name(prob.d)
-       << "\", \"accumulate\": " << (prob.accumulate ? "true" : "false")
-       << ", \"fast_accum\": " << (prob.fast ? "true" : "false") << ", \"how\": \"" << why << "\", \"ms\": [";
-  for (int i = 0; i < n; ++i) {
-    line << (i ? ", " : "");
-    if (ms[i] >= 0.0f) {
-      line << ms[i];
-    } else {
-      line << "null";
-    }
-  }
-  line << "], \"algo_ids\": [";
-  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_ID);
-  line << "], \"tile_ids\": [";
-  for (int i = 0; i < n; ++i) line << (i ? ", " : "") << algo_config(results[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
-  line << "], \"chosen\": " << pick << "}";
-  record_fp8_gemm_tuning(line.str());
+  record_tuning(prob, why, results, ms, pick);
   return pick;
 }
 
@@ -290,18 +301,31 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const uint32_t al_a = alignment(b.const_data_ptr()), al_b = alignment(a.const_data_ptr()),
                  al_d = alignment(d.const_data_ptr());
-  const AlgoKey key{static_cast<int>(a.device().index()), m, n, k, lda, ldb, ldd,
-                    static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t), accumulate,
-                    use_fast_accum, al_a, al_b, al_d};
+  // tune 0 and 1 choose alike (the heuristic's first): one key
+  const int64_t how = tune > 1 ? tune : 1;
+  AlgoKey key{static_cast<int>(a.device().index()), m, n, k, lda, ldb, ldd,
+              static_cast<int>(a_t), static_cast<int>(b_t), static_cast<int>(d_t), accumulate,
+              use_fast_accum, al_a, al_b, al_d, how};
   CachedAlgo chosen{};
-  bool cached = false;
   AlgoCache& cache = algo_cache();
-  {
+  auto lookup = [&]() {
     const std::lock_guard<std::mutex> lock(cache.mu);
     auto it = cache.map.find(key);
-    if (it != cache.map.end()) {
-      chosen = it->second;
-      cached = true;
+    if (it == cache.map.end()) return false;
+    chosen = it->second;
+    return true;
+  };
+  bool cached = lookup();
+  bool captured = false;  // a tuned problem's first call inside a CUDA graph capture: untimed
+  if (!cached && how > 1) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      // no timing (no host synchronisation) while capturing: the untuned choice, under the
+      // untuned key, so that the tuned key stays free for the next uncaptured call to time
+      captured = true;
+      std::get<15>(key) = 1;
+      cached = lookup();
     }
   }
   if (!cached) {
@@ -313,7 +337,7 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b, "setting MIN_ALIGNMENT_B_BYTES", prob);
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d, "setting MIN_ALIGNMENT_C_BYTES", prob);
     set_pref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d, "setting MIN_ALIGNMENT_D_BYTES", prob);
-    const int asked = tune > 1 ? static_cast<int>(tune) : 1;
+    const int asked = std::get<15>(key) > 1 ? static_cast<int>(tune) : 1;
     std::vector<cublasLtMatmulHeuristicResult_t> results(asked);
     int found = 0;
     check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.d, lt_a.l, lt_b.l, lt_d.l, lt_d.l, pref.p, asked,
@@ -324,9 +348,12 @@ at::Tensor fp8_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
                 max_ws, " bytes, alignments ", al_a, "/", al_b, "/", al_d, " bytes)");
     results.resize(found);
     int pick = 0;
-    if (tune > 1) {
+    if (asked > 1) {
       const Operands ops{handle, desc.d, lt_a.l, lt_b.l, lt_d.l, a, b, d, accumulate};
       pick = pick_fastest(ops, results, prob);
+    } else if (captured) {  // said once per problem (the untuned key is cached from now on)
+      record_tuning(prob, "not timed: the stream is being captured (the next uncaptured call times it)",
+                    results, {}, 0);
     }
     chosen = CachedAlgo{results[pick].algo, results[pick].workspaceSize};
     const std::lock_guard<std::mutex> lock(cache.mu);
