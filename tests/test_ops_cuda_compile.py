@@ -1,8 +1,10 @@
 """CI has nvcc but no GPU: compile the CUDA kernels for sm_90 (and syntax-check the
-torch-facing CUDA operators) so that a CUDA compile error fails the suite."""
+torch-facing CUDA operators) so that a CUDA compile error fails the suite, with the C++ standard
+the torch in use builds extensions with."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +24,10 @@ def _nvcc():
     return None
 
 
+def _python():
+    return os.environ.get("PYTHON", sys.executable)
+
+
 @pytest.fixture(scope="module")
 def compile_check():
     """One run of tools/check_cuda_compile.sh for the tests of this module."""
@@ -29,8 +35,8 @@ def compile_check():
     # else python3, has none in a worktree without its own .venv). cublasLt.h for fp8_gemm_lt.cpp:
     # the script looks in CUBLASLT_INCLUDE, the toolkit and the nvidia packages of PYTHON and
     # CUDA_PYTHON (passed through from the environment).
-    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90",
-               PYTHON=os.environ.get("PYTHON", sys.executable))
+    env = dict(os.environ, NVCC=_nvcc(), CUDA_ARCH="sm_90", PYTHON=_python())
+    env.pop("CXX_STD", None)
     return subprocess.run(["bash", str(ROOT / "tools" / "check_cuda_compile.sh")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
 
@@ -42,6 +48,14 @@ def test_cuda_sources_compile_for_sm90(compile_check):
     res = compile_check
     assert res.returncode == 0, f"CUDA compile check failed:\n{res.stdout}\n{res.stderr}"
     assert "check_cuda_compile: OK" in res.stdout
+    # every compile with the standard the torch of PYTHON builds extensions with (torch 2.11:
+    # c++17; later: c++20), said first
+    std = subprocess.run([_python(), str(ROOT / "tools" / "torch_cxx_std.py")], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    assert re.fullmatch(r"-std=c\+\+\d\d", std), std
+    assert f"check_cuda_compile: {std}: what the torch of " in res.stdout, res.stdout
+    assert f"nvcc -arch=sm_90 {std} -c " in res.stdout and f"g++ {std} -fsyntax-only csrc/cuda/ops_cuda.cpp" in res.stdout
+    assert res.stdout.count("-std=") == res.stdout.count(std), res.stdout
 
 
 @pytest.mark.slow

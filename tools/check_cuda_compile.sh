@@ -10,10 +10,15 @@
 #     looked for in CUBLASLT_INCLUDE (folders, ':'-separated), next to nvcc, $CUDA_HOME/include,
 #     /usr/local/cuda/include, and the nvidia packages of $PYTHON and of $CUDA_PYTHON (e.g. the
 #     python of a CUDA torch). Not found: said, and this file is not checked (not an error).
+# Both with the C++ standard the torch of $PYTHON builds extensions with (the -std= flag its
+# BuildExtension adds, which setup.py's build passes to nvcc and g++ alike: c++17 for torch 2.11,
+# c++20 for later ones; read by tools/torch_cxx_std.py), printed first; c++17 for the .cu files
+# when torch is not importable.
 # Exits 0 on success, 1 on a compile error, 77 when nvcc is not found (nothing checked).
 # Environment: NVCC (default: nvcc on PATH, else $CUDA_HOME/bin/nvcc, else
 # /usr/local/cuda/bin/nvcc), PYTHON (default .venv/bin/python, else python3), CUDA_ARCH
-# (default sm_90), CUBLASLT_INCLUDE, CUDA_PYTHON.
+# (default sm_90), CUBLASLT_INCLUDE, CUDA_PYTHON, CXX_STD (e.g. c++17: this standard instead of
+# torch's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +37,22 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
+std_rc=0
+if [ -n "${CXX_STD:-}" ]; then
+  STD=$CXX_STD; std_why="CXX_STD"
+else
+  STD=$("$PY" tools/torch_cxx_std.py 2>"$tmp/std.err") || std_rc=$?
+  STD=${STD#-std=}
+  case $std_rc in
+    0) std_why="what the torch of $PY builds extensions with (tools/torch_cxx_std.py)" ;;
+    2) STD=c++17; std_why="torch is not importable with $PY: the .cu files' standard without torch" ;;
+    *) cat "$tmp/std.err" >&2
+       echo "check_cuda_compile: cannot tell the C++ standard of the torch of $PY (set CXX_STD, e.g. c++17)" >&2
+       exit 1 ;;
+  esac
+fi
+echo "check_cuda_compile: -std=$STD: $std_why"
+
 echo "check_cuda_compile: $("$NVCC" --version | tail -1)"
 # With the restrictive defines torch's CUDAExtension passes to nvcc (no implicit half /
 # bf16 conversions), so the kernels compile in both settings.
@@ -40,10 +61,10 @@ TORCH_NVCC_FLAGS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
                   --expt-relaxed-constexpr)
 # kernels.cu (nvcc) and ops_cuda.cpp (g++ against torch's headers) are checked at the same time
 CU_SOURCES=(kernels remap_ranked fp8_cast layernorm_cast dgelu_cast)  # csrc/cuda/*.cu: the kernels behind kernels.h
-echo "check_cuda_compile: nvcc -arch=$ARCH -c csrc/cuda/{$(IFS=,; echo "${CU_SOURCES[*]}")}.cu"
+echo "check_cuda_compile: nvcc -arch=$ARCH -std=$STD -c csrc/cuda/{$(IFS=,; echo "${CU_SOURCES[*]}")}.cu"
 (
   for src in "${CU_SOURCES[@]}"; do
-    "$NVCC" -arch="$ARCH" -O3 --fmad=false -std=c++17 "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
+    "$NVCC" -arch="$ARCH" -O3 --fmad=false -std="$STD" "${TORCH_NVCC_FLAGS[@]}" -Xcompiler -Wall \
       -c "csrc/cuda/$src.cu" -o "$tmp/$src.o" || exit $?
   done
 ) >"$tmp/nvcc.log" 2>&1 &
@@ -92,7 +113,6 @@ if [ ! -f "$first_inc/c10/cuda/impl/cuda_cmake_macros.h" ]; then
   echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$tmp/stub/c10/cuda/impl/cuda_cmake_macros.h"
   INCS=(-isystem "$tmp/stub" "${INCS[@]}")
 fi
-STD=c++20  # what recent torch builds extensions with; the file is also valid C++17
 echo "check_cuda_compile: g++ -std=$STD -fsyntax-only csrc/cuda/ops_cuda.cpp"
 gxx_rc=0
 "${CXX:-g++}" -std="$STD" -fsyntax-only -Wall "${INCS[@]}" -isystem "$CUDA_INC" csrc/cuda/ops_cuda.cpp || gxx_rc=$?
