@@ -294,6 +294,66 @@ def test_an_exchange_redone_alone_counts_no_bytes(survivors):
     assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
 
 
+@pytest.mark.parametrize("survivors", [1, 2])
+def test_a_launched_exchange_redone_alone_counts_no_bytes_and_says_how_long_it_waited(survivors):
+    """The launched exchange (FlatSync's path, FederatedWork): a peer stalls, the wait on its
+    all-reduce fails after the collective timeout (here 0.3 s) and the exchange is redone with
+    the survivors. Its bytes are counted at the commit by the committed quorum, none when the
+    survivor is alone (the audit's round recorded with groups [0] and a full exchange's 394496
+    bytes, counted at launch), and the failure's line says how long the wait took (it said
+    0.0 s while the round's record said 60 s). torchft's Manager and the quorum are fakes."""
+    import re
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept.federation import Federation
+
+    class Work:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def wait(self):
+            if self.fails:
+                time.sleep(0.3)
+                raise RuntimeError("Timed out waiting 300ms for send operation to complete")
+
+    class Manager:
+        error, launched = None, 0
+
+        def errored(self):
+            return self.error
+
+        def report_error(self, exc):
+            self.error = exc
+
+        def should_commit(self):
+            return self.error is None
+
+        def allreduce(self, t, reduce_op):
+            self.launched += 1
+            return Work(self.launched == 1)
+
+    said = []
+    fed = object.__new__(Federation)
+    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = Manager(), said.append, None, None, None
+    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+    fed._launching = fed._just_healed = False
+
+    def quorum(**kw):  # the survivors' quorum: the failure cleared
+        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
+    fed._quorum = quorum
+    counted = []
+    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
+    work = fed.all_reduce_async(torch.zeros(250), comm, "outer_body")
+    assert counted == []  # nothing at launch
+    assert work.wait() and fed.manager.launched == 2 and fed._commits == 1
+    assert fed.round_groups == list(range(survivors)) and work.groups == survivors
+    assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
+    failed = [ln for ln in said if "the exchange failed after" in ln]
+    assert len(failed) == 1 and float(re.search(r"failed after ([0-9.]+) s", failed[0]).group(1)) >= 0.3, said
+
+
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 @pytest.mark.parametrize("quiet", [True, False])
 def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):

@@ -451,15 +451,15 @@ class Federation:
         except Exception as exc:  # noqa: BLE001
             self.manager.report_error(exc)
             state["work"] = None
-        for category, nbytes in counts:  # at launch, as every collective (parallel/comm.py)
-            comm.count(category, nbytes)
 
         def run() -> None:
             launch()
             state["work"].wait()
             after()
 
-        return FederatedWork(self, state, after, run, restore, comm)
+        # (counted at the commit, by the committed quorum: a launch that fails and is redone
+        # alone sent nothing that counts, :meth:`_exchange`)
+        return FederatedWork(self, state, after, run, restore, comm, counts)
 
     def all_reduce_async(self, t: torch.Tensor, comm, category: str) -> FederatedWork:
         """:meth:`all_reduce_sum` launched now on this quorum, committed at ``wait()`` (the
@@ -533,22 +533,25 @@ class Federation:
         self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
         return result[0]
 
-    def _exchange(self, run, restore, comm, counts, tried: bool = False) -> None:
+    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
         (``should_commit``); else ``restore()`` and again with the survivors' quorum.
         ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
-        counted once, when committed. Inside :meth:`atomic` the collective runs at once and
-        its failure is raised to :meth:`atomic`'s exchange."""
+        counted once, when committed, and only when the committed quorum has several groups (a
+        failed try's traffic is not counted: how much of it crossed is unknown). ``tried``: an
+        overlapped exchange's first try was launched and waited on since that time (monotonic).
+        Inside :meth:`atomic` the collective runs at once and its failure is raised to
+        :meth:`atomic`'s exchange."""
         if self._nested is not None:
             run()
             self._nested.extend(counts)
             return
-        if self.dump is not None and not tried:
+        if self.dump is not None and tried is None:
             self.dump.hold(self.round, "exchange")
-        waited = time.monotonic()
+        waited = time.monotonic() if tried is None else tried  # this try's start
         while True:
-            if tried:  # (an overlapped exchange: its first try was launched and waited on)
-                tried = False
+            if tried is not None:  # (an overlapped exchange: its first try was launched and waited on)
+                tried = None
             elif self.manager.errored() is None:
                 try:
                     run()
@@ -571,6 +574,7 @@ class Federation:
             # completed the round) is never let back into a shrink_only quorum by torchft's lighthouse;
             # allow_heal: such a group heals here at the others' next round start (LeftOut)
             self._quorum(synced=False, allow_heal=True)
+            waited = time.monotonic()
             if self._healed is not None:
                 self._left_out, self._healed = self._healed, None
                 self._check_healed(self._left_out)

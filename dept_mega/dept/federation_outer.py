@@ -5,6 +5,7 @@ process group that records each quorum's ranks (:func:`recording`)."""
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Optional
 
 import torch
@@ -51,9 +52,9 @@ class FederatedWork:
     failure redone, blocking, with the survivors' quorum). ``groups``: how many groups' values
     the committed exchange holds (the divisor of the mean)."""
 
-    def __init__(self, federation, state: dict, after, run, restore, comm) -> None:
+    def __init__(self, federation, state: dict, after, run, restore, comm, counts: list) -> None:
         self.federation, self.state, self.after, self.run = federation, state, after, run
-        self.restore, self.comm = restore, comm
+        self.restore, self.comm, self.counts = restore, comm, counts
         self.done = False
 
     @property
@@ -68,13 +69,14 @@ class FederatedWork:
         if self.done:
             return True
         fed = self.federation
+        since = time.monotonic()  # (a failure is said with the time this wait took)
         try:
             if self.state["work"] is not None:
                 self.state["work"].wait()
                 self.after()
         except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
             fed.manager.report_error(exc)
-        fed._exchange(self.run, self.restore, self.comm, [], tried=True)  # (bytes counted at launch)
+        fed._exchange(self.run, self.restore, self.comm, self.counts, tried=since)  # (counted if committed)
         fed.round_groups = list(self.state["keep"])
         self.done = True
         return True
