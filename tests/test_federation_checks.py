@@ -437,3 +437,28 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     fed._quorum()
     assert fed.manager.tries == 2
     assert (fed._healed, fed.manager.step) == ((earlier, 7) if healed_before else (None, 3))
+
+
+def test_a_group_left_out_writes_its_healed_membership_record():
+    """A group left out of rounds completed without it (stalled beyond timeout_s: the audit's
+    SIGSTOP of 80 s) healed at the redo quorum of round 5's exchange (LeftOut) and trains on at
+    the peers' round 20, the same groups as before: its next round start writes the
+    ``membership`` record of the heal (healed, joined: itself, at the step it trains from), as
+    a rejoining job does; summarize_runs counts its tokens from there (trained_tokens) and shows
+    the event (``r20+0h``). It wrote none (its groups had not changed). Fakes for torchft."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.federation import RUNNING, Federation
+    from tools.summarize_runs import _event
+
+    fed = object.__new__(Federation)
+    fed.cfg = SimpleNamespace(dept=SimpleNamespace(local_steps=10), federation=SimpleNamespace(timeout_s=1))
+    fed.manager = SimpleNamespace(current_step=lambda: RUNNING + 19)
+    fed.group, fed.groups, fed.members, fed.say, fed._rounds = 0, 2, [0, 1], None, 6
+    fed._healed, fed._left_out = None, {"round": 20, "applied": True}
+    fed._check_healed = lambda sd: None
+    records = []
+    writer = SimpleNamespace(write=lambda kind, step, round_index, **rec: records.append((kind, step, round_index, rec)))
+    assert fed.round_start(6, writer, 60) == (20, True)
+    assert records == [("membership", 200, 20, dict(groups=[0, 1], joined=[0], left=[], healed=True))], records
+    assert _event(dict(records[0][3], round=20)) == "r20+0h"

@@ -254,6 +254,9 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
     assert 1 not in d[2]  # it took no part in the round completed without it
     (joined, _), = read_dumps(dump, 2, "heal").items()
     assert joined == 3 and outer[0][2]["groups"] == [0, 1], (joined, outer[0][2])
+    # its heal is recorded at the step it trains from (summarize_runs: r3+2h, its tokens from there)
+    mine = [m for m in read_records(runs[2], "membership") if m["healed"]]
+    assert [(m["round"], m["step"], m["joined"]) for m in mine] == [(joined, joined * L, [2])], mine
     for r in range(joined, steps // L):
         assert 2 in outer[0][r]["groups"], (r, outer[0][r]["groups"])
         assert torch.equal(d[2][r]["body"], d[0][r]["body"]), r  # from its first sync on

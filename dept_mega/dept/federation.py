@@ -297,14 +297,17 @@ class Federation:
         return round_index, healed is not None
 
     def _members_changed(self, before: list, round_index: int, writer, step: int, healed: bool = False) -> None:
-        """When the groups taking part differ from ``before``: the job's log line and, with a
-        ``writer``, the ``membership`` record at ``step``."""
-        if self.members == before:
+        """When the groups taking part differ from ``before``: the job's log line; then or when
+        this job ``healed`` (also a group left out of rounds completed without it, healed back
+        into the same groups: ``joined`` names itself), with a ``writer``, the ``membership``
+        record at ``step``."""
+        if self.members == before and not healed:
             return
-        self._say(membership_line(round_index, self.members, before, healed))
+        if self.members != before:
+            self._say(membership_line(round_index, self.members, before, healed))
         if writer is not None:
             writer.write("membership", step, round_index, groups=self.members,
-                         joined=sorted(set(self.members) - set(before)),
+                         joined=sorted(set(self.members) - set(before) | ({self.group} if healed else set())),
                          left=sorted(set(before) - set(self.members)), healed=healed)
 
     def _apply(self, healed: dict) -> None:
