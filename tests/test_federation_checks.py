@@ -46,13 +46,11 @@ def test_bad_input(tmp_path, monkeypatch):
         }
         outs = {k: finish_all(ps) for k, ps in procs.items()}
     want = {"dup": "'federation.group': group 1 is claimed by two jobs; give each job its own index in [0, 2)",
-            "diff": "'dept.outer_optimizer' differs"}
+            "diff": "'dept.outer_optimizer.lr' differs between the group jobs: group 0 has 1.0, group 1 has 0.5"}
     for case, ps in procs.items():
         for p, out in zip(ps, outs[case]):
             assert p.returncode == 2, (case, out[-3000:])
-            assert want[case] in error_line(out), (case, error_line(out))
-            if case == "diff":  # where to see the values (only hashes are compared at a fresh start)
-                assert "compare the jobs' train.run_dir/config.yaml" in error_line(out), error_line(out)
+            assert want[case] in error_line(out), (case, error_line(out))  # (diff: both values, both jobs)
             assert "step 1/" not in out, case  # before any training
 
 
@@ -214,41 +212,51 @@ def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
                                           "  config key 'optim'"]
 
 
-def test_a_fresh_quorum_names_every_key_whose_hash_differs(tmp_path):
-    """At a fresh start only hashes travel: one agreed ConfigError with how many keys differ
-    and each key (the other group's hashes stand in through a process group that takes the
-    element-wise max of both jobs' tensors, as the allreduce does)."""
-    from types import SimpleNamespace
+def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tmp_path):
+    """At a fresh start the hashes of the agreed keys are compared and, where they differ, the
+    differing keys' values travel too: one agreed ConfigError, the same in both jobs, naming
+    each field that differs with each group's value (it named only the keys, and the user had
+    to compare config files at two sites). Two group jobs stand in as two threads, each with a
+    gloo process group of the pair (an in-process store)."""
+    import threading
+    from datetime import timedelta
 
     import torch
+    from torch.distributed import HashStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     from dept_mega.config import ConfigError, load_config
-    from dept_mega.dept.federation import Federation
-    from dept_mega.dept.federation_config import agree_hashes
+    from dept_mega.dept.federation_bookkeeping import check_fresh_agree
+    from dept_mega.dept.federation_config import agree_hashes, agree_values
     from dept_mega.parallel.agree import is_agreed
-    fed = ["federation.lighthouse=127.0.0.1:1", "federation.group=0", f"federation.groups={SOURCES}"]
-    other = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001"])
+    fed = ["federation.lighthouse=127.0.0.1:1", f"federation.groups={SOURCES}"]
 
-    def quorum(cfg):
-        def allreduce(tensors, opts):
-            t = tensors[0]
-            theirs = torch.tensor(agree_hashes(other), dtype=torch.int64)
-            t.copy_(torch.maximum(t, torch.cat([theirs, -theirs])))
-            return SimpleNamespace(wait=lambda: None)
-        fake = object.__new__(Federation)
-        fake.hashes, fake.device = agree_hashes(cfg), torch.device("cpu")
-        fake.process_group = SimpleNamespace(allreduce=allreduce)
-        return fake
+    def compare(overrides):
+        store, errors = HashStore(), {}
 
-    quorum(other)._check_agree()  # the same keys
-    with pytest.raises(ConfigError) as exc:
-        quorum(load_config(write_config(str(tmp_path)), fed))._check_agree()
-    head, *lines = str(exc.value).split("\n")
-    assert is_agreed(exc.value) and head.startswith("2 config keys differ between the group jobs; federation: "), head
-    assert "compare the jobs' train.run_dir/config.yaml" in head and lines == ["  config key 'train.seed'",
-                                                                               "  config key 'optim'"], lines
-    with pytest.raises(ConfigError, match=r"^config key 'optim' differs between the group jobs; federation"):
-        quorum(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))._check_agree()
+        def job(g):
+            cfg = load_config(write_config(str(tmp_path)), [*fed, f"federation.group={g}", *overrides[g]])
+            pg = ProcessGroupGloo(store, g, 2, timedelta(seconds=20))
+            try:
+                check_fresh_agree(pg, torch.device("cpu"), agree_hashes(cfg), agree_values(cfg), [0, 1])
+            except ConfigError as exc:
+                errors[g] = exc
+        threads = [threading.Thread(target=job, args=(g,)) for g in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return errors
+
+    base = load_config(write_config(str(tmp_path)), [*fed, "federation.group=0"])
+    assert compare([[], []]) == {}  # the same keys (the group index is not agreed)
+    errors = compare([["optim.lr=0.001"], ["train.seed=7", "model.hidden_size=32"]])
+    assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1]) and is_agreed(errors[0])
+    head, *lines = str(errors[0]).split("\n")
+    assert head == "3 config keys differ between the group jobs; federation: every group job needs the same value:"
+    assert lines == [f"  config key 'model.hidden_size': group 0 has {base.model.hidden_size}, group 1 has 32",
+                     f"  config key 'train.seed': group 0 has {base.train.seed}, group 1 has 7",
+                     f"  config key 'optim.lr': group 0 has 0.001, group 1 has {base.optim.lr}"], lines
 
 
 @pytest.mark.parametrize("survivors", [1, 2])

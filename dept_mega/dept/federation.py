@@ -39,9 +39,9 @@ job that is in the current quorum. The seam is :class:`FederatedOuter`: it takes
   each round a job trains one of its own (the seeded sampler, restricted to them:
   ``rounds.RoundScheduler``'s ``owners``). A gone job's sources are not trained until it
   returns.
-- **checks**: the keys that must agree (:data:`AGREE_KEYS`) are compared at a fresh start
-  (a collective over every group, the healed ones too) and by a group healing from a running
-  one against its peer's; a group index
+- **checks**: the keys that must agree (``AGREE_KEYS``) are compared at a fresh start
+  (a collective over every group, the healed ones too: federation_bookkeeping.py) and by a
+  group healing from a running one against its peer's; a group index
   claimed twice is refused. Each is a ConfigError naming the key (exit status 2).
 What torchft does not do and this module adds: the checks, the round ↔ step mapping and the
 jump of a healed group, the participants' group indices (from the ``global_ranks`` torchft's
@@ -59,10 +59,10 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..config_diff import check_differing
 from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
-from .federation_config import AGREE_KEYS, agree_hashes, agree_values, check_agree, check_reachable, own_sources
+from .federation_bookkeeping import any_member, check_fresh_agree, contributors
+from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_log import (WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
                              quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
@@ -103,7 +103,7 @@ class Federation:
         self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
         self.where = f"{host}:{port}"
         self.group, self.groups = group, f.groups
-        self.agreed = agree_values(cfg)  # sent to a healing peer, to name a field that differs
+        self.agreed = agree_values(cfg)  # sent to a healing peer (and at a fresh start), to name a field that differs
         self.hashes = agree_hashes(cfg)
         lighthouse_min = lighthouse_reachable(host, port, f.timeout_s, f.groups, device)
         timeout = timedelta(seconds=f.timeout_s)
@@ -266,7 +266,7 @@ class Federation:
         deadline, said = t0 + self.cfg.federation.timeout_s, None
         # (the members of a quorum decide together when to stop waiting: a bookkeeping MAX)
         while (self._fresh_quorum() and len(self.members) < self.groups
-               and not self._any(time.monotonic() >= deadline)):
+               and not any_member(self.process_group, self.device, time.monotonic() >= deadline)):
             if said is None or time.monotonic() - said >= WAIT_EVERY_S:
                 said = time.monotonic()
                 self._say(f"federation: fresh start: groups {self.members} of {self.groups} are here; waiting for the "
@@ -283,7 +283,7 @@ class Federation:
             raise ConfigError(f"config key 'federation.group': group {dup[0]} is claimed by two jobs; give each job "
                               f"its own index in [0, {self.groups}) (federation.group, or DEPT_GROUP when it is null)")
         if first:  # every member, healed or not, compares the keys (one error, in every job)
-            self._check_agree()
+            check_fresh_agree(self.process_group, self.device, self.hashes, self.agreed, self.order)
             self._set_step(self.manager.current_step() + RUNNING)
         if healed is not None:
             self._check_healed(healed)
@@ -364,34 +364,6 @@ class Federation:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
-    def _any(self, flag: bool) -> bool:
-        """True when ``flag`` is true in any member of the current quorum (bookkeeping)."""
-        from torch.distributed import ReduceOp
-        from torch.distributed.distributed_c10d import AllreduceOptions
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MAX
-        self.process_group.allreduce([t], opts).wait()
-        return bool(t.item())
-
-    def _check_agree(self) -> None:
-        """A fresh quorum (every member at its first): the agreed keys compared over every group
-        (a bookkeeping collective, not counted; the round needs none: the lagging members healed
-        to the newest)."""
-        from torch.distributed import ReduceOp
-        from torch.distributed.distributed_c10d import AllreduceOptions
-        vals = torch.tensor(self.hashes, dtype=torch.int64)
-        both = torch.cat([vals, -vals]).to(self.device)
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MAX
-        self.process_group.allreduce([both], opts).wait()
-        hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
-        # every rank of this job holds the same config, so every rank raises the same error
-        keys = [key for i, key in enumerate(AGREE_KEYS) if hi[i] != lo[i]]
-        check_differing([(key, "") for key in keys], "between the group jobs", "federation: every group job needs the "
-                        "same value; only hashes are compared here: compare the jobs' train.run_dir/config.yaml",
-                        agreed=True)
-
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
         saved = t.clone()
@@ -434,14 +406,7 @@ class Federation:
         not healed at it (a bookkeeping all-reduce, not counted; its failure fails the exchange)."""
         if not launching:
             return list(self.members)
-        from torch.distributed import ReduceOp
-        from torch.distributed.distributed_c10d import AllreduceOptions
-        t = torch.zeros(self.groups, dtype=torch.int64, device=self.device)
-        t[self.group] = int(contributes)
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        self.process_group.allreduce([t], opts).wait()
-        return [g for g, v in enumerate(t.cpu().tolist()) if v > 0]
+        return contributors(self.process_group, self.device, self.groups, self.group, contributes)
 
     def _launched(self, state: dict, launch, after, restore, comm, counts) -> FederatedWork:
         """``launch()`` now (its failure reported to the Manager: the commit at ``wait()`` then

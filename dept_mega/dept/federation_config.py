@@ -1,7 +1,8 @@
 """Federation mode's config side (docs/launching.md, "Federated group jobs"): the checks of the
 ``federation`` section a group job makes before it contacts anyone (``resolve``; also run by
 ``--check``), which sources the job holds, and the keys every group job must agree on, compared
-as hashes at each heal, with the values to name the field that differs."""
+as hashes, with the values to name the field that differs (at each heal: ``check_agree``; at a
+fresh start: federation_bookkeeping.py)."""
 from __future__ import annotations
 
 import hashlib
