@@ -285,6 +285,10 @@ class FederationConfig:
     #: Seconds survivors wait for a missing group: collectives and commits across groups, and
     #: a fresh run's first round waiting for every expected group.
     timeout_s: float = 60.0
+    #: Seconds a quorum wait may last before the job gives up: it saves a checkpoint (at a round
+    #: start) and exits with status 75, the requeue status of a preemption (a lighthouse that
+    #: restarted has forgotten the quorum: a relaunched job asks the new one). null = wait forever.
+    quorum_give_up_s: Optional[float] = 3600.0
 
 
 @dataclass

@@ -40,11 +40,13 @@ class PreemptedWait(Exception):
     step holds (a round start, after the previous round's outer sync), so the loop saves it;
     False inside a round's end (its outer sync not done: a checkpoint cannot hold a round whose
     sync is pending, see TrainLoop._preempted_in_wait), where the relaunch resumes from the last
-    checkpoint."""
+    checkpoint. ``gave_up``: not a signal but the wait's own limit (its words for the log,
+    e.g. ``federation.quorum_give_up_s = 3600 s``); the job stops the same way, with status
+    :data:`EXIT_PREEMPTED` and ``preempted.json``, so that a requeue relaunches it."""
 
-    def __init__(self, what: str, synced: bool) -> None:
+    def __init__(self, what: str, synced: bool, gave_up: Optional[str] = None) -> None:
         super().__init__(what)
-        self.what, self.synced = what, synced
+        self.what, self.synced, self.gave_up = what, synced, gave_up
 
 
 class Preemption:

@@ -383,10 +383,11 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                        "round's outer sync not done: a checkpoint holds a round's end only after it")
                 saved = (f"no checkpoint of step {at} ({why}); a relaunch resumes from "
                          + (f"step {loop.preempted_at}" if loop.preempted_at is not None else "the start"))
-            session.writer.log(f"{stopped_by(preemption)} while {stop.what}: stopped waiting; {saved}; "
+            by = f"gave up ({stop.gave_up})" if stop.gave_up else stopped_by(preemption)
+            session.writer.log(f"{by} while {stop.what}: stopped waiting; {saved}; "
                                f"exiting with status {preemption.exit_code} ({continue_by(preemption)})")
             if session.rank == 0 and not preemption.interrupted:
-                write_marker(run_dir, loop.preempted_at, preemption.signal_name)
+                write_marker(run_dir, loop.preempted_at, "quorum_give_up" if stop.gave_up else preemption.signal_name)
         elif loop.preempted_at is not None:
             session.writer.log(f"{stopped_by(preemption)}: checkpoint of step {loop.preempted_at} "
                                f"written; exiting with status {preemption.exit_code} ({continue_by(preemption)})")

@@ -60,6 +60,7 @@ def test_bad_input(tmp_path, monkeypatch):
      "'dept.outer_delay': 4 lands fragment 0's overlapped sync in the next round"),
     ("federation.groups=4", "'data.sources': 3 sources for federation.groups = 4"),
     ("federation.min_groups=4", "'federation.min_groups': 4 is not in [1, 3]"),
+    ("federation.quorum_give_up_s=0", "'federation.quorum_give_up_s': must be > 0 or null"),
 ])
 def test_refused_in_federation_mode(tmp_path, override, want):
     """What federation mode does not support is one config error naming the key (in process:
@@ -166,7 +167,8 @@ def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
     for said in ([], None):  # rank 0, another rank
         job = object.__new__(fed.Federation)
         job.round, job.least, job.where, job._loop, job.device = 3, 2, "127.0.0.1:1", None, cpu
-        job._healed = None
+        job._healed, job._rounds = None, 4
+        job.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
         job.say = said.append if said is not None else None
         job.manager = SimpleNamespace(start_quorum=lambda: time.sleep(1.2), errored=lambda: None,
                                       num_participants=lambda: 2, current_step=lambda: 0)
@@ -175,9 +177,51 @@ def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
         assert job.members == [0, 1]
         if said is not None:
             assert len(said) >= 2 and all(line.startswith("waiting ") for line in said), said  # (polls: 0.5 s)
-            assert all(a[0] == 3 and a[2:] == (2, "127.0.0.1:1") for a in asked), asked
+            assert all(a[0] == 3 and a[2:] == (2, "127.0.0.1:1", True, None) for a in asked), asked
             asked.clear()
     assert asked == []
+
+
+def test_a_quorum_wait_says_what_to_do_after_a_lighthouse_restart_and_gives_up(monkeypatch):
+    """A lighthouse that restarted forgets the quorum requests it held and torchft does not send
+    them again: its page shows no participant (or no quorum ever formed while this job has been
+    in quorums). The "still waiting" line then says so and what to do (the audit's jobs waited
+    with '[2 heartbeating]' and no hint), and after federation.quorum_give_up_s the wait ends
+    as a preemption's does (PreemptedWait, its gave_up set: a checkpoint at a round start, exit
+    status 75). Pages as torchft's lighthouse writes them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept import federation_log as fl
+    from dept_mega.dept.federation_wait import preemptible
+    from dept_mega.preemption import PreemptedWait
+
+    def page(quorum_id, participants):
+        return (f"Current quorum_id: {quorum_id} <br>\nNext quorum status: New quorum not ready, only have "
+                f"{participants} participants, need min_replicas 2 [{participants}/{participants} participants "
+                "healthy][2 heartbeating][shrink_only=false]\n<h3>Previous Quorum</h3>")
+    assert fl.forgot_requests(page(0, 0), False) and fl.forgot_requests(page(7, 0), True)
+    assert fl.forgot_requests(page(0, 1), True)  # (the other job relaunched and asked; this one's request is lost)
+    assert not fl.forgot_requests(page(0, 1), False) and not fl.forgot_requests(page(7, 1), True)
+    hint = "it restarted and forgot the quorum, and this job's request is not sent again: restart the group jobs"
+    for shown, was_in, seconds, want in ((page(0, 0), True, 31, hint), (page(7, 1), True, 31, None),
+                                         (page(7, 1), True, 601, "if the lighthouse restarted during this wait")):
+        monkeypatch.setattr(fl, "_status_page", lambda where, timeout, shown=shown: shown)
+        line = fl.quorum_wait_line(3, seconds, 2, "h:1", was_in, 3600)
+        assert "the lighthouse h:1 says: New quorum not ready" in line, line
+        assert (want in line) if want else ("restart the group jobs" not in line), line
+        assert line.endswith("this job gives up after federation.quorum_give_up_s = 3600 s (a checkpoint at a "
+                             "round start, exit status 75)"), line
+    cpu = torch.device("cpu")
+    for preemption in (None, SimpleNamespace(signal=None)):
+        t0 = time.monotonic()
+        with pytest.raises(PreemptedWait) as stop:
+            preemptible(lambda: time.sleep(30), preemption, cpu, "waiting for a quorum at round 2", True,
+                        poll_s=0.05, give_up_s=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 5 and stop.value.synced
+        assert stop.value.gave_up == "federation.quorum_give_up_s = 0.3 s", stop.value.gave_up
+        assert preemptible(lambda: 5, preemption, cpu, "w", True, poll_s=0.05, give_up_s=0.3) == 5
 
 
 def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
@@ -437,6 +481,7 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
 
     fed.manager, fed.say, fed._loop, fed._healed = Manager(), None, None, None
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
+    fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
     fed.pg = SimpleNamespace(group_size=1, rank=0)
     fed.process_group = SimpleNamespace(quorum_ranks=[0])
     earlier = {"round": 5}

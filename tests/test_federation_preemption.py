@@ -108,3 +108,27 @@ def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_
            "checkpoint of step 6" in out, out[-3000:]
     assert "a relaunch resumes from step 4" in out
 
+
+
+def test_a_quorum_wait_longer_than_quorum_give_up_s_saves_and_exits_75(tmp_path):
+    """Group 1 holds before round 2's quorum for good (as jobs wait forever on a lighthouse that
+    restarted); group 0, federation.quorum_give_up_s = 4, gives up its wait there after 4 s:
+    a checkpoint of step 4 (no periodic saves), preempted.json, exit status 75 (a requeue
+    relaunches it) and one line saying why."""
+    cfg = write_config(str(tmp_path), steps=STEPS, local_steps=L, sources=2)
+    dump = str(tmp_path / "dump")
+    runs = [str(tmp_path / f"g{g}") for g in range(2)]
+    kw = dict(groups=2, min_groups=2, timeout_s=20)
+    with federation(min_groups=2, heartbeat_s=HEARTBEAT_S) as jobs:
+        held = jobs.launch(cfg, runs[1], 1, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
+                                                       DEPT_FEDERATION_HOLD=f"2:start:{tmp_path / 'never'}"), **kw)
+        wait_for_requests(jobs.lh, 1, [held], "group 1's first quorum request")  # (group 0's first wait: short)
+        p = jobs.launch(cfg, runs[0], 0, "federation.quorum_give_up_s=4", env=ENV, **kw)
+        p.wait(timeout=120)
+        out = _log(p)
+    assert p.returncode == 75, out[-3000:]
+    with open(os.path.join(runs[0], "preempted.json")) as f:
+        assert json.load(f) == {"step": 2 * L, "signal": "quorum_give_up", "exit_code": 75}
+    assert os.path.isdir(os.path.join(runs[0], "checkpoints", f"step_{2 * L}"))
+    assert "gave up (federation.quorum_give_up_s = 4 s) while waiting for a quorum at round 2: stopped waiting; " \
+           "checkpoint of step 4 written; exiting with status 75" in out, out[-3000:]

@@ -210,9 +210,11 @@ class Federation:
                 f"waiting for a quorum to redo round {self.round}'s exchange")
         for attempt in range(1, QUORUM_TRIES + 1):
             step, healed = self.manager.current_step(), self._healed  # what a failed try puts back
-            say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where))) if self.say else None
+            give_up = self.cfg.federation.quorum_give_up_s
+            say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where, self._rounds > 0,
+                                                       give_up))) if self.say else None
             preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
-                        say, every=WAIT_EVERY_S)
+                        say, every=WAIT_EVERY_S, give_up_s=give_up)
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job

@@ -88,6 +88,9 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
         raise ConfigError(f"config key 'federation.min_groups': {f.min_groups} is not in [1, {f.groups}]")
     if not f.timeout_s > 0:
         raise ConfigError(f"config key 'federation.timeout_s': must be > 0, got {f.timeout_s}")
+    if f.quorum_give_up_s is not None and not f.quorum_give_up_s > 0:
+        raise ConfigError(f"config key 'federation.quorum_give_up_s': must be > 0 or null (wait forever), got "
+                          f"{f.quorum_give_up_s}")
     addr = str(f.lighthouse)
     if addr.startswith("http://"):  # the URL the lighthouse prints (and torchft's TORCHFT_LIGHTHOUSE) is fine too
         addr = addr[len("http://"):].rstrip("/")

@@ -77,35 +77,76 @@ def membership_line(round_index: int, groups: list, before: list, healed: bool =
     return f"federation: round {round_index}: groups {sorted(groups)}" + (f" ({'; '.join(what)})" if what else "")
 
 
-def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
-    """The lighthouse's own account of the next quorum (torchft's ``/status`` page), e.g. ``New
-    quorum not ready, only have 1 participants, need min_replicas 2 [1/1 participants
-    healthy][1 heartbeating]``; None when it cannot be read. Asked directly, never through the
-    environment's ``http_proxy`` (set on many clusters for the internet): the group jobs' torchft
-    client reaches the lighthouse directly, and a proxy cannot reach a node-internal address."""
-    import re
+def _status_page(where: str, timeout: float) -> Optional[str]:
+    """torchft's lighthouse page ``/status``; None when it cannot be read. Asked directly, never
+    through the environment's ``http_proxy`` (set on many clusters for the internet): the group
+    jobs' torchft client reaches the lighthouse directly, and a proxy cannot reach a
+    node-internal address."""
     import urllib.request
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with direct.open(f"http://{where}/status", timeout=timeout) as r:
-            page = r.read().decode("utf-8", "replace")
+            return r.read().decode("utf-8", "replace")
     except Exception:  # noqa: BLE001 - a status line is a courtesy: the wait goes on without it
         return None
+
+
+def _next_quorum(page: str) -> Optional[str]:
+    import re
     m = re.search(r"Next quorum status: *([^\n<]*)", page)
     return m.group(1).strip() or None if m else None
 
 
-def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: str) -> str:
-    """The "still waiting for a quorum" line, with what the lighthouse sees."""
-    status = lighthouse_status(where)
-    if status is None:  # (torchft does not send a lost quorum request again to a restarted lighthouse)
-        says = (f"the lighthouse {where} does not answer (if it died: restart it, then the group jobs; they "
-                "resume from their checkpoints)")
+def lighthouse_status(where: str, timeout: float = 2.0) -> Optional[str]:
+    """The lighthouse's own account of the next quorum (torchft's ``/status`` page), e.g. ``New
+    quorum not ready, only have 1 participants, need min_replicas 2 [1/1 participants
+    healthy][1 heartbeating]``; None when it cannot be read."""
+    page = _status_page(where, timeout)
+    return _next_quorum(page) if page is not None else None
+
+
+#: a quorum wait longer than this says, whatever the lighthouse shows, what to do if it restarted
+LONG_WAIT_S = 600.0
+
+
+def forgot_requests(page: str, was_in_quorum: bool) -> bool:
+    """The lighthouse's page shows that it holds no quorum request of a job that is waiting for
+    one: it has none at all (``only have 0 participants``), or it never formed a quorum
+    (``Current quorum_id: 0``) while this job has been in quorums (``was_in_quorum``). Either
+    is a lighthouse that restarted during the wait: it forgets the requests it held, and
+    torchft's clients do not send them again."""
+    import re
+    status = _next_quorum(page) or ""
+    if re.search(r"only have 0 participants", status):
+        return True
+    m = re.search(r"Current quorum_id: *(\d+)", page)
+    return was_in_quorum and m is not None and int(m.group(1)) == 0
+
+
+def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: str, was_in_quorum: bool = False,
+                     give_up_s: Optional[float] = None) -> str:
+    """The "still waiting for a quorum" line, with what the lighthouse sees and, when it has
+    forgotten this job's request (:func:`forgot_requests`) or the wait is long
+    (:data:`LONG_WAIT_S`), what to do; and when the job gives up (``give_up_s``)."""
+    restart = "restart the group jobs (they resume from their checkpoints and ask the lighthouse anew)"
+    page = _status_page(where, 2.0)
+    status = _next_quorum(page) if page is not None else None
+    if page is None:  # (torchft does not send a lost quorum request again to a restarted lighthouse)
+        says = (f"the lighthouse {where} does not answer (if it died: restart it, then the group jobs; they resume "
+                "from their checkpoints)")
+    elif forgot_requests(page, was_in_quorum):
+        says = (f"the lighthouse {where} says: {status}; it holds no quorum request of this job: it restarted and "
+                f"forgot the quorum, and this job's request is not sent again: {restart}")
     else:
         says = f"the lighthouse {where} says: {status}"
+        if seconds >= LONG_WAIT_S:
+            says += f" (if the lighthouse restarted during this wait, it forgot this job's request: {restart})"
+    end = (f"; this job gives up after federation.quorum_give_up_s = {give_up_s:g} s (a checkpoint at a round start, "
+           "exit status 75)" if give_up_s is not None else "")
     return (f"federation: round {round_index}: waiting {seconds:.0f} s for a quorum of at least {min_groups} "
             f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
-            "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)")
+            "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)"
+            f"{end}")
 
 
 def healed_line(group: int, round_index: int, was: int, step: int, members: list) -> str:

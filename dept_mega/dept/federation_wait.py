@@ -14,7 +14,11 @@ match. A preemption agreed while some rank still waits raises
 :class:`~dept_mega.preemption.PreemptedWait`; the helper thread is left blocked (a daemon: it
 ends with the process), and the other groups see this one as gone when its heartbeats stop, as
 after any kill. The same polls print the "still waiting for a quorum" line (rank 0, every
-:data:`~dept_mega.dept.federation_log.WAIT_EVERY_S` seconds), with or without a preemption handler.
+:data:`~dept_mega.dept.federation_log.WAIT_EVERY_S` seconds), with or without a preemption handler,
+and end a wait that lasts longer than ``federation.quorum_give_up_s`` the same way as a
+preemption (a checkpoint at a round start, status 75): a wait that long is a lighthouse that
+restarted (it forgot the quorum requests it held, and torchft does not send them again) or
+groups that are gone for good, and a job that waits forever holds its allocation idle.
 """
 from __future__ import annotations
 
@@ -41,14 +45,16 @@ QUORUM_TRIES = 3
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
                 say: Optional[Callable[[float], None]] = None, poll_s: float = POLL_S,
-                every: float = WAIT_EVERY_S) -> Any:
+                every: float = WAIT_EVERY_S, give_up_s: Optional[float] = None) -> Any:
     """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
-    any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank.
-    ``say(seconds)`` every ``every`` seconds while any rank of the job still waits (without a
-    preemption handler: while this rank waits; the "still waiting" line; nothing when every
-    ``fn`` returns sooner). ``preemption`` None: no agreement (and, without ``say``,
-    ``fn()`` as it is). ``fn``'s exception is raised here."""
-    if preemption is None and say is None:
+    any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank;
+    the same, its ``gave_up`` set, once the wait has lasted ``give_up_s`` seconds on any rank
+    (``federation.quorum_give_up_s``; None: no limit). ``say(seconds)`` every ``every``
+    seconds while any rank of the job still waits (without a preemption handler: while this
+    rank waits; the "still waiting" line; nothing when every ``fn`` returns sooner).
+    ``preemption`` None: no agreement (each rank alone decides; without ``say`` and
+    ``give_up_s``, ``fn()`` as it is). ``fn``'s exception is raised here."""
+    if preemption is None and say is None and give_up_s is None:
         return fn()
     result: dict[str, Any] = {}
     done = threading.Event()
@@ -69,13 +75,16 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
     t0 = said = time.monotonic()
     while True:
         finished = done.wait(poll_s)
-        signal, waiting = (0, not finished) if preemption is None else \
-            world_max([preemption.signal or 0, not finished], device)
+        late = give_up_s is not None and time.monotonic() - t0 >= give_up_s
+        signal, waiting, late = (0, not finished, late) if preemption is None else \
+            world_max([preemption.signal or 0, not finished, late], device)
         if not waiting:  # every rank's call returned: the loop's own check after the step follows
             break
         if signal:
             preemption.agree_flag(signal)
             raise PreemptedWait(what, synced)
+        if late:
+            raise PreemptedWait(what, synced, gave_up=f"federation.quorum_give_up_s = {give_up_s:g} s")
         if say is not None and time.monotonic() - said >= every:
             said += every
             say(time.monotonic() - t0)
