@@ -515,3 +515,32 @@ def test_a_group_left_out_writes_its_healed_membership_record():
     assert fed.round_start(6, writer, 60) == (20, True)
     assert records == [("membership", 200, 20, dict(groups=[0, 1], joined=[0], left=[], healed=True))], records
     assert _event(dict(records[0][3], round=20)) == "r20+0h"
+
+
+def test_torchft_log_lines_are_marked_and_translated_not_hidden(capfd):
+    """torchft's Python loggers had no handler: Python's last resort printed their raw text into
+    the job's log (the audit's '[dept_group_0:.../0 - step 1099511627781] got exception ...
+    remote worker crashing ... GLHF!', also for a peer that only stalled). Through
+    quiet_torchft: one line marked torchft, the step as 2^40+K, a known failure in words
+    before torchft's own text; any other warning whole, its traceback kept; nothing twice."""
+    import logging
+
+    from dept_mega.dept.federation_log import quiet_torchft
+    quiet_torchft()
+    quiet_torchft()  # (once per Federation: one handler)
+    capfd.readouterr()
+    gloo = "[pair.cc:598] Connection closed by peer [127.0.0.1]:4711 (remote worker crashing?) GLHF!"
+    logging.getLogger("torchft.manager").error(f"[dept_group_1:4f2a/0 - step 1099511627781] "
+                                               f"got exception waiting for work {gloo}")
+    try:
+        raise ValueError("a real problem")
+    except ValueError:
+        logging.getLogger("torchft.process_group").exception("worker errored: a real problem")
+    logging.getLogger("torchft.manager").info("[dept_group_1/0 - step 3] reconfiguring")  # (below WARNING)
+    err = capfd.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == ("torchft error: [group 1, rank 0, torchft step 2^40+5] a cross-group collective failed (a "
+                        "group died, stalled longer than federation.timeout_s, or the network failed; the exchange "
+                        f"is redone): {gloo}"), lines
+    assert lines[1] == "torchft error: worker errored: a real problem" and "ValueError: a real problem" in err, err
+    assert "reconfiguring" not in err and err.count("got exception") == 0 and err.count("GLHF") == 1, err

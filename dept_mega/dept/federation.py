@@ -63,18 +63,12 @@ from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_log import (WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
+from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
                              quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
-#: torchft's step of a job past its first round start is at least this; below it, a job at its
-#: first quorum asks with the round it resumes at (0 for a new run). torchft heals every member of
-#: a quorum whose step is not the highest from one that is, so a job at its first quorum heals
-#: from a running job (as a relaunched job always did), and at a fresh start of every job the
-#: lagging ones heal from a job of the newest round (Federation.round_start)
-RUNNING = 1 << 40
 
 
 class LeftOut(Exception):

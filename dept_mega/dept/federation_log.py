@@ -7,27 +7,99 @@ unless the user set ``RUST_LOG`` (``RUST_LOG=info`` brings torchft's lines back)
 itself, in one line each, what a user waits for: the quorum at a fresh start (the other
 groups), a quorum that takes long (a group gone: the lighthouse drops it after its
 ``--heartbeat-timeout-s``), a change of the groups taking part, a failed exchange.
+
+torchft's Python loggers (``torchft.manager``, ``torchft.process_group``, ...) have no handler:
+Python's last-resort handler printed their warnings and errors raw, e.g. ``[dept_group_0/0 -
+step 1099511627781] got exception waiting for work ... remote worker crashing ... GLHF!``, a
+gloo text that says "crashing" also of a peer that only stalled. They go through
+:class:`TorchftLines` instead: one line each on the rank's standard error, marked ``torchft``,
+the step named as what it is (:data:`RUNNING`), and the known failures of a collective, of a
+quorum's configuration and of a healing (events the job reports and handles itself) said in
+words before torchft's own text; every other warning and error whole, with its traceback.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import warnings
 from typing import Optional
 
 #: seconds between the "still waiting" lines of a quorum that takes long (the first after this too)
 WAIT_EVERY_S = 30.0
 
+#: torchft's step of a job past its first round start is at least this; below it, a job at its
+#: first quorum asks with the round it resumes at (0 for a new run). torchft heals every member of
+#: a quorum whose step is not the highest from one that is, so a job at its first quorum heals
+#: from a running job (as a relaunched job always did), and at a fresh start of every job the
+#: lagging ones heal from a job of the newest round (Federation.round_start). Above it, each
+#: committed exchange adds one (and each round a job trains alone): torchft's log lines and the
+#: lighthouse's page show 2^40 + that count, an order of the jobs' progress, not a training step
+RUNNING = 1 << 40
+
+#: torchft's messages for events of this mode that the job handles and reports itself, in words
+KNOWN = {"got exception waiting for work": "a cross-group collective failed (a group died, stalled longer than "
+                                           "federation.timeout_s, or the network failed; the exchange is redone)",
+         "got exception in future": "a cross-group collective failed (the exchange is redone)",
+         "got exception in all reduce": "a cross-group all-reduce could not start (the exchange is redone)",
+         "got exception in pg configure": "the quorum's process group could not be configured (a group in "
+                                          "it is gone; the quorum is asked again)",
+         "got exception in recovery": "healing from a live peer failed (the quorum is asked again)"}
+
+
+def torchft_line(message: str) -> str:
+    """A torchft log message as this job's line: its prefix ``[REPLICA/RANK - step N]`` as
+    ``[group G, rank R, torchft step 2^40+K]``, and a :data:`KNOWN` message in words first,
+    followed by torchft's own text (not shortened: a real error must stay visible)."""
+    m = re.match(r"\[(?P<replica>[^\]/]*)/(?P<rank>\d+) - step (?P<step>\d+)\] ?(?P<rest>.*)", message, re.S)
+    if m is None:
+        return message
+    g = re.match(r"dept_group_(\d+)", m["replica"])
+    who = f"group {g.group(1)}" if g else m["replica"]
+    step = int(m["step"])
+    step_s = f"2^40+{step - RUNNING}" if step >= RUNNING else str(step)
+    rest = m["rest"]
+    for known, words in KNOWN.items():
+        if rest.startswith(known):
+            rest = f"{words}: {rest[len(known):].lstrip(' :')}"
+            break
+    return f"[{who}, rank {m['rank']}, torchft step {step_s}] {rest}"
+
+
+class TorchftLines(logging.Handler):
+    """torchft's Python log records at WARNING and above (the level Python's last-resort
+    handler printed), each as ``torchft LEVEL: `` + :func:`torchft_line`, on standard error
+    (every rank, as before: an error on any rank is seen)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            head, sep, tail = text.partition("\n")
+            sys.stderr.write(f"torchft {record.levelname.lower()}: {torchft_line(head)}{sep}{tail}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging's own rule: a handler never raises
+            self.handleError(record)
+
 
 def quiet_torchft() -> None:
     """Before torchft's Manager starts: its Rust INFO lines off unless ``RUST_LOG`` is set, two
     messages that say nothing about this run dropped (the flight recorder on CPU builds;
-    torch's warning about the read-only buffer torchft's healing transport hands it), and a
-    failed collective's traceback (torchft's own frames; the error stays, one line)."""
+    torch's warning about the read-only buffer torchft's healing transport hands it), a
+    failed collective's traceback (torchft's own frames; the error stays, one line), and its
+    Python loggers' records through :class:`TorchftLines`."""
     os.environ.setdefault("RUST_LOG", "warn")
     logger = logging.getLogger("torchft.manager")
     if not any(isinstance(f, _DropFlightRecorder) for f in logger.filters):
         logger.addFilter(_DropFlightRecorder())
+    root = logging.getLogger("torchft")  # every torchft.* logger's records: one line each, marked
+    if not any(isinstance(h, TorchftLines) for h in root.handlers):
+        root.addHandler(TorchftLines())
+        root.propagate = False  # (else the root logger's handlers, or the last-resort one, print them again)
     warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
