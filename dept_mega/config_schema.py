@@ -138,6 +138,10 @@ class SourceConfig:
     #: round group g draws one of its own sources; null = index mod the number of groups when
     #: any source sets it or under federation with more sources than groups, else any group.
     group: Optional[int] = None
+    #: Federation: this source's summary (python -m dept_mega.data.summary PREFIX), which a group
+    #: job that does not hold the source reads instead of its files (token count, data identity,
+    #: tokenizer size); null = PREFIX.summary.json. Never read by the job that holds the source.
+    summary: Optional[str] = None
 
 
 @dataclass
