@@ -289,6 +289,10 @@ class FederationConfig:
     #: Seconds survivors wait for a missing group: collectives and commits across groups, and
     #: a fresh run's first round waiting for every expected group.
     timeout_s: float = 60.0
+    #: The host name this job's torchft servers and store are advertised by to the other group
+    #: jobs (torchft's default: the short host name): fqdn = each node's fully qualified name,
+    #: or a name / IP address the other sites reach (a group job of one node); null = torchft's.
+    advertise_host: Optional[str] = None
 
 
 @dataclass

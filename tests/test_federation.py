@@ -166,12 +166,21 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     site_configs = [site_config(cfg, g, G, str(tmp_path)) for g in range(G)]
     with federation(min_groups=G) as jobs:
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
-        procs = [jobs.launch(site_configs[g], runs[g], g, *extra, groups=G, min_groups=G) for g in range(G)]
+        # group 1 advertises its servers and store as "localhost" (federation.advertise_host)
+        procs = [jobs.launch(site_configs[g], runs[g], g, *extra, *(("federation.advertise_host=localhost",) * g),
+                             groups=G, min_groups=G) for g in range(G)]
         # the single job while the group jobs run: its start-up fills their waits for the quorum
         run_single_job(owned, str(tmp_path / "single"), G, *extra)
         outs = finish_all(procs)
+        import urllib.request
+        with urllib.request.urlopen(f"http://{jobs.lh.addr}/status", timeout=10) as r:
+            page = r.read().decode("utf-8", "replace")  # the last quorum: what each job was advertised as
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+    import re
+    import socket
+    managers, stores = re.findall(r"Manager: http://([^:<\s]+):", page), re.findall(r"TCPStore: ([^:<\s]+):", page)
+    assert sorted(managers) == sorted(stores) == sorted([socket.gethostname(), "localhost"]), page[:2000]
     single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = [s.name for s in load_config(cfg).data.sources]
     job = load_config(os.path.join(runs[0], "config.yaml"))

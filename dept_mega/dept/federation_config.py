@@ -105,6 +105,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
                  f"{d.outer_delay} lands fragment {d.outer_fragments - 2}'s overlapped sync in the next round "
                  f"(federation: only the round-end sync may be in flight across a round start's quorum; "
                  f"needs (outer_fragments - 1) * (local_steps // outer_fragments) + outer_delay <= local_steps)"),
+                ("federation.advertise_host", f.advertise_host is not None and not str(f.advertise_host).strip(),
+                 "empty (null: torchft's host name; fqdn; or a host name / IP address the other sites reach)"),
                 ("data.sources", len(cfg.data.sources) < f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
                  f"its own sources: at least one per group)")]
