@@ -146,3 +146,18 @@ def test_spec_opt_group_job_knows_the_other_sites_vocabularies_from_their_summar
     json.dump(s, open(summaries["en"], "w"))
     with pytest.raises(Exception, match=r"data.sources\[0\].summary'.*no tokenizer vocabulary.*--tokenizer"):
         check_sources(_config(tmp_path, "spec_opt", summaries, group=1))
+
+
+def test_group_job_reads_only_its_own_sources_records(tmp_path, monkeypatch):
+    """The pre-flight's warnings from PREFIX.tokenizer.json: a group job reads its own sources'
+    records only, even where the other sites' files are on the same file system."""
+    import dept_mega.data.checks as checks
+    monkeypatch.delenv("DEPT_GROUP", raising=False)
+    read = []
+    real = checks._read_record
+    monkeypatch.setattr(checks, "_read_record", lambda prefix: read.append(os.path.basename(prefix)) or real(prefix))
+    checks.source_warnings(_config(tmp_path, "spec", {}))  # group job 0: en and ja
+    assert [p.split("_")[0] for p in read] == ["en", "ja"], read
+    read.clear()
+    checks.source_warnings(_config(tmp_path, "spec", {}, federated=False))  # the single job: every source
+    assert [p.split("_")[0] for p in read] == NAMES, read

@@ -248,7 +248,8 @@ def source_warnings(cfg: Config) -> list[str]:
     """What the pre-flight (``--check``) and the launch warn about the sources' data, from their
     ``PREFIX.tokenizer.json`` (each read once): input lines skipped at preprocessing, then lossy
     tokenizers."""
-    records = [_read_record(s.prefix) for s in cfg.data.sources]
+    held = held_here(cfg)  # a federated group job: only its own sources' records
+    records = [_read_record(s.prefix) if held is None or i in held else None for i, s in enumerate(cfg.data.sources)]
     return skipped_input_warnings(cfg, records) + lossy_source_warnings(cfg, records)
 
 
