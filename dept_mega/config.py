@@ -498,6 +498,21 @@ def source_groups(cfg: Config, groups: int) -> list[int] | None:
     return owners
 
 
+def held_here(cfg) -> list[int] | None:
+    """The indices of the sources whose files this job reads: every one (None) but in a federated
+    group job, its own (:func:`source_groups`; group: ``federation.group``, else ``DEPT_GROUP``)."""
+    f = getattr(cfg, "federation", None)  # (a config-like namespace without one: the single job)
+    if f is None or f.lighthouse is None or cfg.dept.variant == "std":
+        return None
+    group, env = f.group, os.environ.get("DEPT_GROUP", "")
+    if group is None and not env.strip().lstrip("-").isdigit():
+        raise ConfigError("config key 'federation.group': null and DEPT_GROUP is not set to an integer (this "
+                          "job's group index; it says which sources' files the job reads)")
+    group = int(env) if group is None else group
+    owners = source_groups(cfg, int(f.groups)) or list(range(len(cfg.data.sources)))
+    return [i for i, g in enumerate(owners) if g == group]
+
+
 def _prefix_hint(prefix: str) -> str:
     """What a missing ``PREFIX.bin`` most likely means: the prefix names the file itself
     (``.bin`` / ``.idx`` written out), or it is the ``--output-prefix`` given to
@@ -561,7 +576,10 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         return
     if cfg.data.tokenizer and variant != "spec_opt" and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"config key 'data.tokenizer': file {cfg.data.tokenizer!r} does not exist")
-    for i, s in enumerate(cfg.data.sources):
+    held = held_here(cfg)  # a federated group job reads only its own sources' files (the others':
+    for i, s in enumerate(cfg.data.sources):  # their summaries, data.checks.check_sources)
+        if held is not None and i not in held:
+            continue
         for ext in (".bin", ".idx"):
             if not os.path.exists(s.prefix + ext):
                 raise ConfigError(f"config key 'data.sources[{i}].prefix': file {s.prefix + ext!r} "

@@ -138,6 +138,10 @@ class SourceConfig:
     #: round group g draws one of its own sources; null = index mod the number of groups when
     #: any source sets it or under federation with more sources than groups, else any group.
     group: Optional[int] = None
+    #: Federation: this source's summary (python -m dept_mega.data.summary PREFIX), which a group
+    #: job that does not hold the source reads instead of its files (token count, data identity,
+    #: tokenizer size); null = PREFIX.summary.json. Never read by the job that holds the source.
+    summary: Optional[str] = None
 
 
 @dataclass
@@ -289,6 +293,10 @@ class FederationConfig:
     #: start) and exits with status 75, the requeue status of a preemption (a lighthouse that
     #: restarted has forgotten the quorum: a relaunched job asks the new one). null = wait forever.
     quorum_give_up_s: Optional[float] = 3600.0
+    #: The host name this job's torchft servers and store are advertised by to the other group
+    #: jobs (torchft's default: the short host name): fqdn = each node's fully qualified name,
+    #: or a name / IP address the other sites reach (a group job of one node); null = torchft's.
+    advertise_host: Optional[str] = None
 
 
 @dataclass

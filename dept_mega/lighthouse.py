@@ -37,11 +37,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.lighthouse", description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port)")
     ap.add_argument("--min-groups", type=int, required=True, help="fewest group jobs that form a quorum")
-    ap.add_argument("--bind", default="[::]", help="address to listen on (default: all)")
+    ap.add_argument("--bind", default="[::]",
+                    help="address to listen on: a private or VPN interface's (nothing is authenticated, and the "
+                         "/status page can kill a group job); an IPv6 address in brackets (default [::]: all)")
     ap.add_argument("--join-timeout-s", type=float, default=60.0,
                     help="seconds a quorum waits for a live group that has not joined yet (default 60)")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
-                    help="seconds without a heartbeat after which a group counts as gone (default 5)")
+                    help="seconds without a heartbeat after which a group counts as gone (default 5, for one "
+                         "cluster; between sites 30, as examples/1b/lighthouse.sh: docs/launching.md §12)")
     args = ap.parse_args(argv)
     if args.min_groups < 1:
         print("error: --min-groups must be >= 1", file=sys.stderr)

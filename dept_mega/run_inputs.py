@@ -14,6 +14,9 @@ def vocab_size_of(cfg: Config) -> int:
         return load_tokenizer(cfg.data.tokenizer, "data.tokenizer").vocab_size
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size
+    from .data.summary import is_foreign, read_summary
+    if cfg.data.sources and is_foreign(cfg, 0):  # a federated group job: source 0 is at another site
+        return int(read_summary(cfg, 0)["tokenizer"]["vocab_size"])
     if cfg.data.sources and cfg.data.sources[0].tokenizer:
         return load_tokenizer(cfg.data.sources[0].tokenizer, "data.sources[0].tokenizer").vocab_size
     raise ConfigError("config key 'data.tokenizer': no tokenizer and no model.vocab_size")

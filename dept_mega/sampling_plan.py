@@ -91,8 +91,15 @@ def plan_scheduler(cfg, groups: int):
     (their token counts, read only where ``dept.sampling`` uses them); None under STD."""
     if cfg.dept.variant == "std":
         return None
+    from .data.summary import held_here, read_summary
     from .dept.source_info import source_tokens
-    sizes = [source_tokens(s.prefix) if _needs_sizes(cfg) else 1.0 for s in cfg.data.sources]
+    held = held_here(cfg)  # federated: another site's source's tokens are in its summary
+
+    def size(i, s) -> float:
+        if not _needs_sizes(cfg):
+            return 1.0
+        return float(read_summary(cfg, i)["tokens"]) if held is not None and i not in held else source_tokens(s.prefix)
+    sizes = [size(i, s) for i, s in enumerate(cfg.data.sources)]
     return make_scheduler(cfg, groups, sizes, [s.weight for s in cfg.data.sources])
 
 

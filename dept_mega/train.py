@@ -101,9 +101,12 @@ def load_run_data(cfg: Config, pg: ParallelGroups, eval_part: str = "valid", ext
     ``test`` for ``dept_mega.evaluate --part test``) of each source and of ``extra_sources``
     (``dept_mega.evaluate --extra-source``: evaluated only)."""
     from .data.sources import source_datasets
-    names = [s.name for s in cfg.data.sources]
-    train = dict(zip(names, source_datasets(cfg, "train")))
-    valid = dict(zip(names, source_datasets(cfg, eval_part)))
+    from .data.summary import held_here
+    held = held_here(cfg)  # a federated group job opens only its own sources' files
+    mine = cfg.data.sources if held is None else [cfg.data.sources[i] for i in held]
+    names = [s.name for s in mine]
+    train = dict(zip(names, source_datasets(cfg, "train", sources=mine)))
+    valid = dict(zip(names, source_datasets(cfg, eval_part, sources=mine)))
     if extra_sources:
         valid.update(zip([s.name for s in extra_sources], source_datasets(cfg, eval_part, sources=extra_sources)))
     return RunData(cfg, pg, train, valid)

@@ -131,3 +131,20 @@ def test_each_tiny_config_predicts_the_bytes_its_run_records(corpus, tmp_path, m
         assert (mine["outer_round_bytes"]["outer_embedding"] > 0) == (name in ("glob", "trim")), name
     std = tool.compute(tool.parse_args(["--config", _path("std"), "--groups", str(GROUPS)]))["variants"]["std"]
     assert not any(std["outer_round_bytes"].values())
+
+
+def test_federation_byte_figures_in_launching_md_are_the_tools(corpus, monkeypatch, capsys):
+    """docs/launching.md §12 quotes the tiny SPEC-OPT's outer bytes per round as shipped and with
+    model.norm_bias=false (the form that exports): each figure is what the command next to it
+    prints (``--json``: spec_opt's ``outer_round_bytes``, per job = total / 2)."""
+    import re
+    monkeypatch.chdir(ROOT)
+    tool = _tool()
+    text = open(os.path.join(ROOT, "docs", "launching.md"), encoding="utf-8").read()
+    for extra, per_job, total in (([], "395,776", "791,552"), (["model.norm_bias=false"], "394,496", "788,992")):
+        assert tool.main(["--config", "examples/tiny/spec_opt.yaml", "--groups", "2", "--json", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        body = out["variants"]["spec_opt"]["outer_round_bytes"]["outer_body"]
+        assert f"{body:,}" == total and f"{body // 2:,}" == per_job, (extra, body)
+        assert re.search(rf"{per_job}\s+bytes (from each of two jobs|per job)", text), per_job
+        assert total in text

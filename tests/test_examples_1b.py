@@ -202,6 +202,22 @@ def test_launch_command(tmp_path):
         assert out == want, (node, out)
 
 
+def test_federated_group_takes_the_variant_from_its_config(tmp_path):
+    """examples/1b/federated_group.sh with CONFIG=examples/1b/spec_opt.yaml launches (and logs)
+    SPEC-OPT, one node per group job, the config's variant rather than a fixed one."""
+    root = _root_with_placeholder_files(tmp_path)
+    fed = dict(LIGHTHOUSE="lh:29510", DEPT_GROUP="3", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01")
+    for variant in ("spec_opt", "glob"):
+        r, argv = _launch(tmp_path, root, "federated_group", CONFIG=f"examples/1b/{variant}.yaml", **fed)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"launch: {variant} on 1 node(s)" in r.stdout, r.stdout
+        assert f"pre-flight: {variant}, world 8 = 1 group(s)" in r.stdout, r.stdout
+        assert "federation: group job 3 of 8" in r.stdout, r.stdout
+        cmd = argv[argv.index("bash") + 3:]
+        assert cmd[cmd.index("--config") + 1] == f"examples/1b/{variant}.yaml"
+        assert "federation.groups=8" in cmd and "train.run_dir=runs/1b/federated/group3" in cmd, cmd
+
+
 def test_gpus_per_node_from_slurm(tmp_path):
     """Processes per node: SLURM_GPUS_ON_NODE, else --gpus-per-node's count (SLURM_GPUS_PER_NODE,
     possibly typed), and the world the pre-flight checks follows."""

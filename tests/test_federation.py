@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import yaml
 
 pytest.importorskip("torchft")
 
@@ -128,24 +129,58 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
             assert abs(by[names[g]] - single[step][names[g]]) <= 1e-6, (g, step, by, single[step])
 
 
+def site_config(cfg: str, group: int, groups: int, tmp: str) -> str:
+    """``cfg`` as group job ``group`` at its own site sees it: the other jobs' sources (i mod
+    ``groups``) have no files here (their prefix does not exist), only their summaries, made at
+    their site with ``python -m dept_mega.data.summary``."""
+    import subprocess
+    import sys
+    with open(cfg, encoding="utf-8") as f:
+        c = yaml.safe_load(f)
+    for i, s in enumerate(c["data"]["sources"]):
+        if i % groups != group:
+            summary = os.path.join(tmp, f"{s['name']}.summary.json")
+            if not os.path.exists(summary):
+                subprocess.run([sys.executable, "-m", "dept_mega.data.summary", s["prefix"], "--name", s["name"],
+                                "--out", summary], check=True, cwd=ROOT, env=ENV, capture_output=True, timeout=60)
+            s.update(prefix=f"/nonexistent/site{i % groups}/{s['name']}", summary=summary)
+    path = os.path.join(tmp, f"site{group}.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(c, f)
+    return path
+
+
 def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     """K = 4 sources, G = 2 group jobs (SPEC: every source's embeddings and AdamW state are its
     own): each job holds the sources of its site (i mod 2 by default) and trains one of them
     per round, drawn by the seeded sampler among its own (proportional); the jobs' fp32
-    losses equal the single 2-group job's whose data.sources[].group says the same."""
+    losses equal the single 2-group job's whose data.sources[].group says the same. Each job
+    has only its own sources' files: the others' prefixes do not exist, their summaries stand
+    for them (dept_mega.data.summary)."""
     from dept_mega.config import load_config, source_groups
     K, G, L, steps = 4, 2, 2, 10
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=K)
     owned = write_config(str(tmp_path), steps=steps, local_steps=L, sources=K, owners=[0, 1, 0, 1])
     extra = ("dept.sampling=proportional",)
+    # each site has only its own sources' files; the others' are known by their summaries
+    site_configs = [site_config(cfg, g, G, str(tmp_path)) for g in range(G)]
     with federation(min_groups=G) as jobs:
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
-        procs = [jobs.launch(cfg, runs[g], g, *extra, groups=G, min_groups=G) for g in range(G)]
+        # group 1 advertises its servers and store as "localhost" (federation.advertise_host)
+        procs = [jobs.launch(site_configs[g], runs[g], g, *extra, *(("federation.advertise_host=localhost",) * g),
+                             groups=G, min_groups=G) for g in range(G)]
         # the single job while the group jobs run: its start-up fills their waits for the quorum
         run_single_job(owned, str(tmp_path / "single"), G, *extra)
         outs = finish_all(procs)
+        import urllib.request
+        with urllib.request.urlopen(f"http://{jobs.lh.addr}/status", timeout=10) as r:
+            page = r.read().decode("utf-8", "replace")  # the last quorum: what each job was advertised as
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+    import re
+    import socket
+    managers, stores = re.findall(r"Manager: http://([^:<\s]+):", page), re.findall(r"TCPStore: ([^:<\s]+):", page)
+    assert sorted(managers) == sorted(stores) == sorted([socket.gethostname(), "localhost"]), page[:2000]
     single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = [s.name for s in load_config(cfg).data.sources]
     job = load_config(os.path.join(runs[0], "config.yaml"))

@@ -18,6 +18,7 @@ from typing import Optional
 from dept_mega.config import Config, ConfigError
 from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_path, tokenizer_record_path
 from dept_mega.data.sources import naming_source
+from dept_mega.data.summary import held_here, read_summary, summary_path
 from dept_mega.data.token_range import token_id_range
 
 
@@ -33,8 +34,12 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
             sizes[path] = load_tokenizer(path, key).vocab_size
         return sizes[path]
 
+    held = held_here(cfg)
     for i, s in enumerate(cfg.data.sources):
-        if cfg.dept.variant == "spec_opt" and s.tokenizer:
+        if cfg.dept.variant == "spec_opt" and held is not None and i not in held:
+            out.append((f"data.sources[{i}].summary", f"summary {summary_path(s)}",
+                        read_summary(cfg, i)["tokenizer"]["vocab_size"]))
+        elif cfg.dept.variant == "spec_opt" and s.tokenizer:
             out.append((f"data.sources[{i}].tokenizer", f"tokenizer {s.tokenizer}",
                         size_of(s.tokenizer, f"data.sources[{i}].tokenizer")))
         elif cfg.data.tokenizer:
@@ -98,7 +103,11 @@ def check_sources(cfg: Config, eval_part: str = "valid") -> None:
     vocabs = embedding_vocabularies(cfg)
     digests: dict = {}
     opened = []
+    held = held_here(cfg)  # a federated group job checks only its own sources' files
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
+        if held is not None and i not in held:
+            read_summary(cfg, i)  # another site's source: its summary stands for its files
+            continue
         key = f"config key 'data.sources[{i}].prefix'"
         with naming_source(i, s.name):
             ds = IndexedDataset(s.prefix)
@@ -117,7 +126,7 @@ def check_sources(cfg: Config, eval_part: str = "valid") -> None:
         _check_made_with(cfg, i, vkey, digests)
         _check_byte_counts(cfg, i)
     # after every source's files are known sound: a damaged file is named as such first
-    for i, ds in enumerate(opened):
+    for i, ds in zip(held if held is not None else range(len(opened)), opened):
         _check_train_size(cfg, i, ds)
         _check_validation_size(cfg, i, ds, eval_part)
 
@@ -167,7 +176,9 @@ def check_extra_source(cfg: Config, source, part: str, digests: dict, label: str
 def _with_sources(cfg: Config, sources) -> Config:
     """``cfg`` with ``data.sources`` replaced by ``sources`` (a shallow copy)."""
     import dataclasses
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=list(sources)))
+    # the extra sources are all read here (the federation's split of sources is the run's)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=list(sources)),
+                               federation=dataclasses.replace(cfg.federation, lighthouse=None))
 
 
 PART_NAMES = {"train": "train", "valid": "validation", "test": "test"}
@@ -237,7 +248,8 @@ def source_warnings(cfg: Config) -> list[str]:
     """What the pre-flight (``--check``) and the launch warn about the sources' data, from their
     ``PREFIX.tokenizer.json`` (each read once): input lines skipped at preprocessing, then lossy
     tokenizers."""
-    records = [_read_record(s.prefix) for s in cfg.data.sources]
+    held = held_here(cfg)  # a federated group job: only its own sources' records
+    records = [_read_record(s.prefix) if held is None or i in held else None for i, s in enumerate(cfg.data.sources)]
     return skipped_input_warnings(cfg, records) + lossy_source_warnings(cfg, records)
 
 

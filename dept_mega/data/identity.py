@@ -60,11 +60,15 @@ def source_identity(prefix: str, cache: Optional[dict] = None) -> Optional[dict[
     return out
 
 
-def data_fingerprint(cfg, cache: Optional[dict] = None) -> dict[str, Any]:
+def data_fingerprint(cfg, cache: Optional[dict] = None, given: Optional[dict] = None) -> dict[str, Any]:
     """``depends.json``'s ``data``: ``data.split``, ``train.seed`` and, per source name, its
-    prefix (for the messages; not compared) and :func:`source_identity`."""
+    prefix (for the messages; not compared) and :func:`source_identity`; ``given``: {name: identity}
+    of sources whose files this job does not read (a federated group job: the other sites' sources,
+    from their summaries, ``dept_mega.data.summary``)."""
+    given = given or {}
     return {"data.split": cfg.data.split, "train.seed": cfg.train.seed,
-            "sources": {s.name: {"prefix": s.prefix, "identity": source_identity(s.prefix, cache)}
+            "sources": {s.name: {"prefix": s.prefix, "identity": (dict(given[s.name]) if s.name in given
+                                                                  else source_identity(s.prefix, cache))}
                         for s in cfg.data.sources}}
 
 

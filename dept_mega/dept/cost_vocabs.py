@@ -79,7 +79,9 @@ def resolve_vocabs(cfg: Config, global_vocab: Optional[int] = None, source_vocab
         v.source_vocabs = {n: int(source_vocab) for n in names}
         v.origin["source"] = "--source-vocab"
     elif cfg.data.sources and all(s.tokenizer for s in cfg.data.sources):
-        v.source_vocabs = {s.name: tokenizer_vocab_size(s.tokenizer, f"data.sources[{i}].tokenizer")
+        foreign = _foreign_summaries(cfg)  # a federated group job: other sites' sources by their summaries
+        v.source_vocabs = {s.name: (int(foreign[i]["tokenizer"]["vocab_size"]) if i in foreign
+                                    else tokenizer_vocab_size(s.tokenizer, f"data.sources[{i}].tokenizer"))
                            for i, s in enumerate(cfg.data.sources)}
         v.origin["source"] = "data.sources[*].tokenizer"
 
@@ -136,6 +138,22 @@ def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
         from ..data.sources import vocab_set
     except ImportError:
         return {}
-    if not all(os.path.exists(s.prefix + ".idx") for s in cfg.data.sources):
+    foreign = _foreign_summaries(cfg)
+    if not all(i in foreign or os.path.exists(s.prefix + ".idx") for i, s in enumerate(cfg.data.sources)):
         return {}
-    return {s.name: int(len(vocab_set(s.prefix, cfg.data.cache_dir))) for s in cfg.data.sources}
+    return {s.name: int(foreign[i]["distinct_ids"]) if i in foreign
+            else int(len(vocab_set(s.prefix, cfg.data.cache_dir))) for i, s in enumerate(cfg.data.sources)}
+
+
+def _foreign_summaries(cfg: Config) -> dict:
+    """{index: summary} of the sources a federated group job does not hold (their files are at
+    other sites: ``dept_mega.data.summary``); {} in the single job, or when the group is not
+    known (a cost tool run on a group job's config without DEPT_GROUP reads every file)."""
+    from ..data.summary import held_here, read_summary
+    try:
+        held = held_here(cfg)
+    except ConfigError:
+        return {}
+    if held is None:
+        return {}
+    return {i: read_summary(cfg, i) for i in range(len(cfg.data.sources)) if i not in held}

@@ -19,12 +19,15 @@ from ..config_diff import both, check_differing, differences
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
               "dept.outer_quant_block", "dept.outer_fragments",
               "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
-              "train.seed", "optim", "federation.groups", "data.sources[].group")
+              "train.seed", "optim", "federation.groups", "data.sources[].group", "data.sources[].summary")
 
 
 def _get(cfg, dotted: str):
     if dotted == "data.sources[].group":  # which group job holds each source (by name)
         return [[s.name, g] for s, g in zip(cfg.data.sources, source_owners(cfg))]
+    if dotted == "data.sources[].summary":  # each source's tokens and identity: a job's own from its files,
+        from ..data.summary import agreed_facts  # the others' from their summaries (a stale summary differs)
+        return agreed_facts(cfg)
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -106,6 +109,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
                  f"{d.outer_delay} lands fragment {d.outer_fragments - 2}'s overlapped sync in the next round "
                  f"(federation: only the round-end sync may be in flight across a round start's quorum; "
                  f"needs (outer_fragments - 1) * (local_steps // outer_fragments) + outer_delay <= local_steps)"),
+                ("federation.advertise_host", f.advertise_host is not None and not str(f.advertise_host).strip(),
+                 "empty (null: torchft's host name; fqdn; or a host name / IP address the other sites reach)"),
                 ("data.sources", len(cfg.data.sources) < f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
                  f"its own sources: at least one per group)")]

@@ -16,6 +16,7 @@ class SourceInfo:
     size: float = 1.0  # for proportional / temperature sampling (tokens)
     vocab_ids: Optional[torch.Tensor] = None  # TRIM: V_k, sorted global ids
     weight: float = 1.0  # data.sources[i].weight
+    held: bool = True  # False: another group job's source (federation), known by its summary: no V_k
 
 
 def source_seed(seed: int, source_index: int) -> int:
@@ -34,8 +35,19 @@ def source_tokens(prefix: str) -> float:
 def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
     """SourceInfo for every ``data.sources`` entry: sizes (tokens in the data), vocabularies
     (SPEC-OPT: each source's tokenizer) and TRIM's V_k (``vocab_set``)."""
+    from ..data.summary import held_here, read_summary
+    held = held_here(cfg)  # federated: another site's sources are known by their summaries
     out = []
     for i, s in enumerate(cfg.data.sources):
+        if held is not None and i not in held:
+            summary = read_summary(cfg, i)
+            vocab = summary["tokenizer"]["vocab_size"] if cfg.dept.variant == "spec_opt" else global_vocab
+            if vocab is None:
+                from ..config import ConfigError
+                raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
+            out.append(SourceInfo(s.name, int(vocab), float(summary["tokens"]), None, weight=float(s.weight),
+                                  held=False))
+            continue
         size = source_tokens(s.prefix)
         if cfg.dept.variant == "spec_opt":
             from ..data.tokenizer import load_tokenizer

@@ -64,7 +64,7 @@ class TrimStrategy(VariantStrategy):
         super().__init__(ctx)
         cfg = ctx.cfg
         for s in ctx.sources:
-            if s.vocab_ids is None:
+            if s.vocab_ids is None and s.held:  # another group job's source is never installed here
                 raise ValueError(f"trim: source {s.name!r} has no vocabulary set V_k")
         self.global_vocab = V = ctx.sources[0].vocab_size
         # φ (and the untied head) from the model's init rule on the full table: a single-rank

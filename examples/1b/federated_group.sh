@@ -15,11 +15,18 @@
 # outer synchronisation, via the lighthouse (examples/1b/lighthouse.sh). Submit one per group,
 # on any cluster that reaches the lighthouse and the other groups' nodes:
 #   sbatch --export=ALL,DEPT_GROUP=0,LIGHTHOUSE=host:29510 examples/1b/federated_group.sh [key=value ...]
-# CONFIG must list at least as many data.sources as groups (federation.groups = FEDERATION_GROUPS;
-# data.sources[i].group says which group job holds each when there are more).
+# CONFIG (default examples/1b/spec.yaml; CONFIG=examples/1b/spec_opt.yaml for SPEC-OPT, any of
+# glob / trim / spec / spec_opt) must list at least as many data.sources as groups
+# (federation.groups = FEDERATION_GROUPS; data.sources[i].group says which group job holds each
+# when there are more). This job reads only its own sources' files; of the others it needs their
+# summaries (python -m dept_mega.data.summary PREFIX at their sites; docs/launching.md §12 Sources).
 # A requeued job resumes from its own RUN_DIR and rejoins at the next round boundary.
-VARIANT=spec
 CONFIG=${CONFIG:-examples/1b/spec.yaml}
+# the variant (the log's "launch:" line): the config's dept.variant
+config_file=$CONFIG
+[[ $config_file = /* ]] || config_file=${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}/$CONFIG
+VARIANT=$(grep -o 'variant:[[:space:]]*[A-Za-z_]*' "$config_file" 2>/dev/null | sed -n '1s/variant:[[:space:]]*//p' || true)
+VARIANT=${VARIANT:-unknown}
 : "${DEPT_GROUP:?set DEPT_GROUP (the group index of this job)}"
 : "${LIGHTHOUSE:?set LIGHTHOUSE=host:port of python -m dept_mega.lighthouse}"
 export DEPT_GROUP

@@ -18,5 +18,10 @@ echo "lighthouse host: $(hostname -f)"
 # federation.min_groups (FEDERATION_MIN_GROUPS): with two sites, 1 in both for one to go on alone.
 # JOIN_TIMEOUT_S: the spread of the groups' arrival at a round start, well below the group jobs'
 # federation.timeout_s (600 in federated_group.sh): survivors of a slow group wait both
+# HEARTBEAT_TIMEOUT_S: 30, not the command's default 5: between sites a few seconds without packets
+# must not count a live group as gone (docs/launching.md §12, Heartbeats)
+# BIND: the address to listen on; nothing here is authenticated (its /status page can kill a group
+# job): give the private / VPN interface's address (default: every interface)
 exec python -m dept_mega.lighthouse --port "${PORT:-29510}" --min-groups "${MIN_GROUPS:-2}" \
-  --join-timeout-s "${JOIN_TIMEOUT_S:-60}" --heartbeat-timeout-s "${HEARTBEAT_TIMEOUT_S:-30}"
+  --join-timeout-s "${JOIN_TIMEOUT_S:-60}" --heartbeat-timeout-s "${HEARTBEAT_TIMEOUT_S:-30}" \
+  --bind "${BIND:-[::]}"

@@ -1,0 +1,162 @@
+"""A source's summary: what a federated group job knows of a source another site holds, without
+its files (docs/launching.md §12, *Sources*).
+
+A group job reads only its own sources' files (``data.sources[i].group``). Of every other
+source it needs a few numbers that weigh the round plans and describe the run: the tokens in its
+``.bin`` (proportional / temperature sampling), the identity of its files (``depends.json``,
+and what every group job must agree on), its tokenizer's vocabulary size and checksum
+(spec_opt), and the number of distinct ids in it (TRIM's |V_k|, for cost estimates). The site
+that holds the source writes them once, beside the data::
+
+    python -m dept_mega.data.summary PREFIX [--tokenizer TOKENIZER] [--name NAME]
+
+which writes ``PREFIX.summary.json`` (a few hundred bytes, no text), and shares that file with
+the other sites; their configs find it at ``data.sources[i].summary`` (null: ``PREFIX.summary.json``
+beside the prefix the config gives). The single job and a group job's own sources never read
+a summary: they count from the files, as before.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from ..config import ConfigError, held_here  # noqa: F401 - held_here: importable from here too
+
+FORMAT = 1
+SUFFIX = ".summary.json"
+
+
+def summary_path(source) -> str:
+    """Where a config finds the summary of ``source`` (a ``SourceConfig``)."""
+    return source.summary or source.prefix + SUFFIX
+
+
+def make_summary(prefix: str, name: Optional[str] = None, tokenizer: Optional[str] = None,
+                 cache_dir: Optional[str] = None) -> dict[str, Any]:
+    """The summary of the data at ``prefix`` (and of ``tokenizer``, the source's own under
+    spec_opt), from its files. OSError / IndexedFormatError when they cannot be read."""
+    from .identity import source_identity
+    from .indexed import IndexedDataset
+    from .sources import vocab_set
+    from .tokenizer import load_tokenizer, model_sha256
+    ident = source_identity(prefix)
+    if ident is None:
+        raise OSError(f"{prefix}.idx / {prefix}.bin cannot be read as indexed data")
+    out: dict[str, Any] = {"format": FORMAT, "name": name, "tokens": int(len(IndexedDataset(prefix).tokens)),
+                           "distinct_ids": int(len(vocab_set(prefix, cache_dir))), "identity": ident,
+                           "tokenizer": None}
+    if tokenizer:
+        out["tokenizer"] = {"vocab_size": int(load_tokenizer(tokenizer, "--tokenizer").vocab_size),
+                            "sha256": model_sha256(tokenizer)}
+    return out
+
+
+def is_foreign(cfg, i: int, held: Optional[list[int]] = None) -> bool:
+    """Whether source ``i`` is another group job's (its facts come from its summary)."""
+    held = held_here(cfg) if held is None else held
+    return held is not None and i not in held
+
+
+def read_summary(cfg, i: int) -> dict[str, Any]:
+    """The summary of ``data.sources[i]`` (another site's source), checked: a ConfigError naming
+    ``data.sources[i].summary`` when it is missing, unreadable, of another source or lacks what
+    this config needs (spec_opt: the tokenizer's vocabulary). Where it is: ``data.sources[i].summary``
+    when set; else ``PREFIX.summary.json``; else, when the source's files are on this machine
+    (every site's data on one file system), the same numbers made from them."""
+    s = cfg.data.sources[i]
+    path, key = summary_path(s), f"config key 'data.sources[{i}].summary'"
+    how = (f"make it at the site that holds source '{s.name}' with python -m dept_mega.data.summary PREFIX"
+           + (" --tokenizer TOKENIZER" if cfg.dept.variant == "spec_opt" else "")
+           + f" --name {s.name} (it writes PREFIX{SUFFIX}) and copy it here, or point data.sources[{i}].summary at it")
+    if not os.path.exists(path):
+        if not s.summary and all(os.path.exists(s.prefix + ext) for ext in (".bin", ".idx")) and (
+                cfg.dept.variant != "spec_opt" or (s.tokenizer and os.path.exists(s.tokenizer))):
+            # every site's files on one file system (a trial on one machine): the same numbers from them
+            return make_summary(s.prefix, s.name, s.tokenizer if cfg.dept.variant == "spec_opt" else None,
+                                cfg.data.cache_dir)
+        raise ConfigError(f"{key}: source '{s.name}' is held by another group job, whose data this job does not "
+                          f"read; its summary {path!r} does not exist: {how}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            out = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: {path!r} cannot be read as a summary ({exc}): {how}") from None
+    if not isinstance(out, dict) or out.get("format") != FORMAT:
+        raise ConfigError(f"{key}: {path!r} is not a summary of format {FORMAT}: {how}")
+    if out.get("name") not in (None, s.name):
+        raise ConfigError(f"{key}: {path!r} is the summary of source {out['name']!r}, not '{s.name}'")
+    for field in ("tokens", "distinct_ids"):
+        if not isinstance(out.get(field), int) or out[field] <= 0:
+            raise ConfigError(f"{key}: {path!r}: '{field}' must be a positive integer, got {out.get(field)!r}")
+    if not isinstance(out.get("identity"), dict):
+        raise ConfigError(f"{key}: {path!r} has no 'identity' of the data: {how}")
+    tok = out.get("tokenizer")
+    if cfg.dept.variant == "spec_opt" and not (isinstance(tok, dict) and isinstance(tok.get("vocab_size"), int)):
+        raise ConfigError(f"{key}: {path!r} has no tokenizer vocabulary (spec_opt embeds each source's own "
+                          f"tokenizer): {how}")
+    return out
+
+
+def source_facts(cfg, i: int, held: Optional[list[int]] = None) -> dict[str, Any]:
+    """What this job knows of ``data.sources[i]``: from its files where it reads them, else from
+    its summary (:func:`read_summary`): ``tokens``, ``identity``, ``tokenizer`` (spec_opt:
+    ``vocab_size``, ``sha256``; else None)."""
+    if is_foreign(cfg, i, held):
+        return read_summary(cfg, i)
+    s = cfg.data.sources[i]
+    from .identity import source_identity
+    from .indexed import IndexedDataset
+    tok = None
+    if cfg.dept.variant == "spec_opt" and s.tokenizer:
+        from .tokenizer import load_tokenizer, model_sha256
+        tok = {"vocab_size": int(load_tokenizer(s.tokenizer, f"data.sources[{i}].tokenizer").vocab_size),
+               "sha256": model_sha256(s.tokenizer)}
+    return {"tokens": int(len(IndexedDataset(s.prefix).tokens)), "identity": source_identity(s.prefix),
+            "tokenizer": tok}
+
+
+def agreed_facts(cfg) -> list:
+    """Per source, what every group job must see alike: [name, tokens, identity's sha256,
+    tokenizer sha256]: a summary that is not of the data its site trains on (made before the
+    data changed, or of other files) differs from that site's own count (an agreed key of
+    ``dept_mega.dept.federation_config``)."""
+    held = held_here(cfg)
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        f = source_facts(cfg, i, held)
+        out.append([s.name, f["tokens"], (f.get("identity") or {}).get("sha256"),
+                    (f.get("tokenizer") or {}).get("sha256")])
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dept_mega.data.summary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("prefix", help="the source's data prefix (PREFIX.bin, PREFIX.idx)")
+    ap.add_argument("--tokenizer", default=None, help="the source's own tokenizer (spec_opt's data.sources[i].tokenizer)")
+    ap.add_argument("--name", default=None, help="the source's name in the configs (checked by the readers)")
+    ap.add_argument("--out", default=None, help=f"where to write it (default: PREFIX{SUFFIX})")
+    ap.add_argument("--cache-dir", default=None, help="data.cache_dir (where the count of distinct ids is cached)")
+    args = ap.parse_args(argv)
+    from .indexed import IndexedFormatError
+    from .tokenizer import TokenizerError
+    try:
+        out = make_summary(args.prefix, args.name, args.tokenizer, args.cache_dir)
+    except (OSError, IndexedFormatError, TokenizerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    path = args.out or args.prefix + SUFFIX
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}: {out['tokens']:,} tokens, {out['identity']['documents']:,} documents"
+          + (f", tokenizer of {out['tokenizer']['vocab_size']:,} ids" if out["tokenizer"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

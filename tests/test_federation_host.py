@@ -1,0 +1,71 @@
+"""``federation.advertise_host`` reaches what torchft advertises to the other group jobs: rank 0's
+manager server address (which the lighthouse hands to the others), the healing checkpoint
+server's address, and the store address of the quorum (one process, an in-process lighthouse:
+no second site)."""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("torchft")
+
+
+def _manager(setting, lighthouse: str, rank: int = 0):
+    from torch.distributed import TCPStore
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from dept_mega.dept.federation_host import manager_kwargs, store_host
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=10)
+    store_addr = store_host(setting, rank, "127.0.0.1")
+    m = Manager(pg=ProcessGroupGloo(timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                rank=0, world_size=1, store_addr=store_addr, store_port=store.port, lighthouse_addr=lighthouse,
+                replica_id="dept_group_0", init_sync=False, **manager_kwargs(setting, timeout))
+    return m, store, store_addr
+
+
+def test_advertise_host_reaches_torchfts_addresses():
+    from dept_mega.dept.federation_host import advertised_host, store_host
+    from dept_mega.lighthouse import serve
+    lh = serve(0, 1)
+    addr = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+    try:
+        # "localhost" names this host too, so the Manager's own store connection works
+        m, store, store_addr = _manager("localhost", addr)
+        try:
+            assert m._manager.address().startswith("http://localhost:"), m._manager.address()
+            assert m._checkpoint_transport.address().startswith("http://localhost:"), m._checkpoint_transport.address()
+            assert store_addr == "localhost"
+        finally:
+            m.shutdown(wait=False)
+        # null: torchft's own (the short host name), unchanged
+        m, store, store_addr = _manager(None, addr)
+        try:
+            host = socket.gethostname()
+            assert m._manager.address().startswith(f"http://{host}:") and store_addr == "127.0.0.1"
+            assert m._checkpoint_transport.address().startswith(f"http://{host}:")
+        finally:
+            m.shutdown(wait=False)
+    finally:
+        lh.shutdown()
+    # fqdn: each node's own full name; only rank 0 advertises the store (it runs where it is)
+    assert advertised_host("fqdn") == socket.getfqdn()
+    assert store_host("site2.example.org", 0, "node01") == "site2.example.org"
+    assert store_host("site2.example.org", 3, "node01") == "node01"
+
+
+def test_empty_advertise_host_is_refused(tmp_path):
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation_config import resolve
+    from tests.federation_utils import write_config
+    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                                     "federation.groups=3"])
+    cfg.federation.advertise_host = " "
+    with pytest.raises(ConfigError, match=r"'federation.advertise_host': empty"):
+        resolve(cfg)
+    cfg.federation.advertise_host = "fqdn"
+    assert resolve(cfg)[0] == 0
