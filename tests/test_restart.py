@@ -21,8 +21,8 @@ REFERENCE_STEPS = 16  # the uninterrupted run's steps (the conftest fixture dp2_
 # kill (step 6 here, step 3 in tests/test_preemption.py) are the margin for it to come before the end
 
 
-def _torchrun(run, steps, *extra, restarts=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+def _torchrun(run, steps, *extra, restarts=0, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train",
            "--config", TINY_STD, f"train.run_dir={run}", f"train.steps={steps}", *ARGS, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -137,14 +137,14 @@ def test_killed_rank_restarts_in_place_with_the_same_losses(tmp_path, dp2_refere
 def test_orphaned_workers_hold_off_a_second_job(tmp_path, monkeypatch, capsys):
     """torchrun killed with SIGKILL leaves its workers running (they live in their own
     sessions): a second job on the run directory is refused in one line naming the old rank 0.
-    (The second job is dept_mega.train's main in this process: its refusal comes from the run
-    directory's locks, whichever process asks.)"""
+    (One worker: rank 0 holds the run directory. The second job is dept_mega.train's main in
+    this process: its refusal comes from the run directory's locks, whichever process asks.)"""
     from dept_mega.train import main
     ensure_sample_corpus()
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("DEPT_MEGA_DEVICE", "cpu")
     run = str(tmp_path / "run")
-    p = _torchrun(run, 100000, "train.save_interval=0")
+    p = _torchrun(run, 100000, "train.save_interval=0", "parallel.data=1", nproc=1)
     workers = []
     try:
         assert _wait(lambda: len(_train_steps(run)) >= 2, 240, p), "the job did not start"
