@@ -220,14 +220,21 @@ def test_federated_group_takes_the_variant_from_its_config(tmp_path):
 
 def test_gpus_per_node_from_slurm(tmp_path):
     """Processes per node: SLURM_GPUS_ON_NODE, else --gpus-per-node's count (SLURM_GPUS_PER_NODE,
-    possibly typed), and the world the pre-flight checks follows."""
-    root = _root_with_placeholder_files(tmp_path)
+    possibly typed), and the world the pre-flight checks follows. (The pre-flight's command is
+    recorded by a stand-in PYTHON: the pre-flight itself for a world size, test_launch_command.)"""
+    fake, log = tmp_path / "python", tmp_path / "python.args"
+    fake.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$FAKE_PYTHON_LOG"\n')
+    fake.chmod(0o755)
     for extra, want in ((dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="h100:4"), "4"),
                         (dict(SLURM_GPUS_ON_NODE=None, SLURM_GPUS_PER_NODE="2"), "2")):
-        r, argv = _launch(tmp_path, root, "spec_opt", f"parallel.data={want}", **extra)  # a group per node
+        log.unlink(missing_ok=True)
+        r, argv = _launch(tmp_path, ROOT, "spec_opt", f"parallel.data={want}", PYTHON=str(fake),  # a group per node
+                          FAKE_PYTHON_LOG=str(log), RUN_DIR=str(tmp_path / "run"), **extra)
         assert r.returncode == 0, r.stdout + r.stderr
         assert argv[argv.index("--nproc-per-node") + 1] == want
-        assert f"world {8 * int(want)} = " in r.stdout
+        check = log.read_text().split("\0")[:-1]
+        assert check[:4] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml"], check
+        assert check[-4:] == [f"parallel.data={want}", "--check", "--world-size", str(8 * int(want))], check
 
 
 @pytest.mark.parametrize("env,want", [
@@ -270,23 +277,55 @@ def test_gpus_per_node_unreadable(tmp_path, env, bad):
     assert "set GPUS_PER_NODE=<processes per node>" in r.stderr, r.stderr
 
 
-def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
-    root = _root_with_placeholder_files(tmp_path)
-    # std with data 8 on 64 ranks would make 8 groups: refused before srun
-    r, argv = _launch(tmp_path, root, "std", "parallel.data=8")
-    assert r.returncode != 0 and not argv
-    assert "world size 64" in r.stderr and "dept.variant" in r.stderr
-    # federated_group.sh: the group index, and a world of one source group (here 8 nodes x 8
-    # ranks with data 8 would be 8 groups in one group job), refused before srun
-    fed = dict(LIGHTHOUSE="lh:29510")
-    r, argv = _launch(tmp_path, root, "federated_group", "parallel.data=64", DEPT_GROUP="8", **fed)
-    assert r.returncode != 0 and not argv and "'federation.group': 8 is not a group index" in r.stderr, r.stderr
-    r, argv = _launch(tmp_path, root, "federated_group", DEPT_GROUP="3", **fed)
-    assert r.returncode != 0 and not argv and "'parallel': a federated group job" in r.stderr, r.stderr
+def _refused_preflight(tmp_path, monkeypatch, capsys, root: str, variant: str, *args: str, **env_extra) -> str:
+    """The launch with a stand-in PYTHON that records the pre-flight's command and environment
+    and fails as a refusing pre-flight does (status 2): the launch must stop there, before srun.
+    Then that command (``python -m dept_mega.train ... --check --world-size N``) as dept_mega.train's
+    main in this process, in the script's directory and environment: it must refuse (status 2);
+    returns what it wrote to stderr. (A Python start with torch is ~3 s of CPU.)"""
+    from dept_mega.train import main
+    fake, log = tmp_path / "refusing_python", tmp_path / "preflight.args"
+    fake.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$FAKE_PYTHON_LOG"\nenv -0 > "$FAKE_PYTHON_LOG.env"\nexit 2\n')
+    fake.chmod(0o755)
+    log.unlink(missing_ok=True)
+    r, argv = _launch(tmp_path, root, variant, *args, PYTHON=str(fake), FAKE_PYTHON_LOG=str(log), **env_extra)
+    assert r.returncode == 2 and not argv, r.stdout + r.stderr
+    cmd = log.read_text().split("\0")[:-1]
+    assert cmd[:2] == ["-m", "dept_mega.train"] and cmd[-3:-1] == ["--check", "--world-size"], cmd
+    env = dict(item.split("=", 1) for item in (tmp_path / "preflight.args.env").read_text().split("\0") if "=" in item)
+    with monkeypatch.context() as m:
+        for k in [k for k in os.environ if k not in env and not k.startswith("PYTEST_")]:
+            m.delenv(k)
+        for k, v in env.items():
+            m.setenv(k, v)
+        m.chdir(root)
+        capsys.readouterr()
+        status = main(cmd[2:])
+        err = capsys.readouterr().err
+    assert status == 2, err
+    return err
+
+
+def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path, monkeypatch, capsys):
+    """The pre-flight refuses a launch before srun. As the script runs it (a Python process): the
+    real checkout has no data, so it names the missing file. A layout the world does not allow,
+    naming the key: its command, as the scripts give it, run in this process (_refused_preflight)."""
     # the real checkout has no data: the pre-flight names the missing file
     r, argv = _launch(tmp_path, ROOT, "trim")
     assert r.returncode != 0 and not argv
     assert "does not exist" in r.stderr
+    root = _root_with_placeholder_files(tmp_path)
+    # std with data 8 on 64 ranks would make 8 groups: refused before srun
+    err = _refused_preflight(tmp_path, monkeypatch, capsys, root, "std", "parallel.data=8")
+    assert "world size 64" in err and "dept.variant" in err, err
+    # federated_group.sh: the group index, and a world of one source group (here 8 nodes x 8
+    # ranks with data 8 would be 8 groups in one group job), refused before srun
+    fed = dict(LIGHTHOUSE="lh:29510")
+    err = _refused_preflight(tmp_path, monkeypatch, capsys, root, "federated_group", "parallel.data=64",
+                             DEPT_GROUP="8", **fed)
+    assert "'federation.group': 8 is not a group index" in err, err
+    err = _refused_preflight(tmp_path, monkeypatch, capsys, root, "federated_group", DEPT_GROUP="3", **fed)
+    assert "'parallel': a federated group job" in err, err
     # outside Slurm the script refuses clearly
     env = dict(os.environ)
     for k in [k for k in env if k.startswith("SLURM_")]:
@@ -296,15 +335,19 @@ def test_launch_preflight_rejects_bad_layout_and_missing_files(tmp_path):
     assert r.returncode != 0 and "SLURM_NNODES" in r.stderr
 
 
-def test_readme_cost_table_is_the_tool_output():
+def test_readme_cost_table_is_the_tool_output(monkeypatch, capsys):
     """examples/1b/README.md shows the table tools/dept_costs.py prints for these configs."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "dept_costs.py"), "--config",
-                        "examples/1b/spec_opt.yaml", "--global-vocab", "250112", "--source-vocab", "50257",
-                        "--trim-vocab", "216135", "--groups", "8"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dept_costs_tool", os.path.join(ROOT, "tools", "dept_costs.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)  # in this process (tests/test_costs*.py run the command itself)
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    assert tool.main(["--config", "examples/1b/spec_opt.yaml", "--global-vocab", "250112", "--source-vocab", "50257",
+                      "--trim-vocab", "216135", "--groups", "8"]) == 0
+    out = capsys.readouterr().out
     readme = open(os.path.join(EX, "README.md"), encoding="utf-8").read()
-    rows = [line for line in r.stdout.splitlines() if line.split(" ")[0] in VARIANTS]
+    rows = [line for line in out.splitlines() if line.split(" ")[0] in VARIANTS]
     assert len(rows) == 5
     for line in rows:
         assert line in readme, line
@@ -331,12 +374,12 @@ def _tiny_sources(tmp_path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant,data", [("std", 2), ("spec", 1)])
-def test_sbatch_script_trains_on_cpu(tmp_path, variant, data):
-    """std.sh / spec.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun``
-    (which runs its command), real torchrun c10d rendezvous, real dept_mega.train, the 1B
-    config shrunk by overrides passed through the script. SPEC runs 2 groups of 1 rank, and
-    its measured outer bytes are what tools/dept_costs.py predicts."""
+def test_sbatch_script_trains_on_cpu(tmp_path):
+    """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
+    runs its command), the pre-flight, real torchrun c10d rendezvous, real dept_mega.train, the
+    1B config shrunk by overrides passed through the script. (spec.sh end to end, with its
+    measured outer bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
+    variant, data = "std", 2
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
@@ -364,22 +407,12 @@ def test_sbatch_script_trains_on_cpu(tmp_path, variant, data):
     assert f"world 2 = {groups} group(s) x tensor 1 x pipeline 1 x data {data}" in r.stdout
     import json
 
-    from dept_mega.dept.costs import predict_outer_round_bytes
-
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [rec for rec in records if rec["kind"] == "train"]
     assert [rec["step"] for rec in train] == [1, 2]
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.model.num_layers == 2 and cfg.train.run_dir == str(run_dir) and cfg.parallel.data == data
-    outer = [rec for rec in records if rec["kind"] == "outer"]
-    if variant == "std":
-        assert not outer
-    else:
-        assert len(outer) == 2  # 2 steps, 1 local step per round
-        predicted = predict_outer_round_bytes(cfg, groups)
-        for rec in outer:
-            assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
-            assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"] == 0
+    assert not [rec for rec in records if rec["kind"] == "outer"]
 
 
 @pytest.mark.parametrize("preempted", [True, False])
@@ -387,14 +420,14 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     """The scripts ask for SIGUSR1 before the time limit and may be requeued; when the ranks
     leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
     $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
-    A stale marker from an earlier job is removed before the launch."""
+    A stale marker from an earlier job is removed before the launch. (Without the pre-flight,
+    which reads no marker: the two-node test's requeued launch runs it beside one.)"""
     for variant in (*VARIANTS, "federated_group"):
         h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
         assert h.get("signal") == "USR1@120" and "requeue" in h, variant
         # a requeued job starts again with the same job id, hence the same log file: Slurm
         # truncates it (JobFileAppend=0, the default) unless the job asks to append
         assert h.get("open-mode") == "append", variant
-    root = _root_with_placeholder_files(tmp_path)
     bindir = tmp_path / "qbin"
     bindir.mkdir()
     log = tmp_path / "scontrol.log"
@@ -409,17 +442,17 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
         'exit 1\n')
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    run_dir = os.path.join(root, "runs", "1b", "std")
+    run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "preempted.json"), "w") as f:
         f.write("{}")  # stale
     env = dict(os.environ, PATH=str(bindir) + os.pathsep + os.environ["PATH"], SLURM_NNODES="8",
                SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="64",
-               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root, FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
-               PYTHON=sys.executable)
-    for k in ("DEPT_MEGA_ROOT", "RUN_DIR", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+               SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=ROOT, FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
+               PYTHON=sys.executable, RUN_DIR=run_dir, DEPT_SKIP_PREFLIGHT="1")
+    for k in ("DEPT_MEGA_ROOT", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
         env.pop(k, None)
-    r = subprocess.run(["bash", os.path.join(root, "examples", "1b", "std.sh")],
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "1b", "std.sh")],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert "SIGUSR1" in (tmp_path / "srun.log").read_text()  # torchrun passes SIGUSR1 on to the ranks
     if preempted:
@@ -465,6 +498,8 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
     the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
     group of T·P·D = ranks per node is one node, with its 2 data-parallel replicas on that node.
+    The 1B config shrunk by overrides passed through the script reaches the run, and every
+    round's measured outer bytes are what tools/dept_costs.py predicts.
 
     Kept small for the CI budget: 24 steps (the signal comes after step 2; the steps left are
     the margin for it to arrive before the end), no periodic eval or save (the preemption's save
@@ -562,3 +597,14 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     ranks = json.loads((run_dir / "params.json").read_text())["ranks"]
     assert [(q["rank"], q["node"], q["local_rank"], q["group"], q["dp"]) for q in ranks] == \
         [(0, 0, 0, 0, 0), (1, 0, 1, 0, 1), (2, 1, 0, 1, 0), (3, 1, 1, 1, 1)]
+    # the 1B config shrunk by the overrides passed through the script; every round's measured
+    # outer bytes (both launches') are what tools/dept_costs.py predicts
+    from dept_mega.dept.costs import predict_outer_round_bytes
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.model.num_layers == 2 and cfg.train.run_dir == str(run_dir) and cfg.parallel.data == 2
+    outer = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "outer"' in line]
+    assert [rec["step"] for rec in outer] == list(range(4, steps + 1, 4))
+    predicted = predict_outer_round_bytes(cfg, 2)
+    for rec in outer:
+        assert rec["bytes"]["outer_body"] == predicted["outer_body"] > 0
+        assert rec["bytes"]["outer_embedding"] == predicted["outer_embedding"] == 0

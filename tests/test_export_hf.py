@@ -42,6 +42,12 @@ def _sources(*names: str, own: bool = False) -> str:
     return json.dumps(items)
 
 
+def _train_overrides(run_dir: str, model=None, **top) -> list[str]:
+    """config_overrides for a run trained here: its final evaluation (which the export does not
+    read) of one batch per source, not the tiny configs' 12 (most of a 4-rank run's time)."""
+    return config_overrides(run_dir, model, **{"train.eval_iters": 1, **top})
+
+
 def _one(results):
     refs = [r for r in results if r is not None]
     assert len(refs) == 1
@@ -79,14 +85,19 @@ def _generate(out_dir: str, text: str, n: int = 4) -> torch.Tensor:
 @pytest.mark.timeout(300)
 def test_llama_tp2_pp2_checkpoint_exports_with_our_logits(corpus, tmp_path, monkeypatch):
     """rope + rmsnorm + swiglu + GQA with biases, tied head, trained with tensor 2 × pipeline 2:
-    the command line (a subprocess) writes a Llama directory with our logits."""
+    the export writes a Llama directory with our logits; the command line (a subprocess) runs
+    the same main and exits with its status (here refusing to write over that export)."""
+    from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    over = config_overrides(run, {"bias": True}, **{"parallel.tensor": 2, "parallel.pipeline": 2})
+    over = _train_overrides(run, {"bias": True}, **{"parallel.tensor": 2, "parallel.pipeline": 2})
     refs = _one(run_distributed(train_and_reference, 4, args=("examples/tiny/std.yaml", over), timeout=240))
+    assert main(["--run-dir", run, "--source", "en", "--output", out]) == 0
+    # (the export in a process of its own costs its imports, torch's and transformers', ~5 s of CPU)
     proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--run-dir", run, "--source", "en",
                            "--output", out], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --output {out} holds an earlier export"), \
+        proc.stderr
     info = json.load(open(os.path.join(out, "dept_export.json")))
     assert info["architecture"] == "llama" and info["step"] == 4
     cfg = json.load(open(os.path.join(out, "config.json")))
@@ -104,14 +115,14 @@ def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run_a, run_b = str(tmp_path / "a"), str(tmp_path / "b")
-    train_and_reference(0, 1, "examples/tiny/std.yaml", config_overrides(run_a, MPT_MODEL))
+    train_and_reference(0, 1, "examples/tiny/std.yaml", _train_overrides(run_a, MPT_MODEL))
     capsys.readouterr()
     assert main(["--run-dir", run_a, "--source", "fr", "--output", str(tmp_path / "hf_a")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: config key 'model.norm_bias'"), err
     assert not os.path.exists(tmp_path / "hf_a")
     refs = train_and_reference(0, 1, "examples/tiny/std.yaml",
-                               config_overrides(run_b, dict(MPT_MODEL, norm_bias=False)))
+                               _train_overrides(run_b, dict(MPT_MODEL, norm_bias=False)))
     out = str(tmp_path / "hf_b")
     assert main(["--run-dir", run_b, "--source", "fr", "--output", out]) == 0
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "mpt"
@@ -132,7 +143,7 @@ def test_spec_opt_all_sources_export_own_embeddings_and_tokenizers(corpus, tmp_p
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    over = config_overrides(run, None, **{"train.steps": 6}) + [f"data.sources={_sources('en', 'fr', 'ru', own=True)}"]
+    over = _train_overrides(run, None, **{"train.steps": 6}) + [f"data.sources={_sources('en', 'fr', 'ru', own=True)}"]
     refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/spec_opt.yaml", over), timeout=240))
     assert main(["--run-dir", run, "--all-sources", "--output", out]) == 0
     origins = []
@@ -161,7 +172,7 @@ def test_trim_export_uses_global_table_and_restricts_generation_to_v_k(corpus, t
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    over = config_overrides(run, {"tie_embeddings": False}) + [f"data.sources={_sources('en', 'ja')}"]
+    over = _train_overrides(run, {"tie_embeddings": False}) + [f"data.sources={_sources('en', 'ja')}"]
     refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/trim.yaml", over), timeout=240))
     assert main(["--run-dir", run, "--all-sources", "--output", out]) == 0
     for name in ("en", "ja"):
@@ -183,7 +194,7 @@ def test_glob_exports_round_boundaries_and_refuses_a_step_inside_a_round(corpus,
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    over = config_overrides(run, {"tie_embeddings": False}, **{"train.save_interval": 1}) + \
+    over = _train_overrides(run, {"tie_embeddings": False}, **{"train.save_interval": 1}) + \
         [f"data.sources={_sources('fr', 'code')}"]
     refs = _one(run_distributed(train_and_reference, 2, args=("examples/tiny/glob.yaml", over), timeout=240))
     capsys.readouterr()

@@ -20,10 +20,12 @@ from dept_mega import train as train_cli
 from dept_mega.config import load_config
 from dept_mega.manifest import seal
 from dept_mega.metrics import check_record
-from tests.mp_utils import free_port
+from tests.mp_utils import free_port, run_distributed
 from tests.trainer_utils import without_tensorboard_warning, ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
 COMMON = ["train.log_interval=1", "train.eval_iters=2"]
+# half examples/tiny/std.yaml's batch (still 2 micro-batches a step): the runs' time is their steps'
+SMALL_BATCH = ["train.micro_batch_size=4", "train.global_batch_size=8"]
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +54,24 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     run = str(tmp_path / "run")
-    recs = _train(run, "train.steps=60", "train.eval_interval=30", "train.save_interval=30")
+    # evaluations at 25, 50 and 60 (the last step), checkpoints at 50 and 60: the resume below
+    # trains the last 10 steps again, from a checkpoint written after an evaluation
+    over = ["train.steps=60", "train.eval_interval=25", "train.save_interval=50", *SMALL_BATCH]
+    recs = _train(run, *over)
     for r in recs:
         check_record(r)
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 61))
-    assert [r["step"] for r in evals] == [30, 60]
+    assert [r["step"] for r in evals] == [25, 50, 60]
     # learning: ln(8000) ≈ 9.0 at the start; well below after 60 steps
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert first > 8.5 and last < first - 2.0, (first, last)
-    assert evals[1]["by_source"]["en"]["loss"] < evals[0]["by_source"]["en"]["loss"]
+    assert evals[-1]["by_source"]["en"]["loss"] < evals[0]["by_source"]["en"]["loss"]
     names = {"en", "fr", "ja", "ru", "code"}
     for r in train:
         assert r["sources"] == {"0": "blend"} and set(r["loss_by_source"]) <= names
-        assert r["tokens"] == 16 * 64 and r["round"] == (r["step"] - 1) // 100
+        assert r["tokens"] == 8 * 64 and r["round"] == (r["step"] - 1) // 100
     assert set(evals[-1]["by_source"]) == names
     for v in evals[-1]["by_source"].values():
         assert v["ppl"] == pytest.approx(math.exp(v["loss"]))
@@ -85,32 +90,32 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
         assert res["by_source"][name]["loss"] == pytest.approx(v["loss"], rel=1e-9)
         assert res["by_source"][name]["bytes"] == v["bytes"]
 
-    # resume: a copy of the step-30 checkpoint continues exactly like the original run
+    # resume: a copy of the step-50 checkpoint continues exactly like the original run
     run2 = str(tmp_path / "run2")
-    _resume_from_copy(run, run2, 30)
-    recs2 = _train(run2, "train.steps=60", "train.eval_interval=30", "train.save_interval=30")
+    _resume_from_copy(run, run2, 50)
+    recs2 = _train(run2, *over)
     train2 = [r for r in recs2 if r["kind"] == "train"]
-    assert [r["step"] for r in train2] == list(range(31, 61))
-    for a, b in zip(train2, train[30:]):
+    assert [r["step"] for r in train2] == list(range(51, 61))
+    for a, b in zip(train2, train[50:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), a["step"]
 
     # a checkpoint of another layout is refused with one error naming the key, and the
     # refused launch leaves the run's config.yaml as it was
-    layout_path = os.path.join(run2, "checkpoints", "step_30", "layout.json")
+    layout_path = os.path.join(run2, "checkpoints", "step_50", "layout.json")
     with open(layout_path) as f:
         layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
-    step30 = os.path.join(run2, "checkpoints", "step_30")
+    step50 = os.path.join(run2, "checkpoints", "step_50")
     with open(layout_path, "w") as f:
         # (an STD checkpoint loads under another tensor / pipeline size, dept_mega.reshard, also
         # with dropout; not under another number of source groups)
         json.dump(dict(layout, groups=2), f)
-    shutil.copy(os.path.join(step30, "group0.json"), os.path.join(step30, "group1.json"))
-    seal(step30, 30)
+    shutil.copy(os.path.join(step50, "group0.json"), os.path.join(step50, "group1.json"))
+    seal(step50, 50)
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
-        f.write("30\n")  # the resumed run above saved step 60 and moved latest there
+        f.write("50\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()
-    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=70"])
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, *over, "train.steps=70"])
     assert rc == 2
     err = without_tensorboard_warning(capsys.readouterr().err)
     assert err.startswith("error: config key 'parallel'") and "2 source group(s)" in err, err
@@ -118,12 +123,12 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
 
     # as if written by 2 pipeline stages (each stage's files: this one's), resumed with dropout:
     # it loads, and the launch says that the dropout streams were re-seeded, not restored
-    os.remove(os.path.join(step30, "group1.json"))
+    os.remove(os.path.join(step50, "group1.json"))
     with open(layout_path, "w") as f:
         json.dump(dict(layout, pipeline=2), f)
-    shutil.copy(os.path.join(step30, "rng_tp0_pp0.pt"), os.path.join(step30, "rng_tp0_pp1.pt"))
-    seal(step30, 30)
-    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, "train.steps=31",
+    shutil.copy(os.path.join(step50, "rng_tp0_pp0.pt"), os.path.join(step50, "rng_tp0_pp1.pt"))
+    seal(step50, 50)
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, *over, "train.steps=51",
                          "model.hidden_dropout=0.1"])
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -173,13 +178,18 @@ def test_data_parallel_ranks_read_different_data(corpus, monkeypatch):
     assert not torch.equal(per_rank[0], per_rank[1])
 
 
+def _evaluate_rank(rank: int, world: int, argv: list) -> int:
+    return evaluate_cli.main(argv)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
     """The CLI under torchrun: pipeline 2 gives the single process's losses, and so does data
     parallel 2 (its ranks forked with torchrun's environment while the torchrun job runs:
     tests/test_restart.py and tests/test_preemption.py launch data parallel 2 with torchrun);
-    the single process runs in this one (a torchrun of one rank would add only its start)."""
+    the single process runs in this one (a torchrun of one rank would add only its start).
+    ``dept_mega.evaluate`` of the pipeline-2 run on 2 forked ranks reproduces its final evaluation."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu")
     steps = ["train.steps=4", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0"]
     monkeypatch.chdir(ROOT)
@@ -212,13 +222,11 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
     for name in ("dp2", "pp2"):
         for a, b in zip(losses[name], losses["single"]):
             assert a == pytest.approx(b, rel=1e-5), name
-    # evaluate on 2 ranks (pipeline 2) reproduces the run's final evaluation
+    # evaluate on 2 ranks (pipeline 2) reproduces the run's final evaluation (its ranks forked
+    # with torchrun's environment: evaluate starts its ranks as train does, launched above)
     run = str(tmp_path / "pp2")
     out = str(tmp_path / "pp2_eval.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "dept_mega.evaluate", "--run-dir", run, "--out", out]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert run_distributed(_evaluate_rank, 2, args=(["--run-dir", run, "--out", out],), timeout=120) == [0, 0]
     final = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == "eval"][-1]
     got = json.load(open(out))
     assert got["step"] == 4 and set(got["by_source"]) == set(final["by_source"])
@@ -257,7 +265,7 @@ def test_resume_with_dropout_continues_exactly(corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     drop = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.steps=6",
-            "train.save_interval=3", "train.eval_interval=0"]
+            "train.save_interval=3", "train.eval_interval=0", *SMALL_BATCH]
     run = str(tmp_path / "run")
     train = [r for r in _train(run, *drop) if r["kind"] == "train"]
     run2 = str(tmp_path / "run2")
