@@ -149,6 +149,8 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
 def _job_main(argv: list, env: dict, log: str) -> None:
     """``python -m dept_mega.train ARGV`` with environment ``env``, its output to ``log``, in a
     process forked from the test's forkserver (tests/mp_utils.py)."""
+    import gc
+    gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
