@@ -146,9 +146,11 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
     return p
 
 
-def _job_main(argv: list, env: dict, log: str) -> None:
-    """``python -m dept_mega.train ARGV`` with environment ``env``, its output to ``log``, in a
-    process forked from the test's forkserver (tests/mp_utils.py)."""
+def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
+    """``python -m dept_mega.MODULE ARGV`` (train, or evaluate) with environment ``env``, its
+    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py)."""
+    import gc
+    gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -158,8 +160,10 @@ def _job_main(argv: list, env: dict, log: str) -> None:
     os.close(fd)
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    import importlib
+
     from dept_mega.process_exit import exit_after
-    from dept_mega.train import main
+    main = importlib.import_module(f"dept_mega.{module}").main
     try:
         exit_after(lambda: main(argv))
     finally:
@@ -176,7 +180,7 @@ class ForkedJob:
     SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (the first rank's nonzero status, -N:
     killed by signal N; None while a rank runs), ``kill`` (every rank), and ``log``."""
 
-    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1) -> None:
+    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1, module: str = "train") -> None:
         import multiprocessing
 
         from tests.mp_utils import _start_method, torchrun_env
@@ -186,7 +190,7 @@ class ForkedJob:
         if nproc > 1:
             port = free_port()
             envs = [dict(env, **torchrun_env(r, nproc, port)) for r in range(nproc)]
-        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log)) for e in envs]
+        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log, module)) for e in envs]
         for p in self.procs:
             p.start()
         self.pid = self.procs[0].pid
