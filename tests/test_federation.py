@@ -15,6 +15,7 @@ pytest.importorskip("torchft")
 
 from tests.federation_utils import (ENV, SOURCES, ForkedJob, federation, finish_all, read_records,  # noqa: E402
                                     run_single_job, write_config)
+from tests.trainer_utils import ROOT  # noqa: E402
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state;
