@@ -25,12 +25,28 @@ def pytest_collection_modifyitems(config, items):
 def dp2_reference(tmp_path_factory):
     """The uninterrupted run that tests/test_restart.py's restarted job and tests/test_preemption.py's
     relaunched job must end equal to: examples/tiny/std.yaml on 2 data-parallel ranks,
-    REFERENCE_STEPS steps, no checkpoint; {step: loss}. One run for both (they only read it).
-    Its ranks are forked (tests/test_restart.py's _forked: the job torchrun launches there,
-    without torchrun's start, which is not what the reference is for)."""
+    REFERENCE_STEPS steps, no checkpoint; {step: loss}. Its ranks are forked (tests/test_restart.py's
+    _forked: the job torchrun launches there, without torchrun's start, which is not what the
+    reference is for). One run for the session: under pytest-xdist the two files usually run in
+    different workers, so the first one to ask runs it and leaves the losses beside the workers'
+    temporary directories, under a lock the other waits on (pytest-xdist's recipe for a session
+    fixture that runs once)."""
+    import fcntl
+    import json
+
     from tests.test_restart import REFERENCE_STEPS, _forked
     from tests.trainer_utils import ensure_sample_corpus, read_jsonl
-    ensure_sample_corpus()
-    ref = str(tmp_path_factory.mktemp("dp2_reference") / "ref")
-    _forked(ref, REFERENCE_STEPS, "train.save_interval=0")
-    return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(ref, "metrics.jsonl")) if r["kind"] == "train"}
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, every worker's
+    path = shared / f"dp2_reference_{REFERENCE_STEPS}.json"
+    with open(shared / "dp2_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            ensure_sample_corpus()
+            ref = str(tmp_path_factory.mktemp("dp2_reference") / "ref")
+            _forked(ref, REFERENCE_STEPS, "train.save_interval=0")
+            losses = {r["step"]: r["loss"] for r in read_jsonl(os.path.join(ref, "metrics.jsonl")) if r["kind"] == "train"}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(losses))  # floats round-trip exactly
+            tmp.replace(path)
+        return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
