@@ -271,26 +271,38 @@ fi
 
 # ------------------------------------------------------------------ plumbing
 FORK_PID=
+# the stages whose dry-run command sets TORCH_COMPILE_DISABLE=1 (compiled_bench): the second server's
+COMPILED_STAGES=(compile compile_nofusion fp8_compile fp8_compile_triton fp8_current_compile)
 forkserver_up() {
   # the dry run, from its first stage or build on: each Python command forked from one interpreter
   # that has imported torch and torch._dynamo (~3 s of the 2-core machine per command otherwise),
   # with the command's own arguments, environment and stdio; the compiled stages' commands
   # (TORCH_COMPILE_DISABLE=1, a start-up variable) from a second server started with it (five
-  # stages, ~5 s each otherwise); a command whose other TORCH* variables differ from its server's
-  # (the max-autotune run) starts a fresh interpreter (benchmarks/forkserver.py)
+  # stages, ~5 s each otherwise; ~4 s to start, so only when this call runs one of them); a
+  # command whose other TORCH* variables differ from its server's (the max-autotune run), or with
+  # TORCH_COMPILE_DISABLE=1 and no second server, starts a fresh interpreter (benchmarks/forkserver.py)
   [ "$DRY" = 1 ] && [ -z "$FORK_PID" ] || return 0
-  local sock=$WORK/forkserver.sock nocompile=$WORK/forkserver_nocompile.sock
+  local sock=$WORK/forkserver.sock nocompile='' s
   "$PY" benchmarks/forkserver.py serve "$sock" </dev/null >>"$LOG" 2>&1 &
   FORK_PID=$!
-  # (torch.compile imports inductor's compiler even when disabled: ~1.5 s, imported once here)
-  TORCH_COMPILE_DISABLE=1 "$PY" benchmarks/forkserver.py serve "$nocompile" torch torch._dynamo \
-    torch._inductor.compile_fx torch._dynamo.repro.after_dynamo </dev/null >>"$LOG" 2>&1 &
-  FORK_PID="$FORK_PID $!"
+  for s in "${COMPILED_STAGES[@]}"; do
+    [[ " ${ORDER[*]} " == *" $s "* ]] && nocompile=$WORK/forkserver_nocompile.sock
+  done
+  if [ -n "$nocompile" ]; then
+    # (torch.compile imports inductor's compiler even when disabled: ~1.5 s, imported once here)
+    TORCH_COMPILE_DISABLE=1 "$PY" benchmarks/forkserver.py serve "$nocompile" torch torch._dynamo \
+      torch._inductor.compile_fx torch._dynamo.repro.after_dynamo </dev/null >>"$LOG" 2>&1 &
+    FORK_PID="$FORK_PID $!"
+    log "# fork servers: torch; torch with TORCH_COMPILE_DISABLE=1 (the compiled stages)"
+  else
+    log "# fork server: torch (no compiled stage in this call: no TORCH_COMPILE_DISABLE=1 server)"
+  fi
+  # (the client needs only the standard library: -S skips site's start-up, ~12 ms a command)
   cat >"$WORK/python" <<EOF
 #!/bin/sh
 sock="$sock"
-[ "\${TORCH_COMPILE_DISABLE:-}" = 1 ] && sock="$nocompile"
-exec "$PY" "$ROOT/benchmarks/forkserver.py" run "\$sock" "\$@"
+[ "\${TORCH_COMPILE_DISABLE:-}" = 1 ] && [ -n "$nocompile" ] && sock="$nocompile"
+exec "$PY" -S "$ROOT/benchmarks/forkserver.py" run "\$sock" "\$@"
 EOF
   chmod +x "$WORK/python"
   PY=$WORK/python

@@ -60,6 +60,10 @@ def test_commands_run_as_python_would_run_them(server, tmp_path):
     res = _run(sock, "-c", REPORT, "z", env={"TORCH_COMPILE_DISABLE": "1", "FOO": "baz"}, cwd=tmp_path)
     assert json.loads(res.stdout) == {"argv": ["-c", "z"], "path0": "", "name": "__main__", "forked": False,
                                       "foo": "baz"}
+    # the server's imports are frozen (gc.freeze): a forked command's collections skip them
+    freeze = "import gc; print(gc.get_freeze_count())"
+    assert int(_run(sock, "-c", freeze).stdout) > 0
+    assert int(_run(sock, "-c", freeze, env={"TORCH_COMPILE_DISABLE": "1"}).stdout) == 0  # a fresh interpreter
     # an uncaught exception and a signal, as the interpreter reports them
     res = _run(sock, "-c", "raise ValueError('boom')")
     assert res.returncode == 1 and "ValueError: boom" in res.stderr
