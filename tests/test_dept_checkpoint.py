@@ -7,11 +7,14 @@ import json
 import pytest
 import torch
 
-from tests.dept_utils import SyntheticSource, allowed_ids, body_vector, emb_state, source_infos, tiny_config
+from tests.dept_utils import (SavingOnly, SyntheticSource, allowed_ids, body_vector, emb_state, source_infos,
+                              tiny_config)
 from tests.mp_utils import run_distributed
 
 
-def _make(cfg, run_dir, rank):
+def _make(cfg, run_dir, rank, saves=None):
+    """The run's TrainLoop and Checkpointer; ``saves``: the only steps it writes checkpoints
+    of (SavingOnly; None: every one the loop saves)."""
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import TrainLoop
@@ -31,18 +34,20 @@ def _make(cfg, run_dir, rank):
                                pg.dp_rank, pg.dp_size)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
-    ck = Checkpointer(run_dir)
+    ck = Checkpointer(run_dir) if saves is None else SavingOnly(run_dir, saves)
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=ck), ck
 
 
-def _resume_worker(rank, world, over, run_dir, step=2):
+def _resume_worker(rank, world, over, run_dir, step=2, saves=None):
     """Train the whole run, then resume a second loop from checkpoint ``step`` and finish:
-    (the uninterrupted run's body and embeddings, the resumed run's)."""
+    (the uninterrupted run's body and embeddings, the resumed run's). The uninterrupted run
+    writes the checkpoints of ``saves`` only (default: ``step``'s), the resumed one none: the
+    others would be read by nothing."""
     cfg = tiny_config(over)
-    loop, _ = _make(cfg, run_dir, rank)
+    loop, _ = _make(cfg, run_dir, rank, saves=[step] if saves is None else saves)
     loop.run()
     full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
-    loop2, ck = _make(cfg, run_dir, rank)
+    loop2, ck = _make(cfg, run_dir, rank, saves=())
     assert ck.load(loop2, step=step) == step
     loop2.run()
     return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
@@ -315,7 +320,7 @@ def test_round_boundary_checkpoint_writes_the_shared_body_once(tmp_path, fragmen
     over = {"dept": {"variant": "glob", "local_steps": 2, "outer_fragments": fragments,
                      "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
             "train": {"steps": 8, "save_interval": 3, "eval_interval": 0}}
-    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 6), timeout=200)
+    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 6, [3, 6]), timeout=200)
     for full, resumed in res:
         assert torch.equal(full["body"], resumed["body"])
         for k in full["emb"]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.data_utils import write_docs
-from tests.dept_utils import tiny_config
+from tests.dept_utils import SavingOnly, tiny_config
 from tests.mp_utils import run_distributed
 
 # (variant, dept.body_optimizer_state): every variant; GLOB also with the body state per source
@@ -81,12 +81,9 @@ def _make_loop(cfg, prefixes, rank, log, save_at=None):
         it.name = name
         return it
 
-    class SavesAt(Checkpointer):
-        def save(self, loop):
-            return super().save(loop) if save_at is None or loop.trainer.step == save_at else None
-
     writer = MetricsWriter(t.run_dir, enabled=rank == 0, stream=io.StringIO())
-    return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=SavesAt(t.run_dir))
+    ck = Checkpointer(t.run_dir) if save_at is None else SavingOnly(t.run_dir, [save_at])
+    return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=ck)
 
 
 def _final_state(loop):

@@ -490,7 +490,7 @@ def _resume_streamed_worker(rank, world, over, run_dir):
     full = body_vector(loop.trainer)
     ckdir = os.path.join(run_dir, "checkpoints")
     saved = sorted(int(n.split("_")[1]) for n in os.listdir(ckdir) if n.startswith("step_"))
-    loop2, ck = _make(cfg, run_dir, rank)
+    loop2, ck = _make(cfg, run_dir, rank, saves=())  # (the resumed run's checkpoints are read by nothing)
     ck.load(loop2, step=5)
     loop2.run()
     return {"full": full, "resumed": body_vector(loop2.trainer), "saved": saved}

@@ -25,10 +25,21 @@ def _log(p) -> str:
         return f.read()
 
 
-def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
+@pytest.fixture(scope="module")
+def single_losses(tmp_path_factory):
+    """The losses of a run never interrupted: the single job's {step: {source: loss}}, made once
+    for this file's tests (the same config; their train.save_interval changes no loss)."""
+    root = tmp_path_factory.mktemp("single")
+    cfg = write_config(str(root), steps=STEPS, local_steps=L, sources=2)
+    run_single_job(cfg, str(root / "single"), 2)
+    return {r["step"]: r["loss_by_source"] for r in read_records(str(root / "single"), "train")}
+
+
+def _preempt_waiting_group(tmp_path, single, hold, timeout_s, extra=()):
     """Groups 0 and 1 (a round needs both), group 1 held at ``hold`` (DEPT_FEDERATION_HOLD's
     R:WHERE) while group 0 waits for it; group 0 gets SIGTERM. Returns (runs, seconds group 0
-    took to exit, its log, the log's preempted.json), group 0 relaunched and both run to the end."""
+    took to exit, its log, the log's preempted.json), group 0 relaunched and both run to the end
+    with the losses of ``single`` (the single job's)."""
     cfg = write_config(str(tmp_path), steps=STEPS, local_steps=L, sources=2)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
@@ -70,8 +81,6 @@ def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
         assert p.returncode == 0, o[-3000:]
     assert not os.path.exists(os.path.join(runs[0], "preempted.json"))
     # the losses of a run never interrupted: the single job's, per source
-    run_single_job(cfg, str(tmp_path / "single"), 2, *extra)
-    single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = list(single[1])
     for g, run in enumerate(runs):
         mine = {r["step"]: r["loss_by_source"] for r in read_records(run, "train")}
@@ -81,26 +90,26 @@ def _preempt_waiting_group(tmp_path, hold, timeout_s, extra=()):
     return runs, took, out, marker
 
 
-def test_preempted_while_waiting_for_a_quorum_saves_and_resumes(tmp_path):
+def test_preempted_while_waiting_for_a_quorum_saves_and_resumes(tmp_path, single_losses):
     """Group 1 holds before round 2's quorum; group 0 has synchronised round 1 and waits
     there. SIGTERM to group 0: it exits with 75 within seconds, with a checkpoint of step 4
     (no periodic saves: the preemption wrote it) and preempted.json; relaunched, it joins
     group 1 at round 2, and both groups' losses equal the single job's."""
-    runs, took, out, marker = _preempt_waiting_group(tmp_path, "2:start", timeout_s=20)
+    runs, took, out, marker = _preempt_waiting_group(tmp_path, single_losses, "2:start", timeout_s=20)
     assert took < 10, took
     assert marker == {"step": 2 * L, "signal": "SIGTERM", "exit_code": 75}
     assert "preempted (SIGTERM) while waiting for a quorum at round 2: stopped waiting; checkpoint of step 4 " \
            "written" in out, out[-3000:]
 
 
-def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_path):
+def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_path, single_losses):
     """Group 1 holds before round 2's exchange; group 0 has trained round 2 and waits in it.
     SIGTERM to group 0: it stops once the exchange fails (after federation.timeout_s) at the
     redo quorum, saves nothing (a checkpoint cannot hold a round whose outer sync is pending),
     preempted.json names the periodic checkpoint of step 4; relaunched, it retrains round 2,
     group 1 redoes the exchange with it, and the losses equal the single job's."""
     timeout_s = 4
-    runs, took, out, marker = _preempt_waiting_group(tmp_path, "2:exchange", timeout_s,
+    runs, took, out, marker = _preempt_waiting_group(tmp_path, single_losses, "2:exchange", timeout_s,
                                                      extra=(f"train.save_interval={L}",))
     assert took < timeout_s + 6, took
     assert marker == {"step": 2 * L, "signal": "SIGTERM", "exit_code": 75}

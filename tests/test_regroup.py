@@ -128,8 +128,7 @@ def _moments(inner: dict) -> list:
 def _first_phase(rank, world, over, run_dir, K, step):
     cfg = tiny_config(dict(over, train=dict(over["train"], steps=step, run_dir=run_dir)))
     loop, _ = _make(cfg, run_dir, K)
-    loop.run()
-    loop.checkpointer.save(loop)  # a round boundary
+    loop.run()  # its last step is a round boundary, where the run ends with a save
     return {"body": body_vector(loop.trainer), "held": _held(loop), "outer": _outer(loop),
             "buffers": _group_buffers(loop), "inner": _inner(loop),
             "emb": {n: p.detach().clone() for n, p in loop.trainer.stages[0].named_parameters()
@@ -154,6 +153,7 @@ def _second_phase(rank, world, over, run_dir, native_dir, K, steps, data=1):
     cfg2 = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=native_dir)))
     loop2, losses2 = _make(cfg2, native_dir, K, data=data)
     assert loop2.checkpointer.load(loop2) == step
+    loop2.checkpointer = None  # (the reference's own checkpoints are read by nothing)
     loop2.run()
     return dict(state, losses=losses, reference=losses2, body_end=body_vector(loop.trainer),
                 body_end_ref=body_vector(loop2.trainer))

@@ -85,7 +85,7 @@ def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2,
 
 def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std", steps=4, virtual=1, data=1,
                      load_step=None, saved_tensor=2):
-    ref = make_loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual)
+    ref = make_loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual, save=False)
     ref.run()
     loop = make_loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual)
     at = loop.checkpointer.load(loop, step=load_step)

@@ -30,11 +30,12 @@ OPTIM_LAYOUTS = {
 # (fp32 switches of STD, TRIM, SPEC-OPT: tests/test_checkpoint_property.py compares their state in full)
 
 
-def _optim_loop(over, run_dir, rank, precision, layout, steps=4):
+def _optim_loop(over, run_dir, rank, precision, layout, steps=4, save=True):
     data, dist, bucket, tensor, pipeline = tuple(layout) + (1, 1)[len(layout) - 3:]
     optim = dict(over.get("optim", {}), distributed=dist, grad_bucket_size=bucket)
     loop = make_loop(dict(over, precision=precision, optim=optim), run_dir, rank, data=data, tensor=tensor,
-                     pipeline=pipeline, steps=steps, sources=LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2))
+                     pipeline=pipeline, steps=steps, sources=LAYOUT_SOURCES.get(json.dumps(over, sort_keys=True), 2),
+                     save=save)
     return loop
 
 
@@ -46,7 +47,7 @@ def _optim_train_a(rank, world, over, precision, layout, run_dir):
 
 def _optim_resume_b(rank, world, over, precision, layout, run_dir, ref_dir, again_dir):
     from dept_mega.checkpoint import Checkpointer
-    ref = _optim_loop(over, ref_dir, rank, precision, layout)
+    ref = _optim_loop(over, ref_dir, rank, precision, layout, save=False)
     ref.run()
     loop = _optim_loop(over, run_dir, rank, precision, layout)
     assert loop.checkpointer.load(loop) == 2
@@ -165,7 +166,7 @@ def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2, total=4):
 
 
 def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir, saved=2, total=4, saved_tensor=1):
-    ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout, steps=total)
+    ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout, steps=total, save=False)
     ref.run()
     loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)
     assert loop.checkpointer.load(loop) == saved

@@ -402,9 +402,12 @@ def test_read_records_rejects_a_broken_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_study_end_to_end_on_the_sample_corpus(tmp_path):
+def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
     """Two real runs (STD and GLOB with 2 groups) of a few steps on two sample sources: the
-    tool runs them, writes the report, and a second call finds them finished."""
+    tool runs them, writes the report, and a second call finds them finished. (The first and
+    the --report-only call run the tool's main in this process, from the repository root as the
+    tool asks; the second call is the script itself, whose lines are checked: ~2 s of a fresh
+    interpreter's imports less for each of the others.)"""
     from tests.trainer_utils import ensure_sample_corpus
     ensure_sample_corpus()
     configs = {}
@@ -430,11 +433,12 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
     out = tmp_path / "out"
     # a budget of 3 processes: STD (1) and GLOB (2) run at once (their start-ups and torchrun's
     # waits overlap); the budget's scheduling is test_runner_budget_resume_and_failures's
-    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), "--grid", str(grid), "--out", str(out),
-           "--parallel", "3"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    args = ["--grid", str(grid), "--out", str(out), "--parallel", "3"]
+    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), *args]
+    main = _study_main(monkeypatch)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(args) == 0  # (its output: pytest's capture)
     data = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in data["runs"]] == ["std", "glob"] and all(r["finished"] for r in data["runs"])
     glob = data["runs"][1]
@@ -455,10 +459,19 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path):
     assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2
     assert "[study] plasticity" not in res.stdout  # nothing adapted again
     # a report remade from the finished runs names the command that runs the study
-    res = subprocess.run(cmd + ["--report-only"], cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert main(args + ["--report-only"]) == 0
     made_by = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Made by"))
     assert "--report-only" not in made_by and "--parallel 3" in made_by
+
+
+def _study_main(monkeypatch):
+    """tools/study.py's ``main``, loaded in this process (the path it adds to sys.path is taken
+    back after the test)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("_study_tool", ROOT / "tools" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def _finish(out: str, study, runs=None) -> None:
