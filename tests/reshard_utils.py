@@ -14,12 +14,12 @@ import os
 
 import torch
 
-from tests.dept_utils import SyntheticSource, allowed_ids, source_infos, tiny_config
+from tests.dept_utils import SavingOnly, SyntheticSource, allowed_ids, source_infos, tiny_config
 
 
 def make_loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1, sources=None, save=True):
-    """``save=False``: no checkpointer (an uninterrupted reference run, whose checkpoints nothing
-    reads: ~0.3 s a save)."""
+    """``save=False``: the loop's checkpointer loads but writes nothing (SavingOnly with no
+    step): a reference run or a resumed one whose checkpoints nothing reads (~0.3 s a save)."""
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
@@ -46,7 +46,7 @@ def make_loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator,
-                     checkpointer=Checkpointer(run_dir) if save else None)
+                     checkpointer=Checkpointer(run_dir) if save else SavingOnly(run_dir))
 
 
 def read_losses(run_dir):
@@ -133,19 +133,22 @@ def buffer_differences(loop, run_dir: str, step: int, saved_tensor: int) -> dict
     pg = loop.trainer.pg
     g, path = pg.group_index, os.path.join(run_dir, "checkpoints", f"step_{step}")
     names = {id(p): n for st in loop.trainer.stages for n, p in st.named_parameters()}
-    out: dict[str, float] = {}
+    held = []  # (kind, parameter, the tensor this rank holds, the saved key)
     for cat, sync in sorted(loop.hooks.outer_syncs().items()):
-        held = sync.group_state()
+        state = sync.group_state()
         for kind in ("residual", "eager_base"):
-            for p, t in zip(sync.params, held.get(kind, ())):
-                key = f"dept/{cat}/g{g}/{kind}/{names[id(p)]}"
-                full = read_full(path, [key])[key]
-                dim = getattr(p, "partition_dim", None)
-                stride = int(getattr(p, "partition_stride", 1) or 1)
-                if dim is not None and stride > 1:
-                    full = full.flatten(dim, dim + 1)
-                mine = _cut_shard(full, dim, stride, pg.tp_size, pg.tp_rank)  # this rank's shard of it
-                out[kind] = max(out.get(kind, 0.0), float((mine - t).abs().max()))
+            held += [(kind, p, t, f"dept/{cat}/g{g}/{kind}/{names[id(p)]}")
+                     for p, t in zip(sync.params, state.get(kind, ()))]
+    saved = read_full(path, [key for *_, key in held]) if held else {}  # one read of the checkpoint
+    out: dict[str, float] = {}
+    for kind, p, t, key in held:
+        full = saved[key]
+        dim = getattr(p, "partition_dim", None)
+        stride = int(getattr(p, "partition_stride", 1) or 1)
+        if dim is not None and stride > 1:
+            full = full.flatten(dim, dim + 1)
+        mine = _cut_shard(full, dim, stride, pg.tp_size, pg.tp_rank)  # this rank's shard of it
+        out[kind] = max(out.get(kind, 0.0), float((mine - t).abs().max()))
     return out
 
 

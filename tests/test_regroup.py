@@ -148,6 +148,7 @@ def _second_phase(rank, world, over, run_dir, native_dir, K, steps, data=1):
              "positions": {n: loop.hooks.source_steps(n, step) for n in loop.hooks.names}}
     from dept_mega.checkpoint import Checkpointer
     Checkpointer(native_dir).save(loop)  # the same state, written in this launch's own layout
+    loop.checkpointer = None  # (its later checkpoints are read by nothing)
     loop.run()
     # reference: a run of this layout started from that native checkpoint (no change of groups)
     cfg2 = tiny_config(dict(over, train=dict(over["train"], steps=steps, run_dir=native_dir)))

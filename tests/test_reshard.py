@@ -33,7 +33,7 @@ def _train_a(rank, world, over, run_dir):
 def _resume_b(rank, world, over, run_dir, ref_dir):
     ref = make_loop(over, ref_dir, rank, data=2)
     ref.run()
-    loop = make_loop(over, run_dir, rank, data=2)
+    loop = make_loop(over, run_dir, rank, data=2, save=False)  # (its checkpoints: read by nothing)
     assert loop.checkpointer.load(loop) == 2
     loop.writer.resume_at(2)
     loop.run()
@@ -87,7 +87,7 @@ def _resume_b_layout(rank, world, run_dir, ref_dir, tensor, pipeline, case="std"
                      load_step=None, saved_tensor=2):
     ref = make_loop(LAYOUT_CASES[case], ref_dir, rank, data, tensor, pipeline, steps, virtual, save=False)
     ref.run()
-    loop = make_loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual)
+    loop = make_loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, steps, virtual, save=False)
     at = loop.checkpointer.load(loop, step=load_step)
     assert at == (load_step or (4 if case.startswith("spec_opt_source") else 2))
     loaded = buffer_differences(loop, run_dir, at, saved_tensor) if "error_feedback" in json.dumps(LAYOUT_CASES[case]) \

@@ -49,9 +49,9 @@ def _optim_resume_b(rank, world, over, precision, layout, run_dir, ref_dir, agai
     from dept_mega.checkpoint import Checkpointer
     ref = _optim_loop(over, ref_dir, rank, precision, layout, save=False)
     ref.run()
-    loop = _optim_loop(over, run_dir, rank, precision, layout)
+    loop = _optim_loop(over, run_dir, rank, precision, layout, save=False)
     assert loop.checkpointer.load(loop) == 2
-    Checkpointer(again_dir).save(loop)  # what was loaded, written in this layout
+    Checkpointer(again_dir).save(loop)  # what was loaded, written in this layout (the run's later saves: none)
     loop.writer.resume_at(2)
     loop.run()
 
@@ -168,7 +168,7 @@ def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2, total=4):
 def _tp_optim_resume_b(rank, world, case, layout, run_dir, ref_dir, saved=2, total=4, saved_tensor=1):
     ref = _optim_loop(LAYOUT_CASES[case], ref_dir, rank, "fp32", layout, steps=total, save=False)
     ref.run()
-    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total, save=False)
     assert loop.checkpointer.load(loop) == saved
     loaded = buffer_differences(loop, run_dir, saved, saved_tensor) \
         if "error_feedback" in json.dumps(LAYOUT_CASES[case]) else {}
