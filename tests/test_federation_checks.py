@@ -275,11 +275,13 @@ def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tm
     from dept_mega.parallel.agree import is_agreed
     fed = ["federation.lighthouse=127.0.0.1:1", f"federation.groups={SOURCES}"]
 
+    path = write_config(str(tmp_path))  # once: two threads writing it raced with each other's read
+
     def compare(overrides):
         store, errors = HashStore(), {}
 
         def job(g):
-            cfg = load_config(write_config(str(tmp_path)), [*fed, f"federation.group={g}", *overrides[g]])
+            cfg = load_config(path, [*fed, f"federation.group={g}", *overrides[g]])
             pg = ProcessGroupGloo(store, g, 2, timedelta(seconds=20))
             try:
                 check_fresh_agree(pg, torch.device("cpu"), agree_hashes(cfg), agree_values(cfg), [0, 1])
@@ -292,7 +294,7 @@ def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tm
             t.join(60)
         return errors
 
-    base = load_config(write_config(str(tmp_path)), [*fed, "federation.group=0"])
+    base = load_config(path, [*fed, "federation.group=0"])
     assert compare([[], []]) == {}  # the same keys (the group index is not agreed)
     errors = compare([["optim.lr=0.001"], ["train.seed=7", "model.hidden_size=32"]])
     assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1]) and is_agreed(errors[0])
