@@ -305,6 +305,33 @@ def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tm
                      f"  config key 'optim.lr': group 0 has 0.001, group 1 has {base.optim.lr}"], lines
 
 
+class StandInManager:
+    """torchft's Manager as far as a round's exchange uses it: an error reported fails the commit."""
+    error = None
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, exc):
+        self.error = exc
+
+    def should_commit(self):
+        return self.error is None
+
+
+def _stand_in_federation(federation_cls, manager, say, survivors):
+    """A Federation at round 3 with three members, without torchft; its quorum call clears the
+    manager's error and leaves ``survivors`` groups."""
+    fed = object.__new__(federation_cls)
+    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = manager, say, None, None, None
+    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+
+    def quorum(**kw):  # the survivors' quorum: the failure cleared
+        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
+    fed._quorum = quorum
+    return fed
+
+
 @pytest.mark.parametrize("survivors", [1, 2])
 def test_an_exchange_redone_alone_counts_no_bytes(survivors):
     """An exchange that fails (a peer gone) and is redone by the survivors' quorum counts its
@@ -316,25 +343,7 @@ def test_an_exchange_redone_alone_counts_no_bytes(survivors):
 
     from dept_mega.dept.federation import Federation
 
-    class Manager:
-        error = None
-
-        def errored(self):
-            return self.error
-
-        def report_error(self, exc):
-            self.error = exc
-
-        def should_commit(self):
-            return self.error is None
-
-    fed = object.__new__(Federation)
-    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = Manager(), None, None, None, None
-    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
-
-    def quorum(**kw):  # the survivors' quorum: the failure cleared
-        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
-    fed._quorum = quorum
+    fed = _stand_in_federation(Federation, StandInManager(), None, survivors)
     tries = []
 
     def run():
@@ -372,31 +381,16 @@ def test_a_launched_exchange_redone_alone_counts_no_bytes_and_says_how_long_it_w
                 time.sleep(0.3)
                 raise RuntimeError("Timed out waiting 300ms for send operation to complete")
 
-    class Manager:
-        error, launched = None, 0
-
-        def errored(self):
-            return self.error
-
-        def report_error(self, exc):
-            self.error = exc
-
-        def should_commit(self):
-            return self.error is None
+    class Manager(StandInManager):
+        launched = 0
 
         def allreduce(self, t, reduce_op):
             self.launched += 1
             return Work(self.launched == 1)
 
     said = []
-    fed = object.__new__(Federation)
-    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = Manager(), said.append, None, None, None
-    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+    fed = _stand_in_federation(Federation, Manager(), said.append, survivors)
     fed._launching = fed._just_healed = False
-
-    def quorum(**kw):  # the survivors' quorum: the failure cleared
-        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
-    fed._quorum = quorum
     counted = []
     comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
     work = fed.all_reduce_async(torch.zeros(250), comm, "outer_body")
