@@ -1,47 +1,23 @@
-"""tools/study.py: grid expansion at equal compute, resumable scheduling, the report."""
-import importlib.util
+"""tools/study.py: grid expansion at equal compute, resumable scheduling, refusing changed runs
+(the report's tables: test_study_report.py)."""
 import json
-import math
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import yaml
 
 from dept_mega.config import save_config
-from dept_mega.study.grid import WHOLE_PART, GridError, describe, load_study, run_config
-from dept_mega.study.markdown import render_markdown
-from dept_mega.study.report import summary
-from dept_mega.study.results import read_records, read_run
-from dept_mega.study.runner import (MARKER, StaleRunError, find_stale, is_finished, run_all, run_dir_of,
-                                    run_plasticity)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _grid(tmp_path, **over):
-    doc = {"groups": 3, "group_batch": 4,
-           "configs": {v: str(ROOT / "examples" / "tiny" / f"{v}.yaml")
-                       for v in ("std", "glob", "trim", "spec", "spec_opt")},
-           "set": {"train.steps": 100, "train.micro_batch_size": 4},
-           "runs": [{"variant": "std", "name": "std_t{dept.temperature}",
-                     "set": {"dept.sampling": "temperature"}, "grid": {"dept.temperature": [0.0, 1.0]}},
-                    {"variant": ["glob", "spec_opt"],
-                     "grid": {"dept.outer_optimizer": [{"name": "fedavg", "lr": 1.0},
-                                                       {"name": "nesterov", "lr": 0.7, "momentum": 0.9}]},
-                     "set": {"dept.local_steps": 50}}]}
-    doc.update(over)
-    path = tmp_path / "grid.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
+from dept_mega.study.grid import GridError, load_study, run_config
+from dept_mega.study.runner import MARKER, StaleRunError, find_stale, is_finished, run_all, run_dir_of, run_plasticity
+from tests.study_utils import ROOT, FakeProc, fake_metrics, finish_runs, study_grid, study_main
 
 
 def test_grid_expands_at_equal_compute(tmp_path):
-    study = load_study(_grid(tmp_path))
+    study = load_study(study_grid(tmp_path))
     names = [r.name for r in study.runs]
     assert names == ["std_t0", "std_t1", "glob_outer_optimizer=fedavg", "glob_outer_optimizer=nesterov",
                      "spec_opt_outer_optimizer=fedavg", "spec_opt_outer_optimizer=nesterov"]
@@ -58,7 +34,7 @@ def test_grid_expands_at_equal_compute(tmp_path):
     assert all("train.eval_samples=48" in r.overrides for r in study.runs), [r.overrides for r in study.runs]
     assert [run_config(".", r, "x").train.eval_sequences() for r in study.runs] == [48] * len(study.runs)
     # a grid that sets eval_samples keeps its own
-    own = load_study(_grid(tmp_path, set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_samples": 5}))
+    own = load_study(study_grid(tmp_path, set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_samples": 5}))
     assert all(run_config(".", r, "x").train.eval_samples == 5 for r in own.runs)
 
 
@@ -77,47 +53,11 @@ def test_grid_expands_at_equal_compute(tmp_path):
 ])
 def test_grid_errors_name_the_problem(tmp_path, over, match):
     with pytest.raises(GridError, match=match):
-        load_study(_grid(tmp_path, **over))
-
-
-def _fake_metrics(run_dir: str, variant: str, steps: int, bpb: float, groups: int, local_steps: int = 50,
-                  nbytes: Optional[dict] = None, outer_every: int = 50, seed: int = 1234) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    cfg = {"dept": {"variant": variant, "local_steps": local_steps, "outer_comm_dtype": "fp32"},
-           "train": {"seed": seed}}
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(cfg, f)
-    recs = []
-    for s in range(10, steps + 1, 10):
-        recs.append({"kind": "train", "step": s, "round": 0, "time": 0, "loss": 5.0 - s / 100, "tokens": 64})
-    for s in (50, 100):
-        recs.append({"kind": "eval", "step": s, "round": 0, "time": 0,
-                     "by_source": {k: {"loss": 1.0, "ppl": 2.7, "bpb": bpb + 0.1 * i + (100 - s) / 100,
-                                       "tokens": 10, "bytes": (nbytes or {}).get(k, 30)}
-                                   for i, k in enumerate(("en", "fr"))}})
-    if variant != "std":
-        recs += [{"kind": "outer", "step": s, "round": s // outer_every - 1, "time": 0,
-                  "bytes": {"outer_body": 1000 * groups, "outer_embedding": 0, "source_move": 0, "dp": 0},
-                  "seconds": 0.1} for s in range(outer_every, steps + 1, outer_every)]
-    # a run resumed from a checkpoint writes some steps again (the stale record comes first):
-    # the last record of each (kind, step) counts
-    recs.insert(0, {"kind": "train", "step": 10, "round": 0, "time": 0, "loss": 99.0, "tokens": 64})
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in recs))
-    with open(os.path.join(run_dir, "params.json"), "w") as f:
-        json.dump({"ranks": [{"body": 1000, "embeddings": 500}]}, f)
-
-
-class _FakeProc:
-    def __init__(self, rc, done):
-        self.rc, self.done = rc, done
-
-    def poll(self):
-        return self.rc if self.done.is_set() else None
+        load_study(study_grid(tmp_path, **over))
 
 
 def test_runner_budget_resume_and_failures(tmp_path):
-    study = load_study(_grid(tmp_path))
+    study = load_study(study_grid(tmp_path))
     out = str(tmp_path / "out")
     running, peak, started = [0], [0], []
     lock = threading.Lock()
@@ -136,7 +76,7 @@ def test_runner_budget_resume_and_failures(tmp_path):
             if "spec_opt" in name and "nesterov" in name:
                 rc = 1  # this run fails
             else:
-                _fake_metrics(run_dir, spec.variant, 100, 1.0 if spec.variant == "std" else 0.9, 3)
+                fake_metrics(run_dir, spec.variant, 100, 1.0 if spec.variant == "std" else 0.9, 3)
                 save_config(run_config(".", spec, run_dir), os.path.join(run_dir, "config.yaml"))
                 rc = 0
             with lock:
@@ -144,7 +84,7 @@ def test_runner_budget_resume_and_failures(tmp_path):
             proc.rc = rc
             done.set()
 
-        proc = _FakeProc(None, done)
+        proc = FakeProc(None, done)
         threading.Timer(0.05, work).start()
         return proc
 
@@ -163,187 +103,6 @@ def test_runner_budget_resume_and_failures(tmp_path):
     assert marker["command"][:3] == ["python", "-m", "torch.distributed.run"]
 
 
-def test_cost_is_per_inner_step_and_per_run(tmp_path):
-    """GLOB at dept.local_steps 5 and 10 sends the same bytes per round, so the round hides the
-    ablation: the report counts bytes per inner step and per run (measured from the outer
-    records), half as many at 10 local steps; STD's data-parallel equivalent is per inner step
-    too, headed so, and bytes.png plots per inner step."""
-    results = {}
-    for name, variant, L in [("std", "std", 100), ("glob5", "glob", 5), ("glob10", "glob", 10)]:
-        d = str(tmp_path / name)
-        _fake_metrics(d, variant, 100, 1.0, 3, local_steps=L, outer_every=L)
-        results[name] = read_run(d)
-    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}] + [
-        {"variant": "glob", "name": f"glob{L}", "set": {"dept.local_steps": L}} for L in (5, 10)]))
-    data = summary(study, results, "cmd")
-    by = {r["name"]: r for r in data["runs"]}
-    # 3000 bytes of outer_body per round in both: 20 rounds vs 10 rounds of 100 steps
-    assert by["glob5"]["bytes_per_round"]["outer_body"] == by["glob10"]["bytes_per_round"]["outer_body"] == 3000
-    assert by["glob5"]["bytes_per_step"]["outer_body"] == 600 and by["glob10"]["bytes_per_step"]["outer_body"] == 300
-    assert by["glob5"]["cross_group_bytes_total"] == 60000 and by["glob10"]["cross_group_bytes_total"] == 30000
-    assert by["std"]["std_equivalent_bytes_per_step"] == 3 * 1500 * 4
-    assert by["std"]["std_equivalent_bytes_total"] == 3 * 1500 * 4 * 100
-    md = render_markdown(data)
-    assert "| glob5 | 1,000 | 500 | fp32 | 5 × 20 | 600 B | 0 B | 0 B | 60.0 kB | – | – | – |" in md
-    assert "| glob10 | 1,000 | 500 | fp32 | 10 × 10 | 300 B | 0 B | 0 B | 30.0 kB | – | – | – |" in md
-    assert "| std | 1,000 | 500 | – | – | – | – | – | – | 18.0 kB | 1.80 MB | – |" in md
-    assert "STD data-parallel equivalent/inner step" in md and "/round" not in md
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-    from dept_mega.study import figures
-    heights = {}
-    real_bar = plt.Axes.bar
-
-    def bar(self, x, height, *args, label=None, **kw):
-        heights[label] = list(height)
-        return real_bar(self, x, height, *args, label=label, **kw)
-    plt.Axes.bar = bar
-    try:
-        figures.plot(data, str(tmp_path))
-    finally:
-        plt.Axes.bar = real_bar
-    assert heights["outer_body"][1:] == [600, 300]  # glob5, glob10: per inner step
-    assert heights["std (data-parallel equivalent)"][0] == 18000
-
-
-def test_report_tables_gain_and_figures(tmp_path):
-    pytest.importorskip("matplotlib")
-    from dept_mega.study.figures import plot
-    study = load_study(_grid(tmp_path))
-    out = tmp_path / "out"
-    results = {}
-    for i, r in enumerate(study.runs):
-        d = run_dir_of(str(out), r)
-        bpb = {"std": 1.0 + 0.5 * i}.get(r.variant, 0.9)
-        # STD keeps examples/tiny/std.yaml's dept.local_steps (100), which means nothing for it
-        _fake_metrics(d, r.variant, 100, bpb, 3, local_steps=100 if r.variant == "std" else 50)
-        results[r.name] = read_run(d)
-    rr = results["std_t0"]
-    assert [s for s, _ in rr.train_curve][:2] == [10, 20] and rr.train_curve[0][1] == pytest.approx(4.9)
-    assert rr.eval_curve[-1][1] == pytest.approx(1.05) and rr.train_tokens == 6400
-    data = summary(study, results, "python tools/study.py --grid g --out o")
-    assert data["best_std"] == "std_t0"
-    glob = next(r for r in data["runs"] if r["name"] == "glob_outer_optimizer=fedavg")
-    assert glob["gain_vs_best_std_pct"] == pytest.approx((1.05 - 0.95) / 1.05 * 100)
-    std = next(r for r in data["runs"] if r["name"] == "std_t0")
-    assert std["std_equivalent_bytes_per_step"] == 3 * 1500 * 4
-    md = render_markdown(data)
-    assert "| glob_outer_optimizer=fedavg | 1 | 0.9000 | 1.0000 | 0.9500 | +9.5 % |" in md
-    assert "| std_t0 | 1 | 1.0000 | 1.1000 | 1.0500 | (best STD) |" in md
-    # outer_body summed over ranks (3 × 1000 per round), per inner step (50 per round): 60 B
-    assert "| 50 × 2 | 60 B | 0 B | 0 B | 6.00 kB |" in md and "| 18.0 kB | 1.80 MB |" in md
-    for p in plot(data, str(tmp_path)):
-        assert os.path.getsize(p) > 5000
-
-
-def test_model_ablation_is_not_called_equal_compute(tmp_path):
-    """Runs that differ in the body (model.num_layers) make equal tokens but not equal compute:
-    describe() and results.md say so; a difference in the vocabulary alone does not."""
-    def grid(sets):
-        return load_study(_grid(tmp_path, runs=[{"variant": "std", "name": f"std{i}", "set": s}
-                                                for i, s in enumerate(sets)]))
-    ablation = grid([{"model.num_layers": 2}, {"model.num_layers": 1}])
-    assert ablation.model_differs_in == ["model.num_layers"]
-    assert ablation.body_flops["std0"] == 2 * ablation.body_flops["std1"] > 0
-    assert "warning: equal tokens and steps; NOT equal compute: runs differ in model.num_layers" in describe(ablation)
-    results = {}
-    for r in ablation.runs:
-        _fake_metrics(str(tmp_path / r.name), "std", 100, 1.0, 3)
-        results[r.name] = read_run(str(tmp_path / r.name))
-    data = summary(ablation, results, "cmd")
-    assert data["compute_note"].startswith("equal tokens and steps; NOT equal compute: runs differ in model.num_layers")
-    md = render_markdown(data)
-    assert "**Equal tokens and steps; NOT equal compute: runs differ in model.num_layers" in md
-    assert "Equal compute:" not in md
-    # the same body, other vocabulary sizes or kernels: equal compute, no warning
-    same = grid([{"model.vocab_size": 100}, {"model.vocab_size": 200, "model.attention_backend": "bias"}])
-    assert same.model_differs_in == [] and "warning" not in describe(same)
-    assert "Equal compute: every DEPT run" in render_markdown(summary(same, results, "cmd"))
-    # the same FLOPs but another model: said too
-    eps = grid([{"model.norm_eps": 1e-5}, {"model.norm_eps": 1e-6}])
-    assert "NOT the same model: runs differ in model.norm_eps" in describe(eps)
-
-
-def test_report_notes_validation_text_that_differs(tmp_path):
-    """SPEC-OPT's own tokenizer reading the same number of sequences covers other bytes: its gain
-    is left out (–), the note names exactly the runs that read other bytes (not STD and GLOB,
-    which read the reference's text) and asks for eval_whole; runs that read every part whole
-    keep their gain, marked †; equal bytes give no note."""
-    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"},
-                                             {"variant": "spec_opt", "name": "spec_opt"}]))
-    results = {}
-    for r in study.runs:
-        d = str(tmp_path / r.name)
-        _fake_metrics(d, r.variant, 100, 1.0 if r.variant == "std" else 0.9, 3,
-                      nbytes={"fr": 3781} if r.variant == "spec_opt" else {"fr": 3571})
-        save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))  # eval_samples 48, seq_length 64
-        results[r.name] = read_run(d)
-        r_fr = results[r.name].by_source["fr"]
-        r_fr["tokens"] = 48 * 64  # read as many sequences as asked for: maybe a cut part
-    data = summary(study, results, "cmd")
-    assert [(d["source"], d["min_bytes"], d["max_bytes"]) for d in data["eval_text_differs"]] == [("fr", 3571, 3781)]
-    assert data["eval_text_differs"][0]["by_bytes"] == {3571: ["std", "glob"], 3781: ["spec_opt"]}
-    rows = {r["label"]: r for r in data["rows"]}
-    assert rows["glob"]["eval_text"] == "same" and rows["glob"]["gain_vs_best_std_pct"] == pytest.approx(0.1 / 1.05 * 100)
-    assert rows["spec_opt"]["eval_text"] == "other" and rows["spec_opt"]["gain_vs_best_std_pct"] is None
-    assert next(r for r in data["runs"] if r["name"] == "spec_opt")["gain_vs_best_std_pct"] is None
-    md = render_markdown(data)
-    assert "| spec_opt | 1 | 0.9000 | 1.0000 | 0.9500 | – |" in md
-    if importlib.util.find_spec("matplotlib"):  # bpb.png marks the row too
-        import matplotlib.pyplot as plt
-        from dept_mega.study import figures
-        labels, real_bar = [], plt.Axes.bar
-
-        def bar(self, *args, label=None, hatch=None, **kw):
-            labels.append((label, hatch))
-            return real_bar(self, *args, label=label, hatch=hatch, **kw)
-        plt.Axes.bar = bar
-        try:
-            figures.plot(data, str(tmp_path))
-        finally:
-            plt.Axes.bar = real_bar
-        assert ("spec_opt (n=1; other text)", "xx") in labels and ("glob (n=1)", None) in labels
-    assert "| glob | 1 | 0.9000 | 1.0000 | 0.9500 | +9.5 % |" in md
-    assert "fr: std, glob 3,571 bytes; spec_opt 3,781 bytes" in md
-    assert " spec_opt read other text than the reference (std)" in md and "std, glob read other" not in md
-    assert "set `eval_whole: true` in the grid" in md
-    # every run read the part whole (fewer sequences than asked for): only the parts' edges differ
-    for r in results.values():
-        r.by_source["fr"]["tokens"] = 10
-    data = summary(study, results, "cmd")
-    assert {r["label"]: r["eval_text"] for r in data["rows"]} == {"std": None, "glob": "same", "spec_opt": "edges"}
-    md = render_markdown(data)
-    assert "| spec_opt | 1 | 0.9000 | 1.0000 | 0.9500 | +9.5 % † |" in md
-    assert "† spec_opt: every run concerned read these parts whole" in md and "left out" not in md
-    assert "here at most 210 bytes, 5.55 % of fr's text" in md
-    # the same text everywhere: no note
-    for r in results.values():
-        r.by_source["fr"]["bytes"] = 3571
-    data = summary(study, results, "cmd")
-    assert data["eval_text_differs"] == [] and data["eval_text_note"] is None
-    assert "Not the same validation text" not in render_markdown(data)
-
-
-def test_eval_whole_reads_every_part_whole(tmp_path):
-    """``eval_whole: true`` sets train.eval_samples above any part's size for every run (the
-    evaluation reads min(eval_samples, the part's samples)); a grid that also sets it is refused."""
-    study = load_study(_grid(tmp_path, eval_whole=True))
-    assert study.eval_whole and "every run reads every validation part whole (eval_whole: true)" in describe(study)
-    assert all(run_config(".", r, "x").train.eval_samples == WHOLE_PART for r in study.runs)
-    assert all(sum(o.startswith("train.eval_samples=") for o in r.overrides) == 1 for r in study.runs)
-    with pytest.raises(GridError, match="'eval_whole: true' sets train.eval_samples itself"):
-        load_study(_grid(tmp_path, eval_whole=True,
-                         set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_samples": 5}))
-    with pytest.raises(GridError, match="'eval_whole' must be true or false"):
-        load_study(_grid(tmp_path, eval_whole="yes"))
-    from dept_mega.data.sources import ValidationBatches
-
-    class _Part:
-        samples_per_epoch = 37
-    vb = ValidationBatches(_Part(), 4, 4, 0, samples=WHOLE_PART)
-    assert vb.num_samples == 37 and len(vb) == 10
-
-
 def test_plasticity_reference_per_model(tmp_path):
     """The random-body reference is made once per distinct adaptation: runs of different models
     (model.num_layers 2 and 1) each get their own, runs that differ only in what the adaptation
@@ -351,14 +110,14 @@ def test_plasticity_reference_per_model(tmp_path):
     heldout = tmp_path / "heldout.yaml"
     heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "x/ja", "tokenizer": "x/ja.model"}]},
                                        "train": {"global_batch_size": 4, "micro_batch_size": 4}}))
-    study = load_study(_grid(tmp_path, runs=[{"variant": ["std", "glob"],
+    study = load_study(study_grid(tmp_path, runs=[{"variant": ["std", "glob"],
                                               "grid": {"model.num_layers": [2, 1]}}],
                              plasticity={"source_config": str(heldout), "steps": 2}))
     out = str(tmp_path / "out")
     os.makedirs(os.path.join(out, "logs"))
     for r in study.runs:
         d = run_dir_of(out, r)
-        _fake_metrics(d, r.variant, 100, 1.0, 3)
+        fake_metrics(d, r.variant, 100, 1.0, 3)
         save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))
         Path(d, MARKER).write_text("{}")
     made = []
@@ -391,13 +150,6 @@ def test_plasticity_reference_per_model(tmp_path):
     made.clear()
     run_plasticity(study, out, 100, launch=launch, log=open(tmp_path / "log2.txt", "w"))
     assert made == names
-
-
-def test_read_records_rejects_a_broken_line(tmp_path):
-    p = tmp_path / "m.jsonl"
-    p.write_text('{"kind": "train", "step": 1}\n{not json\n')
-    with pytest.raises(Exception, match=r"m.jsonl:2: not JSON"):
-        read_records(str(p))
 
 
 @pytest.mark.slow
@@ -435,7 +187,7 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
     # waits overlap); the budget's scheduling is test_runner_budget_resume_and_failures's
     args = ["--grid", str(grid), "--out", str(out), "--parallel", "3"]
     cmd = [sys.executable, str(ROOT / "tools" / "study.py"), *args]
-    main = _study_main(monkeypatch)
+    main = study_main(monkeypatch)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main(args) == 0  # (its output: pytest's capture)
@@ -464,35 +216,15 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
     assert "--report-only" not in made_by and "--parallel 3" in made_by
 
 
-def _study_main(monkeypatch):
-    """tools/study.py's ``main``, loaded in this process (the path it adds to sys.path is taken
-    back after the test)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    spec = importlib.util.spec_from_file_location("_study_tool", ROOT / "tools" / "study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-def _finish(out: str, study, runs=None) -> None:
-    """Fake finished runs of ``study`` in ``out``: metrics, the config the trainer writes, the marker."""
-    from dept_mega.study.runner import full_command
-    for r in runs or study.runs:
-        d = run_dir_of(out, r)
-        _fake_metrics(d, r.variant, 100, 1.0, 3)
-        save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))
-        Path(d, MARKER).write_text(json.dumps({"command": full_command(out, r, "python"), "nproc": r.nproc}))
-
-
 def test_changed_grid_is_refused_not_silently_reused(tmp_path):
     """A run directory made from other settings than the grid now asks for (optim.lr added to
     `set:`) is not reused under the new grid: run_all and tools/study.py refuse, naming the run
     and the key; --rerun-changed moves it to OUT/replaced/ and makes it again."""
     out = str(tmp_path / "out")
-    old = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"}]))
-    _finish(out, old)
+    old = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"}]))
+    finish_runs(out, old)
     assert find_stale(old, out) == []
-    grid = _grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"}],
+    grid = study_grid(tmp_path, runs=[{"variant": "std", "name": "std"}, {"variant": "glob", "name": "glob"}],
                  set={"train.steps": 100, "train.micro_batch_size": 4, "optim.lr": 1.0e-3})
     new = load_study(grid)
     stale = find_stale(new, out)
@@ -503,7 +235,7 @@ def test_changed_grid_is_refused_not_silently_reused(tmp_path):
 
     def launch(cmd, cwd, env, fh):
         started.append(os.path.basename(next(c for c in cmd if c.startswith("train.run_dir=")).split("=", 1)[1]))
-        return _FakeProc(1, threading.Event())  # (never finishes: not waited for below)
+        return FakeProc(1, threading.Event())  # (never finishes: not waited for below)
 
     log = open(tmp_path / "log.txt", "w")
     with pytest.raises(StaleRunError, match=r"run std \(.*runs/std\): optim.lr: it has 0.003, the grid asks 0.001"):
@@ -522,8 +254,8 @@ def test_changed_grid_is_refused_not_silently_reused(tmp_path):
     def launch_ok(cmd, cwd, env, fh):
         name = os.path.basename(next(c for c in cmd if c.startswith("train.run_dir=")).split("=", 1)[1])
         started.append(name)
-        _finish(out, new, [r for r in new.runs if r.name == name])
-        return _FakeProc(0, done)
+        finish_runs(out, new, [r for r in new.runs if r.name == name])
+        return FakeProc(0, done)
 
     run_all(new, out, 100, launch=launch_ok, log=log, rerun_changed=True)
     assert started == ["std", "glob"] and find_stale(new, out) == []
@@ -551,11 +283,11 @@ def test_changed_plasticity_is_refused(tmp_path):
     heldout = tmp_path / "heldout.yaml"
     heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "x/ja", "tokenizer": "x/ja.model"}]},
                                        "train": {"global_batch_size": 4, "micro_batch_size": 4}}))
-    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}],
+    study = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"}],
                              plasticity={"source_config": str(heldout), "steps": 2}))
     out = str(tmp_path / "out")
     os.makedirs(os.path.join(out, "logs"))
-    _finish(out, study)
+    finish_runs(out, study)
     made = []
 
     def launch(cmd, cwd, env, fh):
@@ -576,7 +308,7 @@ def test_changed_plasticity_is_refused(tmp_path):
     log = open(tmp_path / "log.txt", "w")
     run_plasticity(study, out, 100, launch=launch, log=log)
     assert made == [2] and find_stale(study, out) == []
-    longer = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"}],
+    longer = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"}],
                               plasticity={"source_config": str(heldout), "steps": 3}))
     with pytest.raises(StaleRunError, match=r"adaptation std \(.*plasticity/std\): steps: it has 2, the grid asks 3"):
         run_plasticity(longer, out, 100, launch=launch, log=log)
@@ -587,113 +319,3 @@ def test_changed_plasticity_is_refused(tmp_path):
     reps = run_plasticity(longer, out, 100, launch=launch, log=log, rerun_changed=True)
     assert made == [2, 3] and reps["std"]["steps"] == 3 and Path(out, "replaced", "std.1", "plasticity").is_dir()
 
-
-def test_seeds_make_one_row_with_mean_sd_and_n(tmp_path):
-    """Runs that differ only in train.seed are one row: mean ± sd, n; the gain is against the
-    best STD row's mean, not the luckiest single STD run."""
-    study = load_study(_grid(tmp_path, runs=[
-        {"variant": "std", "name": "std_s{train.seed}", "grid": {"train.seed": [1, 2]}},
-        {"variant": "std", "name": "std_t1", "set": {"dept.sampling": "temperature", "dept.temperature": 1.0}},
-        {"variant": "glob", "grid": {"train.seed": [1, 2, 3]}}]))
-    assert [r.seed_label for r in study.runs] == ["std_s*", "std_s*", None, "glob", "glob", "glob"]
-    bpb = {"std_s1": 0.90, "std_s2": 1.30, "std_t1": 1.00, "glob_seed=1": 0.95, "glob_seed=2": 1.05,
-           "glob_seed=3": 1.00}
-    results = {}
-    for r in study.runs:
-        d = str(tmp_path / r.name)
-        _fake_metrics(d, r.variant, 100, bpb[r.name], 3, seed=r.settings.get("train.seed", 1234))
-        results[r.name] = read_run(d)
-    data = summary(study, results, "cmd")
-    rows = {r["label"]: r for r in data["rows"]}
-    assert list(rows) == ["std_s*", "std_t1", "glob"] and [r["n"] for r in rows.values()] == [2, 1, 3]
-    # std_s1 alone is the best single STD run (0.95 mean), but its row's mean is 1.15: std_t1 (1.05) is the reference
-    assert data["best_std"] == "std_t1"
-    assert rows["std_s*"]["mean_bpb"] == pytest.approx(1.15) and rows["std_s*"]["mean_bpb_sd"] == pytest.approx(0.2828, abs=1e-4)
-    assert rows["glob"]["mean_bpb"] == pytest.approx(1.05) and rows["glob"]["seeds"] == [1, 2, 3]
-    assert rows["glob"]["gain_vs_best_std_pct"] == pytest.approx(0.0, abs=1e-9) and rows["glob"]["gain_se_pct"] is None
-    md = render_markdown(data)
-    assert "| run | n | en | fr | mean | gain vs std_t1 (n=1) |" in md
-    assert "| glob | 3 | 1.0000 ± 0.0500 | 1.1000 ± 0.0500 | 1.0500 ± 0.0500 | +0.0 % |" in md
-    assert "| std_s* | 2 | 1.1000 ± 0.2828 |" in md
-    assert "- glob: glob_seed=1 (seed 1), glob_seed=2 (seed 2), glob_seed=3 (seed 3)" in md
-    assert "| glob_seed=2 | glob | 2 | 1.0500 | 1.1500 | 1.1000 | -4.8 % |" in md  # every run, against the row mean
-    # with n >= 2 on both sides, the gain has a standard error
-    results["std_t1"].by_source["en"]["bpb"] = 9.0  # std_t1 now worst: the reference is std_s* (n=2)
-    data = summary(study, results, "cmd")
-    glob = next(r for r in data["rows"] if r["label"] == "glob")
-    assert data["best_std"] == "std_s*" and glob["gain_vs_best_std_pct"] == pytest.approx((1.15 - 1.05) / 1.15 * 100)
-    assert glob["gain_se_pct"] == pytest.approx(math.sqrt(0.05 ** 2 / 3 + 0.2828427 ** 2 / 2) / 1.15 * 100, rel=1e-5)
-    assert "gain vs std_s* (n=2)" in render_markdown(data)
-
-
-def test_names_tell_an_outer_lr_sweep_apart(tmp_path):
-    """Outer optimizers that share a name: the short form adds the entries that differ, and a
-    template may name an entry of a grid key's mapping ({dept.outer_optimizer.lr})."""
-    sweep = [{"name": "nesterov", "lr": 0.7, "momentum": 0.9}, {"name": "nesterov", "lr": 0.5, "momentum": 0.9}]
-    study = load_study(_grid(tmp_path, runs=[
-        {"variant": "glob", "name": "g_{dept.outer_optimizer}", "grid": {"dept.outer_optimizer": sweep}},
-        {"variant": "glob", "grid": {"dept.outer_optimizer": sweep}},
-        {"variant": "glob", "name": "lr{dept.outer_optimizer.lr}_m{dept.outer_optimizer.momentum}",
-         "grid": {"dept.outer_optimizer": sweep}},
-        {"variant": "glob", "grid": {"dept.outer_optimizer": [{"name": "fedavg", "lr": 1.0},
-                                                               {"name": "nesterov", "lr": 0.7}]}}]))
-    assert [r.name for r in study.runs] == [
-        "g_nesterov-lr0.7", "g_nesterov-lr0.5", "glob_outer_optimizer=nesterov-lr0.7",
-        "glob_outer_optimizer=nesterov-lr0.5", "lr0.7_m0.9", "lr0.5_m0.9",
-        "glob_outer_optimizer=fedavg", "glob_outer_optimizer=nesterov"]  # names alone differ: names alone
-    with pytest.raises(GridError, match=r"\{dept.outer_optimizer.beta\} is neither a grid key of this run nor an entry"):
-        load_study(_grid(tmp_path, runs=[{"variant": "glob", "name": "g{dept.outer_optimizer.beta}",
-                                          "grid": {"dept.outer_optimizer": sweep}}]))
-
-
-def test_mid_round_evaluations_are_warned_and_marked(tmp_path):
-    """eval_interval 50 with dept.local_steps 100: the grid's listing warns (the trainer's own
-    warning, schedule_warnings), results.md names the runs and steps, and curves.png draws those
-    points apart (unjoined ×), not on the run's line."""
-    study = load_study(_grid(tmp_path, runs=[{"variant": "std", "name": "std"},
-                                             {"variant": "glob", "grid": {"dept.local_steps": [50, 100]}}],
-                             set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_interval": 50}))
-    assert list(study.warnings) == ["glob_local_steps=100"]
-    assert "train.eval_interval': 50 is not a multiple of dept.local_steps=100" in study.warnings["glob_local_steps=100"]
-    assert "warning: run glob_local_steps=100: config key 'train.eval_interval'" in describe(study)
-    results = {}
-    for r in study.runs:
-        d = str(tmp_path / r.name)
-        _fake_metrics(d, r.variant, 100, 1.0, 3, local_steps=100 if r.name.endswith("100") or r.variant == "std" else 50)
-        results[r.name] = read_run(d)
-    data = summary(study, results, "cmd")
-    by = {r["name"]: r for r in data["runs"]}
-    assert by["glob_local_steps=100"]["mid_round_eval_steps"] == [50]
-    assert by["glob_local_steps=50"]["mid_round_eval_steps"] == [] and by["std"]["mid_round_eval_steps"] == []
-    md = render_markdown(data)
-    assert "**Warning, run glob_local_steps=100:** config key 'train.eval_interval'" in md
-    assert "drawn as unjoined × marks: glob_local_steps=100 steps 50." in md
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-    from dept_mega.study import figures
-    lines = []
-    real_plot = plt.Axes.plot
-
-    def plot(self, xs, ys, *args, **kw):
-        lines.append((kw.get("label"), kw.get("linestyle"), kw.get("marker"), list(xs)))
-        return real_plot(self, xs, ys, *args, **kw)
-    plt.Axes.plot = plot
-    try:
-        figures.plot(data, str(tmp_path))
-    finally:
-        plt.Axes.plot = real_plot
-    tps = 64
-    assert ("glob_local_steps=100", None, "o", [100 * tps]) in lines  # the line: round ends only
-    assert ("inside a round (not synchronised)", "none", "x", [50 * tps]) in lines
-    assert ("glob_local_steps=50", None, "o", [50 * tps, 100 * tps]) in lines
-
-
-def test_the_final_evaluation_is_not_a_mid_round_one():
-    """train.steps not a multiple of dept.local_steps: the last evaluation follows the last
-    round's sync, so it is a round-end point; the ones inside a round are marked."""
-    from dept_mega.study.results import RunResult
-    r = RunResult(run_dir="r", variant="glob", config={"dept": {"variant": "glob", "local_steps": 50}},
-                  by_source={}, eval_step=210, eval_curve=[(50, 2.0), (75, 1.9), (100, 1.8), (210, 1.5)],
-                  train_curve=[], tokens_per_step=1, rounds=5, bytes_per_round={}, bytes_total={},
-                  params_per_rank={})
-    assert r.local_steps == 50 and r.mid_round_eval_steps() == [75]
