@@ -187,19 +187,17 @@ def _tokenizers(cfg: Config) -> dict[str, str]:
 
 def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
     """The content of ``step_N/depends.json``."""
-    from .data.summary import held_here, read_summary
-    held = held_here(cfg)
+    from .data.summary import foreign_summaries
+    foreign = foreign_summaries(cfg)  # a federated group job: the other sites' sources by their summaries
 
     def digest(key: str, path: str) -> Optional[str]:  # another site's tokenizer: its summary's checksum
         i = int(key[len("data.sources["):].split("]")[0]) if key.startswith("data.sources[") else None
-        if i is not None and held is not None and i not in held:
-            return read_summary(cfg, i)["tokenizer"].get("sha256")
+        if i in foreign:
+            return foreign[i]["tokenizer"].get("sha256")
         return _file_sha256(path, cache)
     return {"config": _config_values(cfg),
             "tokenizers": {k: {"path": p, "sha256": digest(k, p)} for k, p in _tokenizers(cfg).items()},
-            "data": data_fingerprint(cfg, cache, {cfg.data.sources[i].name: read_summary(cfg, i)["identity"]
-                                                  for i in range(len(cfg.data.sources))
-                                                  if held is not None and i not in held})}
+            "data": data_fingerprint(cfg, cache, {cfg.data.sources[i].name: f["identity"] for i, f in foreign.items()})}
 
 
 #: what a refused change of data tells the user (``train.allow_data_change``)

@@ -91,14 +91,15 @@ def plan_scheduler(cfg, groups: int):
     (their token counts, read only where ``dept.sampling`` uses them); None under STD."""
     if cfg.dept.variant == "std":
         return None
-    from .data.summary import held_here, read_summary
+    from .data.summary import foreign_summaries
     from .dept.source_info import source_tokens
-    held = held_here(cfg)  # federated: another site's source's tokens are in its summary
+    # federated: another site's source's tokens are in its summary (read only where sizes are used)
+    foreign = foreign_summaries(cfg) if _needs_sizes(cfg) else {}
 
     def size(i, s) -> float:
         if not _needs_sizes(cfg):
             return 1.0
-        return float(read_summary(cfg, i)["tokens"]) if held is not None and i not in held else source_tokens(s.prefix)
+        return float(foreign[i]["tokens"]) if i in foreign else source_tokens(s.prefix)
     sizes = [size(i, s) for i, s in enumerate(cfg.data.sources)]
     return make_scheduler(cfg, groups, sizes, [s.weight for s in cfg.data.sources])
 

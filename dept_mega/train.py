@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, load_config, validate
+from .config import Config, ConfigError, held_here, load_config, validate
 from .loop import BLEND, EvalStep, StdHooks, TrainLoop
 from .megatron_flags import parse_with_hints
 from .metrics import MetricsWriter, write_json_atomic
@@ -101,7 +101,6 @@ def load_run_data(cfg: Config, pg: ParallelGroups, eval_part: str = "valid", ext
     ``test`` for ``dept_mega.evaluate --part test``) of each source and of ``extra_sources``
     (``dept_mega.evaluate --extra-source``: evaluated only)."""
     from .data.sources import source_datasets
-    from .data.summary import held_here
     held = held_here(cfg)  # a federated group job opens only its own sources' files
     mine = cfg.data.sources if held is None else [cfg.data.sources[i] for i in held]
     names = [s.name for s in mine]

@@ -161,3 +161,32 @@ def test_group_job_reads_only_its_own_sources_records(tmp_path, monkeypatch):
     read.clear()
     checks.source_warnings(_config(tmp_path, "spec", {}, federated=False))  # the single job: every source
     assert [p.split("_")[0] for p in read] == NAMES, read
+
+
+def test_foreign_summaries_are_exactly_the_other_sites_sources(tmp_path, monkeypatch):
+    """foreign_summaries: {} in the single job (no summary read, even of files not here); in a
+    group job the summaries of exactly the sources it does not hold; a missing summary, or a
+    config that does not say which group this job is, is a ConfigError naming the key (only the
+    cost tools choose to read every file then)."""
+    from dept_mega.config import ConfigError
+    from dept_mega.data.summary import foreign_summaries
+    from dept_mega.dept.cost_vocabs import resolve_vocabs
+    monkeypatch.delenv("DEPT_GROUP", raising=False)
+    summaries = _summaries(tmp_path, "spec", ["fr", "ru"])
+    assert foreign_summaries(_config(tmp_path, "spec", summaries, federated=False)) == {}
+    got = foreign_summaries(_config(tmp_path, "spec", summaries))  # group job 0: en, ja here; fr, ru elsewhere
+    assert sorted(got) == [1, 3]
+    for i, name in ((1, "fr"), (3, "ru")):
+        with open(summaries[name], encoding="utf-8") as f:
+            assert got[i] == json.load(f)
+    # group job 1 on one file system: en's and ja's numbers from their files, as their summaries say
+    other = foreign_summaries(_config(tmp_path, "spec", {}, group=1))
+    assert sorted(other) == [0, 2] and [other[i]["name"] for i in (0, 2)] == ["en", "ja"]
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].summary'.*does not exist: make it at the site that "
+                                          r"holds source 'fr' with python -m dept_mega.data.summary PREFIX"):
+        foreign_summaries(_config(tmp_path, "spec", {"fr": None, "ru": summaries["ru"]}))
+    unknown = _config(tmp_path, "spec", {}, group=None)  # federation.group null, DEPT_GROUP unset
+    with pytest.raises(ConfigError, match=r"'federation.group': null and DEPT_GROUP is not set"):
+        foreign_summaries(unknown)
+    # the cost estimates of such a config read every source's files, as the single job's do
+    assert resolve_vocabs(unknown).trim_vocabs == resolve_vocabs(_config(tmp_path, "spec", {}, federated=False)).trim_vocabs

@@ -15,10 +15,10 @@ import json
 import os
 from typing import Optional
 
-from dept_mega.config import Config, ConfigError
+from dept_mega.config import Config, ConfigError, held_here
 from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_path, tokenizer_record_path
 from dept_mega.data.sources import naming_source
-from dept_mega.data.summary import held_here, read_summary, summary_path
+from dept_mega.data.summary import foreign_summaries, summary_path
 from dept_mega.data.token_range import token_id_range
 
 
@@ -34,11 +34,13 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
             sizes[path] = load_tokenizer(path, key).vocab_size
         return sizes[path]
 
-    held = held_here(cfg)
+    # spec_opt: another site's source's tokenizer is known by its summary (other variants embed
+    # every source with the global vocabulary: no summary is read here)
+    foreign = foreign_summaries(cfg) if cfg.dept.variant == "spec_opt" else {}
     for i, s in enumerate(cfg.data.sources):
-        if cfg.dept.variant == "spec_opt" and held is not None and i not in held:
+        if i in foreign:
             out.append((f"data.sources[{i}].summary", f"summary {summary_path(s)}",
-                        read_summary(cfg, i)["tokenizer"]["vocab_size"]))
+                        foreign[i]["tokenizer"]["vocab_size"]))
         elif cfg.dept.variant == "spec_opt" and s.tokenizer:
             out.append((f"data.sources[{i}].tokenizer", f"tokenizer {s.tokenizer}",
                         size_of(s.tokenizer, f"data.sources[{i}].tokenizer")))
@@ -102,16 +104,15 @@ def check_sources(cfg: Config, eval_part: str = "valid") -> None:
     reads (``valid``; ``test``: ``dept_mega.evaluate --part test``, after :func:`check_eval_part`)."""
     vocabs = embedding_vocabularies(cfg)
     digests: dict = {}
-    opened = []
-    held = held_here(cfg)  # a federated group job checks only its own sources' files
+    opened = []  # (index, dataset) of the sources whose files this job reads
+    foreign = foreign_summaries(cfg)  # a federated group job: another site's summary stands for its files
     for i, (s, (vkey, what, vocab)) in enumerate(zip(cfg.data.sources, vocabs)):
-        if held is not None and i not in held:
-            read_summary(cfg, i)  # another site's source: its summary stands for its files
+        if i in foreign:  # another site's source: its summary was read and checked, its files are not here
             continue
         key = f"config key 'data.sources[{i}].prefix'"
         with naming_source(i, s.name):
             ds = IndexedDataset(s.prefix)
-        opened.append(ds)
+        opened.append((i, ds))
         if ds.num_documents == 0 or ds.num_tokens == 0:
             raise ConfigError(f"{key}: source '{s.name}': {idx_path(s.prefix)} holds {ds.num_documents} documents "
                               f"and {ds.num_tokens} tokens: an empty dataset (was the preprocessing input empty "
@@ -126,7 +127,7 @@ def check_sources(cfg: Config, eval_part: str = "valid") -> None:
         _check_made_with(cfg, i, vkey, digests)
         _check_byte_counts(cfg, i)
     # after every source's files are known sound: a damaged file is named as such first
-    for i, ds in zip(held if held is not None else range(len(opened)), opened):
+    for i, ds in opened:
         _check_train_size(cfg, i, ds)
         _check_validation_size(cfg, i, ds, eval_part)
 

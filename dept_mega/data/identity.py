@@ -64,7 +64,7 @@ def data_fingerprint(cfg, cache: Optional[dict] = None, given: Optional[dict] = 
     """``depends.json``'s ``data``: ``data.split``, ``train.seed`` and, per source name, its
     prefix (for the messages; not compared) and :func:`source_identity`; ``given``: {name: identity}
     of sources whose files this job does not read (a federated group job: the other sites' sources,
-    from their summaries, ``dept_mega.data.summary``)."""
+    from their summaries, :func:`dept_mega.data.summary.foreign_summaries`)."""
     given = given or {}
     return {"data.split": cfg.data.split, "train.seed": cfg.train.seed,
             "sources": {s.name: {"prefix": s.prefix, "identity": (dict(given[s.name]) if s.name in given

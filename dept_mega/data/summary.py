@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from ..config import ConfigError, held_here  # noqa: F401 - held_here: importable from here too
+from ..config import ConfigError, held_here
 
 FORMAT = 1
 SUFFIX = ".summary.json"
@@ -98,6 +98,18 @@ def read_summary(cfg, i: int) -> dict[str, Any]:
         raise ConfigError(f"{key}: {path!r} has no tokenizer vocabulary (spec_opt embeds each source's own "
                           f"tokenizer): {how}")
     return out
+
+
+def foreign_summaries(cfg) -> dict[int, dict[str, Any]]:
+    """{index: summary} of the sources this job does not hold (a federated group job: the other
+    sites' sources, each read by :func:`read_summary`, whose ConfigError names the key and the
+    command); {} in the single job. A config that does not say which group this job is
+    (``federation.group`` null and ``DEPT_GROUP`` unset) raises :func:`held_here`'s ConfigError:
+    a caller that may read every file instead (the cost tools) decides so itself."""
+    held = held_here(cfg)
+    if held is None:
+        return {}
+    return {i: read_summary(cfg, i) for i in range(len(cfg.data.sources)) if i not in held}
 
 
 def source_facts(cfg, i: int, held: Optional[list[int]] = None) -> dict[str, Any]:

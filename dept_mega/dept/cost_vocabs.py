@@ -146,14 +146,14 @@ def _trim_vocabs_from_data(cfg: Config) -> dict[str, int]:
 
 
 def _foreign_summaries(cfg: Config) -> dict:
-    """{index: summary} of the sources a federated group job does not hold (their files are at
-    other sites: ``dept_mega.data.summary``); {} in the single job, or when the group is not
-    known (a cost tool run on a group job's config without DEPT_GROUP reads every file)."""
-    from ..data.summary import held_here, read_summary
+    """:func:`~dept_mega.data.summary.foreign_summaries`: the summaries of the sources a federated
+    group job does not hold; {} also where the config does not say which group this job is (a
+    cost tool run on a group job's config without DEPT_GROUP estimates from every source's files,
+    as the single job does). A missing or wrong summary is still the ConfigError naming its key."""
+    from ..config import held_here
+    from ..data.summary import foreign_summaries
     try:
-        held = held_here(cfg)
-    except ConfigError:
+        held_here(cfg)
+    except ConfigError:  # the group is not known: this tool reads every file
         return {}
-    if held is None:
-        return {}
-    return {i: read_summary(cfg, i) for i in range(len(cfg.data.sources)) if i not in held}
+    return foreign_summaries(cfg)

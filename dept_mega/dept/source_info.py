@@ -35,12 +35,12 @@ def source_tokens(prefix: str) -> float:
 def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
     """SourceInfo for every ``data.sources`` entry: sizes (tokens in the data), vocabularies
     (SPEC-OPT: each source's tokenizer) and TRIM's V_k (``vocab_set``)."""
-    from ..data.summary import held_here, read_summary
-    held = held_here(cfg)  # federated: another site's sources are known by their summaries
+    from ..data.summary import foreign_summaries
+    foreign = foreign_summaries(cfg)  # federated: another site's sources are known by their summaries
     out = []
     for i, s in enumerate(cfg.data.sources):
-        if held is not None and i not in held:
-            summary = read_summary(cfg, i)
+        if i in foreign:
+            summary = foreign[i]
             vocab = summary["tokenizer"]["vocab_size"] if cfg.dept.variant == "spec_opt" else global_vocab
             if vocab is None:
                 from ..config import ConfigError
