@@ -13,6 +13,12 @@
   The kernel drops the locks when a process ends, however it ends. On a network file system
   ``flock`` works across nodes on NFS (Linux emulates it with byte-range locks) and on Lustre
   mounted with ``-o flock``; where locks are not supported the job goes on with a warning.
+* :func:`write_token` / :func:`check_shared`: every rank must see the *same* directory. Rank 0
+  writes a random token into ``RUN/.shared_check``; every rank reads it back and compares it with
+  rank 0's, which it received over the process group. A run directory on node-local storage
+  (``/tmp``, ``/scratch``, ``$TMPDIR``) passes every other check on each node, trains to the end,
+  and leaves checkpoints whose manifests name shards that only another node holds; here it is
+  refused at start, on every rank, naming the rank and host that sees something else.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -34,6 +41,8 @@ LOCK_FILE = ".lock"
 #: checkpoint to start runs from with ``train.init_from``, never a run that trains on)
 IMPORTED = "hf_import.json"
 WORKERS_FILE = ".lock.workers"
+#: ``RUN/.shared_check``: rank 0's token of this launch (:func:`write_token`)
+SHARED_FILE = ".shared_check"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
@@ -138,25 +147,79 @@ class RunLock:
         return bool(self._fds)
 
 
+def write_token(run_dir: str) -> str:
+    """Rank 0: a new random token (with its host) into ``RUN/.shared_check``; returns the text
+    written. Replaced by a rename: a node that cached the last launch's file sees a new one."""
+    text = json.dumps({"token": secrets.token_hex(16), "host": socket.gethostname(), "pid": os.getpid()})
+    path = os.path.join(run_dir, SHARED_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"config key 'train.run_dir': cannot write {path} ({exc.strerror})") from None
+    return text
+
+
+def check_shared(run_dir: str, expected: str, rank: int) -> None:
+    """Every rank: ``RUN/.shared_check`` holds ``expected`` (rank 0's :func:`write_token` of this
+    launch), else a ConfigError naming this rank, its host and what it found there."""
+    path = os.path.join(run_dir, SHARED_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            seen: Optional[str] = f.read()
+    except FileNotFoundError:
+        seen = None
+    except OSError as exc:
+        raise ConfigError(f"config key 'train.run_dir': cannot read {path} on rank {rank} (host "
+                          f"{socket.gethostname()}): {exc.strerror}") from None
+    if seen == expected:
+        return
+    wrote = json.loads(expected)
+    if seen is None:
+        saw = f"no file {path}"
+    else:
+        try:
+            other = json.loads(seen)
+            saw = f"in {path} token {str(other['token'])[:8]}... of host {other['host']} (pid {other['pid']})"
+        except (ValueError, TypeError, KeyError):
+            saw = f"in {path} {len(seen)} bytes that are no token"
+    raise ConfigError(f"config key 'train.run_dir' is not the same directory on every node: rank {rank} on host "
+                      f"{socket.gethostname()} finds {saw}, not the token {wrote['token'][:8]}... that rank 0 on "
+                      f"host {wrote['host']} (pid {wrote['pid']}) wrote there just now; a directory on node-local "
+                      f"storage (/tmp, /scratch, $TMPDIR) is not shared: use a file system shared by all nodes")
+
+
 def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable] = None) -> RunLock:
     """The start of a training job, on every rank: rank 0 runs ``check`` (e.g. config
-    validation), :func:`prepare_run_dir` and :meth:`RunLock.acquire`; its verdict is shared
-    with every rank, which then joins the lock. A refusal is the same ConfigError everywhere
-    (marked agreed: the job prints it once)."""
-    from .parallel.agree import agree_errors
+    validation), :func:`prepare_run_dir`, :meth:`RunLock.acquire` and :func:`write_token`; its
+    verdict and token are shared with every rank, which then checks that it sees the same
+    directory (:func:`check_shared`) and joins the lock. A refusal is the same ConfigError
+    everywhere (marked agreed: the job prints it once)."""
+    from .parallel.agree import agree_errors, all_gather_text
     lock = RunLock()
 
-    def first():
+    def first() -> str:
         if check is not None:
             check()
         prepare_run_dir(run_dir)
         lock.acquire(run_dir)
+        return write_token(run_dir)
+
+    def then(token: str) -> None:
+        check_shared(run_dir, token, rank)
+        if rank != 0:
+            lock.join(run_dir)
 
     # (agree_errors: any other exception of a rank's does not leave the others waiting for it)
     try:
-        agree_errors(first if rank == 0 else (lambda: None), (ConfigError,), device)
+        written = agree_errors(first if rank == 0 else (lambda: ""), (ConfigError,), device)
+        token = all_gather_text(written, device)[0]  # rank 0's
         # every rank goes on, or none does
-        agree_errors((lambda: lock.join(run_dir)) if rank != 0 else (lambda: None), (ConfigError,), device)
+        agree_errors(lambda: then(token), (ConfigError,), device)
     except BaseException:
         lock.release()
         raise

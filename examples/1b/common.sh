@@ -6,7 +6,8 @@
 #
 # Environment knobs (all optional):
 #   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
-#                   RUN_DIR resumes from RUN_DIR/checkpoints/latest)
+#                   RUN_DIR resumes from RUN_DIR/checkpoints/latest); on a file system every
+#                   node sees (not node-local /tmp, /scratch, $TMPDIR: the job is refused)
 #   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else the count
 #                   of SLURM_GPUS_PER_NODE, else 8)
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
