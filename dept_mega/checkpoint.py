@@ -22,7 +22,7 @@ virtual-pipeline layout they are re-seeded from (seed, step, tensor rank, pipeli
 instead (logged through ``notes``). Format 1 (``dept_mega.checkpoint_v1``) loads with its own
 layout only; ``tools/convert_checkpoint.py`` converts it.
 
-Integrity (``dept_mega.manifest``, ``dept_mega.resume``): every file is fsynced, then hashed
+Integrity (``dept_mega.manifest``, ``dept_mega.checkpoint_seal``, ``dept_mega.resume``): every file is fsynced, then hashed
 (the ranks share the work) into ``step_N/manifest.json``, written last, before the rename; the
 directories and ``latest`` are fsynced after their renames. ``step_N/depends.json`` records
 the config values, tokenizers and data the checkpoint depends on; ``step_N/config.yaml`` the
@@ -45,18 +45,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .manifest import (DEPENDS_FILE, FORMAT, LAYOUT_FILE, MANIFEST, CheckpointError, default_algorithm, read_manifest,
-                       digest_files, expected_files, fsync_dir, fsync_file, read_json, replace_durable,
-                       write_durable, write_json_durable, write_manifest)
+from .manifest import (DEPENDS_FILE, LAYOUT_FILE, CheckpointError, fsync_dir, fsync_file, read_json, read_manifest,
+                       replace_durable, write_durable, write_json_durable)
 from .run_configs import CONFIG_FILE, config_text
 from .checkpoint_format import Entry, load_entries, save_entries, shared_params, with_group
 from .checkpoint_state import (group_entries, group_targets, has_group_state, has_outer_state, model_entries,
                                outer_entries, outer_targets, unused_group_buffers)
 from .checkpoint_fp8 import FLAG as FP8_FLAG, fp8_file, restore_fp8, stage_fp8
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
+from .checkpoint_seal import SealError, seal
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
-from .parallel.agree import agree_errors, all_gather_text, mark_agreed
+from .parallel.agree import agree_errors, mark_agreed
 from .config_diff import check_differing
 from .resume import (CKPT_DIR, check_depends, depends_differences, fingerprint, latest_step, select_checkpoint, step_dir,  # noqa: F401
                      verify_checkpoint)
@@ -276,13 +276,13 @@ class Checkpointer:
             failed = failed or exc
         self._agree_on_failure(failed, staged, tmp, group, device)
         try:
-            self._seal(tmp, step, layout, metadata, device, group)
+            seal(tmp, step, layout, metadata, device, group)  # the same SealError on every rank
             if rank == 0:
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 fsync_dir(os.path.dirname(final))
                 replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
-        except OSError as exc:
+        except (OSError, SealError) as exc:
             failed = exc
         self._agree_on_failure(failed, staged, tmp, group, device)
         if rank == 0:
@@ -314,33 +314,6 @@ class Checkpointer:
             raise failed
         rank, text = problems[0]
         raise RuntimeError(f"checkpoint save {tmp} failed on rank {rank}: {text}")
-
-    def _seal(self, tmp: str, step: int, layout: dict, metadata: Any, device, group=None) -> None:
-        """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write
-        the manifest from rank 0, last."""
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        algorithm = default_algorithm()
-        data_files = sorted({getattr(info, "relative_path", None) for info in
-                             (getattr(metadata, "storage_data", None) or {}).values()} - {None})
-        mine = [f for i, f in enumerate(data_files) if i % world == rank]
-        if rank == 0:
-            # small files, and anything else in the directory (or every data file, should DCP's
-            # metadata not name them)
-            mine += [n for n in os.listdir(tmp) if n not in data_files and n != MANIFEST]
-        entries = digest_files(tmp, mine, algorithm, fsync=True)
-        merged: dict[str, Any] = {}
-        if group is None:
-            texts = all_gather_text(json.dumps(entries), device)
-        else:  # the writer thread's own gloo group: objects on the CPU
-            texts = [None] * dist.get_world_size()
-            dist.all_gather_object(texts, json.dumps(entries), group=group)
-        for text in texts:
-            merged.update(json.loads(text))
-        missing = [n for n in expected_files(FORMAT, layout) if n not in merged]
-        if missing:  # the same on every rank: all of them fail the save, latest stays as it was
-            raise RuntimeError(f"checkpoint save {tmp}: {missing} were not written")
-        if rank == 0:
-            write_manifest(tmp, step, algorithm, merged)
 
     def load(self, loop, step: Optional[int] = None) -> Optional[int]:
         """Load ``step`` (default: the newest complete, verified checkpoint, normally ``latest``;
