@@ -164,20 +164,44 @@ def write_token(run_dir: str) -> str:
     return text
 
 
-def check_shared(run_dir: str, expected: str, rank: int) -> None:
-    """Every rank: ``RUN/.shared_check`` holds ``expected`` (rank 0's :func:`write_token` of this
-    launch), else a ConfigError naming this rank, its host and what it found there."""
-    path = os.path.join(run_dir, SHARED_FILE)
+#: seconds a rank that does not see rank 0's token yet keeps looking before it calls the run
+#: directory unshared: an NFS client may serve a directory's cached attributes (a "no such file",
+#: last launch's file) for up to ``acdirmax`` (60 s by default; 30 s is the usual minimum); the
+#: check passes as soon as the file reads right, so a shared directory costs nothing
+SHARED_WAIT_S = 60.0
+
+
+def _read_token(path: str, rank: int) -> Optional[str]:
     try:
         with open(path, encoding="utf-8") as f:
-            seen: Optional[str] = f.read()
+            return f.read()
     except FileNotFoundError:
-        seen = None
+        return None
     except OSError as exc:
         raise ConfigError(f"config key 'train.run_dir': cannot read {path} on rank {rank} (host "
                           f"{socket.gethostname()}): {exc.strerror}") from None
-    if seen == expected:
-        return
+
+
+def check_shared(run_dir: str, expected: str, rank: int) -> None:
+    """Every rank: ``RUN/.shared_check`` holds ``expected`` (rank 0's :func:`write_token` of this
+    launch), else, after looking again for :data:`SHARED_WAIT_S` (a file system's attribute
+    cache), a ConfigError naming this rank, its host and what it found there."""
+    path = os.path.join(run_dir, SHARED_FILE)
+    start = time.monotonic()
+    told = False
+    while True:
+        seen = _read_token(path, rank)
+        if seen == expected:
+            return
+        waited = time.monotonic() - start
+        if waited >= SHARED_WAIT_S:
+            break
+        if waited >= 5 and not told:
+            told = True
+            print(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; looking "
+                  f"again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)", file=sys.stderr,
+                  flush=True)
+        time.sleep(0.5)
     wrote = json.loads(expected)
     if seen is None:
         saw = f"no file {path}"
@@ -189,8 +213,8 @@ def check_shared(run_dir: str, expected: str, rank: int) -> None:
             saw = f"in {path} {len(seen)} bytes that are no token"
     raise ConfigError(f"config key 'train.run_dir' is not the same directory on every node: rank {rank} on host "
                       f"{socket.gethostname()} finds {saw}, not the token {wrote['token'][:8]}... that rank 0 on "
-                      f"host {wrote['host']} (pid {wrote['pid']}) wrote there just now; a directory on node-local "
-                      f"storage (/tmp, /scratch, $TMPDIR) is not shared: use a file system shared by all nodes")
+                      f"host {wrote['host']} (pid {wrote['pid']}) wrote there at this launch's start (looked for "
+                      f"{SHARED_WAIT_S:.0f} s); a directory on node-local storage (/tmp, /scratch, $TMPDIR) is not shared: use a file system shared by all nodes")
 
 
 def take_run_dir(run_dir: str, rank: int, device=None, check: Optional[callable] = None) -> RunLock:

@@ -19,7 +19,9 @@ QUICK = ["train.steps=2", "train.eval_interval=0", "train.save_interval=1", "tra
 def _launch(rank, world, cfg, runs):
     from unittest import mock
 
+    from dept_mega import rundir
     from dept_mega import train as train_cli
+    rundir.SHARED_WAIT_S = 1.0  # (60 s on a cluster: an NFS attribute cache)
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, {"DEPT_MEGA_DEVICE": "cpu"}), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
@@ -50,7 +52,9 @@ def test_a_run_dir_each_node_has_its_own_of_stops_the_job_at_start(tmp_path):
 def _take_stale(rank, world, runs):
     from dept_mega.config import ConfigError
     from dept_mega.parallel.agree import is_agreed
+    from dept_mega import rundir
     from dept_mega.rundir import take_run_dir, write_token
+    rundir.SHARED_WAIT_S = 1.0
     if rank == 1:  # an earlier job's token on this node's own disk
         os.makedirs(runs[1], exist_ok=True)
         write_token(runs[1])
@@ -69,3 +73,33 @@ def test_a_token_left_by_an_earlier_job_on_another_disk_is_not_taken_for_this_on
     assert r0 == r1 and r0[1] is True, (r0, r1)
     assert f"rank 1 on host {os.uname().nodename} finds in {runs[1]}/.shared_check token " in r0[0], r0
     assert "not the token " in r0[0] and "that rank 0 on host " in r0[0], r0
+
+
+def test_a_token_that_shows_late_is_waited_for(tmp_path, monkeypatch):
+    """A file system that shows rank 0's new file a few seconds late (an NFS client's attribute
+    cache) is shared: the check looks again until the token reads right, and refuses only after
+    SHARED_WAIT_S."""
+    import threading
+    import time
+
+    from dept_mega import rundir
+    from dept_mega.config import ConfigError
+    here, there = tmp_path / "rank0", tmp_path / "rank1"
+    here.mkdir()
+    there.mkdir()
+    token = rundir.write_token(str(here))
+
+    def show_late():
+        time.sleep(1.0)
+        (there / rundir.SHARED_FILE).write_text(token)
+    late = threading.Thread(target=show_late)
+    monkeypatch.setattr(rundir, "SHARED_WAIT_S", 10.0)
+    late.start()
+    t0 = time.monotonic()
+    rundir.check_shared(str(there), token, 1)
+    late.join()
+    assert 0.9 < time.monotonic() - t0 < 5
+    (there / rundir.SHARED_FILE).unlink()
+    monkeypatch.setattr(rundir, "SHARED_WAIT_S", 0.6)
+    with pytest.raises(ConfigError, match=r"finds no file .*\(looked for 1 s\)"):
+        rundir.check_shared(str(there), token, 1)
