@@ -144,3 +144,9 @@ def test_the_preflight_line(clean_env):
     assert dev.preflight_line("cuda") == ("device: cuda -> CUDA here (2 device(s), NVIDIA H200; "
                                           f"torch {torch.__version__}, CUDA 13.0)")
     assert dev.preflight_line("auto").startswith("device: auto -> CUDA here (2 device(s)")
+
+
+def test_an_unreadable_local_world_size_is_named(clean_env):
+    clean_env.setenv("LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='eight' is not a number of processes"):
+        dev.local_world_size()

@@ -63,10 +63,11 @@ def cuda_problem(local_world: int = 1) -> Optional[str]:
 
 def local_world_size() -> int:
     """The processes torchrun starts on this node (``LOCAL_WORLD_SIZE``; 1 without torchrun)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
     try:
-        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        return max(int(value), 1)
     except ValueError:
-        return 1
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a number of processes (torchrun sets it)") from None
 
 
 def use_cuda(setting: str, local_world: int = 1, preflight: bool = False) -> bool:
