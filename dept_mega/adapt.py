@@ -16,7 +16,7 @@ reference; the gain is ``(BPB_random − BPB_trained) / BPB_random``.
 ``NEW.yaml`` is a partial config merged over ``RUN/config.yaml``: ``data`` (its ``sources``
 replace the run's; a source's ``tokenizer`` becomes the vocabulary of the new embeddings,
 otherwise ``data.tokenizer``), and optionally ``optim`` and ``train`` (batch sizes,
-``eval_interval``, ``eval_iters``, ``log_interval``, ``seed``). The model is the run's;
+``eval_interval``, ``eval_iters``, ``log_interval``, ``seed``, ``device``). The model is the run's;
 the layout is the run's tensor / pipeline split with every other process a data-parallel
 replica (one source group, no DEPT rounds).
 
@@ -43,7 +43,7 @@ from .metrics import write_json_atomic
 # what NEW.yaml may set (anything else belongs to the trained run)
 ALLOWED_SECTIONS = {"data", "optim", "train"}
 ALLOWED_TRAIN_KEYS = {"micro_batch_size", "global_batch_size", "seed", "log_interval", "eval_interval",
-                      "eval_iters", "eval_samples", "save_interval", "init_timeout_s"}
+                      "eval_iters", "eval_samples", "save_interval", "init_timeout_s", "device"}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -206,7 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfgs = {name: adapt_config(run_cfg, new, args.source_config, args.steps, os.path.join(args.out, name),
                                    world) for name, _ in arms}
         from .parallel.groups import init_distributed
-        _, _, device = init_distributed(timeout_s=cfgs["trained"].train.init_timeout_s)
+        _, _, device = init_distributed(timeout_s=cfgs["trained"].train.init_timeout_s,
+                                        device=cfgs["trained"].train.device)
         sel = select_checkpoint(args.run_dir, device, args.step)
         if sel.step is None:  # (rank 0's view of the directory decided: the same on every rank)
             raise mark_agreed(CheckpointError(f"{args.run_dir} has no checkpoint to take a body from"))

@@ -239,6 +239,13 @@ class TrainConfig:
     #: Seconds to wait for every rank at start-up; torch applies the same limit to later
     #: collectives on the world group (checkpoint barriers).
     init_timeout_s: float = 600.0
+    #: Where the ranks train: auto = CUDA where torch can use it, else the CPU over gloo (the run
+    #: log's backends: line ends with the device, and on the CPU why); cuda = refuse to start
+    #: without a usable CUDA device, naming why (a CPU-only build of torch, no device visible in
+    #: CUDA_VISIBLE_DEVICES, fewer devices than processes on the node, a driver too old for torch's
+    #: CUDA); cpu = the CPU and gloo even where CUDA works (debugging). The examples/1b sbatch
+    #: scripts pass cuda, so that a cluster job never trains on the CPU unnoticed.
+    device: str = "auto"
     compile: bool = False  #: torch.compile each transformer block.
     keep_checkpoints: int = 0  #: Keep the newest N complete checkpoints (0: keep all).
     async_save: bool = False  #: Write checkpoints from a background thread after a host copy.
@@ -416,6 +423,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "optim.lr_decay_style": ("cosine", "linear", "constant", "inverse-square-root", "wsd"),
     "optim.lr_wsd_decay_style": ("exponential", "linear", "cosine", "minus_sqrt"),
     "train.init_from_new_sources": ("error", "fresh"),
+    "train.device": ("auto", "cuda", "cpu"),
 }
 
 

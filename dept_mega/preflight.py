@@ -1,11 +1,13 @@
 """The pre-flight of ``python -m dept_mega.train --config C [overrides] --check --world-size N``.
 
-Everything that can refuse a launch without a GPU, run on a login node before the job's ranks
-start (``examples/1b/common.sh`` calls it before ``srun``): the layout for N ranks, the data and
-tokenizer files, the sources' token ids against their vocabulary, each source's share of the
-training (the run log's ``sampling`` line, with a warning when the configured weighting cannot be
-the shares: ``dept_mega.sampling_plan``), then the predicted memory per
-rank (``dept_mega.dept.memory``, the largest rank) and the predicted size of one checkpoint,
+Everything that can refuse a launch before the job's ranks start, run on a login node or, as
+``examples/1b/common.sh`` does before ``srun``, on the job's first node: the device
+``train.device`` asks for, on the machine the check runs on (``cuda`` is refused where CUDA
+cannot be used: ``dept_mega.parallel.device``), the layout for N ranks, the data and tokenizer
+files, the sources' token ids against their vocabulary, each source's share of the training
+(the run log's ``sampling`` line, with a warning when the configured weighting cannot be the
+shares: ``dept_mega.sampling_plan``), then the predicted memory per rank
+(``dept_mega.dept.memory``, the largest rank) and the predicted size of one checkpoint,
 with a warning when the run directory's file system has less than two checkpoints' room (a
 checkpoint is written beside the previous one before that one may be removed), and, when the
 run directory already holds a checkpoint, the config keys that checkpoint depends on. Bad input is
@@ -192,6 +194,9 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     from .dept.costs import resolve_vocabs
     from .dept.memory import predict_memory
     from .run_inputs import describe_batch, vocab_size_of
+    from .parallel.device import preflight_line
+    # first, as at a launch (init_distributed): train.device: cuda without CUDA on this machine stops here
+    device_line = preflight_line(cfg.train.device)
     validate(cfg, world_size)
     federated = None
     if cfg.federation.lighthouse is not None:  # the group index and federation.* keys, as the launch checks them
@@ -202,7 +207,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     p = cfg.parallel
     lines = [f"pre-flight: {cfg.dept.variant}, world {world_size} = {cfg.num_groups(world_size)} group(s) x "
              f"tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}",
-             describe_batch(cfg, cfg.num_groups(world_size))]
+             describe_batch(cfg, cfg.num_groups(world_size)), device_line]
     if federated is not None:
         f = cfg.federation
         lines.append(f"federation: group job {federated[0]} of {f.groups} (sources: {', '.join(own_sources(cfg))}), "
@@ -237,7 +242,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                         f"whatever is installed")
     try:
         import torch
-        if torch.cuda.is_available():
+        if cfg.train.device != "cpu" and torch.cuda.is_available():
             have = torch.cuda.get_device_properties(0).total_memory
             if mem["total"] > have:
                 warnings.append(f"predicted memory per rank {_size(mem['total'])} exceeds this machine's GPU 0 "

@@ -159,7 +159,7 @@ def build_session(cfg: Config, metrics: bool = True,
     global vocabulary, never trained (``dept_mega.evaluate --extra-source``, dept_mega.eval_sources)."""
     from .data.checks import check_sources
     from .parallel.agree import agree_errors
-    rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
+    rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s, device=cfg.train.device)
     # checks each rank makes itself (no collective inside) raise one agreed error on every rank:
     # the job prints it once (dept_mega.process_exit.report_error)
     agree_errors(lambda: validate(cfg, world), input_errors(), device)
@@ -218,6 +218,7 @@ def describe(session: Session, label: Optional[str] = None) -> str:
     from .export.hf_mapping import export_line
     from .model.gpt import describe_backends
     from .ops import describe as describe_ops
+    from .parallel.device import describe_device
     cfg, pg = session.cfg, session.pg
     n_body = sum(p.numel() for p in session.trainer.body_parameters())
     n_emb = sum(p.numel() for p in session.trainer.embedding_parameters())
@@ -226,7 +227,7 @@ def describe(session: Session, label: Optional[str] = None) -> str:
             f"pipeline {pg.pp_size} (virtual {cfg.parallel.virtual_pipeline}) × tensor {pg.tp_size}"
             f"{' + sequence parallel' if cfg.parallel.sequence_parallel else ''}\n"
             f"backends: {describe_backends(cfg, session.device)} | {describe_ops(session.device)} | precision: "
-            f"{session.trainer.precision.describe()} | device {session.device}\n"
+            f"{session.trainer.precision.describe()} | {describe_device(cfg.train.device, session.device)}\n"
             f"rank 0 parameters: body {n_body:,}, embeddings {n_emb:,}\n{describe_batch(cfg, pg.num_groups)}\n"
             f"{export_line(cfg.model)}"
             + (f"\n{session.sampling}" if session.sampling else ""))
@@ -278,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     preemption = Preemption().install()
     try:
         try:
-            rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s)
+            rank, world, device = init_distributed(timeout_s=cfg.train.init_timeout_s, device=cfg.train.device)
             # before any heavy work: the run directory is usable and no other job holds it
             lock = take_run_dir(run_dir, rank, device, check=lambda: validate(cfg, world))
             from .resume import CKPT_DIR

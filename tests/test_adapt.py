@@ -186,3 +186,17 @@ def test_the_adaptations_eval_iters_wins_over_the_runs_eval_samples(tmp_path):
     own = adapt_config(run, {"data": src, "train": {"eval_iters": 2, "eval_samples": 5}}, "new.yaml", steps=3,
                        run_dir=str(tmp_path / "c"), world=1)
     assert own.train.eval_sequences() == 5
+
+
+def test_the_adaptation_may_run_on_another_device_than_the_run(tmp_path):
+    """A cluster run's config says train.device: cuda; its adaptation may say cpu (or auto), e.g.
+    on a machine without a GPU: train.device is one of the keys NEW.yaml may set."""
+    from dept_mega.adapt import adapt_config
+    run = yaml.safe_load((ROOT / "examples" / "tiny" / "spec.yaml").read_text())
+    run["train"]["device"] = "cuda"
+    src = {"sources": [{"name": "ja", "prefix": str(BUILD / "ja_global_text_document")}]}
+    assert adapt_config(run, {"data": src}, "new.yaml", steps=3, run_dir=str(tmp_path / "a"),
+                        world=1).train.device == "cuda"
+    cfg = adapt_config(run, {"data": src, "train": {"device": "cpu"}}, "new.yaml", steps=3,
+                       run_dir=str(tmp_path / "b"), world=1)
+    assert cfg.train.device == "cpu"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dept_mega.config import load_config, validate
 from dept_mega.dept.costs import predict_costs
@@ -125,7 +126,8 @@ def _launch(tmp_path, root: str, variant: str, *args: str, **env_extra) -> tuple
     env = dict(os.environ, PATH=_fake_bin(tmp_path) + os.pathsep + os.environ["PATH"],
                SLURM_NNODES="8", SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242",
                SLURM_CPUS_PER_TASK="64", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=root,
-               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable)
+               FAKE_SRUN_LOG=str(log), PYTHON=sys.executable,
+               DEVICE="cpu")  # the scripts' default, cuda, is refused on a machine without CUDA (DEVICE=None: the default)
     env.pop("DEPT_MEGA_ROOT", None)
     env.pop("RUN_DIR", None)
     env.pop("GPUS_PER_NODE", None)
@@ -179,8 +181,8 @@ def test_launch_command(tmp_path):
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
     assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d"
     assert re.fullmatch(r"node01:\d+", cmd[cmd.index("--rdzv-endpoint") + 1])
-    assert cmd[-6:] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml",
-                        "train.run_dir=runs/1b/spec_opt", "dept.outer_optimizer.lr=0.7"]
+    assert cmd[-7:] == ["-m", "dept_mega.train", "--config", "examples/1b/spec_opt.yaml",
+                        "train.run_dir=runs/1b/spec_opt", "train.device=cpu", "dept.outer_optimizer.lr=0.7"]
     assert os.path.isdir(os.path.join(root, "runs", "1b", "spec_opt"))
     # each node's task tells torchrun whether it hosts the rendezvous store: Slurm's name of the
     # node (SLURMD_NODENAME) against the first node, not torchrun's host-name guess
@@ -197,6 +199,20 @@ def test_launch_command(tmp_path):
         out = subprocess.run(["bash", "-c", argv[i + 2], "torchrun", "--nnodes", "8"], capture_output=True,
                              text=True, timeout=30, env=env).stdout.strip()
         assert out == want, (node, out)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can use CUDA: the pre-flight has nothing to refuse")
+def test_the_job_refuses_to_train_on_the_cpu_by_default(tmp_path, monkeypatch, capsys):
+    """Without DEVICE the scripts pass train.device=cuda to the pre-flight and to every rank, so a
+    job whose node cannot use CUDA (here: this CPU machine) stops with one line naming the key
+    before srun instead of training on the CPU; DEVICE=cpu trains there on purpose."""
+    r, argv = _launch(tmp_path, ROOT, "spec_opt", "parallel.data=8", DEPT_SKIP_PREFLIGHT="1", DEVICE=None,
+                      RUN_DIR=str(tmp_path / "run"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert argv[-2:] == ["train.device=cuda", "parallel.data=8"], argv  # the config's overrides still win
+    err = _refused_preflight(tmp_path, monkeypatch, capsys, ROOT, "spec_opt", DEVICE=None)
+    assert err.startswith("error: config key 'train.device': cuda, but ") and err.count("\n") == 1, err
+    assert "does not fall back to the CPU" in err, err
 
 
 def test_federated_group_takes_the_variant_from_its_config(tmp_path):

@@ -53,7 +53,7 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
                SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(20000 + os.getpid() % 9000),
-               SLURM_SUBMIT_DIR=ROOT, GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", DEPT_MEGA_DEVICE="cpu",
+               SLURM_SUBMIT_DIR=ROOT, GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", DEVICE="cpu",
                RUN_DIR=str(run_dir), PYTHON=sys.executable)
     from .mp_utils import free_port
 
@@ -184,7 +184,7 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
                SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
                SLURM_JOB_ID=str(30000 + os.getpid() % 9000), SLURM_NTASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="2",
-               SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=ROOT, DEPT_MEGA_DEVICE="cpu",
+               SLURM_GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=ROOT, DEVICE="cpu",
                RUN_DIR=str(run_dir), PYTHON=sys.executable, MASTER_PORT=str(free_port()),
                FAKE_NODE_LOGS=str(logs), FAKE_SRUN_PIDS=str(tmp_path / "srun.pids"),
                LOGLEVEL="INFO")  # torchrun logs its launch configs, is_host among them

@@ -123,3 +123,36 @@ def test_require_is_repeatable_and_checks_each(monkeypatch, capsys):
             assert f"  dept_mega::{op}: " in err, err
     _fake_cuda_kernels(monkeypatch, set())
     assert main(["--require", "fp8", "--require", "cpp"]) == (0 if backend("cpu") == "cpp" else 1)
+
+
+def _fake_gpu(monkeypatch, problem):
+    """One visible GPU whose torch.compile fails with ``problem`` (None: works)."""
+    import torch
+
+    from dept_mega.model import backends
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(backends, "compile_problem", lambda device: problem if device == "cuda" else "not asked")
+
+
+def test_require_compile_says_why_torch_compile_cannot_run_on_the_gpu(monkeypatch, capsys):
+    """--require compile: what a GPU run's first step needs (inductor's Triton kernels: a C
+    compiler, Python's headers, writable caches), checked on the node before a big allocation."""
+    import torch
+    if not torch.cuda.is_available():  # this machine as it is: no GPU to compile for
+        assert main(["--require", "compile"]) == 1
+        assert "error: --require compile: torch.compile cannot run on CUDA here (no CUDA device is visible)" in \
+            capsys.readouterr().err
+    why = "RuntimeError: Failed to find C compiler. Please specify via CC environment variable"
+    _fake_gpu(monkeypatch, why)
+    assert main(["--require", "compile"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --require compile: torch.compile cannot run on CUDA here ({why}); ") and \
+        "a C compiler, Python's headers and writable cache directories" in err, err
+    _fake_gpu(monkeypatch, None)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/local/triton")
+    assert main(["--require", "compile"]) == 0
+    captured = capsys.readouterr()
+    assert "torch.compile on cuda: works (" in captured.out and "TRITON_CACHE_DIR=/local/triton)" in captured.out
+    assert "error" not in captured.err, captured.err

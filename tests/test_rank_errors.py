@@ -136,3 +136,20 @@ def test_a_rank_specific_error_keeps_its_rank(corpus, tmp_path, world):
     want = f"error: {OWN}" if world == 1 else f"error: [rank {last}] {OWN}"
     assert (last, want) in _error_lines(texts), texts
     assert [r for r, ln in _error_lines(texts) if OWN in ln] == [last], texts
+
+
+def test_no_usable_cuda_for_train_device_cuda_stops_every_rank_at_once(tmp_path):
+    """train.device: cuda where the ranks cannot use CUDA (here the DEPT_MEGA_DEVICE=cpu these
+    launches set, a reason that holds on any machine): each rank refuses before the process
+    group, so none waits for another, nothing is written, and rank 0's line speaks for all."""
+    from dept_mega.parallel.device import use_cuda
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DEPT_MEGA_DEVICE", "cpu")
+        with pytest.raises(ConfigError) as exc:
+            use_cuda("cuda")
+    start = time.monotonic()
+    codes, texts = _launch(tmp_path, 2, ["train.device=cuda"], timeout=60.0)
+    assert codes == [2, 2], (codes, texts)
+    assert _error_lines(texts) == [(0, f"error: {exc.value}")], texts
+    assert "config key 'train.device'" in texts[0] and not any("Traceback" in t for t in texts), texts
+    assert time.monotonic() - start < 50 and not os.path.exists(tmp_path / "run"), texts

@@ -117,6 +117,8 @@ def test_print_config_is_the_resolved_yaml(tmp_path):
     # eager-only FP8 options with compiled blocks: refused before the job takes its GPUs
     (1, ["precision=bf16", "fp8=hybrid", "fp8_fused_casts=true", "train.compile=true"],
      "config key 'fp8_fused_casts': the fused casts run in the eager FP8 linears"),
+    # CUDA asked for where it cannot be used (here: the DEPT_MEGA_DEVICE=cpu of _train_here), as the launch refuses it
+    (2, ["train.device=cuda"], "config key 'train.device': cuda, but the environment sets DEPT_MEGA_DEVICE=cpu"),
 ])
 def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, want):
     cfg = _setup(tmp_path)
@@ -130,6 +132,7 @@ def test_check_runs_the_preflight_without_torchrun(tmp_path, world, overrides, w
     assert "pre-flight: glob, world 2 = 2 group(s) x tensor 1 x pipeline 1 x data 1" in out
     assert "batch: 4 sequences per group (train.global_batch_size) × 2 group(s) = 8 sequences" in out
     assert "vocabulary: 120 ids" in out
+    assert "device: auto -> CPU here (train.device: auto, DEPT_MEGA_DEVICE=cpu)" in out
     assert "memory per rank (predicted, largest rank):" in out and "checkpoint: about" in out
     assert "export to Hugging Face: " in out  # its cases: tests/test_export_hf.py
     assert not os.path.exists(tmp_path / "run")  # nothing written

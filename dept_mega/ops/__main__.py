@@ -4,13 +4,15 @@ Prints torch's build, whether the compiled custom ops (``dept_mega.ops._C``) loa
 which kernels, the optional packages the model can use (Transformer Engine, flash-attn,
 apex), and with ``--config CFG [key=value ...]`` the ``backends:`` line a run of that config
 logs on this machine. ``--require cpp|cuda`` exits with status 1 when the custom ops would not
-run compiled kernels on that device, ``--require fp8`` when an FP8 operator of the extension
+run compiled kernels on that device, ``--require compile`` when ``torch.compile`` cannot compile
+and run a small function on this machine's GPU (what every GPU run does at its first step), ``--require fp8`` when an FP8 operator of the extension
 (``cast_fp8``, ``layernorm_cast_fp8``, ``dgelu_cast_fp8``, ``fp8_gemm``) has no CUDA kernel, so that FP8's defaults
 would fall back on a GPU (for a cluster's install check; ``--require`` may be repeated).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -68,14 +70,26 @@ def _fp8_missing() -> list[str]:
     return missing
 
 
+def _compile_problem(cuda: bool) -> Optional[str]:
+    """None when ``torch.compile`` compiles and runs a small function on this machine's GPU;
+    else why not. On CUDA inductor generates Triton kernels, and Triton builds its driver
+    module with the C compiler against Python's headers and writes both caches
+    (docs/launching.md, "Compute nodes"): what a run's first step needs."""
+    if not cuda:
+        return "no CUDA device is visible"
+    from dept_mega.model.backends import compile_problem
+    return compile_problem("cuda")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.ops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="also print the backends a run of this config uses here")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides (with --config)")
-    ap.add_argument("--require", choices=("cpp", "cuda", "fp8"), action="append",
-                    help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda (cuda), or "
+    ap.add_argument("--require", choices=("cpp", "cuda", "fp8", "compile"), action="append",
+                    help="exit 1 unless the custom ops run compiled kernels on cpu (cpp) or cuda (cuda), "
                          "unless the FP8 operators have their CUDA kernels (fp8: the build only, no GPU "
-                         "needed); may be repeated")
+                         "needed), or unless torch.compile works on this machine's GPU (compile: Triton's "
+                         "C compiler, Python headers and cache directories); may be repeated")
     args = ap.parse_args(argv)
 
     from dept_mega.ops import backend, extension_status, loader
@@ -105,6 +119,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     rc = 0
     for req in dict.fromkeys(args.require or ()):
+        if req == "compile":
+            if (problem := _compile_problem(cuda)) is not None:
+                print(f"error: --require compile: torch.compile cannot run on CUDA here ({problem}); a run on a GPU "
+                      f"compiles with it at its first step (Triton needs a C compiler, Python's headers and writable "
+                      f"cache directories: docs/launching.md, \"Compute nodes\")", file=sys.stderr)
+                rc = 1
+            else:
+                print(f"torch.compile on cuda: works (TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR')}, "
+                      f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR')})")
+            continue
         if req == "fp8":
             if missing := _fp8_missing():
                 print(f"error: --require fp8: {len(missing)} of the extension's {len(_fp8_operators())} FP8 operators "

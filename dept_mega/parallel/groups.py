@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from .device import local_world_size, use_cuda as device_is_cuda
 
 
 @dataclass(frozen=True)
@@ -179,11 +180,13 @@ def build_groups(tensor: int = 1, data: int = 1, pipeline: int = 1, *,
     return pg
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None
-                     ) -> tuple[int, int, torch.device]:
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None,
+                     device: str = "auto") -> tuple[int, int, torch.device]:
     """Initialise ``torch.distributed`` from torchrun's environment (or a single process).
 
-    Returns (rank, world_size, device). gloo on CPU, nccl when CUDA is available.
+    Returns (rank, world_size, device). gloo on CPU, nccl on CUDA. ``device`` is
+    ``train.device`` (:mod:`dept_mega.parallel.device`): ``cuda`` without a usable CUDA device
+    raises its ``ConfigError`` here, before the process group, on every rank alike.
     ``timeout_s`` bounds the rendezvous and process-group creation (``train.init_timeout_s``);
     torch applies the same limit to later collectives on the world group (the groups made by
     ``build_groups`` keep torch's default).
@@ -197,10 +200,10 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and os.environ.get("DEPT_MEGA_DEVICE", "") != "cpu"
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    use_cuda = device_is_cuda(device, local_world_size())
+    where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(where)
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
@@ -216,4 +219,4 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
             store = dist.PrefixStore(f"dept_mega/restart{int(restart)}", store)
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
-    return rank, world_size, device
+    return rank, world_size, where

@@ -13,6 +13,10 @@
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
 #   PYTHON          interpreter for the pre-flight check (default: python, after activating
 #                   the checkout's .venv when there is one)
+#   DEVICE          train.device of the run (default cuda: the job refuses to start, naming why,
+#                   where its ranks cannot use CUDA, e.g. a CPU-only torch in the .venv, a step
+#                   given no GPUs, a driver too old; instead of training on the CPU); DEVICE=cpu
+#                   trains on the CPU over gloo on purpose (the CPU tests of these scripts)
 #   DEPT_SKIP_PREFLIGHT=1  skip the config/layout check before launching
 set -euo pipefail
 : "${VARIANT:?set VARIANT before sourcing examples/1b/common.sh}"
@@ -32,6 +36,7 @@ if [ -f .venv/bin/activate ]; then
 fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
+DEVICE=${DEVICE:-cuda}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
 # The GPU count of --gpus-per-node as Slurm passes it in SLURM_GPUS_PER_NODE: a count ("4"), a
 # typed count ("h100:4", "gpu:h100:4"), or a comma list of those, summed ("a100:2,v100:2": 4).
@@ -89,10 +94,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # keeps TP
 # export NCCL_NET_GDR_LEVEL=PHB         # GPUDirect RDMA distance, if your nodes need it
 
 # Pre-flight (python -m dept_mega.train --check, docs/launching.md): the config, its overrides,
-# the layout for this world size, the data and tokenizer files and the memory per rank, checked
-# before any GPU starts; a warning when the run directory has less room than two checkpoints.
+# the layout for this world size, CUDA on this (the first) node for train.device=cuda, the data
+# and tokenizer files and the memory per rank, checked before any rank starts; a warning when the
+# run directory has less room than two checkpoints.
 if [ "${DEPT_SKIP_PREFLIGHT:-0}" != 1 ]; then
-  "$PYTHON" -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@" --check --world-size "$WORLD"
+  "$PYTHON" -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" train.device="$DEVICE" "$@" \
+    --check --world-size "$WORLD"
 fi
 
 echo "launch: $VARIANT on $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"
@@ -136,7 +143,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-
     --rdzv-id "${SLURM_JOB_ID:-dept}" \
     --rdzv-backend c10d \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-    -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" "$@" || rc=$?
+    -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" train.device="$DEVICE" "$@" || rc=$?
 
 # Preempted (status 75 from the ranks; torchrun reports its own status, so the marker decides):
 # put the job back in the queue (#SBATCH --requeue); it resumes from the checkpoint just written.
