@@ -37,7 +37,8 @@ def test_config_is_the_paper_1b_model(variant):
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_size) == (24, 2048, 16, 8192)
     assert (m.position_embedding, m.tie_embeddings, m.seq_length) == ("alibi", True, 2048)
     assert cfg.dept.variant == variant and cfg.precision == "bf16"
-    assert cfg.train.global_batch_size == 512 and cfg.train.steps == 7000
+    # a DEPT group's batch; STD's is the 8 groups' together (test_std_is_at_equal_compute)
+    assert cfg.train.global_batch_size == (4096 if variant == "std" else 512) and cfg.train.steps == 7000
     assert cfg.optim.lr == 2.0e-4 and cfg.dept.local_steps == 500
     assert all(s.prefix.startswith("data/") for s in cfg.data.sources)
     if variant == "spec_opt":
@@ -45,6 +46,23 @@ def test_config_is_the_paper_1b_model(variant):
     else:
         assert cfg.data.tokenizer and cfg.data.tokenizer.startswith("data/")
     assert cfg.train.run_dir == f"runs/1b/{variant}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_std_is_at_equal_compute(variant):
+    """STD trains, per step and on the same world, the sequences that all DEPT groups train per
+    inner step together, for as many steps (equal compute, as tools/study.py and examples/main.sh
+    compare them), its script asks for as much time, and it evaluates as many validation
+    sequences per source."""
+    std = load_config(os.path.join(EX, "std.yaml"))
+    dept = load_config(os.path.join(EX, f"{variant}.yaml"))
+    h_std, h_dept = sbatch_headers(os.path.join(EX, "std.sh")), sbatch_headers(os.path.join(EX, f"{variant}.sh"))
+    world = int(h_dept["nodes"]) * int(h_dept["gpus-per-node"])
+    assert int(h_std["nodes"]) * int(h_std["gpus-per-node"]) == world
+    assert std.train.global_batch_size == dept.num_groups(world) * dept.train.global_batch_size
+    assert std.train.steps == dept.train.steps
+    assert h_std["time"] == h_dept["time"]
+    assert std.train.eval_sequences() == dept.train.eval_sequences()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -62,7 +62,7 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
                  "model.num_query_groups=4", "model.ffn_hidden_size=64", "model.seq_length=32",
                  "model.vocab_size=300", "data.tokenizer=null", "precision=fp32", "backend=local",
                  "train.steps=2", "train.micro_batch_size=1", "train.global_batch_size=2",
-                 "train.eval_interval=2", "train.eval_iters=1", "train.save_interval=2", "train.log_interval=1",
+                 "train.eval_interval=2", "train.eval_samples=2", "train.save_interval=2", "train.log_interval=1",
                  f"data.sources={_tiny_sources(tmp_path)}"]
     r = subprocess.run(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], capture_output=True, text=True,
                        timeout=280, env=env, cwd=str(tmp_path))

@@ -3,8 +3,8 @@
 Why a test of its own: on the GPU machine's build of the extension (built there with its
 /opt/gcc g++ and nvcc), a C++ exception thrown by some of our checks ended the process with a
 segmentation fault instead: the CUDA ops' argument checks on the first H100 run, and the CPU
-kernels' invalid-id errors of ``remap_ids`` on an H200 (docs/performance.md, "The second H200
-call"), while an argument-type error thrown by the same CPU operator was caught. Since then no
+kernels' invalid-id errors of ``remap_ids`` on an H200 (docs/performance.md, "The H200 run
+of 2026-11-27, evening"), while an argument-type error thrown by the same CPU operator was caught. Since then no
 kernel throws for an invalid id (it writes an error record that dept_mega.ops decodes), and the
 public API checks every argument in Python first; what still throws from C++ is an operator's
 argument check when ``torch.ops.dept_mega`` is called directly. The cases below are those throw

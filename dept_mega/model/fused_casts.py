@@ -27,7 +27,7 @@ DGELU = "dgelu"  # fc1's output gradient, which fc2's GELU backward writes (list
 # fp8_fused_casts: null (auto): per cast path (fp8_casts, resolved) and producer, None where auto
 # fuses (the fused kernel is faster than the producer then the cast), else why it does not. H200,
 # 2026-11-28, benchmarks/fp8_cast_bench.py at the 1B model's shapes (docs/performance.md, "The
-# third H200 call"): the C++ GELU cast 1.42x its unfused pair, the C++ LayerNorm cast 0.95x; the
+# H200 run of 2026-11-28"): the C++ GELU cast 1.42x its unfused pair, the C++ LayerNorm cast 0.95x; the
 # Triton LayerNorm cast 1.41x (at its tile 32 x 256, 8 warps), the Triton GELU cast 0.64x.
 # The C++ dGELU cast (dgelu_cast_fp8) has no measurement yet: auto leaves it (true runs it).
 _TORCH = "auto: the torch casts have no fused kernel"
