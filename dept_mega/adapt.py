@@ -18,11 +18,12 @@ replace the run's; a source's ``tokenizer`` becomes the vocabulary of the new em
 otherwise ``data.tokenizer``), and optionally ``optim`` and ``train`` (batch sizes,
 ``eval_interval``, ``eval_iters``, ``log_interval``, ``seed``). The model is the run's;
 the layout is the run's tensor / pipeline split with every other process a data-parallel
-replica (one source group, no DEPT rounds).
+replica (one source group, no DEPT rounds). The run's relative paths are read from the
+directory it was launched from (dept_mega.run_paths), ``NEW.yaml``'s from the current one.
 
 Writes ``DIR/trained/`` and ``DIR/random/`` (each a run directory: ``config.yaml``,
-``metrics.jsonl``; ``trained`` also its checkpoint, which ``tools/convert_to_hf.py`` exports)
-and ``DIR/adapt.json``: the settings, the final evaluation of both, and the gain per source
+``launch_dir.json``, ``metrics.jsonl``; ``trained`` also its checkpoint, which
+``tools/convert_to_hf.py`` exports) and ``DIR/adapt.json``: the settings, the final evaluation of both, and the gain per source
 and on average.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ import yaml
 
 from .config import Config, ConfigError, config_from_dict, save_config
 from .metrics import write_json_atomic
+from .run_paths import record_launch_dir, run_config_tree
 
 # what NEW.yaml may set (anything else belongs to the trained run)
 ALLOWED_SECTIONS = {"data", "optim", "train"}
@@ -163,6 +165,7 @@ def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]],
     if session.rank == 0:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.run_dir, "config.yaml"))
+        record_launch_dir(cfg.train.run_dir)  # NEW.yaml's relative paths: from here
     for line in said:
         session.writer.log(line)
     names = ", ".join(s.name for s in cfg.data.sources)
@@ -185,21 +188,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .run_inputs import input_errors
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    paths = None
     try:
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         if args.body_lr is not None and args.body == "frozen":
             raise ConfigError("--body-lr needs --body trainable")
-        cfg_path = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.exists(cfg_path):
-            raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir!r} a run directory?")
-        with open(cfg_path, encoding="utf-8") as f:
-            run_cfg = yaml.safe_load(f)
+        run_cfg, paths = run_config_tree(args.run_dir)
         try:
             with open(args.source_config, encoding="utf-8") as f:
                 new = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"--source-config {args.source_config!r} does not exist") from None
+        note = paths.note()
+        if note is not None and rank == 0:
+            print(note, flush=True)
         if os.path.exists(args.out) and os.listdir(args.out):
             raise ConfigError(f"--out {args.out!r} exists and is not empty; choose a new directory")
         arms = [("trained", True)] + ([] if args.no_random_baseline else [("random", False)])
@@ -221,7 +224,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (*input_errors(), FileNotFoundError) as exc:
         from .parallel.agree import is_agreed
         from .process_exit import report_error
-        report_error(str(exc), agreed=is_agreed(exc))  # before the process group: rank 0's line
+        report_error(str(exc) + (paths.hint(str(exc)) if paths is not None else ""),
+                     agreed=is_agreed(exc))  # before the process group: rank 0's line
         return 2
     if rank == 0:
         report = {"run_dir": args.run_dir, "step": sel.step, "group": args.group,
