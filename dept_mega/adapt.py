@@ -76,6 +76,32 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def check_source_paths(new: Any, new_path: str) -> None:
+    """The files NEW.yaml names exist (read from the current directory when relative): each
+    source's data and tokenizer, and a global tokenizer. Checked before :func:`adapt_config`
+    makes a source's tokenizer ``data.tokenizer``, so that a missing one is named by its key in
+    NEW.yaml, not by the merged config's."""
+    data = new.get("data") if isinstance(new, dict) else None
+    if not isinstance(data, dict):
+        return  # adapt_config says what is missing
+
+    def missing(key: str, path: str) -> ConfigError:
+        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()})"
+        return ConfigError(f"config key '{key}' in {new_path}: file {path!r} does not exist{where}")
+
+    if isinstance(data.get("tokenizer"), str) and not os.path.exists(data["tokenizer"]):
+        raise missing("data.tokenizer", data["tokenizer"])
+    for i, s in enumerate(data.get("sources") or []):
+        if not isinstance(s, dict):
+            continue
+        if isinstance(s.get("prefix"), str):
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(s["prefix"] + ext):
+                    raise missing(f"data.sources[{i}].prefix", s["prefix"] + ext)
+        if isinstance(s.get("tokenizer"), str) and not os.path.exists(s["tokenizer"]):
+            raise missing(f"data.sources[{i}].tokenizer", s["tokenizer"])
+
+
 def adapt_config(run_cfg: dict, new: dict, new_path: str, steps: int, run_dir: str, world: int) -> Config:
     """The config of one adaptation run (see the module doc)."""
     if not isinstance(new, dict):
@@ -200,6 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 new = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"--source-config {args.source_config!r} does not exist") from None
+        check_source_paths(new, args.source_config)
         note = paths.note()
         if note is not None and rank == 0:
             print(note, flush=True)
