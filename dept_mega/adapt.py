@@ -18,11 +18,12 @@ replace the run's; a source's ``tokenizer`` becomes the vocabulary of the new em
 otherwise ``data.tokenizer``), and optionally ``optim`` and ``train`` (batch sizes,
 ``eval_interval``, ``eval_iters``, ``log_interval``, ``seed``, ``device``). The model is the run's;
 the layout is the run's tensor / pipeline split with every other process a data-parallel
-replica (one source group, no DEPT rounds).
+replica (one source group, no DEPT rounds). The run's relative paths are read from the
+directory it was launched from (dept_mega.run_paths), ``NEW.yaml``'s from the current one.
 
 Writes ``DIR/trained/`` and ``DIR/random/`` (each a run directory: ``config.yaml``,
-``metrics.jsonl``; ``trained`` also its checkpoint, which ``tools/convert_to_hf.py`` exports)
-and ``DIR/adapt.json``: the settings, the final evaluation of both, and the gain per source
+``launch_dir.json``, ``metrics.jsonl``; ``trained`` also its checkpoint, which
+``tools/convert_to_hf.py`` exports) and ``DIR/adapt.json``: the settings, the final evaluation of both, and the gain per source
 and on average.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ import yaml
 
 from .config import Config, ConfigError, config_from_dict, save_config
 from .metrics import write_json_atomic
+from .run_paths import record_launch_dir, run_config_tree
 
 # what NEW.yaml may set (anything else belongs to the trained run)
 ALLOWED_SECTIONS = {"data", "optim", "train"}
@@ -72,6 +74,32 @@ def _merge(base: dict, over: dict) -> dict:
         else:
             out[k] = copy.deepcopy(v)
     return out
+
+
+def check_source_paths(new: Any, new_path: str) -> None:
+    """The files NEW.yaml names exist (read from the current directory when relative): each
+    source's data and tokenizer, and a global tokenizer. Checked before :func:`adapt_config`
+    makes a source's tokenizer ``data.tokenizer``, so that a missing one is named by its key in
+    NEW.yaml, not by the merged config's."""
+    data = new.get("data") if isinstance(new, dict) else None
+    if not isinstance(data, dict):
+        return  # adapt_config says what is missing
+
+    def missing(key: str, path: str) -> ConfigError:
+        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()})"
+        return ConfigError(f"config key '{key}' in {new_path}: file {path!r} does not exist{where}")
+
+    if isinstance(data.get("tokenizer"), str) and not os.path.exists(data["tokenizer"]):
+        raise missing("data.tokenizer", data["tokenizer"])
+    for i, s in enumerate(data.get("sources") or []):
+        if not isinstance(s, dict):
+            continue
+        if isinstance(s.get("prefix"), str):
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(s["prefix"] + ext):
+                    raise missing(f"data.sources[{i}].prefix", s["prefix"] + ext)
+        if isinstance(s.get("tokenizer"), str) and not os.path.exists(s["tokenizer"]):
+            raise missing(f"data.sources[{i}].tokenizer", s["tokenizer"])
 
 
 def adapt_config(run_cfg: dict, new: dict, new_path: str, steps: int, run_dir: str, world: int) -> Config:
@@ -163,6 +191,7 @@ def run_arm(cfg: Config, *, body_from: Optional[tuple[str, int, Optional[int]]],
     if session.rank == 0:
         os.makedirs(cfg.train.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.run_dir, "config.yaml"))
+        record_launch_dir(cfg.train.run_dir)  # NEW.yaml's relative paths: from here
     for line in said:
         session.writer.log(line)
     names = ", ".join(s.name for s in cfg.data.sources)
@@ -185,21 +214,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .run_inputs import input_errors
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    paths = None
     try:
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         if args.body_lr is not None and args.body == "frozen":
             raise ConfigError("--body-lr needs --body trainable")
-        cfg_path = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.exists(cfg_path):
-            raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir!r} a run directory?")
-        with open(cfg_path, encoding="utf-8") as f:
-            run_cfg = yaml.safe_load(f)
+        run_cfg, paths = run_config_tree(args.run_dir)
         try:
             with open(args.source_config, encoding="utf-8") as f:
                 new = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"--source-config {args.source_config!r} does not exist") from None
+        check_source_paths(new, args.source_config)
+        note = paths.note()
+        if note is not None and rank == 0:
+            print(note, flush=True)
         if os.path.exists(args.out) and os.listdir(args.out):
             raise ConfigError(f"--out {args.out!r} exists and is not empty; choose a new directory")
         arms = [("trained", True)] + ([] if args.no_random_baseline else [("random", False)])
@@ -222,7 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (*input_errors(), FileNotFoundError) as exc:
         from .parallel.agree import is_agreed
         from .process_exit import report_error
-        report_error(str(exc), agreed=is_agreed(exc))  # before the process group: rank 0's line
+        report_error(str(exc) + (paths.hint(str(exc)) if paths is not None else ""),
+                     agreed=is_agreed(exc))  # before the process group: rank 0's line
         return 2
     if rank == 0:
         report = {"run_dir": args.run_dir, "step": sel.step, "group": args.group,

@@ -427,6 +427,20 @@ CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
+#: The keys whose values are file system paths (``[]``: every item of the list). A relative one
+#: is read from the current directory; in a run's ``config.yaml`` from the directory the run was
+#: launched from, which the tools that read a run's config resolve it against
+#: (:mod:`dept_mega.run_paths`). Every other string key is a choice (CHOICES) or in NOT_PATHS.
+PATH_KEYS: tuple[str, ...] = (
+    "data.tokenizer", "data.cache_dir", "data.sources[].prefix", "data.sources[].tokenizer",
+    "data.sources[].summary", "train.run_dir", "train.init_from",
+)
+#: The string keys that are neither paths nor choices (names, a split, a project, host names).
+NOT_PATHS: tuple[str, ...] = (
+    "data.sources[].name", "data.split", "train.wandb", "federation.lighthouse", "federation.advertise_host",
+)
+
+
 def get_key(cfg: Config, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):

@@ -3,10 +3,11 @@
     torchrun ... -m dept_mega.evaluate --run-dir RUN [--step S] --out RESULT.json [--part valid|test]
         [--extra-source NAME=PREFIX ...] [key=value ...]
 
-Reads ``RUN/config.yaml`` (with the ``key=value`` overrides), rebuilds the model in the run's
-layout (same tensor and pipeline sizes, any number of groups and data-parallel size; overrides
-such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in another one, e.g. in one process,
-as the checkpoint loads under any layout), loads
+Reads ``RUN/config.yaml`` (its relative paths from the directory the run was launched from,
+dept_mega.run_paths; then the ``key=value`` overrides, whose paths are read from here), rebuilds
+the model in the run's layout (same tensor and pipeline sizes, any number of groups and
+data-parallel size; overrides such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in
+another one, e.g. in one process, as the checkpoint loads under any layout), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, part, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
@@ -33,13 +34,14 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .checkpoint import load_weights
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
 from .data.checks import check_eval_part
 from .eval_sources import never_updated_notes, not_the_runs_config, parse_extra_sources
 from .megatron_flags import parse_with_hints
 from .metrics import make_record, write_json_atomic
 from .parallel.agree import is_agreed
 from .process_exit import report_error
+from .run_paths import load_run_config
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -64,13 +66,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
     if args.eval_iters is not None:
         overrides += [f"train.eval_iters={args.eval_iters}", "train.eval_samples=null"]
+    paths = None
     try:
-        cfg = load_config(cfg_path, overrides)
+        cfg, paths = load_run_config(args.run_dir, overrides)
         check_eval_part(cfg, args.part)
         extra = parse_extra_sources(args.extra_source, cfg)
     except ConfigError as exc:
-        report_error(str(exc))
+        report_error(str(exc) + (paths.hint(str(exc)) if paths is not None else ""))
         return 2
+    note = paths.note()
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
     p = cfg.parallel
     per_group, world = p.tensor * p.pipeline * p.data, int(os.environ.get("WORLD_SIZE", "1"))
     if world % per_group:
@@ -100,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         load_weights(session.trainer, args.run_dir, step, hooks=session.loop.hooks, optimizer=False,
                      verified=True, remedy=not_the_runs_config(_run_variant(cfg_path, cfg)), check_data=False)
     except (*input_errors(), FileNotFoundError) as exc:
-        report_error(str(exc), agreed=is_agreed(exc))
+        report_error(str(exc) + paths.hint(str(exc)), agreed=is_agreed(exc))
         return 2
     session.trainer.step = step
     by_source = session.loop.evaluate()

@@ -213,7 +213,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
         lines.append(f"federation: group job {federated[0]} of {f.groups} (sources: {', '.join(own_sources(cfg))}), "
                      f"lighthouse {f.lighthouse} (not contacted here), rounds need at least {f.min_groups} group(s)")
     from .sampling_plan import check_untrained, plan_scheduler, planned_line, sampling_groups, sampling_warnings
-    from .schedule_warnings import eval_interval_warning
+    from .schedule_warnings import schedule_warnings
     groups = sampling_groups(cfg, world_size)
     scheduler = plan_scheduler(cfg, groups)  # drawn once: the line, the check and the warnings
     lines.append(planned_line(cfg, groups, scheduler))
@@ -233,7 +233,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                  + (f"+ FP8 weight copies {_size(mem['fp8_weight_copies'])} + FP8 scaling {_size(mem['fp8_scaling'])} "
                     if mem["fp8_weight_copies"] else "")
                  + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
-    warnings = [*sampling_warnings(cfg, groups, scheduler), *filter(None, [eval_interval_warning(cfg)]),
+    warnings = [*sampling_warnings(cfg, groups, scheduler), *schedule_warnings(cfg),
                 *source_warnings(cfg)]
     if cfg.fp8 is not None and cfg.backend == "auto" and (why := te_fp8_conflict(cfg)) is not None:
         # refused with the config for backend: transformer_engine; auto decides on the GPU node

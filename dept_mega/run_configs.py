@@ -4,9 +4,12 @@
   (what ``dept_mega.evaluate``, the export and the summaries read). A launch that trains
   nothing (the run is already complete at ``train.steps``) leaves it as it is, unless the
   directory has none yet.
+* ``RUN/launch_dir.json``: the directory the launch that wrote ``RUN/config.yaml`` started in,
+  which its relative paths are relative to (:mod:`dept_mega.run_paths`: how the tools read them).
 * ``RUN/configs/launch_N.yaml``: the resolved config of every launch that got past the checks
   (N = 1, 2, ... in launch order), with a comment header saying where it started and whether it
-  trained: the record of which config each part of a run used.
+  trained: the record of which config each part of a run used (the header also names the
+  directory its relative paths are relative to).
 * ``RUN/checkpoints/step_N/config.yaml``: the resolved config of the launch that wrote that
   checkpoint (written by :mod:`dept_mega.checkpoint`, covered by its manifest), as Megatron-LM
   keeps its arguments in every checkpoint.
@@ -20,7 +23,8 @@ from typing import Optional
 
 import yaml
 
-CONFIG_FILE = "config.yaml"
+from .run_paths import CONFIG_FILE, record_launch_dir
+
 LAUNCHES_DIR = "configs"
 _LAUNCH = re.compile(r"^launch_(\d+)\.yaml$")
 
@@ -48,10 +52,10 @@ def launch_numbers(run_dir: str) -> list[int]:
 
 def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional[int]) -> tuple[str, bool]:
     """Write this launch's ``RUN/configs/launch_N.yaml`` and, when it trains (or the run has no
-    ``config.yaml`` yet), ``RUN/config.yaml``. ``start``: the step the launch starts at;
-    ``resumed``: the checkpoint step it resumed from (None: a new run). Returns (the launch
-    file's path, whether ``config.yaml`` was written). Global rank 0 only (the run directory is
-    held by this job: ``dept_mega.rundir``)."""
+    ``config.yaml`` yet), ``RUN/config.yaml`` with ``RUN/launch_dir.json`` (the current
+    directory). ``start``: the step the launch starts at; ``resumed``: the checkpoint step it
+    resumed from (None: a new run). Returns (the launch file's path, whether ``config.yaml`` was
+    written). Global rank 0 only (the run directory is held by this job: ``dept_mega.rundir``)."""
     text = config_text(cfg)
     folder = os.path.join(run_dir, LAUNCHES_DIR)
     os.makedirs(folder, exist_ok=True)
@@ -60,11 +64,13 @@ def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional
     did = (f"trains from step {start} to {cfg.train.steps}" if trains
            else f"trains nothing (the run is complete at step {start} of train.steps {cfg.train.steps})")
     header = (f"# launch {n} of this run directory, {time.strftime('%Y-%m-%d %H:%M:%S %z')}: {began}; {did}\n"
-              f"# the resolved config of this launch (dept_mega.train --config takes this file as it is)\n")
+              f"# the resolved config of this launch (dept_mega.train --config takes this file as it is); "
+              f"its relative paths are relative to the directory it was launched from, {os.getcwd()}\n")
     path = os.path.join(folder, f"launch_{n}.yaml")
     _write_atomic(path, header + text)
     main = os.path.join(run_dir, CONFIG_FILE)
     wrote = trains or not os.path.exists(main)
     if wrote:
         _write_atomic(main, text)
+        record_launch_dir(run_dir)
     return path, wrote

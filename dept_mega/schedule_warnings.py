@@ -1,5 +1,6 @@
-"""Warnings about how a DEPT run's intervals line up with its rounds, for ``--check`` and the
-start-up log (docs/dept.md, "Evaluation")."""
+"""Warnings about how a DEPT run's intervals line up with its rounds, for ``--check``, the
+start-up log and the study tool's listing (docs/dept.md, "Evaluation"; docs/launching.md,
+"Changing the layout between launches")."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,3 +30,29 @@ def eval_interval_warning(cfg) -> Optional[str]:
             f"not of the synchronised model (only evaluations at round ends, steps that are multiples of {L}, and the "
             f"final one evaluate that); set train.eval_interval to a multiple of {L} to compare evaluations across "
             f"a run (docs/dept.md, Evaluation)")
+
+
+def save_interval_warning(cfg) -> Optional[str]:
+    """Under a DEPT variant, a periodic checkpoint at a step that is not a multiple of
+    ``dept.local_steps`` is taken inside a round, where the groups hold different bodies: it
+    resumes exactly, but only with the same number of source groups, it cannot start a
+    ``train.init_from`` run, and the export takes one group's body from it (GLOB: refused).
+    None when every periodic checkpoint falls on a round's end (``train.save_interval`` a
+    multiple of ``dept.local_steps``, 0, or not below ``train.steps``: then only the final
+    checkpoint is written, at a round's end, ``train.steps`` being a multiple of it)."""
+    d, t = cfg.dept, cfg.train
+    S, L = t.save_interval, d.local_steps
+    if d.variant == "std" or not S or S % L == 0 or S >= t.steps:
+        return None
+    export = ("tools/convert_to_hf.py refuses them" if d.variant == "glob" else
+              "tools/convert_to_hf.py exports from them the body of the group training the source then")
+    return (f"config key 'train.save_interval': {S} is not a multiple of dept.local_steps={L}: the checkpoints at "
+            f"steps such as {S} fall inside a round, where the groups' bodies differ (only those at multiples of "
+            f"{L} and the final one are at round ends): such a checkpoint resumes only with the same number of "
+            f"source groups, cannot start a train.init_from run, and {export}; set train.save_interval to a "
+            f"multiple of {L} (docs/launching.md, Changing the layout between launches, and train.init_from)")
+
+
+def schedule_warnings(cfg) -> list[str]:
+    """Every warning above that applies to ``cfg``."""
+    return [w for w in (eval_interval_warning(cfg), save_interval_warning(cfg)) if w is not None]

@@ -332,11 +332,11 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     if session.rank == 0:
         from .data.checks import source_warnings
         from .sampling_plan import sampling_groups, sampling_warnings
-        from .schedule_warnings import eval_interval_warning
+        from .schedule_warnings import schedule_warnings
         # the round plans the run draws (its driver's), as the sampling line counted them
         sampling = sampling_warnings(cfg, sampling_groups(cfg, session.pg.world_size),
                                      getattr(loop.hooks, "scheduler", None))
-        for note in [*loop.checkpointer.notes, *sampling, *filter(None, [eval_interval_warning(cfg)]),
+        for note in [*loop.checkpointer.notes, *sampling, *schedule_warnings(cfg),
                      *source_warnings(cfg)]:
             print(f"warning: {note}", file=sys.stderr)
     # metrics.jsonl continues from the checkpoint: the interrupted run's later records go

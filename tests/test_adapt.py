@@ -1,5 +1,6 @@
 """dept_mega.adapt: a trained body with fresh embeddings for a new source (plasticity)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,31 @@ def test_errors_name_the_problem(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({"data": {"sources": [{"name": "x"}]}}))
     assert main([*args, "--source-config", str(bad)]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_missing_file_of_the_source_config_is_named_by_its_key_there(tmp_path, capsys, monkeypatch):
+    """Checked before the source's tokenizer becomes the adaptation's data.tokenizer: the error
+    names data.sources[i].tokenizer in NEW.yaml, not the merged config's data.tokenizer."""
+    from dept_mega.adapt import main
+    from tests.data_utils import write_docs
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((ROOT / "examples" / "tiny" / "glob.yaml").read_text())
+    prefix = write_docs(str(tmp_path / "ja_text_document"), [[3, 4, 5]] * 4)
+    new = tmp_path / "new.yaml"
+    args = ["--run-dir", str(run), "--steps", "2", "--out", str(tmp_path / "o"), "--source-config", str(new)]
+    gone = str(tmp_path / "gone.model")
+    new.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": prefix, "tokenizer": gone}]}}))
+    assert main(args) == 2
+    assert capsys.readouterr().err == (f"error: config key 'data.sources[0].tokenizer' in {new}: file {gone!r} "
+                                       f"does not exist\n")
+    monkeypatch.chdir(tmp_path)  # a relative path: read from here, and said so
+    new.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "ja_text_document"},
+                                                        {"name": "ko", "prefix": "ko_text_document"}]}}))
+    assert main(args) == 2
+    assert capsys.readouterr().err == (f"error: config key 'data.sources[1].prefix' in {new}: file "
+                                       f"'ko_text_document.bin' does not exist (relative to the current directory "
+                                       f"{os.getcwd()})\n")
 
 
 @pytest.mark.slow

@@ -418,6 +418,12 @@ def test_cli_overrides_table_and_errors():
     assert "277.0" in r.stdout  # 12-block total ≈ 277.0M (paper: 278M)
     r = _run("--config", "examples/1b/glob.yaml", "--json")  # tokenizer files are placeholders
     assert r.returncode == 2 and "data/tok/global.model" in r.stderr
+    assert r.stderr.rstrip().endswith("does not exist (its vocabulary size is needed); or pass the size as "
+                                      "--global-vocab N"), r.stderr  # (this tool's option: the message is shared)
+    tool = _tool()
+    with pytest.raises(ConfigError, match=r"'data.sources\[0\].tokenizer'.*; or pass the size as --source-vocab N$"):
+        tool.compute(tool.parse_args(["--config", os.path.join(ROOT, "examples/1b/spec_opt.yaml"), "--global-vocab",
+                                      "10"]))
     r = _run("--config", "examples/1b/glob.yaml", "model.nope=1", "--global-vocab", "10", "--source-vocab", "5")
     assert r.returncode == 2 and "model.nope" in r.stderr
 

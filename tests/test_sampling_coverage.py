@@ -1,7 +1,8 @@
 """This run's rounds as the scheduler draws them (dept_mega.sampling_plan): a warning when they
 train a source in no round or far from its expected share, SPEC / SPEC-OPT refused for a source
 in no round unless dept.untrained_sources: warn, in --check and at the launch, from one drawing
-of the plans; and the warning for an evaluation inside a round (dept_mega.schedule_warnings)."""
+of the plans; and the warnings for an evaluation or a periodic checkpoint inside a round
+(dept_mega.schedule_warnings)."""
 from __future__ import annotations
 
 import glob
@@ -14,7 +15,7 @@ from dept_mega.config import ConfigError, config_from_dict
 from dept_mega.sampling_plan import (check_untrained, coverage_warning, make_scheduler, planned_rounds,
                                      sampling_warnings)
 from dept_mega.dept.rounds import RoundScheduler
-from dept_mega.schedule_warnings import eval_interval_warning
+from dept_mega.schedule_warnings import eval_interval_warning, save_interval_warning, schedule_warnings
 from tests.test_train_cli import _setup, _train_here
 
 NAMES = ("en", "fr", "ja", "ru", "code")
@@ -132,6 +133,38 @@ def test_eval_interval_inside_a_round_is_named():
     assert eval_interval_warning(std) is None
 
 
+def test_save_interval_inside_a_round_is_named():
+    for variant in ("glob", "trim", "spec", "spec_opt"):
+        w = save_interval_warning(config_from_dict({"dept": {"variant": variant, "local_steps": 4},
+                                                    "train": {"steps": 20, "save_interval": 6}}))
+        assert w.startswith("config key 'train.save_interval': 6 is not a multiple of dept.local_steps=4: the "
+                            "checkpoints at steps such as 6 fall inside a round, where the groups' bodies differ"), w
+        assert "resumes only with the same number of source groups, cannot start a train.init_from run" in w
+        assert ("convert_to_hf.py refuses them" in w) == (variant == "glob"), w
+        assert w.endswith("set train.save_interval to a multiple of 4 (docs/launching.md, Changing the layout "
+                          "between launches, and train.init_from)"), w
+    for over in ({"save_interval": 8}, {"save_interval": 0}, {"save_interval": 20}, {"save_interval": 30}):
+        cfg = config_from_dict({"dept": {"variant": "glob", "local_steps": 4}, "train": {"steps": 20, **over}})
+        assert save_interval_warning(cfg) is None, over
+    std = config_from_dict({"dept": {"variant": "std", "local_steps": 4}, "train": {"steps": 20, "save_interval": 6}})
+    assert save_interval_warning(std) is None
+
+
+def test_the_shipped_configs_and_study_grids_do_not_warn():
+    from dept_mega.config import load_config
+    from dept_mega.study.grid import load_study
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    configs = sorted(glob.glob(os.path.join(root, "tiny", "*.yaml")) + glob.glob(os.path.join(root, "1b", "*.yaml")))
+    assert len(configs) == 10
+    assert {p: schedule_warnings(load_config(p)) for p in configs} == {p: [] for p in configs}
+    grids = [p for p in sorted(glob.glob(os.path.join(root, "study", "*.yaml")))
+             if "runs" in (yaml.safe_load(open(p)) or {})]  # (not the held-out source configs)
+    assert len(grids) >= 8
+    for p in grids:
+        study = load_study(p)
+        assert (study.warnings, study.checkpoint_warnings) == ({}, {}), p
+
+
 # ----------------------------------------------------------------------------- --check and the launch
 
 def _one_group_seed(cfg_path, variant="glob"):
@@ -156,19 +189,21 @@ def test_check_and_launch_warn_from_one_drawing_of_the_plans(tmp_path, monkeypat
     made = []  # the round schedulers built (each draws its plans)
     real = RoundScheduler.__init__
     monkeypatch.setattr(RoundScheduler, "__init__", lambda self, *a, **k: made.append(1) or real(self, *a, **k))
-    over = [f"train.seed={seed}", *QUICK, "train.eval_interval=3"]
+    over = [f"train.seed={seed}", *QUICK, "train.eval_interval=3", "train.save_interval=3"]
     check = _train_here("--config", cfg, *over, "--check", "--world-size", "1")
     assert check.returncode == 0, check.stderr
     assert len(made) == 1  # the sampling line, the check and the warnings share the plans
     mine = [w for w in _warnings(check.stderr) if "'dept.sampling'" in w]
     assert len(mine) == 1 and f"train {missing} in no round" in mine[0], check.stderr
     assert [w for w in _warnings(check.stderr) if "'train.eval_interval': 3" in w], check.stderr
+    assert [w for w in _warnings(check.stderr) if "'train.save_interval': 3" in w], check.stderr
     made.clear()
     run = _train_here("--config", cfg, *over)
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(made) == 1  # the driver's scheduler, nothing drawn again for the warnings
-    assert [w for w in _warnings(run.stderr) if "'dept.sampling'" in w or "'train.eval_interval'" in w] == \
-        [w for w in _warnings(check.stderr) if "'dept.sampling'" in w or "'train.eval_interval'" in w]
+    keys = ("'dept.sampling'", "'train.eval_interval'", "'train.save_interval'")
+    assert [w for w in _warnings(run.stderr) if any(k in w for k in keys)] == \
+        [w for w in _warnings(check.stderr) if any(k in w for k in keys)]
 
 
 def test_spec_is_refused_by_check_and_launch_before_training(tmp_path):

@@ -319,3 +319,37 @@ def test_changed_plasticity_is_refused(tmp_path):
     reps = run_plasticity(longer, out, 100, launch=launch, log=log, rerun_changed=True)
     assert made == [2, 3] and reps["std"]["steps"] == 3 and Path(out, "replaced", "std.1", "plasticity").is_dir()
 
+
+
+def test_an_adaptation_of_a_run_launched_elsewhere_is_not_stale(tmp_path):
+    """The study compares a finished adaptation with the config dept_mega.adapt makes: the run's
+    relative paths (here data.tokenizer) resolved against its recorded launch directory, as the
+    adaptation read them (dept_mega.run_paths), not as config.yaml writes them."""
+    from dept_mega.adapt import adapt_config
+    from dept_mega.run_paths import record_launch_dir, run_config_tree
+    heldout = tmp_path / "heldout.yaml"  # no tokenizer of its own: the run's data.tokenizer stays
+    heldout.write_text(yaml.safe_dump({"data": {"sources": [{"name": "ja", "prefix": "x/ja"}]},
+                                       "train": {"global_batch_size": 4, "micro_batch_size": 4}}))
+    study = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"}],
+                                  plasticity={"source_config": str(heldout), "steps": 2}))
+    out = str(tmp_path / "out")
+    os.makedirs(os.path.join(out, "logs"))
+    finish_runs(out, study)
+    record_launch_dir(run_dir_of(out, study.runs[0]), str(tmp_path / "launch"))
+
+    def launch(cmd, cwd, env, fh):  # what dept_mega.adapt writes
+        run_dir, dest = cmd[cmd.index("--run-dir") + 1], cmd[cmd.index("--out") + 1]
+        cfg = adapt_config(run_config_tree(run_dir)[0], yaml.safe_load(heldout.read_text()), str(heldout), 2,
+                           os.path.join(dest, "trained"), 1)
+        os.makedirs(os.path.join(dest, "trained"))
+        save_config(cfg, os.path.join(dest, "trained", "config.yaml"))
+        Path(dest, "adapt.json").write_text(json.dumps({
+            "source_config": str(heldout), "steps": 2, "body": "frozen", "body_lr": None, "step": 100,
+            "sources": ["ja"], "bpb": 2.0, "random_bpb": 3.0}))
+        return 0
+
+    with open(tmp_path / "log.txt", "w") as log:
+        run_plasticity(study, out, 100, launch=launch, log=log)
+    trained = yaml.safe_load(Path(out, "plasticity", "std", "trained", "config.yaml").read_text())
+    assert trained["data"]["tokenizer"] == str(tmp_path / "launch" / "examples/data/build/tok/global.model")
+    assert find_stale(study, out) == []

@@ -263,6 +263,23 @@ def test_names_tell_an_outer_lr_sweep_apart(tmp_path):
                                           "grid": {"dept.outer_optimizer": sweep}}]))
 
 
+def test_mid_round_checkpoints_are_warned_in_the_listing_only(tmp_path):
+    """save_interval 50 with dept.local_steps 100: the grid's listing warns (the trainer's own
+    warning, schedule_warnings); the results, which such checkpoints do not change, do not."""
+    study = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"},
+                                                  {"variant": "glob", "grid": {"dept.local_steps": [50, 100]}}],
+                                  set={"train.steps": 100, "train.micro_batch_size": 4, "train.eval_interval": 100,
+                                       "train.save_interval": 50}))
+    assert study.warnings == {} and list(study.checkpoint_warnings) == ["glob_local_steps=100"]
+    assert "warning: run glob_local_steps=100: config key 'train.save_interval': 50 is not a multiple of " \
+           "dept.local_steps=100" in describe(study)
+    results = {}
+    for r in study.runs:
+        fake_metrics(str(tmp_path / r.name), r.variant, 100, 1.0, 3)
+        results[r.name] = read_run(str(tmp_path / r.name))
+    assert summary(study, results, "cmd")["schedule_warnings"] == {}
+
+
 def test_mid_round_evaluations_are_warned_and_marked(tmp_path):
     """eval_interval 50 with dept.local_steps 100: the grid's listing warns (the trainer's own
     warning, schedule_warnings), results.md names the runs and steps, and curves.png draws those

@@ -50,7 +50,7 @@ from dept_mega.config import ConfigError, load_config  # noqa: E402
 from dept_mega.metrics import train_flops_per_token  # noqa: E402
 from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_memory,  # noqa: E402
                                   predict_outer_sync, resolve_vocabs)
-from dept_mega.dept.cost_vocabs import with_defaults  # noqa: E402
+from dept_mega.dept.cost_vocabs import MissingTokenizer, with_defaults  # noqa: E402
 from dept_mega.dept.step_bytes import predict_inner_round_bytes, predict_inner_step_bytes  # noqa: E402
 
 
@@ -79,7 +79,12 @@ def compute(args: argparse.Namespace) -> dict:
     cfg = unchecked(load_config(args.config, args.overrides), args.set)
     # sizes the config cannot give (SPEC-OPT's for a one-tokenizer config, the global one for a
     # spec_opt config) are assumed, with a note, so the table of every variant prints
-    vocabs = with_defaults(resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab), cfg)
+    try:
+        found = resolve_vocabs(cfg, args.global_vocab, args.source_vocab, args.trim_vocab)
+    except MissingTokenizer as exc:
+        option = "--global-vocab" if exc.key == "data.tokenizer" else "--source-vocab"
+        raise ConfigError(f"{exc}; or pass the size as {option} N") from None
+    vocabs = with_defaults(found, cfg)
     variants = predict_costs(cfg, vocabs.global_vocab, vocabs.source_vocabs or None, vocabs.trim_vocabs or None)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length  # one group's inner step
     for name, c in variants.items():

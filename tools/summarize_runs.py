@@ -4,7 +4,8 @@ step, in total and per round), parameters per rank.
 
     python tools/summarize_runs.py runs/main_std runs/main_spec_opt [--json OUT.json]
 
-Reads each run's ``config.yaml``, ``metrics.jsonl`` (the last ``eval`` record, every
+Reads each run's ``config.yaml`` (its relative tokenizer paths from the directory the run was
+launched from: dept_mega.run_paths), ``metrics.jsonl`` (the last ``eval`` record, every
 ``outer`` record and, for a federated group job, every ``membership`` record; one record per
 kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
 ``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
@@ -84,7 +85,7 @@ def read_run(run_dir: str) -> dict[str, Any]:
     steps = max([int(r["step"]) for r in trains + evals + outers] or [0])
     cross = sum(total_bytes.get(c, 0) for c in CROSS_GROUP)
     tokens = trained_tokens(trains, members)
-    comm = predicted_comm_per_step(cfg_path, cfg["dept"]["variant"])
+    comm = predicted_comm_per_step(run_dir, cfg["dept"]["variant"])
     # federated source groups: who left and joined when, and how many groups took part per round
     membership = [{k: m.get(k) for k in ("step", "round", "groups", "joined", "left", "healed")} for m in members]
     took_part = sorted({len(rec["groups"]) for rec in outers if "groups" in rec})
@@ -99,23 +100,31 @@ def read_run(run_dir: str) -> dict[str, Any]:
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
 
 
-def predicted_comm_per_step(cfg_path: str, variant: str) -> float | None:
+def predicted_comm_per_step(run_dir: str, variant: str) -> float | None:
     """Paper Table 1's per-step communication (parameters crossing groups per inner step)
-    for this run's config, from dept_mega.dept.costs (the same arithmetic as tools/dept_costs.py)."""
+    for this run's config, from dept_mega.dept.costs (the same arithmetic as tools/dept_costs.py).
+    The config's relative tokenizer paths are read from the run's launch directory
+    (dept_mega.run_paths), which is said once when it is not the current one."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from dept_mega.config import ConfigError, load_config
+    from dept_mega.config import ConfigError
     from dept_mega.dept.cost_vocabs import with_defaults
     from dept_mega.dept.costs import predict_costs, resolve_vocabs
+    from dept_mega.run_paths import load_run_config
 
-    cfg = load_config(cfg_path)
+    try:
+        cfg, paths = load_run_config(run_dir)
+    except ConfigError as exc:
+        raise RunError(str(exc)) from None
+    if paths.note() is not None:
+        print(paths.note(), file=sys.stderr)
     try:
         # SPEC-OPT's vocabulary = the global one, the global one = the largest source's, where
         # the config has no such tokenizer (as tools/dept_costs.py)
         v = with_defaults(resolve_vocabs(cfg), cfg)
     except ConfigError as exc:
-        # the run's tokenizers are not reachable from here (runs copied elsewhere, or relative
-        # paths read from another directory): leave this one figure out, not the summary
-        print(f"warning: {cfg_path}: no Table 1 params/step ({exc})", file=sys.stderr)
+        # the run's tokenizers are not reachable from here (a run copied elsewhere, or one that
+        # does not record its launch directory read from another): leave this one figure out
+        print(f"warning: {paths.config}: no Table 1 params/step ({exc}{paths.hint(str(exc))})", file=sys.stderr)
         return None
     costs = predict_costs(cfg, v.global_vocab, v.source_vocabs, v.trim_vocabs or None)
     return costs[variant]["per_step_comm_params"]

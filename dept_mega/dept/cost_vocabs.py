@@ -38,16 +38,25 @@ def _mean(values) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+class MissingTokenizer(ConfigError):
+    """A tokenizer file the config names does not exist; ``key`` is its config key."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 def tokenizer_vocab_size(path: str, key: str) -> int:
     """The vocabulary size of a tokenizer (a SentencePiece model, or a Hugging Face
     ``tokenizer.json`` or its directory, added tokens included); a missing file is a ConfigError,
-    one that is neither kind too (naming ``key``)."""
+    one that is neither kind too (naming ``key``). A missing one is a :class:`MissingTokenizer`:
+    the tools that can take the size instead say so themselves (tools/dept_costs.py)."""
     import os
 
     from ..data.tokenizer import TokenizerError, load_tokenizer
     if not os.path.exists(path):
-        raise ConfigError(f"config key '{key}': tokenizer file {path!r} does not exist "
-                          f"(pass the vocabulary size on the command line instead)")
+        raise MissingTokenizer(f"config key '{key}': tokenizer file {path!r} does not exist (its vocabulary size "
+                               f"is needed)", key)
     try:
         return int(load_tokenizer(path, key).vocab_size)
     except TokenizerError as exc:  # the tools report ConfigErrors as one line

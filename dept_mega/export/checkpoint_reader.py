@@ -55,7 +55,8 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import latest_step, step_dir
-from ..config import Config, load_config
+from ..config import Config
+from ..run_paths import load_run_config
 
 _MODEL_KEY = re.compile(r"^model/g(\d+)/tp(\d+)/pp(\d+)/c(\d+)/(.+)$")
 
@@ -170,10 +171,10 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
                       cfg: Optional[Config] = None) -> FullWeights:
     """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
 
-    ``cfg``: the run's config (default: ``RUN/config.yaml``). ``source`` may be None only
-    for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
+    ``cfg``: the run's config (default: ``RUN/config.yaml``, dept_mega.run_paths). ``source`` may
+    be None only for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
     if cfg is None:
-        cfg = load_config(os.path.join(run_dir, "config.yaml"))
+        cfg, _ = load_run_config(run_dir)
     if step is None:
         step = latest_step(run_dir)
         if step is None:

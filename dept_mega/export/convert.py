@@ -17,8 +17,10 @@ source's vocabulary V_k (computed from its data, ``data.sources[i].prefix``), so
 uses V_k as training and evaluation did (the logits of the ids in V_k are the model's). The
 body is the synchronised body of a round boundary (see ``checkpoint_reader``).
 
-Errors (bad run directory, a configuration no architecture expresses — naming the config key —,
-a missing tokenizer) are one ``error: ...`` line and exit status 2.
+The run's relative tokenizer and data paths are read from the directory it was launched from
+(dept_mega.run_paths), so the export runs from any directory. Errors (bad run directory, a
+configuration no architecture expresses — naming the config key —, a missing tokenizer) are one
+``error: ...`` line and exit status 2.
 """
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ import shutil
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError
 from ..data.tokenizer import HUGGINGFACE, TokenizerError, load_tokenizer
 from ..dept.federation_config import own_sources, source_owners
+from ..run_paths import RunPaths, load_run_config
 from .checkpoint_reader import CheckpointReadError, read_full_weights
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError
@@ -59,8 +62,7 @@ def tokenizer_entry(cfg: Config, source: str) -> tuple[str, str]:
             raise ExportError("config key 'data.tokenizer': the run has no tokenizer to export with the model")
         path, key = cfg.data.tokenizer, "data.tokenizer"
     if not os.path.exists(path):
-        raise ExportError(f"config key '{key}': tokenizer {path!r} does not exist (run the export from the "
-                          f"directory the run was started in)")
+        raise ExportError(f"config key '{key}': tokenizer {path!r} does not exist")
     return path, key
 
 
@@ -118,7 +120,7 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
     (``overwrite``: replacing an earlier export there, :func:`check_output`); returns the
     contents of ``dept_export.json``."""
     if cfg is None:
-        cfg = load_config(os.path.join(run_dir, "config.yaml"))
+        cfg, _ = load_run_config(run_dir)
     names = [s.name for s in cfg.data.sources]
     if source not in names:
         raise ExportError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
@@ -197,8 +199,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="replace an earlier export at --output (without it an existing, non-empty --output is "
                          "refused; a directory that is not an export always is)")
     args = ap.parse_args(argv)
+    paths: Optional[RunPaths] = None
     try:
-        cfg = load_config(os.path.join(args.run_dir, "config.yaml"))
+        cfg, paths = load_run_config(args.run_dir)
+        if paths.note() is not None:
+            print(paths.note(), flush=True)
         held = held_sources(cfg)
         if args.source is not None and args.source not in held:
             raise ExportError(held_elsewhere(cfg, args.source))
@@ -219,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             export_source(args.run_dir, args.source, args.output, args.step, cfg, overwrite=args.overwrite)
     except (ExportError, CheckpointReadError, TokenizerExportError, TokenizerError, ConfigError,
             FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}{paths.hint(str(exc)) if paths is not None else ''}", file=sys.stderr)
         return 2
     except ImportError as exc:
         print(f"error: exporting needs transformers, tokenizers and protobuf "

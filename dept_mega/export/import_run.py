@@ -38,6 +38,7 @@ import yaml
 
 from ..config import Config, ConfigError, config_from_dict, load_config, save_config
 from ..config_diff import both, check_differing
+from ..run_paths import record_launch_dir
 from ..rundir import IMPORTED
 from .convert import check_output, replace_dir
 from .hf_mapping import ExportError
@@ -181,6 +182,7 @@ def import_hf(hf_dir: str, cfg: Config, run_dir: str, overwrite: bool = False,
         # what Checkpointer.save reads of a training loop: the project's own save, nothing by hand
         Checkpointer(tmp).save(SimpleNamespace(trainer=trainer, hooks=StdHooks(), iterators={}))
         save_config(out_cfg, os.path.join(tmp, "config.yaml"))
+        record_launch_dir(tmp)  # its relative paths (data.tokenizer): from here, as a run's (dept_mega.run_paths)
         n = sum(math.prod(d.shape(s)) for piece in plan for s in piece.sources)  # the model's, without padding
         info = {"hf_dir": os.path.abspath(hf_dir), "model_type": d.model_type, "weights": describe_weights(d),
                 "ignored_tensors": ignored, "tokenizer_files": tokenizer_files(hf_dir),

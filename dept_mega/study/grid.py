@@ -48,7 +48,7 @@ import yaml
 
 from ..config import Config, ConfigError, load_config
 from ..metrics import train_flops_per_token
-from ..schedule_warnings import eval_interval_warning
+from ..schedule_warnings import eval_interval_warning, save_interval_warning
 
 VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
 TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity", "eval_whole"}
@@ -104,6 +104,9 @@ class Study:
     # filled by _resolve: a warning per run whose evaluations fall inside a round
     # (schedule_warnings.eval_interval_warning), {run name: warning}
     warnings: dict[str, str] = field(default_factory=dict)
+    # filled by _resolve: a warning per run whose periodic checkpoints fall inside a round
+    # (schedule_warnings.save_interval_warning; the listing's, not the report's), {run name: warning}
+    checkpoint_warnings: dict[str, str] = field(default_factory=dict)
 
 
 def _yaml_value(value: Any) -> str:
@@ -342,6 +345,9 @@ def _resolve(study: Study, base_dir: str) -> None:
         warning = eval_interval_warning(cfg)
         if warning:
             study.warnings[run.name] = warning
+        warning = save_interval_warning(cfg)
+        if warning:
+            study.checkpoint_warnings[run.name] = warning
         models.append(cfg.to_dict()["model"])
         study.body_flops[run.name] = train_flops_per_token(cfg.model, 0)  # vocab 0: the body alone
         per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
@@ -387,6 +393,6 @@ def describe(study: Study) -> str:
     note = compute_note(study)
     if note:
         lines.append(f"warning: {note}")
-    for name, warning in study.warnings.items():
+    for name, warning in [*study.warnings.items(), *study.checkpoint_warnings.items()]:
         lines.append(f"warning: run {name}: {warning}")
     return "\n".join(lines)

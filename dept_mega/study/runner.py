@@ -140,9 +140,9 @@ def stale_adaptation(out: str, run: RunSpec, study: Study, cwd: str) -> Optional
     run_cfg_path = os.path.join(run_dir_of(out, run), "config.yaml")
     if os.path.exists(trained) and os.path.exists(run_cfg_path):
         from ..adapt import adapt_config
+        from ..run_paths import run_config_tree
         try:
-            with open(run_cfg_path, encoding="utf-8") as f:
-                run_cfg = yaml.safe_load(f)
+            run_cfg, _ = run_config_tree(run_dir_of(out, run))  # its paths as dept_mega.adapt reads them
             src = p.source_config if os.path.isabs(p.source_config) else os.path.join(cwd, p.source_config)
             with open(src, encoding="utf-8") as f:
                 new = yaml.safe_load(f) or {}
@@ -298,10 +298,10 @@ def reference_key(out: str, run: RunSpec, study: Study, cwd: str) -> str:
     same key get the same random body trained the same way, so they share one reference. A
     config the adaptation would refuse gets a key of its own (its adaptation fails and says why)."""
     from ..adapt import adapt_config
+    from ..run_paths import run_config_tree
     p = study.plasticity
     try:
-        with open(os.path.join(run_dir_of(out, run), "config.yaml"), encoding="utf-8") as f:
-            run_cfg = yaml.safe_load(f)
+        run_cfg, _ = run_config_tree(run_dir_of(out, run))  # its paths as dept_mega.adapt reads them
         src = p.source_config if os.path.isabs(p.source_config) else os.path.join(cwd, p.source_config)
         with open(src, encoding="utf-8") as f:
             new = yaml.safe_load(f) or {}
