@@ -1,0 +1,319 @@
+"""tools/merge_datasets.py: shards merged equal one preprocessing run; checks; atomic writes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import dept_mega.data.merge as mg
+from dept_mega.data.indexed import IndexedDataset, tokenizer_record_path
+from dept_mega.data.merge import MergeError, find_parts, merge, merged_record
+from dept_mega.data.preprocess import preprocess
+from dept_mega.data.token_range import token_id_range
+from tests.data_utils import (megatron_indexed, numbered_docs, run_tool, synthetic_texts, train_tiny_tokenizer,
+                              write_docs)
+
+COMPANIONS = (".bin", ".idx", ".bytes.npy")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A jsonl preprocessed in one go and in three shards (uneven, a bad line in the second):
+    (one-go prefix, shard prefixes in order)."""
+    d = tmp_path_factory.mktemp("sharded")
+    tok = train_tiny_tokenizer(str(d / "tok"), vocab=200)
+    texts = synthetic_texts(90, seed=7) + ["Ünïcödé and 日本語 text"]
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in texts]
+    lines.insert(50, "not json")
+    cuts = [(0, 17), (17, 61), (61, len(lines))]
+    shards = []
+    for i, (a, b) in enumerate(cuts):
+        path = d / f"shard_{i}.jsonl"
+        path.write_text("".join(x + "\n" for x in lines[a:b]), encoding="utf-8")
+        shards.append(str(path))
+    whole = d / "whole.jsonl"
+    whole.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    preprocess([str(whole)], ["text"], tok, str(d / "one"), append_eod=True, log=None)
+    parts = []
+    for i, s in enumerate(shards):
+        preprocess([s], ["text"], tok, str(d / f"part_{i}"), append_eod=True, log=None)
+        parts.append(str(d / f"part_{i}_text_document"))
+    return str(d / "one_text_document"), parts
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _record(prefix):
+    with open(tokenizer_record_path(prefix), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_merged_shards_equal_one_go(sharded, tmp_path):
+    one, parts = sharded
+    out = str(tmp_path / "merged_text_document")
+    r = run_tool("merge_datasets.py", ["--input", *parts, "--output-prefix", out])
+    assert r.returncode == 0, r.stderr
+    for ext in COMPANIONS:
+        assert _read(out + ext) == _read(one + ext), ext
+    made, want = _record(out), _record(one)
+    for key in ("tokenizer_type", "tokenizer_model", "sha256", "lossless", "round_trip"):
+        assert made[key] == want[key], key
+    assert {k: made["input"][k] for k in ("lines", "skipped", "skipped_by_kind")} == \
+        {k: want["input"][k] for k in ("lines", "skipped", "skipped_by_kind")} == \
+        {"lines": 92, "skipped": 1, "skipped_by_kind": {"invalid_json": 1}}
+    assert [m["prefix"] for m in made["merged_from"]] == [os.path.abspath(p) for p in parts]
+    assert [m["documents"] for m in made["merged_from"]] == [17, 43, 31]
+    # the id range is cached for the merged files as they are (valid key), equal to the one-go range
+    with open(out + ".token_range.json") as f:
+        cached = json.load(f)
+    assert (cached["min"], cached["max"]) == token_id_range(one)
+    os.remove(out + ".token_range.json")
+    assert token_id_range(out) == (cached["min"], cached["max"])
+    assert "3 parts, 91 documents" in r.stderr
+
+
+def test_megatron_reads_merged(sharded, tmp_path):
+    mcore = megatron_indexed()
+    one, parts = sharded
+    out = str(tmp_path / "m")
+    merge(parts, out)
+    m, ours = mcore.IndexedDataset(out), IndexedDataset(one)
+    assert len(m) == len(ours) == 91
+    assert all(m[i].tolist() == ours[i].tolist() for i in range(len(m)))
+
+
+def _part(prefix, docs, dtype=np.uint16, **record):
+    """A part written directly: its documents, byte counts (10 per token) and a current record."""
+    write_docs(prefix, docs, [10 * len(d) for d in docs], dtype=dtype)
+    rec = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/tok/a.model", "sha256": "aa" * 32,
+           "lossless": True, "round_trip": {"documents": len(docs), "bytes": 10 * sum(map(len, docs)),
+                                            "checked": len(docs), "checked_bytes": 10 * sum(map(len, docs)),
+                                            "mismatched_documents": 0, "mismatched_bytes": 0,
+                                            "mismatched_decoded_bytes": 0, "every": 1},
+           "input": {"files": [prefix + ".jsonl"], "lines": len(docs), "skipped": 0, "skipped_by_kind": {}}}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            rec[key] = {**rec[key], **value}
+        else:
+            rec[key] = value
+    with open(tokenizer_record_path(prefix), "w") as f:
+        json.dump(rec, f)
+    return prefix
+
+
+def _left(directory, out_name):
+    """Files of the output (final or temporary) in ``directory``."""
+    return sorted(f for f in os.listdir(directory) if f.startswith(out_name))
+
+
+def test_input_dir_order_is_by_name_with_numbers(tmp_path):
+    docs = numbered_docs(30, seed=3)
+    d = tmp_path / "shards"
+    d.mkdir()
+    for n, (a, b) in zip((2, 10, 1), ((10, 20), (20, 30), (0, 10))):
+        _part(str(d / f"x_{n}_text_document"), docs[a:b])
+    prefixes = find_parts(str(d), "x_*_text_document")
+    assert [os.path.basename(p) for p in prefixes] == [f"x_{n}_text_document" for n in (1, 2, 10)]
+    out = str(tmp_path / "all")
+    r = run_tool("merge_datasets.py", ["--input-dir", str(d), "--output-prefix", out])
+    assert r.returncode == 0, r.stderr
+    assert "in name order (digit runs as numbers): x_1_text_document, x_2_text_document, x_10" in r.stderr
+    ds = IndexedDataset(out)
+    assert [ds[i].tolist() for i in range(len(ds))] == docs
+    assert ds.document_bytes().tolist() == [10 * len(x) for x in docs]
+
+
+def test_input_dir_refuses_several_keys_and_half_datasets(tmp_path):
+    d = tmp_path / "shards"
+    d.mkdir()
+    _part(str(d / "x_0_text_document"), [[1, 2]])
+    _part(str(d / "x_0_title_document"), [[3]])
+    with pytest.raises(MergeError, match=r"2 json keys \(text_document, title_document\).*--pattern '\*_text_"):
+        find_parts(str(d))
+    assert len(find_parts(str(d), "*_text_document")) == 1
+    os.remove(d / "x_0_title_document.idx")
+    with pytest.raises(MergeError, match=r"x_0_title_document\.bin has no x_0_title_document\.idx"):
+        find_parts(str(d))
+    with pytest.raises(MergeError, match="no dataset"):
+        find_parts(str(d), "y*")
+
+
+@pytest.mark.parametrize("field", ["sha256", "tokenizer_type"])
+def test_refuses_another_tokenizer(tmp_path, field):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    other = {"sha256": "bb" * 32, "tokenizer_type": "HuggingFaceTokenizer"}[field]
+    b = _part(str(tmp_path / "b"), [[4, 5]], **{field: other, "tokenizer_model": "/tok/b"})
+    with pytest.raises(MergeError) as e:
+        merge([a, b], str(tmp_path / "out"))
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'b.tokenizer.json'}: field '{field}'") and "/tok/b" in msg \
+        and "different tokenizers" in msg
+    assert _left(tmp_path, "out") == []
+
+
+def test_refuses_another_dtype(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    b = _part(str(tmp_path / "b"), [[4, 5]], dtype=np.int32)
+    with pytest.raises(MergeError, match=r"b\.idx: token dtype int32, but the first part's .*a\.idx\) is uint16"):
+        merge([a, b], str(tmp_path / "out"))
+    assert _left(tmp_path, "out") == []
+
+
+def test_refuses_output_among_inputs_and_duplicates(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    b = _part(str(tmp_path / "b"), [[4]])
+    before = _read(a + ".bin")
+    for out in (b, str(tmp_path / "." / "b")):
+        with pytest.raises(MergeError, match="is the input part"):
+            merge([a, b], out, force=True)
+    os.link(a + ".idx", tmp_path / "hard.idx")  # another name of the same file
+    with pytest.raises(MergeError, match="is the input part"):
+        merge([a, b], str(tmp_path / "hard"), force=True)
+    with pytest.raises(MergeError, match="given twice"):
+        merge([a, b, str(tmp_path / "." / "a")], str(tmp_path / "out"))
+    assert _read(a + ".bin") == before
+
+
+def test_refuses_parts_without_companions_or_inconsistent(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    out = str(tmp_path / "out")
+    b = _part(str(tmp_path / "b"), [[4, 5]], round_trip={"documents": 3})
+    with pytest.raises(MergeError, match=r"b\.tokenizer\.json: field 'round_trip\.documents' is 3, but .*holds 1 documents"):
+        merge([a, b], out)
+    c = _part(str(tmp_path / "c"), [[6]])
+    os.remove(c + ".bytes.npy")
+    with pytest.raises(MergeError, match=r"c\.bytes\.npy does not exist.*add_byte_counts"):
+        merge([a, c], out)
+    np.save(c + ".bytes.npy", np.array([1, 2], dtype=np.int64))
+    with pytest.raises(MergeError, match=r"c\.bytes\.npy: int64 array of shape \(2,\), expected .*\(1,\)"):
+        merge([a, c], out)
+    e = _part(str(tmp_path / "e"), [[7]])
+    os.remove(tokenizer_record_path(e))
+    with pytest.raises(MergeError, match=r"e\.tokenizer\.json does not exist"):
+        merge([a, e], out)
+    f = _part(str(tmp_path / "f"), [[8, 9]])
+    with open(f + ".bin", "ab") as fh:
+        fh.write(b"\0\0")
+    with pytest.raises(MergeError, match=r"f\.bin: 6 bytes, but .*names 2 tokens"):
+        merge([a, f], out)
+    with pytest.raises(MergeError, match=r"part .*nope.*index file does not exist"):
+        merge([a, str(tmp_path / "nope")], out)
+    assert _left(tmp_path, "out") == []
+
+
+def test_merged_record_adds_up(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]] * 4, lossless=None,
+              round_trip={"checked": 1, "checked_bytes": 30, "every": 4})
+    b = _part(str(tmp_path / "b"), [[4, 5]] * 2, lossless=False,
+              round_trip={"mismatched_documents": 1, "mismatched_bytes": 20, "mismatched_decoded_bytes": 18},
+              input={"skipped": 2, "lines": 4, "skipped_by_kind": {"invalid_json": 1, "empty_text": 1}})
+    c = _part(str(tmp_path / "c"), [[6]], input={"skipped": 1, "lines": 2, "skipped_by_kind": {"invalid_json": 1}})
+    rec = merged_record(mg.check_parts([a, b, c], str(tmp_path / "out")))
+    assert rec["lossless"] is False
+    assert rec["round_trip"] == {"documents": 7, "bytes": 170, "checked": 4, "checked_bytes": 80,
+                                 "mismatched_documents": 1, "mismatched_bytes": 20, "mismatched_decoded_bytes": 18,
+                                 "every": None}
+    assert rec["input"] == {"files": [a + ".jsonl", b + ".jsonl", c + ".jsonl"], "lines": 10, "skipped": 3,
+                            "skipped_by_kind": {"invalid_json": 2, "empty_text": 1}}
+    assert [m["round_trip_every"] for m in rec["merged_from"]] == [4, 1, 1]
+    assert merged_record(mg.check_parts([a, c], str(tmp_path / "out")))["lossless"] is None  # a sample
+    assert merged_record(mg.check_parts([b, c], str(tmp_path / "out")))["round_trip"]["every"] == 1
+    old = _part(str(tmp_path / "old"), [[7]])  # a record older than the input field
+    rec_old = _record(old)
+    del rec_old["input"]
+    with open(tokenizer_record_path(old), "w") as f:
+        json.dump(rec_old, f)
+    with pytest.raises(MergeError, match=r"old\.tokenizer\.json: field 'input' is missing"):
+        merged_record(mg.check_parts([a, old], str(tmp_path / "out")))
+
+
+def test_existing_output_needs_force(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    b = _part(str(tmp_path / "b"), [[4]])
+    out = str(tmp_path / "out")
+    merge([a], out)
+    r = run_tool("merge_datasets.py", ["--input", a, b, "--output-prefix", out])
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "out.bin" in r.stderr and "--force" in r.stderr
+    assert IndexedDataset(out).num_documents == 1
+    merge([a, b], out, force=True)
+    assert IndexedDataset(out).num_documents == 2 and len(_record(out)["merged_from"]) == 2
+
+
+def test_progress_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(mg, "CHUNK_BYTES", 64)
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(20, seed=i)) for i in range(3)]
+    lines = []
+    merge(parts, str(tmp_path / "out"), log=lines.append, progress_interval=0)
+    assert any(line.startswith("[merge] 1 of 3 parts done |") and " MB of " in line and "ETA" in line
+               for line in lines)
+    assert lines[-1].startswith("[merge] 3 of 3 parts done") and "(100.0%)" in lines[-1]
+
+
+def _stop_after(monkeypatch, calls: int, action):
+    """Make the copy's progress call ``action`` at its ``calls``-th update (mid-copy: small chunks)."""
+    monkeypatch.setattr(mg, "CHUNK_BYTES", 16)
+    real, n = mg._Progress.update, [0]
+
+    def update(self, parts_done, nbytes):
+        n[0] += 1
+        if n[0] == calls:
+            action()
+        real(self, parts_done, nbytes)
+
+    monkeypatch.setattr(mg._Progress, "update", update)
+
+
+def test_interrupt_leaves_nothing(tmp_path, monkeypatch):
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(10, seed=i)) for i in range(2)]
+
+    def stop():
+        raise KeyboardInterrupt
+
+    _stop_after(monkeypatch, 5, stop)
+    with pytest.raises(KeyboardInterrupt):
+        merge(parts, str(tmp_path / "out"))
+    assert _left(tmp_path, "out") == []
+
+
+def test_sigterm_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import tools.merge_datasets as tool
+
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(10, seed=i)) for i in range(2)]
+    _stop_after(monkeypatch, 5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    assert tool.main(["--input", *parts, "--output-prefix", str(tmp_path / "out"), "--quiet"]) == 143
+    assert "terminated (SIGTERM); no output written" in capsys.readouterr().err
+    assert _left(tmp_path, "out") == []
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_while_renaming_leaves_no_dataset(tmp_path, monkeypatch):
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(5, seed=i)) for i in range(2)]
+    out = str(tmp_path / "out")
+    merge(parts[:1], out)  # an older dataset at the output, replaced with --force
+    real, n = os.replace, [0]
+
+    def replace(a, b):
+        n[0] += 1
+        if n[0] == 3:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(mg.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        merge(parts, out, force=True)
+    # neither the new dataset nor a mixture with the old one: no .idx, no new file left
+    assert _left(tmp_path, "out") == []
+
+
+def test_cli_argument_errors(tmp_path):
+    r = run_tool("merge_datasets.py", ["--input", "a", "--pattern", "x*", "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 2 and "--pattern needs --input-dir" in r.stderr
+    r = run_tool("merge_datasets.py", ["--input-dir", str(tmp_path / "none"), "--output-prefix", "o"])
+    assert r.returncode == 2 and "error: --input-dir" in r.stderr and "is not a directory" in r.stderr
