@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dept_mega.data.merge import MergeError, find_parts, merge  # noqa: E402
+from dept_mega.data.merge import MergeError, find_parts, human_size, merge  # noqa: E402
 
 
 class Terminated(BaseException):
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     el = max(st.seconds, 1e-9)
-    log(f"[merge] done: {st.parts} parts, {st.documents} documents, {st.tokens} tokens, {st.bin_bytes / 1e9:.2f} GB "
+    log(f"[merge] done: {st.parts} parts, {st.documents} documents, {st.tokens} tokens, {human_size(st.bin_bytes)} "
         f"in {st.seconds:.1f}s ({st.bin_bytes / el / 1e6:.0f} MB/s)")
     log(f"[merge] wrote {', '.join(st.outputs)}")
     return 0

@@ -366,7 +366,8 @@ def _eta(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
+    """``n`` bytes in GB, or in MB below 0.1 GB."""
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
@@ -387,8 +388,8 @@ class _Progress:
         self.last = now
         el = max(now - self.t0, 1e-9)
         eta = el * (self.total - self.done) / self.done if self.done else float("nan")
-        self.log(f"[merge] {parts_done} of {self.parts} parts done | {_size(self.done)} of "
-                 f"{_size(self.total)} ({100.0 * self.done / self.total:5.1f}%) | "
+        self.log(f"[merge] {parts_done} of {self.parts} parts done | {human_size(self.done)} of "
+                 f"{human_size(self.total)} ({100.0 * self.done / self.total:5.1f}%) | "
                  f"{self.done / el / 1e6:.0f} MB/s | ETA {_eta(eta)}")
 
 
