@@ -28,6 +28,7 @@ from .checkpoint_format import entries_of, load_entries, param_key, saved_keys, 
 from .config import Config, ConfigError
 from .config_diff import both, check_differing
 from .manifest import DEPENDS_FILE, LAYOUT_FILE, read_json
+from .variant import variant_of
 
 KEY = "train.init_from"
 PER_SOURCE = ("spec", "spec_opt")
@@ -137,7 +138,7 @@ def source_tables(cfg: Config, path: str, pg, sources) -> SourceTables:
         if key in saved and saved[key][0] != want:
             rows.append((f"data.sources[{i}]", f"source {s.name!r}: checkpoint key {key!r} has {saved[key][0]} rows, "
                          f"this launch's vocabulary of {s.vocab_size} needs {want}"))
-        if cfg.dept.variant == "spec_opt" and s.name in old_names:
+        if variant_of(cfg).own_tokenizer and s.name in old_names:
             a = old_tok.get(f"data.sources[{old_names.index(s.name)}].tokenizer") or {}
             b = new_tok.get(f"data.sources[{i}].tokenizer") or {}
             if a.get("sha256") != b.get("sha256"):
