@@ -20,6 +20,7 @@ import yaml
 
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
     ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, FP8_GEMM_MAX_TUNING, get_key)
+from .variant import variant_of
 
 
 # ----------------------------------------------------------------------------- building
@@ -307,7 +308,7 @@ def _check_values(cfg: Config) -> None:
                               f"dept.sampling=weights (the weights alone are the shares, as Megatron-LM's "
                               f"--data-path 0.3 A 0.7 B), proportional (a source's share ∝ its tokens × weight) or "
                               f"temperature ((tokens × weight)^dept.temperature), or drop the weight")
-    if cfg.dept.sampling == "balanced" and cfg.dept.variant == "std":
+    if cfg.dept.sampling == "balanced" and not variant_of(cfg).rounds:
         raise ConfigError("config key 'dept.sampling': balanced orders DEPT's rounds (every source once before any "
                           "again); std mixes the sources in every batch: use uniform for equal shares")
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -327,7 +328,7 @@ def _check_values(cfg: Config) -> None:
         if not prof.ranks or any(r < 0 for r in prof.ranks) or len(set(prof.ranks)) != len(prof.ranks):
             raise ConfigError(f"config key 'train.profile.ranks': a non-empty list of distinct ranks >= 0, "
                               f"got {prof.ranks!r}")
-    if cfg.dept.embedding_rows == "present" and cfg.dept.variant != "glob":
+    if cfg.dept.embedding_rows == "present" and not variant_of(cfg).synced_table:
         raise ConfigError(f"config key 'dept.embedding_rows': present applies to glob (TRIM's compact tables hold "
                           f"only V_k, SPEC's tables are never averaged), got dept.variant={cfg.dept.variant!r}")
     if cfg.dept.embedding_rows == "present" and cfg.dept.outer_overlap:
@@ -338,7 +339,7 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError("config key 'dept.embedding_rows': present needs optim.distributed false (the "
                           "distributed optimizer's gradients and masters are flat shards, not rows)")
     _check_outer_sync(cfg)
-    if cfg.dept.body_optimizer_state == "source" and cfg.dept.variant == "std":
+    if cfg.dept.body_optimizer_state == "source" and not variant_of(cfg).rounds:
         raise ConfigError("config key 'dept.body_optimizer_state': source needs a DEPT variant "
                           "(std trains one group on the blend of all sources)")
     if cfg.dept.body_optimizer_state == "source" and cfg.dept.reset_inner_optimizer:
@@ -365,7 +366,7 @@ def _check_values(cfg: Config) -> None:
     if m.attention_backend == "flex" and m.attention_dropout > 0:
         raise ConfigError(f"config key 'model.attention_backend': flex_attention cannot apply attention "
                           f"dropout (model.attention_dropout={m.attention_dropout}); use auto, sdpa, flash or bias")
-    if cfg.dept.variant != "std" and t.steps % cfg.dept.local_steps:
+    if variant_of(cfg).rounds and t.steps % cfg.dept.local_steps:
         raise ConfigError(f"config key 'dept.local_steps': train.steps={t.steps} is not a multiple of "
                           f"{cfg.dept.local_steps}" + default_note(cfg, "dept.local_steps", "a round is "
                           "dept.local_steps inner steps: set it to a divisor of train.steps")
@@ -502,7 +503,7 @@ def held_here(cfg) -> list[int] | None:
     """The indices of the sources whose files this job reads: every one (None) but in a federated
     group job, its own (:func:`source_groups`; group: ``federation.group``, else ``DEPT_GROUP``)."""
     f = getattr(cfg, "federation", None)  # (a config-like namespace without one: the single job)
-    if f is None or f.lighthouse is None or cfg.dept.variant == "std":
+    if f is None or f.lighthouse is None or not variant_of(cfg).rounds:
         return None
     group, env = f.group, os.environ.get("DEPT_GROUP", "")
     if group is None and not env.strip().lstrip("-").isdigit():
@@ -545,25 +546,25 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     if prof is not None and max(prof.ranks) >= world_size:
         raise ConfigError(f"config key 'train.profile.ranks': rank {max(prof.ranks)} does not exist in a world "
                           f"of {world_size}")
-    variant = cfg.dept.variant
+    variant, v = cfg.dept.variant, variant_of(cfg)
     k = len(cfg.data.sources)
-    if variant == "std" and groups != 1:
+    if not v.rounds and groups != 1:
         d = world_size // (p.tensor * p.pipeline)
         raise ConfigError(f"config key 'dept.variant': std trains one group, but world size {world_size} "
                           f"with tensor×pipeline×data={p.tensor}×{p.pipeline}×{p.data}={per_group} gives {groups} "
                           f"groups: set parallel.data={d} (world size / (tensor × pipeline); Megatron-LM infers the "
                           f"data-parallel size, dept_mega does not: the ranks left over form DEPT source groups), "
                           f"or launch {per_group} process(es)")
-    if variant in ("spec", "spec_opt") and k < groups:
+    if v.own_embeddings and k < groups:
         raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
                           f"got {k} sources for {groups} groups" + _variant_note(
                               cfg, "every DEPT variant needs a source per group; std trains one group"))
-    if variant != "std" and k and k < groups:
+    if v.rounds and k and k < groups:
         raise ConfigError(f"config key 'data.sources': {k} sources cannot fill {groups} groups")
-    if variant != "std" and k:
+    if v.rounds and k:
         # the group jobs' number under federation (each job's own world is one group)
         source_groups(cfg, cfg.federation.groups if cfg.federation.lighthouse is not None else groups)
-    if variant == "spec_opt":
+    if v.own_tokenizer:
         for i, s in enumerate(cfg.data.sources):
             if not s.tokenizer:
                 raise ConfigError(f"config key 'data.sources[{i}].tokenizer': spec_opt needs a tokenizer "
@@ -574,7 +575,7 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
         raise ConfigError(f"config key 'data.tokenizer': variant {variant} needs a global tokenizer")
     if not check_files:
         return
-    if cfg.data.tokenizer and variant != "spec_opt" and not os.path.exists(cfg.data.tokenizer):
+    if cfg.data.tokenizer and not v.own_tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError(f"config key 'data.tokenizer': file {cfg.data.tokenizer!r} does not exist")
     held = held_here(cfg)  # a federated group job reads only its own sources' files (the others':
     for i, s in enumerate(cfg.data.sources):  # their summaries, data.checks.check_sources)
@@ -584,7 +585,7 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
             if not os.path.exists(s.prefix + ext):
                 raise ConfigError(f"config key 'data.sources[{i}].prefix': file {s.prefix + ext!r} "
                                   f"does not exist (source '{s.name}'){_prefix_hint(s.prefix)}")
-        if variant == "spec_opt" and s.tokenizer and not os.path.exists(s.tokenizer):
+        if v.own_tokenizer and s.tokenizer and not os.path.exists(s.tokenizer):
             raise ConfigError(f"config key 'data.sources[{i}].tokenizer': file {s.tokenizer!r} does not exist")
 
 

@@ -8,9 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """A bad configuration: the message names the key and the value."""
+from .config_error import ConfigError  # noqa: F401 - importable from here (and dept_mega.config)
+from .variant import VARIANT_NAMES
 
 
 # Every field's meaning is its ``#:`` comment (above the field, or after it on its line):
@@ -409,7 +408,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "fp8_casts": ("auto", "triton", "cuda", "torch"),
     "fp8_gemm": ("auto", "torch", "cublaslt"),
     "backend": ("auto", "local", "transformer_engine"),
-    "dept.variant": ("std", "glob", "trim", "spec", "spec_opt"),
+    "dept.variant": VARIANT_NAMES,
     "dept.sampling": ("uniform", "proportional", "temperature", "weights", "balanced"),
     "dept.untrained_sources": ("error", "warn"),
     "dept.embedding_rows": ("all", "present"),

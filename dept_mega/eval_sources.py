@@ -30,9 +30,7 @@ from typing import Sequence
 
 from .config import Config, ConfigError
 from .config_schema import SourceConfig
-
-#: variants whose sources share one global embedding table (an extra source can be evaluated)
-GLOBAL_TABLE_VARIANTS = ("std", "glob", "trim")
+from .variant import variant_of
 
 
 def label(source: SourceConfig) -> str:
@@ -41,7 +39,7 @@ def label(source: SourceConfig) -> str:
 
 
 def adapt_advice(variant: str) -> str:
-    own = "token embeddings and tokenizer" if variant == "spec_opt" else "token embeddings"
+    own = "token embeddings and tokenizer" if variant_of(variant).own_tokenizer else "token embeddings"
     return (f"under dept.variant {variant} each source has its own {own}, and a source the run never trained has "
             f"none: train them on this body with python -m dept_mega.adapt, then evaluate that run "
             f"(docs/dept.md \"Studies and plasticity\")")
@@ -54,7 +52,7 @@ def not_the_runs_config(variant: str) -> str:
     (one global table) or ``dept_mega.adapt`` (embeddings per source)."""
     head = ("dept_mega.evaluate evaluates a checkpoint with the model, DEPT settings and data.sources it was trained "
             "with: drop that override")
-    if variant in GLOBAL_TABLE_VARIANTS:
+    if variant_of(variant).global_table:
         return (f"{head} (to evaluate other data tokenized with the run's data.tokenizer, keep data.sources and add "
                 f"it with --extra-source NAME=PREFIX, repeatable)")
     return f"{head} (a new source: {adapt_advice(variant)})"
@@ -63,11 +61,11 @@ def not_the_runs_config(variant: str) -> str:
 def parse_extra_sources(specs: Sequence[str], cfg: Config) -> list[SourceConfig]:
     """``--extra-source NAME=PREFIX`` arguments as SourceConfigs; a ConfigError for a malformed
     argument, a name the run's sources or another extra source have, missing files, or a
-    variant whose sources own their embeddings (:data:`GLOBAL_TABLE_VARIANTS`)."""
+    variant whose sources own their embeddings (not ``Variant.global_table``)."""
     if not specs:
         return []
     variant = cfg.dept.variant
-    if variant not in GLOBAL_TABLE_VARIANTS:
+    if not variant_of(variant).global_table:
         raise ConfigError(f"--extra-source: {adapt_advice(variant)}")
     taken = {s.name for s in cfg.data.sources}
     out: list[SourceConfig] = []
@@ -118,8 +116,8 @@ def never_updated_notes(cfg: Config, extra: Sequence[SourceConfig]) -> list[str]
     (TRIM: rows of φ outside every run source's V_k; GLOB with ``dept.embedding_rows:
     present`` likewise): how many ids, and what share of the source's tokens they are. Other
     variants update every row: nothing."""
-    if not extra or not (cfg.dept.variant == "trim" or (cfg.dept.variant == "glob"
-                                                          and cfg.dept.embedding_rows == "present")):
+    v = variant_of(cfg)
+    if not extra or not (v.trimmed or (v.synced_table and cfg.dept.embedding_rows == "present")):
         return []
     import numpy as np
 
@@ -144,7 +142,7 @@ def never_updated_notes(cfg: Config, extra: Sequence[SourceConfig]) -> list[str]
             continue
         share = 100.0 * float(counts[fresh].sum()) / max(float(counts.sum()), 1.0)
         how = (f"φ hold their initial values; it is evaluated with the softmax over its own {len(ids)} ids, as trim "
-               f"evaluates a source" if cfg.dept.variant == "trim" else
+               f"evaluates a source" if v.trimmed else
                "the global table hold their initial values; it is evaluated with the whole table, as glob evaluates "
                "every source")
         out.append(f"{label(s)}: {len(fresh)} of its {len(ids)} token ids ({share:.2f} % of its tokens) occur in the "

@@ -29,6 +29,7 @@ from .config_diff import check_differing
 from .manifest import DEPENDS_FILE, CheckpointError, read_json
 from .parallel.agree import is_agreed, mark_agreed
 from .resume import CKPT_DIR, depends_differences, fingerprint, select_checkpoint, step_dir
+from .variant import variant_of
 
 # what the weights' shapes and meaning depend on (model.seq_length only with a learned position table)
 MODEL_KEYS = ("dept.variant", "model.num_layers", "model.hidden_size", "model.num_attention_heads",
@@ -100,19 +101,19 @@ def init_from(trainer, cfg: Config, device: torch.device, hooks=None) -> str:
     the sources' tables, read at their first installation; TRIM: its global tables, loaded
     here). Errors are agreed: every rank raises the same one."""
     from .checkpoint_format import load_entries
-    from .init_from_dept import PER_SOURCE, attach, reset_references, weight_entries
+    from .init_from_dept import attach, reset_references, weight_entries
     from .init_from_trim import saved_variant, trim_entries
     from .parallel.agree import agree_errors
     from .run_inputs import input_errors
     path = source_checkpoint(cfg.train.init_from, device)
     agree_errors(lambda: check_source(cfg, path), input_errors(), device)
     new, old = cfg.dept.variant, saved_variant(path)
-    per_source = new in PER_SOURCE
+    per_source = variant_of(new).own_embeddings
     tables = source_tables_of(hooks, cfg, path, device) if per_source else None
 
     def entries() -> list:
         out = weight_entries(trainer, path, new, old)
-        if new == "trim":  # φ, φ_head, positions: the compact tables are filled from φ at installation
+        if variant_of(new).trimmed:  # φ, φ_head, positions: the compact tables are filled from φ at installation
             out += trim_entries(hooks.strategy, path, old)
         return out
 
@@ -166,8 +167,8 @@ def resume_sources(hooks, cfg: Config, device: torch.device) -> Optional[str]:
     """A SPEC / SPEC-OPT run started with ``train.init_from`` that resumed from its own
     checkpoint: a source it has not trained yet still starts from the checkpoint's table, as
     in an uninterrupted run. Returns the checkpoint's path (None: nothing to attach)."""
-    from .init_from_dept import PER_SOURCE, attach
-    if cfg.train.init_from is None or cfg.dept.variant not in PER_SOURCE or hooks is None:
+    from .init_from_dept import attach
+    if cfg.train.init_from is None or not variant_of(cfg).own_embeddings or hooks is None:
         return None
     path = _recorded(cfg) or source_checkpoint(cfg.train.init_from, device)
     attach(hooks, source_tables_of(hooks, cfg, path, device))

@@ -28,10 +28,9 @@ from .checkpoint_format import entries_of, load_entries, param_key, saved_keys, 
 from .config import Config, ConfigError
 from .config_diff import both, check_differing
 from .manifest import DEPENDS_FILE, LAYOUT_FILE, read_json
+from .variant import variant_of
 
 KEY = "train.init_from"
-PER_SOURCE = ("spec", "spec_opt")
-OWN_TABLES = PER_SOURCE + ("trim",)  # variants whose model holds a source's embeddings, not a shared table
 WORD = "embeddings.word_embeddings.weight"
 
 
@@ -47,8 +46,9 @@ def weight_entries(trainer, path: str, new: str, old: str) -> list:
     every = frozenset(id(p) for st in trainer.stages for p in st.parameters())
     entries = model_entries(trainer, optimizer=False, replicated=every)
     body = [e for e in entries if "/embeddings." not in e.key]
-    embeddings = [] if new in OWN_TABLES else [e for e in entries if "/embeddings." in e.key]
-    if old == "trim":
+    # the model holds a source's embeddings (not a shared table): they are not read here
+    embeddings = [] if variant_of(new).source_embeddings else [e for e in entries if "/embeddings." in e.key]
+    if variant_of(old).trimmed:
         embeddings = from_phi(embeddings, path)
     saved = saved_keys(path)
     for e in body + embeddings:
@@ -112,12 +112,12 @@ def source_tables(cfg: Config, path: str, pg, sources) -> SourceTables:
     vocabulary size and (SPEC-OPT) the same tokenizer. One ConfigError naming every problem.
     A STD / GLOB checkpoint (SPEC only: the same global tokenizer, ``init_from.check_source``)
     holds every source's table: its shared one; a TRIM checkpoint its φ (``init_from_trim``)."""
-    from .init_from_trim import SHARED, saved_variant
+    from .init_from_trim import saved_variant
     from .model.embeddings import padded_vocab_size
     from .resume import fingerprint
     old = saved_variant(path)
-    if old in SHARED + ("trim",):
-        return SourceTables(path, {s.name: (lambda k: k) for s in sources}, pg, trim=old == "trim")
+    if variant_of(old).global_table:  # std / glob: the shared table, trim: φ
+        return SourceTables(path, {s.name: (lambda k: k) for s in sources}, pg, trim=variant_of(old).trimmed)
     held = held_sources(path)
     saved = saved_keys(path)
     depends = read_json(path, DEPENDS_FILE)
@@ -137,7 +137,7 @@ def source_tables(cfg: Config, path: str, pg, sources) -> SourceTables:
         if key in saved and saved[key][0] != want:
             rows.append((f"data.sources[{i}]", f"source {s.name!r}: checkpoint key {key!r} has {saved[key][0]} rows, "
                          f"this launch's vocabulary of {s.vocab_size} needs {want}"))
-        if cfg.dept.variant == "spec_opt" and s.name in old_names:
+        if variant_of(cfg).own_tokenizer and s.name in old_names:
             a = old_tok.get(f"data.sources[{old_names.index(s.name)}].tokenizer") or {}
             b = new_tok.get(f"data.sources[{i}].tokenizer") or {}
             if a.get("sha256") != b.get("sha256"):

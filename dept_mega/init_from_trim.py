@@ -25,9 +25,9 @@ from __future__ import annotations
 from .checkpoint_format import Entry, param_key, saved_keys, trim_key
 from .config import ConfigError
 from .manifest import DEPENDS_FILE, read_json
+from .variant import variant_of
 
 KEY = "train.init_from"
-SHARED = ("std", "glob")  # variants with one shared embedding table in the model
 TABLES = {"phi": "embeddings.word_embeddings.weight", "phi_head": "embeddings.output_layer.weight",
           "positions": "embeddings.position_embeddings.weight"}  # TRIM's table → the model's parameter
 
@@ -54,7 +54,7 @@ def trim_entries(strategy, path: str, old: str) -> list[Entry]:
     for e in _trim(strategy):
         if e.key not in tables:  # a row's outer optimizer state: fresh
             continue
-        if old == "trim":
+        if variant_of(old).trimmed:
             out.append(e)
             continue
         key = param_key(TABLES[tables[e.key]], None)

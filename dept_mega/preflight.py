@@ -21,6 +21,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .config import Config, te_fp8_conflict, validate
+from .variant import variant_of
 
 def _size(n: float) -> str:
     for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -48,9 +49,10 @@ def _stored_vocabs(cfg: Config, groups: int, vocab: int, source_vocabs: Sequence
     of them: SPEC/SPEC-OPT/TRIM keep every source's embeddings, each written once under
     ``source/{name}/``; ``dept_mega.dept.hook_state``). Upper bound: the K − G largest."""
     stored = len(cfg.data.sources) - groups
-    if cfg.dept.variant not in ("spec", "spec_opt", "trim") or stored <= 0:
+    v = variant_of(cfg)
+    if not v.source_embeddings or stored <= 0:
         return []
-    sizes = {"spec_opt": list(source_vocabs), "trim": list(trim_vocabs)}.get(cfg.dept.variant) or []
+    sizes = list(source_vocabs) if v.own_tokenizer else list(trim_vocabs) if v.trimmed else []
     sizes = sorted(sizes, reverse=True)[:stored]
     return sizes + [max(sizes, default=vocab)] * (stored - len(sizes))
 
@@ -71,7 +73,7 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
     overhead (:data:`ITEM_BYTES` per box and the small files)."""
     from .dept.cost_common import eager_start, rank_params
     from .dept.memory import OUTER_STATE, trim_shards, variant_vocab
-    p, d = cfg.parallel, cfg.dept
+    p, d, variant = cfg.parallel, cfg.dept, variant_of(cfg)
     groups = cfg.num_groups(world_size)
     P, T, D = p.pipeline, p.tensor, p.data
     S = D if cfg.optim.distributed else 1  # the optimizer's pieces of a tensor
@@ -90,11 +92,11 @@ def checkpoint_bytes(cfg: Config, world_size: int, mem: dict, vocab: Optional[in
         return n * ((2 * S + 1 if moments else 0) + (S if half else 0))
 
     items = groups * P * T * (n_body + n_emb + inner_items(n_body + n_emb))
-    if d.variant != "std":  # θ_prev, the outer optimizer's state, residual, estimate: chunks over D
+    if variant.rounds:  # θ_prev, the outer optimizer's state, residual, estimate: chunks over D
         per = 1 + OUTER_STATE[d.outer_optimizer.name] + int(d.outer_error_feedback) + int(eager_start(cfg))
-        synced = n_body + (n_emb if d.variant == "glob" else 0)
+        synced = n_body + (n_emb if variant.synced_table else 0)
         items += P * T * (synced + D) * per + 1
-    if d.variant == "trim":
+    if variant.trimmed:
         items += 2 * trim_shards(cfg) * (1 + OUTER_STATE[d.outer_optimizer.name]) + 2
     moments = not d.reset_inner_optimizer
     if d.body_optimizer_state == "source":  # every stored source: the body's fp32 moments and steps
@@ -149,10 +151,10 @@ def _tied_copy(cfg: Config, vocab: int, global_vocab: int) -> tuple[int, int, in
     inner = _optimizer_bytes(cfg, [table], {0})
     own = inner["weights"] + inner["optimizer"] * (p.data if cfg.optim.distributed else 1)
     shared = items = 0
-    if d.variant == "glob":  # its outer state, chunked over D
+    if variant_of(cfg).synced_table:  # its outer state, chunked over D
         shared += _outer_bytes(cfg, [table], [0], {0}, FLATSYNC_THETA_CHUNK_ONLY) * p.data
         items += 1 + OUTER_STATE[d.outer_optimizer.name] + int(d.outer_error_feedback) + int(eager_start(cfg))
-    if d.variant == "trim":
+    if variant_of(cfg).trimmed:
         shared += _trim_table_bytes(cfg, global_vocab) * p.data
     return own, shared, items
 
@@ -219,7 +221,7 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     lines.append(planned_line(cfg, groups, scheduler))
     check_untrained(cfg, scheduler)
     vocabs = resolve_vocabs(cfg)
-    sources = list(vocabs.source_vocabs.values()) if cfg.dept.variant == "spec_opt" else []
+    sources = list(vocabs.source_vocabs.values()) if variant_of(cfg).own_tokenizer else []
     if sources:  # SPEC-OPT: each source its own; the largest sizes the memory below
         per = ", ".join(f"{n} {v:,}" for n, v in vocabs.source_vocabs.items())
         lines.append(f"vocabulary: per source {per} ids (largest {max(sources):,})")

@@ -32,6 +32,7 @@ from .config_diff import both, check_differing
 from .data.identity import data_differences, data_fingerprint
 from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
 from .parallel.agree import all_gather_text, first_problem, mark_agreed
+from .variant import variant_of
 
 CKPT_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -180,7 +181,7 @@ def _config_values(cfg: Config) -> dict[str, Any]:
 
 def _tokenizers(cfg: Config) -> dict[str, str]:
     """{config key: tokenizer path} of the tokenizers whose vocabularies the model embeds."""
-    if cfg.dept.variant == "spec_opt":
+    if variant_of(cfg).own_tokenizer:
         return {f"data.sources[{i}].tokenizer": s.tokenizer for i, s in enumerate(cfg.data.sources) if s.tokenizer}
     return {"data.tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}
 

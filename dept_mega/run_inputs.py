@@ -4,13 +4,14 @@ per group and job-wide, and which exceptions mean bad input. Shared by the launc
 from __future__ import annotations
 
 from .config import Config, ConfigError
+from .variant import variant_of
 
 
 def vocab_size_of(cfg: Config) -> int:
     """The vocabulary of the model built at start: the global tokenizer's, else
     ``model.vocab_size``, else (spec_opt) the first source's tokenizer's."""
     from .data.tokenizer import load_tokenizer
-    if cfg.data.tokenizer and cfg.dept.variant != "spec_opt":
+    if cfg.data.tokenizer and not variant_of(cfg).own_tokenizer:
         return load_tokenizer(cfg.data.tokenizer, "data.tokenizer").vocab_size
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size

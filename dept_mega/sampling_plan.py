@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from .variant import variant_of
+
 #: the round plans the start-up sampling line counts at most (a long run of short rounds would
 #: draw its whole schedule at start, about 25 µs a round)
 SAMPLING_LINE_ROUNDS = 10_000
@@ -89,7 +91,7 @@ def _needs_sizes(cfg) -> bool:
 def plan_scheduler(cfg, groups: int):
     """DEPT: the round plans a launch of ``cfg`` on ``groups`` groups draws, from the data files
     (their token counts, read only where ``dept.sampling`` uses them); None under STD."""
-    if cfg.dept.variant == "std":
+    if not variant_of(cfg).rounds:
         return None
     from .data.summary import foreign_summaries
     from .dept.source_info import source_tokens
@@ -111,7 +113,7 @@ def planned_line(cfg, groups: int, scheduler=None) -> str:
     from .data.indexed import IndexedDataset
     from .data.sources import blend_shares, sampling_line
     names = [s.name for s in cfg.data.sources]
-    if cfg.dept.variant == "std":  # STD counts the tokens of each source's train part (from the index)
+    if not variant_of(cfg).rounds:  # STD counts the tokens of each source's train part (from the index)
         tokens = ([part_tokens(IndexedDataset(s.prefix), cfg.data.split, "train")[2] for s in cfg.data.sources]
                   if _needs_sizes(cfg) else [1.0] * len(names))
         return sampling_line(cfg.dept.sampling, names, blend_shares(cfg, names, tokens))
@@ -172,7 +174,7 @@ def check_untrained(cfg, scheduler) -> None:
     (:func:`sampling_warnings`), as a source there shares its embeddings with the others."""
     from .config import ConfigError
     d = cfg.dept
-    if scheduler is None or d.variant not in ("spec", "spec_opt") or d.untrained_sources != "error":
+    if scheduler is None or not variant_of(cfg).own_embeddings or d.untrained_sources != "error":
         return
     missing = untrained_sources(cfg, scheduler)
     if not missing:
@@ -221,7 +223,7 @@ def coverage_warning(cfg, scheduler) -> Optional[str]:
         return None
     parts = []
     if missing:
-        what = ("its own embeddings keep their initial values" if cfg.dept.variant in ("spec", "spec_opt")
+        what = ("its own embeddings keep their initial values" if variant_of(cfg).own_embeddings
                 else "no step reads its data")
         parts.append(f"train {', '.join(missing)} in no round ({what})")
     if far:
@@ -235,7 +237,7 @@ def sampling_warnings(cfg, groups: int, scheduler=None) -> list[str]:
     """The sampling's warnings for the start-up log and ``--check``: :func:`sampling_warning`
     and :func:`coverage_warning` (``scheduler``: the run's round plans; None: built from the data
     files by :func:`plan_scheduler`)."""
-    if cfg.dept.variant == "std" or not cfg.data.sources:
+    if not variant_of(cfg).rounds or not cfg.data.sources:
         return []
     if scheduler is None:
         scheduler = plan_scheduler(cfg, groups)
@@ -254,7 +256,7 @@ def sampling_warning(cfg, groups: int, scheduler=None) -> Optional[str]:
     sizes play no part under ``weights``)."""
     d, sources = cfg.dept, cfg.data.sources
     K, G = len(sources), groups
-    if d.variant == "std" or d.sampling in ("uniform", "balanced") or K <= 1 or G < 1:
+    if not variant_of(cfg).rounds or d.sampling in ("uniform", "balanced") or K <= 1 or G < 1:
         return None
     weighted = any(s.weight != 1.0 for s in sources)
     asked = f"dept.sampling: {d.sampling}" + (" and data.sources[].weight" if weighted else "")

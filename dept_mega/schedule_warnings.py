@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .variant import variant_of
+
 
 def eval_interval_warning(cfg) -> Optional[str]:
     """Under a DEPT variant, an evaluation at a step that is not a multiple of
@@ -16,11 +18,12 @@ def eval_interval_warning(cfg) -> Optional[str]:
     multiple of ``dept.local_steps``, 0, or not below ``train.steps``)."""
     d, t = cfg.dept, cfg.train
     E, L = t.eval_interval, d.local_steps
-    if d.variant == "std" or not E or E % L == 0 or E >= t.steps:
+    v = variant_of(cfg)
+    if not v.rounds or not E or E % L == 0 or E >= t.steps:
         return None
-    if d.variant in ("spec", "spec_opt", "trim"):
+    if v.source_embeddings:
         embs = ("and each source's embeddings copied from the group that trains it this round (as trained so far; "
-                "a source no group trains: its last stored ones)" if d.variant != "trim" else
+                "a source no group trains: its last stored ones)" if not v.trimmed else
                 "and, for a source some group trains this round, that group's compact table as trained so far")
         what = f"group 0's body {embs}: a body and embeddings that never trained together"
     else:
@@ -42,9 +45,9 @@ def save_interval_warning(cfg) -> Optional[str]:
     checkpoint is written, at a round's end, ``train.steps`` being a multiple of it)."""
     d, t = cfg.dept, cfg.train
     S, L = t.save_interval, d.local_steps
-    if d.variant == "std" or not S or S % L == 0 or S >= t.steps:
+    if not variant_of(cfg).rounds or not S or S % L == 0 or S >= t.steps:
         return None
-    export = ("tools/convert_to_hf.py refuses them" if d.variant == "glob" else
+    export = ("tools/convert_to_hf.py refuses them" if not variant_of(cfg).source_embeddings else
               "tools/convert_to_hf.py exports from them the body of the group training the source then")
     return (f"config key 'train.save_interval': {S} is not a multiple of dept.local_steps={L}: the checkpoints at "
             f"steps such as {S} fall inside a round, where the groups' bodies differ (only those at multiples of "

@@ -37,6 +37,7 @@ from .parallel.groups import ParallelGroups, build_groups, init_distributed
 from .process_exit import report_error
 from .run_inputs import describe_batch, input_errors, vocab_size_of  # noqa: F401 - re-exported
 from .trainer import MicroBatch, Trainer
+from .variant import variant_of
 
 
 def parse_args(argv: Optional[Sequence[str]], prog: str, checks: bool = False) -> argparse.Namespace:
@@ -112,7 +113,7 @@ def load_run_data(cfg: Config, pg: ParallelGroups, eval_part: str = "valid", ext
 
 
 def build_hooks(cfg: Config, pg: ParallelGroups, trainer: Trainer, device: torch.device):
-    if cfg.dept.variant == "std":
+    if not variant_of(cfg).rounds:
         return StdHooks()
     try:
         try:
@@ -283,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # before any heavy work: the run directory is usable and no other job holds it
             lock = take_run_dir(run_dir, rank, device, check=lambda: validate(cfg, world))
             from .resume import CKPT_DIR
-            if (cfg.dept.variant in ("spec", "spec_opt") and cfg.dept.untrained_sources == "error"
+            if (variant_of(cfg).own_embeddings and cfg.dept.untrained_sources == "error"
                     and not os.path.exists(os.path.join(run_dir, CKPT_DIR, "latest"))):
                 # a fresh run whose plans leave a SPEC source untrained: refused before the session
                 # (its metrics writer starts tb/ and a W&B run); a resume is checked after its load,

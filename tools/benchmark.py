@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from dept_mega.run_inputs import input_errors, vocab_size_of
+    from dept_mega.variant import variant_of
     try:
         vocab = vocab_size_of(cfg)
     except ConfigError as exc:  # names its own key (e.g. no tokenizer and no model.vocab_size)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
         return 2
     except input_errors() as exc:
         # the batches are synthetic: only the vocabulary size is read from the tokenizer
-        spec_opt = cfg.dept.variant == "spec_opt"
+        spec_opt = variant_of(cfg).own_tokenizer
         key = "data.sources[0].tokenizer" if spec_opt or not cfg.data.tokenizer else "data.tokenizer"
         size = "model.vocab_size=N" if spec_opt else "data.tokenizer=null model.vocab_size=N"
         print(f"error: config key '{key}' (read for the model's vocabulary size): {exc}; build the "

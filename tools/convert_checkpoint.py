@@ -234,6 +234,7 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     from dept_mega.export.checkpoint_reader import _structure
     from dept_mega.manifest import local_problem
     from dept_mega.resume import latest_step, step_dir
+    from dept_mega.variant import variant_of
     if step is None:
         step = latest_step(run_dir)
         if step is None:
@@ -250,7 +251,7 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     structure = _structure(cfg)
     entries = convert_entries(_read_all(path), layout, structure, path)
     metas: dict[int, dict] = {}
-    if layout.get("per_rank_hooks") and cfg.dept.variant != "std":
+    if layout.get("per_rank_hooks") and variant_of(cfg).rounds:
         more, metas = convert_hooks(path, layout, structure, _like(layout, structure, path))
         entries += more
     tmp, old = path + ".convert.tmp", path + ".format1"

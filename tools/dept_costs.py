@@ -52,6 +52,7 @@ from dept_mega.dept.costs import (MEMORY_KEYS, VARIANTS, predict_costs, predict_
                                   predict_outer_sync, resolve_vocabs)
 from dept_mega.dept.cost_vocabs import MissingTokenizer, with_defaults  # noqa: E402
 from dept_mega.dept.step_bytes import predict_inner_round_bytes, predict_inner_step_bytes  # noqa: E402
+from dept_mega.variant import variant_of  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,7 +113,7 @@ def compute(args: argparse.Namespace) -> dict:
         for name in VARIANTS:
             one = _variant(cfg, name)
             dtype = args.comm_dtype or cfg.dept.outer_comm_dtype
-            groups = 1 if name == "std" else args.groups
+            groups = args.groups if variant_of(name).rounds else 1
             pred = predict_outer_sync(one, groups, dtype, vocabs.global_vocab, trim)
             variants[name]["outer_round_bytes"] = pred["round"]
             variants[name]["outer_step_bytes"] = pred["outer_per_step"]

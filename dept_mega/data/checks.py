@@ -20,6 +20,7 @@ from dept_mega.data.indexed import IndexedDataset, bin_path, bytes_path, idx_pat
 from dept_mega.data.sources import naming_source
 from dept_mega.data.summary import foreign_summaries, summary_path
 from dept_mega.data.token_range import token_id_range
+from dept_mega.variant import variant_of
 
 
 def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
@@ -36,12 +37,12 @@ def embedding_vocabularies(cfg: Config) -> list[tuple[str, str, int]]:
 
     # spec_opt: another site's source's tokenizer is known by its summary (other variants embed
     # every source with the global vocabulary: no summary is read here)
-    foreign = foreign_summaries(cfg) if cfg.dept.variant == "spec_opt" else {}
+    foreign = foreign_summaries(cfg) if variant_of(cfg).own_tokenizer else {}
     for i, s in enumerate(cfg.data.sources):
         if i in foreign:
             out.append((f"data.sources[{i}].summary", f"summary {summary_path(s)}",
                         foreign[i]["tokenizer"]["vocab_size"]))
-        elif cfg.dept.variant == "spec_opt" and s.tokenizer:
+        elif variant_of(cfg).own_tokenizer and s.tokenizer:
             out.append((f"data.sources[{i}].tokenizer", f"tokenizer {s.tokenizer}",
                         size_of(s.tokenizer, f"data.sources[{i}].tokenizer")))
         elif cfg.data.tokenizer:

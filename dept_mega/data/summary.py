@@ -24,6 +24,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from ..config import ConfigError, held_here
+from ..variant import variant_of
 
 FORMAT = 1
 SUFFIX = ".summary.json"
@@ -69,13 +70,13 @@ def read_summary(cfg, i: int) -> dict[str, Any]:
     s = cfg.data.sources[i]
     path, key = summary_path(s), f"config key 'data.sources[{i}].summary'"
     how = (f"make it at the site that holds source '{s.name}' with python -m dept_mega.data.summary PREFIX"
-           + (" --tokenizer TOKENIZER" if cfg.dept.variant == "spec_opt" else "")
+           + (" --tokenizer TOKENIZER" if variant_of(cfg).own_tokenizer else "")
            + f" --name {s.name} (it writes PREFIX{SUFFIX}) and copy it here, or point data.sources[{i}].summary at it")
     if not os.path.exists(path):
         if not s.summary and all(os.path.exists(s.prefix + ext) for ext in (".bin", ".idx")) and (
-                cfg.dept.variant != "spec_opt" or (s.tokenizer and os.path.exists(s.tokenizer))):
+                not variant_of(cfg).own_tokenizer or (s.tokenizer and os.path.exists(s.tokenizer))):
             # every site's files on one file system (a trial on one machine): the same numbers from them
-            return make_summary(s.prefix, s.name, s.tokenizer if cfg.dept.variant == "spec_opt" else None,
+            return make_summary(s.prefix, s.name, s.tokenizer if variant_of(cfg).own_tokenizer else None,
                                 cfg.data.cache_dir)
         raise ConfigError(f"{key}: source '{s.name}' is held by another group job, whose data this job does not "
                           f"read; its summary {path!r} does not exist: {how}")
@@ -94,7 +95,7 @@ def read_summary(cfg, i: int) -> dict[str, Any]:
     if not isinstance(out.get("identity"), dict):
         raise ConfigError(f"{key}: {path!r} has no 'identity' of the data: {how}")
     tok = out.get("tokenizer")
-    if cfg.dept.variant == "spec_opt" and not (isinstance(tok, dict) and isinstance(tok.get("vocab_size"), int)):
+    if variant_of(cfg).own_tokenizer and not (isinstance(tok, dict) and isinstance(tok.get("vocab_size"), int)):
         raise ConfigError(f"{key}: {path!r} has no tokenizer vocabulary (spec_opt embeds each source's own "
                           f"tokenizer): {how}")
     return out
@@ -122,7 +123,7 @@ def source_facts(cfg, i: int, held: Optional[list[int]] = None) -> dict[str, Any
     from .identity import source_identity
     from .indexed import IndexedDataset
     tok = None
-    if cfg.dept.variant == "spec_opt" and s.tokenizer:
+    if variant_of(cfg).own_tokenizer and s.tokenizer:
         from .tokenizer import load_tokenizer, model_sha256
         tok = {"vocab_size": int(load_tokenizer(s.tokenizer, f"data.sources[{i}].tokenizer").vocab_size),
                "sha256": model_sha256(s.tokenizer)}

@@ -1,5 +1,5 @@
 """What the cost model's two halves share (``costs.py``: parameters and communication;
-``memory.py``: memory per rank): the variant names, the vocabulary padding, and where one rank's
+``memory.py``: memory per rank): the vocabulary padding, and where one rank's
 parameters lie — their numels in each optimizer's order, their outer-sync fragments, the
 FlatSyncs' chunks per data-parallel rank and the distributed optimizer's buckets and pieces.
 Arithmetic on the config only, like both of them.
@@ -12,7 +12,6 @@ from typing import Sequence
 from ..config import Config, ConfigError
 from .outer import chunk_bounds
 
-VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
 VOCAB_PAD_MULTIPLE = 128
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

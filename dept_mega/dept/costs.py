@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError, ModelConfig
-from .cost_common import (PARAM_BYTES, VARIANTS, VOCAB_PAD_MULTIPLE, eager_start,  # noqa: F401 (VARIANTS)
-                          flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters)
+from ..variant import VARIANT_NAMES as VARIANTS, variant_of  # noqa: F401 (VARIANTS: importable from here)
+from .cost_common import (PARAM_BYTES, VOCAB_PAD_MULTIPLE, eager_start, flat_sync_chunks, rank_body_fragments, rank_params, sharded_masters)
 # the vocabulary sizes (cost_vocabs.py), importable from here too
 from .cost_vocabs import Vocabs, _mean, resolve_vocabs, tokenizer_vocab_size  # noqa: F401
 # the per-rank memory model (memory.py), importable from here too
@@ -347,7 +347,7 @@ def sync_units(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[in
     ⌊i·F/N⌋, the final norm in F − 1, fragment f launched after inner step (f+1)·⌊L/F⌋, the
     last at L) and the dense embedding state (GLOB's tables and positions, TRIM's positions),
     launched with the last fragment. Every tensor rank holds the same number of values."""
-    m, p, d = cfg.model, cfg.parallel, cfg.dept
+    m, p, d, variant = cfg.model, cfg.parallel, cfg.dept, variant_of(cfg)
     T, P, V, F, L = p.tensor, p.pipeline, p.virtual_pipeline, d.outer_fragments, d.local_steps
     one = layer_split(m)
     per_layer = one.sharded // T + one.replicated
@@ -361,7 +361,7 @@ def sync_units(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[in
             counts[F - 1] += _norm_params(m)
         units += [(pp, offsets[f], n, "outer_body") for f, n in enumerate(counts)]
         emb = 0
-        if d.variant == "glob":
+        if variant.synced_table:
             if global_vocab is None:
                 raise ConfigError("predict_outer_round_bytes: glob needs global_vocab")
             table = padded_vocab(global_vocab) // T * m.hidden_size
@@ -369,7 +369,7 @@ def sync_units(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[in
                 emb += table + position_params(m)
             if pp == P - 1 and (not m.tie_embeddings or P > 1):
                 emb += table  # the untied head, or the last stage's copy of the tied table
-        elif d.variant == "trim" and pp == 0:
+        elif variant.trimmed and pp == 0:
             emb += position_params(m)
         if emb:
             units.append((pp, L, emb, "outer_embedding"))
@@ -388,7 +388,7 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
                                for pp, off, n, cat in units])
     out = []
     for pp in range(cfg.parallel.pipeline):
-        rp = rank_params(cfg, global_vocab if cfg.dept.variant == "glob" else 1, pp)
+        rp = rank_params(cfg, global_vocab if variant_of(cfg).synced_table else 1, pp)
         body = flat_sync_chunks(cfg, rp.body, rank_body_fragments(cfg, pp))
         mine = [u for u in units if u[0] == pp]
         for f, (_, off, n, cat) in enumerate(u for u in mine if u[3] == "outer_body"):
@@ -396,7 +396,7 @@ def unit_chunks(cfg: Config, global_vocab: Optional[int] = None) -> list[tuple[i
             assert sum(chunks) == n, (f, chunks, n)
             out.append((pp, off, cat, chunks))
         for _, off, n, cat in (u for u in mine if u[3] == "outer_embedding"):
-            if cfg.dept.variant == "trim":  # its positions' FlatSync holds an fp32 copy: D chunks
+            if variant_of(cfg).trimmed:  # its positions' FlatSync holds an fp32 copy: D chunks
                 chunks = [chunk_bounds_len(n, D, i) for i in range(D)]
             else:
                 chunks = flat_sync_chunks(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate)[0]
@@ -411,7 +411,7 @@ def _in_parts(cfg: Config, units: list) -> list:
     launched with body fragment f."""
     d = cfg.dept
     F = d.outer_fragments
-    if d.variant != "glob" or F == 1:
+    if not variant_of(cfg).synced_table or F == 1:
         return units
     offsets = [(f + 1) * (d.local_steps // F) if f < F - 1 else d.local_steps for f in range(F)]
     out = []
@@ -462,7 +462,7 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     ``round + final_extra``. ``first_extra``: {category: bytes} added to the first round's
     record (the eager start's re-gathers it does not make: negative ``dp``, else zeros)."""
     m, p = cfg.model, cfg.parallel
-    variant = cfg.dept.variant
+    v = variant_of(cfg)
     dtype = dtype or cfg.dept.outer_comm_dtype
     block = cfg.dept.outer_quant_block
     if dtype not in OUTER_FORMATS:
@@ -474,7 +474,7 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
     extra = {"outer_body": 0, "outer_embedding": 0, "dp": 0, "tp": 0}
     first = dict(extra)
     per_step = [0] * L
-    if variant == "std":
+    if not v.rounds:
         return {"round": out, "outer_per_step": per_step, "peak_step_bytes": 0, "final_extra": extra,
                 "first_extra": first}
     T, D = p.tensor, p.data
@@ -500,7 +500,7 @@ def predict_outer_sync(cfg: Config, groups: int, dtype: Optional[str] = None,
                 extra["dp"] -= gather
             if eager and (again or not one_round):  # a unit's first overlapped launch: no estimate yet
                 first["dp"] -= gather
-    if variant == "trim":
+    if v.trimmed:
         if trim_vocabs is None or len(trim_vocabs) != groups:
             raise ConfigError(f"predict_outer_round_bytes: trim needs one |V_k| per group ({groups}), "
                               f"got {trim_vocabs!r}")

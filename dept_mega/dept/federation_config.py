@@ -14,6 +14,7 @@ from typing import Optional
 
 from ..config import ConfigError, source_groups
 from ..config_diff import both, check_differing, differences
+from ..variant import variant_of
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -102,8 +103,8 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
         raise ConfigError(f"config key 'federation.lighthouse': {f.lighthouse!r} is not host:port (e.g. "
                           "lh-host:29510, or the http://host:port that python -m dept_mega.lighthouse prints)")
     d = cfg.dept
-    refusals = [("dept.variant", d.variant == "std", "std (no outer sync; federation supports glob, trim, spec, "
-                                                     "spec_opt)"),
+    refusals = [("dept.variant", not variant_of(cfg).rounds,
+                 "std (no outer sync; federation supports glob, trim, spec, spec_opt)"),
                 ("dept.outer_delay", d.outer_overlap and d.outer_fragments > 1
                  and (d.outer_fragments - 1) * (d.local_steps // d.outer_fragments) + d.outer_delay > d.local_steps,
                  f"{d.outer_delay} lands fragment {d.outer_fragments - 2}'s overlapped sync in the next round "

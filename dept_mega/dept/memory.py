@@ -95,7 +95,8 @@ import math
 from typing import Optional, Sequence
 
 from ..config import Config, ConfigError
-from .cost_common import (PARAM_BYTES, VARIANTS, _padded, bucket_layout, eager_start, flat_sync_chunks, grad_bytes,
+from ..variant import VARIANT_NAMES, variant_of
+from .cost_common import (PARAM_BYTES, _padded, bucket_layout, eager_start, flat_sync_chunks, grad_bytes,
                           rank_body_fragments, rank_params, shard_pieces)
 from .memory_attention import attention_kind, attention_output_shared, scores_saved, statistics_bytes
 from .memory_fp8 import fp8_activation_delta, fp8_scaling_bytes, fp8_weight_copy_bytes
@@ -294,12 +295,13 @@ def in_flight_microbatches(cfg: Config, pp_rank: int = 0) -> float:
 def variant_vocab(variant: str, global_vocab: int, source_vocabs: Sequence[int],
                   trim_vocabs: Sequence[int]) -> int:
     """The token table a group trains with; the largest where it differs per source."""
-    if variant == "spec_opt":
+    v = variant_of(variant)
+    if v.own_tokenizer:
         if not source_vocabs:
             raise ConfigError("no per-source vocabulary size for spec_opt: set data.sources[i].tokenizer "
                               "or pass --source-vocab N")
         return max(source_vocabs)
-    if variant == "trim":
+    if v.trimmed:
         return max(trim_vocabs) if trim_vocabs else global_vocab
     return global_vocab
 
@@ -314,8 +316,8 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
     if lean_outer is None:
         lean_outer = FLATSYNC_THETA_CHUNK_ONLY
     m, p, d = cfg.model, cfg.parallel, cfg.dept
-    variant = d.variant
-    vocab = variant_vocab(variant, global_vocab, source_vocabs, trim_vocabs)
+    v = variant_of(cfg)
+    vocab = variant_vocab(d.variant, global_vocab, source_vocabs, trim_vocabs)
     best: Optional[dict] = None
     for pp in range(p.pipeline) if stage is None else (stage,):
         rp = rank_params(cfg, vocab, pp)
@@ -324,11 +326,11 @@ def predict_memory(cfg: Config, global_vocab: int, source_vocabs: Sequence[int] 
         out = {k: body[k] + emb[k] for k in ("weights", "grads", "optimizer")}
         name, D = d.outer_optimizer.name, p.data
         outer = trim = 0
-        if variant != "std":  # one FlatSync per fragment of the body
+        if v.rounds:  # one FlatSync per fragment of the body
             outer += _outer_bytes(cfg, rp.body, rank_body_fragments(cfg, pp), set(), lean_outer)
-        if variant == "glob":
+        if v.synced_table:
             outer += _outer_bytes(cfg, rp.emb, [0] * len(rp.emb), rp.emb_isolate, lean_outer)
-        if variant == "trim":
+        if v.trimmed:
             if rp.first and m.position_embedding == "learned":
                 pos = m.seq_length * m.hidden_size
                 outer += 4 * pos + _flat_sync_bytes(pos, D, name, lean_outer,  # positions copy + its sync
@@ -360,9 +362,9 @@ def predict_memory_variants(cfg: Config, global_vocab: int, source_vocabs: Seque
                             trim_vocabs: Sequence[int] = (), lean_outer: Optional[bool] = None) -> dict[str, dict]:
     """:func:`predict_memory` for every variant (``cfg.dept.variant`` replaced)."""
     out = {}
-    for name in VARIANTS:
+    for name in VARIANT_NAMES:
         one = dataclasses.replace(cfg, dept=dataclasses.replace(cfg.dept, variant=name))
-        if name == "spec_opt" and not source_vocabs:
+        if variant_of(name).own_tokenizer and not source_vocabs:
             continue
         out[name] = predict_memory(one, global_vocab, source_vocabs, trim_vocabs, lean_outer)
     return out

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from ..variant import variant_of
+
 
 @dataclass
 class SourceInfo:
@@ -41,7 +43,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
     for i, s in enumerate(cfg.data.sources):
         if i in foreign:
             summary = foreign[i]
-            vocab = summary["tokenizer"]["vocab_size"] if cfg.dept.variant == "spec_opt" else global_vocab
+            vocab = summary["tokenizer"]["vocab_size"] if variant_of(cfg).own_tokenizer else global_vocab
             if vocab is None:
                 from ..config import ConfigError
                 raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
@@ -49,7 +51,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
                                   held=False))
             continue
         size = source_tokens(s.prefix)
-        if cfg.dept.variant == "spec_opt":
+        if variant_of(cfg).own_tokenizer:
             from ..data.tokenizer import load_tokenizer
             vocab = load_tokenizer(s.tokenizer, f"data.sources[{i}].tokenizer").vocab_size
         else:
@@ -58,7 +60,7 @@ def sources_from_config(cfg, global_vocab: Optional[int]) -> list[SourceInfo]:
                 raise ConfigError("config key 'data.tokenizer': a global vocabulary size is needed")
             vocab = int(global_vocab)
         ids = None
-        if cfg.dept.variant == "trim" or cfg.dept.embedding_rows == "present":
+        if variant_of(cfg).trimmed or cfg.dept.embedding_rows == "present":
             from ..data.sources import vocab_set
             ids = torch.as_tensor(vocab_set(s.prefix, cfg.data.cache_dir), dtype=torch.int64)
             if ids.numel() and int(ids.max()) >= vocab:

@@ -16,9 +16,11 @@ state moving between groups → ``source_move``.
 """
 from __future__ import annotations
 
+from ..variant import VARIANTS
 from .source_info import source_seed  # noqa: F401  (importable from here too)
 
-DEPT_VARIANTS = ("glob", "trim", "spec", "spec_opt")
+#: the variants with rounds (a strategy each); std trains without them
+DEPT_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.rounds)
 
 
 def make_strategy(name: str, ctx):

@@ -57,6 +57,7 @@ import torch
 from ..checkpoint import latest_step, step_dir
 from ..config import Config
 from ..run_paths import load_run_config
+from ..variant import variant_of
 
 _MODEL_KEY = re.compile(r"^model/g(\d+)/tp(\d+)/pp(\d+)/c(\d+)/(.+)$")
 
@@ -189,7 +190,7 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
         raise CheckpointReadError(f"checkpoint {path} is not usable: {problem}")
     variant = cfg.dept.variant
     names = [s.name for s in cfg.data.sources]
-    if source is None and variant != "std":
+    if source is None and variant_of(variant).rounds:
         raise CheckpointReadError(f"a {variant} run has one model per source: name one of {names}")
     if source is not None and names and source not in names:
         raise CheckpointReadError(f"no source named {source!r} in the run's data.sources ({', '.join(names)})")
@@ -394,10 +395,10 @@ def _holdings(path: str, layout: dict[str, int], fmt: int) -> dict[int, tuple[Op
 def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: Optional[str],
             fmt: int) -> tuple[int, str]:
     """(group whose body to take, where the embeddings are: model | store | trim)."""
-    variant = cfg.dept.variant
+    v = variant_of(cfg)
     G = layout["groups"]
-    mid_round = G > 1 and variant != "std" and step % cfg.dept.local_steps != 0
-    if variant in ("std", "glob"):
+    mid_round = G > 1 and v.rounds and step % cfg.dept.local_steps != 0
+    if not v.source_embeddings:  # std, glob: the model holds the one shared table
         if mid_round:
             raise CheckpointReadError(f"step {step} is inside a round (dept.local_steps={cfg.dept.local_steps}): "
                                       f"the {G} groups hold different local models; export a step that is a "
@@ -406,7 +407,7 @@ def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: O
     held = _holdings(path, layout, fmt)
     installed = [g for g in range(G) if held[g][0] == source]
     stored = [g for g in range(G) if source in held[g][1]]
-    if variant == "trim":
+    if v.trimmed:
         if mid_round and not installed:
             raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
                                       f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")

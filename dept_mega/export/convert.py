@@ -35,6 +35,7 @@ from ..config import Config, ConfigError
 from ..data.tokenizer import HUGGINGFACE, TokenizerError, load_tokenizer
 from ..dept.federation_config import own_sources, source_owners
 from ..run_paths import RunPaths, load_run_config
+from ..variant import variant_of
 from .checkpoint_reader import CheckpointReadError, read_full_weights
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError
@@ -52,7 +53,7 @@ def tokenizer_entry(cfg: Config, source: str) -> tuple[str, str]:
     """(path, config key) of the tokenizer of ``source``'s vocabulary (spec_opt: its own, else
     the global one); an ExportError naming the key when there is none or its file is missing."""
     for i, s in enumerate(cfg.data.sources):
-        if s.name == source and cfg.dept.variant == "spec_opt":
+        if s.name == source and variant_of(cfg).own_tokenizer:
             if not s.tokenizer:
                 raise ExportError(f"config key 'data.sources[{i}].tokenizer': source {source!r} has no tokenizer")
             path, key = s.tokenizer, f"data.sources[{i}].tokenizer"
@@ -146,7 +147,7 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
                 "variant": cfg.dept.variant, "architecture": arch, "from": weights.origin,
                 "tokenizer": os.path.abspath(tok_path), "tokenizer_kind": tok.kind, "vocab_size": vocab,
                 "parameters": int(sum(p.numel() for p in model.parameters()))}
-        if cfg.dept.variant == "trim":
+        if variant_of(cfg).trimmed:
             keep = set(trim_vocab_ids(cfg, source))
             if keep and max(keep) >= vocab:
                 raise ExportError(f"TRIM vocabulary of {source!r} holds id {max(keep)}, outside the "

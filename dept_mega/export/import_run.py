@@ -40,6 +40,7 @@ from ..config import Config, ConfigError, config_from_dict, load_config, save_co
 from ..config_diff import both, check_differing
 from ..run_paths import record_launch_dir
 from ..rundir import IMPORTED
+from ..variant import variant_of
 from .convert import check_output, replace_dir
 from .hf_mapping import ExportError
 from .hf_dir import HFDirError, HFDirectory, describe_weights, tokenizer_files
@@ -73,7 +74,7 @@ def check_config(cfg: Config, d: HFDirectory) -> int:
     model (and a vocabulary of another size, naming data.tokenizer or model.vocab_size);
     returns the vocabulary size."""
     from ..run_inputs import vocab_size_of
-    if cfg.dept.variant == "spec_opt":
+    if variant_of(cfg).own_tokenizer:
         raise ConfigError("config key 'dept.variant': 'spec_opt' — its tables belong to each source's own "
                           "tokenizer; imported weights have one vocabulary (the Hugging Face model's) and start "
                           "std, glob, trim and spec runs")

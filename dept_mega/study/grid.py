@@ -49,8 +49,8 @@ import yaml
 from ..config import Config, ConfigError, load_config
 from ..metrics import train_flops_per_token
 from ..schedule_warnings import eval_interval_warning, save_interval_warning
+from ..variant import VARIANT_NAMES, variant_of
 
-VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
 TOP_KEYS = {"description", "prepare", "groups", "group_batch", "configs", "set", "runs", "plasticity", "eval_whole"}
 RUN_KEYS = {"variant", "name", "set", "grid"}
 # model keys that do not make runs' models different for the equal-compute check: the
@@ -234,8 +234,8 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
                 raise GridError(f"{where}.grid.{k}: expected a non-empty list of values")
         varying = [k for k, v in grid.items() if len(v) > 1]
         for variant in variants:
-            if variant not in VARIANTS:
-                raise GridError(f"{where}.variant: {variant!r} is not one of {' | '.join(VARIANTS)}")
+            if variant not in VARIANT_NAMES:
+                raise GridError(f"{where}.variant: {variant!r} is not one of {' | '.join(VARIANT_NAMES)}")
             if variant not in configs:
                 raise GridError(f"{where}: no config for variant {variant!r} under 'configs'")
             cfg_path = configs[variant]
@@ -253,7 +253,7 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
                                         f"directories, variants); remove it")
                 overrides = [f"{k}={_yaml_value(v)}" for k, v in values.items()]
                 overrides.append(f"dept.variant={variant}")
-                batch = group_batch if variant != "std" else groups * group_batch
+                batch = group_batch if variant_of(variant).rounds else groups * group_batch
                 overrides.append(f"train.global_batch_size={batch}")
                 runs.append(RunSpec(name, variant, cfg_path, overrides, nproc=0, settings=settings,
                                     seed_label=seed_label))
@@ -351,7 +351,7 @@ def _resolve(study: Study, base_dir: str) -> None:
         models.append(cfg.to_dict()["model"])
         study.body_flops[run.name] = train_flops_per_token(cfg.model, 0)  # vocab 0: the body alone
         per_group = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data
-        run.nproc = per_group * (1 if run.variant == "std" else study.groups)
+        run.nproc = per_group * (study.groups if variant_of(run.variant).rounds else 1)
         here = (cfg.train.steps, cfg.model.seq_length)
         if shape is None:
             shape, first = here, run.name

@@ -7,6 +7,7 @@ import math
 import os
 from typing import Any, Optional
 
+from ..variant import variant_of
 from .grid import Study, compute_note
 from .results import CROSS_GROUP, RunResult, std_equivalent_bytes_per_step
 from .rows import best_std_row, eval_text_differs, gain_pct, gain_se_pct, seed_rows, text_vs
@@ -85,7 +86,7 @@ def summary(study: Study, results: dict[str, RunResult], command: str,
                                      if ref is not None and r.variant != "std" and row["eval_text"] != "other"
                                      else None),
             "params_per_rank": r.params_per_rank, "local_steps": r.local_steps, "rounds": r.rounds,
-            "outer_comm_dtype": None if r.variant == "std" else r.config["dept"].get("outer_comm_dtype"),
+            "outer_comm_dtype": r.config["dept"].get("outer_comm_dtype") if variant_of(r.variant).rounds else None,
             "bytes_per_round": r.bytes_per_round, "bytes_total": r.bytes_total, "bytes_per_step": per_step,
             "cross_group_bytes_per_step": sum(per_step.get(c, 0.0) for c in CROSS_GROUP) if r.rounds else None,
             "cross_group_bytes_total": sum(r.bytes_total.get(c, 0.0) for c in CROSS_GROUP) if r.rounds else None,

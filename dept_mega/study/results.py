@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
+from ..variant import variant_of
+
 CROSS_GROUP = ("outer_body", "outer_embedding", "source_move")
 
 
@@ -55,7 +57,7 @@ class RunResult:
     @property
     def local_steps(self) -> Optional[int]:
         """Inner steps per round (None for STD, which has no rounds)."""
-        return None if self.variant == "std" else int(self.config["dept"]["local_steps"])
+        return int(self.config["dept"]["local_steps"]) if variant_of(self.variant).rounds else None
 
     def bytes_per_step(self) -> dict[str, float]:
         """Measured bytes per inner step by category: the run's total over its final step (its
