@@ -205,9 +205,9 @@ def test_cache_defaults_beside_data_and_changes_with_data(tmp_path):
     prefix = write_docs(str(tmp_path / "d"), numbered_docs(20), nbytes=[1] * 20)
     GPTDataset(prefix, 4, "98,2", "train")[0]
     assert [f for f in os.listdir(tmp_path) if f.startswith("d_train_")]
-    k1 = GPTDataset(prefix, 4, "98,2", "train").cache_key(0)
+    k1 = GPTDataset(prefix, 4, "98,2", "train").cache_path(0)
     write_docs(prefix, numbered_docs(20, seed=9), nbytes=[1] * 20)  # new content, same name
-    assert GPTDataset(prefix, 4, "98,2", "train").cache_key(0) != k1
+    assert GPTDataset(prefix, 4, "98,2", "train").cache_path(0) != k1
 
 
 def test_sample_bytes(tmp_path):

@@ -105,6 +105,25 @@ def _key(**fields) -> str:
     return hashlib.sha256(json.dumps({"v": CACHE_VERSION, **fields}, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def default_cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
+    return cache_dir or os.path.dirname(os.path.abspath(prefix))
+
+
+def part_stem(prefix: str, cache_dir: str, digest: str, split: str, which: str) -> str:
+    """Stem of a part's cached per-document arrays (they depend on the documents' lengths,
+    whose hash is ``digest``, the split and the part only)."""
+    key = _key(data=digest, split=split, which=which, part=True)
+    return os.path.join(cache_dir, f"{os.path.basename(prefix)}_{which}_{key}")
+
+
+def epoch_stem(prefix: str, cache_dir: str, digest: str, split: str, which: str, seed: int, seq_length: int,
+               shuffle: bool, epoch: int) -> str:
+    """Stem of one epoch's cached sample arrays: ``<stem>.<array>.npy``."""
+    key = _key(data=digest, split=split, which=which, seed=seed, seq_length=seq_length, shuffle=shuffle,
+               epoch=epoch)
+    return os.path.join(cache_dir, f"{os.path.basename(prefix)}_{which}_{key}")
+
+
 @dataclass
 class EpochIndex:
     doc_order: np.ndarray  # [n] positions into the part's document list, shuffled
@@ -139,7 +158,7 @@ class GPTDataset:
             self._bounds = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
         except DatasetError as exc:
             raise DatasetError(f"{prefix}: {exc}") from None
-        self.cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
+        self.cache_dir = default_cache_dir(prefix, cache_dir)
         self.cache_hits = 0  # epochs loaded from / built into the cache (the part's arrays: part_cached)
         self.cache_misses = 0
         self._epochs: dict[int, EpochIndex] = {}
@@ -156,19 +175,13 @@ class GPTDataset:
         self._nbytes = self.indexed.document_bytes()  # memory-mapped; read by sample_bytes only
 
     # ------------------------------------------------------------------ index building
-    def cache_key(self, epoch: int) -> str:
-        return _key(data=self._data_hash, split=self.split, which=self.which, seed=self.seed,
-                    seq_length=self.seq_length, shuffle=self.shuffle, epoch=epoch)
-
     def part_stem(self) -> str:
-        """Stem of the cached per-document arrays of this part (they depend on the documents'
-        lengths, split and part only)."""
-        key = _key(data=self._data_hash, split=self.split, which=self.which, part=True)
-        return os.path.join(self.cache_dir, f"{os.path.basename(self.prefix)}_{self.which}_{key}")
+        return part_stem(self.prefix, self.cache_dir, self._data_hash, self.split, self.which)
 
     def cache_path(self, epoch: int) -> str:
         """Stem of epoch ``epoch``'s cached arrays: ``<stem>.<array>.npy``."""
-        return os.path.join(self.cache_dir, f"{os.path.basename(self.prefix)}_{self.which}_{self.cache_key(epoch)}")
+        return epoch_stem(self.prefix, self.cache_dir, self._data_hash, self.split, self.which, self.seed,
+                          self.seq_length, self.shuffle, epoch)
 
     def is_cached(self, epoch: int) -> bool:
         """Whether epoch ``epoch``'s arrays are in the cache (the part's are: they were loaded)."""
