@@ -24,7 +24,8 @@ Rules:
   Files are written to a temporary name and renamed (atomic; concurrent ranks writing the same
   file is harmless), and read memory-mapped, so the ranks of a node share one copy in the page
   cache. Arrays are int32 where the part's counts fit (int64 beyond 2**31). Which rank builds
-  them at start-up: :mod:`dept_mega.data.index_build`.
+  them at start-up: :mod:`dept_mega.data.index_build`; later, the first process that needs a
+  set claims it (``<stem>.building``) and the others wait for its files.
 * **Bytes** (``sample_bytes``): the UTF-8 bytes of the text behind a sample's *target* tokens
   (positions 1..L). Cumulative bytes are a piecewise-linear function of cumulative tokens: a
   document's bytes are spread evenly over its tokens (its EOD token included). A sample's bytes
@@ -37,13 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from dept_mega.data.index_cache import is_cached, load_arrays, narrow_int, save_arrays
+from dept_mega.data.index_cache import claim_or_wait, is_cached, load_arrays, narrow_int, release, save_arrays
 from dept_mega.data.indexed import IndexedDataset
 
 PARTS = ("train", "valid", "test")
@@ -103,6 +105,10 @@ def data_hash(indexed: IndexedDataset) -> str:
 
 def _key(**fields) -> str:
     return hashlib.sha256(json.dumps({"v": CACHE_VERSION, **fields}, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def default_cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
@@ -227,11 +233,23 @@ class GPTDataset:
     def _load_or_build(self, stem: str, lengths: dict[str, Optional[int]], build,
                        count: bool = True) -> dict[str, np.ndarray]:
         """The arrays of ``stem`` memory-mapped from the cache, or built by ``build()``, written
-        to the cache and mapped back (so that the builder keeps no private copy either)."""
+        to the cache and mapped back (so that the builder keeps no private copy either). One
+        process builds a stem at a time; another that needs it meanwhile waits for its files
+        (:func:`~dept_mega.data.index_cache.claim_or_wait`)."""
         arrays = load_arrays(stem, lengths)
-        if arrays is not None:
-            self.cache_hits += count
-            return arrays
+        if arrays is None:
+            claim = claim_or_wait(stem, list(lengths), log=_stderr)
+            if claim is None:  # another process built it while this one waited
+                arrays = load_arrays(stem, lengths)
+            if arrays is None:
+                try:
+                    return self._build_and_save(stem, build, count)
+                finally:
+                    release(claim)
+        self.cache_hits += count
+        return arrays
+
+    def _build_and_save(self, stem: str, build, count: bool) -> dict[str, np.ndarray]:
         self.cache_misses += count
         arrays = build()
         try:

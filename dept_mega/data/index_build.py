@@ -12,9 +12,10 @@ before the datasets are opened, :func:`prepare_indexes`:
    when any rank cannot see them, local rank 0 (``LOCAL_RANK``) of each node that cannot
    builds them there, the others waiting as in 1.
 
-After that the ranks only load. Later epochs are built on the first access, by whichever rank
-reaches them (the files are written atomically, a rank that comes after loads them). One
-process (no process group): it builds what is missing itself.
+After that the ranks only load. Later epochs (and the epoch a resumed run starts in) are built
+on first access, by the first rank that needs them; a rank that needs them meanwhile waits for
+its files (:func:`~dept_mega.data.index_cache.claim_or_wait`). One process (no process group):
+it builds what is missing itself.
 """
 from __future__ import annotations
 

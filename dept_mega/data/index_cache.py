@@ -10,7 +10,9 @@ mixed from both is still right.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import time
 import warnings
 from typing import Optional, Sequence
 
@@ -76,3 +78,89 @@ def load_arrays(stem: str, lengths: dict[str, Optional[int]]) -> Optional[dict[s
             return None
         out[name] = arr
     return out
+
+
+# ------------------------------------------------------------------ one builder per stem
+# Beyond start-up (dept_mega.data.index_build), arrays are built on first access, by any rank:
+# an epoch reached during the run, the epoch a resumed run starts in. The first process to
+# need a stem claims it by creating ``<stem>.building`` exclusively (O_EXCL: atomic, also on
+# NFS) and builds; the others wait for its files instead of building the same arrays.
+
+def _claim_path(stem: str) -> str:
+    return stem + ".building"
+
+
+def _owner_gone(text: str) -> bool:
+    """Whether the claim's owner (``host pid``) is a process of this host that has ended."""
+    host, _, pid = text.partition(" ")
+    if host != socket.gethostname() or not pid.strip().isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def claim_or_wait(stem: str, names: Sequence[str], stale_s: float = 600.0, poll_s: float = 0.2,
+                  log=None) -> Optional[str]:
+    """Claim the building of ``stem``'s arrays, or wait for the process that holds the claim.
+
+    Returns the claim file's path when this process is to build (pass it to :func:`release`
+    after writing the arrays), "" when no claim can be made (a directory that cannot be
+    written: build without one, as before), or None when the arrays ``names`` appeared
+    while waiting (load them). A claim whose owner has ended (same host, no such pid: a
+    killed job) or that is older than ``stale_s`` seconds is taken over, saying so. ``log``
+    gets a line every 30 s of waiting."""
+    path = _claim_path(stem)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError:
+        return ""
+    start = last = time.monotonic()
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pass
+        except OSError:
+            return ""
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}")
+            if is_cached(stem, names):  # built by the claim's previous owner, released just now
+                release(path)
+                return None
+            return path
+        if is_cached(stem, names):
+            return None
+        try:
+            with open(path) as f:
+                owner = f.read().strip()
+            age = time.time() - os.path.getmtime(path)
+        except FileNotFoundError:
+            continue  # released just now: look again
+        if _owner_gone(owner) or age > stale_s:
+            why = "has ended" if _owner_gone(owner) else f"has held it {age:.0f} s"
+            warnings.warn(f"{path}: taking over the dataset index build of {owner or 'an unknown process'}, "
+                          f"which {why}")
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            continue
+        now = time.monotonic()
+        if log is not None and now - last >= 30.0:
+            log(f"data: waiting {now - start:.0f} s for {owner} to build the dataset index {stem}")
+            last = now
+        time.sleep(poll_s)
+
+
+def release(claim: Optional[str]) -> None:
+    if claim:
+        try:
+            os.remove(claim)
+        except FileNotFoundError:
+            pass
