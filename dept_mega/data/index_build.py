@@ -68,11 +68,14 @@ def run_index_specs(cfg, eval_part: str = "valid", extra_sources: Sequence = ())
     return specs
 
 
-def spec_cached(spec: IndexSpec) -> bool:
+def spec_cached(spec: IndexSpec, digests: Optional[dict[str, str]] = None) -> bool:
     """Whether this rank sees the part's arrays and epoch 0's in the cache (reads the ``.idx``
-    to hash it; builds nothing)."""
-    with naming_source(spec.index, spec.name):
-        digest = data_hash(IndexedDataset(spec.prefix))
+    to hash it, once per prefix in ``digests``; builds nothing)."""
+    digests = {} if digests is None else digests
+    if spec.prefix not in digests:
+        with naming_source(spec.index, spec.name):
+            digests[spec.prefix] = data_hash(IndexedDataset(spec.prefix))
+    digest = digests[spec.prefix]
     cache_dir = default_cache_dir(spec.prefix, spec.cache_dir)
     return (is_cached(part_stem(spec.prefix, cache_dir, digest, spec.split, spec.which), PART_ARRAYS)
             and is_cached(epoch_stem(spec.prefix, cache_dir, digest, spec.split, spec.which, spec.seed,
@@ -112,7 +115,8 @@ def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int,
     from dept_mega.run_inputs import input_errors
     errors = input_errors()
     built = agree_errors(lambda: build_missing(specs, log, log_after_s) if rank == 0 else 0, errors, device)
-    missing = agree_errors(lambda: not all(spec_cached(s) for s in specs), errors, device)
+    digests: dict[str, str] = {}
+    missing = agree_errors(lambda: not all(spec_cached(s, digests) for s in specs), errors, device)
     if world_max([int(missing)], device)[0]:  # a node-local cache_dir: each such node builds its own
         builder = missing and local_rank == 0
         built += agree_errors(lambda: build_missing(specs, log, log_after_s) if builder else 0, errors, device)
