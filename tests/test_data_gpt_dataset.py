@@ -250,3 +250,16 @@ def test_errors(tmp_path):
         ds.sample_bytes(0)
     with pytest.raises(ValueError, match="which"):
         GPTDataset(prefix, 1, "1,0", "dev")
+
+
+def test_cache_names_follow_the_document_lengths_only(tmp_path):
+    """Same token count, other document boundaries: another index; other tokens, same
+    lengths: the same index (it depends on the lengths alone)."""
+    a = write_docs(str(tmp_path / "a"), [[1, 2, 3], [4, 5, 6, 7]], nbytes=[1, 1])
+    b = write_docs(str(tmp_path / "b"), [[1, 2, 3, 4], [5, 6, 7]], nbytes=[1, 1])
+    c = write_docs(str(tmp_path / "c"), [[9, 9, 9], [8, 8, 8, 8]], nbytes=[1, 1])
+
+    def stems(prefix):
+        ds = GPTDataset(prefix, 2, "1,0", "train", cache_dir=str(tmp_path / "cache"))
+        return [os.path.basename(p).split("_", 1)[1] for p in (ds.part_stem(), ds.cache_path(0))]
+    assert stems(a) == stems(c) and stems(a)[0] != stems(b)[0] and stems(a)[1] != stems(b)[1]

@@ -99,6 +99,7 @@ def data_hash(indexed: IndexedDataset) -> str:
     and document index, hashed from the memory map (no copy)."""
     h = hashlib.sha256()
     for arr in (indexed.sequence_lengths, indexed.document_indices):
+        h.update(f"{arr.dtype.str}:{len(arr)};".encode())  # where one array ends and the next begins
         h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
     return h.hexdigest()
 
