@@ -531,3 +531,17 @@ def test_bench_summary_reports_the_tuned_run_and_its_gemm_problems():
     text = "\n".join(_bench_lines(rows))
     assert "- FP8 with fp8_all_fused's settings and fp8_gemm_tuning=8 (fp8_tuned): 1.030x fp8_all_fused (" in text, text
     assert f"- fp8_tuned: {tuned_line}" in text, text
+
+
+def test_dataset_index_memory_benchmark_runs_and_loads_without_private_memory(tmp_path):
+    """benchmarks/dataset_index_memory.py on 400k documents: every step runs, and a dataset
+    that loads its index from the cache adds (almost) no private memory (its arrays are
+    memory-mapped; read into memory they would be ~8 MiB here)."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "dataset_index_memory.py"), "--docs", "400000",
+           "--mean-tokens", "50", "--seq-length", "64", "--dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = {ln.split(":")[0].strip(): ln for ln in res.stdout.splitlines()}
+    assert {"data", "open", "epoch", "warm"} <= set(lines), res.stdout
+    anon = int(lines["warm"].split("RssAnon +")[1].split()[0])
+    assert anon <= 2, res.stdout

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from dept_mega.data.gpt_dataset import GPTDataset, split_bounds
+from dept_mega.data.gpt_dataset import EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, split_bounds
 from tests.data_utils import numbered_docs, write_docs
 
 
@@ -95,16 +95,26 @@ def test_unshuffled_is_file_order(data, tmp_path):
         assert ds[j].tolist() == stream[j * 10:j * 10 + 11].tolist()
 
 
+def _epoch_stems(cdir):
+    return sorted({f.rsplit(".", 2)[0] for f in os.listdir(cdir)
+                   if f.endswith((".doc_order.npy", ".sample_order.npy"))})
+
+
 def test_cache_hit_miss_and_key(data, tmp_path):
     prefix, _, _ = data
     cdir = str(tmp_path / "cache")
     a = GPTDataset(prefix, 8, "98,2", "train", seed=3, cache_dir=cdir)
+    assert not a.part_cached
     first = a[0]
     assert (a.cache_misses, a.cache_hits) == (1, 0)
-    files = os.listdir(cdir)
-    assert len(files) == 1 and files[0].startswith("src_train_") and files[0].endswith(".npz")
+    stems = _epoch_stems(cdir)
+    assert len(stems) == 1 and stems[0].startswith("src_train_")
+    assert sorted(os.listdir(cdir)) == sorted([f"{stems[0]}.{k}.npy" for k in EPOCH_ARRAYS]
+                                              + [f"{os.path.basename(a.part_stem())}.{k}.npy" for k in PART_ARRAYS])
     b = GPTDataset(prefix, 8, "98,2", "train", seed=3, cache_dir=cdir)
+    assert b.part_cached
     assert np.array_equal(b[0], first) and (b.cache_misses, b.cache_hits) == (0, 1)
+    assert isinstance(b.epoch_index(0).sample_order, np.memmap) and isinstance(b.doc_lengths, np.memmap)
     for kw in (dict(seed=4), dict(seq_length=9), dict(split="90,10"), dict(shuffle=False)):
         args = dict(seq_length=8, split="98,2", seed=3, shuffle=True)
         args.update(kw)
@@ -112,23 +122,92 @@ def test_cache_hit_miss_and_key(data, tmp_path):
                        shuffle=args["shuffle"])
         c[0]
         assert (c.cache_misses, c.cache_hits) == (1, 0), kw
+        assert c.part_cached == ("split" not in kw), kw  # the part's documents depend on the split only
     b[b.samples_per_epoch]  # a new epoch is a new cache entry
     assert b.cache_misses == 1
-    assert len(os.listdir(cdir)) == 6 and not [f for f in os.listdir(cdir) if f.endswith(".tmp")]
-    # cached arrays equal freshly built ones
-    with np.load(a.cache_path(0)) as z:
-        built = a._build(0)
-        for k, v in built.items():
-            assert np.array_equal(z[k], v)
+    assert len(_epoch_stems(cdir)) == 6 and not [f for f in os.listdir(cdir) if f.endswith(".tmp")]
+    # cached arrays equal freshly built ones, in int32 (the counts of this part fit)
+    built = a._build(0)
+    for k, v in built.items():
+        z = np.load(f"{a.cache_path(0)}.{k}.npy")
+        assert z.dtype == np.int32 and np.array_equal(z, v)
+
+
+def test_damaged_cache_file_is_named_and_rebuilt(data, tmp_path):
+    prefix, _, _ = data
+    cdir = str(tmp_path / "cache")
+    a = GPTDataset(prefix, 8, "98,2", "train", seed=3, cache_dir=cdir)
+    want = [a[i].tolist() for i in range(a.samples_per_epoch)]
+    bad = f"{a.cache_path(0)}.sample_doc.npy"
+    np.save(bad, np.zeros(3, dtype=np.int32))  # wrong length
+    b = GPTDataset(prefix, 8, "98,2", "train", seed=3, cache_dir=cdir)
+    with pytest.warns(UserWarning, match="sample_doc.npy"):
+        got = [b[i].tolist() for i in range(b.samples_per_epoch)]
+    assert got == want and b.cache_misses == 1 and len(np.load(bad)) == b.samples_per_epoch
+
+
+def _reference_samples(docs, lo, hi, L, seed, epochs, shuffle=True):
+    """The module doc's rule written out directly (one token stream per epoch, documents in
+    the order of PCG64((seed, e, 0)), samples in the order of PCG64((seed, e, 1))): independent
+    of the index arrays GPTDataset builds and caches."""
+    part = [np.asarray(d, dtype=np.int64) for d in docs[lo:hi] if len(d)]
+    out = []
+    for e in range(epochs):
+        order = np.arange(len(part))
+        if shuffle:
+            order = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, e, 0]))).permutation(len(part))
+        stream = np.concatenate([part[int(p)] for p in order])
+        S = (len(stream) - 1) // L
+        samples = np.arange(S)
+        if shuffle:
+            samples = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, e, 1]))).permutation(S)
+        out.extend(stream[int(k) * L:int(k) * L + L + 1] for k in samples)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("which,shuffle", [("train", True), ("valid", False), ("test", True)])
+def test_samples_equal_an_independent_reference(tmp_path, which, shuffle):
+    docs = numbered_docs(120, seed=4)
+    docs[3] = docs[70] = docs[110] = []  # empty documents are left out of every part
+    prefix = write_docs(str(tmp_path / "r"), docs, nbytes=[2 * len(d) + 1 for d in docs])
+    lo, hi = split_bounds(len(docs), "70,20,10")[["train", "valid", "test"].index(which)]
+    for L in (3, 16):
+        want = _reference_samples(docs, lo, hi, L, 11, 3, shuffle)
+        for cached in (False, True):  # built here, then loaded memory-mapped by a second instance
+            ds = GPTDataset(prefix, L, "70,20,10", which, seed=11, shuffle=shuffle, cache_dir=str(tmp_path / "c"))
+            assert ds.part_cached == cached or L == 16
+            got = np.stack([ds[i] for i in range(len(want))])
+            assert got.dtype == np.int64 and np.array_equal(got, want), (L, cached)
+
+
+def test_sample_bytes_equal_float64_reference(tmp_path):
+    # cumulative bytes in float64, documents in the epoch's order, interpolated at the target
+    # ends: the same floats (==) as the rule in the module doc computes them
+    docs = numbered_docs(60, seed=2)
+    nbytes = [int(b) for b in np.random.default_rng(0).integers(1, 10**9, size=60)]
+    prefix = write_docs(str(tmp_path / "f"), docs, nbytes=nbytes)
+    L = 5
+    ds = GPTDataset(prefix, L, "1,0", "train", seed=9, cache_dir=str(tmp_path / "c"))
+    for e in range(2):
+        order = np.random.Generator(np.random.PCG64(np.random.SeedSequence([9, e, 0]))).permutation(60)
+        cum_t = np.concatenate([[0], np.cumsum([len(docs[int(p)]) for p in order])])
+        cum_b = np.zeros(61)
+        np.cumsum(np.asarray(nbytes, dtype=np.float64)[order], out=cum_b[1:])
+        samples = np.random.Generator(np.random.PCG64(np.random.SeedSequence([9, e, 1]))).permutation(
+            ds.samples_per_epoch)
+        for j, k in enumerate(samples):
+            a = int(k) * L + 1
+            ends = np.interp([a, a + L], cum_t, cum_b)
+            assert ds.sample_bytes(e * ds.samples_per_epoch + j) == float(ends[1] - ends[0])
 
 
 def test_cache_defaults_beside_data_and_changes_with_data(tmp_path):
     prefix = write_docs(str(tmp_path / "d"), numbered_docs(20), nbytes=[1] * 20)
     GPTDataset(prefix, 4, "98,2", "train")[0]
     assert [f for f in os.listdir(tmp_path) if f.startswith("d_train_")]
-    k1 = GPTDataset(prefix, 4, "98,2", "train").cache_key(0)
+    k1 = GPTDataset(prefix, 4, "98,2", "train").cache_path(0)
     write_docs(prefix, numbered_docs(20, seed=9), nbytes=[1] * 20)  # new content, same name
-    assert GPTDataset(prefix, 4, "98,2", "train").cache_key(0) != k1
+    assert GPTDataset(prefix, 4, "98,2", "train").cache_path(0) != k1
 
 
 def test_sample_bytes(tmp_path):
@@ -171,3 +250,16 @@ def test_errors(tmp_path):
         ds.sample_bytes(0)
     with pytest.raises(ValueError, match="which"):
         GPTDataset(prefix, 1, "1,0", "dev")
+
+
+def test_cache_names_follow_the_document_lengths_only(tmp_path):
+    """Same token count, other document boundaries: another index; other tokens, same
+    lengths: the same index (it depends on the lengths alone)."""
+    a = write_docs(str(tmp_path / "a"), [[1, 2, 3], [4, 5, 6, 7]], nbytes=[1, 1])
+    b = write_docs(str(tmp_path / "b"), [[1, 2, 3, 4], [5, 6, 7]], nbytes=[1, 1])
+    c = write_docs(str(tmp_path / "c"), [[9, 9, 9], [8, 8, 8, 8]], nbytes=[1, 1])
+
+    def stems(prefix):
+        ds = GPTDataset(prefix, 2, "1,0", "train", cache_dir=str(tmp_path / "cache"))
+        return [os.path.basename(p).split("_", 1)[1] for p in (ds.part_stem(), ds.cache_path(0))]
+    assert stems(a) == stems(c) and stems(a)[0] != stems(b)[0] and stems(a)[1] != stems(b)[1]

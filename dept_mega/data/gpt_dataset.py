@@ -17,10 +17,15 @@ Rules:
   ``num_samples`` sizes it.
 * **Index arrays** (document order, each sample's first document and offset, sample order) are
   built with numpy (``cumsum``/``searchsorted``, no loop over tokens) per epoch, and cached in
-  ``cache_dir`` (default: beside the ``.idx``) as ``<name>_<part>_<hash>.npz``. The hash covers
-  every input that determines them: the documents' token lengths, split, part, seed, seq_length,
-  shuffle and epoch. Files are written to a temporary name and renamed (atomic; concurrent
-  ranks writing the same file is harmless).
+  ``cache_dir`` (default: beside the ``.idx``) as ``<name>_<part>_<hash>.<array>.npy``; the
+  part's documents (their ids, first tokens and lengths) likewise, once per part. The hash
+  covers every input that determines them: the documents' token lengths (the ``.idx``'s
+  sequence lengths and document index), split, part, seed, seq_length, shuffle and epoch.
+  Files are written to a temporary name and renamed (atomic; concurrent ranks writing the same
+  file is harmless), and read memory-mapped, so the ranks of a node share one copy in the page
+  cache. Arrays are int32 where the part's counts fit (int64 beyond 2**31). Which rank builds
+  them at start-up: :mod:`dept_mega.data.index_build`; later, the first process that needs a
+  set claims it (``<stem>.building``) and the others wait for its files.
 * **Bytes** (``sample_bytes``): the UTF-8 bytes of the text behind a sample's *target* tokens
   (positions 1..L). Cumulative bytes are a piecewise-linear function of cumulative tokens: a
   document's bytes are spread evenly over its tokens (its EOD token included). A sample's bytes
@@ -33,17 +38,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from dept_mega.data.index_cache import claim_or_wait, is_cached, load_arrays, narrow_int, release, save_arrays
 from dept_mega.data.indexed import IndexedDataset
 
 PARTS = ("train", "valid", "test")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: one memory-mapped .npy per array, int32 where the counts fit
+PART_ARRAYS = ("doc_ids", "doc_starts", "doc_lengths")
+EPOCH_ARRAYS = ("doc_order", "sample_doc", "sample_off", "sample_order")
 
 
 class DatasetError(ValueError):
@@ -86,14 +94,54 @@ def part_tokens(indexed: IndexedDataset, split: str, which: str) -> tuple[int, i
     return lo, hi, int(indexed.document_token_ranges()[1][lo:hi].sum())
 
 
+def data_hash(indexed: IndexedDataset) -> str:
+    """sha256 of what the documents' token lengths follow from: the ``.idx``'s sequence lengths
+    and document index, hashed from the memory map (no copy)."""
+    h = hashlib.sha256()
+    for arr in (indexed.sequence_lengths, indexed.document_indices):
+        h.update(f"{arr.dtype.str}:{len(arr)};".encode())  # where one array ends and the next begins
+        h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
+    return h.hexdigest()
+
+
+def _key(**fields) -> str:
+    return hashlib.sha256(json.dumps({"v": CACHE_VERSION, **fields}, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def default_cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
+    return cache_dir or os.path.dirname(os.path.abspath(prefix))
+
+
+def part_stem(prefix: str, cache_dir: str, digest: str, split: str, which: str) -> str:
+    """Stem of a part's cached per-document arrays (they depend on the documents' lengths,
+    whose hash is ``digest``, the split and the part only)."""
+    key = _key(data=digest, split=split, which=which, part=True)
+    return os.path.join(cache_dir, f"{os.path.basename(prefix)}_{which}_{key}")
+
+
+def epoch_stem(prefix: str, cache_dir: str, digest: str, split: str, which: str, seed: int, seq_length: int,
+               shuffle: bool, epoch: int) -> str:
+    """Stem of one epoch's cached sample arrays: ``<stem>.<array>.npy``."""
+    key = _key(data=digest, split=split, which=which, seed=seed, seq_length=seq_length, shuffle=shuffle,
+               epoch=epoch)
+    return os.path.join(cache_dir, f"{os.path.basename(prefix)}_{which}_{key}")
+
+
 @dataclass
 class EpochIndex:
-    doc_order: np.ndarray  # int64 positions into the part's document list, shuffled
-    sample_doc: np.ndarray  # int64 [S]: position in doc_order of each sample's first token
-    sample_off: np.ndarray  # int64 [S]: offset of that token inside the document
-    sample_order: np.ndarray  # int64 [S]: permutation of samples
-    cum_tokens: np.ndarray  # int64 [n+1]: stream position where each document starts
-    cum_bytes: Optional[np.ndarray]  # float64 [n+1]: bytes before each document
+    doc_order: np.ndarray  # [n] positions into the part's document list, shuffled
+    sample_doc: np.ndarray  # [S]: position in doc_order of each sample's first token
+    sample_off: np.ndarray  # [S]: offset of that token inside the document
+    sample_order: np.ndarray  # [S]: permutation of samples
+    # int64 [n+1] stream position where each document starts, and float64 [n+1] bytes before
+    # each document: computed when first asked for (sample_documents, sample_bytes), so a
+    # training part that never asks holds no private per-document array
+    cum_tokens: Optional[np.ndarray] = None
+    cum_bytes: Optional[np.ndarray] = None
 
 
 class GPTDataset:
@@ -113,42 +161,49 @@ class GPTDataset:
         self.seed = seed
         self.shuffle = shuffle
         self.indexed = IndexedDataset(prefix)
-        starts, lengths = self.indexed.document_token_ranges()
         try:
-            lo, hi = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
+            self._bounds = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
         except DatasetError as exc:
             raise DatasetError(f"{prefix}: {exc}") from None
-        docs = np.arange(lo, hi, dtype=np.int64)
-        docs = docs[lengths[lo:hi] > 0]
-        self.doc_ids = docs
-        self.doc_starts = starts[docs]
-        self.doc_lengths = lengths[docs]
-        self.num_tokens = int(self.doc_lengths.sum())
-        if self.num_tokens < seq_length + 1:
-            raise DatasetError(f"{prefix}: part '{which}' of split {split!r} has {self.num_tokens} tokens in "
-                             f"{len(docs)} documents; one sample needs seq_length + 1 = {seq_length + 1}")
-        self.samples_per_epoch = (self.num_tokens - 1) // seq_length
-        self.num_samples = num_samples
-        nb = self.indexed.document_bytes()
-        self.doc_bytes = None if nb is None else np.asarray(nb[docs], dtype=np.float64)
-        self.cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
-        self.cache_hits = 0
+        self.cache_dir = default_cache_dir(prefix, cache_dir)
+        self.cache_hits = 0  # epochs loaded from / built into the cache (the part's arrays: part_cached)
         self.cache_misses = 0
         self._epochs: dict[int, EpochIndex] = {}
-        h = hashlib.sha256()
-        h.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
-        self._data_hash = h.hexdigest()
+        self._data_hash = data_hash(self.indexed)
+        self.part_cached = is_cached(self.part_stem(), PART_ARRAYS)
+        part = self._load_or_build(self.part_stem(), {k: None for k in PART_ARRAYS}, self._build_part, count=False)
+        self.doc_ids, self.doc_starts, self.doc_lengths = (part[k] for k in PART_ARRAYS)
+        self.num_tokens = int(self.doc_lengths.sum(dtype=np.int64))
+        if self.num_tokens < seq_length + 1:
+            raise DatasetError(f"{prefix}: part '{which}' of split {split!r} has {self.num_tokens} tokens in "
+                               f"{len(self.doc_ids)} documents; one sample needs seq_length + 1 = {seq_length + 1}")
+        self.samples_per_epoch = (self.num_tokens - 1) // seq_length
+        self.num_samples = num_samples
+        self._nbytes = self.indexed.document_bytes()  # memory-mapped; read by sample_bytes only
 
     # ------------------------------------------------------------------ index building
-    def cache_key(self, epoch: int) -> str:
-        key = json.dumps({"v": CACHE_VERSION, "data": self._data_hash, "split": self.split,
-                          "which": self.which, "seed": self.seed, "seq_length": self.seq_length,
-                          "shuffle": self.shuffle, "epoch": epoch}, sort_keys=True)
-        return hashlib.sha256(key.encode()).hexdigest()[:20]
+    def part_stem(self) -> str:
+        return part_stem(self.prefix, self.cache_dir, self._data_hash, self.split, self.which)
 
     def cache_path(self, epoch: int) -> str:
-        name = os.path.basename(self.prefix)
-        return os.path.join(self.cache_dir, f"{name}_{self.which}_{self.cache_key(epoch)}.npz")
+        """Stem of epoch ``epoch``'s cached arrays: ``<stem>.<array>.npy``."""
+        return epoch_stem(self.prefix, self.cache_dir, self._data_hash, self.split, self.which, self.seed,
+                          self.seq_length, self.shuffle, epoch)
+
+    def is_cached(self, epoch: int) -> bool:
+        """Whether epoch ``epoch``'s arrays are in the cache (the part's are: they were loaded)."""
+        return is_cached(self.cache_path(epoch), EPOCH_ARRAYS)
+
+    def _build_part(self) -> dict[str, np.ndarray]:
+        lo, hi = self._bounds
+        starts, lengths = self.indexed.document_token_ranges()
+        keep = lengths[lo:hi] > 0
+        docs = np.arange(lo, hi, dtype=np.int64)[keep]
+        doc_lengths = lengths[lo:hi][keep]
+        doc_starts = starts[lo:hi][keep]
+        return {"doc_ids": narrow_int(docs, hi),
+                "doc_starts": narrow_int(doc_starts, int(doc_starts[-1]) if len(docs) else 0),
+                "doc_lengths": narrow_int(doc_lengths, int(doc_lengths.max()) if len(docs) else 0)}
 
     def _build(self, epoch: int) -> dict[str, np.ndarray]:
         n, L, S = len(self.doc_ids), self.seq_length, self.samples_per_epoch
@@ -157,56 +212,75 @@ class GPTDataset:
             doc_order = rng.permutation(n).astype(np.int64)
         else:
             doc_order = np.arange(n, dtype=np.int64)
-        cum = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(self.doc_lengths[doc_order], out=cum[1:])
+        cum = self._cum_tokens(doc_order)
         first = np.arange(S, dtype=np.int64) * L
         sample_doc = np.searchsorted(cum, first, side="right").astype(np.int64) - 1
         sample_off = first - cum[sample_doc]
+        del cum, first
         if self.shuffle:
             rng2 = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 1])))
             sample_order = rng2.permutation(S).astype(np.int64)
         else:
             sample_order = np.arange(S, dtype=np.int64)
-        return {"doc_order": doc_order, "sample_doc": sample_doc, "sample_off": sample_off,
-                "sample_order": sample_order}
+        longest = int(self.doc_lengths.max())
+        return {"doc_order": narrow_int(doc_order, n), "sample_doc": narrow_int(sample_doc, n),
+                "sample_off": narrow_int(sample_off, longest), "sample_order": narrow_int(sample_order, S)}
 
-    def _load_or_build(self, epoch: int) -> dict[str, np.ndarray]:
-        path = self.cache_path(epoch)
-        if os.path.exists(path):
-            try:
-                with np.load(path) as z:
-                    arrays = {k: z[k] for k in ("doc_order", "sample_doc", "sample_off", "sample_order")}
-                self.cache_hits += 1
-                return arrays
-            except (OSError, ValueError, KeyError):
-                pass  # unreadable cache file: rebuild it below
-        self.cache_misses += 1
-        arrays = self._build(epoch)
+    def _cum_tokens(self, doc_order: np.ndarray) -> np.ndarray:
+        cum = np.zeros(len(doc_order) + 1, dtype=np.int64)
+        np.cumsum(self.doc_lengths[doc_order], dtype=np.int64, out=cum[1:])
+        return cum
+
+    def _load_or_build(self, stem: str, lengths: dict[str, Optional[int]], build,
+                       count: bool = True) -> dict[str, np.ndarray]:
+        """The arrays of ``stem`` memory-mapped from the cache, or built by ``build()``, written
+        to the cache and mapped back (so that the builder keeps no private copy either). One
+        process builds a stem at a time; another that needs it meanwhile waits for its files
+        (:func:`~dept_mega.data.index_cache.claim_or_wait`)."""
+        arrays = load_arrays(stem, lengths)
+        if arrays is None:
+            claim = claim_or_wait(stem, list(lengths), log=_stderr)
+            if claim is None:  # another process built it while this one waited
+                arrays = load_arrays(stem, lengths)
+            if arrays is None:
+                try:
+                    return self._build_and_save(stem, build, count)
+                finally:
+                    release(claim)
+        self.cache_hits += count
+        return arrays
+
+    def _build_and_save(self, stem: str, build, count: bool) -> dict[str, np.ndarray]:
+        self.cache_misses += count
+        arrays = build()
         try:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=self.cache_dir)
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
+            save_arrays(stem, arrays)
         except OSError as exc:
             # e.g. a read-only data directory: the arrays are rebuilt next time (same values)
-            warnings.warn(f"could not cache dataset index at {path}: {exc}; set data.cache_dir")
-        return arrays
+            warnings.warn(f"could not cache dataset index at {stem}.*.npy: {exc}; set data.cache_dir")
+            return arrays
+        return load_arrays(stem, {k: len(v) for k, v in arrays.items()}) or arrays
 
     def epoch_index(self, epoch: int) -> EpochIndex:
         idx = self._epochs.get(epoch)
         if idx is None:
-            a = self._load_or_build(epoch)
-            cum = np.zeros(len(self.doc_ids) + 1, dtype=np.int64)
-            np.cumsum(self.doc_lengths[a["doc_order"]], out=cum[1:])
-            cum_bytes = None
-            if self.doc_bytes is not None:
-                cum_bytes = np.zeros(len(self.doc_ids) + 1, dtype=np.float64)
-                np.cumsum(self.doc_bytes[a["doc_order"]], out=cum_bytes[1:])
-            idx = EpochIndex(a["doc_order"], a["sample_doc"], a["sample_off"], a["sample_order"], cum, cum_bytes)
+            n, S = len(self.doc_ids), self.samples_per_epoch
+            a = self._load_or_build(self.cache_path(epoch), {"doc_order": n, "sample_doc": S, "sample_off": S,
+                                                               "sample_order": S}, lambda: self._build(epoch))
+            idx = EpochIndex(a["doc_order"], a["sample_doc"], a["sample_off"], a["sample_order"])
             if len(self._epochs) >= 2:
                 self._epochs.pop(next(iter(self._epochs)))
             self._epochs[epoch] = idx
+        return idx
+
+    def _cumulative(self, idx: EpochIndex, nbytes: bool = False) -> EpochIndex:
+        if idx.cum_tokens is None:
+            idx.cum_tokens = self._cum_tokens(idx.doc_order)
+        if nbytes and idx.cum_bytes is None:
+            doc_bytes = np.asarray(self._nbytes[self.doc_ids], dtype=np.float64)
+            cum_bytes = np.zeros(len(self.doc_ids) + 1, dtype=np.float64)
+            np.cumsum(doc_bytes[idx.doc_order], out=cum_bytes[1:])
+            idx.cum_bytes = cum_bytes
         return idx
 
     # ------------------------------------------------------------------ access
@@ -237,20 +311,22 @@ class GPTDataset:
         return out
 
     def sample_documents(self, i: int) -> np.ndarray:
-        """Indices (in the ``.idx``) of the documents sample ``i`` draws tokens from, in order."""
+        """Indices (int64, in the ``.idx``) of the documents sample ``i`` draws tokens from, in order."""
         idx, k = self._locate(i)
+        self._cumulative(idx)
         first = k * self.seq_length
         last = first + self.seq_length  # inclusive position of the final token
         p0 = int(idx.sample_doc[k])
         p1 = int(np.searchsorted(idx.cum_tokens, last, side="right")) - 1
-        return self.doc_ids[idx.doc_order[p0:p1 + 1]]
+        return np.asarray(self.doc_ids[idx.doc_order[p0:p1 + 1]], dtype=np.int64)
 
     def sample_bytes(self, i: int) -> float:
         """UTF-8 bytes of the text behind sample ``i``'s target tokens (see the module doc)."""
-        if self.doc_bytes is None:
+        if self._nbytes is None:
             raise FileNotFoundError(f"{self.prefix}.bytes.npy is missing: byte counts are written by "
                                     "tools/preprocess_data.py; re-run it to get bits per byte")
         idx, k = self._locate(i)
+        self._cumulative(idx, nbytes=True)
         a = k * self.seq_length + 1
         b = a + self.seq_length
         ends = np.interp([a, b], idx.cum_tokens, idx.cum_bytes)

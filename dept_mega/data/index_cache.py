@@ -1,0 +1,166 @@
+"""On-disk cache of a :class:`~dept_mega.data.gpt_dataset.GPTDataset`'s index arrays.
+
+Each array is its own ``<stem>.<name>.npy`` so that every rank of a node can memory-map it
+(``np.load(mmap_mode="r")``): the pages live once in the page cache, not once per rank (an
+``.npz`` cannot be mapped and is read into private memory by each rank). Every file is written
+under a temporary name and renamed, so a reader sees a whole file or none; the contents are a
+function of the stem's key, so two writers of the same stem write the same bytes and a set
+mixed from both is still right.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import warnings
+from typing import Optional, Sequence
+
+import numpy as np
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def narrow_int(values: np.ndarray, bound: int) -> np.ndarray:
+    """``values`` (all in ``[0, bound]``) as int32 when ``bound`` fits, else int64: the same
+    numbers in half the bytes for any part of fewer than 2**31 documents or samples."""
+    dtype = np.int32 if bound <= INT32_MAX else np.int64
+    return np.ascontiguousarray(values, dtype=dtype)
+
+
+def array_path(stem: str, name: str) -> str:
+    return f"{stem}.{name}.npy"
+
+
+def is_cached(stem: str, names: Sequence[str]) -> bool:
+    return all(os.path.exists(array_path(stem, n)) for n in names)
+
+
+def save_arrays(stem: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write each array to ``<stem>.<name>.npy`` atomically (temporary file + rename). Raises
+    ``OSError`` (e.g. a read-only directory); a temporary file is removed on failure."""
+    directory = os.path.dirname(stem) or "."
+    os.makedirs(directory, exist_ok=True)
+    for name, arr in arrays.items():
+        path = array_path(stem, name)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+
+def load_arrays(stem: str, lengths: dict[str, Optional[int]]) -> Optional[dict[str, np.ndarray]]:
+    """The arrays ``lengths`` names, memory-mapped read-only; None when any file is missing.
+    ``lengths[name]`` is the length the array must have (None: any, but all the None ones
+    equal). A file that exists but is unreadable or of the wrong shape/dtype is reported with a
+    warning naming it and None is returned (the caller rebuilds and rewrites it)."""
+    if not is_cached(stem, lengths):
+        return None
+    out: dict[str, np.ndarray] = {}
+    free: Optional[int] = None
+    for name, want in lengths.items():
+        path = array_path(stem, name)
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            warnings.warn(f"dataset index cache {path} is unreadable ({exc}); rebuilding it")
+            return None
+        if want is None:
+            want = free = len(arr) if free is None else free
+        if arr.ndim != 1 or len(arr) != want or arr.dtype.kind != "i":
+            warnings.warn(f"dataset index cache {path} holds {arr.dtype}{list(arr.shape)}, expected "
+                          f"{want} integers; rebuilding it")
+            return None
+        out[name] = arr
+    return out
+
+
+# ------------------------------------------------------------------ one builder per stem
+# Beyond start-up (dept_mega.data.index_build), arrays are built on first access, by any rank:
+# an epoch reached during the run, the epoch a resumed run starts in. The first process to
+# need a stem claims it by creating ``<stem>.building`` exclusively (O_EXCL: atomic, also on
+# NFS) and builds; the others wait for its files instead of building the same arrays.
+
+def _claim_path(stem: str) -> str:
+    return stem + ".building"
+
+
+def _owner_gone(text: str) -> bool:
+    """Whether the claim's owner (``host pid``) is a process of this host that has ended."""
+    host, _, pid = text.partition(" ")
+    if host != socket.gethostname() or not pid.strip().isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def claim_or_wait(stem: str, names: Sequence[str], stale_s: float = 600.0, poll_s: float = 0.2,
+                  log=None) -> Optional[str]:
+    """Claim the building of ``stem``'s arrays, or wait for the process that holds the claim.
+
+    Returns the claim file's path when this process is to build (pass it to :func:`release`
+    after writing the arrays), "" when no claim can be made (a directory that cannot be
+    written: build without one, as before), or None when the arrays ``names`` appeared
+    while waiting (load them). A claim whose owner has ended (same host, no such pid: a
+    killed job) or that is older than ``stale_s`` seconds is taken over, saying so. ``log``
+    gets a line every 30 s of waiting."""
+    path = _claim_path(stem)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    except OSError:
+        return ""
+    start = last = time.monotonic()
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pass
+        except OSError:
+            return ""
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}")
+            if is_cached(stem, names):  # built by the claim's previous owner, released just now
+                release(path)
+                return None
+            return path
+        if is_cached(stem, names):
+            return None
+        try:
+            with open(path) as f:
+                owner = f.read().strip()
+            age = time.time() - os.path.getmtime(path)
+        except FileNotFoundError:
+            continue  # released just now: look again
+        if _owner_gone(owner) or age > stale_s:
+            why = "has ended" if _owner_gone(owner) else f"has held it {age:.0f} s"
+            warnings.warn(f"{path}: taking over the dataset index build of {owner or 'an unknown process'}, "
+                          f"which {why}")
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            continue
+        now = time.monotonic()
+        if log is not None and now - last >= 30.0:
+            log(f"data: waiting {now - start:.0f} s for {owner} to build the dataset index {stem}")
+            last = now
+        time.sleep(poll_s)
+
+
+def release(claim: Optional[str]) -> None:
+    if claim:
+        try:
+            os.remove(claim)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,163 @@
+"""One rank builds the sample indexes, the others wait and memory-map its files
+(dept_mega/data/index_build.py), with a shared and with a node-local cache directory; a
+builder's failure is every rank's; one process builds alone."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dept_mega.data.gpt_dataset import EPOCH_ARRAYS, PART_ARRAYS
+from dept_mega.data.index_build import IndexSpec, ensure_indexes, spec_cached
+from tests.data_utils import numbered_docs, write_docs
+from tests.mp_utils import run_distributed
+
+
+def _specs(prefix: str, cache_dir: str, seq_length: int = 8) -> list[IndexSpec]:
+    return [IndexSpec(0, "src", prefix, "train", seq_length, "90,10", 5, cache_dir, True),
+            IndexSpec(0, "src", prefix, "valid", seq_length, "90,10", 5, cache_dir, False)]
+
+
+def _cache_files(cache_dir: str) -> dict[str, int]:
+    """name -> inode of every cached array: a file rewritten by a second builder changes inode."""
+    return {f: os.stat(os.path.join(cache_dir, f)).st_ino for f in sorted(os.listdir(cache_dir))}
+
+
+def _rank(rank: int, world: int, prefix: str, root: str, node_local: bool, seq_length: int) -> dict:
+    # node_local: ranks 0,1 are "node 0" and ranks 2,3 "node 1", each node with its own cache dir
+    cache_dir = os.path.join(root, f"node{rank // 2}" if node_local else "shared")
+    local_rank = rank % 2 if node_local else rank
+    specs = _specs(prefix, cache_dir, seq_length)
+    built = ensure_indexes(specs, rank, local_rank, log=None)
+    files = _cache_files(cache_dir)
+    sets = [s.open() for s in specs]
+    samples = [np.stack([ds[i] for i in range(len(ds))]).tolist() for ds in sets]
+    return {"built": built, "files": files, "samples": samples, "misses": [d.cache_misses for d in sets],
+            "mapped": all(isinstance(d.epoch_index(0).sample_order, np.memmap) for d in sets)}
+
+
+@pytest.fixture()
+def prefix(tmp_path):
+    return write_docs(str(tmp_path / "src"), numbered_docs(80, seed=3), nbytes=[1] * 80)
+
+
+def test_one_rank_builds_the_others_load_the_same_files(prefix, tmp_path):
+    out = run_distributed(_rank, 3, args=(prefix, str(tmp_path), False, 8), timeout=120)
+    assert [o["built"] for o in out] == [2, 0, 0], [o["built"] for o in out]  # rank 0: both parts
+    assert all(o["misses"] == [0, 0] and o["mapped"] for o in out)  # nobody built after it
+    assert out[0]["files"] == out[1]["files"] == out[2]["files"]  # the same files, written once
+    assert len(out[0]["files"]) == 2 * (len(PART_ARRAYS) + len(EPOCH_ARRAYS))
+    assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]
+
+
+def test_a_node_local_cache_is_built_by_each_nodes_local_rank_0(prefix, tmp_path):
+    out = run_distributed(_rank, 4, args=(prefix, str(tmp_path), True, 8), timeout=120)
+    assert [o["built"] for o in out] == [2, 0, 2, 0], [o["built"] for o in out]
+    assert all(o["misses"] == [0, 0] and o["mapped"] for o in out)
+    assert out[0]["files"] == out[1]["files"] and out[2]["files"] == out[3]["files"]
+    assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"] == out[3]["samples"]
+
+
+def _failing(rank: int, world: int, prefix: str, cache_dir: str, seq_length: int) -> tuple:
+    from dept_mega.parallel.agree import is_agreed
+    try:
+        ensure_indexes(_specs(prefix, cache_dir, seq_length), rank, rank, log=None)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the test's subject
+        return type(exc).__name__, str(exc), is_agreed(exc)
+    return None
+
+
+def test_a_builders_input_error_is_every_ranks(prefix, tmp_path):
+    # seq_length longer than the valid part: the builder's DatasetError, raised on every rank
+    out = run_distributed(_failing, 3, args=(prefix, str(tmp_path / "c"), 10_000), timeout=120)
+    assert all(o is not None and o[0] == "DatasetError" and o[2] for o in out), out
+    assert all("one sample needs seq_length" in o[1] and prefix in o[1] for o in out), out
+
+
+def _crashing(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
+    from dept_mega.data.gpt_dataset import GPTDataset
+    if rank == 0:
+        def broken(self, epoch):
+            raise MemoryError("no memory for the sample index")
+        GPTDataset._build = broken  # this rank's process only
+    return _failing(rank, world, prefix, cache_dir, 8)
+
+
+def test_a_builder_that_crashes_does_not_leave_the_others_waiting(prefix, tmp_path):
+    out = run_distributed(_crashing, 3, args=(prefix, str(tmp_path / "c")), timeout=120)
+    assert out[0] == ("MemoryError", "no memory for the sample index", False), out
+    for o in out[1:]:
+        assert o[0] == "RuntimeError" and o[1].startswith("rank 0 failed") and "no memory" in o[1], out
+
+
+def test_one_process_builds_once_and_then_only_loads(prefix, tmp_path):
+    specs = _specs(prefix, str(tmp_path / "c"))
+    assert not any(spec_cached(s) for s in specs)
+    lines = []
+    assert ensure_indexes(specs, 0, 0, log=lines.append, log_after_s=0.0) == 2
+    assert all(spec_cached(s) for s in specs) and len(lines) == 2 and "part train" in lines[0]
+    assert ensure_indexes(specs, 0, 0, log=lines.append, log_after_s=0.0) == 0 and len(lines) == 2
+
+
+def _train_rank(argv: list, env: dict, builds: str) -> None:
+    """One rank of ``python -m dept_mega.train ARGV`` (forked, torchrun's environment) that
+    notes in ``builds`` each index array set it builds."""
+    os.environ.clear()
+    os.environ.update(env)
+    from tests.trainer_utils import ROOT
+    os.chdir(ROOT)
+    out = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(out, 1)
+    import torch
+    torch.set_num_threads(1)
+    from dept_mega import train
+    from dept_mega.data.gpt_dataset import GPTDataset
+    from dept_mega.process_exit import exit_after
+    rank = env.get("RANK", "0")
+
+    def noting(method):
+        def wrapped(self, *args):
+            with open(builds, "a") as f:
+                f.write(f"{rank} {os.path.basename(self.prefix)} {self.which} {method.__name__}\n")
+            return method(self, *args)
+        return wrapped
+    GPTDataset._build = noting(GPTDataset._build)
+    GPTDataset._build_part = noting(GPTDataset._build_part)
+    exit_after(lambda: train.main(argv))
+
+
+def test_a_training_job_builds_each_index_once_on_rank_0(tmp_path):
+    """dept_mega.train on 2 ranks: rank 0 builds every part's arrays and epoch 0's once; rank 1
+    builds nothing (it loads them), training and the final evaluation included."""
+    import multiprocessing
+
+    from dept_mega.config import load_config
+    from tests.mp_utils import _start_method, free_port, torchrun_env
+    from tests.trainer_utils import TINY_STD, ensure_sample_corpus
+    ensure_sample_corpus()
+    world = 2
+    argv = ["--config", TINY_STD, f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
+            "train.steps=1", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0",
+            "train.init_timeout_s=60", f"parallel.data={world}", "train.micro_batch_size=1",
+            "train.global_batch_size=2"]
+    builds = str(tmp_path / "builds.txt")
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update({"OMP_NUM_THREADS": "1", "DEPT_MEGA_DEVICE": "cpu"})
+    ctx = multiprocessing.get_context(_start_method())
+    procs = [ctx.Process(target=_train_rank, args=(argv, dict(base, **torchrun_env(r, world, port)), builds))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    with open(builds) as f:
+        lines = sorted(f.read().split("\n")[:-1])
+    names = [os.path.basename(s.prefix) for s in load_config(TINY_STD).data.sources]
+    want = sorted(f"0 {n} {part} {m}" for n in names for part in ("train", "valid") for m in ("_build", "_build_part"))
+    assert lines == want, lines

@@ -1,0 +1,96 @@
+"""One process builds a set of index arrays at a time (dept_mega/data/index_cache.py's claim):
+ranks that reach a new epoch together build it once; a claim left by a process that ended,
+or held too long, is taken over; a waiter loads what the claim's owner wrote."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dept_mega.data.index_cache import claim_or_wait, load_arrays, release, save_arrays
+from tests.data_utils import numbered_docs, write_docs
+from tests.mp_utils import run_distributed
+
+
+def _next_epoch_together(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
+    import torch.distributed as dist
+
+    from dept_mega.data.gpt_dataset import GPTDataset
+    build = GPTDataset._build
+
+    def slow(self, epoch):  # long enough that the ranks overlap
+        time.sleep(1.0)
+        return build(self, epoch)
+    GPTDataset._build = slow
+    ds = GPTDataset(prefix, 8, "1,0", "train", seed=3, cache_dir=cache_dir)
+    ds.epoch_index(0)
+    dist.barrier()
+    misses = ds.cache_misses
+    sample = ds[ds.samples_per_epoch + 2].tolist()  # epoch 1, reached by every rank at once
+    return ds.cache_misses - misses, sample
+
+
+def test_ranks_reaching_an_epoch_together_build_it_once(tmp_path):
+    prefix = write_docs(str(tmp_path / "src"), numbered_docs(60, seed=2), nbytes=[1] * 60)
+    GPTDataset = __import__("dept_mega.data.gpt_dataset", fromlist=["GPTDataset"]).GPTDataset
+    GPTDataset(prefix, 8, "1,0", "train", seed=3, cache_dir=str(tmp_path / "c")).epoch_index(0)
+    out = run_distributed(_next_epoch_together, 3, args=(prefix, str(tmp_path / "c")), timeout=120)
+    assert sorted(o[0] for o in out) == [0, 0, 1], out
+    assert out[0][1] == out[1][1] == out[2][1]
+    assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".building")]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_claim_whose_owner_ended_is_taken_over(tmp_path):
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write(f"{socket.gethostname()} {_dead_pid()}")
+    with pytest.warns(UserWarning, match="has ended"):
+        claim = claim_or_wait(stem, ["a"], poll_s=0.01)
+    assert claim == stem + ".building" and open(claim).read() == f"{socket.gethostname()} {os.getpid()}"
+    release(claim)
+    assert not os.path.exists(claim)
+
+
+def test_a_claim_held_too_long_is_taken_over(tmp_path):
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}")  # alive
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning, match="has held it"):
+        claim = claim_or_wait(stem, ["a"], stale_s=0.5, poll_s=0.01)
+    assert claim and time.monotonic() - t0 >= 0.3
+
+
+def test_a_waiter_loads_what_the_claims_owner_wrote(tmp_path):
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write(f"otherhost {os.getpid()}")  # another host's: never judged ended
+
+    def owner():
+        time.sleep(0.3)
+        save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
+        os.remove(stem + ".building")
+    th = threading.Thread(target=owner)
+    th.start()
+    lines = []
+    assert claim_or_wait(stem, ["a"], poll_s=0.01, log=lines.append) is None
+    th.join()
+    assert load_arrays(stem, {"a": 5})["a"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_no_claim_where_the_directory_cannot_be_made(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert claim_or_wait(str(blocker / "sub" / "x"), ["a"]) == ""
