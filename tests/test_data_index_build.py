@@ -161,3 +161,32 @@ def test_a_training_job_builds_each_index_once_on_rank_0(tmp_path):
     names = [os.path.basename(s.prefix) for s in load_config(TINY_STD).data.sources]
     want = sorted(f"0 {n} {part} {m}" for n in names for part in ("train", "valid") for m in ("_build", "_build_part"))
     assert lines == want, lines
+
+
+def _read_only_rank(rank: int, world: int, prefix: str, root: str) -> dict:
+    # a cache directory nobody can write (a read-only data directory without data.cache_dir):
+    # writing is made to fail, as running as root would not let a chmod do it
+    import warnings
+
+    from dept_mega.data import gpt_dataset
+
+    def refuse(stem, arrays):
+        raise PermissionError(13, "Permission denied", stem)
+    gpt_dataset.save_arrays = refuse
+    specs = _specs(prefix, os.path.join(root, "ro"), 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = ensure_indexes(specs, rank, 0, log=None)  # every rank "local rank 0": one node each
+        sets = [s.open() for s in specs]
+        samples = [np.stack([ds[i] for i in range(len(ds))]).tolist() for ds in sets]
+    return {"built": built, "misses": [d.cache_misses for d in sets], "samples": samples}
+
+
+def test_a_cache_nobody_can_write_is_not_built_again_per_node(prefix, tmp_path):
+    """Rank 0 could not write the cache: the other ranks do not try the node-local fallback
+    (each would build and fail to save again); every rank builds its arrays once, in memory,
+    when it opens a part, and reads the same samples."""
+    out = run_distributed(_read_only_rank, 3, args=(prefix, str(tmp_path)), timeout=120)
+    assert [o["built"] for o in out] == [2, 0, 0], [o["built"] for o in out]
+    assert all(o["misses"] == [1, 1] for o in out), [o["misses"] for o in out]  # epoch 0 of each part, once
+    assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]

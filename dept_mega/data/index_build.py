@@ -10,7 +10,8 @@ before the datasets are opened, :func:`prepare_indexes`:
    makes its failure every rank's (no rank waits for a builder that gave up);
 2. every rank then looks for the files. ``data.cache_dir`` may be node-local (a local disk):
    when any rank cannot see them, local rank 0 (``LOCAL_RANK``) of each node that cannot
-   builds them there, the others waiting as in 1.
+   builds them there, the others waiting as in 1. Where rank 0 itself could not write them
+   (a read-only directory), no rank tries: each builds its arrays in memory at open.
 
 After that the ranks only load. Later epochs (and the epoch a resumed run starts in) are built
 on first access, by the first rank that needs them; a rank that needs them meanwhile waits for
@@ -117,6 +118,11 @@ def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int,
     built = agree_errors(lambda: build_missing(specs, log, log_after_s) if rank == 0 else 0, errors, device)
     digests: dict[str, str] = {}
     missing = agree_errors(lambda: not all(spec_cached(s, digests) for s in specs), errors, device)
+    if world_max([int(rank == 0 and missing)], device)[0]:
+        # rank 0 could not write the cache (a read-only data directory and no data.cache_dir; the
+        # builder warned): no node can, so every rank builds its arrays in memory when it opens a
+        # part, once, as without a cache
+        return built
     if world_max([int(missing)], device)[0]:  # a node-local cache_dir: each such node builds its own
         builder = missing and local_rank == 0
         built += agree_errors(lambda: build_missing(specs, log, log_after_s) if builder else 0, errors, device)
