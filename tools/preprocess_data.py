@@ -34,11 +34,17 @@ what is kept and what is skipped. The skipped counts are recorded in the tokeniz
 any of them an error. An input that leaves no document (empty, or all bad lines) is an
 error too unless ``--allow-empty``. Errors are one ``error:`` line and exit status 2, with no
 output written; an output path that cannot be written is refused before tokenizing.
+
+A rerun into an existing ``--output-prefix`` first removes all of the earlier run's files
+there (it says which), before writing anything, so a run that is stopped part way never
+leaves data that looks complete beside a record of other data. Ctrl-C (exit status 130) and
+SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -87,9 +93,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class Terminated(BaseException):
+    """SIGTERM (a batch system's end of job, ``kill``), raised in the main process so that it
+    unwinds like Ctrl-C: the partial files are removed."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                         workers=args.workers, append_eod=args.append_eod, strict=args.strict,
@@ -100,8 +116,13 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; no output written", file=sys.stderr)
+        print("interrupted; partial files removed, no output written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not args.quiet:
         el = max(st.seconds, 1e-9)
         print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "

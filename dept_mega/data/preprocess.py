@@ -18,10 +18,12 @@ each kind of bad input is listed in :mod:`dept_mega.data.jsonl`.
 from __future__ import annotations
 
 import collections
+import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -115,6 +117,13 @@ def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
                    every=round_trip_every)
 
 
+def _init_pool_worker(*args) -> None:
+    """A pool worker: SIGTERM ends it at once (a forked worker inherits the tool's handler,
+    which would make it unwind like the main process); then :func:`_init_worker`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(*args)
+
+
 def checks_line(line: int, every: int) -> bool:
     """Whether the documents of input line ``line`` (0-based, counted over all inputs in order,
     bad lines included) are round-trip checked under ``--round-trip-every every``: lines 0, K,
@@ -172,10 +181,12 @@ def _round_trip(tok, texts: list[str], ids: list[list[int]], sizes: np.ndarray, 
     return out
 
 
-def _count_newlines(path: str, end: int) -> int:
+def _count_newlines(path: str, start: int, end: int) -> int:
+    """The newlines in bytes [start, end) of ``path``."""
     n = 0
     with open(path, "rb") as f:
-        left = end
+        f.seek(start)
+        left = end - start
         while left > 0:
             chunk = f.read(min(left, 16 << 20))
             if not chunk:
@@ -230,13 +241,20 @@ def partition_ranges(inputs: Sequence[str], partitions: int) -> list[list[Range]
 
 
 @contextmanager
-def _open_range(path: str, start: int, end: int):
+def _open_range(path: str, start: int, end: int, lines_at: Optional[dict] = None):
     """(lines, position) of one input range: ``lines`` yields (``file:line``, raw line) and
     ``position()`` is how far into the file on disk reading has got (a compressed input is
-    always one whole range: its compressed bytes, which is what the progress counts)."""
+    always one whole range: its compressed bytes, which is what the progress counts).
+    ``lines_at``: {path: (offset, lines before it)} where earlier ranges of the file ended;
+    the line numbers of a range that starts there need no count (else the newlines from the
+    nearest earlier end, or from the start of the file, are counted); updated at the end."""
     with open_input(path) as (stream, raw):
         if stream is raw:  # plain: read by byte offsets
-            lineno = _count_newlines(path, start) if start else 0
+            lines_at = {} if lines_at is None else lines_at
+            known, lineno = lines_at.get(path, (0, 0))
+            if known > start:
+                known, lineno = 0, 0
+            lineno += _count_newlines(path, known, start) if start > known else 0
             raw.seek(start)
 
             def lines():
@@ -249,6 +267,7 @@ def _open_range(path: str, start: int, end: int):
                     pos += len(line)
                     lineno += 1
                     yield f"{path}:{lineno}", line
+                lines_at[path] = (pos, lineno)
         else:
             def lines():
                 lineno = 0
@@ -261,12 +280,14 @@ def _open_range(path: str, start: int, end: int):
         yield lines(), raw.tell
 
 
-def _iter_batches(ranges: Sequence[Range]) -> Iterator[tuple[list[tuple[str, bytes]], int]]:
-    """Batches of (``file:line``, raw line), each with the bytes on disk read for it."""
+def _iter_batches(ranges: Sequence[Range], lines_at: Optional[dict] = None
+                  ) -> Iterator[tuple[list[tuple[str, bytes]], int]]:
+    """Batches of (``file:line``, raw line), each with the bytes on disk read for it;
+    ``lines_at``: :func:`_open_range`'s."""
     batch: list[tuple[str, bytes]] = []
     size = disk = 0
     for path, start, end in ranges:
-        with _open_range(path, start, end) as (lines, position):
+        with _open_range(path, start, end, lines_at) as (lines, position):
             taken = start
             for where, raw in lines:
                 batch.append((where, raw))
@@ -332,11 +353,38 @@ def _check_output(output_prefix: str, finals: Sequence[str]) -> None:
                 raise PreprocessError(f"--output-prefix {output_prefix!r}: output {path} is a directory")
 
 
-def _remove_outputs(prefixes: Sequence[str]) -> None:
+def _output_files(prefix: str) -> list[str]:
+    """Every file a run writes for ``prefix`` (the ``.idx`` first: it is what makes the data
+    readable), the caches kept beside the data, and the temporary names of an unfinished run."""
+    finals = [idx_path(prefix), bin_path(prefix), bytes_path(prefix), tokenizer_record_path(prefix),
+              prefix + ".token_range.json", prefix + ".token_counts.npz"]
+    return finals + [f + ".tmp" for f in finals[:4]]
+
+
+def _remove_outputs(prefixes: Sequence[str]) -> list[str]:
+    """Remove the :func:`_output_files` of ``prefixes``; the files removed."""
+    removed = []
     for p in prefixes:
-        for f in (bin_path(p), idx_path(p), bytes_path(p), tokenizer_record_path(p)):
-            if os.path.exists(f):
+        for f in _output_files(p):
+            if os.path.isfile(f):
                 os.remove(f)
+                removed.append(f)
+    return removed
+
+
+def _remove_earlier_run(output_prefix: str, keys: Sequence[str], log: Callable[[str], None]) -> None:
+    """Remove what an earlier run into ``output_prefix`` left (its outputs, and the parts and
+    temporary files of one that was stopped), all of it before this run writes anything: a run
+    stopped part way then leaves no data that looks complete, and no tokenizer record of other
+    data (the pre-flight trusts a record beside the data it finds)."""
+    parts = []
+    for k in keys:  # the parts of an earlier --partitions run, whatever its number of parts
+        pattern = glob.escape(f"{output_prefix}_part") + "[0-9]*" + glob.escape(f"_{k}_document") + ".*"
+        parts += sorted({f[:f.index("_document.") + len("_document")] for f in glob.glob(pattern)})
+    removed = _remove_outputs([output_prefix_for(output_prefix, k) for k in keys] + parts)
+    if removed:
+        log(f"[preprocess] removed {len(removed)} files of an earlier run into this --output-prefix before "
+            f"writing: {', '.join(removed)}")
 
 
 def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
@@ -412,55 +460,64 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                             round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
-    for final in finals:  # a rerun into the same prefix: the old record must not outlive a failed run's data
-        if os.path.isfile(tokenizer_record_path(final)):
-            os.remove(tokenizer_record_path(final))
+    _remove_earlier_run(output_prefix, keys, log)
     t0 = time.time()
 
     pool = None
     if workers > 1:
         pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype,
-                                                         tokenizer_type, round_trip_every))
+            workers, initializer=_init_pool_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype,
+                                                              tokenizer_type, round_trip_every))
     else:
         _init_worker(tokenizer_model, keys, append_eod, dtype, tokenizer_type, round_trip_every)
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
     part_prefixes: list[list[str]] = []
+    builders: list[IndexedDatasetBuilder] = []
     try:
-        for pi, ranges in enumerate(parts):
-            prefixes = finals if len(parts) == 1 else [
-                output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
-            _run_part(ranges, prefixes, pool, dtype, strict, stats, log, progress_interval, t0)
-            part_prefixes.append(prefixes)
-        if len(parts) > 1:
-            for k, final in enumerate(finals):
-                builder = IndexedDatasetBuilder(final, dtype)
+        if len(parts) == 1:
+            builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
+        else:
+            lines_at: dict[str, tuple[int, int]] = {}  # line numbers carried from part to part
+            for pi, ranges in enumerate(parts):
+                prefixes = [output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
+                part_prefixes.append(prefixes)
+                for b in _run_part(ranges, prefixes, pool, dtype, strict, stats, log, progress_interval, t0,
+                                   lines_at):
+                    b.finalize()
+            builders = [IndexedDatasetBuilder(final, dtype) for final in finals]
+            for k, builder in enumerate(builders):
                 for prefixes in part_prefixes:
                     builder.add_index(prefixes[k])
-                builder.finalize()
             log(f"[preprocess] merged {len(parts)} partitions")
+        stats.seconds = time.time() - t0
+        if stats.documents == 0 and not allow_empty:
+            what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input: {stats.report.brief()}"
+                    if stats.lines else "the input is empty")
+            # one line (a tool's refusal before any output): the kinds with their first places
+            raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
+                                  f"empty dataset)")
+        digest = model_sha256(tokenizer_model)
+        source = input_record(inputs, stats.lines, stats.report)
+        for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
+            # the record before the data: data that looks complete always has its record
+            _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
+                                    stats.round_trip[k], round_trip_every, source)
+        for b in builders:
+            b.finalize()
+        for k, final in enumerate(finals):
+            record_token_range(final, *stats.id_range[k])
+    except BaseException:  # an error, Ctrl-C, SIGTERM (the tools raise it): no output of this run is left
+        for b in builders:
+            b.abort()
+        _remove_outputs(finals)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
-        if len(parts) > 1:
-            for prefixes in part_prefixes:
-                _remove_outputs(prefixes)
-    stats.seconds = time.time() - t0
-    if stats.documents == 0 and not allow_empty:
-        _remove_outputs(finals)
-        what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input: {stats.report.brief()}"
-                if stats.lines else "the input is empty")
-        # one line (a tool's refusal before any output): the kinds with their first places
-        raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
-                              f"empty dataset)")
-    digest = model_sha256(tokenizer_model)
-    source = input_record(inputs, stats.lines, stats.report)
-    for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
-        _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                stats.round_trip[k], round_trip_every, source)
-        record_token_range(final, *stats.id_range[k])
+        for prefixes in part_prefixes:
+            _remove_outputs(prefixes)
     stats.outputs = finals
     return stats
 
@@ -472,7 +529,10 @@ def _eta(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0) -> None:
+def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0,
+              lines_at: Optional[dict] = None) -> list[IndexedDatasetBuilder]:
+    """Tokenize ``ranges`` into builders of ``prefixes``, returned unfinalized (aborted on any
+    error); ``lines_at``: line numbers carried from range to range (:func:`_iter_batches`)."""
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes]
     pending: collections.deque = collections.deque()
     max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
@@ -510,7 +570,7 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
 
     line = stats.lines  # 0-based index of the next batch's first line in the whole input (earlier parts done)
     try:
-        for batch, disk in _iter_batches(ranges):
+        for batch, disk in _iter_batches(ranges, lines_at):
             first, line = line, line + len(batch)
             if pool is None:
                 consume(_encode_batch(batch, first), disk)
@@ -526,5 +586,4 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         for b in builders:
             b.abort()
         raise
-    for b in builders:
-        b.finalize()
+    return builders
