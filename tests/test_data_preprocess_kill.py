@@ -15,17 +15,17 @@ from dept_mega.data.indexed import IndexedDatasetBuilder, tokenizer_record_path
 from dept_mega.data.preprocess import preprocess
 from tests.data_utils import ROOT, TOOLS, synthetic_texts, train_tiny_tokenizer, write_jsonl
 
-# Runs the tool with batches of 10 lines and blocks in the n-th batch's tokenizing (in the main
-# process, or in a pool worker: forked, they share the patch), after saying so on stderr: the
-# test then knows the run is part way, without timing.
+# Runs the tool with batches of 10 lines and blocks in the tokenizing of the first batch that starts
+# at input line L or later (0-based; in the main process, a partition's process or a pool worker: forked,
+# they share the patch), after saying so on stderr: the test then knows the run is part way,
+# without timing.
 DRIVER = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {tools!r}]
     import dept_mega.data.preprocess as pp
-    real, seen = pp._encode_batch, [0]
+    real = pp._encode_batch
     def blocking(batch, first=0):
-        seen[0] += 1
-        if seen[0] == int(sys.argv[1]):
+        if first >= int(sys.argv[1]):
             print("BLOCKED", file=sys.stderr, flush=True)
             time.sleep(60)
         return real(batch, first)
@@ -41,7 +41,7 @@ def tokenizers(tmp_path_factory):
     return train_tiny_tokenizer(d, vocab=200), train_tiny_tokenizer(d, vocab=150)
 
 
-@pytest.mark.parametrize("workers,partitions,block", [(1, 1, 3), (1, 2, 8), (2, 1, 2)])
+@pytest.mark.parametrize("workers,partitions,block", [(1, 1, 20), (1, 2, 70), (2, 1, 20), (2, 2, 70)])
 def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitions, block):
     old_tok, new_tok = tokenizers
     src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))

@@ -12,7 +12,9 @@ the percent of the input read and an ETA.
 
 ``--input`` files may be compressed (gzip, bzip2, xz; zstd with the ``zstandard`` package),
 recognised by their first bytes and decompressed as they are read; progress counts their bytes
-on disk. ``--partitions`` needs plain files (it cuts them at byte offsets).
+on disk. ``--partitions P`` needs plain files (it cuts them at byte offsets): the P parts are
+tokenized side by side, each in its own process with its share of ``--workers`` (at most
+``--workers`` parts at once), then merged in order into the same files as without it.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
@@ -79,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
     p.add_argument("--partitions", type=int, default=1,
-                   help="cut the input into this many contiguous parts, write each, then merge")
+                   help="cut the (plain) input into this many contiguous parts, tokenize them side by side with "
+                        "the --workers split among them, then merge (the output is the same; the parts take as "
+                        "much disk again until the merge); helps past about 10 workers")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
