@@ -190,3 +190,23 @@ def test_foreign_summaries_are_exactly_the_other_sites_sources(tmp_path, monkeyp
         foreign_summaries(unknown)
     # the cost estimates of such a config read every source's files, as the single job's do
     assert resolve_vocabs(unknown).trim_vocabs == resolve_vocabs(_config(tmp_path, "spec", {}, federated=False)).trim_vocabs
+
+
+def test_distinct_id_pass_prints_progress(tmp_path, monkeypatch, capsys):
+    """The summary's pass over the .bin (the distinct ids) prints progress lines, percent of the
+    tokens with an ETA, reaching 100 %; a second run reads the cached count and prints none."""
+    import functools
+
+    import dept_mega.data.sources as sources
+    from dept_mega.data.summary import main
+    from tests.data_utils import numbered_docs, write_docs
+    prefix = write_docs(str(tmp_path / "d"), numbered_docs(30, seed=2))
+    n = sum(len(d) for d in numbered_docs(30, seed=2))
+    monkeypatch.setattr(sources, "token_counts", functools.partial(sources.token_counts, chunk_tokens=100))
+    assert main([prefix, "--log-interval", "0"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[summary] distinct ids:")]
+    assert len(lines) == -(-n // 100), lines
+    assert lines[0].split()[4] == "(100" and lines[-1].split()[4] == f"({n:,}" and " 100.0% " in lines[-1]
+    assert "ETA 0:00:00" in lines[-1]
+    assert main([prefix, "--log-interval", "0"]) == 0
+    assert "[summary] distinct ids" not in capsys.readouterr().err

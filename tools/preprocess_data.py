@@ -12,7 +12,9 @@ the percent of the input read and an ETA.
 
 ``--input`` files may be compressed (gzip, bzip2, xz; zstd with the ``zstandard`` package),
 recognised by their first bytes and decompressed as they are read; progress counts their bytes
-on disk. ``--partitions`` needs plain files (it cuts them at byte offsets).
+on disk. ``--partitions P`` needs plain files (it cuts them at byte offsets): the P parts are
+tokenized side by side, each in its own process with its share of ``--workers`` (at most
+``--workers`` parts at once), then merged in order into the same files as without it.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
@@ -34,11 +36,17 @@ what is kept and what is skipped. The skipped counts are recorded in the tokeniz
 any of them an error. An input that leaves no document (empty, or all bad lines) is an
 error too unless ``--allow-empty``. Errors are one ``error:`` line and exit status 2, with no
 output written; an output path that cannot be written is refused before tokenizing.
+
+A rerun into an existing ``--output-prefix`` first removes all of the earlier run's files
+there (it says which), before writing anything, so a run that is stopped part way never
+leaves data that looks complete beside a record of other data. Ctrl-C (exit status 130) and
+SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -73,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
     p.add_argument("--partitions", type=int, default=1,
-                   help="cut the input into this many contiguous parts, write each, then merge")
+                   help="cut the (plain) input into this many contiguous parts, tokenize them side by side with "
+                        "the --workers split among them, then merge (the output is the same; the parts take as "
+                        "much disk again until the merge); helps past about 10 workers")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
@@ -87,9 +97,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class Terminated(BaseException):
+    """SIGTERM (a batch system's end of job, ``kill``), raised in the main process so that it
+    unwinds like Ctrl-C: the partial files are removed."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                         workers=args.workers, append_eod=args.append_eod, strict=args.strict,
@@ -100,8 +120,13 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; no output written", file=sys.stderr)
+        print("interrupted; partial files removed, no output written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not args.quiet:
         el = max(st.seconds, 1e-9)
         print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "

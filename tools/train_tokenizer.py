@@ -28,7 +28,12 @@ fallback only when asked): LOSSY, kept for tokenizers that must match older ones
 ``tools/preprocess_data.py`` reports how many documents a tokenizer does not roundtrip.
 
 With more sentences than ``--max-sentences`` a seeded reservoir sample of that many is used
-(memory stays bounded for very large inputs). Special ids: unk=0, bos=1, eos=2 (the
+(memory stays bounded for very large inputs): each input weighs in proportion to the sentences
+read from it. ``--max-bytes-per-input N`` stops reading each input after its first N bytes, a
+quota that keeps one large input (one big language) from dominating the sample. A line longer
+than ``--max-sentence-length`` bytes (SentencePiece would skip it) is split into pieces under
+the limit at whitespace, else between characters, so its text keeps its weight; the split
+lines are counted and reported. Progress lines give the percent read and an ETA. Special ids: unk=0, bos=1, eos=2 (the
 end-of-document token appended by ``preprocess_data.py --append-eod``), pad=3. Bad input
 lines are counted and reported like in preprocess_data.py; ``--strict`` makes any of them an
 error.
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
 import sys
 import time
@@ -45,7 +49,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.data.compressed import CompressedInputError, check_readable  # noqa: E402
-from dept_mega.data.jsonl import BadInputReport, iter_texts  # noqa: E402
+from dept_mega.data.jsonl import BadInputReport  # noqa: E402
+from dept_mega.data.tokenizer_sample import collect_sentences  # noqa: E402
 
 NORMALIZATIONS = ("identity", "nmt_nfkc")
 
@@ -57,15 +62,6 @@ def spm_options(normalization: str, byte_fallback: bool) -> dict:
     return {"normalization_rule_name": "identity", "remove_extra_whitespaces": False,
             "add_dummy_prefix": False, "allow_whitespace_only_pieces": True,
             "user_defined_symbols": ["\n"], "byte_fallback": byte_fallback}
-
-
-def training_line(line: str, normalization: str) -> str:
-    """A training sentence from one line of a document (its "\\n" already split off; "" to
-    skip it): identity keeps the line as encoding will see it (indentation, trailing spaces,
-    a CRLF's "\\r"); nmt_nfkc strips it, as SentencePiece's own normalization would."""
-    if normalization == "nmt_nfkc":
-        return line.strip()
-    return line if line.strip() else ""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,43 +81,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of characters the vocabulary must cover (default 0.9995)")
     p.add_argument("--max-sentences", type=int, default=2_000_000,
-                   help="train on at most this many sentences (seeded reservoir sample)")
+                   help="train on at most this many sentences (a seeded reservoir sample of all sentences read: "
+                        "each input weighs in proportion to its sentences read; a 250k vocabulary wants about "
+                        "10 million, see docs/launching.md)")
     p.add_argument("--max-sentence-length", type=int, default=8192,
-                   help="longer lines (in bytes) are ignored by SentencePiece")
+                   help="longest training sentence in UTF-8 bytes (SentencePiece's max_sentence_length); a longer "
+                        "line is split into pieces under it at whitespace, else between characters, so its text "
+                        "keeps its weight (counted and reported; default 8192, about 2700 CJK characters)")
+    p.add_argument("--max-bytes-per-input", type=int, default=None, metavar="N",
+                   help="stop reading each input after its first N bytes (decompressed, whole lines): a quota "
+                        "per input, so that one large input (one big language) does not dominate the sample; "
+                        "default: read every input to its end")
     p.add_argument("--seed", type=int, default=1234, help="seed of the sentence sample")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's own training log")
+    p.add_argument("--log-interval", type=float, default=5.0,
+                   help="seconds between progress lines while reading (percent of the input and ETA; default 5)")
     return p.parse_args(argv)
-
-
-def collect_sentences(args, report: BadInputReport) -> tuple[list[str], int, int]:
-    """Seeded reservoir sample of at most ``max_sentences`` lines; returns
-    (sample, documents read, sentences seen)."""
-    rng = random.Random(args.seed)
-    cap = args.max_sentences
-    sample: list[str] = []
-    seen = docs = 0
-    t0 = last = time.time()
-    for text in iter_texts(args.input, args.json_key, report):
-        docs += 1
-        for line in text.split("\n"):
-            line = training_line(line, args.normalization)
-            if not line:
-                continue
-            seen += 1
-            if len(sample) < cap:
-                sample.append(line)
-            else:
-                j = rng.randrange(seen)
-                if j < cap:
-                    sample[j] = line
-        now = time.time()
-        if now - last >= 5:
-            last = now
-            print(f"[train_tokenizer] read {docs} documents, {seen} sentences "
-                  f"({docs / (now - t0):.0f} docs/s)", file=sys.stderr, flush=True)
-    return sample, docs, seen
 
 
 def main(argv=None) -> int:
@@ -145,13 +122,23 @@ def main(argv=None) -> int:
     if args.max_sentences < 1:
         print("error: --max-sentences must be >= 1", file=sys.stderr)
         return 2
+    if args.max_sentence_length < 4:  # a UTF-8 character takes up to 4 bytes
+        print(f"error: --max-sentence-length {args.max_sentence_length} must be >= 4 (bytes)", file=sys.stderr)
+        return 2
+    if args.max_bytes_per_input is not None and args.max_bytes_per_input < 1:
+        print(f"error: --max-bytes-per-input {args.max_bytes_per_input} must be >= 1", file=sys.stderr)
+        return 2
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
 
     t0 = time.time()
     report = BadInputReport()
     try:
-        sample, docs, seen = collect_sentences(args, report)
+        sample, st = collect_sentences(
+            args.input, args.json_key, report, normalization=args.normalization, max_sentences=args.max_sentences,
+            seed=args.seed, max_sentence_length=args.max_sentence_length,
+            max_bytes_per_input=args.max_bytes_per_input, interval=args.log_interval,
+            log=lambda m: print(m, file=sys.stderr, flush=True))
     except CompressedInputError as exc:  # a damaged compressed stream: nothing written
         print(f"error: {exc}; nothing written", file=sys.stderr)
         return 2
@@ -167,6 +154,15 @@ def main(argv=None) -> int:
     if not sample:
         print(f"error: no text found under key {args.json_key!r} in {', '.join(args.input)}", file=sys.stderr)
         return 2
+    docs, seen = st.documents, st.sentences
+    for rd in st.inputs:
+        if rd.stopped:
+            print(f"[train_tokenizer] {rd.path}: stopped after its first {rd.bytes} bytes (--max-bytes-per-input "
+                  f"{args.max_bytes_per_input}; {rd.position} of its {rd.size} bytes on disk read)", file=sys.stderr)
+    if st.long_lines:
+        print(f"[train_tokenizer] {st.long_lines} lines longer than --max-sentence-length {args.max_sentence_length} "
+              f"bytes were split into {st.long_pieces} sentences at whitespace or between characters (their text "
+              f"kept; a larger --max-sentence-length keeps such lines whole)", file=sys.stderr)
     capped = f" (sampled {len(sample)} of {seen})" if seen > len(sample) else ""
     lossy = "; LOSSY: decoding does not give the text back" if args.normalization != "identity" else ""
     print(f"[train_tokenizer] {docs} documents, {seen} sentences{capped} read in {time.time() - t0:.1f}s; "

@@ -278,11 +278,11 @@ class IndexedDatasetBuilder:
             shutil.copyfileobj(f, self._bin, length=16 << 20)
 
     def abort(self) -> None:
-        """Drop everything written so far."""
+        """Drop everything written so far (the temporary files of a finalize cut short too)."""
         if not self._closed:
             self._bin.close()
             self._closed = True
-        for p in (self._tmp_bin,):
+        for p in (self._tmp_bin, idx_path(self.prefix) + ".tmp", bytes_path(self.prefix) + ".tmp"):
             if os.path.exists(p):
                 os.remove(p)
 

@@ -4,8 +4,9 @@ The main process streams raw lines from the input in batches; worker processes p
 check and tokenize a batch each; the main process writes results strictly in input order.
 At most ``4 * workers`` batches are in flight, so memory stays bounded whatever the input
 size (the per-document index, 12 bytes a document, is the only thing that grows).
-With ``partitions > 1`` the input is cut into that many contiguous byte ranges, each
-written as its own dataset and then merged in order (the parts are removed). Compressed input
+With ``partitions > 1`` the input is cut into that many contiguous byte ranges
+(:mod:`dept_mega.data.partitions`), tokenized side by side in child processes that share the
+workers, each written as its own dataset and then merged in order (the parts are removed). Compressed input
 (gzip, bzip2, xz; zstd with the ``zstandard`` package) is decompressed as it is read
 (:mod:`dept_mega.data.compressed`; progress counts its bytes on disk); it cannot be cut into
 partitions.
@@ -18,10 +19,12 @@ each kind of bad input is listed in :mod:`dept_mega.data.jsonl`.
 from __future__ import annotations
 
 import collections
+import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -35,6 +38,8 @@ from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check
 from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
                                     optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
+from dept_mega.data import partitions as _partitions
+from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
@@ -115,6 +120,13 @@ def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
                    every=round_trip_every)
 
 
+def _init_pool_worker(*args) -> None:
+    """A pool worker: SIGTERM ends it at once (a forked worker inherits the tool's handler,
+    which would make it unwind like the main process); then :func:`_init_worker`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(*args)
+
+
 def checks_line(line: int, every: int) -> bool:
     """Whether the documents of input line ``line`` (0-based, counted over all inputs in order,
     bad lines included) are round-trip checked under ``--round-trip-every every``: lines 0, K,
@@ -172,71 +184,21 @@ def _round_trip(tok, texts: list[str], ids: list[list[int]], sizes: np.ndarray, 
     return out
 
 
-def _count_newlines(path: str, end: int) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        left = end
-        while left > 0:
-            chunk = f.read(min(left, 16 << 20))
-            if not chunk:
-                break
-            n += chunk.count(b"\n")
-            left -= len(chunk)
-    return n
-
-
-def _line_start_at_or_after(path: str, offset: int) -> int:
-    """The offset of the first line starting at or after ``offset``."""
-    if offset == 0:
-        return 0
-    with open(path, "rb") as f:
-        f.seek(offset - 1)
-        if f.read(1) == b"\n":
-            return offset
-        f.readline()
-        return f.tell()
-
-
-Range = tuple[str, int, int]  # (path, start byte, end byte)
-
-
-def partition_ranges(inputs: Sequence[str], partitions: int) -> list[list[Range]]:
-    """Cut the concatenated inputs into ``partitions`` contiguous pieces at line starts."""
-    sizes = [os.path.getsize(p) for p in inputs]
-    total = sum(sizes)
-    # global cut points, aligned to line starts inside their file
-    cuts: list[tuple[int, int]] = []  # (file index, offset)
-    for k in range(1, partitions):
-        target = total * k // partitions
-        acc = 0
-        for i, size in enumerate(sizes):
-            if target < acc + size:
-                cuts.append((i, _line_start_at_or_after(inputs[i], target - acc)))
-                break
-            acc += size
-        else:
-            cuts.append((len(sizes) - 1, sizes[-1]))
-    points = [(0, 0)] + cuts + [(len(sizes) - 1, sizes[-1])]
-    parts: list[list[Range]] = []
-    for (fa, oa), (fb, ob) in zip(points[:-1], points[1:]):
-        ranges: list[Range] = []
-        for i in range(fa, fb + 1):
-            start = oa if i == fa else 0
-            end = ob if i == fb else sizes[i]
-            if end > start:
-                ranges.append((inputs[i], start, end))
-        parts.append(ranges)
-    return parts
-
-
 @contextmanager
-def _open_range(path: str, start: int, end: int):
+def _open_range(path: str, start: int, end: int, lines_at: Optional[dict] = None):
     """(lines, position) of one input range: ``lines`` yields (``file:line``, raw line) and
     ``position()`` is how far into the file on disk reading has got (a compressed input is
-    always one whole range: its compressed bytes, which is what the progress counts)."""
+    always one whole range: its compressed bytes, which is what the progress counts).
+    ``lines_at``: {path: (offset, lines before it)} where earlier ranges of the file ended;
+    the line numbers of a range that starts there need no count (else the newlines from the
+    nearest earlier end, or from the start of the file, are counted); updated at the end."""
     with open_input(path) as (stream, raw):
         if stream is raw:  # plain: read by byte offsets
-            lineno = _count_newlines(path, start) if start else 0
+            lines_at = {} if lines_at is None else lines_at
+            known, lineno = lines_at.get(path, (0, 0))
+            if known > start:
+                known, lineno = 0, 0
+            lineno += _partitions.count_newlines(path, known, start) if start > known else 0
             raw.seek(start)
 
             def lines():
@@ -249,6 +211,7 @@ def _open_range(path: str, start: int, end: int):
                     pos += len(line)
                     lineno += 1
                     yield f"{path}:{lineno}", line
+                lines_at[path] = (pos, lineno)
         else:
             def lines():
                 lineno = 0
@@ -261,12 +224,14 @@ def _open_range(path: str, start: int, end: int):
         yield lines(), raw.tell
 
 
-def _iter_batches(ranges: Sequence[Range]) -> Iterator[tuple[list[tuple[str, bytes]], int]]:
-    """Batches of (``file:line``, raw line), each with the bytes on disk read for it."""
+def _iter_batches(ranges: Sequence[Range], lines_at: Optional[dict] = None
+                  ) -> Iterator[tuple[list[tuple[str, bytes]], int]]:
+    """Batches of (``file:line``, raw line), each with the bytes on disk read for it;
+    ``lines_at``: :func:`_open_range`'s."""
     batch: list[tuple[str, bytes]] = []
     size = disk = 0
     for path, start, end in ranges:
-        with _open_range(path, start, end) as (lines, position):
+        with _open_range(path, start, end, lines_at) as (lines, position):
             taken = start
             for where, raw in lines:
                 batch.append((where, raw))
@@ -332,11 +297,38 @@ def _check_output(output_prefix: str, finals: Sequence[str]) -> None:
                 raise PreprocessError(f"--output-prefix {output_prefix!r}: output {path} is a directory")
 
 
-def _remove_outputs(prefixes: Sequence[str]) -> None:
+def _output_files(prefix: str) -> list[str]:
+    """Every file a run writes for ``prefix`` (the ``.idx`` first: it is what makes the data
+    readable), the caches kept beside the data, and the temporary names of an unfinished run."""
+    finals = [idx_path(prefix), bin_path(prefix), bytes_path(prefix), tokenizer_record_path(prefix),
+              prefix + ".token_range.json", prefix + ".token_counts.npz"]
+    return finals + [f + ".tmp" for f in finals[:4]]
+
+
+def _remove_outputs(prefixes: Sequence[str]) -> list[str]:
+    """Remove the :func:`_output_files` of ``prefixes``; the files removed."""
+    removed = []
     for p in prefixes:
-        for f in (bin_path(p), idx_path(p), bytes_path(p), tokenizer_record_path(p)):
-            if os.path.exists(f):
+        for f in _output_files(p):
+            if os.path.isfile(f):
                 os.remove(f)
+                removed.append(f)
+    return removed
+
+
+def _remove_earlier_run(output_prefix: str, keys: Sequence[str], log: Callable[[str], None]) -> None:
+    """Remove what an earlier run into ``output_prefix`` left (its outputs, and the parts and
+    temporary files of one that was stopped), all of it before this run writes anything: a run
+    stopped part way then leaves no data that looks complete, and no tokenizer record of other
+    data (the pre-flight trusts a record beside the data it finds)."""
+    parts = []
+    for k in keys:  # the parts of an earlier --partitions run, whatever its number of parts
+        pattern = glob.escape(f"{output_prefix}_part") + "[0-9]*" + glob.escape(f"_{k}_document") + ".*"
+        parts += sorted({f[:f.index("_document.") + len("_document")] for f in glob.glob(pattern)})
+    removed = _remove_outputs([output_prefix_for(output_prefix, k) for k in keys] + parts)
+    if removed:
+        log(f"[preprocess] removed {len(removed)} files of an earlier run into this --output-prefix before "
+            f"writing: {', '.join(removed)}")
 
 
 def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
@@ -412,55 +404,61 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                             round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
     _check_output(output_prefix, finals)
-    for final in finals:  # a rerun into the same prefix: the old record must not outlive a failed run's data
-        if os.path.isfile(tokenizer_record_path(final)):
-            os.remove(tokenizer_record_path(final))
+    _remove_earlier_run(output_prefix, keys, log)
     t0 = time.time()
 
-    pool = None
-    if workers > 1:
-        pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer_model, tuple(keys), append_eod, dtype,
-                                                         tokenizer_type, round_trip_every))
-    else:
-        _init_worker(tokenizer_model, keys, append_eod, dtype, tokenizer_type, round_trip_every)
+    init_args = (tokenizer_model, tuple(keys), append_eod, dtype, tokenizer_type, round_trip_every)
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
+    pool = None
     part_prefixes: list[list[str]] = []
+    builders: list[IndexedDatasetBuilder] = []
     try:
-        for pi, ranges in enumerate(parts):
-            prefixes = finals if len(parts) == 1 else [
-                output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
-            _run_part(ranges, prefixes, pool, dtype, strict, stats, log, progress_interval, t0)
-            part_prefixes.append(prefixes)
-        if len(parts) > 1:
-            for k, final in enumerate(finals):
-                builder = IndexedDatasetBuilder(final, dtype)
+        if len(parts) == 1:
+            if workers > 1:
+                pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+                    workers, initializer=_init_pool_worker, initargs=init_args)
+            else:
+                _init_worker(*init_args)
+            builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
+        else:
+            part_prefixes = [[output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
+                             for pi in range(len(parts))]
+            _run_partitions(parts, part_prefixes, workers, init_args, dtype, strict, stats, log, progress_interval,
+                            t0)
+            builders = [IndexedDatasetBuilder(final, dtype) for final in finals]
+            for k, builder in enumerate(builders):
                 for prefixes in part_prefixes:
                     builder.add_index(prefixes[k])
-                builder.finalize()
             log(f"[preprocess] merged {len(parts)} partitions")
+        stats.seconds = time.time() - t0
+        if stats.documents == 0 and not allow_empty:
+            what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input: {stats.report.brief()}"
+                    if stats.lines else "the input is empty")
+            # one line (a tool's refusal before any output): the kinds with their first places
+            raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
+                                  f"empty dataset)")
+        digest = model_sha256(tokenizer_model)
+        source = input_record(inputs, stats.lines, stats.report)
+        for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
+            # the record before the data: data that looks complete always has its record
+            _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
+                                    stats.round_trip[k], round_trip_every, source)
+        for b in builders:
+            b.finalize()
+        for k, final in enumerate(finals):
+            record_token_range(final, *stats.id_range[k])
+    except BaseException:  # an error, Ctrl-C, SIGTERM (the tools raise it): no output of this run is left
+        for b in builders:
+            b.abort()
+        _remove_outputs(finals)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
-        if len(parts) > 1:
-            for prefixes in part_prefixes:
-                _remove_outputs(prefixes)
-    stats.seconds = time.time() - t0
-    if stats.documents == 0 and not allow_empty:
-        _remove_outputs(finals)
-        what = (f"{stats.lines} lines read, {stats.report.skipped} skipped as bad input: {stats.report.brief()}"
-                if stats.lines else "the input is empty")
-        # one line (a tool's refusal before any output): the kinds with their first places
-        raise PreprocessError(f"no documents to write ({what}); nothing written (--allow-empty writes an "
-                              f"empty dataset)")
-    digest = model_sha256(tokenizer_model)
-    source = input_record(inputs, stats.lines, stats.report)
-    for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
-        _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                stats.round_trip[k], round_trip_every, source)
-        record_token_range(final, *stats.id_range[k])
+        for prefixes in part_prefixes:
+            _remove_outputs(prefixes)
     stats.outputs = finals
     return stats
 
@@ -472,7 +470,101 @@ def _eta(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0) -> None:
+def _progress_line(stats: PreprocessStats, t0: float) -> str:
+    el = max(time.time() - t0, 1e-9)
+    done, total = stats.input_bytes, max(stats.total_bytes, 1)
+    eta = el * (total - done) / done if done else float("nan")
+    return (f"[preprocess] {100.0 * done / total:5.1f}% ({done / 1e6:.1f} of {total / 1e6:.1f} MB) | "
+            f"{stats.documents} docs, {stats.tokens} tokens | {stats.documents / el:.0f} docs/s, "
+            f"{stats.tokens / el:.0f} tokens/s, {done / el / 1e6:.1f} MB/s | ETA {_eta(eta)}")
+
+
+def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int, workers: int, init_args: tuple,
+                dtype, strict: bool) -> None:
+    """One partition in its own process (:func:`dept_mega.data.partitions.run_in_processes`):
+    tokenize ``ranges`` into ``prefixes`` with ``workers`` processes (1: in this one), sending
+    ("tick", disk bytes, documents, tokens) per batch, then ("stats", index, PreprocessStats)
+    and ("done", index); an error is ("error", index, message). Ctrl-C or SIGTERM (the tool's
+    handler, inherited): the builders abort, and the process exits 1 without a traceback."""
+    pool = None
+    try:
+        if workers > 1:
+            pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+                workers, initializer=_init_pool_worker, initargs=init_args)
+        else:
+            _init_worker(*init_args)
+        keys = init_args[1]
+        st = PreprocessStats(lines=first_line, round_trip=[RoundTrip() for _ in keys],
+                             id_range=[(0, -1) for _ in keys])
+        builders = _run_part(ranges, prefixes, pool, dtype, strict, st, lambda m: None, float("inf"), 0.0,
+                             dict(lines_at), tick=lambda *t: q.put(("tick", *t)))
+        for b in builders:
+            b.finalize()
+        st.lines -= first_line
+        q.put(("stats", index, st))
+        q.put(("done", index))
+    except Exception as exc:  # noqa: BLE001 - sent to the parent, which stops the run with it
+        q.put(("error", index, str(exc) if isinstance(exc, PreprocessError) else f"{type(exc).__name__}: {exc}"))
+    except BaseException:
+        sys.exit(1)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+
+def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype, strict: bool,
+                    stats: PreprocessStats, log, interval: float, t0: float) -> None:
+    """The parts side by side, each into its ``part_prefixes`` (finalized; the caller merges
+    and removes them): at most ``workers`` at once, the workers split among them; their counts
+    added to ``stats`` in input order (so the bad-line examples are the first ones)."""
+    starts = part_starts(parts)
+    concurrency = max(1, min(len(parts), workers))
+    tasks = [(pi, ranges, part_prefixes[pi], starts[pi][0], starts[pi][1],
+              workers // concurrency + (pi % concurrency < workers % concurrency), init_args, dtype, strict)
+             for pi, ranges in enumerate(parts)]
+    got: dict[int, PreprocessStats] = {}
+    last = [time.time()]
+
+    def on_message(msg) -> None:
+        if msg[0] == "tick":
+            stats.input_bytes += msg[1]
+            stats.documents += msg[2]
+            stats.tokens += msg[3]
+            if time.time() - last[0] >= interval:
+                last[0] = time.time()
+                log(_progress_line(stats, t0))
+        elif msg[0] == "stats":
+            got[msg[1]] = msg[2]
+        elif msg[0] == "error":
+            raise PreprocessError(msg[2])
+
+    try:
+        run_in_processes(tasks, _part_child, concurrency, on_message)
+    except RuntimeError as exc:
+        raise PreprocessError(str(exc)) from None
+    stats.documents = stats.tokens = 0
+    for pi in range(len(parts)):
+        st = got[pi]
+        stats.report.merge(st.report)
+        stats.lines += st.lines
+        stats.documents += st.documents
+        stats.tokens += st.tokens
+        stats.text_bytes += st.text_bytes
+        for total, part in zip(stats.round_trip, st.round_trip):
+            total.add(part)
+        for k, (lo, hi) in enumerate(st.id_range):
+            was = stats.id_range[k]
+            if hi >= lo:
+                stats.id_range[k] = (lo, hi) if was[1] < was[0] else (min(was[0], lo), max(was[1], hi))
+
+
+def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0,
+              lines_at: Optional[dict] = None, tick: Optional[Callable[[int, int, int], None]] = None
+              ) -> list[IndexedDatasetBuilder]:
+    """Tokenize ``ranges`` into builders of ``prefixes``, returned unfinalized (aborted on any
+    error); ``lines_at``: line numbers carried from range to range (:func:`_iter_batches`);
+    ``tick(disk bytes, documents, tokens)``: called per batch written."""
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes]
     pending: collections.deque = collections.deque()
     max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
@@ -498,19 +590,16 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         stats.text_bytes += int(result.nbytes[0].sum())
         for total, part in zip(stats.round_trip, result.round_trip):
             total.add(part)
+        if tick is not None:
+            tick(disk, len(result.lengths[0]), int(result.lengths[0].sum()))
         now = time.time()
         if now - last >= interval:
             last = now
-            el = max(now - t0, 1e-9)
-            done, total = stats.input_bytes, max(stats.total_bytes, 1)
-            eta = el * (total - done) / done if done else float("nan")
-            log(f"[preprocess] {100.0 * done / total:5.1f}% ({done / 1e6:.1f} of {total / 1e6:.1f} MB) | "
-                f"{stats.documents} docs, {stats.tokens} tokens | {stats.documents / el:.0f} docs/s, "
-                f"{stats.tokens / el:.0f} tokens/s, {done / el / 1e6:.1f} MB/s | ETA {_eta(eta)}")
+            log(_progress_line(stats, t0))
 
     line = stats.lines  # 0-based index of the next batch's first line in the whole input (earlier parts done)
     try:
-        for batch, disk in _iter_batches(ranges):
+        for batch, disk in _iter_batches(ranges, lines_at):
             first, line = line, line + len(batch)
             if pool is None:
                 consume(_encode_batch(batch, first), disk)
@@ -526,5 +615,4 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
         for b in builders:
             b.abort()
         raise
-    for b in builders:
-        b.finalize()
+    return builders

@@ -15,7 +15,7 @@ import os
 import tempfile
 import warnings
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -261,10 +261,12 @@ class ValidationBatches:
 # ---------------------------------------------------------------------------- vocabulary sets
 
 
-def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24) -> np.ndarray:
+def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24,
+                 progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
     """How often each token id occurs in ``PREFIX.bin`` (bincount in chunks, so memory stays
     bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir``),
-    keyed by the ``.bin``/``.idx`` sizes and modification times."""
+    keyed by the ``.bin``/``.idx`` sizes and modification times. ``progress(done, total)``:
+    called with the tokens counted after each chunk (not when the cache is used)."""
     ds = IndexedDataset(prefix)
     cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
     path = os.path.join(cache_dir, os.path.basename(prefix) + ".token_counts.npz")
@@ -288,6 +290,8 @@ def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int
             counts = c
         else:
             counts[:len(c)] += c
+        if progress is not None:
+            progress(min(lo + chunk_tokens, len(tokens)), len(tokens))
     try:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=cache_dir)
@@ -299,9 +303,11 @@ def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int
     return counts
 
 
-def vocab_set(prefix: str, cache_dir: Optional[str] = None) -> np.ndarray:
-    """TRIM's V_k: the sorted token ids (int64) that occur in ``PREFIX.bin`` (cached)."""
-    return np.flatnonzero(token_counts(prefix, cache_dir)).astype(np.int64)
+def vocab_set(prefix: str, cache_dir: Optional[str] = None,
+              progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+    """TRIM's V_k: the sorted token ids (int64) that occur in ``PREFIX.bin`` (cached;
+    ``progress``: :func:`token_counts`'s)."""
+    return np.flatnonzero(token_counts(prefix, cache_dir, progress=progress)).astype(np.int64)
 
 
 @contextmanager

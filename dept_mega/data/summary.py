@@ -21,7 +21,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, held_here
 from ..variant import variant_of
@@ -36,9 +37,12 @@ def summary_path(source) -> str:
 
 
 def make_summary(prefix: str, name: Optional[str] = None, tokenizer: Optional[str] = None,
-                 cache_dir: Optional[str] = None) -> dict[str, Any]:
+                 cache_dir: Optional[str] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
     """The summary of the data at ``prefix`` (and of ``tokenizer``, the source's own under
-    spec_opt), from its files. OSError / IndexedFormatError when they cannot be read."""
+    spec_opt), from its files. OSError / IndexedFormatError when they cannot be read.
+    ``progress(done, total)``: the tokens of the distinct-id pass counted so far (one pass over
+    the ``.bin``; none when its count is cached)."""
     from .identity import source_identity
     from .indexed import IndexedDataset
     from .sources import vocab_set
@@ -47,7 +51,7 @@ def make_summary(prefix: str, name: Optional[str] = None, tokenizer: Optional[st
     if ident is None:
         raise OSError(f"{prefix}.idx / {prefix}.bin cannot be read as indexed data")
     out: dict[str, Any] = {"format": FORMAT, "name": name, "tokens": int(len(IndexedDataset(prefix).tokens)),
-                           "distinct_ids": int(len(vocab_set(prefix, cache_dir))), "identity": ident,
+                           "distinct_ids": int(len(vocab_set(prefix, cache_dir, progress))), "identity": ident,
                            "tokenizer": None}
     if tokenizer:
         out["tokenizer"] = {"vocab_size": int(load_tokenizer(tokenizer, "--tokenizer").vocab_size),
@@ -145,6 +149,25 @@ def agreed_facts(cfg) -> list:
     return out
 
 
+def _progress_printer(interval: float) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` that prints a line (stderr) at most every ``interval``
+    seconds: percent of the tokens counted, tokens/s and ETA, like the other tools'."""
+    t0 = last = time.time()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.time()
+        if now - last < interval:
+            return
+        last = now
+        el = max(now - t0, 1e-9)
+        eta = int(round(el * (total - done) / done)) if done else None
+        eta_s = "?" if eta is None else f"{eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+        print(f"[summary] distinct ids: {100.0 * done / max(total, 1):5.1f}% ({done:,} of {total:,} tokens) | "
+              f"{done / el / 1e6:.1f} M tokens/s | ETA {eta_s}", file=sys.stderr, flush=True)
+    return progress
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dept_mega.data.summary", description=__doc__.split("\n\n")[0])
     ap.add_argument("prefix", help="the source's data prefix (PREFIX.bin, PREFIX.idx)")
@@ -152,11 +175,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--name", default=None, help="the source's name in the configs (checked by the readers)")
     ap.add_argument("--out", default=None, help=f"where to write it (default: PREFIX{SUFFIX})")
     ap.add_argument("--cache-dir", default=None, help="data.cache_dir (where the count of distinct ids is cached)")
+    ap.add_argument("--log-interval", type=float, default=10.0,
+                    help="seconds between progress lines of the distinct-id pass over the .bin (default 10)")
     args = ap.parse_args(argv)
     from .indexed import IndexedFormatError
     from .tokenizer import TokenizerError
     try:
-        out = make_summary(args.prefix, args.name, args.tokenizer, args.cache_dir)
+        out = make_summary(args.prefix, args.name, args.tokenizer, args.cache_dir,
+                           _progress_printer(args.log_interval))
     except (OSError, IndexedFormatError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

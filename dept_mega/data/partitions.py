@@ -1,0 +1,152 @@
+"""Cutting ``tools/preprocess_data.py``'s input into ``--partitions`` parts, and running the
+parts side by side in child processes.
+
+A part is a list of byte ranges of plain input files, cut at line starts; the parts cover
+the concatenated inputs in order. The line numbers a part needs at its start (for its bad
+lines' ``file:line`` and for ``--round-trip-every``'s line index over the whole input) are
+counted before the parts start, in one pass over the bytes before the last cut
+(:func:`part_starts`). :func:`run_in_processes` runs one child process per part, at most a
+given number at once, passes their messages to the caller and, on any error or interrupt,
+terminates them all (SIGTERM: a child unwinds and removes its partial files).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+def count_newlines(path: str, start: int, end: int) -> int:
+    """The newlines in bytes [start, end) of ``path``."""
+    n = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            chunk = f.read(min(left, 16 << 20))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            left -= len(chunk)
+    return n
+
+
+def line_start_at_or_after(path: str, offset: int) -> int:
+    """The offset of the first line starting at or after ``offset``."""
+    if offset == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        if f.read(1) == b"\n":
+            return offset
+        f.readline()
+        return f.tell()
+
+
+Range = tuple[str, int, int]  # (path, start byte, end byte)
+
+
+def partition_ranges(inputs: Sequence[str], partitions: int) -> list[list[Range]]:
+    """Cut the concatenated inputs into ``partitions`` contiguous pieces at line starts."""
+    sizes = [os.path.getsize(p) for p in inputs]
+    total = sum(sizes)
+    # global cut points, aligned to line starts inside their file
+    cuts: list[tuple[int, int]] = []  # (file index, offset)
+    for k in range(1, partitions):
+        target = total * k // partitions
+        acc = 0
+        for i, size in enumerate(sizes):
+            if target < acc + size:
+                cuts.append((i, line_start_at_or_after(inputs[i], target - acc)))
+                break
+            acc += size
+        else:
+            cuts.append((len(sizes) - 1, sizes[-1]))
+    points = [(0, 0)] + cuts + [(len(sizes) - 1, sizes[-1])]
+    parts: list[list[Range]] = []
+    for (fa, oa), (fb, ob) in zip(points[:-1], points[1:]):
+        ranges: list[Range] = []
+        for i in range(fa, fb + 1):
+            start = oa if i == fa else 0
+            end = ob if i == fb else sizes[i]
+            if end > start:
+                ranges.append((inputs[i], start, end))
+        parts.append(ranges)
+    return parts
+
+
+def part_starts(parts: Sequence[Sequence[Range]]) -> list[tuple[dict[str, tuple[int, int]], int]]:
+    """Per part: ``({path: (offset, lines of the file before it)}`` for its first range,
+    ``the 0-based index of its first line in the whole input)``. Newlines are counted once,
+    over the ranges of every part but the last (a file's last line without a newline counts
+    as a line, as the reader reads it)."""
+    out = []
+    file_lines: dict[str, int] = {}
+    total = 0
+    for pi, ranges in enumerate(parts):
+        first = {ranges[0][0]: (ranges[0][1], file_lines.get(ranges[0][0], 0))} if ranges else {}
+        out.append((first, total))
+        if pi == len(parts) - 1:
+            break
+        for path, start, end in ranges:
+            n = count_newlines(path, start, end)
+            if end == os.path.getsize(path) and end > start:
+                with open(path, "rb") as f:
+                    f.seek(end - 1)
+                    n += f.read(1) != b"\n"
+            file_lines[path] = file_lines.get(path, 0) + n
+            total += n
+    return out
+
+
+def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
+                     on_message: Callable[[Any], None], poll: float = 0.2) -> None:
+    """Run ``target(queue, *task)`` for each task in its own child process, at most
+    ``concurrency`` at once, in order. A child reports with ``queue.put(message)``; its last
+    message must be ``("done", index)`` (``index``: its task's position) after which it exits
+    0. Each message goes to ``on_message`` (in the caller's process), which may raise to stop
+    everything. A child that ends without "done" raises RuntimeError naming its exit code.
+    On return or any exception every child still running is terminated and joined."""
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    q = ctx.Queue()
+    running: dict[int, Any] = {}
+    done: set[int] = set()
+    dead_since: dict[int, float] = {}
+    nxt = 0
+    try:
+        while nxt < len(tasks) or running:
+            while nxt < len(tasks) and len(running) < max(1, concurrency):
+                proc = ctx.Process(target=target, args=(q, *tasks[nxt]), daemon=False)
+                proc.start()
+                running[nxt] = proc
+                nxt += 1
+            try:
+                msg = q.get(timeout=poll)
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
+                if isinstance(msg, tuple) and msg and msg[0] == "done":
+                    done.add(msg[1])
+                on_message(msg)
+            for i, proc in list(running.items()):
+                if i in done:
+                    proc.join()
+                    del running[i]
+                elif proc.exitcode is not None:  # ended: its last messages may still be in the queue
+                    first = dead_since.setdefault(i, time.time())
+                    if msg is None and time.time() - first > 5 * poll + 1.0:
+                        raise RuntimeError(f"the process of partition {i} ended (exit code {proc.exitcode}) "
+                                           f"before finishing")
+    finally:
+        for proc in running.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in running.values():
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        q.close()
+        q.join_thread()
