@@ -19,14 +19,12 @@ each kind of bad input is listed in :mod:`dept_mega.data.jsonl`.
 from __future__ import annotations
 
 import collections
-import glob
 import itertools
 import json
 import multiprocessing as mp
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from contextlib import contextmanager
@@ -35,20 +33,17 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check_readable, damaged, open_input
-from dept_mega.data.indexed import (IndexedDatasetBuilder, bin_path, bytes_path, idx_path,
-                                    optimal_dtype, tokenizer_record_path)
+from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
+from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, output_prefix_for,
+                                              remove_earlier_run, remove_outputs)
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
 BATCH_LINES = 512
 BATCH_BYTES = 4 << 20
-
-
-class PreprocessError(RuntimeError):
-    """Preprocessing stopped (bad arguments, unreadable input, or bad input under strict)."""
 
 
 @dataclass
@@ -271,64 +266,8 @@ def round_trip_line(output: str, rt: RoundTrip, every: int = 1) -> str:
             f"original bytes, including bytes the tokens do not encode")
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    return f"{output_prefix}_{key}_document"
-
-
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _check_output(output_prefix: str, finals: Sequence[str]) -> None:
-    """The output directory exists (created if missing) and takes a new file, and no output
-    path is a directory: checked before any tokenizing."""
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=out_dir)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as exc:
-        raise PreprocessError(f"--output-prefix {output_prefix!r}: cannot write to {exc.filename or out_dir} "
-                              f"({exc.strerror})") from None
-    for final in finals:
-        for path in (bin_path(final), idx_path(final), bytes_path(final), tokenizer_record_path(final)):
-            if os.path.isdir(path):
-                raise PreprocessError(f"--output-prefix {output_prefix!r}: output {path} is a directory")
-
-
-def _output_files(prefix: str) -> list[str]:
-    """Every file a run writes for ``prefix`` (the ``.idx`` first: it is what makes the data
-    readable), the caches kept beside the data, and the temporary names of an unfinished run."""
-    finals = [idx_path(prefix), bin_path(prefix), bytes_path(prefix), tokenizer_record_path(prefix),
-              prefix + ".token_range.json", prefix + ".token_counts.npz"]
-    return finals + [f + ".tmp" for f in finals[:4]]
-
-
-def _remove_outputs(prefixes: Sequence[str]) -> list[str]:
-    """Remove the :func:`_output_files` of ``prefixes``; the files removed."""
-    removed = []
-    for p in prefixes:
-        for f in _output_files(p):
-            if os.path.isfile(f):
-                os.remove(f)
-                removed.append(f)
-    return removed
-
-
-def _remove_earlier_run(output_prefix: str, keys: Sequence[str], log: Callable[[str], None]) -> None:
-    """Remove what an earlier run into ``output_prefix`` left (its outputs, and the parts and
-    temporary files of one that was stopped), all of it before this run writes anything: a run
-    stopped part way then leaves no data that looks complete, and no tokenizer record of other
-    data (the pre-flight trusts a record beside the data it finds)."""
-    parts = []
-    for k in keys:  # the parts of an earlier --partitions run, whatever its number of parts
-        pattern = glob.escape(f"{output_prefix}_part") + "[0-9]*" + glob.escape(f"_{k}_document") + ".*"
-        parts += sorted({f[:f.index("_document.") + len("_document")] for f in glob.glob(pattern)})
-    removed = _remove_outputs([output_prefix_for(output_prefix, k) for k in keys] + parts)
-    if removed:
-        log(f"[preprocess] removed {len(removed)} files of an earlier run into this --output-prefix before "
-            f"writing: {', '.join(removed)}")
 
 
 def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
@@ -403,8 +342,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs),
                             round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
-    _check_output(output_prefix, finals)
-    _remove_earlier_run(output_prefix, keys, log)
+    check_output(output_prefix, finals)
+    remove_earlier_run(output_prefix, keys, log)
     t0 = time.time()
 
     init_args = (tokenizer_model, tuple(keys), append_eod, dtype, tokenizer_type, round_trip_every)
@@ -451,14 +390,14 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     except BaseException:  # an error, Ctrl-C, SIGTERM (the tools raise it): no output of this run is left
         for b in builders:
             b.abort()
-        _remove_outputs(finals)
+        remove_outputs(finals)
         raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
         for prefixes in part_prefixes:
-            _remove_outputs(prefixes)
+            remove_outputs(prefixes)
     stats.outputs = finals
     return stats
 
