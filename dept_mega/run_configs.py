@@ -70,7 +70,7 @@ def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional
     _write_atomic(path, header + text)
     main = os.path.join(run_dir, CONFIG_FILE)
     wrote = trains or not os.path.exists(main)
-    if wrote:
-        _write_atomic(main, text)
+    if wrote:  # the launch directory first: a config.yaml is never paired with an older launch's
         record_launch_dir(run_dir)
+        _write_atomic(main, text)
     return path, wrote

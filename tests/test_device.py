@@ -148,5 +148,26 @@ def test_the_preflight_line(clean_env):
 
 def test_an_unreadable_local_world_size_is_named(clean_env):
     clean_env.setenv("LOCAL_WORLD_SIZE", "eight")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='eight' is not a number of processes"):
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='eight' is not a number of processes"):
         dev.local_world_size()
+    # only train.device: cuda counts devices: auto and cpu do not read it
+    assert init_distributed(device="cpu")[2].type == "cpu"
+
+
+def test_the_benchmark_tool_honours_train_device(tmp_path, capsys, clean_env):
+    """tools/benchmark.py initialises with the config's train.device: cuda on this CPU machine
+    is refused with the key named, not benchmarked on the CPU."""
+    import importlib.util
+    import os
+
+    import tests.trainer_utils as tu
+    spec = importlib.util.spec_from_file_location("benchmark_tool", os.path.join(tu.ROOT, "tools", "benchmark.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is usable here")
+    cfg = os.path.join(tu.ROOT, "examples", "tiny", "std.yaml")
+    assert bench.main(["--config", cfg, "--steps", "1", "--out", str(tmp_path / "b.json"), "model.vocab_size=64",
+                       "train.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "error: config key 'train.device': cuda, but " in err, err

@@ -70,7 +70,11 @@ def main(argv=None) -> int:
     if args.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
-    rank, world, device = init_distributed()
+    try:
+        rank, world, device = init_distributed(device=cfg.train.device)
+    except ConfigError as exc:  # train.device: cuda without a usable CUDA device, named
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         validate(cfg, world, check_files=False)
     except ConfigError as exc:

@@ -67,7 +67,8 @@ def local_world_size() -> int:
     try:
         return max(int(value), 1)
     except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a number of processes (torchrun sets it)") from None
+        raise ConfigError(f"config key '{KEY}': cuda, but LOCAL_WORLD_SIZE={value!r} is not a number of processes "
+                          f"(torchrun sets it; the devices this node needs cannot be counted)") from None
 
 
 def use_cuda(setting: str, local_world: int = 1, preflight: bool = False) -> bool:

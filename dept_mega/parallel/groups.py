@@ -200,7 +200,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_is_cuda(device, local_world_size())
+    # (LOCAL_WORLD_SIZE is read only where it matters: counting the devices train.device: cuda needs)
+    use_cuda = device_is_cuda(device, local_world_size() if device == "cuda" else 1)
     where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(where)
