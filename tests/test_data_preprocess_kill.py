@@ -68,7 +68,8 @@ def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitio
         # part way: none of the earlier run's data or record is left (a SIGKILL now leaves no
         # complete-looking data), only this run's temporary files
         now = set(os.listdir(tmp_path)) - {"driver.py", "a.jsonl"}
-        assert now and all(f.endswith(".tmp") or "_part" in f for f in now), now
+        assert now and all(f.endswith(".tmp") for f in now), now
+        assert ("out.partitions.tmp" in now) == (partitions > 1), now
         p.send_signal(signal.SIGTERM)
         rest = p.stderr.read()
         assert p.wait(timeout=30) == 143, rest
@@ -90,7 +91,7 @@ def test_record_is_written_before_the_data(tmp_path, tokenizers, monkeypatch):
     finalized = []
 
     def finalize(self):
-        if "_part" not in self.prefix:
+        if ".partitions.tmp" not in self.prefix:
             assert os.path.isfile(tokenizer_record_path(self.prefix)), "finalized before its record"
         finalized.append(self.prefix)
         real(self)

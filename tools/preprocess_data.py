@@ -14,7 +14,8 @@ the percent of the input read and an ETA.
 recognised by their first bytes and decompressed as they are read; progress counts their bytes
 on disk. ``--partitions P`` needs plain files (it cuts them at byte offsets): the P parts are
 tokenized side by side, each in its own process with its share of ``--workers`` (at most
-``--workers`` parts at once), then merged in order into the same files as without it.
+``--workers`` parts at once), written in OUT.partitions.tmp/ (the run's own directory,
+removed when it ends), then merged in order into the same files as without it.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
@@ -39,7 +40,9 @@ output written; an output path that cannot be written is refused before tokenizi
 
 A rerun into an existing ``--output-prefix`` first removes all of the earlier run's files
 there (it says which), before writing anything, so a run that is stopped part way never
-leaves data that looks complete beside a record of other data. Ctrl-C (exit status 130) and
+leaves data that looks complete beside a record of other data. Only the exact names of
+OUT's files and OUT.partitions.tmp/ are removed: other datasets whose names start with OUT
+(shards such as OUT_part3 made for tools/merge_datasets.py) are kept. Ctrl-C (exit status 130) and
 SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files.
 """
 from __future__ import annotations
@@ -82,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
     p.add_argument("--partitions", type=int, default=1,
                    help="cut the (plain) input into this many contiguous parts, tokenize them side by side with "
-                        "the --workers split among them, then merge (the output is the same; the parts take as "
-                        "much disk again until the merge); helps past about 10 workers")
+                        "the --workers split among them, then merge (the output is the same; the parts, in "
+                        "OUT.partitions.tmp/, take as much disk again until the merge); helps past about 10 workers")
     p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",

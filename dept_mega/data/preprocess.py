@@ -6,7 +6,9 @@ At most ``4 * workers`` batches are in flight, so memory stays bounded whatever 
 size (the per-document index, 12 bytes a document, is the only thing that grows).
 With ``partitions > 1`` the input is cut into that many contiguous byte ranges
 (:mod:`dept_mega.data.partitions`), tokenized side by side in child processes that share the
-workers, each written as its own dataset and then merged in order (the parts are removed). Compressed input
+workers, each written as its own dataset in a directory of the run's own beside the output
+(``OUT.partitions.tmp``, :mod:`dept_mega.data.preprocess_outputs`) and then merged in order (the
+directory is removed). Compressed input
 (gzip, bzip2, xz; zstd with the ``zstandard`` package) is decompressed as it is read
 (:mod:`dept_mega.data.compressed`; progress counts its bytes on disk); it cannot be cut into
 partitions.
@@ -37,8 +39,9 @@ from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokeni
 from dept_mega.data.jsonl import BadInputReport, parse_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
-from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, output_prefix_for,
-                                              remove_earlier_run, remove_outputs)
+from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
+                                              output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
+                                              remove_partitions_dir)
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
@@ -342,7 +345,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs),
                             round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
-    check_output(output_prefix, finals)
+    check_output(output_prefix, finals, partitioned=partitions > 1)
     remove_earlier_run(output_prefix, keys, log)
     t0 = time.time()
 
@@ -350,7 +353,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
     pool = None
-    part_prefixes: list[list[str]] = []
+    partitioned = False  # whether this run made its partitions directory (removed in the finally)
     builders: list[IndexedDatasetBuilder] = []
     try:
         if len(parts) == 1:
@@ -361,8 +364,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                 _init_worker(*init_args)
             builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
         else:
-            part_prefixes = [[output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
-                             for pi in range(len(parts))]
+            partitioned = True
+            make_partitions_dir(output_prefix)  # the parts' own directory: no name beside the output
+            part_prefixes = [[part_prefix(output_prefix, pi, k) for k in keys] for pi in range(len(parts))]
             _run_partitions(parts, part_prefixes, workers, init_args, dtype, strict, stats, log, progress_interval,
                             t0)
             builders = [IndexedDatasetBuilder(final, dtype) for final in finals]
@@ -396,8 +400,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         if pool is not None:
             pool.terminate()
             pool.join()
-        for prefixes in part_prefixes:
-            remove_outputs(prefixes)
+        if partitioned:
+            remove_partitions_dir(output_prefix)
     stats.outputs = finals
     return stats
 
