@@ -293,6 +293,31 @@ def test_sigterm_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("first,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path, monkeypatch, capsys, first, status):
+    """SIGTERM or Ctrl-C mid-copy, then both again while the temporary files are being removed:
+    the later ones are ignored, every temporary file is removed, the handlers are restored."""
+    import tools.merge_datasets as tool
+
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(10, seed=i)) for i in range(2)]
+    _stop_after(monkeypatch, 5, lambda: os.kill(os.getpid(), first))
+    real, again = os.remove, []
+
+    def remove(path):  # the cleanup's first removal: the signals again, before it removes anything
+        if str(path).endswith(".tmp") and not again:
+            again.append(path)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        real(path)
+
+    monkeypatch.setattr(mg.os, "remove", remove)
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    assert tool.main(["--input", *parts, "--output-prefix", str(tmp_path / "out"), "--quiet"]) == status
+    assert again and "no output written" in capsys.readouterr().err
+    assert _left(tmp_path, "out") == []
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
+
+
 def test_stop_while_renaming_leaves_no_dataset(tmp_path, monkeypatch):
     parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(5, seed=i)) for i in range(2)]
     out = str(tmp_path / "out")

@@ -43,18 +43,19 @@ there (it says which), before writing anything, so a run that is stopped part wa
 leaves data that looks complete beside a record of other data. Only the exact names of
 OUT's files and OUT.partitions.tmp/ are removed: other datasets whose names start with OUT
 (shards such as OUT_part3 made for tools/merge_datasets.py) are kept. Ctrl-C (exit status 130) and
-SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files.
+SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files; any
+further Ctrl-C or SIGTERM is ignored until they are removed.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
+from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 
 
 def _every(value: str) -> int:
@@ -100,36 +101,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Terminated(BaseException):
-    """SIGTERM (a batch system's end of job, ``kill``), raised in the main process so that it
-    unwinds like Ctrl-C: the partial files are removed."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
-                        workers=args.workers, append_eod=args.append_eod, strict=args.strict,
-                        partitions=args.partitions, log=log, progress_interval=args.log_interval,
-                        allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type,
-                        round_trip_every=args.round_trip_every)
-    except PreprocessError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; partial files removed, no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
-        return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGTERM unwinds like Ctrl-C (the partial files are removed); a second one is ignored
+    with stop_on_signals():
+        try:
+            st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
+                            workers=args.workers, append_eod=args.append_eod, strict=args.strict,
+                            partitions=args.partitions, log=log, progress_interval=args.log_interval,
+                            allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type,
+                            round_trip_every=args.round_trip_every)
+        except PreprocessError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted; partial files removed, no output written", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
+            return 143
     if not args.quiet:
         el = max(st.seconds, 1e-9)
         print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "
