@@ -289,8 +289,10 @@ def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: s
     (``lossless``: true, false, or null when not every document was checked and none of the
     checked ones failed; ``round_trip``: the counts, ``checked`` of ``documents`` and
     ``every``, the --round-trip-every K; warned about before training); ``input``: what was
-    read and how many lines were skipped (:func:`input_record`; warned about before training);
-    written atomically, after the data."""
+    read and how many lines were skipped (:func:`input_record`; warned about before training).
+    Written atomically (a temporary name, renamed), and before the data's ``.idx``
+    (:func:`preprocess`): data that looks complete always has its record; a run stopped in
+    between leaves a record without data, which the next run into the prefix removes."""
     path = tokenizer_record_path(prefix)
     record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
               "lossless": None if every == 0 else round_trip.lossless,  # 0 documents, unchecked: not "true"
