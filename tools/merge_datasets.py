@@ -13,9 +13,11 @@ byte for byte those that tools/preprocess_data.py writes from the whole jsonl in
 ``--output-prefix`` is the merged dataset's whole prefix (nothing is appended to it).
 
 Every part needs its ``.bytes.npy`` and ``.tokenizer.json`` (tools/preprocess_data.py writes
-both); parts made with different tokenizers (the records' type and checksum) or token dtypes
-are refused, naming the part and the field, as is an output prefix that is one of the inputs,
-all before anything is written. The output's ``.tokenizer.json`` names the tokenizer, adds up
+both); parts made with different tokenizers (the records' type and checksum) or token dtypes,
+or with and without --append-eod or from different --json-keys (the records' ``append_eod`` and
+``json_key``) are refused, naming the part and the field, as is an output prefix that is one of
+the inputs, all before anything is written. Records older than ``append_eod``/``json_key`` lack
+them: such parts merge only among themselves (how they were made is unknown). The output's ``.tokenizer.json`` names the tokenizer, adds up
 the parts' round-trip and input counts and lists the parts (``merged_from``). Files are read in
 chunks (memory does not grow with the data) and written under temporary names, renamed when
 complete, the ``.idx`` last; Ctrl-C or SIGTERM removes them (further ones are ignored until

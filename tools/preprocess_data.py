@@ -19,7 +19,8 @@ removed when it ends), then merged in order into the same files as without it.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
-another tokenizer for this data is refused before training; and the round trip: how many
+another tokenizer for this data is refused before training; ``append_eod`` and ``json_key``:
+tools/merge_datasets.py refuses shards made otherwise; and the round trip: how many
 documents do not come back from their tokens, ``decode(encode(text)) != text``, and their
 bytes). Bits per byte are always measured against the original bytes, so a lossy tokenizer
 (SentencePiece's default ``nmt_nfkc`` normalization collapses whitespace and drops newlines)
@@ -88,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cut the (plain) input into this many contiguous parts, tokenize them side by side with "
                         "the --workers split among them, then merge (the output is the same; the parts, in "
                         "OUT.partitions.tmp/, take as much disk again until the merge); helps past about 10 workers")
-    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
+    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document (recorded in the tokenizer record: "
+                        "tools/merge_datasets.py refuses shards made with and without it)")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
                    help="write an empty dataset when no document is left (default: an error)")

@@ -283,9 +283,12 @@ def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> d
 
 
 def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str,
-                            round_trip: RoundTrip, every: int = 1, source: Optional[dict] = None) -> None:
+                            round_trip: RoundTrip, every: int, source: Optional[dict], *, append_eod: bool,
+                            json_key: str) -> None:
     """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
-    before training, dept_mega/data/checks.py), and whether it gave every document back
+    before training, dept_mega/data/checks.py), how (``append_eod``: whether each document ends
+    with the EOS id, ``json_key``: the jsonl key tokenized; tools/merge_datasets.py refuses
+    parts that differ in them), and whether it gave every document back
     (``lossless``: true, false, or null when not every document was checked and none of the
     checked ones failed; ``round_trip``: the counts, ``checked`` of ``documents`` and
     ``every``, the --round-trip-every K; warned about before training); ``input``: what was
@@ -296,7 +299,7 @@ def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: s
     path = tokenizer_record_path(prefix)
     record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
               "lossless": None if every == 0 else round_trip.lossless,  # 0 documents, unchecked: not "true"
-              "round_trip": {**vars(round_trip), "every": every}}
+              "round_trip": {**vars(round_trip), "every": every}, "append_eod": append_eod, "json_key": json_key}
     if source is not None:
         record["input"] = source
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -388,7 +391,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
             # the record before the data: data that looks complete always has its record
             _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                    stats.round_trip[k], round_trip_every, source)
+                                    stats.round_trip[k], round_trip_every, source, append_eod=append_eod,
+                                    json_key=keys[k])
         for b in builders:
             b.finalize()
         for k, final in enumerate(finals):
