@@ -62,7 +62,7 @@ def test_workers_and_partitions_give_identical_files(tmp_path, tok_model, monkey
                       for ext in (".bin", ".idx", ".bytes.npy")}
     for name in ("w2", "p3", "w2p4"):
         assert outs[name] == outs["w1"], name
-    assert not [f for f in os.listdir(tmp_path) if "_part" in f]  # partitions removed after the merge
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # the partitions directory, removed
     _check_token_range(str(tmp_path / "p3") + "_text_document", monkeypatch)
 
 

@@ -68,7 +68,8 @@ def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitio
         # part way: none of the earlier run's data or record is left (a SIGKILL now leaves no
         # complete-looking data), only this run's temporary files
         now = set(os.listdir(tmp_path)) - {"driver.py", "a.jsonl"}
-        assert now and all(f.endswith(".tmp") or "_part" in f for f in now), now
+        assert now and all(f.endswith(".tmp") for f in now), now
+        assert ("out.partitions.tmp" in now) == (partitions > 1), now
         p.send_signal(signal.SIGTERM)
         rest = p.stderr.read()
         assert p.wait(timeout=30) == 143, rest
@@ -90,7 +91,7 @@ def test_record_is_written_before_the_data(tmp_path, tokenizers, monkeypatch):
     finalized = []
 
     def finalize(self):
-        if "_part" not in self.prefix:
+        if ".partitions.tmp" not in self.prefix:
             assert os.path.isfile(tokenizer_record_path(self.prefix)), "finalized before its record"
         finalized.append(self.prefix)
         real(self)
@@ -107,3 +108,53 @@ def test_record_is_written_before_the_data(tmp_path, tokenizers, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         preprocess([src], ["text"], tokenizers[0], out, log=None)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
+
+
+# Blocks the removal of the partitions directory (the last step of a stopped --partitions run's
+# cleanup, in the main process) after saying so, until the file GO exists.
+CLEANUP_HOOK = """
+    import os
+    real_remove_dir = pp.remove_partitions_dir
+    def remove_dir(prefix):
+        print("CLEANUP", file=sys.stderr, flush=True)
+        while not os.path.exists({go!r}):
+            time.sleep(0.01)
+        return real_remove_dir(prefix)
+    pp.remove_partitions_dir = remove_dir
+"""
+
+
+@pytest.mark.parametrize("first,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path, tokenizers, first, status):
+    """SIGTERM or Ctrl-C, then both again while the partial files are being removed: the later
+    ones are ignored, the removal finishes, and the exit status is the first signal's."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    go = tmp_path / "go"
+    driver = tmp_path / "driver.py"
+    hook = textwrap.dedent(CLEANUP_HOOK.format(go=str(go))).lstrip()
+    driver.write_text(DRIVER.format(root=ROOT, tools=TOOLS).replace("import preprocess_data\n",
+                                                                    hook + "import preprocess_data\n"))
+    p = subprocess.Popen([sys.executable, str(driver), "70", "--input", src, "--tokenizer-model", tokenizers[0],
+                          "--output-prefix", str(tmp_path / "out"), "--partitions", "2"],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        log = []
+        for wanted, signals in (("BLOCKED", [first]), ("CLEANUP", [signal.SIGTERM, signal.SIGINT])):
+            for line in p.stderr:
+                log.append(line)
+                if line.startswith(wanted):
+                    break
+            assert log and log[-1].startswith(wanted), "".join(log)
+            for sig in signals:
+                p.send_signal(sig)
+        assert os.path.isdir(tmp_path / "out.partitions.tmp")  # not removed yet: the hook waits
+        go.write_text("")
+        rest = p.stderr.read()
+        assert p.wait(timeout=30) == status, rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "Traceback" not in rest, rest
+    assert rest.strip().endswith("partial files removed, no output written"), rest
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py", "go"]

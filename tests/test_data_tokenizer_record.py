@@ -44,6 +44,7 @@ def test_preprocess_records_the_tokenizer(made):
                    "round_trip": {"documents": 40, "bytes": nbytes, "checked": 40, "checked_bytes": nbytes,
                                   "mismatched_documents": 0, "mismatched_bytes": 0,
                                   "mismatched_decoded_bytes": 0, "every": 1},
+                   "append_eod": True, "json_key": "text",
                    "input": {"files": [os.path.join(os.path.dirname(prefix), "x.jsonl")], "lines": 40, "skipped": 0,
                              "skipped_by_kind": {}}}
 

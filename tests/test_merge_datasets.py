@@ -62,8 +62,9 @@ def test_merged_shards_equal_one_go(sharded, tmp_path):
     for ext in COMPANIONS:
         assert _read(out + ext) == _read(one + ext), ext
     made, want = _record(out), _record(one)
-    for key in ("tokenizer_type", "tokenizer_model", "sha256", "lossless", "round_trip"):
+    for key in ("tokenizer_type", "tokenizer_model", "sha256", "lossless", "round_trip", "append_eod", "json_key"):
         assert made[key] == want[key], key
+    assert (made["append_eod"], made["json_key"]) == (True, "text")
     assert {k: made["input"][k] for k in ("lines", "skipped", "skipped_by_kind")} == \
         {k: want["input"][k] for k in ("lines", "skipped", "skipped_by_kind")} == \
         {"lines": 92, "skipped": 1, "skipped_by_kind": {"invalid_json": 1}}
@@ -96,7 +97,8 @@ def _part(prefix, docs, dtype=np.uint16, **record):
                                             "checked": len(docs), "checked_bytes": 10 * sum(map(len, docs)),
                                             "mismatched_documents": 0, "mismatched_bytes": 0,
                                             "mismatched_decoded_bytes": 0, "every": 1},
-           "input": {"files": [prefix + ".jsonl"], "lines": len(docs), "skipped": 0, "skipped_by_kind": {}}}
+           "input": {"files": [prefix + ".jsonl"], "lines": len(docs), "skipped": 0, "skipped_by_kind": {}},
+           "append_eod": True, "json_key": "text"}
     for key, value in record.items():
         if isinstance(value, dict):
             rec[key] = {**rec[key], **value}
@@ -155,6 +157,60 @@ def test_refuses_another_tokenizer(tmp_path, field):
     assert msg.startswith(f"{tmp_path / 'b.tokenizer.json'}: field '{field}'") and "/tok/b" in msg \
         and "different tokenizers" in msg
     assert _left(tmp_path, "out") == []
+
+
+def test_refuses_shards_preprocessed_with_and_without_append_eod(sharded, tmp_path):
+    """tools/preprocess_data.py records --append-eod; a shard made without it is refused by the
+    tool, naming the part and the field, before anything is written."""
+    _, parts = sharded
+    shard = os.path.join(os.path.dirname(parts[0]), "shard_0.jsonl")
+    tok = _record(parts[0])["tokenizer_model"]
+    preprocess([shard], ["text"], tok, str(tmp_path / "noeod"), log=None)
+    noeod = str(tmp_path / "noeod_text_document")
+    assert (_record(noeod)["append_eod"], _record(noeod)["json_key"]) == (False, "text")
+    r = run_tool("merge_datasets.py", ["--input", parts[0], noeod, "--output-prefix", str(tmp_path / "out")])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: {tokenizer_record_path(noeod)}: field 'append_eod' is False, but the first "
+                               f"part's ({tokenizer_record_path(parts[0])}) is True: the parts were made with and "
+                               f"without --append-eod"), r.stderr
+    assert _left(tmp_path, "out") == []
+
+
+def _without(prefix, *keys):
+    """Make ``prefix``'s record one of an older tools/preprocess_data.py, without ``keys``."""
+    rec = _record(prefix)
+    for key in keys:
+        del rec[key]
+    with open(tokenizer_record_path(prefix), "w") as f:
+        json.dump(rec, f)
+    return prefix
+
+
+def test_refuses_parts_made_differently_and_unknown_with_known(tmp_path):
+    a = _part(str(tmp_path / "a"), [[1, 2, 3]])
+    out = str(tmp_path / "out")
+    b = _part(str(tmp_path / "b"), [[4, 5]], json_key="title")
+    with pytest.raises(MergeError, match=r"b\.tokenizer\.json: field 'json_key' is 'title', but the first part's "
+                                         r"\(.*a\.tokenizer\.json\) is 'text': the parts were made from different "
+                                         r"--json-keys"):
+        merge([a, b], out)
+    bad = _part(str(tmp_path / "bad"), [[4]], append_eod="yes")
+    with pytest.raises(MergeError, match=r"bad\.tokenizer\.json: field 'append_eod' is not a bool \('yes'\)"):
+        merge([a, bad], out)
+    # older records (neither field): unknown, merged only among themselves; the merged record leaves them out
+    old1 = _without(_part(str(tmp_path / "old1"), [[6]]), "append_eod", "json_key")
+    old2 = _without(_part(str(tmp_path / "old2"), [[7, 8]]), "append_eod", "json_key")
+    merge([old1, old2], out)
+    assert "append_eod" not in _record(out) and "json_key" not in _record(out)
+    for order in ([a, old1], [old1, a]):  # a part lacking the field is named, whichever comes first
+        with pytest.raises(MergeError, match=r"old1\.tokenizer\.json: field 'append_eod' is missing \(a record "
+                                             r"of an older tools/preprocess_data\.py\), but .*a\.tokenizer\.json "
+                                             r"has it \(True\)"):
+            merge(order, str(tmp_path / "out2"))
+    assert _left(tmp_path, "out2") == []
+    c = _part(str(tmp_path / "c"), [[9]])
+    merge([a, c], out, force=True)
+    assert (_record(out)["append_eod"], _record(out)["json_key"]) == (True, "text")
 
 
 def test_refuses_another_dtype(tmp_path):
@@ -291,6 +347,31 @@ def test_sigterm_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert "terminated (SIGTERM); no output written" in capsys.readouterr().err
     assert _left(tmp_path, "out") == []
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("first,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path, monkeypatch, capsys, first, status):
+    """SIGTERM or Ctrl-C mid-copy, then both again while the temporary files are being removed:
+    the later ones are ignored, every temporary file is removed, the handlers are restored."""
+    import tools.merge_datasets as tool
+
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(10, seed=i)) for i in range(2)]
+    _stop_after(monkeypatch, 5, lambda: os.kill(os.getpid(), first))
+    real, again = os.remove, []
+
+    def remove(path):  # the cleanup's first removal: the signals again, before it removes anything
+        if str(path).endswith(".tmp") and not again:
+            again.append(path)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        real(path)
+
+    monkeypatch.setattr(mg.os, "remove", remove)
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    assert tool.main(["--input", *parts, "--output-prefix", str(tmp_path / "out"), "--quiet"]) == status
+    assert again and "no output written" in capsys.readouterr().err
+    assert _left(tmp_path, "out") == []
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
 
 
 def test_stop_while_renaming_leaves_no_dataset(tmp_path, monkeypatch):

@@ -13,32 +13,27 @@ byte for byte those that tools/preprocess_data.py writes from the whole jsonl in
 ``--output-prefix`` is the merged dataset's whole prefix (nothing is appended to it).
 
 Every part needs its ``.bytes.npy`` and ``.tokenizer.json`` (tools/preprocess_data.py writes
-both); parts made with different tokenizers (the records' type and checksum) or token dtypes
-are refused, naming the part and the field, as is an output prefix that is one of the inputs,
-all before anything is written. The output's ``.tokenizer.json`` names the tokenizer, adds up
+both); parts made with different tokenizers (the records' type and checksum) or token dtypes,
+or with and without --append-eod or from different --json-keys (the records' ``append_eod`` and
+``json_key``) are refused, naming the part and the field, as is an output prefix that is one of
+the inputs, all before anything is written. Records older than ``append_eod``/``json_key`` lack
+them: such parts merge only among themselves (how they were made is unknown). The output's ``.tokenizer.json`` names the tokenizer, adds up
 the parts' round-trip and input counts and lists the parts (``merged_from``). Files are read in
 chunks (memory does not grow with the data) and written under temporary names, renamed when
-complete, the ``.idx`` last; Ctrl-C or SIGTERM removes them. Errors are one ``error:`` line and
+complete, the ``.idx`` last; Ctrl-C or SIGTERM removes them (further ones are ignored until
+that is done). Errors are one ``error:`` line and
 exit status 2, with nothing written; interrupted: exit status 130 (Ctrl-C) or 143 (SIGTERM).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.data.merge import MergeError, find_parts, human_size, merge  # noqa: E402
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that the merge removes its temporary files."""
-
-
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    raise Terminated()
+from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,26 +65,26 @@ def _names(prefixes, limit: int = 8) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        if args.input_dir is not None:
-            prefixes = find_parts(args.input_dir, args.pattern)
-            log(f"[merge] {len(prefixes)} parts from {args.input_dir} in name order (digit runs as numbers): "
-                f"{_names(prefixes)}")
-        else:
-            prefixes = args.input
-        st = merge(prefixes, args.output_prefix, force=args.force, log=log, progress_interval=args.log_interval)
-    except MergeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated (SIGTERM); no output written", file=sys.stderr)
-        return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGTERM unwinds like Ctrl-C (the merge removes its temporary files); a second one is ignored
+    with stop_on_signals():
+        try:
+            if args.input_dir is not None:
+                prefixes = find_parts(args.input_dir, args.pattern)
+                log(f"[merge] {len(prefixes)} parts from {args.input_dir} in name order (digit runs as numbers): "
+                    f"{_names(prefixes)}")
+            else:
+                prefixes = args.input
+            st = merge(prefixes, args.output_prefix, force=args.force, log=log,
+                       progress_interval=args.log_interval)
+        except MergeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted; no output written", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("terminated (SIGTERM); no output written", file=sys.stderr)
+            return 143
     el = max(st.seconds, 1e-9)
     log(f"[merge] done: {st.parts} parts, {st.documents} documents, {st.tokens} tokens, {human_size(st.bin_bytes)} "
         f"in {st.seconds:.1f}s ({st.bin_bytes / el / 1e6:.0f} MB/s)")

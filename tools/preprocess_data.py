@@ -14,11 +14,13 @@ the percent of the input read and an ETA.
 recognised by their first bytes and decompressed as they are read; progress counts their bytes
 on disk. ``--partitions P`` needs plain files (it cuts them at byte offsets): the P parts are
 tokenized side by side, each in its own process with its share of ``--workers`` (at most
-``--workers`` parts at once), then merged in order into the same files as without it.
+``--workers`` parts at once), written in OUT.partitions.tmp/ (the run's own directory,
+removed when it ends), then merged in order into the same files as without it.
 
 Also writes OUT_text_document.bytes.npy (UTF-8 bytes per document, for bits per byte) and
 OUT_text_document.tokenizer.json (the tokenizer's type, path and sha256: a config naming
-another tokenizer for this data is refused before training; and the round trip: how many
+another tokenizer for this data is refused before training; ``append_eod`` and ``json_key``:
+tools/merge_datasets.py refuses shards made otherwise; and the round trip: how many
 documents do not come back from their tokens, ``decode(encode(text)) != text``, and their
 bytes). Bits per byte are always measured against the original bytes, so a lossy tokenizer
 (SentencePiece's default ``nmt_nfkc`` normalization collapses whitespace and drops newlines)
@@ -39,19 +41,22 @@ output written; an output path that cannot be written is refused before tokenizi
 
 A rerun into an existing ``--output-prefix`` first removes all of the earlier run's files
 there (it says which), before writing anything, so a run that is stopped part way never
-leaves data that looks complete beside a record of other data. Ctrl-C (exit status 130) and
-SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files.
+leaves data that looks complete beside a record of other data. Only the exact names of
+OUT's files and OUT.partitions.tmp/ are removed: other datasets whose names start with OUT
+(shards such as OUT_part3 made for tools/merge_datasets.py) are kept. Ctrl-C (exit status 130) and
+SIGTERM (a batch system's end of job; exit status 143) remove this run's partial files; any
+further Ctrl-C or SIGTERM is ignored until they are removed.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
+from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 
 
 def _every(value: str) -> int:
@@ -82,9 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: in-process)")
     p.add_argument("--partitions", type=int, default=1,
                    help="cut the (plain) input into this many contiguous parts, tokenize them side by side with "
-                        "the --workers split among them, then merge (the output is the same; the parts take as "
-                        "much disk again until the merge); helps past about 10 workers")
-    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document")
+                        "the --workers split among them, then merge (the output is the same; the parts, in "
+                        "OUT.partitions.tmp/, take as much disk again until the merge); helps past about 10 workers")
+    p.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS id to every document (recorded in the tokenizer record: "
+                        "tools/merge_datasets.py refuses shards made with and without it)")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
                    help="write an empty dataset when no document is left (default: an error)")
@@ -97,36 +103,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Terminated(BaseException):
-    """SIGTERM (a batch system's end of job, ``kill``), raised in the main process so that it
-    unwinds like Ctrl-C: the partial files are removed."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
-                        workers=args.workers, append_eod=args.append_eod, strict=args.strict,
-                        partitions=args.partitions, log=log, progress_interval=args.log_interval,
-                        allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type,
-                        round_trip_every=args.round_trip_every)
-    except PreprocessError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; partial files removed, no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
-        return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGTERM unwinds like Ctrl-C (the partial files are removed); a second one is ignored
+    with stop_on_signals():
+        try:
+            st = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
+                            workers=args.workers, append_eod=args.append_eod, strict=args.strict,
+                            partitions=args.partitions, log=log, progress_interval=args.log_interval,
+                            allow_empty=args.allow_empty, tokenizer_type=args.tokenizer_type,
+                            round_trip_every=args.round_trip_every)
+        except PreprocessError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted; partial files removed, no output written", file=sys.stderr)
+            return 130
+        except Terminated:
+            print("terminated (SIGTERM); partial files removed, no output written", file=sys.stderr)
+            return 143
     if not args.quiet:
         el = max(st.seconds, 1e-9)
         print(f"[preprocess] done: {st.lines} lines, {st.documents} documents, {st.tokens} tokens, "

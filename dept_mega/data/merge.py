@@ -10,7 +10,10 @@ parts in order) and the token id range cache ``.token_range.json``.
 
 Every part is checked before anything is written: a valid index whose sequences are back to
 back in its ``.bin`` (nothing more in the file), byte counts for each of its documents, and a
-tokenizer record of the same tokenizer (type and checksum) and token dtype as the first part's.
+tokenizer record of the same tokenizer (type and checksum) and token dtype as the first part's,
+and made the same way (:data:`HOW_FIELDS`: ``--append-eod``, the json key). Records written
+before those fields existed lack them: the parts then merge only if none has them (the merged
+record leaves them out: unknown), never a part that lacks them with one that has them.
 
 Memory does not grow with the data: every file is read in chunks of :data:`CHUNK_BYTES` (never
 memory-mapped as a whole), and the outputs are written as they are read. The outputs are
@@ -41,6 +44,8 @@ from dept_mega.data.token_range import record_token_range
 CHUNK_BYTES = 16 << 20
 #: the fields of a part's tokenizer record that must agree across parts
 SAME_FIELDS = ("tokenizer_type", "sha256")
+#: how tools/preprocess_data.py made a part (absent in older records), with their types: must agree across parts
+HOW_FIELDS = {"append_eod": bool, "json_key": str}
 _ROUND_TRIP_COUNTS = ("documents", "bytes", "checked", "checked_bytes", "mismatched_documents",
                       "mismatched_bytes", "mismatched_decoded_bytes")
 
@@ -236,6 +241,9 @@ def _read_record(prefix: str) -> dict:
         if not _is_int(rt.get(key)):
             raise MergeError(f"{path}: field 'round_trip.{key}' is missing or not an integer")
     record["round_trip"] = rt
+    for key, kind in HOW_FIELDS.items():  # absent in records written before they existed (see _check_same)
+        if key in record and not isinstance(record[key], kind):
+            raise MergeError(f"{path}: field {key!r} is not a {kind.__name__} ({record[key]!r})")
     src = record.get("input")
     if src is not None:  # absent in records written before it existed (see merged_record)
         if not isinstance(src, dict):
@@ -309,6 +317,20 @@ def _check_same(first: Part, part: Part) -> None:
                              f"({part.record['tokenizer_model']}), but the first part's "
                              f"({tokenizer_record_path(first.prefix)}) is {a!r} ({first.record['tokenizer_model']}): "
                              f"the parts were made with different tokenizers; merge only parts made with one")
+    for key in HOW_FIELDS:
+        has = [p for p in (first, part) if key in p.record]
+        if len(has) == 1:
+            lacking = part if has[0] is first else first
+            raise MergeError(f"{tokenizer_record_path(lacking.prefix)}: field {key!r} is missing (a record of an "
+                             f"older tools/preprocess_data.py), but {tokenizer_record_path(has[0].prefix)} has it "
+                             f"({has[0].record[key]!r}): whether the parts were made alike is unknown; preprocess "
+                             f"the older parts again")
+        if len(has) == 2 and first.record[key] != part.record[key]:
+            what = ("with and without --append-eod (an EOS id ending each document)" if key == "append_eod"
+                    else "from different --json-keys")
+            raise MergeError(f"{tokenizer_record_path(part.prefix)}: field {key!r} is {part.record[key]!r}, but the "
+                             f"first part's ({tokenizer_record_path(first.prefix)}) is {first.record[key]!r}: the "
+                             f"parts were made {what}; merge only parts made alike")
     if part.dtype != first.dtype:
         raise MergeError(f"{idx_path(part.prefix)}: token dtype {np.dtype(part.dtype)}, but the first part's "
                          f"({idx_path(first.prefix)}) is {np.dtype(first.dtype)}: the parts cannot be merged")
@@ -320,7 +342,8 @@ def merged_record(parts: Sequence[Part]) -> dict:
     """The output's ``.tokenizer.json``: the first part's tokenizer (type, model path, checksum;
     the parts agree on type and checksum), the round-trip counts and input counts added up
     (``round_trip.every``: the parts' common K, else null; each part's is in ``merged_from``),
-    ``lossless`` as tools/preprocess_data.py defines it over the sums, and ``merged_from``:
+    ``lossless`` as tools/preprocess_data.py defines it over the sums, ``append_eod`` and
+    ``json_key`` (the parts', when they have them: :data:`HOW_FIELDS`), and ``merged_from``:
     each part's prefix (absolute), documents, tokens and tokenizer path, in merge order. ``input``
     (files, lines, skipped lines by kind) is added up when every part's record has it, left out
     when none has (records older than the field), and a mixture is a :class:`MergeError`."""
@@ -346,6 +369,7 @@ def merged_record(parts: Sequence[Part]) -> dict:
             by_kind[kind] = by_kind.get(kind, 0) + int(n)
     out = {"tokenizer_type": first["tokenizer_type"], "tokenizer_model": first["tokenizer_model"],
            "sha256": first["sha256"], "lossless": lossless, "round_trip": {**rt, "every": every}}
+    out.update({key: first[key] for key in HOW_FIELDS if key in first})  # the parts agree (_check_same)
     if with_input:
         out["input"] = {"files": [f for p in parts for f in p.record["input"]["files"]],
                         "lines": sum(p.record["input"]["lines"] for p in parts),

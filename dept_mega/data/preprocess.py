@@ -6,7 +6,9 @@ At most ``4 * workers`` batches are in flight, so memory stays bounded whatever 
 size (the per-document index, 12 bytes a document, is the only thing that grows).
 With ``partitions > 1`` the input is cut into that many contiguous byte ranges
 (:mod:`dept_mega.data.partitions`), tokenized side by side in child processes that share the
-workers, each written as its own dataset and then merged in order (the parts are removed). Compressed input
+workers, each written as its own dataset in a directory of the run's own beside the output
+(``OUT.partitions.tmp``, :mod:`dept_mega.data.preprocess_outputs`) and then merged in order (the
+directory is removed). Compressed input
 (gzip, bzip2, xz; zstd with the ``zstandard`` package) is decompressed as it is read
 (:mod:`dept_mega.data.compressed`; progress counts its bytes on disk); it cannot be cut into
 partitions.
@@ -37,8 +39,9 @@ from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokeni
 from dept_mega.data.jsonl import BadInputReport, parse_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
-from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, output_prefix_for,
-                                              remove_earlier_run, remove_outputs)
+from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
+                                              output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
+                                              remove_partitions_dir)
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
@@ -280,18 +283,23 @@ def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> d
 
 
 def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: str, sha256: str,
-                            round_trip: RoundTrip, every: int = 1, source: Optional[dict] = None) -> None:
+                            round_trip: RoundTrip, every: int, source: Optional[dict], *, append_eod: bool,
+                            json_key: str) -> None:
     """``PREFIX.tokenizer.json``: which tokenizer made the data (checked against the config's
-    before training, dept_mega/data/checks.py), and whether it gave every document back
+    before training, dept_mega/data/checks.py), how (``append_eod``: whether each document ends
+    with the EOS id, ``json_key``: the jsonl key tokenized; tools/merge_datasets.py refuses
+    parts that differ in them), and whether it gave every document back
     (``lossless``: true, false, or null when not every document was checked and none of the
     checked ones failed; ``round_trip``: the counts, ``checked`` of ``documents`` and
     ``every``, the --round-trip-every K; warned about before training); ``input``: what was
-    read and how many lines were skipped (:func:`input_record`; warned about before training);
-    written atomically, after the data."""
+    read and how many lines were skipped (:func:`input_record`; warned about before training).
+    Written atomically (a temporary name, renamed), and before the data's ``.idx``
+    (:func:`preprocess`): data that looks complete always has its record; a run stopped in
+    between leaves a record without data, which the next run into the prefix removes."""
     path = tokenizer_record_path(prefix)
     record = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, "sha256": sha256,
               "lossless": None if every == 0 else round_trip.lossless,  # 0 documents, unchecked: not "true"
-              "round_trip": {**vars(round_trip), "every": every}}
+              "round_trip": {**vars(round_trip), "every": every}, "append_eod": append_eod, "json_key": json_key}
     if source is not None:
         record["input"] = source
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -342,7 +350,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     stats = PreprocessStats(total_bytes=sum(os.path.getsize(p) for p in inputs),
                             round_trip=[RoundTrip() for _ in keys], id_range=[(0, -1) for _ in keys])
     finals = [output_prefix_for(output_prefix, k) for k in keys]
-    check_output(output_prefix, finals)
+    check_output(output_prefix, finals, partitioned=partitions > 1)
     remove_earlier_run(output_prefix, keys, log)
     t0 = time.time()
 
@@ -350,7 +358,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     parts = partition_ranges(inputs, partitions) if partitions > 1 else \
         [[(p, 0, os.path.getsize(p)) for p in inputs]]
     pool = None
-    part_prefixes: list[list[str]] = []
+    partitioned = False  # whether this run made its partitions directory (removed in the finally)
     builders: list[IndexedDatasetBuilder] = []
     try:
         if len(parts) == 1:
@@ -361,8 +369,9 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                 _init_worker(*init_args)
             builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
         else:
-            part_prefixes = [[output_prefix_for(f"{output_prefix}_part{pi}", k) for k in keys]
-                             for pi in range(len(parts))]
+            partitioned = True
+            make_partitions_dir(output_prefix)  # the parts' own directory: no name beside the output
+            part_prefixes = [[part_prefix(output_prefix, pi, k) for k in keys] for pi in range(len(parts))]
             _run_partitions(parts, part_prefixes, workers, init_args, dtype, strict, stats, log, progress_interval,
                             t0)
             builders = [IndexedDatasetBuilder(final, dtype) for final in finals]
@@ -382,7 +391,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         for k, final in enumerate(finals):  # the absolute path: the record is read from other working directories
             # the record before the data: data that looks complete always has its record
             _write_tokenizer_record(final, tokenizer_type, os.path.abspath(tokenizer_model), digest,
-                                    stats.round_trip[k], round_trip_every, source)
+                                    stats.round_trip[k], round_trip_every, source, append_eod=append_eod,
+                                    json_key=keys[k])
         for b in builders:
             b.finalize()
         for k, final in enumerate(finals):
@@ -396,8 +406,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         if pool is not None:
             pool.terminate()
             pool.join()
-        for prefixes in part_prefixes:
-            remove_outputs(prefixes)
+        if partitioned:
+            remove_partitions_dir(output_prefix)
     stats.outputs = finals
     return stats
 

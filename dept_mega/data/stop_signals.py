@@ -1,0 +1,42 @@
+"""Ctrl-C and SIGTERM for the data tools (tools/preprocess_data.py, tools/merge_datasets.py):
+the first stops the work by raising in the main thread, so that the code it unwinds through
+removes the partial files; any later one is ignored until that is done.
+
+Without the ignoring, a second signal (Ctrl-C pressed twice, a batch system signalling the job
+again) raises again inside an ``except`` or ``finally`` that is removing files, and leaves the
+rest of them behind.
+"""
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Terminated(BaseException):
+    """SIGTERM (a batch system's end of job, ``kill``), raised in the main thread so that the
+    work unwinds like Ctrl-C's KeyboardInterrupt."""
+
+
+def _stop(signum, frame) -> None:  # noqa: ARG001
+    for sig in _SIGNALS:  # first, before anything else can be interrupted
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` and SIGINT KeyboardInterrupt, the
+    first of them only: it sets both signals to be ignored, so the cleanup is not cut short.
+    The handlers from before are restored when the block is left (after the cleanup the
+    exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
+    previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
