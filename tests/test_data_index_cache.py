@@ -94,3 +94,14 @@ def test_no_claim_where_the_directory_cannot_be_made(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert claim_or_wait(str(blocker / "sub" / "x"), ["a"]) == ""
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_cached_arrays_get_the_mode_the_umask_gives(tmp_path, mask):
+    """Other users' jobs read a cache beside shared data: not mkstemp's 0600."""
+    old = os.umask(mask)
+    try:
+        save_arrays(str(tmp_path / "x_train_abc"), {"a": np.arange(3, dtype=np.int32)})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "x_train_abc.a.npy").st_mode & 0o777 == 0o666 & ~mask

@@ -36,9 +36,26 @@ def is_cached(stem: str, names: Sequence[str]) -> bool:
     return all(os.path.exists(array_path(stem, n)) for n in names)
 
 
+def _umask() -> int:
+    """The process's umask, from /proc where it can be read without changing it (``os.umask``
+    sets it to read it: a file created meanwhile by another thread would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_arrays(stem: str, arrays: dict[str, np.ndarray]) -> None:
     """Write each array to ``<stem>.<name>.npy`` atomically (temporary file + rename). Raises
-    ``OSError`` (e.g. a read-only directory); a temporary file is removed on failure."""
+    ``OSError`` (e.g. a read-only directory); a temporary file is removed on failure. The files
+    get the mode an ordinary ``open`` would give them (``0o666`` less the umask), not
+    ``mkstemp``'s 0600: the default cache lies beside shared data, which other users' jobs read."""
     directory = os.path.dirname(stem) or "."
     os.makedirs(directory, exist_ok=True)
     for name, arr in arrays.items():
@@ -47,6 +64,7 @@ def save_arrays(stem: str, arrays: dict[str, np.ndarray]) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+            os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
