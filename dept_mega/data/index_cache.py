@@ -52,6 +52,19 @@ def _umask() -> int:
     return mask
 
 
+def can_write(directory: str) -> bool:
+    """Whether this process can create files in ``directory`` (made if missing): a probe file,
+    created and removed."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError:
+        return False
+    return True
+
+
 def save_arrays(stem: str, arrays: dict[str, np.ndarray]) -> None:
     """Write each array to ``<stem>.<name>.npy`` atomically (temporary file + rename). Raises
     ``OSError`` (e.g. a read-only directory); a temporary file is removed on failure. The files
