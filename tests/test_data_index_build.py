@@ -27,7 +27,7 @@ def _cache_files(cache_dir: str) -> dict[str, int]:
 
 
 def _rank(rank: int, world: int, prefix: str, root: str, node_local: bool, seq_length: int,
-          build_s: float = 0.5, timeout_s: float = 0.0) -> dict:
+          build_s: float = 1.0, timeout_s: float = 0.0) -> dict:
     # node_local: ranks 0,1 are "node 0" and ranks 2,3 "node 1", each node with its own cache dir
     from datetime import timedelta
 
@@ -49,6 +49,8 @@ def _rank(rank: int, world: int, prefix: str, root: str, node_local: bool, seq_l
     local_rank = rank % 2 if node_local else rank
     specs = _specs(prefix, cache_dir, seq_length)
     built = ensure_indexes(specs, rank, local_rank, log=None)
+    if timeout_s:  # the rest of the test (reading samples, the harness's barrier) has no deadline
+        c10d._set_pg_timeout(timedelta(seconds=300))
     files = _cache_files(cache_dir)
     sets = [s.open() for s in specs]
     samples = [np.stack([ds[i] for i in range(len(ds))]).tolist() for ds in sets]
@@ -81,9 +83,9 @@ def test_the_ranks_share_the_build_and_load_the_same_files(prefix, tmp_path):
 
 
 def test_a_slow_build_does_not_time_out_the_waiting_ranks(prefix, tmp_path):
-    """Each build takes 3 s, collectives on the world group time out after 1 s: the ranks that
+    """Each build takes 3 s, collectives on the world group time out after 2 s: the ranks that
     wait for a part wait for its files, not in a collective."""
-    out = run_distributed(_rank, 3, args=(prefix, str(tmp_path), False, 8, 3.0, 1.0), timeout=120)
+    out = run_distributed(_rank, 3, args=(prefix, str(tmp_path), False, 8, 3.0, 2.0), timeout=120)
     _each_built_once(out)
     assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]
 
