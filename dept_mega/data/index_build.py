@@ -33,7 +33,6 @@ process group): it builds what is missing itself.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -145,15 +144,6 @@ def build_parts(specs: Sequence[IndexSpec], rank: int, log=None,
     return built, error
 
 
-def build_missing(specs: Sequence[IndexSpec], log=None, log_after_s: float = 1.0) -> int:
-    """Build what the cache lacks of ``specs`` in this process (:func:`build_parts` as rank 0,
-    raising its first error); returns how many parts needed building."""
-    built, error = build_parts(specs, 0, log, log_after_s)
-    if error is not None:
-        raise error
-    return built
-
-
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -179,9 +169,8 @@ def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int = 0,
 
 def prepare_indexes(cfg, rank: int, device: Optional[torch.device] = None, eval_part: str = "valid",
                     extra_sources: Sequence = ()) -> int:
-    """:func:`ensure_indexes` for the parts a run reads (:func:`run_index_specs`); local rank
-    from torchrun's ``LOCAL_RANK``."""
+    """:func:`ensure_indexes` for the parts a run reads (:func:`run_index_specs`)."""
     from dept_mega.parallel.agree import agree_errors
     from dept_mega.run_inputs import input_errors
     specs = agree_errors(lambda: run_index_specs(cfg, eval_part, extra_sources), input_errors(), device)
-    return ensure_indexes(specs, rank, int(os.environ.get("LOCAL_RANK", "0")), device)
+    return ensure_indexes(specs, rank, device=device)
