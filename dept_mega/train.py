@@ -181,7 +181,7 @@ def build_session(cfg: Config, metrics: bool = True,
                                   else Offline(group, cfg.federation.groups))
         eval_only = own_sources(cfg)  # the others' embeddings are in other jobs
     from .data.index_build import prepare_indexes
-    prepare_indexes(cfg, rank, device, eval_part, extra_sources)  # one rank builds the sample indexes, the others load
+    prepare_indexes(cfg, rank, device, eval_part, extra_sources)  # the ranks build missing indexes between them
     data, vocab = agree_errors(lambda: (load_run_data(cfg, pg, eval_part, extra_sources), vocab_size_of(cfg)),
                                input_errors(), device)
     torch.manual_seed(cfg.train.seed)

@@ -1,9 +1,11 @@
-"""One rank builds the sample indexes, the others wait and memory-map its files
-(dept_mega/data/index_build.py), with a shared and with a node-local cache directory; a
-builder's failure is every rank's; one process builds alone."""
+"""The ranks build the sample indexes between them at start-up, outside collectives
+(dept_mega/data/index_build.py), with a shared and with a node-local cache directory; a slow
+build does not time the waiting ranks out; a builder's failure is every rank's; one process
+builds alone; a cache nobody can write is not built at start-up."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -24,16 +26,36 @@ def _cache_files(cache_dir: str) -> dict[str, int]:
     return {f: os.stat(os.path.join(cache_dir, f)).st_ino for f in sorted(os.listdir(cache_dir))}
 
 
-def _rank(rank: int, world: int, prefix: str, root: str, node_local: bool, seq_length: int) -> dict:
+def _rank(rank: int, world: int, prefix: str, root: str, node_local: bool, seq_length: int,
+          build_s: float = 1.0, timeout_s: float = 0.0) -> dict:
     # node_local: ranks 0,1 are "node 0" and ranks 2,3 "node 1", each node with its own cache dir
+    from datetime import timedelta
+
+    from dept_mega.data.gpt_dataset import GPTDataset
+    if timeout_s:  # collectives on the world group time out after timeout_s, as under NCCL
+        import torch.distributed.distributed_c10d as c10d
+        c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    builds = []
+
+    def noting(method, sleep_s):
+        def wrapped(self, *args):
+            builds.append(f"{self.which} {method.__name__}")
+            time.sleep(sleep_s)  # every rank starts its walk before the first build ends
+            return method(self, *args)
+        return wrapped
+    GPTDataset._build = noting(GPTDataset._build, build_s)
+    GPTDataset._build_part = noting(GPTDataset._build_part, 0.0)
     cache_dir = os.path.join(root, f"node{rank // 2}" if node_local else "shared")
     local_rank = rank % 2 if node_local else rank
     specs = _specs(prefix, cache_dir, seq_length)
     built = ensure_indexes(specs, rank, local_rank, log=None)
+    if timeout_s:  # the rest of the test (reading samples, the harness's barrier) has no deadline
+        c10d._set_pg_timeout(timedelta(seconds=300))
     files = _cache_files(cache_dir)
     sets = [s.open() for s in specs]
     samples = [np.stack([ds[i] for i in range(len(ds))]).tolist() for ds in sets]
-    return {"built": built, "files": files, "samples": samples, "misses": [d.cache_misses for d in sets],
+    return {"built": built, "builds": builds, "files": files, "samples": samples,
+            "misses": [d.cache_misses for d in sets],
             "mapped": all(isinstance(d.epoch_index(0).sample_order, np.memmap) for d in sets)}
 
 
@@ -42,18 +64,36 @@ def prefix(tmp_path):
     return write_docs(str(tmp_path / "src"), numbered_docs(80, seed=3), nbytes=[1] * 80)
 
 
-def test_one_rank_builds_the_others_load_the_same_files(prefix, tmp_path):
+def _each_built_once(outs: list) -> None:
+    """Every array set (each part's documents and epoch 0) built once in all, and by more than
+    one of the ranks ``outs`` (which one builds what depends on timing: a rank may build a
+    part's documents and another its epoch 0)."""
+    assert sum(bool(o["built"]) for o in outs) >= 2, [o["builds"] for o in outs]
+    every = [b for o in outs for b in o["builds"]]
+    assert sorted(every) == sorted(f"{w} {m}" for w in ("train", "valid") for m in ("_build", "_build_part")), every
+
+
+def test_the_ranks_share_the_build_and_load_the_same_files(prefix, tmp_path):
     out = run_distributed(_rank, 3, args=(prefix, str(tmp_path), False, 8), timeout=120)
-    assert [o["built"] for o in out] == [2, 0, 0], [o["built"] for o in out]  # rank 0: both parts
-    assert all(o["misses"] == [0, 0] and o["mapped"] for o in out)  # nobody built after it
+    _each_built_once(out)  # rank r starts at part r  # no part twice, on one rank or two
+    assert all(o["misses"] == [0, 0] and o["mapped"] for o in out)  # nobody built after the walk
     assert out[0]["files"] == out[1]["files"] == out[2]["files"]  # the same files, written once
     assert len(out[0]["files"]) == 2 * (len(PART_ARRAYS) + len(EPOCH_ARRAYS))
     assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]
 
 
-def test_a_node_local_cache_is_built_by_each_nodes_local_rank_0(prefix, tmp_path):
+def test_a_slow_build_does_not_time_out_the_waiting_ranks(prefix, tmp_path):
+    """Each build takes 3 s, collectives on the world group time out after 2 s: the ranks that
+    wait for a part wait for its files, not in a collective."""
+    out = run_distributed(_rank, 3, args=(prefix, str(tmp_path), False, 8, 3.0, 2.0), timeout=120)
+    _each_built_once(out)
+    assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]
+
+
+def test_a_node_local_cache_is_built_by_each_nodes_ranks(prefix, tmp_path):
     out = run_distributed(_rank, 4, args=(prefix, str(tmp_path), True, 8), timeout=120)
-    assert [o["built"] for o in out] == [2, 0, 2, 0], [o["built"] for o in out]
+    _each_built_once(out[:2])
+    _each_built_once(out[2:])
     assert all(o["misses"] == [0, 0] and o["mapped"] for o in out)
     assert out[0]["files"] == out[1]["files"] and out[2]["files"] == out[3]["files"]
     assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"] == out[3]["samples"]
@@ -81,10 +121,14 @@ def _crashing(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
         def broken(self, epoch):
             raise MemoryError("no memory for the sample index")
         GPTDataset._build = broken  # this rank's process only
+    else:
+        time.sleep(0.5)  # rank 0 claims both parts first, fails and releases them: the others build
     return _failing(rank, world, prefix, cache_dir, 8)
 
 
 def test_a_builder_that_crashes_does_not_leave_the_others_waiting(prefix, tmp_path):
+    """Rank 0's builds fail: the others take the released claims over, and every rank learns of
+    rank 0's failure."""
     out = run_distributed(_crashing, 3, args=(prefix, str(tmp_path / "c")), timeout=120)
     assert out[0] == ("MemoryError", "no memory for the sample index", False), out
     for o in out[1:]:
@@ -127,9 +171,9 @@ def _train_rank(argv: list, env: dict, builds: str) -> None:
     exit_after(lambda: train.main(argv))
 
 
-def test_a_training_job_builds_each_index_once_on_rank_0(tmp_path):
-    """dept_mega.train on 2 ranks: rank 0 builds every part's arrays and epoch 0's once; rank 1
-    builds nothing (it loads them), training and the final evaluation included."""
+def test_a_training_job_builds_each_index_once(tmp_path):
+    """dept_mega.train on 2 ranks: every part's arrays and epoch 0's are built once, by one rank
+    or the other; nobody builds again, training and the final evaluation included."""
     import multiprocessing
 
     from dept_mega.config import load_config
@@ -159,34 +203,39 @@ def test_a_training_job_builds_each_index_once_on_rank_0(tmp_path):
     with open(builds) as f:
         lines = sorted(f.read().split("\n")[:-1])
     names = [os.path.basename(s.prefix) for s in load_config(TINY_STD).data.sources]
-    want = sorted(f"0 {n} {part} {m}" for n in names for part in ("train", "valid") for m in ("_build", "_build_part"))
-    assert lines == want, lines
+    want = sorted(f"{n} {part} {m}" for n in names for part in ("train", "valid") for m in ("_build", "_build_part"))
+    assert sorted(line.partition(" ")[2] for line in lines) == want, lines  # each once, by either rank
 
 
-def _read_only_rank(rank: int, world: int, prefix: str, root: str) -> dict:
+def _read_only_rank(rank: int, world: int, prefix: str, root: str, probe_refused: bool) -> dict:
     # a cache directory nobody can write (a read-only data directory without data.cache_dir):
-    # writing is made to fail, as running as root would not let a chmod do it
+    # writing is made to fail, as running as root would not let a chmod do it; probe_refused:
+    # the write probe fails too (a read-only directory), else only saving does (a full disk)
     import warnings
 
-    from dept_mega.data import gpt_dataset
+    from dept_mega.data import gpt_dataset, index_build
 
     def refuse(stem, arrays):
         raise PermissionError(13, "Permission denied", stem)
     gpt_dataset.save_arrays = refuse
+    if probe_refused:
+        index_build.can_write = lambda directory: False
     specs = _specs(prefix, os.path.join(root, "ro"), 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = ensure_indexes(specs, rank, 0, log=None)  # every rank "local rank 0": one node each
+        built = ensure_indexes(specs, rank, 0, log=None)
         sets = [s.open() for s in specs]
         samples = [np.stack([ds[i] for i in range(len(ds))]).tolist() for ds in sets]
     return {"built": built, "misses": [d.cache_misses for d in sets], "samples": samples}
 
 
-def test_a_cache_nobody_can_write_is_not_built_again_per_node(prefix, tmp_path):
-    """Rank 0 could not write the cache: the other ranks do not try the node-local fallback
-    (each would build and fail to save again); every rank builds its arrays once, in memory,
-    when it opens a part, and reads the same samples."""
-    out = run_distributed(_read_only_rank, 3, args=(prefix, str(tmp_path)), timeout=120)
-    assert [o["built"] for o in out] == [2, 0, 0], [o["built"] for o in out]
+@pytest.mark.parametrize("probe_refused", [True, False])
+def test_a_cache_nobody_can_write_is_not_built_at_start_up(prefix, tmp_path, probe_refused):
+    """A cache directory that cannot be written: no rank builds at start-up (where the probe
+    finds it out), or each rank at most one part (where only its save fails: it builds nothing
+    more there); every rank builds its arrays once, in memory, when it opens a part, and reads
+    the same samples."""
+    out = run_distributed(_read_only_rank, 3, args=(prefix, str(tmp_path), probe_refused), timeout=120)
+    assert all(o["built"] <= (0 if probe_refused else 1) for o in out), [o["built"] for o in out]
     assert all(o["misses"] == [1, 1] for o in out), [o["misses"] for o in out]  # epoch 0 of each part, once
     assert out[0]["samples"] == out[1]["samples"] == out[2]["samples"]

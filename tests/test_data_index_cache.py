@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from dept_mega.data.index_cache import claim_or_wait, load_arrays, release, save_arrays
+from dept_mega.data.index_cache import claim_or_wait, heartbeat, load_arrays, release, save_arrays
 from tests.data_utils import numbered_docs, write_docs
 from tests.mp_utils import run_distributed
 
@@ -63,14 +63,55 @@ def test_a_claim_whose_owner_ended_is_taken_over(tmp_path):
     assert not os.path.exists(claim)
 
 
-def test_a_claim_held_too_long_is_taken_over(tmp_path):
+def test_a_claim_without_heartbeat_is_taken_over_after_the_stale_window(tmp_path):
     stem = str(tmp_path / "x_train_abc")
     with open(stem + ".building", "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()}")  # alive
+        f.write(f"otherhost {os.getpid()}")  # another host's: only its heartbeat tells
     t0 = time.monotonic()
-    with pytest.warns(UserWarning, match="has held it"):
+    with pytest.warns(UserWarning, match="has not refreshed its claim"):
         claim = claim_or_wait(stem, ["a"], stale_s=0.5, poll_s=0.01)
-    assert claim and time.monotonic() - t0 >= 0.3
+    assert claim and time.monotonic() - t0 >= 0.5
+
+
+def test_a_heartbeat_keeps_a_slow_claim_from_being_taken_over(tmp_path):
+    """The owner builds for 8 stale windows; its heartbeat keeps the waiter waiting, and the
+    waiter loads what it wrote. Without the heartbeat the waiter takes the claim over."""
+    import warnings
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write(f"otherhost {os.getpid()}")
+
+    def owner():
+        with heartbeat(stem + ".building", interval_s=0.05):
+            time.sleep(2.0)
+            save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
+        release(stem + ".building")
+    th = threading.Thread(target=owner)
+    th.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert claim_or_wait(stem, ["a"], stale_s=0.25, poll_s=0.01) is None
+    th.join()
+
+
+def test_a_set_written_meanwhile_is_kept_not_replaced(tmp_path):
+    """A builder whose claim was taken over finds the other's whole set when it is done: it maps
+    that set (other processes may have it mapped) instead of replacing the files."""
+    from dept_mega.data.gpt_dataset import EPOCH_ARRAYS, GPTDataset
+    prefix = write_docs(str(tmp_path / "src"), numbered_docs(30, seed=2), nbytes=[1] * 30)
+    ds = GPTDataset(prefix, 8, "1,0", "train", seed=3, cache_dir=str(tmp_path / "c"))
+    stem = ds.cache_path(1)
+    build, theirs = ds._build, {}
+
+    def other_writes_first(epoch):  # the other process finishes while this one builds
+        arrays = build(epoch)
+        save_arrays(stem, arrays)
+        theirs.update({k: os.stat(f"{stem}.{k}.npy").st_ino for k in EPOCH_ARRAYS})
+        return arrays
+    ds._build = other_writes_first
+    idx = ds.epoch_index(1)
+    assert ds.cache_misses == 1 and isinstance(idx.sample_order, np.memmap)
+    assert {k: os.stat(f"{stem}.{k}.npy").st_ino for k in EPOCH_ARRAYS} == theirs
 
 
 def test_a_waiter_loads_what_the_claims_owner_wrote(tmp_path):
@@ -94,3 +135,14 @@ def test_no_claim_where_the_directory_cannot_be_made(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert claim_or_wait(str(blocker / "sub" / "x"), ["a"]) == ""
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_cached_arrays_get_the_mode_the_umask_gives(tmp_path, mask):
+    """Other users' jobs read a cache beside shared data: not mkstemp's 0600."""
+    old = os.umask(mask)
+    try:
+        save_arrays(str(tmp_path / "x_train_abc"), {"a": np.arange(3, dtype=np.int32)})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "x_train_abc.a.npy").st_mode & 0o777 == 0o666 & ~mask

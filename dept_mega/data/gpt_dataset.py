@@ -45,7 +45,8 @@ from typing import Optional
 
 import numpy as np
 
-from dept_mega.data.index_cache import claim_or_wait, is_cached, load_arrays, narrow_int, release, save_arrays
+from dept_mega.data.index_cache import (claim_or_wait, heartbeat, is_cached, load_arrays, narrow_int, release,
+                                        save_arrays)
 from dept_mega.data.indexed import IndexedDataset
 
 PARTS = ("train", "valid", "test")
@@ -168,6 +169,7 @@ class GPTDataset:
         self.cache_dir = default_cache_dir(prefix, cache_dir)
         self.cache_hits = 0  # epochs loaded from / built into the cache (the part's arrays: part_cached)
         self.cache_misses = 0
+        self.part_built = False  # whether this object built the part's arrays (not loaded them)
         self._epochs: dict[int, EpochIndex] = {}
         self._data_hash = data_hash(self.indexed)
         self.part_cached = is_cached(self.part_stem(), PART_ARRAYS)
@@ -244,7 +246,8 @@ class GPTDataset:
                 arrays = load_arrays(stem, lengths)
             if arrays is None:
                 try:
-                    return self._build_and_save(stem, build, count)
+                    with heartbeat(claim):
+                        return self._build_and_save(stem, build, count)
                 finally:
                     release(claim)
         self.cache_hits += count
@@ -252,14 +255,22 @@ class GPTDataset:
 
     def _build_and_save(self, stem: str, build, count: bool) -> dict[str, np.ndarray]:
         self.cache_misses += count
+        self.part_built |= not count
         arrays = build()
+        lengths = {k: len(v) for k, v in arrays.items()}
+        found = load_arrays(stem, lengths)
+        if found is not None:
+            # a whole set written meanwhile (a process that took this one's claim over): keep
+            # it; replacing files that other processes may have mapped (on NFS: ESTALE, SIGBUS)
+            # gains nothing, the contents are the same
+            return found
         try:
             save_arrays(stem, arrays)
         except OSError as exc:
             # e.g. a read-only data directory: the arrays are rebuilt next time (same values)
             warnings.warn(f"could not cache dataset index at {stem}.*.npy: {exc}; set data.cache_dir")
             return arrays
-        return load_arrays(stem, {k: len(v) for k, v in arrays.items()}) or arrays
+        return load_arrays(stem, lengths) or arrays
 
     def epoch_index(self, epoch: int) -> EpochIndex:
         idx = self._epochs.get(epoch)

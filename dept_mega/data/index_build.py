@@ -1,26 +1,38 @@
-"""One rank builds the sample indexes; the others wait, then memory-map its files.
+"""The ranks build the sample indexes at start-up between them, outside any collective.
 
 Without this every rank of a job missed the cache at its first step, built the same arrays
 and wrote its own copy (64 ranks x 8 sources of duplicate work and writes). At start-up,
-before the datasets are opened, :func:`prepare_indexes`:
+before the datasets are opened, :func:`prepare_indexes` has every rank walk every source part
+the job reads (the part's document arrays and epoch 0's sample arrays,
+:mod:`dept_mega.data.gpt_dataset`), rank ``r`` starting at part ``r mod n``:
 
-1. global rank 0 opens every source part the job reads and builds what the cache lacks (the
-   part's document arrays and epoch 0's sample arrays, :mod:`dept_mega.data.gpt_dataset`);
-   the other ranks wait for it in :func:`~dept_mega.parallel.agree.agree_errors`, which also
-   makes its failure every rank's (no rank waits for a builder that gave up);
-2. every rank then looks for the files. ``data.cache_dir`` may be node-local (a local disk):
-   when any rank cannot see them, local rank 0 (``LOCAL_RANK``) of each node that cannot
-   builds them there, the others waiting as in 1. Where rank 0 itself could not write them
-   (a read-only directory), no rank tries: each builds its arrays in memory at open.
+1. a part already in the cache is skipped; one whose build another process has claimed
+   (:func:`~dept_mega.data.index_cache.claim_holder`) is put off; any other is claimed and
+   built (:func:`~dept_mega.data.index_cache.claim_or_wait`), so n ranks build n parts at once;
+2. the parts put off are then opened: their files are there by now, or this rank waits for
+   them (a line every 30 s naming the part and the claim's host and pid), or takes the build
+   over when its builder released the claim (it failed) or stopped refreshing it (it died).
+
+No rank waits for a build inside a collective (under NCCL a wait there beyond
+``train.init_timeout_s`` ends the job with a bare timeout): the walk ends on every rank when
+every part is in the cache. Then one agreement (:func:`~dept_mega.parallel.agree.agree_errors`)
+makes a failure every rank's: bad input (a source too small for the split: every rank meets it
+opening that part) is the same agreed error on every rank; any other (a builder's
+``MemoryError``) is raised by the rank that met it and as a RuntimeError naming that rank on
+the others. Each rank tries each part once.
+
+A ``data.cache_dir`` on a node-local disk: the ranks of each node see, claim and build their
+node's files (the claims are files in that directory). A cache directory nobody can write (a
+read-only data directory and no ``data.cache_dir``): no rank builds at start-up; each builds
+its arrays once, in memory, when it opens a part, as without a cache (a rank whose build could
+not be saved builds nothing more there either).
 
 After that the ranks only load. Later epochs (and the epoch a resumed run starts in) are built
-on first access, by the first rank that needs them; a rank that needs them meanwhile waits for
-its files (:func:`~dept_mega.data.index_cache.claim_or_wait`). One process (no process group):
-it builds what is missing itself.
+on first access, by the first rank that needs them, under the same claims. One process (no
+process group): it builds what is missing itself.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +42,7 @@ import torch
 
 from dept_mega.data.gpt_dataset import (EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, data_hash, default_cache_dir,
                                         epoch_stem, part_stem)
-from dept_mega.data.index_cache import is_cached
+from dept_mega.data.index_cache import can_write, claim_holder, is_cached
 from dept_mega.data.indexed import IndexedDataset
 from dept_mega.data.sources import naming_source
 
@@ -69,71 +81,96 @@ def run_index_specs(cfg, eval_part: str = "valid", extra_sources: Sequence = ())
     return specs
 
 
-def spec_cached(spec: IndexSpec, digests: Optional[dict[str, str]] = None) -> bool:
-    """Whether this rank sees the part's arrays and epoch 0's in the cache (reads the ``.idx``
-    to hash it, once per prefix in ``digests``; builds nothing)."""
-    digests = {} if digests is None else digests
+def _stems(spec: IndexSpec, digests: dict[str, str]) -> tuple[str, str]:
+    """The cache stems of the part's arrays and of its epoch 0 (hashing the ``.idx`` once per
+    prefix in ``digests``)."""
     if spec.prefix not in digests:
         with naming_source(spec.index, spec.name):
             digests[spec.prefix] = data_hash(IndexedDataset(spec.prefix))
     digest = digests[spec.prefix]
     cache_dir = default_cache_dir(spec.prefix, spec.cache_dir)
-    return (is_cached(part_stem(spec.prefix, cache_dir, digest, spec.split, spec.which), PART_ARRAYS)
-            and is_cached(epoch_stem(spec.prefix, cache_dir, digest, spec.split, spec.which, spec.seed,
-                                     spec.seq_length, spec.shuffle, 0), EPOCH_ARRAYS))
+    return (part_stem(spec.prefix, cache_dir, digest, spec.split, spec.which),
+            epoch_stem(spec.prefix, cache_dir, digest, spec.split, spec.which, spec.seed, spec.seq_length,
+                       spec.shuffle, 0))
 
 
-def build_missing(specs: Sequence[IndexSpec], log=None, log_after_s: float = 1.0) -> int:
-    """Open every part of ``specs`` and build the arrays the cache lacks (part and epoch 0);
-    returns how many parts needed building. ``log`` gets a line for each build that took
-    ``log_after_s`` seconds or more (the other ranks waited that long)."""
-    built = 0
-    for spec in specs:
-        t0 = time.perf_counter()
-        ds = spec.open()
-        ds.epoch_index(0)
-        if ds.cache_misses or not ds.part_cached:
-            built += 1
-            if log is not None and time.perf_counter() - t0 >= log_after_s:
-                log(f"data: built the sample index of source '{spec.name}' part {spec.which} "
-                    f"({len(ds.doc_ids)} documents, {ds.samples_per_epoch} samples an epoch) in "
-                    f"{time.perf_counter() - t0:.1f} s")
+def spec_cached(spec: IndexSpec, digests: Optional[dict[str, str]] = None) -> bool:
+    """Whether this rank sees the part's arrays and epoch 0's in the cache (reads the ``.idx``
+    to hash it, once per prefix in ``digests``; builds nothing)."""
+    part, epoch0 = _stems(spec, {} if digests is None else digests)
+    return is_cached(part, PART_ARRAYS) and is_cached(epoch0, EPOCH_ARRAYS)
+
+
+def _open_and_build(spec: IndexSpec, log, log_after_s: float) -> bool:
+    """Open the part and its epoch 0 (building under a claim, or waiting for its holder);
+    whether this process built any of it."""
+    t0 = time.perf_counter()
+    ds = spec.open()
+    ds.epoch_index(0)
+    built = bool(ds.cache_misses or ds.part_built)
+    if built and log is not None and time.perf_counter() - t0 >= log_after_s:
+        log(f"data: built the sample index of source '{spec.name}' part {spec.which} "
+            f"({len(ds.doc_ids)} documents, {ds.samples_per_epoch} samples an epoch) in "
+            f"{time.perf_counter() - t0:.1f} s")
     return built
+
+
+def build_parts(specs: Sequence[IndexSpec], rank: int, log=None,
+                log_after_s: float = 1.0) -> tuple[int, Optional[Exception]]:
+    """Steps 1 and 2 of the module doc on this rank (no collective): returns how many parts it
+    built and the first error it met (each part is tried once; the walk goes on past a failed
+    one, so that this rank does not wait in the agreement while the others still build).
+    ``log`` gets a line for each build that took ``log_after_s`` seconds or more."""
+    n = len(specs)
+    digests: dict[str, str] = {}
+    writable: dict[str, bool] = {}
+    built, error, later = 0, None, []
+    for first in (True, False):
+        for spec in ([specs[(rank + k) % n] for k in range(n)] if first else later):
+            directory = default_cache_dir(spec.prefix, spec.cache_dir)
+            try:
+                if directory not in writable:
+                    writable[directory] = can_write(directory)
+                if not writable[directory] or spec_cached(spec, digests):
+                    continue
+                if first and any(claim_holder(stem) for stem in _stems(spec, digests)):
+                    later.append(spec)
+                    continue
+                built += _open_and_build(spec, log, log_after_s)
+                if not spec_cached(spec, digests):  # could not be saved (the builder warned)
+                    writable[directory] = False
+            except Exception as exc:  # noqa: BLE001 - agreed on by ensure_indexes, after the walk
+                error = error or exc
+    return built, error
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int,
+def _raise(error: Optional[Exception]) -> None:
+    if error is not None:
+        raise error
+
+
+def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int = 0,
                    device: Optional[torch.device] = None, log=_stderr, log_after_s: float = 1.0) -> int:
-    """Steps 1 and 2 of the module doc on every rank of the job (a collective: every rank
-    calls it, with its own view of ``specs``). Returns how many parts this rank built.
-    Bad input found by the builder (a source too small for the split, a damaged file) is
-    raised on every rank as the same agreed error; any other failure of the builder makes the
-    other ranks raise a RuntimeError naming it."""
-    from dept_mega.parallel.agree import agree_errors, world_max
+    """The module doc's walk on every rank of the job, then one agreement on its errors (a
+    collective: every rank calls it, with the same ``specs``). Returns how many parts this rank
+    built. Bad input met by any rank is raised on every rank as the same agreed error; any
+    other failure makes the other ranks raise a RuntimeError naming the rank that met it.
+    ``local_rank`` is unused (each node's ranks share the work on a node-local cache)."""
+    from dept_mega.parallel.agree import agree_errors
     from dept_mega.run_inputs import input_errors
-    errors = input_errors()
-    built = agree_errors(lambda: build_missing(specs, log, log_after_s) if rank == 0 else 0, errors, device)
-    digests: dict[str, str] = {}
-    missing = agree_errors(lambda: not all(spec_cached(s, digests) for s in specs), errors, device)
-    if world_max([int(rank == 0 and missing)], device)[0]:
-        # rank 0 could not write the cache (a read-only data directory and no data.cache_dir; the
-        # builder warned): no node can, so every rank builds its arrays in memory when it opens a
-        # part, once, as without a cache
-        return built
-    if world_max([int(missing)], device)[0]:  # a node-local cache_dir: each such node builds its own
-        builder = missing and local_rank == 0
-        built += agree_errors(lambda: build_missing(specs, log, log_after_s) if builder else 0, errors, device)
+    built, error = build_parts(specs, rank, log, log_after_s)
+    agree_errors(lambda: _raise(error), input_errors(), device)
     return built
 
 
 def prepare_indexes(cfg, rank: int, device: Optional[torch.device] = None, eval_part: str = "valid",
                     extra_sources: Sequence = ()) -> int:
-    """:func:`ensure_indexes` for the parts a run reads (:func:`run_index_specs`); local rank
-    from torchrun's ``LOCAL_RANK``."""
+    """:func:`ensure_indexes` for the parts a run reads (:func:`run_index_specs`)."""
     from dept_mega.parallel.agree import agree_errors
     from dept_mega.run_inputs import input_errors
     specs = agree_errors(lambda: run_index_specs(cfg, eval_part, extra_sources), input_errors(), device)
-    return ensure_indexes(specs, rank, int(os.environ.get("LOCAL_RANK", "0")), device)
+    return ensure_indexes(specs, rank, device=device)
