@@ -38,6 +38,7 @@ import numpy as np
 
 from dept_mega.data.indexed import (CODE_OF_DTYPE, HEADER_SIZE, MAGIC, VERSION, IndexedFormatError, bin_path,
                                     bytes_path, idx_path, read_header, tokenizer_record_path)
+from dept_mega.data.preprocess_outputs import check_output_dir
 from dept_mega.data.token_range import record_token_range
 
 #: bytes read and written at a time (the ``.bin`` copy, the ``.idx`` sections, the byte counts)
@@ -490,15 +491,8 @@ def _write_bytes(parts: Sequence[Part], out) -> None:
 
 
 def _check_output(output_prefix: str, parts: Sequence[Part], force: bool) -> None:
+    check_output_dir(output_prefix, MergeError)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=out_dir)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as exc:
-        raise MergeError(f"--output-prefix {output_prefix!r}: cannot write to {exc.filename or out_dir} "
-                         f"({exc.strerror})") from None
     finals = _finals(output_prefix)
     for path in finals:
         if os.path.isdir(path):

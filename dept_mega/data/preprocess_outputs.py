@@ -71,10 +71,10 @@ def remove_partitions_dir(output_prefix: str) -> list[str]:
     return held
 
 
-def check_output(output_prefix: str, finals: Sequence[str], partitioned: bool = False) -> None:
-    """The output directory exists (created if missing) and takes a new file, and no output
-    path is a directory; with ``partitioned``, :func:`partitions_dir` is free or a directory
-    an earlier run left. Checked before any tokenizing."""
+def check_output_dir(output_prefix: str, error: type = None) -> None:
+    """The directory of ``output_prefix`` exists (created if missing) and takes a new file (a
+    probe written and removed); else ``error`` (default :class:`PreprocessError`) naming
+    ``--output-prefix`` and why. The preprocessing and merge tools check it before any work."""
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -82,8 +82,15 @@ def check_output(output_prefix: str, finals: Sequence[str], partitioned: bool = 
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise PreprocessError(f"--output-prefix {output_prefix!r}: cannot write to {exc.filename or out_dir} "
-                              f"({exc.strerror})") from None
+        raise (error or PreprocessError)(f"--output-prefix {output_prefix!r}: cannot write to "
+                                         f"{exc.filename or out_dir} ({exc.strerror})") from None
+
+
+def check_output(output_prefix: str, finals: Sequence[str], partitioned: bool = False) -> None:
+    """The output directory exists (created if missing) and takes a new file, and no output
+    path is a directory; with ``partitioned``, :func:`partitions_dir` is free or a directory
+    an earlier run left. Checked before any tokenizing."""
+    check_output_dir(output_prefix, PreprocessError)
     for final in finals:
         for path in (bin_path(final), idx_path(final), bytes_path(final), tokenizer_record_path(final)):
             if os.path.isdir(path):
