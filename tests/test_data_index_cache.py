@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from dept_mega.data.index_cache import claim_or_wait, heartbeat, load_arrays, release, save_arrays
+from dept_mega.data.index_cache import Claim, NO_CLAIM, claim_or_wait, heartbeat, load_arrays, release, save_arrays
 from tests.data_utils import numbered_docs, write_docs
 from tests.mp_utils import run_distributed
 
@@ -58,9 +58,10 @@ def test_a_claim_whose_owner_ended_is_taken_over(tmp_path):
         f.write(f"{socket.gethostname()} {_dead_pid()}")
     with pytest.warns(UserWarning, match="has ended"):
         claim = claim_or_wait(stem, ["a"], poll_s=0.01)
-    assert claim == stem + ".building" and open(claim).read() == f"{socket.gethostname()} {os.getpid()}"
+    assert claim.path == stem + ".building" and claim.token.startswith(f"{socket.gethostname()} {os.getpid()} ")
+    assert open(claim.path).read() == claim.token
     release(claim)
-    assert not os.path.exists(claim)
+    assert not os.path.exists(claim.path)
 
 
 def test_a_claim_without_heartbeat_is_taken_over_after_the_stale_window(tmp_path):
@@ -78,14 +79,15 @@ def test_a_heartbeat_keeps_a_slow_claim_from_being_taken_over(tmp_path):
     waiter loads what it wrote. Without the heartbeat the waiter takes the claim over."""
     import warnings
     stem = str(tmp_path / "x_train_abc")
-    with open(stem + ".building", "w") as f:
-        f.write(f"otherhost {os.getpid()}")
+    mine = Claim(stem + ".building", f"otherhost {os.getpid()} t0")
+    with open(mine.path, "w") as f:
+        f.write(mine.token)
 
     def owner():
-        with heartbeat(stem + ".building", interval_s=0.05):
+        with heartbeat(mine, interval_s=0.05):
             time.sleep(2.0)
             save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
-        release(stem + ".building")
+        release(mine)
     th = threading.Thread(target=owner)
     th.start()
     with warnings.catch_warnings():
@@ -134,7 +136,7 @@ def test_a_waiter_loads_what_the_claims_owner_wrote(tmp_path):
 def test_no_claim_where_the_directory_cannot_be_made(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert claim_or_wait(str(blocker / "sub" / "x"), ["a"]) == ""
+    assert claim_or_wait(str(blocker / "sub" / "x"), ["a"]) == NO_CLAIM
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
@@ -146,3 +148,149 @@ def test_cached_arrays_get_the_mode_the_umask_gives(tmp_path, mask):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "x_train_abc.a.npy").st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_waiters_taking_a_stale_claim_over_together_make_one_builder(tmp_path):
+    """Eight waiters judge the same claim stale at about the same time: one of them builds, the
+    others wait for its files (each removing the claim by path would remove fresh claims)."""
+    import warnings
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write("otherhost 1 old")  # no heartbeat: stale after stale_s
+    builders, results = [], []
+    go = threading.Barrier(8)
+
+    def waiter():
+        go.wait()
+        claim = claim_or_wait(stem, ["a"], stale_s=0.3, poll_s=0.005)
+        if claim:
+            builders.append(claim.token)
+            with heartbeat(claim, interval_s=0.02):
+                time.sleep(1.0)
+                save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
+            release(claim)
+        results.append(claim)
+    with warnings.catch_warnings():
+        # the waiters pause between judging the claim stale and taking it over (here in the
+        # warning; on NFS any call can take that long): each removing the claim by path then
+        # removes the fresh claims of the others
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda *args, **kwargs: time.sleep(0.05)
+        threads = [threading.Thread(target=waiter) for _ in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert len(builders) == 1 and results.count(None) == 7, builders
+    assert not [f for f in os.listdir(tmp_path) if ".building" in f]
+
+
+def test_an_owner_taken_over_neither_refreshes_nor_releases_the_takers_claim(tmp_path):
+    path = str(tmp_path / "x_train_abc.building")
+    mine = Claim(path, "thishost 1 mine")
+    with open(path, "w") as f:
+        f.write(mine.token)
+    with heartbeat(mine, interval_s=0.02) as hb:
+        os.remove(path)  # taken over: another's claim in its place, last touched long ago
+        with open(path, "w") as f:
+            f.write("otherhost 2 theirs")
+        os.utime(path, ns=(10**18, 10**18))
+        time.sleep(0.3)
+    assert hb.lost and os.stat(path).st_mtime_ns == 10**18
+    release(mine)
+    assert open(path).read() == "otherhost 2 theirs"
+    release(Claim(path, "otherhost 2 theirs"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_heartbeat_beats_on_through_transient_errors(tmp_path, monkeypatch):
+    """EIO/ETIMEDOUT on a soft NFS mount: warned of once, the claim is refreshed once it passes."""
+    import errno
+
+    from dept_mega.data import index_cache
+    path = str(tmp_path / "x_train_abc.building")
+    mine = Claim(path, "thishost 1 mine")
+    with open(path, "w") as f:
+        f.write(mine.token)
+    os.utime(path, ns=(10**18, 10**18))
+    utime, failures = os.utime, [errno.EIO, errno.ETIMEDOUT, errno.ESTALE]
+
+    def flaky(*args, **kwargs):
+        if failures:
+            raise OSError(failures.pop(0), "transient")
+        return utime(*args, **kwargs)
+    monkeypatch.setattr(index_cache.os, "utime", flaky)
+    with pytest.warns(UserWarning, match="could not refresh") as caught:
+        with heartbeat(mine, interval_s=0.02) as hb:
+            deadline = time.monotonic() + 5.0
+            while os.stat(path).st_mtime_ns == 10**18 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert os.stat(path).st_mtime_ns != 10**18 and not hb.lost and not failures
+    assert len([w for w in caught if "could not refresh" in str(w.message)]) == 1
+
+
+def test_a_claim_read_with_a_stale_nfs_handle_is_looked_at_again(tmp_path, monkeypatch):
+    """ESTALE reading the claim (released from another NFS client between open and read): look
+    again, wait for the files; no error."""
+    import builtins
+    import errno
+
+    from dept_mega.data import index_cache
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write("otherhost 2 theirs")
+    stale = [1, 1]
+
+    def estale_open(file, *args, **kwargs):
+        if str(file).endswith(".building") and stale:
+            stale.pop()
+            raise OSError(errno.ESTALE, "Stale file handle", file)
+        return builtins.open(file, *args, **kwargs)
+    monkeypatch.setattr(index_cache, "open", estale_open, raising=False)
+
+    def owner():
+        time.sleep(0.3)
+        save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
+        os.remove(stem + ".building")
+    th = threading.Thread(target=owner)
+    th.start()
+    assert claim_or_wait(stem, ["a"], poll_s=0.01) is None
+    th.join()
+    assert not stale
+
+
+def test_a_stale_claim_that_cannot_be_removed_is_named(tmp_path, monkeypatch):
+    """Another user's stale claim in a sticky directory: an error naming the claim file."""
+    import errno
+
+    from dept_mega.data import index_cache
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write("otherhost 2 theirs")
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted", src)
+    monkeypatch.setattr(index_cache.os, "rename", refuse)
+    with pytest.warns(UserWarning, match="taking over"):
+        with pytest.raises(PermissionError, match=f"{stem}.building: cannot take over .*otherhost 2"):
+            claim_or_wait(stem, ["a"], stale_s=0.1, poll_s=0.01)
+
+
+def test_a_claim_that_looks_absent_is_looked_at_again_after_a_pause(tmp_path, monkeypatch):
+    """The claim file is there but a lookup says it is not (an NFS client's stale negative
+    entry): the waiter pauses between looks instead of spinning."""
+    from dept_mega.data import index_cache
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write("otherhost 2 theirs")
+    sleeps, looks = [], []
+
+    def absent(path):
+        looks.append(len(sleeps))
+        if len(looks) == 3:
+            save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
+        return None
+    monkeypatch.setattr(index_cache, "_read_claim", absent)
+    monkeypatch.setattr(index_cache.time, "sleep", sleeps.append)
+    assert claim_or_wait(stem, ["a"], poll_s=0.01) is None
+    assert looks == [0, 1, 2] and sleeps == [0.01, 0.01, 0.01]
