@@ -117,22 +117,39 @@ def test_a_builders_input_error_is_every_ranks(prefix, tmp_path):
 
 def _crashing(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
     from dept_mega.data.gpt_dataset import GPTDataset
-    if rank == 0:
-        def broken(self, epoch):
+    build, tries = GPTDataset._build, []
+
+    def noting(self, epoch):
+        tries.append(self.which)
+        if rank == 0:
             raise MemoryError("no memory for the sample index")
-        GPTDataset._build = broken  # this rank's process only
-    else:
-        time.sleep(0.5)  # rank 0 claims both parts first, fails and releases them: the others build
-    return _failing(rank, world, prefix, cache_dir, 8)
+        return build(self, epoch)
+    GPTDataset._build = noting  # this rank's process only
+    if rank:  # rank 0 claims both parts first, fails and releases them
+        from dept_mega.data import index_build
+        walk = index_build.build_parts
+
+        def later(*args, **kwargs):
+            time.sleep(0.5)
+            return walk(*args, **kwargs)
+        index_build.build_parts = later
+    return _failing(rank, world, prefix, cache_dir, 8), tries
 
 
-def test_a_builder_that_crashes_does_not_leave_the_others_waiting(prefix, tmp_path):
-    """Rank 0's builds fail: the others take the released claims over, and every rank learns of
-    rank 0's failure."""
-    out = run_distributed(_crashing, 3, args=(prefix, str(tmp_path / "c")), timeout=120)
-    assert out[0] == ("MemoryError", "no memory for the sample index", False), out
-    for o in out[1:]:
-        assert o[0] == "RuntimeError" and o[1].startswith("rank 0 failed") and "no memory" in o[1], out
+def test_a_failing_build_is_tried_once_and_its_error_is_every_ranks(prefix, tmp_path):
+    """Rank 0's builds fail: it notes each failure before releasing the claim, and the other
+    ranks report that error instead of building again; the next launch builds (the note is
+    that launch's) and removes the note."""
+    cache_dir = str(tmp_path / "c")
+    out = run_distributed(_crashing, 3, args=(prefix, cache_dir), timeout=120)
+    assert out[0] == (("MemoryError", "no memory for the sample index", False), ["train", "valid"]), out
+    for o, tries in out[1:]:
+        assert tries == [] and o[0] == "IndexBuildFailed", out
+        assert "failed to build on rank 0 (" in o[1] and "MemoryError: no memory" in o[1], out
+    assert len([f for f in os.listdir(cache_dir) if f.endswith(".failed")]) == 2
+    specs = _specs(prefix, cache_dir)
+    assert ensure_indexes(specs, 0, 0, log=None) == 2 and all(spec_cached(s) for s in specs)
+    assert not [f for f in os.listdir(cache_dir) if not f.endswith(".npy")]
 
 
 def test_one_process_builds_once_and_then_only_loads(prefix, tmp_path):

@@ -45,8 +45,8 @@ from typing import Optional
 
 import numpy as np
 
-from dept_mega.data.index_cache import (claim_or_wait, heartbeat, is_cached, load_arrays, narrow_int, release,
-                                        save_arrays)
+from dept_mega.data.index_cache import (Launch, claim_or_wait, clear_failure, heartbeat, is_cached, load_arrays,
+                                        narrow_int, record_failure, release, save_arrays)
 from dept_mega.data.indexed import IndexedDataset
 
 PARTS = ("train", "valid", "test")
@@ -150,7 +150,7 @@ class GPTDataset:
 
     def __init__(self, prefix: str, seq_length: int, split: str = "98,2", which: str = "train",
                  seed: int = 1234, cache_dir: Optional[str] = None, num_samples: Optional[int] = None,
-                 shuffle: bool = True):
+                 shuffle: bool = True, launch: Optional[Launch] = None):
         if which not in PARTS:
             raise ValueError(f"which={which!r}: expected one of {PARTS}")
         if seq_length < 1:
@@ -161,6 +161,7 @@ class GPTDataset:
         self.which = which
         self.seed = seed
         self.shuffle = shuffle
+        self.launch = launch  # set in a launch's start-up walk: a failed build noted there is not retried
         self.indexed = IndexedDataset(prefix)
         try:
             self._bounds = split_bounds(self.indexed.num_documents, split)[PARTS.index(which)]
@@ -238,18 +239,25 @@ class GPTDataset:
         """The arrays of ``stem`` memory-mapped from the cache, or built by ``build()``, written
         to the cache and mapped back (so that the builder keeps no private copy either). One
         process builds a stem at a time; another that needs it meanwhile waits for its files
-        (:func:`~dept_mega.data.index_cache.claim_or_wait`)."""
+        (:func:`~dept_mega.data.index_cache.claim_or_wait`). A failed build is noted for the
+        other ranks of ``self.launch`` (:func:`~dept_mega.data.index_cache.record_failure`)."""
         arrays = load_arrays(stem, lengths)
         if arrays is None:
-            claim = claim_or_wait(stem, list(lengths), log=_stderr)
+            claim = claim_or_wait(stem, list(lengths), log=_stderr, launch=self.launch)
             if claim is None:  # another process built it while this one waited
                 arrays = load_arrays(stem, lengths)
             if arrays is None:
                 try:
                     with heartbeat(claim):
-                        return self._build_and_save(stem, build, count)
+                        arrays = self._build_and_save(stem, build, count)
+                except Exception as exc:
+                    record_failure(stem, claim, self.launch, exc)  # before the claim is released
+                    raise
                 finally:
                     release(claim)
+                if claim:
+                    clear_failure(stem)
+                return arrays
         self.cache_hits += count
         return arrays
 

@@ -11,15 +11,23 @@ the job reads (the part's document arrays and epoch 0's sample arrays,
    built (:func:`~dept_mega.data.index_cache.claim_or_wait`), so n ranks build n parts at once;
 2. the parts put off are then opened: their files are there by now, or this rank waits for
    them (a line every 30 s naming the part and the claim's host and pid), or takes the build
-   over when its builder released the claim (it failed) or stopped refreshing it (it died).
+   over when its builder stopped refreshing the claim (it died). A builder that failed (a
+   ``MemoryError``) noted its error in ``<stem>.failed`` before releasing its claim: the
+   others report that error (:class:`~dept_mega.data.index_cache.IndexBuildFailed`, naming
+   its rank, host and pid) instead of building again, so a failing build is tried once in
+   the job. The note carries the launch's id (rank 0's, shared in one gather before the walk):
+   a later launch ignores it and a successful build removes it.
 
 No rank waits for a build inside a collective (under NCCL a wait there beyond
-``train.init_timeout_s`` ends the job with a bare timeout): the walk ends on every rank when
-every part is in the cache. Then one agreement (:func:`~dept_mega.parallel.agree.agree_errors`)
-makes a failure every rank's: bad input (a source too small for the split: every rank meets it
-opening that part) is the same agreed error on every rank; any other (a builder's
-``MemoryError``) is raised by the rank that met it and as a RuntimeError naming that rank on
-the others. Each rank tries each part once.
+``train.init_timeout_s`` ends the job with a bare timeout) while it has one to wait for in its
+own walk: the walk ends on a rank when every part is in the cache it sees. Then one agreement
+(:func:`~dept_mega.parallel.agree.agree_errors`) makes a failure every rank's: bad input (a
+source too small for the split: every rank meets it opening that part) is the same agreed
+error on every rank; any other is raised by the rank that met it, and as a RuntimeError naming
+that rank on the others that had none of their own. Each rank tries each part once. The limit
+left: a rank whose walk ends early waits in that agreement for the builds of ranks that see
+another cache (a node-local ``data.cache_dir`` warm on one node and cold on another), a wait
+bounded by ``train.init_timeout_s``: raise it for a first launch on large data.
 
 A ``data.cache_dir`` on a node-local disk: the ranks of each node see, claim and build their
 node's files (the claims are files in that directory). A cache directory nobody can write (a
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,7 +51,7 @@ import torch
 
 from dept_mega.data.gpt_dataset import (EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, data_hash, default_cache_dir,
                                         epoch_stem, part_stem)
-from dept_mega.data.index_cache import can_write, claim_holder, is_cached
+from dept_mega.data.index_cache import Launch, can_write, claim_holder, is_cached
 from dept_mega.data.indexed import IndexedDataset
 from dept_mega.data.sources import naming_source
 
@@ -61,10 +70,10 @@ class IndexSpec:
     cache_dir: Optional[str]
     shuffle: bool
 
-    def open(self) -> GPTDataset:
+    def open(self, launch: Optional[Launch] = None) -> GPTDataset:
         with naming_source(self.index, self.name):
             return GPTDataset(self.prefix, self.seq_length, self.split, self.which, self.seed, self.cache_dir,
-                              shuffle=self.shuffle)
+                              shuffle=self.shuffle, launch=launch)
 
 
 def run_index_specs(cfg, eval_part: str = "valid", extra_sources: Sequence = ()) -> list[IndexSpec]:
@@ -101,11 +110,11 @@ def spec_cached(spec: IndexSpec, digests: Optional[dict[str, str]] = None) -> bo
     return is_cached(part, PART_ARRAYS) and is_cached(epoch0, EPOCH_ARRAYS)
 
 
-def _open_and_build(spec: IndexSpec, log, log_after_s: float) -> bool:
+def _open_and_build(spec: IndexSpec, log, log_after_s: float, launch: Optional[Launch]) -> bool:
     """Open the part and its epoch 0 (building under a claim, or waiting for its holder);
     whether this process built any of it."""
     t0 = time.perf_counter()
-    ds = spec.open()
+    ds = spec.open(launch)
     ds.epoch_index(0)
     built = bool(ds.cache_misses or ds.part_built)
     if built and log is not None and time.perf_counter() - t0 >= log_after_s:
@@ -115,12 +124,15 @@ def _open_and_build(spec: IndexSpec, log, log_after_s: float) -> bool:
     return built
 
 
-def build_parts(specs: Sequence[IndexSpec], rank: int, log=None,
-                log_after_s: float = 1.0) -> tuple[int, Optional[Exception]]:
+def build_parts(specs: Sequence[IndexSpec], rank: int, log=None, log_after_s: float = 1.0,
+                launch: Optional[Launch] = None) -> tuple[int, Optional[Exception]]:
     """Steps 1 and 2 of the module doc on this rank (no collective): returns how many parts it
     built and the first error it met (each part is tried once; the walk goes on past a failed
     one, so that this rank does not wait in the agreement while the others still build).
-    ``log`` gets a line for each build that took ``log_after_s`` seconds or more."""
+    ``log`` gets a line for each build that took ``log_after_s`` seconds or more. ``launch``
+    (default: one of this process alone): a build that failed on another rank of the launch is
+    reported, not tried again."""
+    launch = launch or Launch(uuid.uuid4().hex, rank)
     n = len(specs)
     digests: dict[str, str] = {}
     writable: dict[str, bool] = {}
@@ -136,7 +148,7 @@ def build_parts(specs: Sequence[IndexSpec], rank: int, log=None,
                 if first and any(claim_holder(stem) for stem in _stems(spec, digests)):
                     later.append(spec)
                     continue
-                built += _open_and_build(spec, log, log_after_s)
+                built += _open_and_build(spec, log, log_after_s, launch)
                 if not spec_cached(spec, digests):  # could not be saved (the builder warned)
                     writable[directory] = False
             except Exception as exc:  # noqa: BLE001 - agreed on by ensure_indexes, after the walk
@@ -159,10 +171,13 @@ def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int = 0,
     collective: every rank calls it, with the same ``specs``). Returns how many parts this rank
     built. Bad input met by any rank is raised on every rank as the same agreed error; any
     other failure makes the other ranks raise a RuntimeError naming the rank that met it.
-    ``local_rank`` is unused (each node's ranks share the work on a node-local cache)."""
-    from dept_mega.parallel.agree import agree_errors
+    ``local_rank`` is unused (each node's ranks share the work on a node-local cache). Starts
+    with a gather of rank 0's launch id (no build before it delays a rank)."""
+    from dept_mega.parallel.agree import agree_errors, all_gather_text
     from dept_mega.run_inputs import input_errors
-    built, error = build_parts(specs, rank, log, log_after_s)
+    # the launch's id: rank 0's, given to every rank in a gather that no build delays
+    launch = Launch(all_gather_text(uuid.uuid4().hex, device)[0], rank)
+    built, error = build_parts(specs, rank, log, log_after_s, launch)
     agree_errors(lambda: _raise(error), input_errors(), device)
     return built
 
