@@ -294,3 +294,29 @@ def test_a_claim_that_looks_absent_is_looked_at_again_after_a_pause(tmp_path, mo
     monkeypatch.setattr(index_cache.time, "sleep", sleeps.append)
     assert claim_or_wait(stem, ["a"], poll_s=0.01) is None
     assert looks == [0, 1, 2] and sleeps == [0.01, 0.01, 0.01]
+
+
+def test_a_takeover_lock_left_by_a_waiter_that_died_is_removed(tmp_path):
+    """A waiter died between locking a stale claim's takeover and taking it over: after another
+    stale window the lock is removed and the claim taken over."""
+    import hashlib
+    import warnings
+
+    from dept_mega.data.index_cache import _read_claim
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write("otherhost 1 old")
+    judged = _read_claim(stem + ".building")
+    lock = f"{stem}.building.takeover.{hashlib.sha256(repr(judged).encode()).hexdigest()[:16]}"
+    open(lock, "w").close()
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        th = threading.Thread(target=lambda: got.append(claim_or_wait(stem, ["a"], stale_s=0.2, poll_s=0.01)),
+                              daemon=True)
+        th.start()
+        th.join(10.0)
+    assert got and got[0], "still waiting behind the dead waiter's lock"
+    assert any("removing the takeover lock" in str(w.message) for w in caught)
+    release(got[0])
+    assert os.listdir(tmp_path) == []
