@@ -129,8 +129,13 @@ def _crashing(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
         from dept_mega.data import index_build
         walk = index_build.build_parts
 
-        def later(*args, **kwargs):
-            time.sleep(0.5)
+        def notes() -> int:
+            return sum(f.endswith(".failed") for f in os.listdir(cache_dir)) if os.path.isdir(cache_dir) else 0
+
+        def later(*args, **kwargs):  # after rank 0's two notes (or 5 s, without them)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and notes() < 2:
+                time.sleep(0.05)
             return walk(*args, **kwargs)
         index_build.build_parts = later
     return _failing(rank, world, prefix, cache_dir, 8), tries
@@ -138,7 +143,7 @@ def _crashing(rank: int, world: int, prefix: str, cache_dir: str) -> tuple:
 
 def test_a_failing_build_is_tried_once_and_its_error_is_every_ranks(prefix, tmp_path):
     """Rank 0's builds fail: it notes each failure before releasing the claim, and the other
-    ranks report that error instead of building again; the next launch builds (the note is
+    ranks (their walk starts once the notes are there) report that error instead of building again; the next launch builds (the note is
     that launch's) and removes the note."""
     cache_dir = str(tmp_path / "c")
     out = run_distributed(_crashing, 3, args=(prefix, cache_dir), timeout=120)
