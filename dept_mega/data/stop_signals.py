@@ -89,8 +89,10 @@ def stop_on_signals() -> Iterator[None]:
     first of them only: later ones are ignored, so the cleanup is not cut short.
     The handlers from before are restored when the block is left (after the cleanup the
     exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
-    previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
-    try:
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    try:  # installed inside: a signal between the two installs restores both
+        for sig in _SIGNALS:
+            signal.signal(sig, _stop)
         yield
     finally:
         for sig, handler in previous.items():
