@@ -376,8 +376,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                 _init_worker(*init_args)
             builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
         else:
-            partitioned = True
             make_partitions_dir(output_prefix)  # the parts' own directory: no name beside the output
+            partitioned = True  # only now: a directory another run made is not this run's to remove
             part_prefixes = [[part_prefix(output_prefix, pi, k) for k in keys] for pi in range(len(parts))]
             _run_partitions(parts, part_prefixes, workers, init_args, dtype, strict, stats, log, progress_interval,
                             t0)
