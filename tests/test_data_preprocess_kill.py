@@ -158,3 +158,82 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path, tokenizers, fi
     assert "Traceback" not in rest, rest
     assert rest.strip().endswith("partial files removed, no output written"), rest
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py", "go"]
+
+
+# Widens, without changing what happens, the windows in which a stopped run's pool could hang
+# (dept_mega/data/stop_signals.py): the pool replaces a worker that died 0.2 s after it died
+# (after the main process's stop), a worker takes 0.8 s to start (before the pool's worker loop
+# runs the initializer), and terminate() comes 0.4 s after the stop (after the replacements).
+SLOW_POOL = """
+    import multiprocessing.pool as mpp
+    real_maintain, real_worker, real_terminate = mpp.Pool._maintain_pool, mpp.worker, mpp.Pool.terminate
+    def maintain(*args):
+        if any(p.exitcode is not None for p in args[3]):
+            time.sleep(0.2)
+        return real_maintain(*args)
+    def worker(*args, **kwargs):
+        time.sleep(0.8)
+        return real_worker(*args, **kwargs)
+    def terminate(self):
+        time.sleep(0.4)
+        return real_terminate(self)
+    mpp.Pool._maintain_pool, mpp.worker, mpp.Pool.terminate = staticmethod(maintain), worker, terminate
+"""
+
+
+def _group_members(pgid: int) -> list[str]:
+    """The processes (pid and command) in process group ``pgid``, from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            found.append(stat[:stat.rindex(")") + 1])
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process group from /proc")
+@pytest.mark.parametrize("partitions", [1, 2])
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_process_group_stops_every_process(tmp_path, tokenizers, sig, status, partitions):
+    """Ctrl-C in a terminal (SIGINT to the whole process group) or SIGTERM to every process, with
+    --workers 4: the workers' pool must not replace a worker that died of it by one that ignores
+    the pool's SIGTERM (it would wait for it for ever). The tool exits with the signal's status
+    within seconds, no output and no process of the group left; twice each."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    driver = tmp_path / "driver.py"
+    hook = textwrap.dedent(SLOW_POOL).lstrip()
+    driver.write_text(DRIVER.format(root=ROOT, tools=TOOLS).replace("import preprocess_data\n",
+                                                                    hook + "import preprocess_data\n"))
+    for attempt in range(2):
+        # every batch from line 20 on blocks: every worker is busy (an idle one, killed by SIGTERM just
+        # as it takes the task queue's lock, would hang terminate(): a limit of multiprocessing's pool)
+        p = subprocess.Popen([sys.executable, str(driver), "20", "--input", src,
+                              "--tokenizer-model", tokenizers[0], "--output-prefix", str(tmp_path / "out"),
+                              "--workers", "4", "--partitions", str(partitions), "--log-interval", "0"],
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+        try:
+            log = []
+            for line in p.stderr:
+                log.append(line)
+                if line.startswith("BLOCKED"):
+                    break
+            assert log and log[-1].startswith("BLOCKED"), "".join(log)
+            os.killpg(p.pid, sig)
+            try:
+                rest = p.communicate(timeout=15)[1]
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"attempt {attempt}: still running 15 s after {sig.name} to the group: "
+                                     f"{_group_members(p.pid)}") from None
+            assert p.returncode == status, rest
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        assert "Traceback" not in rest, rest
+        assert rest.strip().endswith("partial files removed, no output written"), rest
+        assert _group_members(p.pid) == [], f"attempt {attempt}: left running"
+        assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py"]

@@ -98,3 +98,26 @@ def test_a_foreign_partitions_path_is_refused_not_removed(tmp_path, tok_model):
     with pytest.raises(PreprocessError, match="was not made by this tool"):
         preprocess([src], ["text"], tok_model, out, log=None, partitions=2)
     assert open(d).read() == "a file"
+
+
+def test_a_partitions_dir_made_meanwhile_by_another_run_is_left_to_it(tmp_path, tok_model, monkeypatch):
+    """Another run into the same --output-prefix makes OUT.partitions.tmp after this run removed
+    an earlier run's files and before it makes its own: this run refuses, naming the directory,
+    and leaves it and its parts alone (its cleanup must not remove another run's directory)."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(20, seed=3))
+    out = str(tmp_path / "out")
+    d = partitions_dir(out)
+    real = pp.remove_earlier_run
+
+    def remove_then_other_run(*args):
+        real(*args)
+        os.mkdir(d)  # as make_partitions_dir does in the other run
+        for name, text in ((PARTITIONS_MARKER, "marker"), ("part0_text_document.bin", "its part")):
+            with open(os.path.join(d, name), "w") as f:
+                f.write(text)
+
+    monkeypatch.setattr(pp, "remove_earlier_run", remove_then_other_run)
+    with pytest.raises(PreprocessError, match=r"out\.partitions\.tmp, where --partitions writes its parts, "
+                                              r"appeared after this run removed an earlier run's files"):
+        preprocess([src], ["text"], tok_model, out, log=None, partitions=2)
+    assert open(os.path.join(d, "part0_text_document.bin")).read() == "its part"

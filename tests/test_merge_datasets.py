@@ -398,3 +398,19 @@ def test_cli_argument_errors(tmp_path):
     assert r.returncode == 2 and "--pattern needs --input-dir" in r.stderr
     r = run_tool("merge_datasets.py", ["--input-dir", str(tmp_path / "none"), "--output-prefix", "o"])
     assert r.returncode == 2 and "error: --input-dir" in r.stderr and "is not a directory" in r.stderr
+
+
+def test_stop_right_after_a_rename_takes_it_back(tmp_path, monkeypatch):
+    """A signal between renaming an output into place and recording that (here: raised at the
+    end of the rename): the renamed file is removed with the others."""
+    parts = [_part(str(tmp_path / f"p{i}"), numbered_docs(5, seed=i)) for i in range(2)]
+    real = os.replace
+
+    def replace(a, b):
+        real(a, b)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mg.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        merge(parts, str(tmp_path / "out"))
+    assert _left(tmp_path, "out") == []

@@ -531,6 +531,7 @@ def merge(prefixes: Sequence[str], output_prefix: str, *, force: bool = False,
     finals = _finals(output_prefix)
     tmps: list[str] = []
     renamed: list[str] = []
+    renaming: Optional[tuple[str, str]] = None  # (tmp, final) being renamed
     try:
         for final in finals:
             ext = final[len(output_prefix):]
@@ -553,9 +554,13 @@ def merge(prefixes: Sequence[str], output_prefix: str, *, force: bool = False,
                     os.remove(old)
         for tmp, final in zip(tmps, finals):
             os.chmod(tmp, 0o666 & ~_umask())
+            renaming = (tmp, final)
             os.replace(tmp, final)
             renamed.append(final)
     except BaseException:
+        # stopped between a rename and its record (a signal): the temporary name is gone
+        if renaming is not None and renaming[1] not in renamed and not os.path.exists(renaming[0]):
+            renamed.append(renaming[1])
         for tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)

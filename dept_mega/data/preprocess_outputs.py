@@ -50,9 +50,15 @@ def _ours(directory: str) -> bool:
 
 def make_partitions_dir(output_prefix: str) -> str:
     """Create :func:`partitions_dir` (it must not exist: :func:`remove_earlier_run` removed an
-    earlier one) with its marker; its path."""
+    earlier one) with its marker; its path. One that appeared since (another run into the same
+    ``output_prefix``, started at the same time) is refused, and left to that run."""
     d = partitions_dir(output_prefix)
-    os.mkdir(d)
+    try:
+        os.mkdir(d)
+    except FileExistsError:
+        raise PreprocessError(f"--output-prefix {output_prefix!r}: {d}, where --partitions writes its parts, "
+                              f"appeared after this run removed an earlier run's files: another run into this "
+                              f"--output-prefix is running? Nothing of it was touched") from None
     with open(os.path.join(d, PARTITIONS_MARKER), "w", encoding="utf-8") as f:
         f.write(f"the parts of a tools/preprocess_data.py --partitions run into --output-prefix {output_prefix}; "
                 f"removed when that run ends, or by the next run into it\n")
