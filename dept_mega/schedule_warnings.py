@@ -56,6 +56,22 @@ def save_interval_warning(cfg) -> Optional[str]:
             f"multiple of {L} (docs/launching.md, Changing the layout between launches, and train.init_from)")
 
 
+def exit_interval_warning(cfg) -> Optional[str]:
+    """Under a DEPT variant, ``train.exit_interval`` not a multiple of ``dept.local_steps`` stops
+    the run inside a round: the checkpoint written on the way out is a mid-round one (see
+    :func:`save_interval_warning`), so the next launch must keep the number of source groups.
+    None when the stop falls on a round's end, or never comes before ``train.steps``."""
+    d, t = cfg.dept, cfg.train
+    X, L = t.exit_interval, d.local_steps
+    if not variant_of(cfg).rounds or not X or X % L == 0 or X >= t.steps:
+        return None
+    return (f"config key 'train.exit_interval': {X} is not a multiple of dept.local_steps={L}: the run stops at step "
+            f"{X}, inside a round, and the checkpoint it writes on the way out is a mid-round one: the next launch "
+            f"resumes exactly only with the same number of source groups, and it cannot start a train.init_from "
+            f"run; set train.exit_interval to a multiple of {L} to stop at a round's end")
+
+
 def schedule_warnings(cfg) -> list[str]:
     """Every warning above that applies to ``cfg``."""
-    return [w for w in (eval_interval_warning(cfg), save_interval_warning(cfg)) if w is not None]
+    return [w for w in (eval_interval_warning(cfg), save_interval_warning(cfg), exit_interval_warning(cfg))
+            if w is not None]

@@ -15,7 +15,8 @@ from dept_mega.config import ConfigError, config_from_dict
 from dept_mega.sampling_plan import (check_untrained, coverage_warning, make_scheduler, planned_rounds,
                                      sampling_warnings)
 from dept_mega.dept.rounds import RoundScheduler
-from dept_mega.schedule_warnings import eval_interval_warning, save_interval_warning, schedule_warnings
+from dept_mega.schedule_warnings import (eval_interval_warning, exit_interval_warning, save_interval_warning,
+                                         schedule_warnings)
 from tests.test_train_cli import _setup, _train_here
 
 NAMES = ("en", "fr", "ja", "ru", "code")
@@ -148,6 +149,20 @@ def test_save_interval_inside_a_round_is_named():
         assert save_interval_warning(cfg) is None, over
     std = config_from_dict({"dept": {"variant": "std", "local_steps": 4}, "train": {"steps": 20, "save_interval": 6}})
     assert save_interval_warning(std) is None
+
+
+def test_exit_interval_inside_a_round_is_named():
+    for variant in ("glob", "trim", "spec", "spec_opt"):
+        cfg = config_from_dict({"dept": {"variant": variant, "local_steps": 4}, "train": {"steps": 20, "exit_interval": 6}})
+        w = exit_interval_warning(cfg)
+        assert w.startswith("config key 'train.exit_interval': 6 is not a multiple of dept.local_steps=4: the run "
+                            "stops at step 6, inside a round"), w
+        assert w in schedule_warnings(cfg)
+    for over in ({"exit_interval": 8}, {"exit_interval": None}, {"exit_interval": 20}, {"exit_interval": 30}):
+        cfg = config_from_dict({"dept": {"variant": "glob", "local_steps": 4}, "train": {"steps": 20, **over}})
+        assert exit_interval_warning(cfg) is None and schedule_warnings(cfg) == [], over
+    std = config_from_dict({"dept": {"variant": "std", "local_steps": 4}, "train": {"steps": 20, "exit_interval": 6}})
+    assert exit_interval_warning(std) is None
 
 
 def test_the_shipped_configs_and_study_grids_do_not_warn():
