@@ -320,3 +320,33 @@ def test_a_takeover_lock_left_by_a_waiter_that_died_is_removed(tmp_path):
     assert any("removing the takeover lock" in str(w.message) for w in caught)
     release(got[0])
     assert os.listdir(tmp_path) == []
+
+
+def test_an_index_is_hashed_once_per_file_and_again_when_rewritten(tmp_path, monkeypatch):
+    """data_hash (the cache key's data part) reads a whole .idx: a start-up opens each source's
+    index several times, and hashes it once; a dataset preprocessed again at the same prefix (a
+    new file) is hashed again, to its own value."""
+    import hashlib
+
+    from dept_mega.data import gpt_dataset
+    from dept_mega.data.indexed import IndexedDataset
+    monkeypatch.setattr(gpt_dataset, "_HASHED", {})
+    hashed = []
+
+    class Counting:
+        def __init__(self):
+            hashed.append(1)
+            self.h = hashlib.sha256()
+
+        def update(self, b):
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+    monkeypatch.setattr(gpt_dataset, "hashlib", type("CountingHashlib", (), {"sha256": Counting}))
+    prefix = write_docs(str(tmp_path / "src"), numbered_docs(40, seed=1), nbytes=[1] * 40)
+    first = [gpt_dataset.data_hash(IndexedDataset(prefix)) for _ in range(3)]
+    assert len(set(first)) == 1 and len(hashed) == 1
+    write_docs(prefix, numbered_docs(41, seed=2), nbytes=[1] * 41)  # preprocessed again: a new file
+    again = gpt_dataset.data_hash(IndexedDataset(prefix))
+    assert len(hashed) == 2 and again != first[0]

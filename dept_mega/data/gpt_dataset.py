@@ -95,14 +95,26 @@ def part_tokens(indexed: IndexedDataset, split: str, which: str) -> tuple[int, i
     return lo, hi, int(indexed.document_token_ranges()[1][lo:hi].sum())
 
 
+#: data_hash of each ``.idx`` this process hashed, by the file's identity (IndexedDataset.idx_identity):
+#: a start-up opens every source's index several times (the index walk, each part's dataset), and
+#: hashing a large one reads hundreds of MB; a rewritten file is a new identity
+_HASHED: dict[tuple, str] = {}
+
+
 def data_hash(indexed: IndexedDataset) -> str:
     """sha256 of what the documents' token lengths follow from: the ``.idx``'s sequence lengths
-    and document index, hashed from the memory map (no copy)."""
+    and document index, hashed from the memory map (no copy); once per file and process."""
+    key = getattr(indexed, "idx_identity", None)
+    if key is not None and key in _HASHED:
+        return _HASHED[key]
     h = hashlib.sha256()
     for arr in (indexed.sequence_lengths, indexed.document_indices):
         h.update(f"{arr.dtype.str}:{len(arr)};".encode())  # where one array ends and the next begins
         h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if key is not None:
+        _HASHED[key] = digest
+    return digest
 
 
 def _key(**fields) -> str:

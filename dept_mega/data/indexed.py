@@ -113,6 +113,10 @@ def read_header(path: str) -> IndexHeader:
     return IndexHeader(DTYPE_CODES[code], seq_count, doc_count)
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class IndexedDataset:
     """Memory-mapped reader of a Megatron indexed dataset.
 
@@ -135,7 +139,12 @@ class IndexedDataset:
         if size < need:
             raise IndexedFormatError(f"{ipath}: truncated index file: {size} bytes, the header "
                                      f"({s} sequences, {d - 1} documents) needs {need}")
+        before = os.stat(ipath)
         idx_map = np.memmap(ipath, mode="r", dtype=np.uint8)
+        after = os.stat(ipath)
+        #: the mapped ``.idx`` file's identity (device, inode, size, mtime), or None if it was
+        #: replaced while being opened: what per-file results (``gpt_dataset.data_hash``) may be kept by
+        self.idx_identity = (_identity(after) if _identity(before) == _identity(after) else None)
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(idx_map, dtype=np.int32, count=s, offset=off)
         off += 4 * s
