@@ -8,6 +8,14 @@ from typing import Optional
 from .variant import variant_of
 
 
+def _inside_a_round(cfg, interval: Optional[int]) -> bool:
+    """Whether steps that are multiples of ``interval`` (a train.*_interval) fall inside a DEPT
+    round before the last step: a variant with rounds, an interval set, not a multiple of
+    ``dept.local_steps`` and below ``train.steps``."""
+    L = cfg.dept.local_steps
+    return bool(variant_of(cfg).rounds and interval and interval % L and interval < cfg.train.steps)
+
+
 def eval_interval_warning(cfg) -> Optional[str]:
     """Under a DEPT variant, an evaluation at a step that is not a multiple of
     ``dept.local_steps`` runs in the middle of a round, before its outer sync: the record (rank
@@ -19,7 +27,7 @@ def eval_interval_warning(cfg) -> Optional[str]:
     d, t = cfg.dept, cfg.train
     E, L = t.eval_interval, d.local_steps
     v = variant_of(cfg)
-    if not v.rounds or not E or E % L == 0 or E >= t.steps:
+    if not _inside_a_round(cfg, E):
         return None
     if v.source_embeddings:
         embs = ("and each source's embeddings copied from the group that trains it this round (as trained so far; "
@@ -45,7 +53,7 @@ def save_interval_warning(cfg) -> Optional[str]:
     checkpoint is written, at a round's end, ``train.steps`` being a multiple of it)."""
     d, t = cfg.dept, cfg.train
     S, L = t.save_interval, d.local_steps
-    if not variant_of(cfg).rounds or not S or S % L == 0 or S >= t.steps:
+    if not _inside_a_round(cfg, S):
         return None
     export = ("tools/convert_to_hf.py refuses them" if not variant_of(cfg).source_embeddings else
               "tools/convert_to_hf.py exports from them the body of the group training the source then")
@@ -63,7 +71,7 @@ def exit_interval_warning(cfg) -> Optional[str]:
     None when the stop falls on a round's end, or never comes before ``train.steps``."""
     d, t = cfg.dept, cfg.train
     X, L = t.exit_interval, d.local_steps
-    if not variant_of(cfg).rounds or not X or X % L == 0 or X >= t.steps:
+    if not _inside_a_round(cfg, X):
         return None
     return (f"config key 'train.exit_interval': {X} is not a multiple of dept.local_steps={L}: the run stops at step "
             f"{X}, inside a round, and the checkpoint it writes on the way out is a mid-round one: the next launch "
