@@ -25,6 +25,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,6 @@ from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
                                               output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
                                               remove_partitions_dir)
-from dept_mega.data.stop_signals import start_pool, worker_signals
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 
@@ -119,18 +119,10 @@ def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
 
 
 def _init_pool_worker(*args) -> None:
-    """A pool worker (:func:`_start_pool`): Ctrl-C ignored, SIGTERM ends it (a forked worker
-    inherits the tool's handlers, which would make it unwind like the main process); then
-    :func:`_init_worker`."""
-    worker_signals()
+    """A pool worker: SIGTERM ends it at once (a forked worker inherits the tool's handler,
+    which would make it unwind like the main process); then :func:`_init_worker`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker(*args)
-
-
-def _start_pool(workers: int, init_args: tuple):
-    """A pool of ``workers`` processes whose ``terminate()`` ends every worker, also one forked
-    after the tool's first Ctrl-C or SIGTERM (:func:`dept_mega.data.stop_signals.start_pool`)."""
-    return start_pool(mp.get_context("fork" if sys.platform.startswith("linux") else "spawn"), workers,
-                      _init_pool_worker, init_args)
 
 
 def checks_line(line: int, every: int) -> bool:
@@ -371,7 +363,8 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     try:
         if len(parts) == 1:
             if workers > 1:
-                pool = _start_pool(workers, init_args)
+                pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+                    workers, initializer=_init_pool_worker, initargs=init_args)
             else:
                 _init_worker(*init_args)
             builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
@@ -441,33 +434,32 @@ def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int
     tokenize ``ranges`` into ``prefixes`` with ``workers`` processes (1: in this one), sending
     ("tick", disk bytes, documents, tokens) per batch, then ("stats", index, PreprocessStats)
     and ("done", index); an error is ("error", index, message). Ctrl-C or SIGTERM (the tool's
-    handler, inherited), also while its pool is being terminated after the work: the builders
-    abort, and the process exits 1 without a traceback."""
+    handler, inherited): the builders abort, and the process exits 1 without a traceback."""
     pool = None
     try:
-        try:
-            if workers > 1:
-                pool = _start_pool(workers, init_args)
-            else:
-                _init_worker(*init_args)
-            keys = init_args[1]
-            st = PreprocessStats(lines=first_line, round_trip=[RoundTrip() for _ in keys],
-                                 id_range=[(0, -1) for _ in keys])
-            builders = _run_part(ranges, prefixes, pool, dtype, strict, st, lambda m: None, float("inf"), 0.0,
-                                 dict(lines_at), tick=lambda *t: q.put(("tick", *t)))
-            for b in builders:
-                b.finalize()
-            st.lines -= first_line
-            q.put(("stats", index, st))
-            q.put(("done", index))
-        except Exception as exc:  # noqa: BLE001 - sent to the parent, which stops the run with it
-            q.put(("error", index, str(exc) if isinstance(exc, PreprocessError) else f"{type(exc).__name__}: {exc}"))
-        finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
-    except BaseException:  # a terminate() cut short leaves the (daemon) workers to multiprocessing's exit
+        if workers > 1:
+            pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
+                workers, initializer=_init_pool_worker, initargs=init_args)
+        else:
+            _init_worker(*init_args)
+        keys = init_args[1]
+        st = PreprocessStats(lines=first_line, round_trip=[RoundTrip() for _ in keys],
+                             id_range=[(0, -1) for _ in keys])
+        builders = _run_part(ranges, prefixes, pool, dtype, strict, st, lambda m: None, float("inf"), 0.0,
+                             dict(lines_at), tick=lambda *t: q.put(("tick", *t)))
+        for b in builders:
+            b.finalize()
+        st.lines -= first_line
+        q.put(("stats", index, st))
+        q.put(("done", index))
+    except Exception as exc:  # noqa: BLE001 - sent to the parent, which stops the run with it
+        q.put(("error", index, str(exc) if isinstance(exc, PreprocessError) else f"{type(exc).__name__}: {exc}"))
+    except BaseException:
         sys.exit(1)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
 
 
 def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype, strict: bool,
