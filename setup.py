@@ -174,6 +174,62 @@ def cublaslt_plan(cuda_home: Optional[str], torch_cuda: str, wheel_includes: Opt
     return fields, f"{where}, linking {d}/{name}"
 
 
+# A private copy of libstdc++ inside the extension: its streams' locale is never set up (that
+# copy's static initialisers are not the process's), so formatting a number into a C++ message
+# crashed (the GPU image's /opt/gcc g++ links libstdc++ statically: std::ostream::_M_insert<long>
+# defined in our library, a segmentation fault at every error message with a number and at every
+# FP8 GEMM tuning record). These are the symbols whose definition in the built library shows it.
+STATIC_LIBSTDCXX_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSo9_M_insertIlEERSoT_")
+
+
+def runtime_libstdcxx(maps: str = "/proc/self/maps") -> Optional[str]:
+    """The libstdc++ shared library this process has loaded (torch imported: the C++ runtime the
+    extension runs with), or None (not Linux, or none loaded). Linked explicitly, before the
+    compiler's own -lstdc++, it provides every libstdc++ symbol, so that a compiler that links
+    libstdc++ statically pulls nothing from its archive."""
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in paths if os.path.isfile(p))
+    return found[0] if found else None
+
+
+def static_libstdcxx(library: str, run: Callable = subprocess.run) -> Optional[list[str]]:
+    """Which of STATIC_LIBSTDCXX_SYMBOLS the built ``library`` defines itself ([]: none, as it
+    should be), or None when it cannot be checked (no ``nm``)."""
+    try:
+        p = run(["nm", "--defined-only", library], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    defined = {line.split()[-1] for line in p.stdout.splitlines() if line.strip()}
+    return [s for s in STATIC_LIBSTDCXX_SYMBOLS if s in defined]
+
+
+def check_built_library(library: str, run: Callable = subprocess.run) -> None:
+    """Logs whether the built library carries its own libstdc++ (see STATIC_LIBSTDCXX_SYMBOLS)."""
+    got = static_libstdcxx(library, run)
+    if got is None:
+        _log(f"could not check {library} for a static copy of libstdc++ (no nm)")
+    elif got:
+        _log(f"WARNING: {library} defines libstdc++'s own {', '.join(got)}: the compiler linked "
+             "libstdc++ statically, and the extension's C++ errors with a number in their message "
+             "can crash the process. Build with a compiler that links libstdc++ dynamically "
+             "(CXX=/usr/bin/g++ pip install --no-build-isolation -e .)")
+    else:
+        _log(f"checked: {os.path.basename(library)} uses the process's libstdc++ (no static copy)")
+
+
+def with_runtime_libstdcxx(fields: dict, lib: Optional[str]) -> dict:
+    """``fields`` (Extension keyword arguments) with ``lib`` (runtime_libstdcxx) linked."""
+    if lib is None:
+        return fields
+    return {**fields, "extra_link_args": [*fields.get("extra_link_args", []), lib]}
+
+
 # The public build fields of a setuptools Extension (the private ones setuptools adds when it
 # finalizes the command stay those of the extension the distribution was given).
 _EXT_FIELDS = ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs", "libraries",
@@ -195,6 +251,8 @@ def make_build_ext(cx, cpu_ext, cuda_ext):
                 try:
                     super().run()
                     _log(f"built {EXT_NAME} ({what} kernels)")
+                    for ext in self.extensions:
+                        check_built_library(self.get_ext_fullpath(ext.name))
                     return
                 except Exception:
                     _log(f"building {EXT_NAME} ({what} kernels) failed:\n{traceback.format_exc()}")
@@ -222,7 +280,12 @@ def extensions(env: Mapping[str, str] = os.environ):
         _log(f"torch is not importable at build time ({e!r}); not building the custom ops "
              "extension (install torch first, then this package with --no-build-isolation)")
         return [], {}
-    cpu_ext = cx.CppExtension(EXT_NAME, CPU_SOURCES, extra_compile_args={"cxx": CXX_FLAGS})
+    libstdcxx = runtime_libstdcxx()
+    if libstdcxx is not None:
+        _log(f"linking the C++ runtime this torch runs with ({libstdcxx}) explicitly: no static copy "
+             "of libstdc++ in the extension, whatever the compiler's default")
+    cpu_ext = cx.CppExtension(EXT_NAME, CPU_SOURCES,
+                              **with_runtime_libstdcxx({"extra_compile_args": {"cxx": CXX_FLAGS}}, libstdcxx))
     with_cuda, why = cuda_plan(torch.version.cuda, cx.CUDA_HOME, env)
     cuda_ext = None
     if with_cuda:
@@ -237,7 +300,7 @@ def extensions(env: Mapping[str, str] = os.environ):
         cuda_ext = cx.CUDAExtension(
             EXT_NAME, sources, define_macros=[("DEPT_MEGA_WITH_CUDA", "1")],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "--fmad=false", *arch_flags]},
-            **(lt or {}))
+            **with_runtime_libstdcxx(lt or {}, libstdcxx))
     else:
         _log(f"building the CPU kernels only: {why}")
     return [cuda_ext or cpu_ext], {"build_ext": make_build_ext(cx, cpu_ext, cuda_ext)}

@@ -26,6 +26,7 @@ stand-in kernels).
 """
 from __future__ import annotations
 
+import dataclasses
 from itertools import product
 
 import pytest
@@ -244,6 +245,13 @@ def _run_layernorm(device, in_dtype, fp8, rule: Rule, shapes) -> list[float]:
             b = _at((0.3 * torch.randn(cols, generator=g)).to(w_dtype).to(device), w_at) if with_bias else None
             y, rmean, rrstd = _native_layer_norm(x, w, b, eps)
             exact, err = _ln_exact(x, w, b, eps)
+            if x.is_cuda:
+                # a constant row's LayerNorm is the bias, exactly, and our CUDA kernel (x - mean
+                # first) gives it; torch's CUDA kernel leaves its mean off there (Welford merges),
+                # which rstd = 1/sqrt(eps) magnifies (an H200, 776 columns: 0.0098 for 0), so the
+                # exact value is that row's reference. (On the CPU ours and torch's agree.)
+                constant = x.double().var(1, unbiased=False) == 0
+                y = torch.where(constant[:, None], exact.to(y.dtype), y)
             # a large mean: no fraction (the docstring)
             case_rule = Rule(fraction=1.0, amax_rtol=rule.amax_rtol) if offset else rule
             for s, (rowwise, colwise) in product((2.5, 2.0 ** 8), LAYOUTS):
@@ -400,7 +408,8 @@ def test_cuda_dgelu_cast_matches_the_reference():
     PyTorch's CUDA kernel has the kernel's formula, erff and expf (its `cdf + x * pdf` contracted
     into an FMA: the kernel writes it so), so every value and byte is expected equal; another
     compilation's fp32 rounding here and there is allowed (Rule): per case at most GPU_DIFFER dh
-    values one bf16 / fp16 step off and GPU_DIFFER bytes one FP8 step off, none further, the amax
+    values one bf16 / fp16 step off and GPU_DIFFER bytes one FP8 step off (in a large case 1e-5 of
+    them), none further, the amax
     within one rounding of the input dtype; a failure names the first differing elements.
     Without a GPU under DEPT_MEGA_GPU_TESTS_ON_CPU=1 it rehearses with the CPU kernel (its
     measured fractions)."""
@@ -412,8 +421,11 @@ def test_cuda_dgelu_cast_matches_the_reference():
     on_gpu = device == "cuda"
     report = []
     for in_dtype, fp8 in PAIRS:
-        dh_rule = _gpu_rule(in_dtype) if on_gpu else Rule(fraction=_DH_BOUND[in_dtype])
-        byte_rule = _gpu_rule(in_dtype) if on_gpu else Rule(fraction=_BYTE_BOUND[fp8])
+        # one fp32 rounding apart at one input value repeats wherever that value meets a dy that
+        # rounds on its edge: on an H200, 20 of 2048 x 2048 dh values, all at x = -0.7421875
+        gpu = dataclasses.replace(_gpu_rule(in_dtype), fraction=1e-5)
+        dh_rule = gpu if on_gpu else Rule(fraction=_DH_BOUND[in_dtype])
+        byte_rule = gpu if on_gpu else Rule(fraction=_BYTE_BOUND[fp8])
         fracs = _run(device, fp8_casts.dgelu_cast_fp8, in_dtype, fp8, dh_rule, byte_rule,
                      SHAPES + [(2048, 2048, 0), (1000, 1024, 24)])
         report.append((max(f for f, _ in fracs), max(f for _, f in fracs)))

@@ -1,18 +1,18 @@
 """Every kind of error the compiled dept_mega ops still raise from C++ reaches Python as its exception.
 
 Why a test of its own: on the GPU machine's build of the extension (built there with its
-/opt/gcc g++ and nvcc), a C++ exception thrown by some of our checks ended the process with a
-segmentation fault instead: the CUDA ops' argument checks on the first H100 run, and the CPU
-kernels' invalid-id errors of ``remap_ids`` on an H200 (docs/performance.md, "The H200 run
-of 2026-11-27, evening"), while an argument-type error thrown by the same CPU operator was caught. Since then no
-kernel throws for an invalid id (it writes an error record that dept_mega.ops decodes), and the
-public API checks every argument in Python first; what still throws from C++ is an operator's
-argument check when ``torch.ops.dept_mega`` is called directly. The cases below are those throw
-sites, and the invalid-id calls that must now return without throwing, each run in one child
-process in turn, so that a crash names the case it happened in and the cases before it; on a
-machine where all of them pass, a crash-free build is shown. Runs wherever the extension is built
-(CUDA cases where it has CUDA kernels and a GPU is present); ``pytest tests/test_ops_cpp_errors.py``
-on the GPU machine answers which throws crash there."""
+/opt/gcc g++, which links libstdc++ statically), a C++ error whose message formats a number ended
+the process with a segmentation fault instead: the extension's private copy of libstdc++'s streams
+has no locale (an H200, 2026-11-28: cuda-gdb stopped in ``std::ostream::_M_insert<long>`` inside
+our library; messages of strings only were raised). setup.py now links the runtime's libstdc++
+explicitly and checks the built library (tests/test_setup_build.py reproduces the copy on the
+CPU). Since the first crashes no kernel throws for an invalid id (it writes an error record that
+dept_mega.ops decodes), and the public API checks every argument in Python first; what still
+throws from C++ is an operator's argument check when ``torch.ops.dept_mega`` is called directly.
+The cases below are those throw sites, and the invalid-id calls that must now return without
+throwing, run in a child process, again from the next case after a crash, so that one run names
+every case that crashes. Runs wherever the extension is built (CUDA cases where it has CUDA
+kernels and a GPU is present)."""
 from __future__ import annotations
 
 import subprocess
@@ -79,14 +79,30 @@ def _cases() -> list[tuple]:
     return [c for c in CASES if c[1] == "cpu" or cuda]
 
 
+def _run_children(cases: list[tuple]) -> tuple[list[list[str]], dict[str, str]]:
+    """Runs the cases in a child process; when the child dies, again from the case after the one
+    it died in, so that one run names every case that crashes (a GPU session has no time for one
+    run per crash). Returns the child's lines and {case: how the child died (its stderr's end)}."""
+    lines, crashed, todo = [], {}, [(name, stmt) for name, _, stmt, _, _ in cases]
+    while todo:
+        p = subprocess.run([sys.executable, "-c", "CASES = " + repr(todo) + "\n" + CHILD], capture_output=True,
+                           text=True, timeout=240)
+        got = [line.split(" ", 2) for line in p.stdout.splitlines() if line.startswith(("start", "none", "raised"))]
+        lines += got
+        if p.returncode == 0:
+            break
+        started = [rest[0] for kind, *rest in got if kind == "start"]
+        where = started[-1] if started else todo[0][0]
+        crashed[where] = f"status {p.returncode}: {p.stderr[-1500:]}"
+        todo = todo[[name for name, _ in todo].index(where) + 1:]
+    return lines, crashed
+
+
 def test_every_cpp_error_reaches_python_as_its_exception():
     cases = _cases()
-    code = "CASES = " + repr([(name, stmt) for name, _, stmt, _, _ in cases]) + "\n" + CHILD
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    lines = [line.split(" ", 2) for line in p.stdout.splitlines() if line.startswith(("start", "none", "raised"))]
-    started = [rest for kind, *rest in lines if kind == "start"]
-    assert p.returncode == 0, (f"the child died (status {p.returncode}) in case {started[-1] if started else '?'}; "
-                               f"cases before it: {[r[0] for r in started[:-1]]}\n{p.stderr[-3000:]}")
+    lines, crashed = _run_children(cases)
+    assert not crashed, (f"the child died in {len(crashed)} of {len(cases)} cases: {sorted(crashed)} "
+                         f"(the first: {next(iter(crashed.values()))})")
     outcome = {}
     for kind, name, *rest in lines:
         if kind != "start":

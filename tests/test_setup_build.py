@@ -1,6 +1,7 @@
 """setup.py's choice of what to build: the CUDA kernels only when torch's own version check
 would pass, else the CPU kernels with the reason logged, and a CPU retry whenever the CUDA
-build fails (torch's checks raise before any kernel compiles). Nothing is compiled here."""
+build fails (torch's checks raise before any kernel compiles); the C++ runtime linked explicitly
+(a tiny library is compiled for that test, nothing else is)."""
 from __future__ import annotations
 
 import importlib.util
@@ -183,3 +184,64 @@ def test_sdist_holds_every_source_and_header(tmp_path):
     want = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "csrc")) for f in fs}
     assert want and want <= names, sorted(want - names)
     assert not any(n.endswith(".so") for n in names)
+
+
+NUM_SRC = r"""
+#include <cstdio>
+#include <sstream>
+#include <string>
+extern "C" int fmt(long x, char* out, int n) {
+  std::ostringstream s;
+  s << "got " << x;
+  return std::snprintf(out, n, "%s", s.str().c_str());
+}
+"""
+
+
+def test_a_compiler_that_links_libstdcxx_statically_gets_the_runtime_one(setup_mod, tmp_path):
+    """A compiler that links libstdc++ statically (the GPU image's /opt/gcc g++: -static-libstdc++
+    here) left the extension a private copy whose streams have no locale: a number formatted into
+    a C++ error message crashed the process there, and comes out empty here. With the runtime's
+    libstdc++ linked explicitly (setup.py's extra link argument) nothing is copied, the number is
+    formatted, and the build's check tells the two apart."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ on PATH")
+    lib = setup_mod.runtime_libstdcxx()  # torch is imported: its C++ runtime is loaded
+    assert lib is not None and os.path.basename(lib).startswith("libstdc++.so")
+    (tmp_path / "num.cpp").write_text(NUM_SRC)
+    built = {}
+    for name, fields in (("static", {}), ("fixed", setup_mod.with_runtime_libstdcxx({}, lib))):
+        out = str(tmp_path / f"{name}.so")
+        p = subprocess.run([gxx, "-shared", "-fPIC", "-O2", str(tmp_path / "num.cpp"), "-o", out,
+                            *fields.get("extra_link_args", []), "-static-libstdc++"], capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"g++ cannot link libstdc++ statically here: {p.stderr[-300:]}")
+        built[name] = out
+    assert setup_mod.static_libstdcxx(built["static"]) == list(setup_mod.STATIC_LIBSTDCXX_SYMBOLS)
+    assert setup_mod.static_libstdcxx(built["fixed"]) == []
+    buf = ctypes.create_string_buffer(64)
+    ctypes.CDLL(built["fixed"]).fmt(-5, buf, 64)
+    assert buf.value == b"got -5"
+    setup_mod.check_built_library(built["static"])
+    setup_mod.check_built_library(built["fixed"])
+    log = open(setup_mod.LOG).read()
+    assert "static.so defines libstdc++'s own" in log and "fixed.so uses the process's libstdc++" in log
+    assert setup_mod.static_libstdcxx(built["fixed"], run=lambda *a, **k: (_ for _ in ()).throw(OSError())) is None
+
+
+def test_runtime_libstdcxx_reads_the_process_maps(setup_mod, tmp_path):
+    maps = tmp_path / "maps"
+    real = tmp_path / "libstdc++.so.6.0.33"
+    real.write_text("")
+    maps.write_text(f"7f00-7f10 r-xp 0 08:01 1 {real}\n7f10-7f20 r-xp 0 08:01 2 /lib/libc.so.6\n")
+    assert setup_mod.runtime_libstdcxx(str(maps)) == str(real)
+    maps.write_text("7f10-7f20 r-xp 0 08:01 2 /lib/libc.so.6\n")
+    assert setup_mod.runtime_libstdcxx(str(maps)) is None
+    assert setup_mod.runtime_libstdcxx(str(tmp_path / "none")) is None
+    assert setup_mod.with_runtime_libstdcxx({"extra_link_args": ["-L/x"]}, "/l.so") == {"extra_link_args": ["-L/x", "/l.so"]}
+    assert setup_mod.with_runtime_libstdcxx({"a": 1}, None) == {"a": 1}

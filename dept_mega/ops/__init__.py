@@ -56,8 +56,10 @@ output unfinished (garbage, never returned by a wrapper that raises at the call)
 
 Why records and not C++ exceptions: on the GPU machine (torch 2.11, the extension built there by
 the image's /opt/gcc g++) a C++ exception thrown by our operators crashed the process with a
-segmentation fault in some places (the CUDA ops' argument checks on one run, the CPU remap's
-invalid-id errors on another; tests/test_ops_cpp_errors.py runs every remaining throw site).
+segmentation fault where its message formatted a number (that compiler linked a private copy of
+libstdc++, whose streams have no locale; setup.py now links the runtime's libstdc++ and checks;
+tests/test_ops_cpp_errors.py runs every remaining throw site). No call should depend on a C++
+exception for a data error all the same: the record costs nothing on the GPU.
 The operators' own C++ argument checks stay as the last line: ``torch.ops.dept_mega.*`` called
 directly, past these wrappers, may still throw from C++, and its invalid ids on CPU raise
 nothing until ``check_errors("cpu")`` on that thread (or the thread's next wrapped CPU call).
