@@ -345,10 +345,10 @@ class Config:
     #: run the same math apart), under delayed scaling from the second training step, with fc2's GELU
     #: fused (not with the triton casts). Same numbers as without (up to the kernels' rounding of erf /
     #: exp / rsqrt). null = auto: fuse only where the fused kernel was measured
-    #: faster than the producer then the cast (H200, docs/performance.md): with the cuda casts the GELU
-    #: (fc2), with the triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, off a
-    #: GPU, under train.compile or with Transformer Engine nothing; dgelu not yet (its kernel is not yet
-    #: measured on a GPU); the run log says which linears fuse and why the
+    #: faster than the producer then the cast (H200, docs/performance.md): with the cuda casts every one
+    #: (the LayerNorm before QKV and fc1 under delayed scaling, the GELU before fc2, dgelu), with the
+    #: triton casts the LayerNorm (QKV, fc1; delayed scaling), with the torch casts, off a GPU, under
+    #: train.compile or with Transformer Engine nothing; the run log says which linears fuse and why the
     #: others do not. true = fuse every producer that can be (refused with train.compile, without fp8
     #: and with Transformer Engine's linears); false = none. Fusion needs the eager native FP8 linears
     #: (backend local, or auto without Transformer Engine) and no collective between the producer and

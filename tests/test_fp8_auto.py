@@ -20,11 +20,11 @@ from dept_mega.parallel import fp8_casts, fp8_gemm, fp8_kernels
 from tests.trainer_utils import merge, tiny_config
 
 FP8 = {"precision": "bf16", "fp8": "hybrid"}
-CPP_LN = "auto: the C++ LayerNorm cast is not faster than the norm then the cast (0.95x, H200)"
 TRITON_GELU = "auto: the Triton GELU cast is slower than the GELU then the cast (0.64x, H200)"
 TORCH = "auto: the torch casts have no fused kernel"
 NOT_GPU = "auto: not on a GPU (auto fuses for the fused kernels' GPU speed)"
-CPP_DGELU = "auto: the C++ dGELU cast is not yet measured on a GPU"
+CURRENT_LN = "auto: under current scaling the LayerNorm has no fused kernel (normalised, then cast)"
+CURRENT_DGELU = "current scaling: the dGELU's fused cast needs a delayed scale"
 TRITON_DGELU = "the Triton casts have no fused dGELU cast"
 
 
@@ -115,25 +115,25 @@ def test_backends_pass_the_run_to_auto_gemm(cuda_here, over, fusion, grads, want
 
 
 def test_the_defaults_on_cuda_are_the_fast_path(cuda_here):
-    """Every operator available: the C++ casts, the cuBLASLt GEMM and the C++ GELU fused into fc2's
-    cast (not the C++ LayerNorm cast: not faster), no note of a fallback; on the CPU the torch
-    casts and torch._scaled_mm, nothing fused."""
+    """Every operator available: the C++ casts, the cuBLASLt GEMM and every C++ fused cast (the
+    LayerNorm before QKV and fc1, the GELU before fc2, the GELU backward into fc1's output
+    gradient: each measured faster than its unfused pair), no note of a fallback; on the CPU the
+    torch casts and torch._scaled_mm, nothing fused."""
     b = resolve_backends(tiny_config(FP8), "cuda")
-    assert (b.fp8_casts, b.fp8_gemm, b.fp8_fused_casts) == ("cuda", "cublaslt", ("fc2",))
+    assert (b.fp8_casts, b.fp8_gemm, b.fp8_fused_casts) == ("cuda", "cublaslt", ("qkv", "fc1", "fc2", "dgelu"))
     line = b.describe()
-    assert (f"fused casts (fp8_fused_casts: null = auto) [fc2 (gelu, one kernel), not fused: qkv, fc1 ({CPP_LN}); "
-            f"dgelu ({CPP_DGELU})]") in line, line
+    assert "fused casts (fp8_fused_casts: null = auto) [qkv (layernorm, one kernel" in line, line
+    assert "fc2 (gelu, one kernel), dgelu (fc1's output gradient, one kernel" in line and "not fused" not in line, line
     assert "fp8_casts auto" not in line and "fp8_gemm auto" not in line, line
     cpu = resolve_backends(tiny_config(FP8), "cpu")
     assert (cpu.fp8_casts, cpu.fp8_gemm, cpu.fp8_fused_casts) == ("torch", "torch", ())
 
 
 @pytest.mark.parametrize("casts,scaling,compile_,fused,reasons", [
-    ("cuda", "delayed", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})", f"dgelu ({CPP_DGELU})")),
-    ("cuda", "current", False, ("fc2",), (f"qkv, fc1 ({CPP_LN})", f"dgelu ({CPP_DGELU})")),
+    ("cuda", "delayed", False, ("qkv", "fc1", "fc2", "dgelu"), ()),
+    ("cuda", "current", False, ("fc2",), (f"qkv, fc1 ({CURRENT_LN})", f"dgelu ({CURRENT_DGELU})")),
     ("triton", "delayed", False, ("qkv", "fc1"), (f"fc2 ({TRITON_GELU})", f"dgelu ({TRITON_DGELU})")),
-    ("triton", "current", False, (), ("qkv, fc1 (auto: under current scaling the LayerNorm has no fused kernel "
-                                      "(normalised, then cast))", f"fc2 ({TRITON_GELU})", f"dgelu ({TRITON_DGELU})")),
+    ("triton", "current", False, (), (f"qkv, fc1 ({CURRENT_LN})", f"fc2 ({TRITON_GELU})", f"dgelu ({TRITON_DGELU})")),
     ("torch", "delayed", False, (), (f"qkv, fc1, fc2, dgelu ({TORCH})",)),
     ("cuda", "delayed", True, (), ("qkv, fc1, fc2, dgelu (auto: train.compile traces the norms, GELUs and casts "
                                    "into the compiled blocks)",)),
@@ -148,8 +148,7 @@ def test_auto_fused_casts_table(casts, scaling, compile_, fused, reasons):
     how = dict(casts=casts, scaling=scaling, compile=compile_ is True, gpu=compile_ != "cpu")
     assert fused_cast_gemms(m, 1, GEMMS, None, **how) == fused
     assert unfused_cast_reasons(m, 1, GEMMS, None, **how) == reasons
-    dgelu = (TRITON_DGELU if casts == "triton" else
-             "current scaling: the dGELU's fused cast needs a delayed scale" if scaling == "current" else None)
+    dgelu = TRITON_DGELU if casts == "triton" else CURRENT_DGELU if scaling == "current" else None
     assert fused_cast_gemms(m, 1, GEMMS, True, **how) == ("qkv", "fc1", "fc2") + (() if dgelu else ("dgelu",))
     assert unfused_cast_reasons(m, 1, GEMMS, True, **how) == ((f"dgelu ({dgelu})",) if dgelu else ())
     assert fused_cast_gemms(m, 1, GEMMS, False, **how) == () == unfused_cast_reasons(m, 1, GEMMS, False, **how)
@@ -159,9 +158,8 @@ def test_auto_fused_casts_keep_the_structural_reasons():
     """What cannot fuse (RMSNorm, SwiGLU, a collective before QKV / fc1) is said as before, and
     auto's reasons apply to the rest only."""
     m = tiny_config(merge(FP8, {"model": {"normalization": "rmsnorm"}})).model
-    assert fused_cast_gemms(m, 1, GEMMS, None, "cuda") == ("fc2",)
-    assert unfused_cast_reasons(m, 1, GEMMS, None, "cuda") == ("qkv, fc1 (rmsnorm has no fused cast)",
-                                                               f"dgelu ({CPP_DGELU})")
+    assert fused_cast_gemms(m, 1, GEMMS, None, "cuda") == ("fc2", "dgelu")
+    assert unfused_cast_reasons(m, 1, GEMMS, None, "cuda") == ("qkv, fc1 (rmsnorm has no fused cast)",)
     m = tiny_config(FP8).model
     assert unfused_cast_reasons(m, 2, GEMMS, None, "triton") == (
         "qkv, fc1 (parallel.tensor 2: a collective sits between the norm and the GEMM)", f"fc2 ({TRITON_GELU})",
@@ -180,7 +178,8 @@ def test_auto_fuses_nothing_off_a_gpu():
     assert on.fp8_fused_casts == ("qkv", "fc1", "fc2", "dgelu")
 
 
-@pytest.mark.parametrize("casts,fused", [("cuda", ("fc2",)), ("triton", ("qkv", "fc1")), ("torch", ())])
+@pytest.mark.parametrize("casts,fused", [("cuda", ("qkv", "fc1", "fc2", "dgelu")), ("triton", ("qkv", "fc1")),
+                                         ("torch", ())])
 def test_backends_fuse_per_the_table(cuda_here, casts, fused):
     """The backends take the table's choice for the run's casts (explicit here) and the layers get
     it (Backends.gemms)."""
@@ -188,7 +187,7 @@ def test_backends_fuse_per_the_table(cuda_here, casts, fused):
     assert b.fp8_fused_casts == fused and b.fused_casts == "auto"
     line = b.describe()
     assert "fused casts (fp8_fused_casts: null = auto) [" in line, line
-    assert "not fused: " in line
+    assert ("not fused: " in line) == (casts != "cuda"), line
     on = resolve_backends(tiny_config({**FP8, "fp8_casts": casts, "fp8_fused_casts": True}), "cuda")
     assert on.fp8_fused_casts == ("qkv", "fc1", "fc2") + (() if casts == "triton" else ("dgelu",))
     assert "fused casts (fp8_fused_casts) [qkv" in on.describe()
