@@ -63,15 +63,14 @@
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
 #   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
-#              fp8_casts auto = cuda, fp8_gemm auto = cublaslt, fp8_fused_casts null = the GELU
-#              before fc2 fused) -> bench.jsonl, kernels.txt                                   55
+#              fp8_casts auto = cuda, fp8_gemm auto = cublaslt, fp8_fused_casts null = every C++
+#              cast fused: LayerNorm, GELU, dGELU) -> bench.jsonl, kernels.txt                 55
 #              (if it fails: once more with fp8_casts=torch fp8_gemm=torch, recorded as fp8_torch_casts)
 #   fp8_prev   the previous FP8 defaults: fp8_casts=triton fp8_gemm=torch fp8_fused_casts=false
 #              -> bench.jsonl                                                  55 (an estimate)
-#   fp8_all_fused  fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true: the defaults plus the C++
-#              LayerNorm cast fused (1.285x bf16 on an H200, 2026-11-28) and, since, the GELU
-#              backward fused into fc1's gradient cast (dgelu, not yet measured), profiled -> bench.jsonl,
-#              kernels.txt                                                     55 (an estimate)
+#   fp8_all_fused  fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true: what the defaults resolve to
+#              with the extension built, named (1.293x bf16 on an H200, 2026-11-28; beside fp8, a
+#              check that auto took them), profiled -> bench.jsonl, kernels.txt   55 (an estimate)
 #   fp8_tuned  fp8_all_fused's settings with fp8_gemm_tuning=8: each FP8 GEMM problem's first call times
 #              8 of cuBLASLt's candidate algorithms and keeps the fastest (the heuristic's first unless
 #              another is 2 % faster); its record lists every problem's candidates -> bench.jsonl  60 (an estimate)
