@@ -427,7 +427,10 @@ wait_build() {  # the stages that run the extension's operators wait for its bui
   local waited=0
   while kill -0 "$BUILD_PID" 2>/dev/null && (( waited < LIMIT )); do sleep 1; waited=$((waited + 1)); done
   if kill -0 "$BUILD_PID" 2>/dev/null; then log "the build is still running after ${waited}s"; return 1; fi
-  wait "$BUILD_PID"; log "build finished: rc=$? ($(tail -n 1 "$OUT/build.log" 2>/dev/null))"
+  # what the build did and setup.py's check of the built library (a static libstdc++ in it crashes
+  # every C++ message with a number): its last two "dept_mega setup:" lines
+  wait "$BUILD_PID"; local rc=$?
+  log "build finished: rc=$rc ($(grep '^dept_mega setup: ' "$OUT/build.log" 2>/dev/null | tail -n 2 | tr '\n' ' '))"
   BUILD_PID=
   tail -n 5 build/dept_mega_ops_build.log >>"$LOG" 2>/dev/null
   # which compilers built the extension and which C++ runtime it links (see stage_env's cxx)
