@@ -63,7 +63,7 @@ from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_host import manager_kwargs, store_host
+from .federation_host import check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
                              quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
@@ -100,6 +100,7 @@ class Federation:
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer (and at a fresh start), to name a field that differs
         self.hashes = agree_hashes(cfg)
+        check_literal(f.advertise_host, pg.group_size)  # (a literal names one node: federation_host.py)
         lighthouse_min = lighthouse_reachable(host, port, f.timeout_s, f.groups, device)
         timeout = timedelta(seconds=f.timeout_s)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
