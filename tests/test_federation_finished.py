@@ -88,24 +88,24 @@ def test_a_wait_ends_when_the_partners_finished(preemption):
 
 
 def test_only_a_job_past_round_0_stops_before_giving_up(monkeypatch):
-    """Federation._partners_finished reads the lighthouse's records: at round 0 (more likely a new
-    run on a lighthouse that served one of this config) only when the wait is given up; a quorum
-    that can still form (enough groups not finished) is no reason to stop."""
+    """partners_finished (a Federation's wait) reads the lighthouse's records: at round 0 (more
+    likely a new run on a lighthouse that served one of this config) only when the wait is given
+    up; a quorum that can still form (enough groups not finished) is no reason to stop."""
     from dept_mega.dept import federation as fed
     from dept_mega.dept import federation_log as fl
-    from dept_mega.dept.federation_finished import record_id, run_key
+    from dept_mega.dept.federation_finished import partners_finished, record_id, run_key
     job = object.__new__(fed.Federation)
     job.group, job.groups, job.least, job.where, job.hashes = 0, 3, 2, "h:1", [5, 6]
     beats = "".join(f'<li class="heartbeat\n    old\n  ">\n    {record_id(g, 6, run_key([5, 6]))}: seen 12.5s ago\n'
                     f'  </li>' for g in (1, 2))
     monkeypatch.setattr(fl, "_status_page", lambda where, timeout: beats)
     job.round = 0
-    assert job._partners_finished(False) is None
-    assert job._partners_finished(True).startswith("group(s) 1, 2 finished the run (at step 6")
+    assert partners_finished(job, False) is None
+    assert partners_finished(job, True).startswith("group(s) 1, 2 finished the run (at step 6")
     job.round = 2
-    assert job._partners_finished(False).startswith("group(s) 1, 2 finished the run")
+    assert partners_finished(job, False).startswith("group(s) 1, 2 finished the run")
     job.groups = 4  # groups 0 and 3 can still form a quorum of 2
-    assert job._partners_finished(True) is None
+    assert partners_finished(job, True) is None
 
 
 def test_a_group_job_that_finishes_the_run_leaves_its_record(tmp_path):

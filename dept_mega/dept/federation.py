@@ -63,10 +63,10 @@ from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_finished import announce, cannot_form, finished_groups, finished_line, run_key
+from .federation_finished import announce, partners_finished, run_key
 from .federation_host import check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
-                             quiet_torchft, quorum_wait_line, status_page)
+                             quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
@@ -213,7 +213,7 @@ class Federation:
                                                        give_up))) if self.say else None
             preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
                         say, every=WAIT_EVERY_S, give_up_s=give_up,
-                        ended=self._partners_finished if self.say else None)
+                        ended=(lambda final: partners_finished(self, final)) if self.say else None)
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job
@@ -246,19 +246,6 @@ class Federation:
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
         self.participants = self.manager.num_participants()
-
-    def _partners_finished(self, final: bool) -> Optional[str]:
-        """Why no quorum can form again: the lighthouse's records show that too many other groups
-        finished the run (federation_finished.py); else None. Before the wait is given up
-        (``final``) only past round 0: a job at the run's start that finds records of this
-        config's run is more likely a new run on a lighthouse that served an earlier one."""
-        if not final and self.round == 0:
-            return None
-        page = status_page(self.where, 2.0)
-        done = finished_groups(page, run_key(self.hashes)) if page is not None else {}
-        if not done or not cannot_form(done, self.group, self.groups, self.least):
-            return None
-        return finished_line(done, self.group, self.least, self.where)
 
     def finished(self, step: int) -> None:
         """The run is complete in this job (rank 0, after :meth:`shutdown`): its record at the

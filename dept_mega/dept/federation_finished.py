@@ -94,3 +94,18 @@ def finished_line(finished: dict[int, int], group: int, least: int, where: str) 
             f"has not trained stay untrained (to train them alone, relaunch it with federation.min_groups=1 and a "
             f"lighthouse whose --min-groups is 1; if those records are of an earlier run of this config on this "
             f"lighthouse, restart the lighthouse and relaunch)")
+
+
+def partners_finished(fed, final: bool) -> Optional[str]:
+    """Why federation ``fed``'s quorum wait cannot end (the line of :func:`finished_line`): the
+    lighthouse's records show that too many other groups finished the run; else None. Before
+    the wait is given up (``final``) only past round 0: a job at the run's start that finds
+    records of its config's run is more likely a new run on a lighthouse that served one."""
+    from .federation_log import status_page
+    if not final and fed.round == 0:
+        return None
+    page = status_page(fed.where, 2.0)
+    done = finished_groups(page, run_key(fed.hashes)) if page is not None else {}
+    if not done or not cannot_form(done, fed.group, fed.groups, fed.least):
+        return None
+    return finished_line(done, fed.group, fed.least, fed.where)
