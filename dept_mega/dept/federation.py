@@ -122,6 +122,7 @@ class Federation:
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
         self._commits = 0  # exchanges committed since the last round end (round_done)
+        self.failed: dict[str, int] = {}  # bytes launched in exchange tries that failed (take_failed)
         self.syncs: dict[str, Any] = {}
         self.strategy = None  # the variant's strategy (attach)
         self._hooks = None  # DeptHooks (its OuterSchedule), from the first round start
@@ -373,6 +374,12 @@ class Federation:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
+    def take_failed(self) -> dict[str, int]:
+        """The bytes, by category, this rank launched in exchange tries that failed since the
+        last call (the ``outer`` record's ``failed_bytes``; :meth:`_exchange`)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
         saved = t.clone()
@@ -423,7 +430,8 @@ class Federation:
         if self.dump is not None:
             self.dump.hold(self.round, "exchange")
         try:
-            if self.manager.errored() is None:
+            state["sent"] = self.manager.errored() is None
+            if state["sent"]:
                 launch()
         except Exception as exc:  # noqa: BLE001
             self.manager.report_error(exc)
@@ -510,18 +518,20 @@ class Federation:
         self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
         return result[0]
 
-    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None) -> None:
+    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None, sent: bool = True) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
         (``should_commit``); else ``restore()`` and again with the survivors' quorum.
         ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
-        counted once, when committed, and only when the committed quorum has several groups (a
-        failed try's traffic is not counted: how much of it crossed is unknown). ``tried``: an
-        overlapped exchange's first try was launched and waited on since that time (monotonic).
-        Inside :meth:`atomic` the collective runs at once and its failure is raised to
-        :meth:`atomic`'s exchange."""
+        counted once, when committed, and only when the committed quorum has several groups. A
+        failed try's traffic is not in ``comm`` (how much of it crossed is unknown): the bytes of
+        every collective it launched with several groups go to :attr:`failed` (the record's
+        ``failed_bytes``, an upper bound). ``tried``: an overlapped exchange's first try was
+        launched (``sent``) and waited on since that time (monotonic). Inside :meth:`atomic` the
+        collective runs at once (listed first: a failing one was launched too) and its failure
+        is raised to :meth:`atomic`'s exchange."""
         if self._nested is not None:
-            run()
             self._nested.extend(counts)
+            run()
             return
         if self.dump is not None and tried is None:
             self.dump.hold(self.round, "exchange")
@@ -529,9 +539,11 @@ class Federation:
         while True:
             if tried is not None:  # (an overlapped exchange: its first try was launched and waited on)
                 tried = None
-            elif self.manager.errored() is None:
+            else:
+                sent = self.manager.errored() is None
                 try:
-                    run()
+                    if sent:
+                        run()
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
@@ -542,6 +554,9 @@ class Federation:
                     comm.count(category, nbytes)
                 self.round_groups = list(self.members)
                 return
+            if sent and self.participants > 1:  # (launched with other groups: some of it may have crossed)
+                for category, nbytes in counts() if callable(counts) else counts:
+                    self.failed[category] = self.failed.get(category, 0) + int(nbytes)
             gone = time.monotonic() - waited
             self._say(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
                       f"({first_line(self.manager.errored())}); again with the groups still there")
