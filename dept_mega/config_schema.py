@@ -298,10 +298,13 @@ class FederationConfig:
     #: Seconds a quorum wait may last before the job gives up: it saves a checkpoint (at a round
     #: start) and exits with status 75, the requeue status of a preemption (a lighthouse that
     #: restarted has forgotten the quorum: a relaunched job asks the new one). null = wait forever.
+    #: A wait that cannot end because the other group jobs finished the run (their records at the
+    #: lighthouse) ends with status 3 instead, not for a requeue.
     quorum_give_up_s: Optional[float] = 3600.0
     #: The host name this job's torchft servers and store are advertised by to the other group
     #: jobs (torchft's default: the short host name): fqdn = each node's fully qualified name,
-    #: or a name / IP address the other sites reach (a group job of one node); null = torchft's.
+    #: or a name / IP address the other sites reach (a group job of one node only: one of several
+    #: nodes is refused at start); null = torchft's.
     advertise_host: Optional[str] = None
 
 

@@ -351,8 +351,9 @@ def outer_line(rec: dict[str, Any]) -> str:
     """The log line of an ``outer`` record: ``outer sync round 3 (step 40) | sent 1.23 GB
     (dp 1.18 GB, outer_body 45.6 MB) | 0.52 s | exposed 0.10 s`` — the bytes the whole job sent
     in the round (inner steps included) with its non-zero categories, the sync's seconds, then
-    where known the seconds training waited for it, the overlapped seconds (when any) and the
-    federated groups it averaged. A field that is null (not finite) prints as nan."""
+    where known the seconds training waited for it, the overlapped seconds (when any), the
+    federated groups it averaged and the bytes of their exchange tries that failed (when any).
+    A field that is null (not finite) prints as nan."""
     nbytes = {k: v for k, v in (rec.get("bytes") or {}).items() if _is_number(v)}
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in nbytes.items() if v)
     line = (f"outer sync round {rec['round']} (step {rec['step']}) | sent {format_bytes(sum(nbytes.values()))}"
@@ -363,6 +364,10 @@ def outer_line(rec: dict[str, Any]) -> str:
         line += f" | overlapped {_secs(rec['overlap_seconds'])}"
     if isinstance(rec.get("groups"), list):
         line += f" | groups {', '.join(map(str, rec['groups']))}"
+    failed = {k: v for k, v in (rec.get("failed_bytes") or {}).items() if _is_number(v) and v}
+    if failed:  # (federated groups: exchange tries that failed, not in "sent")
+        line += (f" | failed tries {format_bytes(sum(failed.values()))} ("
+                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in failed.items()) + ")")
     return line
 
 

@@ -29,6 +29,8 @@ import torch
 # EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry"
 EXIT_PREEMPTED = 75
 PREEMPTED_FILE = "preempted.json"
+#: a federated group job whose partners finished the run while it waited for them (not requeued)
+EXIT_PARTNERS_FINISHED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -42,11 +44,15 @@ class PreemptedWait(Exception):
     sync is pending, see TrainLoop._preempted_in_wait), where the relaunch resumes from the last
     checkpoint. ``gave_up``: not a signal but the wait's own limit (its words for the log,
     e.g. ``federation.quorum_give_up_s = 3600 s``); the job stops the same way, with status
-    :data:`EXIT_PREEMPTED` and ``preempted.json``, so that a requeue relaunches it."""
+    :data:`EXIT_PREEMPTED` and ``preempted.json``, so that a requeue relaunches it.
+    ``finished``: the other group jobs finished the run, so no quorum can form again (its words
+    for the log, dept/federation_finished.py); the job stops the same way but exits with
+    :data:`EXIT_PARTNERS_FINISHED` and no ``preempted.json``: a requeue would only wait again."""
 
-    def __init__(self, what: str, synced: bool, gave_up: Optional[str] = None) -> None:
+    def __init__(self, what: str, synced: bool, gave_up: Optional[str] = None,
+                 finished: Optional[str] = None) -> None:
         super().__init__(what)
-        self.what, self.synced, self.gave_up = what, synced, gave_up
+        self.what, self.synced, self.gave_up, self.finished = what, synced, gave_up, finished
 
 
 class Preemption:

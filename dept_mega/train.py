@@ -366,12 +366,13 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                            f"interrupted run after its last checkpoint")
     for note in session.writer.resume_notes:
         session.writer.log(note)
-    from .preemption import Preemption, clear_marker, write_marker
+    from .preemption import EXIT_PARTNERS_FINISHED, Preemption, clear_marker, write_marker
     if session.rank == 0:
         clear_marker(run_dir)
     if preemption is None:
         preemption = Preemption().install()
     loop.preemption = preemption
+    finished = False  # the run is complete in this job (a federated group job says so at the lighthouse)
     try:
         if complete:
             session.writer.log(f"nothing to do: the run is complete at step {session.trainer.step}")
@@ -390,9 +391,13 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                 saved = (f"no checkpoint of step {at} ({why}); a relaunch resumes from "
                          + (f"step {loop.preempted_at}" if loop.preempted_at is not None else "the start"))
             by = f"gave up ({stop.gave_up})" if stop.gave_up else stopped_by(preemption)
-            session.writer.log(f"{by} while {stop.what}: stopped waiting; {saved}; "
-                               f"exiting with status {preemption.exit_code} ({continue_by(preemption)})")
-            if session.rank == 0 and not preemption.interrupted:
+            if stop.finished:  # the other groups finished the run: a requeue would only wait again
+                session.writer.log(f"federation: {stop.finished}: stopped {stop.what}; {saved}; exiting with status "
+                                   f"{EXIT_PARTNERS_FINISHED}")
+            else:
+                session.writer.log(f"{by} while {stop.what}: stopped waiting; {saved}; "
+                                   f"exiting with status {preemption.exit_code} ({continue_by(preemption)})")
+            if session.rank == 0 and not preemption.interrupted and not stop.finished:
                 write_marker(run_dir, loop.preempted_at, "quorum_give_up" if stop.gave_up else preemption.signal_name)
         elif loop.preempted_at is not None:
             session.writer.log(f"{stopped_by(preemption)}: checkpoint of step {loop.preempted_at} "
@@ -404,12 +409,15 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                                f"checkpoint written; relaunch to continue with the same schedule")
         elif not complete:  # a relaunch of a finished run keeps the params.json of the layout that trained it
             write_params(session)
+        finished = session.trainer.step >= cfg.train.steps and stop is None and loop.preempted_at is None
     finally:
         preemption.uninstall()
-        session.writer.close()
         fed = getattr(session.pg.outer, "federation", None)
         if fed is not None:
             fed.shutdown()
+            if finished and session.rank == 0:  # (after its heartbeats stopped: federation_finished.py)
+                fed.finished(session.trainer.step)
+        session.writer.close()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -419,7 +427,7 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
         # quorum timeout (a day): the process ends here, its output flushed (the kernel drops
         # the run directory's locks); everything else is done above
         from .process_exit import leave
-        leave(preemption.exit_code, join_threads=False)
+        leave(EXIT_PARTNERS_FINISHED if loop.preempted_wait.finished else preemption.exit_code, join_threads=False)
     return preemption.exit_code if loop.preempted_at is not None else 0
 
 

@@ -249,6 +249,24 @@ def test_federated_group_takes_the_variant_from_its_config(tmp_path):
         assert "federation.groups=8" in cmd and "train.run_dir=runs/1b/federated/group3" in cmd, cmd
 
 
+def test_federated_group_passes_the_federation_settings_on(tmp_path):
+    """examples/1b/federated_group.sh passes FEDERATION_QUORUM_GIVE_UP_S and FEDERATION_ADVERTISE_HOST
+    on as federation.quorum_give_up_s / federation.advertise_host (as it does the other federation
+    settings), before the arguments (which win), and neither key when they are unset (the config's)."""
+    fed = dict(LIGHTHOUSE="lh:29510", DEPT_GROUP="1", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01",
+               DEPT_SKIP_PREFLIGHT="1", RUN_DIR=str(tmp_path / "run"))
+    r, argv = _launch(tmp_path, ROOT, "federated_group", "train.steps=4", FEDERATION_QUORUM_GIVE_UP_S="7200",
+                      FEDERATION_ADVERTISE_HOST="10.8.0.3", **fed)
+    assert r.returncode == 0, r.stdout + r.stderr
+    cmd = argv[argv.index("dept_mega.train"):]
+    assert cmd[-5:] == ["federation.min_groups=2", "federation.timeout_s=600", "federation.quorum_give_up_s=7200",
+                        "federation.advertise_host=10.8.0.3", "train.steps=4"], cmd
+    r, argv = _launch(tmp_path, ROOT, "federated_group", FEDERATION_QUORUM_GIVE_UP_S=None,
+                      FEDERATION_ADVERTISE_HOST=None, **fed)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert argv[-1] == "federation.timeout_s=600" and not any("give_up" in a or "advertise" in a for a in argv), argv
+
+
 def test_gpus_per_node_from_slurm(tmp_path):
     """Processes per node: SLURM_GPUS_ON_NODE, else --gpus-per-node's count (SLURM_GPUS_PER_NODE,
     possibly typed), and the world the pre-flight checks follows. (The pre-flight's command is

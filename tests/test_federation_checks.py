@@ -325,6 +325,7 @@ def _stand_in_federation(federation_cls, manager, say, survivors):
     fed = object.__new__(federation_cls)
     fed.manager, fed.say, fed.dump, fed._nested, fed._loop = manager, say, None, None, None
     fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
+    fed.failed = {}
 
     def quorum(**kw):  # the survivors' quorum: the failure cleared
         fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
@@ -355,6 +356,8 @@ def test_an_exchange_redone_alone_counts_no_bytes(survivors):
     fed._exchange(run, lambda: None, comm, [("outer_body", 1000)])
     assert tries == [3, survivors] and fed._commits == 1 and fed.round_groups == list(range(survivors))
     assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
+    # the failed try (three groups) launched its bytes: apart, as an upper bound of what crossed
+    assert fed.take_failed() == {"outer_body": 1000} and fed.take_failed() == {}
 
 
 @pytest.mark.parametrize("survivors", [1, 2])
@@ -398,8 +401,69 @@ def test_a_launched_exchange_redone_alone_counts_no_bytes_and_says_how_long_it_w
     assert work.wait() and fed.manager.launched == 2 and fed._commits == 1
     assert fed.round_groups == list(range(survivors)) and work.groups == survivors
     assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
+    assert fed.take_failed() == {"outer_body": 1000}  # the launched try that failed
     failed = [ln for ln in said if "the exchange failed after" in ln]
     assert len(failed) == 1 and float(re.search(r"failed after ([0-9.]+) s", failed[0]).group(1)) >= 0.3, said
+
+
+def test_the_bytes_of_failed_exchange_tries_are_counted_apart():
+    """An atomic exchange (TRIM's: several collectives) whose second collective fails in the first
+    try: both collectives' bytes go to failed_bytes (the failing one was launched too), the
+    committed redo counts them once in comm; a try that could not launch (the Manager already
+    errored) and a try by a group alone add nothing; the round's outer record sums them over the
+    job's ranks (failed_bytes, every category) and its log line says so. Fakes for torchft."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept.driver import DeptHooks
+    from dept_mega.dept.federation import Federation
+    from dept_mega.metrics import outer_line
+
+    class Work:
+        def wait(self):
+            pass
+
+    class Manager(StandInManager):
+        calls = 0
+
+        def allreduce(self, t, reduce_op):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("Connection closed by peer")
+            return Work()
+
+    fed = _stand_in_federation(Federation, Manager(), None, 2)
+    counted = []
+    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
+
+    def fn():
+        fed.all_reduce_sum(torch.zeros(10), comm, "outer_body")
+        fed.all_reduce_sum(torch.zeros(5), comm, "outer_embedding")
+        return "done"
+    assert fed.atomic(fn, comm) == "done" and fed.manager.calls == 4
+    assert counted == [("outer_body", 40), ("outer_embedding", 20)], counted
+    assert fed.failed == {"outer_body": 40, "outer_embedding": 20}
+    fed.manager.error = RuntimeError("reported before")  # this try launches nothing; the redo is alone
+    fed._exchange(lambda: None, lambda: None, comm, [("outer_body", 7)])
+    fed.participants, fed.manager.error = 1, RuntimeError("failed alone")
+    fed._quorum = lambda **kw: setattr(fed.manager, "error", None)
+    fed._exchange(lambda: None, lambda: None, comm, [("outer_body", 7)], tried=0.0, sent=True)
+    assert fed.failed == {"outer_body": 40, "outer_embedding": 20}
+    hooks = object.__new__(DeptHooks)
+    hooks.device, hooks.installed, hooks.federation = torch.device("cpu"), None, fed
+    hooks.trainer = SimpleNamespace(step=8)
+    hooks.schedule = SimpleNamespace(round_end=lambda step: None, take_times=lambda: (0.0, 0.0))
+    hooks.strategy = SimpleNamespace(sync=lambda installed: None)
+    zero = {c: 0 for c in ("tp", "pp", "dp", "outer_body", "outer_embedding", "source_move")}
+    hooks.pg = SimpleNamespace(comm=SimpleNamespace(snapshot=lambda: dict(zero)))
+    hooks._mark, hooks._excluded, hooks.in_round = dict(zero), dict(zero), True
+    fed.round_done = lambda h: [0, 1]
+    rec = hooks.round_end(None, 3)
+    assert rec["failed_bytes"] == dict(zero, outer_body=40, outer_embedding=20), rec
+    assert fed.failed == {} and rec["groups"] == [0, 1]
+    line = outer_line(dict(rec, round=3, step=8))
+    assert line.endswith("| groups 0, 1 | failed tries 60 B (outer_body 40 B, outer_embedding 20 B)"), line
 
 
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")

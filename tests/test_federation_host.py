@@ -69,3 +69,28 @@ def test_empty_advertise_host_is_refused(tmp_path):
         resolve(cfg)
     cfg.federation.advertise_host = "fqdn"
     assert resolve(cfg)[0] == 0
+
+
+def test_a_literal_advertise_host_is_refused_on_a_job_of_several_nodes(tmp_path, monkeypatch):
+    """A literal address names one node, but every rank advertises its healing server at it: a
+    group job of several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE) with one is refused at start,
+    before the lighthouse is contacted, naming the key; fqdn and null are not, nor is a literal on
+    one node (or without torchrun)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.config import ConfigError, load_config
+    from dept_mega.dept.federation import Federation
+    from dept_mega.dept.federation_host import check_literal
+    from tests.federation_utils import write_config
+    with pytest.raises(ConfigError, match=r"'federation.advertise_host': '10.8.0.3' is one node's address, but this "
+                                          r"group job runs on 2 nodes \(16 ranks, 8 per node"):
+        check_literal("10.8.0.3", 16, 8)
+    for setting, world, local in (("fqdn", 16, 8), (None, 16, 8), ("10.8.0.3", 8, 8), ("10.8.0.3", 1, None)):
+        check_literal(setting, world, local)
+    cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
+                                                     "federation.groups=3", "federation.advertise_host=10.8.0.3"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"runs on 2 nodes \(4 ranks, 2 per node"):  # (the lighthouse: nothing there)
+        Federation(cfg, SimpleNamespace(group_size=4, rank=0), torch.device("cpu"), 0, "127.0.0.1", 1)

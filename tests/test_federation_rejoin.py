@@ -293,6 +293,10 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
     outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs[:2]]
     assert sorted(outer[0]) == sorted(outer[1]) == list(range(steps // L))
     assert [outer[0][r]["groups"] for r in range(steps // L)] == [[0, 1, 2], [0, 1, 2], [0, 1], [0, 1]]
+    # the launched try that failed is in round 2's failed_bytes (apart from bytes), no other round's
+    for job in outer:
+        assert [r for r, rec in job.items() if any(rec["failed_bytes"].values())] == [2], job
+        assert 0 < job[2]["failed_bytes"]["outer_body"] <= job[2]["bytes"]["outer_body"], job[2]
     d = [read_dumps(dump, g) for g in range(2)]
     # round 2's record holds round 1's exchange (launched at round 2's start), redone by the two
     sent = [d[g][2]["sent"] for g in range(2)]

@@ -323,6 +323,9 @@ class DeptHooks:
                "exposed_seconds": exposed + strategy_seconds}
         if self.federation is not None:
             out["groups"] = self.federation.round_done(self)  # the groups whose pseudo-gradients were averaged
+            # bytes launched in exchange tries that failed (a group died or stalled), apart from "bytes"
+            failed = self.federation.take_failed()
+            out["failed_bytes"] = total_over_ranks({c: failed.get(c, 0) for c in CATEGORIES})
         return out
 
     def outer_syncs(self) -> dict[str, FlatSync]:

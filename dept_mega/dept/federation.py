@@ -63,7 +63,8 @@ from ..parallel.agree import agree_errors, world_max
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
-from .federation_host import manager_kwargs, store_host
+from .federation_finished import announce, partners_finished, run_key
+from .federation_host import check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
                              quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
@@ -100,6 +101,7 @@ class Federation:
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer (and at a fresh start), to name a field that differs
         self.hashes = agree_hashes(cfg)
+        check_literal(f.advertise_host, pg.group_size)  # (a literal names one node: federation_host.py)
         lighthouse_min = lighthouse_reachable(host, port, f.timeout_s, f.groups, device)
         timeout = timedelta(seconds=f.timeout_s)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
@@ -120,6 +122,7 @@ class Federation:
         self._healed: Optional[dict] = None
         self._rounds = 0  # quorums done
         self._commits = 0  # exchanges committed since the last round end (round_done)
+        self.failed: dict[str, int] = {}  # bytes launched in exchange tries that failed (take_failed)
         self.syncs: dict[str, Any] = {}
         self.strategy = None  # the variant's strategy (attach)
         self._hooks = None  # DeptHooks (its OuterSchedule), from the first round start
@@ -210,7 +213,8 @@ class Federation:
             say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where, self._rounds > 0,
                                                        give_up))) if self.say else None
             preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
-                        say, every=WAIT_EVERY_S, give_up_s=give_up)
+                        say, every=WAIT_EVERY_S, give_up_s=give_up,
+                        ended=(lambda final: partners_finished(self, final)) if self.say else None)
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job
@@ -243,6 +247,14 @@ class Federation:
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
         self.participants = self.manager.num_participants()
+
+    def finished(self, step: int) -> None:
+        """The run is complete in this job (rank 0, after :meth:`shutdown`): its record at the
+        lighthouse, which the other groups' waits read (federation_finished.py)."""
+        why = announce(self.where, self.group, step, run_key(self.hashes))
+        if why is not None:
+            self._say(f"federation: could not leave this group's 'finished' record at the lighthouse {self.where} "
+                      f"({why}); a group job that waits for this one gives up after federation.quorum_give_up_s")
 
     def round_start(self, round_index: int, writer=None, step: int = 0) -> tuple[int, bool]:
         """The quorum at the start of round ``round_index``. Returns (the round to train,
@@ -362,6 +374,12 @@ class Federation:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
+    def take_failed(self) -> dict[str, int]:
+        """The bytes, by category, this rank launched in exchange tries that failed since the
+        last call (the ``outer`` record's ``failed_bytes``; :meth:`_exchange`)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
         saved = t.clone()
@@ -412,7 +430,8 @@ class Federation:
         if self.dump is not None:
             self.dump.hold(self.round, "exchange")
         try:
-            if self.manager.errored() is None:
+            state["sent"] = self.manager.errored() is None
+            if state["sent"]:
                 launch()
         except Exception as exc:  # noqa: BLE001
             self.manager.report_error(exc)
@@ -499,18 +518,20 @@ class Federation:
         self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
         return result[0]
 
-    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None) -> None:
+    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None, sent: bool = True) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
         (``should_commit``); else ``restore()`` and again with the survivors' quorum.
         ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
-        counted once, when committed, and only when the committed quorum has several groups (a
-        failed try's traffic is not counted: how much of it crossed is unknown). ``tried``: an
-        overlapped exchange's first try was launched and waited on since that time (monotonic).
-        Inside :meth:`atomic` the collective runs at once and its failure is raised to
-        :meth:`atomic`'s exchange."""
+        counted once, when committed, and only when the committed quorum has several groups. A
+        failed try's traffic is not in ``comm`` (how much of it crossed is unknown): the bytes of
+        every collective it launched with several groups go to :attr:`failed` (the record's
+        ``failed_bytes``, an upper bound). ``tried``: an overlapped exchange's first try was
+        launched (``sent``) and waited on since that time (monotonic). Inside :meth:`atomic` the
+        collective runs at once (listed first: a failing one was launched too) and its failure
+        is raised to :meth:`atomic`'s exchange."""
         if self._nested is not None:
-            run()
             self._nested.extend(counts)
+            run()
             return
         if self.dump is not None and tried is None:
             self.dump.hold(self.round, "exchange")
@@ -518,9 +539,11 @@ class Federation:
         while True:
             if tried is not None:  # (an overlapped exchange: its first try was launched and waited on)
                 tried = None
-            elif self.manager.errored() is None:
+            else:
+                sent = self.manager.errored() is None
                 try:
-                    run()
+                    if sent:
+                        run()
                 except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
                     self.manager.report_error(exc)
             if self.manager.should_commit():
@@ -531,6 +554,9 @@ class Federation:
                     comm.count(category, nbytes)
                 self.round_groups = list(self.members)
                 return
+            if sent and self.participants > 1:  # (launched with other groups: some of it may have crossed)
+                for category, nbytes in counts() if callable(counts) else counts:
+                    self.failed[category] = self.failed.get(category, 0) + int(nbytes)
             gone = time.monotonic() - waited
             self._say(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
                       f"({first_line(self.manager.errored())}); again with the groups still there")

@@ -8,9 +8,15 @@ host's name for a one-process job without torchrun). ``federation.advertise_host
 name in all three: ``fqdn`` (each rank's ``socket.getfqdn()``, for jobs of several nodes), or a
 host name / IP address the other sites reach (for a group job of one node, e.g. its VPN
 address). null keeps torchft's own (a job on one site, or names every site resolves).
+
+A literal names one node, while every rank advertises its own healing server: on a group job of
+several nodes the ranks of the other nodes would be advertised at the first node's address, where
+a healing peer's fetch fails (or reaches another rank's server). Such a job is refused at start
+(:func:`check_literal`): ``fqdn`` names each node by its own name.
 """
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from typing import Any, Optional
@@ -21,6 +27,28 @@ def advertised_host(setting: Optional[str]) -> Optional[str]:
     if setting is None:
         return None
     return socket.getfqdn() if setting == "fqdn" else str(setting)
+
+
+def check_literal(setting: Optional[str], world_size: int, local_world_size: Optional[int] = None) -> None:
+    """A literal ``federation.advertise_host`` (not null, not ``fqdn``) on a group job of several
+    nodes (its ``world_size`` ranks more than the ``local_world_size`` torchrun starts on one node,
+    ``LOCAL_WORLD_SIZE``): a ConfigError naming the key (module docstring)."""
+    if setting is None or setting == "fqdn":
+        return
+    if local_world_size is None:
+        try:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        except ValueError:
+            return  # (not torchrun's: nothing known of the nodes)
+    if local_world_size <= 0 or world_size <= local_world_size:
+        return
+    from ..config import ConfigError
+    nodes = -(-world_size // local_world_size)
+    raise ConfigError(f"config key 'federation.advertise_host': {setting!r} is one node's address, but this group "
+                      f"job runs on {nodes} nodes ({world_size} ranks, {local_world_size} per node: "
+                      "LOCAL_WORLD_SIZE): every rank advertises its healing server at it, and the ranks of the other "
+                      "nodes are not there; set fqdn (each node advertises its own full name), null (torchft's host "
+                      "names, when every site resolves them), or run the group job on one node")
 
 
 def store_host(setting: Optional[str], rank: int, store_addr: str) -> str:

@@ -149,6 +149,11 @@ def membership_line(round_index: int, groups: list, before: list, healed: bool =
     return f"federation: round {round_index}: groups {sorted(groups)}" + (f" ({'; '.join(what)})" if what else "")
 
 
+def status_page(where: str, timeout: float) -> Optional[str]:
+    """torchft's lighthouse page ``/status`` (:func:`_status_page`)."""
+    return _status_page(where, timeout)
+
+
 def _status_page(where: str, timeout: float) -> Optional[str]:
     """torchft's lighthouse page ``/status``; None when it cannot be read. Asked directly, never
     through the environment's ``http_proxy`` (set on many clusters for the internet): the group
@@ -217,7 +222,8 @@ def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: s
            "exit status 75)" if give_up_s is not None else "")
     return (f"federation: round {round_index}: waiting {seconds:.0f} s for a quorum of at least {min_groups} "
             f"group(s); {says} (a group that is gone counts until its heartbeats stop for the lighthouse's "
-            "--heartbeat-timeout-s; once the other group jobs have finished the run, none will come: stop this job)"
+            "--heartbeat-timeout-s; groups that finished the run leave a record there, and this job stops, not for a "
+            "requeue, once too few groups are left for a quorum)"
             f"{end}")
 
 

@@ -76,7 +76,8 @@ class FederatedWork:
                 self.after()
         except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
             fed.manager.report_error(exc)
-        fed._exchange(self.run, self.restore, self.comm, self.counts, tried=since)  # (counted if committed)
+        fed._exchange(self.run, self.restore, self.comm, self.counts, tried=since,  # (counted if committed)
+                      sent=bool(self.state.get("sent")))
         fed.round_groups = list(self.state["keep"])
         self.done = True
         return True

@@ -18,7 +18,11 @@ after any kill. The same polls print the "still waiting for a quorum" line (rank
 and end a wait that lasts longer than ``federation.quorum_give_up_s`` the same way as a
 preemption (a checkpoint at a round start, status 75): a wait that long is a lighthouse that
 restarted (it forgot the quorum requests it held, and torchft does not send them again) or
-groups that are gone for good, and a job that waits forever holds its allocation idle.
+groups that are gone for good, and a job that waits forever holds its allocation idle. Groups
+that have *finished* the run are not gone for a while but for good: when the lighthouse's
+records show that too few groups are left for a quorum (``ended``:
+dept/federation_finished.py), the wait ends as a preemption's does too, but the job exits not
+for a requeue (``PreemptedWait.finished``).
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ QUORUM_TRIES = 3
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
                 say: Optional[Callable[[float], None]] = None, poll_s: float = POLL_S,
-                every: float = WAIT_EVERY_S, give_up_s: Optional[float] = None) -> Any:
+                every: float = WAIT_EVERY_S, give_up_s: Optional[float] = None,
+                ended: Optional[Callable[[bool], Optional[str]]] = None) -> Any:
     """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
     any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank;
     the same, its ``gave_up`` set, once the wait has lasted ``give_up_s`` seconds on any rank
@@ -53,9 +58,15 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
     seconds while any rank of the job still waits (without a preemption handler: while this
     rank waits; the "still waiting" line; nothing when every ``fn`` returns sooner).
     ``preemption`` None: no agreement (each rank alone decides; without ``say`` and
-    ``give_up_s``, ``fn()`` as it is). ``fn``'s exception is raised here."""
+    ``give_up_s``, ``fn()`` as it is). ``fn``'s exception is raised here. ``ended(final)`` (on
+    the rank that reads the lighthouse, rank 0): why no quorum can form again (the other groups
+    finished the run), else None; asked every ``every`` seconds (``final`` False) and once the
+    wait is given up (True, before the give-up is decided): its answer ends the wait with
+    :class:`PreemptedWait`'s ``finished`` set on every rank."""
     if preemption is None and say is None and give_up_s is None:
         return fn()
+    agree = (lambda flags: flags) if preemption is None else (lambda flags: world_max(flags, device))
+    why: Optional[str] = None  # ended()'s answer, agreed at the next poll
     result: dict[str, Any] = {}
     done = threading.Event()
 
@@ -76,18 +87,25 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
     while True:
         finished = done.wait(poll_s)
         late = give_up_s is not None and time.monotonic() - t0 >= give_up_s
-        signal, waiting, late = (0, not finished, late) if preemption is None else \
-            world_max([preemption.signal or 0, not finished, late], device)
+        signal, waiting, late, over = agree([0 if preemption is None else preemption.signal or 0, not finished,
+                                             late, why is not None])
         if not waiting:  # every rank's call returned: the loop's own check after the step follows
             break
         if signal:
             preemption.agree_flag(signal)
             raise PreemptedWait(what, synced)
+        if late and not over:  # (the last look at the lighthouse's records, agreed before giving up)
+            why = ended(True) if ended is not None else None
+            over = agree([why is not None])[0]
+        if over:
+            raise PreemptedWait(what, synced, finished=why or "the other group jobs finished the run (rank 0 says "
+                                                              "which)")
         if late:
             raise PreemptedWait(what, synced, gave_up=f"federation.quorum_give_up_s = {give_up_s:g} s")
         if say is not None and time.monotonic() - said >= every:
             said += every
             say(time.monotonic() - t0)
+            why = ended(False) if ended is not None else None
     if "error" in result:
         raise result["error"]
     return result.get("value")

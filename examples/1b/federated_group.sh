@@ -21,6 +21,11 @@
 # when there are more). This job reads only its own sources' files; of the others it needs their
 # summaries (python -m dept_mega.data.summary PREFIX at their sites; docs/launching.md §12 Sources).
 # A requeued job resumes from its own RUN_DIR and rejoins at the next round boundary.
+# Federation settings (docs/launching.md §12): FEDERATION_GROUPS (default 8), FEDERATION_MIN_GROUPS
+# (2), FEDERATION_TIMEOUT_S (600) and, when set, FEDERATION_QUORUM_GIVE_UP_S (seconds a quorum wait
+# lasts before the job saves and exits for a requeue; null: never; unset: the config's, 3600 by
+# default) and FEDERATION_ADVERTISE_HOST (the name / address the other sites reach this job by:
+# fqdn, or this node's literal address); any other key=value argument is passed on as well.
 CONFIG=${CONFIG:-examples/1b/spec.yaml}
 # the variant (the log's "launch:" line): the config's dept.variant
 config_file=$CONFIG
@@ -32,5 +37,7 @@ VARIANT=${VARIANT:-unknown}
 export DEPT_GROUP
 RUN_DIR=${RUN_DIR:-runs/1b/federated/group${DEPT_GROUP}}
 set -- federation.lighthouse="$LIGHTHOUSE" federation.groups="${FEDERATION_GROUPS:-8}" \
-  federation.min_groups="${FEDERATION_MIN_GROUPS:-2}" federation.timeout_s="${FEDERATION_TIMEOUT_S:-600}" "$@"
+  federation.min_groups="${FEDERATION_MIN_GROUPS:-2}" federation.timeout_s="${FEDERATION_TIMEOUT_S:-600}" \
+  ${FEDERATION_QUORUM_GIVE_UP_S:+federation.quorum_give_up_s="$FEDERATION_QUORUM_GIVE_UP_S"} \
+  ${FEDERATION_ADVERTISE_HOST:+federation.advertise_host="$FEDERATION_ADVERTISE_HOST"} "$@"
 source "${DEPT_MEGA_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}/examples/1b/common.sh"
