@@ -14,6 +14,7 @@ As in ``test_fp8_kernels.py`` the checks run in a subprocess under Triton's inte
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from itertools import product
 
@@ -100,6 +101,38 @@ def _compare(got: tuple, u: torch.Tensor, u_k, scale, dtype, pad: int, rowwise: 
                             f"equal")
 
 
+@contextlib.contextmanager
+def _sentinel_outputs():
+    """Outputs the kernels allocate (``torch.empty``) start as 0x7F, an FP8 NaN, instead of
+    whatever the allocator hands out (often zeros, or the bytes of an earlier identical cast,
+    which would hide an element the kernel never writes): torch fills uninitialised memory
+    while deterministic algorithms are on."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def _transposes(q, q_t, case: str, failures: list) -> None:
+    """With both layouts, ``q_t`` holds exactly the bytes of ``q`` transposed, whatever the
+    reference says; a mismatch names the ``q_t`` rows mod 4 (a miscompiled transposed FP8 store
+    on an H200 left stale bytes in the rows of one residue) and how many bytes are still the
+    0x7F sentinel (never written)."""
+    if q is None or q_t is None:
+        return
+    a, b = q.view(torch.uint8).t(), q_t.view(torch.uint8)
+    diff = a != b
+    if diff.any():
+        rows = sorted({int(i) % 4 for i in diff.nonzero()[:, 0]})
+        failures.append(f"{case}: q_t is not q transposed in {int(diff.sum())} bytes (q_t rows mod 4: {rows}; "
+                        f"0x7F, the sentinel (never written) or a NaN: {int((diff & (b == 0x7F)).sum())})")
+
+
 def _exact(got: tuple, u: torch.Tensor, scale, dtype, pad, rowwise, colwise, case: str, failures: list,
            unknown: torch.Tensor = None) -> None:
     """The bytes of ``got`` equal ``_cast_math`` of ``u`` (the kernel's own intermediate) everywhere
@@ -162,8 +195,10 @@ def gelu_vs_reference(device: str) -> dict:
             s = (4 * K._FORMATS[dtype][0] / amax_k).reshape(1) if delayed else None  # the top quarter saturates
             scale = torch.cat([torch.zeros(1, device=device), s]) if delayed else None
             amax = torch.zeros(3, device=device)
-            q, q_t, inv = K.cast_fp8(x, dtype, pad, rowwise, colwise, scale=scale, scale_index=1, amax_out=amax,
-                                     amax_index=2, tile=tile, gelu=True)
+            with _sentinel_outputs():
+                q, q_t, inv = K.cast_fp8(x, dtype, pad, rowwise, colwise, scale=scale, scale_index=1, amax_out=amax,
+                                         amax_index=2, tile=tile, gelu=True)
+            _transposes(q, q_t, case, failures)
             # on the GPU Triton's erf may differ from torch's by an ulp, which 1 + erf(x) (x < -3)
             # turns into another GELU value: there the kernel's own intermediate is not known
             unknown = (x < -3) if x.is_cuda else None
@@ -230,11 +265,13 @@ def layernorm_vs_reference(device: str) -> dict:
         s = 2 * K._FORMATS[dtype][0] / torch.linalg.vector_norm(y_ref, float("inf")).float()  # top half saturates
         scale = torch.stack([torch.zeros((), device=device), s])
         amax = torch.zeros(3, device=device)
-        q, q_t, mean, rstd = K.layernorm_cast_fp8(x, w, b, eps, dtype, pad, rowwise, colwise, scale=scale,
-                                                  scale_index=1, amax_out=amax, amax_index=2, tile=tile)
-        # the kernel's own arithmetic, from its fp32 statistics
-        q2, q2_t, m32, r32 = K.layernorm_cast_fp8(x, w, b, eps, dtype, pad, rowwise, colwise, scale=scale,
-                                                  scale_index=1, tile=tile, stats=torch.float32)
+        with _sentinel_outputs():
+            q, q_t, mean, rstd = K.layernorm_cast_fp8(x, w, b, eps, dtype, pad, rowwise, colwise, scale=scale,
+                                                      scale_index=1, amax_out=amax, amax_index=2, tile=tile)
+            # the kernel's own arithmetic, from its fp32 statistics
+            q2, q2_t, m32, r32 = K.layernorm_cast_fp8(x, w, b, eps, dtype, pad, rowwise, colwise, scale=scale,
+                                                      scale_index=1, tile=tile, stats=torch.float32)
+        _transposes(q, q_t, case, failures)
         y_k = _ln_kernel_math(x, w, b, m32, r32)
         stats["intermediate"] += y_k.numel()
         stats["intermediate_diff"] += int((y_k.view(torch.int16) != y_ref.view(torch.int16)).sum())
@@ -295,9 +332,19 @@ def test_fused_layernorm_cast_in_the_interpreter_matches_the_reference():
     _check(_interpreted("layernorm_vs_reference"), 3 * 2 * 3)
 
 
+@needs_triton
+@needs_interpreter
+def test_fp8_code_in_the_interpreter_matches_torch():
+    res = interpreted("fp8_code_roundtrip", "tests.fp8_code_check")
+    assert not res["failures"], res["failures"]
+
+
 @pytest.mark.gpu
 @needs_cuda_triton
 def test_fused_casts_on_cuda_match_the_reference():
+    from tests.fp8_code_check import fp8_code_roundtrip
+    res = fp8_code_roundtrip("cuda")
+    assert not res["failures"], res["failures"]
     _check(gelu_vs_reference("cuda"), 3 * 2 * 6)
     _check(layernorm_vs_reference("cuda"), 3 * 2 * 3)
 
@@ -340,3 +387,45 @@ def test_fused_kernels_compile_for_an_h100():
                              target=target).asm["ptx"]
         assert f"cvt.rn.satfinite.{'e4m3' if dtype == E4M3 else 'e5m2'}x2.f32" in ptx and "atom.global" in ptx
         assert "rsqrt.approx" in ptx  # libdevice's rsqrtf, as torch's CUDA layer norm
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked test runs the kernel itself")
+def test_layernorm_cast_sass_stores_no_stale_transposed_bytes(tmp_path):
+    """The LayerNorm cast with both layouts, compiled for sm_90 with Triton's own ptxas (no GPU
+    needed): no transposed FP8 byte comes from a register the column loop has not yet written in
+    that iteration (``tests/sass_stores.py``). With the transposed bytes converted as the
+    row-major ones, ptxas 12.8 produced such a byte (one ``q_t`` row in four stale on an H200) at
+    the GPU test's 40 x 96 + 8 shape and at the default tile."""
+    import subprocess
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dept_mega.parallel import fp8_norm_kernels as N
+    from tests.sass_stores import count_byte_stores, stale_shared_bytes
+    nvdisasm = knobs.nvidia.nvdisasm.path
+    div = [["tt.divisibility", 16]]
+    found = []
+    # (tile, cols and out_rows divisible by 16: what Triton specialises at 40 x 96 + 8 and 8192 x 2048)
+    for tile, dtype, bias in product([(16, 32, 4), N._TILE], (E4M3, E5M2), (False, True)):
+        fmax, mbits, emin = K._FORMATS[dtype]
+        fmt = "fp8e4nv" if dtype == E4M3 else "fp8e5"
+        consts = dict(FMAX=fmax, MBITS=mbits, EMIN=emin, HAS_BIAS=bias, RECORD=True, ROWWISE=True, COLWISE=True,
+                      BLOCK_M=tile[0], BLOCK_N=tile[1])
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16" if bias else "*fp32", "q_ptr": f"*{fmt}",
+               "qt_ptr": f"*{fmt}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "scale_ptr": "*fp32",
+               "amax_ptr": "*fp32", **{k: "i32" for k in ("rows", "cols", "out_rows")}, "eps": "fp32",
+               "scale_index": "i32", "amax_index": "i32", **{k: "constexpr" for k in consts}}
+        attrs = {(i,): div for i in (*range(9), 10, 11)}
+        kernel = triton.compile(ASTSource(fn=N._layernorm_cast_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": tile[2]})
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        assert count_byte_stores(sass) > 0, f"{tile}: no STS.U8 (the transposed tile no longer goes through " \
+                                            f"shared memory as bytes: revisit this check)"
+        found += [f"{tile} {dtype} bias={bias}: {p}" for p in stale_shared_bytes(sass)]
+    assert not found, found[:4]

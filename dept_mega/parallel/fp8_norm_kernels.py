@@ -8,7 +8,9 @@ cast; the amax of ``y`` maxed into an fp32 slot). A program takes ``BLOCK_M`` ro
 them twice, a column tile at a time: pass 1 the mean and the biased variance (per tile the
 mean and the sum of squared deviations, combined across tiles by Chan et al.'s pairwise
 update, which does not cancel as ``E[x²] - E[x]²`` does), pass 2 the normalised, scaled and
-rounded values, stored row-major and/or transposed (the tile transposed on chip).
+rounded values, stored row-major and/or transposed (the tile transposed on chip; the transposed
+bytes coded in integer arithmetic, see ``fp8_triton._store_fp8``: ptxas 12.8 miscompiled the
+conversion shared by both stores).
 
 The arithmetic is that of torch's CUDA kernel, ``gamma·(rstd·(x - mean)) + beta`` with ``rstd
 = rsqrt(var + eps)``; the sums are in another order, so an element of ``y`` may differ from
@@ -94,7 +96,7 @@ if AVAILABLE:
             amax = tl.maximum(amax, tl.reduce(tl.abs(y), 1, _nanmax), propagate_nan=tl.PropagateNan.ALL)
             y = _to_fp8_grid(y, scale, FMAX, MBITS, EMIN)
             _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, (r[:, None] < out_rows) & inside[None, :],
-                       ROWWISE, COLWISE)
+                       ROWWISE, COLWISE, True, MBITS, EMIN)
         if RECORD:
             tl.atomic_max(amax_ptr + amax_index, tl.reduce(amax, 0, _nanmax))
 

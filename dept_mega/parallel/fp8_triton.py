@@ -92,12 +92,43 @@ if AVAILABLE:
         return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, out, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    def _fp8_code(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """The FP8 byte, as an int32 in [0, 255], of the fp32 ``y`` on the FP8 grid (what
+        :func:`_to_fp8_grid` returns: saturated, or NaN, coded 0x7F with ``y``'s sign), in integer
+        arithmetic: no conversion instruction (see :func:`_store_fp8`)."""
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        # normal: the exponent rebiased (bias 1 - EMIN) and the top MBITS of the mantissa; below
+        # 2^EMIN the subnormal's integer multiple of 2^(EMIN - MBITS), exact in fp32
+        normal = (a - ((126 + EMIN) << 23)) >> (23 - MBITS)
+        sub = (a.to(tl.float32, bitcast=True) * (1 << (MBITS - EMIN))).to(tl.int32)
+        code = tl.where(a >= ((127 + EMIN) << 23), normal, sub)
+        return tl.where(a > 0x7F800000, 0x7F, code) | sign
+
+    @triton.jit
+    def _store_fp8(q_ptr, qt_ptr, y, r, c, cols, out_rows, out, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                   CODED_T: tl.constexpr = False, MBITS: tl.constexpr = 3, EMIN: tl.constexpr = -6):
         """Store the tile ``y`` (rows ``r``, columns ``c``, on the FP8 grid) of a ``[out_rows,
         cols]`` tensor row-major into ``q`` and/or transposed (``[cols, out_rows]``) into ``q_t``,
-        where ``out``."""
+        where ``out``.
+
+        ``CODED_T``: the transposed bytes come from :func:`_fp8_code` (for the format of ``MBITS``
+        and ``EMIN``), stored as uint8, instead of from the FP8 conversion the row-major store
+        uses. Why: where both stores take the same converted tile and the compiler moves the
+        transposed one through shared memory byte by byte (the LayerNorm cast's column loop),
+        Triton 3.6's bundled ptxas (CUDA 12.8) split the packed conversion results wrongly: one
+        byte in four was read from a register before the instruction that sets it (the previous
+        column tile's byte; uninitialised in the first tile), so one ``q_t`` row in four held
+        stale bytes on an H200 (``tests/sass_stores.py`` finds it in the SASS; Triton issue
+        #11111 reports the same symptom). The integer bytes share no register with the
+        conversion; the bytes are the same."""
         if ROWWISE:
             tl.store(q_ptr + r[:, None] * cols + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
         if COLWISE:
-            tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
-                     mask=tl.trans(out))
+            if CODED_T:
+                tl.store(qt_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + c[:, None] * out_rows + r[None, :],
+                         tl.trans(_fp8_code(y, MBITS, EMIN)).to(tl.uint8), mask=tl.trans(out))
+            else:
+                tl.store(qt_ptr + c[:, None] * out_rows + r[None, :], tl.trans(y).to(qt_ptr.dtype.element_ty),
+                         mask=tl.trans(out))
