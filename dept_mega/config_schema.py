@@ -291,7 +291,10 @@ class FederationConfig:
     #: Number of group jobs expected (each trains its own sources: data.sources[].group, at
     #: least one each).
     groups: int = 1
-    min_groups: int = 1  #: Fewest groups that may complete a round (the others' pseudo-gradients are not waited for).
+    #: Fewest groups that may complete a round (the others' pseudo-gradients are not waited for);
+    #: a round needs the larger of this and the lighthouse's --min-groups, and this job waits
+    #: rather than train in a smaller quorum. The same in every group job.
+    min_groups: int = 1
     #: Seconds survivors wait for a missing group: collectives and commits across groups, and
     #: a fresh run's first round waiting for every expected group.
     timeout_s: float = 60.0

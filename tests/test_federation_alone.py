@@ -4,6 +4,7 @@ joins it later (docs/launching.md §12, "A fresh start" and "A new group")."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -52,3 +53,94 @@ def test_a_new_group_joins_a_group_that_ran_alone(tmp_path):
     mine = [m for m in read_records(runs[1], "membership") if m["healed"]]
     assert [(m["round"], m["step"]) for m in mine] == [(3, 3 * L)]
     assert os.path.isdir(os.path.join(runs[1], "checkpoints", f"step_{steps}"))
+
+
+def test_a_job_whose_own_min_groups_is_above_the_lighthouses_never_trains_alone(tmp_path):
+    """Group 0's rounds need 2 groups (federation.min_groups = 2) on a lighthouse of --min-groups
+    1, which forms it a quorum of itself at once: it must not train in it (torchft's Manager
+    checks min_replica_size only when an exchange commits, and a group alone exchanges nothing)
+    but ask again, saying so, until group 1, started only then, is there; every round is then
+    trained by both. Before: group 0 trained the run alone after its fresh start's wait."""
+    L, steps, G = 2, 4, 2
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    kw = dict(groups=G, min_groups=2, timeout_s=1)
+    lh = Lighthouse(min_groups=1)
+    procs = []
+    short = "federation: round 0: the lighthouse formed a quorum of 1 group(s), fewer than the 2 a round of this " \
+            "job needs (federation.min_groups 2 > the lighthouse's --min-groups 1); asking again"
+
+    def log(p):
+        if not os.path.exists(p.log):  # (the forked job opens it)
+            return ""
+        with open(p.log, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    try:
+        procs.append(launch_group(cfg, runs[0], lh.addr, 0, **kw))
+        wait_for(lambda: short in log(procs[0]) or procs[0].poll() is not None, "group 0's short quorum")
+        time.sleep(1.5)  # (past its fresh start's timeout_s: before, it trained alone from here)
+        assert procs[0].poll() is None, log(procs[0])[-3000:]
+        procs.append(launch_group(cfg, runs[1], lh.addr, 1, **kw))
+        outs = finish_all(procs, timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert "a round needs at least 2 group(s) (federation.min_groups 2 > the lighthouse's --min-groups 1)" in outs[0]
+    for run in runs:
+        assert [r["groups"] for r in read_records(run, "outer")] == [[0, 1]] * (steps // L), run
+
+
+def test_a_quorum_too_small_is_asked_again_until_enough_or_stopped():
+    """federation_wait.at_least: torchft's quorum asked again while it holds fewer groups than the
+    round needs, told once; it returns at the first big enough, or once the wait is abandoned
+    (``stop``: its helper thread then asks no more). least_groups: the larger minimum, and whose."""
+    import threading
+
+    from dept_mega.dept.federation_log import least_groups
+    from dept_mega.dept.federation_wait import at_least
+    sizes, got, short = iter([1, 1, 2, 3]), [], []
+    at_least(lambda: got.append(next(sizes)), lambda: got[-1], 2, threading.Event(), short.append, every=0.01)
+    assert got == [1, 1, 2] and short == [1]
+    stop, got = threading.Event(), []
+    t = threading.Thread(target=at_least, args=(lambda: got.append(1), lambda: 1, 2, stop), kwargs={"every": 30})
+    t.start()
+    time.sleep(0.1)
+    stop.set()
+    t.join(5)
+    assert not t.is_alive() and got == [1]
+    assert at_least(lambda: got.append(1), lambda: 1, 1, threading.Event()) is None and got == [1, 1]  # (least 1)
+    assert least_groups(2, 1) == (2, "federation.min_groups 2 > the lighthouse's --min-groups 1")
+    assert least_groups(1, 2) == (2, "the lighthouse's --min-groups 2 > federation.min_groups 1")
+    assert least_groups(2, 2) == (2, "federation.min_groups 2 = the lighthouse's --min-groups")
+    assert least_groups(2, None) == (2, "federation.min_groups 2; the lighthouse's --min-groups not shown")
+
+
+def test_a_wait_for_enough_groups_given_up_asks_no_more():
+    """Federation._quorum with quorums of 1 group where a round needs 2: the wait goes on as any
+    short one (here given up after federation.quorum_give_up_s: PreemptedWait), and its helper
+    thread stops asking the lighthouse once it is given up."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept import federation as fed
+    from dept_mega.preemption import PreemptedWait
+    asked = []
+    job = object.__new__(fed.Federation)
+    job.round, job.least, job.least_why, job.where, job._loop = 3, 2, "why", "127.0.0.1:1", None
+    job.device, job._healed, job._rounds, job.say = torch.device("cpu"), None, 4, None
+    job.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=0.6))
+    job.manager = SimpleNamespace(start_quorum=lambda **kw: asked.append(kw), errored=lambda: None,
+                                  num_participants=lambda: 1, current_step=lambda: 0)
+    with pytest.raises(PreemptedWait) as stop:
+        job._quorum(allow_heal=True)
+    assert stop.value.gave_up == "federation.quorum_give_up_s = 0.6 s"
+    n = len(asked)
+    assert n >= 1 and all(kw == {"allow_heal": True} for kw in asked)
+    time.sleep(1.5)  # (asked again every federation_wait.ASK_AGAIN_S = 1 s while not stopped)
+    assert len(asked) == n

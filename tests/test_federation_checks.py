@@ -541,6 +541,7 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
 
     fed.manager, fed.say, fed._loop, fed._healed = Manager(), None, None, None
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
+    fed.least = 1  # (a round of 1 group: each try asks torchft once)
     fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
     fed.pg = SimpleNamespace(group_size=1, rank=0)
     fed.process_group = SimpleNamespace(quorum_ranks=[0])

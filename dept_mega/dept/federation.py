@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -65,9 +66,9 @@ from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_finished import announce, partners_finished, run_key
 from .federation_host import check_literal, manager_kwargs, store_host
-from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, membership_line, quiet_checkpoint_server,
-                             quiet_torchft, quorum_wait_line)
-from .federation_wait import QUORUM_TRIES, preemptible, preemption_of
+from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, least_groups, membership_line,
+                             quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
+from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
 from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
 
 REPLICA_PREFIX = "dept_group_"
@@ -146,11 +147,14 @@ class Federation:
         quiet_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
         # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups
-        least = self.least = max(f.min_groups, lighthouse_min or 0)
-        why = (f" (the lighthouse's --min-groups {lighthouse_min} > federation.min_groups {f.min_groups})"
-               if least > f.min_groups else "")
+        self.least, self.least_why = least_groups(f.min_groups, lighthouse_min)
         self._say(f"federation: group {group} of {f.groups} (sources: {', '.join(own_sources(cfg))}), lighthouse "
-                  f"{self.where}; a round needs at least {least} group(s){why}")
+                  f"{self.where}; a round needs at least {self.least} group(s) ({self.least_why})")
+
+    def _short(self, n: int) -> None:
+        """(federation_wait.at_least) A quorum of ``n`` groups, fewer than the round needs, was formed."""
+        self._say(f"federation: round {self.round}: the lighthouse formed a quorum of {n} group(s), fewer than the "
+                  f"{self.least} a round of this job needs ({self.least_why}); asking again until enough are there")
 
     def _say(self, line: str) -> None:
         if self.say is not None:
@@ -212,9 +216,14 @@ class Federation:
             give_up = self.cfg.federation.quorum_give_up_s
             say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where, self._rounds > 0,
                                                        give_up))) if self.say else None
-            preemptible(lambda: self.manager.start_quorum(**kw), preemption_of(self._loop), self.device, what, synced,
-                        say, every=WAIT_EVERY_S, give_up_s=give_up,
-                        ended=(lambda final: partners_finished(self, final)) if self.say else None)
+            stop = threading.Event()  # (a quorum too small is asked again: at_least, until the wait is abandoned)
+            try:
+                preemptible(lambda: at_least(lambda: self.manager.start_quorum(**kw), self.manager.num_participants,
+                                             self.least, stop, self._short), preemption_of(self._loop), self.device,
+                            what, synced, say, every=WAIT_EVERY_S, give_up_s=give_up,
+                            ended=(lambda final: partners_finished(self, final)) if self.say else None)
+            finally:
+                stop.set()
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job

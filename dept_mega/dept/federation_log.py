@@ -200,6 +200,20 @@ def forgot_requests(page: str, was_in_quorum: bool) -> bool:
     return was_in_quorum and m is not None and int(m.group(1)) == 0
 
 
+def least_groups(job_min: int, lighthouse_min: Optional[int]) -> tuple[int, str]:
+    """How many groups a round of this job needs: the larger of its ``federation.min_groups`` and
+    the lighthouse's ``--min-groups`` (None: its status page did not show it), and which one that
+    is, for the job's lines. The lighthouse forms no quorum below its own; a quorum below the
+    job's is asked again (federation_wait.at_least)."""
+    if lighthouse_min is None:
+        return job_min, f"federation.min_groups {job_min}; the lighthouse's --min-groups not shown"
+    if lighthouse_min > job_min:
+        return lighthouse_min, f"the lighthouse's --min-groups {lighthouse_min} > federation.min_groups {job_min}"
+    if job_min > lighthouse_min:
+        return job_min, f"federation.min_groups {job_min} > the lighthouse's --min-groups {lighthouse_min}"
+    return job_min, f"federation.min_groups {job_min} = the lighthouse's --min-groups"
+
+
 def quorum_wait_line(round_index: int, seconds: float, min_groups: int, where: str, was_in_quorum: bool = False,
                      give_up_s: Optional[float] = None) -> str:
     """The "still waiting for a quorum" line, with what the lighthouse sees and, when it has

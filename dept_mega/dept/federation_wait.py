@@ -46,6 +46,34 @@ POLL_S = 0.5
 #: failed try ends within ``federation.timeout_s`` (torchft's store and process group timeouts).
 QUORUM_TRIES = 3
 
+#: seconds between a job's quorum requests while the quorums it gets are smaller than its
+#: round's minimum (``Federation.least``): a lighthouse whose ``--min-groups`` is below the
+#: job's ``federation.min_groups`` forms them, at once when nobody else asks
+ASK_AGAIN_S = 1.0
+
+
+def at_least(ask: Callable[[], Any], count: Callable[[], int], least: int, stop: threading.Event,
+             short: Optional[Callable[[int], None]] = None, every: float = ASK_AGAIN_S) -> None:
+    """``ask()`` (torchft's quorum, on :func:`preemptible`'s helper thread) again every ``every``
+    seconds until the quorum it formed holds at least ``least`` groups (``count()``), or until
+    ``stop`` is set (the wait was abandoned: a preemption, a give-up). torchft's lighthouse forms
+    quorums of its own ``--min-groups`` and torchft's Manager checks its ``min_replica_size`` only
+    when an exchange commits, which a group alone never does: without this, a job whose
+    ``federation.min_groups`` is above the lighthouse's would train rounds alone. Every rank of a
+    job sees the same quorum, so all ask equally often. ``short(n)``: told of the first quorum of
+    ``n`` groups too few."""
+    told = False
+    while True:
+        ask()
+        n = count()
+        if n >= least or stop.is_set():
+            return
+        if short is not None and not told:
+            told = True
+            short(n)
+        if stop.wait(every):
+            return
+
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
                 say: Optional[Callable[[float], None]] = None, poll_s: float = POLL_S,
