@@ -40,6 +40,7 @@ from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
                                               output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
                                               remove_partitions_dir)
+from dept_mega.data.stop_signals import ignore_signals
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 from dept_mega.data.workers import WorkerDied, Workers
@@ -433,7 +434,10 @@ def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int
     ("tick", disk bytes, documents, tokens) per batch, then ("stats", index, PreprocessStats)
     and ("done", index); an error is ("error", index, message). Ctrl-C or SIGTERM (the tool's
     handler, inherited), also while its workers are being stopped: the builders abort, the
-    workers are stopped, and the process exits 1 without a traceback."""
+    workers are stopped, and the process exits 1 at once, without a traceback and without
+    Python's exit (which waits for ``q``'s feeder thread: the signal's exception can leave that
+    thread's lock held, when it comes inside a ``q.put``). Once its last message is queued,
+    later signals are ignored: the process only exits, sending it."""
     pool = None
     try:
         try:
@@ -458,10 +462,11 @@ def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int
         finally:
             if pool is not None:
                 pool.stop()
+        ignore_signals()
     except BaseException:  # a signal, also one that cut the stop() in the finally short
         if pool is not None:
             pool.stop()
-        sys.exit(1)
+        os._exit(1)
 
 
 def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype, strict: bool,

@@ -36,6 +36,13 @@ def _stop(signum, frame) -> None:  # noqa: ARG001
     raise KeyboardInterrupt()
 
 
+def ignore_signals() -> None:
+    """From now on, SIGINT and SIGTERM do nothing in this process (one that ends, within
+    :func:`stop_on_signals`: what is left to do must not be cut short)."""
+    for sig in _SIGNALS:
+        signal.signal(sig, _ignore)
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block, SIGTERM raises :class:`Terminated` and SIGINT KeyboardInterrupt, the
