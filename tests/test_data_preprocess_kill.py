@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -16,9 +17,13 @@ from dept_mega.data.preprocess import preprocess
 from tests.data_utils import ROOT, TOOLS, synthetic_texts, train_tiny_tokenizer, write_jsonl
 
 # Runs the tool with batches of 10 lines and blocks in the tokenizing of the first batch that starts
-# at input line L or later (0-based; in the main process, a partition's process or a pool worker: forked,
-# they share the patch), after saying so on stderr: the test then knows the run is part way,
+# at input line L or later (0-based; in the main process, a partition's process or a worker process:
+# forked, they share the patch), after saying so on stderr: the test then knows the run is part way,
 # without timing.
+# _SLICES: the block sleeps in slices of 0.1 s, as tokenizing is a sequence of short calls. A signal
+# may be taken (its C handler run) by another thread of the process, such as a queue's feeder thread;
+# Python runs the handler in the main thread when that next runs Python code, which one long
+# time.sleep(60) would put off for a minute (a --partitions process's stop then waited that long).
 DRIVER = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {tools!r}]
@@ -27,7 +32,8 @@ DRIVER = textwrap.dedent("""
     def blocking(batch, first=0):
         if first >= int(sys.argv[1]):
             print("BLOCKED", file=sys.stderr, flush=True)
-            time.sleep(60)
+            for _ in range(600):  # 60 s in slices, like C code's (see _SLICES)
+                time.sleep(0.1)
         return real(batch, first)
     pp._encode_batch, pp.BATCH_LINES = blocking, 10
     import preprocess_data
@@ -158,3 +164,136 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path, tokenizers, fi
     assert "Traceback" not in rest, rest
     assert rest.strip().endswith("partial files removed, no output written"), rest
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py", "go"]
+
+
+# Like DRIVER, with the block chosen per run: argv[1] L, argv[2] "one" (only the batch holding input
+# line L blocks: the other workers finish the rest and wait for work, idle) or "all" (every batch from
+# line L on blocks: every worker busy); "BLOCKED pid" on stderr, from the process that blocks.
+GROUP_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    sys.path[:0] = [{root!r}, {tools!r}]
+    import dept_mega.data.preprocess as pp
+    real = pp._encode_batch
+    def blocking(batch, first=0):
+        line = int(sys.argv[1])
+        if first <= line < first + len(batch) or (sys.argv[2] == "all" and first >= line):
+            print("BLOCKED", os.getpid(), file=sys.stderr, flush=True)
+            for _ in range(600):  # 60 s in slices, like C code's (see _SLICES)
+                time.sleep(0.1)
+        return real(batch, first)
+    pp._encode_batch, pp.BATCH_LINES = blocking, 10
+    import preprocess_data
+    sys.exit(preprocess_data.main(sys.argv[3:]))
+""")
+
+
+def _group_members(pgid: int) -> list[str]:
+    """The processes (pid and command) in process group ``pgid``, from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            found.append(stat[:stat.rindex(")") + 1])
+    return found
+
+
+def _start_blocked(tmp_path, tokenizer, src, line: int, mode: str, workers: int, partitions: int):
+    """The tool (GROUP_DRIVER) in a process group of its own, once it has blocked: (process, log)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(GROUP_DRIVER.format(root=ROOT, tools=TOOLS))
+    p = subprocess.Popen([sys.executable, str(driver), str(line), mode, "--input", src, "--tokenizer-model", tokenizer,
+                          "--output-prefix", str(tmp_path / "out"), "--workers", str(workers),
+                          "--partitions", str(partitions), "--log-interval", "0"],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    log = []
+    for text in p.stderr:
+        log.append(text)
+        if text.startswith("BLOCKED"):
+            break
+    if not (log and log[-1].startswith("BLOCKED")):
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise AssertionError("".join(log))
+    return p, log
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process group from /proc")
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_process_group_ends_the_tool(tmp_path, tokenizers, sig, status):
+    """Ctrl-C in a terminal (SIGINT to the whole process group) or SIGTERM to every process, with
+    --workers: the tool exits with the signal's status within seconds, its partial files removed,
+    no traceback, no process of the group left. Five runs (the hang this guards against was
+    intermittent), with and without --partitions, with idle and with busy workers, the signal at
+    varied delays after the block."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    runs = [(1, "one", 4, 0.0), (2, "one", 4, 0.2), (1, "all", 3, 0.05), (2, "all", 4, 0.0), (1, "one", 2, 0.1)]
+    for attempt, (partitions, mode, workers, delay) in enumerate(runs):
+        what = f"run {attempt} (--partitions {partitions}, --workers {workers}, {mode} blocked, {delay} s)"
+        p, _ = _start_blocked(tmp_path, tokenizers[0], src, 20 if partitions == 1 else 70, mode, workers, partitions)
+        try:
+            time.sleep(delay)
+            os.killpg(p.pid, sig)
+            try:
+                rest = p.communicate(timeout=10)[1]
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{what}: still running 10 s after {sig.name} to the group: "
+                                     f"{_group_members(p.pid)}") from None
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        assert p.returncode == status, f"{what}: {rest}"
+        assert "Traceback" not in rest, f"{what}: {rest}"
+        assert rest.strip().endswith("partial files removed, no output written"), f"{what}: {rest}"
+        assert _group_members(p.pid) == [], f"{what}: left running"
+        assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py"], what
+
+
+def test_a_worker_killed_alone_stops_the_run_with_an_error(tmp_path, tokenizers):
+    """A worker that dies on its own (the kernel's out-of-memory killer) while the tool waits for
+    its batch: an error naming it within seconds (exit status 2), no output; not a wait for ever."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    p, log = _start_blocked(tmp_path, tokenizers[0], src, 20, "one", 3, 1)
+    try:
+        os.kill(int(log[-1].split()[1]), signal.SIGKILL)
+        try:
+            rest = p.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still running 10 s after a worker was killed") from None
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 2, rest
+    assert "Traceback" not in rest, rest
+    assert "error: " in rest and "SIGKILL" in rest, rest
+    assert _group_members(p.pid) == []
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py"]
+
+
+def test_ordinary_runs_with_workers_end(tmp_path, tokenizers):
+    """Runs that nobody stops, with --workers (and --partitions), end, each within its time limit
+    (stopping the workers after a finished run once waited for ever on an idle one), with the
+    same bytes as a run in one process."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(300, seed=5))
+    ref = str(tmp_path / "ref")
+    preprocess([src], ["text"], tokenizers[0], ref, log=None)
+    want = {ext: (tmp_path / f"ref_text_document{ext}").read_bytes() for ext in (".bin", ".idx", ".bytes.npy")}
+    for run, (workers, partitions) in enumerate([(4, 1), (3, 2), (4, 1), (2, 2), (4, 1), (4, 2)]):
+        out = str(tmp_path / f"out{run}")
+        try:
+            r = subprocess.run([sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--input", src,
+                                "--tokenizer-model", tokenizers[0], "--output-prefix", out, "--workers", str(workers),
+                                "--partitions", str(partitions), "--quiet"],
+                               capture_output=True, text=True, timeout=30, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run {run} (--workers {workers}, --partitions {partitions}): "
+                                 f"still running after 30 s") from None
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        for ext, data in want.items():
+            assert (tmp_path / f"out{run}_text_document{ext}").read_bytes() == data, (run, ext)

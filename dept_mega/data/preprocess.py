@@ -23,9 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,8 +40,10 @@ from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
                                               output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
                                               remove_partitions_dir)
+from dept_mega.data.stop_signals import ignore_signals
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
+from dept_mega.data.workers import WorkerDied, Workers
 
 BATCH_LINES = 512
 BATCH_BYTES = 4 << 20
@@ -107,7 +107,7 @@ class _BatchResult:
     report: BadInputReport
 
 
-# Worker-process state, set once per process by the pool initializer (the tokenizer is too
+# Worker-process state, set once per process by the workers' initializer (the tokenizer is too
 # costly to ship with every batch).
 _WORKER: dict = {}
 
@@ -118,11 +118,10 @@ def _init_worker(model: str, keys: Sequence[str], append_eod: bool, dtype,
                    every=round_trip_every)
 
 
-def _init_pool_worker(*args) -> None:
-    """A pool worker: SIGTERM ends it at once (a forked worker inherits the tool's handler,
-    which would make it unwind like the main process); then :func:`_init_worker`."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _init_worker(*args)
+def _start_workers(workers: int, init_args: tuple) -> Workers:
+    """``workers`` tokenizing processes (:mod:`dept_mega.data.workers`: Ctrl-C and SIGTERM to
+    the whole process group, or to the tool alone, stop them without waiting for ever)."""
+    return Workers(workers, _encode_batch, _init_worker, init_args, name="tokenizer")
 
 
 def checks_line(line: int, every: int) -> bool:
@@ -363,11 +362,12 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
     try:
         if len(parts) == 1:
             if workers > 1:
-                pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
-                    workers, initializer=_init_pool_worker, initargs=init_args)
+                pool = _start_workers(workers, init_args)
             else:
                 _init_worker(*init_args)
             builders = _run_part(parts[0], finals, pool, dtype, strict, stats, log, progress_interval, t0)
+            if pool is not None:
+                pool.stop(finished=True)  # in the try: a signal meanwhile removes the (unfinished) outputs
         else:
             make_partitions_dir(output_prefix)  # the parts' own directory: no name beside the output
             partitioned = True  # only now: a directory another run made is not this run's to remove
@@ -404,8 +404,7 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.stop()  # at once after an error or a signal; nothing left to do after a finished run
         if partitioned:
             remove_partitions_dir(output_prefix)
     stats.outputs = finals
@@ -434,32 +433,40 @@ def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int
     tokenize ``ranges`` into ``prefixes`` with ``workers`` processes (1: in this one), sending
     ("tick", disk bytes, documents, tokens) per batch, then ("stats", index, PreprocessStats)
     and ("done", index); an error is ("error", index, message). Ctrl-C or SIGTERM (the tool's
-    handler, inherited): the builders abort, and the process exits 1 without a traceback."""
+    handler, inherited), also while its workers are being stopped: the builders abort, the
+    workers are stopped, and the process exits 1 at once, without a traceback and without
+    Python's exit (which waits for ``q``'s feeder thread: the signal's exception can leave that
+    thread's lock held, when it comes inside a ``q.put``). Once its last message is queued,
+    later signals are ignored: the process only exits, sending it."""
     pool = None
     try:
-        if workers > 1:
-            pool = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn").Pool(
-                workers, initializer=_init_pool_worker, initargs=init_args)
-        else:
-            _init_worker(*init_args)
-        keys = init_args[1]
-        st = PreprocessStats(lines=first_line, round_trip=[RoundTrip() for _ in keys],
-                             id_range=[(0, -1) for _ in keys])
-        builders = _run_part(ranges, prefixes, pool, dtype, strict, st, lambda m: None, float("inf"), 0.0,
-                             dict(lines_at), tick=lambda *t: q.put(("tick", *t)))
-        for b in builders:
-            b.finalize()
-        st.lines -= first_line
-        q.put(("stats", index, st))
-        q.put(("done", index))
-    except Exception as exc:  # noqa: BLE001 - sent to the parent, which stops the run with it
-        q.put(("error", index, str(exc) if isinstance(exc, PreprocessError) else f"{type(exc).__name__}: {exc}"))
-    except BaseException:
-        sys.exit(1)
-    finally:
+        try:
+            if workers > 1:
+                pool = _start_workers(workers, init_args)
+            else:
+                _init_worker(*init_args)
+            keys = init_args[1]
+            st = PreprocessStats(lines=first_line, round_trip=[RoundTrip() for _ in keys],
+                                 id_range=[(0, -1) for _ in keys])
+            builders = _run_part(ranges, prefixes, pool, dtype, strict, st, lambda m: None, float("inf"), 0.0,
+                                 dict(lines_at), tick=lambda *t: q.put(("tick", *t)))
+            if pool is not None:
+                pool.stop(finished=True)
+            for b in builders:
+                b.finalize()
+            st.lines -= first_line
+            q.put(("stats", index, st))
+            q.put(("done", index))
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which stops the run with it
+            q.put(("error", index, str(exc) if isinstance(exc, PreprocessError) else f"{type(exc).__name__}: {exc}"))
+        finally:
+            if pool is not None:
+                pool.stop()
+        ignore_signals()
+    except BaseException:  # a signal, also one that cut the stop() in the finally short
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.stop()
+        os._exit(1)
 
 
 def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype, strict: bool,
@@ -508,7 +515,15 @@ def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype,
                 stats.id_range[k] = (lo, hi) if was[1] < was[0] else (min(was[0], lo), max(was[1], hi))
 
 
-def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log, interval, t0,
+def _result(pool: Workers, seq: int) -> _BatchResult:
+    """Batch ``seq``'s result from the workers; one that died meanwhile is an error of the run."""
+    try:
+        return pool.result(seq)
+    except WorkerDied as exc:
+        raise PreprocessError(f"{exc} (--workers)") from None
+
+
+def _run_part(ranges, prefixes, pool: Optional[Workers], dtype, strict, stats: PreprocessStats, log, interval, t0,
               lines_at: Optional[dict] = None, tick: Optional[Callable[[int, int, int], None]] = None
               ) -> list[IndexedDatasetBuilder]:
     """Tokenize ``ranges`` into builders of ``prefixes``, returned unfinalized (aborted on any
@@ -516,7 +531,7 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
     ``tick(disk bytes, documents, tokens)``: called per batch written."""
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes]
     pending: collections.deque = collections.deque()
-    max_inflight = 4 * (pool._processes if pool is not None else 1)  # noqa: SLF001
+    max_inflight = 4 * (pool.processes if pool is not None else 1)
     last = time.time()
 
     def consume(result: _BatchResult, disk: int) -> None:
@@ -553,13 +568,13 @@ def _run_part(ranges, prefixes, pool, dtype, strict, stats: PreprocessStats, log
             if pool is None:
                 consume(_encode_batch(batch, first), disk)
                 continue
-            pending.append((pool.apply_async(_encode_batch, (batch, first)), disk))
+            pending.append((pool.submit(batch, first), disk))
             while len(pending) >= max_inflight:
-                result, done = pending.popleft()
-                consume(result.get(), done)
+                seq, done = pending.popleft()
+                consume(_result(pool, seq), done)
         while pending:
-            result, done = pending.popleft()
-            consume(result.get(), done)
+            seq, done = pending.popleft()
+            consume(_result(pool, seq), done)
     except BaseException:
         for b in builders:
             b.abort()

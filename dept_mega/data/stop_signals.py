@@ -20,18 +20,33 @@ class Terminated(BaseException):
     work unwinds like Ctrl-C's KeyboardInterrupt."""
 
 
+def _ignore(signum, frame) -> None:  # noqa: ARG001
+    """A signal after the first: nothing. (Not SIG_IGN: a signal that came before the first
+    one's handler ran, such as Ctrl-C to the process group followed at once by the SIGTERM
+    with which the tool stops its --partitions processes, is still handled after it, and
+    Python reports one whose handler became SIG_IGN meanwhile with a traceback: "Signal 15
+    ignored due to race condition".)"""
+
+
 def _stop(signum, frame) -> None:  # noqa: ARG001
     for sig in _SIGNALS:  # first, before anything else can be interrupted
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _ignore)
     if signum == signal.SIGTERM:
         raise Terminated()
     raise KeyboardInterrupt()
 
 
+def ignore_signals() -> None:
+    """From now on, SIGINT and SIGTERM do nothing in this process (one that ends, within
+    :func:`stop_on_signals`: what is left to do must not be cut short)."""
+    for sig in _SIGNALS:
+        signal.signal(sig, _ignore)
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block, SIGTERM raises :class:`Terminated` and SIGINT KeyboardInterrupt, the
-    first of them only: it sets both signals to be ignored, so the cleanup is not cut short.
+    first of them only: later ones are ignored, so the cleanup is not cut short.
     The handlers from before are restored when the block is left (after the cleanup the
     exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}

@@ -1,0 +1,217 @@
+"""Worker processes for tools/preprocess_data.py's ``--workers``: a fixed set of processes that
+run one function on tasks, whose results the main process takes in the order it submitted
+them, and which the main process can always stop without waiting for ever.
+
+Why not ``multiprocessing.Pool``: Ctrl-C reaches the whole process group. A pool replaces a
+worker that died of it by forking a new one from the main process, whose handlers by then
+ignore SIGINT and SIGTERM (dept_mega/data/stop_signals.py), so ``terminate()``'s SIGTERM
+could be ignored and ``join()`` wait for that worker for ever; and ``terminate()`` takes the
+task queue's lock, which a worker killed while waiting for a task (SIGTERM to the group)
+never releases. Ending the workers by an exception instead (SystemExit on SIGTERM) can leave
+that lock held too, from inside the semaphore's acquire, and hung ordinary runs.
+
+Here, nothing the main process does to stop the workers depends on them:
+
+- each worker ignores SIGINT (the main process handles Ctrl-C and stops them) and dies of
+  SIGTERM (its default action), set before anything else: the workers are forked with both
+  signals blocked, so one sent meanwhile waits until then;
+- a worker is never replaced; one that ends while the main process waits for a result is an
+  error (:class:`WorkerDied`), found within :data:`POLL` seconds: a result is waited for with
+  timeouts, never for ever;
+- :meth:`Workers.stop` sends SIGTERM, then SIGKILL to any worker still there after
+  :data:`GRACE` seconds, and joins them (``waitpid``: no lock, no queue), and never waits
+  for the task queue's feeder thread (which may be stuck writing to a pipe nobody reads);
+  after a finished run it first asks them to end (one ``None`` task each).
+
+A worker also ends when the main process is gone (killed with SIGKILL alone): it checks its
+parent whenever it has waited a second for a task.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import signal
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+POLL = 0.2  # seconds: how often a wait for a result checks that every worker is alive
+GRACE = 1.0  # seconds from SIGTERM to SIGKILL in stop()
+CLOSE_WAIT = 10.0  # seconds the workers of a finished run get to end on their own in stop()
+_ORPHAN_CHECK = 1.0  # seconds a worker waits for a task before it checks that its parent is alive
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended while the main process waited for a result."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker (the ``__cause__`` of the exception
+    :meth:`Workers.result` raises), as ``multiprocessing.Pool`` gives it."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _portable(exc: Exception) -> tuple[Exception, str]:
+    """``exc`` (or, if it cannot be pickled, a RuntimeError saying what it was) and its traceback."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any pickling failure: send what it said
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc, text
+
+
+@contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread (a process forked meanwhile starts with them
+    blocked); one that came meanwhile is handled when they are unblocked, at the end."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[Callable], initargs: tuple) -> None:
+    """A worker's life: its signals (see the module's docstring), ``initializer(*initargs)``,
+    then ``(seq, args)`` tasks until ``None``, each answered ``(seq, True, func(*args))`` or
+    ``(seq, False, (exception, traceback))``; an initializer's error answers every task."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # a SIGTERM sent meanwhile ends it here
+    failed = None
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except Exception as exc:  # noqa: BLE001 - the answer to every task
+        failed = _portable(exc)
+    while True:
+        try:
+            task = tasks.get(timeout=_ORPHAN_CHECK)
+        except queue_mod.Empty:
+            if os.getppid() != parent:  # the main process is gone: nobody reads the results
+                os._exit(1)
+            continue
+        if task is None:
+            return
+        seq, args = task
+        if failed is not None:
+            results.put((seq, False, failed))
+            continue
+        try:
+            out = (seq, True, func(*args))
+        except Exception as exc:  # noqa: BLE001 - raised in the main process by result()
+            out = (seq, False, _portable(exc))
+        results.put(out)
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (the kernel's out-of-memory killer sends it)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{oom}"
+    return f"exited with status {code}"
+
+
+class Workers:
+    """``processes`` worker processes that run ``func`` on the arguments given to
+    :meth:`submit`; :meth:`result` returns (or raises) what it gave, in any order the caller
+    likes. ``initializer(*initargs)`` runs first in each worker. Use as a context manager, or
+    call :meth:`stop` (also after an error: it never waits for ever). Forked on Linux, else
+    spawned (``func`` and ``initializer`` must then be importable)."""
+
+    def __init__(self, processes: int, func: Callable, initializer: Optional[Callable] = None,
+                 initargs: tuple = (), name: str = "worker"):
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        self.processes = processes
+        self._tasks = ctx.Queue()
+        self._results = ctx.Queue()
+        self._procs: list = []
+        self._done: dict[int, tuple[bool, Any]] = {}  # results that came before they were asked for
+        self._seq = 0
+        self._asked = self._closed = False  # stop(): the workers asked to end; the queues closed
+        try:
+            with _signals_blocked():  # a signal meanwhile raises at the end, with every started one listed
+                for i in range(processes):
+                    proc = ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
+                                       args=(self._tasks, self._results, os.getpid(), func, initializer, initargs))
+                    proc.start()
+                    self._procs.append(proc)
+        except BaseException:
+            self.stop(finished=False)
+            raise
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.stop(finished=kind is None)
+
+    def submit(self, *args) -> int:
+        """Queue ``func(*args)`` for the next free worker; returns its number for :meth:`result`
+        (0, 1, 2, ... in the order of submission). Never blocks."""
+        seq, self._seq = self._seq, self._seq + 1
+        self._tasks.put((seq, args))
+        return seq
+
+    def result(self, seq: int) -> Any:
+        """What ``func`` returned for task ``seq``, waiting for it; its exception if it raised
+        (with the worker's traceback as ``__cause__``); :class:`WorkerDied` if a worker ended
+        meanwhile (its task is lost: the run cannot go on)."""
+        while seq not in self._done:
+            try:
+                got, ok, value = self._results.get(timeout=POLL)
+            except queue_mod.Empty:
+                for proc in self._procs:
+                    if proc.exitcode is not None:
+                        raise WorkerDied(f"worker process {proc.name} (pid {proc.pid}) {_ended(proc.exitcode)} "
+                                         f"while it had work to do; the run cannot go on without its results")
+                continue
+            self._done[got] = (ok, value)
+        ok, value = self._done.pop(seq)
+        if ok:
+            return value
+        exc, text = value
+        raise exc from RemoteTraceback(text)
+
+    def stop(self, finished: bool = False) -> None:
+        """End every worker and join it. ``finished`` (every result taken): each is first asked
+        to end and given :data:`CLOSE_WAIT` seconds; then (at once when not ``finished``)
+        SIGTERM, and SIGKILL after :data:`GRACE` seconds. Can be called again, also after one
+        cut short (by a signal): it finishes the job."""
+        self._tasks.cancel_join_thread()  # exit must not wait for a feeder stuck on a full pipe
+        if finished and not self._asked and not self._closed:
+            self._asked = True
+            for _ in self._procs:
+                self._tasks.put(None)
+            deadline = time.monotonic() + CLOSE_WAIT
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        deadline = time.monotonic() + GRACE
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        if not self._closed:
+            self._closed = True
+            self._tasks.close()
+            self._results.close()
