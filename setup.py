@@ -213,7 +213,7 @@ def check_built_library(library: str, run: Callable = subprocess.run) -> None:
     """Logs whether the built library carries its own libstdc++ (see STATIC_LIBSTDCXX_SYMBOLS)."""
     got = static_libstdcxx(library, run)
     if got is None:
-        _log(f"could not check {library} for a static copy of libstdc++ (no nm)")
+        _log(f"could not check {library} for a static copy of libstdc++ (nm not found, or it failed)")
     elif got:
         _log(f"WARNING: {library} defines libstdc++'s own {', '.join(got)}: the compiler linked "
              "libstdc++ statically, and the extension's C++ errors with a number in their message "
@@ -251,8 +251,11 @@ def make_build_ext(cx, cpu_ext, cuda_ext):
                 try:
                     super().run()
                     _log(f"built {EXT_NAME} ({what} kernels)")
-                    for ext in self.extensions:
-                        check_built_library(self.get_ext_fullpath(ext.name))
+                    try:  # a finished build stays built whatever the check meets
+                        for ext in self.extensions:
+                            check_built_library(self.get_ext_fullpath(ext.name))
+                    except Exception as e:
+                        _log(f"could not check the built library for a static copy of libstdc++: {e!r}")
                     return
                 except Exception:
                     _log(f"building {EXT_NAME} ({what} kernels) failed:\n{traceback.format_exc()}")
@@ -284,6 +287,9 @@ def extensions(env: Mapping[str, str] = os.environ):
     if libstdcxx is not None:
         _log(f"linking the C++ runtime this torch runs with ({libstdcxx}) explicitly: no static copy "
              "of libstdc++ in the extension, whatever the compiler's default")
+    elif sys.platform.startswith("linux"):
+        _log("no libstdc++ found loaded in this process (/proc/self/maps): the compiler's default "
+             "C++ runtime is linked (the built library is checked for a static copy)")
     cpu_ext = cx.CppExtension(EXT_NAME, CPU_SOURCES,
                               **with_runtime_libstdcxx({"extra_compile_args": {"cxx": CXX_FLAGS}}, libstdcxx))
     with_cuda, why = cuda_plan(torch.version.cuda, cx.CUDA_HOME, env)

@@ -413,11 +413,13 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
     finally:
         preemption.uninstall()
         fed = getattr(session.pg.outer, "federation", None)
-        if fed is not None:
-            fed.shutdown()
-            if finished and session.rank == 0:  # (after its heartbeats stopped: federation_finished.py)
-                fed.finished(session.trainer.step)
-        session.writer.close()
+        try:
+            if fed is not None:
+                fed.shutdown()
+                if finished and session.rank == 0:  # (after its heartbeats stopped: federation_finished.py)
+                    fed.finished(session.trainer.step)
+        finally:  # the log is closed (flushed) even when the federation's shutdown raises
+            session.writer.close()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
