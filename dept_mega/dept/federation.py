@@ -99,6 +99,7 @@ class Federation:
         self.cfg, self.pg, self.device, self.log = cfg, pg, device, log
         self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
         self.where = f"{host}:{port}"
+        self.run_dir = cfg.train.run_dir  # (its RUN/run_start.json: which partners' records count)
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer (and at a fresh start), to name a field that differs
         self.hashes = agree_hashes(cfg)
