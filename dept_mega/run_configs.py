@@ -59,9 +59,10 @@ def launch_numbers(run_dir: str) -> list[int]:
 def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional[int]) -> tuple[str, bool]:
     """Write this launch's ``RUN/configs/launch_N.yaml`` and, when it trains (or the run has no
     ``config.yaml`` yet), ``RUN/config.yaml`` with ``RUN/launch_dir.json`` (the current
-    directory), and ``RUN/run_start.json`` at the run's first launch. ``start``: the step the launch starts at; ``resumed``: the checkpoint step it
-    resumed from (None: a new run). Returns (the launch file's path, whether ``config.yaml`` was
-    written). Global rank 0 only (the run directory is held by this job: ``dept_mega.rundir``)."""
+    directory); at the run's first launch, ``RUN/run_start.json``. ``start``: the step the
+    launch starts at; ``resumed``: the checkpoint step it resumed from (None: a new run).
+    Returns (the launch file's path, whether ``config.yaml`` was written). Global rank 0 only
+    (the run directory is held by this job: ``dept_mega.rundir``)."""
     text = config_text(cfg)
     folder = os.path.join(run_dir, LAUNCHES_DIR)
     os.makedirs(folder, exist_ok=True)
