@@ -10,12 +10,17 @@
   (N = 1, 2, ... in launch order), with a comment header saying where it started and whether it
   trained: the record of which config each part of a run used (the header also names the
   directory its relative paths are relative to).
+* ``RUN/run_start.json``: ``{"time": T}``, when the run's first launch got past the checks
+  (``time.time()`` of that job's clock), written once and kept by every later launch (a requeue,
+  a relaunch): what a federated group job compares the age of its partners' "finished" records
+  with (dept/federation_finished.py).
 * ``RUN/checkpoints/step_N/config.yaml``: the resolved config of the launch that wrote that
   checkpoint (written by :mod:`dept_mega.checkpoint`, covered by its manifest), as Megatron-LM
   keeps its arguments in every checkpoint.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -26,6 +31,7 @@ import yaml
 from .run_paths import CONFIG_FILE, record_launch_dir
 
 LAUNCHES_DIR = "configs"
+RUN_START_FILE = "run_start.json"
 _LAUNCH = re.compile(r"^launch_(\d+)\.yaml$")
 
 
@@ -53,9 +59,10 @@ def launch_numbers(run_dir: str) -> list[int]:
 def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional[int]) -> tuple[str, bool]:
     """Write this launch's ``RUN/configs/launch_N.yaml`` and, when it trains (or the run has no
     ``config.yaml`` yet), ``RUN/config.yaml`` with ``RUN/launch_dir.json`` (the current
-    directory). ``start``: the step the launch starts at; ``resumed``: the checkpoint step it
-    resumed from (None: a new run). Returns (the launch file's path, whether ``config.yaml`` was
-    written). Global rank 0 only (the run directory is held by this job: ``dept_mega.rundir``)."""
+    directory); at the run's first launch, ``RUN/run_start.json``. ``start``: the step the
+    launch starts at; ``resumed``: the checkpoint step it resumed from (None: a new run).
+    Returns (the launch file's path, whether ``config.yaml`` was written). Global rank 0 only
+    (the run directory is held by this job: ``dept_mega.rundir``)."""
     text = config_text(cfg)
     folder = os.path.join(run_dir, LAUNCHES_DIR)
     os.makedirs(folder, exist_ok=True)
@@ -68,9 +75,22 @@ def record_launch(cfg, run_dir: str, start: int, trains: bool, resumed: Optional
               f"its relative paths are relative to the directory it was launched from, {os.getcwd()}\n")
     path = os.path.join(folder, f"launch_{n}.yaml")
     _write_atomic(path, header + text)
+    if run_start(run_dir) is None:
+        _write_atomic(os.path.join(run_dir, RUN_START_FILE), json.dumps({"time": time.time()}) + "\n")
     main = os.path.join(run_dir, CONFIG_FILE)
     wrote = trains or not os.path.exists(main)
     if wrote:  # the launch directory first: a config.yaml is never paired with an older launch's
         record_launch_dir(run_dir)
         _write_atomic(main, text)
     return path, wrote
+
+
+def run_start(run_dir: str) -> Optional[float]:
+    """When the run began (``RUN/run_start.json``, the job's clock); None for a run without a
+    readable one (one started before it was written)."""
+    try:
+        with open(os.path.join(run_dir, RUN_START_FILE), encoding="utf-8") as f:
+            value = json.load(f).get("time")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None

@@ -95,25 +95,23 @@ def test_a_job_whose_own_min_groups_is_above_the_lighthouses_never_trains_alone(
         assert [r["groups"] for r in read_records(run, "outer")] == [[0, 1]] * (steps // L), run
 
 
-def test_a_quorum_too_small_is_asked_again_until_enough_or_stopped():
+def test_a_quorum_too_small_is_asked_again_until_enough_or_failed():
     """federation_wait.at_least: torchft's quorum asked again while it holds fewer groups than the
-    round needs, told once; it returns at the first big enough, or once the wait is abandoned
-    (``stop``: its helper thread then asks no more). least_groups: the larger minimum, and whose."""
-    import threading
+    round needs, told once; it returns at the first big enough (False), or at the first that
+    failed (True: a failed try, however small). least_groups: the larger minimum, and whose."""
+    from types import SimpleNamespace
+
+    import torch
 
     from dept_mega.dept.federation_log import least_groups
     from dept_mega.dept.federation_wait import at_least
-    sizes, got, short = iter([1, 1, 2, 3]), [], []
-    at_least(lambda: got.append(next(sizes)), lambda: got[-1], 2, threading.Event(), short.append, every=0.01)
-    assert got == [1, 1, 2] and short == [1]
-    stop, got = threading.Event(), []
-    t = threading.Thread(target=at_least, args=(lambda: got.append(1), lambda: 1, 2, stop), kwargs={"every": 30})
-    t.start()
-    time.sleep(0.1)
-    stop.set()
-    t.join(5)
-    assert not t.is_alive() and got == [1]
-    assert at_least(lambda: got.append(1), lambda: 1, 1, threading.Event()) is None and got == [1, 1]  # (least 1)
+    for plan, tries, failed in (([1, 1, 2, 3], [1, 1, 2], False), ([1, -1, 2], [1, -1], True), ([1], [1], False)):
+        sizes, got, short = iter(plan), [], []
+        manager = SimpleNamespace(num_participants=lambda: abs(got[-1]), errored=lambda: "x" if got[-1] < 0 else None)
+        least = 1 if plan == [1] else 2
+        assert at_least(lambda fn: fn(), lambda: got.append(next(sizes)), manager, least, torch.device("cpu"),
+                        short.append, every=0.01) is failed
+        assert got == tries and short == ([1] if least == 2 else [])
     assert least_groups(2, 1) == (2, "federation.min_groups 2 > the lighthouse's --min-groups 1")
     assert least_groups(1, 2) == (2, "the lighthouse's --min-groups 2 > federation.min_groups 1")
     assert least_groups(2, 2) == (2, "federation.min_groups 2 = the lighthouse's --min-groups")

@@ -553,6 +553,67 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     assert (fed._healed, fed.manager.step) == ((earlier, 7) if healed_before else (None, 3))
 
 
+def test_a_failed_quorum_too_small_is_a_failed_try(monkeypatch):
+    """A round needs 2 groups; the lighthouse forms a quorum of 1 group, in which this job heals
+    (torchft's step moved to the peer's, a state handed over) and that then fails: torchft's next
+    start_quorum would clear the error, so the short quorum is not just asked again: it is a
+    failed try like any (said, its heal and torchft's step undone), and the next quorum of 2
+    groups goes on from the job's own state. A short quorum that does not fail is asked again
+    without a try counted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dept_mega.dept import federation_wait
+    from dept_mega.dept.federation import Federation
+    monkeypatch.setattr(federation_wait, "ASK_AGAIN_S", 0.01)
+    fed = object.__new__(Federation)
+
+    class Manager:
+        def __init__(self, plan):
+            self.step, self.tries, self.plan, self.error = 3, 0, plan, None
+
+        def current_step(self):
+            return self.step
+
+        def batches_committed(self):
+            return 0
+
+        def load_state_dict(self, sd):
+            self.step = sd["step"]
+
+        def start_quorum(self, **kw):  # (torchft's: clears the error first)
+            self.error, (self.n, fails) = None, self.plan[self.tries]
+            self.tries += 1
+            if fails:  # heals from a peer at step 9, then the heal fails on this rank
+                self.step = 9
+                fed._load_healed({"round": 4})
+                self.error = RuntimeError("peer gone")
+
+        def errored(self):
+            return self.error
+
+        def num_participants(self):
+            return self.n
+
+    said = []
+    fed.say, fed._loop, fed._healed, fed.least, fed.least_why = None, None, None, 2, "why"
+    fed.round, fed.device, fed._say = 3, torch.device("cpu"), said.append
+    fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
+    fed.pg = SimpleNamespace(group_size=1, rank=0)
+    fed.process_group = SimpleNamespace(quorum_ranks=[0, 1])
+    fed.manager = Manager([(1, True), (2, False)])
+    fed._quorum(allow_heal=True)
+    assert fed.manager.tries == 2 and fed.members == [0, 1]
+    assert (fed._healed, fed.manager.step) == (None, 3)
+    assert [line.split(": ")[1] for line in said] == ["round 3"] and "failed (peer gone)" in said[0], said
+    said.clear()
+    fed.manager = Manager([(1, False), (1, True), (1, False), (1, True), (2, False)])  # 2 failed tries of 3
+    fed._quorum(allow_heal=True)
+    assert fed.manager.tries == 5 and (fed._healed, fed.manager.step) == (None, 3)
+    assert sum("failed" in line for line in said) == 2 and sum("fewer than" in line for line in said) == 2, said
+
+
 def test_a_group_left_out_writes_its_healed_membership_record():
     """A group left out of rounds completed without it (stalled beyond timeout_s: the audit's
     SIGSTOP of 80 s) healed at the redo quorum of round 5's exchange (LeftOut) and trains on at

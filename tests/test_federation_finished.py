@@ -87,7 +87,66 @@ def test_a_wait_ends_when_the_partners_finished(preemption):
     assert stop.value.finished is None and stop.value.gave_up == "federation.quorum_give_up_s = 0.2 s"
 
 
-def test_only_a_job_past_round_0_stops_before_giving_up(monkeypatch):
+def _started(run_dir, ago: float) -> str:
+    """``run_dir`` whose run started ``ago`` seconds ago (RUN/run_start.json, as its first launch writes it)."""
+    import json
+
+    from dept_mega.run_configs import RUN_START_FILE
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, RUN_START_FILE), "w", encoding="utf-8") as f:
+        json.dump({"time": time.time() - ago}, f)
+    return str(run_dir)
+
+
+def _li(rid: str, ago: float, old: bool) -> str:
+    return f'<li class="heartbeat\n    {"old" if old else ""}\n  ">\n    {rid}: seen {ago}s ago\n  </li>'
+
+
+def test_records_of_an_earlier_run_of_the_config_do_not_count(monkeypatch, tmp_path):
+    """A new run of the same config on a lighthouse that served an earlier one (which keeps its
+    records for ever): at round 3 group 1 is preempted (its heartbeat old, newer than its earlier
+    run's record); at round 0 group 1 is still queued (no heartbeat of this run): neither stops
+    group 0's wait, and group 1 back does not stop on group 0's earlier record. A record written
+    during this run counts though its group's launch heartbeated (old) before it, and a last
+    heartbeat crossing it by under BEAT_MARGIN_S does not void it."""
+    from dept_mega.dept import federation as fed
+    from dept_mega.dept import federation_log as fl
+    from dept_mega.dept.federation_finished import partners_finished, record_id, run_key
+    from dept_mega.run_configs import record_launch, run_start
+    key = run_key([5, 6])
+    job = object.__new__(fed.Federation)
+    job.group, job.groups, job.least, job.where, job.hashes, job.round = 0, 2, 2, "h:1", [5, 6], 3
+    job.run_dir = _started(tmp_path / "g0", 3600.0)  # this run began an hour ago
+    earlier = _li(record_id(0, 1000, key), 90000.0, True) + _li(record_id(1, 1000, key), 90001.0, True)
+    page = {"p": earlier + _li("dept_group_0:new", 0.2, False) + _li("dept_group_1:new", 40.0, True)}
+    monkeypatch.setattr(fl, "_status_page", lambda where, timeout: page["p"])
+    assert partners_finished(job, False) is None and partners_finished(job, True) is None
+    job.group = 1  # group 1 back: group 0's earlier record
+    assert partners_finished(job, False) is None
+    job.group, job.run_dir = 0, str(tmp_path / "no_start")  # (a run without run_start.json: the heartbeats alone)
+    assert partners_finished(job, False) is None
+    job.run_dir = _started(tmp_path / "g0", 3600.0)
+    job.group, job.round, page["p"] = 0, 0, earlier + _li("dept_group_0:new", 0.2, False)  # group 1 queued
+    assert partners_finished(job, True) is None
+    # this run's group 1 finished 30 s ago (after its launch's last heartbeat, or 1 s before it)
+    for last in (35.0, 29.0):
+        page["p"] = earlier + _li("dept_group_1:new", last, True) + _li(record_id(1, 8, key), 30.0, True)
+        assert partners_finished(job, True).startswith("group(s) 1 finished the run (at step 8"), last
+        job.round = 3
+        assert partners_finished(job, False).startswith("group(s) 1 finished the run (at step 8"), last
+    # written once, at the run's first launch: a later launch (a requeue) keeps it
+    from dept_mega.config import load_config
+    from tests.federation_utils import write_config
+    cfg = load_config(write_config(str(tmp_path), steps=4, local_steps=2, sources=2))
+    run = str(tmp_path / "run")
+    record_launch(cfg, run, 0, True, None)
+    first = run_start(run)
+    assert first is not None and abs(first - time.time()) < 60
+    record_launch(cfg, run, 2, True, 2)
+    assert run_start(run) == first
+
+
+def test_only_a_job_past_round_0_stops_before_giving_up(monkeypatch, tmp_path):
     """partners_finished (a Federation's wait) reads the lighthouse's records: at round 0 (more
     likely a new run on a lighthouse that served one of this config) only when the wait is given
     up; a quorum that can still form (enough groups not finished) is no reason to stop."""
@@ -96,6 +155,7 @@ def test_only_a_job_past_round_0_stops_before_giving_up(monkeypatch):
     from dept_mega.dept.federation_finished import partners_finished, record_id, run_key
     job = object.__new__(fed.Federation)
     job.group, job.groups, job.least, job.where, job.hashes = 0, 3, 2, "h:1", [5, 6]
+    job.run_dir = _started(tmp_path, 600.0)
     beats = "".join(f'<li class="heartbeat\n    old\n  ">\n    {record_id(g, 6, run_key([5, 6]))}: seen 12.5s ago\n'
                     f'  </li>' for g in (1, 2))
     monkeypatch.setattr(fl, "_status_page", lambda where, timeout: beats)
@@ -135,7 +195,9 @@ def test_a_job_whose_partners_finished_stops_not_for_a_requeue(tmp_path):
     from dept_mega.dept.federation_config import agree_hashes
     from dept_mega.dept.federation_finished import announce, run_key
     cfg = write_config(str(tmp_path), steps=4, local_steps=2, sources=2)
-    run = str(tmp_path / "g0")
+    # group 0's run began before group 1 finished (a job requeued after it: its first launch
+    # wrote RUN/run_start.json); a record older than the run's start would be an earlier run's
+    run = _started(tmp_path / "g0", 120.0)
     lh = Lighthouse(min_groups=2)
     try:
         assert announce(lh.addr, 1, 4, run_key(agree_hashes(load_config(cfg, ["federation.groups=2"])))) is None

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -60,7 +59,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError
-from ..parallel.agree import agree_errors, world_max
+from ..parallel.agree import agree_errors
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
@@ -99,6 +98,7 @@ class Federation:
         self.cfg, self.pg, self.device, self.log = cfg, pg, device, log
         self.say = log if pg.rank == 0 else None  # the job's progress lines: once per job
         self.where = f"{host}:{port}"
+        self.run_dir = cfg.train.run_dir  # (its RUN/run_start.json: which partners' records count)
         self.group, self.groups = group, f.groups
         self.agreed = agree_values(cfg)  # sent to a healing peer (and at a fresh start), to name a field that differs
         self.hashes = agree_hashes(cfg)
@@ -216,21 +216,18 @@ class Federation:
             give_up = self.cfg.federation.quorum_give_up_s
             say = (lambda s: self.say(quorum_wait_line(self.round, s, self.least, self.where, self._rounds > 0,
                                                        give_up))) if self.say else None
-            stop = threading.Event()  # (a quorum too small is asked again: at_least, until the wait is abandoned)
-            try:
-                preemptible(lambda: at_least(lambda: self.manager.start_quorum(**kw), self.manager.num_participants,
-                                             self.least, stop, self._short), preemption_of(self._loop), self.device,
-                            what, synced, say, every=WAIT_EVERY_S, give_up_s=give_up,
-                            ended=(lambda final: partners_finished(self, final)) if self.say else None)
-            finally:
-                stop.set()
+            t0 = time.monotonic()  # (a quorum too small is asked again: at_least; one wait, one give-up)
+            failed_any = at_least(lambda fn: preemptible(
+                fn, preemption_of(self._loop), self.device, what, synced, say, every=WAIT_EVERY_S, give_up_s=give_up,
+                ended=(lambda final: partners_finished(self, final)) if self.say else None, since=t0),
+                lambda: self.manager.start_quorum(**kw), self.manager, self.least, self.device, self._short)
             # a quorum formed with a group that is gone (it died with its request pending at the
             # lighthouse, which counts it until its heartbeats time out): this job's process group
             # could not be configured with it, or healing from it failed. Every rank of the job
             # asks again (one rank alone would wait for the others' requests), and the
             # lighthouse's next quorum leaves the dead group out once its heartbeats are old.
             failed = self.manager.errored()
-            if not world_max([failed is not None], self.device)[0]:
+            if not failed_any:
                 break
             if attempt == QUORUM_TRIES:  # not a group gone: something persistent (a store, a network)
                 raise RuntimeError(f"federation: quorum failed {QUORUM_TRIES} times in a row at round {self.round}: "

@@ -9,10 +9,16 @@ every group job reaches: one heartbeat under the id :func:`record_id` (``dept_fi
 step_S_KEY``), which torchft's lighthouse lists on its ``/status`` page for as long as it runs
 (marked old after its ``--heartbeat-timeout-s``; a heartbeat is all its interface stores). KEY
 is a hash of the keys every group job agrees on (``federation_config.AGREE_KEYS``), so records
-of another run's config on the same lighthouse do not count; a record also does not count while
-that group heartbeats again, newer than the record (a new run of the same config, whose group is
-live). A waiting job reads them (:func:`finished_groups`) and stops, not for a requeue, once too
-few groups are left for a quorum ever to form (:func:`cannot_form`).
+of another run's config on the same lighthouse do not count. torchft's lighthouse never forgets
+a heartbeat, so the records of an earlier run of the same config on a long-lived lighthouse are
+there too; a record counts only when it was written during this run: after the run's start
+(``RUN/run_start.json``, written at its first launch: a partner that finished while this job was
+preempted or requeued counts; the lighthouse gives ages, so a record's time is this job's now
+minus its age, no clock shared with the lighthouse) by more than :data:`START_MARGIN_S`, and
+after every heartbeat of its group's launches (``dept_group_G:UUID``, live or old: a group of a
+new run that heartbeats, or heartbeated and was preempted, has not finished this run). A waiting
+job reads them (:func:`finished_groups`) and stops, not for a requeue, once too few groups are
+left for a quorum ever to form (:func:`cannot_form`).
 
 A lighthouse that restarted has no records: a job then waits and gives up as before."""
 from __future__ import annotations
@@ -28,6 +34,12 @@ _RECORD = re.compile(re.escape(PREFIX) + r"(\d+)_step_(\d+)_([0-9a-f]+)$")
 # torchft's page: <li class="heartbeat [old]"> ID: seen 1.23s ago </li> (Rust's Duration: s, ms, µs, ns)
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(\S+): seen ([0-9.]+)(s|ms|µs|us|ns) ago')
 _UNIT = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
+#: seconds a record must be newer than the run's start to count: the clocks of the nodes a run's
+#: launches ran on may differ (a record of an earlier run is older than this run's start by far)
+START_MARGIN_S = 60.0
+#: seconds a group's heartbeat (old) must be newer than its record to void it: torchft's last
+#: heartbeats of a finishing job may cross its record (a live one voids it while it is live)
+BEAT_MARGIN_S = 5.0
 
 
 def run_key(hashes: list[int]) -> str:
@@ -59,20 +71,25 @@ def heartbeats(page: str) -> dict[str, tuple[float, bool]]:
             for m in _HEARTBEAT.finditer(page)}
 
 
-def finished_groups(page: str, key: str, replica_prefix: str = "dept_group_") -> dict[int, int]:
-    """Group -> the step it finished at, from the records of run ``key`` on the lighthouse's page;
-    a record does not count while its group heartbeats live and newer than it (torchft's
-    replica ids ``dept_group_G:UUID``, one per launch)."""
+def finished_groups(page: str, key: str, replica_prefix: str = "dept_group_",
+                    started_ago: Optional[float] = None) -> dict[int, int]:
+    """Group -> the step it finished at, from the records of run ``key`` on the lighthouse's page
+    written during this run: newer than its start ``started_ago`` seconds ago (None: unknown, a
+    run without ``RUN/run_start.json``) by :data:`START_MARGIN_S`, and newer than every heartbeat
+    of its group's launches (torchft's replica ids ``dept_group_G:UUID``, one per launch; an old
+    one by :data:`BEAT_MARGIN_S`)."""
     beats = heartbeats(page)
     done: dict[int, int] = {}
     for rid, (ago, _) in beats.items():
         m = _RECORD.match(rid)
         if m is None or m.group(3) != key:
             continue
+        if started_ago is not None and ago > started_ago - START_MARGIN_S:
+            continue  # written before this run started (an earlier run's)
         g = int(m.group(1))
-        live = [a for other, (a, old) in beats.items() if other.startswith(f"{replica_prefix}{g}:") and not old]
-        if any(a < ago for a in live):
-            continue
+        launches = [(a, old) for other, (a, old) in beats.items() if other.startswith(f"{replica_prefix}{g}:")]
+        if any(a < ago and (not old or a < ago - BEAT_MARGIN_S) for a, old in launches):
+            continue  # the group heartbeated after it: a launch of a later run
         done[g] = max(done.get(g, 0), int(m.group(2)))
     return done
 
@@ -100,12 +117,19 @@ def partners_finished(fed, final: bool) -> Optional[str]:
     """Why federation ``fed``'s quorum wait cannot end (the line of :func:`finished_line`): the
     lighthouse's records show that too many other groups finished the run; else None. Before
     the wait is given up (``final``) only past round 0: a job at the run's start that finds
-    records of its config's run is more likely a new run on a lighthouse that served one."""
+    records of its config's run is more likely a new run on a lighthouse that served one. The
+    records count from this run only (:func:`finished_groups`, the start in ``fed.run_dir``)."""
+    import time
+
+    from ..run_configs import run_start
     from .federation_log import status_page
     if not final and fed.round == 0:
         return None
     page = status_page(fed.where, 2.0)
-    done = finished_groups(page, run_key(fed.hashes)) if page is not None else {}
+    if page is None:
+        return None
+    started = run_start(fed.run_dir)
+    done = finished_groups(page, run_key(fed.hashes), started_ago=None if started is None else time.time() - started)
     if not done or not cannot_form(done, fed.group, fed.groups, fed.least):
         return None
     return finished_line(done, fed.group, fed.least, fed.where)

@@ -52,33 +52,41 @@ QUORUM_TRIES = 3
 ASK_AGAIN_S = 1.0
 
 
-def at_least(ask: Callable[[], Any], count: Callable[[], int], least: int, stop: threading.Event,
-             short: Optional[Callable[[int], None]] = None, every: float = ASK_AGAIN_S) -> None:
-    """``ask()`` (torchft's quorum, on :func:`preemptible`'s helper thread) again every ``every``
-    seconds until the quorum it formed holds at least ``least`` groups (``count()``), or until
-    ``stop`` is set (the wait was abandoned: a preemption, a give-up). torchft's lighthouse forms
-    quorums of its own ``--min-groups`` and torchft's Manager checks its ``min_replica_size`` only
-    when an exchange commits, which a group alone never does: without this, a job whose
-    ``federation.min_groups`` is above the lighthouse's would train rounds alone. Every rank of a
-    job sees the same quorum, so all ask equally often. ``short(n)``: told of the first quorum of
-    ``n`` groups too few."""
-    told = False
-    while True:
-        ask()
-        n = count()
-        if n >= least or stop.is_set():
-            return
-        if short is not None and not told:
-            told = True
-            short(n)
-        if stop.wait(every):
-            return
+def at_least(wait: Callable[[Callable[[], Any]], Any], ask: Callable[[], Any], manager, least: int,
+             device: torch.device, short: Optional[Callable[[int], None]] = None,
+             every: Optional[float] = None) -> bool:
+    """One try of a job's quorum: torchft's (``ask()``: ``manager.start_quorum``, run by ``wait``:
+    :func:`preemptible` on its helper thread) asked again, ``every`` seconds later, while the
+    quorum it formed holds fewer than ``least`` groups (``manager.num_participants()``) and did
+    not fail. Returns whether it failed (``manager.errored()``) on any rank of the job. torchft's
+    lighthouse forms quorums of its own ``--min-groups`` and torchft's Manager checks its
+    ``min_replica_size`` only when an exchange commits, which a group alone never does: without
+    this, a job whose ``federation.min_groups`` is above the lighthouse's would train rounds alone.
+    Each quorum's verdict is agreed over the job's ranks on its main thread (one all-reduce MAX),
+    so every rank asks again or stops alike; a short quorum that failed (its process group, or a
+    heal from it, failed on some rank) ends the try like any failed quorum: torchft's
+    ``start_quorum`` clears the Manager's error, so asking again would drop it, and with it the
+    caller's undoing of what the failed try changed (a heal, torchft's step).
+    ``short(n)``: told of the first quorum of ``n`` groups too few. ``every``: :data:`ASK_AGAIN_S`."""
+    every = ASK_AGAIN_S if every is None else every
+    again, stop = False, threading.Event()  # (set once this try ends: an abandoned wait asks no more)
+    try:
+        while True:
+            wait(lambda later=again: None if later and stop.wait(every) else ask())
+            failed, small = world_max([manager.errored() is not None, manager.num_participants() < least], device)
+            if failed or not small:
+                return bool(failed)
+            if short is not None and not again:
+                short(manager.num_participants())
+            again = True
+    finally:
+        stop.set()
 
 
 def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: str, synced: bool,
                 say: Optional[Callable[[float], None]] = None, poll_s: float = POLL_S,
                 every: float = WAIT_EVERY_S, give_up_s: Optional[float] = None,
-                ended: Optional[Callable[[bool], Optional[str]]] = None) -> Any:
+                ended: Optional[Callable[[bool], Optional[str]]] = None, since: Optional[float] = None) -> Any:
     """``fn()`` (blocking), abandoned when a preemption is agreed over the job's ranks while
     any of them still waits: then :class:`PreemptedWait` (``what``, ``synced``) on every rank;
     the same, its ``gave_up`` set, once the wait has lasted ``give_up_s`` seconds on any rank
@@ -90,7 +98,8 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
     the rank that reads the lighthouse, rank 0): why no quorum can form again (the other groups
     finished the run), else None; asked every ``every`` seconds (``final`` False) and once the
     wait is given up (True, before the give-up is decided): its answer ends the wait with
-    :class:`PreemptedWait`'s ``finished`` set on every rank."""
+    :class:`PreemptedWait`'s ``finished`` set on every rank. ``since``: the wait began then
+    (``time.monotonic()``; a quorum asked again: its give-up and its lines go on from the first ask)."""
     if preemption is None and say is None and give_up_s is None:
         return fn()
     agree = (lambda flags: flags) if preemption is None else (lambda flags: world_max(flags, device))
@@ -111,7 +120,9 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
             done.set()
 
     threading.Thread(target=run, name="federation-quorum", daemon=True).start()
-    t0 = said = time.monotonic()
+    now = time.monotonic()
+    t0 = now if since is None else since
+    said = t0 + every * ((now - t0) // every)
     while True:
         finished = done.wait(poll_s)
         late = give_up_s is not None and time.monotonic() - t0 >= give_up_s
