@@ -4,6 +4,7 @@ quorum that can no longer form (too many partners finished) stops, not for a req
 from __future__ import annotations
 
 import os
+import socket
 import time
 from types import SimpleNamespace
 
@@ -50,7 +51,12 @@ def test_finished_records_at_the_lighthouse_are_told_apart_from_live_groups():
         assert finished_groups(_page(lh.addr), key) == {1: 6, 2: 6}
     finally:
         lh.stop()
-    assert announce(lh.addr, 1, 6, key, timeout_s=1.0) is not None  # (nothing there now)
+    # a lighthouse that is gone: a port held bound here without listening refuses every
+    # connection (the stopped lighthouse's port could be taken by another test's meanwhile)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{held.getsockname()[1]}"
+        assert announce(gone, 1, 6, key, timeout_s=1.0) is not None
     assert cannot_form({1: 6, 2: 6}, 0, 3, 2) and cannot_form({1: 6}, 0, 2, 2)
     assert not cannot_form({1: 6}, 0, 3, 2) and not cannot_form({0: 6}, 0, 2, 2)  # (itself: not a partner)
     line = finished_line({1: 6, 2: 6}, 0, 2, "h:1")
