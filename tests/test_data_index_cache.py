@@ -116,17 +116,24 @@ def test_a_set_written_meanwhile_is_kept_not_replaced(tmp_path):
     assert {k: os.stat(f"{stem}.{k}.npy").st_ino for k in EPOCH_ARRAYS} == theirs
 
 
-def test_a_waiter_loads_what_the_claims_owner_wrote(tmp_path):
-    stem = str(tmp_path / "x_train_abc")
-    with open(stem + ".building", "w") as f:
-        f.write(f"otherhost {os.getpid()}")  # another host's: never judged ended
-
+def _owner_finishing(stem: str) -> threading.Thread:
+    """Another owner of ``stem``'s claim (already written): 0.3 s later it writes array ``a`` and
+    releases the claim; started, returned to join."""
     def owner():
         time.sleep(0.3)
         save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
         os.remove(stem + ".building")
     th = threading.Thread(target=owner)
     th.start()
+    return th
+
+
+def test_a_waiter_loads_what_the_claims_owner_wrote(tmp_path):
+    stem = str(tmp_path / "x_train_abc")
+    with open(stem + ".building", "w") as f:
+        f.write(f"otherhost {os.getpid()}")  # another host's: never judged ended
+
+    th = _owner_finishing(stem)
     lines = []
     assert claim_or_wait(stem, ["a"], poll_s=0.01, log=lines.append) is None
     th.join()
@@ -248,12 +255,7 @@ def test_a_claim_read_with_a_stale_nfs_handle_is_looked_at_again(tmp_path, monke
         return builtins.open(file, *args, **kwargs)
     monkeypatch.setattr(index_cache, "open", estale_open, raising=False)
 
-    def owner():
-        time.sleep(0.3)
-        save_arrays(stem, {"a": np.arange(5, dtype=np.int32)})
-        os.remove(stem + ".building")
-    th = threading.Thread(target=owner)
-    th.start()
+    th = _owner_finishing(stem)
     assert claim_or_wait(stem, ["a"], poll_s=0.01) is None
     th.join()
     assert not stale

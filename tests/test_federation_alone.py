@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from tests.federation_utils import (ENV, Lighthouse, finish_all, is_held, launch_group, read_dumps,  # noqa: E402
-                                    read_records, wait_for, wait_for_requests, write_config)
+from tests.federation_utils import (ENV, federation, finish_all, is_held, read_dumps, read_records,  # noqa: E402
+                                    wait_for, wait_for_requests, write_config)
 
 
 def test_a_new_group_joins_a_group_that_ran_alone(tmp_path):
@@ -25,23 +25,16 @@ def test_a_new_group_joins_a_group_that_ran_alone(tmp_path):
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
-    lh = Lighthouse(min_groups=1)
     kw = dict(groups=G, min_groups=1, timeout_s=3)
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
-    procs = []
-    try:
-        procs.append(launch_group(cfg, runs[0], lh.addr, 0, env=dict(env, DEPT_FEDERATION_HOLD=f"3:start:{go}"), **kw))
-        wait_for(lambda: is_held(dump, 0, 3) or procs[0].poll() is not None, "group 0 did not reach round 3's start")
-        assert procs[0].poll() is None, "group 0 ended before round 3"
-        procs.append(launch_group(cfg, runs[1], lh.addr, 1, env=env, **kw))
-        wait_for_requests(lh, 1, procs[1:], "the new group 1")
+    with federation(min_groups=1) as procs:
+        first = procs.launch(cfg, runs[0], 0, env=dict(env, DEPT_FEDERATION_HOLD=f"3:start:{go}"), **kw)
+        wait_for(lambda: is_held(dump, 0, 3) or first.poll() is not None, "group 0 did not reach round 3's start")
+        assert first.poll() is None, "group 0 ended before round 3"
+        procs.launch(cfg, runs[1], 1, env=env, **kw)
+        wait_for_requests(procs.lh, 1, procs[1:], "the new group 1")
         open(go, "w").close()
         outs = finish_all(procs, timeout=180)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs]
@@ -65,8 +58,6 @@ def test_a_job_whose_own_min_groups_is_above_the_lighthouses_never_trains_alone(
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     kw = dict(groups=G, min_groups=2, timeout_s=1)
-    lh = Lighthouse(min_groups=1)
-    procs = []
     short = "federation: round 0: the lighthouse formed a quorum of 1 group(s), fewer than the 2 a round of this " \
             "job needs (federation.min_groups 2 > the lighthouse's --min-groups 1); asking again"
 
@@ -76,18 +67,13 @@ def test_a_job_whose_own_min_groups_is_above_the_lighthouses_never_trains_alone(
         with open(p.log, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    try:
-        procs.append(launch_group(cfg, runs[0], lh.addr, 0, **kw))
-        wait_for(lambda: short in log(procs[0]) or procs[0].poll() is not None, "group 0's short quorum")
+    with federation(min_groups=1) as procs:
+        first = procs.launch(cfg, runs[0], 0, **kw)
+        wait_for(lambda: short in log(first) or first.poll() is not None, "group 0's short quorum")
         time.sleep(1.5)  # (past its fresh start's timeout_s: before, it trained alone from here)
-        assert procs[0].poll() is None, log(procs[0])[-3000:]
-        procs.append(launch_group(cfg, runs[1], lh.addr, 1, **kw))
+        assert first.poll() is None, log(first)[-3000:]
+        procs.launch(cfg, runs[1], 1, **kw)
         outs = finish_all(procs, timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        lh.stop()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     assert "a round needs at least 2 group(s) (federation.min_groups 2 > the lighthouse's --min-groups 1)" in outs[0]

@@ -46,6 +46,13 @@ CLOSE_WAIT = 10.0  # seconds the workers of a finished run get to end on their o
 _ORPHAN_CHECK = 1.0  # seconds a worker waits for a task before it checks that its parent is alive
 
 
+def _join_all(procs, seconds: float) -> None:
+    """Joins every process in ``procs`` within ``seconds`` in all (one deadline, not one each)."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+
+
 class WorkerDied(RuntimeError):
     """A worker process ended while the main process waited for a result."""
 
@@ -198,15 +205,11 @@ class Workers:
             self._asked = True
             for _ in self._procs:
                 self._tasks.put(None)
-            deadline = time.monotonic() + CLOSE_WAIT
-            for proc in self._procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
+            _join_all(self._procs, CLOSE_WAIT)
         for proc in self._procs:
             if proc.exitcode is None:
                 proc.terminate()
-        deadline = time.monotonic() + GRACE
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        _join_all(self._procs, GRACE)
         for proc in self._procs:
             if proc.exitcode is None:
                 proc.kill()
