@@ -275,6 +275,25 @@ def test_a_worker_killed_alone_stops_the_run_with_an_error(tmp_path, tokenizers)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="children die with their parent on Linux only")
+def test_the_tools_children_die_with_it(tmp_path, tokenizers):
+    """The tool killed alone with SIGKILL (the out-of-memory killer), with --partitions and
+    --workers: its partitions' processes and their workers, busy or idle, end with it (one would
+    otherwise sleep out the 60 s block, or tokenize on for nobody)."""
+    src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
+    p, _ = _start_blocked(tmp_path, tokenizers[0], src, 70, "all", 4, 2)
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 10
+        while _group_members(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _group_members(p.pid) == [], "left running after the tool was killed"
+    finally:
+        if _group_members(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
 def test_ordinary_runs_with_workers_end(tmp_path, tokenizers):
     """Runs that nobody stops, with --workers (and --partitions), end, each within its time limit
     (stopping the workers after a finished run once waited for ever on an idle one), with the

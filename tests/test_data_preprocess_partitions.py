@@ -3,6 +3,8 @@ input in every part, counted in one pass at most, and the output is the unpartit
 from __future__ import annotations
 
 import os
+import re
+import signal
 import time
 
 import pytest
@@ -134,3 +136,31 @@ def test_run_in_processes_reports_a_dead_child_and_stops_the_others():
     with pytest.raises(ValueError, match="stop"):
         run_in_processes([(0,), (1,)], _child_sleeps, 2, on_message, poll=0.05)
     assert time.time() - t0 < 20  # the sleeping child was terminated, not waited for
+
+
+def _child_deaf(q, index):
+    if index == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        q.put(("deaf", index))
+        time.sleep(60)
+    else:
+        q.put(("error", index))
+
+
+def test_run_in_processes_kills_a_child_that_outlives_its_stop_wait_and_says_so():
+    """A child still there ``stop_wait`` seconds after SIGTERM (stuck, or deaf to it) is killed,
+    and the log names it: the tool's stop is bounded, not a 30 s wait per child."""
+    from dept_mega.data.partitions import run_in_processes
+    seen, logged = set(), []
+
+    def on_message(msg):
+        seen.add(msg[0])
+        if seen == {"deaf", "error"}:
+            raise ValueError("stop")
+
+    t0 = time.time()
+    with pytest.raises(ValueError, match="stop"):
+        run_in_processes([(0,), (1,)], _child_deaf, 2, on_message, poll=0.05, log=logged.append, stop_wait=1.0)
+    assert time.time() - t0 < 10
+    assert len(logged) == 1 and re.fullmatch(r"\[preprocess\] the process of partition 1 \(pid \d+\) had not ended "
+                                             r"1 s after SIGTERM: killed", logged[0]), logged

@@ -7,7 +7,9 @@ lines' ``file:line`` and for ``--round-trip-every``'s line index over the whole 
 counted before the parts start, in one pass over the bytes before the last cut
 (:func:`part_starts`). :func:`run_in_processes` runs one child process per part, at most a
 given number at once, passes their messages to the caller and, on any error or interrupt,
-terminates them all (SIGTERM: a child unwinds and removes its partial files).
+terminates them all (SIGTERM: a child unwinds and removes its partial files; one still there
+:data:`STOP_WAIT` seconds later is killed, and the caller's log says so). A child also dies when
+the process that started it does, whatever kills that (:func:`die_with_parent`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ import os
 import queue as queue_mod
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from dept_mega.data.stop_signals import die_with_parent
+
+STOP_WAIT = 10.0  # seconds the children get, all together, to end after SIGTERM before SIGKILL
 
 def count_newlines(path: str, start: int, end: int) -> int:
     """The newlines in bytes [start, end) of ``path``."""
@@ -101,14 +107,21 @@ def part_starts(parts: Sequence[Sequence[Range]]) -> list[tuple[dict[str, tuple[
     return out
 
 
+def _child(parent: int, target: Callable, *args) -> None:
+    die_with_parent(parent)
+    target(*args)
+
+
 def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
-                     on_message: Callable[[Any], None], poll: float = 0.2) -> None:
+                     on_message: Callable[[Any], None], poll: float = 0.2,
+                     log: Optional[Callable[[str], None]] = None, stop_wait: float = STOP_WAIT) -> None:
     """Run ``target(queue, *task)`` for each task in its own child process, at most
     ``concurrency`` at once, in order. A child reports with ``queue.put(message)``; its last
     message must be ``("done", index)`` (``index``: its task's position) after which it exits
     0. Each message goes to ``on_message`` (in the caller's process), which may raise to stop
     everything. A child that ends without "done" raises RuntimeError naming its exit code.
-    On return or any exception every child still running is terminated and joined."""
+    On return or any exception every child still running is terminated and joined; those
+    still there ``stop_wait`` seconds after (all together) are killed, each named to ``log``."""
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     q = ctx.Queue()
     running: dict[int, Any] = {}
@@ -118,7 +131,7 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
     try:
         while nxt < len(tasks) or running:
             while nxt < len(tasks) and len(running) < max(1, concurrency):
-                proc = ctx.Process(target=target, args=(q, *tasks[nxt]), daemon=False)
+                proc = ctx.Process(target=_child, args=(os.getpid(), target, q, *tasks[nxt]), daemon=False)
                 proc.start()
                 running[nxt] = proc
                 nxt += 1
@@ -143,10 +156,15 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
         for proc in running.values():
             if proc.is_alive():
                 proc.terminate()
+        deadline = time.monotonic() + stop_wait
         for proc in running.values():
-            proc.join(timeout=30)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for i, proc in running.items():
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+                if log is not None:
+                    log(f"[preprocess] the process of partition {i} (pid {proc.pid}) had not ended "
+                        f"{stop_wait:g} s after SIGTERM: killed")
         q.close()
         q.join_thread()

@@ -496,7 +496,7 @@ def _run_partitions(parts, part_prefixes, workers: int, init_args: tuple, dtype,
             raise PreprocessError(msg[2])
 
     try:
-        run_in_processes(tasks, _part_child, concurrency, on_message)
+        run_in_processes(tasks, _part_child, concurrency, on_message, log=log)
     except RuntimeError as exc:
         raise PreprocessError(str(exc)) from None
     stats.documents = stats.tokens = 0

@@ -8,7 +8,10 @@ rest of them behind.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -57,3 +60,23 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when ``parent`` (the process that forked it, from its
+    main thread) ends, whatever ends it; if it has already ended, this process exits now.
+    Without it a child of a tool killed by SIGKILL (the out-of-memory killer, a batch system)
+    would go on tokenizing its part, or sleeping in a long batch, for nobody. Elsewhere:
+    nothing (the children's own checks of their parent remain)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this libc: the children's own checks remain
+        return
+    if os.getppid() != parent:  # the parent ended before the prctl: no signal will come
+        os._exit(1)

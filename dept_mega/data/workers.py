@@ -23,7 +23,8 @@ Here, nothing the main process does to stop the workers depends on them:
   for the task queue's feeder thread (which may be stuck writing to a pipe nobody reads);
   after a finished run it first asks them to end (one ``None`` task each).
 
-A worker also ends when the main process is gone (killed with SIGKILL alone): it checks its
+A worker also ends when the main process is gone (killed with SIGKILL alone): on Linux it is
+killed with it (:func:`~dept_mega.data.stop_signals.die_with_parent`), elsewhere it checks its
 parent whenever it has waited a second for a task.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
+
+from dept_mega.data.stop_signals import die_with_parent
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL = 0.2  # seconds: how often a wait for a result checks that every worker is alive
@@ -95,6 +98,7 @@ def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[C
     ``(seq, False, (exception, traceback))``; an initializer's error answers every task."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent(parent)  # also while it runs a task (the check below only runs between tasks)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # a SIGTERM sent meanwhile ends it here
     failed = None
