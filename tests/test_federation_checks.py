@@ -498,6 +498,39 @@ def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
     assert "code 400" in err, err  # the refused request (a stale step) is still said
 
 
+class _PlannedManager:
+    """A stand-in for torchft's Manager whose quorum tries follow ``plan``: per try, (groups in
+    the quorum, whether it fails). A failing try heals from a peer at step 9 (torchft's step
+    moved, the peer's state handed over to ``fed``) and then errs; each ``start_quorum`` clears
+    the error first, as torchft's does."""
+
+    def __init__(self, fed, plan):
+        self.fed, self.step, self.tries, self.plan, self.error = fed, 3, 0, plan, None
+
+    def current_step(self):
+        return self.step
+
+    def batches_committed(self):
+        return 0
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+    def start_quorum(self, **kw):
+        self.error, (self.n, fails) = None, self.plan[self.tries]
+        self.tries += 1
+        if fails:
+            self.step = 9
+            self.fed._load_healed({"round": 4})
+            self.error = RuntimeError("peer gone")
+
+    def errored(self):
+        return self.error
+
+    def num_participants(self):
+        return self.n
+
+
 @pytest.mark.parametrize("healed_before", [False, True])
 def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     """A quorum try that healed this job (torchft moved its step to the peer's and handed over
@@ -505,7 +538,7 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     goes back to what it was before the try, so the next try heals again instead of presenting
     this job, its own state unchanged, as one of the newest round. ``healed_before``: the job
     had healed in an earlier, successful try (a fresh start's wait asks again while groups are
-    missing): that heal and its step stay. torchft's Manager stands in as a fake."""
+    missing): that heal and its step stay. torchft's Manager stands in as a fake (_PlannedManager)."""
     from types import SimpleNamespace
 
     import torch
@@ -513,33 +546,8 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     from dept_mega.dept.federation import Federation
 
     fed = object.__new__(Federation)
-
-    class Manager:
-        def __init__(self):
-            self.step, self.tries = 3, 0
-
-        def current_step(self):
-            return self.step
-
-        def batches_committed(self):
-            return 0
-
-        def load_state_dict(self, sd):
-            self.step = sd["step"]
-
-        def start_quorum(self, **kw):
-            self.tries += 1
-            if self.tries == 1:  # heals from a peer at step 9, then the try fails on another rank
-                self.step = 9
-                fed._load_healed({"round": 4})
-
-        def errored(self):
-            return RuntimeError("peer gone") if self.tries == 1 else None
-
-        def num_participants(self):
-            return 1
-
-    fed.manager, fed.say, fed._loop, fed._healed = Manager(), None, None, None
+    # the first try heals from a peer at step 9 and then fails on another rank; the second succeeds
+    fed.manager, fed.say, fed._loop, fed._healed = _PlannedManager(fed, [(1, True), (1, False)]), None, None, None
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
     fed.least = 1  # (a round of 1 group: each try asks torchft once)
     fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
@@ -569,46 +577,19 @@ def test_a_failed_quorum_too_small_is_a_failed_try(monkeypatch):
     monkeypatch.setattr(federation_wait, "ASK_AGAIN_S", 0.01)
     fed = object.__new__(Federation)
 
-    class Manager:
-        def __init__(self, plan):
-            self.step, self.tries, self.plan, self.error = 3, 0, plan, None
-
-        def current_step(self):
-            return self.step
-
-        def batches_committed(self):
-            return 0
-
-        def load_state_dict(self, sd):
-            self.step = sd["step"]
-
-        def start_quorum(self, **kw):  # (torchft's: clears the error first)
-            self.error, (self.n, fails) = None, self.plan[self.tries]
-            self.tries += 1
-            if fails:  # heals from a peer at step 9, then the heal fails on this rank
-                self.step = 9
-                fed._load_healed({"round": 4})
-                self.error = RuntimeError("peer gone")
-
-        def errored(self):
-            return self.error
-
-        def num_participants(self):
-            return self.n
-
     said = []
     fed.say, fed._loop, fed._healed, fed.least, fed.least_why = None, None, None, 2, "why"
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), said.append
     fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
     fed.pg = SimpleNamespace(group_size=1, rank=0)
     fed.process_group = SimpleNamespace(quorum_ranks=[0, 1])
-    fed.manager = Manager([(1, True), (2, False)])
+    fed.manager = _PlannedManager(fed, [(1, True), (2, False)])
     fed._quorum(allow_heal=True)
     assert fed.manager.tries == 2 and fed.members == [0, 1]
     assert (fed._healed, fed.manager.step) == (None, 3)
     assert [line.split(": ")[1] for line in said] == ["round 3"] and "failed (peer gone)" in said[0], said
     said.clear()
-    fed.manager = Manager([(1, False), (1, True), (1, False), (1, True), (2, False)])  # 2 failed tries of 3
+    fed.manager = _PlannedManager(fed, [(1, False), (1, True), (1, False), (1, True), (2, False)])  # 2 failed tries of 3
     fed._quorum(allow_heal=True)
     assert fed.manager.tries == 5 and (fed._healed, fed.manager.step) == (None, 3)
     assert sum("failed" in line for line in said) == 2 and sum("fewer than" in line for line in said) == 2, said
