@@ -12,6 +12,11 @@ case "$workers_n" in
   ''|*[!0-9]*|0) echo "tools/test.sh: DEPT_MEGA_TEST_WORKERS must be a positive integer, got '$workers_n'" >&2; exit 2 ;;
 esac
 bash tools/setup_env.sh
+# The suite starts a few hundred Python processes (ranks, tools, jobs); with
+# PYTHONDONTWRITEBYTECODE set (some images set it) each would compile dept_mega's sources and
+# pytest would rewrite the test modules' asserts again in every process. Let them be cached
+# (in __pycache__ folders, ignored by git).
+unset PYTHONDONTWRITEBYTECODE
 workers=()
 if [ "$workers_n" -gt 1 ]; then workers=(-n "$workers_n" --dist loadfile); fi
 exec .venv/bin/python -m pytest -q --durations=30 ${workers[@]+"${workers[@]}"} tests "$@"
