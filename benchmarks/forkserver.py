@@ -21,9 +21,11 @@ command's garbage collections leave those objects alone (a fork copies the pages
 interpreter instead (``execve`` of the same command line, nothing forked) where a fork would not
 run it the same way: another form of arguments (interpreter options), an environment that
 differs from the server's in a variable that the interpreter, torch or the numerical libraries
-read when they start (the prefixes in STARTUP_PREFIXES: gpu_check's ``TORCH_COMPILE_DISABLE=1``
-and ``TORCHINDUCTOR_MAX_AUTOTUNE=1`` stages, read by the configs ``torch._dynamo`` imports), or
-a Python thread in the server (a fork keeps only the calling thread).
+read when they start (the prefixes in STARTUP_PREFIXES), or a Python thread in the server (a fork
+keeps only the calling thread). The exceptions are the variables of SETTINGS, each of which torch
+reads once, when one of its config modules is imported, into one setting (gpu_check's
+``TORCH_COMPILE_DISABLE=1`` and ``TORCHINDUCTOR_MAX_AUTOTUNE=1`` stages): such a command is forked
+and that setting set as the import would have set it from the command's environment.
 """
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ PRELOAD = ("torch", "torch._dynamo")
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "CUDA", "NCCL", "OMP_", "KMP_", "GOMP_", "MKL_",
                     "OPENBLAS_", "LD_", "MALLOC_")
 IGNORED = {"_"}  # bash's last argument of the previous command
+# variable -> (module, setting): torch (2.13) reads each of these variables in that module only,
+# once, as `setting = os.environ.get(VARIABLE) == "1"` (tests/test_forkserver.py checks the
+# source); a forked command gets the setting its environment gives (a module not imported in the
+# server reads the command's environment when the command imports it)
+SETTINGS = {"TORCH_COMPILE_DISABLE": ("torch._dynamo.config", "disable"),
+            "TORCHINDUCTOR_MAX_AUTOTUNE": ("torch._inductor.config", "max_autotune")}
 GRACE_S = 5.0
 
 
@@ -46,6 +54,13 @@ def startup_differences(env: dict, base: dict) -> list[str]:
     """The variables read at start-up whose values differ between ``env`` and ``base``."""
     keys = {k for k in set(env) | set(base) if env.get(k) != base.get(k)} - IGNORED
     return sorted(k for k in keys if k.startswith(STARTUP_PREFIXES))
+
+
+def apply_settings(env: dict) -> None:
+    """Each setting of SETTINGS whose module is imported: as that import would set it from ``env``."""
+    for name, (module, setting) in SETTINGS.items():
+        if module in sys.modules:
+            setattr(sys.modules[module], setting, env.get(name) == "1")
 
 
 def _exit_status(code) -> int:
@@ -130,11 +145,13 @@ def _child(req: dict, fds: list[int], base: dict, preset: dict) -> int:
     os.chdir(req["cwd"])
     argv, env = req["argv"], req["env"]
     import threading
-    if not _valid_form(argv) or startup_differences(env, base) or threading.active_count() > 1:
+    differs = [k for k in startup_differences(env, base) if k not in SETTINGS]
+    if not _valid_form(argv) or differs or threading.active_count() > 1:
         os.execve(sys.executable, [sys.executable, *argv], env)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(preset)  # as the imports would set them in a fresh interpreter
+    apply_settings(env)
     return _run_as_main(argv)
 
 

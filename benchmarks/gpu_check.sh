@@ -218,7 +218,7 @@ if [ "$DRY" = 1 ]; then
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=64
          model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=256 model.seq_length=64
          train.micro_batch_size=$MB train.global_batch_size=4)
-  STEPS=(--warmup 3 --steps 1)
+  STEPS=(--warmup 2 --steps 1)  # the profiled step 3 (train.profile.start=2) is the timed one here
   OPS_ARGS=(--device cpu --small --iters 2)
   # Megatron's RoPE needs CUDA: learned positions on both sides here
   MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
@@ -270,38 +270,38 @@ fi
 
 # ------------------------------------------------------------------ plumbing
 FORK_PID=
-# the stages whose dry-run command sets TORCH_COMPILE_DISABLE=1 (compiled_bench): the second server's
+# the stages whose dry-run command sets TORCH_COMPILE_DISABLE=1 (compiled_bench): their commands
+# import inductor's compiler, which the fork server then imports once
 COMPILED_STAGES=(compile compile_nofusion fp8_compile fp8_compile_triton fp8_current_compile)
+# what the dry run's commands import besides torch: the modules of tools/benchmark.py (~0.4 s a command)
+FORK_PRELOAD=(torch torch._dynamo dept_mega.trainer dept_mega.model dept_mega.metrics dept_mega.profiling
+              dept_mega.megatron_flags dept_mega.run_inputs dept_mega.variant)
 forkserver_up() {
   # the dry run, from its first stage or build on: each Python command forked from one interpreter
-  # that has imported torch and torch._dynamo (~3 s of the 2-core machine per command otherwise),
-  # with the command's own arguments, environment and stdio; the compiled stages' commands
-  # (TORCH_COMPILE_DISABLE=1, a start-up variable) from a second server started with it (five
-  # stages, ~5 s each otherwise; ~4 s to start, so only when this call runs one of them); a
-  # command whose other TORCH* variables differ from its server's (the max-autotune run), or with
-  # TORCH_COMPILE_DISABLE=1 and no second server, starts a fresh interpreter (benchmarks/forkserver.py)
+  # that has imported torch, torch._dynamo and the project's training modules (~3.5 s of the
+  # 2-core machine per command otherwise), with the command's own arguments, environment and
+  # stdio; the compiled stages' TORCH_COMPILE_DISABLE=1 and the max-autotune run's
+  # TORCHINDUCTOR_MAX_AUTOTUNE=1 are set in their forks as torch's imports would set them
+  # (benchmarks/forkserver.py's SETTINGS); a command whose other start-up variables differ from
+  # the server's starts a fresh interpreter
   [ "$DRY" = 1 ] && [ -z "$FORK_PID" ] || return 0
-  local sock=$WORK/forkserver.sock nocompile='' s
-  "$PY" benchmarks/forkserver.py serve "$sock" </dev/null >>"$LOG" 2>&1 &
-  FORK_PID=$!
+  local sock=$WORK/forkserver.sock preload=("${FORK_PRELOAD[@]}") s compiled=0
   for s in "${COMPILED_STAGES[@]}"; do
-    [[ " ${ORDER[*]} " == *" $s "* ]] && nocompile=$WORK/forkserver_nocompile.sock
+    [[ " ${ORDER[*]} " == *" $s "* ]] && compiled=1
   done
-  if [ -n "$nocompile" ]; then
-    # (torch.compile imports inductor's compiler even when disabled: ~1.5 s, imported once here)
-    TORCH_COMPILE_DISABLE=1 "$PY" benchmarks/forkserver.py serve "$nocompile" torch torch._dynamo \
-      torch._inductor.compile_fx torch._dynamo.repro.after_dynamo </dev/null >>"$LOG" 2>&1 &
-    FORK_PID="$FORK_PID $!"
-    log "# fork servers: torch; torch with TORCH_COMPILE_DISABLE=1 (the compiled stages)"
+  if [ $compiled = 1 ]; then
+    # (torch.compile imports inductor's compiler even when disabled: ~2 s, imported once here)
+    preload+=(torch._inductor.compile_fx torch._dynamo.repro.after_dynamo)
+    log "# fork server: torch, the training modules and inductor's compiler (the compiled stages: TORCH_COMPILE_DISABLE=1 set in their forks)"
   else
-    log "# fork server: torch (no compiled stage in this call: no TORCH_COMPILE_DISABLE=1 server)"
+    log "# fork server: torch and the training modules (no compiled stage in this call: not inductor's compiler)"
   fi
+  "$PY" benchmarks/forkserver.py serve "$sock" "${preload[@]}" </dev/null >>"$LOG" 2>&1 &
+  FORK_PID=$!
   # (the client needs only the standard library: -S skips site's start-up, ~12 ms a command)
   cat >"$WORK/python" <<EOF
 #!/bin/sh
-sock="$sock"
-[ "\${TORCH_COMPILE_DISABLE:-}" = 1 ] && [ -n "$nocompile" ] && sock="$nocompile"
-exec "$PY" -S "$ROOT/benchmarks/forkserver.py" run "\$sock" "\$@"
+exec "$PY" -S "$ROOT/benchmarks/forkserver.py" run "$sock" "\$@"
 EOF
   chmod +x "$WORK/python"
   PY=$WORK/python

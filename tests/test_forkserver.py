@@ -57,13 +57,16 @@ def test_commands_run_as_python_would_run_them(server, tmp_path):
     res = _run(sock, "-", "y", stdin=REPORT, cwd=tmp_path)
     assert res.returncode == 0 and json.loads(res.stdout)["argv"] == ["-", "y"], res.stderr
     # a start-up variable that differs from the server's: a fresh interpreter, the same command
-    res = _run(sock, "-c", REPORT, "z", env={"TORCH_COMPILE_DISABLE": "1", "FOO": "baz"}, cwd=tmp_path)
+    res = _run(sock, "-c", REPORT, "z", env={"PYTHONHASHSEED": "7", "FOO": "baz"}, cwd=tmp_path)
     assert json.loads(res.stdout) == {"argv": ["-c", "z"], "path0": "", "name": "__main__", "forked": False,
                                       "foo": "baz"}
+    # ... but one of SETTINGS (torch reads it into one setting as it imports one module): forked
+    res = _run(sock, "-c", REPORT, "w", env={"TORCH_COMPILE_DISABLE": "1", "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert json.loads(res.stdout)["forked"] is True, res.stderr
     # the server's imports are frozen (gc.freeze): a forked command's collections skip them
     freeze = "import gc; print(gc.get_freeze_count())"
     assert int(_run(sock, "-c", freeze).stdout) > 0
-    assert int(_run(sock, "-c", freeze, env={"TORCH_COMPILE_DISABLE": "1"}).stdout) == 0  # a fresh interpreter
+    assert int(_run(sock, "-c", freeze, env={"PYTHONHASHSEED": "7"}).stdout) == 0  # a fresh interpreter
     # an uncaught exception and a signal, as the interpreter reports them
     res = _run(sock, "-c", "raise ValueError('boom')")
     assert res.returncode == 1 and "ValueError: boom" in res.stderr
@@ -98,3 +101,35 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_settings_are_set_in_the_fork_as_torch_sets_them_on_import(monkeypatch):
+    """SETTINGS' variables are forked (gpu_check's compiled and max-autotune stages) because torch
+    reads each in one config module only, once, as ``os.environ.get(NAME) == "1"``: the source of
+    this torch says so (a torch that reads them otherwise fails here, naming the variable), and
+    apply_settings gives an imported module's setting the value a fresh import would (a module not
+    imported is left to read the command's environment itself)."""
+    import importlib.util
+    import re
+    import types
+
+    spec = importlib.util.spec_from_file_location("forkserver_under_test", FS)
+    forkserver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forkserver)
+    torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+    assert set(forkserver.SETTINGS) == {"TORCH_COMPILE_DISABLE", "TORCHINDUCTOR_MAX_AUTOTUNE"}
+    for name, (module, setting) in forkserver.SETTINGS.items():
+        src = open(os.path.join(torch_dir, *module.split(".")[1:]) + ".py").read()
+        assert src.count(f'"{name}"') == 1, (name, module)
+        assert re.search(rf'^{setting} = os\.environ\.get\("{name}"(, "0")?\) == "1"$', src, re.MULTILINE), (name, module)
+        fake = types.SimpleNamespace(**{setting: False})
+        monkeypatch.setitem(sys.modules, module, fake)
+        forkserver.apply_settings({name: "1"})
+        assert getattr(fake, setting) is True, name
+        forkserver.apply_settings({name: "0"})
+        assert getattr(fake, setting) is False, name
+        setattr(fake, setting, True)
+        forkserver.apply_settings({})
+        assert getattr(fake, setting) is False, name
+        monkeypatch.delitem(sys.modules, module)
+        forkserver.apply_settings({name: "1"})  # not imported: nothing to set
