@@ -15,7 +15,6 @@ pytest.importorskip("torchft")
 
 from tests.federation_utils import (ENV, SOURCES, ForkedJob, federation, finish_all, read_records,  # noqa: E402
                                     run_single_job, write_config)
-from tests.trainer_utils import ROOT  # noqa: E402
 
 SAME_MATH = {  # (plain SPEC: test_more_sources_than_group_jobs_equal_the_single_job)
     # TRIM: φ's rows exchanged (counts, ids, rows: one committed exchange), per-row nesterov state;
@@ -133,17 +132,16 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
 def site_config(cfg: str, group: int, groups: int, tmp: str) -> str:
     """``cfg`` as group job ``group`` at its own site sees it: the other jobs' sources (i mod
     ``groups``) have no files here (their prefix does not exist), only their summaries, made at
-    their site with ``python -m dept_mega.data.summary``."""
-    import subprocess
-    import sys
+    their site with ``python -m dept_mega.data.summary`` (its ``main`` called here: the command
+    would import torch again, ~3 s of CPU a summary)."""
+    from dept_mega.data.summary import main
     with open(cfg, encoding="utf-8") as f:
         c = yaml.safe_load(f)
     for i, s in enumerate(c["data"]["sources"]):
         if i % groups != group:
             summary = os.path.join(tmp, f"{s['name']}.summary.json")
             if not os.path.exists(summary):
-                subprocess.run([sys.executable, "-m", "dept_mega.data.summary", s["prefix"], "--name", s["name"],
-                                "--out", summary], check=True, cwd=ROOT, env=ENV, capture_output=True, timeout=60)
+                assert main([s["prefix"], "--name", s["name"], "--out", summary]) == 0, s
             s.update(prefix=f"/nonexistent/site{i % groups}/{s['name']}", summary=summary)
     path = os.path.join(tmp, f"site{group}.yaml")
     with open(path, "w", encoding="utf-8") as f:

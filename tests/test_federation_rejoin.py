@@ -30,7 +30,7 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     from dept_mega.dept.costs import predict_outer_round_bytes
     from dept_mega.export.checkpoint_reader import read_full_weights
     # timeout_s also bounds the fresh start's wait for group 3 (not there until relaunch time)
-    L, steps, timeout_s, G = 5, 40, 7, 4  # (8 rounds: the late groups join by round 6, held there)
+    L, steps, timeout_s, G = 2, 12, 7, 4  # (6 rounds: the late groups join by round 4, held there)
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump = str(tmp_path / "dump")
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
@@ -39,9 +39,9 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
     go = str(tmp_path / "go")
     # test hooks (federation_dump.py), instead of racing the jobs' progress: group 2 stops before
-    # round 2's exchange (killed there); groups 0 and 1 wait at round 6's start until the
+    # round 2's exchange (killed there); groups 0 and 1 wait at round 4's start until the
     # lighthouse holds both late groups' quorum requests, so they join before the run ends
-    hold = {0: f"6:start:{go}", 1: f"6:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
+    hold = {0: f"4:start:{go}", 1: f"4:start:{go}", 2: f"2:exchange:{tmp_path / 'never'}"}
     with federation(min_groups=2) as jobs:
         procs = [jobs.launch(cfg, runs[g], g, *extra, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold
                         else env, **kw) for g in range(3)]
@@ -57,10 +57,10 @@ def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
         wait_for(lambda: os.path.exists(os.path.join(dump, "g0_rank0_round2.pt")),
                   "groups 0 and 1 did not complete round 2 without group 2")
         late = [jobs.launch(cfg, runs[g], g, *extra, env=env, **kw) for g in (2, 3)]
-        wait_for(lambda: all(is_held(dump, g, 6) or procs[g].poll() is not None for g in (0, 1)),
-                  "groups 0 and 1 did not reach round 6's start")
-        assert procs[0].poll() is None and procs[1].poll() is None, "group 0 or 1 ended before round 6"
-        # (the late groups' requests: to join, or, joined at an earlier round start, round 6's)
+        wait_for(lambda: all(is_held(dump, g, 4) or procs[g].poll() is not None for g in (0, 1)),
+                  "groups 0 and 1 did not reach round 4's start")
+        assert procs[0].poll() is None and procs[1].poll() is None, "group 0 or 1 ended before round 4"
+        # (the late groups' requests: to join, or, joined at an earlier round start, round 4's)
         wait_for_requests(jobs.lh, 2, late, "the late groups 2 and 3")
         open(go, "w").close()
         outs = finish_all(procs[:2] + late, timeout=240)

@@ -12,14 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-from dept_mega.model import build_model, resolve_backends
+from dept_mega.model import resolve_backends
 from dept_mega.model import gpt as gpt_module
 from dept_mega.parallel.fp8 import E4M3, E5M2, Fp8Recipe, Fp8State, fp8_linear
 from dept_mega.parallel.fp8 import _states as fp8_states
-from dept_mega.parallel.fp8 import fp8_weight_cache
 from dept_mega.parallel.fp8_traced import fp8_linear_traced
 from dept_mega.parallel.groups import build_groups
 from dept_mega.trainer import Trainer
@@ -60,47 +58,11 @@ def _fp8_casts(graph, dtype) -> int:
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_linears_are_traced_into_the_compiled_blocks(recipe):
-    """Two training steps (``fp8_weight_cache``) of two micro-batches: each compiled block is one
-    forward and one backward graph holding its four FP8 GEMMs (eight in the backward, whose
-    output-gradient casts are e5m2), no graph break, both blocks and every micro-batch on the
-    same graphs. Delayed scaling compiles a second pair in the second step, when the operands
-    turn ready (their casts take the step's scales), and each of its backward graphs writes
-    the four output gradients' amaxes into graph inputs (the layers' ``grad_amax``). The log
-    line says which."""
-    cfg = tiny_config({**FP8, "fp8_recipe": recipe, "model": {"num_layers": 2}})
-    (stage,) = build_model(cfg, build_groups(), 100, 7, dtype=torch.bfloat16)
-    forward, backward = [], []
-
-    def recorder(graphs):
-        def compiler(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        return compiler
-
-    steps = [dp_micro_batches(cfg, global_batch(cfg, step), 0, 1)[:2] for step in range(2)]
-    with torch.no_grad():  # eagerly first: the attention's cached ALiBi bias exists before the blocks compile
-        stage(steps[0][0].tokens[:, :-1])
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    backend = aot_autograd(fw_compiler=recorder(forward), bw_compiler=recorder(backward))
-    for block in stage.body.layers.values():
-        block.compile(backend=backend)
-    with torch.backends.mkldnn.flags(enabled=False):
-        for mbs in steps:
-            with fp8_weight_cache([stage]):
-                for mb in mbs:
-                    stage(mb.tokens[:, :-1], labels=mb.tokens[:, 1:]).mean().backward()
-    breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    mms = [sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default) for gm in forward + backward]
+def test_the_log_says_whether_fp8_gemms_are_traced_into_the_compiled_blocks(recipe):
+    """The run log's backend line says which: the FP8 GEMMs traced into the compiled blocks
+    (their casts in the compiled graphs), or torch casts when the blocks are not compiled. (The
+    graphs themselves: test_compiled_fp8_trains_to_the_eager_losses.)"""
     compiled = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe, "train": {"compile": True}})).describe()
-    pairs = 1 if recipe == "current" else 2
-    assert breaks == {}
-    assert len(forward) == len(backward) == pairs and mms == [4] * pairs + [8] * pairs
-    assert all(_fp8_casts(gm.graph, E5M2) == 1 * 4 for gm in backward)
-    assert all(_fp8_casts(gm.graph, E4M3) == 2 * 4 for gm in forward)
-    writes = [_input_writes(gm.graph) for gm in backward]
-    assert writes == [0 if recipe == "current" else 4] * pairs, writes
     assert f"FP8 GEMMs traced into the compiled blocks ({recipe} scaling)" in compiled, compiled
     assert "casts in the compiled graphs" in compiled, compiled
     eager = resolve_backends(tiny_config({**FP8, "fp8_recipe": recipe})).describe()
@@ -155,17 +117,29 @@ def test_compiled_fp8_trains_to_the_eager_losses(fmt, recipe, dropout, monkeypat
     blocks give the eager FP8 losses, gradient norms and evaluation loss exactly; under
     delayed scaling also the same amax history, scales and ready operands after every step
     (the input and weight amaxes recorded in the forward graphs, the output gradient's in the
-    backward graphs), with no graph break and at most two compiles per block kind for the
-    training steps (the first step's current scaling, then the delayed scales) and one for the
-    evaluation. With dropout the attention module (and its two FP8 linears) runs eagerly inside
-    the compiled blocks while the MLP's are traced: both record into the same state."""
+    backward graphs), with no graph break and one compile per block kind for the first step
+    (the attention's bias made before the blocks run), one more under delayed scaling when its
+    operands turn ready (their casts take the step's scales; not per step), and one for the
+    evaluation: both blocks and every micro-batch on the same graphs. Without dropout each
+    training graph holds a block's four FP8 GEMMs (eight in the backward, whose output-gradient
+    casts are the recipe's gradient format), the evaluation's its four; under delayed scaling
+    each backward graph writes the four output gradients' amaxes into graph inputs (the
+    layers' ``grad_amax``). With dropout the attention module (and its two FP8 linears) runs
+    eagerly inside the compiled blocks while the MLP's are traced: both record into the same
+    state."""
     model = {"num_layers": 2, "hidden_dropout": dropout, "attention_dropout": dropout}
     over = {**FP8, "fp8": fmt, "fp8_recipe": recipe, "model": model, "train": {"steps": 3}}
-    graphs = []
+    graphs, forward, backward = [], [], []
+
+    def recorder(kept):  # aot_eager's graphs, kept
+        def compiler(gm, example_inputs):
+            kept.append(gm)
+            return boxed_nop(gm, example_inputs)
+        return compiler
 
     def backend(gm, example_inputs):  # aot_eager, counting the graphs Dynamo hands it
         graphs.append(gm)
-        return aot_eager(gm, example_inputs)
+        return aot_eager(gm, example_inputs, fw_compiler=recorder(forward), bw_compiler=recorder(backward))
 
     with torch.backends.mkldnn.flags(enabled=False):
         eager = _train(tiny_config(over), 3, graphs)
@@ -176,11 +150,21 @@ def test_compiled_fp8_trains_to_the_eager_losses(fmt, recipe, dropout, monkeypat
         compiled = _train(tiny_config({**over, "train": {"steps": 3, "compile": True}}), 3, graphs)
     breaks = dict(torch._dynamo.utils.counters["graph_break"])
     assert bool(breaks) == (dropout > 0), breaks  # the traced path ran (with dropout: the attention's break)
-    # both blocks on the same graphs: the first step compiles (twice: the attention's ALiBi bias
-    # cache fills on the first call), delayed scaling once more when its operands turn ready
-    # after the first step (not per step), the evaluation once
     n = compiled["graphs"]
-    assert dropout or (n[0] <= 2 and n[1] - n[0] == (recipe == "delayed") and n[2] == n[1] and n[3] == n[2] + 1), n
+    if not dropout:
+        assert n == [1, 1 + (recipe == "delayed"), n[1], n[1] + 1], n
+        # training: a forward and a backward graph per compile; the evaluation: one forward
+        assert len(forward) == n[3] and len(backward) == n[2], (len(forward), len(backward), n)
+        mms = [sum(1 for node in gm.graph.nodes if node.target is torch.ops.aten._scaled_mm.default)
+               for gm in forward + backward]
+        assert mms == [4] * n[3] + [8] * n[2], mms
+        # (E4M3, E5M2) casts: the inputs' and weights' in the forward, the output gradients' (the
+        # recipe's gradient format) in the backward
+        grads = (0, 4) if fmt == "hybrid" else (4, 0)
+        casts = [(_fp8_casts(gm.graph, E4M3), _fp8_casts(gm.graph, E5M2)) for gm in forward + backward]
+        assert casts == [(2 * 4, 0)] * n[3] + [grads] * n[2], casts
+        writes = [_input_writes(gm.graph) for gm in backward]
+        assert writes == [0 if recipe == "current" else 4] * n[2], writes
     for key in ("loss", "grad_norm", "eval"):
         assert compiled[key] == eager[key], key
     if recipe == "delayed":  # 8 FP8 linears, all operands recorded, one history row per step

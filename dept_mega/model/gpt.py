@@ -104,8 +104,11 @@ class TransformerBody(nn.Module):
         self.sequence_parallel = sp
         n = cfg.recompute_layers if cfg.recompute_layers is not None else len(self.layer_ids)
         self.recompute_blocks = min(n, len(self.layer_ids)) if cfg.recompute == "full" else 0
+        plan = backends.attention
         self.positions = PositionState(cfg, pg.tp_rank, tp_world(pg), compile_flex=compile_flex, device=device,
-                                       flex="flex" in (backends.attention.kind, backends.attention.fallback))
+                                       flex="flex" in (plan.kind, plan.fallback),
+                                       bias="always" if plan.kind == "bias" else "fallback" if plan.fallback == "bias"
+                                       else "")
         self.layers = nn.ModuleDict({
             str(i): TransformerBlock(cfg, pg, i, seed=seed, sequence_parallel=sp, positions=self.positions,
                                      backends=backends, rng=rng, device=device, dtype=dtype, fp8_state=fp8_state)
@@ -121,7 +124,7 @@ class TransformerBody(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         seq_len = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
-        self.positions.prepare(seq_len, hidden.device)  # outside the (compiled) blocks
+        self.positions.prepare(seq_len, hidden.device, hidden.dtype)  # outside the (compiled) blocks
         with self.te.body() if self.te is not None else contextlib.nullcontext():
             for i, layer in enumerate(self.layers.values()):
                 with self.te.block(layer.fp8) if self.te is not None else contextlib.nullcontext():

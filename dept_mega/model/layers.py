@@ -81,7 +81,7 @@ class PositionState:
     with ``flex`` the flex_attention state, prepared for ``model.seq_length`` on ``device``)."""
 
     def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int, *, flex: bool = False,
-                 compile_flex: bool = True, device: torch.device | str = "cpu") -> None:
+                 compile_flex: bool = True, device: torch.device | str = "cpu", bias: str = "") -> None:
         self.kind = cfg.position_embedding
         self.heads_local = cfg.num_attention_heads // tp_size
         self.slopes = (local_alibi_slopes(cfg.num_attention_heads, tp_rank, tp_size)
@@ -91,12 +91,21 @@ class PositionState:
         if flex:
             self.flex = FlexState(self.slopes, compile=compile_flex)
             self.flex.prepare(cfg.seq_length, device)
+        # when the attention reads the materialised bias: "always" (kind bias), "fallback" (flash's
+        # fallback: inputs that are not fp16/bf16 CUDA tensors), "" never
+        self.bias = bias
         self._bias: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
-    def prepare(self, seq_len: int, device: torch.device) -> None:
-        """What the attention of a ``seq_len``-token input needs, made before (compiled) blocks run."""
+    def prepare(self, seq_len: int, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+        """What the attention of a ``seq_len``-token input (``dtype``: its activations') needs, made
+        before (compiled) blocks run: the flex state, the materialised bias where it is read (made
+        in a compiled block's first call, the cache's new entry would recompile the block at once)."""
         if self.flex is not None:
             self.flex.prepare(seq_len, device)
+        device = torch.device(device)
+        flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if dtype is not None and (self.bias == "always" or (self.bias == "fallback" and not flash)):
+            self.attention_bias(seq_len, dtype, device)
 
     def attention_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The materialised additive bias: ALiBi + causal ``[1, H, s, s]``, else causal ``[1, 1, s, s]``."""
