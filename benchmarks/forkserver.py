@@ -57,10 +57,21 @@ def startup_differences(env: dict, base: dict) -> list[str]:
 
 
 def apply_settings(env: dict) -> None:
-    """Each setting of SETTINGS whose module is imported: as that import would set it from ``env``."""
+    """Each setting of SETTINGS whose module is imported: as that import would set it from ``env``,
+    for every thread. In torch's config modules an assignment holds in the assigning thread only
+    (a ContextVar: threads started later, such as inductor's compile workers, would see the
+    server's value), so there the setting's default is what changes, as the import sets it."""
     for name, (module, setting) in SETTINGS.items():
-        if module in sys.modules:
-            setattr(sys.modules[module], setting, env.get(name) == "1")
+        mod = sys.modules.get(module)
+        if mod is None:
+            continue
+        value = env.get(name) == "1"
+        entry = getattr(mod, "_config", {}).get(setting)
+        if entry is None:  # a plain module
+            setattr(mod, setting, value)
+            continue
+        entry.default = value
+        mod._hash_dirty_var.set(True)
 
 
 def _exit_status(code) -> int:
@@ -176,6 +187,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> int:
     # (a pytest run collects twice as it ends: ~0.6 s of the 2-core machine a run, otherwise)
     gc.collect()
     gc.freeze()
+    open(path + ".ready", "w").close()  # for a caller that waits for the imports before its clock starts
     jobs: dict[int, list] = {}  # pidfd -> [pid, conn or None, kill deadline or None]
     try:
         while os.getppid() == parent:
@@ -233,10 +245,11 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> int:
         for job in jobs.values():
             _kill(job[0], signal.SIGKILL)
         srv.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for name in (path, path + ".ready"):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
     return 0
 
 

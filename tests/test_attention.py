@@ -218,3 +218,22 @@ def test_fused_paths_on_cuda_match_bias_with_gradients(kind):
         results[k] = [out.detach().float()] + [t.grad.float() for t in (q, k_, v)]
     for a, b in zip(results[kind], results["bias"]):
         assert rel_err(a, b) < 2e-2
+
+
+def test_the_bias_is_prepared_before_the_blocks_where_the_attention_reads_it(monkeypatch):
+    """PositionState.prepare makes the materialised bias (outside compiled blocks: made in a
+    block's first call, its cache entry would recompile the block) exactly where the attention
+    reads it: always for the bias plan; for flash's bias fallback only on inputs flash does not
+    take (a [1, H, s, s] bias nobody reads would be the largest activation of a step)."""
+    made = []
+    monkeypatch.setattr(PositionState, "attention_bias", lambda self, s, dtype, device: made.append((device.type, dtype)))
+    cfg = tiny_config(position_embedding="alibi").model
+    inputs = [(dev, dt) for dev in ("cpu", "cuda") for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    for bias, want in (("always", inputs), ("fallback", [(dev, dt) for dev, dt in inputs if dev == "cpu"]
+                                             + [("cuda", torch.float32)]), ("", [])):
+        made.clear()
+        positions = PositionState(cfg, 0, 1, bias=bias)
+        for dev, dt in inputs:
+            positions.prepare(16, torch.device(dev), dt)
+        positions.prepare(16, torch.device("cpu"))  # no dtype given: nothing
+        assert made == want, (bias, made)

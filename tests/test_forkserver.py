@@ -109,6 +109,7 @@ def test_settings_are_set_in_the_fork_as_torch_sets_them_on_import(monkeypatch):
     this torch says so (a torch that reads them otherwise fails here, naming the variable), and
     apply_settings gives an imported module's setting the value a fresh import would (a module not
     imported is left to read the command's environment itself)."""
+    import importlib
     import importlib.util
     import re
     import types
@@ -133,3 +134,23 @@ def test_settings_are_set_in_the_fork_as_torch_sets_them_on_import(monkeypatch):
         assert getattr(fake, setting) is False, name
         monkeypatch.delitem(sys.modules, module)
         forkserver.apply_settings({name: "1"})  # not imported: nothing to set
+    # torch's own config modules: the setting reaches every thread (an assignment there holds in the
+    # assigning thread only; inductor compiles in threads of its own), then back to this process's
+    import threading
+
+    import torch._dynamo.config
+    import torch._inductor.config
+    mods = [importlib.import_module(module) for module, _ in forkserver.SETTINGS.values()]
+    try:
+        forkserver.apply_settings(dict.fromkeys(forkserver.SETTINGS, "1"))
+        seen = []
+        thread = threading.Thread(target=lambda: seen.extend(getattr(m, s) for m, (_, s) in
+                                                             zip(mods, forkserver.SETTINGS.values())))
+        thread.start()
+        thread.join()
+        assert seen == [True, True] and [getattr(m, s) for m, (_, s) in zip(mods, forkserver.SETTINGS.values())] \
+            == [True, True], seen
+    finally:
+        forkserver.apply_settings(os.environ)
+    assert torch._dynamo.config.disable is (os.environ.get("TORCH_COMPILE_DISABLE") == "1")
+    assert torch._inductor.config.max_autotune is (os.environ.get("TORCHINDUCTOR_MAX_AUTOTUNE") == "1")

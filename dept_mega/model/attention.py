@@ -149,6 +149,12 @@ def _alibi_score_mod(slopes: torch.Tensor) -> Callable:
     return alibi
 
 
+def flash_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether flash attention runs on inputs of ``device`` and ``dtype`` (fp16 / bf16 CUDA
+    tensors); other inputs take the plan's fallback."""
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 class CoreAttention(nn.Module):
     """One of the implementations above (``kind``); ``fallback``: the kind used when ``flash``
     was chosen by ``auto`` but the inputs are not fp16/bf16 CUDA tensors. ``positions`` is the
@@ -183,7 +189,7 @@ class CoreAttention(nn.Module):
         if p > 0.0 and self.rng is None:
             raise ValueError("attention dropout > 0 needs an RNGTracker")
         kind = self.kind
-        if kind == "flash" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        if kind == "flash" and not flash_takes(q.device, q.dtype):
             if self.fallback is None:
                 raise RuntimeError(f"model.attention_backend: flash needs fp16/bf16 CUDA inputs, got {q.dtype} "
                                    f"on {q.device}")

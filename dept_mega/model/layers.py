@@ -13,7 +13,7 @@ from ..parallel.fp8_prologue import GELU, Gelu
 from ..parallel.layers import ColumnParallelLinear, LinearGemm, RowParallelLinear, mark
 from ..parallel.mappings import tp_world
 from ..parallel.random import RNGTracker, init_full_then_shard
-from .attention import CoreAttention, FlexState
+from .attention import CoreAttention, FlexState, flash_takes
 from .backends import Backends
 from .positions import RotaryEmbedding, causal_alibi_bias, causal_mask_bias, local_alibi_slopes
 from .recompute import recompute
@@ -102,10 +102,8 @@ class PositionState:
         in a compiled block's first call, the cache's new entry would recompile the block at once)."""
         if self.flex is not None:
             self.flex.prepare(seq_len, device)
-        device = torch.device(device)
-        flash = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-        if dtype is not None and (self.bias == "always" or (self.bias == "fallback" and not flash)):
-            self.attention_bias(seq_len, dtype, device)
+        if dtype is not None and (self.bias == "always" or (self.bias == "fallback" and not flash_takes(device, dtype))):
+            self.attention_bias(seq_len, dtype, torch.device(device))
 
     def attention_bias(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The materialised additive bias: ALiBi + causal ``[1, H, s, s]``, else causal ``[1, 1, s, s]``."""
