@@ -15,8 +15,9 @@ import yaml
 from dept_mega.config import save_config
 from dept_mega.study.grid import GridError, load_study, run_config
 from dept_mega.study.runner import MARKER, StaleRunError, find_stale, is_finished, run_all, run_dir_of, run_plasticity
-from tests.study_utils import (ROOT, FakeProc, fake_metrics, finish_runs, forked_popen, forked_torchrun, run_script,
-                               study_grid, study_main)
+from tests.study_utils import (ROOT, FakeProc, fake_metrics, finish_runs, forked_popen, forked_torchrun, study_grid,
+                               study_main)
+from tests.trainer_utils import run_script
 
 
 def test_grid_expands_at_equal_compute(tmp_path):
