@@ -190,8 +190,8 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
                                     "runs": [{"variant": ["std", "glob"]}],
                                     "plasticity": {"source_config": str(heldout), "steps": 2}}))
     out = tmp_path / "out"
-    # a budget of 3 processes: STD (1) and GLOB (2) run at once (their start-ups and torchrun's
-    # waits overlap); the budget's scheduling is test_runner_budget_resume_and_failures's
+    # a budget of 3 processes (the report names it below); the forked launch below runs each job
+    # to its end as it starts it: the budget's scheduling is test_runner_budget_resume_and_failures's
     args = ["--grid", str(grid), "--out", str(out), "--parallel", "3"]
     main = study_main(monkeypatch)
     adaptations = []
