@@ -88,3 +88,48 @@ def finish_runs(out: str, study, runs=None) -> None:
         save_config(run_config(".", r, d), os.path.join(d, "config.yaml"))
         Path(d, MARKER).write_text(json.dumps({"command": full_command(out, r, "python"), "nproc": r.nproc}))
 
+
+
+def _module_rank(rank: int, world: int, module: str, argv: list, cwd: str, log: str) -> int:
+    """One rank of ``torchrun ... -m MODULE ARGV``: the module's ``main(ARGV)`` in ``cwd``, its
+    output appended to ``log`` (as torchrun's workers write to the run's log)."""
+    os.chdir(cwd)
+    with open(log, "a", encoding="utf-8") as f:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        status = importlib.import_module(module).main(argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return status
+
+
+def forked_torchrun(cmd: list[str], cwd: str, env: dict, fh) -> int:
+    """Run a command the study launches, ``PYTHON -m torch.distributed.run --standalone
+    --nproc-per-node N -m MODULE ARGS``, to its end: its launcher arguments read by torchrun's
+    own parser, then ``MODULE``'s ``main(ARGS)`` on N ranks forked from this process's
+    forkserver with the environment torchrun gives them (tests/mp_utils.py), in ``cwd``, their
+    output appended to the run's log ``fh``. Returns the exit status (0: every rank returned 0).
+    Launched as such, the job would cost a fresh import of torch for torchrun and for each rank
+    (~4 s of CPU each)."""
+    from torch.distributed.run import get_args_parser
+
+    from tests.mp_utils import run_distributed
+    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+    args = get_args_parser().parse_args(cmd[3:])
+    assert args.standalone and args.module, cmd
+    nproc = int(args.nproc_per_node)
+    fh.flush()
+    status = run_distributed(_module_rank, nproc, args=(args.training_script, args.training_script_args, cwd,
+                                                        fh.name), timeout=180)
+    return 0 if status == [0] * nproc else 1
+
+
+def forked_popen(cmd: list[str], cwd: str, env: dict, fh) -> "FakeProc":
+    """:func:`forked_torchrun` as ``run_all``'s ``launch``: the run is finished when this returns."""
+    import threading
+    done = threading.Event()
+    done.set()
+    return FakeProc(forked_torchrun(cmd, cwd, env, fh), done)
+

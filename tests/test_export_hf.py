@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch
 from tests.export_utils import (config_overrides, hf_logits, max_abs_diff, source_text,
                                 train_and_reference)
 from tests.mp_utils import run_distributed
-from tests.trainer_utils import ROOT, ensure_sample_corpus
+from tests.trainer_utils import ROOT, ensure_sample_corpus, run_script
 
 TOL = 1e-4
 MPT_MODEL = {"position_embedding": "alibi", "normalization": "layernorm", "activation": "gelu",
@@ -83,21 +81,24 @@ def _generate(out_dir: str, text: str, n: int = 4) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_llama_tp2_pp2_checkpoint_exports_with_our_logits(corpus, tmp_path, monkeypatch):
+def test_llama_tp2_pp2_checkpoint_exports_with_our_logits(corpus, tmp_path, monkeypatch, capsys):
     """rope + rmsnorm + swiglu + GQA with biases, tied head, trained with tensor 2 × pipeline 2:
-    the export writes a Llama directory with our logits; the command line (a subprocess) runs
-    the same main and exits with its status (here refusing to write over that export)."""
+    the export writes a Llama directory with our logits; the command line (the script run as
+    ``__main__``) runs the same main and exits with its status (here refusing to write over that
+    export)."""
     from dept_mega.export.convert import main
     monkeypatch.chdir(ROOT)
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
     over = _train_overrides(run, {"bias": True}, **{"parallel.tensor": 2, "parallel.pipeline": 2})
     refs = _one(run_distributed(train_and_reference, 4, args=("examples/tiny/std.yaml", over), timeout=240))
     assert main(["--run-dir", run, "--source", "en", "--output", out]) == 0
-    # (the export in a process of its own costs its imports, torch's and transformers', ~5 s of CPU)
-    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--run-dir", run, "--source", "en",
-                           "--output", out], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --output {out} holds an earlier export"), \
-        proc.stderr
+    # the script as `python tools/convert_to_hf.py ARGS` runs it, in this process: a process of its
+    # own would only add its imports, torch's and transformers' (~5 s of CPU)
+    capsys.readouterr()
+    assert run_script("tools/convert_to_hf.py", "--run-dir", run, "--source", "en", "--output", out,
+                      monkeypatch=monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --output {out} holds an earlier export"), err
     info = json.load(open(os.path.join(out, "dept_export.json")))
     assert info["architecture"] == "llama" and info["step"] == 4
     cfg = json.load(open(os.path.join(out, "config.json")))

@@ -1,5 +1,7 @@
 """tools/study.py: grid expansion at equal compute, resumable scheduling, refusing changed runs
 (the report's tables: test_study_report.py)."""
+import functools
+import io
 import json
 import os
 import subprocess
@@ -13,7 +15,9 @@ import yaml
 from dept_mega.config import save_config
 from dept_mega.study.grid import GridError, load_study, run_config
 from dept_mega.study.runner import MARKER, StaleRunError, find_stale, is_finished, run_all, run_dir_of, run_plasticity
-from tests.study_utils import ROOT, FakeProc, fake_metrics, finish_runs, study_grid, study_main
+from tests.study_utils import (ROOT, FakeProc, fake_metrics, finish_runs, forked_popen, forked_torchrun, study_grid,
+                               study_main)
+from tests.trainer_utils import run_script
 
 
 def test_grid_expands_at_equal_compute(tmp_path):
@@ -158,8 +162,11 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
     """Two real runs (STD and GLOB with 2 groups) of a few steps on two sample sources: the
     tool runs them, writes the report, and a second call finds them finished. (The first and
     the --report-only call run the tool's main in this process, from the repository root as the
-    tool asks; the second call is the script itself, whose lines are checked: ~2 s of a fresh
-    interpreter's imports less for each of the others.)"""
+    tool asks; the second call is the script itself run as ``__main__``, whose lines are checked.
+    The runs' and GLOB's adaptation's commands are read by torchrun's parser and run on ranks
+    forked from this process's forkserver (study_utils.forked_torchrun: ~4 s of CPU less for
+    torchrun and each rank); STD's adaptation is launched as the study launches it, torchrun
+    included: the one test of ``torchrun --standalone -m dept_mega.adapt``.)"""
     from tests.trainer_utils import ensure_sample_corpus
     ensure_sample_corpus()
     configs = {}
@@ -183,11 +190,20 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
                                     "runs": [{"variant": ["std", "glob"]}],
                                     "plasticity": {"source_config": str(heldout), "steps": 2}}))
     out = tmp_path / "out"
-    # a budget of 3 processes: STD (1) and GLOB (2) run at once (their start-ups and torchrun's
-    # waits overlap); the budget's scheduling is test_runner_budget_resume_and_failures's
+    # a budget of 3 processes (the report names it below); the forked launch below runs each job
+    # to its end as it starts it: the budget's scheduling is test_runner_budget_resume_and_failures's
     args = ["--grid", str(grid), "--out", str(out), "--parallel", "3"]
-    cmd = [sys.executable, str(ROOT / "tools" / "study.py"), *args]
     main = study_main(monkeypatch)
+    adaptations = []
+
+    def adapt(cmd, cwd, env, fh):
+        adaptations.append(os.path.basename(cmd[cmd.index("--out") + 1]))
+        if len(adaptations) == 1:  # as run_plasticity launches it
+            return subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        return forked_torchrun(cmd, cwd, env, fh)
+
+    monkeypatch.setitem(main.__globals__, "run_all", functools.partial(run_all, launch=forked_popen))
+    monkeypatch.setitem(main.__globals__, "run_plasticity", functools.partial(run_plasticity, launch=adapt))
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main(args) == 0  # (its output: pytest's capture)
@@ -207,9 +223,15 @@ def test_study_end_to_end_on_the_sample_corpus(tmp_path, monkeypatch):
     assert json.loads((out / "plasticity" / "glob" / "adapt.json").read_text())["random"] is None
     assert plast["glob"]["random_reference"] == "std"  # the same adaptation (model, seed, batch): shared
     assert "## Plasticity" in (out / "results.md").read_text()
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
-    assert res.returncode == 0 and res.stdout.count("finished earlier, skipped") == 2
-    assert "[study] plasticity" not in res.stdout  # nothing adapted again
+    assert adaptations == ["std", "glob"]
+    # (the runner's lines go to its log, by default the sys.stdout of its import: here one to read)
+    said = io.StringIO()
+    for fn in (run_all, run_plasticity):
+        monkeypatch.setitem(fn.__kwdefaults__, "log", said)
+    assert run_script("tools/study.py", *args, monkeypatch=monkeypatch) == 0
+    said = said.getvalue()
+    assert said.count("finished earlier, skipped") == 2
+    assert "[study] plasticity" not in said  # nothing adapted again
     # a report remade from the finished runs names the command that runs the study
     assert main(args + ["--report-only"]) == 0
     made_by = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("Made by"))

@@ -54,16 +54,17 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     run = str(tmp_path / "run")
-    # evaluations at 25, 50 and 60 (the last step), checkpoints at 50 and 60: the resume below
-    # trains the last 10 steps again, from a checkpoint written after an evaluation
-    over = ["train.steps=60", "train.eval_interval=25", "train.save_interval=50", *SMALL_BATCH]
+    # evaluations at 29, 58 and 60 (the last step), checkpoints at 58 and 60: the resume below
+    # trains the last 2 steps again (steps both before and after the checkpoint, as resuming
+    # needs), from a checkpoint written after an evaluation
+    over = ["train.steps=60", "train.eval_interval=29", "train.save_interval=58", *SMALL_BATCH]
     recs = _train(run, *over)
     for r in recs:
         check_record(r)
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 61))
-    assert [r["step"] for r in evals] == [25, 50, 60]
+    assert [r["step"] for r in evals] == [29, 58, 60]
     # learning: ln(8000) ≈ 9.0 at the start; well below after 60 steps
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-5:]) / 5
     assert first > 8.5 and last < first - 2.0, (first, last)
@@ -90,30 +91,30 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
         assert res["by_source"][name]["loss"] == pytest.approx(v["loss"], rel=1e-9)
         assert res["by_source"][name]["bytes"] == v["bytes"]
 
-    # resume: a copy of the step-50 checkpoint continues exactly like the original run
+    # resume: a copy of the step-58 checkpoint continues exactly like the original run
     run2 = str(tmp_path / "run2")
-    _resume_from_copy(run, run2, 50)
+    _resume_from_copy(run, run2, 58)
     recs2 = _train(run2, *over)
     train2 = [r for r in recs2 if r["kind"] == "train"]
-    assert [r["step"] for r in train2] == list(range(51, 61))
-    for a, b in zip(train2, train[50:]):
+    assert [r["step"] for r in train2] == [59, 60]
+    for a, b in zip(train2, train[58:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-9), a["step"]
 
     # a checkpoint of another layout is refused with one error naming the key, and the
     # refused launch leaves the run's config.yaml as it was
-    layout_path = os.path.join(run2, "checkpoints", "step_50", "layout.json")
+    layout_path = os.path.join(run2, "checkpoints", "step_58", "layout.json")
     with open(layout_path) as f:
         layout = json.load(f)
     assert layout["tensor"] == 1 and layout["pipeline"] == 1 and layout["groups"] == 1
-    step50 = os.path.join(run2, "checkpoints", "step_50")
+    step58 = os.path.join(run2, "checkpoints", "step_58")
     with open(layout_path, "w") as f:
         # (an STD checkpoint loads under another tensor / pipeline size, dept_mega.reshard, also
         # with dropout; not under another number of source groups)
         json.dump(dict(layout, groups=2), f)
-    shutil.copy(os.path.join(step50, "group0.json"), os.path.join(step50, "group1.json"))
-    seal(step50, 50)
+    shutil.copy(os.path.join(step58, "group0.json"), os.path.join(step58, "group1.json"))
+    seal(step58, 58)
     with open(os.path.join(run2, "checkpoints", "latest"), "w") as f:
-        f.write("50\n")  # the resumed run above saved step 60 and moved latest there
+        f.write("58\n")  # the resumed run above saved step 60 and moved latest there
     before = open(os.path.join(run2, "config.yaml")).read()
     rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, *over, "train.steps=70"])
     assert rc == 2
@@ -123,12 +124,12 @@ def test_learns_writes_metrics_evaluates_and_resumes(corpus, tmp_path, monkeypat
 
     # as if written by 2 pipeline stages (each stage's files: this one's), resumed with dropout:
     # it loads, and the launch says that the dropout streams were re-seeded, not restored
-    os.remove(os.path.join(step50, "group1.json"))
+    os.remove(os.path.join(step58, "group1.json"))
     with open(layout_path, "w") as f:
         json.dump(dict(layout, pipeline=2), f)
-    shutil.copy(os.path.join(step50, "rng_tp0_pp0.pt"), os.path.join(step50, "rng_tp0_pp1.pt"))
-    seal(step50, 50)
-    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, *over, "train.steps=51",
+    shutil.copy(os.path.join(step58, "rng_tp0_pp0.pt"), os.path.join(step58, "rng_tp0_pp1.pt"))
+    seal(step58, 58)
+    rc = train_cli.main(["--config", TINY_STD, f"train.run_dir={run2}", *COMMON, *over, "train.steps=59",
                          "model.hidden_dropout=0.1"])
     err = capsys.readouterr().err
     assert rc == 0, err

@@ -139,3 +139,19 @@ def without_tensorboard_warning(err: str) -> str:
     """``err`` without the line a launch prints when the tensorboard package is missing (one
     per launch), so that checks of a launch's other stderr lines hold with or without it."""
     return "".join(ln for ln in err.splitlines(True) if not ln.startswith("warning: no TensorBoard events in "))
+
+
+def run_script(script: str, *args: str, monkeypatch) -> int:
+    """``python SCRIPT ARGS...``'s exit status, the script run as ``__main__`` in this process
+    (its changes to sys.path and sys.argv taken back after the test): the script's own lines, without
+    a fresh interpreter's imports (~4 s of CPU). DEPT_MEGA_FULL_EXIT=1: an entry point that leaves
+    through dept_mega.process_exit raises SystemExit instead of ending this process."""
+    import runpy
+
+    import pytest
+    monkeypatch.setenv("DEPT_MEGA_FULL_EXIT", "1")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(script, run_name="__main__")
+    return exc.value.code
