@@ -188,7 +188,7 @@ GROUP_DRIVER = textwrap.dedent("""
 
 
 def _group_members(pgid: int) -> list[str]:
-    """The processes (pid and command) in process group ``pgid``, from /proc."""
+    """The running processes (pid and command) in process group ``pgid``, from /proc."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -196,7 +196,8 @@ def _group_members(pgid: int) -> list[str]:
                 stat = f.read()
         except OSError:  # ended meanwhile
             continue
-        if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":  # (a zombie has ended: only its exit status is left)
             found.append(stat[:stat.rindex(")") + 1])
     return found
 

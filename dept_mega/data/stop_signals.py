@@ -66,8 +66,9 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def die_with_parent(parent: int) -> None:
-    """Linux: this process gets SIGKILL when ``parent`` (the process that forked it, from its
-    main thread) ends, whatever ends it; if it has already ended, this process exits now.
+    """Linux: this process gets SIGKILL when ``parent`` (the process that forked it) ends,
+    whatever ends it (strictly: when the thread that forked it ends; the data tools fork from
+    their main thread); if it has already ended, this process exits now.
     Without it a child of a tool killed by SIGKILL (the out-of-memory killer, a batch system)
     would go on tokenizing its part, or sleeping in a long batch, for nobody. Elsewhere:
     nothing (the children's own checks of their parent remain)."""
@@ -75,8 +76,9 @@ def die_with_parent(parent: int) -> None:
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl in this libc: the children's own checks remain
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return  # refused (a seccomp filter): the children's own checks remain
+    except (OSError, AttributeError):  # no prctl in this libc: the same
         return
     if os.getppid() != parent:  # the parent ended before the prctl: no signal will come
         os._exit(1)
