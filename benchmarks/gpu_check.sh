@@ -24,7 +24,8 @@
 #   --dry-run      the same sequence on the CPU with a tiny model of the same config, writing the
 #                  same files: a rehearsal of the script, no figure means anything (about a minute
 #                  on 2 cores; the test suite runs it: tests/test_gpu_check.py). Its Python commands
-#                  are forked from one interpreter that has imported torch (benchmarks/forkserver.py)
+#                  are forked from one interpreter that has imported torch and the training
+#                  modules (benchmarks/forkserver.py)
 #   -h, --help     this text
 #
 # Environment: run from a checkout with its environment active (a CUDA build of torch; the test
@@ -301,8 +302,8 @@ forkserver_up() {
   # its imports before the first stage's clock starts (a loaded machine takes tens of seconds)
   local t0=$SECONDS
   while [ ! -e "$sock.ready" ] && kill -0 "$FORK_PID" 2>/dev/null && (( SECONDS - t0 < 300 )); do sleep 0.2; done
-  if [ -e "$sock.ready" ]; then log "# fork server ready after $(( SECONDS - t0 )) s"
-  else log "# fork server not ready after $(( SECONDS - t0 )) s: the commands wait for it"; fi
+  if [ -e "$sock.ready" ]; then log "#   its imports done after $(( SECONDS - t0 )) s (before the first stage's clock)"
+  else log "#   its imports not done after $(( SECONDS - t0 )) s: the commands wait for them"; fi
   # (the client needs only the standard library: -S skips site's start-up, ~12 ms a command)
   cat >"$WORK/python" <<EOF
 #!/bin/sh

@@ -70,6 +70,9 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert ("# fork server: torch, the training modules and inductor's compiler (the compiled stages: "
             "TORCH_COMPILE_DISABLE=1 set in their forks)\n") in log, log[:2000]
     assert log.count("# fork server") == 1
+    # its imports waited for before the first stage's clock started (not in the env stage's limit)
+    done = re.search(r"^#   its imports done after \d+ s \(before the first stage's clock\)$", log, re.MULTILINE)
+    assert done and done.start() < log.index("### stage "), log[:2000]
     # the stages' order: the main runs first, then the variants, the model checks and the ablations
     assert [r["name"] for r in rows] == ["bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_tuned", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_fast_accum", "fp8_compile_triton", "bf16_compile", "fp8_compile", "bf16_flex_autotune", "fp8_current",
                                            "fp8_current_compile", "fp8_mb8", "fp8_lt_mb8", "std_vocab250k", "bf16_nofusion",
