@@ -24,6 +24,7 @@ from dept_mega.data.stop_signals import die_with_parent
 
 STOP_WAIT = 10.0  # seconds the children get, all together, to end after SIGTERM before SIGKILL
 
+
 def count_newlines(path: str, start: int, end: int) -> int:
     """The newlines in bytes [start, end) of ``path``."""
     n = 0
