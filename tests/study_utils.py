@@ -89,7 +89,6 @@ def finish_runs(out: str, study, runs=None) -> None:
         Path(d, MARKER).write_text(json.dumps({"command": full_command(out, r, "python"), "nproc": r.nproc}))
 
 
-
 def _module_rank(rank: int, world: int, module: str, argv: list, cwd: str, log: str) -> int:
     """One rank of ``torchrun ... -m MODULE ARGV``: the module's ``main(ARGV)`` in ``cwd``, its
     output appended to ``log`` (as torchrun's workers write to the run's log)."""
