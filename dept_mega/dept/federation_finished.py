@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -119,8 +120,6 @@ def partners_finished(fed, final: bool) -> Optional[str]:
     the wait is given up (``final``) only past round 0: a job at the run's start that finds
     records of its config's run is more likely a new run on a lighthouse that served one. The
     records count from this run only (:func:`finished_groups`, the start in ``fed.run_dir``)."""
-    import time
-
     from ..run_configs import run_start
     from .federation_log import status_page
     if not final and fed.round == 0:
