@@ -164,3 +164,105 @@ def test_run_in_processes_kills_a_child_that_outlives_its_stop_wait_and_says_so(
     assert time.time() - t0 < 10
     assert len(logged) == 1 and re.fullmatch(r"\[preprocess\] the process of partition 1 \(pid \d+\) had not ended "
                                              r"1 s after SIGTERM: killed", logged[0]), logged
+
+
+_BOOTSTRAP_SIGNAL = """
+import multiprocessing.util, os, signal, sys
+sys.path.insert(0, {root!r})
+from dept_mega.data.partitions import run_in_processes
+from dept_mega.data.stop_signals import stop_on_signals
+real = multiprocessing.util._close_stdin
+def signalled():  # in the child, in multiprocessing's start-up code, before the target runs
+    os.kill(os.getpid(), signal.SIGTERM)
+    real()
+multiprocessing.util._close_stdin = signalled
+def target(q, index):
+    q.put(("done", index))
+with stop_on_signals():
+    try:
+        run_in_processes([(0,)], target, 1, lambda m: None, poll=0.05)
+    except RuntimeError as exc:
+        print("error:", exc)
+"""
+
+
+def test_a_signal_in_a_childs_start_up_ends_it_quietly(tmp_path):
+    """SIGTERM to the whole process group can reach a partition's process while multiprocessing's
+    start-up code runs, before its own handling began: the child is forked with the signals
+    blocked, so it ends with status 1 once its handling is in place (no traceback from
+    multiprocessing's bootstrap, as a fresh-clone suite once saw)."""
+    import subprocess
+    import sys
+
+    from tests.data_utils import ROOT
+    driver = tmp_path / "driver.py"
+    driver.write_text(_BOOTSTRAP_SIGNAL.format(root=ROOT))
+    res = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert "error: the process of partition 0 ended (exit code 1) before finishing" in res.stdout, res.stdout
+
+
+def _child_dies_mid_message(q, index):
+    import threading
+    q.put(("first", index))
+    threading.Timer(0.3, os._exit, args=(1,)).start()  # (as SIGKILL would, or os._exit on a signal)
+    q.put(("big", b"x" * (1 << 20)))  # more than a pipe holds: stuck part way while the parent is busy
+
+
+def _run_mid_message(out):
+    from dept_mega.data.partitions import run_in_processes
+
+    def on_message(msg):
+        if msg[0] == "first":
+            time.sleep(1.0)  # busy: the child's next message fills the pipe, then the child ends
+        out.put(("message", msg[0]))
+
+    try:
+        run_in_processes([(0,)], _child_dies_mid_message, 1, on_message, poll=0.05)
+    except RuntimeError as exc:
+        out.put(("error", str(exc)))
+
+
+def test_a_child_that_ends_part_way_through_a_message_is_an_error_not_a_hang():
+    """A child killed while it sends a message leaves half of it behind: the parent reads what
+    came whole, then reports the child's end (a shared queue's reader would wait for the rest
+    for ever)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    out = ctx.SimpleQueue()
+    proc = ctx.Process(target=_run_mid_message, args=(out,))
+    proc.start()
+    proc.join(20)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError("run_in_processes still waiting 20 s after its child ended mid-message")
+    got = []
+    while not out.empty():
+        got.append(out.get())
+    assert got == [("message", "first"),
+                   ("error", "the process of partition 0 ended (exit code 1) before finishing")], got
+
+
+def _child_leaves_a_process_holding_its_pipe(q, index):
+    pid = os.fork()
+    if pid == 0:  # (as a tokenizer worker that outlives its partition's process, where nothing kills it)
+        time.sleep(30)
+        os._exit(0)
+    q.put(("grandchild", pid))
+    os._exit(3)
+
+
+def test_a_dead_child_is_reported_while_a_process_it_started_holds_its_pipe():
+    from dept_mega.data.partitions import run_in_processes
+    seen = []
+    t0 = time.time()
+    try:
+        with pytest.raises(RuntimeError, match=r"partition 0 ended \(exit code 3\) before finishing"):
+            run_in_processes([(0,)], _child_leaves_a_process_holding_its_pipe, 1, seen.append, poll=0.05)
+        assert time.time() - t0 < 10
+    finally:
+        for _, pid in seen:
+            os.kill(pid, signal.SIGKILL)
+    assert [m[0] for m in seen] == ["grandchild"]

@@ -14,13 +14,13 @@ the process that started it does, whatever kills that (:func:`die_with_parent`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_mod
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from dept_mega.data.stop_signals import die_with_parent
+from dept_mega.data.stop_signals import Terminated, die_with_parent, signals_blocked, unblock_signals
 
 STOP_WAIT = 10.0  # seconds the children get, all together, to end after SIGTERM before SIGKILL
 
@@ -108,51 +108,83 @@ def part_starts(parts: Sequence[Sequence[Range]]) -> list[tuple[dict[str, tuple[
     return out
 
 
-def _child(parent: int, target: Callable, *args) -> None:
-    die_with_parent(parent)
-    target(*args)
+class _Reports:
+    """A child's end of its own pipe to the parent: ``put(message)`` sends it there.
+
+    One pipe per child, not one queue for all: a child that ends part way through a message
+    (SIGKILL, or ``os._exit`` on a signal, while a queue's feeder thread was writing) would
+    leave a shared queue holding half a message, and the parent's read of the rest would wait
+    for ever (it holds the queue's write end itself, so no end of file comes). A child's own
+    pipe ends at its end: the parent reads end of file, having read every whole message first.
+    A send is synchronous (no feeder thread), so a message put before an exit is delivered."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+
+    def put(self, message: Any) -> None:
+        self._conn.send(message)
+
+
+def _child(parent: int, target: Callable, conn, *args) -> None:
+    """A child's life: forked with SIGINT and SIGTERM blocked (a signal to the process group
+    while multiprocessing's start-up code ran would raise there, with a traceback, before
+    ``target`` could handle it), unblocked once the stop is this function's."""
+    try:
+        die_with_parent(parent)
+        unblock_signals()
+        target(_Reports(conn), *args)
+    except (Terminated, KeyboardInterrupt):  # (the tool's handler) before target's own handling began
+        os._exit(1)
 
 
 def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
                      on_message: Callable[[Any], None], poll: float = 0.2,
                      log: Optional[Callable[[str], None]] = None, stop_wait: float = STOP_WAIT) -> None:
-    """Run ``target(queue, *task)`` for each task in its own child process, at most
-    ``concurrency`` at once, in order. A child reports with ``queue.put(message)``; its last
+    """Run ``target(reports, *task)`` for each task in its own child process, at most
+    ``concurrency`` at once, in order. A child reports with ``reports.put(message)``; its last
     message must be ``("done", index)`` (``index``: its task's position) after which it exits
     0. Each message goes to ``on_message`` (in the caller's process), which may raise to stop
-    everything. A child that ends without "done" raises RuntimeError naming its exit code.
+    everything. A child that ends without "done" raises RuntimeError naming its exit code, once
+    every message it sent has been passed on.
     On return or any exception every child still running is terminated and joined; those
     still there ``stop_wait`` seconds after (all together) are killed, each named to ``log``."""
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    q = ctx.Queue()
     running: dict[int, Any] = {}
-    done: set[int] = set()
-    dead_since: dict[int, float] = {}
+    pipes: dict[int, Any] = {}  # the parent's end of each running child's pipe, until its end of file
     nxt = 0
     try:
         while nxt < len(tasks) or running:
             while nxt < len(tasks) and len(running) < max(1, concurrency):
-                proc = ctx.Process(target=_child, args=(os.getpid(), target, q, *tasks[nxt]), daemon=False)
-                proc.start()
-                running[nxt] = proc
+                with signals_blocked():  # a signal meanwhile: raised here, once the child is listed
+                    ours, theirs = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_child, args=(os.getpid(), target, theirs, *tasks[nxt]), daemon=False)
+                    try:
+                        proc.start()
+                        running[nxt], pipes[nxt] = proc, ours
+                    finally:
+                        theirs.close()  # the child's alone: its end makes ours read end of file
+                        if nxt not in running:
+                            ours.close()
                 nxt += 1
-            try:
-                msg = q.get(timeout=poll)
-            except queue_mod.Empty:
-                msg = None
-            if msg is not None:
-                if isinstance(msg, tuple) and msg and msg[0] == "done":
-                    done.add(msg[1])
+            by_conn = {conn: i for i, conn in pipes.items()}
+            for conn in mp_connection.wait(list(by_conn), timeout=poll):
+                i = by_conn[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the child ended (OSError: part way through a message)
+                    pipes.pop(i).close()
+                    continue
                 on_message(msg)
+                if isinstance(msg, tuple) and msg and msg[0] == "done":
+                    pipes.pop(i).close()
+                    running.pop(i).join()
             for i, proc in list(running.items()):
-                if i in done:
-                    proc.join()
-                    del running[i]
-                elif proc.exitcode is not None:  # ended: its last messages may still be in the queue
-                    first = dead_since.setdefault(i, time.time())
-                    if msg is None and time.time() - first > 5 * poll + 1.0:
-                        raise RuntimeError(f"the process of partition {i} ended (exit code {proc.exitcode}) "
-                                           f"before finishing")
+                if i not in pipes:
+                    proc.join(timeout=poll)  # its pipe has ended: so has it, or it is about to
+                # ended, and every message it sent read (a process it forked may hold the pipe open)
+                if proc.exitcode is not None and (i not in pipes or not pipes[i].poll(0)):
+                    raise RuntimeError(f"the process of partition {i} ended (exit code {proc.exitcode}) "
+                                       f"before finishing")
     finally:
         for proc in running.values():
             if proc.is_alive():
@@ -167,5 +199,5 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
                 if log is not None:
                     log(f"[preprocess] the process of partition {i} (pid {proc.pid}) had not ended "
                         f"{stop_wait:g} s after SIGTERM: killed")
-        q.close()
-        q.join_thread()
+        for conn in pipes.values():
+            conn.close()

@@ -435,9 +435,8 @@ def _part_child(q, index: int, ranges, prefixes, lines_at: dict, first_line: int
     and ("done", index); an error is ("error", index, message). Ctrl-C or SIGTERM (the tool's
     handler, inherited), also while its workers are being stopped: the builders abort, the
     workers are stopped, and the process exits 1 at once, without a traceback and without
-    Python's exit (which waits for ``q``'s feeder thread: the signal's exception can leave that
-    thread's lock held, when it comes inside a ``q.put``). Once its last message is queued,
-    later signals are ignored: the process only exits, sending it."""
+    Python's exit. Once its last message is sent, later signals are ignored: the process only
+    exits."""
     pool = None
     try:
         try:

@@ -82,3 +82,25 @@ def die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent ended before the prctl: no signal will come
         os._exit(1)
+
+
+@contextmanager
+def signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread (a process forked meanwhile starts with them
+    blocked, so that it can set up its own handling before one is delivered: see
+    :func:`unblock_signals`); one that came meanwhile is handled when they are unblocked, at the end."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_signals() -> None:
+    """In a process forked within :func:`signals_blocked`: SIGINT and SIGTERM delivered again (one
+    that came meanwhile is handled now)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)

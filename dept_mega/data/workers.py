@@ -37,12 +37,10 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-from dept_mega.data.stop_signals import die_with_parent
+from dept_mega.data.stop_signals import die_with_parent, signals_blocked, unblock_signals
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL = 0.2  # seconds: how often a wait for a result checks that every worker is alive
 GRACE = 1.0  # seconds from SIGTERM to SIGKILL in stop()
 CLOSE_WAIT = 10.0  # seconds the workers of a finished run get to end on their own in stop()
@@ -78,20 +76,6 @@ def _portable(exc: Exception) -> tuple[Exception, str]:
     return exc, text
 
 
-@contextmanager
-def _signals_blocked() -> Iterator[None]:
-    """SIGINT and SIGTERM blocked in this thread (a process forked meanwhile starts with them
-    blocked); one that came meanwhile is handled when they are unblocked, at the end."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[Callable], initargs: tuple) -> None:
     """A worker's life: its signals (see the module's docstring), ``initializer(*initargs)``,
     then ``(seq, args)`` tasks until ``None``, each answered ``(seq, True, func(*args))`` or
@@ -99,8 +83,7 @@ def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[C
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent(parent)  # also while it runs a task (the check below only runs between tasks)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)  # a SIGTERM sent meanwhile ends it here
+    unblock_signals()  # a SIGTERM sent meanwhile ends it here
     failed = None
     try:
         if initializer is not None:
@@ -156,7 +139,7 @@ class Workers:
         self._seq = 0
         self._asked = self._closed = False  # stop(): the workers asked to end; the queues closed
         try:
-            with _signals_blocked():  # a signal meanwhile raises at the end, with every started one listed
+            with signals_blocked():  # a signal meanwhile raises at the end, with every started one listed
                 for i in range(processes):
                     proc = ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
                                        args=(self._tasks, self._results, os.getpid(), func, initializer, initargs))
