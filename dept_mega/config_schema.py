@@ -306,8 +306,9 @@ class FederationConfig:
     quorum_give_up_s: Optional[float] = 3600.0
     #: The host name this job's torchft servers and store are advertised by to the other group
     #: jobs (torchft's default: the short host name): fqdn = each node's fully qualified name,
-    #: or a name / IP address the other sites reach (a group job of one node only: one of several
-    #: nodes is refused at start); null = torchft's.
+    #: route = each node's IPv4 address on its route to the lighthouse, or a name / IP address
+    #: the other sites reach (a group job of one node only: one of several nodes is refused at
+    #: start); null = torchft's.
     advertise_host: Optional[str] = None
 
 

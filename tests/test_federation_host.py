@@ -32,7 +32,8 @@ def test_advertise_host_reaches_torchfts_addresses():
     from dept_mega.dept.federation_host import advertised_host, store_host
     from dept_mega.lighthouse import serve
     lh = serve(0, 1)
-    addr = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+    lh_port = int(lh.address().rsplit(":", 1)[1])
+    addr = f"http://127.0.0.1:{lh_port}"
     try:
         # "localhost" names this host too, so the Manager's own store connection works
         m, store, store_addr = _manager("localhost", addr)
@@ -48,6 +49,16 @@ def test_advertise_host_reaches_torchfts_addresses():
             host = socket.gethostname()
             assert m._manager.address().startswith(f"http://{host}:") and store_addr == "127.0.0.1"
             assert m._checkpoint_transport.address().startswith(f"http://{host}:")
+        finally:
+            m.shutdown(wait=False)
+        # route: this node's address on its route to the lighthouse (here: the loopback's)
+        host = advertised_host("route", ("127.0.0.1", lh_port))
+        assert host == "127.0.0.1"
+        m, store, store_addr = _manager(host, addr)
+        try:
+            assert m._manager.address().startswith("http://127.0.0.1:"), m._manager.address()
+            assert m._checkpoint_transport.address().startswith("http://127.0.0.1:")
+            assert store_addr == "127.0.0.1"
         finally:
             m.shutdown(wait=False)
     finally:
@@ -87,10 +98,31 @@ def test_a_literal_advertise_host_is_refused_on_a_job_of_several_nodes(tmp_path,
     with pytest.raises(ConfigError, match=r"'federation.advertise_host': '10.8.0.3' is one node's address, but this "
                                           r"group job runs on 2 nodes \(16 ranks, 8 per node"):
         check_literal("10.8.0.3", 16, 8)
-    for setting, world, local in (("fqdn", 16, 8), (None, 16, 8), ("10.8.0.3", 8, 8), ("10.8.0.3", 1, None)):
+    for setting, world, local in (("fqdn", 16, 8), ("route", 16, 8), (None, 16, 8), ("10.8.0.3", 8, 8),
+                                  ("10.8.0.3", 1, None)):
         check_literal(setting, world, local)
     cfg = load_config(write_config(str(tmp_path)), ["federation.lighthouse=127.0.0.1:1", "federation.group=0",
                                                      "federation.groups=3", "federation.advertise_host=10.8.0.3"])
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"runs on 2 nodes \(4 ranks, 2 per node"):  # (the lighthouse: nothing there)
         Federation(cfg, SimpleNamespace(group_size=4, rank=0), torch.device("cpu"), 0, "127.0.0.1", 1)
+
+
+def test_route_finds_the_source_address_or_names_the_key(monkeypatch):
+    """``route``: the address the kernel picks to reach the lighthouse (a host name resolves to
+    its IPv4 address first); a lighthouse that does not resolve, or that this node has no route
+    to, is a ConfigError naming the key and the lighthouse."""
+    from dept_mega.config import ConfigError
+    from dept_mega.dept.federation_host import advertised_host
+    assert advertised_host("route", ("localhost", 29510)) == "127.0.0.1"
+    assert advertised_host("route", ("127.0.0.2", 29510)) == "127.0.0.1"  # (the loopback's own address)
+    with pytest.raises(ConfigError, match=r"'federation.advertise_host': route: the lighthouse's host "
+                                          r"'no-such-host.invalid' does not resolve"):
+        advertised_host("route", ("no-such-host.invalid", 29510))
+
+    def unreachable(self, address):
+        raise OSError(101, "Network is unreachable")
+    monkeypatch.setattr(socket.socket, "connect", unreachable)
+    with pytest.raises(ConfigError, match=r"'federation.advertise_host': route: no route from this node to the "
+                                          r"lighthouse 10.8.0.1:29510 \(10.8.0.1: \[Errno 101\] Network is unreachable\)"):
+        advertised_host("route", ("10.8.0.1", 29510))

@@ -64,7 +64,7 @@ from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_finished import announce, partners_finished, run_key
-from .federation_host import check_literal, manager_kwargs, store_host
+from .federation_host import advertised_host, check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, least_groups, membership_line,
                              quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
@@ -137,13 +137,18 @@ class Federation:
         self._launching = False
         self._peers_deferred = False  # (healed) the peers had such exchanges to launch
         self.dump = federation_dump.from_env(group, pg.rank)  # a test hook (federation_dump.py)
-        store_addr = store_host(f.advertise_host, pg.rank, store_addr)  # (federation_host.py)
+        # (federation_host.py; route: a node without a route to the lighthouse stops every rank)
+        advertised = agree_errors(lambda: advertised_host(f.advertise_host, (host, port)), (ConfigError,), device)
+        if advertised is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+            log(f"federation: rank {pg.rank}'s node advertises {advertised} to the other group jobs "
+                f"(federation.advertise_host {f.advertise_host})")
+        store_addr = store_host(advertised, pg.rank, store_addr)
         self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
                                min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(days=1), connect_timeout=timeout,
                                rank=pg.rank, world_size=pg.group_size, store_addr=store_addr, store_port=store_port,
                                lighthouse_addr=f"http://{host}:{port}", replica_id=f"{REPLICA_PREFIX}{group}",
-                               init_sync=False, **manager_kwargs(f.advertise_host, timeout))
+                               init_sync=False, **manager_kwargs(advertised, timeout))
         quiet_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))
         self.manager.register_state_dict_fn("dept", self._load_healed, self._replicated_state)
         # a quorum needs both: the lighthouse's --min-groups and this job's federation.min_groups

@@ -111,7 +111,7 @@ def resolve(cfg) -> Optional[tuple[int, str, int]]:
                  f"(federation: only the round-end sync may be in flight across a round start's quorum; "
                  f"needs (outer_fragments - 1) * (local_steps // outer_fragments) + outer_delay <= local_steps)"),
                 ("federation.advertise_host", f.advertise_host is not None and not str(f.advertise_host).strip(),
-                 "empty (null: torchft's host name; fqdn; or a host name / IP address the other sites reach)"),
+                 "empty (null: torchft's host name; fqdn; route; or a host name / IP address the other sites reach)"),
                 ("data.sources", len(cfg.data.sources) < f.groups,
                  f"{len(cfg.data.sources)} sources for federation.groups = {f.groups} (each group job trains "
                  f"its own sources: at least one per group)")]

@@ -5,14 +5,17 @@ other clusters cannot resolve — in three places: rank 0's manager server (whic
 hands to the other jobs), every rank's checkpoint HTTP server (which a healing peer fetches
 from), and the store where the cross-group process group meets (``MASTER_ADDR``, or this
 host's name for a one-process job without torchrun). ``federation.advertise_host`` replaces the
-name in all three: ``fqdn`` (each rank's ``socket.getfqdn()``, for jobs of several nodes), or a
-host name / IP address the other sites reach (for a group job of one node, e.g. its VPN
-address). null keeps torchft's own (a job on one site, or names every site resolves).
+name in all three: ``fqdn`` (each rank's ``socket.getfqdn()``, for jobs of several nodes whose
+full names the other sites resolve), ``route`` (each rank's IP address on its route to the
+lighthouse: the source address the kernel picks to reach it, e.g. the node's VPN address when the
+lighthouse is reached through the VPN; for jobs of several nodes known to the other sites only by
+address), or a host name / IP address the other sites reach (for a group job of one node). null
+keeps torchft's own (a job on one site, or names every site resolves).
 
 A literal names one node, while every rank advertises its own healing server: on a group job of
 several nodes the ranks of the other nodes would be advertised at the first node's address, where
 a healing peer's fetch fails (or reaches another rank's server). Such a job is refused at start
-(:func:`check_literal`): ``fqdn`` names each node by its own name.
+(:func:`check_literal`): ``fqdn`` and ``route`` name each node by its own name or address.
 """
 from __future__ import annotations
 
@@ -22,18 +25,53 @@ from datetime import timedelta
 from typing import Any, Optional
 
 
-def advertised_host(setting: Optional[str]) -> Optional[str]:
-    """The host ``federation.advertise_host`` names on this rank's node (None: torchft's own)."""
+#: the settings that name each node by its own name or address (not literals)
+PER_NODE = ("fqdn", "route")
+
+
+def advertised_host(setting: Optional[str], lighthouse: Optional[tuple[str, int]] = None) -> Optional[str]:
+    """The host ``federation.advertise_host`` names on this rank's node (None: torchft's own);
+    ``lighthouse`` (host, port) is what ``route`` finds the route to."""
     if setting is None:
         return None
-    return socket.getfqdn() if setting == "fqdn" else str(setting)
+    if setting == "fqdn":
+        return socket.getfqdn()
+    if setting == "route":
+        if lighthouse is None:
+            raise ValueError("advertise_host 'route' needs the lighthouse's address")
+        return route_address(*lighthouse)
+    return str(setting)
+
+
+def route_address(host: str, port: int) -> str:
+    """This node's IPv4 address on its route to ``host``: the source address the kernel picks for
+    a UDP socket connected there (a connect sends nothing). A ConfigError naming the key when
+    ``host`` does not resolve to an IPv4 address or has no route (torchft writes the advertised
+    host into ``http://HOST:PORT`` addresses, which an IPv6 address would need brackets in)."""
+    from ..config import ConfigError
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ConfigError(f"config key 'federation.advertise_host': route: the lighthouse's host {host!r} does not "
+                          f"resolve to an IPv4 address ({exc}); set fqdn or this node's address") from None
+    errors = []
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.connect(sockaddr)
+            except OSError as exc:
+                errors.append(f"{sockaddr[0]}: {exc}")
+                continue
+            return s.getsockname()[0]
+    raise ConfigError(f"config key 'federation.advertise_host': route: no route from this node to the lighthouse "
+                      f"{host}:{port} ({'; '.join(errors)})")
 
 
 def check_literal(setting: Optional[str], world_size: int, local_world_size: Optional[int] = None) -> None:
     """A literal ``federation.advertise_host`` (not null, not ``fqdn``) on a group job of several
     nodes (its ``world_size`` ranks more than the ``local_world_size`` torchrun starts on one node,
     ``LOCAL_WORLD_SIZE``): a ConfigError naming the key (module docstring)."""
-    if setting is None or setting == "fqdn":
+    if setting is None or setting in PER_NODE:
         return
     if local_world_size is None:
         try:
@@ -47,24 +85,24 @@ def check_literal(setting: Optional[str], world_size: int, local_world_size: Opt
     raise ConfigError(f"config key 'federation.advertise_host': {setting!r} is one node's address, but this group "
                       f"job runs on {nodes} nodes ({world_size} ranks, {local_world_size} per node: "
                       "LOCAL_WORLD_SIZE): every rank advertises its healing server at it, and the ranks of the other "
-                      "nodes are not there; set fqdn (each node advertises its own full name), null (torchft's host "
-                      "names, when every site resolves them), or run the group job on one node")
+                      "nodes are not there; set fqdn (each node advertises its own full name), route (each node its "
+                      "address on its route to the lighthouse), null (torchft's host names, when every site "
+                      "resolves them), or run the group job on one node")
 
 
-def store_host(setting: Optional[str], rank: int, store_addr: str) -> str:
-    """The store address rank ``rank`` gives torchft's Manager. Rank 0's manager server passes it
-    on to the other jobs, and rank 0 runs where the job's store does (torchrun's ``MASTER_ADDR``,
-    or its own store): it advertises its own name. The other ranks only connect to the store
-    themselves, by the name their job knows."""
-    host = advertised_host(setting)
+def store_host(host: Optional[str], rank: int, store_addr: str) -> str:
+    """The store address rank ``rank`` gives torchft's Manager, ``host`` the one this node
+    advertises (:func:`advertised_host`). Rank 0's manager server passes it on to the other jobs,
+    and rank 0 runs where the job's store does (torchrun's ``MASTER_ADDR``, or its own store): it
+    advertises its own name. The other ranks only connect to the store themselves, by the name
+    their job knows."""
     return host if host is not None and rank == 0 else store_addr
 
 
-def manager_kwargs(setting: Optional[str], timeout: timedelta) -> dict[str, Any]:
-    """The Manager's arguments that advertise ``federation.advertise_host``: ``hostname`` (rank 0's
-    manager server) and a checkpoint transport whose address names it (every rank's healing
-    server); {} without the setting (torchft's defaults)."""
-    host = advertised_host(setting)
+def manager_kwargs(host: Optional[str], timeout: timedelta) -> dict[str, Any]:
+    """The Manager's arguments that advertise ``host`` (:func:`advertised_host`): ``hostname``
+    (rank 0's manager server) and a checkpoint transport whose address names it (every rank's
+    healing server); {} for None (torchft's defaults)."""
     if host is None:
         return {}
     from torchft.checkpointing.http_transport import HTTPTransport

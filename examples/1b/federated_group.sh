@@ -25,7 +25,8 @@
 # (2), FEDERATION_TIMEOUT_S (600) and, when set, FEDERATION_QUORUM_GIVE_UP_S (seconds a quorum wait
 # lasts before the job saves and exits for a requeue; null: never; unset: the config's, 3600 by
 # default) and FEDERATION_ADVERTISE_HOST (the name / address the other sites reach this job by:
-# fqdn, or this node's literal address); any other key=value argument is passed on as well.
+# fqdn, route (this node's address on its route to the lighthouse), or this node's literal
+# address); any other key=value argument is passed on as well.
 CONFIG=${CONFIG:-examples/1b/spec.yaml}
 # the variant (the log's "launch:" line): the config's dept.variant
 config_file=$CONFIG
