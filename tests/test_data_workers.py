@@ -41,3 +41,40 @@ def test_an_initializers_error_answers_every_task():
     finally:
         w.stop()
     assert all(p.exitcode is not None for p in w._procs)
+
+
+def _big_then_killed(x: int) -> bytes:
+    import os
+    import threading
+    threading.Timer(0.3, os._exit, args=(9,)).start()  # (as the out-of-memory killer would, mid-send)
+    return b"x" * (1 << 20)  # more than a pipe holds: its sending is stuck part way while nobody reads
+
+
+def _mid_result(out) -> None:
+    from dept_mega.data.workers import WorkerDied
+    with Workers(1, _big_then_killed) as w:
+        seq = w.submit(0)
+        time.sleep(1.0)  # busy elsewhere: the result fills the pipe, then the worker ends
+        try:
+            w.result(seq)
+            out.put("a result")
+        except WorkerDied as exc:
+            out.put(str(exc))
+
+
+def test_a_worker_that_ends_part_way_through_a_result_is_an_error_not_a_hang():
+    """A worker killed while it sends a result leaves half of it behind: result() raises
+    WorkerDied naming it (a shared result queue's reader would wait for the rest for ever)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    out = ctx.SimpleQueue()
+    proc = ctx.Process(target=_mid_result, args=(out,))
+    proc.start()
+    proc.join(20)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError("Workers.result still waiting 20 s after its worker ended mid-result")
+    got = out.get()
+    assert got.startswith("worker process worker-0 (pid ") and got.endswith(
+        ") exited with status 9 while it had work to do; the run cannot go on without its results"), got

@@ -17,7 +17,10 @@ Here, nothing the main process does to stop the workers depends on them:
   signals blocked, so one sent meanwhile waits until then;
 - a worker is never replaced; one that ends while the main process waits for a result is an
   error (:class:`WorkerDied`), found within :data:`POLL` seconds: a result is waited for with
-  timeouts, never for ever;
+  timeouts, never for ever. Each worker sends its results through a pipe of its own (not one
+  queue for all): a worker killed part way through sending one (the out-of-memory killer
+  picks the largest process) would leave half a message in a shared queue, and the main
+  process's read of the rest would wait for ever; its own pipe ends with it instead;
 - :meth:`Workers.stop` sends SIGTERM, then SIGKILL to any worker still there after
   :data:`GRACE` seconds, and joins them (``waitpid``: no lock, no queue), and never waits
   for the task queue's feeder thread (which may be stuck writing to a pipe nobody reads);
@@ -30,11 +33,13 @@ parent whenever it has waited a second for a task.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import queue as queue_mod
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -76,14 +81,44 @@ def _portable(exc: Exception) -> tuple[Exception, str]:
     return exc, text
 
 
-def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[Callable], initargs: tuple) -> None:
+class _Sender:
+    """A worker's results, sent through its own pipe by a thread in the order given, so that the
+    worker takes its next task while a large result is still being written (as a queue's feeder
+    thread would let it)."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._items: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="result-sender", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._items.get()) is not None:
+            try:
+                self._conn.send(item)
+            except OSError:  # the main process closed its end (it stopped): nobody reads
+                return
+
+    def put(self, item) -> None:
+        self._items.put(item)
+
+    def close(self) -> None:
+        """Every result put so far sent; then the pipe closed."""
+        self._items.put(None)
+        self._thread.join()
+        self._conn.close()
+
+
+def _worker(tasks, conn, parent: int, func: Callable, initializer: Optional[Callable], initargs: tuple) -> None:
     """A worker's life: its signals (see the module's docstring), ``initializer(*initargs)``,
-    then ``(seq, args)`` tasks until ``None``, each answered ``(seq, True, func(*args))`` or
-    ``(seq, False, (exception, traceback))``; an initializer's error answers every task."""
+    then ``(seq, args)`` tasks until ``None``, each answered through ``conn`` ``(seq, True,
+    func(*args))`` or ``(seq, False, (exception, traceback))``; an initializer's error answers
+    every task."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent(parent)  # also while it runs a task (the check below only runs between tasks)
     unblock_signals()  # a SIGTERM sent meanwhile ends it here
+    results = _Sender(conn)
     failed = None
     try:
         if initializer is not None:
@@ -98,6 +133,7 @@ def _worker(tasks, results, parent: int, func: Callable, initializer: Optional[C
                 os._exit(1)
             continue
         if task is None:
+            results.close()
             return
         seq, args = task
         if failed is not None:
@@ -133,18 +169,25 @@ class Workers:
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         self.processes = processes
         self._tasks = ctx.Queue()
-        self._results = ctx.Queue()
         self._procs: list = []
+        self._pipes: dict = {}  # worker index -> the main process's end of its result pipe, until it ends
         self._done: dict[int, tuple[bool, Any]] = {}  # results that came before they were asked for
         self._seq = 0
         self._asked = self._closed = False  # stop(): the workers asked to end; the queues closed
         try:
             with signals_blocked():  # a signal meanwhile raises at the end, with every started one listed
                 for i in range(processes):
+                    ours, theirs = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
-                                       args=(self._tasks, self._results, os.getpid(), func, initializer, initargs))
-                    proc.start()
-                    self._procs.append(proc)
+                                       args=(self._tasks, theirs, os.getpid(), func, initializer, initargs))
+                    try:
+                        proc.start()
+                        self._procs.append(proc)
+                        self._pipes[i] = ours
+                    finally:
+                        theirs.close()  # the worker's alone (the next ones are not forked with it)
+                        if i not in self._pipes:
+                            ours.close()
         except BaseException:
             self.stop(finished=False)
             raise
@@ -167,15 +210,24 @@ class Workers:
         (with the worker's traceback as ``__cause__``); :class:`WorkerDied` if a worker ended
         meanwhile (its task is lost: the run cannot go on)."""
         while seq not in self._done:
-            try:
-                got, ok, value = self._results.get(timeout=POLL)
-            except queue_mod.Empty:
-                for proc in self._procs:
-                    if proc.exitcode is not None:
-                        raise WorkerDied(f"worker process {proc.name} (pid {proc.pid}) {_ended(proc.exitcode)} "
-                                         f"while it had work to do; the run cannot go on without its results")
+            by_conn = {conn: i for i, conn in self._pipes.items()}
+            ready = mp_connection.wait(list(by_conn), timeout=POLL)
+            for conn in ready:
+                try:
+                    got, ok, value = conn.recv()
+                except (EOFError, OSError):  # the worker ended (OSError: part way through a result)
+                    i = by_conn[conn]
+                    self._pipes.pop(i).close()
+                    self._procs[i].join(POLL)  # (for its exit status)
+                    continue
+                self._done[got] = (ok, value)
+            if ready:
                 continue
-            self._done[got] = (ok, value)
+            for i, proc in enumerate(self._procs):  # every result a dead one sent is read by now
+                if proc.exitcode is not None or i not in self._pipes:
+                    how = _ended(proc.exitcode) if proc.exitcode is not None else "closed its result pipe"
+                    raise WorkerDied(f"worker process {proc.name} (pid {proc.pid}) {how} "
+                                     f"while it had work to do; the run cannot go on without its results")
         ok, value = self._done.pop(seq)
         if ok:
             return value
@@ -204,4 +256,5 @@ class Workers:
         if not self._closed:
             self._closed = True
             self._tasks.close()
-            self._results.close()
+            for conn in self._pipes.values():
+                conn.close()
