@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from torch import nn
@@ -277,10 +275,12 @@ def test_trim_vocab_from_indexed_data(tmp_path):
 # ----------------------------------------------------------------------------- command line
 
 
-def _run(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=env)
+@pytest.fixture
+def _run(capsys, monkeypatch):
+    """``python tools/dept_costs.py ARGS...`` from the repository's root, run in this process
+    (tests/tool_run.py): its returncode, stdout and stderr."""
+    from tests.tool_run import run_tool
+    return lambda *args: run_tool(TOOL, *args, capsys=capsys, monkeypatch=monkeypatch)
 
 
 def _tool():
@@ -304,7 +304,7 @@ def test_table_header_prints_vocabulary_means_readably():
     assert "SPEC-OPT vocab 2500.5, TRIM mean |V_k| unknown;" in head, head
 
 
-def test_cli_json_1b():
+def test_cli_json_1b(_run):
     r = _run("--config", "examples/1b/spec_opt.yaml", "--global-vocab", str(GLOBAL_V),
              "--source-vocab", str(SPEC_OPT_V), "--trim-vocab", str(TRIM_V), "--groups", "8", "--json")
     assert r.returncode == 0, r.stderr
@@ -318,7 +318,7 @@ def test_cli_json_1b():
     assert ob["outer_body"] == 8 * out["variants"]["spec_opt"]["body_params"] * 4
 
 
-def test_flops_per_token_are_the_logs():
+def test_flops_per_token_are_the_logs(_run):
     """Each variant's FLOPs per token are what the run's tflops_per_device counts
     (train_flops_per_token) with that variant's vocabulary; per group step: times the batch."""
     from dept_mega.config import load_config
@@ -408,7 +408,7 @@ def test_memory_notes_name_transformer_engine_sequence_parallel_under_auto():
         assert notes(*over) == [], over
 
 
-def test_cli_overrides_table_and_errors():
+def test_cli_overrides_table_and_errors(_run):
     r = _run("--config", "examples/1b/glob.yaml", "model.num_layers=12", "model.hidden_size=768",
              "model.num_attention_heads=12", "model.num_query_groups=12", "model.ffn_hidden_size=3072",
              "--global-vocab", str(GLOBAL_V), "--source-vocab", str(SPEC_OPT_V))

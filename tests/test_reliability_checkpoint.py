@@ -14,6 +14,7 @@ import torch
 from dept_mega import evaluate as evaluate_cli
 from dept_mega import train as train_cli
 from dept_mega.manifest import FORMAT, CheckpointError, seal
+from tests.tool_run import run_tool
 from tests.trainer_utils import without_tensorboard_warning, ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
 COMMON = ["train.log_interval=1", "train.eval_iters=1", "train.eval_interval=0", "train.save_interval=2",
@@ -136,8 +137,6 @@ def test_resume_falls_back_and_continues_exactly(base_run, tmp_path, monkeypatch
 def test_metrics_continue_from_the_checkpoint(base_run, tmp_path, monkeypatch, capsys):
     """A crash after step 6 was logged but before its checkpoint: the resumed run writes steps
     5 and 6 again; metrics.jsonl holds each step once and summarize_runs counts tokens once."""
-    import subprocess
-    import sys
     monkeypatch.chdir(ROOT)
     run = _copy(base_run, tmp_path)
     shutil.rmtree(_step(run, 6))
@@ -152,26 +151,24 @@ def test_metrics_continue_from_the_checkpoint(base_run, tmp_path, monkeypatch, c
     assert steps == [(r["kind"], r["step"]) for r in read_jsonl(os.path.join(base_run, "metrics.jsonl"))]
 
     def tokens(d):
-        p = subprocess.run([sys.executable, "tools/summarize_runs.py", d, "--json", str(tmp_path / "s.json")],
-                           capture_output=True, text=True, cwd=ROOT)
+        p = run_tool("tools/summarize_runs.py", d, "--json", str(tmp_path / "s.json"), capsys=capsys,
+                     monkeypatch=monkeypatch)
         assert p.returncode == 0, p.stderr
         return json.load(open(tmp_path / "s.json"))[0]["train_tokens"]
 
     assert tokens(run) == tokens(base_run) == 6 * 16 * 64
 
 
-def test_summarize_runs_takes_the_last_record_of_a_step(base_run, tmp_path):
+def test_summarize_runs_takes_the_last_record_of_a_step(base_run, tmp_path, capsys, monkeypatch):
     """A metrics.jsonl from before the fix (steps repeated after a resume): each step counts
     once, the later record wins, and the tool says so."""
-    import subprocess
-    import sys
     run = _copy(base_run, tmp_path)
     recs = read_jsonl(os.path.join(run, "metrics.jsonl"))
     again = [dict(r, loss=1.0) for r in recs if r["kind"] == "train" and r["step"] > 4]
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in again)
-    p = subprocess.run([sys.executable, "tools/summarize_runs.py", run, "--json", str(tmp_path / "s.json")],
-                       capture_output=True, text=True, cwd=ROOT)
+    p = run_tool("tools/summarize_runs.py", run, "--json", str(tmp_path / "s.json"), capsys=capsys,
+                 monkeypatch=monkeypatch)
     assert p.returncode == 0, p.stderr
     summary = json.load(open(tmp_path / "s.json"))[0]
     assert summary["train_tokens"] == 6 * 16 * 64 and summary["final_train_loss"] == 1.0

@@ -1,11 +1,24 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
 from dept_mega.config import load_config, save_config
+from tests.tool_run import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
+TOOL = str(ROOT / "tools/summarize_runs.py")
+
+
+@pytest.fixture
+def io(capsys, monkeypatch):
+    """run_tool's capture and patching (the tool runs in this process)."""
+    return {"capsys": capsys, "monkeypatch": monkeypatch}
+
+
+def _ok(res) -> str:
+    assert res.returncode == 0, res.stderr
+    return res.stdout
 
 
 def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int], dtype: str = "fp32") -> None:
@@ -23,12 +36,10 @@ def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int], dtype: s
     (d / "params.json").write_text(json.dumps({"ranks": [{"body": 100, "embeddings": 7}, {"body": 100, "embeddings": 9}]}))
 
 
-def test_summary_table_and_json(tmp_path):
+def test_summary_table_and_json(tmp_path, io):
     _fake_run(tmp_path / "a", "std", {"en": 2.0, "fr": 3.0}, [])
     _fake_run(tmp_path / "b", "glob", {"en": 1.0, "fr": 2.0}, [1000, 3000])
-    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "a"),
-                          str(tmp_path / "b"), "--json", str(tmp_path / "s.json")],
-                         capture_output=True, text=True, check=True).stdout
+    out = _ok(run_tool(TOOL, str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(tmp_path / "s.json"), **io))
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
     assert lines["mean"] == ["2.5000", "1.5000"]
     # decimal units, spelt as everywhere else (dept_mega.metrics.format_bytes: kB = 1000 bytes)
@@ -41,14 +52,13 @@ def test_summary_table_and_json(tmp_path):
     assert summary[1]["cross_group_bytes_per_step"] == 400 and summary[1]["steps"] == 10
 
 
-def test_outer_dtype_shows_in_bytes_not_in_predicted_parameters(tmp_path):
+def test_outer_dtype_shows_in_bytes_not_in_predicted_parameters(tmp_path, io):
     """fp32 and int8 GLOB predict the same parameters per step (paper Table 1, labelled as
     parameters); the row of bytes is measured and shows the dtype's saving, and the dtype is
     printed."""
     _fake_run(tmp_path / "fp32", "glob", {"en": 1.0}, [40000, 40000])
     _fake_run(tmp_path / "int8", "glob", {"en": 1.0}, [10300, 10300], dtype="int8")
-    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "fp32"),
-                          str(tmp_path / "int8")], capture_output=True, text=True, check=True).stdout
+    out = _ok(run_tool(TOOL, str(tmp_path / "fp32"), str(tmp_path / "int8"), **io))
     rows = {ln[:22].strip(): ln[22:].split() for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
     assert rows["outer dtype"] == ["fp32", "int8"]
     assert rows["cross-group/step"] == ["8.00", "kB", "2.06", "kB"]
@@ -57,7 +67,7 @@ def test_outer_dtype_shows_in_bytes_not_in_predicted_parameters(tmp_path):
     assert "sync params/step" not in out
 
 
-def test_federated_group_job_shows_membership(tmp_path):
+def test_federated_group_job_shows_membership(tmp_path, io):
     """Group jobs' membership records (leave, join, heal), one line per job under the table,
     the groups per round, columns named by run directory where the variants are the same,
     and the tokens trained: logged every few steps, none over a healed job's jump."""
@@ -86,9 +96,7 @@ def test_federated_group_job_shows_membership(tmp_path):
         cfg = load_config(tmp_path / f"g{g}" / "config.yaml",
                           ["federation.lighthouse=lh:1", f"federation.group={g}", "federation.groups=3"])
         save_config(cfg, tmp_path / f"g{g}" / "config.yaml")
-    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
-                          str(tmp_path / "g1"), "--json", str(tmp_path / "s.json")],
-                         capture_output=True, text=True, check=True).stdout
+    out = _ok(run_tool(TOOL, str(tmp_path / "g0"), str(tmp_path / "g1"), "--json", str(tmp_path / "s.json"), **io))
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
     assert lines["validation"] == ["BPB", "SPEC", "g0", "SPEC", "g1"]
     assert lines["groups/round"] == ["2-3", "-"]
@@ -99,28 +107,25 @@ def test_federated_group_job_shows_membership(tmp_path):
             "sources are missing)") in out.splitlines()
     recs = (tmp_path / "g1" / "metrics.jsonl").read_text().replace('"kind": "eval", "step": 10', '"kind": "eval", "step": 8')
     (tmp_path / "g1" / "metrics.jsonl").write_text(recs)
-    out = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "g0"),
-                          str(tmp_path / "g1")], capture_output=True, text=True, check=True).stdout
+    out = _ok(run_tool(TOOL, str(tmp_path / "g0"), str(tmp_path / "g1"), **io))
     assert "not given: their sources are missing) (evaluated at different steps: 10, 8)" in out, out
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [m["left"] for m in summary[0]["membership"]] == [[], [2], []]
     assert [s["train_tokens"] for s in summary] == [640, 384]
 
 
-def test_missing_run_is_a_clear_error(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "nope")],
-                         capture_output=True, text=True)
+def test_missing_run_is_a_clear_error(tmp_path, io):
+    res = run_tool(TOOL, str(tmp_path / "nope"), **io)
     assert res.returncode == 2 and "config.yaml does not exist" in res.stderr
 
 
-def test_unreachable_tokenizer_leaves_out_one_figure(tmp_path):
+def test_unreachable_tokenizer_leaves_out_one_figure(tmp_path, io):
     """A run whose tokenizer file is not reachable from here (copied runs, relative paths read
     from another directory) is still summarised: only the predicted sync params/step is '-'."""
     _fake_run(tmp_path / "a", "glob", {"en": 1.0}, [1000])
     cfg = load_config(tmp_path / "a" / "config.yaml", [f"data.tokenizer={tmp_path / 'gone.model'}"])
     save_config(cfg, tmp_path / "a" / "config.yaml")
-    res = subprocess.run([sys.executable, str(ROOT / "tools/summarize_runs.py"), str(tmp_path / "a")],
-                         capture_output=True, text=True)
+    res = run_tool(TOOL, str(tmp_path / "a"), **io)
     assert res.returncode == 0, res.stderr
     lines = {ln.split()[0]: ln.split()[1:] for ln in res.stdout.splitlines() if ln.strip() and not ln.startswith("-")}
     assert lines["Table"] == ["1", "params/step", "-"]
