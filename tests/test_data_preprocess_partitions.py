@@ -145,6 +145,7 @@ def _child_deaf(q, index):
         time.sleep(60)
     else:
         q.put(("error", index))
+        time.sleep(60)  # ends through the stop only (an end of its own would be an error of its own)
 
 
 def test_run_in_processes_kills_a_child_that_outlives_its_stop_wait_and_says_so():

@@ -62,19 +62,47 @@ def _mid_result(out) -> None:
             out.put(str(exc))
 
 
-def test_a_worker_that_ends_part_way_through_a_result_is_an_error_not_a_hang():
-    """A worker killed while it sends a result leaves half of it behind: result() raises
-    WorkerDied naming it (a shared result queue's reader would wait for the rest for ever)."""
+def _in_a_fork(target, what: str):
+    """``target(out)`` in a forked process given 20 s; what it put in ``out``."""
     import multiprocessing as mp
     ctx = mp.get_context("fork")
     out = ctx.SimpleQueue()
-    proc = ctx.Process(target=_mid_result, args=(out,))
+    proc = ctx.Process(target=target, args=(out,))
     proc.start()
     proc.join(20)
     if proc.is_alive():
         proc.kill()
         proc.join()
-        raise AssertionError("Workers.result still waiting 20 s after its worker ended mid-result")
-    got = out.get()
+        raise AssertionError(f"Workers.result still waiting 20 s after {what}")
+    got = []
+    while not out.empty():
+        got.append(out.get())
+    return got
+
+
+def test_a_worker_that_ends_part_way_through_a_result_is_an_error_not_a_hang():
+    """A worker killed while it sends a result leaves half of it behind: result() raises
+    WorkerDied naming it (a shared result queue's reader would wait for the rest for ever)."""
+    got, = _in_a_fork(_mid_result, "its worker ended mid-result")
     assert got.startswith("worker process worker-0 (pid ") and got.endswith(
         ") exited with status 9 while it had work to do; the run cannot go on without its results"), got
+
+
+def _unpicklable_for_one(x: int):
+    return (lambda: x) if x == 1 else x * 10
+
+
+def _results_around_an_unpicklable_one(out) -> None:
+    with Workers(1, _unpicklable_for_one) as w:
+        seqs = [w.submit(x) for x in range(3)]
+        for seq in seqs:
+            try:
+                out.put(("ok", w.result(seq)))
+            except Exception as exc:  # noqa: BLE001
+                out.put(("raised", f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_result_that_cannot_be_pickled_is_its_error_and_the_next_ones_still_come():
+    got = _in_a_fork(_results_around_an_unpicklable_one, "a result that could not be pickled")
+    assert got[0] == ("ok", 0) and got[2] == ("ok", 20), got
+    assert got[1][0] == "raised" and "pickle" in got[1][1], got

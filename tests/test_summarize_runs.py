@@ -114,8 +114,11 @@ def test_federated_group_job_shows_membership(tmp_path, io):
     assert [s["train_tokens"] for s in summary] == [640, 384]
 
 
-def test_missing_run_is_a_clear_error(tmp_path, io):
-    res = run_tool(TOOL, str(tmp_path / "nope"), **io)
+def test_missing_run_is_a_clear_error(tmp_path):
+    """(The command line itself, in a fresh interpreter, as the docs give it.)"""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, TOOL, str(tmp_path / "nope")], capture_output=True, text=True)
     assert res.returncode == 2 and "config.yaml does not exist" in res.stderr
 
 

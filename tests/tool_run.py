@@ -11,10 +11,12 @@ from tests.trainer_utils import ROOT, run_script
 def run_tool(script: str, *args: str, capsys, monkeypatch, cwd: str = ROOT) -> SimpleNamespace:
     """``returncode``, ``stdout``, ``stderr`` of ``python SCRIPT ARGS...`` run in ``cwd``; an
     exit with a message (``sys.exit("...")``) is status 1 with the message on stderr, as Python
-    gives it."""
-    monkeypatch.chdir(cwd)
-    capsys.readouterr()  # (what the test printed before)
-    code = run_script(str(script), *args, monkeypatch=monkeypatch)
+    gives it. The working directory, sys.path, sys.argv and environment are the test's again
+    afterwards. What the test printed before the call and had not read is discarded."""
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        code = run_script(str(script), *args, monkeypatch=patch)
     out, err = capsys.readouterr()
     if code is None:
         code = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
 import os
 import sys
 import time
@@ -108,6 +109,12 @@ def part_starts(parts: Sequence[Sequence[Range]]) -> list[tuple[dict[str, tuple[
     return out
 
 
+def _close_in_children(conn) -> None:
+    """``conn`` closed in every process multiprocessing starts from this one from now on: a pipe's
+    end held only where it is used, so that the reader sees end of file when its writer ends."""
+    mp_util.register_after_fork(conn, type(conn).close)
+
+
 class _Reports:
     """A child's end of its own pipe to the parent: ``put(message)`` sends it there.
 
@@ -131,10 +138,24 @@ def _child(parent: int, target: Callable, conn, *args) -> None:
     ``target`` could handle it), unblocked once the stop is this function's."""
     try:
         die_with_parent(parent)
+        _close_in_children(conn)  # (target's own processes, its tokenizer workers: its end is its alone)
         unblock_signals()
         target(_Reports(conn), *args)
     except (Terminated, KeyboardInterrupt):  # (the tool's handler) before target's own handling began
         os._exit(1)
+
+
+def _drain(pipes: dict, on_message: Callable[[Any], None], most: int = 1000) -> None:
+    """The messages already waiting in ``pipes`` (at most ``most`` from each) to ``on_message``."""
+    for conn in list(pipes.values()):
+        for _ in range(most):
+            try:
+                if not conn.poll(0):
+                    break
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            on_message(msg)
 
 
 def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
@@ -155,19 +176,21 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
     try:
         while nxt < len(tasks) or running:
             while nxt < len(tasks) and len(running) < max(1, concurrency):
-                with signals_blocked():  # a signal meanwhile: raised here, once the child is listed
-                    ours, theirs = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_child, args=(os.getpid(), target, theirs, *tasks[nxt]), daemon=False)
-                    try:
-                        proc.start()
-                        running[nxt], pipes[nxt] = proc, ours
-                    finally:
-                        theirs.close()  # the child's alone: its end makes ours read end of file
-                        if nxt not in running:
-                            ours.close()
+                # listed before it starts: a signal that raises inside start() (handled by another
+                # thread's delivery despite the block) still finds it in the finally, once forked
+                ours, theirs = ctx.Pipe(duplex=False)
+                pipes[nxt] = ours
+                _close_in_children(ours)
+                running[nxt] = ctx.Process(target=_child, args=(os.getpid(), target, theirs, *tasks[nxt]), daemon=False)
+                try:
+                    with signals_blocked():  # a signal meanwhile: raised at the end of the block
+                        running[nxt].start()
+                finally:
+                    theirs.close()  # the child's alone: its end makes ours read end of file
                 nxt += 1
             by_conn = {conn: i for i, conn in pipes.items()}
-            for conn in mp_connection.wait(list(by_conn), timeout=poll):
+            ready = mp_connection.wait(list(by_conn), timeout=poll)
+            for conn in ready:
                 i = by_conn[conn]
                 try:
                     msg = conn.recv()
@@ -183,16 +206,18 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
                     proc.join(timeout=poll)  # its pipe has ended: so has it, or it is about to
                 # ended, and every message it sent read (a process it forked may hold the pipe open)
                 if proc.exitcode is not None and (i not in pipes or not pipes[i].poll(0)):
+                    _drain(pipes, on_message)  # what the others sent first: an error there says more
                     raise RuntimeError(f"the process of partition {i} ended (exit code {proc.exitcode}) "
                                        f"before finishing")
     finally:
-        for proc in running.values():
+        started = {i: proc for i, proc in running.items() if proc.pid is not None}
+        for proc in started.values():
             if proc.is_alive():
                 proc.terminate()
         deadline = time.monotonic() + stop_wait
-        for proc in running.values():
+        for proc in started.values():
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for i, proc in running.items():
+        for i, proc in started.items():
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
 import os
 import pickle
 import queue as queue_mod
@@ -42,6 +43,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 from dept_mega.data.stop_signals import die_with_parent, signals_blocked, unblock_signals
@@ -93,14 +95,20 @@ class _Sender:
         self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._items.get()) is not None:
+        while (data := self._items.get()) is not None:
             try:
-                self._conn.send(item)
+                self._conn.send_bytes(data)
             except OSError:  # the main process closed its end (it stopped): nobody reads
                 return
 
-    def put(self, item) -> None:
-        self._items.put(item)
+    def put(self, result: tuple) -> None:
+        """``result`` pickled here, in the worker's own thread (one that cannot be pickled is
+        answered by its pickling error, and the thread goes on with the next)."""
+        try:
+            data = ForkingPickler.dumps(result)
+        except Exception as exc:  # noqa: BLE001 - raised in the main process by result()
+            data = ForkingPickler.dumps((result[0], False, _portable(exc)))
+        self._items.put(data)
 
     def close(self) -> None:
         """Every result put so far sent; then the pipe closed."""
@@ -178,16 +186,17 @@ class Workers:
             with signals_blocked():  # a signal meanwhile raises at the end, with every started one listed
                 for i in range(processes):
                     ours, theirs = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
-                                       args=(self._tasks, theirs, os.getpid(), func, initializer, initargs))
+                    self._pipes[i] = ours
+                    # held by the main process only: a worker's send fails once it is closed
+                    mp_util.register_after_fork(ours, type(ours).close)
+                    # listed before it starts: found by stop() even if a signal raises inside start()
+                    self._procs.append(ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
+                                                   args=(self._tasks, theirs, os.getpid(), func, initializer,
+                                                         initargs)))
                     try:
-                        proc.start()
-                        self._procs.append(proc)
-                        self._pipes[i] = ours
+                        self._procs[-1].start()
                     finally:
                         theirs.close()  # the worker's alone (the next ones are not forked with it)
-                        if i not in self._pipes:
-                            ours.close()
         except BaseException:
             self.stop(finished=False)
             raise
@@ -240,16 +249,17 @@ class Workers:
         SIGTERM, and SIGKILL after :data:`GRACE` seconds. Can be called again, also after one
         cut short (by a signal): it finishes the job."""
         self._tasks.cancel_join_thread()  # exit must not wait for a feeder stuck on a full pipe
+        procs = [proc for proc in self._procs if proc.pid is not None]  # (started)
         if finished and not self._asked and not self._closed:
             self._asked = True
-            for _ in self._procs:
+            for _ in procs:
                 self._tasks.put(None)
-            _join_all(self._procs, CLOSE_WAIT)
-        for proc in self._procs:
+            _join_all(procs, CLOSE_WAIT)
+        for proc in procs:
             if proc.exitcode is None:
                 proc.terminate()
-        _join_all(self._procs, GRACE)
-        for proc in self._procs:
+        _join_all(procs, GRACE)
+        for proc in procs:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join()

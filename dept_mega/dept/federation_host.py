@@ -43,6 +43,15 @@ def advertised_host(setting: Optional[str], lighthouse: Optional[tuple[str, int]
     return str(setting)
 
 
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is an IP address of the loopback network (only this host reaches it)."""
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def route_address(host: str, port: int) -> str:
     """This node's IPv4 address on its route to ``host``: the source address the kernel picks for
     a UDP socket connected there (a connect sends nothing). A ConfigError naming the key when
@@ -52,8 +61,9 @@ def route_address(host: str, port: int) -> str:
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
     except OSError as exc:
-        raise ConfigError(f"config key 'federation.advertise_host': route: the lighthouse's host {host!r} does not "
-                          f"resolve to an IPv4 address ({exc}); set fqdn or this node's address") from None
+        raise ConfigError(f"config key 'federation.advertise_host': route: on {socket.gethostname()}, the "
+                          f"lighthouse's host {host!r} does not resolve to an IPv4 address ({exc}); set fqdn or "
+                          "this node's address") from None
     errors = []
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as s:
@@ -63,12 +73,12 @@ def route_address(host: str, port: int) -> str:
                 errors.append(f"{sockaddr[0]}: {exc}")
                 continue
             return s.getsockname()[0]
-    raise ConfigError(f"config key 'federation.advertise_host': route: no route from this node to the lighthouse "
-                      f"{host}:{port} ({'; '.join(errors)})")
+    raise ConfigError(f"config key 'federation.advertise_host': route: no route from {socket.gethostname()} to the "
+                      f"lighthouse {host}:{port} ({'; '.join(errors)})")
 
 
 def check_literal(setting: Optional[str], world_size: int, local_world_size: Optional[int] = None) -> None:
-    """A literal ``federation.advertise_host`` (not null, not ``fqdn``) on a group job of several
+    """A literal ``federation.advertise_host`` (not null, ``fqdn`` or ``route``) on a group job of several
     nodes (its ``world_size`` ranks more than the ``local_world_size`` torchrun starts on one node,
     ``LOCAL_WORLD_SIZE``): a ConfigError naming the key (module docstring)."""
     if setting is None or setting in PER_NODE:
