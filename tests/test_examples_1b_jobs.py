@@ -146,6 +146,65 @@ exit "$rc"
 '''
 
 
+# The requeued launch's srun (the two-node test): instead of one torchrun per node, which would
+# start a fresh interpreter per rank (torch, torch._dynamo for the optimizer, the trainer: ~6 s of
+# CPU each, and ~3 s per torchrun), one interpreter that imports them once and forks the job's
+# ranks with the variables torchrun gives them (node by node, consecutive ranks: what the first
+# launch's real torchruns logged), each node's ranks writing to that node's log. What torchrun
+# does (rendezvous, is_host, SIGUSR1 to the ranks) is the first launch's; the requeued launch
+# checks the script's requeue path, the pre-flight and the resume.
+FAKE_SRUN_FORKED = r'''#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$PYTHON" "$FAKE_LAUNCHER" "$@"
+'''
+FAKE_LAUNCHER = r'''
+import gc, os, sys
+args = sys.argv[1:]  # bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS
+assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
+m = args.index("-m")
+opts, module, argv = args[4:m], args[m + 1], args[m + 2:]
+assert module == "dept_mega.train", module
+opt = {k: v for k, v in zip(opts[::2], opts[1::2])}
+nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
+host, port = opt["--rdzv-endpoint"].rsplit(":", 1)
+import torch, torch._dynamo, torch.distributed.checkpoint  # noqa: E401,F401 - once, before the forks
+import dept_mega.checkpoint, dept_mega.loop, dept_mega.model, dept_mega.trainer  # noqa: E401,F401
+from dept_mega.process_exit import exit_after
+from dept_mega.train import main
+gc.collect()
+gc.freeze()
+logs = os.environ["FAKE_NODE_LOGS"]
+for node in range(nnodes):
+    open(os.path.join(logs, f"node{node}.log"), "w").close()
+sys.stdout.flush()
+pids = []
+for rank in range(nnodes * nproc):
+    node, local = divmod(rank, nproc)
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(nnodes * nproc),
+                          LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
+                          GROUP_WORLD_SIZE=str(nnodes), TORCHELASTIC_RUN_ID=opt["--rdzv-id"])
+        try:
+            exit_after(lambda: main(argv))  # ends the process (os._exit) with main's status
+        except SystemExit as exc:  # DEPT_MEGA_FULL_EXIT=1: the interpreter's exit
+            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:  # noqa: BLE001 - as an uncaught exception ends a rank
+            import traceback
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # never back into the loop
+    pids.append(pid)
+statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+sys.exit(0 if not any(statuses) else 1)
+'''
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
@@ -153,9 +212,11 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     node, c10d rendezvous on the first node; 2 CPU ranks per node, data 2: one source group per
     node), then Slurm's ``--signal=USR1@120`` (SIGUSR1 to each node's torchrun): the ranks save
     and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
-    (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
-    the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
-    group of T·P·D = ranks per node is one node, with its 2 data-parallel replicas on that node.
+    (same job id, same environment) resumes from that checkpoint and finishes; its srun forks the
+    ranks from one interpreter (FAKE_SRUN_FORKED: torchrun's part is the first launch's). The
+    layout of docs/launching.md section 2: torchrun gives each node consecutive ranks (its log in
+    the first launch), and a group of T·P·D = ranks per node is one node, with its 2 data-parallel
+    replicas on that node (params.json).
     The 1B config shrunk by overrides passed through the script reaches the run, and every
     round's measured outer bytes are what tools/dept_costs.py predicts.
 
@@ -231,7 +292,11 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     # the first node of the list (scontrol show hostnames, SLURMD_NODENAME) hosts the store: on
     # one machine the rendezvous would work whichever node hosted it, so look at what each said
     for i in range(2):
-        assert re.search(rf"rdzv_configs *: {{'is_host': '{1 - i}'", (logs / f"node{i}.log").read_text()), i
+        text = (logs / f"node{i}.log").read_text()
+        assert re.search(rf"rdzv_configs *: {{'is_host': '{1 - i}'", text), i
+        # torchrun gives each node consecutive ranks (the requeued launch's ranks are placed so)
+        assert re.search(rf"group_rank={i}$", text, re.MULTILINE), i
+        assert re.search(rf"global_ranks=\[{2 * i}, {2 * i + 1}\]$", text, re.MULTILINE), i
     job = env["SLURM_JOB_ID"]
     assert requeues.read_text().split() == ["requeue", job]
     assert f"requeueing job {job}" in out
@@ -243,8 +308,17 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     assert "exiting with status 75" in node_logs()
     assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
 
-    # Slurm starts the requeued job: the same script, job id and environment
-    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    # Slurm starts the requeued job: the same script, job id and environment (its ranks forked
+    # from one interpreter: FAKE_SRUN_FORKED)
+    forked = tmp_path / "bin_forked"
+    forked.mkdir()
+    (forked / "scontrol").write_text((bindir / "scontrol").read_text())
+    (forked / "srun").write_text(FAKE_SRUN_FORKED)
+    for f in forked.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
+    env2 = dict(env, PATH=env["PATH"].replace(str(bindir), str(forked), 1), FAKE_LAUNCHER=str(tmp_path / "launcher.py"))
+    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env2, cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
     assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
     assert f"resume: from {run_dir}/checkpoints/step_{stopped}; the model, DEPT, source and tokenizer keys" in r.stdout
