@@ -36,25 +36,89 @@ def _tiny_sources(tmp_path) -> str:
     return "[" + ", ".join(items) + "]"
 
 
+# srun of the sbatch test and of the two-node test's requeued launch: instead of one torchrun per
+# node, which would start a fresh interpreter per rank (torch, torch._dynamo for the optimizer,
+# the trainer: ~6 s of CPU each, and ~3 s per torchrun), one interpreter that imports them once
+# and forks the job's ranks with the variables torchrun gives them (node by node, consecutive
+# ranks: what the two-node test's real torchruns log), each node's ranks writing to that node's
+# log (FAKE_NODE_LOGS; unset: to srun's output). What torchrun does (c10d rendezvous, is_host,
+# SIGUSR1 to the ranks) is the two-node test's first launch; the jobs run here check the
+# scripts' own steps: the pre-flight, the overrides passed through, the requeue path, the resume.
+FAKE_SRUN_FORKED = r'''#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$PYTHON" "$FAKE_LAUNCHER" "$@"
+'''
+FAKE_LAUNCHER = r'''
+import gc, os, sys
+args = sys.argv[1:]  # bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS
+assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
+m = args.index("-m")
+opts, module, argv = args[4:m], args[m + 1], args[m + 2:]
+assert module == "dept_mega.train", module
+opt = {k: v for k, v in zip(opts[::2], opts[1::2])}
+nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
+host, port = opt["--rdzv-endpoint"].rsplit(":", 1)
+import torch, torch._dynamo, torch.distributed.checkpoint  # noqa: E401,F401 - once, before the forks
+import dept_mega.checkpoint, dept_mega.loop, dept_mega.model, dept_mega.trainer  # noqa: E401,F401
+from dept_mega.process_exit import exit_after
+from dept_mega.train import main
+gc.collect()
+gc.freeze()
+logs = os.environ.get("FAKE_NODE_LOGS")  # unset: the ranks write to srun's output
+for node in range(nnodes if logs else 0):
+    open(os.path.join(logs, f"node{node}.log"), "w").close()
+sys.stdout.flush()
+pids = []
+for rank in range(nnodes * nproc):
+    node, local = divmod(rank, nproc)
+    pid = os.fork()
+    if pid == 0:
+        if logs:
+            fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(nnodes * nproc),
+                          LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
+                          GROUP_WORLD_SIZE=str(nnodes), TORCHELASTIC_RUN_ID=opt["--rdzv-id"])
+        try:
+            exit_after(lambda: main(argv))  # ends the process (os._exit) with main's status
+        except SystemExit as exc:  # DEPT_MEGA_FULL_EXIT=1: the interpreter's exit
+            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:  # noqa: BLE001 - as an uncaught exception ends a rank
+            import traceback
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # never back into the loop
+    pids.append(pid)
+statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+sys.exit(0 if not any(statuses) else 1)
+'''
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sbatch_script_trains_on_cpu(tmp_path):
     """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
-    runs its command), the pre-flight, real torchrun c10d rendezvous, real dept_mega.train, the
-    1B config shrunk by overrides passed through the script. (spec.sh end to end, with its
-    measured outer bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
+    forks the ranks of its torchrun command line from one interpreter: FAKE_SRUN_FORKED), the
+    pre-flight, real dept_mega.train, the 1B config shrunk by overrides passed through the
+    script. (torchrun itself, its c10d rendezvous and spec.sh end to end, with its measured outer
+    bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
     variant, data = "std", 2
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
-    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bindir / "srun").write_text(FAKE_SRUN_FORKED)
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     run_dir = tmp_path / "run"
     env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
                SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(20000 + os.getpid() % 9000),
                SLURM_SUBMIT_DIR=ROOT, GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", DEVICE="cpu",
-               RUN_DIR=str(run_dir), PYTHON=sys.executable)
+               RUN_DIR=str(run_dir), PYTHON=sys.executable, FAKE_LAUNCHER=str(tmp_path / "launcher.py"))
+    env.pop("FAKE_NODE_LOGS", None)
     from .mp_utils import free_port
 
     env["MASTER_PORT"] = str(free_port())
@@ -143,65 +207,6 @@ for p in "${pids[@]}"; do
   if [ "$s" -gt "$rc" ]; then rc=$s; fi
 done
 exit "$rc"
-'''
-
-
-# The requeued launch's srun (the two-node test): instead of one torchrun per node, which would
-# start a fresh interpreter per rank (torch, torch._dynamo for the optimizer, the trainer: ~6 s of
-# CPU each, and ~3 s per torchrun), one interpreter that imports them once and forks the job's
-# ranks with the variables torchrun gives them (node by node, consecutive ranks: what the first
-# launch's real torchruns logged), each node's ranks writing to that node's log. What torchrun
-# does (rendezvous, is_host, SIGUSR1 to the ranks) is the first launch's; the requeued launch
-# checks the script's requeue path, the pre-flight and the resume.
-FAKE_SRUN_FORKED = r'''#!/bin/bash
-while [[ "$1" == --* ]]; do shift; done
-exec "$PYTHON" "$FAKE_LAUNCHER" "$@"
-'''
-FAKE_LAUNCHER = r'''
-import gc, os, sys
-args = sys.argv[1:]  # bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS
-assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
-m = args.index("-m")
-opts, module, argv = args[4:m], args[m + 1], args[m + 2:]
-assert module == "dept_mega.train", module
-opt = {k: v for k, v in zip(opts[::2], opts[1::2])}
-nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
-host, port = opt["--rdzv-endpoint"].rsplit(":", 1)
-import torch, torch._dynamo, torch.distributed.checkpoint  # noqa: E401,F401 - once, before the forks
-import dept_mega.checkpoint, dept_mega.loop, dept_mega.model, dept_mega.trainer  # noqa: E401,F401
-from dept_mega.process_exit import exit_after
-from dept_mega.train import main
-gc.collect()
-gc.freeze()
-logs = os.environ["FAKE_NODE_LOGS"]
-for node in range(nnodes):
-    open(os.path.join(logs, f"node{node}.log"), "w").close()
-sys.stdout.flush()
-pids = []
-for rank in range(nnodes * nproc):
-    node, local = divmod(rank, nproc)
-    pid = os.fork()
-    if pid == 0:
-        fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(nnodes * nproc),
-                          LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
-                          GROUP_WORLD_SIZE=str(nnodes), TORCHELASTIC_RUN_ID=opt["--rdzv-id"])
-        try:
-            exit_after(lambda: main(argv))  # ends the process (os._exit) with main's status
-        except SystemExit as exc:  # DEPT_MEGA_FULL_EXIT=1: the interpreter's exit
-            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        except BaseException:  # noqa: BLE001 - as an uncaught exception ends a rank
-            import traceback
-            traceback.print_exc()
-            status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)  # never back into the loop
-    pids.append(pid)
-statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-sys.exit(0 if not any(statuses) else 1)
 '''
 
 
