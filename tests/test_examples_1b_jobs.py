@@ -38,70 +38,90 @@ def _tiny_sources(tmp_path) -> str:
 
 # srun of the sbatch test and of the two-node test's requeued launch: instead of one torchrun per
 # node, which would start a fresh interpreter per rank (torch, torch._dynamo for the optimizer,
-# the trainer: ~6 s of CPU each, and ~3 s per torchrun), one interpreter that imports them once
-# and forks the job's ranks with the variables torchrun gives them (node by node, consecutive
-# ranks: what the two-node test's real torchruns log), each node's ranks writing to that node's
-# log (FAKE_NODE_LOGS; unset: to srun's output). What torchrun does (c10d rendezvous, is_host,
-# SIGUSR1 to the ranks) is the two-node test's first launch; the jobs run here check the
-# scripts' own steps: the pre-flight, the overrides passed through, the requeue path, the resume.
-FAKE_SRUN_FORKED = r'''#!/bin/bash
+# the trainer: ~6 s of CPU each, and ~3 s per torchrun), srun hands its command line and the
+# script's environment to the test (_run_script), which runs the job's ranks forked from its
+# forkserver (tests/mp_utils.py: started once per test process) with the variables torchrun gives
+# them (node by node, consecutive ranks: what the two-node test's real torchruns log), each node's
+# ranks writing to that node's log, and srun ends with the job's status. What torchrun does (c10d
+# rendezvous, is_host, SIGUSR1 to the ranks) is the two-node test's first launch; the jobs run
+# here check the scripts' own steps: the pre-flight, the overrides passed through, the requeue
+# path, the resume.
+FAKE_SRUN_HANDOFF = r"""#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
-exec "$PYTHON" "$FAKE_LAUNCHER" "$@"
-'''
-FAKE_LAUNCHER = r'''
-import gc, os, sys
-args = sys.argv[1:]  # bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS
-assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
-m = args.index("-m")
-opts, module, argv = args[4:m], args[m + 1], args[m + 2:]
-assert module == "dept_mega.train", module
-opt = {k: v for k, v in zip(opts[::2], opts[1::2])}
-nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
-host, port = opt["--rdzv-endpoint"].rsplit(":", 1)
-import torch, torch._dynamo, torch.distributed.checkpoint  # noqa: E401,F401 - once, before the forks
-import dept_mega.checkpoint, dept_mega.loop, dept_mega.model, dept_mega.trainer  # noqa: E401,F401
-from dept_mega.process_exit import exit_after
-from dept_mega.train import main
-gc.collect()
-gc.freeze()
-logs = os.environ.get("FAKE_NODE_LOGS")  # unset: the ranks write to srun's output
-for node in range(nnodes if logs else 0):
-    open(os.path.join(logs, f"node{node}.log"), "w").close()
-sys.stdout.flush()
-pids = []
-for rank in range(nnodes * nproc):
+env -0 > "$FAKE_SRUN_DIR/env"
+printf '%s\0' "$@" > "$FAKE_SRUN_DIR/args.tmp" && mv "$FAKE_SRUN_DIR/args.tmp" "$FAKE_SRUN_DIR/args"
+while [ ! -e "$FAKE_SRUN_DIR/rc" ]; do sleep 0.05; done
+exit "$(cat "$FAKE_SRUN_DIR/rc")"
+"""
+
+
+def _job_rank(rank, world, argv, nproc, job_env, logs):
+    """One rank of a handed-off job: ``python -m dept_mega.train ARGV``'s ``main`` in the script's
+    environment with torchrun's variables, its output appended to its node's log."""
+    import sys as _sys
     node, local = divmod(rank, nproc)
-    pid = os.fork()
-    if pid == 0:
-        if logs:
-            fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(nnodes * nproc),
-                          LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
-                          GROUP_WORLD_SIZE=str(nnodes), TORCHELASTIC_RUN_ID=opt["--rdzv-id"])
-        try:
-            exit_after(lambda: main(argv))  # ends the process (os._exit) with main's status
-        except SystemExit as exc:  # DEPT_MEGA_FULL_EXIT=1: the interpreter's exit
-            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        except BaseException:  # noqa: BLE001 - as an uncaught exception ends a rank
-            import traceback
-            traceback.print_exc()
-            status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)  # never back into the loop
-    pids.append(pid)
-statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-sys.exit(0 if not any(statuses) else 1)
-'''
+    store = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}  # this job's
+    os.environ.clear()
+    os.environ.update(job_env)
+    os.environ.update(store, LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
+                      GROUP_WORLD_SIZE=str(world // nproc))
+    fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from dept_mega.train import main
+    status = main(argv)
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    return status
+
+
+def _run_script(script, env, cwd, handoff, logs, timeout=300) -> subprocess.CompletedProcess:
+    """Run an sbatch script whose srun is FAKE_SRUN_HANDOFF: when srun has handed over its
+    command line (``bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS``), the
+    job's ranks run here (_job_rank, forked), then srun ends with the job's status."""
+    import time
+
+    from .mp_utils import run_distributed
+    handoff.mkdir()
+    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, FAKE_SRUN_DIR=str(handoff)), cwd=cwd)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (handoff / "args").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if (handoff / "args").exists():
+            args = (handoff / "args").read_text().split("\0")[:-1]
+            job_env = dict(kv.split("=", 1) for kv in (handoff / "env").read_text().split("\0") if "=" in kv)
+            assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
+            m = args.index("-m")
+            opt = dict(zip(args[4:m:2], args[5:m:2]))
+            assert args[m + 1] == "dept_mega.train", args[m + 1]
+            nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
+            for node in range(nnodes):
+                open(os.path.join(logs, f"node{node}.log"), "w").close()
+            try:
+                statuses = run_distributed(_job_rank, nnodes * nproc, args=(args[m + 2:], nproc, job_env, str(logs)),
+                                           timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the job failed: srun's status, the error in node0's log
+                with open(os.path.join(logs, "node0.log"), "a") as f:
+                    f.write(f"\n{exc}\n")
+                statuses = [1]
+            (handoff / "rc").write_text("0" if not any(statuses) else "1")
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(script, p.returncode, out, err)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sbatch_script_trains_on_cpu(tmp_path):
     """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
-    forks the ranks of its torchrun command line from one interpreter: FAKE_SRUN_FORKED), the
+    hands its torchrun command line to the test, which forks the ranks: FAKE_SRUN_HANDOFF), the
     pre-flight, real dept_mega.train, the 1B config shrunk by overrides passed through the
     script. (torchrun itself, its c10d rendezvous and spec.sh end to end, with its measured outer
     bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
@@ -109,16 +129,14 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
-    (bindir / "srun").write_text(FAKE_SRUN_FORKED)
+    (bindir / "srun").write_text(FAKE_SRUN_HANDOFF)
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     run_dir = tmp_path / "run"
     env = dict(os.environ, PATH=os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]]),
                SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(20000 + os.getpid() % 9000),
                SLURM_SUBMIT_DIR=ROOT, GPUS_PER_NODE="2", SLURM_CPUS_PER_TASK="2", DEVICE="cpu",
-               RUN_DIR=str(run_dir), PYTHON=sys.executable, FAKE_LAUNCHER=str(tmp_path / "launcher.py"))
-    env.pop("FAKE_NODE_LOGS", None)
+               RUN_DIR=str(run_dir), PYTHON=sys.executable)
     from .mp_utils import free_port
 
     env["MASTER_PORT"] = str(free_port())
@@ -128,9 +146,11 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
                  "train.steps=2", "train.micro_batch_size=1", "train.global_batch_size=2",
                  "train.eval_interval=2", "train.eval_samples=2", "train.save_interval=2", "train.log_interval=1",
                  f"data.sources={_tiny_sources(tmp_path)}"]
-    r = subprocess.run(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], capture_output=True, text=True,
-                       timeout=280, env=env, cwd=str(tmp_path))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    logs = tmp_path / "nodes"
+    logs.mkdir()
+    r = _run_script(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], env, str(tmp_path), tmp_path / "handoff",
+                    logs, timeout=280)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:] + (logs / "node0.log").read_text()[-4000:]
     groups = 2 // data
     assert f"world 2 = {groups} group(s) x tensor 1 x pipeline 1 x data {data}" in r.stdout
     import json
@@ -218,7 +238,7 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     node), then Slurm's ``--signal=USR1@120`` (SIGUSR1 to each node's torchrun): the ranks save
     and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
     (same job id, same environment) resumes from that checkpoint and finishes; its srun forks the
-    ranks from one interpreter (FAKE_SRUN_FORKED: torchrun's part is the first launch's). The
+    ranks handed to the test (FAKE_SRUN_HANDOFF: torchrun's part is the first launch's). The
     layout of docs/launching.md section 2: torchrun gives each node consecutive ranks (its log in
     the first launch), and a group of T·P·D = ranks per node is one node, with its 2 data-parallel
     replicas on that node (params.json).
@@ -313,17 +333,10 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     assert "exiting with status 75" in node_logs()
     assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
 
-    # Slurm starts the requeued job: the same script, job id and environment (its ranks forked
-    # from one interpreter: FAKE_SRUN_FORKED)
-    forked = tmp_path / "bin_forked"
-    forked.mkdir()
-    (forked / "scontrol").write_text((bindir / "scontrol").read_text())
-    (forked / "srun").write_text(FAKE_SRUN_FORKED)
-    for f in forked.iterdir():
-        f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
-    env2 = dict(env, PATH=env["PATH"].replace(str(bindir), str(forked), 1), FAKE_LAUNCHER=str(tmp_path / "launcher.py"))
-    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env2, cwd=str(tmp_path))
+    # Slurm starts the requeued job: the same script, job id and environment (its ranks handed to
+    # the test: FAKE_SRUN_HANDOFF)
+    (bindir / "srun").write_text(FAKE_SRUN_HANDOFF)
+    r = _run_script(script, env, str(tmp_path), tmp_path / "handoff", logs, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
     assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
     assert f"resume: from {run_dir}/checkpoints/step_{stopped}; the model, DEPT, source and tokenizer keys" in r.stdout
