@@ -111,6 +111,8 @@ def _run_script(script, env, cwd, handoff, logs, timeout=300) -> subprocess.Comp
             (handoff / "rc").write_text("0" if not any(statuses) else "1")
         out, err = p.communicate(timeout=timeout)
     finally:
+        if not (handoff / "rc").exists():  # an error here: a waiting srun ends too, not left polling
+            (handoff / "rc").write_text("1")
         if p.poll() is None:
             p.kill()
             p.wait()
