@@ -216,8 +216,8 @@ if [ "$DRY" = 1 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} CUDA_VISIBLE_DEVICES=
   VOCAB=1000; BIG_VOCAB=2000
   MB=2
-  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=64
-         model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=256 model.seq_length=64
+  SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=32
+         model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=64 model.seq_length=32
          train.micro_batch_size=$MB train.global_batch_size=4)
   STEPS=(--warmup 2 --steps 1)  # the profiled step 3 (train.profile.start=2) is the timed one here
   OPS_ARGS=(--device cpu --small --iters 2)

@@ -36,18 +36,102 @@ def _tiny_sources(tmp_path) -> str:
     return "[" + ", ".join(items) + "]"
 
 
+# srun of the sbatch test and of the two-node test's requeued launch: instead of one torchrun per
+# node, which would start a fresh interpreter per rank (torch, torch._dynamo for the optimizer,
+# the trainer: ~6 s of CPU each, and ~3 s per torchrun), srun hands its command line and the
+# script's environment to the test (_run_script), which runs the job's ranks forked from its
+# forkserver (tests/mp_utils.py: started once per test process) with the variables torchrun gives
+# them (node by node, consecutive ranks: what the two-node test's real torchruns log), each node's
+# ranks writing to that node's log, and srun ends with the job's status. What torchrun does (c10d
+# rendezvous, is_host, SIGUSR1 to the ranks) is the two-node test's first launch; the jobs run
+# here check the scripts' own steps: the pre-flight, the overrides passed through, the requeue
+# path, the resume.
+FAKE_SRUN_HANDOFF = r"""#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+env -0 > "$FAKE_SRUN_DIR/env"
+printf '%s\0' "$@" > "$FAKE_SRUN_DIR/args.tmp" && mv "$FAKE_SRUN_DIR/args.tmp" "$FAKE_SRUN_DIR/args"
+while [ ! -e "$FAKE_SRUN_DIR/rc" ]; do sleep 0.05; done
+exit "$(cat "$FAKE_SRUN_DIR/rc")"
+"""
+
+
+def _job_rank(rank, world, argv, nproc, job_env, logs):
+    """One rank of a handed-off job: ``python -m dept_mega.train ARGV``'s ``main`` in the script's
+    environment with torchrun's variables, its output appended to its node's log."""
+    import sys as _sys
+    node, local = divmod(rank, nproc)
+    store = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}  # this job's
+    os.environ.clear()
+    os.environ.update(job_env)
+    os.environ.update(store, LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node),
+                      GROUP_WORLD_SIZE=str(world // nproc))
+    fd = os.open(os.path.join(logs, f"node{node}.log"), os.O_WRONLY | os.O_APPEND)
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from dept_mega.train import main
+    status = main(argv)
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    return status
+
+
+def _run_script(script, env, cwd, handoff, logs, timeout=300) -> subprocess.CompletedProcess:
+    """Run an sbatch script whose srun is FAKE_SRUN_HANDOFF: when srun has handed over its
+    command line (``bash -c TORCHRUN_ON_NODE torchrun OPTIONS -m dept_mega.train ARGS``), the
+    job's ranks run here (_job_rank, forked), then srun ends with the job's status."""
+    import time
+
+    from .mp_utils import run_distributed
+    handoff.mkdir()
+    p = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, FAKE_SRUN_DIR=str(handoff)), cwd=cwd)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (handoff / "args").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if (handoff / "args").exists():
+            args = (handoff / "args").read_text().split("\0")[:-1]
+            job_env = dict(kv.split("=", 1) for kv in (handoff / "env").read_text().split("\0") if "=" in kv)
+            assert args[:2] == ["bash", "-c"] and args[3] == "torchrun", args[:4]
+            m = args.index("-m")
+            opt = dict(zip(args[4:m:2], args[5:m:2]))
+            assert args[m + 1] == "dept_mega.train", args[m + 1]
+            nnodes, nproc = int(opt["--nnodes"]), int(opt["--nproc-per-node"])
+            for node in range(nnodes):
+                open(os.path.join(logs, f"node{node}.log"), "w").close()
+            try:
+                statuses = run_distributed(_job_rank, nnodes * nproc, args=(args[m + 2:], nproc, job_env, str(logs)),
+                                           timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 - the job failed: srun's status, the error in node0's log
+                with open(os.path.join(logs, "node0.log"), "a") as f:
+                    f.write(f"\n{exc}\n")
+                statuses = [1]
+            (handoff / "rc").write_text("0" if not any(statuses) else "1")
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if not (handoff / "rc").exists():  # an error here: a waiting srun ends too, not left polling
+            (handoff / "rc").write_text("1")
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(script, p.returncode, out, err)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sbatch_script_trains_on_cpu(tmp_path):
     """std.sh end to end on one fake node with 2 CPU ranks: fake ``scontrol``/``srun`` (which
-    runs its command), the pre-flight, real torchrun c10d rendezvous, real dept_mega.train, the
-    1B config shrunk by overrides passed through the script. (spec.sh end to end, with its
-    measured outer bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
+    hands its torchrun command line to the test, which forks the ranks: FAKE_SRUN_HANDOFF), the
+    pre-flight, real dept_mega.train, the 1B config shrunk by overrides passed through the
+    script. (torchrun itself, its c10d rendezvous and spec.sh end to end, with its measured outer
+    bytes against tools/dept_costs.py's prediction: the two-node test below.)"""
     variant, data = "std", 2
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
-    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bindir / "srun").write_text(FAKE_SRUN_HANDOFF)
     for f in bindir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     run_dir = tmp_path / "run"
@@ -64,9 +148,11 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
                  "train.steps=2", "train.micro_batch_size=1", "train.global_batch_size=2",
                  "train.eval_interval=2", "train.eval_samples=2", "train.save_interval=2", "train.log_interval=1",
                  f"data.sources={_tiny_sources(tmp_path)}"]
-    r = subprocess.run(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], capture_output=True, text=True,
-                       timeout=280, env=env, cwd=str(tmp_path))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    logs = tmp_path / "nodes"
+    logs.mkdir()
+    r = _run_script(["bash", os.path.join(EX, f"{variant}.sh"), *overrides], env, str(tmp_path), tmp_path / "handoff",
+                    logs, timeout=280)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:] + (logs / "node0.log").read_text()[-4000:]
     groups = 2 // data
     assert f"world 2 = {groups} group(s) x tensor 1 x pipeline 1 x data {data}" in r.stdout
     import json
@@ -153,9 +239,11 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     node, c10d rendezvous on the first node; 2 CPU ranks per node, data 2: one source group per
     node), then Slurm's ``--signal=USR1@120`` (SIGUSR1 to each node's torchrun): the ranks save
     and exit 75, the script requeues the job (``scontrol requeue``) and ends 0; the requeued job
-    (same job id, same environment) resumes from that checkpoint and finishes. params.json shows
-    the layout of docs/launching.md section 2: torchrun gives each node consecutive ranks, and a
-    group of T·P·D = ranks per node is one node, with its 2 data-parallel replicas on that node.
+    (same job id, same environment) resumes from that checkpoint and finishes; its srun forks the
+    ranks handed to the test (FAKE_SRUN_HANDOFF: torchrun's part is the first launch's). The
+    layout of docs/launching.md section 2: torchrun gives each node consecutive ranks (its log in
+    the first launch), and a group of T·P·D = ranks per node is one node, with its 2 data-parallel
+    replicas on that node (params.json).
     The 1B config shrunk by overrides passed through the script reaches the run, and every
     round's measured outer bytes are what tools/dept_costs.py predicts.
 
@@ -231,7 +319,11 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     # the first node of the list (scontrol show hostnames, SLURMD_NODENAME) hosts the store: on
     # one machine the rendezvous would work whichever node hosted it, so look at what each said
     for i in range(2):
-        assert re.search(rf"rdzv_configs *: {{'is_host': '{1 - i}'", (logs / f"node{i}.log").read_text()), i
+        text = (logs / f"node{i}.log").read_text()
+        assert re.search(rf"rdzv_configs *: {{'is_host': '{1 - i}'", text), i
+        # torchrun gives each node consecutive ranks (the requeued launch's ranks are placed so)
+        assert re.search(rf"group_rank={i}$", text, re.MULTILINE), i
+        assert re.search(rf"global_ranks=\[{2 * i}, {2 * i + 1}\]$", text, re.MULTILINE), i
     job = env["SLURM_JOB_ID"]
     assert requeues.read_text().split() == ["requeue", job]
     assert f"requeueing job {job}" in out
@@ -243,8 +335,10 @@ def test_two_node_job_preempted_requeued_and_resumed(tmp_path):
     assert "exiting with status 75" in node_logs()
     assert "| custom ops=" in node_logs()  # the backends: line names the custom ops' kernels
 
-    # Slurm starts the requeued job: the same script, job id and environment
-    r = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    # Slurm starts the requeued job: the same script, job id and environment (its ranks handed to
+    # the test: FAKE_SRUN_HANDOFF)
+    (bindir / "srun").write_text(FAKE_SRUN_HANDOFF)
+    r = _run_script(script, env, str(tmp_path), tmp_path / "handoff", logs, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:] + node_logs()[-3000:]
     assert "pre-flight: spec, world 4 = 2 group(s) x tensor 1 x pipeline 1 x data 2" in r.stdout
     assert f"resume: from {run_dir}/checkpoints/step_{stopped}; the model, DEPT, source and tokenizer keys" in r.stdout

@@ -224,23 +224,25 @@ def test_activation_memory_script_on_gpu(tmp_path):
     assert res["full"]["measured_peak_bytes"] < res["none"]["measured_peak_bytes"]
 
 
-def test_dept_costs_memory_json(tmp_path):
+def test_dept_costs_memory_json(tmp_path, capsys):
     """tools/dept_costs.py --memory --json: every variant has exactly the memory keys, in int
-    bytes; lean outer state and the distributed optimizer shrink what they should."""
+    bytes; lean outer state and the distributed optimizer shrink what they should. (The tool's
+    ``main`` in this process, which has torch imported: a subprocess would import it again, ~3 s
+    of CPU a call; the script's own start is tests/test_costs.py's.)"""
     import json
-    import subprocess
-    import sys
 
+    from tests.test_costs import _tool
+    tool = _tool()
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256, "
                    "seq_length: 32, vocab_size: 500}\nparallel: {data: 4}\nprecision: fp32\n"
                    "dept: {variant: glob}\ntrain: {micro_batch_size: 2, global_batch_size: 16}\n")
 
     def run(*extra):
-        out = subprocess.run([sys.executable, "tools/dept_costs.py", "--config", str(cfg), "--source-vocab", "300",
-                              "--trim-vocab", "200", "--memory", "--json", *extra],
-                             check=True, capture_output=True, text=True).stdout
-        return json.loads(out)["variants"]
+        capsys.readouterr()
+        assert tool.main(["--config", str(cfg), "--source-vocab", "300", "--trim-vocab", "200", "--memory", "--json",
+                          *extra]) == 0
+        return json.loads(capsys.readouterr().out)["variants"]
 
     full, lean = run("--outer-state", "full"), run("--outer-state", "lean", "--set", "optim.distributed=true")
     for name, v in full.items():
