@@ -1,15 +1,13 @@
 """End to end on the sample corpus: training learns, metrics.jsonl follows docs/metrics.md,
 evaluation's BPB comes from real byte counts, `-m dept_mega.evaluate` reproduces the final
 evaluation, a run resumes from `latest` exactly, data-parallel ranks read different data, and
-a 2-rank torchrun matches the single process."""
+2-rank jobs (pipeline 2, data parallel 2) match the single process."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,7 @@ from dept_mega import train as train_cli
 from dept_mega.config import load_config
 from dept_mega.manifest import seal
 from dept_mega.metrics import check_record
-from tests.mp_utils import free_port, run_distributed
+from tests.mp_utils import run_distributed
 from tests.trainer_utils import without_tensorboard_warning, ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
 COMMON = ["train.log_interval=1", "train.eval_iters=2"]
@@ -185,37 +183,25 @@ def _evaluate_rank(rank: int, world: int, argv: list) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
-    """The CLI under torchrun: pipeline 2 gives the single process's losses, and so does data
-    parallel 2 (its ranks forked with torchrun's environment while the torchrun job runs:
-    tests/test_restart.py and tests/test_preemption.py launch data parallel 2 with torchrun);
-    the single process runs in this one (a torchrun of one rank would add only its start).
-    ``dept_mega.evaluate`` of the pipeline-2 run on 2 forked ranks reproduces its final evaluation."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu")
+def test_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
+    """The CLI's job of 2 ranks: pipeline 2 gives the single process's losses, and so does data
+    parallel 2. Both jobs are ``torchrun --nproc-per-node 2 -m dept_mega.train ...``'s main on
+    ranks forked from this process's forkserver with the environment torchrun gives them
+    (federation_utils.run_single_job): launched by torchrun, each would cost torchrun and each rank
+    a fresh import of torch (~4 s of CPU each); the CLI under a real torchrun is
+    tests/test_restart.py's and tests/test_preemption.py's (2 ranks, restarts, preemption). The
+    single process runs in this one. ``dept_mega.evaluate`` of the pipeline-2 run on 2 forked
+    ranks reproduces its final evaluation."""
+    from tests.federation_utils import run_single_job
     steps = ["train.steps=4", "train.eval_interval=0", "train.eval_iters=1", "train.save_interval=0"]
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
     losses = {"single": [r["loss"] for r in _train(str(tmp_path / "single"), *steps) if r["kind"] == "train"]}
-    # the torchrun job, and the forked one while torchrun starts
-    procs = {}
-    for name, nproc, extra in [("pp2", 2, ["parallel.pipeline=2"])]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "dept_mega.train", "--config", TINY_STD,
-               f"train.run_dir={tmp_path / name}", "train.log_interval=1", *steps, *extra]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        from tests.federation_utils import run_single_job
-        run_single_job(TINY_STD, str(tmp_path / "dp2"), 2, "train.log_interval=1", *steps, "parallel.data=2")
-        outs = {name: p.communicate(timeout=240) for name, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for name, p in procs.items():
-        stdout, stderr = outs[name]
-        assert p.returncode == 0, stderr[-3000:]
-        assert "step 4/4" in stdout
+    for name, extra in (("pp2", "parallel.pipeline=2"), ("dp2", "parallel.data=2")):
+        run_single_job(TINY_STD, str(tmp_path / name), 2, "train.log_interval=1", *steps, extra)
+        # the step lines of the launch's output (the ranks' stdout and stderr)
+        out = "".join((tmp_path / name / f"single_out.{r}").read_text() for r in range(2))
+        assert "step 4/4" in out, (name, out[-3000:])
     for name in ("dp2", "pp2"):
         recs = read_jsonl(os.path.join(str(tmp_path / name), "metrics.jsonl"))
         losses[name] = [r["loss"] for r in recs if r["kind"] == "train"]
@@ -224,7 +210,7 @@ def test_torchrun_two_ranks_match_single_process(corpus, tmp_path, monkeypatch):
         for a, b in zip(losses[name], losses["single"]):
             assert a == pytest.approx(b, rel=1e-5), name
     # evaluate on 2 ranks (pipeline 2) reproduces the run's final evaluation (its ranks forked
-    # with torchrun's environment: evaluate starts its ranks as train does, launched above)
+    # with torchrun's environment: evaluate starts its ranks as train does)
     run = str(tmp_path / "pp2")
     out = str(tmp_path / "pp2_eval.json")
     assert run_distributed(_evaluate_rank, 2, args=(["--run-dir", run, "--out", out],), timeout=120) == [0, 0]
