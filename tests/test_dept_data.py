@@ -161,12 +161,12 @@ def test_resume_refuses_a_data_position_the_plan_does_not_give(tmp_path):
                        "train": {"steps": 6, "save_interval": 3, "eval_interval": 0, "log_interval": 100,
                                  "run_dir": str(tmp_path / "run")}})
     log = []
-    _make_loop(cfg, prefixes, 0, log).run()
+    _make_loop(cfg, prefixes, 0, log, save_at=3).run()  # (only the checkpoint read below)
     meta_path = tmp_path / "run" / "checkpoints" / "step_3" / "group0.json"
     meta = json.loads(meta_path.read_text())
     (name, pos), = meta["iterators"].items()  # only the source the group trains
     assert pos["steps"] == sum(1 for step, n, _ in log if n == name and step < 3)
-    loop = _make_loop(cfg, prefixes, 0, [])
+    loop = _make_loop(cfg, prefixes, 0, [], save_at=3)  # (saves nothing)
     loop.checkpointer.load(loop, step=3)
     loop.run()  # agrees: resumes
     meta["iterators"][name] = {"consumed_samples": 0, "steps": 0}
