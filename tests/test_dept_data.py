@@ -15,7 +15,9 @@ from tests.mp_utils import run_distributed
 
 # (variant, dept.body_optimizer_state): every variant; GLOB also with the body state per source
 RUNS = (("glob", "group"), ("glob", "source"), ("trim", "group"), ("spec", "source"), ("spec_opt", "group"))
-K, G, L, STEPS, RESUME_AT = 4, 2, 2, 16, 5  # 8 rounds; step 5 is inside round 2
+K, G, L, STEPS, RESUME_AT = 4, 2, 2, 10, 5  # 5 rounds; step 5 is inside round 2
+# (no plan of K=4, G=2 moves a source before round 2: 5 rounds are the fewest with 3 moves, and
+# with them the resumed run continues through the moves of rounds 3 and 4)
 SPEC_OPT_VOCABS = (60, 200, 130, 96)
 
 
@@ -30,7 +32,7 @@ def _write_sources(root):
 
 
 def _seed_with_moves():
-    """A train.seed whose plan moves sources between groups at least 3 times in 8 rounds."""
+    """A train.seed whose plan moves sources between groups at least 3 times in STEPS // L rounds."""
     from dept_mega.dept.rounds import RoundScheduler
     rounds = STEPS // L
     return next(sd for sd in range(200)
@@ -159,12 +161,12 @@ def test_resume_refuses_a_data_position_the_plan_does_not_give(tmp_path):
                        "train": {"steps": 6, "save_interval": 3, "eval_interval": 0, "log_interval": 100,
                                  "run_dir": str(tmp_path / "run")}})
     log = []
-    _make_loop(cfg, prefixes, 0, log).run()
+    _make_loop(cfg, prefixes, 0, log, save_at=3).run()  # (only the checkpoint read below)
     meta_path = tmp_path / "run" / "checkpoints" / "step_3" / "group0.json"
     meta = json.loads(meta_path.read_text())
     (name, pos), = meta["iterators"].items()  # only the source the group trains
     assert pos["steps"] == sum(1 for step, n, _ in log if n == name and step < 3)
-    loop = _make_loop(cfg, prefixes, 0, [])
+    loop = _make_loop(cfg, prefixes, 0, [], save_at=3)  # (saves nothing)
     loop.checkpointer.load(loop, step=3)
     loop.run()  # agrees: resumes
     meta["iterators"][name] = {"consumed_samples": 0, "steps": 0}

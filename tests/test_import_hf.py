@@ -266,23 +266,20 @@ def test_other_architectures_are_refused(base_dirs, tmp_path, arch, edit, why):
     assert rc == 2 and why in err and err.count("\n") == 1, err
 
 
-def test_the_command_line(base_dirs):
-    """tools/convert_from_hf.py as a process: --print-model-config needs only --hf-dir; an import
-    needs --config and --run-dir (else argparse's usage error, exit status 2)."""
-    import subprocess
-    import sys
-
-    from tests.trainer_utils import ROOT
+def test_the_command_line(base_dirs, monkeypatch, capsys):
+    """tools/convert_from_hf.py as ``python tools/convert_from_hf.py ARGS`` runs it (its lines run as
+    ``__main__`` in this process: a process of its own would only add its imports, torch's and
+    transformers', ~5 s of CPU): --print-model-config needs only --hf-dir; an import needs
+    --config and --run-dir (else argparse's usage error, exit status 2)."""
+    from tests.trainer_utils import ROOT, run_script
     tool = os.path.join(ROOT, "tools", "convert_from_hf.py")
-    proc = subprocess.run([sys.executable, tool, "--hf-dir", str(base_dirs / "mpt"), "--print-model-config"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    model = yaml.safe_load(proc.stdout)["model"]
+    capsys.readouterr()
+    assert run_script(tool, "--hf-dir", str(base_dirs / "mpt"), "--print-model-config", monkeypatch=monkeypatch) == 0
+    out = capsys.readouterr()
+    model = yaml.safe_load(out.out)["model"]
     assert (model["position_embedding"], model["num_attention_heads"], model["norm_bias"]) == ("alibi", 6, False)
-    from dept_mega.export.import_run import main
-    with pytest.raises(SystemExit) as exc:  # argparse's usage error
-        main(["--hf-dir", str(base_dirs / "mpt"), "--run-dir", "x"])
-    assert exc.value.code == 2
+    assert run_script(tool, "--hf-dir", str(base_dirs / "mpt"), "--run-dir", "x", monkeypatch=monkeypatch) == 2
+    assert "--config" in capsys.readouterr().err  # argparse's usage error
 
 
 def test_a_config_of_another_model_is_refused_naming_every_key(base_dirs, tmp_path):

@@ -12,13 +12,17 @@ from tests.trainer_utils import assert_close, layouts_worker, tiny_config, train
 STEPS = 2  # two updates: the second uses the optimizer state of the first (a third adds no new case)
 REL = 1e-5
 
-# (name, config overrides) — world 4 (layouts of 2 ranks run as 2 identical groups)
-LAYOUTS_4 = [
+# (name, config overrides) of 2 ranks: on world 2, except dp2, which runs on world 4 as 2
+# identical groups (world > tensor × data × pipeline: parallel groups of their own)
+LAYOUTS_2 = [
     ("tp2", ("parallel.tensor=2",)),
     ("tp2_sp", ("parallel.tensor=2", "parallel.sequence_parallel=true")),
     ("pp2", ("parallel.pipeline=2",)),
-    ("dp2", ("parallel.data=2",)),
     ("pp2_vp2", ("parallel.pipeline=2", "parallel.virtual_pipeline=2")),
+]
+# world 4
+LAYOUTS_4 = [
+    ("dp2", ("parallel.data=2",)),
     ("tp2_pp2", ("parallel.tensor=2", "parallel.pipeline=2")),
     ("tp2_pp2_sp", ("parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true")),
     ("tp2_dp2", ("parallel.tensor=2", "parallel.data=2")),
@@ -42,8 +46,8 @@ OPTIONS = [
                                     "tie_embeddings": True}}),
     ("alibi_untied_bias", {"model": {"tie_embeddings": False, "bias": True}}),
 ]
-OPTION_LAYOUTS = [("pp2", ("parallel.pipeline=2",)),
-                  ("tp2_pp2_sp", ("parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"))]
+OPTION_LAYOUTS_2 = [("pp2", ("parallel.pipeline=2",))]
+OPTION_LAYOUTS_4 = [("tp2_pp2_sp", ("parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"))]
 
 
 def _check(results: list[list[dict]], runs: list[tuple[str, dict, tuple]], refs: dict[str, dict]) -> None:
@@ -69,15 +73,22 @@ def _refs(runs) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_layouts_world4_match_single_process():
-    runs = [(n, {}, o) for n, o in LAYOUTS_4]
-    runs += [(f"{on}/{ln}", over, lo) for on, over in OPTIONS for ln, lo in OPTION_LAYOUTS]
-    refs = _refs(runs)
+def test_layouts_world2_and_world4_match_single_process():
+    """Layouts of 2 ranks on world 2 (one run each; dp2 also as 2 groups on world 4 below), of 4
+    ranks on world 4."""
+    runs2 = [(n, {}, o) for n, o in LAYOUTS_2]
+    runs2 += [(f"{on}/{ln}", over, lo) for on, over in OPTIONS for ln, lo in OPTION_LAYOUTS_2]
+    runs4 = [(n, {}, o) for n, o in LAYOUTS_4]
+    runs4 += [(f"{on}/{ln}", over, lo) for on, over in OPTIONS for ln, lo in OPTION_LAYOUTS_4]
+    refs = _refs(runs2 + runs4)
     # the reference itself must train (the comparison is not between constants)
     base = refs[_key({})]["loss"]
     assert len(set(base)) == STEPS
-    results = run_distributed(layouts_worker, 4, args=([(over, o) for _, over, o in runs], STEPS), timeout=380)
-    _check(results, runs, refs)
+    for world, runs in ((2, runs2), (4, runs4)):
+        results = run_distributed(layouts_worker, world, args=([(over, o) for _, over, o in runs], STEPS),
+                                  timeout=380)
+        assert len(results) == world
+        _check(results, runs, refs)
 
 
 @pytest.mark.slow

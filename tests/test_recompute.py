@@ -105,19 +105,21 @@ def test_recompute_config_errors():
 
 @pytest.mark.slow
 def test_recompute_under_tp2_sp_and_pp2_matches_no_recompute():
-    """Three training steps (4 micro-batches each; under PP2 the 1F1B schedule runs later
-    micro-batches' forwards before earlier backwards) with hidden and attention dropout:
-    every recompute mode gives the losses and gradient norms of no recomputation, bit for bit."""
+    """Two training steps (4 micro-batches each; under PP2 the 1F1B schedule runs later
+    micro-batches' forwards before earlier backwards; the second step's forward and recomputation
+    run on the updated weights and continue the dropout streams of the first) with hidden and
+    attention dropout: every recompute mode gives the losses, gradient norms and evaluation loss
+    of no recomputation, bit for bit."""
     layouts = [{"parallel": {"tensor": 2}}, {"parallel": {"tensor": 2, "sequence_parallel": True}},
                {"parallel": {"pipeline": 2}}]
     runs = []
     for layout in layouts:
         for mode, n in [("none", None), ("selective", None), ("full", None), ("full", 1)]:
             runs.append(({**layout, "model": {**DROPOUT, "recompute": mode, "recompute_layers": n}}, ()))
-    results = run_distributed(layouts_worker, 2, (runs, 3), timeout=240)[-1]
+    results = run_distributed(layouts_worker, 2, (runs, 2), timeout=240)[-1]
     for i in range(len(layouts)):
         ref = results[4 * i]
-        assert len(set(ref["loss"])) == 3
+        assert len(set(ref["loss"])) == 2
         for j in range(1, 4):
             got = results[4 * i + j]
             assert got["loss"] == ref["loss"], (layouts[i], runs[4 * i + j][0]["model"])

@@ -1,0 +1,57 @@
+"""How often each token id occurs in an indexed dataset (``PREFIX.bin``), cached beside the data
+as ``<name>.token_counts.npz``: TRIM's vocabulary sets (``data/sources.py``'s ``vocab_set``)
+and the per-source summaries read it. Torch-free (``tools/prepare_sample.py`` imports it
+without torch)."""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Callable, Optional
+
+import numpy as np
+
+from dept_mega.data.indexed import IndexedDataset, bin_path
+from dept_mega.data.token_range import data_key as _data_key
+
+
+def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24,
+                 progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+    """How often each token id occurs in ``PREFIX.bin`` (bincount in chunks, so memory stays
+    bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir``),
+    keyed by the ``.bin``/``.idx`` sizes and modification times. ``progress(done, total)``:
+    called with the tokens counted after each chunk (not when the cache is used)."""
+    ds = IndexedDataset(prefix)
+    cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
+    path = os.path.join(cache_dir, os.path.basename(prefix) + ".token_counts.npz")
+    key = _data_key(prefix)
+    if os.path.exists(path):
+        try:
+            with np.load(path) as z:
+                if str(z["key"]) == key:
+                    return z["counts"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: recompute
+    counts = np.zeros(0, dtype=np.int64)
+    tokens = ds.tokens
+    for lo in range(0, len(tokens), chunk_tokens):
+        chunk = np.asarray(tokens[lo:lo + chunk_tokens])
+        if chunk.size and chunk.min() < 0:
+            raise ValueError(f"{bin_path(prefix)}: negative token id {int(chunk.min())}")
+        c = np.bincount(chunk.astype(np.int64, copy=False))
+        if len(c) > len(counts):
+            c[:len(counts)] += counts
+            counts = c
+        else:
+            counts[:len(c)] += c
+        if progress is not None:
+            progress(min(lo + chunk_tokens, len(tokens)), len(tokens))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=cache_dir)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, counts=counts, key=np.array(key))
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not cache token counts at {path}: {exc}")
+    return counts
