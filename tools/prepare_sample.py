@@ -37,6 +37,10 @@ GLOBAL_VOCAB = 8000
 # Each source's own vocabulary (SPEC-OPT): different sizes on purpose.
 OWN_VOCAB = {"en": 3000, "fr": 3000, "ja": 4000, "ru": 3500, "code": 2500}
 VERSION = 2  # 2: lossless tokenizers (tools/train_tokenizer.py's defaults)
+# SentencePiece's trainer splits its work over its threads, and the pieces it learns depend on
+# how many: a fixed count makes the sample tokenizers (and examples/main.sh's figures) the same
+# on every machine, whatever its number of cores.
+THREADS = 2
 
 
 def _sha(path: str) -> str:
@@ -52,7 +56,8 @@ def _train(inputs: list[str], vocab: int, prefix: str) -> None:
     import train_tokenizer
 
     rc = train_tokenizer.main(["--input", *inputs, "--json-key", "text", "--vocab-size", str(vocab),
-                               "--model-type", "unigram", "--output-prefix", prefix, "--strict"])
+                               "--model-type", "unigram", "--output-prefix", prefix, "--strict",
+                               "--threads", str(THREADS)])
     if rc:
         raise SystemExit(f"error: training tokenizer {prefix}.model failed (exit {rc})")
 
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
         if not os.path.isfile(path):
             print(f"error: {path} is missing (rebuild with examples/data/build_corpus.py)", file=sys.stderr)
             return 1
-    stamp = {"version": VERSION, "global_vocab": GLOBAL_VOCAB, "own_vocab": OWN_VOCAB,
+    stamp = {"version": VERSION, "global_vocab": GLOBAL_VOCAB, "own_vocab": OWN_VOCAB, "threads": THREADS,
              "inputs": {s: _sha(p) for s, p in inputs.items()}}
     stamp_path = os.path.join(build, "stamp.json")
     summary_path = os.path.join(build, "summary.json")
