@@ -128,10 +128,9 @@ def federation(min_groups: int, **lighthouse):
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1,
                  torchrun=True):
     """Group job ``g``: one process forked from the test's forkserver (ForkedJob), or ``nproc``
-    ranks under torchrun, or (``torchrun=False``) ``nproc`` ranks forked with the environment
-    torchrun would give them, its store on rank 0 (ForkedJob: ~2-3 s of CPU less per rank and
-    no launcher process; torchrun's own store is covered by the jobs launched with it)."""
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    ranks under torchrun's launcher (TorchrunJob), or (``torchrun=False``) ``nproc`` ranks forked
+    with the environment torchrun would give them, its store on rank 0 (ForkedJob: no launcher
+    process; torchrun's own store is covered by the jobs launched with it)."""
     args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
             f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
             *extra]
@@ -140,10 +139,7 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
     if nproc == 1 or not torchrun:
         return ForkedJob(args, env, log, nproc)
-    cmd = [sys.executable, *launch, "-m", "dept_mega.train", *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
-    p.log = log
-    return p
+    return TorchrunJob(args, env, log, nproc)
 
 
 def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
@@ -217,6 +213,69 @@ class ForkedJob:
         for p in self.procs:
             if p.exitcode is None:
                 p.kill()
+
+
+def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
+    """``torchrun --standalone --nproc-per-node NPROC -m dept_mega.train ARGV`` as torchrun's
+    own ``main`` (its launcher, its c10d rendezvous and the agent's store that the workers
+    share), in a process forked from the test's forkserver, its workers forked from it
+    (``--start-method fork``) running tests/torchrun_rank.py (``--run-path``): the command
+    would import torch in the launcher and in each worker again (~3 s of CPU each)."""
+    import gc
+    gc.freeze()  # (as _job_main)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from torch.distributed.run import main
+    try:
+        main(["--standalone", "--nproc-per-node", str(nproc), "--start-method", "fork", "--run-path",
+              os.path.join(ROOT, "tests", "torchrun_rank.py"), *argv])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class TorchrunJob(ForkedJob):
+    """A group job of ``nproc`` ranks under torchrun's launcher (:func:`_torchrun_main`): one
+    process forked from the test's forkserver, the launcher, whose exit status is the job's
+    (nonzero when a worker failed); ``kill`` kills the launcher and its workers."""
+
+    def __init__(self, argv: list, env: dict, log: str, nproc: int) -> None:
+        import multiprocessing
+
+        from tests.mp_utils import _start_method
+        self.log = log
+        self.procs = [multiprocessing.get_context(_start_method()).Process(
+            target=_torchrun_main, args=(argv, env, log, nproc))]
+        self.procs[0].start()
+        self.pid = self.procs[0].pid
+
+    def kill(self) -> None:
+        if self.procs[0].exitcode is None:
+            for pid in _children(self.pid):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            self.procs[0].kill()
+
+
+def _children(pid: int) -> list:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
 
 
 def finish_all(procs, timeout=120):
