@@ -126,11 +126,12 @@ def federation(min_groups: int, **lighthouse):
 
 
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1,
-                 torchrun=True):
+                 torchrun=True, checkpoints=True):
     """Group job ``g``: one process forked from the test's forkserver (ForkedJob), or ``nproc``
     ranks under torchrun's launcher (TorchrunJob), or (``torchrun=False``) ``nproc`` ranks forked
     with the environment torchrun would give them, its store on rank 0 (ForkedJob: no launcher
-    process; torchrun's own store is covered by the jobs launched with it)."""
+    process; torchrun's own store is covered by the jobs launched with it). ``checkpoints=False``
+    (a forked job): it writes none (:func:`no_checkpoints`)."""
     args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
             f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
             *extra]
@@ -138,13 +139,23 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
     if nproc == 1 or not torchrun:
-        return ForkedJob(args, env, log, nproc)
+        return ForkedJob(args, env, log, nproc, checkpoints=checkpoints)
+    assert checkpoints, "a job under torchrun's launcher writes its checkpoints"
     return TorchrunJob(args, env, log, nproc)
 
 
-def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
+def no_checkpoints() -> None:
+    """In a job's process: its Checkpointer writes nothing (the loop's saves are skipped, its
+    loads work), for the runs of a test whose checkpoints nothing reads (a DCP save of a group
+    job's state is ~0.3 s of CPU; the federated jobs of other tests write and read theirs)."""
+    from dept_mega.checkpoint import Checkpointer
+    Checkpointer.save = lambda self, loop: None
+
+
+def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoints: bool = True) -> None:
     """``python -m dept_mega.MODULE ARGV`` (train, or evaluate) with environment ``env``, its
-    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py)."""
+    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py);
+    ``checkpoints=False``: :func:`no_checkpoints`."""
     import gc
     gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
     os.environ.clear()
@@ -157,6 +168,8 @@ def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     import importlib
+    if not checkpoints:
+        no_checkpoints()
 
     from dept_mega.process_exit import exit_after
     main = importlib.import_module(f"dept_mega.{module}").main
@@ -176,7 +189,8 @@ class ForkedJob:
     SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (the first rank's nonzero status, -N:
     killed by signal N; None while a rank runs), ``kill`` (every rank), and ``log``."""
 
-    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1, module: str = "train") -> None:
+    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1, module: str = "train",
+                 checkpoints: bool = True) -> None:
         import multiprocessing
 
         from tests.mp_utils import _start_method, torchrun_env
@@ -186,7 +200,7 @@ class ForkedJob:
         if nproc > 1:
             port = free_port()
             envs = [dict(env, **torchrun_env(r, nproc, port)) for r in range(nproc)]
-        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log, module)) for e in envs]
+        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log, module, checkpoints)) for e in envs]
         for p in self.procs:
             p.start()
         self.pid = self.procs[0].pid
@@ -295,10 +309,13 @@ def read_records(run, kind):
     return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
 
 
-def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
+def _single_job_rank(rank: int, world: int, argv: list, log: str, checkpoints: bool = True) -> int:
     """One rank of the single job: ``python -m dept_mega.train ARGV``'s ``main``, its output
-    (the same lines as a launched rank's) to ``log``.rank."""
+    (the same lines as a launched rank's) to ``log``.rank; ``checkpoints=False``:
+    :func:`no_checkpoints`."""
     import sys as _sys
+    if not checkpoints:
+        no_checkpoints()
     with open(f"{log}.{rank}", "w") as f:
         _sys.stdout.flush()
         _sys.stderr.flush()
@@ -311,19 +328,19 @@ def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
     return status
 
 
-def run_single_job(cfg, run, nproc=SOURCES, *extra):
+def run_single_job(cfg, run, nproc=SOURCES, *extra, checkpoints=True):
     """The reference single job (every group in one job of ``nproc`` ranks), run to its end:
     ``dept_mega.train``'s ``main`` on ranks forked from the test process's forkserver
     (tests/mp_utils.py: torch and the trainer imported once), with the environment torchrun
     would give them. The job is the same as ``torchrun --nproc-per-node N -m dept_mega.train``
     (tested as such elsewhere); launched that way it would cost each rank a fresh import of
     torch and torchrun's launcher one more (~2-3 s of CPU each, while the group jobs start
-    beside it)."""
+    beside it). ``checkpoints=False``: it writes none (:func:`no_checkpoints`)."""
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, "single_out")
     argv = ["--config", cfg, f"train.run_dir={run}", *extra]
     try:
-        status = run_distributed(_single_job_rank, nproc, args=(argv, log), timeout=180)
+        status = run_distributed(_single_job_rank, nproc, args=(argv, log, checkpoints), timeout=180)
     except Exception as exc:  # noqa: BLE001 - with the ranks' output
         status = [repr(exc)[-3000:]]
     if status != [0] * nproc:

@@ -163,8 +163,10 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
     kw = dict(groups=G, min_groups=1, timeout_s=15)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     with federation(min_groups=1) as jobs:
+        # (group 1's checkpoint of its stop is read; the jobs' others by nothing: not written)
         procs = [jobs.launch(cfg, runs[0], 0, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
-                                                                 DEPT_FEDERATION_HOLD=f"4:start:{go}"), **kw),
+                                                                 DEPT_FEDERATION_HOLD=f"4:start:{go}"),
+                             checkpoints=False, **kw),
                  jobs.launch(cfg, runs[1], 1, *trim, f"train.exit_interval={2 * L}",
                         env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)]
         first = finish_all(procs[1:])[0]
@@ -172,7 +174,7 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
         # relaunched only once group 0 waits at round 4's start: rounds 2 and 3 are its alone
         wait_for(lambda: is_held(dump, 0, 4) or procs[0].poll() is not None, "group 0 did not reach round 4's start")
         assert procs[0].poll() is None, "group 0 ended before round 4's start"
-        again = jobs.launch(cfg, runs[1], 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), **kw)
+        again = jobs.launch(cfg, runs[1], 1, *trim, env=dict(ENV, DEPT_FEDERATION_DUMP=dump), checkpoints=False, **kw)
         wait_for_requests(jobs.lh, 1, [again], "the relaunched group 1")
         open(go, "w").close()
         outs = finish_all([procs[0], again], timeout=240)
@@ -236,7 +238,8 @@ def test_slow_group_is_left_out_and_rejoins(tmp_path):
         # quorum, so that the run is not over before group 2 comes back
         hold = {0: f"3:start:{go}", 1: f"3:start:{go}", 2: f"1:exchange:{go}2"}
         procs = [jobs.launch(cfg, runs[g], g, env=dict(env, DEPT_FEDERATION_HOLD=hold[g]) if g in hold else env,
-                        groups=G, min_groups=2, timeout_s=timeout_s) for g in range(G)]
+                             groups=G, min_groups=2, timeout_s=timeout_s, checkpoints=False)  # (read by nothing)
+                 for g in range(G)]
         wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held1")) or procs[2].poll() is not None,
                   "group 2 did not reach round 1's exchange")
         # rounds 1 and 2 completed by groups 0 and 1 while group 2 is held (not waiting for it)
@@ -285,7 +288,7 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
     with federation(min_groups=2) as jobs:
         procs = [jobs.launch(cfg, runs[g], g, "dept.outer_overlap=true", "dept.outer_delay=1",
                         env=dict(env, DEPT_FEDERATION_HOLD=f"2:launch:{tmp_path / 'never'}") if g == 2 else env,
-                        groups=G, min_groups=2, timeout_s=10) for g in range(G)]
+                        groups=G, min_groups=2, timeout_s=10, checkpoints=False) for g in range(G)]  # (read by nothing)
         wait_for(lambda: os.path.exists(os.path.join(dump, "g2_rank0_held2")) or procs[2].poll() is not None,
                   "group 2 did not reach round 2's launch")
         assert procs[2].poll() is None, "group 2 ended before round 2's launch"
