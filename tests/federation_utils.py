@@ -43,11 +43,16 @@ def write_config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None,
     return path
 
 
+TORCHFT_LOG = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \[[A-Z]+\] \[torchft")  # a line of torchft's logger
+
+
 class Lighthouse:
     """A lighthouse for the group jobs: in this process by default (``dept_mega.lighthouse.serve``,
     torchft's Rust server on its own threads: no second Python + torch start of 2-3 s per test),
-    or with ``process=True`` the command ``python -m dept_mega.lighthouse`` itself, which one
-    test runs (its options, its address line, killed at the end)."""
+    or with ``process=True`` the command ``python -m dept_mega.lighthouse``'s ``main`` (its
+    options, its address line, its own process killed at the end), which one test runs, in a
+    process forked from the test's forkserver (ForkedJob: the command would import torch again
+    through torchft, ~3 s of CPU)."""
 
     def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0, process: bool = False):
         self.port = free_port()
@@ -57,12 +62,24 @@ class Lighthouse:
             self.server = serve(self.port, min_groups, join_timeout_s=join_s, heartbeat_timeout_s=heartbeat_s)
             assert self.server.address().endswith(f":{self.port}"), self.server.address()
             return
-        self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
-                                      "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
-                                      "--heartbeat-timeout-s", str(heartbeat_s)],
-                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
+        import tempfile
+        fd, self.log = tempfile.mkstemp(prefix="lighthouse", suffix=".txt")
+        os.close(fd)
+        self.proc = ForkedJob(["--port", str(self.port), "--min-groups", str(min_groups), "--join-timeout-s",
+                               str(join_s), "--heartbeat-timeout-s", str(heartbeat_s)], ENV, self.log,
+                              module="lighthouse")
+        try:  # its first line (the log also has torchft's own, on its standard error)
+            deadline, mine = time.monotonic() + 120, []
+            while not mine:
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"the lighthouse: {mine!r}"
+                time.sleep(0.02)
+                with open(self.log, encoding="utf-8", errors="replace") as f:
+                    mine = [ln for ln in f.read().split("\n")[:-1] if not TORCHFT_LOG.match(ln)]
+            line = mine[0]
+            assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def addr(self) -> str:
@@ -91,6 +108,7 @@ class Lighthouse:
             return
         self.proc.kill()
         self.proc.wait()
+        os.unlink(self.log)
 
 
 class Jobs(list):
