@@ -21,7 +21,7 @@ def test_a_new_group_joins_a_group_that_ran_alone(tmp_path):
     group 0 counts the rounds it committed alone) and both finish the run together — not take
     the quorum for a fresh start of both and run the fresh start's config check against group
     0's pseudo-gradient exchange (a collective mismatch that aborts group 1)."""
-    L, steps, G = 2, 12, 2
+    L, steps, G = 2, 8, 2  # (round 3, the last, trained by both)
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
