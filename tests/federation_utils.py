@@ -43,11 +43,16 @@ def write_config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None,
     return path
 
 
+TORCHFT_LOG = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \[[A-Z]+\] \[torchft")  # a line of torchft's logger
+
+
 class Lighthouse:
     """A lighthouse for the group jobs: in this process by default (``dept_mega.lighthouse.serve``,
     torchft's Rust server on its own threads: no second Python + torch start of 2-3 s per test),
-    or with ``process=True`` the command ``python -m dept_mega.lighthouse`` itself, which one
-    test runs (its options, its address line, killed at the end)."""
+    or with ``process=True`` the command ``python -m dept_mega.lighthouse``'s ``main`` (its
+    options, its address line, its own process killed at the end), which one test runs, in a
+    process forked from the test's forkserver (ForkedJob: the command would import torch again
+    through torchft, ~3 s of CPU)."""
 
     def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0, process: bool = False):
         self.port = free_port()
@@ -57,12 +62,24 @@ class Lighthouse:
             self.server = serve(self.port, min_groups, join_timeout_s=join_s, heartbeat_timeout_s=heartbeat_s)
             assert self.server.address().endswith(f":{self.port}"), self.server.address()
             return
-        self.proc = subprocess.Popen([sys.executable, "-m", "dept_mega.lighthouse", "--port", str(self.port),
-                                      "--min-groups", str(min_groups), "--join-timeout-s", str(join_s),
-                                      "--heartbeat-timeout-s", str(heartbeat_s)],
-                                     cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
-        assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
+        import tempfile
+        fd, self.log = tempfile.mkstemp(prefix="lighthouse", suffix=".txt")
+        os.close(fd)
+        self.proc = ForkedJob(["--port", str(self.port), "--min-groups", str(min_groups), "--join-timeout-s",
+                               str(join_s), "--heartbeat-timeout-s", str(heartbeat_s)], ENV, self.log,
+                              module="lighthouse")
+        try:  # its first line (the log also has torchft's own, on its standard error)
+            deadline, mine = time.monotonic() + 120, []
+            while not mine:
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"the lighthouse: {mine!r}"
+                time.sleep(0.02)
+                with open(self.log, encoding="utf-8", errors="replace") as f:
+                    mine = [ln for ln in f.read().split("\n")[:-1] if not TORCHFT_LOG.match(ln)]
+            line = mine[0]
+            assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def addr(self) -> str:
@@ -91,6 +108,7 @@ class Lighthouse:
             return
         self.proc.kill()
         self.proc.wait()
+        os.unlink(self.log)
 
 
 class Jobs(list):
@@ -126,12 +144,12 @@ def federation(min_groups: int, **lighthouse):
 
 
 def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOURCES, timeout_s=20, env=ENV, nproc=1,
-                 torchrun=True):
+                 torchrun=True, checkpoints=True):
     """Group job ``g``: one process forked from the test's forkserver (ForkedJob), or ``nproc``
-    ranks under torchrun, or (``torchrun=False``) ``nproc`` ranks forked with the environment
-    torchrun would give them, its store on rank 0 (ForkedJob: ~2-3 s of CPU less per rank and
-    no launcher process; torchrun's own store is covered by the jobs launched with it)."""
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    ranks under torchrun's launcher (TorchrunJob), or (``torchrun=False``) ``nproc`` ranks forked
+    with the environment torchrun would give them, its store on rank 0 (ForkedJob: no launcher
+    process; torchrun's own store is covered by the jobs launched with it). ``checkpoints=False``
+    (a forked job): it writes none (:func:`no_checkpoints`)."""
     args = ["--config", cfg, f"train.run_dir={run}", f"federation.lighthouse={lighthouse}", f"federation.group={g}",
             f"federation.groups={groups}", f"federation.min_groups={min_groups}", f"federation.timeout_s={timeout_s}",
             *extra]
@@ -139,16 +157,23 @@ def launch_group(cfg, run, lighthouse, g, *extra, groups=SOURCES, min_groups=SOU
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, f"out{time.monotonic_ns()}.txt")
     if nproc == 1 or not torchrun:
-        return ForkedJob(args, env, log, nproc)
-    cmd = [sys.executable, *launch, "-m", "dept_mega.train", *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
-    p.log = log
-    return p
+        return ForkedJob(args, env, log, nproc, checkpoints=checkpoints)
+    assert checkpoints, "a job under torchrun's launcher writes its checkpoints"
+    return TorchrunJob(args, env, log, nproc)
 
 
-def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
+def no_checkpoints() -> None:
+    """In a job's process: its Checkpointer writes nothing (the loop's saves are skipped, its
+    loads work), for the runs of a test whose checkpoints nothing reads (a DCP save of a group
+    job's state is ~0.3 s of CPU; the federated jobs of other tests write and read theirs)."""
+    from dept_mega.checkpoint import Checkpointer
+    Checkpointer.save = lambda self, loop: None
+
+
+def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoints: bool = True) -> None:
     """``python -m dept_mega.MODULE ARGV`` (train, or evaluate) with environment ``env``, its
-    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py)."""
+    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py);
+    ``checkpoints=False``: :func:`no_checkpoints`."""
     import gc
     gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
     os.environ.clear()
@@ -161,6 +186,8 @@ def _job_main(argv: list, env: dict, log: str, module: str = "train") -> None:
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     import importlib
+    if not checkpoints:
+        no_checkpoints()
 
     from dept_mega.process_exit import exit_after
     main = importlib.import_module(f"dept_mega.{module}").main
@@ -180,7 +207,8 @@ class ForkedJob:
     SIGKILL kills it), ``poll``, ``wait``, ``returncode`` (the first rank's nonzero status, -N:
     killed by signal N; None while a rank runs), ``kill`` (every rank), and ``log``."""
 
-    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1, module: str = "train") -> None:
+    def __init__(self, argv: list, env: dict, log: str, nproc: int = 1, module: str = "train",
+                 checkpoints: bool = True) -> None:
         import multiprocessing
 
         from tests.mp_utils import _start_method, torchrun_env
@@ -190,7 +218,7 @@ class ForkedJob:
         if nproc > 1:
             port = free_port()
             envs = [dict(env, **torchrun_env(r, nproc, port)) for r in range(nproc)]
-        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log, module)) for e in envs]
+        self.procs = [ctx.Process(target=_job_main, args=(argv, e, log, module, checkpoints)) for e in envs]
         for p in self.procs:
             p.start()
         self.pid = self.procs[0].pid
@@ -219,6 +247,69 @@ class ForkedJob:
                 p.kill()
 
 
+def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
+    """``torchrun --standalone --nproc-per-node NPROC -m dept_mega.train ARGV`` as torchrun's
+    own ``main`` (its launcher, its c10d rendezvous and the agent's store that the workers
+    share), in a process forked from the test's forkserver, its workers forked from it
+    (``--start-method fork``) running tests/torchrun_rank.py (``--run-path``): the command
+    would import torch in the launcher and in each worker again (~3 s of CPU each)."""
+    import gc
+    gc.freeze()  # (as _job_main)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from torch.distributed.run import main
+    try:
+        main(["--standalone", "--nproc-per-node", str(nproc), "--start-method", "fork", "--run-path",
+              os.path.join(ROOT, "tests", "torchrun_rank.py"), *argv])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class TorchrunJob(ForkedJob):
+    """A group job of ``nproc`` ranks under torchrun's launcher (:func:`_torchrun_main`): one
+    process forked from the test's forkserver, the launcher, whose exit status is the job's
+    (nonzero when a worker failed); ``kill`` kills the launcher and its workers."""
+
+    def __init__(self, argv: list, env: dict, log: str, nproc: int) -> None:
+        import multiprocessing
+
+        from tests.mp_utils import _start_method
+        self.log = log
+        self.procs = [multiprocessing.get_context(_start_method()).Process(
+            target=_torchrun_main, args=(argv, env, log, nproc))]
+        self.procs[0].start()
+        self.pid = self.procs[0].pid
+
+    def kill(self) -> None:
+        if self.procs[0].exitcode is None:
+            for pid in _children(self.pid):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            self.procs[0].kill()
+
+
+def _children(pid: int) -> list:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
 def finish_all(procs, timeout=120):
     outs = []
     for p in procs:
@@ -236,10 +327,13 @@ def read_records(run, kind):
     return [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == kind]
 
 
-def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
+def _single_job_rank(rank: int, world: int, argv: list, log: str, checkpoints: bool = True) -> int:
     """One rank of the single job: ``python -m dept_mega.train ARGV``'s ``main``, its output
-    (the same lines as a launched rank's) to ``log``.rank."""
+    (the same lines as a launched rank's) to ``log``.rank; ``checkpoints=False``:
+    :func:`no_checkpoints`."""
     import sys as _sys
+    if not checkpoints:
+        no_checkpoints()
     with open(f"{log}.{rank}", "w") as f:
         _sys.stdout.flush()
         _sys.stderr.flush()
@@ -252,19 +346,19 @@ def _single_job_rank(rank: int, world: int, argv: list, log: str) -> int:
     return status
 
 
-def run_single_job(cfg, run, nproc=SOURCES, *extra):
+def run_single_job(cfg, run, nproc=SOURCES, *extra, checkpoints=True):
     """The reference single job (every group in one job of ``nproc`` ranks), run to its end:
     ``dept_mega.train``'s ``main`` on ranks forked from the test process's forkserver
     (tests/mp_utils.py: torch and the trainer imported once), with the environment torchrun
     would give them. The job is the same as ``torchrun --nproc-per-node N -m dept_mega.train``
     (tested as such elsewhere); launched that way it would cost each rank a fresh import of
     torch and torchrun's launcher one more (~2-3 s of CPU each, while the group jobs start
-    beside it)."""
+    beside it). ``checkpoints=False``: it writes none (:func:`no_checkpoints`)."""
     os.makedirs(run, exist_ok=True)
     log = os.path.join(run, "single_out")
     argv = ["--config", cfg, f"train.run_dir={run}", *extra]
     try:
-        status = run_distributed(_single_job_rank, nproc, args=(argv, log), timeout=180)
+        status = run_distributed(_single_job_rank, nproc, args=(argv, log, checkpoints), timeout=180)
     except Exception as exc:  # noqa: BLE001 - with the ranks' output
         status = [repr(exc)[-3000:]]
     if status != [0] * nproc:

@@ -19,7 +19,8 @@ from tests.dept_utils import SavingOnly, SyntheticSource, allowed_ids, source_in
 
 def make_loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=1, sources=None, save=True):
     """``save=False``: the loop's checkpointer loads but writes nothing (SavingOnly with no
-    step): a reference run or a resumed one whose checkpoints nothing reads (~0.3 s a save)."""
+    step): a reference run or a resumed one whose checkpoints nothing reads (~0.3 s a save);
+    a tuple of steps: it writes those only (SavingOnly)."""
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.dept.driver import DeptHooks
     from dept_mega.loop import StdHooks, TrainLoop
@@ -46,7 +47,7 @@ def make_loop(over, run_dir, rank, data, tensor=1, pipeline=1, steps=4, virtual=
 
     writer = MetricsWriter(run_dir, enabled=rank == 0, stream=io.StringIO())
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator,
-                     checkpointer=Checkpointer(run_dir) if save else SavingOnly(run_dir))
+                     checkpointer=Checkpointer(run_dir) if save is True else SavingOnly(run_dir, save or ()))
 
 
 def read_losses(run_dir):

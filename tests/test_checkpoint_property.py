@@ -29,7 +29,7 @@ from tests.mp_utils import run_distributed
 
 K = 4  # sources
 VARIANTS = ("std", "glob", "trim", "spec", "spec_opt")
-PAIRS = 2  # random (save, load) layout pairs per variant
+PAIRS = 2  # random (save, load) layout pairs per variant (STD: the first only, see _cases)
 
 
 def _layout(rng: random.Random, variant: str, four_layers: bool) -> dict:
@@ -56,6 +56,12 @@ def _cases() -> list:
                 b = _layout(rng, variant, opts["layers"] == 4)
             if a == b:
                 b = dict(b, dist=not b["dist"])
+            if variant == "std" and pair == 1:
+                # drawn (the other variants' layouts stay those of this seed), not run: STD's
+                # second pair (T1.P2.D1 -> T2.P1.D1, the plain optimizer on both sides) repeats
+                # its first pair's P2 -> T2 change, and the plain optimizer's shards loaded under
+                # another T or P are the DEPT variants' pairs' (trim, spec_opt, glob: dist0 -> dist0)
+                continue
             out.append(pytest.param(variant, opts, a, b, id=f"{variant}-{_name(opts)}-{_name(a)}-to-{_name(b)}"))
     return out
 

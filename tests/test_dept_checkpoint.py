@@ -38,19 +38,23 @@ def _make(cfg, run_dir, rank, saves=None):
     return TrainLoop(cfg, pg, trainer, hooks, writer, make_iterator, checkpointer=ck), ck
 
 
-def _resume_worker(rank, world, over, run_dir, step=2, saves=None):
+def _resume_worker(rank, world, over, run_dir, step=2, saves=None, also=()):
     """Train the whole run, then resume a second loop from checkpoint ``step`` and finish:
     (the uninterrupted run's body and embeddings, the resumed run's). The uninterrupted run
-    writes the checkpoints of ``saves`` only (default: ``step``'s), the resumed one none: the
-    others would be read by nothing."""
+    writes the checkpoints of ``saves`` only (default: ``step``'s and ``also``'s), the resumed
+    one none: the others would be read by nothing. ``also``: more checkpoint steps resumed from
+    the same way, their resumed states appended to the result."""
     cfg = tiny_config(over)
-    loop, _ = _make(cfg, run_dir, rank, saves=[step] if saves is None else saves)
+    loop, _ = _make(cfg, run_dir, rank, saves=[step, *also] if saves is None else saves)
     loop.run()
     full = {"body": body_vector(loop.trainer), "emb": emb_state(loop.trainer)}
-    loop2, ck = _make(cfg, run_dir, rank, saves=())
-    assert ck.load(loop2, step=step) == step
-    loop2.run()
-    return full, {"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)}
+    out = [full]
+    for at in (step, *also):
+        loop2, ck = _make(cfg, run_dir, rank, saves=())
+        assert ck.load(loop2, step=at) == at
+        loop2.run()
+        out.append({"body": body_vector(loop2.trainer), "emb": emb_state(loop2.trainer)})
+    return tuple(out)
 
 
 @pytest.mark.slow
@@ -61,17 +65,6 @@ def test_glob_resume_restores_outer_state(tmp_path):
                      "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},
             "model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
             "train": {"steps": 6, "save_interval": 2, "eval_interval": 0}}
-    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
-    for full, resumed in res:
-        assert torch.equal(full["body"], resumed["body"])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", ["spec", "trim"])
-def test_source_state_variants_resume(tmp_path, variant):
-    over = {"dept": {"variant": variant, "local_steps": 2}, "train": {"steps": 6, "save_interval": 2,
-                                                                     "eval_interval": 0}}
     res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path)), timeout=200)
     for full, resumed in res:
         assert torch.equal(full["body"], resumed["body"])
@@ -198,16 +191,21 @@ def test_mid_round_checkpoint_resumes_bit_exactly(tmp_path, variant, async_save)
     """A checkpoint at step 3 of rounds of 2 steps (inside round 1, as a preemption writes
     it): the resumed run ends bit-identical to the uninterrupted one (body, the installed
     embeddings), with an Adam outer optimizer whose state must come back. Also written by
-    train.async_save's thread (host copies of the DEPT state, taken at the step)."""
+    train.async_save's thread (host copies of the DEPT state, taken at the step). SPEC and
+    TRIM (their per-source state, TRIM's φ) also resume from the round boundary of step 2 the
+    same way."""
+    also = (2,) if variant in ("spec", "trim") and not async_save else ()
     over = {"dept": {"variant": variant, "local_steps": 2,
                      "outer_optimizer": {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}},
-            "train": {"steps": 6, "save_interval": 3, "eval_interval": 0, "async_save": async_save}}
-    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 3), timeout=200)
-    for full, resumed in res:
-        assert torch.equal(full["body"], resumed["body"])
-        assert full["emb"].keys() == resumed["emb"].keys()
-        for k in full["emb"]:
-            assert torch.equal(full["emb"][k], resumed["emb"][k]), k
+            "train": {"steps": 6, "save_interval": 1 if also else 3, "eval_interval": 0, "async_save": async_save}}
+    res = run_distributed(_resume_worker, 2, args=(over, str(tmp_path), 3, None, also), timeout=200)
+    for full, *resumed in res:
+        assert len(resumed) == 1 + len(also)
+        for got in resumed:
+            assert torch.equal(full["body"], got["body"])
+            assert full["emb"].keys() == got["emb"].keys()
+            for k in full["emb"]:
+                assert torch.equal(full["emb"][k], got["emb"][k]), k
 
 
 def _lean_worker(rank, world, run_dir, data):

@@ -44,8 +44,9 @@ def test_three_group_jobs_equal_the_single_job(tmp_path, case):
     cfg = write_config(str(tmp_path))
     with federation(min_groups=SOURCES) as jobs:
         runs = [str(tmp_path / f"g{g}") for g in range(SOURCES)]
-        procs = [jobs.launch(cfg, runs[g], g, *extra) for g in range(SOURCES)]
-        run_single_job(cfg, str(tmp_path / "single"), SOURCES, *extra)
+        # (their checkpoints are read by nothing: none written)
+        procs = [jobs.launch(cfg, runs[g], g, *extra, checkpoints=False) for g in range(SOURCES)]
+        run_single_job(cfg, str(tmp_path / "single"), SOURCES, *extra, checkpoints=False)
         outs = finish_all(procs)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -110,16 +111,23 @@ def test_two_rank_group_jobs_equal_the_single_job(tmp_path, layout):
     extra = TWO_RANK_LAYOUTS[layout] + ("dept.outer_optimizer.name=nesterov", "dept.outer_optimizer.momentum=0.9")
     with federation(min_groups=2) as jobs:
         runs = [str(tmp_path / f"g{g}") for g in range(2)]
-        # torchrun launches the pipeline layout's group job 0 (torchrun's store under a group
-        # job); the other jobs' ranks are forked with torchrun's environment (the same jobs,
-        # without a launcher and the ranks' fresh torch imports: ~8 s of CPU a job)
-        procs = [jobs.launch(cfg, runs[g], g, *extra, groups=2, min_groups=2, nproc=2,
-                             torchrun=layout == "pipeline2-glob" and g == 0) for g in range(2)]
+        # torchrun's launcher (torch.distributed.run.main, forked: federation_utils.TorchrunJob)
+        # launches the pipeline layout's group job 0 (torchrun's store under a group job); the
+        # other jobs' ranks are forked with torchrun's environment (no launcher)
+        # (the checkpoints, read by nothing: written by the job under torchrun only)
+        torchrun = [layout == "pipeline2-glob" and g == 0 for g in range(2)]
+        procs = [jobs.launch(cfg, runs[g], g, *extra, groups=2, min_groups=2, nproc=2, torchrun=torchrun[g],
+                             checkpoints=torchrun[g]) for g in range(2)]
         # the single job while the group jobs run: its start-up fills their waits for the quorum
-        run_single_job(cfg, str(tmp_path / "single"), 4, *extra)
+        run_single_job(cfg, str(tmp_path / "single"), 4, *extra, checkpoints=False)
         outs = finish_all(procs)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+    for g, run in enumerate(runs):  # the run lock's job id: torchrun's run id under its agent only
+        with open(os.path.join(run, ".lock")) as f:
+            job = json.load(f)["job"]
+        if "SLURM_JOB_ID" not in ENV:  # (else SLURM's job id)
+            assert (job is not None) == (layout == "pipeline2-glob" and g == 0), (layout, g, job)
     single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = list(single[1])
     for g, run in enumerate(runs):
@@ -167,9 +175,9 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
         # group 1 advertises its servers and store as "localhost" (federation.advertise_host)
         procs = [jobs.launch(site_configs[g], runs[g], g, *extra, *(("federation.advertise_host=localhost",) * g),
-                             groups=G, min_groups=G) for g in range(G)]
+                             groups=G, min_groups=G, checkpoints=g == 1) for g in range(G)]  # (1's: evaluated)
         # the single job while the group jobs run: its start-up fills their waits for the quorum
-        run_single_job(owned, str(tmp_path / "single"), G, *extra)
+        run_single_job(owned, str(tmp_path / "single"), G, *extra, checkpoints=False)
         outs = finish_all(procs)
         import urllib.request
         with urllib.request.urlopen(f"http://{jobs.lh.addr}/status", timeout=10) as r:

@@ -21,14 +21,15 @@ def test_a_new_group_joins_a_group_that_ran_alone(tmp_path):
     group 0 counts the rounds it committed alone) and both finish the run together — not take
     the quorum for a fresh start of both and run the fresh start's config check against group
     0's pseudo-gradient exchange (a collective mismatch that aborts group 1)."""
-    L, steps, G = 2, 12, 2
+    L, steps, G = 2, 8, 2  # (round 3, the last, trained by both)
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     kw = dict(groups=G, min_groups=1, timeout_s=3)
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     with federation(min_groups=1) as procs:
-        first = procs.launch(cfg, runs[0], 0, env=dict(env, DEPT_FEDERATION_HOLD=f"3:start:{go}"), **kw)
+        first = procs.launch(cfg, runs[0], 0, env=dict(env, DEPT_FEDERATION_HOLD=f"3:start:{go}"), checkpoints=False,
+                             **kw)  # (its checkpoints are read by nothing; group 1's final one is)
         wait_for(lambda: is_held(dump, 0, 3) or first.poll() is not None, "group 0 did not reach round 3's start")
         assert first.poll() is None, "group 0 ended before round 3"
         procs.launch(cfg, runs[1], 1, env=env, **kw)
@@ -57,7 +58,7 @@ def test_a_job_whose_own_min_groups_is_above_the_lighthouses_never_trains_alone(
     L, steps, G = 2, 4, 2
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
-    kw = dict(groups=G, min_groups=2, timeout_s=1)
+    kw = dict(groups=G, min_groups=2, timeout_s=1, checkpoints=False)  # (no checkpoint is read)
     short = "federation: round 0: the lighthouse formed a quorum of 1 group(s), fewer than the 2 a round of this " \
             "job needs (federation.min_groups 2 > the lighthouse's --min-groups 1); asking again"
 

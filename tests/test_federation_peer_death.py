@@ -35,7 +35,7 @@ def test_survivors_go_on_when_a_joining_group_dies_with_its_request_pending(tmp_
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
     # join_s long: group 0's request stays pending until the others ask
-    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s)
+    kw = dict(groups=G, min_groups=2, timeout_s=timeout_s, checkpoints=False)  # (no checkpoint is read)
     with federation(min_groups=2, join_s=60, heartbeat_s=2.0) as jobs:
         procs = [None] + [jobs.launch(cfg, runs[g], g, env=dict(env, DEPT_FEDERATION_HOLD=f"2:start:{go}"),
                                        **kw) for g in (1, 2)]

@@ -31,7 +31,7 @@ def single_losses(tmp_path_factory):
     for this file's tests (the same config; their train.save_interval changes no loss)."""
     root = tmp_path_factory.mktemp("single")
     cfg = write_config(str(root), steps=STEPS, local_steps=L, sources=2)
-    run_single_job(cfg, str(root / "single"), 2)
+    run_single_job(cfg, str(root / "single"), 2, checkpoints=False)
     return {r["step"]: r["loss_by_source"] for r in read_records(str(root / "single"), "train")}
 
 
@@ -49,7 +49,7 @@ def _preempt_waiting_group(tmp_path, single, hold, timeout_s, extra=()):
     with federation(min_groups=2, heartbeat_s=HEARTBEAT_S) as jobs:
         procs = [jobs.launch(cfg, runs[0], 0, *extra, env=env, **kw),
                  jobs.launch(cfg, runs[1], 1, *extra, env=dict(env, DEPT_FEDERATION_HOLD=f"{hold}:{go}"),
-                              **kw)]
+                              checkpoints=False, **kw)]  # (group 0's first launch's checkpoints are read, no others)
         wait_for(lambda: is_held(dump, 1, r) or procs[1].poll() is not None, f"group 1 did not reach {hold}")
         if hold.endswith(":start"):  # group 0 at round r's quorum
             wait_for_requests(jobs.lh, 1, procs[:1], f"group 0 at round {r}'s quorum")
@@ -73,7 +73,7 @@ def _preempt_waiting_group(tmp_path, single, hold, timeout_s, extra=()):
         # relaunched at once (a requeue), then group 1 goes on: the gone job's quorum request still
         # counts at the lighthouse until its heartbeats are HEARTBEAT_S old, so the quorum may form
         # with it; group 1 and the relaunched job then ask again (federation.py, _quorum)
-        again = [jobs.launch(cfg, runs[0], 0, *extra, env=env, **kw)]
+        again = [jobs.launch(cfg, runs[0], 0, *extra, env=env, checkpoints=False, **kw)]
         wait_for_requests(jobs.lh, 1, again, "the relaunched group 0")
         open(go, "w").close()
         outs = finish_all([procs[1]] + again, timeout=120)
@@ -130,7 +130,8 @@ def test_a_quorum_wait_longer_than_quorum_give_up_s_saves_and_exits_75(tmp_path)
     kw = dict(groups=2, min_groups=2, timeout_s=20)
     with federation(min_groups=2, heartbeat_s=HEARTBEAT_S) as jobs:
         held = jobs.launch(cfg, runs[1], 1, env=dict(ENV, DEPT_FEDERATION_DUMP=dump,
-                                                       DEPT_FEDERATION_HOLD=f"2:start:{tmp_path / 'never'}"), **kw)
+                                                       DEPT_FEDERATION_HOLD=f"2:start:{tmp_path / 'never'}"),
+                           checkpoints=False, **kw)
         wait_for_requests(jobs.lh, 1, [held], "group 1's first quorum request")  # (group 0's first wait: short)
         p = jobs.launch(cfg, runs[0], 0, "federation.quorum_give_up_s=4", env=ENV, **kw)
         p.wait(timeout=120)

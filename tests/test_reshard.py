@@ -76,8 +76,11 @@ def test_resume_under_another_data_parallel_size(tmp_path, case):
 
 
 
-def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2, virtual=1, data=1):
-    loop = make_loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, virtual=virtual)
+def _train_a_layout(rank, world, run_dir, tensor, pipeline, case="std", steps=2, virtual=1, data=1, keep=None):
+    """Run A to ``steps``; ``keep``: the one checkpoint step it writes (default ``steps``, its
+    last: the one run B loads; the others would be read by nothing)."""
+    loop = make_loop(LAYOUT_CASES[case], run_dir, rank, data, tensor, pipeline, virtual=virtual,
+                     save=(keep or steps,))
     loop.cfg.train.steps = steps
     loop.run()
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
@@ -140,7 +143,7 @@ def test_glob_resume_under_another_tensor_and_pipeline_size(tmp_path, case):
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     eager = case == "glob_int8_ef_eager"
     saved = 3 if eager else 2  # the step-2 round end's save waits for its overlapped sync
-    run_distributed(_train_a_layout, 4, args=(run, 2, 1, case, 4 if eager else 2), timeout=200)
+    run_distributed(_train_a_layout, 4, args=(run, 2, 1, case, 4 if eager else 2, 1, 1, saved), timeout=200)
     if eager:
         layout = json.loads((tmp_path / "a" / "checkpoints" / "step_3" / "layout.json").read_text())
         assert layout["outer_group_keys"]
@@ -171,7 +174,7 @@ def test_spec_resume_under_another_tensor_size(tmp_path, case):
     equal an uninterrupted tensor = 2 run from the same initial weights within 1e-6."""
     run, ref = str(tmp_path / "a"), str(tmp_path / "ref")
     saved = 3
-    run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, 4), timeout=200)
+    run_distributed(_train_a_layout, 2, args=(run, 1, 1, case, 4, 1, 1, saved), timeout=200)
     layout = json.loads((tmp_path / "a" / "checkpoints" / "step_3" / "layout.json").read_text())
     assert layout["outer_group_keys"]
     buffers = run_distributed(_resume_b_layout, 4, args=(run, ref, 2, 1, case, 6, 1, 1, saved, 1), timeout=300)

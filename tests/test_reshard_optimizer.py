@@ -159,7 +159,8 @@ TP_OPTIM_LAYOUTS = {
 
 
 def _tp_optim_train_a(rank, world, case, layout, run_dir, saved=2, total=4):
-    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total)  # B's LR schedule
+    # B's LR schedule; the one checkpoint run B loads (step ``saved``'s), no other
+    loop = _optim_loop(LAYOUT_CASES[case], run_dir, rank, "fp32", layout, steps=total, save=(saved,))
     loop.cfg.train.steps = saved
     loop.run()
     return sorted(loop.hooks.store.names()) if hasattr(loop.hooks, "store") else []
