@@ -173,8 +173,9 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     site_configs = [site_config(cfg, g, G, str(tmp_path)) for g in range(G)]
     with federation(min_groups=G) as jobs:
         runs = [str(tmp_path / f"g{g}") for g in range(G)]
-        # group 1 advertises its servers and store as "localhost" (federation.advertise_host)
-        procs = [jobs.launch(site_configs[g], runs[g], g, *extra, *(("federation.advertise_host=localhost",) * g),
+        # the servers and store advertised (federation.advertise_host): group 0's by its route to the
+        # lighthouse (here the loopback's 127.0.0.1), group 1's as "localhost"
+        procs = [jobs.launch(site_configs[g], runs[g], g, *extra, f"federation.advertise_host={('route', 'localhost')[g]}",
                              groups=G, min_groups=G, checkpoints=g == 1) for g in range(G)]  # (1's: evaluated)
         # the single job while the group jobs run: its start-up fills their waits for the quorum
         run_single_job(owned, str(tmp_path / "single"), G, *extra, checkpoints=False)
@@ -185,9 +186,10 @@ def test_more_sources_than_group_jobs_equal_the_single_job(tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
     import re
-    import socket
     managers, stores = re.findall(r"Manager: http://([^:<\s]+):", page), re.findall(r"TCPStore: ([^:<\s]+):", page)
-    assert sorted(managers) == sorted(stores) == sorted([socket.gethostname(), "localhost"]), page[:2000]
+    assert sorted(managers) == sorted(stores) == ["127.0.0.1", "localhost"], page[:2000]
+    assert ("federation: rank 0's node advertises 127.0.0.1 to the other group jobs (federation.advertise_host "
+            "route): a loopback address, which only jobs on this host reach") in outs[0].splitlines(), outs[0][-3000:]
     single = {r["step"]: r["loss_by_source"] for r in read_records(str(tmp_path / "single"), "train")}
     names = [s.name for s in load_config(cfg).data.sources]
     job = load_config(os.path.join(runs[0], "config.yaml"))

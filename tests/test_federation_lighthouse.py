@@ -13,7 +13,7 @@ pytest.importorskip("torchft")
 
 from dept_mega.config import ConfigError  # noqa: E402
 from dept_mega.dept.federation_config import check_reachable  # noqa: E402
-from tests.federation_utils import Lighthouse, wait_for  # noqa: E402
+from tests.federation_utils import ROOT, Lighthouse, wait_for  # noqa: E402
 from tests.mp_utils import free_port  # noqa: E402
 
 
@@ -139,3 +139,13 @@ def test_quorum_ranks_from_torchft_configure():
 
     with pytest.raises(RuntimeError, match="no global_ranks argument"):
         recording(Old)
+
+
+def test_the_command_starts_as_documented_and_refuses_a_bad_minimum():
+    """``python -m dept_mega.lighthouse`` as a command (the other tests run its ``main`` in a
+    forked process): a minimum below 1 is refused before torchft is imported (~0.1 s)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "dept_mega.lighthouse", "--port", "0", "--min-groups", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 2 and res.stderr.strip() == "error: --min-groups must be >= 1", res.stderr
