@@ -89,3 +89,23 @@ def numbered_docs(n: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list
     """Documents whose tokens say where they are: doc d holds d*100 + position (mod 60000)."""
     rng = np.random.default_rng(seed)
     return [[(d * 100 + k) % 60000 for k in range(int(rng.integers(lo, hi)))] for d in range(n)]
+
+
+def in_a_fork(target, seconds: float, what: str) -> list:
+    """``target(out)`` in a forked process given ``seconds``: what it put in ``out`` (a queue), in
+    order; an AssertionError saying ``what`` it was still doing when it has to be killed (for
+    tests of code that must not wait for ever: a hang fails the test instead of stopping it)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    out = ctx.SimpleQueue()
+    proc = ctx.Process(target=target, args=(out,))
+    proc.start()
+    proc.join(seconds)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"still {what} after {seconds:g} s")
+    got = []
+    while not out.empty():
+        got.append(out.get())
+    return got

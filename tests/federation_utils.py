@@ -170,12 +170,9 @@ def no_checkpoints() -> None:
     Checkpointer.save = lambda self, loop: None
 
 
-def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoints: bool = True) -> None:
-    """``python -m dept_mega.MODULE ARGV`` (train, or evaluate) with environment ``env``, its
-    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py);
-    ``checkpoints=False``: :func:`no_checkpoints`."""
-    import gc
-    gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
+def _as_job(env: dict, log: str) -> None:
+    """This forked process given a job's environment ``env``, the repository as its working
+    directory and ``log`` as its standard output and error."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -183,6 +180,15 @@ def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoint
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoints: bool = True) -> None:
+    """``python -m dept_mega.MODULE ARGV`` (train, or evaluate) with environment ``env``, its
+    output to ``log``, in a process forked from the test's forkserver (tests/mp_utils.py);
+    ``checkpoints=False``: :func:`no_checkpoints`."""
+    import gc
+    gc.freeze()  # the inherited heap: skipped by this job's collections (tests/mp_utils.py, _worker)
+    _as_job(env, log)
     import torch
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     import importlib
@@ -255,13 +261,7 @@ def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
     would import torch in the launcher and in each worker again (~3 s of CPU each)."""
     import gc
     gc.freeze()  # (as _job_main)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    _as_job(env, log)
     from torch.distributed.run import main
     try:
         main(["--standalone", "--nproc-per-node", str(nproc), "--start-method", "fork", "--run-path",
@@ -288,7 +288,7 @@ class TorchrunJob(ForkedJob):
 
     def kill(self) -> None:
         if self.procs[0].exitcode is None:
-            for pid in _children(self.pid):
+            for pid in children(self.pid):
                 try:
                     os.kill(pid, 9)
                 except ProcessLookupError:
@@ -296,7 +296,7 @@ class TorchrunJob(ForkedJob):
             self.procs[0].kill()
 
 
-def _children(pid: int) -> list:
+def children(pid: int) -> list:
     """The processes whose parent is ``pid`` (from /proc)."""
     out = []
     for d in os.listdir("/proc"):

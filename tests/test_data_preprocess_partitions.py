@@ -229,19 +229,8 @@ def test_a_child_that_ends_part_way_through_a_message_is_an_error_not_a_hang():
     """A child killed while it sends a message leaves half of it behind: the parent reads what
     came whole, then reports the child's end (a shared queue's reader would wait for the rest
     for ever)."""
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    out = ctx.SimpleQueue()
-    proc = ctx.Process(target=_run_mid_message, args=(out,))
-    proc.start()
-    proc.join(20)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise AssertionError("run_in_processes still waiting 20 s after its child ended mid-message")
-    got = []
-    while not out.empty():
-        got.append(out.get())
+    from tests.data_utils import in_a_fork
+    got = in_a_fork(_run_mid_message, 20, "waiting for the rest of a message from a child that ended")
     assert got == [("message", "first"),
                    ("error", "the process of partition 0 ended (exit code 1) before finishing")], got
 

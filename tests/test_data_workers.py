@@ -8,6 +8,7 @@ import time
 import pytest
 
 from dept_mega.data.workers import RemoteTraceback, Workers
+from tests.data_utils import in_a_fork
 
 
 def _square_late(x: int) -> int:
@@ -62,28 +63,10 @@ def _mid_result(out) -> None:
             out.put(str(exc))
 
 
-def _in_a_fork(target, what: str):
-    """``target(out)`` in a forked process given 20 s; what it put in ``out``."""
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    out = ctx.SimpleQueue()
-    proc = ctx.Process(target=target, args=(out,))
-    proc.start()
-    proc.join(20)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise AssertionError(f"Workers.result still waiting 20 s after {what}")
-    got = []
-    while not out.empty():
-        got.append(out.get())
-    return got
-
-
 def test_a_worker_that_ends_part_way_through_a_result_is_an_error_not_a_hang():
     """A worker killed while it sends a result leaves half of it behind: result() raises
     WorkerDied naming it (a shared result queue's reader would wait for the rest for ever)."""
-    got, = _in_a_fork(_mid_result, "its worker ended mid-result")
+    got, = in_a_fork(_mid_result, 20, "waiting for a result from a worker that ended mid-result")
     assert got.startswith("worker process worker-0 (pid ") and got.endswith(
         ") exited with status 9 while it had work to do; the run cannot go on without its results"), got
 
@@ -103,6 +86,6 @@ def _results_around_an_unpicklable_one(out) -> None:
 
 
 def test_a_result_that_cannot_be_pickled_is_its_error_and_the_next_ones_still_come():
-    got = _in_a_fork(_results_around_an_unpicklable_one, "a result that could not be pickled")
+    got = in_a_fork(_results_around_an_unpicklable_one, 20, "waiting for the results around one that could not be pickled")
     assert got[0] == ("ok", 0) and got[2] == ("ok", 20), got
     assert got[1][0] == "raised" and "pickle" in got[1][1], got

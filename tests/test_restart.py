@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.federation_utils import children
 from tests.mp_utils import free_port
 from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
 
@@ -43,19 +44,6 @@ def _forked(run, steps, *extra) -> str:
         os.chdir(cwd)
     with open(os.path.join(run, "single_out.0"), encoding="utf-8") as f:
         return f.read()
-
-
-def _children(pid):
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def _local_rank(pid):
@@ -92,7 +80,7 @@ def _stop(p, workers=()):
     """End a torchrun that is still running and its workers (they live in their own sessions
     and would outlive it)."""
     if p.poll() is None:
-        workers = list(workers) + _children(p.pid)
+        workers = list(workers) + children(p.pid)
         p.kill()
         p.wait()
     for w in workers:
@@ -117,7 +105,7 @@ def test_killed_rank_restarts_in_place_with_the_same_losses(tmp_path, dp2_refere
     try:
         assert _wait(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest"))
                      and max(_train_steps(run), default=0) >= 6, 240, p), "the run ended before the kill"
-        victim = [c for c in _children(p.pid) if _local_rank(c) == 1]
+        victim = [c for c in children(p.pid) if _local_rank(c) == 1]
         assert len(victim) == 1
         os.kill(victim[0], signal.SIGKILL)
         killed_after = max(_train_steps(run))
@@ -148,7 +136,7 @@ def test_orphaned_workers_hold_off_a_second_job(tmp_path, monkeypatch, capsys):
     workers = []
     try:
         assert _wait(lambda: len(_train_steps(run)) >= 2, 240, p), "the job did not start"
-        workers = _children(p.pid)
+        workers = children(p.pid)
         rank0 = [w for w in workers if _local_rank(w) == 0]
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
