@@ -105,16 +105,22 @@ def test_a_quorum_too_small_is_asked_again_until_enough_or_failed():
     assert least_groups(2, None) == (2, "federation.min_groups 2; the lighthouse's --min-groups not shown")
 
 
-def test_a_wait_for_enough_groups_given_up_asks_no_more():
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ask_again_s", [1.0, 0.1])
+def test_a_wait_for_enough_groups_given_up_asks_no_more(monkeypatch, ask_again_s):
     """Federation._quorum with quorums of 1 group where a round needs 2: the wait goes on as any
     short one (here given up after federation.quorum_give_up_s: PreemptedWait), and its helper
-    thread stops asking the lighthouse once it is given up."""
+    thread stops asking the lighthouse once it is given up. Also when the lighthouse is asked
+    again sooner than the wait polls (0.1 s < federation_wait.POLL_S): each ask then returns
+    within one poll, and the give-up must still come."""
     from types import SimpleNamespace
 
     import torch
 
     from dept_mega.dept import federation as fed
+    from dept_mega.dept import federation_wait
     from dept_mega.preemption import PreemptedWait
+    monkeypatch.setattr(federation_wait, "ASK_AGAIN_S", ask_again_s)
     asked = []
     job = object.__new__(fed.Federation)
     job.round, job.least, job.least_why, job.where, job._loop = 3, 2, "why", "127.0.0.1:1", None
@@ -127,5 +133,5 @@ def test_a_wait_for_enough_groups_given_up_asks_no_more():
     assert stop.value.gave_up == "federation.quorum_give_up_s = 0.6 s"
     n = len(asked)
     assert n >= 1 and all(kw == {"allow_heal": True} for kw in asked)
-    time.sleep(1.5)  # (asked again every federation_wait.ASK_AGAIN_S = 1 s while not stopped)
+    time.sleep(1.5)  # (asked again every federation_wait.ASK_AGAIN_S while not stopped)
     assert len(asked) == n

@@ -128,7 +128,10 @@ def preemptible(fn: Callable[[], Any], preemption, device: torch.device, what: s
         late = give_up_s is not None and time.monotonic() - t0 >= give_up_s
         signal, waiting, late, over = agree([0 if preemption is None else preemption.signal or 0, not finished,
                                              late, why is not None])
-        if not waiting:  # every rank's call returned: the loop's own check after the step follows
+        # every rank's call returned: the loop's own check after the step follows; but a wait asked
+        # again (``since``: at_least's next ask, which may return within one poll) past its give-up
+        # is given up here, or it would never be
+        if not waiting and not (late and since is not None):
             break
         if signal:
             preemption.agree_flag(signal)
