@@ -8,12 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import warnings
 
 import pytest
 
 from dept_mega.data.indexed import IndexedDatasetBuilder, tokenizer_record_path
 from dept_mega.data.preprocess import preprocess
+from tests.federation_utils import children
 from tests.data_utils import ROOT, TOOLS, synthetic_texts, train_tiny_tokenizer, write_jsonl
 
 # Runs the tool with batches of 10 lines and blocks in the tokenizing of the first batch that starts
@@ -77,7 +80,16 @@ def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitio
         assert now and all(f.endswith(".tmp") for f in now), now
         assert ("out.partitions.tmp" in now) == (partitions > 1), now
         p.send_signal(signal.SIGTERM)
+        # the tool's stop takes a fraction of a second; in a few suites it took 60 s (the block's
+        # length: a process of the tool slept it out), never reproduced alone: a slow stop leaves
+        # a warning in the suite's summary with what the tool's processes were doing at 15 s
+        slow = threading.Timer(15, lambda: seen.extend(_descendants(p.pid)))
+        seen: list = []
+        slow.start()
         rest = p.stderr.read()
+        slow.cancel()
+        if seen:
+            warnings.warn(f"the tool's stop took over 15 s; its processes at 15 s: {seen}")
         assert p.wait(timeout=30) == 143, rest
     finally:
         if p.poll() is None:
@@ -185,6 +197,28 @@ GROUP_DRIVER = textwrap.dedent("""
     import preprocess_data
     sys.exit(preprocess_data.main(sys.argv[3:]))
 """)
+
+
+def _descendants(pid: int) -> list[str]:
+    """``pid`` and every process below it, each with its state, kernel wait channel and signal
+    masks (/proc): what a stop that does not end is waiting for."""
+    out, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        todo.extend(children(q))
+        try:
+            with open(f"/proc/{q}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{q}/wchan") as f:
+                wchan = f.read()
+            with open(f"/proc/{q}/status") as f:
+                masks = [ln.split()[1] for ln in f if ln.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+            with open(f"/proc/{q}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        out.append(f"{stat[:stat.rindex(')') + 3]} wchan={wchan} blk/ign/cgt={'/'.join(masks)} {cmd}")
+    return out
 
 
 def _group_members(pgid: int) -> list[str]:
