@@ -276,7 +276,7 @@ def test_a_signal_to_the_process_group_ends_the_tool(tmp_path, tokenizers, sig, 
                 rest = p.communicate(timeout=10)[1]
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{what}: still running 10 s after {sig.name} to the group: "
-                                     f"{_group_members(p.pid)}") from None
+                                     f"{_descendants(p.pid)}") from None
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
