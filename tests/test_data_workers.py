@@ -89,3 +89,40 @@ def test_a_result_that_cannot_be_pickled_is_its_error_and_the_next_ones_still_co
     got = in_a_fork(_results_around_an_unpicklable_one, 20, "waiting for the results around one that could not be pickled")
     assert got[0] == ("ok", 0) and got[2] == ("ok", 20), got
     assert got[1][0] == "raised" and "pickle" in got[1][1], got
+
+
+class _Marks:
+    """In a reference cycle: its finalizer says which process ran it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.me = path, self
+
+    def __del__(self) -> None:
+        import os
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _collects(x: int) -> int:
+    import gc
+    gc.collect()
+    return x
+
+
+def test_a_worker_never_collects_what_it_inherited(tmp_path):
+    """A worker is forked with its parent's heap: a collection there must not finalize the
+    parent's objects (a torch.distributed process group left in a cycle by an earlier test was
+    destroyed in a worker and hung it for ever, waiting on threads a fork does not copy)."""
+    import gc
+    import os
+    marks = str(tmp_path / "marks")
+    gc.disable()
+    try:
+        _Marks(marks)  # garbage in a cycle, not yet collected when the worker is forked
+        with Workers(1, _collects) as w:
+            assert w.result(w.submit(3)) == 3
+        assert not os.path.exists(marks), open(marks).read()  # (the worker's pid)
+    finally:
+        gc.enable()
+        gc.collect()
+    assert open(marks).read() == f"{os.getpid()}\n"  # finalized here, once

@@ -13,6 +13,7 @@ the process that started it does, whatever kills that (:func:`die_with_parent`).
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.util as mp_util
@@ -137,6 +138,7 @@ def _child(parent: int, target: Callable, conn, *args) -> None:
     while multiprocessing's start-up code ran would raise there, with a traceback, before
     ``target`` could handle it), unblocked once the stop is this function's."""
     try:
+        gc.freeze()  # the inherited heap is the parent's (see the tokenizer workers' _worker)
         die_with_parent(parent)
         _close_in_children(conn)  # (target's own processes, its tokenizer workers: its end is its alone)
         unblock_signals()

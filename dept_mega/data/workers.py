@@ -32,6 +32,7 @@ parent whenever it has waited a second for a task.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import multiprocessing.util as mp_util
@@ -124,6 +125,11 @@ def _worker(tasks, conn, parent: int, func: Callable, initializer: Optional[Call
     every task."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # the inherited heap is the parent's: never collected here, so no finalizer of its objects runs in
+    # this process (a torch.distributed process group left in a cycle by the process that forked
+    # us was destroyed here by a collection, and waited for ever on its threads, which a fork
+    # does not copy)
+    gc.freeze()
     die_with_parent(parent)  # also while it runs a task (the check below only runs between tasks)
     unblock_signals()  # a SIGTERM sent meanwhile ends it here
     results = _Sender(conn)
