@@ -16,13 +16,13 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import multiprocessing.util as mp_util
 import os
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from dept_mega.data.stop_signals import Terminated, die_with_parent, signals_blocked, unblock_signals
+from dept_mega.data.stop_signals import (Terminated, close_in_children, die_with_parent, signals_blocked,
+                                         unblock_signals)
 
 STOP_WAIT = 10.0  # seconds the children get, all together, to end after SIGTERM before SIGKILL
 
@@ -110,12 +110,6 @@ def part_starts(parts: Sequence[Sequence[Range]]) -> list[tuple[dict[str, tuple[
     return out
 
 
-def _close_in_children(conn) -> None:
-    """``conn`` closed in every process multiprocessing starts from this one from now on: a pipe's
-    end held only where it is used, so that the reader sees end of file when its writer ends."""
-    mp_util.register_after_fork(conn, type(conn).close)
-
-
 class _Reports:
     """A child's end of its own pipe to the parent: ``put(message)`` sends it there.
 
@@ -140,7 +134,7 @@ def _child(parent: int, target: Callable, conn, *args) -> None:
     try:
         gc.freeze()  # the inherited heap is the parent's (see the tokenizer workers' _worker)
         die_with_parent(parent)
-        _close_in_children(conn)  # (target's own processes, its tokenizer workers: its end is its alone)
+        close_in_children(conn)  # (target's own processes, its tokenizer workers: its end is its alone)
         unblock_signals()
         target(_Reports(conn), *args)
     except (Terminated, KeyboardInterrupt):  # (the tool's handler) before target's own handling began
@@ -182,7 +176,7 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
                 # thread's delivery despite the block) still finds it in the finally, once forked
                 ours, theirs = ctx.Pipe(duplex=False)
                 pipes[nxt] = ours
-                _close_in_children(ours)
+                close_in_children(ours)
                 running[nxt] = ctx.Process(target=_child, args=(os.getpid(), target, theirs, *tasks[nxt]), daemon=False)
                 try:
                     with signals_blocked():  # a signal meanwhile: raised at the end of the block

@@ -84,6 +84,14 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def close_in_children(conn) -> None:
+    """``conn`` (a pipe's end) closed in every process multiprocessing starts from this one from
+    now on: held only where it is used, so that its reader sees end of file when its writer ends
+    (a forked child's tie to its parent, as :func:`die_with_parent`)."""
+    import multiprocessing.util
+    multiprocessing.util.register_after_fork(conn, type(conn).close)
+
+
 @contextmanager
 def signals_blocked() -> Iterator[None]:
     """SIGINT and SIGTERM blocked in this thread (a process forked meanwhile starts with them

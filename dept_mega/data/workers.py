@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import multiprocessing.util as mp_util
 import os
 import pickle
 import queue as queue_mod
@@ -47,7 +46,7 @@ import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
-from dept_mega.data.stop_signals import die_with_parent, signals_blocked, unblock_signals
+from dept_mega.data.stop_signals import close_in_children, die_with_parent, signals_blocked, unblock_signals
 
 POLL = 0.2  # seconds: how often a wait for a result checks that every worker is alive
 GRACE = 1.0  # seconds from SIGTERM to SIGKILL in stop()
@@ -194,7 +193,7 @@ class Workers:
                     ours, theirs = ctx.Pipe(duplex=False)
                     self._pipes[i] = ours
                     # held by the main process only: a worker's send fails once it is closed
-                    mp_util.register_after_fork(ours, type(ours).close)
+                    close_in_children(ours)
                     # listed before it starts: found by stop() even if a signal raises inside start()
                     self._procs.append(ctx.Process(target=_worker, name=f"{name}-{i}", daemon=True,
                                                    args=(self._tasks, theirs, os.getpid(), func, initializer,
