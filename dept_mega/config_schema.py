@@ -293,7 +293,8 @@ class FederationConfig:
     groups: int = 1
     #: Fewest groups that may complete a round (the others' pseudo-gradients are not waited for);
     #: a round needs the larger of this and the lighthouse's --min-groups, and this job waits
-    #: rather than train in a smaller quorum. The same in every group job.
+    #: rather than train in a smaller quorum. The same in every group job (compared at a fresh
+    #: start and a heal; not part of the run's identity: all jobs may change it across a restart).
     min_groups: int = 1
     #: Seconds survivors wait for a missing group: collectives and commits across groups, and
     #: a fresh run's first round waiting for every expected group.

@@ -239,6 +239,15 @@ def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
         check_agree(load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"]), peer)
     assert str(exc.value) == f"config key 'optim.lr' differs from the running groups': this job has 0.001, the " \
         f"running groups have {r.optim.lr}{rule}"
+    # federation.min_groups is compared (a MEET_KEYS key) but is not the run's identity
+    from dept_mega.dept.federation_finished import run_key
+    other_min = load_config(write_config(str(tmp_path)), [*fed, "federation.min_groups=2"])
+    with pytest.raises(ConfigError) as exc:
+        check_agree(other_min, peer)
+    assert str(exc.value) == "config key 'federation.min_groups' differs from the running groups': this job has 2, " \
+        f"the running groups have 1{rule}"
+    assert run_key(agree_hashes(other_min)) == run_key(peer["agree"])
+    assert run_key(agree_hashes(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))) != run_key(peer["agree"])
     joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
                                                         "dept.local_steps=3", "optim.min_lr=0.0001"])
     with pytest.raises(ConfigError) as exc:
@@ -303,6 +312,10 @@ def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tm
     assert lines == [f"  config key 'model.hidden_size': group 0 has {base.model.hidden_size}, group 1 has 32",
                      f"  config key 'train.seed': group 0 has {base.train.seed}, group 1 has 7",
                      f"  config key 'optim.lr': group 0 has 0.001, group 1 has {base.optim.lr}"], lines
+    errors = compare([[], ["federation.min_groups=2"]])
+    assert sorted(errors) == [0, 1] and str(errors[0]) == str(errors[1])
+    assert str(errors[0]).startswith("config key 'federation.min_groups' differs between the group jobs") \
+        and "group 0 has 1, group 1 has 2" in str(errors[0]), str(errors[0])
 
 
 class StandInManager:

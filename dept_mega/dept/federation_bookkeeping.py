@@ -1,7 +1,7 @@
 """The group jobs' small collectives about the federation itself (dept/federation.py), on the
 quorum's process group and never counted as traffic: whether any member raises a flag, which
 groups contribute to an exchange launched right after a round start's quorum, and the fresh
-start's comparison of the keys every group job must agree on (:data:`AGREE_KEYS`).
+start's comparison of the keys every group job must agree on (:data:`COMPARED_KEYS`).
 
 The comparison sends hashes (two int64 per key) and, only when some differ, the differing keys'
 values as compact canonical JSON (a few hundred bytes), so that every job's error names each
@@ -14,7 +14,7 @@ import json
 import torch
 
 from ..config_diff import check_differing, differences
-from .federation_config import AGREE_KEYS
+from .federation_config import COMPARED_KEYS
 
 
 def _allreduce(process_group, t: torch.Tensor, op) -> torch.Tensor:
@@ -77,18 +77,18 @@ def value_rows(keys: list[str], by_group: dict[int, list]) -> list[tuple[str, st
 def check_fresh_agree(process_group, device: torch.device, hashes: list[int], values: list, order: list[int]) -> None:
     """A fresh quorum (every member at its first): the agreed keys compared over every group,
     one agreed ConfigError naming each field that differs with each group's value. ``values``:
-    this job's :data:`AGREE_KEYS` values (``federation_config.agree_values``), ``order``: the
+    this job's :data:`COMPARED_KEYS` values (``federation_config.agree_values``), ``order``: the
     group of each rank of the process group. Every rank of a job holds the same config, so every
     rank raises the same error."""
     from torch.distributed import ReduceOp
     vals = torch.tensor(hashes, dtype=torch.int64)
     both = _allreduce(process_group, torch.cat([vals, -vals]).to(device), ReduceOp.MAX)
     hi, lo = both[:len(vals)].cpu(), -both[len(vals):].cpu()
-    differ = [i for i in range(len(AGREE_KEYS)) if hi[i] != lo[i]]
+    differ = [i for i in range(len(COMPARED_KEYS)) if hi[i] != lo[i]]
     if not differ:
         return
     gathered = _gather_json(process_group, device, [values[i] for i in differ], len(order))
-    keys = [AGREE_KEYS[i] for i in differ]
+    keys = [COMPARED_KEYS[i] for i in differ]
     by_group = dict(zip(order, gathered))
     rows = value_rows(keys, by_group) or [(key, "") for key in keys]  # (equal values, unequal hashes: the keys)
     check_differing(rows, "between the group jobs", "federation: every group job needs the same value", agreed=True)

@@ -21,6 +21,12 @@ AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps
               "dept.outer_quant_block", "dept.outer_fragments",
               "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
               "train.seed", "optim", "federation.groups", "data.sources[].group", "data.sources[].summary")
+#: config keys compared where group jobs meet (a fresh start's quorum, a heal) like
+#: :data:`AGREE_KEYS`, but not part of the run's identity (``federation_finished.run_key``):
+#: every job may change them together across a restart of all of them
+MEET_KEYS = ("federation.min_groups",)
+#: every compared key, in the order of :func:`agree_values` and :func:`agree_hashes`
+COMPARED_KEYS = AGREE_KEYS + MEET_KEYS
 
 
 def _get(cfg, dotted: str):
@@ -36,14 +42,14 @@ def _get(cfg, dotted: str):
 
 
 def agree_values(cfg) -> list:
-    """Each :data:`AGREE_KEYS` entry of ``cfg`` as plain JSON values (what a healing group is
+    """Each :data:`COMPARED_KEYS` entry of ``cfg`` as plain JSON values (what a healing group is
     sent, to name the field that differs)."""
     return [json.loads(json.dumps(asdict(v) if is_dataclass(v) else v, sort_keys=True, default=str))
-            for v in (_get(cfg, key) for key in AGREE_KEYS)]
+            for v in (_get(cfg, key) for key in COMPARED_KEYS)]
 
 
 def agree_hashes(cfg) -> list[int]:
-    """One 60-bit hash per :data:`AGREE_KEYS` entry of ``cfg``."""
+    """One 60-bit hash per :data:`COMPARED_KEYS` entry of ``cfg``."""
     return _hashes(agree_values(cfg))
 
 
@@ -60,10 +66,10 @@ def check_agree(cfg, peer: dict) -> None:
     values, own = peer.get("agree_values"), agree_values(cfg)
     keys = [i for i, (a, b) in enumerate(zip(_hashes(own), peer["agree"])) if a != b]
     if values:  # each field that differs (a key whose hash differs but whose values do not: the key, both values)
-        rows = [(AGREE_KEYS[i] + where, both(mine, theirs, ("this job has", "the running groups have"))) for i in keys
+        rows = [(COMPARED_KEYS[i] + where, both(mine, theirs, ("this job has", "the running groups have"))) for i in keys
                 for where, mine, theirs in (differences(own[i], values[i]) or [("", own[i], values[i])])]
     else:
-        rows = [(AGREE_KEYS[i], "") for i in keys]
+        rows = [(COMPARED_KEYS[i], "") for i in keys]
     check_differing(rows, "from the running groups'", "federation: every group job needs the same value")
 
 

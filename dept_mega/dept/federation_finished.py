@@ -30,6 +30,8 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+from .federation_config import AGREE_KEYS
+
 PREFIX = "dept_finished_group_"
 _RECORD = re.compile(re.escape(PREFIX) + r"(\d+)_step_(\d+)_([0-9a-f]+)$")
 # torchft's page: <li class="heartbeat [old]"> ID: seen 1.23s ago </li> (Rust's Duration: s, ms, µs, ns)
@@ -44,9 +46,10 @@ BEAT_MARGIN_S = 5.0
 
 
 def run_key(hashes: list[int]) -> str:
-    """12 hex digits of the agreed keys' hashes (``Federation.hashes``): the same in every group job
-    of a run."""
-    return hashlib.sha256(json.dumps(list(hashes)).encode()).hexdigest()[:12]
+    """12 hex digits of the agreed keys' hashes (``Federation.hashes``; those of the
+    ``federation_config.MEET_KEYS`` after them left out): the same in every group job of a run,
+    and across a restart of every job that changed only a meet key."""
+    return hashlib.sha256(json.dumps(list(hashes[:len(AGREE_KEYS)])).encode()).hexdigest()[:12]
 
 
 def record_id(group: int, step: int, key: str) -> str:
