@@ -11,6 +11,7 @@
 # wheel is a multi-GB CUDA build). TORCH_INDEX forces an index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+installed=
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -35,11 +36,20 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
       echo "setup_env: $TORCH_SPEC from the default index is not a CPU build; using $TORCH_INDEX" >&2
     fi
   fi
-  "$VPY" -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+  "$VPY" -m pip install -q --no-compile "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+  installed=1
 fi
 stamp=.venv/.dept_mega_installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
    || [ -n "$(find csrc -newer "$stamp" -type f 2>/dev/null | head -1)" ]; then
-  "$VPY" -m pip install -q --no-build-isolation -e ".[test,study,benchmark,federation]"
+  "$VPY" -m pip install -q --no-compile --no-build-isolation -e ".[test,study,benchmark,federation]"
   touch "$stamp"
+  installed=1
+fi
+# --no-compile above: pip compiles every module of what it installs (torch, transformers, ...:
+# about 70 s of one core), most of which no process here imports. Instead the modules a
+# training process imports are compiled once now (bytecode written even where
+# PYTHONDONTWRITEBYTECODE is set); the others are compiled when first imported.
+if [ -n "${installed:-}" ]; then
+  env -u PYTHONDONTWRITEBYTECODE "$VPY" -c "import torch, torch._dynamo, dept_mega.train, dept_mega.data.preprocess"
 fi
