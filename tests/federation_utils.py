@@ -253,8 +253,8 @@ class ForkedJob:
                 p.kill()
 
 
-def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
-    """``torchrun --standalone --nproc-per-node NPROC -m dept_mega.train ARGV`` as torchrun's
+def _torchrun_main(argv: list, env: dict, log: str, nproc: int, launcher: tuple = ()) -> None:
+    """``torchrun --standalone --nproc-per-node NPROC LAUNCHER -m dept_mega.train ARGV`` as torchrun's
     own ``main`` (its launcher, its c10d rendezvous and the agent's store that the workers
     share), in a process forked from the test's forkserver, its workers forked from it
     (``--start-method fork``) running tests/torchrun_rank.py (``--run-path``): the command
@@ -264,7 +264,7 @@ def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
     _as_job(env, log)
     from torch.distributed.run import main
     try:
-        main(["--standalone", "--nproc-per-node", str(nproc), "--start-method", "fork", "--run-path",
+        main(["--standalone", "--nproc-per-node", str(nproc), *launcher, "--start-method", "fork", "--run-path",
               os.path.join(ROOT, "tests", "torchrun_rank.py"), *argv])
     finally:
         sys.stdout.flush()
@@ -274,15 +274,16 @@ def _torchrun_main(argv: list, env: dict, log: str, nproc: int) -> None:
 class TorchrunJob(ForkedJob):
     """A group job of ``nproc`` ranks under torchrun's launcher (:func:`_torchrun_main`): one
     process forked from the test's forkserver, the launcher, whose exit status is the job's
-    (nonzero when a worker failed); ``kill`` kills the launcher and its workers."""
+    (nonzero when a worker failed); ``kill`` kills the launcher and its workers. ``launcher``:
+    more of torchrun's own options (``--max-restarts 1``)."""
 
-    def __init__(self, argv: list, env: dict, log: str, nproc: int) -> None:
+    def __init__(self, argv: list, env: dict, log: str, nproc: int, launcher: tuple = ()) -> None:
         import multiprocessing
 
         from tests.mp_utils import _start_method
         self.log = log
         self.procs = [multiprocessing.get_context(_start_method()).Process(
-            target=_torchrun_main, args=(argv, env, log, nproc))]
+            target=_torchrun_main, args=(argv, env, log, nproc, tuple(launcher)))]
         self.procs[0].start()
         self.pid = self.procs[0].pid
 

@@ -8,15 +8,13 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.dept_utils import tiny_config
-from tests.mp_utils import free_port, run_distributed
-from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
+from tests.mp_utils import run_distributed
+from tests.trainer_utils import TINY_STD, ensure_sample_corpus, read_jsonl
 
 
 def _loop(cfg, run_dir, hooks=None):
@@ -159,13 +157,6 @@ ARGS = ["train.log_interval=1", "train.eval_interval=0", "train.eval_iters=1", "
         "train.init_timeout_s=120", "train.save_interval=0"]
 
 
-def _torchrun(run, steps):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train", "--config", TINY_STD,
-           f"train.run_dir={run}", f"train.steps={steps}", *ARGS]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigusr1_to_torchrun_saves_exits_75_and_the_relaunch_continues(tmp_path, dp2_reference):
@@ -173,21 +164,25 @@ def test_sigusr1_to_torchrun_saves_exits_75_and_the_relaunch_continues(tmp_path,
     workers when told to: --signals-to-handle, PET_SIGNALS_TO_HANDLE, as examples/1b/common.sh sets it); the
     workers save the step they finished and exit 75; the relaunch ends with the uninterrupted
     run's losses (dp2_reference: the same config, ranks and steps, no checkpoint) and
-    removes the marker. (The relaunch is the same job on forked ranks: resuming under torchrun
-    is tests/test_restart.py's; what torchrun does with the signal is this test's first launch.)"""
+    removes the marker. torchrun's own launcher, forked with its workers from the tests'
+    forkserver (tests/federation_utils.py's TorchrunJob: no fresh import of torch per process);
+    the relaunch is the same job on forked ranks (resuming under torchrun is
+    tests/test_restart.py's)."""
+    from tests.federation_utils import TorchrunJob
     from tests.test_restart import REFERENCE_STEPS, _forked, _stop, _train_steps, _wait
     ensure_sample_corpus()
     steps = REFERENCE_STEPS
     want = dp2_reference
 
-    run = str(tmp_path / "run")
-    p = _torchrun(run, steps)
+    run, log = str(tmp_path / "run"), str(tmp_path / "torchrun.log")
+    p = TorchrunJob(["--config", TINY_STD, f"train.run_dir={run}", f"train.steps={steps}", *ARGS], ENV, log, nproc=2)
     try:
         assert _wait(lambda: max(_train_steps(run), default=0) >= 3, 240, p), "the run ended before the signal"
-        p.send_signal(signal.SIGUSR1)
-        out, _ = p.communicate(timeout=200)
+        os.kill(p.pid, signal.SIGUSR1)
+        p.wait(timeout=200)
     finally:
         _stop(p)
+    out = open(log, encoding="utf-8", errors="replace").read()
     assert p.returncode != 0, out[-3000:]
     # torchrun itself ends with its SignalException; the ranks' status is in their log line
     assert "written; exiting with status 75" in out, out[-3000:]

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dept_mega.rundir import LOCK_FILE
 from tests.federation_utils import children
 from tests.mp_utils import free_port
 from tests.trainer_utils import ROOT, TINY_STD, ensure_sample_corpus, read_jsonl
@@ -22,9 +23,10 @@ REFERENCE_STEPS = 16  # the uninterrupted run's steps (the conftest fixture dp2_
 # kill (step 6 here, step 3 in tests/test_preemption.py) are the margin for it to come before the end
 
 
-def _torchrun(run, steps, *extra, restarts=0, nproc=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train",
+def _torchrun(run, steps, *extra, nproc=2):
+    """The job as the command ``torchrun`` (each process imports torch afresh)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dept_mega.train",
            "--config", TINY_STD, f"train.run_dir={run}", f"train.steps={steps}", *ARGS, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -96,22 +98,34 @@ def test_killed_rank_restarts_in_place_with_the_same_losses(tmp_path, dp2_refere
     """SIGKILL to rank 1 after the step-4 checkpoint: torchrun restarts both workers (they
     used to fail in gloo's connectFullMesh with "Connection refused", or hang, on the stale
     keys of torchrun's shared store), they resume from the checkpoint, metrics.jsonl holds each
-    step once and the losses equal an uninterrupted run's (dp2_reference)."""
+    step once and the losses equal an uninterrupted run's (dp2_reference). torchrun's own
+    launcher with ``--max-restarts 1``, forked with its workers (first and restarted) from the
+    tests' forkserver (tests/federation_utils.py's TorchrunJob: no fresh import of torch in
+    each of its five processes)."""
+    import json
+
+    from tests.federation_utils import TorchrunJob
     ensure_sample_corpus()
     steps = REFERENCE_STEPS
     want = dp2_reference
-    run = str(tmp_path / "run")
-    p = _torchrun(run, steps, "train.save_interval=4", restarts=1)
+    run, log = str(tmp_path / "run"), str(tmp_path / "torchrun.log")
+    p = TorchrunJob(["--config", TINY_STD, f"train.run_dir={run}", f"train.steps={steps}", *ARGS,
+                     "train.save_interval=4"], ENV, log, nproc=2, launcher=("--max-restarts", "1"))
     try:
         assert _wait(lambda: os.path.exists(os.path.join(run, "checkpoints", "latest"))
                      and max(_train_steps(run), default=0) >= 6, 240, p), "the run ended before the kill"
-        victim = [c for c in children(p.pid) if _local_rank(c) == 1]
-        assert len(victim) == 1
+        # (forked workers: their /proc environ is the launcher's; rank 0 is the run lock's holder)
+        with open(os.path.join(run, LOCK_FILE), encoding="utf-8") as f:
+            rank0 = json.load(f)["pid"]
+        workers = children(p.pid)
+        victim = [c for c in workers if c != rank0]
+        assert len(workers) == 2 and len(victim) == 1, (workers, rank0)
         os.kill(victim[0], signal.SIGKILL)
         killed_after = max(_train_steps(run))
-        out, _ = p.communicate(timeout=300)
+        p.wait(timeout=300)
     finally:
         _stop(p)
+    out = open(log, encoding="utf-8", errors="replace").read()
     assert p.returncode == 0, out[-4000:]
     assert "resumed from" in out and killed_after < steps, out[-4000:]
     got = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if r["kind"] == "train"]
