@@ -316,3 +316,52 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
         for k, theta in d[0][r]["theta"].items():
             assert torch.equal(d[1][r]["theta"][k], theta), (r, k)
     assert torch.equal(d[0][steps // L - 1]["body"], d[1][steps // L - 1]["body"])
+
+
+def test_a_group_cut_off_and_back_rejoins_without_a_relaunch(tmp_path):
+    """A network cut, as far as one machine can show it: group 1's process stopped (SIGSTOP: no
+    heartbeat, no reply to a collective) past the lighthouse's heartbeat timeout, then let go
+    (SIGCONT), not relaunched. Rounds need 1 group: group 0 goes on alone once the lighthouse
+    stops hearing group 1; group 1, back, finds the round it was in completed without it and
+    heals from group 0 at the next round start: it takes no part in the rounds group 0
+    completed alone, takes part in every round from its heal on with its body equal to group
+    0's after each sync, and both exit 0. (Where in its round the stop comes is left to chance,
+    as a cut's moment is.)"""
+    import torch
+    L, steps, G = 2, 32, 2
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    dump = str(tmp_path / "dump")
+    env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+
+    def alone():
+        try:
+            return [r["round"] for r in read_records(runs[0], "outer") if r["groups"] == [0]]
+        except (OSError, ValueError):  # (not there yet, a line being written)
+            return []
+    with federation(min_groups=1, heartbeat_s=2.0) as jobs:
+        procs = [jobs.launch(cfg, runs[g], g, env=env, groups=G, min_groups=1, timeout_s=5, checkpoints=False)
+                 for g in range(G)]
+        wait_for(lambda: max(trained_steps(runs[1]), default=0) >= 5 or procs[1].poll() is not None,
+                 "group 1 did not train 5 steps")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: len(alone()) >= 2 or procs[0].poll() is not None,
+                     "group 0 did not complete two rounds without the stopped group 1")
+        finally:
+            os.kill(procs[1].pid, signal.SIGCONT)
+        assert procs[0].poll() is None, "group 0 ended before group 1 came back"
+        outs = finish_all(procs, timeout=120)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    outer = [{r["round"]: r for r in read_records(run, "outer")} for run in runs]
+    rounds, without = list(range(steps // L)), set(alone())
+    assert sorted(outer[0]) == rounds and len(without) >= 2
+    assert sorted(outer[1]) == sorted(set(rounds) - without), (sorted(outer[1]), sorted(without))
+    (joined, _), = read_dumps(dump, 1, "heal").items()
+    assert joined == max(without) + 1, (joined, sorted(without))
+    assert f"federation: group 1 healed from a live peer at round {joined}" in outs[1], outs[1][-3000:]
+    d = [read_dumps(dump, g) for g in range(G)]
+    for r in range(joined, steps // L):
+        assert outer[0][r]["groups"] == outer[1][r]["groups"] == [0, 1], r
+        assert torch.equal(d[1][r]["body"], d[0][r]["body"]), r  # from its first sync on
