@@ -166,6 +166,21 @@ def _child(req: dict, fds: list[int], base: dict, preset: dict) -> int:
     return _run_as_main(argv)
 
 
+def listening(path: str) -> socket.socket:
+    """The server's socket, listening before ``path`` names it: bound at a name of its own, then
+    renamed. A caller that finds ``path`` can connect; a socket bound at ``path`` and listening
+    only after refuses a caller that comes between the two, which :func:`run` must take for a
+    server that has exited."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    tmp = path + "~"
+    if os.path.exists(tmp):  # (left by a server killed between the two)
+        os.unlink(tmp)
+    srv.bind(tmp)
+    srv.listen(64)
+    os.rename(tmp, path)
+    return srv
+
+
 def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> int:
     """Import ``preload``, then fork a child per request until the parent process is gone."""
     import gc
@@ -174,9 +189,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> int:
 
     parent = os.getppid()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped: its commands are stopped too
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(path)  # before the imports: the first callers wait in the backlog
-    srv.listen(64)
+    srv = listening(path)  # before the imports: the first callers wait in the backlog
     base = dict(os.environ)
     for name in preload:
         importlib.import_module(name)

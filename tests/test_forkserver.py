@@ -95,6 +95,34 @@ def test_a_stopped_caller_stops_its_command_and_a_gone_server_is_named(server, t
     assert caller.wait(timeout=20) == 1 and "went away before the command finished" in caller.stderr.read()
 
 
+def test_the_socket_listens_before_its_path_exists(tmp_path, monkeypatch):
+    """A caller that finds the socket's path connects (it took a refused connection, bound but
+    not yet listening, for a server that has exited: the suite's "has exited" failure)."""
+    import importlib.util
+    import socket
+
+    spec = importlib.util.spec_from_file_location("forkserver_under_test", FS)
+    forkserver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forkserver)
+    path = str(tmp_path / "fs.sock")
+    seen = []
+
+    class Watched(socket.socket):  # the path at the moment the socket starts listening
+        def listen(self, *args):
+            seen.append(os.path.exists(path))
+            return super().listen(*args)
+    monkeypatch.setattr(forkserver.socket, "socket", Watched)
+    (tmp_path / "fs.sock~").write_text("")  # a stale name of its own
+    srv = forkserver.listening(path)
+    try:
+        assert seen == [False] and sorted(os.listdir(tmp_path)) == ["fs.sock"]
+        caller = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        caller.connect(path)
+        caller.close()
+    finally:
+        srv.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
