@@ -28,13 +28,13 @@ from tests.data_utils import ROOT, TOOLS, synthetic_texts, train_tiny_tokenizer,
 # Python runs the handler in the main thread when that next runs Python code, which one long
 # time.sleep(60) would put off for a minute (a --partitions process's stop then waited that long).
 DRIVER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     sys.path[:0] = [{root!r}, {tools!r}]
     import dept_mega.data.preprocess as pp
     real = pp._encode_batch
     def blocking(batch, first=0):
         if first >= int(sys.argv[1]):
-            print("BLOCKED", file=sys.stderr, flush=True)
+            os.write(2, b"BLOCKED\\n")  # one write: not inside a line of the tool's
             for _ in range(600):  # 60 s in slices, like C code's (see _SLICES)
                 time.sleep(0.1)
         return real(batch, first)
@@ -48,6 +48,28 @@ DRIVER = textwrap.dedent("""
 def tokenizers(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tok"))
     return train_tiny_tokenizer(d, vocab=200), train_tiny_tokenizer(d, vocab=150)
+
+
+def test_a_progress_line_is_one_write(monkeypatch):
+    """The tool's lines reach stderr in one write each (print() writes the text and its newline
+    apart: a worker's line written in between landed inside a progress line, and a test that
+    looked for its marker at a line's start waited out the 60 s block)."""
+    import io
+
+    from dept_mega.data.preprocess import stderr_line
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+    err = Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    stderr_line("[preprocess]  10.3% (0.0 of 0.0 MB)")
+    assert err.calls == ["[preprocess]  10.3% (0.0 of 0.0 MB)\n"]
 
 
 @pytest.mark.parametrize("workers,partitions,block", [(1, 1, 20), (1, 2, 70), (2, 1, 20), (2, 2, 70)])
@@ -134,7 +156,7 @@ CLEANUP_HOOK = """
     import os
     real_remove_dir = pp.remove_partitions_dir
     def remove_dir(prefix):
-        print("CLEANUP", file=sys.stderr, flush=True)
+        os.write(2, b"CLEANUP\\n")  # one write (as BLOCKED)
         while not os.path.exists({go!r}):
             time.sleep(0.01)
         return real_remove_dir(prefix)
@@ -189,7 +211,7 @@ GROUP_DRIVER = textwrap.dedent("""
     def blocking(batch, first=0):
         line = int(sys.argv[1])
         if first <= line < first + len(batch) or (sys.argv[2] == "all" and first >= line):
-            print("BLOCKED", os.getpid(), file=sys.stderr, flush=True)
+            os.write(2, b"BLOCKED %d\\n" % os.getpid())  # one write (as above)
             for _ in range(600):  # 60 s in slices, like C code's (see _SLICES)
                 time.sleep(0.1)
         return real(batch, first)

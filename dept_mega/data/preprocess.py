@@ -268,8 +268,12 @@ def round_trip_line(output: str, rt: RoundTrip, every: int = 1) -> str:
             f"original bytes, including bytes the tokens do not encode")
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def stderr_line(msg: str) -> None:
+    """``msg`` and its newline to stderr in one write: print() writes them apart, and another
+    process on the same stderr (a tokenizer worker's library warning, a child's last words)
+    could land in between, inside the line."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
 
 
 def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
@@ -308,7 +312,7 @@ def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: s
 
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
                workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
-               log: Optional[Callable[[str], None]] = _stderr, progress_interval: float = 10.0,
+               log: Optional[Callable[[str], None]] = stderr_line, progress_interval: float = 10.0,
                allow_empty: bool = False, tokenizer_type: str = "SentencePieceTokenizer",
                round_trip_every: int = 1) -> PreprocessStats:
     """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`
