@@ -56,7 +56,7 @@ def test_a_progress_line_is_one_write(monkeypatch):
     looked for its marker at a line's start waited out the 60 s block)."""
     import io
 
-    from dept_mega.data.preprocess import stderr_line
+    from dept_mega.data.log_lines import stderr_line
 
     class Writes(io.StringIO):
         def __init__(self):
@@ -293,6 +293,7 @@ def test_a_signal_to_the_process_group_ends_the_tool(tmp_path, tokenizers, sig, 
     every remaining process's wait channel and every thread's Python stack (faulthandler, the
     driver's SIGUSR2), not a failure; past STOP_WAIT + 20 s it fails."""
     from dept_mega.data.partitions import STOP_WAIT
+    soon, bound = 6.0, STOP_WAIT + 20  # seconds: a stop past soon warns, past bound fails
     src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
     runs = [(1, "one", 4, 0.0), (2, "one", 4, 0.2), (1, "all", 3, 0.05), (2, "all", 4, 0.0), (1, "one", 2, 0.1)]
     for attempt, (partitions, mode, workers, delay) in enumerate(runs):
@@ -302,7 +303,7 @@ def test_a_signal_to_the_process_group_ends_the_tool(tmp_path, tokenizers, sig, 
             time.sleep(delay)
             os.killpg(p.pid, sig)
             try:
-                rest = p.communicate(timeout=6)[1]
+                rest = p.communicate(timeout=soon)[1]
             except subprocess.TimeoutExpired:
                 slow = _descendants(p.pid)
                 for line in slow:
@@ -311,11 +312,11 @@ def test_a_signal_to_the_process_group_ends_the_tool(tmp_path, tokenizers, sig, 
                     except ProcessLookupError:
                         pass
                 try:
-                    rest = p.communicate(timeout=STOP_WAIT + 14)[1]
+                    rest = p.communicate(timeout=bound - soon)[1]
                 except subprocess.TimeoutExpired:
-                    raise AssertionError(f"{what}: still running {STOP_WAIT + 20:g} s after {sig.name} to the group: "
+                    raise AssertionError(f"{what}: still running {bound:g} s after {sig.name} to the group: "
                                          f"{_descendants(p.pid)}") from None
-                warnings.warn(f"{what}: the stop took over 6 s; its processes at 6 s: {slow}; its output: {rest}")
+                warnings.warn(f"{what}: the stop took over {soon:g} s; its processes then: {slow}; its output: {rest}")
                 rest = "".join(ln for ln in rest.splitlines(keepends=True)
                                if not ln.startswith(("Thread 0x", "Current thread 0x", "  File ", "  <", "\n")))
         finally:

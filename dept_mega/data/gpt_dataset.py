@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +47,7 @@ import numpy as np
 from dept_mega.data.index_cache import (Launch, claim_or_wait, clear_failure, heartbeat, is_cached, load_arrays,
                                         narrow_int, record_failure, release, save_arrays)
 from dept_mega.data.indexed import IndexedDataset
+from dept_mega.data.log_lines import stderr_line
 
 PARTS = ("train", "valid", "test")
 CACHE_VERSION = 2  # 2: one memory-mapped .npy per array, int32 where the counts fit
@@ -119,10 +119,6 @@ def data_hash(indexed: IndexedDataset) -> str:
 
 def _key(**fields) -> str:
     return hashlib.sha256(json.dumps({"v": CACHE_VERSION, **fields}, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def default_cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
@@ -255,7 +251,7 @@ class GPTDataset:
         other ranks of ``self.launch`` (:func:`~dept_mega.data.index_cache.record_failure`)."""
         arrays = load_arrays(stem, lengths)
         if arrays is None:
-            claim = claim_or_wait(stem, list(lengths), log=_stderr, launch=self.launch)
+            claim = claim_or_wait(stem, list(lengths), log=stderr_line, launch=self.launch)
             if claim is None:  # another process built it while this one waited
                 arrays = load_arrays(stem, lengths)
             if arrays is None:

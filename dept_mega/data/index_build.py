@@ -41,7 +41,6 @@ process group): it builds what is missing itself.
 """
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from dept_mega.data.gpt_dataset import (EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, d
                                         epoch_stem, part_stem)
 from dept_mega.data.index_cache import Launch, can_write, claim_holder, is_cached
 from dept_mega.data.indexed import IndexedDataset
+from dept_mega.data.log_lines import stderr_line
 from dept_mega.data.sources import naming_source
 
 
@@ -156,17 +156,13 @@ def build_parts(specs: Sequence[IndexSpec], rank: int, log=None, log_after_s: fl
     return built, error
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _raise(error: Optional[Exception]) -> None:
     if error is not None:
         raise error
 
 
 def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int = 0,
-                   device: Optional[torch.device] = None, log=_stderr, log_after_s: float = 1.0) -> int:
+                   device: Optional[torch.device] = None, log=stderr_line, log_after_s: float = 1.0) -> int:
     """The module doc's walk on every rank of the job, then one agreement on its errors (a
     collective: every rank calls it, with the same ``specs``). Returns how many parts this rank
     built. Bad input met by any rank is raised on every rank as the same agreed error; any

@@ -24,7 +24,6 @@ import collections
 import itertools
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ import numpy as np
 from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check_readable, damaged, open_input
 from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
+from dept_mega.data.log_lines import stderr_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
@@ -266,14 +266,6 @@ def round_trip_line(output: str, rt: RoundTrip, every: int = 1) -> str:
             f"{rt.checked_bytes} {'checked ' if sample else ''}bytes and decode to {rt.mismatched_decoded_bytes} "
             f"bytes for their {rt.mismatched_bytes} ({change:+.1f} %); bits per byte are measured against the "
             f"original bytes, including bytes the tokens do not encode")
-
-
-def stderr_line(msg: str) -> None:
-    """``msg`` and its newline to stderr in one write: print() writes them apart, and another
-    process on the same stderr (a tokenizer worker's library warning, a child's last words)
-    could land in between, inside the line."""
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
 
 
 def input_record(inputs: Sequence[str], lines: int, report: BadInputReport) -> dict:
