@@ -34,6 +34,15 @@ def server(tmp_path):
         proc.wait(timeout=10)
 
 
+def _module():
+    """benchmarks/forkserver.py imported as a module (it is a script, not a package's)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("forkserver_under_test", FS)
+    forkserver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forkserver)
+    return forkserver
+
+
 def _run(sock, *args, env=None, stdin=None, cwd=None):
     return subprocess.run([sys.executable, FS, "run", sock, *args], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, **(env or {})), input=stdin, cwd=cwd)
@@ -98,12 +107,9 @@ def test_a_stopped_caller_stops_its_command_and_a_gone_server_is_named(server, t
 def test_the_socket_listens_before_its_path_exists(tmp_path, monkeypatch):
     """A caller that finds the socket's path connects (it took a refused connection, bound but
     not yet listening, for a server that has exited: the suite's "has exited" failure)."""
-    import importlib.util
     import socket
 
-    spec = importlib.util.spec_from_file_location("forkserver_under_test", FS)
-    forkserver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(forkserver)
+    forkserver = _module()
     path = str(tmp_path / "fs.sock")
     seen = []
 
@@ -142,9 +148,7 @@ def test_settings_are_set_in_the_fork_as_torch_sets_them_on_import(monkeypatch):
     import re
     import types
 
-    spec = importlib.util.spec_from_file_location("forkserver_under_test", FS)
-    forkserver = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(forkserver)
+    forkserver = _module()
     torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
     assert set(forkserver.SETTINGS) == {"TORCH_COMPILE_DISABLE", "TORCHINDUCTOR_MAX_AUTOTUNE"}
     for name, (module, setting) in forkserver.SETTINGS.items():
