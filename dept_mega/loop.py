@@ -12,6 +12,7 @@ Scalars for logging (the loss of every group, token counts, eval sums) are reduc
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from . import ops
 from .config import Config
+from .log_lines import write_line
 from .metrics import MetricsWriter, ThroughputMeter, activation_fields, human_line, outer_line
 from .preemption import PreemptedWait
 from .parallel.groups import ParallelGroups
@@ -226,7 +228,7 @@ class TrainLoop:
     def run(self) -> None:
         from .profiling import StepProfiler
         profiler = StepProfiler(self.cfg.train.profile, self.cfg.train.run_dir, self.pg.rank, self.trainer.device,
-                                log=lambda m: print(m, flush=True))
+                                log=lambda m: write_line(m, sys.stdout))
         if self.trainer.step > 0:
             self.saved_step = self.trainer.step  # resumed from its checkpoint
         try:

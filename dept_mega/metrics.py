@@ -22,6 +22,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
+from .log_lines import write_line
+
 KINDS = ("train", "eval", "outer", "bench", "membership")
 REQUIRED = {
     "train": ("loss", "lr", "grad_norm", "tokens", "sources", "loss_by_source", "tokens_per_s",
@@ -187,7 +189,7 @@ class MetricsWriter:
 
     def log(self, line: str) -> None:
         if self.enabled:
-            print(line, file=self.stream, flush=True)
+            write_line(line, self.stream)  # one write: other jobs' ranks may share the terminal
 
     def close(self) -> None:
         if self._file is not None:

@@ -34,6 +34,8 @@ import os
 import sys
 from typing import Callable, NoReturn, Optional, TextIO
 
+from .log_lines import write_line
+
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
 
@@ -149,4 +151,4 @@ def report_error(message: str, agreed: bool = False, file: Optional[TextIO] = No
             line = f"error: [rank {rank}] {message}"
     else:
         line = f"error: [rank {rank}] {message}"
-    print(line, file=out, flush=True)
+    write_line(line, out)  # one write: the other ranks' lines go to the same stderr

@@ -34,6 +34,7 @@ import time
 from typing import Optional
 
 from .config import ConfigError
+from .log_lines import stderr_line
 from .resume import CKPT_DIR
 
 LOCK_FILE = ".lock"
@@ -198,9 +199,8 @@ def check_shared(run_dir: str, expected: str, rank: int) -> None:
             break
         if waited >= 5 and not told:
             told = True
-            print(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; looking "
-                  f"again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)", file=sys.stderr,
-                  flush=True)
+            stderr_line(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; "
+                        f"looking again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)")
         time.sleep(0.5)
     wrote = json.loads(expected)
     if seen is None:

@@ -50,28 +50,6 @@ def tokenizers(tmp_path_factory):
     return train_tiny_tokenizer(d, vocab=200), train_tiny_tokenizer(d, vocab=150)
 
 
-def test_a_progress_line_is_one_write(monkeypatch):
-    """The tool's lines reach stderr in one write each (print() writes the text and its newline
-    apart: a worker's line written in between landed inside a progress line, and a test that
-    looked for its marker at a line's start waited out the 60 s block)."""
-    import io
-
-    from dept_mega.data.log_lines import stderr_line
-
-    class Writes(io.StringIO):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def write(self, s):
-            self.calls.append(s)
-            return super().write(s)
-    err = Writes()
-    monkeypatch.setattr(sys, "stderr", err)
-    stderr_line("[preprocess]  10.3% (0.0 of 0.0 MB)")
-    assert err.calls == ["[preprocess]  10.3% (0.0 of 0.0 MB)\n"]
-
-
 @pytest.mark.parametrize("workers,partitions,block", [(1, 1, 20), (1, 2, 70), (2, 1, 20), (2, 2, 70)])
 def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitions, block):
     old_tok, new_tok = tokenizers

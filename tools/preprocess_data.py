@@ -55,7 +55,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dept_mega.data.log_lines import stderr_line  # noqa: E402
+from dept_mega.log_lines import stderr_line  # noqa: E402
 from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
 from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 

@@ -47,7 +47,7 @@ import numpy as np
 from dept_mega.data.index_cache import (Launch, claim_or_wait, clear_failure, heartbeat, is_cached, load_arrays,
                                         narrow_int, record_failure, release, save_arrays)
 from dept_mega.data.indexed import IndexedDataset
-from dept_mega.data.log_lines import stderr_line
+from dept_mega.log_lines import stderr_line
 
 PARTS = ("train", "valid", "test")
 CACHE_VERSION = 2  # 2: one memory-mapped .npy per array, int32 where the counts fit

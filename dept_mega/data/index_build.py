@@ -52,7 +52,7 @@ from dept_mega.data.gpt_dataset import (EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, d
                                         epoch_stem, part_stem)
 from dept_mega.data.index_cache import Launch, can_write, claim_holder, is_cached
 from dept_mega.data.indexed import IndexedDataset
-from dept_mega.data.log_lines import stderr_line
+from dept_mega.log_lines import stderr_line
 from dept_mega.data.sources import naming_source
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check_readable, damaged, open_input
 from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
-from dept_mega.data.log_lines import stderr_line
+from dept_mega.log_lines import stderr_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
