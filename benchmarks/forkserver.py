@@ -71,7 +71,20 @@ def apply_settings(env: dict) -> None:
             setattr(mod, setting, value)
             continue
         entry.default = value
+        _mark_changed(mod)
+
+
+def _mark_changed(mod) -> None:
+    """Tells torch's config module ``mod`` that a setting changed (its cached hash, part of
+    compiled code's cache keys, is recomputed): torch 2.12 and later keep that flag in a
+    ContextVar, torch 2.11 (the GPU machines') in a plain attribute."""
+    if hasattr(mod, "_hash_dirty_var"):
         mod._hash_dirty_var.set(True)
+    elif hasattr(mod, "_is_dirty"):
+        mod._is_dirty = True
+    else:
+        raise RuntimeError(f"forkserver: {mod.__name__} has neither _hash_dirty_var nor _is_dirty (torch changed: "
+                           "benchmarks/forkserver.py, apply_settings)")
 
 
 def _exit_status(code) -> int:
