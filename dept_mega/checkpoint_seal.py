@@ -54,17 +54,28 @@ def _own_share(tmp: str, data_files: list[str], rank: int, world: int, algorithm
     return digest_files(tmp, mine, algorithm, fsync=True)
 
 
+def data_files(metadata: Any, tmp: str) -> list[str]:
+    """The data files DCP wrote into ``tmp``, from the metadata ``dcp.save`` returned
+    (``metadata``), or, where that names none, from the metadata file DCP wrote there: torch
+    2.11's writer sets the files on a copy of the metadata it returns (2.13's on the metadata
+    itself). A rank that cannot read that file (a run directory each node has its own of) fails
+    the seal like any rank's error."""
+    storage = getattr(metadata, "storage_data", None) if metadata is not None else None
+    if storage is None and metadata is not None:
+        from torch.distributed.checkpoint import FileSystemReader
+        storage = FileSystemReader(tmp).read_metadata().storage_data
+    return sorted({getattr(info, "relative_path", None) for info in (storage or {}).values()} - {None})
+
+
 def seal(tmp: str, step: int, layout: dict, metadata: Any, device, group=None) -> None:
     """Checksum every file of ``tmp`` (each rank a share, fsyncing what it reads) and write the
     manifest from rank 0, last. Collective over ``group`` (None: the world, tensors on
     ``device``); raises :class:`SealError` on every rank when it fails on any."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     algorithm = default_algorithm()
-    data_files = sorted({getattr(info, "relative_path", None) for info in
-                         (getattr(metadata, "storage_data", None) or {}).values()} - {None})
     own: Optional[BaseException] = None
     try:
-        text = json.dumps({"entries": _own_share(tmp, data_files, rank, world, algorithm)})
+        text = json.dumps({"entries": _own_share(tmp, data_files(metadata, tmp), rank, world, algorithm)})
     except Exception as exc:  # noqa: BLE001 - every rank raises it, after the gather the others wait in
         own = exc
         text = json.dumps({"error": str(exc) if isinstance(exc, SealError) else f"{type(exc).__name__}: {exc}"})

@@ -42,7 +42,7 @@ def _save(rank, world, runs, fault, async_save):
         def seal(tmp, step, layout, metadata, device, group=None):
             dist.barrier(group)
             if rank == 0:
-                names = sorted({info.relative_path for info in metadata.storage_data.values()})
+                names = checkpoint_seal.data_files(metadata, tmp)
                 assert names[-1] == f"__{world - 1}_0.distcp", names
                 os.remove(os.path.join(tmp, names[-1]))
             dist.barrier(group)
@@ -122,3 +122,22 @@ def test_a_manifest_never_lists_a_shard_rank_0_does_not_have(tmp_path):
     assert [r[0] for r in res] == [f"SealError: checkpoint save {run}/checkpoints/step_2.tmp {why}" for run in runs]
     assert not any(r[1] for r in res), res
     assert os.path.exists(os.path.join(runs[1], "checkpoints", "step_2.tmp", "__1_0.distcp"))
+
+
+def test_the_seal_finds_dcps_data_files_whatever_metadata_dcp_returns(tmp_path):
+    """The data files the seal splits among the ranks (and rank 0 checks it sees) are those DCP
+    wrote, also where ``dcp.save``'s returned metadata names none (torch 2.11: its writer sets
+    them on a copy): then they come from DCP's metadata file. Without them rank 0 would checksum
+    every file alone, and a run directory on node-local storage would go unnoticed."""
+    from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
+
+    from dept_mega.checkpoint_seal import data_files
+    tmp = str(tmp_path / "step_1.tmp")
+    returned = dcp.save({"w": torch.ones(4), "b": torch.zeros(2)}, checkpoint_id=tmp)
+    written = sorted(n for n in os.listdir(tmp) if n.endswith(".distcp"))
+    assert written
+    assert data_files(returned, tmp) == written
+    assert data_files(SimpleNamespace(storage_data=None), tmp) == written  # (torch 2.11's)
+    assert data_files(None, tmp) == []
