@@ -306,7 +306,8 @@ class FederationConfig:
     #: lighthouse) ends with status 3 instead, not for a requeue.
     quorum_give_up_s: Optional[float] = 3600.0
     #: The host name this job's torchft servers and store are advertised by to the other group
-    #: jobs (torchft's default: the short host name): fqdn = each node's fully qualified name,
+    #: jobs, and its cross-group Gloo connections listen on (torchft's default: the short host
+    #: name; NCCL: set NCCL_SOCKET_IFNAME): fqdn = each node's fully qualified name,
     #: route = each node's IPv4 address on its route to the lighthouse, or a name / IP address
     #: the other sites reach (a group job of one node only: one of several nodes is refused at
     #: start); null = torchft's.

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import yaml
 
 from tests.mp_utils import free_port, run_distributed
+from tests.netns_sites import NETNS_ENV, enter
 from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
@@ -54,8 +55,12 @@ class Lighthouse:
     process forked from the test's forkserver (ForkedJob: the command would import torch again
     through torchft, ~3 s of CPU)."""
 
-    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0, process: bool = False):
+    def __init__(self, min_groups: int, join_s: float = 30.0, heartbeat_s: float = 2.0, process: bool = False,
+                 env: dict = ENV, host: str = "127.0.0.1"):
+        """``env``, ``host``: the process's environment (a site's: tests/netns_sites.py) and the
+        address the jobs reach it at."""
         self.port = free_port()
+        self.host = host
         self.proc = self.server = None
         if not process:
             from dept_mega.lighthouse import serve
@@ -66,12 +71,15 @@ class Lighthouse:
         fd, self.log = tempfile.mkstemp(prefix="lighthouse", suffix=".txt")
         os.close(fd)
         self.proc = ForkedJob(["--port", str(self.port), "--min-groups", str(min_groups), "--join-timeout-s",
-                               str(join_s), "--heartbeat-timeout-s", str(heartbeat_s)], ENV, self.log,
+                               str(join_s), "--heartbeat-timeout-s", str(heartbeat_s)], env, self.log,
                               module="lighthouse")
         try:  # its first line (the log also has torchft's own, on its standard error)
             deadline, mine = time.monotonic() + 120, []
             while not mine:
-                assert self.proc.poll() is None and time.monotonic() < deadline, f"the lighthouse: {mine!r}"
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    with open(self.log, encoding="utf-8", errors="replace") as f:
+                        raise AssertionError(f"the lighthouse (status {self.proc.poll()}) did not start: "
+                                             f"{f.read()[-3000:]}")
                 time.sleep(0.02)
                 with open(self.log, encoding="utf-8", errors="replace") as f:
                     mine = [ln for ln in f.read().split("\n")[:-1] if not TORCHFT_LOG.match(ln)]
@@ -83,7 +91,7 @@ class Lighthouse:
 
     @property
     def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def status(self) -> str:
         """The "Next quorum status" line of torchft's lighthouse page ``/status`` (computed under
@@ -170,9 +178,30 @@ def no_checkpoints() -> None:
     Checkpointer.save = lambda self, loop: None
 
 
+FAIL_CONFIGURE_ENV = "DEPT_TEST_FAIL_CONFIGURE"  # a forked job's first N process group configures fail
+
+
+def fail_configures(n: int) -> None:
+    """In a job's process: the first ``n`` times torchft's Manager configures the cross-group
+    Gloo process group for a quorum, making it fails (as when a peer cannot be reached); later
+    configures are torchft's own."""
+    from torchft.process_group import ProcessGroupGloo
+    own, left = ProcessGroupGloo._create_pg, [n]
+
+    def create_pg(self, store, rank, world_size):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected: this quorum's process group could not be made")
+        return own(self, store, rank, world_size)
+    ProcessGroupGloo._create_pg = create_pg
+
+
 def _as_job(env: dict, log: str) -> None:
     """This forked process given a job's environment ``env``, the repository as its working
-    directory and ``log`` as its standard output and error."""
+    directory and ``log`` as its standard output and error; where ``env`` names a site
+    (tests/netns_sites.py), in that site's network."""
+    if env.get(NETNS_ENV):
+        enter(env[NETNS_ENV])
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -194,6 +223,8 @@ def _job_main(argv: list, env: dict, log: str, module: str = "train", checkpoint
     import importlib
     if not checkpoints:
         no_checkpoints()
+    if env.get(FAIL_CONFIGURE_ENV):
+        fail_configures(int(env[FAIL_CONFIGURE_ENV]))
 
     from dept_mega.process_exit import exit_after
     main = importlib.import_module(f"dept_mega.{module}").main

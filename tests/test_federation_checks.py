@@ -515,10 +515,12 @@ class _PlannedManager:
     """A stand-in for torchft's Manager whose quorum tries follow ``plan``: per try, (groups in
     the quorum, whether it fails). A failing try heals from a peer at step 9 (torchft's step
     moved, the peer's state handed over to ``fed``) and then errs; each ``start_quorum`` clears
-    the error first, as torchft's does."""
+    the error first, as torchft's does. ``ids``: the quorum id torchft holds as configured at
+    each try (torchft sets it before it configures, so a failed try leaves it set)."""
 
     def __init__(self, fed, plan):
         self.fed, self.step, self.tries, self.plan, self.error = fed, 3, 0, plan, None
+        self._quorum_id, self.ids = 5, []
 
     def current_step(self):
         return self.step
@@ -532,6 +534,8 @@ class _PlannedManager:
     def start_quorum(self, **kw):
         self.error, (self.n, fails) = None, self.plan[self.tries]
         self.tries += 1
+        self.ids.append(self._quorum_id)
+        self._quorum_id = 6  # (the lighthouse's id for the groups of every try here)
         if fails:
             self.step = 9
             self.fed._load_healed({"round": 4})
@@ -572,6 +576,8 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     fed._quorum()
     assert fed.manager.tries == 2
     assert (fed._healed, fed.manager.step) == ((earlier, 7) if healed_before else (None, 3))
+    # the second try configures its process group again, though its quorum has the same id
+    assert fed.manager.ids == [5, -1], fed.manager.ids
 
 
 def test_a_failed_quorum_too_small_is_a_failed_try(monkeypatch):

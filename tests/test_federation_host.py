@@ -1,7 +1,7 @@
 """``federation.advertise_host`` reaches what torchft advertises to the other group jobs: rank 0's
 manager server address (which the lighthouse hands to the others), the healing checkpoint
-server's address, and the store address of the quorum (one process, an in-process lighthouse:
-no second site)."""
+server's address, the store address of the quorum and the address its Gloo connections listen
+on (one process, an in-process lighthouse: no second site)."""
 from __future__ import annotations
 
 import re
@@ -128,3 +128,50 @@ def test_route_finds_the_source_address_or_names_the_key(monkeypatch):
                    + re.escape(socket.gethostname()) + r" to the lighthouse 10.8.0.1:29510 \(10.8.0.1: \[Errno 101\] "
                    r"Network is unreachable\)"):
         advertised_host("route", ("10.8.0.1", 29510))
+
+
+def _listening_here() -> set:
+    """The IPv4 addresses (dotted) this process's TCP sockets listen on (from /proc)."""
+    import os
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    out = set()
+    with open("/proc/net/tcp", encoding="ascii") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in mine:  # LISTEN, our inode
+                out.add(socket.inet_ntoa(bytes.fromhex(fields[1].split(":")[0])[::-1]))
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_the_cross_group_gloo_connections_listen_on_the_advertised_address(monkeypatch):
+    """With ``advertise_host``, the quorum's Gloo process group listens on the advertised address
+    (here 127.0.0.2, one of the loopback's), not on the address the host name resolves to, which
+    another site cannot reach (tests/test_federation_rejoin.py cuts a real link between two
+    network namespaces with it); without it, or with ``GLOO_SOCKET_IFNAME`` set, torchft's own."""
+    import torch
+    from torch.distributed import AllreduceOptions, TCPStore
+    from torchft.process_group import ProcessGroupGloo
+
+    from dept_mega.dept.federation_host import bound_to
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert bound_to(ProcessGroupGloo, None) is ProcessGroupGloo
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = bound_to(ProcessGroupGloo, "127.0.0.2")(timedelta(seconds=10))
+    before = _listening_here()
+    assert "127.0.0.2" not in before, before
+    pg.configure(f"127.0.0.1:{store.port}/q", "dept_group_0", 0, 1, quorum_id=1, group_rank=0, group_world_size=1,
+                 global_ranks=[0])
+    assert "127.0.0.2" in _listening_here(), _listening_here()
+    t = torch.ones(3)
+    pg.allreduce([t], AllreduceOptions()).wait()
+    assert torch.equal(t, torch.ones(3))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert bound_to(ProcessGroupGloo, "127.0.0.2") is ProcessGroupGloo

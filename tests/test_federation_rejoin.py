@@ -6,14 +6,16 @@ import json
 import os
 import signal
 import time
+from contextlib import ExitStack
 
 import pytest
 import yaml
 
 pytest.importorskip("torchft")
 
-from tests.federation_utils import (ENV, federation, finish_all, is_held, read_dumps, read_records,  # noqa: E402
+from tests.federation_utils import (ENV, FAIL_CONFIGURE_ENV, federation, finish_all, is_held, read_dumps, read_records,  # noqa: E402
                                     trained_steps, wait_for, wait_for_requests, write_config)
+from tests.netns_sites import sites  # noqa: E402
 
 
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
@@ -320,11 +322,16 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
 
 
 @pytest.mark.parametrize("least", [1, 2])
-def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least):
-    """A network cut, as far as one machine can show it: group 1's process stopped (SIGSTOP: no
-    heartbeat, no reply to a collective) past the lighthouse's heartbeat timeout, then let go
-    (SIGCONT), not relaunched; both jobs exit 0. (Where in its round the stop comes is left to
-    chance, as a cut's moment is.)
+@pytest.mark.parametrize("how", ["stopped", "network"])
+def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least, how):
+    """A group cut off past the lighthouse's heartbeat timeout, then back, not relaunched; both
+    jobs exit 0. (Where in its round the cut comes is left to chance, as a cut's moment is.)
+    ``how``: ``stopped``: group 1's process stopped (SIGSTOP: no heartbeat, no reply to a
+    collective), then let go (SIGCONT). ``network``: the jobs at two sites (network namespaces,
+    tests/netns_sites.py; the lighthouse at group 0's, each job advertising its address with
+    ``federation.advertise_host: route``) and the network between them cut: packets vanish in
+    both directions, every connection between the sites stays open, half-open, while both jobs
+    run on; then the network is back.
     - Rounds need 1 group: group 0 goes on alone once the lighthouse stops hearing group 1;
       group 1, back, finds the round it was in completed without it and heals from group 0 at
       the next round start: it takes no part in the rounds group 0 completed alone, and takes
@@ -343,23 +350,34 @@ def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least):
             return [r["round"] for r in read_records(runs[0], "outer") if r["groups"] == [0]]
         except (OSError, ValueError):  # (not there yet, a line being written)
             return []
-    with federation(min_groups=least, heartbeat_s=1.0) as jobs:
-        procs = [jobs.launch(cfg, runs[g], g, env=env, groups=G, min_groups=least, timeout_s=3, checkpoints=False)
-                 for g in range(G)]
+    with ExitStack() as stack:
+        envs, extra, lighthouse = [env] * G, (), {}
+        if how == "network":
+            net = stack.enter_context(sites())
+            envs = [net.env("A", env), net.env("B", env)]
+            extra = ("federation.advertise_host=route",)
+            lighthouse = dict(process=True, env=net.env("A", ENV), host=net.addr["A"])
+        jobs = stack.enter_context(federation(min_groups=least, heartbeat_s=1.0, **lighthouse))
+        procs = [jobs.launch(cfg, runs[g], g, *extra, env=envs[g], groups=G, min_groups=least, timeout_s=3,
+                             checkpoints=False) for g in range(G)]
         wait_for(lambda: max(trained_steps(runs[1]), default=0) >= 5 or procs[1].poll() is not None,
                  "group 1 did not train 5 steps")
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        if how == "network":
+            cut, back = net.cut, net.restore
+        else:
+            cut, back = (lambda: os.kill(procs[1].pid, signal.SIGSTOP)), (lambda: os.kill(procs[1].pid, signal.SIGCONT))
+        cut()
         try:
-            cut = max(trained_steps(runs[1]))
+            at = max(trained_steps(runs[1]))
             if least == 1:
                 wait_for(lambda: len(alone()) >= 2 or procs[0].poll() is not None,
-                         "group 0 did not complete two rounds without the stopped group 1")
+                         "group 0 did not complete two rounds without the cut-off group 1")
             else:  # past timeout_s and the heartbeat timeout: group 0 waits
                 time.sleep(5)
                 # (it finishes the round group 1 was cut in, at most, and the next one's local steps)
-                assert max(trained_steps(runs[0])) <= (cut // L + 2) * L, (cut, trained_steps(runs[0]))
+                assert max(trained_steps(runs[0])) <= (at // L + 2) * L, (at, trained_steps(runs[0]))
         finally:
-            os.kill(procs[1].pid, signal.SIGCONT)
+            back()
         assert procs[0].poll() is None, "group 0 ended before group 1 came back"
         outs = finish_all(procs, timeout=120)
     for p, out in zip(procs, outs):
@@ -380,3 +398,24 @@ def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least):
     for r in range(joined, steps // L):
         assert outer[0][r]["groups"] == outer[1][r]["groups"] == [0, 1], r
         assert torch.equal(d[1][r]["body"], d[0][r]["body"]), r  # (after a heal: from its first sync on)
+
+
+def test_a_quorum_whose_process_group_failed_is_configured_again(tmp_path):
+    """Both jobs' first configure of the quorum's process group fails (as when the groups
+    cannot reach each other's address): they ask the lighthouse again and get a quorum of the
+    same groups, which has the same quorum id (the lighthouse changes it only when the groups
+    change), and the process group is made again for it — torchft by itself would take that id
+    as configured and use a process group that was never made. Both jobs then train every
+    round together and exit 0."""
+    L, steps, G = 2, 4, 2
+    cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
+    runs = [str(tmp_path / f"g{g}") for g in range(G)]
+    with federation(min_groups=G) as jobs:
+        procs = [jobs.launch(cfg, runs[g], g, env=dict(ENV, **{FAIL_CONFIGURE_ENV: "1"}), groups=G, min_groups=G,
+                             timeout_s=5, checkpoints=False) for g in range(G)]
+        outs = finish_all(procs, timeout=120)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        assert "federation: round 0: the quorum of groups [0, 1] failed (injected: " in out, out[-3000:]
+    for run in runs:
+        assert [r["groups"] for r in read_records(run, "outer")] == [[0, 1]] * (steps // L)

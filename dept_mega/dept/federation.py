@@ -64,11 +64,12 @@ from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_finished import announce, partners_finished, run_key
-from .federation_host import advertised_host, check_literal, is_loopback, manager_kwargs, store_host
+from .federation_host import advertised_host, bound_to, check_literal, is_loopback, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, least_groups, membership_line,
                              quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
-from .federation_outer import FederatedOuter, FederatedWork, Offline, recording  # noqa: F401  (importable from here)
+from .federation_outer import (FederatedOuter, FederatedWork, Offline,  # noqa: F401  (importable from here)
+                               reconfigure_next, recording)
 
 REPLICA_PREFIX = "dept_group_"
 
@@ -105,7 +106,6 @@ class Federation:
         check_literal(f.advertise_host, pg.group_size)  # (a literal names one node: federation_host.py)
         lighthouse_min = lighthouse_reachable(host, port, f.timeout_s, f.groups, device)
         timeout = timedelta(seconds=f.timeout_s)
-        self.process_group = recording(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout)
         self._own_store = None
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -144,6 +144,8 @@ class Federation:
                 f"(federation.advertise_host {f.advertise_host})"
                 + (": a loopback address, which only jobs on this host reach" * is_loopback(advertised)))
         store_addr = store_host(advertised, pg.rank, store_addr)
+        self.process_group = recording(ProcessGroupNCCL if device.type == "cuda"
+                                       else bound_to(ProcessGroupGloo, advertised))(timeout)
         self.manager = Manager(pg=self.process_group, load_state_dict=None, state_dict=None,
                                min_replica_size=f.min_groups, use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(days=1), connect_timeout=timeout,
@@ -245,6 +247,7 @@ class Federation:
             # take this job, its state unchanged, for one of the newest round
             self._healed = healed
             self._set_step(step)
+            reconfigure_next(self.manager)  # (also for the same groups: federation_outer.py)
             ranks, W = self.process_group.quorum_ranks, self.pg.group_size
             of = f" of groups {sorted((r - self.pg.rank) // W for r in ranks)}" if ranks else ""
             why = first_line(failed) if failed is not None else "on another rank of this job"

@@ -4,8 +4,10 @@ torchft advertises ``socket.gethostname()`` — often a short name such as ``nod
 other clusters cannot resolve — in three places: rank 0's manager server (which the lighthouse
 hands to the other jobs), every rank's checkpoint HTTP server (which a healing peer fetches
 from), and the store where the cross-group process group meets (``MASTER_ADDR``, or this
-host's name for a one-process job without torchrun). ``federation.advertise_host`` replaces the
-name in all three: ``fqdn`` (each rank's ``socket.getfqdn()``, for jobs of several nodes whose
+host's name for a one-process job without torchrun); and Gloo's cross-group connections listen
+on, and are advertised at, the address the host name resolves to. ``federation.advertise_host``
+replaces the name in all four (:func:`bound_to` for Gloo; NCCL picks its interface itself:
+``NCCL_SOCKET_IFNAME``): ``fqdn`` (each rank's ``socket.getfqdn()``, for jobs of several nodes whose
 full names the other sites resolve), ``route`` (each rank's IP address on its route to the
 lighthouse: the source address the kernel picks to reach it, e.g. the node's VPN address when the
 lighthouse is reached through the VPN; for jobs of several nodes known to the other sites only by
@@ -125,3 +127,41 @@ def manager_kwargs(host: Optional[str], timeout: timedelta) -> dict[str, Any]:
             return f"http://{host}:{port}/checkpoint/"
 
     return {"hostname": host, "checkpoint_transport": AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)}
+
+
+def bound_to(cls, host: Optional[str]):
+    """``cls`` (torchft's reconfigurable Gloo process group, or a subclass) whose Gloo device
+    listens on ``host`` (:func:`advertised_host`), the address it gives the other jobs for the
+    cross-group connections. Without this, Gloo takes the address ``socket.gethostname()``
+    resolves to (or the loopback address, where that is not this node's), which another site
+    cannot reach any more than the name torchft advertises: the quorum's process group fails to
+    connect (``Gloo connectFullMesh failed ... Connect timeout``). ``GLOO_SOCKET_IFNAME``, when
+    set, still wins (the user named the interface); None: ``cls`` as it is."""
+    if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return cls
+
+    class BoundGloo(cls):
+        def _create_pg(self, store, rank: int, world_size: int):
+            # torchft's own _create_pg, with one Gloo device on `host` instead of the default one
+            import torch
+            from torch.distributed import ProcessGroup
+            from torch.distributed import ProcessGroupGloo as Gloo
+            pg = ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+            options = Gloo._Options()
+            options._timeout = self._timeout
+            options._devices = [Gloo.create_device(hostname=host)]
+            backend = Gloo(store, rank, world_size, options)
+            backend._set_sequence_number_for_group()
+            if self._global_ranks:
+                backend.options.global_ranks_in_group = self._global_ranks
+            if self._group_rank and self._group_world_size:
+                backend.options.group_name = (f"torchft_quorum_{self._quorum_id}_rank_"
+                                              f"{self._group_rank % self._group_world_size}")
+            pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+            if torch.cuda.is_available():
+                pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, backend)
+            return pg
+
+    BoundGloo.__name__ = BoundGloo.__qualname__ = f"Bound{cls.__name__}"
+    return BoundGloo

@@ -1,7 +1,8 @@
 """The cross-group communicator of a federated group job (dept/federation.py): what stands in
 ``pg.outer``'s place (:class:`FederatedOuter`) and the handle of an exchange launched on it
 (:class:`FederatedWork`), committed where it is waited on; a group job read offline (:class:`Offline`); the
-process group that records each quorum's ranks (:func:`recording`)."""
+process group that records each quorum's ranks (:func:`recording`); torchft's Manager made to configure it
+again at its next quorum (:func:`reconfigure_next`)."""
 from __future__ import annotations
 
 import inspect
@@ -121,3 +122,16 @@ def recording(cls):
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
     return Recording
+
+
+def reconfigure_next(manager) -> None:
+    """The next quorum of torchft's ``manager`` configures its process group again, even with
+    the same quorum id. torchft takes a quorum's id as configured before it configures, and
+    skips configuring at a later quorum of the same id: after a failed configure (a peer not
+    reached), a quorum of the same groups asked again would use a process group that was never
+    made (torchft: "process group not initialized"). The lighthouse gives a new id only when the
+    groups differ, so a failure between live groups (a network problem) met that."""
+    if not hasattr(manager, "_quorum_id"):
+        raise RuntimeError("federation: torchft's Manager has no _quorum_id (torchft changed: "
+                           "dept_mega/dept/federation_outer.py, reconfigure_next())")
+    manager._quorum_id = -1
