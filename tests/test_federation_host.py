@@ -175,3 +175,24 @@ def test_the_cross_group_gloo_connections_listen_on_the_advertised_address(monke
     assert torch.equal(t, torch.ones(3))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert bound_to(ProcessGroupGloo, "127.0.0.2") is ProcessGroupGloo
+
+
+def test_the_advertise_line_names_the_interface_nccl_should_take(monkeypatch):
+    """A GPU group job (the cross-group process group is NCCL's, which picks its own interface)
+    that advertises an address and has no NCCL_SOCKET_IFNAME: its start line names the interface
+    of that address to set it to; a CPU job (Gloo listens on the address itself), one with
+    NCCL_SOCKET_IFNAME set and a loopback address get no such advice."""
+    from dept_mega.dept import federation_host
+    from dept_mega.dept.federation_host import advertise_line, interface_of
+    assert interface_of("127.0.0.1") == "lo" and interface_of("localhost") == "lo"
+    assert interface_of("no-such-host.invalid") is None and interface_of("192.0.2.254") is None
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(federation_host, "interface_of", lambda host: "wg0" if host == "10.8.0.3" else None)
+    line = advertise_line(0, "10.8.0.3", "route", nccl=True)
+    assert line.startswith("federation: rank 0's node advertises 10.8.0.3 to the other group jobs "
+                           "(federation.advertise_host route); NCCL picks its own interface"), line
+    assert line.endswith("export NCCL_SOCKET_IFNAME=wg0"), line
+    assert "NCCL" not in advertise_line(0, "10.8.0.3", "route", nccl=False)
+    assert advertise_line(0, "127.0.0.1", "route", nccl=True).endswith("which only jobs on this host reach")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "wg0")
+    assert "NCCL" not in advertise_line(3, "10.8.0.3", "fqdn", nccl=True)

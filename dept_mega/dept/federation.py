@@ -64,7 +64,7 @@ from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
 from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
 from .federation_finished import announce, partners_finished, run_key
-from .federation_host import advertised_host, bound_to, check_literal, is_loopback, manager_kwargs, store_host
+from .federation_host import advertise_line, advertised_host, bound_to, check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, least_groups, membership_line,
                              quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
@@ -140,9 +140,7 @@ class Federation:
         # (federation_host.py; route: a node without a route to the lighthouse stops every rank)
         advertised = agree_errors(lambda: advertised_host(f.advertise_host, (host, port)), (ConfigError,), device)
         if advertised is not None and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
-            log(f"federation: rank {pg.rank}'s node advertises {advertised} to the other group jobs "
-                f"(federation.advertise_host {f.advertise_host})"
-                + (": a loopback address, which only jobs on this host reach" * is_loopback(advertised)))
+            log(advertise_line(pg.rank, advertised, f.advertise_host, nccl=device.type == "cuda"))
         store_addr = store_host(advertised, pg.rank, store_addr)
         self.process_group = recording(ProcessGroupNCCL if device.type == "cuda"
                                        else bound_to(ProcessGroupGloo, advertised))(timeout)

@@ -54,6 +54,43 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def interface_of(host: str) -> Optional[str]:
+    """The name of this node's network interface that holds the IPv4 address ``host`` is or
+    resolves to (None: none of this node's, or not an IPv4 host)."""
+    import fcntl
+    import struct
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except (OSError, IndexError):
+        return None
+    siocgifaddr = 0x8915  # Linux's ioctl: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # (an interface without an IPv4 address)
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None
+
+
+def advertise_line(rank: int, host: str, setting: str, nccl: bool) -> str:
+    """The line a node's first rank logs about what it advertises (``host``, from ``setting``);
+    ``nccl``: the cross-group process group is NCCL's, which picks its own network interface
+    (``NCCL_SOCKET_IFNAME``): where that is not set, the line names the advertised address's."""
+    line = (f"federation: rank {rank}'s node advertises {host} to the other group jobs "
+            f"(federation.advertise_host {setting})")
+    if is_loopback(host):
+        line += ": a loopback address, which only jobs on this host reach"
+    elif nccl and not os.environ.get("NCCL_SOCKET_IFNAME"):
+        iface = interface_of(host)
+        line += ("; NCCL picks its own interface for the cross-group connections (NCCL_SOCKET_IFNAME is not set)"
+                 + (f": if the other sites reach this node only at {host}, export NCCL_SOCKET_IFNAME={iface}"
+                    if iface else ""))
+    return line
+
+
 def route_address(host: str, port: int) -> str:
     """This node's IPv4 address on its route to ``host``: the source address the kernel picks for
     a UDP socket connected there (a connect sends nothing). A ConfigError naming the key when
