@@ -21,6 +21,8 @@ import signal
 import sys
 import threading
 
+from .log_lines import write_line
+
 
 def serve(port: int, min_groups: int, bind: str = "[::]", join_timeout_s: float = 60.0,
           heartbeat_timeout_s: float = 5.0):
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - the port is taken or the address invalid
         print(f"error: --port {args.port}: the lighthouse cannot listen: {exc}", file=sys.stderr)
         return 2
-    print(f"lighthouse: {server.address()}", flush=True)
+    write_line(f"lighthouse: {server.address()}", sys.stdout)  # one write: torchft logs from its threads meanwhile
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

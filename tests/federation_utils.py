@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import yaml
 
 from tests.mp_utils import free_port, run_distributed
-from tests.netns_sites import NETNS_ENV, enter
+from tests.netns_sites import NETNS_ENV, enter, in_site
 from tests.trainer_utils import ROOT, ensure_sample_corpus, read_jsonl
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", DEPT_MEGA_DEVICE="cpu", PYTHONPATH=ROOT)
@@ -60,7 +60,7 @@ class Lighthouse:
         """``env``, ``host``: the process's environment (a site's: tests/netns_sites.py) and the
         address the jobs reach it at."""
         self.port = free_port()
-        self.host = host
+        self.host, self.env = host, env
         self.proc = self.server = None
         if not process:
             from dept_mega.lighthouse import serve
@@ -73,18 +73,16 @@ class Lighthouse:
         self.proc = ForkedJob(["--port", str(self.port), "--min-groups", str(min_groups), "--join-timeout-s",
                                str(join_s), "--heartbeat-timeout-s", str(heartbeat_s)], env, self.log,
                               module="lighthouse")
-        try:  # its first line (the log also has torchft's own, on its standard error)
-            deadline, mine = time.monotonic() + 120, []
-            while not mine:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    with open(self.log, encoding="utf-8", errors="replace") as f:
-                        raise AssertionError(f"the lighthouse (status {self.proc.poll()}) did not start: "
-                                             f"{f.read()[-3000:]}")
-                time.sleep(0.02)
+        try:  # its address line (the log also has torchft's own lines, from its standard error, which
+            # are not written in one piece: the address line can land inside one of them)
+            deadline, line = time.monotonic() + 120, None
+            while line is None:
                 with open(self.log, encoding="utf-8", errors="replace") as f:
-                    mine = [ln for ln in f.read().split("\n")[:-1] if not TORCHFT_LOG.match(ln)]
-            line = mine[0]
-            assert line.startswith("lighthouse: http://") and line.rstrip().endswith(f":{self.port}"), line
+                    text = f.read()
+                line = re.search(rf"lighthouse: http://[^\s:]+:{self.port}\b", text)
+                if line is None and (self.proc.poll() is not None or time.monotonic() > deadline):
+                    raise AssertionError(f"the lighthouse (status {self.proc.poll()}) did not start: {text[-3000:]}")
+                time.sleep(0.02)
         except BaseException:
             self.stop()
             raise
@@ -99,8 +97,12 @@ class Lighthouse:
         participants, need at least half of 2 healthy workers [1/1 participants healthy][2
         heartbeating][shrink_only=false]``."""
         url = f"http://{self.addr}/status"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            page = r.read().decode("utf-8", "replace")
+
+        def read() -> str:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.read().decode("utf-8", "replace")
+        site = self.env.get(NETNS_ENV)  # (a lighthouse at a site: read from there)
+        page = in_site(site, read) if site else read()
         m = re.search(r"Next quorum status: *([^\n<]*)", page)
         assert m and re.search(r"\[\d+/\d+ participants healthy\]", m.group(1)), \
             f"{url}: no '[N/M participants healthy]' in torchft's status page (torchft changed?): {page[:600]!r}"

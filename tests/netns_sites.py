@@ -12,18 +12,20 @@ routes go with it, and its sends fail at once.) The neighbours' link addresses a
 
 A process enters a site with :func:`enter` (``setns``), before it starts threads: the forked
 group jobs and lighthouse of tests/federation_utils.py do it when their environment names a
-site (``DEPT_TEST_NETNS``)."""
+site (``DEPT_TEST_NETNS``). The test itself reaches a site's servers with :func:`in_site`."""
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
 import subprocess
+import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import pytest
 
+T = TypeVar("T")
 NETNS_ENV = "DEPT_TEST_NETNS"  # a namespace's path (/run/netns/NAME) the forked process enters
 _CLONE_NEWNET = 0x40000000
 
@@ -39,6 +41,25 @@ def enter(path: str) -> None:
             raise OSError(err, f"setns({path}): {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def in_site(path: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run in the network namespace at ``path`` (by a thread of its own: a namespace
+    entered is the entering thread's), its result or its exception returned here."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            enter(path)
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            out["error"] = exc
+    thread = threading.Thread(target=run, name="in-site")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _ip(*args: str) -> str:

@@ -332,16 +332,19 @@ def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least, ho
     ``federation.advertise_host: route``) and the network between them cut: packets vanish in
     both directions, every connection between the sites stays open, half-open, while both jobs
     run on; then the network is back.
-    - Rounds need 1 group: group 0 goes on alone once the lighthouse stops hearing group 1;
-      group 1, back, finds the round it was in completed without it and heals from group 0 at
-      the next round start: it takes no part in the rounds group 0 completed alone, and takes
-      part in every round from its heal on with its body equal to group 0's after each sync.
+    - Rounds need 1 group: group 0 goes on alone once the lighthouse stops hearing group 1 (up
+      to round 10's start, where it waits until group 1, back, has asked for a quorum: a run
+      that group 0 finished alone before would leave group 1 to train alone, as after a death;
+      a restored link brings group 1 back only after TCP's retransmission backoff, seconds);
+      group 1 finds the round it was in completed without it and heals from group 0 at the next
+      round start: it takes no part in the rounds group 0 completed alone, and takes part in
+      every round from its heal on with its body equal to group 0's after each sync.
     - Rounds need 2: group 0 waits (its exchange or its quorum) until group 1 is back; every
       round is both groups', their bodies equal after each sync, and nobody heals."""
     import torch
     L, steps, G = 2, 32 if least == 1 else 12, 2
     cfg = write_config(str(tmp_path), steps=steps, local_steps=L, sources=G)
-    dump = str(tmp_path / "dump")
+    dump, go = str(tmp_path / "dump"), str(tmp_path / "go")
     env = dict(ENV, DEPT_FEDERATION_DUMP=dump)
     runs = [str(tmp_path / f"g{g}") for g in range(G)]
 
@@ -352,9 +355,11 @@ def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least, ho
             return []
     with ExitStack() as stack:
         envs, extra, lighthouse = [env] * G, (), {}
+        if least == 1:  # (a test hook, federation_dump.py)
+            envs = [dict(env, DEPT_FEDERATION_HOLD=f"10:start:{go}"), env]
         if how == "network":
             net = stack.enter_context(sites())
-            envs = [net.env("A", env), net.env("B", env)]
+            envs = [net.env("A", envs[0]), net.env("B", envs[1])]
             extra = ("federation.advertise_host=route",)
             lighthouse = dict(process=True, env=net.env("A", ENV), host=net.addr["A"])
         jobs = stack.enter_context(federation(min_groups=least, heartbeat_s=1.0, **lighthouse))
@@ -378,6 +383,9 @@ def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least, ho
                 assert max(trained_steps(runs[0])) <= (at // L + 2) * L, (at, trained_steps(runs[0]))
         finally:
             back()
+        if least == 1:
+            wait_for_requests(jobs.lh, 1, [procs[1]], "group 1, back")
+            open(go, "w").close()
         assert procs[0].poll() is None, "group 0 ended before group 1 came back"
         outs = finish_all(procs, timeout=120)
     for p, out in zip(procs, outs):

@@ -43,7 +43,29 @@ def _report_error(stream, monkeypatch, tmp_path):
     report_error("data.sources[0].path: no such file", file=stream)
 
 
-@pytest.mark.parametrize("writer", [_stderr_line, _metrics_log, _report_error])
+def _lighthouse(stream, monkeypatch, tmp_path):
+    """The lighthouse command's address line (torchft logs from its own threads meanwhile)."""
+    import signal
+    from types import SimpleNamespace
+
+    from dept_mega import lighthouse
+
+    class Server:
+        def address(self):
+            return "http://node017:29510"
+
+        def shutdown(self):
+            pass
+    monkeypatch.setattr(lighthouse, "serve", lambda *a, **k: Server())
+    monkeypatch.setattr(sys, "stdout", stream)
+    # (it runs until killed: here it returns at once, its signal handlers not installed)
+    monkeypatch.setattr(lighthouse, "threading", SimpleNamespace(Event=lambda: SimpleNamespace(wait=lambda: True)))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    pytest.importorskip("torchft")
+    assert lighthouse.main(["--port", "29510", "--min-groups", "1"]) == 0
+
+
+@pytest.mark.parametrize("writer", [_stderr_line, _metrics_log, _report_error, _lighthouse])
 def test_a_line_is_one_write(writer, monkeypatch, tmp_path):
     stream = Writes()
     writer(stream, monkeypatch, tmp_path)
