@@ -15,8 +15,3 @@ def write_line(msg: str, stream: Optional[TextIO] = None) -> None:
     out = stream if stream is not None else sys.stderr
     out.write(msg + "\n")
     out.flush()
-
-
-def stderr_line(msg: str) -> None:
-    """``msg`` and its newline to the current ``sys.stderr`` in one write, flushed."""
-    write_line(msg, sys.stderr)

@@ -34,7 +34,7 @@ import time
 from typing import Optional
 
 from .config import ConfigError
-from .log_lines import stderr_line
+from .log_lines import write_line
 from .resume import CKPT_DIR
 
 LOCK_FILE = ".lock"
@@ -199,7 +199,7 @@ def check_shared(run_dir: str, expected: str, rank: int) -> None:
             break
         if waited >= 5 and not told:
             told = True
-            stderr_line(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; "
+            write_line(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; "
                         f"looking again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)")
         time.sleep(0.5)
     wrote = json.loads(expected)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dept_mega.log_lines import stderr_line
+from dept_mega.log_lines import write_line
 from dept_mega.metrics import MetricsWriter
 from dept_mega.process_exit import report_error
 
@@ -27,7 +27,7 @@ class Writes(io.StringIO):
 
 def _stderr_line(stream, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "stderr", stream)
-    stderr_line("[preprocess]  10.3% (0.0 of 0.0 MB)")
+    write_line("[preprocess]  10.3% (0.0 of 0.0 MB)")
 
 
 def _metrics_log(stream, monkeypatch, tmp_path):

@@ -55,7 +55,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dept_mega.log_lines import stderr_line  # noqa: E402
+from dept_mega.log_lines import write_line  # noqa: E402
 from dept_mega.data.preprocess import PreprocessError, preprocess, round_trip_line  # noqa: E402
 from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 
@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    log = None if args.quiet else stderr_line
+    log = None if args.quiet else write_line
     # SIGTERM unwinds like Ctrl-C (the partial files are removed); a second one is ignored
     with stop_on_signals():
         try:

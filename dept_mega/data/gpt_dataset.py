@@ -47,7 +47,7 @@ import numpy as np
 from dept_mega.data.index_cache import (Launch, claim_or_wait, clear_failure, heartbeat, is_cached, load_arrays,
                                         narrow_int, record_failure, release, save_arrays)
 from dept_mega.data.indexed import IndexedDataset
-from dept_mega.log_lines import stderr_line
+from dept_mega.log_lines import write_line
 
 PARTS = ("train", "valid", "test")
 CACHE_VERSION = 2  # 2: one memory-mapped .npy per array, int32 where the counts fit
@@ -251,7 +251,7 @@ class GPTDataset:
         other ranks of ``self.launch`` (:func:`~dept_mega.data.index_cache.record_failure`)."""
         arrays = load_arrays(stem, lengths)
         if arrays is None:
-            claim = claim_or_wait(stem, list(lengths), log=stderr_line, launch=self.launch)
+            claim = claim_or_wait(stem, list(lengths), log=write_line, launch=self.launch)
             if claim is None:  # another process built it while this one waited
                 arrays = load_arrays(stem, lengths)
             if arrays is None:

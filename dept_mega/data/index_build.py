@@ -52,7 +52,7 @@ from dept_mega.data.gpt_dataset import (EPOCH_ARRAYS, PART_ARRAYS, GPTDataset, d
                                         epoch_stem, part_stem)
 from dept_mega.data.index_cache import Launch, can_write, claim_holder, is_cached
 from dept_mega.data.indexed import IndexedDataset
-from dept_mega.log_lines import stderr_line
+from dept_mega.log_lines import write_line
 from dept_mega.data.sources import naming_source
 
 
@@ -162,7 +162,7 @@ def _raise(error: Optional[Exception]) -> None:
 
 
 def ensure_indexes(specs: Sequence[IndexSpec], rank: int, local_rank: int = 0,
-                   device: Optional[torch.device] = None, log=stderr_line, log_after_s: float = 1.0) -> int:
+                   device: Optional[torch.device] = None, log=write_line, log_after_s: float = 1.0) -> int:
     """The module doc's walk on every rank of the job, then one agreement on its errors (a
     collective: every rank calls it, with the same ``specs``). Returns how many parts this rank
     built. Bad input met by any rank is raised on every rank as the same agreed error; any

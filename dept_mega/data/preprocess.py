@@ -34,7 +34,7 @@ import numpy as np
 from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, check_readable, damaged, open_input
 from dept_mega.data.indexed import (IndexedDatasetBuilder, optimal_dtype, tokenizer_record_path)
 from dept_mega.data.jsonl import BadInputReport, parse_line
-from dept_mega.log_lines import stderr_line
+from dept_mega.log_lines import write_line
 from dept_mega.data import partitions as _partitions
 from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_in_processes
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
@@ -304,7 +304,7 @@ def _write_tokenizer_record(prefix: str, tokenizer_type: str, tokenizer_model: s
 
 def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str, output_prefix: str,
                workers: int = 1, append_eod: bool = False, strict: bool = False, partitions: int = 1,
-               log: Optional[Callable[[str], None]] = stderr_line, progress_interval: float = 10.0,
+               log: Optional[Callable[[str], None]] = write_line, progress_interval: float = 10.0,
                allow_empty: bool = False, tokenizer_type: str = "SentencePieceTokenizer",
                round_trip_every: int = 1) -> PreprocessStats:
     """Tokenize ``inputs`` into one indexed dataset per key. Raises :class:`PreprocessError`
