@@ -44,9 +44,6 @@ def write_config(tmp_path, steps=6, local_steps=2, sources=SOURCES, owners=None,
     return path
 
 
-TORCHFT_LOG = re.compile(r"^\d{4}-\d\d-\d\dT[\d:.]+ \[[A-Z]+\] \[torchft")  # a line of torchft's logger
-
-
 class Lighthouse:
     """A lighthouse for the group jobs: in this process by default (``dept_mega.lighthouse.serve``,
     torchft's Rust server on its own threads: no second Python + torch start of 2-3 s per test),
@@ -185,7 +182,7 @@ FAIL_CONFIGURE_ENV = "DEPT_TEST_FAIL_CONFIGURE"  # a forked job's first N proces
 
 def fail_configures(n: int) -> None:
     """In a job's process: the first ``n`` times torchft's Manager configures the cross-group
-    Gloo process group for a quorum, making it fails (as when a peer cannot be reached); later
+    Gloo process group for a quorum fail (as when a peer cannot be reached); later
     configures are torchft's own."""
     from torchft.process_group import ProcessGroupGloo
     own, left = ProcessGroupGloo._create_pg, [n]

@@ -74,7 +74,6 @@ class Sites:
     that puts it there) and the network between them (``cut()``, ``restore()``)."""
 
     def __init__(self, tag: str, subnet: int) -> None:
-        self.tag = tag
         self.ns = {s: f"{tag}{s}" for s in ("A", "B", "N")}  # N: the network between the sites
         self.addr = {"A": f"10.213.{subnet}.1", "B": f"10.213.{subnet}.2"}
         self.made: list[str] = []
