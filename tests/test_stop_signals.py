@@ -2,9 +2,9 @@
 are tested with real signals in test_data_preprocess_kill.py and test_merge_datasets.py)."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -49,12 +49,37 @@ def test_a_signal_that_came_before_the_first_ones_handler_ran_is_ignored_quietly
     with pytest.raises(KeyboardInterrupt):
         with ss.stop_on_signals():
             old = signal.pthread_sigmask(signal.SIG_BLOCK, both)
-            try:
-                os.kill(os.getpid(), signal.SIGINT)
-                os.kill(os.getpid(), signal.SIGTERM)
+            try:  # (to this thread: a signal sent to the process may go to another thread, unblocked there)
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)  # both handled: SIGINT's raises
             pytest.fail("no KeyboardInterrupt")
     for _ in range(3):  # the pending SIGTERM's turn (Python handles it at the next check)
         time.sleep(0.01)
     assert [str(u.exc_value) for u in unraisable] == []
+
+
+def test_a_second_signal_handled_inside_the_first_ones_handler_does_not_win(monkeypatch):
+    """The second signal's handler can run inside the first one's, before that has replaced the
+    handlers: Python handles pending signals inside ``signal.signal()`` too, and a signal sent to
+    the process can reach another thread just then (seen in the suite: SIGTERM's Terminated came
+    out of Ctrl-C's handler). The first signal's exception is what the tool sees, and both
+    handlers end ignoring."""
+    real = signal.signal
+    nested = []
+
+    def signal_with_a_pending_sigterm(sig, handler):
+        if not nested:  # the first call, from inside SIGINT's handler: SIGTERM's handler runs
+            nested.append(sig)
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        return real(sig, handler)
+    with pytest.raises(KeyboardInterrupt):
+        with ss.stop_on_signals():
+            monkeypatch.setattr(signal, "signal", signal_with_a_pending_sigterm)
+            try:
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            finally:
+                monkeypatch.setattr(signal, "signal", real)
+                assert all(signal.getsignal(s) is ss._ignore for s in (signal.SIGINT, signal.SIGTERM))
+    assert nested

@@ -31,7 +31,16 @@ def _ignore(signum, frame) -> None:  # noqa: ARG001
     ignored due to race condition".)"""
 
 
+_stopping = [False]  # the first signal's handler has started (since the block's handlers went in)
+
+
 def _stop(signum, frame) -> None:  # noqa: ARG001
+    if _stopping[0]:
+        # a second signal whose handler runs inside the first's, before that could replace it:
+        # Python handles pending signals inside signal.signal() too, and a signal another thread
+        # received (one sent to the process) can arrive just then. The first one's exception wins.
+        return
+    _stopping[0] = True
     for sig in _SIGNALS:  # first, before anything else can be interrupted
         signal.signal(sig, _ignore)
     if signum == signal.SIGTERM:
@@ -53,6 +62,7 @@ def stop_on_signals() -> Iterator[None]:
     The handlers from before are restored when the block is left (after the cleanup the
     exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    _stopping[0] = False
     try:  # installed inside: a signal between the two installs restores both
         for sig in _SIGNALS:
             signal.signal(sig, _stop)
