@@ -29,6 +29,16 @@ def _manager(setting, lighthouse: str, rank: int = 0):
     return m, store, store_addr
 
 
+def _shut(m) -> None:
+    """The Manager shut down as a group job's federation does (Federation.shutdown): its healing
+    server's thread ends (torchft's own shutdown(wait=False) left it serving and polling)."""
+    from dept_mega.dept.federation_outer import stop_checkpoint_server
+    m.shutdown(wait=False)
+    stop_checkpoint_server(m._checkpoint_transport)
+    m._checkpoint_transport._thread.join(5)
+    assert not m._checkpoint_transport._thread.is_alive()
+
+
 def test_advertise_host_reaches_torchfts_addresses():
     from dept_mega.dept.federation_host import advertised_host, store_host
     from dept_mega.lighthouse import serve
@@ -43,7 +53,7 @@ def test_advertise_host_reaches_torchfts_addresses():
             assert m._checkpoint_transport.address().startswith("http://localhost:"), m._checkpoint_transport.address()
             assert store_addr == "localhost"
         finally:
-            m.shutdown(wait=False)
+            _shut(m)
         # null: torchft's own (the short host name), unchanged
         m, store, store_addr = _manager(None, addr)
         try:
@@ -51,7 +61,7 @@ def test_advertise_host_reaches_torchfts_addresses():
             assert m._manager.address().startswith(f"http://{host}:") and store_addr == "127.0.0.1"
             assert m._checkpoint_transport.address().startswith(f"http://{host}:")
         finally:
-            m.shutdown(wait=False)
+            _shut(m)
         # route: this node's address on its route to the lighthouse (here: the loopback's)
         host = advertised_host("route", ("127.0.0.1", lh_port))
         assert host == "127.0.0.1"
@@ -60,7 +70,7 @@ def test_advertise_host_reaches_torchfts_addresses():
             assert m._manager.address().startswith("http://127.0.0.1:"), m._manager.address()
             assert m._checkpoint_transport.address().startswith("http://127.0.0.1:")
         finally:
-            m.shutdown(wait=False)
+            _shut(m)
     finally:
         lh.shutdown()
     # fqdn: each node's own full name; only rank 0 advertises the store (it runs where it is)

@@ -69,7 +69,7 @@ from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, lea
                              quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
 from .federation_outer import (FederatedOuter, FederatedWork, Offline,  # noqa: F401  (importable from here)
-                               reconfigure_next, recording)
+                               reconfigure_next, recording, stop_checkpoint_server)
 
 REPLICA_PREFIX = "dept_group_"
 
@@ -595,3 +595,4 @@ class Federation:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+        stop_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))

@@ -2,7 +2,7 @@
 ``pg.outer``'s place (:class:`FederatedOuter`) and the handle of an exchange launched on it
 (:class:`FederatedWork`), committed where it is waited on; a group job read offline (:class:`Offline`); the
 process group that records each quorum's ranks (:func:`recording`); torchft's Manager made to configure it
-again at its next quorum (:func:`reconfigure_next`)."""
+again at its next quorum (:func:`reconfigure_next`); its healing server stopped (:func:`stop_checkpoint_server`)."""
 from __future__ import annotations
 
 import inspect
@@ -135,3 +135,14 @@ def reconfigure_next(manager) -> None:
         raise RuntimeError("federation: torchft's Manager has no _quorum_id (torchft changed: "
                            "dept_mega/dept/federation_outer.py, reconfigure_next())")
     manager._quorum_id = -1
+
+
+def stop_checkpoint_server(transport) -> None:
+    """Ends the serving thread of torchft's healing transport (``HTTPTransport``) without
+    waiting for it. torchft's ``shutdown(wait=False)``, which ``Manager.shutdown(wait=False)``
+    calls, sets its server's stop flag under a name Python mangles to another one, so the
+    server went on serving (and polling) after the job's federation shut down. The flag set
+    here is the one ``socketserver`` reads: the thread ends within its poll interval."""
+    server = getattr(transport, "_server", None)
+    if server is not None:  # (another transport: nothing to stop)
+        server._BaseServer__shutdown_request = True
