@@ -83,3 +83,15 @@ def test_a_second_signal_handled_inside_the_first_ones_handler_does_not_win(monk
                 monkeypatch.setattr(signal, "signal", real)
                 assert all(signal.getsignal(s) is ss._ignore for s in (signal.SIGINT, signal.SIGTERM))
     assert nested
+
+
+def test_a_block_whose_inner_block_stopped_still_stops():
+    """A block inside another whose signal was handled (its exception caught inside the outer
+    block): the outer block's handlers are back, and its first signal still raises."""
+    with pytest.raises(KeyboardInterrupt):
+        with ss.stop_on_signals():
+            with pytest.raises(ss.Terminated):
+                with ss.stop_on_signals():
+                    signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            pytest.fail("the outer block's first signal did not raise")

@@ -62,7 +62,7 @@ def stop_on_signals() -> Iterator[None]:
     The handlers from before are restored when the block is left (after the cleanup the
     exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    _stopping[0] = False
+    was_stopping, _stopping[0] = _stopping[0], False
     try:  # installed inside: a signal between the two installs restores both
         for sig in _SIGNALS:
             signal.signal(sig, _stop)
@@ -70,6 +70,7 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        _stopping[0] = was_stopping  # (an enclosing block's handlers are back: so is its state)
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
