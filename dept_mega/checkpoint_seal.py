@@ -60,8 +60,10 @@ def data_files(metadata: Any, tmp: str) -> list[str]:
     2.11's writer sets the files on a copy of the metadata it returns (2.13's on the metadata
     itself). A rank that cannot read that file (a run directory each node has its own of) fails
     the seal like any rank's error."""
-    storage = getattr(metadata, "storage_data", None) if metadata is not None else None
-    if storage is None and metadata is not None:
+    if metadata is None:
+        return []
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
         from torch.distributed.checkpoint import FileSystemReader
         storage = FileSystemReader(tmp).read_metadata().storage_data
     return sorted({getattr(info, "relative_path", None) for info in (storage or {}).values()} - {None})
