@@ -239,14 +239,15 @@ def test_a_joining_group_is_told_every_field_that_differs(tmp_path):
         check_agree(load_config(write_config(str(tmp_path)), [*fed, "optim.lr=0.001"]), peer)
     assert str(exc.value) == f"config key 'optim.lr' differs from the running groups': this job has 0.001, the " \
         f"running groups have {r.optim.lr}{rule}"
-    # federation.min_groups is compared (a MEET_KEYS key) but is not the run's identity
+    # federation.min_groups and dept.outer_overlap are compared (MEET_KEYS) but are not the run's identity
     from dept_mega.dept.federation_finished import run_key
-    other_min = load_config(write_config(str(tmp_path)), [*fed, "federation.min_groups=2"])
-    with pytest.raises(ConfigError) as exc:
-        check_agree(other_min, peer)
-    assert str(exc.value) == "config key 'federation.min_groups' differs from the running groups': this job has 2, " \
-        f"the running groups have 1{rule}"
-    assert run_key(agree_hashes(other_min)) == run_key(peer["agree"])
+    for key, value, mine, theirs in [("federation.min_groups", 2, 2, 1), ("dept.outer_overlap", "true", True, False)]:
+        other = load_config(write_config(str(tmp_path)), [*fed, f"{key}={value}"])
+        with pytest.raises(ConfigError) as exc:
+            check_agree(other, peer)
+        assert str(exc.value) == f"config key '{key}' differs from the running groups': this job has {mine}, " \
+            f"the running groups have {theirs}{rule}"
+        assert run_key(agree_hashes(other)) == run_key(peer["agree"])
     assert run_key(agree_hashes(load_config(write_config(str(tmp_path)), [*fed, "train.seed=7"]))) != run_key(peer["agree"])
     joining = load_config(write_config(str(tmp_path)), [*fed, "train.seed=7", "optim.lr=0.001",
                                                         "dept.local_steps=3", "optim.min_lr=0.0001"])

@@ -23,8 +23,11 @@ AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps
               "train.seed", "optim", "federation.groups", "data.sources[].group", "data.sources[].summary")
 #: config keys compared where group jobs meet (a fresh start's quorum, a heal) like
 #: :data:`AGREE_KEYS`, but not part of the run's identity (``federation_finished.run_key``):
-#: every job may change them together across a restart of all of them
-MEET_KEYS = ("federation.min_groups",)
+#: every job may change them together across a restart of all of them. ``dept.outer_overlap``
+#: sets the exchanges' order at a round end (overlapped: deferred to the next round start's
+#: quorum, after a count of who contributes), so jobs that differ in it would pair unlike
+#: collectives at every try
+MEET_KEYS = ("federation.min_groups", "dept.outer_overlap")
 #: every compared key, in the order of :func:`agree_values` and :func:`agree_hashes`
 COMPARED_KEYS = AGREE_KEYS + MEET_KEYS
 
