@@ -527,3 +527,34 @@ def test_streamed_run_saves_only_between_syncs_and_resumes_bit_exactly(tmp_path,
     for r in res:
         assert 5 in r["saved"] and 9 in r["saved"] and 4 not in r["saved"], r["saved"]
         assert torch.equal(r["full"], r["resumed"])
+
+
+def test_a_heal_takes_the_peers_shared_state_and_keeps_the_groups_own():
+    """A group healing from a live peer (dept/federation.py) loads the peer's
+    ``replicated_state``: θ_{t-1} and the outer optimizer state, which every group holds the
+    same, but not the peer's error-feedback residual or eager estimate, which differ between
+    groups — loading them sent the peer's quantisation error twice and lost the group's own. A
+    checkpoint's ``state_dict`` still carries everything."""
+    from types import SimpleNamespace
+    pg = SimpleNamespace(dp_size=1, dp_rank=0)
+
+    def flat_sync(seed):
+        g = torch.Generator().manual_seed(seed)
+        s = FlatSync([torch.nn.Parameter(torch.randn(8, generator=g))], pg, OuterOptimizer("nesterov", lr=0.7,
+                     momentum=0.9), comm_dtype="int8", error_feedback=True)
+        s.enable_eager()
+        s.theta_prev.copy_(torch.randn(8, generator=g))
+        s.optimizer.step(s.theta_prev, torch.randn(8, generator=g))  # momentum state
+        s.residual.copy_(torch.randn(8, generator=g))
+        s.eager_base.copy_(torch.randn(8, generator=g))
+        s.eager_known = [True]
+        return s
+
+    mine, peer, fresh = flat_sync(1), flat_sync(2), flat_sync(1)
+    own = {k: getattr(mine, k).clone() for k in ("residual", "eager_base")}
+    mine.load_state_dict(peer.replicated_state())
+    assert torch.equal(mine.theta_prev, peer.theta_prev)
+    assert all(torch.equal(mine.optimizer.state[n], peer.optimizer.state[n]) for n in peer.optimizer.state_names)
+    assert torch.equal(mine.residual, own["residual"]) and torch.equal(mine.eager_base, own["eager_base"])
+    fresh.load_state_dict(peer.state_dict())  # a checkpoint: all of it
+    assert torch.equal(fresh.residual, peer.residual) and torch.equal(fresh.eager_base, peer.eager_base)

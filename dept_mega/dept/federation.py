@@ -188,7 +188,7 @@ class Federation:
         deferred = self._hooks is not None and self._hooks.schedule.deferred_step is not None
         return {"round": self.round, "agree": self.hashes, "agree_values": self.agreed,
                 "deferred": deferred,
-                "syncs": {k: s.state_dict() for k, s in self.syncs.items()}, "strategy": own}
+                "syncs": {k: s.replicated_state() for k, s in self.syncs.items()}, "strategy": own}
 
     def _load_healed(self, sd: dict) -> None:
         """torchft's call with a live peer's state (checked where it is used: at a fresh start

@@ -425,11 +425,17 @@ class FlatSync:
             self._refresh(self.params)
 
     # ------------------------------------------------------------------------- state
+    def replicated_state(self) -> dict:
+        """This rank's chunk of what every group holds the same after a sync: θ_{t-1} and the
+        outer optimizer state (``chunk``: its [start, end) and the shard's size). What a group
+        healing from a live peer loads (dept/federation.py); not the residual or the eager
+        estimate, which are the group's own (:meth:`group_state`)."""
+        return {"theta_prev": self.theta_prev.detach().cpu().clone(), "chunk": self._chunk_signature(),
+                "optimizer": self.optimizer.state_dict()}
+
     def state_dict(self) -> dict:
-        """This rank's chunk of θ_{t-1} and of the outer optimizer state (``chunk``: its
-        [start, end) and the shard's size); the residual with error feedback."""
-        sd = {"theta_prev": self.theta_prev.detach().cpu().clone(), "chunk": self._chunk_signature(),
-              "optimizer": self.optimizer.state_dict()}
+        """:meth:`replicated_state`, the residual (error feedback) and the estimate (eager start)."""
+        sd = self.replicated_state()
         if self.residual is not None:
             sd["residual"] = self.residual.detach().cpu().clone()
         if self.eager_base is not None:
@@ -439,7 +445,8 @@ class FlatSync:
 
     def load_state_dict(self, sd: dict) -> None:
         """Loads :meth:`state_dict`'s chunk, or a full θ_{t-1} of the shard (the format before
-        the lean state: this rank keeps its chunk)."""
+        the lean state: this rank keeps its chunk). A group's own buffer that ``sd`` lacks (a
+        peer's :meth:`replicated_state`) is left as it is (a new sync's: zeros, none known)."""
         t = sd["theta_prev"]
         if "chunk" in sd:
             if list(sd["chunk"]) != self._chunk_signature():
@@ -454,11 +461,11 @@ class FlatSync:
         for k, v in list(self.optimizer.state.items()):  # the chunk's, or the whole shard's (join_flat_sync_chunks)
             v = self._cut(v) if "chunk" not in sd else v
             self.optimizer.state[k] = _pin(v.to(self.state_device, torch.float32).clone())
-        if self.residual is not None:
+        if self.residual is not None and sd.get("residual") is not None:
             self.residual = self._loaded_chunk(sd, "residual")
-        if self.eager_base is not None:
+        if self.eager_base is not None and sd.get("eager_base") is not None:
             self.eager_base = self._loaded_chunk(sd, "eager_base")
-            self.load_eager_known(sd.get("eager_known") if "eager_base" in sd else None)
+            self.load_eager_known(sd.get("eager_known"))
 
     def load_eager_known(self, known: Optional[Sequence[bool]]) -> None:
         """Which parts' E hold a previous mean (None: none does)."""
@@ -469,11 +476,8 @@ class FlatSync:
         self.eager_known = known
 
     def _loaded_chunk(self, sd: dict, key: str) -> torch.Tensor:
-        """A per-chunk buffer of :meth:`state_dict` (the chunk's, or the whole shard's: cut);
-        zeros when the checkpoint has none."""
-        r = sd.get(key)
-        if r is None:
-            return _pin(torch.zeros_like(self.theta_prev))
+        """A per-chunk buffer of :meth:`state_dict` (the chunk's, or the whole shard's: cut)."""
+        r = sd[key]
         r = self._cut(r) if "chunk" not in sd else r
         return _pin(r.to(self.state_device, torch.float32).clone())
 

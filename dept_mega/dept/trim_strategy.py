@@ -229,7 +229,7 @@ class TrimStrategy(VariantStrategy):
                 sd[key], sd[f"{key}_rows"], sd[f"{key}_optimizer"] = tsd["weight"], tsd["rows"], tsd["optimizer"]
         if self.position_sync is not None:
             sd["positions"] = self.positions.detach().clone()
-            sd["position_sync"] = self.position_sync.state_dict()
+            sd["position_sync"] = self.position_sync.replicated_state()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
