@@ -52,6 +52,10 @@ class RoundHooks(Protocol):
     # (DEPT after a round's sync, dept/eval_split.py); None or absent: every group evaluates
     # every source.
 
+    # optional: ``before_step(loop)`` / ``after_step(loop)`` around every inner step; True from
+    # either ends the round there for this group: ``round_start`` comes next (before_step:
+    # the step is not trained). docs/architecture.md.
+
     # optional: ``can_save_now() -> bool`` (the same answer on every rank): False while state a
     # checkpoint needs is in flight (an overlapped outer sync); the loop then defers a due
     # save (periodic or preemption) to the first step where it is True. Absent: True.
@@ -281,8 +285,9 @@ class TrainLoop:
                                        f"{self.pg.group_index}: {self.assignment}")
                 self._position_iterator(self.assignment[self.pg.group_index])
             source = self.assignment[self.pg.group_index]
-            if before_step is not None:
-                before_step(self)
+            if before_step is not None and before_step(self):
+                self.assignment = None  # the round ended here for this group: the next round start now
+                continue
             with _paused_if(meter, profiler.starts_or_stops(tr.step, before=True)):
                 profiler.before_step(tr.step)
             if t_first is None:
@@ -294,14 +299,16 @@ class TrainLoop:
                 res = tr.train_step(batch)
             with _paused_if(meter, profiler.starts_or_stops(tr.step, before=False)):  # writing the trace
                 profiler.after_step(tr.step)
-            if after_step is not None:
-                after_step(self)
+            left = after_step is not None and after_step(self)
             self.last_result = res
             trained += 1
             if trained == 1:
                 self._log_gemm_tuning()
             meter.add_step(res.tokens, self.vocab_in_use())
             window.add(res)
+            if left:  # (as before_step's)
+                self.assignment = None
+                continue
             step = tr.step
             if step % log_every == 0 or step == total:
                 ops.check_errors(tr.device)  # the CUDA ops' invalid ids (no sync inside a step)

@@ -103,7 +103,7 @@ def test_the_run_directory_start_does_not_leave_the_others_waiting(tmp_path):
 
 def _lighthouse_check(rank: int, world: int) -> tuple:
     """Rank 1 alone cannot reach the lighthouse (its /status timed out there); rank 0 can."""
-    from dept_mega.dept import federation
+    from dept_mega.dept import federation_config
     from dept_mega.parallel.agree import is_agreed
 
     def check_reachable(host, port, timeout_s, groups):
@@ -111,9 +111,9 @@ def _lighthouse_check(rank: int, world: int) -> tuple:
             raise ConfigError(f"config key 'federation.lighthouse': cannot reach {host}:{port} (timed out)")
         return 2
 
-    federation.check_reachable = check_reachable  # this forked rank's own module
+    federation_config.check_reachable = check_reachable  # this forked rank's own module
     try:
-        return ("ok", federation.lighthouse_reachable("lh", 29510, 5.0, 2, None))
+        return ("ok", federation_config.lighthouse_reachable("lh", 29510, 5.0, 2, None))
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         return (type(e).__name__, str(e), is_agreed(e))
 

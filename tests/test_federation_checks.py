@@ -167,7 +167,7 @@ def test_a_long_quorum_wait_says_so_every_period_on_rank_0(monkeypatch):
     for said in ([], None):  # rank 0, another rank
         job = object.__new__(fed.Federation)
         job.round, job.least, job.where, job._loop, job.device = 3, 2, "127.0.0.1:1", None, cpu
-        job._healed, job._rounds = None, 4
+        job._healed, job._rounds, job.quorums = None, 4, 0
         job.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
         job.say = said.append if said is not None else None
         job.manager = SimpleNamespace(start_quorum=lambda: time.sleep(1.2), errored=lambda: None,
@@ -319,167 +319,6 @@ def test_a_fresh_quorum_names_every_field_that_differs_with_each_groups_value(tm
         and "group 0 has 1, group 1 has 2" in str(errors[0]), str(errors[0])
 
 
-class StandInManager:
-    """torchft's Manager as far as a round's exchange uses it: an error reported fails the commit."""
-    error = None
-
-    def errored(self):
-        return self.error
-
-    def report_error(self, exc):
-        self.error = exc
-
-    def should_commit(self):
-        return self.error is None
-
-
-def _stand_in_federation(federation_cls, manager, say, survivors):
-    """A Federation at round 3 with three members, without torchft; its quorum call clears the
-    manager's error and leaves ``survivors`` groups."""
-    fed = object.__new__(federation_cls)
-    fed.manager, fed.say, fed.dump, fed._nested, fed._loop = manager, say, None, None, None
-    fed.round, fed._commits, fed._healed, fed.members, fed.participants = 3, 0, None, [0, 1, 2], 3
-    fed.failed = {}
-
-    def quorum(**kw):  # the survivors' quorum: the failure cleared
-        fed.manager.error, fed.members, fed.participants = None, list(range(survivors)), survivors
-    fed._quorum = quorum
-    return fed
-
-
-@pytest.mark.parametrize("survivors", [1, 2])
-def test_an_exchange_redone_alone_counts_no_bytes(survivors):
-    """An exchange that fails (a peer gone) and is redone by the survivors' quorum counts its
-    bytes once, at the commit, and none when the survivor is alone: nothing crossed, as a group
-    of one skips the sync, so a round's outer bytes stay tools/dept_costs.py's for its groups
-    (the walkthrough's two sites: the round a group died in was recorded with groups [0] and a
-    full exchange's bytes). torchft's Manager and the quorum stand in as fakes."""
-    from types import SimpleNamespace
-
-    from dept_mega.dept.federation import Federation
-
-    fed = _stand_in_federation(Federation, StandInManager(), None, survivors)
-    tries = []
-
-    def run():
-        tries.append(fed.participants)
-        if len(tries) == 1:
-            raise RuntimeError("Connection closed by peer")
-    counted = []
-    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
-    fed._exchange(run, lambda: None, comm, [("outer_body", 1000)])
-    assert tries == [3, survivors] and fed._commits == 1 and fed.round_groups == list(range(survivors))
-    assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
-    # the failed try (three groups) launched its bytes: apart, as an upper bound of what crossed
-    assert fed.take_failed() == {"outer_body": 1000} and fed.take_failed() == {}
-
-
-@pytest.mark.parametrize("survivors", [1, 2])
-def test_a_launched_exchange_redone_alone_counts_no_bytes_and_says_how_long_it_waited(survivors):
-    """The launched exchange (FlatSync's path, FederatedWork): a peer stalls, the wait on its
-    all-reduce fails after the collective timeout (here 0.3 s) and the exchange is redone with
-    the survivors. Its bytes are counted at the commit by the committed quorum, none when the
-    survivor is alone (the audit's round recorded with groups [0] and a full exchange's 394496
-    bytes, counted at launch), and the failure's line says how long the wait took (it said
-    0.0 s while the round's record said 60 s). torchft's Manager and the quorum are fakes."""
-    import re
-    from types import SimpleNamespace
-
-    import torch
-
-    from dept_mega.dept.federation import Federation
-
-    class Work:
-        def __init__(self, fails):
-            self.fails = fails
-
-        def wait(self):
-            if self.fails:
-                time.sleep(0.3)
-                raise RuntimeError("Timed out waiting 300ms for send operation to complete")
-
-    class Manager(StandInManager):
-        launched = 0
-
-        def allreduce(self, t, reduce_op):
-            self.launched += 1
-            return Work(self.launched == 1)
-
-    said = []
-    fed = _stand_in_federation(Federation, Manager(), said.append, survivors)
-    fed._launching = fed._just_healed = False
-    counted = []
-    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
-    work = fed.all_reduce_async(torch.zeros(250), comm, "outer_body")
-    assert counted == []  # nothing at launch
-    assert work.wait() and fed.manager.launched == 2 and fed._commits == 1
-    assert fed.round_groups == list(range(survivors)) and work.groups == survivors
-    assert counted == ([("outer_body", 1000)] if survivors > 1 else []), counted
-    assert fed.take_failed() == {"outer_body": 1000}  # the launched try that failed
-    failed = [ln for ln in said if "the exchange failed after" in ln]
-    assert len(failed) == 1 and float(re.search(r"failed after ([0-9.]+) s", failed[0]).group(1)) >= 0.3, said
-
-
-def test_the_bytes_of_failed_exchange_tries_are_counted_apart():
-    """An atomic exchange (TRIM's: several collectives) whose second collective fails in the first
-    try: both collectives' bytes go to failed_bytes (the failing one was launched too), the
-    committed redo counts them once in comm; a try that could not launch (the Manager already
-    errored) and a try by a group alone add nothing; the round's outer record sums them over the
-    job's ranks (failed_bytes, every category) and its log line says so. Fakes for torchft."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from dept_mega.dept.driver import DeptHooks
-    from dept_mega.dept.federation import Federation
-    from dept_mega.metrics import outer_line
-
-    class Work:
-        def wait(self):
-            pass
-
-    class Manager(StandInManager):
-        calls = 0
-
-        def allreduce(self, t, reduce_op):
-            self.calls += 1
-            if self.calls == 2:
-                raise RuntimeError("Connection closed by peer")
-            return Work()
-
-    fed = _stand_in_federation(Federation, Manager(), None, 2)
-    counted = []
-    comm = SimpleNamespace(count=lambda category, nbytes: counted.append((category, nbytes)))
-
-    def fn():
-        fed.all_reduce_sum(torch.zeros(10), comm, "outer_body")
-        fed.all_reduce_sum(torch.zeros(5), comm, "outer_embedding")
-        return "done"
-    assert fed.atomic(fn, comm) == "done" and fed.manager.calls == 4
-    assert counted == [("outer_body", 40), ("outer_embedding", 20)], counted
-    assert fed.failed == {"outer_body": 40, "outer_embedding": 20}
-    fed.manager.error = RuntimeError("reported before")  # this try launches nothing; the redo is alone
-    fed._exchange(lambda: None, lambda: None, comm, [("outer_body", 7)])
-    fed.participants, fed.manager.error = 1, RuntimeError("failed alone")
-    fed._quorum = lambda **kw: setattr(fed.manager, "error", None)
-    fed._exchange(lambda: None, lambda: None, comm, [("outer_body", 7)], tried=0.0, sent=True)
-    assert fed.failed == {"outer_body": 40, "outer_embedding": 20}
-    hooks = object.__new__(DeptHooks)
-    hooks.device, hooks.installed, hooks.federation = torch.device("cpu"), None, fed
-    hooks.trainer = SimpleNamespace(step=8)
-    hooks.schedule = SimpleNamespace(round_end=lambda step: None, take_times=lambda: (0.0, 0.0))
-    hooks.strategy = SimpleNamespace(sync=lambda installed: None)
-    zero = {c: 0 for c in ("tp", "pp", "dp", "outer_body", "outer_embedding", "source_move")}
-    hooks.pg = SimpleNamespace(comm=SimpleNamespace(snapshot=lambda: dict(zero)))
-    hooks._mark, hooks._excluded, hooks.in_round = dict(zero), dict(zero), True
-    fed.round_done = lambda h: [0, 1]
-    rec = hooks.round_end(None, 3)
-    assert rec["failed_bytes"] == dict(zero, outer_body=40, outer_embedding=20), rec
-    assert fed.failed == {} and rec["groups"] == [0, 1]
-    line = outer_line(dict(rec, round=3, step=8))
-    assert line.endswith("| groups 0, 1 | failed tries 60 B (outer_body 40 B, outer_embedding 20 B)"), line
-
-
 @pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 @pytest.mark.parametrize("quiet", [True, False])
 def test_the_healing_server_writes_no_access_lines_into_the_log(capfd, quiet):
@@ -566,6 +405,7 @@ def test_a_failed_quorum_after_healing_leaves_the_job_as_it_was(healed_before):
     fed = object.__new__(Federation)
     # the first try heals from a peer at step 9 and then fails on another rank; the second succeeds
     fed.manager, fed.say, fed._loop, fed._healed = _PlannedManager(fed, [(1, True), (1, False)]), None, None, None
+    fed.quorums = 0
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), lambda line: None
     fed.least = 1  # (a round of 1 group: each try asks torchft once)
     fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
@@ -598,7 +438,7 @@ def test_a_failed_quorum_too_small_is_a_failed_try(monkeypatch):
     fed = object.__new__(Federation)
 
     said = []
-    fed.say, fed._loop, fed._healed, fed.least, fed.least_why = None, None, None, 2, "why"
+    fed.say, fed._loop, fed._healed, fed.least, fed.least_why, fed.quorums = None, None, None, 2, "why", 0
     fed.round, fed.device, fed._say = 3, torch.device("cpu"), said.append
     fed.cfg = SimpleNamespace(federation=SimpleNamespace(quorum_give_up_s=None))
     fed.pg = SimpleNamespace(group_size=1, rank=0)

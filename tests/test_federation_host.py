@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -37,6 +38,12 @@ def _shut(m) -> None:
     stop_checkpoint_server(m._checkpoint_transport)
     m._checkpoint_transport._thread.join(5)
     assert not m._checkpoint_transport._thread.is_alive()
+    server = m._checkpoint_transport._server
+    for _ in range(50):  # its listening socket closed (just after the thread's end)
+        if server.socket.fileno() == -1:
+            break
+        time.sleep(0.02)
+    assert server.socket.fileno() == -1
 
 
 def test_advertise_host_reaches_torchfts_addresses():
@@ -206,3 +213,23 @@ def test_the_advertise_line_names_the_interface_nccl_should_take(monkeypatch):
     assert advertise_line(0, "127.0.0.1", "route", nccl=True).endswith("which only jobs on this host reach")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "wg0")
     assert "NCCL" not in advertise_line(3, "10.8.0.3", "fqdn", nccl=True)
+
+
+def test_a_federations_shutdown_closes_what_it_listens_on():
+    """``Federation.shutdown`` leaves nothing listening: the healing server (above, ``_shut``) and,
+    in a one-process job, the store it made for the quorum's process group (it stayed bound
+    for the life of the process: a leak for a process that builds federations one after
+    another, as the tests do)."""
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from dept_mega.dept.federation import Federation
+    fed = object.__new__(Federation)
+    fed._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = fed._own_store.port
+    fed.manager = SimpleNamespace(shutdown=lambda wait: None)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    fed.shutdown()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

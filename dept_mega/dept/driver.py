@@ -279,14 +279,34 @@ class DeptHooks:
         state = self.store.pop(mine) if mine in self.store else self._fresh_state(mine, initial=True)
         self._install(mine, state)
 
-    def before_step(self, loop) -> None:
-        """Before an inner step: fragments due now are launched (streaming.py)."""
+    def before_step(self, loop) -> bool:
+        """Before an inner step: fragments due now are launched (streaming.py). True: the
+        other groups completed this round without this one (:meth:`_left_out`); the loop goes
+        to the next round start without training the step."""
         self._loaded_same = None
-        self.schedule.before_step(self.trainer.step)
+        try:
+            self.schedule.before_step(self.trainer.step)
+        except LeftOut:
+            return self._left_out()
+        return False
 
-    def after_step(self, loop) -> None:
-        """After an inner step: overlapped syncs due now are applied."""
-        self.schedule.after_step(self.trainer.step)
+    def after_step(self, loop) -> bool:
+        """After an inner step: overlapped syncs due now are applied. True: as :meth:`before_step`."""
+        try:
+            self.schedule.after_step(self.trainer.step)
+        except LeftOut:
+            return self._left_out()
+        return False
+
+    def _left_out(self) -> bool:
+        """Federation: an exchange of this round found it completed by the other groups without
+        this one (``LeftOut``, at a fragment's, an overlapped sync's or the round end's exchange;
+        the peers' state is written). Nothing of the round stays pending; the next round start
+        takes the peers' round. The round has no ``outer`` record: its traffic is in the next one."""
+        self.schedule.drop()
+        self.in_round = False
+        self.federation.left_round()
+        return True
 
     def can_save_now(self) -> bool:
         """True when no outer sync is in flight: checkpoints are taken only then."""
@@ -307,9 +327,7 @@ class DeptHooks:
             strategy = PhaseTimer(self.device)
             self.strategy.sync(self.installed)
         except LeftOut:  # federation: the round was completed without this group (no record of it)
-            self.in_round = False
-            self._mark = self.pg.comm.snapshot()
-            self._excluded = {c: 0 for c in CATEGORIES}
+            self._left_out()
             return None
         strategy.stop()
         whole.stop()

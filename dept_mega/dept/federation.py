@@ -62,30 +62,16 @@ from ..config import ConfigError
 from ..parallel.agree import agree_errors
 from . import federation_dump
 from .federation_bookkeeping import any_member, check_fresh_agree, contributors
-from .federation_config import agree_hashes, agree_values, check_agree, check_reachable, own_sources
+from .federation_config import agree_hashes, agree_values, check_agree, lighthouse_reachable, own_sources
 from .federation_finished import announce, partners_finished, run_key
 from .federation_host import advertise_line, advertised_host, bound_to, check_literal, manager_kwargs, store_host
 from .federation_log import (RUNNING, WAIT_EVERY_S, first_line, healed_line, least_groups, membership_line,
                              quiet_checkpoint_server, quiet_torchft, quorum_wait_line)
 from .federation_wait import QUORUM_TRIES, at_least, preemptible, preemption_of
-from .federation_outer import (FederatedOuter, FederatedWork, Offline,  # noqa: F401  (importable from here)
+from .federation_outer import (FederatedOuter, FederatedWork, LeftOut, Offline,  # noqa: F401  (importable from here)
                                reconfigure_next, recording, stop_checkpoint_server)
 
 REPLICA_PREFIX = "dept_group_"
-
-
-class LeftOut(Exception):
-    """A round was completed by the other groups without this one (it reached the exchange
-    more than ``timeout_s`` after them): its pseudo-gradient is dropped, the peers' state is
-    written, and it goes on at their next round (``DeptHooks.round_end`` catches this)."""
-
-
-def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, device: torch.device) -> Optional[int]:
-    """``check_reachable`` on every rank of this job, its verdict agreed: a lighthouse that one
-    rank cannot reach (or whose ``/status`` times out there alone) stops every rank with that
-    rank's line, instead of that rank alone while the others go on to the quorum and wait.
-    Returns this rank's reading of the lighthouse's ``--min-groups`` (for the log)."""
-    return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)
 
 
 class Federation:
@@ -121,7 +107,8 @@ class Federation:
         self.order: list[int] = [group]  # ... in the order of the process group's ranks
         self.round_groups: list[int] = [group]  # those of the last committed exchange
         self._healed: Optional[dict] = None
-        self._rounds = 0  # quorums done
+        self._rounds = 0  # round starts' quorums done
+        self.quorums = 0  # quorums formed (an overlapped exchange launched on an earlier one is done again)
         self._commits = 0  # exchanges committed since the last round end (round_done)
         self.failed: dict[str, int] = {}  # bytes launched in exchange tries that failed (take_failed)
         self.syncs: dict[str, Any] = {}
@@ -260,6 +247,7 @@ class Federation:
         self.order = [(r - self.pg.rank) // W for r in ranks]  # group index of each rank of the process group
         self.members = sorted(self.order)
         self.participants = self.manager.num_participants()
+        self.quorums += 1
 
     def finished(self, step: int) -> None:
         """The run is complete in this job (rank 0, after :meth:`shutdown`): its record at the
@@ -387,11 +375,21 @@ class Federation:
             self.dump.round_end(self.round, self.round_groups, self.syncs, hooks.trainer, hooks.strategy)
         return self.round_groups
 
+    def left_round(self) -> None:
+        """``DeptHooks``' call after :class:`LeftOut`: the round ended here for this group (no
+        :meth:`round_done`)."""
+        self._commits = 0
+
     def take_failed(self) -> dict[str, int]:
         """The bytes, by category, this rank launched in exchange tries that failed since the
         last call (the ``outer`` record's ``failed_bytes``; :meth:`_exchange`)."""
         failed, self.failed = self.failed, {}
         return failed
+
+    def count_failed(self, counts) -> None:
+        """A failed try's (category, bytes) to :attr:`failed` (``counts``: them, or a function giving them)."""
+        for category, nbytes in counts() if callable(counts) else counts:
+            self.failed[category] = self.failed.get(category, 0) + int(nbytes)
 
     def all_reduce_sum(self, t: torch.Tensor, comm, category: str) -> torch.Tensor:
         from torch.distributed import ReduceOp
@@ -442,6 +440,7 @@ class Federation:
         fails and the exchange is redone blocking: ``launch``, wait, ``after``)."""
         if self.dump is not None:
             self.dump.hold(self.round, "exchange")
+        state["quorum"] = self.quorums
         try:
             state["sent"] = self.manager.errored() is None
             if state["sent"]:
@@ -531,7 +530,7 @@ class Federation:
         self._exchange(run, lambda: None, comm, lambda: result[-1] if result else [])
         return result[0]
 
-    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None, sent: bool = True) -> None:
+    def _exchange(self, run, restore, comm, counts, tried: Optional[float] = None) -> None:
         """One exchange across the groups, committed when every participant saw it succeed
         (``should_commit``); else ``restore()`` and again with the survivors' quorum.
         ``counts``: the (category, bytes) it sends (or a function giving them after ``run``),
@@ -539,7 +538,7 @@ class Federation:
         failed try's traffic is not in ``comm`` (how much of it crossed is unknown): the bytes of
         every collective it launched with several groups go to :attr:`failed` (the record's
         ``failed_bytes``, an upper bound). ``tried``: an overlapped exchange's first try was
-        launched (``sent``) and waited on since that time (monotonic). Inside :meth:`atomic` the
+        launched on this quorum and waited on since that time (monotonic). Inside :meth:`atomic` the
         collective runs at once (listed first: a failing one was launched too) and its failure
         is raised to :meth:`atomic`'s exchange."""
         if self._nested is not None:
@@ -551,7 +550,7 @@ class Federation:
         waited = time.monotonic() if tried is None else tried  # this try's start
         while True:
             if tried is not None:  # (an overlapped exchange: its first try was launched and waited on)
-                tried = None
+                tried, sent = None, True
             else:
                 sent = self.manager.errored() is None
                 try:
@@ -568,8 +567,7 @@ class Federation:
                 self.round_groups = list(self.members)
                 return
             if sent and self.participants > 1:  # (launched with other groups: some of it may have crossed)
-                for category, nbytes in counts() if callable(counts) else counts:
-                    self.failed[category] = self.failed.get(category, 0) + int(nbytes)
+                self.count_failed(counts)
             gone = time.monotonic() - waited
             self._say(f"federation: round {self.round}: the exchange failed after {gone:.1f} s "
                       f"({first_line(self.manager.errored())}); again with the groups still there")
@@ -596,3 +594,4 @@ class Federation:
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
         stop_checkpoint_server(getattr(self.manager, "_checkpoint_transport", None))
+        self._own_store = None  # (a one-process job's: its server ends with the last reference)

@@ -1,8 +1,8 @@
 """Federation mode's config side (docs/launching.md, "Federated group jobs"): the checks of the
 ``federation`` section a group job makes before it contacts anyone (``resolve``; also run by
-``--check``), which sources the job holds, and the keys every group job must agree on, compared
-as hashes, with the values to name the field that differs (at each heal: ``check_agree``; at a
-fresh start: federation_bookkeeping.py)."""
+``--check``), the lighthouse's reachability agreed over the job's ranks, which sources the job
+holds, and the keys every group job must agree on, compared as hashes, with the values to name
+the field that differs (at each heal: ``check_agree``; at a fresh start: federation_bookkeeping.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,11 +10,15 @@ import json
 import os
 import socket
 from dataclasses import asdict, is_dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..config import ConfigError, source_groups
 from ..config_diff import both, check_differing, differences
+from ..parallel.agree import agree_errors
 from ..variant import variant_of
+
+if TYPE_CHECKING:
+    import torch
 
 #: config keys that must be the same in every group job (compared as hashes)
 AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps", "dept.outer_comm_dtype",
@@ -173,3 +177,11 @@ def check_reachable(host: str, port: int, timeout_s: float, groups: int) -> Opti
                           f"to the number of group jobs (the same in every job; default 1), or restart the lighthouse "
                           f"with --min-groups <= {groups}")
     return least
+
+
+def lighthouse_reachable(host: str, port: int, timeout_s: float, groups: int, device: torch.device) -> Optional[int]:
+    """``check_reachable`` on every rank of this job, its verdict agreed: a lighthouse that one
+    rank cannot reach (or whose ``/status`` times out there alone) stops every rank with that
+    rank's line, instead of that rank alone while the others go on to the quorum and wait.
+    Returns this rank's reading of the lighthouse's ``--min-groups`` (for the log)."""
+    return agree_errors(lambda: check_reachable(host, port, timeout_s, groups), (ConfigError,), device)

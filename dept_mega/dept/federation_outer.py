@@ -1,17 +1,26 @@
 """The cross-group communicator of a federated group job (dept/federation.py): what stands in
 ``pg.outer``'s place (:class:`FederatedOuter`) and the handle of an exchange launched on it
-(:class:`FederatedWork`), committed where it is waited on; a group job read offline (:class:`Offline`); the
+(:class:`FederatedWork`), committed where it is waited on, or found completed without this group
+(:class:`LeftOut`); a group job read offline (:class:`Offline`); the
 process group that records each quorum's ranks (:func:`recording`); torchft's Manager made to configure it
 again at its next quorum (:func:`reconfigure_next`); its healing server stopped (:func:`stop_checkpoint_server`)."""
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from typing import Optional
 
 import torch
 
 from ..parallel.comm import CrossJob
+
+
+class LeftOut(Exception):
+    """A round was completed by the other groups without this one (it reached the exchange
+    more than ``timeout_s`` after them): its pseudo-gradient is dropped, the peers' state is
+    written, and it goes on at their next round (``DeptHooks`` catches this: at a round's end,
+    or at a fragment's or an overlapped sync's exchange inside it)."""
 
 
 class FederatedOuter(CrossJob):
@@ -67,19 +76,33 @@ class FederatedWork:
         return self.done or work is None or bool(work.is_completed())
 
     def wait(self) -> bool:
+        """Commits the exchange, or does it again on the current quorum: when it was not launched
+        (the Manager had failed before) or was launched on an earlier quorum (another exchange's
+        redo formed a new one since: the groups may differ, and a commit would take this
+        group's own Δ for the mean, or an unwritten buffer, for a sum of every group's)."""
         if self.done:
             return True
-        fed = self.federation
+        fed, state = self.federation, self.state
         since = time.monotonic()  # (a failure is said with the time this wait took)
-        try:
-            if self.state["work"] is not None:
-                self.state["work"].wait()
+        work = state["work"]
+        if state.get("sent") and work is not None and state.get("quorum") == fed.quorums:
+            try:
+                work.wait()
                 self.after()
-        except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
-            fed.manager.report_error(exc)
-        fed._exchange(self.run, self.restore, self.comm, self.counts, tried=since,  # (counted if committed)
-                      sent=bool(self.state.get("sent")))
-        fed.round_groups = list(self.state["keep"])
+            except Exception as exc:  # noqa: BLE001 - a peer gone mid-exchange: reported, not raised
+                fed.manager.report_error(exc)
+            fed._exchange(self.run, self.restore, self.comm, self.counts, tried=since)  # (counted if committed)
+        else:
+            if work is not None:
+                try:
+                    work.wait()  # (ended: the new quorum's configure aborted the process group it ran on)
+                except Exception:  # noqa: BLE001 - its outcome does not count
+                    pass
+                if state.get("sent") and len(state["keep"]) > 1:  # (some of it may have crossed)
+                    fed.count_failed(self.counts)
+            self.restore()
+            fed._exchange(self.run, self.restore, self.comm, self.counts)
+        fed.round_groups = list(state["keep"])
         self.done = True
         return True
 
@@ -142,7 +165,16 @@ def stop_checkpoint_server(transport) -> None:
     waiting for it. torchft's ``shutdown(wait=False)``, which ``Manager.shutdown(wait=False)``
     calls, sets its server's stop flag under a name Python mangles to another one, so the
     server went on serving (and polling) after the job's federation shut down. The flag set
-    here is the one ``socketserver`` reads: the thread ends within its poll interval."""
+    here is the one ``socketserver`` reads: the thread ends within its poll interval, and its
+    listening socket is closed then (a peer that connects later is refused at once)."""
     server = getattr(transport, "_server", None)
-    if server is not None:  # (another transport: nothing to stop)
-        server._BaseServer__shutdown_request = True
+    if server is None:  # (another transport: nothing to stop)
+        return
+    server._BaseServer__shutdown_request = True
+    thread = getattr(transport, "_thread", None)
+
+    def close() -> None:  # its listening socket, once the serving thread no longer polls it
+        if thread is not None:
+            thread.join()
+        server.server_close()
+    threading.Thread(target=close, name="federation-healing-close", daemon=True).start()

@@ -221,6 +221,11 @@ class OuterSchedule:
             if u.offset == self.L:
                 self._launch(u, step, blocking=False)
 
+    def drop(self) -> None:
+        """Forget every sync in flight or waiting to be launched (a federated group left out of
+        the round: the peers' state has been written over what they would land)."""
+        self.pending, self.deferred_step = [], None
+
     def flush(self) -> None:
         """Apply every pending sync now (in launch order)."""
         items, self.pending = self.pending, []
