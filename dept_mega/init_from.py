@@ -46,10 +46,11 @@ STARTS_FROM = {"std": ("std", "glob", "trim"), "glob": ("std", "glob", "trim"), 
                "spec": ("spec", "std", "glob", "trim"), "spec_opt": ("spec_opt",)}
 
 
-def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
+def source_checkpoint(path: str, device: Optional[torch.device] = None, verify: bool = True) -> str:
     """The checkpoint directory ``train.init_from`` names: ``RUN/checkpoints/step_N`` as given,
     or a run directory's newest complete, verified checkpoint. Collective when given a run
-    directory (every rank: rank 0's listing decides, as for a resume)."""
+    directory (every rank: rank 0's listing decides, as for a resume). ``verify=False`` (the
+    pre-flight, one process): the step ``checkpoints/latest`` names, its files not checksummed."""
     norm = os.path.normpath(path)
     m = re.fullmatch(r"step_(\d+)", os.path.basename(norm))
     if m and os.path.basename(os.path.dirname(norm)) == CKPT_DIR:
@@ -59,6 +60,13 @@ def source_checkpoint(path: str, device: Optional[torch.device] = None) -> str:
     if not os.path.isdir(norm):
         raise ConfigError(f"config key '{KEY}': {path!r} is not a directory (a run directory, or its "
                           f"checkpoints/step_N)")
+    if not verify:
+        from .resume import latest_step
+        step = step if step is not None else latest_step(run_dir)
+        if step is None or not os.path.isdir(step_dir(run_dir, step)):
+            raise ConfigError(f"config key '{KEY}': {path!r} holds no checkpoint ({os.path.join(run_dir, CKPT_DIR)} "
+                              f"has no latest step_N)")
+        return step_dir(run_dir, step)
     try:
         sel = select_checkpoint(run_dir, device, step)
     except CheckpointError as exc:

@@ -258,6 +258,20 @@ def _why(exc: BaseException, package: str) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def missing_logger_packages(tensorboard: Optional[bool], wandb: Optional[str]) -> list[str]:
+    """The warnings a launch will print for ``train.tensorboard: true`` / ``train.wandb`` whose
+    package is not installed here (the pre-flight's: training goes on without that logging)."""
+    import importlib.util
+    out = []
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        out.append("train.tensorboard: the tensorboard package is not installed (pip install tensorboard); the "
+                   "launch writes no TensorBoard events")
+    if wandb and importlib.util.find_spec("wandb") is None:
+        out.append(f"train.wandb={wandb!r}: the wandb package is not installed (pip install wandb); not logging "
+                   "to Weights & Biases")
+    return out
+
+
 WANDB_ID_FILE = "wandb_id.txt"
 
 

@@ -182,6 +182,29 @@ def resume_line(cfg: Config, warnings: Optional[list] = None) -> Optional[str]:
             + (", and the data it read" if not notes else " (the data: see the warnings)"))
 
 
+def init_from_line(cfg: Config, vocab_of: dict[str, int]) -> Optional[str]:
+    """With ``train.init_from`` on a run directory without a checkpoint: check now, as the
+    launch will, that it names a checkpoint of the same model (``init_from.check_source``) and,
+    with tables per source, one that holds each source's table for its tokenizer
+    (``init_from_dept.source_tables``), so that the mistake is not first seen on the allocated
+    nodes. ``vocab_of``: each source's embedding vocabulary. Not checked here: the checkpoint
+    files' checksums (at launch)."""
+    if cfg.train.init_from is None:
+        return None
+    from types import SimpleNamespace
+
+    from .init_from import check_source, source_checkpoint
+    from .init_from_dept import source_tables
+    from .resume import read_latest
+    if read_latest(cfg.train.run_dir)[0] is not None:
+        return f"init_from: not used: {cfg.train.run_dir} holds a checkpoint, which the launch resumes from"
+    path = source_checkpoint(cfg.train.init_from, verify=False)
+    check_source(cfg, path)
+    if variant_of(cfg).own_embeddings:
+        source_tables(cfg, path, None, [SimpleNamespace(name=n, vocab_size=v) for n, v in vocab_of.items()])
+    return f"init_from: the model weights of {path} (the same model keys; its files are checked at launch)"
+
+
 def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str, int]:
     """Free bytes of the file system that will hold ``path`` (its nearest existing ancestor)."""
     here = os.path.abspath(path)
@@ -200,6 +223,12 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     # first, as at a launch (init_distributed): train.device: cuda without CUDA on this machine stops here
     device_line = preflight_line(cfg.train.device)
     validate(cfg, world_size)
+    if cfg.backend == "transformer_engine":  # (the launch's device: cpu, CUDA here, or not known on this machine)
+        from .model.backends import BackendError, te_request_problem
+        from .parallel.device import use_cuda
+        here = "cpu" if cfg.train.device == "cpu" else "cuda" if use_cuda(cfg.train.device, preflight=True) else None
+        if (problem := te_request_problem(here)) is not None:
+            raise BackendError(problem)
     federated = None
     if cfg.federation.lighthouse is not None:  # the group index and federation.* keys, as the launch checks them
         from .dept.federation_config import own_sources, resolve
@@ -235,8 +264,9 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
                  + (f"+ FP8 weight copies {_size(mem['fp8_weight_copies'])} + FP8 scaling {_size(mem['fp8_scaling'])} "
                     if mem["fp8_weight_copies"] else "")
                  + "(not counted: allocator fragmentation, collective buffers, the framework's workspace)")
+    from .metrics import missing_logger_packages
     warnings = [*sampling_warnings(cfg, groups, scheduler), *schedule_warnings(cfg),
-                *source_warnings(cfg)]
+                *source_warnings(cfg), *missing_logger_packages(cfg.train.tensorboard, cfg.train.wandb)]
     if cfg.fp8 is not None and cfg.backend == "auto" and (why := te_fp8_conflict(cfg)) is not None:
         # refused with the config for backend: transformer_engine; auto decides on the GPU node
         warnings.append(f"config key 'backend': auto picks Transformer Engine on a node where it is installed, "
@@ -256,6 +286,10 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     resume = resume_line(cfg, warnings)
     if resume:
         lines.append(resume)
+    start = init_from_line(cfg, vocabs.source_vocabs if variant_of(cfg).own_tokenizer
+                           else {s.name: vocabs.global_vocab or vocab for s in cfg.data.sources})
+    if start:
+        lines.append(start)
     ckpt = checkpoint_bytes(cfg, world_size, mem, vocabs.global_vocab or vocab, sources,
                             list(vocabs.trim_vocabs.values()))
     where, free = free_bytes(cfg.train.run_dir, disk_usage)

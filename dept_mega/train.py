@@ -164,6 +164,8 @@ def build_session(cfg: Config, metrics: bool = True,
     # checks each rank makes itself (no collective inside) raise one agreed error on every rank:
     # the job prints it once (dept_mega.process_exit.report_error)
     agree_errors(lambda: validate(cfg, world), input_errors(), device)
+    from .model.backends import resolve_backends  # a backend this machine lacks (Transformer Engine): one line
+    agree_errors(lambda: resolve_backends(cfg, device), input_errors(), device)
     # the data first (empty sources, token ids outside the vocabulary): before any heavy work
     checked_on_rank0(lambda: check_sources(cfg, eval_part), rank, device)
     if extra_sources:

@@ -180,3 +180,32 @@ def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
                     f"train.init_from={tmp_path / 'moved'}", "dept.untrained_sources=warn")
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
+
+
+def test_the_pre_flight_refuses_what_the_launch_refuses(spec_opt_source, tmp_path):
+    """``--check`` with ``train.init_from`` (a user audit found it silent: a missing path, a
+    checkpoint of another variant or tokenizer passed it and stopped the launch on its nodes):
+    the pre-flight raises the launch's error for each (the path, the model keys, each source's
+    table), and says where the weights will come from, or that a checkpoint of the run's own
+    takes precedence."""
+    from dept_mega.preflight import preflight, run_check
+    cfg_path, src_run = spec_opt_source
+    run = f"train.run_dir={tmp_path / 'new'}"
+
+    def check(path, *more, cfg=cfg_path):
+        return preflight(load_config(cfg, [run, f"train.init_from={path}", *more]), 1)[0]
+
+    lines = check(src_run)
+    assert f"init_from: the model weights of {os.path.join(src_run, 'checkpoints', 'step_4')} (the same model " \
+           "keys; its files are checked at launch)" in lines, lines
+    with pytest.raises(ConfigError, match="config key 'train.init_from': .*nothing' is not a directory"):
+        check(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="config key 'model.hidden_size' differs from checkpoint .*: the checkpoint "
+                                          "has 32, this launch has 64; train.init_from needs a checkpoint"):
+        check(src_run, "model.hidden_size=64")
+    with pytest.raises(ConfigError, match="config key 'data.sources\\[2\\]' differs from checkpoint .*: source 'c': "
+                                          "the checkpoint holds no embeddings of it"):
+        check(src_run, "dept.untrained_sources=warn", cfg=_with_source_c(cfg_path, tmp_path))
+    assert any(ln.startswith("init_from: not used: ") for ln in preflight(load_config(
+        cfg_path, [f"train.run_dir={src_run}", f"train.init_from={src_run}"]), 1)[0])
+    assert run_check(load_config(cfg_path, [run, f"train.init_from={tmp_path / 'nothing'}"]), 1) == 2

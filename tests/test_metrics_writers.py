@@ -120,3 +120,28 @@ def test_a_resume_hides_the_replayed_steps_in_tensorboard_and_says_what_wandb_ke
         assert w.resume_notes == [], wandb
         w.close()
         open(os.path.join(run, "wandb_id.txt"), "w").close()
+
+
+def test_the_pre_flight_warns_of_a_logger_package_that_is_missing(monkeypatch):
+    """``--check`` says what the launch will warn about ``train.tensorboard: true`` and
+    ``train.wandb`` without their packages (it said nothing: the run then trained without the
+    logging asked for). Each package's absence stands in through importlib's lookup."""
+    import importlib.util
+
+    from dept_mega.config import load_config
+    from dept_mega.metrics import missing_logger_packages
+    from dept_mega.preflight import preflight
+    from tests.trainer_utils import TINY_STD, ensure_sample_corpus
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
+    wandb = ("train.wandb='proj': the wandb package is not installed (pip install wandb); not logging to "
+             "Weights & Biases")  # the launch's own warning (test_a_missing_package_is_one_warning_line)
+    tb = ("train.tensorboard: the tensorboard package is not installed (pip install tensorboard); the launch "
+          "writes no TensorBoard events")
+    assert missing_logger_packages(True, "proj") == [tb, wandb]
+    assert missing_logger_packages(None, None) == [] and missing_logger_packages(False, "proj") == [wandb]
+    ensure_sample_corpus()
+    warnings = preflight(load_config(TINY_STD, ["train.wandb=proj", "train.tensorboard=true"]), 1)[1]
+    assert tb in warnings and wandb in warnings, warnings
+    monkeypatch.setattr(importlib.util, "find_spec", real)

@@ -153,3 +153,21 @@ def test_no_usable_cuda_for_train_device_cuda_stops_every_rank_at_once(tmp_path)
     assert _error_lines(texts) == [(0, f"error: {exc.value}")], texts
     assert "config key 'train.device'" in texts[0] and not any("Traceback" in t for t in texts), texts
     assert time.monotonic() - start < 50 and not os.path.exists(tmp_path / "run"), texts
+
+
+def test_a_backend_this_machine_lacks_is_one_line_and_the_pre_flight_says_it(corpus, tmp_path):
+    """``backend: transformer_engine`` where it is not installed: every rank finds it, rank 0
+    prints it once (each rank printed its own ``[rank R]`` line: a user audit's finding), and
+    ``--check`` refuses it the same way instead of passing it."""
+    from dept_mega.model.backends import BackendError
+    from dept_mega.parallel.te import te_installed
+    from dept_mega.preflight import preflight
+    if te_installed():
+        pytest.skip("Transformer Engine is installed here")
+    want = "config key 'backend': transformer_engine was requested but transformer_engine is not installed"
+    for device in ("cpu", "auto"):  # (auto: the launch's device is not known on this machine)
+        with pytest.raises(BackendError, match=f"^{want}$"):
+            preflight(load_config(TINY_STD, [*layout(2), "backend=transformer_engine", f"train.device={device}"]), 2)
+    codes, texts = _launch(tmp_path, 2, ["backend=transformer_engine"])
+    assert codes == [2, 2], (codes, texts)
+    assert _error_lines(texts) == [(0, f"error: {want}")], texts

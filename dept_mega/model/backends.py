@@ -348,19 +348,33 @@ def _resolve_attention(m: ModelConfig, precision: str, device: torch.device) -> 
                             dropout=m.attention_dropout > 0, flash_installed=flash_attn_available())
 
 
+def te_request_problem(device_type: Optional[str]) -> Optional[str]:
+    """Why ``backend: transformer_engine`` cannot run on a ``device_type`` device, or None.
+    ``device_type`` None (the pre-flight on a machine that is not the launch's, e.g. a login
+    node without GPUs, where Transformer Engine may not import): only whether it is installed."""
+    if not te_installed():
+        return "config key 'backend': transformer_engine was requested but transformer_engine is not installed"
+    if device_type is None:
+        return None
+    ok, info = te_importable()
+    if not ok:
+        return f"config key 'backend': transformer_engine was requested but {info}"
+    if device_type != "cuda":
+        return f"config key 'backend': transformer_engine needs a CUDA device, got {device_type}"
+    return None
+
+
 def _resolve_linear(cfg: Config, device: torch.device) -> tuple[str, list[str]]:
     backend, fp8 = cfg.backend, cfg.fp8
     notes: list[str] = []
     if backend not in ("auto", "local", "transformer_engine"):
         raise BackendError(f"config key 'backend': {backend!r} is not one of auto | local | transformer_engine")
     if backend == "transformer_engine":
-        ok, info = te_importable()
-        if not ok:
-            raise BackendError(f"config key 'backend': transformer_engine was requested but {info}")
-        if device.type != "cuda":
-            raise BackendError(f"config key 'backend': transformer_engine needs a CUDA device, got {device.type}")
+        problem = te_request_problem(device.type)
+        if problem is not None:
+            raise BackendError(problem)
         linear = "transformer_engine"
-        notes.append(f"transformer_engine {info}")
+        notes.append(f"transformer_engine {te_importable()[1]}")
     elif backend == "auto" and te_installed() and device.type == "cuda":
         ok, info = te_importable()
         if ok:
