@@ -140,6 +140,7 @@ class SourceConfig:
     #: Federation: this source's summary (python -m dept_mega.data.summary PREFIX), which a group
     #: job that does not hold the source reads instead of its files (token count, data identity,
     #: tokenizer size); null = PREFIX.summary.json. Never read by the job that holds the source.
+    #: A job that reads the summary never opens the source's prefix or tokenizer: any path works.
     summary: Optional[str] = None
 
 

@@ -480,6 +480,33 @@ def test_a_group_left_out_writes_its_healed_membership_record():
     assert _event(dict(records[0][3], round=20)) == "r20+0h"
 
 
+def test_a_relaunched_job_that_healed_names_only_itself_as_joined():
+    """The audit's kill -9 of site 1's job, relaunched: it healed at its first quorum into the
+    running groups [0, 1]. Its record said joined [0, 1] (summarize_runs ``r140+0,1h``: "group
+    0 joined"), yet group 0 never left. A job healed at its first quorum knows nothing of the
+    others' history: ``joined`` names only itself. A fresh start that did not heal still names
+    every group at its first record."""
+    from types import SimpleNamespace
+
+    from dept_mega.dept.federation import Federation
+    from tools.summarize_runs import _event
+
+    fed = object.__new__(Federation)
+    fed.group, fed.members, fed._say = 1, [0, 1], lambda line: None
+    records = []
+    writer = SimpleNamespace(write=lambda kind, step, round_index, **rec: records.append(rec))
+    fed._members_changed([], 140, writer, 1400, healed=True)
+    assert records == [dict(groups=[0, 1], joined=[1], left=[], healed=True)], records
+    assert _event(dict(records[0], round=140)) == "r140+1h"
+    records.clear()
+    fed._members_changed([], 0, writer, 0, healed=False)
+    assert records == [dict(groups=[0, 1], joined=[0, 1], left=[], healed=False)], records
+    records.clear()  # a running job that healed back into more groups than it last saw: those too
+    fed.members = [0, 1, 2]
+    fed._members_changed([0, 1], 9, writer, 90, healed=True)
+    assert records == [dict(groups=[0, 1, 2], joined=[1, 2], left=[], healed=True)], records
+
+
 def test_torchft_log_lines_are_marked_and_translated_not_hidden(capfd):
     """torchft's Python loggers had no handler: Python's last resort printed their raw text into
     the job's log (the audit's '[dept_group_0:.../0 - step 1099511627781] got exception ...

@@ -112,6 +112,7 @@ def test_a_summary_of_other_data_changes_the_plan_and_is_refused(tmp_path, monke
     assert agreed_facts(wrong) != agreed_facts(right)
     key = AGREE_KEYS.index("data.sources[].summary")
     assert agree_hashes(wrong)[key] != agree_hashes(right)[key]
+    _the_error_names_the_source_its_fields_and_the_stale_copy(wrong, right)
     # a summary of another source, or none at all: a ConfigError naming the key and the command
     json.dump(dict(s, name="ja"), open(summaries["fr"], "w"))
     with pytest.raises(ConfigError, match=r"data.sources\[1\].summary'.*summary of source 'ja'"):
@@ -119,6 +120,43 @@ def test_a_summary_of_other_data_changes_the_plan_and_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match=r"data.sources\[1\].summary'.*does not exist: make it at the site that "
                                           r"holds source 'fr' with python -m dept_mega.data.summary PREFIX"):
         check_sources(_config(tmp_path, "spec", {"fr": None, "ru": summaries["ru"]}))
+
+
+def _the_error_names_the_source_its_fields_and_the_stale_copy(wrong, right):
+    """Group 0 (``wrong``) read a stale summary of fr, which group 1 (``right``) holds. The error
+    said ``config key 'data.sources[].summary[1][1]': group 0 has 886060, group 1 has 177212``
+    (and ``[1][2]`` with two sha256): now the source by name, the field, which copy is stale
+    and the command that remakes it, at a fresh start and at a heal (either side healing)."""
+    from dept_mega.config import ConfigError
+    from dept_mega.dept.federation_bookkeeping import value_rows
+    from dept_mega.dept.federation_config import (COMPARED_KEYS, OWNER_KEY, SUMMARY_KEY, agree_hashes, agree_values,
+                                                  check_agree)
+    key, owner = COMPARED_KEYS.index(SUMMARY_KEY), COMPARED_KEYS.index(OWNER_KEY)
+    stale, counted = agree_values(wrong)[key][1][1], agree_values(right)[key][1][1]
+    command = "python -m dept_mega.data.summary PREFIX --name fr"
+    by_group = {0: [agree_values(wrong)[key]], 1: [agree_values(right)[key]]}
+    assert value_rows([SUMMARY_KEY], by_group, agree_values(wrong)[owner]) == [(
+        "data.sources[1].summary", f"source 'fr': tokens: group 0 has {stale}, group 1 has {counted}; group 1 holds "
+        f"its files and counts them, so the summary in group 0 is stale (made before the data changed, or of other "
+        f"files): make it again at group 1's site with {command} and copy it to group 0 (data.sources[1].summary)")]
+    unknown = value_rows([SUMMARY_KEY], by_group, None)  # the jobs disagree on who holds it
+    assert "the group job that holds its files (data.sources[1].group)" in unknown[0][1], unknown
+    with pytest.raises(ConfigError) as exc:  # group 1 heals into group 0: the running group's copy is stale
+        check_agree(right, {"agree": agree_hashes(wrong), "agree_values": agree_values(wrong)})
+    assert str(exc.value).startswith(
+        f"config key 'data.sources[1].summary' differs from the running groups': source 'fr': tokens: this job has "
+        f"{counted}, the running groups have {stale}; this job holds its files and counts them, so the summary in "
+        f"the running groups is stale"), str(exc.value)
+    with pytest.raises(ConfigError) as exc:  # group 0 heals: its peer may or may not be the holder
+        check_agree(wrong, {"agree": agree_hashes(right), "agree_values": agree_values(right)})
+    assert f"source 'fr': tokens: this job has {stale}, the running groups have {counted}; group 1 holds its " \
+        f"files and counts them" in str(exc.value) and f"group 1's site with {command}" in str(exc.value)
+    # a sha256 by its first 12 digits; every field that differs, named
+    sha = [["fr", 5, "a" * 64, None]], [["fr", 5, "b" * 64, "c" * 64]]
+    (_, what), = value_rows([SUMMARY_KEY], {0: [sha[0]], 1: [sha[1]]}, [["fr", 1]])
+    assert what.startswith("source 'fr': data sha256: group 0 has 'aaaaaaaaaaaa…', group 1 has 'bbbbbbbbbbbb…'; "
+                           "tokenizer sha256: group 0 has none, group 1 has 'cccccccccccc…'; group 1 holds"), what
+    assert "--tokenizer TOKENIZER --name fr" in what
 
 
 def test_spec_opt_group_job_knows_the_other_sites_vocabularies_from_their_summaries(tmp_path, monkeypatch):

@@ -59,6 +59,12 @@ def make_summary(prefix: str, name: Optional[str] = None, tokenizer: Optional[st
     return out
 
 
+def summary_command(name: str, tokenizer: bool) -> str:
+    """The command that makes source ``name``'s summary at its site (``tokenizer``: with the
+    source's own tokenizer, spec_opt), as the errors that ask for one name it."""
+    return f"python -m dept_mega.data.summary PREFIX{' --tokenizer TOKENIZER' if tokenizer else ''} --name {name}"
+
+
 def is_foreign(cfg, i: int, held: Optional[list[int]] = None) -> bool:
     """Whether source ``i`` is another group job's (its facts come from its summary)."""
     held = held_here(cfg) if held is None else held
@@ -73,9 +79,8 @@ def read_summary(cfg, i: int) -> dict[str, Any]:
     (every site's data on one file system), the same numbers made from them."""
     s = cfg.data.sources[i]
     path, key = summary_path(s), f"config key 'data.sources[{i}].summary'"
-    how = (f"make it at the site that holds source '{s.name}' with python -m dept_mega.data.summary PREFIX"
-           + (" --tokenizer TOKENIZER" if variant_of(cfg).own_tokenizer else "")
-           + f" --name {s.name} (it writes PREFIX{SUFFIX}) and copy it here, or point data.sources[{i}].summary at it")
+    how = (f"make it at the site that holds source '{s.name}' with {summary_command(s.name, variant_of(cfg).own_tokenizer)}"
+           + f" (it writes PREFIX{SUFFIX}) and copy it here, or point data.sources[{i}].summary at it")
     if not os.path.exists(path):
         if not s.summary and all(os.path.exists(s.prefix + ext) for ext in (".bin", ".idx")) and (
                 not variant_of(cfg).own_tokenizer or (s.tokenizer and os.path.exists(s.tokenizer))):
@@ -147,6 +152,63 @@ def agreed_facts(cfg) -> list:
         out.append([s.name, f["tokens"], (f.get("identity") or {}).get("sha256"),
                     (f.get("tokenizer") or {}).get("sha256")])
     return out
+
+
+#: the fields of a source's :func:`agreed_facts` entry after its name, as an error names them
+FACT_FIELDS = ("tokens", "data sha256", "tokenizer sha256")
+
+
+def facts_rows(seen: dict[str, list], holders: Optional[list[str]]) -> Optional[list[tuple[str, str]]]:
+    """The rows of a ConfigError (``config_diff.check_differing``) for :func:`agreed_facts`
+    values that differ between group jobs, one per source, readable: the source's name, each
+    field that differs with every side's value, and which copy is stale and how to remake it
+    (a raw ``summary[1][2]`` with two sha256 told the user nothing). ``seen``: side ("group 0",
+    "this job") -> its value; ``holders``: per source, the side that holds its files and counts
+    them (None: the jobs disagree on ``data.sources[].group``). None when the sides list other
+    sources or another order (the caller's plain rows then: ``data.sources[].group`` differs too)."""
+    sides = list(seen)
+    entries = [seen[side] for side in sides]
+    if any(len(e) != len(entries[0]) for e in entries) or any(
+            len(s) != 1 + len(FACT_FIELDS) or s[0] != e0[0] for e in entries for s, e0 in zip(e, entries[0])):
+        return None
+    rows = []
+    for i, name in enumerate(e0[0] for e0 in entries[0]):
+        here = {side: seen[side][i] for side in sides}
+        fields = [f"{field}: " + ", ".join(f"{side} {_has(side)} {_short(here[side][1 + k])}" for side in sides)
+                  for k, field in enumerate(FACT_FIELDS) if len({json.dumps(v[1 + k]) for v in here.values()}) > 1]
+        if fields:
+            tok = any(v[3] is not None for v in here.values())
+            rows.append((f"data.sources[{i}].summary", f"source '{name}': " + "; ".join(fields) + "; "
+                         + _stale(here, holders[i] if holders else None, i, summary_command(name, tok))))
+    return rows
+
+
+def _has(side: str) -> str:
+    return "have" if side.endswith("groups") else "has"  # (the running groups)
+
+
+def _short(value) -> str:
+    """A field's value in an error: a sha256 by its first 12 digits (enough to tell two apart)."""
+    if isinstance(value, str) and len(value) == 64:
+        return f"'{value[:12]}…'"
+    return "none" if value is None else repr(value)
+
+
+def _stale(here: dict[str, list], holder: Optional[str], i: int, command: str) -> str:
+    """Which side's summary of source ``i`` is stale (``holder`` counts from the files, every
+    other side read a summary) and the remedy: make it again at the holder's site."""
+    key = f"data.sources[{i}].summary"
+    if holder is None:  # the jobs disagree on which job holds it
+        return (f"the group job that holds its files (data.sources[{i}].group) counts them, the others read its "
+                f"summary: make it again at that site with {command} and copy it to the others ({key})")
+    if holder not in here:  # (a group not in this quorum, or a peer that may be it)
+        return (f"{holder} holds its files and counts them, the other jobs read its summary, and a copy compared "
+                f"here is stale: make it again at {holder}'s site with {command} and copy it to every group job "
+                f"but {holder} ({key})")
+    stale = [side for side, v in here.items() if v != here[holder]]
+    return (f"{holder} holds its files and counts them, so the summary in {' and '.join(stale)} is stale (made "
+            f"before the data changed, or of other files): make it again at {holder}'s site with {command} "
+            f"and copy it to {' and '.join(stale)} ({key})")
 
 
 def _progress_printer(interval: float) -> Callable[[int, int], None]:

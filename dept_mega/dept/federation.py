@@ -311,14 +311,15 @@ class Federation:
         """When the groups taking part differ from ``before``: the job's log line; then or when
         this job ``healed`` (also a group left out of rounds completed without it, healed back
         into the same groups: ``joined`` names itself), with a ``writer``, the ``membership``
-        record at ``step``."""
+        record at ``step``; healed at its first quorum (relaunched), only itself: the others never left."""
         if self.members == before and not healed:
             return
         if self.members != before:
             self._say(membership_line(round_index, self.members, before, healed))
         if writer is not None:
+            new = set(self.members) - set(before) if before or not healed else set()
             writer.write("membership", step, round_index, groups=self.members,
-                         joined=sorted(set(self.members) - set(before) | ({self.group} if healed else set())),
+                         joined=sorted(new | ({self.group} if healed else set())),
                          left=sorted(set(before) - set(self.members)), healed=healed)
 
     def _apply(self, healed: dict) -> None:

@@ -10,11 +10,13 @@ sites, which the user would otherwise have to fetch and compare."""
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import torch
 
 from ..config_diff import check_differing, differences
-from .federation_config import COMPARED_KEYS
+from ..data.summary import facts_rows
+from .federation_config import COMPARED_KEYS, OWNER_KEY, SUMMARY_KEY
 
 
 def _allreduce(process_group, t: torch.Tensor, op) -> torch.Tensor:
@@ -55,15 +57,23 @@ def _gather_json(process_group, device: torch.device, value, ranks: int) -> list
     return [json.loads(bytes(p.cpu().tolist()).decode()) for p in parts]
 
 
-def value_rows(keys: list[str], by_group: dict[int, list]) -> list[tuple[str, str]]:
+def value_rows(keys: list[str], by_group: dict[int, list], owners: Optional[list] = None) -> list[tuple[str, str]]:
     """``(key + field, "group 0 has X, group 1 has Y")`` for every field of ``keys`` whose
     values differ between the groups (``by_group``: group → the keys' values, in ``keys``
     order); a field's value in a group that does not differ there from the lowest group is
-    that group's."""
+    that group's. ``data.sources[].summary``: per source by name and field, with which group's
+    summary is stale (``owners``: the agreed ``data.sources[].group`` value, None when it
+    differs too; ``data/summary.py`` ``facts_rows``)."""
     order = sorted(by_group)
     ref = by_group[order[0]]
     rows = []
     for i, key in enumerate(keys):
+        if key == SUMMARY_KEY:
+            holders = [f"group {g}" for _, g in owners] if owners is not None else None
+            facts = facts_rows({f"group {g}": by_group[g][i] for g in order}, holders)
+            if facts is not None:
+                rows += facts
+                continue
         fields: dict[str, dict[int, object]] = {}
         for g in order[1:]:
             for where, mine, theirs in differences(ref[i], by_group[g][i]) or []:
@@ -90,5 +100,6 @@ def check_fresh_agree(process_group, device: torch.device, hashes: list[int], va
     gathered = _gather_json(process_group, device, [values[i] for i in differ], len(order))
     keys = [COMPARED_KEYS[i] for i in differ]
     by_group = dict(zip(order, gathered))
-    rows = value_rows(keys, by_group) or [(key, "") for key in keys]  # (equal values, unequal hashes: the keys)
+    owner = COMPARED_KEYS.index(OWNER_KEY)  # (which job holds each source: the stale summary's side)
+    rows = value_rows(keys, by_group, None if owner in differ else values[owner]) or [(key, "") for key in keys]  # (equal values, unequal hashes: the keys)
     check_differing(rows, "between the group jobs", "federation: every group job needs the same value", agreed=True)

@@ -25,6 +25,8 @@ AGREE_KEYS = ("model", "dept.variant", "dept.outer_optimizer", "dept.local_steps
               "dept.outer_quant_block", "dept.outer_fragments",
               "dept.body_optimizer_state", "dept.reset_inner_optimizer", "parallel", "precision", "train.steps",
               "train.seed", "optim", "federation.groups", "data.sources[].group", "data.sources[].summary")
+#: the agreed keys of which group job holds each source, and of what each job knows of it
+OWNER_KEY, SUMMARY_KEY = "data.sources[].group", "data.sources[].summary"
 #: config keys compared where group jobs meet (a fresh start's quorum, a heal) like
 #: :data:`AGREE_KEYS`, but not part of the run's identity (``federation_finished.run_key``):
 #: every job may change them together across a restart of all of them. ``dept.outer_overlap``
@@ -37,9 +39,9 @@ COMPARED_KEYS = AGREE_KEYS + MEET_KEYS
 
 
 def _get(cfg, dotted: str):
-    if dotted == "data.sources[].group":  # which group job holds each source (by name)
+    if dotted == OWNER_KEY:  # which group job holds each source (by name)
         return [[s.name, g] for s, g in zip(cfg.data.sources, source_owners(cfg))]
-    if dotted == "data.sources[].summary":  # each source's tokens and identity: a job's own from its files,
+    if dotted == SUMMARY_KEY:  # each source's tokens and identity: a job's own from its files,
         from ..data.summary import agreed_facts  # the others' from their summaries (a stale summary differs)
         return agreed_facts(cfg)
     node = cfg
@@ -73,11 +75,25 @@ def check_agree(cfg, peer: dict) -> None:
     values, own = peer.get("agree_values"), agree_values(cfg)
     keys = [i for i, (a, b) in enumerate(zip(_hashes(own), peer["agree"])) if a != b]
     if values:  # each field that differs (a key whose hash differs but whose values do not: the key, both values)
-        rows = [(COMPARED_KEYS[i] + where, both(mine, theirs, ("this job has", "the running groups have"))) for i in keys
+        rows = []
+        for i in keys:
+            facts = (_summary_rows(cfg, own[i], values[i], COMPARED_KEYS.index(OWNER_KEY) in keys)
+                     if COMPARED_KEYS[i] == SUMMARY_KEY else None)
+            rows += facts if facts is not None else [
+                (COMPARED_KEYS[i] + where, both(mine, theirs, ("this job has", "the running groups have")))
                 for where, mine, theirs in (differences(own[i], values[i]) or [("", own[i], values[i])])]
     else:
         rows = [(COMPARED_KEYS[i], "") for i in keys]
     check_differing(rows, "from the running groups'", "federation: every group job needs the same value")
+
+
+def _summary_rows(cfg, mine: list, theirs: list, owners_differ: bool) -> Optional[list]:
+    """A healing job's ``data.sources[].summary`` against the running groups', per source by
+    name and field, with which copy is stale (``data/summary.py`` ``facts_rows``)."""
+    from ..data.summary import facts_rows
+    holders = None if owners_differ else ["this job" if g == cfg.federation.group else f"group {g}"
+                                          for g in source_owners(cfg)]
+    return facts_rows({"this job": mine, "the running groups": theirs}, holders)
 
 
 def resolve(cfg) -> Optional[tuple[int, str, int]]:
