@@ -101,5 +101,6 @@ def check_fresh_agree(process_group, device: torch.device, hashes: list[int], va
     keys = [COMPARED_KEYS[i] for i in differ]
     by_group = dict(zip(order, gathered))
     owner = COMPARED_KEYS.index(OWNER_KEY)  # (which job holds each source: the stale summary's side)
-    rows = value_rows(keys, by_group, None if owner in differ else values[owner]) or [(key, "") for key in keys]  # (equal values, unequal hashes: the keys)
+    rows = (value_rows(keys, by_group, None if owner in differ else values[owner])
+            or [(key, "") for key in keys])  # (equal values, unequal hashes: the keys)
     check_differing(rows, "between the group jobs", "federation: every group job needs the same value", agreed=True)
