@@ -7,7 +7,9 @@ Reads ``RUN/config.yaml`` (its relative paths from the directory the run was lau
 dept_mega.run_paths; then the ``key=value`` overrides, whose paths are read from here), rebuilds
 the model in the run's layout (same tensor and pipeline sizes, any number of groups and
 data-parallel size; overrides such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in
-another one, e.g. in one process, as the checkpoint loads under any layout), loads
+another one, e.g. in one process: the checkpoint loads under any tensor, pipeline and
+data-parallel size, and under another number of source groups unless its step is inside a
+round or its sources belong to groups, docs/launching.md section 10), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, part, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
@@ -60,7 +62,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "train.eval_iters and train.eval_samples")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="overrides of the run's config.yaml, e.g. parallel.pipeline=1 parallel.tensor=1 "
-                         "to evaluate in another layout (any layout loads: docs/launching.md section 10)")
+                         "to evaluate in another layout. Any tensor, pipeline and data-parallel size loads; "
+                         "another number of source groups (processes / tensor × pipeline × data) only from a "
+                         "checkpoint at a round boundary (a step that is a multiple of dept.local_steps) and "
+                         "not when data.sources[].group ties sources to groups: launch those with the run's "
+                         "number of groups (docs/launching.md section 10)")
     args = parse_with_hints(ap, argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]
@@ -82,8 +88,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if world % per_group:
         report_error(f"config key 'parallel': the run's tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} "
                      f"= {per_group} does not divide the {world} process(es) of this launch: start a multiple of "
-                     f"{per_group} with torchrun --nproc-per-node, or evaluate in another layout with overrides (the "
-                     f"checkpoint loads under any), e.g. parallel.tensor=1 parallel.pipeline=1 parallel.data=1")
+                     f"{per_group} with torchrun --nproc-per-node, or evaluate in another layout with overrides, e.g. "
+                     f"parallel.tensor=1 parallel.pipeline=1 parallel.data=1 (another number of source groups "
+                     f"only from a checkpoint at a round boundary: docs/launching.md section 10)")
         return 2
     from .resume import read_latest, select_checkpoint, step_dirs
     if args.step is None and read_latest(args.run_dir) == (None, None) and not step_dirs(args.run_dir):

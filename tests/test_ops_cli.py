@@ -156,3 +156,40 @@ def test_require_compile_says_why_torch_compile_cannot_run_on_the_gpu(monkeypatc
     captured = capsys.readouterr()
     assert "torch.compile on cuda: works (" in captured.out and "TRITON_CACHE_DIR=/local/triton)" in captured.out
     assert "error" not in captured.err, captured.err
+
+
+def _fallback_lines(rank, world_size):
+    """This rank's log lines about the fallback, from a fresh custom-ops status."""
+    import logging
+
+    from dept_mega.ops import loader
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                lines.append(record.getMessage())
+
+    handler = Keep()
+    loader.logger.addHandler(handler)
+    try:
+        loader._STATUS.clear()
+        loader.status()
+    finally:
+        loader.logger.removeHandler(handler)
+    return lines
+
+
+def test_the_fallback_is_said_once_per_job(monkeypatch):
+    """Without the extension every rank takes the fallback, but only global rank 0 says so (as
+    the backends: line, which repeats it): a 2-rank job prints the line once. A process outside
+    torchrun (a tool, one process) says it too."""
+    from tests.mp_utils import run_distributed
+    monkeypatch.setenv("DEPT_MEGA_OPS", "torch")
+    lines = run_distributed(_fallback_lines, world_size=2, timeout=120)
+    assert lines[0] == ["dept_mega.ops: using the PyTorch fallback: DEPT_MEGA_OPS=torch forces the PyTorch fallback"]
+    assert lines[1] == []
+    from dept_mega.ops import loader
+    monkeypatch.setattr(loader, "_STATUS", [])
+    monkeypatch.delenv("RANK", raising=False)
+    assert _fallback_lines(0, 1) == lines[0]

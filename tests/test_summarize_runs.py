@@ -21,17 +21,20 @@ def _ok(res) -> str:
     return res.stdout
 
 
-def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int], dtype: str = "fp32") -> None:
+def _fake_run(d: Path, variant: str, bpb: dict, outer_bytes: list[int], dtype: str = "fp32",
+              eval_bytes: dict | None = None, eval_tokens: int = 1) -> None:
     d.mkdir()
     cfg = load_config(None, [f"dept.variant={variant}", "model.vocab_size=300", "model.num_layers=2",
-                             "model.hidden_size=32", "model.num_attention_heads=4",
+                             "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=64",
+                             "train.eval_iters=4", "train.global_batch_size=8",
                              "dept.local_steps=5", "train.steps=10", f"dept.outer_comm_dtype={dtype}"])
     save_config(cfg, d / "config.yaml")
     recs = [{"kind": "train", "step": 10, "round": 1, "time": 0, "loss": 3.0, "tokens": 64}]
     recs += [{"kind": "outer", "step": 5 * (i + 1), "round": i, "time": 0,
               "bytes": {"outer_body": b, "outer_embedding": 0}, "seconds": 0.1} for i, b in enumerate(outer_bytes)]
     recs.append({"kind": "eval", "step": 10, "round": 1, "time": 0,
-                 "by_source": {k: {"loss": 1, "ppl": 2.7, "bpb": v, "tokens": 1, "bytes": 1} for k, v in bpb.items()}})
+                 "by_source": {k: {"loss": 1, "ppl": 2.7, "bpb": v, "tokens": eval_tokens,
+                                   "bytes": (eval_bytes or {}).get(k, 1)} for k, v in bpb.items()}})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (d / "params.json").write_text(json.dumps({"ranks": [{"body": 100, "embeddings": 7}, {"body": 100, "embeddings": 9}]}))
 
@@ -134,3 +137,35 @@ def test_unreachable_tokenizer_leaves_out_one_figure(tmp_path, io):
     assert lines["Table"] == ["1", "params/step", "-"]
     assert lines["mean"] == ["1.0000"]
     assert "gone.model" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_note_when_the_runs_evaluated_different_bytes(tmp_path, io):
+    """SPEC-OPT's own tokenizers cut a validation part into other sequences than GLOB's: the same
+    number of sequences is other text, so the BPB side by side are of different bytes. The
+    summary says which sources and how many bytes each run read, and how to compare on the same
+    text; runs that read the same bytes get no note, and runs that each read the parts whole
+    are told that only the parts' edges differ."""
+    full = 4 * 8 * 64  # train.eval_iters × train.global_batch_size sequences of model.seq_length: not whole
+    _fake_run(tmp_path / "so", "spec_opt", {"lic": 2.81, "man": 3.07, "code": 1.0}, [1000],
+              eval_bytes={"lic": 5691, "man": 4995, "code": 777}, eval_tokens=full)
+    _fake_run(tmp_path / "gl", "glob", {"lic": 2.91, "man": 3.29, "code": 1.1}, [1000],
+              eval_bytes={"lic": 5730, "man": 5289, "code": 777}, eval_tokens=full)
+    out = _ok(run_tool(TOOL, str(tmp_path / "so"), str(tmp_path / "gl"), **io)).splitlines()
+    i = out.index("note: not the same validation text: the runs' final evaluations read different bytes, so "
+                  "these BPB are of different text:")
+    assert out[i + 1:i + 3] == ["  lic: SPEC_OPT 5,691 bytes, GLOB 5,730 bytes",
+                                "  man: SPEC_OPT 4,995 bytes, GLOB 5,289 bytes"], out
+    why = " ".join(ln.strip() for ln in out[i + 3:i + 12])
+    assert "code" not in " ".join(out[i:i + 3])  # read the same bytes in both runs
+    assert "train.eval_samples" in why and "eval_whole: true" in why, why
+    assert i > next(k for k, ln in enumerate(out) if ln.startswith("mean"))  # under the BPB table
+
+    _fake_run(tmp_path / "so2", "spec_opt", {"lic": 2.81}, [1000], eval_bytes={"lic": 5691}, eval_tokens=full)
+    _fake_run(tmp_path / "gl2", "glob", {"lic": 2.91}, [1000], eval_bytes={"lic": 5691}, eval_tokens=full)
+    assert "note:" not in _ok(run_tool(TOOL, str(tmp_path / "so2"), str(tmp_path / "gl2"), **io))
+
+    _fake_run(tmp_path / "so3", "spec_opt", {"lic": 2.81}, [1000], eval_bytes={"lic": 5691}, eval_tokens=full - 64)
+    _fake_run(tmp_path / "gl3", "glob", {"lic": 2.91}, [1000], eval_bytes={"lic": 5730}, eval_tokens=full - 128)
+    out = _ok(run_tool(TOOL, str(tmp_path / "so3"), str(tmp_path / "gl3"), **io))
+    assert "  lic: SPEC_OPT 5,691 bytes, GLOB 5,730 bytes" in out
+    assert "Every run read these parts whole" in out and "eval_whole" not in out, out

@@ -9,7 +9,8 @@ launched from: dept_mega.run_paths), ``metrics.jsonl`` (the last ``eval`` record
 ``outer`` record and, for a federated group job, every ``membership`` record; one record per
 kind and step, the last when a file repeats one) and ``params.json`` (parameters held by each rank, written by
 ``dept_mega.train``). Bits per byte compare runs with different tokenizers; loss and
-perplexity do not.
+perplexity do not. They compare the same text only where the runs evaluated the same bytes of a
+source: a note under the table names the sources where they did not (``eval_text_note``).
 
 Bytes are measured (``outer`` records, summed over ranks, in the run's ``dept.outer_comm_dtype``)
 and printed in decimal units (``kB`` = 1000 bytes, dept_mega.metrics.format_bytes);
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from typing import Any
 
 import yaml
@@ -90,6 +92,7 @@ def read_run(run_dir: str) -> dict[str, Any]:
     membership = [{k: m.get(k) for k in ("step", "round", "groups", "joined", "left", "healed")} for m in members]
     took_part = sorted({len(rec["groups"]) for rec in outers if "groups" in rec})
     return {"run_dir": run_dir, "variant": cfg["dept"]["variant"], "eval": evals[-1],
+            "eval_read_whole": read_whole(cfg, evals[-1]),
             "federation": cfg.get("federation") if (cfg.get("federation") or {}).get("lighthouse") else None,
             "membership": membership, "groups_per_round": took_part,
             "rounds": rounds, "outer_bytes_per_round": outer_bytes, "outer_bytes_total": total_bytes,
@@ -98,6 +101,53 @@ def read_run(run_dir: str) -> dict[str, Any]:
             "cross_group_bytes_total": cross if rounds else None,
             "cross_group_bytes_per_step": cross / steps if rounds and steps else None, "params": params,
             "train_tokens": tokens, "comm_params_per_step": comm, "final_train_loss": trains[-1]["loss"] if trains else None}
+
+
+def read_whole(cfg: dict, ev: dict) -> dict[str, bool]:
+    """Per source of eval record ``ev``: whether it read the validation part whole, i.e. fewer
+    sequences (``tokens`` / ``model.seq_length``) than it asks for (``train.eval_samples``, else
+    ``train.eval_iters`` × ``train.global_batch_size``; as dept_mega.study.rows.read_whole).
+    False where the config does not say."""
+    try:
+        train, seq = cfg["train"], int(cfg["model"]["seq_length"])
+        wanted = train.get("eval_samples")
+        wanted = int(train["eval_iters"]) * int(train["global_batch_size"]) if wanted is None else int(wanted)
+    except (KeyError, TypeError, ValueError):
+        return {}
+    return {s: int(v.get("tokens", 0)) // seq < wanted for s, v in ev["by_source"].items()}
+
+
+def eval_text_note(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """The sources whose final evaluation read different bytes in different runs, said under the
+    BPB table: their bits per byte are then of different text (docs/dept.md, "Studies and
+    plasticity"). A run reads the first N sequences of each validation part; another N, or
+    another tokenizer (SPEC-OPT's own) cutting the part into sequences, is other text."""
+    differ, other = [], False
+    for s in dict.fromkeys(s for r in runs for s in r["eval"]["by_source"]):
+        by: dict[int, list[str]] = {}
+        for n, r in zip(names, runs):
+            b = r["eval"]["by_source"].get(s, {}).get("bytes")
+            if b is not None:
+                by.setdefault(int(b), []).append(n)
+        if len(by) > 1:
+            differ.append(f"{s}: " + ", ".join(f"{' and '.join(ns)} {b:,} bytes" for b, ns in sorted(by.items())))
+            other = other or not all(r.get("eval_read_whole", {}).get(s, False)
+                                     for r in runs if s in r["eval"]["by_source"])
+    if not differ:
+        return []
+    if other:
+        why = ("A run evaluates the first train.eval_samples sequences of each validation part (default "
+               "train.eval_iters × train.global_batch_size): another number of sequences, or another tokenizer "
+               "(SPEC-OPT's own) cutting the part into sequences, is other text. To compare on the same text, "
+               "read every part whole: set train.eval_samples above any part's sequence count in every run's "
+               "config, or re-evaluate each run so (python -m dept_mega.evaluate --run-dir RUN --out R.json "
+               "train.eval_samples=N), or set eval_whole: true in a tools/study.py grid.")
+    else:
+        why = ("Every run read these parts whole: only each tokenizer's first token and last, incomplete "
+               "sequence of a part differ (at most model.seq_length tokens).")
+    return (["", "note: not the same validation text: the runs' final evaluations read different bytes, so "
+                 "these BPB are of different text:"]
+            + [f"  {d}" for d in differ] + textwrap.wrap(why, 100, initial_indent="  ", subsequent_indent="  "))
 
 
 def predicted_comm_per_step(run_dir: str, variant: str) -> float | None:
@@ -219,6 +269,7 @@ def render(runs: list[dict[str, Any]]) -> str:
         row += f"{sum(vals) / len(vals):>{width}.4f}"
     out.append(row)
     out += federated_lines(runs, names)
+    out += eval_text_note(runs, names)
     out.append("")
     out.append(f"{'per run':<22}" + "".join(f"{n:>{width}}" for n in names))
     out.append("-" * len(head))

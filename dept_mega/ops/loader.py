@@ -2,7 +2,9 @@
 
 The extension is optional: when it is not built, fails to load (e.g. built against another
 torch) or is switched off with DEPT_MEGA_OPS=torch, the ops use the PyTorch fallback and the
-reason is logged once and kept in `ExtensionStatus.reason`.
+reason is kept in `ExtensionStatus.reason` and logged once per job: by global rank 0 (torchrun's
+``RANK``; a process outside torchrun is rank 0), as the run log's ``backends:`` line, which says
+it again (the other ranks log it at debug level).
 """
 from __future__ import annotations
 
@@ -82,8 +84,15 @@ def _compute_status() -> ExtensionStatus:
     else:
         st = _load()
     if not st.loaded:
-        logger.warning("dept_mega.ops: using the PyTorch fallback: %s", st.reason)
+        level = logging.WARNING if announces() else logging.DEBUG
+        logger.log(level, "dept_mega.ops: using the PyTorch fallback: %s", st.reason)
     return st
+
+
+def announces() -> bool:
+    """Whether this process says the fallback: global rank 0 of a torchrun job (``RANK``), or a
+    process outside torchrun (a tool, a single process), not every rank of a job."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def _load() -> ExtensionStatus:
