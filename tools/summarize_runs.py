@@ -104,17 +104,10 @@ def read_run(run_dir: str) -> dict[str, Any]:
 
 
 def read_whole(cfg: dict, ev: dict) -> dict[str, bool]:
-    """Per source of eval record ``ev``: whether it read the validation part whole, i.e. fewer
-    sequences (``tokens`` / ``model.seq_length``) than it asks for (``train.eval_samples``, else
-    ``train.eval_iters`` × ``train.global_batch_size``; as dept_mega.study.rows.read_whole).
-    False where the config does not say."""
-    try:
-        train, seq = cfg["train"], int(cfg["model"]["seq_length"])
-        wanted = train.get("eval_samples")
-        wanted = int(train["eval_iters"]) * int(train["global_batch_size"]) if wanted is None else int(wanted)
-    except (KeyError, TypeError, ValueError):
-        return {}
-    return {s: int(v.get("tokens", 0)) // seq < wanted for s, v in ev["by_source"].items()}
+    """Per source of eval record ``ev``: whether it read the validation part whole
+    (dept_mega.study.rows.read_part_whole)."""
+    from dept_mega.study.rows import read_part_whole
+    return {s: read_part_whole(cfg, v) for s, v in ev["by_source"].items()}
 
 
 def eval_text_note(runs: list[dict[str, Any]], names: list[str]) -> list[str]:

@@ -96,14 +96,21 @@ def gain_se_pct(row: Row, ref: Row) -> Optional[float]:
 # ----------------------------------------------------------------------------- evaluated text
 
 def read_whole(result: RunResult, source: str) -> bool:
-    """Whether ``result``'s last evaluation read ``source``'s validation part whole: it read fewer
-    sequences (its ``tokens`` / ``model.seq_length``) than it asked for (``train.eval_samples``,
-    else ``eval_iters`` × ``global_batch_size``). False where the run's config does not say."""
+    """Whether ``result``'s last evaluation read ``source``'s validation part whole
+    (:func:`read_part_whole`)."""
+    return read_part_whole(result.config, result.by_source.get(source, {}))
+
+
+def read_part_whole(config: dict, entry: dict) -> bool:
+    """Whether an evaluation of a run with ``config`` (its config.yaml) read a validation part
+    whole, from the part's entry of an ``eval`` record's ``by_source``: it read fewer sequences
+    (its ``tokens`` / ``model.seq_length``) than it asked for (``train.eval_samples``, else
+    ``eval_iters`` × ``global_batch_size``). False where the run's config does not say."""
     try:
-        train, seq = result.config["train"], int(result.config["model"]["seq_length"])
+        train, seq = config["train"], int(config["model"]["seq_length"])
         wanted = train.get("eval_samples")
         wanted = int(train["eval_iters"]) * int(train["global_batch_size"]) if wanted is None else int(wanted)
-        return int(result.by_source[source]["tokens"]) // seq < wanted
+        return int(entry["tokens"]) // seq < wanted
     except (KeyError, TypeError, ValueError):
         return False
 
