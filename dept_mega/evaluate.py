@@ -9,7 +9,7 @@ the model in the run's layout (same tensor and pipeline sizes, any number of gro
 data-parallel size; overrides such as ``parallel.pipeline=1 parallel.tensor=1`` evaluate in
 another one, e.g. in one process: the checkpoint loads under any tensor, pipeline and
 data-parallel size, and under another number of source groups unless its step is inside a
-round or its sources belong to groups, docs/launching.md section 10), loads
+round, its sources belong to groups or it has outer fragments, docs/launching.md section 10), loads
 ``RUN/checkpoints/step_S`` (default: ``latest``, or the newest verified checkpoint before it
 when that one is damaged) and writes ``RESULT.json``: one ``eval``
 record (``kind, step, round, time, part, by_source: {source: {loss, ppl, bpb, tokens, bytes}}``),
@@ -65,7 +65,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "to evaluate in another layout. Any tensor, pipeline and data-parallel size loads; "
                          "another number of source groups (processes / tensor × pipeline × data) only from a "
                          "checkpoint at a round boundary (a step that is a multiple of dept.local_steps) and "
-                         "not when data.sources[].group ties sources to groups: launch those with the run's "
+                         "not when data.sources[].group ties sources to groups or dept.outer_fragments > 1: "
+                         "launch those with the run's "
                          "number of groups (docs/launching.md section 10)")
     args = parse_with_hints(ap, argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")

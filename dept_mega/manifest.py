@@ -231,6 +231,19 @@ def _check_one(directory: str, name: str, entry: dict[str, Any], algorithm: str)
     return None
 
 
+def _step_problem(directory: str, man: dict) -> Optional[str]:
+    """A ``step_N`` directory whose manifest records another step (a copy renamed by hand): the
+    resume would take N for its step (the round, which source's embeddings to install) and load
+    the manifest step's state."""
+    name = os.path.basename(os.path.normpath(directory)).removesuffix(".tmp")
+    if not name.startswith("step_") or not name[5:].isdigit() or "step" not in man:
+        return None
+    if int(man["step"]) != int(name[5:]):
+        return (f"{os.path.join(directory, MANIFEST)} records step {man['step']}, the directory's name step "
+                f"{name[5:]} (a checkpoint copied or renamed: name it step_{man['step']})")
+    return None
+
+
 def local_problem(directory: str, rank: int = 0, world: int = 1, threads: int = 8) -> Optional[str]:
     """Why the checkpoint in ``directory`` must not be loaded, as far as this rank can tell, or
     None. Every rank checks the manifest and the files the format expects; the checksums are
@@ -239,6 +252,8 @@ def local_problem(directory: str, rank: int = 0, world: int = 1, threads: int = 
         return f"{directory} does not exist"
     try:
         man = read_manifest(directory)
+        if (problem := _step_problem(directory, man)) is not None:
+            return problem
         layout = read_json(directory, LAYOUT_FILE)
         if not isinstance(layout, dict):
             raise CheckpointError(f"{os.path.join(directory, LAYOUT_FILE)} is not a JSON object")

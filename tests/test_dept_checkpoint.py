@@ -304,6 +304,22 @@ def test_eager_start_estimates_are_saved_per_parameter_and_group(tmp_path):
     assert not any("not loaded" in n for n in notes), notes
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_with_fragments_a_run_keeps_its_number_of_groups(tmp_path, fragments):
+    """With dept.outer_fragments > 1 the groups' bodies differ at a round boundary too (below:
+    fragment 0 is saved per group at step 6), so a checkpoint does not load under another
+    number of groups: new groups took their weights from old group 0 and their fp32 masters
+    and moments from old group g mod G_old (a review's finding). Refused naming the key."""
+    cfg = tiny_config({"dept": {"variant": "glob", "local_steps": 2, "outer_fragments": fragments},
+                       "train": {"steps": 2, "eval_interval": 0, "run_dir": str(tmp_path)}})
+    loop, _ = _make(cfg, str(tmp_path), 0)
+    refusal = loop.hooks.regroup_refusal(4, 2)
+    if fragments == 1:
+        assert refusal is None
+    else:
+        assert refusal[0] == "dept.outer_fragments" and "the checkpoint has 2, this launch 1" in refusal[1], refusal
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_round_boundary_checkpoint_writes_the_shared_body_once(tmp_path, fragments):

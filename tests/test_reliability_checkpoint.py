@@ -87,6 +87,10 @@ def _damage(run, kind):
     if kind == "no_manifest":
         os.remove(os.path.join(s6, "manifest.json"))
         return "manifest.json", 4
+    if kind == "renamed_copy":  # step_4 copied by hand as step_6: its manifest records step 4
+        shutil.rmtree(s6)
+        shutil.copytree(_step(run, 4), s6)
+        return "manifest.json", 4
     if kind == "latest_garbage":
         open(os.path.join(run, "checkpoints", "latest"), "w").write("\x00garbage\n")
         return "latest", 6
@@ -97,7 +101,7 @@ def _damage(run, kind):
 
 
 KINDS = ["flip_4k_distcp", "truncated_distcp", "bad_json", "missing_file", "missing_rng_resealed", "no_manifest",
-         "latest_garbage", "latest_missing_step"]
+         "renamed_copy", "latest_garbage", "latest_missing_step"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -178,9 +178,10 @@ def test_evaluate_is_not_refused_for_other_data(tmp_path, trained):  # noqa: F81
 def test_fingerprint_records_split_seed_and_sources(tmp_path):
     a = write_docs(str(tmp_path / "a"), _docs(10, 0))
     cfg = SimpleNamespace(data=SimpleNamespace(split="95,5", sources=[SimpleNamespace(name="a", prefix=a)]),
-                          train=SimpleNamespace(seed=7))
+                          train=SimpleNamespace(seed=7, global_batch_size=16))
     fp = data_fingerprint(cfg)
-    assert fp == {"data.split": "95,5", "train.seed": 7, "sources": {"a": {"prefix": a, "identity": source_identity(a)}}}
+    assert fp == {"data.split": "95,5", "train.seed": 7, "train.global_batch_size": 16,
+                  "sources": {"a": {"prefix": a, "identity": source_identity(a)}}}
 
 
 def test_every_save_of_a_launch_records_the_data_it_opened(tmp_path, monkeypatch):
@@ -191,7 +192,7 @@ def test_every_save_of_a_launch_records_the_data_it_opened(tmp_path, monkeypatch
     a = write_docs(str(tmp_path / "a"), _docs(10, 0))
     cfg = SimpleNamespace(data=SimpleNamespace(split="95,5", sources=[SimpleNamespace(name="a", prefix=a)],
                                                tokenizer=None),
-                          train=SimpleNamespace(seed=7), dept=SimpleNamespace(variant="std"))
+                          train=SimpleNamespace(seed=7, global_batch_size=4), dept=SimpleNamespace(variant="std"))
     monkeypatch.setattr("dept_mega.checkpoint.fingerprint",
                         lambda c, cache=None: {"config": {"x": 1}, "tokenizers": {}, "data": data_fingerprint(c)})
     ckpt = Checkpointer(str(tmp_path / "run"))
@@ -200,3 +201,25 @@ def test_every_save_of_a_launch_records_the_data_it_opened(tmp_path, monkeypatch
     assert source_identity(a) != opened["data"]["sources"]["a"]["identity"]
     assert ckpt.depends(cfg) == opened
     assert Checkpointer(str(tmp_path / "run")).depends(cfg)["data"] != opened["data"]  # the next launch: the new files
+
+
+def test_another_batch_is_another_data_position_under_dept(tmp_path, trained):  # noqa: F811
+    """DEPT keeps each source's data position as the steps it was trained and reads it back as
+    steps × train.global_batch_size: a resume with another batch would skip (or repeat) every
+    source's data silently (a review's finding: 256 -> 512 left half of it untrained). The
+    launch and --check refuse it naming the key, as other data; allow_data_change goes on with
+    a note. STD's blend keeps the samples it read, so another batch continues it: not refused."""
+    cfg, run = _copy_run(trained, tmp_path / "run")
+    over = [run, "train.global_batch_size=8", "train.steps=6"]
+    for r in (_train_here("--config", cfg, *over, "--check", "--world-size", "1"), _train_here("--config", cfg, *over)):
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert r.stderr.startswith("error: config key 'train.global_batch_size' differs from checkpoint "), r.stderr
+        assert "trained steps × 4 sequences, this launch reads them × 8" in r.stderr, r.stderr
+    r = _train_here("--config", cfg, *over, "train.allow_data_change=true", "--check", "--world-size", "1")
+    assert r.returncode == 0 and "config key 'train.global_batch_size'" in r.stderr, r.stderr
+    std = SimpleNamespace(dept=SimpleNamespace(variant="std"), data=SimpleNamespace(sources=[]))
+    glob = SimpleNamespace(dept=SimpleNamespace(variant="glob"), data=SimpleNamespace(sources=[]))
+
+    def rec(batch):
+        return {"data.split": "95,5", "train.seed": 1, "train.global_batch_size": batch, "sources": {}}
+    assert data_differences(rec(4), rec(8), std) == [] and len(data_differences(rec(4), rec(8), glob)) == 1

@@ -22,7 +22,10 @@ from .indexed import IndexedFormatError, bin_path, idx_path, read_header
 #: bytes hashed from each end of each file (``.idx`` and ``.bin``): 128 KiB read per source
 HASHED_BYTES = 32 << 10
 #: the keys of ``depends.json``'s ``data`` beside its ``sources``
-DATA_KEYS = ("data.split", "train.seed")
+DATA_KEYS = ("data.split", "train.seed", "train.global_batch_size")
+#: DEPT keeps a source's data position as the steps it was trained (the round plan's), read
+#: back as steps × this batch: another batch moves every position
+BATCH_KEY = "train.global_batch_size"
 
 
 def _ends(path: str, size: int) -> bytes:
@@ -61,12 +64,12 @@ def source_identity(prefix: str, cache: Optional[dict] = None) -> Optional[dict[
 
 
 def data_fingerprint(cfg, cache: Optional[dict] = None, given: Optional[dict] = None) -> dict[str, Any]:
-    """``depends.json``'s ``data``: ``data.split``, ``train.seed`` and, per source name, its
+    """``depends.json``'s ``data``: ``data.split``, ``train.seed``, ``train.global_batch_size`` and, per source name, its
     prefix (for the messages; not compared) and :func:`source_identity`; ``given``: {name: identity}
     of sources whose files this job does not read (a federated group job: the other sites' sources,
     from their summaries, :func:`dept_mega.data.summary.foreign_summaries`)."""
     given = given or {}
-    return {"data.split": cfg.data.split, "train.seed": cfg.train.seed,
+    return {"data.split": cfg.data.split, "train.seed": cfg.train.seed, BATCH_KEY: cfg.train.global_batch_size,
             "sources": {s.name: {"prefix": s.prefix, "identity": (dict(given[s.name]) if s.name in given
                                                                   else source_identity(s.prefix, cache))}
                         for s in cfg.data.sources}}
@@ -99,6 +102,13 @@ def _describe(prefix: Any, ident: Optional[dict]) -> str:
             f".bin {ident.get('bin_bytes', '?'):,} bytes, sha256 of its ends {str(ident.get('sha256'))[:12]})")
 
 
+def _positions_in_steps(cfg) -> bool:
+    """Whether the run keeps its sources' data positions in steps (DEPT's round plans; STD's
+    blend keeps each source's samples read, which another batch continues from)."""
+    from ..variant import variant_of
+    return variant_of(cfg).rounds
+
+
 def data_differences(saved: Any, now: dict, cfg) -> Optional[list[tuple[str, str]]]:
     """(key, what) for each of :data:`DATA_KEYS` and each source (by name, present in both)
     whose data ``now`` (this launch's :func:`data_fingerprint`) changes against ``saved``
@@ -111,7 +121,12 @@ def data_differences(saved: Any, now: dict, cfg) -> Optional[list[tuple[str, str
         if key not in saved:
             continue
         old, new = saved[key], now[key]
-        if (key == "data.split" and not same_split(old, new)) or (key != "data.split" and old != new):
+        if key == BATCH_KEY:
+            if old != new and _positions_in_steps(cfg):
+                rows.append((key, f"the checkpoint's data positions are each source's trained steps × {old} "
+                                  f"sequences, this launch reads them × {new}: every source's position would "
+                                  f"move (data skipped or read twice)"))
+        elif (key == "data.split" and not same_split(old, new)) or (key != "data.split" and old != new):
             rows.append((key, f"the checkpoint read its data under {old!r}, this launch has {new!r}"))
     old_sources = saved.get("sources") if isinstance(saved.get("sources"), dict) else {}
     for i, s in enumerate(cfg.data.sources):

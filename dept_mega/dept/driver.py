@@ -485,9 +485,9 @@ class DeptHooks:
     def regroup_refusal(self, step: int, saved_groups: int) -> Optional[tuple[str, str]]:
         """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
         loaded by this launch's number of groups: (config key, reason), or None when it can.
-        It can at a round boundary, where everything a group owns is the same in every group
-        (the body and GLOB's embeddings are synchronised, the outer state and TRIM's tables
-        are the same everywhere), is keyed by source, or is the inner optimizer state a group
+        It can at a round boundary (without fragments), where everything a group owns is the
+        same in every group (the body and GLOB's embeddings are synchronised, the outer state and
+        TRIM's tables are the same everywhere), is keyed by source, or is the inner optimizer state a group
         owns (:meth:`group_owned_inner_state`), which new group g takes from old group
         g mod G_old, as a replica that joins a DiLoCo job (torchft) receives a live peer's.
         The error-feedback residuals are averaged over the old groups and the eager
@@ -501,6 +501,13 @@ class DeptHooks:
             return ("parallel", f"step {step} is inside a round (dept.local_steps={L}), where the groups hold "
                                 f"different bodies; only a checkpoint at a round boundary (a multiple of {L}) "
                                 f"loads with another number of groups")
+        F = int(self.cfg.dept.outer_fragments)
+        if F > 1:  # (the fragments synchronised inside the round have trained on in each group since)
+            return ("dept.outer_fragments",
+                    f"with {F} fragments the groups' bodies differ even at a round boundary (the fragments "
+                    f"synchronised earlier in the round, and GLOB's tables' parts, have trained on in each group "
+                    f"since), so a run keeps its number of groups: the checkpoint has {saved_groups}, this "
+                    f"launch {self.num_groups}")
         return None
 
     def group_owned_inner_state(self) -> list[str]:
