@@ -385,6 +385,8 @@ def load_weights(trainer, run_dir: str, step: int, hooks: Any = None, optimizer:
         load_model_v1(trainer, path, optimizer)
     else:  # this launch's entries, DEPT's load plan, one read
         entries = model_entries(trainer, optimizer)
+        if notes is not None and optimizer:  # (a resume: an evaluation reads the weights as saved)
+            notes += _masters_note(entries, path)
         if regroup:  # another number of groups, at a round boundary
             entries = _regroup_plan(entries, hooks, pg, saved_groups, path, notes)
         if hooks is not None and has_outer_state(hooks) and layout.get("outer_keys"):
@@ -458,6 +460,21 @@ def regroup_note(path: str, saved_groups: int, groups: int, owned: list[str]) ->
             f"continues with the inner optimizer state of {' and of '.join(owned)} of old group g mod {saved_groups} "
             f"(as a replica joining a DiLoCo job receives a peer's); a group keeps that state across rounds "
             f"because dept.reset_inner_optimizer is false (true clears it at every round start)")
+
+
+def _masters_note(entries: list[Entry], path: str) -> list[str]:
+    """A launch without fp32 master weights (precision fp32) loading a checkpoint that has them
+    (written under bf16 / fp16) continues from the saved half-precision weights, not from the
+    masters: said, not silent."""
+    if any("/main_param/" in e.key for e in entries):
+        return []
+    from .checkpoint_format import saved_keys
+    if not any("/main_param/" in k for k in saved_keys(path)):
+        return []
+    return [f"precision: checkpoint {path} was written with fp32 master weights (bf16 / fp16 training); this "
+            f"launch keeps none (precision fp32) and continues from the saved half-precision weights, so its "
+            f"weights differ from the masters by their rounding; resume with the checkpoint's precision to "
+            f"continue from the masters"]
 
 
 def _regroup_plan(entries: list[Entry], hooks, pg, saved_groups: int, path: str, notes: Optional[list]) -> list[Entry]:

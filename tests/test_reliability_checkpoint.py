@@ -360,3 +360,25 @@ def test_every_rank_takes_the_same_checkpoint(base_run, tmp_path):
     assert res[0]["own"] is None and ".distcp" in res[1]["own"]  # only rank 1 read the file
     assert res[0]["step"] == res[1]["step"] == 4
     assert res[0]["notes"] == res[1]["notes"] and ".distcp" in res[0]["notes"][0]
+
+
+def test_a_half_precision_checkpoint_resumed_in_fp32_says_it_leaves_the_masters(tmp_path, monkeypatch, capsys):
+    """A bf16 run resumed with precision: fp32 continues from the saved bf16 weights, not from the
+    fp32 masters the checkpoint also holds (a review's finding: silently). One warning says so;
+    the same precision says nothing."""
+    ensure_sample_corpus()
+    monkeypatch.chdir(ROOT)
+    run = str(tmp_path / "run")
+    quick = [f"train.run_dir={run}", "train.log_interval=1", "train.eval_iters=1", "train.eval_interval=0",
+             "train.save_interval=0"]
+    assert train_cli.main(["--config", TINY_STD, *quick, "train.steps=2", "precision=bf16"]) == 0
+    for precision, said in (("bf16", False), ("fp32", True)):
+        capsys.readouterr()
+        shutil.rmtree(os.path.join(run, "checkpoints", "step_3"), ignore_errors=True)
+        with open(os.path.join(run, "checkpoints", "latest"), "w") as f:
+            f.write("2\n")
+        assert train_cli.main(["--config", TINY_STD, *quick, "train.steps=3", f"precision={precision}"]) == 0
+        err = capsys.readouterr().err
+        line = [ln for ln in err.splitlines() if ln.startswith("warning: precision: checkpoint ")]
+        assert bool(line) is said, err
+    assert "this launch keeps none (precision fp32) and continues from the saved half-precision weights" in line[0]
