@@ -54,6 +54,7 @@ from .checkpoint_state import (group_entries, group_targets, has_group_state, ha
 from .checkpoint_fp8 import FLAG as FP8_FLAG, fp8_file, restore_fp8, stage_fp8
 from .checkpoint_space import CheckpointSpaceError, gather_texts, no_space, state_sizes
 from .checkpoint_seal import SealError, seal
+from .checkpoint_retention import apply_retention, dir_bytes  # noqa: F401 - re-exported
 from .checkpoint_layout import (  # noqa: F401 - check_layout is re-exported
     _layout, _rng_tracker, _rng_file, check_layout, _uncounted, _safe_load)
 from .parallel.agree import agree_errors, mark_agreed
@@ -83,42 +84,6 @@ def _ensure_optimizer_state(trainer) -> None:
     it: the parameter's for fused AdamW) so DCP can load into them in place."""
     for opt in trainer.optimizers:
         opt.ensure_state()
-
-
-def dir_bytes(path: str) -> int:
-    """Bytes of the files in a checkpoint directory (what the log reports per checkpoint)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
-def apply_retention(run_dir: str, keep: int, newest: int) -> list[int]:
-    """``train.keep_checkpoints``: once checkpoint ``newest`` is complete and ``latest`` names
-    it, remove the oldest complete ``step_N`` directories (N < ``newest``) so that ``keep`` are
-    left, ``newest`` among them; 0 keeps all. Steps above ``newest`` (left by a run that fell
-    back to an older checkpoint) are not counted and not touched, nor are ``.tmp`` directories.
-    Returns the steps removed (called by global rank 0 only)."""
-    from .resume import read_latest, step_dirs
-    if keep <= 0:
-        return []
-    latest, _ = read_latest(run_dir)
-    older = [s for s in step_dirs(run_dir) if s < newest and s != latest]  # newest first
-    removed = older[max(keep - 1, 0):]
-    for s in removed:
-        path = step_dir(run_dir, s)
-        # rename first, so that a crash halfway through never leaves a damaged step_N behind
-        # that a later resume would have to pass over
-        doomed = path + ".removing"
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    if removed:
-        fsync_dir(os.path.join(run_dir, CKPT_DIR))
-    return removed
 
 
 class Checkpointer:

@@ -231,7 +231,7 @@ def _check_one(directory: str, name: str, entry: dict[str, Any], algorithm: str)
     return None
 
 
-def _step_problem(directory: str, man: dict) -> Optional[str]:
+def step_problem(directory: str, man: dict) -> Optional[str]:
     """A ``step_N`` directory whose manifest records another step (a copy renamed by hand): the
     resume would take N for its step (the round, which source's embeddings to install) and load
     the manifest step's state."""
@@ -252,7 +252,7 @@ def local_problem(directory: str, rank: int = 0, world: int = 1, threads: int = 
         return f"{directory} does not exist"
     try:
         man = read_manifest(directory)
-        if (problem := _step_problem(directory, man)) is not None:
+        if (problem := step_problem(directory, man)) is not None:
             return problem
         layout = read_json(directory, LAYOUT_FILE)
         if not isinstance(layout, dict):

@@ -94,6 +94,32 @@ def test_retention_never_removes_latest_or_newer_steps(tmp_path):
     assert apply_retention(str(tmp_path), 0, 3) == []
 
 
+@pytest.mark.parametrize("keep", [0, 2])
+def test_retention_keeps_usable_fallbacks_and_clears_what_interrupted_saves_left(tmp_path, keep):
+    """train.keep_checkpoints: 2 keeps the newest and one fallback that can be one: a step
+    without a manifest (damaged) or whose manifest records another step (a renamed copy) is
+    not counted (it was: the run was left with no usable fallback), and goes. Whatever keep,
+    the step_N.tmp of a save killed halfway and the step_N.removing of a removal killed
+    halfway are cleared (never loaded, each up to a checkpoint's size, they piled up)."""
+    import json
+
+    from dept_mega.checkpoint import apply_retention
+    from dept_mega.manifest import FORMAT, replace_durable
+    ck = tmp_path / "checkpoints"
+    for s, recorded in ((1, 1), (2, 2), (3, 9), (4, None), (5, 5)):
+        (ck / f"step_{s}").mkdir(parents=True)
+        if recorded is not None:
+            (ck / f"step_{s}" / "manifest.json").write_text(json.dumps({"format": FORMAT, "step": recorded,
+                                                                         "files": {}}))
+    for leftover in ("step_6.tmp", "step_2.removing"):
+        (ck / leftover).mkdir()
+        (ck / leftover / "x.distcp").write_bytes(b"0" * 10)
+    replace_durable(str(ck / "latest"), b"5\n")
+    assert apply_retention(str(tmp_path), keep, 5) == ([4, 3, 1] if keep else [])
+    assert sorted(os.listdir(ck)) == (["latest", "step_2", "step_5"] if keep else
+                                      ["latest", "step_1", "step_2", "step_3", "step_4", "step_5"])
+
+
 def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
     """A signal recorded during step 3 stops the loop after step 3 with a checkpoint of step 3
     (no final evaluation or save); the resumed loop ends with the uninterrupted losses. A save
