@@ -42,7 +42,8 @@ DEPENDS_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_he
                 "model.ffn_hidden_size", "model.activation", "model.normalization", "model.position_embedding",
                 "model.seq_length", "model.tie_embeddings", "model.bias", "model.norm_bias", "model.vocab_size",
                 "dept.variant", "dept.local_steps", "dept.sampling", "dept.temperature",
-                "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "dept.outer_fragments", "data.sources")
+                "dept.outer_optimizer.name", "dept.reset_inner_optimizer", "dept.outer_fragments",
+                "dept.body_optimizer_state", "data.sources", "data.sources[].weight", "data.sources[].group")
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -165,7 +166,7 @@ def _file_sha256(path: str, cache: Optional[dict] = None) -> Optional[str]:
 
 
 def _config_values(cfg: Config) -> dict[str, Any]:
-    m, d = cfg.model, cfg.dept
+    m, d, rounds = cfg.model, cfg.dept, variant_of(cfg).rounds
     return {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
             "model.num_attention_heads": m.num_attention_heads, "model.num_query_groups": m.query_groups,
             "model.ffn_hidden_size": m.ffn_size, "model.activation": m.activation,
@@ -176,7 +177,11 @@ def _config_values(cfg: Config) -> dict[str, Any]:
             "dept.sampling": d.sampling, "dept.temperature": d.temperature,
             "dept.outer_optimizer.name": d.outer_optimizer.name,
             "dept.reset_inner_optimizer": d.reset_inner_optimizer, "dept.outer_fragments": d.outer_fragments,
-            "data.sources": [s.name for s in cfg.data.sources]}
+            "dept.body_optimizer_state": d.body_optimizer_state, "data.sources": [s.name for s in cfg.data.sources],
+            # DEPT's round plans, from which every source's data position is recomputed (STD's
+            # blend keeps the samples each source gave: another weight only mixes on from there)
+            "data.sources[].weight": [s.weight for s in cfg.data.sources] if rounds else None,
+            "data.sources[].group": [s.group for s in cfg.data.sources] if rounds else None}
 
 
 def _tokenizers(cfg: Config) -> dict[str, str]:

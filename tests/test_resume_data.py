@@ -223,3 +223,19 @@ def test_another_batch_is_another_data_position_under_dept(tmp_path, trained):  
     def rec(batch):
         return {"data.split": "95,5", "train.seed": 1, "train.global_batch_size": batch, "sources": {}}
     assert data_differences(rec(4), rec(8), std) == [] and len(data_differences(rec(4), rec(8), glob)) == 1
+
+
+def test_the_round_plans_inputs_are_checked_at_a_resume(tmp_path, trained):  # noqa: F811
+    """DEPT recomputes every source's data position from the round plans, which the sources'
+    weights and groups draw: another weight moved past positions silently (a review's
+    finding: weights 1,1,1,1 -> 1,1,1,3 moved them all); dept.body_optimizer_state decides what
+    the stored sources' state holds. Each is refused naming the key, with both values."""
+    cfg, run = _copy_run(trained, tmp_path / "run")
+    r = _train_here("--config", cfg, run, "dept.sampling=weights", "data.sources.1.weight=3",
+                    "dept.body_optimizer_state=source", "train.steps=6", "--check", "--world-size", "1")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().split("\n")
+    assert lines[0].startswith("error: 3 config keys differ from checkpoint "), r.stderr
+    assert lines[1].startswith("  config key 'dept.sampling': ") and lines[2:] == [
+        "  config key 'dept.body_optimizer_state': the checkpoint has 'group', this launch has 'source'",
+        "  config key 'data.sources[].weight': the checkpoint has [1.0, 1.0], this launch has [1.0, 3.0]"], lines
