@@ -79,7 +79,8 @@ def read_summary(cfg, i: int) -> dict[str, Any]:
     (every site's data on one file system), the same numbers made from them."""
     s = cfg.data.sources[i]
     path, key = summary_path(s), f"config key 'data.sources[{i}].summary'"
-    how = (f"make it at the site that holds source '{s.name}' with {summary_command(s.name, variant_of(cfg).own_tokenizer)}"
+    command = summary_command(s.name, variant_of(cfg).own_tokenizer)
+    how = (f"make it at the site that holds source '{s.name}' with {command}"
            + f" (it writes PREFIX{SUFFIX}) and copy it here, or point data.sources[{i}].summary at it")
     if not os.path.exists(path):
         if not s.summary and all(os.path.exists(s.prefix + ext) for ext in (".bin", ".idx")) and (

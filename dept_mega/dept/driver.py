@@ -486,9 +486,9 @@ class DeptHooks:
         """Why a checkpoint of step ``step`` written by ``saved_groups`` groups cannot be
         loaded by this launch's number of groups: (config key, reason), or None when it can.
         It can at a round boundary (without fragments), where everything a group owns is the
-        same in every group (the body and GLOB's embeddings are synchronised, the outer state and
-        TRIM's tables are the same everywhere), is keyed by source, or is the inner optimizer state a group
-        owns (:meth:`group_owned_inner_state`), which new group g takes from old group
+        same in every group (the body and GLOB's embeddings are synchronised, the outer state
+        and TRIM's tables are the same everywhere), is keyed by source, or is the inner
+        optimizer state a group owns (:meth:`group_owned_inner_state`), which new group g takes from old group
         g mod G_old, as a replica that joins a DiLoCo job (torchft) receives a live peer's.
         The error-feedback residuals are averaged over the old groups and the eager
         estimates reset (``dept_mega.checkpoint_state``, logged)."""

@@ -311,7 +311,8 @@ class Federation:
         """When the groups taking part differ from ``before``: the job's log line; then or when
         this job ``healed`` (also a group left out of rounds completed without it, healed back
         into the same groups: ``joined`` names itself), with a ``writer``, the ``membership``
-        record at ``step``; healed at its first quorum (relaunched), only itself: the others never left."""
+        record at ``step`` (healed at its first quorum, a relaunched job: ``joined`` is only
+        itself, the others never left)."""
         if self.members == before and not healed:
             return
         if self.members != before:
