@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 
+from .log_lines import write_line
 from .manifest import CheckpointError, fsync_dir, read_manifest, step_problem
 from .resume import CKPT_DIR, read_latest, step_dir, step_dirs
 
@@ -42,7 +44,8 @@ def apply_retention(run_dir: str, keep: int, newest: int) -> list[int]:
     keep ``newest`` and the ``keep`` − 1 newest usable ``step_N`` below it (:func:`usable`) and
     remove the other ``step_N`` below it, unusable ones too (they would not be a fallback).
     Steps above ``newest`` (left by a run that fell back to an older checkpoint) and the one
-    ``latest`` names are not touched. Returns the steps removed."""
+    ``latest`` names are not touched. Returns the steps removed; one that cannot be is a
+    warning line, not an error (the save is complete, and only global rank 0 gets here)."""
     ckdir = os.path.join(run_dir, CKPT_DIR)
     try:
         leftovers = [n for n in os.listdir(ckdir) if _LEFTOVER.fullmatch(n)]
@@ -59,13 +62,19 @@ def apply_retention(run_dir: str, keep: int, newest: int) -> list[int]:
             kept += 1
         else:
             removed.append(s)
+    done = []
     for s in removed:
         path = step_dir(run_dir, s)
         # rename first, so that a crash halfway through never leaves a damaged step_N behind
         # that a later resume would have to pass over
         doomed = path + ".removing"
-        os.replace(path, doomed)
+        try:
+            os.replace(path, doomed)
+        except OSError as exc:  # (rank 0 alone: raising would leave the other ranks at the save's barrier)
+            write_line(f"warning: train.keep_checkpoints: could not remove {path} ({exc}); it stays", sys.stderr)
+            continue
         shutil.rmtree(doomed, ignore_errors=True)
-    if removed or leftovers:
+        done.append(s)
+    if done or leftovers:
         fsync_dir(ckdir)
-    return removed
+    return done

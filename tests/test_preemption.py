@@ -120,6 +120,30 @@ def test_retention_keeps_usable_fallbacks_and_clears_what_interrupted_saves_left
                                       ["latest", "step_1", "step_2", "step_3", "step_4", "step_5"])
 
 
+def test_a_step_retention_cannot_remove_is_a_warning(tmp_path, monkeypatch, capsys):
+    """Retention runs on global rank 0 alone after the save is complete: a directory it cannot
+    remove is a warning line and the others are removed (an exception there left every other
+    rank waiting at the save's last barrier until the timeout)."""
+    from dept_mega import checkpoint_retention
+    from dept_mega.checkpoint import apply_retention
+    from dept_mega.manifest import replace_durable
+    ck = tmp_path / "checkpoints"
+    for s in (1, 2, 3):
+        (ck / f"step_{s}").mkdir(parents=True)
+    replace_durable(str(ck / "latest"), b"3\n")
+    real = os.replace
+
+    def replace(src, dst):
+        if src.endswith("step_2"):
+            raise PermissionError(13, "Permission denied", src)
+        return real(src, dst)
+    monkeypatch.setattr(checkpoint_retention.os, "replace", replace)
+    assert apply_retention(str(tmp_path), 1, 3) == [1]
+    err = capsys.readouterr().err
+    assert err.startswith("warning: train.keep_checkpoints: could not remove ") and "step_2" in err, err
+    assert sorted(os.listdir(ck)) == ["latest", "step_2", "step_3"]
+
+
 def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
     """A signal recorded during step 3 stops the loop after step 3 with a checkpoint of step 3
     (no final evaluation or save); the resumed loop ends with the uninterrupted losses. A save
