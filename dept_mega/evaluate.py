@@ -66,8 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "another number of source groups (processes / tensor × pipeline × data) only from a "
                          "checkpoint at a round boundary (a step that is a multiple of dept.local_steps) and "
                          "not when data.sources[].group ties sources to groups or dept.outer_fragments > 1: "
-                         "launch those with the run's "
-                         "number of groups (docs/launching.md section 10)")
+                         "launch those with the run's number of groups (docs/launching.md section 10)")
     args = parse_with_hints(ap, argv)
     cfg_path = os.path.join(args.run_dir, "config.yaml")
     overrides = [*args.overrides, f"train.run_dir={args.run_dir}"]

@@ -267,9 +267,13 @@ def missing_logger_packages(tensorboard: Optional[bool], wandb: Optional[str]) -
         out.append("train.tensorboard: the tensorboard package is not installed (pip install tensorboard); the "
                    "launch writes no TensorBoard events")
     if wandb and importlib.util.find_spec("wandb") is None:
-        out.append(f"train.wandb={wandb!r}: the wandb package is not installed (pip install wandb); not logging "
-                   "to Weights & Biases")
+        out.append(_no_wandb(wandb, _why(ModuleNotFoundError(), "wandb")))
     return out
+
+
+def _no_wandb(project: str, why: str) -> str:
+    """The warning (without ``warning: ``) of a ``train.wandb`` run that cannot log to W&B."""
+    return f"train.wandb={project!r}: {why}; not logging to Weights & Biases"
 
 
 WANDB_ID_FILE = "wandb_id.txt"
@@ -283,8 +287,7 @@ def _start_wandb(project: str, run_dir: str, config: Optional[dict[str, Any]]):
     try:
         import wandb
     except ImportError as exc:
-        print(f"warning: train.wandb={project!r}: {_why(exc, 'wandb')}; not logging to Weights & Biases",
-              file=sys.stderr, flush=True)
+        print(f"warning: {_no_wandb(project, _why(exc, 'wandb'))}", file=sys.stderr, flush=True)
         return None
     id_path = os.path.join(run_dir, WANDB_ID_FILE)
     if os.path.exists(id_path):

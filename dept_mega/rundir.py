@@ -200,7 +200,7 @@ def check_shared(run_dir: str, expected: str, rank: int) -> None:
         if waited >= 5 and not told:
             told = True
             write_line(f"[run_dir] rank {rank} (host {socket.gethostname()}) does not see rank 0's {path} yet; "
-                        f"looking again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)")
+                       f"looking again for up to {SHARED_WAIT_S:.0f} s (a file system's attribute cache)")
         time.sleep(0.5)
     wrote = json.loads(expected)
     if seen is None:

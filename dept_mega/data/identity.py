@@ -21,11 +21,11 @@ from .indexed import IndexedFormatError, bin_path, idx_path, read_header
 
 #: bytes hashed from each end of each file (``.idx`` and ``.bin``): 128 KiB read per source
 HASHED_BYTES = 32 << 10
-#: the keys of ``depends.json``'s ``data`` beside its ``sources``
-DATA_KEYS = ("data.split", "train.seed", "train.global_batch_size")
 #: DEPT keeps a source's data position as the steps it was trained (the round plan's), read
 #: back as steps × this batch: another batch moves every position
 BATCH_KEY = "train.global_batch_size"
+#: the keys of ``depends.json``'s ``data`` beside its ``sources``
+DATA_KEYS = ("data.split", "train.seed", BATCH_KEY)
 
 
 def _ends(path: str, size: int) -> bytes:
@@ -64,10 +64,10 @@ def source_identity(prefix: str, cache: Optional[dict] = None) -> Optional[dict[
 
 
 def data_fingerprint(cfg, cache: Optional[dict] = None, given: Optional[dict] = None) -> dict[str, Any]:
-    """``depends.json``'s ``data``: ``data.split``, ``train.seed``, ``train.global_batch_size`` and, per source name, its
-    prefix (for the messages; not compared) and :func:`source_identity`; ``given``: {name: identity}
-    of sources whose files this job does not read (a federated group job: the other sites' sources,
-    from their summaries, :func:`dept_mega.data.summary.foreign_summaries`)."""
+    """``depends.json``'s ``data``: the :data:`DATA_KEYS` and, per source name, its prefix (for
+    the messages; not compared) and :func:`source_identity`; ``given``: {name: identity} of
+    sources whose files this job does not read (a federated group job: the other sites'
+    sources, from their summaries, :func:`dept_mega.data.summary.foreign_summaries`)."""
     given = given or {}
     return {"data.split": cfg.data.split, "train.seed": cfg.train.seed, BATCH_KEY: cfg.train.global_batch_size,
             "sources": {s.name: {"prefix": s.prefix, "identity": (dict(given[s.name]) if s.name in given
