@@ -19,14 +19,13 @@ global tables ↔ a shared table: ``dept_mega.init_from_trim``."""
 from __future__ import annotations
 
 import os
-import re
 from typing import Optional
 
 import torch
 
 from .config import Config, ConfigError
 from .config_diff import check_differing
-from .manifest import DEPENDS_FILE, CheckpointError, read_json
+from .manifest import DEPENDS_FILE, STEP_DIR, CheckpointError, read_json
 from .parallel.agree import is_agreed, mark_agreed
 from .resume import CKPT_DIR, depends_differences, fingerprint, select_checkpoint, step_dir
 from .variant import variant_of
@@ -52,7 +51,7 @@ def source_checkpoint(path: str, device: Optional[torch.device] = None, verify: 
     directory (every rank: rank 0's listing decides, as for a resume). ``verify=False`` (the
     pre-flight, one process): the step ``checkpoints/latest`` names, its files not checksummed."""
     norm = os.path.normpath(path)
-    m = re.fullmatch(r"step_(\d+)", os.path.basename(norm))
+    m = STEP_DIR.match(os.path.basename(norm))
     if m and os.path.basename(os.path.dirname(norm)) == CKPT_DIR:
         run_dir, step = os.path.dirname(os.path.dirname(norm)), int(m.group(1))
     else:

@@ -26,11 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
 FORMAT = 2  # 1: keys by position (dept_mega.checkpoint_v1); 2: global keys and boxes (checkpoint_format)
 MANIFEST = "manifest.json"
+#: a complete checkpoint's directory name, ``step_N`` (``resume.step_dirs``, :func:`step_problem`)
+STEP_DIR = re.compile(r"^step_(\d+)$")
 LAYOUT_FILE = "layout.json"
 DEPENDS_FILE = "depends.json"
 DCP_METADATA = ".metadata"
@@ -235,13 +238,11 @@ def step_problem(directory: str, man: dict) -> Optional[str]:
     """A ``step_N`` directory whose manifest records another step (a copy renamed by hand): the
     resume would take N for its step (the round, which source's embeddings to install) and load
     the manifest step's state."""
-    name = os.path.basename(os.path.normpath(directory)).removesuffix(".tmp")
-    if not name.startswith("step_") or not name[5:].isdigit() or "step" not in man:
+    m = STEP_DIR.match(os.path.basename(os.path.normpath(directory)).removesuffix(".tmp"))
+    if m is None or "step" not in man or int(man["step"]) == int(m.group(1)):
         return None
-    if int(man["step"]) != int(name[5:]):
-        return (f"{os.path.join(directory, MANIFEST)} records step {man['step']}, the directory's name step "
-                f"{name[5:]} (a checkpoint copied or renamed: name it step_{man['step']})")
-    return None
+    return (f"{os.path.join(directory, MANIFEST)} records step {man['step']}, the directory's name step "
+            f"{m.group(1)} (a checkpoint copied or renamed: name it step_{man['step']})")
 
 
 def local_problem(directory: str, rank: int = 0, world: int = 1, threads: int = 8) -> Optional[str]:

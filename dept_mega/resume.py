@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -30,12 +29,11 @@ import torch.distributed as dist
 from .config import Config
 from .config_diff import both, check_differing
 from .data.identity import data_differences, data_fingerprint
-from .manifest import CheckpointError, local_problem, read_json, DEPENDS_FILE
+from .manifest import STEP_DIR, CheckpointError, local_problem, read_json, DEPENDS_FILE
 from .parallel.agree import all_gather_text, first_problem, mark_agreed
 from .variant import variant_of
 
 CKPT_DIR = "checkpoints"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 # config values a checkpoint depends on (resolved: None defaults filled in)
 DEPENDS_KEYS = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
@@ -91,7 +89,7 @@ def step_dirs(run_dir: str) -> list[int]:
         names = os.listdir(os.path.join(run_dir, CKPT_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = [int(m.group(1)) for n in names if (m := _STEP_DIR.match(n))
+    steps = [int(m.group(1)) for n in names if (m := STEP_DIR.match(n))
              and os.path.isdir(os.path.join(run_dir, CKPT_DIR, n))]
     return sorted(steps, reverse=True)
 
