@@ -34,6 +34,7 @@ pickle: a checkpoint from an untrusted source is never safe to load.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -240,31 +241,52 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failed = failed or exc
         self._agree_on_failure(failed, staged, tmp, group, device)
+        renamed = False  # rank 0: step_N is in place (a failure after it is the write of ``latest``)
         try:
             seal(tmp, step, layout, metadata, device, group)  # the same SealError on every rank
             if rank == 0:
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
+                renamed = True
                 fsync_dir(os.path.dirname(final))
                 replace_durable(os.path.join(self.run_dir, CKPT_DIR, "latest"), f"{step}\n".encode())
         except (OSError, SealError) as exc:
             failed = exc
-        self._agree_on_failure(failed, staged, tmp, group, device)
-        if rank == 0:
-            self.last_size = dir_bytes(final)
-            self.last_removed = apply_retention(self.run_dir, staged["keep"], step)
-            self.last_seconds = time.time() - t0
-            if self.on_saved is not None:
-                self.on_saved(step, self.last_size, self.last_removed, self.last_seconds)
-        _barrier(group)
+        self._agree_on_failure(failed, staged, tmp, group, device, renamed=renamed)
+        after: Optional[BaseException] = None
+        if rank == 0:  # what follows a complete save: its size, retention, the log line
+            try:
+                self.last_size = dir_bytes(final)
+                self.last_removed = apply_retention(self.run_dir, staged["keep"], step)
+                self.last_seconds = time.time() - t0
+                if self.on_saved is not None:
+                    self.on_saved(step, self.last_size, self.last_removed, self.last_seconds)
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                after = exc
+        # a gather, not a barrier: a failure on rank 0 alone stops every rank now (the others
+        # would wait at a barrier until its timeout)
+        texts = gather_texts(f"{type(after).__name__}: {after}" if after is not None else "", group, device)
+        if after is not None:
+            raise after
+        if texts[0]:
+            raise RuntimeError(f"checkpoint step_{step} was saved, then rank 0 failed: {texts[0]}")
 
-    def _agree_on_failure(self, failed: Optional[BaseException], staged: dict, tmp: str, group, device) -> None:
+    def _agree_on_failure(self, failed: Optional[BaseException], staged: dict, tmp: str, group, device,
+                          renamed: bool = False) -> None:
         """Collective: raise on every rank when the save failed on any. Out of space: the
-        partial ``tmp`` is removed and :class:`CheckpointSpaceError` says what is needed and left."""
-        texts = gather_texts("ENOSPC" if no_space(failed) else (repr(failed) if failed else ""), group, device)
+        partial ``tmp`` is removed and :class:`CheckpointSpaceError` says what is needed and left;
+        ``renamed`` (rank 0: ``step_N`` was in place when ``latest`` could not be written): that
+        the checkpoint is complete and which one a resume takes."""
+        full = "ENOSPC (latest)" if renamed else "ENOSPC"
+        texts = gather_texts(full if no_space(failed) else (repr(failed) if failed else ""), group, device)
         problems = [(r, t) for r, t in enumerate(texts) if t]
         if not problems:
             return
+        if any(t == "ENOSPC (latest)" for _, t in problems):
+            if renamed:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.run_dir, CKPT_DIR, "latest.tmp"))
+            raise CheckpointSpaceError(self.run_dir, staged["step"], 0, written=True)
         if any(t == "ENOSPC" for _, t in problems):
             sizes: dict[str, int] = {}
             for text in gather_texts(json.dumps(state_sizes(staged)), group, device):

@@ -21,13 +21,21 @@ EXIT_NO_SPACE = 73
 
 class CheckpointSpaceError(RuntimeError):
     """A checkpoint could not be written for lack of space: one line naming the directory, the
-    bytes the checkpoint needs and those free, and the last complete checkpoint."""
+    bytes the checkpoint needs and those free, and the last complete checkpoint; ``written``:
+    the checkpoint is complete but ``latest`` could not be rewritten (a resume passes it over)."""
 
-    def __init__(self, run_dir: str, step: int, needed: int) -> None:
+    def __init__(self, run_dir: str, step: int, needed: int, written: bool = False) -> None:
         where = os.path.join(run_dir, CKPT_DIR)
         free = shutil.disk_usage(where).free
         latest, _ = read_latest(run_dir)
         last = f"step_{latest} ({os.path.join(where, f'step_{latest}')})" if latest is not None else "none"
+        if written:  # the checkpoint is in place; ``latest`` (a few bytes) could not be rewritten
+            super().__init__(
+                f"checkpoint step_{step} was written to {os.path.join(where, f'step_{step}')}, but {where}/latest "
+                f"could not be updated: no space left on the device ({free:,} bytes are free); latest still names "
+                f"{last if latest is not None else 'no checkpoint'}, which a relaunch resumes from (step_{step} is "
+                f"passed over until latest names it); free space (or lower train.keep_checkpoints) and relaunch")
+            return
         super().__init__(f"checkpoint step_{step} not written: no space left on the device of {where} (the checkpoint "
                          f"needs {needed:,} bytes, {free:,} bytes are free; the partial step_{step}.tmp was removed); "
                          f"the last complete checkpoint is {last}; free space (or lower train.keep_checkpoints) and "

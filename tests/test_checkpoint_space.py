@@ -31,15 +31,31 @@ def _fail_writes(monkeypatch, when):
     monkeypatch.setattr(fs, "_write_item", write_item)
 
 
-def test_full_disk_is_one_line_and_exit_73(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("where", ["data", "latest"])
+def test_full_disk_is_one_line_and_exit_73(tmp_path, monkeypatch, capsys, where):
+    """``where``: the disk fills while DCP writes step_4's data, or after step_4 is complete and
+    in place, while ``latest`` is rewritten (then step_4 stays, latest names step_2)."""
+    from dept_mega import checkpoint
     from dept_mega import train as train_cli
     from dept_mega.checkpoint import dir_bytes
     from dept_mega.checkpoint_space import EXIT_NO_SPACE
     from dept_mega.resume import read_latest
     cfg = _setup(tmp_path, variant="std")
     run = str(tmp_path / "run")
+    ck = os.path.join(run, "checkpoints")
     monkeypatch.setenv("DEPT_MEGA_DEVICE", "cpu")
-    _fail_writes(monkeypatch, lambda: os.path.exists(os.path.join(run, "checkpoints", "step_4.tmp")))
+    if where == "data":
+        _fail_writes(monkeypatch, lambda: os.path.exists(os.path.join(ck, "step_4.tmp")))
+    else:
+        real = checkpoint.replace_durable
+
+        def replace_latest(path, data):
+            if data == b"4\n":
+                with open(path + ".tmp", "wb") as f:
+                    f.write(data[:1])
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(path, data)
+        monkeypatch.setattr(checkpoint, "replace_durable", replace_latest)
     rc = train_cli.main(["--config", cfg, f"train.run_dir={run}", "train.steps=4", "train.save_interval=2",
                          "train.eval_interval=0", "train.log_interval=1", "model.hidden_size=128", "model.ffn_hidden_size=512"])
     err = capsys.readouterr().err
@@ -47,7 +63,13 @@ def test_full_disk_is_one_line_and_exit_73(tmp_path, monkeypatch, capsys):
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     line = lines[0]
-    ck = os.path.join(run, "checkpoints")
+    if where == "latest":
+        assert (f"checkpoint step_4 was written to {ck}/step_4, but {ck}/latest could not be updated: no space "
+                f"left on the device") in line, line
+        assert f"latest still names step_2 ({ck}/step_2), which a relaunch resumes from" in line, line
+        assert "removed" not in line and "bytes are free" in line, line
+        assert sorted(os.listdir(ck)) == ["latest", "step_2", "step_4"] and read_latest(run) == (2, None)
+        return
     assert f"no space left on the device of {ck}" in line
     assert f"the last complete checkpoint is step_2 ({ck}/step_2)" in line
     needed = int(line.split("needs ")[1].split(" bytes")[0].replace(",", ""))
@@ -58,7 +80,7 @@ def test_full_disk_is_one_line_and_exit_73(tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(ck)) == ["latest", "step_2"] and read_latest(run) == (2, None)
 
 
-def _worker(rank, world, run, async_save):
+def _worker(rank, world, run, async_save, fail_after=False):
     from dept_mega.checkpoint import Checkpointer
     from dept_mega.checkpoint_space import CheckpointSpaceError
     from dept_mega.loop import StdHooks, TrainLoop
@@ -79,6 +101,17 @@ def _worker(rank, world, run, async_save):
     loop = TrainLoop(cfg, pg, trainer, StdHooks(), MetricsWriter(run, enabled=rank == 0, stream=io.StringIO()),
                      lambda n: SyntheticSource(cfg, 3, torch.arange(cfg.model.vocab_size), pg.dp_rank, pg.dp_size),
                      checkpointer=Checkpointer(run))
+    if fail_after:  # rank 0 alone fails after checkpoint step_4 is complete (its log line)
+        def log_saved(step, *rest):
+            if step == 4:
+                raise OSError(errno.EIO, "the log file's disk went away")
+        if rank == 0:
+            loop._log_saved = log_saved
+        try:
+            loop.run()
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}", sorted(os.listdir(os.path.join(run, "checkpoints")))
     # only rank 1's disk, only checkpoint step_4
     _fail_writes(Patch(), lambda: rank == 1 and os.path.exists(os.path.join(run, "checkpoints", "step_4.tmp")))
     try:
@@ -99,3 +132,16 @@ def test_every_rank_stops_when_one_rank_has_no_space(tmp_path, async_save):
     assert free.sub("", text) == free.sub("", text1) and listing == listing1
     assert "checkpoint step_4 not written: no space left" in text and "last complete checkpoint is step_2" in text
     assert listing == ["latest", "step_2"]
+
+
+@pytest.mark.timeout(200)
+def test_a_failure_on_rank_0_after_a_complete_save_stops_every_rank(tmp_path):
+    """What follows a complete save runs on rank 0 alone (its size, retention, the log line): a
+    failure there is raised on every rank at once, not left to the other ranks' barrier timeout
+    (train.async_save: raised at the end of the run, where the writer is waited for)."""
+    res = run_distributed(_worker, 2, args=(str(tmp_path / "run"), True, True), timeout=120)
+    (text0, listing0), (text1, listing1) = res
+    assert text0 == "RuntimeError: asynchronous checkpoint save failed: [Errno 5] the log file's disk went away", text0
+    assert text1 == ("RuntimeError: asynchronous checkpoint save failed: checkpoint step_4 was saved, then rank 0 "
+                     "failed: OSError: [Errno 5] the log file's disk went away"), text1
+    assert listing0 == listing1 == ["latest", "step_2", "step_4"]
