@@ -267,6 +267,12 @@ def local_problem(directory: str, rank: int = 0, world: int = 1, threads: int = 
             if name not in files:
                 return (f"{os.path.join(directory, name)} is missing (checkpoint format {man['format']} with "
                         f"{layout.get('groups')} group(s) expects it; it is not in the manifest)")
+        # every data file DCP's metadata can name must be covered by a checksum
+        unlisted = sorted(n for n in os.listdir(directory) if n.endswith(".distcp") and n not in files)
+        if unlisted:
+            more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+            return (f"{os.path.join(directory, unlisted[0])}{more} not in the manifest (data files no checksum "
+                    f"covers)")
         if not any(n.endswith(".distcp") for n in files):
             return f"{directory}: the manifest lists no .distcp data file"
         mine = sorted(files)[rank::world]

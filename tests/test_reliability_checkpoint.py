@@ -84,6 +84,12 @@ def _damage(run, kind):
         os.remove(os.path.join(s6, "rng_tp0_pp0.pt"))
         seal(s6, 6)
         return "rng_tp0_pp0.pt", 4
+    if kind == "unlisted_distcp":  # a data file the manifest has no checksum of
+        path = _distcp(run, 6)
+        man = json.load(open(os.path.join(s6, "manifest.json")))
+        del man["files"][os.path.basename(path)]
+        json.dump(man, open(os.path.join(s6, "manifest.json"), "w"))
+        return os.path.basename(path), 4
     if kind == "no_manifest":
         os.remove(os.path.join(s6, "manifest.json"))
         return "manifest.json", 4
@@ -100,7 +106,8 @@ def _damage(run, kind):
     raise ValueError(kind)
 
 
-KINDS = ["flip_4k_distcp", "truncated_distcp", "bad_json", "missing_file", "missing_rng_resealed", "no_manifest",
+KINDS = ["flip_4k_distcp", "truncated_distcp", "bad_json", "missing_file", "missing_rng_resealed", "unlisted_distcp",
+         "no_manifest",
          "renamed_copy", "latest_garbage", "latest_missing_step"]
 
 
