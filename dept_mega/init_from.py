@@ -177,6 +177,7 @@ def resume_sources(hooks, cfg: Config, device: torch.device) -> Optional[str]:
     from .init_from_dept import attach
     if cfg.train.init_from is None or not variant_of(cfg).own_embeddings or hooks is None:
         return None
-    path = _recorded(cfg) or source_checkpoint(cfg.train.init_from, device)
+    # the recorded checkpoint verified again (its files may have changed since the run started)
+    path = source_checkpoint(_recorded(cfg) or cfg.train.init_from, device)
     attach(hooks, source_tables_of(hooks, cfg, path, device))
     return path

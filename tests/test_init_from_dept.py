@@ -175,6 +175,23 @@ def test_spec_opt_run_installs_the_tables(spec_opt_source, tmp_path):
     import json
     rec = json.load(open(os.path.join(run, "init_from.json")))
     assert rec == {"init_from": src_run, "checkpoint": os.path.abspath(old)}, rec
+    # the recorded checkpoint is verified again at a resume: a copy with a damaged data file refused
+    import shutil
+    copy = tmp_path / "copy" / "checkpoints" / "step_4"
+    shutil.copytree(old, copy)
+    data = sorted(copy.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with open(os.path.join(run, "init_from.json"), "w") as f:
+        json.dump({"init_from": src_run, "checkpoint": str(copy)}, f)
+    args = ("--config", cfg_path, "train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0",
+            "train.steps=4", "optim.lr=0", "optim.min_lr=0", f"train.run_dir={run}", "dept.untrained_sources=warn")
+    r = _train_here(*args, f"train.init_from={src_run}")
+    assert r.returncode != 0 and f"config key 'train.init_from': checkpoint {copy} is not usable" in r.stderr, r.stderr
+    assert data.name in r.stderr, r.stderr
+    with open(os.path.join(run, "init_from.json"), "w") as f:
+        json.dump(rec, f)
     r = _train_here("--config", cfg_path, "train.eval_interval=0", "train.eval_iters=0", "train.save_interval=0",
                     "train.steps=4", "optim.lr=0", "optim.min_lr=0", f"train.run_dir={run}",
                     f"train.init_from={tmp_path / 'moved'}", "dept.untrained_sources=warn")
