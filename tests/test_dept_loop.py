@@ -114,13 +114,14 @@ def _slow_first_round_start_worker(rank, world, run_dir, sleep):
 def test_first_round_start_wait_is_not_throughput(tmp_path):
     """The process's first round start (a federated fresh start's wait for the other group jobs,
     a relaunched job's healing) is left out of the first window's tokens/s."""
-    sleep = 1.5
+    sleep = 2.0
     run_distributed(_slow_first_round_start_worker, 1, args=(str(tmp_path), sleep), timeout=100)
     train = [json.loads(l) for l in open(os.path.join(tmp_path, "metrics.jsonl"))]
     train = [r for r in train if r["kind"] == "train"]
     first = train[0]
     seconds = first["consumed_tokens"] / first["tokens_per_s"]  # the first window's time
-    assert first["step"] == 1 and 0 < seconds < sleep / 3, (seconds, train)
+    # (the wait counted: >= sleep; a loaded 2-core machine has taken 0.55 s for the step itself)
+    assert first["step"] == 1 and 0 < seconds < sleep / 2, (seconds, train)
 
 
 def _save_after_recorded_error_worker(rank, world, run_dir):
