@@ -10,10 +10,13 @@
 #   --out DIR      output folder, created if needed (without --out: the folder named by the OUT
 #                  environment variable; one of the two is required)
 #   --budget S     seconds for the whole script (default 420; --dry-run: 240). A stage starts only
-#                  when its expected time (below) is left and is stopped at twice that. The default
-#                  runs the stages in order of value until it is spent (at an H100's expected times:
-#                  env to fp8_lt, then fp8_host); the expected times of all stages add up to 1699 s,
-#                  so --budget 1800 runs everything unless stages overrun
+#                  when its expected time (below) is left. Its limit, twice that or the budget left
+#                  less 8 s (kept for the summary), is a deadline from its start that all its commands
+#                  share: the command running then is stopped, none starts after it, and summary.md
+#                  says "cut at its limit of N s" with what it stopped. The default runs the stages
+#                  in order of value until it is spent (at an H100's expected times: env to fp8_lt,
+#                  then fp8_host); the expected times of all stages add up to 1699 s, so --budget
+#                  1800 runs everything unless stages overrun
 #   --stages LIST  only these stages, comma-separated, run in the order listed (e.g. a second call
 #                  for what failed or was skipped: summary.md ends with that command, in the same
 #                  order), so list first what matters most within the budget. The build starts first
@@ -53,7 +56,7 @@
 #
 # Stages, in the order they run without --stages (expected seconds: measured on one H100,
 # 2026-11-26, or, for ops_tests, ops and torchao, on one H200, 2026-11-27, with room; a stage
-# starts only when its expected time is left, and is stopped at twice it):
+# starts only when its expected time is left, and its commands are stopped at twice it in all):
 #   build      the CUDA extension (setup.py build_ext --inplace), in the background from the start (20 s)
 #   env        GPU, driver, torch / CUDA versions                                            8
 #   ops_tests  waits for the build, checks the CUDA backend, tests/test_ops_cpp_errors.py, then
@@ -210,6 +213,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 # ------------------------------------------------------------------ what differs in the dry run
+declare -A HANG=()  # (the dry run's GPU_CHECK_DRY_HANG, below)
 CFG=examples/1b/spec_opt.yaml
 VOCAB=50257
 if [ "$DRY" = 1 ]; then
@@ -244,6 +248,14 @@ if [ "$DRY" = 1 ]; then
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
                      [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12 [fp8_tuned]=12 [attention]=6)
   CAP=8
+  # a rehearsal for tests/test_gpu_check.py. GPU_CHECK_DRY_HANG=STAGE:SECONDS[,...]: STAGE's limit is
+  # SECONDS and each of its commands hangs (sleep 600 instead of the command) until the stage's
+  # deadline stops it
+  IFS=, read -ra _hang <<<"${GPU_CHECK_DRY_HANG:-}"
+  for h in "${_hang[@]}"; do
+    [[ $h =~ ^[a-z0-9_]+:[0-9]+$ ]] || { echo "error: GPU_CHECK_DRY_HANG: want STAGE:SECONDS, got '$h'" >&2; exit 2; }
+    HANG[${h%%:*}]=${h#*:}
+  done
 else
   BIG_VOCAB=250112
   MB=4
@@ -286,7 +298,9 @@ forkserver_up() {
   # (benchmarks/forkserver.py's SETTINGS); a command whose other start-up variables differ from
   # the server's starts a fresh interpreter
   [ "$DRY" = 1 ] && [ -z "$FORK_PID" ] || return 0
-  local sock=$WORK/forkserver.sock preload=("${FORK_PRELOAD[@]}") s compiled=0
+  local sock=$WORK/forkserver.sock preload=("${FORK_PRELOAD[@]}") s compiled=0 hung=${#HANG[@]}
+  for s in "${PLANNED[@]}"; do [ -n "${HANG[$s]:-}" ] || hung=0; done
+  (( hung )) && return 0  # (GPU_CHECK_DRY_HANG: every stage hangs, so no Python command to serve)
   for s in "${COMPILED_STAGES[@]}"; do
     [[ " ${ORDER[*]} " == *" $s "* ]] && compiled=1
   done
@@ -314,13 +328,34 @@ EOF
 }
 log() { echo "$*" | tee -a "$LOG"; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-LIMIT=60
-run() {  # a command under the stage's time limit, its output in the log
-  log "\$ $*"
-  timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1
-  local rc=$?
-  [ $rc -eq 124 ] && log "(stopped at the stage's limit of ${LIMIT}s)"
+# A stage's limit is a deadline that all its commands share: stage() sets STAGE_END (its start +
+# LIMIT) and each command (run, within) gets only the time left to it; a command reached after it
+# is not started. What the deadline stopped goes to the log and to CUT, which the stage's 'finished'
+# line gives (within writes to the log file directly: its caller may send its output there too).
+STAGE=
+LIMIT=0
+STAGE_END=0
+CUT=()
+within() {  # CMD...: CMD with the time left to the stage's deadline (timeout -k 5); rc 124 without starting it when none is left
+  local what="${1##*/} ${2:-}" lim rc
+  [ "${2:-}" = -m ] && what+=" ${3:-}"
+  lim=$(( STAGE_END - $(date +%s) ))
+  if (( lim <= 0 )); then
+    echo "(not started: the stage's limit of ${LIMIT}s is spent: $what)" >>"$LOG"
+    CUT+=("not started: $what"); return 124
+  fi
+  [ -n "$STAGE" ] && [ -n "${HANG[$STAGE]:-}" ] && set -- sleep 600  # (the dry run's GPU_CHECK_DRY_HANG)
+  timeout -k 5 "$lim" "$@"
+  rc=$?
+  if (( rc == 124 || rc == 137 )) && (( $(date +%s) >= STAGE_END )); then
+    echo "(stopped at the stage's limit of ${LIMIT}s: $what)" >>"$LOG"
+    CUT+=("stopped: $what")
+  fi
   return $rc
+}
+run() {  # a command under the stage's deadline (within), its output in the log
+  log "\$ $*"
+  within "$@" >>"$LOG" 2>&1
 }
 PLANNED=()  # the stages this call runs but build, in their order, for summary.md's rerun line
 for s in "${ORDER[@]}"; do [ "$s" = build ] || PLANNED+=("$s"); done
@@ -341,11 +376,20 @@ stage() {  # NAME: run stage_NAME if its expected time is left
     summary; return 0
   fi
   LIMIT=$(( rem - RESERVE < CAP * exp ? rem - RESERVE : CAP * exp ))
+  [ -n "${HANG[$name]:-}" ] && LIMIT=${HANG[$name]}
   log "### stage $name (expected ${exp}s, limit ${LIMIT}s, $(date -Is))"
   t=$(date +%s)
+  STAGE=$name STAGE_END=$(( t + LIMIT )) CUT=()
   "stage_$name"
   rc=$?
-  log "### stage $name finished: rc=$rc in $(( $(date +%s) - t )) s"
+  local cut=
+  if (( ${#CUT[@]} )); then  # a stage its deadline stopped did not finish, whatever it returned
+    (( rc == 0 )) && rc=124
+    cut=$(printf '; %s' "${CUT[@]}")
+    cut=", cut at its limit of ${LIMIT} s (${cut#; })"
+  fi
+  log "### stage $name finished: rc=$rc in $(( $(date +%s) - t )) s$cut"
+  STAGE=
   summary
 }
 
@@ -373,7 +417,7 @@ start_build() {
 
 stage_env() {
   if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
+    within nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv >>"$LOG" 2>&1
   fi
   run "$PY" - "$WORK/env.json" <<'EOF'
 import datetime, json, sys, torch
@@ -414,9 +458,9 @@ pytest_args() {
 
 stage_tests() {  # GPU tests that do not need the extension, while it builds
   local files=()
-  for f in tests/test_*.py; do
+  for f in $(grep -l "mark.gpu" tests/test_*.py); do  # (one grep: a stage's time is its commands')
     case $f in tests/test_ops.py|tests/test_ops_errors.py|tests/test_ops_gpu.py|tests/test_fp8_cuda_cast.py|tests/test_fp8_gemm.py|tests/test_fp8_gemm_tuning.py|tests/test_fp8_fused_op.py|tests/test_triton_launch.py) continue ;; esac
-    grep -q "mark.gpu" "$f" && files+=("$f")
+    files+=("$f")
   done
   local rc=0
   # shellcheck disable=SC2046
@@ -430,9 +474,12 @@ stage_tests() {  # GPU tests that do not need the extension, while it builds
 wait_build() {  # the stages that run the extension's operators wait for its build first
   [ -n "$BUILD_PID" ] || return 0
   log "waiting for the build (pid $BUILD_PID)"
-  local waited=0
-  while kill -0 "$BUILD_PID" 2>/dev/null && (( waited < LIMIT )); do sleep 1; waited=$((waited + 1)); done
-  if kill -0 "$BUILD_PID" 2>/dev/null; then log "the build is still running after ${waited}s"; return 1; fi
+  local t0=$SECONDS
+  while kill -0 "$BUILD_PID" 2>/dev/null && (( $(date +%s) < STAGE_END )); do sleep 1; done
+  if kill -0 "$BUILD_PID" 2>/dev/null; then
+    log "the build is still running after $(( SECONDS - t0 ))s: the wait stopped at the stage's limit of ${LIMIT}s"
+    CUT+=("stopped: the wait for the build"); return 124
+  fi
   # what the build did and setup.py's check of the built library (a static libstdc++ in it crashes
   # every C++ message with a number): its last two "dept_mega setup:" lines
   wait "$BUILD_PID"; local rc=$?
@@ -485,7 +532,7 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
     local cat=kernel
     [ "$DRY" = 1 ] && cat=cpu_op
     echo "# kernels: $name ($(basename "$trace"))" >>"$OUT/kernels.txt"
-    "$PY" benchmarks/kernel_breakdown.py "$trace" --top 25 --category $cat >>"$OUT/kernels.txt" 2>>"$LOG" || return 1
+    within "$PY" benchmarks/kernel_breakdown.py "$trace" --top 25 --category $cat >>"$OUT/kernels.txt" 2>>"$LOG" || return 1
     echo >>"$OUT/kernels.txt"
   fi
   return $rc
@@ -596,7 +643,7 @@ memory_compare() {  # BENCH_RECORD VARIANT VOCAB OUT [OVERRIDES...]
   local rec=$1 variant=$2 vocab=$3 out=$4; shift 4
   # the config's tokenizer files do not exist here: the vocabulary sizes are given
   log "\$ tools/dept_costs.py --config $CFG ${SHAPE[*]} $* --global-vocab $vocab --source-vocab $vocab --memory --json"
-  timeout -k 5 "$LIMIT" "$PY" tools/dept_costs.py --config "$CFG" "${SHAPE[@]}" "$@" --global-vocab "$vocab" \
+  within "$PY" tools/dept_costs.py --config "$CFG" "${SHAPE[@]}" "$@" --global-vocab "$vocab" \
     --source-vocab "$vocab" --memory --json >"$WORK/costs_$variant.json" 2>>"$LOG" || { log "dept_costs.py failed"; return 1; }
   run "$PY" benchmarks/memory_vs_model.py --bench "$rec" --costs "$WORK/costs_$variant.json" --variant "$variant" \
     --out "$out"
@@ -604,9 +651,13 @@ memory_compare() {  # BENCH_RECORD VARIANT VOCAB OUT [OVERRIDES...]
 
 stage_megatron() {  # (our side loads the extension: never while the build writes it)
   wait_build || return 1
-  "$PY" -c "import megatron.core" 2>/dev/null || {
-    log "megatron-core is not importable: pip install -e '.[benchmark]', or put its wheel in .whl/ (bash benchmarks/fetch_device_wheels.sh)"
-    return 1; }
+  within "$PY" -c "import megatron.core" 2>/dev/null
+  case $? in
+    0) ;;
+    124) return 124 ;;  # (the stage's deadline)
+    *) log "megatron-core is not importable: pip install -e '.[benchmark]', or put its wheel in .whl/ (bash benchmarks/fetch_device_wheels.sh)"
+       return 1 ;;
+  esac
   run "$PY" benchmarks/vs_megatron.py --config "$CFG" "${MEGATRON[@]}" --out "$OUT/vs_megatron.json" \
     "${SHAPE[@]}" "${MEGATRON_SET[@]}"
 }

@@ -275,3 +275,39 @@ def test_stages_run_in_the_order_listed(tmp_path):
         bad = _run(tmp_path / "bad", "--stages", stages, timeout=60)
         assert bad.returncode == 2 and error in bad.stderr, (stages, bad.stderr)
         assert not (tmp_path / "bad" / "gpu_check.log").exists()
+
+
+def _hung_run(out, stages: str, hang: str, **env):
+    """A dry run of ``stages`` whose commands hang (GPU_CHECK_DRY_HANG: each stage's limit and every
+    command a sleep its deadline stops): no Python command runs, so no fork server starts (seconds)."""
+    extra = {"GPU_CHECK_DRY_HANG": hang, **env}
+    full = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
+    full.pop("OUT", None)
+    res = subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out), "--stages", stages], capture_output=True,
+                         text=True, env=full, timeout=120)
+    log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
+    assert res.returncode == 0, res.stderr[-2000:] + log[-4000:]
+    return log, (out / "summary.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_stops_at_its_deadline_and_the_next_stage_still_runs(tmp_path):
+    """A stage's limit is one deadline for all its commands (it was each command's: a stage of n
+    commands could run n times its limit, past --budget): the command running at the deadline is
+    stopped, the next is not started, the stage's line and summary.md say it was cut and what, and
+    the next stage still runs. Here every command hangs: tests' two pytest runs under a 4 s limit,
+    then ops_tests (its build waited for, then its first command cut at 2 s)."""
+    log, summary = _hung_run(tmp_path, "tests,ops_tests", "tests:4,ops_tests:2")
+    tests = _stage_log(log, "tests")
+    assert "(stopped at the stage's limit of 4s: python -m pytest)" in tests, tests
+    assert "(not started: the stage's limit of 4s is spent: python -m pytest)" in tests, tests
+    cut = "cut at its limit of 4 s (stopped: python -m pytest; not started: python -m pytest)"
+    m = re.search(rf"^### stage tests finished: rc=1 in (\d+) s, {re.escape(cut)}$", log, re.MULTILINE)
+    assert m and int(m.group(1)) <= 6, tests  # the limit, not twice it (two commands)
+    assert f"| tests | failed rc=1, {cut} | " in summary, summary
+    # the next stage ran: the build waited for, its first command stopped at its own deadline
+    ops = _stage_log(log, "ops_tests")
+    assert "build finished: rc=0" in ops and "(stopped at the stage's limit of 2s: python -c)" in ops, ops
+    assert "| ops_tests | failed rc=1, cut at its limit of 2 s (stopped: python -c) | " in summary, summary
+    assert "`bash benchmarks/gpu_check.sh --stages tests,ops_tests`" in summary
+
