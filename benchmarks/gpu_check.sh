@@ -63,7 +63,8 @@
 #              pytest -m gpu tests/test_ops.py, tests/test_ops_errors.py, tests/test_ops_gpu.py and
 #              tests/test_fp8_cuda_cast.py, tests/test_fp8_gemm.py, tests/test_fp8_gemm_tuning.py,
 #              tests/test_fp8_fused_op.py (the C++ FP8 cast, fused LayerNorm/GELU/dGELU cast and GEMM
-#              operators against Triton's, torch and torch._scaled_mm; the GEMM's algorithm tuning)                                            40
+#              operators against Triton's, torch and torch._scaled_mm; the GEMM's algorithm tuning, left
+#              out when build.log says the extension holds a static copy of libstdc++: it crashed)  40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
 #              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
 #   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
@@ -78,6 +79,8 @@
 #   fp8_tuned  fp8_all_fused's settings with fp8_gemm_tuning=8: each FP8 GEMM problem's first call times
 #              8 of cuBLASLt's candidate algorithms and keeps the fastest (the heuristic's first unless
 #              another is 2 % faster); its record lists every problem's candidates -> bench.jsonl  60 (an estimate)
+#              (skipped when build.log says the extension holds a static copy of libstdc++: its tuning
+#              record crashed the process there, 2026-11-28)
 #   fp8_cuda   fp8_casts=cuda fp8_gemm=torch fp8_fused_casts=false: each cast the C++/CUDA operator
 #              dept_mega::cast_fp8 (a dispatcher call instead of Triton's launcher), beside fp8_prev,
 #              profiled -> bench.jsonl, kernels.txt                            55 (an estimate)
@@ -248,9 +251,10 @@ if [ "$DRY" = 1 ]; then
                      [fp8_host]=12 [flex_autotune]=12 [fp8_cuda]=12 [fp8_fast_accum]=12 [fp8_casts]=8 [fp8_lt]=12
                      [fp8_fused]=12 [fp8_lt_fused]=12 [fp8_tlt_fused]=12 [fp8_prev]=12 [fp8_all_fused]=12 [fp8_tuned]=12 [attention]=6)
   CAP=8
-  # a rehearsal for tests/test_gpu_check.py. GPU_CHECK_DRY_HANG=STAGE:SECONDS[,...]: STAGE's limit is
+  # rehearsals for tests/test_gpu_check.py. GPU_CHECK_DRY_HANG=STAGE:SECONDS[,...]: STAGE's limit is
   # SECONDS and each of its commands hangs (sleep 600 instead of the command) until the stage's
-  # deadline stops it
+  # deadline stops it. GPU_CHECK_DRY_BUILD_NOTE=LINE: a line added to build.log after the build (e.g.
+  # setup.py's warning that the built library carries a static libstdc++)
   IFS=, read -ra _hang <<<"${GPU_CHECK_DRY_HANG:-}"
   for h in "${_hang[@]}"; do
     [[ $h =~ ^[a-z0-9_]+:[0-9]+$ ]] || { echo "error: GPU_CHECK_DRY_HANG: want STAGE:SECONDS, got '$h'" >&2; exit 2; }
@@ -368,7 +372,11 @@ summary() {
     || log "suite_summary.py failed"
 }
 stage() {  # NAME: run stage_NAME if its expected time is left
-  local name=$1 exp=${EXPECT[$1]} rem t rc
+  local name=$1 exp=${EXPECT[$1]} rem t rc why
+  if [ "$name" = fp8_tuned ] && why=$(static_libstdcxx); then  # (stage_fp8_tuned checks again after a build it waited for)
+    log "### stage $name skipped: $why"
+    summary; return 0
+  fi
   rem=$(left)
   (( rem - RESERVE < exp )) || { forkserver_up; rem=$(left); }  # (the dry run's server: its imports first)
   if (( rem - RESERVE < exp )); then
@@ -406,7 +414,8 @@ start_build() {
   fi
   forkserver_up
   if [ "$DRY" = 1 ]; then  # the same command, building nothing (a CPU build takes minutes here)
-    (DEPT_MEGA_NO_EXT=1 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1) &
+    (DEPT_MEGA_NO_EXT=1 "$PY" setup.py build_ext --inplace; rc=$?
+     [ -z "${GPU_CHECK_DRY_BUILD_NOTE:-}" ] || echo "$GPU_CHECK_DRY_BUILD_NOTE"; exit $rc) >"$OUT/build.log" 2>&1 &
   else
     (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} \
       "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1) &
@@ -471,6 +480,18 @@ stage_tests() {  # GPU tests that do not need the extension, while it builds
   return $rc
 }
 
+# The GPU image's /opt/gcc g++ linked a static copy of libstdc++ into the extension (2026-11-28):
+# every C++ message with a number crashed the process, the FP8 GEMM tuning's record first (the
+# fp8_tuned run and tests/test_fp8_gemm_tuning.py). setup.py now links the runtime's libstdc++ and
+# checks the built library; where build.log still has its warning, those are not run (a known crash).
+static_libstdcxx() {  # why, when the finished build's log says the extension defines libstdc++'s own symbols
+  [ -z "$BUILD_PID" ] && [ -f "$OUT/build.log" ] || return 1
+  local syms
+  syms=$(sed -n "s/.* defines libstdc++'s own \([^:]*\):.*/\1/p; T; q" "$OUT/build.log")
+  [ -n "$syms" ] || return 1
+  echo "the extension carries a static copy of libstdc++ (build.log: it defines libstdc++'s own $syms), with which the FP8 GEMM tuning crashes the process (its record formats numbers; a segmentation fault on the H200, 2026-11-28): rebuild with CXX=/usr/bin/g++"
+}
+
 wait_build() {  # the stages that run the extension's operators wait for its build first
   [ -n "$BUILD_PID" ] || return 0
   log "waiting for the build (pid $BUILD_PID)"
@@ -498,6 +519,13 @@ wait_build() {  # the stages that run the extension's operators wait for its bui
 
 stage_ops_tests() {
   wait_build || return 1
+  local files=(tests/test_ops.py tests/test_ops_errors.py tests/test_ops_gpu.py tests/test_fp8_cuda_cast.py
+               tests/test_fp8_gemm.py tests/test_fp8_gemm_tuning.py tests/test_fp8_fused_op.py) why f kept=()
+  if why=$(static_libstdcxx); then
+    log "### note: ops_tests: tests/test_fp8_gemm_tuning.py left out: $why"
+    for f in "${files[@]}"; do [ "$f" = tests/test_fp8_gemm_tuning.py ] || kept+=("$f"); done
+    files=("${kept[@]}")
+  fi
   local want=cuda
   [ "$DRY" = 1 ] && want="cpp torch"
   run "$PY" -c "import sys, dept_mega.ops as o; b = o.backend(); print('ops backend:', b, o.extension_status()); \
@@ -506,8 +534,7 @@ sys.exit(b not in '$want'.split())" || return 1
   local rc=0
   run "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_ops_cpp_errors.py || rc=1
   # shellcheck disable=SC2046
-  run "$PY" -m pytest $(pytest_args) tests/test_ops.py tests/test_ops_errors.py tests/test_ops_gpu.py tests/test_fp8_cuda_cast.py \
-    tests/test_fp8_gemm.py tests/test_fp8_gemm_tuning.py tests/test_fp8_fused_op.py || rc=1
+  run "$PY" -m pytest $(pytest_args) "${files[@]}" || rc=1
   return $rc
 }
 
@@ -578,6 +605,9 @@ stage_fp8_prev() { bench fp8_prev fp8=hybrid backend=local fp8_casts=$TRITON_CAS
 stage_fp8_all_fused() {
   bench fp8_all_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
 stage_fp8_tuned() {
+  local why
+  wait_build || return 1
+  if why=$(static_libstdcxx); then log "fp8_tuned not run: $why"; return 1; fi
   bench fp8_tuned fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_gemm_tuning=8 fp8_fused_casts=true; }
 BIG_SET=(dept.variant=std model.vocab_size=$BIG_VOCAB)  # the vocab250k run (and its memory comparison)
 stage_vocab250k() { bench std_vocab250k "${BIG_SET[@]}"; }

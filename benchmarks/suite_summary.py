@@ -30,6 +30,7 @@ STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
 # (", cut at its limit of N s (what it stopped)": the stage's deadline stopped a command or left one unstarted)
 STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s(?:, (cut at its limit .*))?$")
 STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
+NOTE = re.compile(r"^### note: (.*)$")  # a line for the summary as it is (e.g. tests left out, and why)
 OWN_SECTIONS = ("vs_torchao", "fp8_host", "fp8_cast_bench", "attention_bench")  # kinds of bench.jsonl rows with a section of their own
 
 
@@ -493,6 +494,9 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         for st in found:
             lines.append(f"| {st['name']} | {st['status']} | {_fmt(st['seconds'], 'd', '')} | "
                          f"{'; '.join(st['pytest'])} |")
+        notes = [m.group(1) for m in (NOTE.match(line) for line in text.splitlines()) if m]
+        if notes:
+            lines += [""] + [f"- note: {n}" for n in notes]
         rerun = rerun_line(found, planned or [])
         if rerun:
             lines += ["", rerun]

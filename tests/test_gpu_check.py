@@ -311,3 +311,27 @@ def test_a_stage_stops_at_its_deadline_and_the_next_stage_still_runs(tmp_path):
     assert "| ops_tests | failed rc=1, cut at its limit of 2 s (stopped: python -c) | " in summary, summary
     assert "`bash benchmarks/gpu_check.sh --stages tests,ops_tests`" in summary
 
+
+@pytest.mark.timeout(120)
+def test_a_build_with_a_static_libstdcxx_skips_the_gemm_tuning(tmp_path, capsys):
+    """Where build.log has setup.py's warning that the built extension carries its own libstdc++
+    (the FP8 GEMM tuning crashed the process with one: a segmentation fault on the H200), fp8_tuned
+    is skipped, saying why, and ops_tests leaves out the tuning tests, noted in summary.md. The line
+    is the one setup.py writes (its check run on a library whose nm lists both symbols)."""
+    spec = importlib.util.spec_from_file_location("dept_mega_setup", os.path.join(ROOT, "setup.py"))
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # not __main__: setup() does not run
+    setup.LOG = str(tmp_path / "setup.log")
+    nm = "".join(f"0000000000001000 T {s}\n" for s in setup.STATIC_LIBSTDCXX_SYMBOLS)
+    setup.check_built_library("/ext/_C.so", run=lambda *a, **k: subprocess.CompletedProcess(a, 0, nm, ""))
+    warning = capsys.readouterr().err.strip()
+    assert "defines libstdc++'s own" in warning, warning
+    out = tmp_path / "out"
+    log, summary = _hung_run(out, "ops_tests,fp8_tuned", "ops_tests:2,fp8_tuned:2", GPU_CHECK_DRY_BUILD_NOTE=warning)
+    assert warning in (out / "build.log").read_text()
+    why = ("the extension carries a static copy of libstdc++ (build.log: it defines libstdc++'s own "
+           f"{', '.join(setup.STATIC_LIBSTDCXX_SYMBOLS)}), with which the FP8 GEMM tuning crashes the process")
+    assert f"| fp8_tuned | skipped ({why}" in summary, summary
+    assert "### stage fp8_tuned (expected" not in log, log  # not started: no run, no cut
+    assert f"- note: ops_tests: tests/test_fp8_gemm_tuning.py left out: {why}" in summary, summary
+    assert "`bash benchmarks/gpu_check.sh --stages ops_tests,fp8_tuned`" in summary
