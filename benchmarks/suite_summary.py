@@ -27,8 +27,10 @@ _OUTCOME = r"\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|war
 PYTEST_RESULT = re.compile(rf"^(?:=+ )?((?:{_OUTCOME}(?:, )?)+ in [\d.]+s(?: \([\d:]+\))?|no tests ran in [\d.]+s)"
                            r"(?: =+)?\s*$")
 STAGE_START = re.compile(r"^### stage (\w+) \(expected (\d+)s")
-STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s")
+# (", cut at its limit of N s (what it stopped)": the stage's deadline stopped a command or left one unstarted)
+STAGE_END = re.compile(r"^### stage (\w+) finished: rc=(\d+) in (\d+) s(?:, (cut at its limit .*))?$")
 STAGE_SKIP = re.compile(r"^### stage (\w+) skipped: (.*)$")
+NOTE = re.compile(r"^### note: (.*)$")  # a line for the summary as it is (e.g. tests left out, and why)
 OWN_SECTIONS = ("vs_torchao", "fp8_host", "fp8_cast_bench", "attention_bench")  # kinds of bench.jsonl rows with a section of their own
 
 
@@ -63,6 +65,8 @@ def stages(text: str) -> list[dict]:
         m = STAGE_END.match(line)
         if m and cur is not None and cur["name"] == m.group(1):
             cur["status"] = "ok" if m.group(2) == "0" else f"failed rc={m.group(2)}"
+            if m.group(4):
+                cur["status"] += f", {m.group(4)}"
             cur["seconds"] = int(m.group(3))
             cur = None
             continue
@@ -490,6 +494,9 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         for st in found:
             lines.append(f"| {st['name']} | {st['status']} | {_fmt(st['seconds'], 'd', '')} | "
                          f"{'; '.join(st['pytest'])} |")
+        notes = [m.group(1) for m in (NOTE.match(line) for line in text.splitlines()) if m]
+        if notes:
+            lines += [""] + [f"- note: {n}" for n in notes]
         rerun = rerun_line(found, planned or [])
         if rerun:
             lines += ["", rerun]
