@@ -261,6 +261,11 @@ def test_clear_errors_for_missing_files(tmp_path, tok_model):
     r = run_tool("preprocess_data.py", ["--input", str(tmp_path), "--tokenizer-model", tok_model,
                                         "--output-prefix", str(tmp_path / "o")])
     assert r.returncode == 2 and "not a regular file" in r.stderr and "does not exist" not in r.stderr
+    # a key given twice: refused before any tokenizing (both would write OUT_text_document), nothing written
+    r = run_tool("preprocess_data.py", ["--input", src, "--json-keys", "text", "text", "--tokenizer-model",
+                                        tok_model, "--output-prefix", str(tmp_path / "k")])
+    assert r.returncode == 2 and "error: --json-keys: key 'text' is given more than once" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not [f for f in os.listdir(tmp_path) if f.startswith("k")]
 
 
 def test_progress_lines(tmp_path, tok_model):
