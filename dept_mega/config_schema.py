@@ -150,7 +150,7 @@ class DataConfig:
     tokenizer: Optional[str] = None  #: The global tokenizer (every variant but spec_opt): a SentencePiece model (.model), or a Hugging Face tokenizer.json or a directory holding it (with tokenizer_config.json naming its eos_token); the kind is read from the path.
     sources: list[SourceConfig] = field(default_factory=list)  #: The data sources, one mapping each (keys below).
     split: str = "98,2"  #: Train,valid document weights of each source; a third weight holds out a test part, which only python -m dept_mega.evaluate --part test reads.
-    cache_dir: Optional[str] = None  #: Where sample-index caches go (memory-mapped .npy files, built once per job by rank 0, or per node by local rank 0 when ranks cannot see them: a node-local disk works); null = beside each source's .idx.
+    cache_dir: Optional[str] = None  #: Where sample-index caches go (memory-mapped .npy files, built at start-up by the ranks between them, each part once; on a node-local disk, by each node's ranks for that node), and the token counts and id ranges computed from the data; null = beside each source's .idx.
 
 
 @dataclass

@@ -11,7 +11,8 @@ import pytest
 from dept_mega.data.byte_counts import ByteCountError, add_byte_counts
 from dept_mega.data.indexed import IndexedDataset, bytes_path
 from dept_mega.data.tokenizer import Tokenizer
-from tests.data_utils import megatron_indexed, run_tool, synthetic_texts, train_tiny_tokenizer, write_jsonl
+from tests.data_utils import (megatron_indexed, run_tool, synthetic_texts, train_tiny_tokenizer, write_docs,
+                              write_jsonl)
 
 # an empty text (Megatron keeps it as a document of no sequence) and multi-byte characters
 TEXTS = synthetic_texts(12, seed=4)[:5] + [""] + ["river é stone — cloud 火"] + synthetic_texts(12, seed=5)[:5]
@@ -69,6 +70,7 @@ def test_writes_byte_counts_megatron_data_lacked(tmp_path, tok_model):
     ("no_eod_flag", "document 0 holds"),
     ("swapped_lines", "{idx}: document 0 holds"),
     ("lone_surrogate", "{src}:3: the text holds a lone surrogate escape"),
+    ("invalid_utf8", "{src}:3: not valid UTF-8: Megatron-LM's preprocess_data.py stops"),
 ])
 def test_mismatches_are_refused_naming_the_place_and_write_nothing(tmp_path, tok_model, case, message):
     prefix = megatron_data(str(tmp_path / "d"), TEXTS, tok_model)
@@ -95,6 +97,12 @@ def test_mismatches_are_refused_naming_the_place_and_write_nothing(tmp_path, tok
     src = str(tmp_path / "in.jsonl")
     with open(src, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+    if case == "invalid_utf8":
+        with open(src, "r+b") as f:
+            data = f.read().split(b"\n")
+            data[2] = data[2].replace(b'"text": "', b'"text": "\xff')
+            f.seek(0)
+            f.write(b"\n".join(data))
     with pytest.raises(ByteCountError) as err:
         add_byte_counts(prefix, [src], **kwargs)
     assert message.format(idx=prefix + ".idx", src=src) in str(err.value), str(err.value)
@@ -136,3 +144,34 @@ def test_input_lines_keep_byte_counts_and_only_the_checked_texts(tmp_path):
     assert list(lines.nbytes) == [3, 1, 2, 5] and lines.blank == 1
     assert lines.texts == {0: "one", 3: "three"}
     assert lines.where(1) == f"{a}:2" and lines.where(2) == f"{b}:1" and lines.where(3) == f"{b}:2"
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bz2", "lzma"])
+def test_compressed_input_is_read_as_megatron_reads_it(tmp_path, kind):
+    """A compressed jsonl (Megatron's --partitions reads *.gz) gives the counts of its text,
+    read with universal newlines (CRLF and a lone CR end lines, as in Megatron's text mode); a
+    damaged stream and bad UTF-8 are errors naming the file and the line."""
+    import bz2
+    import gzip
+    import lzma
+    from dept_mega.data.byte_counts import read_lines
+    module = {"gzip": gzip, "bz2": bz2, "lzma": lzma}[kind]
+    texts = ["one", "é", "three", "four"]
+    rows = [json.dumps({"text": t}, ensure_ascii=False) for t in texts]
+    data = (rows[0] + "\r\n" + rows[1] + "\r" + rows[2] + "\n" + rows[3] + "\r\n").encode("utf-8")
+    src = str(tmp_path / "c.jsonl.gz")
+    with open(src, "wb") as f:
+        f.write(module.compress(data))
+    assert list(read_lines([src], "text").nbytes) == [3, 2, 5, 4]
+    prefix = write_docs(str(tmp_path / "c_text_document"), [[5, 6]] * 4)
+    r = run_tool("add_byte_counts.py", ["--prefix", prefix, "--input", src, "--partitions", "2"])
+    assert r.returncode == 0, r.stderr
+    assert np.load(bytes_path(prefix)).tolist() == [3, 5, 2, 4]  # lines 0, 2, then 1, 3
+    with open(src, "wb") as f:
+        f.write(module.compress(data)[:-12])
+    with pytest.raises(ByteCountError, match=f"{src}.*damaged or truncated after line"):
+        read_lines([src], "text")
+    with open(src, "wb") as f:
+        f.write(module.compress(data + b'{"text": "\xff"}\n'))
+    with pytest.raises(ByteCountError, match=rf"{src}:5: not valid UTF-8 \(decompressed\): Megatron"):
+        read_lines([src], "text")

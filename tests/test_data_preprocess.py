@@ -261,6 +261,26 @@ def test_clear_errors_for_missing_files(tmp_path, tok_model):
     r = run_tool("preprocess_data.py", ["--input", str(tmp_path), "--tokenizer-model", tok_model,
                                         "--output-prefix", str(tmp_path / "o")])
     assert r.returncode == 2 and "not a regular file" in r.stderr and "does not exist" not in r.stderr
+    # a key given twice: refused before any tokenizing (both would write OUT_text_document), nothing written
+    r = run_tool("preprocess_data.py", ["--input", src, "--json-keys", "text", "text", "--tokenizer-model",
+                                        tok_model, "--output-prefix", str(tmp_path / "k")])
+    assert r.returncode == 2 and "error: --json-keys: key 'text' is given more than once" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not [f for f in os.listdir(tmp_path) if f.startswith("k")]
+
+
+def test_allow_empty_says_what_the_empty_dataset_is_for(tmp_path, tok_model):
+    """--allow-empty writes an empty dataset for merging; its help and the run say that
+    megatron-core cannot open it (it memory-maps the empty .bin)."""
+    r = run_tool("preprocess_data.py", ["--help"])
+    assert "megatron-core cannot open an empty .bin" in " ".join(r.stdout.split()), r.stdout
+    src = tmp_path / "empty.jsonl"
+    src.write_text("")
+    for quiet in ([], ["--quiet"]):
+        r = run_tool("preprocess_data.py", ["--input", str(src), "--tokenizer-model", tok_model, "--allow-empty",
+                                            "--output-prefix", str(tmp_path / "o"), *quiet])
+        assert r.returncode == 0 and os.path.exists(tmp_path / "o_text_document.idx"), r.stderr
+        assert (f"note: {tmp_path / 'o_text_document.bin'} holds no token: an empty dataset is for "
+                f"tools/merge_datasets.py; megatron-core cannot open it" in r.stderr), r.stderr
 
 
 def test_progress_lines(tmp_path, tok_model):

@@ -99,6 +99,28 @@ def test_blended_batches(tmp_path):
     assert not torch.equal(torch.cat(other_seed.next_step().source_ids), torch.cat(first.next_step().source_ids))
 
 
+def test_shared_cache_dir_keeps_one_cache_per_source(tmp_path, monkeypatch):
+    """Sources of the same name in different folders, one data.cache_dir: the token counts and
+    the id range are cached once each (named by a hash of the prefix's path), not recomputed
+    on every use because the other source replaced the file."""
+    import dept_mega.data.token_counts as tc
+    import dept_mega.data.token_range as tr
+    prefixes = {}
+    for lang, hi in (("en", 50), ("fr", 90)):
+        os.makedirs(tmp_path / lang)
+        prefixes[lang] = write_docs(str(tmp_path / lang / "text_document"), [list(range(hi))], nbytes=[hi])
+    cache = str(tmp_path / "cache")
+    for lang, p in prefixes.items():
+        assert np.count_nonzero(tc.token_counts(p, cache)) == (50 if lang == "en" else 90)
+        assert tr.token_id_range(p, cache) == (0, 49 if lang == "en" else 89)
+    assert len(os.listdir(cache)) == 4 and not os.path.exists(prefixes["en"] + ".token_range.json")
+    monkeypatch.setattr(tr, "IndexedDataset", lambda p: pytest.fail(f"{p}: read again"))
+    counted = lambda done, total: pytest.fail("counted again")  # noqa: E731 (called only when not cached)
+    for lang, p in prefixes.items():
+        assert np.count_nonzero(tc.token_counts(p, cache, progress=counted)) == (50 if lang == "en" else 90)
+        assert tr.token_id_range(p, cache) == (0, 49 if lang == "en" else 89)
+
+
 def test_vocab_set_and_cache(tmp_path):
     docs = [[5, 9, 9, 300], [7, 5], [65000]]
     prefix = write_docs(str(tmp_path / "v"), docs, nbytes=[1, 1, 1])

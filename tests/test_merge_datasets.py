@@ -10,7 +10,8 @@ import pytest
 
 import dept_mega.data.merge as mg
 from dept_mega.data.indexed import IndexedDataset, tokenizer_record_path
-from dept_mega.data.merge import MergeError, find_parts, merge, merged_record
+from dept_mega.data.merge import MergeError, merge, merged_record
+from dept_mega.data.merge_find import find_parts, numbering_gaps
 from dept_mega.data.preprocess import preprocess
 from dept_mega.data.token_range import token_id_range
 from tests.data_utils import (megatron_indexed, numbered_docs, run_tool, synthetic_texts, train_tiny_tokenizer,
@@ -120,12 +121,18 @@ def test_input_dir_order_is_by_name_with_numbers(tmp_path):
     d.mkdir()
     for n, (a, b) in zip((2, 10, 1), ((10, 20), (20, 30), (0, 10))):
         _part(str(d / f"x_{n}_text_document"), docs[a:b])
-    prefixes = find_parts(str(d), "x_*_text_document")
+    prefixes = find_parts(str(d), "x_*_text_document", allow_gaps=True)
     assert [os.path.basename(p) for p in prefixes] == [f"x_{n}_text_document" for n in (1, 2, 10)]
     out = str(tmp_path / "all")
-    r = run_tool("merge_datasets.py", ["--input-dir", str(d), "--output-prefix", out])
+    r = run_tool("merge_datasets.py", ["--input-dir", str(d), "--output-prefix", out])  # 3 ... 9 missing
+    assert r.returncode == 2 and "error:" in r.stderr and "miss 7 number(s)" in r.stderr, r.stderr
+    assert "x_3_text_document, x_4_text_document" in r.stderr and "--allow-gaps" in r.stderr
+    assert _left(tmp_path, "all") == []
+    r = run_tool("merge_datasets.py", ["--input-dir", str(d), "--allow-gaps", "--output-prefix", out])
     assert r.returncode == 0, r.stderr
-    assert "in name order (digit runs as numbers): x_1_text_document, x_2_text_document, x_10" in r.stderr
+    assert ("3 parts from " in r.stderr and "first x_1_text_document, last x_10_text_document; in name order "
+            "(digit runs as numbers): x_1_text_document, x_2_text_document, x_10" in r.stderr)
+    assert "numbering: 7 missing (--allow-gaps): x_3_text_document" in r.stderr
     ds = IndexedDataset(out)
     assert [ds[i].tolist() for i in range(len(ds))] == docs
     assert ds.document_bytes().tolist() == [10 * len(x) for x in docs]
@@ -144,6 +151,49 @@ def test_input_dir_refuses_several_keys_and_half_datasets(tmp_path):
         find_parts(str(d))
     with pytest.raises(MergeError, match="no dataset"):
         find_parts(str(d), "y*")
+
+
+@pytest.mark.parametrize("leftover", ["en_001_text_document.bin.tmp", "en_001_text_document.idx.tmp",
+                                      "en_001_text_document.bytes.npy.tmp", "en_001.partitions.tmp"])
+def test_input_dir_refuses_unfinished_parts(tmp_path, leftover):
+    """A shard still being preprocessed, or killed, has only temporary files (or its --partitions
+    directory): refused, naming it, not merged without it."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    for i in (0, 2):
+        _part(str(d / f"en_{i:03d}_text_document"), [[i + 1, 2]])
+    if leftover.endswith(".partitions.tmp"):
+        (d / leftover).mkdir()
+        (d / leftover / "part0_text_document.bin.tmp").write_bytes(b"\0\0")
+    else:
+        (d / leftover).write_bytes(b"\0\0")
+    out = str(tmp_path / "out" / "en_text_document")
+    r = run_tool("merge_datasets.py", ["--input-dir", str(d), "--pattern", "en_*_text_document", "--allow-gaps",
+                                       "--output-prefix", out])
+    assert r.returncode == 2, r.stderr
+    assert (f"error: {d / leftover}: part en_001_text_document is still being written, or its run was killed"
+            in r.stderr)
+    assert not os.path.exists(out + ".idx")
+    with pytest.raises(MergeError, match="no dataset"):  # another pattern's leftovers are not this merge's
+        find_parts(str(d), "x*")
+
+
+def test_input_dir_refuses_gaps_in_the_numbering(tmp_path):
+    """en_000 and en_002 without en_001 (a shard whose run failed and left nothing): refused
+    unless --allow-gaps; names numbered in several places are not checked."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    for i in (0, 2, 3, 5):
+        _part(str(d / f"en_{i:03d}_text_document"), [[i + 1, 2]])
+    with pytest.raises(MergeError, match=r"\(en_000_text_document \.\.\. en_005_text_document\) miss 2 number\(s\) "
+                                         r"of their numbering: en_001_text_document, en_004_text_document \("):
+        find_parts(str(d), "en_*_text_document")
+    assert len(find_parts(str(d), "en_*_text_document", allow_gaps=True)) == 4
+    assert numbering_gaps(["a_1_x", "a_2_x", "a_3_x"]) == (0, [])
+    assert numbering_gaps(["a_9", "a_12"], show=2) == (2, ["a_10", "a_11"])
+    assert numbering_gaps(["a_1_b_1", "a_2_b_3"]) is None  # two digit runs differ
+    assert numbering_gaps(["en_1", "fr_3"]) is None  # the text differs
+    assert numbering_gaps(["one"]) == (0, [])
 
 
 @pytest.mark.parametrize("field", ["sha256", "tokenizer_type"])
@@ -396,6 +446,8 @@ def test_stop_while_renaming_leaves_no_dataset(tmp_path, monkeypatch):
 def test_cli_argument_errors(tmp_path):
     r = run_tool("merge_datasets.py", ["--input", "a", "--pattern", "x*", "--output-prefix", str(tmp_path / "o")])
     assert r.returncode == 2 and "--pattern needs --input-dir" in r.stderr
+    r = run_tool("merge_datasets.py", ["--input", "a", "--allow-gaps", "--output-prefix", str(tmp_path / "o")])
+    assert r.returncode == 2 and "--allow-gaps needs --input-dir" in r.stderr
     r = run_tool("merge_datasets.py", ["--input-dir", str(tmp_path / "none"), "--output-prefix", "o"])
     assert r.returncode == 2 and "error: --input-dir" in r.stderr and "is not a directory" in r.stderr
 

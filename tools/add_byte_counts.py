@@ -10,7 +10,8 @@ preprocessing does not write. This counts them from the original jsonl without t
 again. The line count must equal the .idx's document count (Megatron makes one document of
 every line); any line Megatron's preprocessing would have stopped on (blank, invalid JSON or
 UTF-8, missing key) is an error naming it; ``--partitions`` (the value preprocessing ran with)
-gives the document order of partitioned runs. ``--check N`` re-tokenizes the first N documents
+gives the document order of partitioned runs. A compressed input (``corpus.jsonl.gz``, as
+Megatron's ``--partitions`` reads it; bzip2, xz, zstd too) is decompressed as it is read. ``--check N`` re-tokenizes the first N documents
 and compares their token counts with the .idx (pass ``--append-eod`` when preprocessing did).
 The file is written under a temporary name and renamed; errors are one ``error:`` line and exit
 status 2, with nothing written. See dept_mega/data/byte_counts.py for the rules.

@@ -7,7 +7,11 @@
         --output-prefix data/mc4/global_tok/en_text_document
 
 The parts are concatenated in the order given; with ``--input-dir`` in the order of their names
-with digit runs compared as numbers (``shard_2`` before ``shard_10``; the order is printed).
+with digit runs compared as numbers (``shard_2`` before ``shard_10``; the count, the first and
+last names and the order are printed). ``--input-dir`` refuses a matching part that is still
+being written or whose run was killed (only its temporary files, ``NAME.bin.tmp`` ..., or its
+``--partitions`` directory are there), and a gap in the numbering of the names (``en_000``,
+``en_002``: ``en_001`` missing, e.g. its run failed) unless ``--allow-gaps`` is given.
 Merged in the order the jsonl was split, the ``.bin``, ``.idx`` and ``.bytes.npy`` are
 byte for byte those that tools/preprocess_data.py writes from the whole jsonl in one go.
 ``--output-prefix`` is the merged dataset's whole prefix (nothing is appended to it).
@@ -32,7 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dept_mega.data.merge import MergeError, find_parts, human_size, merge  # noqa: E402
+from dept_mega.data.merge import MergeError, human_size, merge  # noqa: E402
+from dept_mega.data.merge_find import find_parts, numbering_gaps  # noqa: E402
 from dept_mega.data.stop_signals import Terminated, stop_on_signals  # noqa: E402
 
 
@@ -45,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="merge the datasets in DIR (NAME.bin + NAME.idx), in name order, digit runs as numbers")
     p.add_argument("--pattern", default="*",
                    help="with --input-dir: a glob the NAMEs must match (default *), e.g. 'en_*_text_document'")
+    p.add_argument("--allow-gaps", action="store_true",
+                   help="with --input-dir: merge even when the numbering of the matched NAMEs has a gap (en_000, "
+                        "en_002: en_001 missing), which is refused by default (a shard that failed or has not run)")
     p.add_argument("--output-prefix", required=True, help="the merged dataset's prefix (writes PREFIX.bin, .idx, ...)")
     p.add_argument("--force", action="store_true", help="replace an existing dataset at --output-prefix")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
@@ -52,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.pattern != "*" and args.input_dir is None:
         p.error("--pattern needs --input-dir")
+    if args.allow_gaps and args.input_dir is None:
+        p.error("--allow-gaps needs --input-dir")
     return args
 
 
@@ -62,6 +72,16 @@ def _names(prefixes, limit: int = 8) -> str:
     return ", ".join(names[:limit // 2]) + f", ... ({len(names) - limit} more), " + ", ".join(names[-limit // 2:])
 
 
+def _numbering(prefixes) -> str:
+    gaps = numbering_gaps([os.path.basename(x) for x in prefixes])
+    if gaps is None:
+        return "not checked (the names differ in their text or in more than one digit run)"
+    count, missing = gaps
+    if not count:
+        return "no gaps"
+    return f"{count} missing (--allow-gaps): {', '.join(missing)}{', ...' if count > len(missing) else ''}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -69,9 +89,11 @@ def main(argv=None) -> int:
     with stop_on_signals():
         try:
             if args.input_dir is not None:
-                prefixes = find_parts(args.input_dir, args.pattern)
-                log(f"[merge] {len(prefixes)} parts from {args.input_dir} in name order (digit runs as numbers): "
+                prefixes = find_parts(args.input_dir, args.pattern, allow_gaps=args.allow_gaps)
+                log(f"[merge] {len(prefixes)} parts from {args.input_dir}, first {os.path.basename(prefixes[0])}, "
+                    f"last {os.path.basename(prefixes[-1])}; in name order (digit runs as numbers): "
                     f"{_names(prefixes)}")
+                log(f"[merge] numbering: {_numbering(prefixes)}")
             else:
                 prefixes = args.input
             st = merge(prefixes, args.output_prefix, force=args.force, log=log,

@@ -36,7 +36,8 @@ byte-order mark, CRLF) are counted by kind and reported at the end (stderr, also
 what is kept and what is skipped. The skipped counts are recorded in the tokenizer record
 (``input``), and training's pre-flight warns about data that lacks lines. ``--strict`` makes
 any of them an error. An input that leaves no document (empty, or all bad lines) is an
-error too unless ``--allow-empty``. Errors are one ``error:`` line and exit status 2, with no
+error too unless ``--allow-empty``, which writes an empty dataset for tools/merge_datasets.py
+(a shard that came out empty): megatron-core cannot open an empty ``.bin``. Errors are one ``error:`` line and exit status 2, with no
 output written; an output path that cannot be written is refused before tokenizing.
 
 A rerun into an existing ``--output-prefix`` first removes all of the earlier run's files
@@ -94,7 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "tools/merge_datasets.py refuses shards made with and without it)")
     p.add_argument("--strict", action="store_true", help="any bad input line is an error")
     p.add_argument("--allow-empty", action="store_true",
-                   help="write an empty dataset when no document is left (default: an error)")
+                   help="write an empty dataset when no document is left (default: an error); it is for "
+                        "tools/merge_datasets.py (a shard that came out empty): megatron-core cannot open an "
+                        "empty .bin (it memory-maps it), nor does training use a source without tokens")
     p.add_argument("--round-trip-every", type=_every, default=1, metavar="K",
                    help="decode the documents of every K-th input line to check decode(encode(text)) == text "
                         "(default 1: every document; 0: no check, the record says it was not checked)")
@@ -133,6 +136,10 @@ def main(argv=None) -> int:
             print(f"[preprocess] wrote {out}.bin, {out}.idx, {out}.bytes.npy, {out}.tokenizer.json, "
                   f"{out}.token_range.json", file=sys.stderr)
             print(round_trip_line(out, rt, args.round_trip_every), file=sys.stderr)
+    if st.tokens == 0:  # --allow-empty (also with --quiet: data that megatron-core cannot open)
+        print(f"[preprocess] note: {', '.join(o + '.bin' for o in st.outputs)} holds no token: an empty dataset is "
+              f"for tools/merge_datasets.py; megatron-core cannot open it (it memory-maps the .bin), nor does "
+              f"training use it", file=sys.stderr)
     if st.report.total:  # also with --quiet: input left out of the data is never silent
         print(f"[preprocess] input problems: {st.report.skipped} of {st.lines} lines skipped (counts recorded in "
               f"{', '.join(o + '.tokenizer.json' for o in st.outputs)}; --strict stops at bad input instead):",

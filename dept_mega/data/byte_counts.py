@@ -4,7 +4,8 @@ made, from the jsonl it was made from (the engine behind ``tools/add_byte_counts
 What Megatron-LM's preprocessing does with each input line decides which document of the
 ``.idx`` a line became; this module follows it exactly and refuses what it cannot follow:
 
-* Every line is ``json.loads``-ed (the file read as UTF-8 text, universal newlines): a blank
+* Every line is ``json.loads``-ed (the file read as UTF-8 text, universal newlines; a
+  compressed file, e.g. the ``*.gz`` Megatron's ``--partitions`` reads, decompressed): a blank
   line, invalid JSON, a missing key or invalid UTF-8 stops Megatron's preprocessing. Such a
   line here is an error naming it: the data was not made from this file as it is.
 * A line whose text tokenizes to nothing (an empty text) is kept by current Megatron-LM as a
@@ -21,14 +22,16 @@ What Megatron-LM's preprocessing does with each input line decides which documen
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Collection, Optional, Sequence
+from typing import Callable, Collection, Iterator, Optional, Sequence
 
 import numpy as np
 
+from dept_mega.data.compressed import STREAM_ERRORS, CompressedInputError, damaged, open_input
 from dept_mega.data.indexed import IndexedDataset, bytes_path, idx_path
 
 
@@ -75,27 +78,57 @@ def read_lines(paths: Sequence[str], key: str, keep: Collection[int] = ()) -> In
     out = InputLines()
     for path in paths:
         out._files.append((len(out), path))
-        lineno = 0
-        try:
-            with open(path, "r", encoding="utf-8") as f:  # as Megatron: text mode, universal newlines
-                for lineno, line in enumerate(f, 1):
-                    i = len(out)
-                    text = _text_of(line, key, f"{path}:{lineno}")
-                    try:
-                        out.nbytes.append(len(text.encode("utf-8")))
-                    except UnicodeEncodeError:
-                        out.nbytes.append(0)
-                        out.unencodable.append(i)
-                    out.blank += not text.strip()
-                    if i in keep:
-                        out.texts[i] = text
-        except UnicodeDecodeError as exc:
-            raise ByteCountError(f"{path}: not valid UTF-8 after line {lineno} ({exc.reason}): Megatron-LM's "
-                                 f"preprocess_data.py stops on such input, so the data was not made from this "
-                                 f"file as it is") from None
-        except OSError as exc:
-            raise ByteCountError(f"{path}: cannot read ({exc.strerror})") from None
+        for lineno, line in _text_lines(path):
+            i = len(out)
+            text = _text_of(line, key, f"{path}:{lineno}")
+            try:
+                out.nbytes.append(len(text.encode("utf-8")))
+            except UnicodeEncodeError:
+                out.nbytes.append(0)
+                out.unencodable.append(i)
+            out.blank += not text.strip()
+            if i in keep:
+                out.texts[i] = text
     return out
+
+
+def _text_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of ``path`` as Megatron reads it: UTF-8 text with universal
+    newlines; a compressed file (gzip, as Megatron's ``--partitions`` reads ``*.gz``; also bzip2,
+    xz, zstd) decompressed as it is read (:mod:`dept_mega.data.compressed`). What cannot be read
+    is a :class:`ByteCountError` naming the file (and the line)."""
+    lineno = 0
+    try:
+        with open_input(path) as (stream, raw):
+            try:
+                # bytes that are not UTF-8 come as lone surrogates (which valid UTF-8 never gives),
+                # so the line that holds them is named, not the start of the block read
+                for lineno, line in enumerate(io.TextIOWrapper(stream, encoding="utf-8",
+                                                               errors="surrogateescape"), 1):
+                    if not line.isascii() and not _is_utf8(line):
+                        what = "" if stream is raw else " (decompressed)"
+                        raise ByteCountError(f"{path}:{lineno}: not valid UTF-8{what}: Megatron-LM's "
+                                             f"preprocess_data.py stops on such a line, so the data was not made "
+                                             f"from this file as it is")
+                    yield lineno, line
+            except ByteCountError:
+                raise
+            except STREAM_ERRORS as exc:
+                if stream is raw:  # a plain file's read error: below
+                    raise
+                raise ByteCountError(str(damaged(path, lineno, exc))) from None
+    except CompressedInputError as exc:  # its module is missing
+        raise ByteCountError(str(exc)) from None
+    except OSError as exc:
+        raise ByteCountError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def _is_utf8(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _text_of(line: str, key: str, where: str) -> str:

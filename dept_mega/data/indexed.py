@@ -264,11 +264,11 @@ class IndexedDatasetBuilder:
         if int(lengths.sum()) != flat.size:
             raise ValueError(f"lengths add up to {int(lengths.sum())} tokens, got {flat.size}")
         self._bin.write(flat.tobytes(order="C"))
-        self._lengths.extend(lengths.astype(np.int32).tolist())
+        _append(self._lengths, lengths)
         if self._bytes is not None:
             if nbytes is None or len(nbytes) != len(lengths):
                 raise ValueError("this builder records byte counts: pass one per document")
-            self._bytes.extend(np.asarray(nbytes, dtype=np.int64).tolist())
+            _append(self._bytes, nbytes)
 
     def add_index(self, prefix: str) -> None:
         """Append another indexed dataset (same dtype) — used to merge partitions."""
@@ -277,12 +277,12 @@ class IndexedDatasetBuilder:
             raise IndexedFormatError(f"{prefix}: dtype {np.dtype(other.dtype)} differs from the "
                                      f"builder's {np.dtype(self.dtype)}")
         _, doc_lengths = other.document_token_ranges()
-        self._lengths.extend(doc_lengths.astype(np.int32).tolist())
+        _append(self._lengths, doc_lengths)
         if self._bytes is not None:
             nb = other.document_bytes()
             if nb is None:
                 raise IndexedFormatError(f"{bytes_path(prefix)}: missing byte counts needed for the merge")
-            self._bytes.extend(np.asarray(nb, dtype=np.int64).tolist())
+            _append(self._bytes, nb)
         with open(bin_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._bin, length=16 << 20)
 
@@ -308,6 +308,13 @@ class IndexedDatasetBuilder:
             os.replace(tmp, bytes_path(self.prefix))
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(idx_path(self.prefix) + ".tmp", idx_path(self.prefix))
+
+
+def _append(arr: array.array, values) -> None:
+    """Append ``values`` to ``arr`` through their bytes, as ``arr``'s item type (``i``: int32,
+    ``q``: int64): no Python int per item, so memory stays the array's 4 or 8 bytes an item."""
+    items = np.ascontiguousarray(values, dtype=np.dtype(arr.typecode))
+    arr.frombytes(memoryview(items).cast("B"))  # frombytes takes bytes only: the items' bytes, not copied
 
 
 def write_index(path: str, dtype, lengths: np.ndarray,

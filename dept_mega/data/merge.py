@@ -23,10 +23,8 @@ removes them.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -79,44 +77,7 @@ class MergeStats:
     outputs: list[str] = field(default_factory=list)
 
 
-# -- finding and checking the parts
-
-def _natural_key(name: str) -> tuple:
-    """Sort key of a name: its digit runs compared as numbers (``shard_2`` before ``shard_10``)."""
-    return tuple(int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))), name
-
-
-def find_parts(directory: str, pattern: str = "*") -> list[str]:
-    """The dataset prefixes in ``directory`` whose name (without ``.bin``/``.idx``) matches the
-    glob ``pattern``, sorted by name with digit runs compared as numbers. Raises
-    :class:`MergeError` when none matches, when a matching ``.idx`` or ``.bin`` lacks its other
-    half, or when the matches are outputs of several ``--json-keys`` (``X_text_document`` and
-    ``X_title_document``), which must not be merged into one."""
-    if not os.path.isdir(directory):
-        raise MergeError(f"--input-dir {directory!r} is not a directory")
-    names = set()
-    halves: dict[str, set[str]] = {}
-    for entry in os.listdir(directory):
-        for ext in (".idx", ".bin"):
-            if entry.endswith(ext) and fnmatch.fnmatchcase(entry[:-len(ext)], pattern):
-                names.add(entry[:-len(ext)])
-                halves.setdefault(entry[:-len(ext)], set()).add(ext)
-    for name in sorted(names):
-        if len(halves[name]) == 1:
-            have = next(iter(halves[name]))
-            lacks = ".bin" if have == ".idx" else ".idx"
-            raise MergeError(f"{os.path.join(directory, name + have)} has no {name + lacks} beside it (a part "
-                             f"still being written, or a stray file: narrow --pattern)")
-    if not names:
-        raise MergeError(f"--input-dir {directory!r}: no dataset (NAME.bin + NAME.idx) whose NAME matches "
-                         f"--pattern {pattern!r}")
-    keys = {m.group(1) for m in (re.search(r"_([^_]+)_document$", n) for n in names) if m}
-    if len(keys) > 1:
-        raise MergeError(f"--input-dir {directory!r}: the datasets matching --pattern {pattern!r} are of "
-                         f"{len(keys)} json keys ({', '.join(sorted(k + '_document' for k in keys))}); merge "
-                         f"each key on its own, e.g. --pattern '*_{sorted(keys)[0]}_document'")
-    return [os.path.join(directory, n) for n in sorted(names, key=_natural_key)]
-
+# -- checking the parts (finding them in a directory: dept_mega/data/merge_find.py)
 
 def _read_sections(path: str, offset: int, count: int, dtype, chunk_items: int) -> Iterator[np.ndarray]:
     """``count`` items of ``dtype`` from ``path`` at byte ``offset``, in arrays of at most

@@ -330,6 +330,10 @@ def preprocess(inputs: Sequence[str], keys: Sequence[str], tokenizer_model: str,
                                   f"still tokenizes in parallel) or decompress the file first")
     if not keys:
         raise PreprocessError("no --json-keys given")
+    repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+    if repeated:  # both would write OUT_<key>_document
+        raise PreprocessError(f"--json-keys: key {repeated[0]!r} is given more than once; each key gives one dataset "
+                              f"(OUT_{repeated[0]}_document), so give each once")
     if workers < 1 or partitions < 1:
         raise PreprocessError(f"--workers ({workers}) and --partitions ({partitions}) must be >= 1")
     if isinstance(round_trip_every, bool) or not isinstance(round_trip_every, int) or round_trip_every < 0:

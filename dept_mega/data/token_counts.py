@@ -12,18 +12,19 @@ from typing import Callable, Optional
 import numpy as np
 
 from dept_mega.data.indexed import IndexedDataset, bin_path
-from dept_mega.data.token_range import data_key as _data_key
+from dept_mega.data.token_range import cache_file, data_key as _data_key
 
 
 def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int = 1 << 24,
                  progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
     """How often each token id occurs in ``PREFIX.bin`` (bincount in chunks, so memory stays
-    bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir``),
+    bounded). Cached as ``<name>.token_counts.npz`` beside the data (or in ``cache_dir`` as
+    ``<name>.<hash of the prefix's absolute path>.token_counts.npz``: ``token_range.cache_file``),
     keyed by the ``.bin``/``.idx`` sizes and modification times. ``progress(done, total)``:
     called with the tokens counted after each chunk (not when the cache is used)."""
     ds = IndexedDataset(prefix)
-    cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
-    path = os.path.join(cache_dir, os.path.basename(prefix) + ".token_counts.npz")
+    path = cache_file(prefix, cache_dir, ".token_counts.npz")
+    cache_dir = os.path.dirname(path)
     key = _data_key(prefix)
     if os.path.exists(path):
         try:

@@ -1,6 +1,7 @@
 """The smallest and largest token id of an indexed dataset (``PREFIX.bin``), the start-up check's
 comparison with the tokenizer's vocabulary (``data/checks.py``), cached beside the data as
-``<name>.token_range.json``: written by ``tools/preprocess_data.py`` as it writes the data (from
+``<name>.token_range.json`` (in ``data.cache_dir``: ``<name>.<path hash>.token_range.json``,
+:func:`cache_file`): written by ``tools/preprocess_data.py`` as it writes the data (from
 the ids it wrote), else computed by one pass over the ``.bin`` on first use. Torch-free (the
 preprocessing imports it)."""
 from __future__ import annotations
@@ -27,9 +28,19 @@ def data_key(prefix: str) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
+def cache_file(prefix: str, cache_dir: Optional[str], suffix: str) -> str:
+    """Where a cache of ``PREFIX``'s data is kept: beside the data as ``<name><suffix>``, or
+    in a shared ``cache_dir`` as ``<name>.<hash><suffix>``, the hash of the prefix's absolute
+    path, so that sources of the same name in different folders (``data/en/text_document``,
+    ``data/fr/text_document``) keep a cache each instead of replacing each other's."""
+    if not cache_dir:
+        return os.path.abspath(prefix) + suffix
+    tag = hashlib.sha256(os.path.abspath(prefix).encode()).hexdigest()[:10]
+    return os.path.join(cache_dir, f"{os.path.basename(prefix)}.{tag}{suffix}")
+
+
 def _range_path(prefix: str, cache_dir: Optional[str]) -> str:
-    cache_dir = cache_dir or os.path.dirname(os.path.abspath(prefix))
-    return os.path.join(cache_dir, os.path.basename(prefix) + ".token_range.json")
+    return cache_file(prefix, cache_dir, ".token_range.json")
 
 
 def record_token_range(prefix: str, lo: int, hi: int, cache_dir: Optional[str] = None) -> None:
