@@ -30,6 +30,12 @@ LAYOUTS_4 = [
     ("pp2_dp2", ("parallel.pipeline=2", "parallel.data=2")),
     ("pp2_dp2_vp2", ("parallel.pipeline=2", "parallel.data=2", "parallel.virtual_pipeline=2")),
 ]
+# world 3: a middle pipeline stage (in no tied-embedding group), interleaved; 6 layers (3 × 2
+# chunks), 3 micro-batches (interleaving needs a multiple of the stages)
+LAYOUTS_3 = [
+    ("pp3_vp2", {"model": {"num_layers": 6}, "train": {"global_batch_size": 6}},
+     ("parallel.pipeline=3", "parallel.virtual_pipeline=2")),
+]
 LAYOUTS_8 = [
     ("tp2_pp2_dp2", ("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=2")),
     ("tp2_pp2_dp2_sp_vp2", ("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=2",
@@ -73,18 +79,18 @@ def _refs(runs) -> dict[str, dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_layouts_world2_and_world4_match_single_process():
-    """Layouts of 2 ranks on world 2 (one run each; dp2 also as 2 groups on world 4 below), of 4
-    ranks on world 4."""
+def test_layouts_world2_3_and_4_match_single_process():
+    """Layouts of 2 ranks on world 2 (one run each; dp2 also as 2 groups on world 4 below), of 3
+    pipeline stages on world 3, of 4 ranks on world 4."""
     runs2 = [(n, {}, o) for n, o in LAYOUTS_2]
     runs2 += [(f"{on}/{ln}", over, lo) for on, over in OPTIONS for ln, lo in OPTION_LAYOUTS_2]
     runs4 = [(n, {}, o) for n, o in LAYOUTS_4]
     runs4 += [(f"{on}/{ln}", over, lo) for on, over in OPTIONS for ln, lo in OPTION_LAYOUTS_4]
-    refs = _refs(runs2 + runs4)
+    refs = _refs(runs2 + LAYOUTS_3 + runs4)
     # the reference itself must train (the comparison is not between constants)
     base = refs[_key({})]["loss"]
     assert len(set(base)) == STEPS
-    for world, runs in ((2, runs2), (4, runs4)):
+    for world, runs in ((2, runs2), (3, LAYOUTS_3), (4, runs4)):
         results = run_distributed(layouts_worker, world, args=([(over, o) for _, over, o in runs], STEPS),
                                   timeout=380)
         assert len(results) == world

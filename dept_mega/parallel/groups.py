@@ -160,7 +160,8 @@ def build_groups(tensor: int = 1, data: int = 1, pipeline: int = 1, *,
     pg = ParallelGroups(tp_size=T, dp_size=D, pp_size=P, num_groups=G, rank=rank, coords=coords)
     kinds = layout_ranks(world_size, T, D, P)
     for kind in ("tp", "dp", "pp", "outer", "embedding"):
-        mine = next(r for r in kinds[kind] if rank in r)
+        # (a middle pipeline stage, P >= 3, is in no embedding group: its embedding_ranks stay ())
+        mine = next((r for r in kinds[kind] if rank in r), ())
         setattr(pg, f"{kind}_ranks", tuple(mine))
     if not initialised:
         if world_size != 1:
