@@ -22,8 +22,11 @@ def tiny_config(parallel: dict[str, Any] | None = None, **model: Any) -> Config:
     m = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
              hidden_dropout=0.0, attention_dropout=0.0)
     m.update(model)
-    return config_from_dict({"model": m, "parallel": parallel or {}, "precision": "fp32", "backend": "auto",
-                             "train": {"micro_batch_size": 2, "global_batch_size": 2 * (parallel or {}).get("data", 1)}})
+    p = parallel or {}
+    # a micro-batch per pipeline stage (an interleaved pipeline needs a multiple of them)
+    return config_from_dict({"model": m, "parallel": p, "precision": "fp32", "backend": "auto",
+                             "train": {"micro_batch_size": 2,
+                                       "global_batch_size": 2 * p.get("data", 1) * p.get("pipeline", 1)}})
 
 
 def unshard(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:

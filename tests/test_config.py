@@ -42,6 +42,10 @@ def test_defaults_and_overrides(tmp_path):
     (["parallel.tensor"], "key.sub=value"),
     (["train.global_batch_size=10", "train.micro_batch_size=4"], "'train.global_batch_size'"),
     (["dept.local_steps=3", "train.steps=10"], "'dept.local_steps'"),
+    (["parallel.pipeline=3", "parallel.virtual_pipeline=2", "model.num_layers=6", "train.global_batch_size=8",
+      "train.micro_batch_size=2"], "config key 'train.global_batch_size': parallel.virtual_pipeline > 1 needs the "
+                                  "micro-batches per step (4 = global_batch_size / (micro_batch_size × data)) to be a "
+                                  "multiple of parallel.pipeline=3"),
     (["fp8=e4m3", "precision=fp32"], "'fp8'"),
     (["data.sources=[{name: a, prefix: x}, {name: a, prefix: y}]"], "duplicate"),
     (["dept.body_optimizer_state=shared"], "config key 'dept.body_optimizer_state': 'shared' is not one of group"),
