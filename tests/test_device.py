@@ -112,6 +112,19 @@ def test_auto_takes_cuda_where_available_and_cpu_stays_on_the_cpu(clean_env):
     assert init_distributed(device="cpu")[2] == torch.device("cpu")
 
 
+def test_auto_with_more_processes_than_devices_names_the_key(clean_env):
+    """auto takes CUDA where it is available; a process whose LOCAL_RANK has no device (more
+    processes per node than GPUs) stops naming the key, not with CUDA's "invalid device ordinal"."""
+    _cuda_build(clean_env, count=2)
+    clean_env.setenv("LOCAL_RANK", "2")
+    clean_env.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
+    with pytest.raises(ConfigError) as exc:
+        init_distributed(device="auto")
+    assert str(exc.value).startswith("config key 'train.device': auto took CUDA, but this process is LOCAL_RANK=2 "
+                                     "and only 2 CUDA device(s) are visible ("), exc.value
+    assert "--nproc-per-node" in str(exc.value) and "train.device=cpu" in str(exc.value)
+
+
 def test_the_run_log_says_why_it_runs_on_the_cpu(clean_env):
     assert dev.describe_device("cuda", torch.device("cuda", 3)) == "device cuda:3"
     assert dev.describe_device("cpu", torch.device("cpu")) == "device cpu (train.device: cpu)"

@@ -71,6 +71,16 @@ def local_world_size() -> int:
                           f"(torchrun sets it; the devices this node needs cannot be counted)") from None
 
 
+def check_local_rank(local_rank: int) -> None:
+    """``train.device: auto`` took CUDA: a ConfigError naming the key when this process's device
+    (``LOCAL_RANK``) is not visible (CUDA's own error is "invalid device ordinal")."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"config key '{KEY}': auto took CUDA, but this process is LOCAL_RANK={local_rank} and only "
+                          f"{count} CUDA device(s) are visible ({_visible()}): start at most {count} process(es) per "
+                          f"node (torchrun --nproc-per-node), or set {KEY}=cpu")
+
+
 def use_cuda(setting: str, local_world: int = 1, preflight: bool = False) -> bool:
     """Whether the launch runs on CUDA under ``train.device: setting``; a ``ConfigError``
     naming the key when ``cuda`` is asked for and cannot be had (``preflight``: the message

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
-from .device import local_world_size, use_cuda as device_is_cuda
+from .device import check_local_rank, local_world_size, use_cuda as device_is_cuda
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     use_cuda = device_is_cuda(device, local_world_size() if device == "cuda" else 1)
     where = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        if device == "auto":
+            check_local_rank(local_rank)
         torch.cuda.set_device(where)
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")
