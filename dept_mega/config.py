@@ -275,9 +275,8 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.global_batch_size': {t.global_batch_size} is not divisible "
                           f"by train.micro_batch_size × parallel.data = {t.micro_batch_size * p.data}")
     if p.virtual_pipeline > 1 and (n := t.global_batch_size // (t.micro_batch_size * p.data)) % p.pipeline:
-        raise ConfigError(f"config key 'train.global_batch_size': parallel.virtual_pipeline > 1 needs the micro-batches "
-                          f"per step ({n} = global_batch_size / (micro_batch_size × data)) to be a multiple of "
-                          f"parallel.pipeline={p.pipeline}")
+        raise ConfigError(f"config key 'train.global_batch_size': parallel.virtual_pipeline > 1 needs the micro-batches per "
+                          f"step ({n} = global_batch_size / (micro_batch_size × data)) to be a multiple of parallel.pipeline={p.pipeline}")
     if t.init_from is not None and not t.init_from.strip():
         raise ConfigError("config key 'train.init_from': a run directory or its checkpoints/step_N, or null")
     if t.wandb is not None and not t.wandb.strip():
