@@ -37,7 +37,9 @@ def test_bad_input(tmp_path, monkeypatch):
     job = load_config(cfg, [*fed, "federation.group=0"])
     with pytest.raises(ConfigError, match=r"'federation\.lighthouse': cannot reach 127\.0\.0\.1:"):
         Federation(job, SimpleNamespace(rank=0, group_size=1), torch.device("cpu"), *resolve(job))
-    two = dict(groups=2, min_groups=2, timeout_s=3)
+    # (timeout_s bounds the quorum's process-group set-up too: 3 s failed it on a loaded machine, and
+    # that job then waited for a quorum the other, gone with the error, never joined)
+    two = dict(groups=2, min_groups=2, timeout_s=15)
     with federation(2) as dup, federation(2) as diff:
         procs = {
             "dup": [dup.launch(cfg, str(tmp_path / f"dup{i}"), 1, **two) for i in range(2)],
