@@ -152,16 +152,26 @@ def expected_shares(scheduler, first: int = 0) -> list[float]:
 
 
 def untrained_sources(cfg, scheduler) -> list[str]:
-    """The sources this run's round plans train in no round."""
-    return [s.name for s, n in zip(cfg.data.sources, planned_rounds(cfg, scheduler)) if n == 0]
+    """The sources this run's round plans train in no round: past the log line's
+    :data:`SAMPLING_LINE_ROUNDS` plans, the rest are drawn while a source has none (one first
+    drawn in a long run's later rounds is trained)."""
+    _, counted, last = _counted_rounds(cfg, scheduler)
+    rounds = planned_rounds(cfg, scheduler)
+    while counted < last and 0 in rounds:
+        upto = min(last, counted + SAMPLING_LINE_ROUNDS)
+        rounds = [n + c for n, c in zip(rounds, scheduler.counts(counted, upto))]
+        counted = upto
+    return [s.name for s, n in zip(cfg.data.sources, rounds) if n == 0]
 
 
-def _rounds_phrase(cfg, scheduler) -> str:
+def _rounds_phrase(cfg, scheduler, every: bool = False) -> str:
+    """``every``: of a verdict on all the run's rounds (:func:`untrained_sources`), not only
+    those counted for the log line."""
     first, counted, last = _counted_rounds(cfg, scheduler)
     d, t = cfg.dept, cfg.train
     rounds = (f"{last} rounds = train.steps {t.steps} / dept.local_steps {d.local_steps}" if first == 0
               else f"rounds {first}-{last - 1} after its resume")
-    if counted < last:
+    if counted < last and not every:
         rounds += f", the first {counted - first:,} counted"
     return f"this run's round plans ({rounds}, drawn with train.seed {t.seed})"
 
@@ -179,7 +189,7 @@ def check_untrained(cfg, scheduler) -> None:
     missing = untrained_sources(cfg, scheduler)
     if not missing:
         return
-    raise ConfigError(f"config key 'dept.untrained_sources': {_rounds_phrase(cfg, scheduler)} train "
+    raise ConfigError(f"config key 'dept.untrained_sources': {_rounds_phrase(cfg, scheduler, every=True)} train "
                       f"{', '.join(missing)} in no round: under {d.variant} its own embeddings would keep their "
                       f"initial values and tools/convert_to_hf.py --source {missing[0]} would find no trained "
                       f"embeddings; {_remedy(cfg, scheduler, len(missing))}; or set dept.untrained_sources: warn "
@@ -213,12 +223,11 @@ def coverage_warning(cfg, scheduler) -> Optional[str]:
     names = [s.name for s in cfg.data.sources]
     first, counted, _ = _counted_rounds(cfg, scheduler)
     counts = scheduler.counts(first, counted)
-    total = planned_rounds(cfg, scheduler, counts)
-    missing = [n for n, c in zip(names, total) if c == 0]
+    missing = untrained_sources(cfg, scheduler)
     slots = (counted - first) * scheduler.num_groups
     expected = expected_shares(scheduler, first)
-    far = [(n, c / slots, e) for n, c, e, t in zip(names, counts, expected, total)
-           if t > 0 and abs(c - e * slots) > max(1.0, PLANNED_SHARE_FRACTION * e * slots)]
+    far = [(n, c / slots, e) for n, c, e in zip(names, counts, expected)
+           if n not in missing and abs(c - e * slots) > max(1.0, PLANNED_SHARE_FRACTION * e * slots)]
     if not missing and not far:
         return None
     parts = []
@@ -229,7 +238,7 @@ def coverage_warning(cfg, scheduler) -> Optional[str]:
     if far:
         parts.append("give " + ", ".join(f"{n} {100 * x:.1f} % (expected {100 * e:.1f} %)" for n, x, e in far)
                      + " of the training")
-    return (f"config key 'dept.sampling': {_rounds_phrase(cfg, scheduler)} {' and '.join(parts)}; "
+    return (f"config key 'dept.sampling': {_rounds_phrase(cfg, scheduler, every=not far)} {' and '.join(parts)}; "
             f"{_remedy(cfg, scheduler, len(missing))} (docs/dept_guide.md §3)")
 
 

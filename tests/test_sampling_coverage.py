@@ -246,3 +246,31 @@ def test_sampling_warnings_build_the_plans_when_not_given():
     cfg = _cfg(seed=seed)
     assert sampling_warnings(cfg, 2) == [coverage_warning(cfg, _sched(cfg, 2))]
     assert sampling_warnings(_cfg(variant="std", seed=seed), 1) == []
+
+
+def test_a_source_first_drawn_after_the_counted_rounds_is_trained(monkeypatch):
+    """The log line counts the first SAMPLING_LINE_ROUNDS plans; the untrained verdict reads on
+    past them while a source has none (a review's finding: a long run whose rare source is first
+    drawn after them was refused under SPEC), and says it read every round."""
+    from dept_mega import sampling_plan
+    monkeypatch.setattr(sampling_plan, "SAMPLING_LINE_ROUNDS", 100)
+    sources = [{"name": n, "prefix": f"/nonexistent/{n}", "weight": w} for n, w in (("a", 1.0), ("b", 1.0), ("r", 0.004))]
+
+    def cfg(steps, seed):
+        return config_from_dict({"dept": {"variant": "spec", "sampling": "weights", "local_steps": 1},
+                                 "train": {"seed": seed, "steps": steps}, "data": {"sources": sources}})
+
+    def first_round(c):
+        sched = _sched(c, 2)
+        return next((r for r in range(c.train.steps) if 2 in sched.plan(r).sources), None)
+    seed = next(s for s in range(500) if (f := first_round(cfg(600, s))) is not None and 100 < f < 500)
+    late = cfg(first_round(cfg(600, seed)) + 1, seed)  # r trained in the run's last round alone
+    assert sampling_plan.planned_rounds(late, _sched(late, 2))[2] == 0  # (none in the counted rounds)
+    assert sampling_plan.untrained_sources(late, _sched(late, 2)) == []
+    check_untrained(late, _sched(late, 2))
+    assert coverage_warning(late, _sched(late, 2)) is None or "in no round" not in coverage_warning(late, _sched(late, 2))
+    early = cfg(late.train.steps - 1, seed)  # the run ends just before r's round: refused, every round read
+    with pytest.raises(ConfigError) as exc:
+        check_untrained(early, _sched(early, 2))
+    assert f"({early.train.steps} rounds = train.steps {early.train.steps} / dept.local_steps 1, drawn with " \
+           f"train.seed {seed}) train r in no round" in str(exc.value), exc.value
