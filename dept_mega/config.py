@@ -334,10 +334,10 @@ def _check_values(cfg: Config) -> None:
     if cfg.dept.embedding_rows == "present" and not variant_of(cfg).synced_table:
         raise ConfigError(f"config key 'dept.embedding_rows': present applies to glob (TRIM's compact tables hold "
                           f"only V_k, SPEC's tables are never averaged), got dept.variant={cfg.dept.variant!r}")
-    if cfg.dept.embedding_rows == "present" and cfg.dept.outer_overlap:
-        raise ConfigError("config key 'dept.embedding_rows': present needs dept.outer_overlap false (an overlapped "
-                          "sync lands inside the next round, whose inner steps hold the other rows at their "
-                          "round-start values and would undo it)")
+    if cfg.dept.embedding_rows == "present" and (cfg.dept.outer_overlap or cfg.dept.outer_fragments > 1):
+        raise ConfigError(f"config key 'dept.embedding_rows': present needs dept.outer_overlap false and dept.outer_fragments 1 "
+                          f"(a sync that lands inside a round is undone: its inner steps hold the other rows at their "
+                          f"round-start values); got outer_overlap {cfg.dept.outer_overlap}, outer_fragments {cfg.dept.outer_fragments}")
     if cfg.dept.embedding_rows == "present" and cfg.optim.distributed:
         raise ConfigError("config key 'dept.embedding_rows': present needs optim.distributed false (the "
                           "distributed optimizer's gradients and masters are flat shards, not rows)")

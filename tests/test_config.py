@@ -42,6 +42,9 @@ def test_defaults_and_overrides(tmp_path):
     (["parallel.tensor"], "key.sub=value"),
     (["train.global_batch_size=10", "train.micro_batch_size=4"], "'train.global_batch_size'"),
     (["dept.local_steps=3", "train.steps=10"], "'dept.local_steps'"),
+    (["dept.variant=glob", "dept.embedding_rows=present", "dept.outer_fragments=2", "model.num_layers=2"],
+     "'dept.embedding_rows': present needs dept.outer_overlap false and dept.outer_fragments 1 (a sync that lands "
+     "inside a round is undone"),
     (["parallel.pipeline=3", "parallel.virtual_pipeline=2", "model.num_layers=6", "train.global_batch_size=8",
       "train.micro_batch_size=2"], "config key 'train.global_batch_size': parallel.virtual_pipeline > 1 needs the "
                                   "micro-batches per step (4 = global_batch_size / (micro_batch_size × data)) to be a "
