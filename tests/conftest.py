@@ -10,9 +10,16 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA and are skipped without it. DEPT_MEGA_GPU_TESTS_ON_CPU=1
+    """The files with a test marked ``slow`` first (in their order; the others after them, in
+    theirs): pytest-xdist hands files out in this order (tools/test.sh passes
+    --no-loadscope-reorder, else it orders them by their number of tests), and a long file
+    started last keeps one worker busy while the others idle.
+
+    Tests marked ``gpu`` need CUDA and are skipped without it. DEPT_MEGA_GPU_TESTS_ON_CPU=1
     runs tests/test_gpu.py on the CPU instead (a dry run of their logic for developers without a
     GPU; their CUDA-only assertions are skipped then)."""
+    slow_files = {item.fspath for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.fspath not in slow_files)  # (stable: a file's tests stay together, in order)
     if torch.cuda.is_available() or os.environ.get("DEPT_MEGA_GPU_TESTS_ON_CPU") == "1":
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -16,6 +16,7 @@ from tests.trainer_utils import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
+@pytest.mark.slow
 def test_vs_megatron_same_parameters_and_our_side_on_cpu(tmp_path, capsys):
     """megatron-core's GPTModel (built on the CPU) has exactly our parameter count for a model
     with SwiGLU, RMSNorm, GQA and an untied head; our side runs; Megatron's side refuses the CPU."""

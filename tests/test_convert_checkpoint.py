@@ -132,6 +132,7 @@ def _resume_dept(rank, world, run_dir, tensor):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_format1_dept_outer_state_converts(tmp_path):
     """A format-1 GLOB checkpoint (2 groups) with Nesterov outer state and int8 error-feedback
     residuals: converted, every outer tensor — θ_{t-1}, the momentum, each group's residuals —

@@ -69,6 +69,7 @@ def _records(run: str, kind: str, drop=("time",)) -> list[dict]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["glob", "trim", "spec", "spec_opt"])
+@pytest.mark.slow
 def test_shared_out_evaluation_gives_every_groups_numbers(tmp_path, variant):
     cfg = write_config(str(tmp_path), steps=4, local_steps=2, sources=3, example=variant)
     shared = _run(cfg, str(tmp_path / "shared"), split=True)
@@ -96,6 +97,7 @@ def test_shared_out_evaluation_gives_every_groups_numbers(tmp_path, variant):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_fragments_trained_on_after_their_sync_keep_every_group_evaluating(tmp_path):
     """``dept.outer_fragments: 2``: the first fragment is synchronised after a round's first step
     and trained on after it, so at the first round's end the groups' bodies differ: every group

@@ -16,6 +16,7 @@ from tests.federation_utils import (ENV, federation, finish_all, is_held, read_d
                                     wait_for, wait_for_requests, write_config)
 
 
+@pytest.mark.slow
 def test_survivors_go_on_when_a_joining_group_dies_with_its_request_pending(tmp_path):
     """Three groups expected; groups 1 and 2 start (their fresh start waits timeout_s for group
     0, then they run rounds 0 and 1 as [1, 2]) and are held before round 2's quorum. Group 0

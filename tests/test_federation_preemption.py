@@ -102,6 +102,7 @@ def test_preempted_while_waiting_for_a_quorum_saves_and_resumes(tmp_path, single
            "written" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_path, single_losses):
     """Group 1 holds before round 2's exchange; group 0 has trained round 2 and waits in it.
     SIGTERM to group 0: it stops once the exchange fails (after federation.timeout_s) at the
@@ -119,6 +120,7 @@ def test_preempted_in_a_round_end_exchange_resumes_from_the_last_checkpoint(tmp_
 
 
 
+@pytest.mark.slow
 def test_a_quorum_wait_longer_than_quorum_give_up_s_saves_and_exits_75(tmp_path):
     """Group 1 holds before round 2's quorum for good (as jobs wait forever on a lighthouse that
     restarted); group 0, federation.quorum_give_up_s = 4, gives up its wait there after 4 s:

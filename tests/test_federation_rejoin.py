@@ -18,6 +18,7 @@ from tests.federation_utils import (ENV, FAIL_CONFIGURE_ENV, federation, finish_
 from tests.netns_sites import sites  # noqa: E402
 
 
+@pytest.mark.slow
 def test_group_dies_rejoins_and_a_new_group_joins(tmp_path):
     """Four groups expected, three start. Group 2 is killed with SIGKILL in round 2: groups 0
     and 1 go on, each round without it averaged over the two (its mean pseudo-gradient = the
@@ -220,6 +221,7 @@ def test_trim_group_leaves_and_rejoins(tmp_path):
         assert torch.equal(d1[r]["body"], d0[r]["body"]), r
 
 
+@pytest.mark.slow
 def test_slow_group_is_left_out_and_rejoins(tmp_path):
     """Three groups, timeout_s = 3, the lighthouse's join timeout 3 s (wide enough for the
     groups' spread at a round start on a loaded machine). Group 2 is alive (it heartbeats) but
@@ -323,6 +325,7 @@ def test_group_dies_during_an_overlapped_exchange(tmp_path):
 
 @pytest.mark.parametrize("least", [1, 2])
 @pytest.mark.parametrize("how", ["stopped", "network"])
+@pytest.mark.slow
 def test_a_group_cut_off_and_back_goes_on_without_a_relaunch(tmp_path, least, how):
     """A group cut off past the lighthouse's heartbeat timeout, then back, not relaunched; both
     jobs exit 0. (Where in its round the cut comes is left to chance, as a cut's moment is.)

@@ -66,6 +66,7 @@ def test_jobs_resuming_at_different_rounds_heal_at_their_first_quorum(tmp_path):
         assert torch.equal(d[0][r]["body"], d[1][r]["body"]), r
 
 
+@pytest.mark.slow
 def test_a_job_healed_in_the_fresh_start_wait_passes_on_what_it_received(tmp_path):
     """Three group jobs: groups 0 and 2 stop after round 0, group 1 after round 2. Relaunched
     (a round needs 2 groups), groups 0 and 1 first: group 0 heals from group 1 at their quorum

@@ -110,6 +110,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("fmt,recipe,dropout", [("hybrid", "current", 0.0), ("e4m3", "current", 0.0),
                                                 ("hybrid", "delayed", 0.0), ("hybrid", "delayed", 0.2)])
+@pytest.mark.slow
 def test_compiled_fp8_trains_to_the_eager_losses(fmt, recipe, dropout, monkeypatch):
     """Three training steps of four micro-batches through the trainer (bf16 weights, fp32
     gradient buffer: the traced weight gradients reach ``main_grad`` through ``param.grad`` and

@@ -227,6 +227,7 @@ def emulated(tmp_path_factory):
 @pytest.mark.parametrize("case", EMULATED, ids=[f"{c[0]}x{c[1]}+{c[2]}" + ("-gelu" if c[10] else "")
                                                 + ("-current" if c[8] is None else "") + ("-vec" if c[-1] else "-scalar")
                                                 for c in EMULATED])
+@pytest.mark.slow
 def test_emulated_cuda_kernel_equals_the_cpu_kernel(emulated, case):
     """fp8_cast.cu's kernels through tools/cuda_emu.py (current scaling: the partial maxima, then
     the cast): the cast takes the path the case is for, and the bytes of both layouts (pad rows

@@ -50,6 +50,7 @@ def _import(*args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("model", [LLAMA, dict(LLAMA, bias=True, tie_embeddings=False),
                                    dict(LLAMA, num_query_groups=1), MPT])
+@pytest.mark.slow
 def test_the_mapping_is_the_exact_inverse_of_the_export(model):
     """Our weights (random, tables of 200 rows padded to 256) → to_hf → the import's plan:
     every tensor back bit for bit (the tables' first 200 rows)."""

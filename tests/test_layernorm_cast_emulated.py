@@ -33,6 +33,7 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}+{c[2]}" + ("-vec" if c[-1] else "-scalar")
                                             for c in CASES])
+@pytest.mark.slow
 def test_emulated_cuda_kernel_gives_the_reference_bytes(kernel, case):
     """q / q_t within the fp32 rounding interval of the reference, at most one FP8 step off and
     rarely (a large mean: the interval only), pad rows zero, the amax maxed into its slot, mean /

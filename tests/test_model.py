@@ -215,6 +215,7 @@ def test_rope_scores_depend_on_relative_position_only():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.slow
 def test_compiled_rope_equals_the_eager_math_with_gradients(device):
     """RoPE runs compiled on CUDA (positions._ROPE); on the CPU the same function
     compiled by inductor gives the eager math's outputs and input gradients (bf16 inputs:

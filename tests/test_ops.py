@@ -351,6 +351,7 @@ def test_env_switch_forces_fallback():
     assert "DEPT_MEGA_OPS=torch forces the PyTorch fallback" in res.stderr
 
 
+@pytest.mark.slow
 def test_opcheck():
     require_extension()
     g = gen(9)

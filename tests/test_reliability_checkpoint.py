@@ -369,6 +369,7 @@ def test_every_rank_takes_the_same_checkpoint(base_run, tmp_path):
     assert res[0]["notes"] == res[1]["notes"] and ".distcp" in res[0]["notes"][0]
 
 
+@pytest.mark.slow
 def test_a_half_precision_checkpoint_resumed_in_fp32_says_it_leaves_the_masters(tmp_path, monkeypatch, capsys):
     """A bf16 run resumed with precision: fp32 continues from the saved bf16 weights, not from the
     fp32 masters the checkpoint also holds (a review's finding: silently). One warning says so;

@@ -127,6 +127,7 @@ def results():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_layer_is_bit_identical_saves_the_shard_and_regathers(results):
     for rank, res in enumerate(results):
         for dt in (torch.float32, torch.bfloat16):

@@ -18,5 +18,6 @@ bash tools/setup_env.sh
 # (in __pycache__ folders, ignored by git).
 unset PYTHONDONTWRITEBYTECODE
 workers=()
-if [ "$workers_n" -gt 1 ]; then workers=(-n "$workers_n" --dist loadfile); fi
+# --no-loadscope-reorder: the files in collection order, the long ones first (tests/conftest.py)
+if [ "$workers_n" -gt 1 ]; then workers=(-n "$workers_n" --dist loadfile --no-loadscope-reorder); fi
 exec .venv/bin/python -m pytest -q --durations=30 ${workers[@]+"${workers[@]}"} tests "$@"
