@@ -151,21 +151,26 @@ def test_settings_are_set_in_the_fork_as_torch_sets_them_on_import(monkeypatch):
     forkserver = _module()
     torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
     assert set(forkserver.SETTINGS) == {"TORCH_COMPILE_DISABLE", "TORCHINDUCTOR_MAX_AUTOTUNE"}
-    for name, (module, setting) in forkserver.SETTINGS.items():
-        src = open(os.path.join(torch_dir, *module.split(".")[1:]) + ".py").read()
-        assert src.count(f'"{name}"') == 1, (name, module)
-        assert re.search(rf'^{setting} = os\.environ\.get\("{name}"(, "0")?\) == "1"$', src, re.MULTILINE), (name, module)
-        fake = types.SimpleNamespace(**{setting: False})
-        monkeypatch.setitem(sys.modules, module, fake)
-        forkserver.apply_settings({name: "1"})
-        assert getattr(fake, setting) is True, name
-        forkserver.apply_settings({name: "0"})
-        assert getattr(fake, setting) is False, name
-        setattr(fake, setting, True)
-        forkserver.apply_settings({})
-        assert getattr(fake, setting) is False, name
-        monkeypatch.delitem(sys.modules, module)
-        forkserver.apply_settings({name: "1"})  # not imported: nothing to set
+    # (sys.modules' entries back before torch's config modules are imported below: importing one
+    # while its entry is out would make a second module object, bound to torch._dynamo.config
+    # for the rest of the process while dynamo's own code and mock.patch use the first)
+    with monkeypatch.context() as m:
+        for name, (module, setting) in forkserver.SETTINGS.items():
+            src = open(os.path.join(torch_dir, *module.split(".")[1:]) + ".py").read()
+            assert src.count(f'"{name}"') == 1, (name, module)
+            assert re.search(rf'^{setting} = os\.environ\.get\("{name}"(, "0")?\) == "1"$', src, re.MULTILINE), \
+                (name, module)
+            fake = types.SimpleNamespace(**{setting: False})
+            m.setitem(sys.modules, module, fake)
+            forkserver.apply_settings({name: "1"})
+            assert getattr(fake, setting) is True, name
+            forkserver.apply_settings({name: "0"})
+            assert getattr(fake, setting) is False, name
+            setattr(fake, setting, True)
+            forkserver.apply_settings({})
+            assert getattr(fake, setting) is False, name
+            m.delitem(sys.modules, module)
+            forkserver.apply_settings({name: "1"})  # not imported: nothing to set
     # torch's own config modules: the setting reaches every thread (an assignment there holds in the
     # assigning thread only; inductor compiles in threads of its own), then back to this process's
     import threading
