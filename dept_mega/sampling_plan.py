@@ -151,12 +151,13 @@ def expected_shares(scheduler, first: int = 0) -> list[float]:
     return scheduler.shares(first, first + SAMPLING_LINE_ROUNDS)
 
 
-def untrained_sources(cfg, scheduler) -> list[str]:
+def untrained_sources(cfg, scheduler, counts: Optional[list[int]] = None) -> list[str]:
     """The sources this run's round plans train in no round: past the log line's
     :data:`SAMPLING_LINE_ROUNDS` plans, the rest are drawn while a source has none (one first
-    drawn in a long run's later rounds is trained)."""
+    drawn in a long run's later rounds is trained). ``counts``: the counted plans' counts, when
+    the caller has them (:func:`planned_rounds`)."""
     _, counted, last = _counted_rounds(cfg, scheduler)
-    rounds = planned_rounds(cfg, scheduler)
+    rounds = planned_rounds(cfg, scheduler, counts)
     while counted < last and 0 in rounds:
         upto = min(last, counted + SAMPLING_LINE_ROUNDS)
         rounds = [n + c for n, c in zip(rounds, scheduler.counts(counted, upto))]
@@ -223,7 +224,7 @@ def coverage_warning(cfg, scheduler) -> Optional[str]:
     names = [s.name for s in cfg.data.sources]
     first, counted, _ = _counted_rounds(cfg, scheduler)
     counts = scheduler.counts(first, counted)
-    missing = untrained_sources(cfg, scheduler)
+    missing = untrained_sources(cfg, scheduler, counts)
     slots = (counted - first) * scheduler.num_groups
     expected = expected_shares(scheduler, first)
     far = [(n, c / slots, e) for n, c, e in zip(names, counts, expected)
