@@ -39,6 +39,15 @@ DRIVER = textwrap.dedent("""
                 time.sleep(0.1)
         return real(batch, first)
     pp._encode_batch, pp.BATCH_LINES = blocking, 10
+    if os.environ.get("DROP_FIRST_RAISE"):  # the tool's handler raises where the exception is dropped,
+        import dept_mega.data.stop_signals as ss  # as in a multiprocessing Finalize callback
+        real_stop = ss._stop
+        def dropped(signum, frame):
+            try:
+                real_stop(signum, frame)
+            except BaseException as exc:
+                os.write(2, f"dropped {{type(exc).__name__}}\\n".encode())
+        ss._stop = dropped
     import preprocess_data
     sys.exit(preprocess_data.main(sys.argv[2:]))
 """)
@@ -50,8 +59,11 @@ def tokenizers(tmp_path_factory):
     return train_tiny_tokenizer(d, vocab=200), train_tiny_tokenizer(d, vocab=150)
 
 
-@pytest.mark.parametrize("workers,partitions,block", [(1, 1, 20), (1, 2, 70), (2, 1, 20), (2, 2, 70)])
-def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitions, block):
+@pytest.mark.parametrize("workers,partitions,block,drop", [(1, 1, 20, False), (1, 2, 70, False), (2, 1, 20, False),
+                                                          (2, 2, 70, False), (1, 2, 70, True), (2, 1, 20, True)])
+def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitions, block, drop):
+    """``drop``: the signal's exception is dropped where it is raised, as when the handler runs
+    inside a finalizer (the run must stop all the same, at the waiting loop's next check)."""
     old_tok, new_tok = tokenizers
     src = write_jsonl(str(tmp_path / "a.jsonl"), synthetic_texts(100, seed=3))
     out = str(tmp_path / "out")
@@ -63,7 +75,8 @@ def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitio
     driver.write_text(DRIVER.format(root=ROOT, tools=TOOLS))
     p = subprocess.Popen([sys.executable, str(driver), str(block), "--input", src, "--tokenizer-model", new_tok,
                           "--output-prefix", out, "--workers", str(workers), "--partitions", str(partitions),
-                          "--log-interval", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                          "--log-interval", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**os.environ, "DROP_FIRST_RAISE": "1" if drop else ""})
     try:
         log = []
         for line in p.stderr:
@@ -97,6 +110,7 @@ def test_sigterm_part_way_leaves_nothing(tmp_path, tokenizers, workers, partitio
             p.wait()
     assert rest.strip().endswith("terminated (SIGTERM); partial files removed, no output written"), rest
     assert "Traceback" not in rest
+    assert ("dropped Terminated" in rest) == drop, rest
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "driver.py"]
 
 

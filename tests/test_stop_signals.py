@@ -95,3 +95,32 @@ def test_a_block_whose_inner_block_stopped_still_stops():
                     signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
             pytest.fail("the outer block's first signal did not raise")
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_a_signal_whose_exception_a_finalizer_dropped_is_raised_at_the_next_check(monkeypatch):
+    """SIGTERM handled while a finalizer runs (multiprocessing's Finalize when a pipe or a process
+    object is freed): Python prints its exception and drops it. The work loops' check
+    (``raise_if_stopped``) raises it again; outside the block, or with no signal, it does nothing."""
+    import multiprocessing.util
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    def signalled():
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        for _ in range(3):  # the handler runs at the next bytecode check, here: inside the finalizer
+            time.sleep(0.01)
+
+    class Pipe:
+        pass
+
+    with ss.stop_on_signals():
+        ss.raise_if_stopped()  # no signal: nothing
+        pipe = Pipe()
+        multiprocessing.util.Finalize(pipe, signalled)
+        del pipe  # the finalizer runs (a weakref callback): its exception is dropped
+        assert [type(u.exc_value) for u in unraisable] == [ss.Terminated]
+        with pytest.raises(ss.Terminated):
+            ss.raise_if_stopped()
+    ss.raise_if_stopped()  # the block's state is gone with it

@@ -37,6 +37,7 @@ import numpy as np
 from dept_mega.data.indexed import (CODE_OF_DTYPE, HEADER_SIZE, MAGIC, VERSION, IndexedFormatError, bin_path,
                                     bytes_path, idx_path, read_header, tokenizer_record_path)
 from dept_mega.data.preprocess_outputs import check_output_dir
+from dept_mega.data.stop_signals import raise_if_stopped
 from dept_mega.data.token_range import record_token_range
 
 #: bytes read and written at a time (the ``.bin`` copy, the ``.idx`` sections, the byte counts)
@@ -388,6 +389,7 @@ def _copy_bin(parts: Sequence[Part], out, progress: _Progress) -> tuple[int, int
         copied = 0
         with open(bin_path(part.prefix), "rb") as f:  # buffered: readinto fills buf up to the end
             while True:
+                raise_if_stopped()  # a signal whose exception a finalizer dropped (stop_signals)
                 n = f.readinto(buf)
                 if not n:
                     break

@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from dept_mega.data.stop_signals import (Terminated, close_in_children, die_with_parent, signals_blocked,
-                                         unblock_signals)
+from dept_mega.data.stop_signals import (Terminated, close_in_children, die_with_parent, raise_if_stopped,
+                                         signals_blocked, unblock_signals)
 
 STOP_WAIT = 10.0  # seconds the children get, all together, to end after SIGTERM before SIGKILL
 
@@ -171,6 +171,7 @@ def run_in_processes(tasks: Sequence[tuple], target: Callable, concurrency: int,
     nxt = 0
     try:
         while nxt < len(tasks) or running:
+            raise_if_stopped()  # a signal whose exception a finalizer dropped (stop_signals)
             while nxt < len(tasks) and len(running) < max(1, concurrency):
                 # listed before it starts: a signal that raises inside start() (handled by another
                 # thread's delivery despite the block) still finds it in the finally, once forked

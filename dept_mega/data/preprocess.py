@@ -40,7 +40,7 @@ from dept_mega.data.partitions import Range, part_starts, partition_ranges, run_
 from dept_mega.data.preprocess_outputs import (PreprocessError, check_output, make_partitions_dir,
                                               output_prefix_for, part_prefix, remove_earlier_run, remove_outputs,
                                               remove_partitions_dir)
-from dept_mega.data.stop_signals import ignore_signals
+from dept_mega.data.stop_signals import ignore_signals, raise_if_stopped
 from dept_mega.data.token_range import record_token_range
 from dept_mega.data.tokenizer import TokenizerError, model_sha256, open_tokenizer
 from dept_mega.data.workers import WorkerDied, Workers
@@ -535,6 +535,7 @@ def _run_part(ranges, prefixes, pool: Optional[Workers], dtype, strict, stats: P
 
     def consume(result: _BatchResult, disk: int) -> None:
         nonlocal last
+        raise_if_stopped()  # a signal whose exception a finalizer dropped (stop_signals)
         if strict and result.report.total:
             stats.report.merge(result.report)
             raise PreprocessError("bad input and --strict given: nothing written; found in the lines read before "

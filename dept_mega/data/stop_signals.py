@@ -5,6 +5,13 @@ removes the partial files; any later one is ignored until that is done.
 Without the ignoring, a second signal (Ctrl-C pressed twice, a batch system signalling the job
 again) raises again inside an ``except`` or ``finally`` that is removing files, and leaves the
 rest of them behind.
+
+Python runs a signal's handler at whatever bytecode the main thread is at, also inside a
+``__del__`` or a weakref callback (``multiprocessing``'s ``Finalize`` objects, run when the
+garbage collector frees a pipe or a process object), and an exception raised there is printed
+("Exception ignored in: ...") and dropped. The work loops therefore call
+:func:`raise_if_stopped` at their check points (each batch, each wait of a poll): it raises the
+first signal's exception again once it was raised and the work went on.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ def _ignore(signum, frame) -> None:  # noqa: ARG001
 
 
 _stopping = [False]  # the first signal's handler has started (since the block's handlers went in)
+_raised: list = [None]  # the exception class the first signal's handler raised (the same span)
 
 
 def _stop(signum, frame) -> None:  # noqa: ARG001
@@ -43,9 +51,16 @@ def _stop(signum, frame) -> None:  # noqa: ARG001
     _stopping[0] = True
     for sig in _SIGNALS:  # first, before anything else can be interrupted
         signal.signal(sig, _ignore)
-    if signum == signal.SIGTERM:
-        raise Terminated()
-    raise KeyboardInterrupt()
+    _raised[0] = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise _raised[0]()
+
+
+def raise_if_stopped() -> None:
+    """A work loop's check point, outside any cleanup: if a signal's exception was raised within
+    :func:`stop_on_signals` and the work still goes on, it was dropped (raised inside a
+    finalizer: see the module's docstring) — raise it again. Nothing otherwise (one test of a list)."""
+    if _raised[0] is not None:
+        raise _raised[0]()
 
 
 def ignore_signals() -> None:
@@ -62,7 +77,8 @@ def stop_on_signals() -> Iterator[None]:
     The handlers from before are restored when the block is left (after the cleanup the
     exception unwound through, in the caller's ``except`` clauses if they are inside it)."""
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    was_stopping, _stopping[0] = _stopping[0], False
+    was = _stopping[0], _raised[0]
+    _stopping[0], _raised[0] = False, None
     try:  # installed inside: a signal between the two installs restores both
         for sig in _SIGNALS:
             signal.signal(sig, _stop)
@@ -70,7 +86,7 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        _stopping[0] = was_stopping  # (an enclosing block's handlers are back: so is its state)
+        _stopping[0], _raised[0] = was  # (an enclosing block's handlers are back: so is its state)
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)

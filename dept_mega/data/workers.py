@@ -46,7 +46,8 @@ import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
-from dept_mega.data.stop_signals import close_in_children, die_with_parent, signals_blocked, unblock_signals
+from dept_mega.data.stop_signals import (close_in_children, die_with_parent, raise_if_stopped, signals_blocked,
+                                         unblock_signals)
 
 POLL = 0.2  # seconds: how often a wait for a result checks that every worker is alive
 GRACE = 1.0  # seconds from SIGTERM to SIGKILL in stop()
@@ -224,6 +225,7 @@ class Workers:
         (with the worker's traceback as ``__cause__``); :class:`WorkerDied` if a worker ended
         meanwhile (its task is lost: the run cannot go on)."""
         while seq not in self._done:
+            raise_if_stopped()  # a signal whose exception a finalizer dropped (stop_signals)
             by_conn = {conn: i for i, conn in self._pipes.items()}
             ready = mp_connection.wait(list(by_conn), timeout=POLL)
             for conn in ready:
