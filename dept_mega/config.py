@@ -20,6 +20,7 @@ import yaml
 
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
     ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, FP8_GEMM_MAX_TUNING, get_key)
+from .config_origin import leaf_keys, origin
 from .variant import variant_of
 
 
@@ -159,17 +160,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _leaf_keys(tree: Any, prefix: str = "") -> set[str]:
-    """The dotted keys a YAML tree sets: every key whose value is not a mapping (a list, such as
-    ``data.sources``, counts as one key)."""
-    if not isinstance(tree, dict):
-        return {prefix} if prefix else set()
-    keys: set[str] = set()
-    for k, v in tree.items():
-        keys |= _leaf_keys(v, f"{prefix}.{k}" if prefix else str(k))
-    return keys
-
-
 def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tree = dict(values or {})
     for text in overrides:
@@ -178,7 +168,7 @@ def config_from_dict(values: dict[str, Any], overrides: list[str] | tuple[str, .
     cfg = _build(Config, tree)
     # which keys the file and the overrides set: an error about a key left at its default says so
     # (default_note); not a dataclass field, so never written to config.yaml
-    cfg.set_keys = frozenset(_leaf_keys(tree))
+    cfg.set_keys = frozenset(leaf_keys(tree))
     _check_choices(cfg)
     _check_values(cfg)
     return cfg
@@ -207,7 +197,10 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
         if not isinstance(values, dict):
             raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
-    return config_from_dict(values, overrides)
+    try:
+        return config_from_dict(values, overrides)
+    except ConfigError as exc:  # the key's origin: an override, or the file's line
+        raise ConfigError(origin(str(exc), None if path is None else str(path), overrides)) from None
 
 
 def _check_choices(cfg: Config) -> None:

@@ -204,12 +204,38 @@ def test_errors_say_when_a_key_is_its_default(tmp_path):
     # set by the user, in the file or by an override: no note
     assert _err(["dept.local_steps=500"], path=p) == ("config key 'dept.local_steps': train.steps=10 is not a multiple "
                                                       "of 500 under dept.variant spec_opt (the default; dept.variant: "
-                                                      "std trains without rounds)")
+                                                      "std trains without rounds) (dept.local_steps set by the override "
+                                                      "dept.local_steps=500)")
     p2 = tmp_path / "set.yaml"
     p2.write_text("dept: {variant: spec_opt, local_steps: 500}\ndata:\n  sources:\n    - {name: en, prefix: x}\n"
                   "train: {steps: 10}\n")
-    assert _err([], path=p2) == "config key 'dept.local_steps': train.steps=10 is not a multiple of 500"
+    assert _err([], path=p2) == (f"config key 'dept.local_steps': train.steps=10 is not a multiple of 500 "
+                                 f"(dept.local_steps set in {p2}, line 1)")
     assert _err(["dept.local_steps=5"], world=1, path=p2) == ("config key 'data.sources[0].tokenizer': spec_opt needs "
                                                               "a tokenizer for source 'en'")
     # a section set as a whole counts as its keys set
     assert "(the default" not in _err(["dept={variant: spec_opt, local_steps: 500}"], path=p)
+
+
+def test_a_bad_value_names_the_override_or_the_file_line_that_set_it(tmp_path):
+    """A value error says where the value came from: the override that set the key (or the
+    section holding it), else the config file's line; a key neither set says nothing more."""
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  hidden_size: 64\ntrain:\n  steps: ten\ndata:\n  sources:\n    - name: en\n"
+                 "      prefix: x\n    - name: fr\n      prefix: y\n      weight: heavy\n")
+    assert _err([], path=p).endswith(f"got 'ten' (train.steps set in {p}, line 4)")
+    assert _err(["train.steps=eleven"], path=p).endswith("got 'eleven' (train.steps set by the override "
+                                                         "train.steps=eleven)")
+    assert _err(["train={steps: twelve}"], path=p).endswith("(train.steps set by the override train={steps: twelve})")
+    assert _err(["train.steps=3"], path=p).endswith(f"(data.sources[1].weight set in {p}, line 11)")
+    r = tmp_path / "r.yaml"
+    r.write_text("train:\n  steps: 3\n  stepz: 4\n")  # a misspelt key: its line (one typed on the command line: itself)
+    assert _err([], path=r).endswith(f"did you mean 'train.steps'? (every key: docs/config.md) (train.stepz set in {r}, "
+                                     f"line 3)")
+    assert _err(["train.steps=3", "data.sources.1.weight=much"], path=p).endswith(
+        "(data.sources[1].weight set by the override data.sources.1.weight=much)")
+    # a section the file sets whose key it leaves out, an override of another key: nothing added
+    q = tmp_path / "d.yaml"
+    q.write_text("train:\n  save_interval: 1\n")
+    msg = _err(["model.num_attention_heads=7"], path=q)
+    assert msg.startswith("config key 'model.hidden_size'") and " set " not in msg, msg
