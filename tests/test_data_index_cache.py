@@ -147,14 +147,22 @@ def test_no_claim_where_the_directory_cannot_be_made(tmp_path):
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
-def test_cached_arrays_get_the_mode_the_umask_gives(tmp_path, mask):
-    """Other users' jobs read a cache beside shared data: not mkstemp's 0600."""
+def test_data_caches_get_the_mode_the_umask_gives(tmp_path, mask):
+    """Other users' jobs read a cache beside shared data: not mkstemp's 0600 (the sample index
+    arrays, a source's token-id range and its token counts)."""
+    from dept_mega.data.token_counts import token_counts
+    from dept_mega.data.token_range import token_id_range
+    prefix = write_docs(str(tmp_path / "src"), numbered_docs(5))
     old = os.umask(mask)
     try:
         save_arrays(str(tmp_path / "x_train_abc"), {"a": np.arange(3, dtype=np.int32)})
+        token_id_range(prefix)
+        token_counts(prefix, cache_dir=str(tmp_path / "cache"))
     finally:
         os.umask(old)
-    assert os.stat(tmp_path / "x_train_abc.a.npy").st_mode & 0o777 == 0o666 & ~mask
+    written = [tmp_path / "x_train_abc.a.npy", tmp_path / "src.token_range.json",
+               *(tmp_path / "cache").iterdir()]
+    assert len(written) == 3 and {os.stat(p).st_mode & 0o777 for p in written} == {0o666 & ~mask}, written
 
 
 def test_waiters_taking_a_stale_claim_over_together_make_one_builder(tmp_path):

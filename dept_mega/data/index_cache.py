@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dept_mega.data.atomic_file import atomic_file
+
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -42,21 +44,6 @@ def is_cached(stem: str, names: Sequence[str]) -> bool:
     return all(os.path.exists(array_path(stem, n)) for n in names)
 
 
-def _umask() -> int:
-    """The process's umask, from /proc where it can be read without changing it (``os.umask``
-    sets it to read it: a file created meanwhile by another thread would get the wrong mode)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def can_write(directory: str) -> bool:
     """Whether this process can create files in ``directory`` (made if missing): a probe file,
     created and removed."""
@@ -71,24 +58,12 @@ def can_write(directory: str) -> bool:
 
 
 def save_arrays(stem: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write each array to ``<stem>.<name>.npy`` atomically (temporary file + rename). Raises
-    ``OSError`` (e.g. a read-only directory); a temporary file is removed on failure. The files
-    get the mode an ordinary ``open`` would give them (``0o666`` less the umask), not
-    ``mkstemp``'s 0600: the default cache lies beside shared data, which other users' jobs read."""
-    directory = os.path.dirname(stem) or "."
-    os.makedirs(directory, exist_ok=True)
+    """Write each array to ``<stem>.<name>.npy`` atomically (:func:`atomic_file`, readable by
+    other users). Raises ``OSError`` (e.g. a read-only directory)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     for name, arr in arrays.items():
-        path = array_path(stem, name)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with atomic_file(array_path(stem, name)) as f:
+            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
 
 
 def load_arrays(stem: str, lengths: dict[str, Optional[int]]) -> Optional[dict[str, np.ndarray]]:
@@ -445,11 +420,8 @@ def record_failure(stem: str, claim: Optional[Claim], launch: Optional[Launch], 
                        "by": who, "error": f"{type(exc).__name__}: {exc}"})
     path = _failed_path(stem)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=os.path.dirname(path) or ".")
-        with os.fdopen(fd, "w") as f:
+        with atomic_file(path, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, path)
     except OSError as err:
         warnings.warn(f"{path}: could not note the failed dataset index build ({err})")
 

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from dept_mega.data.atomic_file import usual_mode
 from dept_mega.data.indexed import (CODE_OF_DTYPE, HEADER_SIZE, MAGIC, VERSION, IndexedFormatError, bin_path,
                                     bytes_path, idx_path, read_header, tokenizer_record_path)
 from dept_mega.data.preprocess_outputs import check_output_dir
@@ -516,7 +517,7 @@ def merge(prefixes: Sequence[str], output_prefix: str, *, force: bool = False,
                 if os.path.isfile(old):
                     os.remove(old)
         for tmp, final in zip(tmps, finals):
-            os.chmod(tmp, 0o666 & ~_umask())
+            usual_mode(tmp)
             renaming = (tmp, final)
             os.replace(tmp, final)
             renamed.append(final)
@@ -538,10 +539,3 @@ def merge(prefixes: Sequence[str], output_prefix: str, *, force: bool = False,
                        bin_bytes=total, seconds=time.time() - t0, id_range=(lo, hi),
                        outputs=finals + [output_prefix + ".token_range.json"])
     return stats
-
-
-def _umask() -> int:
-    """The process's umask (mkstemp creates files 0600; the outputs get the usual mode)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

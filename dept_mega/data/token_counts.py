@@ -5,12 +5,12 @@ without torch)."""
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from typing import Callable, Optional
 
 import numpy as np
 
+from dept_mega.data.atomic_file import atomic_file
 from dept_mega.data.indexed import IndexedDataset, bin_path
 from dept_mega.data.token_range import cache_file, data_key as _data_key
 
@@ -49,10 +49,8 @@ def token_counts(prefix: str, cache_dir: Optional[str] = None, chunk_tokens: int
             progress(min(lo + chunk_tokens, len(tokens)), len(tokens))
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=cache_dir)
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path) as f:  # (readable by other users' jobs)
             np.savez(f, counts=counts, key=np.array(key))
-        os.replace(tmp, path)
     except OSError as exc:
         warnings.warn(f"could not cache token counts at {path}: {exc}")
     return counts

@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from typing import Optional
 
 import numpy as np
 
+from dept_mega.data.atomic_file import atomic_file
 from dept_mega.data.indexed import IndexedDataset, bin_path, idx_path
 
 
@@ -50,10 +50,8 @@ def record_token_range(prefix: str, lo: int, hi: int, cache_dir: Optional[str] =
     path = _range_path(prefix, cache_dir)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_file(path, "w", encoding="utf-8") as f:  # (readable by other users' jobs)
             json.dump({"key": data_key(prefix), "min": int(lo), "max": int(hi)}, f)
-        os.replace(tmp, path)
     except OSError as exc:
         warnings.warn(f"could not cache the token id range at {path}: {exc}")
 
