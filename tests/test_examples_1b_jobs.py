@@ -165,12 +165,16 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
     assert not [rec for rec in records if rec["kind"] == "outer"]
 
 
-@pytest.mark.parametrize("preempted", [True, False])
-def test_preempted_job_requeues_itself(tmp_path, preempted):
+@pytest.mark.parametrize("script,preempted,override", [("std", True, False), ("std", False, False),
+                                                        ("std", True, True), ("federated_group", True, True)])
+def test_preempted_job_requeues_itself(tmp_path, script, preempted, override):
     """The scripts ask for SIGUSR1 before the time limit and may be requeued; when the ranks
     leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
     $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
-    A stale marker from an earlier job is removed before the launch. (Without the pre-flight,
+    A stale marker from an earlier job is removed before the launch. ``override``: the run
+    directory given as ``train.run_dir=`` arguments after the script name (the last one wins,
+    as in the trainer) instead of RUN_DIR: the script removes the stale marker, names the
+    directory, creates it and finds the marker there, not in RUN_DIR. (Without the pre-flight,
     which reads no marker: the two-node test's requeued launch runs it beside one.)"""
     for variant in (*VARIANTS, "federated_group"):
         h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
@@ -199,12 +203,19 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     env = dict(os.environ, PATH=str(bindir) + os.pathsep + os.environ["PATH"], SLURM_NNODES="8",
                SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="64",
                SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=ROOT, FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
-               PYTHON=sys.executable, RUN_DIR=run_dir, DEPT_SKIP_PREFLIGHT="1")
-    for k in ("DEPT_MEGA_ROOT", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+               PYTHON=sys.executable, RUN_DIR=run_dir, DEPT_SKIP_PREFLIGHT="1",
+               DEPT_GROUP="0", LIGHTHOUSE="127.0.0.1:29510")  # (federated_group.sh's)
+    for k in ("DEPT_MEGA_ROOT", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "CONFIG"):
         env.pop(k, None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "1b", "std.sh")],
+    args = []
+    if override:
+        env["RUN_DIR"] = str(tmp_path / "env_run")
+        args = [f"train.run_dir={tmp_path / 'first'}", f"train.run_dir={run_dir}"]
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "1b", f"{script}.sh"), *args],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
-    assert "SIGUSR1" in (tmp_path / "srun.log").read_text()  # torchrun passes SIGUSR1 on to the ranks
+    assert "SIGUSR1" in (tmp_path / "srun.log").read_text(), r.stdout + r.stderr  # passed on to the ranks
+    assert f"run dir {run_dir}" in r.stdout
+    assert not (tmp_path / "env_run").exists() and not (tmp_path / "first").exists()
     if preempted:
         assert r.returncode == 0, r.stdout + r.stderr
         assert log.read_text().split() == ["requeue", "4242"]

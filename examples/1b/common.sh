@@ -7,7 +7,8 @@
 # Environment knobs (all optional):
 #   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
 #                   RUN_DIR resumes from RUN_DIR/checkpoints/latest); on a file system every
-#                   node sees (not node-local /tmp, /scratch, $TMPDIR: the job is refused)
+#                   node sees (not node-local /tmp, /scratch, $TMPDIR: the job is refused);
+#                   a train.run_dir=... argument overrides it
 #   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else the count
 #                   of SLURM_GPUS_PER_NODE, else 8)
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
@@ -36,6 +37,12 @@ if [ -f .venv/bin/activate ]; then
 fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
+# A train.run_dir=... override after the script name wins over RUN_DIR (the last one, as in the
+# trainer): the stale-marker removal, the launch line and the requeue test must look where the
+# run writes.
+for arg in "$@"; do
+  case "$arg" in train.run_dir=*) RUN_DIR=${arg#train.run_dir=} ;; esac
+done
 DEVICE=${DEVICE:-cuda}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
 # The GPU count of --gpus-per-node as Slurm passes it in SLURM_GPUS_PER_NODE: a count ("4"), a
