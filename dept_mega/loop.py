@@ -357,6 +357,8 @@ class TrainLoop:
             if self._save_pending and step < total and self._can_save(step):
                 with meter.paused():
                     self.save()
+                if not (stopping or self.exit_reason):  # a signal during this save: stop at it, no second save
+                    stopping = self._stop_agreed(announce=bool(cfg.train.async_save))
                 if stopping or self.exit_reason:
                     self._stopped(step, stopping)
                     return
@@ -381,18 +383,19 @@ class TrainLoop:
             return f"train.exit_duration_mins={t.exit_duration_mins:g} ({minutes:.1f} min since launch)"
         return None
 
-    def _stop_agreed(self) -> bool:
+    def _stop_agreed(self, announce: bool = True) -> bool:
         """:meth:`Preemption.agreed` (collective: every rank at the same point); the first time
         it says stop before the last step, global rank 0 announces it in ``RUN/preempted.json``
         before the save (preemption.announce_stop; not for a Ctrl-C, which is not requeued; at
-        the last step the run finishes as usual)."""
+        the last step the run finishes as usual). ``announce`` False: after a save that is
+        complete (dept_mega.train writes the marker next)."""
         p = self.preemption
         if p is None:
             return False
         new = p.stop_signal is None
         if not p.agreed(self.trainer.device):
             return False
-        if new and self.checkpointer is not None and self.pg.rank == 0 and not p.interrupted \
+        if new and announce and self.checkpointer is not None and self.pg.rank == 0 and not p.interrupted \
                 and self.trainer.step < self.cfg.train.steps:
             from .preemption import announce_stop
             announce_stop(self.cfg.train.run_dir, p.signal_name)

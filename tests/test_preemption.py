@@ -201,6 +201,28 @@ def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
     assert got == want
 
 
+def test_a_signal_during_a_periodic_save_stops_at_that_save(tmp_path):
+    """A signal that arrives while the periodic checkpoint of step 4 is written stops the loop
+    at step 4 with that checkpoint: no further step, no second full save (the time a
+    preemption leaves goes to one save)."""
+    from dept_mega.preemption import Preemption
+    run = str(tmp_path / "run")
+    loop, _ = _loop(_cfg(run, steps=8, save_interval=2), run)
+    pre = loop.preemption = Preemption()
+    save, saves = loop.checkpointer.save, []
+
+    def saving(lp):
+        saves.append(lp.trainer.step)
+        path = save(lp)
+        if lp.trainer.step == 4:
+            pre.request(int(signal.SIGUSR1))
+        return path
+
+    loop.checkpointer.save = saving
+    loop.run()
+    assert saves == [2, 4] and loop.preempted_at == 4 and loop.trainer.step == 4
+
+
 def test_a_stop_agreed_at_the_end_leaves_no_marker(tmp_path, monkeypatch):
     """A signal during the last step lets the run finish (its final save), and so does one whose
     save is deferred (``can_save_now()`` False) to the last step: no ``preempted.json`` is left
