@@ -205,6 +205,23 @@ def init_from_line(cfg: Config, vocab_of: dict[str, int]) -> Optional[str]:
     return f"init_from: the model weights of {path} (the same model keys; its files are checked at launch)"
 
 
+def save_rate_words(ckpt: int, env=os.environ) -> str:
+    """The write rate a preemption's save of ``ckpt`` bytes needs to finish within torchrun's
+    shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's 30 s): the number to
+    compare with the file system's, to size the lead time (docs/launching.md §9)."""
+    given = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    try:
+        seconds = max(float(given), 1.0)
+    except ValueError:
+        seconds = 30.0
+    rate = ckpt / seconds
+    unit, scale = ("GB/s", 1e9) if rate >= 1e9 else ("MB/s", 1e6)
+    v = rate / scale
+    amount = f"{v:.0f}" if v >= 10 else f"{v:.2g}"
+    return (f"a preemption's save in {seconds:g} s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+            f"{'' if given.strip() else ' unset: torchrun default'}) needs ~{amount} {unit}")
+
+
 def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str, int]:
     """Free bytes of the file system that will hold ``path`` (its nearest existing ancestor)."""
     here = os.path.abspath(path)
@@ -293,7 +310,8 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     ckpt = checkpoint_bytes(cfg, world_size, mem, vocabs.global_vocab or vocab, sources,
                             list(vocabs.trim_vocabs.values()))
     where, free = free_bytes(cfg.train.run_dir, disk_usage)
-    lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}")
+    lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}; "
+                 + save_rate_words(ckpt))
     if free < 2 * ckpt:
         warnings.append(f"config key 'train.run_dir': {where} has {free:,} bytes free, below two checkpoints "
                         f"(2 x {ckpt:,} bytes predicted from the memory model): a save may fail for lack of space")

@@ -159,9 +159,10 @@ def test_check_names_token_ids_outside_the_vocabulary(tmp_path):
     assert _train_here("--config", cfg, "--check").returncode == 2  # --world-size is required
 
 
-def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
+def test_check_warns_below_two_checkpoints_of_free_space(tmp_path, monkeypatch):
     """The warning compares the free space with twice the checkpoint size the memory model
-    predicts; that prediction is close to a real checkpoint of the run (std, fp32)."""
+    predicts; that prediction is close to a real checkpoint of the run (std, fp32). The line
+    names the write rate a save within TORCH_ELASTIC_SHUTDOWN_TIMEOUT needs."""
     import io
 
     import torch
@@ -188,8 +189,11 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
             return u
         return du
 
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "100")
     lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want))
     assert not warnings and f"({want:,} bytes) predicted" in lines[-1]
+    rate = f"{want / 100 / 1e6:.0f}" if want / 100 >= 1e7 else f"{want / 100 / 1e6:.2g}"
+    assert f"a preemption's save in 100 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) needs ~{rate} MB/s" in lines[-1]
     lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want - 1))
     assert len(warnings) == 1 and f"{2 * want - 1:,} bytes free, below two checkpoints" in warnings[0]
     assert warnings[0].startswith("config key 'train.run_dir'")
