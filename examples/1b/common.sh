@@ -117,7 +117,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((10#$P
 # Pre-flight (python -m dept_mega.train --check, docs/launching.md): the config, its overrides,
 # the layout for this world size, CUDA on this (the first) node for train.device=cuda, the data
 # and tokenizer files and the memory per rank, checked before any rank starts; a warning when the
-# run directory has less room than two checkpoints.
+# run directory has less room than the checkpoints the run keeps.
 if [ "${DEPT_SKIP_PREFLIGHT:-0}" != 1 ]; then
   "$PYTHON" -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" train.device="$DEVICE" "$@" \
     --check --world-size "$WORLD"
