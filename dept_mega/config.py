@@ -21,7 +21,7 @@ import yaml
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
     ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, FP8_GEMM_MAX_TUNING, get_key)
 from .config_origin import leaf_keys, origin
-from .variant import variant_of
+from .variant import one_group_data_hint, variant_of
 
 
 # ----------------------------------------------------------------------------- building
@@ -531,8 +531,10 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     p = cfg.parallel
     per_group = p.tensor * p.pipeline * p.data
     if world_size % per_group:
+        hint = one_group_data_hint(cfg, world_size)
         raise ConfigError(f"config key 'parallel': world size {world_size} is not divisible by "
-                          f"tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} = {per_group}")
+                          f"tensor × pipeline × data = {p.tensor}×{p.pipeline}×{p.data} = {per_group}"
+                          + (f"; std trains one group: {hint}" if hint else ""))
     groups = world_size // per_group
     if cfg.federation.lighthouse is not None and groups != 1:
         raise ConfigError(f"config key 'parallel': a federated group job (federation.lighthouse set) is one source group, "
@@ -545,12 +547,9 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
     variant, v = cfg.dept.variant, variant_of(cfg)
     k = len(cfg.data.sources)
     if not v.rounds and groups != 1:
-        d = world_size // (p.tensor * p.pipeline)
         raise ConfigError(f"config key 'dept.variant': std trains one group, but world size {world_size} "
                           f"with tensor×pipeline×data={p.tensor}×{p.pipeline}×{p.data}={per_group} gives {groups} "
-                          f"groups: set parallel.data={d} (world size / (tensor × pipeline); Megatron-LM infers the "
-                          f"data-parallel size, dept_mega does not: the ranks left over form DEPT source groups), "
-                          f"or launch {per_group} process(es)")
+                          f"groups: {one_group_data_hint(cfg, world_size)}")
     if v.own_embeddings and k < groups:
         raise ConfigError(f"config key 'data.sources': {variant} needs at least one source per group, "
                           f"got {k} sources for {groups} groups" + _variant_note(

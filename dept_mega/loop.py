@@ -25,7 +25,7 @@ from . import ops
 from .config import Config
 from .log_lines import write_line
 from .metrics import MetricsWriter, ThroughputMeter, activation_fields, human_line, outer_line
-from .preemption import PreemptedWait
+from .preemption import PreemptedWait, stopped_by
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
 
@@ -334,14 +334,19 @@ class TrainLoop:
                     written = self.writer.write("outer", step, self.round_of(step - 1), **outer)
                     if written is not None:  # global rank 0
                         self.writer.log(outer_line(written))
+            stopping = self._stop_agreed()  # before an evaluation: a stop's time goes to its save
             if cfg.train.eval_interval and step % cfg.train.eval_interval == 0 and step < total:
-                with meter.paused():  # evaluation and checkpoints are not training throughput
-                    self.evaluate()
-                evaluated_at = step
+                if not stopping:
+                    with meter.paused():  # evaluation and checkpoints are not training throughput
+                        self.evaluate()
+                    evaluated_at = step
+                    stopping = self._stop_agreed()  # a signal during the evaluation
+                elif self.eval_sources:
+                    self.writer.log(f"eval step {step} skipped: {stopped_by(self.preemption)}, the time goes to "
+                                    f"the checkpoint")
             if self.checkpointer is not None and cfg.train.save_interval and step % cfg.train.save_interval == 0 \
                     and step < total:
                 self._save_pending = True
-            stopping = self.preemption is not None and self.preemption.agreed(tr.device)
             if not stopping and self.exit_reason is None and step < total:
                 self.exit_reason = self._exit_due(step)
             if (stopping or self.exit_reason) and step < total:
@@ -352,6 +357,8 @@ class TrainLoop:
             if self._save_pending and step < total and self._can_save(step):
                 with meter.paused():
                     self.save()
+                if not (stopping or self.exit_reason):  # a signal during this save: stop at it, no second save
+                    stopping = self._stop_agreed(announce=bool(cfg.train.async_save))
                 if stopping or self.exit_reason:
                     self._stopped(step, stopping)
                     return
@@ -376,6 +383,24 @@ class TrainLoop:
             return f"train.exit_duration_mins={t.exit_duration_mins:g} ({minutes:.1f} min since launch)"
         return None
 
+    def _stop_agreed(self, announce: bool = True) -> bool:
+        """:meth:`Preemption.agreed` (collective: every rank at the same point); the first time
+        it says stop before the last step, global rank 0 announces it in ``RUN/preempted.json``
+        before the save (preemption.announce_stop; not for a Ctrl-C, which is not requeued; at
+        the last step the run finishes as usual). ``announce`` False: after a save that is
+        complete (dept_mega.train writes the marker next)."""
+        p = self.preemption
+        if p is None:
+            return False
+        new = p.stop_signal is None
+        if not p.agreed(self.trainer.device):
+            return False
+        if new and announce and self.checkpointer is not None and self.pg.rank == 0 and not p.interrupted \
+                and self.trainer.step < self.cfg.train.steps:
+            from .preemption import announce_stop
+            announce_stop(self.cfg.train.run_dir, p.signal_name)
+        return True
+
     def _preempted_in_wait(self, stop: PreemptedWait) -> None:
         """A preemption agreed while the hooks waited for others (a federated group job at
         torchft's quorum): a checkpoint of this step when ``stop.synced`` (a round start: the
@@ -395,6 +420,10 @@ class TrainLoop:
         last = self.saved_step
         can = getattr(self.hooks, "can_save_now", None)
         if stop.synced and step > 0 and last != step and (can is None or can()):
+            p = self.preemption
+            if self.pg.rank == 0 and not stop.finished and p is not None and not p.interrupted:
+                from .preemption import announce_stop  # (as _stop_agreed: before the save)
+                announce_stop(self.cfg.train.run_dir, "quorum_give_up" if stop.gave_up else p.signal_name)
             self.save()
             if hasattr(self.checkpointer, "wait"):
                 self.checkpointer.wait()

@@ -9,9 +9,11 @@ SLURM sends ``SIGUSR1`` shortly before the time limit when the job asks for it
 records the signal; the training loop asks :meth:`Preemption.agreed` at the end of every step,
 a one-element all-reduce (MAX) over the world, so that every rank stops after the same step
 even when the signal reached only some of them (or reached them during different steps). The
-loop then writes a checkpoint (deferred while an outer synchronisation is in flight:
-``hooks.can_save_now()``), ``dept_mega.train`` writes ``RUN/preempted.json`` and every rank
-exits with :data:`EXIT_PREEMPTED`. The sbatch scripts (``examples/1b/common.sh``) requeue the
+loop then skips an evaluation due at that step, global rank 0 writes ``RUN/preempted.json``
+naming the last complete checkpoint (:func:`announce_stop`: a save cut off by torchrun's
+shutdown timeout still leaves the job requeued), the loop writes a checkpoint (deferred while
+an outer synchronisation is in flight: ``hooks.can_save_now()``), ``dept_mega.train`` rewrites
+``RUN/preempted.json`` naming it and every rank exits with :data:`EXIT_PREEMPTED`. The sbatch scripts (``examples/1b/common.sh``) requeue the
 job when they find that file; the requeued job resumes from the checkpoint
 (docs/launching.md, "Preemption and requeue").
 
@@ -124,14 +126,31 @@ class Preemption:
             return str(s)
 
 
-def write_marker(run_dir: str, step: Optional[int], signal_name: str) -> None:
+def stopped_by(preemption: Preemption) -> str:
+    """The agreed stop in the log's words."""
+    return "interrupted (SIGINT)" if preemption.interrupted else f"preempted ({preemption.signal_name})"
+
+
+def write_marker(run_dir: str, step: Optional[int], signal_name: str, saving: bool = False) -> None:
     """``RUN/preempted.json`` (global rank 0): the job stopped for a preemption after saving
     checkpoint ``step`` (the checkpoint a relaunch resumes from; null: none, it starts anew);
-    the sbatch scripts requeue the job when it is there."""
+    the sbatch scripts requeue the job when it is there. ``saving``: written before the stop's
+    save (:func:`announce_stop`), with ``"save_in_progress": true``."""
     from .manifest import replace_durable
-    replace_durable(os.path.join(run_dir, PREEMPTED_FILE),
-                    json.dumps({"step": None if step is None else int(step), "signal": signal_name,
-                                "exit_code": EXIT_PREEMPTED}).encode())
+    marker = {"step": None if step is None else int(step), "signal": signal_name, "exit_code": EXIT_PREEMPTED}
+    if saving:
+        marker["save_in_progress"] = True
+    replace_durable(os.path.join(run_dir, PREEMPTED_FILE), json.dumps(marker).encode())
+
+
+def announce_stop(run_dir: str, signal_name: str) -> None:
+    """``RUN/preempted.json`` as soon as the ranks agree to stop, before the stop's save: the
+    save of a large checkpoint can outlast torchrun's shutdown timeout, and a job killed
+    without the marker would not be requeued. It names the last complete checkpoint (what
+    ``checkpoints/latest`` names, what a relaunch resumes from if the save is cut short; null:
+    none) and that a save is in progress; :func:`write_marker` rewrites it once the save is done."""
+    from .resume import read_latest
+    write_marker(run_dir, read_latest(run_dir)[0], signal_name, saving=True)
 
 
 def clear_marker(run_dir: str) -> None:

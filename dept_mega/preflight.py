@@ -8,8 +8,9 @@ files, the sources' token ids against their vocabulary, each source's share of t
 (the run log's ``sampling`` line, with a warning when the configured weighting cannot be the
 shares: ``dept_mega.sampling_plan``), then the predicted memory per rank
 (``dept_mega.dept.memory``, the largest rank) and the predicted size of one checkpoint,
-with a warning when the run directory's file system has less than two checkpoints' room (a
-checkpoint is written beside the previous one before that one may be removed), and, when the
+with a warning when the run directory's file system has less room than the checkpoints the
+run holds at once (``train.keep_checkpoints``, plus the one written beside them before the
+oldest may be removed), and, when the
 run directory already holds a checkpoint, the config keys that checkpoint depends on. Bad input is
 one ``error:`` line naming the key and exit status 2, as at a real launch.
 """
@@ -205,6 +206,32 @@ def init_from_line(cfg: Config, vocab_of: dict[str, int]) -> Optional[str]:
     return f"init_from: the model weights of {path} (the same model keys; its files are checked at launch)"
 
 
+def kept_checkpoints(cfg: Config) -> int:
+    """The most checkpoints the run holds at once: its saves (each ``train.save_interval`` steps
+    before the last, and the last), or ``train.keep_checkpoints`` of them plus the one being
+    written beside them before retention removes the oldest."""
+    t = cfg.train
+    saves = (t.steps - 1) // t.save_interval + 1 if t.save_interval else 1
+    return min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
+
+
+def save_rate_words(ckpt: int, env=os.environ) -> str:
+    """The write rate a preemption's save of ``ckpt`` bytes needs to finish within torchrun's
+    shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's 30 s): the number to
+    compare with the file system's, to size the lead time (docs/launching.md §9)."""
+    given = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+    try:
+        seconds = max(float(given), 1.0)
+    except ValueError:
+        seconds = 30.0
+    rate = ckpt / seconds
+    unit, scale = ("GB/s", 1e9) if rate >= 1e9 else ("MB/s", 1e6)
+    v = rate / scale
+    amount = f"{v:.0f}" if v >= 10 else f"{v:.2g}"
+    return (f"a preemption's save in {seconds:g} s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+            f"{'' if given.strip() else ' unset: torchrun default'}) needs ~{amount} {unit}")
+
+
 def free_bytes(path: str, disk_usage: Callable = shutil.disk_usage) -> tuple[str, int]:
     """Free bytes of the file system that will hold ``path`` (its nearest existing ancestor)."""
     here = os.path.abspath(path)
@@ -293,10 +320,14 @@ def preflight(cfg: Config, world_size: int, disk_usage: Callable = shutil.disk_u
     ckpt = checkpoint_bytes(cfg, world_size, mem, vocabs.global_vocab or vocab, sources,
                             list(vocabs.trim_vocabs.values()))
     where, free = free_bytes(cfg.train.run_dir, disk_usage)
-    lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}")
-    if free < 2 * ckpt:
-        warnings.append(f"config key 'train.run_dir': {where} has {free:,} bytes free, below two checkpoints "
-                        f"(2 x {ckpt:,} bytes predicted from the memory model): a save may fail for lack of space")
+    lines.append(f"checkpoint: about {_size(ckpt)} ({ckpt:,} bytes) predicted; {_size(free)} free at {where}; "
+                 + save_rate_words(ckpt))
+    kept = kept_checkpoints(cfg)
+    if free < kept * ckpt:
+        warnings.append(f"config key 'train.run_dir': {where} has {free:,} bytes free, below the {kept} "
+                        f"checkpoint(s) the run holds at once ({kept} x {ckpt:,} bytes predicted from the memory "
+                        f"model; train.keep_checkpoints={cfg.train.keep_checkpoints}): a save may fail for lack "
+                        f"of space")
     return lines, warnings
 
 

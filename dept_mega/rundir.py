@@ -108,10 +108,14 @@ class RunLock:
             except BlockingIOError:
                 who = _holder(fd)
                 self.release()
+                # on NFS / Lustre the lock can outlive a node that died (NLM: until it reboots; NFSv4:
+                # its lease; Lustre: its eviction), and fuser sees only this node's processes
                 raise ConfigError(f"{key}: run directory {run_dir} is in use: processes of an earlier job still "
                                   f"hold {workers} (workers left running after their launcher was killed? the "
-                                  f"last job's rank 0 was {who}); stop them (fuser -v {workers}) or choose "
-                                  f"another train.run_dir") from None
+                                  f"last job's rank 0 was {who}); stop them (fuser -v {workers} on each node) or "
+                                  f"choose another train.run_dir. The holder may also be a node of that job that "
+                                  f"died: a lock on a network file system can outlive it; once no job of this run "
+                                  f"is running, removing {workers} is safe") from None
             fcntl.flock(wfd, fcntl.LOCK_SH)
             info = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                     "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")}

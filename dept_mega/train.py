@@ -368,7 +368,7 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
                            f"interrupted run after its last checkpoint")
     for note in session.writer.resume_notes:
         session.writer.log(note)
-    from .preemption import EXIT_PARTNERS_FINISHED, Preemption, clear_marker, write_marker
+    from .preemption import EXIT_PARTNERS_FINISHED, Preemption, clear_marker, stopped_by, write_marker
     if session.rank == 0:
         clear_marker(run_dir)
     if preemption is None:
@@ -412,6 +412,8 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
         elif not complete:  # a relaunch of a finished run keeps the params.json of the layout that trained it
             write_params(session)
         finished = session.trainer.step >= cfg.train.steps and stop is None and loop.preempted_at is None
+        if finished and session.rank == 0:  # a stop agreed too late to be one (its save deferred to the end)
+            clear_marker(run_dir)
     finally:
         preemption.uninstall()
         fed = getattr(session.pg.outer, "federation", None)
@@ -433,10 +435,6 @@ def _train(session: Session, resumed: Optional[int], preemption=None, initialise
         from .process_exit import leave
         leave(EXIT_PARTNERS_FINISHED if loop.preempted_wait.finished else preemption.exit_code, join_threads=False)
     return preemption.exit_code if loop.preempted_at is not None else 0
-
-
-def stopped_by(preemption) -> str:
-    return "interrupted (SIGINT)" if preemption.interrupted else f"preempted ({preemption.signal_name})"
 
 
 def continue_by(preemption) -> str:

@@ -77,3 +77,16 @@ def variant_of(name_or_cfg: Any) -> Variant:
     if v is None:
         raise ConfigError(f"config key 'dept.variant': {name!r} is not one of {' | '.join(VARIANT_NAMES)}")
     return v
+
+
+def one_group_data_hint(cfg: Any, world_size: int) -> str:
+    """What makes a world of ``world_size`` ranks one group under std (the only variant that
+    trains one): the ``parallel.data`` that fills it, or as many processes as the layout has.
+    Empty for the DEPT variants, and where tensor × pipeline does not divide the world."""
+    p = cfg.parallel
+    tp = p.tensor * p.pipeline
+    if variant_of(cfg).rounds or world_size % tp:
+        return ""
+    return (f"set parallel.data={world_size // tp} (world size / (tensor × pipeline); Megatron-LM infers the "
+            f"data-parallel size, dept_mega does not: the ranks left over form DEPT source groups), "
+            f"or launch {tp * p.data} process(es)")

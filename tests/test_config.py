@@ -110,6 +110,12 @@ def test_world_size_checks():
     msg = _err(base + ["dept.variant=std", "parallel.tensor=2"], world=8)
     assert "tensor×pipeline×data=2×1×1=2 gives 4 groups: set parallel.data=4 " in msg, msg
     assert "or launch 2 process(es)" in msg
+    # a world the layout does not divide (4-GPU nodes: 32 ranks for data 64) names it too
+    msg = _err(base + ["dept.variant=std", "parallel.data=64"], world=32)
+    assert msg.endswith("= 1×1×64 = 64; std trains one group: set parallel.data=32 (world size / (tensor × "
+                        "pipeline); Megatron-LM infers the data-parallel size, dept_mega does not: the ranks left "
+                        "over form DEPT source groups), or launch 64 process(es)"), msg
+    assert "std trains one group" not in _err(base + ["dept.variant=glob", "parallel.data=64"], world=32)
     two = "data.sources=[{name: a, prefix: x, tokenizer: t}, {name: b, prefix: y, tokenizer: u}]"
     assert "at least one source per group" in _err(base + ["dept.variant=spec", two], world=4)
     assert "needs a tokenizer" in _err(base + ["dept.variant=spec_opt",

@@ -235,7 +235,9 @@ def test_the_job_refuses_to_train_on_the_cpu_by_default(tmp_path, monkeypatch, c
 
 def test_federated_group_takes_the_variant_from_its_config(tmp_path):
     """examples/1b/federated_group.sh with CONFIG=examples/1b/spec_opt.yaml launches (and logs)
-    SPEC-OPT, one node per group job, the config's variant rather than a fixed one."""
+    SPEC-OPT, one node per group job, the config's variant rather than a fixed one, in a run
+    directory of that variant (runs/1b/federated/<variant>/group<g>: another variant's run
+    there would be resumed or refused)."""
     root = _root_with_placeholder_files(tmp_path)
     fed = dict(LIGHTHOUSE="lh:29510", DEPT_GROUP="3", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01")
     for variant in ("spec_opt", "glob"):
@@ -246,7 +248,7 @@ def test_federated_group_takes_the_variant_from_its_config(tmp_path):
         assert "federation: group job 3 of 8" in r.stdout, r.stdout
         cmd = argv[argv.index("bash") + 3:]
         assert cmd[cmd.index("--config") + 1] == f"examples/1b/{variant}.yaml"
-        assert "federation.groups=8" in cmd and "train.run_dir=runs/1b/federated/group3" in cmd, cmd
+        assert "federation.groups=8" in cmd and f"train.run_dir=runs/1b/federated/{variant}/group3" in cmd, cmd
 
 
 def test_federated_group_passes_the_federation_settings_on(tmp_path):

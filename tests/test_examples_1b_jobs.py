@@ -165,13 +165,19 @@ def test_sbatch_script_trains_on_cpu(tmp_path):
     assert not [rec for rec in records if rec["kind"] == "outer"]
 
 
-@pytest.mark.parametrize("preempted", [True, False])
-def test_preempted_job_requeues_itself(tmp_path, preempted):
+@pytest.mark.parametrize("script,preempted,override", [("std", True, False), ("std", False, False),
+                                                        ("std", True, True), ("federated_group", True, True)])
+def test_preempted_job_requeues_itself(tmp_path, script, preempted, override):
     """The scripts ask for SIGUSR1 before the time limit and may be requeued; when the ranks
     leave ``RUN_DIR/preempted.json`` (dept_mega.preemption) the script runs ``scontrol requeue
     $SLURM_JOB_ID`` and ends 0; otherwise it ends with srun's status and requeues nothing.
-    A stale marker from an earlier job is removed before the launch. (Without the pre-flight,
-    which reads no marker: the two-node test's requeued launch runs it beside one.)"""
+    A stale marker from an earlier job is removed before the launch. ``override``: the run
+    directory given as ``train.run_dir=`` arguments after the script name (the last one wins,
+    as in the trainer) instead of RUN_DIR: the script removes the stale marker, names the
+    directory, creates it and finds the marker there, not in RUN_DIR. torchrun's shutdown
+    timeout is the lead time of ``--signal=USR1@N`` less 10 s: N from the script's header, or
+    PREEMPT_LEAD_S (the override cases: 600). (Without the pre-flight, which reads no marker:
+    the two-node test's requeued launch runs it beside one.)"""
     for variant in (*VARIANTS, "federated_group"):
         h = sbatch_headers(os.path.join(EX, f"{variant}.sh"))
         assert h.get("signal") == "USR1@120" and "requeue" in h, variant
@@ -185,7 +191,7 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
                                      'for i in 1 2 3 4 5 6 7 8; do echo node0$i; done\n')
     write = "1" if preempted else "0"
     (bindir / "srun").write_text(
-        '#!/bin/bash\necho "$PET_SIGNALS_TO_HANDLE" > "$FAKE_SRUN_LOG"\n'
+        '#!/bin/bash\necho "$PET_SIGNALS_TO_HANDLE $TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > "$FAKE_SRUN_LOG"\n'
         'for a in "$@"; do case "$a" in train.run_dir=*) d="${a#train.run_dir=}";; esac; done\n'
         'test ! -e "$d/preempted.json" || exit 9\n'  # the stale marker was removed
         f'if [ {write} = 1 ]; then echo \'{{"step": 7, "signal": "SIGUSR1", "exit_code": 75}}\' > "$d/preempted.json"; fi\n'
@@ -199,12 +205,23 @@ def test_preempted_job_requeues_itself(tmp_path, preempted):
     env = dict(os.environ, PATH=str(bindir) + os.pathsep + os.environ["PATH"], SLURM_NNODES="8",
                SLURM_JOB_NODELIST="node0[1-8]", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="64",
                SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=ROOT, FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
-               PYTHON=sys.executable, RUN_DIR=run_dir, DEPT_SKIP_PREFLIGHT="1")
-    for k in ("DEPT_MEGA_ROOT", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+               PYTHON=sys.executable, RUN_DIR=run_dir, DEPT_SKIP_PREFLIGHT="1",
+               DEPT_GROUP="0", LIGHTHOUSE="127.0.0.1:29510")  # (federated_group.sh's)
+    for k in ("DEPT_MEGA_ROOT", "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "CONFIG",
+              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PREEMPT_LEAD_S"):
         env.pop(k, None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "1b", "std.sh")],
+    args, lead = [], int(h["signal"].split("@")[1])
+    if override:
+        lead = 600
+        env.update(RUN_DIR=str(tmp_path / "env_run"), PREEMPT_LEAD_S=str(lead))
+        args = [f"train.run_dir={tmp_path / 'first'}", f"train.run_dir={run_dir}"]
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "1b", f"{script}.sh"), *args],
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
-    assert "SIGUSR1" in (tmp_path / "srun.log").read_text()  # torchrun passes SIGUSR1 on to the ranks
+    handled, shutdown = (tmp_path / "srun.log").read_text().split()
+    assert "SIGUSR1" in handled, r.stdout + r.stderr  # torchrun passes it on to the ranks
+    assert int(shutdown) == lead - 10
+    assert f"run dir {run_dir}" in r.stdout
+    assert not (tmp_path / "env_run").exists() and not (tmp_path / "first").exists()
     if preempted:
         assert r.returncode == 0, r.stdout + r.stderr
         assert log.read_text().split() == ["requeue", "4242"]

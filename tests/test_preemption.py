@@ -147,7 +147,10 @@ def test_a_step_retention_cannot_remove_is_a_warning(tmp_path, monkeypatch, caps
 def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
     """A signal recorded during step 3 stops the loop after step 3 with a checkpoint of step 3
     (no final evaluation or save); the resumed loop ends with the uninterrupted losses. A save
-    due while ``can_save_now()`` is False waits for the first step where it is True."""
+    due while ``can_save_now()`` is False waits for the first step where it is True. As soon
+    as the stop is agreed, before that save, ``preempted.json`` names the last complete
+    checkpoint (step 2) and a save in progress (a save cut off by torchrun's shutdown timeout
+    still leaves the job requeued), and the evaluation due at step 3 is skipped."""
     from dept_mega.preemption import Preemption
     ref = str(tmp_path / "ref")
     loop, _ = _loop(_cfg(ref), ref)
@@ -156,11 +159,20 @@ def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
 
     run = str(tmp_path / "run")
     hooks = _Deferring(busy={3, 4})
-    loop, log = _loop(_cfg(run, save_interval=2), run, hooks)
+    loop, log = _loop(_cfg(run, save_interval=2, eval_interval=3), run, hooks)
     hooks.loop = loop
     pre = Preemption()
     loop.preemption = pre
     orig = loop.trainer.train_step
+    evaluated, markers = [], {}
+    loop.eval_sources = ["a"]
+    loop.evaluate = lambda: evaluated.append(loop.trainer.step)
+    save = loop.checkpointer.save
+
+    def saving(lp):
+        path = os.path.join(run, "preempted.json")
+        markers[lp.trainer.step] = json.load(open(path)) if os.path.exists(path) else None
+        return save(lp)
 
     def step(batches):
         if loop.trainer.step == 2:  # during step 3
@@ -168,11 +180,15 @@ def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
         return orig(batches)
 
     loop.trainer.train_step = step
+    loop.checkpointer.save = saving
     loop.run()
     # the save due at step 4 (interval 2) and the preemption after step 3 wait for step 5
     assert loop.preempted_at == 5 and pre.signal_name == "SIGTERM"
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_2", "step_5"]
+    assert markers == {2: None, 5: {"step": 2, "signal": "SIGTERM", "exit_code": 75, "save_in_progress": True}}
+    assert evaluated == []
     text = log.getvalue()
+    assert "eval step 3 skipped: preempted (SIGTERM), the time goes to the checkpoint" in text
     assert "checkpoint: due at step 3, deferred while an outer sync is in flight" in text
     assert "deferred since step 3 (outer sync in flight), saving at step 5" in text
 
@@ -183,6 +199,62 @@ def test_preemption_saves_after_the_step_and_resumes_exactly(tmp_path):
     got = _losses(run)
     assert sorted(got) == list(range(1, 7))
     assert got == want
+
+
+def test_a_signal_during_a_periodic_save_stops_at_that_save(tmp_path):
+    """A signal that arrives while the periodic checkpoint of step 4 is written stops the loop
+    at step 4 with that checkpoint: no further step, no second full save (the time a
+    preemption leaves goes to one save)."""
+    from dept_mega.preemption import Preemption
+    run = str(tmp_path / "run")
+    loop, _ = _loop(_cfg(run, steps=8, save_interval=2), run)
+    pre = loop.preemption = Preemption()
+    save, saves = loop.checkpointer.save, []
+
+    def saving(lp):
+        saves.append(lp.trainer.step)
+        path = save(lp)
+        if lp.trainer.step == 4:
+            pre.request(int(signal.SIGUSR1))
+        return path
+
+    loop.checkpointer.save = saving
+    loop.run()
+    assert saves == [2, 4] and loop.preempted_at == 4 and loop.trainer.step == 4
+
+
+def test_a_stop_agreed_at_the_end_leaves_no_marker(tmp_path, monkeypatch):
+    """A signal during the last step lets the run finish (its final save), and so does one whose
+    save is deferred (``can_save_now()`` False) to the last step: no ``preempted.json`` is left
+    to requeue a finished run (the loop announces no stop at the last step; the trainer removes
+    the announcement of a stop whose save the end overtook)."""
+    from dept_mega.loop import TrainLoop
+    from dept_mega.preemption import Preemption
+    from dept_mega.trainer import Trainer
+    from tests.test_train_cli import _setup, _train_here
+    run = str(tmp_path / "loop")
+    loop, _ = _loop(_cfg(run, save_interval=2), run)
+    pre = loop.preemption = Preemption()
+    orig = loop.trainer.train_step
+    loop.trainer.train_step = lambda b: (pre.request() if loop.trainer.step == 5 else None) or orig(b)
+    loop.run()
+    assert loop.preempted_at is None and loop.trainer.step == 6
+    assert not os.path.exists(os.path.join(run, "preempted.json"))
+
+    cfg = _setup(tmp_path)
+    step = Trainer.train_step
+
+    def signalled(self, batches):
+        out = step(self, batches)
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    monkeypatch.setattr(TrainLoop, "_can_save", lambda self, at: at != 3)
+    r = _train_here("--config", cfg, "train.steps=4")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not os.path.exists(os.path.join(str(tmp_path / "run"), "preempted.json"))
 
 
 def _agree_worker(rank, world):
@@ -238,6 +310,7 @@ def test_sigusr1_to_torchrun_saves_exits_75_and_the_relaunch_continues(tmp_path,
     assert "written; exiting with status 75" in out, out[-3000:]
     marker = json.load(open(os.path.join(run, "preempted.json")))
     assert marker["signal"] == "SIGUSR1" and marker["exit_code"] == 75
+    assert "save_in_progress" not in marker  # rewritten once the save was complete
     stopped = marker["step"]
     assert 3 <= stopped < steps
     assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == str(stopped)
@@ -378,7 +451,7 @@ def test_a_wait_abandoned_in_any_hook_stops_the_loop_cleanly(tmp_path, where, sy
         def _maybe(self, name, n):
             self.calls[name] += 1
             if name == where and self.calls[name] == n:
-                raise PreemptedWait(f"waiting in {name}", synced)
+                raise PreemptedWait(f"waiting in {name}", synced, gave_up="a test's limit")
 
         def round_start(self, loop, r):
             self._maybe("round_start", 2)
@@ -399,8 +472,15 @@ def test_a_wait_abandoned_in_any_hook_stops_the_loop_cleanly(tmp_path, where, sy
     loop = TrainLoop(cfg, pg, trainer, Hooks(), MetricsWriter(run, enabled=True, stream=io.StringIO()),
                      lambda n: SyntheticSource(cfg, 3, torch.arange(cfg.model.vocab_size)),
                      checkpointer=Checkpointer(run))
+    from dept_mega.preemption import Preemption
+    loop.preemption = Preemption()
+    save, markers = loop.checkpointer.save, []
+    loop.checkpointer.save = lambda lp: markers.append(json.load(open(os.path.join(run, "preempted.json")))) \
+        or save(lp)  # (announced before the save, as at a signal)
     loop.run()  # no exception
     assert loop.preempted_wait is not None and loop.preempted_wait.synced is synced
+    assert markers == ([{"step": None, "signal": "quorum_give_up", "exit_code": 75, "save_in_progress": True}]
+                       if saved else [])
     step = trainer.step
     assert step == {"round_start": 2, "after_step": 3, "round_end": 4}[where]
     assert loop.saved_in_wait is saved

@@ -159,9 +159,11 @@ def test_check_names_token_ids_outside_the_vocabulary(tmp_path):
     assert _train_here("--config", cfg, "--check").returncode == 2  # --world-size is required
 
 
-def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
-    """The warning compares the free space with twice the checkpoint size the memory model
-    predicts; that prediction is close to a real checkpoint of the run (std, fp32)."""
+def test_check_warns_below_the_kept_checkpoints_of_free_space(tmp_path, monkeypatch):
+    """The warning compares the free space with the checkpoints the run holds at once (its
+    saves, or train.keep_checkpoints plus the one written beside them) times the checkpoint
+    size the memory model predicts; that prediction is close to a real checkpoint of the run
+    (std, fp32). The line names the write rate a save within TORCH_ELASTIC_SHUTDOWN_TIMEOUT needs."""
     import io
 
     import torch
@@ -176,7 +178,8 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
     from dept_mega.trainer import Trainer
     from tests.dept_utils import SyntheticSource
 
-    cfg = load_config(_setup(tmp_path, variant="std"), ["model.hidden_size=128", "model.ffn_hidden_size=512"])
+    path, small = _setup(tmp_path, variant="std"), ["model.hidden_size=128", "model.ffn_hidden_size=512"]
+    cfg = load_config(path, small)
     mem = predict_memory(cfg, 120)
     want = checkpoint_bytes(cfg, 1, mem, 120)
     usage = type("Usage", (), {})
@@ -188,11 +191,21 @@ def test_check_warns_below_two_checkpoints_of_free_space(tmp_path):
             return u
         return du
 
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "100")
     lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want))
     assert not warnings and f"({want:,} bytes) predicted" in lines[-1]
-    lines, warnings = preflight(cfg, 1, disk_usage=disk(2 * want - 1))
-    assert len(warnings) == 1 and f"{2 * want - 1:,} bytes free, below two checkpoints" in warnings[0]
-    assert warnings[0].startswith("config key 'train.run_dir'")
+    rate = f"{want / 100 / 1e6:.0f}" if want / 100 >= 1e7 else f"{want / 100 / 1e6:.2g}"
+    assert f"a preemption's save in 100 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) needs ~{rate} MB/s" in lines[-1]
+    # 4 steps: saves at the end only, at steps 1, 2, 3 and the end (all kept), or with 2 kept
+    for train, kept in (([], 1), (["train.save_interval=1"], 4),
+                        (["train.save_interval=1", "train.keep_checkpoints=2"], 3)):
+        c = load_config(path, small + train)
+        size = checkpoint_bytes(c, 1, predict_memory(c, 120), 120)  # (its config.yaml counted)
+        assert not preflight(c, 1, disk_usage=disk(kept * size))[1], train
+        warnings = preflight(c, 1, disk_usage=disk(kept * size - 1))[1]
+        assert len(warnings) == 1 and f"{kept * size - 1:,} bytes free, below the {kept} checkpoint(s)" \
+            in warnings[0], (train, warnings)
+        assert warnings[0].startswith("config key 'train.run_dir'")
 
     run = str(tmp_path / "ck")
     pg = build_groups(1, 1, 1)

@@ -7,7 +7,8 @@
 # Environment knobs (all optional):
 #   RUN_DIR         where the run writes (default runs/1b/$VARIANT; a rerun with the same
 #                   RUN_DIR resumes from RUN_DIR/checkpoints/latest); on a file system every
-#                   node sees (not node-local /tmp, /scratch, $TMPDIR: the job is refused)
+#                   node sees (not node-local /tmp, /scratch, $TMPDIR: the job is refused);
+#                   a train.run_dir=... argument overrides it
 #   GPUS_PER_NODE   processes per node (default: Slurm's SLURM_GPUS_ON_NODE, else the count
 #                   of SLURM_GPUS_PER_NODE, else 8)
 #   MASTER_PORT     rendezvous port on the first node (default derived from the job id)
@@ -17,6 +18,10 @@
 #                   where its ranks cannot use CUDA, e.g. a CPU-only torch in the .venv, a step
 #                   given no GPUs, a driver too old; instead of training on the CPU); DEVICE=cpu
 #                   trains on the CPU over gloo on purpose (the CPU tests of these scripts)
+#   PREEMPT_LEAD_S  the N of the script's `#SBATCH --signal=USR1@N` (default 120, as the scripts
+#                   ask; change both together): the seconds between SIGUSR1 and the time limit.
+#                   torchrun gives the ranks N - 10 of them to save (TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+#                   unless set); --check prints the write rate that needs (docs/launching.md §9)
 #   DEPT_SKIP_PREFLIGHT=1  skip the config/layout check before launching
 set -euo pipefail
 : "${VARIANT:?set VARIANT before sourcing examples/1b/common.sh}"
@@ -36,6 +41,12 @@ if [ -f .venv/bin/activate ]; then
 fi
 PYTHON=${PYTHON:-python}
 RUN_DIR=${RUN_DIR:-runs/1b/${VARIANT}}
+# A train.run_dir=... override after the script name wins over RUN_DIR (the last one, as in the
+# trainer): the stale-marker removal, the launch line and the requeue test must look where the
+# run writes.
+for arg in "$@"; do
+  case "$arg" in train.run_dir=*) RUN_DIR=${arg#train.run_dir=} ;; esac
+done
 DEVICE=${DEVICE:-cuda}
 NNODES=${SLURM_NNODES:?not inside a Slurm allocation (SLURM_NNODES unset); use sbatch}
 # The GPU count of --gpus-per-node as Slurm passes it in SLURM_GPUS_PER_NODE: a count ("4"), a
@@ -93,10 +104,20 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # keeps TP
 # export NCCL_IB_HCA=mlx5               # restrict to the HCAs of the GPU fabric
 # export NCCL_NET_GDR_LEVEL=PHB         # GPUDirect RDMA distance, if your nodes need it
 
+# The preemption's lead time (see "Preemption" below): the save's time limit, before the
+# pre-flight, which prints the write rate it needs.
+PREEMPT_LEAD_S=${PREEMPT_LEAD_S:-120}
+if [[ ! $PREEMPT_LEAD_S =~ ^[0-9]+$ ]] || (( 10#$PREEMPT_LEAD_S <= 10 )); then
+  echo "examples/1b/common.sh: PREEMPT_LEAD_S='$PREEMPT_LEAD_S' is not a number of seconds above 10" \
+       "(the N of #SBATCH --signal=USR1@N)" >&2
+  exit 1
+fi
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((10#$PREEMPT_LEAD_S - 10))}
+
 # Pre-flight (python -m dept_mega.train --check, docs/launching.md): the config, its overrides,
 # the layout for this world size, CUDA on this (the first) node for train.device=cuda, the data
 # and tokenizer files and the memory per rank, checked before any rank starts; a warning when the
-# run directory has less room than two checkpoints.
+# run directory has less room than the checkpoints the run keeps.
 if [ "${DEPT_SKIP_PREFLIGHT:-0}" != 1 ]; then
   "$PYTHON" -m dept_mega.train --config "$CONFIG" train.run_dir="$RUN_DIR" train.device="$DEVICE" "$@" \
     --check --world-size "$WORLD"
@@ -106,17 +127,18 @@ echo "launch: $VARIANT on $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $M
 mkdir -p "$RUN_DIR"
 
 # Preemption (docs/launching.md, "Preemption and requeue"): `#SBATCH --signal=USR1@120` makes
-# Slurm send SIGUSR1 to the job step 120 s before the time limit (SIGTERM on scancel or
-# preemption). torchrun passes SIGUSR1 on to its workers only when told to handle it (without
-# this it would die of it); every rank then finishes its step, the job saves a checkpoint,
-# writes $RUN_DIR/preempted.json and the ranks exit with status 75. torchrun gives its workers
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to do that (torch versions that read it; else 30 s)
-# before it kills them; the checkpoint is atomic, so a killed save only loses that save.
+# Slurm send SIGUSR1 to the job step 120 s (PREEMPT_LEAD_S) before the time limit (SIGTERM on
+# scancel or preemption). torchrun passes SIGUSR1 on to its workers only when told to handle it (without
+# this it would die of it); every rank then finishes its step, rank 0 writes
+# $RUN_DIR/preempted.json (naming the last complete checkpoint), the job saves a checkpoint,
+# rewrites the marker and the ranks exit with status 75. torchrun gives its workers
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to do that (set above: PREEMPT_LEAD_S - 10, leaving the
+# script time to requeue before the time limit) before it kills them; the checkpoint is atomic, so a killed save only loses that save, and
+# the marker written before it still requeues the job.
 # (torchrun's --signals-to-handle reads PET_SIGNALS_TO_HANDLE; torch versions without that
 # flag read TORCHELASTIC_SIGNALS_TO_HANDLE)
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIGNALS_TO_HANDLE}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 rm -f "$RUN_DIR/preempted.json"  # a stale marker must not requeue a job that failed otherwise
 
 # One torchrun per node (ntasks-per-node=1); torchrun starts the node's GPU processes and

@@ -36,7 +36,7 @@ VARIANT=${VARIANT:-unknown}
 : "${DEPT_GROUP:?set DEPT_GROUP (the group index of this job)}"
 : "${LIGHTHOUSE:?set LIGHTHOUSE=host:port of python -m dept_mega.lighthouse}"
 export DEPT_GROUP
-RUN_DIR=${RUN_DIR:-runs/1b/federated/group${DEPT_GROUP}}
+RUN_DIR=${RUN_DIR:-runs/1b/federated/${VARIANT}/group${DEPT_GROUP}}  # per variant: a SPEC-OPT run does not resume a SPEC one
 set -- federation.lighthouse="$LIGHTHOUSE" federation.groups="${FEDERATION_GROUPS:-8}" \
   federation.min_groups="${FEDERATION_MIN_GROUPS:-2}" federation.timeout_s="${FEDERATION_TIMEOUT_S:-600}" \
   ${FEDERATION_QUORUM_GIVE_UP_S:+federation.quorum_give_up_s="$FEDERATION_QUORUM_GIVE_UP_S"} \
