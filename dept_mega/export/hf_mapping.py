@@ -186,9 +186,12 @@ def to_hf(cfg: Config, weights: dict[str, torch.Tensor], vocab_size: int,
           special: Optional[dict[str, Optional[int]]] = None) -> HFExport:
     """The transformers config and state dict (fp32) expressing ``weights`` (full tensors, as
     ``checkpoint_reader.read_full_weights`` names them) with a ``vocab_size`` vocabulary.
-    ``special``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for the config."""
+    ``special``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for the config, each
+    passed as given, None included: a tokenizer without an eos token must export without one
+    (left out, ``LlamaConfig`` would write its own defaults bos 1 / eos 2, ids of whatever
+    pieces our tokenizer has there, and ``generate`` would stop at id 2)."""
     arch = architecture_for(cfg.model)
-    special = {k: v for k, v in (special or {}).items() if v is not None}
+    special = {k: (special or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     build = {"llama": _llama, "mpt": _mpt}[arch]
     out = build(cfg, weights, vocab_size, special)
     out.state_dict = {k: v.detach().to(torch.float32).contiguous() for k, v in out.state_dict.items()}
