@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.export_utils import (config_overrides, hf_logits, max_abs_diff, source_text,
+from tests.export_utils import (TINY_MODEL, config_overrides, hf_logits, max_abs_diff, source_text,
                                 train_and_reference)
 from tests.mp_utils import run_distributed
 from tests.trainer_utils import ROOT, ensure_sample_corpus, run_script
@@ -126,9 +126,15 @@ def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_
                                _train_overrides(run_b, dict(MPT_MODEL, norm_bias=False)))
     out = str(tmp_path / "hf_b")
     assert main(["--run-dir", run_b, "--source", "fr", "--output", out]) == 0
-    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "mpt"
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert (conf["model_type"], conf["max_seq_len"]) == ("mpt", 8 * TINY_MODEL["seq_length"])
     tokens, ours = refs["fr"]
     _check_model(out, tokens, ours)
+    # past model.seq_length (ALiBi has no length limit; transformers' MPT has max_seq_len): the
+    # first positions' logits are still ours (causal)
+    longer = torch.cat([tokens, tokens.flip(1)], dim=1)
+    assert longer.shape[1] > TINY_MODEL["seq_length"]
+    assert max_abs_diff(hf_logits(out, longer)[:, :tokens.shape[1]], ours[..., :conf["vocab_size"]]) <= TOL
     _generate(out, source_text("fr")[:80])
 
 
