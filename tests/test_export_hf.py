@@ -136,6 +136,42 @@ def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_
     assert longer.shape[1] > TINY_MODEL["seq_length"]
     assert max_abs_diff(hf_logits(out, longer)[:, :tokens.shape[1]], ours[..., :conf["vocab_size"]]) <= TOL
     _generate(out, source_text("fr")[:80])
+    # the tokenizer at the config's path is not the one the checkpoint recorded (depends.json):
+    # refused, naming the key and the file, before anything is written
+    import yaml
+    conf_path = os.path.join(run_b, "config.yaml")
+    raw = yaml.safe_load(open(conf_path))
+    raw["data"]["tokenizer"] = os.path.join(ROOT, "examples/data/build/tok/en.model")
+    yaml.safe_dump(raw, open(conf_path, "w"))
+    capsys.readouterr()
+    assert main(["--run-dir", run_b, "--source", "fr", "--output", str(tmp_path / "hf_c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: config key 'data.tokenizer' differs from checkpoint "), err
+    assert "depends.json" in err and "en.model" in err and not os.path.exists(tmp_path / "hf_c"), err
+
+
+@pytest.mark.parametrize("trim", [False, True])
+@pytest.mark.parametrize("rows", [-1, 0, 1, 128])
+def test_a_table_of_other_rows_than_the_tokenizer_gives_is_refused(trim, rows):
+    """The table's rows must be the tokenizer's vocabulary padded to a multiple of 128 (TRIM's φ:
+    exactly the vocabulary); anything else is another tokenizer's table, refused naming the key."""
+    from dept_mega.config import config_from_dict
+    from dept_mega.export.checkpoint_reader import FullWeights
+    from dept_mega.export.convert import check_table_rows
+    from dept_mega.export.hf_mapping import ExportError
+    cfg = config_from_dict({"model": dict(TINY_MODEL, tie_embeddings=False), "dept": {"variant": "trim" if trim else "std"}})
+    vocab = 300
+    want = vocab if trim else 384
+    for name in ("embeddings.word_embeddings.weight", "embeddings.output_layer.weight"):
+        weights = FullWeights({"embeddings.word_embeddings.weight": torch.zeros(want, 4),
+                               "embeddings.output_layer.weight": torch.zeros(want, 4)})
+        weights[name] = torch.zeros(want + rows, 4)
+        if rows == 0:
+            check_table_rows(cfg, weights, vocab, "tok.model", "data.tokenizer")
+            continue
+        with pytest.raises(ExportError, match=rf"config key 'data.tokenizer': tokenizer 'tok.model' has {vocab} "
+                                              rf"pieces, which need a table of {want} rows, .*{name}"):
+            check_table_rows(cfg, weights, vocab, "tok.model", "data.tokenizer")
 
 
 @pytest.mark.slow

@@ -168,14 +168,8 @@ def _dcp_read(path: str, meta: dict[str, Any], keys: list[str]) -> dict[str, tor
 # ----------------------------------------------------------------------------- the reader
 
 
-def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional[str] = None,
-                      cfg: Optional[Config] = None) -> FullWeights:
-    """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
-
-    ``cfg``: the run's config (default: ``RUN/config.yaml``, dept_mega.run_paths). ``source`` may
-    be None only for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
-    if cfg is None:
-        cfg, _ = load_run_config(run_dir)
+def checkpoint_path(run_dir: str, step: Optional[int] = None) -> tuple[int, str]:
+    """(step, its directory): ``step`` of the run, default the one ``latest`` names."""
     if step is None:
         step = latest_step(run_dir)
         if step is None:
@@ -184,6 +178,18 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
     path = step_dir(run_dir, step)
     if not os.path.isdir(path):
         raise CheckpointReadError(f"checkpoint {path} does not exist")
+    return step, path
+
+
+def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional[str] = None,
+                      cfg: Optional[Config] = None) -> FullWeights:
+    """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
+
+    ``cfg``: the run's config (default: ``RUN/config.yaml``, dept_mega.run_paths). ``source`` may
+    be None only for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
+    if cfg is None:
+        cfg, _ = load_run_config(run_dir)
+    step, path = checkpoint_path(run_dir, step)
     from ..manifest import local_problem
     problem = local_problem(path)  # the manifest: every file present, of its size and checksum
     if problem:
