@@ -229,6 +229,37 @@ def test_trim_export_uses_global_table_and_restricts_generation_to_v_k(corpus, t
     assert set(new.tolist()) <= set(vocab_set("examples/data/build/ja_global_text_document").tolist())
 
 
+def test_trim_step_inside_a_round_exports_the_installed_groups_rows(corpus, tmp_path, monkeypatch):
+    """TRIM on one group, a checkpoint inside a round (local_steps 4, step 2): φ still holds the
+    round-start rows, the group trains its compact tables (untied head). The installed source's
+    export is the model evaluation uses then (φ with the compact rows of V_k, the step's body):
+    its logits over V_k are ours at that step; so are the other source's (φ's rows). The round's
+    end (step 4) exports φ."""
+    from dept_mega.data.sources import vocab_set
+    from dept_mega.export.convert import main
+    from tests.export_utils import reference_at
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = _train_overrides(run, {"tie_embeddings": False}, **{"dept.local_steps": 4, "train.save_interval": 1,
+                                                               "train.eval_iters": 0}) + \
+        [f"data.sources={_sources('en', 'fr')}"]
+    last = train_and_reference(0, 1, "examples/tiny/trim.yaml", over)
+    dept = json.load(open(os.path.join(run, "checkpoints", "step_2", "group0.json")))["dept"]
+    assert dept["in_round"] and dept["installed"] in ("en", "fr"), dept
+    refs = reference_at(run, 2)
+    assert main(["--run-dir", run, "--step", "2", "--all-sources", "--output", out]) == 0
+    for name in ("en", "fr"):
+        info = json.load(open(os.path.join(out, name, "dept_export.json")))
+        assert info["step"] == 2 and ("compact table" in info["from"]) == (name == dept["installed"]), info
+        tokens, ours = refs[name]
+        _check_model(os.path.join(out, name), tokens, ours,
+                     vocab_ids=vocab_set(f"examples/data/build/{name}_global_text_document").tolist())
+    assert main(["--run-dir", run, "--source", "en", "--output", out + "_last"]) == 0
+    info = json.load(open(os.path.join(out + "_last", "dept_export.json")))
+    assert info["step"] == 4 and info["from"] == "step 4, group 0 (TRIM: the global table φ)", info
+    _check_model(out + "_last", *last["en"], vocab_ids=vocab_set("examples/data/build/en_global_text_document").tolist())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_glob_exports_round_boundaries_and_refuses_a_step_inside_a_round(corpus, tmp_path, monkeypatch, capsys):

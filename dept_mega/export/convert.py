@@ -36,7 +36,7 @@ from ..data.tokenizer import HUGGINGFACE, TokenizerError, load_tokenizer
 from ..dept.federation_config import own_sources, source_owners
 from ..run_paths import RunPaths, load_run_config
 from ..variant import variant_of
-from .checkpoint_reader import CheckpointReadError, checkpoint_path, read_full_weights
+from .checkpoint_reader import CheckpointReadError, checkpoint_path, read_full_weights, trim_vocab_ids
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError
 from .tokenizer_files import encoding_difference, export_tokenizer
@@ -94,18 +94,6 @@ def check_table_rows(cfg: Config, weights: dict, vocab: int, tok_path: str, tok_
             raise ExportError(f"config key '{tok_key}': tokenizer {tok_path!r} has {vocab} pieces, which need a "
                               f"table of {want} rows, but the checkpoint's {name} ({weights.origin}) has "
                               f"{weights[name].shape[0]}: not the tokenizer the run was trained with")
-
-
-def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
-    """TRIM's V_k of ``source`` (the token ids that occur in its data), as training used it."""
-    from ..data.sources import vocab_set
-    for i, s in enumerate(cfg.data.sources):
-        if s.name == source:
-            if not os.path.exists(s.prefix + ".bin"):
-                raise ExportError(f"config key 'data.sources[{i}].prefix': {s.prefix}.bin does not exist (TRIM's "
-                                  f"vocabulary set V_k of {source!r} is computed from the source's data)")
-            return [int(x) for x in vocab_set(s.prefix, cfg.data.cache_dir)]
-    raise ExportError(f"no source named {source!r} in data.sources")
 
 
 def replace_dir(tmp: str, output: str) -> None:
