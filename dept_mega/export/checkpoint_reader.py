@@ -43,9 +43,15 @@ Which source's embeddings and which body:
   positions are that group's — the model it trains and evaluates with. The converter records
   V_k separately (see convert.py);
 * the body — at a round boundary (a step that is a multiple of ``dept.local_steps``, where
-  checkpoints are written by default) every group holds the same synchronised body. A step
-  inside a round holds one local body per group: the body of the group that trains the
-  source then (spec / spec_opt / trim with the source installed), otherwise a clear error.
+  checkpoints are written by default) every group holds the same synchronised body, unless
+  ``dept.outer_fragments`` > 1: the earlier fragments trained on after their own sync, so
+  the groups' bodies differ there too (only the run's last step syncs them all again) and the
+  body exported is that of group 0 (glob), else of the group that has the source installed
+  (then spec / spec_opt: the group that stored it last; trim: group 0). A step inside a
+  round holds one local body per group: the body of the group that trains the source then
+  (spec / spec_opt / trim with the source installed), otherwise a clear error (with
+  ``dept.outer_overlap`` and τ > 0 every boundary checkpoint is deferred into the next round,
+  so glob with several groups exports the final step only).
 """
 from __future__ import annotations
 
@@ -456,10 +462,13 @@ def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: O
     mid_round = G > 1 and in_round
     if not v.source_embeddings:  # std, glob: the model holds the one shared table
         if mid_round:
+            overlap = (f"; with dept.outer_overlap the boundary checkpoints are deferred past the sync "
+                       f"(dept.outer_delay={cfg.dept.outer_delay}), so the run's final checkpoint is the one "
+                       f"that exports" if cfg.dept.outer_overlap else "")
             raise CheckpointReadError(f"step {step} is inside a round (dept.local_steps={cfg.dept.local_steps}): "
                                       f"the {G} groups hold different local models; export a step that is a "
-                                      f"multiple of {cfg.dept.local_steps} (--step)")
-        return 0, "model"
+                                      f"multiple of {cfg.dept.local_steps} (--step){overlap}")
+        return 0, "model"  # (dept.outer_fragments > 1: group 0's body; only the final step re-syncs all)
     held = _holdings(path, layout, fmt)
     installed = [g for g in range(G) if held[g][0] == source]
     stored = [g for g in range(G) if source in held[g][1]]
