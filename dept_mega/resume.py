@@ -193,15 +193,25 @@ def fingerprint(cfg: Config, cache: Optional[dict] = None) -> dict[str, Any]:
     """The content of ``step_N/depends.json``."""
     from .data.summary import foreign_summaries
     foreign = foreign_summaries(cfg)  # a federated group job: the other sites' sources by their summaries
+    return {"config": _config_values(cfg), "tokenizers": tokenizer_fingerprint(cfg, cache, foreign),
+            "data": data_fingerprint(cfg, cache, {cfg.data.sources[i].name: f["identity"] for i, f in foreign.items()})}
+
+
+def tokenizer_fingerprint(cfg: Config, cache: Optional[dict] = None,
+                          foreign: Optional[dict] = None) -> dict[str, dict[str, Any]]:
+    """``depends.json``'s ``tokenizers``: ``{config key: {"path", "sha256"}}`` of the tokenizers
+    whose vocabularies the model embeds. ``foreign``: a federated group job's other sites'
+    summaries (default: read), whose tokenizers are known by their checksums."""
+    if foreign is None:
+        from .data.summary import foreign_summaries
+        foreign = foreign_summaries(cfg)
 
     def digest(key: str, path: str) -> Optional[str]:  # another site's tokenizer: its summary's checksum
         i = int(key[len("data.sources["):].split("]")[0]) if key.startswith("data.sources[") else None
         if i in foreign:
             return foreign[i]["tokenizer"].get("sha256")
         return _file_sha256(path, cache)
-    return {"config": _config_values(cfg),
-            "tokenizers": {k: {"path": p, "sha256": digest(k, p)} for k, p in _tokenizers(cfg).items()},
-            "data": data_fingerprint(cfg, cache, {cfg.data.sources[i].name: f["identity"] for i, f in foreign.items()})}
+    return {k: {"path": p, "sha256": digest(k, p)} for k, p in _tokenizers(cfg).items()}
 
 
 #: what a refused change of data tells the user (``train.allow_data_change``)

@@ -97,6 +97,26 @@ def train_and_reference(rank: int, world: int, config: str, overrides: list[str]
     return refs if mine else None
 
 
+def reference_at(run_dir: str, step: int) -> dict[str, Any]:
+    """Our logits ``{source: (tokens, logits)}`` of checkpoint ``step`` of a single-process run,
+    as ``dept_mega.evaluate`` computes them: the run's config, the step's weights loaded into a
+    fresh session (with the round hooks' state: inside a round the installed source's tables
+    are the group's), each source's embeddings installed by ``eval_context``."""
+    from dept_mega.checkpoint import load_weights
+    from dept_mega.run_paths import load_run_config
+    from dept_mega.train import build_session
+    cfg, _ = load_run_config(run_dir)
+    session = build_session(cfg, metrics=False, federate=False)
+    load_weights(session.trainer, run_dir, step, hooks=session.loop.hooks, optimizer=False, check_data=False)
+    session.trainer.step = step
+    refs = {}
+    for s in cfg.data.sources:
+        tokens = reference_tokens(cfg, s.name, cfg.model.seq_length)
+        with session.loop.hooks.eval_context(session.loop, s.name):
+            refs[s.name] = (tokens, full_logits(session.trainer, session.pg, tokens))
+    return refs
+
+
 def hf_logits(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

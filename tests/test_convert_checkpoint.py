@@ -55,10 +55,38 @@ def test_format1_checkpoint_converts_and_resumes_under_another_layout(tmp_path, 
     # before conversion: one line naming the converter
     msg = run_distributed(_resume, 2, args=(run, 1, 2, True), timeout=200)[0]
     assert "format 1" in msg and f"tools/convert_checkpoint.py --run-dir {run} --step 2" in msg and "\n" not in msg
-    # the command line: the script run as ``python tools/convert_checkpoint.py --run-dir RUN`` runs
-    # it, in this process (a process of its own would only add its imports: ~4 s of CPU)
+    import tools.convert_checkpoint as cc
+    from dept_mega.manifest import CheckpointError
     capsys.readouterr()
-    assert run_script(os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--run-dir", run,
+    # an earlier conversion's backup: refused before anything is written
+    os.makedirs(step + ".format1")
+    assert cc.main([step]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {step}.format1 exists"), err
+    assert not os.path.exists(step + ".convert.tmp")
+    os.rmdir(step + ".format1")
+    # a failure part way leaves no temporary directory (and the checkpoint as it was)
+    copy = str(tmp_path / "copy")
+
+    def fail(*_):
+        raise CheckpointError("disk full")
+    with monkeypatch.context() as m:
+        m.setattr(cc, "seal", fail)
+        assert cc.main([step, "--output", copy]) == 2
+    assert capsys.readouterr().err == "error: disk full\n"
+    assert not os.path.exists(copy) and not os.path.exists(copy + ".convert.tmp")
+    # --output: a format-2 copy, the original left as it is
+    same_step = os.path.join(same, "checkpoints", "step_2")
+    assert cc.main([same_step, "--output", copy]) == 0, capsys.readouterr().err
+    for d, fmt in ((copy, 2), (same_step, 1)):
+        with open(os.path.join(d, "manifest.json")) as f:
+            assert f'"format": {fmt}' in f.read(), d
+    assert not os.path.exists(same_step + ".format1")
+    # the design's command line ``python tools/convert_checkpoint.py RUN/checkpoints/step_N``: in
+    # place; run as a script, in this process (a process of its own would only add its imports: ~4 s
+    # of CPU); the --run-dir form: the test below
+    capsys.readouterr()
+    assert run_script(os.path.join(ROOT, "tools", "convert_checkpoint.py"), step,
                       monkeypatch=monkeypatch) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith(f"converted {step} to checkpoint format 2")
     with open(os.path.join(step, "manifest.json")) as f:
@@ -66,6 +94,8 @@ def test_format1_checkpoint_converts_and_resumes_under_another_layout(tmp_path, 
     with open(os.path.join(run, "checkpoints", "latest")) as f:
         assert f.read().strip() == "2"
     assert os.path.isdir(step + ".format1")
+    assert cc.main([step]) == 2  # once converted: nothing to convert
+    assert "is in format 2, not 1" in capsys.readouterr().err
     # the original at its own layout (data 2, distributed optimizer); the converted one under tensor 2
     run_distributed(_resume, 2, args=(same, 2, 1), timeout=200)
     run_distributed(_resume, 2, args=(run, 1, 2), timeout=200)

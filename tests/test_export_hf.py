@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.export_utils import (config_overrides, hf_logits, max_abs_diff, source_text,
+from tests.export_utils import (TINY_MODEL, config_overrides, hf_logits, max_abs_diff, source_text,
                                 train_and_reference)
 from tests.mp_utils import run_distributed
 from tests.trainer_utils import ROOT, ensure_sample_corpus, run_script
@@ -126,10 +126,52 @@ def test_mpt_export_exact_without_norm_biases_and_refused_with_them(corpus, tmp_
                                _train_overrides(run_b, dict(MPT_MODEL, norm_bias=False)))
     out = str(tmp_path / "hf_b")
     assert main(["--run-dir", run_b, "--source", "fr", "--output", out]) == 0
-    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "mpt"
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert (conf["model_type"], conf["max_seq_len"]) == ("mpt", 8 * TINY_MODEL["seq_length"])
     tokens, ours = refs["fr"]
     _check_model(out, tokens, ours)
+    # past model.seq_length (ALiBi has no length limit; transformers' MPT has max_seq_len): the
+    # first positions' logits are still ours (causal)
+    longer = torch.cat([tokens, tokens.flip(1)], dim=1)
+    assert longer.shape[1] > TINY_MODEL["seq_length"]
+    assert max_abs_diff(hf_logits(out, longer)[:, :tokens.shape[1]], ours[..., :conf["vocab_size"]]) <= TOL
     _generate(out, source_text("fr")[:80])
+    # the tokenizer at the config's path is not the one the checkpoint recorded (depends.json):
+    # refused, naming the key and the file, before anything is written
+    import yaml
+    conf_path = os.path.join(run_b, "config.yaml")
+    raw = yaml.safe_load(open(conf_path))
+    raw["data"]["tokenizer"] = os.path.join(ROOT, "examples/data/build/tok/en.model")
+    yaml.safe_dump(raw, open(conf_path, "w"))
+    capsys.readouterr()
+    assert main(["--run-dir", run_b, "--source", "fr", "--output", str(tmp_path / "hf_c")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: config key 'data.tokenizer' differs from checkpoint "), err
+    assert "depends.json" in err and "en.model" in err and not os.path.exists(tmp_path / "hf_c"), err
+
+
+@pytest.mark.parametrize("trim", [False, True])
+@pytest.mark.parametrize("rows", [-1, 0, 1, 128])
+def test_a_table_of_other_rows_than_the_tokenizer_gives_is_refused(trim, rows):
+    """The table's rows must be the tokenizer's vocabulary padded to a multiple of 128 (TRIM's φ:
+    exactly the vocabulary); anything else is another tokenizer's table, refused naming the key."""
+    from dept_mega.config import config_from_dict
+    from dept_mega.export.checkpoint_reader import FullWeights
+    from dept_mega.export.convert import check_table_rows
+    from dept_mega.export.hf_mapping import ExportError
+    cfg = config_from_dict({"model": dict(TINY_MODEL, tie_embeddings=False), "dept": {"variant": "trim" if trim else "std"}})
+    vocab = 300
+    want = vocab if trim else 384
+    for name in ("embeddings.word_embeddings.weight", "embeddings.output_layer.weight"):
+        weights = FullWeights({"embeddings.word_embeddings.weight": torch.zeros(want, 4),
+                               "embeddings.output_layer.weight": torch.zeros(want, 4)})
+        weights[name] = torch.zeros(want + rows, 4)
+        if rows == 0:
+            check_table_rows(cfg, weights, vocab, "tok.model", "data.tokenizer")
+            continue
+        with pytest.raises(ExportError, match=rf"config key 'data.tokenizer': tokenizer 'tok.model' has {vocab} "
+                                              rf"pieces, which need a table of {want} rows, .*{name}"):
+            check_table_rows(cfg, weights, vocab, "tok.model", "data.tokenizer")
 
 
 @pytest.mark.slow
@@ -185,6 +227,37 @@ def test_trim_export_uses_global_table_and_restricts_generation_to_v_k(corpus, t
         _check_model(d, tokens, ours, vocab_ids=ids)
     new = _generate(os.path.join(out, "ja"), source_text("ja")[:80], n=6)
     assert set(new.tolist()) <= set(vocab_set("examples/data/build/ja_global_text_document").tolist())
+
+
+def test_trim_step_inside_a_round_exports_the_installed_groups_rows(corpus, tmp_path, monkeypatch):
+    """TRIM on one group, a checkpoint inside a round (local_steps 4, step 2): φ still holds the
+    round-start rows, the group trains its compact tables (untied head). The installed source's
+    export is the model evaluation uses then (φ with the compact rows of V_k, the step's body):
+    its logits over V_k are ours at that step; so are the other source's (φ's rows). The round's
+    end (step 4) exports φ."""
+    from dept_mega.data.sources import vocab_set
+    from dept_mega.export.convert import main
+    from tests.export_utils import reference_at
+    monkeypatch.chdir(ROOT)
+    run, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    over = _train_overrides(run, {"tie_embeddings": False}, **{"dept.local_steps": 4, "train.save_interval": 1,
+                                                               "train.eval_iters": 0}) + \
+        [f"data.sources={_sources('en', 'fr')}"]
+    last = train_and_reference(0, 1, "examples/tiny/trim.yaml", over)
+    dept = json.load(open(os.path.join(run, "checkpoints", "step_2", "group0.json")))["dept"]
+    assert dept["in_round"] and dept["installed"] in ("en", "fr"), dept
+    refs = reference_at(run, 2)
+    assert main(["--run-dir", run, "--step", "2", "--all-sources", "--output", out]) == 0
+    for name in ("en", "fr"):
+        info = json.load(open(os.path.join(out, name, "dept_export.json")))
+        assert info["step"] == 2 and ("compact table" in info["from"]) == (name == dept["installed"]), info
+        tokens, ours = refs[name]
+        _check_model(os.path.join(out, name), tokens, ours,
+                     vocab_ids=vocab_set(f"examples/data/build/{name}_global_text_document").tolist())
+    assert main(["--run-dir", run, "--source", "en", "--output", out + "_last"]) == 0
+    info = json.load(open(os.path.join(out + "_last", "dept_export.json")))
+    assert info["step"] == 4 and info["from"] == "step 4, group 0 (TRIM: the global table φ)", info
+    _check_model(out + "_last", *last["en"], vocab_ids=vocab_set("examples/data/build/en_global_text_document").tolist())
 
 
 @pytest.mark.slow

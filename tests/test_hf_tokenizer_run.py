@@ -281,6 +281,23 @@ def test_data_made_with_another_hugging_face_tokenizer_is_refused(hf, tmp_path):
     assert depends_differences(fingerprint(cfg(hf["dir"])), fingerprint(cfg(moved))) == []
 
 
+def _save_tiny_model(vocab: int, special: dict, out: str) -> None:
+    """A random tiny Llama of ``vocab`` pieces through the export's own mapping (``to_hf`` with
+    the tokenizer's special ids, ``build_model``, ``save_pretrained``) to ``out``."""
+    import torch
+
+    from dept_mega.config import config_from_dict
+    from dept_mega.export.checkpoint_reader import _structure
+    from dept_mega.export.hf_mapping import build_model, to_hf
+    cfg = config_from_dict({"model": {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2,
+                                      "ffn_hidden_size": 32, "activation": "swiglu", "normalization": "rmsnorm",
+                                      "position_embedding": "rope", "seq_length": 16, "vocab_size": vocab},
+                            "dept": {"variant": "std"}})
+    weights = {n: torch.randn(shape if shape is not None else (vocab, 16)) for n, (_, shape) in _structure(cfg).items()}
+    ids = {k: special[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    build_model(to_hf(cfg, weights, vocab, ids)).save_pretrained(out)
+
+
 def test_exported_tokenizer_files_special_ids_and_encoding_check(hf, tmp_path):
     """A bare tokenizer.json (no config, so no EOS: training needs none) exports as it is with no
     special ids; a special token its config names but the vocabulary lacks is refused; a config
@@ -298,6 +315,11 @@ def test_exported_tokenizer_files_special_ids_and_encoding_check(hf, tmp_path):
     assert special == {f"{k}_token{s}": None for k in ("bos", "eos", "unk", "pad") for s in ("", "_id")}
     assert sorted(os.listdir(out)) == ["tokenizer.json"]
     assert encoding_difference(str(out), tok) is None
+    # ... and the model's config and generation config say so (not LlamaConfig's bos 1 / eos 2)
+    _save_tiny_model(tok.vocab_size, special, str(out))
+    for name in ("config.json", "generation_config.json"):
+        conf = json.load(open(out / name))
+        assert [conf.get(f"{k}_token_id") for k in ("bos", "eos", "pad")] == [None] * 3, (name, conf)
     # a pad token the vocabulary lacks
     with open(os.path.join(os.path.dirname(bare), "special_tokens_map.json"), "w") as f:
         json.dump({"pad_token": "<pad>", "eos_token": {"content": "</s>"}}, f)

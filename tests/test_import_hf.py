@@ -267,6 +267,43 @@ def test_other_architectures_are_refused(base_dirs, tmp_path, arch, edit, why):
     assert rc == 2 and why in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("damage", ["index names the wrong shard", "shard cut short", "bin index names the wrong shard"])
+def test_damaged_sharded_weights_are_one_line_naming_the_file_and_tensor(base_dirs, tmp_path, damage):
+    """A sharded model whose index places a tensor in a shard that lacks it (a mismatched
+    download), or a shard cut short: one ``error:`` line naming the shard (and the tensor)."""
+    from safetensors.torch import load_file
+    path = str(tmp_path / "sharded")
+    shutil.copytree(base_dirs / "llama", path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    names = sorted(weights)
+    half = {n: ("a" if i % 2 else "b") for i, n in enumerate(names)}
+    bin_ = damage.startswith("bin")
+    ext, index = ("bin", "pytorch_model.bin.index.json") if bin_ else ("safetensors", "model.safetensors.index.json")
+    for part in ("a", "b"):
+        sd = {n: weights[n].clone() for n in names if half[n] == part}
+        if bin_:
+            torch.save(sd, os.path.join(path, f"part_{part}.bin"))
+        else:
+            from safetensors.torch import save_file
+            save_file(sd, os.path.join(path, f"part_{part}.safetensors"))
+    weight_map = {n: f"part_{half[n]}.{ext}" for n in names}
+    victim = "model.norm.weight"
+    if "wrong shard" in damage:
+        weight_map[victim] = f"part_{'b' if half[victim] == 'a' else 'a'}.{ext}"
+        bad = weight_map[victim]
+    else:
+        bad = weight_map[victim]
+        full = os.path.join(path, bad)
+        with open(full, "r+b") as f:
+            f.truncate(os.path.getsize(full) - 64)
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(path, index), "w"))
+    rc, _, err = _import("--hf-dir", path, "--print-model-config")
+    assert rc == 2 and err.startswith(f"error: {os.path.join(path, bad)}: ") and err.count("\n") == 1, err
+    if "wrong shard" in damage:
+        assert f"tensor {victim!r} cannot be read (named by {index}" in err, err
+
+
 def test_the_command_line(base_dirs, monkeypatch, capsys):
     """tools/convert_from_hf.py as ``python tools/convert_from_hf.py ARGS`` runs it (its lines run as
     ``__main__`` in this process: a process of its own would only add its imports, torch's and

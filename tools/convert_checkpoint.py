@@ -1,6 +1,7 @@
 """Convert a checkpoint of format 1 (keys by rank position) to format 2 (boxes of global tensors).
 
-    python tools/convert_checkpoint.py --run-dir RUN [--step S] [--config RUN/config.yaml]
+    python tools/convert_checkpoint.py RUN/checkpoints/step_N [--output DIR] [--config RUN/config.yaml]
+    python tools/convert_checkpoint.py --run-dir RUN [--step S] [--output DIR] [--config RUN/config.yaml]
 
 Format 1 (releases before format 2) keyed each tensor by where it lay:
 ``model/g{g}/tp{t}/pp{p}/c{c}/{name}``, the inner optimizers' state under
@@ -26,7 +27,11 @@ instead (its next checkpoint is format 2). The other files (layout, data positio
 streams) are copied unchanged. Integrity: the new step is written as ``step_S.convert.tmp``
 with a manifest of checksums, then the old directory is renamed ``step_S.format1`` (kept:
 delete it once the run resumed) and the new one renamed to ``step_S``; ``latest`` is not
-touched (it names the step, which keeps its number).
+touched (it names the step, which keeps its number). An existing ``step_S.format1`` (an
+earlier conversion's backup) is refused before anything is written. With ``--output DIR`` the
+checkpoint is left as it is and the format-2 copy written to DIR (a new directory), through
+``DIR.convert.tmp``. The temporary directory is removed on any failure; errors are one
+``error:`` line, exit status 2.
 """
 from __future__ import annotations
 
@@ -228,13 +233,12 @@ def convert_hooks(path: str, layout: dict, structure: dict, like) -> tuple[list[
     return out, metas
 
 
-def convert(run_dir: str, step: int | None = None, config: str | None = None) -> str:
-    """Convert step ``step`` (None: ``latest``) of ``run_dir`` to format 2; returns its path."""
+def convert(run_dir: str, step: int | None = None, config: str | None = None, output: str | None = None) -> str:
+    """Convert step ``step`` (None: ``latest``) of ``run_dir`` to format 2, in place or (``output``)
+    as a new directory; returns the path of the format-2 checkpoint."""
     from dept_mega.config import load_config
-    from dept_mega.export.checkpoint_reader import _structure
     from dept_mega.manifest import local_problem
     from dept_mega.resume import latest_step, step_dir
-    from dept_mega.variant import variant_of
     if step is None:
         step = latest_step(run_dir)
         if step is None:
@@ -246,7 +250,31 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     fmt = read_manifest(path)["format"]
     if fmt != 1:
         raise CheckpointError(f"checkpoint {path} is in format {fmt}, not 1: nothing to convert")
+    tmp, old = (output or path).rstrip(os.sep) + ".convert.tmp", path + ".format1"
+    if output is not None and os.path.lexists(output):
+        raise CheckpointError(f"--output {output} exists: give a new directory")
+    if output is None and os.path.lexists(old):
+        raise CheckpointError(f"{old} exists (an earlier conversion's backup): move it away first")
     cfg = load_config(config or os.path.join(run_dir, "config.yaml"))
+    try:
+        _write_converted(path, step, cfg, tmp)
+        if output is None:
+            os.replace(path, old)
+            os.replace(tmp, path)
+        else:
+            os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = output or path
+    fsync_dir(os.path.dirname(os.path.abspath(done)))
+    return done
+
+
+def _write_converted(path: str, step: int, cfg, tmp: str) -> None:
+    """Checkpoint ``path`` (format 1) written in format 2 to ``tmp``, sealed and verified."""
+    from dept_mega.export.checkpoint_reader import _structure
+    from dept_mega.manifest import local_problem
+    from dept_mega.variant import variant_of
     layout = read_json(path, LAYOUT_FILE)
     structure = _structure(cfg)
     entries = convert_entries(_read_all(path), layout, structure, path)
@@ -254,7 +282,6 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     if layout.get("per_rank_hooks") and variant_of(cfg).rounds:
         more, metas = convert_hooks(path, layout, structure, _like(layout, structure, path))
         entries += more
-    tmp, old = path + ".convert.tmp", path + ".format1"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_entries(entries, tmp)
@@ -273,26 +300,46 @@ def convert(run_dir: str, step: int | None = None, config: str | None = None) ->
     problem = local_problem(tmp)
     if problem:
         raise CheckpointError(f"the converted checkpoint {tmp} does not verify: {problem}")
-    if os.path.exists(old):
-        raise CheckpointError(f"{old} exists (an earlier conversion's backup): move it away first")
-    os.replace(path, old)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
-    return path
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _from_step_dir(step_path: str) -> tuple[str, int]:
+    """(run directory, step) of ``RUN/checkpoints/step_N``."""
+    path = os.path.abspath(step_path.rstrip(os.sep) or os.sep)
+    m = _STEP_DIR.match(os.path.basename(path))
+    if m is None or os.path.basename(os.path.dirname(path)) != "checkpoints":
+        raise CheckpointError(f"{step_path} is not a checkpoint directory RUN/checkpoints/step_N")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {step_path} does not exist")
+    return os.path.dirname(os.path.dirname(path)), int(m.group(1))
 
 
 def main(argv=None) -> int:
+    from dept_mega.config import ConfigError
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--step", type=int, default=None, help="default: the run's latest checkpoint")
+    ap.add_argument("step_dir", nargs="?", default=None, help="the checkpoint to convert, RUN/checkpoints/step_N")
+    ap.add_argument("--run-dir", default=None, help="the run (instead of STEP_DIR; with --step)")
+    ap.add_argument("--step", type=int, default=None, help="with --run-dir (default: the run's latest checkpoint)")
+    ap.add_argument("--output", default=None, help="write the format-2 copy to this new directory (default: in place, "
+                                                   "the original kept as step_N.format1)")
     ap.add_argument("--config", default=None, help="the run's config (default: RUN/config.yaml)")
     args = ap.parse_args(argv)
+    if (args.step_dir is None) == (args.run_dir is None):
+        ap.error("give the checkpoint directory RUN/checkpoints/step_N or --run-dir RUN (not both)")
+    if args.step_dir is not None and args.step is not None:
+        ap.error("--step goes with --run-dir (STEP_DIR names the step)")
     try:
-        path = convert(args.run_dir, args.step, args.config)
-    except CheckpointError as exc:
+        run_dir, step = _from_step_dir(args.step_dir) if args.step_dir is not None else (args.run_dir, args.step)
+        path = convert(run_dir, step, args.config, args.output)
+    except (CheckpointError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"converted {path} to checkpoint format 2 (format 1 kept as {path}.format1)")
+        return 2
+    if args.output:
+        print(f"converted the checkpoint to format 2 at {path} (the original left as it is)")
+    else:
+        print(f"converted {path} to checkpoint format 2 (format 1 kept as {path}.format1)")
     return 0
 
 

@@ -37,11 +37,21 @@ Which source's embeddings and which body:
   installed, else from the store of the group that trained it last;
 * trim — the global table φ (and the untied head's φ, learned positions), i.e. the global
   vocabulary: after a round's end the rows of V_k are in φ (the compact tables in the model
-  are the group's working copies). The converter records V_k separately (see convert.py);
+  are the group's working copies). Inside a round φ holds the round-start rows (it changes only
+  at the round's end) while the group that has the source installed trains its compact
+  tables: there φ's rows V_k (and φ_head's) are replaced by that group's compact rows, and the
+  positions are that group's — the model it trains and evaluates with. The converter records
+  V_k separately (see convert.py);
 * the body — at a round boundary (a step that is a multiple of ``dept.local_steps``, where
-  checkpoints are written by default) every group holds the same synchronised body. A step
-  inside a round holds one local body per group: the body of the group that trains the
-  source then (spec / spec_opt / trim with the source installed), otherwise a clear error.
+  checkpoints are written by default) every group holds the same synchronised body, unless
+  ``dept.outer_fragments`` > 1: the earlier fragments trained on after their own sync, so
+  the groups' bodies differ there too (only the run's last step syncs them all again) and the
+  body exported is that of group 0 (glob), else of the group that has the source installed
+  (then spec / spec_opt: the group that stored it last; trim: group 0). A step inside a
+  round holds one local body per group: the body of the group that trains the source then
+  (spec / spec_opt / trim with the source installed), otherwise a clear error (with
+  ``dept.outer_overlap`` and τ > 0 every boundary checkpoint is deferred into the next round,
+  so glob with several groups exports the final step only).
 """
 from __future__ import annotations
 
@@ -168,14 +178,20 @@ def _dcp_read(path: str, meta: dict[str, Any], keys: list[str]) -> dict[str, tor
 # ----------------------------------------------------------------------------- the reader
 
 
-def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional[str] = None,
-                      cfg: Optional[Config] = None) -> FullWeights:
-    """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
+def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
+    """TRIM's V_k of ``source`` (the sorted token ids that occur in its data), as training used it."""
+    from ..data.sources import vocab_set
+    for i, s in enumerate(cfg.data.sources):
+        if s.name == source:
+            if not os.path.exists(s.prefix + ".bin"):
+                raise CheckpointReadError(f"config key 'data.sources[{i}].prefix': {s.prefix}.bin does not exist "
+                                          f"(TRIM's vocabulary set V_k of {source!r} is computed from the source's data)")
+            return [int(x) for x in vocab_set(s.prefix, cfg.data.cache_dir)]
+    raise CheckpointReadError(f"no source named {source!r} in data.sources")
 
-    ``cfg``: the run's config (default: ``RUN/config.yaml``, dept_mega.run_paths). ``source`` may
-    be None only for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
-    if cfg is None:
-        cfg, _ = load_run_config(run_dir)
+
+def checkpoint_path(run_dir: str, step: Optional[int] = None) -> tuple[int, str]:
+    """(step, its directory): ``step`` of the run, default the one ``latest`` names."""
     if step is None:
         step = latest_step(run_dir)
         if step is None:
@@ -184,6 +200,18 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
     path = step_dir(run_dir, step)
     if not os.path.isdir(path):
         raise CheckpointReadError(f"checkpoint {path} does not exist")
+    return step, path
+
+
+def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional[str] = None,
+                      cfg: Optional[Config] = None) -> FullWeights:
+    """The full fp32 weights of ``source``'s model at ``step`` (default: ``latest``).
+
+    ``cfg``: the run's config (default: ``RUN/config.yaml``, dept_mega.run_paths). ``source`` may
+    be None only for std, whose one model serves every source. Raises :class:`CheckpointReadError`."""
+    if cfg is None:
+        cfg, _ = load_run_config(run_dir)
+    step, path = checkpoint_path(run_dir, step)
     from ..manifest import local_problem
     problem = local_problem(path)  # the manifest: every file present, of its size and checksum
     if problem:
@@ -202,16 +230,48 @@ def read_full_weights(run_dir: str, step: Optional[int] = None, source: Optional
     structure = _structure(cfg)
     out = FullWeights()
     out.step = step
+    # inside a round the installed group's compact tables (read with the body as its model's
+    # tables) hold the source's current rows of V_k: they go over φ's
+    in_round = where == "trim_round"
+    model_where, dept_where = ("model", "trim") if in_round else (where, where)
     if fmt >= 2:  # global keys: whatever the layout, read whole
-        _read_model_v2(path, layout, group, where, structure, out)
-        _read_dept_v2(path, where, source, structure, out)
+        _read_model_v2(path, layout, group, model_where, structure, out)
     else:
-        _read_model_v1(path, layout, group, where, structure, out)
-        _read_dept_v1(path, layout, group, where, source, structure, out)
+        _read_model_v1(path, layout, group, model_where, structure, out)
+    compact = {n: out.pop(n) for n in list(out) if in_round and n.startswith("embeddings.")}
+    if fmt >= 2:
+        _read_dept_v2(path, dept_where, source, structure, out)
+    else:
+        _read_dept_v1(path, layout, group, dept_where, source, structure, out)
+    if in_round:
+        _overlay_compact(out, compact, trim_vocab_ids(cfg, source), path, source)
     out.origin = (f"step {step}, group {group}" +
                   {"model": "", "store": f" (source {source!r} from its group's store)",
-                   "trim": " (TRIM: the global table φ)"}[where])
+                   "trim": " (TRIM: the global table φ)",
+                   "trim_round": " (TRIM: the global table φ, the rows of the source's V_k from the group's "
+                                 "compact table inside the round)"}[where])
     return out
+
+
+def _overlay_compact(out: FullWeights, compact: dict[str, torch.Tensor], ids: list[int], path: str,
+                     source: Optional[str]) -> None:
+    """φ (and φ_head) in ``out`` with the rows V_k (``ids``, sorted) replaced by the first |V_k|
+    rows of the group's compact tables (``compact``: row j is V_k's j-th id, TrimmedEmbeddings),
+    and the group's learned positions: the model the group trains and evaluates with in the
+    round (TrimStrategy.eval_embeddings), not φ as it was at the round's start."""
+    from ..model.embeddings import padded_vocab_size
+    index = torch.tensor(ids, dtype=torch.int64)
+    for name, table in compact.items():
+        if name == "embeddings.position_embeddings.weight":
+            out[name] = table
+            continue
+        want = padded_vocab_size(max(len(ids), 1), 1)
+        if table.shape[0] != want or name not in out:
+            raise CheckpointReadError(f"{path}: the compact {name} of source {source!r} has {table.shape[0]} rows, "
+                                      f"its V_k of {len(ids)} ids needs {want} (is its data the run's?)")
+        full = out[name].clone()
+        full[index] = table[:len(ids)]
+        out[name] = full
 
 
 def _read_dept_v1(path: str, layout: dict, group: int, where: str, source: Optional[str], structure: dict,
@@ -394,16 +454,21 @@ def _holdings(path: str, layout: dict[str, int], fmt: int) -> dict[int, tuple[Op
 
 def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: Optional[str],
             fmt: int) -> tuple[int, str]:
-    """(group whose body to take, where the embeddings are: model | store | trim)."""
+    """(group whose body to take, where the embeddings are: model | store | trim | trim_round
+    (φ with the installed group's compact rows: a step inside a round))."""
     v = variant_of(cfg)
     G = layout["groups"]
-    mid_round = G > 1 and v.rounds and step % cfg.dept.local_steps != 0
+    in_round = v.rounds and step % cfg.dept.local_steps != 0  # (train.steps is a multiple of it)
+    mid_round = G > 1 and in_round
     if not v.source_embeddings:  # std, glob: the model holds the one shared table
         if mid_round:
+            overlap = (f"; with dept.outer_overlap the boundary checkpoints are deferred past the sync "
+                       f"(dept.outer_delay={cfg.dept.outer_delay}), so the run's final checkpoint is the one "
+                       f"that exports" if cfg.dept.outer_overlap else "")
             raise CheckpointReadError(f"step {step} is inside a round (dept.local_steps={cfg.dept.local_steps}): "
                                       f"the {G} groups hold different local models; export a step that is a "
-                                      f"multiple of {cfg.dept.local_steps} (--step)")
-        return 0, "model"
+                                      f"multiple of {cfg.dept.local_steps} (--step){overlap}")
+        return 0, "model"  # (dept.outer_fragments > 1: group 0's body; only the final step re-syncs all)
     held = _holdings(path, layout, fmt)
     installed = [g for g in range(G) if held[g][0] == source]
     stored = [g for g in range(G) if source in held[g][1]]
@@ -411,6 +476,8 @@ def _locate(cfg: Config, path: str, layout: dict[str, int], step: int, source: O
         if mid_round and not installed:
             raise CheckpointReadError(f"step {step} is inside a round and no group trains {source!r} in it: "
                                       f"export a step that is a multiple of dept.local_steps={cfg.dept.local_steps}")
+        if in_round and installed:  # (G = 1 too: its source's rows moved since the round's start)
+            return installed[0], "trim_round"
         return (installed[0] if installed else 0), "trim"
     if installed:
         return installed[0], "model"

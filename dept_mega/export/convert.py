@@ -36,7 +36,7 @@ from ..data.tokenizer import HUGGINGFACE, TokenizerError, load_tokenizer
 from ..dept.federation_config import own_sources, source_owners
 from ..run_paths import RunPaths, load_run_config
 from ..variant import variant_of
-from .checkpoint_reader import CheckpointReadError, read_full_weights
+from .checkpoint_reader import CheckpointReadError, checkpoint_path, read_full_weights, trim_vocab_ids
 from .hf_mapping import ExportError, architecture_for, build_model, to_hf
 from .hf_tokenizer import TokenizerExportError
 from .tokenizer_files import encoding_difference, export_tokenizer
@@ -67,16 +67,33 @@ def tokenizer_entry(cfg: Config, source: str) -> tuple[str, str]:
     return path, key
 
 
-def trim_vocab_ids(cfg: Config, source: str) -> list[int]:
-    """TRIM's V_k of ``source`` (the token ids that occur in its data), as training used it."""
-    from ..data.sources import vocab_set
-    for i, s in enumerate(cfg.data.sources):
-        if s.name == source:
-            if not os.path.exists(s.prefix + ".bin"):
-                raise ExportError(f"config key 'data.sources[{i}].prefix': {s.prefix}.bin does not exist (TRIM's "
-                                  f"vocabulary set V_k of {source!r} is computed from the source's data)")
-            return [int(x) for x in vocab_set(s.prefix, cfg.data.cache_dir)]
-    raise ExportError(f"no source named {source!r} in data.sources")
+def check_tokenizer(cfg: Config, path: str, key: str) -> None:
+    """A ConfigError naming ``key`` when its tokenizer file is not the one checkpoint ``path``
+    was trained with (``depends.json``'s ``tokenizers``, as a resume or an evaluation checks):
+    a tokenizer retrained or replaced after the run gives ids that are not the table's rows."""
+    from ..config_diff import check_differing
+    from ..manifest import DEPENDS_FILE, CheckpointError, read_json
+    from ..resume import depends_differences, tokenizer_fingerprint
+    try:
+        saved = read_json(path, DEPENDS_FILE)
+    except CheckpointError as exc:
+        raise ExportError(f"{exc} (it records the tokenizer the checkpoint was trained with)") from None
+    rows = depends_differences(saved, {"config": {}, "tokenizers": tokenizer_fingerprint(cfg)}, (), (key,))
+    check_differing(rows, f"from checkpoint {path} ({DEPENDS_FILE})",
+                    "export with the tokenizer the run was trained with (put that file back, or point the key at it "
+                    "in RUN/config.yaml)")
+
+
+def check_table_rows(cfg: Config, weights: dict, vocab: int, tok_path: str, tok_key: str) -> None:
+    """An ExportError unless the token table (and untied head) has the rows the tokenizer's
+    vocabulary gives: padded to a multiple of 128 in the model, exactly ``vocab`` in TRIM's φ."""
+    from ..model.embeddings import padded_vocab_size
+    want = vocab if variant_of(cfg).trimmed else padded_vocab_size(vocab, 1)
+    for name in ("embeddings.word_embeddings.weight", "embeddings.output_layer.weight"):
+        if name in weights and weights[name].shape[0] != want:
+            raise ExportError(f"config key '{tok_key}': tokenizer {tok_path!r} has {vocab} pieces, which need a "
+                              f"table of {want} rows, but the checkpoint's {name} ({weights.origin}) has "
+                              f"{weights[name].shape[0]}: not the tokenizer the run was trained with")
 
 
 def replace_dir(tmp: str, output: str) -> None:
@@ -129,7 +146,10 @@ def export_source(run_dir: str, source: str, output: str, step: Optional[int] = 
     replaces = check_output(output, overwrite)
     tok_path, tok_key = tokenizer_entry(cfg, source)
     tok = load_tokenizer(tok_path, tok_key)  # a file that is no tokenizer: refused before the weights are read
+    step, path = checkpoint_path(run_dir, step)
+    check_tokenizer(cfg, path, tok_key)
     weights = read_full_weights(run_dir, step, source, cfg)
+    check_table_rows(cfg, weights, tok.vocab_size, tok_path, tok_key)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     tmp = f"{output.rstrip(os.sep)}.tmp{os.getpid()}"

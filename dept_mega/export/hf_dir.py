@@ -9,14 +9,16 @@
   (safetensors: ``safe_open``; ``.bin``: ``torch.load(weights_only=True, mmap=True)``, never
   executing code from the file), so the memory is about one copy of the model.
 
-Anything else (no config, no weight file, a shard the index names that is missing, a
-quantised model) is an :class:`HFDirError` naming the file.
+Anything else (no config, no weight file, a shard the index names that is missing, a tensor
+the index places in a shard that lacks it, a shard cut short, a quantised model) is an
+:class:`HFDirError` naming the file (and the tensor).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -78,8 +80,21 @@ class HFDirectory:
         """The tensor ``name`` as float32 (bf16 / fp16 values are exact in fp32)."""
         file = self._where[name]
         handle = self._handle(file)
-        t = handle.get_tensor(name) if file.endswith(".safetensors") else handle[name]
-        return t.to(torch.float32)
+        with self._reading(file, name):
+            t = handle.get_tensor(name) if file.endswith(".safetensors") else handle[name]
+            return t.to(torch.float32)
+
+    @contextmanager
+    def _reading(self, file: str, name: str) -> Iterator[None]:
+        """A tensor the file lacks (an index naming the wrong shard) or cannot give (a shard
+        cut short): an HFDirError naming the file and the tensor, not the library's traceback."""
+        try:
+            yield
+        except HFDirError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a damaged or mismatched file: one line naming it
+            raise HFDirError(f"{os.path.join(self.path, file)}: tensor {name!r} cannot be read (named by "
+                             f"{self.weight_file}; {type(exc).__name__}: {exc})") from None
 
     def close(self) -> None:
         self._open.clear()
@@ -107,14 +122,15 @@ class HFDirectory:
             handle = self._handle(file)
             names = [n for n, f in self._where.items() if f == file]
             for name in names:
-                if file.endswith(".safetensors"):
-                    sl = handle.get_slice(name)
-                    shape, dtype = tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), name, file)
-                else:
-                    t = handle[name]
-                    if not isinstance(t, torch.Tensor):
-                        raise HFDirError(f"{os.path.join(self.path, file)}: {name!r} is not a tensor")
-                    shape, dtype = tuple(t.shape), t.dtype
+                with self._reading(file, name):
+                    if file.endswith(".safetensors"):
+                        sl = handle.get_slice(name)
+                        shape, dtype = tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), name, file)
+                    else:
+                        t = handle[name]
+                        if not isinstance(t, torch.Tensor):
+                            raise HFDirError(f"{os.path.join(self.path, file)}: {name!r} is not a tensor")
+                        shape, dtype = tuple(t.shape), t.dtype
                 if dtype not in FLOAT_DTYPES:
                     raise HFDirError(f"{os.path.join(self.path, file)}: tensor {name!r} has dtype {dtype}; only "
                                      f"float32 / bfloat16 / float16 weights import (a quantised model?)")

@@ -38,6 +38,17 @@ import torch
 from ..config import Config, ModelConfig
 
 
+#: exported MPT's ``max_seq_len`` = this × ``model.seq_length``. transformers' MPT builds its
+#: ALiBi bias for ``max_seq_len`` keys at every forward and fails on a longer input (prompt
+#: plus generated tokens), while our ALiBi model has no length limit. The bias is relative
+#: (the last keys' columns are taken), so a larger value leaves every logit unchanged; it
+#: costs heads × max_seq_len floats per forward (32 heads × 16k: 2 MB), nothing quadratic.
+#: 8× covers the extrapolation ALiBi is known for (Press et al. 2022 train short, test a few
+#: times longer); past it quality, not the code, is the limit, and a user may raise it in
+#: config.json.
+MPT_LENGTH_FACTOR = 8
+
+
 class ExportError(ValueError):
     """The model cannot be exported: one line naming the config key (or file) and why."""
 
@@ -161,7 +172,8 @@ def _mpt(cfg: Config, w: dict[str, torch.Tensor], vocab: int, special: dict[str,
                           f"without bias (BLOOM and Falcon differ more); no exact export exists. Train with "
                           f"model.norm_bias: false to export ALiBi models")
     conf = MptConfig(d_model=m.hidden_size, n_heads=m.num_attention_heads, n_layers=m.num_layers,
-                     expansion_ratio=4, max_seq_len=m.seq_length, vocab_size=vocab, layer_norm_epsilon=m.norm_eps,
+                     expansion_ratio=4, max_seq_len=MPT_LENGTH_FACTOR * m.seq_length, vocab_size=vocab,
+                     layer_norm_epsilon=m.norm_eps,
                      no_bias=True, learned_pos_emb=False,
                      attn_config={"alibi": True, "alibi_bias_max": 8, "softmax_scale": None, "clip_qkv": None,
                                   "qk_ln": False},
@@ -186,9 +198,12 @@ def to_hf(cfg: Config, weights: dict[str, torch.Tensor], vocab_size: int,
           special: Optional[dict[str, Optional[int]]] = None) -> HFExport:
     """The transformers config and state dict (fp32) expressing ``weights`` (full tensors, as
     ``checkpoint_reader.read_full_weights`` names them) with a ``vocab_size`` vocabulary.
-    ``special``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for the config."""
+    ``special``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for the config, each
+    passed as given, None included: a tokenizer without an eos token must export without one
+    (left out, ``LlamaConfig`` would write its own defaults bos 1 / eos 2, ids of whatever
+    pieces our tokenizer has there, and ``generate`` would stop at id 2)."""
     arch = architecture_for(cfg.model)
-    special = {k: v for k, v in (special or {}).items() if v is not None}
+    special = {k: (special or {}).get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     build = {"llama": _llama, "mpt": _mpt}[arch]
     out = build(cfg, weights, vocab_size, special)
     out.state_dict = {k: v.detach().to(torch.float32).contiguous() for k, v in out.state_dict.items()}
