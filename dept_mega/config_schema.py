@@ -172,7 +172,7 @@ class OptimConfig:
     lr_wsd_decay_steps: Optional[int] = None
     #: wsd: the final decay's shape (Megatron's --lr-wsd-decay-style, the same default).
     lr_wsd_decay_style: str = "exponential"
-    weight_decay: float = 0.1  #: AdamW decoupled weight decay.
+    weight_decay: float = 0.1  #: AdamW decoupled weight decay, on the weights and embeddings (≥ 2-D), not on norms or biases.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  #: AdamW β1, β2.
     eps: float = 1.0e-8  #: AdamW ε.
     clip_grad: float = 1.0  #: Clip the global gradient norm to this (0: no clipping).

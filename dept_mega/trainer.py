@@ -269,6 +269,9 @@ class Trainer:
         for st in self.stages:
             st.train()
         global_tokens = sum(mb.num_targets for mb in mbs) * self.pg.dp_size
+        if global_tokens == 0:  # (the data loaders never make one: sequences of seq_length + 1 tokens)
+            raise ValueError(f"train_step: the micro-batches have no target tokens (token shapes "
+                             f"{[tuple(mb.tokens.shape) for mb in mbs]}): a sequence needs at least 2 tokens")
         scale = self.precision.loss_scale / global_tokens
         K = self.num_sources
         L = self.cfg.model.num_layers if activation_norms else 0

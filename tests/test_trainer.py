@@ -90,6 +90,9 @@ def test_loss_is_mean_over_global_batch_tokens():
     res = tr.train_step(mbs)
     assert res.tokens == cfg.train.global_batch_size * cfg.model.seq_length
     assert res.loss == pytest.approx(per.double().mean().item(), rel=1e-6)
+    # sequences of one token have no target: an error naming their shapes, not a division by zero
+    with pytest.raises(ValueError, match=r"no target tokens \(token shapes \[\(2, 1\)"):
+        tr.train_step([MicroBatch(mb.tokens[:, :1]) for mb in mbs])
 
 
 def test_loss_by_source_from_sequence_ids():
