@@ -47,6 +47,9 @@ def test_grid_expands_at_equal_compute(tmp_path):
     ({"groups": 0}, "'groups' must be a positive integer"),
     ({"runs": [{"variant": "std", "grid": {"train.steps": [100, 200]}}]}, "equal compute needs the same"),
     ({"runs": [{"variant": "std"}, {"variant": "std"}]}, "share the name"),
+    # one run under two names would be reported as two seeds of one row
+    ({"runs": [{"variant": "std", "name": "a"}, {"variant": "glob"}, {"variant": "std", "name": "b"}]},
+     r"runs 'a' \(runs\[0\]\) and 'b' \(runs\[2\]\) resolve to the same config, train.seed 1234 included"),
     ({"runs": [{"variant": "glob", "set": {"dept.local_steps": 30}}]}, "dept.local_steps': train.steps=100 is not a multiple of 30"),
     ({"runs": [{"variant": "std", "set": {"model.nope": 1}}]}, "unknown config key 'model.nope'"),
     ({"plasticity": {"steps": 3}}, "plasticity'.source_config: the held-out source"),

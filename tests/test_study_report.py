@@ -282,9 +282,9 @@ def test_names_tell_an_outer_lr_sweep_apart(tmp_path):
     sweep = [{"name": "nesterov", "lr": 0.7, "momentum": 0.9}, {"name": "nesterov", "lr": 0.5, "momentum": 0.9}]
     study = load_study(study_grid(tmp_path, runs=[
         {"variant": "glob", "name": "g_{dept.outer_optimizer}", "grid": {"dept.outer_optimizer": sweep}},
-        {"variant": "glob", "grid": {"dept.outer_optimizer": sweep}},
+        {"variant": "glob", "grid": {"dept.outer_optimizer": sweep}, "set": {"train.seed": 2}},  # (not one run twice)
         {"variant": "glob", "name": "lr{dept.outer_optimizer.lr}_m{dept.outer_optimizer.momentum}",
-         "grid": {"dept.outer_optimizer": sweep}},
+         "grid": {"dept.outer_optimizer": sweep}, "set": {"train.seed": 3}},
         {"variant": "glob", "grid": {"dept.outer_optimizer": [{"name": "fedavg", "lr": 1.0},
                                                                {"name": "nesterov", "lr": 0.7}]}}]))
     assert [r.name for r in study.runs] == [
