@@ -211,6 +211,30 @@ def test_report_notes_validation_text_that_differs(tmp_path):
     assert "Not the same validation text" not in render_markdown(data)
 
 
+def test_a_source_the_reference_did_not_evaluate_is_named_with_the_means(tmp_path):
+    """A GLOB run that also evaluates ja (its grid entry kept the base config's sources), which
+    STD did not: its gain is left out, the note says why (ja, not evaluated by std), and that
+    the mean column averages each row's own sources."""
+    study = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"},
+                                                  {"variant": "glob", "name": "glob"}]))
+    results = {}
+    for r in study.runs:
+        d = str(tmp_path / r.name)
+        fake_metrics(d, r.variant, 100, 1.0, 3)  # en 1.0, fr 1.1
+        results[r.name] = read_run(d)
+    results["glob"].by_source["ja"] = {"loss": 1, "ppl": 2, "bpb": 0.4, "tokens": 10, "bytes": 30}
+    data = summary(study, results, "cmd")
+    assert [(d["source"], d["missing"]) for d in data["eval_text_differs"]] == [("ja", ["std"])]
+    glob = next(r for r in data["rows"] if r["label"] == "glob")
+    assert glob["gain_vs_best_std_pct"] is None and glob["eval_sources_missing"] == ["ja"]
+    md = render_markdown(data)
+    assert "| glob | 1 | 1.0000 | 1.1000 | 0.4000 | 0.8333 | – |" in md
+    assert "ja: glob 30 bytes; not evaluated by std." in md
+    assert ("glob did not evaluate the same sources as the reference (std) (evaluated by only one of the two — "
+            "glob: ja), so their gain is left out (–)") in md
+    assert "The mean column averages each row's own sources: std: en, fr; glob: en, fr, ja." in md
+
+
 def test_eval_whole_reads_every_part_whole(tmp_path):
     """``eval_whole: true`` sets train.eval_samples above any part's size for every run (the
     evaluation reads min(eval_samples, the part's samples)); a grid that also sets it is refused."""
