@@ -263,7 +263,7 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise GridError(f"{path}: runs share the name(s) {dupes}; give them a 'name' template")
-    plasticity = _plasticity(doc.get("plasticity"), path)
+    plasticity = _plasticity(doc.get("plasticity"), path, base_dir)
     prepare = doc.get("prepare") or []
     if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
         raise GridError(f"{path}: 'prepare' must be a list of command lines")
@@ -300,7 +300,7 @@ class Plasticity:
         return out
 
 
-def _plasticity(doc: Any, path: str) -> Optional[Plasticity]:
+def _plasticity(doc: Any, path: str, base_dir: str) -> Optional[Plasticity]:
     if doc is None:
         return None
     where = f"{path}: 'plasticity'"
@@ -323,7 +323,26 @@ def _plasticity(doc: Any, path: str) -> Optional[Plasticity]:
     runs = doc.get("runs")
     if runs is not None and (not isinstance(runs, list) or not all(isinstance(r, str) for r in runs)):
         raise GridError(f"{where}.runs: a list of run names")
+    _check_source_config(doc["source_config"], where, base_dir)
     return Plasticity(doc["source_config"], steps, body, None if lr is None else float(lr), runs)
+
+
+def _check_source_config(source_config: str, where: str, base_dir: str) -> None:
+    """The held-out source's partial config must exist and be a YAML mapping now: it is first
+    read by dept_mega.adapt after every run has trained, where a bad path would fail each
+    adaptation with only its log naming the file. Relative paths are taken from ``base_dir``,
+    where the adaptations run."""
+    full = source_config if os.path.isabs(source_config) else os.path.join(base_dir, source_config)
+    try:
+        with open(full, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise GridError(f"{where}.source_config: {full!r} does not exist") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise GridError(f"{where}.source_config: {full!r} is not a readable YAML file: {exc}") from None
+    if not isinstance(values, dict):
+        raise GridError(f"{where}.source_config: {full!r} must hold a mapping (a partial config), "
+                        f"got {type(values).__name__}")
 
 
 def _resolve(study: Study, base_dir: str) -> None:
