@@ -127,3 +127,43 @@ def test_glob_rows_tool_measures_updates_outside_the_source_vocabulary(tmp_path)
     assert 0.0 < plain["outside_share"] < 1.0 and 0.0 < plain["drift_share"] < 1.0
     assert present["outside_share"] == 0.0 and present["drift_share"] == 0.0
     assert set(plain["bpb_by_source"]) == {"ru", "code"}
+
+
+def test_glob_rows_body_only_measures_each_group_from_its_own_table(tmp_path, monkeypatch):
+    """``body_only``: each group keeps its own table, so from round 2 on the groups start from
+    different tables; a group's table update (coherence.table, outside share) is measured from
+    its own start, not group 0's, and no averaged table means no drift share."""
+    import json
+    import os
+
+    from dept_mega.trainer import Trainer
+    from tests.trainer_utils import ROOT, ensure_sample_corpus
+    from tools.glob_rows import _coherence, main, markdown
+    ensure_sample_corpus()
+    seen = {}  # trainer → [(table before, table after)] per train_step (one step per round)
+    real_step = Trainer.train_step
+
+    def step(self, *a, **kw):
+        before = _table(self).detach().clone()
+        out = real_step(self, *a, **kw)
+        seen.setdefault(id(self), []).append((before, _table(self).detach().clone()))
+        return out
+    monkeypatch.setattr(Trainer, "train_step", step)
+    out = tmp_path / "rows.json"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        main(["--config", "examples/tiny/glob.yaml", "--sources", "ru,code", "--rounds", "2",
+              "--local-steps", "1", "--group-batch", "8", "--eval-iters", "1", "--modes", "body_only",
+              "--out", str(out), "--set", "optim.warmup_steps=1"])
+    finally:
+        os.chdir(cwd)
+    res = json.loads(out.read_text())
+    recs = res["modes"]["body_only"]["records"]
+    g0, g1 = seen.values()
+    assert not torch.equal(g0[1][0], g1[1][0])  # round 2: the groups' own tables differ
+    for r, rec in enumerate(recs):
+        own = [g[r][0] - g[r][1] for g in (g0, g1)]
+        assert rec["coherence"]["table"] == pytest.approx(_coherence(own), rel=1e-5)
+        assert rec["drift_share"] is None
+    assert "| body_only | " in markdown(res) and " n/a n/a |" in markdown(res)

@@ -47,16 +47,35 @@ def test_grid_expands_at_equal_compute(tmp_path):
     ({"groups": 0}, "'groups' must be a positive integer"),
     ({"runs": [{"variant": "std", "grid": {"train.steps": [100, 200]}}]}, "equal compute needs the same"),
     ({"runs": [{"variant": "std"}, {"variant": "std"}]}, "share the name"),
+    # one run under two names would be reported as two seeds of one row
+    ({"runs": [{"variant": "std", "name": "a"}, {"variant": "glob"}, {"variant": "std", "name": "b"}]},
+     r"runs 'a' \(runs\[0\]\) and 'b' \(runs\[2\]\) resolve to the same config, train.seed 1234 included"),
     ({"runs": [{"variant": "glob", "set": {"dept.local_steps": 30}}]}, "dept.local_steps': train.steps=100 is not a multiple of 30"),
     ({"runs": [{"variant": "std", "set": {"model.nope": 1}}]}, "unknown config key 'model.nope'"),
     ({"plasticity": {"steps": 3}}, "plasticity'.source_config: the held-out source"),
     ({"plasticity": {"source_config": "x.yaml", "steps": 0}}, "plasticity'.steps: a positive integer"),
     ({"plasticity": {"source_config": "x.yaml", "steps": 2, "body_lr": 0.1}}, "body_lr: a number, with body"),
-    ({"plasticity": {"source_config": "x.yaml", "steps": 2, "runs": ["nope"]}}, r"unknown run\(s\) \['nope'\]"),
+    ({"plasticity": {"source_config": "examples/study/heldout_ja.yaml", "steps": 2, "runs": ["nope"]}},
+     r"unknown run\(s\) \['nope'\]"),
 ])
 def test_grid_errors_name_the_problem(tmp_path, over, match):
     with pytest.raises(GridError, match=match):
         load_study(study_grid(tmp_path, **over))
+
+
+def test_plasticity_source_config_is_checked_at_grid_load(tmp_path):
+    """A missing or non-mapping held-out source config is an error when the grid loads, naming
+    the grid file, its 'plasticity' entry and the file, not when dept_mega.adapt first reads
+    it after every run has trained; a relative path is taken from base_dir."""
+    with pytest.raises(GridError, match=r"grid.yaml: 'plasticity'.source_config: '.*/nope.yaml' does not exist"):
+        load_study(study_grid(tmp_path, plasticity={"source_config": "nope.yaml", "steps": 2}))
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(GridError, match=r"'plasticity'.source_config: '.*list.yaml' must hold a mapping"):
+        load_study(study_grid(tmp_path, plasticity={"source_config": str(tmp_path / "list.yaml"), "steps": 2}))
+    (tmp_path / "held.yaml").write_text("train: {log_interval: 10}\n")
+    study = load_study(study_grid(tmp_path, plasticity={"source_config": "held.yaml", "steps": 2}),
+                       base_dir=str(tmp_path))
+    assert study.plasticity.source_config == "held.yaml"
 
 
 def test_runner_budget_resume_and_failures(tmp_path):

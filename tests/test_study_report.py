@@ -1,6 +1,7 @@
 """The study report: per-inner-step costs, tables with seeds' mean ± sd, gains against the best STD,
 names, figures, mid-round evaluations."""
 import importlib.util
+import json
 import math
 import os
 
@@ -12,7 +13,7 @@ from dept_mega.study.markdown import render_markdown
 from dept_mega.study.report import summary
 from dept_mega.study.results import read_records, read_run
 from dept_mega.study.runner import run_dir_of
-from tests.study_utils import fake_metrics, study_grid
+from tests.study_utils import ROOT, fake_metrics, study_grid
 
 
 def test_cost_is_per_inner_step_and_per_run(tmp_path):
@@ -57,6 +58,38 @@ def test_cost_is_per_inner_step_and_per_run(tmp_path):
         plt.Axes.bar = real_bar
     assert heights["outer_body"][1:] == [600, 300]  # glob5, glob10: per inner step
     assert heights["std (data-parallel equivalent)"][0] == 18000
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_std_equivalent_counts_the_whole_model_not_one_tp_pp_shard(tmp_path, tied):
+    """An STD run with tensor 2 × pipeline 2 (and a second data-parallel replica): params.json
+    holds each rank's shard; the data-parallel equivalent all-reduces the whole model, the
+    count one T = P = 1 rank holds (norms and positions every tensor rank holds counted once,
+    a tied table's last-stage copy not at all)."""
+    from dept_mega.config import load_config
+    from dept_mega.dept.costs import body_split, model_params, padded_vocab, position_params
+    from dept_mega.study.results import std_equivalent_bytes_per_step
+    cfg = load_config(str(ROOT / "examples" / "tiny" / "std.yaml"),
+                      ["parallel.tensor=2", "parallel.pipeline=2", "parallel.data=2",
+                       "model.position_embedding=learned", f"model.tie_embeddings={str(tied).lower()}"])
+    m, T, vocab = cfg.model, 2, 100
+    d = str(tmp_path / "std")
+    fake_metrics(d, "std", 100, 1.0, 3)
+    save_config(cfg, os.path.join(d, "config.yaml"))
+    split, table = body_split(m), padded_vocab(vocab) * m.hidden_size
+    ranks = []
+    for dp in (0, 1):
+        for pp in (0, 1):
+            for tp in (0, 1):  # each stage holds half the body: its share of the split rows + all its norms
+                emb = table // T + position_params(m) if pp == 0 else table // T
+                ranks.append({"rank": len(ranks), "group": 0, "dp": dp, "pp": pp, "tp": tp,
+                              "body": split.sharded // (2 * T) + split.replicated // 2, "embeddings": emb})
+    assert sum(rk["body"] for rk in ranks if rk["dp"] == 0) == split.sharded + T * split.replicated
+    with open(os.path.join(d, "params.json"), "w") as f:
+        json.dump({"ranks": ranks}, f)
+    r = read_run(d)
+    assert r.model_params == model_params(m, vocab, padded=True)
+    assert std_equivalent_bytes_per_step(r, 3) == 3 * model_params(m, vocab, padded=True) * 4
 
 
 def test_report_tables_gain_and_figures(tmp_path):
@@ -178,6 +211,30 @@ def test_report_notes_validation_text_that_differs(tmp_path):
     assert "Not the same validation text" not in render_markdown(data)
 
 
+def test_a_source_the_reference_did_not_evaluate_is_named_with_the_means(tmp_path):
+    """A GLOB run that also evaluates ja (its grid entry kept the base config's sources), which
+    STD did not: its gain is left out, the note says why (ja, not evaluated by std), and that
+    the mean column averages each row's own sources."""
+    study = load_study(study_grid(tmp_path, runs=[{"variant": "std", "name": "std"},
+                                                  {"variant": "glob", "name": "glob"}]))
+    results = {}
+    for r in study.runs:
+        d = str(tmp_path / r.name)
+        fake_metrics(d, r.variant, 100, 1.0, 3)  # en 1.0, fr 1.1
+        results[r.name] = read_run(d)
+    results["glob"].by_source["ja"] = {"loss": 1, "ppl": 2, "bpb": 0.4, "tokens": 10, "bytes": 30}
+    data = summary(study, results, "cmd")
+    assert [(d["source"], d["missing"]) for d in data["eval_text_differs"]] == [("ja", ["std"])]
+    glob = next(r for r in data["rows"] if r["label"] == "glob")
+    assert glob["gain_vs_best_std_pct"] is None and glob["eval_sources_missing"] == ["ja"]
+    md = render_markdown(data)
+    assert "| glob | 1 | 1.0000 | 1.1000 | 0.4000 | 0.8333 | – |" in md
+    assert "ja: glob 30 bytes; not evaluated by std." in md
+    assert ("glob did not evaluate the same sources as the reference (std) (evaluated by only one of the two — "
+            "glob: ja), so their gain is left out (–)") in md
+    assert "The mean column averages each row's own sources: std: en, fr; glob: en, fr, ja." in md
+
+
 def test_eval_whole_reads_every_part_whole(tmp_path):
     """``eval_whole: true`` sets train.eval_samples above any part's size for every run (the
     evaluation reads min(eval_samples, the part's samples)); a grid that also sets it is refused."""
@@ -249,9 +306,9 @@ def test_names_tell_an_outer_lr_sweep_apart(tmp_path):
     sweep = [{"name": "nesterov", "lr": 0.7, "momentum": 0.9}, {"name": "nesterov", "lr": 0.5, "momentum": 0.9}]
     study = load_study(study_grid(tmp_path, runs=[
         {"variant": "glob", "name": "g_{dept.outer_optimizer}", "grid": {"dept.outer_optimizer": sweep}},
-        {"variant": "glob", "grid": {"dept.outer_optimizer": sweep}},
+        {"variant": "glob", "grid": {"dept.outer_optimizer": sweep}, "set": {"train.seed": 2}},  # (not one run twice)
         {"variant": "glob", "name": "lr{dept.outer_optimizer.lr}_m{dept.outer_optimizer.momentum}",
-         "grid": {"dept.outer_optimizer": sweep}},
+         "grid": {"dept.outer_optimizer": sweep}, "set": {"train.seed": 3}},
         {"variant": "glob", "grid": {"dept.outer_optimizer": [{"name": "fedavg", "lr": 1.0},
                                                                {"name": "nesterov", "lr": 0.7}]}}]))
     assert [r.name for r in study.runs] == [

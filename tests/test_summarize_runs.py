@@ -55,6 +55,26 @@ def test_summary_table_and_json(tmp_path, io):
     assert summary[1]["cross_group_bytes_per_step"] == 400 and summary[1]["steps"] == 10
 
 
+def test_a_diverged_source_shows_nan_not_a_crash(tmp_path, io):
+    """A non-finite BPB is written as null (metrics.make_record): the source's cell and the
+    run's mean show nan, with a line saying why, instead of a TypeError; a source the run did
+    not evaluate stays "-". The federated mean line likewise."""
+    _fake_run(tmp_path / "a", "std", {"en": 2.0, "fr": 3.0}, [])
+    _fake_run(tmp_path / "b", "glob", {"en": 1.0, "fr": None}, [1000, 3000])
+    _fake_run(tmp_path / "c", "glob", {"en": 1.0}, [1000, 3000])
+    out = _ok(run_tool(TOOL, *(str(tmp_path / n) for n in "abc"), **io))
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.strip() and not ln.startswith("-")}
+    assert lines["fr"] == ["3.0000", "nan", "-"] and lines["mean"] == ["2.5000", "nan", "1.0000"]
+    assert "nan: a BPB that is not finite (the run diverged" in out
+    for g, bpb in ((0, {"en": 1.0}), (1, {"fr": None})):
+        _fake_run(tmp_path / f"g{g}", "spec", bpb, [1000, 1000])
+        cfg = load_config(tmp_path / f"g{g}" / "config.yaml",
+                          ["federation.lighthouse=lh:1", f"federation.group={g}", "federation.groups=2"])
+        save_config(cfg, tmp_path / f"g{g}" / "config.yaml")
+    out = _ok(run_tool(TOOL, str(tmp_path / "g0"), str(tmp_path / "g1"), **io))
+    assert "federated SPEC (SPEC g0, SPEC g1): mean over its 2 sources nan" in out
+
+
 def test_outer_dtype_shows_in_bytes_not_in_predicted_parameters(tmp_path, io):
     """fp32 and int8 GLOB predict the same parameters per step (paper Table 1, labelled as
     parameters); the row of bytes is measured and shows the dtype's saving, and the dtype is

@@ -12,12 +12,15 @@ Measured per round, for the token table (which is also the tied softmax):
 * ``outside_share``: of the squared norm of group k's table update, the part on rows outside
   V_k (the ids that never occur in source k's training data), averaged over groups;
 * ``drift_share``: of the squared norm of the averaged table update, the part that comes from
-  groups whose source does not contain the row;
+  groups whose source does not contain the row (null in ``body_only``, which averages no table);
 * ``penalty``: validation BPB of source k under the averaged weights minus under group k's
   own weights just before averaging (what one averaging costs), averaged over sources;
 * ``bpb``: average validation BPB after the round;
 * ``coherence`` (table, body): ‖Σ_k Δ_k‖² / (G·Σ_k ‖Δ_k‖²), 1 when the groups' updates agree,
   1/G when they are orthogonal.
+
+Δ_k is measured from group k's own start of the round: the same weights for every group,
+except the table in ``body_only`` from round 2 on.
 
 Modes (``--modes``, comma-separated):
 
@@ -134,32 +137,35 @@ def run_mode(cfg, names: list[str], mode: str, args) -> dict[str, Any]:
         in_vocab.append(m)
     records = []
     G = len(groups)
+    ti = [p is _table(first) for p in first.parameters()].index(True)
     for r in range(args.rounds):
         t0 = time.time()
-        theta_prev = _snapshot(first)
         deltas, local_bpb, outside_share = [], [], []
+        theta_prev = None  # group 0's start: the body every group starts from (and the table, but in body_only)
         for g, mask in zip(groups, in_vocab):
             tr = g["trainer"]
+            # the group's own round start: the body is the same for every group, but in
+            # body_only each group's table is its own from round 2 on
+            start = _snapshot(tr)
+            if theta_prev is None:
+                theta_prev = start
             hook = PresentRowsOnly(tr, g["ids"]) if mode in ("present", "holders") else None
             for _ in range(args.local_steps):
                 tr.train_step(g["data"].next_step())
             if hook is not None:
                 hook.remove()
-            now = _snapshot(tr)
-            deltas.append([a - b for a, b in zip(theta_prev, now)])
-            t = _table(tr)
-            d = theta_prev[[p is t for p in tr.parameters()].index(True)] - t.detach()
+            deltas.append([a - b for a, b in zip(start, _snapshot(tr))])
+            d = deltas[-1][ti]
             sq_in, sq_out = float(d[mask].pow(2).sum()), float(d[~mask].pow(2).sum())
             outside_share.append(sq_out / max(sq_in + sq_out, 1e-30))
             local_bpb.append(_bpb(tr, g["valid"]))
-        ti = [p is _table(first) for p in first.parameters()].index(True)
         mean = [sum(ds[j] for ds in deltas) / G for j in range(len(theta_prev))]
-        own = torch.zeros_like(mean[ti])
-        drift = torch.zeros_like(mean[ti])
-        for ds, mask in zip(deltas, in_vocab):
-            own[mask] += ds[ti][mask] / G
-            drift[~mask] += ds[ti][~mask] / G
-        drift_share = float(drift.pow(2).sum()) / max(float(mean[ti].pow(2).sum()), 1e-30)
+        drift_share = None  # body_only averages no table: there is no averaged table update
+        if mode != "body_only":
+            drift = torch.zeros_like(mean[ti])
+            for ds, mask in zip(deltas, in_vocab):
+                drift[~mask] += ds[ti][~mask] / G
+            drift_share = float(drift.pow(2).sum()) / max(float(mean[ti].pow(2).sum()), 1e-30)
         body = [j for j in range(len(theta_prev)) if j != ti]
         coherence = {"table": _coherence([ds[ti] for ds in deltas]),
                      "body": _coherence([torch.cat([ds[j].flatten() for j in body]) for ds in deltas])}
@@ -171,7 +177,7 @@ def run_mode(cfg, names: list[str], mode: str, args) -> dict[str, Any]:
         for g, ds in zip(groups, deltas):
             mine = list(averaged)
             if mode == "body_only":  # the table stays the group's own (SPEC with a shared start)
-                mine[ti] = theta_prev[ti] - ds[ti]
+                mine[ti] = g["trainer"].parameters()[ti].detach().clone()
             _load(g["trainer"], mine)
             after.append(_bpb(g["trainer"], g["valid"]))
         rec = {"mode": mode, "round": r + 1, "step": (r + 1) * args.local_steps,
@@ -220,7 +226,7 @@ def markdown(out: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|"]
     for mode, res in out["modes"].items():
         recs = res["records"]
-        fmt = lambda key: " ".join(f"{r[key]:.2f}" for r in recs)  # noqa: E731
+        fmt = lambda key: " ".join("n/a" if r[key] is None else f"{r[key]:.2f}" for r in recs)  # noqa: E731
         coh = recs[-1].get("coherence") or {}
         lines.append(f"| {mode} | {fmt('outside_share')} | {fmt('drift_share')} | {fmt('penalty')} "
                      f"| {coh.get('table', float('nan')):.2f} / {coh.get('body', float('nan')):.2f} "

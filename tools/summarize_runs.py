@@ -215,6 +215,18 @@ def _event(m: dict[str, Any]) -> str:
     return out
 
 
+def _mean_bpb(values: list) -> float:
+    """The mean, or nan when a value is null or non-finite: dept_mega writes a diverged
+    evaluation's BPB as null (metrics.make_record), and a mean over it means nothing."""
+    if not values or any(v is None or not math.isfinite(v) for v in values):
+        return float("nan")
+    return sum(values) / len(values)
+
+
+def _bpb_cell(v: float | None, width: int) -> str:
+    return f"{'nan':>{width}}" if v is None or not math.isfinite(v) else f"{v:>{width}.4f}"
+
+
 def federated_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
     """One line per federated run whose group jobs are given together: its sources' mean BPB
     (each group job evaluates only its own sources), and which group jobs are missing."""
@@ -232,7 +244,7 @@ def federated_lines(runs: list[dict[str, Any]], names: list[str]) -> list[str]:
         missing = [g for g in range(groups or 0) if g not in have]
         steps = sorted({runs[i]["eval"]["step"] for i in idx}, reverse=True)
         out.append(f"federated {variant.upper()} ({', '.join(names[i] for i in idx)}): mean over its "
-                   f"{len(bpb)} sources {sum(bpb.values()) / len(bpb):.4f}"
+                   f"{len(bpb)} sources {_bpb_cell(_mean_bpb(list(bpb.values())), 0)}"
                    + (f" (group job(s) {', '.join(map(str, missing))} not given: their sources are missing)"
                       if missing else "")
                    + (f" (evaluated at different steps: {', '.join(map(str, steps))})" if len(steps) > 1 else ""))
@@ -253,14 +265,16 @@ def render(runs: list[dict[str, Any]]) -> str:
     for s in sources:
         row = f"{s:<22}"
         for r in runs:
-            v = r["eval"]["by_source"].get(s, {}).get("bpb")
-            row += f"{v:>{width}.4f}" if v is not None else f"{'-':>{width}}"
+            ev = r["eval"]["by_source"]
+            row += _bpb_cell(ev[s].get("bpb"), width) if s in ev else f"{'-':>{width}}"
         out.append(row)
     row = f"{'mean':<22}"
-    for r in runs:
-        vals = [v["bpb"] for v in r["eval"]["by_source"].values()]
-        row += f"{sum(vals) / len(vals):>{width}.4f}"
+    means = [_mean_bpb([v.get("bpb") for v in r["eval"]["by_source"].values()]) for r in runs]
+    row += "".join(_bpb_cell(m, width) for m in means)
     out.append(row)
+    if any(math.isnan(m) for m in means):
+        out.append("nan: a BPB that is not finite (the run diverged; metrics.jsonl holds null), "
+                   "so its mean is nan too")
     out += federated_lines(runs, names)
     out += eval_text_note(runs, names)
     out.append("")

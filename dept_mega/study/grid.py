@@ -24,7 +24,8 @@ Grid file (YAML)::
                                                # template: glob_outer_optimizer=nesterov-lr0.7, ...)
 
 Runs whose configs differ only in ``train.seed`` (e.g. a grid over it, named with ``{train.seed}``) make
-one row of the report: mean ± sd over the seeds, and n.
+one row of the report: mean ± sd over the seeds, and n. Two runs whose resolved configs are equal,
+seed included, are an error (they would count as two seeds of one row).
 
 Equal compute (the paper's comparison): every run makes the same number of inner steps of
 the same sequence length, a DEPT run with ``groups`` groups of ``group_batch`` sequences each,
@@ -78,6 +79,7 @@ class RunSpec:
     # the name with its train.seed as "*" (None: the grid does not vary the seed): the label of
     # the report's row of the runs that differ only in their seed
     seed_label: Optional[str] = None
+    entry: int = 0  # the grid's runs[entry] that made this run
 
     def command(self, python: str = "python") -> list[str]:
         return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
@@ -256,12 +258,12 @@ def load_study(path: str, base_dir: Optional[str] = None) -> Study:
                 batch = group_batch if variant_of(variant).rounds else groups * group_batch
                 overrides.append(f"train.global_batch_size={batch}")
                 runs.append(RunSpec(name, variant, cfg_path, overrides, nproc=0, settings=settings,
-                                    seed_label=seed_label))
+                                    seed_label=seed_label, entry=i))
     names = [r.name for r in runs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise GridError(f"{path}: runs share the name(s) {dupes}; give them a 'name' template")
-    plasticity = _plasticity(doc.get("plasticity"), path)
+    plasticity = _plasticity(doc.get("plasticity"), path, base_dir)
     prepare = doc.get("prepare") or []
     if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
         raise GridError(f"{path}: 'prepare' must be a list of command lines")
@@ -298,7 +300,7 @@ class Plasticity:
         return out
 
 
-def _plasticity(doc: Any, path: str) -> Optional[Plasticity]:
+def _plasticity(doc: Any, path: str, base_dir: str) -> Optional[Plasticity]:
     if doc is None:
         return None
     where = f"{path}: 'plasticity'"
@@ -321,7 +323,26 @@ def _plasticity(doc: Any, path: str) -> Optional[Plasticity]:
     runs = doc.get("runs")
     if runs is not None and (not isinstance(runs, list) or not all(isinstance(r, str) for r in runs)):
         raise GridError(f"{where}.runs: a list of run names")
+    _check_source_config(doc["source_config"], where, base_dir)
     return Plasticity(doc["source_config"], steps, body, None if lr is None else float(lr), runs)
+
+
+def _check_source_config(source_config: str, where: str, base_dir: str) -> None:
+    """The held-out source's partial config must exist and be a YAML mapping now: it is first
+    read by dept_mega.adapt after every run has trained, where a bad path would fail each
+    adaptation with only its log naming the file. Relative paths are taken from ``base_dir``,
+    where the adaptations run."""
+    full = source_config if os.path.isabs(source_config) else os.path.join(base_dir, source_config)
+    try:
+        with open(full, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise GridError(f"{where}.source_config: {full!r} does not exist") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise GridError(f"{where}.source_config: {full!r} is not a readable YAML file: {exc}") from None
+    if not isinstance(values, dict):
+        raise GridError(f"{where}.source_config: {full!r} must hold a mapping (a partial config), "
+                        f"got {type(values).__name__}")
 
 
 def _resolve(study: Study, base_dir: str) -> None:
@@ -330,11 +351,19 @@ def _resolve(study: Study, base_dir: str) -> None:
     shape: Optional[tuple[int, int]] = None
     first = None
     models: list[dict[str, Any]] = []
+    resolved: dict[str, RunSpec] = {}
     for run in study.runs:
         try:
             cfg = load_config(os.path.join(base_dir, run.config), run.overrides)
         except ConfigError as exc:
             raise GridError(f"{study.path}: run {run.name!r}: {exc}") from None
+        # the report makes runs that differ only in train.seed one row of seeds: two equal
+        # configs (seed included) would be one run counted as two seeds (a copy-paste)
+        same = resolved.setdefault(json.dumps(cfg.to_dict(), sort_keys=True, default=str), run)
+        if same is not run:
+            raise GridError(f"{study.path}: runs {same.name!r} (runs[{same.entry}]) and {run.name!r} "
+                            f"(runs[{run.entry}]) resolve to the same config, train.seed {cfg.train.seed} "
+                            f"included; give them different seeds or remove one")
         if study.eval_whole:
             if any(o.startswith("train.eval_samples=") for o in run.overrides):
                 raise GridError(f"{study.path}: run {run.name!r}: 'eval_whole: true' sets train.eval_samples itself; "

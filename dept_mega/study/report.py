@@ -19,18 +19,32 @@ def sources_of(results: dict[str, RunResult]) -> list[str]:
 
 def eval_text_note(differs: list[dict[str, Any]], rows: list[dict[str, Any]], ref: Optional[str]) -> Optional[str]:
     """The report's note on :func:`rows.eval_text_differs` (None: every run evaluated the same
-    text): per source, which runs read how many bytes; which rows' gains are left out (other
-    text than the reference's) or marked † (the whole parts, but the edges differ)."""
+    text): per source, which runs read how many bytes and which did not evaluate it; which rows'
+    gains are left out (other sources, or other text than the reference's) or marked † (the
+    whole parts, but the edges differ); and, where rows evaluated other sources, which sources
+    each row's mean averages."""
     if not differs:
         return None
     per = []
     for d in differs:
         groups = [f"{', '.join(names)} {b:,} bytes" for b, names in d["by_bytes"].items()]
+        if d.get("missing"):
+            groups.append(f"not evaluated by {', '.join(d['missing'])}")
         per.append(f"{d['source']}: " + "; ".join(groups))
     note = ("Not the same validation text: the runs' final evaluations covered different bytes of "
             + " — ".join(per) + ".")
-    other = [r["label"] for r in rows if r.get("eval_text") == "other"]
+    unevaluated = [r for r in rows if r.get("eval_text") == "other" and r.get("eval_sources_missing")]
+    other = [r["label"] for r in rows if r.get("eval_text") == "other" and not r.get("eval_sources_missing")]
     edges = [r["label"] for r in rows if r.get("eval_text") == "edges"]
+    if unevaluated:
+        differing = "; ".join(f"{r['label']}: {', '.join(r['eval_sources_missing'])}" for r in unevaluated)
+        note += (f" {', '.join(r['label'] for r in unevaluated)} did not evaluate the same sources as the reference "
+                 f"({ref}) (evaluated by only one of the two — {differing}), so their gain is left out (–): give "
+                 "every run the same `data.sources`.")
+    own = {r["label"]: list(r["by_source"]) for r in rows}
+    if len({tuple(v) for v in own.values()}) > 1:
+        note += (" The mean column averages each row's own sources: "
+                 + "; ".join(f"{label}: {', '.join(v)}" for label, v in own.items()) + ".")
     if other:
         note += (f" {', '.join(other)} read other text than the reference ({ref}): a run reads the first "
                  "train.eval_samples sequences of a part, which under another tokenizer (SPEC-OPT's own) is other "
@@ -51,10 +65,11 @@ def _row_dict(row, results: dict[str, RunResult], ref) -> dict[str, Any]:
                          for s, (m, sd) in row.by_source.items()},
            "mean_bpb": row.mean_bpb[0], "mean_bpb_sd": row.mean_bpb[1],
            "mean_ppl": row.mean_ppl[0], "mean_ppl_sd": row.mean_ppl[1],
-           "gain_vs_best_std_pct": None, "gain_se_pct": None, "eval_text": None, "eval_text_sources": []}
+           "gain_vs_best_std_pct": None, "gain_se_pct": None, "eval_text": None, "eval_text_sources": [],
+           "eval_sources_missing": []}
     if ref is not None and row is not ref:
         t = text_vs(results, row.runs, ref.runs)
-        out["eval_text"], out["eval_text_sources"] = t["text"], t["sources"]
+        out["eval_text"], out["eval_text_sources"], out["eval_sources_missing"] = t["text"], t["sources"], t["missing"]
         if row.variant != "std" and t["text"] != "other":
             out["gain_vs_best_std_pct"] = gain_pct(row.mean_bpb[0], ref.mean_bpb[0])
             out["gain_se_pct"] = gain_se_pct(row, ref)

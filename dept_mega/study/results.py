@@ -41,6 +41,7 @@ class RunResult:
     seconds: Optional[float] = None
     command: Optional[list[str]] = None
     extra: dict[str, Any] = field(default_factory=dict)
+    model_params: Optional[int] = None  # the whole model of one group (replica_params); None without params.json
 
     @property
     def mean_bpb(self) -> float:
@@ -121,6 +122,7 @@ def read_run(run_dir: str) -> RunResult:
             total[cat] = total.get(cat, 0.0) + float(n)
     per_round = {cat: n / len(outers) for cat, n in total.items()}
     params: dict[str, int] = {}
+    model_params = None
     params_path = os.path.join(run_dir, "params.json")
     if os.path.exists(params_path):
         with open(params_path, encoding="utf-8") as f:
@@ -128,6 +130,7 @@ def read_run(run_dir: str) -> RunResult:
         for key in ("body", "embeddings"):
             if ranks:
                 params[key] = max(int(rk[key]) for rk in ranks)
+        model_params = replica_params(ranks, cfg) if ranks else None
     seconds = command = None
     marker = os.path.join(run_dir, "study_run.json")
     if os.path.exists(marker):
@@ -135,13 +138,41 @@ def read_run(run_dir: str) -> RunResult:
             m = json.load(f)
         seconds, command = m.get("seconds"), m.get("command")
     return RunResult(run_dir, cfg["dept"]["variant"], cfg, last["by_source"], int(last["step"]), eval_curve,
-                     train_curve, tokens, len(outers), per_round, total, params, seconds, command)
+                     train_curve, tokens, len(outers), per_round, total, params, seconds, command,
+                     model_params=model_params)
+
+
+def replica_params(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> int:
+    """The whole model's parameters, as one rank holds them with no tensor or pipeline
+    parallelism, from ``params.json``'s per-rank shards (``cfg``: the run's config.yaml).
+
+    Sums the shards of one data-parallel replica of group 0 (its T·P ranks), then counts once
+    what those ranks hold more than once: the norms and row-parallel biases and the learned
+    positions every tensor rank holds whole, and the tied table's copy on the last pipeline
+    stage (the untied head there is counted)."""
+    par = cfg.get("parallel") or {}
+    T, P = int(par.get("tensor", 1)), int(par.get("pipeline", 1))
+    replica = [rk for rk in ranks if rk.get("group", 0) == 0 and rk.get("dp", 0) == 0]
+    body = sum(int(rk["body"]) for rk in replica)
+    emb = sum(int(rk["embeddings"]) for rk in replica if rk.get("pp", 0) == 0)
+    model = cfg.get("model") or {}
+    if P > 1 and not model.get("tie_embeddings", True):
+        emb += sum(int(rk["embeddings"]) for rk in replica if rk.get("pp", 0) == P - 1)
+    if T > 1:
+        from ..config import config_from_dict
+        from ..dept.costs import body_split, position_params
+        m = config_from_dict(cfg).model
+        body -= (T - 1) * body_split(m).replicated
+        emb -= (T - 1) * position_params(m)
+    return body + emb
 
 
 def std_equivalent_bytes_per_step(result: RunResult, groups: int) -> float:
     """What STD would send per inner step if its global batch were split over ``groups``
     data-parallel workers (the comparison the paper's Table 1 makes): every worker all-reduces
     the whole model's fp32 gradients every step (counted as comm.py counts: each rank its
-    input)."""
+    input). The whole model, not one rank's tensor or pipeline shard (:func:`replica_params`)."""
+    if result.model_params is not None:
+        return float(groups * result.model_params * 4)
     model_params = result.params_per_rank.get("body", 0) + result.params_per_rank.get("embeddings", 0)
     return float(groups * model_params * 4)

@@ -125,20 +125,23 @@ def text_vs(results: dict[str, RunResult], names: list[str], ref_names: list[str
     (every source's evaluated bytes equal), ``edges`` (bytes differ, but every run concerned
     read those parts whole: only each tokenizer's first token and last, incomplete sequence of a
     part differ) or ``other`` (a run read only the first sequences of a part, which under
-    another tokenizer is other text); ``sources``: where the bytes differ."""
+    another tokenizer is other text, or did not evaluate the part at all); ``sources``: where the
+    bytes differ; ``missing``: the sources some of these runs did not evaluate."""
     differ, whole = [], True
     sources = list(dict.fromkeys(s for n in names + ref_names for s in results[n].by_source))
     for s in sources:
         if len({_bytes(results[n], s) for n in names + ref_names}) > 1:
             differ.append(s)
             whole = whole and all(read_whole(results[n], s) for n in names + ref_names)
-    return {"text": "same" if not differ else "edges" if whole else "other", "sources": differ}
+    missing = [s for s in sources if any(s not in results[n].by_source for n in names + ref_names)]
+    return {"text": "same" if not differ else "edges" if whole else "other", "sources": differ, "missing": missing}
 
 
 def eval_text_differs(results: dict[str, RunResult]) -> list[dict[str, Any]]:
-    """The sources whose final evaluation covered different text in different runs: per source
-    the runs grouped by the bytes they read (``by_bytes``: {bytes: [runs]}), and which runs read
-    the part whole (``whole``)."""
+    """The sources whose final evaluation covered different text in different runs, or that
+    some runs did not evaluate: per source the runs grouped by the bytes they read
+    (``by_bytes``: {bytes: [runs]}), the runs that did not evaluate it (``missing``), and which
+    runs read the part whole (``whole``)."""
     out = []
     sources = list(dict.fromkeys(s for r in results.values() for s in r.by_source))
     for s in sources:
@@ -147,8 +150,9 @@ def eval_text_differs(results: dict[str, RunResult]) -> list[dict[str, Any]]:
             b = _bytes(r, s)
             if b is not None:
                 by.setdefault(b, []).append(n)
-        if len(by) > 1:
+        missing = [n for n, r in results.items() if s not in r.by_source]
+        if len(by) > 1 or (by and missing):
             out.append({"source": s, "min_bytes": min(by), "max_bytes": max(by),
-                        "by_bytes": {b: by[b] for b in sorted(by)},
+                        "by_bytes": {b: by[b] for b in sorted(by)}, "missing": missing,
                         "whole": [n for n in results if s in results[n].by_source and read_whole(results[n], s)]})
     return out
