@@ -41,6 +41,21 @@ def _cfg(run_dir, **train):
     return tiny_config({"dept": {"variant": "std"}, "train": t})
 
 
+def _signal_after_step(monkeypatch, step: int, sig) -> None:
+    """``sig`` to this process right after the trainer's step ``step`` (as a batch system's signal
+    that lands while step ``step`` + 1 is prepared)."""
+    from dept_mega.trainer import Trainer
+    orig = Trainer.train_step
+
+    def signalled(self, batches):
+        out = orig(self, batches)
+        if self.step == step:
+            os.kill(os.getpid(), sig)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+
+
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["kind"] == "train"}
 
@@ -230,7 +245,6 @@ def test_a_stop_agreed_at_the_end_leaves_no_marker(tmp_path, monkeypatch):
     the announcement of a stop whose save the end overtook)."""
     from dept_mega.loop import TrainLoop
     from dept_mega.preemption import Preemption
-    from dept_mega.trainer import Trainer
     from tests.test_train_cli import _setup, _train_here
     run = str(tmp_path / "loop")
     loop, _ = _loop(_cfg(run, save_interval=2), run)
@@ -242,15 +256,7 @@ def test_a_stop_agreed_at_the_end_leaves_no_marker(tmp_path, monkeypatch):
     assert not os.path.exists(os.path.join(run, "preempted.json"))
 
     cfg = _setup(tmp_path)
-    step = Trainer.train_step
-
-    def signalled(self, batches):
-        out = step(self, batches)
-        if self.step == 3:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", signalled)
+    _signal_after_step(monkeypatch, 3, signal.SIGUSR1)
     monkeypatch.setattr(TrainLoop, "_can_save", lambda self, at: at != 3)
     r = _train_here("--config", cfg, "train.steps=4")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -498,14 +504,7 @@ def test_ctrl_c_saves_exits_130_without_requeue_and_a_second_stops_at_once(tmp_p
     cfg = _setup(tmp_path)
     run = str(tmp_path / "run")
     orig = Trainer.train_step
-
-    def step(self, batches):
-        out = orig(self, batches)
-        if self.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", step)
+    _signal_after_step(monkeypatch, 2, signal.SIGINT)
     r = _train_here("--config", cfg, "train.steps=6")
     assert r.returncode == EXIT_INTERRUPTED == 130, r.stderr[-2000:]
     assert "interrupted (SIGINT): checkpoint of step 2 written; exiting with status 130 (relaunch to continue)" \
