@@ -128,13 +128,13 @@ mkdir -p "$RUN_DIR"
 
 # Preemption (docs/launching.md, "Preemption and requeue"): `#SBATCH --signal=USR1@120` makes
 # Slurm send SIGUSR1 to the job step 120 s (PREEMPT_LEAD_S) before the time limit (SIGTERM on
-# scancel or preemption). torchrun passes SIGUSR1 on to its workers only when told to handle it (without
-# this it would die of it); every rank then finishes its step, rank 0 writes
+# scancel or preemption). torchrun passes SIGUSR1 on to its workers only when told to handle it
+# (without this it would die of it); every rank then finishes its step, rank 0 writes
 # $RUN_DIR/preempted.json (naming the last complete checkpoint), the job saves a checkpoint,
 # rewrites the marker and the ranks exit with status 75. torchrun gives its workers
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to do that (set above: PREEMPT_LEAD_S - 10, leaving the
-# script time to requeue before the time limit) before it kills them; the checkpoint is atomic, so a killed save only loses that save, and
-# the marker written before it still requeues the job.
+# script time to requeue before the time limit) before it kills them; the checkpoint is atomic,
+# so a killed save only loses that save, and the marker written before it still requeues the job.
 # (torchrun's --signals-to-handle reads PET_SIGNALS_TO_HANDLE; torch versions without that
 # flag read TORCHELASTIC_SIGNALS_TO_HANDLE)
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
