@@ -40,12 +40,14 @@ DRIVER = textwrap.dedent("""
         return real(batch, first)
     pp._encode_batch, pp.BATCH_LINES = blocking, 10
     if os.environ.get("DROP_FIRST_RAISE"):  # the tool's handler raises where the exception is dropped,
-        import dept_mega.data.stop_signals as ss  # as in a multiprocessing Finalize callback
-        real_stop = ss._stop
+        import dept_mega.data.stop_signals as ss  # as in a multiprocessing Finalize callback, in the
+        real_stop, main = ss._stop, os.getpid()  # main process (its children stop as usual)
         def dropped(signum, frame):
             try:
                 real_stop(signum, frame)
             except BaseException as exc:
+                if os.getpid() != main:
+                    raise
                 os.write(2, f"dropped {{type(exc).__name__}}\\n".encode())
         ss._stop = dropped
     import preprocess_data
