@@ -25,9 +25,9 @@ import torch
 
 from .config import Config, ConfigError
 from .config_diff import check_differing
-from .manifest import DEPENDS_FILE, STEP_DIR, CheckpointError, read_json
+from .manifest import DEPENDS_FILE, CheckpointError, read_json
 from .parallel.agree import is_agreed, mark_agreed
-from .resume import CKPT_DIR, depends_differences, fingerprint, select_checkpoint, step_dir
+from .resume import CKPT_DIR, depends_differences, fingerprint, run_and_step, select_checkpoint, step_dir
 from .variant import variant_of
 
 # what the weights' shapes and meaning depend on (model.seq_length only with a learned position table)
@@ -51,11 +51,7 @@ def source_checkpoint(path: str, device: Optional[torch.device] = None, verify: 
     directory (every rank: rank 0's listing decides, as for a resume). ``verify=False`` (the
     pre-flight, one process): the step ``checkpoints/latest`` names, its files not checksummed."""
     norm = os.path.normpath(path)
-    m = STEP_DIR.match(os.path.basename(norm))
-    if m and os.path.basename(os.path.dirname(norm)) == CKPT_DIR:
-        run_dir, step = os.path.dirname(os.path.dirname(norm)), int(m.group(1))
-    else:
-        run_dir, step = norm, None
+    run_dir, step = run_and_step(norm) or (norm, None)
     if not os.path.isdir(norm):
         raise ConfigError(f"config key '{KEY}': {path!r} is not a directory (a run directory, or its "
                           f"checkpoints/step_N)")

@@ -48,6 +48,16 @@ def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, CKPT_DIR, f"step_{step}")
 
 
+def run_and_step(path: str) -> Optional[tuple[str, int]]:
+    """``(RUN, N)`` when ``path`` names a checkpoint directory ``RUN/checkpoints/step_N`` (the
+    inverse of :func:`step_dir`), else None."""
+    norm = os.path.normpath(path)
+    m = STEP_DIR.match(os.path.basename(norm))
+    if m is None or os.path.basename(os.path.dirname(norm)) != CKPT_DIR:
+        return None
+    return os.path.dirname(os.path.dirname(norm)), int(m.group(1))
+
+
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

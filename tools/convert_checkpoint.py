@@ -302,18 +302,15 @@ def _write_converted(path: str, step: int, cfg, tmp: str) -> None:
         raise CheckpointError(f"the converted checkpoint {tmp} does not verify: {problem}")
 
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
 def _from_step_dir(step_path: str) -> tuple[str, int]:
     """(run directory, step) of ``RUN/checkpoints/step_N``."""
-    path = os.path.abspath(step_path.rstrip(os.sep) or os.sep)
-    m = _STEP_DIR.match(os.path.basename(path))
-    if m is None or os.path.basename(os.path.dirname(path)) != "checkpoints":
+    from dept_mega.resume import run_and_step
+    found = run_and_step(os.path.abspath(step_path))
+    if found is None:
         raise CheckpointError(f"{step_path} is not a checkpoint directory RUN/checkpoints/step_N")
-    if not os.path.isdir(path):
+    if not os.path.isdir(step_path):
         raise CheckpointError(f"checkpoint {step_path} does not exist")
-    return os.path.dirname(os.path.dirname(path)), int(m.group(1))
+    return found
 
 
 def main(argv=None) -> int:
