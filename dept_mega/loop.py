@@ -25,7 +25,7 @@ from . import ops
 from .config import Config
 from .log_lines import write_line
 from .metrics import MetricsWriter, ThroughputMeter, activation_fields, human_line, outer_line
-from .preemption import PreemptedWait, stopped_by
+from .preemption import PreemptedWait, announce_stop, stopped_by
 from .parallel.groups import ParallelGroups
 from .trainer import StepResult, Trainer
 
@@ -397,7 +397,6 @@ class TrainLoop:
             return False
         if new and announce and self.checkpointer is not None and self.pg.rank == 0 and not p.interrupted \
                 and self.trainer.step < self.cfg.train.steps:
-            from .preemption import announce_stop
             announce_stop(self.cfg.train.run_dir, p.signal_name)
         return True
 
@@ -422,7 +421,7 @@ class TrainLoop:
         if stop.synced and step > 0 and last != step and (can is None or can()):
             p = self.preemption
             if self.pg.rank == 0 and not stop.finished and p is not None and not p.interrupted:
-                from .preemption import announce_stop  # (as _stop_agreed: before the save)
+                # (as _stop_agreed: before the save)
                 announce_stop(self.cfg.train.run_dir, "quorum_give_up" if stop.gave_up else p.signal_name)
             self.save()
             if hasattr(self.checkpointer, "wait"):
