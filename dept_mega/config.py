@@ -20,7 +20,7 @@ import yaml
 
 from .config_schema import (  # noqa: F401 - the schema is re-exported: import it from here
     ConfigError, ModelConfig, ParallelConfig, OuterOptimizerConfig, DeptConfig, SourceConfig, DataConfig, OptimConfig, ProfileConfig, TrainConfig, FederationConfig, Config, CHOICES, FP8_GEMM_MAX_TUNING, get_key)
-from .config_origin import leaf_keys, origin
+from .config_origin import leaf_keys, origin, override_key
 from .variant import one_group_data_hint, variant_of
 
 
@@ -149,10 +149,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``'parallel.tensor=2'`` -> ``('parallel.tensor', 2)``; the value is read as YAML."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if key.startswith("--"):
-        key = key[2:]
+    key, raw = override_key(text), text.split("=", 1)[1]
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:

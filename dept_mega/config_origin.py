@@ -18,6 +18,13 @@ def _path(dotted: str) -> list[str]:
     return [p for p in re.sub(r"\[(\d+)\]", r".\1", dotted).split(".") if p]
 
 
+def override_key(text: str) -> str:
+    """The dotted key of an override ``key.sub=value`` (a leading ``--`` dropped, as Megatron's
+    flags are often typed)."""
+    key = text.split("=", 1)[0].strip()
+    return key[2:] if key.startswith("--") else key
+
+
 def _related(a: list[str], b: list[str]) -> bool:
     """One path is the other or inside it (``data.sources`` and ``data.sources.0.path``)."""
     n = min(len(a), len(b))
@@ -68,11 +75,12 @@ def origin(message: str, path: Optional[str], overrides: Sequence[str]) -> str:
     if m is None:
         return message
     key = _path(m.group(1))
-    touching = [o for o in overrides if "=" in o and _related(_path(o.split("=", 1)[0].strip().lstrip("-")), key)]
+    touching = {o: _path(override_key(o)) for o in overrides if "=" in o}
+    touching = {o: p for o, p in touching.items() if _related(p, key)}
     if message.startswith("unknown config key") and touching:  # the override is the key the user typed
         return message
     # an override of the key itself or of a section holding it replaced what the file had there
-    whole = any(len(_path(o.split("=", 1)[0].strip().lstrip("-"))) <= len(key) for o in touching)
+    whole = any(len(p) <= len(key) for p in touching.values())
     parts = []
     if touching:
         parts.append(f"set by the override{'s' if len(touching) > 1 else ''} {', '.join(touching)}")
