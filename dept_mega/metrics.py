@@ -407,17 +407,21 @@ def train_flops_per_token(model, vocab_size: int) -> float:
     return float(model.num_layers * per_layer + 6 * h * vocab_size)
 
 
-# Dense bf16 peak FLOP/s by device name. The H100 SXM part is named
-# "NVIDIA H100 80GB HBM3"; the PCIe and NVL parts have other peaks and are not listed.
-PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200": 989e12}
+# Dense bf16 peak FLOP/s by device name: the SXM parts ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+# and the GH200's GPU. The PCIe and NVL parts of both have lower peaks (lower clocks and power;
+# the H200 NVL's datasheet gives 835 TFLOP/s dense) and are not listed: their MFU is null rather
+# than measured against the SXM part's peak.
+PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200 SXM": 989e12}
 
 
 def peak_bf16_flops(device_name: str) -> Optional[float]:
     """Dense bf16 peak of a CUDA device from its name, or None when we do not know it."""
     name = device_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
     if "H200" in name:
-        return PEAK_BF16_FLOPS["H200"]
-    if "H100" in name and "PCIE" not in name and "NVL" not in name:
+        return PEAK_BF16_FLOPS["H200 SXM"]
+    if "H100" in name:
         return PEAK_BF16_FLOPS["H100 SXM"]
     return None
 

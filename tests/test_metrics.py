@@ -21,6 +21,9 @@ def test_peak_flops_by_device_name():
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_bf16_flops("NVIDIA H200") == 989e12
     assert peak_bf16_flops("NVIDIA H100 PCIe") is None  # another peak: not guessed
+    assert peak_bf16_flops("NVIDIA H100 NVL") is None
+    assert peak_bf16_flops("NVIDIA H200 NVL") is None  # 835 TFLOP/s dense, not the SXM part's 989
+    assert peak_bf16_flops("NVIDIA GH200 480GB") == 989e12
     assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") is None
 
 

@@ -10,8 +10,8 @@ steps (after ``--warmup`` untimed ones) on synthetic token batches of the config
 and dotted override is accepted as for training (precision, fp8, backend, model.*, parallel.*,
 optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kind: "bench"``
 record (docs/metrics.md) to BENCH.json: ``tokens_per_s`` (all groups),
-``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM and H200;
-null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
+``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM, H200 SXM and
+GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
 steps, max over ranks; CPU: the process's peak resident set). Extra keys describe the setup:
 the device name, torch / CUDA versions, the date and the resolved ``config``.
 
