@@ -395,10 +395,11 @@ def _secs(value: Optional[float]) -> str:
 
 
 def train_flops_per_token(model, vocab_size: int) -> float:
-    """Training FLOPs per token (Megatron's formula with the attention term halved for causal
-    masking; docs/metrics.md): per layer 6·h·(q + 2·kv + q) for the attention projections,
-    6·h·ffn·(3 if swiglu else 2) for the MLP, 6·q·s for causal attention (Megatron-LM counts
-    12·q·s); plus 6·h·V once for the output head."""
+    """Training FLOPs per token (docs/metrics.md): per layer 6·h·(q + 2·kv + q) for the attention
+    projections, 6·h·ffn·(3 if swiglu else 2) for the MLP, 6·q·s for causal attention (half the
+    s×s scores); plus 6·h·V once for the output head. Megatron-LM's formula since core_v0.12
+    (``num_floating_point_operations``), given the same vocabulary; up to core_r0.11 it counted
+    12·q·s for attention, as torchtitan does."""
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
