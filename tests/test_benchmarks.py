@@ -113,6 +113,23 @@ def test_kernel_breakdown_sums_kernels_by_kind():
     assert "GPU busy 1.0 ms of 2.0 ms profiled (50.0%)" in text and "| gemm | 0.70 | 70.0% |" in text
 
 
+def test_kernel_breakdown_busy_is_inside_the_steps_and_the_tail_apart():
+    """The headline's busy time is the union of the GPU's work inside the steps' host ranges
+    (never over 100 %); work after a step's range closed (the optimizer, launched at the step's
+    end without a wait) is reported apart, and overlapping kernels count once."""
+    from kernel_breakdown import breakdown, render
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 5, "dur": 90, "pid": 0, "tid": 7},
+        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel", "ts": 10, "dur": 20, "pid": 0, "tid": 8},
+        {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel<AdamW>", "ts": 95, "dur": 35, "pid": 0,
+         "tid": 7}]}
+    res = breakdown(trace)
+    assert (res["busy_us"], res["after_us"], res["summed_us"], res["span_us"]) == (95, 30, 145, 100)
+    head = render(res, 3).splitlines()[0]
+    assert "GPU busy 0.1 ms of 0.1 ms profiled (95.0%)" in head and "after the steps' ends 0.03 ms" in head, head
+
+
 def test_memory_vs_model_compares_the_trainer_share():
     from memory_vs_model import compare
     costs = {"variants": {"spec_opt": {"memory": {"weights": 4e9, "grads": 4e9, "optimizer": 8e9, "outer": 4e9,
