@@ -53,6 +53,9 @@
 # script installs with --no-deps into its temporary folder (for a GPU node without network). To
 # fetch the wheels on a machine with network (.whl/ is ignored by git; CPython 3.12 wheels):
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/
+# and copy .whl/ to the GPU node with the checkout (a tool that copies the working tree takes an
+# ignored folder only when told: carry: [".whl"]). When a planned stage needs one of them and it is
+# neither in .whl/ nor importable, the script says so in one warning line at its start.
 #
 # Stages, in the order they run without --stages (expected seconds: measured on one H100,
 # 2026-11-26, or, for ops_tests, ops and torchao, on one H200, 2026-11-27, with room; a stage
@@ -214,6 +217,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$WORK/site"
 fi
+# One line on stderr and at the top of the log when a planned stage needs megatron-core or torchao
+# and neither a wheel in .whl/ nor an importable package provides it: a GPU node without network
+# cannot install it, and .whl/ (ignored by git) reaches a machine that gets a copy of the working
+# tree only when the copy names it (a device tool's carry list)
+wheel_warning() {
+  local need st whl mod what missing=()
+  for need in "megatron:megatron_core:megatron.core:megatron-core (the megatron stage fails without it)" \
+              "torchao:torchao:torchao:torchao (the torchao stage records skipped without it)"; do
+    IFS=: read -r st whl mod what <<<"$need"
+    [[ " ${PLANNED[*]} " == *" $st "* ]] || continue
+    ls .whl/"$whl"-*.whl >/dev/null 2>&1 && continue
+    "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$mod') is None)" 2>/dev/null && continue
+    missing+=("$what")
+  done
+  (( ${#missing[@]} )) || return 0
+  local line
+  line="warning: not in .whl/ and not importable here: $(IFS=';'; echo "${missing[*]}" | sed 's/;/, /'): before the"
+  line+=" GPU call run \`bash benchmarks/fetch_device_wheels.sh\` and let .whl travel with the checkout (.whl/ is"
+  line+=" ignored by git: the device tool's carry must name it, carry: [\".whl\"])"
+  echo "$line" >&2
+  echo "$line" >>"$LOG"
+}
 
 # ------------------------------------------------------------------ what differs in the dry run
 declare -A HANG=()  # (the dry run's GPU_CHECK_DRY_HANG, below)
@@ -747,6 +772,7 @@ stage_torchao() {  # vs_torchao.py's record (less its config) as one row of benc
 }
 
 # ------------------------------------------------------------------ the sequence
+wheel_warning
 log "# gpu_check $( [ "$DRY" = 1 ] && echo "(dry run on the CPU) " )budget ${BUDGET}s, output $OUT, $(date -Is)"
 log "# stages, in this order: ${PLANNED[*]}"
 start_build
