@@ -69,7 +69,7 @@
 #              operators against Triton's, torch and torch._scaled_mm; the GEMM's algorithm tuning, left
 #              out when build.log says the extension holds a static copy of libstdc++: it crashed)  40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
-#              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
+#              4 warm-up steps, 6 timed, then 1 profiled -> bench.jsonl, kernel breakdown -> kernels.txt 45
 #   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
 #              fp8_casts auto = cuda, fp8_gemm auto = cublaslt, fp8_fused_casts null = every C++
 #              cast fused: LayerNorm, GELU, dGELU) -> bench.jsonl, kernels.txt                 55
@@ -251,7 +251,7 @@ if [ "$DRY" = 1 ]; then
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=32
          model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=64 model.seq_length=32
          train.micro_batch_size=$MB train.global_batch_size=4)
-  STEPS=(--warmup 2 --steps 1)  # the profiled step 3 (train.profile.start=2) is the timed one here
+  WARMUP=2 TIMED=1
   OPS_ARGS=(--device cpu --small --iters 2)
   # Megatron's RoPE needs CUDA: learned positions on both sides here
   MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
@@ -289,7 +289,7 @@ else
   BIG_VOCAB=250112
   MB=4
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB train.micro_batch_size=$MB train.global_batch_size=16)
-  STEPS=(--warmup 4 --steps 6)
+  WARMUP=4 TIMED=6
   OPS_ARGS=(--device cuda)
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
@@ -309,6 +309,11 @@ else
                      [fp8_prev]=55 [fp8_all_fused]=55 [fp8_tuned]=60 [attention]=90)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
+
+# tools/benchmark.py's steps: WARMUP untimed, TIMED timed; a --profile run traces one more step
+# after them (a profiler session leaves CUPTI attached, slowing the steps after it: none is timed)
+STEPS=(--warmup "$WARMUP" --steps "$TIMED")
+PROFILED=(train.profile.start=$(( WARMUP + TIMED )) train.profile.stop=$(( WARMUP + TIMED + 1 )))
 
 # ------------------------------------------------------------------ plumbing
 FORK_PID=
@@ -573,7 +578,7 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
   [ "${1:-}" = --profile ] && { profile=1; shift; }
   local rec="$WORK/bench_$name.json" prof=()
   wait_build || return 1  # a run loads the extension: never while the build writes it
-  [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" train.profile.start=2 train.profile.stop=3)
+  [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" "${PROFILED[@]}")
   run "$PY" tools/benchmark.py --config "$CFG" "${SHAPE[@]}" "$@" "${prof[@]}" "${STEPS[@]}" --out "$rec"
   rc=$?
   bench_row "$name" "$rec" "$rc"

@@ -15,9 +15,14 @@ GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocate
 steps, max over ranks; CPU: the process's peak resident set). Extra keys describe the setup:
 the device name, torch / CUDA versions, the date and the resolved ``config``.
 
-``train.profile: {start, stop, ranks}`` writes a torch.profiler trace of those steps (warm-up
-steps count: step numbers run from 1 over warm-up then timed steps) to ``train.run_dir``/profile;
-profile warm-up steps (``--warmup`` > stop) to keep the timed steps free of profiler overhead.
+``train.profile: {start, stop, ranks}`` writes a torch.profiler trace of steps start+1 … stop
+to ``train.run_dir``/profile (step numbers run from 1 over the warm-up steps, then the timed
+ones, then these). The profiled steps must come after the timed ones (start >= warm-up + timed
+steps; they are run, untimed, after the timed window): on CUDA a profiler session leaves CUPTI
+attached after it stops (kineto detaches it only with ``TEARDOWN_CUPTI=1``), which slows every
+later step of the process, so a step timed after a profiled one would not be comparable with
+the same step in an unprofiled run. A range that starts earlier is refused (exit 2). The
+record's ``profiled_steps`` names the steps traced (null without ``train.profile``).
 """
 from __future__ import annotations
 
@@ -70,6 +75,15 @@ def main(argv=None) -> int:
     if args.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
+    prof = cfg.train.profile
+    timed_end = args.warmup + args.steps  # the step number of the last timed step
+    if prof is not None and prof.start < timed_end:
+        print(f"error: config key 'train.profile': start={prof.start} traces step {prof.start + 1}, not after the "
+              f"timed steps ({args.warmup + 1}-{timed_end}); a profiler session leaves CUPTI attached on CUDA, "
+              f"which slows the steps after it, so the benchmark profiles after the timed window: "
+              f"train.profile.start={timed_end} train.profile.stop={timed_end + prof.stop - prof.start}",
+              file=sys.stderr)
+        return 2
     try:
         rank, world, device = init_distributed(device=cfg.train.device)
     except ConfigError as exc:  # train.device: cuda without a usable CUDA device, named
@@ -100,8 +114,9 @@ def main(argv=None) -> int:
     pg = build_groups(p.tensor, p.data, p.pipeline)
     torch.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, pg, device, vocab_size=vocab)
-    cfg.train.steps = max(cfg.train.steps, args.warmup + args.steps)
-    profiler = StepProfiler(cfg.train.profile, cfg.train.run_dir, rank, device)
+    total = max(timed_end, prof.stop if prof is not None else 0)  # the profiled steps after the timed ones
+    cfg.train.steps = max(cfg.train.steps, total)
+    profiler = StepProfiler(prof, cfg.train.run_dir, rank, device)
 
     def step(s: int) -> None:
         profiler.before_step(s)
@@ -123,7 +138,6 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.barrier()
     seconds = time.perf_counter() - t0
-    profiler.close(args.warmup + args.steps)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length * pg.num_groups
     tps = tokens_per_step * args.steps / seconds
     flops_tok = train_flops_per_token(cfg.model, vocab)
@@ -137,8 +151,11 @@ def main(argv=None) -> int:
         tflops = mfu = None
     if dist.is_initialized():
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    for s in range(timed_end, total):  # the profiled steps, after the timed window and its figures
+        step(s)
+    profiler.close(total)
     tuned = tuning_log()  # fp8_gemm_tuning: what the first step tuned (on a GPU with cuBLASLt)
-    rec = make_record("bench", args.warmup + args.steps, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
+    rec = make_record("bench", total, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
                       tflops_per_device=tflops, mfu=mfu, step_ms=seconds / args.steps * 1e3,
                       peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
                       layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
@@ -150,7 +167,8 @@ def main(argv=None) -> int:
                       torch_version=torch.__version__, cuda_version=torch.version.cuda,
                       inductor_max_autotune=bool(inductor_config.max_autotune),
                       date=datetime.date.today().isoformat(), config=cfg.to_dict(),
-                      fp8_gemm_tuning=tuned, fp8_gemm_tuning_line=describe_tuning(tuned) if tuned else None)
+                      fp8_gemm_tuning=tuned, fp8_gemm_tuning_line=describe_tuning(tuned) if tuned else None,
+                      profiled_steps=[prof.start + 1, prof.stop] if prof is not None else None)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

@@ -1,0 +1,44 @@
+"""tools/benchmark.py's bench record on the CPU (docs/metrics.md): where the profiled steps run,
+what the record says about the timed steps, and the figures it carries beside tokens/s."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import yaml
+
+from tests.trainer_utils import ROOT, TINY, merge
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_tool", os.path.join(ROOT, "tools", "benchmark.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _config(tmp_path, over: dict | None = None) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(merge(TINY, over or {})))
+    return str(path)
+
+
+def test_profiled_steps_come_after_the_timed_window(tmp_path, capsys):
+    """A profiler session leaves CUPTI attached on CUDA, slowing the steps after it: the benchmark
+    traces steps after its timed window, and refuses a train.profile range inside or before it (as
+    gpu_check.sh's earlier settings had it: step 3 of a 4-step warm-up), saying where to put it."""
+    mod = _tool()
+    cfg, out, run = _config(tmp_path), tmp_path / "bench.json", tmp_path / "run"
+    base = ["--config", cfg, "--warmup", "4", "--steps", "1", "--out", str(out), f"train.run_dir={run}"]
+    assert mod.main(base + ["train.profile.start=2", "train.profile.stop=3"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'train.profile': start=2 traces step 3, not after the timed steps (5-5)" in err, err
+    assert "train.profile.start=5 train.profile.stop=6" in err and not out.exists()
+    assert mod.main(base + ["train.profile.start=5", "train.profile.stop=6"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["profiled_steps"] == [6, 6] and rec["timed_steps"] == 1 and rec["step"] == 6
+    assert os.listdir(run / "profile") == ["rank0_steps6-6.json"]
+    trace = json.loads((run / "profile" / "rank0_steps6-6.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")} == {
+        "ProfilerStep#6"}
