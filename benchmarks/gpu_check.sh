@@ -596,15 +596,20 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
 }
 
 bench_row() {  # NAME RECORD RC [SAME_AS]: a tools/benchmark.py record as NAME's row of bench.jsonl (an
-  # error row with the log's last line when the run failed); SAME_AS: the run whose record it is
+  # error row with the log's last line when the run failed; a record marked invalid, e.g. timed
+  # steps that skipped the optimizer, with its figures and the reason as the row's error); SAME_AS:
+  # the run whose record it is
   "$PY" - "$@" "$LOG" "$OUT/bench.jsonl" <<'EOF'
 import json, os, sys
 name, rec, rc, *same, log, dst = sys.argv[1:]
-if rc == "0" and os.path.exists(rec):
-    r = json.load(open(rec)); r["name"] = name
+r = json.load(open(rec)) if os.path.exists(rec) else {}
+if rc == "0" or r.get("invalid"):
+    r["name"] = name
     r["micro_batch_size"] = ((r.pop("config", None) or {}).get("train") or {}).get("micro_batch_size")
     if same:
         r["same_run_as"] = same[0]
+    if r.get("invalid"):
+        r["error"] = f"rc={rc}: invalid: {r['invalid']}"
 else:
     lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
     r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
@@ -612,10 +617,13 @@ open(dst, "a").write(json.dumps(r) + "\n")
 EOF
 }
 reuse() {  # NAME SAME_AS: SAME_AS ran NAME's settings earlier in this call: its record as NAME's row
-  local rec="$WORK/bench_$2.json"
+  # (1: no such record; 2: the record is marked invalid, its row says why)
+  local rec="$WORK/bench_$2.json" rc=0
   [ -f "$rec" ] || return 1
   log "$1: the settings of $2, which ran in this call: its record again as $1's row (not run twice)"
-  bench_row "$1" "$rec" 0 "$2"
+  grep -q '"invalid"' "$rec" && rc=1
+  bench_row "$1" "$rec" $rc "$2"
+  (( rc == 0 )) || return 2
   if grep -q "^# kernels: $2 " "$OUT/kernels.txt" 2>/dev/null; then
     printf '# kernels: %s: the run of %s, above\n\n' "$1" "$2" >>"$OUT/kernels.txt"
   fi
@@ -657,7 +665,8 @@ stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda 
 stage_fp8_fused() {
   bench fp8_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=torch fp8_fused_casts=true; }
 stage_fp8_lt_fused() {
-  reuse fp8_lt_fused fp8_all_fused && return 0
+  reuse fp8_lt_fused fp8_all_fused
+  case $? in 0) return 0 ;; 2) return 1 ;; esac
   bench fp8_lt_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
 stage_fp8_tlt_fused() {
   bench fp8_tlt_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=cublaslt fp8_fused_casts=true; }

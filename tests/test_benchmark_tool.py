@@ -42,3 +42,23 @@ def test_profiled_steps_come_after_the_timed_window(tmp_path, capsys):
     trace = json.loads((run / "profile" / "rank0_steps6-6.json").read_text())
     assert {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")} == {
         "ProfilerStep#6"}
+
+
+def test_timed_steps_that_skip_the_optimizer_make_the_record_invalid(tmp_path, capsys):
+    """Every timed step's time, the last loss and the steps that skipped the optimizer are in the
+    record; a non-finite loss (here: weights initialised at 1e30) skips it, which makes the step
+    faster than a training step, so such a record is marked invalid and the tool exits 1."""
+    mod = _tool()
+    out = tmp_path / "bench.json"
+    args = ["--config", _config(tmp_path), "--warmup", "1", "--steps", "2", "--out", str(out)]
+    assert mod.main(args) == 0
+    rec = json.loads(out.read_text())
+    assert rec["skipped_steps"] == 0 and "invalid" not in rec and rec["last_loss"] > 0
+    assert len(rec["step_ms_all"]) == 2 and all(ms > 0 for ms in rec["step_ms_all"])
+    assert sum(rec["step_ms_all"]) <= rec["step_ms"] * 2 * 1.001 and rec["graphs_compiled_in_timed_steps"] == 0
+    capsys.readouterr()
+    assert mod.main(args + ["model.init_method_std=1e30"]) == 1
+    rec = json.loads(out.read_text())
+    assert rec["skipped_steps"] == 2 and rec["last_loss"] is None  # nan, written as null
+    assert rec["invalid"].startswith("2 of 2 timed steps skipped the optimizer (non-finite loss or gradient norm)")
+    assert "error: invalid benchmark: 2 of 2 timed steps" in capsys.readouterr().err

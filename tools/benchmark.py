@@ -12,8 +12,13 @@ optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kin
 record (docs/metrics.md) to BENCH.json: ``tokens_per_s`` (all groups),
 ``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM, H200 SXM and
 GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
-steps, max over ranks; CPU: the process's peak resident set). Extra keys describe the setup:
-the device name, torch / CUDA versions, the date and the resolved ``config``.
+steps, max over ranks; CPU: the process's peak resident set). The timed steps themselves:
+``step_ms_all`` (each one's ms: CUDA events between the steps, wall clock on the CPU),
+``last_loss``, ``skipped_steps`` (steps that skipped the optimizer for a non-finite loss or
+gradient norm) and ``graphs_compiled_in_timed_steps`` (torch.compile graphs made during them: a
+recompilation). A timed step that skipped the optimizer makes the record invalid: it says why in
+``invalid`` and the tool exits 1 (such a step is faster than a training step). Extra keys
+describe the setup: the device name, torch / CUDA versions, the date and the resolved ``config``.
 
 ``train.profile: {start, stop, ranks}`` writes a torch.profiler trace of steps start+1 … stop
 to ``train.run_dir``/profile (step numbers run from 1 over the warm-up steps, then the timed
@@ -118,10 +123,11 @@ def main(argv=None) -> int:
     cfg.train.steps = max(cfg.train.steps, total)
     profiler = StepProfiler(prof, cfg.train.run_dir, rank, device)
 
-    def step(s: int) -> None:
+    def step(s: int):
         profiler.before_step(s)
-        trainer.train_step(synthetic_step(cfg, vocab, pg, s))
+        res = trainer.train_step(synthetic_step(cfg, vocab, pg, s))
         profiler.after_step(s + 1)
+        return res
 
     for s in range(args.warmup):
         step(s)
@@ -130,14 +136,27 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats()
     if dist.is_initialized():
         dist.barrier()
+    graphs0 = _compiled_graphs()
+    # each timed step's boundaries: CUDA events on the stream (no wait: the steps queue as untimed
+    # ones do), wall clock on the CPU
+    marks = [_mark(device)]
+    results = []
     t0 = time.perf_counter()
     for s in range(args.steps):
-        step(args.warmup + s)
+        results.append(step(args.warmup + s))
+        marks.append(_mark(device))
     if device.type == "cuda":
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
     seconds = time.perf_counter() - t0
+    step_ms_all = [_ms_between(a, b) for a, b in zip(marks, marks[1:])]
+    # timed steps that skipped the optimizer (a non-finite loss or gradient norm), the most of any
+    # rank (each source group has its own loss): faster than a training step, so not a speed
+    skipped = torch.tensor([sum(r.skipped for r in results)], device=device if device.type == "cuda" else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(skipped, op=dist.ReduceOp.MAX)
+    skipped_steps = int(skipped.item())
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length * pg.num_groups
     tps = tokens_per_step * args.steps / seconds
     flops_tok = train_flops_per_token(cfg.model, vocab)
@@ -168,15 +187,42 @@ def main(argv=None) -> int:
                       inductor_max_autotune=bool(inductor_config.max_autotune),
                       date=datetime.date.today().isoformat(), config=cfg.to_dict(),
                       fp8_gemm_tuning=tuned, fp8_gemm_tuning_line=describe_tuning(tuned) if tuned else None,
-                      profiled_steps=[prof.start + 1, prof.stop] if prof is not None else None)
+                      profiled_steps=[prof.start + 1, prof.stop] if prof is not None else None,
+                      last_loss=results[-1].loss, skipped_steps=skipped_steps, step_ms_all=step_ms_all,
+                      graphs_compiled_in_timed_steps=_compiled_graphs() - graphs0)
+    if skipped_steps:
+        rec["invalid"] = (f"{skipped_steps} of {args.steps} timed steps skipped the optimizer (non-finite loss or "
+                          f"gradient norm): a skipped step is faster than a training step, so tokens_per_s is no speed")
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(rec, f, indent=1)
         print(json.dumps({k: v for k, v in rec.items() if k != "config"}))
+        if skipped_steps:
+            print(f"error: invalid benchmark: {rec['invalid']} (the record, marked invalid, is in {args.out})",
+                  file=sys.stderr)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return 1 if skipped_steps else 0
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (dynamo's unique_graphs counter)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _mark(device: torch.device):
+    """A step boundary: a CUDA event recorded on the current stream, else the wall clock."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _ms_between(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
 
 
 if __name__ == "__main__":
