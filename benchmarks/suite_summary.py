@@ -150,7 +150,8 @@ def _ops_targets(results: list[dict], overhead: dict) -> list[str]:
 
 
 def _bench_lines(rows: list[dict]) -> list[str]:
-    lines = ["## The 1B model on one device", "", "| run | tokens/s | TFLOP/s/device | MFU | peak GB | step ms |",
+    lines = ["## The 1B model on one device", "",
+             "| run | tokens/s | TFLOP/s/device | MFU (bf16 peak) | peak GB | step ms |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
@@ -322,7 +323,7 @@ def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
     lines += [f"- {model.get('layers')} x {model.get('hidden')}, {model.get('heads')} heads, FFN {model.get('ffn')}, "
               f"sequence {model.get('seq_length')}, vocabulary {model.get('vocab')}, positions {model.get('positions')}; "
               f"micro-batch {r.get('micro_batch_size')} x {r.get('accum')}; weights {model.get('weights')}",
-              "", "| arm | tokens/s | TFLOP/s | MFU | peak GB | step ms | first loss | Float8Linear | graphs |",
+              "", "| arm | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GB | step ms | first loss | Float8Linear | graphs |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, a in (r.get("arms") or {}).items():
         if "error" in a:

@@ -31,8 +31,8 @@ REQUIRED = {
     "eval": ("by_source",),
     "outer": ("bytes", "seconds"),
     "membership": ("groups", "joined", "left"),  # federated source groups (dept/federation.py)
-    "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_ms",
-              "peak_mem_gb"),
+    "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_tflops", "mfu_basis",
+              "step_ms", "peak_mem_gb"),
 }
 EVAL_FIELDS = ("loss", "ppl", "bpb", "tokens", "bytes")
 
@@ -413,6 +413,11 @@ def train_flops_per_token(model, vocab_size: int) -> float:
 # the H200 NVL's datasheet gives 835 TFLOP/s dense) and are not listed: their MFU is null rather
 # than measured against the SXM part's peak.
 PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200 SXM": 989e12}
+
+
+# What every MFU here is over: FP8 runs too, so an FP8 run's MFU is not its share of the FP8 peak
+# (twice the bf16 one on H100 / H200)
+MFU_BASIS = "dense bf16 peak of the device (for FP8 runs too)"
 
 
 def peak_bf16_flops(device_name: str) -> Optional[float]:

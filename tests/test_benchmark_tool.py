@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
+import pytest
 import yaml
 
 from tests.trainer_utils import ROOT, TINY, merge
@@ -62,3 +64,21 @@ def test_timed_steps_that_skip_the_optimizer_make_the_record_invalid(tmp_path, c
     assert rec["skipped_steps"] == 2 and rec["last_loss"] is None  # nan, written as null
     assert rec["invalid"].startswith("2 of 2 timed steps skipped the optimizer (non-finite loss or gradient norm)")
     assert "error: invalid benchmark: 2 of 2 timed steps" in capsys.readouterr().err
+
+
+def test_the_record_names_the_peak_its_mfu_is_over(tmp_path):
+    """MFU is over the dense bf16 peak for every precision (FP8 runs too): the bench record carries
+    that peak (null on the CPU) and says so, check_record requires it, and gpu_check's summary heads
+    the column with it."""
+    from dept_mega.metrics import check_record
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from suite_summary import _bench_lines
+    out = tmp_path / "bench.json"
+    assert _tool().main(["--config", _config(tmp_path), "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    check_record(rec)
+    assert rec["peak_tflops"] is None and rec["mfu"] is None  # the CPU: no peak known
+    assert rec["mfu_basis"] == "dense bf16 peak of the device (for FP8 runs too)"
+    with pytest.raises(ValueError, match="peak_tflops"):
+        check_record({k: v for k, v in rec.items() if k != "peak_tflops"})
+    assert "| run | tokens/s | TFLOP/s/device | MFU (bf16 peak) | peak GB | step ms |" in _bench_lines([rec])

@@ -189,7 +189,7 @@ def test_metrics_records(tmp_path):
     w.write("eval", 3, 0, by_source={"en": {"loss": 1.0, "ppl": math.e, "bpb": 0.5, "tokens": 4, "bytes": 12}})
     w.write("outer", 4, 1, bytes={"dp": 3}, seconds=0.1)
     w.write("bench", 5, 0, tokens_per_s=1.0, tokens_per_s_per_device=1.0, tflops_per_device=None, mfu=None,
-            step_ms=2.0, peak_mem_gb=0.1)
+            peak_tflops=None, mfu_basis="dense bf16 peak", step_ms=2.0, peak_mem_gb=0.1)
     w.close()
     recs = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["kind"] for r in recs] == ["train", "eval", "outer", "bench"]

@@ -10,8 +10,9 @@ steps (after ``--warmup`` untimed ones) on synthetic token batches of the config
 and dotted override is accepted as for training (precision, fp8, backend, model.*, parallel.*,
 optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kind: "bench"``
 record (docs/metrics.md) to BENCH.json: ``tokens_per_s`` (all groups),
-``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` (over the device's dense bf16 peak, known for H100 SXM, H200 SXM and
-GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
+``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` over ``peak_tflops``,
+the device's dense bf16 peak, for FP8 runs too (``mfu_basis`` says so; known for H100 SXM, H200
+SXM and GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
 steps, max over ranks; CPU: the process's peak resident set). The timed steps themselves:
 ``step_ms_all`` (each one's ms: CUDA events between the steps, wall clock on the CPU),
 ``last_loss``, ``skipped_steps`` (steps that skipped the optimizer for a non-finite loss or
@@ -48,7 +49,7 @@ from torch._inductor import config as inductor_config  # noqa: E402
 
 from dept_mega.config import ConfigError, load_config, validate  # noqa: E402
 from dept_mega.megatron_flags import parse_with_hints  # noqa: E402
-from dept_mega.metrics import device_peak_flops, make_record, train_flops_per_token  # noqa: E402
+from dept_mega.metrics import MFU_BASIS, device_peak_flops, make_record, train_flops_per_token  # noqa: E402
 from dept_mega.model import describe_backends  # noqa: E402
 from dept_mega.parallel.fp8_gemm import describe_tuning, tuning_log  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
         mfu = tflops * 1e12 / peak if peak else None
     else:
         mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
-        tflops = mfu = None
+        tflops = mfu = peak = None
     if dist.is_initialized():
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     for s in range(timed_end, total):  # the profiled steps, after the timed window and its figures
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
     profiler.close(total)
     tuned = tuning_log()  # fp8_gemm_tuning: what the first step tuned (on a GPU with cuBLASLt)
     rec = make_record("bench", total, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
-                      tflops_per_device=tflops, mfu=mfu, step_ms=seconds / args.steps * 1e3,
+                      tflops_per_device=tflops, mfu=mfu, peak_tflops=peak / 1e12 if peak else None,
+                      mfu_basis=MFU_BASIS, step_ms=seconds / args.steps * 1e3,
                       peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
                       layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
                               "virtual_pipeline": p.virtual_pipeline, "sequence_parallel": p.sequence_parallel},
