@@ -82,3 +82,13 @@ def test_the_record_names_the_peak_its_mfu_is_over(tmp_path):
     with pytest.raises(ValueError, match="peak_tflops"):
         check_record({k: v for k, v in rec.items() if k != "peak_tflops"})
     assert "| run | tokens/s | TFLOP/s/device | MFU (bf16 peak) | peak GB | step ms |" in _bench_lines([rec])
+
+
+def test_the_record_has_the_peak_reserved_memory(tmp_path):
+    """Beside the peak allocated memory (peak_mem_gb) the record has the caching allocator's peak
+    reserved memory over the timed steps (peak_reserved_gb: closer to what must fit on the card);
+    null on the CPU, which has neither."""
+    out = tmp_path / "bench.json"
+    assert _tool().main(["--config", _config(tmp_path), "--warmup", "0", "--steps", "1", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert "peak_reserved_gb" in rec and rec["peak_reserved_gb"] is None and rec["peak_mem_gb"] > 0

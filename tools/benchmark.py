@@ -12,14 +12,16 @@ optim.*, train.*; whatever the Trainer honours is benchmarked). Writes one ``kin
 record (docs/metrics.md) to BENCH.json: ``tokens_per_s`` (all groups),
 ``tokens_per_s_per_device``, ``tflops_per_device`` (null on CPU), ``mfu`` over ``peak_tflops``,
 the device's dense bf16 peak, for FP8 runs too (``mfu_basis`` says so; known for H100 SXM, H200
-SXM and GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the timed
-steps, max over ranks; CPU: the process's peak resident set). The timed steps themselves:
-``step_ms_all`` (each one's ms: CUDA events between the steps, wall clock on the CPU),
-``last_loss``, ``skipped_steps`` (steps that skipped the optimizer for a non-finite loss or
-gradient norm) and ``graphs_compiled_in_timed_steps`` (torch.compile graphs made during them: a
-recompilation). A timed step that skipped the optimizer makes the record invalid: it says why in
-``invalid`` and the tool exits 1 (such a step is faster than a training step). Extra keys
-describe the setup: the device name, torch / CUDA versions, the date and the resolved ``config``.
+SXM and GH200; null elsewhere), ``step_ms`` (mean), ``peak_mem_gb`` (CUDA: peak allocated over the
+timed steps, max over ranks; CPU: the process's peak resident set), ``peak_reserved_gb`` (CUDA:
+the caching allocator's peak reserved memory over the timed steps, max over ranks; null on CPU).
+The timed steps themselves: ``step_ms_all`` (each one's ms: CUDA events between the steps, wall
+clock on the CPU), ``last_loss``, ``skipped_steps`` (steps that skipped the optimizer for a non-finite
+loss or gradient norm) and ``graphs_compiled_in_timed_steps`` (torch.compile graphs made
+during them: a recompilation). A timed step that skipped the optimizer makes the record invalid:
+it says why in ``invalid`` and the tool exits 1 (such a step is faster than a training step).
+Extra keys describe the setup: the device name, torch / CUDA versions, the date and the resolved
+``config``.
 
 ``train.profile: {start, stop, ranks}`` writes a torch.profiler trace of steps start+1 … stop
 to ``train.run_dir``/profile (step numbers run from 1 over the warm-up steps, then the timed
@@ -162,12 +164,13 @@ def main(argv=None) -> int:
     tps = tokens_per_step * args.steps / seconds
     flops_tok = train_flops_per_token(cfg.model, vocab)
     if device.type == "cuda":
-        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9], device=device)
+        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9,
+                            torch.cuda.max_memory_reserved(device) / 1e9], device=device)
         tflops = flops_tok * tps / world / 1e12
         peak = device_peak_flops(device)
         mfu = tflops * 1e12 / peak if peak else None
     else:
-        mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
+        mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, float("nan")])
         tflops = mfu = peak = None
     if dist.is_initialized():
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
     rec = make_record("bench", total, 0, tokens_per_s=tps, tokens_per_s_per_device=tps / world,
                       tflops_per_device=tflops, mfu=mfu, peak_tflops=peak / 1e12 if peak else None,
                       mfu_basis=MFU_BASIS, step_ms=seconds / args.steps * 1e3,
-                      peak_mem_gb=float(mem.item()), device=str(device), world_size=world,
+                      peak_mem_gb=float(mem[0]), peak_reserved_gb=float(mem[1]), device=str(device), world_size=world,
                       layout={"tensor": p.tensor, "pipeline": p.pipeline, "data": p.data,
                               "virtual_pipeline": p.virtual_pipeline, "sequence_parallel": p.sequence_parallel},
                       precision=cfg.precision, backends=describe_backends(cfg, device),
