@@ -42,6 +42,10 @@ def _load(path: str):
         return None
 
 
+def _onoff(flag) -> str:
+    return "n/a" if flag is None else "on" if flag else "off"
+
+
 def _fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
@@ -537,7 +541,8 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         lines += ["", f"## Megatron-core {vs.get('megatron_core_version')} side by side", "",
                   f"- both: precision {vs.get('precision')}, micro-batch {vs.get('micro_batch_size')}, attention "
                   f"{vs.get('attention')}, positions {vs.get('ours_position')}, gradient accumulation "
-                  f"{vs.get('grad_accumulation', 'bf16 on the Megatron side (before 2026-11-26)')}",
+                  f"{vs.get('grad_accumulation', 'bf16 on the Megatron side (before 2026-11-26)')}; megatron-core's "
+                  f"fusions without apex / TE {_onoff((vs.get('megatron_fusions') or {}).get('on'))}",
                   f"- ours {_fmt(o.get('tokens_per_s'))} tokens/s ({_fmt(o.get('peak_mem_gb'), '.1f')} GB), "
                   f"megatron {_fmt(m.get('tokens_per_s'))} tokens/s ({_fmt(m.get('peak_mem_gb'), '.1f')} GB), "
                   f"ratio {_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0)"]

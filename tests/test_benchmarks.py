@@ -42,6 +42,39 @@ def test_vs_megatron_same_parameters_and_our_side_on_cpu(tmp_path, capsys):
     assert vm.main(megatron_too) == 2 and "RoPE needs CUDA" in capsys.readouterr().err
 
 
+def test_vs_megatron_runs_megatrons_fusions_that_need_neither_apex_nor_te(tmp_path):
+    """Megatron's side turns on megatron-core's fused cross entropy (native), bias-dropout-add and,
+    where the model has a bias to fuse (SwiGLU), bias-activation: by default on CUDA only (they are
+    torch.compile'd; about 40 s to build on the CPU). The JSON records the setting and each
+    side's fusions."""
+    pytest.importorskip("megatron.core")
+    import vs_megatron as vm
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert vm.fusions_on("auto", cuda) and not vm.fusions_on("auto", cpu) and vm.fusions_on("on", cpu)
+    assert not vm.fusions_on("off", cuda)
+    argv = ["--config", os.path.join(ROOT, "examples", "tiny", "std.yaml"), "--vocab", "300", "--steps", "1",
+            "--warmup", "0", "--position", "config", "--out", str(tmp_path / "vs.json"),
+            "model.position_embedding=learned", "model.seq_length=16", "train.micro_batch_size=2"]
+    cfg = vm.bench_config(vm.parse_args(argv))
+    on = vm.megatron_config(cfg, cpu, fusions=True)
+    assert on.cross_entropy_loss_fusion is True and on.cross_entropy_fusion_impl == "native"
+    assert on.bias_dropout_fusion is True and on.bias_activation_fusion is False  # GELU, no linear biases
+    off = vm.megatron_config(cfg, cpu)  # auto on the CPU
+    assert not (off.cross_entropy_loss_fusion or off.bias_dropout_fusion or off.bias_activation_fusion)
+    swiglu = vm.bench_config(vm.parse_args(argv + ["model.activation=swiglu"]))
+    assert vm.megatron_config(swiglu, cpu, fusions=True).bias_activation_fusion is True
+    assert vm.main(argv + ["--only", "ours"]) == 0
+    rec = json.loads((tmp_path / "vs.json").read_text())
+    assert rec["megatron_fusions"] == {"setting": "auto", "on": False}
+    ours, theirs = rec["fusions"]["ours"], rec["fusions"]["megatron"]
+    assert ours["cross_entropy"] == "eager" and ours["gradient_accumulation"].startswith("grad_accum_fusion=on")
+    assert theirs["cross_entropy"].startswith("unfused") and "apex" in theirs["gradient_accumulation"]
+    assert vm.megatron_fusions(cfg, True)["cross_entropy"].startswith("fused (megatron-core's jit_fuser")
+    from suite_summary import summary  # gpu_check's summary.md says which (vs.json as vs_megatron.json)
+    (tmp_path / "vs.json").rename(tmp_path / "vs_megatron.json")
+    assert "; megatron-core's fusions without apex / TE off" in summary(str(tmp_path))
+
+
 def _floating_outputs(modules, seen: set) -> list:
     """Forward hooks recording (module type, dtype) of every floating tensor a module returns."""
     def hook(mod, inputs, out):
