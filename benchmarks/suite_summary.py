@@ -546,6 +546,7 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
                   f"- ours {_fmt(o.get('tokens_per_s'))} tokens/s ({_fmt(o.get('peak_mem_gb'), '.1f')} GB), "
                   f"megatron {_fmt(m.get('tokens_per_s'))} tokens/s ({_fmt(m.get('peak_mem_gb'), '.1f')} GB), "
                   f"ratio {_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0)"]
+        lines += [f"- {side} failed: {r['error'][:300]}" for side, r in (("ours", o), ("megatron", m)) if "error" in r]
     kern = os.path.join(out, "kernels.txt")
     if os.path.exists(kern):
         lines += ["", "## Kernel breakdowns (heads of kernels.txt)", ""]

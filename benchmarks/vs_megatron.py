@@ -57,7 +57,11 @@ Megatron's RoPE calls CUDA directly: on CPU its side runs with learned positions
 config model.position_embedding=learned``; the CPU rehearsal of benchmarks/gpu_check.sh does
 this), else only ``--only ours``. ``--check-shapes`` builds Megatron's model on the CPU to check
 that both sides have the same number of parameters (the shape translation). Versions, device
-and date go into the JSON.
+and date go into the JSON, which is written after each side (a crash of Megatron's side, run
+second, leaves ours); ``same_model`` is whether the two models have the same parameter count
+(those trained, else ``--check-shapes``'; null when neither tells), and a side that raised is
+``{"error": ...}`` (exit 1). ``fp8`` is refused: Megatron's local spec has no FP8, so the sides
+would differ in precision.
 """
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -135,7 +140,12 @@ def bench_config(args) -> Config:
     elif load_config(args.config, list(args.overrides)).model.position_embedding == "alibi":
         raise ConfigError("config key 'model.position_embedding': megatron-core has no ALiBi, so the two models "
                           "would differ; use --position rope (or a rope / learned config)")
-    return load_config(args.config, list(args.overrides) + fixed)
+    cfg = load_config(args.config, list(args.overrides) + fixed)
+    if cfg.fp8:
+        raise ConfigError(f"config key 'fp8': {cfg.fp8!r} would run our side's GEMMs in FP8 while Megatron's runs "
+                          f"{cfg.precision} (its local spec has no FP8: that needs Transformer Engine), so the two "
+                          f"sides would differ in precision; compare without fp8")
+    return cfg
 
 
 # the attention kernel of both sides (module doc)
@@ -460,7 +470,7 @@ def main(argv=None) -> int:
                  "micro_batch_size": cfg.train.micro_batch_size, "accum": args.accum,
                  "timed_steps": args.steps, "warmup_steps": args.warmup,
                  "ours_position": cfg.model.position_embedding, "megatron_position": megatron_position(cfg),
-                 "same_model": True, **describe_setup(cfg), **environment(device)}
+                 "same_model": None, **describe_setup(cfg), **environment(device)}
     fused = fusions_on(args.megatron_fusions, device)
     rec["megatron_fusions"] = {"setting": args.megatron_fusions, "on": fused}
     rec["fusions"] = {"ours": our_fusions(cfg, device), "megatron": megatron_fusions(cfg, fused)}
@@ -474,29 +484,41 @@ def main(argv=None) -> int:
         theirs = count(build_megatron(cfg, args.vocab, torch.device("cpu")).parameters())
         rec["shape_check"] = {"ours_params": ours, "megatron_params": theirs, "equal": ours == theirs}
         print(f"parameters: ours {ours:,}, megatron-core {theirs:,}")
+        rec["same_model"] = rec["shape_check"]["equal"]
+    failed = False
     for side, fn in (("ours", run_ours), ("megatron", lambda *a: run_megatron(*a, fusions=fused))):
         if args.only not in (None, side):
             continue
-        res = fn(cfg, args.vocab, device, args.warmup, args.steps)
-        res["tokens_per_s"] = tokens_per_step / (res["step_ms_median"] / 1e3)
-        rec[side] = res
+        try:
+            res = fn(cfg, args.vocab, device, args.warmup, args.steps)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other side still runs
+            traceback.print_exc()
+            rec[side] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed = True
+        else:
+            res["tokens_per_s"] = tokens_per_step / (res["step_ms_median"] / 1e3)
+            rec[side] = res
+            peak = "n/a" if res["peak_mem_gb"] is None else f"{res['peak_mem_gb']:.1f} GB"
+            print(f"{side:>9}: {res['tokens_per_s']:,.0f} tokens/s, median step {res['step_ms_median']:.1f} ms, "
+                  f"peak memory {peak}, {res['params']:,} parameters", flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        peak = "n/a" if res["peak_mem_gb"] is None else f"{res['peak_mem_gb']:.1f} GB"
-        print(f"{side:>9}: {res['tokens_per_s']:,.0f} tokens/s, median step {res['step_ms_median']:.1f} ms, "
-              f"peak memory {peak}, {res['params']:,} parameters", flush=True)
-    if "ours" in rec and "megatron" in rec:
+        ran = [rec[s] for s in ("ours", "megatron") if "params" in rec.get(s, {})]
+        if len(ran) == 2:  # the models trained, whatever --check-shapes built
+            rec["same_model"] = ran[0]["params"] == ran[1]["params"]
+        write_record(rec, args.out)  # after each side: a crash of the next one leaves these figures
+    if "tokens_per_s" in rec.get("ours", {}) and "tokens_per_s" in rec.get("megatron", {}):
         rec["ratio"] = rec["ours"]["tokens_per_s"] / rec["megatron"]["tokens_per_s"]
         print(f"ratio ours / megatron-core: {rec['ratio']:.3f}")
     write_record(rec, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if args.check_shapes and not rec["shape_check"]["equal"]:
+    if rec["same_model"] is False:
         print("error: the two models have different parameter counts: the shape translation is wrong",
               file=sys.stderr)
         return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
