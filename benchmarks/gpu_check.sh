@@ -53,6 +53,9 @@
 # script installs with --no-deps into its temporary folder (for a GPU node without network). To
 # fetch the wheels on a machine with network (.whl/ is ignored by git; CPython 3.12 wheels):
 #   bash benchmarks/fetch_device_wheels.sh        # megatron-core's and torchao's wheels into .whl/
+# and copy .whl/ to the GPU node with the checkout (a tool that copies the working tree takes an
+# ignored folder only when told: carry: [".whl"]). When a planned stage needs one of them and it is
+# neither in .whl/ nor importable, the script says so in one warning line at its start.
 #
 # Stages, in the order they run without --stages (expected seconds: measured on one H100,
 # 2026-11-26, or, for ops_tests, ops and torchao, on one H200, 2026-11-27, with room; a stage
@@ -66,7 +69,7 @@
 #              operators against Triton's, torch and torch._scaled_mm; the GEMM's algorithm tuning, left
 #              out when build.log says the extension holds a static copy of libstdc++: it crashed)  40
 #   bf16       the paper's 1B model (examples/1b/spec_opt.yaml shape, synthetic batches), bf16,
-#              step 3 profiled -> bench.jsonl, kernel breakdown -> kernels.txt                    45
+#              4 warm-up steps, 6 timed, then 1 profiled -> bench.jsonl, kernel breakdown -> kernels.txt 45
 #   fp8        the same in native FP8 with the FP8 defaults (fp8=hybrid backend=local; on the GPU
 #              fp8_casts auto = cuda, fp8_gemm auto = cublaslt, fp8_fused_casts null = every C++
 #              cast fused: LayerNorm, GELU, dGELU) -> bench.jsonl, kernels.txt                 55
@@ -214,6 +217,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="$PYTHONPATH:$WORK/site"
 fi
+# One line on stderr and at the top of the log when a planned stage needs megatron-core or torchao
+# and neither a wheel in .whl/ nor an importable package provides it: a GPU node without network
+# cannot install it, and .whl/ (ignored by git) reaches a machine that gets a copy of the working
+# tree only when the copy names it (a device tool's carry list)
+wheel_warning() {
+  local need st whl mod what missing=()
+  for need in "megatron:megatron_core:megatron.core:megatron-core (the megatron stage fails without it)" \
+              "torchao:torchao:torchao:torchao (the torchao stage records skipped without it)"; do
+    IFS=: read -r st whl mod what <<<"$need"
+    [[ " ${PLANNED[*]} " == *" $st "* ]] || continue
+    ls .whl/"$whl"-*.whl >/dev/null 2>&1 && continue
+    "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$mod') is None)" 2>/dev/null && continue
+    missing+=("$what")
+  done
+  (( ${#missing[@]} )) || return 0
+  local line
+  line="warning: not in .whl/ and not importable here: $(IFS=';'; echo "${missing[*]}" | sed 's/;/, /'): before the"
+  line+=" GPU call run \`bash benchmarks/fetch_device_wheels.sh\` and let .whl travel with the checkout (.whl/ is"
+  line+=" ignored by git: the device tool's carry must name it, carry: [\".whl\"])"
+  echo "$line" >&2
+  echo "$line" >>"$LOG"
+}
 
 # ------------------------------------------------------------------ what differs in the dry run
 declare -A HANG=()  # (the dry run's GPU_CHECK_DRY_HANG, below)
@@ -226,7 +251,7 @@ if [ "$DRY" = 1 ]; then
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB model.num_layers=2 model.hidden_size=32
          model.num_attention_heads=4 model.num_query_groups=4 model.ffn_hidden_size=64 model.seq_length=32
          train.micro_batch_size=$MB train.global_batch_size=4)
-  STEPS=(--warmup 2 --steps 1)  # the profiled step 3 (train.profile.start=2) is the timed one here
+  WARMUP=2 TIMED=1
   OPS_ARGS=(--device cpu --small --iters 2)
   # Megatron's RoPE needs CUDA: learned positions on both sides here
   MEGATRON=(--vocab $VOCAB --micro-batch 2 --accum 2 --steps 1 --warmup 1 --position config)
@@ -264,7 +289,7 @@ else
   BIG_VOCAB=250112
   MB=4
   SHAPE=(parallel.data=1 model.vocab_size=$VOCAB train.micro_batch_size=$MB train.global_batch_size=16)
-  STEPS=(--warmup 4 --steps 6)
+  WARMUP=4 TIMED=6
   OPS_ARGS=(--device cuda)
   MEGATRON=(--vocab $VOCAB --micro-batch 4 --accum 4 --steps 5 --warmup 2)
   MEGATRON_SET=()
@@ -284,6 +309,11 @@ else
                      [fp8_prev]=55 [fp8_all_fused]=55 [fp8_tuned]=60 [attention]=90)
   CAP=2  # a stage is stopped at twice its expected seconds (a hang costs no more)
 fi
+
+# tools/benchmark.py's steps: WARMUP untimed, TIMED timed; a --profile run traces one more step
+# after them (a profiler session leaves CUPTI attached, slowing the steps after it: none is timed)
+STEPS=(--warmup "$WARMUP" --steps "$TIMED")
+PROFILED=(train.profile.start=$(( WARMUP + TIMED )) train.profile.stop=$(( WARMUP + TIMED + 1 )))
 
 # ------------------------------------------------------------------ plumbing
 FORK_PID=
@@ -548,7 +578,7 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
   [ "${1:-}" = --profile ] && { profile=1; shift; }
   local rec="$WORK/bench_$name.json" prof=()
   wait_build || return 1  # a run loads the extension: never while the build writes it
-  [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" train.profile.start=2 train.profile.stop=3)
+  [ $profile = 1 ] && prof=(train.run_dir="$WORK/run_$name" "${PROFILED[@]}")
   run "$PY" tools/benchmark.py --config "$CFG" "${SHAPE[@]}" "$@" "${prof[@]}" "${STEPS[@]}" --out "$rec"
   rc=$?
   bench_row "$name" "$rec" "$rc"
@@ -566,15 +596,20 @@ bench() {  # NAME [--profile] OVERRIDES...: one tools/benchmark.py run, its reco
 }
 
 bench_row() {  # NAME RECORD RC [SAME_AS]: a tools/benchmark.py record as NAME's row of bench.jsonl (an
-  # error row with the log's last line when the run failed); SAME_AS: the run whose record it is
+  # error row with the log's last line when the run failed; a record marked invalid, e.g. timed
+  # steps that skipped the optimizer, with its figures and the reason as the row's error); SAME_AS:
+  # the run whose record it is
   "$PY" - "$@" "$LOG" "$OUT/bench.jsonl" <<'EOF'
 import json, os, sys
 name, rec, rc, *same, log, dst = sys.argv[1:]
-if rc == "0" and os.path.exists(rec):
-    r = json.load(open(rec)); r["name"] = name
+r = json.load(open(rec)) if os.path.exists(rec) else {}
+if rc == "0" or r.get("invalid"):
+    r["name"] = name
     r["micro_batch_size"] = ((r.pop("config", None) or {}).get("train") or {}).get("micro_batch_size")
     if same:
         r["same_run_as"] = same[0]
+    if r.get("invalid"):
+        r["error"] = f"rc={rc}: invalid: {r['invalid']}"
 else:
     lines = [l for l in open(log, errors="replace").read().splitlines() if l.strip()]
     r = {"name": name, "error": f"rc={rc}: " + (lines[-1][:300] if lines else "no output")}
@@ -582,10 +617,13 @@ open(dst, "a").write(json.dumps(r) + "\n")
 EOF
 }
 reuse() {  # NAME SAME_AS: SAME_AS ran NAME's settings earlier in this call: its record as NAME's row
-  local rec="$WORK/bench_$2.json"
+  # (1: no such record; 2: the record is marked invalid, its row says why)
+  local rec="$WORK/bench_$2.json" rc=0
   [ -f "$rec" ] || return 1
   log "$1: the settings of $2, which ran in this call: its record again as $1's row (not run twice)"
-  bench_row "$1" "$rec" 0 "$2"
+  grep -q '"invalid"' "$rec" && rc=1
+  bench_row "$1" "$rec" $rc "$2"
+  (( rc == 0 )) || return 2
   if grep -q "^# kernels: $2 " "$OUT/kernels.txt" 2>/dev/null; then
     printf '# kernels: %s: the run of %s, above\n\n' "$1" "$2" >>"$OUT/kernels.txt"
   fi
@@ -627,7 +665,8 @@ stage_fp8_lt() { bench fp8_lt --profile fp8=hybrid backend=local fp8_casts=cuda 
 stage_fp8_fused() {
   bench fp8_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=torch fp8_fused_casts=true; }
 stage_fp8_lt_fused() {
-  reuse fp8_lt_fused fp8_all_fused && return 0
+  reuse fp8_lt_fused fp8_all_fused
+  case $? in 0) return 0 ;; 2) return 1 ;; esac
   bench fp8_lt_fused --profile fp8=hybrid backend=local fp8_casts=cuda fp8_gemm=cublaslt fp8_fused_casts=true; }
 stage_fp8_tlt_fused() {
   bench fp8_tlt_fused --profile fp8=hybrid backend=local fp8_casts=$TRITON_CASTS fp8_gemm=cublaslt fp8_fused_casts=true; }
@@ -747,6 +786,7 @@ stage_torchao() {  # vs_torchao.py's record (less its config) as one row of benc
 }
 
 # ------------------------------------------------------------------ the sequence
+wheel_warning
 log "# gpu_check $( [ "$DRY" = 1 ] && echo "(dry run on the CPU) " )budget ${BUDGET}s, output $OUT, $(date -Is)"
 log "# stages, in this order: ${PLANNED[*]}"
 start_build

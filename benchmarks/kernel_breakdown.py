@@ -6,9 +6,14 @@ trace (``train.profile`` writes them to RUN/profile/) by kernel and by kind.
 
 Kinds (by kernel name, a heuristic): gemm (cuBLAS / CUTLASS / nvjet matrix kernels), attention
 (flash / fused attention), nccl, optimizer (fused AdamW, foreach), copy (memcpy / memset), other
-(elementwise, norms, reductions, ...). ``busy`` = summed kernel time; ``span`` = the wall time
-of the ProfilerStep ranges; busy / span below 1 means the GPU sat idle (launch gaps, host syncs,
-waiting for the CPU). Each kernel of the table says what launched it (``kernel_launchers.py``):
+(elementwise, norms, reductions, ...). The headline's ``busy`` is the time the GPU was active
+inside the steps: the union of the kernels, memcpys and memsets on all streams, clipped to the
+ProfilerStep host ranges (``span``, their summed wall time), so busy / span is at most 1 and below
+1 means the GPU sat idle (launch gaps, host syncs, waiting for the CPU). GPU work that ran after
+a step's host range closed (the optimizer's kernels: the step returns without waiting for them),
+up to the next step's start, is given apart (``after``), as is the kernels' summed time (the
+denominator of the tables' shares; kernels on concurrent streams overlap, so it can exceed the
+union). Each kernel of the table says what launched it (``kernel_launchers.py``):
 the host operator around its launch call, with its input shapes, top-level operator and
 ``record_function`` range, up to three launchers with their calls.
 
@@ -26,7 +31,7 @@ import sys
 from collections import defaultdict
 
 from kernel_launchers import attribute, cell, summary_line
-from step_timeline import analyse, is_step, render as render_steps, short, timeline
+from step_timeline import GPU_CATS, analyse, is_step, render as render_steps, short, timeline
 
 KINDS = (
     ("nccl", ("nccl",)),
@@ -45,16 +50,38 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def inside_and_after(gpu: list[tuple[float, float]], steps: list[tuple[float, float]]) -> tuple[float, float]:
+    """GPU-active time (the union of the ``gpu`` intervals) inside the ``steps``' ranges, and after
+    each step's end up to the next step's start (after the last one: to the trace's end)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(gpu):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    inside = after = 0.0
+    for k, (a, b) in enumerate(steps):
+        nxt = steps[k + 1][0] if k + 1 < len(steps) else float("inf")
+        for s, e in merged:
+            inside += max(0.0, min(e, b) - max(s, a))
+            after += max(0.0, min(e, nxt) - max(s, b))
+    return inside, after
+
+
 def breakdown(trace: dict, category: str = "kernel") -> dict:
     """Sums the complete events of ``category`` ("kernel": CUDA kernels; "cpu_op": the host's
-    operators, nested ones counted in each parent too — for a CPU rehearsal only)."""
+    operators, nested ones counted in each parent too — for a CPU rehearsal only) by name and
+    kind (``summed_us``); for kernels, ``busy_us`` and ``after_us`` (:func:`inside_and_after` of
+    the GPU's kernels, memcpys and memsets) against ``span_us``, the steps' summed ranges."""
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
     by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
     by_kind: dict[str, float] = defaultdict(float)
-    steps = []
+    steps, gpu = [], []
     for e in events:
         if e.get("ph") != "X":
             continue
+        if e.get("cat") in GPU_CATS:
+            gpu.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
         if e.get("cat") == category:
             d = float(e.get("dur", 0.0))
             by_name[e["name"]][0] += d
@@ -62,25 +89,32 @@ def breakdown(trace: dict, category: str = "kernel") -> dict:
             by_kind[kind_of(e["name"])] += d
         elif is_step(str(e.get("name", "")), e.get("cat")):  # not kineto's GPU-side copy of the range
             steps.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
-    busy = sum(v[0] for v in by_name.values())
+    steps.sort()
+    summed = sum(v[0] for v in by_name.values())
     span = sum(b - a for a, b in steps)
-    return {"category": category, "busy_us": busy, "span_us": span, "steps": len(steps),
-            "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+    busy, after = inside_and_after(gpu, steps) if category == "kernel" else (None, None)
+    return {"category": category, "summed_us": summed, "busy_us": busy, "after_us": after, "span_us": span,
+            "steps": len(steps), "by_kind_us": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "kernels": sorted(([n, v[0], v[1]] for n, v in by_name.items()), key=lambda r: -r[1])}
 
 
 def render(res: dict, top: int) -> str:
-    busy, span = res["busy_us"], res["span_us"]
+    summed, span = res["summed_us"], res["span_us"]
     if res.get("category") == "cpu_op":  # nested operators overlap: no share of the span
-        lines = [f"steps {res['steps']}: host operators {busy / 1e3:.1f} ms summed (each nested one in its "
+        lines = [f"steps {res['steps']}: host operators {summed / 1e3:.1f} ms summed (each nested one in its "
                  f"parent too) in {span / 1e3:.1f} ms profiled"]
+        share = "share of summed"
     else:
+        busy = res["busy_us"]
         lines = [f"steps {res['steps']}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms profiled"
-                 + (f" ({100 * busy / span:.1f}%)" if span else "")]
-    lines.append("| kind | ms | share of busy |")
+                 + (f" ({100 * busy / span:.1f}%)" if span else "")
+                 + f" (the union of its kernels and copies inside the steps); GPU work after the steps' ends "
+                 f"{res['after_us'] / 1e3:.2f} ms; kernels summed {summed / 1e3:.1f} ms"]
+        share = "share of kernel time"
+    lines.append(f"| kind | ms | {share} |")
     lines.append("| --- | ---: | ---: |")
     for k, v in res["by_kind_us"].items():
-        lines.append(f"| {k} | {v / 1e3:.2f} | {100 * v / max(busy, 1e-9):.1f}% |")
+        lines.append(f"| {k} | {v / 1e3:.2f} | {100 * v / max(summed, 1e-9):.1f}% |")
     lines.append("")
     att = res.get("launchers")
     if att is not None:
@@ -92,7 +126,7 @@ def render(res: dict, top: int) -> str:
         lines.append("| kernel | calls | ms | share |")
         lines.append("| --- | ---: | ---: | ---: |")
     for name, us, calls in res["kernels"][:top]:
-        row = f"| `{short(name, 90)}` | {calls} | {us / 1e3:.2f} | {100 * us / max(busy, 1e-9):.1f}% |"
+        row = f"| `{short(name, 90)}` | {calls} | {us / 1e3:.2f} | {100 * us / max(summed, 1e-9):.1f}% |"
         lines.append(row + (f" {cell(att['kernels'].get(name))} |" if att is not None else ""))
     if res.get("launchers_note"):
         lines.append(res["launchers_note"])

@@ -42,6 +42,10 @@ def _load(path: str):
         return None
 
 
+def _onoff(flag) -> str:
+    return "n/a" if flag is None else "on" if flag else "off"
+
+
 def _fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
@@ -150,7 +154,8 @@ def _ops_targets(results: list[dict], overhead: dict) -> list[str]:
 
 
 def _bench_lines(rows: list[dict]) -> list[str]:
-    lines = ["## The 1B model on one device", "", "| run | tokens/s | TFLOP/s/device | MFU | peak GB | step ms |",
+    lines = ["## The 1B model on one device", "",
+             "| run | tokens/s | TFLOP/s/device | MFU (bf16 peak) | peak GB | step ms |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
@@ -322,7 +327,7 @@ def torchao_lines(r: dict, ours: list[dict]) -> list[str]:
     lines += [f"- {model.get('layers')} x {model.get('hidden')}, {model.get('heads')} heads, FFN {model.get('ffn')}, "
               f"sequence {model.get('seq_length')}, vocabulary {model.get('vocab')}, positions {model.get('positions')}; "
               f"micro-batch {r.get('micro_batch_size')} x {r.get('accum')}; weights {model.get('weights')}",
-              "", "| arm | tokens/s | TFLOP/s | MFU | peak GB | step ms | first loss | Float8Linear | graphs |",
+              "", "| arm | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GB | step ms | first loss | Float8Linear | graphs |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, a in (r.get("arms") or {}).items():
         if "error" in a:
@@ -536,10 +541,12 @@ def summary(out: str, env_path: str | None = None, budget: int | None = None, el
         lines += ["", f"## Megatron-core {vs.get('megatron_core_version')} side by side", "",
                   f"- both: precision {vs.get('precision')}, micro-batch {vs.get('micro_batch_size')}, attention "
                   f"{vs.get('attention')}, positions {vs.get('ours_position')}, gradient accumulation "
-                  f"{vs.get('grad_accumulation', 'bf16 on the Megatron side (before 2026-11-26)')}",
+                  f"{vs.get('grad_accumulation', 'bf16 on the Megatron side (before 2026-11-26)')}; megatron-core's "
+                  f"fusions without apex / TE {_onoff((vs.get('megatron_fusions') or {}).get('on'))}",
                   f"- ours {_fmt(o.get('tokens_per_s'))} tokens/s ({_fmt(o.get('peak_mem_gb'), '.1f')} GB), "
                   f"megatron {_fmt(m.get('tokens_per_s'))} tokens/s ({_fmt(m.get('peak_mem_gb'), '.1f')} GB), "
                   f"ratio {_fmt(vs.get('ratio'), '.3f')} (goal >= 1.0)"]
+        lines += [f"- {side} failed: {r['error'][:300]}" for side, r in (("ours", o), ("megatron", m)) if "error" in r]
     kern = os.path.join(out, "kernels.txt")
     if os.path.exists(kern):
         lines += ["", "## Kernel breakdowns (heads of kernels.txt)", ""]

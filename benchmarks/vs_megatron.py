@@ -4,7 +4,8 @@ on the same GPU in the same process.
 
     python benchmarks/vs_megatron.py --config examples/1b/spec_opt.yaml [key=value ...] \
         [--vocab 50257] [--micro-batch 4] [--accum 1] [--steps 10] [--warmup 3] \
-        [--position rope|config] [--only ours|megatron] [--check-shapes] --out VS.json
+        [--position rope|config] [--only ours|megatron] [--check-shapes] \
+        [--megatron-fusions auto|on|off] --out VS.json
 
 Both sides train the same model shape (layers, hidden, heads, query groups, FFN, activation,
 norm, tied embeddings, no linear biases unless ``model.bias``, vocabulary padded to a multiple
@@ -24,6 +25,23 @@ precision and with the same attention kernel (both printed and written to the JS
   materialises the s x s scores and the fused kernels it would use instead need Transformer
   Engine, which the GPU machine lacks).
 
+Fusions (each side's are in the JSON, ``fusions``): Megatron runs those of megatron-core that
+need neither apex nor Transformer Engine (``--megatron-fusions``): its native fused cross
+entropy (``cross_entropy_loss_fusion``, ``cross_entropy_fusion_impl="native"``; unfused it casts
+the whole [s, b, vocab] logits to fp32 and passes over them several times), the fused
+bias-dropout-add (``bias_dropout_fusion``, on by default in Megatron-LM's ``pretrain_gpt``) and,
+where the model has one (SwiGLU, or GELU with linear biases), the fused bias-activation;
+megatron-core compiles each with ``torch.compile`` (its ``jit_fuser``). Ours runs its compiled
+cross entropy (and RoPE) on CUDA. Two fusions only ours has, because Megatron's need what the
+GPU machine lacks: the RoPE fusion (``apply_rope_fusion``: Transformer Engine) and the weight
+gradient accumulated into the fp32 ``main_grad`` by the GEMM itself (ours:
+``optim.grad_accum_fusion``; Megatron's ``gradient_accumulation_fusion``: apex's
+``fused_weight_gradient_mlp_cuda``), so the ratio includes what those two save; LayerNorm is
+torch's on both sides (``persist_layer_norm`` needs apex). ``--megatron-fusions auto`` (default)
+turns Megatron's on on CUDA only, as ours compiles its cross entropy and RoPE on CUDA only: on
+the CPU inductor's build of megatron-core's fused functions takes about 40 s for a one-step
+check (``on`` forces them there).
+
 One step is ``--accum`` micro-batches of forward and backward, global-norm clipping at
 ``optim.clip_grad`` and an AdamW step (fused on CUDA) — ours through ``Trainer.train_step``
 (pipeline schedule with one stage, its bookkeeping included), Megatron's through a plain loop
@@ -39,7 +57,11 @@ Megatron's RoPE calls CUDA directly: on CPU its side runs with learned positions
 config model.position_embedding=learned``; the CPU rehearsal of benchmarks/gpu_check.sh does
 this), else only ``--only ours``. ``--check-shapes`` builds Megatron's model on the CPU to check
 that both sides have the same number of parameters (the shape translation). Versions, device
-and date go into the JSON.
+and date go into the JSON, which is written after each side (a crash of Megatron's side, run
+second, leaves ours); ``same_model`` is whether the two models have the same parameter count
+(those trained, else ``--check-shapes``'; null when neither tells), and a side that raised is
+``{"error": ...}`` (exit 1). ``fp8`` is refused: Megatron's local spec has no FP8, so the sides
+would differ in precision.
 """
 from __future__ import annotations
 
@@ -51,6 +73,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -83,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-shapes", action="store_true",
                     help="build Megatron's model (CPU init) and compare parameter counts with ours")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--megatron-fusions", choices=("auto", "on", "off"), default="auto",
+                    help="megatron-core's fusions that need neither apex nor Transformer Engine (fused cross "
+                         "entropy, bias-dropout-add, bias-activation where the model has one): auto = on on CUDA")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -114,7 +140,12 @@ def bench_config(args) -> Config:
     elif load_config(args.config, list(args.overrides)).model.position_embedding == "alibi":
         raise ConfigError("config key 'model.position_embedding': megatron-core has no ALiBi, so the two models "
                           "would differ; use --position rope (or a rope / learned config)")
-    return load_config(args.config, list(args.overrides) + fixed)
+    cfg = load_config(args.config, list(args.overrides) + fixed)
+    if cfg.fp8:
+        raise ConfigError(f"config key 'fp8': {cfg.fp8!r} would run our side's GEMMs in FP8 while Megatron's runs "
+                          f"{cfg.precision} (its local spec has no FP8: that needs Transformer Engine), so the two "
+                          f"sides would differ in precision; compare without fp8")
+    return cfg
 
 
 # the attention kernel of both sides (module doc)
@@ -138,20 +169,61 @@ def describe_setup(cfg: Config) -> dict:
             "grad_accumulation": "fp32" if cfg.precision in ("bf16", "fp16") else "autograd (fp32 weights)"}
 
 
-def megatron_config(cfg: Config, device: torch.device):
-    """megatron.core TransformerConfig with our model's shape (local spec, no fusions that need
-    apex / Transformer Engine)."""
+def fusions_on(setting: str | None, device: torch.device) -> bool:
+    """``--megatron-fusions``: on, off, or auto (None too) = on on CUDA (module doc)."""
+    return setting == "on" or (setting in (None, "auto") and device.type == "cuda")
+
+
+def bias_activation_fusable(cfg: Config) -> bool:
+    """megatron-core fuses the bias with SwiGLU, or with GELU only where the linears have biases."""
+    return cfg.model.activation == "swiglu" or cfg.model.bias
+
+
+def megatron_fusions(cfg: Config, on: bool) -> dict:
+    """What Megatron's side fuses (``fusions.megatron`` of the JSON)."""
+    jit = "fused (megatron-core's jit_fuser: torch.compile)"
+    out = {"cross_entropy": f"{jit}, native" if on else "unfused: vocab_parallel_cross_entropy (fp32 logits)",
+           "bias_dropout_add": jit if on else "unfused",
+           "bias_activation": (jit if on else "unfused") if bias_activation_fusable(cfg)
+           else "none to fuse (GELU without linear biases)",
+           "gradient_accumulation": "unfused: a hook adds each weight's gradient into main_grad (the fused GEMM "
+                                    "needs apex's fused_weight_gradient_mlp_cuda)",
+           "layer_norm": "torch (persist_layer_norm needs apex)"}
+    if cfg.model.position_embedding == "rope":
+        out["rope"] = "unfused (apply_rope_fusion needs Transformer Engine)"
+    return out
+
+
+def our_fusions(cfg: Config, device: torch.device) -> dict:
+    """What our side compiles or fuses (``fusions.ours`` of the JSON), from its backends."""
+    from dept_mega.model.backends import resolve_backends
+    b = resolve_backends(cfg, device)
+    out = {"cross_entropy": b.cross_entropy, "gradient_accumulation": b.describe_wgrad()}
+    if b.rope:
+        out["rope"] = b.rope
+    return out
+
+
+def megatron_config(cfg: Config, device: torch.device, fusions: bool | None = None):
+    """megatron.core TransformerConfig with our model's shape (local spec); ``fusions`` (default:
+    :func:`fusions_on` auto) turns on those of megatron-core's fusions that need neither apex nor
+    Transformer Engine (module doc)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
     m = cfg.model
+    if fusions is None:
+        fusions = fusions_on("auto", device)
     kw = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
               num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,
               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=m.bias, layernorm_epsilon=m.norm_eps,
               normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
               init_method_std=m.init_method_std, params_dtype=model_dtype(cfg), pipeline_dtype=model_dtype(cfg),
-              bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_cpu_initialization=device.type != "cuda", bias_activation_fusion=False,
-              masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-              gradient_accumulation_fusion=False, apply_rope_fusion=False)
+              bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16", use_cpu_initialization=device.type != "cuda",
+              bias_activation_fusion=fusions and bias_activation_fusable(cfg), bias_dropout_fusion=fusions,
+              cross_entropy_loss_fusion=fusions, cross_entropy_fusion_impl="native",
+              # these need apex or Transformer Engine (the softmax's: SDPACoreAttention has none)
+              masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+              apply_rope_fusion=False)
     if m.activation == "swiglu":
         kw.update(gated_linear_unit=True, activation_func=F.silu)
     return TransformerConfig(**kw)
@@ -183,9 +255,10 @@ def sdpa_core_attention():
     return SDPACoreAttention
 
 
-def build_megatron(cfg: Config, vocab: int, device: torch.device):
+def build_megatron(cfg: Config, vocab: int, device: torch.device, fusions: bool | None = None):
     """Megatron-core's GPTModel with our shape, its local spec with :func:`sdpa_core_attention`,
-    in the config's precision: weights cast to it as ``Float16Module`` casts them."""
+    in the config's precision: weights cast to it as ``Float16Module`` casts them; ``fusions`` as
+    :func:`megatron_config`."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -196,7 +269,7 @@ def build_megatron(cfg: Config, vocab: int, device: torch.device):
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else None)
     spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
-    model = GPTModel(megatron_config(cfg, device), spec, vocab_size=padded_vocab_size(vocab, 1),
+    model = GPTModel(megatron_config(cfg, device, fusions), spec, vocab_size=padded_vocab_size(vocab, 1),
                      max_sequence_length=cfg.model.seq_length, position_embedding_type=megatron_position(cfg),
                      share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                      rotary_base=int(cfg.model.rope_theta))
@@ -336,9 +409,10 @@ def megatron_step(cfg: Config, model, vocab: int, device: torch.device, losses: 
     return step
 
 
-def run_megatron(cfg: Config, vocab: int, device: torch.device, warmup: int, steps: int) -> dict:
+def run_megatron(cfg: Config, vocab: int, device: torch.device, warmup: int, steps: int,
+                 fusions: bool | None = None) -> dict:
     torch.manual_seed(cfg.train.seed)
-    model = build_megatron(cfg, vocab, device)
+    model = build_megatron(cfg, vocab, device, fusions)
     losses: list = []
     out = timed(megatron_step(cfg, model, vocab, device, losses), warmup, steps, device)
     out.update(params=count(model.parameters()), last_loss=losses[-1],
@@ -396,8 +470,13 @@ def main(argv=None) -> int:
                  "micro_batch_size": cfg.train.micro_batch_size, "accum": args.accum,
                  "timed_steps": args.steps, "warmup_steps": args.warmup,
                  "ours_position": cfg.model.position_embedding, "megatron_position": megatron_position(cfg),
-                 "same_model": True, **describe_setup(cfg), **environment(device)}
+                 "same_model": None, **describe_setup(cfg), **environment(device)}
+    fused = fusions_on(args.megatron_fusions, device)
+    rec["megatron_fusions"] = {"setting": args.megatron_fusions, "on": fused}
+    rec["fusions"] = {"ours": our_fusions(cfg, device), "megatron": megatron_fusions(cfg, fused)}
     print("both sides: " + ", ".join(f"{k} {v}" for k, v in describe_setup(cfg).items()), flush=True)
+    print(f"megatron-core's fusions without apex / Transformer Engine: {'on' if fused else 'off'} "
+          f"(--megatron-fusions {args.megatron_fusions})", flush=True)
     if args.check_shapes:
         from dept_mega.model import build_model
         from dept_mega.parallel.groups import build_groups
@@ -405,29 +484,41 @@ def main(argv=None) -> int:
         theirs = count(build_megatron(cfg, args.vocab, torch.device("cpu")).parameters())
         rec["shape_check"] = {"ours_params": ours, "megatron_params": theirs, "equal": ours == theirs}
         print(f"parameters: ours {ours:,}, megatron-core {theirs:,}")
-    for side, fn in (("ours", run_ours), ("megatron", run_megatron)):
+        rec["same_model"] = rec["shape_check"]["equal"]
+    failed = False
+    for side, fn in (("ours", run_ours), ("megatron", lambda *a: run_megatron(*a, fusions=fused))):
         if args.only not in (None, side):
             continue
-        res = fn(cfg, args.vocab, device, args.warmup, args.steps)
-        res["tokens_per_s"] = tokens_per_step / (res["step_ms_median"] / 1e3)
-        rec[side] = res
+        try:
+            res = fn(cfg, args.vocab, device, args.warmup, args.steps)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other side still runs
+            traceback.print_exc()
+            rec[side] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed = True
+        else:
+            res["tokens_per_s"] = tokens_per_step / (res["step_ms_median"] / 1e3)
+            rec[side] = res
+            peak = "n/a" if res["peak_mem_gb"] is None else f"{res['peak_mem_gb']:.1f} GB"
+            print(f"{side:>9}: {res['tokens_per_s']:,.0f} tokens/s, median step {res['step_ms_median']:.1f} ms, "
+                  f"peak memory {peak}, {res['params']:,} parameters", flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        peak = "n/a" if res["peak_mem_gb"] is None else f"{res['peak_mem_gb']:.1f} GB"
-        print(f"{side:>9}: {res['tokens_per_s']:,.0f} tokens/s, median step {res['step_ms_median']:.1f} ms, "
-              f"peak memory {peak}, {res['params']:,} parameters", flush=True)
-    if "ours" in rec and "megatron" in rec:
+        ran = [rec[s] for s in ("ours", "megatron") if "params" in rec.get(s, {})]
+        if len(ran) == 2:  # the models trained, whatever --check-shapes built
+            rec["same_model"] = ran[0]["params"] == ran[1]["params"]
+        write_record(rec, args.out)  # after each side: a crash of the next one leaves these figures
+    if "tokens_per_s" in rec.get("ours", {}) and "tokens_per_s" in rec.get("megatron", {}):
         rec["ratio"] = rec["ours"]["tokens_per_s"] / rec["megatron"]["tokens_per_s"]
         print(f"ratio ours / megatron-core: {rec['ratio']:.3f}")
     write_record(rec, args.out)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if args.check_shapes and not rec["shape_check"]["equal"]:
+    if rec["same_model"] is False:
         print("error: the two models have different parameter counts: the shape translation is wrong",
               file=sys.stderr)
         return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ REQUIRED = {
     "eval": ("by_source",),
     "outer": ("bytes", "seconds"),
     "membership": ("groups", "joined", "left"),  # federated source groups (dept/federation.py)
-    "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "step_ms",
-              "peak_mem_gb"),
+    "bench": ("tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_tflops", "mfu_basis",
+              "step_ms", "peak_mem_gb"),
 }
 EVAL_FIELDS = ("loss", "ppl", "bpb", "tokens", "bytes")
 
@@ -395,10 +395,11 @@ def _secs(value: Optional[float]) -> str:
 
 
 def train_flops_per_token(model, vocab_size: int) -> float:
-    """Training FLOPs per token (Megatron's formula with the attention term halved for causal
-    masking; docs/metrics.md): per layer 6·h·(q + 2·kv + q) for the attention projections,
-    6·h·ffn·(3 if swiglu else 2) for the MLP, 6·q·s for causal attention (Megatron-LM counts
-    12·q·s); plus 6·h·V once for the output head."""
+    """Training FLOPs per token (docs/metrics.md): per layer 6·h·(q + 2·kv + q) for the attention
+    projections, 6·h·ffn·(3 if swiglu else 2) for the MLP, 6·q·s for causal attention (half the
+    s×s scores); plus 6·h·V once for the output head. Megatron-LM's formula since core_v0.12
+    (``num_floating_point_operations``), given the same vocabulary; up to core_r0.11 it counted
+    12·q·s for attention, as torchtitan does."""
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
@@ -407,17 +408,26 @@ def train_flops_per_token(model, vocab_size: int) -> float:
     return float(model.num_layers * per_layer + 6 * h * vocab_size)
 
 
-# Dense bf16 peak FLOP/s by device name. The H100 SXM part is named
-# "NVIDIA H100 80GB HBM3"; the PCIe and NVL parts have other peaks and are not listed.
-PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200": 989e12}
+# Dense bf16 peak FLOP/s by device name: the SXM parts ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+# and the GH200's GPU. The PCIe and NVL parts of both have lower peaks (lower clocks and power;
+# the H200 NVL's datasheet gives 835 TFLOP/s dense) and are not listed: their MFU is null rather
+# than measured against the SXM part's peak.
+PEAK_BF16_FLOPS = {"H100 SXM": 989e12, "H200 SXM": 989e12}
+
+
+# What every MFU here is over: FP8 runs too, so an FP8 run's MFU is not its share of the FP8 peak
+# (twice the bf16 one on H100 / H200)
+MFU_BASIS = "dense bf16 peak of the device (for FP8 runs too)"
 
 
 def peak_bf16_flops(device_name: str) -> Optional[float]:
     """Dense bf16 peak of a CUDA device from its name, or None when we do not know it."""
     name = device_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
     if "H200" in name:
-        return PEAK_BF16_FLOPS["H200"]
-    if "H100" in name and "PCIE" not in name and "NVL" not in name:
+        return PEAK_BF16_FLOPS["H200 SXM"]
+    if "H100" in name:
         return PEAK_BF16_FLOPS["H100 SXM"]
     return None
 

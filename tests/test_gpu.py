@@ -197,6 +197,7 @@ def test_benchmark_tool_on_cuda(tmp_path):
     if CUDA:
         assert rec["device"].startswith("cuda") and rec["tflops_per_device"] > 0
         assert rec["device_name"] == torch.cuda.get_device_name()
+        assert rec["peak_reserved_gb"] >= rec["peak_mem_gb"] > 0  # reserved: allocated plus the cache
 
 
 def test_grad_accum_fusion_bf16_gradients_at_least_as_close_to_fp32():

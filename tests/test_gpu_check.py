@@ -221,6 +221,37 @@ def test_budget_skips_what_does_not_fit_and_still_summarises(tmp_path):
     assert none.returncode == 2 and "no output folder" in none.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_missing_megatron_wheel_is_warned_at_the_start(tmp_path):
+    """A call whose stages include megatron, without megatron-core's wheel in .whl/ and without an
+    importable megatron-core (hidden here by a shim package first on PYTHONPATH), starts with one
+    warning line on stderr and at the top of gpu_check.log: the command that fetches the wheels and
+    the device tool's carry entry that takes .whl along (the stage itself is skipped for time here)."""
+    import glob
+    if glob.glob(os.path.join(ROOT, ".whl", "megatron_core-*.whl")):
+        pytest.skip("this checkout has megatron-core's wheel in .whl/")
+    shim = tmp_path / "shim" / "megatron"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("")  # a regular package: megatron.core is not found under it
+
+    def run(out, path):
+        env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=path, OMP_NUM_THREADS="1")
+        env.pop("OUT", None)
+        return subprocess.run(["bash", SCRIPT, "--dry-run", "--out", str(out), "--budget", "9", "--stages", "megatron"],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    res = run(tmp_path / "out", f"{tmp_path / 'shim'}:{ROOT}")
+    assert res.returncode == 0, res.stderr
+    first = (tmp_path / "out" / "gpu_check.log").read_text().splitlines()[0]
+    for text in (first, res.stderr):
+        assert "warning: not in .whl/ and not importable here: megatron-core (the megatron stage fails" in text, text
+        assert "`bash benchmarks/fetch_device_wheels.sh`" in text and 'carry: [".whl"]' in text, text
+    if importlib.util.find_spec("megatron.core") is not None:  # importable: no warning
+        res = run(tmp_path / "ok", ROOT)
+        assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+        assert "fetch_device_wheels" not in (tmp_path / "ok" / "gpu_check.log").read_text()
+
+
 def test_compiled_stages_listed_for_the_fork_servers_compiler():
     """The dry run's fork server imports inductor's compiler only when a stage in COMPILED_STAGES
     runs: every stage that runs compiled_bench is listed there (one missing would import it in its

@@ -21,6 +21,9 @@ def test_peak_flops_by_device_name():
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_bf16_flops("NVIDIA H200") == 989e12
     assert peak_bf16_flops("NVIDIA H100 PCIe") is None  # another peak: not guessed
+    assert peak_bf16_flops("NVIDIA H100 NVL") is None
+    assert peak_bf16_flops("NVIDIA H200 NVL") is None  # 835 TFLOP/s dense, not the SXM part's 989
+    assert peak_bf16_flops("NVIDIA GH200 480GB") == 989e12
     assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") is None
 
 
@@ -190,3 +193,46 @@ def test_step_profiler_selected_ranks_resume_and_early_end(tmp_path):
         with open(tmp_path / where / "profile" / name) as f:
             traced = {e["name"] for e in json.load(f)["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
         assert sorted(int(n.split("#")[1]) for n in traced) == held, (where, traced)
+
+
+def _megatron_flops_per_token(m, padded_vocab: int, causal_half: bool = True) -> float:
+    """Megatron-LM core_v0.16.1's ``num_floating_point_operations`` (megatron/training/training.py)
+    divided by batch × sequence, transcribed for a dense GPT (MHA or GQA; no MoE, MTP, MLA, linear
+    attention or output gate). ``causal_half=False``: the core attention term without its ``/ 2``,
+    as Megatron-LM counted it up to core_r0.11 (and torchtitan's 12·l·h·q·t does)."""
+    expansion, fma = 3, 2  # forward, wgrad, dgrad; a multiply-add is 2 FLOPs
+    ffn_expansion = 3 if m.activation == "swiglu" else 2
+    query = m.head_dim * m.num_attention_heads
+    key = value = m.head_dim * m.query_groups
+    self_attn = expansion * fma * (
+        m.hidden_size * (query + key + value)
+        + query * m.seq_length / (2 if causal_half else 1) * 2  # QK^T and (QK^T)V
+        + query * m.hidden_size)
+    return (expansion * fma * m.hidden_size * m.ffn_size * ffn_expansion * m.num_layers
+            + self_attn * m.num_layers
+            + expansion * fma * m.hidden_size * padded_vocab)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.num_query_groups=4", "model.activation=swiglu",
+                                             "model.ffn_hidden_size=5504"]])
+def test_flops_per_token_is_megatron_lms_formula_and_the_doc_says_so(overrides):
+    """train_flops_per_token equals Megatron-LM 0.16.1's FLOPs per token (the version
+    benchmarks/vs_megatron.py pins) given the same (padded) vocabulary, for the 1B model and a GQA
+    + SwiGLU variant of it; docs/metrics.md's figures for the formulas that do not halve the causal
+    attention term (Megatron-LM <= 0.11, torchtitan) are those of the same transcription."""
+    import os
+
+    from dept_mega.config import load_config
+    from tests.trainer_utils import ROOT
+    m = load_config(os.path.join(ROOT, "examples", "1b", "spec_opt.yaml"), ["model.vocab_size=50257", *overrides]).model
+    assert train_flops_per_token(m, 50304) == pytest.approx(_megatron_flops_per_token(m, 50304), rel=1e-9)
+    if overrides:
+        return
+    assert _megatron_flops_per_token(m, 50304) == pytest.approx(8.46987e9, rel=1e-6)  # 8,469,872,640
+    ours = train_flops_per_token(m, 50257)
+    full = _megatron_flops_per_token(m, 50257, causal_half=False)
+    row = next(line for line in open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8")
+               if line.startswith("| `tflops_per_device` |"))
+    assert "Megatron-LM since core_v0.12" in row and "core_r0.11" in row, row
+    assert f"{full / 1e9:.2f} GFLOP per token against our {ours / 1e9:.2f}" in row, row
+    assert f"{100 * (full / ours - 1):.1f} % higher" in row, row

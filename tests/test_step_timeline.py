@@ -82,7 +82,10 @@ def test_idle_gaps_self_times_and_launches_of_a_hand_made_step():
     trace = hand_made_trace()
     old = breakdown(trace)
     assert old["steps"] == 2 and old["span_us"] == 1300  # the gpu_user_annotation copy is not a step
-    assert old["busy_us"] == 150 + 80 + 70 + 5 + 80 + 130 + 150  # summed kernels (overlaps counted twice)
+    assert old["summed_us"] == 150 + 80 + 70 + 5 + 80 + 130 + 150  # summed kernels (overlaps counted twice)
+    # the headline: the union inside the steps (step 5's 325 below; step 6: the tail's last 20 µs and
+    # k6), and the tail after step 5's end, up to step 6's start, apart
+    assert old["busy_us"] == 325 + 20 + 150 and old["after_us"] == 100
     st, st6 = analyse(trace, gap_us=20, top_gaps=3, top=20)
     assert st["step"] == "ProfilerStep#5" and st["span_us"] == 1000
     assert (st["gpu_events"], st["gpu_streams"]) == (7, 2)
@@ -167,7 +170,7 @@ def test_a_real_cpu_profile_through_the_command(tmp_path, with_stack):
     lines = res.stdout.splitlines()
     # a CPU trace's operators nest: their sum is no GPU busy time and no share of the span
     assert lines[0].startswith("steps 2: host operators ") and "GPU" not in lines[0] and "%" not in lines[0]
-    assert lines[1] == "| kind | ms | share of busy |"
+    assert lines[1] == "| kind | ms | share of summed |"
     assert "step ProfilerStep#2: span " in res.stdout and "a CPU profile): no idle gaps" in res.stdout
     data = json.loads(out.read_text())
     assert [st["step"] for st in data["per_step"]] == ["ProfilerStep#1", "ProfilerStep#2"]

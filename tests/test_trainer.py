@@ -189,7 +189,7 @@ def test_metrics_records(tmp_path):
     w.write("eval", 3, 0, by_source={"en": {"loss": 1.0, "ppl": math.e, "bpb": 0.5, "tokens": 4, "bytes": 12}})
     w.write("outer", 4, 1, bytes={"dp": 3}, seconds=0.1)
     w.write("bench", 5, 0, tokens_per_s=1.0, tokens_per_s_per_device=1.0, tflops_per_device=None, mfu=None,
-            step_ms=2.0, peak_mem_gb=0.1)
+            peak_tflops=None, mfu_basis="dense bf16 peak", step_ms=2.0, peak_mem_gb=0.1)
     w.close()
     recs = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["kind"] for r in recs] == ["train", "eval", "outer", "bench"]
@@ -256,14 +256,14 @@ def test_benchmark_tool_writes_bench_record(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     assert mod.main(["--config", str(cfg_path), "--steps", "2", "--warmup", "1", "--out", str(out),
                      "parallel.sequence_parallel=false", f"train.run_dir={tmp_path / 'run'}",
-                     "train.profile.start=0", "train.profile.stop=1"]) == 0
+                     "train.profile.start=3", "train.profile.stop=4"]) == 0
     import json
     rec = json.loads(out.read_text())
     check_record(rec)
-    # every key is accepted and recorded; train.profile traced the warm-up step
-    assert rec["config"]["train"]["profile"] == {"start": 0, "stop": 1, "ranks": [0]}
+    # every key is accepted and recorded; train.profile traced a step after the timed ones
+    assert rec["config"]["train"]["profile"] == {"start": 3, "stop": 4, "ranks": [0]}
     assert rec["device_name"] == "cpu" and rec["torch_version"] == torch.__version__
-    assert os.listdir(tmp_path / "run" / "profile") == ["rank0_steps1-1.json"]
+    assert os.listdir(tmp_path / "run" / "profile") == ["rank0_steps4-4.json"]
     assert rec["kind"] == "bench" and rec["tokens_per_s"] > 0 and rec["step_ms"] > 0
     assert rec["tokens_per_s_per_device"] == rec["tokens_per_s"]  # one device
     assert rec["tflops_per_device"] is None and rec["mfu"] is None  # CPU: tokens/s only (§8)
