@@ -13,7 +13,8 @@
 // copy, at the log interval) and raises exactly what the CPU op raises.
 // - gather_rows / remap_ids launch one kernel: it lowers the current stream's persistent
 //   DmCallScratch to the first invalid position, and its last block writes the record and
-//   resets the scratch (kernels.h). A failed call leaves the outputs of the invalid ids unset.
+//   resets the scratch (kernels.h). A failed call writes 0 (a remap) or a zero row (a gather)
+//   at each invalid id and the right value elsewhere: an output read before the check is in range.
 // - the scatters fill a per-call flag, and a one-thread kernel copies the flag's position into
 //   the record; their writing kernel reads the flag on the device and writes nothing on error,
 //   so a failed call leaves the table unchanged, as on CPU.

@@ -51,8 +51,10 @@ The CPU wrappers read their thread's record right after the call (a few memory r
 ``check_errors`` reads the GPU's (one small copy). The trainer checks at every log interval and
 at the end of training. With calls on several CUDA streams, the record keeps the first error
 written, and a check (a copy on the current stream) sees the errors of the calls its stream has
-waited for. A failed scatter leaves the table unchanged; a failed gather / remap leaves its
-output unfinished (garbage, never returned by a wrapper that raises at the call).
+waited for. A failed scatter leaves the table unchanged; a failed gather / remap returns a zero
+row / 0 at each invalid id and the right value everywhere else, so that an output read before
+the deferred error is raised (CUDA, a compiled graph) never holds an id out of range (e.g. for
+``F.embedding``, whose CUDA kernel would assert and lose the recorded error).
 
 Why records and not C++ exceptions: on the GPU machine (torch 2.11, the extension built there by
 the image's /opt/gcc g++) a C++ exception thrown by our operators crashed the process with a
