@@ -103,6 +103,27 @@ def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, row
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_overlapping_the_table_are_read_as_before_the_call(device, impl, dtype):
+    """rows that are a view of the destination table are read as they were before the call, on
+    every backend: the result of the same call with a copy of them (the compiled kernels read
+    rows that they had already updated)."""
+    table = torch.randn(6, 4, generator=gen(7)).to(dtype).to(device)
+    ids = torch.tensor([1, 0, 1, 3], device=device)
+    calls = [lambda f, t, r: f[1](t, ids, r)]
+    calls += [lambda f, t, r, a=a: f[2](t, ids, r, a, -0.5) for a in (False, True)]
+    for k, call in enumerate(calls):
+        for lo in (0, 2, 1):  # rows = table[lo:lo + 4]
+            want = table.clone()
+            call(IMPLS[impl], want, table[lo:lo + 4].clone())
+            got = table.clone()
+            call(IMPLS[impl], got, got[lo:lo + 4])
+            lazy_check(device)
+            assert torch.equal(got, want), (k, lo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fallback_rank_passes_equal_sequential_order(device):
     # The fallback's non-CPU method (one exact add per element per pass) must add in the same
     # order as the sequential one; checked on CPU too, where both methods run.

@@ -8,6 +8,7 @@
 // fp32. The result therefore does not depend on the number of threads, and equals the CUDA
 // kernel and the pure PyTorch fallback bit for bit.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -173,7 +174,8 @@ void scatter_rows_cpu(const char* op, int code, at::Tensor& out, const at::Tenso
                       const at::Tensor& rows_in, ScatterMode mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const at::Tensor ids = ids_in.contiguous();
-  const at::Tensor rows = rows_in.contiguous();
+  at::Tensor rows = rows_in.contiguous();  // over the table's memory: read as before the call
+  if (at::get_overlap_status(out, rows) != at::MemOverlapStatus::No) rows = rows.clone();
   const int64_t n = ids.size(0), num_rows = out.size(0), dim = out.size(1);
   if (n == 0) return;
   std::vector<int64_t> order, seg;

@@ -9,8 +9,9 @@ API (every op validates its arguments and raises the same errors on every backen
   shape and dtype (deterministic).
 - ``scatter_add_rows(out, ids, rows) -> out``: in place, ``out[ids[i]] += rows[i]``;
   duplicate ids accumulate. ``out`` [V, d] contiguous; ``rows`` [n, d], any of the three
-  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in a fixed
-  order and rounded once: its contributions in ascending position, cut into chunks of 64;
+  float dtypes (may differ from ``out``'s; rows that overlap ``out`` are read as they were
+  before the call). Each destination row is summed in fp32 in a fixed order and rounded
+  once: its contributions in ascending position, cut into chunks of 64;
   chunk 0 added to the old value one by one, each later chunk summed from zero and its sum
   added, in chunk order (so long runs of one id reduce in parallel on CUDA; a row with at
   most 64 contributions is a plain ascending sum). The result is bit-identical from run to
