@@ -33,7 +33,11 @@ API (every op validates its arguments and raises the same errors on every backen
   row-major order) and its position. ``lookup`` may instead be a :class:`VocabRanks` (the
   ranks of a sorted vocabulary set, 32x smaller than its lookup: ``dept_mega.ops.ranks``),
   which gives the result and errors of its equivalent lookup (-1 for a non-member); its CUDA
-  kernel keeps the ranks in shared memory, so the remap streams like a copy.
+  kernel keeps the ranks in shared memory, so the remap streams like a copy. The values are
+  converted to the ids' dtype unchecked: with int32 ids, an int64 lookup value >= 2^31 wraps
+  (as ``.to(torch.int32)`` does, on every backend; checking would cost a pass over the lookup
+  per call). Keep such lookups int32-safe or pass int64 ids; a ``VocabRanks`` (and its
+  ``to_lookup()``) always is, its vocabulary being < 2^31.
 - ``backend(device=None) -> "cuda" | "cpp" | "torch"``: what runs the ops for tensors on
   ``device`` (default: cuda if available, else cpu). ``extension_status()`` says why.
 
@@ -176,7 +180,9 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
 
 def remap_ids(ids: torch.Tensor, lookup: Union[torch.Tensor, VocabRanks]) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError. ``lookup``
-    may be a VocabRanks (the same result and errors as its equivalent lookup)."""
+    may be a VocabRanks (the same result and errors as its equivalent lookup). The result has
+    the ids' dtype: int32 ids with an int64 lookup value >= 2^31 wrap, unchecked (see the
+    module docstring)."""
     if isinstance(lookup, VocabRanks):
         return _remap_ranked(ids, lookup)
     # the argument checks are three tests (the trainer remaps every micro-batch);
