@@ -162,7 +162,7 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
         fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
-        _compiled(out, torch.ops.dept_mega.scatter_add_rows_, out, ids, rows)
+        _in_place(out, torch.ops.dept_mega.scatter_add_rows_, out, ids, rows)
         return out
     return fallback.scatter_add_rows(out, ids, rows)
 
@@ -173,7 +173,7 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     returns ``table``."""
     if _route(table, ids, rows):
         fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
-        _compiled(table, torch.ops.dept_mega.scatter_mean_rows_, table, ids, rows, accumulate, float(alpha))
+        _in_place(table, torch.ops.dept_mega.scatter_mean_rows_, table, ids, rows, accumulate, float(alpha))
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
@@ -239,6 +239,21 @@ def _compiled(t: torch.Tensor, op, *args):
     out = op(*args)
     _raise_recorded()
     return out
+
+
+def _in_place(t: torch.Tensor, op, *args) -> None:
+    """``op(*args)``, a compiled operator that updates ``t`` in place, with what autograd expects
+    of an in-place op (as the fallback's index_copy_ does): a leaf that requires grad is refused
+    in grad mode (the fallback's error; in a compiled graph too), and ``t``'s version counter is
+    bumped, so that a backward that saved ``t`` detects the change (the C++ operators have no
+    ADInplaceOrView kernel), except while Dynamo traces: the compiled graph's own write-back
+    into ``t`` bumps it. The compiled scatters are not differentiable (the fallback's are, through
+    index_copy_): call them on tensors that need no gradient, as every caller does (no_grad)."""
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    _compiled(t, op, *args)
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(t)
 
 
 def _raise_recorded() -> None:
