@@ -63,6 +63,14 @@ def test_table_gather_and_remap():
         with pytest.raises(ValueError, match=r"source 'en': .* not in its vocabulary set V_k \(remap_ids: global id 3 "
                                              r"\(first at flat position 0\) .*\(lookup\[3\] = -1\)\)"):
             remap_tokens(torch.tensor([3]), table, "en")
+        # every other error of the remap names the source too
+        with pytest.raises(IndexError, match=r"^TRIM: source 'en': a token id is outside the global vocabulary "
+                                             r"\(remap_ids: global id 10 at flat position 1 is out of range"):
+            remap_tokens(torch.tensor([[7, 10]]), table, "en")
+        with pytest.raises(IndexError, match=r"^TRIM: source 'en': .*global id -2 at flat position 0"):
+            remap_tokens(torch.tensor([-2]), table, "en")
+        with pytest.raises(TypeError, match=r"^TRIM: source 'en': remap \(remap_ids: ids must be int32 or int64"):
+            remap_tokens(torch.tensor([1.0]), table, "en")
 
 
 def _exchange_worker(rank, world, T, D):

@@ -129,6 +129,31 @@ def test_cpu_operator_gives_the_reference_bytes(in_dtype, fp8):
 
 
 @needs_op
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda v: str(v).replace("torch.", ""))
+def test_reference_casts_an_empty_tensor_as_the_operator(fp8):
+    """0 rows (with and without pad rows), 0 columns, both: the reference math gives the
+    operator's shapes and bytes (an empty output's strides aside), amax 0 and (current scaling)
+    its 1/scale (the reference's amax, vector_norm(inf), used to raise on an empty tensor)."""
+    def same(got, ref):
+        if got is None or ref is None or got.numel() or ref.numel():
+            return _same_bytes(got, ref, True)
+        return (got.dtype, got.shape) == (ref.dtype, ref.shape)
+    for (rows, cols, pad), s, gelu in product(((0, 8, 0), (0, 8, 16), (5, 0, 3), (0, 0, 2)), (None, 3.7),
+                                              (False, True)):
+        x = torch.empty(rows, cols, dtype=torch.bfloat16)
+        for rowwise, colwise in LAYOUTS:
+            scale = None if s is None else torch.tensor([0.0, s])
+            rq, rq_t, rinv, ramax = _cast_math(x, None if scale is None else scale[1], fp8, pad, rowwise,
+                                               colwise, gelu)
+            amax = torch.tensor([0.0, 0.0, 0.5])
+            q, q_t, inv = fp8_casts.cast_fp8(x, fp8, pad, rowwise, colwise, scale, 1, amax, 2, gelu)
+            case = (rows, cols, pad, s, gelu, rowwise, colwise)
+            assert same(q, rq if rowwise else None) and same(q_t, rq_t), case
+            assert ramax.item() == 0.0 and amax.tolist() == [0.0, 0.0, 0.5], case
+            assert s is not None or _same_float(inv, rinv), case
+
+
+@needs_op
 def test_argument_errors_are_the_operators():
     """The Python checks (run before a CUDA call) raise what the C++ checks raise."""
     x = torch.zeros(4, 16, dtype=torch.bfloat16)

@@ -103,6 +103,58 @@ def test_scatter_extension_equals_fallback_bitwise(device, shape, out_dtype, row
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_overlapping_the_table_are_read_as_before_the_call(device, impl, dtype):
+    """rows that are a view of the destination table are read as they were before the call, on
+    every backend: the result of the same call with a copy of them (the compiled kernels read
+    rows that they had already updated)."""
+    table = torch.randn(6, 4, generator=gen(7)).to(dtype).to(device)
+    ids = torch.tensor([1, 0, 1, 3], device=device)
+    calls = [lambda f, t, r: f[1](t, ids, r)]
+    calls += [lambda f, t, r, a=a: f[2](t, ids, r, a, -0.5) for a in (False, True)]
+    for k, call in enumerate(calls):
+        for lo in (0, 2, 1):  # rows = table[lo:lo + 4]
+            want = table.clone()
+            call(IMPLS[impl], want, table[lo:lo + 4].clone())
+            got = table.clone()
+            call(IMPLS[impl], got, got[lo:lo + 4])
+            lazy_check(device)
+            assert torch.equal(got, want), (k, lo)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_in_place_scatters_are_seen_by_autograd(device, impl):
+    """As PyTorch's in-place ops (the fallback's index_copy_): a scatter bumps the table's
+    version counter, so a backward that saved the table (here through a detached alias) raises
+    instead of using the new values; a leaf that requires grad is refused in grad mode (and
+    updated under no_grad). The compiled operators did neither."""
+    ids, rows = torch.tensor([1, 3, 1], device=device), torch.ones(3, 2, device=device)
+    f = IMPLS[impl]
+    scatters = [lambda t: f[1](t, ids, rows), lambda t: f[2](t, ids, rows),
+                lambda t: f[2](t, ids, rows, True, -1.0)]
+    for k, scatter in enumerate(scatters):
+        t = torch.zeros(4, 2, device=device)
+        v = t._version
+        scatter(t)
+        lazy_check(device)
+        assert t._version > v, k
+        y = torch.randn(4, 2, device=device, requires_grad=True) * 1.0
+        z = (y * y).sum()  # saves y
+        scatter(y.detach())
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.backward()
+        leaf = torch.zeros(4, 2, device=device, requires_grad=True)
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+            scatter(leaf)
+        assert leaf.eq(0).all(), k  # refused before writing
+        with torch.no_grad():
+            scatter(leaf)
+        assert leaf[[1, 3]].ne(0).all(), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fallback_rank_passes_equal_sequential_order(device):
     # The fallback's non-CPU method (one exact add per element per pass) must add in the same
     # order as the sequential one; checked on CPU too, where both methods run.

@@ -217,3 +217,48 @@ def test_cpu_error_record_is_per_thread():
     checked.set()
     th.join(60)
     assert caught == ["remap_ids: global id 9 at flat position 1 is out of range for a lookup of 4 entries"]
+
+
+def _dirty(numel, dtype):
+    """Frees a block filled with junk, which the next allocation of its size gets back (the
+    outputs below start from it; zeros would hide an unwritten position)."""
+    torch.full((numel,), -12345, dtype=dtype)
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_a_failed_cpu_gather_or_remap_returns_zeros_at_invalid_ids(id_dtype):
+    """An output returned while its error is deferred (a direct operator call or a compiled
+    graph on CPU; every CUDA call) is safe to read: 0 (a remap) or a zero row (a gather) at each
+    invalid id, every valid position right (the remap used to stop writing its 16384-id chunk at
+    the first invalid id, the gather to write nothing), and check_errors still raises the error."""
+    require_extension()
+    ops.check_errors("cpu")
+    O = torch.ops.dept_mega
+    ranks = ops.VocabRanks.from_ids(torch.arange(0, 200, 2), 200)
+    remaps = {"ranked": lambda t: O.remap_ranked(t, ranks.words, ranks.size, -1),
+              "lookup": lambda t: O.remap_ids(t, ranks.to_lookup().to(id_dtype))}
+    tok = torch.arange(0, 64, 2).reshape(4, 8)
+    tok[0, 3], tok[2, 5] = 7, 200  # a non-member, then an id out of range
+    big = torch.arange(40_000) * 2 % 200  # chunks of 16384 ids, invalid ids in three of them
+    bad = [5, 9, 20_000, 39_999]
+    big[bad] = torch.tensor([7, -4, 301, 9])
+    for name, remap in remaps.items():
+        for ids, first in ((tok, r"global id 7 \(first at flat position 3\)"),
+                           (big, r"global id 7 \(first at flat position 5\)")):
+            want = ids // 2
+            want[(ids % 2 == 1) | (ids < 0) | (ids >= 200)] = 0
+            _dirty(ids.numel(), id_dtype)
+            out = remap(ids.to(id_dtype))
+            with pytest.raises(ValueError, match=first):
+                ops.check_errors("cpu")
+            assert out.dtype == id_dtype and torch.equal(out.long(), want), name
+    table = torch.arange(1, 13, dtype=torch.float32).reshape(4, 3)
+    ids = torch.tensor([2, 9, 0, -1, 3], dtype=id_dtype)
+    for out_dtype in (None, torch.bfloat16):
+        want = table[[2, 0, 0, 0, 3]].to(out_dtype or table.dtype)
+        want[[1, 3]] = 0
+        _dirty(15, out_dtype or table.dtype)
+        out = O.gather_rows(table, ids, out_dtype)
+        with pytest.raises(IndexError, match=r"gather_rows: ids\[1\] = 9 is out of range"):
+            ops.check_errors("cpu")
+        assert torch.equal(out, want), out_dtype

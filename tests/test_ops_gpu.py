@@ -392,3 +392,44 @@ def _raised(fn):
     except Exception as exc:  # noqa: BLE001 - returned for its type and message
         return exc
     raise AssertionError("no error raised")
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_cuda_failed_gather_and_remap_return_zeros_at_invalid_ids(id_dtype):
+    """A failed CUDA gather / remap, whose error waits for check_errors, returns an output that
+    is safe to read meanwhile: 0 (remap, lookup and ranked on each memory path) or a zero row
+    (gather: vectorised, unvectorised and converting) at each invalid id, every valid position
+    right (before: unwritten, from an empty allocation, so F.embedding of it could assert)."""
+    _need_cuda_kernels()
+    from dept_mega.ops import VocabRanks
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    V, n = 5000, 300_001
+    ranks = VocabRanks.from_ids(torch.arange(0, V, 2), V).to(dev)
+    lookup = ranks.to_lookup()
+    ids = torch.randint(0, V // 2, (n,), generator=g) * 2
+    bad = {3: 7, 1024: -1, 150_000: V, n - 1: 4999}  # non-members, out of range
+    for pos, gid in bad.items():
+        ids[pos] = gid
+    want = ids // 2
+    want[list(bad)] = 0
+    ids_dev = ids.to(id_dtype).to(dev)
+    remaps = [lambda: ops.remap_ids(ids_dev, lookup)]
+    remaps += [lambda s=s: ops._remap_ranked(ids_dev, ranks, s) for s in (-1, 0, 1)]
+    ops.check_errors(dev)
+    for k, remap in enumerate(remaps):
+        torch.full((n,), -12345, dtype=id_dtype, device=dev)  # junk in the block the output gets
+        out = remap()
+        assert torch.equal(out.cpu().long(), want), k  # before the check: already safe
+        with pytest.raises(ValueError, match=r"global id 7 \(first at flat position 3\)"):
+            ops.check_errors(dev)
+    table = torch.randn(V, 16, generator=g)
+    for dim, out_dtype in ((16, None), (7, None), (16, torch.bfloat16)):
+        t = table[:, :dim].contiguous().to(dev)
+        torch.full((n * dim,), float("nan"), device=dev, dtype=out_dtype or torch.float32)
+        rows = ops.gather_rows(t, ids_dev, out_dtype).cpu()
+        ref = t.cpu()[ids.clamp(0, V - 1)].to(out_dtype or torch.float32)
+        ref[list(bad)[1:3]] = 0  # -1 and V: invalid; 7 and 4999 are rows of the table
+        assert torch.equal(rows, ref), (dim, out_dtype)
+        with pytest.raises(IndexError, match=r"gather_rows: ids\[1024\] = -1 is out of range"):
+            ops.check_errors(dev)

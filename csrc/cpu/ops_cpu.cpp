@@ -8,6 +8,7 @@
 // fp32. The result therefore does not depend on the number of threads, and equals the CUDA
 // kernel and the pure PyTorch fallback bit for bit.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -52,7 +53,8 @@ inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std:
 
 // Data errors (an invalid id) are never thrown here: the kernel writes the error record of
 // csrc/constants.h, {code, position, id, bound, lookup value}, into the calling thread's record
-// and returns (a scatter without writing, a gather / remap with its output unfinished), as the
+// and returns (a scatter without writing; a gather / remap with 0 at each invalid position, a zero
+// row for a gather, so that a caller that defers the error never reads an id out of range), as the
 // CUDA kernels write their device's record. dept_mega.ops reads the record right after the call
 // and raises the error that dept_mega.ops.recorded_error decodes (the same function and messages
 // for both backends). Why not throw: on the GPU machine's build (torch 2.11, /opt/gcc g++) a C++
@@ -107,7 +109,7 @@ at::Tensor gather_rows_cpu(const at::Tensor& table_in, const at::Tensor& ids_in,
   dispatch_ids(ids.scalar_type(), [&](auto idx_tag) {
     using idx_t = decltype(idx_tag);
     const idx_t* id_ptr = ids.const_data_ptr<idx_t>();
-    if (!ids_in_range(DM_ERR_GATHER, id_ptr, n, num_rows)) return;  // rows left unset
+    ids_in_range(DM_ERR_GATHER, id_ptr, n, num_rows);  // an invalid id's row: zeros, below
     dispatch_rows(table.scalar_type(), [&](auto in_tag) {
       using in_t = decltype(in_tag);
       dispatch_rows(odt, [&](auto out_tag) {
@@ -116,8 +118,13 @@ at::Tensor gather_rows_cpu(const at::Tensor& table_in, const at::Tensor& ids_in,
         out_t* dst = out.data_ptr<out_t>();
         at::parallel_for(0, n, row_grain(dim), [&](int64_t begin, int64_t end) {
           for (int64_t i = begin; i < end; ++i) {
-            const in_t* s = src + static_cast<int64_t>(id_ptr[i]) * dim;
+            const int64_t id = static_cast<int64_t>(id_ptr[i]);
             out_t* d = dst + i * dim;
+            if (id < 0 || id >= num_rows) {
+              std::memset(d, 0, sizeof(out_t) * dim);  // +0 in the three float dtypes
+              continue;
+            }
+            const in_t* s = src + id * dim;
             if constexpr (std::is_same_v<in_t, out_t>) {
               std::memcpy(d, s, sizeof(in_t) * dim);
             } else {
@@ -167,7 +174,8 @@ void scatter_rows_cpu(const char* op, int code, at::Tensor& out, const at::Tenso
                       const at::Tensor& rows_in, ScatterMode mode, float alpha) {
   check_scatter_args(op, out, ids_in, rows_in);
   const at::Tensor ids = ids_in.contiguous();
-  const at::Tensor rows = rows_in.contiguous();
+  at::Tensor rows = rows_in.contiguous();  // over the table's memory: read as before the call
+  if (at::get_overlap_status(out, rows) != at::MemOverlapStatus::No) rows = rows.clone();
   const int64_t n = ids.size(0), num_rows = out.size(0), dim = out.size(1);
   if (n == 0) return;
   std::vector<int64_t> order, seg;
@@ -256,18 +264,24 @@ void scatter_mean_rows_cpu(at::Tensor table, const at::Tensor& ids, const at::Te
 // The remap of both operators: dst[i] = value(src[i]), where value(id) for an id in [0, size) is
 // its local id, < 0 for a non-member. Chunks in parallel; the error recorded is the lowest
 // position's (out of range, or the non-member with its value), as the CUDA kernels record it.
+// An invalid position gets 0 and the chunk goes on: every valid position is written.
 template <typename idx_t, typename Value>
 void remap_each(const idx_t* src, idx_t* dst, int64_t n, int64_t size, const Value& value) {
   std::atomic<int64_t> first_bad{n};
   at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    bool seen = false;  // a chunk's first invalid position is its lowest
     for (int64_t i = begin; i < end; ++i) {
       const int64_t id = static_cast<int64_t>(src[i]);
       const int64_t v = (id >= 0 && id < size) ? value(id) : -1;
       if (v < 0) {
-        int64_t cur = first_bad.load();
-        while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+        dst[i] = 0;
+        if (!seen) {
+          seen = true;
+          int64_t cur = first_bad.load();
+          while (i < cur && !first_bad.compare_exchange_weak(cur, i)) {
+          }
         }
-        return;  // later positions of this chunk cannot be first
+        continue;
       }
       dst[i] = static_cast<idx_t>(v);
     }

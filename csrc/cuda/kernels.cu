@@ -12,7 +12,8 @@
 //   data: a long run (a frequent token) is reduced in parallel, and the result is fixed by
 //   the ids alone, bit-identical from run to run and equal to the CPU kernel's.
 // remap: elementwise lookup, grid-stride, kRemapItems independent ids per thread in flight.
-// Invalid ids: gather and remap in their one launch (finish_call, call_record.cuh: the last
+// Invalid ids (the output gets a zero row / 0 there, so that nothing read before check_errors is
+//   out of range): gather and remap in their one launch (finish_call, call_record.cuh: the last
 //   block to finish writes the error record and resets the per-stream scratch); the scatters
 //   with a per-call flag that the writing kernels read (nothing written on error) and a
 //   one-thread record_kernel. The ranked remap: remap_ranked.cu.
@@ -81,15 +82,18 @@ __global__ void __launch_bounds__(kBlock, std::is_same<Tin, Tout>::value ? 5 : 8
   const int64_t nvec = dim / VEC;
   for (int64_t i = tid / tpr; i < n; i += groups) {
     const int64_t id = static_cast<int64_t>(ids[i]);
+    Tout* d = out + i * dim;
     if (id < 0 || id >= rows) {
       if (lane == 0) {
         atomicMin(&scratch->bad, static_cast<unsigned long long>(i));
         __threadfence();  // before this thread reaches finish_call's barrier
       }
+      // a zero row: the caller may read the output before check_errors raises
+      const float zero[VEC] = {};
+      for (int64_t v = lane; v < nvec; v += tpr) store_float<Tout, VEC>(d + v * VEC, zero);
       continue;
     }
     const Tin* s = table + id * dim;
-    Tout* d = out + i * dim;
 #pragma unroll 4
     for (int64_t v = lane; v < nvec; v += tpr) {
       if constexpr (std::is_same<Tin, Tout>::value) {
@@ -130,11 +134,8 @@ __global__ void __launch_bounds__(kBlock, 8)
       const int64_t i = base + static_cast<int64_t>(k) * blockDim.x;
       if (i >= n) break;
       const int64_t v = (id[k] >= 0 && id[k] < size) ? static_cast<int64_t>(lookup[id[k]]) : -1;
-      if (v < 0) {
-        atomicMin(&block_bad, static_cast<unsigned long long>(i));
-      } else {
-        out[i] = static_cast<Idx>(v);
-      }
+      if (v < 0) atomicMin(&block_bad, static_cast<unsigned long long>(i));
+      out[i] = v < 0 ? Idx{0} : static_cast<Idx>(v);  // 0 stays in range until check_errors
     }
   }
   finish_call<Idx>(&block_bad, scratch, n, DM_ERR_REMAP_MISSING, ids, size,

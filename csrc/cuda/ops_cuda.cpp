@@ -13,7 +13,8 @@
 // copy, at the log interval) and raises exactly what the CPU op raises.
 // - gather_rows / remap_ids launch one kernel: it lowers the current stream's persistent
 //   DmCallScratch to the first invalid position, and its last block writes the record and
-//   resets the scratch (kernels.h). A failed call leaves the outputs of the invalid ids unset.
+//   resets the scratch (kernels.h). A failed call writes 0 (a remap) or a zero row (a gather)
+//   at each invalid id and the right value elsewhere: an output read before the check is in range.
 // - the scatters fill a per-call flag, and a one-thread kernel copies the flag's position into
 //   the record; their writing kernel reads the flag on the device and writes nothing on error,
 //   so a failed call leaves the table unchanged, as on CPU.
@@ -30,6 +31,7 @@
 // leaves the scratch reset). A replay uses the capture stream's scratch, so it must not overlap
 // gather / remap calls on that stream.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -167,7 +169,10 @@ void scatter_rows_cuda(const char* op, int err_code, at::Tensor& out, const at::
   check_scatter_args(op, out, ids_in, rows_in);
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor ids = ids_in.contiguous();
-  const at::Tensor src = rows_in.contiguous();
+  // rows over the table's own memory are read as they were before the call (as on CPU and by
+  // the fallback), not while other warps rewrite them
+  at::Tensor src = rows_in.contiguous();
+  if (at::get_overlap_status(out, src) != at::MemOverlapStatus::No) src = src.clone();
   const int64_t n = ids.size(0), rows = out.size(0), dim = out.size(1);
   if (n == 0) return;
   TORCH_CHECK_VALUE(n < (int64_t{1} << 31), op, ": at most 2^31 - 1 ids per call on CUDA");

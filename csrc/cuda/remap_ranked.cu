@@ -77,11 +77,13 @@ __global__ void __launch_bounds__(kBlock)
       if (i >= n) break;
       const unsigned bits = static_cast<unsigned>(word[k]);
       const unsigned b = static_cast<unsigned>(id[k]) & 31u;
-      // word[k] is 0 for an id out of range: no member bit, an error like a non-member
+      // word[k] is 0 for an id out of range: no member bit, an error like a non-member, and a
+      // 0 written (in range for whatever reads the output before check_errors raises)
       if ((bits >> b) & 1u) {
         out[i] = static_cast<Idx>((word[k] >> 32) + __popc(bits & ((1u << b) - 1u)));
       } else {
         atomicMin(&block_bad, static_cast<unsigned long long>(i));
+        out[i] = Idx{0};
       }
     }
   }

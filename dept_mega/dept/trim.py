@@ -333,9 +333,16 @@ def remap_ranks(vocab_ids: torch.Tensor, vocab_size: int) -> VocabRanks:
 def remap_tokens(tokens: torch.Tensor, ranks: Union[VocabRanks, torch.Tensor],
                  source: Optional[str] = None) -> torch.Tensor:
     """Map global token ids to compact ids (``dept_mega.ops.remap_ids``; ``ranks`` from
-    ``remap_ranks``, or a lookup table); an id outside V_k is an error naming the source (its
-    V_k does not match its data)."""
+    ``remap_ranks``, or a lookup table); every error the remap raises names the source: an id
+    outside V_k (ValueError: its V_k does not match its data), an id outside the global
+    vocabulary (IndexError), a bad argument (the remap's own ValueError / TypeError). On CUDA an
+    invalid id is reported later, by ``dept_mega.ops.check_errors`` (without the source)."""
     try:
         return remap_ids(tokens, ranks)
+    except IndexError as exc:
+        raise IndexError(f"TRIM: source {source!r}: a token id is outside the global vocabulary ({exc})") from exc
     except ValueError as exc:
-        raise ValueError(f"TRIM: source {source!r}: a token id is not in its vocabulary set V_k ({exc})") from exc
+        what = "a token id is not in its vocabulary set V_k" if "not in this source's vocabulary" in str(exc) else "remap"
+        raise ValueError(f"TRIM: source {source!r}: {what} ({exc})") from exc
+    except TypeError as exc:
+        raise TypeError(f"TRIM: source {source!r}: remap ({exc})") from exc

@@ -9,8 +9,9 @@ API (every op validates its arguments and raises the same errors on every backen
   shape and dtype (deterministic).
 - ``scatter_add_rows(out, ids, rows) -> out``: in place, ``out[ids[i]] += rows[i]``;
   duplicate ids accumulate. ``out`` [V, d] contiguous; ``rows`` [n, d], any of the three
-  float dtypes (may differ from ``out``'s). Each destination row is summed in fp32 in a fixed
-  order and rounded once: its contributions in ascending position, cut into chunks of 64;
+  float dtypes (may differ from ``out``'s; rows that overlap ``out`` are read as they were
+  before the call). Each destination row is summed in fp32 in a fixed order and rounded
+  once: its contributions in ascending position, cut into chunks of 64;
   chunk 0 added to the old value one by one, each later chunk summed from zero and its sum
   added, in chunk order (so long runs of one id reduce in parallel on CUDA; a row with at
   most 64 contributions is a plain ascending sum). The result is bit-identical from run to
@@ -32,7 +33,11 @@ API (every op validates its arguments and raises the same errors on every backen
   row-major order) and its position. ``lookup`` may instead be a :class:`VocabRanks` (the
   ranks of a sorted vocabulary set, 32x smaller than its lookup: ``dept_mega.ops.ranks``),
   which gives the result and errors of its equivalent lookup (-1 for a non-member); its CUDA
-  kernel keeps the ranks in shared memory, so the remap streams like a copy.
+  kernel keeps the ranks in shared memory, so the remap streams like a copy. The values are
+  converted to the ids' dtype unchecked: with int32 ids, an int64 lookup value >= 2^31 wraps
+  (as ``.to(torch.int32)`` does, on every backend; checking would cost a pass over the lookup
+  per call). Keep such lookups int32-safe or pass int64 ids; a ``VocabRanks`` (and its
+  ``to_lookup()``) always is, its vocabulary being < 2^31.
 - ``backend(device=None) -> "cuda" | "cpp" | "torch"``: what runs the ops for tensors on
   ``device`` (default: cuda if available, else cpu). ``extension_status()`` says why.
 
@@ -51,8 +56,10 @@ The CPU wrappers read their thread's record right after the call (a few memory r
 ``check_errors`` reads the GPU's (one small copy). The trainer checks at every log interval and
 at the end of training. With calls on several CUDA streams, the record keeps the first error
 written, and a check (a copy on the current stream) sees the errors of the calls its stream has
-waited for. A failed scatter leaves the table unchanged; a failed gather / remap leaves its
-output unfinished (garbage, never returned by a wrapper that raises at the call).
+waited for. A failed scatter leaves the table unchanged; a failed gather / remap returns a zero
+row / 0 at each invalid id and the right value everywhere else, so that an output read before
+the deferred error is raised (CUDA, a compiled graph) never holds an id out of range (e.g. for
+``F.embedding``, whose CUDA kernel would assert and lose the recorded error).
 
 Why records and not C++ exceptions: on the GPU machine (torch 2.11, the extension built there by
 the image's /opt/gcc g++) a C++ exception thrown by our operators crashed the process with a
@@ -155,7 +162,7 @@ def scatter_add_rows(out: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -
     """In place out[ids[i]] += rows[i], deterministic; returns ``out``."""
     if _route(out, ids, rows):
         fallback.check_scatter_args("scatter_add_rows", out, ids, rows)
-        _compiled(out, torch.ops.dept_mega.scatter_add_rows_, out, ids, rows)
+        _in_place(out, torch.ops.dept_mega.scatter_add_rows_, out, ids, rows)
         return out
     return fallback.scatter_add_rows(out, ids, rows)
 
@@ -166,14 +173,16 @@ def scatter_mean_rows(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
     returns ``table``."""
     if _route(table, ids, rows):
         fallback.check_scatter_args("scatter_mean_rows", table, ids, rows)
-        _compiled(table, torch.ops.dept_mega.scatter_mean_rows_, table, ids, rows, accumulate, float(alpha))
+        _in_place(table, torch.ops.dept_mega.scatter_mean_rows_, table, ids, rows, accumulate, float(alpha))
         return table
     return fallback.scatter_mean_rows(table, ids, rows, accumulate, alpha)
 
 
 def remap_ids(ids: torch.Tensor, lookup: Union[torch.Tensor, VocabRanks]) -> torch.Tensor:
     """local_ids = lookup[ids] for any shape of ids; lookup < 0 raises ValueError. ``lookup``
-    may be a VocabRanks (the same result and errors as its equivalent lookup)."""
+    may be a VocabRanks (the same result and errors as its equivalent lookup). The result has
+    the ids' dtype: int32 ids with an int64 lookup value >= 2^31 wrap, unchecked (see the
+    module docstring)."""
     if isinstance(lookup, VocabRanks):
         return _remap_ranked(ids, lookup)
     # the argument checks are three tests (the trainer remaps every micro-batch);
@@ -230,6 +239,21 @@ def _compiled(t: torch.Tensor, op, *args):
     out = op(*args)
     _raise_recorded()
     return out
+
+
+def _in_place(t: torch.Tensor, op, *args) -> None:
+    """``op(*args)``, a compiled operator that updates ``t`` in place, with what autograd expects
+    of an in-place op (as the fallback's index_copy_ does): a leaf that requires grad is refused
+    in grad mode (the fallback's error; in a compiled graph too), and ``t``'s version counter is
+    bumped, so that a backward that saved ``t`` detects the change (the C++ operators have no
+    ADInplaceOrView kernel), except while Dynamo traces: the compiled graph's own write-back
+    into ``t`` bumps it. The compiled scatters are not differentiable (the fallback's are, through
+    index_copy_): call them on tensors that need no gradient, as every caller does (no_grad)."""
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    _compiled(t, op, *args)
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(t)
 
 
 def _raise_recorded() -> None:

@@ -29,11 +29,15 @@ def _cast_math(t: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtyp
     ``colwise``), which the GEMMs that contract over the rows need, and the tensor's amax.
     ``gelu``: cast ``F.gelu(t)`` (the erf form, rounded to ``t``'s dtype) instead of ``t``; the
     amax is that tensor's. Eagerly it holds one fp32 temporary (the amax is ``vector_norm(∞)``:
-    allocates nothing) and, with ``gelu``, the GELU's output."""
+    allocates nothing) and, with ``gelu``, the GELU's output. An empty tensor (0 rows or 0
+    columns) has amax 0, as in the C++ casts (``vector_norm(∞)`` refuses 0 elements)."""
     if gelu:
         t = F.gelu(t)
     fmax = FP8_MAX[dtype]
-    current = torch.linalg.vector_norm(t, float("inf")).float()
+    if t.numel() == 0:
+        current = torch.zeros((), dtype=torch.float32, device=t.device)
+    else:
+        current = torch.linalg.vector_norm(t, float("inf")).float()
     if scale is None:
         scale = fmax / current.clamp(min=_MIN_AMAX)
     rows = t.shape[0]
