@@ -3,6 +3,7 @@ torch-facing CUDA operators) so that a CUDA compile error fails the suite, with 
 the torch in use builds extensions with."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -50,8 +51,14 @@ def test_cuda_sources_compile_for_sm90(compile_check):
     assert "check_cuda_compile: OK" in res.stdout
     # every compile with the standard the torch of PYTHON builds extensions with (torch 2.11:
     # c++17; later: c++20), said first
-    std = subprocess.run([_python(), str(ROOT / "tools" / "torch_cxx_std.py")], capture_output=True, text=True,
-                         timeout=120).stdout.strip()
+    if _python() == sys.executable:  # this process's torch: asked here (a Python start with torch less)
+        spec = importlib.util.spec_from_file_location("torch_cxx_std", ROOT / "tools" / "torch_cxx_std.py")
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        std = tool.build_ext_std()
+    else:
+        std = subprocess.run([_python(), str(ROOT / "tools" / "torch_cxx_std.py")], capture_output=True, text=True,
+                             timeout=120).stdout.strip()
     assert re.fullmatch(r"-std=c\+\+\d\d", std), std
     assert f"check_cuda_compile: {std}: what the torch of " in res.stdout, res.stdout
     assert f"nvcc -arch=sm_90 {std} -c " in res.stdout and f"g++ {std} -fsyntax-only csrc/cuda/ops_cuda.cpp" in res.stdout

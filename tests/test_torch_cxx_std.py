@@ -46,6 +46,8 @@ def test_it_reports_the_flag_buildextension_adds(monkeypatch):
     monkeypatch.setattr(cpp_extension, "BuildExtension", Adds03)
     assert tool.build_ext_std() == "-std=c++03"
     monkeypatch.undo()
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "torch_cxx_std.py")], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and res.stdout == real + "\n", (res.stdout, res.stderr)
+    # the command line, with the include folders tools/check_cuda_compile.sh reads from the same start
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "torch_cxx_std.py"), "--include-paths"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout == f"{real}\n{' '.join(cpp_extension.include_paths())}\n", (res.stdout,
+                                                                                                        res.stderr)

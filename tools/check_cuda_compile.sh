@@ -45,10 +45,14 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 std_rc=0
+TORCH_INC=
 if [ -n "${CXX_STD:-}" ]; then
   STD=$CXX_STD; std_why="CXX_STD"
 else
-  STD=$("$PY" tools/torch_cxx_std.py 2>"$tmp/std.err") || std_rc=$?
+  # the standard and torch's include folders (for ops_cuda.cpp below) from one Python start
+  std_out=$("$PY" tools/torch_cxx_std.py --include-paths 2>"$tmp/std.err") || std_rc=$?
+  STD=$(sed -n 1p <<<"$std_out")
+  TORCH_INC=$(sed -n 2p <<<"$std_out")
   STD=${STD#-std=}
   case $std_rc in
     0) std_why="what the torch of $PY builds extensions with (tools/torch_cxx_std.py)" ;;
@@ -113,7 +117,9 @@ finish_nvcc() {  # wait for the nvcc lanes; fail with their output, or check the
   done
 }
 
-TORCH_INC=$("$PY" -c "from torch.utils.cpp_extension import include_paths; print(' '.join(include_paths()))" 2>/dev/null || true)
+if [ -n "${CXX_STD:-}" ]; then
+  TORCH_INC=$("$PY" -c "from torch.utils.cpp_extension import include_paths; print(' '.join(include_paths()))" 2>/dev/null || true)
+fi
 if [ -z "$TORCH_INC" ]; then
   echo "check_cuda_compile: torch not importable with $PY; ops_cuda.cpp not checked" >&2
   finish_nvcc

@@ -6,9 +6,11 @@ compiler stand-in that records the flags and stops before running anything.
 
 tools/check_cuda_compile.sh uses it so that its syntax checks use the standard of the torch the
 extension is built with. Exits 2 when torch is not importable, 1 with a message when no -std
-flag was seen (a torch whose BuildExtension works otherwise: set CXX_STD for the check script).
+flag was seen or the arguments are not understood (a torch whose BuildExtension works otherwise: set CXX_STD for the check script).
 
-    python tools/torch_cxx_std.py
+    python tools/torch_cxx_std.py                    # -std=c++17
+    python tools/torch_cxx_std.py --include-paths    # and a second line: torch's include folders
+                                                     # (space-separated), as a C++ extension gets them
 """
 from __future__ import annotations
 
@@ -52,7 +54,11 @@ def build_ext_std() -> str:
     raise RuntimeError("torch's BuildExtension compiled nothing for the probe extension")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--include-paths"]):
+        print("usage: python tools/torch_cxx_std.py [--include-paths]", file=sys.stderr)
+        return 1
     try:
         import torch  # noqa: F401
     except ImportError as e:
@@ -64,6 +70,9 @@ def main() -> int:
               file=sys.stderr)
         return 1
     print(std)
+    if args:  # (one Python start with torch for both: tools/check_cuda_compile.sh)
+        from torch.utils.cpp_extension import include_paths
+        print(" ".join(include_paths()))
     return 0
 
 
