@@ -131,6 +131,10 @@ class PhaseTimer:
             self._end = time.perf_counter()
         return self
 
+    @property
+    def stopped(self) -> bool:
+        return self._end is not None
+
     def seconds(self) -> float:
         if self._end is None:
             raise RuntimeError("PhaseTimer.seconds() before stop()")

@@ -260,8 +260,7 @@ def test_a_group_left_out_at_a_fragments_exchange_goes_to_the_next_round_start(d
 
     class Sync:  # FlatSync's use of the exchange's handle
         def launch(self, **kw):
-            return SimpleNamespace(work=fed.all_reduce_async(torch.ones(4), comm, "outer_body"),
-                                   launched_at=time.perf_counter())
+            return SimpleNamespace(work=fed.all_reduce_async(torch.ones(4), comm, "outer_body"))
 
         def finish(self, pending, **kw):
             pending.work.wait()

@@ -95,7 +95,7 @@ class DeptHooks:
         self.schedule = OuterSchedule(units, d.local_steps, d.outer_delay if d.outer_overlap else 0,
                                       cfg.train.steps, eager=eager_start(cfg),
                                       mix=d.outer_mix_alpha if d.outer_overlap_rule == "mix" else None,
-                                      defer_round_end=fed is not None)
+                                      defer_round_end=fed is not None, device=self.device)
         # sources carry state of their own between rounds (moved with the source)
         self.per_source = self.strategy.source_embeddings or self.body_per_source
         # (step, ids): the parameters a checkpoint load of that step read from group-free keys

@@ -61,7 +61,7 @@ the model's weights; without them it works on the parameters themselves (fp32 we
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -132,7 +132,6 @@ class PendingSync:
     launch: Optional[torch.Tensor]  # θ at launch (θ_local, or θ_eager; for the correction)
     part: Optional[int] = None  # the part of the chunk (FlatSync.use_parts), None: all of it
     own: Optional[torch.Tensor] = None  # eager start: this group's own Δ (fp32, before quantising)
-    launched_at: float = field(default_factory=time.perf_counter)
 
 
 class FlatSync:

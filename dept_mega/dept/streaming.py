@@ -44,16 +44,19 @@ Timing (the ``outer`` record): ``exposed_seconds`` = time the training loop spen
 the sync (launching, waiting, the outer step, the re-gather and the writes); ``overlap_seconds``
 = for each applied overlapped sync, the time from its launch until its exchange was seen
 complete (``is_completed()``, polled after every inner step) or until the wait began,
-whichever came first: the part of the exchange hidden behind compute.
+whichever came first: the part of the exchange hidden behind compute. Both are measured with
+``profiling.PhaseTimer`` on the schedule's device: on CUDA, events on the current stream,
+i.e. GPU time (NCCL's ``wait()`` does not block the host, so host time would only count the
+queuing), resolved by :meth:`OuterSchedule.take_times` at the round end; elsewhere wall clock.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from ..profiling import PhaseTimer
 from .outer import FlatSync, PendingSync
 
 
@@ -70,7 +73,7 @@ class _Pending:
     unit: SyncUnit
     pending: PendingSync
     due: int  # inner step after which it is applied
-    done_at: Optional[float] = None
+    hidden: Optional[PhaseTimer] = None  # from the launch; stopped when seen complete or at the wait
 
 
 def fragment_of(name: str, fragments: int, num_layers: int) -> int:
@@ -116,8 +119,10 @@ def sync_units(body_syncs: Sequence[FlatSync], embedding_syncs: Sequence[FlatSyn
 
 class OuterSchedule:
     def __init__(self, units: Sequence[SyncUnit], local_steps: int, delay: int, total_steps: int,
-                 eager: bool = False, mix: Optional[float] = None, defer_round_end: bool = False) -> None:
+                 eager: bool = False, mix: Optional[float] = None, defer_round_end: bool = False,
+                 device: torch.device | str = "cpu") -> None:
         self.units = list(units)
+        self.device = torch.device(device)  # where the timing runs (PhaseTimer)
         # federation (dept/federation.py): an overlapped round-end launch waits for the next
         # round start's quorum (launch_deferred), so that it runs on that quorum's process group
         self.defer_round_end = bool(defer_round_end) and delay > 0
@@ -134,8 +139,8 @@ class OuterSchedule:
                 u.sync.enable_eager()
         self.pending: list[_Pending] = []
         self.synced_at: dict[int, int] = {}  # unit index -> the step of its last blocking sync
-        self.exposed = 0.0
-        self.overlap = 0.0
+        self.exposed: list[PhaseTimer] = []  # stopped timers, resolved by take_times
+        self.overlap: list[PhaseTimer] = []
 
     @property
     def idle(self) -> bool:
@@ -155,28 +160,29 @@ class OuterSchedule:
         return [u.sync for u in self.units if fresh.pop(id(u.sync), False)]
 
     def take_times(self) -> tuple[float, float]:
-        """(overlap_seconds, exposed_seconds) since the last call."""
-        out = (self.overlap, self.exposed)
-        self.overlap = self.exposed = 0.0
+        """(overlap_seconds, exposed_seconds) since the last call. On CUDA this waits for the
+        last timed phase's end event (call it where the host waits anyway: the round end)."""
+        out = (sum(t.seconds() for t in self.overlap), sum(t.seconds() for t in self.exposed))
+        self.overlap, self.exposed = [], []
         return out
 
     def _launch(self, unit: SyncUnit, step: int, blocking: bool) -> None:
-        t0 = time.perf_counter()
+        timer = PhaseTimer(self.device)
         if blocking:
             unit.sync.sync(part=unit.part)
             self.synced_at[self.units.index(unit)] = step
         else:
             p = unit.sync.launch(keep_launch=self.mix is None, part=unit.part, eager=self.eager)
             if p is not None:
-                self.pending.append(_Pending(unit, p, step + self.delay))
-        self.exposed += time.perf_counter() - t0
+                self.pending.append(_Pending(unit, p, step + self.delay, PhaseTimer(self.device)))
+        self.exposed.append(timer.stop())
 
     def _apply(self, item: _Pending) -> None:
-        t0 = time.perf_counter()
-        hidden_until = item.done_at if item.done_at is not None else t0
-        self.overlap += max(0.0, min(hidden_until, t0) - item.pending.launched_at)
+        timer = PhaseTimer(self.device)
+        if item.hidden is not None:
+            self.overlap.append(item.hidden if item.hidden.stopped else item.hidden.stop())
         item.unit.sync.finish(item.pending, correct=self.mix is None, mix=self.mix)
-        self.exposed += time.perf_counter() - t0
+        self.exposed.append(timer.stop())
 
     def before_step(self, step: int) -> None:
         into = step % self.L
@@ -187,10 +193,10 @@ class OuterSchedule:
                 self._launch(u, step, blocking=self.delay == 0)
 
     def after_step(self, step: int) -> None:
-        now = time.perf_counter()
         for item in self.pending:
-            if item.done_at is None and item.pending.work is not None and item.pending.work.is_completed():
-                item.done_at = now
+            if (item.hidden is not None and not item.hidden.stopped and item.pending.work is not None
+                    and item.pending.work.is_completed()):
+                item.hidden.stop()
         due = [item for item in self.pending if item.due <= step]
         self.pending = [item for item in self.pending if item.due > step]
         for item in due:

@@ -58,10 +58,14 @@ def _cast(t, scale, dtype, pad=0, rowwise=True, colwise=False, gelu=False):
     """``_cast_math`` compiled on CUDA. ``gelu``: the GELU runs eagerly, then the compiled cast:
     traced into one graph with the cast, inductor drops the GELU's rounding to ``t``'s dtype (its
     ``emulate_precision_casts`` is off) and casts the unrounded values, other bytes than the
-    unfused path's (seen with inductor on the CPU: 7727 of 524,288 bytes)."""
+    unfused path's (seen with inductor on the CPU: 7727 of 524,288 bytes).
+
+    ``t`` goes in detached: the cast is never differentiated (the FP8 linear is an autograd
+    ``Function``), and a tensor that requires grad, or a view (``x.reshape``), would be guarded
+    on and compiled as graphs of its own."""
     if gelu:
         t = F.gelu(t)
-    return _CAST.on(t.device)(t, scale, dtype, pad, rowwise, colwise)
+    return _CAST.on(t.device)(t.detach(), scale, dtype, pad, rowwise, colwise)
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
