@@ -28,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """What collection leaves (torch, the project, every test module and item) moves to the
+    collector's permanent generation: the full collections during the tests then skip it instead
+    of walking it each time (~3% of a worker's CPU). Later objects are collected as before."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def dp2_reference(tmp_path_factory):
     """The uninterrupted run that tests/test_restart.py's restarted job and tests/test_preemption.py's
