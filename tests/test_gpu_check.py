@@ -16,6 +16,7 @@ import pytest
 from tests.trainer_utils import ROOT
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+STAGES_FILE = os.path.join(ROOT, "benchmarks", "gpu_check_stages.sh")  # its stage_NAME functions, sourced
 FILES = {"summary.md", "gpu_check.log", "build.log", "ops_bench.json", "bench.jsonl", "kernels.txt", "memory.json",
          "vs_megatron.json"}
 STAGES = ("env", "tests", "ops_tests", "bf16", "fp8", "fp8_prev", "fp8_all_fused", "fp8_tuned", "fp8_cuda", "fp8_lt", "fp8_fused", "fp8_lt_fused", "fp8_tlt_fused", "fp8_host", "fp8_casts", "attention", "fp8_fast_accum", "fp8_compile_triton", "compile", "fp8_compile", "ops", "torchao",
@@ -255,10 +256,11 @@ def test_a_missing_megatron_wheel_is_warned_at_the_start(tmp_path):
 def test_compiled_stages_listed_for_the_fork_servers_compiler():
     """The dry run's fork server imports inductor's compiler only when a stage in COMPILED_STAGES
     runs: every stage that runs compiled_bench is listed there (one missing would import it in its
-    own command, ~2 s more of the dry run)."""
-    text = open(SCRIPT).read()
-    listed = re.search(r"^COMPILED_STAGES=\(([^)]*)\)", text, re.MULTILINE)
+    own command, ~2 s more of the dry run). The list is gpu_check.sh's, the stage functions
+    gpu_check_stages.sh's."""
+    listed = re.search(r"^COMPILED_STAGES=\(([^)]*)\)", open(SCRIPT).read(), re.MULTILINE)
     assert listed, "COMPILED_STAGES=(...) not found in benchmarks/gpu_check.sh"
+    text = open(STAGES_FILE).read()
     # each stage function's text: from its line to the next line that starts a definition or a section
     starts = [m for m in re.finditer(r"^stage_(\w+)\(\) \{", text, re.MULTILINE)]
     compiled = set()
@@ -267,6 +269,14 @@ def test_compiled_stages_listed_for_the_fork_servers_compiler():
         if "compiled_bench" in text[m.end():end.start() if end else len(text)]:
             compiled.add(m.group(1))
     assert len(compiled) >= 5 and set(listed.group(1).split()) == compiled, (listed.group(1), compiled)
+
+
+def test_the_stages_file_is_not_run_on_its_own():
+    """gpu_check_stages.sh is sourced by gpu_check.sh: run by itself it stops at its first command
+    with an error, defining and running nothing."""
+    res = subprocess.run(["bash", STAGES_FILE], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "is sourced by benchmarks/gpu_check.sh, not run on its own" in res.stderr, res
+    assert not os.access(STAGES_FILE, os.X_OK)  # not executable either
 
 
 def _stage_lines(log: str) -> list[tuple[str, str]]:
