@@ -106,3 +106,54 @@ def test_the_loop_logs_and_exports_every_outer_sync(tmp_path, monkeypatch):
         assert {(t, v) for t, v, s in tb if s == r["step"] and t.startswith("outer/")} == set(want.items())
         logged = [c[1] for c in wandb.calls if c[0] == "log" and c[2] == r["step"] and "outer/seconds" in c[1]]
         assert logged == [want]
+
+
+def test_outer_times_on_cuda_are_the_device_timers_not_the_host_clock(monkeypatch):
+    """On CUDA + NCCL ``wait()`` does not block the host: the sync's launch, wait and outer step
+    only queue work, so the host clock sees none of it. ``OuterSchedule`` times its phases with
+    ``PhaseTimer`` on its device (CUDA events there), resolved at ``take_times``. Here a fake
+    CUDA timer reports 1 s per phase while the host clock stands still: F = 2 fragments, τ = 1,
+    one round of L = 4 steps; every launch and every apply is 1 s of exposed time, and each
+    overlapped sync 1 s of overlap (its exchange seen complete after the next step)."""
+    import time
+    from types import SimpleNamespace
+
+    from dept_mega.dept import streaming
+    from dept_mega.dept.streaming import OuterSchedule, SyncUnit
+
+    class FakeCudaTimer:
+        def __init__(self, device):
+            assert torch.device(device).type == "cuda"
+            self.stopped = False
+
+        def stop(self):
+            self.stopped = True
+            return self
+
+        def seconds(self):
+            assert self.stopped
+            return 1.0
+
+    monkeypatch.setattr(streaming, "PhaseTimer", FakeCudaTimer, raising=False)
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
+
+    class Sync:  # FlatSync's interface; the work completes at once (seen after the next step)
+        def launch(self, **kw):
+            return SimpleNamespace(work=SimpleNamespace(is_completed=lambda: True))
+
+        def finish(self, pending, **kw):
+            return 0.0
+
+        def sync(self, part=None):
+            pass
+
+    sched = OuterSchedule([SyncUnit(Sync(), 2, "body0"), SyncUnit(Sync(), 4, "body1")], local_steps=4,
+                          delay=1, total_steps=8, device="cuda")
+    for s in range(4):
+        sched.before_step(s)
+        sched.after_step(s + 1)
+    sched.round_end(4)
+    # body0 launched before step 2, applied after step 3; body1 launched at the round end
+    assert sched.take_times() == (1.0, 3.0)
+    sched.after_step(5)  # body1 applied
+    assert sched.take_times() == (1.0, 1.0) and sched.take_times() == (0.0, 0.0)
