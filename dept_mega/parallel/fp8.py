@@ -70,6 +70,7 @@ import torch
 
 from . import fp8_casts, fp8_gemm, fp8_kernels
 from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
+from .fp8_contexts import _host_contexts
 from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, direct_op, resolve_gemm
 from .fp8_math import _MIN_AMAX, _cast, _cast_math, _scaled_mm  # noqa: F401  (_cast_math: re-exported)
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
@@ -437,31 +438,6 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
     finally:
         for state in opened:
             state.end_step()
-
-
-def _host_contexts(name: str, device_type: str) -> Optional[contextlib.ExitStack]:
-    """The contexts the FP8 linear's forward or backward runs inside, entered (the caller closes
-    the stack), or None (the usual case) where there are none, so that nothing is entered at
-    all (even a ``nullcontext`` costs two Python calls, entered and left four times per linear
-    call):
-
-    * outside autocast: the FP8 math runs with ``torch.autocast(enabled=False)`` where autocast
-      is on for ``device_type`` (the trainer uses none; entering an autocast context costs ~4 µs
-      of host time per call even when it changes nothing);
-    * a named range ``name`` in a ``torch.profiler`` trace (``train.profile``) while a profiler
-      runs, so that the host tables of ``benchmarks/kernel_breakdown.py`` show the Python time
-      of this path by name (a ``record_function`` costs ~6 µs of host time even without a
-      profiler; the check ~0.04 µs)."""
-    profiling = torch._C._autograd._profiler_enabled()
-    autocast = torch.is_autocast_enabled(device_type)
-    if not (profiling or autocast):
-        return None
-    stack = contextlib.ExitStack()
-    if profiling:
-        stack.enter_context(torch.profiler.record_function(name))
-    if autocast:
-        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-    return stack
 
 
 class _Fp8Linear(torch.autograd.Function):
