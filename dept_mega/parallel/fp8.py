@@ -28,7 +28,8 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   step's entry (so an entry is the largest over the step's micro-batches). An operand's first
   training step (no history yet) uses current scaling; non-finite amaxes (a step with inf/NaN
   values) are left out of the window, and an operand with no positive amax left keeps its
-  previous scale. Evaluations and calls outside a training step use current scaling and leave
+  previous scale; a step the trainer skips (non-finite loss or norm) is discarded whole
+  (``Fp8State.discard_step``: its finite amaxes would set the window's scales). Evaluations and calls outside a training step use current scaling and leave
   the history alone. Because the scales do not change within a step, a recomputed forward casts
   exactly as the original one did (nothing to save or restore). The bookkeeping lives in
   :class:`Fp8State`, one per model: the histories of all layers are one buffer, every scale of a
@@ -189,6 +190,20 @@ class Fp8State:
                 torch.maximum(torch.cat([layer.amax for layer in self.layers]),
                               torch.cat([layer.grad_amax for layer in self.layers]), out=self.history[self.pos])
         self.mode, self._record = None, False
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """Forget the training step just closed (the trainer skipped it: non-finite loss or
+        gradient norm): its history row is zeroed and the ring rewound, and operands first
+        recorded in it are not ready, so the next step scales as if it had not run (a
+        diverging step's huge finite amaxes would otherwise set the scales for the window)."""
+        if self.mode is not None:
+            raise RuntimeError("Fp8State.discard_step: a step is open (discard after it closed)")
+        for layer in self.layers:
+            layer.recorded_fwd = layer.recorded_grad = False
+        if self.history is not None and self.delayed:
+            self.history[self.pos].zero_()
+            self.pos = (self.pos - 1) % self.history.shape[0]
 
     def recorded_columns(self) -> set[int]:
         """The columns with an amax recorded so far (earlier training steps and the open one)."""
@@ -438,6 +453,13 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
     finally:
         for state in opened:
             state.end_step()
+
+
+def fp8_discard_step(modules: Iterable[torch.nn.Module]) -> None:
+    """The training step just closed was skipped: :meth:`Fp8State.discard_step` on the FP8
+    states of ``modules`` (the trainer calls it on every rank alike)."""
+    for state in _states(modules):
+        state.discard_step()
 
 
 class _Fp8Linear(torch.autograd.Function):
