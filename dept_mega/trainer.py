@@ -36,7 +36,7 @@ from .distributed_optimizer import build_optimizer
 from .optim import counted_once, lr_at, norm_of, set_lr
 from .optimizer import InnerOptimizer, keep_masters_on_load, main_param, refresh_model_params, to_model_dtype
 from .optimizer import unique_params as _unique
-from .parallel.fp8 import fp8_weight_cache
+from .parallel.fp8 import fp8_discard_step, fp8_weight_cache
 from .parallel.groups import ParallelGroups
 from .parallel.pipeline import PipeChannels, ScheduleSpec, check_microbatches, run_forward_backward, \
     run_forward_only
@@ -325,6 +325,7 @@ class Trainer:
         lr = self.set_lr()
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
+            fp8_discard_step(self.stages)  # delayed FP8 scaling: the step's amaxes leave the history
             self.nonfinite_total += 1
             self.nonfinite_in_a_row += 1
         else:

@@ -88,6 +88,66 @@ def test_quantize_saturates_and_delayed_scaling_uses_the_history():
     assert torch.allclose(state.history[:2, INPUT], torch.tensor([100.0, 1e-4]))  # one row per step
 
 
+def _delayed_step(state, layer, w, x, discard=False):
+    state.begin_step()
+    fp8_linear(x.clone().requires_grad_(), w, layer).float().sum().backward()
+    state.end_step()
+    if discard:
+        state.discard_step()
+
+
+def test_a_discarded_step_leaves_the_delayed_scaling_state_as_if_it_had_not_run():
+    """A step the trainer skips (non-finite loss or gradient norm) usually blew up first: its
+    finite amaxes (here inputs ×1e6) would set the scales of the next ``fp8_amax_history``
+    steps (every normal-sized operand then flushes to zero). Discarded, the state (history,
+    ring position, scales) is that of the run without the step; a discarded first step leaves
+    no operand ready (the next step current-scales, as a first step does)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 32, generator=g) for _ in range(4)]
+    w = (torch.randn(32, 32, generator=g) * 0.1).requires_grad_()
+    states = [Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=3), "cpu") for _ in range(2)]
+    layers = [s.new_layer() for s in states]
+    for i, x in enumerate(xs):
+        if i == 2:  # only the first state sees the diverging step, and discards it
+            _delayed_step(states[0], layers[0], w, x * 1e6, discard=True)
+        for s, layer in zip(states, layers):
+            _delayed_step(s, layer, w, x)
+        a, b = states
+        assert a.pos == b.pos and torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), i
+    for s in states:
+        s.begin_step()
+    assert torch.equal(states[0].scale, states[1].scale) and layers[0].ready == (True, True, True)
+    for s in states:
+        s.end_step()
+    first = Fp8State(Fp8Recipe("hybrid", "delayed", amax_history=3), "cpu")
+    layer = first.new_layer()
+    _delayed_step(first, layer, w, xs[0] * 1e6, discard=True)
+    first.begin_step()
+    assert layer.ready == (False, False, False) and not first.history.any()
+    y = fp8_linear(xs[1], w, layer)  # current scaling: within e4m3's error, not flushed to zero
+    first.end_step()
+    assert rel_err(y.float(), xs[1] @ w.detach().t()) < FWD_BOUND
+
+
+def test_the_trainer_discards_a_skipped_steps_amaxes(monkeypatch):
+    """Three delayed-scaling steps, the second skipped (its gradient norm made NaN): the
+    history holds the two steps that ran, in consecutive rows."""
+    from dept_mega.trainer import Trainer
+    cfg = _fp8_cfg(fp8_recipe="delayed")
+    trainer = Trainer(cfg, build_groups(), torch.device("cpu"), vocab_size=cfg.model.vocab_size)
+    real, calls = trainer._grad_norm_tensor, []
+
+    def norm(params):
+        calls.append(1)
+        return real(params) * (float("nan") if len(calls) == 2 else 1.0)
+    monkeypatch.setattr(trainer, "_grad_norm_tensor", norm)
+    skipped = [trainer.train_step(dp_micro_batches(cfg, global_batch(cfg, i), 0, 1)).skipped for i in range(3)]
+    assert skipped == [False, True, False]
+    (state,) = {id(m.fp8_layer.state): m.fp8_layer.state for st in trainer.stages for m in st.modules()
+                if getattr(m, "fp8_layer", None) is not None}.values()
+    assert state.pos == 1 and (state.history[:2] > 0).all() and not state.history[2:].any()
+
+
 def _fp8_cfg(**over):
     over = {"precision": "bf16", "fp8": "hybrid", "fp8_recipe": "current", **over}
     return tiny_config(over)

@@ -28,7 +28,8 @@ without TE); ``layer`` is the linear layer's :class:`Fp8Layer` of the model's :c
   step's entry (so an entry is the largest over the step's micro-batches). An operand's first
   training step (no history yet) uses current scaling; non-finite amaxes (a step with inf/NaN
   values) are left out of the window, and an operand with no positive amax left keeps its
-  previous scale. Evaluations and calls outside a training step use current scaling and leave
+  previous scale; a step the trainer skips (non-finite loss or norm) is discarded whole
+  (``Fp8State.discard_step``: its finite amaxes would set the window's scales). Evaluations and calls outside a training step use current scaling and leave
   the history alone. Because the scales do not change within a step, a recomputed forward casts
   exactly as the original one did (nothing to save or restore). The bookkeeping lives in
   :class:`Fp8State`, one per model: the histories of all layers are one buffer, every scale of a
@@ -70,6 +71,7 @@ import torch
 
 from . import fp8_casts, fp8_gemm, fp8_kernels
 from .fp8_casts import default_cast_kernels, resolve_cast_kernels  # noqa: F401  (re-exported)
+from .fp8_contexts import _host_contexts
 from .fp8_gemm import ALIGN as _ALIGN, PTR_ALIGN as _PTR_ALIGN, accumulate_wgrad, direct_op, resolve_gemm
 from .fp8_math import _MIN_AMAX, _cast, _cast_math, _scaled_mm  # noqa: F401  (_cast_math: re-exported)
 from .fp8_recipe import E4M3, E5M2, FP8_MAX, Fp8Recipe  # noqa: F401  (E5M2: re-exported)
@@ -188,6 +190,20 @@ class Fp8State:
                 torch.maximum(torch.cat([layer.amax for layer in self.layers]),
                               torch.cat([layer.grad_amax for layer in self.layers]), out=self.history[self.pos])
         self.mode, self._record = None, False
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """Forget the training step just closed (the trainer skipped it: non-finite loss or
+        gradient norm): its history row is zeroed and the ring rewound, and operands first
+        recorded in it are not ready, so the next step scales as if it had not run (a
+        diverging step's huge finite amaxes would otherwise set the scales for the window)."""
+        if self.mode is not None:
+            raise RuntimeError("Fp8State.discard_step: a step is open (discard after it closed)")
+        for layer in self.layers:
+            layer.recorded_fwd = layer.recorded_grad = False
+        if self.history is not None and self.delayed:
+            self.history[self.pos].zero_()
+            self.pos = (self.pos - 1) % self.history.shape[0]
 
     def recorded_columns(self) -> set[int]:
         """The columns with an amax recorded so far (earlier training steps and the open one)."""
@@ -439,29 +455,11 @@ def fp8_weight_cache(modules: Iterable[torch.nn.Module], train: bool = True) -> 
             state.end_step()
 
 
-def _host_contexts(name: str, device_type: str) -> Optional[contextlib.ExitStack]:
-    """The contexts the FP8 linear's forward or backward runs inside, entered (the caller closes
-    the stack), or None (the usual case) where there are none, so that nothing is entered at
-    all (even a ``nullcontext`` costs two Python calls, entered and left four times per linear
-    call):
-
-    * outside autocast: the FP8 math runs with ``torch.autocast(enabled=False)`` where autocast
-      is on for ``device_type`` (the trainer uses none; entering an autocast context costs ~4 µs
-      of host time per call even when it changes nothing);
-    * a named range ``name`` in a ``torch.profiler`` trace (``train.profile``) while a profiler
-      runs, so that the host tables of ``benchmarks/kernel_breakdown.py`` show the Python time
-      of this path by name (a ``record_function`` costs ~6 µs of host time even without a
-      profiler; the check ~0.04 µs)."""
-    profiling = torch._C._autograd._profiler_enabled()
-    autocast = torch.is_autocast_enabled(device_type)
-    if not (profiling or autocast):
-        return None
-    stack = contextlib.ExitStack()
-    if profiling:
-        stack.enter_context(torch.profiler.record_function(name))
-    if autocast:
-        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-    return stack
+def fp8_discard_step(modules: Iterable[torch.nn.Module]) -> None:
+    """The training step just closed was skipped: :meth:`Fp8State.discard_step` on the FP8
+    states of ``modules`` (the trainer calls it on every rank alike)."""
+    for state in _states(modules):
+        state.discard_step()
 
 
 class _Fp8Linear(torch.autograd.Function):
