@@ -62,8 +62,8 @@ def test_paper_12_block_model_table2():
     """12 blocks, d 768 (paper Table 2): embedding 192M, total 278M; per step STD 278M,
     GLOB 0.56M, TRIM 0.5M, SPEC 0.17M; SPEC-OPT embedding 38.6M, model 125M (0.45×).
 
-    The paper gives no mean |V_k| for this model; TRIM uses the 1B runs' 216,135 (the same
-    MC4 sources and global tokenizer), which lands on 0.502M.
+    The paper gives no mean |V_k| for either model; TRIM uses 216,135, an assumed value (no
+    data is measured here) with which this figure lands on the paper's 0.5M (0.502M).
     """
     cfg = paper_cfg(12, 768, 12)
     c = predict_costs(cfg, GLOBAL_V, [SPEC_OPT_V], [TRIM_V])
