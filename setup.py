@@ -33,7 +33,8 @@ from setuptools import setup
 EXT_NAME = "dept_mega.ops._C"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = os.path.join(HERE, "build", "dept_mega_ops_build.log")
-CPU_SOURCES = ["csrc/registration.cpp", "csrc/cpu/ops_cpu.cpp", "csrc/cpu/dgelu_cast_cpu.cpp"]
+# registration.cpp, cpu/ops_cpu.cpp and cpu/dgelu_cast_cpu.cpp as one translation unit (why: its header)
+CPU_SOURCES = ["csrc/cpu_extension.cpp"]
 CUDA_SOURCES = ["csrc/cuda/ops_cuda.cpp", "csrc/cuda/kernels.cu", "csrc/cuda/remap_ranked.cu",
                 "csrc/cuda/fp8_cast.cu", "csrc/cuda/layernorm_cast.cu", "csrc/cuda/dgelu_cast.cu"]
 LT_SOURCE = "csrc/cuda/fp8_gemm_lt.cpp"  # built when cuBLASLt's headers are found (cublaslt_plan)
