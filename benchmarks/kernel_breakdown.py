@@ -31,7 +31,8 @@ import sys
 from collections import defaultdict
 
 from kernel_launchers import attribute, cell, summary_line
-from step_timeline import GPU_CATS, analyse, is_step, render as render_steps, short, timeline
+from step_timeline import (GPU_CATS, Ev, active_after, analyse, gaps_in, is_step, render as render_steps, short,
+                           timeline, union)
 
 KINDS = (
     ("nccl", ("nccl",)),
@@ -50,21 +51,15 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def inside_and_after(gpu: list[tuple[float, float]], steps: list[tuple[float, float]]) -> tuple[float, float]:
-    """GPU-active time (the union of the ``gpu`` intervals) inside the ``steps``' ranges, and after
-    each step's end up to the next step's start (after the last one: to the trace's end)."""
-    merged: list[list[float]] = []
-    for a, b in sorted(gpu):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+def inside_and_after(gpu: list[Ev], steps: list[tuple[float, float]]) -> tuple[float, float]:
+    """GPU-active time (the union of the ``gpu`` events, step_timeline's) inside the ``steps``'
+    ranges, and after each step's end up to the next step's start (after the last one: to the
+    trace's end)."""
+    merged = union(gpu)
     inside = after = 0.0
     for k, (a, b) in enumerate(steps):
-        nxt = steps[k + 1][0] if k + 1 < len(steps) else float("inf")
-        for s, e in merged:
-            inside += max(0.0, min(e, b) - max(s, a))
-            after += max(0.0, min(e, nxt) - max(s, b))
+        inside += gaps_in(merged, a, b)[0]
+        after += active_after(merged, b, steps[k + 1][0] if k + 1 < len(steps) else float("inf"))
     return inside, after
 
 
@@ -81,7 +76,8 @@ def breakdown(trace: dict, category: str = "kernel") -> dict:
         if e.get("ph") != "X":
             continue
         if e.get("cat") in GPU_CATS:
-            gpu.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+            ts = float(e["ts"])
+            gpu.append(Ev(str(e.get("name", "")), e["cat"], None, ts, ts + float(e.get("dur", 0.0)), None))
         if e.get("cat") == category:
             d = float(e.get("dur", 0.0))
             by_name[e["name"]][0] += d

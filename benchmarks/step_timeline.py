@@ -142,6 +142,12 @@ def gaps_in(merged: list[list], a: float, b: float) -> tuple[float, list[tuple]]
     return active, gaps
 
 
+def active_after(merged: list[list], b: float, until: float) -> float:
+    """GPU-active time in [b, until): a step's work that ran after its host range closed at ``b``
+    (the optimizer's kernels, launched at its end without a wait), up to the next step's start."""
+    return sum(min(e, until) - max(s, b) for s, e, _, _ in merged if e > b and s < until)
+
+
 def stacks_at(evs: list[Ev], times: list[float]) -> dict:
     """For each time, the host ranges of one thread (``evs`` as ``nest`` sorted them) open then,
     earliest-started (outermost) first: one sweep over the thread's events."""
@@ -273,7 +279,7 @@ def analyse(trace, gap_us: float = 20.0, top_gaps: int = 8, top: int = 20, tl: T
             by_op[r["op_at_start"]][0] += 1
             by_op[r["op_at_start"]][1] += r["us"]
         end_next = steps[k + 1].ts if k + 1 < len(steps) else float("inf")
-        after = sum(min(e, end_next) - max(s, b) for s, e, _, _ in merged if e > b and s < end_next)
+        after = active_after(merged, b, end_next)
         out.append({
             "step": step.name, "span_us": b - a, "gpu_events": sum(1 for ev in gpu if ev.end > a and ev.ts < b),
             "gpu_streams": len({ev.tid for ev in gpu if ev.end > a and ev.ts < b}),
