@@ -55,7 +55,7 @@ from dept_mega.metrics import MFU_BASIS, device_peak_flops, make_record, train_f
 from dept_mega.model import describe_backends  # noqa: E402
 from dept_mega.parallel.fp8_gemm import describe_tuning, tuning_log  # noqa: E402
 from dept_mega.parallel.groups import build_groups, init_distributed  # noqa: E402
-from dept_mega.profiling import StepProfiler  # noqa: E402
+from dept_mega.profiling import PhaseTimer, StepProfiler  # noqa: E402
 from dept_mega.trainer import MicroBatch, Trainer  # noqa: E402
 
 
@@ -140,20 +140,21 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.barrier()
     graphs0 = _compiled_graphs()
-    # each timed step's boundaries: CUDA events on the stream (no wait: the steps queue as untimed
-    # ones do), wall clock on the CPU
-    marks = [_mark(device)]
+    # each timed step's time: a PhaseTimer (CUDA events on the stream, no wait: the steps queue as
+    # untimed ones do; wall clock on the CPU), read after the synchronize below
+    timers = []
     results = []
     t0 = time.perf_counter()
     for s in range(args.steps):
+        timers.append(PhaseTimer(device))
         results.append(step(args.warmup + s))
-        marks.append(_mark(device))
+        timers[-1].stop()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
     seconds = time.perf_counter() - t0
-    step_ms_all = [_ms_between(a, b) for a, b in zip(marks, marks[1:])]
+    step_ms_all = [t.seconds() * 1e3 for t in timers]
     # timed steps that skipped the optimizer (a non-finite loss or gradient norm), the most of any
     # rank (each source group has its own loss): faster than a training step, so not a speed
     skipped = torch.tensor([sum(r.skipped for r in results)], device=device if device.type == "cuda" else "cpu")
@@ -215,19 +216,6 @@ def _compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far (dynamo's unique_graphs counter)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
-
-
-def _mark(device: torch.device):
-    """A step boundary: a CUDA event recorded on the current stream, else the wall clock."""
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _ms_between(a, b) -> float:
-    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
 
 
 if __name__ == "__main__":
